@@ -1,0 +1,49 @@
+/* The table of functions a backend fills, behind the opaque handle of
+ * backend.h.  Only kernels/ includes this. */
+#ifndef KERNELS_BACKEND_IMPL_H
+#define KERNELS_BACKEND_IMPL_H
+
+#include "backend.h"
+
+struct backend_i {
+    const char *(*name)(const backend *b);
+    void (*free)(backend *b);
+    int is_gpu;
+    void *(*alloc)(backend *b, size_t bytes);
+    void (*dealloc)(backend *b, void *p);
+    int (*mem_info)(backend *b, size_t *bytes_free, size_t *bytes_total);
+    int (*upload)(backend *b, void *dst, const void *src, size_t bytes);
+    int (*download)(backend *b, void *dst, const void *src, size_t bytes);
+    int (*copy)(backend *b, void *dst, const void *src, size_t bytes);
+    int (*sync)(backend *b);
+    int (*weight_load)(backend *b, struct backend_weight *out, enum dtype type, const void *host,
+                       int64_t rows, int64_t cols);
+    void (*weight_free)(backend *b, struct backend_weight *w);
+    int (*embed)(backend *b, float *out, const struct backend_weight *w, const int32_t *ids, int32_t n);
+    int (*rmsnorm)(backend *b, float *out, const float *x, const float *w, int32_t n, int32_t dim, float eps);
+    int (*add_rmsnorm)(backend *b, float *x, const float *delta, float *out, const float *w,
+                       int32_t n, int32_t dim, float eps);
+    int (*add)(backend *b, float *x, const float *y, int64_t n);
+    int (*matmul)(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n);
+    int (*rope)(backend *b, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox);
+    int (*swiglu)(backend *b, float *out, const float *gate, const float *up, int64_t n);
+    int (*get_rows)(backend *b, float *out, const float *x, const int32_t *idx, int32_t n, int32_t dim);
+    int (*kv_write)(backend *b, struct backend_kv *kv, const float *k, const float *v,
+                    const int32_t *slots, int32_t n);
+    int (*attention)(backend *b, float *out, const float *q, const struct backend_kv *kv,
+                     const struct backend_attn_batch *batch, int32_t n_heads, float scale);
+    int (*convert)(backend *b, void *dst, enum dtype dst_type, const void *src,
+                   enum dtype src_type, int64_t n);
+};
+
+/* Every backend struct starts with this header. */
+struct backend {
+    const struct backend_i *i;
+    char errstr[256];
+};
+
+/* Record a failure in b->errstr and return code. */
+int backend_fail(backend *b, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+#endif

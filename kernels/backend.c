@@ -1,0 +1,138 @@
+/* Dispatch from the public backend functions to a backend's table, with
+ * the argument checks every backend shares. */
+#include "backend.h"
+#include "backend-impl.h"
+#include "../common/status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+int backend_fail(backend *b, int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->errstr, sizeof b->errstr, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void backend_free(backend *b) {
+    if (b) b->i->free(b);
+}
+const char *backend_name(const backend *b) { return b->i->name(b); }
+const char *backend_errstr(const backend *b) { return b->errstr; }
+int backend_is_gpu(const backend *b) { return b->i->is_gpu; }
+
+void *backend_alloc(backend *b, size_t bytes) { return b->i->alloc(b, bytes ? bytes : 1); }
+void backend_dealloc(backend *b, void *p) {
+    if (p) b->i->dealloc(b, p);
+}
+int backend_mem_info(backend *b, size_t *bytes_free, size_t *bytes_total) {
+    return b->i->mem_info(b, bytes_free, bytes_total);
+}
+int backend_upload(backend *b, void *dst, const void *src, size_t bytes) {
+    return bytes ? b->i->upload(b, dst, src, bytes) : STATUS_OK;
+}
+int backend_download(backend *b, void *dst, const void *src, size_t bytes) {
+    return b->i->download(b, dst, src, bytes);
+}
+int backend_copy(backend *b, void *dst, const void *src, size_t bytes) {
+    return bytes ? b->i->copy(b, dst, src, bytes) : STATUS_OK;
+}
+int backend_sync(backend *b) { return b->i->sync(b); }
+
+int backend_weight_load(backend *b, struct backend_weight *out, enum dtype type, const void *host,
+                        int64_t rows, int64_t cols) {
+    memset(out, 0, sizeof *out);
+    if (!dtype_valid(type))
+        return backend_fail(b, STATUS_UNSUPPORTED, "weight type %d is not supported", (int)type);
+    if (rows <= 0 || cols <= 0 || cols % dtype_block_elems(type) != 0)
+        return backend_fail(b, STATUS_BAD_INPUT, "weight %s [%lld x %lld]: bad shape",
+                            dtype_name(type), (long long)rows, (long long)cols);
+    return b->i->weight_load(b, out, type, host, rows, cols);
+}
+void backend_weight_free(backend *b, struct backend_weight *w) {
+    if (w->data) b->i->weight_free(b, w);
+    memset(w, 0, sizeof *w);
+}
+
+int backend_kv_init(backend *b, struct backend_kv *out, enum dtype type, int32_t n_blocks,
+                    int32_t block_size, int32_t n_kv_heads, int32_t head_dim) {
+    memset(out, 0, sizeof *out);
+    if (type != DTYPE_F32 && type != DTYPE_F16)
+        return backend_fail(b, STATUS_UNSUPPORTED, "KV cache type %s (F32 or F16 only)", dtype_name(type));
+    if (n_blocks <= 0 || block_size <= 0 || n_kv_heads <= 0 || head_dim <= 0)
+        return backend_fail(b, STATUS_BAD_INPUT, "KV cache shape %d blocks x %d x %d x %d", n_blocks,
+                            block_size, n_kv_heads, head_dim);
+    size_t bytes = (size_t)n_blocks * block_size * n_kv_heads * head_dim * dtype_block_bytes(type);
+    out->k = backend_alloc(b, bytes);
+    out->v = out->k ? backend_alloc(b, bytes) : NULL;
+    if (!out->v) {
+        backend_dealloc(b, out->k);
+        out->k = NULL;
+        return backend_fail(b, STATUS_NO_MEMORY, "KV cache: cannot allocate 2 x %zu bytes", bytes);
+    }
+    out->type = type;
+    out->n_blocks = n_blocks;
+    out->block_size = block_size;
+    out->n_kv_heads = n_kv_heads;
+    out->head_dim = head_dim;
+    return STATUS_OK;
+}
+void backend_kv_free(backend *b, struct backend_kv *kv) {
+    backend_dealloc(b, kv->k);
+    backend_dealloc(b, kv->v);
+    memset(kv, 0, sizeof *kv);
+}
+
+int backend_embed(backend *b, float *out, const struct backend_weight *w, const int32_t *ids, int32_t n) {
+    return n ? b->i->embed(b, out, w, ids, n) : STATUS_OK;
+}
+int backend_rmsnorm(backend *b, float *out, const float *x, const float *w, int32_t n, int32_t dim, float eps) {
+    return n ? b->i->rmsnorm(b, out, x, w, n, dim, eps) : STATUS_OK;
+}
+int backend_add_rmsnorm(backend *b, float *x, const float *delta, float *out, const float *w,
+                        int32_t n, int32_t dim, float eps) {
+    return n ? b->i->add_rmsnorm(b, x, delta, out, w, n, dim, eps) : STATUS_OK;
+}
+int backend_add(backend *b, float *x, const float *y, int64_t n) {
+    return n ? b->i->add(b, x, y, n) : STATUS_OK;
+}
+int backend_matmul(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n) {
+    return n ? b->i->matmul(b, out, w, x, n) : STATUS_OK;
+}
+int backend_rope(backend *b, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                 int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox) {
+    if (2 * n_freq > head_dim)
+        return backend_fail(b, STATUS_BAD_INPUT, "rope: %d frequencies for head_dim %d", n_freq, head_dim);
+    return n ? b->i->rope(b, x, pos, n, n_heads, head_dim, inv_freq, n_freq, neox) : STATUS_OK;
+}
+int backend_swiglu(backend *b, float *out, const float *gate, const float *up, int64_t n) {
+    return n ? b->i->swiglu(b, out, gate, up, n) : STATUS_OK;
+}
+int backend_get_rows(backend *b, float *out, const float *x, const int32_t *idx, int32_t n, int32_t dim) {
+    return n ? b->i->get_rows(b, out, x, idx, n, dim) : STATUS_OK;
+}
+int backend_kv_write(backend *b, struct backend_kv *kv, const float *k, const float *v,
+                     const int32_t *slots, int32_t n) {
+    return n ? b->i->kv_write(b, kv, k, v, slots, n) : STATUS_OK;
+}
+int backend_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
+                      const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    if (n_heads % kv->n_kv_heads != 0)
+        return backend_fail(b, STATUS_BAD_INPUT, "attention: %d heads over %d KV heads", n_heads,
+                            kv->n_kv_heads);
+    return batch->n_tokens ? b->i->attention(b, out, q, kv, batch, n_heads, scale) : STATUS_OK;
+}
+int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
+                    enum dtype src_type, int64_t n) {
+    return n ? b->i->convert(b, dst, dst_type, src, src_type, n) : STATUS_OK;
+}
+
+#ifndef LLM_HAVE_CUDA
+int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {
+    *out = NULL;
+    snprintf(err, errlen, "cuda:%d: this build has no CUDA backend (nvcc was not found at build time)", device);
+    return STATUS_UNSUPPORTED;
+}
+#endif

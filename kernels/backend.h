@@ -1,0 +1,118 @@
+/* The compute backend: one interface over the CPU reference (kernels/cpu)
+ * and the GPU (kernels/cuda).  The model code in worker/ calls only these
+ * functions, so the same forward pass runs on either.
+ *
+ * Memory: every pointer passed to an op is backend memory from backend_alloc
+ * (on the CPU backend that is host memory).  Activations are always F32,
+ * row-major [n_tokens, width].  Integer side arrays (token ids, positions,
+ * slots, block tables) are int32 in backend memory, filled with
+ * backend_upload.  Ops are queued in order on the backend's one stream;
+ * results are visible to the host after backend_sync (backend_download
+ * synchronizes itself). */
+#ifndef KERNELS_BACKEND_H
+#define KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/dtype.h"
+
+typedef struct backend backend;
+
+/* A weight matrix held by a backend.  Row r (an output feature) holds cols
+ * elements (input features) of `type`, rows stored one after the other. */
+struct backend_weight {
+    void *data;       /* backend memory, or (CPU) the caller's host memory */
+    enum dtype type;  /* as stored: the CUDA backend turns BF16 into F16 */
+    int64_t rows;     /* output features (GGUF ne[1]) */
+    int64_t cols;     /* input features (GGUF ne[0]) */
+    int owned;        /* 1 if backend_weight_free must release data */
+};
+
+/* One layer's paged KV cache.  k and v are each
+ * [n_blocks][n_kv_heads][block_size][head_dim] of `type` (F32 or F16). */
+struct backend_kv {
+    void *k, *v;
+    enum dtype type;
+    int32_t n_blocks, block_size, n_kv_heads, head_dim;
+};
+
+/* The sequences of one step, for attention.  Every pointer is backend
+ * memory; the host-side counts size the launch. */
+struct backend_attn_batch {
+    int32_t n_seqs;
+    int32_t n_tokens;            /* rows of q and out */
+    int32_t max_blocks;          /* columns of block_tables */
+    int32_t max_ctx;             /* max over sequences of pos0 + n_tokens_seq */
+    const int32_t *seq_tok0;     /* (n_seqs + 1) first row of each sequence; [n_seqs] = n_tokens */
+    const int32_t *seq_pos0;     /* (n_seqs) position of each sequence's first row */
+    const int32_t *block_tables; /* (n_seqs, max_blocks) block ids */
+};
+
+/* Creation.  Both return 0 and set *out, or a negative status with a message
+ * in err (then *out is NULL).  n_threads <= 0 means one per core. */
+int backend_cpu_init(backend **out, int n_threads, char *err, size_t errlen);
+/* device: CUDA device index.  Returns STATUS_UNSUPPORTED when built without
+ * CUDA and STATUS_UNAVAILABLE when there is no such GPU. */
+int backend_cuda_init(backend **out, int device, char *err, size_t errlen);
+void backend_free(backend *b);
+
+const char *backend_name(const backend *b);     /* "cpu", "cuda:0 (NVIDIA H100 ...)" */
+const char *backend_errstr(const backend *b);   /* details of the last failure */
+int backend_is_gpu(const backend *b);
+
+/* Memory.  backend_alloc returns NULL when out of memory (errstr says how
+ * much was asked).  Bytes free/total are the device's (host RAM on CPU). */
+void *backend_alloc(backend *b, size_t bytes);
+void backend_dealloc(backend *b, void *p);
+int backend_mem_info(backend *b, size_t *bytes_free, size_t *bytes_total);
+int backend_upload(backend *b, void *dst, const void *src, size_t bytes);   /* async on GPU; src must stay valid until the next sync */
+int backend_download(backend *b, void *dst, const void *src, size_t bytes); /* waits for the stream */
+int backend_copy(backend *b, void *dst, const void *src, size_t bytes);     /* backend to backend */
+int backend_sync(backend *b);
+
+/* Weights.  host points at rows*cols elements of `type` in host memory.  The
+ * CPU backend may keep a reference to host instead of copying (owned = 0):
+ * then host must outlive the weight.  Types: every dtype of common/dtype.h. */
+int backend_weight_load(backend *b, struct backend_weight *out, enum dtype type,
+                        const void *host, int64_t rows, int64_t cols);
+void backend_weight_free(backend *b, struct backend_weight *w);
+/* A KV cache for one layer, or NULL.  type F16 or F32. */
+int backend_kv_init(backend *b, struct backend_kv *out, enum dtype type, int32_t n_blocks,
+                    int32_t block_size, int32_t n_kv_heads, int32_t head_dim);
+void backend_kv_free(backend *b, struct backend_kv *kv);
+
+/* Ops.  Each returns 0 or a negative status; shapes in comments. */
+/* out[n, w.cols] = rows ids[n] of the embedding table w. */
+int backend_embed(backend *b, float *out, const struct backend_weight *w, const int32_t *ids, int32_t n);
+/* out[n, dim] = x / rms(x) * w[dim]. */
+int backend_rmsnorm(backend *b, float *out, const float *x, const float *w, int32_t n, int32_t dim, float eps);
+/* x[n, dim] += delta[n, dim]; then out = rmsnorm(x) * w. */
+int backend_add_rmsnorm(backend *b, float *x, const float *delta, float *out, const float *w,
+                        int32_t n, int32_t dim, float eps);
+/* x[i] += y[i], i < n. */
+int backend_add(backend *b, float *x, const float *y, int64_t n);
+/* out[n, w.rows] = x[n, w.cols] . w^T */
+int backend_matmul(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n);
+/* Rotate the first 2*n_freq dims of every head of x[n, n_heads*head_dim] by
+ * pos[t] * inv_freq[i].  neox = 1 pairs (i, i + n_freq), 0 pairs (2i, 2i+1). */
+int backend_rope(backend *b, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
+                 int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox);
+/* out[i] = silu(gate[i]) * up[i]. */
+int backend_swiglu(backend *b, float *out, const float *gate, const float *up, int64_t n);
+/* out[i, :] = x[idx[i], :], i < n, rows of dim floats. */
+int backend_get_rows(backend *b, float *out, const float *x, const int32_t *idx, int32_t n, int32_t dim);
+/* Write k, v [n, n_kv_heads*head_dim] into the cache at slots[n]
+ * (slot = block * block_size + offset). */
+int backend_kv_write(backend *b, struct backend_kv *kv, const float *k, const float *v,
+                     const int32_t *slots, int32_t n);
+/* Causal grouped-query attention over the paged cache (which must already
+ * hold this step's k, v).  q, out: [n_tokens, n_heads*head_dim].  Row t of
+ * sequence s at position p attends to positions 0..p of s. */
+int backend_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
+                      const struct backend_attn_batch *batch, int32_t n_heads, float scale);
+/* Element conversion between F32, F16 and BF16 buffers (stage transfers). */
+int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
+                    enum dtype src_type, int64_t n);
+
+#endif
