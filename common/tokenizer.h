@@ -1,0 +1,64 @@
+/* Tokenizers read from model files: SentencePiece-style BPE (GGUF "llama":
+ * scores, <0xNN> byte fallback, the U+2581 space prefix) and byte-level BPE
+ * (GGUF "gpt2" with merges, or a Hugging Face tokenizer.json) with the
+ * pre-tokenizer the file names; special and added tokens; BOS/EOS rules from
+ * metadata; incremental detokenization that never emits half a character. */
+#ifndef COMMON_TOKENIZER_H
+#define COMMON_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gguf.h"
+
+typedef struct tokenizer tokenizer;
+
+/* From GGUF metadata alone (works on vocab-only files of any architecture).
+ * Errors name the file and the key: an unknown tokenizer.ggml.model or
+ * tokenizer.ggml.pre is an error, not a fallback. */
+int tokenizer_from_gguf(tokenizer **out, const gguf_file *f, char *err, size_t errlen);
+/* From DIR/tokenizer.json (and DIR/tokenizer_config.json, DIR/config.json when
+ * present, for BOS/EOS and add_bos rules). */
+int tokenizer_from_hf(tokenizer **out, const char *dir, char *err, size_t errlen);
+/* PATH is a .gguf file or a Hugging Face directory. */
+int tokenizer_load(tokenizer **out, const char *path, char *err, size_t errlen);
+void tokenizer_free(tokenizer *t);
+
+int32_t tokenizer_n_vocab(const tokenizer *t);
+int32_t tokenizer_bos(const tokenizer *t); /* -1 if none */
+int32_t tokenizer_eos(const tokenizer *t); /* -1 if none */
+int tokenizer_adds_bos(const tokenizer *t); /* does encoding add BOS by default */
+/* End of generation: EOS, EOT and the other end tokens the metadata names. */
+int tokenizer_is_eog(const tokenizer *t, int32_t id);
+
+/* Encodes len bytes of text.  add_bos: -1 as the metadata says, 0 never,
+ * 1 always.  parse_special: 1 turns the text of special/added tokens
+ * ("<s>", "<|eot_id|>") into their ids.  Writes at most n_max ids and
+ * returns how many the text needs (call again with a larger buffer when that
+ * exceeds n_max), or a negative status (invalid UTF-8 is STATUS_BAD_INPUT). */
+int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int add_bos,
+                         int parse_special, int32_t *ids, int32_t n_max);
+
+/* The bytes token id stands for (byte tokens as their byte, U+2581 as a
+ * space, byte-level BPE decoded); special tokens give their text.  Returns
+ * the length (may exceed size: then truncated) or a negative status for an
+ * id outside the vocabulary. */
+int tokenizer_token_bytes(const tokenizer *t, int32_t id, char *buf, size_t size);
+
+/* Incremental detokenization for streaming: push ids one at a time; what is
+ * returned is always whole UTF-8 characters.  The leading space SentencePiece
+ * adds to the first token of a text is dropped when strip_leading_space. */
+struct detok {
+    char pending[8];  /* bytes of an incomplete character */
+    int n_pending;
+    int at_start;
+    int strip_leading_space;
+};
+void tokenizer_detok_init(struct detok *d, int strip_leading_space);
+/* Appends id's text to out (NUL-terminated) and returns the bytes written,
+ * or a negative status; size >= 64 is always enough for one push. */
+int tokenizer_detok_push(const tokenizer *t, struct detok *d, int32_t id, char *out, size_t size);
+/* Flushes what is still pending at the end (invalid bytes become U+FFFD). */
+int tokenizer_detok_flush(struct detok *d, char *out, size_t size);
+
+#endif
