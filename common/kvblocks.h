@@ -1,0 +1,84 @@
+/* KV-block accounting: a pool of fixed-size blocks (block_size token slots
+ * each) with reference counts, and one block table per sequence mapping its
+ * positions to blocks.  Sequences share prefix blocks (kvblocks_fork); a
+ * write into a shared block first gets a private copy (copy-on-write), which
+ * the caller executes on the KV memory from the returned copy instruction.
+ * Pure bookkeeping: no KV memory lives here, so the router can own every
+ * table while the workers only execute block ids and copies. */
+#ifndef COMMON_KVBLOCKS_H
+#define COMMON_KVBLOCKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVBLOCKS_BLOCK_SIZE_DEFAULT 16
+
+typedef struct kvblocks kvblocks;
+
+/* One sequence's block table.  Callers read it (ids are what a step plan
+ * carries) but change it only through the kvblocks_* functions.
+ * ids[i] holds positions [i*block_size, (i+1)*block_size). */
+struct kvblocks_table {
+    int32_t *ids;     /* n_ids block ids; heap, owned by the table */
+    int32_t n_ids;
+    int32_t cap;      /* allocated entries of ids */
+    int32_t n_tokens; /* positions 0..n_tokens-1 hold (or are reserved for) KV */
+};
+
+/* "Copy KV block src into block dst" (all layers, K and V), to run on the KV
+ * memory before the step that writes into dst. */
+struct kvblocks_copy {
+    int32_t src, dst;
+};
+
+/* A pool of n_blocks blocks, all free.  Returns 0 and *out, or
+ * STATUS_BAD_INPUT / STATUS_NO_MEMORY with a message in err. */
+int kvblocks_init(kvblocks **out, int32_t n_blocks, int32_t block_size, char *err, size_t errlen);
+/* Frees the pool.  Tables still holding blocks must be freed first (their
+ * arrays are the caller's to release with kvblocks_table_free). */
+void kvblocks_free(kvblocks *a);
+
+int32_t kvblocks_block_size(const kvblocks *a);
+int32_t kvblocks_n_blocks(const kvblocks *a);
+int32_t kvblocks_n_free(const kvblocks *a);
+int32_t kvblocks_n_used(const kvblocks *a);
+/* References held on block id (0 when free), or -1 for an id out of range. */
+int32_t kvblocks_refcount(const kvblocks *a, int32_t id);
+
+/* An empty table (no heap memory yet). */
+void kvblocks_table_init(struct kvblocks_table *t);
+/* Drops the table's references (blocks whose count reaches 0 become free)
+ * and frees its array; the table is empty again afterwards. */
+void kvblocks_table_free(kvblocks *a, struct kvblocks_table *t);
+
+/* Blocks kvblocks_reserve(t, n_new) would take from the pool now: new blocks
+ * for positions past the table's last block, plus one if the partly filled
+ * last block is shared (copy-on-write). */
+int32_t kvblocks_blocks_needed(const kvblocks *a, const struct kvblocks_table *t, int32_t n_new);
+
+/* Makes positions t->n_tokens .. t->n_tokens + n_new - 1 writable and
+ * advances t->n_tokens by n_new.  If the write lands in a shared block, that
+ * block is replaced by a fresh one and *copy = {old, new} (*n_copies = 1):
+ * the caller must copy the KV block before the step writes; otherwise
+ * *n_copies = 0.  copy/n_copies may be NULL only if the caller knows no block
+ * is shared.  On STATUS_EXHAUSTED (not enough free blocks) or
+ * STATUS_BAD_INPUT (n_new < 0) nothing changes. */
+int kvblocks_reserve(kvblocks *a, struct kvblocks_table *t, int32_t n_new,
+                     struct kvblocks_copy *copy, int32_t *n_copies);
+
+/* dst (empty) becomes a sequence whose first n_tokens positions are those of
+ * src: it shares src's blocks covering them (reference counts + 1); no block
+ * is copied until one side writes into a shared block.  STATUS_BAD_INPUT if
+ * n_tokens > src->n_tokens or dst is not empty; STATUS_NO_MEMORY. */
+int kvblocks_fork(kvblocks *a, struct kvblocks_table *dst, const struct kvblocks_table *src,
+                  int32_t n_tokens);
+
+/* Shortens t to its first n_tokens positions (n_tokens <= t->n_tokens),
+ * releasing the blocks no longer needed.  STATUS_BAD_INPUT otherwise. */
+int kvblocks_truncate(kvblocks *a, struct kvblocks_table *t, int32_t n_tokens);
+
+/* The cache slot (block * block_size + offset) of position pos of t, or -1
+ * if pos is not covered by the table. */
+int32_t kvblocks_slot(const kvblocks *a, const struct kvblocks_table *t, int32_t pos);
+
+#endif
