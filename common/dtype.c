@@ -308,9 +308,11 @@ static void quant_q8_0(const float *x, block_q8_0 *b, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, x += 32) {
         float amax = 0;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-        float d = amax / 127.0f;
+        /* round against the stored (fp16) scale: for small blocks the fp16
+         * scale is subnormal and differs from amax/127 by a visible amount */
+        b[i].d = f32_to_fp16(amax / 127.0f);
+        float d = fp16_to_f32(b[i].d);
         float id = d > 0 ? 1.0f / d : 0.0f;
-        b[i].d = f32_to_fp16(d);
         for (int j = 0; j < 32; j++) b[i].qs[j] = (int8_t)clampi((int)lrintf(x[j] * id), -127, 127);
     }
 }
