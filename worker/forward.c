@@ -1,0 +1,248 @@
+/* One batched step through a stage.  The host checks the batch, lays out
+ * its metadata (token ids, positions, KV slots, per-sequence offsets, block
+ * tables, rows needing logits) in one int32 array and uploads it at once;
+ * then the layers run as backend ops on the preallocated scratch, with no
+ * allocation and no synchronisation until the logits (or hidden states)
+ * are downloaded at the end. */
+#include "forward.h"
+#include "stage-impl.h"
+
+#include "common/status.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static int forward_fail(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int forward_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int32_t forward_logits_rows(const struct forward_batch *batch) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < batch->n_seqs; i++) {
+        const struct forward_seq *q = &batch->seqs[i];
+        if (q->logits == FORWARD_LOGITS_LAST) n += 1;
+        else if (q->logits == FORWARD_LOGITS_ALL) n += q->n_tokens;
+    }
+    return n;
+}
+
+const float *forward_hidden(const stage *s) { return s->x; }
+
+/* Everything that could make a kernel read or write out of bounds is
+ * refused here, before the step touches the cache. */
+static int forward_check(const stage *s, const struct forward_batch *batch, int32_t *n_tokens_out,
+                         char *err, size_t errlen) {
+    const struct stage_config *c = &s->cfg;
+    if (batch->n_seqs < 1 || batch->n_seqs > c->n_seqs_max)
+        return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: %d sequences (this stage takes 1 to %d)",
+                            batch->n_seqs, c->n_seqs_max);
+    if (!s->first && !batch->hidden_in)
+        return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                            "step: stage [%d, %d) needs the previous stage's hidden states",
+                            c->layer_first, c->layer_last);
+    int64_t total = 0;
+    for (int32_t i = 0; i < batch->n_seqs; i++) {
+        const struct forward_seq *q = &batch->seqs[i];
+        if (q->n_tokens < 1 || (s->first && !q->tokens))
+            return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: %d tokens", i, q->n_tokens);
+        if (q->logits < FORWARD_LOGITS_LAST || q->logits > FORWARD_LOGITS_NONE)
+            return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: logits mode %d", i,
+                                (int)q->logits);
+        total += q->n_tokens;
+        if (total > c->n_tokens_max)
+            return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                "step: sequence %d brings the step to %lld tokens (this stage takes %d)", i,
+                                (long long)total, c->n_tokens_max);
+        int64_t end = (int64_t)q->pos0 + q->n_tokens;
+        if (q->pos0 < 0 || end > c->n_ctx_max)
+            return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                "step: sequence %d: positions %d..%lld exceed the context of %d", i,
+                                q->pos0, (long long)end - 1, c->n_ctx_max);
+        if (q->n_blocks < 0 || q->n_blocks > s->max_blocks_per_seq || (q->n_blocks > 0 && !q->block_table))
+            return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                "step: sequence %d: block table of %d blocks (at most %d)", i, q->n_blocks,
+                                s->max_blocks_per_seq);
+        if ((int64_t)q->n_blocks * c->block_size < end)
+            return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                "step: sequence %d: position %lld is past its %d blocks of %d", i,
+                                (long long)end - 1, q->n_blocks, c->block_size);
+        for (int32_t j = 0; j < q->n_blocks; j++)
+            if (q->block_table[j] < 0 || q->block_table[j] >= c->n_blocks)
+                return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                    "step: sequence %d: block %d is %d (the cache has %d blocks)", i, j,
+                                    q->block_table[j], c->n_blocks);
+        if (s->first)
+            for (int32_t j = 0; j < q->n_tokens; j++)
+                if (q->tokens[j] < 0 || q->tokens[j] >= s->hp.n_vocab)
+                    return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                        "step: sequence %d: token %d is %d (vocabulary of %d)", i, j,
+                                        q->tokens[j], s->hp.n_vocab);
+    }
+    if (batch->n_copies < 0 || (batch->n_copies > 0 && !batch->copies))
+        return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: %d block copies", batch->n_copies);
+    for (int32_t i = 0; i < batch->n_copies; i++) {
+        const struct kvblocks_copy *cp = &batch->copies[i];
+        if (cp->src < 0 || cp->src >= c->n_blocks || cp->dst < 0 || cp->dst >= c->n_blocks || cp->src == cp->dst)
+            return forward_fail(err, errlen, STATUS_BAD_INPUT,
+                                "step: copy %d: block %d -> %d (the cache has %d blocks)", i, cp->src,
+                                cp->dst, c->n_blocks);
+    }
+    *n_tokens_out = (int32_t)total;
+    return STATUS_OK;
+}
+
+/* Offsets (in int32 entries) of the metadata sections of one step. */
+struct forward_meta {
+    int32_t ids, pos, slots, seq_tok0, seq_pos0, tables, rows, used;
+    int32_t max_blocks, max_ctx, n_rows;
+};
+
+static void forward_layout(stage *s, const struct forward_batch *batch, int32_t T, struct forward_meta *mt) {
+    int32_t S = batch->n_seqs, bs = s->cfg.block_size;
+    int32_t *h = s->meta_host;
+    mt->max_blocks = 1;
+    mt->max_ctx = 0;
+    for (int32_t i = 0; i < S; i++) {
+        if (batch->seqs[i].n_blocks > mt->max_blocks) mt->max_blocks = batch->seqs[i].n_blocks;
+        int32_t end = batch->seqs[i].pos0 + batch->seqs[i].n_tokens;
+        if (end > mt->max_ctx) mt->max_ctx = end;
+    }
+    mt->ids = 0;
+    mt->pos = T;
+    mt->slots = 2 * T;
+    mt->seq_tok0 = 3 * T;
+    mt->seq_pos0 = mt->seq_tok0 + S + 1;
+    mt->tables = mt->seq_pos0 + S;
+    mt->rows = mt->tables + S * mt->max_blocks;
+    int32_t t = 0, r = 0;
+    for (int32_t i = 0; i < S; i++) {
+        const struct forward_seq *q = &batch->seqs[i];
+        h[mt->seq_tok0 + i] = t;
+        h[mt->seq_pos0 + i] = q->pos0;
+        for (int32_t j = 0; j < mt->max_blocks; j++)
+            h[mt->tables + i * mt->max_blocks + j] = j < q->n_blocks ? q->block_table[j] : 0;
+        for (int32_t j = 0; j < q->n_tokens; j++, t++) {
+            int32_t p = q->pos0 + j;
+            h[mt->ids + t] = s->first ? q->tokens[j] : 0;
+            h[mt->pos + t] = p;
+            h[mt->slots + t] = q->block_table[p / bs] * bs + p % bs;
+            if (q->logits == FORWARD_LOGITS_ALL || (q->logits == FORWARD_LOGITS_LAST && j == q->n_tokens - 1))
+                h[mt->rows + r++] = t;
+        }
+    }
+    h[mt->seq_tok0 + S] = T;
+    mt->n_rows = r;
+    mt->used = mt->rows + r;
+}
+
+#define FORWARD_TRY(call, what)                                                                 \
+    do {                                                                                        \
+        int rc_ = (call);                                                                       \
+        if (rc_ != STATUS_OK)                                                                   \
+            return forward_fail(err, errlen, rc_, "step: %s (layer %d) on %s: %s", what, layer, \
+                                backend_name(b), backend_errstr(b));                            \
+    } while (0)
+
+int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
+                 size_t errlen) {
+    backend *b = s->b;
+    const struct model_hparams *hp = &s->hp;
+    int32_t T = 0, layer = -1;
+    if (out) out->n_logits = 0;
+    int rc = forward_check(s, batch, &T, err, errlen);
+    if (rc != STATUS_OK) return rc;
+    struct forward_meta mt;
+    forward_layout(s, batch, T, &mt);
+    int32_t *md = s->meta;
+    FORWARD_TRY(backend_upload(b, md, s->meta_host, (size_t)mt.used * sizeof(int32_t)), "metadata upload");
+    if (batch->n_copies > 0) {
+        rc = kvcache_copy_blocks(s->kv, batch->copies, batch->n_copies, err, errlen);
+        if (rc != STATUS_OK) return rc;
+    }
+
+    const size_t dim = (size_t)hp->dim;
+    if (s->first) {
+        FORWARD_TRY(backend_embed(b, s->x, &s->tok_embd, md + mt.ids, T), "embed");
+    } else if (batch->hidden_in_backend) {
+        if (batch->hidden_in != s->x)
+            FORWARD_TRY(backend_copy(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden copy");
+    } else {
+        FORWARD_TRY(backend_upload(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden upload");
+    }
+
+    struct backend_attn_batch ab = {
+        .n_seqs = batch->n_seqs,
+        .n_tokens = T,
+        .max_blocks = mt.max_blocks,
+        .max_ctx = mt.max_ctx,
+        .seq_tok0 = md + mt.seq_tok0,
+        .seq_pos0 = md + mt.seq_pos0,
+        .block_tables = md + mt.tables,
+    };
+    const float scale = 1.0f / sqrtf((float)hp->head_dim);
+    const int32_t n_freq = hp->head_dim / 2;
+    const int64_t ffn = (int64_t)T * hp->ffn_dim;
+    /* The FFN output of layer l is added to the residual stream together
+     * with layer l+1's attention norm (one pass instead of two). */
+    int pending = 0;
+    for (int32_t i = 0; i < s->n_local; i++) {
+        const struct stage_layer *l = &s->layers[i];
+        struct backend_kv *kv = kvcache_layer(s->kv, i);
+        layer = s->cfg.layer_first + i;
+        if (pending)
+            FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->attn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
+        else
+            FORWARD_TRY(backend_rmsnorm(b, s->xn, s->x, l->attn_norm, T, hp->dim, hp->rms_eps), "rmsnorm");
+        FORWARD_TRY(backend_matmul(b, s->q, &l->wq, s->xn, T), "matmul q");
+        FORWARD_TRY(backend_matmul(b, s->k, &l->wk, s->xn, T), "matmul k");
+        FORWARD_TRY(backend_matmul(b, s->v, &l->wv, s->xn, T), "matmul v");
+        if (l->bq) {
+            /* Biases broadcast over rows: one add per row (qwen2 only). */
+            for (int32_t t = 0; t < T; t++) {
+                FORWARD_TRY(backend_add(b, s->q + (size_t)t * s->q_dim, l->bq, s->q_dim), "bias q");
+                FORWARD_TRY(backend_add(b, s->k + (size_t)t * s->kv_dim, l->bk, s->kv_dim), "bias k");
+                FORWARD_TRY(backend_add(b, s->v + (size_t)t * s->kv_dim, l->bv, s->kv_dim), "bias v");
+            }
+        }
+        FORWARD_TRY(backend_rope(b, s->q, md + mt.pos, T, hp->n_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope q");
+        FORWARD_TRY(backend_rope(b, s->k, md + mt.pos, T, hp->n_kv_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope k");
+        FORWARD_TRY(backend_kv_write(b, kv, s->k, s->v, md + mt.slots, T), "kv_write");
+        FORWARD_TRY(backend_attention(b, s->att, s->q, kv, &ab, hp->n_heads, scale), "attention");
+        FORWARD_TRY(backend_matmul(b, s->proj, &l->wo, s->att, T), "matmul attn_output");
+        FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->ffn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
+        FORWARD_TRY(backend_matmul(b, s->gate, &l->w_gate, s->xn, T), "matmul ffn_gate");
+        FORWARD_TRY(backend_matmul(b, s->up, &l->w_up, s->xn, T), "matmul ffn_up");
+        FORWARD_TRY(backend_swiglu(b, s->ffn_h, s->gate, s->up, ffn), "swiglu");
+        FORWARD_TRY(backend_matmul(b, s->proj, &l->w_down, s->ffn_h, T), "matmul ffn_down");
+        pending = 1;
+    }
+    layer = -1;
+    if (pending) FORWARD_TRY(backend_add(b, s->x, s->proj, (int64_t)T * hp->dim), "residual add");
+
+    if (!s->last) {
+        if (out && out->hidden)
+            FORWARD_TRY(backend_download(b, out->hidden, s->x, T * dim * sizeof(float)), "hidden download");
+        return STATUS_OK;
+    }
+    if (!out || !out->logits || mt.n_rows == 0) return backend_sync(b);
+    /* lm_head over the rows that need logits, n_logits_max rows at a time. */
+    const int32_t L = s->cfg.n_logits_max;
+    for (int32_t r0 = 0; r0 < mt.n_rows; r0 += L) {
+        int32_t n = mt.n_rows - r0 < L ? mt.n_rows - r0 : L;
+        FORWARD_TRY(backend_get_rows(b, s->xl, s->x, md + mt.rows + r0, n, hp->dim), "get_rows");
+        FORWARD_TRY(backend_rmsnorm(b, s->xln, s->xl, s->output_norm, n, hp->dim, hp->rms_eps), "output_norm");
+        FORWARD_TRY(backend_matmul(b, s->logits, s->lm_head, s->xln, n), "lm_head");
+        FORWARD_TRY(backend_download(b, out->logits + (size_t)r0 * hp->n_vocab, s->logits,
+                                     (size_t)n * hp->n_vocab * sizeof(float)), "logits download");
+    }
+    out->n_logits = mt.n_rows;
+    return STATUS_OK;
+}

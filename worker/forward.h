@@ -1,0 +1,70 @@
+/* One batched step of a stage: several sequences, each at its own position
+ * with its own block table, each bringing a prefill chunk or one decode
+ * token, run through the stage's layers together.  The first stage embeds
+ * token ids; later stages take the previous stage's hidden states; the last
+ * stage returns logits for the rows that ask for them.  Every argument is
+ * checked on the host before anything is launched. */
+#ifndef WORKER_FORWARD_H
+#define WORKER_FORWARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kvblocks.h"
+#include "stage.h"
+
+/* Which rows of a sequence get logits on the last stage. */
+enum forward_logits {
+    FORWARD_LOGITS_LAST = 0, /* the sequence's last row (sampling the next token) */
+    FORWARD_LOGITS_ALL = 1,  /* every row (teacher forcing, evaluation) */
+    FORWARD_LOGITS_NONE = 2, /* none (a prefill chunk that is not the last) */
+};
+
+struct forward_seq {
+    const int32_t *tokens;      /* (n_tokens) token ids; read by the first stage only */
+    int32_t n_tokens;           /* >= 1 */
+    int32_t pos0;               /* position of the first row; KV of 0..pos0-1 is in the cache */
+    const int32_t *block_table; /* (n_blocks) block ids covering positions 0..pos0+n_tokens-1 */
+    int32_t n_blocks;
+    enum forward_logits logits;
+};
+
+struct forward_batch {
+    const struct forward_seq *seqs; /* (n_seqs); rows are laid out sequence after sequence */
+    int32_t n_seqs;
+    /* Copy-on-write instructions from kvblocks_reserve, run before the step. */
+    const struct kvblocks_copy *copies;
+    int32_t n_copies;
+    /* Stages after the first: [n_tokens, dim] F32 input rows, in host memory,
+     * or in backend memory when hidden_in_backend is 1 (e.g. received from
+     * the previous stage over NCCL). */
+    const float *hidden_in;
+    int hidden_in_backend;
+};
+
+struct forward_out {
+    /* Last stage: host buffer of forward_logits_rows(batch) * n_vocab floats,
+     * the caller's; rows in sequence order.  NULL: logits are not fetched. */
+    float *logits;
+    int32_t n_logits; /* set by forward_step: rows written */
+    /* Other stages: host buffer [n_tokens, dim] for the output hidden states,
+     * or NULL (then read forward_hidden()). */
+    float *hidden;
+};
+
+/* Rows of logits the batch asks for (on the last stage). */
+int32_t forward_logits_rows(const struct forward_batch *batch);
+
+/* Runs one step.  Returns 0, or a negative status with a message in err
+ * naming the sequence and the value: STATUS_BAD_INPUT for a token id >=
+ * n_vocab, a position past n_ctx_max or past the block table, a block id out
+ * of range, too many rows or sequences; a backend failure otherwise.  When
+ * it fails before launching, the KV cache is untouched. */
+int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
+                 size_t errlen);
+
+/* The stage's output hidden states of the last step, [n_tokens, dim] F32 in
+ * backend memory (valid until the next step): what a stage sends on. */
+const float *forward_hidden(const stage *s);
+
+#endif

@@ -1,0 +1,42 @@
+/* The paged KV memory of one pipeline stage: for each layer it holds, K and
+ * V pools of n_blocks blocks of block_size positions on the stage's backend.
+ * Which block belongs to which sequence is decided elsewhere (common/
+ * kvblocks.h, owned by the router or by llm-run); this module only stores
+ * the blocks and executes the copy-on-write copies it is told to. */
+#ifndef WORKER_KVCACHE_H
+#define WORKER_KVCACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/kvblocks.h"
+#include "kernels/backend.h"
+
+typedef struct kvcache kvcache;
+
+/* n_layers layers, each K and V [n_blocks][n_kv_heads][block_size][head_dim]
+ * of type (F32 or F16).  Returns 0 and *out, or a negative status with a
+ * message in err (*out NULL).  The backend must outlive the cache. */
+int kvcache_init(kvcache **out, backend *b, int32_t n_layers, enum dtype type, int32_t n_blocks,
+                 int32_t block_size, int32_t n_kv_heads, int32_t head_dim, char *err,
+                 size_t errlen);
+void kvcache_free(kvcache *kc);
+
+/* The cache of local layer i (0 <= i < n_layers), for backend ops. */
+struct backend_kv *kvcache_layer(kvcache *kc, int32_t i);
+int32_t kvcache_n_layers(const kvcache *kc);
+int32_t kvcache_n_blocks(const kvcache *kc);
+int32_t kvcache_block_size(const kvcache *kc);
+enum dtype kvcache_type(const kvcache *kc);
+/* Backend bytes held (K and V of every layer). */
+size_t kvcache_bytes(const kvcache *kc);
+
+/* Copies block src to block dst in every layer, K and V, for each of the n
+ * instructions, queued on the backend stream.  Block ids out of range or
+ * src == dst give STATUS_BAD_INPUT naming the instruction, before anything
+ * is queued. */
+int kvcache_copy_blocks(kvcache *kc, const struct kvblocks_copy *copies, int32_t n, char *err,
+                        size_t errlen);
+
+#endif

@@ -1,0 +1,55 @@
+/* The body of a stage, shared by stage.c (loading, allocation) and
+ * forward.c (the step).  Nothing outside worker/ includes this. */
+#ifndef WORKER_STAGE_IMPL_H
+#define WORKER_STAGE_IMPL_H
+
+#include "stage.h"
+
+struct stage_layer {
+    float *attn_norm; /* (dim) F32, backend */
+    float *ffn_norm;  /* (dim) F32, backend */
+    struct backend_weight wq;     /* (n_heads*head_dim, dim) */
+    struct backend_weight wk, wv; /* (n_kv_heads*head_dim, dim) */
+    struct backend_weight wo;     /* (dim, n_heads*head_dim) */
+    struct backend_weight w_gate, w_up; /* (ffn_dim, dim) */
+    struct backend_weight w_down;       /* (dim, ffn_dim) */
+    float *bq, *bk, *bv; /* qwen2 biases (q_dim) / (kv_dim), F32 backend; NULL if none */
+};
+
+struct stage {
+    backend *b;
+    const model_file *m;
+    struct model_hparams hp;
+    struct stage_config cfg;
+    int first, last;
+    int32_t q_dim, kv_dim;       /* n_heads*head_dim, n_kv_heads*head_dim */
+    int32_t max_blocks_per_seq;  /* ceil(n_ctx_max / block_size) */
+
+    struct backend_weight tok_embd; /* (n_vocab, dim): first stage, or last with tied lm_head */
+    struct backend_weight output;   /* (n_vocab, dim): last stage, unless tied */
+    const struct backend_weight *lm_head; /* &output or &tok_embd */
+    float *output_norm;             /* (dim) F32: last stage */
+    struct stage_layer *layers;     /* (n_local) */
+    int32_t n_local;
+    kvcache *kv;
+    float *inv_freq;                /* (head_dim/2) rope inverse frequencies */
+    size_t weight_bytes;
+
+    /* Scratch, backend memory, T = n_tokens_max rows, L = n_logits_max. */
+    float *x;          /* (T, dim) residual stream */
+    float *xn;         /* (T, dim) normed input of a sub-layer */
+    float *q;          /* (T, q_dim) */
+    float *k, *v;      /* (T, kv_dim) */
+    float *att;        /* (T, q_dim) attention output */
+    float *proj;       /* (T, dim) attention / FFN output before the residual add */
+    float *gate, *up;  /* (T, ffn_dim) */
+    float *ffn_h;      /* (T, ffn_dim) swiglu(gate, up) */
+    float *xl, *xln;   /* (L, dim) rows picked for logits, then normed */
+    float *logits;     /* (L, n_vocab) */
+    int32_t *meta;     /* step metadata (ids, positions, slots, seqs, tables, rows) */
+    int32_t *meta_host;/* host mirror, uploaded once per step */
+    size_t meta_cap;   /* int32 entries of meta and meta_host */
+    int32_t *logit_rows_host; /* (T) rows needing logits, host */
+};
+
+#endif
