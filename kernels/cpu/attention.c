@@ -1,0 +1,155 @@
+/* Paged KV cache writes and causal grouped-query attention on the CPU
+ * backend.  Attention threads take (sequence, head) pairs from a shared
+ * counter; each computes, for every query row of its sequence, the scores
+ * against positions 0..p, a max-subtracted softmax, and the weighted sum of
+ * V, with per-thread score buffers from the backend's scratch. */
+#include "cpu.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "../../common/status.h"
+
+/* ---- kv_write ---- */
+
+int cpu_kv_write(backend *b_, struct backend_kv *kv, const float *k, const float *v, const int32_t *slots,
+                 int32_t n) {
+    int64_t n_slots = (int64_t)kv->n_blocks * kv->block_size;
+    int64_t hd = kv->head_dim, width = (int64_t)kv->n_kv_heads * hd;
+    for (int32_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= n_slots)
+            return backend_fail(b_, STATUS_BAD_INPUT, "kv_write: slot %d of row %d is outside 0..%lld", slots[i],
+                                i, (long long)n_slots - 1);
+    for (int32_t i = 0; i < n; i++) {
+        int64_t blk = slots[i] / kv->block_size, off = slots[i] % kv->block_size;
+        for (int32_t h = 0; h < kv->n_kv_heads; h++) {
+            /* [block][kv head][offset][dim] */
+            int64_t dst = ((blk * kv->n_kv_heads + h) * kv->block_size + off) * hd;
+            const float *ks = k + i * width + h * hd, *vs = v + i * width + h * hd;
+            if (kv->type == DTYPE_F32) {
+                memcpy((float *)kv->k + dst, ks, (size_t)hd * sizeof(float));
+                memcpy((float *)kv->v + dst, vs, (size_t)hd * sizeof(float));
+            } else {
+                uint16_t *kd = (uint16_t *)kv->k + dst, *vd = (uint16_t *)kv->v + dst;
+                for (int64_t d = 0; d < hd; d++) {
+                    kd[d] = cpu_f32_to_fp16(ks[d]);
+                    vd[d] = cpu_f32_to_fp16(vs[d]);
+                }
+            }
+        }
+    }
+    return STATUS_OK;
+}
+
+/* ---- attention ---- */
+
+struct attn_task {
+    float *out;
+    const float *q;
+    const struct backend_kv *kv;
+    const struct backend_attn_batch *batch;
+    int32_t n_heads;
+    float scale;
+    float *scratch;         /* per thread: scores[max_ctx] then acc[head_dim] */
+    size_t scratch_floats;  /* per thread */
+    atomic_long next;
+};
+
+static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *scores, float *acc) {
+    const struct backend_kv *kv = t->kv;
+    const struct backend_attn_batch *ba = t->batch;
+    int64_t hd = kv->head_dim, bs = kv->block_size;
+    int32_t kvh = h / (t->n_heads / kv->n_kv_heads);
+    int64_t width = (int64_t)t->n_heads * hd;
+    const int32_t *bt = ba->block_tables + (int64_t)s * ba->max_blocks;
+    int32_t tok0 = ba->seq_tok0[s], tok1 = ba->seq_tok0[s + 1], pos0 = ba->seq_pos0[s];
+    size_t es = kv->type == DTYPE_F32 ? 4 : 2;
+
+    for (int32_t r = tok0; r < tok1; r++) {
+        const float *q = t->q + r * width + h * hd;
+        int32_t n_ctx = pos0 + (r - tok0) + 1;
+        float mx = -INFINITY;
+        for (int32_t j = 0; j < n_ctx; j++) {
+            int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
+            const void *kr = (const uint8_t *)kv->k + e * es;
+            float sc = (kv->type == DTYPE_F32 ? cpu_dot_f32(kr, q, hd) : cpu_dot_f16_f32(kr, q, hd)) * t->scale;
+            scores[j] = sc;
+            if (sc > mx) mx = sc;
+        }
+        float sum = 0;
+        for (int32_t j = 0; j < n_ctx; j++) {
+            scores[j] = expf(scores[j] - mx);
+            sum += scores[j];
+        }
+        memset(acc, 0, (size_t)hd * sizeof(float));
+        for (int32_t j = 0; j < n_ctx; j++) {
+            int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
+            const void *vr = (const uint8_t *)kv->v + e * es;
+            if (kv->type == DTYPE_F32) cpu_axpy_f32(acc, scores[j], vr, hd);
+            else cpu_axpy_f16(acc, scores[j], vr, hd);
+        }
+        float inv = 1.0f / sum;
+        float *o = t->out + r * width + h * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+    }
+}
+
+static void attn_run(void *arg, int ith, int nth) {
+    struct attn_task *t = arg;
+    (void)nth;
+    float *scores = t->scratch + (size_t)ith * t->scratch_floats;
+    float *acc = scores + t->batch->max_ctx;
+    long n_pairs = (long)t->batch->n_seqs * t->n_heads;
+    for (;;) {
+        long i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (i >= n_pairs) break;
+        attn_one(t, (int32_t)(i / t->n_heads), (int32_t)(i % t->n_heads), scores, acc);
+    }
+}
+
+/* The batch comes from the engine's scheduler: check it against the cache
+ * before any thread indexes with it. */
+static int attn_check(backend *b, const struct backend_kv *kv, const struct backend_attn_batch *ba) {
+    if (ba->n_seqs <= 0 || ba->max_blocks <= 0 || ba->seq_tok0[0] != 0 || ba->seq_tok0[ba->n_seqs] != ba->n_tokens)
+        return backend_fail(b, STATUS_BAD_INPUT, "attention: %d sequences, %d tokens, %d blocks per table",
+                            ba->n_seqs, ba->n_tokens, ba->max_blocks);
+    for (int32_t s = 0; s < ba->n_seqs; s++) {
+        int32_t len = ba->seq_tok0[s + 1] - ba->seq_tok0[s], pos0 = ba->seq_pos0[s];
+        if (len < 0 || pos0 < 0)
+            return backend_fail(b, STATUS_BAD_INPUT, "attention: sequence %d has %d tokens at position %d", s,
+                                len, pos0);
+        int64_t ctx = (int64_t)pos0 + len;
+        if (ctx > ba->max_ctx)
+            return backend_fail(b, STATUS_BAD_INPUT, "attention: sequence %d reaches %lld > max_ctx %d", s,
+                                (long long)ctx, ba->max_ctx);
+        int64_t nb = (ctx + kv->block_size - 1) / kv->block_size;
+        if (nb > ba->max_blocks)
+            return backend_fail(b, STATUS_BAD_INPUT, "attention: sequence %d needs %lld blocks > max_blocks %d",
+                                s, (long long)nb, ba->max_blocks);
+        for (int64_t i = 0; i < nb; i++) {
+            int32_t id = ba->block_tables[(int64_t)s * ba->max_blocks + i];
+            if (id < 0 || id >= kv->n_blocks)
+                return backend_fail(b, STATUS_BAD_INPUT,
+                                    "attention: sequence %d block %lld is %d, outside 0..%d", s, (long long)i, id,
+                                    kv->n_blocks - 1);
+        }
+    }
+    return STATUS_OK;
+}
+
+int cpu_attention(backend *b_, float *out, const float *q, const struct backend_kv *kv,
+                  const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    struct backend_cpu *b = (struct backend_cpu *)b_;
+    int st = attn_check(b_, kv, batch);
+    if (st != STATUS_OK) return st;
+    /* Per-thread buffers rounded to 64 bytes so threads never share a line. */
+    size_t per = ((size_t)batch->max_ctx + (size_t)kv->head_dim + 15) & ~(size_t)15;
+    struct attn_task t = {.out = out, .q = q, .kv = kv, .batch = batch, .n_heads = n_heads, .scale = scale,
+                          .scratch_floats = per};
+    t.scratch = cpu_scratch(b, per * sizeof(float) * (size_t)b->n_threads);
+    if (!t.scratch) return STATUS_NO_MEMORY;
+    atomic_init(&t.next, 0);
+    int64_t work = (int64_t)batch->n_tokens * n_heads * batch->max_ctx * kv->head_dim;
+    cpu_pool_run(b->pool, attn_run, &t, work < 32768 ? 1 : b->n_threads);
+    return STATUS_OK;
+}

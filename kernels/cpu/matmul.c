@@ -1,0 +1,107 @@
+/* Matrix multiplication on the CPU backend: out[n, rows] = x[n, cols] . W^T
+ * for W of any dtype.  The activations are converted once per call to the
+ * format the weight type dots against (cpu.h); then threads take chunks of
+ * (output rows x tokens) from a shared counter, so a core that another
+ * process slows down simply takes fewer chunks. */
+#include "cpu.h"
+
+#include "../../common/status.h"
+
+
+/* Tokens per chunk: a chunk's weight rows are read from memory once and
+ * stay in L1/L2 while every token of the chunk is multiplied by them. */
+#define MM_TOKENS_PER_CHUNK 32
+
+struct mm_task {
+    float *out;
+    const uint8_t *w;           /* rows x row_bytes */
+    size_t w_row_bytes;
+    const float *x;             /* [n, cols] F32 input */
+    uint8_t *xq;                /* [n, xq_row_bytes] converted input, or NULL (F32 act) */
+    size_t xq_row_bytes;
+    enum cpu_act act;
+    cpu_dot_fn dot;
+    int64_t rows, cols;
+    int32_t n;
+    int64_t rows_per_chunk, n_row_chunks, n_chunks;
+    atomic_long next;           /* next chunk to take */
+    atomic_long next_quant;     /* next token to convert */
+    atomic_int quant_done;      /* tokens converted */
+};
+
+static void mm_quantize(struct mm_task *t) {
+    for (;;) {
+        long i = atomic_fetch_add_explicit(&t->next_quant, 1, memory_order_relaxed);
+        if (i >= t->n) break;
+        cpu_act_quant_row(t->act, t->x + (size_t)i * t->cols, t->xq + (size_t)i * t->xq_row_bytes, t->cols);
+        atomic_fetch_add_explicit(&t->quant_done, 1, memory_order_release);
+    }
+}
+
+static void mm_run(void *arg, int ith, int nth) {
+    struct mm_task *t = arg;
+    (void)ith;
+    (void)nth;
+    const uint8_t *xs = t->xq ? t->xq : (const uint8_t *)t->x;
+    size_t x_row_bytes = t->xq ? t->xq_row_bytes : (size_t)t->cols * sizeof(float);
+    if (t->xq) {
+        /* Every thread helps convert the activations, then waits for the
+         * rows the others are still converting (a short wait: the
+         * conversion is O(n * cols), the product O(n * cols * rows)). */
+        mm_quantize(t);
+        while (atomic_load_explicit(&t->quant_done, memory_order_acquire) < t->n) CPU_RELAX();
+    }
+    for (;;) {
+        long c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
+        if (c >= t->n_chunks) break;
+        int64_t r0 = (c % t->n_row_chunks) * t->rows_per_chunk;
+        int64_t r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
+        int32_t t0 = (int32_t)(c / t->n_row_chunks) * MM_TOKENS_PER_CHUNK;
+        int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
+            for (int32_t i = t0; i < t1; i++)
+                t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
+        }
+    }
+}
+
+int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const float *x, int32_t n) {
+    struct backend_cpu *b = (struct backend_cpu *)b_;
+    const struct cpu_type_traits *tr = cpu_type_traits(w->type);
+    if (!tr) return backend_fail(b_, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)w->type);
+    if (n < 0) return backend_fail(b_, STATUS_BAD_INPUT, "matmul: %d tokens", n);
+
+    struct mm_task t = {
+        .out = out,
+        .w = w->data,
+        .w_row_bytes = (size_t)(w->cols / tr->block_elems) * tr->block_bytes,
+        .x = x,
+        .act = tr->act,
+        .dot = tr->dot,
+        .rows = w->rows,
+        .cols = w->cols,
+        .n = n,
+    };
+    if (tr->act != CPU_ACT_F32) {
+        t.xq_row_bytes = cpu_act_row_bytes(tr->act, w->cols);
+        t.xq = cpu_scratch(b, t.xq_row_bytes * (size_t)n);
+        if (!t.xq) return STATUS_NO_MEMORY;
+    }
+    /* Small chunks balance the load; 8 per thread is plenty, and at least 4
+     * rows keep the per-chunk overhead negligible. */
+    int nth = b->n_threads;
+    int64_t rpc = (w->rows + 8 * nth - 1) / (8 * nth);
+    if (rpc < 4) rpc = 4;
+    if (rpc > 64) rpc = 64;
+    t.rows_per_chunk = rpc;
+    t.n_row_chunks = (w->rows + rpc - 1) / rpc;
+    t.n_chunks = t.n_row_chunks * ((n + MM_TOKENS_PER_CHUNK - 1) / MM_TOKENS_PER_CHUNK);
+    atomic_init(&t.next, 0);
+    atomic_init(&t.next_quant, 0);
+    atomic_init(&t.quant_done, 0);
+    /* Tiny products are cheaper than waking the pool. */
+    int64_t work = w->rows * w->cols * (int64_t)n;
+    cpu_pool_run(b->pool, mm_run, &t, work < 32768 ? 1 : nth);
+    return STATUS_OK;
+}
