@@ -1,0 +1,360 @@
+/* ZeroMQ helpers: sockets that remember their endpoint and last error,
+ * multipart messages with copied or zero-copy frames, timed receive and
+ * poll, and finding a free loopback port. */
+#include "zio.h"
+
+#include "status.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+struct zio_sock {
+    void *sock;
+    int err;
+    char errstr[320];
+    char endpoint[256]; /* last bound endpoint, as ZeroMQ reports it */
+    char peer[256];     /* last endpoint bound or connected: names the socket in messages */
+};
+
+static void zio_seterr(struct zio_sock *s, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void zio_seterr(struct zio_sock *s, int code, const char *fmt, ...) {
+    s->err = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->errstr, sizeof s->errstr, fmt, ap);
+    va_end(ap);
+}
+
+static void zio_ok(struct zio_sock *s) {
+    s->err = 0;
+    s->errstr[0] = '\0';
+}
+
+/* The socket's name in messages: its endpoint, or "socket" before bind/connect. */
+static const char *zio_name(const struct zio_sock *s) { return s->peer[0] ? s->peer : "socket"; }
+
+int zio_sock_open(void *ctx, int type, struct zio_sock **out, char *err, size_t err_size) {
+    *out = NULL;
+    struct zio_sock *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, err_size, "zmq socket of type %d: out of memory", type);
+        return STATUS_NO_MEMORY;
+    }
+    s->sock = ctx ? zmq_socket(ctx, type) : NULL;
+    if (!s->sock) {
+        snprintf(err, err_size, "zmq socket of type %d: %s", type,
+                 ctx ? zmq_strerror(errno) : "no context");
+        free(s);
+        return ctx ? STATUS_IO : STATUS_BAD_INPUT;
+    }
+    int linger = 1000;
+    zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
+    *out = s;
+    return 0;
+}
+
+void zio_sock_close(struct zio_sock *s) {
+    if (!s) return;
+    if (s->sock) zmq_close(s->sock);
+    free(s);
+}
+
+static int zio_endpoint_status(int e) {
+    switch (e) {
+    case EINVAL: case EPROTONOSUPPORT: case ENOCOMPATPROTO: case ENODEV: return STATUS_BAD_INPUT;
+    case ETERM: return STATUS_CANCELLED;
+    default: return STATUS_IO;
+    }
+}
+
+/* ZeroMQ 4.3 takes "tcp://host:99999" and binds port 34463 (the number cut
+ * to 16 bits): check tcp ports here so that a typo is an error. */
+static int zio_check_endpoint(struct zio_sock *s, const char *verb, const char *endpoint) {
+    if (strncmp(endpoint, "tcp://", 6) != 0) return 0;
+    const char *colon = strrchr(endpoint + 6, ':');
+    if (!colon) {
+        zio_seterr(s, STATUS_BAD_INPUT, "%s %s: no port (write tcp://host:port)", verb, endpoint);
+        return s->err;
+    }
+    const char *p = colon + 1;
+    if (strcmp(p, "*") == 0) return 0;
+    char *end;
+    errno = 0;
+    long port = strtol(p, &end, 10);
+    if (end == p || *end != '\0' || errno == ERANGE || port < 0 || port > 65535) {
+        zio_seterr(s, STATUS_BAD_INPUT, "%s %s: port '%s' is not a number from 0 to 65535",
+                   verb, endpoint, p);
+        return s->err;
+    }
+    return 0;
+}
+
+int zio_bind(struct zio_sock *s, const char *endpoint) {
+    if (zio_check_endpoint(s, "bind", endpoint) < 0) return s->err;
+    if (zmq_bind(s->sock, endpoint) != 0) {
+        int e = errno;
+        zio_seterr(s, zio_endpoint_status(e), "bind %s: %s", endpoint, zmq_strerror(e));
+        return s->err;
+    }
+    size_t len = sizeof s->endpoint;
+    if (zmq_getsockopt(s->sock, ZMQ_LAST_ENDPOINT, s->endpoint, &len) != 0)
+        snprintf(s->endpoint, sizeof s->endpoint, "%s", endpoint);
+    snprintf(s->peer, sizeof s->peer, "%s", s->endpoint);
+    zio_ok(s);
+    return 0;
+}
+
+int zio_connect(struct zio_sock *s, const char *endpoint) {
+    if (zio_check_endpoint(s, "connect", endpoint) < 0) return s->err;
+    if (zmq_connect(s->sock, endpoint) != 0) {
+        int e = errno;
+        zio_seterr(s, zio_endpoint_status(e), "connect %s: %s", endpoint, zmq_strerror(e));
+        return s->err;
+    }
+    snprintf(s->peer, sizeof s->peer, "%s", endpoint);
+    zio_ok(s);
+    return 0;
+}
+
+const char *zio_endpoint(const struct zio_sock *s) { return s->endpoint; }
+
+int zio_set_int(struct zio_sock *s, int option, int value) {
+    if (zmq_setsockopt(s->sock, option, &value, sizeof value) != 0) {
+        int e = errno;
+        zio_seterr(s, e == EINVAL ? STATUS_BAD_INPUT : STATUS_IO,
+                   "%s: zmq option %d = %d: %s", zio_name(s), option, value, zmq_strerror(e));
+        return s->err;
+    }
+    zio_ok(s);
+    return 0;
+}
+
+int zio_set_bytes(struct zio_sock *s, int option, const void *value, size_t size) {
+    if (zmq_setsockopt(s->sock, option, value, size) != 0) {
+        int e = errno;
+        zio_seterr(s, e == EINVAL ? STATUS_BAD_INPUT : STATUS_IO,
+                   "%s: zmq option %d (%zu bytes): %s", zio_name(s), option, size,
+                   zmq_strerror(e));
+        return s->err;
+    }
+    zio_ok(s);
+    return 0;
+}
+
+static int zio_io_status(int e, int eagain) {
+    switch (e) {
+    case EAGAIN: return eagain;
+    case ETERM: return STATUS_CANCELLED;
+    case EINTR: return STATUS_CANCELLED;
+    case EHOSTUNREACH: return STATUS_UNAVAILABLE; /* ROUTER_MANDATORY: no such peer */
+    case ENOTSUP: case EFSM: return STATUS_BAD_INPUT;  /* wrong socket type or state */
+    default: return STATUS_IO;
+    }
+}
+
+/* Gives the unsent zero-copy frames back to their owners' free functions. */
+static void zio_release_from(const struct zio_frame *frames, size_t from, size_t n) {
+    for (size_t i = from; i < n; i++)
+        if (frames[i].free_fn) frames[i].free_fn((void *)frames[i].data, frames[i].hint);
+}
+
+int zio_send(struct zio_sock *s, const struct zio_frame *frames, size_t n, int flags) {
+    if (n == 0) {
+        zio_seterr(s, STATUS_BAD_INPUT, "send to %s: a message needs at least one frame",
+                   zio_name(s));
+        return s->err;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const struct zio_frame *f = &frames[i];
+        zmq_msg_t m;
+        int rc;
+        if (f->free_fn && f->size > 0) {
+            rc = zmq_msg_init_data(&m, (void *)f->data, f->size, f->free_fn, f->hint);
+        } else {
+            rc = zmq_msg_init_size(&m, f->size);
+            if (rc == 0 && f->size) memcpy(zmq_msg_data(&m), f->data, f->size);
+            /* An empty zero-copy frame has nothing for ZeroMQ to hold: free it now. */
+            if (rc == 0 && f->free_fn) f->free_fn((void *)f->data, f->hint);
+        }
+        if (rc != 0) {
+            int e = errno;
+            if (f->free_fn) f->free_fn((void *)f->data, f->hint);
+            zio_release_from(frames, i + 1, n);
+            zio_seterr(s, STATUS_NO_MEMORY, "send to %s: frame %zu of %zu (%zu bytes): %s",
+                       zio_name(s), i, n, f->size, zmq_strerror(e));
+            return s->err;
+        }
+        int fl = flags | (i + 1 < n ? ZMQ_SNDMORE : 0);
+        for (;;) {
+            rc = zmq_msg_send(&m, s->sock, fl);
+            if (rc >= 0 || errno != EINTR) break;
+        }
+        if (rc < 0) {
+            int e = errno;
+            zmq_msg_close(&m); /* runs the frame's free_fn if it was zero-copy */
+            zio_release_from(frames, i + 1, n);
+            zio_seterr(s, zio_io_status(e, STATUS_EXHAUSTED),
+                       "send to %s: frame %zu of %zu (%zu bytes): %s", zio_name(s), i, n,
+                       f->size, zmq_strerror(e));
+            return s->err;
+        }
+    }
+    zio_ok(s);
+    return 0;
+}
+
+static void zio_parts_clear(struct zio_parts *p) {
+    for (size_t i = 0; i < p->n; i++) zmq_msg_close(&p->msgs[i]);
+    p->n = 0;
+}
+
+void zio_parts_free(struct zio_parts *p) {
+    if (!p) return;
+    zio_parts_clear(p);
+    free(p->msgs);
+    p->msgs = NULL;
+    p->cap = 0;
+}
+
+const void *zio_parts_data(const struct zio_parts *p, size_t i) {
+    return i < p->n ? zmq_msg_data((zmq_msg_t *)&p->msgs[i]) : NULL;
+}
+
+size_t zio_parts_size(const struct zio_parts *p, size_t i) {
+    return i < p->n ? zmq_msg_size((zmq_msg_t *)&p->msgs[i]) : 0;
+}
+
+static int64_t zio_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int zio_recv(struct zio_sock *s, struct zio_parts *p, int timeout_ms) {
+    zio_parts_clear(p);
+    int64_t deadline = timeout_ms >= 0 ? zio_now_ms() + timeout_ms : 0;
+    for (;;) {
+        if (p->n == p->cap) {
+            size_t cap = p->cap ? p->cap * 2 : 4;
+            zmq_msg_t *m = realloc(p->msgs, cap * sizeof *m);
+            if (!m) {
+                zio_parts_clear(p);
+                zio_seterr(s, STATUS_NO_MEMORY, "recv from %s: out of memory for %zu frames",
+                           zio_name(s), cap);
+                return s->err;
+            }
+            p->msgs = m;
+            p->cap = cap;
+        }
+        zmq_msg_t *m = &p->msgs[p->n];
+        zmq_msg_init(m);
+        int rc;
+        if (p->n > 0 || timeout_ms < 0) {
+            /* The rest of a message arrives with its first frame: never waits long. */
+            rc = zmq_msg_recv(m, s->sock, 0);
+        } else {
+            rc = zmq_msg_recv(m, s->sock, ZMQ_DONTWAIT);
+            while (rc < 0 && errno == EAGAIN) {
+                int64_t left = deadline - zio_now_ms();
+                if (left <= 0) break;
+                zmq_pollitem_t it = {s->sock, 0, ZMQ_POLLIN, 0};
+                int pr = zmq_poll(&it, 1, (long)left);
+                if (pr < 0) break; /* errno tells why */
+                rc = zmq_msg_recv(m, s->sock, ZMQ_DONTWAIT);
+            }
+        }
+        if (rc < 0) {
+            int e = errno;
+            zmq_msg_close(m);
+            zio_parts_clear(p);
+            if (e == EAGAIN) {
+                zio_seterr(s, STATUS_TIMEOUT, "recv from %s: no message within %d ms",
+                           zio_name(s), timeout_ms);
+            } else {
+                zio_seterr(s, zio_io_status(e, STATUS_TIMEOUT), "recv from %s: %s", zio_name(s),
+                           zmq_strerror(e));
+            }
+            return s->err;
+        }
+        p->n++;
+        if (!zmq_msg_more(m)) break;
+    }
+    zio_ok(s);
+    return 0;
+}
+
+int zio_poll(struct zio_sock *const *socks, const short *events, short *revents, size_t n,
+             int timeout_ms) {
+    zmq_pollitem_t items_small[16];
+    zmq_pollitem_t *items = n <= 16 ? items_small : malloc(n * sizeof *items);
+    if (!items) {
+        if (n) zio_seterr(socks[0], STATUS_NO_MEMORY, "poll %zu sockets: out of memory", n);
+        return STATUS_NO_MEMORY;
+    }
+    for (size_t i = 0; i < n; i++) {
+        items[i].socket = socks[i]->sock;
+        items[i].fd = 0;
+        items[i].events = events[i];
+        items[i].revents = 0;
+    }
+    int rc = zmq_poll(items, (int)n, timeout_ms);
+    int e = errno;
+    for (size_t i = 0; i < n; i++) revents[i] = rc > 0 ? items[i].revents : 0;
+    if (items != items_small) free(items);
+    if (rc < 0) {
+        if (e == EINTR) return 0;
+        if (n) {
+            zio_seterr(socks[0], zio_io_status(e, STATUS_TIMEOUT), "poll %zu sockets (first %s): %s",
+                       n, zio_name(socks[0]), zmq_strerror(e));
+            return socks[0]->err;
+        }
+        return STATUS_IO;
+    }
+    return rc;
+}
+
+int zio_err(const struct zio_sock *s) { return s->err; }
+const char *zio_errstr(const struct zio_sock *s) { return s->errstr; }
+void *zio_sock_raw(const struct zio_sock *s) { return s->sock; }
+
+int zio_free_port(void *ctx, int *port, char *err, size_t err_size) {
+    *port = 0;
+    void *own = NULL;
+    if (!ctx) {
+        own = zmq_ctx_new();
+        if (!own) {
+            snprintf(err, err_size, "free port: zmq context: %s", zmq_strerror(errno));
+            return STATUS_IO;
+        }
+        ctx = own;
+    }
+    struct zio_sock *s;
+    int rc = zio_sock_open(ctx, ZMQ_PAIR, &s, err, err_size);
+    if (rc == 0) {
+        zio_set_int(s, ZMQ_LINGER, 0);
+        rc = zio_bind(s, "tcp://127.0.0.1:*");
+        if (rc < 0) {
+            snprintf(err, err_size, "free port: %s", zio_errstr(s));
+        } else {
+            const char *colon = strrchr(s->endpoint, ':');
+            char *end = NULL;
+            long p = colon ? strtol(colon + 1, &end, 10) : 0;
+            if (!colon || *end != '\0' || p <= 0 || p > 65535) {
+                snprintf(err, err_size, "free port: cannot read a port from endpoint '%s'",
+                         s->endpoint);
+                rc = STATUS_INTERNAL;
+            } else {
+                *port = (int)p;
+            }
+        }
+        zio_sock_close(s);
+    }
+    if (own) zmq_ctx_term(own); /* waits until the listener is really closed */
+    return rc;
+}

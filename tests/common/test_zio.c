@@ -1,0 +1,199 @@
+/* Tests for common/zio: multipart round trips, zero-copy frames, timeouts,
+ * poll, errors that name the endpoint, and the free-port helper. */
+#include "common/status.h"
+#include "common/zio.h"
+#include "tests/test.h"
+
+#include <stdatomic.h>
+
+/* A pair of sockets connected over loopback TCP: DEALER -> ROUTER. */
+struct zpair {
+    void *ctx;
+    struct zio_sock *router, *dealer;
+};
+
+static void zpair_open(struct zpair *p) {
+    char err[256];
+    memset(p, 0, sizeof *p);
+    p->ctx = zmq_ctx_new();
+    ASSERT_TRUE(p->ctx != NULL);
+    ASSERT_OK(zio_sock_open(p->ctx, ZMQ_ROUTER, &p->router, err, sizeof err));
+    ASSERT_OK(zio_sock_open(p->ctx, ZMQ_DEALER, &p->dealer, err, sizeof err));
+    ASSERT_OK(zio_bind(p->router, "tcp://127.0.0.1:*"));
+    ASSERT_TRUE(strncmp(zio_endpoint(p->router), "tcp://127.0.0.1:", 16) == 0);
+    ASSERT_OK(zio_connect(p->dealer, zio_endpoint(p->router)));
+}
+
+static void zpair_close(struct zpair *p) {
+    zio_sock_close(p->dealer);
+    zio_sock_close(p->router);
+    if (p->ctx) zmq_ctx_term(p->ctx);
+    memset(p, 0, sizeof *p);
+}
+
+TEST(zio_multipart_roundtrip) {
+    struct zpair p;
+    zpair_open(&p);
+    const char *hdr = "step", *body = "plan-bytes";
+    struct zio_frame out[3] = {{hdr, 4, NULL, NULL}, {"", 0, NULL, NULL}, {body, 10, NULL, NULL}};
+    ASSERT_OK(zio_send(p.dealer, out, 3, 0));
+    struct zio_parts in = {0};
+    ASSERT_OK(zio_recv(p.router, &in, 5000));
+    ASSERT_EQ((size_t)4, in.n); /* ROUTER prepends the peer's routing id */
+    ASSERT_EQ((size_t)4, zio_parts_size(&in, 1));
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 1), "step", 4) == 0);
+    ASSERT_EQ((size_t)0, zio_parts_size(&in, 2));
+    ASSERT_EQ((size_t)10, zio_parts_size(&in, 3));
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 3), body, 10) == 0);
+    ASSERT_TRUE(zio_parts_data(&in, 4) == NULL);
+    /* Reply through the routing id: the dealer gets the frames after it. */
+    struct zio_frame back[2] = {{zio_parts_data(&in, 0), zio_parts_size(&in, 0), NULL, NULL},
+                                {"ok", 2, NULL, NULL}};
+    ASSERT_OK(zio_send(p.router, back, 2, 0));
+    ASSERT_OK(zio_recv(p.dealer, &in, 5000));
+    ASSERT_EQ((size_t)1, in.n);
+    ASSERT_EQ((size_t)2, zio_parts_size(&in, 0));
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 0), "ok", 2) == 0);
+    zio_parts_free(&in);
+    ASSERT_EQ((size_t)0, in.n);
+    zpair_close(&p);
+}
+
+static atomic_int zfreed;
+static void zfree_counted(void *data, void *hint) {
+    ASSERT_TRUE(hint == (void *)&zfreed);
+    free(data);
+    atomic_fetch_add(&zfreed, 1);
+}
+
+TEST(zio_zero_copy_frames) {
+    struct zpair p;
+    zpair_open(&p);
+    atomic_store(&zfreed, 0);
+    size_t n = (size_t)8 << 20; /* 8 MiB: a hidden-state batch */
+    uint8_t *big = malloc(n);
+    ASSERT_TRUE(big != NULL);
+    uint32_t x = 12345;
+    for (size_t i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        big[i] = (uint8_t)(x >> 24);
+    }
+    uint8_t *expect = malloc(n);
+    ASSERT_TRUE(expect != NULL);
+    memcpy(expect, big, n);
+    uint8_t *small = malloc(3);
+    memcpy(small, "abc", 3);
+    struct zio_frame out[3] = {{"hdr", 3, NULL, NULL},
+                               {big, n, zfree_counted, (void *)&zfreed},
+                               {small, 3, zfree_counted, (void *)&zfreed}};
+    ASSERT_OK(zio_send(p.dealer, out, 3, 0));
+    struct zio_parts in = {0};
+    ASSERT_OK(zio_recv(p.router, &in, 10000));
+    ASSERT_EQ((size_t)4, in.n);
+    ASSERT_EQ(n, zio_parts_size(&in, 2));
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 2), expect, n) == 0);
+    ASSERT_EQ((size_t)3, zio_parts_size(&in, 3));
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 3), "abc", 3) == 0);
+    zio_parts_free(&in);
+    free(expect);
+    zpair_close(&p); /* ends the context: every frame has been released by now */
+    ASSERT_EQ(2, atomic_load(&zfreed));
+}
+
+TEST(zio_zero_copy_freed_on_failure) {
+    char err[256];
+    void *ctx = zmq_ctx_new();
+    struct zio_sock *s;
+    ASSERT_OK(zio_sock_open(ctx, ZMQ_DEALER, &s, err, sizeof err));
+    atomic_store(&zfreed, 0);
+    /* A DEALER with no peer cannot queue anything: DONTWAIT fails at once. */
+    uint8_t *a = malloc(64), *b = malloc(64);
+    struct zio_frame out[2] = {{a, 64, zfree_counted, (void *)&zfreed},
+                               {b, 64, zfree_counted, (void *)&zfreed}};
+    ASSERT_EQ(STATUS_EXHAUSTED, zio_send(s, out, 2, ZMQ_DONTWAIT));
+    ASSERT_EQ(STATUS_EXHAUSTED, zio_err(s));
+    ASSERT_TRUE(strstr(zio_errstr(s), "send to socket: frame 0 of 2 (64 bytes)") != NULL);
+    ASSERT_EQ(2, atomic_load(&zfreed));
+    zio_sock_close(s);
+    zmq_ctx_term(ctx);
+}
+
+TEST(zio_recv_timeout) {
+    struct zpair p;
+    zpair_open(&p);
+    struct zio_parts in = {0};
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 50));
+    ASSERT_EQ((size_t)0, in.n);
+    char want[300];
+    snprintf(want, sizeof want, "recv from %s: no message within 50 ms", zio_endpoint(p.router));
+    ASSERT_STREQ(want, zio_errstr(p.router));
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 0));
+    zio_parts_free(&in);
+    zpair_close(&p);
+}
+
+TEST(zio_poll_ready) {
+    struct zpair p;
+    zpair_open(&p);
+    struct zio_sock *socks[2] = {p.router, p.dealer};
+    short ev[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, rev[2];
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 2, 20));
+    ASSERT_EQ(0, (int)rev[0]);
+    struct zio_frame f = {"x", 1, NULL, NULL};
+    ASSERT_OK(zio_send(p.dealer, &f, 1, 0));
+    ASSERT_EQ(1, zio_poll(socks, ev, rev, 2, 5000));
+    ASSERT_EQ(ZMQ_POLLIN, (int)rev[0]);
+    ASSERT_EQ(0, (int)rev[1]);
+    zpair_close(&p);
+}
+
+TEST(zio_bad_endpoint_named) {
+    char err[256];
+    void *ctx = zmq_ctx_new();
+    struct zio_sock *s;
+    ASSERT_OK(zio_sock_open(ctx, ZMQ_ROUTER, &s, err, sizeof err));
+    ASSERT_EQ(STATUS_BAD_INPUT, zio_bind(s, "tcp://127.0.0.1:99999"));
+    ASSERT_STREQ("bind tcp://127.0.0.1:99999: port '99999' is not a number from 0 to 65535",
+                 zio_errstr(s));
+    ASSERT_EQ(STATUS_BAD_INPUT, zio_connect(s, "tcp://localhost:http"));
+    ASSERT_STREQ("connect tcp://localhost:http: port 'http' is not a number from 0 to 65535",
+                 zio_errstr(s));
+    ASSERT_EQ(STATUS_BAD_INPUT, zio_connect(s, "bogus://nowhere"));
+    ASSERT_TRUE(strncmp(zio_errstr(s), "connect bogus://nowhere: ", 25) == 0);
+    /* A port already bound by another socket. */
+    struct zio_sock *t;
+    ASSERT_OK(zio_sock_open(ctx, ZMQ_ROUTER, &t, err, sizeof err));
+    ASSERT_OK(zio_bind(t, "tcp://127.0.0.1:*"));
+    char ep[256];
+    snprintf(ep, sizeof ep, "%s", zio_endpoint(t));
+    ASSERT_EQ(STATUS_IO, zio_bind(s, ep));
+    char want[300];
+    snprintf(want, sizeof want, "bind %s: Address already in use", ep);
+    ASSERT_STREQ(want, zio_errstr(s));
+    ASSERT_EQ(STATUS_BAD_INPUT, zio_set_int(s, 987654, 1));
+    ASSERT_TRUE(strstr(zio_errstr(s), "zmq option 987654 = 1") != NULL);
+    zio_sock_close(t);
+    zio_sock_close(s);
+    zmq_ctx_term(ctx);
+    ASSERT_EQ(STATUS_BAD_INPUT, zio_sock_open(NULL, ZMQ_ROUTER, &s, err, sizeof err));
+    ASSERT_TRUE(s == NULL);
+}
+
+TEST(zio_free_port_bindable) {
+    char err[256];
+    int port = 0;
+    ASSERT_OK(zio_free_port(NULL, &port, err, sizeof err));
+    ASSERT_TRUE(port > 0 && port <= 65535);
+    void *ctx = zmq_ctx_new();
+    struct zio_sock *s;
+    ASSERT_OK(zio_sock_open(ctx, ZMQ_PULL, &s, err, sizeof err));
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
+    ASSERT_OK(zio_bind(s, ep));
+    ASSERT_STREQ(ep, zio_endpoint(s));
+    zio_sock_close(s);
+    zmq_ctx_term(ctx);
+}
+
+TEST_MAIN(zio_multipart_roundtrip, zio_zero_copy_frames, zio_zero_copy_freed_on_failure,
+          zio_recv_timeout, zio_poll_ready, zio_bad_endpoint_named, zio_free_port_bindable)
