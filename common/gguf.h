@@ -65,6 +65,17 @@ int gguf_arr_str(const gguf_file *f, const char *key, uint64_t i, struct gguf_st
 int gguf_arr_f32(const gguf_file *f, const char *key, uint64_t i, float *out);
 int gguf_arr_i64(const gguf_file *f, const char *key, uint64_t i, int64_t *out);
 
+/* Raw elements of an array of a fixed-size type (little-endian, inside the
+ * mapping, possibly unaligned: read with memcpy); NULL if absent or not such
+ * an array (gguf_errstr says which). */
+const void *gguf_arr_data(const gguf_file *f, const char *key, enum gguf_vtype *elem_type, uint64_t *n);
+
+/* general.alignment (32 when absent), the file offset of the data section,
+ * and the file size. */
+uint32_t gguf_alignment(const gguf_file *f);
+uint64_t gguf_data_offset(const gguf_file *f);
+size_t gguf_file_size(const gguf_file *f);
+
 int64_t gguf_n_tensors(const gguf_file *f);
 const struct gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i);
 const struct gguf_tensor *gguf_tensor_find(const gguf_file *f, const char *name); /* NULL if absent */
@@ -73,7 +84,8 @@ const struct gguf_tensor *gguf_tensor_find(const gguf_file *f, const char *name)
 int gguf_str_eq(struct gguf_str s, const char *c);
 
 /* Writer: collect keys and tensors, then write the file in one go.  Values
- * are copied.  gguf_writer_write returns 0 or a negative status with err. */
+ * and tensor data are copied (the caller keeps ownership of what it passes;
+ * gguf_writer_free releases the copies).  gguf_writer_write returns 0 or a negative status with err. */
 typedef struct gguf_writer gguf_writer;
 gguf_writer *gguf_writer_init(void);
 void gguf_writer_free(gguf_writer *w);
@@ -89,5 +101,30 @@ void gguf_writer_set_arr_i32(gguf_writer *w, const char *key, const int32_t *v, 
 void gguf_writer_add_tensor(gguf_writer *w, const char *name, enum dtype type, int n_dims,
                             const int64_t *ne, const void *data);
 int gguf_writer_write(gguf_writer *w, const char *path, char *err, size_t errlen);
+
+/* More value types.  gguf_writer_set_arr takes n elements of a fixed-size
+ * type (not STRING or ARRAY).  Setting a key again replaces its value; a
+ * refused value (bad type, no memory) makes the write fail. */
+void gguf_writer_set_u8(gguf_writer *w, const char *key, uint8_t v);
+void gguf_writer_set_i8(gguf_writer *w, const char *key, int8_t v);
+void gguf_writer_set_u16(gguf_writer *w, const char *key, uint16_t v);
+void gguf_writer_set_i16(gguf_writer *w, const char *key, int16_t v);
+void gguf_writer_set_u64(gguf_writer *w, const char *key, uint64_t v);
+void gguf_writer_set_i64(gguf_writer *w, const char *key, int64_t v);
+void gguf_writer_set_f64(gguf_writer *w, const char *key, double v);
+void gguf_writer_set_arr(gguf_writer *w, const char *key, enum gguf_vtype elem_type, const void *v, uint64_t n);
+
+/* Streaming, for models larger than memory: declare every tensor with
+ * gguf_writer_add_tensor_info (no data), call gguf_writer_begin (writes the
+ * header, keys and tensor infos), then pass each tensor's bytes in the
+ * declared order with gguf_writer_stream_tensor, in one or more parts
+ * (last_part = 1 on its final part; the parts must add up to its size),
+ * and end with gguf_writer_finish.  Keys cannot change after begin.  On an
+ * error the file is left incomplete; gguf_writer_free closes it. */
+void gguf_writer_add_tensor_info(gguf_writer *w, const char *name, enum dtype type, int n_dims, const int64_t *ne);
+int gguf_writer_begin(gguf_writer *w, const char *path, char *err, size_t errlen);
+int gguf_writer_stream_tensor(gguf_writer *w, const char *name, const void *data, size_t nbytes, int last_part,
+                              char *err, size_t errlen);
+int gguf_writer_finish(gguf_writer *w, char *err, size_t errlen);
 
 #endif

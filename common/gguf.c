@@ -1,0 +1,1070 @@
+/* GGUF v2/v3 reader over mmap and writer.  The reader validates the whole
+ * file at open (every key, every tensor info, every tensor's bytes) so that
+ * later accessors can trust the offsets; every read goes through a cursor
+ * that checks the bytes left, with overflow-safe arithmetic.  Multi-byte
+ * values are read as little-endian with memcpy (GGUF is little-endian; so
+ * are the hosts we build for). */
+#include "gguf.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "status.h"
+
+#define GGUF_MAGIC "GGUF"
+#define GGUF_DEFAULT_ALIGNMENT 32
+#define GGUF_NAME_MAX 256     /* tensor names; llama.cpp allows 63 */
+#define GGUF_ARRAY_DEPTH_MAX 8 /* nested arrays are parsed, not exposed */
+
+struct gguf_kv {
+    struct gguf_str key;
+    enum gguf_vtype type;
+    const uint8_t *val;      /* scalar value, string (len + bytes) or first array element */
+    enum gguf_vtype elem;    /* arrays */
+    uint64_t n;              /* arrays: element count */
+    uint64_t *str_offsets;   /* arrays of strings: offset of each element from val */
+};
+
+struct gguf_file {
+    char *path;
+    const uint8_t *map;
+    size_t size;
+    uint32_t version;
+    uint32_t alignment;
+    uint64_t data_start;
+    int64_t n_kv;
+    struct gguf_kv *kv;
+    int64_t n_tensors;
+    struct gguf_tensor *tensors;
+    char *errbuf; /* last getter error; a pointer so const getters can write it */
+};
+
+enum { GGUF_ERRBUF = 512 };
+
+/* ---- cursor ---- */
+
+struct cursor {
+    const uint8_t *base;
+    uint64_t size, pos;
+    const char *path;
+    char *err;
+    size_t errlen;
+    const char *what; /* "key general.name", "tensor blk.0.attn_q.weight", "header" */
+    char whatbuf[GGUF_NAME_MAX + 64];
+};
+
+static int cur_fail(struct cursor *c, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int cur_fail(struct cursor *c, int status, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (c->err && c->errlen) snprintf(c->err, c->errlen, "%s: %s: %s", c->path, c->what, msg);
+    return status;
+}
+
+static int cur_need(struct cursor *c, uint64_t n) {
+    if (n > c->size - c->pos)
+        return cur_fail(c, STATUS_BAD_INPUT, "truncated at byte %llu (need %llu more bytes, file has %llu)",
+                        (unsigned long long)c->pos, (unsigned long long)n, (unsigned long long)c->size);
+    return 0;
+}
+
+static int cur_read(struct cursor *c, void *dst, uint64_t n) {
+    int s = cur_need(c, n);
+    if (s) return s;
+    memcpy(dst, c->base + c->pos, n);
+    c->pos += n;
+    return 0;
+}
+
+static int cur_u32(struct cursor *c, uint32_t *v) { return cur_read(c, v, 4); }
+static int cur_u64(struct cursor *c, uint64_t *v) { return cur_read(c, v, 8); }
+
+static int cur_str(struct cursor *c, struct gguf_str *s) {
+    uint64_t len;
+    int st = cur_u64(c, &len);
+    if (st) return st;
+    if (len > c->size - c->pos)
+        return cur_fail(c, STATUS_BAD_INPUT, "string of %llu bytes at byte %llu runs past the end of the file (%llu bytes)",
+                        (unsigned long long)len, (unsigned long long)(c->pos - 8), (unsigned long long)c->size);
+    s->ptr = (const char *)c->base + c->pos;
+    s->len = len;
+    c->pos += len;
+    return 0;
+}
+
+/* Bytes of one value of a fixed-size type; 0 for string, array, unknown. */
+static uint64_t vtype_size(uint32_t t) {
+    switch (t) {
+    case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_BOOL: return 1;
+    case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
+    case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_FLOAT32: return 4;
+    case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: case GGUF_TYPE_FLOAT64: return 8;
+    default: return 0;
+    }
+}
+
+static const char *vtype_name(uint32_t t) {
+    static const char *names[] = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "float32",
+                                  "bool", "string", "array", "uint64", "int64", "float64"};
+    return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
+}
+
+/* Skips an array body (element type and count already read), checking every
+ * element; string offsets are recorded when offs is non-NULL. */
+static int cur_skip_array(struct cursor *c, uint32_t elem, uint64_t n, uint64_t *offs, uint64_t base, int depth) {
+    uint64_t es = vtype_size(elem);
+    if (es) {
+        if (n > (c->size - c->pos) / es)
+            return cur_fail(c, STATUS_BAD_INPUT, "array of %llu %s at byte %llu runs past the end of the file (%llu bytes)",
+                            (unsigned long long)n, vtype_name(elem), (unsigned long long)c->pos, (unsigned long long)c->size);
+        if (elem == GGUF_TYPE_BOOL) {
+            for (uint64_t i = 0; i < n; i++)
+                if (c->base[c->pos + i] > 1)
+                    return cur_fail(c, STATUS_BAD_INPUT, "bool array element %llu is %u, not 0 or 1",
+                                    (unsigned long long)i, c->base[c->pos + i]);
+        }
+        c->pos += n * es;
+        return 0;
+    }
+    if (elem == GGUF_TYPE_STRING) {
+        if (n > (c->size - c->pos) / 8)
+            return cur_fail(c, STATUS_BAD_INPUT, "array of %llu strings at byte %llu runs past the end of the file (%llu bytes)",
+                            (unsigned long long)n, (unsigned long long)c->pos, (unsigned long long)c->size);
+        for (uint64_t i = 0; i < n; i++) {
+            if (offs) offs[i] = c->pos - base;
+            struct gguf_str s;
+            int st = cur_str(c, &s);
+            if (st) return st;
+        }
+        return 0;
+    }
+    if (elem == GGUF_TYPE_ARRAY) {
+        if (depth >= GGUF_ARRAY_DEPTH_MAX)
+            return cur_fail(c, STATUS_BAD_INPUT, "arrays nested deeper than %d", GGUF_ARRAY_DEPTH_MAX);
+        /* each inner array takes at least 12 bytes: bounds the loop */
+        if (n > (c->size - c->pos) / 12)
+            return cur_fail(c, STATUS_BAD_INPUT, "array of %llu arrays at byte %llu runs past the end of the file (%llu bytes)",
+                            (unsigned long long)n, (unsigned long long)c->pos, (unsigned long long)c->size);
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t e2;
+            uint64_t n2;
+            int st = cur_u32(c, &e2);
+            if (!st) st = cur_u64(c, &n2);
+            if (!st) st = cur_skip_array(c, e2, n2, NULL, 0, depth + 1);
+            if (st) return st;
+        }
+        return 0;
+    }
+    return cur_fail(c, STATUS_BAD_INPUT, "array element type %u is unknown", elem);
+}
+
+/* ---- open ---- */
+
+static const char *ggml_type_name(uint32_t t) {
+    static const char *names[] = {
+        "F32", "F16", "Q4_0", "Q4_1", "Q4_2", "Q4_3", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
+        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S",
+        "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8", "I16", "I32", "I64", "F64", "IQ1_M",
+        "BF16", "Q4_0_4_4", "Q4_0_4_8", "Q4_0_8_8", "TQ1_0", "TQ2_0", "IQ4_NL_4_4", "IQ4_NL_4_8", "IQ4_NL_8_8"};
+    return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
+}
+
+static int kv_cmp(const void *a, const void *b) {
+    const struct gguf_kv *x = *(const struct gguf_kv *const *)a, *y = *(const struct gguf_kv *const *)b;
+    uint64_t n = x->key.len < y->key.len ? x->key.len : y->key.len;
+    int r = memcmp(x->key.ptr, y->key.ptr, n);
+    if (r) return r;
+    return x->key.len < y->key.len ? -1 : x->key.len > y->key.len;
+}
+
+static int tensor_cmp(const void *a, const void *b) {
+    const struct gguf_tensor *x = *(const struct gguf_tensor *const *)a, *y = *(const struct gguf_tensor *const *)b;
+    uint64_t n = x->name.len < y->name.len ? x->name.len : y->name.len;
+    int r = memcmp(x->name.ptr, y->name.ptr, n);
+    if (r) return r;
+    return x->name.len < y->name.len ? -1 : x->name.len > y->name.len;
+}
+
+/* Printable, bounded copy of a name from the file for messages. */
+static void name_for_msg(char *buf, size_t size, struct gguf_str s) {
+    size_t n = 0;
+    for (uint64_t i = 0; i < s.len && n + 5 < size; i++) {
+        unsigned char ch = (unsigned char)s.ptr[i];
+        if (ch >= 0x20 && ch < 0x7f) buf[n++] = (char)ch;
+        else n += (size_t)snprintf(buf + n, size - n, "\\x%02x", ch);
+    }
+    buf[n < size ? n : size - 1] = 0;
+}
+
+static int parse_kvs(struct gguf_file *f, struct cursor *c) {
+    for (int64_t k = 0; k < f->n_kv; k++) {
+        struct gguf_kv *kv = &f->kv[k];
+        snprintf(c->whatbuf, sizeof c->whatbuf, "key #%lld", (long long)k);
+        c->what = c->whatbuf;
+        int st = cur_str(c, &kv->key);
+        if (st) return st;
+        char nm[160];
+        name_for_msg(nm, sizeof nm, kv->key);
+        snprintf(c->whatbuf, sizeof c->whatbuf, "key %s", nm);
+        uint32_t t;
+        if ((st = cur_u32(c, &t))) return st;
+        if (t > GGUF_TYPE_FLOAT64) return cur_fail(c, STATUS_BAD_INPUT, "value type %u is unknown", t);
+        kv->type = (enum gguf_vtype)t;
+        if (t == GGUF_TYPE_STRING) {
+            kv->val = c->base + c->pos;
+            struct gguf_str s;
+            if ((st = cur_str(c, &s))) return st;
+        } else if (t == GGUF_TYPE_ARRAY) {
+            uint32_t e;
+            uint64_t n;
+            if ((st = cur_u32(c, &e)) || (st = cur_u64(c, &n))) return st;
+            if (e > GGUF_TYPE_FLOAT64) return cur_fail(c, STATUS_BAD_INPUT, "array element type %u is unknown", e);
+            kv->elem = (enum gguf_vtype)e;
+            kv->n = n;
+            kv->val = c->base + c->pos;
+            if (e == GGUF_TYPE_STRING && n > 0) {
+                if (n > (c->size - c->pos) / 8)
+                    return cur_fail(c, STATUS_BAD_INPUT, "array of %llu strings at byte %llu runs past the end of the file (%llu bytes)",
+                                    (unsigned long long)n, (unsigned long long)c->pos, (unsigned long long)c->size);
+                kv->str_offsets = malloc(n * sizeof(uint64_t));
+                if (!kv->str_offsets) return cur_fail(c, STATUS_NO_MEMORY, "no memory for %llu string offsets", (unsigned long long)n);
+            }
+            if ((st = cur_skip_array(c, e, n, kv->str_offsets, c->pos, 1))) return st;
+        } else {
+            kv->val = c->base + c->pos;
+            if ((st = cur_need(c, vtype_size(t)))) return st;
+            if (t == GGUF_TYPE_BOOL && c->base[c->pos] > 1)
+                return cur_fail(c, STATUS_BAD_INPUT, "bool value is %u, not 0 or 1", c->base[c->pos]);
+            c->pos += vtype_size(t);
+        }
+    }
+    /* duplicate keys make lookups ambiguous */
+    if (f->n_kv > 1) {
+        const struct gguf_kv **idx = malloc((size_t)f->n_kv * sizeof *idx);
+        if (!idx) return cur_fail(c, STATUS_NO_MEMORY, "no memory to index %lld keys", (long long)f->n_kv);
+        for (int64_t k = 0; k < f->n_kv; k++) idx[k] = &f->kv[k];
+        qsort(idx, (size_t)f->n_kv, sizeof *idx, kv_cmp);
+        for (int64_t k = 1; k < f->n_kv; k++) {
+            if (kv_cmp(&idx[k - 1], &idx[k]) == 0) {
+                char nm[160];
+                name_for_msg(nm, sizeof nm, idx[k]->key);
+                snprintf(c->whatbuf, sizeof c->whatbuf, "key %s", nm);
+                c->what = c->whatbuf;
+                free(idx);
+                return cur_fail(c, STATUS_BAD_INPUT, "appears more than once");
+            }
+        }
+        free(idx);
+    }
+    return 0;
+}
+
+static int parse_tensors(struct gguf_file *f, struct cursor *c) {
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        struct gguf_tensor *t = &f->tensors[i];
+        snprintf(c->whatbuf, sizeof c->whatbuf, "tensor #%lld", (long long)i);
+        c->what = c->whatbuf;
+        int st = cur_str(c, &t->name);
+        if (st) return st;
+        char nm[160];
+        name_for_msg(nm, sizeof nm, t->name);
+        snprintf(c->whatbuf, sizeof c->whatbuf, "tensor %s", nm);
+        if (t->name.len == 0) return cur_fail(c, STATUS_BAD_INPUT, "empty name");
+        if (t->name.len > GGUF_NAME_MAX)
+            return cur_fail(c, STATUS_BAD_INPUT, "name of %llu bytes is longer than %d", (unsigned long long)t->name.len, GGUF_NAME_MAX);
+        uint32_t nd;
+        if ((st = cur_u32(c, &nd))) return st;
+        if (nd < 1 || nd > 4) return cur_fail(c, STATUS_BAD_INPUT, "n_dims %u is not in 1..4", nd);
+        t->n_dims = (int)nd;
+        int64_t nelem = 1;
+        for (int d = 0; d < 4; d++) t->ne[d] = 1;
+        for (uint32_t d = 0; d < nd; d++) {
+            uint64_t ne;
+            if ((st = cur_u64(c, &ne))) return st;
+            if (ne > (uint64_t)INT64_MAX) return cur_fail(c, STATUS_BAD_INPUT, "ne[%u] = %llu is negative as int64", d, (unsigned long long)ne);
+            t->ne[d] = (int64_t)ne;
+            if (__builtin_mul_overflow(nelem, t->ne[d], &nelem))
+                return cur_fail(c, STATUS_BAD_INPUT, "element count overflows int64 at ne[%u] = %lld", d, (long long)t->ne[d]);
+        }
+        uint32_t type;
+        if ((st = cur_u32(c, &type))) return st;
+        if (!dtype_valid((int)type))
+            return cur_fail(c, STATUS_UNSUPPORTED, "type %u (%s) is not supported", type, ggml_type_name(type));
+        t->type = (enum dtype)type;
+        uint64_t off;
+        if ((st = cur_u64(c, &off))) return st;
+        int64_t be = dtype_block_elems(t->type);
+        if (t->ne[0] % be != 0)
+            return cur_fail(c, STATUS_BAD_INPUT, "row length ne[0] = %lld is not a multiple of the %s block size %lld",
+                            (long long)t->ne[0], dtype_name(t->type), (long long)be);
+        if (off % f->alignment != 0)
+            return cur_fail(c, STATUS_BAD_INPUT, "data offset %llu is not a multiple of the alignment %u",
+                            (unsigned long long)off, f->alignment);
+        uint64_t rows = (uint64_t)(t->ne[0] ? nelem / t->ne[0] : 0), nbytes;
+        if (__builtin_mul_overflow((uint64_t)dtype_row_bytes(t->type, t->ne[0]), rows, &nbytes))
+            return cur_fail(c, STATUS_BAD_INPUT, "byte size overflows");
+        t->nbytes = (size_t)nbytes;
+        t->data = (const void *)(uintptr_t)off; /* made absolute once the data section is known */
+    }
+    if (f->n_tensors > 1) {
+        const struct gguf_tensor **idx = malloc((size_t)f->n_tensors * sizeof *idx);
+        if (!idx) return cur_fail(c, STATUS_NO_MEMORY, "no memory to index %lld tensors", (long long)f->n_tensors);
+        for (int64_t i = 0; i < f->n_tensors; i++) idx[i] = &f->tensors[i];
+        qsort(idx, (size_t)f->n_tensors, sizeof *idx, tensor_cmp);
+        for (int64_t i = 1; i < f->n_tensors; i++) {
+            if (tensor_cmp(&idx[i - 1], &idx[i]) == 0) {
+                char nm[160];
+                name_for_msg(nm, sizeof nm, idx[i]->name);
+                snprintf(c->whatbuf, sizeof c->whatbuf, "tensor %s", nm);
+                c->what = c->whatbuf;
+                free(idx);
+                return cur_fail(c, STATUS_BAD_INPUT, "appears more than once");
+            }
+        }
+        free(idx);
+    }
+    return 0;
+}
+
+static void gguf_free_parts(struct gguf_file *f) {
+    if (f->kv)
+        for (int64_t k = 0; k < f->n_kv; k++) free(f->kv[k].str_offsets);
+    free(f->kv);
+    free(f->tensors);
+    free(f->errbuf);
+    free(f->path);
+    if (f->map && f->size) munmap((void *)f->map, f->size);
+    free(f);
+}
+
+static int gguf_parse(struct gguf_file *f, char *err, size_t errlen) {
+    struct cursor c = {.base = f->map, .size = f->size, .pos = 0, .path = f->path, .err = err, .errlen = errlen, .what = "header"};
+    char magic[4];
+    int st = cur_read(&c, magic, 4);
+    if (st) return st;
+    if (memcmp(magic, GGUF_MAGIC, 4) != 0)
+        return cur_fail(&c, STATUS_BAD_INPUT, "magic is %02x %02x %02x %02x, not \"GGUF\" (not a GGUF file)",
+                        (unsigned char)magic[0], (unsigned char)magic[1], (unsigned char)magic[2], (unsigned char)magic[3]);
+    if ((st = cur_u32(&c, &f->version))) return st;
+    if (f->version != 2 && f->version != 3)
+        return cur_fail(&c, STATUS_UNSUPPORTED, "version %u is not supported (2 and 3 are)", f->version);
+    uint64_t nt, nkv;
+    if ((st = cur_u64(&c, &nt)) || (st = cur_u64(&c, &nkv))) return st;
+    /* a key takes at least 13 bytes, a tensor info 32: bounds the allocations */
+    if (nkv > (c.size - c.pos) / 13)
+        return cur_fail(&c, STATUS_BAD_INPUT, "%llu keys cannot fit in a file of %llu bytes", (unsigned long long)nkv, (unsigned long long)c.size);
+    if (nt > (c.size - c.pos) / 32)
+        return cur_fail(&c, STATUS_BAD_INPUT, "%llu tensors cannot fit in a file of %llu bytes", (unsigned long long)nt, (unsigned long long)c.size);
+    f->n_kv = (int64_t)nkv;
+    f->n_tensors = (int64_t)nt;
+    f->kv = calloc(nkv ? nkv : 1, sizeof *f->kv);
+    f->tensors = calloc(nt ? nt : 1, sizeof *f->tensors);
+    if (!f->kv || !f->tensors) return cur_fail(&c, STATUS_NO_MEMORY, "no memory for %llu keys and %llu tensors", (unsigned long long)nkv, (unsigned long long)nt);
+    if ((st = parse_kvs(f, &c))) return st;
+
+    f->alignment = GGUF_DEFAULT_ALIGNMENT;
+    int64_t ka = gguf_find_key(f, "general.alignment");
+    if (ka >= 0) {
+        c.what = "key general.alignment";
+        if (f->kv[ka].type != GGUF_TYPE_UINT32)
+            return cur_fail(&c, STATUS_BAD_INPUT, "type %s, want uint32", vtype_name(f->kv[ka].type));
+        uint32_t a;
+        memcpy(&a, f->kv[ka].val, 4);
+        if (a == 0 || (a & (a - 1)) != 0) return cur_fail(&c, STATUS_BAD_INPUT, "alignment %u is not a power of two", a);
+        f->alignment = a;
+    }
+    if ((st = parse_tensors(f, &c))) return st;
+
+    uint64_t pad = (f->alignment - c.pos % f->alignment) % f->alignment;
+    f->data_start = c.pos + pad;
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        struct gguf_tensor *t = &f->tensors[i];
+        uint64_t off = (uint64_t)(uintptr_t)t->data, end;
+        if (__builtin_add_overflow(f->data_start, off, &end) || __builtin_add_overflow(end, (uint64_t)t->nbytes, &end) ||
+            end > f->size) {
+            char nm[160];
+            name_for_msg(nm, sizeof nm, t->name);
+            snprintf(c.whatbuf, sizeof c.whatbuf, "tensor %s", nm);
+            c.what = c.whatbuf;
+            return cur_fail(&c, STATUS_BAD_INPUT, "data [%llu, +%llu) at offset %llu runs past the end of the file (%llu bytes; truncated?)",
+                            (unsigned long long)(f->data_start + off), (unsigned long long)t->nbytes,
+                            (unsigned long long)off, (unsigned long long)f->size);
+        }
+        t->data = f->map + f->data_start + off;
+    }
+    return 0;
+}
+
+int gguf_open(gguf_file **out, const char *path, char *err, size_t errlen) {
+    *out = NULL;
+    if (err && errlen) err[0] = 0;
+    struct gguf_file *f = calloc(1, sizeof *f);
+    if (!f || !(f->path = strdup(path)) || !(f->errbuf = calloc(1, GGUF_ERRBUF))) {
+        if (f) gguf_free_parts(f);
+        if (err && errlen) snprintf(err, errlen, "%s: no memory", path);
+        return STATUS_NO_MEMORY;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        if (err && errlen) snprintf(err, errlen, "%s: cannot open: %s", path, strerror(e));
+        gguf_free_parts(f);
+        return e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        if (err && errlen) snprintf(err, errlen, "%s: not a regular file", path);
+        close(fd);
+        gguf_free_parts(f);
+        return STATUS_BAD_INPUT;
+    }
+    if (st.st_size == 0) {
+        if (err && errlen) snprintf(err, errlen, "%s: header: file is empty (0 bytes)", path);
+        close(fd);
+        gguf_free_parts(f);
+        return STATUS_BAD_INPUT;
+    }
+    void *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int e = errno;
+    close(fd);
+    if (m == MAP_FAILED) {
+        if (err && errlen) snprintf(err, errlen, "%s: mmap of %lld bytes failed: %s", path, (long long)st.st_size, strerror(e));
+        gguf_free_parts(f);
+        return STATUS_IO;
+    }
+    f->map = m;
+    f->size = (size_t)st.st_size;
+    int s = gguf_parse(f, err, errlen);
+    if (s) {
+        gguf_free_parts(f);
+        return s;
+    }
+    *out = f;
+    return 0;
+}
+
+void gguf_close(gguf_file *f) {
+    if (f) gguf_free_parts(f);
+}
+
+const char *gguf_path(const gguf_file *f) { return f->path; }
+uint32_t gguf_version(const gguf_file *f) { return f->version; }
+const char *gguf_errstr(const gguf_file *f) { return f->errbuf; }
+uint32_t gguf_alignment(const gguf_file *f) { return f->alignment; }
+uint64_t gguf_data_offset(const gguf_file *f) { return f->data_start; }
+size_t gguf_file_size(const gguf_file *f) { return f->size; }
+
+int64_t gguf_n_keys(const gguf_file *f) { return f->n_kv; }
+struct gguf_str gguf_key_name(const gguf_file *f, int64_t k) { return f->kv[k].key; }
+enum gguf_vtype gguf_key_type(const gguf_file *f, int64_t k) { return f->kv[k].type; }
+
+int gguf_str_eq(struct gguf_str s, const char *c) {
+    size_t n = strlen(c);
+    return s.len == n && memcmp(s.ptr, c, n) == 0;
+}
+
+int64_t gguf_find_key(const gguf_file *f, const char *key) {
+    for (int64_t k = 0; k < f->n_kv; k++)
+        if (gguf_str_eq(f->kv[k].key, key)) return k;
+    return -1;
+}
+
+/* ---- getters ---- */
+
+static int get_fail(const gguf_file *f, int status, const char *key, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int get_fail(const gguf_file *f, int status, const char *key, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    snprintf(f->errbuf, GGUF_ERRBUF, "%s: key %s: %s", f->path, key, msg);
+    return status;
+}
+
+/* A numeric value of type t at p, as signed/unsigned integer or double.
+ * kind: 0 integer (fills *i or *u, *is_unsigned), 1 float, -1 other. */
+struct num {
+    int kind;      /* 0 integer, 1 float, -1 not numeric */
+    int neg;       /* integer is negative */
+    uint64_t mag;  /* integer magnitude when !neg, else value as int64 in sv */
+    int64_t sv;
+    double fv;
+};
+
+static struct num num_at(enum gguf_vtype t, const uint8_t *p) {
+    struct num n = {.kind = 0};
+    switch (t) {
+    case GGUF_TYPE_UINT8: n.mag = p[0]; break;
+    case GGUF_TYPE_INT8: n.sv = (int8_t)p[0]; break;
+    case GGUF_TYPE_UINT16: { uint16_t v; memcpy(&v, p, 2); n.mag = v; break; }
+    case GGUF_TYPE_INT16: { int16_t v; memcpy(&v, p, 2); n.sv = v; break; }
+    case GGUF_TYPE_UINT32: { uint32_t v; memcpy(&v, p, 4); n.mag = v; break; }
+    case GGUF_TYPE_INT32: { int32_t v; memcpy(&v, p, 4); n.sv = v; break; }
+    case GGUF_TYPE_UINT64: { uint64_t v; memcpy(&v, p, 8); n.mag = v; break; }
+    case GGUF_TYPE_INT64: { int64_t v; memcpy(&v, p, 8); n.sv = v; break; }
+    case GGUF_TYPE_FLOAT32: { float v; memcpy(&v, p, 4); n.kind = 1; n.fv = v; return n; }
+    case GGUF_TYPE_FLOAT64: { double v; memcpy(&v, p, 8); n.kind = 1; n.fv = v; return n; }
+    default: n.kind = -1; return n;
+    }
+    int is_signed = t == GGUF_TYPE_INT8 || t == GGUF_TYPE_INT16 || t == GGUF_TYPE_INT32 || t == GGUF_TYPE_INT64;
+    if (is_signed) {
+        if (n.sv < 0) n.neg = 1;
+        else n.mag = (uint64_t)n.sv;
+    }
+    n.fv = n.neg ? (double)n.sv : (double)n.mag;
+    return n;
+}
+
+static const struct gguf_kv *find_kv(const gguf_file *f, const char *key) {
+    int64_t k = gguf_find_key(f, key);
+    if (k < 0) {
+        get_fail(f, STATUS_NOT_FOUND, key, "absent");
+        return NULL;
+    }
+    return &f->kv[k];
+}
+
+static int num_to_u32(const gguf_file *f, const char *key, enum gguf_vtype t, const uint8_t *p, uint32_t *out) {
+    struct num n = num_at(t, p);
+    if (n.kind != 0) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want an integer", vtype_name(t));
+    if (n.neg || n.mag > UINT32_MAX)
+        return get_fail(f, STATUS_BAD_INPUT, key, "value %s%llu does not fit uint32", n.neg ? "-" : "",
+                        n.neg ? (unsigned long long)(-(n.sv + 1)) + 1ull : (unsigned long long)n.mag);
+    *out = (uint32_t)n.mag;
+    return 0;
+}
+
+static int num_to_i64(const gguf_file *f, const char *key, enum gguf_vtype t, const uint8_t *p, int64_t *out) {
+    struct num n = num_at(t, p);
+    if (n.kind != 0) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want an integer", vtype_name(t));
+    if (n.neg) {
+        *out = n.sv;
+        return 0;
+    }
+    if (n.mag > (uint64_t)INT64_MAX) return get_fail(f, STATUS_BAD_INPUT, key, "value %llu does not fit int64", (unsigned long long)n.mag);
+    *out = (int64_t)n.mag;
+    return 0;
+}
+
+static int num_to_f32(const gguf_file *f, const char *key, enum gguf_vtype t, const uint8_t *p, float *out) {
+    struct num n = num_at(t, p);
+    if (n.kind < 0) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want a number", vtype_name(t));
+    *out = (float)n.fv;
+    return 0;
+}
+
+int gguf_get_u32(const gguf_file *f, const char *key, uint32_t *out) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    return num_to_u32(f, key, kv->type, kv->val, out);
+}
+
+int gguf_get_i64(const gguf_file *f, const char *key, int64_t *out) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    return num_to_i64(f, key, kv->type, kv->val, out);
+}
+
+int gguf_get_f32(const gguf_file *f, const char *key, float *out) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    return num_to_f32(f, key, kv->type, kv->val, out);
+}
+
+int gguf_get_bool(const gguf_file *f, const char *key, int *out) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    if (kv->type != GGUF_TYPE_BOOL) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want bool", vtype_name(kv->type));
+    *out = kv->val[0] != 0;
+    return 0;
+}
+
+int gguf_get_str(const gguf_file *f, const char *key, struct gguf_str *out) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    if (kv->type != GGUF_TYPE_STRING) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want string", vtype_name(kv->type));
+    uint64_t len;
+    memcpy(&len, kv->val, 8);
+    out->ptr = (const char *)kv->val + 8;
+    out->len = len;
+    return 0;
+}
+
+int gguf_get_arr(const gguf_file *f, const char *key, enum gguf_vtype *elem_type, uint64_t *n) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return STATUS_NOT_FOUND;
+    if (kv->type != GGUF_TYPE_ARRAY) return get_fail(f, STATUS_BAD_INPUT, key, "type %s, want array", vtype_name(kv->type));
+    if (elem_type) *elem_type = kv->elem;
+    if (n) *n = kv->n;
+    return 0;
+}
+
+/* The array kv for an element getter, with i checked. */
+static const struct gguf_kv *arr_elem(const gguf_file *f, const char *key, uint64_t i, int *status) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) {
+        *status = STATUS_NOT_FOUND;
+        return NULL;
+    }
+    if (kv->type != GGUF_TYPE_ARRAY) {
+        *status = get_fail(f, STATUS_BAD_INPUT, key, "type %s, want array", vtype_name(kv->type));
+        return NULL;
+    }
+    if (i >= kv->n) {
+        *status = get_fail(f, STATUS_BAD_INPUT, key, "index %llu outside the array of %llu", (unsigned long long)i,
+                           (unsigned long long)kv->n);
+        return NULL;
+    }
+    return kv;
+}
+
+int gguf_arr_str(const gguf_file *f, const char *key, uint64_t i, struct gguf_str *out) {
+    int st = 0;
+    const struct gguf_kv *kv = arr_elem(f, key, i, &st);
+    if (!kv) return st;
+    if (kv->elem != GGUF_TYPE_STRING)
+        return get_fail(f, STATUS_BAD_INPUT, key, "array of %s, want strings", vtype_name(kv->elem));
+    const uint8_t *p = kv->val + kv->str_offsets[i];
+    uint64_t len;
+    memcpy(&len, p, 8);
+    out->ptr = (const char *)p + 8;
+    out->len = len;
+    return 0;
+}
+
+int gguf_arr_f32(const gguf_file *f, const char *key, uint64_t i, float *out) {
+    int st = 0;
+    const struct gguf_kv *kv = arr_elem(f, key, i, &st);
+    if (!kv) return st;
+    uint64_t es = vtype_size(kv->elem);
+    if (!es || kv->elem == GGUF_TYPE_BOOL)
+        return get_fail(f, STATUS_BAD_INPUT, key, "array of %s, want numbers", vtype_name(kv->elem));
+    return num_to_f32(f, key, kv->elem, kv->val + i * es, out);
+}
+
+int gguf_arr_i64(const gguf_file *f, const char *key, uint64_t i, int64_t *out) {
+    int st = 0;
+    const struct gguf_kv *kv = arr_elem(f, key, i, &st);
+    if (!kv) return st;
+    uint64_t es = vtype_size(kv->elem);
+    if (!es || kv->elem == GGUF_TYPE_BOOL)
+        return get_fail(f, STATUS_BAD_INPUT, key, "array of %s, want integers", vtype_name(kv->elem));
+    return num_to_i64(f, key, kv->elem, kv->val + i * es, out);
+}
+
+const void *gguf_arr_data(const gguf_file *f, const char *key, enum gguf_vtype *elem_type, uint64_t *n) {
+    const struct gguf_kv *kv = find_kv(f, key);
+    if (!kv) return NULL;
+    if (kv->type != GGUF_TYPE_ARRAY || !vtype_size(kv->elem)) {
+        get_fail(f, STATUS_BAD_INPUT, key, "not an array of fixed-size values");
+        return NULL;
+    }
+    if (elem_type) *elem_type = kv->elem;
+    if (n) *n = kv->n;
+    return kv->val;
+}
+
+int64_t gguf_n_tensors(const gguf_file *f) { return f->n_tensors; }
+const struct gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i) { return &f->tensors[i]; }
+
+const struct gguf_tensor *gguf_tensor_find(const gguf_file *f, const char *name) {
+    for (int64_t i = 0; i < f->n_tensors; i++)
+        if (gguf_str_eq(f->tensors[i].name, name)) return &f->tensors[i];
+    return NULL;
+}
+
+/* ---- writer ---- */
+
+struct wkv {
+    char *key;
+    uint8_t *bytes; /* type tag and value, encoded as in the file */
+    size_t len;
+};
+
+struct wtensor {
+    char *name;
+    enum dtype type;
+    int n_dims;
+    int64_t ne[4];
+    size_t nbytes;
+    uint64_t offset; /* in the data section */
+    void *data;      /* copy, or NULL for a tensor streamed later */
+};
+
+struct gguf_writer {
+    struct wkv *kv;
+    size_t n_kv, cap_kv;
+    struct wtensor *t;
+    size_t n_t, cap_t;
+    int failed;          /* an allocation failed while collecting: write refuses */
+    FILE *fp;            /* streaming: open between begin and finish */
+    char *path;
+    size_t next_stream;  /* streaming: index of the next tensor whose data is due */
+    uint64_t written;    /* bytes written so far */
+    uint64_t stream_done; /* streaming: bytes of the current tensor written */
+    uint32_t alignment;
+};
+
+struct buf {
+    uint8_t *p;
+    size_t len, cap;
+    int failed;
+};
+
+static void buf_put(struct buf *b, const void *src, size_t n) {
+    if (b->failed) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 64;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *p = realloc(b->p, cap);
+        if (!p) {
+            b->failed = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, src, n);
+    b->len += n;
+}
+static void buf_u32(struct buf *b, uint32_t v) { buf_put(b, &v, 4); }
+static void buf_u64(struct buf *b, uint64_t v) { buf_put(b, &v, 8); }
+static void buf_str(struct buf *b, const char *s) {
+    size_t n = strlen(s);
+    buf_u64(b, n);
+    buf_put(b, s, n);
+}
+
+gguf_writer *gguf_writer_init(void) {
+    gguf_writer *w = calloc(1, sizeof *w);
+    if (w) w->alignment = GGUF_DEFAULT_ALIGNMENT;
+    return w;
+}
+
+void gguf_writer_free(gguf_writer *w) {
+    if (!w) return;
+    for (size_t i = 0; i < w->n_kv; i++) {
+        free(w->kv[i].key);
+        free(w->kv[i].bytes);
+    }
+    for (size_t i = 0; i < w->n_t; i++) {
+        free(w->t[i].name);
+        free(w->t[i].data);
+    }
+    free(w->kv);
+    free(w->t);
+    if (w->fp) fclose(w->fp);
+    free(w->path);
+    free(w);
+}
+
+/* Takes ownership of b's bytes; a later set of the same key replaces it. */
+static void writer_put_kv(gguf_writer *w, const char *key, struct buf *b) {
+    if (b->failed || w->failed) {
+        free(b->p);
+        w->failed = 1;
+        return;
+    }
+    for (size_t i = 0; i < w->n_kv; i++) {
+        if (strcmp(w->kv[i].key, key) == 0) {
+            free(w->kv[i].bytes);
+            w->kv[i].bytes = b->p;
+            w->kv[i].len = b->len;
+            return;
+        }
+    }
+    if (w->n_kv == w->cap_kv) {
+        size_t cap = w->cap_kv ? w->cap_kv * 2 : 32;
+        struct wkv *p = realloc(w->kv, cap * sizeof *p);
+        if (!p) {
+            free(b->p);
+            w->failed = 1;
+            return;
+        }
+        w->kv = p;
+        w->cap_kv = cap;
+    }
+    char *k = strdup(key);
+    if (!k) {
+        free(b->p);
+        w->failed = 1;
+        return;
+    }
+    w->kv[w->n_kv++] = (struct wkv){k, b->p, b->len};
+    if (strcmp(key, "general.alignment") == 0 && b->len == 8) {
+        uint32_t t, a;
+        memcpy(&t, b->p, 4);
+        memcpy(&a, b->p + 4, 4);
+        if (t == GGUF_TYPE_UINT32 && a && (a & (a - 1)) == 0) w->alignment = a;
+    }
+}
+
+static void writer_scalar(gguf_writer *w, const char *key, enum gguf_vtype t, const void *v) {
+    struct buf b = {0};
+    buf_u32(&b, t);
+    buf_put(&b, v, vtype_size(t));
+    writer_put_kv(w, key, &b);
+}
+
+void gguf_writer_set_u8(gguf_writer *w, const char *key, uint8_t v) { writer_scalar(w, key, GGUF_TYPE_UINT8, &v); }
+void gguf_writer_set_i8(gguf_writer *w, const char *key, int8_t v) { writer_scalar(w, key, GGUF_TYPE_INT8, &v); }
+void gguf_writer_set_u16(gguf_writer *w, const char *key, uint16_t v) { writer_scalar(w, key, GGUF_TYPE_UINT16, &v); }
+void gguf_writer_set_i16(gguf_writer *w, const char *key, int16_t v) { writer_scalar(w, key, GGUF_TYPE_INT16, &v); }
+void gguf_writer_set_u32(gguf_writer *w, const char *key, uint32_t v) { writer_scalar(w, key, GGUF_TYPE_UINT32, &v); }
+void gguf_writer_set_i32(gguf_writer *w, const char *key, int32_t v) { writer_scalar(w, key, GGUF_TYPE_INT32, &v); }
+void gguf_writer_set_u64(gguf_writer *w, const char *key, uint64_t v) { writer_scalar(w, key, GGUF_TYPE_UINT64, &v); }
+void gguf_writer_set_i64(gguf_writer *w, const char *key, int64_t v) { writer_scalar(w, key, GGUF_TYPE_INT64, &v); }
+void gguf_writer_set_f32(gguf_writer *w, const char *key, float v) { writer_scalar(w, key, GGUF_TYPE_FLOAT32, &v); }
+void gguf_writer_set_f64(gguf_writer *w, const char *key, double v) { writer_scalar(w, key, GGUF_TYPE_FLOAT64, &v); }
+void gguf_writer_set_bool(gguf_writer *w, const char *key, int v) {
+    uint8_t b = v ? 1 : 0;
+    writer_scalar(w, key, GGUF_TYPE_BOOL, &b);
+}
+
+void gguf_writer_set_str(gguf_writer *w, const char *key, const char *v) {
+    struct buf b = {0};
+    buf_u32(&b, GGUF_TYPE_STRING);
+    buf_str(&b, v);
+    writer_put_kv(w, key, &b);
+}
+
+void gguf_writer_set_arr_str(gguf_writer *w, const char *key, const char *const *v, uint64_t n) {
+    struct buf b = {0};
+    buf_u32(&b, GGUF_TYPE_ARRAY);
+    buf_u32(&b, GGUF_TYPE_STRING);
+    buf_u64(&b, n);
+    for (uint64_t i = 0; i < n; i++) buf_str(&b, v[i]);
+    writer_put_kv(w, key, &b);
+}
+
+void gguf_writer_set_arr(gguf_writer *w, const char *key, enum gguf_vtype elem_type, const void *v, uint64_t n) {
+    uint64_t es = vtype_size(elem_type);
+    if (!es) { /* strings and arrays have their own setters; refuse at write */
+        w->failed = 1;
+        return;
+    }
+    struct buf b = {0};
+    buf_u32(&b, GGUF_TYPE_ARRAY);
+    buf_u32(&b, elem_type);
+    buf_u64(&b, n);
+    buf_put(&b, v, (size_t)(n * es));
+    writer_put_kv(w, key, &b);
+}
+
+void gguf_writer_set_arr_f32(gguf_writer *w, const char *key, const float *v, uint64_t n) {
+    gguf_writer_set_arr(w, key, GGUF_TYPE_FLOAT32, v, n);
+}
+void gguf_writer_set_arr_i32(gguf_writer *w, const char *key, const int32_t *v, uint64_t n) {
+    gguf_writer_set_arr(w, key, GGUF_TYPE_INT32, v, n);
+}
+
+static struct wtensor *writer_new_tensor(gguf_writer *w, const char *name, enum dtype type, int n_dims, const int64_t *ne) {
+    if (w->failed) return NULL;
+    if (!dtype_valid((int)type) || n_dims < 1 || n_dims > 4) {
+        w->failed = 1;
+        return NULL;
+    }
+    int64_t rows = 1;
+    for (int d = 1; d < n_dims; d++) rows *= ne[d];
+    if (ne[0] <= 0 || ne[0] % dtype_block_elems(type) != 0 || rows < 0) {
+        w->failed = 1;
+        return NULL;
+    }
+    if (w->n_t == w->cap_t) {
+        size_t cap = w->cap_t ? w->cap_t * 2 : 64;
+        struct wtensor *p = realloc(w->t, cap * sizeof *p);
+        if (!p) {
+            w->failed = 1;
+            return NULL;
+        }
+        w->t = p;
+        w->cap_t = cap;
+    }
+    struct wtensor *t = &w->t[w->n_t];
+    memset(t, 0, sizeof *t);
+    t->name = strdup(name);
+    if (!t->name) {
+        w->failed = 1;
+        return NULL;
+    }
+    t->type = type;
+    t->n_dims = n_dims;
+    for (int d = 0; d < 4; d++) t->ne[d] = d < n_dims ? ne[d] : 1;
+    t->nbytes = dtype_row_bytes(type, ne[0]) * (size_t)rows;
+    w->n_t++;
+    return t;
+}
+
+void gguf_writer_add_tensor(gguf_writer *w, const char *name, enum dtype type, int n_dims, const int64_t *ne,
+                            const void *data) {
+    struct wtensor *t = writer_new_tensor(w, name, type, n_dims, ne);
+    if (!t) return;
+    t->data = malloc(t->nbytes ? t->nbytes : 1);
+    if (!t->data) {
+        w->failed = 1;
+        return;
+    }
+    memcpy(t->data, data, t->nbytes);
+}
+
+void gguf_writer_add_tensor_info(gguf_writer *w, const char *name, enum dtype type, int n_dims, const int64_t *ne) {
+    writer_new_tensor(w, name, type, n_dims, ne);
+}
+
+static int writer_err(char *err, size_t errlen, int status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int writer_err(char *err, size_t errlen, int status, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+static int writer_pad(gguf_writer *w) {
+    static const uint8_t zeros[256];
+    uint64_t pad = (w->alignment - w->written % w->alignment) % w->alignment;
+    while (pad > 0) {
+        size_t n = pad > sizeof zeros ? sizeof zeros : (size_t)pad;
+        if (fwrite(zeros, 1, n, w->fp) != n) return -1;
+        pad -= n;
+        w->written += n;
+    }
+    return 0;
+}
+
+/* Writes header, keys, tensor infos and the padding before the data. */
+static int writer_head(gguf_writer *w, const char *path, char *err, size_t errlen) {
+    if (w->failed) return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: a key or tensor was refused (bad type, shape or no memory)", path);
+    for (size_t i = 0; i < w->n_t; i++)
+        for (size_t j = 0; j < i; j++)
+            if (strcmp(w->t[i].name, w->t[j].name) == 0)
+                return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: added twice", path, w->t[i].name);
+    uint64_t off = 0;
+    for (size_t i = 0; i < w->n_t; i++) {
+        w->t[i].offset = off;
+        off += w->t[i].nbytes;
+        off += (w->alignment - off % w->alignment) % w->alignment;
+    }
+    free(w->path);
+    w->path = strdup(path);
+    w->fp = fopen(path, "wb");
+    if (!w->fp) return writer_err(err, errlen, STATUS_IO, "%s: cannot create: %s", path, strerror(errno));
+    struct buf b = {0};
+    buf_put(&b, GGUF_MAGIC, 4);
+    buf_u32(&b, 3);
+    buf_u64(&b, w->n_t);
+    buf_u64(&b, w->n_kv);
+    for (size_t i = 0; i < w->n_kv; i++) {
+        buf_str(&b, w->kv[i].key);
+        buf_put(&b, w->kv[i].bytes, w->kv[i].len);
+    }
+    for (size_t i = 0; i < w->n_t; i++) {
+        const struct wtensor *t = &w->t[i];
+        buf_str(&b, t->name);
+        buf_u32(&b, (uint32_t)t->n_dims);
+        for (int d = 0; d < t->n_dims; d++) buf_u64(&b, (uint64_t)t->ne[d]);
+        buf_u32(&b, (uint32_t)t->type);
+        buf_u64(&b, t->offset);
+    }
+    if (b.failed) {
+        free(b.p);
+        return writer_err(err, errlen, STATUS_NO_MEMORY, "%s: no memory for the header", path);
+    }
+    int ok = fwrite(b.p, 1, b.len, w->fp) == b.len;
+    w->written = b.len;
+    free(b.p);
+    if (!ok || (w->n_t > 0 && writer_pad(w) != 0))
+        return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
+    w->next_stream = 0;
+    w->stream_done = 0;
+    return 0;
+}
+
+static int writer_close(gguf_writer *w, char *err, size_t errlen) {
+    int bad = fflush(w->fp) != 0 || ferror(w->fp);
+    int e = errno;
+    bad |= fclose(w->fp) != 0;
+    w->fp = NULL;
+    if (bad) return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(e));
+    return 0;
+}
+
+int gguf_writer_write(gguf_writer *w, const char *path, char *err, size_t errlen) {
+    for (size_t i = 0; i < w->n_t; i++)
+        if (!w->t[i].data)
+            return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s has no data (use the streaming calls)", path, w->t[i].name);
+    int st = writer_head(w, path, err, errlen);
+    if (st) {
+        if (w->fp) fclose(w->fp), w->fp = NULL;
+        return st;
+    }
+    for (size_t i = 0; i < w->n_t; i++) {
+        if (fwrite(w->t[i].data, 1, w->t[i].nbytes, w->fp) != w->t[i].nbytes) {
+            fclose(w->fp), w->fp = NULL;
+            return writer_err(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", path, w->t[i].name, strerror(errno));
+        }
+        w->written += w->t[i].nbytes;
+        if (i + 1 < w->n_t && writer_pad(w) != 0) {
+            fclose(w->fp), w->fp = NULL;
+            return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
+        }
+    }
+    return writer_close(w, err, errlen);
+}
+
+int gguf_writer_begin(gguf_writer *w, const char *path, char *err, size_t errlen) {
+    if (w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: already writing %s", path, w->path);
+    int st = writer_head(w, path, err, errlen);
+    if (st && w->fp) fclose(w->fp), w->fp = NULL;
+    return st;
+}
+
+int gguf_writer_stream_tensor(gguf_writer *w, const char *name, const void *data, size_t nbytes, int last_part,
+                              char *err, size_t errlen) {
+    if (!w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "tensor %s: gguf_writer_begin was not called", name);
+    if (w->next_stream >= w->n_t)
+        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: every tensor is already written", w->path, name);
+    struct wtensor *t = &w->t[w->next_stream];
+    if (strcmp(t->name, name) != 0)
+        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s written out of order: %s is next", w->path, name, t->name);
+    if (nbytes > t->nbytes - w->stream_done)
+        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: %zu more bytes exceed its size %zu (%llu written)",
+                          w->path, name, nbytes, t->nbytes, (unsigned long long)w->stream_done);
+    if (last_part && w->stream_done + nbytes != t->nbytes)
+        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: ends after %llu of its %zu bytes", w->path, name,
+                          (unsigned long long)(w->stream_done + nbytes), t->nbytes);
+    if (nbytes && fwrite(data, 1, nbytes, w->fp) != nbytes)
+        return writer_err(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", w->path, name, strerror(errno));
+    w->written += nbytes;
+    w->stream_done += nbytes;
+    if (last_part) {
+        w->next_stream++;
+        w->stream_done = 0;
+        if (w->next_stream < w->n_t && writer_pad(w) != 0)
+            return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(errno));
+    }
+    return 0;
+}
+
+int gguf_writer_finish(gguf_writer *w, char *err, size_t errlen) {
+    if (!w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "gguf_writer_finish: nothing is being written");
+    if (w->next_stream != w->n_t) {
+        int st = writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s was never written", w->path, w->t[w->next_stream].name);
+        fclose(w->fp), w->fp = NULL;
+        return st;
+    }
+    return writer_close(w, err, errlen);
+}
