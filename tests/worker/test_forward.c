@@ -1,0 +1,624 @@
+/* Tests of the forward pass on the CPU backend against llama.cpp's and
+ * transformers' goldens (../shared/models), and of the engine's own
+ * invariants: batching, paged KV sharing with copy-on-write and the stage
+ * split give the same logits as the plain path. */
+#include "../test.h"
+#include "common/kvblocks.h"
+#include "common/model.h"
+#include "common/status.h"
+#include "kernels/backend.h"
+#include "worker/forward.h"
+#include "worker/stage.h"
+
+#include <cjson/cJSON.h>
+
+/* ---- Fixture: a model on the CPU backend, one stage, a block pool ---- */
+
+struct fx {
+    backend *b;
+    model_file *m;
+    stage *s;
+    kvblocks *kb;
+    int32_t n_vocab;
+};
+
+static void fx_open(struct fx *f, const char *file, const struct stage_config *cfg_in) {
+    char err[512];
+    memset(f, 0, sizeof *f);
+    const char *path = test_model_path(file);
+    if (backend_cpu_init(&f->b, 2, err, sizeof err) != 0) TEST_FAIL("backend_cpu_init: %s", err);
+    if (model_file_open(&f->m, path, err, sizeof err) != 0) TEST_FAIL("model_file_open: %s", err);
+    struct stage_config cfg;
+    if (cfg_in) cfg = *cfg_in;
+    else stage_config_default(&cfg);
+    if (stage_init(&f->s, f->m, f->b, &cfg, err, sizeof err) != 0) TEST_FAIL("stage_init: %s", err);
+    const struct stage_config *c = stage_config_get(f->s);
+    if (kvblocks_init(&f->kb, c->n_blocks, c->block_size, err, sizeof err) != 0)
+        TEST_FAIL("kvblocks_init: %s", err);
+    f->n_vocab = model_file_hparams(f->m)->n_vocab;
+}
+
+static void fx_close(struct fx *f) {
+    if (f->kb) ASSERT_EQ(kvblocks_n_blocks(f->kb), kvblocks_n_free(f->kb));
+    kvblocks_free(f->kb);
+    stage_free(f->s);
+    model_file_close(f->m);
+    backend_free(f->b);
+    memset(f, 0, sizeof *f);
+}
+
+/* Runs ids[0..n) as the next chunk of the sequence of table t, alone in a
+ * step.  logits: rows per mode (NULL to skip). */
+static void fx_run(struct fx *f, struct kvblocks_table *t, const int32_t *ids, int32_t n,
+                   enum forward_logits mode, float *logits) {
+    struct kvblocks_copy cp;
+    int32_t n_cp = 0, pos0 = t->n_tokens;
+    ASSERT_OK(kvblocks_reserve(f->kb, t, n, &cp, &n_cp));
+    struct forward_seq q = {ids, n, pos0, t->ids, t->n_ids, mode};
+    struct forward_batch bt = {&q, 1, &cp, n_cp, NULL, 0};
+    struct forward_out o = {logits, 0, NULL};
+    char err[512];
+    int rc = forward_step(f->s, &bt, &o, err, sizeof err);
+    if (rc != 0) TEST_FAIL("forward_step: %s", err);
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static double max_abs_diff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > m || d != d) m = d != d ? INFINITY : d;
+    }
+    return m;
+}
+
+/* ---- Goldens ---- */
+
+static cJSON *load_json(const char *file) {
+    const char *path = test_model_path(file);
+    FILE *fp = fopen(path, "rb");
+    if (!fp) TEST_FAIL("cannot open %s", path);
+    fseek(fp, 0, SEEK_END);
+    long len = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    char *buf = malloc((size_t)len + 1);
+    size_t got = fread(buf, 1, (size_t)len, fp);
+    fclose(fp);
+    buf[got] = 0;
+    cJSON *j = cJSON_Parse(buf);
+    free(buf);
+    if (!j) TEST_FAIL("%s: not JSON", path);
+    return j;
+}
+
+static int32_t json_ids(const cJSON *arr, int32_t *out, int32_t max) {
+    int32_t n = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, arr) {
+        if (n < max) out[n] = (int32_t)e->valuedouble;
+        n++;
+    }
+    return n;
+}
+
+static const cJSON *golden_prompts(const cJSON *root, const char *model) {
+    const cJSON *m = cJSON_GetObjectItem(cJSON_GetObjectItem(root, "models"), model);
+    if (!m) TEST_FAIL("golden has no model %s", model);
+    return cJSON_GetObjectItem(m, "prompts");
+}
+
+/* ---- stories260K against llama.cpp ---- */
+
+TEST(forward_stories_f32_greedy_matches_golden) {
+    cJSON *root = load_json("stories260K-golden.json");
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    const cJSON *p;
+    cJSON_ArrayForEach(p, golden_prompts(root, "stories260K-f32.gguf")) {
+        int32_t prompt[64], gold[128];
+        int32_t np = json_ids(cJSON_GetObjectItem(p, "prompt_ids"), prompt, 64);
+        int32_t ng = json_ids(cJSON_GetObjectItem(p, "generated_ids"), gold, 128);
+        const cJSON *top5 = cJSON_GetObjectItem(p, "top5_logits");
+        float *logits = malloc(sizeof(float) * f.n_vocab);
+        struct kvblocks_table t;
+        kvblocks_table_init(&t);
+        fx_run(&f, &t, prompt, np, FORWARD_LOGITS_LAST, logits);
+        double worst = 0;
+        for (int32_t k = 0; k < ng; k++) {
+            const cJSON *row = cJSON_GetArrayItem(top5, k), *e;
+            cJSON_ArrayForEach(e, row) {
+                int32_t id = (int32_t)cJSON_GetArrayItem(e, 0)->valuedouble;
+                double d = fabs(logits[id] - cJSON_GetArrayItem(e, 1)->valuedouble);
+                if (d > worst) worst = d;
+            }
+            int32_t id = argmax(logits, f.n_vocab);
+            if (id != gold[k]) TEST_FAIL("prompt %d ids, token %d: expected %d, got %d", np, k, gold[k], id);
+            fx_run(&f, &t, &id, 1, FORWARD_LOGITS_LAST, logits);
+        }
+        printf("  %d tokens equal; golden top-5 logits within %.2g\n", ng, worst);
+        ASSERT_TRUE(worst < 1e-4);
+        kvblocks_table_free(f.kb, &t);
+        free(logits);
+    }
+    fx_close(&f);
+    cJSON_Delete(root);
+}
+
+/* Teacher forcing on prompt + golden ids: at every generated position the
+ * golden token's logit is within tol of the highest logit, and the golden
+ * top-5 logits are matched within tol. */
+static void check_teacher_forced(const char *file, const char *golden_model, double tol) {
+    cJSON *root = load_json("stories260K-golden.json");
+    struct fx f;
+    fx_open(&f, file, NULL);
+    const cJSON *p;
+    double worst_gap = 0, worst_top = 0;
+    cJSON_ArrayForEach(p, golden_prompts(root, golden_model)) {
+        int32_t ids[256];
+        int32_t np = json_ids(cJSON_GetObjectItem(p, "prompt_ids"), ids, 64);
+        int32_t ng = json_ids(cJSON_GetObjectItem(p, "generated_ids"), ids + np, 128);
+        const cJSON *top5 = cJSON_GetObjectItem(p, "top5_logits");
+        int32_t n = np + ng;
+        float *logits = malloc(sizeof(float) * f.n_vocab * (size_t)n);
+        struct kvblocks_table t;
+        kvblocks_table_init(&t);
+        fx_run(&f, &t, ids, n, FORWARD_LOGITS_ALL, logits);
+        for (int32_t k = 0; k < ng; k++) {
+            const float *row = logits + (size_t)(np - 1 + k) * f.n_vocab;
+            double gap = row[argmax(row, f.n_vocab)] - row[ids[np + k]];
+            if (gap > worst_gap) worst_gap = gap;
+            if (gap > tol) TEST_FAIL("%s: generated token %d (id %d) is %.4f below the top logit", file, k, ids[np + k], gap);
+            const cJSON *g = cJSON_GetArrayItem(top5, k), *e;
+            cJSON_ArrayForEach(e, g) {
+                int32_t id = (int32_t)cJSON_GetArrayItem(e, 0)->valuedouble;
+                double d = fabs(row[id] - cJSON_GetArrayItem(e, 1)->valuedouble);
+                if (d > worst_top) worst_top = d;
+                if (d > tol) TEST_FAIL("%s: position %d: logit of %d is %.6f, golden %.6f", file, k, id, row[id], cJSON_GetArrayItem(e, 1)->valuedouble);
+            }
+        }
+        kvblocks_table_free(f.kb, &t);
+        free(logits);
+    }
+    printf("  %s vs %s goldens: golden token at most %.4f below the top; top-5 logits within %.4f (tolerance %g)\n",
+           file, golden_model, worst_gap, worst_top, tol);
+    fx_close(&f);
+    cJSON_Delete(root);
+}
+
+TEST(forward_stories_f16_teacher_forced) {
+    check_teacher_forced("stories260K-f16.gguf", "stories260K-f32.gguf", 0.01);
+}
+TEST(forward_stories_q8_0_teacher_forced) {
+    check_teacher_forced("stories260K-q8_0.gguf", "stories260K-q8_0.gguf", 0.3);
+}
+TEST(forward_stories_q4_0_teacher_forced) {
+    check_teacher_forced("stories260K-q4_0.gguf", "stories260K-f32.gguf", 0.3);
+}
+
+/* ---- tiny-llama-hf against transformers ---- */
+
+TEST(forward_tiny_llama_hf_matches_reference) {
+    cJSON *root = load_json("tiny-llama-hf/reference.json");
+    const cJSON *g = cJSON_GetArrayItem(cJSON_GetObjectItem(root, "generation"), 0);
+    struct fx f;
+    fx_open(&f, "tiny-llama-hf", NULL);
+    int32_t ids[128], greedy[64];
+    int32_t np = json_ids(cJSON_GetObjectItem(g, "prompt_ids"), ids, 64);
+    int32_t ng = json_ids(cJSON_GetObjectItem(g, "greedy_ids"), greedy, 64);
+    float *logits = malloc(sizeof(float) * f.n_vocab * (size_t)(np + ng));
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    /* Every prompt position in one prefill. */
+    fx_run(&f, &t, ids, np, FORWARD_LOGITS_ALL, logits);
+    double worst = 0;
+    const cJSON *top = cJSON_GetObjectItem(g, "top5_per_prompt_position");
+    for (int32_t k = 0; k < np; k++) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, cJSON_GetArrayItem(top, k)) {
+            int32_t id = (int32_t)cJSON_GetArrayItem(e, 0)->valuedouble;
+            double ref = cJSON_GetArrayItem(e, 1)->valuedouble;
+            double d = fabs(logits[(size_t)k * f.n_vocab + id] - ref);
+            if (d > worst) worst = d;
+            if (d > 1e-3) TEST_FAIL("prompt position %d: logit of %d is %.6f, reference %.6f", k, id, logits[(size_t)k * f.n_vocab + id], ref);
+        }
+    }
+    /* Greedy decode, one token at a time. */
+    float *row = logits + (size_t)(np - 1) * f.n_vocab;
+    for (int32_t k = 0; k < ng; k++) {
+        int32_t id = argmax(row, f.n_vocab);
+        if (id != greedy[k]) TEST_FAIL("greedy token %d: expected %d, got %d", k, greedy[k], id);
+        ids[np + k] = id;
+        row = logits + (size_t)(np + k) * f.n_vocab;
+        fx_run(&f, &t, &id, 1, FORWARD_LOGITS_LAST, row);
+    }
+    /* The same sequence in one teacher-forced prefill gives the same logits
+     * as the step-by-step decode. */
+    float *tf = malloc(sizeof(float) * f.n_vocab * (size_t)(np + ng));
+    struct kvblocks_table t2;
+    kvblocks_table_init(&t2);
+    fx_run(&f, &t2, ids, np + ng, FORWARD_LOGITS_ALL, tf);
+    double d_tf = max_abs_diff(logits + (size_t)(np - 1) * f.n_vocab, tf + (size_t)(np - 1) * f.n_vocab,
+                               (size_t)(ng + 1) * f.n_vocab);
+    /* reference.json's top5_along_greedy holds [int(logit), id] pairs (the
+     * file's logits are truncated there), so along the greedy sequence only
+     * the ids and the integer parts can be compared. */
+    const cJSON *along = cJSON_GetObjectItem(g, "top5_along_greedy");
+    int32_t n_along = cJSON_GetArraySize(along), checked = 0;
+    for (int32_t k = 0; k < n_along && k < np + ng; k++) {
+        const cJSON *e;
+        cJSON_ArrayForEach(e, cJSON_GetArrayItem(along, k)) {
+            double whole = cJSON_GetArrayItem(e, 0)->valuedouble;
+            int32_t id = (int32_t)cJSON_GetArrayItem(e, 1)->valuedouble;
+            ASSERT_TRUE(id >= 0 && id < f.n_vocab);
+            double ours = tf[(size_t)k * f.n_vocab + id];
+            if (ours < whole - 1e-3 || ours >= whole + 1 + 1e-3)
+                TEST_FAIL("along greedy %d: logit of %d is %.6f, reference's integer part %.0f", k, id, ours, whole);
+            checked++;
+        }
+    }
+    printf("  prompt logits within %.2g of transformers; %d greedy ids equal; decode vs prefill %.2g; %d integer parts agree\n",
+           worst, ng, d_tf, checked);
+    ASSERT_TRUE(d_tf < 1e-4);
+    kvblocks_table_free(f.kb, &t);
+    kvblocks_table_free(f.kb, &t2);
+    free(tf);
+    free(logits);
+    fx_close(&f);
+    cJSON_Delete(root);
+}
+
+/* ---- Engine invariants ---- */
+
+static void make_ids(int32_t *ids, int32_t n, uint32_t seed, int32_t n_vocab) {
+    for (int32_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = i == 0 ? 1 : 3 + (int32_t)((seed >> 8) % (uint32_t)(n_vocab - 3));
+    }
+}
+
+/* Three sequences, each run alone in one prefill, then together in steps
+ * that mix prefill chunks and decode tokens at different positions. */
+TEST(forward_batch_equals_single) {
+    enum { N_SEQ = 3, LEN = 40 };
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    int32_t ids[N_SEQ][LEN];
+    float *alone[N_SEQ], *batched[N_SEQ];
+    for (int s = 0; s < N_SEQ; s++) {
+        make_ids(ids[s], LEN, 77u + (uint32_t)s, f.n_vocab);
+        alone[s] = malloc(sizeof(float) * f.n_vocab * LEN);
+        batched[s] = calloc((size_t)f.n_vocab * LEN, sizeof(float));
+        struct kvblocks_table t;
+        kvblocks_table_init(&t);
+        fx_run(&f, &t, ids[s], LEN, FORWARD_LOGITS_ALL, alone[s]);
+        kvblocks_table_free(f.kb, &t);
+    }
+    /* Chunk schedule: seq s starts at step s and takes chunk sizes that
+     * vary (1 = a decode token). */
+    static const int32_t chunks[] = {5, 1, 7, 1, 1, 13, 2, 1, 9, 1, 1, 3, 17, 1};
+    struct kvblocks_table t[N_SEQ];
+    int32_t done[N_SEQ] = {0}, next_chunk[N_SEQ] = {0};
+    for (int s = 0; s < N_SEQ; s++) kvblocks_table_init(&t[s]);
+    float *out = malloc(sizeof(float) * f.n_vocab * LEN * N_SEQ);
+    for (int step = 0; step < 64; step++) {
+        struct forward_seq q[N_SEQ];
+        int32_t who[N_SEQ], n = 0;
+        for (int s = 0; s < N_SEQ; s++) {
+            if (step < s || done[s] == LEN) continue;
+            int32_t c = chunks[(next_chunk[s]++ + s) % (int32_t)(sizeof chunks / sizeof chunks[0])];
+            if (c > LEN - done[s]) c = LEN - done[s];
+            ASSERT_OK(kvblocks_reserve(f.kb, &t[s], c, NULL, NULL));
+            q[n] = (struct forward_seq){ids[s] + done[s], c, done[s], t[s].ids, t[s].n_ids, FORWARD_LOGITS_ALL};
+            who[n++] = s;
+        }
+        if (n == 0) break;
+        struct forward_batch bt = {q, n, NULL, 0, NULL, 0};
+        struct forward_out o = {out, 0, NULL};
+        char err[512];
+        if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("forward_step: %s", err);
+        int32_t row = 0;
+        for (int32_t i = 0; i < n; i++) {
+            int s = who[i];
+            memcpy(batched[s] + (size_t)done[s] * f.n_vocab, out + (size_t)row * f.n_vocab,
+                   sizeof(float) * f.n_vocab * q[i].n_tokens);
+            row += q[i].n_tokens;
+            done[s] += q[i].n_tokens;
+        }
+        ASSERT_EQ(row, o.n_logits);
+    }
+    double worst = 0;
+    for (int s = 0; s < N_SEQ; s++) {
+        ASSERT_EQ((int32_t)LEN, done[s]);
+        double d = max_abs_diff(alone[s], batched[s], (size_t)f.n_vocab * LEN);
+        if (d > worst) worst = d;
+        kvblocks_table_free(f.kb, &t[s]);
+        free(alone[s]);
+        free(batched[s]);
+    }
+    printf("  batched vs alone: max abs diff %.3g\n", worst);
+    ASSERT_TRUE(worst < 1e-4);
+    free(out);
+    fx_close(&f);
+}
+
+/* A parent sequence and a child forked from its prefix (mid-block), both
+ * continuing with different tokens in one step: the child's first write
+ * copies the shared block, and the logits equal those of unshared runs. */
+TEST(forward_shared_prefix_copy_on_write) {
+    enum { PREFIX = 20, FORK_AT = 18, MORE = 6 };
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    int32_t par[PREFIX + MORE], chi[FORK_AT + MORE];
+    make_ids(par, PREFIX + MORE, 5, f.n_vocab);
+    memcpy(chi, par, sizeof(int32_t) * FORK_AT);
+    make_ids(chi + FORK_AT, MORE, 99, f.n_vocab);
+    chi[FORK_AT] = 7; /* not 1: a different token from the parent's */
+    size_t V = (size_t)f.n_vocab;
+    float *ref_p = malloc(sizeof(float) * V * (PREFIX + MORE));
+    float *ref_c = malloc(sizeof(float) * V * (FORK_AT + MORE));
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    fx_run(&f, &t, par, PREFIX + MORE, FORWARD_LOGITS_ALL, ref_p);
+    kvblocks_table_free(f.kb, &t);
+    fx_run(&f, &t, chi, FORK_AT + MORE, FORWARD_LOGITS_ALL, ref_c);
+    kvblocks_table_free(f.kb, &t);
+
+    struct kvblocks_table tp, tc;
+    kvblocks_table_init(&tp);
+    kvblocks_table_init(&tc);
+    float *lp = malloc(sizeof(float) * V * PREFIX);
+    fx_run(&f, &tp, par, PREFIX, FORWARD_LOGITS_ALL, lp);
+    int32_t used_before = kvblocks_n_used(f.kb);
+    ASSERT_OK(kvblocks_fork(f.kb, &tc, &tp, FORK_AT));
+    ASSERT_EQ(used_before, kvblocks_n_used(f.kb));
+    ASSERT_EQ(2, kvblocks_refcount(f.kb, tp.ids[1]));
+    /* One step: the child's tokens 18.. and the parent's tokens 20.. */
+    struct kvblocks_copy cps[2];
+    int32_t n_cp = 0, k;
+    ASSERT_OK(kvblocks_reserve(f.kb, &tc, MORE, &cps[n_cp], &k));
+    ASSERT_EQ(1, k);
+    n_cp += k;
+    ASSERT_OK(kvblocks_reserve(f.kb, &tp, MORE, &cps[n_cp], &k));
+    ASSERT_EQ(0, k); /* the parent owns its block alone after the child's copy */
+    n_cp += k;
+    struct forward_seq q[2] = {
+        {chi + FORK_AT, MORE, FORK_AT, tc.ids, tc.n_ids, FORWARD_LOGITS_ALL},
+        {par + PREFIX, MORE, PREFIX, tp.ids, tp.n_ids, FORWARD_LOGITS_ALL},
+    };
+    struct forward_batch bt = {q, 2, cps, n_cp, NULL, 0};
+    float *out = malloc(sizeof(float) * V * 2 * MORE);
+    struct forward_out o = {out, 0, NULL};
+    char err[512];
+    if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("forward_step: %s", err);
+    double d_prefix = max_abs_diff(ref_p, lp, V * PREFIX);
+    double d_child = max_abs_diff(ref_c + V * FORK_AT, out, V * MORE);
+    double d_parent = max_abs_diff(ref_p + V * PREFIX, out + V * MORE, V * MORE);
+    printf("  shared prefix: parent prefix %.3g, child %.3g, parent %.3g\n", d_prefix, d_child, d_parent);
+    ASSERT_TRUE(d_prefix < 1e-4);
+    ASSERT_TRUE(d_child < 1e-4);
+    ASSERT_TRUE(d_parent < 1e-4);
+    kvblocks_table_free(f.kb, &tc);
+    kvblocks_table_free(f.kb, &tp);
+    free(out);
+    free(lp);
+    free(ref_p);
+    free(ref_c);
+    fx_close(&f); /* asserts every block is back */
+}
+
+/* Layers [0, k) and [k, n) as two stages chained through hidden states
+ * (host copies and backend pointers) give the logits of one stage. */
+TEST(forward_two_stages_equal_one) {
+    enum { LEN = 23 };
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    int32_t n_layers = model_file_hparams(f.m)->n_layers, dim = model_file_hparams(f.m)->dim;
+    size_t V = (size_t)f.n_vocab;
+    int32_t ids[LEN];
+    make_ids(ids, LEN, 3, f.n_vocab);
+    float *ref = malloc(sizeof(float) * V * LEN), *got = malloc(sizeof(float) * V * LEN);
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, ref);
+    kvblocks_table_free(f.kb, &t);
+
+    char err[512];
+    for (int32_t k = 1; k < n_layers; k += n_layers - 2) {
+        struct stage_config ca, cb;
+        stage_config_default(&ca);
+        stage_config_default(&cb);
+        ca.layer_last = k;
+        cb.layer_first = k;
+        stage *sa = NULL, *sb = NULL;
+        if (stage_init(&sa, f.m, f.b, &ca, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
+        if (stage_init(&sb, f.m, f.b, &cb, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
+        ASSERT_TRUE(stage_is_first(sa) && !stage_is_last(sa));
+        ASSERT_TRUE(!stage_is_first(sb) && stage_is_last(sb));
+        float *hidden = malloc(sizeof(float) * (size_t)dim * LEN);
+        /* Prefill 15 tokens through host memory, then decode the rest one at
+         * a time handing over the backend pointer. */
+        int32_t done = 0;
+        kvblocks_table_init(&t);
+        while (done < LEN) {
+            int32_t n = done == 0 ? 15 : 1;
+            ASSERT_OK(kvblocks_reserve(f.kb, &t, n, NULL, NULL));
+            struct forward_seq q = {ids + done, n, done, t.ids, t.n_ids, FORWARD_LOGITS_ALL};
+            struct forward_batch ba = {&q, 1, NULL, 0, NULL, 0};
+            struct forward_out oa = {NULL, 0, done == 0 ? hidden : NULL};
+            if (forward_step(sa, &ba, &oa, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
+            ASSERT_EQ(0, oa.n_logits);
+            struct forward_batch bb = {&q, 1, NULL, 0, done == 0 ? hidden : forward_hidden(sa), done != 0};
+            struct forward_out ob = {got + (size_t)done * V, 0, NULL};
+            if (forward_step(sb, &bb, &ob, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
+            ASSERT_EQ(n, ob.n_logits);
+            done += n;
+        }
+        double d = max_abs_diff(ref, got, V * LEN);
+        printf("  split at layer %d: max abs diff %.3g\n", k, d);
+        ASSERT_TRUE(d < 1e-5);
+        /* A later stage without hidden states is refused. */
+        struct forward_seq q = {ids, 1, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST};
+        struct forward_batch bb = {&q, 1, NULL, 0, NULL, 0};
+        struct forward_out ob = {got, 0, NULL};
+        ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(sb, &bb, &ob, err, sizeof err));
+        kvblocks_table_free(f.kb, &t);
+        free(hidden);
+        stage_free(sa);
+        stage_free(sb);
+    }
+    free(ref);
+    free(got);
+    fx_close(&f);
+}
+
+/* K-quant and Q8_0 versions of synth256 against its F32 file: relative
+ * error ||a - b|| / ||a|| of the logits of a 48-token prefill. */
+TEST(forward_synth256_quants_close_to_f32) {
+    enum { LEN = 48 };
+    static const struct { const char *file; double bound; } files[] = {
+        {"synth256-q8_0.gguf", 0.02},
+        {"synth256-q6_k.gguf", 0.03},
+        {"synth256-q5_k_m.gguf", 0.06},
+        {"synth256-q4_k_m.gguf", 0.12},
+    };
+    struct fx f;
+    fx_open(&f, "synth256-f32.gguf", NULL);
+    size_t V = (size_t)f.n_vocab;
+    int32_t ids[LEN];
+    make_ids(ids, LEN, 11, f.n_vocab);
+    float *ref = malloc(sizeof(float) * V * LEN), *got = malloc(sizeof(float) * V * LEN);
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, ref);
+    kvblocks_table_free(f.kb, &t);
+    fx_close(&f);
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        fx_open(&f, files[i].file, NULL);
+        kvblocks_table_init(&t);
+        fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, got);
+        kvblocks_table_free(f.kb, &t);
+        fx_close(&f);
+        double num = 0, den = 0;
+        for (size_t j = 0; j < V * LEN; j++) {
+            num += ((double)got[j] - ref[j]) * ((double)got[j] - ref[j]);
+            den += (double)ref[j] * ref[j];
+        }
+        double rel = sqrt(num / den);
+        printf("  %s: relative error %.4f (bound %.2f)\n", files[i].file, rel, files[i].bound);
+        ASSERT_TRUE(rel < files[i].bound);
+    }
+    free(ref);
+    free(got);
+}
+
+/* An F16 KV cache changes the logits only by the rounding of K and V. */
+TEST(forward_f16_kv_cache_close_to_f32) {
+    enum { LEN = 30 };
+    struct stage_config c;
+    stage_config_default(&c);
+    c.kv_type = DTYPE_F16;
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    size_t V = (size_t)f.n_vocab;
+    int32_t ids[LEN];
+    make_ids(ids, LEN, 21, f.n_vocab);
+    float *ref = malloc(sizeof(float) * V * LEN), *got = malloc(sizeof(float) * V * LEN);
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, ref);
+    kvblocks_table_free(f.kb, &t);
+    fx_close(&f);
+    fx_open(&f, "stories260K-f32.gguf", &c);
+    ASSERT_EQ((int)DTYPE_F16, (int)kvcache_type(stage_kvcache(f.s)));
+    kvblocks_table_init(&t);
+    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, got);
+    kvblocks_table_free(f.kb, &t);
+    double d = max_abs_diff(ref, got, V * LEN);
+    printf("  F16 KV vs F32 KV: max abs diff %.3g\n", d);
+    ASSERT_TRUE(d > 0 && d < 0.05);
+    free(ref);
+    free(got);
+    fx_close(&f);
+}
+
+/* Bad steps are refused with a message naming the sequence and the value,
+ * before anything runs. */
+TEST(forward_rejects_bad_input) {
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    const struct stage_config *c = stage_config_get(f.s);
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    ASSERT_OK(kvblocks_reserve(f.kb, &t, 4, NULL, NULL));
+    int32_t ids[4] = {1, 2, 3, 4};
+    float *logits = malloc(sizeof(float) * (size_t)f.n_vocab * 4);
+    struct forward_seq q[2] = {{ids, 4, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST},
+                               {ids, 1, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST}};
+    struct forward_batch bt = {q, 2, NULL, 0, NULL, 0};
+    struct forward_out o = {logits, 0, NULL};
+    char err[512];
+
+    ids[2] = f.n_vocab;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "sequence 0") && strstr(err, "512"));
+    ids[2] = -1;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    ids[2] = 3;
+
+    q[1].pos0 = 4; /* past its one block of 16?  no: position 4 is covered */
+    ASSERT_OK(forward_step(f.s, &bt, &o, err, sizeof err));
+    ASSERT_EQ(2, o.n_logits);
+    q[1].pos0 = c->block_size; /* not covered by one block */
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "sequence 1") != NULL);
+    q[1].pos0 = c->n_ctx_max;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    q[1].pos0 = 0;
+
+    int32_t bad_table[1] = {c->n_blocks};
+    q[1].block_table = bad_table;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "sequence 1") && strstr(err, "block"));
+    q[1].block_table = t.ids;
+
+    struct kvblocks_copy cp = {0, c->n_blocks + 3};
+    bt.copies = &cp;
+    bt.n_copies = 1;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    bt.n_copies = 0;
+
+    q[1].n_tokens = c->n_tokens_max;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    q[1].n_tokens = 0;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    q[1].n_tokens = 1;
+    bt.n_seqs = c->n_seqs_max + 1;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(f.s, &bt, &o, err, sizeof err));
+    bt.n_seqs = 2;
+    ASSERT_OK(forward_step(f.s, &bt, &o, err, sizeof err));
+
+    /* A bad stage configuration is refused too. */
+    struct stage_config bad;
+    stage_config_default(&bad);
+    bad.layer_first = 3;
+    bad.layer_last = 2;
+    stage *s2 = NULL;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, stage_init(&s2, f.m, f.b, &bad, err, sizeof err));
+    ASSERT_TRUE(s2 == NULL);
+    kvblocks_table_free(f.kb, &t);
+    free(logits);
+    fx_close(&f);
+}
+
+TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher_forced,
+          forward_stories_q8_0_teacher_forced, forward_stories_q4_0_teacher_forced,
+          forward_tiny_llama_hf_matches_reference, forward_batch_equals_single,
+          forward_shared_prefix_copy_on_write, forward_two_stages_equal_one,
+          forward_synth256_quants_close_to_f32, forward_f16_kv_cache_close_to_f32,
+          forward_rejects_bad_input)
