@@ -360,16 +360,22 @@ static int gguf_parse(struct gguf_file *f, char *err, size_t errlen) {
         return cur_fail(&c, STATUS_UNSUPPORTED, "version %u is not supported (2 and 3 are)", f->version);
     uint64_t nt, nkv;
     if ((st = cur_u64(&c, &nt)) || (st = cur_u64(&c, &nkv))) return st;
-    /* a key takes at least 13 bytes, a tensor info 32: bounds the allocations */
-    if (nkv > (c.size - c.pos) / 13)
+    /* A key takes at least 13 bytes and a tensor info 32, so a count larger
+     * than the rest of the file allows ends in a truncation error while
+     * parsing; allocating only what could fit keeps a hostile count from
+     * asking for memory, and the parse still says where the bytes ran out. */
+    uint64_t cap_kv = nkv < (c.size - c.pos) / 13 + 1 ? nkv : (c.size - c.pos) / 13 + 1;
+    uint64_t cap_t = nt < (c.size - c.pos) / 32 + 1 ? nt : (c.size - c.pos) / 32 + 1;
+    f->n_kv = (int64_t)cap_kv;
+    f->n_tensors = (int64_t)cap_t;
+    f->kv = calloc(cap_kv ? cap_kv : 1, sizeof *f->kv);
+    f->tensors = calloc(cap_t ? cap_t : 1, sizeof *f->tensors);
+    if (!f->kv || !f->tensors) return cur_fail(&c, STATUS_NO_MEMORY, "no memory for %llu keys and %llu tensors", (unsigned long long)cap_kv, (unsigned long long)cap_t);
+    if (cap_kv < nkv) {
+        /* parse what is there to report where it ends, then refuse */
+        if ((st = parse_kvs(f, &c))) return st;
         return cur_fail(&c, STATUS_BAD_INPUT, "%llu keys cannot fit in a file of %llu bytes", (unsigned long long)nkv, (unsigned long long)c.size);
-    if (nt > (c.size - c.pos) / 32)
-        return cur_fail(&c, STATUS_BAD_INPUT, "%llu tensors cannot fit in a file of %llu bytes", (unsigned long long)nt, (unsigned long long)c.size);
-    f->n_kv = (int64_t)nkv;
-    f->n_tensors = (int64_t)nt;
-    f->kv = calloc(nkv ? nkv : 1, sizeof *f->kv);
-    f->tensors = calloc(nt ? nt : 1, sizeof *f->tensors);
-    if (!f->kv || !f->tensors) return cur_fail(&c, STATUS_NO_MEMORY, "no memory for %llu keys and %llu tensors", (unsigned long long)nkv, (unsigned long long)nt);
+    }
     if ((st = parse_kvs(f, &c))) return st;
 
     f->alignment = GGUF_DEFAULT_ALIGNMENT;
@@ -384,6 +390,10 @@ static int gguf_parse(struct gguf_file *f, char *err, size_t errlen) {
         f->alignment = a;
     }
     if ((st = parse_tensors(f, &c))) return st;
+    if (cap_t < nt) {
+        c.what = "header";
+        return cur_fail(&c, STATUS_BAD_INPUT, "%llu tensors cannot fit in a file of %llu bytes", (unsigned long long)nt, (unsigned long long)c.size);
+    }
 
     uint64_t pad = (f->alignment - c.pos % f->alignment) % f->alignment;
     f->data_start = c.pos + pad;
@@ -723,7 +733,7 @@ struct buf {
 };
 
 static void buf_put(struct buf *b, const void *src, size_t n) {
-    if (b->failed) return;
+    if (b->failed || n == 0) return;
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap * 2 : 64;
         while (cap < b->len + n) cap *= 2;
