@@ -198,7 +198,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         char path[4096];
         snprintf(path, sizeof path, "%s/%s", models_dir, files[i]);
-        struct bench_result r;
+        struct bench_result r = {0, 0, 0};
         if (bench_model(path, b, n_prompt, n_decode, &r, err, sizeof err) != STATUS_OK) {
             fprintf(stderr, "bench_engine: %s: %s\n", files[i], err);
             failed = 1;
