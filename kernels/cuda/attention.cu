@@ -1,0 +1,277 @@
+/* Causal grouped-query attention over the paged KV cache, for prefill
+ * chunks and decode rows in one launch.
+ *
+ * A block owns a tile of consecutive rows of one sequence and one KV head
+ * with the query heads that share it (GQA: each K/V tile is read once for
+ * the whole group and all the tile's rows), and walks its slice of the
+ * context in tiles of ATT_T positions with an online softmax, so the score
+ * matrix never exists.  The context is split across blocks (flash-decoding)
+ * when the rows alone cannot fill the GPU; a second kernel merges the
+ * partial results.  Rows are mapped to sequences on the device (the
+ * sequence bounds live in device memory): block x counts tiles through the
+ * sequences in order. */
+#include "common.cuh"
+
+#include <math.h>
+
+#define ATT_THREADS 128
+#define ATT_SMEM_MAX (44 * 1024)
+
+struct att_params {
+    struct cuda_attn_args a;
+    int32_t qv;           /* query vectors per block (rows x heads) */
+    int32_t gs;           /* query heads per block */
+    int32_t n_hgroups;    /* blocks per KV head */
+    int32_t tq;           /* rows per tile */
+    int32_t kt;           /* KV positions per tile (<= 32) */
+    int32_t chunk;        /* context positions per split */
+    int32_t n_splits;
+    float *part_acc;      /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
+    float *part_ml;       /* (n_splits, n_tokens, n_heads, 2) running max and sum */
+};
+
+template <int KT> __device__ __forceinline__ float kv_load(const void *base, size_t i) {
+    return KT == DTYPE_F16 ? h2f(((const fp16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+template <int KT>
+__global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_params p) {
+    const struct cuda_attn_args &a = p.a;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int hd = a.head_dim, qv = p.qv, kt = p.kt;
+    const float ninf = -INFINITY;
+
+    /* Which sequence and tile: every thread walks the same sums. */
+    int32_t s = -1, tile = blockIdx.x;
+    for (int32_t i = 0; i < a.n_seqs; i++) {
+        int32_t len = a.seq_tok0[i + 1] - a.seq_tok0[i];
+        int32_t nt = len > 0 ? (len + p.tq - 1) / p.tq : 0;
+        if (tile < nt) {
+            s = i;
+            break;
+        }
+        tile -= nt;
+    }
+    if (s < 0) return;
+    const int32_t tok0 = a.seq_tok0[s], tok_end = a.seq_tok0[s + 1], pos0 = a.seq_pos0[s];
+    const int32_t r0 = tok0 + tile * p.tq;
+    const int32_t kvh = blockIdx.y / p.n_hgroups, hg = blockIdx.y % p.n_hgroups;
+    const int32_t G = a.n_heads / a.n_kv_heads;
+    const int32_t last_row = min(r0 + p.tq, tok_end) - 1;
+    const int32_t ctx_tile = pos0 + (last_row - tok0) + 1;
+    const int32_t j_begin = blockIdx.z * p.chunk;
+    const int32_t j_end = min(j_begin + p.chunk, ctx_tile);
+    const int32_t width = a.n_heads * hd;
+
+    extern __shared__ float smem[];
+    float *sq = smem;                      /* [qv][hd] queries, pre-scaled */
+    float *sacc = sq + qv * hd;            /* [qv][hd] running sums of p * v */
+    float *skv = sacc + qv * hd;           /* [kt][hd + 1] K, then V, tile */
+    float *ssc = skv + kt * (hd + 1);      /* [qv][kt] scores, then probabilities */
+    float *sm = ssc + qv * kt;             /* [qv] running max */
+    float *sl = sm + qv;                   /* [qv] running sum */
+    float *salpha = sl + qv;               /* [qv] rescale of this tile */
+    int32_t *spos = (int32_t *)(salpha + qv); /* [qv] query position, -1 if unused */
+
+    /* Query vector qi = r * gs + g: row r0 + r, head kvh * G + hg * gs + g. */
+    for (int qi = tid; qi < qv; qi += ATT_THREADS) {
+        int r = qi / p.gs, g = hg * p.gs + qi % p.gs;
+        int row = r0 + r;
+        spos[qi] = (r < p.tq && row < tok_end && g < G) ? pos0 + (row - tok0) : -1;
+        sm[qi] = ninf;
+        sl[qi] = 0.0f;
+    }
+    for (int i = tid; i < qv * hd; i += ATT_THREADS) {
+        int qi = i / hd, d = i % hd;
+        int r = qi / p.gs, g = hg * p.gs + qi % p.gs;
+        int row = r0 + r;
+        bool ok = r < p.tq && row < tok_end && g < G;
+        sq[i] = ok ? a.q[(int64_t)row * width + (int64_t)(kvh * G + g) * hd + d] * a.scale : 0.0f;
+        sacc[i] = 0.0f;
+    }
+    __syncthreads();
+
+    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
+    for (int32_t j0 = j_begin; j0 < j_end; j0 += kt) {
+        /* K tile. */
+        for (int i = tid; i < kt * hd; i += ATT_THREADS) {
+            int jj = i / hd, d = i % hd;
+            int32_t j = j0 + jj;
+            float val = 0.0f;
+            if (j < j_end) {
+                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+                if (blk < 0 || blk >= p.a.n_blocks) val = __int_as_float(0x7fc00000);
+                else val = kv_load<KT>(a.k, (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d);
+            }
+            skv[jj * (hd + 1) + d] = val;
+        }
+        __syncthreads();
+        /* Scores: four threads per (query, position), interleaved over d. */
+        for (int pair = tid / 4; pair < qv * kt; pair += ATT_THREADS / 4) {
+            int qi = pair / kt, jj = pair % kt, part = tid % 4;
+            const float *qr = sq + qi * hd, *kr = skv + jj * (hd + 1);
+            float dot = 0.0f;
+            for (int d = part; d < hd; d += 4) dot += qr[d] * kr[d];
+            dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+            dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+            if (part == 0) {
+                int32_t j = j0 + jj;
+                bool ok = spos[qi] >= 0 && j < j_end && j <= spos[qi];
+                ssc[qi * kt + jj] = ok ? dot : ninf;
+            }
+        }
+        __syncthreads();
+        /* Online softmax, a warp per query and a lane per position; the V
+         * tile loads meanwhile (the scores no longer need K). */
+        for (int qi = warp; qi < qv; qi += ATT_THREADS / 32) {
+            float sc = lane < kt ? ssc[qi * kt + lane] : ninf;
+            float mt = sc;
+            for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+            float m_old = sm[qi], m_new = fmaxf(m_old, mt);
+            float pr = m_new == ninf ? 0.0f : __expf(sc - m_new);
+            float alpha = m_new == ninf ? 1.0f : __expf(m_old - m_new);
+            float sum = pr;
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane < kt) ssc[qi * kt + lane] = pr;
+            if (lane == 0) {
+                sl[qi] = sl[qi] * alpha + sum;
+                sm[qi] = m_new;
+                salpha[qi] = alpha;
+            }
+        }
+        for (int i = tid; i < kt * hd; i += ATT_THREADS) {
+            int jj = i / hd, d = i % hd;
+            int32_t j = j0 + jj;
+            float val = 0.0f;
+            if (j < j_end) {
+                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+                if (blk < 0 || blk >= p.a.n_blocks) val = __int_as_float(0x7fc00000);
+                else val = kv_load<KT>(a.v, (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d);
+            }
+            skv[jj * (hd + 1) + d] = val;
+        }
+        __syncthreads();
+        /* acc = acc * alpha + P . V */
+        for (int i = tid; i < qv * hd; i += ATT_THREADS) {
+            int qi = i / hd, d = i % hd;
+            const float *pr = ssc + qi * kt;
+            float acc = sacc[i] * salpha[qi];
+            for (int jj = 0; jj < kt; jj++) acc += pr[jj] * skv[jj * (hd + 1) + d];
+            sacc[i] = acc;
+        }
+        __syncthreads();
+    }
+
+    for (int i = tid; i < qv * hd; i += ATT_THREADS) {
+        int qi = i / hd, d = i % hd;
+        if (spos[qi] < 0) continue;
+        int row = r0 + qi / p.gs, head = kvh * G + hg * p.gs + qi % p.gs;
+        if (p.n_splits == 1) {
+            float l = sl[qi];
+            a.out[(int64_t)row * width + (int64_t)head * hd + d] = l > 0.0f ? sacc[i] / l : 0.0f;
+        } else {
+            int64_t slot = ((int64_t)blockIdx.z * a.n_tokens + row) * a.n_heads + head;
+            p.part_acc[slot * hd + d] = sacc[i];
+            if (d == 0) {
+                p.part_ml[slot * 2] = sm[qi];
+                p.part_ml[slot * 2 + 1] = sl[qi];
+            }
+        }
+    }
+}
+
+/* Merge the splits of one (row, head): weights exp(m_z - max m). */
+__global__ void attention_combine_kernel(float *out, const float *part_acc, const float *part_ml, int32_t n_splits,
+                                         int32_t n_tokens, int32_t n_heads, int32_t hd) {
+    int32_t row = blockIdx.x, head = blockIdx.y;
+    float m = -INFINITY;
+    for (int z = 0; z < n_splits; z++)
+        m = fmaxf(m, part_ml[(((int64_t)z * n_tokens + row) * n_heads + head) * 2]);
+    float l = 0.0f;
+    for (int z = 0; z < n_splits; z++) {
+        const float *ml = part_ml + (((int64_t)z * n_tokens + row) * n_heads + head) * 2;
+        if (ml[0] != -INFINITY) l += ml[1] * __expf(ml[0] - m);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int z = 0; z < n_splits; z++) {
+            int64_t slot = ((int64_t)z * n_tokens + row) * n_heads + head;
+            float mz = part_ml[slot * 2];
+            if (mz != -INFINITY) acc += part_acc[slot * hd + d] * __expf(mz - m);
+        }
+        out[((int64_t)row * n_heads + head) * hd + d] = l > 0.0f ? acc / l : 0.0f;
+    }
+}
+
+static size_t att_smem(int qv, int kt, int hd) {
+    return ((size_t)2 * qv * hd + (size_t)kt * (hd + 1) + (size_t)qv * kt + 4 * (size_t)qv) * sizeof(float);
+}
+
+static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t smem, dim3 grid) {
+    if (p->a.kv_type == DTYPE_F16)
+        attention_kernel<DTYPE_F16><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
+    else
+        attention_kernel<DTYPE_F32><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    if (p->n_splits > 1) {
+        attention_combine_kernel<<<dim3(p->a.n_tokens, p->a.n_heads), 128, 0, CUDA_STREAM(ctx)>>>(
+            p->a.out, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens, p->a.n_heads, p->a.head_dim);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    return STATUS_OK;
+}
+
+extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    if (a->n_seqs <= 0 || a->n_tokens < 0 || a->max_blocks <= 0 || a->max_ctx < 0 || a->head_dim <= 0 ||
+        a->n_kv_heads <= 0 || a->n_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0)
+        return cuda_fail(ctx, STATUS_BAD_INPUT,
+                         "attention: %d sequences, %d tokens, %d heads over %d KV heads of %d, block %d x %d",
+                         a->n_seqs, a->n_tokens, a->n_heads, a->n_kv_heads, a->head_dim, a->max_blocks,
+                         a->block_size);
+    if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32)
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: cache type %s", dtype_name(a->kv_type));
+    if (a->n_tokens == 0) return STATUS_OK;
+    struct att_params p;
+    memset(&p, 0, sizeof p);
+    p.a = *a;
+    int hd = a->head_dim;
+    p.kt = hd <= 128 ? 32 : 16;
+    p.qv = 0;
+    for (int qv = 32; qv >= 4; qv /= 2)
+        if (att_smem(qv, p.kt, hd) <= ATT_SMEM_MAX) {
+            p.qv = qv;
+            break;
+        }
+    if (!p.qv)
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: head_dim %d needs more shared memory than %d bytes", hd,
+                         ATT_SMEM_MAX);
+    int32_t G = a->n_heads / a->n_kv_heads;
+    p.gs = G < p.qv ? G : p.qv;
+    p.n_hgroups = (G + p.gs - 1) / p.gs;
+    p.tq = p.qv / p.gs;
+    /* Every tile holds at least one row, and a sequence wastes at most one
+     * partial tile. */
+    int64_t tiles = (a->n_tokens + p.tq - 1) / p.tq + a->n_seqs;
+    if (tiles > a->n_tokens) tiles = a->n_tokens;
+    int64_t tiles_busy = (a->n_tokens + p.tq - 1) / p.tq;
+    if (tiles_busy < a->n_seqs) tiles_busy = a->n_seqs < a->n_tokens ? a->n_seqs : a->n_tokens;
+    int64_t blocks = tiles_busy * a->n_kv_heads * p.n_hgroups;
+    int64_t want = (2LL * ctx->n_sms + blocks - 1) / blocks;
+    int64_t by_ctx = (a->max_ctx + 4LL * p.kt - 1) / (4LL * p.kt); /* a split keeps >= 4 KV tiles */
+    int64_t splits = want < by_ctx ? want : by_ctx;
+    if (splits > 32) splits = 32;
+    if (splits < 1) splits = 1;
+    int64_t per = (a->max_ctx + splits - 1) / splits;
+    p.chunk = (int32_t)((per + p.kt - 1) / p.kt * p.kt);
+    if (p.chunk < p.kt) p.chunk = p.kt;
+    p.n_splits = (int32_t)splits;
+    if (p.n_splits > 1) {
+        size_t slots = (size_t)p.n_splits * a->n_tokens * a->n_heads;
+        float *scr = (float *)cuda_scratch(ctx, slots * ((size_t)hd + 2) * sizeof(float));
+        if (!scr) return STATUS_NO_MEMORY;
+        p.part_acc = scr;
+        p.part_ml = scr + slots * hd;
+    }
+    dim3 grid((unsigned)tiles, (unsigned)(a->n_kv_heads * p.n_hgroups), (unsigned)p.n_splits);
+    return attention_launch(ctx, &p, att_smem(p.qv, p.kt, hd), grid);
+}

@@ -1,0 +1,152 @@
+/* The CUDA backend: fills the backend table of kernels/backend-impl.h with
+ * the kernels of kernels/cuda, reached through the plain C prototypes of
+ * cuda_ops.h (this file includes no CUDA header).  One device, one stream;
+ * ops queue on it and only download and sync wait. */
+#include "../backend.h"
+#include "../backend-impl.h"
+#include "../../common/status.h"
+#include "cuda_ops.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct backend_cuda {
+    struct backend base; /* first: the handle the public API passes around */
+    struct cuda_ctx *ctx;
+    char name[160];
+};
+
+static struct cuda_ctx *ctx_of(backend *b) { return ((struct backend_cuda *)b)->ctx; }
+
+static const char *bc_name(const backend *b) { return ((const struct backend_cuda *)b)->name; }
+
+static void bc_free(backend *b) {
+    struct backend_cuda *c = (struct backend_cuda *)b;
+    cuda_ctx_free(c->ctx);
+    free(c);
+}
+
+static void *bc_alloc(backend *b, size_t bytes) { return cuda_malloc(ctx_of(b), bytes); }
+static void bc_dealloc(backend *b, void *p) { cuda_free(ctx_of(b), p); }
+static int bc_mem_info(backend *b, size_t *bytes_free, size_t *bytes_total) {
+    return cuda_mem_info(ctx_of(b), bytes_free, bytes_total);
+}
+static int bc_upload(backend *b, void *dst, const void *src, size_t bytes) {
+    return cuda_upload(ctx_of(b), dst, src, bytes);
+}
+static int bc_download(backend *b, void *dst, const void *src, size_t bytes) {
+    return cuda_download(ctx_of(b), dst, src, bytes);
+}
+static int bc_copy(backend *b, void *dst, const void *src, size_t bytes) {
+    return cuda_copy(ctx_of(b), dst, src, bytes);
+}
+static int bc_sync(backend *b) { return cuda_sync(ctx_of(b)); }
+
+static int bc_weight_load(backend *b, struct backend_weight *out, enum dtype type, const void *host, int64_t rows,
+                          int64_t cols) {
+    enum dtype stored = type;
+    void *d = NULL;
+    int rc = cuda_weight_upload(ctx_of(b), &d, &stored, type, host, rows, cols);
+    if (rc != STATUS_OK) return rc;
+    out->data = d;
+    out->type = stored;
+    out->rows = rows;
+    out->cols = cols;
+    out->owned = 1;
+    return STATUS_OK;
+}
+static void bc_weight_free(backend *b, struct backend_weight *w) {
+    if (w->owned) cuda_free(ctx_of(b), w->data);
+}
+
+static int bc_embed(backend *b, float *out, const struct backend_weight *w, const int32_t *ids, int32_t n) {
+    return cuda_embed(ctx_of(b), out, w->data, w->type, w->rows, w->cols, ids, n);
+}
+static int bc_rmsnorm(backend *b, float *out, const float *x, const float *w, int32_t n, int32_t dim, float eps) {
+    return cuda_rmsnorm(ctx_of(b), out, x, w, n, dim, eps);
+}
+static int bc_add_rmsnorm(backend *b, float *x, const float *delta, float *out, const float *w, int32_t n,
+                          int32_t dim, float eps) {
+    return cuda_add_rmsnorm(ctx_of(b), x, delta, out, w, n, dim, eps);
+}
+static int bc_add(backend *b, float *x, const float *y, int64_t n) { return cuda_add(ctx_of(b), x, y, n); }
+static int bc_matmul(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n) {
+    return cuda_matmul(ctx_of(b), out, w->data, w->type, w->rows, w->cols, x, n);
+}
+static int bc_rope(backend *b, float *x, const int32_t *pos, int32_t n, int32_t n_heads, int32_t head_dim,
+                   const float *inv_freq, int32_t n_freq, int neox) {
+    return cuda_rope(ctx_of(b), x, pos, n, n_heads, head_dim, inv_freq, n_freq, neox);
+}
+static int bc_swiglu(backend *b, float *out, const float *gate, const float *up, int64_t n) {
+    return cuda_swiglu(ctx_of(b), out, gate, up, n);
+}
+static int bc_get_rows(backend *b, float *out, const float *x, const int32_t *idx, int32_t n, int32_t dim) {
+    return cuda_get_rows(ctx_of(b), out, x, idx, n, dim);
+}
+static int bc_kv_write(backend *b, struct backend_kv *kv, const float *k, const float *v, const int32_t *slots,
+                       int32_t n) {
+    return cuda_kv_write(ctx_of(b), kv->k, kv->v, kv->type, kv->n_blocks, kv->block_size, kv->n_kv_heads,
+                         kv->head_dim, k, v, slots, n);
+}
+static int bc_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
+                        const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    struct cuda_attn_args a = {
+        .out = out, .q = q, .k = kv->k, .v = kv->v, .kv_type = kv->type,
+        .n_blocks = kv->n_blocks, .block_size = kv->block_size, .n_kv_heads = kv->n_kv_heads,
+        .head_dim = kv->head_dim, .n_heads = n_heads,
+        .n_seqs = batch->n_seqs, .n_tokens = batch->n_tokens, .max_blocks = batch->max_blocks,
+        .max_ctx = batch->max_ctx, .seq_tok0 = batch->seq_tok0, .seq_pos0 = batch->seq_pos0,
+        .block_tables = batch->block_tables, .scale = scale,
+    };
+    return cuda_attention(ctx_of(b), &a);
+}
+static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *src, enum dtype src_type, int64_t n) {
+    return cuda_convert(ctx_of(b), dst, dst_type, src, src_type, n);
+}
+
+static const struct backend_i cuda_iface = {
+    .name = bc_name,
+    .free = bc_free,
+    .is_gpu = 1,
+    .alloc = bc_alloc,
+    .dealloc = bc_dealloc,
+    .mem_info = bc_mem_info,
+    .upload = bc_upload,
+    .download = bc_download,
+    .copy = bc_copy,
+    .sync = bc_sync,
+    .weight_load = bc_weight_load,
+    .weight_free = bc_weight_free,
+    .embed = bc_embed,
+    .rmsnorm = bc_rmsnorm,
+    .add_rmsnorm = bc_add_rmsnorm,
+    .add = bc_add,
+    .matmul = bc_matmul,
+    .rope = bc_rope,
+    .swiglu = bc_swiglu,
+    .get_rows = bc_get_rows,
+    .kv_write = bc_kv_write,
+    .attention = bc_attention,
+    .convert = bc_convert,
+};
+
+int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {
+    *out = NULL;
+    struct backend_cuda *c = calloc(1, sizeof *c);
+    if (!c) {
+        snprintf(err, errlen, "cuda:%d: out of host memory", device);
+        return STATUS_NO_MEMORY;
+    }
+    int rc = cuda_ctx_init(&c->ctx, device, err, errlen);
+    if (rc != STATUS_OK) {
+        free(c);
+        return rc;
+    }
+    c->base.i = &cuda_iface;
+    c->ctx->err = c->base.errstr;
+    c->ctx->errlen = sizeof c->base.errstr;
+    snprintf(c->name, sizeof c->name, "cuda:%d (%s, sm_%d)", device, c->ctx->device_name, c->ctx->cc);
+    *out = &c->base;
+    return STATUS_OK;
+}

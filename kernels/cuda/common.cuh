@@ -1,0 +1,174 @@
+/* What every .cu file of the CUDA backend shares: the one checking macro
+ * for CUDA and cuBLAS calls, half conversions, and the per-element
+ * dequantization of every weight type (the block layouts come from
+ * common/dtype.h, the same structs the CPU reads). */
+#ifndef KERNELS_CUDA_COMMON_CUH
+#define KERNELS_CUDA_COMMON_CUH
+
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_ops.h"
+extern "C" {
+#include "../../common/status.h"
+}
+
+static inline bool cuda_ok_(cudaError_t e) { return e == cudaSuccess; }
+static inline bool cuda_ok_(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS; }
+static inline const char *cuda_text_(cudaError_t e) { return cudaGetErrorString(e); }
+static inline const char *cuda_text_(cublasStatus_t s) { return cublasGetStatusString(s); }
+
+/* Wraps every CUDA and cuBLAS call: on failure, describe the call, where it
+ * was and what the library said in ctx->err, and return STATUS_INTERNAL. */
+#define CUDA_CHECK(ctx, call)                                                                   \
+    do {                                                                                        \
+        auto r_ = (call);                                                                       \
+        if (!cuda_ok_(r_))                                                                      \
+            return cuda_fail((ctx), STATUS_INTERNAL, "%s (%s:%d): %s", #call, __FILE__, __LINE__, \
+                             cuda_text_(r_));                                                   \
+    } while (0)
+
+#define CUDA_STREAM(ctx) ((cudaStream_t)(ctx)->stream)
+
+static inline unsigned cuda_blocks(int64_t n, int threads) {
+    int64_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 65535LL * 1024 ? 65535LL * 1024 : b);
+}
+
+__device__ __forceinline__ float h2f(fp16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ fp16_t f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
+__device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                        /* nearest even */
+    return (bf16_t)(u >> 16);
+}
+/* BF16 to F16 for T4: out-of-range values saturate instead of becoming inf. */
+__device__ __forceinline__ fp16_t bf2h_sat(bf16_t h) {
+    float f = bf2f(h);
+    if (f > 65504.0f) f = 65504.0f;
+    if (f < -65504.0f) f = -65504.0f;
+    return f2h(f);
+}
+
+/* Scale and min j (0..7) of a Q4_K / Q5_K super-block (6-bit packed). */
+__device__ __forceinline__ void kq_scale_min(int j, const uint8_t *q, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Element i of a weight row of type T (any dtype).  Reads only the block
+ * holding i: slow per element, meant for embed and dequantize-to-F16. */
+template <int T> __device__ __forceinline__ float dq_elem(const void *row, int64_t i);
+
+template <> __device__ __forceinline__ float dq_elem<DTYPE_F32>(const void *row, int64_t i) {
+    return ((const float *)row)[i];
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_F16>(const void *row, int64_t i) {
+    return h2f(((const fp16_t *)row)[i]);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_BF16>(const void *row, int64_t i) {
+    return bf2f(((const bf16_t *)row)[i]);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q8_0>(const void *row, int64_t i) {
+    const block_q8_0 *b = (const block_q8_0 *)row + i / 32;
+    return h2f(b->d) * (float)b->qs[i % 32];
+}
+__device__ __forceinline__ int q4_nibble(const uint8_t *qs, int j) {
+    return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_0>(const void *row, int64_t i) {
+    const block_q4_0 *b = (const block_q4_0 *)row + i / 32;
+    return h2f(b->d) * (float)(q4_nibble(b->qs, (int)(i % 32)) - 8);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_1>(const void *row, int64_t i) {
+    const block_q4_1 *b = (const block_q4_1 *)row + i / 32;
+    return h2f(b->d) * (float)q4_nibble(b->qs, (int)(i % 32)) + h2f(b->m);
+}
+__device__ __forceinline__ int q5_value(const uint8_t *qh4, const uint8_t *qs, int j) {
+    uint32_t qh = (uint32_t)qh4[0] | (uint32_t)qh4[1] << 8 | (uint32_t)qh4[2] << 16 | (uint32_t)qh4[3] << 24;
+    return q4_nibble(qs, j) | (int)(((qh >> j) & 1u) << 4);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_0>(const void *row, int64_t i) {
+    const block_q5_0 *b = (const block_q5_0 *)row + i / 32;
+    return h2f(b->d) * (float)(q5_value(b->qh, b->qs, (int)(i % 32)) - 16);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_1>(const void *row, int64_t i) {
+    const block_q5_1 *b = (const block_q5_1 *)row + i / 32;
+    return h2f(b->d) * (float)q5_value(b->qh, b->qs, (int)(i % 32)) + h2f(b->m);
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_K>(const void *row, int64_t i) {
+    const block_q4_k *b = (const block_q4_k *)row + i / 256;
+    int e = (int)(i % 256), p = e / 64, w = e % 64, sub = 2 * p + (w >= 32), l = w % 32;
+    float sc, mn;
+    kq_scale_min(sub, b->scales, &sc, &mn);
+    uint8_t q = b->qs[32 * p + l];
+    int nib = w < 32 ? (q & 0xF) : (q >> 4);
+    return h2f(b->d) * sc * (float)nib - h2f(b->dmin) * mn;
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_K>(const void *row, int64_t i) {
+    const block_q5_k *b = (const block_q5_k *)row + i / 256;
+    int e = (int)(i % 256), p = e / 64, w = e % 64, sub = 2 * p + (w >= 32), l = w % 32;
+    float sc, mn;
+    kq_scale_min(sub, b->scales, &sc, &mn);
+    uint8_t q = b->qs[32 * p + l];
+    int v = (w < 32 ? (q & 0xF) : (q >> 4)) | (((b->qh[l] >> sub) & 1) << 4);
+    return h2f(b->d) * sc * (float)v - h2f(b->dmin) * mn;
+}
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q6_K>(const void *row, int64_t i) {
+    const block_q6_k *b = (const block_q6_k *)row + i / 256;
+    int e = (int)(i % 256), h = e / 128, r = e % 128, quarter = r / 32, l = r % 32;
+    uint8_t lo = b->ql[64 * h + 32 * (quarter & 1) + l];
+    int low4 = quarter < 2 ? (lo & 0xF) : (lo >> 4);
+    int hi2 = (b->qh[32 * h + l] >> (2 * quarter)) & 3;
+    int q = (low4 | (hi2 << 4)) - 32;
+    return h2f(b->d) * (float)b->scales[8 * h + l / 16 + 2 * quarter] * (float)q;
+}
+
+/* One switch from a runtime dtype to a template instantiation: calls
+ * FN<T>(args...) and yields its status; unknown types fail. */
+#define CUDA_DTYPE_DISPATCH(ctx, type, FN, ...)                                                 \
+    do {                                                                                        \
+        switch (type) {                                                                         \
+        case DTYPE_F32: return FN<DTYPE_F32>(__VA_ARGS__);                                      \
+        case DTYPE_F16: return FN<DTYPE_F16>(__VA_ARGS__);                                      \
+        case DTYPE_BF16: return FN<DTYPE_BF16>(__VA_ARGS__);                                    \
+        case DTYPE_Q8_0: return FN<DTYPE_Q8_0>(__VA_ARGS__);                                    \
+        case DTYPE_Q4_0: return FN<DTYPE_Q4_0>(__VA_ARGS__);                                    \
+        case DTYPE_Q4_1: return FN<DTYPE_Q4_1>(__VA_ARGS__);                                    \
+        case DTYPE_Q5_0: return FN<DTYPE_Q5_0>(__VA_ARGS__);                                    \
+        case DTYPE_Q5_1: return FN<DTYPE_Q5_1>(__VA_ARGS__);                                    \
+        case DTYPE_Q4_K: return FN<DTYPE_Q4_K>(__VA_ARGS__);                                    \
+        case DTYPE_Q5_K: return FN<DTYPE_Q5_K>(__VA_ARGS__);                                    \
+        case DTYPE_Q6_K: return FN<DTYPE_Q6_K>(__VA_ARGS__);                                    \
+        }                                                                                       \
+        return cuda_fail((ctx), STATUS_UNSUPPORTED, "weight type %d is not supported", (int)(type)); \
+    } while (0)
+
+/* Bytes of one weight row (host side; mirrors dtype_row_bytes). */
+static inline size_t cuda_row_bytes(enum dtype t, int64_t cols) {
+    switch (t) {
+    case DTYPE_F32: return (size_t)cols * 4;
+    case DTYPE_F16: case DTYPE_BF16: return (size_t)cols * 2;
+    case DTYPE_Q8_0: return (size_t)(cols / 32) * sizeof(block_q8_0);
+    case DTYPE_Q4_0: return (size_t)(cols / 32) * sizeof(block_q4_0);
+    case DTYPE_Q4_1: return (size_t)(cols / 32) * sizeof(block_q4_1);
+    case DTYPE_Q5_0: return (size_t)(cols / 32) * sizeof(block_q5_0);
+    case DTYPE_Q5_1: return (size_t)(cols / 32) * sizeof(block_q5_1);
+    case DTYPE_Q4_K: return (size_t)(cols / 256) * sizeof(block_q4_k);
+    case DTYPE_Q5_K: return (size_t)(cols / 256) * sizeof(block_q5_k);
+    case DTYPE_Q6_K: return (size_t)(cols / 256) * sizeof(block_q6_k);
+    }
+    return 0;
+}
+
+#endif

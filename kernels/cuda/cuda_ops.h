@@ -1,0 +1,111 @@
+/* The CUDA backend's kernels and device plumbing as plain C prototypes, so
+ * that backend_cuda.c (and the benchmark) call them without including any
+ * CUDA header.  Each op queues its work on ctx->stream and returns 0 or a
+ * negative status with the reason in ctx->err; no op synchronizes. */
+#ifndef KERNELS_CUDA_CUDA_OPS_H
+#define KERNELS_CUDA_CUDA_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../../common/dtype.h"
+
+/* One device, one stream, one cuBLAS handle and one scratch buffer.  Created
+ * by cuda_ctx_init, released by cuda_ctx_free (which frees the scratch). */
+struct cuda_ctx {
+    int device;
+    int n_sms;          /* multiprocessors, to size split-K launches */
+    int cc;             /* compute capability, major * 10 + minor */
+    void *stream;       /* cudaStream_t */
+    void *cublas;       /* cublasHandle_t, bound to stream */
+    void *scratch;      /* device memory reused by matmul and attention */
+    size_t scratch_bytes;
+    char *err;          /* where failures are described (the backend's errstr) */
+    size_t errlen;
+    char device_name[96];
+};
+
+/* Record a failure in ctx->err and return code. */
+int cuda_fail(struct cuda_ctx *ctx, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- device.cu: context, memory, transfers ---- */
+/* Returns 0 and a new context in *out, STATUS_UNAVAILABLE when there is no
+ * such GPU (message in err), STATUS_INTERNAL when CUDA fails.  ctx->err
+ * points at err until the caller points it elsewhere. */
+int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_t errlen);
+void cuda_ctx_free(struct cuda_ctx *ctx);
+/* Device memory; NULL (with ctx->err saying how much) when it cannot be had. */
+void *cuda_malloc(struct cuda_ctx *ctx, size_t bytes);
+void cuda_free(struct cuda_ctx *ctx, void *p);
+int cuda_mem_info(struct cuda_ctx *ctx, size_t *bytes_free, size_t *bytes_total);
+int cuda_upload(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes);   /* async */
+int cuda_download(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes); /* waits */
+int cuda_copy(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes);     /* async */
+int cuda_sync(struct cuda_ctx *ctx);
+/* Scratch of at least bytes, valid until the next call; grows (after a
+ * stream synchronize) only when a larger size is first asked for. */
+void *cuda_scratch(struct cuda_ctx *ctx, size_t bytes);
+/* Copy a weight of rows x cols elements of type from host memory into new
+ * device memory (*dst, freed with cuda_free).  BF16 is stored as F16 (T4
+ * has no BF16 arithmetic; values beyond the F16 range saturate), every
+ * other type as is; *stored says which.  Synchronizes before returning. */
+int cuda_weight_upload(struct cuda_ctx *ctx, void **dst, enum dtype *stored, enum dtype type,
+                       const void *host, int64_t rows, int64_t cols);
+
+/* ---- Ops: shapes as in kernels/backend.h; every pointer is device memory ---- */
+int cuda_embed(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+               int64_t cols, const int32_t *ids, int32_t n);
+int cuda_rmsnorm(struct cuda_ctx *ctx, float *out, const float *x, const float *w, int32_t n,
+                 int32_t dim, float eps);
+int cuda_add_rmsnorm(struct cuda_ctx *ctx, float *x, const float *delta, float *out, const float *w,
+                     int32_t n, int32_t dim, float eps);
+int cuda_add(struct cuda_ctx *ctx, float *x, const float *y, int64_t n);
+int cuda_swiglu(struct cuda_ctx *ctx, float *out, const float *gate, const float *up, int64_t n);
+int cuda_get_rows(struct cuda_ctx *ctx, float *out, const float *x, const int32_t *idx, int32_t n,
+                  int32_t dim);
+int cuda_rope(struct cuda_ctx *ctx, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
+              int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox);
+/* F32, F16 and BF16 in any direction (BF16 to F16 saturates). */
+int cuda_convert(struct cuda_ctx *ctx, void *dst, enum dtype dst_type, const void *src,
+                 enum dtype src_type, int64_t n);
+/* dst[rows, cols] (F16) = the weight rows r0 .. r0 + rows of w, any type. */
+int cuda_dequant_f16(struct cuda_ctx *ctx, uint16_t *dst, const void *w, enum dtype type,
+                     int64_t r0, int64_t rows, int64_t cols);
+/* out[n, rows] = x[n, cols] . w^T.  n <= 16 reads the weight directly for
+ * the types cuda_matmul_vec_supports; otherwise cuBLAS on F16 tiles. */
+int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                int64_t cols, const float *x, int32_t n);
+#define CUDA_MATMUL_VEC_MAX 16
+/* 1 if the skinny kernel handles this type and width. */
+int cuda_matmul_vec_supports(enum dtype type, int64_t cols);
+int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                    int64_t cols, const float *x, int32_t n);
+/* kv_k, kv_v: [n_blocks][n_kv_heads][block_size][head_dim] of kv_type. */
+int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum dtype kv_type, int32_t n_blocks,
+                  int32_t block_size, int32_t n_kv_heads, int32_t head_dim, const float *k,
+                  const float *v, const int32_t *slots, int32_t n);
+
+/* The attention batch of kernels/backend.h, restated for the .cu side. */
+struct cuda_attn_args {
+    float *out;                  /* (n_tokens, n_heads * head_dim) */
+    const float *q;              /* (n_tokens, n_heads * head_dim) */
+    const void *k, *v;           /* the paged cache, as for cuda_kv_write */
+    enum dtype kv_type;
+    int32_t n_blocks, block_size, n_kv_heads, head_dim, n_heads;
+    int32_t n_seqs, n_tokens, max_blocks, max_ctx;
+    const int32_t *seq_tok0;     /* (n_seqs + 1) */
+    const int32_t *seq_pos0;     /* (n_seqs) */
+    const int32_t *block_tables; /* (n_seqs, max_blocks) */
+    float scale;
+};
+int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

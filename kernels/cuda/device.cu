@@ -1,0 +1,185 @@
+/* The CUDA backend's device plumbing: context (device, stream, cuBLAS
+ * handle, scratch), memory, host transfers and weight upload.  Kernels live
+ * one op per file beside this. */
+#include "common.cuh"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+extern "C" int cuda_fail(struct cuda_ctx *ctx, int code, const char *fmt, ...) {
+    if (ctx->err && ctx->errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->err, ctx->errlen, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_t errlen) {
+    *out = NULL;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        snprintf(err, errlen, "cuda:%d: no usable GPU (%s)", device,
+                 e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA device");
+        cudaGetLastError();
+        return STATUS_UNAVAILABLE;
+    }
+    if (device < 0 || device >= count) {
+        snprintf(err, errlen, "cuda:%d: no such GPU (this machine has %d)", device, count);
+        return STATUS_UNAVAILABLE;
+    }
+    struct cuda_ctx *ctx = (struct cuda_ctx *)calloc(1, sizeof *ctx);
+    if (!ctx) {
+        snprintf(err, errlen, "cuda:%d: out of host memory", device);
+        return STATUS_NO_MEMORY;
+    }
+    ctx->device = device;
+    ctx->err = err;
+    ctx->errlen = errlen;
+    cudaDeviceProp prop;
+    int rc = STATUS_OK;
+    cudaStream_t stream = NULL;
+    cublasHandle_t handle = NULL;
+    /* A lambda so CUDA_CHECK's early return lands in one cleanup path. */
+    auto setup = [&]() -> int {
+        CUDA_CHECK(ctx, cudaSetDevice(device));
+        CUDA_CHECK(ctx, cudaGetDeviceProperties(&prop, device));
+        CUDA_CHECK(ctx, cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        ctx->stream = stream;
+        CUDA_CHECK(ctx, cublasCreate(&handle));
+        ctx->cublas = handle;
+        CUDA_CHECK(ctx, cublasSetStream(handle, stream));
+        return STATUS_OK;
+    };
+    rc = setup();
+    if (rc != STATUS_OK) {
+        cuda_ctx_free(ctx);
+        return rc;
+    }
+    ctx->n_sms = prop.multiProcessorCount;
+    ctx->cc = prop.major * 10 + prop.minor;
+    snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
+    *out = ctx;
+    return STATUS_OK;
+}
+
+extern "C" void cuda_ctx_free(struct cuda_ctx *ctx) {
+    if (!ctx) return;
+    cudaSetDevice(ctx->device);
+    if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
+    if (ctx->scratch) cudaFree(ctx->scratch);
+    if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);
+    if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
+    free(ctx);
+}
+
+extern "C" void *cuda_malloc(struct cuda_ctx *ctx, size_t bytes) {
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* an allocation failure is not sticky: clear it */
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        cuda_fail(ctx, STATUS_NO_MEMORY, "cuda:%d: cannot allocate %zu bytes (%zu of %zu free): %s",
+                  ctx->device, bytes, fr, tot, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void cuda_free(struct cuda_ctx *ctx, void *p) {
+    (void)ctx;
+    if (p) cudaFree(p);
+}
+
+extern "C" int cuda_mem_info(struct cuda_ctx *ctx, size_t *bytes_free, size_t *bytes_total) {
+    CUDA_CHECK(ctx, cudaMemGetInfo(bytes_free, bytes_total));
+    return STATUS_OK;
+}
+
+extern "C" int cuda_upload(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, CUDA_STREAM(ctx)));
+    return STATUS_OK;
+}
+
+extern "C" int cuda_download(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, CUDA_STREAM(ctx)));
+    CUDA_CHECK(ctx, cudaStreamSynchronize(CUDA_STREAM(ctx)));
+    return STATUS_OK;
+}
+
+extern "C" int cuda_copy(struct cuda_ctx *ctx, void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(ctx, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, CUDA_STREAM(ctx)));
+    return STATUS_OK;
+}
+
+extern "C" int cuda_sync(struct cuda_ctx *ctx) {
+    CUDA_CHECK(ctx, cudaStreamSynchronize(CUDA_STREAM(ctx)));
+    return STATUS_OK;
+}
+
+extern "C" void *cuda_scratch(struct cuda_ctx *ctx, size_t bytes) {
+    if (bytes <= ctx->scratch_bytes) return ctx->scratch;
+    /* Queued ops may still read the old buffer. */
+    cudaError_t e = cudaStreamSynchronize(CUDA_STREAM(ctx));
+    if (e != cudaSuccess) {
+        cuda_fail(ctx, STATUS_INTERNAL, "cuda:%d: scratch: synchronize: %s", ctx->device,
+                  cudaGetErrorString(e));
+        return NULL;
+    }
+    cudaFree(ctx->scratch);
+    ctx->scratch = NULL;
+    ctx->scratch_bytes = 0;
+    size_t want = bytes + bytes / 4; /* headroom, so a slowly growing batch does not realloc each step */
+    void *p = cuda_malloc(ctx, want);
+    if (!p) return NULL;
+    ctx->scratch = p;
+    ctx->scratch_bytes = want;
+    return p;
+}
+
+extern "C" int cuda_weight_upload(struct cuda_ctx *ctx, void **dst, enum dtype *stored, enum dtype type,
+                                  const void *host, int64_t rows, int64_t cols) {
+    *dst = NULL;
+    size_t row_bytes = cuda_row_bytes(type, cols);
+    if (row_bytes == 0)
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "weight type %d is not supported", (int)type);
+    size_t bytes = row_bytes * (size_t)rows;
+    void *d = cuda_malloc(ctx, bytes);
+    if (!d) return STATUS_NO_MEMORY;
+    int rc = STATUS_OK;
+    if (type != DTYPE_BF16) {
+        rc = cuda_upload(ctx, d, host, bytes);
+        if (rc == STATUS_OK) rc = cuda_sync(ctx);
+        *stored = type;
+    } else {
+        /* BF16 goes through a bounded staging buffer and becomes F16 on the
+         * device: no second full copy of the weight is ever held. */
+        const int64_t chunk = 8 << 20; /* elements */
+        int64_t n = rows * cols;
+        void *stage = cuda_malloc(ctx, (size_t)(n < chunk ? n : chunk) * 2);
+        if (!stage) {
+            cuda_free(ctx, d);
+            return STATUS_NO_MEMORY;
+        }
+        for (int64_t i = 0; i < n && rc == STATUS_OK; i += chunk) {
+            int64_t m = n - i < chunk ? n - i : chunk;
+            rc = cuda_upload(ctx, stage, (const uint16_t *)host + i, (size_t)m * 2);
+            if (rc == STATUS_OK)
+                rc = cuda_convert(ctx, (uint16_t *)d + i, DTYPE_F16, stage, DTYPE_BF16, m);
+            /* The next chunk reuses the staging buffer. */
+            if (rc == STATUS_OK) rc = cuda_sync(ctx);
+        }
+        cuda_free(ctx, stage);
+        *stored = DTYPE_F16;
+    }
+    if (rc != STATUS_OK) {
+        cuda_free(ctx, d);
+        return rc;
+    }
+    *dst = d;
+    return STATUS_OK;
+}

@@ -1,0 +1,68 @@
+/* Matrix multiplication out[n, rows] = x[n, cols] . w^T for every weight
+ * type.  Up to CUDA_MATMUL_VEC_MAX tokens it is the skinny kernel of
+ * matmul_vec.cu, which reads the weight in its stored form.  Above, cuBLAS
+ * does the work on tensor cores: activations become F16, F16 weights are
+ * used as they are, quantized weights are dequantized tile by tile into
+ * scratch (never a second full copy), F32 accumulation throughout. */
+#include "common.cuh"
+
+/* Bytes of one dequantized F16 weight tile: large enough that cuBLAS runs
+ * at full rate, small enough to leave the memory to weights and KV. */
+#define MATMUL_TILE_BYTES (16u << 20)
+
+static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+/* out[:, r0 .. r0 + m) = x16 . w16^T for a tile w16 [m, cols] (F16). */
+static int matmul_gemm_f16(struct cuda_ctx *ctx, float *out, const void *w16, int64_t r0, int64_t m, int64_t rows,
+                           int64_t cols, const void *x16, int32_t n) {
+    const float one = 1.0f, zero = 0.0f;
+    /* Column-major view: C (rows x n, ld rows) = W^T' (m x cols) . X (cols x n). */
+    CUDA_CHECK(ctx, cublasGemmEx((cublasHandle_t)ctx->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)m, n, (int)cols, &one,
+                                 w16, CUDA_R_16F, (int)cols, x16, CUDA_R_16F, (int)cols, &zero, out + r0, CUDA_R_32F,
+                                 (int)rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return STATUS_OK;
+}
+
+static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows, int64_t cols,
+                       const float *x, int32_t n) {
+    if (type == DTYPE_F32) {
+        const float one = 1.0f, zero = 0.0f;
+        CUDA_CHECK(ctx, cublasSgemm((cublasHandle_t)ctx->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols,
+                                    &one, (const float *)w, (int)cols, x, (int)cols, &zero, out, (int)rows));
+        return STATUS_OK;
+    }
+    size_t x_bytes = align256((size_t)n * cols * 2);
+    int64_t tile_rows = 0;
+    if (type != DTYPE_F16) {
+        tile_rows = (int64_t)(MATMUL_TILE_BYTES / ((size_t)cols * 2)) / 64 * 64;
+        if (tile_rows < 64) tile_rows = 64;
+        if (tile_rows > rows) tile_rows = rows;
+    }
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (size_t)tile_rows * cols * 2);
+    if (!scratch) return STATUS_NO_MEMORY;
+    uint16_t *x16 = (uint16_t *)scratch, *w16 = (uint16_t *)(scratch + x_bytes);
+    int rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
+    if (rc != STATUS_OK) return rc;
+    if (type == DTYPE_F16) return matmul_gemm_f16(ctx, out, w, 0, rows, rows, cols, x16, n);
+    for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+        int64_t m = rows - r0 < tile_rows ? rows - r0 : tile_rows;
+        rc = cuda_dequant_f16(ctx, w16, w, type, r0, m, cols);
+        if (rc == STATUS_OK) rc = matmul_gemm_f16(ctx, out, w16, r0, m, rows, cols, x16, n);
+        if (rc != STATUS_OK) return rc;
+    }
+    return STATUS_OK;
+}
+
+extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                           int64_t cols, const float *x, int32_t n) {
+    if (n < 0 || rows <= 0 || cols <= 0 || rows > INT32_MAX || cols > INT32_MAX)
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul: %d tokens x %s [%lld x %lld]", n, dtype_name(type),
+                         (long long)rows, (long long)cols);
+    if (cuda_row_bytes(type, cols) == 0)
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
+    if (n == 0) return STATUS_OK;
+    if (n <= CUDA_MATMUL_VEC_MAX && cuda_matmul_vec_supports(type, cols) && (uintptr_t)x % 16 == 0 &&
+        (uintptr_t)w % 16 == 0)
+        return cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);
+    return matmul_gemm(ctx, out, w, type, rows, cols, x, n);
+}
