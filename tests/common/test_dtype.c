@@ -138,22 +138,22 @@ TEST(dtype_names_and_sizes) {
 
 TEST(dtype_fp16_edges) {
     /* named values */
-    ASSERT_EQ((fp16_t)0x0000, f32_to_fp16(0.0f));
-    ASSERT_EQ((fp16_t)0x8000, f32_to_fp16(-0.0f));
-    ASSERT_EQ((fp16_t)0x3c00, f32_to_fp16(1.0f));
-    ASSERT_EQ((fp16_t)0x7bff, f32_to_fp16(65504.0f));
-    ASSERT_EQ((fp16_t)0x7bff, f32_to_fp16(65519.0f));  /* below the midpoint to 65536 */
-    ASSERT_EQ((fp16_t)0x7c00, f32_to_fp16(65520.0f));  /* the tie rounds to even: inf */
-    ASSERT_EQ((fp16_t)0xfc00, f32_to_fp16(-1e10f));
-    ASSERT_EQ((fp16_t)0x7c00, f32_to_fp16(INFINITY));
-    ASSERT_EQ((fp16_t)0x0001, f32_to_fp16(5.9604645e-8f));      /* 2^-24 */
-    ASSERT_EQ((fp16_t)0x0000, f32_to_fp16(2.98023224e-8f));     /* 2^-25: tie to even 0 */
-    ASSERT_EQ((fp16_t)0x0001, f32_to_fp16(2.9802326e-8f));      /* just above 2^-25 */
-    ASSERT_EQ((fp16_t)0x0002, f32_to_fp16(8.94069672e-8f));     /* 1.5 * 2^-24: tie to 2 */
-    ASSERT_EQ((fp16_t)0x0400, f32_to_fp16(6.1035156e-5f));      /* 2^-14 smallest normal */
-    ASSERT_EQ((fp16_t)0x0400, f32_to_fp16(6.1032176e-5f));      /* max subnormal + half ulp rounds up */
-    ASSERT_EQ((fp16_t)0x3c00, f32_to_fp16(1.00048828125f));     /* 1 + 2^-11: tie to even */
-    ASSERT_EQ((fp16_t)0x3c02, f32_to_fp16(1.00146484375f));     /* 1 + 3*2^-11: tie to even up */
+    ASSERT_EQ(0x0000u, (unsigned)f32_to_fp16(0.0f));
+    ASSERT_EQ(0x8000u, (unsigned)f32_to_fp16(-0.0f));
+    ASSERT_EQ(0x3c00u, (unsigned)f32_to_fp16(1.0f));
+    ASSERT_EQ(0x7bffu, (unsigned)f32_to_fp16(65504.0f));
+    ASSERT_EQ(0x7bffu, (unsigned)f32_to_fp16(65519.0f));  /* below the midpoint to 65536 */
+    ASSERT_EQ(0x7c00u, (unsigned)f32_to_fp16(65520.0f));  /* the tie rounds to even: inf */
+    ASSERT_EQ(0xfc00u, (unsigned)f32_to_fp16(-1e10f));
+    ASSERT_EQ(0x7c00u, (unsigned)f32_to_fp16(INFINITY));
+    ASSERT_EQ(0x0001u, (unsigned)f32_to_fp16(5.9604645e-8f));      /* 2^-24 */
+    ASSERT_EQ(0x0000u, (unsigned)f32_to_fp16(2.98023224e-8f));     /* 2^-25: tie to even 0 */
+    ASSERT_EQ(0x0001u, (unsigned)f32_to_fp16(2.9802326e-8f));      /* just above 2^-25 */
+    ASSERT_EQ(0x0002u, (unsigned)f32_to_fp16(8.94069672e-8f));     /* 1.5 * 2^-24: tie to 2 */
+    ASSERT_EQ(0x0400u, (unsigned)f32_to_fp16(6.1035156e-5f));      /* 2^-14 smallest normal */
+    ASSERT_EQ(0x0400u, (unsigned)f32_to_fp16(6.1032176e-5f));      /* max subnormal + half ulp rounds up */
+    ASSERT_EQ(0x3c00u, (unsigned)f32_to_fp16(1.00048828125f));     /* 1 + 2^-11: tie to even */
+    ASSERT_EQ(0x3c02u, (unsigned)f32_to_fp16(1.00146484375f));     /* 1 + 3*2^-11: tie to even up */
     fp16_t n = f32_to_fp16(NAN);
     ASSERT_TRUE((n & 0x7c00) == 0x7c00 && (n & 0x3ff) != 0);
     ASSERT_TRUE(isnan(fp16_to_f32(0x7e00)));
@@ -188,17 +188,17 @@ TEST(dtype_fp16_edges) {
 }
 
 TEST(dtype_bf16_edges) {
-    ASSERT_EQ((bf16_t)0x3f80, f32_to_bf16(1.0f));
-    ASSERT_EQ((bf16_t)0x8000, f32_to_bf16(-0.0f));
-    ASSERT_EQ((bf16_t)0x7f80, f32_to_bf16(INFINITY));
-    ASSERT_EQ((bf16_t)0x7f80, f32_to_bf16(FLT_MAX)); /* rounds past the largest bf16 */
-    ASSERT_EQ((bf16_t)0x3f80, f32_to_bf16(1.00390625f)); /* 1 + 2^-8: tie to even */
-    ASSERT_EQ((bf16_t)0x3f82, f32_to_bf16(1.01171875f)); /* 1 + 3*2^-8: tie up to even */
+    ASSERT_EQ(0x3f80u, (unsigned)f32_to_bf16(1.0f));
+    ASSERT_EQ(0x8000u, (unsigned)f32_to_bf16(-0.0f));
+    ASSERT_EQ(0x7f80u, (unsigned)f32_to_bf16(INFINITY));
+    ASSERT_EQ(0x7f80u, (unsigned)f32_to_bf16(FLT_MAX)); /* rounds past the largest bf16 */
+    ASSERT_EQ(0x3f80u, (unsigned)f32_to_bf16(1.00390625f)); /* 1 + 2^-8: tie to even */
+    ASSERT_EQ(0x3f82u, (unsigned)f32_to_bf16(1.01171875f)); /* 1 + 3*2^-8: tie up to even */
     uint32_t above_tie = 0x3f808001; /* 1 + 2^-8 + 2^-23: just above the tie */
     float fa;
     memcpy(&fa, &above_tie, 4);
-    ASSERT_EQ((bf16_t)0x3f81, f32_to_bf16(fa));
-    ASSERT_EQ((bf16_t)0x0001, f32_to_bf16(9.1835496e-41f)); /* bf16 subnormal */
+    ASSERT_EQ(0x3f81u, (unsigned)f32_to_bf16(fa));
+    ASSERT_EQ(0x0001u, (unsigned)f32_to_bf16(9.1835496e-41f)); /* bf16 subnormal */
     ASSERT_TRUE(isnan(bf16_to_f32(f32_to_bf16(NAN))));
     uint32_t nan_low = 0x7f800001; /* a NaN whose payload sits below bit 16 */
     float fn;
@@ -215,7 +215,7 @@ TEST(dtype_bf16_edges) {
         uint32_t rem = bits & 0xffff;
         uint32_t want = rem < 0x8000 ? lo : rem > 0x8000 ? hi : ((lo >> 16) & 1 ? hi : lo);
         ASSERT_EQ((unsigned)(want >> 16), (unsigned)r);
-        ASSERT_EQ(f32_to_bf16(bf16_to_f32(r)), r);
+        ASSERT_EQ((unsigned)r, (unsigned)f32_to_bf16(bf16_to_f32(r)));
     }
 }
 

@@ -6,6 +6,7 @@
 #include "common/status.h"
 #include "tests/test.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 static char tmpdir[256];
@@ -13,7 +14,10 @@ static char tmpdir[256];
 static const char *tmp_path(const char *name) {
     static char path[512];
     if (!tmpdir[0]) {
-        snprintf(tmpdir, sizeof tmpdir, "/tmp/test_gguf.XXXXXX");
+        /* tmpfs when there is one: the mutation tests write thousands of files */
+        struct stat st;
+        const char *base = stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
+        snprintf(tmpdir, sizeof tmpdir, "%s/test_gguf.XXXXXX", base);
         if (!mkdtemp(tmpdir)) TEST_FAIL("mkdtemp failed");
     }
     snprintf(path, sizeof path, "%s/%s", tmpdir, name);
