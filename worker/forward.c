@@ -159,6 +159,12 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     if (out) out->n_logits = 0;
     int rc = forward_check(s, batch, &T, err, errlen);
     if (rc != STATUS_OK) return rc;
+    /* The previous step's metadata upload may still read meta_host (an
+     * asynchronous copy on a GPU) if that step ended without a download. */
+    if (s->unsynced) {
+        FORWARD_TRY(backend_sync(b), "sync");
+        s->unsynced = 0;
+    }
     struct forward_meta mt;
     forward_layout(s, batch, T, &mt);
     int32_t *md = s->meta;
@@ -230,9 +236,14 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     if (!s->last) {
         if (out && out->hidden)
             FORWARD_TRY(backend_download(b, out->hidden, s->x, T * dim * sizeof(float)), "hidden download");
+        else
+            s->unsynced = 1;
         return STATUS_OK;
     }
-    if (!out || !out->logits || mt.n_rows == 0) return backend_sync(b);
+    if (!out || !out->logits || mt.n_rows == 0) {
+        FORWARD_TRY(backend_sync(b), "sync");
+        return STATUS_OK;
+    }
     /* lm_head over the rows that need logits, n_logits_max rows at a time. */
     const int32_t L = s->cfg.n_logits_max;
     for (int32_t r0 = 0; r0 < mt.n_rows; r0 += L) {

@@ -64,7 +64,10 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
                  size_t errlen);
 
 /* The stage's output hidden states of the last step, [n_tokens, dim] F32 in
- * backend memory (valid until the next step): what a stage sends on. */
+ * backend memory (valid until the next step): what a stage sends on.  When
+ * forward_out.hidden was NULL the step was only queued: ops on the stage's
+ * backend stream see the result in order; anything else must backend_sync
+ * first.  Likewise a host hidden_in must stay valid until the step ends. */
 const float *forward_hidden(const stage *s);
 
 #endif

@@ -49,7 +49,7 @@ struct stage {
     int32_t *meta;     /* step metadata (ids, positions, slots, seqs, tables, rows) */
     int32_t *meta_host;/* host mirror, uploaded once per step */
     size_t meta_cap;   /* int32 entries of meta and meta_host */
-    int32_t *logit_rows_host; /* (T) rows needing logits, host */
+    int unsynced;      /* the last step ended without waiting for the backend */
 };
 
 #endif

@@ -68,7 +68,7 @@ static int stage_load_vector(stage *s, const char *name, int64_t n, float **out,
     if (model_file_tensor(s->m, name, &t) != STATUS_OK)
         return stage_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s is missing",
                           model_file_path(s->m), name);
-    if (t.ne[0] != n || t.ne[1] != 1 || n % dtype_block_elems(t.type) != 0)
+    if (t.ne[0] != n || t.ne[1] > 1 || n % dtype_block_elems(t.type) != 0)
         return stage_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld] %s, want [%lld]",
                           model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
                           dtype_name(t.type), (long long)n);
@@ -186,8 +186,7 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
     s->meta_cap = 4 * T + 2 * S + 1 + S * (size_t)s->max_blocks_per_seq;
     s->meta = backend_alloc(s->b, s->meta_cap * sizeof(int32_t));
     s->meta_host = malloc(s->meta_cap * sizeof(int32_t));
-    s->logit_rows_host = malloc(T * sizeof(int32_t));
-    if (!s->meta || !s->meta_host || !s->logit_rows_host)
+    if (!s->meta || !s->meta_host)
         return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints)", s->meta_cap);
     return STATUS_OK;
 }
@@ -282,7 +281,6 @@ void stage_free(stage *s) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) backend_dealloc(b, bufs[i]);
     backend_dealloc(b, s->meta);
     free(s->meta_host);
-    free(s->logit_rows_host);
     free(s);
 }
 
