@@ -24,15 +24,18 @@
  * job (decode runs hundreds of small jobs per token) and then sleep on a
  * condition variable, so an idle backend costs no CPU. */
 struct cpu_pool;
-/* fn(arg, ith, nth) is called once for each ith < nth, all concurrently. */
+/* fn(arg, ith, nth) runs on the caller as ith 0 and on each worker ith < nth
+ * that wakes before the caller's call returns, concurrently.  So fn must
+ * take its work from a shared counter, never by ith, and the caller's call
+ * alone must be able to finish the job; ith only indexes per-thread scratch. */
 typedef void (*cpu_task_fn)(void *arg, int ith, int nth);
 
 /* Returns NULL when threads cannot be created. */
 struct cpu_pool *cpu_pool_init(int n_threads);
 void cpu_pool_free(struct cpu_pool *p);
 int cpu_pool_threads(const struct cpu_pool *p);
-/* Runs fn on min(nth, pool size) threads (nth <= 0: all) and returns when
- * every call has returned.  Not reentrant: one caller thread at a time. */
+/* Runs fn on up to min(nth, pool size) threads (nth <= 0: all) and returns
+ * when every call has returned.  Not reentrant: one caller thread at a time. */
 void cpu_pool_run(struct cpu_pool *p, cpu_task_fn fn, void *arg, int nth);
 
 /* ---- The backend ---- */

@@ -1,6 +1,6 @@
 /* The row-wise ops of the CPU backend: embed, rmsnorm, add_rmsnorm, add,
- * rope, swiglu, get_rows, convert.  Each splits its rows (or elements) into
- * one contiguous range per thread; small inputs run on the caller's thread
+ * rope, swiglu, get_rows, convert.  Threads claim ranges of rows (or
+ * elements) from a shared counter; small inputs run on the caller's thread
  * because waking the pool would cost more than the op. */
 #include "cpu.h"
 
@@ -24,25 +24,49 @@ struct ops_task {
     int64_t n, dim;          /* rows and row length, or elements (dim = 1) */
     int32_t n_heads, head_dim, n_freq, neox;
     float eps;
+    int64_t chunk;           /* rows per claim */
+    atomic_llong next;       /* first unclaimed row */
 };
 
-static void split(int64_t n, int ith, int nth, int64_t *i0, int64_t *i1) {
-    *i0 = n * ith / nth;
-    *i1 = n * (ith + 1) / nth;
+/* The next range [i0, i1) of rows, or 0 when all are taken. */
+static int claim(struct ops_task *t, int64_t *i0, int64_t *i1) {
+    *i0 = atomic_fetch_add_explicit(&t->next, t->chunk, memory_order_relaxed);
+    if (*i0 >= t->n) return 0;
+    *i1 = *i0 + t->chunk < t->n ? *i0 + t->chunk : t->n;
+    return 1;
 }
 
-static void run(struct backend_cpu *b, cpu_task_fn fn, struct ops_task *t, int64_t elems) {
-    cpu_pool_run(b->pool, fn, t, elems < OPS_PARALLEL_MIN ? 1 : b->n_threads);
+typedef void (*ops_rows_fn)(struct ops_task *t, int64_t i0, int64_t i1);
+
+struct ops_job {
+    struct ops_task *t;
+    ops_rows_fn fn;
+};
+
+static void ops_main(void *arg, int ith, int nth) {
+    struct ops_job *j = arg;
+    int64_t i0, i1;
+    (void)ith;
+    (void)nth;
+    while (claim(j->t, &i0, &i1)) j->fn(j->t, i0, i1);
+}
+
+static void run(struct backend_cpu *b, ops_rows_fn fn, struct ops_task *t, int64_t elems) {
+    int nth = elems < OPS_PARALLEL_MIN ? 1 : b->n_threads;
+    /* Four claims per thread: few enough to be cheap, enough to even out a
+     * thread that starts late. */
+    t->chunk = (t->n + 4 * nth - 1) / (4 * nth);
+    if (t->chunk < 1) t->chunk = 1;
+    atomic_init(&t->next, 0);
+    struct ops_job job = {t, fn};
+    cpu_pool_run(b->pool, ops_main, &job, nth);
 }
 
 /* ---- embed ---- */
 
-static void embed_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
+static void embed_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     const struct cpu_type_traits *tr = cpu_type_traits(t->weight->type);
     size_t row_bytes = (size_t)(t->weight->cols / tr->block_elems) * tr->block_bytes;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
     for (int64_t i = i0; i < i1; i++)
         cpu_dequant_row(t->weight->type, (const uint8_t *)t->weight->data + (size_t)t->idx[i] * row_bytes,
                         t->out + i * t->weight->cols, t->weight->cols);
@@ -57,7 +81,7 @@ int cpu_embed(backend *b_, float *out, const struct backend_weight *w, const int
             return backend_fail(b_, STATUS_BAD_INPUT, "embed: token id %d at row %d is outside 0..%lld",
                                 ids[i], i, (long long)w->rows - 1);
     struct ops_task t = {.out = out, .weight = w, .idx = ids, .n = n};
-    run(b, embed_run, &t, (int64_t)n * w->cols);
+    run(b, embed_rows, &t, (int64_t)n * w->cols);
     return STATUS_OK;
 }
 
@@ -74,10 +98,7 @@ static float rms_scale(const float *x, int64_t dim, float eps) {
     return 1.0f / sqrtf(ss / (float)dim + eps);
 }
 
-static void rmsnorm_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void rmsnorm_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     for (int64_t r = i0; r < i1; r++) {
         const float *x = t->cx + r * t->dim;
         float *o = t->out + r * t->dim;
@@ -90,14 +111,11 @@ int cpu_rmsnorm(backend *b_, float *out, const float *x, const float *w, int32_t
     struct backend_cpu *b = (struct backend_cpu *)b_;
     if (n < 0 || dim <= 0) return backend_fail(b_, STATUS_BAD_INPUT, "rmsnorm: shape [%d x %d]", n, dim);
     struct ops_task t = {.out = out, .cx = x, .w = w, .n = n, .dim = dim, .eps = eps};
-    run(b, rmsnorm_run, &t, (int64_t)n * dim);
+    run(b, rmsnorm_rows, &t, (int64_t)n * dim);
     return STATUS_OK;
 }
 
-static void add_rmsnorm_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void add_rmsnorm_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     for (int64_t r = i0; r < i1; r++) {
         float *x = t->x + r * t->dim, *o = t->out + r * t->dim;
         const float *d = t->y + r * t->dim;
@@ -112,29 +130,23 @@ int cpu_add_rmsnorm(backend *b_, float *x, const float *delta, float *out, const
     struct backend_cpu *b = (struct backend_cpu *)b_;
     if (n < 0 || dim <= 0) return backend_fail(b_, STATUS_BAD_INPUT, "add_rmsnorm: shape [%d x %d]", n, dim);
     struct ops_task t = {.x = x, .y = delta, .out = out, .w = w, .n = n, .dim = dim, .eps = eps};
-    run(b, add_rmsnorm_run, &t, (int64_t)n * dim);
+    run(b, add_rmsnorm_rows, &t, (int64_t)n * dim);
     return STATUS_OK;
 }
 
 /* ---- add, swiglu ---- */
 
-static void add_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void add_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) t->x[i] += t->y[i];
 }
 
 int cpu_add(backend *b_, float *x, const float *y, int64_t n) {
     struct ops_task t = {.x = x, .y = y, .n = n};
-    run((struct backend_cpu *)b_, add_run, &t, n);
+    run((struct backend_cpu *)b_, add_rows, &t, n);
     return STATUS_OK;
 }
 
-static void swiglu_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void swiglu_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
         float g = t->cx[i];
         t->out[i] = g / (1.0f + expf(-g)) * t->y[i];
@@ -143,16 +155,13 @@ static void swiglu_run(void *arg, int ith, int nth) {
 
 int cpu_swiglu(backend *b_, float *out, const float *gate, const float *up, int64_t n) {
     struct ops_task t = {.out = out, .cx = gate, .y = up, .n = n};
-    run((struct backend_cpu *)b_, swiglu_run, &t, n);
+    run((struct backend_cpu *)b_, swiglu_rows, &t, n);
     return STATUS_OK;
 }
 
 /* ---- rope ---- */
 
-static void rope_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void rope_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     int32_t nf = t->n_freq;
     for (int64_t r = i0; r < i1; r++) {
         float *row = t->x + r * (int64_t)t->n_heads * t->head_dim;
@@ -181,16 +190,13 @@ int cpu_rope(backend *b_, float *x, const int32_t *pos, int32_t n, int32_t n_hea
                             n_heads, head_dim, n_freq);
     struct ops_task t = {.x = x, .idx = pos, .n = n, .n_heads = n_heads, .head_dim = head_dim,
                          .inv_freq = inv_freq, .n_freq = n_freq, .neox = neox};
-    run(b, rope_run, &t, (int64_t)n * n_heads * n_freq * 8);
+    run(b, rope_rows, &t, (int64_t)n * n_heads * n_freq * 8);
     return STATUS_OK;
 }
 
 /* ---- get_rows ---- */
 
-static void get_rows_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void gather_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++)
         memcpy(t->out + i * t->dim, t->cx + (int64_t)t->idx[i] * t->dim, (size_t)t->dim * sizeof(float));
 }
@@ -201,16 +207,13 @@ int cpu_get_rows(backend *b_, float *out, const float *x, const int32_t *idx, in
     for (int32_t i = 0; i < n; i++)
         if (idx[i] < 0) return backend_fail(b_, STATUS_BAD_INPUT, "get_rows: index %d at %d", idx[i], i);
     struct ops_task t = {.out = out, .cx = x, .idx = idx, .n = n, .dim = dim};
-    run(b, get_rows_run, &t, (int64_t)n * dim);
+    run(b, gather_rows, &t, (int64_t)n * dim);
     return STATUS_OK;
 }
 
 /* ---- convert ---- */
 
-static void convert_run(void *arg, int ith, int nth) {
-    struct ops_task *t = arg;
-    int64_t i0, i1;
-    split(t->n, ith, nth, &i0, &i1);
+static void convert_rows(struct ops_task *t, int64_t i0, int64_t i1) {
     if (t->src_type == t->dst_type) {
         size_t es = t->src_type == DTYPE_F32 ? 4 : 2;
         memcpy((uint8_t *)t->dst + i0 * es, (const uint8_t *)t->src + i0 * es, (size_t)(i1 - i0) * es);
@@ -244,6 +247,6 @@ int cpu_convert(backend *b_, void *dst, enum dtype dst_type, const void *src, en
                             dtype_name(src_type), dtype_name(dst_type));
     if (n < 0) return backend_fail(b_, STATUS_BAD_INPUT, "convert: %lld elements", (long long)n);
     struct ops_task t = {.dst = dst, .dst_type = dst_type, .src = src, .src_type = src_type, .n = n};
-    run(b, convert_run, &t, n);
+    run(b, convert_rows, &t, n);
     return STATUS_OK;
 }

@@ -18,39 +18,59 @@ struct pool_worker {
     pthread_t thread;
 };
 
+/* state packs the job generation (high 32 bits), a closed flag and the
+ * number of workers inside the job (low bits).  A worker enters a job only
+ * while it is open; the caller closes it once its own call has returned
+ * and then waits only for the workers inside.  A worker that was not
+ * scheduled in time (the cores are shared with other processes) never
+ * delays the job: since every task claims its work from a shared counter,
+ * the caller's call alone can finish it. */
+#define POOL_CLOSED ((uint64_t)1 << 31)
+#define POOL_ACTIVE ((uint64_t)0x7fffffff)
+
 struct cpu_pool {
     int n_threads;
     struct pool_worker *workers; /* n_threads - 1 of them */
     pthread_mutex_t mu;
     pthread_cond_t cv_work, cv_done;
-    cpu_task_fn fn;              /* the current job; written before gen moves */
+    cpu_task_fn fn;              /* the current job; written before state moves */
     void *arg;
     int nth;
-    atomic_uint gen;             /* bumped once per job */
-    atomic_int pending;          /* workers still inside the current job */
+    uint32_t gen;                /* the caller's copy of the generation */
+    _Atomic uint64_t state;
     atomic_int stop;
 };
 
 static void *pool_main(void *p_) {
     struct pool_worker *w = p_;
     struct cpu_pool *p = w->pool;
-    unsigned seen = 0;
+    uint32_t seen = 0;
     for (;;) {
-        unsigned g = atomic_load_explicit(&p->gen, memory_order_acquire);
-        for (int i = 0; g == seen && i < POOL_SPINS; i++) {
+        uint64_t s = atomic_load_explicit(&p->state, memory_order_acquire);
+        for (int i = 0; (uint32_t)(s >> 32) == seen && i < POOL_SPINS; i++) {
             CPU_RELAX();
-            g = atomic_load_explicit(&p->gen, memory_order_acquire);
+            s = atomic_load_explicit(&p->state, memory_order_acquire);
         }
-        if (g == seen) {
+        if ((uint32_t)(s >> 32) == seen) {
             pthread_mutex_lock(&p->mu);
-            while ((g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop))
+            while ((uint32_t)((s = atomic_load(&p->state)) >> 32) == seen && !atomic_load(&p->stop))
                 pthread_cond_wait(&p->cv_work, &p->mu);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->stop)) return NULL;
-        seen = g;
+        seen = (uint32_t)(s >> 32);
+        int entered = 0;
+        while ((uint32_t)(s >> 32) == seen && !(s & POOL_CLOSED)) {
+            if (atomic_compare_exchange_weak_explicit(&p->state, &s, s + 1, memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                entered = 1;
+                break;
+            }
+        }
+        if (!entered) continue;
         if (w->ith < p->nth) p->fn(p->arg, w->ith, p->nth);
-        if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
+        uint64_t after = atomic_fetch_sub_explicit(&p->state, 1, memory_order_acq_rel) - 1;
+        if ((after & POOL_CLOSED) && (after & POOL_ACTIVE) == 0) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->cv_done);
             pthread_mutex_unlock(&p->mu);
@@ -65,8 +85,7 @@ struct cpu_pool *cpu_pool_init(int n_threads) {
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv_work, NULL);
     pthread_cond_init(&p->cv_done, NULL);
-    atomic_init(&p->gen, 0);
-    atomic_init(&p->pending, 0);
+    atomic_init(&p->state, 0);
     atomic_init(&p->stop, 0);
     if (p->n_threads > 1) {
         p->workers = calloc((size_t)p->n_threads - 1, sizeof *p->workers);
@@ -111,23 +130,26 @@ void cpu_pool_run(struct cpu_pool *p, cpu_task_fn fn, void *arg, int nth) {
         return;
     }
     /* Every worker wakes for every job (those with ith >= nth return at
-     * once): one counter is simpler than per-worker signalling. */
+     * once): one generation counter is simpler than per-worker signalling. */
     p->fn = fn;
     p->arg = arg;
     p->nth = nth;
-    atomic_store_explicit(&p->pending, p->n_threads - 1, memory_order_relaxed);
+    p->gen++;
     pthread_mutex_lock(&p->mu);
-    atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
+    atomic_store_explicit(&p->state, (uint64_t)p->gen << 32, memory_order_release);
     pthread_cond_broadcast(&p->cv_work);
     pthread_mutex_unlock(&p->mu);
 
     fn(arg, 0, nth);
 
-    for (int i = 0; atomic_load_explicit(&p->pending, memory_order_acquire) > 0 && i < POOL_SPINS; i++)
+    uint64_t s = atomic_fetch_or_explicit(&p->state, POOL_CLOSED, memory_order_acq_rel) | POOL_CLOSED;
+    for (int i = 0; (s & POOL_ACTIVE) != 0 && i < POOL_SPINS; i++) {
         CPU_RELAX();
-    if (atomic_load_explicit(&p->pending, memory_order_acquire) > 0) {
+        s = atomic_load_explicit(&p->state, memory_order_acquire);
+    }
+    if ((s & POOL_ACTIVE) != 0) {
         pthread_mutex_lock(&p->mu);
-        while (atomic_load(&p->pending) > 0) pthread_cond_wait(&p->cv_done, &p->mu);
+        while ((atomic_load(&p->state) & POOL_ACTIVE) != 0) pthread_cond_wait(&p->cv_done, &p->mu);
         pthread_mutex_unlock(&p->mu);
     }
 }
