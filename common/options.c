@@ -296,8 +296,8 @@ static const char *options_kind(const struct option_def *d) {
 void options_help(const struct options *o, FILE *f) {
     fprintf(f, "usage: %s %s\n", o->program ? o->program : "llm", o->usage ? o->usage : "[options]");
     if (o->about) fprintf(f, "%s\n", o->about);
-    if (o->n_defs == 0) return;
     fprintf(f, "\noptions (a flag overrides its environment variable, which overrides the default):\n");
+    fprintf(f, "  %-30s %s\n", "--help, -h", "print this help and exit");
     for (int i = 0; i < o->n_defs; i++) {
         const struct option_def *d = &o->defs[i];
         char head[160];

@@ -192,16 +192,9 @@ static void rconn_describe(int argc, const char **argv, const size_t *argvlen, c
              l1 > 80 ? "..." : "");
 }
 
-/* The one path every command takes.  extra_ms widens the reply timeout for
- * commands that block on the server (XREADGROUP BLOCK). */
-static int rconn_call(struct rconn *c, const char *what, int extra_ms, redisReply **reply,
-                      int argc, const char **argv, const size_t *argvlen) {
-    *reply = NULL;
-    char desc[160];
-    if (what)
-        snprintf(desc, sizeof desc, "%s", what);
-    else
-        rconn_describe(argc, argv, argvlen, desc, sizeof desc);
+/* Makes sure there is a live connection before sending desc: reconnects if
+ * the last command broke it or the server has closed it since. */
+static int rconn_ready(struct rconn *c, const char *desc) {
     if (c->ctx && (c->ctx->err || rconn_stale(c))) {
         LOG(LL_INFO, "redis %s: connection closed, reconnecting before %s", c->addr, desc);
         rconn_drop(c);
@@ -214,22 +207,39 @@ static int rconn_call(struct rconn *c, const char *what, int extra_ms, redisRepl
         rconn_seterr(c, c->err, "%s: %s", desc, reason ? reason + 2 : why);
         return c->err;
     }
+    return 0;
+}
+
+/* A transport failure (no reply): a timeout or a lost connection.  The
+ * connection is dropped, since a late reply would be read as the answer to
+ * the next command. */
+static int rconn_transport_error(struct rconn *c, const char *desc, int e, int wait_ms) {
+    int timeout = c->ctx->err == REDIS_ERR_IO && (e == EAGAIN || e == EWOULDBLOCK);
+    if (timeout)
+        rconn_seterr(c, STATUS_TIMEOUT, "%s: no reply within %d ms", desc, wait_ms);
+    else
+        rconn_seterr(c, STATUS_UNAVAILABLE, "%s: %s", desc,
+                     c->ctx->errstr[0] ? c->ctx->errstr : "connection lost");
+    rconn_drop(c);
+    return c->err;
+}
+
+/* The one path every command takes.  extra_ms widens the reply timeout for
+ * commands that block on the server (XREADGROUP BLOCK). */
+static int rconn_call(struct rconn *c, const char *what, int extra_ms, redisReply **reply,
+                      int argc, const char **argv, const size_t *argvlen) {
+    *reply = NULL;
+    char desc[160];
+    if (what)
+        snprintf(desc, sizeof desc, "%s", what);
+    else
+        rconn_describe(argc, argv, argvlen, desc, sizeof desc);
+    if (rconn_ready(c, desc) < 0) return c->err;
     if (extra_ms > 0) redisSetTimeout(c->ctx, rconn_tv(c->timeout_ms + extra_ms));
     redisReply *r = redisCommandArgv(c->ctx, argc, argv, argvlen);
     int e = errno;
     if (extra_ms > 0 && c->ctx && !c->ctx->err) redisSetTimeout(c->ctx, rconn_tv(c->timeout_ms));
-    if (!r) {
-        int timeout = c->ctx->err == REDIS_ERR_IO && (e == EAGAIN || e == EWOULDBLOCK);
-        if (timeout)
-            rconn_seterr(c, STATUS_TIMEOUT, "%s: no reply within %d ms", desc,
-                         c->timeout_ms + (extra_ms > 0 ? extra_ms : 0));
-        else
-            rconn_seterr(c, STATUS_UNAVAILABLE, "%s: %s", desc,
-                         c->ctx->errstr[0] ? c->ctx->errstr : "connection lost");
-        /* A late reply would be read as the answer to the next command. */
-        rconn_drop(c);
-        return c->err;
-    }
+    if (!r) return rconn_transport_error(c, desc, e, c->timeout_ms + (extra_ms > 0 ? extra_ms : 0));
     if (r->type == REDIS_REPLY_ERROR) {
         int code = strncmp(r->str, "NOGROUP", 7) == 0 ? STATUS_NOT_FOUND : STATUS_INTERNAL;
         rconn_seterr(c, code, "%s: %s", desc, r->str);
@@ -239,6 +249,56 @@ static int rconn_call(struct rconn *c, const char *what, int extra_ms, redisRepl
     rconn_ok(c);
     *reply = r;
     return 0;
+}
+
+int rconn_pipeline(struct rconn *c, const struct rconn_cmd *cmds, size_t n, redisReply **replies) {
+    for (size_t i = 0; i < n; i++) replies[i] = NULL;
+    if (n == 0) {
+        rconn_ok(c);
+        return 0;
+    }
+    if (cmds[0].argc < 1 || !cmds[0].argv) {
+        rconn_seterr(c, STATUS_BAD_INPUT, "pipeline of %zu: command 0 is empty", n);
+        return c->err;
+    }
+    char desc[200], first[160];
+    rconn_describe(cmds[0].argc, cmds[0].argv, cmds[0].argvlen, first, sizeof first);
+    snprintf(desc, sizeof desc, "pipeline of %zu (%s, ...)", n, first);
+    for (size_t i = 0; i < n; i++)
+        if (cmds[i].argc < 1 || !cmds[i].argv) {
+            rconn_seterr(c, STATUS_BAD_INPUT, "%s: command %zu is empty", desc, i);
+            return c->err;
+        }
+    if (rconn_ready(c, desc) < 0) return c->err;
+    for (size_t i = 0; i < n; i++) {
+        if (redisAppendCommandArgv(c->ctx, cmds[i].argc, cmds[i].argv, cmds[i].argvlen) != REDIS_OK) {
+            rconn_seterr(c, STATUS_NO_MEMORY, "%s: queueing command %zu failed", desc, i);
+            rconn_drop(c);
+            return c->err;
+        }
+    }
+    int rc = 0;
+    for (size_t i = 0; i < n; i++) {
+        void *r = NULL;
+        if (redisGetReply(c->ctx, &r) != REDIS_OK || !r) {
+            int e = errno;
+            for (size_t k = 0; k < i; k++) {
+                freeReplyObject(replies[k]);
+                replies[k] = NULL;
+            }
+            return rconn_transport_error(c, desc, e, c->timeout_ms);
+        }
+        replies[i] = r;
+        const redisReply *rr = r;
+        if (rr->type == REDIS_REPLY_ERROR && rc == 0) {
+            char which[160];
+            rconn_describe(cmds[i].argc, cmds[i].argv, cmds[i].argvlen, which, sizeof which);
+            rc = strncmp(rr->str, "NOGROUP", 7) == 0 ? STATUS_NOT_FOUND : STATUS_INTERNAL;
+            rconn_seterr(c, rc, "%s: command %zu (%s): %s", desc, i, which, rr->str);
+        }
+    }
+    if (rc == 0) rconn_ok(c);
+    return rc;
 }
 
 int rconn_command_argv(struct rconn *c, redisReply **reply, int argc, const char **argv,

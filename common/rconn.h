@@ -164,4 +164,22 @@ int rconn_command_argv(struct rconn *c, redisReply **reply, int argc, const char
 /* Same with hiredis's format ("%s" a string, "%b" bytes and a size_t length). */
 int rconn_command(struct rconn *c, redisReply **reply, const char *fmt, ...);
 
+/* One command of a pipeline: argv[i] with argvlen[i] bytes (argvlen NULL: strlen). */
+struct rconn_cmd {
+    int argc;
+    const char **argv;
+    const size_t *argvlen;
+};
+
+/* Sends n commands at once and reads their n replies (one round trip, for
+ * example the per-step state updates of many requests; wrap them in MULTI
+ * and EXEC to make them atomic).  replies[i] gets command i's reply, the
+ * caller's to free with freeReplyObject; all are NULL when the call fails
+ * before any reply was read.  Returns 0 when every reply arrived and none
+ * is an error reply; STATUS_INTERNAL (or STATUS_NOT_FOUND for NOGROUP) when
+ * some are, with the first one's text and index in errstr and every reply
+ * still handed over; a transport failure frees what was read and returns
+ * its status like any command (the commands may or may not have run). */
+int rconn_pipeline(struct rconn *c, const struct rconn_cmd *cmds, size_t n, redisReply **replies);
+
 #endif

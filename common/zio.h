@@ -72,7 +72,9 @@ int zio_send(struct zio_sock *s, const struct zio_frame *frames, size_t n, int f
 
 /* Receives one whole message into parts.  timeout_ms < 0 waits for ever;
  * 0 only takes a message that is already there.  Returns 0, STATUS_TIMEOUT
- * (parts then holds no frames), or another negative status. */
+ * (parts then holds no frames), STATUS_CANCELLED when a signal interrupted
+ * the wait or the context is being terminated (so a process can check its
+ * shutdown flag), or another negative status. */
 int zio_recv(struct zio_sock *s, struct zio_parts *parts, int timeout_ms);
 const void *zio_parts_data(const struct zio_parts *p, size_t i);
 size_t zio_parts_size(const struct zio_parts *p, size_t i);

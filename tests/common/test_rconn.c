@@ -302,6 +302,37 @@ TEST(rconn_generic_command) {
     t_close(&f, c);
 }
 
+TEST(rconn_pipeline_replies) {
+    struct redis_fixture f;
+    struct rconn *c = t_open(&f, 0);
+    const char *a0[] = {"MULTI"};
+    const char *a1[] = {"HSET", "req:7", "state", "done"};
+    const char *a2[] = {"INCRBY", "done", "1"};
+    const char *a3[] = {"EXEC"};
+    struct rconn_cmd cmds[4] = {{1, a0, NULL}, {4, a1, NULL}, {3, a2, NULL}, {1, a3, NULL}};
+    redisReply *r[4];
+    ASSERT_OK(rconn_pipeline(c, cmds, 4, r));
+    ASSERT_EQ(REDIS_REPLY_STATUS, r[0]->type);
+    ASSERT_EQ(REDIS_REPLY_STATUS, r[1]->type); /* QUEUED */
+    ASSERT_EQ(REDIS_REPLY_ARRAY, r[3]->type);
+    ASSERT_EQ((size_t)2, (size_t)r[3]->elements);
+    ASSERT_EQ(1LL, r[3]->element[1]->integer);
+    for (int i = 0; i < 4; i++) freeReplyObject(r[i]);
+    /* An error reply in the middle: every reply is still handed over. */
+    const char *b0[] = {"SET", "p", "1"};
+    const char *b1[] = {"HSET", "p", "f", "v"};
+    const char *b2[] = {"GET", "p"};
+    struct rconn_cmd bad[3] = {{3, b0, NULL}, {4, b1, NULL}, {2, b2, NULL}};
+    ASSERT_EQ(STATUS_INTERNAL, rconn_pipeline(c, bad, 3, r));
+    ASSERT_EQ(REDIS_REPLY_STATUS, r[0]->type);
+    ASSERT_EQ(REDIS_REPLY_ERROR, r[1]->type);
+    ASSERT_EQ(REDIS_REPLY_STRING, r[2]->type);
+    ASSERT_STREQ("1", r[2]->str);
+    ASSERT_TRUE(strstr(rconn_errstr(c), "pipeline of 3 (SET p, ...): command 1 (HSET p): WRONGTYPE") != NULL);
+    for (int i = 0; i < 3; i++) freeReplyObject(r[i]);
+    t_close(&f, c);
+}
+
 TEST(rconn_reconnect_after_restart) {
     struct redis_fixture f;
     struct rconn *c = t_open(&f, FIXTURE_REDIS_PERSIST);
@@ -398,5 +429,5 @@ TEST(rconn_url_and_db) {
 
 TEST_MAIN(rconn_fixture_ping, rconn_set_get_ttl, rconn_hash_and_counter, rconn_stream_add_read_ack,
           rconn_stream_claim_dead_consumer, rconn_missing_group, rconn_scan_pattern,
-          rconn_generic_command, rconn_reconnect_after_restart, rconn_error_when_gone,
+          rconn_generic_command, rconn_pipeline_replies, rconn_reconnect_after_restart, rconn_error_when_gone,
           rconn_timeout_then_recovers, rconn_url_and_db)
