@@ -114,15 +114,206 @@ AVX2_FN static float dot_q4_0_avx2(const void *w, const void *x, int64_t n) {
     return hsum256(acc);
 }
 
+/* 32 bits as 32 bytes: byte i is 0xFF if bit i of x is set, else 0. */
+AVX2_FN static __m256i bits_to_bytes(uint32_t x) {
+    /* Byte i takes byte i / 8 of x, keeps bit i % 8, and compares. */
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                          3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), pick);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* Sum of unsigned (a) times signed (b) products of 32 byte pairs, as 8
+ * int32 lanes; a <= 63 keeps the int16 pair sums from saturating. */
+AVX2_FN static __m256i dot_u8i8x32(__m256i a, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+}
+
+AVX2_FN static float dot_q4_1_avx2(const void *w, const void *x, int64_t n) {
+    const block_q4_1 *b = w;
+    const struct cpu_q8 *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    float sm = 0;
+    for (int64_t k = 0; k < n / 32; k++) {
+        __m256i qa = _mm256_loadu_si256((const __m256i *)y[k].qs);
+        __m256 d = _mm256_set1_ps(cpu_fp16_to_f32(b[k].d) * y[k].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8i8x32(unpack_nibbles(b[k].qs), qa)), acc);
+        sm += cpu_fp16_to_f32(b[k].m) * y[k].s;
+    }
+    return hsum256(acc) + sm;
+}
+
+AVX2_FN static float dot_q5_0_avx2(const void *w, const void *x, int64_t n) {
+    const block_q5_0 *b = w;
+    const struct cpu_q8 *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 32; k++) {
+        uint32_t qh;
+        memcpy(&qh, b[k].qh, 4);
+        __m256i hi = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+        __m256i qw = _mm256_sub_epi8(_mm256_or_si256(unpack_nibbles(b[k].qs), hi), _mm256_set1_epi8(16));
+        __m256i qa = _mm256_loadu_si256((const __m256i *)y[k].qs);
+        __m256 d = _mm256_set1_ps(cpu_fp16_to_f32(b[k].d) * y[k].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8x32(qw, qa)), acc);
+    }
+    return hsum256(acc);
+}
+
+AVX2_FN static float dot_q5_1_avx2(const void *w, const void *x, int64_t n) {
+    const block_q5_1 *b = w;
+    const struct cpu_q8 *y = x;
+    __m256 acc = _mm256_setzero_ps();
+    float sm = 0;
+    for (int64_t k = 0; k < n / 32; k++) {
+        uint32_t qh;
+        memcpy(&qh, b[k].qh, 4);
+        __m256i hi = _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10));
+        __m256i qw = _mm256_or_si256(unpack_nibbles(b[k].qs), hi);
+        __m256i qa = _mm256_loadu_si256((const __m256i *)y[k].qs);
+        __m256 d = _mm256_set1_ps(cpu_fp16_to_f32(b[k].d) * y[k].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8i8x32(qw, qa)), acc);
+        sm += cpu_fp16_to_f32(b[k].m) * y[k].s;
+    }
+    return hsum256(acc) + sm;
+}
+
+/* The 8 6-bit scales and 8 mins of a Q4_K/Q5_K block (layout in quant.c),
+ * unpacked a 32-bit word at a time: bytes 0-3 hold scales 0-3 and the top
+ * two bits of scales 4-7, bytes 4-7 the same for the mins, bytes 8-11 the
+ * low four bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles).
+ * Returns the scales as 8 int16 in the low half of both 128-bit lanes and
+ * stores the mins as 8 int16 pairs (m0 m0 m1 m1 ...) in *mins2. */
+AVX2_FN static __m256i k4_scales(const uint8_t *q, __m256i *mins2) {
+    uint32_t w0, w1, w2;
+    memcpy(&w0, q, 4);
+    memcpy(&w1, q + 4, 4);
+    memcpy(&w2, q + 8, 4);
+    uint32_t sc_lo = w0 & 0x3f3f3f3fu, m_lo = w1 & 0x3f3f3f3fu;
+    uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    uint32_t m_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    __m128i sc = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo));
+    __m128i m = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo));
+    *mins2 = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
+    return _mm256_broadcastsi128_si256(sc);
+}
+
+/* Broadcast int16 lane i (0..7) of each 128-bit half to all 16 lanes. */
+#define K_SCALE(sc, i) _mm256_shuffle_epi8((sc), _mm256_set1_epi16((short)(((2 * (i) + 1) << 8) | (2 * (i)))))
+
+AVX2_FN static float dot_q4_k_avx2(const void *w, const void *x, int64_t n) {
+    const block_q4_k *b = w;
+    const struct cpu_q8k *y = x;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        __m256i mins2;
+        __m256i sc = k4_scales(b[k].scales, &mins2);
+        /* min_j * (bsum_2j + bsum_2j+1), as 8 int32 lanes */
+        __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[k].bsums), mins2);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * j));
+            __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[k].qs + 64 * j));
+            __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[k].qs + 64 * j + 32));
+            __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(q4, low4), a0);
+            __m256i p1 = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q4, 4), low4), a1);
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p0, K_SCALE(sc, 2 * j)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p1, K_SCALE(sc, 2 * j + 1)));
+        }
+        float yd = y[k].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].d)), _mm256_cvtepi32_ps(sumi), acc);
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), accm);
+    }
+    return hsum256(_mm256_sub_ps(acc, accm));
+}
+
+AVX2_FN static float dot_q5_k_avx2(const void *w, const void *x, int64_t n) {
+    const block_q5_k *b = w;
+    const struct cpu_q8k *y = x;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        __m256i mins2;
+        __m256i sc = k4_scales(b[k].scales, &mins2);
+        __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[k].bsums), mins2);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)b[k].qh);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * j));
+            /* Bit 2j of each qh byte is the fifth bit of sub-block 2j. */
+            __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4);
+            __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4);
+            __m256i w0 = _mm256_or_si256(_mm256_and_si256(q4, low4), h0);
+            __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), low4), h1);
+            __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[k].qs + 64 * j));
+            __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[k].qs + 64 * j + 32));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(w0, a0), K_SCALE(sc, 2 * j)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(w1, a1), K_SCALE(sc, 2 * j + 1)));
+        }
+        float yd = y[k].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].d)), _mm256_cvtepi32_ps(sumi), acc);
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), accm);
+    }
+    return hsum256(_mm256_sub_ps(acc, accm));
+}
+
+/* Q6_K: weights q - 32 with q in 0..63; sum q * a with unsigned bytes and
+ * subtract 32 * (activation group sum) per group of 16. */
+AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
+    const block_q6_k *b = w;
+    const struct cpu_q8k *y = x;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        const int8_t *sc = b[k].scales;
+        int offs = 0;
+        for (int g = 0; g < 16; g++) offs += sc[g] * y[k].bsums[g];
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b[k].ql + 64 * h, *qhp = b[k].qh + 32 * h;
+            const int8_t *a = y[k].qs + 128 * h, *s = sc + 8 * h;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+            for (int i = 0; i < 4; i++) {
+                __m256i p = _mm256_maddubs_epi16(q[i], _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
+                /* Bytes 0..15 of the 32 are group 2i, bytes 16..31 group 2i+1. */
+                __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale));
+            }
+        }
+        __m256 d = _mm256_set1_ps(y[k].d * cpu_fp16_to_f32(b[k].d));
+        /* The offset joins lane 0 before conversion: integer sums are exact. */
+        sumi = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * offs, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum256(acc);
+}
+
 cpu_dot_fn cpu_dot_avx2(enum dtype t) {
     switch (t) {
     case DTYPE_F32: return dot_f32_avx2;
     case DTYPE_F16: return dot_f16_avx2;
     case DTYPE_BF16: return dot_bf16_avx2;
-    case DTYPE_Q8_0: return dot_q8_0_avx2;
     case DTYPE_Q4_0: return dot_q4_0_avx2;
-    default: return NULL;
+    case DTYPE_Q4_1: return dot_q4_1_avx2;
+    case DTYPE_Q5_0: return dot_q5_0_avx2;
+    case DTYPE_Q5_1: return dot_q5_1_avx2;
+    case DTYPE_Q8_0: return dot_q8_0_avx2;
+    case DTYPE_Q4_K: return dot_q4_k_avx2;
+    case DTYPE_Q5_K: return dot_q5_k_avx2;
+    case DTYPE_Q6_K: return dot_q6_k_avx2;
     }
+    return NULL;
 }
 
 #else
