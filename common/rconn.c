@@ -10,6 +10,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,6 +96,9 @@ int rconn_open(const char *host, int port, int db, int timeout_ms, struct rconn 
         snprintf(err, err_size, "redis %s:%d db %d: bad address", host ? host : "(null)", port, db);
         return STATUS_BAD_INPUT;
     }
+    struct sigaction sa;
+    if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL && !(sa.sa_flags & SA_SIGINFO))
+        signal(SIGPIPE, SIG_IGN);
     struct rconn *c = calloc(1, sizeof *c);
     if (!c) {
         snprintf(err, err_size, "redis %s:%d: out of memory", host, port);

@@ -16,7 +16,12 @@
  * so a command is never lost on a connection known to be dead.  A command
  * whose connection drops while it is in flight fails with
  * STATUS_UNAVAILABLE, since it may or may not have run; the next call
- * reconnects.  One connection is used by one thread at a time. */
+ * reconnects.  One connection is used by one thread at a time.
+ *
+ * hiredis writes with write(): a server that closes the connection while
+ * we write would raise SIGPIPE and end the process.  rconn_open therefore
+ * sets SIGPIPE to ignored if it still has its default action (a process
+ * that installed its own handler keeps it). */
 #ifndef COMMON_RCONN_H
 #define COMMON_RCONN_H
 

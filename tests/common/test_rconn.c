@@ -48,6 +48,15 @@ TEST(rconn_fixture_ping) {
     snprintf(want, sizeof want, "redis://127.0.0.1:%d", f.port);
     ASSERT_STREQ(want, f.url);
     ASSERT_OK(rconn_ping(c));
+    /* No persistence unless asked: no snapshots, no append-only file. */
+    redisReply *r;
+    ASSERT_OK(rconn_command(c, &r, "CONFIG GET save"));
+    ASSERT_EQ((size_t)2, (size_t)r->elements);
+    ASSERT_STREQ("", r->element[1]->str);
+    freeReplyObject(r);
+    ASSERT_OK(rconn_command(c, &r, "CONFIG GET appendonly"));
+    ASSERT_STREQ("no", r->element[1]->str);
+    freeReplyObject(r);
     snprintf(want, sizeof want, "127.0.0.1:%d", f.port);
     ASSERT_STREQ(want, rconn_addr(c));
     t_close(&f, c);
