@@ -33,6 +33,10 @@ struct model_hparams {
     int32_t rope_orig_ctx;                              /* Llama-3 original_max_position_embeddings */
     int tied_embeddings; /* no output.weight: lm_head is token_embd */
     int qkv_bias;        /* qwen2: attn_{q,k,v}.bias present */
+    /* GGUF rope_freqs.weight (how llama.cpp stores Llama-3.1 scaling): head_dim/2
+     * divisors of the inverse frequencies, or NULL.  Points into the model
+     * file, valid while it is open; model_rope_inv_freq applies it. */
+    const float *rope_freq_factors;
 };
 
 /* A tensor of the model, by its GGUF name. ne[0] is the row length. */
