@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu.h" /* the kernel variants, to test the portable ones too */
 
 /* ---- Fixture: a backend and the buffers of one test ----
  * Everything a test allocates goes through fx_alloc and is released by
@@ -194,6 +195,38 @@ TEST(cpu_ops_matmul_every_dtype) {
     static const int32_t ns[] = {1, 3, 17, 70};
     for (int i = 0; i < N_TYPES; i++)
         for (int j = 0; j < 4; j++) check_matmul(be, all_types[i], 67, ns[j]);
+    fx_release();
+}
+
+/* The backend runs the AVX2 kernels where the CPU has them; the portable
+ * ones run elsewhere.  Both must match: same inputs, NMSE between them only
+ * from the order of float additions (integer block sums are exact). */
+TEST(cpu_ops_vector_kernels_match_scalar) {
+    fx_release();
+    cpu_kernels_init();
+    if (!cpu_has_avx2()) printf("  note: no AVX2 here; the backend itself runs the scalar kernels\n");
+    int64_t rows = 23;
+    for (int i = 0; i < N_TYPES; i++) {
+        enum dtype t = all_types[i];
+        int64_t cols = test_cols(t);
+        const struct cpu_type_traits *tr = cpu_type_traits(t);
+        ASSERT_TRUE(tr != NULL);
+        cpu_dot_fn scalar = cpu_dot_scalar(t), vec = cpu_dot_avx2(t);
+        if (!vec || !cpu_has_avx2()) continue;
+        uint8_t *w = make_weights(t, rows, cols);
+        float *x = rand_floats(cols, 1.0f);
+        void *xq = fx_alloc(cpu_act_row_bytes(tr->act, cols));
+        cpu_act_quant_row(tr->act, x, xq, cols);
+        float *out = nan_floats(rows);
+        double *ref = fx_alloc((size_t)rows * sizeof(double));
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *wr = w + (size_t)r * dtype_row_bytes(t, cols);
+            ref[r] = scalar(wr, xq, cols);
+            out[r] = vec(wr, xq, cols);
+        }
+        double e = nmse(out, ref, rows);
+        if (!(e <= 1e-11)) TEST_FAIL("%s: AVX2 and scalar dots differ, NMSE %.3g above 1e-11", dtype_name(t), e);
+    }
     fx_release();
 }
 
@@ -702,7 +735,7 @@ TEST(cpu_ops_mem_info_and_alloc) {
     fx_release();
 }
 
-TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
+TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
           cpu_ops_embed_every_dtype, cpu_ops_embed_rejects_bad_id, cpu_ops_rmsnorm, cpu_ops_add_rmsnorm,
           cpu_ops_add_and_swiglu, cpu_ops_get_rows, cpu_ops_rope_both_orders, cpu_ops_rope_orders_differ,
           cpu_ops_kv_write_layout, cpu_ops_attention_f32_cache, cpu_ops_attention_f16_cache,
