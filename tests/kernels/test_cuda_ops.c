@@ -1,0 +1,590 @@
+/* Tests of the CUDA backend: every op against the CPU backend (the
+ * reference) on the same fresh random inputs, with the GPU outputs filled
+ * with NaN before each op so that an element the kernel forgets to write
+ * fails.  Errors are normalised, NMSE = sum((gpu - cpu)^2) / sum(cpu^2),
+ * with the bound per op and dtype next to each check and why.  Without a
+ * GPU (CI) every test skips. */
+#include "../test.h"
+
+#include <stdint.h>
+#include <time.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "kernels/backend.h"
+
+/* ---- Fixture: both backends and everything one test allocates ----
+ * fx_open releases what a failed previous test left, fx_close releases all
+ * of it at the end of a test. */
+
+#define FX_MAX 128
+static struct {
+    backend *cpu, *gpu;
+    void *host[FX_MAX];
+    int n_host;
+    void *cbuf[FX_MAX], *gbuf[FX_MAX];
+    int n_buf;
+    struct backend_weight cw[4], gw[4];
+    int n_w;
+    struct backend_kv ckv[2], gkv[2];
+    int n_kv;
+} fx;
+
+static void fx_close(void) {
+    for (int i = 0; i < fx.n_host; i++) free(fx.host[i]);
+    for (int i = 0; i < fx.n_buf; i++) {
+        backend_dealloc(fx.cpu, fx.cbuf[i]);
+        backend_dealloc(fx.gpu, fx.gbuf[i]);
+    }
+    for (int i = 0; i < fx.n_w; i++) {
+        backend_weight_free(fx.cpu, &fx.cw[i]);
+        backend_weight_free(fx.gpu, &fx.gw[i]);
+    }
+    for (int i = 0; i < fx.n_kv; i++) {
+        backend_kv_free(fx.cpu, &fx.ckv[i]);
+        backend_kv_free(fx.gpu, &fx.gkv[i]);
+    }
+    backend_free(fx.cpu);
+    backend_free(fx.gpu);
+    memset(&fx, 0, sizeof fx);
+}
+
+static uint64_t rng_state;
+
+static void fx_open(void) {
+    static int seeded;
+    if (!seeded) {
+        const char *env = getenv("LLM_TEST_SEED");
+        rng_state = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + 1;
+        printf("  random seed %llu (LLM_TEST_SEED repeats it)\n", (unsigned long long)rng_state);
+        seeded = 1;
+    }
+    fx_close();
+    char err[256];
+    int rc = backend_cuda_init(&fx.gpu, 0, err, sizeof err);
+    if (rc == STATUS_UNAVAILABLE || rc == STATUS_UNSUPPORTED) TEST_SKIP("CUDA backend unavailable: %s", err);
+    if (rc != STATUS_OK) TEST_FAIL("backend_cuda_init(0): %s", err);
+    rc = backend_cpu_init(&fx.cpu, 0, err, sizeof err);
+    if (rc != STATUS_OK) TEST_FAIL("backend_cpu_init: %s", err);
+}
+
+static void *fx_host(size_t bytes) {
+    if (fx.n_host == FX_MAX) TEST_FAIL("fixture: more than %d host buffers", FX_MAX);
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) TEST_FAIL("fixture: cannot allocate %zu host bytes", bytes);
+    fx.host[fx.n_host++] = p;
+    return p;
+}
+
+/* ---- Random inputs (xorshift64*) ---- */
+
+static uint32_t rng_u32(void) {
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 2685821657736338717ull) >> 32);
+}
+static float rng_f(float lo, float hi) { return lo + (hi - lo) * (float)(rng_u32() >> 8) / 16777216.0f; }
+static int32_t rng_int(int32_t n) { return (int32_t)(rng_u32() % (uint32_t)n); }
+
+static float *rand_f32(size_t n, float lo, float hi) {
+    float *p = fx_host(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = rng_f(lo, hi);
+    return p;
+}
+
+/* ---- A buffer held by both backends ---- */
+struct dbuf {
+    void *c, *g;
+    size_t bytes;
+};
+
+static struct dbuf dbuf_new(size_t bytes) {
+    if (fx.n_buf == FX_MAX) TEST_FAIL("fixture: more than %d backend buffers", FX_MAX);
+    struct dbuf d = {backend_alloc(fx.cpu, bytes), backend_alloc(fx.gpu, bytes), bytes};
+    fx.cbuf[fx.n_buf] = d.c;
+    fx.gbuf[fx.n_buf++] = d.g;
+    if (!d.c) TEST_FAIL("cpu alloc %zu: %s", bytes, backend_errstr(fx.cpu));
+    if (!d.g) TEST_FAIL("gpu alloc %zu: %s", bytes, backend_errstr(fx.gpu));
+    return d;
+}
+static void dbuf_set(struct dbuf d, const void *host) {
+    ASSERT_OK(backend_upload(fx.cpu, d.c, host, d.bytes));
+    ASSERT_OK(backend_upload(fx.gpu, d.g, host, d.bytes));
+}
+static struct dbuf dbuf_from(const void *host, size_t bytes) {
+    struct dbuf d = dbuf_new(bytes);
+    dbuf_set(d, host);
+    return d;
+}
+/* Fill both copies with NaN (all-ones bytes are NaN in F32, F16 and BF16). */
+static void dbuf_poison(struct dbuf d) {
+    void *nan = fx_host(d.bytes);
+    memset(nan, 0xff, d.bytes);
+    dbuf_set(d, nan);
+}
+
+static double nmse(const float *ref, const float *got, size_t n, size_t *worst) {
+    double num = 0.0, den = 0.0, wd = -1.0;
+    for (size_t i = 0; i < n; i++) {
+        double e = (double)got[i] - (double)ref[i];
+        if (got[i] != got[i]) e = INFINITY; /* NaN: an unwritten element */
+        num += e * e;
+        den += (double)ref[i] * ref[i];
+        if (fabs(e) > wd || e != e) {
+            wd = fabs(e);
+            *worst = i;
+        }
+    }
+    return den > 0.0 ? num / den : num;
+}
+
+/* Download n floats from both copies and bound their NMSE. */
+static void check_f32(struct dbuf d, size_t n, double bound, const char *what) {
+    ASSERT_OK(backend_sync(fx.cpu));
+    float *c = fx_host(n * sizeof(float)), *g = fx_host(n * sizeof(float));
+    ASSERT_OK(backend_download(fx.cpu, c, d.c, n * sizeof(float)));
+    ASSERT_OK(backend_download(fx.gpu, g, d.g, n * sizeof(float)));
+    size_t w = 0;
+    double e = nmse(c, g, n, &w);
+    if (!(e <= bound))
+        TEST_FAIL("%s: NMSE %.3g > %.3g (worst element %zu: cpu %.9g, gpu %.9g)", what, e, bound, w, c[w], g[w]);
+}
+
+/* Download both copies and require identical bytes. */
+static void check_bytes(struct dbuf d, const char *what) {
+    unsigned char *c = fx_host(d.bytes), *g = fx_host(d.bytes);
+    ASSERT_OK(backend_download(fx.cpu, c, d.c, d.bytes));
+    ASSERT_OK(backend_download(fx.gpu, g, d.g, d.bytes));
+    for (size_t i = 0; i < d.bytes; i++)
+        if (c[i] != g[i]) TEST_FAIL("%s: byte %zu differs: cpu 0x%02x, gpu 0x%02x", what, i, c[i], g[i]);
+}
+
+/* ---- Basics ---- */
+
+TEST(cuda_ops_identity_and_memory) {
+    fx_open();
+    ASSERT_EQ(1, backend_is_gpu(fx.gpu));
+    ASSERT_TRUE(strncmp(backend_name(fx.gpu), "cuda:0", 6) == 0);
+    printf("  %s\n", backend_name(fx.gpu));
+    size_t fr = 0, tot = 0;
+    ASSERT_OK(backend_mem_info(fx.gpu, &fr, &tot));
+    ASSERT_TRUE(tot > 0 && fr <= tot);
+    /* More than any card has: NULL, with the size in the message. */
+    ASSERT_TRUE(backend_alloc(fx.gpu, (size_t)1 << 52) == NULL);
+    ASSERT_TRUE(strstr(backend_errstr(fx.gpu), "4503599627370496") != NULL);
+    /* The failure is not sticky: the next allocation works. */
+    void *p = backend_alloc(fx.gpu, 1 << 20);
+    ASSERT_TRUE(p != NULL);
+    backend_dealloc(fx.gpu, p);
+    fx_close();
+}
+
+TEST(cuda_ops_upload_copy_download) {
+    fx_open();
+    size_t n = (3 << 20) + 17;
+    unsigned char *src = fx_host(n), *back = fx_host(n);
+    for (size_t i = 0; i < n; i++) src[i] = (unsigned char)rng_u32();
+    void *a = backend_alloc(fx.gpu, n), *b = backend_alloc(fx.gpu, n);
+    fx.gbuf[fx.n_buf++] = a;
+    fx.gbuf[fx.n_buf++] = b;
+    ASSERT_TRUE(a && b);
+    ASSERT_OK(backend_upload(fx.gpu, a, src, n));
+    ASSERT_OK(backend_copy(fx.gpu, b, a, n));
+    ASSERT_OK(backend_download(fx.gpu, back, b, n));
+    ASSERT_EQ(0, memcmp(src, back, n));
+    fx_close();
+}
+
+/* ---- Row ops ---- */
+
+TEST(cuda_ops_rmsnorm) {
+    fx_open();
+    int32_t n = 7, dim = 1000;
+    struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+    struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+    struct dbuf out = dbuf_new((size_t)n * dim * 4);
+    dbuf_poison(out);
+    ASSERT_OK(backend_rmsnorm(fx.cpu, out.c, x.c, w.c, n, dim, 1e-5f));
+    ASSERT_OK(backend_rmsnorm(fx.gpu, out.g, x.g, w.g, n, dim, 1e-5f));
+    /* F32 throughout; only the order of the sum of squares differs. */
+    check_f32(out, (size_t)n * dim, 1e-11, "rmsnorm");
+    fx_close();
+}
+
+TEST(cuda_ops_add_rmsnorm) {
+    fx_open();
+    int32_t n = 5, dim = 4096;
+    struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+    struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
+    struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+    struct dbuf out = dbuf_new((size_t)n * dim * 4);
+    dbuf_poison(out);
+    ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, out.c, w.c, n, dim, 1e-6f));
+    ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, out.g, w.g, n, dim, 1e-6f));
+    check_f32(x, (size_t)n * dim, 0.0, "add_rmsnorm residual"); /* one F32 add: exact */
+    check_f32(out, (size_t)n * dim, 1e-11, "add_rmsnorm out");
+    fx_close();
+}
+
+TEST(cuda_ops_add_swiglu) {
+    fx_open();
+    int64_t n = 100003;
+    struct dbuf x = dbuf_from(rand_f32(n, -3, 3), n * 4);
+    struct dbuf y = dbuf_from(rand_f32(n, -3, 3), n * 4);
+    struct dbuf out = dbuf_new(n * 4);
+    dbuf_poison(out);
+    ASSERT_OK(backend_swiglu(fx.cpu, out.c, x.c, y.c, n));
+    ASSERT_OK(backend_swiglu(fx.gpu, out.g, x.g, y.g, n));
+    check_f32(out, n, 1e-12, "swiglu"); /* expf of two libraries: a few ulp */
+    ASSERT_OK(backend_add(fx.cpu, x.c, y.c, n));
+    ASSERT_OK(backend_add(fx.gpu, x.g, y.g, n));
+    check_f32(x, n, 0.0, "add");
+    fx_close();
+}
+
+TEST(cuda_ops_get_rows) {
+    fx_open();
+    int32_t rows = 50, dim = 300, n = 9;
+    struct dbuf x = dbuf_from(rand_f32((size_t)rows * dim, -1, 1), (size_t)rows * dim * 4);
+    int32_t idx[9];
+    for (int i = 0; i < n; i++) idx[i] = rng_int(rows);
+    idx[3] = idx[1]; /* a repeat */
+    struct dbuf di = dbuf_from(idx, sizeof idx);
+    struct dbuf out = dbuf_new((size_t)n * dim * 4);
+    dbuf_poison(out);
+    ASSERT_OK(backend_get_rows(fx.cpu, out.c, x.c, di.c, n, dim));
+    ASSERT_OK(backend_get_rows(fx.gpu, out.g, x.g, di.g, n, dim));
+    check_f32(out, (size_t)n * dim, 0.0, "get_rows");
+    fx_close();
+}
+
+static void rope_case(int neox, int32_t n_freq) {
+    int32_t n = 9, n_heads = 4, hd = 64;
+    size_t elems = (size_t)n * n_heads * hd;
+    struct dbuf x = dbuf_from(rand_f32(elems, -1, 1), elems * 4);
+    int32_t pos[9];
+    for (int i = 0; i < n; i++) pos[i] = i < 4 ? i : rng_int(200000);
+    struct dbuf dp = dbuf_from(pos, sizeof pos);
+    float *inv = fx_host((size_t)n_freq * 4);
+    for (int i = 0; i < n_freq; i++) inv[i] = powf(10000.0f, -2.0f * i / (float)hd);
+    struct dbuf di = dbuf_from(inv, (size_t)n_freq * 4);
+    ASSERT_OK(backend_rope(fx.cpu, x.c, dp.c, n, n_heads, hd, di.c, n_freq, neox));
+    ASSERT_OK(backend_rope(fx.gpu, x.g, dp.g, n, n_heads, hd, di.g, n_freq, neox));
+    /* Both form the angle in double; sin/cos of two libraries. */
+    check_f32(x, elems, 1e-12, neox ? "rope neox" : "rope gptj");
+}
+
+TEST(cuda_ops_rope_both_orders) {
+    fx_open();
+    rope_case(0, 32);
+    rope_case(1, 32);
+    rope_case(0, 12); /* partial rotation: the rest must stay as is */
+    rope_case(1, 12);
+    fx_close();
+}
+
+TEST(cuda_ops_convert) {
+    fx_open();
+    int64_t n = 70001;
+    enum dtype types[3] = {DTYPE_F32, DTYPE_F16, DTYPE_BF16};
+    float *src = rand_f32(n, -1000, 1000);
+    for (int s = 0; s < 3; s++)
+        for (int d = 0; d < 3; d++) {
+            if (s == d) continue;
+            /* The source in its own type, made by the CPU backend. */
+            struct dbuf f = dbuf_from(src, n * 4);
+            struct dbuf in = dbuf_new(n * 4), out = dbuf_new(n * 4);
+            ASSERT_OK(backend_convert(fx.cpu, in.c, types[s], f.c, DTYPE_F32, n));
+            ASSERT_OK(backend_sync(fx.cpu));
+            void *tmp = fx_host(n * 4);
+            ASSERT_OK(backend_download(fx.cpu, tmp, in.c, n * 4));
+            dbuf_set(in, tmp);
+            dbuf_poison(out);
+            ASSERT_OK(backend_convert(fx.cpu, out.c, types[d], in.c, types[s], n));
+            ASSERT_OK(backend_convert(fx.gpu, out.g, types[d], in.g, types[s], n));
+            ASSERT_OK(backend_sync(fx.cpu));
+            char what[64];
+            snprintf(what, sizeof what, "convert %s to %s", dtype_name(types[s]), dtype_name(types[d]));
+            /* Round to nearest even on both sides: identical bits. */
+            out.bytes = (size_t)n * (types[d] == DTYPE_F32 ? 4 : 2);
+            check_bytes(out, what);
+        }
+    fx_close();
+}
+
+/* ---- Weights: embed and matmul for every dtype ---- */
+
+static const enum dtype all_types[] = {DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_1,
+                                       DTYPE_Q5_0, DTYPE_Q5_1, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+
+/* A random weight of type t in host memory.  Types with a quantizer get
+ * quantized random floats; the others (Q4_1, Q5_0, Q5_1) get random code
+ * bytes with sane scales and mins written over them. */
+static void *rand_weight(enum dtype t, int64_t rows, int64_t cols) {
+    size_t rb = dtype_row_bytes(t, cols);
+    uint8_t *w = fx_host(rb * rows);
+    if (t == DTYPE_Q4_1 || t == DTYPE_Q5_0 || t == DTYPE_Q5_1) {
+        for (size_t i = 0; i < rb * rows; i++) w[i] = (uint8_t)rng_u32();
+        size_t bb = dtype_block_bytes(t);
+        for (size_t off = 0; off < rb * rows; off += bb) {
+            fp16_t d = f32_to_fp16(rng_f(0.005f, 0.02f)), m = f32_to_fp16(rng_f(-0.1f, 0.1f));
+            memcpy(w + off, &d, 2);
+            if (t != DTYPE_Q5_0) memcpy(w + off + 2, &m, 2);
+        }
+        return w;
+    }
+    float *f = rand_f32((size_t)cols, -1, 1);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < cols; i++) f[i] = rng_f(-1, 1);
+        if (dtype_quant_row(t, f, w + rb * r, cols) != STATUS_OK)
+            TEST_FAIL("dtype_quant_row(%s, %lld) failed", dtype_name(t), (long long)cols);
+    }
+    return w;
+}
+
+static int load_weight(enum dtype t, const void *host, int64_t rows, int64_t cols) {
+    if (fx.n_w == 4) TEST_FAIL("fixture: more than 4 weights");
+    int i = fx.n_w++;
+    ASSERT_OK(backend_weight_load(fx.cpu, &fx.cw[i], t, host, rows, cols));
+    int rc = backend_weight_load(fx.gpu, &fx.gw[i], t, host, rows, cols);
+    if (rc != STATUS_OK) TEST_FAIL("gpu weight_load %s: %s", dtype_name(t), backend_errstr(fx.gpu));
+    /* T4 has no BF16: the CUDA backend keeps F16. */
+    ASSERT_EQ((int)(t == DTYPE_BF16 ? DTYPE_F16 : t), (int)fx.gw[i].type);
+    return i;
+}
+
+static void free_weights(void) {
+    for (int i = 0; i < fx.n_w; i++) {
+        backend_weight_free(fx.cpu, &fx.cw[i]);
+        backend_weight_free(fx.gpu, &fx.gw[i]);
+    }
+    fx.n_w = 0;
+}
+
+TEST(cuda_ops_embed_every_dtype) {
+    fx_open();
+    int64_t rows = 37, cols = 512;
+    int32_t n = 6, ids[6];
+    for (int i = 0; i < n; i++) ids[i] = rng_int((int32_t)rows);
+    ids[5] = (int32_t)rows - 1;
+    struct dbuf di = dbuf_from(ids, sizeof ids);
+    struct dbuf out = dbuf_new((size_t)n * cols * 4);
+    for (size_t k = 0; k < sizeof all_types / sizeof all_types[0]; k++) {
+        enum dtype t = all_types[k];
+        int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+        dbuf_poison(out);
+        ASSERT_OK(backend_embed(fx.cpu, out.c, &fx.cw[wi], di.c, n));
+        ASSERT_OK(backend_embed(fx.gpu, out.g, &fx.gw[wi], di.g, n));
+        char what[64];
+        snprintf(what, sizeof what, "embed %s", dtype_name(t));
+        /* The same dequantization formula in F32; BF16 stored as F16 loses
+         * nothing for values in [-1, 1] beyond F16's 11 bits (NMSE ~1e-7). */
+        check_f32(out, (size_t)n * cols, t == DTYPE_BF16 ? 1e-6 : 1e-12, what);
+        free_weights();
+    }
+    fx_close();
+}
+
+/* NMSE bound of matmul against the CPU backend.  The CPU quantizes the
+ * activations to 8 bits for the quantized types (llama.cpp's scheme), an
+ * error near 1e-5 that the GPU does not make: 2e-3 leaves room and still
+ * fails any wrong scale, nibble or index (those give NMSE ~ 1).  F32/F16
+ * weights are dotted in F32 on both sides, except that the cuBLAS path
+ * (n > 16) rounds activations to F16 (~1e-7).  BF16 becomes F16 on the
+ * GPU: ~1e-5 for values in [-1, 1]. */
+static double matmul_bound(enum dtype t, int32_t n) {
+    if (t == DTYPE_F32) return 1e-10;
+    if (t == DTYPE_F16) return n <= 16 ? 1e-10 : 1e-5;
+    if (t == DTYPE_BF16) return 1e-4;
+    return 2e-3;
+}
+
+static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t *ns, int n_ns) {
+    int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+    int32_t nmax = 0;
+    for (int i = 0; i < n_ns; i++) nmax = ns[i] > nmax ? ns[i] : nmax;
+    struct dbuf x = dbuf_from(rand_f32((size_t)nmax * cols, -1, 1), (size_t)nmax * cols * 4);
+    struct dbuf out = dbuf_new((size_t)nmax * rows * 4);
+    for (int i = 0; i < n_ns; i++) {
+        dbuf_poison(out);
+        ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, ns[i]));
+        int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, ns[i]);
+        if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), ns[i], backend_errstr(fx.gpu));
+        char what[96];
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d", dtype_name(t), (long long)rows, (long long)cols,
+                 ns[i]);
+        check_f32(out, (size_t)ns[i] * rows, matmul_bound(t, ns[i]), what);
+    }
+    free_weights();
+}
+
+static void matmul_type(enum dtype t) {
+    fx_open();
+    static const int32_t ns[] = {1, 5, 16, 64};
+    matmul_case(t, 100, 512, ns, 4);
+    matmul_case(t, 35, 768, ns, 2); /* rows not a multiple of the warps per block */
+    fx_close();
+}
+
+TEST(cuda_ops_matmul_f32) { matmul_type(DTYPE_F32); }
+TEST(cuda_ops_matmul_f16) { matmul_type(DTYPE_F16); }
+TEST(cuda_ops_matmul_bf16) { matmul_type(DTYPE_BF16); }
+TEST(cuda_ops_matmul_q8_0) { matmul_type(DTYPE_Q8_0); }
+TEST(cuda_ops_matmul_q4_0) { matmul_type(DTYPE_Q4_0); }
+TEST(cuda_ops_matmul_q4_1) { matmul_type(DTYPE_Q4_1); }
+TEST(cuda_ops_matmul_q5_0) { matmul_type(DTYPE_Q5_0); }
+TEST(cuda_ops_matmul_q5_1) { matmul_type(DTYPE_Q5_1); }
+TEST(cuda_ops_matmul_q4_k) { matmul_type(DTYPE_Q4_K); }
+TEST(cuda_ops_matmul_q5_k) { matmul_type(DTYPE_Q5_K); }
+TEST(cuda_ops_matmul_q6_k) { matmul_type(DTYPE_Q6_K); }
+
+TEST(cuda_ops_matmul_odd_width_and_tiles) {
+    fx_open();
+    static const int32_t small[] = {1, 3, 20};
+    matmul_case(DTYPE_F16, 33, 100, small, 3); /* width the skinny kernel cannot take */
+    matmul_case(DTYPE_F32, 33, 102, small, 3);
+    /* 4200 rows of 4096: three dequantized tiles of at most 16 MiB. */
+    static const int32_t big[] = {40};
+    matmul_case(DTYPE_Q4_K, 4200, 4096, big, 1);
+    fx_close();
+}
+
+/* ---- KV cache and attention ---- */
+
+static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, int32_t hd) {
+    int i = fx.n_kv++;
+    ASSERT_OK(backend_kv_init(fx.cpu, &fx.ckv[i], t, n_blocks, bs, n_kv, hd));
+    ASSERT_OK(backend_kv_init(fx.gpu, &fx.gkv[i], t, n_blocks, bs, n_kv, hd));
+    /* The same random contents in both (every slot a valid number). */
+    size_t elems = (size_t)n_blocks * bs * n_kv * hd, es = t == DTYPE_F32 ? 4 : 2;
+    for (int kv = 0; kv < 2; kv++) {
+        float *f = rand_f32(elems, -1, 1);
+        void *buf = f;
+        if (t == DTYPE_F16) {
+            uint16_t *h = fx_host(elems * 2);
+            for (size_t e = 0; e < elems; e++) h[e] = f32_to_fp16(f[e]);
+            buf = h;
+        }
+        ASSERT_OK(backend_upload(fx.cpu, kv ? fx.ckv[i].v : fx.ckv[i].k, buf, elems * es));
+        ASSERT_OK(backend_upload(fx.gpu, kv ? fx.gkv[i].v : fx.gkv[i].k, buf, elems * es));
+    }
+}
+
+static void kv_write_case(enum dtype t) {
+    fx_open();
+    int32_t nb = 12, bs = 16, n_kv = 2, hd = 64, n = 10;
+    kv_pair(t, nb, bs, n_kv, hd);
+    size_t width = (size_t)n_kv * hd;
+    struct dbuf k = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
+    struct dbuf v = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
+    int32_t slots[10];
+    for (int i = 0; i < n; i++) {
+        int again;
+        do {
+            slots[i] = rng_int(nb * bs);
+            again = 0;
+            for (int j = 0; j < i; j++) again |= slots[j] == slots[i];
+        } while (again);
+    }
+    struct dbuf ds = dbuf_from(slots, sizeof slots);
+    ASSERT_OK(backend_kv_write(fx.cpu, &fx.ckv[0], k.c, v.c, ds.c, n));
+    ASSERT_OK(backend_kv_write(fx.gpu, &fx.gkv[0], k.g, v.g, ds.g, n));
+    ASSERT_OK(backend_sync(fx.cpu));
+    size_t bytes = (size_t)nb * bs * width * (t == DTYPE_F32 ? 4 : 2);
+    struct dbuf ck = {fx.ckv[0].k, fx.gkv[0].k, bytes}, cv = {fx.ckv[0].v, fx.gkv[0].v, bytes};
+    /* Written slots equal (F16: both round to nearest even), the others untouched. */
+    check_bytes(ck, "kv_write K cache");
+    check_bytes(cv, "kv_write V cache");
+    fx_close();
+}
+
+TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32); }
+TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16); }
+
+/* Sequences given as (tokens this step, position of the first); block
+ * tables are a random permutation of the cache's blocks. */
+static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t bs, int n_seqs,
+                           const int32_t *lens, const int32_t *pos0s) {
+    int32_t n_tokens = 0, max_ctx = 0, max_blocks = 0, total_blocks = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int32_t ctx = pos0s[s] + lens[s], nbk = (ctx + bs - 1) / bs;
+        n_tokens += lens[s];
+        max_ctx = ctx > max_ctx ? ctx : max_ctx;
+        max_blocks = nbk > max_blocks ? nbk : max_blocks;
+        total_blocks += nbk;
+    }
+    int32_t n_blocks = total_blocks + 3;
+    kv_pair(t, n_blocks, bs, n_kv, hd);
+    int32_t *perm = fx_host((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = rng_int(i + 1), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    int32_t *tables = fx_host((size_t)n_seqs * max_blocks * 4), *tok0 = fx_host((size_t)(n_seqs + 1) * 4);
+    int32_t used = 0;
+    tok0[0] = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int32_t nbk = (pos0s[s] + lens[s] + bs - 1) / bs;
+        for (int b = 0; b < max_blocks; b++) tables[s * max_blocks + b] = b < nbk ? perm[used++] : perm[n_blocks - 1];
+        tok0[s + 1] = tok0[s] + lens[s];
+    }
+    struct dbuf dt = dbuf_from(tables, (size_t)n_seqs * max_blocks * 4);
+    struct dbuf d0 = dbuf_from(tok0, (size_t)(n_seqs + 1) * 4);
+    struct dbuf dp = dbuf_from(pos0s, (size_t)n_seqs * 4);
+    size_t elems = (size_t)n_tokens * n_heads * hd;
+    struct dbuf q = dbuf_from(rand_f32(elems, -2, 2), elems * 4);
+    struct dbuf out = dbuf_new(elems * 4);
+    dbuf_poison(out);
+    struct backend_attn_batch cb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.c, dp.c, dt.c};
+    struct backend_attn_batch gb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.g, dp.g, dt.g};
+    float scale = 1.0f / sqrtf((float)hd);
+    ASSERT_OK(backend_attention(fx.cpu, out.c, q.c, &fx.ckv[fx.n_kv - 1], &cb, n_heads, scale));
+    int rc = backend_attention(fx.gpu, out.g, q.g, &fx.gkv[fx.n_kv - 1], &gb, n_heads, scale);
+    if (rc != STATUS_OK) TEST_FAIL("gpu attention: %s", backend_errstr(fx.gpu));
+    char what[128];
+    snprintf(what, sizeof what, "attention %s cache, %d heads / %d KV heads x %d, %d seqs, %d rows, ctx %d",
+             dtype_name(t), n_heads, n_kv, hd, n_seqs, n_tokens, max_ctx);
+    /* F32 arithmetic on the same cache values; softmax exp differs by ulps. */
+    check_f32(out, elems, 1e-9, what);
+}
+
+/* Prefill chunks and decode rows together, at different positions. */
+static const int32_t mix_lens[] = {7, 1, 20, 1, 1, 33};
+static const int32_t mix_pos[] = {0, 37, 50, 300, 0, 64};
+
+TEST(cuda_ops_attention_gqa_f32) {
+    fx_open();
+    attention_case(DTYPE_F32, 8, 2, 64, 16, 6, mix_lens, mix_pos);
+    fx_close();
+}
+
+TEST(cuda_ops_attention_gqa_f16) {
+    fx_open();
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 6, mix_lens, mix_pos);
+    fx_close();
+}
+
+TEST(cuda_ops_attention_shapes) {
+    fx_open();
+    /* Llama-7B heads (MHA, 128), decode at a long context: split-K. */
+    static const int32_t l1[] = {1, 1, 40}, p1[] = {1000, 17, 500};
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 3, l1, p1);
+    /* Wide heads with a large group, small blocks. */
+    static const int32_t l2[] = {3, 1}, p2[] = {90, 200};
+    attention_case(DTYPE_F32, 16, 2, 256, 8, 2, l2, p2);
+    /* Tiny heads (stories260K: 8 heads of 8 over 4 KV heads). */
+    static const int32_t l3[] = {12, 1}, p3[] = {0, 100};
+    attention_case(DTYPE_F32, 8, 4, 8, 32, 2, l3, p3);
+    fx_close();
+}
+
+TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
+          cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
+          cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
+          cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
+          cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_kv_write_f32, cuda_ops_kv_write_f16,
+          cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes)
