@@ -34,7 +34,8 @@ void test_fail_at(const char *file, int line, const char *fmt, ...) __attribute_
     } while (0)
 
 #define TEST_FMT_(x)                                                             \
-    _Generic((x), char *: "%s", const char *: "%s", float: "%.9g", double: "%.17g", \
+    _Generic((x), _Bool: "%d", char: "%d", signed char: "%d", short: "%d",            \
+             unsigned short: "%u", char *: "%s", const char *: "%s", float: "%.9g", double: "%.17g", \
              long double: "%Lg", unsigned char: "%u", int: "%d", unsigned: "%u",  \
              long: "%ld", unsigned long: "%lu", long long: "%lld",               \
              unsigned long long: "%llu", default: "%lld")
