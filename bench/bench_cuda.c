@@ -1,0 +1,279 @@
+/* Benchmark of the CUDA backend's decode-critical kernels.  It measures the
+ * card's two ceilings first (device-to-device copy bandwidth, F16 GEMM
+ * rate through cuBLAS), then times matmul on Llama-7B layer shapes at
+ * batch 1..64 and paged attention decode over a 512-token context at batch
+ * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth.
+ *
+ *   bench_cuda [device]
+ *
+ * Inputs rotate over enough copies to exceed the L2 cache, so the numbers
+ * are DRAM numbers.  Times are the median of 5 rounds. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "kernels/backend.h"
+
+static backend *be;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_cuda: %s: %s\n", what, be ? backend_errstr(be) : "");
+    exit(1);
+}
+
+static void *dev_alloc(size_t bytes) {
+    void *p = backend_alloc(be, bytes);
+    if (!p) die("alloc");
+    return p;
+}
+
+static uint64_t rng = 0x243f6a8885a308d3ull;
+static float rnd(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static void *dev_random_f32(size_t n) {
+    float *h = malloc(n * sizeof(float));
+    if (!h) die("host alloc");
+    for (size_t i = 0; i < n; i++) h[i] = rnd();
+    void *d = dev_alloc(n * sizeof(float));
+    if (backend_upload(be, d, h, n * sizeof(float)) || backend_sync(be)) die("upload");
+    free(h);
+    return d;
+}
+
+/* Median over 5 rounds of the mean time of one call of fn(arg, i). */
+typedef int (*bench_fn)(void *arg, int i);
+static double time_median(bench_fn fn, void *arg) {
+    for (int i = 0; i < 3; i++)
+        if (fn(arg, i)) die("warm-up");
+    if (backend_sync(be)) die("sync");
+    double t0 = now_s();
+    for (int i = 0; i < 5; i++)
+        if (fn(arg, i)) die("probe");
+    if (backend_sync(be)) die("sync");
+    double one = (now_s() - t0) / 5;
+    int iters = (int)(0.03 / (one > 1e-7 ? one : 1e-7));
+    if (iters < 3) iters = 3;
+    if (iters > 2000) iters = 2000;
+    double r[5];
+    for (int k = 0; k < 5; k++) {
+        t0 = now_s();
+        for (int i = 0; i < iters; i++)
+            if (fn(arg, i)) die("timed run");
+        if (backend_sync(be)) die("sync");
+        r[k] = (now_s() - t0) / iters;
+    }
+    for (int a = 0; a < 5; a++)
+        for (int b = a + 1; b < 5; b++)
+            if (r[b] < r[a]) {
+                double t = r[a];
+                r[a] = r[b];
+                r[b] = t;
+            }
+    return r[2];
+}
+
+/* ---- Ceilings ---- */
+struct copy_arg { void *a, *b; size_t bytes; };
+static int copy_fn(void *arg, int i) {
+    struct copy_arg *c = arg;
+    return i % 2 ? backend_copy(be, c->a, c->b, c->bytes) : backend_copy(be, c->b, c->a, c->bytes);
+}
+
+struct mm_arg {
+    struct backend_weight *w; /* copies, rotated */
+    int n_w;
+    float *x, *out;
+    int32_t n;
+};
+static int mm_fn(void *arg, int i) {
+    struct mm_arg *m = arg;
+    return backend_matmul(be, m->out, &m->w[i % m->n_w], m->x, m->n);
+}
+struct cv_arg { void *dst; const float *src; int64_t n; };
+static int cv_fn(void *arg, int i) {
+    (void)i;
+    struct cv_arg *c = arg;
+    return backend_convert(be, c->dst, DTYPE_F16, c->src, DTYPE_F32, c->n);
+}
+
+/* A weight of type t whose rows repeat 64 distinct quantized random rows
+ * (quantizing 45M elements would dominate the run). */
+static void *host_weight(enum dtype t, int64_t rows, int64_t cols) {
+    size_t rb = dtype_row_bytes(t, cols);
+    uint8_t *h = malloc(rb * rows);
+    float *f = malloc(cols * sizeof(float));
+    if (!h || !f) die("host alloc");
+    for (int64_t r = 0; r < rows && r < 64; r++) {
+        for (int64_t i = 0; i < cols; i++) f[i] = rnd();
+        if (dtype_quant_row(t, f, h + rb * r, cols)) die("quantize");
+    }
+    for (int64_t r = 64; r < rows; r++) memcpy(h + rb * r, h + rb * (r % 64), rb);
+    free(f);
+    return h;
+}
+
+int main(int argc, char **argv) {
+    int device = argc > 1 ? atoi(argv[1]) : 0;
+    char err[256];
+    int rc = backend_cuda_init(&be, device, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "bench_cuda: %s\n", err);
+        return rc == STATUS_UNAVAILABLE || rc == STATUS_UNSUPPORTED ? 2 : 1;
+    }
+    size_t fr = 0, tot = 0;
+    backend_mem_info(be, &fr, &tot);
+    printf("device: %s, %.1f of %.1f GiB free\n", backend_name(be), fr / 1073741824.0, tot / 1073741824.0);
+
+    /* Copy bandwidth: 2 x 512 MiB buffers, bytes read plus bytes written. */
+    struct copy_arg ca = {NULL, NULL, (size_t)512 << 20};
+    ca.a = dev_random_f32(ca.bytes / 4);
+    ca.b = dev_random_f32(ca.bytes / 4);
+    double t_copy = time_median(copy_fn, &ca);
+    double bw = 2.0 * ca.bytes / t_copy;
+    printf("copy bandwidth: %.1f GB/s (device-to-device, %zu MiB, read + write)\n", bw / 1e9, ca.bytes >> 20);
+    backend_dealloc(be, ca.a);
+    backend_dealloc(be, ca.b);
+
+    /* F16 GEMM rate: 8192 x 8192 weight, 4096 tokens, through backend_matmul;
+     * the activation conversion is timed alone and subtracted. */
+    {
+        int64_t R = 8192, C = 8192;
+        int32_t n = 4096;
+        void *hw = host_weight(DTYPE_F16, R, C);
+        struct backend_weight w;
+        if (backend_weight_load(be, &w, DTYPE_F16, hw, R, C)) die("weight_load");
+        free(hw);
+        struct mm_arg m = {&w, 1, dev_random_f32((size_t)n * C), dev_alloc((size_t)n * R * 4), n};
+        double t = time_median(mm_fn, &m);
+        struct cv_arg cv = {dev_alloc((size_t)n * C * 2), m.x, (int64_t)n * C};
+        double tc = time_median(cv_fn, &cv);
+        double flops = 2.0 * R * C * n;
+        printf("F16 GEMM (cuBLAS, F32 accumulate) %lldx%lld x %d tokens: %.1f TFLOP/s (%.1f with the F32->F16 "
+               "activation conversion, %.3f ms of %.3f ms)\n",
+               (long long)R, (long long)C, n, flops / (t - tc) / 1e12, flops / t / 1e12, tc * 1e3, t * 1e3);
+        backend_dealloc(be, cv.dst);
+        backend_dealloc(be, m.x);
+        backend_dealloc(be, m.out);
+        backend_weight_free(be, &w);
+    }
+
+    /* Matmul on 7B layer shapes. */
+    static const int64_t shapes[3][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}};
+    static const enum dtype types[3] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_K};
+    static const int32_t batches[4] = {1, 8, 32, 64};
+    printf("\nmatmul (out = x . W^T), median of 5 rounds; bytes = weight + activations + output\n");
+    printf("%-6s %-13s %5s %10s %9s %7s %9s\n", "type", "rows x cols", "batch", "time us", "GB/s", "of bw", "TFLOP/s");
+    for (int s = 0; s < 3; s++)
+        for (int k = 0; k < 3; k++) {
+            int64_t R = shapes[s][0], C = shapes[s][1];
+            size_t wbytes = dtype_row_bytes(types[k], C) * R;
+            int n_w = (int)((512u << 20) / wbytes) + 1; /* > 512 MiB in all: far past L2 */
+            if (n_w > 16) n_w = 16;
+            struct backend_weight ws[16];
+            void *hw = host_weight(types[k], R, C);
+            for (int i = 0; i < n_w; i++)
+                if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
+            free(hw);
+            float *x = dev_random_f32((size_t)64 * C), *out = dev_alloc((size_t)64 * R * 4);
+            for (int b = 0; b < 4; b++) {
+                struct mm_arg m = {ws, n_w, x, out, batches[b]};
+                double t = time_median(mm_fn, &m);
+                double bytes = (double)wbytes + 4.0 * batches[b] * (C + R);
+                printf("%-6s %5lldx%-7lld %5d %10.1f %9.1f %6.1f%% %9.2f\n", dtype_name(types[k]), (long long)R,
+                       (long long)C, batches[b], t * 1e6, bytes / t / 1e9, 100.0 * bytes / t / bw,
+                       2.0 * R * C * batches[b] / t / 1e12);
+            }
+            backend_dealloc(be, x);
+            backend_dealloc(be, out);
+            for (int i = 0; i < n_w; i++) backend_weight_free(be, &ws[i]);
+        }
+
+    /* Attention decode: 32 heads of 128, F16 cache in blocks of 16, every
+     * sequence at position 511 (context 512).  Sequences rotate over the
+     * cache's blocks between calls. */
+    printf("\nattention decode, context 512, F16 cache, block 16, head_dim 128; bytes = K + V read\n");
+    printf("%-9s %5s %10s %9s %7s\n", "heads/kv", "batch", "time us", "GB/s", "of bw");
+    static const int32_t kv_heads[2] = {32, 8};
+    for (int kh = 0; kh < 2; kh++) {
+        int32_t n_heads = 32, n_kv = kv_heads[kh], hd = 128, bs = 16, ctx = 512, per_seq = ctx / bs;
+        int32_t n_blocks = 64 * per_seq * 2;
+        struct backend_kv kv;
+        if (backend_kv_init(be, &kv, DTYPE_F16, n_blocks, bs, n_kv, hd)) die("kv_init");
+        /* Random F16 values, a 32 MiB pattern repeated over the cache. */
+        size_t kv_elems = (size_t)n_blocks * bs * n_kv * hd, pat = (size_t)16 << 20;
+        uint16_t *hkv = malloc(pat * 2);
+        if (!hkv) die("host alloc");
+        for (size_t i = 0; i < pat; i++) hkv[i] = f32_to_fp16(rnd());
+        for (size_t off = 0; off < kv_elems; off += pat) {
+            size_t m = kv_elems - off < pat ? kv_elems - off : pat;
+            if (backend_upload(be, (uint16_t *)kv.k + off, hkv, m * 2) ||
+                backend_upload(be, (uint16_t *)kv.v + off, hkv + (pat - m), m * 2) || backend_sync(be))
+                die("upload kv");
+        }
+        free(hkv);
+        int32_t *tables = malloc((size_t)n_blocks * 4);
+        for (int32_t i = 0; i < n_blocks; i++) tables[i] = i;
+        int32_t *dtab = dev_alloc((size_t)n_blocks * 4);
+        if (backend_upload(be, dtab, tables, (size_t)n_blocks * 4)) die("upload");
+        free(tables);
+        static const int32_t bb[7] = {1, 2, 4, 8, 16, 32, 64};
+        for (int b = 0; b < 7; b++) {
+            int32_t B = bb[b];
+            int32_t tok0[65], pos0[64];
+            for (int i = 0; i <= B; i++) tok0[i] = i;
+            for (int i = 0; i < B; i++) pos0[i] = ctx - 1;
+            int32_t *d0 = dev_alloc(sizeof tok0), *dp = dev_alloc(sizeof pos0);
+            if (backend_upload(be, d0, tok0, sizeof tok0) || backend_upload(be, dp, pos0, sizeof pos0)) die("upload");
+            float *q = dev_random_f32((size_t)B * n_heads * hd), *out = dev_alloc((size_t)B * n_heads * hd * 4);
+            int sets = n_blocks / (B * per_seq);
+            /* Time by hand: the block-table offset changes every call. */
+            double r[5];
+            for (int k = 0; k < 6; k++) {
+                int iters = 200;
+                if (backend_sync(be)) die("sync");
+                double t0 = now_s();
+                for (int i = 0; i < iters; i++) {
+                    struct backend_attn_batch ab = {B, B, per_seq, ctx, d0, dp, dtab + (size_t)(i % sets) * B * per_seq};
+                    if (backend_attention(be, out, q, &kv, &ab, n_heads, 1.0f / sqrtf((float)hd))) die("attention");
+                }
+                if (backend_sync(be)) die("sync");
+                if (k > 0) r[k - 1] = (now_s() - t0) / iters; /* round 0 warms up */
+            }
+            for (int x = 0; x < 5; x++)
+                for (int y = x + 1; y < 5; y++)
+                    if (r[y] < r[x]) {
+                        double t = r[x];
+                        r[x] = r[y];
+                        r[y] = t;
+                    }
+            double t = r[2];
+            double bytes = (double)B * ctx * n_kv * hd * 2 * 2;
+            printf("%2d/%-6d %5d %10.1f %9.1f %6.1f%%\n", n_heads, n_kv, B, t * 1e6, bytes / t / 1e9,
+                   100.0 * bytes / t / bw);
+            backend_dealloc(be, d0);
+            backend_dealloc(be, dp);
+            backend_dealloc(be, q);
+            backend_dealloc(be, out);
+        }
+        backend_dealloc(be, dtab);
+        backend_kv_free(be, &kv);
+    }
+    backend_free(be);
+    return 0;
+}
