@@ -770,13 +770,13 @@ int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int a
         if (rc < 0) goto done;
         prev_special = 0;
     }
-    /* Only with add_bos as the metadata says: EOS follows the same rule. */
-    if (add_bos < 0 && t->add_eos && t->eos >= 0 && (rc = tok_out_push(&o, t->eos)) < 0) goto done;
+    /* add_bos 0 means no added tokens at all (llama.cpp's add_special). */
+    if (add_bos != 0 && t->add_eos && t->eos >= 0 && (rc = tok_out_push(&o, t->eos)) < 0) goto done;
     if (o.n > INT32_MAX) {
         rc = STATUS_BAD_INPUT;
         goto done;
     }
-    if (ids && n_max > 0) memcpy(ids, o.ids, (o.n < (size_t)n_max ? o.n : (size_t)n_max) * sizeof *ids);
+    if (ids && n_max > 0 && o.n > 0) memcpy(ids, o.ids, (o.n < (size_t)n_max ? o.n : (size_t)n_max) * sizeof *ids);
 done:
     free(o.ids);
     free(frags.v);

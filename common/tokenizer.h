@@ -49,7 +49,8 @@ int32_t tokenizer_token_find(const tokenizer *t, const char *text, size_t len);
 int32_t tokenizer_token_len_max(const tokenizer *t);
 
 /* Encodes len bytes of text.  add_bos: -1 as the metadata says, 0 never,
- * 1 always.  parse_special: 1 turns the text of special/added tokens
+ * 1 always; EOS is appended when the metadata says so, unless add_bos is 0.
+ * parse_special: 1 turns the text of special/added tokens
  * ("<s>", "<|eot_id|>") into their ids.  Writes at most n_max ids and
  * returns how many the text needs (call again with a larger buffer when that
  * exceeds n_max), or a negative status (invalid UTF-8 is STATUS_BAD_INPUT). */

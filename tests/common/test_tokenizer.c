@@ -500,6 +500,147 @@ TEST(tokenizer_errors) {
     rmdir(dir);
 }
 
+/* Llama-3's way, on the GPT-2 vocabulary: a tokenizer.json with the Llama-3
+ * Split regex, ignore_merges and a TemplateProcessing BOS, and a GGUF with
+ * tokenizer.ggml.pre = "llama-bpe", give the same ids. */
+TEST(tokenizer_llama3_style) {
+    char dir[2048], src[2100];
+    snprintf(dir, sizeof dir, "%s", test_model_path("tiny-llama-hf"));
+    snprintf(src, sizeof src, "%s/tokenizer.json", dir);
+    char *json = read_file(src, NULL);
+    ASSERT_TRUE(json != NULL);
+    cJSON *root = cJSON_Parse(json);
+    free(json);
+    ASSERT_TRUE(root != NULL);
+    cJSON_ReplaceItemInObject(root, "pre_tokenizer", cJSON_Parse(
+        "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":"
+        "\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}{1,3}| ?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|"
+        "\\\\s*[\\\\r\\\\n]+|\\\\s+(?!\\\\S)|\\\\s+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+        "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}"));
+    cJSON_ReplaceItemInObject(root, "post_processor", cJSON_Parse(
+        "{\"type\":\"Sequence\",\"processors\":[{\"type\":\"ByteLevel\"},{\"type\":\"TemplateProcessing\","
+        "\"single\":[{\"SpecialToken\":{\"id\":\"<|endoftext|>\",\"type_id\":0}},{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],"
+        "\"special_tokens\":{\"<|endoftext|>\":{\"id\":\"<|endoftext|>\",\"ids\":[50256],\"tokens\":[\"<|endoftext|>\"]}}}]}"));
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(root, "model"), "ignore_merges", cJSON_CreateTrue());
+    char tmp[64], file[128];
+    snprintf(tmp, sizeof tmp, "/tmp/test_tokenizer_l3_%d", (int)getpid());
+    mkdir(tmp, 0755);
+    snprintf(file, sizeof file, "%s/tokenizer.json", tmp);
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    FILE *f = fopen(file, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs(text, f);
+    fclose(f);
+    free(text);
+    tokenizer *hf = load_or_fail(tmp);
+    unlink(file);
+    rmdir(tmp);
+    ASSERT_EQ(1, tokenizer_adds_bos(hf));
+    ASSERT_EQ(50256, tokenizer_bos(hf));
+    /* Digits go in threes; the letters keep their leading space. */
+    const char *s = "12345 hello";
+    int32_t n, *ids = encode(hf, s, strlen(s), -1, 0, &n);
+    ASSERT_EQ(4, n);
+    ASSERT_EQ(50256, ids[0]);
+    ASSERT_EQ(tokenizer_token_find(hf, "123", 3), ids[1]);
+    ASSERT_EQ(tokenizer_token_find(hf, "45", 2), ids[2]);
+    ASSERT_EQ(tokenizer_token_find(hf, "\xC4\xA0hello", 7), ids[3]);
+    free(ids);
+
+    /* The same vocabulary as GGUF with tokenizer.ggml.pre = "llama-bpe". */
+    char err[512];
+    gguf_file *g;
+    ASSERT_OK(gguf_open(&g, test_model_path("vocab/ggml-vocab-gpt-2.gguf"), err, sizeof err));
+    enum gguf_vtype et;
+    uint64_t nt, nm;
+    ASSERT_OK(gguf_get_arr(g, "tokenizer.ggml.tokens", &et, &nt));
+    ASSERT_OK(gguf_get_arr(g, "tokenizer.ggml.merges", &et, &nm));
+    char **tok = calloc(nt, sizeof *tok), **mer = calloc(nm, sizeof *mer);
+    for (uint64_t i = 0; i < nt; i++) {
+        struct gguf_str x;
+        ASSERT_OK(gguf_arr_str(g, "tokenizer.ggml.tokens", i, &x));
+        tok[i] = strndup(x.ptr, x.len);
+    }
+    for (uint64_t i = 0; i < nm; i++) {
+        struct gguf_str x;
+        ASSERT_OK(gguf_arr_str(g, "tokenizer.ggml.merges", i, &x));
+        mer[i] = strndup(x.ptr, x.len);
+    }
+    gguf_close(g);
+    gguf_writer *w = gguf_writer_init();
+    gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2");
+    gguf_writer_set_str(w, "tokenizer.ggml.pre", "llama-bpe");
+    gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", (const char *const *)tok, nt);
+    gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", (const char *const *)mer, nm);
+    gguf_writer_set_u32(w, "tokenizer.ggml.bos_token_id", 50256);
+    for (uint64_t i = 0; i < nt; i++) free(tok[i]);
+    for (uint64_t i = 0; i < nm; i++) free(mer[i]);
+    free(tok);
+    free(mer);
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/test_tokenizer_l3_%d.gguf", (int)getpid());
+    int rc = gguf_writer_write(w, path, err, sizeof err);
+    gguf_writer_free(w);
+    ASSERT_OK(rc);
+    tokenizer *gg = load_or_fail(path);
+    unlink(path);
+    ASSERT_EQ(1, tokenizer_adds_bos(gg)); /* llama-bpe adds BOS unless told otherwise */
+    char *inp = read_file(test_model_path("vocab/ggml-vocab-gpt-2.gguf.inp"), NULL);
+    int32_t na, nb, *a = encode(hf, inp, strlen(inp), -1, 0, &na), *b = encode(gg, inp, strlen(inp), -1, 0, &nb);
+    ASSERT_TRUE(na > 100);
+    ASSERT_EQ(na, nb);
+    ASSERT_TRUE(memcmp(a, b, (size_t)na * sizeof *a) == 0);
+    char *back = detok_all(gg, a + 1, na - 1, 0);
+    ASSERT_STREQ(inp, back);
+    free(back);
+    free(a);
+    free(b);
+    free(inp);
+    tokenizer_free(hf);
+    tokenizer_free(gg);
+}
+
+/* A Llama-2-style tokenizer.json: Prepend/Replace normalizer, no
+ * pre-tokenizer, byte fallback, a decoder that strips the added space. */
+TEST(tokenizer_hf_spm_style) {
+    char dir[64], file[128];
+    snprintf(dir, sizeof dir, "/tmp/test_tokenizer_spm_%d", (int)getpid());
+    mkdir(dir, 0755);
+    snprintf(file, sizeof file, "%s/tokenizer.json", dir);
+    FILE *f = fopen(file, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs("{\"added_tokens\":[{\"id\":0,\"content\":\"<unk>\",\"special\":true},"
+          "{\"id\":1,\"content\":\"<s>\",\"special\":true},{\"id\":2,\"content\":\"</s>\",\"special\":true}],"
+          "\"normalizer\":{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Prepend\",\"prepend\":\"\xE2\x96\x81\"},"
+          "{\"type\":\"Replace\",\"pattern\":{\"String\":\" \"},\"content\":\"\xE2\x96\x81\"}]},"
+          "\"pre_tokenizer\":null,"
+          "\"post_processor\":{\"type\":\"TemplateProcessing\",\"single\":[{\"SpecialToken\":{\"id\":\"<s>\",\"type_id\":0}},"
+          "{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],\"special_tokens\":{\"<s>\":{\"id\":\"<s>\",\"ids\":[1]}}},"
+          "\"decoder\":{\"type\":\"Sequence\",\"decoders\":[{\"type\":\"Replace\",\"pattern\":{\"String\":\"\xE2\x96\x81\"},"
+          "\"content\":\" \"},{\"type\":\"ByteFallback\"},{\"type\":\"Fuse\"},{\"type\":\"Strip\",\"content\":\" \",\"start\":1,\"stop\":0}]},"
+          "\"model\":{\"type\":\"BPE\",\"byte_fallback\":true,\"unk_token\":\"<unk>\",\"vocab\":{\"<unk>\":0,\"<s>\":1,\"</s>\":2,"
+          "\"<0xC3>\":3,\"<0xA9>\":4,\"\xE2\x96\x81\":5,\"h\":6,\"i\":7,\"hi\":8,\"\xE2\x96\x81hi\":9},"
+          "\"merges\":[\"h i\",\"\xE2\x96\x81 hi\"]}}",
+          f);
+    fclose(f);
+    tokenizer *t = load_or_fail(dir);
+    unlink(file);
+    rmdir(dir);
+    ASSERT_EQ(1, tokenizer_adds_bos(t));
+    ASSERT_EQ(1, tokenizer_adds_space_prefix(t));
+    const char *text = "hi \xC3\xA9";
+    int32_t n, *ids = encode(t, text, strlen(text), -1, 0, &n);
+    int32_t want[] = {1, 9, 5, 3, 4};
+    ASSERT_EQ(5, n);
+    for (int i = 0; i < 5; i++) ASSERT_EQ(want[i], ids[i]);
+    char *back = detok_all(t, ids, n, tokenizer_adds_space_prefix(t));
+    ASSERT_STREQ(text, back);
+    free(back);
+    free(ids);
+    tokenizer_free(t);
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -545,4 +686,5 @@ TEST(tokenizer_long_prompt) {
 
 TEST_MAIN(tokenizer_vocab_llama_spm, tokenizer_vocab_gpt2, tokenizer_golden_stories260k, tokenizer_hf_tiny_llama,
           tokenizer_hf_matches_gguf, tokenizer_roundtrip_spm, tokenizer_roundtrip_gpt2, tokenizer_detok_partial_utf8,
-          tokenizer_special_tokens, tokenizer_pretok_split, tokenizer_errors, tokenizer_long_prompt)
+          tokenizer_special_tokens, tokenizer_pretok_split, tokenizer_errors, tokenizer_llama3_style,
+          tokenizer_hf_spm_style,          tokenizer_long_prompt)
