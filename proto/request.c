@@ -1,0 +1,131 @@
+/* Validation of GenerateRequest and conversion of SamplingParams between
+ * the wire and common/sampling: one place that decides what the router
+ * accepts, so every client gets the same messages. */
+#include "proto/request.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "proto/wire.h"
+
+static void request_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void request_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+int proto_sampling_from_msg(const Llm__SamplingParams *m, struct sampling_params *p, char *err,
+                            size_t errlen) {
+    sampling_params_default(p);
+    if (!m) return 0;
+    if (m->n_stop_token_ids > SAMPLING_STOP_IDS_MAX) {
+        request_err(err, errlen, "sampling.stop_token_ids has %zu entries, at most %d are allowed",
+                    m->n_stop_token_ids, SAMPLING_STOP_IDS_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    p->temperature = m->temperature;
+    p->top_k = m->top_k;
+    p->top_p = m->top_p;
+    p->min_p = m->min_p;
+    p->repetition_penalty = m->repetition_penalty;
+    p->presence_penalty = m->presence_penalty;
+    p->frequency_penalty = m->frequency_penalty;
+    p->penalty_last_n = m->penalty_last_n;
+    p->seed = m->seed;
+    p->n_stop_token_ids = (int32_t)m->n_stop_token_ids;
+    for (size_t i = 0; i < m->n_stop_token_ids; i++) p->stop_token_ids[i] = m->stop_token_ids[i];
+    p->ignore_eos = m->ignore_eos != 0;
+    p->logprobs = m->logprobs != 0;
+    p->top_logprobs = m->top_logprobs;
+    return 0;
+}
+
+void proto_sampling_to_msg(const struct sampling_params *p, Llm__SamplingParams *m) {
+    llm__sampling_params__init(m);
+    m->temperature = p->temperature;
+    m->top_k = p->top_k;
+    m->top_p = p->top_p;
+    m->min_p = p->min_p;
+    m->repetition_penalty = p->repetition_penalty;
+    m->presence_penalty = p->presence_penalty;
+    m->frequency_penalty = p->frequency_penalty;
+    m->penalty_last_n = p->penalty_last_n;
+    m->seed = p->seed;
+    int32_t n = p->n_stop_token_ids;
+    m->n_stop_token_ids = n > 0 ? (size_t)(n < SAMPLING_STOP_IDS_MAX ? n : SAMPLING_STOP_IDS_MAX) : 0;
+    m->stop_token_ids = m->n_stop_token_ids ? (int32_t *)p->stop_token_ids : NULL;
+    m->ignore_eos = p->ignore_eos != 0;
+    m->logprobs = p->logprobs != 0;
+    m->top_logprobs = p->top_logprobs;
+}
+
+int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int64_t now_ms,
+                            char *err, size_t errlen) {
+    int rc = proto_request_id_check(g->request_id, err, errlen);
+    if (rc < 0) return rc;
+    int has_text = g->prompt && g->prompt[0];
+    if (has_text && g->n_prompt_tokens > 0) {
+        request_err(err, errlen, "request %s: prompt (%zu bytes) and prompt_tokens (%zu ids) are "
+                    "both set; send one", g->request_id, strlen(g->prompt), g->n_prompt_tokens);
+        return STATUS_BAD_INPUT;
+    }
+    if (!has_text && g->n_prompt_tokens == 0) {
+        request_err(err, errlen, "request %s: neither prompt nor prompt_tokens is set",
+                    g->request_id);
+        return STATUS_BAD_INPUT;
+    }
+    for (size_t i = 0; i < g->n_prompt_tokens; i++) {
+        int32_t t = g->prompt_tokens[i];
+        if (t < 0 || (n_vocab > 0 && t >= n_vocab)) {
+            request_err(err, errlen, "request %s: prompt_tokens[%zu] = %d is outside the "
+                        "vocabulary [0, %d)", g->request_id, i, t, n_vocab);
+            return STATUS_BAD_INPUT;
+        }
+    }
+    if (g->n_stop > PROTO_STOP_STRINGS_MAX) {
+        request_err(err, errlen, "request %s: stop has %zu strings, at most %d are allowed",
+                    g->request_id, g->n_stop, PROTO_STOP_STRINGS_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    for (size_t i = 0; i < g->n_stop; i++) {
+        size_t len = g->stop[i] ? strlen(g->stop[i]) : 0;
+        if (len == 0 || len > PROTO_STOP_STRING_BYTES_MAX) {
+            request_err(err, errlen, "request %s: stop[%zu] has %zu bytes, must have 1..%d",
+                        g->request_id, i, len, PROTO_STOP_STRING_BYTES_MAX);
+            return STATUS_BAD_INPUT;
+        }
+    }
+    if (g->priority < PROTO_PRIORITY_MIN || g->priority > PROTO_PRIORITY_MAX) {
+        request_err(err, errlen, "request %s: priority = %d is outside [%d, %d]", g->request_id,
+                    g->priority, PROTO_PRIORITY_MIN, PROTO_PRIORITY_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    if (g->deadline_ms < 0) {
+        request_err(err, errlen, "request %s: deadline_ms = %lld must be >= 0 (Unix ms; 0 = none)",
+                    g->request_id, (long long)g->deadline_ms);
+        return STATUS_BAD_INPUT;
+    }
+    if (g->deadline_ms > 0 && g->deadline_ms <= now_ms) {
+        request_err(err, errlen, "request %s: deadline_ms = %lld passed %lld ms ago",
+                    g->request_id, (long long)g->deadline_ms, (long long)(now_ms - g->deadline_ms));
+        return STATUS_TIMEOUT;
+    }
+    struct sampling_params sp;
+    char why[160];
+    rc = proto_sampling_from_msg(g->sampling, &sp, why, sizeof why);
+    if (rc == 0) rc = sampling_params_validate(&sp, n_vocab, why, sizeof why);
+    if (rc < 0) {
+        /* proto_sampling_from_msg already names "sampling."; the validator
+         * names the bare field. */
+        request_err(err, errlen, "request %s: %s%s", g->request_id,
+                    strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
+        return rc;
+    }
+    return 0;
+}

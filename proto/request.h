@@ -1,0 +1,41 @@
+/* Checks and conversions of client requests shared by the router (which
+ * must refuse a bad GenerateRequest with a message naming the field and its
+ * value) and the worker (which turns a StepPlan's SamplingParams into the
+ * sampler's struct).  The rules are those of docs/protocol.md. */
+#ifndef PROTO_REQUEST_H
+#define PROTO_REQUEST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/sampling.h"
+#include "proto/client.pb-c.h"
+#include "proto/types.pb-c.h"
+
+#define PROTO_STOP_STRINGS_MAX 16
+#define PROTO_STOP_STRING_BYTES_MAX 256
+#define PROTO_PRIORITY_MIN (-100)
+#define PROTO_PRIORITY_MAX 100
+
+/* Copies m into *p (m NULL: all defaults, i.e. greedy).  No range checks
+ * beyond what the struct can hold: more than SAMPLING_STOP_IDS_MAX stop ids
+ * is STATUS_BAD_INPUT with err naming the count.  Nothing is allocated. */
+int proto_sampling_from_msg(const Llm__SamplingParams *m, struct sampling_params *p, char *err,
+                            size_t errlen);
+/* Fills *m (the caller's, e.g. on the stack) from *p.  m->stop_token_ids
+ * points into p, so p must outlive every use of m. */
+void proto_sampling_to_msg(const struct sampling_params *p, Llm__SamplingParams *m);
+
+/* Everything the router checks before accepting a GenerateRequest:
+ * request_id (proto_request_id_check), exactly one of prompt and
+ * prompt_tokens, prompt token ids inside [0, n_vocab) (n_vocab 0 skips it),
+ * stop strings (count and length), priority, deadline_ms and the sampling
+ * parameters (sampling_params_validate, field names prefixed "sampling.").
+ * now_ms is the current Unix time in ms (for the deadline).  Returns 0;
+ * STATUS_BAD_INPUT (reply INVALID_ARGUMENT); or STATUS_TIMEOUT when
+ * deadline_ms has already passed (reply DEADLINE_EXCEEDED).  err names the
+ * field and its value. */
+int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int64_t now_ms,
+                            char *err, size_t errlen);
+
+#endif
