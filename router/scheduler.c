@@ -1,0 +1,421 @@
+/* The per-pipeline scheduler: which sequences run in the next step, how many
+ * of their tokens, and in which KV blocks.  Decodes go first so that a long
+ * prompt, cut into chunks under the step's token budget, never stalls them;
+ * the pool is shared by admission (a sequence is let in only when its
+ * recomputation fits) and preemption (the least important sequence gives its
+ * blocks back and is recomputed later). */
+#include "router/scheduler.h"
+
+#include <assert.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+
+struct sched_seq {
+    uint64_t id;
+    int32_t priority;
+    uint64_t order;
+    int32_t *tokens; /* every known token: prompt, then generated */
+    int32_t n_tokens, cap;
+    /* table.n_tokens = positions handed to steps so far (computed once the
+     * steps in flight finish). */
+    struct kvblocks_table table;
+    bool running;      /* admitted: may hold blocks and be planned */
+    uint64_t inflight; /* step id, or 0 */
+    bool seen;         /* some worker may hold state for it: free it there */
+    int32_t idx;       /* position in sched.all */
+};
+
+struct sched {
+    struct sched_config cfg;
+    kvblocks *kv;
+    bool admit;
+    struct sched_seq **all;
+    int32_t n_all, cap_all;
+    int32_t n_running;
+    uint64_t next_step_id;
+    uint64_t *flights; /* step ids in flight, max_inflight entries */
+    int32_t n_flights;
+    /* Ids to free in the workers with the next step. */
+    uint64_t *freed;
+    int32_t n_freed, cap_freed;
+    /* Output buffers of sched_plan. */
+    struct sched_step_seq *out;
+    struct kvblocks_copy *copies;
+    struct sched_seq **stuck;
+    uint64_t *freed_out;
+    int32_t cap_freed_out;
+    struct sched_seq **cands; /* scratch: cap_all entries */
+    int32_t cap_cands;
+    uint64_t steps_total, preemptions_total;
+};
+
+static int sched_grow(void **p, int32_t *cap, int32_t want, size_t elem) {
+    if (want <= *cap) return STATUS_OK;
+    int32_t n = *cap ? *cap : 16;
+    while (n < want) n *= 2;
+    void *q = realloc(*p, (size_t)n * elem);
+    if (!q) return STATUS_NO_MEMORY;
+    *p = q;
+    *cap = n;
+    return STATUS_OK;
+}
+
+int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t errlen) {
+    *out = NULL;
+    const char *bad = NULL;
+    int32_t val = 0;
+    if (cfg->n_blocks < 1) bad = "n_blocks", val = cfg->n_blocks;
+    else if (cfg->block_size < 1) bad = "block_size", val = cfg->block_size;
+    else if (cfg->step_tokens < 1) bad = "step_tokens", val = cfg->step_tokens;
+    else if (cfg->max_batch < 1) bad = "max_batch", val = cfg->max_batch;
+    else if (cfg->max_inflight < 1) bad = "max_inflight", val = cfg->max_inflight;
+    if (bad) {
+        snprintf(err, errlen, "scheduler: %s = %d must be at least 1", bad, val);
+        return STATUS_BAD_INPUT;
+    }
+    sched *s = calloc(1, sizeof *s);
+    if (!s) goto oom;
+    s->cfg = *cfg;
+    s->admit = true;
+    s->next_step_id = cfg->first_step_id ? cfg->first_step_id : 1;
+    int rc = kvblocks_init(&s->kv, cfg->n_blocks, cfg->block_size, err, errlen);
+    if (rc < 0) {
+        free(s);
+        return rc;
+    }
+    s->flights = calloc((size_t)cfg->max_inflight, sizeof *s->flights);
+    s->out = calloc((size_t)cfg->max_batch, sizeof *s->out);
+    s->copies = calloc((size_t)cfg->max_batch, sizeof *s->copies);
+    s->stuck = calloc((size_t)cfg->max_batch, sizeof *s->stuck);
+    if (!s->flights || !s->out || !s->copies || !s->stuck) {
+        sched_free(s);
+        goto oom;
+    }
+    *out = s;
+    return STATUS_OK;
+oom:
+    snprintf(err, errlen, "scheduler: out of memory for %d sequences", cfg->max_batch);
+    return STATUS_NO_MEMORY;
+}
+
+static void sched_seq_destroy(sched *s, struct sched_seq *q) {
+    kvblocks_table_free(s->kv, &q->table);
+    free(q->tokens);
+    free(q);
+}
+
+void sched_free(sched *s) {
+    if (!s) return;
+    for (int32_t i = 0; i < s->n_all; i++) sched_seq_destroy(s, s->all[i]);
+    free(s->all);
+    kvblocks_free(s->kv);
+    free(s->flights);
+    free(s->freed);
+    free(s->out);
+    free(s->copies);
+    free(s->stuck);
+    free(s->freed_out);
+    free(s->cands);
+    free(s);
+}
+
+int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const int32_t *tokens,
+              int32_t n_tokens, struct sched_seq **out) {
+    *out = NULL;
+    if (n_tokens < 1) return STATUS_BAD_INPUT;
+    for (int32_t i = 0; i < s->n_all; i++)
+        if (s->all[i]->id == seq_id) return STATUS_BAD_INPUT;
+    if (sched_blocks_for(s, n_tokens + 1) > s->cfg.n_blocks) return STATUS_EXHAUSTED;
+    if (sched_grow((void **)&s->all, &s->cap_all, s->n_all + 1, sizeof *s->all) < 0)
+        return STATUS_NO_MEMORY;
+    if (sched_grow((void **)&s->cands, &s->cap_cands, s->n_all + 1, sizeof *s->cands) < 0)
+        return STATUS_NO_MEMORY;
+    struct sched_seq *q = calloc(1, sizeof *q);
+    if (!q) return STATUS_NO_MEMORY;
+    q->cap = n_tokens + 64;
+    q->tokens = malloc((size_t)q->cap * sizeof *q->tokens);
+    if (!q->tokens) {
+        free(q);
+        return STATUS_NO_MEMORY;
+    }
+    memcpy(q->tokens, tokens, (size_t)n_tokens * sizeof *tokens);
+    q->n_tokens = n_tokens;
+    q->id = seq_id;
+    q->priority = priority;
+    q->order = order;
+    kvblocks_table_init(&q->table);
+    q->idx = s->n_all;
+    s->all[s->n_all++] = q;
+    *out = q;
+    return STATUS_OK;
+}
+
+int sched_append(sched *s, struct sched_seq *q, int32_t token) {
+    (void)s;
+    if (q->table.n_tokens != q->n_tokens) return STATUS_BAD_INPUT;
+    if (q->n_tokens == q->cap) {
+        int32_t cap = q->cap * 2;
+        int32_t *t = realloc(q->tokens, (size_t)cap * sizeof *t);
+        if (!t) return STATUS_NO_MEMORY;
+        q->tokens = t;
+        q->cap = cap;
+    }
+    q->tokens[q->n_tokens++] = token;
+    return STATUS_OK;
+}
+
+static void sched_note_freed(sched *s, struct sched_seq *q) {
+    if (!q->seen) return;
+    q->seen = false;
+    if (sched_grow((void **)&s->freed, &s->cap_freed, s->n_freed + 1, sizeof *s->freed) < 0) {
+        /* Out of memory: the worker keeps stale per-sequence state, which a
+         * later start at position 0 overwrites; the blocks are ours anyway. */
+        return;
+    }
+    s->freed[s->n_freed++] = q->id;
+}
+
+/* Back to waiting with every token to recompute. */
+static void sched_preempt(sched *s, struct sched_seq *q) {
+    kvblocks_table_free(s->kv, &q->table);
+    sched_note_freed(s, q);
+    if (q->running) s->n_running--;
+    q->running = false;
+    q->inflight = 0;
+}
+
+void sched_remove(sched *s, struct sched_seq *q) {
+    sched_preempt(s, q);
+    int32_t i = q->idx;
+    assert(i >= 0 && i < s->n_all && s->all[i] == q);
+    s->all[i] = s->all[--s->n_all];
+    s->all[i]->idx = i;
+    sched_seq_destroy(s, q);
+}
+
+void sched_restart(sched *s, struct sched_seq *q) {
+    sched_preempt(s, q);
+    s->preemptions_total++;
+}
+
+/* a runs before b. */
+static bool sched_before(const struct sched_seq *a, const struct sched_seq *b) {
+    if (a->priority != b->priority) return a->priority > b->priority;
+    return a->order < b->order;
+}
+
+static int sched_cmp(const void *pa, const void *pb) {
+    const struct sched_seq *a = *(struct sched_seq *const *)pa, *b = *(struct sched_seq *const *)pb;
+    if (a == b) return 0;
+    return sched_before(a, b) ? -1 : 1;
+}
+
+/* Decodes (one token left) before prefill chunks, each in priority order. */
+static int sched_cmp_cand(const void *pa, const void *pb) {
+    const struct sched_seq *a = *(struct sched_seq *const *)pa, *b = *(struct sched_seq *const *)pb;
+    bool da = a->n_tokens - a->table.n_tokens == 1, db = b->n_tokens - b->table.n_tokens == 1;
+    if (da != db) return da ? -1 : 1;
+    return sched_cmp(pa, pb);
+}
+
+/* The least important running sequence that holds blocks and is not in a
+ * step (in flight, or already in the one being planned), other than skip. */
+static struct sched_seq *sched_victim(sched *s, const struct sched_seq *skip) {
+    struct sched_seq *v = NULL;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        struct sched_seq *q = s->all[i];
+        if (q == skip || !q->running || q->inflight || q->table.n_ids == 0) continue;
+        if (!v || sched_before(v, q)) v = q;
+    }
+    return v;
+}
+
+int32_t sched_blocks_for(const sched *s, int32_t n_tokens) {
+    int32_t bs = s->cfg.block_size;
+    return (n_tokens + bs - 1) / bs;
+}
+
+int32_t sched_blocks_free(const sched *s) { return kvblocks_n_free(s->kv); }
+
+/* Blocks running sequences still need to hold all their known tokens plus
+ * the next one: admission keeps these free so admitted prefills complete. */
+static int32_t sched_outstanding(const sched *s, const struct sched_seq *q) {
+    int32_t n = sched_blocks_for(s, q->n_tokens + 1) - q->table.n_ids;
+    return n > 0 ? n : 0;
+}
+
+static void sched_admit(sched *s) {
+    if (!s->admit) return;
+    int32_t n_wait = 0, reserved = 0;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        struct sched_seq *q = s->all[i];
+        if (q->running) reserved += sched_outstanding(s, q);
+        else s->cands[n_wait++] = q;
+    }
+    if (n_wait == 0) return;
+    qsort(s->cands, (size_t)n_wait, sizeof *s->cands, sched_cmp);
+    for (int32_t i = 0; i < n_wait; i++) {
+        struct sched_seq *w = s->cands[i];
+        /* A waiting sequence of higher priority takes the place (batch slot
+         * or blocks) of a lower-priority running one, which is recomputed
+         * later; equal priorities never preempt each other here. */
+        while (s->n_running >= s->cfg.max_batch) {
+            struct sched_seq *v = sched_victim(s, NULL);
+            if (!v || v->priority >= w->priority) return;
+            reserved -= sched_outstanding(s, v);
+            sched_restart(s, v);
+        }
+        int32_t need = sched_blocks_for(s, w->n_tokens + 1);
+        while (need > kvblocks_n_free(s->kv) - reserved) {
+            struct sched_seq *v = sched_victim(s, NULL);
+            if (!v || v->priority >= w->priority) return;
+            reserved -= sched_outstanding(s, v);
+            sched_restart(s, v);
+        }
+        w->running = true;
+        s->n_running++;
+        reserved += need;
+    }
+}
+
+int sched_plan(sched *s, struct sched_step *step) {
+    memset(step, 0, sizeof *step);
+    if (s->n_flights >= s->cfg.max_inflight) return 0;
+    sched_admit(s);
+
+    int32_t n_cand = 0;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        struct sched_seq *q = s->all[i];
+        if (q->running && !q->inflight && q->table.n_tokens < q->n_tokens) s->cands[n_cand++] = q;
+    }
+    if (n_cand == 0) return 0;
+    qsort(s->cands, (size_t)n_cand, sizeof *s->cands, sched_cmp_cand);
+
+    /* Spread the running sequences over the micro-batches so that every
+     * stage has work: each step takes about 1/max_inflight of them. */
+    int32_t per_step = (s->n_running + s->cfg.max_inflight - 1) / s->cfg.max_inflight;
+    if (per_step < 1) per_step = 1;
+    uint64_t step_id = s->next_step_id;
+    int32_t budget = s->cfg.step_tokens, n_out = 0, n_copies = 0, n_stuck = 0;
+    int32_t n_prefill = 0, n_decode = 0;
+    int32_t bs = s->cfg.block_size;
+
+    for (int32_t c = 0; c < n_cand && n_out < per_step && budget > 0; c++) {
+        struct sched_seq *q = s->cands[c];
+        if (!q->running) continue; /* preempted while planning this step */
+        int32_t left = q->n_tokens - q->table.n_tokens;
+        int32_t n = left < budget ? left : budget;
+        while (kvblocks_blocks_needed(s->kv, &q->table, n) > kvblocks_n_free(s->kv)) {
+            struct sched_seq *v = sched_victim(s, q);
+            if (!v || sched_before(v, q)) break;
+            sched_restart(s, v);
+        }
+        if (kvblocks_blocks_needed(s->kv, &q->table, n) > kvblocks_n_free(s->kv)) {
+            /* A shorter chunk that fits the free blocks still makes progress
+             * (prefill only: a decode is one token). */
+            int32_t room = (q->table.n_ids + kvblocks_n_free(s->kv)) * bs - q->table.n_tokens;
+            if (q->table.n_tokens % bs != 0 && q->table.n_ids > 0 &&
+                kvblocks_refcount(s->kv, q->table.ids[q->table.n_ids - 1]) > 1)
+                room -= bs; /* the shared last block would need a copy first */
+            if (room >= 1 && room < n) {
+                n = room;
+            } else {
+                struct sched_seq *v = sched_victim(s, q);
+                if (v) {
+                    /* Everyone else left to preempt is more important. */
+                    sched_restart(s, q);
+                } else if (s->n_flights == 0 && n_out == 0 && s->n_running == 1) {
+                    s->stuck[n_stuck++] = q;
+                }
+                /* else: steps in flight will return blocks; try again later. */
+                continue;
+            }
+        }
+        struct kvblocks_copy cp;
+        int32_t nc = 0;
+        int32_t start = q->table.n_tokens;
+        if (kvblocks_reserve(s->kv, &q->table, n, &cp, &nc) < 0) continue;
+        if (nc) s->copies[n_copies++] = cp;
+        q->inflight = step_id;
+        q->seen = true;
+        struct sched_step_seq *o = &s->out[n_out++];
+        o->seq_id = q->id;
+        o->seq = q;
+        o->start_pos = start;
+        o->n_tokens = n;
+        o->tokens = q->tokens + start;
+        o->block_table = q->table.ids;
+        o->n_blocks = q->table.n_ids;
+        o->want_logits = q->table.n_tokens == q->n_tokens;
+        if (o->want_logits) n_decode += n;
+        else n_prefill += n;
+        budget -= n;
+    }
+    step->n_stuck = n_stuck;
+    step->stuck = s->stuck;
+    if (n_out == 0) return 0;
+
+    if (sched_grow((void **)&s->freed_out, &s->cap_freed_out, s->n_freed, sizeof *s->freed_out) == 0) {
+        memcpy(s->freed_out, s->freed, (size_t)s->n_freed * sizeof *s->freed);
+        step->n_freed = s->n_freed;
+        step->freed = s->freed_out;
+        s->n_freed = 0;
+    }
+    s->next_step_id++;
+    s->flights[s->n_flights++] = step_id;
+    s->steps_total++;
+    step->step_id = step_id;
+    step->n_seqs = n_out;
+    step->seqs = s->out;
+    step->n_copies = n_copies;
+    step->copies = s->copies;
+    step->n_prefill_tokens = n_prefill;
+    step->n_decode_tokens = n_decode;
+    return 1;
+}
+
+int sched_step_done(sched *s, uint64_t step_id) {
+    int32_t f = -1;
+    for (int32_t i = 0; i < s->n_flights; i++)
+        if (s->flights[i] == step_id) f = i;
+    if (f < 0) return STATUS_NOT_FOUND;
+    s->flights[f] = s->flights[--s->n_flights];
+    for (int32_t i = 0; i < s->n_all; i++)
+        if (s->all[i]->inflight == step_id) s->all[i]->inflight = 0;
+    return STATUS_OK;
+}
+
+void sched_set_admit(sched *s, bool admit) { s->admit = admit; }
+
+int32_t sched_take_waiting(sched *s, uint64_t *ids, int32_t max) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->n_all && n < max;) {
+        struct sched_seq *q = s->all[i];
+        if (!q->running) {
+            ids[n++] = q->id;
+            sched_remove(s, q); /* moves the last entry into slot i */
+        } else {
+            i++;
+        }
+    }
+    return n;
+}
+
+uint64_t sched_seq_id(const struct sched_seq *q) { return q->id; }
+bool sched_seq_running(const struct sched_seq *q) { return q->running; }
+bool sched_seq_inflight(const struct sched_seq *q) { return q->inflight != 0; }
+int32_t sched_seq_n_tokens(const struct sched_seq *q) { return q->n_tokens; }
+
+void sched_get_stats(const sched *s, struct sched_stats *st) {
+    memset(st, 0, sizeof *st);
+    st->n_running = s->n_running;
+    st->n_waiting = s->n_all - s->n_running;
+    st->n_inflight = s->n_flights;
+    st->blocks_total = kvblocks_n_blocks(s->kv);
+    st->blocks_used = kvblocks_n_used(s->kv);
+    st->steps_total = s->steps_total;
+    st->preemptions_total = s->preemptions_total;
+}

@@ -1,0 +1,126 @@
+/* The scheduler of one pipeline: pure logic, no sockets and no Redis, so it
+ * can be tested alone.  Continuous batching (sequences join and leave between
+ * steps), chunked prefill under a token budget per step, KV-block accounting
+ * with the kvblocks allocator, admission by free blocks, preemption by
+ * recomputation, priorities, and several micro-batches in flight (one per
+ * pipeline stage) with each sequence in at most one of them.
+ *
+ *   sched *s; sched_init(&s, &cfg, err, sizeof err);
+ *   struct sched_seq *q; sched_add(s, id, prio, order, prompt, n, &q);
+ *   struct sched_step st;
+ *   while (sched_plan(s, now_ms, &st) == 1) send(st);   // up to max_inflight steps
+ *   on result:  sched_append(s, q, token) or sched_remove(s, q); then sched_step_done(s, id)
+ *
+ * Sequence handles stay valid until sched_remove or sched_free. */
+#ifndef ROUTER_SCHEDULER_H
+#define ROUTER_SCHEDULER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/kvblocks.h"
+
+typedef struct sched sched;
+struct sched_seq;
+
+struct sched_config {
+    int32_t n_blocks;     /* KV blocks of the pipeline (the smallest stage's count) */
+    int32_t block_size;   /* token positions per KV block */
+    int32_t step_tokens;  /* tokens per step: decode tokens plus prefill chunks */
+    int32_t max_batch;    /* most sequences running (admitted) at once */
+    int32_t max_inflight; /* most steps in flight at once: the stage count */
+    uint64_t first_step_id; /* step ids count up from here (0: from 1) */
+};
+
+/* One sequence of a planned step.  The pointers lead into the scheduler and
+ * stay valid until the next sched_* call that changes it: pack them first. */
+struct sched_step_seq {
+    uint64_t seq_id;
+    struct sched_seq *seq;
+    int32_t start_pos;
+    int32_t n_tokens;
+    const int32_t *tokens;      /* n_tokens ids: positions start_pos.. */
+    const int32_t *block_table; /* n_blocks physical ids covering [0, start_pos + n_tokens) */
+    int32_t n_blocks;
+    bool want_logits;           /* the last known token is in this chunk: sample after it */
+};
+
+struct sched_step {
+    uint64_t step_id;
+    int32_t n_seqs;
+    const struct sched_step_seq *seqs;
+    /* Sequences the workers must forget before this step (finished,
+     * cancelled, preempted): their KV blocks may be reused by this step. */
+    int32_t n_freed;
+    const uint64_t *freed;
+    int32_t n_copies; /* copy-on-write instructions, applied after the frees */
+    const struct kvblocks_copy *copies;
+    int32_t n_prefill_tokens; /* tokens in chunks that do not end the known tokens */
+    int32_t n_decode_tokens;  /* the rest */
+    /* Sequences that can never get the blocks they need: alone in the pool
+     * and still not fitting.  The caller must end (sched_remove) each. */
+    int32_t n_stuck;
+    struct sched_seq *const *stuck;
+};
+
+struct sched_stats {
+    int32_t n_running, n_waiting, n_inflight;
+    int32_t blocks_used, blocks_total;
+    uint64_t steps_total, preemptions_total;
+};
+
+/* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
+ * naming the field and value / STATUS_NO_MEMORY with err filled. */
+int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t errlen);
+/* Frees every sequence and step; handles become invalid. */
+void sched_free(sched *s);
+
+/* Adds a waiting sequence whose known tokens are tokens[0..n_tokens) (the
+ * prompt, plus tokens generated before when it is resumed: they are
+ * recomputed, and the next sampled token follows them); copied.  Higher
+ * priority runs first; among equals, the lower order.  *out receives the
+ * handle.  STATUS_BAD_INPUT: n_tokens < 1 or a duplicate seq_id;
+ * STATUS_EXHAUSTED: n_tokens + 1 positions need more blocks than the pool
+ * has (it could never run); STATUS_NO_MEMORY. */
+int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const int32_t *tokens,
+              int32_t n_tokens, struct sched_seq **out);
+/* A token sampled for q: it becomes q's next decode input.  STATUS_BAD_INPUT
+ * if q still has tokens waiting to be processed (a result that should not
+ * have been asked for). */
+int sched_append(sched *s, struct sched_seq *q, int32_t token);
+/* Removes q (finished, cancelled, moved to another pipeline): its blocks
+ * return to the pool now, and its id goes into the next step's freed list if
+ * the workers have seen it.  q is invalid afterwards.  Freeing while a step
+ * of q is in flight is safe: stages run steps in order, so q's writes finish
+ * before a later step reuses the blocks; its result is then ignored. */
+void sched_remove(sched *s, struct sched_seq *q);
+/* Starts q over (a failed step): blocks freed, back to waiting, all its
+ * tokens to be recomputed. */
+void sched_restart(sched *s, struct sched_seq *q);
+
+/* Plans the next step.  Returns 1 with *step filled (valid until the next
+ * sched_* call that changes s), or 0 when nothing can run now (no runnable
+ * sequence, or max_inflight steps are out).  Never fails on input. */
+int sched_plan(sched *s, struct sched_step *step);
+/* The step's results were handled: its sequences may be planned again.
+ * STATUS_NOT_FOUND for a step that is not in flight. */
+int sched_step_done(sched *s, uint64_t step_id);
+
+/* While false, waiting sequences are not admitted (a draining pipeline). */
+void sched_set_admit(sched *s, bool admit);
+/* Moves up to max waiting (never-admitted or preempted) sequences out:
+ * their ids into ids[], and removes them as sched_remove would.  Returns the
+ * count. */
+int32_t sched_take_waiting(sched *s, uint64_t *ids, int32_t max);
+
+uint64_t sched_seq_id(const struct sched_seq *q);
+bool sched_seq_running(const struct sched_seq *q);
+bool sched_seq_inflight(const struct sched_seq *q);
+int32_t sched_seq_n_tokens(const struct sched_seq *q);
+void sched_get_stats(const sched *s, struct sched_stats *st);
+/* Free blocks; blocks a sequence of n tokens needs. */
+int32_t sched_blocks_free(const sched *s);
+int32_t sched_blocks_for(const sched *s, int32_t n_tokens);
+
+#endif
