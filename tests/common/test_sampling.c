@@ -543,6 +543,12 @@ TEST(sampling_bad_logits_and_history) {
     p.repetition_penalty = 1e-6f;
     ASSERT_OK(sampler_sample(s, y, &p, h0, 1, 1, &r));
     ASSERT_EQ(0, r.token);
+    /* A denormal temperature acts as greedy instead of producing NaN. */
+    float u[V] = {0, 1, 3, 2, 0, 0};
+    p.repetition_penalty = 0;
+    p.temperature = 1e-40f;
+    ASSERT_OK(sampler_sample(s, u, &p, NULL, 0, 0, &r));
+    ASSERT_EQ(2, r.token);
     char err[128];
     sampler *bad = (sampler *)1;
     ASSERT_EQ(STATUS_BAD_INPUT, sampler_init(&bad, 0, err, sizeof err));
