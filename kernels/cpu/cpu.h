@@ -88,11 +88,16 @@ enum cpu_act { CPU_ACT_F32, CPU_ACT_Q8, CPU_ACT_Q8K };
  * activation format of the weight type. */
 typedef float (*cpu_dot_fn)(const void *w, const void *x, int64_t n);
 
+/* out[j] = dot(w, x + j * x_stride bytes) for j < 4: one weight row against
+ * four activation rows, decoding each weight block once (prefill). */
+typedef void (*cpu_dot4_fn)(const void *w, const void *x, size_t x_stride, int64_t n, float *out);
+
 struct cpu_type_traits {
     int64_t block_elems;
     size_t block_bytes;
     enum cpu_act act;
-    cpu_dot_fn dot; /* the fastest variant this CPU supports */
+    cpu_dot_fn dot;   /* the fastest variant this CPU supports */
+    cpu_dot4_fn dot4; /* NULL: matmul calls dot four times */
 };
 
 /* Fills the fp16 table and picks the kernel variants; idempotent and
@@ -113,6 +118,7 @@ cpu_dot_fn cpu_dot_scalar(enum dtype t);
 /* The AVX2+FMA+F16C kernel of a type, or NULL (type without one, or a build
  * that is not x86-64). */
 cpu_dot_fn cpu_dot_avx2(enum dtype t);
+cpu_dot4_fn cpu_dot4_avx2(enum dtype t);
 int cpu_has_avx2(void);
 
 /* Dot and axpy on float rows, with the fp16 variants attention uses. */

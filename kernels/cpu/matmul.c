@@ -21,6 +21,7 @@ struct mm_task {
     size_t xq_row_bytes;
     enum cpu_act act;
     cpu_dot_fn dot;
+    cpu_dot4_fn dot4;           /* or NULL */
     int64_t rows, cols;
     int32_t n;
     int64_t rows_per_chunk, n_row_chunks, n_chunks;
@@ -60,8 +61,14 @@ static void mm_run(void *arg, int ith, int nth) {
         int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
-            for (int32_t i = t0; i < t1; i++)
-                t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
+            int32_t i = t0;
+            if (t->dot4)
+                for (; i + 4 <= t1; i += 4) {
+                    float o[4];
+                    t->dot4(wr, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, o);
+                    for (int j = 0; j < 4; j++) t->out[(size_t)(i + j) * t->rows + r] = o[j];
+                }
+            for (; i < t1; i++) t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
         }
     }
 }
@@ -79,6 +86,7 @@ int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const fl
         .x = x,
         .act = tr->act,
         .dot = tr->dot,
+        .dot4 = tr->dot4,
         .rows = w->rows,
         .cols = w->cols,
         .n = n,

@@ -462,7 +462,8 @@ static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void set_traits(enum dtype t, int64_t elems, size_t bytes, enum cpu_act act) {
     cpu_dot_fn fast = cpu_has_avx2() ? cpu_dot_avx2(t) : NULL;
-    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t)};
+    cpu_dot4_fn fast4 = cpu_has_avx2() ? cpu_dot4_avx2(t) : NULL;
+    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4};
 }
 
 static void kernels_init_once(void) {

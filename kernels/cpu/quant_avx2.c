@@ -299,6 +299,157 @@ AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
     return hsum256(acc);
 }
 
+/* ---- Four activation rows per weight row (prefill) ---- */
+
+#define ROW(x, j, stride) ((const void *)((const uint8_t *)(x) + (size_t)(j) * (stride)))
+
+AVX2_FN static void dot4_f16_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const uint16_t *a = w;
+    const float *b0 = ROW(x, 0, stride), *b1 = ROW(x, 1, stride), *b2 = ROW(x, 2, stride), *b3 = ROW(x, 3, stride);
+    /* Two accumulators per row, named: GCC keeps arrays of vectors in memory. */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i + 8)));
+        c00 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b0 + i), c00);
+        c01 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b0 + i + 8), c01);
+        c10 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b1 + i), c10);
+        c11 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b1 + i + 8), c11);
+        c20 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b2 + i), c20);
+        c21 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b2 + i + 8), c21);
+        c30 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b3 + i), c30);
+        c31 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b3 + i + 8), c31);
+    }
+    out[0] = hsum256(_mm256_add_ps(c00, c01));
+    out[1] = hsum256(_mm256_add_ps(c10, c11));
+    out[2] = hsum256(_mm256_add_ps(c20, c21));
+    out[3] = hsum256(_mm256_add_ps(c30, c31));
+    for (; i < n; i++) {
+        float wi = cpu_fp16_to_f32(a[i]);
+        out[0] += wi * b0[i];
+        out[1] += wi * b1[i];
+        out[2] += wi * b2[i];
+        out[3] += wi * b3[i];
+    }
+}
+
+/* One row of 32 int8 activations against the sign-split weights (|w|, w). */
+#define Q8_TERM(aw, qw, ya, d, acc)                                                                     \
+    _mm256_fmadd_ps(_mm256_set1_ps(d),                                                                 \
+                    _mm256_cvtepi32_ps(_mm256_madd_epi16(                                              \
+                        _mm256_maddubs_epi16((aw), _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(ya)), (qw))), \
+                        ones)),                                                                        \
+                    (acc))
+
+AVX2_FN static void dot4_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const block_q8_0 *b = w;
+    const struct cpu_q8 *y0 = ROW(x, 0, stride), *y1 = ROW(x, 1, stride), *y2 = ROW(x, 2, stride),
+                        *y3 = ROW(x, 3, stride);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t k = 0; k < n / 32; k++) {
+        __m256i qw = _mm256_loadu_si256((const __m256i *)b[k].qs);
+        __m256i aw = _mm256_sign_epi8(qw, qw);
+        float dw = cpu_fp16_to_f32(b[k].d);
+        c0 = Q8_TERM(aw, qw, y0[k].qs, dw * y0[k].d, c0);
+        c1 = Q8_TERM(aw, qw, y1[k].qs, dw * y1[k].d, c1);
+        c2 = Q8_TERM(aw, qw, y2[k].qs, dw * y2[k].d, c2);
+        c3 = Q8_TERM(aw, qw, y3[k].qs, dw * y3[k].d, c3);
+    }
+    out[0] = hsum256(c0);
+    out[1] = hsum256(c1);
+    out[2] = hsum256(c2);
+    out[3] = hsum256(c3);
+}
+
+AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const block_q4_k *b = w;
+    const struct cpu_q8k *y[4];
+    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        __m256i mins2;
+        __m256i sc = k4_scales(b[k].scales, &mins2);
+        __m256i sumi[4];
+        for (int j = 0; j < 4; j++) sumi[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
+            __m256i lo = _mm256_and_si256(q4, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+            __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
+            for (int j = 0; j < 4; j++) {
+                __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i));
+                __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i + 32));
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0));
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1));
+            }
+        }
+        float d = cpu_fp16_to_f32(b[k].d), dmin = cpu_fp16_to_f32(b[k].dmin);
+        for (int j = 0; j < 4; j++) {
+            __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[j][k].bsums), mins2);
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(y[j][k].d * dmin), _mm256_cvtepi32_ps(msum), acc[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+}
+
+AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const block_q6_k *b = w;
+    const struct cpu_q8k *y[4];
+    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        const int8_t *sc = b[k].scales;
+        __m256i sumi[4];
+        for (int j = 0; j < 4; j++) {
+            int offs = 0;
+            for (int g = 0; g < 16; g++) offs += sc[g] * y[j][k].bsums[g];
+            sumi[j] = _mm256_setr_epi32(-32 * offs, 0, 0, 0, 0, 0, 0, 0);
+        }
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b[k].ql + 64 * h, *qhp = b[k].qh + 32 * h;
+            const int8_t *s = sc + 8 * h;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)qhp);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(qh, three), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), three), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+            for (int i = 0; i < 4; i++) {
+                __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i]));
+                for (int j = 0; j < 4; j++) {
+                    __m256i a = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 128 * h + 32 * i));
+                    sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], a), scale));
+                }
+            }
+        }
+        float d = cpu_fp16_to_f32(b[k].d);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+}
+
+cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
+    switch (t) {
+    case DTYPE_F16: return dot4_f16_avx2;
+    case DTYPE_Q8_0: return dot4_q8_0_avx2;
+    case DTYPE_Q4_K: return dot4_q4_k_avx2;
+    case DTYPE_Q6_K: return dot4_q6_k_avx2;
+    default: return NULL;
+    }
+}
+
 cpu_dot_fn cpu_dot_avx2(enum dtype t) {
     switch (t) {
     case DTYPE_F32: return dot_f32_avx2;
@@ -320,6 +471,10 @@ cpu_dot_fn cpu_dot_avx2(enum dtype t) {
 
 int cpu_has_avx2(void) { return 0; }
 cpu_dot_fn cpu_dot_avx2(enum dtype t) {
+    (void)t;
+    return NULL;
+}
+cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
     (void)t;
     return NULL;
 }

@@ -226,6 +226,21 @@ TEST(cpu_ops_vector_kernels_match_scalar) {
         }
         double e = nmse(out, ref, rows);
         if (!(e <= 1e-11)) TEST_FAIL("%s: AVX2 and scalar dots differ, NMSE %.3g above 1e-11", dtype_name(t), e);
+        /* The four-row kernel (prefill), where the type has one. */
+        cpu_dot4_fn vec4 = cpu_dot4_avx2(t);
+        if (!vec4) continue;
+        size_t xrb = cpu_act_row_bytes(tr->act, cols);
+        uint8_t *x4 = fx_alloc(4 * xrb);
+        float *o4 = nan_floats(4 * rows);
+        double *r4 = fx_alloc(4 * (size_t)rows * sizeof(double));
+        for (int j = 0; j < 4; j++) cpu_act_quant_row(tr->act, rand_floats(cols, 1.0f), x4 + j * xrb, cols);
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *wr = w + (size_t)r * dtype_row_bytes(t, cols);
+            vec4(wr, x4, xrb, cols, o4 + 4 * r);
+            for (int j = 0; j < 4; j++) r4[4 * r + j] = scalar(wr, x4 + j * xrb, cols);
+        }
+        e = nmse(o4, r4, 4 * rows);
+        if (!(e <= 1e-11)) TEST_FAIL("%s: AVX2 4-row and scalar dots differ, NMSE %.3g above 1e-11", dtype_name(t), e);
     }
     fx_release();
 }
