@@ -34,6 +34,59 @@ template <int KT> __device__ __forceinline__ float kv_load(const void *base, siz
     return KT == DTYPE_F16 ? h2f(((const fp16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+/* skv[jj][0 .. hd) (row stride hd + 1) = the cache rows of positions j0 + jj
+ * of KV head kvh, zeros past j_end, NaN for a block id outside the cache.
+ * 16-byte loads when the head width allows (8 halves or 4 floats). */
+template <int KT>
+__device__ __forceinline__ void att_load_tile(float *skv, const void *cache, const struct cuda_attn_args &a,
+                                              const int32_t *btab, int32_t kvh, int32_t j0, int32_t j_end, int kt) {
+    const int hd = a.head_dim;
+    const int vec = KT == DTYPE_F16 ? 8 : 4;
+    if (hd % vec == 0) {
+        const int per_row = hd / vec;
+        for (int i = threadIdx.x; i < kt * per_row; i += ATT_THREADS) {
+            int jj = i / per_row, d = (i % per_row) * vec;
+            int32_t j = j0 + jj;
+            float *dst = skv + jj * (hd + 1) + d;
+            int32_t bi = j / a.block_size, blk = (j < j_end && bi < a.max_blocks) ? btab[bi] : -1;
+            if (j >= j_end) {
+                for (int e = 0; e < vec; e++) dst[e] = 0.0f;
+            } else if (blk < 0 || blk >= a.n_blocks) {
+                for (int e = 0; e < vec; e++) dst[e] = __int_as_float(0x7fc00000);
+            } else {
+                size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d;
+                if (KT == DTYPE_F16) {
+                    uint4 raw = __ldg((const uint4 *)((const fp16_t *)cache + at));
+                    const __half2 *h = (const __half2 *)&raw;
+                    for (int e = 0; e < 4; e++) {
+                        float2 f = __half22float2(h[e]);
+                        dst[2 * e] = f.x;
+                        dst[2 * e + 1] = f.y;
+                    }
+                } else {
+                    float4 f = __ldg((const float4 *)((const float *)cache + at));
+                    dst[0] = f.x;
+                    dst[1] = f.y;
+                    dst[2] = f.z;
+                    dst[3] = f.w;
+                }
+            }
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < kt * hd; i += ATT_THREADS) {
+        int jj = i / hd, d = i % hd;
+        int32_t j = j0 + jj;
+        float val = 0.0f;
+        if (j < j_end) {
+            int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+            if (blk < 0 || blk >= a.n_blocks) val = __int_as_float(0x7fc00000);
+            else val = kv_load<KT>(cache, (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d);
+        }
+        skv[jj * (hd + 1) + d] = val;
+    }
+}
+
 template <int KT>
 __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_params p) {
     const struct cuda_attn_args &a = p.a;
@@ -62,6 +115,9 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     const int32_t j_begin = blockIdx.z * p.chunk;
     const int32_t j_end = min(j_begin + p.chunk, ctx_tile);
     const int32_t width = a.n_heads * hd;
+    /* Rows come first in qi = r * gs + g, so the tile's real queries are a
+     * prefix: the loops below skip the padding (a decode tile of MHA has one). */
+    const int qa = min(qv, (last_row - r0 + 1) * p.gs);
 
     extern __shared__ float smem[];
     float *sq = smem;                      /* [qv][hd] queries, pre-scaled */
@@ -94,20 +150,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     for (int32_t j0 = j_begin; j0 < j_end; j0 += kt) {
         /* K tile. */
-        for (int i = tid; i < kt * hd; i += ATT_THREADS) {
-            int jj = i / hd, d = i % hd;
-            int32_t j = j0 + jj;
-            float val = 0.0f;
-            if (j < j_end) {
-                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-                if (blk < 0 || blk >= p.a.n_blocks) val = __int_as_float(0x7fc00000);
-                else val = kv_load<KT>(a.k, (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d);
-            }
-            skv[jj * (hd + 1) + d] = val;
-        }
+        att_load_tile<KT>(skv, a.k, a, btab, kvh, j0, j_end, kt);
         __syncthreads();
         /* Scores: four threads per (query, position), interleaved over d. */
-        for (int pair = tid / 4; pair < qv * kt; pair += ATT_THREADS / 4) {
+        for (int pair = tid / 4; pair < qa * kt; pair += ATT_THREADS / 4) {
             int qi = pair / kt, jj = pair % kt, part = tid % 4;
             const float *qr = sq + qi * hd, *kr = skv + jj * (hd + 1);
             float dot = 0.0f;
@@ -123,7 +169,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
         __syncthreads();
         /* Online softmax, a warp per query and a lane per position; the V
          * tile loads meanwhile (the scores no longer need K). */
-        for (int qi = warp; qi < qv; qi += ATT_THREADS / 32) {
+        for (int qi = warp; qi < qa; qi += ATT_THREADS / 32) {
             float sc = lane < kt ? ssc[qi * kt + lane] : ninf;
             float mt = sc;
             for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
@@ -139,20 +185,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
                 salpha[qi] = alpha;
             }
         }
-        for (int i = tid; i < kt * hd; i += ATT_THREADS) {
-            int jj = i / hd, d = i % hd;
-            int32_t j = j0 + jj;
-            float val = 0.0f;
-            if (j < j_end) {
-                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-                if (blk < 0 || blk >= p.a.n_blocks) val = __int_as_float(0x7fc00000);
-                else val = kv_load<KT>(a.v, (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d);
-            }
-            skv[jj * (hd + 1) + d] = val;
-        }
+        att_load_tile<KT>(skv, a.v, a, btab, kvh, j0, j_end, kt);
         __syncthreads();
         /* acc = acc * alpha + P . V */
-        for (int i = tid; i < qv * hd; i += ATT_THREADS) {
+        for (int i = tid; i < qa * hd; i += ATT_THREADS) {
             int qi = i / hd, d = i % hd;
             const float *pr = ssc + qi * kt;
             float acc = sacc[i] * salpha[qi];
