@@ -496,6 +496,14 @@ TEST(tokenizer_errors) {
     fputs("{\"model\":{\"type\":\"Unigram\",\"vocab\":[[\"a\",0.0]]}}", f);
     fclose(f);
     expect_load_error(dir, "model.type", "Unigram");
+    f = fopen(file, "w");
+    fputs("{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":", f);
+    fclose(f);
+    expect_load_error(dir, "tokenizer.json", "invalid JSON");
+    f = fopen(file, "w");
+    fputs("{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":-3},\"merges\":[]}}", f);
+    fclose(f);
+    expect_load_error(dir, "model.vocab", "-3");
     unlink(file);
     rmdir(dir);
 }
