@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/model.h"
 #include "common/options.h"
+#include "common/sampling.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "kernels/backend.h"
@@ -25,7 +26,7 @@
 struct run_opts {
     const char *model, *prompt, *tokenize, *eval_ids, *device, *log_level;
     int max_tokens, top, top_k, threads, kv_blocks, ctx, batch;
-    double temperature, top_p;
+    double temperature, top_p, min_p, repeat_penalty;
     int64_t seed;
     bool json, stop_at_eos, require_gpu;
 };
@@ -62,22 +63,6 @@ static int run_backend(const struct run_opts *o, backend **out, char *err, size_
     }
     snprintf(err, errlen, "--device %s: expected cpu or cuda:N", o->device);
     return STATUS_BAD_INPUT;
-}
-
-/* The next token from a row of logits.  Greedy (the first maximum wins, as
- * llama.cpp's greedy sampler) when temperature is 0. */
-static int run_sample(const struct run_opts *o, const float *logits, int32_t n_vocab, int32_t *id,
-                      char *err, size_t errlen) {
-    if (o->temperature > 0) {
-        snprintf(err, errlen, "--temperature %g: only greedy decoding (--temperature 0) is built in",
-                 o->temperature);
-        return STATUS_UNSUPPORTED;
-    }
-    int32_t best = 0;
-    for (int32_t i = 1; i < n_vocab; i++)
-        if (logits[i] > logits[best]) best = i;
-    *id = best;
-    return STATUS_OK;
 }
 
 static cJSON *run_json_ids(const int32_t *ids, int32_t n) {
@@ -231,7 +216,8 @@ static int run_eval_row(void *ud, int32_t pos, const float *logits) {
 /* ---- generation ---- */
 
 struct run_gen {
-    int32_t *ids;  /* generated */
+    int32_t *history; /* prompt then generated ids; malloc'ed */
+    int32_t *ids;     /* the generated part of history */
     int32_t n, cap;
     char *text;    /* generated text, for --json */
     size_t text_len, text_cap;
@@ -259,9 +245,11 @@ static const struct option_def run_defs_proto[] = {
     {"eval-ids", NULL, OPTION_STRING, NULL, "comma-separated ids: print the top logits of every position and the perplexity", NULL, 0, 0, NULL},
     {"top", NULL, OPTION_INT, "5", "--eval-ids: logits per position", NULL, 1, 64, NULL},
     {"max-tokens", NULL, OPTION_INT, "128", "tokens to generate at most", NULL, 0, 1 << 20, NULL},
-    {"temperature", NULL, OPTION_FLOAT, "0", "sampling temperature; 0 is greedy", NULL, 0, 100, NULL},
+    {"temperature", NULL, OPTION_FLOAT, "0", "sampling temperature; 0 is greedy (argmax)", NULL, 0, 100, NULL},
     {"top-k", NULL, OPTION_INT, "0", "keep the k most likely tokens (0: all)", NULL, 0, 1 << 30, NULL},
     {"top-p", NULL, OPTION_FLOAT, "1", "keep the smallest set of tokens with this much probability", NULL, 0, 1, NULL},
+    {"min-p", NULL, OPTION_FLOAT, "0", "drop tokens below this fraction of the top probability", NULL, 0, 1, NULL},
+    {"repeat-penalty", NULL, OPTION_FLOAT, "1", "repetition penalty (1: off)", NULL, 0, 10, NULL},
     {"seed", NULL, OPTION_SIZE, "0", "sampling seed", NULL, 0, 0, NULL},
     {"json", NULL, OPTION_BOOL, "false", "print one JSON object on the last line", NULL, 0, 0, NULL},
     {"stop-at-eos", NULL, OPTION_BOOL, "true", "stop at an end-of-generation token", NULL, 0, 0, NULL},
@@ -290,6 +278,7 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
     float *logits = NULL;
     cJSON *json = NULL;
     struct run_gen g = {0};
+    sampler *smp = NULL;
     int rc = model_file_open(&m, o->model, err, errlen);
     if (rc != STATUS_OK) goto done;
     const tokenizer *tok = model_file_tokenizer(m);
@@ -368,9 +357,23 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
         goto done;
     }
 
-    /* Generation. */
-    g.cap = o->max_tokens > 0 ? o->max_tokens : 1;
-    g.ids = malloc(sizeof(int32_t) * (size_t)g.cap);
+    /* Generation.  history = prompt then generated ids (the penalties' view). */
+    struct sampling_params sp;
+    sampling_params_default(&sp);
+    sp.temperature = (float)o->temperature;
+    sp.top_k = o->top_k;
+    sp.top_p = (float)o->top_p;
+    sp.min_p = (float)o->min_p;
+    sp.repetition_penalty = (float)o->repeat_penalty;
+    sp.seed = (uint64_t)o->seed;
+    rc = sampling_params_validate(&sp, hp->n_vocab, err, errlen);
+    if (rc != STATUS_OK) goto done;
+    rc = sampler_init(&smp, hp->n_vocab, err, errlen);
+    if (rc != STATUS_OK) goto done;
+    g.cap = n_prompt + (o->max_tokens > 0 ? o->max_tokens : 1);
+    g.history = malloc(sizeof(int32_t) * (size_t)g.cap);
+    g.ids = g.history ? g.history + n_prompt : NULL;
+    if (g.history) memcpy(g.history, prompt, sizeof(int32_t) * (size_t)n_prompt);
     if (!g.ids) {
         rc = STATUS_NO_MEMORY;
         snprintf(err, errlen, "out of memory");
@@ -384,9 +387,13 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
     double t1 = run_now();
     char piece[256];
     while (g.n < o->max_tokens) {
-        int32_t id;
-        rc = run_sample(o, logits, hp->n_vocab, &id, err, errlen);
-        if (rc != STATUS_OK) goto done;
+        struct sampling_result res;
+        rc = sampler_sample(smp, logits, &sp, g.history, n_prompt + g.n, n_prompt + g.n, &res);
+        if (rc != STATUS_OK) {
+            snprintf(err, errlen, "sampling token %d: %s", g.n, sampler_errstr(smp));
+            goto done;
+        }
+        int32_t id = res.token;
         if (o->stop_at_eos && tokenizer_is_eog(tok, id)) break;
         g.ids[g.n++] = id;
         int len = tokenizer_detok_push(tok, &d, id, piece, sizeof piece);
@@ -425,8 +432,9 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
     }
 done:
     cJSON_Delete(json);
-    free(g.ids);
+    free(g.history);
     free(g.text);
+    sampler_free(smp);
     free(logits);
     free(prompt);
     if (kb) kvblocks_table_free(kb, &t);
@@ -443,7 +451,7 @@ int main(int argc, char **argv) {
     struct option_def defs[sizeof run_defs_proto / sizeof run_defs_proto[0]];
     memcpy(defs, run_defs_proto, sizeof defs);
     void *targets[] = {&o.model, &o.prompt, &o.tokenize, &o.eval_ids, &o.top, &o.max_tokens,
-                       &o.temperature, &o.top_k, &o.top_p, &o.seed, &o.json, &o.stop_at_eos,
+                       &o.temperature, &o.top_k, &o.top_p, &o.min_p, &o.repeat_penalty, &o.seed, &o.json, &o.stop_at_eos,
                        &o.threads, &o.kv_blocks, &o.ctx, &o.batch, &o.device, &o.require_gpu,
                        &o.log_level};
     _Static_assert(sizeof targets / sizeof targets[0] == sizeof defs / sizeof defs[0], "one target per option");
