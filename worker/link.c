@@ -1,0 +1,55 @@
+/* The transport-independent half of a stage-to-stage link: dispatch to the
+ * transport's table, argument checks shared by both, error text. */
+#include "link.h"
+#include "link-impl.h"
+
+#include "common/status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+int link_fail(link_conn *l, int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(l->errstr, sizeof l->errstr, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+void link_free(link_conn *l) {
+    if (l) l->ops->free(l);
+}
+
+int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes) {
+    if (l->dir != LINK_SEND)
+        return link_fail(l, STATUS_BAD_INPUT, "%s link %s: send on the receiving end (step %llu)",
+                         l->ops->kind, l->endpoint, (unsigned long long)step_id);
+    if (!buf && bytes)
+        return link_fail(l, STATUS_BAD_INPUT, "%s link %s: step %llu: NULL buffer of %zu bytes",
+                         l->ops->kind, l->endpoint, (unsigned long long)step_id, bytes);
+    l->errstr[0] = 0;
+    return l->ops->send(l, step_id, buf, bytes);
+}
+
+int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
+    if (l->dir != LINK_RECV)
+        return link_fail(l, STATUS_BAD_INPUT, "%s link %s: receive on the sending end (step %llu)",
+                         l->ops->kind, l->endpoint, (unsigned long long)step_id);
+    if (!buf && bytes)
+        return link_fail(l, STATUS_BAD_INPUT, "%s link %s: step %llu: NULL buffer of %zu bytes",
+                         l->ops->kind, l->endpoint, (unsigned long long)step_id, bytes);
+    l->errstr[0] = 0;
+    return l->ops->recv(l, step_id, buf, bytes);
+}
+
+void link_set_epoch(link_conn *l, uint64_t epoch) { l->epoch = epoch; }
+int link_on_device(const link_conn *l) { return l->ops->on_device; }
+const char *link_endpoint(const link_conn *l) { return l->endpoint; }
+const char *link_kind(const link_conn *l) { return l->ops->kind; }
+const char *link_errstr(const link_conn *l) { return l->errstr; }
+
+void link_nccl_key(char *buf, size_t size, uint32_t pipeline_id, uint32_t link_index,
+                   uint64_t epoch) {
+    snprintf(buf, size, "llm:nccl:%u:%u:%llu", pipeline_id, link_index,
+             (unsigned long long)epoch);
+}

@@ -1,0 +1,95 @@
+/* The stage-to-stage transport: one directed link k -> k+1 carries each
+ * step's hidden states from a stage to the next.  One interface, two
+ * implementations: ZeroMQ (PUSH -> PULL over TCP, host buffers; the CPU
+ * backend) and NCCL (a 2-rank communicator per link, device buffers on the
+ * backend's stream; GPUs).  Both sides execute the same step plans in the
+ * same order, so a message is matched to its step by the step id.
+ *
+ *   link_conn *rx;   // stage k+1: binds where stage k connects
+ *   link_zmq_init(&rx, ctx, LINK_RECV, "tcp://127.0.0.1:*", 10000, err, sizeof err);
+ *   ... register link_endpoint(rx) ...
+ *   rc = link_recv(rx, step_id, hidden, bytes);   // 0, LINK_SKIPPED or < 0
+ *   link_free(rx);
+ *
+ * A link is used by one thread at a time. */
+#ifndef WORKER_LINK_H
+#define WORKER_LINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+typedef struct link_conn link_conn;
+
+enum link_dir {
+    LINK_SEND = 0, /* this stage is k: it sends to k+1 */
+    LINK_RECV = 1, /* this stage is k+1: it receives from k */
+};
+
+/* link_recv's result when the sender marked the step as failed upstream
+ * (link_send with buf NULL): the receiver skips the step too. */
+#define LINK_SKIPPED 1
+
+/* ZeroMQ.  LINK_RECV binds a PULL socket at endpoint ("tcp://host:port",
+ * "tcp://127.0.0.1:*" picks a port; link_endpoint says which); LINK_SEND
+ * connects a PUSH socket to it.  timeout_ms (> 0) bounds every send and
+ * every receive, so a peer that is gone gives STATUS_TIMEOUT, not a hang.
+ * ctx is the caller's ZeroMQ context and must outlive the link.  Returns 0
+ * and *out (freed with link_free), or a negative status with err naming the
+ * endpoint (*out NULL). */
+int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
+                  int timeout_ms, char *err, size_t errlen);
+
+/* NCCL: the link between stage k (LINK_SEND, rank 0) and k+1 (LINK_RECV,
+ * rank 1) over a 2-rank communicator of its own.  The sender creates the
+ * ncclUniqueId and publishes it in Redis under nccl_key (see
+ * link_nccl_key); the receiver waits for it.  b must be a CUDA backend: the
+ * link works on its device and queues ncclSend/ncclRecv on its stream, so
+ * buffers are device memory and nothing synchronizes.  redis is a struct
+ * rconn (common/rconn.h), used only during the call.  timeout_ms bounds the
+ * wait for the id and for the peer to join.  STATUS_UNSUPPORTED when built
+ * without NCCL or b is not a CUDA backend. */
+int link_nccl_init(link_conn **out, backend *b, enum link_dir dir, void *redis,
+                   const char *nccl_key, int timeout_ms, char *err, size_t errlen);
+/* The Redis key of link k of a pipeline in an epoch:
+ * "llm:nccl:<pipeline>:<link>:<epoch>". */
+void link_nccl_key(char *buf, size_t size, uint32_t pipeline_id, uint32_t link_index,
+                   uint64_t epoch);
+
+/* Frees the link and its sockets or communicator; NULL is fine. */
+void link_free(link_conn *l);
+
+/* Sends bytes of buf as step step_id's message (copied, or queued on the
+ * device stream: buf may be reused once the call returns on ZeroMQ, once the
+ * stream passes the send on NCCL).  buf NULL (bytes 0) on ZeroMQ tells the
+ * receiver the step failed here (it gets LINK_SKIPPED).  Returns 0,
+ * STATUS_TIMEOUT when the peer does not take it in time, or another
+ * negative status (link_errstr says why). */
+int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
+
+/* Receives step step_id's message into buf, which must be exactly bytes
+ * long.  Messages of earlier steps (of a dropped plan) are discarded;
+ * messages of a later step are kept for their own call.  Returns 0, or
+ * LINK_SKIPPED (buf untouched) when the sender failed the step, or
+ * STATUS_TIMEOUT (nothing within the link's timeout), STATUS_NOT_FOUND (the
+ * sender went on to a later step: this one will never come),
+ * STATUS_PROTOCOL (a malformed message or a size other than bytes), or
+ * STATUS_CANCELLED (a signal interrupted the wait). */
+int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
+
+/* Messages from another epoch of the pipeline are stale: after
+ * link_set_epoch a receiver drops those of older epochs, and senders stamp
+ * theirs with it.  Starts at 0. */
+void link_set_epoch(link_conn *l, uint64_t epoch);
+
+/* 1 if send/recv take device (backend) memory, 0 for host memory. */
+int link_on_device(const link_conn *l);
+/* The bound endpoint (receiver) or the peer's (sender); "" for NCCL. */
+const char *link_endpoint(const link_conn *l);
+/* "zmq" or "nccl". */
+const char *link_kind(const link_conn *l);
+/* Why the last call failed. */
+const char *link_errstr(const link_conn *l);
+
+#endif

@@ -1,0 +1,186 @@
+/* The ZeroMQ link: PUSH (stage k) -> PULL (stage k+1) over TCP, for the
+ * CPU backend.  Each message is two frames: a 32-byte header (magic, flags,
+ * epoch, step id, payload size, little-endian) and the hidden states.
+ * Timeouts on both ends turn a vanished peer into STATUS_TIMEOUT. */
+#include "link.h"
+#include "link-impl.h"
+
+#include "common/status.h"
+#include "common/zio.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define LINK_ZMQ_MAGIC 0x314b4c4cu /* "LLK1" */
+#define LINK_ZMQ_HEADER 32
+#define LINK_ZMQ_SKIPPED 1u
+
+struct link_zmq {
+    struct link_conn base;
+    struct zio_sock *sock;
+    int timeout_ms;
+    /* A message of a later step, received while waiting for an earlier one. */
+    struct zio_parts held;
+    int has_held;
+    struct zio_parts in;
+};
+
+static void lz_put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint64_t lz_get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes) {
+    struct link_zmq *z = (struct link_zmq *)l;
+    uint8_t hdr[LINK_ZMQ_HEADER];
+    lz_put64(hdr, (uint64_t)LINK_ZMQ_MAGIC | (uint64_t)(buf ? 0 : LINK_ZMQ_SKIPPED) << 32);
+    lz_put64(hdr + 8, l->epoch);
+    lz_put64(hdr + 16, step_id);
+    lz_put64(hdr + 24, bytes);
+    struct zio_frame f[2] = {{hdr, sizeof hdr, NULL, NULL}, {buf, buf ? bytes : 0, NULL, NULL}};
+    int rc = zio_send(z->sock, f, 2, 0);
+    if (rc == STATUS_EXHAUSTED)
+        return link_fail(l, STATUS_TIMEOUT,
+                         "zmq link to %s: step %llu (%zu bytes) not taken within %d ms: is the "
+                         "next stage running?",
+                         l->endpoint, (unsigned long long)step_id, bytes, z->timeout_ms);
+    if (rc < 0) return link_fail(l, rc, "zmq link: %s", zio_errstr(z->sock));
+    return STATUS_OK;
+}
+
+/* Checks a message's framing; fills its epoch, step, flags and size. */
+static int lz_parse(struct link_zmq *z, const struct zio_parts *p, uint64_t *epoch, uint64_t *step,
+                    uint32_t *flags, uint64_t *bytes) {
+    link_conn *l = &z->base;
+    if (p->n != 2 || zio_parts_size(p, 0) != LINK_ZMQ_HEADER)
+        return link_fail(l, STATUS_PROTOCOL,
+                         "zmq link %s: malformed message (%zu frames, header %zu bytes; want 2 "
+                         "frames, header %d bytes)",
+                         l->endpoint, p->n, zio_parts_size(p, 0), LINK_ZMQ_HEADER);
+    const uint8_t *h = zio_parts_data(p, 0);
+    uint64_t w0 = lz_get64(h);
+    if ((uint32_t)w0 != LINK_ZMQ_MAGIC)
+        return link_fail(l, STATUS_PROTOCOL, "zmq link %s: bad magic 0x%08x", l->endpoint,
+                         (unsigned)(uint32_t)w0);
+    *flags = (uint32_t)(w0 >> 32);
+    *epoch = lz_get64(h + 8);
+    *step = lz_get64(h + 16);
+    *bytes = lz_get64(h + 24);
+    if (!(*flags & LINK_ZMQ_SKIPPED) && zio_parts_size(p, 1) != *bytes)
+        return link_fail(l, STATUS_PROTOCOL,
+                         "zmq link %s: step %llu: header says %llu bytes, frame has %zu",
+                         l->endpoint, (unsigned long long)*step, (unsigned long long)*bytes,
+                         zio_parts_size(p, 1));
+    return STATUS_OK;
+}
+
+static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
+    struct link_zmq *z = (struct link_zmq *)l;
+    for (;;) {
+        struct zio_parts *p;
+        if (z->has_held) {
+            p = &z->held;
+        } else {
+            int rc = zio_recv(z->sock, &z->in, z->timeout_ms);
+            if (rc == STATUS_TIMEOUT)
+                return link_fail(l, STATUS_TIMEOUT,
+                                 "zmq link %s: step %llu: nothing from the previous stage within "
+                                 "%d ms",
+                                 l->endpoint, (unsigned long long)step_id, z->timeout_ms);
+            if (rc < 0) return link_fail(l, rc, "zmq link: %s", zio_errstr(z->sock));
+            p = &z->in;
+        }
+        uint64_t epoch = 0, step = 0, size = 0;
+        uint32_t flags = 0;
+        int rc = lz_parse(z, p, &epoch, &step, &flags, &size);
+        if (rc < 0) {
+            z->has_held = 0;
+            return rc;
+        }
+        /* Stale: a step of an older epoch, or one whose plan we dropped. */
+        if (epoch < l->epoch || (epoch == l->epoch && step < step_id)) {
+            z->has_held = 0;
+            continue;
+        }
+        if (epoch > l->epoch || step > step_id) {
+            if (p == &z->in) {
+                struct zio_parts t = z->held;
+                z->held = z->in;
+                z->in = t;
+                z->has_held = 1;
+            }
+            return link_fail(l, STATUS_NOT_FOUND,
+                             "zmq link %s: waiting for step %llu (epoch %llu), the previous "
+                             "stage sent step %llu (epoch %llu)",
+                             l->endpoint, (unsigned long long)step_id,
+                             (unsigned long long)l->epoch, (unsigned long long)step,
+                             (unsigned long long)epoch);
+        }
+        z->has_held = 0;
+        if (flags & LINK_ZMQ_SKIPPED) return LINK_SKIPPED;
+        if (size != bytes)
+            return link_fail(l, STATUS_PROTOCOL,
+                             "zmq link %s: step %llu has %llu bytes, expected %zu", l->endpoint,
+                             (unsigned long long)step_id, (unsigned long long)size, bytes);
+        if (bytes) memcpy(buf, zio_parts_data(p, 1), bytes);
+        return STATUS_OK;
+    }
+}
+
+static void lz_free(link_conn *l) {
+    struct link_zmq *z = (struct link_zmq *)l;
+    zio_parts_free(&z->held);
+    zio_parts_free(&z->in);
+    zio_sock_close(z->sock);
+    free(z);
+}
+
+static const struct link_ops link_zmq_ops = {"zmq", 0, lz_send, lz_recv, lz_free};
+
+int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
+                  int timeout_ms, char *err, size_t errlen) {
+    *out = NULL;
+    if (!endpoint || !*endpoint || timeout_ms <= 0) {
+        snprintf(err, errlen, "zmq link: endpoint \"%s\" and timeout %d ms: need an endpoint and a "
+                 "timeout > 0", endpoint ? endpoint : "(null)", timeout_ms);
+        return STATUS_BAD_INPUT;
+    }
+    struct link_zmq *z = calloc(1, sizeof *z);
+    if (!z) {
+        snprintf(err, errlen, "zmq link %s: out of memory", endpoint);
+        return STATUS_NO_MEMORY;
+    }
+    z->base.ops = &link_zmq_ops;
+    z->base.dir = dir;
+    z->timeout_ms = timeout_ms;
+    int rc = zio_sock_open(ctx, dir == LINK_SEND ? ZMQ_PUSH : ZMQ_PULL, &z->sock, err, errlen);
+    if (rc < 0) {
+        free(z);
+        return rc;
+    }
+    if (dir == LINK_SEND) {
+        /* IMMEDIATE: queue only to a connected peer, so a stage that is gone
+         * makes the send time out instead of piling up messages for it. */
+        rc = zio_set_int(z->sock, ZMQ_IMMEDIATE, 1);
+        if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDTIMEO, timeout_ms);
+        if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDHWM, 8);
+        if (rc == 0) rc = zio_connect(z->sock, endpoint);
+    } else {
+        rc = zio_set_int(z->sock, ZMQ_RCVHWM, 8);
+        if (rc == 0) rc = zio_bind(z->sock, endpoint);
+    }
+    if (rc < 0) {
+        snprintf(err, errlen, "zmq link: %s", zio_errstr(z->sock));
+        zio_sock_close(z->sock);
+        free(z);
+        return rc;
+    }
+    snprintf(z->base.endpoint, sizeof z->base.endpoint, "%s",
+             dir == LINK_SEND ? endpoint : zio_endpoint(z->sock));
+    *out = &z->base;
+    return STATUS_OK;
+}
