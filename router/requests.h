@@ -1,0 +1,107 @@
+/* Durable requests in Redis: what the router stores before it acknowledges
+ * a request, the tokens it generates (so a restarted router, or a request
+ * moved off a failed pipeline, resumes where it was and the client sees
+ * each token once), and the recovery of every accepted, unfinished request
+ * after a router restart.
+ *
+ * Layout (prefix "llm:" by default):
+ *   <p>requests          stream, one entry {id} per accepted request, read by
+ *                        the consumer group "routers"; an entry stays pending
+ *                        (XPENDING) until the request finishes (XACK + XDEL)
+ *   <p>req:<id>          hash: params (the canonical GenerateRequest bytes),
+ *                        prompt (int32 little-endian), seed, created_ms,
+ *                        deadline_ms, state ("queued" | "done"), entry, and
+ *                        when done finish, stop_token, stop_string,
+ *                        error_code, error_message
+ *   <p>req:<id>:gen      string: the generated tokens, int32 little-endian,
+ *                        appended as they are sampled
+ * Finished requests expire after the retention period. */
+#ifndef ROUTER_REQUESTS_H
+#define ROUTER_REQUESTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/rconn.h"
+#include "proto/wire.h"
+
+typedef struct reqstore reqstore;
+
+struct reqstore_config {
+    const char *url;        /* redis://host:port/db */
+    const char *prefix;     /* key prefix, "llm:" */
+    const char *consumer;   /* this router's consumer name in the group */
+    int64_t retention_ms;   /* finished requests are kept this long */
+    int64_t claim_idle_ms;  /* another consumer's entries idle this long are claimed */
+    int timeout_ms;         /* per Redis reply */
+};
+
+enum reqrec_state { REQREC_QUEUED = 0, REQREC_DONE = 1 };
+
+/* One request as stored.  Every pointer is owned by the record: free it
+ * with reqrec_free (a zeroed record is empty; reqrec_free leaves it so). */
+struct reqrec {
+    char id[PROTO_REQUEST_ID_MAX + 1];
+    uint8_t *params; /* packed GenerateRequest, canonical (see server.c) */
+    size_t params_len;
+    int32_t *prompt;
+    int32_t n_prompt;
+    int32_t *gen;    /* filled by reqstore_load / _recover only */
+    int32_t n_gen;
+    uint64_t seed;
+    int64_t created_ms, deadline_ms; /* Unix ms; deadline 0 = none */
+    enum reqrec_state state;
+    char entry[RCONN_ID_MAX];        /* stream entry id, "" if not known */
+    /* When done: */
+    int32_t finish;                  /* Llm__GenerateDone__FinishReason */
+    int32_t stop_token;
+    char *stop_string;               /* may be NULL */
+    int32_t error_code;              /* Llm__Error__Code */
+    char *error_message;             /* may be NULL */
+};
+void reqrec_free(struct reqrec *r);
+
+/* Connects (the connection reconnects by itself later) and makes sure the
+ * stream and group exist.  On failure *out is NULL, err says why; the
+ * caller may retry later.  The strings of cfg are copied. */
+int reqstore_open(reqstore **out, const struct reqstore_config *cfg, char *err, size_t errlen);
+void reqstore_close(reqstore *rs); /* NULL is fine */
+const char *reqstore_errstr(const reqstore *rs);
+/* The connection, for other keys (the worker registry). */
+struct rconn *reqstore_conn(reqstore *rs);
+
+/* Stores a new request: the hash (state queued), then a stream entry whose
+ * id goes to r->entry.  Once it returns 0 the request is durable. */
+int reqstore_create(reqstore *rs, struct reqrec *r);
+
+/* Appends generated tokens of several requests in one round trip. */
+struct reqstore_append {
+    const char *id;
+    const int32_t *tokens;
+    int32_t n;
+};
+int reqstore_append(reqstore *rs, const struct reqstore_append *a, size_t n);
+
+/* Marks r done with its finish fields, acknowledges and deletes its stream
+ * entry, and lets both keys expire after the retention period. */
+int reqstore_finish(reqstore *rs, const struct reqrec *r);
+
+/* Loads a request with its generated tokens into *r (zeroed first).
+ * STATUS_NOT_FOUND when Redis does not know the id; STATUS_PROTOCOL when the
+ * stored hash is malformed (naming the key and field). */
+int reqstore_load(reqstore *rs, const char *id, struct reqrec *r);
+
+/* Takes into this consumer every stream entry it should work on: its own
+ * pending entries (a restart under the same name), entries of other
+ * consumers idle for claim_idle_ms (a dead router), and entries no consumer
+ * has read yet.  Each request that is still queued is loaded into the array
+ * *out of *n records (the caller frees each with reqrec_free, then the array
+ * with free()); entries whose hash is gone or done are acknowledged and
+ * dropped.  Requests the caller already has are returned again: skip them. */
+int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n);
+
+/* Little-endian int32 encoding of token ids (the stored format). */
+void reqstore_tokens_encode(const int32_t *ids, int32_t n, uint8_t *out);
+void reqstore_tokens_decode(const uint8_t *in, int32_t n, int32_t *ids);
+
+#endif
