@@ -64,6 +64,7 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
     const int32_t *bt = ba->block_tables + (int64_t)s * ba->max_blocks;
     int32_t tok0 = ba->seq_tok0[s], tok1 = ba->seq_tok0[s + 1], pos0 = ba->seq_pos0[s];
     size_t es = kv->type == DTYPE_F32 ? 4 : 2;
+    const struct cpu_type_traits *tr = cpu_type_traits(kv->type);
 
     for (int32_t r = tok0; r < tok1; r++) {
         const float *q = t->q + r * width + h * hd;
@@ -72,7 +73,7 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
         for (int32_t j = 0; j < n_ctx; j++) {
             int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
             const void *kr = (const uint8_t *)kv->k + e * es;
-            float sc = (kv->type == DTYPE_F32 ? cpu_dot_f32(kr, q, hd) : cpu_dot_f16_f32(kr, q, hd)) * t->scale;
+            float sc = tr->dot(kr, q, hd) * t->scale;
             scores[j] = sc;
             if (sc > mx) mx = sc;
         }
@@ -85,8 +86,7 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
         for (int32_t j = 0; j < n_ctx; j++) {
             int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
             const void *vr = (const uint8_t *)kv->v + e * es;
-            if (kv->type == DTYPE_F32) cpu_axpy_f32(acc, scores[j], vr, hd);
-            else cpu_axpy_f16(acc, scores[j], vr, hd);
+            tr->axpy(acc, scores[j], vr, hd);
         }
         float inv = 1.0f / sum;
         float *o = t->out + r * width + h * hd;

@@ -92,12 +92,16 @@ typedef float (*cpu_dot_fn)(const void *w, const void *x, int64_t n);
  * four activation rows, decoding each weight block once (prefill). */
 typedef void (*cpu_dot4_fn)(const void *w, const void *x, size_t x_stride, int64_t n, float *out);
 
+/* y[0..n) += a * x[0..n), x of an F32 or F16 row (attention's V sums). */
+typedef void (*cpu_axpy_fn)(float *y, float a, const void *x, int64_t n);
+
 struct cpu_type_traits {
     int64_t block_elems;
     size_t block_bytes;
     enum cpu_act act;
     cpu_dot_fn dot;   /* the fastest variant this CPU supports */
     cpu_dot4_fn dot4; /* NULL: matmul calls dot four times */
+    cpu_axpy_fn axpy; /* F32 and F16 only, else NULL */
 };
 
 /* Fills the fp16 table and picks the kernel variants; idempotent and
@@ -115,17 +119,14 @@ void cpu_dequant_row(enum dtype t, const void *src, float *dst, int64_t n);
 
 /* The portable kernels, also used by tests of the vector variants. */
 cpu_dot_fn cpu_dot_scalar(enum dtype t);
+cpu_axpy_fn cpu_axpy_scalar(enum dtype t);
 /* The AVX2+FMA+F16C kernel of a type, or NULL (type without one, or a build
  * that is not x86-64). */
 cpu_dot_fn cpu_dot_avx2(enum dtype t);
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t);
+cpu_axpy_fn cpu_axpy_avx2(enum dtype t);
 int cpu_has_avx2(void);
 
-/* Dot and axpy on float rows, with the fp16 variants attention uses. */
-float cpu_dot_f32(const float *a, const float *b, int64_t n);
-float cpu_dot_f16_f32(const uint16_t *a, const float *b, int64_t n);
-void cpu_axpy_f32(float *y, float a, const float *x, int64_t n);     /* y += a * x */
-void cpu_axpy_f16(float *y, float a, const uint16_t *x, int64_t n);  /* y += a * x */
 
 /* ---- Ops (the table entries) ---- */
 int cpu_matmul(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n);

@@ -237,7 +237,7 @@ void cpu_act_quant_row(enum cpu_act act, const float *x, void *dst, int64_t n) {
  * Eight independent partial sums: GCC vectorizes these without reassociating
  * a single accumulator (which it may not do without -ffast-math). */
 
-float cpu_dot_f32(const float *a, const float *b, int64_t n) {
+static float dot_f32_f32(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -248,7 +248,7 @@ float cpu_dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-float cpu_dot_f16_f32(const uint16_t *a, const float *b, int64_t n) {
+static float dot_f16_f32(const uint16_t *a, const float *b, int64_t n) {
     float acc[8] = {0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -270,18 +270,24 @@ static float dot_bf16_f32(const uint16_t *a, const float *b, int64_t n) {
     return s;
 }
 
-void cpu_axpy_f32(float *y, float a, const float *x, int64_t n) {
+static void axpy_f32(float *y, float a, const void *x_, int64_t n) {
+    const float *x = x_;
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-void cpu_axpy_f16(float *y, float a, const uint16_t *x, int64_t n) {
+static void axpy_f16(float *y, float a, const void *x_, int64_t n) {
+    const uint16_t *x = x_;
     for (int64_t i = 0; i < n; i++) y[i] += a * cpu_fp16_to_f32(x[i]);
+}
+
+cpu_axpy_fn cpu_axpy_scalar(enum dtype t) {
+    return t == DTYPE_F32 ? axpy_f32 : t == DTYPE_F16 ? axpy_f16 : NULL;
 }
 
 /* ---- Scalar dot kernels, weight row x activation row ---- */
 
-static float dot_f32(const void *w, const void *x, int64_t n) { return cpu_dot_f32(w, x, n); }
-static float dot_f16(const void *w, const void *x, int64_t n) { return cpu_dot_f16_f32(w, x, n); }
+static float dot_f32(const void *w, const void *x, int64_t n) { return dot_f32_f32(w, x, n); }
+static float dot_f16(const void *w, const void *x, int64_t n) { return dot_f16_f32(w, x, n); }
 static float dot_bf16(const void *w, const void *x, int64_t n) { return dot_bf16_f32(w, x, n); }
 
 static float dot_q4_0(const void *w, const void *x, int64_t n) {
@@ -463,7 +469,9 @@ static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 static void set_traits(enum dtype t, int64_t elems, size_t bytes, enum cpu_act act) {
     cpu_dot_fn fast = cpu_has_avx2() ? cpu_dot_avx2(t) : NULL;
     cpu_dot4_fn fast4 = cpu_has_avx2() ? cpu_dot4_avx2(t) : NULL;
-    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4};
+    cpu_axpy_fn axpy = cpu_has_avx2() ? cpu_axpy_avx2(t) : NULL;
+    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4,
+                                         axpy ? axpy : cpu_axpy_scalar(t)};
 }
 
 static void kernels_init_once(void) {

@@ -440,6 +440,29 @@ AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, 
     for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
 }
 
+AVX2_FN static void axpy_f32_avx2(float *y, float a, const void *x_, int64_t n) {
+    const float *x = x_;
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+AVX2_FN static void axpy_f16_avx2(float *y, float a, const void *x_, int64_t n) {
+    const uint16_t *x = x_;
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
+                                                _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * cpu_fp16_to_f32(x[i]);
+}
+
+cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
+    return t == DTYPE_F32 ? axpy_f32_avx2 : t == DTYPE_F16 ? axpy_f16_avx2 : NULL;
+}
+
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
     switch (t) {
     case DTYPE_F16: return dot4_f16_avx2;
@@ -475,6 +498,10 @@ cpu_dot_fn cpu_dot_avx2(enum dtype t) {
     return NULL;
 }
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
+    (void)t;
+    return NULL;
+}
+cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
     (void)t;
     return NULL;
 }

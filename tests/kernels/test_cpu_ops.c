@@ -226,6 +226,18 @@ TEST(cpu_ops_vector_kernels_match_scalar) {
         }
         double e = nmse(out, ref, rows);
         if (!(e <= 1e-11)) TEST_FAIL("%s: AVX2 and scalar dots differ, NMSE %.3g above 1e-11", dtype_name(t), e);
+        /* The V sums of attention, for the two cache types. */
+        cpu_axpy_fn ax = cpu_axpy_avx2(t), ax_ref = cpu_axpy_scalar(t);
+        if (ax) {
+            float *acc = rand_floats(cols, 1.0f);
+            double *acc_ref = fx_alloc((size_t)cols * sizeof(double));
+            float *tmp = fx_alloc((size_t)cols * sizeof(float));
+            memcpy(tmp, acc, (size_t)cols * sizeof(float));
+            ax(acc, 0.37f, w, cols);
+            ax_ref(tmp, 0.37f, w, cols);
+            for (int64_t c = 0; c < cols; c++) acc_ref[c] = tmp[c];
+            ASSERT_NMSE(acc, acc_ref, cols, 1e-12); /* fused vs separate multiply-add */
+        }
         /* The four-row kernel (prefill), where the type has one. */
         cpu_dot4_fn vec4 = cpu_dot4_avx2(t);
         if (!vec4) continue;
