@@ -630,9 +630,94 @@ TEST(forward_rejects_bad_input) {
     fx_close(&f);
 }
 
+/* ---- The GPU against the CPU ---- */
+
+/* A scenario touching every path of a step: a 20-token prefill, a child
+ * forked at 18, then one step with the child's 3 tokens (copy-on-write) and
+ * the parent's decode token, then a step of both decoding.  Every row's
+ * logits go to out in order; returns the rows written. */
+static int32_t scenario_run(stage *s, kvblocks *kb, const int32_t *ids, float *out) {
+    size_t V = (size_t)stage_hparams(s)->n_vocab;
+    struct kvblocks_table tp, tc;
+    kvblocks_table_init(&tp);
+    kvblocks_table_init(&tc);
+    struct kvblocks_copy cps[2];
+    int32_t n_cp = 0, k, rows = 0;
+    char err[512];
+    ASSERT_OK(kvblocks_reserve(kb, &tp, 20, NULL, NULL));
+    struct forward_seq q0 = {ids, 20, 0, tp.ids, tp.n_ids, FORWARD_LOGITS_ALL};
+    struct forward_batch b0 = {&q0, 1, NULL, 0, NULL, 0};
+    struct forward_out o = {out, 0, NULL};
+    if (forward_step(s, &b0, &o, err, sizeof err) != 0) TEST_FAIL("step 0: %s", err);
+    rows += o.n_logits;
+    ASSERT_OK(kvblocks_fork(kb, &tc, &tp, 18));
+    ASSERT_OK(kvblocks_reserve(kb, &tc, 3, &cps[n_cp], &k));
+    n_cp += k;
+    ASSERT_OK(kvblocks_reserve(kb, &tp, 1, &cps[n_cp], &k));
+    n_cp += k;
+    ASSERT_EQ(1, n_cp);
+    struct forward_seq q1[2] = {{ids + 30, 3, 18, tc.ids, tc.n_ids, FORWARD_LOGITS_ALL},
+                                {ids + 20, 1, 20, tp.ids, tp.n_ids, FORWARD_LOGITS_LAST}};
+    struct forward_batch b1 = {q1, 2, cps, n_cp, NULL, 0};
+    o.logits = out + rows * V;
+    if (forward_step(s, &b1, &o, err, sizeof err) != 0) TEST_FAIL("step 1: %s", err);
+    rows += o.n_logits;
+    ASSERT_OK(kvblocks_reserve(kb, &tc, 1, NULL, NULL));
+    ASSERT_OK(kvblocks_reserve(kb, &tp, 1, NULL, NULL));
+    struct forward_seq q2[2] = {{ids + 33, 1, 21, tc.ids, tc.n_ids, FORWARD_LOGITS_LAST},
+                                {ids + 21, 1, 21, tp.ids, tp.n_ids, FORWARD_LOGITS_LAST}};
+    struct forward_batch b2 = {q2, 2, NULL, 0, NULL, 0};
+    o.logits = out + rows * V;
+    if (forward_step(s, &b2, &o, err, sizeof err) != 0) TEST_FAIL("step 2: %s", err);
+    rows += o.n_logits;
+    kvblocks_table_free(kb, &tc);
+    kvblocks_table_free(kb, &tp);
+    return rows;
+}
+
+/* The same scenario on the CUDA backend and on the CPU backend, for F32,
+ * Q8_0, a K-quant mix and BF16 (F16 on the GPU) weights, with F32 and F16
+ * KV caches.  Skips without a GPU. */
+TEST(forward_gpu_matches_cpu) {
+    char err[512];
+    backend *g = NULL;
+    if (backend_cuda_init(&g, 0, err, sizeof err) != 0) TEST_SKIP("no GPU: %s", err);
+    static const struct { const char *file; int kv_type; double bound; } cases[] = {
+        {"stories260K-f32.gguf", DTYPE_F32, 1e-3},  {"stories260K-q8_0.gguf", DTYPE_F32, 1e-2},
+        {"synth256-q4_k_m.gguf", DTYPE_F32, 1e-2},  {"tiny-llama-hf", DTYPE_F32, 1e-2},
+        {"stories260K-f32.gguf", DTYPE_F16, 1e-2},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        struct stage_config cfg;
+        stage_config_default(&cfg);
+        cfg.kv_type = cases[c].kv_type;
+        struct fx f;
+        fx_open(&f, cases[c].file, &cfg);
+        size_t V = (size_t)f.n_vocab;
+        int32_t ids[40];
+        make_ids(ids, 40, 17, f.n_vocab);
+        float *ref = malloc(sizeof(float) * V * 30), *got = malloc(sizeof(float) * V * 30);
+        int32_t n_ref = scenario_run(f.s, f.kb, ids, ref);
+        stage *sg = NULL;
+        if (stage_init(&sg, f.m, g, &cfg, err, sizeof err) != 0) TEST_FAIL("stage on %s: %s", backend_name(g), err);
+        int32_t n_got = scenario_run(sg, f.kb, ids, got);
+        ASSERT_EQ(n_ref, n_got);
+        double d = max_abs_diff(ref, got, V * (size_t)n_ref), m = 0;
+        for (size_t i = 0; i < V * (size_t)n_ref; i++) m = fabs(ref[i]) > m ? fabs(ref[i]) : m;
+        printf("  %s, KV %s: GPU vs CPU max abs diff %.3g (max |logit| %.3g, bound %.3g relative)\n",
+               cases[c].file, dtype_name(cases[c].kv_type), d, m, cases[c].bound);
+        ASSERT_TRUE(d <= cases[c].bound * m);
+        stage_free(sg);
+        free(ref);
+        free(got);
+        fx_close(&f);
+    }
+    backend_free(g);
+}
+
 TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher_forced,
           forward_stories_q8_0_teacher_forced, forward_stories_q4_0_teacher_forced,
           forward_tiny_llama_hf_matches_reference, forward_batch_equals_single,
           forward_shared_prefix_copy_on_write, forward_two_stages_equal_one,
           forward_synth256_quants_close_to_f32, forward_f16_kv_cache_close_to_f32,
-          forward_rejects_bad_input)
+          forward_rejects_bad_input, forward_gpu_matches_cpu)
