@@ -1027,7 +1027,8 @@ int gguf_writer_write(gguf_writer *w, const char *path, char *err, size_t errlen
             return writer_err(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", path, w->t[i].name, strerror(errno));
         }
         w->written += w->t[i].nbytes;
-        if (i + 1 < w->n_t && writer_pad(w) != 0) {
+        /* ggml pads after every tensor, the last included */
+        if (writer_pad(w) != 0) {
             fclose(w->fp), w->fp = NULL;
             return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
         }
@@ -1063,7 +1064,7 @@ int gguf_writer_stream_tensor(gguf_writer *w, const char *name, const void *data
     if (last_part) {
         w->next_stream++;
         w->stream_done = 0;
-        if (w->next_stream < w->n_t && writer_pad(w) != 0)
+        if (writer_pad(w) != 0)
             return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(errno));
     }
     return 0;
