@@ -11,13 +11,15 @@
 #include <immintrin.h>
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+/* Helpers: inlined so that their vectors stay in registers. */
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
 int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-AVX2_FN static float hsum256(__m256 v) {
+AVX2_INLINE static float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -25,7 +27,7 @@ AVX2_FN static float hsum256(__m256 v) {
 }
 
 /* Sum of signed products of 32 int8 pairs, as 8 int32 lanes. */
-AVX2_FN static __m256i dot_i8x32(__m256i a, __m256i b) {
+AVX2_INLINE static __m256i dot_i8x32(__m256i a, __m256i b) {
     __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
@@ -95,7 +97,7 @@ AVX2_FN static float dot_q8_0_avx2(const void *w, const void *x, int64_t n) {
 }
 
 /* 32 nibbles of a Q4 block as bytes 0..15: low nibbles first, then high. */
-AVX2_FN static __m256i unpack_nibbles(const uint8_t *qs) {
+AVX2_INLINE static __m256i unpack_nibbles(const uint8_t *qs) {
     __m128i q = _mm_loadu_si128((const __m128i *)qs);
     __m256i both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
@@ -115,7 +117,7 @@ AVX2_FN static float dot_q4_0_avx2(const void *w, const void *x, int64_t n) {
 }
 
 /* 32 bits as 32 bytes: byte i is 0xFF if bit i of x is set, else 0. */
-AVX2_FN static __m256i bits_to_bytes(uint32_t x) {
+AVX2_INLINE static __m256i bits_to_bytes(uint32_t x) {
     /* Byte i takes byte i / 8 of x, keeps bit i % 8, and compares. */
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                           3, 3, 3, 3, 3, 3, 3);
@@ -126,7 +128,7 @@ AVX2_FN static __m256i bits_to_bytes(uint32_t x) {
 
 /* Sum of unsigned (a) times signed (b) products of 32 byte pairs, as 8
  * int32 lanes; a <= 63 keeps the int16 pair sums from saturating. */
-AVX2_FN static __m256i dot_u8i8x32(__m256i a, __m256i b) {
+AVX2_INLINE static __m256i dot_u8i8x32(__m256i a, __m256i b) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
 
@@ -184,7 +186,7 @@ AVX2_FN static float dot_q5_1_avx2(const void *w, const void *x, int64_t n) {
  * low four bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles).
  * Returns the scales as 8 int16 in the low half of both 128-bit lanes and
  * stores the mins as 8 int16 pairs (m0 m0 m1 m1 ...) in *mins2. */
-AVX2_FN static __m256i k4_scales(const uint8_t *q, __m256i *mins2) {
+AVX2_INLINE static __m256i k4_scales(const uint8_t *q, __m256i *mins2) {
     uint32_t w0, w1, w2;
     memcpy(&w0, q, 4);
     memcpy(&w1, q + 4, 4);
@@ -212,6 +214,7 @@ AVX2_FN static float dot_q4_k_avx2(const void *w, const void *x, int64_t n) {
         /* min_j * (bsum_2j + bsum_2j+1), as 8 int32 lanes */
         __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[k].bsums), mins2);
         __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * j));
             __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[k].qs + 64 * j));
@@ -239,6 +242,7 @@ AVX2_FN static float dot_q5_k_avx2(const void *w, const void *x, int64_t n) {
         __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[k].bsums), mins2);
         __m256i qh = _mm256_loadu_si256((const __m256i *)b[k].qh);
         __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * j));
             /* Bit 2j of each qh byte is the fifth bit of sub-block 2j. */
@@ -270,6 +274,7 @@ AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
         int offs = 0;
         for (int g = 0; g < 16; g++) offs += sc[g] * y[k].bsums[g];
         __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b[k].ql + 64 * h, *qhp = b[k].qh + 32 * h;
             const int8_t *a = y[k].qs + 128 * h, *s = sc + 8 * h;
@@ -284,6 +289,7 @@ AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 __m256i p = _mm256_maddubs_epi16(q[i], _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
                 /* Bytes 0..15 of the 32 are group 2i, bytes 16..31 group 2i+1. */
@@ -375,10 +381,12 @@ AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, 
         __m256i sc = k4_scales(b[k].scales, &mins2);
         __m256i sumi[4];
         for (int j = 0; j < 4; j++) sumi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
             __m256i lo = _mm256_and_si256(q4, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
             __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i));
                 __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i + 32));
@@ -411,6 +419,7 @@ AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, 
             for (int g = 0; g < 16; g++) offs += sc[g] * y[j][k].bsums[g];
             sumi[j] = _mm256_setr_epi32(-32 * offs, 0, 0, 0, 0, 0, 0, 0);
         }
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b[k].ql + 64 * h, *qhp = b[k].qh + 32 * h;
             const int8_t *s = sc + 8 * h;
@@ -425,8 +434,10 @@ AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, 
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), three), 4));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), three), 4));
+#pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i]));
+#pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
                     __m256i a = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 128 * h + 32 * i));
                     sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], a), scale));
