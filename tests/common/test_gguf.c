@@ -389,6 +389,87 @@ TEST(gguf_writer_refuses) {
     unlink(tmp_path("refused.gguf"));
 }
 
+/* Copies a file key by key (in order, same types) and tensor by tensor
+ * through the writer. */
+static void copy_through_writer(const char *src, const char *dst) {
+    char err[512];
+    gguf_file *f = NULL;
+    ASSERT_OK(gguf_open(&f, src, err, sizeof err));
+    gguf_writer *w = gguf_writer_init();
+    for (int64_t k = 0; k < gguf_n_keys(f); k++) {
+        struct gguf_str kn = gguf_key_name(f, k);
+        char key[256];
+        snprintf(key, sizeof key, "%.*s", (int)kn.len, kn.ptr);
+        enum gguf_vtype t = gguf_key_type(f, k);
+        if (t == GGUF_TYPE_STRING) {
+            struct gguf_str s;
+            ASSERT_OK(gguf_get_str(f, key, &s));
+            char *v = strndup(s.ptr, s.len);
+            gguf_writer_set_str(w, key, v);
+            free(v);
+        } else if (t == GGUF_TYPE_ARRAY) {
+            enum gguf_vtype et;
+            uint64_t n;
+            ASSERT_OK(gguf_get_arr(f, key, &et, &n));
+            if (et == GGUF_TYPE_STRING) {
+                char **v = calloc(n, sizeof *v);
+                for (uint64_t i = 0; i < n; i++) {
+                    struct gguf_str s;
+                    ASSERT_OK(gguf_arr_str(f, key, i, &s));
+                    v[i] = strndup(s.ptr, s.len);
+                }
+                gguf_writer_set_arr_str(w, key, (const char *const *)v, n);
+                for (uint64_t i = 0; i < n; i++) free(v[i]);
+                free(v);
+            } else {
+                gguf_writer_set_arr(w, key, et, gguf_arr_data(f, key, &et, &n), n);
+            }
+        } else if (t == GGUF_TYPE_FLOAT32) {
+            float v;
+            ASSERT_OK(gguf_get_f32(f, key, &v));
+            gguf_writer_set_f32(w, key, v);
+        } else if (t == GGUF_TYPE_UINT32) {
+            uint32_t v;
+            ASSERT_OK(gguf_get_u32(f, key, &v));
+            gguf_writer_set_u32(w, key, v);
+        } else {
+            TEST_FAIL("%s: key %s has type %d, not handled here", src, key, (int)t);
+        }
+    }
+    for (int64_t i = 0; i < gguf_n_tensors(f); i++) {
+        const struct gguf_tensor *t = gguf_tensor_at(f, i);
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        gguf_writer_add_tensor(w, name, t->type, t->n_dims, t->ne, t->data);
+    }
+    ASSERT_OK(gguf_writer_write(w, dst, err, sizeof err));
+    gguf_writer_free(w);
+    gguf_close(f);
+}
+
+/* The writer lays files out exactly as llama.cpp (and gguf-py) do: copying
+ * their files through it gives the same bytes. */
+TEST(gguf_writer_matches_llama_cpp_layout) {
+    const char *files[] = {"stories260K-f32.gguf", "stories260K-q4_0.gguf", "synth256-q4_k_m.gguf", "synth256-q6_k.gguf"};
+    char dst[512];
+    snprintf(dst, sizeof dst, "%s", tmp_path("copy.gguf"));
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char src[2048];
+        snprintf(src, sizeof src, "%s", test_model_path(files[i]));
+        copy_through_writer(src, dst);
+        size_t na, nb;
+        uint8_t *a = read_bytes(src, &na), *b = read_bytes(dst, &nb);
+        ASSERT_TRUE(a && b);
+        ASSERT_EQ(na, nb);
+        size_t diff = 0;
+        while (diff < na && a[diff] == b[diff]) diff++;
+        if (diff != na) TEST_FAIL("%s: the copy differs first at byte %zu", files[i], diff);
+        free(a);
+        free(b);
+    }
+    unlink(dst);
+}
+
 /* Nested arrays (arrays of arrays) are parsed and skipped safely. */
 TEST(gguf_nested_arrays) {
     static struct hb b;
@@ -704,5 +785,5 @@ TEST(gguf_random_mutations_safe) {
     rmdir(tmpdir);
 }
 
-TEST_MAIN(gguf_reads_stories260k, gguf_roundtrip_every_type, gguf_writer_refuses, gguf_nested_arrays,
+TEST_MAIN(gguf_reads_stories260k, gguf_roundtrip_every_type, gguf_writer_matches_llama_cpp_layout, gguf_writer_refuses, gguf_nested_arrays,
           gguf_errors_name_the_problem, gguf_every_truncation_refused, gguf_random_mutations_safe)
