@@ -1,0 +1,691 @@
+/* libllmclient: a DEALER socket to a router, request/reply by tag, and a
+ * generation loop that re-attaches by request id after a broken or silent
+ * connection (docs/protocol.md, "Request ids and re-attaching").  A socket
+ * monitor reports the router's disconnect at once, so a router restart
+ * costs one reconnect, not an idle timeout. */
+#include "client.h"
+
+#include "common/log.h"
+#include "common/status.h"
+#include "common/zio.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+struct llm_client {
+    char **endpoints;
+    size_t n_endpoints, cur;
+    void *ctx;
+    bool own_ctx;
+    struct llm_client_config cfg;
+    struct zio_sock *sock; /* DEALER to endpoints[cur]; NULL until needed */
+    struct zio_sock *mon;  /* PAIR fed by the DEALER's socket monitor */
+    uint32_t n_opened;     /* sockets opened so far (names the monitor's inproc endpoint) */
+    uint64_t next_tag;
+    Llm__Error__Code err_code;
+    char errstr[1024];
+};
+
+/* What client_wait found. */
+enum client_event { CLIENT_MSG = 0, CLIENT_IDLE = 1, CLIENT_LOST = 2 };
+
+static int64_t client_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt, ...) {
+    c->err_code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->errstr, sizeof c->errstr, fmt, ap);
+    va_end(ap);
+}
+
+void llm_client_config_default(struct llm_client_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->reply_timeout_ms = 5000;
+    cfg->idle_timeout_ms = 30000;
+    cfg->retry_ms = 60000;
+    cfg->heartbeat_ms = 2000;
+}
+
+void llm_generate_params_default(struct llm_generate_params *p) {
+    memset(p, 0, sizeof *p);
+    sampling_params_default(&p->sampling);
+    p->stream = true;
+}
+
+void llm_generate_result_free(struct llm_generate_result *r) {
+    if (!r) return;
+    free(r->prompt_ids);
+    r->prompt_ids = NULL;
+    r->n_prompt_ids = 0;
+}
+
+const char *llm_finish_reason_name(Llm__GenerateDone__FinishReason r) {
+    switch (r) {
+    case LLM__GENERATE_DONE__FINISH_REASON__STOP: return "STOP";
+    case LLM__GENERATE_DONE__FINISH_REASON__LENGTH: return "LENGTH";
+    case LLM__GENERATE_DONE__FINISH_REASON__CANCELLED: return "CANCELLED";
+    case LLM__GENERATE_DONE__FINISH_REASON__ERROR: return "ERROR";
+    case LLM__GENERATE_DONE__FINISH_REASON__DEADLINE: return "DEADLINE";
+    default: return "UNSPECIFIED";
+    }
+}
+
+const char *llm_client_errstr(const llm_client *c) { return c->errstr; }
+Llm__Error__Code llm_client_error_code(const llm_client *c) { return c->err_code; }
+const char *llm_client_endpoint(const llm_client *c) { return c->endpoints[c->cur]; }
+uint32_t llm_client_reconnects(const llm_client *c) { return c->n_opened > 0 ? c->n_opened - 1 : 0; }
+
+/* ---- sockets ------------------------------------------------------------ */
+
+static void client_sock_close(llm_client *c) {
+    if (c->sock) zmq_socket_monitor(zio_sock_raw(c->sock), NULL, 0);
+    zio_sock_close(c->mon);
+    zio_sock_close(c->sock);
+    c->mon = NULL;
+    c->sock = NULL;
+}
+
+/* A DEALER to endpoints[cur], with a monitor that reports its disconnects.
+ * The monitor is attached before connect so that no event is missed. */
+static int client_sock_open(llm_client *c) {
+    char err[256];
+    const char *ep = c->endpoints[c->cur];
+    int rc = zio_sock_open(c->ctx, ZMQ_DEALER, &c->sock, err, sizeof err);
+    if (rc < 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: %s", ep, err);
+        return rc;
+    }
+    /* Unsent requests are re-sent on the next socket: never hold a close. */
+    zio_set_int(c->sock, ZMQ_LINGER, 0);
+    zio_set_int(c->sock, ZMQ_RECONNECT_IVL, 100);
+    zio_set_int(c->sock, ZMQ_RECONNECT_IVL_MAX, 1000);
+    if (c->cfg.heartbeat_ms > 0) {
+        zio_set_int(c->sock, ZMQ_HEARTBEAT_IVL, c->cfg.heartbeat_ms);
+        zio_set_int(c->sock, ZMQ_HEARTBEAT_TIMEOUT, c->cfg.heartbeat_ms * 2);
+    }
+    char mon_ep[96];
+    snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%p-%u", (void *)c, c->n_opened);
+    if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep, ZMQ_EVENT_DISCONNECTED) != 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: monitor: %s", ep,
+                      zmq_strerror(errno));
+        client_sock_close(c);
+        return STATUS_IO;
+    }
+    rc = zio_sock_open(c->ctx, ZMQ_PAIR, &c->mon, err, sizeof err);
+    if (rc == 0) rc = zio_connect(c->mon, mon_ep);
+    if (rc < 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "client monitor for %s: %s", ep,
+                      c->mon ? zio_errstr(c->mon) : err);
+        client_sock_close(c);
+        return rc;
+    }
+    rc = zio_connect(c->sock, ep);
+    if (rc < 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "%s", zio_errstr(c->sock));
+        client_sock_close(c);
+        return rc;
+    }
+    c->n_opened++;
+    return 0;
+}
+
+static int client_sock_ensure(llm_client *c) { return c->sock ? 0 : client_sock_open(c); }
+
+/* Drops the connection and opens one to the next endpoint (the same one
+ * when there is only one): a restarted router comes back on its address. */
+static int client_reconnect(llm_client *c, const char *why) {
+    const char *old = c->endpoints[c->cur];
+    client_sock_close(c);
+    c->cur = (c->cur + 1) % c->n_endpoints;
+    LOG(LL_INFO, "client: %s (%s); connecting to %s", why, old, c->endpoints[c->cur]);
+    return client_sock_open(c);
+}
+
+int llm_client_open(llm_client **out, const struct llm_client_config *cfg, char *err,
+                    size_t errlen) {
+    *out = NULL;
+    if (!cfg || cfg->n_endpoints == 0 || !cfg->endpoints) {
+        snprintf(err, errlen, "llm client: no router endpoint given");
+        return STATUS_BAD_INPUT;
+    }
+    for (size_t i = 0; i < cfg->n_endpoints; i++) {
+        const char *e = cfg->endpoints[i];
+        if (!e || !strstr(e, "://") || strlen(e) > 240) {
+            snprintf(err, errlen, "llm client: router endpoint %zu \"%s\" is not a ZeroMQ endpoint "
+                     "like tcp://host:5555", i, e ? e : "(null)");
+            return STATUS_BAD_INPUT;
+        }
+    }
+    llm_client *c = calloc(1, sizeof *c);
+    if (!c) goto oom;
+    c->cfg = *cfg;
+    if (c->cfg.reply_timeout_ms <= 0) c->cfg.reply_timeout_ms = 5000;
+    if (c->cfg.idle_timeout_ms <= 0) c->cfg.idle_timeout_ms = 30000;
+    if (c->cfg.retry_ms <= 0) c->cfg.retry_ms = 60000;
+    c->endpoints = calloc(cfg->n_endpoints, sizeof *c->endpoints);
+    if (!c->endpoints) goto oom;
+    c->n_endpoints = cfg->n_endpoints;
+    for (size_t i = 0; i < cfg->n_endpoints; i++)
+        if (!(c->endpoints[i] = strdup(cfg->endpoints[i]))) goto oom;
+    c->cfg.endpoints = NULL; /* the copies above are what counts */
+    if (cfg->zmq_ctx) {
+        c->ctx = cfg->zmq_ctx;
+    } else {
+        c->ctx = zmq_ctx_new();
+        if (!c->ctx) {
+            snprintf(err, errlen, "llm client: zmq_ctx_new: %s", zmq_strerror(errno));
+            llm_client_close(c);
+            return STATUS_IO;
+        }
+        c->own_ctx = true;
+    }
+    uint64_t r = 0;
+    if (getrandom(&r, sizeof r, 0) != sizeof r) r = (uint64_t)client_now_ms() ^ (uint64_t)getpid() << 32;
+    c->next_tag = (r >> 16) | 1; /* tags of earlier clients on a reused socket never collide */
+    *out = c;
+    return 0;
+oom:
+    llm_client_close(c);
+    snprintf(err, errlen, "llm client: out of memory");
+    return STATUS_NO_MEMORY;
+}
+
+void llm_client_close(llm_client *c) {
+    if (!c) return;
+    client_sock_close(c);
+    if (c->own_ctx) zmq_ctx_term(c->ctx);
+    for (size_t i = 0; c->endpoints && i < c->n_endpoints; i++) free(c->endpoints[i]);
+    free(c->endpoints);
+    free(c);
+}
+
+/* ---- frames ------------------------------------------------------------- */
+
+static int client_send(llm_client *c, Llm__ClientEnvelope *env) {
+    uint8_t *buf;
+    size_t len;
+    char err[256];
+    int rc = proto_client_pack(env, &buf, &len, err, sizeof err);
+    if (rc < 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "client: cannot pack the request: %s", err);
+        return rc;
+    }
+    struct zio_frame f = {buf, len, proto_buf_free, NULL};
+    /* DONTWAIT: a full queue means the router is not reading; the caller
+     * then moves on instead of blocking for ever. */
+    rc = zio_send(c->sock, &f, 1, ZMQ_DONTWAIT);
+    if (rc < 0)
+        client_seterr(c, LLM__ERROR__CODE__OK, "client: send to %s: %s", c->endpoints[c->cur],
+                      zio_errstr(c->sock));
+    return rc;
+}
+
+/* Waits up to timeout_ms for a frame from the router or a disconnect.
+ * CLIENT_MSG: *env is a decoded envelope (the caller frees it);
+ * CLIENT_IDLE: nothing came; CLIENT_LOST: the connection broke.  Frames that
+ * do not decode are logged and skipped: a router never sends them, and a
+ * client must not die of one. */
+static int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
+    *env = NULL;
+    int64_t end = client_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
+    for (;;) {
+        int left = (int)(end - client_now_ms());
+        if (left < 0) left = 0;
+        struct zio_sock *socks[2] = {c->sock, c->mon};
+        short ev[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, rev[2] = {0, 0};
+        int n = zio_poll(socks, ev, rev, 2, left);
+        if (n < 0) {
+            client_seterr(c, LLM__ERROR__CODE__OK, "client: poll: %s", zio_errstr(c->sock));
+            return n;
+        }
+        if (rev[1] & ZMQ_POLLIN) {
+            struct zio_parts p = {0};
+            bool lost = false;
+            while (zio_recv(c->mon, &p, 0) == 0) {
+                if (zio_parts_size(&p, 0) >= 2) {
+                    uint16_t e;
+                    memcpy(&e, zio_parts_data(&p, 0), 2);
+                    if (e & ZMQ_EVENT_DISCONNECTED) lost = true;
+                }
+            }
+            zio_parts_free(&p);
+            /* A frame the router sent before it went is still worth reading. */
+            if (lost && !(rev[0] & ZMQ_POLLIN)) return CLIENT_LOST;
+        }
+        if (rev[0] & ZMQ_POLLIN) {
+            struct zio_parts p = {0};
+            int rc = zio_recv(c->sock, &p, 0);
+            if (rc == 0) {
+                char err[256];
+                if (p.n != 1) {
+                    LOG(LL_WARN, "client: %s sent a message of %zu frames; skipped",
+                        c->endpoints[c->cur], p.n);
+                } else if (proto_client_unpack(zio_parts_data(&p, 0), zio_parts_size(&p, 0), env,
+                                               err, sizeof err) == 0) {
+                    zio_parts_free(&p);
+                    return CLIENT_MSG;
+                } else {
+                    LOG(LL_WARN, "client: unreadable frame from %s: %s", c->endpoints[c->cur], err);
+                }
+            }
+            zio_parts_free(&p);
+        }
+        if (client_now_ms() >= end) return CLIENT_IDLE;
+    }
+}
+
+static const char *client_body_request_id(const Llm__ClientEnvelope *e) {
+    switch (e->body_case) {
+    case LLM__CLIENT_ENVELOPE__BODY_ACCEPTED: return e->accepted->request_id;
+    case LLM__CLIENT_ENVELOPE__BODY_CHUNK: return e->chunk->request_id;
+    case LLM__CLIENT_ENVELOPE__BODY_DONE: return e->done->request_id;
+    case LLM__CLIENT_ENVELOPE__BODY_ERROR: return e->error->request_id;
+    default: return "";
+    }
+}
+
+/* Records the router's Error and returns the matching status. */
+static int client_router_error(llm_client *c, const Llm__Error *e, const char *what) {
+    client_seterr(c, e->code, "%s: %s: %s%s%s", what, proto_code_name(e->code), e->message,
+                  e->request_id[0] ? " (request " : "", e->request_id[0] ? e->request_id : "");
+    if (e->request_id[0]) strncat(c->errstr, ")", sizeof c->errstr - strlen(c->errstr) - 1);
+    int st = proto_status_from_code(e->code);
+    return st < 0 ? st : STATUS_INTERNAL;
+}
+
+static void client_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+/* ---- request/reply ------------------------------------------------------ */
+
+/* Sends a request envelope (body set by the caller) and waits for the reply
+ * with its tag: want (a body case) or an Error.  Tries the endpoints in turn
+ * until cfg.retry_ms passes. */
+static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvelope__BodyCase want,
+                       const char *what, Llm__ClientEnvelope **reply) {
+    *reply = NULL;
+    c->err_code = LLM__ERROR__CODE__OK;
+    int64_t give_up = client_now_ms() + c->cfg.retry_ms;
+    int rc = client_sock_ensure(c);
+    if (rc < 0) return rc;
+    for (;;) {
+        req->tag = c->next_tag++;
+        rc = client_send(c, req);
+        int64_t sent = client_now_ms();
+        bool lost = rc < 0;
+        while (!lost) {
+            int left = (int)(sent + c->cfg.reply_timeout_ms - client_now_ms());
+            if (left <= 0) break;
+            Llm__ClientEnvelope *env;
+            int ev = client_wait(c, left, &env);
+            if (ev < 0) return ev;
+            if (ev == CLIENT_LOST) lost = true;
+            if (ev != CLIENT_MSG) continue;
+            if (env->tag == req->tag && env->body_case == want) {
+                *reply = env;
+                return 0;
+            }
+            if (env->tag == req->tag && env->body_case == LLM__CLIENT_ENVELOPE__BODY_ERROR) {
+                const Llm__Error *e = env->error;
+                if ((e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0) &&
+                    client_now_ms() + (int64_t)e->retry_after_ms < give_up) {
+                    client_router_error(c, e, what);
+                    client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
+                    proto_client_free(env);
+                    break;
+                }
+                rc = client_router_error(c, e, what);
+                proto_client_free(env);
+                return rc;
+            }
+            proto_client_free(env); /* a stale reply or a chunk of an earlier request */
+        }
+        if (client_now_ms() >= give_up) {
+            if (c->err_code == LLM__ERROR__CODE__OK)
+                client_seterr(c, LLM__ERROR__CODE__OK, "%s: no reply from %s within %d ms", what,
+                              c->endpoints[c->cur], c->cfg.retry_ms);
+            return c->err_code == LLM__ERROR__CODE__OK ? STATUS_UNAVAILABLE
+                                                       : proto_status_from_code(c->err_code);
+        }
+        if (lost || client_now_ms() >= sent + c->cfg.reply_timeout_ms) {
+            rc = client_reconnect(c, lost ? "connection lost" : "no reply");
+            if (rc < 0) return rc;
+        }
+    }
+}
+
+static int client_simple(llm_client *c, Llm__ClientEnvelope__BodyCase body,
+                         Llm__ClientEnvelope__BodyCase want, const char *what,
+                         Llm__ClientEnvelope **reply) {
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    Llm__HealthRequest h = LLM__HEALTH_REQUEST__INIT;
+    Llm__StatusRequest s = LLM__STATUS_REQUEST__INIT;
+    Llm__ModelsRequest m = LLM__MODELS_REQUEST__INIT;
+    env.body_case = body;
+    if (body == LLM__CLIENT_ENVELOPE__BODY_HEALTH) env.health = &h;
+    else if (body == LLM__CLIENT_ENVELOPE__BODY_STATUS) env.status = &s;
+    else env.models = &m;
+    return client_call(c, &env, want, what, reply);
+}
+
+int llm_client_health(llm_client *c, Llm__ClientEnvelope **reply) {
+    return client_simple(c, LLM__CLIENT_ENVELOPE__BODY_HEALTH, LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY,
+                         "health", reply);
+}
+
+int llm_client_status(llm_client *c, Llm__ClientEnvelope **reply) {
+    return client_simple(c, LLM__CLIENT_ENVELOPE__BODY_STATUS, LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY,
+                         "status", reply);
+}
+
+int llm_client_models(llm_client *c, Llm__ClientEnvelope **reply) {
+    return client_simple(c, LLM__CLIENT_ENVELOPE__BODY_MODELS, LLM__CLIENT_ENVELOPE__BODY_MODELS_REPLY,
+                         "models", reply);
+}
+
+/* ---- generation --------------------------------------------------------- */
+
+static void client_fill_done(struct llm_generate_result *res, const Llm__GenerateDone *d) {
+    res->finish_reason = d->finish_reason;
+    if (d->usage) {
+        res->prompt_tokens = d->usage->prompt_tokens;
+        res->completion_tokens = d->usage->completion_tokens;
+    }
+    res->stop_token = d->stop_token;
+    snprintf(res->stop_string, sizeof res->stop_string, "%s", d->stop_string ? d->stop_string : "");
+    if (d->error) {
+        res->error_code = d->error->code;
+        snprintf(res->error_message, sizeof res->error_message, "%s", d->error->message);
+    }
+}
+
+/* A random UUID (version 4) as the request id. */
+static void client_make_id(char *out, size_t size) {
+    uint8_t b[16];
+    if (getrandom(b, sizeof b, 0) != (ssize_t)sizeof b) {
+        uint64_t t = (uint64_t)client_now_ms() ^ ((uint64_t)getpid() << 40);
+        for (int i = 0; i < 16; i++) b[i] = (uint8_t)(t >> (8 * (i % 8))) ^ (uint8_t)(i * 37) ^ (uint8_t)rand();
+    }
+    b[6] = (uint8_t)((b[6] & 0x0f) | 0x40);
+    b[8] = (uint8_t)((b[8] & 0x3f) | 0x80);
+    snprintf(out, size, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+             b[15]);
+}
+
+static int client_send_cancel(llm_client *c, const char *id) {
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    Llm__Cancel cm = LLM__CANCEL__INIT;
+    cm.request_id = (char *)id;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_CANCEL;
+    env.cancel = &cm;
+    env.tag = c->next_tag++;
+    return client_send(c, &env);
+}
+
+/* State of one llm_client_generate call. */
+struct client_gen {
+    llm_client *c;
+    struct llm_generate_result *res;
+    llm_chunk_fn on_chunk;
+    void *ud;
+    uint32_t have;       /* completion tokens passed on */
+    bool accepted;       /* an Accepted came on this connection */
+    bool cancel;         /* the callback asked to stop */
+    bool cancel_sent;    /* on this connection */
+    bool ever_accepted;  /* on any connection: the first Accepted says reattached */
+};
+
+/* Passes on the tokens of a chunk the caller does not have yet.  Returns
+ * 1 when the chunk leaves a gap (tokens missing before it): the caller
+ * re-attaches from what it has. */
+static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) {
+    uint32_t end = ch->index + (uint32_t)ch->n_token_ids;
+    if (end <= g->have) {
+        g->res->duplicates_dropped += (uint32_t)ch->n_token_ids;
+        return 0;
+    }
+    if (ch->index > g->have) {
+        LOG(LL_WARN, "client: request %s: chunk at token %u but %u received; re-attaching",
+            g->res->request_id, ch->index, g->have);
+        return 1;
+    }
+    uint32_t skip = g->have - ch->index;
+    struct llm_chunk out = {g->res->request_id, g->have, ch->token_ids + skip,
+                            ch->n_token_ids - skip, ch->text, strlen(ch->text)};
+    if (skip > 0) {
+        /* A replay that straddles what we have: the text of the chunk cannot
+         * be split by token, so it is not passed on (the router replays from
+         * resume_from exactly, so this does not happen with a correct router). */
+        LOG(LL_WARN, "client: request %s: replayed chunk %u..%u straddles %u received tokens; "
+            "its text is dropped", g->res->request_id, ch->index, end, g->have);
+        g->res->duplicates_dropped += skip;
+        out.text = "";
+        out.text_len = 0;
+    }
+    g->have = end;
+    g->res->tokens_received = end;
+    if (g->on_chunk && !g->cancel && g->on_chunk(g->ud, &out) != 0) g->cancel = true;
+    return 0;
+}
+
+int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
+                        llm_chunk_fn on_chunk, void *ud, struct llm_generate_result *res) {
+    memset(res, 0, sizeof *res);
+    c->err_code = LLM__ERROR__CODE__OK;
+    c->errstr[0] = 0;
+    if (p->request_id && p->request_id[0]) {
+        char err[256];
+        if (proto_request_id_check(p->request_id, err, sizeof err) < 0) {
+            client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: %s", err);
+            return STATUS_BAD_INPUT;
+        }
+        snprintf(res->request_id, sizeof res->request_id, "%s", p->request_id);
+    } else {
+        client_make_id(res->request_id, sizeof res->request_id);
+    }
+
+    Llm__GenerateRequest gr = LLM__GENERATE_REQUEST__INIT;
+    Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
+    proto_sampling_to_msg(&p->sampling, &sp);
+    gr.request_id = res->request_id;
+    gr.model = (char *)(p->model ? p->model : "");
+    gr.prompt = (char *)(p->prompt ? p->prompt : "");
+    gr.prompt_tokens = (int32_t *)p->prompt_tokens;
+    gr.n_prompt_tokens = p->n_prompt_tokens;
+    gr.max_tokens = p->max_tokens;
+    gr.sampling = &sp;
+    gr.stop = (char **)p->stop;
+    gr.n_stop = p->n_stop;
+    gr.priority = p->priority;
+    gr.deadline_ms = p->deadline_ms;
+    gr.timeout_ms = p->timeout_ms;
+    gr.stream = p->stream;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
+    env.generate = &gr;
+
+    struct client_gen g = {c, res, on_chunk, ud, 0, false, false, false, false};
+    int rc = client_sock_ensure(c);
+    if (rc < 0) return rc;
+    int64_t last_progress = client_now_ms(); /* last message about this request */
+    bool any_reply = false, need_send = true;
+    int64_t sent = 0;
+    uint64_t tag = 0;
+    const char *lost_why = NULL;
+    for (;;) {
+        if (need_send) {
+            gr.resume_from = g.have;
+            env.tag = tag = c->next_tag++;
+            g.accepted = false;
+            g.cancel_sent = false;
+            rc = client_send(c, &env);
+            sent = client_now_ms();
+            need_send = false;
+            if (rc < 0) lost_why = "send failed";
+        }
+        if (g.cancel && !g.cancel_sent && g.accepted && !lost_why) {
+            if (client_send_cancel(c, res->request_id) < 0) lost_why = "send failed";
+            g.cancel_sent = true;
+        }
+        int64_t now = client_now_ms();
+        if (!lost_why) {
+            int64_t until = g.accepted ? last_progress + c->cfg.idle_timeout_ms
+                                       : sent + c->cfg.reply_timeout_ms;
+            if (until < now) until = now;
+            Llm__ClientEnvelope *in = NULL;
+            int ev = client_wait(c, (int)(until - now), &in);
+            if (ev < 0) return ev;
+            if (ev == CLIENT_LOST) lost_why = "connection lost";
+            else if (ev == CLIENT_IDLE) lost_why = g.accepted ? "no message for the idle timeout" : "no reply";
+            else {
+                const char *rid = client_body_request_id(in);
+                bool ours = strcmp(rid, res->request_id) == 0 ||
+                            (in->tag == tag && in->body_case == LLM__CLIENT_ENVELOPE__BODY_ERROR);
+                if (!ours) {
+                    proto_client_free(in);
+                    continue;
+                }
+                any_reply = true;
+                switch (in->body_case) {
+                case LLM__CLIENT_ENVELOPE__BODY_ACCEPTED: {
+                    const Llm__GenerateAccepted *a = in->accepted;
+                    last_progress = client_now_ms();
+                    g.accepted = true;
+                    if (!g.ever_accepted) {
+                        res->reattached = a->reattached;
+                        res->queue_position = a->queue_position;
+                        g.ever_accepted = true;
+                    }
+                    res->seed = a->seed;
+                    if (!res->prompt_ids && a->n_prompt_token_ids > 0) {
+                        res->prompt_ids = malloc(a->n_prompt_token_ids * sizeof *res->prompt_ids);
+                        if (res->prompt_ids) {
+                            memcpy(res->prompt_ids, a->prompt_token_ids,
+                                   a->n_prompt_token_ids * sizeof *res->prompt_ids);
+                            res->n_prompt_ids = a->n_prompt_token_ids;
+                        }
+                    }
+                    break;
+                }
+                case LLM__CLIENT_ENVELOPE__BODY_CHUNK:
+                    last_progress = client_now_ms();
+                    if (client_gen_chunk(&g, in->chunk)) {
+                        res->reattaches++;
+                        need_send = true;
+                    }
+                    break;
+                case LLM__CLIENT_ENVELOPE__BODY_DONE:
+                    client_fill_done(res, in->done);
+                    proto_client_free(in);
+                    return 0;
+                case LLM__CLIENT_ENVELOPE__BODY_ERROR: {
+                    const Llm__Error *e = in->error;
+                    bool retry = e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0;
+                    rc = client_router_error(c, e, "generate");
+                    if (retry && client_now_ms() + (int64_t)e->retry_after_ms < last_progress + c->cfg.retry_ms) {
+                        LOG(LL_INFO, "client: request %s: %s; retrying", res->request_id, c->errstr);
+                        client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
+                        need_send = true;
+                        break;
+                    }
+                    /* A Cancel the router no longer matches (the request ended
+                     * between our chunk and the Cancel) is not the request's
+                     * failure: its Done is on the way. */
+                    if (g.cancel_sent && e->code == LLM__ERROR__CODE__NOT_FOUND && in->tag != tag) break;
+                    proto_client_free(in);
+                    return rc;
+                }
+                default:
+                    break;
+                }
+                proto_client_free(in);
+                continue;
+            }
+        }
+        /* The connection broke or went quiet: re-attach (possibly elsewhere). */
+        if (client_now_ms() - last_progress >= c->cfg.retry_ms) {
+            if (any_reply) {
+                client_seterr(c, LLM__ERROR__CODE__OK, "generate: request %s: no progress from %s for %d ms "
+                              "(%u tokens received)", res->request_id, c->endpoints[c->cur], c->cfg.retry_ms,
+                              g.have);
+                return STATUS_TIMEOUT;
+            }
+            client_seterr(c, LLM__ERROR__CODE__OK, "generate: request %s: no router answered at %s "
+                          "within %d ms", res->request_id, c->endpoints[c->cur], c->cfg.retry_ms);
+            return STATUS_UNAVAILABLE;
+        }
+        rc = client_reconnect(c, lost_why);
+        if (rc < 0) return rc;
+        lost_why = NULL;
+        res->reattaches++;
+        need_send = true;
+    }
+}
+
+int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate_result *res) {
+    struct llm_generate_result local;
+    if (!res) res = &local;
+    memset(res, 0, sizeof *res);
+    c->err_code = LLM__ERROR__CODE__OK;
+    char err[256];
+    if (!request_id || proto_request_id_check(request_id, err, sizeof err) < 0) {
+        client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "cancel: %s",
+                      request_id ? err : "no request id");
+        return STATUS_BAD_INPUT;
+    }
+    snprintf(res->request_id, sizeof res->request_id, "%s", request_id);
+    int rc = client_sock_ensure(c);
+    if (rc < 0) return rc;
+    int64_t give_up = client_now_ms() + c->cfg.retry_ms;
+    for (;;) {
+        uint64_t tag = c->next_tag;
+        rc = client_send_cancel(c, request_id);
+        int64_t sent = client_now_ms();
+        bool lost = rc < 0;
+        while (!lost) {
+            int left = (int)(sent + c->cfg.reply_timeout_ms - client_now_ms());
+            if (left <= 0) break;
+            Llm__ClientEnvelope *in;
+            int ev = client_wait(c, left, &in);
+            if (ev < 0) return ev;
+            if (ev == CLIENT_LOST) lost = true;
+            if (ev != CLIENT_MSG) continue;
+            if (in->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE &&
+                strcmp(in->done->request_id, request_id) == 0) {
+                client_fill_done(res, in->done);
+                proto_client_free(in);
+                return 0;
+            }
+            if (in->body_case == LLM__CLIENT_ENVELOPE__BODY_ERROR && in->tag == tag) {
+                rc = client_router_error(c, in->error, "cancel");
+                proto_client_free(in);
+                return rc;
+            }
+            proto_client_free(in);
+        }
+        if (client_now_ms() >= give_up) {
+            client_seterr(c, LLM__ERROR__CODE__OK, "cancel: request %s: no reply from %s within %d ms",
+                          request_id, c->endpoints[c->cur], c->cfg.retry_ms);
+            return STATUS_UNAVAILABLE;
+        }
+        rc = client_reconnect(c, lost ? "connection lost" : "no reply");
+        if (rc < 0) return rc;
+    }
+}
