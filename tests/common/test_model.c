@@ -527,6 +527,130 @@ TEST(model_gguf_damaged_copies_refused) {
     unlink(dst);
 }
 
+/* Random byte changes in the metadata and tensor infos of a real model:
+ * model_file_open (tokenizer included) refuses or loads, never crashes;
+ * what loads has tensors inside the file (run under ASan for the strict
+ * form of that check). */
+TEST(model_mutated_metadata_safe) {
+    char src[1200], dst[600];
+    snprintf(src, sizeof src, "%s", test_model_path("stories260K-q8_0.gguf"));
+    snprintf(dst, sizeof dst, "%s", tmp_path("mut.gguf"));
+    size_t n;
+    uint8_t *bytes = read_all(src, &n);
+    ASSERT_TRUE(bytes != NULL);
+    uint8_t *m = malloc(n);
+    ASSERT_TRUE(m != NULL);
+    char err[1024];
+    gguf_file *g = NULL;
+    ASSERT_OK(gguf_open(&g, src, err, sizeof err));
+    size_t meta = (size_t)gguf_data_offset(g);
+    gguf_close(g);
+    uint64_t rs = 777;
+    int loaded = 0, refused = 0;
+    for (int it = 0; it < 1500; it++) {
+        memcpy(m, bytes, n);
+        for (int k = 0; k < 1 + it % 3; k++) {
+            rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+            size_t pos = (size_t)((rs >> 33) % meta);
+            m[pos] = it % 2 ? (uint8_t)(rs >> 24) : (uint8_t)(m[pos] ^ (1u << ((rs >> 24) & 7)));
+        }
+        write_all(dst, m, n);
+        model_file *mf = NULL;
+        if (model_file_open(&mf, dst, err, sizeof err) != 0) {
+            ASSERT_TRUE(mf == NULL);
+            ASSERT_TRUE(strstr(err, "mut.gguf") != NULL);
+            refused++;
+            continue;
+        }
+        loaded++;
+        const struct model_hparams *hp = model_file_hparams(mf);
+        struct model_tensor t;
+        char name[64];
+        volatile float sink = 0;
+        for (int32_t l = 0; l < hp->n_layers; l++) {
+            snprintf(name, sizeof name, "blk.%d.ffn_down.weight", l);
+            ASSERT_OK(model_file_tensor(mf, name, &t));
+            sink += ((const uint8_t *)t.data)[t.nbytes - 1];
+        }
+        int32_t ids[64];
+        tokenizer_encode(model_file_tokenizer(mf), "Once upon a time", 16, 1, 0, ids, 64);
+        (void)sink;
+        model_file_close(mf);
+    }
+    printf("  %d mutants loaded, %d refused\n", loaded, refused);
+    ASSERT_TRUE(refused > 0);
+    free(bytes);
+    free(m);
+    unlink(dst);
+}
+
+/* Random byte changes in a safetensors header: opened or refused, never a
+ * crash or a read outside the file. */
+TEST(model_safetensors_mutations_safe) {
+    /* a small file with tensors of several dtypes and ranks */
+    static const char hdr[] =
+        "{\"__metadata__\":{\"format\":\"pt\"},"
+        "\"a.weight\":{\"dtype\":\"F32\",\"shape\":[4,8],\"data_offsets\":[0,128]},"
+        "\"b\":{\"dtype\":\"BF16\",\"shape\":[16],\"data_offsets\":[128,160]},"
+        "\"c\":{\"dtype\":\"F16\",\"shape\":[2,2,2],\"data_offsets\":[160,176]},"
+        "\"d\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[176,200]}}";
+    size_t hl = sizeof hdr - 1, padded = (hl + 7) / 8 * 8;
+    size_t n = 8 + padded + 200, head = 8 + padded;
+    uint8_t *bytes = calloc(1, n);
+    ASSERT_TRUE(bytes != NULL);
+    uint64_t hlen = padded;
+    memcpy(bytes, &hlen, 8);
+    memset(bytes + 8, ' ', padded);
+    memcpy(bytes + 8, hdr, hl);
+    for (size_t i = head; i < n; i++) bytes[i] = (uint8_t)i;
+    uint8_t *m = malloc(n);
+    ASSERT_TRUE(m != NULL);
+    char dst[600], err[1024];
+    snprintf(dst, sizeof dst, "%s", tmp_path("mut.safetensors"));
+    write_all(dst, bytes, n);
+    safetensors_file *f0 = NULL;
+    ASSERT_OK(safetensors_open(&f0, dst, err, sizeof err));
+    ASSERT_EQ((int64_t)4, safetensors_n_tensors(f0));
+    const struct safetensors_tensor *ta = safetensors_tensor_find(f0, "a.weight");
+    ASSERT_TRUE(ta && ta->supported && ta->type == DTYPE_F32 && ta->ne[0] == 8 && ta->ne[1] == 4);
+    ASSERT_EQ(3, safetensors_tensor_find(f0, "c")->n_dims);
+    ASSERT_EQ(0, safetensors_tensor_find(f0, "d")->supported);
+    safetensors_close(f0);
+    uint64_t rs = 99;
+    int opened = 0, refused = 0;
+    static const char alphabet[] = "0123456789[]{},:\"eE.-+ BF16F32";
+    for (int it = 0; it < 3000; it++) {
+        memcpy(m, bytes, n);
+        for (int k = 0; k < 1 + it % 3; k++) {
+            rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+            size_t pos = (size_t)((rs >> 33) % head);
+            /* JSON-ish bytes make mutants that still parse, and so reach the range checks */
+            m[pos] = it % 2 ? (uint8_t)alphabet[(rs >> 20) % (sizeof alphabet - 1)] : (uint8_t)(rs >> 24);
+        }
+        write_all(dst, m, n);
+        safetensors_file *f = NULL;
+        if (safetensors_open(&f, dst, err, sizeof err) != 0) {
+            ASSERT_TRUE(f == NULL);
+            ASSERT_TRUE(strstr(err, "mut.safetensors") != NULL);
+            refused++;
+            continue;
+        }
+        opened++;
+        volatile uint8_t sink = 0;
+        for (int64_t i = 0; i < safetensors_n_tensors(f); i++) {
+            const struct safetensors_tensor *t = safetensors_tensor_at(f, i);
+            if (t->nbytes) sink ^= ((const uint8_t *)t->data)[0] ^ ((const uint8_t *)t->data)[t->nbytes - 1];
+        }
+        (void)sink;
+        safetensors_close(f);
+    }
+    printf("  %d mutants opened, %d refused\n", opened, refused);
+    ASSERT_TRUE(refused > 0 && opened > 0);
+    free(bytes);
+    free(m);
+    unlink(dst);
+}
+
 static void rm_tree(const char *dir) {
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -538,4 +662,5 @@ TEST(model_cleanup) {
 }
 
 TEST_MAIN(model_stories260k, model_synth256_quantizations, model_tiny_llama_hf, model_rope_frequencies,
-          model_hf_config_variants, model_hf_damaged_copies_refused, model_gguf_damaged_copies_refused, model_cleanup)
+          model_hf_config_variants, model_hf_damaged_copies_refused, model_gguf_damaged_copies_refused,
+          model_mutated_metadata_safe, model_safetensors_mutations_safe, model_cleanup)
