@@ -1,0 +1,492 @@
+/* llm: the command-line client of a running cluster.  `llm generate` has
+ * the options and output of llm-run (text streamed to stdout, --json's
+ * object on the last line) but asks the router; `llm status`, `llm health`,
+ * `llm models` and `llm cancel` show and steer the cluster.  The router is
+ * --router, else $LLM_ROUTER, else tcp://127.0.0.1:5555. */
+#include "client.h"
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/status.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct llm_global {
+    const char *router, *log_level;
+    int reply_timeout_ms, retry_ms, idle_timeout_ms;
+};
+
+/* Splits "tcp://a:1,tcp://b:2" in place into eps (at most max). */
+static size_t llm_split_endpoints(char *list, const char **eps, size_t max) {
+    size_t n = 0;
+    for (char *save = NULL, *t = strtok_r(list, ", ", &save); t && n < max; t = strtok_r(NULL, ", ", &save))
+        eps[n++] = t;
+    return n;
+}
+
+static int llm_open(const struct llm_global *g, llm_client **c) {
+    static char list[2048];
+    snprintf(list, sizeof list, "%s", g->router);
+    const char *eps[16];
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = llm_split_endpoints(list, eps, 16);
+    cfg.reply_timeout_ms = g->reply_timeout_ms;
+    cfg.retry_ms = g->retry_ms;
+    cfg.idle_timeout_ms = g->idle_timeout_ms;
+    char err[512];
+    int rc = llm_client_open(c, &cfg, err, sizeof err);
+    if (rc < 0) fprintf(stderr, "llm: --router %s: %s\n", g->router, err);
+    return rc;
+}
+
+static void llm_print_json(cJSON *j) {
+    char *s = cJSON_PrintUnformatted(j);
+    if (s) {
+        printf("%s\n", s);
+        cJSON_free(s);
+    }
+    fflush(stdout);
+}
+
+static cJSON *llm_json_ids(const int32_t *ids, size_t n) {
+    cJSON *a = cJSON_CreateArray();
+    for (size_t i = 0; a && i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[i]));
+    return a;
+}
+
+/* ---- generate ------------------------------------------------------------- */
+
+struct llm_gen_out {
+    int32_t *ids;
+    size_t n, cap;
+    char *text;
+    size_t text_len, text_cap;
+    bool oom;
+};
+
+static int llm_gen_chunk(void *ud, const struct llm_chunk *ch) {
+    struct llm_gen_out *o = ud;
+    fwrite(ch->text, 1, ch->text_len, stdout);
+    fflush(stdout);
+    if (o->n + ch->n_tokens > o->cap) {
+        size_t cap = o->cap ? o->cap : 64;
+        while (cap < o->n + ch->n_tokens) cap *= 2;
+        int32_t *t = realloc(o->ids, cap * sizeof *t);
+        if (!t) {
+            o->oom = true;
+            return 1;
+        }
+        o->ids = t;
+        o->cap = cap;
+    }
+    memcpy(o->ids + o->n, ch->token_ids, ch->n_tokens * sizeof *o->ids);
+    o->n += ch->n_tokens;
+    if (o->text_len + ch->text_len + 1 > o->text_cap) {
+        size_t cap = o->text_cap ? o->text_cap : 256;
+        while (cap < o->text_len + ch->text_len + 1) cap *= 2;
+        char *t = realloc(o->text, cap);
+        if (!t) {
+            o->oom = true;
+            return 1;
+        }
+        o->text = t;
+        o->text_cap = cap;
+    }
+    memcpy(o->text + o->text_len, ch->text, ch->text_len);
+    o->text_len += ch->text_len;
+    o->text[o->text_len] = 0;
+    return 0;
+}
+
+static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
+    const char *prompt = NULL, *request_id = NULL, *model = NULL;
+    int max_tokens, top_k, priority, timeout_ms;
+    double temperature, top_p, min_p;
+    int64_t seed;
+    bool json, stop_at_eos, stream;
+    const struct option_def defs[] = {
+        {"prompt", NULL, OPTION_STRING, NULL, "generate a continuation of this text", &prompt, 0, 0, NULL},
+        {"max-tokens", NULL, OPTION_INT, "128", "tokens to generate at most (0: until a stop)", &max_tokens, 0, 1 << 20, NULL},
+        {"temperature", NULL, OPTION_FLOAT, "0", "sampling temperature; 0 is greedy", &temperature, 0, 100, NULL},
+        {"top-k", NULL, OPTION_INT, "0", "keep the k most likely tokens (0: all)", &top_k, 0, 1 << 30, NULL},
+        {"top-p", NULL, OPTION_FLOAT, "1", "keep the smallest set of tokens with this much probability", &top_p, 0, 1, NULL},
+        {"min-p", NULL, OPTION_FLOAT, "0", "drop tokens below this fraction of the most likely one", &min_p, 0, 1, NULL},
+        {"seed", NULL, OPTION_SIZE, "0", "sampling seed (0: the router picks one)", &seed, 0, 0, NULL},
+        {"json", NULL, OPTION_BOOL, "false", "print one JSON object on the last line", &json, 0, 0, NULL},
+        {"stop-at-eos", NULL, OPTION_BOOL, "true", "stop at an end-of-generation token", &stop_at_eos, 0, 0, NULL},
+        {"request-id", NULL, OPTION_STRING, NULL, "the request's id (default: a random UUID); a known id re-attaches", &request_id, 0, 0, NULL},
+        {"priority", NULL, OPTION_INT, "0", "higher runs first", &priority, -100, 100, NULL},
+        {"model", "LLM_MODEL_ID", OPTION_STRING, NULL, "model id (default: the cluster's default)", &model, 0, 0, NULL},
+        {"timeout-ms", NULL, OPTION_INT, "0", "the request ends (DEADLINE) this long after acceptance; 0: never", &timeout_ms, 0, 1 << 30, NULL},
+        {"stream", NULL, OPTION_BOOL, "true", "print text as it is generated", &stream, 0, 0, NULL},
+    };
+    struct options o = {"llm generate", "--prompt TEXT [options]",
+                        "Generates a continuation of the prompt on the cluster.", defs,
+                        (int)(sizeof defs / sizeof defs[0]), false};
+    char err[512];
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "llm generate: %s\n", err);
+        return 2;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "llm generate: unexpected argument \"%s\" (see --help)\n", argv[1]);
+        return 2;
+    }
+    if (!prompt) {
+        fprintf(stderr, "llm generate: need --prompt (see --help)\n");
+        return 2;
+    }
+    llm_client *c;
+    if (llm_open(gl, &c) < 0) return 2;
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = request_id;
+    p.model = model;
+    p.prompt = prompt;
+    p.max_tokens = (uint32_t)max_tokens;
+    p.sampling.temperature = (float)temperature;
+    p.sampling.top_k = top_k;
+    p.sampling.top_p = (float)top_p;
+    p.sampling.min_p = (float)min_p;
+    p.sampling.seed = (uint64_t)seed;
+    p.sampling.ignore_eos = !stop_at_eos;
+    p.priority = priority;
+    p.timeout_ms = (uint32_t)timeout_ms;
+    p.stream = stream;
+    struct llm_gen_out out = {0};
+    struct llm_generate_result r;
+    rc = llm_client_generate(c, &p, llm_gen_chunk, &out, &r);
+    int exit_code = 0;
+    if (rc < 0) {
+        fflush(stdout);
+        fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        exit_code = 1;
+    } else {
+        printf("\n");
+        if (out.oom) {
+            fprintf(stderr, "llm: request %s: out of memory for the output; cancelled\n", r.request_id);
+            exit_code = 1;
+        } else if (r.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+            fprintf(stderr, "llm: request %s failed: %s: %s\n", r.request_id, proto_code_name(r.error_code),
+                    r.error_message);
+            exit_code = 1;
+        } else if (r.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__CANCELLED ||
+                   r.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__DEADLINE) {
+            fprintf(stderr, "llm: request %s ended: %s%s%s\n", r.request_id, llm_finish_reason_name(r.finish_reason),
+                    r.error_message[0] ? ": " : "", r.error_message);
+            exit_code = 1;
+        }
+        LOG(LL_INFO, "request %s: %s, %u prompt + %u completion tokens, seed %llu, %u re-attaches",
+            r.request_id, llm_finish_reason_name(r.finish_reason), r.prompt_tokens, r.completion_tokens,
+            (unsigned long long)r.seed, r.reattaches);
+        if (json) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddItemToObject(j, "prompt_ids", llm_json_ids(r.prompt_ids, r.n_prompt_ids));
+            cJSON_AddItemToObject(j, "ids", llm_json_ids(out.ids, out.n));
+            cJSON_AddStringToObject(j, "text", out.text ? out.text : "");
+            cJSON_AddStringToObject(j, "request_id", r.request_id);
+            cJSON_AddStringToObject(j, "finish_reason", llm_finish_reason_name(r.finish_reason));
+            llm_print_json(j);
+            cJSON_Delete(j);
+        }
+    }
+    llm_generate_result_free(&r);
+    free(out.ids);
+    free(out.text);
+    llm_client_close(c);
+    return exit_code;
+}
+
+/* ---- status, health, models, cancel --------------------------------------- */
+
+/* Parses a subcommand that takes only --json (and no positionals unless
+ * n_pos says how many); returns -1 to go on, else the exit code. */
+static int llm_parse_simple(const char *name, const char *about, const char *usage, int *argc,
+                            char **argv, bool *json, int n_pos) {
+    const struct option_def defs[] = {
+        {"json", NULL, OPTION_BOOL, "false", "print JSON", json, 0, 0, NULL},
+    };
+    struct options o = {name, usage, about, defs, 1, false};
+    char err[512];
+    int rc = options_parse(&o, argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s\n", name, err);
+        return 2;
+    }
+    if (*argc - 1 != n_pos) {
+        fprintf(stderr, "%s: expected %d argument%s, got %d (see --help)\n", name, n_pos, n_pos == 1 ? "" : "s",
+                *argc - 1);
+        return 2;
+    }
+    return -1;
+}
+
+static cJSON *llm_status_json(const Llm__StatusReply *s) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "queue_depth", s->queue_depth);
+    cJSON_AddNumberToObject(j, "running", s->running);
+    cJSON_AddNumberToObject(j, "kv_blocks_used", (double)s->kv_blocks_used);
+    cJSON_AddNumberToObject(j, "kv_blocks_total", (double)s->kv_blocks_total);
+    cJSON_AddNumberToObject(j, "tokens_per_s", s->tokens_per_s);
+    cJSON_AddNumberToObject(j, "prompt_tokens_per_s", s->prompt_tokens_per_s);
+    cJSON_AddNumberToObject(j, "requests_total", (double)s->requests_total);
+    cJSON_AddNumberToObject(j, "frames_rejected", (double)s->frames_rejected);
+    cJSON_AddNumberToObject(j, "uptime_s", (double)s->uptime_s);
+    cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
+    for (size_t i = 0; i < s->n_pipelines; i++) {
+        const Llm__PipelineStatus *p = s->pipelines[i];
+        cJSON *pj = cJSON_CreateObject();
+        cJSON_AddNumberToObject(pj, "pipeline_id", p->pipeline_id);
+        cJSON_AddStringToObject(pj, "model", p->model);
+        cJSON_AddBoolToObject(pj, "ready", p->ready);
+        cJSON_AddNumberToObject(pj, "running", p->running);
+        cJSON_AddNumberToObject(pj, "kv_blocks_used", p->kv_blocks_used);
+        cJSON_AddNumberToObject(pj, "kv_blocks_total", p->kv_blocks_total);
+        cJSON_AddNumberToObject(pj, "tokens_per_s", p->tokens_per_s);
+        cJSON_AddNumberToObject(pj, "prompt_tokens_per_s", p->prompt_tokens_per_s);
+        cJSON *ss = cJSON_AddArrayToObject(pj, "stages");
+        for (size_t k = 0; k < p->n_stages; k++) {
+            const Llm__StageStatus *st = p->stages[k];
+            cJSON *sj = cJSON_CreateObject();
+            cJSON_AddNumberToObject(sj, "stage_index", st->stage_index);
+            cJSON_AddStringToObject(sj, "worker_id", st->worker_id);
+            cJSON_AddNumberToObject(sj, "layer_first", st->layer_first);
+            cJSON_AddNumberToObject(sj, "layer_end", st->layer_end);
+            cJSON_AddStringToObject(sj, "backend", st->backend);
+            cJSON_AddStringToObject(sj, "device", st->device);
+            cJSON_AddNumberToObject(sj, "kv_blocks_used", st->kv_blocks_used);
+            cJSON_AddNumberToObject(sj, "kv_blocks_total", st->kv_blocks_total);
+            cJSON_AddNumberToObject(sj, "heartbeat_age_ms", st->heartbeat_age_ms);
+            cJSON_AddBoolToObject(sj, "ready", st->ready);
+            cJSON_AddItemToArray(ss, sj);
+        }
+        cJSON_AddItemToArray(ps, pj);
+    }
+    cJSON *ws = cJSON_AddArrayToObject(j, "workers");
+    for (size_t i = 0; i < s->n_workers; i++) {
+        const Llm__WorkerStatus *w = s->workers[i];
+        cJSON *wj = cJSON_CreateObject();
+        cJSON_AddStringToObject(wj, "worker_id", w->worker_id);
+        cJSON_AddNumberToObject(wj, "pipeline_id", w->pipeline_id);
+        cJSON_AddNumberToObject(wj, "stage_index", w->stage_index);
+        cJSON_AddStringToObject(wj, "backend", w->backend);
+        cJSON_AddStringToObject(wj, "device", w->device);
+        cJSON_AddStringToObject(wj, "state", w->state);
+        cJSON_AddNumberToObject(wj, "heartbeat_age_ms", w->heartbeat_age_ms);
+        cJSON_AddItemToArray(ws, wj);
+    }
+    return j;
+}
+
+static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
+    printf("router %s: up %llu s, %llu requests, %llu frames rejected\n", endpoint,
+           (unsigned long long)s->uptime_s, (unsigned long long)s->requests_total,
+           (unsigned long long)s->frames_rejected);
+    printf("queue %u, running %u, KV blocks %llu/%llu, %.1f tokens/s generated, %.1f tokens/s prefilled\n",
+           s->queue_depth, s->running, (unsigned long long)s->kv_blocks_used,
+           (unsigned long long)s->kv_blocks_total, s->tokens_per_s, s->prompt_tokens_per_s);
+    for (size_t i = 0; i < s->n_pipelines; i++) {
+        const Llm__PipelineStatus *p = s->pipelines[i];
+        printf("pipeline %u: %s, model %s, %zu stages, running %u, KV blocks %u/%u, %.1f tokens/s\n",
+               p->pipeline_id, p->ready ? "ready" : "NOT READY", p->model, p->n_stages, p->running,
+               p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s);
+        for (size_t k = 0; k < p->n_stages; k++) {
+            const Llm__StageStatus *st = p->stages[k];
+            printf("  stage %u: worker %s, layers [%u, %u), %s %s, KV blocks %u/%u, heartbeat %u ms ago%s\n",
+                   st->stage_index, st->worker_id[0] ? st->worker_id : "(none)", st->layer_first,
+                   st->layer_end, st->backend, st->device, st->kv_blocks_used, st->kv_blocks_total,
+                   st->heartbeat_age_ms, st->ready ? "" : ", not ready");
+        }
+    }
+    if (s->n_workers) printf("workers:\n");
+    for (size_t i = 0; i < s->n_workers; i++) {
+        const Llm__WorkerStatus *w = s->workers[i];
+        printf("  %s: pipeline %u stage %u, %s %s, %s, heartbeat %u ms ago\n", w->worker_id, w->pipeline_id,
+               w->stage_index, w->backend, w->device, w->state, w->heartbeat_age_ms);
+    }
+}
+
+static int llm_status(const struct llm_global *gl, int argc, char **argv) {
+    bool json = false;
+    int rc = llm_parse_simple("llm status", "Shows pipelines, stages, workers, queue, KV use and throughput.",
+                              "[--json]", &argc, argv, &json, 0);
+    if (rc >= 0) return rc;
+    llm_client *c;
+    if (llm_open(gl, &c) < 0) return 2;
+    Llm__ClientEnvelope *env;
+    rc = llm_client_status(c, &env);
+    if (rc < 0) {
+        fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        llm_client_close(c);
+        return 1;
+    }
+    if (json) {
+        cJSON *j = llm_status_json(env->status_reply);
+        llm_print_json(j);
+        cJSON_Delete(j);
+    } else {
+        llm_status_print(llm_client_endpoint(c), env->status_reply);
+    }
+    proto_client_free(env);
+    llm_client_close(c);
+    return 0;
+}
+
+static const char *llm_serving_name(Llm__HealthReply__ServingStatus s) {
+    switch (s) {
+    case LLM__HEALTH_REPLY__SERVING_STATUS__SERVING: return "SERVING";
+    case LLM__HEALTH_REPLY__SERVING_STATUS__NOT_SERVING: return "NOT_SERVING";
+    default: return "UNKNOWN";
+    }
+}
+
+/* Exit 0 only when SERVING: usable as a readiness probe. */
+static int llm_health(const struct llm_global *gl, int argc, char **argv) {
+    bool json = false;
+    int rc = llm_parse_simple("llm health", "Asks the router whether it can serve (exit 0 only when SERVING).",
+                              "[--json]", &argc, argv, &json, 0);
+    if (rc >= 0) return rc;
+    llm_client *c;
+    if (llm_open(gl, &c) < 0) return 2;
+    Llm__ClientEnvelope *env;
+    rc = llm_client_health(c, &env);
+    if (rc < 0) {
+        fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        llm_client_close(c);
+        return 1;
+    }
+    const Llm__HealthReply *h = env->health_reply;
+    if (json) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "status", llm_serving_name(h->status));
+        cJSON_AddNumberToObject(j, "protocol_version", h->protocol_version);
+        cJSON_AddStringToObject(j, "build", h->build);
+        cJSON_AddNumberToObject(j, "pipelines_ready", h->pipelines_ready);
+        llm_print_json(j);
+        cJSON_Delete(j);
+    } else {
+        printf("%s: %s, protocol %u, build %s, %u pipelines ready\n", llm_client_endpoint(c),
+               llm_serving_name(h->status), h->protocol_version, h->build, h->pipelines_ready);
+    }
+    int code = h->status == LLM__HEALTH_REPLY__SERVING_STATUS__SERVING ? 0 : 1;
+    proto_client_free(env);
+    llm_client_close(c);
+    return code;
+}
+
+static int llm_models(const struct llm_global *gl, int argc, char **argv) {
+    bool json = false;
+    int rc = llm_parse_simple("llm models", "Lists the models the cluster serves.", "[--json]", &argc, argv,
+                              &json, 0);
+    if (rc >= 0) return rc;
+    llm_client *c;
+    if (llm_open(gl, &c) < 0) return 2;
+    Llm__ClientEnvelope *env;
+    rc = llm_client_models(c, &env);
+    if (rc < 0) {
+        fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        llm_client_close(c);
+        return 1;
+    }
+    const Llm__ModelsReply *m = env->models_reply;
+    cJSON *arr = json ? cJSON_CreateArray() : NULL;
+    for (size_t i = 0; i < m->n_models; i++) {
+        const Llm__ModelInfo *mi = m->models[i];
+        if (arr) {
+            cJSON *j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "id", mi->id);
+            cJSON_AddStringToObject(j, "architecture", mi->architecture);
+            cJSON_AddNumberToObject(j, "n_vocab", mi->n_vocab);
+            cJSON_AddNumberToObject(j, "n_ctx", mi->n_ctx);
+            cJSON_AddNumberToObject(j, "n_layers", mi->n_layers);
+            cJSON_AddNumberToObject(j, "pipelines", mi->pipelines);
+            cJSON_AddBoolToObject(j, "is_default", mi->is_default);
+            cJSON_AddItemToArray(arr, j);
+        } else {
+            printf("%s%s: %s, %u layers, vocabulary %u, context %u, %u pipelines ready\n", mi->id,
+                   mi->is_default ? " (default)" : "", mi->architecture, mi->n_layers, mi->n_vocab, mi->n_ctx,
+                   mi->pipelines);
+        }
+    }
+    if (arr) {
+        llm_print_json(arr);
+        cJSON_Delete(arr);
+    }
+    proto_client_free(env);
+    llm_client_close(c);
+    return 0;
+}
+
+static int llm_cancel(const struct llm_global *gl, int argc, char **argv) {
+    bool json = false;
+    int rc = llm_parse_simple("llm cancel", "Cancels a request by id and prints how it ended.",
+                              "REQUEST_ID", &argc, argv, &json, 1);
+    if (rc >= 0) return rc;
+    llm_client *c;
+    if (llm_open(gl, &c) < 0) return 2;
+    struct llm_generate_result r;
+    rc = llm_client_cancel(c, argv[1], &r);
+    if (rc < 0) {
+        fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        llm_client_close(c);
+        return 1;
+    }
+    printf("%s: %s, %u completion tokens\n", r.request_id, llm_finish_reason_name(r.finish_reason),
+           r.completion_tokens);
+    llm_client_close(c);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    struct llm_global g;
+    const struct option_def defs[] = {
+        {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5555",
+         "router client endpoint(s), comma-separated: tried in order after a failure", &g.router, 0, 0, NULL},
+        {"reply-timeout-ms", "LLM_REPLY_TIMEOUT_MS", OPTION_INT, "5000",
+         "wait this long for a reply before trying the next endpoint", &g.reply_timeout_ms, 1, 1 << 30, NULL},
+        {"retry-ms", "LLM_RETRY_MS", OPTION_INT, "30000",
+         "give up after this long without an answer", &g.retry_ms, 1, 1 << 30, NULL},
+        {"idle-timeout-ms", "LLM_IDLE_TIMEOUT_MS", OPTION_INT, "30000",
+         "re-attach after this long without a message during a generation", &g.idle_timeout_ms, 1, 1 << 30, NULL},
+        {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "warn", "debug, info, warn, error or none", &g.log_level,
+         0, 0, NULL},
+    };
+    struct options o = {"llm", "[options] (generate | status | health | models | cancel) [subcommand options]",
+                        "Talks to a running cluster's router.  Each subcommand has its own --help.", defs,
+                        (int)(sizeof defs / sizeof defs[0]), true};
+    char err[512];
+    log_set_process("llm");
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "llm: %s\n", err);
+        return 2;
+    }
+    int level;
+    if (log_level_parse(g.log_level, &level) < 0) {
+        fprintf(stderr, "llm: --log-level %s: expected debug, info, warn, error or none\n", g.log_level);
+        return 2;
+    }
+    log_set_level(level);
+    if (argc < 2) {
+        options_help(&o, stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    int n = argc - 1;
+    if (strcmp(cmd, "generate") == 0) return llm_generate(&g, n, argv + 1);
+    if (strcmp(cmd, "status") == 0) return llm_status(&g, n, argv + 1);
+    if (strcmp(cmd, "health") == 0) return llm_health(&g, n, argv + 1);
+    if (strcmp(cmd, "models") == 0) return llm_models(&g, n, argv + 1);
+    if (strcmp(cmd, "cancel") == 0) return llm_cancel(&g, n, argv + 1);
+    fprintf(stderr, "llm: unknown subcommand \"%s\": expected generate, status, health, models or cancel\n", cmd);
+    return 2;
+}
