@@ -5,6 +5,8 @@
  * process slows down simply takes fewer chunks. */
 #include "cpu.h"
 
+#include <sched.h>
+
 #include "../../common/status.h"
 
 
@@ -50,7 +52,12 @@ static void mm_run(void *arg, int ith, int nth) {
          * rows the others are still converting (a short wait: the
          * conversion is O(n * cols), the product O(n * cols * rows)). */
         mm_quantize(t);
-        while (atomic_load_explicit(&t->quant_done, memory_order_acquire) < t->n) CPU_RELAX();
+        for (int spins = 0; atomic_load_explicit(&t->quant_done, memory_order_acquire) < t->n; spins++) {
+            /* A thread that holds a row and is not running (another
+             * process took its core) gets this core after a short while. */
+            if (spins < 1000) CPU_RELAX();
+            else sched_yield();
+        }
     }
     for (;;) {
         long c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);

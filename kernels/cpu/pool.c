@@ -7,10 +7,15 @@
 #include <stdlib.h>
 
 
-/* Spins before sleeping: long enough to bridge the gap between the ops of
- * one decode step (a few microseconds), short enough that an idle backend
- * sleeps at once on a machine shared with other processes. */
+/* Pauses a worker spins for the next job before sleeping (~0.5 ms): long
+ * enough to bridge the gap between the ops of one decode step, short enough
+ * that an idle backend soon costs nothing. */
 #define POOL_SPINS 20000
+/* Pauses the caller spins for workers still inside a job (~25 us) before
+ * it sleeps.  Short on purpose: a worker that has not finished by then was
+ * most likely preempted by another process, and a sleeping caller frees
+ * its core for the scheduler to move that worker onto. */
+#define POOL_DONE_SPINS 1000
 
 struct pool_worker {
     struct cpu_pool *pool;
@@ -143,7 +148,7 @@ void cpu_pool_run(struct cpu_pool *p, cpu_task_fn fn, void *arg, int nth) {
     fn(arg, 0, nth);
 
     uint64_t s = atomic_fetch_or_explicit(&p->state, POOL_CLOSED, memory_order_acq_rel) | POOL_CLOSED;
-    for (int i = 0; (s & POOL_ACTIVE) != 0 && i < POOL_SPINS; i++) {
+    for (int i = 0; (s & POOL_ACTIVE) != 0 && i < POOL_DONE_SPINS; i++) {
         CPU_RELAX();
         s = atomic_load_explicit(&p->state, memory_order_acquire);
     }
