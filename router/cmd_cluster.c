@@ -1,0 +1,847 @@
+/* llm-cluster: the whole cluster on one machine, for a first try and for
+ * development.  `up` starts a private redis-server, one llm-router and
+ * pipelines x stages llm-workers in the background, waits until every
+ * pipeline serves, and prints the router's endpoint and the run directory
+ * (pid files and logs); `status` and `down` act on what `up` started. */
+#include "client.h"
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/rconn.h"
+#include "common/status.h"
+#include "common/zio.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CL_PROCS_MAX 512
+#define CL_ARGS_MAX 96
+
+/* One process `up` started: its name in the run dir (name.pid, name.log)
+ * and what its command line must show before `down` signals a pid, so
+ * that a pid reused by an unrelated process is never killed. */
+struct cl_proc {
+    char name[64];
+    char program[32]; /* "llm-worker", "llm-router", "redis-server" */
+    pid_t pid;
+};
+
+struct cl_up {
+    const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args;
+    int pipelines, stages, port, threads, timeout_s, kv_blocks;
+    char dir[PATH_MAX];     /* run dir, absolute */
+    char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX];
+    char redis_url[128];
+    char endpoint[128];     /* router client endpoint */
+    struct cl_proc procs[CL_PROCS_MAX];
+    int n_procs;
+};
+
+/* vsnprintf-based formatting: paths and messages here may be cut to fit
+ * their buffer (a cut message is still a message; a cut path fails to open). */
+static void cl_fmt(char *out, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void cl_fmt(char *out, size_t size, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out, size, fmt, ap);
+    va_end(ap);
+}
+
+static int64_t cl_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void cl_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- files ---------------------------------------------------------------- */
+
+static int cl_write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (!f) return STATUS_IO;
+    fputs(text, f);
+    return fclose(f) == 0 ? 0 : STATUS_IO;
+}
+
+/* The last non-empty line of a log file into out ("" when none). */
+static void cl_last_line(const char *path, char *out, size_t size) {
+    out[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        size_t n = strlen(line);
+        while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
+        if (n) cl_fmt(out, size, "%s", line);
+    }
+    fclose(f);
+}
+
+/* mkdir -p */
+static int cl_mkdirs(const char *path, char *err, size_t errlen) {
+    char tmp[PATH_MAX];
+    cl_fmt(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1;; p++) {
+        if (*p == '/' || *p == 0) {
+            char c = *p;
+            *p = 0;
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+                cl_fmt(err, errlen, "run dir %s: mkdir %s: %s", path, tmp, strerror(errno));
+                return STATUS_IO;
+            }
+            *p = c;
+            if (!c) break;
+        }
+    }
+    return 0;
+}
+
+/* A program next to this one (an installed bin/), else in the build tree's
+ * folder for it (build/router/llm-cluster -> build/worker/llm-worker). */
+static int cl_find_sibling(const char *name, const char *folder, char *out, size_t size, char *err,
+                           size_t errlen) {
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) {
+        cl_fmt(err, errlen, "/proc/self/exe: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    self[n] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = 0;
+    cl_fmt(out, size, "%s/%s", self, name);
+    if (access(out, X_OK) == 0) return 0;
+    cl_fmt(out, size, "%s/../%s/%s", self, folder, name);
+    if (access(out, X_OK) == 0) return 0;
+    cl_fmt(err, errlen, "%s not found next to %s or in %s/../%s (build it first)", name, self, self, folder);
+    return STATUS_NOT_FOUND;
+}
+
+/* redis-server from $LLM_REDIS_SERVER or PATH. */
+static int cl_find_redis(char *out, size_t size, char *err, size_t errlen) {
+    const char *env = getenv("LLM_REDIS_SERVER");
+    if (env && *env) {
+        cl_fmt(out, size, "%s", env);
+        if (access(out, X_OK) == 0) return 0;
+        cl_fmt(err, errlen, "LLM_REDIS_SERVER=%s is not an executable", env);
+        return STATUS_NOT_FOUND;
+    }
+    const char *path = getenv("PATH");
+    if (!path) path = "/usr/bin:/bin";
+    for (const char *p = path; *p;) {
+        const char *e = strchr(p, ':');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        cl_fmt(out, size, "%.*s/redis-server", (int)len, p);
+        if (len && access(out, X_OK) == 0) return 0;
+        p += len + (e ? 1 : 0);
+    }
+    cl_fmt(err, errlen, "redis-server not found in PATH (install redis-server, set LLM_REDIS_SERVER, "
+             "or give --redis URL)");
+    return STATUS_NOT_FOUND;
+}
+
+/* ---- processes ------------------------------------------------------------ */
+
+/* Starts argv in its own session (it outlives llm-cluster and a closed
+ * terminal) with stdout and stderr in DIR/name.log, and writes DIR/name.pid. */
+static int cl_spawn(struct cl_up *u, const char *name, const char *program, char *const argv[], char *err,
+                    size_t errlen) {
+    if (u->n_procs >= CL_PROCS_MAX) {
+        cl_fmt(err, errlen, "more than %d processes", CL_PROCS_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    char log_path[PATH_MAX + 80], pid_path[PATH_MAX + 80];
+    cl_fmt(log_path, sizeof log_path, "%s/%s.log", u->dir, name);
+    cl_fmt(pid_path, sizeof pid_path, "%s/%s.pid", u->dir, name);
+    int log_fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+    if (log_fd < 0) {
+        cl_fmt(err, errlen, "%s: %s", log_path, strerror(errno));
+        return STATUS_IO;
+    }
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) {
+        cl_fmt(err, errlen, "fork for %s: %s", name, strerror(errno));
+        close(log_fd);
+        return STATUS_IO;
+    }
+    if (pid == 0) {
+        setsid();
+        int null = open("/dev/null", O_RDONLY);
+        if (null >= 0) dup2(null, 0);
+        dup2(log_fd, 1);
+        dup2(log_fd, 2);
+        execv(argv[0], argv);
+        dprintf(2, "llm-cluster: cannot run %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    close(log_fd);
+    struct cl_proc *p = &u->procs[u->n_procs++];
+    cl_fmt(p->name, sizeof p->name, "%s", name);
+    cl_fmt(p->program, sizeof p->program, "%s", program);
+    p->pid = pid;
+    char text[32];
+    cl_fmt(text, sizeof text, "%d\n", (int)pid);
+    if (cl_write_file(pid_path, text) < 0) {
+        cl_fmt(err, errlen, "%s: %s", pid_path, strerror(errno));
+        return STATUS_IO;
+    }
+    return 0;
+}
+
+/* Whether pid still runs and its command line names program (a pid file
+ * can outlive its process; the number may belong to another one now). */
+static bool cl_pid_is(pid_t pid, const char *program) {
+    char path[64], cmd[512];
+    cl_fmt(path, sizeof path, "/proc/%d/cmdline", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    size_t n = fread(cmd, 1, sizeof cmd - 1, f);
+    fclose(f);
+    cmd[n] = 0; /* the first argument, which redis-server rewrites to "redis-server host:port" */
+    if (n == 0) return false; /* a zombie */
+    return strstr(cmd, program) != NULL;
+}
+
+/* SIGTERM, then SIGKILL after grace_ms; reaps it when it is our child. */
+static void cl_stop_pid(pid_t pid, const char *program, int grace_ms) {
+    if (pid <= 0 || !cl_pid_is(pid, program)) {
+        if (pid > 0) waitpid(pid, NULL, WNOHANG);
+        return;
+    }
+    kill(pid, SIGTERM);
+    int64_t end = cl_now_ms() + grace_ms;
+    while (cl_now_ms() < end) {
+        if (waitpid(pid, NULL, WNOHANG) == pid || !cl_pid_is(pid, program)) return;
+        cl_sleep_ms(50);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+}
+
+/* Stops every process of u, the last started first (workers, then the
+ * router, then Redis), and removes their pid files. */
+static void cl_stop_all(struct cl_up *u) {
+    for (int i = u->n_procs - 1; i >= 0; i--) {
+        struct cl_proc *p = &u->procs[i];
+        cl_stop_pid(p->pid, p->program, 10000);
+        char pid_path[PATH_MAX + 80];
+        cl_fmt(pid_path, sizeof pid_path, "%s/%s.pid", u->dir, p->name);
+        unlink(pid_path);
+    }
+    u->n_procs = 0;
+}
+
+/* A process of u that has exited, or NULL. */
+static struct cl_proc *cl_find_dead(struct cl_up *u, int *wstatus) {
+    for (int i = 0; i < u->n_procs; i++) {
+        if (waitpid(u->procs[i].pid, wstatus, WNOHANG) == u->procs[i].pid) return &u->procs[i];
+    }
+    return NULL;
+}
+
+static void cl_report_dead(struct cl_up *u, const struct cl_proc *p, int wstatus, const char *when) {
+    char path[PATH_MAX + 80], line[1024];
+    cl_fmt(path, sizeof path, "%s/%s.log", u->dir, p->name);
+    cl_last_line(path, line, sizeof line);
+    char how[64];
+    if (WIFEXITED(wstatus)) cl_fmt(how, sizeof how, "exited with status %d", WEXITSTATUS(wstatus));
+    else if (WIFSIGNALED(wstatus)) cl_fmt(how, sizeof how, "was killed by signal %d", WTERMSIG(wstatus));
+    else cl_fmt(how, sizeof how, "stopped");
+    fprintf(stderr, "llm-cluster: %s (pid %d) %s %s; last line of %s:\n  %s\n", p->name, (int)p->pid, how, when,
+            path, line[0] ? line : "(empty log)");
+}
+
+/* Splits extra arguments ("--kv-blocks 64 --threads 1") into argv slots. */
+static int cl_add_words(char **argv, int n, char *words, char *err, size_t errlen) {
+    for (char *save = NULL, *t = strtok_r(words, " \t", &save); t; t = strtok_r(NULL, " \t", &save)) {
+        if (n >= CL_ARGS_MAX - 1) {
+            cl_fmt(err, errlen, "too many extra arguments (at most %d)", CL_ARGS_MAX);
+            return -1;
+        }
+        argv[n++] = t;
+    }
+    return n;
+}
+
+/* ---- up ------------------------------------------------------------------- */
+
+/* The GPUs the NVIDIA driver shows, without linking CUDA into llm-cluster. */
+static int cl_gpu_count(void) {
+    DIR *d = opendir("/proc/driver/nvidia/gpus");
+    if (!d) return 0;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (e->d_name[0] != '.') n++;
+    closedir(d);
+    return n;
+}
+
+/* 0 when nothing listens on 127.0.0.1:port and the port can be bound. */
+static int cl_port_free(int port, char *err, size_t errlen) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return 0; /* cannot tell; the router will say */
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    int rc = bind(fd, (struct sockaddr *)&a, sizeof a);
+    int e = errno;
+    close(fd);
+    if (rc != 0) {
+        cl_fmt(err, errlen, "--port %d: cannot listen there: %s (another router, or pick another port)", port,
+                 strerror(e));
+        return STATUS_UNAVAILABLE;
+    }
+    return 0;
+}
+
+static int cl_free_port(char *err, size_t errlen) {
+    int port = 0;
+    if (zio_free_port(NULL, &port, err, errlen) < 0) return -1;
+    return port;
+}
+
+/* Some process running from a run dir's pid files, or 0. */
+static pid_t cl_running_pid(const char *dir, char *name, size_t size);
+
+static int cl_check_model(const char *path, char *err, size_t errlen) {
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        cl_fmt(err, errlen, "--model %s: %s", path, strerror(errno));
+        return STATUS_NOT_FOUND;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        char cfg[PATH_MAX + 16];
+        cl_fmt(cfg, sizeof cfg, "%s/config.json", path);
+        if (access(cfg, R_OK) != 0) {
+            cl_fmt(err, errlen, "--model %s: a directory without a readable config.json (%s)", path,
+                     strerror(errno));
+            return STATUS_NOT_FOUND;
+        }
+        return 0;
+    }
+    int fd = open(path, O_RDONLY);
+    char magic[4];
+    if (fd < 0) {
+        cl_fmt(err, errlen, "--model %s: %s", path, strerror(errno));
+        return STATUS_IO;
+    }
+    ssize_t n = read(fd, magic, 4);
+    close(fd);
+    if (n != 4 || memcmp(magic, "GGUF", 4) != 0) {
+        cl_fmt(err, errlen, "--model %s: not a GGUF file (no GGUF magic in its first 4 bytes)", path);
+        return STATUS_BAD_INPUT;
+    }
+    return 0;
+}
+
+static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
+    if (cl_find_redis(u->bin_redis, sizeof u->bin_redis, err, errlen) < 0) return STATUS_NOT_FOUND;
+    int port = cl_free_port(err, errlen);
+    if (port < 0) return STATUS_IO;
+    char port_s[16];
+    cl_fmt(port_s, sizeof port_s, "%d", port);
+    /* A private, throw-away store: no RDB snapshots, no AOF. */
+    char *argv[] = {u->bin_redis, "--port", port_s, "--bind", "127.0.0.1", "--dir", u->dir,
+                    "--save", "", "--appendonly", "no", "--daemonize", "no", NULL};
+    int rc = cl_spawn(u, "redis", "redis-server", argv, err, errlen);
+    if (rc < 0) return rc;
+    cl_fmt(u->redis_url, sizeof u->redis_url, "redis://127.0.0.1:%d", port);
+    int64_t end = cl_now_ms() + 10000;
+    for (;;) {
+        struct rconn *rc_conn = NULL;
+        char e2[256];
+        if (rconn_open("127.0.0.1", port, 0, 500, &rc_conn, e2, sizeof e2) == 0 && rconn_ping(rc_conn) == 0) {
+            rconn_close(rc_conn);
+            return 0;
+        }
+        rconn_close(rc_conn);
+        int ws;
+        struct cl_proc *dead = cl_find_dead(u, &ws);
+        if (dead) {
+            cl_report_dead(u, dead, ws, "while starting");
+            cl_fmt(err, errlen, "redis-server did not start");
+            return STATUS_UNAVAILABLE;
+        }
+        if (cl_now_ms() > end) {
+            cl_fmt(err, errlen, "redis-server on port %d did not answer PING within 10 s: %s", port, e2);
+            return STATUS_TIMEOUT;
+        }
+        cl_sleep_ms(50);
+    }
+}
+
+/* Polls the router until health says SERVING with every pipeline ready,
+ * checking all along that no process died.  Prints progress once a second
+ * on stderr when it changes. */
+static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
+    const char *eps[1] = {u->endpoint};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.reply_timeout_ms = 1000;
+    cfg.retry_ms = 1000;
+    llm_client *c;
+    int rc = llm_client_open(&c, &cfg, err, errlen);
+    if (rc < 0) return rc;
+    int64_t end = cl_now_ms() + (int64_t)u->timeout_s * 1000;
+    int last_ready = -1;
+    char last_problem[512] = "no answer from the router yet";
+    for (;;) {
+        int ws;
+        struct cl_proc *dead = cl_find_dead(u, &ws);
+        if (dead) {
+            cl_report_dead(u, dead, ws, "before the cluster was in service");
+            cl_fmt(err, errlen, "%s stopped while the cluster was starting", dead->name);
+            rc = STATUS_UNAVAILABLE;
+            break;
+        }
+        Llm__ClientEnvelope *env = NULL;
+        if (llm_client_status(c, &env) == 0) {
+            const Llm__StatusReply *s = env->status_reply;
+            int ready = 0;
+            for (size_t i = 0; i < s->n_pipelines; i++) ready += s->pipelines[i]->ready ? 1 : 0;
+            cl_fmt(last_problem, sizeof last_problem, "%d of %d pipelines ready, %zu workers known", ready,
+                     u->pipelines, s->n_workers);
+            proto_client_free(env);
+            if (ready != last_ready) {
+                fprintf(stderr, "llm-cluster: %s\n", last_problem);
+                last_ready = ready;
+            }
+            if (ready >= u->pipelines) {
+                rc = 0;
+                break;
+            }
+        } else {
+            cl_fmt(last_problem, sizeof last_problem, "%s", llm_client_errstr(c));
+        }
+        if (cl_now_ms() > end) {
+            cl_fmt(err, errlen, "the cluster was not in service within --timeout-s %d: %s", u->timeout_s,
+                     last_problem);
+            rc = STATUS_TIMEOUT;
+            break;
+        }
+        cl_sleep_ms(200);
+    }
+    llm_client_close(c);
+    return rc;
+}
+
+static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
+    int rc = cl_check_model(u->model, err, errlen);
+    if (rc < 0) return rc;
+    if (cl_mkdirs(u->run_dir, err, errlen) < 0) return STATUS_IO;
+    if (!realpath(u->run_dir, u->dir)) {
+        cl_fmt(err, errlen, "run dir %s: %s", u->run_dir, strerror(errno));
+        return STATUS_IO;
+    }
+    char running[64];
+    pid_t other = cl_running_pid(u->dir, running, sizeof running);
+    if (other) {
+        cl_fmt(err, errlen, "a cluster already runs from %s (%s, pid %d): llm-cluster down --run-dir %s first",
+                 u->dir, running, (int)other, u->dir);
+        return STATUS_UNAVAILABLE;
+    }
+    if ((rc = cl_find_sibling("llm-router", "router", u->bin_router, sizeof u->bin_router, err, errlen)) < 0 ||
+        (rc = cl_find_sibling("llm-worker", "worker", u->bin_worker, sizeof u->bin_worker, err, errlen)) < 0)
+        return rc;
+    int port = u->port;
+    if (port == 0 && (port = cl_free_port(err, errlen)) < 0) return STATUS_IO;
+    if ((rc = cl_port_free(port, err, errlen)) < 0) return rc;
+    int worker_port = cl_free_port(err, errlen);
+    if (worker_port < 0) return STATUS_IO;
+
+    if (u->redis && u->redis[0]) {
+        cl_fmt(u->redis_url, sizeof u->redis_url, "%s", u->redis);
+        struct rconn *r = NULL;
+        char e2[256];
+        if (rconn_open_url(u->redis_url, 2000, &r, e2, sizeof e2) < 0 || rconn_ping(r) < 0) {
+            cl_fmt(err, errlen, "--redis %s: %s", u->redis_url, r ? rconn_errstr(r) : e2);
+            rconn_close(r);
+            return STATUS_UNAVAILABLE;
+        }
+        rconn_close(r);
+    } else if ((rc = cl_start_redis(u, err, errlen)) < 0) {
+        return rc;
+    }
+
+    /* The router. */
+    char client_ep[64], worker_ep[64], extra_r[1024];
+    cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", port);
+    cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", worker_port);
+    cl_fmt(u->endpoint, sizeof u->endpoint, "%s", client_ep);
+    cl_fmt(extra_r, sizeof extra_r, "%s", u->router_args ? u->router_args : "");
+    char *argv[CL_ARGS_MAX];
+    int n = 0;
+    argv[n++] = u->bin_router;
+    argv[n++] = "--model";
+    argv[n++] = (char *)u->model;
+    argv[n++] = "--listen";
+    argv[n++] = client_ep;
+    argv[n++] = "--worker-listen";
+    argv[n++] = worker_ep;
+    argv[n++] = "--redis-url";
+    argv[n++] = u->redis_url;
+    argv[n++] = "--log-level";
+    argv[n++] = (char *)u->log_level;
+    if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
+    argv[n] = NULL;
+    if ((rc = cl_spawn(u, "router", "llm-router", argv, err, errlen)) < 0) return rc;
+
+    /* The workers. */
+    int n_gpus = strcmp(u->device, "auto") == 0 ? cl_gpu_count() : 0;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_workers = u->pipelines * u->stages;
+    int threads = u->threads > 0 ? u->threads : (int)(cores / n_workers > 0 ? cores / n_workers : 1);
+    if (n_gpus > 0 && n_gpus < n_workers)
+        fprintf(stderr, "llm-cluster: %d workers share %d GPUs\n", n_workers, n_gpus);
+    for (int p = 0; p < u->pipelines; p++) {
+        for (int s = 0; s < u->stages; s++) {
+            int idx = p * u->stages + s;
+            char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024];
+            cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
+            cl_fmt(pid_s, sizeof pid_s, "%d", p);
+            cl_fmt(sid_s, sizeof sid_s, "%d", s);
+            cl_fmt(nst_s, sizeof nst_s, "%d", u->stages);
+            cl_fmt(thr_s, sizeof thr_s, "%d", threads);
+            cl_fmt(kv_s, sizeof kv_s, "%d", u->kv_blocks);
+            if (n_gpus > 0) cl_fmt(dev, sizeof dev, "cuda:%d", idx % n_gpus);
+            else cl_fmt(dev, sizeof dev, "cpu");
+            int lport = cl_free_port(err, errlen);
+            if (lport < 0) return STATUS_IO;
+            cl_fmt(listen, sizeof listen, "tcp://127.0.0.1:%d", lport);
+            cl_fmt(extra_w, sizeof extra_w, "%s", u->worker_args ? u->worker_args : "");
+            n = 0;
+            argv[n++] = u->bin_worker;
+            argv[n++] = "--model";
+            argv[n++] = (char *)u->model;
+            argv[n++] = "--router";
+            argv[n++] = worker_ep;
+            argv[n++] = "--redis-url";
+            argv[n++] = u->redis_url;
+            argv[n++] = "--worker-id";
+            argv[n++] = name;
+            argv[n++] = "--pipeline";
+            argv[n++] = pid_s;
+            argv[n++] = "--stage";
+            argv[n++] = sid_s;
+            argv[n++] = "--stages";
+            argv[n++] = nst_s;
+            argv[n++] = "--listen";
+            argv[n++] = listen;
+            argv[n++] = "--device";
+            argv[n++] = dev;
+            argv[n++] = "--threads";
+            argv[n++] = thr_s;
+            if (u->kv_blocks > 0) {
+                argv[n++] = "--kv-blocks";
+                argv[n++] = kv_s;
+            }
+            argv[n++] = "--log-level";
+            argv[n++] = (char *)u->log_level;
+            if ((n = cl_add_words(argv, n, extra_w, err, errlen)) < 0) return STATUS_BAD_INPUT;
+            argv[n] = NULL;
+            if ((rc = cl_spawn(u, name, "llm-worker", argv, err, errlen)) < 0) return rc;
+        }
+    }
+    if ((rc = cl_wait_ready(u, err, errlen)) < 0) return rc;
+
+    char path[PATH_MAX + 32], text[512];
+    cl_fmt(path, sizeof path, "%s/endpoint", u->dir);
+    cl_fmt(text, sizeof text, "%s\n", u->endpoint);
+    cl_write_file(path, text);
+    cl_fmt(path, sizeof path, "%s/cluster.env", u->dir);
+    cl_fmt(text, sizeof text, "LLM_ROUTER=%s\nLLM_REDIS_URL=%s\n", u->endpoint, u->redis_url);
+    cl_write_file(path, text);
+    return 0;
+}
+
+static int cl_up(int argc, char **argv) {
+    static const char *const devices[] = {"cpu", "auto", NULL};
+    struct cl_up *u = calloc(1, sizeof *u);
+    if (!u) {
+        fprintf(stderr, "llm-cluster: out of memory\n");
+        return 1;
+    }
+    int device_i = 0;
+    const struct option_def defs[] = {
+        {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or Hugging Face directory", &u->model, 0, 0, NULL},
+        {"pipelines", NULL, OPTION_INT, "1", "pipelines (replicas of the model)", &u->pipelines, 1, 64, NULL},
+        {"stages", NULL, OPTION_INT, "2", "stages per pipeline (one worker each)", &u->stages, 1, 64, NULL},
+        {"redis", "LLM_REDIS_URL", OPTION_STRING, NULL, "use this Redis instead of starting a private one",
+         &u->redis, 0, 0, NULL},
+        {"port", "LLM_PORT", OPTION_INT, "5555", "router port for clients on 127.0.0.1 (0: any free port)",
+         &u->port, 0, 65535, NULL},
+        {"run-dir", "LLM_RUN_DIR", OPTION_STRING, "run/cluster", "where pid files and logs go", &u->run_dir, 0, 0,
+         NULL},
+        {"device", NULL, OPTION_CHOICE, "cpu", "cpu, or auto: one GPU per worker where GPUs are present",
+         &device_i, 0, 0, devices},
+        {"threads", NULL, OPTION_INT, "0", "CPU threads per worker (0: the cores shared out)", &u->threads, 0,
+         1024, NULL},
+        {"kv-blocks", NULL, OPTION_INT, "0", "KV blocks per worker (0: the worker's default)", &u->kv_blocks, 0,
+         1 << 24, NULL},
+        {"timeout-s", NULL, OPTION_INT, "300", "give up if the cluster is not in service by then", &u->timeout_s,
+         1, 86400, NULL},
+        {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "info", "log level of the processes", &u->log_level, 0, 0,
+         NULL},
+        {"router-args", NULL, OPTION_STRING, "", "extra llm-router arguments, space-separated", &u->router_args,
+         0, 0, NULL},
+        {"worker-args", NULL, OPTION_STRING, "", "extra llm-worker arguments, space-separated", &u->worker_args,
+         0, 0, NULL},
+    };
+    struct options o = {"llm-cluster up", "--model PATH [options]",
+                        "Starts Redis, a router and pipelines x stages workers in the background and waits "
+                        "until every pipeline serves.",
+                        defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char err[1024] = "";
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) {
+        free(u);
+        return 0;
+    }
+    if (rc < 0 || argc > 1 || !u->model) {
+        fprintf(stderr, "llm-cluster up: %s\n",
+                rc < 0 ? err : argc > 1 ? "unexpected argument (see --help)" : "need --model PATH");
+        free(u);
+        return 2;
+    }
+    u->device = devices[device_i];
+    rc = cl_up_run(u, err, sizeof err);
+    if (rc < 0) {
+        fprintf(stderr, "llm-cluster up: %s\n", err);
+        if (u->n_procs) fprintf(stderr, "llm-cluster up: stopping the %d processes it started\n", u->n_procs);
+        cl_stop_all(u);
+        free(u);
+        return 1;
+    }
+    printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
+    printf("try: LLM_ROUTER=%s llm generate --prompt \"Once upon a time\"\n", u->endpoint);
+    printf("stop: llm-cluster down --run-dir %s\n", u->dir);
+    free(u);
+    return 0;
+}
+
+/* ---- status and down ------------------------------------------------------ */
+
+/* The pid files of a run dir, in the order down stops them: workers, then
+ * the router, then Redis. */
+struct cl_pidfile {
+    char name[64];
+    char program[32];
+    pid_t pid;
+};
+
+static int cl_pidfile_rank(const char *name) {
+    if (strncmp(name, "worker", 6) == 0) return 0;
+    if (strncmp(name, "router", 6) == 0) return 1;
+    return 2;
+}
+
+static int cl_pidfile_cmp(const void *a, const void *b) {
+    const struct cl_pidfile *x = a, *y = b;
+    int d = cl_pidfile_rank(x->name) - cl_pidfile_rank(y->name);
+    return d ? d : strcmp(x->name, y->name);
+}
+
+static int cl_read_pidfiles(const char *dir, struct cl_pidfile *out, int max) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) && n < max;) {
+        size_t len = strlen(e->d_name);
+        if (len < 5 || len > 60 || strcmp(e->d_name + len - 4, ".pid") != 0) continue;
+        char path[PATH_MAX + 80];
+        cl_fmt(path, sizeof path, "%s/%s", dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        int pid = 0;
+        int ok = fscanf(f, "%d", &pid);
+        fclose(f);
+        if (ok != 1 || pid <= 1) continue;
+        struct cl_pidfile *p = &out[n++];
+        cl_fmt(p->name, sizeof p->name, "%.*s", (int)(len - 4), e->d_name);
+        p->pid = pid;
+        cl_fmt(p->program, sizeof p->program, "%s",
+                 cl_pidfile_rank(p->name) == 0 ? "llm-worker" : cl_pidfile_rank(p->name) == 1 ? "llm-router"
+                                                                                              : "redis-server");
+    }
+    closedir(d);
+    qsort(out, (size_t)n, sizeof *out, cl_pidfile_cmp);
+    return n;
+}
+
+static pid_t cl_running_pid(const char *dir, char *name, size_t size) {
+    static struct cl_pidfile pf[CL_PROCS_MAX];
+    int n = cl_read_pidfiles(dir, pf, CL_PROCS_MAX);
+    for (int i = 0; i < n; i++) {
+        if (cl_pid_is(pf[i].pid, pf[i].program)) {
+            cl_fmt(name, size, "%s", pf[i].name);
+            return pf[i].pid;
+        }
+    }
+    return 0;
+}
+
+static int cl_parse_dir(const char *name, const char *about, int argc, char **argv, const char **run_dir) {
+    const struct option_def defs[] = {
+        {"run-dir", "LLM_RUN_DIR", OPTION_STRING, "run/cluster", "the run dir llm-cluster up wrote", run_dir, 0, 0,
+         NULL},
+    };
+    struct options o = {name, "[--run-dir DIR]", about, defs, 1, false};
+    char err[512];
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0 || argc > 1) {
+        fprintf(stderr, "%s: %s\n", name, rc < 0 ? err : "unexpected argument (see --help)");
+        return 2;
+    }
+    return -1;
+}
+
+static int cl_down(int argc, char **argv) {
+    const char *run_dir;
+    int rc = cl_parse_dir("llm-cluster down", "Stops what llm-cluster up started from the run dir.", argc, argv,
+                          &run_dir);
+    if (rc >= 0) return rc;
+    static struct cl_pidfile pf[CL_PROCS_MAX];
+    int n = cl_read_pidfiles(run_dir, pf, CL_PROCS_MAX);
+    if (n < 0) {
+        fprintf(stderr, "llm-cluster down: run dir %s: %s\n", run_dir, strerror(errno));
+        return 1;
+    }
+    int stopped = 0;
+    for (int i = 0; i < n; i++) {
+        bool alive = cl_pid_is(pf[i].pid, pf[i].program);
+        if (alive) {
+            cl_stop_pid(pf[i].pid, pf[i].program, 10000);
+            printf("stopped %s (pid %d)\n", pf[i].name, (int)pf[i].pid);
+            stopped++;
+        }
+        char path[PATH_MAX + 80];
+        cl_fmt(path, sizeof path, "%s/%s.pid", run_dir, pf[i].name);
+        unlink(path);
+    }
+    char path[PATH_MAX + 32];
+    cl_fmt(path, sizeof path, "%s/endpoint", run_dir);
+    unlink(path);
+    if (stopped == 0) printf("nothing was running from %s\n", run_dir);
+    return 0;
+}
+
+static int cl_status(int argc, char **argv) {
+    const char *run_dir;
+    int rc = cl_parse_dir("llm-cluster status", "Shows the processes of the run dir and the router's status.", argc,
+                          argv, &run_dir);
+    if (rc >= 0) return rc;
+    static struct cl_pidfile pf[CL_PROCS_MAX];
+    int n = cl_read_pidfiles(run_dir, pf, CL_PROCS_MAX);
+    if (n <= 0) {
+        fprintf(stderr, "llm-cluster status: no cluster in %s (no pid files)\n", run_dir);
+        return 1;
+    }
+    int dead = 0;
+    for (int i = 0; i < n; i++) {
+        bool alive = cl_pid_is(pf[i].pid, pf[i].program);
+        dead += !alive;
+        printf("%-20s pid %-8d %s\n", pf[i].name, (int)pf[i].pid, alive ? "running" : "NOT RUNNING");
+    }
+    char path[PATH_MAX + 32], ep[256] = "";
+    cl_fmt(path, sizeof path, "%s/endpoint", run_dir);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(ep, sizeof ep, f)) ep[0] = 0;
+        fclose(f);
+        ep[strcspn(ep, "\r\n")] = 0;
+    }
+    if (!ep[0]) {
+        printf("router endpoint unknown (%s missing: up did not finish)\n", path);
+        return 1;
+    }
+    const char *eps[1] = {ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.reply_timeout_ms = 2000;
+    cfg.retry_ms = 2000;
+    llm_client *c;
+    char err[512];
+    if (llm_client_open(&c, &cfg, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-cluster status: %s\n", err);
+        return 1;
+    }
+    Llm__ClientEnvelope *env;
+    rc = llm_client_status(c, &env);
+    if (rc < 0) {
+        printf("router %s: %s\n", ep, llm_client_errstr(c));
+        llm_client_close(c);
+        return 1;
+    }
+    const Llm__StatusReply *s = env->status_reply;
+    int ready = 0;
+    for (size_t i = 0; i < s->n_pipelines; i++) ready += s->pipelines[i]->ready;
+    printf("router %s: %d/%zu pipelines ready, %zu workers, queue %u, running %u, KV blocks %llu/%llu, "
+           "%.1f tokens/s\n",
+           ep, ready, s->n_pipelines, s->n_workers, s->queue_depth, s->running,
+           (unsigned long long)s->kv_blocks_used, (unsigned long long)s->kv_blocks_total, s->tokens_per_s);
+    proto_client_free(env);
+    llm_client_close(c);
+    return dead ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    const char *log_level;
+    const struct option_def defs[] = {
+        {"log-level", NULL, OPTION_STRING, "warn", "llm-cluster's own log level", &log_level, 0, 0, NULL},
+    };
+    struct options o = {"llm-cluster", "[options] (up | status | down) [subcommand options]",
+                        "Runs a whole cluster on this machine: Redis, a router and workers.  Each subcommand "
+                        "has its own --help.",
+                        defs, 1, true};
+    char err[512];
+    log_set_process("llm-cluster");
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "llm-cluster: %s\n", err);
+        return 2;
+    }
+    int level;
+    if (log_level_parse(log_level, &level) < 0) {
+        fprintf(stderr, "llm-cluster: --log-level %s: expected debug, info, warn, error or none\n", log_level);
+        return 2;
+    }
+    log_set_level(level);
+    if (argc < 2) {
+        options_help(&o, stderr);
+        return 2;
+    }
+    int n = argc - 1;
+    if (strcmp(argv[1], "up") == 0) return cl_up(n, argv + 1);
+    if (strcmp(argv[1], "down") == 0) return cl_down(n, argv + 1);
+    if (strcmp(argv[1], "status") == 0) return cl_status(n, argv + 1);
+    fprintf(stderr, "llm-cluster: unknown subcommand \"%s\": expected up, status or down\n", argv[1]);
+    return 2;
+}
