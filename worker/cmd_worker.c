@@ -1,0 +1,148 @@
+/* llm-worker: one pipeline stage of the cluster.  Loads its layers, registers
+ * with the router and in Redis, heartbeats, and executes the router's step
+ * plans in order until SIGTERM or SIGINT, then drains and deregisters.  The
+ * flags (or LLM_* environment variables) say which stage of which pipeline
+ * it is; see docs/worker.md. */
+#include "node.h"
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/status.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static volatile sig_atomic_t worker_stop;
+
+static void worker_on_signal(int sig) {
+    (void)sig;
+    worker_stop = 1;
+}
+
+static const char *const worker_transports[] = {"auto", "zmq", "nccl", NULL};
+
+int main(int argc, char **argv) {
+    struct node_config cfg;
+    node_config_default(&cfg);
+    const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
+    const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
+    int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
+    int max_tokens = 0, max_seqs = 0, ctx = 0, transport = 0, link_timeout = 0;
+    double mem_fraction = 0;
+    bool require_gpu = false;
+    const struct option_def defs[] = {
+        {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or Hugging Face directory", &model, 0, 0, NULL},
+        {"pipeline", "LLM_PIPELINE", OPTION_INT, "0", "pipeline id this worker belongs to", &pipeline, 0, 1 << 30, NULL},
+        {"stage", "LLM_STAGE", OPTION_INT, "0", "stage index in the pipeline (0 = embeds the tokens)", &stage, 0, 4096, NULL},
+        {"stages", "LLM_STAGES", OPTION_INT, "1", "stages in the pipeline; layers split by equal bytes", &stages, 1, 4096, NULL},
+        {"layers", "LLM_LAYERS", OPTION_STRING, NULL, "explicit layer range FIRST:END (END exclusive) instead of the split", &layers, 0, 0, NULL},
+        {"device", "LLM_DEVICE", OPTION_STRING, "auto", "cpu, cuda:N, or auto (a GPU when there is one, else the CPU)", &device, 0, 0, NULL},
+        {"require-gpu", "LLM_REQUIRE_GPU", OPTION_BOOL, "false", "fail instead of running on the CPU when there is no GPU", &require_gpu, 0, 0, NULL},
+        {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5556", "the router's worker endpoint", &router, 0, 0, NULL},
+        {"redis", "LLM_REDIS", OPTION_STRING, "", "Redis URL for the worker registry and NCCL ids (empty: none)", &redis, 0, 0, NULL},
+        {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks (0: --mem-fraction on a GPU, max-seqs full contexts on the CPU)", &kv_blocks, 0, 1 << 24, NULL},
+        {"mem-fraction", "LLM_MEM_FRACTION", OPTION_FLOAT, "0.9", "fraction of free GPU memory for weights, KV and workspace", &mem_fraction, 0.01, 1, NULL},
+        {"kv-block-size", "LLM_KV_BLOCK_SIZE", OPTION_INT, "16", "positions per KV block (the router must use the same)", &block_size, 1, 4096, NULL},
+        {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU backend threads (0: one per core)", &threads, 0, 1024, NULL},
+        {"max-batch-tokens", "LLM_MAX_BATCH_TOKENS", OPTION_INT, "512", "tokens per step, all sequences together", &max_tokens, 1, 1 << 20, NULL},
+        {"max-seqs", "LLM_MAX_SEQS", OPTION_INT, "16", "sequences per step", &max_seqs, 1, 4096, NULL},
+        {"ctx", "LLM_CTX", OPTION_INT, "0", "positions per sequence (0: the model's context length)", &ctx, 0, 1 << 24, NULL},
+        {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://*:*", "where the previous stage's ZeroMQ link connects (CPU transport)", &listen, 0, 0, NULL},
+        {"advertise-host", "LLM_ADVERTISE_HOST", OPTION_STRING, "", "host name others use for --listen's wildcard (default: hostname)", &advertise, 0, 0, NULL},
+        {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
+        {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
+        {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},
+        {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "info", "debug, info, warn, error or none", &log_level, 0, 0, NULL},
+    };
+    struct options o = {"llm-worker", "[options]",
+                        "Runs one pipeline stage: executes the router's step plans in order.", defs,
+                        (int)(sizeof defs / sizeof defs[0]), false};
+    char err[1024];
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "llm-worker: %s\n", err);
+        return 2;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "llm-worker: unexpected argument \"%s\" (see --help)\n", argv[1]);
+        return 2;
+    }
+    int level;
+    if (log_level_parse(log_level, &level) < 0) {
+        fprintf(stderr, "llm-worker: --log-level %s: expected debug, info, warn, error or none\n",
+                log_level);
+        return 2;
+    }
+    log_set_level(level);
+    log_set_process("worker");
+    options_log(&o);
+
+    cfg.model_path = model;
+    cfg.worker_id = worker_id;
+    cfg.device = device;
+    cfg.require_gpu = require_gpu;
+    cfg.router = router;
+    cfg.redis_url = redis;
+    cfg.listen = listen;
+    cfg.advertise_host = advertise;
+    cfg.pipeline_id = (uint32_t)pipeline;
+    cfg.stage_index = stage;
+    cfg.stage_count = stages;
+    cfg.kv_blocks = kv_blocks;
+    cfg.mem_fraction = mem_fraction;
+    cfg.kv_block_size = block_size;
+    cfg.threads = threads;
+    cfg.max_batch_tokens = max_tokens;
+    cfg.max_seqs = max_seqs;
+    cfg.ctx = ctx;
+    cfg.transport = (enum node_transport)transport;
+    cfg.link_timeout_ms = link_timeout;
+    if (stage >= stages) {
+        fprintf(stderr, "llm-worker: --stage %d with --stages %d: the index must be below the count\n",
+                stage, stages);
+        return 2;
+    }
+    if (layers) {
+        char *end;
+        errno = 0;
+        long a = strtol(layers, &end, 10), b = -1;
+        if (!errno && end != layers && *end == ':') {
+            char *end2;
+            b = strtol(end + 1, &end2, 10);
+            if (errno || *end2 || end2 == end + 1) b = -1;
+        }
+        if (a < 0 || b <= a || b > 1 << 20) {
+            fprintf(stderr, "llm-worker: --layers %s: expected FIRST:END with 0 <= FIRST < END\n",
+                    layers);
+            return 2;
+        }
+        cfg.layer_first = (int32_t)a;
+        cfg.layer_end = (int32_t)b;
+    }
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = worker_on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+
+    node *n;
+    rc = node_init(&n, &cfg, err, sizeof err);
+    if (rc < 0) {
+        LOG(LL_ERROR, "cannot start: %s", err);
+        fprintf(stderr, "llm-worker: %s\n", err);
+        return 1;
+    }
+    rc = node_run(n, &worker_stop, err, sizeof err);
+    node_free(n);
+    if (rc < 0) {
+        fprintf(stderr, "llm-worker: %s\n", err);
+        return 1;
+    }
+    return 0;
+}

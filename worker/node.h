@@ -1,0 +1,90 @@
+/* A worker process's life: load one pipeline stage, register with the
+ * router (ZeroMQ DEALER) and in Redis (a key with a TTL), heartbeat, and
+ * execute the router's step plans strictly in order, with the stage-to-stage
+ * links to the neighbouring stages.  It makes no scheduling decision.
+ *
+ * Two threads: the calling thread talks to the router and Redis (register,
+ * heartbeats, error replies to bad frames, forwarding plans and results),
+ * so heartbeats keep flowing during a long step; a compute thread executes
+ * the plans it is handed, one after the other.  Stage 0 never waits for
+ * the last stage: it takes the next plan as soon as it has sent a step's
+ * hidden states on, so several micro-batches are in flight along the
+ * pipeline.
+ *
+ *   struct node_config cfg;
+ *   node_config_default(&cfg);
+ *   cfg.model_path = "m.gguf"; cfg.router = "tcp://router:5556"; ...
+ *   node *n;
+ *   if (node_init(&n, &cfg, err, sizeof err) < 0) die(err);
+ *   rc = node_run(n, &stop_flag, err, sizeof err);   // until stop_flag is set
+ *   node_free(n); */
+#ifndef WORKER_NODE_H
+#define WORKER_NODE_H
+
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model.h"
+
+typedef struct node node;
+
+enum node_transport {
+    NODE_TRANSPORT_AUTO = 0, /* NCCL between GPU stages when built with it, else ZeroMQ */
+    NODE_TRANSPORT_ZMQ = 1,
+    NODE_TRANSPORT_NCCL = 2,
+};
+
+/* Strings are the caller's and must outlive node_init only (they are copied). */
+struct node_config {
+    const char *model_path;
+    const char *worker_id;      /* NULL or "": "<host>-<pid>" */
+    const char *device;         /* "cpu", "cuda:N" or "auto" */
+    int require_gpu;            /* no GPU is fatal instead of a fallback to the CPU */
+    const char *router;         /* the router's worker endpoint, "tcp://host:port" */
+    const char *redis_url;      /* NULL or "": no Redis registration (and no NCCL) */
+    const char *listen;         /* where the previous stage's ZeroMQ link connects */
+    const char *advertise_host; /* host put in place of "*" / 0.0.0.0 in the endpoint */
+    uint32_t pipeline_id;
+    int32_t stage_index, stage_count;
+    int32_t layer_first, layer_end; /* layer_end > 0: this explicit range */
+    int32_t kv_blocks;          /* 0: from mem_fraction on a GPU, else the stage default */
+    double mem_fraction;        /* of the free device memory, for weights + KV + workspace */
+    int32_t kv_block_size;
+    int32_t threads;            /* CPU backend threads; 0: one per core */
+    int32_t max_batch_tokens;   /* rows per step, all sequences together */
+    int32_t max_seqs;           /* sequences per step */
+    int32_t ctx;                /* positions per sequence; 0: the model's context length */
+    enum node_transport transport;
+    int link_timeout_ms;        /* bound on one link send/receive (a peer that is gone) */
+    int register_retry_ms;      /* Register is sent again this often until answered */
+};
+
+void node_config_default(struct node_config *cfg);
+
+/* Layers [*first, *end) of stage index of n_stages when the model's layers
+ * are split into contiguous ranges of about equal bytes (token embedding
+ * counted with stage 0, the output norm and lm_head with the last stage);
+ * every stage gets at least one layer.  STATUS_BAD_INPUT (message in err)
+ * when index is out of range or there are fewer layers than stages. */
+int node_layer_split(const model_file *m, int32_t n_stages, int32_t index, int32_t *first,
+                     int32_t *end, char *err, size_t errlen);
+
+/* Opens the backend and the model, loads the stage's layers (logging what
+ * weights, KV cache and workspace take; refusing with a message naming the
+ * sizes when they do not fit), binds the ZeroMQ link endpoint, connects to
+ * Redis.  Returns 0 and *out, or a negative status with the reason in err
+ * (*out NULL, nothing left open). */
+int node_init(node **out, const struct node_config *cfg, char *err, size_t errlen);
+
+/* Registers and serves until *stop becomes non-zero (a signal handler sets
+ * it), then drains: sends Heartbeat DRAINING, finishes the plans it holds,
+ * deletes its Redis key and returns 0.  Returns a negative status with the
+ * reason in err when it cannot go on (refused by the router without a
+ * retry, a link that cannot be set up). */
+int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen);
+
+/* NULL is fine. */
+void node_free(node *n);
+
+#endif
