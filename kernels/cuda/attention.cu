@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     extern __shared__ float smem[];
     float *sq = smem;                      /* [qv][hd] queries, pre-scaled */
     float *sacc = sq + qv * hd;            /* [qv][hd] running sums of p * v */
-    float *skv = sacc + qv * hd;           /* [kt][hd + 1] K, then V, tile */
-    float *ssc = skv + kt * (hd + 1);      /* [qv][kt] scores, then probabilities */
+    float *sk = sacc + qv * hd;            /* [kt][hd + 1] K tile */
+    float *sv = sk + kt * (hd + 1);        /* [kt][hd + 1] V tile */
+    float *ssc = sv + kt * (hd + 1);       /* [qv][kt] scores, then probabilities */
     float *sm = ssc + qv * kt;             /* [qv] running max */
     float *sl = sm + qv;                   /* [qv] running sum */
     float *salpha = sl + qv;               /* [qv] rescale of this tile */
@@ -149,13 +150,14 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
 
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     for (int32_t j0 = j_begin; j0 < j_end; j0 += kt) {
-        /* K tile. */
-        att_load_tile<KT>(skv, a.k, a, btab, kvh, j0, j_end, kt);
+        /* K and V tiles together: one memory latency per tile. */
+        att_load_tile<KT>(sk, a.k, a, btab, kvh, j0, j_end, kt);
+        att_load_tile<KT>(sv, a.v, a, btab, kvh, j0, j_end, kt);
         __syncthreads();
         /* Scores: four threads per (query, position), interleaved over d. */
         for (int pair = tid / 4; pair < qa * kt; pair += ATT_THREADS / 4) {
             int qi = pair / kt, jj = pair % kt, part = tid % 4;
-            const float *qr = sq + qi * hd, *kr = skv + jj * (hd + 1);
+            const float *qr = sq + qi * hd, *kr = sk + jj * (hd + 1);
             float dot = 0.0f;
             for (int d = part; d < hd; d += 4) dot += qr[d] * kr[d];
             dot += __shfl_xor_sync(0xffffffffu, dot, 1);
@@ -167,8 +169,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
             }
         }
         __syncthreads();
-        /* Online softmax, a warp per query and a lane per position; the V
-         * tile loads meanwhile (the scores no longer need K). */
+        /* Online softmax, a warp per query and a lane per position. */
         for (int qi = warp; qi < qa; qi += ATT_THREADS / 32) {
             float sc = lane < kt ? ssc[qi * kt + lane] : ninf;
             float mt = sc;
@@ -185,14 +186,13 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
                 salpha[qi] = alpha;
             }
         }
-        att_load_tile<KT>(skv, a.v, a, btab, kvh, j0, j_end, kt);
         __syncthreads();
         /* acc = acc * alpha + P . V */
         for (int i = tid; i < qa * hd; i += ATT_THREADS) {
             int qi = i / hd, d = i % hd;
             const float *pr = ssc + qi * kt;
             float acc = sacc[i] * salpha[qi];
-            for (int jj = 0; jj < kt; jj++) acc += pr[jj] * skv[jj * (hd + 1) + d];
+            for (int jj = 0; jj < kt; jj++) acc += pr[jj] * sv[jj * (hd + 1) + d];
             sacc[i] = acc;
         }
         __syncthreads();
@@ -240,7 +240,7 @@ __global__ void attention_combine_kernel(float *out, const float *part_acc, cons
 }
 
 static size_t att_smem(int qv, int kt, int hd) {
-    return ((size_t)2 * qv * hd + (size_t)kt * (hd + 1) + (size_t)qv * kt + 4 * (size_t)qv) * sizeof(float);
+    return ((size_t)2 * qv * hd + (size_t)2 * kt * (hd + 1) + (size_t)qv * kt + 4 * (size_t)qv) * sizeof(float);
 }
 
 static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t smem, dim3 grid) {
@@ -271,9 +271,19 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     memset(&p, 0, sizeof p);
     p.a = *a;
     int hd = a->head_dim;
-    p.kt = hd <= 128 ? 32 : 16;
+    /* Short KV tiles for wide heads keep a block small enough for several
+     * per multiprocessor (a T4 has 64 KiB of shared memory per SM). */
+    p.kt = hd <= 64 ? 32 : 16;
+    int32_t G = a->n_heads / a->n_kv_heads;
+    /* Query vectors per block: a decode-only step has one row per
+     * sequence, so the group of heads is all a block can share. */
+    int qv_want = 32;
+    if (a->n_tokens == a->n_seqs) {
+        qv_want = 1;
+        while (qv_want < G && qv_want < 32) qv_want *= 2;
+    }
     p.qv = 0;
-    for (int qv = 32; qv >= 4; qv /= 2)
+    for (int qv = qv_want; qv >= 1; qv /= 2)
         if (att_smem(qv, p.kt, hd) <= ATT_SMEM_MAX) {
             p.qv = qv;
             break;
@@ -281,7 +291,6 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     if (!p.qv)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: head_dim %d needs more shared memory than %d bytes", hd,
                          ATT_SMEM_MAX);
-    int32_t G = a->n_heads / a->n_kv_heads;
     p.gs = G < p.qv ? G : p.qv;
     p.n_hgroups = (G + p.gs - 1) / p.gs;
     p.tq = p.qv / p.gs;
@@ -292,10 +301,12 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     int64_t tiles_busy = (a->n_tokens + p.tq - 1) / p.tq;
     if (tiles_busy < a->n_seqs) tiles_busy = a->n_seqs < a->n_tokens ? a->n_seqs : a->n_tokens;
     int64_t blocks = tiles_busy * a->n_kv_heads * p.n_hgroups;
-    int64_t want = (2LL * ctx->n_sms + blocks - 1) / blocks;
-    int64_t by_ctx = (a->max_ctx + 4LL * p.kt - 1) / (4LL * p.kt); /* a split keeps >= 4 KV tiles */
+    /* Split the context until there are about 4 blocks per multiprocessor
+     * (a split keeps at least one KV tile). */
+    int64_t want = (4LL * ctx->n_sms + blocks - 1) / blocks;
+    int64_t by_ctx = (a->max_ctx + p.kt - 1) / p.kt;
     int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits > 32) splits = 32;
+    if (splits > 64) splits = 64;
     if (splits < 1) splits = 1;
     int64_t per = (a->max_ctx + splits - 1) / splits;
     p.chunk = (int32_t)((per + p.kt - 1) / p.kt * p.kt);

@@ -24,6 +24,8 @@ struct cuda_ctx {
     void *cublas;       /* cublasHandle_t, bound to stream */
     void *scratch;      /* device memory reused by matmul and attention */
     size_t scratch_bytes;
+    int vec_max_quant;  /* matmul: most tokens for the skinny kernel, quantized weights */
+    int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     char *err;          /* where failures are described (the backend's errstr) */
     size_t errlen;
     char device_name[96];

@@ -60,6 +60,16 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         return rc;
     }
     ctx->n_sms = prop.multiProcessorCount;
+    /* Crossovers measured on an H100 (docs/cuda-backend.md); the variable
+     * exists to re-measure them on another card. */
+    ctx->vec_max_quant = CUDA_MATMUL_VEC_MAX;
+    ctx->vec_max_float = 4;
+    const char *env = getenv("LLM_CUDA_SKINNY_MAX");
+    if (env && *env) {
+        int v = atoi(env);
+        v = v < 0 ? 0 : v > CUDA_MATMUL_VEC_MAX ? CUDA_MATMUL_VEC_MAX : v;
+        ctx->vec_max_quant = ctx->vec_max_float = v;
+    }
     ctx->cc = prop.major * 10 + prop.minor;
     snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
     *out = ctx;

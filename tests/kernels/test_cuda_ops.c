@@ -26,7 +26,7 @@ static struct {
     int n_buf;
     struct backend_weight cw[4], gw[4];
     int n_w;
-    struct backend_kv ckv[2], gkv[2];
+    struct backend_kv ckv[4], gkv[4];
     int n_kv;
 } fx;
 
@@ -386,16 +386,31 @@ TEST(cuda_ops_embed_every_dtype) {
     fx_close();
 }
 
+/* Which matmul path the GPU takes: the backend's own choice, cuBLAS for
+ * every n (LLM_CUDA_SKINNY_MAX=0) or the skinny kernel up to 16 tokens
+ * (LLM_CUDA_SKINNY_MAX=16).  Each test runs all three. */
+enum mm_mode { MM_DEFAULT, MM_GEMM, MM_SKINNY };
+static enum mm_mode mm_mode;
+
+static void mm_set_mode(enum mm_mode m) {
+    mm_mode = m;
+    if (m == MM_DEFAULT) unsetenv("LLM_CUDA_SKINNY_MAX");
+    else setenv("LLM_CUDA_SKINNY_MAX", m == MM_GEMM ? "0" : "16", 1);
+}
+
 /* NMSE bound of matmul against the CPU backend.  The CPU quantizes the
  * activations to 8 bits for the quantized types (llama.cpp's scheme), an
  * error near 1e-5 that the GPU does not make: 2e-3 leaves room and still
- * fails any wrong scale, nibble or index (those give NMSE ~ 1).  F32/F16
- * weights are dotted in F32 on both sides, except that the cuBLAS path
- * (n > 16) rounds activations to F16 (~1e-7).  BF16 becomes F16 on the
- * GPU: ~1e-5 for values in [-1, 1]. */
+ * fails any wrong scale, nibble or index (those give NMSE ~ 1).  F32
+ * weights are dotted in F32 on both sides (skinny kernel or cublasSgemm).
+ * F16 weights too in the skinny kernel; cuBLAS rounds the activations to
+ * F16 (~1e-7).  BF16 becomes F16 on the GPU: ~1e-5 for values in [-1, 1]. */
 static double matmul_bound(enum dtype t, int32_t n, int64_t cols) {
     if (t == DTYPE_F32) return 1e-10;
-    if (t == DTYPE_F16) return n <= 16 && cols % 8 == 0 ? 1e-10 : 1e-5; /* odd widths take cuBLAS */
+    if (t == DTYPE_F16) {
+        int skinny = mm_mode == MM_SKINNY ? n <= 16 : mm_mode == MM_GEMM ? 0 : n <= 4;
+        return skinny && cols % 8 == 0 ? 1e-10 : 1e-5;
+    }
     if (t == DTYPE_BF16) return 1e-4;
     return 2e-3;
 }
@@ -411,20 +426,25 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
         ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, ns[i]));
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, ns[i]);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), ns[i], backend_errstr(fx.gpu));
-        char what[96];
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d", dtype_name(t), (long long)rows, (long long)cols,
-                 ns[i]);
+        char what[128];
+        static const char *mode_name[3] = {"default path", "cuBLAS path", "skinny path"};
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s", dtype_name(t), (long long)rows,
+                 (long long)cols, ns[i], mode_name[mm_mode]);
         check_f32(out, (size_t)ns[i] * rows, matmul_bound(t, ns[i], cols), what);
     }
     free_weights();
 }
 
 static void matmul_type(enum dtype t) {
-    fx_open();
     static const int32_t ns[] = {1, 5, 16, 64};
-    matmul_case(t, 100, 512, ns, 4);
-    matmul_case(t, 35, 768, ns, 2); /* rows not a multiple of the warps per block */
-    fx_close();
+    for (int m = MM_DEFAULT; m <= MM_SKINNY; m++) {
+        mm_set_mode((enum mm_mode)m);
+        fx_open();
+        matmul_case(t, 100, 512, ns, 4);
+        matmul_case(t, 35, 768, ns, 2); /* rows not a multiple of the warps per block */
+        fx_close();
+    }
+    mm_set_mode(MM_DEFAULT);
 }
 
 TEST(cuda_ops_matmul_f32) { matmul_type(DTYPE_F32); }
@@ -440,6 +460,7 @@ TEST(cuda_ops_matmul_q5_k) { matmul_type(DTYPE_Q5_K); }
 TEST(cuda_ops_matmul_q6_k) { matmul_type(DTYPE_Q6_K); }
 
 TEST(cuda_ops_matmul_odd_width_and_tiles) {
+    mm_set_mode(MM_DEFAULT);
     fx_open();
     static const int32_t small[] = {1, 3, 20};
     matmul_case(DTYPE_F16, 33, 100, small, 3); /* width the skinny kernel cannot take */
@@ -453,6 +474,7 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
 /* ---- KV cache and attention ---- */
 
 static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, int32_t hd) {
+    if (fx.n_kv == 4) TEST_FAIL("fixture: more than 4 KV caches");
     int i = fx.n_kv++;
     ASSERT_OK(backend_kv_init(fx.cpu, &fx.ckv[i], t, n_blocks, bs, n_kv, hd));
     ASSERT_OK(backend_kv_init(fx.gpu, &fx.gkv[i], t, n_blocks, bs, n_kv, hd));
