@@ -35,6 +35,7 @@ int32_t forward_logits_rows(const struct forward_batch *batch) {
 }
 
 const float *forward_hidden(const stage *s) { return s->x; }
+float *forward_input_buffer(stage *s) { return s->x; }
 
 /* Everything that could make a kernel read or write out of bounds is
  * refused here, before the step touches the cache. */

@@ -70,4 +70,12 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
  * first.  Likewise a host hidden_in must stay valid until the step ends. */
 const float *forward_hidden(const stage *s);
 
+/* The backend buffer [n_tokens_max, dim] F32 that a stage after the first
+ * reads its input rows from.  A transport may write the received rows here
+ * (converting F16 to F32 with backend_convert, say) and pass this pointer as
+ * hidden_in with hidden_in_backend = 1: the step then copies nothing.  It is
+ * also where the step leaves its output (forward_hidden), so it must be
+ * filled after the previous output was sent. */
+float *forward_input_buffer(stage *s);
+
 #endif

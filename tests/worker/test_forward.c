@@ -449,7 +449,8 @@ TEST(forward_two_stages_equal_one) {
         ASSERT_TRUE(!stage_is_first(sb) && stage_is_last(sb));
         float *hidden = malloc(sizeof(float) * (size_t)dim * LEN);
         /* Prefill 15 tokens through host memory, then decode the rest one at
-         * a time handing over the backend pointer. */
+         * a time handing over the backend pointer, or writing into the next
+         * stage's input buffer. */
         int32_t done = 0;
         kvblocks_table_init(&t);
         while (done < LEN) {
@@ -461,6 +462,11 @@ TEST(forward_two_stages_equal_one) {
             if (forward_step(sa, &ba, &oa, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
             ASSERT_EQ(0, oa.n_logits);
             struct forward_batch bb = {&q, 1, NULL, 0, done == 0 ? hidden : forward_hidden(sa), done != 0};
+            if (done > 0 && done % 2 == 0) {
+                /* As a transport would: rows written straight into b's input buffer. */
+                ASSERT_OK(backend_copy(f.b, forward_input_buffer(sb), forward_hidden(sa), sizeof(float) * (size_t)dim * n));
+                bb.hidden_in = forward_input_buffer(sb);
+            }
             struct forward_out ob = {got + (size_t)done * V, 0, NULL};
             if (forward_step(sb, &bb, &ob, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
             ASSERT_EQ(n, ob.n_logits);
