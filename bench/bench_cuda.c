@@ -128,6 +128,53 @@ static void *host_weight(enum dtype t, int64_t rows, int64_t cols) {
     return h;
 }
 
+/* Skinny kernel against dequantize + cuBLAS at small batches, on a fresh
+ * backend for each path (LLM_CUDA_SKINNY_MAX picks it at init). */
+static void crossover(int device, double bw) {
+    static const enum dtype types[4] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q6_K};
+    static const int32_t batches[5] = {1, 2, 4, 8, 16};
+    static const char *modes[2] = {"16", "0"};
+    double t[2][4][5];
+    int64_t R = 4096, C = 4096;
+    for (int m = 0; m < 2; m++) {
+        backend_free(be);
+        be = NULL;
+        setenv("LLM_CUDA_SKINNY_MAX", modes[m], 1);
+        char err[256];
+        if (backend_cuda_init(&be, device, err, sizeof err)) {
+            fprintf(stderr, "bench_cuda: %s\n", err);
+            exit(1);
+        }
+        for (int k = 0; k < 4; k++) {
+            size_t wbytes = dtype_row_bytes(types[k], C) * R;
+            int n_w = (int)((512u << 20) / wbytes) + 1;
+            if (n_w > 16) n_w = 16;
+            struct backend_weight ws[16];
+            void *hw = host_weight(types[k], R, C);
+            for (int i = 0; i < n_w; i++)
+                if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
+            free(hw);
+            float *x = dev_random_f32((size_t)16 * C), *out = dev_alloc((size_t)16 * R * 4);
+            for (int b = 0; b < 5; b++) {
+                struct mm_arg a = {ws, n_w, x, out, batches[b]};
+                t[m][k][b] = time_median(mm_fn, &a);
+            }
+            backend_dealloc(be, x);
+            backend_dealloc(be, out);
+            for (int i = 0; i < n_w; i++) backend_weight_free(be, &ws[i]);
+        }
+    }
+    unsetenv("LLM_CUDA_SKINNY_MAX");
+    printf("\nmatmul 4096x4096, skinny kernel vs dequantize + cuBLAS (us; %% of bw counts weight bytes)\n");
+    printf("%-6s %5s %10s %7s %10s %7s\n", "type", "batch", "skinny", "of bw", "cublas", "of bw");
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 5; b++) {
+            double wb = (double)dtype_row_bytes(types[k], C) * R;
+            printf("%-6s %5d %10.1f %6.1f%% %10.1f %6.1f%%\n", dtype_name(types[k]), batches[b], t[0][k][b] * 1e6,
+                   100.0 * wb / t[0][k][b] / bw, t[1][k][b] * 1e6, 100.0 * wb / t[1][k][b] / bw);
+        }
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     char err[256];
@@ -274,6 +321,7 @@ int main(int argc, char **argv) {
         backend_dealloc(be, dtab);
         backend_kv_free(be, &kv);
     }
+    crossover(device, bw);
     backend_free(be);
     return 0;
 }
