@@ -1,0 +1,268 @@
+/* Tests of the stage-to-stage links: the ZeroMQ link on loopback (ordered
+ * delivery matched by step id, stale and early messages, skip markers,
+ * epochs, large buffers, size mismatches, a vanished peer giving a bounded
+ * error) and the NCCL link between two GPUs (skipped without them). */
+#include "tests/test.h"
+
+#include "common/rconn.h"
+#include "common/status.h"
+#include "kernels/backend.h"
+#include "tests/redis_fixture.h"
+#include "worker/link.h"
+
+#include <pthread.h>
+#include <time.h>
+#include <zmq.h>
+
+static int64_t t_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+struct t_pair {
+    void *ctx;
+    link_conn *rx, *tx;
+};
+
+static void t_pair_open(struct t_pair *p, int timeout_ms) {
+    char err[512];
+    p->ctx = zmq_ctx_new();
+    ASSERT_TRUE(p->ctx != NULL);
+    int rc = link_zmq_init(&p->rx, p->ctx, LINK_RECV, "tcp://127.0.0.1:*", timeout_ms, err, sizeof err);
+    if (rc < 0) TEST_FAIL("receiver: %s", err);
+    ASSERT_TRUE(strncmp(link_endpoint(p->rx), "tcp://127.0.0.1:", 16) == 0);
+    rc = link_zmq_init(&p->tx, p->ctx, LINK_SEND, link_endpoint(p->rx), timeout_ms, err, sizeof err);
+    if (rc < 0) TEST_FAIL("sender: %s", err);
+    ASSERT_STREQ("zmq", link_kind(p->tx));
+    ASSERT_EQ(0, link_on_device(p->tx));
+}
+
+static void t_pair_close(struct t_pair *p) {
+    link_free(p->tx);
+    link_free(p->rx);
+    p->tx = p->rx = NULL;
+    if (p->ctx) zmq_ctx_term(p->ctx);
+    p->ctx = NULL;
+}
+
+static void t_fill(float *x, size_t n, float base) {
+    for (size_t i = 0; i < n; i++) x[i] = base + (float)i * 0.25f;
+}
+
+TEST(link_zmq_ordered_by_step) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[64], in[64];
+    for (uint64_t step = 10; step < 15; step++) {
+        t_fill(out, 64, (float)step);
+        ASSERT_OK(link_send(p.tx, step, out, sizeof out));
+    }
+    for (uint64_t step = 10; step < 15; step++) {
+        memset(in, 0, sizeof in);
+        ASSERT_OK(link_recv(p.rx, step, in, sizeof in));
+        ASSERT_EQ((float)step, in[0]);
+        ASSERT_EQ((float)step + 63 * 0.25f, in[63]);
+    }
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_stale_dropped_early_kept) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[8], in[8];
+    /* Steps 1 and 2 belong to plans the receiver dropped: it asks for 3. */
+    for (uint64_t step = 1; step <= 3; step++) {
+        t_fill(out, 8, (float)step);
+        ASSERT_OK(link_send(p.tx, step, out, sizeof out));
+    }
+    ASSERT_OK(link_recv(p.rx, 3, in, sizeof in));
+    ASSERT_EQ(3.0f, in[0]);
+    /* The sender skipped step 4 (it failed there, say) and sent 5: asking
+     * for 4 says so, and 5 is still delivered afterwards. */
+    t_fill(out, 8, 5.0f);
+    ASSERT_OK(link_send(p.tx, 5, out, sizeof out));
+    ASSERT_EQ(STATUS_NOT_FOUND, link_recv(p.rx, 4, in, sizeof in));
+    ASSERT_TRUE(strstr(link_errstr(p.rx), "step 4") != NULL);
+    ASSERT_OK(link_recv(p.rx, 5, in, sizeof in));
+    ASSERT_EQ(5.0f, in[0]);
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_skip_marker) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float in[4] = {7, 7, 7, 7};
+    ASSERT_OK(link_send(p.tx, 9, NULL, 0));
+    ASSERT_EQ(LINK_SKIPPED, link_recv(p.rx, 9, in, sizeof in));
+    ASSERT_EQ(7.0f, in[0]); /* untouched */
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_older_epoch_dropped) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[4] = {1, 2, 3, 4}, in[4] = {0};
+    link_set_epoch(p.tx, 1);
+    ASSERT_OK(link_send(p.tx, 100, out, sizeof out));
+    link_set_epoch(p.tx, 2);
+    out[0] = 42;
+    ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
+    /* After a re-form the step ids may start again lower: the epoch decides. */
+    link_set_epoch(p.rx, 2);
+    ASSERT_OK(link_recv(p.rx, 1, in, sizeof in));
+    ASSERT_EQ(42.0f, in[0]);
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_large_buffer) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 5000);
+    size_t n = (size_t)4 << 20; /* 16 MiB of floats: a 512-token prefill of a 8192-wide model */
+    float *out = malloc(n * sizeof *out), *in = malloc(n * sizeof *in);
+    ASSERT_TRUE(out && in);
+    t_fill(out, n, -3.0f);
+    ASSERT_OK(link_send(p.tx, 1, out, n * sizeof *out));
+    ASSERT_OK(link_recv(p.rx, 1, in, n * sizeof *in));
+    ASSERT_TRUE(memcmp(out, in, n * sizeof *in) == 0);
+    free(out);
+    free(in);
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_size_mismatch) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[10] = {0}, in[20];
+    ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
+    ASSERT_EQ(STATUS_PROTOCOL, link_recv(p.rx, 1, in, sizeof in));
+    ASSERT_TRUE(strstr(link_errstr(p.rx), "40 bytes") != NULL);
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_wrong_direction) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 500);
+    float x[2] = {0};
+    ASSERT_EQ(STATUS_BAD_INPUT, link_send(p.rx, 1, x, sizeof x));
+    ASSERT_EQ(STATUS_BAD_INPUT, link_recv(p.tx, 1, x, sizeof x));
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_peer_gone_times_out) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 300);
+    float buf[256] = {0};
+    ASSERT_OK(link_send(p.tx, 1, buf, sizeof buf));
+    ASSERT_OK(link_recv(p.rx, 1, buf, sizeof buf));
+    /* Nothing sent: the receiver gives up after its timeout. */
+    int64_t t0 = t_now_ms();
+    ASSERT_EQ(STATUS_TIMEOUT, link_recv(p.rx, 2, buf, sizeof buf));
+    int64_t waited = t_now_ms() - t0;
+    ASSERT_TRUE(waited >= 250 && waited < 3000);
+    ASSERT_TRUE(strstr(link_errstr(p.rx), "step 2") != NULL);
+    /* The receiver goes away: sends fail within the timeout instead of
+     * queueing for ever (a few may still fit in the socket buffers). */
+    link_free(p.rx);
+    p.rx = NULL;
+    t0 = t_now_ms();
+    int rc = 0;
+    for (uint64_t step = 2; step < 200 && rc == 0; step++) rc = link_send(p.tx, step, buf, sizeof buf);
+    ASSERT_EQ(STATUS_TIMEOUT, rc);
+    ASSERT_TRUE(t_now_ms() - t0 < 10000);
+    ASSERT_TRUE(strstr(link_errstr(p.tx), "next stage") != NULL);
+    t_pair_close(&p);
+}
+
+TEST(link_zmq_bad_endpoint) {
+    void *ctx = zmq_ctx_new();
+    link_conn *l = NULL;
+    char err[512];
+    ASSERT_TRUE(link_zmq_init(&l, ctx, LINK_RECV, "tcp://127.0.0.1:99999", 1000, err, sizeof err) < 0);
+    ASSERT_TRUE(l == NULL);
+    ASSERT_TRUE(strstr(err, "99999") != NULL);
+    ASSERT_EQ(STATUS_BAD_INPUT, link_zmq_init(&l, ctx, LINK_SEND, "", 1000, err, sizeof err));
+    zmq_ctx_term(ctx);
+}
+
+/* ---- NCCL: two GPUs of this machine, one thread per stage ---- */
+
+struct t_nccl_side {
+    int device;
+    enum link_dir dir;
+    const char *redis_url;
+    int rc;
+    char err[512];
+    float result[1024];
+};
+
+static void *t_nccl_main(void *arg) {
+    struct t_nccl_side *s = arg;
+    backend *b = NULL;
+    struct rconn *r = NULL;
+    link_conn *l = NULL;
+    s->rc = backend_cuda_init(&b, s->device, s->err, sizeof s->err);
+    if (s->rc == 0) s->rc = rconn_open_url(s->redis_url, 2000, &r, s->err, sizeof s->err);
+    char key[96];
+    link_nccl_key(key, sizeof key, 7, 0, 3);
+    if (s->rc == 0) s->rc = link_nccl_init(&l, b, s->dir, r, key, 20000, s->err, sizeof s->err);
+    size_t bytes = sizeof s->result;
+    float *dev = s->rc == 0 ? backend_alloc(b, bytes) : NULL;
+    if (s->rc == 0 && !dev) s->rc = STATUS_NO_MEMORY;
+    for (uint64_t step = 1; s->rc == 0 && step <= 3; step++) {
+        if (s->dir == LINK_SEND) {
+            float host[1024];
+            for (int i = 0; i < 1024; i++) host[i] = (float)step * 1000 + i;
+            s->rc = backend_upload(b, dev, host, bytes);
+            if (s->rc == 0) s->rc = link_send(l, step, dev, bytes);
+            if (s->rc == 0) s->rc = backend_sync(b);
+        } else {
+            s->rc = link_recv(l, step, dev, bytes);
+            if (s->rc == 0) s->rc = backend_download(b, s->result, dev, bytes);
+            if (s->rc == 0 && s->result[5] != (float)step * 1000 + 5) s->rc = STATUS_INTERNAL;
+        }
+        if (s->rc < 0 && !s->err[0] && l) snprintf(s->err, sizeof s->err, "%s", link_errstr(l));
+    }
+    if (dev) backend_dealloc(b, dev);
+    link_free(l);
+    rconn_close(r);
+    backend_free(b);
+    return NULL;
+}
+
+TEST(link_nccl_two_gpus) {
+    backend *b = NULL;
+    char err[512];
+    if (backend_cuda_init(&b, 1, err, sizeof err) < 0) TEST_SKIP("needs two GPUs: %s", err);
+    backend_free(b);
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    struct t_nccl_side tx = {0, LINK_SEND, f.url, 0, "", {0}};
+    struct t_nccl_side rx = {1, LINK_RECV, f.url, 0, "", {0}};
+    pthread_t a, c;
+    pthread_create(&a, NULL, t_nccl_main, &tx);
+    pthread_create(&c, NULL, t_nccl_main, &rx);
+    pthread_join(a, NULL);
+    pthread_join(c, NULL);
+    ASSERT_OK(fixture_redis_stop(&f));
+    if (tx.rc < 0) TEST_FAIL("sender: %d %s", tx.rc, tx.err);
+    if (rx.rc < 0) TEST_FAIL("receiver: %d %s", rx.rc, rx.err);
+    ASSERT_EQ(3000.0f + 1023, rx.result[1023]);
+}
+
+TEST(link_nccl_needs_cuda_backend) {
+    backend *b = NULL;
+    char err[512];
+    ASSERT_OK(backend_cpu_init(&b, 1, err, sizeof err));
+    link_conn *l = NULL;
+    int rc = link_nccl_init(&l, b, LINK_SEND, NULL, "llm:nccl:0:0:0", 100, err, sizeof err);
+    ASSERT_TRUE(rc < 0);
+    ASSERT_TRUE(l == NULL);
+    ASSERT_TRUE(strstr(err, "llm:nccl:0:0:0") != NULL);
+    backend_free(b);
+}
+
+TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_skip_marker,
+          link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
+          link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
+          link_nccl_two_gpus, link_nccl_needs_cuda_backend)
