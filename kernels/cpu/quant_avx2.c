@@ -369,6 +369,70 @@ AVX2_FN static void dot4_q8_0_avx2(const void *w, const void *x, size_t stride, 
     out[3] = hsum256(c3);
 }
 
+/* Eight weights of a float-like row as floats. */
+AVX2_INLINE static __m256 load8_f32(const void *w, int64_t i) { return _mm256_loadu_ps((const float *)w + i); }
+AVX2_INLINE static __m256 load8_bf16(const void *w, int64_t i) {
+    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+/* dot4 for F32 and BF16 rows: the F16 kernel's structure with another
+ * loader (the loaders inline, so each instance is straight-line code). */
+#define DOT4_FLOAT(name, load, scalar)                                                                          \
+    AVX2_FN static void name(const void *w, const void *x, size_t stride, int64_t n, float *out) {              \
+        const float *b0 = ROW(x, 0, stride), *b1 = ROW(x, 1, stride), *b2 = ROW(x, 2, stride),                  \
+                    *b3 = ROW(x, 3, stride);                                                                    \
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,     \
+               c31 = c00;                                                                                       \
+        int64_t i = 0;                                                                                          \
+        for (; i + 16 <= n; i += 16) {                                                                          \
+            __m256 w0 = load(w, i), w1 = load(w, i + 8);                                                        \
+            c00 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b0 + i), c00);                                            \
+            c01 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b0 + i + 8), c01);                                        \
+            c10 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b1 + i), c10);                                            \
+            c11 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b1 + i + 8), c11);                                        \
+            c20 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b2 + i), c20);                                            \
+            c21 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b2 + i + 8), c21);                                        \
+            c30 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(b3 + i), c30);                                            \
+            c31 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(b3 + i + 8), c31);                                        \
+        }                                                                                                       \
+        out[0] = hsum256(_mm256_add_ps(c00, c01));                                                              \
+        out[1] = hsum256(_mm256_add_ps(c10, c11));                                                              \
+        out[2] = hsum256(_mm256_add_ps(c20, c21));                                                              \
+        out[3] = hsum256(_mm256_add_ps(c30, c31));                                                              \
+        for (; i < n; i++) {                                                                                    \
+            float wi = scalar;                                                                                  \
+            out[0] += wi * b0[i];                                                                               \
+            out[1] += wi * b1[i];                                                                               \
+            out[2] += wi * b2[i];                                                                               \
+            out[3] += wi * b3[i];                                                                               \
+        }                                                                                                       \
+    }
+
+DOT4_FLOAT(dot4_f32_avx2, load8_f32, ((const float *)w)[i])
+DOT4_FLOAT(dot4_bf16_avx2, load8_bf16, cpu_bf16_to_f32(((const uint16_t *)w)[i]))
+
+AVX2_FN static void dot4_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const block_q4_0 *b = w;
+    const struct cpu_q8 *y0 = ROW(x, 0, stride), *y1 = ROW(x, 1, stride), *y2 = ROW(x, 2, stride),
+                        *y3 = ROW(x, 3, stride);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t k = 0; k < n / 32; k++) {
+        __m256i qw = _mm256_sub_epi8(unpack_nibbles(b[k].qs), _mm256_set1_epi8(8));
+        __m256i aw = _mm256_sign_epi8(qw, qw);
+        float dw = cpu_fp16_to_f32(b[k].d);
+        c0 = Q8_TERM(aw, qw, y0[k].qs, dw * y0[k].d, c0);
+        c1 = Q8_TERM(aw, qw, y1[k].qs, dw * y1[k].d, c1);
+        c2 = Q8_TERM(aw, qw, y2[k].qs, dw * y2[k].d, c2);
+        c3 = Q8_TERM(aw, qw, y3[k].qs, dw * y3[k].d, c3);
+    }
+    out[0] = hsum256(c0);
+    out[1] = hsum256(c1);
+    out[2] = hsum256(c2);
+    out[3] = hsum256(c3);
+}
+
 AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
     const block_q4_k *b = w;
     const struct cpu_q8k *y[4];
@@ -385,6 +449,45 @@ AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, 
         for (int i = 0; i < 4; i++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
             __m256i lo = _mm256_and_si256(q4, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
+            __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i));
+                __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i + 32));
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0));
+                sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1));
+            }
+        }
+        float d = cpu_fp16_to_f32(b[k].d), dmin = cpu_fp16_to_f32(b[k].dmin);
+        for (int j = 0; j < 4; j++) {
+            __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[j][k].bsums), mins2);
+            acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+            acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(y[j][k].d * dmin), _mm256_cvtepi32_ps(msum), acc[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+}
+
+AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    const block_q5_k *b = w;
+    const struct cpu_q8k *y[4];
+    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n / 256; k++) {
+        __m256i mins2;
+        __m256i sc = k4_scales(b[k].scales, &mins2);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)b[k].qh);
+        __m256i sumi[4];
+        for (int j = 0; j < 4; j++) sumi[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
+            __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4);
+            __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, low4), h0);
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), low4), h1);
             __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
@@ -476,9 +579,13 @@ cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
 
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
     switch (t) {
+    case DTYPE_F32: return dot4_f32_avx2;
     case DTYPE_F16: return dot4_f16_avx2;
+    case DTYPE_BF16: return dot4_bf16_avx2;
+    case DTYPE_Q4_0: return dot4_q4_0_avx2;
     case DTYPE_Q8_0: return dot4_q8_0_avx2;
     case DTYPE_Q4_K: return dot4_q4_k_avx2;
+    case DTYPE_Q5_K: return dot4_q5_k_avx2;
     case DTYPE_Q6_K: return dot4_q6_k_avx2;
     default: return NULL;
     }
