@@ -134,8 +134,7 @@ int main(int argc, char **argv) {
     node *n;
     rc = node_init(&n, &cfg, err, sizeof err);
     if (rc < 0) {
-        LOG(LL_ERROR, "cannot start: %s", err);
-        fprintf(stderr, "llm-worker: %s\n", err);
+        fprintf(stderr, "llm-worker: cannot start: %s\n", err);
         return 1;
     }
     rc = node_run(n, &worker_stop, err, sizeof err);
