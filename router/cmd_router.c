@@ -1,0 +1,90 @@
+/* llm-router: the cluster's brain.  Accepts client requests, keeps them
+ * durable in Redis, forms pipelines from the workers that register, and
+ * schedules every step.  Options come from flags or LLM_* environment
+ * variables (see --help). */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/status.h"
+#include "router/server.h"
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_signal(int sig) {
+    (void)sig;
+    stop_flag = 1;
+}
+
+int main(int argc, char **argv) {
+    struct server_config c;
+    memset(&c, 0, sizeof c);
+    int log_level = LL_INFO;
+    static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
+    const struct option_def defs[] = {
+        {"model", "LLM_MODEL", OPTION_STRING, NULL,
+         "model file (.gguf) or Hugging Face directory: its tokenizer and metadata", &c.model_path, 0, 0, NULL},
+        {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://0.0.0.0:5555", "endpoint for clients", &c.listen, 0, 0, NULL},
+        {"worker-listen", "LLM_WORKER_LISTEN", OPTION_STRING, "tcp://0.0.0.0:5556", "endpoint for workers",
+         &c.worker_listen, 0, 0, NULL},
+        {"redis", "LLM_REDIS", OPTION_STRING, "redis://127.0.0.1:6379", "Redis URL (queue, state, registry)",
+         &c.redis_url, 0, 0, NULL},
+        {"redis-prefix", "LLM_REDIS_PREFIX", OPTION_STRING, "llm:", "prefix of every Redis key",
+         &c.redis_prefix, 0, 0, NULL},
+        {"router-id", "LLM_ROUTER_ID", OPTION_STRING, "router",
+         "this router's name in the request stream's consumer group (keep it across restarts)",
+         &c.router_id, 0, 0, NULL},
+        {"max-queue", "LLM_MAX_QUEUE", OPTION_INT, "1024",
+         "accepted requests waiting to run, at most (then RESOURCE_EXHAUSTED)", &c.max_queue, 1, 10000000, NULL},
+        {"step-tokens", "LLM_STEP_TOKENS", OPTION_INT, "512",
+         "tokens per scheduler step: decodes plus prefill chunks", &c.step_tokens, 1, 1048576, NULL},
+        {"max-batch", "LLM_MAX_BATCH", OPTION_INT, "64", "sequences running per pipeline, at most",
+         &c.max_batch, 1, 65536, NULL},
+        {"stages", "LLM_STAGES", OPTION_INT, "1",
+         "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
+        {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",
+         &c.heartbeat_ms, 10, 3600000, NULL},
+        {"worker-timeout-ms", "LLM_WORKER_TIMEOUT_MS", OPTION_INT, "5000",
+         "a worker silent this long is lost (its pipeline leaves service)", &c.worker_timeout_ms, 20, 86400000, NULL},
+        {"step-timeout-ms", "LLM_STEP_TIMEOUT_MS", OPTION_INT, "60000",
+         "a step without a result this long re-forms its pipeline", &c.step_timeout_ms, 10, 86400000, NULL},
+        {"retention-s", "LLM_RETENTION_S", OPTION_INT, "3600",
+         "finished requests are remembered (re-attach) this long", &c.retention_s, 1, 100000000, NULL},
+        {"claim-idle-ms", "LLM_CLAIM_IDLE_MS", OPTION_INT, "0",
+         "at start, take over another router's requests idle this long", &c.claim_idle_ms, 0, 86400000, NULL},
+        {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
+    };
+    struct options o = {"llm-router", "[options]",
+                        "Routes and schedules generation requests over the cluster's worker pipelines.",
+                        defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char err[512];
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "llm-router: %s\n", err);
+        return 2;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "llm-router: unexpected argument \"%s\" (see --help)\n", argv[1]);
+        return 2;
+    }
+    log_set_process("router");
+    log_set_level(log_level);
+    options_log(&o);
+    signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    server *s = NULL;
+    if (server_init(&s, &c, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-router: %s\n", err);
+        return 1;
+    }
+    server_run(s, &stop_flag);
+    server_free(s);
+    return 0;
+}

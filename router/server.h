@@ -1,0 +1,49 @@
+/* The router process's core: two ZeroMQ ROUTER sockets (clients, workers),
+ * one single-threaded event loop around zmq_poll, and the glue between the
+ * request store (Redis), the worker registry and the per-pipeline
+ * schedulers.  See docs/router.md.
+ *
+ *   server *s; server_init(&s, &cfg, err, sizeof err);
+ *   server_run(s, &stop_flag);   // until stop_flag is set (a signal handler)
+ *   server_free(s); */
+#ifndef ROUTER_SERVER_H
+#define ROUTER_SERVER_H
+
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct server_config {
+    const char *model_path;    /* GGUF file or HF directory: tokenizer and metadata */
+    const char *listen;        /* client endpoint, "tcp://0.0.0.0:5555" */
+    const char *worker_listen; /* worker endpoint, "tcp://0.0.0.0:5556" */
+    const char *redis_url;
+    const char *redis_prefix;  /* "llm:" */
+    const char *router_id;     /* consumer name in the request stream's group */
+    int max_queue;             /* accepted requests not yet running, at most */
+    int step_tokens;           /* token budget of one step (decodes + prefill chunks) */
+    int max_batch;             /* sequences running per pipeline, at most */
+    int heartbeat_ms;          /* interval the workers are told to use */
+    int worker_timeout_ms;     /* a worker silent this long is lost */
+    int step_timeout_ms;       /* a step without result this long re-forms its pipeline */
+    int stages;                /* stages per pipeline for workers that let the router place them */
+    int retention_s;           /* finished requests are remembered this long */
+    int claim_idle_ms;         /* another router's requests idle this long are taken over */
+};
+
+typedef struct server server;
+
+/* Loads the model's tokenizer and metadata, binds both sockets and
+ * connects to Redis (if Redis is down the router starts anyway, answers
+ * UNAVAILABLE and keeps trying).  On failure *out is NULL and err names the
+ * file, endpoint or value. */
+int server_init(server **out, const struct server_config *cfg, char *err, size_t errlen);
+/* Serves until *stop becomes non-zero; returns 0. */
+int server_run(server *s, volatile sig_atomic_t *stop);
+void server_free(server *s); /* NULL is fine */
+
+/* The bound endpoints (with the port a "*" chose). */
+const char *server_client_endpoint(const server *s);
+const char *server_worker_endpoint(const server *s);
+
+#endif
