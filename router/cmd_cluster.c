@@ -488,7 +488,8 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     }
 
     /* The router. */
-    char client_ep[64], worker_ep[64], extra_r[1024];
+    char client_ep[64], worker_ep[64], extra_r[1024], stages_s[16];
+    cl_fmt(stages_s, sizeof stages_s, "%d", u->stages);
     cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", port);
     cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", worker_port);
     cl_fmt(u->endpoint, sizeof u->endpoint, "%s", client_ep);
@@ -502,8 +503,10 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     argv[n++] = client_ep;
     argv[n++] = "--worker-listen";
     argv[n++] = worker_ep;
-    argv[n++] = "--redis-url";
+    argv[n++] = "--redis";
     argv[n++] = u->redis_url;
+    argv[n++] = "--stages";
+    argv[n++] = stages_s;
     argv[n++] = "--log-level";
     argv[n++] = (char *)u->log_level;
     if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
@@ -539,7 +542,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = (char *)u->model;
             argv[n++] = "--router";
             argv[n++] = worker_ep;
-            argv[n++] = "--redis-url";
+            argv[n++] = "--redis";
             argv[n++] = u->redis_url;
             argv[n++] = "--worker-id";
             argv[n++] = name;
