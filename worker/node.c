@@ -66,7 +66,7 @@ struct node {
 
     void *zctx;
     struct zio_sock *router; /* DEALER, io thread */
-    struct rconn *redis;     /* io thread, and the compute thread only while the io thread waits */
+    struct rconn *redis;     /* io thread only */
     char redis_key[192];
     struct zio_sock *pipe_io, *pipe_compute;
     pthread_t compute;
@@ -480,20 +480,32 @@ static int node_links_setup(node *n, const char *next_ep, char *err, size_t errl
     if (n->device_links) {
         if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
         node_links_close(n, 0);
+        if (first && last) {
+            n->links_epoch = n->epoch;
+            return STATUS_OK;
+        }
+        if (!*n->s_redis) {
+            snprintf(err, errlen, "stage %d: NCCL links need --redis to exchange their ids",
+                     n->stage_index);
+            return STATUS_BAD_INPUT;
+        }
+        /* A connection of this thread's own: the io thread's is in use for heartbeats. */
+        struct rconn *redis = NULL;
+        int rc = rconn_open_url(n->s_redis, 2000, &redis, err, errlen);
+        if (rc < 0) return rc;
         char key[128];
-        int rc;
         if (!first) {
             link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)(n->stage_index - 1), n->epoch);
-            rc = link_nccl_init(&n->rx, n->b, LINK_RECV, n->redis, key, n->cfg.link_timeout_ms,
-                                err, errlen);
-            if (rc < 0) return rc;
+            rc = link_nccl_init(&n->rx, n->b, LINK_RECV, redis, key, n->cfg.link_timeout_ms, err,
+                                errlen);
         }
-        if (!last) {
+        if (rc == STATUS_OK && !last) {
             link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)n->stage_index, n->epoch);
-            rc = link_nccl_init(&n->tx, n->b, LINK_SEND, n->redis, key, n->cfg.link_timeout_ms,
-                                err, errlen);
-            if (rc < 0) return rc;
+            rc = link_nccl_init(&n->tx, n->b, LINK_SEND, redis, key, n->cfg.link_timeout_ms, err,
+                                errlen);
         }
+        rconn_close(redis);
+        if (rc < 0) return rc;
         n->links_epoch = n->epoch;
         return STATUS_OK;
     }

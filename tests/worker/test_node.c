@@ -11,6 +11,7 @@
 #include "common/rconn.h"
 #include "common/status.h"
 #include "common/zio.h"
+#include "kernels/backend.h"
 #include "proto/wire.h"
 #include "tests/redis_fixture.h"
 
@@ -651,6 +652,61 @@ TEST(node_refuses_what_does_not_fit) {
     unlink(w.log);
 }
 
+/* Two GPU stages linked by NCCL (ids through Redis), when the machine has
+ * two GPUs.  Hidden states cross the link in F16, so only the start of the
+ * greedy sequence is held to the goldens. */
+TEST(node_two_stages_chain_over_nccl) {
+    backend *b = NULL;
+    char err[512];
+    if (backend_cuda_init(&b, 1, err, sizeof err) < 0) TEST_SKIP("needs two GPUs: %s", err);
+    backend_free(b);
+    struct t_golden g;
+    t_golden_load(&g);
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    struct t_router r = {0};
+    t_router_open(&r);
+    struct t_worker w0 = {0}, w1 = {0};
+    const char *a0[] = {"--stages", "2", "--stage", "0", "--pipeline", "1", "--device", "cuda:0",
+                        "--require-gpu", "--transport", "nccl", "--kv-blocks", "64", NULL};
+    const char *a1[] = {"--stages", "2", "--stage", "1", "--pipeline", "1", "--device", "cuda:1",
+                        "--require-gpu", "--transport", "nccl", "--kv-blocks", "64", NULL};
+    t_worker_start(&w0, r.endpoint, f.url, "g0", a0);
+    t_worker_start(&w1, r.endpoint, f.url, "g1", a1);
+    for (int i = 0; i < 2; i++) {
+        char from[64];
+        Llm__WorkerEnvelope *e = t_recv(&r, LLM__WORKER_ENVELOPE__BODY_REGISTER, 60000, from);
+        if (!e) {
+            t_worker_log_tail(&w0);
+            t_worker_log_tail(&w1);
+            t_worker_kill(&w0);
+            t_worker_kill(&w1);
+            TEST_FAIL("only %d of 2 GPU workers registered", i);
+        }
+        ASSERT_STREQ("cuda", e->register_->backend);
+        ASSERT_STREQ("", e->register_->stage_endpoint);
+        proto_worker_free(e);
+    }
+    t_reply(&r, "g0", 1, "", "");
+    t_reply(&r, "g1", 1, "", "");
+    int32_t toks[10];
+    const char *to[2] = {"g0", "g1"};
+    t_generate(&r, to, 2, 1, 3, &g, 10, toks, "g1");
+    for (int i = 0; i < 10; i++) ASSERT_EQ(g.gen[i], toks[i]);
+    kill(w0.pid, SIGTERM);
+    kill(w1.pid, SIGTERM);
+    int c0 = t_worker_wait(&w0, 20000), c1 = t_worker_wait(&w1, 20000);
+    if (c0 != 0) t_worker_log_tail(&w0);
+    if (c1 != 0) t_worker_log_tail(&w1);
+    t_worker_kill(&w0);
+    t_worker_kill(&w1);
+    ASSERT_EQ(0, c0);
+    ASSERT_EQ(0, c1);
+    t_router_close(&r);
+    ASSERT_OK(fixture_redis_stop(&f));
+}
+
 TEST_MAIN(node_registers_generates_and_stops, node_two_stages_chain_over_zmq,
+          node_two_stages_chain_over_nccl,
           node_bad_input_keeps_serving, node_seeded_sampling_reproduces,
           node_refuses_what_does_not_fit)
