@@ -711,7 +711,7 @@ TEST(cpu_ops_thread_count_invariance) {
         ASSERT_NMSE(outs[1], ref, n * rows, 1e-12);
         ASSERT_NMSE(outs[2], ref, n * rows, 1e-12);
     }
-    /* Attention and the row ops through the same comparison. */
+    /* Attention through the same comparison. */
     float *outs[3];
     for (int nt = 1; nt <= 3; nt++) {
         backend *be = fx_backend(nt);
@@ -739,6 +739,28 @@ TEST(cpu_ops_thread_count_invariance) {
     for (int64_t i = 0; i < 50 * 256; i++) ref[i] = outs[0][i];
     ASSERT_NMSE(outs[1], ref, 50 * 256, 1e-12);
     ASSERT_NMSE(outs[2], ref, 50 * 256, 1e-12);
+
+    /* And a chain of row ops on an input large enough to be split. */
+    int32_t nr = 96, dim = 1024;
+    rng_state = 777;
+    float *x0 = rand_floats(nr * dim, 1.0f), *d0 = rand_floats(nr * dim, 1.0f), *w = rand_floats(dim, 1.0f);
+    int32_t *pos = fx_alloc((size_t)nr * sizeof(int32_t));
+    float inv[32];
+    for (int32_t i = 0; i < nr; i++) pos[i] = 3 * i;
+    for (int i = 0; i < 32; i++) inv[i] = powf(10000.0f, -(float)i / 32.0f);
+    for (int nt = 1; nt <= 3; nt++) {
+        backend *be = fx_backend(nt);
+        float *x = fx_alloc((size_t)nr * dim * sizeof(float));
+        memcpy(x, x0, (size_t)nr * dim * sizeof(float));
+        outs[nt - 1] = nan_floats(nr * dim);
+        ASSERT_OK(backend_add_rmsnorm(be, x, d0, outs[nt - 1], w, nr, dim, 1e-5f));
+        ASSERT_OK(backend_rope(be, outs[nt - 1], pos, nr, 16, 64, inv, 32, 1));
+        ASSERT_OK(backend_swiglu(be, outs[nt - 1], outs[nt - 1], x, (int64_t)nr * dim));
+    }
+    ref = fx_alloc((size_t)nr * dim * sizeof(double));
+    for (int64_t i = 0; i < (int64_t)nr * dim; i++) ref[i] = outs[0][i];
+    ASSERT_NMSE(outs[1], ref, nr * dim, 1e-12);
+    ASSERT_NMSE(outs[2], ref, nr * dim, 1e-12);
     fx_release();
 }
 
