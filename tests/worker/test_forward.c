@@ -22,15 +22,31 @@ struct fx {
     int32_t n_vocab;
 };
 
+/* LLM_TEST_DEVICE=cuda:N runs the whole suite on that GPU instead of the
+ * CPU (then a missing GPU is a failure, not a skip). */
+static void fx_backend(backend **b) {
+    char err[512];
+    const char *dev = getenv("LLM_TEST_DEVICE");
+    if (dev && strncmp(dev, "cuda:", 5) == 0) {
+        if (backend_cuda_init(b, atoi(dev + 5), err, sizeof err) != 0) TEST_FAIL("LLM_TEST_DEVICE=%s: %s", dev, err);
+    } else if (backend_cpu_init(b, 2, err, sizeof err) != 0) {
+        TEST_FAIL("backend_cpu_init: %s", err);
+    }
+}
+
 static void fx_open(struct fx *f, const char *file, const struct stage_config *cfg_in) {
     char err[512];
     memset(f, 0, sizeof *f);
     const char *path = test_model_path(file);
-    if (backend_cpu_init(&f->b, 2, err, sizeof err) != 0) TEST_FAIL("backend_cpu_init: %s", err);
+    fx_backend(&f->b);
     if (model_file_open(&f->m, path, err, sizeof err) != 0) TEST_FAIL("model_file_open: %s", err);
     struct stage_config cfg;
-    if (cfg_in) cfg = *cfg_in;
-    else stage_config_default(&cfg);
+    if (cfg_in) {
+        cfg = *cfg_in;
+    } else {
+        stage_config_default(&cfg);
+        cfg.kv_type = DTYPE_F32; /* exact comparisons, on a GPU too */
+    }
     if (stage_init(&f->s, f->m, f->b, &cfg, err, sizeof err) != 0) TEST_FAIL("stage_init: %s", err);
     const struct stage_config *c = stage_config_get(f->s);
     if (kvblocks_init(&f->kb, c->n_blocks, c->block_size, err, sizeof err) != 0)
@@ -223,6 +239,11 @@ TEST(forward_tiny_llama_hf_matches_reference) {
     kvblocks_table_init(&t);
     /* Every prompt position in one prefill. */
     fx_run(&f, &t, ids, np, FORWARD_LOGITS_ALL, logits);
+    /* A GPU's matmuls round activations to F16 on the tensor cores: measured
+     * 1.2e-3 on an H100 against 7e-6 for the float32 CPU path, and more
+     * between its one-row and many-row kernels. */
+    const int gpu = getenv("LLM_TEST_DEVICE") != NULL;
+    const double tol = gpu ? 5e-3 : 1e-3, margin = gpu ? 5e-2 : 1e-3;
     double worst = 0;
     const cJSON *top = cJSON_GetObjectItem(g, "top5_per_prompt_position");
     for (int32_t k = 0; k < np; k++) {
@@ -232,7 +253,7 @@ TEST(forward_tiny_llama_hf_matches_reference) {
             double ref = cJSON_GetArrayItem(e, 1)->valuedouble;
             double d = fabs(logits[(size_t)k * f.n_vocab + id] - ref);
             if (d > worst) worst = d;
-            if (d > 1e-3) TEST_FAIL("prompt position %d: logit of %d is %.6f, reference %.6f", k, id, logits[(size_t)k * f.n_vocab + id], ref);
+            if (d > tol) TEST_FAIL("prompt position %d: logit of %d is %.6f, reference %.6f", k, id, logits[(size_t)k * f.n_vocab + id], ref);
         }
     }
     /* Greedy decode, one token at a time. */
@@ -264,14 +285,14 @@ TEST(forward_tiny_llama_hf_matches_reference) {
             int32_t id = (int32_t)cJSON_GetArrayItem(e, 1)->valuedouble;
             ASSERT_TRUE(id >= 0 && id < f.n_vocab);
             double ours = tf[(size_t)k * f.n_vocab + id];
-            if (ours < whole - 1e-3 || ours >= whole + 1 + 1e-3)
+            if (ours < whole - margin || ours >= whole + 1 + margin)
                 TEST_FAIL("along greedy %d: logit of %d is %.6f, reference's integer part %.0f", k, id, ours, whole);
             checked++;
         }
     }
     printf("  prompt logits within %.2g of transformers; %d greedy ids equal; decode vs prefill %.2g; %d integer parts agree\n",
            worst, ng, d_tf, checked);
-    ASSERT_TRUE(d_tf < 1e-4);
+    ASSERT_TRUE(d_tf < (gpu ? 5e-2 : 1e-4));
     kvblocks_table_free(f.kb, &t);
     kvblocks_table_free(f.kb, &t2);
     free(tf);
@@ -432,7 +453,10 @@ TEST(forward_two_stages_equal_one) {
     float *ref = malloc(sizeof(float) * V * LEN), *got = malloc(sizeof(float) * V * LEN);
     struct kvblocks_table t;
     kvblocks_table_init(&t);
-    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, ref);
+    /* The reference takes the same chunks as the split run below (a GPU may
+     * pick other matmul kernels for 1 row than for 15, rounding differently). */
+    for (int32_t done = 0; done < LEN; done += done == 0 ? 15 : 1)
+        fx_run(&f, &t, ids + done, done == 0 ? 15 : 1, FORWARD_LOGITS_ALL, ref + (size_t)done * V);
     kvblocks_table_free(f.kb, &t);
 
     char err[512];
@@ -442,6 +466,7 @@ TEST(forward_two_stages_equal_one) {
         stage_config_default(&cb);
         ca.layer_last = k;
         cb.layer_first = k;
+        ca.kv_type = cb.kv_type = DTYPE_F32; /* as the reference's (a GPU's default is F16) */
         stage *sa = NULL, *sb = NULL;
         if (stage_init(&sa, f.m, f.b, &ca, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
         if (stage_init(&sb, f.m, f.b, &cb, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
@@ -542,9 +567,10 @@ TEST(forward_f16_kv_cache_close_to_f32) {
     enum { LEN = 30 };
     struct stage_config c;
     stage_config_default(&c);
-    c.kv_type = DTYPE_F16;
+    c.kv_type = DTYPE_F32;
     struct fx f;
-    fx_open(&f, "stories260K-f32.gguf", NULL);
+    fx_open(&f, "stories260K-f32.gguf", &c);
+    c.kv_type = DTYPE_F16;
     size_t V = (size_t)f.n_vocab;
     int32_t ids[LEN];
     make_ids(ids, LEN, 21, f.n_vocab);
@@ -683,16 +709,20 @@ static int32_t scenario_run(stage *s, kvblocks *kb, const int32_t *ids, float *o
 
 /* The same scenario on the CUDA backend and on the CPU backend, for F32,
  * Q8_0, a K-quant mix and BF16 (F16 on the GPU) weights, with F32 and F16
- * KV caches.  Skips without a GPU. */
+ * KV caches.  Skips without a GPU.  The CPU backend rounds activations to
+ * 8-bit blocks for quantized weights (as llama.cpp does) and the GPU does
+ * not, so quantized models differ by that rounding: measured 0.226 on
+ * logits up to 18.6 (1.2%) for stories260K Q8_0. */
 TEST(forward_gpu_matches_cpu) {
     char err[512];
     backend *g = NULL;
     if (backend_cuda_init(&g, 0, err, sizeof err) != 0) TEST_SKIP("no GPU: %s", err);
     static const struct { const char *file; int kv_type; double bound; } cases[] = {
-        {"stories260K-f32.gguf", DTYPE_F32, 1e-3},  {"stories260K-q8_0.gguf", DTYPE_F32, 1e-2},
-        {"synth256-q4_k_m.gguf", DTYPE_F32, 1e-2},  {"tiny-llama-hf", DTYPE_F32, 1e-2},
+        {"stories260K-f32.gguf", DTYPE_F32, 1e-4}, {"stories260K-q8_0.gguf", DTYPE_F32, 0.03},
+        {"synth256-q4_k_m.gguf", DTYPE_F32, 0.03}, {"tiny-llama-hf", DTYPE_F32, 1e-3},
         {"stories260K-f32.gguf", DTYPE_F16, 1e-2},
     };
+    int ok[sizeof cases / sizeof cases[0]];
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         struct stage_config cfg;
         stage_config_default(&cfg);
@@ -712,13 +742,14 @@ TEST(forward_gpu_matches_cpu) {
         for (size_t i = 0; i < V * (size_t)n_ref; i++) m = fabs(ref[i]) > m ? fabs(ref[i]) : m;
         printf("  %s, KV %s: GPU vs CPU max abs diff %.3g (max |logit| %.3g, bound %.3g relative)\n",
                cases[c].file, dtype_name(cases[c].kv_type), d, m, cases[c].bound);
-        ASSERT_TRUE(d <= cases[c].bound * m);
+        ok[c] = d <= cases[c].bound * m;
         stage_free(sg);
         free(ref);
         free(got);
         fx_close(&f);
     }
     backend_free(g);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) ASSERT_TRUE(ok[c]);
 }
 
 TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher_forced,
