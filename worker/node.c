@@ -993,6 +993,8 @@ static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     r.stage_endpoint = n->stage_endpoint;
     r.host = n->host;
     r.pid = (uint32_t)getpid();
+    r.max_step_tokens = (uint32_t)n->n_tokens_max;
+    r.max_step_seqs = (uint32_t)n->n_seqs_max;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
     env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
     env.register_ = &r;

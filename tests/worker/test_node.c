@@ -347,6 +347,8 @@ static void t_expect_register(struct t_router *r, const char *id, char *stage_ep
     ASSERT_TRUE(e->register_->kv_block_count > 0);
     ASSERT_EQ(16u, e->register_->kv_block_size);
     ASSERT_TRUE(e->register_->incarnation > 0);
+    ASSERT_EQ(512u, e->register_->max_step_tokens);
+    ASSERT_EQ(16u, e->register_->max_step_seqs);
     ASSERT_TRUE(strncmp(e->register_->stage_endpoint, "tcp://127.0.0.1:", 16) == 0);
     snprintf(stage_ep, ep_size, "%s", e->register_->stage_endpoint);
     proto_worker_free(e);
