@@ -42,6 +42,8 @@ int main(int argc, char **argv) {
          "tokens per scheduler step: decodes plus prefill chunks", &c.step_tokens, 1, 1048576, NULL},
         {"max-batch", "LLM_MAX_BATCH", OPTION_INT, "64", "sequences running per pipeline, at most",
          &c.max_batch, 1, 65536, NULL},
+        {"max-step-seqs", "LLM_MAX_STEP_SEQS", OPTION_INT, "0",
+         "sequences in one step, at most (0: as the workers state; else the smaller)", &c.max_step_seqs, 0, 65536, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",

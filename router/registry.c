@@ -162,7 +162,7 @@ bool registry_pipeline_whole(const registry *r, struct pipeline *p) {
 bool registry_pipeline_ready(const registry *r, struct pipeline *p) {
     if (!registry_pipeline_whole(r, p)) return false;
     for (uint32_t s = 0; s < p->stage_count; s++)
-        if (p->stage[s]->state != WORKER_READY && p->stage[s]->state != WORKER_DRAINING) return false;
+        if (p->stage[s]->state != WORKER_READY) return false;
     return true;
 }
 
@@ -180,6 +180,26 @@ uint32_t registry_pipeline_kv_blocks(const registry *r, const struct pipeline *p
         const struct worker *w = p->stage[s];
         if (w && (n == 0 || w->kv_block_count < n)) n = w->kv_block_count;
     }
+    return n;
+}
+
+static uint32_t registry_min_nonzero(uint32_t a, uint32_t b) {
+    return a == 0 ? b : b == 0 ? a : a < b ? a : b;
+}
+
+uint32_t registry_pipeline_step_tokens(const registry *r, const struct pipeline *p) {
+    (void)r;
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < p->stage_count; s++)
+        if (p->stage[s]) n = registry_min_nonzero(n, p->stage[s]->max_step_tokens);
+    return n;
+}
+
+uint32_t registry_pipeline_step_seqs(const registry *r, const struct pipeline *p) {
+    (void)r;
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < p->stage_count; s++)
+        if (p->stage[s]) n = registry_min_nonzero(n, p->stage[s]->max_step_seqs);
     return n;
 }
 
@@ -348,6 +368,8 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
     w->kv_block_count = m->kv_block_count;
     w->kv_block_size = m->kv_block_size;
     w->device_memory_bytes = m->device_memory_bytes;
+    w->max_step_tokens = m->max_step_tokens;
+    w->max_step_seqs = m->max_step_seqs;
     w->state = WORKER_STARTING;
     w->last_seen_ms = now_ms;
     w->error[0] = '\0';

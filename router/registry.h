@@ -36,6 +36,7 @@ struct worker {
     uint32_t layer_first, layer_end;
     char model[128], backend[32], device[128], host[128], stage_endpoint[256];
     uint32_t pid, kv_block_count, kv_block_size;
+    uint32_t max_step_tokens, max_step_seqs; /* 0: not stated */
     uint64_t device_memory_bytes;
     enum worker_state state;
     int64_t last_seen_ms;
@@ -97,13 +98,17 @@ void registry_mark_lost(registry *r, struct worker *w);
 
 /* Every stage registered, alive, with consistent layers and block sizes. */
 bool registry_pipeline_whole(const registry *r, struct pipeline *p);
-/* Whole and every stage READY: it may run steps. */
+/* Whole and every stage READY: it may run steps.  (A DRAINING worker takes
+ * no new plans, so its pipeline hands its sequences over.) */
 bool registry_pipeline_ready(const registry *r, struct pipeline *p);
 /* Whole and some stage DRAINING: finish running work, take no new work. */
 bool registry_pipeline_draining(const registry *r, const struct pipeline *p);
 /* The smallest kv_block_count of its stages, and their block size. */
 uint32_t registry_pipeline_kv_blocks(const registry *r, const struct pipeline *p);
 uint32_t registry_pipeline_block_size(const registry *r, const struct pipeline *p);
+/* The smallest step limits its stages state (0 when none states one). */
+uint32_t registry_pipeline_step_tokens(const registry *r, const struct pipeline *p);
+uint32_t registry_pipeline_step_seqs(const registry *r, const struct pipeline *p);
 
 size_t registry_n_workers(const registry *r);
 struct worker *registry_worker_at(registry *r, size_t i);

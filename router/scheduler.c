@@ -298,6 +298,7 @@ int sched_plan(sched *s, struct sched_step *step) {
      * stage has work: each step takes about 1/max_inflight of them. */
     int32_t per_step = (s->n_running + s->cfg.max_inflight - 1) / s->cfg.max_inflight;
     if (per_step < 1) per_step = 1;
+    if (s->cfg.max_step_seqs > 0 && per_step > s->cfg.max_step_seqs) per_step = s->cfg.max_step_seqs;
     uint64_t step_id = s->next_step_id;
     int32_t budget = s->cfg.step_tokens, n_out = 0, n_copies = 0, n_stuck = 0;
     int32_t n_prefill = 0, n_decode = 0;

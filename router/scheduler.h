@@ -31,6 +31,7 @@ struct sched_config {
     int32_t max_batch;    /* most sequences running (admitted) at once */
     int32_t max_inflight; /* most steps in flight at once: the stage count */
     uint64_t first_step_id; /* step ids count up from here (0: from 1) */
+    int32_t max_step_seqs;  /* sequences in one step, at most (0: max_batch) */
 };
 
 /* One sequence of a planned step.  The pointers lead into the scheduler and

@@ -808,6 +808,31 @@ static void pipe_announce(server *s, struct pipeline *p) {
         (unsigned long long)p->epoch);
 }
 
+/* Moves sequences waiting on pp (never admitted there, or preempted) back
+ * to the queue when another pipeline in service has a free batch slot: a
+ * pipeline that joined takes work without anything being restarted. */
+static void rebalance(server *s, struct pipe *pp) {
+    bool room = false;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg) && !room; i++) {
+        struct pipe *o = registry_pipeline_at(s->reg, i)->ud;
+        if (!o || o == pp || !o->sched) continue;
+        struct sched_stats st;
+        sched_get_stats(o->sched, &st);
+        room = st.n_running + st.n_waiting < s->cfg.max_batch;
+    }
+    if (!room) return;
+    uint64_t ids[64];
+    int32_t n = sched_take_waiting(pp->sched, ids, 64);
+    for (int32_t k = 0; k < n; k++) {
+        struct req *q = req_by_seq(s, ids[k]);
+        if (!q) continue;
+        seq_map_del(s, q);
+        q->seq = NULL;
+        q->pipe = NULL;
+        queue_push(s, q);
+    }
+}
+
 /* Brings each pipeline's scheduler in line with its registry state. */
 static void sync_pipelines(server *s) {
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
@@ -825,10 +850,14 @@ static void sync_pipelines(server *s) {
         if (pp->sched && !ready) pipe_teardown(s, pp, "a stage is not ready");
         else if (pp->sched && pp->epoch != p->epoch) pipe_teardown(s, pp, "re-formed");
         if (!pp->sched && ready) {
+            int32_t step_tokens = s->cfg.step_tokens, step_seqs = s->cfg.max_step_seqs;
+            uint32_t wt = registry_pipeline_step_tokens(s->reg, p), wsq = registry_pipeline_step_seqs(s->reg, p);
+            if (wt > 0 && (int32_t)wt < step_tokens) step_tokens = (int32_t)wt;
+            if (wsq > 0 && (step_seqs <= 0 || (int32_t)wsq < step_seqs)) step_seqs = (int32_t)wsq;
             struct sched_config c = {(int32_t)registry_pipeline_kv_blocks(s->reg, p),
                                      (int32_t)registry_pipeline_block_size(s->reg, p),
-                                     s->cfg.step_tokens, s->cfg.max_batch, (int32_t)p->stage_count,
-                                     s->next_step_id};
+                                     step_tokens, s->cfg.max_batch, (int32_t)p->stage_count,
+                                     s->next_step_id, step_seqs};
             char err[256];
             if (sched_init(&pp->sched, &c, err, sizeof err) < 0) {
                 LOG(LL_ERROR, "pipeline %u: %s", p->id, err);
@@ -840,23 +869,10 @@ static void sync_pipelines(server *s) {
                 p->id, p->stage_count, c.n_blocks, c.block_size, (unsigned long long)p->epoch);
         }
         if (pp->sched) {
-            bool draining = registry_pipeline_draining(s->reg, p);
-            sched_set_admit(pp->sched, !draining);
-            if (draining) {
-                /* Hand its waiting sequences to the other pipelines; the
-                 * running ones finish here. */
-                uint64_t ids[64];
-                int32_t n;
-                while ((n = sched_take_waiting(pp->sched, ids, 64)) > 0)
-                    for (int32_t k = 0; k < n; k++) {
-                        struct req *q = req_by_seq(s, ids[k]);
-                        if (!q) continue;
-                        seq_map_del(s, q);
-                        q->seq = NULL;
-                        q->pipe = NULL;
-                        queue_push(s, q);
-                    }
-            }
+            /* Assigned sequences not yet admitted go where there is room. */
+            struct sched_stats st;
+            sched_get_stats(pp->sched, &st);
+            if (st.n_waiting > 0 && s->n_queue == 0) rebalance(s, pp);
         }
     }
 }
@@ -1087,7 +1103,8 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
              m->worker_id, (unsigned long long)m->incarnation);
     Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
     Llm__Error e;
-    proto_error_init(&e, LLM__ERROR__CODE__UNAVAILABLE, "", msg, 0);
+    /* retry_after_ms > 0: "try again", not a final refusal. */
+    proto_error_init(&e, LLM__ERROR__CODE__UNAVAILABLE, "", msg, 100);
     rr.worker_id = m->worker_id;
     rr.accepted = false;
     rr.error = &e;

@@ -23,6 +23,7 @@ struct server_config {
     int max_queue;             /* accepted requests not yet running, at most */
     int step_tokens;           /* token budget of one step (decodes + prefill chunks) */
     int max_batch;             /* sequences running per pipeline, at most */
+    int max_step_seqs;         /* sequences in one step, at most (0: no own limit; workers may state one) */
     int heartbeat_ms;          /* interval the workers are told to use */
     int worker_timeout_ms;     /* a worker silent this long is lost */
     int step_timeout_ms;       /* a step without result this long re-forms its pipeline */

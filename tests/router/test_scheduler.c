@@ -9,7 +9,7 @@
 
 static sched *mk(int32_t n_blocks, int32_t bs, int32_t step_tokens, int32_t max_batch,
                  int32_t max_inflight) {
-    struct sched_config c = {n_blocks, bs, step_tokens, max_batch, max_inflight, 0};
+    struct sched_config c = {n_blocks, bs, step_tokens, max_batch, max_inflight, 0, 0};
     char err[256];
     sched *s = NULL;
     if (sched_init(&s, &c, err, sizeof err) != 0) TEST_FAIL("sched_init: %s", err);
@@ -38,7 +38,7 @@ static int has_freed(const struct sched_step *st, uint64_t id) {
 }
 
 TEST(scheduler_rejects_bad_config) {
-    struct sched_config c = {0, 16, 64, 8, 1, 0};
+    struct sched_config c = {0, 16, 64, 8, 1, 0, 0};
     char err[256] = "";
     sched *s = (sched *)1;
     ASSERT_EQ(STATUS_BAD_INPUT, sched_init(&s, &c, err, sizeof err));
@@ -236,6 +236,19 @@ TEST(scheduler_microbatches_in_flight) {
     sched_free(s);
 }
 
+TEST(scheduler_step_seq_limit) {
+    struct sched_config c = {64, 4, 256, 8, 1, 100, 2};
+    char err[256];
+    sched *s = NULL;
+    ASSERT_OK(sched_init(&s, &c, err, sizeof err));
+    for (uint64_t i = 1; i <= 5; i++) add(s, i, 0, 2);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(2, st.n_seqs); /* a worker takes at most 2 per step */
+    ASSERT_EQ((uint64_t)100, st.step_id);
+    sched_free(s);
+}
+
 TEST(scheduler_cancel_frees_blocks) {
     sched *s = mk(16, 4, 256, 8, 1);
     struct sched_seq *a = add(s, 7, 0, 10);
@@ -330,5 +343,6 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_chunked_prefill_keeps_decodes_running, scheduler_admits_by_free_blocks,
           scheduler_preempts_newest_by_recomputation,
           scheduler_higher_priority_runs_first_and_preempts, scheduler_microbatches_in_flight,
+          scheduler_step_seq_limit,
           scheduler_cancel_frees_blocks, scheduler_take_waiting_for_handover,
           scheduler_never_fitting_sequences, scheduler_partial_chunk_when_blocks_are_short)
