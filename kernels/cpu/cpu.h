@@ -112,8 +112,12 @@ const struct cpu_type_traits *cpu_type_traits(enum dtype t);
 /* Bytes of one activation row of n elements in format act. */
 size_t cpu_act_row_bytes(enum cpu_act act, int64_t n);
 /* Quantize one activation row of n elements (a multiple of 32 for Q8, of
- * 256 for Q8K) into dst. */
+ * 256 for Q8K) into dst: d = amax / 127, q = x * (127 / amax) rounded half
+ * away from zero.  The AVX2 variant gives the same bytes. */
 void cpu_act_quant_row(enum cpu_act act, const float *x, void *dst, int64_t n);
+typedef void (*cpu_act_quant_fn)(enum cpu_act act, const float *x, void *dst, int64_t n);
+void cpu_act_quant_row_scalar(enum cpu_act act, const float *x, void *dst, int64_t n);
+void cpu_act_quant_row_avx2(enum cpu_act act, const float *x, void *dst, int64_t n); /* needs cpu_has_avx2() */
 /* dst[0..n) = the weight row src of type t as floats. */
 void cpu_dequant_row(enum dtype t, const void *src, float *dst, int64_t n);
 

@@ -199,7 +199,7 @@ size_t cpu_act_row_bytes(enum cpu_act act, int64_t n) {
     return (size_t)n * sizeof(float);
 }
 
-void cpu_act_quant_row(enum cpu_act act, const float *x, void *dst, int64_t n) {
+void cpu_act_quant_row_scalar(enum cpu_act act, const float *x, void *dst, int64_t n) {
     if (act == CPU_ACT_Q8) {
         struct cpu_q8 *q = dst;
         for (int64_t b = 0; b < n / 32; b++, x += 32, q++) {
@@ -232,6 +232,10 @@ void cpu_act_quant_row(enum cpu_act act, const float *x, void *dst, int64_t n) {
         memcpy(dst, x, (size_t)n * sizeof(float));
     }
 }
+
+static cpu_act_quant_fn act_quant = cpu_act_quant_row_scalar;
+
+void cpu_act_quant_row(enum cpu_act act, const float *x, void *dst, int64_t n) { act_quant(act, x, dst, n); }
 
 /* ---- Float dot products and axpy ----
  * Eight independent partial sums: GCC vectorizes these without reassociating
@@ -476,6 +480,7 @@ static void set_traits(enum dtype t, int64_t elems, size_t bytes, enum cpu_act a
 
 static void kernels_init_once(void) {
     for (uint32_t h = 0; h < 65536; h++) cpu_fp16_table[h] = fp16_bits_to_f32((uint16_t)h);
+    if (cpu_has_avx2()) act_quant = cpu_act_quant_row_avx2;
     set_traits(DTYPE_F32, 1, 4, CPU_ACT_F32);
     set_traits(DTYPE_F16, 1, 2, CPU_ACT_F32);
     set_traits(DTYPE_BF16, 1, 2, CPU_ACT_F32);

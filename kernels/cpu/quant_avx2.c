@@ -573,6 +573,75 @@ AVX2_FN static void axpy_f16_avx2(float *y, float a, const void *x_, int64_t n) 
     for (; i < n; i++) y[i] += a * cpu_fp16_to_f32(x[i]);
 }
 
+/* ---- Activation quantization ---- */
+
+/* Largest |x| over 8k floats. */
+AVX2_INLINE static float amax_avx2(const float *x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* 8 floats times id, rounded half away from zero like quant.c's q8_round:
+ * add 0.5 with the sign of the value, then truncate. */
+AVX2_INLINE static __m256i round8(const float *x, __m256 id) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x), id);
+    return _mm256_cvttps_epi32(_mm256_add_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), half)));
+}
+
+/* Quantizes 32 floats into dst; returns their 8 int32 partial sums per
+ * group of 16 in (*s0: elements 0-15, *s1: 16-31) as vectors. */
+AVX2_INLINE static void quant32(const float *x, __m256 id, int8_t *dst, __m256i *s0, __m256i *s1) {
+    __m256i r0 = round8(x, id), r1 = round8(x + 8, id), r2 = round8(x + 16, id), r3 = round8(x + 24, id);
+    /* packs works within 128-bit lanes: undo the interleave at the end. */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, p);
+    *s0 = _mm256_add_epi32(r0, r1);
+    *s1 = _mm256_add_epi32(r2, r3);
+}
+
+AVX2_INLINE static int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+AVX2_FN void cpu_act_quant_row_avx2(enum cpu_act act, const float *x, void *dst, int64_t n) {
+    if (act == CPU_ACT_Q8) {
+        struct cpu_q8 *q = dst;
+        for (int64_t b = 0; b < n / 32; b++, x += 32, q++) {
+            float amax = amax_avx2(x, 32);
+            float id = amax > 0 ? 127.0f / amax : 0.0f;
+            __m256i s0, s1;
+            quant32(x, _mm256_set1_ps(id), q->qs, &s0, &s1);
+            q->d = amax / 127.0f;
+            q->s = q->d * (float)hsum_i32(_mm256_add_epi32(s0, s1));
+        }
+    } else if (act == CPU_ACT_Q8K) {
+        struct cpu_q8k *q = dst;
+        for (int64_t b = 0; b < n / 256; b++, x += 256, q++) {
+            float amax = amax_avx2(x, 256);
+            __m256 id = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            q->d = amax / 127.0f;
+            for (int g = 0; g < 8; g++) {
+                __m256i s0, s1;
+                quant32(x + 32 * g, id, q->qs + 32 * g, &s0, &s1);
+                q->bsums[2 * g] = (int16_t)hsum_i32(s0);
+                q->bsums[2 * g + 1] = (int16_t)hsum_i32(s1);
+            }
+        }
+    } else {
+        memcpy(dst, x, (size_t)n * sizeof(float));
+    }
+}
+
 cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
     return t == DTYPE_F32 ? axpy_f32_avx2 : t == DTYPE_F16 ? axpy_f16_avx2 : NULL;
 }
@@ -611,6 +680,9 @@ cpu_dot_fn cpu_dot_avx2(enum dtype t) {
 #else
 
 int cpu_has_avx2(void) { return 0; }
+void cpu_act_quant_row_avx2(enum cpu_act act, const float *x, void *dst, int64_t n) {
+    cpu_act_quant_row_scalar(act, x, dst, n);
+}
 cpu_dot_fn cpu_dot_avx2(enum dtype t) {
     (void)t;
     return NULL;

@@ -205,6 +205,24 @@ TEST(cpu_ops_vector_kernels_match_scalar) {
     fx_release();
     cpu_kernels_init();
     if (!cpu_has_avx2()) printf("  note: no AVX2 here; the backend itself runs the scalar kernels\n");
+    if (cpu_has_avx2()) {
+        /* Activation quantization: the same bytes from both, also for a
+         * zero block and values that land on .5 exactly. */
+        int64_t n = 1024;
+        float *x = rand_floats(n, 3.0f);
+        for (int i = 0; i < 32; i++) x[256 + i] = 0.0f;
+        for (int i = 0; i < 8; i++) x[512 + i] = (float)(i - 4) * 0.5f;
+        x[519] = 127.0f;
+        for (int act = CPU_ACT_Q8; act <= CPU_ACT_Q8K; act++) {
+            size_t bytes = cpu_act_row_bytes((enum cpu_act)act, n);
+            uint8_t *a = fx_alloc(bytes), *b = fx_alloc(bytes);
+            memset(a, 0x5a, bytes);
+            memset(b, 0xa5, bytes);
+            cpu_act_quant_row_scalar((enum cpu_act)act, x, a, n);
+            cpu_act_quant_row_avx2((enum cpu_act)act, x, b, n);
+            if (memcmp(a, b, bytes) != 0) TEST_FAIL("activation quantization %d: AVX2 bytes differ from scalar", act);
+        }
+    }
     int64_t rows = 23;
     for (int i = 0; i < N_TYPES; i++) {
         enum dtype t = all_types[i];
