@@ -9,9 +9,10 @@
 
 #include "../../common/status.h"
 
-
-/* Tokens per chunk: a chunk's weight rows are read from memory once and
- * stay in L1/L2 while every token of the chunk is multiplied by them. */
+/* Tokens per chunk.  Chunks are numbered token tile first, so a thread
+ * that takes consecutive chunks keeps the same weight rows in L1/L2 while
+ * the tiles of activations (all of which fit in L2/L3) pass over them:
+ * the weights are read from memory about once per call. */
 #define MM_TOKENS_PER_CHUNK 32
 
 struct mm_task {
@@ -26,7 +27,7 @@ struct mm_task {
     cpu_dot4_fn dot4;           /* or NULL */
     int64_t rows, cols;
     int32_t n;
-    int64_t rows_per_chunk, n_row_chunks, n_chunks;
+    int64_t rows_per_chunk, n_row_chunks, n_tok_chunks, n_chunks;
     atomic_long next;           /* next chunk to take */
     atomic_long next_quant;     /* next token to convert */
     atomic_int quant_done;      /* tokens converted */
@@ -62,9 +63,9 @@ static void mm_run(void *arg, int ith, int nth) {
     for (;;) {
         long c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
         if (c >= t->n_chunks) break;
-        int64_t r0 = (c % t->n_row_chunks) * t->rows_per_chunk;
+        int64_t r0 = (c / t->n_tok_chunks) * t->rows_per_chunk;
         int64_t r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
-        int32_t t0 = (int32_t)(c / t->n_row_chunks) * MM_TOKENS_PER_CHUNK;
+        int32_t t0 = (int32_t)(c % t->n_tok_chunks) * MM_TOKENS_PER_CHUNK;
         int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
@@ -111,7 +112,8 @@ int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const fl
     if (rpc > 64) rpc = 64;
     t.rows_per_chunk = rpc;
     t.n_row_chunks = (w->rows + rpc - 1) / rpc;
-    t.n_chunks = t.n_row_chunks * ((n + MM_TOKENS_PER_CHUNK - 1) / MM_TOKENS_PER_CHUNK);
+    t.n_tok_chunks = (n + MM_TOKENS_PER_CHUNK - 1) / MM_TOKENS_PER_CHUNK;
+    t.n_chunks = t.n_row_chunks * t.n_tok_chunks;
     atomic_init(&t.next, 0);
     atomic_init(&t.next_quant, 0);
     atomic_init(&t.quant_done, 0);
