@@ -106,13 +106,15 @@ TEST(llm_run_generate_matches_golden) {
     const cJSON *prompts = cJSON_GetObjectItem(
         cJSON_GetObjectItem(cJSON_GetObjectItem(root, "models"), "stories260K-f32.gguf"), "prompts");
     const cJSON *p;
+    int i = 0;
     cJSON_ArrayForEach(p, prompts) {
         const cJSON *gen = cJSON_GetObjectItem(p, "generated_ids");
         char n[16];
         snprintf(n, sizeof n, "%d", cJSON_GetArraySize(gen));
+        /* The second prompt is prefilled in chunks of 2 tokens. */
         const char *args[] = {"--model", model, "--prompt", cJSON_GetObjectItem(p, "prompt")->valuestring,
                               "--max-tokens", n, "--temperature", "0", "--no-stop-at-eos", "--threads", "2",
-                              "--json", NULL};
+                              "--batch", i++ ? "2" : "512", "--json", NULL};
         struct proc_result r;
         run_llm(args, &r);
         if (r.status != 0) TEST_FAIL("llm-run exited %d: %s", r.status, r.err);
@@ -165,7 +167,8 @@ TEST(llm_run_eval_ids_top5_matches_golden) {
         len += (size_t)snprintf(ids + len, sizeof ids - len, ",%d", (int)e->valuedouble);
         n++;
     }
-    const char *args[] = {"--model", model, "--eval-ids", ids, "--top", "5", "--json", "--threads", "2", NULL};
+    /* Chunks of 7 tokens: the 69 positions take 10 steps. */
+    const char *args[] = {"--model", model, "--eval-ids", ids, "--top", "5", "--json", "--threads", "2", "--batch", "7", NULL};
     struct proc_result r;
     run_llm(args, &r);
     if (r.status != 0) TEST_FAIL("llm-run exited %d: %s", r.status, r.err);
