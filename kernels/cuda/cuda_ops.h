@@ -77,8 +77,9 @@ int cuda_convert(struct cuda_ctx *ctx, void *dst, enum dtype dst_type, const voi
 /* dst[rows, cols] (F16) = the weight rows r0 .. r0 + rows of w, any type. */
 int cuda_dequant_f16(struct cuda_ctx *ctx, uint16_t *dst, const void *w, enum dtype type,
                      int64_t r0, int64_t rows, int64_t cols);
-/* out[n, rows] = x[n, cols] . w^T.  n <= 16 reads the weight directly for
- * the types cuda_matmul_vec_supports; otherwise cuBLAS on F16 tiles. */
+/* out[n, rows] = x[n, cols] . w^T.  A few tokens (ctx->vec_max_*) read the
+ * weight directly for the types cuda_matmul_vec_supports; otherwise cuBLAS
+ * on F16 tiles. */
 int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                 int64_t cols, const float *x, int32_t n);
 #define CUDA_MATMUL_VEC_MAX 16

@@ -1,6 +1,7 @@
 /* Matrix multiplication out[n, rows] = x[n, cols] . w^T for every weight
- * type.  Up to CUDA_MATMUL_VEC_MAX tokens it is the skinny kernel of
- * matmul_vec.cu, which reads the weight in its stored form.  Above, cuBLAS
+ * type.  For a few tokens (ctx->vec_max_quant / vec_max_float) it is the
+ * skinny kernel of matmul_vec.cu, which reads the weight in its stored
+ * form.  Above, cuBLAS
  * does the work on tensor cores: activations become F16, F16 weights are
  * used as they are, quantized weights are dequantized tile by tile into
  * scratch (never a second full copy), F32 accumulation throughout.  F32
@@ -62,11 +63,10 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (cuda_row_bytes(type, cols) == 0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
-    /* F16/F32 rows are as cheap to stream through cuBLAS as through the
-     * skinny kernel, whose F32 activation reads grow with n: measured on an
-     * H100, F16 4096x4096 took 42 us skinny at n = 8 and 19 us through
-     * cuBLAS at n = 32.  Quantized rows stay skinny up to
-     * CUDA_MATMUL_VEC_MAX, where dequantizing a tile costs more. */
+    /* The skinny kernel's F32 activation reads grow with n while cuBLAS
+     * reads each weight once, so above a few tokens cuBLAS wins (for
+     * quantized weights after dequantizing tiles): thresholds in ctx,
+     * measured in docs/cuda-backend.md. */
     int32_t vec_max = type == DTYPE_F16 || type == DTYPE_F32 ? ctx->vec_max_float : ctx->vec_max_quant;
     if (n <= vec_max && cuda_matmul_vec_supports(type, cols) && (uintptr_t)x % 16 == 0 && (uintptr_t)w % 16 == 0)
         return cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);

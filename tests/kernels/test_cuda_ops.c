@@ -408,7 +408,7 @@ static void mm_set_mode(enum mm_mode m) {
 static double matmul_bound(enum dtype t, int32_t n, int64_t cols) {
     if (t == DTYPE_F32) return 1e-10;
     if (t == DTYPE_F16) {
-        int skinny = mm_mode == MM_SKINNY ? n <= 16 : mm_mode == MM_GEMM ? 0 : n <= 4;
+        int skinny = mm_mode == MM_SKINNY ? n <= 16 : mm_mode == MM_GEMM ? 0 : n <= 2;
         return skinny && cols % 8 == 0 ? 1e-10 : 1e-5;
     }
     if (t == DTYPE_BF16) return 1e-4;
