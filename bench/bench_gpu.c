@@ -22,6 +22,7 @@
 #include "worker/synth.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,14 @@
 
 #define BENCH_LIST_MAX 16
 #define BENCH_ROWS_MAX 1024
+
+/* Set by SIGTERM/SIGINT (a time limit): the run stops after the current
+ * step and still prints the rows it has. */
+static volatile sig_atomic_t bench_stop;
+static void bench_on_signal(int sig) {
+    (void)sig;
+    bench_stop = 1;
+}
 
 static double bench_now(void) {
     struct timespec ts;
@@ -507,7 +516,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
      * step attends over ctx + 1 positions; repeating the same position
      * keeps the context fixed across the timed steps. */
     double kv_per_seq = (double)(o->ctx + 1) * hp->n_layers * hp->n_kv_heads * hp->head_dim * 2.0 * 2.0;
-    for (int bi = 0; bi < o->n_batches && rc == STATUS_OK; bi++) {
+    for (int bi = 0; bi < o->n_batches && rc == STATUS_OK && !bench_stop; bi++) {
         int32_t nb = o->batch_v[bi];
         for (int32_t i = 0; i < nb; i++)
             seqs[i] = (struct forward_seq){&ids[cfg.n_tokens_max + i], 1, o->ctx, tabs[i].ids, tabs[i].n_ids,
@@ -671,6 +680,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     log_set_level(LL_WARN);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = bench_on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
 
     backend *b = NULL;
     rc = device < 0 ? backend_cpu_init(&b, o.threads, err, sizeof err) : backend_cuda_init(&b, device, err, sizeof err);
@@ -706,8 +720,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     int failed = 0;
-    for (int si = 0; si < o.n_shapes; si++)
-        for (int ti = 0; ti < o.n_types; ti++) {
+    for (int si = 0; si < o.n_shapes && !bench_stop; si++)
+        for (int ti = 0; ti < o.n_types && !bench_stop; ti++) {
             struct synth_config sc;
             memset(&sc, 0, sizeof sc);
             synth_shape_preset(o.shape_v[si], &sc.shape);
@@ -731,6 +745,10 @@ int main(int argc, char **argv) {
             unlink(path);
         }
     rmdir(dir);
+    if (bench_stop) {
+        fprintf(stderr, "bench_gpu: stopped by a signal; the table has the rows measured so far\n");
+        failed = 1;
+    }
     bench_print_table(stdout, devname, &c, &o);
     if (o.json && bench_write_json(o.json, devname, &c, &o, err, sizeof err) != STATUS_OK) {
         fprintf(stderr, "bench_gpu: %s\n", err);
