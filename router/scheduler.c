@@ -351,7 +351,7 @@ int sched_plan(sched *s, struct sched_step *step) {
         o->block_table = q->table.ids;
         o->n_blocks = q->table.n_ids;
         o->want_logits = q->table.n_tokens == q->n_tokens;
-        if (o->want_logits) n_decode += n;
+        if (o->want_logits && n == 1) n_decode += n;
         else n_prefill += n;
         budget -= n;
     }

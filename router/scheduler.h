@@ -57,8 +57,8 @@ struct sched_step {
     const uint64_t *freed;
     int32_t n_copies; /* copy-on-write instructions, applied after the frees */
     const struct kvblocks_copy *copies;
-    int32_t n_prefill_tokens; /* tokens in chunks that do not end the known tokens */
-    int32_t n_decode_tokens;  /* the rest */
+    int32_t n_prefill_tokens; /* tokens of prefill (and recompute) chunks */
+    int32_t n_decode_tokens;  /* one-token decodes */
     /* Sequences that can never get the blocks they need: alone in the pool
      * and still not fitting.  The caller must end (sched_remove) each. */
     int32_t n_stuck;

@@ -610,11 +610,11 @@ static void req_finalize(server *s, struct req *q) {
     q->n_sent = q->n_out;
     q->text_sent = q->text_len;
     send_done(s, q, q->ident, q->ident_len);
-    LOG(LL_INFO, "request %s: done (%s), %d prompt + %d completion tokens", q->id,
+    LOG(LL_INFO, "request %s: done (%s%s%s), %d prompt + %d completion tokens", q->id,
         protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)
             ? protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)->name
             : "?",
-        q->n_prompt, q->n_out);
+        q->error_message ? ": " : "", q->error_message ? q->error_message : "", q->n_prompt, q->n_out);
 }
 
 /* After a batch of events: store tokens, stream, end what finished. */

@@ -58,7 +58,8 @@ TEST(scheduler_batches_prefill_then_decodes) {
     struct sched_step st;
     ASSERT_EQ(1, sched_plan(s, &st));
     ASSERT_EQ(3, st.n_seqs);
-    ASSERT_EQ(17, st.n_decode_tokens);
+    ASSERT_EQ(17, st.n_prefill_tokens);
+    ASSERT_EQ(0, st.n_decode_tokens);
     const struct sched_step_seq *a = find(&st, 3);
     ASSERT_TRUE(a != NULL);
     ASSERT_EQ(0, a->start_pos);
@@ -110,7 +111,8 @@ TEST(scheduler_chunked_prefill_keeps_decodes_running) {
         ASSERT_TRUE(p->n_tokens <= 7); /* budget 8 minus the decode */
         prefilled += p->n_tokens;
         ASSERT_EQ(prefilled == 20, p->want_logits);
-        ASSERT_EQ(p->want_logits ? 0 : p->n_tokens, st.n_prefill_tokens);
+        ASSERT_EQ(p->n_tokens, st.n_prefill_tokens);
+        ASSERT_EQ(1, st.n_decode_tokens);
         struct sched_seq *pq = p->seq;
         ASSERT_OK(sched_step_done(s, st.step_id));
         ASSERT_OK(sched_append(s, a, 51 + steps));

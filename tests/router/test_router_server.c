@@ -1,0 +1,686 @@
+/* Tests of the router's event loop (router/server.c) in-process, against a
+ * real redis-server, with fake workers and clients on ZeroMQ sockets: the
+ * test plays the last stage and picks every token, so it can check plans,
+ * streams, re-attach, cancel, a worker lost mid-stream, a router restart,
+ * the bounded queue and the refusal of malformed frames. */
+#include "router/server.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "common/rconn.h"
+#include "common/status.h"
+#include "common/zio.h"
+#include "proto/wire.h"
+#include "tests/redis_fixture.h"
+#include "tests/test.h"
+
+struct fx {
+    struct redis_fixture r;
+    server *s;
+    pthread_t th;
+    volatile sig_atomic_t stop;
+    void *ctx;
+    char cep[128], wep[128];
+    int running;
+};
+
+static void *fx_thread(void *arg) {
+    struct fx *f = arg;
+    server_run(f->s, &f->stop);
+    return NULL;
+}
+
+static void fx_server_start(struct fx *f, int worker_timeout_ms, int max_queue) {
+    struct server_config c = {0};
+    c.model_path = test_model_path("stories260K-f32.gguf");
+    c.listen = "tcp://127.0.0.1:*";
+    c.worker_listen = "tcp://127.0.0.1:*";
+    c.redis_url = f->r.url;
+    c.redis_prefix = "llm:";
+    c.router_id = "r";
+    c.max_queue = max_queue;
+    c.step_tokens = 64;
+    c.max_batch = 8;
+    c.heartbeat_ms = 100;
+    c.worker_timeout_ms = worker_timeout_ms;
+    c.step_timeout_ms = 10000;
+    c.stages = 1;
+    c.retention_s = 60;
+    char err[512];
+    if (server_init(&f->s, &c, err, sizeof err) < 0) TEST_FAIL("server_init: %s", err);
+    snprintf(f->cep, sizeof f->cep, "%s", server_client_endpoint(f->s));
+    snprintf(f->wep, sizeof f->wep, "%s", server_worker_endpoint(f->s));
+    f->stop = 0;
+    pthread_create(&f->th, NULL, fx_thread, f);
+    f->running = 1;
+}
+
+static void fx_server_stop(struct fx *f) {
+    if (!f->running) return;
+    f->stop = 1;
+    pthread_join(f->th, NULL);
+    server_free(f->s);
+    f->s = NULL;
+    f->running = 0;
+}
+
+static void fx_start(struct fx *f, int worker_timeout_ms, int max_queue) {
+    memset(f, 0, sizeof *f);
+    log_set_level(getenv("TEST_LOG_DEBUG") ? LL_DEBUG : LL_WARN);
+    test_model_path("stories260K-f32.gguf"); /* skips before Redis starts */
+    fixture_redis_start(&f->r, 0);
+    f->ctx = zmq_ctx_new();
+    fx_server_start(f, worker_timeout_ms, max_queue);
+}
+
+static void fx_stop(struct fx *f) {
+    fx_server_stop(f);
+    zmq_ctx_term(f->ctx);
+    ASSERT_OK(fixture_redis_stop(&f->r));
+}
+
+static int64_t t_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- a client ------------------------------------------------------------ */
+
+static struct zio_sock *cl_open(struct fx *f) {
+    struct zio_sock *d;
+    char err[256];
+    if (zio_sock_open(f->ctx, ZMQ_DEALER, &d, err, sizeof err) < 0) TEST_FAIL("%s", err);
+    zio_set_int(d, ZMQ_LINGER, 0);
+    if (zio_connect(d, f->cep) < 0) TEST_FAIL("%s", zio_errstr(d));
+    return d;
+}
+
+static void cl_send(struct zio_sock *d, Llm__ClientEnvelope *env) {
+    uint8_t *buf;
+    size_t len;
+    char err[256];
+    if (proto_client_pack(env, &buf, &len, err, sizeof err) < 0) TEST_FAIL("pack: %s", err);
+    struct zio_frame fr = {buf, len, proto_buf_free, NULL};
+    if (zio_send(d, &fr, 1, 0) < 0) TEST_FAIL("send: %s", zio_errstr(d));
+}
+
+static Llm__ClientEnvelope *cl_recv(struct zio_sock *d, int timeout_ms) {
+    struct zio_parts p = {0};
+    if (zio_recv(d, &p, timeout_ms) < 0) {
+        zio_parts_free(&p);
+        return NULL;
+    }
+    Llm__ClientEnvelope *env = NULL;
+    char err[256];
+    int rc = proto_client_unpack(zio_parts_data(&p, 0), zio_parts_size(&p, 0), &env, err, sizeof err);
+    zio_parts_free(&p);
+    if (rc < 0) TEST_FAIL("client unpack: %s", err);
+    return env;
+}
+
+/* Sends a generate request; prompt tokens or text. */
+static void cl_generate(struct zio_sock *d, uint64_t tag, const char *id, const int32_t *toks, size_t n,
+                        uint32_t max_tokens, uint32_t resume_from) {
+    Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
+    g.request_id = (char *)id;
+    g.prompt_tokens = (int32_t *)toks;
+    g.n_prompt_tokens = n;
+    g.max_tokens = max_tokens;
+    g.stream = true;
+    g.resume_from = resume_from;
+    Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
+    sp.seed = 42;
+    g.sampling = &sp;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    cl_send(d, &env);
+}
+
+static Llm__ClientEnvelope *cl_expect(struct zio_sock *d, Llm__ClientEnvelope__BodyCase body) {
+    Llm__ClientEnvelope *e = cl_recv(d, 3000);
+    if (!e) TEST_FAIL("no reply (expected body %d)", (int)body);
+    if (e->body_case != body) {
+        int got = (int)e->body_case;
+        const char *msg = e->body_case == LLM__CLIENT_ENVELOPE__BODY_ERROR ? e->error->message : "";
+        TEST_FAIL("expected body %d, got %d %s", (int)body, got, msg);
+    }
+    return e;
+}
+
+static void cl_expect_error(struct zio_sock *d, Llm__Error__Code code, const char *needle) {
+    Llm__ClientEnvelope *e = cl_expect(d, LLM__CLIENT_ENVELOPE__BODY_ERROR);
+    int c = (int)e->error->code;
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", e->error->message);
+    proto_client_free(e);
+    if (c != (int)code) TEST_FAIL("expected error code %d, got %d: %s", (int)code, c, msg);
+    if (needle && !strstr(msg, needle)) TEST_FAIL("error \"%s\" does not name \"%s\"", msg, needle);
+}
+
+/* ---- a fake worker (one stage = first and last) --------------------------- */
+
+struct fw {
+    struct zio_sock *d;
+    char id[32];
+    int64_t last_hb;
+    int silent;
+};
+
+static void fw_send(struct fw *w, Llm__WorkerEnvelope *env) {
+    uint8_t *buf;
+    size_t len;
+    char err[256];
+    if (proto_worker_pack(env, &buf, &len, err, sizeof err) < 0) TEST_FAIL("pack: %s", err);
+    struct zio_frame fr = {buf, len, proto_buf_free, NULL};
+    zio_send(w->d, &fr, 1, 0);
+}
+
+static void fw_heartbeat(struct fw *w) {
+    Llm__Heartbeat hb = LLM__HEARTBEAT__INIT;
+    hb.worker_id = w->id;
+    hb.incarnation = 7;
+    hb.state = LLM__HEARTBEAT__STATE__READY;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &hb;
+    fw_send(w, &env);
+    w->last_hb = t_ms();
+}
+
+/* Receives the next envelope, heartbeating meanwhile. */
+static Llm__WorkerEnvelope *fw_recv(struct fw *w, int timeout_ms) {
+    int64_t end = t_ms() + timeout_ms;
+    while (t_ms() < end) {
+        if (!w->silent && t_ms() - w->last_hb >= 50) fw_heartbeat(w);
+        struct zio_parts p = {0};
+        if (zio_recv(w->d, &p, 20) == 0) {
+            Llm__WorkerEnvelope *env = NULL;
+            char err[256];
+            int rc = proto_worker_unpack(zio_parts_data(&p, 0), zio_parts_size(&p, 0), &env, err, sizeof err);
+            zio_parts_free(&p);
+            if (rc < 0) TEST_FAIL("worker unpack: %s", err);
+            return env;
+        }
+        zio_parts_free(&p);
+    }
+    return NULL;
+}
+
+static void fw_open(struct fx *f, struct fw *w, const char *id) {
+    memset(w, 0, sizeof *w);
+    snprintf(w->id, sizeof w->id, "%s", id);
+    char err[256];
+    if (zio_sock_open(f->ctx, ZMQ_DEALER, &w->d, err, sizeof err) < 0) TEST_FAIL("%s", err);
+    zio_set_int(w->d, ZMQ_LINGER, 0);
+    zio_set_bytes(w->d, ZMQ_ROUTING_ID, id, strlen(id));
+    if (zio_connect(w->d, f->wep) < 0) TEST_FAIL("%s", zio_errstr(w->d));
+    Llm__Register r = LLM__REGISTER__INIT;
+    r.worker_id = w->id;
+    r.incarnation = 7;
+    r.pipeline_id = 0;
+    r.stage_index = 0;
+    r.stage_count = 1;
+    r.model = "stories260K-f32.gguf";
+    r.backend = "fake";
+    r.kv_block_count = 64;
+    r.kv_block_size = 16;
+    r.max_step_seqs = 4;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
+    env.register_ = &r;
+    fw_send(w, &env);
+    w->silent = 1;
+    Llm__WorkerEnvelope *rep = fw_recv(w, 3000);
+    w->silent = 0;
+    if (!rep || rep->body_case != LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY)
+        TEST_FAIL("worker %s: no RegisterReply", id);
+    if (!rep->register_reply->accepted)
+        TEST_FAIL("worker %s refused: %s", id, rep->register_reply->error->message);
+    ASSERT_EQ(0u, rep->register_reply->layer_first);
+    ASSERT_EQ(5u, rep->register_reply->layer_end);
+    proto_worker_free(rep);
+    fw_heartbeat(w);
+}
+
+static void fw_close(struct fw *w) { zio_sock_close(w->d); }
+
+/* The next plan (register replies in between are skipped). */
+static Llm__WorkerEnvelope *fw_plan(struct fw *w) {
+    for (int i = 0; i < 10; i++) {
+        Llm__WorkerEnvelope *e = fw_recv(w, 3000);
+        if (!e) TEST_FAIL("worker %s: no plan", w->id);
+        if (e->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN) return e;
+        proto_worker_free(e);
+    }
+    TEST_FAIL("worker %s: no plan among 10 messages", w->id);
+    return NULL;
+}
+
+/* Answers a plan: every sequence that wants logits samples token. */
+static void fw_answer(struct fw *w, const Llm__StepPlan *p, int32_t token) {
+    Llm__StepResult r = LLM__STEP_RESULT__INIT;
+    r.step_id = p->step_id;
+    r.pipeline_id = p->pipeline_id;
+    r.epoch = p->epoch;
+    r.worker_id = w->id;
+    Llm__SeqResult res[16], *rp[16];
+    for (size_t i = 0; i < p->n_seqs && i < 16; i++) {
+        llm__seq_result__init(&res[i]);
+        res[i].seq_id = p->seqs[i]->seq_id;
+        res[i].token = p->seqs[i]->want_logits ? token : -1;
+        rp[i] = &res[i];
+    }
+    r.n_seqs = p->n_seqs;
+    r.seqs = rp;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_RESULT;
+    env.result = &r;
+    fw_send(w, &env);
+}
+
+/* Collects chunks until done; tokens land in got[index]; returns done. */
+static Llm__ClientEnvelope *cl_collect(struct zio_sock *d, int32_t *got, int *count, int max) {
+    for (;;) {
+        Llm__ClientEnvelope *e = cl_recv(d, 3000);
+        if (!e) TEST_FAIL("no chunk or done");
+        if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE) return e;
+        if (e->body_case != LLM__CLIENT_ENVELOPE__BODY_CHUNK) TEST_FAIL("unexpected body %d", (int)e->body_case);
+        for (size_t i = 0; i < e->chunk->n_token_ids; i++) {
+            int idx = (int)e->chunk->index + (int)i;
+            if (idx >= max) TEST_FAIL("chunk index %d beyond %d", idx, max);
+            if (got[idx] != -1) TEST_FAIL("token %d received twice", idx);
+            got[idx] = e->chunk->token_ids[i];
+            (*count)++;
+        }
+        proto_client_free(e);
+    }
+}
+
+static const int32_t prompt3[3] = {1, 403, 407};
+
+TEST(router_server_generates_and_streams) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 11, "g1", prompt3, 3, 5, 0);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_EQ((uint64_t)11, (uint64_t)e->tag);
+    ASSERT_EQ(3u, e->accepted->prompt_tokens);
+    ASSERT_EQ((uint64_t)42, e->accepted->seed);
+    ASSERT_TRUE(!e->accepted->reattached);
+    proto_client_free(e);
+    for (int k = 0; k < 5; k++) {
+        Llm__WorkerEnvelope *pe = fw_plan(&w);
+        const Llm__StepPlan *p = pe->plan;
+        ASSERT_EQ((size_t)1, p->n_seqs);
+        const Llm__SeqPlan *sp = p->seqs[0];
+        ASSERT_TRUE(sp->want_logits);
+        ASSERT_EQ((uint64_t)42, sp->sampling->seed);
+        if (k == 0) {
+            ASSERT_EQ(0u, sp->start_pos);
+            ASSERT_EQ((size_t)3, sp->n_tokens);
+            ASSERT_EQ(403, sp->tokens[1]);
+        } else {
+            ASSERT_EQ((uint32_t)(2 + k), sp->start_pos);
+            ASSERT_EQ((size_t)1, sp->n_tokens);
+            ASSERT_EQ(300 + k - 1, sp->tokens[0]); /* the token sampled before */
+        }
+        ASSERT_EQ((size_t)1, sp->n_block_table);
+        fw_answer(&w, p, 300 + k);
+        proto_worker_free(pe);
+    }
+    int32_t got[8];
+    for (int i = 0; i < 8; i++) got[i] = -1;
+    int count = 0;
+    e = cl_collect(c, got, &count, 8);
+    ASSERT_EQ(5, count);
+    for (int i = 0; i < 5; i++) ASSERT_EQ(300 + i, got[i]);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)e->done->finish_reason);
+    ASSERT_EQ(3u, e->done->usage->prompt_tokens);
+    ASSERT_EQ(5u, e->done->usage->completion_tokens);
+    proto_client_free(e);
+
+    /* Durable: the tokens and the end are in Redis. */
+    struct rconn *rc;
+    char err[256];
+    ASSERT_OK(rconn_open_url(f.r.url, 2000, &rc, err, sizeof err));
+    void *v = NULL;
+    size_t len = 0;
+    ASSERT_OK(rconn_get(rc, "llm:req:g1:gen", &v, &len));
+    ASSERT_EQ((size_t)20, len);
+    free(v);
+    ASSERT_OK(rconn_hget(rc, "llm:req:g1", "state", &v, &len));
+    ASSERT_STREQ("done", (char *)v);
+    free(v);
+    rconn_close(rc);
+
+    /* Status reports the pipeline and the planning overhead. */
+    Llm__ClientEnvelope st = LLM__CLIENT_ENVELOPE__INIT;
+    Llm__StatusRequest sr = LLM__STATUS_REQUEST__INIT;
+    st.tag = 5;
+    st.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS;
+    st.status = &sr;
+    cl_send(c, &st);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY);
+    ASSERT_EQ((size_t)1, e->status_reply->n_pipelines);
+    ASSERT_TRUE(e->status_reply->pipelines[0]->ready);
+    ASSERT_EQ(64u, e->status_reply->pipelines[0]->kv_blocks_total);
+    ASSERT_STREQ("w1", e->status_reply->pipelines[0]->stages[0]->worker_id);
+    ASSERT_EQ((uint64_t)5, e->status_reply->steps_total);
+    ASSERT_TRUE(e->status_reply->plan_us_mean > 0);
+    ASSERT_TRUE(e->status_reply->turnaround_us_mean > 0);
+    proto_client_free(e);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST(router_server_refuses_bad_input_and_keeps_serving) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c = cl_open(&f);
+    /* Not protobuf. */
+    struct zio_frame junk = {"\xff\xff\xff\xff garbage", 12, NULL, NULL};
+    zio_send(c, &junk, 1, 0);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, NULL);
+    /* A version this router does not speak. */
+    Llm__HealthRequest hr = LLM__HEALTH_REQUEST__INIT;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.version = 99;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH;
+    env.health = &hr;
+    uint8_t buf[64];
+    size_t n = llm__client_envelope__pack(&env, buf);
+    struct zio_frame vf = {buf, n, NULL, NULL};
+    zio_send(c, &vf, 1, 0);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "99");
+    /* Two frames. */
+    struct zio_frame two[2] = {{"a", 1, NULL, NULL}, {"b", 1, NULL, NULL}};
+    zio_send(c, two, 2, 0);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "one frame");
+    /* A reply sent as a request. */
+    Llm__GenerateChunk ch = LLM__GENERATE_CHUNK__INIT;
+    Llm__ClientEnvelope ce = LLM__CLIENT_ENVELOPE__INIT;
+    ce.body_case = LLM__CLIENT_ENVELOPE__BODY_CHUNK;
+    ce.chunk = &ch;
+    cl_send(c, &ce);
+    cl_expect_error(c, LLM__ERROR__CODE__UNIMPLEMENTED, NULL);
+    /* Bad fields, named with their values. */
+    Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
+    Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
+    sp.top_p = 1.5f;
+    g.request_id = "bad-1";
+    g.prompt = "Once upon a time";
+    g.sampling = &sp;
+    Llm__ClientEnvelope ge = LLM__CLIENT_ENVELOPE__INIT;
+    ge.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
+    ge.generate = &g;
+    cl_send(c, &ge);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "top_p");
+    sp.top_p = 0;
+    g.max_tokens = 1000;
+    cl_send(c, &ge);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "exceeds the context");
+    g.max_tokens = 0;
+    g.model = "other.gguf";
+    cl_send(c, &ge);
+    cl_expect_error(c, LLM__ERROR__CODE__NOT_FOUND, "other.gguf");
+    g.model = "";
+    g.request_id = "bad id";
+    cl_send(c, &ge);
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, NULL);
+    Llm__Cancel cc = LLM__CANCEL__INIT;
+    cc.request_id = "nobody";
+    Llm__ClientEnvelope cancel = LLM__CLIENT_ENVELOPE__INIT;
+    cancel.body_case = LLM__CLIENT_ENVELOPE__BODY_CANCEL;
+    cancel.cancel = &cc;
+    cl_send(c, &cancel);
+    cl_expect_error(c, LLM__ERROR__CODE__NOT_FOUND, "nobody");
+    /* A worker's garbage too. */
+    struct zio_frame wj = {"\x01\x02", 2, NULL, NULL};
+    zio_send(w.d, &wj, 1, 0);
+    Llm__WorkerEnvelope *we = fw_recv(&w, 3000);
+    ASSERT_TRUE(we != NULL);
+    ASSERT_EQ((int)LLM__WORKER_ENVELOPE__BODY_ERROR, (int)we->body_case);
+    proto_worker_free(we);
+
+    /* Still serving. */
+    Llm__ClientEnvelope h = LLM__CLIENT_ENVELOPE__INIT;
+    h.tag = 9;
+    h.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH;
+    h.health = &hr;
+    cl_send(c, &h);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY);
+    ASSERT_EQ((uint64_t)9, (uint64_t)e->tag);
+    ASSERT_EQ((int)LLM__HEALTH_REPLY__SERVING_STATUS__SERVING, (int)e->health_reply->status);
+    proto_client_free(e);
+    Llm__StatusRequest sr = LLM__STATUS_REQUEST__INIT;
+    h.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS;
+    h.status = &sr;
+    cl_send(c, &h);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY);
+    ASSERT_TRUE(e->status_reply->frames_rejected >= 4);
+    proto_client_free(e);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST(router_server_queue_is_bounded) {
+    struct fx f;
+    fx_start(&f, 2000, 2);
+    struct zio_sock *c = cl_open(&f);
+    /* No worker: requests are accepted (durable) and wait. */
+    cl_generate(c, 1, "q1", prompt3, 3, 4, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    cl_generate(c, 2, "q2", prompt3, 3, 4, 0);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_EQ(1u, e->accepted->queue_position);
+    proto_client_free(e);
+    cl_generate(c, 3, "q3", prompt3, 3, 4, 0);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ERROR);
+    ASSERT_EQ((int)LLM__ERROR__CODE__RESOURCE_EXHAUSTED, (int)e->error->code);
+    ASSERT_TRUE(e->error->retry_after_ms > 0);
+    ASSERT_STREQ("q3", e->error->request_id);
+    proto_client_free(e);
+    Llm__HealthRequest hr = LLM__HEALTH_REQUEST__INIT;
+    Llm__ClientEnvelope h = LLM__CLIENT_ENVELOPE__INIT;
+    h.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH;
+    h.health = &hr;
+    cl_send(c, &h);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY);
+    ASSERT_EQ((int)LLM__HEALTH_REPLY__SERVING_STATUS__NOT_SERVING, (int)e->health_reply->status);
+    proto_client_free(e);
+    /* A pipeline joins: the queued requests run without being re-sent. */
+    struct fw w;
+    fw_open(&f, &w, "late");
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ((size_t)2, pe->plan->n_seqs);
+    proto_worker_free(pe);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST(router_server_worker_loss_resumes_exactly_once) {
+    struct fx f;
+    fx_start(&f, 300, 100);
+    struct fw a;
+    fw_open(&f, &a, "wa");
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 1, "loss-1", prompt3, 3, 6, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    for (int k = 0; k < 3; k++) {
+        Llm__WorkerEnvelope *pe = fw_plan(&a);
+        fw_answer(&a, pe->plan, 500 + k);
+        proto_worker_free(pe);
+    }
+    /* The fourth plan is never answered: the worker dies. */
+    proto_worker_free(fw_plan(&a));
+    fw_close(&a);
+    usleep(700 * 1000);
+    struct fw b;
+    fw_open(&f, &b, "wb");
+    Llm__WorkerEnvelope *pe = fw_plan(&b);
+    const Llm__SeqPlan *sp = pe->plan->seqs[0];
+    /* Recomputed from the prompt and the tokens generated so far. */
+    ASSERT_EQ(0u, sp->start_pos);
+    ASSERT_EQ((size_t)6, sp->n_tokens);
+    ASSERT_EQ(502, sp->tokens[5]);
+    ASSERT_TRUE(sp->want_logits);
+    fw_answer(&b, pe->plan, 503);
+    proto_worker_free(pe);
+    for (int k = 4; k < 6; k++) {
+        pe = fw_plan(&b);
+        fw_answer(&b, pe->plan, 500 + k);
+        proto_worker_free(pe);
+    }
+    int32_t got[8];
+    for (int i = 0; i < 8; i++) got[i] = -1;
+    int count = 0;
+    Llm__ClientEnvelope *e = cl_collect(c, got, &count, 8);
+    ASSERT_EQ(6, count); /* every token once */
+    for (int i = 0; i < 6; i++) ASSERT_EQ(500 + i, got[i]);
+    ASSERT_EQ(6u, e->done->usage->completion_tokens);
+    proto_client_free(e);
+    zio_sock_close(c);
+    fw_close(&b);
+    fx_stop(&f);
+}
+
+TEST(router_server_reattach_and_cancel) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c1 = cl_open(&f), *c2 = cl_open(&f);
+    cl_generate(c1, 1, "ra-1", prompt3, 3, 10, 0);
+    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    uint64_t seq_id = 0;
+    for (int k = 0; k < 2; k++) {
+        Llm__WorkerEnvelope *pe = fw_plan(&w);
+        seq_id = pe->plan->seqs[0]->seq_id;
+        fw_answer(&w, pe->plan, 200 + k);
+        proto_worker_free(pe);
+    }
+    Llm__WorkerEnvelope *held = fw_plan(&w); /* the third step, not answered yet */
+    /* Another connection re-attaches, having one token. */
+    cl_generate(c2, 2, "ra-1", prompt3, 3, 10, 1);
+    Llm__ClientEnvelope *e = cl_expect(c2, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_TRUE(e->accepted->reattached);
+    proto_client_free(e);
+    e = cl_expect(c2, LLM__CLIENT_ENVELOPE__BODY_CHUNK);
+    ASSERT_EQ(1u, e->chunk->index);
+    ASSERT_EQ((size_t)1, e->chunk->n_token_ids);
+    ASSERT_EQ(201, e->chunk->token_ids[0]);
+    proto_client_free(e);
+    /* The stream now goes to the new connection. */
+    fw_answer(&w, held->plan, 202);
+    proto_worker_free(held);
+    e = cl_expect(c2, LLM__CLIENT_ENVELOPE__BODY_CHUNK);
+    ASSERT_EQ(2u, e->chunk->index);
+    proto_client_free(e);
+    /* A different body under the same id is refused. */
+    cl_generate(c2, 3, "ra-1", prompt3, 3, 11, 0);
+    cl_expect_error(c2, LLM__ERROR__CODE__ALREADY_EXISTS, NULL);
+    /* Cancel from the first connection: both get the end. */
+    Llm__Cancel cc = LLM__CANCEL__INIT;
+    cc.request_id = "ra-1";
+    Llm__ClientEnvelope cancel = LLM__CLIENT_ENVELOPE__INIT;
+    cancel.body_case = LLM__CLIENT_ENVELOPE__BODY_CANCEL;
+    cancel.cancel = &cc;
+    cl_send(c1, &cancel);
+    for (int i = 0; i < 2; i++) {
+        struct zio_sock *c = i ? c2 : c1;
+        for (;;) {
+            e = cl_recv(c, 3000);
+            ASSERT_TRUE(e != NULL);
+            if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE) break;
+            proto_client_free(e);
+        }
+        ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, (int)e->done->finish_reason);
+        proto_client_free(e);
+    }
+    /* The next plan tells the worker to free the cancelled sequence. */
+    Llm__WorkerEnvelope *before = fw_plan(&w); /* planned before the cancel */
+    fw_answer(&w, before->plan, 203);          /* its result is ignored */
+    proto_worker_free(before);
+    cl_generate(c1, 4, "ra-2", prompt3, 3, 2, 0);
+    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ((size_t)1, pe->plan->n_freed_seqs);
+    ASSERT_EQ(seq_id, pe->plan->freed_seqs[0]);
+    proto_worker_free(pe);
+    zio_sock_close(c1);
+    zio_sock_close(c2);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST(router_server_restart_resumes_requests) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 1, "rs-1", prompt3, 3, 5, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    for (int k = 0; k < 2; k++) {
+        Llm__WorkerEnvelope *pe = fw_plan(&w);
+        fw_answer(&w, pe->plan, 100 + k);
+        proto_worker_free(pe);
+    }
+    int32_t got[8];
+    for (int i = 0; i < 8; i++) got[i] = -1;
+    int count = 0;
+    while (count < 2) {
+        Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_CHUNK);
+        for (size_t i = 0; i < e->chunk->n_token_ids; i++) got[e->chunk->index + i] = e->chunk->token_ids[i], count++;
+        proto_client_free(e);
+    }
+    /* The router dies and a new one starts on the same Redis. */
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_server_stop(&f);
+    fx_server_start(&f, 2000, 100);
+    fw_open(&f, &w, "w1");
+    c = cl_open(&f);
+    cl_generate(c, 2, "rs-1", prompt3, 3, 5, (uint32_t)count);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_TRUE(e->accepted->reattached);
+    proto_client_free(e);
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ(0u, pe->plan->seqs[0]->start_pos);
+    ASSERT_EQ((size_t)5, pe->plan->seqs[0]->n_tokens);
+    ASSERT_EQ(101, pe->plan->seqs[0]->tokens[4]);
+    fw_answer(&w, pe->plan, 102);
+    proto_worker_free(pe);
+    for (int k = 3; k < 5; k++) {
+        pe = fw_plan(&w);
+        fw_answer(&w, pe->plan, 100 + k);
+        proto_worker_free(pe);
+    }
+    e = cl_collect(c, got, &count, 8);
+    ASSERT_EQ(5, count);
+    for (int i = 0; i < 5; i++) ASSERT_EQ(100 + i, got[i]);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)e->done->finish_reason);
+    proto_client_free(e);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST_MAIN(router_server_generates_and_streams, router_server_refuses_bad_input_and_keeps_serving,
+          router_server_queue_is_bounded, router_server_worker_loss_resumes_exactly_once,
+          router_server_reattach_and_cancel, router_server_restart_resumes_requests)
