@@ -128,9 +128,8 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
                           "seed", seed, "created_ms", created, "deadline_ms", deadline,
                           "state", "queued"};
     size_t lens[sizeof argv / sizeof argv[0]];
-    for (size_t i = 0; i < sizeof argv / sizeof argv[0]; i++) lens[i] = strlen(argv[i]);
-    lens[8] = r->params_len;
-    lens[10] = (size_t)r->n_prompt * 4;
+    for (size_t i = 0; i < sizeof argv / sizeof argv[0]; i++)
+        lens[i] = i == 8 ? r->params_len : i == 10 ? (size_t)r->n_prompt * 4 : strlen(argv[i]);
     redisReply *rep = NULL;
     int rc = rconn_command_argv(rs->c, &rep, (int)(sizeof argv / sizeof argv[0]), argv, lens);
     free(prompt);
