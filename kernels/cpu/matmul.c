@@ -1,7 +1,7 @@
 /* Matrix multiplication on the CPU backend: out[n, rows] = x[n, cols] . W^T
  * for W of any dtype.  The activations are converted once per call to the
  * format the weight type dots against (cpu.h); then threads take chunks of
- * (output rows x tokens) from a shared counter, so a core that another
+ * (output rows x tokens) from shared counters, so a core that another
  * process slows down simply takes fewer chunks. */
 #include "cpu.h"
 
@@ -14,6 +14,17 @@
  * the tiles of activations (all of which fit in L2/L3) pass over them:
  * the weights are read from memory about once per call. */
 #define MM_TOKENS_PER_CHUNK 32
+/* The chunks are cut into one contiguous part per thread (up to this many
+ * parts); a thread walks its own part in order, so each core streams
+ * consecutive weight rows and the hardware prefetcher keeps up, then takes
+ * what is left of the other parts. */
+#define MM_MAX_PARTS 64
+
+struct mm_part {
+    _Alignas(64) atomic_long next; /* next chunk of this part to take */
+    long end;
+    char pad[64 - sizeof(atomic_long) - sizeof(long)]; /* one cache line each */
+};
 
 struct mm_task {
     float *out;
@@ -28,7 +39,8 @@ struct mm_task {
     int64_t rows, cols;
     int32_t n;
     int64_t rows_per_chunk, n_row_chunks, n_tok_chunks, n_chunks;
-    atomic_long next;           /* next chunk to take */
+    int n_parts;
+    struct mm_part parts[MM_MAX_PARTS];
     atomic_long next_quant;     /* next token to convert */
     atomic_int quant_done;      /* tokens converted */
 };
@@ -42,9 +54,27 @@ static void mm_quantize(struct mm_task *t) {
     }
 }
 
+/* Chunk c: rows_per_chunk output rows x MM_TOKENS_PER_CHUNK tokens. */
+static void mm_chunk(const struct mm_task *t, long c, const uint8_t *xs, size_t x_row_bytes) {
+    int64_t r0 = (c / t->n_tok_chunks) * t->rows_per_chunk;
+    int64_t r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
+    int32_t t0 = (int32_t)(c % t->n_tok_chunks) * MM_TOKENS_PER_CHUNK;
+    int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
+        int32_t i = t0;
+        if (t->dot4)
+            for (; i + 4 <= t1; i += 4) {
+                float o[4];
+                t->dot4(wr, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, o);
+                for (int j = 0; j < 4; j++) t->out[(size_t)(i + j) * t->rows + r] = o[j];
+            }
+        for (; i < t1; i++) t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
+    }
+}
+
 static void mm_run(void *arg, int ith, int nth) {
     struct mm_task *t = arg;
-    (void)ith;
     (void)nth;
     const uint8_t *xs = t->xq ? t->xq : (const uint8_t *)t->x;
     size_t x_row_bytes = t->xq ? t->xq_row_bytes : (size_t)t->cols * sizeof(float);
@@ -60,23 +90,12 @@ static void mm_run(void *arg, int ith, int nth) {
             else sched_yield();
         }
     }
-    for (;;) {
-        long c = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
-        if (c >= t->n_chunks) break;
-        int64_t r0 = (c / t->n_tok_chunks) * t->rows_per_chunk;
-        int64_t r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
-        int32_t t0 = (int32_t)(c % t->n_tok_chunks) * MM_TOKENS_PER_CHUNK;
-        int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
-        for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
-            int32_t i = t0;
-            if (t->dot4)
-                for (; i + 4 <= t1; i += 4) {
-                    float o[4];
-                    t->dot4(wr, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, o);
-                    for (int j = 0; j < 4; j++) t->out[(size_t)(i + j) * t->rows + r] = o[j];
-                }
-            for (; i < t1; i++) t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
+    for (int k = 0; k < t->n_parts; k++) {
+        struct mm_part *part = &t->parts[(ith + k) % t->n_parts];
+        for (;;) {
+            long c = atomic_fetch_add_explicit(&part->next, 1, memory_order_relaxed);
+            if (c >= part->end) break;
+            mm_chunk(t, c, xs, x_row_bytes);
         }
     }
 }
@@ -114,11 +133,16 @@ int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const fl
     t.n_row_chunks = (w->rows + rpc - 1) / rpc;
     t.n_tok_chunks = (n + MM_TOKENS_PER_CHUNK - 1) / MM_TOKENS_PER_CHUNK;
     t.n_chunks = t.n_row_chunks * t.n_tok_chunks;
-    atomic_init(&t.next, 0);
-    atomic_init(&t.next_quant, 0);
-    atomic_init(&t.quant_done, 0);
     /* Tiny products are cheaper than waking the pool. */
     int64_t work = w->rows * w->cols * (int64_t)n;
-    cpu_pool_run(b->pool, mm_run, &t, work < 32768 ? 1 : nth);
+    if (work < 32768) nth = 1;
+    t.n_parts = nth < MM_MAX_PARTS ? nth : MM_MAX_PARTS;
+    for (int p = 0; p < t.n_parts; p++) {
+        atomic_init(&t.parts[p].next, (long)(t.n_chunks * p / t.n_parts));
+        t.parts[p].end = (long)(t.n_chunks * (p + 1) / t.n_parts);
+    }
+    atomic_init(&t.next_quant, 0);
+    atomic_init(&t.quant_done, 0);
+    cpu_pool_run(b->pool, mm_run, &t, nth);
     return STATUS_OK;
 }
