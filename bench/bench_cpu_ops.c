@@ -31,6 +31,8 @@ struct read_arg {
     const uint8_t *p;
     size_t bytes;
     uint64_t sum;
+    pthread_barrier_t *start; /* all threads begin together, after creation */
+    double t0, t1;            /* this thread's pass */
 };
 
 #if defined(__x86_64__)
@@ -51,9 +53,12 @@ __attribute__((target("avx2"))) static uint64_t read_avx2(const uint8_t *p, size
 
 static void *read_main(void *a_) {
     struct read_arg *a = a_;
+    pthread_barrier_wait(a->start);
+    a->t0 = now();
 #if defined(__x86_64__)
     if (__builtin_cpu_supports("avx2")) {
         a->sum = read_avx2(a->p, a->bytes);
+        a->t1 = now();
         return NULL;
     }
 #endif
@@ -62,22 +67,30 @@ static void *read_main(void *a_) {
     for (size_t i = 0; i + 8 <= a->bytes / 8; i += 8)
         for (int j = 0; j < 8; j++) s[j] += q[i + j];
     for (int j = 0; j < 8; j++) a->sum += s[j];
+    a->t1 = now();
     return NULL;
 }
 
-/* Seconds for n_threads threads to read buf once. */
+/* Seconds for n_threads threads to read buf once: from the first thread's
+ * start to the last one's end, thread creation excluded. */
 static double read_pass(const uint8_t *buf, size_t bytes, int n_threads) {
     pthread_t th[64];
     struct read_arg args[64];
-    double t0 = now();
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, (unsigned)n_threads);
     for (int i = 0; i < n_threads; i++) {
-        args[i] = (struct read_arg){buf + bytes / n_threads * i, bytes / n_threads, 0};
+        args[i] = (struct read_arg){buf + bytes / n_threads * i, bytes / n_threads, 0, &start, 0, 0};
         pthread_create(&th[i], NULL, read_main, &args[i]);
     }
     for (int i = 0; i < n_threads; i++) pthread_join(th[i], NULL);
-    double dt = now() - t0;
+    pthread_barrier_destroy(&start);
+    double t0 = args[0].t0, t1 = args[0].t1;
+    for (int i = 1; i < n_threads; i++) {
+        if (args[i].t0 < t0) t0 = args[i].t0;
+        if (args[i].t1 > t1) t1 = args[i].t1;
+    }
     if (args[0].sum == 42) printf(" "); /* keep the sum alive */
-    return dt;
+    return t1 - t0;
 }
 
 /* ---- The model's matrices ---- */
@@ -146,6 +159,7 @@ static double bench_type(backend *be, enum dtype t, int32_t n, int n_threads, in
 int main(int argc, char **argv) {
     int n_threads = argc > 1 ? atoi(argv[1]) : 0;
     int32_t n = argc > 2 ? atoi(argv[2]) : 1;
+    int reps = getenv("BENCH_REPS") ? atoi(getenv("BENCH_REPS")) : 10;
     backend *be;
     char err[256];
     if (backend_cpu_init(&be, n_threads, err, sizeof err) != 0) {
@@ -153,8 +167,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     int nt = n_threads > 0 ? n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
-    printf("%s; best of 10 passes each, read loop on %d threads over a buffer of the weights' size\n",
-           backend_name(be), nt);
+    printf("%s; best of %d passes each, read loop on %d threads over a buffer of the weights' size\n",
+           backend_name(be), reps, nt);
     static const char *def[] = {"F16", "Q8_0", "Q4_K"};
     int n_types = argc > 3 ? argc - 3 : 3;
     for (int i = 0; i < n_types; i++) {
@@ -169,7 +183,7 @@ int main(int argc, char **argv) {
         }
         size_t bytes;
         double rbw;
-        double dt = bench_type(be, t, n, nt, 10, &bytes, &rbw);
+        double dt = bench_type(be, t, n, nt, reps, &bytes, &rbw);
         double bw = (double)bytes / dt;
         printf("%-5s n=%-4d %7.1f MB weights  %8.2f ms/pass  %6.2f GB/s  read loop %6.2f GB/s  %5.1f%%  %8.1f tok/s\n",
                name, n, (double)bytes / 1e6, dt * 1e3, bw / 1e9, rbw / 1e9, 100.0 * bw / rbw, n / dt);
