@@ -8,7 +8,8 @@
  * slots, block tables) are int32 in backend memory, filled with
  * backend_upload.  Ops are queued in order on the backend's one stream;
  * results are visible to the host after backend_sync (backend_download
- * synchronizes itself). */
+ * synchronizes itself).  A backend handle is not thread-safe: one thread
+ * at a time calls it (a worker's compute thread owns its backend). */
 #ifndef KERNELS_BACKEND_H
 #define KERNELS_BACKEND_H
 
