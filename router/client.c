@@ -10,6 +10,7 @@
 #include "common/zio.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,8 +118,13 @@ static int client_sock_open(llm_client *c) {
         zio_set_int(c->sock, ZMQ_HEARTBEAT_IVL, c->cfg.heartbeat_ms);
         zio_set_int(c->sock, ZMQ_HEARTBEAT_TIMEOUT, c->cfg.heartbeat_ms * 2);
     }
+    /* Unique in the process: a client freed and another allocated at the
+     * same address must not meet the old monitor's endpoint, which ZeroMQ
+     * releases asynchronously. */
+    static atomic_uint_fast64_t mon_seq;
     char mon_ep[96];
-    snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%p-%u", (void *)c, c->n_opened);
+    snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%d-%llu", (int)getpid(),
+             (unsigned long long)atomic_fetch_add(&mon_seq, 1));
     if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep, ZMQ_EVENT_DISCONNECTED) != 0) {
         client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: monitor: %s", ep,
                       zmq_strerror(errno));
