@@ -1,0 +1,945 @@
+/* bench_cluster: the whole cluster's speed as a client sees it, and the
+ * router's share of each step (the cluster issue's table).  For each layout
+ * (pipelines x stages) it starts a private cluster with the built
+ * llm-cluster, then at each concurrency level sends N fixed-length greedy
+ * requests through libllmclient with that many in flight and measures
+ * requests/s, generated tokens/s, time to first token and inter-token
+ * latency; the router's Status gives its planning cost per step.
+ *
+ *   bench_cluster --shape tiny --stages 1,2 --concurrency 1,4,16 --threads 1
+ *   bench_cluster --model m.gguf --device auto --stages 1,2 --concurrency 1,4,16,64 */
+#include "router/client.h"
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/status.h"
+#include "worker/synth.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+extern char **environ;
+
+#define CB_LIST_MAX 16
+#define CB_ROWS_MAX 512
+#define CB_CONC_MAX 1024
+
+/* Set by SIGTERM/SIGINT (a time limit): requests in flight are cancelled,
+ * the cluster is stopped, and the rows measured so far are printed. */
+static volatile sig_atomic_t cb_stop;
+static void cb_on_signal(int sig) {
+    (void)sig;
+    cb_stop = 1;
+}
+
+/* snprintf through a function, so that paths and messages cut to fit
+ * their buffer are not warnings (a cut message is still a message). */
+static void cb_fmt(char *out, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void cb_fmt(char *out, size_t size, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out, size, fmt, ap);
+    va_end(ap);
+}
+
+static double cb_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void cb_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static int cb_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile (q in (0, 1]) of n values; sorts v.  0 when n is 0. */
+static double cb_percentile(double *v, size_t n, double q) {
+    if (n == 0) return 0;
+    qsort(v, n, sizeof *v, cb_cmp_double);
+    size_t k = (size_t)(q * (double)n + 0.999999);
+    if (k < 1) k = 1;
+    if (k > n) k = n;
+    return v[k - 1];
+}
+
+/* ---- Options ---- */
+
+struct cb_opts {
+    const char *model, *shape, *type, *stages, *pipelines, *layouts, *concurrency, *device, *cluster, *tmpdir, *run_root,
+        *router_args, *worker_args, *log_level;
+    int requests, prompt_tokens, max_tokens, threads, kv_blocks, warmup, up_timeout_s, up_tries;
+    /* Parsed lists. */
+    int stage_v[CB_LIST_MAX], n_stages;
+    int pipe_v[CB_LIST_MAX], n_pipes;
+    /* The clusters to start, in order: --layouts, else pipelines x stages. */
+    int lay_pipes[CB_LIST_MAX * CB_LIST_MAX], lay_stages[CB_LIST_MAX * CB_LIST_MAX], n_layouts;
+    int conc_v[CB_LIST_MAX], n_conc;
+    enum synth_type synth_type;
+};
+
+/* Parses a comma-separated list of integers in [lo, hi] into v.  Returns
+ * the count or STATUS_BAD_INPUT with err naming the flag and the item. */
+static int cb_parse_ints(const char *flag, const char *s, int lo, int hi, int *v, char *err, size_t errlen) {
+    char buf[512];
+    if (strlen(s) + 1 > sizeof buf) {
+        cb_fmt(err, errlen, "--%s: list of %zu characters is too long", flag, strlen(s));
+        return STATUS_BAD_INPUT;
+    }
+    memcpy(buf, s, strlen(s) + 1);
+    int n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (n == CB_LIST_MAX) {
+            cb_fmt(err, errlen, "--%s: more than %d items in \"%s\"", flag, CB_LIST_MAX, s);
+            return STATUS_BAD_INPUT;
+        }
+        char *end = NULL;
+        errno = 0;
+        long x = strtol(t, &end, 10);
+        if (errno || end == t || *end || x < lo || x > hi) {
+            cb_fmt(err, errlen, "--%s: \"%s\" is not an integer in [%d, %d]", flag, t, lo, hi);
+            return STATUS_BAD_INPUT;
+        }
+        v[n++] = (int)x;
+    }
+    if (n == 0) {
+        cb_fmt(err, errlen, "--%s: empty list \"%s\"", flag, s);
+        return STATUS_BAD_INPUT;
+    }
+    return n;
+}
+
+static int cb_parse_lists(struct cb_opts *o, char *err, size_t errlen) {
+    if ((o->n_stages = cb_parse_ints("stages", o->stages, 1, 64, o->stage_v, err, errlen)) < 0) return o->n_stages;
+    if ((o->n_pipes = cb_parse_ints("pipelines", o->pipelines, 1, 64, o->pipe_v, err, errlen)) < 0)
+        return o->n_pipes;
+    o->n_layouts = 0;
+    if (o->layouts && o->layouts[0]) {
+        char buf[512];
+        if (strlen(o->layouts) + 1 > sizeof buf) {
+            cb_fmt(err, errlen, "--layouts: list of %zu characters is too long", strlen(o->layouts));
+            return STATUS_BAD_INPUT;
+        }
+        memcpy(buf, o->layouts, strlen(o->layouts) + 1);
+        for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+            int p = 0, st = 0, used = 0;
+            if (sscanf(t, "%dx%d%n", &p, &st, &used) != 2 || t[used] || p < 1 || p > 64 || st < 1 || st > 64 ||
+                o->n_layouts == CB_LIST_MAX) {
+                cb_fmt(err, errlen, "--layouts: \"%s\" is not PIPELINESxSTAGES with both in [1, 64] (at most %d "
+                       "layouts)", t, CB_LIST_MAX);
+                return STATUS_BAD_INPUT;
+            }
+            o->lay_pipes[o->n_layouts] = p;
+            o->lay_stages[o->n_layouts++] = st;
+        }
+    } else {
+        for (int pi = 0; pi < o->n_pipes; pi++)
+            for (int si = 0; si < o->n_stages; si++) {
+                o->lay_pipes[o->n_layouts] = o->pipe_v[pi];
+                o->lay_stages[o->n_layouts++] = o->stage_v[si];
+            }
+    }
+    if ((o->n_conc = cb_parse_ints("concurrency", o->concurrency, 1, CB_CONC_MAX, o->conc_v, err, errlen)) < 0)
+        return o->n_conc;
+    if (!o->model) {
+        struct synth_shape sh;
+        if (synth_shape_preset(o->shape, &sh) != STATUS_OK) {
+            cb_fmt(err, errlen, "--shape: unknown shape \"%s\" (worker/synth.h presets: tiny, 100m, "
+                     "tinyllama-1.1b, llama2-7b, llama3-8b, llama2-13b)", o->shape);
+            return STATUS_BAD_INPUT;
+        }
+        int k = 0;
+        while (synth_type_names[k] && strcmp(synth_type_names[k], o->type) != 0) k++;
+        if (!synth_type_names[k]) {
+            cb_fmt(err, errlen, "--type: unknown type \"%s\" (f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k)",
+                     o->type);
+            return STATUS_BAD_INPUT;
+        }
+        o->synth_type = (enum synth_type)k;
+    }
+    if (strcmp(o->device, "cpu") != 0 && strcmp(o->device, "auto") != 0) {
+        cb_fmt(err, errlen, "--device %s: expected cpu or auto (llm-cluster's choices)", o->device);
+        return STATUS_BAD_INPUT;
+    }
+    return STATUS_OK;
+}
+
+/* The requests of one level: --requests, else two per stream and at least 8. */
+static int cb_level_requests(const struct cb_opts *o, int conc) {
+    if (o->requests > 0) return o->requests;
+    return 2 * conc > 8 ? 2 * conc : 8;
+}
+
+/* ---- Files and child processes ---- */
+
+static int cb_rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(path) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+static void cb_rmtree(const char *dir) {
+    nftw(dir, cb_rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Prints the last n lines of path to stderr, indented. */
+static void cb_print_tail(const char *path, int n) {
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char ring[8][512];
+    int count = 0;
+    if (n > 8) n = 8;
+    while (fgets(ring[count % n], sizeof ring[0], f)) count++;
+    fclose(f);
+    fprintf(stderr, "  --- %s (last %d of %d lines)\n", path, count < n ? count : n, count);
+    for (int i = count > n ? count - n : 0; i < count; i++) {
+        const char *line = ring[i % n];
+        fprintf(stderr, "  %s%s", line, line[strlen(line) - 1] == '\n' ? "" : "\n");
+    }
+}
+
+/* The tails of every *.log of a run dir: what the router and workers said. */
+static void cb_print_log_tails(const char *dir) {
+    static const char *const names[] = {"cluster-up.log", "router.log", "redis.log", NULL};
+    char path[PATH_MAX + 64];
+    for (int i = 0; names[i]; i++) {
+        cb_fmt(path, sizeof path, "%s/%s", dir, names[i]);
+        cb_print_tail(path, 6);
+    }
+    for (int p = 0; p < 64; p++)
+        for (int s = 0; s < 64; s++) {
+            cb_fmt(path, sizeof path, "%s/worker-p%d-s%d.log", dir, p, s);
+            if (access(path, R_OK) != 0) {
+                if (s == 0) return;
+                break;
+            }
+            cb_print_tail(path, 6);
+        }
+}
+
+/* Runs argv with stdout and stderr appended to log_path and waits for it,
+ * at most timeout_s; a signal to this program sends it SIGTERM.  Returns
+ * its exit status (0..255), or a negative status with err saying why. */
+static int cb_run(char *const argv[], const char *log_path, int timeout_s, char *err, size_t errlen) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    pid_t pid;
+    int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) {
+        cb_fmt(err, errlen, "cannot run %s: %s", argv[0], strerror(rc));
+        return STATUS_IO;
+    }
+    double end = cb_now() + timeout_s;
+    bool termed = false;
+    for (;;) {
+        int ws;
+        pid_t w = waitpid(pid, &ws, WNOHANG);
+        if (w == pid) {
+            if (WIFEXITED(ws)) return WEXITSTATUS(ws);
+            cb_fmt(err, errlen, "%s %s was killed by signal %d (log: %s)", argv[0], argv[1],
+                     WIFSIGNALED(ws) ? WTERMSIG(ws) : 0, log_path);
+            return STATUS_INTERNAL;
+        }
+        if (w < 0 && errno != EINTR) {
+            cb_fmt(err, errlen, "waitpid %s: %s", argv[0], strerror(errno));
+            return STATUS_IO;
+        }
+        if (!termed && (cb_stop || cb_now() > end)) {
+            kill(pid, SIGTERM);
+            termed = true;
+            end = cb_now() + 10;
+        } else if (termed && cb_now() > end) {
+            kill(pid, SIGKILL);
+        }
+        cb_sleep_ms(50);
+    }
+}
+
+/* llm-cluster next to this program (an installed bin/) or in the build
+ * tree (build/bench/bench_cluster -> build/router/llm-cluster). */
+static int cb_find_cluster(char *out, size_t size, char *err, size_t errlen) {
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) {
+        cb_fmt(err, errlen, "/proc/self/exe: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    self[n] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = 0;
+    cb_fmt(out, size, "%s/llm-cluster", self);
+    if (access(out, X_OK) == 0) return 0;
+    cb_fmt(out, size, "%s/../router/llm-cluster", self);
+    if (access(out, X_OK) == 0) return 0;
+    cb_fmt(err, errlen, "llm-cluster not found next to %s or in %s/../router (build it, or give --cluster PATH)",
+             self, self);
+    return STATUS_NOT_FOUND;
+}
+
+/* ---- One concurrency level ---- */
+
+/* The router's counters at one moment (StatusReply). */
+struct cb_router {
+    double plan_us_mean, plan_us_max, turn_us_mean;
+    uint64_t steps, requests;
+};
+
+static int cb_router_status(llm_client *c, struct cb_router *r) {
+    Llm__ClientEnvelope *env = NULL;
+    int rc = llm_client_status(c, &env);
+    if (rc < 0) return rc;
+    const Llm__StatusReply *s = env->status_reply;
+    r->plan_us_mean = s->plan_us_mean;
+    r->plan_us_max = s->plan_us_max;
+    r->turn_us_mean = s->turnaround_us_mean;
+    r->steps = s->steps_total;
+    r->requests = s->requests_total;
+    proto_client_free(env);
+    return 0;
+}
+
+struct cb_row {
+    int pipelines, stages, conc;
+    int n_req, n_ok, n_err, n_short;
+    double wall_s, req_s, tok_s, ttft50, ttft90, itl50, itl90;
+    uint64_t steps, tokens;
+    double plan_mean, plan_max, turn_mean;
+    bool failed;          /* the cluster did not start: nothing measured */
+    char note[160];
+};
+
+struct cb_level {
+    const struct cb_opts *o;
+    const char *endpoint;
+    void *zmq_ctx;
+    int n_req;
+    int32_t n_vocab;
+    atomic_int next;
+    double *ttft;         /* [n_req]; < 0 when no token came */
+    double *itl;          /* [n_req * max_tokens] */
+    int *n_itl;           /* [n_req] */
+    atomic_int n_ok, n_err, n_short;
+    atomic_llong tokens;
+    /* Every stream connects, counts itself ready and waits for go, so
+     * that the clock starts with all of them connected. */
+    atomic_int ready;
+    atomic_bool go;
+    pthread_mutex_t mu;
+    char first_err[512];
+};
+
+struct cb_req {
+    struct cb_level *lv;
+    int idx;
+    double t_send, t_last;
+    bool seen;
+};
+
+static void cb_level_error(struct cb_level *lv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void cb_level_error(struct cb_level *lv, const char *fmt, ...) {
+    pthread_mutex_lock(&lv->mu);
+    if (!lv->first_err[0]) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(lv->first_err, sizeof lv->first_err, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&lv->mu);
+}
+
+/* Time to the first token, then one inter-token sample per later token
+ * (a chunk of k tokens after a gap g counts as k gaps of g/k). */
+static int cb_on_chunk(void *ud, const struct llm_chunk *ch) {
+    struct cb_req *r = ud;
+    struct cb_level *lv = r->lv;
+    double now = cb_now();
+    if (ch->n_tokens > 0) {
+        if (!r->seen) {
+            lv->ttft[r->idx] = now - r->t_send;
+            r->seen = true;
+        } else {
+            int max = lv->o->max_tokens;
+            double gap = (now - r->t_last) / (double)ch->n_tokens;
+            for (size_t k = 0; k < ch->n_tokens && lv->n_itl[r->idx] < max; k++)
+                lv->itl[(size_t)r->idx * (size_t)max + (size_t)lv->n_itl[r->idx]++] = gap;
+        }
+        r->t_last = now;
+    }
+    return cb_stop ? 1 : 0;
+}
+
+/* Prompt ids of request idx: distinct per request (no shared prefix), away
+ * from the low ids where models keep their special tokens. */
+static void cb_prompt(int idx, int32_t n_vocab, int32_t *ids, int n) {
+    int32_t lo = n_vocab > 400 ? 300 : 3;
+    uint64_t x = 0x9e3779b97f4a7c15ULL * (uint64_t)(idx + 1);
+    for (int i = 0; i < n; i++) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        ids[i] = lo + (int32_t)((x * 0x2545f4914f6cdd1dULL >> 33) % (uint64_t)(n_vocab - lo));
+    }
+}
+
+static llm_client *cb_client_open(const char *endpoint, void *zmq_ctx, char *err, size_t errlen) {
+    const char *eps[1] = {endpoint};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = zmq_ctx;
+    /* A silent stream is re-attached (no work repeated) after 10 s, and a
+     * router that stays gone ends the call after 30 s, so a stop signal or
+     * a dead cluster never blocks a run for long. */
+    cfg.idle_timeout_ms = 10000;
+    cfg.retry_ms = 30000;
+    llm_client *c = NULL;
+    if (llm_client_open(&c, &cfg, err, errlen) < 0) return NULL;
+    return c;
+}
+
+static void *cb_stream(void *arg) {
+    struct cb_level *lv = arg;
+    const struct cb_opts *o = lv->o;
+    char err[512];
+    llm_client *c = cb_client_open(lv->endpoint, lv->zmq_ctx, err, sizeof err);
+    int32_t *ids = malloc((size_t)o->prompt_tokens * sizeof *ids);
+    if (!c || !ids) cb_level_error(lv, "client: %s", c ? "out of memory" : err);
+    /* Connect before the clock starts. */
+    Llm__ClientEnvelope *env = NULL;
+    if (c && llm_client_health(c, &env) == 0) proto_client_free(env);
+    atomic_fetch_add(&lv->ready, 1);
+    while (!atomic_load(&lv->go)) cb_sleep_ms(1);
+    while (c && ids && !cb_stop) {
+        int idx = atomic_fetch_add(&lv->next, 1);
+        if (idx >= lv->n_req) break;
+        cb_prompt(idx, lv->n_vocab, ids, o->prompt_tokens);
+        struct llm_generate_params p;
+        llm_generate_params_default(&p);
+        p.prompt_tokens = ids;
+        p.n_prompt_tokens = (size_t)o->prompt_tokens;
+        p.max_tokens = (uint32_t)o->max_tokens;
+        p.sampling.ignore_eos = 1; /* every request generates exactly max_tokens */
+        p.stream = true;
+        struct cb_req r = {lv, idx, cb_now(), 0, false};
+        struct llm_generate_result res;
+        int rc = llm_client_generate(c, &p, cb_on_chunk, &r, &res);
+        if (rc < 0) {
+            atomic_fetch_add(&lv->n_err, 1);
+            cb_level_error(lv, "request %d: %s", idx, llm_client_errstr(c));
+        } else if (res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+            atomic_fetch_add(&lv->n_err, 1);
+            cb_level_error(lv, "request %d (%s): ERROR %d: %s", idx, res.request_id, (int)res.error_code,
+                           res.error_message);
+        } else if (res.finish_reason != LLM__GENERATE_DONE__FINISH_REASON__LENGTH ||
+                   res.tokens_received != (uint32_t)o->max_tokens) {
+            atomic_fetch_add(&lv->n_short, 1);
+            if (!cb_stop)
+                cb_level_error(lv, "request %d (%s): %s after %u tokens, expected LENGTH after %d", idx,
+                               res.request_id, llm_finish_reason_name(res.finish_reason), res.tokens_received,
+                               o->max_tokens);
+        } else {
+            atomic_fetch_add(&lv->n_ok, 1);
+        }
+        atomic_fetch_add(&lv->tokens, (long long)res.tokens_received);
+        llm_generate_result_free(&res);
+    }
+    free(ids);
+    llm_client_close(c);
+    return NULL;
+}
+
+/* Runs one level (conc streams, n_req requests) and fills the row's
+ * client-side numbers.  STATUS_NO_MEMORY or a thread failure: err says. */
+static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n_vocab, int conc,
+                        struct cb_row *row, char *err, size_t errlen) {
+    struct cb_level lv;
+    memset(&lv, 0, sizeof lv);
+    lv.o = o;
+    lv.endpoint = endpoint;
+    lv.n_req = row->n_req;
+    lv.n_vocab = n_vocab;
+    atomic_init(&lv.next, 0);
+    atomic_init(&lv.n_ok, 0);
+    atomic_init(&lv.n_err, 0);
+    atomic_init(&lv.n_short, 0);
+    atomic_init(&lv.tokens, 0);
+    atomic_init(&lv.ready, 0);
+    atomic_init(&lv.go, false);
+    size_t n_itl_max = (size_t)lv.n_req * (size_t)o->max_tokens;
+    lv.ttft = malloc((size_t)lv.n_req * sizeof *lv.ttft);
+    lv.itl = malloc(n_itl_max * sizeof *lv.itl);
+    lv.n_itl = calloc((size_t)lv.n_req, sizeof *lv.n_itl);
+    pthread_t *th = malloc((size_t)conc * sizeof *th);
+    lv.zmq_ctx = zmq_ctx_new();
+    int rc = STATUS_OK;
+    if (!lv.ttft || !lv.itl || !lv.n_itl || !th || !lv.zmq_ctx) {
+        cb_fmt(err, errlen, "concurrency %d: out of memory for %d requests", conc, lv.n_req);
+        rc = STATUS_NO_MEMORY;
+        goto done;
+    }
+    zmq_ctx_set(lv.zmq_ctx, ZMQ_MAX_SOCKETS, 4 * conc + 64);
+    for (int i = 0; i < lv.n_req; i++) lv.ttft[i] = -1;
+    pthread_mutex_init(&lv.mu, NULL);
+    int started = 0;
+    for (; started < conc; started++) {
+        int e = pthread_create(&th[started], NULL, cb_stream, &lv);
+        if (e != 0) {
+            cb_fmt(err, errlen, "concurrency %d: thread %d: %s", conc, started, strerror(e));
+            rc = STATUS_INTERNAL;
+            atomic_store(&lv.next, lv.n_req); /* the started ones send nothing */
+            break;
+        }
+    }
+    while (atomic_load(&lv.ready) < started) cb_sleep_ms(1);
+    double t0 = cb_now();
+    atomic_store(&lv.go, true);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    row->wall_s = cb_now() - t0;
+    pthread_mutex_destroy(&lv.mu);
+    if (rc < 0) goto done;
+
+    row->n_ok = atomic_load(&lv.n_ok);
+    row->n_err = atomic_load(&lv.n_err);
+    row->n_short = atomic_load(&lv.n_short);
+    row->tokens = (uint64_t)atomic_load(&lv.tokens);
+    row->req_s = row->wall_s > 0 ? (double)row->n_ok / row->wall_s : 0;
+    row->tok_s = row->wall_s > 0 ? (double)row->tokens / row->wall_s : 0;
+    size_t n_t = 0;
+    for (int i = 0; i < lv.n_req; i++)
+        if (lv.ttft[i] >= 0) lv.ttft[n_t++] = lv.ttft[i];
+    row->ttft50 = cb_percentile(lv.ttft, n_t, 0.5) * 1e3;
+    row->ttft90 = cb_percentile(lv.ttft, n_t, 0.9) * 1e3;
+    size_t n_i = 0;
+    for (int i = 0; i < lv.n_req; i++)
+        for (int k = 0; k < lv.n_itl[i]; k++) lv.itl[n_i++] = lv.itl[(size_t)i * (size_t)o->max_tokens + (size_t)k];
+    row->itl50 = cb_percentile(lv.itl, n_i, 0.5) * 1e3;
+    row->itl90 = cb_percentile(lv.itl, n_i, 0.9) * 1e3;
+    if (lv.first_err[0]) cb_fmt(row->note, sizeof row->note, "%s", lv.first_err);
+done:
+    if (lv.zmq_ctx) zmq_ctx_term(lv.zmq_ctx);
+    free(th);
+    free(lv.ttft);
+    free(lv.itl);
+    free(lv.n_itl);
+    return rc;
+}
+
+/* ---- One cluster layout ---- */
+
+static struct cb_row cb_rows[CB_ROWS_MAX];
+static int cb_n_rows;
+
+static struct cb_row *cb_row_add(int pipelines, int stages, int conc) {
+    if (cb_n_rows == CB_ROWS_MAX) return NULL;
+    struct cb_row *r = &cb_rows[cb_n_rows++];
+    memset(r, 0, sizeof *r);
+    r->pipelines = pipelines;
+    r->stages = stages;
+    r->conc = conc;
+    return r;
+}
+
+/* The model's vocabulary and context from the router (ModelsReply). */
+static int cb_model_info(llm_client *c, int32_t *n_vocab, int32_t *n_ctx, char *err, size_t errlen) {
+    Llm__ClientEnvelope *env = NULL;
+    int rc = llm_client_models(c, &env);
+    if (rc < 0) {
+        cb_fmt(err, errlen, "models: %s", llm_client_errstr(c));
+        return rc;
+    }
+    const Llm__ModelsReply *m = env->models_reply;
+    rc = STATUS_NOT_FOUND;
+    for (size_t i = 0; i < m->n_models; i++) {
+        if (m->models[i]->is_default || m->n_models == 1) {
+            *n_vocab = (int32_t)m->models[i]->n_vocab;
+            *n_ctx = (int32_t)m->models[i]->n_ctx;
+            rc = STATUS_OK;
+            break;
+        }
+    }
+    if (rc < 0) cb_fmt(err, errlen, "models: the router lists %zu models and no default", m->n_models);
+    proto_client_free(env);
+    return rc;
+}
+
+/* One warm-up request (first-use costs: CUDA contexts, page faults). */
+static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, char *err, size_t errlen) {
+    int32_t *ids = malloc((size_t)o->prompt_tokens * sizeof *ids);
+    if (!ids) return STATUS_NO_MEMORY;
+    cb_prompt(1000000, n_vocab, ids, o->prompt_tokens);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt_tokens = ids;
+    p.n_prompt_tokens = (size_t)o->prompt_tokens;
+    p.max_tokens = (uint32_t)o->max_tokens;
+    p.sampling.ignore_eos = 1;
+    struct llm_generate_result res;
+    int rc = llm_client_generate(c, &p, NULL, NULL, &res);
+    if (rc < 0) cb_fmt(err, errlen, "warm-up request: %s", llm_client_errstr(c));
+    else if (res.finish_reason != LLM__GENERATE_DONE__FINISH_REASON__LENGTH) {
+        cb_fmt(err, errlen, "warm-up request %s: %s after %u tokens (%s), expected LENGTH after %d",
+                 res.request_id, llm_finish_reason_name(res.finish_reason), res.completion_tokens,
+                 res.error_message, o->max_tokens);
+        rc = STATUS_INTERNAL;
+    }
+    llm_generate_result_free(&res);
+    free(ids);
+    return rc;
+}
+
+/* Measures every concurrency level on a running cluster. */
+static int cb_levels(const struct cb_opts *o, const char *dir, const char *endpoint, int pipelines, int stages,
+                     char *err, size_t errlen) {
+    llm_client *c = cb_client_open(endpoint, NULL, err, errlen);
+    if (!c) return STATUS_UNAVAILABLE;
+    int32_t n_vocab = 0, n_ctx = 0;
+    int rc = cb_model_info(c, &n_vocab, &n_ctx, err, errlen);
+    if (rc == STATUS_OK && o->prompt_tokens + o->max_tokens > n_ctx) {
+        cb_fmt(err, errlen, "--prompt-tokens %d + --max-tokens %d exceed the model's context of %d",
+                 o->prompt_tokens, o->max_tokens, n_ctx);
+        rc = STATUS_BAD_INPUT;
+    }
+    for (int i = 0; rc == STATUS_OK && i < o->warmup && !cb_stop; i++) rc = cb_warmup(c, o, n_vocab, err, errlen);
+    for (int ci = 0; rc == STATUS_OK && ci < o->n_conc && !cb_stop; ci++) {
+        int conc = o->conc_v[ci];
+        struct cb_row *row = cb_row_add(pipelines, stages, conc);
+        if (!row) break;
+        row->n_req = cb_level_requests(o, conc);
+        struct cb_router before, after;
+        if ((rc = cb_router_status(c, &before)) < 0) {
+            cb_fmt(err, errlen, "status before concurrency %d: %s", conc, llm_client_errstr(c));
+            break;
+        }
+        fprintf(stderr, "bench_cluster: %d x %d: concurrency %d, %d requests\n", pipelines, stages, conc,
+                row->n_req);
+        if ((rc = cb_level_run(o, endpoint, n_vocab, conc, row, err, errlen)) < 0) break;
+        /* Between levels nothing is in flight, so the deltas belong to this level. */
+        if ((rc = cb_router_status(c, &after)) < 0) {
+            cb_fmt(err, errlen, "status after concurrency %d: %s", conc, llm_client_errstr(c));
+            break;
+        }
+        row->steps = after.steps - before.steps;
+        if (row->steps > 0) {
+            /* Status reports means since start: recover this level's sums.  The
+             * turnaround is counted once per finished step, which between
+             * levels is every step sent. */
+            row->plan_mean = (after.plan_us_mean * (double)after.steps - before.plan_us_mean * (double)before.steps) /
+                             (double)row->steps;
+            row->turn_mean = (after.turn_us_mean * (double)after.steps - before.turn_us_mean * (double)before.steps) /
+                             (double)row->steps;
+        }
+        row->plan_max = after.plan_us_max;
+        fprintf(stderr,
+                "bench_cluster: %d x %d c=%d: %d ok, %d errors, %d short in %.2f s: %.2f req/s, %.1f tok/s, "
+                "TTFT p50 %.1f ms, ITL p50 %.2f ms; router: %llu steps, plan %.1f us mean, turnaround %.1f us\n",
+                pipelines, stages, conc, row->n_ok, row->n_err, row->n_short, row->wall_s, row->req_s, row->tok_s,
+                row->ttft50, row->itl50, (unsigned long long)row->steps, row->plan_mean, row->turn_mean);
+        if (row->note[0]) {
+            fprintf(stderr, "bench_cluster: %d x %d c=%d: first problem: %s\n", pipelines, stages, conc, row->note);
+            if (row->n_err) cb_print_log_tails(dir);
+        }
+    }
+    llm_client_close(c);
+    return rc;
+}
+
+/* llm-cluster down on a run dir, to its end even after a stop signal. */
+static void cb_down(const char *cluster, const char *dir) {
+    char down_log[PATH_MAX + 32], err[256];
+    cb_fmt(down_log, sizeof down_log, "%s/cluster-down.log", dir);
+    char *down[] = {(char *)cluster, "down", "--run-dir", (char *)dir, NULL};
+    sig_atomic_t stop = cb_stop;
+    cb_stop = 0;
+    int rc = cb_run(down, down_log, 60, err, sizeof err);
+    cb_stop = cb_stop || stop;
+    if (rc != 0)
+        fprintf(stderr, "bench_cluster: llm-cluster down --run-dir %s: %s\n", dir,
+                rc < 0 ? err : "non-zero exit status (see cluster-down.log)");
+}
+
+/* Starts a cluster of the layout in run_root/pPsS, measures it and stops it. */
+static int cb_layout(const struct cb_opts *o, const char *cluster, const char *model, const char *run_root,
+                     int pipelines, int stages, char *err, size_t errlen) {
+    char dir[PATH_MAX], log_path[PATH_MAX + 32];
+    cb_fmt(dir, sizeof dir, "%s/p%d-s%d", run_root, pipelines, stages);
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        cb_fmt(err, errlen, "run dir %s: %s", dir, strerror(errno));
+        return STATUS_IO;
+    }
+    cb_fmt(log_path, sizeof log_path, "%s/cluster-up.log", dir);
+    char p_s[16], s_s[16], t_s[16], kv_s[16], to_s[16];
+    cb_fmt(p_s, sizeof p_s, "%d", pipelines);
+    cb_fmt(s_s, sizeof s_s, "%d", stages);
+    cb_fmt(t_s, sizeof t_s, "%d", o->threads);
+    cb_fmt(kv_s, sizeof kv_s, "%d", o->kv_blocks);
+    cb_fmt(to_s, sizeof to_s, "%d", o->up_timeout_s);
+    char *up[] = {(char *)cluster, "up", "--model", (char *)model, "--pipelines", p_s, "--stages", s_s,
+                  "--run-dir", dir, "--port", "0", "--device", (char *)o->device, "--threads", t_s,
+                  "--kv-blocks", kv_s, "--timeout-s", to_s, "--log-level", (char *)o->log_level,
+                  "--router-args", (char *)o->router_args, "--worker-args", (char *)o->worker_args, NULL};
+    fprintf(stderr, "bench_cluster: starting %d pipeline(s) x %d stage(s) in %s\n", pipelines, stages, dir);
+    double t0 = cb_now();
+    int rc;
+    for (int attempt = 1;; attempt++) {
+        rc = cb_run(up, log_path, o->up_timeout_s + 30, err, errlen);
+        if (rc == 0 || cb_stop || attempt >= o->up_tries) break;
+        /* A start can fail for a reason outside this layout (a port taken
+         * meanwhile): say why, clean up, and start it once more. */
+        fprintf(stderr, "bench_cluster: %d x %d: llm-cluster up failed (attempt %d of %d, status %d):\n", pipelines,
+                stages, attempt, o->up_tries, rc);
+        cb_print_log_tails(dir);
+        cb_down(cluster, dir);
+        t0 = cb_now();
+    }
+    if (rc == 0) {
+        char ep_path[PATH_MAX + 32], endpoint[256] = "";
+        cb_fmt(ep_path, sizeof ep_path, "%s/endpoint", dir);
+        FILE *f = fopen(ep_path, "r");
+        if (f) {
+            if (!fgets(endpoint, sizeof endpoint, f)) endpoint[0] = 0;
+            fclose(f);
+            endpoint[strcspn(endpoint, "\r\n")] = 0;
+        }
+        if (!endpoint[0]) {
+            cb_fmt(err, errlen, "llm-cluster up succeeded but wrote no endpoint in %s", ep_path);
+            rc = STATUS_INTERNAL;
+        } else {
+            fprintf(stderr, "bench_cluster: cluster in service at %s after %.1f s\n", endpoint, cb_now() - t0);
+            rc = cb_levels(o, dir, endpoint, pipelines, stages, err, errlen);
+            if (rc < 0) cb_print_log_tails(dir);
+        }
+    } else if (rc > 0) {
+        cb_fmt(err, errlen, "llm-cluster up exited with status %d%s (log: %s)", rc,
+                 cb_stop ? " after a stop signal" : "", log_path);
+        cb_print_log_tails(dir);
+        rc = STATUS_UNAVAILABLE;
+    }
+    /* Always: up may have left processes behind when it failed or was stopped. */
+    cb_down(cluster, dir);
+    return rc;
+}
+
+/* ---- Table ---- */
+
+static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) {
+    fprintf(f, "\n## bench_cluster: %s, device %s, prompt %d tokens, %d generated (greedy, EOS ignored)\n\n", model,
+            o->device, o->prompt_tokens, o->max_tokens);
+    fprintf(f, "| pipes | stages | conc | requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
+               "ITL p90 ms | steps | tok/step | plan us mean | plan us max | turnaround us | errors |\n");
+    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < cb_n_rows; i++) {
+        const struct cb_row *r = &cb_rows[i];
+        if (r->failed) {
+            fprintf(f, "| %d | %d | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
+                    r->pipelines, r->stages, r->note);
+            continue;
+        }
+        char errs[64];
+        if (r->n_err || r->n_short)
+            cb_fmt(errs, sizeof errs, "%d failed, %d short", r->n_err, r->n_short);
+        else
+            cb_fmt(errs, sizeof errs, "0");
+        fprintf(f,
+                "| %d | %d | %d | %d | %.2f | %.1f | %.1f | %.1f | %.2f | %.2f | %llu | %.1f | %.1f | %.1f | %.1f | "
+                "%s |\n",
+                r->pipelines, r->stages, r->conc, r->n_ok + r->n_err + r->n_short, r->req_s, r->tok_s, r->ttft50,
+                r->ttft90, r->itl50, r->itl90, (unsigned long long)r->steps,
+                r->steps ? (double)r->tokens / (double)r->steps : 0.0, r->plan_mean, r->plan_max, r->turn_mean,
+                errs);
+    }
+    fprintf(f, "\nplan us: the router's time to plan and send one step (mean over this level; max since the "
+               "cluster started).\nturnaround us: from a step's result arriving to the next plans sent. "
+               "tok/step: generated tokens per router step.\n");
+    fflush(f);
+}
+
+/* ---- main ---- */
+
+int main(int argc, char **argv) {
+    struct cb_opts o;
+    memset(&o, 0, sizeof o);
+    const struct option_def defs[] = {
+        {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or HF directory; none: a synthetic --shape model",
+         &o.model, 0, 0, NULL},
+        {"shape", NULL, OPTION_STRING, "100m", "synthetic model shape (worker/synth.h presets)", &o.shape, 0, 0,
+         NULL},
+        {"type", NULL, OPTION_STRING, "f16", "synthetic model weight types", &o.type, 0, 0, NULL},
+        {"stages", NULL, OPTION_STRING, "1,2", "stages per pipeline to measure, comma-separated", &o.stages, 0, 0,
+         NULL},
+        {"pipelines", NULL, OPTION_STRING, "1", "pipelines to measure, comma-separated", &o.pipelines, 0, 0, NULL},
+        {"layouts", NULL, OPTION_STRING, "", "clusters as PIPELINESxSTAGES, comma-separated (\"1x1,1x2,2x1\"); "
+         "replaces --pipelines x --stages", &o.layouts, 0, 0, NULL},
+        {"concurrency", NULL, OPTION_STRING, "1,4,16,64", "requests in flight, comma-separated", &o.concurrency, 0,
+         0, NULL},
+        {"requests", NULL, OPTION_INT, "0", "requests per level (0: two per stream, at least 8)", &o.requests, 0,
+         1000000, NULL},
+        {"prompt-tokens", NULL, OPTION_INT, "128", "prompt length in tokens", &o.prompt_tokens, 1, 1 << 20, NULL},
+        {"max-tokens", NULL, OPTION_INT, "64", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
+        {"warmup", NULL, OPTION_INT, "1", "requests sent one by one before the first level", &o.warmup, 0, 1000,
+         NULL},
+        {"device", NULL, OPTION_STRING, "cpu", "llm-cluster --device: cpu, or auto (one GPU per worker)", &o.device,
+         0, 0, NULL},
+        {"threads", NULL, OPTION_INT, "0", "CPU threads per worker (0: llm-cluster shares the cores out)",
+         &o.threads, 0, 1024, NULL},
+        {"kv-blocks", NULL, OPTION_INT, "0", "KV blocks per worker (0: the worker's default)", &o.kv_blocks, 0,
+         1 << 24, NULL},
+        {"up-timeout-s", NULL, OPTION_INT, "300", "give up on a cluster not in service by then", &o.up_timeout_s, 1,
+         86400, NULL},
+        {"up-tries", NULL, OPTION_INT, "2", "attempts to start each cluster", &o.up_tries, 1, 100, NULL},
+        {"cluster", NULL, OPTION_STRING, NULL, "the llm-cluster program (default: found next to this one)",
+         &o.cluster, 0, 0, NULL},
+        {"router-args", NULL, OPTION_STRING, "", "extra llm-router arguments, space-separated", &o.router_args, 0,
+         0, NULL},
+        {"worker-args", NULL, OPTION_STRING, "", "extra llm-worker arguments, space-separated", &o.worker_args, 0,
+         0, NULL},
+        {"log-level", NULL, OPTION_STRING, "info", "log level of the cluster's processes", &o.log_level, 0, 0,
+         NULL},
+        {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic model and run dirs go", &o.tmpdir, 0, 0,
+         NULL},
+        {"run-root", NULL, OPTION_STRING, NULL, "keep each cluster's run dir (logs) under this folder",
+         &o.run_root, 0, 0, NULL},
+    };
+    struct options opts = {"bench_cluster", "[options]",
+                           "Starts a cluster per layout with llm-cluster and measures throughput and latency at "
+                           "several concurrency levels through libllmclient.",
+                           defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char err[1024];
+    int rc = options_parse(&opts, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc == STATUS_OK && argc > 1) {
+        cb_fmt(err, sizeof err, "unexpected argument \"%s\"", argv[1]);
+        rc = STATUS_BAD_INPUT;
+    }
+    if (rc == STATUS_OK) rc = cb_parse_lists(&o, err, sizeof err);
+    char cluster[PATH_MAX];
+    if (rc == STATUS_OK) {
+        if (o.cluster) {
+            cb_fmt(cluster, sizeof cluster, "%s", o.cluster);
+            if (access(cluster, X_OK) != 0) {
+                cb_fmt(err, sizeof err, "--cluster %s: not an executable: %s", o.cluster, strerror(errno));
+                rc = STATUS_NOT_FOUND;
+            }
+        } else {
+            rc = cb_find_cluster(cluster, sizeof cluster, err, sizeof err);
+        }
+    }
+    if (rc != STATUS_OK) {
+        fprintf(stderr, "bench_cluster: %s\n", err);
+        return 2;
+    }
+    log_set_level(LL_WARN);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = cb_on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    char tmp[PATH_MAX];
+    cb_fmt(tmp, sizeof tmp, "%s/bench_cluster_XXXXXX", o.tmpdir);
+    if (!mkdtemp(tmp)) {
+        fprintf(stderr, "bench_cluster: --tmpdir %s: cannot create a folder: %s\n", o.tmpdir, strerror(errno));
+        return 1;
+    }
+    char model[PATH_MAX + 64], model_name[128];
+    if (o.model) {
+        if (!realpath(o.model, model)) {
+            fprintf(stderr, "bench_cluster: --model %s: %s\n", o.model, strerror(errno));
+            rmdir(tmp);
+            return 1;
+        }
+        const char *slash = strrchr(model, '/');
+        cb_fmt(model_name, sizeof model_name, "%s", slash ? slash + 1 : model);
+    } else {
+        struct synth_config sc;
+        memset(&sc, 0, sizeof sc);
+        synth_shape_preset(o.shape, &sc.shape);
+        sc.type = o.synth_type;
+        sc.seed = 1;
+        cb_fmt(model, sizeof model, "%s/%s-%s.gguf", tmp, o.shape, o.type);
+        cb_fmt(model_name, sizeof model_name, "synthetic %s %s", o.shape, o.type);
+        double t0 = cb_now();
+        if (synth_write(&sc, model, err, sizeof err) != STATUS_OK) {
+            fprintf(stderr, "bench_cluster: writing the synthetic model %s: %s\n", model, err);
+            cb_rmtree(tmp);
+            return 1;
+        }
+        struct stat st;
+        fprintf(stderr, "bench_cluster: wrote %s (%.1f MB) in %.1f s\n", model,
+                stat(model, &st) == 0 ? (double)st.st_size / 1e6 : 0.0, cb_now() - t0);
+    }
+    char run_root[PATH_MAX];
+    if (o.run_root) {
+        if (mkdir(o.run_root, 0755) != 0 && errno != EEXIST) {
+            fprintf(stderr, "bench_cluster: --run-root %s: %s\n", o.run_root, strerror(errno));
+            cb_rmtree(tmp);
+            return 1;
+        }
+        if (!realpath(o.run_root, run_root)) {
+            fprintf(stderr, "bench_cluster: --run-root %s: %s\n", o.run_root, strerror(errno));
+            cb_rmtree(tmp);
+            return 1;
+        }
+    } else {
+        cb_fmt(run_root, sizeof run_root, "%s/runs", tmp);
+        mkdir(run_root, 0755);
+    }
+
+    int failed = 0;
+    for (int li = 0; li < o.n_layouts && !cb_stop; li++) {
+        int pipelines = o.lay_pipes[li], stages = o.lay_stages[li];
+        int n_before = cb_n_rows;
+        rc = cb_layout(&o, cluster, model, run_root, pipelines, stages, err, sizeof err);
+        if (rc < 0) {
+            fprintf(stderr, "bench_cluster: %d x %d: %s\n", pipelines, stages, err);
+            failed = 1;
+            if (cb_n_rows == n_before) {
+                struct cb_row *r = cb_row_add(pipelines, stages, 0);
+                if (r) {
+                    r->failed = true;
+                    cb_fmt(r->note, sizeof r->note, "%s", err);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < cb_n_rows; i++)
+        if (cb_rows[i].n_err || cb_rows[i].n_short) failed = 1;
+    if (cb_stop) {
+        fprintf(stderr, "bench_cluster: stopped by a signal; the table has the rows measured so far\n");
+        failed = 1;
+    }
+    cb_print_table(stdout, &o, model_name);
+    if (failed && !o.run_root) {
+        unlink(model);
+        fprintf(stderr, "bench_cluster: kept the run dirs (logs) under %s\n", run_root);
+    } else {
+        cb_rmtree(tmp);
+    }
+    return failed;
+}
