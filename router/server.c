@@ -141,7 +141,8 @@ struct server {
     uint64_t requests_total, frames_bad, steps_total, sends_dropped, stale_results;
     double plan_us_sum, plan_us_max, turn_us_sum;
     uint64_t plan_n, turn_n;
-    int64_t start_ms, last_timer_ms, last_keys_ms, last_redis_try_ms, last_rate_ms;
+    int64_t start_ms, last_timer_ms, last_keys_ms, last_redis_try_ms, last_rate_ms, last_stats_ms;
+    uint64_t stats_steps_mark;
     uint64_t rate_gen_mark, rate_prompt_mark, gen_total, prompt_total;
     double tok_s, prompt_tok_s;
 };
@@ -1700,6 +1701,8 @@ static void on_client_frame(server *s, const uint8_t *ident, size_t ident_len, c
 /* ------------------------------------------------------------------------ */
 /* Timers */
 
+static void server_log_stats(server *s);
+
 static void redis_connect(server *s) {
     if (s->rs) return;
     char err[512];
@@ -1797,6 +1800,11 @@ static void timers(server *s) {
             req_unlink(s, q);
             req_free(q);
         }
+    }
+    if (now - s->last_stats_ms >= 60000) {
+        if (s->steps_total != s->stats_steps_mark) server_log_stats(s);
+        s->stats_steps_mark = s->steps_total;
+        s->last_stats_ms = now;
     }
     /* Throughput, once a second. */
     if (now - s->last_rate_ms >= 1000) {
@@ -1929,6 +1937,16 @@ void server_free(server *s) {
 const char *server_client_endpoint(const server *s) { return zio_endpoint(s->cs); }
 const char *server_worker_endpoint(const server *s) { return zio_endpoint(s->ws); }
 
+static void server_log_stats(server *s) {
+    LOG(LL_INFO, "router: %llu requests, %llu steps; per step: planning %.1f us mean (%.1f max), "
+        "result-to-next-plans %.1f us mean; %llu frames rejected, %llu client sends dropped, %llu stale results",
+        (unsigned long long)s->requests_total, (unsigned long long)s->steps_total,
+        s->plan_n ? s->plan_us_sum / (double)s->plan_n : 0.0, s->plan_us_max,
+        s->turn_n ? s->turn_us_sum / (double)s->turn_n : 0.0,
+        (unsigned long long)(proto_frames_rejected() + s->frames_bad), (unsigned long long)s->sends_dropped,
+        (unsigned long long)s->stale_results);
+}
+
 /* Reads up to max messages from a ROUTER socket without waiting. */
 static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
     struct zio_parts in = {0};
@@ -1978,6 +1996,7 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
         pump_all(s);
         flush_touched(s);
     }
+    server_log_stats(s);
     LOG(LL_INFO, "router: stopping");
     return 0;
 }
