@@ -343,7 +343,7 @@ static struct req *req_new(server *s, const struct reqrec *r, char *err, size_t 
     q->order = ++s->next_order;
     q->stream = q->gen->stream;
     snprintf(q->entry, sizeof q->entry, "%s", r->entry);
-    tokenizer_detok_init(&q->dt, tokenizer_adds_space_prefix(s->tok));
+    tokenizer_detok_init(&q->dt, 0); /* a continuation keeps its leading space */
     for (int32_t i = 0; i < q->n_out; i++) {
         int n = tokenizer_detok_push(s->tok, &q->dt, q->out[i], s->detok_buf, s->detok_size);
         if (n > 0) req_text_append(q, s->detok_buf, (size_t)n);
@@ -423,7 +423,7 @@ static size_t req_stop_hold(const struct req *q) {
 /* Text bytes of the first n tokens (what a fresh detokenizer makes of them). */
 static size_t req_text_offset(server *s, const struct req *q, int32_t n) {
     struct detok d;
-    tokenizer_detok_init(&d, tokenizer_adds_space_prefix(s->tok));
+    tokenizer_detok_init(&d, 0);
     size_t off = 0;
     for (int32_t i = 0; i < n && i < q->n_out; i++) {
         int k = tokenizer_detok_push(s->tok, &d, q->out[i], s->detok_buf, s->detok_size);

@@ -681,6 +681,76 @@ TEST(router_server_restart_resumes_requests) {
     fx_stop(&f);
 }
 
-TEST_MAIN(router_server_generates_and_streams, router_server_refuses_bad_input_and_keeps_serving,
+TEST(router_server_stop_string_and_deadline) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct zio_sock *c = cl_open(&f);
+    /* A deadline passes while the request waits for a pipeline. */
+    Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
+    g.request_id = "dl-1";
+    g.prompt = "Once upon a time";
+    g.max_tokens = 10;
+    g.timeout_ms = 150;
+    g.stream = true;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    cl_send(c, &env);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_EQ(5u, e->accepted->prompt_tokens); /* BOS + 4, as llama.cpp */
+    ASSERT_EQ(403, e->accepted->prompt_token_ids[1]);
+    proto_client_free(e);
+    int64_t t0 = t_ms();
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_DONE);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__DEADLINE, (int)e->done->finish_reason);
+    ASSERT_EQ((int)LLM__ERROR__CODE__DEADLINE_EXCEEDED, (int)e->done->error->code);
+    ASSERT_TRUE(t_ms() - t0 < 1000);
+    proto_client_free(e);
+
+    /* A stop string across two tokens: the text stops before it, and the
+     * part of it sent early is held back. */
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    char *stops[1] = {"a lit"};
+    g.request_id = "st-1";
+    g.timeout_ms = 0;
+    g.n_stop = 1;
+    g.stop = stops;
+    cl_send(c, &env);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    const int32_t pieces[6] = {432, 383, 286, 261, 376, 298}; /* ", there was a little" */
+    char text[256] = "";
+    int n_tokens = 0;
+    for (int k = 0; k < 6; k++) {
+        Llm__WorkerEnvelope *pe = fw_plan(&w);
+        fw_answer(&w, pe->plan, pieces[k]);
+        proto_worker_free(pe);
+        /* Everything this token caused (a chunk, perhaps the end). */
+        while ((e = cl_recv(c, 300)) != NULL) {
+            if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_CHUNK) {
+                strncat(text, e->chunk->text, sizeof text - strlen(text) - 1);
+                n_tokens += (int)e->chunk->n_token_ids;
+            } else if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE) {
+                ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__STOP, (int)e->done->finish_reason);
+                ASSERT_STREQ("a lit", e->done->stop_string);
+                ASSERT_EQ(5u, e->done->usage->completion_tokens);
+                proto_client_free(e);
+                goto finished;
+            }
+            proto_client_free(e);
+        }
+        /* Until the stop string is complete, the "a" of " a" is held back. */
+        if (k == 3) ASSERT_STREQ(", there was ", text);
+    }
+    TEST_FAIL("no GenerateDone after the stop string");
+finished:
+    ASSERT_STREQ(", there was ", text);
+    ASSERT_EQ(5, n_tokens);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST_MAIN(router_server_generates_and_streams, router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
           router_server_queue_is_bounded, router_server_worker_loss_resumes_exactly_once,
           router_server_reattach_and_cancel, router_server_restart_resumes_requests)
