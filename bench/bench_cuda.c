@@ -2,7 +2,8 @@
  * card's two ceilings first (device-to-device copy bandwidth, F16 GEMM
  * rate through cuBLAS), then times matmul on Llama-7B layer shapes at
  * batch 1..64 and paged attention decode over a 512-token context at batch
- * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth.
+ * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
+ * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
  *   bench_cuda [device]
  *
@@ -128,13 +129,13 @@ static void *host_weight(enum dtype t, int64_t rows, int64_t cols) {
     return h;
 }
 
-/* Skinny kernel against dequantize + cuBLAS at small batches, on a fresh
- * backend for each path (LLM_CUDA_SKINNY_MAX picks it at init). */
+/* The weight-reading kernels against dequantize + cuBLAS on 4096x4096, on
+ * a fresh backend for each path (LLM_CUDA_SKINNY_MAX picks it at init). */
 static void crossover(int device, double bw) {
     static const enum dtype types[4] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q6_K};
-    static const int32_t batches[5] = {1, 2, 4, 8, 16};
-    static const char *modes[2] = {"16", "0"};
-    double t[2][4][5];
+    static const int32_t batches[7] = {1, 2, 4, 8, 16, 32, 64};
+    static const char *modes[2] = {"64", "0"};
+    double t[2][4][7];
     int64_t R = 4096, C = 4096;
     for (int m = 0; m < 2; m++) {
         backend_free(be);
@@ -154,8 +155,8 @@ static void crossover(int device, double bw) {
             for (int i = 0; i < n_w; i++)
                 if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
             free(hw);
-            float *x = dev_random_f32((size_t)16 * C), *out = dev_alloc((size_t)16 * R * 4);
-            for (int b = 0; b < 5; b++) {
+            float *x = dev_random_f32((size_t)64 * C), *out = dev_alloc((size_t)64 * R * 4);
+            for (int b = 0; b < 7; b++) {
                 struct mm_arg a = {ws, n_w, x, out, batches[b]};
                 t[m][k][b] = time_median(mm_fn, &a);
             }
@@ -165,10 +166,10 @@ static void crossover(int device, double bw) {
         }
     }
     unsetenv("LLM_CUDA_SKINNY_MAX");
-    printf("\nmatmul 4096x4096, skinny kernel vs dequantize + cuBLAS (us; %% of bw counts weight bytes)\n");
-    printf("%-6s %5s %10s %7s %10s %7s\n", "type", "batch", "skinny", "of bw", "cublas", "of bw");
+    printf("\nmatmul 4096x4096, weight-reading kernel vs dequantize + cuBLAS (us; %% of bw counts weight bytes)\n");
+    printf("%-6s %5s %10s %7s %10s %7s\n", "type", "batch", "reading", "of bw", "cublas", "of bw");
     for (int k = 0; k < 4; k++)
-        for (int b = 0; b < 5; b++) {
+        for (int b = 0; b < 7; b++) {
             double wb = (double)dtype_row_bytes(types[k], C) * R;
             printf("%-6s %5d %10.1f %6.1f%% %10.1f %6.1f%%\n", dtype_name(types[k]), batches[b], t[0][k][b] * 1e6,
                    100.0 * wb / t[0][k][b] / bw, t[1][k][b] * 1e6, 100.0 * wb / t[1][k][b] / bw);
@@ -220,14 +221,14 @@ int main(int argc, char **argv) {
         backend_weight_free(be, &w);
     }
 
-    /* Matmul on 7B layer shapes. */
-    static const int64_t shapes[3][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}};
-    static const enum dtype types[3] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_K};
-    static const int32_t batches[4] = {1, 8, 32, 64};
+    /* Matmul on 7B layer shapes (attention/MLP projections and lm_head). */
+    static const int64_t shapes[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
+    static const enum dtype types[6] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    static const int32_t batches[5] = {1, 8, 16, 32, 64};
     printf("\nmatmul (out = x . W^T), median of 5 rounds; bytes = weight + activations + output\n");
     printf("%-6s %-13s %5s %10s %9s %7s %9s\n", "type", "rows x cols", "batch", "time us", "GB/s", "of bw", "TFLOP/s");
-    for (int s = 0; s < 3; s++)
-        for (int k = 0; k < 3; k++) {
+    for (int s = 0; s < 4; s++)
+        for (int k = 0; k < 6; k++) {
             int64_t R = shapes[s][0], C = shapes[s][1];
             size_t wbytes = dtype_row_bytes(types[k], C) * R;
             int n_w = (int)((512u << 20) / wbytes) + 1; /* > 512 MiB in all: far past L2 */
@@ -238,7 +239,7 @@ int main(int argc, char **argv) {
                 if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
             free(hw);
             float *x = dev_random_f32((size_t)64 * C), *out = dev_alloc((size_t)64 * R * 4);
-            for (int b = 0; b < 4; b++) {
+            for (int b = 0; b < 5; b++) {
                 struct mm_arg m = {ws, n_w, x, out, batches[b]};
                 double t = time_median(mm_fn, &m);
                 double bytes = (double)wbytes + 4.0 * batches[b] * (C + R);

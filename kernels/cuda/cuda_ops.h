@@ -77,14 +77,18 @@ int cuda_convert(struct cuda_ctx *ctx, void *dst, enum dtype dst_type, const voi
 /* dst[rows, cols] (F16) = the weight rows r0 .. r0 + rows of w, any type. */
 int cuda_dequant_f16(struct cuda_ctx *ctx, uint16_t *dst, const void *w, enum dtype type,
                      int64_t r0, int64_t rows, int64_t cols);
-/* out[n, rows] = x[n, cols] . w^T.  A few tokens (ctx->vec_max_*) read the
- * weight directly for the types cuda_matmul_vec_supports; otherwise cuBLAS
- * on F16 tiles. */
+/* out[n, rows] = x[n, cols] . w^T.  Up to ctx->vec_max_* tokens the
+ * weight-reading kernels of matmul_vec.cu (weights read once per call, in
+ * their stored form) for the shapes cuda_matmul_vec_supports; otherwise
+ * cuBLAS on F16 tiles. */
 int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                 int64_t cols, const float *x, int32_t n);
-#define CUDA_MATMUL_VEC_MAX 16
-/* 1 if the skinny kernel handles this type and width. */
-int cuda_matmul_vec_supports(enum dtype type, int64_t cols);
+#define CUDA_MATMUL_VEC_MAX 64
+/* 1 if the weight-reading kernels take this type, width and token count on
+ * ctx's device: F16 and the quantized types on tensor cores up to 64 tokens
+ * (32 on sm_75) for widths a multiple of 32 (256 for the K-quants); any
+ * type up to 16 tokens one warp per row otherwise. */
+int cuda_matmul_vec_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);
 int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                     int64_t cols, const float *x, int32_t n);
 /* kv_k, kv_v: [n_blocks][n_kv_heads][block_size][head_dim] of kv_type. */

@@ -60,12 +60,12 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         return rc;
     }
     ctx->n_sms = prop.multiProcessorCount;
-    /* Crossovers measured on an H100 (docs/cuda-backend.md: 4096x4096,
-     * skinny vs cuBLAS: Q4_K 23.8 vs 38.0 us at 4 tokens, 59.7 vs 38.0 at
-     * 8; F16 18.4 vs 19.9 at 2, 24.6 vs 19.8 at 4).  The variable exists to
-     * re-measure them on another card. */
-    ctx->vec_max_quant = 4;
-    ctx->vec_max_float = 2;
+    /* The tensor-core weight-reading kernel (matmul_vec.cu) reads each
+     * weight once for up to 64 tokens, which is where decode batches live;
+     * cuBLAS takes prefill.  Crossovers in docs/cuda-backend.md; the
+     * variable exists to re-measure them on another card. */
+    ctx->vec_max_quant = CUDA_MATMUL_VEC_MAX;
+    ctx->vec_max_float = CUDA_MATMUL_VEC_MAX;
     const char *env = getenv("LLM_CUDA_SKINNY_MAX");
     if (env && *env) {
         int v = atoi(env);

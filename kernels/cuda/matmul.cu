@@ -1,7 +1,7 @@
 /* Matrix multiplication out[n, rows] = x[n, cols] . w^T for every weight
- * type.  For a few tokens (ctx->vec_max_quant / vec_max_float) it is the
- * skinny kernel of matmul_vec.cu, which reads the weight in its stored
- * form.  Above, cuBLAS
+ * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
+ * it is the weight-reading kernels of matmul_vec.cu, which read the weight
+ * once in its stored form.  Above (prefill), cuBLAS
  * does the work on tensor cores: activations become F16, F16 weights are
  * used as they are, quantized weights are dequantized tile by tile into
  * scratch (never a second full copy), F32 accumulation throughout.  F32
@@ -11,6 +11,10 @@
 /* Bytes of one dequantized F16 weight tile: large enough that cuBLAS runs
  * at full rate, small enough to leave the memory to weights and KV. */
 #define MATMUL_TILE_BYTES (16u << 20)
+/* Most tokens for F32 weights on the warp-per-row kernel: it beat cuBLAS
+ * up to 2 tokens for F16 weights on an H100, and F32 weights (tests, tiny
+ * models) are not worth a measurement of their own. */
+#define MATMUL_F32_VEC_MAX 2
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
@@ -63,12 +67,17 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (cuda_row_bytes(type, cols) == 0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
-    /* The skinny kernel's F32 activation reads grow with n while cuBLAS
-     * reads each weight once, so above a few tokens cuBLAS wins (for
-     * quantized weights after dequantizing tiles): thresholds in ctx,
-     * measured in docs/cuda-backend.md. */
-    int32_t vec_max = type == DTYPE_F16 || type == DTYPE_F32 ? ctx->vec_max_float : ctx->vec_max_quant;
-    if (n <= vec_max && cuda_matmul_vec_supports(type, cols) && (uintptr_t)x % 16 == 0 && (uintptr_t)w % 16 == 0)
+    /* The weight-reading kernels read each weight once for all n tokens;
+     * up to 64 tokens that beats dequantizing F16 tiles for cuBLAS (which
+     * writes and reads back 2 bytes per weight).  F32 weights have no
+     * tensor-core path there: one warp per row, whose F32 activation reads
+     * grow with n, so only a few tokens.  Measured in docs/cuda-backend.md. */
+    int32_t vec_max = type == DTYPE_F32   ? (ctx->vec_max_float < MATMUL_F32_VEC_MAX ? ctx->vec_max_float
+                                                                                    : MATMUL_F32_VEC_MAX)
+                      : type == DTYPE_F16 ? ctx->vec_max_float
+                                          : ctx->vec_max_quant;
+    if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
+        (uintptr_t)w % 16 == 0)
         return cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);
     return matmul_gemm(ctx, out, w, type, rows, cols, x, n);
 }

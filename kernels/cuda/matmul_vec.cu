@@ -1,11 +1,501 @@
-/* Skinny matmul for decode and small batches (n <= 16 tokens): each warp
- * owns one weight row, reads it once straight from its stored (quantized)
- * form with coalesced loads (the unit layout of quant_units.cuh), dequantizes
- * in registers and accumulates the dot products of all n tokens in F32.  Decode is memory-bound, so the
- * measure here is the fraction of DRAM bandwidth reached. */
+/* Weight-reading matmul for decode and small batches (n <= 64 tokens):
+ * every weight byte is read from memory once per call for all n tokens,
+ * in its stored (quantized) form, and dequantized on the chip.  Decode is
+ * memory-bound, so the measure here is the fraction of DRAM bandwidth
+ * reached (docs/cuda-backend.md).  Two kernels:
+ *   - mq (F16 and every quantized type, widths a multiple of 32): tensor
+ *     cores (mma.sync m16n8k8, sm_75) on weights dequantized to F16 in
+ *     registers straight from a shared-memory copy of the raw bytes;
+ *   - the warp-per-row kernel for what mq does not take (F32 weights, odd
+ *     widths), up to 16 tokens. */
 #include "quant_units.cuh"
 
+/* ---- mq: the tensor-core kernel ----
+ * A block is MQ_WARPS warps; warp w owns 16 consecutive weight rows (the M
+ * side of the mma) and all NT tokens (the N side, NT / 8 tiles).  The K
+ * side is walked in chunks of mq_fmt<T>::ck columns: the warp copies the
+ * raw bytes of its 16 rows' chunk into shared memory with 16-byte loads
+ * (blocks of 18, 34 or 210 bytes are not 16-byte aligned, so the copy keeps
+ * each row's address modulo 16 and the decoders read it from there), the
+ * block stages the chunk's activations as F16, and each lane dequantizes
+ * its mma fragments.  In fragment order lane (g = lane / 4, t = lane % 4)
+ * holds columns 8t .. 8t + 7 of each 32-column block for rows g and g + 8:
+ * 8 consecutive values, which every type stores in a few contiguous bytes,
+ * and the matching activations are one 16-byte shared load.
+ * When the row blocks cannot fill the GPU the K side is split over
+ * gridDim.y blocks; each writes F32 partial sums, and the last block of a
+ * row block to finish (a counter per row block, reset by that block) adds
+ * them in a fixed order. */
+
+#define MQ_WARPS 8
+#define MQ_ROWS (MQ_WARPS * 16)
+#define MQ_COUNTERS 16384
+#define MQ_NT_MAX 64
+
+/* Arrival counters of the split-K blocks, one per row block; zero between
+ * calls (the last block resets its own).  One stream per device uses them
+ * (the backend's contract: one worker per GPU, ops from one thread). */
+__device__ unsigned int mq_counters[MQ_COUNTERS];
+
+/* ck: columns per chunk; eb, bb: elements and bytes of one stored block
+ * (F16 counts 32 halves as a block of 64 bytes). */
+template <int T> struct mq_fmt;
+template <> struct mq_fmt<DTYPE_F16> { static constexpr int ck = 128, eb = 32, bb = 64; };
+template <> struct mq_fmt<DTYPE_Q8_0> { static constexpr int ck = 256, eb = 32, bb = 34; };
+template <> struct mq_fmt<DTYPE_Q4_0> { static constexpr int ck = 256, eb = 32, bb = 18; };
+template <> struct mq_fmt<DTYPE_Q4_1> { static constexpr int ck = 256, eb = 32, bb = 20; };
+template <> struct mq_fmt<DTYPE_Q5_0> { static constexpr int ck = 256, eb = 32, bb = 22; };
+template <> struct mq_fmt<DTYPE_Q5_1> { static constexpr int ck = 256, eb = 32, bb = 24; };
+template <> struct mq_fmt<DTYPE_Q4_K> { static constexpr int ck = 256, eb = 256, bb = 144; };
+template <> struct mq_fmt<DTYPE_Q5_K> { static constexpr int ck = 256, eb = 256, bb = 176; };
+template <> struct mq_fmt<DTYPE_Q6_K> { static constexpr int ck = 256, eb = 256, bb = 210; };
+
+template <int T> struct mq_geom {
+    static constexpr int ck = mq_fmt<T>::ck;
+    static constexpr int cb = ck / mq_fmt<T>::eb * mq_fmt<T>::bb; /* bytes of a full chunk of one row */
+    /* 16-byte loads covering cb bytes that start at any even address. */
+    static constexpr int nld = (cb + 14 + 15) / 16;
+    /* Shared row stride: an odd number of 16-byte units, so that the 8
+     * rows a fragment load touches start in different banks. */
+    static constexpr int ws = (nld | 1) * 16;
+    static constexpr int iters = (16 * nld + 31) / 32; /* loads per lane */
+    static constexpr int xs = ck + 32; /* activation row stride in halves: 64 mod 128 bytes, conflict-free */
+};
+
+template <int T> static size_t mq_smem_bytes(int nt) {
+    return (size_t)MQ_WARPS * 16 * mq_geom<T>::ws + (size_t)nt * mq_geom<T>::xs * 2;
+}
+
+__device__ __forceinline__ uint32_t mq_ld4(const uint8_t *p) { /* 4 bytes at an even shared address */
+    const uint16_t *q = (const uint16_t *)p;
+    return (uint32_t)q[0] | (uint32_t)q[1] << 16;
+}
+__device__ __forceinline__ __half2 mq_h2(uint32_t u) {
+    __half2 h;
+    memcpy(&h, &u, 4);
+    return h;
+}
+__device__ __forceinline__ uint32_t mq_u32(__half2 h) {
+    uint32_t u;
+    memcpy(&u, &h, 4);
+    return u;
+}
+__device__ __forceinline__ __half2 mq_hh(float f) { return __float2half2_rn(f); }
+
+/* a[j] = (x_{2j}, x_{2j+1}) as F16 for the 8 code bytes of v0 (x0..x3) and
+ * v1 (x4..x7), each byte c < 256 giving (c - bias) * scale + add: the byte
+ * becomes the mantissa of 1024 + c (0x64 above it), so no int-to-float
+ * conversion is needed and the subtraction is exact. */
+__device__ __forceinline__ void mq_cvt(uint32_t (&a)[4], uint32_t v0, uint32_t v1, __half2 bias, __half2 scale,
+                                       __half2 add) {
+    a[0] = mq_u32(__hfma2(__hsub2(mq_h2(__byte_perm(v0, 0x64646464u, 0x4140)), bias), scale, add));
+    a[1] = mq_u32(__hfma2(__hsub2(mq_h2(__byte_perm(v0, 0x64646464u, 0x4342)), bias), scale, add));
+    a[2] = mq_u32(__hfma2(__hsub2(mq_h2(__byte_perm(v1, 0x64646464u, 0x4140)), bias), scale, add));
+    a[3] = mq_u32(__hfma2(__hsub2(mq_h2(__byte_perm(v1, 0x64646464u, 0x4342)), bias), scale, add));
+}
+
+/* Bit i of the low 4 bits of b moved to bit 8i + 4 (a 5th code bit per byte). */
+__device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return (((b & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+/* a[0..3] = the fragment of lane t for 32-column block b of a chunk whose
+ * bytes start at p (one row, in shared memory, even address). */
+template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, uint32_t (&a)[4]) {
+    const __half2 zero = mq_hh(0.0f);
+    if constexpr (T == DTYPE_F16) {
+        uint4 v = *(const uint4 *)(p + 64 * b + 16 * t); /* rows of 32k halves: 16-byte aligned */
+        a[0] = v.x;
+        a[1] = v.y;
+        a[2] = v.z;
+        a[3] = v.w;
+    } else if constexpr (T == DTYPE_Q8_0) {
+        const uint8_t *blk = p + 34 * b;
+        __half2 d = __half2half2(*(const __half *)blk);
+        uint32_t v0 = mq_ld4(blk + 2 + 8 * t) ^ 0x80808080u, v1 = mq_ld4(blk + 6 + 8 * t) ^ 0x80808080u;
+        mq_cvt(a, v0, v1, mq_hh(1152.0f), d, zero);
+    } else if constexpr (T == DTYPE_Q4_0 || T == DTYPE_Q4_1) {
+        const int bb = T == DTYPE_Q4_0 ? 18 : 20, qo = T == DTYPE_Q4_0 ? 2 : 4;
+        const uint8_t *blk = p + bb * b, *qs = blk + qo + 8 * (t & 1);
+        int sh = 4 * (t >> 1); /* lanes 2, 3: high nibbles = columns 16..31 */
+        uint32_t v0 = (mq_ld4(qs) >> sh) & 0x0F0F0F0Fu, v1 = (mq_ld4(qs + 4) >> sh) & 0x0F0F0F0Fu;
+        __half2 d = __half2half2(*(const __half *)blk);
+        if constexpr (T == DTYPE_Q4_0) mq_cvt(a, v0, v1, mq_hh(1032.0f), d, zero);
+        else mq_cvt(a, v0, v1, mq_hh(1024.0f), d, __half2half2(*(const __half *)(blk + 2)));
+    } else if constexpr (T == DTYPE_Q5_0 || T == DTYPE_Q5_1) {
+        const int bb = T == DTYPE_Q5_0 ? 22 : 24, ho = T == DTYPE_Q5_0 ? 2 : 4;
+        const uint8_t *blk = p + bb * b, *qs = blk + ho + 4 + 8 * (t & 1);
+        int sh = 4 * (t >> 1);
+        uint32_t hb = (mq_ld4(blk + ho) >> (8 * t)) & 0xFFu; /* 5th bits of columns 8t .. 8t + 7 */
+        uint32_t v0 = ((mq_ld4(qs) >> sh) & 0x0F0F0F0Fu) | mq_spread4(hb);
+        uint32_t v1 = ((mq_ld4(qs + 4) >> sh) & 0x0F0F0F0Fu) | mq_spread4(hb >> 4);
+        __half2 d = __half2half2(*(const __half *)blk);
+        if constexpr (T == DTYPE_Q5_0) mq_cvt(a, v0, v1, mq_hh(1040.0f), d, zero);
+        else mq_cvt(a, v0, v1, mq_hh(1024.0f), d, __half2half2(*(const __half *)(blk + 2)));
+    } else if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) {
+        /* One super-block per chunk (144 / 176 bytes: 16-byte aligned). b
+         * is the sub-block: low (b even) or high nibbles of code bytes
+         * 32 (b / 2) + l. */
+        const int qo = T == DTYPE_Q4_K ? 16 : 48;
+        float sc, mn;
+        kq_scale_min(b, p + 4, &sc, &mn);
+        float d = __half2float(*(const __half *)p) * sc, m = __half2float(*(const __half *)(p + 2)) * mn;
+        uint2 q = *(const uint2 *)(p + qo + 32 * (b >> 1) + 8 * t);
+        int sh = 4 * (b & 1);
+        uint32_t v0 = (q.x >> sh) & 0x0F0F0F0Fu, v1 = (q.y >> sh) & 0x0F0F0F0Fu;
+        if constexpr (T == DTYPE_Q5_K) {
+            uint2 h = *(const uint2 *)(p + 16 + 8 * t);
+            v0 |= ((h.x >> b) & 0x01010101u) << 4;
+            v1 |= ((h.y >> b) & 0x01010101u) << 4;
+        }
+        mq_cvt(a, v0, v1, mq_hh(1024.0f), mq_hh(d), mq_hh(-m));
+    } else if constexpr (T == DTYPE_Q6_K) {
+        /* One super-block per chunk (210 bytes: even addresses only).
+         * Block b = 4h + q: low 4 bits from ql[64h + 32(q & 1) + l] (nibble
+         * q / 2), high 2 from qh[32h + l] bits 2q; 16-column scales. */
+        int h = b >> 2, q = b & 3, sh = 4 * (q >> 1);
+        const uint8_t *ql = p + 64 * h + 32 * (q & 1) + 8 * t, *qh = p + 128 + 32 * h + 8 * t;
+        uint32_t v0 = ((mq_ld4(ql) >> sh) & 0x0F0F0F0Fu) | (((mq_ld4(qh) >> (2 * q)) & 0x03030303u) << 4);
+        uint32_t v1 = ((mq_ld4(ql + 4) >> sh) & 0x0F0F0F0Fu) | (((mq_ld4(qh + 4) >> (2 * q)) & 0x03030303u) << 4);
+        float d = __half2float(*(const __half *)(p + 208)) * (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)];
+        mq_cvt(a, v0, v1, mq_hh(1056.0f), mq_hh(d), zero);
+    }
+}
+
+/* c += A (16 x 8, rows g / g + 8 in a0 / a1) . B (8 x 8, column g in b). */
+__device__ __forceinline__ void mq_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
+/* The four k-steps of one 32-column block: a[j] / b[j] hold columns
+ * 8t + 2j, + 1.  sm_80 and later issue them as two k16 steps (half the
+ * instructions; the k order inside a step is the same permutation on both
+ * sides, so the sum is unchanged). */
+__device__ __forceinline__ void mq_mma32(float (&c)[4], const uint32_t (&alo)[4], const uint32_t (&ahi)[4], uint4 b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(alo[0]), "r"(ahi[0]), "r"(alo[1]), "r"(ahi[1]), "r"(b.x), "r"(b.y));
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(alo[2]), "r"(ahi[2]), "r"(alo[3]), "r"(ahi[3]), "r"(b.z), "r"(b.w));
+#else
+    mq_mma(c, alo[0], ahi[0], b.x);
+    mq_mma(c, alo[1], ahi[1], b.y);
+    mq_mma(c, alo[2], ahi[2], b.z);
+    mq_mma(c, alo[3], ahi[3], b.w);
+#endif
+}
+
+/* buf = this lane's 16-byte loads of the raw bytes of chunk ch of the
+ * warp's 16 rows (zeros past the chunk, the rows and the weight's end). */
+template <int T>
+__device__ __forceinline__ void mq_load_w(uint4 (&buf)[mq_geom<T>::iters], const uint8_t *w, const uint8_t *w_end,
+                                          size_t row_bytes, int row0, int rows, int cols, int ch, int lane) {
+    using G = mq_geom<T>;
+    const int col0 = ch * G::ck, nb = min(G::ck / 32, (cols - col0) / 32);
+    const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
+    const int cbytes = nb * 32 / mq_fmt<T>::eb * mq_fmt<T>::bb;
+#pragma unroll
+    for (int i = 0; i < G::iters; i++) {
+        int item = lane + 32 * i, r = item / G::nld, c = item % G::nld;
+        buf[i] = make_uint4(0, 0, 0, 0);
+        if (item < 16 * G::nld && row0 + r < rows) {
+            const uint8_t *gp = w + (size_t)(row0 + r) * row_bytes + choff;
+            const uint8_t *src = (const uint8_t *)((uintptr_t)gp & ~(uintptr_t)15) + 16 * c;
+            if (src + 16 <= w_end) {
+                if (src < gp + cbytes) buf[i] = __ldg((const uint4 *)src);
+            } else if (src < gp + cbytes) {
+                /* The weight's last bytes when its size is not a multiple
+                 * of 16: never read past its end. */
+                uint32_t h[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    uint32_t lo = src + 4 * e < w_end ? __ldg((const uint16_t *)src + 2 * e) : 0;
+                    uint32_t hi = src + 4 * e + 2 < w_end ? __ldg((const uint16_t *)src + 2 * e + 1) : 0;
+                    h[e] = lo | hi << 16;
+                }
+                buf[i] = make_uint4(h[0], h[1], h[2], h[3]);
+            }
+        }
+    }
+}
+
+/* xv = this thread's share of the activations of chunk ch (zeros past n
+ * and past cols). */
+template <int T, int NT>
+__device__ __forceinline__ void mq_load_x(float4 (&xv)[NT * mq_geom<T>::ck / 4 / (MQ_WARPS * 32)], const float *x,
+                                          int cols, int n, int ch) {
+    constexpr int CK = mq_geom<T>::ck, XI = NT * CK / 4 / (MQ_WARPS * 32);
+    const int col0 = ch * CK;
+#pragma unroll
+    for (int i = 0; i < XI; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 4), c = (item % (CK / 4)) * 4;
+        xv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (tok < n && col0 + c < cols) xv[i] = __ldg((const float4 *)(x + (size_t)tok * cols + col0 + c));
+    }
+}
+
+template <int T, int NT>
+__device__ __forceinline__ void mq_store_x(__half *xs, const float4 (&xv)[NT * mq_geom<T>::ck / 4 / (MQ_WARPS * 32)]) {
+    constexpr int CK = mq_geom<T>::ck, XI = NT * CK / 4 / (MQ_WARPS * 32);
+#pragma unroll
+    for (int i = 0; i < XI; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 4), c = (item % (CK / 4)) * 4;
+        uint2 hv = make_uint2(mq_u32(__floats2half2_rn(xv[i].x, xv[i].y)), mq_u32(__floats2half2_rn(xv[i].z, xv[i].w)));
+        *(uint2 *)(xs + tok * mq_geom<T>::xs + c) = hv;
+    }
+}
+
+/* out[n, rows] = x[n, cols] . w^T for n <= NT.  When the K side is split
+ * (gridDim.y > 1) each block writes F32 partial sums to part (gridDim.y,
+ * n, rp), rp = gridDim.x * MQ_ROWS; up to 16 tokens the last block of each
+ * row block adds them (LAST), above a second kernel does (the sums are
+ * n x 128 x splits floats per row block: one block would be the tail).
+ * Up to 16 tokens the next chunk's weights and activations are loaded
+ * while this one is multiplied (registers allow it; wider tiles rely on
+ * the other resident block instead). */
+template <int T, int NT>
+__global__ void __launch_bounds__(MQ_WARPS * 32, 2)
+matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_t *__restrict__ w, size_t row_bytes,
+                 int rows, int cols, const float *__restrict__ x, int n) {
+    using G = mq_geom<T>;
+    constexpr int CK = G::ck, NB = CK / 32, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
+    constexpr bool PIPE = NT <= 16, LAST = NT <= 16;
+    extern __shared__ uint4 mq_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    uint8_t *wsm = (uint8_t *)mq_smem + warp * 16 * G::ws;
+    __half *xs = (__half *)((uint8_t *)mq_smem + MQ_WARPS * 16 * G::ws);
+    const int row0 = blockIdx.x * MQ_ROWS + warp * 16;
+    const uint8_t *w_end = w + (size_t)rows * row_bytes;
+    const int n_chunks = (cols + CK - 1) / CK;
+    const int c_begin = (int)((int64_t)n_chunks * blockIdx.y / gridDim.y);
+    const int c_end = (int)((int64_t)n_chunks * (blockIdx.y + 1) / gridDim.y);
+
+    float acc[NTL][4];
+#pragma unroll
+    for (int i = 0; i < NTL; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    uint4 buf[G::iters];
+    float4 xv[XI];
+    if (PIPE && c_begin < c_end) {
+        mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, c_begin, lane);
+        mq_load_x<T, NT>(xv, x, cols, n, c_begin);
+    }
+    for (int ch = c_begin; ch < c_end; ch++) {
+        const int col0 = ch * CK, nb = min(NB, (cols - col0) / 32);
+        const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
+        /* Issue every 16-byte load of this warp's 16 row chunks before
+         * using any: the bytes in flight are what reaches bandwidth. */
+        if (!PIPE) mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch, lane);
+        __syncthreads(); /* the previous chunk's fragments are all read */
+#pragma unroll
+        for (int i = 0; i < G::iters; i++) {
+            int item = lane + 32 * i, r = item / G::nld, c = item % G::nld;
+            if (item < 16 * G::nld) *(uint4 *)(wsm + r * G::ws + 16 * c) = buf[i];
+        }
+        if (!PIPE) mq_load_x<T, NT>(xv, x, cols, n, ch);
+        mq_store_x<T, NT>(xs, xv);
+        __syncthreads();
+        if (PIPE && ch + 1 < c_end) {
+            mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch + 1, lane);
+            mq_load_x<T, NT>(xv, x, cols, n, ch + 1);
+        }
+
+        /* Where rows g and g + 8 start in shared memory (their global
+         * address modulo 16). */
+        const uint8_t *pg = wsm + g * G::ws + ((uintptr_t)(w + (size_t)(row0 + g) * row_bytes + choff) & 15);
+        const uint8_t *pg8 =
+            wsm + (g + 8) * G::ws + ((uintptr_t)(w + (size_t)(row0 + g + 8) * row_bytes + choff) & 15);
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            if (b < nb) {
+                uint32_t alo[4], ahi[4];
+                mq_decode<T>(pg, b, t, alo);
+                mq_decode<T>(pg8, b, t, ahi);
+#pragma unroll
+                for (int nt = 0; nt < NTL; nt++)
+                    if (nt * 8 < n)
+                        mq_mma32(acc[nt], alo, ahi, *(const uint4 *)(xs + (nt * 8 + g) * G::xs + 32 * b + 8 * t));
+            }
+        }
+    }
+
+    /* acc[nt][0, 1]: row g, tokens 8nt + 2t, + 1; [2, 3]: row g + 8. */
+    const size_t rp = (size_t)gridDim.x * MQ_ROWS;
+    if (gridDim.y == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NTL; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int tok = nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+                if (tok < n && row < rows) out[(size_t)tok * rows + row] = acc[nt][e];
+            }
+        return;
+    }
+    /* Partial sums for every row of the padded row block (rp rows). */
+    float *dst = part + (size_t)blockIdx.y * n * rp;
+#pragma unroll
+    for (int nt = 0; nt < NTL; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int tok = nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+            if (tok < n) dst[(size_t)tok * rp + row] = acc[nt][e];
+        }
+    if (!LAST) return;
+
+    __shared__ unsigned int last;
+    __threadfence(); /* partials visible before the arrival is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int prev = atomicAdd(&mq_counters[blockIdx.x], 1u);
+        last = prev == gridDim.y - 1;
+        if (last) mq_counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    /* Thread (kg, item) adds splits kg, kg + KG, ... of float4 item (token,
+     * 4 rows), every load independent of the others; then the KG sums of
+     * an item are added in order (deterministic).  Shared memory is free:
+     * every warp passed the barrier above. */
+    const int items = n * (MQ_ROWS / 4), ks = (int)gridDim.y;
+    const int kgs = items >= MQ_WARPS * 32 ? 1 : (MQ_WARPS * 32) / items;
+    float4 *red = (float4 *)mq_smem;
+    const int rb0 = blockIdx.x * MQ_ROWS;
+    for (int i = threadIdx.x; i < items * kgs; i += MQ_WARPS * 32) {
+        int item = i % items, kg = i / items, tok = item / (MQ_ROWS / 4), r = rb0 + (item % (MQ_ROWS / 4)) * 4;
+        const float4 *src = (const float4 *)(part + (size_t)tok * rp + r);
+        const size_t kstride = (size_t)n * rp / 4;
+        float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        int k = kg;
+        for (; k + 3 * kgs < ks; k += 4 * kgs) {
+            float4 a = __ldcg(src + k * kstride), b = __ldcg(src + (k + kgs) * kstride);
+            float4 c = __ldcg(src + (k + 2 * kgs) * kstride), d = __ldcg(src + (k + 3 * kgs) * kstride);
+            s.x += (a.x + b.x) + (c.x + d.x);
+            s.y += (a.y + b.y) + (c.y + d.y);
+            s.z += (a.z + b.z) + (c.z + d.z);
+            s.w += (a.w + b.w) + (c.w + d.w);
+        }
+        for (; k < ks; k += kgs) {
+            float4 a = __ldcg(src + k * kstride);
+            s.x += a.x;
+            s.y += a.y;
+            s.z += a.z;
+            s.w += a.w;
+        }
+        red[i] = s;
+    }
+    __syncthreads();
+    for (int item = threadIdx.x; item < items; item += MQ_WARPS * 32) {
+        float4 s = red[item];
+        for (int kg = 1; kg < kgs; kg++) {
+            float4 a = red[kg * items + item];
+            s.x += a.x;
+            s.y += a.y;
+            s.z += a.z;
+            s.w += a.w;
+        }
+        int tok = item / (MQ_ROWS / 4), r = rb0 + (item % (MQ_ROWS / 4)) * 4;
+        float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (r + e < rows) out[(size_t)tok * rows + r + e] = v[e];
+    }
+}
+
+/* out[tok, row] = sum over the splits of part[k, tok, row] (row stride rp). */
+__global__ void matmul_mq_reduce_kernel(float *__restrict__ out, const float *__restrict__ part, int ks, int n,
+                                        int rows, int rp) {
+    int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    if (i >= (int64_t)n * rows) return;
+    int tok = (int)(i / rows), row = (int)(i % rows);
+    const float *src = part + (size_t)tok * rp + row;
+    const size_t kstride = (size_t)n * rp;
+    float s = 0.0f;
+    int k = 0;
+    for (; k + 4 <= ks; k += 4)
+        s += (__ldg(src + k * kstride) + __ldg(src + (k + 1) * kstride)) +
+             (__ldg(src + (k + 2) * kstride) + __ldg(src + (k + 3) * kstride));
+    for (; k < ks; k++) s += __ldg(src + k * kstride);
+    out[i] = s;
+}
+
+template <int T, int NT>
+static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
+                        int n) {
+    size_t smem = mq_smem_bytes<T>(NT);
+    /* Blocks resident per SM, asked once per device (the shared memory
+     * limit is raised first: up to 76 KB for 64 tokens of Q8_0). */
+    static int per_sm[64];
+    int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    if (!per_sm[dev]) {
+        CUDA_CHECK(ctx, cudaFuncSetAttribute(matmul_mq_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)smem));
+        int b = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mq_kernel<T, NT>, MQ_WARPS * 32,
+                                                                      smem));
+        per_sm[dev] = b > 0 ? b : 1;
+    }
+    int n_rb = (int)((rows + MQ_ROWS - 1) / MQ_ROWS);
+    int n_chunks = (int)((cols + mq_fmt<T>::ck - 1) / mq_fmt<T>::ck);
+    /* Split K until the blocks fill every resident slot once (one wave:
+     * a second, partial wave would cost a whole block's latency). */
+    int slots = ctx->n_sms * per_sm[dev], ks = 1;
+    if (n_rb < slots && n_rb <= MQ_COUNTERS) ks = slots / n_rb;
+    if (ks > n_chunks) ks = n_chunks;
+    if (ks > 65535) ks = 65535;
+    if (ks < 1) ks = 1;
+    size_t rp = (size_t)n_rb * MQ_ROWS;
+    float *part = NULL;
+    if (ks > 1) {
+        part = (float *)cuda_scratch(ctx, (size_t)ks * n * rp * sizeof(float));
+        if (!part) return STATUS_NO_MEMORY;
+    }
+    matmul_mq_kernel<T, NT><<<dim3((unsigned)n_rb, (unsigned)ks), MQ_WARPS * 32, smem, CUDA_STREAM(ctx)>>>(
+        out, part, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), (int)rows, (int)cols, x, n);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    if (ks > 1 && NT > 16) {
+        int64_t total = (int64_t)n * rows;
+        matmul_mq_reduce_kernel<<<cuda_blocks(total, 256), 256, 0, CUDA_STREAM(ctx)>>>(out, part, ks, n, (int)rows,
+                                                                                      (int)rp);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    return STATUS_OK;
+}
+
+template <int T>
+static int mq_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
+                     int n) {
+    if (n <= 8) return mq_launch_nt<T, 8>(ctx, out, w, rows, cols, x, n);
+    if (n <= 16) return mq_launch_nt<T, 16>(ctx, out, w, rows, cols, x, n);
+    if (n <= 32) return mq_launch_nt<T, 32>(ctx, out, w, rows, cols, x, n);
+    return mq_launch_nt<T, 64>(ctx, out, w, rows, cols, x, n);
+}
+
+/* Most tokens mq takes on this device: 64 tokens of Q8_0 need 76 KB of
+ * shared memory, past the 64 KB of sm_75. */
+static int mq_nt_max(const struct cuda_ctx *ctx) { return ctx->cc >= 80 ? MQ_NT_MAX : 32; }
+
+static int mq_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    if (n < 1 || n > mq_nt_max(ctx) || cols > INT32_MAX) return 0;
+    switch (type) {
+    case DTYPE_F16: case DTYPE_Q8_0: case DTYPE_Q4_0: case DTYPE_Q4_1: case DTYPE_Q5_0: case DTYPE_Q5_1:
+        return cols % 32 == 0;
+    case DTYPE_Q4_K: case DTYPE_Q5_K: case DTYPE_Q6_K: return cols % 256 == 0;
+    default: return 0;
+    }
+}
+
+/* ---- The warp-per-row kernel ----
+ * Each warp owns one weight row and reads it once with coalesced loads
+ * (the unit layout of quant_units.cuh), dequantizes in registers and
+ * accumulates the dot products of all n tokens in F32. */
+
 #define MV_WARPS 4
+#define MV_NT_MAX 16
 
 /* acc[t] += w[0..L) . x[t, off .. off + L) for the n (<= NT) tokens. */
 template <int NT, int L>
@@ -74,7 +564,8 @@ static int mv_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t ro
     return mv_launch_nt<T, 16>(ctx, out, w, rows, cols, x, n);
 }
 
-extern "C" int cuda_matmul_vec_supports(enum dtype type, int64_t cols) {
+static int mv_supports(enum dtype type, int64_t cols, int32_t n) {
+    if (n < 1 || n > MV_NT_MAX) return 0;
     switch (type) {
     case DTYPE_F32: return cols % 4 == 0;
     case DTYPE_F16: return cols % 8 == 0;
@@ -85,14 +576,32 @@ extern "C" int cuda_matmul_vec_supports(enum dtype type, int64_t cols) {
     }
 }
 
+extern "C" int cuda_matmul_vec_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    return mq_supports(ctx, type, cols, n) || mv_supports(type, cols, n);
+}
+
 extern "C" int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                                int64_t cols, const float *x, int32_t n) {
-    if (n < 1 || n > CUDA_MATMUL_VEC_MAX || rows <= 0 || !cuda_matmul_vec_supports(type, cols))
+    if (rows <= 0 || rows > INT32_MAX || !cuda_matmul_vec_supports(ctx, type, cols, n))
         return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_vec: %d tokens x %s [%lld x %lld] is not a skinny shape", n,
                          dtype_name(type), (long long)rows, (long long)cols);
     if ((uintptr_t)x % 16 != 0 || (uintptr_t)w % 16 != 0)
         return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_vec: x %p or weight %p is not 16-byte aligned", (const void *)x,
                          w);
+    if (mq_supports(ctx, type, cols, n)) {
+        switch (type) {
+        case DTYPE_F16: return mq_launch<DTYPE_F16>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q8_0: return mq_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q4_0: return mq_launch<DTYPE_Q4_0>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q4_1: return mq_launch<DTYPE_Q4_1>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q5_0: return mq_launch<DTYPE_Q5_0>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q5_1: return mq_launch<DTYPE_Q5_1>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q4_K: return mq_launch<DTYPE_Q4_K>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q5_K: return mq_launch<DTYPE_Q5_K>(ctx, out, w, rows, cols, x, n);
+        case DTYPE_Q6_K: return mq_launch<DTYPE_Q6_K>(ctx, out, w, rows, cols, x, n);
+        default: break;
+        }
+    }
     switch (type) {
     case DTYPE_F32: return mv_launch<DTYPE_F32>(ctx, out, w, rows, cols, x, n);
     case DTYPE_F16: return mv_launch<DTYPE_F16>(ctx, out, w, rows, cols, x, n);

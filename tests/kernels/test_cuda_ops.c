@@ -387,8 +387,8 @@ TEST(cuda_ops_embed_every_dtype) {
 }
 
 /* Which matmul path the GPU takes: the backend's own choice, cuBLAS for
- * every n (LLM_CUDA_SKINNY_MAX=0) or the skinny kernel up to 16 tokens
- * (LLM_CUDA_SKINNY_MAX=16).  Each test runs all three. */
+ * every n (LLM_CUDA_SKINNY_MAX=0) or the weight-reading kernels up to 16
+ * tokens (LLM_CUDA_SKINNY_MAX=16).  Each test runs all three. */
 enum mm_mode { MM_DEFAULT, MM_GEMM, MM_SKINNY };
 static enum mm_mode mm_mode;
 
@@ -402,15 +402,13 @@ static void mm_set_mode(enum mm_mode m) {
  * activations to 8 bits for the quantized types (llama.cpp's scheme), an
  * error near 1e-5 that the GPU does not make: 2e-3 leaves room and still
  * fails any wrong scale, nibble or index (those give NMSE ~ 1).  F32
- * weights are dotted in F32 on both sides (skinny kernel or cublasSgemm).
- * F16 weights too in the skinny kernel; cuBLAS rounds the activations to
- * F16 (~1e-7).  BF16 becomes F16 on the GPU: ~1e-5 for values in [-1, 1]. */
-static double matmul_bound(enum dtype t, int32_t n, int64_t cols) {
+ * weights are dotted in F32 on both sides (warp-per-row kernel or
+ * cublasSgemm).  F16 weights: both GPU paths round the activations to F16
+ * for the tensor cores (~1e-7; the warp-per-row kernel, for odd widths,
+ * does not).  BF16 becomes F16 on the GPU: ~1e-5 for values in [-1, 1]. */
+static double matmul_bound(enum dtype t) {
     if (t == DTYPE_F32) return 1e-10;
-    if (t == DTYPE_F16) {
-        int skinny = mm_mode == MM_SKINNY ? n <= 16 : mm_mode == MM_GEMM ? 0 : n <= 2;
-        return skinny && cols % 8 == 0 ? 1e-10 : 1e-5;
-    }
+    if (t == DTYPE_F16) return 1e-5;
     if (t == DTYPE_BF16) return 1e-4;
     return 2e-3;
 }
@@ -430,18 +428,25 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
         static const char *mode_name[3] = {"default path", "cuBLAS path", "skinny path"};
         snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s", dtype_name(t), (long long)rows,
                  (long long)cols, ns[i], mode_name[mm_mode]);
-        check_f32(out, (size_t)ns[i] * rows, matmul_bound(t, ns[i], cols), what);
+        check_f32(out, (size_t)ns[i] * rows, matmul_bound(t), what);
     }
     free_weights();
 }
 
+/* Every token count the weight-reading kernels pick a different tile for
+ * (8, 16, 32, 64 tokens) and one past each edge; widths of one chunk, of
+ * several (split K over blocks, partial sums added by the last block) and,
+ * for the 32-element types, a partial last chunk (352 = 256 + 3 x 32). */
 static void matmul_type(enum dtype t) {
-    static const int32_t ns[] = {1, 5, 16, 64};
+    static const int32_t ns[] = {1, 5, 8, 9, 16, 17, 32, 33, 64};
+    int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
     for (int m = MM_DEFAULT; m <= MM_SKINNY; m++) {
         mm_set_mode((enum mm_mode)m);
         fx_open();
-        matmul_case(t, 100, 512, ns, 4);
-        matmul_case(t, 35, 768, ns, 2); /* rows not a multiple of the warps per block */
+        matmul_case(t, 100, 512, ns, 9);
+        matmul_case(t, 35, 768, ns, 4); /* rows not a multiple of the rows per block */
+        if (!k_quant) matmul_case(t, 130, 352, ns, 9);
+        matmul_case(t, 300, 256, ns, 9); /* one chunk: no split */
         fx_close();
     }
     mm_set_mode(MM_DEFAULT);
@@ -463,11 +468,16 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     mm_set_mode(MM_DEFAULT);
     fx_open();
     static const int32_t small[] = {1, 3, 20};
-    matmul_case(DTYPE_F16, 33, 100, small, 3); /* width the skinny kernel cannot take */
+    matmul_case(DTYPE_F16, 33, 100, small, 3); /* width the weight-reading kernels cannot take */
     matmul_case(DTYPE_F32, 33, 102, small, 3);
-    /* 4200 rows of 4096: three dequantized tiles of at most 16 MiB. */
-    static const int32_t big[] = {40};
-    matmul_case(DTYPE_Q4_K, 4200, 4096, big, 1);
+    /* 4200 rows of 4096: three dequantized tiles of at most 16 MiB on the
+     * cuBLAS path (65 tokens); the tensor-core kernel at 40 tokens, split
+     * over blocks, 33 row blocks. */
+    static const int32_t big[] = {40, 65};
+    matmul_case(DTYPE_Q4_K, 4200, 4096, big, 2);
+    static const int32_t dec[] = {1, 16};
+    matmul_case(DTYPE_Q6_K, 4200, 4096, dec, 2);
+    matmul_case(DTYPE_Q8_0, 1000, 11008, dec, 2);
     fx_close();
 }
 
