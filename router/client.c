@@ -10,6 +10,7 @@
 #include "common/zio.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -531,6 +532,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
     int64_t last_progress = client_now_ms(); /* last message about this request */
+    int64_t give_up = p->wait_ms > 0 ? last_progress + p->wait_ms : INT64_MAX;
     bool any_reply = false, need_send = true;
     int64_t sent = 0;
     uint64_t tag = 0;
@@ -551,14 +553,22 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
             g.cancel_sent = true;
         }
         int64_t now = client_now_ms();
+        if (now >= give_up) {
+            client_seterr(c, LLM__ERROR__CODE__OK, "generate: request %s: not done after %lld ms (%u tokens "
+                          "received; it may still run: re-attach or cancel it by id)", res->request_id,
+                          (long long)p->wait_ms, g.have);
+            return STATUS_TIMEOUT;
+        }
         if (!lost_why) {
             int64_t until = g.accepted ? last_progress + c->cfg.idle_timeout_ms
                                        : sent + c->cfg.reply_timeout_ms;
+            if (until > give_up) until = give_up;
             if (until < now) until = now;
             Llm__ClientEnvelope *in = NULL;
             int ev = client_wait(c, (int)(until - now), &in);
             if (ev < 0) return ev;
             if (ev == CLIENT_LOST) lost_why = "connection lost";
+            else if (ev == CLIENT_IDLE && client_now_ms() >= give_up) continue;
             else if (ev == CLIENT_IDLE) lost_why = g.accepted ? "no message for the idle timeout" : "no reply";
             else {
                 const char *rid = client_body_request_id(in);

@@ -107,6 +107,10 @@ struct llm_generate_params {
     int64_t deadline_ms;            /* absolute Unix ms; 0: none */
     uint32_t timeout_ms;            /* relative to acceptance; 0: none */
     bool stream;                    /* false: one chunk just before done */
+    /* The client's own bound on the whole call, re-attaches included:
+     * after this long it returns STATUS_TIMEOUT (the request itself goes
+     * on in the cluster; re-attach or cancel it by id); 0: no bound. */
+    int64_t wait_ms;
 };
 /* Greedy, streaming, nothing else set. */
 void llm_generate_params_default(struct llm_generate_params *p);
@@ -159,8 +163,9 @@ void llm_generate_result_free(struct llm_generate_result *r);
  * Returns a negative status when the router refused the request (its Error
  * reply, mapped with proto_status_from_code; llm_client_error_code tells
  * the wire code) — then on_chunk never ran — or when no router could be
- * reached for cfg.retry_ms (STATUS_UNAVAILABLE / STATUS_TIMEOUT), which may
- * happen after some chunks were delivered.  An Error with retry_after_ms
+ * reached for cfg.retry_ms (STATUS_UNAVAILABLE / STATUS_TIMEOUT) or
+ * p->wait_ms passed (STATUS_TIMEOUT), which may happen after some chunks
+ * were delivered.  An Error with retry_after_ms
  * set, or UNAVAILABLE, is retried after that wait within cfg.retry_ms. */
 int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                         llm_chunk_fn on_chunk, void *ud, struct llm_generate_result *res);

@@ -308,7 +308,9 @@ static H_UNUSED void h_cluster_cleanup(struct cluster *cl, int keep_logs) {
     fixture_redis_stop(&cl->redis);
     if (cl->zctx) zmq_ctx_term(cl->zctx);
     cl->zctx = NULL;
-    if (!keep_logs && cl->dir[0]) {
+    const char *keep = getenv("LLM_TEST_KEEP_LOGS"); /* set: logs stay, for a look after a pass */
+    if (keep && *keep && cl->dir[0]) printf("  logs kept in %s\n", cl->dir);
+    else if (!keep_logs && cl->dir[0]) {
         char cmd[400];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", cl->dir);
         if (system(cmd) != 0) printf("  could not remove %s\n", cl->dir);
@@ -431,7 +433,8 @@ struct h_gen {
     int ignore_eos;
     int32_t priority;
     int cancel_after;   /* > 0: the callback cancels after this many tokens */
-    int retry_ms;       /* the client's give-up time (default 60 s) */
+    int retry_ms;       /* the client's give-up time without answers (default 60 s) */
+    int wait_ms;        /* the bound on the whole call (default 90 s) */
     /* out */
     int rc;
     char err[512];
@@ -467,6 +470,7 @@ static H_UNUSED void h_generate(struct h_gen *g) {
     p.max_tokens = (uint32_t)g->max_tokens;
     p.sampling.ignore_eos = g->ignore_eos;
     p.priority = g->priority;
+    p.wait_ms = g->wait_ms > 0 ? g->wait_ms : 90000;
     g->rc = llm_client_generate(c, &p, h_on_chunk, g, &g->res);
     if (g->rc != 0) snprintf(g->err, sizeof g->err, "%s", llm_client_errstr(c));
     llm_client_close(c);

@@ -21,6 +21,7 @@ enum fake_mode {
     FAKE_SILENT,  /* first generate: accept and say nothing; the re-sent one streams */
     FAKE_ERROR,   /* every generate: Error INVALID_ARGUMENT; later Errors UNAVAILABLE first */
     FAKE_SLOW,    /* a token every 20 ms until a Cancel, then done CANCELLED */
+    FAKE_MUTE,    /* accept every generate, then say nothing */
 };
 
 #define FAKE_N_TOKENS 12
@@ -218,6 +219,9 @@ static void *fake_main(void *arg) {
                 else
                     fake_error(s, &in, env->tag, g->request_id, LLM__ERROR__CODE__INVALID_ARGUMENT,
                                "sampling.top_p = 1.5 is outside [0, 1]", 0);
+                break;
+            case FAKE_MUTE:
+                fake_accept(s, &in, env->tag, g->request_id, k > 0);
                 break;
             case FAKE_SLOW:
                 fake_accept(s, &in, env->tag, g->request_id, false);
@@ -437,6 +441,28 @@ TEST(client_callback_cancels) {
     llm_client_close(c);
 }
 
+TEST(client_wait_bounds_the_call) {
+    struct fake f;
+    fake_start(&f, FAKE_MUTE);
+    llm_client *c = open_client(f.ep, 2000, 200, 5000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-mute";
+    p.wait_ms = 700;
+    struct llm_generate_result r;
+    int64_t t0 = now_ms();
+    int rc = llm_client_generate(c, &p, NULL, NULL, &r);
+    int64_t took = now_ms() - t0;
+    fake_stop(&f);
+    ASSERT_EQ(STATUS_TIMEOUT, rc);
+    ASSERT_TRUE(took >= 700 && took < 2000);
+    ASSERT_TRUE(f.n_generates >= 2); /* the idle timeout re-attached meanwhile */
+    ASSERT_TRUE(strstr(llm_client_errstr(c), "req-mute") != NULL);
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
 TEST(client_status_and_unknown_cancel) {
     struct fake f;
     fake_start(&f, FAKE_STREAM);
@@ -505,4 +531,4 @@ TEST(client_refuses_bad_config_and_ids) {
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
-          client_status_and_unknown_cancel, client_unreachable_router_times_out, client_refuses_bad_config_and_ids)
+          client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_refuses_bad_config_and_ids)
