@@ -1,0 +1,241 @@
+/* llm-cluster as a user runs it: up starts Redis, a router and the workers
+ * in the background and returns once they serve (the output then equals
+ * llm-run's), status shows them, down stops every process; a worker that
+ * dies while loading and a port already taken are reported with the cause
+ * and leave nothing running. */
+#include "tests/router/cluster_harness.h"
+
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#define MODEL "stories260K-f32.gguf"
+#define CLUSTER_BIN LLM_BINARY_DIR "/router/llm-cluster"
+
+static char run_dir[256];
+
+/* Stops what a failed test left running. */
+static void cli_atexit(void) {
+    if (!run_dir[0]) return;
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s down --run-dir '%s' >/dev/null 2>&1; rm -rf '%s'", CLUSTER_BIN, run_dir, run_dir);
+    if (system(cmd) != 0) fprintf(stderr, "cleanup of %s failed\n", run_dir);
+}
+
+static void cli_new_run_dir(void) {
+    static int registered;
+    if (!registered) {
+        atexit(cli_atexit);
+        registered = 1;
+    }
+    cli_atexit();
+    snprintf(run_dir, sizeof run_dir, "/tmp/llm-cluster-cli-XXXXXX");
+    if (!mkdtemp(run_dir)) TEST_FAIL("mkdtemp: %s", strerror(errno));
+}
+
+/* Runs argv (bounded to 120 s); stdout and stderr go to *out / *err (malloc'ed). */
+static int cli_run(const char *const *argv, char **out, char **err) {
+    char opath[] = "/tmp/cli-outXXXXXX", epath[] = "/tmp/cli-errXXXXXX";
+    int ofd = mkstemp(opath), efd = mkstemp(epath);
+    if (ofd < 0 || efd < 0) TEST_FAIL("mkstemp: %s", strerror(errno));
+    unlink(opath);
+    unlink(epath);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(ofd, 1);
+        dup2(efd, 2);
+        alarm(120);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    char **dst[2] = {out, err};
+    int fds[2] = {ofd, efd};
+    for (int i = 0; i < 2; i++) {
+        off_t n = lseek(fds[i], 0, SEEK_END);
+        lseek(fds[i], 0, SEEK_SET);
+        *dst[i] = calloc(1, (size_t)n + 1);
+        ssize_t got = read(fds[i], *dst[i], (size_t)n);
+        (*dst[i])[got > 0 ? got : 0] = 0;
+        close(fds[i]);
+    }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* pids from the run dir's *.pid files. */
+static int cli_pids(pid_t *pids, int max) {
+    DIR *d = opendir(run_dir);
+    int n = 0;
+    if (!d) return 0;
+    for (struct dirent *e; (e = readdir(d)) && n < max;) {
+        size_t l = strlen(e->d_name);
+        if (l < 5 || strcmp(e->d_name + l - 4, ".pid") != 0) continue;
+        char path[600];
+        snprintf(path, sizeof path, "%s/%s", run_dir, e->d_name);
+        FILE *f = fopen(path, "r");
+        int pid = 0;
+        if (f && fscanf(f, "%d", &pid) == 1 && pid > 1) pids[n++] = pid;
+        if (f) fclose(f);
+    }
+    closedir(d);
+    return n;
+}
+
+/* A live (not zombie) process whose command line contains needle, or 0. */
+static pid_t cli_find_process(const char *needle) {
+    DIR *d = opendir("/proc");
+    pid_t found = 0;
+    for (struct dirent *e; d && (e = readdir(d)) && !found;) {
+        int pid = atoi(e->d_name);
+        if (pid <= 1 || pid == getpid()) continue;
+        char path[64], buf[4096];
+        snprintf(path, sizeof path, "/proc/%d/cmdline", pid);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        for (size_t i = 0; i < n; i++)
+            if (!buf[i]) buf[i] = ' ';
+        buf[n] = 0;
+        if (n && strstr(buf, needle) && !strstr(buf, "llm-cluster")) found = pid;
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+static bool cli_alive(pid_t pid) {
+    char path[64], state = 0;
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    int r = fscanf(f, "%*d %*s %c", &state);
+    fclose(f);
+    return r == 1 && state != 'Z';
+}
+
+TEST(cluster_cli_up_generate_status_down) {
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 40, 1, &ref);
+    cli_new_run_dir();
+    char *out, *err;
+    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", "0", "--run-dir", run_dir, "--stages", "2",
+                        "--threads", "1", "--timeout-s", "60", NULL};
+    int rc = cli_run(up, &out, &err);
+    if (rc != 0) printf("  stdout:\n%s  stderr:\n%s", out, err);
+    ASSERT_EQ(0, rc);
+    const char *r = strstr(out, "router: ");
+    ASSERT_TRUE(r != NULL);
+    char endpoint[64] = "";
+    sscanf(r + 8, "%63s", endpoint);
+    ASSERT_TRUE(strncmp(endpoint, "tcp://127.0.0.1:", 16) == 0);
+    ASSERT_TRUE(strstr(out, run_dir) != NULL);
+    free(out);
+    free(err);
+    pid_t pids[16];
+    int n_pids = cli_pids(pids, 16);
+    ASSERT_EQ(4, n_pids); /* redis, router, 2 workers */
+
+    /* It serves: llm generate through it prints llm-run's JSON. */
+    const char *gen[] = {LLM_BINARY_DIR "/router/llm", "--router", endpoint, "generate", "--prompt",
+                         "Once upon a time", "--max-tokens", "40", "--json", NULL};
+    rc = cli_run(gen, &out, &err);
+    cJSON *j = cJSON_Parse(strrchr(out, '{') ? strrchr(out, '{') : "");
+    int same = j != NULL && cJSON_GetArraySize(cJSON_GetObjectItem(j, "ids")) == ref.n;
+    for (int i = 0; same && i < ref.n; i++)
+        same = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "ids"), i)->valueint == ref.ids[i];
+    if (rc != 0 || !same) printf("  llm generate (status %d):\n%s%s", rc, out, err);
+    cJSON_Delete(j);
+    free(out);
+    free(err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(same);
+
+    const char *status[] = {CLUSTER_BIN, "status", "--run-dir", run_dir, NULL};
+    rc = cli_run(status, &out, &err);
+    if (rc != 0 || !strstr(out, "1/1 pipelines ready")) printf("  status (%d):\n%s%s", rc, out, err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(strstr(out, "1/1 pipelines ready") != NULL);
+    free(out);
+    free(err);
+
+    const char *down[] = {CLUSTER_BIN, "down", "--run-dir", run_dir, NULL};
+    rc = cli_run(down, &out, &err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(strstr(out, "stopped router") != NULL);
+    free(out);
+    free(err);
+    int64_t end = h_now_ms() + 5000;
+    for (int i = 0; i < n_pids; i++) {
+        while (cli_alive(pids[i]) && h_now_ms() < end) h_sleep_ms(20);
+        if (cli_alive(pids[i])) TEST_FAIL("pid %d still runs after llm-cluster down", (int)pids[i]);
+    }
+    ASSERT_EQ(0, cli_pids(pids, 16));
+    cli_atexit();
+    run_dir[0] = 0;
+}
+
+TEST(cluster_cli_worker_dying_while_loading_is_reported) {
+    const char *model = test_model_path(MODEL);
+    cli_new_run_dir();
+    int port;
+    char e[128];
+    ASSERT_OK(zio_free_port(NULL, &port, e, sizeof e));
+    char port_s[16], needle[64];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(needle, sizeof needle, "tcp://127.0.0.1:%d", port);
+    /* Layers the model does not have: the worker refuses while loading. */
+    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", port_s, "--run-dir", run_dir, "--stages", "2",
+                        "--threads", "1", "--timeout-s", "60", "--worker-args", "--layers 0:99", NULL};
+    char *out, *err;
+    int rc = cli_run(up, &out, &err);
+    printf("  stderr:\n%s", err);
+    ASSERT_EQ(1, rc);
+    ASSERT_TRUE(strstr(err, "worker-p0-s") != NULL);
+    ASSERT_TRUE(strstr(err, "last line of") != NULL);
+    ASSERT_TRUE(strstr(err, "99") != NULL); /* the worker's own message names the range */
+    free(out);
+    free(err);
+    pid_t pids[16];
+    ASSERT_EQ(0, cli_pids(pids, 16));
+    pid_t left = cli_find_process(needle);
+    if (left) TEST_FAIL("pid %d (the router on %s) still runs after the failed up", (int)left, needle);
+}
+
+TEST(cluster_cli_port_taken_is_reported) {
+    const char *model = test_model_path(MODEL);
+    cli_new_run_dir();
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(0, bind(fd, (struct sockaddr *)&a, sizeof a));
+    ASSERT_EQ(0, listen(fd, 1));
+    socklen_t len = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &len);
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", ntohs(a.sin_port));
+    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", port_s, "--run-dir", run_dir, NULL};
+    char *out, *err;
+    int rc = cli_run(up, &out, &err);
+    close(fd);
+    printf("  stderr: %s", err);
+    ASSERT_EQ(1, rc);
+    ASSERT_TRUE(strstr(err, port_s) != NULL);
+    ASSERT_TRUE(strstr(err, "in use") != NULL);
+    free(out);
+    free(err);
+    pid_t pids[16];
+    ASSERT_EQ(0, cli_pids(pids, 16));
+    /* And an unreadable model is refused before anything starts. */
+    const char *up2[] = {CLUSTER_BIN, "up", "--model", "/nonexistent/model.gguf", "--run-dir", run_dir, NULL};
+    rc = cli_run(up2, &out, &err);
+    ASSERT_EQ(1, rc);
+    ASSERT_TRUE(strstr(err, "/nonexistent/model.gguf") != NULL);
+    free(out);
+    free(err);
+}
+
+TEST_MAIN(cluster_cli_up_generate_status_down, cluster_cli_worker_dying_while_loading_is_reported,
+          cluster_cli_port_taken_is_reported)
