@@ -741,6 +741,24 @@ static int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t
     return rc;
 }
 
+/* Tells the next stage not to wait for a step that failed here.  ZeroMQ
+ * carries a skip marker.  NCCL has no way to say it: when the step's size
+ * is known (T > 0) the staging buffer goes out anyway, so that the next
+ * stage's receive, already queued on its stream, completes; its result is
+ * meaningless and this stage's StepResult tells the router the step failed.
+ * With T = 0 the plan was refused before its size was known, and the next
+ * stage, checking the same plan, refuses it too. */
+static void node_skip_send(node *n, uint64_t step, int32_t T) {
+    if (!n->tx || !n->links_ok) return;
+    int rc;
+    if (!link_on_device(n->tx)) rc = link_send(n->tx, step, NULL, 0);
+    else if (T > 0) rc = link_send(n->tx, step, n->dev_out_f16, (size_t)T * n->dim * 2);
+    else return;
+    if (rc < 0)
+        LOG(LL_WARN, "step %llu: telling the next stage it failed here: %s",
+            (unsigned long long)step, link_errstr(n->tx));
+}
+
 /* Packs and hands a StepResult to the io thread. */
 static void node_result_send(node *n, const Llm__StepPlan *p, Llm__SeqResult **seqs, size_t n_seqs,
                              Llm__Error *error, int64_t t0_us) {
@@ -883,10 +901,9 @@ static void node_step(node *n, const Llm__StepPlan *p) {
                                   !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL};
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
         if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
-        else if (rc != STATUS_OK && !last && n->tx) link_send(n->tx, p->step_id, NULL, 0);
-    } else if (!last && n->tx && n->links_ok) {
-        /* Tell the next stage not to wait for this step. */
-        link_send(n->tx, p->step_id, NULL, 0);
+        else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
+    } else if (!last) {
+        node_skip_send(n, p->step_id, T);
     }
 
     if (rc == STATUS_OK) {

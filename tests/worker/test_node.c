@@ -231,6 +231,8 @@ struct t_seq {
     int want_logits;
     float temperature;
     uint64_t seed;
+    int top_logprobs;           /* > 0: ask for logprobs and this many alternatives */
+    float repetition_penalty;
 };
 
 static void t_send_plan(struct t_router *r, const char *to, uint64_t step, uint64_t epoch,
@@ -243,6 +245,9 @@ static void t_send_plan(struct t_router *r, const char *to, uint64_t step, uint6
         llm__sampling_params__init(&sa[i]);
         sa[i].temperature = seqs[i].temperature;
         sa[i].seed = seqs[i].seed;
+        sa[i].logprobs = seqs[i].top_logprobs > 0;
+        sa[i].top_logprobs = seqs[i].top_logprobs;
+        sa[i].repetition_penalty = seqs[i].repetition_penalty;
         sp[i].seq_id = seqs[i].id;
         sp[i].tokens = (int32_t *)seqs[i].tokens;
         sp[i].n_tokens = seqs[i].n;
@@ -323,7 +328,7 @@ static void t_golden_load(struct t_golden *g) {
 static uint64_t t_generate(struct t_router *r, const char *const *to, int n_to, uint64_t step,
                            uint64_t seq, const struct t_golden *g, int n, int32_t *out,
                            const char *last_id) {
-    struct t_seq s = {seq, g->prompt, (size_t)g->n_prompt, 0, 0, 1, 0, 0};
+    struct t_seq s = {seq, g->prompt, (size_t)g->n_prompt, 0, 0, 1, 0, 0, 0, 0};
     int32_t tok;
     for (int i = 0; i < n; i++) {
         for (int k = 0; k < n_to; k++) t_send_plan(r, to[k], step, 1, &s, 1, NULL, 0);
@@ -475,8 +480,8 @@ TEST(node_two_stages_chain_over_zmq) {
 
     /* Stage 0 runs ahead: three plans of two independent sequences sent at
      * once come back, in order, from the last stage. */
-    struct t_seq a = {11, g.prompt, (size_t)g.n_prompt, 0, 20, 1, 0, 0};
-    struct t_seq b = {12, g.prompt, 3, 0, 30, 1, 0, 0};
+    struct t_seq a = {11, g.prompt, (size_t)g.n_prompt, 0, 20, 1, 0, 0, 0, 0};
+    struct t_seq b = {12, g.prompt, 3, 0, 30, 1, 0, 0, 0, 0};
     t_send_plan(&r, "s0", 100, 1, &a, 1, NULL, 0);
     t_send_plan(&r, "s0", 101, 1, &b, 1, NULL, 0);
     t_send_plan(&r, "s1", 100, 1, &a, 1, NULL, 0);
@@ -543,7 +548,7 @@ TEST(node_bad_input_keeps_serving) {
     t_expect_error(&r, LLM__ERROR__CODE__UNIMPLEMENTED, "body");
 
     /* A block id past the pool: that step fails, the next one works. */
-    struct t_seq s = {1, g.prompt, (size_t)g.n_prompt, 0, 0x7fffff00u, 1, 0, 0};
+    struct t_seq s = {1, g.prompt, (size_t)g.n_prompt, 0, 0x7fffff00u, 1, 0, 0, 0, 0};
     t_send_plan(&r, "w-bad", 1, 5, &s, 1, NULL, 0);
     Llm__WorkerEnvelope *e = t_result(&r, 1, NULL);
     ASSERT_TRUE(e != NULL);
@@ -563,8 +568,8 @@ TEST(node_bad_input_keeps_serving) {
     proto_worker_free(e);
 
     /* Bad sampling parameters fail that sequence only. */
-    struct t_seq two[2] = {{2, g.prompt, (size_t)g.n_prompt, 0, 10, 1, -1.0f, 0},
-                           {3, g.prompt, (size_t)g.n_prompt, 0, 20, 1, 0, 0}};
+    struct t_seq two[2] = {{2, g.prompt, (size_t)g.n_prompt, 0, 10, 1, -1.0f, 0, 0, 0},
+                           {3, g.prompt, (size_t)g.n_prompt, 0, 20, 1, 0, 0, 0, 0}};
     t_send_plan(&r, "w-bad", 4, 5, two, 2, NULL, 0);
     e = t_result(&r, 4, NULL);
     ASSERT_TRUE(e != NULL);
@@ -602,7 +607,7 @@ TEST(node_seeded_sampling_reproduces) {
     struct t_seq s[3];
     for (int k = 0; k < 3; k++) {
         struct t_seq q = {(uint64_t)(50 + k), g.prompt, (size_t)g.n_prompt, 0, (uint32_t)(k * 10), 1,
-                          1.5f, k == 2 ? 999u : 1234u};
+                          1.5f, k == 2 ? 999u : 1234u, 0, 0};
         s[k] = q;
     }
     uint64_t step = 1;
@@ -630,12 +635,72 @@ TEST(node_seeded_sampling_reproduces) {
     ASSERT_TRUE(differs);
     /* Freeing the sequences is accepted with the next plan. */
     uint64_t freed[3] = {50, 51, 52};
-    struct t_seq q = {60, g.prompt, (size_t)g.n_prompt, 0, 0, 1, 0, 0};
+    struct t_seq q = {60, g.prompt, (size_t)g.n_prompt, 0, 0, 1, 0, 0, 0, 0};
     t_send_plan(&r, "w-seed", step, 1, &q, 1, freed, 3);
     Llm__WorkerEnvelope *e = t_result(&r, step, NULL);
     ASSERT_TRUE(e != NULL);
     ASSERT_EQ(g.gen[0], e->result->seqs[0]->token);
     proto_worker_free(e);
+    kill(w.pid, SIGTERM);
+    int code = t_worker_wait(&w, 10000);
+    if (code != 0) t_worker_log_tail(&w);
+    t_worker_kill(&w);
+    ASSERT_EQ(0, code);
+    t_router_close(&r);
+    unlink(w.log);
+}
+
+/* Log-probabilities come with the token when asked; a repetition penalty
+ * sees the whole history the worker keeps from the plans (prompt and every
+ * decoded token), so a strong one never repeats a token, while the same
+ * sequence without it follows the goldens, repeats included. */
+TEST(node_logprobs_and_penalties) {
+    struct t_golden g;
+    t_golden_load(&g);
+    struct t_router r = {0};
+    t_router_open(&r);
+    struct t_worker w = {0};
+    t_worker_start(&w, r.endpoint, NULL, "w-pen", NULL);
+    char ep[256];
+    t_expect_register(&r, "w-pen", ep, sizeof ep);
+    t_reply(&r, "w-pen", 1, "", "");
+    enum { N = 40 };
+    struct t_seq s[2] = {{70, g.prompt, (size_t)g.n_prompt, 0, 0, 1, 0, 0, 3, 0},
+                         {71, g.prompt, (size_t)g.n_prompt, 0, 10, 1, 0, 0, 0, 50.0f}};
+    int32_t out[2][N], last[2];
+    for (int i = 0; i < N; i++) {
+        t_send_plan(&r, "w-pen", (uint64_t)i + 1, 1, s, 2, NULL, 0);
+        Llm__WorkerEnvelope *e = t_result(&r, (uint64_t)i + 1, NULL);
+        if (!e) TEST_FAIL("no result for step %d", i + 1);
+        ASSERT_TRUE(e->result->error == NULL);
+        const Llm__SeqResult *a = e->result->seqs[0], *b = e->result->seqs[1];
+        ASSERT_TRUE(a->logprob != NULL);
+        ASSERT_EQ(a->token, a->logprob->token);
+        ASSERT_EQ((size_t)3, a->logprob->n_top);
+        ASSERT_EQ(a->token, a->logprob->top[0]->token); /* greedy: the most likely */
+        ASSERT_TRUE(a->logprob->logprob <= 0 && a->logprob->logprob == a->logprob->top[0]->logprob);
+        ASSERT_TRUE(a->logprob->top[1]->logprob <= a->logprob->top[0]->logprob);
+        ASSERT_TRUE(b->logprob == NULL);
+        out[0][i] = last[0] = a->token;
+        out[1][i] = last[1] = b->token;
+        proto_worker_free(e);
+        for (int k = 0; k < 2; k++) {
+            s[k].start_pos += (uint32_t)s[k].n;
+            s[k].tokens = &last[k];
+            s[k].n = 1;
+        }
+    }
+    int repeats_plain = 0, repeats_penalized = 0;
+    for (int i = 0; i < N; i++) {
+        ASSERT_EQ(g.gen[i], out[0][i]);
+        for (int j = 0; j < i; j++) {
+            repeats_plain += out[0][j] == out[0][i];
+            repeats_penalized += out[1][j] == out[1][i];
+        }
+        for (int j = 0; j < g.n_prompt; j++) repeats_penalized += g.prompt[j] == out[1][i];
+    }
+    ASSERT_TRUE(repeats_plain > 0);
+    ASSERT_EQ(0, repeats_penalized);
     kill(w.pid, SIGTERM);
     int code = t_worker_wait(&w, 10000);
     if (code != 0) t_worker_log_tail(&w);
@@ -726,5 +791,5 @@ TEST(node_two_stages_chain_over_nccl) {
 
 TEST_MAIN(node_registers_generates_and_stops, node_two_stages_chain_over_zmq,
           node_two_stages_chain_over_nccl,
-          node_bad_input_keeps_serving, node_seeded_sampling_reproduces,
+          node_bad_input_keeps_serving, node_seeded_sampling_reproduces, node_logprobs_and_penalties,
           node_refuses_what_does_not_fit)
