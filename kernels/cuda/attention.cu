@@ -9,7 +9,9 @@
  * when the rows alone cannot fill the GPU; a second kernel merges the
  * partial results.  Rows are mapped to sequences on the device (the
  * sequence bounds live in device memory): block x counts tiles through the
- * sequences in order. */
+ * sequences in order.  Decode-only steps with an F16 cache take a kernel
+ * of their own (attention_decode_kernel, below): K/V rows in registers,
+ * no barrier per tile. */
 #include "common.cuh"
 
 #include <math.h>
@@ -239,6 +241,212 @@ __global__ void attention_combine_kernel(float *out, const float *part_acc, cons
     }
 }
 
+/* ---- Decode-only steps: one query row per sequence, F16 cache ----
+ * Flash-decoding with the K/V rows in registers.  A block owns one row
+ * (its sequence found by binary search), one KV head with all G query
+ * heads that share it (GQA: each K/V row is read once for the group) and
+ * one slice of the context.  Its 4 warps are cut into sub-warps of LP
+ * lanes; a sub-warp owns whole positions, LP lanes x 8 dims = one 16-byte
+ * load per lane per K or V row, and keeps its own online softmax (max, sum,
+ * P.V in registers), so the loop has no barrier; each sub-warp issues the
+ * K and V loads of U positions before using any.  The sub-warp states are
+ * merged through shared memory at the end. */
+#define ATD_THREADS 128
+
+template <int G, int LP, int U>
+__global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct att_params p) {
+    const struct cuda_attn_args &a = p.a;
+    constexpr int HD = LP * 8, SW = 32 / LP, NS = (ATD_THREADS / 32) * SW;
+    const int lane = threadIdx.x % 32, li = lane % LP, warp = threadIdx.x / 32, sw = warp * SW + lane / LP;
+    const float ninf = -INFINITY;
+    const int32_t row = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z;
+    /* The sequence holding this row: last s with seq_tok0[s] <= row. */
+    int32_t lo = 0, hi = a.n_seqs - 1;
+    while (lo < hi) {
+        int32_t mid = (lo + hi + 1) / 2;
+        if (a.seq_tok0[mid] <= row) lo = mid;
+        else hi = mid - 1;
+    }
+    const int32_t s = lo, pos = a.seq_pos0[s] + (row - a.seq_tok0[s]);
+    const int32_t j_begin = z * p.chunk, j_end = min(j_begin + p.chunk, pos + 1);
+    const int32_t width = a.n_heads * HD;
+    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
+    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+
+    float q[G][8], acc[G][8], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const float4 *qp = (const float4 *)(a.q + (int64_t)row * width + (int64_t)(kvh * G + g) * HD + 8 * li);
+        float4 q0 = __ldg(qp), q1 = __ldg(qp + 1);
+        q[g][0] = q0.x * a.scale;
+        q[g][1] = q0.y * a.scale;
+        q[g][2] = q0.z * a.scale;
+        q[g][3] = q0.w * a.scale;
+        q[g][4] = q1.x * a.scale;
+        q[g][5] = q1.y * a.scale;
+        q[g][6] = q1.z * a.scale;
+        q[g][7] = q1.w * a.scale;
+        m[g] = ninf;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][e] = 0.0f;
+    }
+
+    /* The loop runs the same trips in every lane of a warp (its shuffles
+     * need all 32); positions past the slice are masked. */
+    for (int32_t jw = j_begin + warp * SW * U; jw < j_end; jw += NS * U) {
+        const int32_t j0 = jw + (lane / LP) * U;
+        uint4 kr[U], vr[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int32_t j = j0 + u;
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+            if (j < j_end) {
+                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+                if (blk < 0 || blk >= a.n_blocks) {
+                    kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
+                } else {
+                    size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * li;
+                    kr[u] = __ldg((const uint4 *)(kc + at));
+                    vr[u] = __ldg((const uint4 *)(vc + at));
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const bool ok = j0 + u < j_end;
+            float kf[8], vf[8];
+            const __half2 *kh = (const __half2 *)&kr[u], *vh = (const __half2 *)&vr[u];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float2 f = __half22float2(kh[e]);
+                kf[2 * e] = f.x;
+                kf[2 * e + 1] = f.y;
+                f = __half22float2(vh[e]);
+                vf[2 * e] = f.x;
+                vf[2 * e + 1] = f.y;
+            }
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) d += q[g][e] * kf[e];
+#pragma unroll
+                for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (ok) {
+                    /* fmaxf drops a NaN score, so a NaN row still reaches acc
+                     * through pr. */
+                    float mn = fmaxf(m[g], d);
+                    float alpha = __expf(m[g] - mn), pr = __expf(d - mn);
+                    l[g] = l[g] * alpha + pr;
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[g][e] = acc[g][e] * alpha + pr * vf[e];
+                    m[g] = mn;
+                }
+            }
+        }
+    }
+
+    /* Merge the NS sub-warp states: sm[sw][g] = (m, l), sacc[sw][g][HD]. */
+    extern __shared__ float smem[];
+    float *sml = smem, *sacc = smem + NS * G * 2;
+    if (li == 0)
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            sml[(sw * G + g) * 2] = m[g];
+            sml[(sw * G + g) * 2 + 1] = l[g];
+        }
+#pragma unroll
+    for (int g = 0; g < G; g++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) sacc[(sw * G + g) * HD + 8 * li + e] = acc[g][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += ATD_THREADS) {
+        int g = i / HD, d = i % HD;
+        float mx = ninf;
+        for (int k = 0; k < NS; k++) mx = fmaxf(mx, sml[(k * G + g) * 2]);
+        /* A state that saw a NaN row (a block id outside the cache) has a
+         * NaN sum, possibly with max -inf: it still counts, so the row
+         * comes out NaN. */
+        float ls = 0.0f, as = 0.0f;
+        for (int k = 0; k < NS; k++) {
+            float mk = sml[(k * G + g) * 2], lk = sml[(k * G + g) * 2 + 1];
+            if (mk == ninf && lk == 0.0f) continue; /* saw no position */
+            float w = mk == ninf ? 0.0f : __expf(mk - mx);
+            ls += lk * w;
+            as += sacc[(k * G + g) * HD + d] * w;
+        }
+        int head = kvh * G + g;
+        if (p.n_splits == 1) {
+            a.out[(int64_t)row * width + (int64_t)head * HD + d] = ls == 0.0f ? 0.0f : as / ls;
+        } else {
+            int64_t slot = ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
+            p.part_acc[slot * HD + d] = as;
+            if (d == 0) {
+                p.part_ml[slot * 2] = ls != ls ? ls : mx; /* NaN max: the combine keeps it */
+                p.part_ml[slot * 2 + 1] = ls;
+            }
+        }
+    }
+}
+
+template <int G, int LP>
+static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
+    constexpr int U = G <= 2 ? 4 : 2, NS = (ATD_THREADS / 32) * (32 / LP);
+    const struct cuda_attn_args *a = &p->a;
+    int64_t blocks = (int64_t)a->n_tokens * a->n_kv_heads;
+    /* Split the context until about 8 blocks per SM are in flight, each
+     * split at least two steps of all its sub-warps. */
+    int64_t step = (int64_t)NS * U;
+    int64_t want = (8LL * ctx->n_sms + blocks - 1) / blocks;
+    int64_t by_ctx = (a->max_ctx + 2 * step - 1) / (2 * step);
+    int64_t splits = want < by_ctx ? want : by_ctx;
+    if (splits > 64) splits = 64;
+    if (splits < 1) splits = 1;
+    int64_t chunk = (a->max_ctx + splits - 1) / splits;
+    chunk = (chunk + step - 1) / step * step;
+    splits = (a->max_ctx + chunk - 1) / chunk;
+    if (splits < 1) splits = 1;
+    p->chunk = (int32_t)chunk;
+    p->n_splits = (int32_t)splits;
+    if (p->n_splits > 1) {
+        size_t slots = (size_t)p->n_splits * a->n_tokens * a->n_heads;
+        float *scr = (float *)cuda_scratch(ctx, slots * ((size_t)a->head_dim + 2) * sizeof(float));
+        if (!scr) return STATUS_NO_MEMORY;
+        p->part_acc = scr;
+        p->part_ml = scr + slots * a->head_dim;
+    }
+    size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
+    dim3 grid((unsigned)a->n_tokens, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
+    attention_decode_kernel<G, LP, U><<<grid, ATD_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    if (p->n_splits > 1) {
+        attention_combine_kernel<<<dim3(a->n_tokens, a->n_heads), 128, 0, CUDA_STREAM(ctx)>>>(
+            a->out, p->part_acc, p->part_ml, p->n_splits, a->n_tokens, a->n_heads, a->head_dim);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    return STATUS_OK;
+}
+
+template <int LP> static int att_decode_g(struct cuda_ctx *ctx, struct att_params *p, int32_t G) {
+    switch (G) {
+    case 1: return att_decode_launch<1, LP>(ctx, p);
+    case 2: return att_decode_launch<2, LP>(ctx, p);
+    case 4: return att_decode_launch<4, LP>(ctx, p);
+    default: return att_decode_launch<8, LP>(ctx, p);
+    }
+}
+
+/* 1 if the decode kernel takes this step: one row per sequence (every
+ * sequence decoding), F16 cache, heads of 64, 128 or 256, groups of 1, 2,
+ * 4 or 8 query heads, 16-byte aligned q and cache. */
+static int att_decode_ok(const struct cuda_attn_args *a) {
+    int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+    return a->n_tokens == a->n_seqs && a->kv_type == DTYPE_F16 && (hd == 64 || hd == 128 || hd == 256) &&
+           (G == 1 || G == 2 || G == 4 || G == 8) && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 &&
+           (uintptr_t)a->v % 16 == 0;
+}
+
 static size_t att_smem(int qv, int kt, int hd) {
     return ((size_t)2 * qv * hd + (size_t)2 * kt * (hd + 1) + (size_t)qv * kt + 4 * (size_t)qv) * sizeof(float);
 }
@@ -271,6 +479,12 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     memset(&p, 0, sizeof p);
     p.a = *a;
     int hd = a->head_dim;
+    if (att_decode_ok(a)) {
+        int32_t G = a->n_heads / a->n_kv_heads;
+        if (hd == 64) return att_decode_g<8>(ctx, &p, G);
+        if (hd == 128) return att_decode_g<16>(ctx, &p, G);
+        return att_decode_g<32>(ctx, &p, G);
+    }
     /* Short KV tiles for wide heads keep a block small enough for several
      * per multiprocessor (a T4 has 64 KiB of shared memory per SM). */
     p.kt = hd <= 64 ? 32 : 16;

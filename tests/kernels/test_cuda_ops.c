@@ -613,10 +613,39 @@ TEST(cuda_ops_attention_shapes) {
     fx_close();
 }
 
+/* Decode-only steps (one row per sequence): the F16 cache takes the
+ * decode kernel for heads of 64 / 128 / 256 and groups of 1, 2, 4, 8;
+ * split over the context when the rows are few, whole when they are many
+ * (40 sequences of MHA); F32 stays on the general kernel. */
+TEST(cuda_ops_attention_decode) {
+    fx_open();
+    static const int32_t ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    static const int32_t p1[] = {1000, 17, 0, 511};
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 4, ones, p1); /* MHA, split */
+    static const int32_t p2[] = {0, 5, 100, 300, 1023};
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p2); /* groups of 4 */
+    static const int32_t p3[] = {63, 64, 200};
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 3, ones, p3); /* heads of 64 */
+    attention_case(DTYPE_F32, 8, 2, 64, 16, 3, ones, p3); /* general kernel */
+    fx_close();
+    fx_open();
+    static const int32_t p4[] = {90, 200};
+    attention_case(DTYPE_F16, 16, 2, 256, 8, 2, ones, p4); /* heads of 256, groups of 8 */
+    static const int32_t p5[] = {31, 32, 33, 7};
+    attention_case(DTYPE_F16, 16, 8, 128, 32, 4, ones, p5); /* groups of 2, blocks of 32 */
+    int32_t p6[40];
+    for (int i = 0; i < 40; i++) p6[i] = rng_int(300);
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 40, ones, p6); /* many rows: no split */
+    fx_close();
+}
+
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
           cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
           cuda_ops_matmul_odd_width_and_tiles, cuda_ops_kv_write_f32, cuda_ops_kv_write_f16,
-          cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes)
+          cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
+          cuda_ops_attention_decode)
