@@ -1221,6 +1221,10 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     while (!compute_done) {
         int64_t now = node_now_ms();
         if (*stop && !draining) {
+            /* Plans that reached this process before the signal are in
+             * flight: hand them over before the drain marker. */
+            while (zio_recv(n->router, &in, 0) == 0)
+                node_router_message(n, &in, 1, 0, &hb_ms, &retry_ms, err, errlen);
             draining = 1;
             drain_deadline = now + NODE_DRAIN_MAX_MS;
             atomic_store(&n->state, LLM__HEARTBEAT__STATE__DRAINING);

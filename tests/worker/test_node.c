@@ -136,6 +136,9 @@ static void t_worker_kill(struct t_worker *w) {
 
 /* ---- the router's side ---- */
 
+/* Heartbeat states seen by t_recv (bit 1 << state), also in skipped ones. */
+static int t_states_seen;
+
 struct t_router {
     void *ctx;
     struct zio_sock *sock;
@@ -144,6 +147,7 @@ struct t_router {
 
 static void t_router_open(struct t_router *r) {
     char err[256];
+    t_states_seen = 0;
     r->ctx = zmq_ctx_new();
     if (zio_sock_open(r->ctx, ZMQ_ROUTER, &r->sock, err, sizeof err) < 0) TEST_FAIL("%s", err);
     zio_set_int(r->sock, ZMQ_ROUTER_MANDATORY, 1);
@@ -175,6 +179,8 @@ static Llm__WorkerEnvelope *t_recv(struct t_router *r, int body, int ms, char *f
         char err[256];
         if (proto_worker_unpack(zio_parts_data(&in, 1), zio_parts_size(&in, 1), &env, err, sizeof err) < 0)
             TEST_FAIL("the worker sent a bad frame: %s", err);
+        if (env->body_case == LLM__WORKER_ENVELOPE__BODY_HEARTBEAT)
+            t_states_seen |= 1 << env->heartbeat->state;
         if ((int)env->body_case == body) {
             if (from) {
                 size_t n = zio_parts_size(&in, 0) < 63 ? zio_parts_size(&in, 0) : 63;
@@ -372,6 +378,7 @@ static void t_expect_register(struct t_router *r, const char *id, char *stage_ep
 static void t_expect_state(struct t_router *r, int state) {
     int64_t end = t_now_ms() + T_WAIT_MS;
     while (t_now_ms() < end) {
+        if (t_states_seen & (1 << state)) return;
         Llm__WorkerEnvelope *e = t_recv(r, LLM__WORKER_ENVELOPE__BODY_HEARTBEAT, 2000, NULL);
         if (!e) continue;
         int s = e->heartbeat->state;
@@ -427,8 +434,62 @@ TEST(node_registers_generates_and_stops) {
     ASSERT_TRUE(hb->heartbeat->kv_blocks_used >= 2);
     proto_worker_free(hb);
 
+    /* Copy-on-write: seq 8 shares seq 7's prompt block through a copy of it
+     * (block 0 -> block 9) and goes on from the prompt as seq 7 did. */
+    int32_t first = g.gen[0];
+    Llm__SeqPlan sp = LLM__SEQ_PLAN__INIT;
+    uint32_t table[1] = {9};
+    Llm__SamplingParams greedy = LLM__SAMPLING_PARAMS__INIT;
+    sp.seq_id = 8;
+    sp.tokens = &first;
+    sp.n_tokens = 1;
+    sp.start_pos = (uint32_t)g.n_prompt;
+    sp.block_table = table;
+    sp.n_block_table = 1;
+    sp.want_logits = 1;
+    sp.sampling = &greedy;
+    Llm__SeqPlan *spp[1] = {&sp};
+    Llm__BlockCopy cp = LLM__BLOCK_COPY__INIT;
+    cp.src = 0;
+    cp.dst = 9;
+    Llm__BlockCopy *cpp[1] = {&cp};
+    Llm__StepPlan plan = LLM__STEP_PLAN__INIT;
+    plan.step_id = step;
+    plan.pipeline_id = 1;
+    plan.epoch = 1;
+    plan.seqs = spp;
+    plan.n_seqs = 1;
+    plan.copies = cpp;
+    plan.n_copies = 1;
+    Llm__WorkerEnvelope penv = LLM__WORKER_ENVELOPE__INIT;
+    penv.body_case = LLM__WORKER_ENVELOPE__BODY_PLAN;
+    penv.plan = &plan;
+    t_send(&r, "w-one", &penv);
+    Llm__WorkerEnvelope *ce = t_result(&r, step, NULL);
+    ASSERT_TRUE(ce != NULL);
+    ASSERT_TRUE(ce->result->error == NULL);
+    ASSERT_EQ(g.gen[1], ce->result->seqs[0]->token);
+    proto_worker_free(ce);
+    step++;
+
+    /* SIGTERM with plans in flight: they are finished first. */
+    struct t_seq fresh[3] = {{20, g.prompt, (size_t)g.n_prompt, 0, 20, 1, 0, 0, 0, 0},
+                             {21, g.prompt, (size_t)g.n_prompt, 0, 30, 1, 0, 0, 0, 0},
+                             {22, g.prompt, (size_t)g.n_prompt, 0, 40, 1, 0, 0, 0, 0}};
+    for (int k = 0; k < 3; k++) t_send_plan(&r, "w-one", step + (uint64_t)k, 1, &fresh[k], 1, NULL, 0);
+    ce = t_result(&r, step, NULL);
+    ASSERT_TRUE(ce != NULL);
+    proto_worker_free(ce);
+
     /* SIGTERM: DRAINING, exit 0, registry key gone. */
+    t_states_seen = 0;
     kill(w.pid, SIGTERM);
+    for (int k = 1; k < 3; k++) {
+        ce = t_result(&r, step + (uint64_t)k, NULL);
+        if (!ce) TEST_FAIL("step %d of the drain never came back", k);
+        ASSERT_EQ(g.gen[0], ce->result->seqs[0]->token);
+        proto_worker_free(ce);
+    }
     t_expect_state(&r, LLM__HEARTBEAT__STATE__DRAINING);
     int code = t_worker_wait(&w, 10000);
     if (code != 0) t_worker_log_tail(&w);
