@@ -3,7 +3,7 @@
 # it installs only what is missing and says what that is.
 set -eu
 pkgs="build-essential cmake pkg-config libzmq3-dev libhiredis-dev libprotobuf-c-dev
-      protobuf-c-compiler redis-server libcjson-dev"
+      protobuf-c-compiler redis-server libcjson-dev docker-compose"
 missing=""
 for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
