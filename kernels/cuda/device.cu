@@ -60,12 +60,14 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         return rc;
     }
     ctx->n_sms = prop.multiProcessorCount;
-    /* The tensor-core weight-reading kernel (matmul_vec.cu) reads each
-     * weight once for up to 64 tokens, which is where decode batches live;
-     * cuBLAS takes prefill.  Crossovers in docs/cuda-backend.md; the
-     * variable exists to re-measure them on another card. */
+    /* Crossovers measured on an H100 (docs/cuda-backend.md, 4096x4096):
+     * quantized weights, the tensor-core kernel beats dequantize + cuBLAS
+     * at every batch up to 64 (Q4_K 23.1 against 41.5 us at 64); F16
+     * weights, cuBLAS wins from 8 tokens (18.8 against 19.7 us) and the
+     * warp-per-row kernel below 3.  The variable exists to re-measure them
+     * on another card. */
     ctx->vec_max_quant = CUDA_MATMUL_VEC_MAX;
-    ctx->vec_max_float = CUDA_MATMUL_VEC_MAX;
+    ctx->vec_max_float = 2;
     const char *env = getenv("LLM_CUDA_SKINNY_MAX");
     if (env && *env) {
         int v = atoi(env);
