@@ -97,6 +97,13 @@ struct node {
     int32_t cap_copies;
     struct sampling_params *params;          /* [n_seqs_max] */
     char (*seq_err)[256];                    /* [n_seqs_max] per-sequence error, "" if none */
+    /* The last stage's StepResult, built in place: [n_seqs_max] each. */
+    Llm__SeqResult *res;
+    Llm__SeqResult **res_ptr;
+    Llm__TokenLogprob *res_lp;
+    Llm__Error *res_err;
+    Llm__TopLogprob (*res_top)[SAMPLING_TOP_LOGPROBS_MAX];
+    Llm__TopLogprob *(*res_top_ptr)[SAMPLING_TOP_LOGPROBS_MAX];
     sampler *smp;
 
     struct node_seq *seqs;
@@ -324,6 +331,18 @@ static void node_buffers_free(node *n) {
     free(n->copies);
     free(n->params);
     free(n->seq_err);
+    free(n->res);
+    free(n->res_ptr);
+    free(n->res_lp);
+    free(n->res_err);
+    free(n->res_top);
+    free(n->res_top_ptr);
+    n->res = NULL;
+    n->res_ptr = NULL;
+    n->res_lp = NULL;
+    n->res_err = NULL;
+    n->res_top = NULL;
+    n->res_top_ptr = NULL;
     n->hidden_in_host = n->hidden_out_host = n->logits = NULL;
     n->fseqs = NULL;
     n->tables = NULL;
@@ -349,8 +368,16 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->tables = calloc((size_t)n->n_seqs_max * n->max_blocks, sizeof *n->tables);
     n->params = calloc((size_t)n->n_seqs_max, sizeof *n->params);
     n->seq_err = calloc((size_t)n->n_seqs_max, sizeof *n->seq_err);
+    size_t ns = (size_t)n->n_seqs_max;
+    n->res = calloc(ns, sizeof *n->res);
+    n->res_ptr = calloc(ns, sizeof *n->res_ptr);
+    n->res_lp = calloc(ns, sizeof *n->res_lp);
+    n->res_err = calloc(ns, sizeof *n->res_err);
+    n->res_top = calloc(ns, sizeof *n->res_top);
+    n->res_top_ptr = calloc(ns, sizeof *n->res_top_ptr);
     if (!n->hidden_in_host || !n->hidden_out_host || !n->logits || !n->fseqs || !n->tables ||
-        !n->params || !n->seq_err) {
+        !n->params || !n->seq_err || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
+        !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
                  n->n_tokens_max, n->dim);
         return STATUS_NO_MEMORY;
@@ -446,7 +473,7 @@ static int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_
     LOG(LL_INFO,
         "stage %d/%d: layers %d:%d of %s on %s: weights %.2f MiB%s, KV %.2f MiB (%d blocks of %d "
         "positions, %s), workspace %s%.2f MiB; %d tokens and %d sequences per step",
-        cfg->stage_index, cfg->stage_count, first, end, model_file_path(n->m), backend_name(n->b),
+        n->stage_index, n->stage_count, first, end, model_file_path(n->m), backend_name(n->b),
         node_mib(weights), gpu ? "" : " (mapped from the file)", node_mib(kv_real), c->n_blocks,
         c->block_size, c->kv_type == DTYPE_F16 ? "f16" : "f32", gpu ? "" : "~", node_mib(work),
         c->n_tokens_max, c->n_seqs_max);
@@ -799,12 +826,12 @@ static void node_step_fail(node *n, const Llm__StepPlan *p, int rc, const char *
 
 /* Samples every sequence that asked for it and sends the StepResult. */
 static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
-    size_t ns = p->n_seqs;
-    Llm__SeqResult res[ns], *resp[ns];
-    Llm__TokenLogprob lp[ns];
-    Llm__Error errs[ns];
-    Llm__TopLogprob tops[ns][SAMPLING_TOP_LOGPROBS_MAX];
-    Llm__TopLogprob *topp[ns][SAMPLING_TOP_LOGPROBS_MAX];
+    size_t ns = p->n_seqs; /* <= n_seqs_max: node_batch_build checked */
+    Llm__SeqResult *res = n->res, **resp = n->res_ptr;
+    Llm__TokenLogprob *lp = n->res_lp;
+    Llm__Error *errs = n->res_err;
+    Llm__TopLogprob(*tops)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top;
+    Llm__TopLogprob *(*topp)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top_ptr;
     struct sampling_result sr;
     int32_t row = 0;
     for (size_t i = 0; i < ns; i++) {

@@ -771,6 +771,50 @@ TEST(node_logprobs_and_penalties) {
     unlink(w.log);
 }
 
+/* The router's placement wins over the flags: a worker started as stage 0
+ * of 2 that is told to hold the whole model (stage 0 of 1, layers 0:5)
+ * reloads, registers its new range, and generates the golden tokens. */
+TEST(node_router_placement_reloads) {
+    struct t_golden g;
+    t_golden_load(&g);
+    struct t_router r = {0};
+    t_router_open(&r);
+    struct t_worker w = {0};
+    const char *a[] = {"--stages", "2", "--stage", "0", NULL};
+    t_worker_start(&w, r.endpoint, NULL, "w-move", a);
+    char ep[256];
+    t_expect_register(&r, "w-move", ep, sizeof ep);
+    Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
+    rr.worker_id = "w-move";
+    rr.accepted = 1;
+    rr.heartbeat_interval_ms = 200;
+    rr.pipeline_id = 1;
+    rr.stage_index = 0;
+    rr.stage_count = 1;
+    rr.layer_first = 0;
+    rr.layer_end = 5;
+    rr.epoch = 2;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
+    env.register_reply = &rr;
+    t_send(&r, "w-move", &env);
+    struct t_seq s = {1, g.prompt, (size_t)g.n_prompt, 0, 0, 1, 0, 0, 0, 0};
+    t_send_plan(&r, "w-move", 1, 2, &s, 1, NULL, 0);
+    Llm__WorkerEnvelope *e = t_result(&r, 1, NULL);
+    if (!e) TEST_FAIL("no result after the reload");
+    ASSERT_TRUE(e->result->error == NULL);
+    ASSERT_EQ(0u, e->result->stage_index);
+    ASSERT_EQ(g.gen[0], e->result->seqs[0]->token);
+    proto_worker_free(e);
+    kill(w.pid, SIGTERM);
+    int code = t_worker_wait(&w, 10000);
+    if (code != 0) t_worker_log_tail(&w);
+    t_worker_kill(&w);
+    ASSERT_EQ(0, code);
+    t_router_close(&r);
+    unlink(w.log);
+}
+
 TEST(node_refuses_what_does_not_fit) {
     struct t_router r = {0};
     t_router_open(&r);
@@ -853,4 +897,5 @@ TEST(node_two_stages_chain_over_nccl) {
 TEST_MAIN(node_registers_generates_and_stops, node_two_stages_chain_over_zmq,
           node_two_stages_chain_over_nccl,
           node_bad_input_keeps_serving, node_seeded_sampling_reproduces, node_logprobs_and_penalties,
+          node_router_placement_reloads,
           node_refuses_what_does_not_fit)
