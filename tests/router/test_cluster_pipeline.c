@@ -150,25 +150,47 @@ static int kv_used(struct cluster *cl, llm_client *c) {
     return used;
 }
 
+/* After 5 tokens: reads the KV use from Status (the request holds blocks
+ * now) and cancels. */
+struct cancel_probe {
+    struct cluster *cl;
+    llm_client *status_client;
+    int tokens, kv_used_running;
+};
+
+static int cancel_probe_chunk(void *ud, const struct llm_chunk *ch) {
+    struct cancel_probe *p = ud;
+    p->tokens += (int)ch->n_tokens;
+    if (p->tokens < 5) return 0;
+    if (p->kv_used_running < 0) p->kv_used_running = kv_used(p->cl, p->status_client);
+    return 1;
+}
+
 TEST(cluster_cancel_frees_kv_blocks) {
     const char *model = test_model_path(MODEL);
     struct cluster *cl = h_cluster_start(model, 1, 2, "", "");
     llm_client *c = h_client(cl, 2000, 5000, 10000);
     ASSERT_EQ(0, kv_used(cl, c));
-    /* Cancelled from the callback after 5 tokens. */
-    struct h_gen g = {0};
-    g.cl = cl;
-    g.prompt = "Once upon a time";
-    g.max_tokens = 100;
-    g.ignore_eos = 1;
-    g.cancel_after = 5;
-    snprintf(g.request_id, sizeof g.request_id, "cancel-me");
-    h_generate(&g);
-    H_ASSERT(cl, g.rc == 0, "generate: %s", g.err);
-    H_ASSERT(cl, g.res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__CANCELLED,
-             "finish %s, expected CANCELLED", llm_finish_reason_name(g.res.finish_reason));
-    H_ASSERT(cl, g.n < 100, "all %d tokens came despite the cancel", g.n);
-    llm_generate_result_free(&g.res);
+    struct cancel_probe probe = {cl, c, 0, -1};
+    llm_client *gc = h_client(cl, 2000, 5000, 10000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "Once upon a time";
+    p.request_id = "cancel-me";
+    p.max_tokens = 100;
+    p.sampling.ignore_eos = 1;
+    struct llm_generate_result gr;
+    int rc = llm_client_generate(gc, &p, cancel_probe_chunk, &probe, &gr);
+    H_ASSERT(cl, rc == 0, "generate: %s", llm_client_errstr(gc));
+    llm_client_close(gc);
+    H_ASSERT(cl, gr.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__CANCELLED,
+             "finish %s, expected CANCELLED", llm_finish_reason_name(gr.finish_reason));
+    H_ASSERT(cl, gr.completion_tokens < 100, "all %u tokens were generated despite the cancel",
+             gr.completion_tokens);
+    printf("  KV blocks in use while it ran: %d\n", probe.kv_used_running);
+    H_ASSERT(cl, probe.kv_used_running > 0, "Status showed %d KV blocks in use while the request ran",
+             probe.kv_used_running);
+    llm_generate_result_free(&gr);
     int64_t end = h_now_ms() + 5000;
     int used;
     while ((used = kv_used(cl, c)) != 0 && h_now_ms() < end) h_sleep_ms(50);
