@@ -582,7 +582,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
 }
 
 static int cl_up(int argc, char **argv) {
-    static const char *const devices[] = {"cpu", "auto", NULL};
+    static const char *const devices[] = {"auto", "cpu", NULL};
     struct cl_up *u = calloc(1, sizeof *u);
     if (!u) {
         fprintf(stderr, "llm-cluster: out of memory\n");
@@ -599,7 +599,7 @@ static int cl_up(int argc, char **argv) {
          &u->port, 0, 65535, NULL},
         {"run-dir", "LLM_RUN_DIR", OPTION_STRING, "run/cluster", "where pid files and logs go", &u->run_dir, 0, 0,
          NULL},
-        {"device", NULL, OPTION_CHOICE, "cpu", "cpu, or auto: one GPU per worker where GPUs are present",
+        {"device", "LLM_CLUSTER_DEVICE", OPTION_CHOICE, "auto", "auto: one GPU per worker where GPUs are present, else the CPU; cpu: the CPU",
          &device_i, 0, 0, devices},
         {"threads", NULL, OPTION_INT, "0", "CPU threads per worker (0: the cores shared out)", &u->threads, 0,
          1024, NULL},

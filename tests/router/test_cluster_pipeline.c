@@ -57,12 +57,18 @@ static void pipeline_matches(int stages) {
 TEST(cluster_pipeline2_matches_llm_run) { pipeline_matches(2); }
 TEST(cluster_pipeline3_matches_llm_run) { pipeline_matches(3); }
 
-/* Runs argv and returns its stdout (malloc'ed) and exit status. */
+/* Runs argv and returns its stdout (malloc'ed) and exit status; the start
+ * of its stderr goes to run_stderr. */
+static char run_stderr[4096];
 static char *run_capture(const char *const *argv, int *status) {
     int fds[2];
-    if (pipe(fds) != 0) TEST_FAIL("pipe: %s", strerror(errno));
+    char epath[] = "/tmp/llm-test-errXXXXXX";
+    int efd = mkstemp(epath);
+    if (pipe(fds) != 0 || efd < 0) TEST_FAIL("pipe/mkstemp: %s", strerror(errno));
+    unlink(epath);
     pid_t pid = fork();
     if (pid == 0) {
+        dup2(efd, 2);
         dup2(fds[1], 1);
         close(fds[0]);
         close(fds[1]);
@@ -80,6 +86,10 @@ static char *run_capture(const char *const *argv, int *status) {
     int st;
     waitpid(pid, &st, 0);
     *status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    lseek(efd, 0, SEEK_SET);
+    ssize_t e = read(efd, run_stderr, sizeof run_stderr - 1);
+    run_stderr[e > 0 ? e : 0] = 0;
+    close(efd);
     return out;
 }
 
@@ -121,12 +131,26 @@ TEST(cluster_llm_command_prints_what_llm_run_prints) {
     free(j2);
     H_ASSERT(cl, ok, "llm generate --json differs from llm-run --json (or its streamed text does)");
 
-    /* A router error: code and message on stderr, exit status 1. */
-    const char *a3[] = {LLM_BIN, "--router", cl->client_ep, "generate", "--prompt", "x", "--request-id",
-                        "bad-sampling", "--top-k", "-1", NULL};
+    /* A bad flag value is refused by llm itself (exit status 2)... */
+    const char *a3[] = {LLM_BIN, "--router", cl->client_ep, "generate", "--prompt", "x", "--top-k", "-1", NULL};
     char *o3 = run_capture(a3, &st1);
     free(o3);
-    ASSERT_EQ(2, st1); /* --top-k -1 is refused by llm's own option table */
+    ASSERT_EQ(2, st1);
+    ASSERT_TRUE(strstr(run_stderr, "--top-k") != NULL);
+    /* ...a router error is printed with its code and message (exit status 1):
+     * a known request id with another prompt is ALREADY_EXISTS. */
+    const char *a6[] = {LLM_BIN, "--router", cl->client_ep, "generate", "--prompt", "Once upon a time",
+                        "--max-tokens", "5", "--request-id", "llm-cmd-1", NULL};
+    char *o6 = run_capture(a6, &st1);
+    free(o6);
+    ASSERT_EQ(0, st1);
+    const char *a7[] = {LLM_BIN, "--router", cl->client_ep, "generate", "--prompt", "Another prompt",
+                        "--max-tokens", "5", "--request-id", "llm-cmd-1", NULL};
+    char *o7 = run_capture(a7, &st1);
+    printf("  llm with a reused id: status %d, stderr: %s", st1, run_stderr);
+    free(o7);
+    H_ASSERT(cl, st1 == 1 && strstr(run_stderr, "ALREADY_EXISTS") && strstr(run_stderr, "llm-cmd-1"),
+             "llm generate with a reused id: status %d, stderr %s", st1, run_stderr);
     const char *a4[] = {LLM_BIN, "--router", cl->client_ep, "health", NULL};
     char *o4 = run_capture(a4, &st1);
     H_ASSERT(cl, st1 == 0 && strstr(o4, "SERVING"), "llm health: status %d, output %s", st1, o4);
