@@ -506,6 +506,42 @@ TEST(client_unreachable_router_times_out) {
     llm_client_close(c);
 }
 
+TEST(client_moves_to_the_next_endpoint) {
+    struct fake f;
+    fake_start(&f, FAKE_STREAM);
+    char err[128], dead[64];
+    int port;
+    ASSERT_OK(zio_free_port(NULL, &port, err, sizeof err));
+    snprintf(dead, sizeof dead, "tcp://127.0.0.1:%d", port);
+    const char *eps[2] = {dead, f.ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 2;
+    cfg.reply_timeout_ms = 300;
+    cfg.retry_ms = 5000;
+    llm_client *c = NULL;
+    ASSERT_OK(llm_client_open(&c, &cfg, err, sizeof err));
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-failover";
+    struct seen s = {0};
+    struct llm_generate_result r;
+    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
+    Llm__ClientEnvelope *env = NULL;
+    int rc2 = llm_client_status(c, &env); /* stays on the endpoint that answers */
+    fake_stop(&f);
+    ASSERT_OK(rc);
+    expect_tokens(&s, FAKE_N_TOKENS);
+    ASSERT_STREQ(f.ep, llm_client_endpoint(c));
+    ASSERT_EQ((uint32_t)1, llm_client_reconnects(c));
+    ASSERT_OK(rc2);
+    proto_client_free(env);
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
 TEST(client_refuses_bad_config_and_ids) {
     llm_client *c = (llm_client *)1;
     char err[256];
@@ -531,4 +567,5 @@ TEST(client_refuses_bad_config_and_ids) {
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
-          client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_refuses_bad_config_and_ids)
+          client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_moves_to_the_next_endpoint,
+          client_refuses_bad_config_and_ids)
