@@ -10,6 +10,7 @@
 #include "common/status.h"
 
 #include <cjson/cJSON.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,8 +70,17 @@ struct llm_gen_out {
     bool oom;
 };
 
+/* Ctrl-C during `llm generate` cancels the request at its next chunk
+ * (a second Ctrl-C ends llm at once: the handler resets itself). */
+static volatile sig_atomic_t llm_interrupted;
+static void llm_on_sigint(int sig) {
+    (void)sig;
+    llm_interrupted = 1;
+}
+
 static int llm_gen_chunk(void *ud, const struct llm_chunk *ch) {
     struct llm_gen_out *o = ud;
+    if (llm_interrupted) return 1;
     fwrite(ch->text, 1, ch->text_len, stdout);
     fflush(stdout);
     if (o->n + ch->n_tokens > o->cap) {
@@ -162,6 +172,11 @@ static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
     p.stream = stream;
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = llm_on_sigint;
+    sa.sa_flags = SA_RESETHAND;
+    sigaction(SIGINT, &sa, NULL);
     rc = llm_client_generate(c, &p, llm_gen_chunk, &out, &r);
     int exit_code = 0;
     if (rc < 0) {
