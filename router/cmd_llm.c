@@ -255,6 +255,11 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
     cJSON_AddNumberToObject(j, "requests_total", (double)s->requests_total);
     cJSON_AddNumberToObject(j, "frames_rejected", (double)s->frames_rejected);
     cJSON_AddNumberToObject(j, "uptime_s", (double)s->uptime_s);
+    cJSON_AddNumberToObject(j, "steps_total", (double)s->steps_total);
+    cJSON_AddNumberToObject(j, "preemptions_total", (double)s->preemptions_total);
+    cJSON_AddNumberToObject(j, "plan_us_mean", s->plan_us_mean);
+    cJSON_AddNumberToObject(j, "plan_us_max", s->plan_us_max);
+    cJSON_AddNumberToObject(j, "turnaround_us_mean", s->turnaround_us_mean);
     cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
@@ -267,6 +272,10 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
         cJSON_AddNumberToObject(pj, "kv_blocks_total", p->kv_blocks_total);
         cJSON_AddNumberToObject(pj, "tokens_per_s", p->tokens_per_s);
         cJSON_AddNumberToObject(pj, "prompt_tokens_per_s", p->prompt_tokens_per_s);
+        cJSON_AddNumberToObject(pj, "waiting", p->waiting);
+        cJSON_AddNumberToObject(pj, "steps_in_flight", p->steps_in_flight);
+        cJSON_AddNumberToObject(pj, "epoch", (double)p->epoch);
+        cJSON_AddStringToObject(pj, "problem", p->problem ? p->problem : "");
         cJSON *ss = cJSON_AddArrayToObject(pj, "stages");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
@@ -308,11 +317,17 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
     printf("queue %u, running %u, KV blocks %llu/%llu, %.1f tokens/s generated, %.1f tokens/s prefilled\n",
            s->queue_depth, s->running, (unsigned long long)s->kv_blocks_used,
            (unsigned long long)s->kv_blocks_total, s->tokens_per_s, s->prompt_tokens_per_s);
+    if (s->steps_total)
+        printf("%llu steps, router cost per step: plan %.0f us (max %.0f), result-to-next-plan %.0f us; "
+               "%llu preemptions\n",
+               (unsigned long long)s->steps_total, s->plan_us_mean, s->plan_us_max, s->turnaround_us_mean,
+               (unsigned long long)s->preemptions_total);
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
-        printf("pipeline %u: %s, model %s, %zu stages, running %u, KV blocks %u/%u, %.1f tokens/s\n",
-               p->pipeline_id, p->ready ? "ready" : "NOT READY", p->model, p->n_stages, p->running,
-               p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s);
+        printf("pipeline %u: %s, model %s, %zu stages, running %u, waiting %u, KV blocks %u/%u, %.1f tokens/s%s%s\n",
+               p->pipeline_id, p->ready ? "ready" : "NOT READY", p->model, p->n_stages, p->running, p->waiting,
+               p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s, p->problem && p->problem[0] ? ": " : "",
+               p->problem ? p->problem : "");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
             printf("  stage %u: worker %s, layers [%u, %u), %s %s, KV blocks %u/%u, heartbeat %u ms ago%s\n",
