@@ -5,7 +5,11 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device]
+ *   bench_cuda [device] [gemv]
+ *
+ * With "gemv", only the bandwidth and the batch-1..4 comparison of the
+ * quantized decode kernels (matmul_gemv.cu against the tensor-core kernel,
+ * LLM_CUDA_GEMV_MAX=0) on the 7B shapes.
  *
  * Inputs rotate over enough copies to exceed the L2 cache, so the numbers
  * are DRAM numbers.  Times are the median of 5 rounds. */
@@ -176,6 +180,63 @@ static void crossover(int device, double bw) {
         }
 }
 
+/* Batch 1, 2 and 4 on the 7B shapes for the types matmul_gemv.cu takes:
+ * the tensor-core kernel (a backend made with LLM_CUDA_GEMV_MAX=0) against
+ * matmul_gemv (the default), each on its own backend. */
+static void gemv_compare(int device, double bw) {
+    static const int64_t shapes[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
+    static const enum dtype types[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    static const int32_t batches[3] = {1, 2, 4};
+    backend *bes[2];
+    for (int m = 0; m < 2; m++) {
+        if (m == 0) setenv("LLM_CUDA_GEMV_MAX", "0", 1);
+        else unsetenv("LLM_CUDA_GEMV_MAX");
+        char err[256];
+        if (backend_cuda_init(&bes[m], device, err, sizeof err)) {
+            fprintf(stderr, "bench_cuda: %s\n", err);
+            exit(1);
+        }
+    }
+    unsetenv("LLM_CUDA_GEMV_MAX");
+    backend *keep = be;
+    printf("\nmatmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv, us (%% of bw: weight + activation + "
+           "output bytes)\n");
+    printf("%-6s %-13s %5s %10s %7s %10s %7s\n", "type", "rows x cols", "batch", "mq", "of bw", "gemv", "of bw");
+    for (int s = 0; s < 4; s++)
+        for (int k = 0; k < 5; k++) {
+            int64_t R = shapes[s][0], C = shapes[s][1];
+            size_t wbytes = dtype_row_bytes(types[k], C) * R;
+            int n_w = (int)((512u << 20) / wbytes) + 1;
+            if (n_w > 16) n_w = 16;
+            void *hw = host_weight(types[k], R, C);
+            double t[2][3];
+            for (int m = 0; m < 2; m++) {
+                be = bes[m];
+                struct backend_weight ws[16];
+                for (int i = 0; i < n_w; i++)
+                    if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
+                float *x = dev_random_f32((size_t)4 * C), *out = dev_alloc((size_t)4 * R * 4);
+                for (int b = 0; b < 3; b++) {
+                    struct mm_arg a = {ws, n_w, x, out, batches[b]};
+                    t[m][b] = time_median(mm_fn, &a);
+                }
+                backend_dealloc(be, x);
+                backend_dealloc(be, out);
+                for (int i = 0; i < n_w; i++) backend_weight_free(be, &ws[i]);
+            }
+            free(hw);
+            for (int b = 0; b < 3; b++) {
+                double bytes = (double)wbytes + 4.0 * batches[b] * (C + R);
+                printf("%-6s %5lldx%-7lld %5d %10.1f %6.1f%% %10.1f %6.1f%%\n", dtype_name(types[k]), (long long)R,
+                       (long long)C, batches[b], t[0][b] * 1e6, 100.0 * bytes / t[0][b] / bw, t[1][b] * 1e6,
+                       100.0 * bytes / t[1][b] / bw);
+            }
+            fflush(stdout);
+        }
+    be = keep;
+    for (int m = 0; m < 2; m++) backend_free(bes[m]);
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     char err[256];
@@ -197,6 +258,11 @@ int main(int argc, char **argv) {
     printf("copy bandwidth: %.1f GB/s (device-to-device, %zu MiB, read + write)\n", bw / 1e9, ca.bytes >> 20);
     backend_dealloc(be, ca.a);
     backend_dealloc(be, ca.b);
+    if (argc > 2 && strcmp(argv[2], "gemv") == 0) {
+        gemv_compare(device, bw);
+        backend_free(be);
+        return 0;
+    }
 
     /* F16 GEMM rate: 8192 x 8192 weight, 4096 tokens, through backend_matmul;
      * the activation conversion is timed alone and subtracted. */

@@ -26,6 +26,7 @@ struct cuda_ctx {
     size_t scratch_bytes;
     int vec_max_quant;  /* matmul: most tokens for the skinny kernel, quantized weights */
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
+    int gemv_max;       /* matmul: most tokens for matmul_gemv.cu (LLM_CUDA_GEMV_MAX; 0: never) */
     char *err;          /* where failures are described (the backend's errstr) */
     size_t errlen;
     char device_name[96];
@@ -91,6 +92,15 @@ int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type
 int cuda_matmul_vec_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);
 int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                     int64_t cols, const float *x, int32_t n);
+/* ---- matmul_gemv.cu: 1..CUDA_MATMUL_GEMV_MAX tokens on quantized weights,
+ * a warp per row, activations quantized to int8 per 32 in scratch ---- */
+#define CUDA_MATMUL_GEMV_MAX 4
+/* 1 if matmul_gemv takes this type, width and token count: Q8_0 and Q4_0
+ * for widths a multiple of 32, Q4_K, Q5_K and Q6_K a multiple of 256. */
+int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n);
+/* out[n, rows] = x[n, cols] . w^T; w 16-byte aligned. */
+int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                     int64_t cols, const float *x, int32_t n);
 /* kv_k, kv_v: [n_blocks][n_kv_heads][block_size][head_dim] of kv_type. */
 int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum dtype kv_type, int32_t n_blocks,
                   int32_t block_size, int32_t n_kv_heads, int32_t head_dim, const float *k,

@@ -74,6 +74,14 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         v = v < 0 ? 0 : v > CUDA_MATMUL_VEC_MAX ? CUDA_MATMUL_VEC_MAX : v;
         ctx->vec_max_quant = ctx->vec_max_float = v;
     }
+    /* Batch-1..4 decode on quantized weights: matmul_gemv.cu (per-type
+     * crossover in matmul.cu); LLM_CUDA_GEMV_MAX=0 turns it off to compare. */
+    ctx->gemv_max = CUDA_MATMUL_GEMV_MAX;
+    env = getenv("LLM_CUDA_GEMV_MAX");
+    if (env && *env) {
+        int v = atoi(env);
+        ctx->gemv_max = v < 0 ? 0 : v > CUDA_MATMUL_GEMV_MAX ? CUDA_MATMUL_GEMV_MAX : v;
+    }
     ctx->cc = prop.major * 10 + prop.minor;
     snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
     *out = ctx;

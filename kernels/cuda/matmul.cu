@@ -76,6 +76,10 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
                                                                                     : MATMUL_F32_VEC_MAX)
                       : type == DTYPE_F16 ? ctx->vec_max_float
                                           : ctx->vec_max_quant;
+    /* 1-4 tokens on quantized weights: the warp-per-row dp4a kernel of
+     * matmul_gemv.cu (no shared-memory staging; docs/cuda-backend.md). */
+    if (n <= vec_max && n <= ctx->gemv_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0)
+        return cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
     if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
         (uintptr_t)w % 16 == 0)
         return cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);

@@ -481,6 +481,34 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     fx_close();
 }
 
+/* The batch-1..4 kernel of matmul_gemv.cu (default for 1-4 tokens on
+ * Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and, with LLM_CUDA_GEMV_MAX=0, the
+ * tensor-core kernel it replaces there (still taken where it measured
+ * faster): 7B widths (4096, 11008: 43 super-blocks, a partial last round
+ * of lanes), widths under one round of 32 lanes (768, 1184 = 37 blocks),
+ * and row counts that are not a multiple of the 4 rows of a block. */
+static void gemv_type(enum dtype t) {
+    static const int32_t ns[] = {1, 2, 3, 4};
+    int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
+    for (int off = 0; off < 2; off++) {
+        if (off) setenv("LLM_CUDA_GEMV_MAX", "0", 1);
+        else unsetenv("LLM_CUDA_GEMV_MAX");
+        mm_set_mode(MM_DEFAULT);
+        fx_open();
+        matmul_case(t, 259, 4096, ns, 4);
+        matmul_case(t, 37, 11008, ns, 4);
+        matmul_case(t, 33, k_quant ? 768 : 1184, ns, 4);
+        fx_close();
+    }
+    unsetenv("LLM_CUDA_GEMV_MAX");
+}
+
+TEST(cuda_ops_matmul_gemv_q8_0) { gemv_type(DTYPE_Q8_0); }
+TEST(cuda_ops_matmul_gemv_q4_0) { gemv_type(DTYPE_Q4_0); }
+TEST(cuda_ops_matmul_gemv_q4_k) { gemv_type(DTYPE_Q4_K); }
+TEST(cuda_ops_matmul_gemv_q5_k) { gemv_type(DTYPE_Q5_K); }
+TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
+
 /* ---- KV cache and attention ---- */
 
 static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, int32_t hd) {
@@ -646,6 +674,8 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_kv_write_f32, cuda_ops_kv_write_f16,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
+          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_kv_write_f32,
+          cuda_ops_kv_write_f16,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode)

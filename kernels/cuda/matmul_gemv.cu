@@ -1,0 +1,336 @@
+/* Batch-1..4 decode matmul on quantized weights (Q8_0, Q4_0, Q4_K, Q5_K,
+ * Q6_K): one warp per output row streams the row's bytes straight into
+ * registers, several independent loads per lane in flight, no shared
+ * memory and no block barrier; the activations are quantized once per call
+ * to int8 per 32 (a tiny pre-kernel) so that 4 weights cost one dp4a.
+ * Decode is memory-bound: the aim is the DRAM rate (docs/cuda-backend.md). */
+#include "common.cuh"
+
+/* 4 warps (rows) per block: small blocks fill every SM evenly; launch
+ * bounds keep registers at 64 so that 8 blocks (32 warps) fit per SM. */
+#define GV_WARPS 4
+/* Chunks (16 or 32 weights of one row) a lane loads before using any: 4
+ * where the registers allow it under the 64 of the launch bounds, 2 for the
+ * K-quants' larger chunks (4 spilled 100-500 bytes in ptxas's report). */
+template <int T, int NT> struct gv_unroll { static constexpr int u = 4; };
+template <int NT> struct gv_unroll<DTYPE_Q4_K, NT> { static constexpr int u = NT <= 2 ? 4 : 2; };
+template <int NT> struct gv_unroll<DTYPE_Q5_K, NT> { static constexpr int u = 2; };
+template <int NT> struct gv_unroll<DTYPE_Q6_K, NT> { static constexpr int u = 2; };
+#define GV_NT_MAX 4
+
+/* ---- Activations: x[n, cols] F32 -> xq int8 [n, cols], xd[n, cols / 32]
+ * (scale of each block of 32: x ~ xd * xq).  One warp per block. ---- */
+__global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__ xd, const float *__restrict__ x,
+                                    int64_t nblk) {
+    int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x & 31;
+    if (b >= nblk) return;
+    float v = __ldg(x + b * 32 + lane), a = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float d = a / 127.0f;
+    int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    xq[b * 32 + lane] = (int8_t)q;
+    if (lane == 0) xd[b] = d;
+}
+
+/* ---- Unaligned (2-byte aligned) loads as aligned 4-byte words: the
+ * blocks of 34 and 210 bytes start at even addresses only.  The last word
+ * is a 2-byte load so that nothing past the range's last 4-byte word is
+ * read. ---- */
+__device__ __forceinline__ uint4 gv_ld16u(const uint8_t *p) {
+    const uint32_t *q = (const uint32_t *)((uintptr_t)p & ~(uintptr_t)3);
+    const unsigned sh = ((unsigned)(uintptr_t)p & 2u) * 8u;
+    uint32_t w0 = __ldg(q), w1 = __ldg(q + 1), w2 = __ldg(q + 2), w3 = __ldg(q + 3);
+    uint32_t w4 = sh ? (uint32_t)__ldg((const uint16_t *)(p + 14)) : 0u;
+    return make_uint4(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh), __funnelshift_r(w2, w3, sh),
+                      __funnelshift_r(w3, w4, sh));
+}
+__device__ __forceinline__ uint2 gv_ld8u(const uint8_t *p) {
+    const uint32_t *q = (const uint32_t *)((uintptr_t)p & ~(uintptr_t)3);
+    const unsigned sh = ((unsigned)(uintptr_t)p & 2u) * 8u;
+    uint32_t w0 = __ldg(q), w1 = __ldg(q + 1);
+    uint32_t w2 = sh ? (uint32_t)__ldg((const uint16_t *)(p + 6)) : 0u;
+    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
+}
+__device__ __forceinline__ float gv_half(uint32_t bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
+__device__ __forceinline__ int gv_dot4(uint4 a, uint4 b, int c) {
+    c = __dp4a((int)a.x, (int)b.x, c);
+    c = __dp4a((int)a.y, (int)b.y, c);
+    c = __dp4a((int)a.z, (int)b.z, c);
+    return __dp4a((int)a.w, (int)b.w, c);
+}
+__device__ __forceinline__ int gv_sum4(uint4 b) { return gv_dot4(make_uint4(0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u), b, 0); }
+__device__ __forceinline__ uint4 gv_and(uint4 a, uint32_t m) { return make_uint4(a.x & m, a.y & m, a.z & m, a.w & m); }
+__device__ __forceinline__ uint4 gv_shr(uint4 a, int s) { return make_uint4(a.x >> s, a.y >> s, a.z >> s, a.w >> s); }
+__device__ __forceinline__ uint4 gv_or(uint4 a, uint4 b) { return make_uint4(a.x | b.x, a.y | b.y, a.z | b.z, a.w | b.w); }
+/* Bit s of every byte of v moved to bit 4 of that byte. */
+__device__ __forceinline__ uint4 gv_bit5(uint4 v, int s) {
+    return make_uint4(((v.x >> s) & 0x01010101u) << 4, ((v.y >> s) & 0x01010101u) << 4,
+                      ((v.z >> s) & 0x01010101u) << 4, ((v.w >> s) & 0x01010101u) << 4);
+}
+__device__ __forceinline__ uint32_t gv_byte(uint32_t v, int i) { return (v >> (8 * i)) & 0xffu; }
+
+/* ---- Per type: a row is cut into chunks of CW weights; lane l of a warp
+ * takes chunks l, l + 32, ... so that a warp's loads cover consecutive
+ * bytes.  gv_load issues a chunk's loads, gv_dot uses them. ---- */
+template <int T> struct gv_chunk;
+
+/* Q8_0: a chunk is half a block (16 codes at byte 2 + 16 h, and d). */
+template <> struct gv_chunk<DTYPE_Q8_0> {
+    static constexpr int cw = 16;
+    uint4 q;
+    uint32_t d;
+    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+        const uint8_t *blk = wr + (size_t)(c >> 1) * 34;
+        d = __ldg((const uint16_t *)blk);
+        q = gv_ld16u(blk + 2 + 16 * (c & 1));
+    }
+    template <int NT>
+    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+        float dw = gv_half(d);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n) {
+                uint4 xv = __ldg((const uint4 *)(xq + (size_t)t * cols + 16 * c));
+                float dx = __ldg(xd + (size_t)t * (cols / 32) + (c >> 1));
+                acc[t] += dw * dx * (float)gv_dot4(q, xv, 0);
+            }
+        }
+    }
+};
+
+/* Q4_0: a chunk is one block (16 code bytes at byte 2: low nibbles are
+ * elements 0..15, high 16..31). */
+template <> struct gv_chunk<DTYPE_Q4_0> {
+    static constexpr int cw = 32;
+    uint4 q;
+    uint32_t d;
+    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+        const uint8_t *blk = wr + (size_t)c * 18;
+        d = __ldg((const uint16_t *)blk);
+        q = gv_ld16u(blk + 2);
+    }
+    template <int NT>
+    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+        float dw = gv_half(d);
+        uint4 lo = gv_and(q, 0x0F0F0F0Fu), hi = gv_and(gv_shr(q, 4), 0x0F0F0F0Fu);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n) {
+                const uint4 *xp = (const uint4 *)(xq + (size_t)t * cols + 32 * c);
+                uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                float dx = __ldg(xd + (size_t)t * (cols / 32) + c);
+                int s = gv_dot4(lo, x0, gv_dot4(hi, x1, 0)) - 8 * (gv_sum4(x0) + gv_sum4(x1));
+                acc[t] += dw * dx * (float)s;
+            }
+        }
+    }
+};
+
+/* Q4_K / Q5_K: a chunk is 16 code bytes of a super-block (j = c % 8: pair
+ * p = j / 2, bytes 32 p + 16 (j & 1)): low nibbles are 16 elements of
+ * sub-block 2p, high nibbles of 2p + 1.  The super-block's 16-byte header
+ * (d, dmin, 12 scale bytes) is one more 16-byte load, shared by 8 lanes. */
+template <int T> struct gv_chunk_k45 {
+    static constexpr int cw = 32, bb = T == DTYPE_Q4_K ? 144 : 176, qo = T == DTYPE_Q4_K ? 16 : 48;
+    uint4 h, q, qh;
+    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+        const uint8_t *blk = wr + (size_t)(c >> 3) * bb;
+        int j = c & 7;
+        h = __ldg((const uint4 *)blk);
+        q = __ldg((const uint4 *)(blk + qo + 32 * (j >> 1) + 16 * (j & 1)));
+        if constexpr (T == DTYPE_Q5_K) qh = __ldg((const uint4 *)(blk + 16 + 16 * (j & 1)));
+    }
+    /* Scale and min of sub-block s (0..7) from the header words (the
+     * 6-bit packing of kq_scale_min). */
+    __device__ __forceinline__ void scale_min(int s, float *sc, float *mn) const {
+        int k = s & 3;
+        uint32_t a = gv_byte(h.y, k), b = gv_byte(h.z, k), e = gv_byte(h.w, k);
+        if (s < 4) {
+            *sc = (float)(a & 63);
+            *mn = (float)(b & 63);
+        } else {
+            *sc = (float)((e & 0xF) | ((a >> 6) << 4));
+            *mn = (float)((e >> 4) | ((b >> 6) << 4));
+        }
+    }
+    template <int NT>
+    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+        int j = c & 7, p = j >> 1;
+        float d = gv_half(h.x), dmin = gv_half(h.x >> 16), sc1, m1, sc2, m2;
+        scale_min(2 * p, &sc1, &m1);
+        scale_min(2 * p + 1, &sc2, &m2);
+        float ds1 = d * sc1, dm1 = dmin * m1, ds2 = d * sc2, dm2 = dmin * m2;
+        uint4 lo = gv_and(q, 0x0F0F0F0Fu), hi = gv_and(gv_shr(q, 4), 0x0F0F0F0Fu);
+        if constexpr (T == DTYPE_Q5_K) {
+            /* 5th code bit of each byte: bit 2p (low) / 2p + 1 (high) of qh. */
+            lo = gv_or(lo, gv_bit5(qh, 2 * p));
+            hi = gv_or(hi, gv_bit5(qh, 2 * p + 1));
+        }
+        /* Elements 256 sb + 64 p + 16 (j & 1) + i (low) and + 32 (high). */
+        const size_t e0 = (size_t)(c >> 3) * 256 + 64 * p + 16 * (j & 1);
+        const size_t b0 = (size_t)(c >> 3) * 8 + 2 * p;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n) {
+                const int8_t *xr = xq + (size_t)t * cols + e0;
+                uint4 x0 = __ldg((const uint4 *)xr), x1 = __ldg((const uint4 *)(xr + 32));
+                const float *dr = xd + (size_t)t * (cols / 32) + b0;
+                float dx0 = __ldg(dr), dx1 = __ldg(dr + 1);
+                acc[t] += dx0 * (ds1 * (float)gv_dot4(lo, x0, 0) - dm1 * (float)gv_sum4(x0)) +
+                          dx1 * (ds2 * (float)gv_dot4(hi, x1, 0) - dm2 * (float)gv_sum4(x1));
+            }
+        }
+    }
+};
+template <> struct gv_chunk<DTYPE_Q4_K> : gv_chunk_k45<DTYPE_Q4_K> {};
+template <> struct gv_chunk<DTYPE_Q5_K> : gv_chunk_k45<DTYPE_Q5_K> {};
+
+/* Q6_K: a chunk is 32 elements of a super-block (j = c % 8: half h = j / 4,
+ * columns l0 = 8 (j & 3) .. + 7 of each of the 4 quarters): 8 bytes of ql
+ * at 64 h + l0 (quarters 0 and 2), 8 at 64 h + 32 + l0 (1 and 3), 8 of qh
+ * at 128 + 32 h + l0, the 8 scale bytes of the half and d. */
+template <> struct gv_chunk<DTYPE_Q6_K> {
+    static constexpr int cw = 32;
+    uint2 a, b, hh, sc;
+    uint32_t d;
+    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+        const uint8_t *blk = wr + (size_t)(c >> 3) * 210;
+        int j = c & 7, h = j >> 2, l0 = 8 * (j & 3);
+        a = gv_ld8u(blk + 64 * h + l0);
+        b = gv_ld8u(blk + 64 * h + 32 + l0);
+        hh = gv_ld8u(blk + 128 + 32 * h + l0);
+        sc = gv_ld8u(blk + 192 + 8 * h);
+        d = __ldg((const uint16_t *)(blk + 208));
+    }
+    template <int NT>
+    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+        int j = c & 7, h = j >> 2, l0 = 8 * (j & 3);
+        float dw = gv_half(d);
+        /* Codes 0..63 minus 32, quarter by quarter, as signed bytes. */
+        uint2 q[4];
+        q[0] = make_uint2(__vsub4((a.x & 0x0F0F0F0Fu) | ((hh.x & 0x03030303u) << 4), 0x20202020u),
+                          __vsub4((a.y & 0x0F0F0F0Fu) | ((hh.y & 0x03030303u) << 4), 0x20202020u));
+        q[1] = make_uint2(__vsub4((b.x & 0x0F0F0F0Fu) | (((hh.x >> 2) & 0x03030303u) << 4), 0x20202020u),
+                          __vsub4((b.y & 0x0F0F0F0Fu) | (((hh.y >> 2) & 0x03030303u) << 4), 0x20202020u));
+        q[2] = make_uint2(__vsub4(((a.x >> 4) & 0x0F0F0F0Fu) | (((hh.x >> 4) & 0x03030303u) << 4), 0x20202020u),
+                          __vsub4(((a.y >> 4) & 0x0F0F0F0Fu) | (((hh.y >> 4) & 0x03030303u) << 4), 0x20202020u));
+        q[3] = make_uint2(__vsub4(((b.x >> 4) & 0x0F0F0F0Fu) | (((hh.x >> 6) & 0x03030303u) << 4), 0x20202020u),
+                          __vsub4(((b.y >> 4) & 0x0F0F0F0Fu) | (((hh.y >> 6) & 0x03030303u) << 4), 0x20202020u));
+        /* Scale of quarter k: byte l0 / 16 + 2 k of the half's 8. */
+        float s[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int i = (l0 >> 4) + 2 * k;
+            s[k] = dw * (float)(int8_t)gv_byte(i < 4 ? sc.x : sc.y, i & 3);
+        }
+        const size_t e0 = (size_t)(c >> 3) * 256 + 128 * h + l0;
+        const size_t b0 = (size_t)(c >> 3) * 8 + 4 * h;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < n) {
+                const int8_t *xr = xq + (size_t)t * cols + e0;
+                const float *dr = xd + (size_t)t * (cols / 32) + b0;
+                float r = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    uint2 xv = __ldg((const uint2 *)(xr + 32 * k));
+                    int v = __dp4a((int)q[k].x, (int)xv.x, __dp4a((int)q[k].y, (int)xv.y, 0));
+                    r += s[k] * __ldg(dr + k) * (float)v;
+                }
+                acc[t] += r;
+            }
+        }
+    }
+};
+
+/* out[t, row] = x[t] . w[row] for t < n <= NT: warp w of block b owns row
+ * GV_WARPS b + w.  Each lane loads gv_unroll chunks before using any (the
+ * loads are independent: several DRAM requests in flight per lane), then
+ * dots them; the 32 partial sums are added with shuffles. */
+template <int T, int NT>
+__global__ void __launch_bounds__(GV_WARPS * 32, 8)
+matmul_gemv_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t row_bytes, int rows, int cols,
+                   const int8_t *__restrict__ xq, const float *__restrict__ xd, int n) {
+    using C = gv_chunk<T>;
+    constexpr int U = gv_unroll<T, NT>::u;
+    const int lane = threadIdx.x & 31, row = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const uint8_t *wr = w + (size_t)row * row_bytes;
+    const int nch = cols / C::cw;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+        C ch[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = acc[t];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && t < n) out[(size_t)t * rows + row] = v;
+    }
+}
+
+template <int T>
+static int gemv_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols,
+                       const int8_t *xq, const float *xd, int n) {
+    unsigned grid = (unsigned)((rows + GV_WARPS - 1) / GV_WARPS);
+    size_t rb = cuda_row_bytes((enum dtype)T, cols);
+    const uint8_t *wb = (const uint8_t *)w;
+    if (n == 1)
+        matmul_gemv_kernel<T, 1><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
+                                                                             xd, n);
+    else if (n == 2)
+        matmul_gemv_kernel<T, 2><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
+                                                                             xd, n);
+    else
+        matmul_gemv_kernel<T, 4><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
+                                                                             xd, n);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
+}
+
+extern "C" int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n) {
+    if (n < 1 || n > GV_NT_MAX || cols <= 0 || cols > INT32_MAX) return 0;
+    switch (type) {
+    case DTYPE_Q8_0: case DTYPE_Q4_0: return cols % 32 == 0;
+    case DTYPE_Q4_K: case DTYPE_Q5_K: case DTYPE_Q6_K: return cols % 256 == 0;
+    default: return 0;
+    }
+}
+
+extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                                int64_t cols, const float *x, int32_t n) {
+    if (rows <= 0 || rows > INT32_MAX || !cuda_matmul_gemv_supports(type, cols, n))
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %d tokens x %s [%lld x %lld] is not a gemv shape", n,
+                         dtype_name(type), (long long)rows, (long long)cols);
+    if ((uintptr_t)w % 16 != 0)
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: weight %p is not 16-byte aligned", w);
+    /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
+    size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
+    int64_t nblk = (int64_t)n * cols / 32;
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + (size_t)nblk * sizeof(float));
+    if (!scratch) return STATUS_NO_MEMORY;
+    int8_t *xq = (int8_t *)scratch;
+    float *xd = (float *)(scratch + q_bytes);
+    gemv_quant_x_kernel<<<cuda_blocks(nblk * 32, 256), 256, 0, CUDA_STREAM(ctx)>>>(xq, xd, x, nblk);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    switch (type) {
+    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, xq, xd, n);
+    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0>(ctx, out, w, rows, cols, xq, xd, n);
+    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K>(ctx, out, w, rows, cols, xq, xd, n);
+    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K>(ctx, out, w, rows, cols, xq, xd, n);
+    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K>(ctx, out, w, rows, cols, xq, xd, n);
+    default: break;
+    }
+    return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: weight type %s", dtype_name(type));
+}
