@@ -182,15 +182,14 @@ static void crossover(int device, double bw) {
 
 /* Batch 1, 2 and 4 on the 7B shapes for the types matmul_gemv.cu takes:
  * the tensor-core kernel (a backend made with LLM_CUDA_GEMV_MAX=0) against
- * matmul_gemv (the default), each on its own backend. */
+ * matmul_gemv (forced with LLM_CUDA_GEMV_MAX=4), each on its own backend. */
 static void gemv_compare(int device, double bw) {
     static const int64_t shapes[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
     static const enum dtype types[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
     static const int32_t batches[3] = {1, 2, 4};
     backend *bes[2];
     for (int m = 0; m < 2; m++) {
-        if (m == 0) setenv("LLM_CUDA_GEMV_MAX", "0", 1);
-        else unsetenv("LLM_CUDA_GEMV_MAX");
+        setenv("LLM_CUDA_GEMV_MAX", m == 0 ? "0" : "4", 1);
         char err[256];
         if (backend_cuda_init(&bes[m], device, err, sizeof err)) {
             fprintf(stderr, "bench_cuda: %s\n", err);

@@ -26,7 +26,8 @@ struct cuda_ctx {
     size_t scratch_bytes;
     int vec_max_quant;  /* matmul: most tokens for the skinny kernel, quantized weights */
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
-    int gemv_max;       /* matmul: most tokens for matmul_gemv.cu (LLM_CUDA_GEMV_MAX; 0: never) */
+    int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
+                         * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
     char *err;          /* where failures are described (the backend's errstr) */
     size_t errlen;
     char device_name[96];

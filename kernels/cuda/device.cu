@@ -74,9 +74,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         v = v < 0 ? 0 : v > CUDA_MATMUL_VEC_MAX ? CUDA_MATMUL_VEC_MAX : v;
         ctx->vec_max_quant = ctx->vec_max_float = v;
     }
-    /* Batch-1..4 decode on quantized weights: matmul_gemv.cu (per-type
-     * crossover in matmul.cu); LLM_CUDA_GEMV_MAX=0 turns it off to compare. */
-    ctx->gemv_max = CUDA_MATMUL_GEMV_MAX;
+    /* Batch-1..4 decode on quantized weights: matmul_gemv.cu where it
+     * measured faster (per type and token count, in matmul.cu);
+     * LLM_CUDA_GEMV_MAX=k forces it up to k tokens (0: never), to compare. */
+    ctx->gemv_max = -1;
     env = getenv("LLM_CUDA_GEMV_MAX");
     if (env && *env) {
         int v = atoi(env);

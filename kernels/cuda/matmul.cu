@@ -16,6 +16,19 @@
  * models) are not worth a measurement of their own. */
 #define MATMUL_F32_VEC_MAX 2
 
+/* Whether the warp-per-row dp4a kernel of matmul_gemv.cu takes n tokens
+ * of this type: measured against the tensor-core kernel on an H100
+ * (docs/cuda-backend.md, third pass).  It wins at 1 token on every type and
+ * 7B shape (Q4_K 4096x11008 18.3 against 25.5 us), at 2 tokens for the
+ * K-quants and for Q8_0 rows of 4096 (Q8_0 4096x11008: 31.9 against 30.5),
+ * and loses at 4 (its activation reads grow with n; Q8_0 4096x4096 18.2
+ * against 15.5), so 3 and 4 stay on the tensor-core kernel. */
+static int matmul_gemv_wins(enum dtype type, int64_t cols, int32_t n) {
+    if (n == 1) return 1;
+    if (n != 2) return 0;
+    return type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K || (type == DTYPE_Q8_0 && cols <= 4096);
+}
+
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
 /* out[:, r0 .. r0 + m) = x16 . w16^T for a tile w16 [m, cols] (F16). */
@@ -76,9 +89,10 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
                                                                                     : MATMUL_F32_VEC_MAX)
                       : type == DTYPE_F16 ? ctx->vec_max_float
                                           : ctx->vec_max_quant;
-    /* 1-4 tokens on quantized weights: the warp-per-row dp4a kernel of
-     * matmul_gemv.cu (no shared-memory staging; docs/cuda-backend.md). */
-    if (n <= vec_max && n <= ctx->gemv_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0)
+    /* 1-2 tokens on quantized weights: the warp-per-row dp4a kernel of
+     * matmul_gemv.cu (no shared-memory staging) where it measured faster. */
+    int gemv = ctx->gemv_max < 0 ? matmul_gemv_wins(type, cols, n) : n <= ctx->gemv_max;
+    if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0)
         return cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
     if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
         (uintptr_t)w % 16 == 0)

@@ -481,17 +481,19 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     fx_close();
 }
 
-/* The batch-1..4 kernel of matmul_gemv.cu (default for 1-4 tokens on
- * Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and, with LLM_CUDA_GEMV_MAX=0, the
- * tensor-core kernel it replaces there (still taken where it measured
- * faster): 7B widths (4096, 11008: 43 super-blocks, a partial last round
- * of lanes), widths under one round of 32 lanes (768, 1184 = 37 blocks),
- * and row counts that are not a multiple of the 4 rows of a block. */
+/* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
+ * (it at 1-2 tokens where it measured faster, the tensor-core kernel
+ * otherwise), forced for 1-4 tokens (LLM_CUDA_GEMV_MAX=4) and off (=0:
+ * the tensor-core kernel).  7B widths (4096, 11008: 43 super-blocks, a
+ * partial last round of lanes), widths under one round of 32 lanes (768,
+ * 1184 = 37 blocks), and row counts that are not a multiple of the 4 rows
+ * of a block. */
 static void gemv_type(enum dtype t) {
     static const int32_t ns[] = {1, 2, 3, 4};
+    static const char *modes[3] = {NULL, "4", "0"};
     int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
-    for (int off = 0; off < 2; off++) {
-        if (off) setenv("LLM_CUDA_GEMV_MAX", "0", 1);
+    for (int m = 0; m < 3; m++) {
+        if (modes[m]) setenv("LLM_CUDA_GEMV_MAX", modes[m], 1);
         else unsetenv("LLM_CUDA_GEMV_MAX");
         mm_set_mode(MM_DEFAULT);
         fx_open();
