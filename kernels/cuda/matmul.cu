@@ -1,7 +1,8 @@
 /* Matrix multiplication out[n, rows] = x[n, cols] . w^T for every weight
  * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
  * it is the weight-reading kernels of matmul_vec.cu, which read the weight
- * once in its stored form.  Above (prefill), cuBLAS
+ * once in its stored form, and at 1-2 tokens on most quantized types the
+ * warp-per-row dp4a kernel of matmul_gemv.cu.  Above (prefill), cuBLAS
  * does the work on tensor cores: activations become F16, F16 weights are
  * used as they are, quantized weights are dequantized tile by tile into
  * scratch (never a second full copy), F32 accumulation throughout.  F32
