@@ -233,7 +233,7 @@ static int rconn_transport_error(struct rconn *c, const char *desc, int e, int w
 static int rconn_call(struct rconn *c, const char *what, int extra_ms, redisReply **reply,
                       int argc, const char **argv, const size_t *argvlen) {
     *reply = NULL;
-    char desc[160];
+    char desc[320];
     if (what)
         snprintf(desc, sizeof desc, "%s", what);
     else
@@ -535,8 +535,8 @@ int rconn_hset(struct rconn *c, const char *key, const struct rconn_field *field
         return c->err;
     }
     const char *head[] = {"HSET", key};
-    const char **argv;
-    size_t *lens;
+    const char **argv = NULL;
+    size_t *lens = NULL;
     if (rconn_field_argv(c, head, 2, fields, n, &argv, &lens) < 0) return c->err;
     int64_t added;
     int rc = rconn_int(c, &added, (int)(2 + 2 * n), argv, lens);
@@ -604,8 +604,8 @@ static int rconn_parse_fields(struct rconn *c, const redisReply *r, struct rconn
             rconn_seterr(c, STATUS_PROTOCOL, "%s: field %zu is not a string pair", desc, i);
             return c->err;
         }
-        void *name;
-        size_t name_len;
+        void *name = NULL;
+        size_t name_len = 0;
         if (rconn_copy_str(c, k, &name, &name_len, desc) < 0) {
             rconn_field_list_free(f, i);
             return c->err;
@@ -648,8 +648,8 @@ int rconn_xadd(struct rconn *c, const char *stream, int64_t maxlen,
     const char *head_plain[] = {"XADD", stream, "*"};
     const char *const *head = maxlen > 0 ? head_trim : head_plain;
     size_t n_head = maxlen > 0 ? 6 : 3;
-    const char **argv;
-    size_t *lens;
+    const char **argv = NULL;
+    size_t *lens = NULL;
     if (rconn_field_argv(c, head, n_head, fields, n, &argv, &lens) < 0) return c->err;
     redisReply *r;
     int rc = rconn_call(c, NULL, 0, &r, (int)(n_head + 2 * n), argv, lens);
@@ -924,7 +924,7 @@ int rconn_scan(struct rconn *c, const char *pattern, char ***keys_out, size_t *n
                 keys = k;
                 cap = nc;
             }
-            void *s;
+            void *s = NULL;
             if (rconn_copy_str(c, list->element[i], &s, NULL, desc) < 0) {
                 freeReplyObject(r);
                 rconn_keys_free(keys, n);
