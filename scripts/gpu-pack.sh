@@ -1,0 +1,22 @@
+#!/bin/bash
+# Packs what scripts/gpu-check.sh needs on a GPU host into gpu-pack/pack.tar.xz:
+# the GPU test and benchmark binaries of a build folder (at their absolute
+# path, which the tests have compiled in) and the test models.
+#   scripts/gpu-pack.sh /abs/path/to/build-gpu [../shared/models]
+set -eu
+build=$(cd "$1" && pwd)
+models=$(cd "${2:-$(dirname "$0")/../../shared/models}" && pwd)
+cd "$(dirname "$0")/.."
+mkdir -p gpu-pack
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage$build"
+for b in tests/test_cuda_ops tests/test_forward tests/test_link tests/test_node worker/llm-run \
+         worker/llm-worker router/llm-router router/llm-cluster bench/bench_gpu bench/bench_cluster; do
+    mkdir -p "$stage$build/$(dirname "$b")"
+    strip -o "$stage$build/$b" "$build/$b"
+done
+cp -r "$models" "$stage$build/models"
+echo "$build" >"$stage/build.path"
+tar -C "$stage" -cJf gpu-pack/pack.tar.xz build.path "${build#/}"
+ls -l gpu-pack/pack.tar.xz
