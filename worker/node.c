@@ -594,14 +594,15 @@ static void node_placement_apply(node *n, const Llm__RegisterReply *r) {
     }
     if (rc == STATUS_OK) rc = node_links_setup(n, r->next_stage_endpoint, err, sizeof err);
     n->links_ok = rc == STATUS_OK;
+    pthread_mutex_lock(&n->lock); /* the io thread reads links_err for heartbeats */
+    snprintf(n->links_err, sizeof n->links_err, "%s", rc == STATUS_OK ? "" : err);
+    pthread_mutex_unlock(&n->lock);
     if (rc == STATUS_OK) {
-        n->links_err[0] = 0;
         atomic_store(&n->state, LLM__HEARTBEAT__STATE__READY);
         LOG(LL_INFO, "pipeline %u stage %d/%d (layers %d:%d), epoch %llu: ready", n->pipeline_id,
             n->stage_index, n->stage_count, n->layer_first, n->layer_end,
             (unsigned long long)n->epoch);
     } else {
-        snprintf(n->links_err, sizeof n->links_err, "%s", err);
         /* Waiting for the neighbours is a normal start; anything else failed. */
         atomic_store(&n->state, rc == STATUS_UNAVAILABLE ? LLM__HEARTBEAT__STATE__STARTING
                                                          : LLM__HEARTBEAT__STATE__FAILED);
