@@ -1,0 +1,329 @@
+/* Causal grouped-query attention over the paged F16 KV cache on tensor
+ * cores, for attention batches with prefill rows (flash attention: tiled,
+ * online softmax in F32, the score matrix never exists).
+ *
+ * A block owns 64 query vectors -- 64 / G consecutive rows of one sequence
+ * times the G query heads of one KV head, so each K/V tile is read once for
+ * the whole group -- and walks its slice of the context in tiles of 32
+ * positions.  Each of its 4 warps owns 16 query vectors: S = Q.K^T and
+ * O += P.V are mma.sync m16n8k8 (F16 in, F32 accumulate; sm_75 has it and
+ * every later card runs it), Q stays in registers as A fragments, and the
+ * S accumulators are already the A fragments of P.V (the m16n8 C layout is
+ * the m16n8k8 A layout), so P never goes through shared memory.  K is kept
+ * row-major and V transposed in shared memory, rows padded so that every
+ * fragment load is free of bank conflicts.  When the blocks cannot fill
+ * the GPU, the context is split and a second kernel merges the partial
+ * (max, sum, acc), as the general kernel of attention.cu does. */
+#include "attention_prefill.h"
+#include "common.cuh"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define APF_THREADS 128
+#define APF_BQ 64 /* query vectors per block: 4 warps x 16 */
+#define APF_BK 32 /* context positions per K/V tile */
+
+struct apf_params {
+    struct cuda_attn_args a;
+    int32_t G;        /* query heads per KV head */
+    int32_t tq;       /* rows per block: APF_BQ / G */
+    int32_t chunk;    /* context positions per split (a multiple of APF_BK) */
+    int32_t n_splits;
+    float *part_acc;  /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
+    float *part_ml;   /* (n_splits, n_tokens, n_heads, 2) running max and sum */
+};
+
+__device__ __forceinline__ uint32_t apf_pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(const uint32_t *)&h;
+}
+
+/* d += A (16x8, rows a0: g, a1: g + 8) . B (8x8, b0), F16 in, F32 out. */
+__device__ __forceinline__ void apf_mma(float d[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+/* Dims d .. d + 7 of position j of KV head kvh: zeros from j_end on, NaN
+ * for a block id outside the cache (the row then comes out NaN). */
+__device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct cuda_attn_args &a,
+                                             const int32_t *btab, int32_t kvh, int32_t j, int32_t j_end, int d,
+                                             int hd) {
+    if (j >= j_end) return make_uint4(0, 0, 0, 0);
+    int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    if (blk < 0 || blk >= a.n_blocks) return make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
+    size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * hd + d;
+    return __ldg((const uint4 *)(cache + at));
+}
+
+template <int HD>
+__global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct apf_params p) {
+    const struct cuda_attn_args &a = p.a;
+    constexpr int KS = HD + 8;     /* K tile row stride in halves: 16-byte rows, banks 4g + t */
+    constexpr int VS = APF_BK + 8; /* V^T tile row stride in halves: banks 20g + t mod 32 */
+    constexpr int NK = HD / 8;     /* k-steps of S over the head; n-tiles of O */
+    constexpr int NT = APF_BK / 8; /* n-tiles of S; k-steps of P.V */
+    static_assert(APF_BK * (HD / 8) % APF_THREADS == 0, "the K/V tile loads split evenly over the threads");
+    __shared__ __align__(16) fp16_t sk[APF_BK * KS];
+    __shared__ __align__(16) fp16_t svt[HD * VS];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, t4 = lane % 4;
+    const float ninf = -INFINITY;
+
+    /* Which sequence and tile of rows.  The last tiles of a sequence see
+     * the longest context: they get the lowest block ids, so they start
+     * first and the short ones fill in behind them. */
+    int32_t s = -1, tile = (int32_t)(gridDim.x - 1 - blockIdx.x);
+    for (int32_t i = 0; i < a.n_seqs; i++) {
+        int32_t len = a.seq_tok0[i + 1] - a.seq_tok0[i];
+        int32_t nt = len > 0 ? (len + p.tq - 1) / p.tq : 0;
+        if (tile < nt) {
+            s = i;
+            break;
+        }
+        tile -= nt;
+    }
+    if (s < 0) return;
+    const int32_t tok0 = a.seq_tok0[s], tok_end = a.seq_tok0[s + 1], pos0 = a.seq_pos0[s];
+    const int32_t r0 = tok0 + tile * p.tq, kvh = blockIdx.y, G = p.G;
+    const int32_t last_row = min(r0 + p.tq, tok_end) - 1;
+    const int32_t ctx_tile = pos0 + (last_row - tok0) + 1;
+    const int32_t z = blockIdx.z, j_begin = z * p.chunk;
+    /* The last split runs to the end whatever max_ctx said. */
+    const int32_t j_end = z == p.n_splits - 1 ? ctx_tile : min(j_begin + p.chunk, ctx_tile);
+    const int64_t width = (int64_t)a.n_heads * HD;
+
+    /* This lane's two query vectors (rows gq and gq + 8 of its warp's 16):
+     * qi = r * G + g is row r0 + r, head kvh * G + g; position -1 marks
+     * padding past the sequence's rows. */
+    int32_t qpos[2], qrow[2], qhead[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int qi = warp * 16 + gq + 8 * h, r = qi / G;
+        qrow[h] = r0 + r;
+        qhead[h] = kvh * G + qi % G;
+        qpos[h] = (r < p.tq && qrow[h] < tok_end) ? pos0 + (qrow[h] - tok0) : -1;
+    }
+    /* Q as A fragments, pre-scaled: qf[kk][h] holds dims 8kk + 2t, +1. */
+    uint32_t qf[NK][2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float *qp = a.q + (qpos[h] >= 0 ? (int64_t)qrow[h] * width + (int64_t)qhead[h] * HD : 0);
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) {
+            float2 v = qpos[h] >= 0 ? *(const float2 *)(qp + 8 * kk + 2 * t4) : make_float2(0.0f, 0.0f);
+            qf[kk][h] = apf_pack(v.x * a.scale, v.y * a.scale);
+        }
+    }
+    /* The warp's latest position: tiles wholly after it are skipped. */
+    int32_t wmax = max(qpos[0], qpos[1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wmax = max(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+
+    float acc[NK][4], m[2] = {ninf, ninf}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
+    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+    for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
+        /* K and V tiles: one 16-byte load per 8 dims of a position; zeros
+         * past the slice, NaN for a block id outside the cache.  K: a warp
+         * reads consecutive bytes and stores whole rows.  V: a warp takes
+         * the 32 positions of one 8-dim column, so its transposed 2-byte
+         * stores land in 16 consecutive words (no bank conflict). */
+#pragma unroll
+        for (int it = 0; it < APF_BK * (HD / 8) / APF_THREADS; it++) {
+            int i = tid + it * APF_THREADS;
+            int jj = i / (HD / 8), d = (i % (HD / 8)) * 8;
+            uint4 kr = apf_load_kv(kc, a, btab, kvh, j0 + jj, j_end, d, HD);
+            *(uint4 *)(sk + jj * KS + d) = kr;
+        }
+#pragma unroll
+        for (int it = 0; it < APF_BK * (HD / 8) / APF_THREADS; it++) {
+            int i = tid + it * APF_THREADS;
+            int jj = i % APF_BK, d = (i / APF_BK) * 8;
+            uint4 vr = apf_load_kv(vc, a, btab, kvh, j0 + jj, j_end, d, HD);
+            const fp16_t *vh = (const fp16_t *)&vr;
+#pragma unroll
+            for (int e = 0; e < 8; e++) svt[(d + e) * VS + jj] = vh[e];
+        }
+        __syncthreads();
+        if (wmax >= j0) {
+            /* S = Q . K^T for 16 queries x 32 positions. */
+            float sc[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < NK; kk++)
+#pragma unroll
+                for (int n = 0; n < NT; n++) {
+                    uint32_t b = *(const uint32_t *)(sk + (n * 8 + gq) * KS + kk * 8 + 2 * t4);
+                    apf_mma(sc[n], qf[kk][0], qf[kk][1], b);
+                }
+            /* Causal mask and the slice's end: element c of n-tile n is
+             * query vector h = c / 2, position j0 + 8n + 2t + c % 2. */
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int32_t j = j0 + n * 8 + 2 * t4 + (c & 1);
+                    if (j >= j_end || j > qpos[c / 2]) sc[n][c] = ninf;
+                }
+            /* Online softmax per query vector; the 4 lanes of a quad share
+             * a row, so max is reduced over the quad, the sum at the end. */
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float mt = ninf;
+#pragma unroll
+                for (int n = 0; n < NT; n++) mt = fmaxf(mt, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+                mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+                mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+                float mn = fmaxf(m[h], mt);
+                float alpha = mn == ninf ? 1.0f : __expf(m[h] - mn), sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 2 * h; c < 2 * h + 2; c++) {
+                        float pr = mn == ninf ? 0.0f : __expf(sc[n][c] - mn);
+                        sc[n][c] = pr;
+                        sum += pr;
+                    }
+                l[h] = l[h] * alpha + sum;
+                m[h] = mn;
+#pragma unroll
+                for (int n = 0; n < NK; n++) {
+                    acc[n][2 * h] *= alpha;
+                    acc[n][2 * h + 1] *= alpha;
+                }
+            }
+            /* O += P . V: S's n-tile kk is P's A fragment for positions
+             * 8kk .. 8kk + 7; B from V^T, dims 8n + g. */
+#pragma unroll
+            for (int kk = 0; kk < NT; kk++) {
+                uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
+#pragma unroll
+                for (int n = 0; n < NK; n++) {
+                    uint32_t b = *(const uint32_t *)(svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4);
+                    apf_mma(acc[n], p0, p1, b);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    /* The row sums are spread over the quad. */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (qpos[h] < 0) continue;
+        if (p.n_splits == 1) {
+            /* l == 0 only when no position was seen; a NaN sum stays NaN. */
+            float inv = l[h] == 0.0f ? 0.0f : 1.0f / l[h];
+            float *o = a.out + (int64_t)qrow[h] * width + (int64_t)qhead[h] * HD + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NK; n++) *(float2 *)(o + 8 * n) = make_float2(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+        } else {
+            int64_t slot = ((int64_t)z * a.n_tokens + qrow[h]) * a.n_heads + qhead[h];
+            float *o = p.part_acc + slot * HD + 2 * t4;
+#pragma unroll
+            for (int n = 0; n < NK; n++) *(float2 *)(o + 8 * n) = make_float2(acc[n][2 * h], acc[n][2 * h + 1]);
+            if (t4 == 0) {
+                p.part_ml[slot * 2] = m[h];
+                p.part_ml[slot * 2 + 1] = l[h];
+            }
+        }
+    }
+}
+
+/* Merge the splits of one (row, head): weights exp(m_z - max m); a split
+ * that saw nothing (max -inf) adds nothing, a NaN sum makes the row NaN. */
+__global__ void attention_prefill_combine_kernel(float *out, const float *part_acc, const float *part_ml,
+                                                 int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
+    const int32_t row = blockIdx.x, head = blockIdx.y;
+    float mx = -INFINITY;
+    for (int z = 0; z < n_splits; z++)
+        mx = fmaxf(mx, part_ml[(((int64_t)z * n_tokens + row) * n_heads + head) * 2]);
+    float l = 0.0f;
+    for (int z = 0; z < n_splits; z++) {
+        const float *ml = part_ml + (((int64_t)z * n_tokens + row) * n_heads + head) * 2;
+        if (ml[0] != -INFINITY) l += ml[1] * __expf(ml[0] - mx);
+    }
+    float inv = l == 0.0f ? 0.0f : 1.0f / l;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int z = 0; z < n_splits; z++) {
+            int64_t slot = ((int64_t)z * n_tokens + row) * n_heads + head;
+            float mz = part_ml[slot * 2];
+            if (mz != -INFINITY) acc += part_acc[slot * hd + d] * __expf(mz - mx);
+        }
+        out[((int64_t)row * n_heads + head) * hd + d] = acc * inv;
+    }
+}
+
+extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
+    const char *env = getenv("LLM_CUDA_PREFILL_TC");
+    if (env && strcmp(env, "0") == 0) return 0;
+    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0) return 0;
+    int32_t G = a->n_heads / a->n_kv_heads;
+    return a->n_tokens > a->n_seqs && a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) &&
+           G <= APF_BQ && (G & (G - 1)) == 0 && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->out % 16 == 0 &&
+           (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
+}
+
+extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    if (!cuda_attention_prefill_takes(a))
+        return cuda_fail(ctx, STATUS_UNSUPPORTED,
+                         "attention_prefill: %s cache, head_dim %d, %d heads over %d KV heads, %d rows of %d sequences",
+                         dtype_name(a->kv_type), a->head_dim, a->n_heads, a->n_kv_heads, a->n_tokens, a->n_seqs);
+    struct apf_params p;
+    memset(&p, 0, sizeof p);
+    p.a = *a;
+    p.G = a->n_heads / a->n_kv_heads;
+    p.tq = APF_BQ / p.G;
+    /* Every tile holds at least one row, and a sequence wastes at most one
+     * partial tile; surplus blocks return at once. */
+    int64_t tiles = (a->n_tokens + p.tq - 1) / p.tq + a->n_seqs;
+    if (tiles > a->n_tokens) tiles = a->n_tokens;
+    int64_t busy = (a->n_tokens + p.tq - 1) / p.tq;
+    int64_t blocks = busy * a->n_kv_heads;
+    /* Split the context until about one block per multiprocessor is busy
+     * (each split at least 4 tiles of positions): a prefill of 512 rows of
+     * a 7B model is 256 blocks and stays whole; a short chunk at a long
+     * context splits. */
+    int64_t want = (ctx->n_sms + blocks - 1) / blocks;
+    int64_t by_ctx = ((int64_t)a->max_ctx + 4 * APF_BK - 1) / (4 * APF_BK);
+    int64_t splits = want < by_ctx ? want : by_ctx;
+    if (splits > 32) splits = 32;
+    if (splits < 1) splits = 1;
+    int64_t chunk = ((int64_t)a->max_ctx + splits - 1) / splits;
+    chunk = (chunk + APF_BK - 1) / APF_BK * APF_BK;
+    if (chunk < APF_BK) chunk = APF_BK;
+    splits = ((int64_t)a->max_ctx + chunk - 1) / chunk;
+    if (splits < 1) splits = 1;
+    p.chunk = (int32_t)chunk;
+    p.n_splits = (int32_t)splits;
+    if (p.n_splits > 1) {
+        size_t slots = (size_t)p.n_splits * a->n_tokens * a->n_heads;
+        float *scr = (float *)cuda_scratch(ctx, slots * ((size_t)a->head_dim + 2) * sizeof(float));
+        if (!scr) return STATUS_NO_MEMORY;
+        p.part_acc = scr;
+        p.part_ml = scr + slots * a->head_dim;
+    }
+    dim3 grid((unsigned)tiles, (unsigned)a->n_kv_heads, (unsigned)p.n_splits);
+    if (a->head_dim == 64) attention_prefill_kernel<64><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    else attention_prefill_kernel<128><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    if (p.n_splits > 1) {
+        attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,
+                                           CUDA_STREAM(ctx)>>>(a->out, p.part_acc, p.part_ml, p.n_splits,
+                                                               a->n_tokens, a->n_heads, a->head_dim);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    return STATUS_OK;
+}

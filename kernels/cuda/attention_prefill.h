@@ -1,0 +1,28 @@
+/* Tensor-core flash attention for attention batches that hold prefill
+ * rows (attention_prefill.cu), as plain prototypes for attention.cu's
+ * dispatch.  Nothing here allocates beyond the backend's scratch. */
+#ifndef KERNELS_CUDA_ATTENTION_PREFILL_H
+#define KERNELS_CUDA_ATTENTION_PREFILL_H
+
+#include "cuda_ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 if cuda_attention_prefill takes this batch: some sequence has more
+ * than one row, F16 cache, head_dim 64 or 128, query heads per KV head a
+ * power of two up to 64, 16-byte aligned q, out and cache, and the
+ * variable LLM_CUDA_PREFILL_TC is not "0" (it exists to measure the
+ * general kernel against this one). */
+int cuda_attention_prefill_takes(const struct cuda_attn_args *a);
+/* The same result as cuda_attention for a batch it takes (Q and the
+ * probabilities rounded to F16 for the tensor cores, F32 softmax and
+ * accumulation).  Arguments already checked by cuda_attention. */
+int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
