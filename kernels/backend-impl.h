@@ -35,6 +35,13 @@ struct backend_i {
                      const struct backend_attn_batch *batch, int32_t n_heads, float scale);
     int (*convert)(backend *b, void *dst, enum dtype dst_type, const void *src,
                    enum dtype src_type, int64_t n);
+    /* Optional (NULL: host_alloc is malloc, graphs are unsupported). */
+    void *(*host_alloc)(backend *b, size_t bytes);
+    void (*host_free)(backend *b, void *p);
+    int (*graph_begin)(backend *b);
+    int (*graph_end)(backend *b, backend_graph **out);
+    int (*graph_launch)(backend *b, backend_graph *g);
+    void (*graph_free)(backend *b, backend_graph *g);
 };
 
 /* Every backend struct starts with this header. */

@@ -6,6 +6,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 int backend_fail(backend *b, int code, const char *fmt, ...) {
@@ -127,6 +128,37 @@ int backend_attention(backend *b, float *out, const float *q, const struct backe
 int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
                     enum dtype src_type, int64_t n) {
     return n ? b->i->convert(b, dst, dst_type, src, src_type, n) : STATUS_OK;
+}
+
+void *backend_host_alloc(backend *b, size_t bytes) {
+    if (!bytes) bytes = 1;
+    if (b->i->host_alloc) return b->i->host_alloc(b, bytes);
+    void *p = malloc(bytes);
+    if (!p) backend_fail(b, STATUS_NO_MEMORY, "host buffer of %zu bytes: out of memory", bytes);
+    return p;
+}
+void backend_host_free(backend *b, void *p) {
+    if (!p) return;
+    if (b->i->host_free) b->i->host_free(b, p);
+    else free(p);
+}
+
+int backend_has_graphs(const backend *b) { return b->i->graph_begin != NULL; }
+int backend_graph_begin(backend *b) {
+    if (!b->i->graph_begin) return backend_fail(b, STATUS_UNSUPPORTED, "%s has no graphs", backend_name(b));
+    return b->i->graph_begin(b);
+}
+int backend_graph_end(backend *b, backend_graph **out) {
+    *out = NULL;
+    if (!b->i->graph_end) return backend_fail(b, STATUS_UNSUPPORTED, "%s has no graphs", backend_name(b));
+    return b->i->graph_end(b, out);
+}
+int backend_graph_launch(backend *b, backend_graph *g) {
+    if (!b->i->graph_launch) return backend_fail(b, STATUS_UNSUPPORTED, "%s has no graphs", backend_name(b));
+    return b->i->graph_launch(b, g);
+}
+void backend_graph_free(backend *b, backend_graph *g) {
+    if (g && b->i->graph_free) b->i->graph_free(b, g);
 }
 
 #ifndef LLM_HAVE_CUDA

@@ -116,4 +116,33 @@ int backend_attention(backend *b, float *out, const float *q, const struct backe
 int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
                     enum dtype src_type, int64_t n);
 
+/* Host memory for buffers that are uploaded every step: page-locked on the
+ * GPU (so backend_upload from it is a true asynchronous copy), plain heap
+ * memory on the CPU.  NULL when it cannot be had; free with
+ * backend_host_free (NULL is fine). */
+void *backend_host_alloc(backend *b, size_t bytes);
+void backend_host_free(backend *b, void *p);
+
+/* Graphs: a sequence of ops recorded once and replayed with one launch
+ * (CUDA graphs), so a step of hundreds of small kernels costs one host
+ * call.  Between backend_graph_begin and backend_graph_end the ops are
+ * recorded, not run; their arguments (pointers, sizes) are baked in, so
+ * whatever changes between replays must be read by the kernels from
+ * backend memory that the caller rewrites before each launch.  No op
+ * recorded may need new memory (run the same ops once outside a graph
+ * first so every scratch buffer has its size).  The CPU backend has no
+ * graphs: begin returns STATUS_UNSUPPORTED. */
+typedef struct backend_graph backend_graph;
+int backend_has_graphs(const backend *b);
+int backend_graph_begin(backend *b);
+/* Ends the recording (always, also after a failed op in between) and
+ * returns 0 and *out, freed with backend_graph_free, or a negative status
+ * (then *out is NULL and the recording is dropped). */
+int backend_graph_end(backend *b, backend_graph **out);
+/* Queues one replay on the stream.  STATUS_UNAVAILABLE: the graph refers
+ * to backend scratch memory that has been replaced since it was recorded
+ * (free it and record again). */
+int backend_graph_launch(backend *b, backend_graph *g);
+void backend_graph_free(backend *b, backend_graph *g);
+
 #endif

@@ -3,10 +3,12 @@
  * tables, rows needing logits) in one int32 array and uploads it at once;
  * then the layers run as backend ops on the preallocated scratch, with no
  * allocation and no synchronisation until the logits (or hidden states)
- * are downloaded at the end. */
+ * are downloaded at the end.  Decode-only steps on a backend with graphs
+ * are recorded once per sequence count and replayed with one launch. */
 #include "forward.h"
 #include "stage-impl.h"
 
+#include "common/log.h"
 #include "common/status.h"
 
 #include <math.h>
@@ -106,7 +108,11 @@ struct forward_meta {
     int32_t max_blocks, max_ctx, n_rows;
 };
 
-static void forward_layout(stage *s, const struct forward_batch *batch, int32_t T, struct forward_meta *mt) {
+/* fixed = 1 (a step replayed from a graph): block tables padded to the
+ * stage's capacity and the context bound at n_ctx_max, so that the layout
+ * and every size an op is launched with depend on the sequence count only. */
+static void forward_layout(stage *s, const struct forward_batch *batch, int32_t T, int fixed,
+                           struct forward_meta *mt) {
     int32_t S = batch->n_seqs, bs = s->cfg.block_size;
     int32_t *h = s->meta_host;
     mt->max_blocks = 1;
@@ -115,6 +121,10 @@ static void forward_layout(stage *s, const struct forward_batch *batch, int32_t 
         if (batch->seqs[i].n_blocks > mt->max_blocks) mt->max_blocks = batch->seqs[i].n_blocks;
         int32_t end = batch->seqs[i].pos0 + batch->seqs[i].n_tokens;
         if (end > mt->max_ctx) mt->max_ctx = end;
+    }
+    if (fixed) {
+        mt->max_blocks = s->max_blocks_per_seq;
+        mt->max_ctx = s->cfg.n_ctx_max;
     }
     mt->ids = 0;
     mt->pos = T;
@@ -152,47 +162,26 @@ static void forward_layout(stage *s, const struct forward_batch *batch, int32_t 
                                 backend_name(b), backend_errstr(b));                            \
     } while (0)
 
-int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
-                 size_t errlen) {
+/* The ops of a step from its input rows in s->x (the first stage embeds
+ * them here) to the residual stream after the stage's last layer: what a
+ * graph records.  Every per-step value is read from the metadata in
+ * backend memory; the host values used are the row and sequence counts
+ * and mt's bounds. */
+static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, int32_t T, char *err,
+                          size_t errlen) {
     backend *b = s->b;
     const struct model_hparams *hp = &s->hp;
-    int32_t T = 0, layer = -1;
-    if (out) out->n_logits = 0;
-    int rc = forward_check(s, batch, &T, err, errlen);
-    if (rc != STATUS_OK) return rc;
-    /* The previous step's metadata upload may still read meta_host (an
-     * asynchronous copy on a GPU) if that step ended without a download. */
-    if (s->unsynced) {
-        FORWARD_TRY(backend_sync(b), "sync");
-        s->unsynced = 0;
-    }
-    struct forward_meta mt;
-    forward_layout(s, batch, T, &mt);
-    int32_t *md = s->meta;
-    FORWARD_TRY(backend_upload(b, md, s->meta_host, (size_t)mt.used * sizeof(int32_t)), "metadata upload");
-    if (batch->n_copies > 0) {
-        rc = kvcache_copy_blocks(s->kv, batch->copies, batch->n_copies, err, errlen);
-        if (rc != STATUS_OK) return rc;
-    }
-
-    const size_t dim = (size_t)hp->dim;
-    if (s->first) {
-        FORWARD_TRY(backend_embed(b, s->x, &s->tok_embd, md + mt.ids, T), "embed");
-    } else if (batch->hidden_in_backend) {
-        if (batch->hidden_in != s->x)
-            FORWARD_TRY(backend_copy(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden copy");
-    } else {
-        FORWARD_TRY(backend_upload(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden upload");
-    }
-
+    const int32_t *md = s->meta;
+    int32_t layer = -1;
+    if (s->first) FORWARD_TRY(backend_embed(b, s->x, &s->tok_embd, md + mt->ids, T), "embed");
     struct backend_attn_batch ab = {
-        .n_seqs = batch->n_seqs,
+        .n_seqs = S,
         .n_tokens = T,
-        .max_blocks = mt.max_blocks,
-        .max_ctx = mt.max_ctx,
-        .seq_tok0 = md + mt.seq_tok0,
-        .seq_pos0 = md + mt.seq_pos0,
-        .block_tables = md + mt.tables,
+        .max_blocks = mt->max_blocks,
+        .max_ctx = mt->max_ctx,
+        .seq_tok0 = md + mt->seq_tok0,
+        .seq_pos0 = md + mt->seq_pos0,
+        .block_tables = md + mt->tables,
     };
     const float scale = 1.0f / sqrtf((float)hp->head_dim);
     const int32_t n_freq = hp->head_dim / 2;
@@ -219,9 +208,9 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
                 FORWARD_TRY(backend_add(b, s->v + (size_t)t * s->kv_dim, l->bv, s->kv_dim), "bias v");
             }
         }
-        FORWARD_TRY(backend_rope(b, s->q, md + mt.pos, T, hp->n_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope q");
-        FORWARD_TRY(backend_rope(b, s->k, md + mt.pos, T, hp->n_kv_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope k");
-        FORWARD_TRY(backend_kv_write(b, kv, s->k, s->v, md + mt.slots, T), "kv_write");
+        FORWARD_TRY(backend_rope(b, s->q, md + mt->pos, T, hp->n_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope q");
+        FORWARD_TRY(backend_rope(b, s->k, md + mt->pos, T, hp->n_kv_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope k");
+        FORWARD_TRY(backend_kv_write(b, kv, s->k, s->v, md + mt->slots, T), "kv_write");
         FORWARD_TRY(backend_attention(b, s->att, s->q, kv, &ab, hp->n_heads, scale), "attention");
         FORWARD_TRY(backend_matmul(b, s->proj, &l->wo, s->att, T), "matmul attn_output");
         FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->ffn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
@@ -233,6 +222,139 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     }
     layer = -1;
     if (pending) FORWARD_TRY(backend_add(b, s->x, s->proj, (int64_t)T * hp->dim), "residual add");
+    return STATUS_OK;
+}
+
+/* lm_head over logit rows r0 .. r0 + n (n <= n_logits_max) into s->logits. */
+static int forward_lm_head(stage *s, const struct forward_meta *mt, int32_t r0, int32_t n, char *err,
+                           size_t errlen) {
+    backend *b = s->b;
+    const struct model_hparams *hp = &s->hp;
+    int32_t layer = -1;
+    FORWARD_TRY(backend_get_rows(b, s->xl, s->x, s->meta + mt->rows + r0, n, hp->dim), "get_rows");
+    FORWARD_TRY(backend_rmsnorm(b, s->xln, s->xl, s->output_norm, n, hp->dim, hp->rms_eps), "output_norm");
+    FORWARD_TRY(backend_matmul(b, s->logits, s->lm_head, s->xln, n), "lm_head");
+    return STATUS_OK;
+}
+
+/* The graph key of a batch, or -1 when it runs op by op: graphs take
+ * decode-only batches (one row per sequence) that want logits for every
+ * row or for none (on the last stage), at most n_logits_max of them. */
+static int forward_graph_key(const stage *s, const struct forward_batch *batch, const struct forward_out *out) {
+    if (!s->graphs_on) return -1;
+    int32_t S = batch->n_seqs, n_want = 0;
+    for (int32_t i = 0; i < S; i++) {
+        if (batch->seqs[i].n_tokens != 1) return -1;
+        n_want += batch->seqs[i].logits != FORWARD_LOGITS_NONE;
+    }
+    int logits = 0;
+    if (s->last && out && out->logits && n_want > 0) {
+        if (n_want != S || S > s->cfg.n_logits_max) return -1;
+        logits = 1;
+    }
+    int key = (S - 1) * 2 + logits;
+    return s->graph_dead[key] ? -1 : key;
+}
+
+static int forward_graph_ops(stage *s, const struct forward_meta *mt, int32_t S, int logits, char *err,
+                             size_t errlen) {
+    int rc = forward_layers(s, mt, S, S, err, errlen);
+    if (rc == STATUS_OK && logits) rc = forward_lm_head(s, mt, 0, S, err, errlen);
+    return rc;
+}
+
+/* Records the ops of key's steps into s->graphs[key] (not running them).
+ * A failure is not the step's: the key is marked to run op by op. */
+static void forward_graph_record(stage *s, int key, const struct forward_meta *mt, int32_t S, int logits) {
+    backend *b = s->b;
+    char why[512] = "";
+    int rc = backend_graph_begin(b);
+    if (rc == STATUS_OK) {
+        int rc_ops = forward_graph_ops(s, mt, S, logits, why, sizeof why);
+        backend_graph *g = NULL;
+        rc = backend_graph_end(b, &g);
+        if (rc != STATUS_OK) snprintf(why, sizeof why, "%s", backend_errstr(b));
+        else if (rc_ops != STATUS_OK) rc = rc_ops;
+        if (rc == STATUS_OK) {
+            s->graphs[key] = g;
+            LOG(LL_DEBUG, "stage [%d, %d): decode graph of %d sequences%s recorded", s->cfg.layer_first,
+                s->cfg.layer_last, S, logits ? " with logits" : "");
+            return;
+        }
+        backend_graph_free(b, g);
+    } else {
+        snprintf(why, sizeof why, "%s", backend_errstr(b));
+    }
+    s->graph_dead[key] = 1;
+    LOG(LL_WARN, "stage [%d, %d): decode steps of %d sequences run without a graph: %s (%s)",
+        s->cfg.layer_first, s->cfg.layer_last, S, why, status_str(rc));
+}
+
+/* A decode step of key's shape: replays its graph; the first step of the
+ * shape runs op by op (so every scratch buffer gets its size before a
+ * recording, which must not allocate) and records the graph for the next. */
+static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, int32_t S, int logits,
+                              char *err, size_t errlen) {
+    backend *b = s->b;
+    if (!s->graphs[key]) {
+        int rc = forward_graph_ops(s, mt, S, logits, err, errlen);
+        if (rc == STATUS_OK) forward_graph_record(s, key, mt, S, logits);
+        return rc;
+    }
+    int rc = backend_graph_launch(b, s->graphs[key]);
+    if (rc == STATUS_UNAVAILABLE) {
+        /* Scratch moved (a larger step grew it): the sizes this shape needs
+         * fit in the new buffer, so record again and replay. */
+        backend_graph_free(b, s->graphs[key]);
+        s->graphs[key] = NULL;
+        forward_graph_record(s, key, mt, S, logits);
+        if (!s->graphs[key]) return forward_graph_ops(s, mt, S, logits, err, errlen);
+        rc = backend_graph_launch(b, s->graphs[key]);
+    }
+    if (rc != STATUS_OK)
+        return forward_fail(err, errlen, rc, "step: graph of %d sequences on %s: %s", S, backend_name(b),
+                            backend_errstr(b));
+    return STATUS_OK;
+}
+
+int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
+                 size_t errlen) {
+    backend *b = s->b;
+    const struct model_hparams *hp = &s->hp;
+    int32_t T = 0, layer = -1;
+    if (out) out->n_logits = 0;
+    int rc = forward_check(s, batch, &T, err, errlen);
+    if (rc != STATUS_OK) return rc;
+    /* The previous step's metadata upload may still read meta_host (an
+     * asynchronous copy on a GPU) if that step ended without a download. */
+    if (s->unsynced) {
+        FORWARD_TRY(backend_sync(b), "sync");
+        s->unsynced = 0;
+    }
+    const int key = forward_graph_key(s, batch, out);
+    struct forward_meta mt;
+    forward_layout(s, batch, T, key >= 0, &mt);
+    int32_t *md = s->meta;
+    FORWARD_TRY(backend_upload(b, md, s->meta_host, (size_t)mt.used * sizeof(int32_t)), "metadata upload");
+    if (batch->n_copies > 0) {
+        rc = kvcache_copy_blocks(s->kv, batch->copies, batch->n_copies, err, errlen);
+        if (rc != STATUS_OK) return rc;
+    }
+
+    const size_t dim = (size_t)hp->dim;
+    if (!s->first && batch->hidden_in_backend) {
+        if (batch->hidden_in != s->x)
+            FORWARD_TRY(backend_copy(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden copy");
+    } else if (!s->first) {
+        FORWARD_TRY(backend_upload(b, s->x, batch->hidden_in, T * dim * sizeof(float)), "hidden upload");
+    }
+
+    /* A graph step leaves the logits of all its rows (at most
+     * n_logits_max) in s->logits; otherwise the lm_head runs below. */
+    int graph_logits = key >= 0 && (key & 1);
+    rc = key >= 0 ? forward_graph_step(s, key, &mt, T, graph_logits, err, errlen)
+                  : forward_layers(s, &mt, batch->n_seqs, T, err, errlen);
+    if (rc != STATUS_OK) return rc;
 
     if (!s->last) {
         if (out && out->hidden)
@@ -249,9 +371,10 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     const int32_t L = s->cfg.n_logits_max;
     for (int32_t r0 = 0; r0 < mt.n_rows; r0 += L) {
         int32_t n = mt.n_rows - r0 < L ? mt.n_rows - r0 : L;
-        FORWARD_TRY(backend_get_rows(b, s->xl, s->x, md + mt.rows + r0, n, hp->dim), "get_rows");
-        FORWARD_TRY(backend_rmsnorm(b, s->xln, s->xl, s->output_norm, n, hp->dim, hp->rms_eps), "output_norm");
-        FORWARD_TRY(backend_matmul(b, s->logits, s->lm_head, s->xln, n), "lm_head");
+        if (!graph_logits) {
+            rc = forward_lm_head(s, &mt, r0, n, err, errlen);
+            if (rc != STATUS_OK) return rc;
+        }
         FORWARD_TRY(backend_download(b, out->logits + (size_t)r0 * hp->n_vocab, s->logits,
                                      (size_t)n * hp->n_vocab * sizeof(float)), "logits download");
     }

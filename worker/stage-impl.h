@@ -47,9 +47,16 @@ struct stage {
     float *xl, *xln;   /* (L, dim) rows picked for logits, then normed */
     float *logits;     /* (L, n_vocab) */
     int32_t *meta;     /* step metadata (ids, positions, slots, seqs, tables, rows) */
-    int32_t *meta_host;/* host mirror, uploaded once per step */
+    int32_t *meta_host;/* host mirror (backend_host_alloc: page-locked on a GPU), uploaded once per step */
     size_t meta_cap;   /* int32 entries of meta and meta_host */
     int unsynced;      /* the last step ended without waiting for the backend */
+
+    /* Decode steps replayed as backend graphs (forward.c): one per
+     * sequence count and logits wanted or not, index
+     * (n_seqs - 1) * 2 + logits.  NULL until recorded. */
+    int graphs_on;             /* the backend has graphs and LLM_CUDA_GRAPHS is not 0 */
+    backend_graph **graphs;    /* (2 * n_seqs_max) */
+    unsigned char *graph_dead; /* (2 * n_seqs_max) 1: recording failed, that key runs ops */
 };
 
 #endif

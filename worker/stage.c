@@ -185,9 +185,20 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
      * blocks), logit rows (T). */
     s->meta_cap = 4 * T + 2 * S + 1 + S * (size_t)s->max_blocks_per_seq;
     s->meta = backend_alloc(s->b, s->meta_cap * sizeof(int32_t));
-    s->meta_host = malloc(s->meta_cap * sizeof(int32_t));
+    s->meta_host = backend_host_alloc(s->b, s->meta_cap * sizeof(int32_t));
     if (!s->meta || !s->meta_host)
-        return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints)", s->meta_cap);
+        return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints): %s", s->meta_cap,
+                          backend_errstr(s->b));
+    /* Decode graphs: LLM_CUDA_GRAPHS=0 keeps every step on separate
+     * launches, to compare. */
+    const char *env = getenv("LLM_CUDA_GRAPHS");
+    s->graphs_on = backend_has_graphs(s->b) && !(env && strcmp(env, "0") == 0);
+    if (s->graphs_on) {
+        s->graphs = calloc(2 * S, sizeof *s->graphs);
+        s->graph_dead = calloc(2 * S, 1);
+        if (!s->graphs || !s->graph_dead)
+            return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
+    }
     return STATUS_OK;
 }
 
@@ -254,10 +265,11 @@ int stage_init(stage **out, const model_file *m, backend *b, const struct stage_
     rc = stage_alloc_scratch(s, err, errlen);
     if (rc != STATUS_OK) goto fail;
     LOG(LL_INFO, "stage: layers [%d, %d) of %s on %s: %.1f MiB weights, KV %d blocks x %d (%s, %.1f MiB), "
-        "step max %d tokens / %d seqs / %d ctx",
+        "step max %d tokens / %d seqs / %d ctx, decode graphs %s",
         s->cfg.layer_first, s->cfg.layer_last, model_file_path(m), backend_name(b),
         s->weight_bytes / 1048576.0, s->cfg.n_blocks, s->cfg.block_size, dtype_name(s->cfg.kv_type),
-        kvcache_bytes(s->kv) / 1048576.0, s->cfg.n_tokens_max, s->cfg.n_seqs_max, s->cfg.n_ctx_max);
+        kvcache_bytes(s->kv) / 1048576.0, s->cfg.n_tokens_max, s->cfg.n_seqs_max, s->cfg.n_ctx_max,
+        s->graphs_on ? "on" : "off");
     *out = s;
     return STATUS_OK;
 fail:
@@ -279,8 +291,12 @@ void stage_free(stage *s) {
     float *bufs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->proj, s->gate, s->up, s->ffn_h,
                      s->xl, s->xln, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) backend_dealloc(b, bufs[i]);
+    if (s->graphs)
+        for (int32_t i = 0; i < 2 * s->cfg.n_seqs_max; i++) backend_graph_free(b, s->graphs[i]);
+    free(s->graphs);
+    free(s->graph_dead);
     backend_dealloc(b, s->meta);
-    free(s->meta_host);
+    backend_host_free(b, s->meta_host);
     free(s);
 }
 
@@ -291,3 +307,9 @@ int stage_is_last(const stage *s) { return s->last; }
 backend *stage_backend(const stage *s) { return s->b; }
 kvcache *stage_kvcache(const stage *s) { return s->kv; }
 size_t stage_weight_bytes(const stage *s) { return s->weight_bytes; }
+int32_t stage_graphs_recorded(const stage *s) {
+    int32_t n = 0;
+    if (s->graphs)
+        for (int32_t i = 0; i < 2 * s->cfg.n_seqs_max; i++) n += s->graphs[i] != NULL;
+    return n;
+}

@@ -51,5 +51,8 @@ kvcache *stage_kvcache(const stage *s);
 /* Bytes of weights this stage reads for one token (matrices, norms,
  * embedding row excluded): what a decode step streams from memory. */
 size_t stage_weight_bytes(const stage *s);
+/* Decode-step graphs recorded so far (forward.c replays them); 0 on a
+ * backend without graphs or with LLM_CUDA_GRAPHS=0. */
+int32_t stage_graphs_recorded(const stage *s);
 
 #endif

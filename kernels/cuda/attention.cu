@@ -12,6 +12,7 @@
  * sequences in order.  Decode-only steps with an F16 cache take a kernel
  * of their own (attention_decode_kernel, below): K/V rows in registers,
  * no barrier per tile. */
+#include "attention_prefill.h"
 #include "common.cuh"
 
 #include <math.h>
@@ -28,6 +29,8 @@ struct att_params {
     int32_t kt;           /* KV positions per tile (<= 32) */
     int32_t chunk;        /* context positions per split */
     int32_t n_splits;
+    int32_t split_want;   /* decode kernel: most splits of one sequence (<= n_splits) */
+    int32_t split_step;   /* decode kernel: a split's positions are a multiple of this */
     float *part_acc;      /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;       /* (n_splits, n_tokens, n_heads, 2) running max and sum */
 };
@@ -268,7 +271,16 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
         else hi = mid - 1;
     }
     const int32_t s = lo, pos = a.seq_pos0[s] + (row - a.seq_tok0[s]);
-    const int32_t j_begin = z * p.chunk, j_end = min(j_begin + p.chunk, pos + 1);
+    /* The split of this row's own context, from its length in device
+     * memory: the launch (sized for the longest context allowed, say, in a
+     * replayed graph) has at least as many splits as any row uses, and the
+     * ones past a row's context exit empty.  A row's result depends on its
+     * length and split_want only, however large the grid. */
+    const int32_t len = pos + 1, step = p.split_step;
+    int32_t sp = min(p.split_want, (len + 2 * step - 1) / (2 * step));
+    sp = max(sp, 1);
+    const int32_t chunk = ((len + sp - 1) / sp + step - 1) / step * step;
+    const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
     const int32_t width = a.n_heads * HD;
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
@@ -400,14 +412,14 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     int64_t step = (int64_t)NS * U;
     int64_t want = (8LL * ctx->n_sms + blocks - 1) / blocks;
     int64_t by_ctx = (a->max_ctx + 2 * step - 1) / (2 * step);
+    if (want > 64) want = 64;
     int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits > 64) splits = 64;
     if (splits < 1) splits = 1;
-    int64_t chunk = (a->max_ctx + splits - 1) / splits;
-    chunk = (chunk + step - 1) / step * step;
-    splits = (a->max_ctx + chunk - 1) / chunk;
-    if (splits < 1) splits = 1;
-    p->chunk = (int32_t)chunk;
+    /* The kernel cuts each row's own context (its length is read on the
+     * device): here only the grid, enough splits for the longest. */
+    p->split_want = (int32_t)want;
+    p->split_step = (int32_t)step;
+    p->chunk = 0;
     p->n_splits = (int32_t)splits;
     if (p->n_splits > 1) {
         size_t slots = (size_t)p->n_splits * a->n_tokens * a->n_heads;
@@ -475,6 +487,8 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: cache type %s", dtype_name(a->kv_type));
     if (a->n_tokens == 0) return STATUS_OK;
+    /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
+    if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
     struct att_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;

@@ -14,8 +14,12 @@
 struct backend_cuda {
     struct backend base; /* first: the handle the public API passes around */
     struct cuda_ctx *ctx;
+    void *cublas_ws;     /* cuBLAS workspace, set before the first graph is recorded */
     char name[160];
 };
+
+/* Hopper's recommended cuBLAS workspace (4 MiB is enough before sm_90). */
+#define BC_CUBLAS_WS_BYTES ((size_t)32 << 20)
 
 static struct cuda_ctx *ctx_of(backend *b) { return ((struct backend_cuda *)b)->ctx; }
 
@@ -23,6 +27,11 @@ static const char *bc_name(const backend *b) { return ((const struct backend_cud
 
 static void bc_free(backend *b) {
     struct backend_cuda *c = (struct backend_cuda *)b;
+    if (c->cublas_ws) {
+        cuda_sync(c->ctx);
+        cuda_cublas_workspace(c->ctx, NULL, 0);
+        cuda_free(c->ctx, c->cublas_ws);
+    }
     cuda_ctx_free(c->ctx);
     free(c);
 }
@@ -105,6 +114,36 @@ static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *sr
     return cuda_convert(ctx_of(b), dst, dst_type, src, src_type, n);
 }
 
+static void *bc_host_alloc(backend *b, size_t bytes) { return cuda_host_alloc(ctx_of(b), bytes); }
+static void bc_host_free(backend *b, void *p) { cuda_host_free(ctx_of(b), p); }
+
+static int bc_graph_begin(backend *b) {
+    struct backend_cuda *c = (struct backend_cuda *)b;
+    /* cuBLAS would otherwise pick its own workspace, which a recording
+     * must not allocate. */
+    if (!c->cublas_ws) {
+        c->cublas_ws = cuda_malloc(c->ctx, BC_CUBLAS_WS_BYTES);
+        if (!c->cublas_ws) return STATUS_NO_MEMORY;
+        int rc = cuda_cublas_workspace(c->ctx, c->cublas_ws, BC_CUBLAS_WS_BYTES);
+        if (rc != STATUS_OK) {
+            cuda_free(c->ctx, c->cublas_ws);
+            c->cublas_ws = NULL;
+            return rc;
+        }
+    }
+    return cuda_graph_begin(c->ctx);
+}
+static int bc_graph_end(backend *b, backend_graph **out) {
+    struct cuda_graph *g = NULL;
+    int rc = cuda_graph_end(ctx_of(b), &g);
+    *out = (backend_graph *)g;
+    return rc;
+}
+static int bc_graph_launch(backend *b, backend_graph *g) {
+    return cuda_graph_launch(ctx_of(b), (struct cuda_graph *)g);
+}
+static void bc_graph_free(backend *b, backend_graph *g) { cuda_graph_free(ctx_of(b), (struct cuda_graph *)g); }
+
 static const struct backend_i cuda_iface = {
     .name = bc_name,
     .free = bc_free,
@@ -129,6 +168,12 @@ static const struct backend_i cuda_iface = {
     .kv_write = bc_kv_write,
     .attention = bc_attention,
     .convert = bc_convert,
+    .host_alloc = bc_host_alloc,
+    .host_free = bc_host_free,
+    .graph_begin = bc_graph_begin,
+    .graph_end = bc_graph_end,
+    .graph_launch = bc_graph_launch,
+    .graph_free = bc_graph_free,
 };
 
 int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {

@@ -122,6 +122,22 @@ struct cuda_attn_args {
 };
 int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
 
+/* ---- graph.cu: CUDA graphs of the stream, page-locked host memory ---- */
+struct cuda_graph; /* an instantiated graph and the scratch it was recorded with */
+/* Page-locked host memory (cudaHostAlloc); NULL with ctx->err on failure. */
+void *cuda_host_alloc(struct cuda_ctx *ctx, size_t bytes);
+void cuda_host_free(struct cuda_ctx *ctx, void *p);
+/* Gives cuBLAS a workspace of its own (cublasSetWorkspace), so a recorded
+ * GEMM never allocates; ws NULL restores cuBLAS's default. */
+int cuda_cublas_workspace(struct cuda_ctx *ctx, void *ws, size_t bytes);
+/* Starts recording ctx->stream (this thread's calls only). */
+int cuda_graph_begin(struct cuda_ctx *ctx);
+/* Stops recording and instantiates; *out NULL on failure. */
+int cuda_graph_end(struct cuda_ctx *ctx, struct cuda_graph **out);
+/* STATUS_UNAVAILABLE when ctx->scratch is no longer the buffer recorded. */
+int cuda_graph_launch(struct cuda_ctx *ctx, struct cuda_graph *g);
+void cuda_graph_free(struct cuda_ctx *ctx, struct cuda_graph *g);
+
 #ifdef __cplusplus
 }
 #endif

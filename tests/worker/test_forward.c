@@ -752,9 +752,95 @@ TEST(forward_gpu_matches_cpu) {
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) ASSERT_TRUE(ok[c]);
 }
 
+/* ---- Decode steps replayed from graphs ---- */
+
+/* Decodes `steps` steps of n_seqs sequences (prompts of different lengths,
+ * so each decodes at its own position; block ids descending with a stride
+ * of 8, never in order) on a stage made with LLM_CUDA_GRAPHS=graphs, and
+ * returns every decode step's logits in out.  Step 2 asks for no logits
+ * (the graph without lm_head); a 100-token prefill of a sequence outside
+ * the batch comes after step 3 (a prefill between replays, which may grow
+ * the backend's scratch).  *recorded: graphs the stage recorded. */
+static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t steps, float *out,
+                           int32_t *recorded) {
+    char err[512];
+    setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    struct stage_config cfg;
+    stage_config_default(&cfg);
+    cfg.n_seqs_max = 9;
+    cfg.n_ctx_max = 128;
+    cfg.kv_type = DTYPE_F16;
+    struct fx f;
+    fx_open(&f, file, &cfg);
+    unsetenv("LLM_CUDA_GRAPHS");
+    const struct stage_config *c = stage_config_get(f.s);
+    const int32_t per_seq = c->n_ctx_max / c->block_size, V = f.n_vocab;
+    ASSERT_EQ(512, V); /* the caller's buffer */
+    int32_t tables[9][16], ids[9][128];
+    ASSERT_TRUE(per_seq <= 16 && c->n_blocks >= 9 * per_seq);
+    for (int32_t i = 0; i < 9; i++) {
+        for (int32_t j = 0; j < per_seq; j++) tables[i][j] = c->n_blocks - 1 - (j * 9 + i);
+        make_ids(ids[i], 128, 100 + (uint32_t)i, V);
+    }
+    int32_t len[9];
+    struct forward_seq q[9];
+    struct forward_out o = {NULL, 0, NULL};
+    for (int32_t i = 0; i < n_seqs; i++) {
+        len[i] = 3 + 7 * i;
+        q[0] = (struct forward_seq){ids[i], len[i], 0, tables[i], per_seq, FORWARD_LOGITS_LAST};
+        struct forward_batch bt = {q, 1, NULL, 0, NULL, 0};
+        if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("prefill %d: %s", i, err);
+    }
+    for (int32_t k = 0; k < steps; k++) {
+        for (int32_t i = 0; i < n_seqs; i++)
+            q[i] = (struct forward_seq){&ids[i][len[i]], 1, len[i], tables[i], per_seq,
+                                        k == 2 ? FORWARD_LOGITS_NONE : FORWARD_LOGITS_LAST};
+        struct forward_batch bt = {q, n_seqs, NULL, 0, NULL, 0};
+        o.logits = out + (size_t)k * n_seqs * V;
+        if (k == 2) memset(o.logits, 0, sizeof(float) * (size_t)n_seqs * V);
+        if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("decode step %d: %s", k, err);
+        ASSERT_EQ(k == 2 ? 0 : n_seqs, o.n_logits);
+        for (int32_t i = 0; i < n_seqs; i++) len[i]++;
+        if (k == 3) {
+            struct forward_seq p = {ids[8], 100, 0, tables[8], per_seq, FORWARD_LOGITS_LAST};
+            struct forward_batch bp = {&p, 1, NULL, 0, NULL, 0};
+            o.logits = NULL;
+            if (forward_step(f.s, &bp, &o, err, sizeof err) != 0) TEST_FAIL("prefill between: %s", err);
+        }
+    }
+    *recorded = stage_graphs_recorded(f.s);
+    fx_close(&f);
+}
+
+/* The same decode steps with graphs and without give the same logits, bit
+ * for bit, at batch 1, 3 and 8 (on a GPU; the CPU backend has no graphs and
+ * records none).  The F16 cache takes the decode attention kernel, whose
+ * split of a row's context depends on that row's length only. */
+TEST(forward_graphs_equal_ops) {
+    const char *dev = getenv("LLM_TEST_DEVICE");
+    const int gpu = dev && strncmp(dev, "cuda:", 5) == 0;
+    static const int32_t batches[] = {1, 3, 8};
+    const int32_t steps = 6;
+    const char *file = "synth256-q8_0.gguf";
+    for (size_t bi = 0; bi < sizeof batches / sizeof batches[0]; bi++) {
+        int32_t B = batches[bi], rec_on = 0, rec_off = 0;
+        size_t n = (size_t)steps * B * 512;
+        float *on = malloc(sizeof(float) * n), *off = malloc(sizeof(float) * n);
+        graph_scenario(file, 1, B, steps, on, &rec_on);
+        graph_scenario(file, 0, B, steps, off, &rec_off);
+        double d = max_abs_diff(on, off, n);
+        printf("  batch %d: %d graphs recorded, max abs diff with and without %.3g\n", B, rec_on, d);
+        ASSERT_EQ(0, rec_off);
+        ASSERT_EQ(gpu ? 2 : 0, rec_on); /* with logits and without */
+        ASSERT_TRUE(d == 0.0);
+        free(on);
+        free(off);
+    }
+}
+
 TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher_forced,
           forward_stories_q8_0_teacher_forced, forward_stories_q4_0_teacher_forced,
           forward_tiny_llama_hf_matches_reference, forward_batch_equals_single,
           forward_shared_prefix_copy_on_write, forward_two_stages_equal_one,
           forward_synth256_quants_close_to_f32, forward_f16_kv_cache_close_to_f32,
-          forward_rejects_bad_input, forward_gpu_matches_cpu)
+          forward_rejects_bad_input, forward_gpu_matches_cpu, forward_graphs_equal_ops)
