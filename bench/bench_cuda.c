@@ -11,6 +11,12 @@
  * quantized decode kernels (matmul_gemv.cu against the tensor-core kernel,
  * LLM_CUDA_GEMV_MAX=0) on the 7B shapes.
  *
+ * With "prefill", only the ceilings and a 7B-shaped prefill of 512 tokens
+ * op by op: the q/k/v/o, gate/up and down matmuls at n = 512 (F16, Q8_0,
+ * Q4_K, Q6_K; quantized weights with dequantized tiles of 16 MiB, the old
+ * size, and of the default size), attention over 512 tokens (tensor-core
+ * kernel against LLM_CUDA_PREFILL_TC=0), and their sum for 32 layers.
+ *
  * Inputs rotate over enough copies to exceed the L2 cache, so the numbers
  * are DRAM numbers.  Times are the median of 5 rounds. */
 #include <math.h>
@@ -236,6 +242,181 @@ static void gemv_compare(int device, double bw) {
     for (int m = 0; m < 2; m++) backend_free(bes[m]);
 }
 
+/* F16 GEMM rate: 8192 x 8192 weight, 4096 tokens, through backend_matmul;
+ * the activation conversion is timed alone and subtracted.  Returns
+ * FLOP/s. */
+static double gemm_ceiling(void) {
+    int64_t R = 8192, C = 8192;
+    int32_t n = 4096;
+    void *hw = host_weight(DTYPE_F16, R, C);
+    struct backend_weight w;
+    if (backend_weight_load(be, &w, DTYPE_F16, hw, R, C)) die("weight_load");
+    free(hw);
+    struct mm_arg m = {&w, 1, dev_random_f32((size_t)n * C), dev_alloc((size_t)n * R * 4), n};
+    double t = time_median(mm_fn, &m);
+    struct cv_arg cv = {dev_alloc((size_t)n * C * 2), m.x, (int64_t)n * C};
+    double tc = time_median(cv_fn, &cv);
+    double flops = 2.0 * R * C * n;
+    double rate = flops / (t - tc);
+    printf("F16 GEMM (cuBLAS, F32 accumulate) %lldx%lld x %d tokens: %.1f TFLOP/s (%.1f with the F32->F16 "
+           "activation conversion, %.3f ms of %.3f ms)\n",
+           (long long)R, (long long)C, n, flops / (t - tc) / 1e12, flops / t / 1e12, tc * 1e3, t * 1e3);
+    backend_dealloc(be, cv.dst);
+    backend_dealloc(be, m.x);
+    backend_dealloc(be, m.out);
+    backend_weight_free(be, &w);
+    return rate;
+}
+
+/* ---- Prefill of 512 tokens, 7B shapes, op by op ---- */
+struct attn_arg {
+    struct backend_kv *kv;
+    struct backend_attn_batch ab;
+    float *q, *out;
+    int32_t n_heads;
+};
+static int attn_fn(void *arg, int i) {
+    (void)i;
+    struct attn_arg *a = arg;
+    return backend_attention(be, a->out, a->q, a->kv, &a->ab, a->n_heads, 1.0f / sqrtf(128.0f));
+}
+
+/* One sequence of n rows at positions pos0 .. pos0 + n - 1, 32 heads of
+ * 128 over n_kv KV heads, F16 cache in blocks of 16; the tensor-core
+ * kernel (tc) or the general one (LLM_CUDA_PREFILL_TC=0).  Seconds. */
+static double prefill_attention(int32_t n_kv, int32_t n, int32_t pos0, int tc) {
+    int32_t n_heads = 32, hd = 128, bs = 16, ctx = pos0 + n, nb = (ctx + bs - 1) / bs;
+    struct backend_kv kv;
+    if (backend_kv_init(be, &kv, DTYPE_F16, nb, bs, n_kv, hd)) die("kv_init");
+    size_t elems = (size_t)nb * bs * n_kv * hd;
+    uint16_t *h = malloc(elems * 2);
+    if (!h) die("host alloc");
+    for (size_t i = 0; i < elems; i++) h[i] = f32_to_fp16(rnd());
+    if (backend_upload(be, kv.k, h, elems * 2) || backend_upload(be, kv.v, h, elems * 2) || backend_sync(be))
+        die("upload kv");
+    free(h);
+    int32_t tok0[2] = {0, n}, p0[1] = {pos0}, *tab = malloc((size_t)nb * 4);
+    if (!tab) die("host alloc");
+    /* Blocks out of order (37 is prime to every nb used here). */
+    for (int32_t i = 0; i < nb; i++) tab[i] = (int32_t)((int64_t)i * 37 % nb);
+    int32_t *d0 = dev_alloc(sizeof tok0), *dp = dev_alloc(sizeof p0), *dt = dev_alloc((size_t)nb * 4);
+    if (backend_upload(be, d0, tok0, sizeof tok0) || backend_upload(be, dp, p0, sizeof p0) ||
+        backend_upload(be, dt, tab, (size_t)nb * 4) || backend_sync(be))
+        die("upload");
+    free(tab);
+    struct attn_arg a = {&kv, {1, n, nb, ctx, d0, dp, dt}, dev_random_f32((size_t)n * n_heads * hd),
+                         dev_alloc((size_t)n * n_heads * hd * 4), n_heads};
+    if (tc) unsetenv("LLM_CUDA_PREFILL_TC");
+    else setenv("LLM_CUDA_PREFILL_TC", "0", 1);
+    double t = time_median(attn_fn, &a);
+    unsetenv("LLM_CUDA_PREFILL_TC");
+    backend_dealloc(be, a.q);
+    backend_dealloc(be, a.out);
+    backend_dealloc(be, d0);
+    backend_dealloc(be, dp);
+    backend_dealloc(be, dt);
+    backend_kv_free(be, &kv);
+    return t;
+}
+
+/* matmul at n tokens of a rows x cols weight of type t, weights rotated
+ * over > 256 MiB; tile_mb sets LLM_CUDA_DEQUANT_TILE_MB (0: default).
+ * Seconds. */
+static double prefill_matmul(enum dtype t, int64_t R, int64_t C, int32_t n, int tile_mb) {
+    size_t wbytes = dtype_row_bytes(t, C) * R;
+    int n_w = (int)((256u << 20) / wbytes) + 1;
+    if (n_w > 8) n_w = 8;
+    struct backend_weight ws[8];
+    void *hw = host_weight(t, R, C);
+    for (int i = 0; i < n_w; i++)
+        if (backend_weight_load(be, &ws[i], t, hw, R, C)) die("weight_load");
+    free(hw);
+    float *x = dev_random_f32((size_t)n * C), *out = dev_alloc((size_t)n * R * 4);
+    char mb[16];
+    snprintf(mb, sizeof mb, "%d", tile_mb);
+    if (tile_mb > 0) setenv("LLM_CUDA_DEQUANT_TILE_MB", mb, 1);
+    else unsetenv("LLM_CUDA_DEQUANT_TILE_MB");
+    struct mm_arg m = {ws, n_w, x, out, n};
+    double s = time_median(mm_fn, &m);
+    unsetenv("LLM_CUDA_DEQUANT_TILE_MB");
+    backend_dealloc(be, x);
+    backend_dealloc(be, out);
+    for (int i = 0; i < n_w; i++) backend_weight_free(be, &ws[i]);
+    return s;
+}
+
+static void prefill_bench(double gemm_rate) {
+    const int32_t n = 512;
+    /* q, k, v, o: 4096 x 4096; gate, up: 11008 x 4096; down: 4096 x 11008. */
+    static const int64_t shapes[3][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}};
+    static const int per_layer[3] = {4, 2, 1};
+    static const char *names[3] = {"q/k/v/o", "gate/up", "down"};
+    static const enum dtype types[4] = {DTYPE_F16, DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q6_K};
+    printf("\nprefill, 512 tokens, 7B shapes; %% of the F16 GEMM rate above (%.1f TFLOP/s)\n", gemm_rate / 1e12);
+    printf("%-6s %-8s %-13s %12s %7s %7s %12s %7s %7s\n", "type", "op", "rows x cols", "tile 16M us", "TFLOP/s",
+           "of F16", "default us", "TFLOP/s", "of F16");
+    double layer[4][2];
+    for (int k = 0; k < 4; k++) {
+        layer[k][0] = layer[k][1] = 0.0;
+        for (int s = 0; s < 3; s++) {
+            int64_t R = shapes[s][0], C = shapes[s][1];
+            double fl = 2.0 * R * C * n;
+            double t16 = types[k] == DTYPE_F16 ? 0.0 : prefill_matmul(types[k], R, C, n, 16);
+            double td = prefill_matmul(types[k], R, C, n, 0);
+            if (types[k] == DTYPE_F16) t16 = td;
+            layer[k][0] += per_layer[s] * t16;
+            layer[k][1] += per_layer[s] * td;
+            printf("%-6s %-8s %5lldx%-7lld %12.1f %7.1f %6.1f%% %12.1f %7.1f %6.1f%%\n", dtype_name(types[k]),
+                   names[s], (long long)R, (long long)C, t16 * 1e6, fl / t16 / 1e12, 100.0 * fl / t16 / gemm_rate,
+                   td * 1e6, fl / td / 1e12, 100.0 * fl / td / gemm_rate);
+            fflush(stdout);
+        }
+    }
+    /* The activation conversion every matmul call does once (F32 -> F16). */
+    {
+        float *x = dev_random_f32((size_t)n * 11008);
+        struct cv_arg c4 = {dev_alloc((size_t)n * 11008 * 2), x, (int64_t)n * 4096};
+        struct cv_arg c11 = {c4.dst, x, (int64_t)n * 11008};
+        printf("F32->F16 activations, 512 x 4096: %.1f us; 512 x 11008: %.1f us\n", time_median(cv_fn, &c4) * 1e6,
+               time_median(cv_fn, &c11) * 1e6);
+        backend_dealloc(be, c4.dst);
+        backend_dealloc(be, x);
+    }
+
+    printf("\nprefill attention, 32 heads x 128, F16 cache, block 16: general kernel vs tensor cores\n");
+    printf("%-9s %6s %6s %12s %8s %12s %8s\n", "heads/kv", "rows", "pos0", "general us", "TFLOP/s", "tc us",
+           "TFLOP/s");
+    static const int32_t cases[4][3] = {{32, 512, 0}, {8, 512, 0}, {32, 512, 1536}, {32, 128, 3968}};
+    double att512[2] = {0.0, 0.0};
+    for (int c = 0; c < 4; c++) {
+        int32_t n_kv = cases[c][0], rows = cases[c][1], pos0 = cases[c][2];
+        /* QK^T and PV over the causal context: 4 x head_dim FLOPs per
+         * (query head, visible position). */
+        double fl = 0.0;
+        for (int32_t r = 0; r < rows; r++) fl += 4.0 * 128 * 32 * (pos0 + r + 1);
+        double tg = prefill_attention(n_kv, rows, pos0, 0), tt = prefill_attention(n_kv, rows, pos0, 1);
+        if (c == 0) {
+            att512[0] = tg;
+            att512[1] = tt;
+        }
+        printf("%2d/%-6d %6d %6d %12.1f %8.2f %12.1f %8.2f\n", 32, n_kv, rows, pos0, tg * 1e6, fl / tg / 1e12,
+               tt * 1e6, fl / tt / 1e12);
+        fflush(stdout);
+    }
+
+    /* 32 layers of the above (MHA attention at 512); the norms, rope,
+     * swiglu and residual adds are not counted. */
+    double fl_model = 32.0 * 2.0 * n * (4.0 * 4096 * 4096 + 3.0 * 11008 * 4096);
+    printf("\n32 layers at 512 tokens: matmuls + attention, ms (matmul FLOPs %.2f T; %% of the F16 rate)\n",
+           fl_model / 1e12);
+    printf("%-6s %22s %22s\n", "type", "before (16M, general)", "now (default, tc)");
+    for (int k = 0; k < 4; k++) {
+        double before = 32.0 * (layer[k][0] + att512[0]), now = 32.0 * (layer[k][1] + att512[1]);
+        printf("%-6s %14.2f (%4.1f%%) %14.2f (%4.1f%%)\n", dtype_name(types[k]), before * 1e3,
+               100.0 * fl_model / before / gemm_rate, now * 1e3, 100.0 * fl_model / now / gemm_rate);
+    }
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     char err[256];
@@ -263,27 +444,11 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    /* F16 GEMM rate: 8192 x 8192 weight, 4096 tokens, through backend_matmul;
-     * the activation conversion is timed alone and subtracted. */
-    {
-        int64_t R = 8192, C = 8192;
-        int32_t n = 4096;
-        void *hw = host_weight(DTYPE_F16, R, C);
-        struct backend_weight w;
-        if (backend_weight_load(be, &w, DTYPE_F16, hw, R, C)) die("weight_load");
-        free(hw);
-        struct mm_arg m = {&w, 1, dev_random_f32((size_t)n * C), dev_alloc((size_t)n * R * 4), n};
-        double t = time_median(mm_fn, &m);
-        struct cv_arg cv = {dev_alloc((size_t)n * C * 2), m.x, (int64_t)n * C};
-        double tc = time_median(cv_fn, &cv);
-        double flops = 2.0 * R * C * n;
-        printf("F16 GEMM (cuBLAS, F32 accumulate) %lldx%lld x %d tokens: %.1f TFLOP/s (%.1f with the F32->F16 "
-               "activation conversion, %.3f ms of %.3f ms)\n",
-               (long long)R, (long long)C, n, flops / (t - tc) / 1e12, flops / t / 1e12, tc * 1e3, t * 1e3);
-        backend_dealloc(be, cv.dst);
-        backend_dealloc(be, m.x);
-        backend_dealloc(be, m.out);
-        backend_weight_free(be, &w);
+    double gemm_rate = gemm_ceiling();
+    if (argc > 2 && strcmp(argv[2], "prefill") == 0) {
+        prefill_bench(gemm_rate);
+        backend_free(be);
+        return 0;
     }
 
     /* Matmul on 7B layer shapes (attention/MLP projections and lm_head). */

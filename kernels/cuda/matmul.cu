@@ -9,9 +9,16 @@
  * weights go through cublasSgemm. */
 #include "common.cuh"
 
-/* Bytes of one dequantized F16 weight tile: large enough that cuBLAS runs
- * at full rate, small enough to leave the memory to weights and KV. */
-#define MATMUL_TILE_BYTES (16u << 20)
+#include <stdlib.h>
+
+/* MiB of one dequantized F16 weight tile (reused scratch, never a second
+ * full copy of the weights).  At prefill sizes the tile's row count is
+ * cuBLAS's parallelism: 512 tokens x 2048 rows (a 16 MiB tile of a 4096
+ * wide weight) is about 64 output tiles of 128 x 128 for 132 SMs, so small
+ * tiles leave the GPU half idle.  96 MiB holds a whole 11008 x 4096 matrix
+ * (86 MiB); lm_head (250 MiB) takes 3 tiles.  LLM_CUDA_DEQUANT_TILE_MB
+ * overrides it (read per call, so the benchmark can compare sizes). */
+#define MATMUL_TILE_MB_DEFAULT 96
 /* Most tokens for F32 weights on the warp-per-row kernel: it beat cuBLAS
  * up to 2 tokens for F16 weights on an H100, and F32 weights (tests, tiny
  * models) are not worth a measurement of their own. */
@@ -31,6 +38,14 @@ static int matmul_gemv_wins(enum dtype type, int64_t cols, int32_t n) {
 }
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+static size_t matmul_tile_bytes(void) {
+    const char *env = getenv("LLM_CUDA_DEQUANT_TILE_MB");
+    long mb = env && *env ? strtol(env, NULL, 10) : MATMUL_TILE_MB_DEFAULT;
+    if (mb < 1) mb = 1;
+    if (mb > 4096) mb = 4096;
+    return (size_t)mb << 20;
+}
 
 /* out[:, r0 .. r0 + m) = x16 . w16^T for a tile w16 [m, cols] (F16). */
 static int matmul_gemm_f16(struct cuda_ctx *ctx, float *out, const void *w16, int64_t r0, int64_t m, int64_t rows,
@@ -54,7 +69,7 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
     size_t x_bytes = align256((size_t)n * cols * 2);
     int64_t tile_rows = 0;
     if (type != DTYPE_F16) {
-        tile_rows = (int64_t)(MATMUL_TILE_BYTES / ((size_t)cols * 2)) / 64 * 64;
+        tile_rows = (int64_t)(matmul_tile_bytes() / ((size_t)cols * 2)) / 64 * 64;
         if (tile_rows < 64) tile_rows = 64;
         if (tile_rows > rows) tile_rows = rows;
     }

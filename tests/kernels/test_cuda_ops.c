@@ -139,8 +139,8 @@ static double nmse(const float *ref, const float *got, size_t n, size_t *worst) 
     return den > 0.0 ? num / den : num;
 }
 
-/* Download n floats from both copies and bound their NMSE. */
-static void check_f32(struct dbuf d, size_t n, double bound, const char *what) {
+/* Download n floats from both copies and bound their NMSE; returns it. */
+static double check_f32(struct dbuf d, size_t n, double bound, const char *what) {
     ASSERT_OK(backend_sync(fx.cpu));
     float *c = fx_host(n * sizeof(float)), *g = fx_host(n * sizeof(float));
     ASSERT_OK(backend_download(fx.cpu, c, d.c, n * sizeof(float)));
@@ -149,6 +149,7 @@ static void check_f32(struct dbuf d, size_t n, double bound, const char *what) {
     double e = nmse(c, g, n, &w);
     if (!(e <= bound))
         TEST_FAIL("%s: NMSE %.3g > %.3g (worst element %zu: cpu %.9g, gpu %.9g)", what, e, bound, w, c[w], g[w]);
+    return e;
 }
 
 /* Download both copies and require identical bytes. */
@@ -470,10 +471,14 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     static const int32_t small[] = {1, 3, 20};
     matmul_case(DTYPE_F16, 33, 100, small, 3); /* width the weight-reading kernels cannot take */
     matmul_case(DTYPE_F32, 33, 102, small, 3);
-    /* 4200 rows of 4096: three dequantized tiles of at most 16 MiB on the
-     * cuBLAS path (65 tokens); the tensor-core kernel at 40 tokens, split
-     * over blocks, 33 row blocks. */
+    /* 4200 rows of 4096 on the cuBLAS path (65 tokens): three dequantized
+     * tiles of at most 16 MiB (LLM_CUDA_DEQUANT_TILE_MB=16), then one tile
+     * of the default size; the tensor-core kernel at 40 tokens, split over
+     * blocks, 33 row blocks. */
     static const int32_t big[] = {40, 65};
+    setenv("LLM_CUDA_DEQUANT_TILE_MB", "16", 1);
+    matmul_case(DTYPE_Q4_K, 4200, 4096, big, 2);
+    unsetenv("LLM_CUDA_DEQUANT_TILE_MB");
     matmul_case(DTYPE_Q4_K, 4200, 4096, big, 2);
     static const int32_t dec[] = {1, 16};
     matmul_case(DTYPE_Q6_K, 4200, 4096, dec, 2);
@@ -564,6 +569,18 @@ static void kv_write_case(enum dtype t) {
 TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32); }
 TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16); }
 
+/* Whether the GPU takes this batch on the tensor-core kernel of
+ * attention_prefill.cu (its rule, cuda_attention_prefill_takes): some
+ * sequence with more than one row, F16 cache, heads of 64 or 128, groups a
+ * power of two up to 64, and LLM_CUDA_PREFILL_TC not "0". */
+static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t n_tokens,
+                                int n_seqs) {
+    const char *env = getenv("LLM_CUDA_PREFILL_TC");
+    int32_t G = n_heads / n_kv;
+    return !(env && strcmp(env, "0") == 0) && t == DTYPE_F16 && (hd == 64 || hd == 128) && n_tokens > n_seqs &&
+           G <= 64 && (G & (G - 1)) == 0;
+}
+
 /* Sequences given as (tokens this step, position of the first); block
  * tables are a random permutation of the cache's blocks. */
 static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t bs, int n_seqs,
@@ -609,8 +626,19 @@ static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t 
     char what[128];
     snprintf(what, sizeof what, "attention %s cache, %d heads / %d KV heads x %d, %d seqs, %d rows, ctx %d",
              dtype_name(t), n_heads, n_kv, hd, n_seqs, n_tokens, max_ctx);
-    /* F32 arithmetic on the same cache values; softmax exp differs by ulps. */
-    check_f32(out, elems, 1e-9, what);
+    if (!attn_on_tensor_cores(t, n_heads, n_kv, hd, n_tokens, n_seqs)) {
+        /* F32 arithmetic on the same cache values; softmax exp differs by ulps. */
+        check_f32(out, elems, 1e-9, what);
+        return;
+    }
+    /* Tensor cores: Q (scaled) and the probabilities are rounded to F16
+     * (relative error <= 2^-11 each, F32 accumulation), so each output is
+     * off by ~3e-4 of its size: NMSE ~1e-7.  1e-4 leaves a factor of ~100
+     * and still fails a position masked wrongly (one position more or less
+     * moves a row by ~1/sqrt(context) of its size, NMSE >= 1e-3 on these
+     * contexts) or a wrong block, head or row (NMSE ~1). */
+    double e = check_f32(out, elems, 1e-4, what);
+    printf("    %s (tensor cores): NMSE %.3g\n", what, e);
 }
 
 /* Prefill chunks and decode rows together, at different positions. */
@@ -671,6 +699,42 @@ TEST(cuda_ops_attention_decode) {
     fx_close();
 }
 
+/* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
+ * 64 and 128) and, with LLM_CUDA_PREFILL_TC=0, the general kernel on the
+ * same shapes.  Chunks whose lengths are not multiples of 16 start at
+ * different positions, decode rows among them, groups of 1, 4, 8 and 32,
+ * blocks of 8, 16 and 32 in shuffled tables; the first two batches split
+ * the context over blocks (few rows, long context), the 300-row prompt
+ * and the 360-row batch do not (>= 132 busy blocks). */
+static void attention_prefill_cases(void) {
+    fx_open();
+    static const int32_t l1[] = {37, 1, 70, 5, 129}, p1[] = {0, 90, 33, 200, 17};
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 5, l1, p1);
+    static const int32_t l2[] = {45, 200}, p2[] = {1000, 0};
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 2, l2, p2);
+    static const int32_t l3[] = {100, 3, 257}, p3[] = {7, 500, 64};
+    attention_case(DTYPE_F16, 32, 8, 128, 32, 3, l3, p3);
+    static const int32_t l4[] = {19, 2}, p4[] = {0, 150};
+    attention_case(DTYPE_F16, 16, 2, 64, 8, 2, l4, p4);
+    fx_close();
+    fx_open();
+    static const int32_t l5[] = {300}, p5[] = {0};
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 1, l5, p5);
+    static const int32_t l6[] = {31, 17}, p6[] = {5, 0};
+    attention_case(DTYPE_F16, 4, 4, 64, 16, 2, l6, p6);
+    static const int32_t l7[] = {9}, p7[] = {40};
+    attention_case(DTYPE_F16, 32, 1, 64, 16, 1, l7, p7);
+    fx_close();
+}
+
+TEST(cuda_ops_attention_prefill) {
+    unsetenv("LLM_CUDA_PREFILL_TC");
+    attention_prefill_cases();
+    setenv("LLM_CUDA_PREFILL_TC", "0", 1);
+    attention_prefill_cases();
+    unsetenv("LLM_CUDA_PREFILL_TC");
+}
+
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
           cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
@@ -680,4 +744,4 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_kv_write_f32,
           cuda_ops_kv_write_f16,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
-          cuda_ops_attention_decode)
+          cuda_ops_attention_decode, cuda_ops_attention_prefill)
