@@ -13,7 +13,6 @@
  * of their own (attention_decode_kernel, below): K/V rows in registers,
  * no barrier per tile. */
 #include "attention_prefill.h"
-#include "attention_prefill.h"
 #include "common.cuh"
 
 #include <math.h>
@@ -488,8 +487,6 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: cache type %s", dtype_name(a->kv_type));
     if (a->n_tokens == 0) return STATUS_OK;
-    /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
-    if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
     /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
     if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
     struct att_params p;
