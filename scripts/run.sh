@@ -23,6 +23,8 @@ if [ -z "$model" ]; then
         mkdir -p run/models
         "$bin/worker/llm-synth" --shape tiny --type f16 --out "$model"
     fi
+    echo "run.sh: no MODEL given: using $model (random weights, so the text is meaningless;"
+    echo "run.sh: MODEL=../shared/models/stories260K-f32.gguf gives a small trained model)"
 fi
 rundir=run/cluster
 up_args="--model $model --pipelines 1 --stages 2 --run-dir $rundir"
