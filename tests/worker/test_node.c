@@ -71,6 +71,8 @@ static void t_worker_start(struct t_worker *w, const char *router, const char *r
     argv[n++] = id;
     argv[n++] = "--listen";
     argv[n++] = "tcp://127.0.0.1:*";
+    argv[n++] = "--kv-blocks"; /* two workers may share one GPU */
+    argv[n++] = "64";
     argv[n++] = "--link-timeout-ms";
     argv[n++] = "5000";
     argv[n++] = "--log-level";
@@ -513,7 +515,15 @@ TEST(node_two_stages_chain_over_zmq) {
     t_worker_start(&w1, r.endpoint, NULL, "s1", a1);
     char ep0[256] = "", ep1[256] = "";
     /* Until both have registered (a slow one sends Register again). */
+    int64_t reg_end = t_now_ms() + 4 * T_WAIT_MS;
     while (!ep0[0] || !ep1[0]) {
+        if (t_now_ms() > reg_end) {
+            t_worker_log_tail(&w0);
+            t_worker_log_tail(&w1);
+            t_worker_kill(&w0);
+            t_worker_kill(&w1);
+            TEST_FAIL("not both workers registered within %d ms", 4 * T_WAIT_MS);
+        }
         char from[64];
         Llm__WorkerEnvelope *e = t_recv(&r, LLM__WORKER_ENVELOPE__BODY_REGISTER, T_WAIT_MS, from);
         if (!e) TEST_FAIL("not both workers registered (s0: \"%s\", s1: \"%s\")", ep0, ep1);
@@ -857,12 +867,17 @@ TEST(node_two_stages_chain_over_nccl) {
     t_worker_start(&w0, r.endpoint, f.url, "g0", a0);
     t_worker_start(&w1, r.endpoint, f.url, "g1", a1);
     int seen0 = 0, seen1 = 0;
-    while (!seen0 || !seen1) {
+    int64_t reg_end = t_now_ms() + 60000;
+    while ((!seen0 || !seen1) && t_now_ms() < reg_end) {
         char from[64];
         Llm__WorkerEnvelope *e = t_recv(&r, LLM__WORKER_ENVELOPE__BODY_REGISTER, 60000, from);
         if (e) {
             seen0 |= strcmp(from, "g0") == 0;
             seen1 |= strcmp(from, "g1") == 0;
+            ASSERT_STREQ("cuda", e->register_->backend);
+            ASSERT_STREQ("", e->register_->stage_endpoint);
+            proto_worker_free(e);
+            continue;
         }
         if (!e) {
             t_worker_log_tail(&w0);
@@ -871,9 +886,13 @@ TEST(node_two_stages_chain_over_nccl) {
             t_worker_kill(&w1);
             TEST_FAIL("not both GPU workers registered (g0 %d, g1 %d)", seen0, seen1);
         }
-        ASSERT_STREQ("cuda", e->register_->backend);
-        ASSERT_STREQ("", e->register_->stage_endpoint);
-        proto_worker_free(e);
+    }
+    if (!seen0 || !seen1) {
+        t_worker_log_tail(&w0);
+        t_worker_log_tail(&w1);
+        t_worker_kill(&w0);
+        t_worker_kill(&w1);
+        TEST_FAIL("not both GPU workers registered within 60 s (g0 %d, g1 %d)", seen0, seen1);
     }
     t_reply(&r, "g0", 1, "", "");
     t_reply(&r, "g1", 1, "", "");
