@@ -800,6 +800,7 @@ static void pipe_announce(server *s, struct pipeline *p) {
         rr.prev_stage_endpoint = st > 0 && p->stage[st - 1] ? p->stage[st - 1]->stage_endpoint : "";
         rr.next_stage_endpoint = st + 1 < p->stage_count && p->stage[st + 1] ? p->stage[st + 1]->stage_endpoint : "";
         rr.epoch = p->epoch;
+        rr.pipeline_whole = true;
         Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
         env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
         env.register_reply = &rr;
@@ -1083,6 +1084,7 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
     rr.prev_stage_endpoint = si > 0 && p->stage[si - 1] ? p->stage[si - 1]->stage_endpoint : "";
     rr.next_stage_endpoint = si + 1 < p->stage_count && p->stage[si + 1] ? p->stage[si + 1]->stage_endpoint : "";
     rr.epoch = p->epoch;
+    rr.pipeline_whole = registry_pipeline_whole(s->reg, p);
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
     env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
     env.register_reply = &rr;

@@ -502,7 +502,7 @@ static void node_links_close(node *n, int keep_rx_zmq) {
  * next stage's endpoint from the RegisterReply.  NCCL: new communicators
  * for every epoch.  On failure the node keeps serving, failing plans with
  * the reason, until a later RegisterReply makes the links. */
-static int node_links_setup(node *n, const char *next_ep, char *err, size_t errlen) {
+static int node_links_setup(node *n, const char *next_ep, int whole, char *err, size_t errlen) {
     int first = stage_is_first(n->s), last = stage_is_last(n->s);
     if (n->device_links) {
         if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
@@ -510,6 +510,14 @@ static int node_links_setup(node *n, const char *next_ep, char *err, size_t errl
         if (first && last) {
             n->links_epoch = n->epoch;
             return STATUS_OK;
+        }
+        /* NCCL needs both ends at once, at the same epoch: before the
+         * pipeline is whole the next registration changes the epoch and a
+         * peer would never come. */
+        if (!whole) {
+            snprintf(err, errlen, "stage %d: waiting for the other stages of pipeline %u",
+                     n->stage_index, n->pipeline_id);
+            return STATUS_UNAVAILABLE;
         }
         if (!*n->s_redis) {
             snprintf(err, errlen, "stage %d: NCCL links need --redis to exchange their ids",
@@ -592,7 +600,7 @@ static void node_placement_apply(node *n, const Llm__RegisterReply *r) {
         rc = node_stage_load(n, first, end, err, sizeof err);
         pthread_mutex_unlock(&n->lock);
     }
-    if (rc == STATUS_OK) rc = node_links_setup(n, r->next_stage_endpoint, err, sizeof err);
+    if (rc == STATUS_OK) rc = node_links_setup(n, r->next_stage_endpoint, r->pipeline_whole, err, sizeof err);
     n->links_ok = rc == STATUS_OK;
     pthread_mutex_lock(&n->lock); /* the io thread reads links_err for heartbeats */
     snprintf(n->links_err, sizeof n->links_err, "%s", rc == STATUS_OK ? "" : err);

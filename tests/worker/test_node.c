@@ -220,6 +220,7 @@ static void t_reply(struct t_router *r, const char *to, uint64_t epoch, const ch
     rr.heartbeat_interval_ms = 200;
     rr.pipeline_id = 1;
     rr.epoch = epoch;
+    rr.pipeline_whole = 1;
     rr.prev_stage_endpoint = (char *)(prev_ep ? prev_ep : "");
     rr.next_stage_endpoint = (char *)(next_ep ? next_ep : "");
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
