@@ -1,13 +1,15 @@
 #!/bin/bash
-# Packs what scripts/gpu-check.sh needs on a GPU host into gpu-pack/pack.tar.xz:
-# the GPU test and benchmark binaries of a build folder (at their absolute
-# path, which the tests have compiled in) and the test models.
-#   scripts/gpu-pack.sh /abs/path/to/build-gpu [../shared/models]
+# Packs what scripts/gpu-check.sh needs on a GPU host into gpu-pack/pack.tar.xz
+# (or the file named third, relative to the repository root; gpu-check.sh
+# reads LLM_GPU_PACK): the GPU test and benchmark binaries of a build folder
+# (at their absolute path, which the tests have compiled in) and the test models.
+#   scripts/gpu-pack.sh /abs/path/to/build-gpu [../shared/models] [gpu-pack/other.tar.xz]
 set -eu
 build=$(cd "$1" && pwd)
 models=$(cd "${2:-$(dirname "$0")/../../shared/models}" && pwd)
 cd "$(dirname "$0")/.."
-mkdir -p gpu-pack
+pack=${3:-gpu-pack/pack.tar.xz}
+mkdir -p "$(dirname "$pack")"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage$build"
@@ -18,5 +20,5 @@ for b in tests/test_cuda_ops tests/test_forward tests/test_link tests/test_node 
 done
 cp -r "$models" "$stage$build/models"
 echo "$build" >"$stage/build.path"
-tar -C "$stage" -cJf gpu-pack/pack.tar.xz build.path "${build#/}"
-ls -l gpu-pack/pack.tar.xz
+tar -C "$stage" -cJf "$pack" build.path "${build#/}"
+ls -l "$pack"
