@@ -756,7 +756,7 @@ TEST(forward_gpu_matches_cpu) {
 
 /* Decodes `steps` steps of n_seqs sequences (prompts of different lengths,
  * so each decodes at its own position; block ids descending with a stride
- * of 8, never in order) on a stage made with LLM_CUDA_GRAPHS=graphs, and
+ * of 9, never in order) on a stage made with LLM_CUDA_GRAPHS=graphs, and
  * returns every decode step's logits in out.  Step 2 asks for no logits
  * (the graph without lm_head); a 100-token prefill of a sequence outside
  * the batch comes after step 3 (a prefill between replays, which may grow
