@@ -316,10 +316,22 @@ static int cl_port_free(int port, char *err, size_t errlen) {
     return 0;
 }
 
+/* A free loopback port not handed out before by this process: each probe
+ * binds and releases, so two probes in a row can return the same port (Redis
+ * and the router once got one port between them). */
 static int cl_free_port(char *err, size_t errlen) {
-    int port = 0;
-    if (zio_free_port(NULL, &port, err, errlen) < 0) return -1;
-    return port;
+    static int given[64];
+    static int n_given;
+    for (int attempt = 0; attempt < 32; attempt++) {
+        int port = 0, seen = 0;
+        if (zio_free_port(NULL, &port, err, errlen) < 0) return -1;
+        for (int i = 0; i < n_given; i++) seen |= given[i] == port;
+        if (seen) continue;
+        if (n_given < (int)(sizeof given / sizeof given[0])) given[n_given++] = port;
+        return port;
+    }
+    cl_fmt(err, errlen, "no free loopback port that was not handed out already (32 tries)");
+    return -1;
 }
 
 /* Some process running from a run dir's pid files, or 0. */

@@ -6,6 +6,7 @@
 #include "../backend-impl.h"
 #include "../../common/status.h"
 #include "cuda_ops.h"
+#include "stream_access.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -194,4 +195,13 @@ int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {
     snprintf(c->name, sizeof c->name, "cuda:%d (%s, sm_%d)", device, c->ctx->device_name, c->ctx->cc);
     *out = &c->base;
     return STATUS_OK;
+}
+
+/* The identity of the table tells a CUDA backend from any other. */
+void *backend_cuda_stream(backend *b) {
+    return b && b->i == &cuda_iface ? ctx_of(b)->stream : NULL;
+}
+
+int backend_cuda_device(backend *b) {
+    return b && b->i == &cuda_iface ? ctx_of(b)->device : -1;
 }

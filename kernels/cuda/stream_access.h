@@ -1,6 +1,7 @@
 /* What code outside kernels/ needs to put its own GPU work (NCCL sends and
  * receives) in order with a CUDA backend's ops: its stream and device.
- * Plain C; the stream is a cudaStream_t behind void *. */
+ * Plain C; the stream is a cudaStream_t behind void *.  Defined in
+ * backend_cuda.c. */
 #ifndef KERNELS_CUDA_STREAM_ACCESS_H
 #define KERNELS_CUDA_STREAM_ACCESS_H
 
