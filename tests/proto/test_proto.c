@@ -344,7 +344,7 @@ TEST(proto_roundtrip_named_fields) {
     sp.temperature = 0.7f;
     sp.top_k = 40;
     sp.top_p = 0.95f;
-    sp.seed = 0xdeadbeefcafeULL;
+    sp.seed = 0x5eed0123cafeULL;
     sp.n_stop_token_ids = 2;
     sp.stop_token_ids = stops;
     Llm__GenerateRequest gr = LLM__GENERATE_REQUEST__INIT;
@@ -383,7 +383,7 @@ TEST(proto_roundtrip_named_fields) {
     ASSERT_EQ(40, g->sampling->top_k);
     ASSERT_EQ(0.95f, g->sampling->top_p);
     ASSERT_EQ(0.0f, g->sampling->min_p);
-    ASSERT_EQ((uint64_t)0xdeadbeefcafeULL, g->sampling->seed);
+    ASSERT_EQ((uint64_t)0x5eed0123cafeULL, g->sampling->seed);
     ASSERT_EQ(13, g->sampling->stop_token_ids[1]);
     ASSERT_STREQ("\n\n", g->stop[0]);
     ASSERT_EQ(-5, g->priority);
