@@ -13,6 +13,6 @@ grep -E "CUDA backend" build.log || true
 cmake --build build -j "$(nproc)" >>build.log 2>&1 || { tail -n 60 build.log; exit 1; }
 cd build
 if [ -n "${LLM_TEST_LABEL:-}" ]; then
-    exec ctest --output-on-failure -L "$LLM_TEST_LABEL" -j "$(nproc)"
+    exec ctest --output-on-failure --no-label-summary -L "$LLM_TEST_LABEL" -j "$(nproc)"
 fi
-exec ctest --output-on-failure -j "$(nproc)"
+exec ctest --output-on-failure --no-label-summary -j "$(nproc)"
