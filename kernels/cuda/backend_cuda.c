@@ -23,6 +23,13 @@ struct backend_cuda {
 #define BC_CUBLAS_WS_BYTES ((size_t)32 << 20)
 
 static struct cuda_ctx *ctx_of(backend *b) { return ((struct backend_cuda *)b)->ctx; }
+/* The context for an op that may write device memory: the activations a
+ * matmul kept for the next one (cuda_ops.h, act_*) may be stale after it. */
+static struct cuda_ctx *ctx_fresh(backend *b) {
+    struct cuda_ctx *ctx = ctx_of(b);
+    cuda_act_forget(ctx);
+    return ctx;
+}
 
 static const char *bc_name(const backend *b) { return ((const struct backend_cuda *)b)->name; }
 
@@ -37,19 +44,19 @@ static void bc_free(backend *b) {
     free(c);
 }
 
-static void *bc_alloc(backend *b, size_t bytes) { return cuda_malloc(ctx_of(b), bytes); }
-static void bc_dealloc(backend *b, void *p) { cuda_free(ctx_of(b), p); }
+static void *bc_alloc(backend *b, size_t bytes) { return cuda_malloc(ctx_fresh(b), bytes); }
+static void bc_dealloc(backend *b, void *p) { cuda_free(ctx_fresh(b), p); }
 static int bc_mem_info(backend *b, size_t *bytes_free, size_t *bytes_total) {
     return cuda_mem_info(ctx_of(b), bytes_free, bytes_total);
 }
 static int bc_upload(backend *b, void *dst, const void *src, size_t bytes) {
-    return cuda_upload(ctx_of(b), dst, src, bytes);
+    return cuda_upload(ctx_fresh(b), dst, src, bytes);
 }
 static int bc_download(backend *b, void *dst, const void *src, size_t bytes) {
     return cuda_download(ctx_of(b), dst, src, bytes);
 }
 static int bc_copy(backend *b, void *dst, const void *src, size_t bytes) {
-    return cuda_copy(ctx_of(b), dst, src, bytes);
+    return cuda_copy(ctx_fresh(b), dst, src, bytes);
 }
 static int bc_sync(backend *b) { return cuda_sync(ctx_of(b)); }
 
@@ -57,7 +64,7 @@ static int bc_weight_load(backend *b, struct backend_weight *out, enum dtype typ
                           int64_t cols) {
     enum dtype stored = type;
     void *d = NULL;
-    int rc = cuda_weight_upload(ctx_of(b), &d, &stored, type, host, rows, cols);
+    int rc = cuda_weight_upload(ctx_fresh(b), &d, &stored, type, host, rows, cols);
     if (rc != STATUS_OK) return rc;
     out->data = d;
     out->type = stored;
@@ -67,36 +74,36 @@ static int bc_weight_load(backend *b, struct backend_weight *out, enum dtype typ
     return STATUS_OK;
 }
 static void bc_weight_free(backend *b, struct backend_weight *w) {
-    if (w->owned) cuda_free(ctx_of(b), w->data);
+    if (w->owned) cuda_free(ctx_fresh(b), w->data);
 }
 
 static int bc_embed(backend *b, float *out, const struct backend_weight *w, const int32_t *ids, int32_t n) {
-    return cuda_embed(ctx_of(b), out, w->data, w->type, w->rows, w->cols, ids, n);
+    return cuda_embed(ctx_fresh(b), out, w->data, w->type, w->rows, w->cols, ids, n);
 }
 static int bc_rmsnorm(backend *b, float *out, const float *x, const float *w, int32_t n, int32_t dim, float eps) {
-    return cuda_rmsnorm(ctx_of(b), out, x, w, n, dim, eps);
+    return cuda_rmsnorm(ctx_fresh(b), out, x, w, n, dim, eps);
 }
 static int bc_add_rmsnorm(backend *b, float *x, const float *delta, float *out, const float *w, int32_t n,
                           int32_t dim, float eps) {
-    return cuda_add_rmsnorm(ctx_of(b), x, delta, out, w, n, dim, eps);
+    return cuda_add_rmsnorm(ctx_fresh(b), x, delta, out, w, n, dim, eps);
 }
-static int bc_add(backend *b, float *x, const float *y, int64_t n) { return cuda_add(ctx_of(b), x, y, n); }
+static int bc_add(backend *b, float *x, const float *y, int64_t n) { return cuda_add(ctx_fresh(b), x, y, n); }
 static int bc_matmul(backend *b, float *out, const struct backend_weight *w, const float *x, int32_t n) {
     return cuda_matmul(ctx_of(b), out, w->data, w->type, w->rows, w->cols, x, n);
 }
 static int bc_rope(backend *b, float *x, const int32_t *pos, int32_t n, int32_t n_heads, int32_t head_dim,
                    const float *inv_freq, int32_t n_freq, int neox) {
-    return cuda_rope(ctx_of(b), x, pos, n, n_heads, head_dim, inv_freq, n_freq, neox);
+    return cuda_rope(ctx_fresh(b), x, pos, n, n_heads, head_dim, inv_freq, n_freq, neox);
 }
 static int bc_swiglu(backend *b, float *out, const float *gate, const float *up, int64_t n) {
-    return cuda_swiglu(ctx_of(b), out, gate, up, n);
+    return cuda_swiglu(ctx_fresh(b), out, gate, up, n);
 }
 static int bc_get_rows(backend *b, float *out, const float *x, const int32_t *idx, int32_t n, int32_t dim) {
-    return cuda_get_rows(ctx_of(b), out, x, idx, n, dim);
+    return cuda_get_rows(ctx_fresh(b), out, x, idx, n, dim);
 }
 static int bc_kv_write(backend *b, struct backend_kv *kv, const float *k, const float *v, const int32_t *slots,
                        int32_t n) {
-    return cuda_kv_write(ctx_of(b), kv->k, kv->v, kv->type, kv->n_blocks, kv->block_size, kv->n_kv_heads,
+    return cuda_kv_write(ctx_fresh(b), kv->k, kv->v, kv->type, kv->n_blocks, kv->block_size, kv->n_kv_heads,
                          kv->head_dim, k, v, slots, n);
 }
 static int bc_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
@@ -109,10 +116,10 @@ static int bc_attention(backend *b, float *out, const float *q, const struct bac
         .max_ctx = batch->max_ctx, .seq_tok0 = batch->seq_tok0, .seq_pos0 = batch->seq_pos0,
         .block_tables = batch->block_tables, .scale = scale,
     };
-    return cuda_attention(ctx_of(b), &a);
+    return cuda_attention(ctx_fresh(b), &a);
 }
 static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *src, enum dtype src_type, int64_t n) {
-    return cuda_convert(ctx_of(b), dst, dst_type, src, src_type, n);
+    return cuda_convert(ctx_fresh(b), dst, dst_type, src, src_type, n);
 }
 
 static void *bc_host_alloc(backend *b, size_t bytes) { return cuda_host_alloc(ctx_of(b), bytes); }
@@ -132,16 +139,17 @@ static int bc_graph_begin(backend *b) {
             return rc;
         }
     }
+    cuda_act_forget(c->ctx); /* the recording must convert its own inputs */
     return cuda_graph_begin(c->ctx);
 }
 static int bc_graph_end(backend *b, backend_graph **out) {
     struct cuda_graph *g = NULL;
-    int rc = cuda_graph_end(ctx_of(b), &g);
+    int rc = cuda_graph_end(ctx_fresh(b), &g);
     *out = (backend_graph *)g;
     return rc;
 }
 static int bc_graph_launch(backend *b, backend_graph *g) {
-    return cuda_graph_launch(ctx_of(b), (struct cuda_graph *)g);
+    return cuda_graph_launch(ctx_fresh(b), (struct cuda_graph *)g);
 }
 static void bc_graph_free(backend *b, backend_graph *g) { cuda_graph_free(ctx_of(b), (struct cuda_graph *)g); }
 

@@ -28,10 +28,40 @@ struct cuda_ctx {
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
                          * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
+    /* Activations the last matmul left at the start of the scratch, so
+     * that the next matmul on the same input (q, k and v; gate and up)
+     * uses them again instead of converting or quantizing once more:
+     * act_x, act_n x act_cols floats, as act_kind (MATMUL_ACT_*) in the
+     * scratch at act_scratch.  Every op but matmul forgets them
+     * (backend_cuda.c), as does a scratch reallocation: either may have
+     * changed the input or the scratch. */
+    const float *act_x;
+    int32_t act_n;
+    int64_t act_cols;
+    int act_kind;
+    void *act_scratch;
     char *err;          /* where failures are described (the backend's errstr) */
     size_t errlen;
     char device_name[96];
 };
+
+enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2 };
+
+/* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
+ * then records that it will (the caller fills it). */
+static inline int cuda_act_reuse(struct cuda_ctx *ctx, int kind, const float *x, int32_t n, int64_t cols,
+                                 void *scratch) {
+    if (ctx->act_kind == kind && ctx->act_x == x && ctx->act_n == n && ctx->act_cols == cols &&
+        ctx->act_scratch == scratch)
+        return 1;
+    ctx->act_kind = kind;
+    ctx->act_x = x;
+    ctx->act_n = n;
+    ctx->act_cols = cols;
+    ctx->act_scratch = scratch;
+    return 0;
+}
+static inline void cuda_act_forget(struct cuda_ctx *ctx) { ctx->act_kind = MATMUL_ACT_NONE; }
 
 /* Record a failure in ctx->err and return code. */
 int cuda_fail(struct cuda_ctx *ctx, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -76,8 +76,13 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
     uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (size_t)tile_rows * cols * 2);
     if (!scratch) return STATUS_NO_MEMORY;
     uint16_t *x16 = (uint16_t *)scratch, *w16 = (uint16_t *)(scratch + x_bytes);
-    int rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
-    if (rc != STATUS_OK) return rc;
+    int rc = STATUS_OK;
+    if (!cuda_act_reuse(ctx, MATMUL_ACT_F16, x, n, cols, scratch))
+        rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
+    if (rc != STATUS_OK) {
+        cuda_act_forget(ctx);
+        return rc;
+    }
     if (type == DTYPE_F16) return matmul_gemm_f16(ctx, out, w, 0, rows, rows, cols, x16, n);
     for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
         int64_t m = rows - r0 < tile_rows ? rows - r0 : tile_rows;
@@ -108,10 +113,20 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     /* 1-2 tokens on quantized weights: the warp-per-row dp4a kernel of
      * matmul_gemv.cu (no shared-memory staging) where it measured faster. */
     int gemv = ctx->gemv_max < 0 ? matmul_gemv_wins(type, cols, n) : n <= ctx->gemv_max;
-    if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0)
-        return cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
-    if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
-        (uintptr_t)w % 16 == 0)
-        return cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);
-    return matmul_gemm(ctx, out, w, type, rows, cols, x, n);
+    /* Kept activations are of an input this call's output must not overlap. */
+    if (ctx->act_kind != MATMUL_ACT_NONE && (const float *)out < ctx->act_x + (int64_t)ctx->act_n * ctx->act_cols &&
+        ctx->act_x < out + (int64_t)n * rows)
+        cuda_act_forget(ctx);
+    int rc;
+    if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
+        rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
+    } else if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
+               (uintptr_t)w % 16 == 0) {
+        cuda_act_forget(ctx); /* its split-K partial sums may use the scratch */
+        rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);
+    } else {
+        rc = matmul_gemm(ctx, out, w, type, rows, cols, x, n);
+    }
+    if (rc != STATUS_OK) cuda_act_forget(ctx);
+    return rc;
 }

@@ -322,8 +322,10 @@ extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w,
     if (!scratch) return STATUS_NO_MEMORY;
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + q_bytes);
-    gemv_quant_x_kernel<<<cuda_blocks(nblk * 32, 256), 256, 0, CUDA_STREAM(ctx)>>>(xq, xd, x, nblk);
-    CUDA_CHECK(ctx, cudaGetLastError());
+    if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8, x, n, cols, scratch)) {
+        gemv_quant_x_kernel<<<cuda_blocks(nblk * 32, 256), 256, 0, CUDA_STREAM(ctx)>>>(xq, xd, x, nblk);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
     switch (type) {
     case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, xq, xd, n);
     case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0>(ctx, out, w, rows, cols, xq, xd, n);

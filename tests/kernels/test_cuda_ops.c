@@ -434,6 +434,56 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
     free_weights();
 }
 
+/* Consecutive matmuls on one input (q, k, v; gate, up) reuse the
+ * activations the first one converted or quantized (cuda_ops.h, act_*):
+ * each result must still match the CPU, also across weight types that
+ * share a form (Q4_K and Q8_0 both take int8 blocks), and an op that
+ * changes the input (add) or an upload into it must be seen by the next
+ * matmul. */
+TEST(cuda_ops_matmul_reuses_input_safely) {
+    mm_set_mode(MM_DEFAULT);
+    fx_open();
+    static const int32_t ns[] = {1, 2, 17, 80};
+    int64_t cols = 512;
+    static const enum dtype types[3] = {DTYPE_Q4_K, DTYPE_Q8_0, DTYPE_F16};
+    static const int64_t rows[3] = {256, 96, 160};
+    int wi[3];
+    for (int k = 0; k < 3; k++) wi[k] = load_weight(types[k], rand_weight(types[k], rows[k], cols), rows[k], cols);
+    struct dbuf x = dbuf_from(rand_f32((size_t)80 * cols, -1, 1), (size_t)80 * cols * 4);
+    struct dbuf y = dbuf_from(rand_f32((size_t)80 * cols, -1, 1), (size_t)80 * cols * 4);
+    struct dbuf out[2][3];
+    for (int r = 0; r < 2; r++)
+        for (int k = 0; k < 3; k++) out[r][k] = dbuf_new((size_t)80 * rows[k] * 4);
+    for (int i = 0; i < 4; i++) {
+        int32_t n = ns[i];
+        /* Poisoning is an upload, which forgets kept inputs: all first. */
+        for (int r = 0; r < 2; r++)
+            for (int k = 0; k < 3; k++) dbuf_poison(out[r][k]);
+        for (int r = 0; r < 2; r++) {
+            if (r == 1) { /* the input changes through an op between two matmuls */
+                ASSERT_OK(backend_add(fx.cpu, x.c, y.c, (int64_t)n * cols));
+                ASSERT_OK(backend_add(fx.gpu, x.g, y.g, (int64_t)n * cols));
+            }
+            for (int k = 0; k < 3; k++) {
+                ASSERT_OK(backend_matmul(fx.cpu, out[r][k].c, &fx.cw[wi[k]], x.c, n));
+                int rc = backend_matmul(fx.gpu, out[r][k].g, &fx.gw[wi[k]], x.g, n);
+                if (rc != STATUS_OK)
+                    TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(types[k]), n, backend_errstr(fx.gpu));
+            }
+        }
+        for (int r = 0; r < 2; r++)
+            for (int k = 0; k < 3; k++) {
+                char what[128];
+                snprintf(what, sizeof what, "matmul %s n=%d %s", dtype_name(types[k]), n,
+                         r == 0 ? "on one input in a row" : "after an add changed the input");
+                check_f32(out[r][k], (size_t)n * rows[k], matmul_bound(types[k]), what);
+            }
+        dbuf_set(x, rand_f32((size_t)80 * cols, -1, 1)); /* fresh input for the next n */
+    }
+    free_weights();
+    fx_close();
+}
+
 /* Every token count the weight-reading kernels pick a different tile for
  * (8, 16, 32, 64 tokens) and one past each edge; widths of one chunk, of
  * several (split K over blocks, partial sums added by the last block) and,
@@ -740,7 +790,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_kv_write_f32,
           cuda_ops_kv_write_f16,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
