@@ -19,6 +19,22 @@ void test_fail_at(const char *file, int line, const char *fmt, ...) {
     longjmp(test_jmp, 1);
 }
 
+char *test_read_file(const char *path, size_t *len) {
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return NULL;
+    long n = fseek(fp, 0, SEEK_END) == 0 ? ftell(fp) : -1;
+    char *buf = n >= 0 && fseek(fp, 0, SEEK_SET) == 0 ? malloc((size_t)n + 1) : NULL;
+    if (buf && fread(buf, 1, (size_t)n, fp) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(fp);
+    if (!buf) return NULL;
+    buf[n] = 0;
+    if (len) *len = (size_t)n;
+    return buf;
+}
+
 const char *test_models_dir(void) {
     static char dir[1024];
     struct stat st;

@@ -146,6 +146,10 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv);
 #define TEST_FE_39(m, x, ...) m(x) TEST_FE_38(m, __VA_ARGS__)
 #define TEST_FE_40(m, x, ...) m(x) TEST_FE_39(m, __VA_ARGS__)
 
+/* The whole file at path, NUL-terminated (the caller frees it), its length
+ * in *len (may be NULL); NULL when it cannot be opened or read. */
+char *test_read_file(const char *path, size_t *len);
+
 /* Path of ../shared/models (LLM_MODELS_DIR overrides), or NULL if missing. */
 const char *test_models_dir(void);
 /* TEST_SKIPs unless the models folder exists; returns a path buffer "dir/name". */

@@ -31,21 +31,6 @@ static void write_bytes(const char *path, const void *p, size_t n) {
     fclose(fp);
 }
 
-static uint8_t *read_bytes(const char *path, size_t *n) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return NULL;
-    fseek(fp, 0, SEEK_END);
-    long len = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    uint8_t *p = malloc((size_t)len + 1);
-    if (p && fread(p, 1, (size_t)len, fp) != (size_t)len) {
-        free(p);
-        p = NULL;
-    }
-    fclose(fp);
-    *n = (size_t)len;
-    return p;
-}
 
 /* A hand encoder for GGUF bytes, written from the format description and
  * independent of the writer under test. */
@@ -356,7 +341,7 @@ TEST(gguf_roundtrip_every_type) {
     write_all_types(path2, 1);
     check_all_types(path2);
     size_t n1, n2;
-    uint8_t *a = read_bytes(path1, &n1), *b = read_bytes(path2, &n2);
+    uint8_t *a = (uint8_t *)test_read_file(path1, &n1), *b = (uint8_t *)test_read_file(path2, &n2);
     ASSERT_TRUE(a && b);
     ASSERT_EQ(n1, n2);
     ASSERT_TRUE(memcmp(a, b, n1) == 0);
@@ -458,7 +443,7 @@ TEST(gguf_writer_matches_llama_cpp_layout) {
         snprintf(src, sizeof src, "%s", test_model_path(files[i]));
         copy_through_writer(src, dst);
         size_t na, nb;
-        uint8_t *a = read_bytes(src, &na), *b = read_bytes(dst, &nb);
+        uint8_t *a = (uint8_t *)test_read_file(src, &na), *b = (uint8_t *)test_read_file(dst, &nb);
         ASSERT_TRUE(a && b);
         ASSERT_EQ(na, nb);
         size_t diff = 0;
@@ -666,7 +651,7 @@ TEST(gguf_every_truncation_refused) {
     snprintf(cut, sizeof cut, "%s", tmp_path("cut.gguf"));
     write_all_types(full, 0);
     size_t n;
-    uint8_t *bytes = read_bytes(full, &n);
+    uint8_t *bytes = (uint8_t *)test_read_file(full, &n);
     ASSERT_TRUE(bytes != NULL);
     char err[512];
     /* the tensor data ends before the file does: ggml pads after the last tensor too */
@@ -710,7 +695,7 @@ TEST(gguf_random_mutations_safe) {
     snprintf(mut, sizeof mut, "%s", tmp_path("mut.gguf"));
     write_all_types(full, 0);
     size_t n;
-    uint8_t *bytes = read_bytes(full, &n);
+    uint8_t *bytes = (uint8_t *)test_read_file(full, &n);
     ASSERT_TRUE(bytes != NULL);
     uint8_t *m = malloc(n);
     gguf_file *f0 = NULL;

@@ -28,22 +28,6 @@ static const char *tmp_path(const char *name) {
     return path[k];
 }
 
-static uint8_t *read_all(const char *path, size_t *n) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return NULL;
-    fseek(fp, 0, SEEK_END);
-    long len = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    uint8_t *p = malloc((size_t)len + 1);
-    if (p && fread(p, 1, (size_t)len, fp) != (size_t)len) {
-        free(p);
-        p = NULL;
-    }
-    fclose(fp);
-    *n = (size_t)len;
-    return p;
-}
-
 static void write_all(const char *path, const void *p, size_t n) {
     FILE *fp = fopen(path, "wb");
     if (!fp) TEST_FAIL("cannot create %s", path);
@@ -296,7 +280,7 @@ static char *config_with(const char *from, const char *to) {
     char path[1200];
     snprintf(path, sizeof path, "%s/config.json", test_model_path("tiny-llama-hf"));
     size_t n;
-    uint8_t *text = read_all(path, &n);
+    uint8_t *text = (uint8_t *)test_read_file(path, &n);
     if (!text) TEST_FAIL("cannot read %s", path);
     text[n] = 0;
     char *p = strstr((char *)text, from);
@@ -370,7 +354,7 @@ TEST(model_hf_damaged_copies_refused) {
     char src[1200], dst[1200];
     snprintf(src, sizeof src, "%s/tiny-llama-hf/model-00002-of-00002.safetensors", test_models_dir());
     size_t n;
-    uint8_t *bytes = read_all(src, &n);
+    uint8_t *bytes = (uint8_t *)test_read_file(src, &n);
     ASSERT_TRUE(bytes != NULL);
     d = hf_variant("truncated", NULL, NULL);
     snprintf(dst, sizeof dst, "%s/model-00002-of-00002.safetensors", d);
@@ -512,7 +496,7 @@ TEST(model_gguf_damaged_copies_refused) {
 
     /* truncated copies of a real file, at several places */
     size_t n;
-    uint8_t *bytes = read_all(src, &n);
+    uint8_t *bytes = (uint8_t *)test_read_file(src, &n);
     ASSERT_TRUE(bytes != NULL);
     size_t cuts[] = {0, 3, 20, 100, 5000, 14000, n / 2, n - 1};
     for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
@@ -536,7 +520,7 @@ TEST(model_mutated_metadata_safe) {
     snprintf(src, sizeof src, "%s", test_model_path("stories260K-q8_0.gguf"));
     snprintf(dst, sizeof dst, "%s", tmp_path("mut.gguf"));
     size_t n;
-    uint8_t *bytes = read_all(src, &n);
+    uint8_t *bytes = (uint8_t *)test_read_file(src, &n);
     ASSERT_TRUE(bytes != NULL);
     uint8_t *m = malloc(n);
     ASSERT_TRUE(m != NULL);

@@ -14,23 +14,6 @@
 #include "common/unicode.h"
 #include "tests/test.h"
 
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (buf) buf[n] = 0;
-    if (len) *len = (size_t)n;
-    return buf;
-}
-
 static tokenizer *load_or_fail(const char *path) {
     char err[512] = "";
     tokenizer *t = NULL;
@@ -88,7 +71,7 @@ static void run_vocab_suite(const char *name) {
     snprintf(inp_path, sizeof inp_path, "%s.inp", path);
     snprintf(out_path, sizeof out_path, "%s.out", path);
     size_t inp_len;
-    char *inp = read_file(inp_path, &inp_len), *out = read_file(out_path, NULL);
+    char *inp = test_read_file(inp_path, &inp_len), *out = test_read_file(out_path, NULL);
     ASSERT_TRUE(inp != NULL && out != NULL);
     tokenizer *t = load_or_fail(path);
     static const char sep[] = "\n__ggml_vocab_test__\n";
@@ -150,7 +133,7 @@ static void check_ids(const char *what, const cJSON *want, const int32_t *got, i
 }
 
 TEST(tokenizer_golden_stories260k) {
-    char *json = read_file(test_model_path("tokenize-golden.json"), NULL);
+    char *json = test_read_file(test_model_path("tokenize-golden.json"), NULL);
     ASSERT_TRUE(json != NULL);
     tokenizer *t = load_or_fail(test_model_path("stories260K-f32.gguf"));
     cJSON *root = cJSON_Parse(json);
@@ -187,7 +170,7 @@ TEST(tokenizer_hf_tiny_llama) {
     snprintf(dir, sizeof dir, "%s", test_model_path("tiny-llama-hf"));
     char ref_path[2100];
     snprintf(ref_path, sizeof ref_path, "%s/reference.json", dir);
-    char *json = read_file(ref_path, NULL);
+    char *json = test_read_file(ref_path, NULL);
     ASSERT_TRUE(json != NULL);
     cJSON *root = cJSON_Parse(json);
     ASSERT_TRUE(root != NULL);
@@ -232,7 +215,7 @@ TEST(tokenizer_hf_matches_gguf) {
     snprintf(dir, sizeof dir, "%s", test_model_path("tiny-llama-hf"));
     tokenizer *hf = load_or_fail(dir);
     tokenizer *gg = load_or_fail(test_model_path("vocab/ggml-vocab-gpt-2.gguf"));
-    char *inp = read_file(test_model_path("vocab/ggml-vocab-gpt-2.gguf.inp"), NULL);
+    char *inp = test_read_file(test_model_path("vocab/ggml-vocab-gpt-2.gguf.inp"), NULL);
     ASSERT_TRUE(inp != NULL);
     int32_t na, nb, *a = encode(hf, inp, strlen(inp), 0, 0, &na), *b = encode(gg, inp, strlen(inp), 0, 0, &nb);
     ASSERT_TRUE(na > 100);
@@ -250,7 +233,7 @@ static void run_roundtrip(const char *name) {
     char path[2048], inp_path[2100];
     snprintf(path, sizeof path, "%s", test_model_path(name));
     snprintf(inp_path, sizeof inp_path, "%s.inp", path);
-    char *inp = read_file(inp_path, NULL);
+    char *inp = test_read_file(inp_path, NULL);
     ASSERT_TRUE(inp != NULL);
     tokenizer *t = load_or_fail(path);
     static const char sep[] = "\n__ggml_vocab_test__\n";
@@ -515,7 +498,7 @@ TEST(tokenizer_llama3_style) {
     char dir[2048], src[2100];
     snprintf(dir, sizeof dir, "%s", test_model_path("tiny-llama-hf"));
     snprintf(src, sizeof src, "%s/tokenizer.json", dir);
-    char *json = read_file(src, NULL);
+    char *json = test_read_file(src, NULL);
     ASSERT_TRUE(json != NULL);
     cJSON *root = cJSON_Parse(json);
     free(json);
@@ -594,7 +577,7 @@ TEST(tokenizer_llama3_style) {
     tokenizer *gg = load_or_fail(path);
     unlink(path);
     ASSERT_EQ(1, tokenizer_adds_bos(gg)); /* llama-bpe adds BOS unless told otherwise */
-    char *inp = read_file(test_model_path("vocab/ggml-vocab-gpt-2.gguf.inp"), NULL);
+    char *inp = test_read_file(test_model_path("vocab/ggml-vocab-gpt-2.gguf.inp"), NULL);
     int32_t na, nb, *a = encode(hf, inp, strlen(inp), -1, 0, &na), *b = encode(gg, inp, strlen(inp), -1, 0, &nb);
     ASSERT_TRUE(na > 100);
     ASSERT_EQ(na, nb);
@@ -657,7 +640,7 @@ static double now_s(void) {
 
 /* A 32k-token prompt encodes in well under a second on one core. */
 static void run_long_prompt(const char *name) {
-    char *inp = read_file(test_model_path(name), NULL);
+    char *inp = test_read_file(test_model_path(name), NULL);
     ASSERT_TRUE(inp != NULL);
     char path[2048];
     snprintf(path, sizeof path, "%s", test_model_path(name));

@@ -98,15 +98,8 @@ static double max_abs_diff(const float *a, const float *b, size_t n) {
 
 static cJSON *load_json(const char *file) {
     const char *path = test_model_path(file);
-    FILE *fp = fopen(path, "rb");
-    if (!fp) TEST_FAIL("cannot open %s", path);
-    fseek(fp, 0, SEEK_END);
-    long len = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *buf = malloc((size_t)len + 1);
-    size_t got = fread(buf, 1, (size_t)len, fp);
-    fclose(fp);
-    buf[got] = 0;
+    char *buf = test_read_file(path, NULL);
+    if (!buf) TEST_FAIL("cannot read %s", path);
     cJSON *j = cJSON_Parse(buf);
     free(buf);
     if (!j) TEST_FAIL("%s: not JSON", path);

@@ -304,15 +304,8 @@ struct t_golden {
 
 static void t_golden_load(struct t_golden *g) {
     const char *path = test_model_path("stories260K-golden.json");
-    FILE *f = fopen(path, "rb");
-    if (!f) TEST_FAIL("cannot open %s", path);
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *text = malloc((size_t)size + 1);
-    size_t got = fread(text, 1, (size_t)size, f);
-    text[got] = 0;
-    fclose(f);
+    char *text = test_read_file(path, NULL);
+    if (!text) TEST_FAIL("cannot read %s", path);
     cJSON *j = cJSON_Parse(text);
     free(text);
     if (!j) TEST_FAIL("%s is not JSON", path);
