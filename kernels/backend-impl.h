@@ -35,7 +35,20 @@ struct backend_i {
                      const struct backend_attn_batch *batch, int32_t n_heads, float scale);
     int (*convert)(backend *b, void *dst, enum dtype dst_type, const void *src,
                    enum dtype src_type, int64_t n);
-    /* Optional (NULL: host_alloc is malloc, graphs are unsupported). */
+    /* Optional (NULL: host_alloc is malloc, graphs are unsupported, the
+     * fused ops run the plain ones, sampling downloads the logits and runs
+     * common/sampling.c on the host).  matmul_multi and matmul_swiglu may
+     * return BACKEND_NOT_FUSED for a case they do not take: then the plain
+     * ops run. */
+    int (*matmul_multi)(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
+                        const float *x, int32_t n);
+    int (*matmul_swiglu)(backend *b, float *out, const struct backend_weight *gate,
+                         const struct backend_weight *up, const float *x, int32_t n);
+    int (*rope_kv_write)(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
+                         const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
+                         const float *inv_freq, int32_t n_freq, int neox);
+    int (*sample)(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
+                  int32_t n_rows);
     void *(*host_alloc)(backend *b, size_t bytes);
     void (*host_free)(backend *b, void *p);
     int (*graph_begin)(backend *b);
@@ -48,7 +61,13 @@ struct backend_i {
 struct backend {
     const struct backend_i *i;
     char errstr[256];
+    /* Host sampling (backend.c), made on first use: */
+    sampler *smp;
+    float *sample_buf; /* one row of logits downloaded from the device */
 };
+
+/* What a fused op returns for a case it leaves to the plain ops. */
+#define BACKEND_NOT_FUSED 1
 
 /* Record a failure in b->errstr and return code. */
 int backend_fail(backend *b, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

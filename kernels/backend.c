@@ -18,7 +18,10 @@ int backend_fail(backend *b, int code, const char *fmt, ...) {
 }
 
 void backend_free(backend *b) {
-    if (b) b->i->free(b);
+    if (!b) return;
+    sampler_free(b->smp);
+    free(b->sample_buf);
+    b->i->free(b);
 }
 const char *backend_name(const backend *b) { return b->i->name(b); }
 const char *backend_errstr(const backend *b) { return b->errstr; }
@@ -128,6 +131,102 @@ int backend_attention(backend *b, float *out, const float *q, const struct backe
 int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
                     enum dtype src_type, int64_t n) {
     return n ? b->i->convert(b, dst, dst_type, src, src_type, n) : STATUS_OK;
+}
+
+int backend_matmul_multi(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
+                         const float *x, int32_t n) {
+    if (n_w < 0 || n_w > BACKEND_MATMUL_MULTI_MAX)
+        return backend_fail(b, STATUS_BAD_INPUT, "matmul_multi: %d weights (at most %d)", n_w,
+                            BACKEND_MATMUL_MULTI_MAX);
+    if (n == 0 || n_w == 0) return STATUS_OK;
+    if (b->i->matmul_multi) {
+        int rc = b->i->matmul_multi(b, n_w, outs, ws, x, n);
+        if (rc != BACKEND_NOT_FUSED) return rc;
+    }
+    for (int j = 0; j < n_w; j++) {
+        int rc = b->i->matmul(b, outs[j], ws[j], x, n);
+        if (rc != STATUS_OK) return rc;
+    }
+    return STATUS_OK;
+}
+
+int backend_matmul_swiglu(backend *b, float *out, const struct backend_weight *gate,
+                          const struct backend_weight *up, const float *x, int32_t n, float *gate_tmp,
+                          float *up_tmp) {
+    if (gate->rows != up->rows || gate->cols != up->cols)
+        return backend_fail(b, STATUS_BAD_INPUT, "matmul_swiglu: gate [%lld x %lld] and up [%lld x %lld] differ",
+                            (long long)gate->rows, (long long)gate->cols, (long long)up->rows,
+                            (long long)up->cols);
+    if (n == 0) return STATUS_OK;
+    if (b->i->matmul_swiglu) {
+        int rc = b->i->matmul_swiglu(b, out, gate, up, x, n);
+        if (rc != BACKEND_NOT_FUSED) return rc;
+    }
+    float *outs[2] = {gate_tmp, up_tmp};
+    const struct backend_weight *ws[2] = {gate, up};
+    int rc = backend_matmul_multi(b, 2, outs, ws, x, n);
+    return rc == STATUS_OK ? b->i->swiglu(b, out, gate_tmp, up_tmp, (int64_t)n * gate->rows) : rc;
+}
+
+int backend_rope_kv_write(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
+                          const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
+                          const float *inv_freq, int32_t n_freq, int neox) {
+    if (2 * n_freq > kv->head_dim)
+        return backend_fail(b, STATUS_BAD_INPUT, "rope: %d frequencies for head_dim %d", n_freq, kv->head_dim);
+    if (n == 0) return STATUS_OK;
+    if (b->i->rope_kv_write)
+        return b->i->rope_kv_write(b, q, k, v, kv, pos, slots, n, n_heads, inv_freq, n_freq, neox);
+    int rc = b->i->rope(b, q, pos, n, n_heads, kv->head_dim, inv_freq, n_freq, neox);
+    if (rc == STATUS_OK) rc = b->i->rope(b, k, pos, n, kv->n_kv_heads, kv->head_dim, inv_freq, n_freq, neox);
+    if (rc == STATUS_OK) rc = b->i->kv_write(b, kv, k, v, slots, n);
+    return rc;
+}
+
+/* The host path: each row (downloaded first from a GPU) through
+ * common/sampling.c. */
+static int backend_sample_host(backend *b, const float *logits, int32_t n_vocab,
+                               struct backend_sample_row *rows, int32_t n_rows) {
+    if (b->smp && sampler_n_vocab(b->smp) != n_vocab) {
+        sampler_free(b->smp);
+        b->smp = NULL;
+        free(b->sample_buf);
+        b->sample_buf = NULL;
+    }
+    if (!b->smp) {
+        char err[160];
+        int rc = sampler_init(&b->smp, n_vocab, err, sizeof err);
+        if (rc != STATUS_OK) return backend_fail(b, rc, "sample: %s", err);
+    }
+    if (b->i->is_gpu && !b->sample_buf) {
+        b->sample_buf = malloc((size_t)n_vocab * sizeof(float));
+        if (!b->sample_buf)
+            return backend_fail(b, STATUS_NO_MEMORY, "sample: no host memory for %d logits", n_vocab);
+    }
+    for (int32_t r = 0; r < n_rows; r++) {
+        const float *row = logits + (size_t)r * n_vocab;
+        if (b->i->is_gpu) {
+            int rc = b->i->download(b, b->sample_buf, row, (size_t)n_vocab * sizeof(float));
+            if (rc != STATUS_OK) return rc;
+            row = b->sample_buf;
+        }
+        struct backend_sample_row *sr = &rows[r];
+        sr->err[0] = 0;
+        sr->status = sampler_sample(b->smp, row, sr->params, sr->history, sr->n_history, sr->pos, &sr->result);
+        if (sr->status < 0) snprintf(sr->err, sizeof sr->err, "%s", sampler_errstr(b->smp));
+    }
+    return STATUS_OK;
+}
+
+int backend_sample(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
+                   int32_t n_rows) {
+    if (n_vocab < 1 || n_rows < 0)
+        return backend_fail(b, STATUS_BAD_INPUT, "sample: %d rows of %d logits", n_rows, n_vocab);
+    if (n_rows == 0) return STATUS_OK;
+    if (b->i->sample) {
+        int rc = b->i->sample(b, logits, n_vocab, rows, n_rows);
+        if (rc != BACKEND_NOT_FUSED) return rc;
+    }
+    return backend_sample_host(b, logits, n_vocab, rows, n_rows);
 }
 
 void *backend_host_alloc(backend *b, size_t bytes) {

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "../common/dtype.h"
+#include "../common/sampling.h"
 
 typedef struct backend backend;
 
@@ -112,6 +113,52 @@ int backend_kv_write(backend *b, struct backend_kv *kv, const float *k, const fl
  * sequence s at position p attends to positions 0..p of s. */
 int backend_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
                       const struct backend_attn_batch *batch, int32_t n_heads, float scale);
+/* Fused forms of the ops above, for the steps of one layer.  Each gives
+ * the same result as the plain ops it names (the tests compare them); a
+ * backend that has no faster way runs exactly those ops.  On the GPU they
+ * save kernel launches, which is most of a small decode step's time. */
+#define BACKEND_MATMUL_MULTI_MAX 4
+/* outs[j][n, ws[j]->rows] = x . ws[j]^T for j < n_w <= BACKEND_MATMUL_MULTI_MAX
+ * (q, k and v of one input): n_w backend_matmul calls.  No out may
+ * overlap x. */
+int backend_matmul_multi(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
+                         const float *x, int32_t n);
+/* out[n, gate->rows] = silu(x . gate^T) * (x . up^T): backend_matmul of
+ * gate into gate_tmp and of up into up_tmp, then backend_swiglu.  gate and
+ * up have the same shape; gate_tmp and up_tmp ([n, gate->rows] each) are
+ * scratch the backend may leave unused. */
+int backend_matmul_swiglu(backend *b, float *out, const struct backend_weight *gate,
+                          const struct backend_weight *up, const float *x, int32_t n, float *gate_tmp,
+                          float *up_tmp);
+/* backend_rope of q [n, n_heads*head_dim] and of k [n, kv->n_kv_heads*head_dim]
+ * at pos, then backend_kv_write of the rotated k and of v at slots.  q and
+ * k are rotated in place. */
+int backend_rope_kv_write(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
+                          const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
+                          const float *inv_freq, int32_t n_freq, int neox);
+
+/* Sampling.  One row of logits to sample: the request's parameters and
+ * token history in, the token (or why there is none) out.  Host memory. */
+struct backend_sample_row {
+    const struct sampling_params *params; /* passed sampling_params_validate */
+    const int32_t *history;               /* the sequence's tokens so far (penalties read them) */
+    int32_t n_history;
+    int64_t pos;                          /* position of the token being picked */
+    struct sampling_result result;        /* out: as sampler_sample fills it */
+    int status;                           /* out: 0, or why this row has no token (result.token = -1) */
+    char err[96];                         /* out: when status < 0, "logit of token 17 is nan" */
+};
+/* Picks one token for each row r < n_rows of logits[n_rows, n_vocab]
+ * (backend memory) under rows[r] by sampler_sample's rules
+ * (common/sampling.h): the same tokens for the same inputs, whichever
+ * backend runs it (up to float rounding at the edge of a top-p cut or of
+ * the draw).  A row's own failure (a NaN logit, a history token outside the
+ * vocabulary) is reported in that row and the others are still sampled.
+ * Returns 0, or a negative status when the backend itself fails (then no
+ * row is valid).  Waits for the stream. */
+int backend_sample(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
+                   int32_t n_rows);
+
 /* Element conversion between F32, F16 and BF16 buffers (stage transfers). */
 int backend_convert(backend *b, void *dst, enum dtype dst_type, const void *src,
                     enum dtype src_type, int64_t n);

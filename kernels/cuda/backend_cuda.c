@@ -122,6 +122,60 @@ static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *sr
     return cuda_convert(ctx_fresh(b), dst, dst_type, src, src_type, n);
 }
 
+/* The weights of one type go to the device as one launch (Q4_K_M mixes
+ * types: q and k may be Q4_K with v Q6_K); any the grouped kernels do not
+ * take run one by one. */
+static int bc_matmul_multi(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
+                           const float *x, int32_t n) {
+    struct cuda_ctx *ctx = ctx_of(b);
+    int done[BACKEND_MATMUL_MULTI_MAX] = {0};
+    for (int j = 0; j < n_w; j++) {
+        if (done[j]) continue;
+        float *go[BACKEND_MATMUL_MULTI_MAX];
+        const void *gw[BACKEND_MATMUL_MULTI_MAX];
+        int64_t gr[BACKEND_MATMUL_MULTI_MAX];
+        int idx[BACKEND_MATMUL_MULTI_MAX], g = 0;
+        for (int k = j; k < n_w; k++) {
+            if (done[k] || ws[k]->type != ws[j]->type || ws[k]->cols != ws[j]->cols) continue;
+            go[g] = outs[k];
+            gw[g] = ws[k]->data;
+            gr[g] = ws[k]->rows;
+            idx[g++] = k;
+        }
+        int rc = g > 1 ? cuda_matmul_group(ctx, g, go, gw, gr, ws[j]->type, ws[j]->cols, x, n, 0) : CUDA_NOT_FUSED;
+        if (rc < 0) return rc;
+        for (int k = 0; k < g; k++) {
+            done[idx[k]] = 1;
+            if (rc == CUDA_NOT_FUSED) {
+                const struct backend_weight *w = ws[idx[k]];
+                int r = cuda_matmul(ctx, go[k], w->data, w->type, w->rows, w->cols, x, n);
+                if (r != STATUS_OK) return r;
+            }
+        }
+    }
+    return STATUS_OK;
+}
+static int bc_matmul_swiglu(backend *b, float *out, const struct backend_weight *gate,
+                            const struct backend_weight *up, const float *x, int32_t n) {
+    if (gate->type != up->type) return BACKEND_NOT_FUSED;
+    float *outs[2] = {out, NULL};
+    const void *ws[2] = {gate->data, up->data};
+    int64_t rows[2] = {gate->rows, up->rows};
+    int rc = cuda_matmul_group(ctx_of(b), 2, outs, ws, rows, gate->type, gate->cols, x, n, 1);
+    return rc == CUDA_NOT_FUSED ? BACKEND_NOT_FUSED : rc;
+}
+static int bc_rope_kv_write(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
+                            const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
+                            const float *inv_freq, int32_t n_freq, int neox) {
+    return cuda_rope_kv_write(ctx_fresh(b), q, k, v, kv->k, kv->v, kv->type, kv->n_blocks, kv->block_size,
+                              kv->n_kv_heads, kv->head_dim, pos, slots, n, n_heads, inv_freq, n_freq, neox);
+}
+static int bc_sample(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
+                     int32_t n_rows) {
+    int rc = cuda_sample(ctx_fresh(b), logits, n_vocab, rows, n_rows);
+    return rc == CUDA_NOT_FUSED ? BACKEND_NOT_FUSED : rc;
+}
+
 static void *bc_host_alloc(backend *b, size_t bytes) { return cuda_host_alloc(ctx_of(b), bytes); }
 static void bc_host_free(backend *b, void *p) { cuda_host_free(ctx_of(b), p); }
 
@@ -183,6 +237,10 @@ static const struct backend_i cuda_iface = {
     .graph_end = bc_graph_end,
     .graph_launch = bc_graph_launch,
     .graph_free = bc_graph_free,
+    .matmul_multi = bc_matmul_multi,
+    .matmul_swiglu = bc_matmul_swiglu,
+    .rope_kv_write = bc_rope_kv_write,
+    .sample = bc_sample,
 };
 
 int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {

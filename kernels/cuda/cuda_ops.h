@@ -132,10 +132,35 @@ int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n);
 /* out[n, rows] = x[n, cols] . w^T; w 16-byte aligned. */
 int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                      int64_t cols, const float *x, int32_t n);
+/* What a fused op returns for a case it leaves to the plain ops (the
+ * backend's BACKEND_NOT_FUSED). */
+#define CUDA_NOT_FUSED 1
+/* Several weights of one type and width on one input x[n, cols], in one
+ * launch where the 1-2 token kernels take them: outs[j][n, rows[j]] =
+ * x . ws[j]^T for j < n_w (at most 4).  With swiglu (n_w = 2, equal rows)
+ * outs[0] = silu(x . ws[0]^T) * (x . ws[1]^T) and outs[1] is not written.
+ * CUDA_NOT_FUSED when the shape or type is not one it takes. */
+int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
+                      const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
+                      int swiglu);
 /* kv_k, kv_v: [n_blocks][n_kv_heads][block_size][head_dim] of kv_type. */
 int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum dtype kv_type, int32_t n_blocks,
                   int32_t block_size, int32_t n_kv_heads, int32_t head_dim, const float *k,
                   const float *v, const int32_t *slots, int32_t n);
+
+/* rope.cu: cuda_rope of q (n_heads) and of k (n_kv_heads), then
+ * cuda_kv_write of the rotated k and of v, in one launch. */
+int cuda_rope_kv_write(struct cuda_ctx *ctx, float *q, float *k, const float *v, void *kv_k, void *kv_v,
+                       enum dtype kv_type, int32_t n_blocks, int32_t block_size, int32_t n_kv_heads,
+                       int32_t head_dim, const int32_t *pos, const int32_t *slots, int32_t n,
+                       int32_t n_heads, const float *inv_freq, int32_t n_freq, int neox);
+
+/* ---- sample.cu: backend_sample on the device (kernels/backend.h) ---- */
+struct backend_sample_row;
+/* 0 with every row's result filled, CUDA_NOT_FUSED for a request it leaves
+ * to the host sampler, or a negative status.  Waits for the stream. */
+int cuda_sample(struct cuda_ctx *ctx, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
+                int32_t n_rows);
 
 /* The attention batch of kernels/backend.h, restated for the .cu side. */
 struct cuda_attn_args {

@@ -130,3 +130,10 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (rc != STATUS_OK) cuda_act_forget(ctx);
     return rc;
 }
+
+extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
+                                 const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
+                                 int swiglu) {
+    (void)ctx, (void)n_w, (void)outs, (void)ws, (void)rows, (void)type, (void)cols, (void)x, (void)n, (void)swiglu;
+    return CUDA_NOT_FUSED;
+}
