@@ -13,7 +13,7 @@ mkdir -p "$(dirname "$pack")"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage$build"
-for b in tests/test_cuda_ops tests/test_forward tests/test_link tests/test_node worker/llm-run \
+for b in tests/test_cuda_ops tests/test_cuda_sample tests/test_forward tests/test_link tests/test_node worker/llm-run \
          worker/llm-worker router/llm-router router/llm-cluster bench/bench_gpu bench/bench_cluster; do
     mkdir -p "$stage$build/$(dirname "$b")"
     strip -o "$stage$build/$b" "$build/$b"

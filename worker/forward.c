@@ -185,7 +185,6 @@ static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, in
     };
     const float scale = 1.0f / sqrtf((float)hp->head_dim);
     const int32_t n_freq = hp->head_dim / 2;
-    const int64_t ffn = (int64_t)T * hp->ffn_dim;
     /* The FFN output of layer l is added to the residual stream together
      * with layer l+1's attention norm (one pass instead of two). */
     int pending = 0;
@@ -197,9 +196,9 @@ static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, in
             FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->attn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
         else
             FORWARD_TRY(backend_rmsnorm(b, s->xn, s->x, l->attn_norm, T, hp->dim, hp->rms_eps), "rmsnorm");
-        FORWARD_TRY(backend_matmul(b, s->q, &l->wq, s->xn, T), "matmul q");
-        FORWARD_TRY(backend_matmul(b, s->k, &l->wk, s->xn, T), "matmul k");
-        FORWARD_TRY(backend_matmul(b, s->v, &l->wv, s->xn, T), "matmul v");
+        float *const qkv_out[3] = {s->q, s->k, s->v};
+        const struct backend_weight *const qkv_w[3] = {&l->wq, &l->wk, &l->wv};
+        FORWARD_TRY(backend_matmul_multi(b, 3, qkv_out, qkv_w, s->xn, T), "matmul q, k, v");
         if (l->bq) {
             /* Biases broadcast over rows: one add per row (qwen2 only). */
             for (int32_t t = 0; t < T; t++) {
@@ -208,15 +207,13 @@ static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, in
                 FORWARD_TRY(backend_add(b, s->v + (size_t)t * s->kv_dim, l->bv, s->kv_dim), "bias v");
             }
         }
-        FORWARD_TRY(backend_rope(b, s->q, md + mt->pos, T, hp->n_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope q");
-        FORWARD_TRY(backend_rope(b, s->k, md + mt->pos, T, hp->n_kv_heads, hp->head_dim, s->inv_freq, n_freq, hp->rope_neox), "rope k");
-        FORWARD_TRY(backend_kv_write(b, kv, s->k, s->v, md + mt->slots, T), "kv_write");
+        FORWARD_TRY(backend_rope_kv_write(b, s->q, s->k, s->v, kv, md + mt->pos, md + mt->slots, T, hp->n_heads,
+                                          s->inv_freq, n_freq, hp->rope_neox), "rope, kv_write");
         FORWARD_TRY(backend_attention(b, s->att, s->q, kv, &ab, hp->n_heads, scale), "attention");
         FORWARD_TRY(backend_matmul(b, s->proj, &l->wo, s->att, T), "matmul attn_output");
         FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->ffn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
-        FORWARD_TRY(backend_matmul(b, s->gate, &l->w_gate, s->xn, T), "matmul ffn_gate");
-        FORWARD_TRY(backend_matmul(b, s->up, &l->w_up, s->xn, T), "matmul ffn_up");
-        FORWARD_TRY(backend_swiglu(b, s->ffn_h, s->gate, s->up, ffn), "swiglu");
+        FORWARD_TRY(backend_matmul_swiglu(b, s->ffn_h, &l->w_gate, &l->w_up, s->xn, T, s->gate, s->up),
+                    "matmul ffn_gate, ffn_up, swiglu");
         FORWARD_TRY(backend_matmul(b, s->proj, &l->w_down, s->ffn_h, T), "matmul ffn_down");
         pending = 1;
     }

@@ -8,6 +8,7 @@
  * scratch (never a second full copy), F32 accumulation throughout.  F32
  * weights go through cublasSgemm. */
 #include "common.cuh"
+#include "matmul_group.cuh"
 
 #include <stdlib.h>
 
@@ -93,6 +94,29 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
     return STATUS_OK;
 }
 
+/* Most tokens for the weight-reading kernels.  They read each weight
+ * once for all n tokens; up to 64 tokens that beats dequantizing F16 tiles
+ * for cuBLAS (which writes and reads back 2 bytes per weight).  F32 weights
+ * have no tensor-core path there: one warp per row, whose F32 activation
+ * reads grow with n, so only a few tokens.  Measured in docs/cuda-backend.md. */
+static int32_t matmul_vec_max(const struct cuda_ctx *ctx, enum dtype type) {
+    if (type == DTYPE_F32) return ctx->vec_max_float < MATMUL_F32_VEC_MAX ? ctx->vec_max_float : MATMUL_F32_VEC_MAX;
+    return type == DTYPE_F16 ? ctx->vec_max_float : ctx->vec_max_quant;
+}
+
+/* 1-2 tokens on quantized weights: the warp-per-row dp4a kernel of
+ * matmul_gemv.cu (no shared-memory staging) where it measured faster. */
+static int matmul_gemv_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    return ctx->gemv_max < 0 ? matmul_gemv_wins(type, cols, n) : n <= ctx->gemv_max;
+}
+
+/* Kept activations are of an input this call's output must not overlap. */
+static void matmul_act_check(struct cuda_ctx *ctx, const float *out, int64_t rows, int32_t n) {
+    if (ctx->act_kind != MATMUL_ACT_NONE && out < ctx->act_x + (int64_t)ctx->act_n * ctx->act_cols &&
+        ctx->act_x < out + (int64_t)n * rows)
+        cuda_act_forget(ctx);
+}
+
 extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                            int64_t cols, const float *x, int32_t n) {
     if (n < 0 || rows <= 0 || cols <= 0 || rows > INT32_MAX || cols > INT32_MAX)
@@ -101,22 +125,9 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (cuda_row_bytes(type, cols) == 0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
-    /* The weight-reading kernels read each weight once for all n tokens;
-     * up to 64 tokens that beats dequantizing F16 tiles for cuBLAS (which
-     * writes and reads back 2 bytes per weight).  F32 weights have no
-     * tensor-core path there: one warp per row, whose F32 activation reads
-     * grow with n, so only a few tokens.  Measured in docs/cuda-backend.md. */
-    int32_t vec_max = type == DTYPE_F32   ? (ctx->vec_max_float < MATMUL_F32_VEC_MAX ? ctx->vec_max_float
-                                                                                    : MATMUL_F32_VEC_MAX)
-                      : type == DTYPE_F16 ? ctx->vec_max_float
-                                          : ctx->vec_max_quant;
-    /* 1-2 tokens on quantized weights: the warp-per-row dp4a kernel of
-     * matmul_gemv.cu (no shared-memory staging) where it measured faster. */
-    int gemv = ctx->gemv_max < 0 ? matmul_gemv_wins(type, cols, n) : n <= ctx->gemv_max;
-    /* Kept activations are of an input this call's output must not overlap. */
-    if (ctx->act_kind != MATMUL_ACT_NONE && (const float *)out < ctx->act_x + (int64_t)ctx->act_n * ctx->act_cols &&
-        ctx->act_x < out + (int64_t)n * rows)
-        cuda_act_forget(ctx);
+    int32_t vec_max = matmul_vec_max(ctx, type);
+    int gemv = matmul_gemv_takes(ctx, type, cols, n);
+    matmul_act_check(ctx, out, rows, n);
     int rc;
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
         rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
@@ -131,9 +142,33 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     return rc;
 }
 
+/* Only where cuda_matmul would take a warp-per-row kernel for every weight
+ * (1-2 tokens): there a launch per weight costs as much as several
+ * microseconds of reading, and one grid over all of them saves it.  Larger
+ * batches keep their per-weight kernels (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                  const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
                                  int swiglu) {
-    (void)ctx, (void)n_w, (void)outs, (void)ws, (void)rows, (void)type, (void)cols, (void)x, (void)n, (void)swiglu;
-    return CUDA_NOT_FUSED;
+    if (n_w < 1 || n_w > MG_MAX || (swiglu && (n_w != 2 || rows[0] != rows[1])) || n < 1 || cols <= 0 ||
+        cols > INT32_MAX || cuda_row_bytes(type, cols) == 0 || n > matmul_vec_max(ctx, type))
+        return CUDA_NOT_FUSED;
+    struct mm_group g = {};
+    for (int j = 0; j < n_w; j++) {
+        if (rows[j] <= 0 || rows[j] > INT32_MAX || (uintptr_t)ws[j] % 16 != 0) return CUDA_NOT_FUSED;
+        g.w[j] = (const uint8_t *)ws[j];
+        g.out[j] = outs[j];
+        g.rows[j] = (int)rows[j];
+    }
+    g.n = n_w;
+    g.swiglu = swiglu;
+    if (type == DTYPE_F16 || type == DTYPE_F32) {
+        int rc = cuda_matmul_vec_group(ctx, &g, type, cols, x, n);
+        if (rc == STATUS_OK) cuda_act_forget(ctx); /* as cuda_matmul after matmul_vec */
+        return rc;
+    }
+    if (!matmul_gemv_takes(ctx, type, cols, n) || !cuda_matmul_gemv_supports(type, cols, n)) return CUDA_NOT_FUSED;
+    for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
+    int rc = cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
+    if (rc != STATUS_OK) cuda_act_forget(ctx);
+    return rc;
 }

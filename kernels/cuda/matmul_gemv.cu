@@ -5,6 +5,7 @@
  * to int8 per 32 (a tiny pre-kernel) so that 4 weights cost one dp4a.
  * Decode is memory-bound: the aim is the DRAM rate (docs/cuda-backend.md). */
 #include "common.cuh"
+#include "matmul_group.cuh"
 
 /* 4 warps (rows) per block: small blocks fill every SM evenly; launch
  * bounds keep registers at 64 so that 8 blocks (32 warps) fit per SM. */
@@ -245,56 +246,55 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
     }
 };
 
-/* out[t, row] = x[t] . w[row] for t < n <= NT: warp w of block b owns row
- * GV_WARPS b + w.  Each lane loads gv_unroll chunks before using any (the
- * loads are independent: several DRAM requests in flight per lane), then
- * dots them; the 32 partial sums are added with shuffles. */
+/* out[t, row] = x[t] . w[row] for t < n <= NT, for each weight of the
+ * group g (matmul_group.cuh): a warp owns one row.  Each lane loads
+ * gv_unroll chunks before using any (the loads are independent: several
+ * DRAM requests in flight per lane), then dots them; the 32 partial sums
+ * are added with shuffles.  No early return: a swiglu block meets at a
+ * barrier. */
 template <int T, int NT>
 __global__ void __launch_bounds__(GV_WARPS * 32, 8)
-matmul_gemv_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t row_bytes, int rows, int cols,
-                   const int8_t *__restrict__ xq, const float *__restrict__ xd, int n) {
+matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *__restrict__ xq,
+                   const float *__restrict__ xd, int n) {
     using C = gv_chunk<T>;
     constexpr int U = gv_unroll<T, NT>::u;
-    const int lane = threadIdx.x & 31, row = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const uint8_t *wr = w + (size_t)row * row_bytes;
-    const int nch = cols / C::cw;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int seg, row;
+    mg_locate<GV_WARPS>(g, warp, seg, row);
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-        C ch[U];
+    if (row < g.rows[seg]) {
+        const uint8_t *wr = g.w[seg] + (size_t)row * row_bytes;
+        const int nch = cols / C::cw;
+        for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+            C ch[U];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u);
+            for (int u = 0; u < U; u++)
+                if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u);
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
+            for (int u = 0; u < U; u++)
+                if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
+        }
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        float v = acc[t];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0 && t < n) out[(size_t)t * rows + row] = v;
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
+    mg_store<GV_WARPS, NT>(g, seg, row, warp, lane, n, acc);
 }
 
 template <int T>
-static int gemv_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols,
-                       const int8_t *xq, const float *xd, int n) {
-    unsigned grid = (unsigned)((rows + GV_WARPS - 1) / GV_WARPS);
+static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const int8_t *xq, const float *xd, int n) {
+    unsigned grid = mg_layout(&g, GV_WARPS);
     size_t rb = cuda_row_bytes((enum dtype)T, cols);
-    const uint8_t *wb = (const uint8_t *)w;
     if (n == 1)
-        matmul_gemv_kernel<T, 1><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
-                                                                             xd, n);
+        matmul_gemv_kernel<T, 1><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
     else if (n == 2)
-        matmul_gemv_kernel<T, 2><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
-                                                                             xd, n);
+        matmul_gemv_kernel<T, 2><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
     else
-        matmul_gemv_kernel<T, 4><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(out, wb, rb, (int)rows, (int)cols, xq,
-                                                                             xd, n);
+        matmul_gemv_kernel<T, 4><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -308,13 +308,14 @@ extern "C" int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t 
     }
 }
 
-extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
-                                int64_t cols, const float *x, int32_t n) {
-    if (rows <= 0 || rows > INT32_MAX || !cuda_matmul_gemv_supports(type, cols, n))
-        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %d tokens x %s [%lld x %lld] is not a gemv shape", n,
-                         dtype_name(type), (long long)rows, (long long)cols);
-    if ((uintptr_t)w % 16 != 0)
-        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: weight %p is not 16-byte aligned", w);
+/* The group's weights (16-byte aligned, each checked by the caller)
+ * against x quantized once. */
+extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                      const float *x, int32_t n) {
+    for (int s = 0; s < g->n; s++)
+        if (g->rows[s] <= 0 || !cuda_matmul_gemv_supports(type, cols, n) || (uintptr_t)g->w[s] % 16 != 0)
+            return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %d tokens x %s [%d x %lld] at %p is not a gemv shape",
+                             n, dtype_name(type), g->rows[s], (long long)cols, (const void *)g->w[s]);
     /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
     size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
     int64_t nblk = (int64_t)n * cols / 32;
@@ -327,12 +328,24 @@ extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w,
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     switch (type) {
-    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, xq, xd, n);
-    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0>(ctx, out, w, rows, cols, xq, xd, n);
-    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K>(ctx, out, w, rows, cols, xq, xd, n);
-    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K>(ctx, out, w, rows, cols, xq, xd, n);
-    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K>(ctx, out, w, rows, cols, xq, xd, n);
+    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0>(ctx, *g, cols, xq, xd, n);
+    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0>(ctx, *g, cols, xq, xd, n);
+    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K>(ctx, *g, cols, xq, xd, n);
+    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K>(ctx, *g, cols, xq, xd, n);
+    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K>(ctx, *g, cols, xq, xd, n);
     default: break;
     }
     return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: weight type %s", dtype_name(type));
+}
+
+extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                                int64_t cols, const float *x, int32_t n) {
+    if (rows <= 0 || rows > INT32_MAX)
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %lld rows", (long long)rows);
+    struct mm_group g = {};
+    g.w[0] = (const uint8_t *)w;
+    g.out[0] = out;
+    g.rows[0] = (int)rows;
+    g.n = 1;
+    return cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
 }

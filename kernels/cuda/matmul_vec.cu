@@ -8,6 +8,7 @@
  *     registers straight from a shared-memory copy of the raw bytes;
  *   - the warp-per-row kernel for what mq does not take (F32 weights, odd
  *     widths), up to 16 tokens. */
+#include "matmul_group.cuh"
 #include "quant_units.cuh"
 
 /* ---- mq: the tensor-core kernel ----
@@ -517,43 +518,54 @@ __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const f
     }
 }
 
+/* One warp per row of each weight of the group g (matmul_group.cuh); no
+ * early return, since a swiglu block meets at a barrier. */
 template <int T, int NT>
 __global__ void __launch_bounds__(MV_WARPS * 32)
-matmul_vec_kernel(float *out, const uint8_t *w, size_t row_bytes, int64_t rows, int64_t cols, const float *x, int n) {
+matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
-    int64_t row = (int64_t)blockIdx.x * MV_WARPS + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const uint8_t *wr = w + (size_t)row * row_bytes;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int seg, row;
+    mg_locate<MV_WARPS>(g, warp, seg, row);
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    int64_t units = qu_units<T>(cols);
-    for (int64_t u = lane; u < units; u += 32) {
-        float wv[RUNS * RLEN];
-        qu_load<T>(wr, u, wv);
+    if (row < g.rows[seg]) {
+        const uint8_t *wr = g.w[seg] + (size_t)row * row_bytes;
+        int64_t units = qu_units<T>(cols);
+        for (int64_t u = lane; u < units; u += 32) {
+            float wv[RUNS * RLEN];
+            qu_load<T>(wr, u, wv);
 #pragma unroll
-        for (int k = 0; k < RUNS; k++) mv_dot<NT, RLEN>(acc, wv + k * RLEN, x, cols, qu_off<T>(u, k), n);
+            for (int k = 0; k < RUNS; k++) mv_dot<NT, RLEN>(acc, wv + k * RLEN, x, cols, qu_off<T>(u, k), n);
+        }
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        if (t < n) {
-            float v = acc[t];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0) out[(int64_t)t * rows + row] = v;
-        }
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
+    mg_store<MV_WARPS, NT>(g, seg, row, warp, lane, n, acc);
+}
+
+template <int T, int NT>
+static int mv_launch_group(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+    unsigned grid = mg_layout(&g, MV_WARPS);
+    matmul_vec_kernel<T, NT><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, cuda_row_bytes((enum dtype)T, cols),
+                                                                         cols, x, n);
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
 }
 
 template <int T, int NT>
 static int mv_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
                         int n) {
-    unsigned grid = (unsigned)((rows + MV_WARPS - 1) / MV_WARPS);
-    matmul_vec_kernel<T, NT><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(
-        out, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), rows, cols, x, n);
-    CUDA_CHECK(ctx, cudaGetLastError());
-    return STATUS_OK;
+    mm_group g = {};
+    g.w[0] = (const uint8_t *)w;
+    g.out[0] = out;
+    g.rows[0] = (int)rows;
+    g.n = 1;
+    return mv_launch_group<T, NT>(ctx, g, cols, x, n);
 }
 
 template <int T>
@@ -621,4 +633,19 @@ extern "C" int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, 
     default: break;
     }
     return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_vec: weight type %s", dtype_name(type));
+}
+
+/* F16 and F32 weights at 1-2 tokens, where cuda_matmul_vec takes the
+ * warp-per-row kernel: the group's weights in one launch.  CUDA_NOT_FUSED
+ * for anything else. */
+extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                     const float *x, int32_t n) {
+    if ((type != DTYPE_F16 && type != DTYPE_F32) || n > MV_F16_MAX || !mv_supports(type, cols, n) ||
+        (uintptr_t)x % 16 != 0)
+        return CUDA_NOT_FUSED;
+    for (int s = 0; s < g->n; s++)
+        if ((uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
+    if (type == DTYPE_F16)
+        return n == 1 ? mv_launch_group<DTYPE_F16, 1>(ctx, *g, cols, x, n) : mv_launch_group<DTYPE_F16, 4>(ctx, *g, cols, x, n);
+    return n == 1 ? mv_launch_group<DTYPE_F32, 1>(ctx, *g, cols, x, n) : mv_launch_group<DTYPE_F32, 4>(ctx, *g, cols, x, n);
 }

@@ -566,6 +566,93 @@ TEST(cuda_ops_matmul_gemv_q4_k) { gemv_type(DTYPE_Q4_K); }
 TEST(cuda_ops_matmul_gemv_q5_k) { gemv_type(DTYPE_Q5_K); }
 TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
+/* ---- Fused matmuls: against the CPU's plain ops ---- */
+
+/* q, k and v of one input in one launch at 1-2 tokens, also with types
+ * mixed (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts
+ * that leave blocks part-full; 3 tokens takes the per-weight kernels. */
+static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
+    fx_open(); /* a fixture per case: the host buffers of a case add up */
+    int wi[4];
+    for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
+    struct dbuf x = dbuf_from(rand_f32((size_t)3 * cols, -1, 1), (size_t)3 * cols * 4);
+    struct dbuf out[4];
+    for (int j = 0; j < n_w; j++) out[j] = dbuf_new((size_t)3 * rows[j] * 4);
+    for (int32_t n = 1; n <= 3; n++) {
+        float *co[4], *go[4];
+        const struct backend_weight *cw[4], *gw[4];
+        for (int j = 0; j < n_w; j++) {
+            dbuf_poison(out[j]);
+            co[j] = out[j].c;
+            go[j] = out[j].g;
+            cw[j] = &fx.cw[wi[j]];
+            gw[j] = &fx.gw[wi[j]];
+        }
+        ASSERT_OK(backend_matmul_multi(fx.cpu, n_w, co, cw, x.c, n));
+        int rc = backend_matmul_multi(fx.gpu, n_w, go, gw, x.g, n);
+        if (rc != STATUS_OK) TEST_FAIL("gpu matmul_multi n=%d: %s", n, backend_errstr(fx.gpu));
+        for (int j = 0; j < n_w; j++) {
+            char what[128];
+            snprintf(what, sizeof what, "matmul_multi weight %d of %d (%s [%lld x %lld]) n=%d", j, n_w,
+                     dtype_name(types[j]), (long long)rows[j], (long long)cols, n);
+            check_f32(out[j], (size_t)n * rows[j], matmul_bound(types[j]), what);
+        }
+    }
+    fx_close();
+}
+
+TEST(cuda_ops_matmul_multi) {
+    mm_set_mode(MM_DEFAULT);
+    const int64_t qkv[3] = {301, 99, 99}, four[4] = {64, 5, 130, 7}, two[2] = {33, 17};
+    const enum dtype f16[3] = {DTYPE_F16, DTYPE_F16, DTYPE_F16}, q8[3] = {DTYPE_Q8_0, DTYPE_Q8_0, DTYPE_Q8_0};
+    const enum dtype q4k[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q4_K}, mixed[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q6_K};
+    const enum dtype q40[4] = {DTYPE_Q4_0, DTYPE_Q4_0, DTYPE_Q4_0, DTYPE_Q4_0}, f32[2] = {DTYPE_F32, DTYPE_F32};
+    const enum dtype q5k[3] = {DTYPE_Q5_K, DTYPE_Q5_K, DTYPE_Q5_K}, q6k_q8[3] = {DTYPE_Q6_K, DTYPE_Q8_0, DTYPE_Q6_K};
+    multi_case(f16, qkv, 3, 512);
+    multi_case(q8, qkv, 3, 4096);
+    multi_case(q4k, qkv, 3, 768);
+    multi_case(mixed, qkv, 3, 1024);
+    multi_case(q5k, qkv, 3, 512);
+    multi_case(q6k_q8, qkv, 3, 512);
+    multi_case(q40, four, 4, 1184);
+    multi_case(f32, two, 2, 256);
+}
+
+/* gate and up in one launch with silu(gate) * up written by the block
+ * (1-2 tokens), and the plain path (two matmuls and swiglu) at 5. */
+static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
+    fx_open();
+    int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+    int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+    const int32_t ns[3] = {1, 2, 5};
+    struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
+    struct dbuf out = dbuf_new((size_t)5 * rows * 4), gt = dbuf_new((size_t)5 * rows * 4),
+                ut = dbuf_new((size_t)5 * rows * 4);
+    for (int i = 0; i < 3; i++) {
+        dbuf_poison(out);
+        ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
+        int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], x.g, ns[i], gt.g, ut.g);
+        if (rc != STATUS_OK) TEST_FAIL("gpu matmul_swiglu n=%d: %s", ns[i], backend_errstr(fx.gpu));
+        char what[128];
+        snprintf(what, sizeof what, "matmul_swiglu %s [%lld x %lld] n=%d", dtype_name(t), (long long)rows,
+                 (long long)cols, ns[i]);
+        /* Two matmul errors meet in a product: twice the matmul bound. */
+        check_f32(out, (size_t)ns[i] * rows, 2 * matmul_bound(t), what);
+    }
+    fx_close();
+}
+
+TEST(cuda_ops_matmul_swiglu) {
+    mm_set_mode(MM_DEFAULT);
+    swiglu_case(DTYPE_F16, 173, 512);
+    swiglu_case(DTYPE_F32, 66, 256);
+    swiglu_case(DTYPE_Q8_0, 301, 1024);
+    swiglu_case(DTYPE_Q4_0, 129, 512);
+    swiglu_case(DTYPE_Q4_K, 301, 768);
+    swiglu_case(DTYPE_Q5_K, 64, 256);
+    swiglu_case(DTYPE_Q6_K, 99, 512);
+}
+
 /* ---- KV cache and attention ---- */
 
 static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, int32_t hd) {
@@ -618,6 +705,82 @@ static void kv_write_case(enum dtype t) {
 
 TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32); }
 TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16); }
+
+/* Both caches as floats (F16 widened), for an NMSE check. */
+static void check_cache(enum dtype t, void *cbuf, void *gbuf, size_t elems, double bound, const char *what) {
+    size_t es = t == DTYPE_F32 ? 4 : 2;
+    unsigned char *c = fx_host(elems * es), *g = fx_host(elems * es);
+    ASSERT_OK(backend_download(fx.cpu, c, cbuf, elems * es));
+    ASSERT_OK(backend_download(fx.gpu, g, gbuf, elems * es));
+    float *cf = fx_host(elems * 4), *gf = fx_host(elems * 4);
+    for (size_t i = 0; i < elems; i++) {
+        if (t == DTYPE_F32) {
+            memcpy(&cf[i], c + 4 * i, 4);
+            memcpy(&gf[i], g + 4 * i, 4);
+        } else {
+            uint16_t hc, hg;
+            memcpy(&hc, c + 2 * i, 2);
+            memcpy(&hg, g + 2 * i, 2);
+            cf[i] = fp16_to_f32(hc);
+            gf[i] = fp16_to_f32(hg);
+        }
+    }
+    size_t w = 0;
+    double e = nmse(cf, gf, elems, &w);
+    if (!(e <= bound)) TEST_FAIL("%s: NMSE %.3g > %.3g (element %zu: cpu %.9g, gpu %.9g)", what, e, bound, w, cf[w], gf[w]);
+}
+
+/* rope of q and k and the cache write in one launch, against rope, rope
+ * and kv_write on the CPU: GQA (8 heads over 2), both pairings, a partial
+ * rotation, a padding row (slot -1) and positions up to 2e5. */
+static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
+    fx_open();
+    int32_t nb = 12, bs = 16, n_kv = 2, n_heads = 8, hd = 64, n = 9;
+    kv_pair(t, nb, bs, n_kv, hd);
+    size_t qe = (size_t)n * n_heads * hd, ke = (size_t)n * n_kv * hd;
+    struct dbuf q = dbuf_from(rand_f32(qe, -2, 2), qe * 4);
+    struct dbuf k = dbuf_from(rand_f32(ke, -2, 2), ke * 4);
+    struct dbuf v = dbuf_from(rand_f32(ke, -2, 2), ke * 4);
+    int32_t pos[9], slots[9];
+    for (int i = 0; i < n; i++) {
+        pos[i] = i < 4 ? i : rng_int(200000);
+        int again;
+        do {
+            slots[i] = rng_int(nb * bs);
+            again = 0;
+            for (int j = 0; j < i; j++) again |= slots[j] == slots[i];
+        } while (again);
+    }
+    slots[3] = -1;
+    struct dbuf dp = dbuf_from(pos, sizeof pos), ds = dbuf_from(slots, sizeof slots);
+    float *inv = fx_host((size_t)n_freq * 4);
+    for (int i = 0; i < n_freq; i++) inv[i] = powf(10000.0f, -2.0f * i / (float)hd);
+    struct dbuf di = dbuf_from(inv, (size_t)n_freq * 4);
+    int i = fx.n_kv - 1;
+    ASSERT_OK(backend_rope_kv_write(fx.cpu, q.c, k.c, v.c, &fx.ckv[i], dp.c, ds.c, n, n_heads, di.c, n_freq, neox));
+    int rc = backend_rope_kv_write(fx.gpu, q.g, k.g, v.g, &fx.gkv[i], dp.g, ds.g, n, n_heads, di.g, n_freq, neox);
+    if (rc != STATUS_OK) TEST_FAIL("gpu rope_kv_write: %s", backend_errstr(fx.gpu));
+    ASSERT_OK(backend_sync(fx.cpu));
+    char what[96];
+    snprintf(what, sizeof what, "rope_kv_write %s neox=%d n_freq=%d", dtype_name(t), neox, n_freq);
+    /* As rope: both form the angle in double; sin/cos of two libraries. */
+    check_f32(q, qe, 1e-12, what);
+    check_f32(k, ke, 1e-12, what);
+    /* The caches: every slot (written or not); F16 may round one last bit
+     * differently where the rotated values differ in their last bits. */
+    size_t elems = (size_t)nb * bs * n_kv * hd;
+    double bound = t == DTYPE_F32 ? 1e-12 : 1e-7;
+    check_cache(t, fx.ckv[i].k, fx.gkv[i].k, elems, bound, what);
+    check_cache(t, fx.ckv[i].v, fx.gkv[i].v, elems, bound, what);
+    fx_close();
+}
+
+TEST(cuda_ops_rope_kv_write) {
+    rope_kv_case(DTYPE_F16, 0, 32);
+    rope_kv_case(DTYPE_F16, 1, 32);
+    rope_kv_case(DTYPE_F32, 1, 12);
+    rope_kv_case(DTYPE_F32, 0, 32);
+}
 
 /* Whether the GPU takes this batch on the tensor-core kernel of
  * attention_prefill.cu (its rule, cuda_attention_prefill_takes): some
@@ -791,7 +954,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
           cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
-          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_kv_write_f32,
-          cuda_ops_kv_write_f16,
+          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
+          cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
