@@ -36,7 +36,7 @@ for what in "$@"; do
     case $what in
     tests)
         step cuda_ops 180 "$build/tests/test_cuda_ops"
-        step cuda_sample 120 "$build/tests/test_cuda_sample"
+        [ -x "$build/tests/test_cuda_sample" ] && step cuda_sample 120 "$build/tests/test_cuda_sample"
         LLM_TEST_DEVICE=cuda:0 step forward_gpu 120 "$build/tests/test_forward"
         step link 120 "$build/tests/test_link"
         step node 240 "$build/tests/test_node"

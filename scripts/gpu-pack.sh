@@ -15,6 +15,7 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage$build"
 for b in tests/test_cuda_ops tests/test_cuda_sample tests/test_forward tests/test_link tests/test_node worker/llm-run \
          worker/llm-worker router/llm-router router/llm-cluster bench/bench_gpu bench/bench_cluster; do
+    [ -e "$build/$b" ] || { echo "gpu-pack: $build/$b is not built; left out" >&2; continue; }
     mkdir -p "$stage$build/$(dirname "$b")"
     strip -o "$stage$build/$b" "$build/$b"
 done
