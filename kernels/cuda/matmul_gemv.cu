@@ -259,13 +259,11 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *_
     using C = gv_chunk<T>;
     constexpr int U = gv_unroll<T, NT>::u;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int seg, row;
-    mg_locate<GV_WARPS>(g, warp, seg, row);
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (row < g.rows[seg]) {
-        const uint8_t *wr = g.w[seg] + (size_t)row * row_bytes;
+    if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row < r.rows) {
+        const uint8_t *wr = r.w + (size_t)r.row * row_bytes;
         const int nch = cols / C::cw;
         for (int c0 = lane; c0 < nch; c0 += 32 * U) {
             C ch[U];
@@ -282,7 +280,7 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *_
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
-    mg_store<GV_WARPS, NT>(g, seg, row, warp, lane, n, acc);
+    mg_store<GV_WARPS, NT>(g, warp, lane, n, acc);
 }
 
 template <int T>

@@ -39,32 +39,58 @@ static inline unsigned mg_layout(struct mm_group *g, int warps) {
     return (unsigned)b;
 }
 
-/* The segment and row of this warp (row may be >= rows[seg]: no work). */
+/* This warp's row: its weight, output and row count, and its row index
+ * (row >= rows: no work).  Every field of g is read at a constant index:
+ * indexing a kernel parameter with a run-time value makes the compiler
+ * copy the whole parameter to local memory in every thread, which at
+ * thousands of blocks is tens of MB of extra traffic per launch. */
+struct mm_row {
+    const uint8_t *w;
+    float *out;
+    int rows, row;
+};
+
 template <int WARPS>
-__device__ __forceinline__ void mg_locate(const mm_group &g, int warp, int &seg, int &row) {
+__device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
+    mm_row r;
     if (g.swiglu) {
-        seg = warp / (WARPS / 2);
-        row = blockIdx.x * (WARPS / 2) + warp % (WARPS / 2);
-        return;
+        const bool up = warp >= WARPS / 2;
+        r.w = up ? g.w[1] : g.w[0];
+        r.out = g.out[0];
+        r.rows = g.rows[0];
+        r.row = blockIdx.x * (WARPS / 2) + warp % (WARPS / 2);
+        return r;
     }
-    seg = 0;
+    int blk0 = 0;
+    r.w = g.w[0];
+    r.out = g.out[0];
+    r.rows = g.rows[0];
 #pragma unroll
-    for (int s = 1; s < MG_MAX; s++)
-        if (s < g.n && (int)blockIdx.x >= g.blk0[s]) seg = s;
-    row = ((int)blockIdx.x - g.blk0[seg]) * WARPS + warp;
+    for (int s = 1; s < MG_MAX; s++) {
+        if (s < g.n && (int)blockIdx.x >= g.blk0[s]) {
+            blk0 = g.blk0[s];
+            r.w = g.w[s];
+            r.out = g.out[s];
+            r.rows = g.rows[s];
+        }
+    }
+    r.row = ((int)blockIdx.x - blk0) * WARPS + warp;
+    return r;
 }
 
 /* Stores a warp's sums acc[t] (already reduced over the warp, t < n) for
  * its row: straight to out, or with swiglu through shared memory so that
- * the gate warp and the up warp of one row meet. */
+ * the gate warp and the up warp of one row meet.  The row is located
+ * again here rather than kept live through the kernel's main loop, where
+ * registers are short. */
 template <int WARPS, int NT>
-__device__ __forceinline__ void mg_store(const mm_group &g, int seg, int row, int warp, int lane, int n,
-                                         const float (&acc)[NT]) {
+__device__ __forceinline__ void mg_store(const mm_group &g, int warp, int lane, int n, const float (&acc)[NT]) {
+    const mm_row r = mg_locate<WARPS>(g, warp);
     if (!g.swiglu) {
-        if (lane == 0 && row < g.rows[seg])
+        if (lane == 0 && r.row < r.rows)
 #pragma unroll
             for (int t = 0; t < NT; t++)
-                if (t < n) g.out[seg][(size_t)t * g.rows[seg] + row] = acc[t];
+                if (t < n) r.out[(size_t)t * r.rows + r.row] = acc[t];
         return;
     }
     __shared__ float part[WARPS][NT];
@@ -74,10 +100,10 @@ __device__ __forceinline__ void mg_store(const mm_group &g, int seg, int row, in
     __syncthreads();
     const int half = WARPS / 2, i = threadIdx.x;
     if (i < half * NT) {
-        int w = i % half, t = i / half, r = blockIdx.x * half + w;
-        if (t < n && r < g.rows[0]) {
+        int w = i % half, t = i / half, row = blockIdx.x * half + w;
+        if (t < n && row < r.rows) {
             float gt = part[w][t], up = part[half + w][t];
-            g.out[0][(size_t)t * g.rows[0] + r] = gt / (1.0f + expf(-gt)) * up;
+            r.out[(size_t)t * r.rows + row] = gt / (1.0f + expf(-gt)) * up;
         }
     }
 }

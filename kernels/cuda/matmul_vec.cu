@@ -525,13 +525,11 @@ __global__ void __launch_bounds__(MV_WARPS * 32)
 matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int seg, row;
-    mg_locate<MV_WARPS>(g, warp, seg, row);
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (row < g.rows[seg]) {
-        const uint8_t *wr = g.w[seg] + (size_t)row * row_bytes;
+    if (const mm_row r = mg_locate<MV_WARPS>(g, warp); r.row < r.rows) {
+        const uint8_t *wr = r.w + (size_t)r.row * row_bytes;
         int64_t units = qu_units<T>(cols);
         for (int64_t u = lane; u < units; u += 32) {
             float wv[RUNS * RLEN];
@@ -545,7 +543,7 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
-    mg_store<MV_WARPS, NT>(g, seg, row, warp, lane, n, acc);
+    mg_store<MV_WARPS, NT>(g, warp, lane, n, acc);
 }
 
 template <int T, int NT>
