@@ -204,18 +204,45 @@ __device__ void sample_select(const float *z, int32_t n, uint32_t sk, int32_t si
         __syncthreads();
         const uint32_t prefix = sm->prefix;
         const uint32_t himask = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
-        for (int32_t i = tid; i < n; i += SAMPLE_THREADS) {
-            float v = z[i];
-            uint32_t key = sample_key(v);
-            if (((key ^ prefix) & himask) || !sample_in(key, i, sk, si)) continue;
-            uint32_t d = (key >> shift) & 255u;
-            atomicAdd(&sm->cnt[d], 1u);
-            if (MASS) atomicAdd(&sm->mass[d], sample_fixed(sample_weight(v, zmax, inv_t)));
+        /* The first passes put most tokens in a few digits: lanes with the
+         * same digit add once per warp (__match_any_sync, sm_70+), else
+         * same-address shared atomics serialise the block.  The whole warp
+         * takes every trip, so the warp-wide calls see all lanes. */
+        const int lane = tid & 31;
+        for (int32_t base = 0; base < n; base += SAMPLE_THREADS) {
+            const int32_t i = base + tid;
+            const float v = i < n ? z[i] : 0.0f;
+            const uint32_t key = sample_key(v);
+            const bool valid = i < n && !((key ^ prefix) & himask) && sample_in(key, i, sk, si);
+            const uint32_t d = valid ? (key >> shift) & 255u : 256u;
+            const unsigned peers = __match_any_sync(0xffffffffu, d);
+            const bool leader = valid && lane == __ffs(peers) - 1;
+            if (!MASS) {
+                if (leader) atomicAdd(&sm->cnt[d], (uint32_t)__popc(peers));
+                continue;
+            }
+            const unsigned long long wf = valid ? sample_fixed(sample_weight(v, zmax, inv_t)) : 0ull;
+            unsigned leaders = __ballot_sync(0xffffffffu, leader);
+            if (__popc(leaders) <= 4) {
+                while (leaders) {
+                    const int src = __ffs(leaders) - 1;
+                    leaders &= leaders - 1;
+                    const uint32_t dd = __shfl_sync(0xffffffffu, d, src);
+                    const unsigned long long m = sample_warp_sum<unsigned long long>(d == dd ? wf : 0ull);
+                    if (lane == src) {
+                        atomicAdd(&sm->cnt[dd], (uint32_t)__popc(peers));
+                        atomicAdd(&sm->mass[dd], m);
+                    }
+                }
+            } else if (valid) {
+                atomicAdd(&sm->cnt[d], 1u);
+                atomicAdd(&sm->mass[d], wf);
+            }
         }
         __syncthreads();
         if (tid < 32) {
             /* Lane l owns digits 255 - 8l down to 248 - 8l: lanes in order. */
-            const int lane = tid, top = 255 - 8 * lane;
+            const int top = 255 - 8 * lane; /* lane == tid here */
             uint32_t c = 0;
             unsigned long long m = 0;
             for (int j = 0; j < 8; j++) {

@@ -455,32 +455,36 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* Time per call at n_vocab 128256 (printed; the results are still compared
- * against the host sampler, which is also timed with its download). */
+/* Time per call at n_vocab 128256, one row of each kind alone and 64 mixed
+ * rows (printed; the results are still compared against the host sampler,
+ * which is also timed with its download). */
 TEST(cuda_sample_timing) {
-    const int32_t n = 128256, n_rows = 64;
+    static const int solo[] = {K_GREEDY_TIE, K_TEMP, K_TOPK, K_TOPP, K_ALL, K_PEN};
+    const int32_t n = 128256, n_mixed = 64, n_solo = 6, n_rows = n_mixed + n_solo;
     fx_open(n, n_rows);
-    for (int32_t r = 0; r < n_rows; r++) make_row(r, r % 2 ? K_ALL : K_TOPP, n);
+    for (int32_t r = 0; r < n_mixed; r++) make_row(r, r % 2 ? K_ALL : K_TOPP, n);
+    for (int32_t s = 0; s < n_solo; s++) make_row(n_mixed + s, solo[s], n);
     struct tally t = {0};
     compare_rows(n, n_rows, NULL, &t);
     float *buf = malloc((size_t)n * sizeof(float));
     if (!buf) TEST_FAIL("out of memory");
-    const int32_t sizes[] = {1, n_rows};
-    for (int s = 0; s < 2; s++) {
-        int32_t m = sizes[s];
-        const int iters = 10;
+    for (int32_t s = -1; s < n_solo; s++) {
+        int32_t r0 = s < 0 ? 0 : n_mixed + s, m = s < 0 ? n_mixed : 1;
+        const int iters = 20;
+        ASSERT_OK(backend_sample(fx.gpu, fx.d_logits + (size_t)r0 * n, n, fx.rows + r0, m)); /* warm-up */
         double t0 = now_ms();
-        for (int it = 0; it < iters; it++) ASSERT_OK(backend_sample(fx.gpu, fx.d_logits, n, fx.rows, m));
+        for (int it = 0; it < iters; it++)
+            ASSERT_OK(backend_sample(fx.gpu, fx.d_logits + (size_t)r0 * n, n, fx.rows + r0, m));
         double gpu_ms = (now_ms() - t0) / iters;
         t0 = now_ms();
-        for (int32_t r = 0; r < m; r++) {
+        for (int32_t r = r0; r < r0 + m; r++) {
             ASSERT_OK(backend_download(fx.gpu, buf, fx.d_logits + (size_t)r * n, (size_t)n * sizeof(float)));
             struct backend_sample_row *c = &fx.ref[r];
             ASSERT_OK(sampler_sample(fx.smp, buf, c->params, c->history, c->n_history, c->pos, &c->result));
         }
         double host_ms = now_ms() - t0;
-        printf("  n_vocab %d, %d rows (top_p; top-k/top-p/min-p + 20 logprobs): gpu %.3f ms, host %.3f ms\n", n, m,
-               gpu_ms, host_ms);
+        printf("  n_vocab %d, %2d row(s) %-28s gpu %7.3f ms, host (download + sampler) %8.3f ms\n", n, m,
+               s < 0 ? "(top_p | everything+logprobs)" : kind_name[solo[s]], gpu_ms, host_ms);
     }
     free(buf);
     ASSERT_TRUE(t.ambiguous_diff <= 1);
