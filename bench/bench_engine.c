@@ -130,7 +130,7 @@ static int bench_model(const char *path, backend *b, int32_t n_prompt, int32_t n
         }
         struct forward_seq q = {chunk, n, pos0, t.ids, t.n_ids, FORWARD_LOGITS_LAST};
         struct forward_batch bt = {&q, 1, NULL, 0, NULL, 0};
-        struct forward_out o = {logits, 0, NULL};
+        struct forward_out o = {logits, 0, NULL, NULL};
         double t0 = bench_now();
         rc = forward_step(s, &bt, &o, err, errlen);
         double dt = bench_now() - t0;

@@ -470,7 +470,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
 
     /* Prefill: one prompt of o->prompt tokens from position 0, into sequence
      * 0's blocks (each repetition overwrites the same KV). */
-    struct forward_out fo = {logits, 0, NULL};
+    struct forward_out fo = {logits, 0, NULL, NULL};
     seqs[0] = (struct forward_seq){ids, o->prompt, 0, tabs[0].ids, tabs[0].n_ids, FORWARD_LOGITS_LAST};
     struct forward_batch fb = {seqs, 1, NULL, 0, NULL, 0};
     rc = forward_step(s, &fb, &fo, err, errlen); /* warm-up */

@@ -157,7 +157,7 @@ static int run_prefill(stage *s, kvblocks *kb, struct kvblocks_table *t, const i
         enum forward_logits m = mode == FORWARD_LOGITS_LAST && done + c < n ? FORWARD_LOGITS_NONE : mode;
         struct forward_seq q = {ids + done, c, pos0, t->ids, t->n_ids, m};
         struct forward_batch b = {&q, 1, &cp, n_cp, NULL, 0};
-        struct forward_out out = {logits, 0, NULL};
+        struct forward_out out = {logits, 0, NULL, NULL};
         rc = forward_step(s, &b, &out, err, errlen);
         if (rc != STATUS_OK) return rc;
         for (int32_t r = 0; row_fn && r < out.n_logits; r++) {

@@ -245,7 +245,7 @@ static int forward_graph_key(const stage *s, const struct forward_batch *batch, 
         n_want += batch->seqs[i].logits != FORWARD_LOGITS_NONE;
     }
     int logits = 0;
-    if (s->last && out && out->logits && n_want > 0) {
+    if (s->last && out && (out->logits || out->sample) && n_want > 0) {
         if (n_want != S || S > s->cfg.n_logits_max) return -1;
         logits = 1;
     }
@@ -360,7 +360,7 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
             s->unsynced = 1;
         return STATUS_OK;
     }
-    if (!out || !out->logits || mt.n_rows == 0) {
+    if (!out || (!out->logits && !out->sample) || mt.n_rows == 0) {
         FORWARD_TRY(backend_sync(b), "sync");
         return STATUS_OK;
     }
@@ -372,8 +372,10 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
             rc = forward_lm_head(s, &mt, r0, n, err, errlen);
             if (rc != STATUS_OK) return rc;
         }
-        FORWARD_TRY(backend_download(b, out->logits + (size_t)r0 * hp->n_vocab, s->logits,
-                                     (size_t)n * hp->n_vocab * sizeof(float)), "logits download");
+        if (out->logits)
+            FORWARD_TRY(backend_download(b, out->logits + (size_t)r0 * hp->n_vocab, s->logits,
+                                         (size_t)n * hp->n_vocab * sizeof(float)), "logits download");
+        if (out->sample) FORWARD_TRY(backend_sample(b, s->logits, hp->n_vocab, out->sample + r0, n), "sample");
     }
     out->n_logits = mt.n_rows;
     return STATUS_OK;

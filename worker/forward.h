@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "common/kvblocks.h"
+#include "kernels/backend.h"
 #include "stage.h"
 
 /* Which rows of a sequence get logits on the last stage. */
@@ -46,10 +47,16 @@ struct forward_out {
     /* Last stage: host buffer of forward_logits_rows(batch) * n_vocab floats,
      * the caller's; rows in sequence order.  NULL: logits are not fetched. */
     float *logits;
-    int32_t n_logits; /* set by forward_step: rows written */
+    int32_t n_logits; /* set by forward_step: rows written (or sampled) */
     /* Other stages: host buffer [n_tokens, dim] for the output hidden states,
      * or NULL (then read forward_hidden()). */
     float *hidden;
+    /* Last stage: one sampling request per logits row (rows in sequence
+     * order, forward_logits_rows(batch) of them), or NULL.  The tokens are
+     * picked on the stage's backend (backend_sample: a GPU samples on the
+     * device, downloading only the results); with logits NULL the logits
+     * never reach the host. */
+    struct backend_sample_row *sample;
 };
 
 /* Rows of logits the batch asks for (on the last stage). */

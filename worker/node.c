@@ -90,7 +90,7 @@ struct node {
     float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
     void *dev_in_f16, *dev_out_f16;          /* [n_tokens_max, dim] F16, device links */
     float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */
-    float *logits;                           /* [n_seqs_max, n_vocab] */
+    struct backend_sample_row *srows;        /* [n_seqs_max] the last stage's sampling */
     struct forward_seq *fseqs;
     int32_t *tables;                         /* [n_seqs_max, max_blocks] */
     struct kvblocks_copy *copies;
@@ -104,7 +104,6 @@ struct node {
     Llm__Error *res_err;
     Llm__TopLogprob (*res_top)[SAMPLING_TOP_LOGPROBS_MAX];
     Llm__TopLogprob *(*res_top_ptr)[SAMPLING_TOP_LOGPROBS_MAX];
-    sampler *smp;
 
     struct node_seq *seqs;
     int32_t n_seqs, cap_seqs;
@@ -325,7 +324,7 @@ static void node_buffers_free(node *n) {
     n->dev_in_f32 = NULL;
     free(n->hidden_in_host);
     free(n->hidden_out_host);
-    free(n->logits);
+    free(n->srows);
     free(n->fseqs);
     free(n->tables);
     free(n->copies);
@@ -343,15 +342,14 @@ static void node_buffers_free(node *n) {
     n->res_err = NULL;
     n->res_top = NULL;
     n->res_top_ptr = NULL;
-    n->hidden_in_host = n->hidden_out_host = n->logits = NULL;
+    n->hidden_in_host = n->hidden_out_host = NULL;
+    n->srows = NULL;
     n->fseqs = NULL;
     n->tables = NULL;
     n->copies = NULL;
     n->cap_copies = 0;
     n->params = NULL;
     n->seq_err = NULL;
-    sampler_free(n->smp);
-    n->smp = NULL;
 }
 
 static int node_buffers_init(node *n, char *err, size_t errlen) {
@@ -362,8 +360,7 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     size_t rows = (size_t)n->n_tokens_max * n->dim;
     n->hidden_in_host = malloc(rows * sizeof(float));
     n->hidden_out_host = malloc(rows * sizeof(float));
-    n->logits = stage_is_last(n->s) ? malloc((size_t)n->n_seqs_max * n->n_vocab * sizeof(float))
-                                    : malloc(sizeof(float));
+    n->srows = calloc((size_t)n->n_seqs_max, sizeof *n->srows);
     n->fseqs = calloc((size_t)n->n_seqs_max, sizeof *n->fseqs);
     n->tables = calloc((size_t)n->n_seqs_max * n->max_blocks, sizeof *n->tables);
     n->params = calloc((size_t)n->n_seqs_max, sizeof *n->params);
@@ -375,7 +372,7 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->res_err = calloc(ns, sizeof *n->res_err);
     n->res_top = calloc(ns, sizeof *n->res_top);
     n->res_top_ptr = calloc(ns, sizeof *n->res_top_ptr);
-    if (!n->hidden_in_host || !n->hidden_out_host || !n->logits || !n->fseqs || !n->tables ||
+    if (!n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
         !n->params || !n->seq_err || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
         !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
@@ -392,7 +389,6 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
             return STATUS_NO_MEMORY;
         }
     }
-    if (stage_is_last(n->s)) return sampler_init(&n->smp, n->n_vocab, err, errlen);
     return STATUS_OK;
 }
 
@@ -833,7 +829,32 @@ static void node_step_fail(node *n, const Llm__StepPlan *p, int rc, const char *
     node_result_send(n, p, NULL, 0, &e, t0);
 }
 
-/* Samples every sequence that asked for it and sends the StepResult. */
+/* Last stage, before the forward pass: each sequence's history takes the
+ * step's tokens (the penalties see the prompt and every token so far; a
+ * step that fails is corrected by the next plan's start_pos) and each
+ * logits row gets its sampling request for forward_step.  A sequence with
+ * an error still has a row (greedy, its result unused). */
+static void node_sample_prepare(node *n, const Llm__StepPlan *p) {
+    static const struct sampling_params greedy; /* all zero: argmax */
+    int32_t row = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Llm__SeqPlan *sp = p->seqs[i];
+        struct node_seq *q = node_seq_get(n, sp->seq_id);
+        if (q && !n->seq_err[i][0] && node_hist_update(q, sp) != STATUS_OK)
+            snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: out of memory for its token history",
+                     (unsigned long long)sp->seq_id);
+        if (!sp->want_logits) continue;
+        struct backend_sample_row *r = &n->srows[row++];
+        memset(r, 0, sizeof *r);
+        int ok = q && !n->seq_err[i][0];
+        r->params = ok ? &n->params[i] : &greedy;
+        r->history = ok ? q->hist : NULL;
+        r->n_history = ok ? q->n_hist : 0;
+        r->pos = (int64_t)sp->start_pos + (int64_t)sp->n_tokens;
+    }
+}
+
+/* Sends the StepResult: each sequence's token as forward_step sampled it. */
 static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
     size_t ns = p->n_seqs; /* <= n_seqs_max: node_batch_build checked */
     Llm__SeqResult *res = n->res, **resp = n->res_ptr;
@@ -841,7 +862,6 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
     Llm__Error *errs = n->res_err;
     Llm__TopLogprob(*tops)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top;
     Llm__TopLogprob *(*topp)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top_ptr;
-    struct sampling_result sr;
     int32_t row = 0;
     for (size_t i = 0; i < ns; i++) {
         const Llm__SeqPlan *sp = p->seqs[i];
@@ -850,35 +870,32 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
         res[i].seq_id = sp->seq_id;
         res[i].token = -1;
         if (!sp->want_logits) continue;
-        const float *logits = n->logits + (size_t)row++ * n->n_vocab;
+        const struct backend_sample_row *r = &n->srows[row++];
         if (n->seq_err[i][0]) {
             proto_error_init(&errs[i], LLM__ERROR__CODE__INVALID_ARGUMENT, "", n->seq_err[i], 0);
             res[i].error = &errs[i];
             continue;
         }
-        struct node_seq *q = node_seq_find(n, sp->seq_id);
-        int64_t pos = (int64_t)sp->start_pos + (int64_t)sp->n_tokens;
-        int rc = sampler_sample(n->smp, logits, &n->params[i], q ? q->hist : NULL,
-                                q ? q->n_hist : 0, pos, &sr);
-        if (rc < 0) {
+        if (r->status < 0) {
             snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu at position %lld: %s",
-                     (unsigned long long)sp->seq_id, (long long)pos, sampler_errstr(n->smp));
-            proto_error_init(&errs[i], proto_code_from_status(rc), "", n->seq_err[i], 0);
+                     (unsigned long long)sp->seq_id, (long long)r->pos, r->err);
+            proto_error_init(&errs[i], proto_code_from_status(r->status), "", n->seq_err[i], 0);
             res[i].error = &errs[i];
             continue;
         }
-        res[i].token = sr.token;
+        const struct sampling_result *sr = &r->result;
+        res[i].token = sr->token;
         if (n->params[i].logprobs || n->params[i].top_logprobs > 0) {
             llm__token_logprob__init(&lp[i]);
-            lp[i].token = sr.token;
-            lp[i].logprob = sr.logprob;
-            for (int32_t k = 0; k < sr.n_top; k++) {
+            lp[i].token = sr->token;
+            lp[i].logprob = sr->logprob;
+            for (int32_t k = 0; k < sr->n_top; k++) {
                 llm__top_logprob__init(&tops[i][k]);
-                tops[i][k].token = sr.top_token[k];
-                tops[i][k].logprob = sr.top_logprob[k];
+                tops[i][k].token = sr->top_token[k];
+                tops[i][k].logprob = sr->top_logprob[k];
                 topp[i][k] = &tops[i][k];
             }
-            lp[i].n_top = (size_t)sr.n_top;
+            lp[i].n_top = (size_t)sr->n_top;
             lp[i].top = topp[i];
             res[i].logprob = &lp[i];
         }
@@ -933,8 +950,9 @@ static void node_step(node *n, const Llm__StepPlan *p) {
     if (rc == STATUS_OK) {
         batch.seqs = n->fseqs;
         batch.n_seqs = (int32_t)p->n_seqs;
-        struct forward_out out = {last ? n->logits : NULL, 0,
-                                  !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL};
+        if (last) node_sample_prepare(n, p);
+        struct forward_out out = {NULL, 0, !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL,
+                                  last ? n->srows : NULL};
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
         if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
         else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
@@ -947,10 +965,6 @@ static void node_step(node *n, const Llm__StepPlan *p) {
             struct node_seq *q = node_seq_get(n, p->seqs[i]->seq_id);
             if (!q) continue;
             q->n_blocks = (int32_t)p->seqs[i]->n_block_table;
-            if (last && node_hist_update(q, p->seqs[i]) != STATUS_OK)
-                snprintf(n->seq_err[i], sizeof n->seq_err[i],
-                         "seq %llu: out of memory for its token history",
-                         (unsigned long long)p->seqs[i]->seq_id);
         }
         atomic_fetch_add(&n->tokens_total, (uint64_t)T);
     }

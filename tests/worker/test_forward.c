@@ -72,7 +72,7 @@ static void fx_run(struct fx *f, struct kvblocks_table *t, const int32_t *ids, i
     ASSERT_OK(kvblocks_reserve(f->kb, t, n, &cp, &n_cp));
     struct forward_seq q = {ids, n, pos0, t->ids, t->n_ids, mode};
     struct forward_batch bt = {&q, 1, &cp, n_cp, NULL, 0};
-    struct forward_out o = {logits, 0, NULL};
+    struct forward_out o = {logits, 0, NULL, NULL};
     char err[512];
     int rc = forward_step(f->s, &bt, &o, err, sizeof err);
     if (rc != 0) TEST_FAIL("forward_step: %s", err);
@@ -340,7 +340,7 @@ TEST(forward_batch_equals_single) {
         }
         if (n == 0) break;
         struct forward_batch bt = {q, n, NULL, 0, NULL, 0};
-        struct forward_out o = {out, 0, NULL};
+        struct forward_out o = {out, 0, NULL, NULL};
         char err[512];
         if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("forward_step: %s", err);
         int32_t row = 0;
@@ -414,7 +414,7 @@ TEST(forward_shared_prefix_copy_on_write) {
     };
     struct forward_batch bt = {q, 2, cps, n_cp, NULL, 0};
     float *out = malloc(sizeof(float) * V * 2 * MORE);
-    struct forward_out o = {out, 0, NULL};
+    struct forward_out o = {out, 0, NULL, NULL};
     char err[512];
     if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("forward_step: %s", err);
     double d_prefix = max_abs_diff(ref_p, lp, V * PREFIX);
@@ -476,7 +476,7 @@ TEST(forward_two_stages_equal_one) {
             ASSERT_OK(kvblocks_reserve(f.kb, &t, n, NULL, NULL));
             struct forward_seq q = {ids + done, n, done, t.ids, t.n_ids, FORWARD_LOGITS_ALL};
             struct forward_batch ba = {&q, 1, NULL, 0, NULL, 0};
-            struct forward_out oa = {NULL, 0, done == 0 ? hidden : NULL};
+            struct forward_out oa = {NULL, 0, done == 0 ? hidden : NULL, NULL};
             if (forward_step(sa, &ba, &oa, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
             ASSERT_EQ(0, oa.n_logits);
             struct forward_batch bb = {&q, 1, NULL, 0, done == 0 ? hidden : forward_hidden(sa), done != 0};
@@ -485,7 +485,7 @@ TEST(forward_two_stages_equal_one) {
                 ASSERT_OK(backend_copy(f.b, forward_input_buffer(sb), forward_hidden(sa), sizeof(float) * (size_t)dim * n));
                 bb.hidden_in = forward_input_buffer(sb);
             }
-            struct forward_out ob = {got + (size_t)done * V, 0, NULL};
+            struct forward_out ob = {got + (size_t)done * V, 0, NULL, NULL};
             if (forward_step(sb, &bb, &ob, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
             ASSERT_EQ(n, ob.n_logits);
             done += n;
@@ -496,7 +496,7 @@ TEST(forward_two_stages_equal_one) {
         /* A later stage without hidden states is refused. */
         struct forward_seq q = {ids, 1, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST};
         struct forward_batch bb = {&q, 1, NULL, 0, NULL, 0};
-        struct forward_out ob = {got, 0, NULL};
+        struct forward_out ob = {got, 0, NULL, NULL};
         ASSERT_EQ((int)STATUS_BAD_INPUT, forward_step(sb, &bb, &ob, err, sizeof err));
         kvblocks_table_free(f.kb, &t);
         free(hidden);
@@ -600,7 +600,7 @@ TEST(forward_rejects_bad_input) {
     struct forward_seq q[2] = {{ids, 4, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST},
                                {ids, 1, 0, t.ids, t.n_ids, FORWARD_LOGITS_LAST}};
     struct forward_batch bt = {q, 2, NULL, 0, NULL, 0};
-    struct forward_out o = {logits, 0, NULL};
+    struct forward_out o = {logits, 0, NULL, NULL};
     char err[512];
 
     ids[2] = f.n_vocab;
@@ -672,7 +672,7 @@ static int32_t scenario_run(stage *s, kvblocks *kb, const int32_t *ids, float *o
     ASSERT_OK(kvblocks_reserve(kb, &tp, 20, NULL, NULL));
     struct forward_seq q0 = {ids, 20, 0, tp.ids, tp.n_ids, FORWARD_LOGITS_ALL};
     struct forward_batch b0 = {&q0, 1, NULL, 0, NULL, 0};
-    struct forward_out o = {out, 0, NULL};
+    struct forward_out o = {out, 0, NULL, NULL};
     if (forward_step(s, &b0, &o, err, sizeof err) != 0) TEST_FAIL("step 0: %s", err);
     rows += o.n_logits;
     ASSERT_OK(kvblocks_fork(kb, &tc, &tp, 18));
@@ -777,7 +777,7 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
     }
     int32_t len[9];
     struct forward_seq q[9];
-    struct forward_out o = {NULL, 0, NULL};
+    struct forward_out o = {NULL, 0, NULL, NULL};
     for (int32_t i = 0; i < n_seqs; i++) {
         len[i] = 3 + 7 * i;
         q[0] = (struct forward_seq){ids[i], len[i], 0, tables[i], per_seq, FORWARD_LOGITS_LAST};
@@ -831,9 +831,87 @@ TEST(forward_graphs_equal_ops) {
     }
 }
 
+/* Sampling on the stage's backend (forward_out.sample; on a GPU on the
+ * device) picks what common/sampling.c picks from the same logits, with
+ * the logits downloaded too for the comparison: 4 sequences with
+ * different requests (greedy; temperature + top-k; top-p with repetition
+ * penalty over the history; min-p with logprobs and 5 alternatives)
+ * decode 12 tokens each in batched steps (graph steps on a GPU), each
+ * sampled token fed back.  Tokens equal (a draw at a float boundary would
+ * differ, with odds ~1e-6 per row here), logprobs within 1e-4. */
+TEST(forward_samples_like_host_sampler) {
+    enum { N_SEQ = 4, PROMPT = 6, GEN = 12 };
+    struct fx f;
+    fx_open(&f, "stories260K-f32.gguf", NULL);
+    struct sampling_params sp[N_SEQ];
+    for (int i = 0; i < N_SEQ; i++) {
+        sampling_params_default(&sp[i]);
+        sp[i].seed = 1000u + (uint64_t)i;
+    }
+    sp[1].temperature = 0.9f, sp[1].top_k = 20;
+    sp[2].temperature = 1.1f, sp[2].top_p = 0.8f, sp[2].repetition_penalty = 1.3f, sp[2].penalty_last_n = 8;
+    sp[3].temperature = 0.7f, sp[3].min_p = 0.05f, sp[3].logprobs = 1, sp[3].top_logprobs = 5;
+    sampler *smp = NULL;
+    char err[512];
+    if (sampler_init(&smp, f.n_vocab, err, sizeof err) != 0) TEST_FAIL("sampler_init: %s", err);
+    int32_t hist[N_SEQ][PROMPT + GEN + 1];
+    struct kvblocks_table t[N_SEQ];
+    for (int i = 0; i < N_SEQ; i++) {
+        make_ids(hist[i], PROMPT, 300u + (uint32_t)i, f.n_vocab);
+        kvblocks_table_init(&t[i]);
+    }
+    float *logits = malloc(sizeof(float) * f.n_vocab * N_SEQ);
+    struct backend_sample_row rows[N_SEQ];
+    int differ = 0, checked = 0;
+    for (int step = 0; step <= GEN; step++) {
+        struct forward_seq q[N_SEQ];
+        for (int i = 0; i < N_SEQ; i++) {
+            int32_t pos0 = step == 0 ? 0 : PROMPT + step - 1, n = step == 0 ? PROMPT : 1;
+            ASSERT_OK(kvblocks_reserve(f.kb, &t[i], n, NULL, NULL));
+            q[i] = (struct forward_seq){hist[i] + pos0, n, pos0, t[i].ids, t[i].n_ids, FORWARD_LOGITS_LAST};
+            memset(&rows[i], 0, sizeof rows[i]);
+            rows[i].params = &sp[i];
+            rows[i].history = hist[i];
+            rows[i].n_history = pos0 + n;
+            rows[i].pos = pos0 + n;
+        }
+        struct forward_batch bt = {q, N_SEQ, NULL, 0, NULL, 0};
+        struct forward_out o = {logits, 0, NULL, rows};
+        if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("forward_step: %s", err);
+        ASSERT_EQ((int32_t)N_SEQ, o.n_logits);
+        for (int i = 0; i < N_SEQ; i++) {
+            struct sampling_result want;
+            ASSERT_OK(sampler_sample(smp, logits + (size_t)i * f.n_vocab, &sp[i], hist[i], rows[i].n_history,
+                                     rows[i].pos, &want));
+            ASSERT_EQ(0, rows[i].status);
+            checked++;
+            if (rows[i].result.token != want.token) {
+                printf("  step %d seq %d: backend picked %d, host %d\n", step, i, rows[i].result.token, want.token);
+                differ++;
+            }
+            if (sp[i].logprobs) {
+                ASSERT_NEAR(want.logprob, rows[i].result.logprob, 1e-4);
+                ASSERT_EQ(want.n_top, rows[i].result.n_top);
+                for (int32_t k = 0; k < want.n_top; k++) {
+                    ASSERT_EQ(want.top_token[k], rows[i].result.top_token[k]);
+                    ASSERT_NEAR(want.top_logprob[k], rows[i].result.top_logprob[k], 1e-4);
+                }
+            }
+            hist[i][rows[i].pos] = want.token; /* the host's choice drives both */
+        }
+    }
+    printf("  %d of %d sampled tokens differ from the host sampler on %s\n", differ, checked, backend_name(f.b));
+    ASSERT_EQ(0, differ);
+    for (int i = 0; i < N_SEQ; i++) kvblocks_table_free(f.kb, &t[i]);
+    free(logits);
+    sampler_free(smp);
+    fx_close(&f);
+}
+
 TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher_forced,
           forward_stories_q8_0_teacher_forced, forward_stories_q4_0_teacher_forced,
           forward_tiny_llama_hf_matches_reference, forward_batch_equals_single,
           forward_shared_prefix_copy_on_write, forward_two_stages_equal_one,
           forward_synth256_quants_close_to_f32, forward_f16_kv_cache_close_to_f32,
-          forward_rejects_bad_input, forward_gpu_matches_cpu, forward_graphs_equal_ops)
+          forward_rejects_bad_input, forward_gpu_matches_cpu, forward_graphs_equal_ops,
+          forward_samples_like_host_sampler)
