@@ -72,9 +72,9 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     const float ninf = -INFINITY;
 
     /* Which sequence and tile of rows.  The last tiles of a sequence see
-     * the longest context: they get the lowest block ids, so they start
-     * first and the short ones fill in behind them. */
-    int32_t s = -1, tile = (int32_t)(gridDim.x - 1 - blockIdx.x);
+     * the longest context: they get the lowest block ids (y), so they
+     * start first and the short ones fill in behind them. */
+    int32_t s = -1, tile = (int32_t)(gridDim.y - 1 - blockIdx.y);
     for (int32_t i = 0; i < a.n_seqs; i++) {
         int32_t len = a.seq_tok0[i + 1] - a.seq_tok0[i];
         int32_t nt = len > 0 ? (len + p.tq - 1) / p.tq : 0;
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     }
     if (s < 0) return;
     const int32_t tok0 = a.seq_tok0[s], tok_end = a.seq_tok0[s + 1], pos0 = a.seq_pos0[s];
-    const int32_t r0 = tok0 + tile * p.tq, kvh = blockIdx.y, G = p.G;
+    const int32_t r0 = tok0 + tile * p.tq, kvh = blockIdx.x, G = p.G;
     const int32_t last_row = min(r0 + p.tq, tok_end) - 1;
     const int32_t ctx_tile = pos0 + (last_row - tok0) + 1;
     const int32_t z = blockIdx.z, j_begin = z * p.chunk;
@@ -127,29 +127,41 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+    /* K and V tiles: one 16-byte load per 8 dims of a position; zeros past
+     * the slice, NaN for a block id outside the cache.  The next tile's
+     * loads are issued into registers before the current tile is used, so
+     * their latency overlaps the tensor-core work (at 2 blocks per SM
+     * there are too few warps to hide it otherwise).  K: a warp reads
+     * consecutive bytes and stores whole rows.  V: a warp takes the 32
+     * positions of one 8-dim column, so its transposed 2-byte stores land
+     * in 16 consecutive words (no bank conflict). */
+    constexpr int LD = APF_BK * (HD / 8) / APF_THREADS;
+    uint4 kr[LD], vr[LD];
+#pragma unroll
+    for (int it = 0; it < LD; it++) {
+        int i = tid + it * APF_THREADS;
+        kr[it] = apf_load_kv(kc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+        vr[it] = apf_load_kv(vc, a, btab, kvh, j_begin + i % APF_BK, j_end, (i / APF_BK) * 8, HD);
+    }
     for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
-        /* K and V tiles: one 16-byte load per 8 dims of a position; zeros
-         * past the slice, NaN for a block id outside the cache.  K: a warp
-         * reads consecutive bytes and stores whole rows.  V: a warp takes
-         * the 32 positions of one 8-dim column, so its transposed 2-byte
-         * stores land in 16 consecutive words (no bank conflict). */
 #pragma unroll
-        for (int it = 0; it < APF_BK * (HD / 8) / APF_THREADS; it++) {
+        for (int it = 0; it < LD; it++) {
             int i = tid + it * APF_THREADS;
-            int jj = i / (HD / 8), d = (i % (HD / 8)) * 8;
-            uint4 kr = apf_load_kv(kc, a, btab, kvh, j0 + jj, j_end, d, HD);
-            *(uint4 *)(sk + jj * KS + d) = kr;
-        }
-#pragma unroll
-        for (int it = 0; it < APF_BK * (HD / 8) / APF_THREADS; it++) {
-            int i = tid + it * APF_THREADS;
-            int jj = i % APF_BK, d = (i / APF_BK) * 8;
-            uint4 vr = apf_load_kv(vc, a, btab, kvh, j0 + jj, j_end, d, HD);
-            const fp16_t *vh = (const fp16_t *)&vr;
+            *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = kr[it];
+            const int jj = i % APF_BK, d = (i / APF_BK) * 8;
+            const fp16_t *vh = (const fp16_t *)&vr[it];
 #pragma unroll
             for (int e = 0; e < 8; e++) svt[(d + e) * VS + jj] = vh[e];
         }
         __syncthreads();
+        if (j0 + APF_BK < j_end) {
+#pragma unroll
+            for (int it = 0; it < LD; it++) {
+                int i = tid + it * APF_THREADS;
+                kr[it] = apf_load_kv(kc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+                vr[it] = apf_load_kv(vc, a, btab, kvh, j0 + APF_BK + i % APF_BK, j_end, (i / APF_BK) * 8, HD);
+            }
+        }
         if (wmax >= j0) {
             /* S = Q . K^T for 16 queries x 32 positions. */
             float sc[NT][4];
@@ -315,7 +327,10 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
         p.part_acc = scr;
         p.part_ml = scr + slots * a->head_dim;
     }
-    dim3 grid((unsigned)tiles, (unsigned)a->n_kv_heads, (unsigned)p.n_splits);
+    /* Heads vary fastest: blocks start in grid order, so every head's
+     * longest tile (the last rows, the whole context) starts first and the
+     * short tiles fill in behind them. */
+    dim3 grid((unsigned)a->n_kv_heads, (unsigned)tiles, (unsigned)p.n_splits);
     if (a->head_dim == 64) attention_prefill_kernel<64><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
     else attention_prefill_kernel<128><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
     CUDA_CHECK(ctx, cudaGetLastError());
