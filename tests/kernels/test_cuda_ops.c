@@ -579,6 +579,48 @@ TEST(cuda_ops_matmul_gemv_q4_k) { gemv_type(DTYPE_Q4_K); }
 TEST(cuda_ops_matmul_gemv_q5_k) { gemv_type(DTYPE_Q5_K); }
 TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
+/* A decode step's rmsnorm also leaves its output in the int8 form the
+ * gemv kernels read (rmsnorm.cu), and the matmul after it uses that
+ * instead of quantizing again: the matmul results must still match the
+ * CPU, for 1 and 2 rows, through add_rmsnorm and rmsnorm, and again after
+ * the input changed under the same pointer (a second norm with other
+ * weights must not leave the first one's int8 form in use). */
+TEST(cuda_ops_rmsnorm_feeds_gemv) {
+    mm_set_mode(MM_DEFAULT);
+    const enum dtype types[2] = {DTYPE_Q8_0, DTYPE_Q4_K};
+    for (int ti = 0; ti < 2; ti++) {
+        fx_open();
+        enum dtype t = types[ti];
+        int64_t rows = 300, dim = 1024;
+        int wi = load_weight(t, rand_weight(t, rows, dim), rows, dim);
+        for (int32_t n = 1; n <= 2; n++) {
+            struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+            struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
+            struct dbuf w1 = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+            struct dbuf w2 = dbuf_from(rand_f32(dim, 0.1f, 3.0f), (size_t)dim * 4);
+            struct dbuf xn = dbuf_new((size_t)n * dim * 4), out = dbuf_new((size_t)n * rows * 4);
+            for (int round = 0; round < 2; round++) {
+                dbuf_poison(out);
+                if (round == 0) {
+                    ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, xn.c, w1.c, n, (int32_t)dim, 1e-6f));
+                    ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, xn.g, w1.g, n, (int32_t)dim, 1e-6f));
+                } else {
+                    ASSERT_OK(backend_rmsnorm(fx.cpu, xn.c, x.c, w2.c, n, (int32_t)dim, 1e-6f));
+                    ASSERT_OK(backend_rmsnorm(fx.gpu, xn.g, x.g, w2.g, n, (int32_t)dim, 1e-6f));
+                }
+                ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], xn.c, n));
+                int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], xn.g, n);
+                if (rc != STATUS_OK) TEST_FAIL("gpu matmul: %s", backend_errstr(fx.gpu));
+                char what[96];
+                snprintf(what, sizeof what, "%s matmul after %s, n=%d", dtype_name(t),
+                         round ? "rmsnorm" : "add_rmsnorm", n);
+                check_f32(out, (size_t)n * rows, matmul_bound(t), what);
+            }
+        }
+        fx_close();
+    }
+}
+
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-2 tokens, also with types
@@ -966,7 +1008,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
           cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
-          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
+          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_gemv, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
