@@ -35,7 +35,6 @@ struct att_params {
     int32_t split_step;   /* decode kernel: a split's positions are a multiple of this */
     float *part_acc;      /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;       /* (n_splits, n_tokens, n_heads, 2) running max and sum */
-    int32_t *counts;      /* decode kernel: (n_tokens, n_kv_heads) arrivals, or NULL (combine kernel) */
 };
 
 template <int KT> __device__ __forceinline__ float kv_load(const void *base, size_t i) {
@@ -418,49 +417,6 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
             }
         }
     }
-    if (p.n_splits == 1 || !p.counts) return;
-    /* The last of the row's splits to arrive merges them (as
-     * attention_combine_kernel would) and resets the counter for the next
-     * launch: one kernel per step instead of two.  Every split, empty or
-     * not, arrives once. */
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int32_t *cnt = p.counts + (int64_t)row * a.n_kv_heads + kvh;
-        last = atomicAdd(cnt, 1) == (int)gridDim.z - 1;
-        if (last) *cnt = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    float *wz = smem; /* the merge weights, [G][n_splits] (the states above are no longer needed) */
-    __shared__ float lsum[G];
-    for (int i = threadIdx.x; i < G; i += ATD_THREADS) {
-        const int head = kvh * G + i;
-        float mx = ninf, ls = 0.0f;
-        for (int zz = 0; zz < p.n_splits; zz++)
-            mx = fmaxf(mx, __ldcg(p.part_ml + (((int64_t)zz * a.n_tokens + row) * a.n_heads + head) * 2));
-        for (int zz = 0; zz < p.n_splits; zz++) {
-            const float *ml = p.part_ml + (((int64_t)zz * a.n_tokens + row) * a.n_heads + head) * 2;
-            const float mz = __ldcg(ml);
-            wz[i * p.n_splits + zz] = mz != ninf ? __expf(mz - mx) : 0.0f;
-            if (mz != ninf) ls += __ldcg(ml + 1) * wz[i * p.n_splits + zz];
-        }
-        lsum[i] = ls;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += ATD_THREADS) {
-        const int g = i / HD, d = i % HD, head = kvh * G + g;
-        float acc = 0.0f;
-#pragma unroll 8
-        for (int zz = 0; zz < p.n_splits; zz++) {
-            const float w = wz[g * p.n_splits + zz];
-            if (w != 0.0f)
-                acc += __ldcg(p.part_acc + (((int64_t)zz * a.n_tokens + row) * a.n_heads + head) * HD + d) * w;
-        }
-        a.out[(int64_t)row * width + (int64_t)head * HD + d] = lsum[g] > 0.0f ? acc / lsum[g] : 0.0f;
-    }
 }
 
 template <int G, int LP>
@@ -490,15 +446,10 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
         p->part_ml = scr + slots * a->head_dim;
     }
     size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
-    if (smem < (size_t)G * p->n_splits * sizeof(float)) smem = (size_t)G * p->n_splits * sizeof(float);
-    /* The arrival counters (cuda_ops.h); a step with more (row, KV head)
-     * pairs than there are counters merges in the separate kernel. */
-    p->counts = p->n_splits > 1 && (int64_t)a->n_tokens * a->n_kv_heads <= CUDA_ATTN_COUNTS_MAX ? ctx->attn_counts
-                                                                                              : NULL;
     dim3 grid((unsigned)a->n_tokens, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     attention_decode_kernel<G, LP, U><<<grid, ATD_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
     CUDA_CHECK(ctx, cudaGetLastError());
-    if (p->n_splits > 1 && !p->counts) {
+    if (p->n_splits > 1) {
         attention_combine_kernel<<<dim3(a->n_tokens, a->n_heads), 128, 0, CUDA_STREAM(ctx)>>>(
             a->out, p->part_acc, p->part_ml, p->n_splits, a->n_tokens, a->n_heads, a->head_dim);
         CUDA_CHECK(ctx, cudaGetLastError());

@@ -24,11 +24,6 @@ struct cuda_ctx {
     void *cublas;       /* cublasHandle_t, bound to stream */
     void *scratch;      /* device memory reused by matmul and attention */
     size_t scratch_bytes;
-    /* Decode attention: CUDA_ATTN_COUNTS_MAX arrival counters, one per
-     * (row, KV head), zero between launches (the last block of a row
-     * resets its own), so the last split to finish merges the row without
-     * a second kernel.  Made (zeroed) with the context. */
-    int32_t *attn_counts;
     int vec_max_quant;  /* matmul: most tokens for the skinny kernel, quantized weights */
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
@@ -51,7 +46,6 @@ struct cuda_ctx {
 };
 
 enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2 };
-#define CUDA_ATTN_COUNTS_MAX (1 << 16)
 
 /* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
  * then records that it will (the caller fills it). */
@@ -135,13 +129,6 @@ int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype 
 /* 1 if matmul_gemv takes this type, width and token count: Q8_0 and Q4_0
  * for widths a multiple of 32, Q4_K, Q5_K and Q6_K a multiple of 256. */
 int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n);
-/* Where the gemv kernels want x[n, cols] as int8 blocks of 32 (xq) with
- * their scales (xd), in the scratch; records that the scratch will hold
- * that form of x (act_*).  *fresh = 0 when it already does, else the
- * caller must fill it (gemv's own quantizer, or an rmsnorm that produces
- * x: rmsnorm.cu).  cols % 32 == 0. */
-int cuda_gemv_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
-                  int *fresh);
 /* out[n, rows] = x[n, cols] . w^T; w 16-byte aligned. */
 int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                      int64_t cols, const float *x, int32_t n);

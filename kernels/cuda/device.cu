@@ -52,11 +52,6 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         CUDA_CHECK(ctx, cublasCreate(&handle));
         ctx->cublas = handle;
         CUDA_CHECK(ctx, cublasSetStream(handle, stream));
-        /* Here, not on first use: a graph recording must not allocate. */
-        void *counts = NULL;
-        CUDA_CHECK(ctx, cudaMalloc(&counts, CUDA_ATTN_COUNTS_MAX * sizeof(int32_t)));
-        ctx->attn_counts = (int32_t *)counts;
-        CUDA_CHECK(ctx, cudaMemset(counts, 0, CUDA_ATTN_COUNTS_MAX * sizeof(int32_t)));
         return STATUS_OK;
     };
     rc = setup();
@@ -99,7 +94,6 @@ extern "C" void cuda_ctx_free(struct cuda_ctx *ctx) {
     cudaSetDevice(ctx->device);
     if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
     if (ctx->scratch) cudaFree(ctx->scratch);
-    if (ctx->attn_counts) cudaFree(ctx->attn_counts);
     if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);
     if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
     free(ctx);

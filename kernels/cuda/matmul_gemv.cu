@@ -306,19 +306,6 @@ extern "C" int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t 
     }
 }
 
-extern "C" int cuda_gemv_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
-                              int *fresh) {
-    /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
-    size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
-    int64_t nblk = (int64_t)n * cols / 32;
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + (size_t)nblk * sizeof(float));
-    if (!scratch) return STATUS_NO_MEMORY;
-    *xq = (int8_t *)scratch;
-    *xd = (float *)(scratch + q_bytes);
-    *fresh = !cuda_act_reuse(ctx, MATMUL_ACT_Q8, x, n, cols, scratch);
-    return STATUS_OK;
-}
-
 /* The group's weights (16-byte aligned, each checked by the caller)
  * against x quantized once. */
 extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
@@ -327,13 +314,14 @@ extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, 
         if (g->rows[s] <= 0 || !cuda_matmul_gemv_supports(type, cols, n) || (uintptr_t)g->w[s] % 16 != 0)
             return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %d tokens x %s [%d x %lld] at %p is not a gemv shape",
                              n, dtype_name(type), g->rows[s], (long long)cols, (const void *)g->w[s]);
-    int8_t *xq;
-    float *xd;
-    int fresh = 0;
-    int rc = cuda_gemv_act(ctx, x, n, cols, &xq, &xd, &fresh);
-    if (rc != STATUS_OK) return rc;
-    if (fresh) {
-        const int64_t nblk = (int64_t)n * cols / 32;
+    /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
+    size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
+    int64_t nblk = (int64_t)n * cols / 32;
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + (size_t)nblk * sizeof(float));
+    if (!scratch) return STATUS_NO_MEMORY;
+    int8_t *xq = (int8_t *)scratch;
+    float *xd = (float *)(scratch + q_bytes);
+    if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8, x, n, cols, scratch)) {
         gemv_quant_x_kernel<<<cuda_blocks(nblk * 32, 256), 256, 0, CUDA_STREAM(ctx)>>>(xq, xd, x, nblk);
         CUDA_CHECK(ctx, cudaGetLastError());
     }

@@ -45,8 +45,7 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
  * 16-byte aligned, dim <= 4 * K * blockDim. */
 template <int K>
 __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
-                                   const float *__restrict__ w, int32_t dim, float eps, int8_t *__restrict__ xq,
-                                   float *__restrict__ xd) {
+                                   const float *__restrict__ w, int32_t dim, float eps) {
     const int64_t row = blockIdx.x;
     const int32_t n4 = dim / 4;
     float4 *xr = (float4 *)(x + row * dim);
@@ -84,28 +83,9 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
 #pragma unroll
     for (int k = 0; k < K; k++) {
         int32_t i = threadIdx.x + k * blockDim.x;
-        const float4 o = make_float4(v[k].x * inv * wv[k].x, v[k].y * inv * wv[k].y, v[k].z * inv * wv[k].z,
-                                     v[k].w * inv * wv[k].w);
-        if (i < n4) orow[i] = o;
-        if (xq) {
-            /* The int8 form for the gemv kernels, exactly as their own
-             * quantizer makes it (matmul_gemv.cu): a block of 32 is 8
-             * consecutive threads' float4s (dim % 32 == 0, blockDim % 32
-             * == 0), scale = max |o| / 127. */
-            float a = fmaxf(fmaxf(fabsf(o.x), fabsf(o.y)), fmaxf(fabsf(o.z), fabsf(o.w)));
-#pragma unroll
-            for (int m = 1; m < 8; m <<= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, m));
-            const float d = a / 127.0f;
-            if (i < n4) {
-                char4 q;
-                q.x = (signed char)(d > 0.0f ? __float2int_rn(o.x / d) : 0);
-                q.y = (signed char)(d > 0.0f ? __float2int_rn(o.y / d) : 0);
-                q.z = (signed char)(d > 0.0f ? __float2int_rn(o.z / d) : 0);
-                q.w = (signed char)(d > 0.0f ? __float2int_rn(o.w / d) : 0);
-                ((char4 *)(xq + row * dim))[i] = q;
-                if (i % 8 == 0) xd[row * (dim / 32) + i / 8] = d;
-            }
-        }
+        if (i < n4)
+            orow[i] = make_float4(v[k].x * inv * wv[k].x, v[k].y * inv * wv[k].y, v[k].z * inv * wv[k].z,
+                                  v[k].w * inv * wv[k].w);
     }
 }
 
@@ -115,24 +95,14 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
     const bool vec = dim % 4 == 0 && (uintptr_t)out % 16 == 0 && (uintptr_t)x % 16 == 0 &&
                      (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && n4 <= 8 * 1024;
     if (vec) {
-        /* A decode step's rows also come out as the int8 blocks the gemv
-         * kernels read (cuda_gemv_act), so the q/k/v or gate/up matmul
-         * after this skips its own quantizing launch. */
-        int8_t *xq = NULL;
-        float *xd = NULL;
-        if (n <= CUDA_MATMUL_GEMV_MAX && dim % 32 == 0) {
-            int fresh = 0;
-            int rc = cuda_gemv_act(ctx, out, n, dim, &xq, &xd, &fresh);
-            if (rc != STATUS_OK) return rc;
-        }
         /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
         const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
         int threads = (n4 + k - 1) / k;
         threads = (threads + 31) / 32 * 32;
-        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, xq, xd);
-        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, xq, xd);
-        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, xq, xd);
-        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, xq, xd);
+        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
     } else {
         rmsnorm_f32_kernel<<<n, RMSNORM_THREADS, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
     }

@@ -579,12 +579,12 @@ TEST(cuda_ops_matmul_gemv_q4_k) { gemv_type(DTYPE_Q4_K); }
 TEST(cuda_ops_matmul_gemv_q5_k) { gemv_type(DTYPE_Q5_K); }
 TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
-/* A decode step's rmsnorm also leaves its output in the int8 form the
- * gemv kernels read (rmsnorm.cu), and the matmul after it uses that
- * instead of quantizing again: the matmul results must still match the
- * CPU, for 1 and 2 rows, through add_rmsnorm and rmsnorm, and again after
- * the input changed under the same pointer (a second norm with other
- * weights must not leave the first one's int8 form in use). */
+/* A decode step's norm followed by a quantized matmul (the gemv kernels,
+ * which keep the int8 form of their input for the next matmul on it): the
+ * matmul results must match the CPU for 1 and 2 rows, through add_rmsnorm
+ * and rmsnorm, and again after the input changed under the same pointer
+ * (a second norm with other weights must not leave the first one's int8
+ * form in use). */
 TEST(cuda_ops_rmsnorm_feeds_gemv) {
     mm_set_mode(MM_DEFAULT);
     const enum dtype types[2] = {DTYPE_Q8_0, DTYPE_Q4_K};
