@@ -43,7 +43,8 @@ struct backend_i {
     int (*matmul_multi)(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
                         const float *x, int32_t n);
     int (*matmul_swiglu)(backend *b, float *out, const struct backend_weight *gate,
-                         const struct backend_weight *up, const float *x, int32_t n);
+                         const struct backend_weight *up, const float *x, int32_t n, float *gate_tmp,
+                         float *up_tmp);
     int (*rope_kv_write)(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
                          const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
                          const float *inv_freq, int32_t n_freq, int neox);

@@ -159,7 +159,7 @@ int backend_matmul_swiglu(backend *b, float *out, const struct backend_weight *g
                             (long long)up->cols);
     if (n == 0) return STATUS_OK;
     if (b->i->matmul_swiglu) {
-        int rc = b->i->matmul_swiglu(b, out, gate, up, x, n);
+        int rc = b->i->matmul_swiglu(b, out, gate, up, x, n, gate_tmp, up_tmp);
         if (rc != BACKEND_NOT_FUSED) return rc;
     }
     float *outs[2] = {gate_tmp, up_tmp};

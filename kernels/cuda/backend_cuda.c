@@ -155,14 +155,25 @@ static int bc_matmul_multi(backend *b, int n_w, float *const outs[], const struc
     }
     return STATUS_OK;
 }
+/* 1-2 tokens: gate and up in one grid that writes silu(gate) * up.
+ * Otherwise the two matmuls and a swiglu that also leaves its output in
+ * the F16 form the down matmul's cuBLAS call reads. */
 static int bc_matmul_swiglu(backend *b, float *out, const struct backend_weight *gate,
-                            const struct backend_weight *up, const float *x, int32_t n) {
-    if (gate->type != up->type) return BACKEND_NOT_FUSED;
-    float *outs[2] = {out, NULL};
-    const void *ws[2] = {gate->data, up->data};
-    int64_t rows[2] = {gate->rows, up->rows};
-    int rc = cuda_matmul_group(ctx_of(b), 2, outs, ws, rows, gate->type, gate->cols, x, n, 1);
-    return rc == CUDA_NOT_FUSED ? BACKEND_NOT_FUSED : rc;
+                            const struct backend_weight *up, const float *x, int32_t n, float *gate_tmp,
+                            float *up_tmp) {
+    struct cuda_ctx *ctx = ctx_of(b);
+    if (gate->type == up->type) {
+        float *outs[2] = {out, NULL};
+        const void *ws[2] = {gate->data, up->data};
+        int64_t rows[2] = {gate->rows, up->rows};
+        int rc = cuda_matmul_group(ctx, 2, outs, ws, rows, gate->type, gate->cols, x, n, 1);
+        if (rc != CUDA_NOT_FUSED) return rc;
+    }
+    int rc = cuda_matmul(ctx, gate_tmp, gate->data, gate->type, gate->rows, gate->cols, x, n);
+    if (rc == STATUS_OK) rc = cuda_matmul(ctx, up_tmp, up->data, up->type, up->rows, up->cols, x, n);
+    if (rc != STATUS_OK) return rc;
+    cuda_act_forget(ctx); /* the swiglu overwrites the scratch's activations */
+    return cuda_swiglu_act(ctx, out, gate_tmp, up_tmp, n, gate->rows);
 }
 static int bc_rope_kv_write(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
                             const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,

@@ -115,6 +115,16 @@ int cuda_dequant_f16(struct cuda_ctx *ctx, uint16_t *dst, const void *w, enum dt
  * cuBLAS on F16 tiles. */
 int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                 int64_t cols, const float *x, int32_t n);
+/* Where the cuBLAS path wants x[n, cols] as F16 (the start of the
+ * scratch); records that the scratch will hold that form of x (act_*).
+ * *fresh = 0 when it already does, else the caller fills it: an op that
+ * produces x and writes its F16 form alongside (rmsnorm and swiglu at
+ * prefill sizes) saves the matmul a conversion pass over x. */
+int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16, int *fresh);
+/* out[rows, width] = silu(gate) * up, also written as F16 for the matmul
+ * that reads out next (cuda_gemm_act). */
+int cuda_swiglu_act(struct cuda_ctx *ctx, float *out, const float *gate, const float *up, int32_t rows,
+                    int64_t width);
 #define CUDA_MATMUL_VEC_MAX 64
 /* 1 if the weight-reading kernels take this type, width and token count on
  * ctx's device: F16 and the quantized types on tensor cores up to 64 tokens

@@ -59,6 +59,15 @@ static int matmul_gemm_f16(struct cuda_ctx *ctx, float *out, const void *w16, in
     return STATUS_OK;
 }
 
+extern "C" int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16,
+                              int *fresh) {
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, align256((size_t)n * cols * 2));
+    if (!scratch) return STATUS_NO_MEMORY;
+    *x16 = (uint16_t *)scratch;
+    *fresh = !cuda_act_reuse(ctx, MATMUL_ACT_F16, x, n, cols, scratch);
+    return STATUS_OK;
+}
+
 static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows, int64_t cols,
                        const float *x, int32_t n) {
     if (type == DTYPE_F32) {

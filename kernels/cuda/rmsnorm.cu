@@ -45,7 +45,7 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
  * 16-byte aligned, dim <= 4 * K * blockDim. */
 template <int K>
 __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
-                                   const float *__restrict__ w, int32_t dim, float eps) {
+                                   const float *__restrict__ w, int32_t dim, float eps, fp16_t *__restrict__ out16) {
     const int64_t row = blockIdx.x;
     const int32_t n4 = dim / 4;
     float4 *xr = (float4 *)(x + row * dim);
@@ -83,9 +83,17 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
 #pragma unroll
     for (int k = 0; k < K; k++) {
         int32_t i = threadIdx.x + k * blockDim.x;
-        if (i < n4)
-            orow[i] = make_float4(v[k].x * inv * wv[k].x, v[k].y * inv * wv[k].y, v[k].z * inv * wv[k].z,
-                                  v[k].w * inv * wv[k].w);
+        if (i < n4) {
+            const float4 o = make_float4(v[k].x * inv * wv[k].x, v[k].y * inv * wv[k].y, v[k].z * inv * wv[k].z,
+                                         v[k].w * inv * wv[k].w);
+            orow[i] = o;
+            if (out16) {
+                uint2 h;
+                h.x = (uint32_t)f2h(o.x) | (uint32_t)f2h(o.y) << 16;
+                h.y = (uint32_t)f2h(o.z) | (uint32_t)f2h(o.w) << 16;
+                ((uint2 *)(out16 + row * dim))[i] = h;
+            }
+        }
     }
 }
 
@@ -95,14 +103,24 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
     const bool vec = dim % 4 == 0 && (uintptr_t)out % 16 == 0 && (uintptr_t)x % 16 == 0 &&
                      (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && n4 <= 8 * 1024;
     if (vec) {
+        /* Prefill rows also come out as F16 for the cuBLAS matmuls that
+         * read them next (cuda_gemm_act): no conversion pass over them. */
+        fp16_t *o16 = NULL;
+        if (n > 2) {
+            uint16_t *x16 = NULL;
+            int fresh = 0;
+            int rc = cuda_gemm_act(ctx, out, n, dim, &x16, &fresh);
+            if (rc != STATUS_OK) return rc;
+            o16 = (fp16_t *)x16;
+        }
         /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
         const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
         int threads = (n4 + k - 1) / k;
         threads = (threads + 31) / 32 * 32;
-        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
-        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
-        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
-        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
+        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
+        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
+        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
     } else {
         rmsnorm_f32_kernel<<<n, RMSNORM_THREADS, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
     }

@@ -579,21 +579,24 @@ TEST(cuda_ops_matmul_gemv_q4_k) { gemv_type(DTYPE_Q4_K); }
 TEST(cuda_ops_matmul_gemv_q5_k) { gemv_type(DTYPE_Q5_K); }
 TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
-/* A decode step's norm followed by a quantized matmul (the gemv kernels,
- * which keep the int8 form of their input for the next matmul on it): the
- * matmul results must match the CPU for 1 and 2 rows, through add_rmsnorm
- * and rmsnorm, and again after the input changed under the same pointer
- * (a second norm with other weights must not leave the first one's int8
- * form in use). */
-TEST(cuda_ops_rmsnorm_feeds_gemv) {
+/* A norm followed by a matmul: at 1-2 rows the gemv kernels (which keep
+ * the int8 form of their input for the next matmul on it), from 3 rows the
+ * norm also writes the F16 form the cuBLAS path reads (rmsnorm.cu,
+ * cuda_gemm_act).  The matmul results must match the CPU through
+ * add_rmsnorm and rmsnorm, and again after the input changed under the
+ * same pointer (a second norm with other weights must not leave the first
+ * one's form in use). */
+TEST(cuda_ops_rmsnorm_feeds_matmul) {
     mm_set_mode(MM_DEFAULT);
-    const enum dtype types[2] = {DTYPE_Q8_0, DTYPE_Q4_K};
-    for (int ti = 0; ti < 2; ti++) {
+    const enum dtype types[3] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_F16};
+    const int32_t ns[4] = {1, 2, 5, 80};
+    for (int ti = 0; ti < 3; ti++) {
         fx_open();
         enum dtype t = types[ti];
         int64_t rows = 300, dim = 1024;
         int wi = load_weight(t, rand_weight(t, rows, dim), rows, dim);
-        for (int32_t n = 1; n <= 2; n++) {
+        for (int ni = 0; ni < 4; ni++) {
+            const int32_t n = ns[ni];
             struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
             struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
             struct dbuf w1 = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
@@ -679,10 +682,11 @@ static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
     fx_open();
     int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+    int wd = load_weight(t, rand_weight(t, cols, rows), cols, rows);
     const int32_t ns[3] = {1, 2, 5};
     struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
     struct dbuf out = dbuf_new((size_t)5 * rows * 4), gt = dbuf_new((size_t)5 * rows * 4),
-                ut = dbuf_new((size_t)5 * rows * 4);
+                ut = dbuf_new((size_t)5 * rows * 4), down = dbuf_new((size_t)5 * cols * 4);
     for (int i = 0; i < 3; i++) {
         dbuf_poison(out);
         ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
@@ -693,6 +697,14 @@ static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
                  (long long)cols, ns[i]);
         /* Two matmul errors meet in a product: twice the matmul bound. */
         check_f32(out, (size_t)ns[i] * rows, 2 * matmul_bound(t), what);
+        /* The down matmul on that output (from 3 rows the swiglu also
+         * left it as F16 for cuBLAS): three matmul errors. */
+        dbuf_poison(down);
+        ASSERT_OK(backend_matmul(fx.cpu, down.c, &fx.cw[wd], out.c, ns[i]));
+        rc = backend_matmul(fx.gpu, down.g, &fx.gw[wd], out.g, ns[i]);
+        if (rc != STATUS_OK) TEST_FAIL("gpu matmul down n=%d: %s", ns[i], backend_errstr(fx.gpu));
+        snprintf(what, sizeof what, "down after matmul_swiglu %s n=%d", dtype_name(t), ns[i]);
+        check_f32(down, (size_t)ns[i] * cols, 3 * matmul_bound(t), what);
     }
     fx_close();
 }
@@ -701,11 +713,11 @@ TEST(cuda_ops_matmul_swiglu) {
     mm_set_mode(MM_DEFAULT);
     swiglu_case(DTYPE_F16, 173, 512);
     swiglu_case(DTYPE_F32, 66, 256);
-    swiglu_case(DTYPE_Q8_0, 301, 1024);
-    swiglu_case(DTYPE_Q4_0, 129, 512);
-    swiglu_case(DTYPE_Q4_K, 301, 768);
-    swiglu_case(DTYPE_Q5_K, 64, 256);
-    swiglu_case(DTYPE_Q6_K, 99, 512);
+    swiglu_case(DTYPE_Q8_0, 320, 1024);
+    swiglu_case(DTYPE_Q4_0, 160, 512);
+    swiglu_case(DTYPE_Q4_K, 512, 768);
+    swiglu_case(DTYPE_Q5_K, 256, 256);
+    swiglu_case(DTYPE_Q6_K, 256, 512);
 }
 
 /* ---- KV cache and attention ---- */
@@ -1008,7 +1020,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
           cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
-          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_gemv, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
+          cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
