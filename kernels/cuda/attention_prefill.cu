@@ -46,17 +46,6 @@ __device__ __forceinline__ void apf_mma(float d[4], uint32_t a0, uint32_t a1, ui
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
-/* Four 8x8 F16 tiles from shared memory (ldmatrix, sm_75 and later):
- * lanes 8m .. 8m + 7 give the row addresses of tile m (16-byte aligned),
- * and lane (g, t) receives row g, columns 2t and 2t + 1 of each tile in
- * r[m] -- an mma.m16n8k8 B fragment when the tile's rows are its n. */
-__device__ __forceinline__ void apf_ldm4(uint32_t (&r)[4], const fp16_t *p) {
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
-
 /* Dims d .. d + 7 of position j of KV head kvh: zeros from j_end on, NaN
  * for a block id outside the cache (the row then comes out NaN). */
 __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct cuda_attn_args &a,
@@ -178,18 +167,12 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             float sc[NT][4];
 #pragma unroll
             for (int n = 0; n < NT; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-            /* B fragments four k-steps at a time: ldmatrix.x4 gives lane
-             * (g, t) dims 8(kk + m) + 2t, +1 of position 8n + g for m < 4,
-             * the same words the 32-bit loads read, one instruction for
-             * four.  Each sc[n] still sums its k-steps in order. */
 #pragma unroll
-            for (int kk = 0; kk < NK; kk += 4)
+            for (int kk = 0; kk < NK; kk++)
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
-                    uint32_t b[4];
-                    apf_ldm4(b, sk + (n * 8 + lane % 8) * KS + (kk + lane / 8) * 8);
-#pragma unroll
-                    for (int m = 0; m < 4; m++) apf_mma(sc[n], qf[kk + m][0], qf[kk + m][1], b[m]);
+                    uint32_t b = *(const uint32_t *)(sk + (n * 8 + gq) * KS + kk * 8 + 2 * t4);
+                    apf_mma(sc[n], qf[kk][0], qf[kk][1], b);
                 }
             /* Causal mask and the slice's end: element c of n-tile n is
              * query vector h = c / 2, position j0 + 8n + 2t + c % 2. */
