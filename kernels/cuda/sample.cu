@@ -13,6 +13,11 @@
  * have penalties (at most SAMPLE_SLOTS at a time; more such rows take more
  * launches), and a host count array of n_vocab ints.
  *
+ * top-p first finds, in the pass that sums the weights, the band of weight
+ * levels where its cut lies (sampler_sample's prefilter); when that band
+ * holds at most SAMPLE_LIST_MAX tokens its select reads a list of them in
+ * shared memory instead of the whole row, with the same result.
+ *
  * Left to the host sampler (CUDA_NOT_FUSED): n_vocab above SAMPLE_VOCAB_MAX,
  * a device index of SAMPLE_DEVICES_MAX or more, and a failed allocation of
  * these buffers (the host path needs no device memory). */
@@ -36,6 +41,8 @@ extern "C" {
 #define SAMPLE_DEVICES_MAX 16
 #define SAMPLE_SLOTS 64            /* penalised rows per launch: 64 x n_vocab floats of device memory */
 #define SAMPLE_TOP_MAX SAMPLING_TOP_LOGPROBS_MAX
+#define SAMPLE_LIST_MAX 4096       /* top-p band list in shared memory: 32 KB */
+#define SAMPLE_LEVELS 7            /* weight levels of the top-p prefilter */
 
 /* Row flags. */
 enum {
@@ -86,7 +93,16 @@ struct sample_smem {
     unsigned long long acc;
     int32_t sel_id, bad, tok_first, tok_last, n_coll;
     int32_t coll[SAMPLE_TOP_MAX];
+    int32_t n_list;                   /* the top-p band: ids and values */
+    int32_t list_id[SAMPLE_LIST_MAX];
+    float list_v[SAMPLE_LIST_MAX];
 };
+
+/* Level j of the top-p prefilter holds the tokens with (zmax - z) / T <=
+ * cut[j] (weights above ~0.32, 0.1, 0.03, 0.01, 1e-3, 1e-4, 1e-6). */
+__device__ __forceinline__ float sample_cut(int j) {
+    return j == 0 ? 1.15f : j == 1 ? 2.3f : j == 2 ? 3.45f : j == 3 ? 4.6f : j == 4 ? 6.9f : j == 5 ? 9.2f : 13.8f;
+}
 
 /* Order-preserving 32-bit key: larger value, larger key.  -0 becomes +0
  * first, since the CPU's comparisons see them as equal (then id decides). */
@@ -102,10 +118,14 @@ __device__ __forceinline__ float sample_key_value(uint32_t k) {
 __device__ __forceinline__ bool sample_in(uint32_t key, int32_t i, uint32_t lk, int32_t li) {
     return key > lk || (key == lk && i <= li);
 }
-/* sampler_sample's weight expf(-((zmax - z) * inv_t)), rounded the same way
- * (no contraction). */
+/* (zmax - z) * inv_t, rounded as sampler_sample does (no contraction);
+ * non-increasing in z, the same for -0 and +0, +inf for z = -inf. */
+__device__ __forceinline__ float sample_dist(float z, float zmax, float inv_t) {
+    return __fmul_rn(__fsub_rn(zmax, z), inv_t);
+}
+/* sampler_sample's weight expf(-((zmax - z) * inv_t)). */
 __device__ __forceinline__ float sample_weight(float z, float zmax, float inv_t) {
-    return expf(-__fmul_rn(__fsub_rn(zmax, z), inv_t));
+    return expf(-sample_dist(z, zmax, inv_t));
 }
 /* Weights in (0, 1] as 2^-40 fixed point: integer sums are exact and the
  * same in any order, so the top-p cut does not depend on thread timing. */
@@ -182,16 +202,30 @@ __device__ void sample_block_first(uint32_t *key, int32_t *id, sample_smem *sm) 
  * (sk, si).  Count mode (MASS false): the k-th token of S in the order.
  * Mass mode: the last token of the shortest prefix of S whose fixed-point
  * weight reaches target.  Ties at the found value are taken in ascending id
- * order, so the result is exactly a prefix of the total order: (*lk, *li). */
-template <bool MASS>
+ * order, so the result is exactly a prefix of the total order: (*lk, *li).
+ *
+ * LIST (mass mode only): the histograms read sm->list_id/list_v[0..n_list),
+ * a band B = S' \ P of S, where P and S' are prefixes of S (unions of whole
+ * key classes), P's weight acc0 misses the target and S''s reaches it.  The
+ * result is the one over all of S: at any threshold x of a pass, the
+ * cumulative weight of S above x is acc0 + weight(B above x) whenever some
+ * token of B lies above x (then all of P does), and otherwise both that and
+ * the true cumulative are <= acc0, which misses the target; so every digit
+ * chosen, the final acc and the count of the found key (a class inside B)
+ * are those of the full select.  The last step (the r-th id of that key)
+ * scans the whole row with S's bounds, as the full select does. */
+template <bool MASS, bool LIST = false>
 __device__ void sample_select(const float *z, int32_t n, uint32_t sk, int32_t si, uint32_t k, double target,
-                              float zmax, float inv_t, sample_smem *sm, uint32_t *lk, int32_t *li) {
+                              float zmax, float inv_t, sample_smem *sm, uint32_t *lk, int32_t *li,
+                              unsigned long long acc0 = 0) {
+    static_assert(MASS || !LIST, "the band list is for mass mode");
     const int tid = threadIdx.x;
     __syncthreads();
+    const int32_t n_src = LIST ? min(sm->n_list, SAMPLE_LIST_MAX) : n;
     if (tid == 0) {
         sm->prefix = 0;
         sm->k_rem = k;
-        sm->acc = 0;
+        sm->acc = acc0;
         sm->take_all = 0;
         sm->sel_id = 0;
     }
@@ -209,11 +243,12 @@ __device__ void sample_select(const float *z, int32_t n, uint32_t sk, int32_t si
          * same-address shared atomics serialise the block.  The whole warp
          * takes every trip, so the warp-wide calls see all lanes. */
         const int lane = tid & 31;
-        for (int32_t base = 0; base < n; base += SAMPLE_THREADS) {
-            const int32_t i = base + tid;
-            const float v = i < n ? z[i] : 0.0f;
+        for (int32_t base = 0; base < n_src; base += SAMPLE_THREADS) {
+            const int32_t at = base + tid;
+            const int32_t i = LIST ? (at < n_src ? sm->list_id[at] : 0) : at;
+            const float v = at < n_src ? (LIST ? sm->list_v[at] : z[at]) : 0.0f;
             const uint32_t key = sample_key(v);
-            const bool valid = i < n && !((key ^ prefix) & himask) && sample_in(key, i, sk, si);
+            const bool valid = at < n_src && !((key ^ prefix) & himask) && sample_in(key, i, sk, si);
             const uint32_t d = valid ? (key >> shift) & 255u : 256u;
             const unsigned peers = __match_any_sync(0xffffffffu, d);
             const bool leader = valid && lane == __ffs(peers) - 1;
@@ -452,15 +487,86 @@ sample_f32_kernel(const float *logits, int32_t n, const struct sample_dev_row *r
         int32_t li = -1;
         if (p.top_k > 0) sample_select<false>(z, n, 0u, -1, (uint32_t)p.top_k, 0.0, zmax, inv_t, &sm, &lk, &li);
         if (p.flags & SAMPLE_F_TOP_P) {
-            /* top-p works inside the top-k set, renormalised over it. */
-            unsigned long long t = 0;
+            /* top-p works inside the top-k set S, renormalised over it.  The
+             * pass that sums S's weight t (the target's denominator, always
+             * over all of S) also counts tokens and weight in the levels
+             * d <= cut[j], d = (zmax - z) / T (sampler_sample's prefilter):
+             * each is a prefix of the order, since d does not increase with
+             * z.  The cut lies in the first level whose weight reaches the
+             * target, past the level before it; the select then only looks
+             * at that band, compacted into shared memory. */
+            unsigned long long t = 0, lm[SAMPLE_LEVELS];
+            uint32_t lc[SAMPLE_LEVELS];
+#pragma unroll
+            for (int j = 0; j < SAMPLE_LEVELS; j++) {
+                lm[j] = 0;
+                lc[j] = 0;
+            }
             for (int32_t i = tid; i < n; i += SAMPLE_THREADS) {
                 float v = z[i];
-                if (sample_in(sample_key(v), i, lk, li)) t += sample_fixed(sample_weight(v, zmax, inv_t));
+                if (!sample_in(sample_key(v), i, lk, li)) continue;
+                const float d = sample_dist(v, zmax, inv_t);
+                const unsigned long long f = sample_fixed(expf(-d));
+                t += f;
+#pragma unroll
+                for (int j = 0; j < SAMPLE_LEVELS; j++)
+                    if (d <= sample_cut(j)) {
+                        lm[j] += f;
+                        lc[j]++;
+                    }
             }
             t = sample_block_sum<unsigned long long>(t, sm.red_u64);
-            double target = (double)p.top_p * (double)t;
-            sample_select<true>(z, n, lk, li, 0u, target, zmax, inv_t, &sm, &lk, &li);
+            const double target = (double)p.top_p * (double)t;
+            int lev = SAMPLE_LEVELS;
+            unsigned long long m_lo = 0;
+            uint32_t c_lo = 0, c_hi = 0;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_LEVELS; j++) {
+                const unsigned long long mj = sample_block_sum<unsigned long long>(lm[j], sm.red_u64);
+                const uint32_t cj = sample_block_sum<uint32_t>(lc[j], sm.red_u32);
+                if (lev < SAMPLE_LEVELS) continue;
+                /* The select's own test, on the same exact integers. */
+                if ((double)mj >= target) {
+                    lev = j;
+                    c_hi = cj;
+                } else {
+                    m_lo = mj;
+                    c_lo = cj;
+                }
+            }
+            /* The band path needs no 'take all' (the select's branch for a
+             * set whose whole weight misses the target through rounding):
+             * S' = level lev reaches the target by choice of lev, so every
+             * pass of the select has a digit that hits, exactly as over all
+             * of S, whose weight t reaches top_p * t because top_p < 1.  So
+             * neither path ever takes that branch, and they cannot differ
+             * by it. */
+            if (lev < SAMPLE_LEVELS && c_hi - c_lo <= SAMPLE_LIST_MAX) {
+                const float cut_hi = sample_cut(lev), cut_lo = lev > 0 ? sample_cut(lev - 1) : -1.0f;
+                if (tid == 0) sm.n_list = 0;
+                __syncthreads();
+                const int lane = tid & 31;
+                for (int32_t base = 0; base < n; base += SAMPLE_THREADS) {
+                    const int32_t i = base + tid;
+                    const float v = i < n ? z[i] : -INFINITY;
+                    bool take = false;
+                    if (i < n && sample_in(sample_key(v), i, lk, li)) {
+                        const float d = sample_dist(v, zmax, inv_t);
+                        take = d <= cut_hi && !(d <= cut_lo);
+                    }
+                    const unsigned b = __ballot_sync(0xffffffffu, take);
+                    int32_t at = 0;
+                    if (lane == 0 && b) at = atomicAdd(&sm.n_list, __popc(b));
+                    at = __shfl_sync(0xffffffffu, at, 0) + __popc(b & ((1u << lane) - 1u));
+                    if (take && at < SAMPLE_LIST_MAX) { /* exactly c_hi - c_lo arrive; the test is for safety */
+                        sm.list_id[at] = i;
+                        sm.list_v[at] = v;
+                    }
+                }
+                sample_select<true, true>(z, n, lk, li, 0u, target, zmax, inv_t, &sm, &lk, &li, m_lo);
+            } else {
+                sample_select<true>(z, n, lk, li, 0u, target, zmax, inv_t, &sm, &lk, &li);
+            }
         }
         const float zmin = (p.flags & SAMPLE_F_MIN_P) ? __fadd_rn(zmax, p.min_p_off) : -INFINITY;
         /* The draw: the first kept token, in ascending id order, whose

@@ -182,12 +182,13 @@ static int32_t ref_sample(const float *logits, int32_t n, const struct backend_s
 
 enum row_kind {
     K_GREEDY_TIE, K_ZERO_TIE, K_TOPK1_TIE, K_TINY_T, K_LOGPROBS_GREEDY, K_TEMP, K_TEMP_LOW, K_TOPK, K_TOPP,
-    K_TOPK_TOPP, K_MINP, K_ALL, K_PEN, K_PEN_GREEDY, K_TIES_TOPK, K_TIES_TOPP, K_TOPK_OFF, K_NAN, K_PINF,
+    K_TOPK_TOPP, K_TOPP_PEAKED, K_MINP, K_ALL, K_PEN, K_PEN_GREEDY, K_TIES_TOPK, K_TIES_TOPP, K_TOPK_OFF, K_NAN, K_PINF,
     K_NINF, K_BAD_HIST, K_COUNT
 };
 static const char *const kind_name[K_COUNT] = {
     "greedy, planted tie", "greedy, -0 and +0 tie", "top_k 1, planted tie", "temperature 1e-39",
     "greedy + top_logprobs 20", "temperature 1", "temperature 0.3", "top_k 40", "top_p 0.9", "top_k 50 + top_p 0.8",
+    "top_p 0.9, peaked (model-like)",
     "min_p 0.05", "everything + logprobs", "penalties, last 64", "greedy, penalties", "100-way tie, top_k 50",
     "100-way tie, top_p 0.5", "top_k > n_vocab", "a NaN logit", "a +inf logit", "all -inf", "bad history id",
 };
@@ -228,6 +229,12 @@ static void make_row(int32_t r, int k, int32_t n) {
     case K_TOPK: p->temperature = 0.7f; p->top_k = 40; break;
     case K_TOPP: p->temperature = 1.0f; p->top_p = 0.9f; break;
     case K_TOPK_TOPP: p->temperature = 0.8f; p->top_k = 50; p->top_p = 0.8f; break;
+    case K_TOPP_PEAKED:
+        /* A couple of dozen candidates well above the bulk, as a model's
+         * logits usually are: the top-p cut lies among them. */
+        p->temperature = 0.7f; p->top_p = 0.9f;
+        for (int j = 0; j < 24; j++) x[rng_int(n)] = 12 + rng_f(0, 4);
+        break;
     case K_MINP: p->temperature = 1.2f; p->min_p = 0.05f; break;
     case K_ALL:
         p->temperature = 0.9f; p->top_k = 200; p->top_p = 0.95f; p->min_p = 0.02f;
@@ -459,8 +466,8 @@ static double now_ms(void) {
  * rows (printed; the results are still compared against the host sampler,
  * which is also timed with its download). */
 TEST(cuda_sample_timing) {
-    static const int solo[] = {K_GREEDY_TIE, K_TEMP, K_TOPK, K_TOPP, K_ALL, K_PEN};
-    const int32_t n = 128256, n_mixed = 64, n_solo = 6, n_rows = n_mixed + n_solo;
+    static const int solo[] = {K_GREEDY_TIE, K_TEMP, K_TOPK, K_TOPP, K_TOPP_PEAKED, K_ALL, K_PEN};
+    const int32_t n = 128256, n_mixed = 64, n_solo = 7, n_rows = n_mixed + n_solo;
     fx_open(n, n_rows);
     for (int32_t r = 0; r < n_mixed; r++) make_row(r, r % 2 ? K_ALL : K_TOPP, n);
     for (int32_t s = 0; s < n_solo; s++) make_row(n_mixed + s, solo[s], n);
@@ -491,4 +498,75 @@ TEST(cuda_sample_timing) {
     fx_close();
 }
 
-TEST_MAIN(cuda_sample_matches_cpu, cuda_sample_many_penalised_rows, cuda_sample_histogram, cuda_sample_timing)
+/* The kernel's top-p prefilter levels, (zmax - z) / T <= cut (kept in step
+ * with sample_cut in kernels/cuda/sample.cu); the last entry is past them. */
+static const float level_cut[] = {0.0f, 1.15f, 2.3f, 3.45f, 4.6f, 6.9f, 9.2f, 13.8f, 20.0f};
+#define N_LEVEL_BANDS 8
+
+/* Row r: the top token at 0, g tokens with (zmax - z) / T spread inside
+ * band b of the levels (T = 1), the rest 40 or more below (weight 0 in the
+ * kernel's fixed point); top_p puts the cut near the middle of the band's
+ * weight.  top_k > 0 keeps the top-k set around it. */
+static void make_band_row(int32_t r, int32_t n, int b, int32_t g, int32_t top_k) {
+    float *x = fx.logits + (size_t)r * n;
+    struct sampling_params *p = &fx.params[r];
+    struct backend_sample_row *row = &fx.rows[r];
+    sampling_params_default(p);
+    memset(row, 0, sizeof *row);
+    row->params = p;
+    row->history = fx.hist + (size_t)r * HIST_MAX;
+    row->pos = rng_int(1 << 20);
+    p->seed = ((uint64_t)rng_u32() << 32) | rng_u32();
+    p->temperature = 1.0f;
+    p->top_k = top_k;
+    for (int32_t i = 0; i < n; i++) x[i] = -40.0f - rng_f(0, 5);
+    int32_t top = rng_int(n);
+    x[top] = 0.0f;
+    const float lo = level_cut[b] + 0.05f, hi = level_cut[b + 1] - 0.05f;
+    double mass = 0;
+    for (int32_t k = 0; k < g; k++) {
+        int32_t i = rng_int(n);
+        while (i == top || x[i] > -40.0f) i = (i + 1) % n;
+        x[i] = -rng_f(lo, hi);
+        mass += expf(x[i]);
+    }
+    p->top_p = (float)((1 + mass / 2) / (1 + mass));
+    if (!(p->top_p < 1)) p->top_p = 0.99999f;
+    char err[160];
+    if (sampling_params_validate(p, n, err, sizeof err) != 0) TEST_FAIL("band row %d: %s", r, err);
+}
+
+/* top-p whose cut lies in each band of the prefilter's levels (small and
+ * large bands, with and without top-k), in a band larger than the kernel's
+ * list (the full select instead), past the last level, and on a flat row
+ * (every token in the first level): all exactly as sampler_sample, but for
+ * draws near a boundary. */
+TEST(cuda_sample_top_p_levels) {
+    const int32_t n = 32000, per_band = 3, n_rows = N_LEVEL_BANDS * per_band + 4;
+    fx_open(n, n_rows);
+    struct tally t = {0};
+    for (int rep = 0; rep < 2; rep++) {
+        int32_t r = 0;
+        for (int b = 0; b < N_LEVEL_BANDS; b++) {
+            make_band_row(r++, n, b, 40, 0);
+            make_band_row(r++, n, b, 4000, 0);
+            make_band_row(r++, n, b, 300, 1000);
+        }
+        make_band_row(r++, n, 3, 6000, 0); /* the band is over the list's 4096 */
+        make_band_row(r++, n, 4, 9000, 0);
+        for (int k = 0; k < 2; k++, r++) { /* flat: every token in level 0 */
+            make_band_row(r, n, 0, 0, 0);
+            float *x = fx.logits + (size_t)r * n;
+            for (int32_t i = 0; i < n; i++) x[i] = rng_f(-0.01f, 0.01f);
+            fx.params[r].top_p = k ? 0.9f : 0.3f;
+        }
+        compare_rows(n, n_rows, NULL, &t);
+    }
+    printf("  %d rows (%d sampled), %d differ at a boundary within %g\n", t.rows, t.sampled, t.ambiguous_diff,
+           NEAR_REL);
+    ASSERT_EQ(t.rows, t.sampled);
+    ASSERT_TRUE(t.ambiguous_diff <= 2);
+    fx_close();
+}
+
+TEST_MAIN(cuda_sample_matches_cpu, cuda_sample_top_p_levels, cuda_sample_many_penalised_rows, cuda_sample_histogram, cuda_sample_timing)
