@@ -549,6 +549,48 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     fx_close();
 }
 
+/* Out of memory while serving: with the GPU nearly full, a prefill-sized
+ * matmul whose scratch (F16 activations and a dequantized tile) cannot be
+ * had fails with STATUS_NO_MEMORY and a message saying how much it asked
+ * for; once memory is back, the same call works and matches the CPU.  (The
+ * worker turns such a failure into the step's error reply and goes on:
+ * docs/worker.md.) */
+TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
+    mm_set_mode(MM_DEFAULT);
+    fx_open();
+    const int64_t rows = 1024, cols = 4096;
+    const int32_t n = 512;
+    int wi = load_weight(DTYPE_Q4_K, rand_weight(DTYPE_Q4_K, rows, cols), rows, cols);
+    struct dbuf x = dbuf_from(rand_f32((size_t)n * cols, -1, 1), (size_t)n * cols * 4);
+    struct dbuf out = dbuf_new((size_t)n * rows * 4);
+    /* Fill the card, leaving less than the scratch this call needs (4 MiB
+     * of F16 activations + an 8 MiB tile, with headroom: > 12 MiB). */
+    void *hog[256];
+    int n_hog = 0;
+    size_t fr = 0, tot = 0, chunk = (size_t)4 << 30;
+    while (n_hog < 256 && chunk >= ((size_t)1 << 20)) {
+        ASSERT_OK(backend_mem_info(fx.gpu, &fr, &tot));
+        void *p = fr >= chunk + ((size_t)6 << 20) ? backend_alloc(fx.gpu, chunk) : NULL;
+        if (p) hog[n_hog++] = p;
+        else chunk /= 2;
+    }
+    ASSERT_OK(backend_mem_info(fx.gpu, &fr, &tot));
+    printf("  %zu MiB left free of %zu\n", fr >> 20, tot >> 20);
+    int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
+    for (int i = 0; i < n_hog; i++) backend_dealloc(fx.gpu, hog[i]);
+    if (fr >= ((size_t)24 << 20)) TEST_SKIP("could not fill the GPU (%zu MiB still free)", fr >> 20);
+    ASSERT_EQ(STATUS_NO_MEMORY, rc);
+    printf("  failed as it should: %s\n", backend_errstr(fx.gpu));
+    ASSERT_TRUE(strstr(backend_errstr(fx.gpu), "bytes") != NULL);
+    /* Memory back: the same op works and is right. */
+    dbuf_poison(out);
+    ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, n));
+    rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
+    if (rc != STATUS_OK) TEST_FAIL("gpu matmul after the memory came back: %s", backend_errstr(fx.gpu));
+    check_f32(out, (size_t)n * rows, matmul_bound(DTYPE_Q4_K), "matmul after out of memory");
+    fx_close();
+}
+
 /* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
  * (it at 1-2 tokens where it measured faster, the tensor-core kernel
  * otherwise), forced for 1-4 tokens (LLM_CUDA_GEMV_MAX=4) and off (=0:
@@ -1019,7 +1061,8 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_out_of_memory_fails_the_op_not_the_backend,
+          cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
