@@ -24,7 +24,9 @@
 #include <unistd.h>
 
 #define WORKER_BINARY LLM_BINARY_DIR "/worker/llm-worker"
-#define T_WAIT_MS 15000
+/* Generous: the first start of a freshly linked llm-worker may load
+ * cuBLAS (hundreds of MB) from a cold page cache. */
+#define T_WAIT_MS 60000
 
 static int64_t t_now_ms(void) {
     struct timespec ts;
