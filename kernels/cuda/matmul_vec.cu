@@ -11,6 +11,9 @@
 #include "matmul_group.cuh"
 #include "quant_units.cuh"
 
+#include <stdlib.h>
+#include <string.h>
+
 /* ---- mq: the tensor-core kernel ----
  * A block is MQ_WARPS warps; warp w owns 16 consecutive weight rows (the M
  * side of the mma) and all NT tokens (the N side, NT / 8 tiles).  The K
@@ -499,6 +502,12 @@ static int mq_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols
 #define MV_NT_MAX 16
 #define MV_F16_MAX 2 /* F16 tokens this kernel takes even where mq could */
 
+/* LLM_CUDA_MV_SPLIT=0 keeps one warp per row everywhere, to compare. */
+static int mv_split_rows(void) {
+    const char *env = getenv("LLM_CUDA_MV_SPLIT");
+    return !(env && strcmp(env, "0") == 0);
+}
+
 /* acc[t] += w[0..L) . x[t, off .. off + L) for the n (<= NT) tokens. */
 template <int NT, int L>
 __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const float *x, int64_t cols, int64_t off,
@@ -518,35 +527,40 @@ __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const f
     }
 }
 
-/* One warp per row of each weight of the group g (matmul_group.cuh); no
- * early return, since a swiglu block meets at a barrier. */
-template <int T, int NT>
+/* One warp per row of each weight of the group g (matmul_group.cuh), or
+ * with KS = 2 two warps per row, each taking every other 32-unit stretch
+ * of it and adding up through shared memory (no swiglu then): a grid that
+ * is a single wave (o and down at batch 1: 4096 rows) then has twice the
+ * warps and half the serial work per warp.  No early return, since a
+ * swiglu block meets at a barrier. */
+template <int T, int NT, int KS>
 __global__ void __launch_bounds__(MV_WARPS * 32)
 matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, part = warp % KS;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (const mm_row r = mg_locate<MV_WARPS>(g, warp); r.row < r.rows) {
+    if (const mm_row r = mg_locate<MV_WARPS / KS>(g, warp / KS); r.row < r.rows) {
         const uint8_t *wr = r.w + (size_t)r.row * row_bytes;
         const int64_t units = qu_units<T>(cols);
         /* At 1-4 tokens a lane loads MU units before using any: with one
          * load in flight per lane, 32 warps per SM keep ~2 MB in flight on
          * an H100, which caps a 4096-row grid at ~2.2 TB/s (ncu). */
         constexpr int MU = NT == 1 ? 4 : NT <= 4 ? 2 : 1;
-        int64_t u = lane;
-        for (; u + 32 * (MU - 1) < units; u += 32 * MU) {
+        constexpr int ST = 32 * KS; /* units between a lane's consecutive ones */
+        int64_t u = part * 32 + lane;
+        for (; u + ST * (MU - 1) < units; u += ST * MU) {
             float wv[MU][RUNS * RLEN];
 #pragma unroll
-            for (int m = 0; m < MU; m++) qu_load<T>(wr, u + 32 * m, wv[m]);
+            for (int m = 0; m < MU; m++) qu_load<T>(wr, u + ST * m, wv[m]);
 #pragma unroll
             for (int m = 0; m < MU; m++)
 #pragma unroll
                 for (int k = 0; k < RUNS; k++)
-                    mv_dot<NT, RLEN>(acc, wv[m] + k * RLEN, x, cols, qu_off<T>(u + 32 * m, k), n);
+                    mv_dot<NT, RLEN>(acc, wv[m] + k * RLEN, x, cols, qu_off<T>(u + ST * m, k), n);
         }
-        for (; u < units; u += 32) {
+        for (; u < units; u += ST) {
             float wv[RUNS * RLEN];
             qu_load<T>(wr, u, wv);
 #pragma unroll
@@ -558,14 +572,42 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
-    mg_store<MV_WARPS, NT>(g, warp, lane, n, acc);
+    if constexpr (KS == 1) {
+        mg_store<MV_WARPS, NT>(g, warp, lane, n, acc);
+    } else {
+        __shared__ float red[MV_WARPS][NT];
+        if (lane == 0)
+#pragma unroll
+            for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
+        __syncthreads();
+        const mm_row r = mg_locate<MV_WARPS / KS>(g, warp / KS);
+        if (part == 0 && lane == 0 && r.row < r.rows) {
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t >= n) break;
+                float v = 0.0f;
+#pragma unroll
+                for (int k = 0; k < KS; k++) v += red[warp + k][t];
+                r.out[(size_t)t * r.rows + r.row] = v;
+            }
+        }
+    }
 }
 
 template <int T, int NT>
 static int mv_launch_group(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    unsigned grid = mg_layout(&g, MV_WARPS);
-    matmul_vec_kernel<T, NT><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, cuda_row_bytes((enum dtype)T, cols),
-                                                                         cols, x, n);
+    const size_t rb = cuda_row_bytes((enum dtype)T, cols);
+    /* Two warps per row when one warp per row would be a single wave
+     * (every row resident at once: 9 blocks of 4 warps per SM). */
+    int64_t rows = 0;
+    for (int s = 0; s < g.n; s++) rows += g.rows[s];
+    if (!g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS && mv_split_rows()) {
+        unsigned grid = mg_layout(&g, MV_WARPS / 2);
+        matmul_vec_kernel<T, NT, 2><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, cols, x, n);
+    } else {
+        unsigned grid = mg_layout(&g, MV_WARPS);
+        matmul_vec_kernel<T, NT, 1><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, cols, x, n);
+    }
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }

@@ -516,8 +516,18 @@ static void matmul_type(enum dtype t) {
     mm_set_mode(MM_DEFAULT);
 }
 
-TEST(cuda_ops_matmul_f32) { matmul_type(DTYPE_F32); }
-TEST(cuda_ops_matmul_f16) { matmul_type(DTYPE_F16); }
+/* F32 and F16 at 1-2 tokens take the row kernel of matmul_vec.cu, with two
+ * warps per row on grids of one wave (every shape here): also one warp per
+ * row (LLM_CUDA_MV_SPLIT=0). */
+static void matmul_float_type(enum dtype t) {
+    matmul_type(t);
+    setenv("LLM_CUDA_MV_SPLIT", "0", 1);
+    matmul_type(t);
+    unsetenv("LLM_CUDA_MV_SPLIT");
+}
+
+TEST(cuda_ops_matmul_f32) { matmul_float_type(DTYPE_F32); }
+TEST(cuda_ops_matmul_f16) { matmul_float_type(DTYPE_F16); }
 TEST(cuda_ops_matmul_bf16) { matmul_type(DTYPE_BF16); }
 TEST(cuda_ops_matmul_q8_0) { matmul_type(DTYPE_Q8_0); }
 TEST(cuda_ops_matmul_q4_0) { matmul_type(DTYPE_Q4_0); }
