@@ -28,6 +28,8 @@ struct cuda_ctx {
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
                          * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
+    int mv_split;       /* matmul_vec.cu row kernel: two warps per row on single-wave
+                         * grids (1, default; LLM_CUDA_MV_SPLIT=0: off) */
     /* Activations the last matmul left at the start of the scratch, so
      * that the next matmul on the same input (q, k and v; gate and up)
      * uses them again instead of converting or quantizing once more:

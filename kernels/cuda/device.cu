@@ -83,6 +83,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         int v = atoi(env);
         ctx->gemv_max = v < 0 ? 0 : v > CUDA_MATMUL_GEMV_MAX ? CUDA_MATMUL_GEMV_MAX : v;
     }
+    /* Two warps per row in matmul_vec.cu's row kernel where the grid is a
+     * single wave; LLM_CUDA_MV_SPLIT=0 turns it off, to compare. */
+    env = getenv("LLM_CUDA_MV_SPLIT");
+    ctx->mv_split = !(env && strcmp(env, "0") == 0);
     ctx->cc = prop.major * 10 + prop.minor;
     snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
     *out = ctx;

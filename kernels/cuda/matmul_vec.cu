@@ -11,9 +11,6 @@
 #include "matmul_group.cuh"
 #include "quant_units.cuh"
 
-#include <stdlib.h>
-#include <string.h>
-
 /* ---- mq: the tensor-core kernel ----
  * A block is MQ_WARPS warps; warp w owns 16 consecutive weight rows (the M
  * side of the mma) and all NT tokens (the N side, NT / 8 tiles).  The K
@@ -502,11 +499,6 @@ static int mq_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols
 #define MV_NT_MAX 16
 #define MV_F16_MAX 2 /* F16 tokens this kernel takes even where mq could */
 
-/* LLM_CUDA_MV_SPLIT=0 keeps one warp per row everywhere, to compare. */
-static int mv_split_rows(void) {
-    const char *env = getenv("LLM_CUDA_MV_SPLIT");
-    return !(env && strcmp(env, "0") == 0);
-}
 
 /* acc[t] += w[0..L) . x[t, off .. off + L) for the n (<= NT) tokens. */
 template <int NT, int L>
@@ -601,7 +593,7 @@ static int mv_launch_group(struct cuda_ctx *ctx, mm_group &g, int64_t cols, cons
      * (every row resident at once: 9 blocks of 4 warps per SM). */
     int64_t rows = 0;
     for (int s = 0; s < g.n; s++) rows += g.rows[s];
-    if (!g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS && mv_split_rows()) {
+    if (!g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS && ctx->mv_split) {
         unsigned grid = mg_layout(&g, MV_WARPS / 2);
         matmul_vec_kernel<T, NT, 2><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, cols, x, n);
     } else {
