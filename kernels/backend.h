@@ -25,7 +25,8 @@ typedef struct backend backend;
  * elements (input features) of `type`, rows stored one after the other. */
 struct backend_weight {
     void *data;       /* backend memory, or (CPU) the caller's host memory */
-    enum dtype type;  /* as stored: the CUDA backend turns BF16 into F16 */
+    enum dtype type;  /* as stored: the CUDA backend turns BF16 into F16 (and keeps
+                       * Q8_0 and Q6_K rows in a regrouped layout of its own) */
     int64_t rows;     /* output features (GGUF ne[1]) */
     int64_t cols;     /* input features (GGUF ne[0]) */
     int owned;        /* 1 if backend_weight_free must release data */

@@ -1,7 +1,8 @@
 /* What every .cu file of the CUDA backend shares: the one checking macro
- * for CUDA and cuBLAS calls, half conversions, and the per-element
- * dequantization of every weight type (the block layouts come from
- * common/dtype.h, the same structs the CPU reads). */
+ * for CUDA and cuBLAS calls, half conversions, the backend's own row
+ * layouts of Q8_0 and Q6_K, and the per-element dequantization of every
+ * weight type (the other block layouts come from common/dtype.h, the same
+ * structs the CPU reads). */
 #ifndef KERNELS_CUDA_COMMON_CUH
 #define KERNELS_CUDA_COMMON_CUH
 
@@ -66,31 +67,47 @@ __device__ __forceinline__ void kq_scale_min(int j, const uint8_t *q, float *sc,
     }
 }
 
-/* Element i of a weight row of type T (any dtype).  Reads only the block
- * holding i: slow per element, meant for embed and dequantize-to-F16. */
-template <int T> __device__ __forceinline__ float dq_elem(const void *row, int64_t i);
+/* Q8_0 and Q6_K rows as the CUDA backend stores them (cuda_weight_upload
+ * regroups them; repack.cu): GGUF's blocks of 34 and 210 bytes start at
+ * even addresses only, so a kernel needed several loads and shifts per 16
+ * bytes.  Here each part of a row is an array of its own, every array
+ * starts 16-byte aligned and the row is padded to 16 bytes:
+ *   Q8_0: codes[cols] int8, then d[cols / 32] F16;
+ *   Q6_K: ql[cols / 2], qh[cols / 4], scales[cols / 16] int8, d[cols / 256]
+ *         F16.
+ * Within an array the blocks keep their GGUF order, so super-block sb's
+ * ql is bytes 128 sb .. + 127 of ql, and so on. */
+__host__ __device__ static inline size_t q8s_d_off(int64_t cols) { return (size_t)cols; }
+__host__ __device__ static inline size_t q6s_qh_off(int64_t cols) { return (size_t)cols / 2; }
+__host__ __device__ static inline size_t q6s_sc_off(int64_t cols) { return (size_t)cols / 4 * 3; }
+__host__ __device__ static inline size_t q6s_d_off(int64_t cols) { return (size_t)cols / 16 * 13; }
 
-template <> __device__ __forceinline__ float dq_elem<DTYPE_F32>(const void *row, int64_t i) {
+/* Element i of a weight row of type T (any dtype) and width cols, in the
+ * backend's layout.  Reads only the block holding i: slow per element,
+ * meant for embed and dequantize-to-F16. */
+template <int T> __device__ __forceinline__ float dq_elem(const void *row, int64_t i, int64_t cols);
+
+template <> __device__ __forceinline__ float dq_elem<DTYPE_F32>(const void *row, int64_t i, int64_t) {
     return ((const float *)row)[i];
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_F16>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_F16>(const void *row, int64_t i, int64_t) {
     return h2f(((const fp16_t *)row)[i]);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_BF16>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_BF16>(const void *row, int64_t i, int64_t) {
     return bf2f(((const bf16_t *)row)[i]);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q8_0>(const void *row, int64_t i) {
-    const block_q8_0 *b = (const block_q8_0 *)row + i / 32;
-    return h2f(b->d) * (float)b->qs[i % 32];
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q8_0>(const void *row, int64_t i, int64_t cols) {
+    const uint8_t *r = (const uint8_t *)row;
+    return h2f(((const fp16_t *)(r + q8s_d_off(cols)))[i / 32]) * (float)((const int8_t *)r)[i];
 }
 __device__ __forceinline__ int q4_nibble(const uint8_t *qs, int j) {
     return j < 16 ? (qs[j] & 0xF) : (qs[j - 16] >> 4);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_0>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_0>(const void *row, int64_t i, int64_t) {
     const block_q4_0 *b = (const block_q4_0 *)row + i / 32;
     return h2f(b->d) * (float)(q4_nibble(b->qs, (int)(i % 32)) - 8);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_1>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_1>(const void *row, int64_t i, int64_t) {
     const block_q4_1 *b = (const block_q4_1 *)row + i / 32;
     return h2f(b->d) * (float)q4_nibble(b->qs, (int)(i % 32)) + h2f(b->m);
 }
@@ -98,15 +115,15 @@ __device__ __forceinline__ int q5_value(const uint8_t *qh4, const uint8_t *qs, i
     uint32_t qh = (uint32_t)qh4[0] | (uint32_t)qh4[1] << 8 | (uint32_t)qh4[2] << 16 | (uint32_t)qh4[3] << 24;
     return q4_nibble(qs, j) | (int)(((qh >> j) & 1u) << 4);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_0>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_0>(const void *row, int64_t i, int64_t) {
     const block_q5_0 *b = (const block_q5_0 *)row + i / 32;
     return h2f(b->d) * (float)(q5_value(b->qh, b->qs, (int)(i % 32)) - 16);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_1>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_1>(const void *row, int64_t i, int64_t) {
     const block_q5_1 *b = (const block_q5_1 *)row + i / 32;
     return h2f(b->d) * (float)q5_value(b->qh, b->qs, (int)(i % 32)) + h2f(b->m);
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_K>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_K>(const void *row, int64_t i, int64_t) {
     const block_q4_k *b = (const block_q4_k *)row + i / 256;
     int e = (int)(i % 256), p = e / 64, w = e % 64, sub = 2 * p + (w >= 32), l = w % 32;
     float sc, mn;
@@ -115,7 +132,7 @@ template <> __device__ __forceinline__ float dq_elem<DTYPE_Q4_K>(const void *row
     int nib = w < 32 ? (q & 0xF) : (q >> 4);
     return h2f(b->d) * sc * (float)nib - h2f(b->dmin) * mn;
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_K>(const void *row, int64_t i) {
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_K>(const void *row, int64_t i, int64_t) {
     const block_q5_k *b = (const block_q5_k *)row + i / 256;
     int e = (int)(i % 256), p = e / 64, w = e % 64, sub = 2 * p + (w >= 32), l = w % 32;
     float sc, mn;
@@ -124,14 +141,18 @@ template <> __device__ __forceinline__ float dq_elem<DTYPE_Q5_K>(const void *row
     int v = (w < 32 ? (q & 0xF) : (q >> 4)) | (((b->qh[l] >> sub) & 1) << 4);
     return h2f(b->d) * sc * (float)v - h2f(b->dmin) * mn;
 }
-template <> __device__ __forceinline__ float dq_elem<DTYPE_Q6_K>(const void *row, int64_t i) {
-    const block_q6_k *b = (const block_q6_k *)row + i / 256;
+template <> __device__ __forceinline__ float dq_elem<DTYPE_Q6_K>(const void *row, int64_t i, int64_t cols) {
+    const uint8_t *row8 = (const uint8_t *)row;
+    const int64_t sb = i / 256;
+    const uint8_t *ql = row8 + 128 * sb, *qh = row8 + q6s_qh_off(cols) + 64 * sb;
+    const int8_t *sc = (const int8_t *)(row8 + q6s_sc_off(cols)) + 16 * sb;
+    float d = h2f(((const fp16_t *)(row8 + q6s_d_off(cols)))[sb]);
     int e = (int)(i % 256), h = e / 128, r = e % 128, quarter = r / 32, l = r % 32;
-    uint8_t lo = b->ql[64 * h + 32 * (quarter & 1) + l];
+    uint8_t lo = ql[64 * h + 32 * (quarter & 1) + l];
     int low4 = quarter < 2 ? (lo & 0xF) : (lo >> 4);
-    int hi2 = (b->qh[32 * h + l] >> (2 * quarter)) & 3;
+    int hi2 = (qh[32 * h + l] >> (2 * quarter)) & 3;
     int q = (low4 | (hi2 << 4)) - 32;
-    return h2f(b->d) * (float)b->scales[8 * h + l / 16 + 2 * quarter] * (float)q;
+    return d * (float)sc[8 * h + l / 16 + 2 * quarter] * (float)q;
 }
 
 /* One switch from a runtime dtype to a template instantiation: calls
@@ -154,19 +175,20 @@ template <> __device__ __forceinline__ float dq_elem<DTYPE_Q6_K>(const void *row
         return cuda_fail((ctx), STATUS_UNSUPPORTED, "weight type %d is not supported", (int)(type)); \
     } while (0)
 
-/* Bytes of one weight row (host side; mirrors dtype_row_bytes). */
+/* Bytes of one weight row as the backend stores it (dtype_row_bytes for
+ * every type but the regrouped Q8_0 and Q6_K, which are padded to 16). */
 static inline size_t cuda_row_bytes(enum dtype t, int64_t cols) {
     switch (t) {
     case DTYPE_F32: return (size_t)cols * 4;
     case DTYPE_F16: case DTYPE_BF16: return (size_t)cols * 2;
-    case DTYPE_Q8_0: return (size_t)(cols / 32) * sizeof(block_q8_0);
+    case DTYPE_Q8_0: return ((size_t)(cols / 32) * sizeof(block_q8_0) + 15) & ~(size_t)15;
     case DTYPE_Q4_0: return (size_t)(cols / 32) * sizeof(block_q4_0);
     case DTYPE_Q4_1: return (size_t)(cols / 32) * sizeof(block_q4_1);
     case DTYPE_Q5_0: return (size_t)(cols / 32) * sizeof(block_q5_0);
     case DTYPE_Q5_1: return (size_t)(cols / 32) * sizeof(block_q5_1);
     case DTYPE_Q4_K: return (size_t)(cols / 256) * sizeof(block_q4_k);
     case DTYPE_Q5_K: return (size_t)(cols / 256) * sizeof(block_q5_k);
-    case DTYPE_Q6_K: return (size_t)(cols / 256) * sizeof(block_q6_k);
+    case DTYPE_Q6_K: return ((size_t)(cols / 256) * sizeof(block_q6_k) + 15) & ~(size_t)15;
     }
     return 0;
 }

@@ -87,8 +87,9 @@ int cuda_sync(struct cuda_ctx *ctx);
 void *cuda_scratch(struct cuda_ctx *ctx, size_t bytes);
 /* Copy a weight of rows x cols elements of type from host memory into new
  * device memory (*dst, freed with cuda_free).  BF16 is stored as F16 (T4
- * has no BF16 arithmetic; values beyond the F16 range saturate), every
- * other type as is; *stored says which.  Synchronizes before returning. */
+ * has no BF16 arithmetic; values beyond the F16 range saturate), Q8_0 and
+ * Q6_K rows regrouped into the backend's aligned layout (common.cuh), every
+ * other type as is; *stored says which type.  Synchronizes before returning. */
 int cuda_weight_upload(struct cuda_ctx *ctx, void **dst, enum dtype *stored, enum dtype type,
                        const void *host, int64_t rows, int64_t cols);
 
@@ -105,6 +106,9 @@ int cuda_get_rows(struct cuda_ctx *ctx, float *out, const float *x, const int32_
                   int32_t dim);
 int cuda_rope(struct cuda_ctx *ctx, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
               int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox);
+/* dst[rows] (rows of cuda_row_bytes, Q8_0 or Q6_K, the regrouped layout of
+ * common.cuh) = src[rows] (GGUF blocks, device memory). */
+int cuda_repack(struct cuda_ctx *ctx, void *dst, const void *src, enum dtype type, int64_t rows, int64_t cols);
 /* F32, F16 and BF16 in any direction (BF16 to F16 saturates). */
 int cuda_convert(struct cuda_ctx *ctx, void *dst, enum dtype dst_type, const void *src,
                  enum dtype src_type, int64_t n);

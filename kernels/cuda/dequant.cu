@@ -48,8 +48,8 @@ __device__ __forceinline__ void dq_kq_scale(uint32_t s0, uint32_t s1, uint32_t s
     }
 }
 
-/* Unit u of row wr into row dst (the fast layouts above). */
-template <int T> __device__ __forceinline__ void dq_unit_fast(const uint8_t *wr, int u, fp16_t *dst) {
+/* Unit u of row wr (cols wide) into row dst (the fast layouts above). */
+template <int T> __device__ __forceinline__ void dq_unit_fast(const uint8_t *wr, int u, fp16_t *dst, int cols) {
     if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) {
         constexpr int BS = T == DTYPE_Q4_K ? sizeof(block_q4_k) : sizeof(block_q5_k);
         constexpr int QS = T == DTYPE_Q4_K ? 16 : 48; /* offset of qs: after d, dmin, scales (, qh) */
@@ -83,12 +83,13 @@ template <int T> __device__ __forceinline__ void dq_unit_fast(const uint8_t *wr,
         dq_store8(o + 32, hi);
     } else if constexpr (T == DTYPE_Q6_K) {
         int sb = u >> 3, h = (u >> 2) & 1, j = u & 3;
-        const block_q6_k *b = (const block_q6_k *)wr + sb; /* 210 bytes: 2-aligned */
-        float d = h2f(__ldg(&b->d));
-        const uint8_t *la = b->ql + 64 * h + 8 * j, *lb = la + 32, *hh = b->qh + 32 * h + 8 * j;
-        uint32_t a[2] = {qu_ld4(la), qu_ld4(la + 4)}, c[2] = {qu_ld4(lb), qu_ld4(lb + 4)};
-        uint32_t x[2] = {qu_ld4(hh), qu_ld4(hh + 4)};
-        const int8_t *sc = b->scales + 8 * h + (j >> 1);
+        /* The regrouped layout (common.cuh): every array 8-byte aligned here. */
+        float d = h2f(__ldg((const fp16_t *)(wr + q6s_d_off(cols)) + sb));
+        uint2 qa = __ldg((const uint2 *)(wr + 128 * sb + 64 * h + 8 * j));
+        uint2 qc = __ldg((const uint2 *)(wr + 128 * sb + 64 * h + 32 + 8 * j));
+        uint2 qx = __ldg((const uint2 *)(wr + q6s_qh_off(cols) + 64 * sb + 32 * h + 8 * j));
+        uint32_t a[2] = {qa.x, qa.y}, c[2] = {qc.x, qc.y}, x[2] = {qx.x, qx.y};
+        const int8_t *sc = (const int8_t *)(wr + q6s_sc_off(cols)) + 16 * sb + 8 * h + (j >> 1);
         float s[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) s[k] = d * (float)__ldg(sc + 2 * k);
@@ -106,15 +107,14 @@ template <int T> __device__ __forceinline__ void dq_unit_fast(const uint8_t *wr,
 #pragma unroll
         for (int k = 0; k < 4; k++) dq_store8(o + 32 * k, v[k]);
     } else if constexpr (T == DTYPE_Q8_0) {
-        const block_q8_0 *b = (const block_q8_0 *)wr + (u >> 1); /* 34 bytes: 2-aligned */
-        float d = h2f(__ldg(&b->d));
-        const uint8_t *qs = (const uint8_t *)b->qs + 16 * (u & 1);
+        float d = h2f(__ldg((const fp16_t *)(wr + q8s_d_off(cols)) + (u >> 1)));
+        uint4 q4 = __ldg((const uint4 *)wr + u); /* codes of a 16-byte aligned row */
+        const uint32_t q[4] = {q4.x, q4.y, q4.z, q4.w};
         float v[16];
 #pragma unroll
         for (int w = 0; w < 4; w++) {
-            uint32_t q = qu_ld4(qs + 4 * w);
 #pragma unroll
-            for (int e = 0; e < 4; e++) v[4 * w + e] = d * (float)(int8_t)dq_byte(q, e);
+            for (int e = 0; e < 4; e++) v[4 * w + e] = d * (float)(int8_t)dq_byte(q[w], e);
         }
         fp16_t *o = dst + 16 * u;
         dq_store8(o, v);
@@ -124,10 +124,10 @@ template <int T> __device__ __forceinline__ void dq_unit_fast(const uint8_t *wr,
 
 /* Unit u of quant_units.cuh (runs of 4 or 8 elements: 8- or 16-byte
  * stores), for the types without a fast layout. */
-template <int T> __device__ __forceinline__ void dq_unit_generic(const uint8_t *wr, int u, fp16_t *dst) {
+template <int T> __device__ __forceinline__ void dq_unit_generic(const uint8_t *wr, int u, fp16_t *dst, int cols) {
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
     float wv[RUNS * RLEN];
-    qu_load<T>(wr, u, wv);
+    qu_load<T>(wr, u, wv, cols);
 #pragma unroll
     for (int k = 0; k < RUNS; k++) {
         __half2 h[RLEN / 2];
@@ -145,8 +145,8 @@ __global__ void dequant_f16_kernel(fp16_t *dst, const uint8_t *w, size_t row_byt
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= units) return;
     for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-        if constexpr (FAST) dq_unit_fast<T>(w + (size_t)r * row_bytes, u, dst + (size_t)r * cols);
-        else dq_unit_generic<T>(w + (size_t)r * row_bytes, u, dst + (size_t)r * cols);
+        if constexpr (FAST) dq_unit_fast<T>(w + (size_t)r * row_bytes, u, dst + (size_t)r * cols, cols);
+        else dq_unit_generic<T>(w + (size_t)r * row_bytes, u, dst + (size_t)r * cols, cols);
     }
 }
 
@@ -158,7 +158,7 @@ __global__ void dequant_f16_odd_kernel(fp16_t *dst, const uint8_t *w, size_t row
     for (int64_t id = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; id < total;
          id += (int64_t)gridDim.x * blockDim.x) {
         int64_t r = id / cols, c = id % cols;
-        dst[id] = f2h(dq_elem<T>(w + (size_t)r * row_bytes, c));
+        dst[id] = f2h(dq_elem<T>(w + (size_t)r * row_bytes, c, cols));
     }
 }
 
@@ -182,7 +182,7 @@ static int dequant_launch(struct cuda_ctx *ctx, uint16_t *dst, const void *w, in
      * (16-byte for the K-quant headers of the fast layout). */
     constexpr int UE = qu_shape<T>::runs * qu_shape<T>::rlen, FE = dq_fast<T>::ept;
     constexpr uintptr_t ALIGN = (T == DTYPE_F32 || T == DTYPE_F16 || T == DTYPE_BF16) ? 16 : 4;
-    constexpr uintptr_t FALIGN = (T == DTYPE_Q4_K || T == DTYPE_Q5_K) ? 16 : 2;
+    constexpr uintptr_t FALIGN = 16; /* K-quant headers; the regrouped Q8_0 / Q6_K arrays */
     bool fast = false;
     if constexpr (FE > 0) {
         fast = cols % FE == 0 && (uintptr_t)src % FALIGN == 0 && (uintptr_t)dst % 16 == 0;

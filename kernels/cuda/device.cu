@@ -179,7 +179,28 @@ extern "C" int cuda_weight_upload(struct cuda_ctx *ctx, void **dst, enum dtype *
     void *d = cuda_malloc(ctx, bytes);
     if (!d) return STATUS_NO_MEMORY;
     int rc = STATUS_OK;
-    if (type != DTYPE_BF16) {
+    if (type == DTYPE_Q8_0 || type == DTYPE_Q6_K) {
+        /* GGUF's blocks go through a bounded staging buffer (32 MiB of rows)
+         * and are regrouped on the device (repack.cu). */
+        const size_t src_rb = type == DTYPE_Q8_0 ? (size_t)(cols / 32) * sizeof(block_q8_0)
+                                                 : (size_t)(cols / 256) * sizeof(block_q6_k);
+        int64_t chunk = (int64_t)((32u << 20) / src_rb);
+        if (chunk < 1) chunk = 1;
+        if (chunk > rows) chunk = rows;
+        void *stage = cuda_malloc(ctx, (size_t)chunk * src_rb);
+        if (!stage) {
+            cuda_free(ctx, d);
+            return STATUS_NO_MEMORY;
+        }
+        for (int64_t r0 = 0; r0 < rows && rc == STATUS_OK; r0 += chunk) {
+            int64_t m = rows - r0 < chunk ? rows - r0 : chunk;
+            rc = cuda_upload(ctx, stage, (const uint8_t *)host + (size_t)r0 * src_rb, (size_t)m * src_rb);
+            if (rc == STATUS_OK) rc = cuda_repack(ctx, (uint8_t *)d + (size_t)r0 * row_bytes, stage, type, m, cols);
+            if (rc == STATUS_OK) rc = cuda_sync(ctx); /* the next chunk reuses the staging buffer */
+        }
+        cuda_free(ctx, stage);
+        *stored = type;
+    } else if (type != DTYPE_BF16) {
         rc = cuda_upload(ctx, d, host, bytes);
         if (rc == STATUS_OK) rc = cuda_sync(ctx);
         *stored = type;

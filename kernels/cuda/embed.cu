@@ -15,7 +15,7 @@ __global__ void embed_kernel(float *out, const uint8_t *w, size_t row_bytes, int
         return;
     }
     const uint8_t *row = w + (size_t)id * row_bytes;
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) o[i] = dq_elem<T>(row, i);
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) o[i] = dq_elem<T>(row, i, cols);
 }
 
 template <int T>

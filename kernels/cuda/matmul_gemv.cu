@@ -10,10 +10,11 @@
 /* 4 warps (rows) per block: small blocks fill every SM evenly; launch
  * bounds keep registers at 64 so that 8 blocks (32 warps) fit per SM. */
 #define GV_WARPS 4
-/* Chunks (16 or 32 weights of one row) a lane loads before using any: 4
+/* Chunks (32 weights of one row) a lane loads before using any: 4
  * where the registers allow it under the 64 of the launch bounds, 2 for the
  * K-quants' larger chunks (4 spilled 100-500 bytes in ptxas's report). */
 template <int T, int NT> struct gv_unroll { static constexpr int u = 4; };
+template <int NT> struct gv_unroll<DTYPE_Q8_0, NT> { static constexpr int u = NT <= 2 ? 4 : 2; };
 template <int NT> struct gv_unroll<DTYPE_Q4_K, NT> { static constexpr int u = NT <= 2 ? 4 : 2; };
 template <int NT> struct gv_unroll<DTYPE_Q5_K, NT> { static constexpr int u = 2; };
 template <int NT> struct gv_unroll<DTYPE_Q6_K, NT> { static constexpr int u = 2; };
@@ -35,10 +36,10 @@ __global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__
     if (lane == 0) xd[b] = d;
 }
 
-/* ---- Unaligned (2-byte aligned) loads as aligned 4-byte words: the
- * blocks of 34 and 210 bytes start at even addresses only.  The last word
- * is a 2-byte load so that nothing past the range's last 4-byte word is
- * read. ---- */
+/* ---- An unaligned (2-byte aligned) 16-byte load as aligned 4-byte
+ * words: Q4_0's blocks of 18 bytes start at even addresses only (Q8_0 and
+ * Q6_K are regrouped at load instead).  The last word is a 2-byte load so
+ * that nothing past the range's last 4-byte word is read. ---- */
 __device__ __forceinline__ uint4 gv_ld16u(const uint8_t *p) {
     const uint32_t *q = (const uint32_t *)((uintptr_t)p & ~(uintptr_t)3);
     const unsigned sh = ((unsigned)(uintptr_t)p & 2u) * 8u;
@@ -46,13 +47,6 @@ __device__ __forceinline__ uint4 gv_ld16u(const uint8_t *p) {
     uint32_t w4 = sh ? (uint32_t)__ldg((const uint16_t *)(p + 14)) : 0u;
     return make_uint4(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh), __funnelshift_r(w2, w3, sh),
                       __funnelshift_r(w3, w4, sh));
-}
-__device__ __forceinline__ uint2 gv_ld8u(const uint8_t *p) {
-    const uint32_t *q = (const uint32_t *)((uintptr_t)p & ~(uintptr_t)3);
-    const unsigned sh = ((unsigned)(uintptr_t)p & 2u) * 8u;
-    uint32_t w0 = __ldg(q), w1 = __ldg(q + 1);
-    uint32_t w2 = sh ? (uint32_t)__ldg((const uint16_t *)(p + 6)) : 0u;
-    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
 }
 __device__ __forceinline__ float gv_half(uint32_t bits) { return __half2float(__ushort_as_half((unsigned short)bits)); }
 __device__ __forceinline__ int gv_dot4(uint4 a, uint4 b, int c) {
@@ -77,15 +71,17 @@ __device__ __forceinline__ uint32_t gv_byte(uint32_t v, int i) { return (v >> (8
  * bytes.  gv_load issues a chunk's loads, gv_dot uses them. ---- */
 template <int T> struct gv_chunk;
 
-/* Q8_0: a chunk is half a block (16 codes at byte 2 + 16 h, and d). */
+/* Q8_0 (the backend's regrouped rows, common.cuh): a chunk is one block,
+ * its 32 codes two aligned 16-byte loads and its d one 2-byte load (a
+ * warp's 32 scales are 64 consecutive bytes). */
 template <> struct gv_chunk<DTYPE_Q8_0> {
-    static constexpr int cw = 16;
-    uint4 q;
+    static constexpr int cw = 32;
+    uint4 q0, q1;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
-        const uint8_t *blk = wr + (size_t)(c >> 1) * 34;
-        d = __ldg((const uint16_t *)blk);
-        q = gv_ld16u(blk + 2 + 16 * (c & 1));
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+        q0 = __ldg((const uint4 *)wr + 2 * c);
+        q1 = __ldg((const uint4 *)wr + 2 * c + 1);
+        d = __ldg((const uint16_t *)(wr + q8s_d_off(cols)) + c);
     }
     template <int NT>
     __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
@@ -93,9 +89,10 @@ template <> struct gv_chunk<DTYPE_Q8_0> {
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < n) {
-                uint4 xv = __ldg((const uint4 *)(xq + (size_t)t * cols + 16 * c));
-                float dx = __ldg(xd + (size_t)t * (cols / 32) + (c >> 1));
-                acc[t] += dw * dx * (float)gv_dot4(q, xv, 0);
+                const uint4 *xp = (const uint4 *)(xq + (size_t)t * cols + 32 * c);
+                uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                float dx = __ldg(xd + (size_t)t * (cols / 32) + c);
+                acc[t] += dw * dx * (float)gv_dot4(q0, x0, gv_dot4(q1, x1, 0));
             }
         }
     }
@@ -107,7 +104,7 @@ template <> struct gv_chunk<DTYPE_Q4_0> {
     static constexpr int cw = 32;
     uint4 q;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
         const uint8_t *blk = wr + (size_t)c * 18;
         d = __ldg((const uint16_t *)blk);
         q = gv_ld16u(blk + 2);
@@ -136,7 +133,7 @@ template <> struct gv_chunk<DTYPE_Q4_0> {
 template <int T> struct gv_chunk_k45 {
     static constexpr int cw = 32, bb = T == DTYPE_Q4_K ? 144 : 176, qo = T == DTYPE_Q4_K ? 16 : 48;
     uint4 h, q, qh;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
         const uint8_t *blk = wr + (size_t)(c >> 3) * bb;
         int j = c & 7;
         h = __ldg((const uint4 *)blk);
@@ -188,22 +185,25 @@ template <int T> struct gv_chunk_k45 {
 template <> struct gv_chunk<DTYPE_Q4_K> : gv_chunk_k45<DTYPE_Q4_K> {};
 template <> struct gv_chunk<DTYPE_Q5_K> : gv_chunk_k45<DTYPE_Q5_K> {};
 
-/* Q6_K: a chunk is 32 elements of a super-block (j = c % 8: half h = j / 4,
- * columns l0 = 8 (j & 3) .. + 7 of each of the 4 quarters): 8 bytes of ql
- * at 64 h + l0 (quarters 0 and 2), 8 at 64 h + 32 + l0 (1 and 3), 8 of qh
- * at 128 + 32 h + l0, the 8 scale bytes of the half and d. */
+/* Q6_K (the backend's regrouped rows, common.cuh): a chunk is 32
+ * elements of super-block sb = c / 8 (j = c % 8: half h = j / 4, columns
+ * l0 = 8 (j & 3) .. + 7 of each of the 4 quarters): 8 bytes of the block's
+ * ql at 64 h + l0 (quarters 0 and 2), 8 at 64 h + 32 + l0 (1 and 3), 8 of
+ * its qh at 32 h + l0, the 8 scale bytes of the half and d: five aligned
+ * loads. */
 template <> struct gv_chunk<DTYPE_Q6_K> {
     static constexpr int cw = 32;
     uint2 a, b, hh, sc;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c) {
-        const uint8_t *blk = wr + (size_t)(c >> 3) * 210;
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+        const size_t sb = (size_t)(c >> 3);
         int j = c & 7, h = j >> 2, l0 = 8 * (j & 3);
-        a = gv_ld8u(blk + 64 * h + l0);
-        b = gv_ld8u(blk + 64 * h + 32 + l0);
-        hh = gv_ld8u(blk + 128 + 32 * h + l0);
-        sc = gv_ld8u(blk + 192 + 8 * h);
-        d = __ldg((const uint16_t *)(blk + 208));
+        const uint8_t *ql = wr + 128 * sb + 64 * h + l0;
+        a = __ldg((const uint2 *)ql);
+        b = __ldg((const uint2 *)(ql + 32));
+        hh = __ldg((const uint2 *)(wr + q6s_qh_off(cols) + 64 * sb + 32 * h + l0));
+        sc = __ldg((const uint2 *)(wr + q6s_sc_off(cols) + 16 * sb + 8 * h));
+        d = __ldg((const uint16_t *)(wr + q6s_d_off(cols)) + sb);
     }
     template <int NT>
     __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
@@ -269,7 +269,7 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *_
             C ch[U];
 #pragma unroll
             for (int u = 0; u < U; u++)
-                if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u);
+                if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, cols);
 #pragma unroll
             for (int u = 0; u < U; u++)
                 if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);

@@ -39,29 +39,50 @@
 __device__ unsigned int mq_counters[MQ_COUNTERS];
 
 /* ck: columns per chunk; eb, bb: elements and bytes of one stored block
- * (F16 counts 32 halves as a block of 64 bytes). */
+ * (F16 counts 32 halves as a block of 64 bytes); soa: the 16-byte loads of
+ * a chunk of a row in the backend's regrouped Q8_0 / Q6_K layout
+ * (common.cuh), 0 for the types copied as one run of bytes. */
 template <int T> struct mq_fmt;
-template <> struct mq_fmt<DTYPE_F16> { static constexpr int ck = 128, eb = 32, bb = 64; };
-template <> struct mq_fmt<DTYPE_Q8_0> { static constexpr int ck = 256, eb = 32, bb = 34; };
-template <> struct mq_fmt<DTYPE_Q4_0> { static constexpr int ck = 256, eb = 32, bb = 18; };
-template <> struct mq_fmt<DTYPE_Q4_1> { static constexpr int ck = 256, eb = 32, bb = 20; };
-template <> struct mq_fmt<DTYPE_Q5_0> { static constexpr int ck = 256, eb = 32, bb = 22; };
-template <> struct mq_fmt<DTYPE_Q5_1> { static constexpr int ck = 256, eb = 32, bb = 24; };
-template <> struct mq_fmt<DTYPE_Q4_K> { static constexpr int ck = 256, eb = 256, bb = 144; };
-template <> struct mq_fmt<DTYPE_Q5_K> { static constexpr int ck = 256, eb = 256, bb = 176; };
-template <> struct mq_fmt<DTYPE_Q6_K> { static constexpr int ck = 256, eb = 256, bb = 210; };
+template <> struct mq_fmt<DTYPE_F16> { static constexpr int ck = 128, eb = 32, bb = 64, soa = 0; };
+/* 256 codes, then the 16-byte word of the chunk's 8 scales. */
+template <> struct mq_fmt<DTYPE_Q8_0> { static constexpr int ck = 256, eb = 32, bb = 34, soa = 17; };
+template <> struct mq_fmt<DTYPE_Q4_0> { static constexpr int ck = 256, eb = 32, bb = 18, soa = 0; };
+template <> struct mq_fmt<DTYPE_Q4_1> { static constexpr int ck = 256, eb = 32, bb = 20, soa = 0; };
+template <> struct mq_fmt<DTYPE_Q5_0> { static constexpr int ck = 256, eb = 32, bb = 22, soa = 0; };
+template <> struct mq_fmt<DTYPE_Q5_1> { static constexpr int ck = 256, eb = 32, bb = 24, soa = 0; };
+template <> struct mq_fmt<DTYPE_Q4_K> { static constexpr int ck = 256, eb = 256, bb = 144, soa = 0; };
+template <> struct mq_fmt<DTYPE_Q5_K> { static constexpr int ck = 256, eb = 256, bb = 176, soa = 0; };
+/* One super-block: ql (8 loads), qh (4), scales (1), and the aligned
+ * 16-byte word holding its d. */
+template <> struct mq_fmt<DTYPE_Q6_K> { static constexpr int ck = 256, eb = 256, bb = 210, soa = 14; };
 
 template <int T> struct mq_geom {
     static constexpr int ck = mq_fmt<T>::ck;
     static constexpr int cb = ck / mq_fmt<T>::eb * mq_fmt<T>::bb; /* bytes of a full chunk of one row */
-    /* 16-byte loads covering cb bytes that start at any even address. */
-    static constexpr int nld = (cb + 14 + 15) / 16;
+    /* 16-byte loads covering cb bytes that start at any even address, or
+     * the regrouped layout's loads. */
+    static constexpr int nld = mq_fmt<T>::soa ? mq_fmt<T>::soa : (cb + 14 + 15) / 16;
     /* Shared row stride: an odd number of 16-byte units, so that the 8
      * rows a fragment load touches start in different banks. */
     static constexpr int ws = (nld | 1) * 16;
     static constexpr int iters = (16 * nld + 31) / 32; /* loads per lane */
     static constexpr int xs = ck + 32; /* activation row stride in halves: 64 mod 128 bytes, conflict-free */
 };
+
+/* Source of 16-byte load c of chunk ch of row rp (regrouped layout), NULL
+ * for code loads past the row's last block (nb blocks of 32 in this chunk). */
+template <int T>
+__device__ __forceinline__ const uint8_t *mq_soa_src(const uint8_t *rp, int cols, int ch, int c, int nb) {
+    if constexpr (T == DTYPE_Q8_0) {
+        if (c < 16) return c < 2 * nb ? rp + 256 * (size_t)ch + 16 * c : NULL;
+        return rp + q8s_d_off(cols) + 16 * (size_t)ch;
+    } else {
+        if (c < 8) return rp + 128 * (size_t)ch + 16 * c;
+        if (c < 12) return rp + q6s_qh_off(cols) + 64 * (size_t)ch + 16 * (c - 8);
+        if (c == 12) return rp + q6s_sc_off(cols) + 16 * (size_t)ch;
+        return rp + ((q6s_d_off(cols) + 2 * (size_t)ch) & ~(size_t)15);
+    }
+}
 
 template <int T> static size_t mq_smem_bytes(int nt) {
     return (size_t)MQ_WARPS * 16 * mq_geom<T>::ws + (size_t)nt * mq_geom<T>::xs * 2;
@@ -98,9 +119,9 @@ __device__ __forceinline__ void mq_cvt(uint32_t (&a)[4], uint32_t v0, uint32_t v
 /* Bit i of the low 4 bits of b moved to bit 8i + 4 (a 5th code bit per byte). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return (((b & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
 
-/* a[0..3] = the fragment of lane t for 32-column block b of a chunk whose
+/* a[0..3] = the fragment of lane t for 32-column block b of chunk ch whose
  * bytes start at p (one row, in shared memory, even address). */
-template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, uint32_t (&a)[4]) {
+template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch, uint32_t (&a)[4]) {
     const __half2 zero = mq_hh(0.0f);
     if constexpr (T == DTYPE_F16) {
         uint4 v = *(const uint4 *)(p + 64 * b + 16 * t); /* rows of 32k halves: 16-byte aligned */
@@ -109,10 +130,10 @@ template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int
         a[2] = v.z;
         a[3] = v.w;
     } else if constexpr (T == DTYPE_Q8_0) {
-        const uint8_t *blk = p + 34 * b;
-        __half2 d = __half2half2(*(const __half *)blk);
-        uint32_t v0 = mq_ld4(blk + 2 + 8 * t) ^ 0x80808080u, v1 = mq_ld4(blk + 6 + 8 * t) ^ 0x80808080u;
-        mq_cvt(a, v0, v1, mq_hh(1152.0f), d, zero);
+        /* Regrouped: 256 codes, then 8 scales. */
+        uint2 v = *(const uint2 *)(p + 32 * b + 8 * t);
+        __half2 d = __half2half2(*(const __half *)(p + 256 + 2 * b));
+        mq_cvt(a, v.x ^ 0x80808080u, v.y ^ 0x80808080u, mq_hh(1152.0f), d, zero);
     } else if constexpr (T == DTYPE_Q4_0 || T == DTYPE_Q4_1) {
         const int bb = T == DTYPE_Q4_0 ? 18 : 20, qo = T == DTYPE_Q4_0 ? 2 : 4;
         const uint8_t *blk = p + bb * b, *qs = blk + qo + 8 * (t & 1);
@@ -149,14 +170,16 @@ template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int
         }
         mq_cvt(a, v0, v1, mq_hh(1024.0f), mq_hh(d), mq_hh(-m));
     } else if constexpr (T == DTYPE_Q6_K) {
-        /* One super-block per chunk (210 bytes: even addresses only).
+        /* One super-block per chunk, regrouped: ql at 0, qh at 128, scales
+         * at 192, d in the 16-byte word at 208 (at 2 ch mod 16 in it).
          * Block b = 4h + q: low 4 bits from ql[64h + 32(q & 1) + l] (nibble
          * q / 2), high 2 from qh[32h + l] bits 2q; 16-column scales. */
         int h = b >> 2, q = b & 3, sh = 4 * (q >> 1);
-        const uint8_t *ql = p + 64 * h + 32 * (q & 1) + 8 * t, *qh = p + 128 + 32 * h + 8 * t;
-        uint32_t v0 = ((mq_ld4(ql) >> sh) & 0x0F0F0F0Fu) | (((mq_ld4(qh) >> (2 * q)) & 0x03030303u) << 4);
-        uint32_t v1 = ((mq_ld4(ql + 4) >> sh) & 0x0F0F0F0Fu) | (((mq_ld4(qh + 4) >> (2 * q)) & 0x03030303u) << 4);
-        float d = __half2float(*(const __half *)(p + 208)) * (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)];
+        uint2 ql = *(const uint2 *)(p + 64 * h + 32 * (q & 1) + 8 * t), qh = *(const uint2 *)(p + 128 + 32 * h + 8 * t);
+        uint32_t v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * q)) & 0x03030303u) << 4);
+        uint32_t v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * q)) & 0x03030303u) << 4);
+        float d = __half2float(*(const __half *)(p + 208 + ((2 * ch) & 15))) *
+                  (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)];
         mq_cvt(a, v0, v1, mq_hh(1056.0f), mq_hh(d), zero);
     }
 }
@@ -197,6 +220,18 @@ __device__ __forceinline__ void mq_load_w(uint4 (&buf)[mq_geom<T>::iters], const
                                           size_t row_bytes, int row0, int rows, int cols, int ch, int lane) {
     using G = mq_geom<T>;
     const int col0 = ch * G::ck, nb = min(G::ck / 32, (cols - col0) / 32);
+    if constexpr (mq_fmt<T>::soa != 0) {
+#pragma unroll
+        for (int i = 0; i < G::iters; i++) {
+            int item = lane + 32 * i, r = item / G::nld, c = item % G::nld;
+            buf[i] = make_uint4(0, 0, 0, 0);
+            if (item < 16 * G::nld && row0 + r < rows) {
+                const uint8_t *src = mq_soa_src<T>(w + (size_t)(row0 + r) * row_bytes, cols, ch, c, nb);
+                if (src) buf[i] = __ldg((const uint4 *)src);
+            }
+        }
+        return;
+    }
     const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
     const int cbytes = nb * 32 / mq_fmt<T>::eb * mq_fmt<T>::bb;
 #pragma unroll
@@ -306,16 +341,17 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
         }
 
         /* Where rows g and g + 8 start in shared memory (their global
-         * address modulo 16). */
-        const uint8_t *pg = wsm + g * G::ws + ((uintptr_t)(w + (size_t)(row0 + g) * row_bytes + choff) & 15);
+         * address modulo 16; 0 in the regrouped layout). */
+        const uintptr_t m16 = mq_fmt<T>::soa ? 0 : 15;
+        const uint8_t *pg = wsm + g * G::ws + ((uintptr_t)(w + (size_t)(row0 + g) * row_bytes + choff) & m16);
         const uint8_t *pg8 =
-            wsm + (g + 8) * G::ws + ((uintptr_t)(w + (size_t)(row0 + g + 8) * row_bytes + choff) & 15);
+            wsm + (g + 8) * G::ws + ((uintptr_t)(w + (size_t)(row0 + g + 8) * row_bytes + choff) & m16);
 #pragma unroll
         for (int b = 0; b < NB; b++) {
             if (b < nb) {
                 uint32_t alo[4], ahi[4];
-                mq_decode<T>(pg, b, t, alo);
-                mq_decode<T>(pg8, b, t, ahi);
+                mq_decode<T>(pg, b, t, ch, alo);
+                mq_decode<T>(pg8, b, t, ch, ahi);
 #pragma unroll
                 for (int nt = 0; nt < NTL; nt++)
                     if (nt * 8 < n)
@@ -545,7 +581,7 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
         for (; u + ST * (MU - 1) < units; u += ST * MU) {
             float wv[MU][RUNS * RLEN];
 #pragma unroll
-            for (int m = 0; m < MU; m++) qu_load<T>(wr, u + ST * m, wv[m]);
+            for (int m = 0; m < MU; m++) qu_load<T>(wr, u + ST * m, wv[m], cols);
 #pragma unroll
             for (int m = 0; m < MU; m++)
 #pragma unroll
@@ -554,7 +590,7 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
         }
         for (; u < units; u += ST) {
             float wv[RUNS * RLEN];
-            qu_load<T>(wr, u, wv);
+            qu_load<T>(wr, u, wv, cols);
 #pragma unroll
             for (int k = 0; k < RUNS; k++) mv_dot<NT, RLEN>(acc, wv + k * RLEN, x, cols, qu_off<T>(u, k), n);
         }

@@ -56,8 +56,9 @@ __device__ __forceinline__ uint32_t qu_ld4(const uint8_t *p) {
 }
 __device__ __forceinline__ int qu_byte(uint32_t v, int i) { return (int)((v >> (8 * i)) & 0xff); }
 
-/* w[0 .. runs * rlen) = the values of unit u of row wr. */
-template <int T> __device__ __forceinline__ void qu_load(const uint8_t *wr, int64_t u, float *w) {
+/* w[0 .. runs * rlen) = the values of unit u of row wr (cols wide, in the
+ * backend's layout: common.cuh). */
+template <int T> __device__ __forceinline__ void qu_load(const uint8_t *wr, int64_t u, float *w, int64_t cols) {
     if constexpr (T == DTYPE_F32) {
         float4 v = __ldg((const float4 *)wr + u);
         w[0] = v.x;
@@ -82,9 +83,8 @@ template <int T> __device__ __forceinline__ void qu_load(const uint8_t *wr, int6
             w[2 * k + 1] = __uint_as_float(r[k] & 0xffff0000u);
         }
     } else if constexpr (T == DTYPE_Q8_0) {
-        const block_q8_0 *b = (const block_q8_0 *)wr + u / 8;
-        float d = h2f(__ldg(&b->d));
-        uint32_t q = qu_ld4((const uint8_t *)b->qs + 4 * (u % 8));
+        float d = h2f(__ldg((const fp16_t *)(wr + q8s_d_off(cols)) + u / 8));
+        uint32_t q = __ldg((const uint32_t *)wr + u); /* codes of a 16-byte aligned row */
 #pragma unroll
         for (int i = 0; i < 4; i++) w[i] = d * (float)(int8_t)qu_byte(q, i);
     } else if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) {
@@ -116,11 +116,11 @@ template <int T> __device__ __forceinline__ void qu_load(const uint8_t *wr, int6
     } else if constexpr (T == DTYPE_Q6_K) {
         int64_t sb = u / 16;
         int i = (int)(u % 16), h = i / 8, l = (i % 8) * 4;
-        const block_q6_k *b = (const block_q6_k *)wr + sb; /* 210 bytes: 2-aligned */
-        float d = h2f(__ldg(&b->d));
-        uint32_t la = qu_ld4(b->ql + 64 * h + l), lb = qu_ld4(b->ql + 64 * h + 32 + l);
-        uint32_t hh = qu_ld4(b->qh + 32 * h + l);
-        const int8_t *sc = b->scales + 8 * h + l / 16;
+        const uint8_t *ql = wr + 128 * sb + 64 * h + l; /* every array 4-aligned here */
+        float d = h2f(__ldg((const fp16_t *)(wr + q6s_d_off(cols)) + sb));
+        uint32_t la = __ldg((const uint32_t *)ql), lb = __ldg((const uint32_t *)(ql + 32));
+        uint32_t hh = __ldg((const uint32_t *)(wr + q6s_qh_off(cols) + 64 * sb + 32 * h + l));
+        const int8_t *sc = (const int8_t *)(wr + q6s_sc_off(cols)) + 16 * sb + 8 * h + l / 16;
         float s0 = d * (float)sc[0], s1 = d * (float)sc[2], s2 = d * (float)sc[4], s3 = d * (float)sc[6];
 #pragma unroll
         for (int e = 0; e < 4; e++) {
