@@ -226,6 +226,7 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
 /* Merge the splits of one (row, head): weights exp(m_z - max m). */
 __global__ void attention_combine_kernel(float *out, const float *part_acc, const float *part_ml, int32_t n_splits,
                                          int32_t n_tokens, int32_t n_heads, int32_t hd) {
+    pdl_begin();
     /* The splits' (max, sum) are read by one thread each, all at once, and
      * turned into weights in shared memory; then each dim's partial sums
      * are read with the loads in flight together (unrolled).  A loop that
@@ -275,6 +276,7 @@ __global__ void attention_combine_kernel(float *out, const float *part_acc, cons
 
 template <int G, int LP, int U>
 __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct att_params p) {
+    pdl_begin();
     const struct cuda_attn_args &a = p.a;
     constexpr int HD = LP * 8, SW = 32 / LP, NS = (ATD_THREADS / 32) * SW;
     const int lane = threadIdx.x % 32, li = lane % LP, warp = threadIdx.x / 32, sw = warp * SW + lane / LP;
@@ -447,11 +449,12 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     }
     size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
     dim3 grid((unsigned)a->n_tokens, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
-    attention_decode_kernel<G, LP, U><<<grid, ATD_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
+    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U>), dim3(grid), dim3(ATD_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        attention_combine_kernel<<<dim3(a->n_tokens, a->n_heads), 128, 0, CUDA_STREAM(ctx)>>>(
-            a->out, p->part_acc, p->part_ml, p->n_splits, a->n_tokens, a->n_heads, a->head_dim);
+        CUDA_CHECK(ctx,
+                   cuda_launch(ctx, attention_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0, a->out,
+                               p->part_acc, p->part_ml, p->n_splits, a->n_tokens, a->n_heads, a->head_dim));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -487,8 +490,9 @@ static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t s
         attention_kernel<DTYPE_F32><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        attention_combine_kernel<<<dim3(p->a.n_tokens, p->a.n_heads), 128, 0, CUDA_STREAM(ctx)>>>(
-            p->a.out, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens, p->a.n_heads, p->a.head_dim);
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(p->a.n_tokens, p->a.n_heads), dim3(128), 0,
+                                    p->a.out, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens, p->a.n_heads,
+                                    p->a.head_dim));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;

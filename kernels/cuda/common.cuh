@@ -34,6 +34,38 @@ static inline const char *cuda_text_(cublasStatus_t s) { return cublasGetStatusS
 
 #define CUDA_STREAM(ctx) ((cudaStream_t)(ctx)->stream)
 
+/* Programmatic dependent launch (sm_90 and later).  A kernel launched by
+ * cuda_launch may be started while the kernel before it on the stream is
+ * still running, so that its launch and block scheduling overlap that
+ * kernel's last wave instead of following it (a decode step is hundreds of
+ * short kernels).  Such a kernel must call pdl_begin before it touches
+ * global memory: griddepcontrol.wait returns once the kernel before has
+ * finished and its writes are visible; launch_dependents then lets the
+ * next kernel launch, no earlier, so at most one grid waits at a time.
+ * On older GPUs both are no-ops and cuda_launch is a plain launch. */
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+template <typename... P, typename... A>
+static inline cudaError_t cuda_launch(const struct cuda_ctx *ctx, void (*kernel)(P...), dim3 grid, dim3 block,
+                                      size_t smem, A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = CUDA_STREAM(ctx);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = ctx->pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, ((P)args)...);
+}
+
 static inline unsigned cuda_blocks(int64_t n, int threads) {
     int64_t b = (n + threads - 1) / threads;
     return (unsigned)(b > 65535LL * 1024 ? 65535LL * 1024 : b);

@@ -30,6 +30,8 @@ struct cuda_ctx {
                          * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
     int mv_split;       /* matmul_vec.cu row kernel: two warps per row on single-wave
                          * grids (1, default; LLM_CUDA_MV_SPLIT=0: off) */
+    int pdl;            /* decode kernels launched as programmatic dependents (sm_90
+                         * and later, default; LLM_CUDA_PDL=0: off): common.cuh */
     /* Activations the last matmul left at the start of the scratch, so
      * that the next matmul on the same input (q, k and v; gate and up)
      * uses them again instead of converting or quantizing once more:

@@ -88,6 +88,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     env = getenv("LLM_CUDA_MV_SPLIT");
     ctx->mv_split = !(env && strcmp(env, "0") == 0);
     ctx->cc = prop.major * 10 + prop.minor;
+    /* Programmatic dependent launch needs sm_90; LLM_CUDA_PDL=0 turns it
+     * off, to compare. */
+    env = getenv("LLM_CUDA_PDL");
+    ctx->pdl = ctx->cc >= 90 && !(env && strcmp(env, "0") == 0);
     snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
     *out = ctx;
     return STATUS_OK;

@@ -24,6 +24,7 @@ template <int NT> struct gv_unroll<DTYPE_Q6_K, NT> { static constexpr int u = 2;
  * (scale of each block of 32: x ~ xd * xq).  One warp per block. ---- */
 __global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__ xd, const float *__restrict__ x,
                                     int64_t nblk) {
+    pdl_begin();
     int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x & 31;
     if (b >= nblk) return;
@@ -256,6 +257,7 @@ template <int T, int NT>
 __global__ void __launch_bounds__(GV_WARPS * 32, 8)
 matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *__restrict__ xq,
                    const float *__restrict__ xd, int n) {
+    pdl_begin();
     using C = gv_chunk<T>;
     constexpr int U = gv_unroll<T, NT>::u;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -288,11 +290,14 @@ static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const in
     unsigned grid = mg_layout(&g, GV_WARPS);
     size_t rb = cuda_row_bytes((enum dtype)T, cols);
     if (n == 1)
-        matmul_gemv_kernel<T, 1><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
+                                    (int)cols, xq, xd, n));
     else if (n == 2)
-        matmul_gemv_kernel<T, 2><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 2>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
+                                    (int)cols, xq, xd, n));
     else
-        matmul_gemv_kernel<T, 4><<<grid, GV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, (int)cols, xq, xd, n);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 4>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
+                                    (int)cols, xq, xd, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -322,7 +327,8 @@ extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, 
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + q_bytes);
     if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8, x, n, cols, scratch)) {
-        gemv_quant_x_kernel<<<cuda_blocks(nblk * 32, 256), 256, 0, CUDA_STREAM(ctx)>>>(xq, xd, x, nblk);
+        CUDA_CHECK(ctx, cuda_launch(ctx, gemv_quant_x_kernel, dim3(cuda_blocks(nblk * 32, 256)), dim3(256), 0, xq, xd,
+                                    x, nblk));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     switch (type) {

@@ -297,6 +297,7 @@ template <int T, int NT>
 __global__ void __launch_bounds__(MQ_WARPS * 32, 2)
 matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_t *__restrict__ w, size_t row_bytes,
                  int rows, int cols, const float *__restrict__ x, int n) {
+    pdl_begin();
     using G = mq_geom<T>;
     constexpr int CK = G::ck, NB = CK / 32, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
     constexpr bool PIPE = NT <= 16, LAST = NT <= 16;
@@ -446,6 +447,7 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
 /* out[tok, row] = sum over the splits of part[k, tok, row] (row stride rp). */
 __global__ void matmul_mq_reduce_kernel(float *__restrict__ out, const float *__restrict__ part, int ks, int n,
                                         int rows, int rp) {
+    pdl_begin();
     int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (i >= (int64_t)n * rows) return;
     int tok = (int)(i / rows), row = (int)(i % rows);
@@ -491,13 +493,14 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
         part = (float *)cuda_scratch(ctx, (size_t)ks * n * rp * sizeof(float));
         if (!part) return STATUS_NO_MEMORY;
     }
-    matmul_mq_kernel<T, NT><<<dim3((unsigned)n_rb, (unsigned)ks), MQ_WARPS * 32, smem, CUDA_STREAM(ctx)>>>(
-        out, part, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), (int)rows, (int)cols, x, n);
+    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mq_kernel<T, NT>), dim3((unsigned)n_rb, (unsigned)ks), dim3(MQ_WARPS * 32),
+                                smem, out, part, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), (int)rows,
+                                (int)cols, x, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (ks > 1 && NT > 16) {
         int64_t total = (int64_t)n * rows;
-        matmul_mq_reduce_kernel<<<cuda_blocks(total, 256), 256, 0, CUDA_STREAM(ctx)>>>(out, part, ks, n, (int)rows,
-                                                                                      (int)rp);
+        CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mq_reduce_kernel, dim3(cuda_blocks(total, 256)), dim3(256), 0, out,
+                                    part, ks, n, (int)rows, (int)rp));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -564,6 +567,7 @@ __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const f
 template <int T, int NT, int KS>
 __global__ void __launch_bounds__(MV_WARPS * 32)
 matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
+    pdl_begin();
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, part = warp % KS;
     float acc[NT];
@@ -631,10 +635,12 @@ static int mv_launch_group(struct cuda_ctx *ctx, mm_group &g, int64_t cols, cons
     for (int s = 0; s < g.n; s++) rows += g.rows[s];
     if (!g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS && ctx->mv_split) {
         unsigned grid = mg_layout(&g, MV_WARPS / 2);
-        matmul_vec_kernel<T, NT, 2><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, cols, x, n);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_vec_kernel<T, NT, 2>), dim3(grid), dim3(MV_WARPS * 32), 0, g, rb, cols,
+                                    x, n));
     } else {
         unsigned grid = mg_layout(&g, MV_WARPS);
-        matmul_vec_kernel<T, NT, 1><<<grid, MV_WARPS * 32, 0, CUDA_STREAM(ctx)>>>(g, rb, cols, x, n);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_vec_kernel<T, NT, 1>), dim3(grid), dim3(MV_WARPS * 32), 0, g, rb, cols,
+                                    x, n));
     }
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;

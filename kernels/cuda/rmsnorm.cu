@@ -9,6 +9,7 @@
 /* With delta != NULL, x is updated in place first (the fused residual). */
 __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, const float *w, int32_t dim,
                                    float eps) {
+    pdl_begin();
     int64_t row = blockIdx.x;
     float *xr = x + row * dim;
     const float *dr = delta ? delta + row * dim : NULL;
@@ -46,6 +47,7 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
 template <int K>
 __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
                                    const float *__restrict__ w, int32_t dim, float eps, fp16_t *__restrict__ out16) {
+    pdl_begin();
     const int64_t row = blockIdx.x;
     const int32_t n4 = dim / 4;
     float4 *xr = (float4 *)(x + row * dim);
@@ -117,12 +119,13 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
         const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
         int threads = (n4 + k - 1) / k;
         threads = (threads + 31) / 32 * 32;
-        if (k == 1) rmsnorm_vec_kernel<1><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
-        else if (k == 2) rmsnorm_vec_kernel<2><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
-        else if (k == 4) rmsnorm_vec_kernel<4><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
-        else rmsnorm_vec_kernel<8><<<n, threads, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps, o16);
+        void (*kernel)(float *, float *, const float *, const float *, int32_t, float, fp16_t *) =
+            k == 1 ? rmsnorm_vec_kernel<1> : k == 2 ? rmsnorm_vec_kernel<2> : k == 4 ? rmsnorm_vec_kernel<4>
+                                                                                     : rmsnorm_vec_kernel<8>;
+        CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3(n), dim3(threads), 0, out, x, delta, w, dim, eps, o16));
     } else {
-        rmsnorm_f32_kernel<<<n, RMSNORM_THREADS, 0, CUDA_STREAM(ctx)>>>(out, x, delta, w, dim, eps);
+        CUDA_CHECK(ctx, cuda_launch(ctx, rmsnorm_f32_kernel, dim3(n), dim3(RMSNORM_THREADS), 0, out, x, delta, w, dim,
+                                    eps));
     }
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;

@@ -8,6 +8,7 @@
 /* One thread per (token, frequency): one sincos shared by every head. */
 __global__ void rope_f32_kernel(float *x, const int32_t *pos, int32_t n, int32_t n_heads, int32_t head_dim,
                                 const float *inv_freq, int32_t n_freq, int neox) {
+    pdl_begin();
     int64_t id = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     if (id >= (int64_t)n * n_freq) return;
     int32_t t = (int32_t)(id / n_freq), i = (int32_t)(id % n_freq);
@@ -27,8 +28,8 @@ __global__ void rope_f32_kernel(float *x, const int32_t *pos, int32_t n, int32_t
 static int rope_launch(struct cuda_ctx *ctx, float *x, const int32_t *pos, int32_t n, int32_t n_heads,
                        int32_t head_dim, const float *inv_freq, int32_t n_freq, int neox) {
     int64_t threads = (int64_t)n * n_freq;
-    rope_f32_kernel<<<(unsigned)((threads + 127) / 128), 128, 0, CUDA_STREAM(ctx)>>>(x, pos, n, n_heads, head_dim,
-                                                                                   inv_freq, n_freq, neox);
+    CUDA_CHECK(ctx, cuda_launch(ctx, rope_f32_kernel, dim3((unsigned)((threads + 127) / 128)), dim3(128), 0, x, pos,
+                                n, n_heads, head_dim, inv_freq, n_freq, neox));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -62,6 +63,7 @@ __global__ void rope_kv_write_kernel(float *__restrict__ q, float *__restrict__ 
                                      int32_t block_size, int32_t n_kv_heads, int32_t head_dim,
                                      const int32_t *__restrict__ pos, const int32_t *__restrict__ slots,
                                      int32_t n_heads, const float *__restrict__ inv_freq, int32_t n_freq, int neox) {
+    pdl_begin();
     extern __shared__ float rk_sc[]; /* cos[n_freq], sin[n_freq] */
     const int64_t t = blockIdx.x;
     const int32_t qw = n_heads * head_dim, kw = n_kv_heads * head_dim, n_pairs = (n_heads + n_kv_heads) * n_freq;
@@ -139,13 +141,13 @@ extern "C" int cuda_rope_kv_write(struct cuda_ctx *ctx, float *q, float *k, cons
     if (threads < 64) threads = 64;
     size_t smem = (size_t)2 * n_freq * sizeof(float);
     if (kv_type == DTYPE_F16)
-        rope_kv_write_kernel<DTYPE_F16><<<n, threads, smem, CUDA_STREAM(ctx)>>>(
-            q, k, v, kv_k, kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq, n_freq,
-            neox);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F16>), dim3(n), dim3(threads), smem, q, k, v, kv_k,
+                                    kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq,
+                                    n_freq, neox));
     else
-        rope_kv_write_kernel<DTYPE_F32><<<n, threads, smem, CUDA_STREAM(ctx)>>>(
-            q, k, v, kv_k, kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq, n_freq,
-            neox);
+        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F32>), dim3(n), dim3(threads), smem, q, k, v, kv_k,
+                                    kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq,
+                                    n_freq, neox));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }

@@ -4,6 +4,7 @@
 #include "common.cuh"
 
 __global__ void swiglu_f32_kernel(float *out, const float *gate, const float *up, int64_t n) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float g = gate[i];
         out[i] = g / (1.0f + expf(-g)) * up[i];
@@ -11,7 +12,7 @@ __global__ void swiglu_f32_kernel(float *out, const float *gate, const float *up
 }
 
 static int swiglu_launch(struct cuda_ctx *ctx, float *out, const float *gate, const float *up, int64_t n) {
-    swiglu_f32_kernel<<<cuda_blocks(n, 256), 256, 0, CUDA_STREAM(ctx)>>>(out, gate, up, n);
+    CUDA_CHECK(ctx, cuda_launch(ctx, swiglu_f32_kernel, dim3(cuda_blocks(n, 256)), dim3(256), 0, out, gate, up, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -24,6 +25,7 @@ extern "C" int cuda_swiglu(struct cuda_ctx *ctx, float *out, const float *gate, 
 
 __global__ void swiglu_act_kernel(float *__restrict__ out, fp16_t *__restrict__ out16, const float *__restrict__ gate,
                                   const float *__restrict__ up, int64_t n) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float g = gate[i], v = g / (1.0f + expf(-g)) * up[i];
         out[i] = v;
@@ -41,7 +43,8 @@ extern "C" int cuda_swiglu_act(struct cuda_ctx *ctx, float *out, const float *ga
     int rc = cuda_gemm_act(ctx, out, rows, width, &x16, &fresh);
     if (rc != STATUS_OK) return rc;
     const int64_t n = (int64_t)rows * width;
-    swiglu_act_kernel<<<cuda_blocks(n, 256), 256, 0, CUDA_STREAM(ctx)>>>(out, (fp16_t *)x16, gate, up, n);
+    CUDA_CHECK(ctx, cuda_launch(ctx, swiglu_act_kernel, dim3(cuda_blocks(n, 256)), dim3(256), 0, out, (fp16_t *)x16,
+                                gate, up, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
