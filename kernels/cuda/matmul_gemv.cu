@@ -10,14 +10,12 @@
 /* 4 warps (rows) per block: small blocks fill every SM evenly; launch
  * bounds keep registers at 64 so that 8 blocks (32 warps) fit per SM. */
 #define GV_WARPS 4
-/* Chunks (32 weights of one row) a lane loads before using any: 4
- * where the registers allow it under the 64 of the launch bounds, 2 for the
- * K-quants' larger chunks (4 spilled 100-500 bytes in ptxas's report). */
-template <int T, int NT> struct gv_unroll { static constexpr int u = 4; };
-template <int NT> struct gv_unroll<DTYPE_Q8_0, NT> { static constexpr int u = NT <= 2 ? 4 : 2; };
-template <int NT> struct gv_unroll<DTYPE_Q4_K, NT> { static constexpr int u = NT <= 2 ? 4 : 2; };
-template <int NT> struct gv_unroll<DTYPE_Q5_K, NT> { static constexpr int u = 2; };
-template <int NT> struct gv_unroll<DTYPE_Q6_K, NT> { static constexpr int u = 2; };
+/* Chunks (32 weights of one row) a lane loads before using any.  2 on
+ * every type: on an H200 (7B, batch 1) 2 beat 4 for Q8_0 (2.89 -> 2.77 ms
+ * a step) and Q4_K (2.70 -> 2.63 ms for Q4_K_M), and 1 was no better for
+ * Q8_0 and worse for Q4_K (docs/cuda-backend.md, run 8): all warps asking
+ * for their whole row at once did not reach the DRAM rate sooner. */
+#define GV_UNROLL 2
 #define GV_NT_MAX 4
 
 /* ---- Activations: x[n, cols] F32 -> xq int8 [n, cols], xd[n, cols / 32]
@@ -249,7 +247,7 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
 
 /* out[t, row] = x[t] . w[row] for t < n <= NT, for each weight of the
  * group g (matmul_group.cuh): a warp owns one row.  Each lane loads
- * gv_unroll chunks before using any (the loads are independent: several
+ * GV_UNROLL chunks before using any (the loads are independent: several
  * DRAM requests in flight per lane), then dots them; the 32 partial sums
  * are added with shuffles.  No early return: a swiglu block meets at a
  * barrier. */
@@ -259,7 +257,7 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *_
                    const float *__restrict__ xd, int n) {
     pdl_begin();
     using C = gv_chunk<T>;
-    constexpr int U = gv_unroll<T, NT>::u;
+    constexpr int U = GV_UNROLL;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[NT];
 #pragma unroll
