@@ -1,7 +1,7 @@
 /* Matrix multiplication out[n, rows] = x[n, cols] . w^T for every weight
  * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
  * it is the weight-reading kernels of matmul_vec.cu, which read the weight
- * once in its stored form, and at 1-2 tokens on most quantized types the
+ * once in its stored form, and at 1-4 tokens on most quantized types the
  * warp-per-row dp4a kernel of matmul_gemv.cu.  Above (prefill), cuBLAS
  * does the work on tensor cores: activations become F16, F16 weights are
  * used as they are, quantized weights are dequantized tile by tile into
@@ -24,19 +24,6 @@
  * up to 2 tokens for F16 weights on an H100, and F32 weights (tests, tiny
  * models) are not worth a measurement of their own. */
 #define MATMUL_F32_VEC_MAX 2
-
-/* Whether the warp-per-row dp4a kernel of matmul_gemv.cu takes n tokens
- * of this type: measured against the tensor-core kernel on an H100
- * (docs/cuda-backend.md, third pass).  It wins at 1 token on every type and
- * 7B shape (Q4_K 4096x11008 18.3 against 25.5 us), at 2 tokens for the
- * K-quants and for Q8_0 rows of 4096 (Q8_0 4096x11008: 31.9 against 30.5),
- * and loses at 4 (its activation reads grow with n; Q8_0 4096x4096 18.2
- * against 15.5), so 3 and 4 stay on the tensor-core kernel. */
-static int matmul_gemv_wins(enum dtype type, int64_t cols, int32_t n) {
-    if (n == 1) return 1;
-    if (n != 2) return 0;
-    return type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K || (type == DTYPE_Q8_0 && cols <= 4096);
-}
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
@@ -113,10 +100,16 @@ static int32_t matmul_vec_max(const struct cuda_ctx *ctx, enum dtype type) {
     return type == DTYPE_F16 ? ctx->vec_max_float : ctx->vec_max_quant;
 }
 
-/* 1-2 tokens on quantized weights: the warp-per-row dp4a kernel of
- * matmul_gemv.cu (no shared-memory staging) where it measured faster. */
-static int matmul_gemv_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    return ctx->gemv_max < 0 ? matmul_gemv_wins(type, cols, n) : n <= ctx->gemv_max;
+/* Up to 4 tokens (its widest tile) on quantized weights: the warp-per-row
+ * dp4a kernel of matmul_gemv.cu (no shared-memory staging), unless
+ * LLM_CUDA_GEMV_MAX says otherwise.  Measured against the tensor-core
+ * kernel on an H100 (docs/cuda-backend.md, run 8), 7B, with the regrouped
+ * Q8_0/Q6_K rows: Q8_0 at 2 tokens 4.14 -> 4.00 ms a step (it used to take
+ * only rows of <= 4096 there), at 4 tokens 5.21 -> 5.03; Q4_K_M at 4
+ * tokens 5.04 -> 4.98.  Before the regrouping the tensor-core kernel won
+ * at 3-4 tokens (third pass). */
+static int matmul_gemv_takes(const struct cuda_ctx *ctx, int32_t n) {
+    return n <= (ctx->gemv_max < 0 ? CUDA_MATMUL_GEMV_MAX : ctx->gemv_max);
 }
 
 /* Kept activations are of an input this call's output must not overlap. */
@@ -135,15 +128,14 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
     int32_t vec_max = matmul_vec_max(ctx, type);
-    int gemv = matmul_gemv_takes(ctx, type, cols, n);
+    int gemv = matmul_gemv_takes(ctx, n);
     matmul_act_check(ctx, out, rows, n);
     int rc;
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
         rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
     } else if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
                (uintptr_t)w % 16 == 0) {
-        cuda_act_forget(ctx); /* its split-K partial sums may use the scratch */
-        rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n);
+        rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
     } else {
         rc = matmul_gemm(ctx, out, w, type, rows, cols, x, n);
     }
@@ -152,7 +144,7 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
 }
 
 /* Only where cuda_matmul would take a warp-per-row kernel for every weight
- * (1-2 tokens): there a launch per weight costs as much as several
+ * (1-4 tokens quantized, 1-2 F16/F32): there a launch per weight costs as much as several
  * microseconds of reading, and one grid over all of them saves it.  Larger
  * batches keep their per-weight kernels (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
@@ -175,7 +167,7 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         if (rc == STATUS_OK) cuda_act_forget(ctx); /* as cuda_matmul after matmul_vec */
         return rc;
     }
-    if (!matmul_gemv_takes(ctx, type, cols, n) || !cuda_matmul_gemv_supports(type, cols, n)) return CUDA_NOT_FUSED;
+    if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) return CUDA_NOT_FUSED;
     for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
     int rc = cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
     if (rc != STATUS_OK) cuda_act_forget(ctx);

@@ -285,6 +285,28 @@ __device__ __forceinline__ void mq_store_x(__half *xs, const float4 (&xv)[NT * m
     }
 }
 
+/* From 32 tokens: the activations of chunk ch from their F16 form x16
+ * (which the norms and swiglu leave for the next matmul) straight into
+ * shared memory, 16 bytes at a time: half the bytes of the F32 rows and no
+ * conversion in every block (zeros past n and past cols). */
+template <int T, int NT>
+__device__ __forceinline__ void mq_copy_xh(__half *xs, const __half *x16, int cols, int n, int ch) {
+    constexpr int CK = mq_geom<T>::ck, XI = NT * CK / 8 / (MQ_WARPS * 32);
+    const int col0 = ch * CK;
+    uint4 v[XI];
+#pragma unroll
+    for (int i = 0; i < XI; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 8), c = (item % (CK / 8)) * 8;
+        v[i] = make_uint4(0, 0, 0, 0);
+        if (tok < n && col0 + c < cols) v[i] = __ldg((const uint4 *)(x16 + (size_t)tok * cols + col0 + c));
+    }
+#pragma unroll
+    for (int i = 0; i < XI; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 8), c = (item % (CK / 8)) * 8;
+        *(uint4 *)(xs + tok * mq_geom<T>::xs + c) = v[i];
+    }
+}
+
 /* out[n, rows] = x[n, cols] . w^T for n <= NT.  When the K side is split
  * (gridDim.y > 1) each block writes F32 partial sums to part (gridDim.y,
  * n, rp), rp = gridDim.x * MQ_ROWS; up to 16 tokens the last block of each
@@ -292,11 +314,12 @@ __device__ __forceinline__ void mq_store_x(__half *xs, const float4 (&xv)[NT * m
  * n x 128 x splits floats per row block: one block would be the tail).
  * Up to 16 tokens the next chunk's weights and activations are loaded
  * while this one is multiplied (registers allow it; wider tiles rely on
- * the other resident block instead). */
+ * the other resident block instead), and x is read as F32; above, x16 (x
+ * as F16) is read instead. */
 template <int T, int NT>
 __global__ void __launch_bounds__(MQ_WARPS * 32, 2)
 matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_t *__restrict__ w, size_t row_bytes,
-                 int rows, int cols, const float *__restrict__ x, int n) {
+                 int rows, int cols, const float *__restrict__ x, const __half *__restrict__ x16, int n) {
     pdl_begin();
     using G = mq_geom<T>;
     constexpr int CK = G::ck, NB = CK / 32, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
@@ -333,8 +356,8 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
             int item = lane + 32 * i, r = item / G::nld, c = item % G::nld;
             if (item < 16 * G::nld) *(uint4 *)(wsm + r * G::ws + 16 * c) = buf[i];
         }
-        if (!PIPE) mq_load_x<T, NT>(xv, x, cols, n, ch);
-        mq_store_x<T, NT>(xs, xv);
+        if constexpr (PIPE) mq_store_x<T, NT>(xs, xv);
+        else mq_copy_xh<T, NT>(xs, x16, cols, n, ch);
         __syncthreads();
         if (PIPE && ch + 1 < c_end) {
             mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch + 1, lane);
@@ -488,14 +511,31 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
     if (ks > 65535) ks = 65535;
     if (ks < 1) ks = 1;
     size_t rp = (size_t)n_rb * MQ_ROWS;
+    /* Scratch: from 32 tokens x's F16 form first (kept for the next
+     * matmul on x: cuda_gemm_act), then the split-K partial sums. */
+    const size_t x_bytes = NT > 16 ? ((size_t)n * cols * 2 + 255) & ~(size_t)255 : 0;
+    const size_t part_bytes = ks > 1 ? (size_t)ks * n * rp * sizeof(float) : 0;
     float *part = NULL;
-    if (ks > 1) {
-        part = (float *)cuda_scratch(ctx, (size_t)ks * n * rp * sizeof(float));
-        if (!part) return STATUS_NO_MEMORY;
+    if (x_bytes + part_bytes > 0) {
+        uint8_t *scr = (uint8_t *)cuda_scratch(ctx, x_bytes + part_bytes);
+        if (!scr) return STATUS_NO_MEMORY;
+        if (ks > 1) part = (float *)(scr + x_bytes);
+    }
+    uint16_t *x16 = NULL;
+    if (NT > 16) {
+        int fresh = 0;
+        int rc = cuda_gemm_act(ctx, x, n, cols, &x16, &fresh);
+        if (rc == STATUS_OK && fresh) rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
+        if (rc != STATUS_OK) {
+            cuda_act_forget(ctx);
+            return rc;
+        }
+    } else if (ks > 1) {
+        cuda_act_forget(ctx); /* the partial sums overwrite the scratch's activations */
     }
     CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mq_kernel<T, NT>), dim3((unsigned)n_rb, (unsigned)ks), dim3(MQ_WARPS * 32),
                                 smem, out, part, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), (int)rows,
-                                (int)cols, x, n));
+                                (int)cols, x, (const __half *)x16, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (ks > 1 && NT > 16) {
         int64_t total = (int64_t)n * rows;

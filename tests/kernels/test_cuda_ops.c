@@ -602,15 +602,14 @@ TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
 }
 
 /* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
- * (it at 1-2 tokens where it measured faster, the tensor-core kernel
- * otherwise), forced for 1-4 tokens (LLM_CUDA_GEMV_MAX=4) and off (=0:
- * the tensor-core kernel).  7B widths (4096, 11008: 43 super-blocks, a
+ * (it at 1-4 tokens), up to 2 tokens with the tensor-core kernel at 3-4
+ * (LLM_CUDA_GEMV_MAX=2) and off (=0: the tensor-core kernel).  7B widths (4096, 11008: 43 super-blocks, a
  * partial last round of lanes), widths under one round of 32 lanes (768,
  * 1184 = 37 blocks), and row counts that are not a multiple of the 4 rows
  * of a block. */
 static void gemv_type(enum dtype t) {
     static const int32_t ns[] = {1, 2, 3, 4};
-    static const char *modes[3] = {NULL, "4", "0"};
+    static const char *modes[3] = {NULL, "2", "0"};
     int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
     for (int m = 0; m < 3; m++) {
         if (modes[m]) setenv("LLM_CUDA_GEMV_MAX", modes[m], 1);
@@ -633,21 +632,21 @@ TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
 /* A norm followed by a matmul: at 1-2 rows the gemv kernels (which keep
  * the int8 form of their input for the next matmul on it), from 3 rows the
- * norm also writes the F16 form the cuBLAS path reads (rmsnorm.cu,
- * cuda_gemm_act).  The matmul results must match the CPU through
+ * norm also writes the F16 form the cuBLAS path and, from 32 tokens, the
+ * tensor-core kernel read (rmsnorm.cu, cuda_gemm_act).  The matmul results must match the CPU through
  * add_rmsnorm and rmsnorm, and again after the input changed under the
  * same pointer (a second norm with other weights must not leave the first
  * one's form in use). */
 TEST(cuda_ops_rmsnorm_feeds_matmul) {
     mm_set_mode(MM_DEFAULT);
     const enum dtype types[3] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_F16};
-    const int32_t ns[4] = {1, 2, 5, 80};
+    const int32_t ns[5] = {1, 2, 5, 40, 80};
     for (int ti = 0; ti < 3; ti++) {
         fx_open();
         enum dtype t = types[ti];
         int64_t rows = 300, dim = 1024;
         int wi = load_weight(t, rand_weight(t, rows, dim), rows, dim);
-        for (int ni = 0; ni < 4; ni++) {
+        for (int ni = 0; ni < 5; ni++) {
             const int32_t n = ns[ni];
             struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
             struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
@@ -678,17 +677,18 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
-/* q, k and v of one input in one launch at 1-2 tokens, also with types
- * mixed (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts
- * that leave blocks part-full; 3 tokens takes the per-weight kernels. */
+/* q, k and v of one input in one launch at 1-4 tokens on quantized
+ * weights (1-2 on F16/F32), also with types mixed (Q4_K_M's v may be Q6_K
+ * while q and k are Q4_K) and row counts that leave blocks part-full; 5
+ * tokens takes the per-weight kernels. */
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
     int wi[4];
     for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
-    struct dbuf x = dbuf_from(rand_f32((size_t)3 * cols, -1, 1), (size_t)3 * cols * 4);
+    struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
     struct dbuf out[4];
-    for (int j = 0; j < n_w; j++) out[j] = dbuf_new((size_t)3 * rows[j] * 4);
-    for (int32_t n = 1; n <= 3; n++) {
+    for (int j = 0; j < n_w; j++) out[j] = dbuf_new((size_t)5 * rows[j] * 4);
+    for (int32_t n = 1; n <= 5; n++) {
         float *co[4], *go[4];
         const struct backend_weight *cw[4], *gw[4];
         for (int j = 0; j < n_w; j++) {
@@ -729,17 +729,18 @@ TEST(cuda_ops_matmul_multi) {
 }
 
 /* gate and up in one launch with silu(gate) * up written by the block
- * (1-2 tokens), and the plain path (two matmuls and swiglu) at 5. */
+ * (1-4 tokens on quantized weights, 1-2 on F16/F32), and the plain path
+ * (two matmuls and swiglu) above. */
 static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
     fx_open();
     int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wd = rows % dtype_block_elems(t) == 0 ? load_weight(t, rand_weight(t, cols, rows), cols, rows) : -1;
-    const int32_t ns[3] = {1, 2, 5};
+    const int32_t ns[5] = {1, 2, 3, 4, 5};
     struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
     struct dbuf out = dbuf_new((size_t)5 * rows * 4), gt = dbuf_new((size_t)5 * rows * 4),
                 ut = dbuf_new((size_t)5 * rows * 4), down = dbuf_new((size_t)5 * cols * 4);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 5; i++) {
         dbuf_poison(out);
         ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
         int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], x.g, ns[i], gt.g, ut.g);
