@@ -6,6 +6,22 @@
 
 #define RMSNORM_THREADS 256
 
+/* The sum of ss over the block (at most 1024 threads, every thread
+ * calls it), returned to every thread. */
+__device__ __forceinline__ float rmsnorm_block_sum(float ss) {
+    __shared__ float partial[32];
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        ss = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (threadIdx.x == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
 /* With delta != NULL, x is updated in place first (the fused residual). */
 __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, const float *w, int32_t dim,
                                    float eps) {
@@ -22,17 +38,7 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
         }
         ss += v * v;
     }
-    __shared__ float partial[RMSNORM_THREADS / 32];
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        ss = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (threadIdx.x == 0) partial[0] = ss;
-    }
-    __syncthreads();
-    float inv = 1.0f / sqrtf(partial[0] / (float)dim + eps);
+    float inv = 1.0f / sqrtf(rmsnorm_block_sum(ss) / (float)dim + eps);
     float *orow = out + row * dim;
     for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
 }
@@ -70,17 +76,7 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
         if (dr && i < n4) xr[i] = v[k];
         ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
     }
-    __shared__ float partial[32];
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        ss = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (threadIdx.x == 0) partial[0] = ss;
-    }
-    __syncthreads();
-    const float inv = 1.0f / sqrtf(partial[0] / (float)dim + eps);
+    const float inv = 1.0f / sqrtf(rmsnorm_block_sum(ss) / (float)dim + eps);
     float4 *orow = (float4 *)(out + row * dim);
 #pragma unroll
     for (int k = 0; k < K; k++) {

@@ -87,6 +87,18 @@ static uint32_t rng_u32(void) {
 static float rng_f(float lo, float hi) { return lo + (hi - lo) * (float)(rng_u32() >> 8) / 16777216.0f; }
 static int32_t rng_int(int32_t n) { return (int32_t)(rng_u32() % (uint32_t)n); }
 
+/* slots[0 .. n) = n distinct random cache slots below n_slots. */
+static void distinct_slots(int32_t *slots, int n, int32_t n_slots) {
+    for (int i = 0; i < n; i++) {
+        int again;
+        do {
+            slots[i] = rng_int(n_slots);
+            again = 0;
+            for (int j = 0; j < i; j++) again |= slots[j] == slots[i];
+        } while (again);
+    }
+}
+
 static float *rand_f32(size_t n, float lo, float hi) {
     float *p = fx_host(n * sizeof(float));
     for (size_t i = 0; i < n; i++) p[i] = rng_f(lo, hi);
@@ -809,14 +821,7 @@ static void kv_write_case(enum dtype t) {
     struct dbuf k = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
     struct dbuf v = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
     int32_t slots[10];
-    for (int i = 0; i < n; i++) {
-        int again;
-        do {
-            slots[i] = rng_int(nb * bs);
-            again = 0;
-            for (int j = 0; j < i; j++) again |= slots[j] == slots[i];
-        } while (again);
-    }
+    distinct_slots(slots, n, nb * bs);
     struct dbuf ds = dbuf_from(slots, sizeof slots);
     ASSERT_OK(backend_kv_write(fx.cpu, &fx.ckv[0], k.c, v.c, ds.c, n));
     ASSERT_OK(backend_kv_write(fx.gpu, &fx.gkv[0], k.g, v.g, ds.g, n));
@@ -868,15 +873,8 @@ static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
     struct dbuf k = dbuf_from(rand_f32(ke, -2, 2), ke * 4);
     struct dbuf v = dbuf_from(rand_f32(ke, -2, 2), ke * 4);
     int32_t pos[9], slots[9];
-    for (int i = 0; i < n; i++) {
-        pos[i] = i < 4 ? i : rng_int(200000);
-        int again;
-        do {
-            slots[i] = rng_int(nb * bs);
-            again = 0;
-            for (int j = 0; j < i; j++) again |= slots[j] == slots[i];
-        } while (again);
-    }
+    for (int i = 0; i < n; i++) pos[i] = i < 4 ? i : rng_int(200000);
+    distinct_slots(slots, n, nb * bs);
     struct dbuf dp = dbuf_from(pos, sizeof pos), ds = dbuf_from(slots, sizeof slots);
     float *inv = fx_host((size_t)n_freq * 4);
     for (int i = 0; i < n_freq; i++) inv[i] = powf(10000.0f, -2.0f * i / (float)hd);
