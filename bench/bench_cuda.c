@@ -5,11 +5,12 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device] [gemv]
+ *   bench_cuda [device] [gemv | wide | prefill]
  *
- * With "gemv", only the bandwidth and the batch-1..4 comparison of the
- * quantized decode kernels (matmul_gemv.cu against the tensor-core kernel,
- * LLM_CUDA_GEMV_MAX=0) on the 7B shapes.
+ * With "gemv" or "wide", only the bandwidth and a comparison of two
+ * kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
+ * matmul_gemv.cu against the tensor-core kernel, or the batch-8..64
+ * kernel of matmul_wide.cu against matmul_vec.cu's mq.
  *
  * With "prefill", only the ceilings and a 7B-shaped prefill of 512 tokens
  * op by op: the q/k/v/o, gate/up and down matmuls at n = 512 (F16, Q8_0,
@@ -186,27 +187,37 @@ static void crossover(int device, double bw) {
         }
 }
 
-/* Batch 1, 2 and 4 on the 7B shapes for the types matmul_gemv.cu takes:
- * the tensor-core kernel (a backend made with LLM_CUDA_GEMV_MAX=0) against
- * matmul_gemv (forced with LLM_CUDA_GEMV_MAX=4), each on its own backend. */
-static void gemv_compare(int device, double bw) {
+/* Two kernels for the same matmuls on the 7B shapes, each on a backend of
+ * its own made with one variable set at init (name=value; the first
+ * column is the old kernel):
+ *   - "gemv": batch 1, 2 and 4, the tensor-core kernel (LLM_CUDA_GEMV_MAX=0)
+ *     against matmul_gemv.cu (LLM_CUDA_GEMV_MAX=4);
+ *   - "wide": batch 8-64, matmul_vec.cu's mq (LLM_CUDA_WIDE=0) against
+ *     matmul_wide.cu on every shape from 5 tokens (LLM_CUDA_WIDE_MIN=4,
+ *     LLM_CUDA_WIDE_ITEMS=0). */
+struct cmp_spec {
+    const char *title, *env[2][4], *name[2]; /* per backend up to two NAME, VALUE pairs */
+    int32_t batches[4];
+    int n_b;
+};
+static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
     static const int64_t shapes[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
     static const enum dtype types[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
-    static const int32_t batches[3] = {1, 2, 4};
+    const int32_t nmax = c->batches[c->n_b - 1];
     backend *bes[2];
     for (int m = 0; m < 2; m++) {
-        setenv("LLM_CUDA_GEMV_MAX", m == 0 ? "0" : "4", 1);
+        for (int v = 0; v < 4 && c->env[m][v]; v += 2) setenv(c->env[m][v], c->env[m][v + 1], 1);
         char err[256];
         if (backend_cuda_init(&bes[m], device, err, sizeof err)) {
             fprintf(stderr, "bench_cuda: %s\n", err);
             exit(1);
         }
+        for (int v = 0; v < 4 && c->env[m][v]; v += 2) unsetenv(c->env[m][v]);
     }
-    unsetenv("LLM_CUDA_GEMV_MAX");
     backend *keep = be;
-    printf("\nmatmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv, us (%% of bw: weight + activation + "
-           "output bytes)\n");
-    printf("%-6s %-13s %5s %10s %7s %10s %7s\n", "type", "rows x cols", "batch", "mq", "of bw", "gemv", "of bw");
+    printf("\n%s, us (%% of bw: weight + activation + output bytes)\n", c->title);
+    printf("%-6s %-13s %5s %10s %7s %10s %7s\n", "type", "rows x cols", "batch", c->name[0], "of bw", c->name[1],
+           "of bw");
     for (int s = 0; s < 4; s++)
         for (int k = 0; k < 5; k++) {
             int64_t R = shapes[s][0], C = shapes[s][1];
@@ -214,15 +225,15 @@ static void gemv_compare(int device, double bw) {
             int n_w = (int)((512u << 20) / wbytes) + 1;
             if (n_w > 16) n_w = 16;
             void *hw = host_weight(types[k], R, C);
-            double t[2][3];
+            double t[2][4];
             for (int m = 0; m < 2; m++) {
                 be = bes[m];
                 struct backend_weight ws[16];
                 for (int i = 0; i < n_w; i++)
                     if (backend_weight_load(be, &ws[i], types[k], hw, R, C)) die("weight_load");
-                float *x = dev_random_f32((size_t)4 * C), *out = dev_alloc((size_t)4 * R * 4);
-                for (int b = 0; b < 3; b++) {
-                    struct mm_arg a = {ws, n_w, x, out, batches[b]};
+                float *x = dev_random_f32((size_t)nmax * C), *out = dev_alloc((size_t)nmax * R * 4);
+                for (int b = 0; b < c->n_b; b++) {
+                    struct mm_arg a = {ws, n_w, x, out, c->batches[b]};
                     t[m][b] = time_median(mm_fn, &a);
                 }
                 backend_dealloc(be, x);
@@ -230,10 +241,10 @@ static void gemv_compare(int device, double bw) {
                 for (int i = 0; i < n_w; i++) backend_weight_free(be, &ws[i]);
             }
             free(hw);
-            for (int b = 0; b < 3; b++) {
-                double bytes = (double)wbytes + 4.0 * batches[b] * (C + R);
+            for (int b = 0; b < c->n_b; b++) {
+                double bytes = (double)wbytes + 4.0 * c->batches[b] * (C + R);
                 printf("%-6s %5lldx%-7lld %5d %10.1f %6.1f%% %10.1f %6.1f%%\n", dtype_name(types[k]), (long long)R,
-                       (long long)C, batches[b], t[0][b] * 1e6, 100.0 * bytes / t[0][b] / bw, t[1][b] * 1e6,
+                       (long long)C, c->batches[b], t[0][b] * 1e6, 100.0 * bytes / t[0][b] / bw, t[1][b] * 1e6,
                        100.0 * bytes / t[1][b] / bw);
             }
             fflush(stdout);
@@ -438,8 +449,16 @@ int main(int argc, char **argv) {
     printf("copy bandwidth: %.1f GB/s (device-to-device, %zu MiB, read + write)\n", bw / 1e9, ca.bytes >> 20);
     backend_dealloc(be, ca.a);
     backend_dealloc(be, ca.b);
-    if (argc > 2 && strcmp(argv[2], "gemv") == 0) {
-        gemv_compare(device, bw);
+    static const struct cmp_spec gemv = {"matmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv",
+                                         {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
+                                         {"mq", "gemv"}, {1, 2, 4}, 3};
+    static const struct cmp_spec wide = {"matmul batch 8-64, mq vs matmul_wide (pipelined, stream-K)",
+                                         {{"LLM_CUDA_WIDE", "0"},
+                                          {"LLM_CUDA_WIDE_MIN", "4", "LLM_CUDA_WIDE_ITEMS", "0"}},
+                                         {"mq", "wide"}, {8, 16, 32, 64}, 4};
+    const char *mode = argc > 2 ? argv[2] : "";
+    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0) {
+        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : &wide);
         backend_free(be);
         return 0;
     }

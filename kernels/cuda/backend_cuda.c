@@ -155,22 +155,27 @@ static int bc_matmul_multi(backend *b, int n_w, float *const outs[], const struc
     }
     return STATUS_OK;
 }
-/* 1-2 tokens: gate and up in one grid that writes silu(gate) * up.
- * Otherwise the two matmuls and a swiglu that also leaves its output in
+/* 1-4 tokens: gate and up in one grid that writes silu(gate) * up.
+ * Otherwise the two matmuls (one grid where the group kernels take them)
+ * and a swiglu that also leaves its output in
  * the F16 form the down matmul's cuBLAS call reads. */
 static int bc_matmul_swiglu(backend *b, float *out, const struct backend_weight *gate,
                             const struct backend_weight *up, const float *x, int32_t n, float *gate_tmp,
                             float *up_tmp) {
     struct cuda_ctx *ctx = ctx_of(b);
+    int rc = CUDA_NOT_FUSED;
     if (gate->type == up->type) {
-        float *outs[2] = {out, NULL};
+        float *outs[2] = {out, NULL}, *tmps[2] = {gate_tmp, up_tmp};
         const void *ws[2] = {gate->data, up->data};
         int64_t rows[2] = {gate->rows, up->rows};
-        int rc = cuda_matmul_group(ctx, 2, outs, ws, rows, gate->type, gate->cols, x, n, 1);
+        rc = cuda_matmul_group(ctx, 2, outs, ws, rows, gate->type, gate->cols, x, n, 1);
         if (rc != CUDA_NOT_FUSED) return rc;
+        rc = cuda_matmul_group(ctx, 2, tmps, ws, rows, gate->type, gate->cols, x, n, 0);
     }
-    int rc = cuda_matmul(ctx, gate_tmp, gate->data, gate->type, gate->rows, gate->cols, x, n);
-    if (rc == STATUS_OK) rc = cuda_matmul(ctx, up_tmp, up->data, up->type, up->rows, up->cols, x, n);
+    if (rc == CUDA_NOT_FUSED) {
+        rc = cuda_matmul(ctx, gate_tmp, gate->data, gate->type, gate->rows, gate->cols, x, n);
+        if (rc == STATUS_OK) rc = cuda_matmul(ctx, up_tmp, up->data, up->type, up->rows, up->cols, x, n);
+    }
     if (rc != STATUS_OK) return rc;
     cuda_act_forget(ctx); /* the swiglu overwrites the scratch's activations */
     return cuda_swiglu_act(ctx, out, gate_tmp, up_tmp, n, gate->rows);

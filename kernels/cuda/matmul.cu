@@ -130,23 +130,30 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     int32_t vec_max = matmul_vec_max(ctx, type);
     int gemv = matmul_gemv_takes(ctx, n);
     matmul_act_check(ctx, out, rows, n);
-    int rc;
+    int rc = CUDA_NOT_FUSED;
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
         rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
-    } else if (n <= vec_max && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
-               (uintptr_t)w % 16 == 0) {
-        rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
-    } else {
-        rc = matmul_gemm(ctx, out, w, type, rows, cols, x, n);
+    } else if (n <= vec_max) {
+        struct mm_group g = {};
+        g.w[0] = (const uint8_t *)w;
+        g.out[0] = out;
+        g.rows[0] = (int)rows;
+        g.n = 1;
+        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
+            (uintptr_t)w % 16 == 0)
+            rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
     }
+    if (rc == CUDA_NOT_FUSED) rc = matmul_gemm(ctx, out, w, type, rows, cols, x, n);
     if (rc != STATUS_OK) cuda_act_forget(ctx);
     return rc;
 }
 
-/* Only where cuda_matmul would take a warp-per-row kernel for every weight
- * (1-4 tokens quantized, 1-2 F16/F32): there a launch per weight costs as much as several
- * microseconds of reading, and one grid over all of them saves it.  Larger
- * batches keep their per-weight kernels (CUDA_NOT_FUSED). */
+/* Where cuda_matmul would take a warp-per-row kernel for every weight
+ * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
+ * tokens quantized, no swiglu): there a launch per weight costs as much as
+ * several microseconds of reading, and one grid over all of them saves it.
+ * Other batches keep their per-weight kernels (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                  const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
                                  int swiglu) {
@@ -167,9 +174,16 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         if (rc == STATUS_OK) cuda_act_forget(ctx); /* as cuda_matmul after matmul_vec */
         return rc;
     }
-    if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) return CUDA_NOT_FUSED;
+    int rc;
+    if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
+        if (swiglu) return CUDA_NOT_FUSED;
+        for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
+        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        if (rc < 0) cuda_act_forget(ctx);
+        return rc;
+    }
     for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
-    int rc = cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
+    rc = cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
     if (rc != STATUS_OK) cuda_act_forget(ctx);
     return rc;
 }

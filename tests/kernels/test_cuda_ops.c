@@ -690,17 +690,20 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
- * weights (1-2 on F16/F32), also with types mixed (Q4_K_M's v may be Q6_K
- * while q and k are Q4_K) and row counts that leave blocks part-full; 5
- * tokens takes the per-weight kernels. */
+ * weights (1-2 on F16/F32) and at 17-64 (matmul_wide.cu), also with types
+ * mixed (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts
+ * that leave blocks part-full; 5 tokens takes the per-weight kernels. */
+#define MULTI_NMAX 64
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
+    static const int32_t ns[] = {1, 2, 3, 4, 5, 17, 40, MULTI_NMAX};
     int wi[4];
     for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
-    struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
+    struct dbuf x = dbuf_from(rand_f32((size_t)MULTI_NMAX * cols, -1, 1), (size_t)MULTI_NMAX * cols * 4);
     struct dbuf out[4];
-    for (int j = 0; j < n_w; j++) out[j] = dbuf_new((size_t)5 * rows[j] * 4);
-    for (int32_t n = 1; n <= 5; n++) {
+    for (int j = 0; j < n_w; j++) out[j] = dbuf_new((size_t)MULTI_NMAX * rows[j] * 4);
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        const int32_t n = ns[i];
         float *co[4], *go[4];
         const struct backend_weight *cw[4], *gw[4];
         for (int j = 0; j < n_w; j++) {
@@ -738,21 +741,32 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     multi_case(f32, two, 2, 256);
+    /* matmul_wide.cu on groups of any size (one launch over the weights'
+     * row blocks; by default it takes only large matmuls). */
+    setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
+    multi_case(q4k, qkv, 3, 768);
+    multi_case(mixed, qkv, 3, 1024);
+    multi_case(q6k_q8, qkv, 3, 512);
+    multi_case(q40, four, 4, 1184);
+    unsetenv("LLM_CUDA_WIDE_ITEMS");
 }
 
 /* gate and up in one launch with silu(gate) * up written by the block
  * (1-4 tokens on quantized weights, 1-2 on F16/F32), and the plain path
- * (two matmuls and swiglu) above. */
+ * (two matmuls, or one matmul_wide.cu launch for both at 17-64 tokens,
+ * and swiglu) above. */
+#define SWIGLU_NMAX 64
 static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
     fx_open();
     int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wd = rows % dtype_block_elems(t) == 0 ? load_weight(t, rand_weight(t, cols, rows), cols, rows) : -1;
-    const int32_t ns[5] = {1, 2, 3, 4, 5};
-    struct dbuf x = dbuf_from(rand_f32((size_t)5 * cols, -1, 1), (size_t)5 * cols * 4);
-    struct dbuf out = dbuf_new((size_t)5 * rows * 4), gt = dbuf_new((size_t)5 * rows * 4),
-                ut = dbuf_new((size_t)5 * rows * 4), down = dbuf_new((size_t)5 * cols * 4);
-    for (int i = 0; i < 5; i++) {
+    const int32_t ns[7] = {1, 2, 3, 4, 5, 20, SWIGLU_NMAX};
+    const size_t nm = SWIGLU_NMAX;
+    struct dbuf x = dbuf_from(rand_f32(nm * cols, -1, 1), nm * cols * 4);
+    struct dbuf out = dbuf_new(nm * rows * 4), gt = dbuf_new(nm * rows * 4), ut = dbuf_new(nm * rows * 4),
+                down = dbuf_new(nm * cols * 4);
+    for (int i = 0; i < 7; i++) {
         dbuf_poison(out);
         ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
         int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], x.g, ns[i], gt.g, ut.g);
@@ -789,6 +803,69 @@ TEST(cuda_ops_matmul_swiglu) {
      * matmul for these. */
     swiglu_case(DTYPE_Q8_0, 301, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
+    setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* gate and up in one matmul_wide.cu launch */
+    swiglu_case(DTYPE_Q8_0, 320, 1024);
+    swiglu_case(DTYPE_Q4_K, 299, 768);
+    unsetenv("LLM_CUDA_WIDE_ITEMS");
+}
+
+/* matmul_wide.cu (17-64 tokens on quantized weights, sm_80 and later)
+ * three ways: the default routing (it where a matmul has 4 items per SM,
+ * else mq), off (LLM_CUDA_WIDE=0: mq) and given every shape and batch
+ * above 4 tokens (LLM_CUDA_WIDE_MIN=4 LLM_CUDA_WIDE_ITEMS=0, its 16-token
+ * tile too).  Shapes whose chunks the
+ * grid's consecutive ranges split in every way: one row block over two
+ * blocks (100 x 512), 17 row blocks of 16 chunks over ~2 blocks each
+ * (4200 x 4096), a partial last chunk of 32-element blocks (1184 = 4 x 256
+ * + 160), lm_head-like rows; and the same call twice gives the same bits
+ * (partial sums added in block order, not arrival order). */
+static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
+    static const int32_t ns[] = {6, 16, 17, 33, 48, 64};
+    fx_open(); /* a fixture per case: the host buffers of a case add up */
+    int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
+    struct dbuf x = dbuf_from(rand_f32((size_t)64 * cols, -1, 1), (size_t)64 * cols * 4);
+    struct dbuf out = dbuf_new((size_t)64 * rows * 4);
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        const int32_t n = ns[i];
+        const size_t elems = (size_t)n * rows;
+        dbuf_poison(out);
+        ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, n));
+        int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
+        if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), n, backend_errstr(fx.gpu));
+        char what[160];
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_MIN=%s",
+                 dtype_name(t), (long long)rows, (long long)cols, n, getenv("LLM_CUDA_WIDE") ? "0" : "(unset)",
+                 getenv("LLM_CUDA_WIDE_MIN") ? getenv("LLM_CUDA_WIDE_MIN") : "(unset)");
+        check_f32(out, elems, matmul_bound(t), what);
+        float *first = fx_host(elems * 4), *again = fx_host(elems * 4);
+        ASSERT_OK(backend_download(fx.gpu, first, out.g, elems * 4));
+        ASSERT_OK(backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n));
+        ASSERT_OK(backend_download(fx.gpu, again, out.g, elems * 4));
+        if (memcmp(first, again, elems * 4) != 0) TEST_FAIL("%s: a second run gave other bits", what);
+    }
+    fx_close();
+}
+
+TEST(cuda_ops_matmul_wide) {
+    mm_set_mode(MM_DEFAULT);
+    static const char *wide[3] = {NULL, "0", NULL}, *wide_min[3] = {NULL, NULL, "4"};
+    for (int m = 0; m < 3; m++) {
+        if (wide[m]) setenv("LLM_CUDA_WIDE", wide[m], 1);
+        else unsetenv("LLM_CUDA_WIDE");
+        if (wide_min[m]) setenv("LLM_CUDA_WIDE_MIN", wide_min[m], 1);
+        else unsetenv("LLM_CUDA_WIDE_MIN");
+        if (wide_min[m]) setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* every shape, however few its items */
+        else unsetenv("LLM_CUDA_WIDE_ITEMS");
+        wide_case(DTYPE_Q4_K, 4200, 4096);
+        wide_case(DTYPE_Q8_0, 100, 512);
+        wide_case(DTYPE_Q8_0, 1000, 1184);
+        wide_case(DTYPE_Q6_K, 517, 11008);
+        wide_case(DTYPE_Q5_K, 300, 2048);
+        wide_case(DTYPE_Q4_0, 259, 4096);
+    }
+    unsetenv("LLM_CUDA_WIDE");
+    unsetenv("LLM_CUDA_WIDE_MIN");
+    unsetenv("LLM_CUDA_WIDE_ITEMS");
 }
 
 /* ---- KV cache and attention ---- */
@@ -1079,6 +1156,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_odd_width_and_tiles, cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
+          cuda_ops_matmul_wide,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
