@@ -754,13 +754,14 @@ TEST(forward_gpu_matches_cpu) {
  * (the graph without lm_head); a 100-token prefill of a sequence outside
  * the batch comes after step 3 (a prefill between replays, which may grow
  * the backend's scratch).  *recorded: graphs the stage recorded. */
+#define GS_SEQS 21 /* sequences a scenario has: up to 20 in the batch, the last one outside */
 static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t steps, float *out,
                            int32_t *recorded) {
     char err[512];
     setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
     struct stage_config cfg;
     stage_config_default(&cfg);
-    cfg.n_seqs_max = 9;
+    cfg.n_seqs_max = GS_SEQS;
     cfg.n_ctx_max = 128;
     cfg.kv_type = DTYPE_F16;
     struct fx f;
@@ -769,17 +770,18 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
     const struct stage_config *c = stage_config_get(f.s);
     const int32_t per_seq = c->n_ctx_max / c->block_size, V = f.n_vocab;
     ASSERT_EQ(512, V); /* the caller's buffer */
-    int32_t tables[9][16], ids[9][128];
-    ASSERT_TRUE(per_seq <= 16 && c->n_blocks >= 9 * per_seq);
-    for (int32_t i = 0; i < 9; i++) {
-        for (int32_t j = 0; j < per_seq; j++) tables[i][j] = c->n_blocks - 1 - (j * 9 + i);
+    ASSERT_TRUE(n_seqs < GS_SEQS);
+    static int32_t tables[GS_SEQS][16], ids[GS_SEQS][128];
+    ASSERT_TRUE(per_seq <= 16 && c->n_blocks >= GS_SEQS * per_seq);
+    for (int32_t i = 0; i < GS_SEQS; i++) {
+        for (int32_t j = 0; j < per_seq; j++) tables[i][j] = c->n_blocks - 1 - (j * GS_SEQS + i);
         make_ids(ids[i], 128, 100 + (uint32_t)i, V);
     }
-    int32_t len[9];
-    struct forward_seq q[9];
+    int32_t len[GS_SEQS];
+    struct forward_seq q[GS_SEQS];
     struct forward_out o = {NULL, 0, NULL, NULL};
     for (int32_t i = 0; i < n_seqs; i++) {
-        len[i] = 3 + 7 * i;
+        len[i] = 3 + 5 * i % 61;
         q[0] = (struct forward_seq){ids[i], len[i], 0, tables[i], per_seq, FORWARD_LOGITS_LAST};
         struct forward_batch bt = {q, 1, NULL, 0, NULL, 0};
         if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("prefill %d: %s", i, err);
@@ -795,7 +797,7 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
         ASSERT_EQ(k == 2 ? 0 : n_seqs, o.n_logits);
         for (int32_t i = 0; i < n_seqs; i++) len[i]++;
         if (k == 3) {
-            struct forward_seq p = {ids[8], 100, 0, tables[8], per_seq, FORWARD_LOGITS_LAST};
+            struct forward_seq p = {ids[GS_SEQS - 1], 100, 0, tables[GS_SEQS - 1], per_seq, FORWARD_LOGITS_LAST};
             struct forward_batch bp = {&p, 1, NULL, 0, NULL, 0};
             o.logits = NULL;
             if (forward_step(f.s, &bp, &o, err, sizeof err) != 0) TEST_FAIL("prefill between: %s", err);
@@ -806,13 +808,17 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
 }
 
 /* The same decode steps with graphs and without give the same logits, bit
- * for bit, at batch 1, 3 and 8 (on a GPU; the CPU backend has no graphs and
- * records none).  The F16 cache takes the decode attention kernel, whose
- * split of a row's context depends on that row's length only. */
+ * for bit, at batch 1, 3, 8 and 20 (on a GPU; the CPU backend has no
+ * graphs and records none).  The F16 cache takes the decode attention
+ * kernel, whose split of a row's context depends on that row's length
+ * only.  At 20 every matmul takes matmul_wide.cu (LLM_CUDA_WIDE_ITEMS=0:
+ * this model's matmuls are too small for it by default), whose arrival
+ * counters and partial sums must be right on every replay. */
 TEST(forward_graphs_equal_ops) {
     const char *dev = getenv("LLM_TEST_DEVICE");
     const int gpu = dev && strncmp(dev, "cuda:", 5) == 0;
-    static const int32_t batches[] = {1, 3, 8};
+    static const int32_t batches[] = {1, 3, 8, 20};
+    setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
     const int32_t steps = 6;
     const char *file = "synth256-q8_0.gguf";
     for (size_t bi = 0; bi < sizeof batches / sizeof batches[0]; bi++) {
@@ -829,6 +835,7 @@ TEST(forward_graphs_equal_ops) {
         free(on);
         free(off);
     }
+    unsetenv("LLM_CUDA_WIDE_ITEMS");
 }
 
 /* Sampling on the stage's backend (forward_out.sample; on a GPU on the
