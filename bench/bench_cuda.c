@@ -192,9 +192,8 @@ static void crossover(int device, double bw) {
  * column is the old kernel):
  *   - "gemv": batch 1, 2 and 4, the tensor-core kernel (LLM_CUDA_GEMV_MAX=0)
  *     against matmul_gemv.cu (LLM_CUDA_GEMV_MAX=4);
- *   - "wide": batch 8-64, matmul_vec.cu's mq (LLM_CUDA_WIDE=0) against
- *     matmul_wide.cu on every shape from 5 tokens (LLM_CUDA_WIDE_MIN=4,
- *     LLM_CUDA_WIDE_ITEMS=0). */
+ *   - "wide": batch 17-64, matmul_vec.cu's mq (LLM_CUDA_WIDE=0) against
+ *     matmul_wide.cu on every shape (LLM_CUDA_WIDE_ITEMS=0). */
 struct cmp_spec {
     const char *title, *env[2][4], *name[2]; /* per backend up to two NAME, VALUE pairs */
     int32_t batches[4];
@@ -452,10 +451,10 @@ int main(int argc, char **argv) {
     static const struct cmp_spec gemv = {"matmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv",
                                          {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
                                          {"mq", "gemv"}, {1, 2, 4}, 3};
-    static const struct cmp_spec wide = {"matmul batch 8-64, mq vs matmul_wide (pipelined, stream-K)",
+    static const struct cmp_spec wide = {"matmul batch 17-64, mq vs matmul_wide (pipelined, stream-K)",
                                          {{"LLM_CUDA_WIDE", "0"},
-                                          {"LLM_CUDA_WIDE_MIN", "4", "LLM_CUDA_WIDE_ITEMS", "0"}},
-                                         {"mq", "wide"}, {8, 16, 32, 64}, 4};
+                                          {"LLM_CUDA_WIDE_ITEMS", "0"}},
+                                         {"mq", "wide"}, {17, 32, 48, 64}, 4};
     const char *mode = argc > 2 ? argv[2] : "";
     if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0) {
         kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : &wide);

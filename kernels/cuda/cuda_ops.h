@@ -32,9 +32,8 @@ struct cuda_ctx {
                          * grids (1, default; LLM_CUDA_MV_SPLIT=0: off) */
     int pdl;            /* decode kernels launched as programmatic dependents (sm_90
                          * and later, default; LLM_CUDA_PDL=0: off): common.cuh */
-    int wide;           /* matmul_wide.cu for quantized weights above wide_min tokens
-                         * (sm_80 and later, default; LLM_CUDA_WIDE=0: off) */
-    int wide_min;       /* 16 (default), or LLM_CUDA_WIDE_MIN */
+    int wide;           /* matmul_wide.cu for quantized weights at 17-64 tokens (sm_80
+                         * and later, default; LLM_CUDA_WIDE=0: off) */
     int wide_items;     /* least items (row block x chunk) per SM it takes: 4 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
     /* Activations the last matmul left at the start of the scratch, so

@@ -94,17 +94,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     ctx->pdl = ctx->cc >= 90 && !(env && strcmp(env, "0") == 0);
     /* The pipelined tensor-core kernel for 17-64 tokens (cp.async: sm_80)
      * on matmuls of at least 4 items per SM; LLM_CUDA_WIDE=0 leaves those
-     * to matmul_vec.cu's mq, LLM_CUDA_WIDE_MIN=k gives it every batch above
-     * k tokens and LLM_CUDA_WIDE_ITEMS=k every matmul of k items per SM,
-     * to compare and to test. */
+     * to matmul_vec.cu's mq, LLM_CUDA_WIDE_ITEMS=k gives it every matmul
+     * of k items per SM, to compare and to test. */
     env = getenv("LLM_CUDA_WIDE");
     ctx->wide = ctx->cc >= 80 && !(env && strcmp(env, "0") == 0);
-    ctx->wide_min = 16;
-    env = getenv("LLM_CUDA_WIDE_MIN");
-    if (env && *env) {
-        int v = atoi(env);
-        ctx->wide_min = v < 0 ? 0 : v > 64 ? 64 : v;
-    }
     ctx->wide_items = 4;
     env = getenv("LLM_CUDA_WIDE_ITEMS");
     if (env && *env) {

@@ -45,7 +45,7 @@ __device__ unsigned int mw_counters[MW_COUNTERS];
 __host__ __device__ static inline int mw_start(int b, int nb, int n) { return (int)((int64_t)b * n / nb); }
 
 /* The block whose range holds item i. */
-__device__ static inline int mw_owner(int i, int nb, int n) {
+__device__ inline int mw_owner(int i, int nb, int n) {
     int b = (int)((int64_t)i * nb / n);
     while (b + 1 < nb && mw_start(b + 1, nb, n) <= i) b++;
     while (b > 0 && mw_start(b, nb, n) > i) b--;
@@ -68,16 +68,14 @@ __device__ __forceinline__ mw_seg mw_locate(const mm_group &g, int rb) {
 }
 
 /* 16 bytes from global src to shared dst, of which only the first `bytes`
- * are read (the rest zero). */
+ * are read (the rest zero).  These three exist on sm_80 and later only;
+ * the kernel is never launched below (ctx->wide), and its body there is a
+ * trap. */
 __device__ __forceinline__ void mw_cp16(void *dst, const void *src, int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
                  "l"(src), "r"(bytes)
                  : "memory");
-#else
-    uint8_t v[16] = {};
-    for (int i = 0; i < bytes; i++) v[i] = ((const uint8_t *)src)[i];
-    memcpy(dst, v, 16);
 #endif
 }
 __device__ __forceinline__ void mw_commit() {
@@ -187,6 +185,9 @@ template <int T, int NT>
 __global__ void __launch_bounds__(MW_THREADS, 1)
 matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes, int cols,
                    const __half *__restrict__ x16, int n, int n_items, int stages) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    __trap(); /* no cp.async: never launched here (ctx->wide needs sm_80) */
+#else
     pdl_begin();
     using G = mq_geom<T>;
     constexpr int NB = G::ck / 32, NTL = NT / 8 / MW_TW, STAGE = mw_geom<T, NT>::stage;
@@ -293,6 +294,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 #pragma unroll
             for (int nt = 0; nt < NTL; nt++) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.0f;
     }
+#endif
 }
 
 template <int T, int NT>
@@ -356,7 +358,6 @@ static int mw_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const f
 
 template <int T>
 static int mw_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    if (n <= 16) return mw_launch_nt<T, 16>(ctx, g, cols, x, n);
     if (n <= 32) return mw_launch_nt<T, 32>(ctx, g, cols, x, n);
     if (n <= 48) return mw_launch_nt<T, 48>(ctx, g, cols, x, n);
     return mw_launch_nt<T, 64>(ctx, g, cols, x, n);
@@ -364,7 +365,7 @@ static int mw_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const floa
 
 extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                  const float *x, int32_t n) {
-    if (!ctx->wide || n <= ctx->wide_min || n > 64 || g->swiglu || cols > INT32_MAX || (uintptr_t)x % 16 != 0)
+    if (!ctx->wide || n <= 16 || n > 64 || g->swiglu || cols > INT32_MAX || (uintptr_t)x % 16 != 0)
         return CUDA_NOT_FUSED;
     for (int s = 0; s < g->n; s++)
         if ((uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;

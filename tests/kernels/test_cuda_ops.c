@@ -811,16 +811,15 @@ TEST(cuda_ops_matmul_swiglu) {
 
 /* matmul_wide.cu (17-64 tokens on quantized weights, sm_80 and later)
  * three ways: the default routing (it where a matmul has 4 items per SM,
- * else mq), off (LLM_CUDA_WIDE=0: mq) and given every shape and batch
- * above 4 tokens (LLM_CUDA_WIDE_MIN=4 LLM_CUDA_WIDE_ITEMS=0, its 16-token
- * tile too).  Shapes whose chunks the
+ * else mq), off (LLM_CUDA_WIDE=0: mq) and given every shape
+ * (LLM_CUDA_WIDE_ITEMS=0).  Shapes whose chunks the
  * grid's consecutive ranges split in every way: one row block over two
  * blocks (100 x 512), 17 row blocks of 16 chunks over ~2 blocks each
  * (4200 x 4096), a partial last chunk of 32-element blocks (1184 = 4 x 256
  * + 160), lm_head-like rows; and the same call twice gives the same bits
  * (partial sums added in block order, not arrival order). */
 static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
-    static const int32_t ns[] = {6, 16, 17, 33, 48, 64};
+    static const int32_t ns[] = {16, 17, 32, 33, 48, 64};
     fx_open(); /* a fixture per case: the host buffers of a case add up */
     int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)64 * cols, -1, 1), (size_t)64 * cols * 4);
@@ -833,9 +832,9 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), n, backend_errstr(fx.gpu));
         char what[160];
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_MIN=%s",
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s",
                  dtype_name(t), (long long)rows, (long long)cols, n, getenv("LLM_CUDA_WIDE") ? "0" : "(unset)",
-                 getenv("LLM_CUDA_WIDE_MIN") ? getenv("LLM_CUDA_WIDE_MIN") : "(unset)");
+                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)");
         check_f32(out, elems, matmul_bound(t), what);
         float *first = fx_host(elems * 4), *again = fx_host(elems * 4);
         ASSERT_OK(backend_download(fx.gpu, first, out.g, elems * 4));
@@ -848,13 +847,10 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
 
 TEST(cuda_ops_matmul_wide) {
     mm_set_mode(MM_DEFAULT);
-    static const char *wide[3] = {NULL, "0", NULL}, *wide_min[3] = {NULL, NULL, "4"};
     for (int m = 0; m < 3; m++) {
-        if (wide[m]) setenv("LLM_CUDA_WIDE", wide[m], 1);
+        if (m == 1) setenv("LLM_CUDA_WIDE", "0", 1);
         else unsetenv("LLM_CUDA_WIDE");
-        if (wide_min[m]) setenv("LLM_CUDA_WIDE_MIN", wide_min[m], 1);
-        else unsetenv("LLM_CUDA_WIDE_MIN");
-        if (wide_min[m]) setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* every shape, however few its items */
+        if (m == 2) setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* every shape, however few its items */
         else unsetenv("LLM_CUDA_WIDE_ITEMS");
         wide_case(DTYPE_Q4_K, 4200, 4096);
         wide_case(DTYPE_Q8_0, 100, 512);
@@ -864,7 +860,6 @@ TEST(cuda_ops_matmul_wide) {
         wide_case(DTYPE_Q4_0, 259, 4096);
     }
     unsetenv("LLM_CUDA_WIDE");
-    unsetenv("LLM_CUDA_WIDE_MIN");
     unsetenv("LLM_CUDA_WIDE_ITEMS");
 }
 
