@@ -5,7 +5,7 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device] [gemv | wide | prefill]
+ *   bench_cuda [device] [gemv | wide | prefill | attn]
  *
  * With "gemv" or "wide", only the bandwidth and a comparison of two
  * kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
@@ -17,6 +17,8 @@
  * Q4_K, Q6_K; quantized weights with dequantized tiles of 16 MiB, the old
  * size, and of the default size), attention over 512 tokens (tensor-core
  * kernel against LLM_CUDA_PREFILL_TC=0), and their sum for 32 layers.
+ * With "attn", only the bandwidth and the attention decode table (run it
+ * with LLM_CUDA_DECODE_TC_G set to compare the kernels).
  *
  * Inputs rotate over enough copies to exceed the L2 cache, so the numbers
  * are DRAM numbers.  Times are the median of 5 rounds. */
@@ -462,7 +464,9 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    double gemm_rate = gemm_ceiling();
+    /* "attn": the attention table alone. */
+    const int attn_only = strcmp(mode, "attn") == 0;
+    double gemm_rate = attn_only ? 0.0 : gemm_ceiling();
     if (argc > 2 && strcmp(argv[2], "prefill") == 0) {
         prefill_bench(gemm_rate);
         backend_free(be);
@@ -475,7 +479,7 @@ int main(int argc, char **argv) {
     static const int32_t batches[5] = {1, 8, 16, 32, 64};
     printf("\nmatmul (out = x . W^T), median of 5 rounds; bytes = weight + activations + output\n");
     printf("%-6s %-13s %5s %10s %9s %7s %9s\n", "type", "rows x cols", "batch", "time us", "GB/s", "of bw", "TFLOP/s");
-    for (int s = 0; s < 4; s++)
+    for (int s = 0; s < (attn_only ? 0 : 4); s++)
         for (int k = 0; k < 6; k++) {
             int64_t R = shapes[s][0], C = shapes[s][1];
             size_t wbytes = dtype_row_bytes(types[k], C) * R;
@@ -505,8 +509,8 @@ int main(int argc, char **argv) {
      * cache's blocks between calls. */
     printf("\nattention decode, context 512, F16 cache, block 16, head_dim 128; bytes = K + V read\n");
     printf("%-9s %5s %10s %9s %7s\n", "heads/kv", "batch", "time us", "GB/s", "of bw");
-    static const int32_t kv_heads[2] = {32, 8};
-    for (int kh = 0; kh < 2; kh++) {
+    static const int32_t kv_heads[3] = {32, 8, 4};
+    for (int kh = 0; kh < 3; kh++) {
         int32_t n_heads = 32, n_kv = kv_heads[kh], hd = 128, bs = 16, ctx = 512, per_seq = ctx / bs;
         int32_t n_blocks = 64 * per_seq * 2;
         struct backend_kv kv;
@@ -570,7 +574,7 @@ int main(int argc, char **argv) {
         backend_dealloc(be, dtab);
         backend_kv_free(be, &kv);
     }
-    crossover(device, bw);
+    if (!attn_only) crossover(device, bw);
     backend_free(be);
     return 0;
 }

@@ -510,6 +510,12 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     if (a->n_tokens == 0) return STATUS_OK;
     /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
     if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
+    /* Decode-only batches of large groups: the tensor-core kernel, whose
+     * mma take the group's heads as rows (the decode kernel's per-head dot
+     * products and shuffles are instruction-bound there). */
+    if (ctx->decode_tc_g > 0 && a->n_tokens == a->n_seqs && a->n_heads / a->n_kv_heads >= ctx->decode_tc_g &&
+        cuda_attention_tc_fits(a))
+        return cuda_attention_prefill(ctx, a);
     struct att_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;

@@ -30,6 +30,8 @@ struct apf_params {
     int32_t tq;       /* rows per block: APF_BQ / G */
     int32_t chunk;    /* context positions per split (a multiple of APF_BK) */
     int32_t n_splits;
+    int32_t row_want; /* decode-only batches: splits a row wants (each row's split from its own
+                       * length, as attention.cu's decode kernel does); 0 otherwise */
     float *part_acc;  /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;   /* (n_splits, n_tokens, n_heads, 2) running max and sum */
 };
@@ -89,9 +91,20 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     const int32_t r0 = tok0 + tile * p.tq, kvh = blockIdx.x, G = p.G;
     const int32_t last_row = min(r0 + p.tq, tok_end) - 1;
     const int32_t ctx_tile = pos0 + (last_row - tok0) + 1;
-    const int32_t z = blockIdx.z, j_begin = z * p.chunk;
+    const int32_t z = blockIdx.z;
+    int32_t j_begin = z * p.chunk;
     /* The last split runs to the end whatever max_ctx said. */
-    const int32_t j_end = z == p.n_splits - 1 ? ctx_tile : min(j_begin + p.chunk, ctx_tile);
+    int32_t j_end = z == p.n_splits - 1 ? ctx_tile : min(j_begin + p.chunk, ctx_tile);
+    if (p.row_want) {
+        /* Decode rows: the split of this row's context from its length
+         * alone, so that a row's result does not depend on the longest
+         * context of the launch (a replayed graph is sized for the longest
+         * allowed); splits past the row's last write empty slots. */
+        const int32_t sp = max(1, min(p.row_want, (ctx_tile + 4 * APF_BK - 1) / (4 * APF_BK)));
+        const int32_t ck = ((ctx_tile + sp - 1) / sp + APF_BK - 1) / APF_BK * APF_BK;
+        j_begin = z < sp ? z * ck : ctx_tile;
+        j_end = z < sp - 1 ? min(j_begin + ck, ctx_tile) : ctx_tile;
+    }
     const int64_t width = (int64_t)a.n_heads * HD;
 
     /* This lane's two query vectors (rows gq and gq + 8 of its warp's 16):
@@ -278,18 +291,22 @@ __global__ void attention_prefill_combine_kernel(float *out, const float *part_a
     }
 }
 
-extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
-    const char *env = getenv("LLM_CUDA_PREFILL_TC");
-    if (env && strcmp(env, "0") == 0) return 0;
+extern "C" int cuda_attention_tc_fits(const struct cuda_attn_args *a) {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0) return 0;
     int32_t G = a->n_heads / a->n_kv_heads;
-    return a->n_tokens > a->n_seqs && a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) &&
-           G <= APF_BQ && (G & (G - 1)) == 0 && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->out % 16 == 0 &&
+    return a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) && G <= APF_BQ &&
+           (G & (G - 1)) == 0 && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->out % 16 == 0 &&
            (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
 
+extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
+    const char *env = getenv("LLM_CUDA_PREFILL_TC");
+    if (env && strcmp(env, "0") == 0) return 0;
+    return a->n_tokens > a->n_seqs && cuda_attention_tc_fits(a);
+}
+
 extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
-    if (!cuda_attention_prefill_takes(a))
+    if (!cuda_attention_tc_fits(a))
         return cuda_fail(ctx, STATUS_UNSUPPORTED,
                          "attention_prefill: %s cache, head_dim %d, %d heads over %d KV heads, %d rows of %d sequences",
                          dtype_name(a->kv_type), a->head_dim, a->n_heads, a->n_kv_heads, a->n_tokens, a->n_seqs);
@@ -302,22 +319,27 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
      * partial tile; surplus blocks return at once. */
     int64_t tiles = (a->n_tokens + p.tq - 1) / p.tq + a->n_seqs;
     if (tiles > a->n_tokens) tiles = a->n_tokens;
-    int64_t busy = (a->n_tokens + p.tq - 1) / p.tq;
+    /* Decode-only batches (one row a sequence) keep every tile busy. */
+    int64_t busy = a->n_tokens == a->n_seqs ? tiles : (a->n_tokens + p.tq - 1) / p.tq;
     int64_t blocks = busy * a->n_kv_heads;
     /* Split the context until about one block per multiprocessor is busy
      * (each split at least 4 tiles of positions): a prefill of 512 rows of
      * a 7B model is 256 blocks and stays whole; a short chunk at a long
      * context splits. */
     int64_t want = (ctx->n_sms + blocks - 1) / blocks;
+    if (want > 32) want = 32;
     int64_t by_ctx = ((int64_t)a->max_ctx + 4 * APF_BK - 1) / (4 * APF_BK);
     int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits > 32) splits = 32;
     if (splits < 1) splits = 1;
     int64_t chunk = ((int64_t)a->max_ctx + splits - 1) / splits;
     chunk = (chunk + APF_BK - 1) / APF_BK * APF_BK;
     if (chunk < APF_BK) chunk = APF_BK;
-    splits = ((int64_t)a->max_ctx + chunk - 1) / chunk;
-    if (splits < 1) splits = 1;
+    if (a->n_tokens == a->n_seqs) {
+        p.row_want = (int32_t)want; /* each row splits itself, in at most `splits` */
+    } else {
+        splits = ((int64_t)a->max_ctx + chunk - 1) / chunk;
+        if (splits < 1) splits = 1;
+    }
     p.chunk = (int32_t)chunk;
     p.n_splits = (int32_t)splits;
     if (p.n_splits > 1) {

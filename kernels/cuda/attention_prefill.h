@@ -16,6 +16,10 @@ extern "C" {
  * variable LLM_CUDA_PREFILL_TC is not "0" (it exists to measure the
  * general kernel against this one). */
 int cuda_attention_prefill_takes(const struct cuda_attn_args *a);
+/* 1 if cuda_attention_prefill can run this batch at all (the conditions
+ * above but the prefill rows): attention.cu also gives it decode-only
+ * batches of large groups (cuda_ctx.decode_tc_g). */
+int cuda_attention_tc_fits(const struct cuda_attn_args *a);
 /* The same result as cuda_attention for a batch it takes (Q and the
  * probabilities rounded to F16 for the tensor cores, F32 softmax and
  * accumulation).  Arguments already checked by cuda_attention. */

@@ -36,6 +36,9 @@ struct cuda_ctx {
                          * and later, default; LLM_CUDA_WIDE=0: off) */
     int wide_items;     /* least items (row block x chunk) per SM it takes: 4 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
+    int decode_tc_g;    /* attention: decode-only batches with at least this many query
+                         * heads per KV head on tensor cores (8, default; 0: never;
+                         * LLM_CUDA_DECODE_TC_G) */
     /* Activations the last matmul left at the start of the scratch, so
      * that the next matmul on the same input (q, k and v; gate and up)
      * uses them again instead of converting or quantizing once more:

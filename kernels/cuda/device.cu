@@ -98,6 +98,17 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * of k items per SM, to compare and to test. */
     env = getenv("LLM_CUDA_WIDE");
     ctx->wide = ctx->cc >= 80 && !(env && strcmp(env, "0") == 0);
+    /* Decode attention of groups of >= 8 query heads on the tensor-core
+     * kernel of attention_prefill.cu (H100, 32 heads of 128 at context 512,
+     * batch 8 / 64: groups of 8 33.1 / 134.9 us on the decode kernel, 20.4
+     * / 61.3 on tensor cores; groups of 4 26.9 / 92.0 against 26.9 /
+     * 111.8, so they stay); LLM_CUDA_DECODE_TC_G=k (0: never), to compare. */
+    ctx->decode_tc_g = 8;
+    env = getenv("LLM_CUDA_DECODE_TC_G");
+    if (env && *env) {
+        int v = atoi(env);
+        ctx->decode_tc_g = v < 0 ? 0 : v;
+    }
     ctx->wide_items = 4;
     env = getenv("LLM_CUDA_WIDE_ITEMS");
     if (env && *env) {

@@ -983,10 +983,12 @@ TEST(cuda_ops_rope_kv_write) {
  * power of two up to 64, and LLM_CUDA_PREFILL_TC not "0". */
 static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t n_tokens,
                                 int n_seqs) {
-    const char *env = getenv("LLM_CUDA_PREFILL_TC");
+    const char *env = getenv("LLM_CUDA_PREFILL_TC"), *dg = getenv("LLM_CUDA_DECODE_TC_G");
     int32_t G = n_heads / n_kv;
-    return !(env && strcmp(env, "0") == 0) && t == DTYPE_F16 && (hd == 64 || hd == 128) && n_tokens > n_seqs &&
-           G <= 64 && (G & (G - 1)) == 0;
+    int fits = t == DTYPE_F16 && (hd == 64 || hd == 128) && G <= 64 && (G & (G - 1)) == 0;
+    const int min_g = dg ? atoi(dg) : 8; /* the backend's default: groups of 8 and more */
+    if (n_tokens == n_seqs) return fits && min_g > 0 && G >= min_g;
+    return fits && !(env && strcmp(env, "0") == 0);
 }
 
 /* Sequences given as (tokens this step, position of the first); block
@@ -1105,6 +1107,20 @@ TEST(cuda_ops_attention_decode) {
     for (int i = 0; i < 40; i++) p6[i] = rng_int(300);
     attention_case(DTYPE_F16, 32, 32, 128, 16, 40, ones, p6); /* many rows: no split */
     fx_close();
+    /* The same decode batches on the tensor-core kernel (every group size:
+     * LLM_CUDA_DECODE_TC_G=1), and groups of 8 with heads of 64 as
+     * TinyLlama has them. */
+    setenv("LLM_CUDA_DECODE_TC_G", "1", 1);
+    fx_open();
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 4, ones, p1);
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p2);
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 3, ones, p3);
+    fx_close();
+    fx_open();
+    attention_case(DTYPE_F16, 16, 8, 128, 32, 4, ones, p5);
+    attention_case(DTYPE_F16, 32, 4, 64, 16, 40, ones, p6);
+    fx_close();
+    unsetenv("LLM_CUDA_DECODE_TC_G");
 }
 
 /* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
