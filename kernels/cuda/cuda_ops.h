@@ -136,6 +136,9 @@ int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type
  * produces x and writes its F16 form alongside (rmsnorm and swiglu at
  * prefill sizes) saves the matmul a conversion pass over x. */
 int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16, int *fresh);
+/* The same, and x converted there unless it already is: *x16 holds x as
+ * F16 when it returns 0 (the tensor-core kernels' activations). */
+int cuda_gemm_act_f16(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16);
 /* out[rows, width] = silu(gate) * up, also written as F16 for the matmul
  * that reads out next (cuda_gemm_act). */
 int cuda_swiglu_act(struct cuda_ctx *ctx, float *out, const float *gate, const float *up, int32_t rows,

@@ -55,6 +55,14 @@ extern "C" int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, in
     return STATUS_OK;
 }
 
+extern "C" int cuda_gemm_act_f16(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16) {
+    int fresh = 0;
+    int rc = cuda_gemm_act(ctx, x, n, cols, x16, &fresh);
+    if (rc == STATUS_OK && fresh) rc = cuda_convert(ctx, *x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
+    if (rc != STATUS_OK) cuda_act_forget(ctx);
+    return rc;
+}
+
 static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows, int64_t cols,
                        const float *x, int32_t n) {
     if (type == DTYPE_F32) {

@@ -351,13 +351,8 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
     }
     uint16_t *x16 = NULL;
     if (NT > 16) {
-        int fresh = 0;
-        int rc = cuda_gemm_act(ctx, x, n, cols, &x16, &fresh);
-        if (rc == STATUS_OK && fresh) rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
-        if (rc != STATUS_OK) {
-            cuda_act_forget(ctx);
-            return rc;
-        }
+        int rc = cuda_gemm_act_f16(ctx, x, n, cols, &x16);
+        if (rc != STATUS_OK) return rc;
     } else if (ks > 1) {
         cuda_act_forget(ctx); /* the partial sums overwrite the scratch's activations */
     }

@@ -342,13 +342,8 @@ static int mw_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const f
     uint8_t *scr = (uint8_t *)cuda_scratch(ctx, x_bytes + part_bytes);
     if (!scr) return STATUS_NO_MEMORY;
     uint16_t *x16 = NULL;
-    int fresh = 0;
-    int rc = cuda_gemm_act(ctx, x, n, cols, &x16, &fresh);
-    if (rc == STATUS_OK && fresh) rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
-    if (rc != STATUS_OK) {
-        cuda_act_forget(ctx);
-        return rc;
-    }
+    int rc = cuda_gemm_act_f16(ctx, x, n, cols, &x16);
+    if (rc != STATUS_OK) return rc;
     CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_wide_kernel<T, NT>), dim3((unsigned)blocks), dim3(MW_THREADS),
                                 stages[dev] * stage, g, (float *)(scr + x_bytes), cuda_row_bytes((enum dtype)T, cols),
                                 (int)cols, (const __half *)x16, n, (int)items, stages[dev]));
