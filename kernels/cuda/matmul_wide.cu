@@ -11,11 +11,10 @@
  * (mq_frag.cuh): weights dequantized to F16 in registers, activations in
  * their F16 form (cuda_gemm_act), mma.sync m16n8k16 with F32 sums.
  *
- * Each warp owns 32 rows (two m tiles) and MW_TW-th of the tokens: every
- * activation fragment it loads from shared memory feeds two mma instead of
- * one.  (16 rows a warp: the fragment loads kept shared memory as busy as
- * the tensor cores; MW_TW = 2, 16 warps that decode every row twice: 10-20%
- * slower on an H100.)
+ * Each warp owns 32 rows (two m tiles) and every token: each activation
+ * fragment it loads from shared memory feeds two mma instead of one.
+ * (Measured against: 16 rows a warp, and 16 warps that split the tokens
+ * and so decode every row twice: docs/cuda-backend.md, ninth pass.)
  *
  * Work is split stream-K style.  An item is one chunk (256 columns) of one
  * row block (256 rows); items are numbered row block by row
@@ -30,10 +29,8 @@
 #include "mq_frag.cuh"
 
 #define MW_MT 2 /* m tiles (16 rows) per warp */
-#define MW_RW 8 /* warps along the rows */
-#define MW_TW 1 /* warps along the tokens */
-#define MW_WARPS (MW_RW * MW_TW)
-#define MW_ROWS (MW_RW * 16 * MW_MT)
+#define MW_WARPS 8
+#define MW_ROWS (MW_WARPS * 16 * MW_MT)
 #define MW_THREADS (MW_WARPS * 32)
 #define MW_COUNTERS 16384
 
@@ -163,19 +160,19 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
     }
 }
 
-/* acc[m][nt][0, 1]: row 16m + g, tokens tok0 + 8nt + 2t, + 1; [2, 3]: row
- * 16m + g + 8 (rows from the warp's row0, tok0 its first token). */
+/* acc[m][nt][0, 1]: row 16m + g, tokens 8nt + 2t, + 1; [2, 3]: row 16m +
+ * g + 8 (rows from the warp's row0). */
 template <int NT>
-__device__ __forceinline__ void mw_store(const float (&acc)[MW_MT][NT / 8 / MW_TW][4], float *out, int rows,
-                                         int row0, int tok0, int n) {
+__device__ __forceinline__ void mw_store(const float (&acc)[MW_MT][NT / 8][4], float *out, int rows, int row0,
+                                         int n) {
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int m = 0; m < MW_MT; m++)
 #pragma unroll
-        for (int nt = 0; nt < NT / 8 / MW_TW; nt++)
+        for (int nt = 0; nt < NT / 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + 16 * m + g + 8 * (e >> 1);
+                int tok = nt * 8 + 2 * t + (e & 1), row = row0 + 16 * m + g + 8 * (e >> 1);
                 if (tok < n && row < rows) out[(size_t)tok * rows + row] = acc[m][nt][e];
             }
 }
@@ -190,12 +187,11 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 #else
     pdl_begin();
     using G = mq_geom<T>;
-    constexpr int NB = G::ck / 32, NTL = NT / 8 / MW_TW, STAGE = mw_geom<T, NT>::stage;
+    constexpr int NB = G::ck / 32, NTL = NT / 8, STAGE = mw_geom<T, NT>::stage;
     extern __shared__ uint4 mw_smem[];
     __shared__ int last;
     uint8_t *smem = (uint8_t *)mw_smem;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g8 = lane >> 2, t = lane & 3;
-    const int wr = warp % MW_RW, tok0 = warp / MW_RW * NTL * 8; /* the warp's rows and first token */
     const int nc = (cols + G::ck - 1) / G::ck, nblk = (int)gridDim.x;
     const int i0 = mw_start(blockIdx.x, nblk, n_items), i1 = mw_start(blockIdx.x + 1, nblk, n_items);
 
@@ -215,7 +211,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 
         const int rb = i / nc, ch = i % nc, col0 = ch * G::ck;
         const mw_seg sg = mw_locate(g, rb);
-        const int row0 = (rb - sg.rb0) * MW_ROWS + wr * 16 * MW_MT;
+        const int row0 = (rb - sg.rb0) * MW_ROWS + warp * 16 * MW_MT;
         const uint8_t *st = smem + k % stages * STAGE;
         const __half *xs = (const __half *)(st + mw_geom<T, NT>::wbytes);
         /* Where the lane's rows (g and g + 8 of each m tile) start in the
@@ -226,7 +222,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
         const uint8_t *pr[2 * MW_MT];
 #pragma unroll
         for (int j = 0; j < 2 * MW_MT; j++) {
-            const int r = wr * 16 * MW_MT + 8 * j + g8; /* j = 2m + (row g + 8) */
+            const int r = warp * 16 * MW_MT + 8 * j + g8; /* j = 2m + (row g + 8) */
             pr[j] = st + r * G::ws + ((uintptr_t)(sg.w + (size_t)(row0 + 8 * j + g8) * row_bytes + choff) & m16);
         }
         /* Straight-line code over every block and token tile (no test of
@@ -241,7 +237,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
             for (int j = 0; j < 2 * MW_MT; j++) mq_decode<T>(pr[j], b, t, ch, a[j]);
 #pragma unroll
             for (int nt = 0; nt < NTL; nt++) {
-                const uint4 bx = *(const uint4 *)(xs + (tok0 + nt * 8 + g8) * G::xs + 32 * b + 8 * t);
+                const uint4 bx = *(const uint4 *)(xs + (nt * 8 + g8) * G::xs + 32 * b + 8 * t);
 #pragma unroll
                 for (int m = 0; m < MW_MT; m++) mq_mma32(acc[m][nt], a[2 * m], a[2 * m + 1], bx);
             }
@@ -251,7 +247,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
         /* The end of this row block in this block's range. */
         const int first = rb * nc, lastit = first + nc - 1;
         if (first >= i0 && lastit < i1) {
-            mw_store<NT>(acc, sg.out, sg.rows, row0, tok0, n);
+            mw_store<NT>(acc, sg.out, sg.rows, row0, n);
         } else {
             float4 *dst = (float4 *)(part + (size_t)(2 * blockIdx.x + (first < i0 ? 0 : 1)) * MW_ROWS * NT);
 #pragma unroll
@@ -286,7 +282,7 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
                             s[m][nt][3] += v.w;
                         }
                 }
-                mw_store<NT>(s, sg.out, sg.rows, row0, tok0, n);
+                mw_store<NT>(s, sg.out, sg.rows, row0, n);
             }
         }
 #pragma unroll
