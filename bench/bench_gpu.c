@@ -61,7 +61,7 @@ static double bench_median(double *v, int n) {
 /* ---- Options ---- */
 
 struct bench_opts {
-    const char *device, *shapes, *types, *batches, *json, *tmpdir;
+    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab;
     int ctx, prompt, steps, warmup, prefill_reps, threads;
     int64_t copy_bytes;
     int gemm_size, gemm_tokens;
@@ -354,6 +354,7 @@ static int bench_ceilings_measure(backend *b, const struct bench_opts *o, struct
 
 struct bench_row {
     char shape[32], type[16], phase[8];
+    char setting[64];   /* --ab: the environment this row ran under */
     int32_t batch, ctx;
     double tok_s, ms_step;
     double bytes_step;  /* decode: weights + KV read per step */
@@ -365,6 +366,7 @@ struct bench_row {
 
 static struct bench_row bench_rows[BENCH_ROWS_MAX];
 static int bench_n_rows;
+static char bench_setting[64]; /* copied into the rows added */
 
 /* The issue's H100 targets: batch-1 decode of the 7B shape >= 80% of the
  * bandwidth (F16, Q8_0) or >= 70% (Q4_K_M); batch-64 decode >= 70% counting
@@ -387,6 +389,7 @@ static struct bench_row *bench_row_add(const char *shape, enum synth_type type, 
     snprintf(r->shape, sizeof r->shape, "%s", shape);
     snprintf(r->type, sizeof r->type, "%s", synth_type_names[type]);
     snprintf(r->phase, sizeof r->phase, "%s", phase);
+    snprintf(r->setting, sizeof r->setting, "%s", bench_setting);
     r->target = -1;
     return r;
 }
@@ -578,8 +581,8 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
             o->prompt, o->prefill_reps);
     fprintf(f, "targets are the issue's H100 figures (fraction of the ceiling); a model whose weights fit in the "
             "caches (tiny shapes on a CPU) can read faster than the ceiling\n\n");
-    fprintf(f, "%-15s %-7s %-7s %5s %5s %11s %9s %11s %14s %8s %7s %s\n", "shape", "type", "phase", "batch", "ctx",
-            "tokens/s", "ms/step", "moved", "achieved", "of ceil", "target", "");
+    fprintf(f, "%-15s %-7s %-7s %5s %5s %11s %9s %11s %14s %8s %7s %-5s %s\n", "shape", "type", "phase", "batch",
+            "ctx", "tokens/s", "ms/step", "moved", "achieved", "of ceil", "target", "", o->ab ? "setting" : "");
     for (int i = 0; i < bench_n_rows; i++) {
         const struct bench_row *r = &bench_rows[i];
         int prefill = strcmp(r->phase, "prefill") == 0;
@@ -596,9 +599,9 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
         }
         if (r->target >= 0) snprintf(tgt, sizeof tgt, ">=%.0f%%", 100.0 * r->target);
         else snprintf(tgt, sizeof tgt, "-");
-        fprintf(f, "%-15s %-7s %-7s %5d %5d %11.1f %9.3f %11s %14s %7.1f%% %7s %s\n", r->shape, r->type, r->phase,
-                r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
-                r->target < 0 ? "" : r->frac >= r->target ? "met" : "BELOW");
+        fprintf(f, "%-15s %-7s %-7s %5d %5d %11.1f %9.3f %11s %14s %7.1f%% %7s %-5s %s\n", r->shape, r->type,
+                r->phase, r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
+                r->target < 0 ? "" : r->frac >= r->target ? "met" : "BELOW", r->setting);
     }
     fflush(f);
 }
@@ -621,9 +624,9 @@ static int bench_write_json(const char *path, const char *device, const struct b
         const struct bench_row *r = &bench_rows[i];
         fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"phase\": \"%s\", \"batch\": %d, \"ctx\": %d, "
                 "\"tokens_s\": %.6g, \"ms_step\": %.6g, \"bytes_step\": %.6g, \"flops_step\": %.6g, "
-                "\"achieved\": %.6g, \"fraction\": %.4f, \"target\": %.2f}%s\n",
+                "\"achieved\": %.6g, \"fraction\": %.4f, \"target\": %.2f, \"setting\": \"%s\"}%s\n",
                 r->shape, r->type, r->phase, r->batch, r->ctx, r->tok_s, r->ms_step, r->bytes_step, r->flops_step,
-                r->achieved, r->frac, r->target, i + 1 < bench_n_rows ? "," : "");
+                r->achieved, r->frac, r->target, r->setting, i + 1 < bench_n_rows ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     if (fclose(f) != 0) {
@@ -660,6 +663,10 @@ int main(int argc, char **argv) {
         {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic models are written (one at a time)",
          &o.tmpdir, 0, 0, NULL},
         {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o.json, 0, 0, NULL},
+        {"ab", NULL, OPTION_STRING, NULL,
+         "VAR=VALUE: run each model 4 times, each on a fresh backend, with VAR as given, =VALUE, =VALUE, as "
+         "given (an A/B of a backend switch on one card; rows name their setting)",
+         &o.ab, 0, 0, NULL},
     };
     struct options opt = {"bench_gpu", "[options]",
                           "Decode and prefill speed of synthetic models against the bandwidth and GEMM ceilings "
@@ -675,6 +682,21 @@ int main(int argc, char **argv) {
     }
     if (rc == STATUS_OK) rc = bench_parse_lists(&o, err, sizeof err);
     if (rc == STATUS_OK) rc = bench_parse_device(o.device, &device, err, sizeof err);
+    char ab_var[64] = "", ab_val[64] = "", ab_old[64] = "";
+    int ab_had = 0;
+    if (rc == STATUS_OK && o.ab) {
+        const char *eq = strchr(o.ab, '=');
+        if (!eq || eq == o.ab || (size_t)(eq - o.ab) >= sizeof ab_var || strlen(eq + 1) >= sizeof ab_val) {
+            snprintf(err, sizeof err, "--ab \"%s\": expected VAR=VALUE (names and values under 64 bytes)", o.ab);
+            rc = STATUS_BAD_INPUT;
+        } else {
+            snprintf(ab_var, sizeof ab_var, "%.*s", (int)(eq - o.ab), o.ab);
+            snprintf(ab_val, sizeof ab_val, "%s", eq + 1);
+            const char *old = getenv(ab_var);
+            ab_had = old != NULL;
+            snprintf(ab_old, sizeof ab_old, "%.63s", old ? old : "");
+        }
+    }
     if (rc != STATUS_OK) {
         fprintf(stderr, "bench_gpu: %s\n", err);
         return 2;
@@ -736,7 +758,20 @@ int main(int argc, char **argv) {
                 struct stat st;
                 fprintf(stderr, "bench_gpu: wrote %s (%.2f GB) in %.1f s\n", path,
                         stat(path, &st) == 0 ? (double)st.st_size / 1e9 : 0.0, bench_now() - t0);
-                rc = bench_model(b, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
+                if (!o.ab) rc = bench_model(b, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
+                for (int k = 0; o.ab && k < 4 && rc == STATUS_OK && !bench_stop; k++) {
+                    int variant = k == 1 || k == 2;
+                    if (variant) setenv(ab_var, ab_val, 1);
+                    else if (ab_had) setenv(ab_var, ab_old, 1);
+                    else unsetenv(ab_var);
+                    snprintf(bench_setting, sizeof bench_setting, "%s=%s", ab_var,
+                             variant ? ab_val : ab_had ? ab_old : "(unset)");
+                    backend *bk = NULL;
+                    rc = device < 0 ? backend_cpu_init(&bk, o.threads, err, sizeof err)
+                                    : backend_cuda_init(&bk, device, err, sizeof err);
+                    if (rc == STATUS_OK) rc = bench_model(bk, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
+                    backend_free(bk);
+                }
             }
             if (rc != STATUS_OK) {
                 fprintf(stderr, "bench_gpu: %s %s: %s\n", o.shape_v[si], synth_type_names[sc.type], err);
