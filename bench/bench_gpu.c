@@ -61,7 +61,8 @@ static double bench_median(double *v, int n) {
 /* ---- Options ---- */
 
 struct bench_opts {
-    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab;
+    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out;
+    int logits; /* --out logits: each step downloads the logits instead of sampling */
     int ctx, prompt, steps, warmup, prefill_reps, threads;
     int64_t copy_bytes;
     int gemm_size, gemm_tokens;
@@ -418,6 +419,8 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     struct forward_seq *seqs = NULL;
     struct kvblocks_copy *copies = NULL;
     float *logits = NULL;
+    struct backend_sample_row *srows = NULL;
+    static const struct sampling_params greedy; /* all zero: argmax */
     int32_t *ids = NULL;
     double *times = NULL;
     int32_t B = o->batch_max;
@@ -449,10 +452,11 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     tabs = calloc((size_t)B, sizeof *tabs);
     seqs = calloc((size_t)B, sizeof *seqs);
     copies = calloc((size_t)(n_ctx / sc->block_size + 1), sizeof *copies);
-    logits = malloc(sizeof(float) * (size_t)B * (size_t)hp->n_vocab);
+    logits = o->logits ? malloc(sizeof(float) * (size_t)B * (size_t)hp->n_vocab) : NULL;
+    srows = calloc((size_t)B, sizeof *srows);
     ids = malloc(sizeof(int32_t) * (size_t)(cfg.n_tokens_max + B));
     times = malloc(sizeof(double) * (size_t)n_times);
-    if (!tabs || !seqs || !copies || !logits || !ids || !times) {
+    if (!tabs || !seqs || !copies || (o->logits && !logits) || !srows || !ids || !times) {
         rc = STATUS_NO_MEMORY;
         snprintf(err, errlen, "host out of memory for %d sequences of %d positions", B, n_ctx);
         goto done;
@@ -473,7 +477,8 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
 
     /* Prefill: one prompt of o->prompt tokens from position 0, into sequence
      * 0's blocks (each repetition overwrites the same KV). */
-    struct forward_out fo = {logits, 0, NULL, NULL};
+    for (int32_t i = 0; i < B; i++) srows[i].params = &greedy;
+    struct forward_out fo = {logits, 0, NULL, o->logits ? NULL : srows};
     seqs[0] = (struct forward_seq){ids, o->prompt, 0, tabs[0].ids, tabs[0].n_ids, FORWARD_LOGITS_LAST};
     struct forward_batch fb = {seqs, 1, NULL, 0, NULL, 0};
     rc = forward_step(s, &fb, &fo, err, errlen); /* warm-up */
@@ -528,8 +533,8 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         for (int k = 0; k < o->warmup && rc == STATUS_OK; k++) rc = forward_step(s, &fb, &fo, err, errlen);
         for (int k = 0; k < o->steps && rc == STATUS_OK; k++) {
             t0 = bench_now();
-            /* The step downloads the logits, so it has finished on return;
-             * the sync only makes that explicit. */
+            /* The step downloads the tokens (or the logits), so it has
+             * finished on return; the sync only makes that explicit. */
             rc = forward_step(s, &fb, &fo, err, errlen);
             if (rc == STATUS_OK && backend_sync(b) != STATUS_OK) {
                 rc = STATUS_INTERNAL;
@@ -559,6 +564,7 @@ done:
     free(seqs);
     free(copies);
     free(logits);
+    free(srows);
     free(ids);
     free(times);
     kvblocks_free(kb);
@@ -575,8 +581,9 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
     fprintf(f, "bandwidth ceiling: %.1f GB/s  (%s)\n", c->bw / 1e9, c->bw_how);
     fprintf(f, "GEMM ceiling:      %.2f TFLOP/s  (%s)\n", c->gemm / 1e12, c->gemm_how);
     fprintf(f, "decode: every sequence at context %d (F16 KV of %d positions read per layer), median of %d steps "
-            "after %d warm-up, logits downloaded each step; moved = weight bytes read per step + KV bytes read\n",
-            o->ctx, o->ctx + 1, o->steps, o->warmup);
+            "after %d warm-up, %s; moved = weight bytes read per step + KV bytes read\n",
+            o->ctx, o->ctx + 1, o->steps, o->warmup,
+            o->logits ? "logits downloaded each step" : "each row's token picked on the device (greedy) and downloaded");
     fprintf(f, "prefill: one %d-token prompt, median of %d; FLOPs = layer matmuls + causal attention + lm_head row\n",
             o->prompt, o->prefill_reps);
     fprintf(f, "targets are the issue's H100 figures (fraction of the ceiling); a model whose weights fit in the "
@@ -663,6 +670,10 @@ int main(int argc, char **argv) {
         {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic models are written (one at a time)",
          &o.tmpdir, 0, 0, NULL},
         {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o.json, 0, 0, NULL},
+        {"out", NULL, OPTION_STRING, "sample",
+         "what a step hands back: sample (each row's token, picked on the device as a worker does) or logits "
+         "(every row's logits downloaded to the host)",
+         &o.out, 0, 0, NULL},
         {"ab", NULL, OPTION_STRING, NULL,
          "VAR=VALUE: run each model 4 times, each on a fresh backend, with VAR as given, =VALUE, =VALUE, as "
          "given (an A/B of a backend switch on one card; rows name their setting)",
@@ -682,6 +693,11 @@ int main(int argc, char **argv) {
     }
     if (rc == STATUS_OK) rc = bench_parse_lists(&o, err, sizeof err);
     if (rc == STATUS_OK) rc = bench_parse_device(o.device, &device, err, sizeof err);
+    if (rc == STATUS_OK && strcmp(o.out, "sample") != 0 && strcmp(o.out, "logits") != 0) {
+        snprintf(err, sizeof err, "--out \"%s\": expected sample or logits", o.out);
+        rc = STATUS_BAD_INPUT;
+    }
+    o.logits = rc == STATUS_OK && strcmp(o.out, "logits") == 0;
     char ab_var[64] = "", ab_val[64] = "", ab_old[64] = "";
     int ab_had = 0;
     if (rc == STATUS_OK && o.ab) {

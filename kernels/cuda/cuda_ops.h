@@ -28,8 +28,8 @@ struct cuda_ctx {
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
                          * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
-    int mv_split;       /* matmul_vec.cu row kernel: two warps per row on single-wave
-                         * grids (1, default; LLM_CUDA_MV_SPLIT=0: off) */
+    int mv_split;       /* matmul_vec.cu row kernel: warps per row on single-wave grids
+                         * (4, default; LLM_CUDA_MV_SPLIT=1 or 2) */
     int pdl;            /* decode kernels launched as programmatic dependents (sm_90
                          * and later, default; LLM_CUDA_PDL=0: off): common.cuh */
     int wide;           /* matmul_wide.cu for quantized weights at 17-64 tokens (sm_80

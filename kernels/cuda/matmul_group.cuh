@@ -53,12 +53,13 @@ struct mm_row {
 template <int WARPS>
 __device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
     mm_row r;
-    if (g.swiglu) {
-        const bool up = warp >= WARPS / 2;
+    if (WARPS >= 2 && g.swiglu) { /* a swiglu block holds both rows of its outputs */
+        constexpr int H = WARPS >= 2 ? WARPS / 2 : 1;
+        const bool up = warp >= H;
         r.w = up ? g.w[1] : g.w[0];
         r.out = g.out[0];
         r.rows = g.rows[0];
-        r.row = blockIdx.x * (WARPS / 2) + warp % (WARPS / 2);
+        r.row = blockIdx.x * H + warp % H;
         return r;
     }
     int blk0 = 0;

@@ -422,11 +422,11 @@ __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const f
 }
 
 /* One warp per row of each weight of the group g (matmul_group.cuh), or
- * with KS = 2 two warps per row, each taking every other 32-unit stretch
- * of it and adding up through shared memory (no swiglu then): a grid that
- * is a single wave (o and down at batch 1: 4096 rows) then has twice the
- * warps and half the serial work per warp.  No early return, since a
- * swiglu block meets at a barrier. */
+ * with KS = 2 or 4 that many warps per row, each taking every KS-th
+ * 32-unit stretch of it and adding up through shared memory (no swiglu
+ * then): a grid that is a single wave (o and down at batch 1: 4096 rows)
+ * then has KS times the warps and 1 / KS of the serial work per warp.  No
+ * early return, since a swiglu block meets at a barrier. */
 template <int T, int NT, int KS>
 __global__ void __launch_bounds__(MV_WARPS * 32)
 matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
@@ -492,19 +492,23 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
 template <int T, int NT>
 static int mv_launch_group(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     const size_t rb = cuda_row_bytes((enum dtype)T, cols);
-    /* Two warps per row when one warp per row would be a single wave
-     * (every row resident at once: 9 blocks of 4 warps per SM). */
+    /* Several warps per row (ctx->mv_split) when one warp per row would be
+     * a single wave (every row resident at once: 9 blocks of 4 warps per
+     * SM), as o and down are at batch 1: the load latency each warp waits
+     * out serially is then cut by as many. */
     int64_t rows = 0;
     for (int s = 0; s < g.n; s++) rows += g.rows[s];
-    if (!g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS && ctx->mv_split) {
-        unsigned grid = mg_layout(&g, MV_WARPS / 2);
+    const int ks = !g.swiglu && rows <= (int64_t)ctx->n_sms * 9 * MV_WARPS ? ctx->mv_split : 1;
+    const unsigned grid = mg_layout(&g, MV_WARPS / ks);
+    if (ks == 4)
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_vec_kernel<T, NT, 4>), dim3(grid), dim3(MV_WARPS * 32), 0, g, rb, cols,
+                                    x, n));
+    else if (ks == 2)
         CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_vec_kernel<T, NT, 2>), dim3(grid), dim3(MV_WARPS * 32), 0, g, rb, cols,
                                     x, n));
-    } else {
-        unsigned grid = mg_layout(&g, MV_WARPS);
+    else
         CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_vec_kernel<T, NT, 1>), dim3(grid), dim3(MV_WARPS * 32), 0, g, rb, cols,
                                     x, n));
-    }
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }

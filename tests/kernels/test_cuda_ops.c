@@ -528,12 +528,14 @@ static void matmul_type(enum dtype t) {
     mm_set_mode(MM_DEFAULT);
 }
 
-/* F32 and F16 at 1-2 tokens take the row kernel of matmul_vec.cu, with two
- * warps per row on grids of one wave (every shape here): also one warp per
- * row (LLM_CUDA_MV_SPLIT=0). */
+/* F32 and F16 at 1-2 tokens take the row kernel of matmul_vec.cu, with four
+ * warps per row on grids of one wave (every shape here): also two and one
+ * (LLM_CUDA_MV_SPLIT=2, 1). */
 static void matmul_float_type(enum dtype t) {
     matmul_type(t);
-    setenv("LLM_CUDA_MV_SPLIT", "0", 1);
+    setenv("LLM_CUDA_MV_SPLIT", "2", 1);
+    matmul_type(t);
+    setenv("LLM_CUDA_MV_SPLIT", "1", 1);
     matmul_type(t);
     unsetenv("LLM_CUDA_MV_SPLIT");
 }
