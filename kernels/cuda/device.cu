@@ -85,7 +85,8 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     }
     /* Four warps per row in matmul_vec.cu's row kernel where one warp per
      * row would be a single wave (7B F16 batch 1 on an H100: 5.60 ms with
-     * two, 5.50 with four); LLM_CUDA_MV_SPLIT=1 or 2 sets it, to compare. */
+     * two, 5.50 with four); LLM_CUDA_MV_SPLIT=1 or 2 sets it, to compare.
+     * (The same split in matmul_gemv.cu measured no gain: tenth pass.) */
     env = getenv("LLM_CUDA_MV_SPLIT");
     ctx->mv_split = 4;
     if (env && *env) {

@@ -80,14 +80,16 @@ __device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
 }
 
 /* Stores a warp's sums acc[t] (already reduced over the warp, t < n) for
- * its row: straight to out, or with swiglu through shared memory so that
- * the gate warp and the up warp of one row meet.  The row is located
- * again here rather than kept live through the kernel's main loop, where
- * registers are short. */
-template <int WARPS, int NT>
+ * its row: straight to out; with KS > 1 warps per row (each summed part of
+ * the row; no swiglu) the first adds the others' through shared memory;
+ * with swiglu the gate warp and the up warp of one row meet there.  The
+ * row is located again here rather than kept live through the kernel's
+ * main loop, where registers are short.  Every thread of the block calls
+ * it (a barrier, except with KS = 1 and no swiglu). */
+template <int WARPS, int NT, int KS = 1>
 __device__ __forceinline__ void mg_store(const mm_group &g, int warp, int lane, int n, const float (&acc)[NT]) {
-    const mm_row r = mg_locate<WARPS>(g, warp);
-    if (!g.swiglu) {
+    const mm_row r = mg_locate<WARPS / KS>(g, warp / KS);
+    if (KS == 1 && !g.swiglu) {
         if (lane == 0 && r.row < r.rows)
 #pragma unroll
             for (int t = 0; t < NT; t++)
@@ -99,6 +101,18 @@ __device__ __forceinline__ void mg_store(const mm_group &g, int warp, int lane, 
 #pragma unroll
         for (int t = 0; t < NT; t++) part[warp][t] = acc[t];
     __syncthreads();
+    if (KS > 1) {
+        if (warp % KS == 0 && lane == 0 && r.row < r.rows)
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t >= n) break;
+                float v = 0.0f;
+#pragma unroll
+                for (int k = 0; k < KS; k++) v += part[warp + k][t];
+                r.out[(size_t)t * r.rows + r.row] = v;
+            }
+        return;
+    }
     const int half = WARPS / 2, i = threadIdx.x;
     if (i < half * NT) {
         int w = i % half, t = i / half, row = blockIdx.x * half + w;

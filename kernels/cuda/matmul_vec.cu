@@ -467,26 +467,7 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
     }
-    if constexpr (KS == 1) {
-        mg_store<MV_WARPS, NT>(g, warp, lane, n, acc);
-    } else {
-        __shared__ float red[MV_WARPS][NT];
-        if (lane == 0)
-#pragma unroll
-            for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
-        __syncthreads();
-        const mm_row r = mg_locate<MV_WARPS / KS>(g, warp / KS);
-        if (part == 0 && lane == 0 && r.row < r.rows) {
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t >= n) break;
-                float v = 0.0f;
-#pragma unroll
-                for (int k = 0; k < KS; k++) v += red[warp + k][t];
-                r.out[(size_t)t * r.rows + r.row] = v;
-            }
-        }
-    }
+    mg_store<MV_WARPS, NT, KS>(g, warp, lane, n, acc);
 }
 
 template <int T, int NT>
