@@ -153,6 +153,7 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
     constexpr int CK = G::ck, NB = CK / 32, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
     constexpr bool PIPE = NT <= 16, LAST = NT <= 16;
     extern __shared__ uint4 mq_smem[];
+    __shared__ uint32_t mq_sc[mq_scales<T>::on ? MQ_WARPS * 16 * 9 : 1];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     uint8_t *wsm = (uint8_t *)mq_smem + warp * 16 * G::ws;
     __half *xs = (__half *)((uint8_t *)mq_smem + MQ_WARPS * 16 * G::ws);
@@ -198,12 +199,22 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
         const uint8_t *pg = wsm + g * G::ws + ((uintptr_t)(w + (size_t)(row0 + g) * row_bytes + choff) & m16);
         const uint8_t *pg8 =
             wsm + (g + 8) * G::ws + ((uintptr_t)(w + (size_t)(row0 + g + 8) * row_bytes + choff) & m16);
+        /* K-quants: the scale pairs of the warp's 16 rows (mq_scale_pair),
+         * half a row's blocks a lane, rows 9 words apart. */
+        uint32_t *sct = mq_sc + warp * 16 * 9;
+        if constexpr (mq_scales<T>::on) {
+            const int r = lane & 15, h = lane >> 4;
+            const uint8_t *pr = wsm + r * G::ws + ((uintptr_t)(w + (size_t)(row0 + r) * row_bytes + choff) & m16);
+#pragma unroll
+            for (int b = 0; b < 4; b++) sct[r * 9 + 4 * h + b] = mq_scale_pair<T>(pr, 4 * h + b, ch);
+            __syncwarp();
+        }
 #pragma unroll
         for (int b = 0; b < NB; b++) {
             if (b < nb) {
                 uint32_t alo[4], ahi[4];
-                mq_decode<T>(pg, b, t, ch, alo);
-                mq_decode<T>(pg8, b, t, ch, ahi);
+                mq_decode<T, true>(pg, b, t, ch, alo, sct[g * 9 + b]);
+                mq_decode<T, true>(pg8, b, t, ch, ahi, sct[(g + 8) * 9 + b]);
 #pragma unroll
                 for (int nt = 0; nt < NTL; nt++)
                     if (nt * 8 < n)

@@ -86,9 +86,34 @@ __device__ __forceinline__ void mq_cvt(uint32_t (&a)[4], uint32_t v0, uint32_t v
 /* Bit i of the low 4 bits of b moved to bit 8i + 4 (a 5th code bit per byte). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return (((b & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
 
+/* The K-quants' scales, unpacked once per row and chunk rather than by
+ * each of the 4 lanes of a row for each fragment: mq_scales<T> is 1 for
+ * them.  mq_scale_pair gives block b's as two halves: Q4_K / Q5_K (d x sc,
+ * -dmin x mn), Q6_K d x sc of its two 16-column halves (the same F16
+ * values mq_decode made from them before). */
+template <int T> struct mq_scales {
+    static constexpr int on = T == DTYPE_Q4_K || T == DTYPE_Q5_K || T == DTYPE_Q6_K;
+};
+template <int T> __device__ __forceinline__ uint32_t mq_scale_pair(const uint8_t *p, int b, int ch) {
+    if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) {
+        float sc, mn;
+        kq_scale_min(b, p + 4, &sc, &mn);
+        float d = __half2float(*(const __half *)p) * sc, m = __half2float(*(const __half *)(p + 2)) * mn;
+        return mq_u32(__floats2half2_rn(d, -m));
+    } else {
+        int h = b >> 2, q = b & 3;
+        float d = __half2float(*(const __half *)(p + 208 + ((2 * ch) & 15)));
+        const int8_t *sc = (const int8_t *)p + 192 + 8 * h + 2 * q;
+        return mq_u32(__floats2half2_rn(d * (float)sc[0], d * (float)sc[1]));
+    }
+}
 /* a[0..3] = the fragment of lane t for 32-column block b of chunk ch whose
- * bytes start at p (one row, in shared memory, even address). */
-template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch, uint32_t (&a)[4]) {
+ * bytes start at p (one row, in shared memory, even address).  With TAB
+ * the K-quants take the block's scales from sc (its mq_scale_pair, which
+ * the caller unpacked once for the 4 lanes of the row); without, they
+ * unpack them here. */
+template <int T, bool TAB = false>
+__device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch, uint32_t (&a)[4], uint32_t sc = 0) {
     const __half2 zero = mq_hh(0.0f);
     if constexpr (T == DTYPE_F16) {
         uint4 v = *(const uint4 *)(p + 64 * b + 16 * t); /* rows of 32k halves: 16-byte aligned */
@@ -124,9 +149,17 @@ template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int
          * is the sub-block: low (b even) or high nibbles of code bytes
          * 32 (b / 2) + l. */
         const int qo = T == DTYPE_Q4_K ? 16 : 48;
-        float sc, mn;
-        kq_scale_min(b, p + 4, &sc, &mn);
-        float d = __half2float(*(const __half *)p) * sc, m = __half2float(*(const __half *)(p + 2)) * mn;
+        __half2 dh, mh;
+        if constexpr (TAB) {
+            const __half2 dm = mq_h2(sc);
+            dh = __low2half2(dm);
+            mh = __high2half2(dm);
+        } else {
+            float sc, mn;
+            kq_scale_min(b, p + 4, &sc, &mn);
+            dh = mq_hh(__half2float(*(const __half *)p) * sc);
+            mh = mq_hh(-(__half2float(*(const __half *)(p + 2)) * mn));
+        }
         uint2 q = *(const uint2 *)(p + qo + 32 * (b >> 1) + 8 * t);
         int sh = 4 * (b & 1);
         uint32_t v0 = (q.x >> sh) & 0x0F0F0F0Fu, v1 = (q.y >> sh) & 0x0F0F0F0Fu;
@@ -135,7 +168,7 @@ template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int
             v0 |= ((h.x >> b) & 0x01010101u) << 4;
             v1 |= ((h.y >> b) & 0x01010101u) << 4;
         }
-        mq_cvt(a, v0, v1, mq_hh(1024.0f), mq_hh(d), mq_hh(-m));
+        mq_cvt(a, v0, v1, mq_hh(1024.0f), dh, mh);
     } else if constexpr (T == DTYPE_Q6_K) {
         /* One super-block per chunk, regrouped: ql at 0, qh at 128, scales
          * at 192, d in the 16-byte word at 208 (at 2 ch mod 16 in it).
@@ -145,9 +178,15 @@ template <int T> __device__ __forceinline__ void mq_decode(const uint8_t *p, int
         uint2 ql = *(const uint2 *)(p + 64 * h + 32 * (q & 1) + 8 * t), qh = *(const uint2 *)(p + 128 + 32 * h + 8 * t);
         uint32_t v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * q)) & 0x03030303u) << 4);
         uint32_t v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * q)) & 0x03030303u) << 4);
-        float d = __half2float(*(const __half *)(p + 208 + ((2 * ch) & 15))) *
-                  (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)];
-        mq_cvt(a, v0, v1, mq_hh(1056.0f), mq_hh(d), zero);
+        __half2 s;
+        if constexpr (TAB) {
+            const __half2 dd = mq_h2(sc);
+            s = t >> 1 ? __high2half2(dd) : __low2half2(dd);
+        } else {
+            s = mq_hh(__half2float(*(const __half *)(p + 208 + ((2 * ch) & 15))) *
+                      (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)]);
+        }
+        mq_cvt(a, v0, v1, mq_hh(1056.0f), s, zero);
     }
 }
 
