@@ -675,8 +675,8 @@ int main(int argc, char **argv) {
          "(every row's logits downloaded to the host)",
          &o.out, 0, 0, NULL},
         {"ab", NULL, OPTION_STRING, NULL,
-         "VAR=VALUE: run each model 4 times, each on a fresh backend, with VAR as given, =VALUE, =VALUE, as "
-         "given (an A/B of a backend switch on one card; rows name their setting)",
+         "VAR=V1[,V2...]: run each model on a fresh backend with VAR as given, =V1 .. =Vk, =Vk .. =V1, as "
+         "given (an A/B of a backend switch on one card, up to 8 values; rows name their setting)",
          &o.ab, 0, 0, NULL},
     };
     struct options opt = {"bench_gpu", "[options]",
@@ -699,15 +699,29 @@ int main(int argc, char **argv) {
     }
     o.logits = rc == STATUS_OK && strcmp(o.out, "logits") == 0;
     char ab_var[64] = "", ab_val[64] = "", ab_old[64] = "";
-    int ab_had = 0;
+    const char *ab_vals[8];
+    int ab_had = 0, ab_n = 0;
     if (rc == STATUS_OK && o.ab) {
         const char *eq = strchr(o.ab, '=');
-        if (!eq || eq == o.ab || (size_t)(eq - o.ab) >= sizeof ab_var || strlen(eq + 1) >= sizeof ab_val) {
-            snprintf(err, sizeof err, "--ab \"%s\": expected VAR=VALUE (names and values under 64 bytes)", o.ab);
+        if (eq && eq != o.ab && (size_t)(eq - o.ab) < sizeof ab_var && strlen(eq + 1) < sizeof ab_val) {
+            snprintf(ab_val, sizeof ab_val, "%s", eq + 1);
+            for (char *v = ab_val; v;) {
+                char *next = strchr(v, ',');
+                if (next) *next++ = '\0';
+                if (!*v || ab_n == 8) { /* an empty value, or a ninth */
+                    ab_n = 0;
+                    break;
+                }
+                ab_vals[ab_n++] = v;
+                v = next;
+            }
+        }
+        if (ab_n == 0) {
+            snprintf(err, sizeof err, "--ab \"%s\": expected VAR=V1[,V2...] (1 to 8 values, names and values under "
+                     "64 bytes)", o.ab);
             rc = STATUS_BAD_INPUT;
         } else {
             snprintf(ab_var, sizeof ab_var, "%.*s", (int)(eq - o.ab), o.ab);
-            snprintf(ab_val, sizeof ab_val, "%s", eq + 1);
             const char *old = getenv(ab_var);
             ab_had = old != NULL;
             snprintf(ab_old, sizeof ab_old, "%.63s", old ? old : "");
@@ -775,13 +789,14 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "bench_gpu: wrote %s (%.2f GB) in %.1f s\n", path,
                         stat(path, &st) == 0 ? (double)st.st_size / 1e9 : 0.0, bench_now() - t0);
                 if (!o.ab) rc = bench_model(b, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
-                for (int k = 0; o.ab && k < 4 && rc == STATUS_OK && !bench_stop; k++) {
-                    int variant = k == 1 || k == 2;
-                    if (variant) setenv(ab_var, ab_val, 1);
+                /* Runs: as given, V1 .. Vk, Vk .. V1, as given. */
+                for (int k = 0; o.ab && k < 2 * ab_n + 2 && rc == STATUS_OK && !bench_stop; k++) {
+                    const char *val = k == 0 || k == 2 * ab_n + 1 ? NULL : ab_vals[k <= ab_n ? k - 1 : 2 * ab_n - k];
+                    if (val) setenv(ab_var, val, 1);
                     else if (ab_had) setenv(ab_var, ab_old, 1);
                     else unsetenv(ab_var);
                     snprintf(bench_setting, sizeof bench_setting, "%s=%s", ab_var,
-                             variant ? ab_val : ab_had ? ab_old : "(unset)");
+                             val ? val : ab_had ? ab_old : "(unset)");
                     backend *bk = NULL;
                     rc = device < 0 ? backend_cpu_init(&bk, o.threads, err, sizeof err)
                                     : backend_cuda_init(&bk, device, err, sizeof err);
