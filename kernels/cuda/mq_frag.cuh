@@ -86,33 +86,56 @@ __device__ __forceinline__ void mq_cvt(uint32_t (&a)[4], uint32_t v0, uint32_t v
 /* Bit i of the low 4 bits of b moved to bit 8i + 4 (a 5th code bit per byte). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return (((b & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
 
-/* The K-quants' scales, unpacked once per row and chunk rather than by
- * each of the 4 lanes of a row for each fragment: mq_scales<T> is 1 for
- * them.  mq_scale_pair gives block b's as two halves: Q4_K / Q5_K (d x sc,
- * -dmin x mn), Q6_K d x sc of its two 16-column halves (the same F16
- * values mq_decode made from them before). */
+/* The K-quants' block scales as F16 pairs, worked out in half2
+ * arithmetic: a 6-bit scale or min (or Q6_K's int8 scale) becomes exact
+ * F16 through the 1024 + c mantissa trick of mq_cvt, and one hmul2 by the
+ * super-block's F16 factors rounds each product once, as converting the
+ * exact F32 product d x sc to F16 does (d has 11 significant bits, sc 8 at
+ * most): the same bits as F32 arithmetic, in a handful of instructions.
+ *
+ * Q4_K / Q5_K: (d x sc, -dmin x mn) of sub-block b (0..7) from the
+ * super-block's 16-byte header h (d, dmin, then kq_scale_min's 12 bytes
+ * of 6-bit scales and mins in h.y, h.z, h.w). */
+__device__ __forceinline__ uint32_t mq_kq_pair(uint4 h, int b) {
+    uint32_t v;
+    if (b < 4) { /* sc = y[b] & 63, mn = z[b] & 63 */
+        v = __byte_perm(h.y, h.z, (uint32_t)(b | (4 + b) << 8)) & 0x003F003Fu;
+    } else { /* sc = (w[k] & 15) | (y[k] >> 6) << 4, mn = (w[k] >> 4) | (z[k] >> 6) << 4 */
+        const int k = b - 4;
+        const uint32_t lo = __byte_perm(h.w, h.w >> 4, (uint32_t)(k | (4 + k) << 8));
+        const uint32_t hi = __byte_perm(h.y, h.z, (uint32_t)(k | (4 + k) << 8));
+        v = (lo & 0x000F000Fu) | ((hi >> 2) & 0x00300030u);
+    }
+    const __half2 sm = __hsub2(mq_h2(v | 0x64006400u), mq_hh(1024.0f));
+    return mq_u32(__hmul2(sm, mq_h2(h.x ^ 0x80000000u))); /* (d, -dmin) */
+}
+/* Q6_K (regrouped, one super-block in shared memory at p): d x sc of the
+ * two 16-column halves of block b (scale bytes 192 + 8 (b / 4) + 2 (b %
+ * 4), + 1; d in the 16-byte word at 208, at 2 ch mod 16 in it). */
+__device__ __forceinline__ uint32_t mq_q6_pair(const uint8_t *p, int b, int ch) {
+    const uint32_t s2 = *(const uint16_t *)(p + 192 + 8 * (b >> 2) + 2 * (b & 3));
+    const uint32_t v = (__byte_perm(s2, 0, 0x4140u) ^ 0x00800080u) | 0x64006400u; /* 1152 + sc */
+    const __half d = *(const __half *)(p + 208 + ((2 * ch) & 15));
+    return mq_u32(__hmul2(__hsub2(mq_h2(v), mq_hh(1152.0f)), __half2half2(d)));
+}
+
+/* mq (matmul_vec.cu) unpacks the scales once per row and chunk into a
+ * shared table rather than in each of the 4 lanes of a row for each
+ * fragment (mq_scales<T> is 1 for the K-quants); mq_scale_pair gives block
+ * b's pair from the row's bytes at p. */
 template <int T> struct mq_scales {
     static constexpr int on = T == DTYPE_Q4_K || T == DTYPE_Q5_K || T == DTYPE_Q6_K;
 };
 template <int T> __device__ __forceinline__ uint32_t mq_scale_pair(const uint8_t *p, int b, int ch) {
-    if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) {
-        float sc, mn;
-        kq_scale_min(b, p + 4, &sc, &mn);
-        float d = __half2float(*(const __half *)p) * sc, m = __half2float(*(const __half *)(p + 2)) * mn;
-        return mq_u32(__floats2half2_rn(d, -m));
-    } else {
-        int h = b >> 2, q = b & 3;
-        float d = __half2float(*(const __half *)(p + 208 + ((2 * ch) & 15)));
-        const int8_t *sc = (const int8_t *)p + 192 + 8 * h + 2 * q;
-        return mq_u32(__floats2half2_rn(d * (float)sc[0], d * (float)sc[1]));
-    }
+    if constexpr (T == DTYPE_Q4_K || T == DTYPE_Q5_K) return mq_kq_pair(*(const uint4 *)p, b);
+    else return mq_q6_pair(p, b, ch);
 }
 /* a[0..3] = the fragment of lane t for 32-column block b of chunk ch whose
  * bytes start at p (one row, in shared memory, even address).  With TAB
  * the K-quants take the block's scales from sc (its mq_scale_pair, which
  * the caller unpacked once for the 4 lanes of the row); without, they
- * unpack them here, as matmul_wide.cu does (there the table, and also
- * unpacking through mq_scale_pair, measured 3-5% slower: tenth pass). */
+ * unpack them here, as matmul_wide.cu does (a table measured 3-5% slower
+ * there: tenth pass), Q6_K only the lane's own one of the pair. */
 template <int T, bool TAB = false>
 __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch, uint32_t (&a)[4], uint32_t sc = 0) {
     const __half2 zero = mq_hh(0.0f);
@@ -150,17 +173,8 @@ __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch
          * is the sub-block: low (b even) or high nibbles of code bytes
          * 32 (b / 2) + l. */
         const int qo = T == DTYPE_Q4_K ? 16 : 48;
-        __half2 dh, mh;
-        if constexpr (TAB) {
-            const __half2 dm = mq_h2(sc);
-            dh = __low2half2(dm);
-            mh = __high2half2(dm);
-        } else {
-            float sc, mn;
-            kq_scale_min(b, p + 4, &sc, &mn);
-            dh = mq_hh(__half2float(*(const __half *)p) * sc);
-            mh = mq_hh(-(__half2float(*(const __half *)(p + 2)) * mn));
-        }
+        const __half2 dm = mq_h2(TAB ? sc : mq_kq_pair(*(const uint4 *)p, b));
+        const __half2 dh = __low2half2(dm), mh = __high2half2(dm);
         uint2 q = *(const uint2 *)(p + qo + 32 * (b >> 1) + 8 * t);
         int sh = 4 * (b & 1);
         uint32_t v0 = (q.x >> sh) & 0x0F0F0F0Fu, v1 = (q.y >> sh) & 0x0F0F0F0Fu;
@@ -183,7 +197,7 @@ __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch
         if constexpr (TAB) {
             const __half2 dd = mq_h2(sc);
             s = t >> 1 ? __high2half2(dd) : __low2half2(dd);
-        } else {
+        } else { /* the lane's one scale: cheaper here than mq_q6_pair's two (2% on matmul_wide, run 11) */
             s = mq_hh(__half2float(*(const __half *)(p + 208 + ((2 * ch) & 15))) *
                       (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)]);
         }
