@@ -128,6 +128,22 @@ static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *sr
 static int bc_matmul_multi(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
                            const float *x, int32_t n) {
     struct cuda_ctx *ctx = ctx_of(b);
+    /* Two types (Q4_K_M's q and k with its Q6_K v) in one launch where
+     * the 1-4 token kernel takes them. */
+    const void *wd[BACKEND_MATMUL_MULTI_MAX] = {0};
+    int64_t wr[BACKEND_MATMUL_MULTI_MAX] = {0};
+    enum dtype wt[BACKEND_MATMUL_MULTI_MAX] = {DTYPE_F32};
+    int same_cols = 1;
+    for (int j = 0; j < n_w; j++) {
+        wd[j] = ws[j]->data;
+        wr[j] = ws[j]->rows;
+        wt[j] = ws[j]->type;
+        same_cols &= ws[j]->cols == ws[0]->cols;
+    }
+    if (same_cols) {
+        int rc = cuda_matmul_group_mixed(ctx, n_w, outs, wd, wr, wt, ws[0]->cols, x, n);
+        if (rc != CUDA_NOT_FUSED) return rc;
+    }
     int done[BACKEND_MATMUL_MULTI_MAX] = {0};
     for (int j = 0; j < n_w; j++) {
         if (done[j]) continue;

@@ -171,6 +171,15 @@ int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype
 int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                       const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
                       int swiglu);
+/* The same for weights of two types, the first type's weights first (q and
+ * k Q4_K or Q5_K with v Q6_K, as the K-quant "_M" files mix them): one
+ * launch of the 1-4 token kernel where it takes both (matmul_gemv.cu),
+ * else CUDA_NOT_FUSED (then the caller groups by type). */
+int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
+                            const int64_t rows[], const enum dtype types[], int64_t cols, const float *x,
+                            int32_t n);
+/* 1 if one matmul_gemv launch takes weights of type, then of type1. */
+int cuda_matmul_gemv_pair(enum dtype type, enum dtype type1);
 /* kv_k, kv_v: [n_blocks][n_kv_heads][block_size][head_dim] of kv_type. */
 int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum dtype kv_type, int32_t n_blocks,
                   int32_t block_size, int32_t n_kv_heads, int32_t head_dim, const float *k,

@@ -195,3 +195,27 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
     if (rc != STATUS_OK) cuda_act_forget(ctx);
     return rc;
 }
+
+extern "C" int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
+                                       const int64_t rows[], const enum dtype types[], int64_t cols, const float *x,
+                                       int32_t n) {
+    if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX || !matmul_gemv_takes(ctx, n)) return CUDA_NOT_FUSED;
+    int seg1 = 0;
+    while (seg1 < n_w && types[seg1] == types[0]) seg1++;
+    if (seg1 == n_w || !cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;
+    struct mm_group g = {};
+    for (int j = 0; j < n_w; j++) {
+        const enum dtype t = j < seg1 ? types[0] : types[seg1];
+        if (types[j] != t || rows[j] <= 0 || rows[j] > INT32_MAX || (uintptr_t)ws[j] % 16 != 0 ||
+            !cuda_matmul_gemv_supports(t, cols, n) || n > matmul_vec_max(ctx, t))
+            return CUDA_NOT_FUSED;
+        g.w[j] = (const uint8_t *)ws[j];
+        g.out[j] = outs[j];
+        g.rows[j] = (int)rows[j];
+    }
+    g.n = n_w;
+    for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
+    int rc = cuda_matmul_gemv_group2(ctx, &g, types[0], types[seg1], seg1, cols, x, n);
+    if (rc != STATUS_OK) cuda_act_forget(ctx);
+    return rc;
+}

@@ -245,35 +245,45 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
     }
 };
 
-/* out[t, row] = x[t] . w[row] for t < n <= NT, for each weight of the
- * group g (matmul_group.cuh): a warp owns one row.  Each lane loads
- * GV_UNROLL chunks before using any (the loads are independent: several
- * DRAM requests in flight per lane), then dots them; the 32 partial sums
- * are added with shuffles.  No early return: a swiglu block meets at a
- * barrier. */
+/* acc[t] += x[t] . one row (wr) for t < n <= NT, this lane's share: each
+ * lane loads GV_UNROLL chunks before using any (the loads are
+ * independent: several DRAM requests in flight per lane), then dots
+ * them. */
 template <int T, int NT>
-__global__ void __launch_bounds__(GV_WARPS * 32, 8)
-matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *__restrict__ xq,
-                   const float *__restrict__ xd, int n) {
-    pdl_begin();
+__device__ __forceinline__ void gv_row(const uint8_t *wr, int cols, const int8_t *__restrict__ xq,
+                                       const float *__restrict__ xd, int n, int lane, float (&acc)[NT]) {
     using C = gv_chunk<T>;
     constexpr int U = GV_UNROLL;
+    const int nch = cols / C::cw;
+    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+        C ch[U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, cols);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
+    }
+}
+
+/* out[t, row] = x[t] . w[row] for t < n <= NT, for each weight of the
+ * group g (matmul_group.cuh): a warp owns one row, the 32 partial sums
+ * are added with shuffles.  The weights from block b1 on may be of a
+ * second type T1 (row_bytes1 a row): Q4_K_M's v and Q5_K_M's, Q6_K beside
+ * Q4_K / Q5_K q and k, in the same launch (a branch per block).  No early
+ * return: a swiglu block meets at a barrier. */
+template <int T, int NT, int T1>
+__global__ void __launch_bounds__(GV_WARPS * 32, 8)
+matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1, int cols,
+                   const int8_t *__restrict__ xq, const float *__restrict__ xd, int n) {
+    pdl_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row < r.rows) {
-        const uint8_t *wr = r.w + (size_t)r.row * row_bytes;
-        const int nch = cols / C::cw;
-        for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-            C ch[U];
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, cols);
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
-        }
+        if (T1 != T && (int)blockIdx.x >= b1) gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, n, lane, acc);
+        else gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, n, lane, acc);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -283,19 +293,22 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, int cols, const int8_t *_
     mg_store<GV_WARPS, NT>(g, warp, lane, n, acc);
 }
 
-template <int T>
-static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const int8_t *xq, const float *xd, int n) {
-    unsigned grid = mg_layout(&g, GV_WARPS);
-    size_t rb = cuda_row_bytes((enum dtype)T, cols);
+/* Segments seg1 .. of g are of type T1 (T1 == T: none). */
+template <int T, int T1>
+static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int seg1, int64_t cols, const int8_t *xq, const float *xd,
+                       int n) {
+    const unsigned grid = mg_layout(&g, GV_WARPS);
+    const size_t rb = cuda_row_bytes((enum dtype)T, cols), rb1 = cuda_row_bytes((enum dtype)T1, cols);
+    const int b1 = seg1 < g.n ? g.blk0[seg1] : (int)grid;
     if (n == 1)
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
-                                    (int)cols, xq, xd, n));
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 1, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
+                                    b1, (int)cols, xq, xd, n));
     else if (n == 2)
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 2>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
-                                    (int)cols, xq, xd, n));
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 2, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
+                                    b1, (int)cols, xq, xd, n));
     else
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 4>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb,
-                                    (int)cols, xq, xd, n));
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 4, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
+                                    b1, (int)cols, xq, xd, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -309,14 +322,20 @@ extern "C" int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t 
     }
 }
 
-/* The group's weights (16-byte aligned, each checked by the caller)
- * against x quantized once. */
-extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
-                                      const float *x, int32_t n) {
-    for (int s = 0; s < g->n; s++)
-        if (g->rows[s] <= 0 || !cuda_matmul_gemv_supports(type, cols, n) || (uintptr_t)g->w[s] % 16 != 0)
+/* The group's weights (16-byte aligned, each checked here) against x
+ * quantized once; segments seg1 .. are of type1 (seg1 = g->n: none), a
+ * pair cuda_matmul_gemv_pair takes. */
+extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, enum dtype type1,
+                                       int seg1, int64_t cols, const float *x, int32_t n) {
+    for (int s = 0; s < g->n; s++) {
+        const enum dtype t = s < seg1 ? type : type1;
+        if (g->rows[s] <= 0 || !cuda_matmul_gemv_supports(t, cols, n) || (uintptr_t)g->w[s] % 16 != 0)
             return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %d tokens x %s [%d x %lld] at %p is not a gemv shape",
-                             n, dtype_name(type), g->rows[s], (long long)cols, (const void *)g->w[s]);
+                             n, dtype_name(t), g->rows[s], (long long)cols, (const void *)g->w[s]);
+    }
+    if (seg1 < g->n && type1 != type && !cuda_matmul_gemv_pair(type, type1))
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: %s with %s in one launch", dtype_name(type),
+                         dtype_name(type1));
     /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
     size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
     int64_t nblk = (int64_t)n * cols / 32;
@@ -329,15 +348,30 @@ extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, 
                                     x, nblk));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
+    if (seg1 < g->n && type1 != type) {
+        if (type == DTYPE_Q4_K) return gemv_launch<DTYPE_Q4_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, n);
+        return gemv_launch<DTYPE_Q5_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, n);
+    }
     switch (type) {
-    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0>(ctx, *g, cols, xq, xd, n);
-    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0>(ctx, *g, cols, xq, xd, n);
-    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K>(ctx, *g, cols, xq, xd, n);
-    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K>(ctx, *g, cols, xq, xd, n);
-    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K>(ctx, *g, cols, xq, xd, n);
+    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0, DTYPE_Q8_0>(ctx, *g, g->n, cols, xq, xd, n);
+    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0, DTYPE_Q4_0>(ctx, *g, g->n, cols, xq, xd, n);
+    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K, DTYPE_Q4_K>(ctx, *g, g->n, cols, xq, xd, n);
+    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K, DTYPE_Q5_K>(ctx, *g, g->n, cols, xq, xd, n);
+    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K, DTYPE_Q6_K>(ctx, *g, g->n, cols, xq, xd, n);
     default: break;
     }
     return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: weight type %s", dtype_name(type));
+}
+
+extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                      const float *x, int32_t n) {
+    return cuda_matmul_gemv_group2(ctx, g, type, type, g->n, cols, x, n);
+}
+
+/* The mixes of one launch: Q6_K after Q4_K or Q5_K (the K-quant "_M"
+ * files' v and down beside Q4_K / Q5_K q and k). */
+extern "C" int cuda_matmul_gemv_pair(enum dtype type, enum dtype type1) {
+    return type1 == DTYPE_Q6_K && (type == DTYPE_Q4_K || type == DTYPE_Q5_K);
 }
 
 extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,

@@ -127,6 +127,9 @@ __device__ __forceinline__ void mg_store(const mm_group &g, int warp, int lane, 
  * layout is filled by them. */
 extern "C" int cuda_matmul_gemv_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                       const float *x, int32_t n);
+/* Segments seg1 .. of g of type1 (a cuda_matmul_gemv_pair with type). */
+extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, enum dtype type1,
+                                       int seg1, int64_t cols, const float *x, int32_t n);
 extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                      const float *x, int32_t n);
 

@@ -43,77 +43,87 @@ extern "C" int cuda_rope(struct cuda_ctx *ctx, float *x, const int32_t *pos, int
     return rope_launch(ctx, x, pos, n, n_heads, head_dim, inv_freq, n_freq, neox);
 }
 
-/* rope of q and k and the cache write of k and v, one token per block.
- * Everything a thread reads is loaded before anything it computed is
- * stored (the pointers are __restrict__ and the pairs sit in registers),
- * so a token costs about two memory round trips, not one per loop
- * iteration: at batch 1 that is ~4 us instead of ~18 us per layer.  The
- * token's sines and cosines are formed once (in double, as rope above) in
- * shared memory.  A slot outside the cache is skipped, as in kv_write.cu. */
+/* rope of q and k and the cache write of k and v.  Block (t, y) of the
+ * grid takes token t's units y * RK_UNITS .. + RK_UNITS - 1 of two ranges
+ * at once: rotation pairs (q's heads, then k's) and cache row elements
+ * (v, and the dims of k that rope leaves alone).  Every load a thread
+ * makes (the slot, the position, its pairs and elements, its frequency)
+ * is issued before any result is stored (the pointers are __restrict__,
+ * the values sit in registers), so a token costs about two memory round
+ * trips, and the units of a token spread over several blocks instead of
+ * one (ncu at 7B batch 1, one block of 1024 threads for all 8192 units:
+ * 8.2 us a layer, its loops waiting on one load after another).  The
+ * token's sines and cosines are formed once a block (in double, as rope
+ * above) in shared memory.  A slot outside the cache is skipped, as in
+ * kv_write.cu. */
 template <int KT> __device__ __forceinline__ void rk_put(void *c, size_t at, float x) {
     if (KT == DTYPE_F16) ((fp16_t *)c)[at] = f2h(x);
     else ((float *)c)[at] = x;
 }
 
 #define RK_PER_THREAD 4
+#define RK_THREADS 256
+#define RK_UNITS (RK_PER_THREAD * RK_THREADS)
 
 template <int KT>
-__global__ void rope_kv_write_kernel(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
-                                     void *__restrict__ kc, void *__restrict__ vc, int32_t n_blocks,
-                                     int32_t block_size, int32_t n_kv_heads, int32_t head_dim,
-                                     const int32_t *__restrict__ pos, const int32_t *__restrict__ slots,
-                                     int32_t n_heads, const float *__restrict__ inv_freq, int32_t n_freq, int neox) {
+__global__ void __launch_bounds__(RK_THREADS)
+rope_kv_write_kernel(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
+                     void *__restrict__ kc, void *__restrict__ vc, int32_t n_blocks, int32_t block_size,
+                     int32_t n_kv_heads, int32_t head_dim, const int32_t *__restrict__ pos,
+                     const int32_t *__restrict__ slots, int32_t n_heads, const float *__restrict__ inv_freq,
+                     int32_t n_freq, int neox) {
     pdl_begin();
     extern __shared__ float rk_sc[]; /* cos[n_freq], sin[n_freq] */
     const int64_t t = blockIdx.x;
     const int32_t qw = n_heads * head_dim, kw = n_kv_heads * head_dim, n_pairs = (n_heads + n_kv_heads) * n_freq;
-    const int32_t slot = slots[t];
-    const bool store = slot >= 0 && slot < n_blocks * block_size;
-    const int32_t blk = store ? slot / block_size : 0, off = store ? slot % block_size : 0;
-    /* v, and the dims of k that rope leaves alone, go to the cache as they are. */
-    if (store) {
-        for (int32_t i = threadIdx.x; i < kw; i += blockDim.x) {
-            const int32_t h = i / head_dim, d = i % head_dim;
-            const size_t at = (((size_t)blk * n_kv_heads + h) * block_size + off) * head_dim + d;
-            rk_put<KT>(vc, at, v[t * kw + i]);
-            if (d >= 2 * n_freq) rk_put<KT>(kc, at, k[t * kw + i]);
+    const int32_t u0 = (int32_t)blockIdx.y * RK_UNITS + (int32_t)threadIdx.x;
+    const int32_t slot = slots[t], pt = pos[t];
+    float2 xv[RK_PER_THREAD];
+    float vv[RK_PER_THREAD], kp[RK_PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < RK_PER_THREAD; u++) {
+        const int32_t id = u0 + u * RK_THREADS;
+        if (id < n_pairs) {
+            const int32_t h = id / n_freq, i = id % n_freq;
+            const float *hv = h < n_heads ? q + t * qw + (int64_t)h * head_dim
+                                          : k + t * kw + (int64_t)(h - n_heads) * head_dim;
+            xv[u] = neox ? make_float2(hv[i], hv[i + n_freq]) : make_float2(hv[2 * i], hv[2 * i + 1]);
+        }
+        if (id < kw) {
+            vv[u] = v[t * kw + id];
+            if (id % head_dim >= 2 * n_freq) kp[u] = k[t * kw + id];
         }
     }
-    for (int32_t i = threadIdx.x; i < n_freq; i += blockDim.x) {
+    for (int32_t i = threadIdx.x; i < n_freq; i += RK_THREADS) {
         double s, c;
-        sincos((double)pos[t] * (double)inv_freq[i], &s, &c);
+        sincos((double)pt * (double)inv_freq[i], &s, &c);
         rk_sc[i] = (float)c;
         rk_sc[n_freq + i] = (float)s;
     }
-    for (int32_t base = 0; base < n_pairs; base += RK_PER_THREAD * blockDim.x) {
-        float2 xv[RK_PER_THREAD];
+    __syncthreads();
+    const bool store = slot >= 0 && slot < n_blocks * block_size;
+    const int32_t blk = store ? slot / block_size : 0, off = store ? slot % block_size : 0;
 #pragma unroll
-        for (int u = 0; u < RK_PER_THREAD; u++) {
-            const int32_t id = base + threadIdx.x + u * blockDim.x;
-            if (id < n_pairs) {
-                const int32_t h = id / n_freq, i = id % n_freq;
-                const float *hv = h < n_heads ? q + t * qw + (int64_t)h * head_dim
-                                              : k + t * kw + (int64_t)(h - n_heads) * head_dim;
-                xv[u] = neox ? make_float2(hv[i], hv[i + n_freq]) : make_float2(hv[2 * i], hv[2 * i + 1]);
-            }
+    for (int u = 0; u < RK_PER_THREAD; u++) {
+        const int32_t id = u0 + u * RK_THREADS;
+        if (id < kw && store) {
+            const int32_t h = id / head_dim, d = id % head_dim;
+            const size_t at = (((size_t)blk * n_kv_heads + h) * block_size + off) * head_dim + d;
+            rk_put<KT>(vc, at, vv[u]);
+            if (d >= 2 * n_freq) rk_put<KT>(kc, at, kp[u]);
         }
-        __syncthreads(); /* the sines and cosines (the loop runs alike in every thread) */
-#pragma unroll
-        for (int u = 0; u < RK_PER_THREAD; u++) {
-            const int32_t id = base + threadIdx.x + u * blockDim.x;
-            if (id < n_pairs) {
-                const int32_t h = id / n_freq, i = id % n_freq, j0 = neox ? i : 2 * i, j1 = neox ? i + n_freq : 2 * i + 1;
-                const float fc = rk_sc[i], fs = rk_sc[n_freq + i];
-                const float y0 = xv[u].x * fc - xv[u].y * fs, y1 = xv[u].x * fs + xv[u].y * fc;
-                float *hv = h < n_heads ? q + t * qw + (int64_t)h * head_dim
-                                        : k + t * kw + (int64_t)(h - n_heads) * head_dim;
-                hv[j0] = y0;
-                hv[j1] = y1;
-                if (h >= n_heads && store) {
-                    const size_t at = (((size_t)blk * n_kv_heads + (h - n_heads)) * block_size + off) * head_dim;
-                    rk_put<KT>(kc, at + j0, y0);
-                    rk_put<KT>(kc, at + j1, y1);
-                }
+        if (id < n_pairs) {
+            const int32_t h = id / n_freq, i = id % n_freq, j0 = neox ? i : 2 * i, j1 = neox ? i + n_freq : 2 * i + 1;
+            const float fc = rk_sc[i], fs = rk_sc[n_freq + i];
+            const float y0 = xv[u].x * fc - xv[u].y * fs, y1 = xv[u].x * fs + xv[u].y * fc;
+            float *hv = h < n_heads ? q + t * qw + (int64_t)h * head_dim
+                                    : k + t * kw + (int64_t)(h - n_heads) * head_dim;
+            hv[j0] = y0;
+            hv[j1] = y1;
+            if (h >= n_heads && store) {
+                const size_t at = (((size_t)blk * n_kv_heads + (h - n_heads)) * block_size + off) * head_dim;
+                rk_put<KT>(kc, at + j0, y0);
+                rk_put<KT>(kc, at + j1, y1);
             }
         }
     }
@@ -132,20 +142,21 @@ extern "C" int cuda_rope_kv_write(struct cuda_ctx *ctx, float *q, float *k, cons
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "rope_kv_write: cache type %s (F32 or F16 only)",
                          dtype_name(kv_type));
     if (n == 0) return STATUS_OK;
-    /* Enough threads for every pair in RK_PER_THREAD rounds and for the
-     * cache rows, at most 1024. */
-    int64_t pairs = (int64_t)(n_heads + n_kv_heads) * n_freq, kw = (int64_t)n_kv_heads * head_dim;
-    int64_t want = (pairs + RK_PER_THREAD - 1) / RK_PER_THREAD;
-    if (want < kw) want = kw;
-    int threads = want > 1024 ? 1024 : (int)((want + 31) / 32 * 32);
-    if (threads < 64) threads = 64;
+    /* Blocks of RK_UNITS units per token: enough for every pair and for
+     * the cache row. */
+    const int64_t pairs = (int64_t)(n_heads + n_kv_heads) * n_freq, kw = (int64_t)n_kv_heads * head_dim;
+    const int64_t units = pairs > kw ? pairs : kw, per_token = (units + RK_UNITS - 1) / RK_UNITS;
+    if (per_token > 65535)
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "rope_kv_write: %d + %d heads x %d dims is too wide", n_heads,
+                         n_kv_heads, head_dim);
+    const dim3 grid((unsigned)n, (unsigned)(per_token > 0 ? per_token : 1)), threads(RK_THREADS);
     size_t smem = (size_t)2 * n_freq * sizeof(float);
     if (kv_type == DTYPE_F16)
-        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F16>), dim3(n), dim3(threads), smem, q, k, v, kv_k,
+        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F16>), grid, threads, smem, q, k, v, kv_k,
                                     kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq,
                                     n_freq, neox));
     else
-        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F32>), dim3(n), dim3(threads), smem, q, k, v, kv_k,
+        CUDA_CHECK(ctx, cuda_launch(ctx, (rope_kv_write_kernel<DTYPE_F32>), grid, threads, smem, q, k, v, kv_k,
                                     kv_v, n_blocks, block_size, n_kv_heads, head_dim, pos, slots, n_heads, inv_freq,
                                     n_freq, neox));
     CUDA_CHECK(ctx, cudaGetLastError());
