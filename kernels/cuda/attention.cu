@@ -33,6 +33,7 @@ struct att_params {
     int32_t n_splits;
     int32_t split_want;   /* decode kernel: most splits of one sequence (<= n_splits) */
     int32_t split_step;   /* decode kernel: a split's positions are a multiple of this */
+    int32_t split_min;    /* decode kernel: and at least this many (ctx->att_steps steps) */
     float *part_acc;      /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;       /* (n_splits, n_tokens, n_heads, 2) running max and sum */
 };
@@ -223,42 +224,52 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     }
 }
 
-/* Merge the splits of one (row, head): weights exp(m_z - max m). */
-__global__ void attention_combine_kernel(float *out, const float *part_acc, const float *part_ml, int32_t n_splits,
-                                         int32_t n_tokens, int32_t n_heads, int32_t hd) {
+/* Merge the splits of one (row, head): weights exp(m_z - max m).  A
+ * thread per dim loads, for a group of up to ATT_COMBINE_GROUP splits at
+ * once, each split's (max, sum) and its partial sum of that dim, then
+ * merges them in registers: one memory round trip per group and no
+ * barrier (at batch 1, 9 splits: one round trip, where reading the
+ * (max, sum) pairs, a barrier, the weights and a second barrier before
+ * the partial sums made three).  Past one group the running (max, sum,
+ * acc) is rescaled to each group's new max. */
+#define ATT_COMBINE_GROUP 32
+__global__ void attention_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
+                                         const float *__restrict__ part_ml, int32_t n_splits, int32_t n_tokens,
+                                         int32_t n_heads, int32_t hd) {
     pdl_begin();
-    /* The splits' (max, sum) are read by one thread each, all at once, and
-     * turned into weights in shared memory; then each dim's partial sums
-     * are read with the loads in flight together (unrolled).  A loop that
-     * read the splits one after the other cost one memory latency per
-     * split: ~8 us per decode step at 9 splits. */
-    __shared__ float wz[ATT_COMBINE_MAX_SPLITS], ml_m[ATT_COMBINE_MAX_SPLITS], ml_l[ATT_COMBINE_MAX_SPLITS];
-    __shared__ float l_all;
     const int32_t row = blockIdx.x, head = blockIdx.y;
-    for (int z = threadIdx.x; z < n_splits; z += blockDim.x) {
-        const float *ml = part_ml + (((int64_t)z * n_tokens + row) * n_heads + head) * 2;
-        ml_m[z] = ml[0];
-        ml_l[z] = ml[1];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = -INFINITY, l = 0.0f;
-        for (int z = 0; z < n_splits; z++) m = fmaxf(m, ml_m[z]);
-        for (int z = 0; z < n_splits; z++) {
-            wz[z] = ml_m[z] != -INFINITY ? __expf(ml_m[z] - m) : 0.0f;
-            if (ml_m[z] != -INFINITY) l += ml_l[z] * wz[z];
-        }
-        l_all = l;
-    }
-    __syncthreads();
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-#pragma unroll 8
-        for (int z = 0; z < n_splits; z++) {
-            int64_t slot = ((int64_t)z * n_tokens + row) * n_heads + head;
-            if (wz[z] != 0.0f) acc += part_acc[slot * hd + d] * wz[z];
+        float m = -INFINITY, l = 0.0f, acc = 0.0f;
+        for (int z0 = 0; z0 < n_splits; z0 += ATT_COMBINE_GROUP) {
+            float mz[ATT_COMBINE_GROUP], lz[ATT_COMBINE_GROUP], az[ATT_COMBINE_GROUP];
+#pragma unroll
+            for (int j = 0; j < ATT_COMBINE_GROUP; j++) {
+                mz[j] = -INFINITY;
+                if (z0 + j < n_splits) {
+                    const int64_t slot = ((int64_t)(z0 + j) * n_tokens + row) * n_heads + head;
+                    mz[j] = part_ml[slot * 2];
+                    lz[j] = part_ml[slot * 2 + 1];
+                    az[j] = part_acc[slot * hd + d];
+                }
+            }
+            float gm = m;
+#pragma unroll
+            for (int j = 0; j < ATT_COMBINE_GROUP; j++) gm = fmaxf(gm, mz[j]);
+            if (gm == -INFINITY) continue;
+            if (m != -INFINITY && m != gm) {
+                const float sc = __expf(m - gm);
+                l *= sc;
+                acc *= sc;
+            }
+            m = gm;
+#pragma unroll
+            for (int j = 0; j < ATT_COMBINE_GROUP; j++) {
+                const float w = mz[j] != -INFINITY ? __expf(mz[j] - m) : 0.0f;
+                if (mz[j] != -INFINITY) l += lz[j] * w;
+                if (w != 0.0f) acc += az[j] * w; /* an empty split's sums are never read into the result */
+            }
         }
-        out[((int64_t)row * n_heads + head) * hd + d] = l_all > 0.0f ? acc / l_all : 0.0f;
+        out[((int64_t)row * n_heads + head) * hd + d] = l > 0.0f ? acc / l : 0.0f;
     }
 }
 
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
      * ones past a row's context exit empty.  A row's result depends on its
      * length and split_want only, however large the grid. */
     const int32_t len = pos + 1, step = p.split_step;
-    int32_t sp = min(p.split_want, (len + 2 * step - 1) / (2 * step));
+    int32_t sp = min(p.split_want, (len + p.split_min - 1) / p.split_min);
     sp = max(sp, 1);
     const int32_t chunk = ((len + sp - 1) / sp + step - 1) / step * step;
     const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
@@ -427,10 +438,10 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     const struct cuda_attn_args *a = &p->a;
     int64_t blocks = (int64_t)a->n_tokens * a->n_kv_heads;
     /* Split the context until about 8 blocks per SM are in flight, each
-     * split at least two steps of all its sub-warps. */
-    int64_t step = (int64_t)NS * U;
+     * split at least ctx->att_steps steps of all its sub-warps. */
+    int64_t step = (int64_t)NS * U, least = step * ctx->att_steps;
     int64_t want = (8LL * ctx->n_sms + blocks - 1) / blocks;
-    int64_t by_ctx = (a->max_ctx + 2 * step - 1) / (2 * step);
+    int64_t by_ctx = (a->max_ctx + least - 1) / least;
     if (want > ATT_COMBINE_MAX_SPLITS) want = ATT_COMBINE_MAX_SPLITS;
     int64_t splits = want < by_ctx ? want : by_ctx;
     if (splits < 1) splits = 1;
@@ -438,6 +449,7 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
      * device): here only the grid, enough splits for the longest. */
     p->split_want = (int32_t)want;
     p->split_step = (int32_t)step;
+    p->split_min = (int32_t)least;
     p->chunk = 0;
     p->n_splits = (int32_t)splits;
     if (p->n_splits > 1) {

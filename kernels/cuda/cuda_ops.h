@@ -36,6 +36,8 @@ struct cuda_ctx {
                          * and later, default; LLM_CUDA_WIDE=0: off) */
     int wide_items;     /* least items (row block x chunk) per SM it takes: 4 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
+    int att_steps;      /* attention decode kernel: each context split at least this many
+                         * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
                          * LLM_CUDA_DECODE_TC_G) */

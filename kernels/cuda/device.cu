@@ -115,6 +115,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         int v = atoi(env);
         ctx->decode_tc_g = v < 0 ? 0 : v;
     }
+    /* Context splits of the decode attention kernel of at least two steps
+     * of its sub-warps; LLM_CUDA_ATT_STEPS=1 halves them, to compare. */
+    env = getenv("LLM_CUDA_ATT_STEPS");
+    ctx->att_steps = env && strcmp(env, "1") == 0 ? 1 : 2;
     ctx->wide_items = 4;
     env = getenv("LLM_CUDA_WIDE_ITEMS");
     if (env && *env) {

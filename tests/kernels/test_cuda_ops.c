@@ -1111,7 +1111,17 @@ TEST(cuda_ops_attention_decode) {
     int32_t p6[40];
     for (int i = 0; i < 40; i++) p6[i] = rng_int(300);
     attention_case(DTYPE_F16, 32, 32, 128, 16, 40, ones, p6); /* many rows: no split */
+    static const int32_t p7[] = {4000};
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 1, ones, p7); /* one long row: 63 splits, merged 32 at a time */
     fx_close();
+    /* Splits of one step of the sub-warps (LLM_CUDA_ATT_STEPS=1): twice
+     * as many, up to the most the merge takes. */
+    setenv("LLM_CUDA_ATT_STEPS", "1", 1);
+    fx_open();
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 4, ones, p1);
+    attention_case(DTYPE_F16, 8, 2, 64, 16, 1, ones, p7);
+    fx_close();
+    unsetenv("LLM_CUDA_ATT_STEPS");
     /* The same decode batches on the tensor-core kernel (every group size:
      * LLM_CUDA_DECODE_TC_G=1), and groups of 8 with heads of 64 as
      * TinyLlama has them. */
