@@ -34,7 +34,7 @@ struct cuda_ctx {
                          * and later, default; LLM_CUDA_PDL=0: off): common.cuh */
     int wide;           /* matmul_wide.cu for quantized weights at 17-64 tokens (sm_80
                          * and later, default; LLM_CUDA_WIDE=0: off) */
-    int wide_items;     /* least items (row block x chunk) per SM it takes: 4 (default),
+    int wide_items;     /* least items (row block x chunk) per SM it takes: 2 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
     int att_steps;      /* attention decode kernel: each context split at least this many
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */

@@ -99,9 +99,12 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     env = getenv("LLM_CUDA_PDL");
     ctx->pdl = ctx->cc >= 90 && !(env && strcmp(env, "0") == 0);
     /* The pipelined tensor-core kernel for 17-64 tokens (cp.async: sm_80)
-     * on matmuls of at least 4 items per SM; LLM_CUDA_WIDE=0 leaves those
-     * to matmul_vec.cu's mq, LLM_CUDA_WIDE_ITEMS=k gives it every matmul
-     * of k items per SM, to compare and to test. */
+     * on matmuls of at least 2 items per SM (on an H100: TinyLlama's gate
+     * and up together have 2.7, and at 2 rather than 4 its Q8_0 batch 64
+     * step measured 3.58 -> 3.26 ms; the 7B's o, 1.9, stays on mq:
+     * eleventh pass); LLM_CUDA_WIDE=0 leaves those to matmul_vec.cu's mq,
+     * LLM_CUDA_WIDE_ITEMS=k gives it every matmul of k items per SM, to
+     * compare and to test. */
     env = getenv("LLM_CUDA_WIDE");
     ctx->wide = ctx->cc >= 80 && !(env && strcmp(env, "0") == 0);
     /* Decode attention of groups of >= 8 query heads on the tensor-core
@@ -119,7 +122,7 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * of its sub-warps; LLM_CUDA_ATT_STEPS=1 halves them, to compare. */
     env = getenv("LLM_CUDA_ATT_STEPS");
     ctx->att_steps = env && strcmp(env, "1") == 0 ? 1 : 2;
-    ctx->wide_items = 4;
+    ctx->wide_items = 2;
     env = getenv("LLM_CUDA_WIDE_ITEMS");
     if (env && *env) {
         int v = atoi(env);
