@@ -199,7 +199,8 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
 extern "C" int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                        const int64_t rows[], const enum dtype types[], int64_t cols, const float *x,
                                        int32_t n) {
-    if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX || !matmul_gemv_takes(ctx, n)) return CUDA_NOT_FUSED;
+    if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX || !matmul_gemv_takes(ctx, n))
+        return CUDA_NOT_FUSED;
     int seg1 = 0;
     while (seg1 < n_w && types[seg1] == types[0]) seg1++;
     if (seg1 == n_w || !cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;

@@ -282,8 +282,10 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row < r.rows) {
-        if (T1 != T && (int)blockIdx.x >= b1) gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, n, lane, acc);
-        else gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, n, lane, acc);
+        if (T1 != T && (int)blockIdx.x >= b1)
+            gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, n, lane, acc);
+        else
+            gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, n, lane, acc);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {

@@ -735,7 +735,8 @@ TEST(cuda_ops_matmul_multi) {
     const enum dtype q4k[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q4_K}, mixed[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q6_K};
     const enum dtype q40[4] = {DTYPE_Q4_0, DTYPE_Q4_0, DTYPE_Q4_0, DTYPE_Q4_0}, f32[2] = {DTYPE_F32, DTYPE_F32};
     const enum dtype q5k[3] = {DTYPE_Q5_K, DTYPE_Q5_K, DTYPE_Q5_K}, q6k_q8[3] = {DTYPE_Q6_K, DTYPE_Q8_0, DTYPE_Q6_K};
-    const enum dtype mixed5[3] = {DTYPE_Q5_K, DTYPE_Q5_K, DTYPE_Q6_K}, mixed_apart[3] = {DTYPE_Q4_K, DTYPE_Q6_K, DTYPE_Q4_K};
+    const enum dtype mixed5[3] = {DTYPE_Q5_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    const enum dtype mixed_apart[3] = {DTYPE_Q4_K, DTYPE_Q6_K, DTYPE_Q4_K};
     multi_case(f16, qkv, 3, 512);
     multi_case(q8, qkv, 3, 4096);
     multi_case(q4k, qkv, 3, 768);
