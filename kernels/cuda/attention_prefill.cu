@@ -267,26 +267,51 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 }
 
 /* Merge the splits of one (row, head): weights exp(m_z - max m); a split
- * that saw nothing (max -inf) adds nothing, a NaN sum makes the row NaN. */
-__global__ void attention_prefill_combine_kernel(float *out, const float *part_acc, const float *part_ml,
-                                                 int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
+ * that saw nothing (max -inf) adds nothing, a NaN sum makes the row NaN.
+ * A thread per dim loads, for up to APF_COMBINE_GROUP splits at once, each
+ * split's (max, sum) and its partial sum of that dim, and merges them in
+ * registers: one memory round trip per group, where loops over the splits
+ * waited on a load each (decode rows of groups of 8 split their context).
+ * Past one group the running (max, sum, acc) is rescaled to each group's
+ * new max. */
+#define APF_COMBINE_GROUP 32
+__global__ void attention_prefill_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
+                                                 const float *__restrict__ part_ml, int32_t n_splits,
+                                                 int32_t n_tokens, int32_t n_heads, int32_t hd) {
     const int32_t row = blockIdx.x, head = blockIdx.y;
-    float mx = -INFINITY;
-    for (int z = 0; z < n_splits; z++)
-        mx = fmaxf(mx, part_ml[(((int64_t)z * n_tokens + row) * n_heads + head) * 2]);
-    float l = 0.0f;
-    for (int z = 0; z < n_splits; z++) {
-        const float *ml = part_ml + (((int64_t)z * n_tokens + row) * n_heads + head) * 2;
-        if (ml[0] != -INFINITY) l += ml[1] * __expf(ml[0] - mx);
-    }
-    float inv = l == 0.0f ? 0.0f : 1.0f / l;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int z = 0; z < n_splits; z++) {
-            int64_t slot = ((int64_t)z * n_tokens + row) * n_heads + head;
-            float mz = part_ml[slot * 2];
-            if (mz != -INFINITY) acc += part_acc[slot * hd + d] * __expf(mz - mx);
+        float mx = -INFINITY, l = 0.0f, acc = 0.0f;
+        for (int z0 = 0; z0 < n_splits; z0 += APF_COMBINE_GROUP) {
+            float mz[APF_COMBINE_GROUP], lz[APF_COMBINE_GROUP], az[APF_COMBINE_GROUP];
+#pragma unroll
+            for (int j = 0; j < APF_COMBINE_GROUP; j++) {
+                mz[j] = -INFINITY;
+                if (z0 + j < n_splits) {
+                    const int64_t slot = ((int64_t)(z0 + j) * n_tokens + row) * n_heads + head;
+                    mz[j] = part_ml[slot * 2];
+                    lz[j] = part_ml[slot * 2 + 1];
+                    az[j] = part_acc[slot * hd + d];
+                }
+            }
+            float gm = mx;
+#pragma unroll
+            for (int j = 0; j < APF_COMBINE_GROUP; j++) gm = fmaxf(gm, mz[j]);
+            if (gm == -INFINITY) continue;
+            if (mx != -INFINITY && mx != gm) {
+                const float sc = __expf(mx - gm);
+                l *= sc;
+                acc *= sc;
+            }
+            mx = gm;
+#pragma unroll
+            for (int j = 0; j < APF_COMBINE_GROUP; j++)
+                if (mz[j] != -INFINITY) {
+                    const float w = __expf(mz[j] - mx);
+                    l += lz[j] * w;
+                    acc += az[j] * w;
+                }
         }
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
         out[((int64_t)row * n_heads + head) * hd + d] = acc * inv;
     }
 }
