@@ -13,6 +13,7 @@
  * of their own (attention_decode_kernel, below): K/V rows in registers,
  * no barrier per tile. */
 #include "attention_prefill.h"
+#include "attn_merge.cuh"
 #include "common.cuh"
 
 #include <math.h>
@@ -224,51 +225,17 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     }
 }
 
-/* Merge the splits of one (row, head): weights exp(m_z - max m).  A
- * thread per dim loads, for a group of up to ATT_COMBINE_GROUP splits at
- * once, each split's (max, sum) and its partial sum of that dim, then
- * merges them in registers: one memory round trip per group and no
- * barrier (at batch 1, 9 splits: one round trip, where reading the
- * (max, sum) pairs, a barrier, the weights and a second barrier before
- * the partial sums made three).  Past one group the running (max, sum,
- * acc) is rescaled to each group's new max. */
-#define ATT_COMBINE_GROUP 32
+/* Merge the splits of one (row, head) (attn_merge.cuh): at batch 1, 9
+ * splits, one round trip, where reading the (max, sum) pairs, a barrier,
+ * the weights and a second barrier before the partial sums made three. */
 __global__ void attention_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
                                          const float *__restrict__ part_ml, int32_t n_splits, int32_t n_tokens,
                                          int32_t n_heads, int32_t hd) {
     pdl_begin();
     const int32_t row = blockIdx.x, head = blockIdx.y;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float m = -INFINITY, l = 0.0f, acc = 0.0f;
-        for (int z0 = 0; z0 < n_splits; z0 += ATT_COMBINE_GROUP) {
-            float mz[ATT_COMBINE_GROUP], lz[ATT_COMBINE_GROUP], az[ATT_COMBINE_GROUP];
-#pragma unroll
-            for (int j = 0; j < ATT_COMBINE_GROUP; j++) {
-                mz[j] = -INFINITY;
-                if (z0 + j < n_splits) {
-                    const int64_t slot = ((int64_t)(z0 + j) * n_tokens + row) * n_heads + head;
-                    mz[j] = part_ml[slot * 2];
-                    lz[j] = part_ml[slot * 2 + 1];
-                    az[j] = part_acc[slot * hd + d];
-                }
-            }
-            float gm = m;
-#pragma unroll
-            for (int j = 0; j < ATT_COMBINE_GROUP; j++) gm = fmaxf(gm, mz[j]);
-            if (gm == -INFINITY) continue;
-            if (m != -INFINITY && m != gm) {
-                const float sc = __expf(m - gm);
-                l *= sc;
-                acc *= sc;
-            }
-            m = gm;
-#pragma unroll
-            for (int j = 0; j < ATT_COMBINE_GROUP; j++) {
-                const float w = mz[j] != -INFINITY ? __expf(mz[j] - m) : 0.0f;
-                if (mz[j] != -INFINITY) l += lz[j] * w;
-                if (w != 0.0f) acc += az[j] * w; /* an empty split's sums are never read into the result */
-            }
-        }
+        float l, acc;
+        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
         out[((int64_t)row * n_heads + head) * hd + d] = l > 0.0f ? acc / l : 0.0f;
     }
 }

@@ -15,6 +15,7 @@
  * the GPU, the context is split and a second kernel merges the partial
  * (max, sum, acc), as the general kernel of attention.cu does. */
 #include "attention_prefill.h"
+#include "attn_merge.cuh"
 #include "common.cuh"
 
 #include <math.h>
@@ -266,51 +267,15 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     }
 }
 
-/* Merge the splits of one (row, head): weights exp(m_z - max m); a split
- * that saw nothing (max -inf) adds nothing, a NaN sum makes the row NaN.
- * A thread per dim loads, for up to APF_COMBINE_GROUP splits at once, each
- * split's (max, sum) and its partial sum of that dim, and merges them in
- * registers: one memory round trip per group, where loops over the splits
- * waited on a load each (decode rows of groups of 8 split their context).
- * Past one group the running (max, sum, acc) is rescaled to each group's
- * new max. */
-#define APF_COMBINE_GROUP 32
+/* Merge the splits of one (row, head) (attn_merge.cuh); a NaN sum makes
+ * the row NaN. */
 __global__ void attention_prefill_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
                                                  const float *__restrict__ part_ml, int32_t n_splits,
                                                  int32_t n_tokens, int32_t n_heads, int32_t hd) {
     const int32_t row = blockIdx.x, head = blockIdx.y;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float mx = -INFINITY, l = 0.0f, acc = 0.0f;
-        for (int z0 = 0; z0 < n_splits; z0 += APF_COMBINE_GROUP) {
-            float mz[APF_COMBINE_GROUP], lz[APF_COMBINE_GROUP], az[APF_COMBINE_GROUP];
-#pragma unroll
-            for (int j = 0; j < APF_COMBINE_GROUP; j++) {
-                mz[j] = -INFINITY;
-                if (z0 + j < n_splits) {
-                    const int64_t slot = ((int64_t)(z0 + j) * n_tokens + row) * n_heads + head;
-                    mz[j] = part_ml[slot * 2];
-                    lz[j] = part_ml[slot * 2 + 1];
-                    az[j] = part_acc[slot * hd + d];
-                }
-            }
-            float gm = mx;
-#pragma unroll
-            for (int j = 0; j < APF_COMBINE_GROUP; j++) gm = fmaxf(gm, mz[j]);
-            if (gm == -INFINITY) continue;
-            if (mx != -INFINITY && mx != gm) {
-                const float sc = __expf(mx - gm);
-                l *= sc;
-                acc *= sc;
-            }
-            mx = gm;
-#pragma unroll
-            for (int j = 0; j < APF_COMBINE_GROUP; j++)
-                if (mz[j] != -INFINITY) {
-                    const float w = __expf(mz[j] - mx);
-                    l += lz[j] * w;
-                    acc += az[j] * w;
-                }
-        }
+        float l, acc;
+        att_merge_dim<false>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
         out[((int64_t)row * n_heads + head) * hd + d] = acc * inv;
     }

@@ -1,0 +1,60 @@
+/* The merge of a (row, head)'s context splits for one dim, shared by the
+ * combine kernels of attention.cu and attention_prefill.cu (partial sums
+ * part_acc (n_splits, n_tokens, n_heads, hd), running (max, sum) part_ml
+ * (n_splits, n_tokens, n_heads, 2)).  Weights exp(m_z - max m); a split
+ * that saw nothing (max -inf) adds nothing.  The thread loads, for up to
+ * ATT_MERGE_GROUP splits at once, each split's (max, sum) and its partial
+ * sum of dim d, then merges them in registers: one memory round trip per
+ * group and no barrier (loops over the splits had waited on a load, or a
+ * barrier, each).  Past one group the running (max, sum, acc) is rescaled
+ * to each group's new max; up to one group the arithmetic is the plain
+ * merge in split order.  SKIP_ZERO: a split whose weight underflows to 0
+ * adds nothing to acc either (the decode kernel's rule: its empty splits'
+ * sums are never read). */
+#ifndef KERNELS_CUDA_ATTN_MERGE_CUH
+#define KERNELS_CUDA_ATTN_MERGE_CUH
+
+#include "common.cuh"
+
+#define ATT_MERGE_GROUP 32
+
+template <bool SKIP_ZERO>
+__device__ __forceinline__ void att_merge_dim(const float *__restrict__ part_acc, const float *__restrict__ part_ml,
+                                              int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
+                                              int32_t row, int32_t head, int d, float *l_out, float *acc_out) {
+    float m = -INFINITY, l = 0.0f, acc = 0.0f;
+    for (int z0 = 0; z0 < n_splits; z0 += ATT_MERGE_GROUP) {
+        float mz[ATT_MERGE_GROUP], lz[ATT_MERGE_GROUP], az[ATT_MERGE_GROUP];
+#pragma unroll
+        for (int j = 0; j < ATT_MERGE_GROUP; j++) {
+            mz[j] = -INFINITY;
+            if (z0 + j < n_splits) {
+                const int64_t slot = ((int64_t)(z0 + j) * n_tokens + row) * n_heads + head;
+                mz[j] = part_ml[slot * 2];
+                lz[j] = part_ml[slot * 2 + 1];
+                az[j] = part_acc[slot * hd + d];
+            }
+        }
+        float gm = m;
+#pragma unroll
+        for (int j = 0; j < ATT_MERGE_GROUP; j++) gm = fmaxf(gm, mz[j]);
+        if (gm == -INFINITY) continue;
+        if (m != -INFINITY && m != gm) {
+            const float sc = __expf(m - gm);
+            l *= sc;
+            acc *= sc;
+        }
+        m = gm;
+#pragma unroll
+        for (int j = 0; j < ATT_MERGE_GROUP; j++)
+            if (mz[j] != -INFINITY) {
+                const float w = __expf(mz[j] - m);
+                l += lz[j] * w;
+                if (!SKIP_ZERO || w != 0.0f) acc += az[j] * w;
+            }
+    }
+    *l_out = l;
+    *acc_out = acc;
+}
+
+#endif
