@@ -28,6 +28,8 @@ struct cuda_ctx {
     int vec_max_float;  /* the same for F16/F32 weights (LLM_CUDA_SKINNY_MAX overrides both) */
     int gemv_max;       /* matmul: -1 (default): matmul_gemv.cu where it measured faster;
                          * else up to this many tokens (LLM_CUDA_GEMV_MAX; 0: never) */
+    int gemm_group;     /* matmul: prefill-sized groups of equal F16 weights in one batched
+                         * cuBLAS call (default; LLM_CUDA_GEMM_GROUP=0: one call each) */
     int mv_split;       /* matmul_vec.cu row kernel: warps per row on single-wave grids
                          * (4, default; LLM_CUDA_MV_SPLIT=1 or 2) */
     int pdl;            /* decode kernels launched as programmatic dependents (sm_90

@@ -17,7 +17,7 @@
  * fx_open releases what a failed previous test left, fx_close releases all
  * of it at the end of a test. */
 
-#define FX_MAX 128
+#define FX_MAX 256
 static struct {
     backend *cpu, *gpu;
     void *host[FX_MAX];
@@ -692,13 +692,14 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
- * weights (1-2 on F16/F32) and at 17-64 (matmul_wide.cu), also with types
- * mixed (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts
- * that leave blocks part-full; 5 tokens takes the per-weight kernels. */
-#define MULTI_NMAX 64
+ * weights (1-2 on F16/F32), at 17-64 (matmul_wide.cu) and from 65 (one
+ * batched cuBLAS call for F16 weights of equal rows), also with types mixed
+ * (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts that
+ * leave blocks part-full; 5 tokens takes the per-weight kernels. */
+#define MULTI_NMAX 130
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
-    static const int32_t ns[] = {1, 2, 3, 4, 5, 17, 40, MULTI_NMAX};
+    static const int32_t ns[] = {1, 2, 3, 4, 5, 17, 40, 64, 65, MULTI_NMAX};
     int wi[4];
     for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)MULTI_NMAX * cols, -1, 1), (size_t)MULTI_NMAX * cols * 4);
@@ -747,6 +748,18 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     multi_case(f32, two, 2, 256);
+    /* From 65 tokens (cuBLAS): F16 weights of equal rows in one batched
+     * call (q, k, v here; k and v above), quantized ones a call each; and
+     * with LLM_CUDA_GEMM_GROUP=0, one call each. */
+    const int64_t eq[3] = {128, 128, 128};
+    const enum dtype q6k[3] = {DTYPE_Q6_K, DTYPE_Q6_K, DTYPE_Q6_K};
+    multi_case(f16, eq, 3, 512);
+    multi_case(q8, eq, 3, 1024);
+    multi_case(q6k, eq, 3, 768);
+    setenv("LLM_CUDA_GEMM_GROUP", "0", 1);
+    multi_case(f16, eq, 3, 512);
+    multi_case(q4k, eq, 3, 768);
+    unsetenv("LLM_CUDA_GEMM_GROUP");
     /* matmul_wide.cu on groups of any size (one launch over the weights'
      * row blocks; by default it takes only large matmuls). */
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
