@@ -6,10 +6,11 @@
  * times the G query heads of one KV head, so each K/V tile is read once for
  * the whole group -- and walks its slice of the context in tiles of 32
  * positions.  Each of its 4 warps owns 16 query vectors: S = Q.K^T and
- * O += P.V are mma.sync m16n8k8 (F16 in, F32 accumulate; sm_75 has it and
- * every later card runs it), Q stays in registers as A fragments, and the
- * S accumulators are already the A fragments of P.V (the m16n8 C layout is
- * the m16n8k8 A layout), so P never goes through shared memory.  K is kept
+ * O += P.V are mma.sync m16n8k8 (F16 in, F32 accumulate; sm_75 has it),
+ * or from sm_80 m16n8k16 (half the instructions), Q stays in registers as
+ * A fragments, and the S accumulators are already the A fragments of P.V
+ * (the m16n8 C layout is the A layout of both), so P never goes through
+ * shared memory.  K is kept
  * row-major and V transposed in shared memory, rows padded so that every
  * fragment load is free of bank conflicts.  When the blocks cannot fill
  * the GPU, the context is split and a second kernel merges the partial
@@ -49,6 +50,21 @@ __device__ __forceinline__ void apf_mma(float d[4], uint32_t a0, uint32_t a1, ui
                  : "r"(a0), "r"(a1), "r"(b0));
 }
 
+/* The same with k = 16 (sm_80 and later; a0/a2 row g, a1/a3 row g + 8,
+ * a2/a3 and b1 the upper 8 of k): half the instructions for the same
+ * products.  Never launched below sm_80 (apf_params.k16), a trap there. */
+__device__ __forceinline__ void apf_mma16(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
 /* Dims d .. d + 7 of position j of KV head kvh: zeros from j_end on, NaN
  * for a block id outside the cache (the row then comes out NaN). */
 __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct cuda_attn_args &a,
@@ -61,7 +77,7 @@ __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct c
     return __ldg((const uint4 *)(cache + at));
 }
 
-template <int HD>
+template <int HD, bool K16>
 __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct apf_params p) {
     const struct cuda_attn_args &a = p.a;
     constexpr int KS = HD + 8;     /* K tile row stride in halves: 16-byte rows, banks 4g + t */
@@ -181,13 +197,24 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             float sc[NT][4];
 #pragma unroll
             for (int n = 0; n < NT; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+            if constexpr (K16) {
 #pragma unroll
-            for (int kk = 0; kk < NK; kk++)
+                for (int kk = 0; kk < NK; kk += 2)
 #pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    uint32_t b = *(const uint32_t *)(sk + (n * 8 + gq) * KS + kk * 8 + 2 * t4);
-                    apf_mma(sc[n], qf[kk][0], qf[kk][1], b);
-                }
+                    for (int n = 0; n < NT; n++) {
+                        const fp16_t *kp = sk + (n * 8 + gq) * KS + kk * 8 + 2 * t4;
+                        apf_mma16(sc[n], qf[kk][0], qf[kk][1], qf[kk + 1][0], qf[kk + 1][1], *(const uint32_t *)kp,
+                                  *(const uint32_t *)(kp + 8));
+                    }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < NK; kk++)
+#pragma unroll
+                    for (int n = 0; n < NT; n++) {
+                        uint32_t b = *(const uint32_t *)(sk + (n * 8 + gq) * KS + kk * 8 + 2 * t4);
+                        apf_mma(sc[n], qf[kk][0], qf[kk][1], b);
+                    }
+            }
             /* Causal mask and the slice's end: element c of n-tile n is
              * query vector h = c / 2, position j0 + 8n + 2t + c % 2. */
 #pragma unroll
@@ -226,13 +253,26 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             }
             /* O += P . V: S's n-tile kk is P's A fragment for positions
              * 8kk .. 8kk + 7; B from V^T, dims 8n + g. */
+            if constexpr (K16) {
 #pragma unroll
-            for (int kk = 0; kk < NT; kk++) {
-                uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
+                for (int kk = 0; kk < NT; kk += 2) {
+                    uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
+                    uint32_t p2 = apf_pack(sc[kk + 1][0], sc[kk + 1][1]), p3 = apf_pack(sc[kk + 1][2], sc[kk + 1][3]);
 #pragma unroll
-                for (int n = 0; n < NK; n++) {
-                    uint32_t b = *(const uint32_t *)(svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4);
-                    apf_mma(acc[n], p0, p1, b);
+                    for (int n = 0; n < NK; n++) {
+                        const fp16_t *vp = svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4;
+                        apf_mma16(acc[n], p0, p1, p2, p3, *(const uint32_t *)vp, *(const uint32_t *)(vp + 8));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < NT; kk++) {
+                    uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
+#pragma unroll
+                    for (int n = 0; n < NK; n++) {
+                        uint32_t b = *(const uint32_t *)(svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4);
+                        apf_mma(acc[n], p0, p1, b);
+                    }
                 }
             }
         }
@@ -343,8 +383,16 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
      * longest tile (the last rows, the whole context) starts first and the
      * short tiles fill in behind them. */
     dim3 grid((unsigned)a->n_kv_heads, (unsigned)tiles, (unsigned)p.n_splits);
-    if (a->head_dim == 64) attention_prefill_kernel<64><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-    else attention_prefill_kernel<128><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    /* m16n8k16 where the card has it (sm_80 and later), unless
+     * LLM_CUDA_ATT_K8=1 asks for the sm_75 instruction, to compare. */
+    const bool k16 = ctx->att_k16;
+    if (a->head_dim == 64) {
+        if (k16) attention_prefill_kernel<64, true><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+        else attention_prefill_kernel<64, false><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    } else {
+        if (k16) attention_prefill_kernel<128, true><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+        else attention_prefill_kernel<128, false><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    }
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p.n_splits > 1) {
         attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,

@@ -40,6 +40,8 @@ struct cuda_ctx {
                          * or LLM_CUDA_WIDE_ITEMS */
     int att_steps;      /* attention decode kernel: each context split at least this many
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
+    int att_k16;        /* attention_prefill.cu: mma m16n8k16 (sm_80 and later, default;
+                         * LLM_CUDA_ATT_K8=1: m16n8k8, sm_75's, to compare) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
                          * LLM_CUDA_DECODE_TC_G) */

@@ -123,6 +123,11 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         int v = atoi(env);
         ctx->decode_tc_g = v < 0 ? 0 : v;
     }
+    /* The tensor-core attention's mma: k = 16 from sm_80 (half the
+     * instructions of sm_75's k = 8); LLM_CUDA_ATT_K8=1 keeps k = 8, to
+     * compare and to test. */
+    env = getenv("LLM_CUDA_ATT_K8");
+    ctx->att_k16 = ctx->cc >= 80 && !(env && strcmp(env, "1") == 0);
     /* Context splits of the decode attention kernel of at least two steps
      * of its sub-warps; LLM_CUDA_ATT_STEPS=1 halves them, to compare. */
     env = getenv("LLM_CUDA_ATT_STEPS");

@@ -1140,6 +1140,12 @@ TEST(cuda_ops_attention_decode) {
      * LLM_CUDA_DECODE_TC_G=1), and groups of 8 with heads of 64 as
      * TinyLlama has them. */
     setenv("LLM_CUDA_DECODE_TC_G", "1", 1);
+    setenv("LLM_CUDA_ATT_K8", "1", 1); /* first with sm_75's mma (m16n8k8) */
+    fx_open();
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p2);
+    attention_case(DTYPE_F16, 32, 4, 64, 16, 40, ones, p6);
+    fx_close();
+    unsetenv("LLM_CUDA_ATT_K8");
     fx_open();
     attention_case(DTYPE_F16, 32, 32, 128, 16, 4, ones, p1);
     attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p2);
@@ -1183,6 +1189,11 @@ static void attention_prefill_cases(void) {
 TEST(cuda_ops_attention_prefill) {
     unsetenv("LLM_CUDA_PREFILL_TC");
     attention_prefill_cases();
+    /* The tensor-core kernel with sm_75's mma (m16n8k8), which sm_80 and
+     * later cards replace with m16n8k16; and the general kernel. */
+    setenv("LLM_CUDA_ATT_K8", "1", 1);
+    attention_prefill_cases();
+    unsetenv("LLM_CUDA_ATT_K8");
     setenv("LLM_CUDA_PREFILL_TC", "0", 1);
     attention_prefill_cases();
     unsetenv("LLM_CUDA_PREFILL_TC");
