@@ -10,11 +10,11 @@
  * or from sm_80 m16n8k16 (half the instructions), Q stays in registers as
  * A fragments, and the S accumulators are already the A fragments of P.V
  * (the m16n8 C layout is the A layout of both), so P never goes through
- * shared memory.  K is kept
- * row-major and V transposed in shared memory, rows padded so that every
- * fragment load is free of bank conflicts.  When the blocks cannot fill
- * the GPU, the context is split and a second kernel merges the partial
- * (max, sum, acc), as the general kernel of attention.cu does. */
+ * shared memory.  K and V are kept row-major in shared memory (P.V's
+ * operand transposed by ldmatrix), rows padded so that every fragment load
+ * is free of bank conflicts.  When the blocks cannot fill the GPU, the
+ * context is split and a second kernel merges the partial (max, sum, acc),
+ * as the general kernel of attention.cu does. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -65,6 +65,16 @@ __device__ __forceinline__ void apf_mma16(float d[4], uint32_t a0, uint32_t a1, 
 #endif
 }
 
+/* Four 8x8 tiles of 2-byte values, transposed: lane l gives the address of
+ * row l % 8 of tile l / 8 and gets, of each tile, the B fragment of an
+ * mma whose k runs down the tile's rows (ldmatrix, sm_75 and later). */
+__device__ __forceinline__ void apf_ldsm_t4(uint32_t (&r)[4], const fp16_t *row) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 /* Dims d .. d + 7 of position j of KV head kvh: zeros from j_end on, NaN
  * for a block id outside the cache (the row then comes out NaN). */
 __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct cuda_attn_args &a,
@@ -80,13 +90,14 @@ __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct c
 template <int HD, bool K16>
 __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct apf_params p) {
     const struct cuda_attn_args &a = p.a;
-    constexpr int KS = HD + 8;     /* K tile row stride in halves: 16-byte rows, banks 4g + t */
-    constexpr int VS = APF_BK + 8; /* V^T tile row stride in halves: banks 20g + t mod 32 */
+    constexpr int KS = HD + 8;     /* K and V tile row stride in halves: the 8 rows of a fragment or
+                                    * ldmatrix tile in distinct banks */
     constexpr int NK = HD / 8;     /* k-steps of S over the head; n-tiles of O */
     constexpr int NT = APF_BK / 8; /* n-tiles of S; k-steps of P.V */
     static_assert(APF_BK * (HD / 8) % APF_THREADS == 0, "the K/V tile loads split evenly over the threads");
+    static_assert(NK % 4 == 0, "P.V's B fragments come four n-tiles (two with k = 16) an ldmatrix");
     __shared__ __align__(16) fp16_t sk[APF_BK * KS];
-    __shared__ __align__(16) fp16_t svt[HD * VS];
+    __shared__ __align__(16) fp16_t sv[APF_BK * KS];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, t4 = lane % 4;
     const float ninf = -INFINITY;
 
@@ -161,27 +172,23 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
      * the slice, NaN for a block id outside the cache.  The next tile's
      * loads are issued into registers before the current tile is used, so
      * their latency overlaps the tensor-core work (at 2 blocks per SM
-     * there are too few warps to hide it otherwise).  K: a warp reads
-     * consecutive bytes and stores whole rows.  V: a warp takes the 32
-     * positions of one 8-dim column, so its transposed 2-byte stores land
-     * in 16 consecutive words (no bank conflict). */
+     * there are too few warps to hide it otherwise).  A warp reads
+     * consecutive bytes and stores whole rows, V as K (position-major):
+     * P.V's B fragments come out of ldmatrix's transposing loads. */
     constexpr int LD = APF_BK * (HD / 8) / APF_THREADS;
     uint4 kr[LD], vr[LD];
 #pragma unroll
     for (int it = 0; it < LD; it++) {
         int i = tid + it * APF_THREADS;
         kr[it] = apf_load_kv(kc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-        vr[it] = apf_load_kv(vc, a, btab, kvh, j_begin + i % APF_BK, j_end, (i / APF_BK) * 8, HD);
+        vr[it] = apf_load_kv(vc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
     }
     for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
 #pragma unroll
         for (int it = 0; it < LD; it++) {
             int i = tid + it * APF_THREADS;
             *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = kr[it];
-            const int jj = i % APF_BK, d = (i / APF_BK) * 8;
-            const fp16_t *vh = (const fp16_t *)&vr[it];
-#pragma unroll
-            for (int e = 0; e < 8; e++) svt[(d + e) * VS + jj] = vh[e];
+            *(uint4 *)(sv + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = vr[it];
         }
         __syncthreads();
         if (j0 + APF_BK < j_end) {
@@ -189,7 +196,7 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             for (int it = 0; it < LD; it++) {
                 int i = tid + it * APF_THREADS;
                 kr[it] = apf_load_kv(kc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-                vr[it] = apf_load_kv(vc, a, btab, kvh, j0 + APF_BK + i % APF_BK, j_end, (i / APF_BK) * 8, HD);
+                vr[it] = apf_load_kv(vc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
             }
         }
         if (wmax >= j0) {
@@ -252,16 +259,22 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
                 }
             }
             /* O += P . V: S's n-tile kk is P's A fragment for positions
-             * 8kk .. 8kk + 7; B from V^T, dims 8n + g. */
+             * 8kk .. 8kk + 7; B from V's rows of those positions, dims
+             * 8n .. 8n + 7, transposed by ldmatrix: with k = 16 its tiles
+             * are (positions low, n), (high, n), (low, n + 1), (high,
+             * n + 1); with k = 8, n-tiles n .. n + 3. */
+            const int lr = lane % 8, lt = lane / 8;
             if constexpr (K16) {
 #pragma unroll
                 for (int kk = 0; kk < NT; kk += 2) {
                     uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
                     uint32_t p2 = apf_pack(sc[kk + 1][0], sc[kk + 1][1]), p3 = apf_pack(sc[kk + 1][2], sc[kk + 1][3]);
 #pragma unroll
-                    for (int n = 0; n < NK; n++) {
-                        const fp16_t *vp = svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4;
-                        apf_mma16(acc[n], p0, p1, p2, p3, *(const uint32_t *)vp, *(const uint32_t *)(vp + 8));
+                    for (int n = 0; n < NK; n += 2) {
+                        uint32_t b[4];
+                        apf_ldsm_t4(b, sv + (kk * 8 + (lt & 1) * 8 + lr) * KS + (n + (lt >> 1)) * 8);
+                        apf_mma16(acc[n], p0, p1, p2, p3, b[0], b[1]);
+                        apf_mma16(acc[n + 1], p0, p1, p2, p3, b[2], b[3]);
                     }
                 }
             } else {
@@ -269,9 +282,11 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
                 for (int kk = 0; kk < NT; kk++) {
                     uint32_t p0 = apf_pack(sc[kk][0], sc[kk][1]), p1 = apf_pack(sc[kk][2], sc[kk][3]);
 #pragma unroll
-                    for (int n = 0; n < NK; n++) {
-                        uint32_t b = *(const uint32_t *)(svt + (n * 8 + gq) * VS + kk * 8 + 2 * t4);
-                        apf_mma(acc[n], p0, p1, b);
+                    for (int n = 0; n < NK; n += 4) {
+                        uint32_t b[4];
+                        apf_ldsm_t4(b, sv + (kk * 8 + lr) * KS + (n + lt) * 8);
+#pragma unroll
+                        for (int q = 0; q < 4; q++) apf_mma(acc[n + q], p0, p1, b[q]);
                     }
                 }
             }
