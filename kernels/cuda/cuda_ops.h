@@ -170,7 +170,8 @@ int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype
  * backend's BACKEND_NOT_FUSED). */
 #define CUDA_NOT_FUSED 1
 /* Several weights of one type and width on one input x[n, cols], in one
- * launch where the 1-2 token kernels take them: outs[j][n, rows[j]] =
+ * launch where the decode kernels take them (and, above 64 tokens, F16
+ * weights of equal rows in one batched cuBLAS call): outs[j][n, rows[j]] =
  * x . ws[j]^T for j < n_w (at most 4).  With swiglu (n_w = 2, equal rows)
  * outs[0] = silu(x . ws[0]^T) * (x . ws[1]^T) and outs[1] is not written.
  * CUDA_NOT_FUSED when the shape or type is not one it takes. */

@@ -157,11 +157,6 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     return rc;
 }
 
-/* Where cuda_matmul would take a warp-per-row kernel for every weight
- * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
- * tokens quantized, no swiglu): there a launch per weight costs as much as
- * several microseconds of reading, and one grid over all of them saves it.
- * Other batches keep their per-weight kernels (CUDA_NOT_FUSED). */
 /* Pointer arrays of a batched GEMM, written on the stream (a graph records
  * the kernel with its arguments; a host copy could not be recorded). */
 struct gemm_ptrs {
@@ -214,6 +209,13 @@ static int matmul_gemm_group(struct cuda_ctx *ctx, int n_w, float *const outs[],
     return STATUS_OK;
 }
 
+/* Where cuda_matmul would take a warp-per-row kernel for every weight
+ * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
+ * tokens quantized, no swiglu): there a launch per weight costs as much as
+ * several microseconds of reading, and one grid over all of them saves it.
+ * At prefill sizes F16 weights of equal rows are one batched cuBLAS call
+ * (matmul_gemm_group).  Other batches keep their per-weight kernels
+ * (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                  const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
                                  int swiglu) {
