@@ -112,6 +112,11 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * compare and to test. */
     env = getenv("LLM_CUDA_WIDE");
     ctx->wide = ctx->cc >= 80 && !(env && strcmp(env, "0") == 0);
+    /* Quantized prefill on wgmma with the dequantization fused
+     * (matmul_prefill.cu, where the build has sm_90a code);
+     * LLM_CUDA_PREFILL_WG=0 keeps dequantized tiles and cuBLAS, to compare. */
+    env = getenv("LLM_CUDA_PREFILL_WG");
+    ctx->prefill_wg = !(env && strcmp(env, "0") == 0) && cuda_matmul_prefill_built(ctx);
     /* Decode attention of groups of >= 8 query heads on the tensor-core
      * kernel of attention_prefill.cu (H100, 32 heads of 128 at context 512,
      * batch 8 / 64: groups of 8 33.1 / 134.9 us on the decode kernel, 20.4

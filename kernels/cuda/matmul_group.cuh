@@ -79,6 +79,22 @@ __device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
     return r;
 }
 
+/* The weight of the group that row block rb belongs to, for kernels whose
+ * blocks take row blocks (blk0 in row blocks): matmul_wide.cu,
+ * matmul_prefill.cu.  Every field is read at a constant index (above). */
+struct mg_seg {
+    const uint8_t *w;
+    float *out;
+    int rows, rb0;
+};
+__device__ __forceinline__ mg_seg mg_segment(const mm_group &g, int rb) {
+    mg_seg s = {g.w[0], g.out[0], g.rows[0], 0};
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < g.n && rb >= g.blk0[k]) s = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
+    return s;
+}
+
 /* Stores a warp's sums acc[t] (already reduced over the warp, t < n) for
  * its row: straight to out; with KS > 1 warps per row (each summed part of
  * the row; no swiglu) the first adds the others' through shared memory;
@@ -138,5 +154,11 @@ extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, e
  * it does not take the type, width, token count or device. */
 extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                  const float *x, int32_t n);
+
+/* matmul_prefill.cu: the same above the decode batches, on wgmma with the
+ * dequantization fused (sm_90a code on an sm_90 GPU), or CUDA_NOT_FUSED
+ * where it does not take the device, type or width. */
+extern "C" int cuda_matmul_prefill(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                   const float *x, int32_t n);
 
 #endif

@@ -412,8 +412,10 @@ TEST(cuda_ops_embed_every_dtype) {
     fx_close();
 }
 
-/* Which matmul path the GPU takes: the backend's own choice, cuBLAS for
- * every n (LLM_CUDA_SKINNY_MAX=0) or the weight-reading kernels up to 16
+/* Which matmul path the GPU takes: the backend's own choice, the prefill
+ * path for every n (LLM_CUDA_SKINNY_MAX=0: matmul_prefill.cu's wgmma
+ * kernel on quantized weights of whole 256-column chunks where the build
+ * and GPU have it, else cuBLAS) or the weight-reading kernels up to 16
  * tokens (LLM_CUDA_SKINNY_MAX=16).  Each test runs all three. */
 enum mm_mode { MM_DEFAULT, MM_GEMM, MM_SKINNY };
 static enum mm_mode mm_mode;
@@ -451,9 +453,10 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, ns[i]);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), ns[i], backend_errstr(fx.gpu));
         char what[128];
-        static const char *mode_name[3] = {"default path", "cuBLAS path", "skinny path"};
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s", dtype_name(t), (long long)rows,
-                 (long long)cols, ns[i], mode_name[mm_mode]);
+        static const char *mode_name[3] = {"default path", "prefill path", "skinny path"};
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s%s", dtype_name(t), (long long)rows,
+                 (long long)cols, ns[i], mode_name[mm_mode],
+                 getenv("LLM_CUDA_PREFILL_WG") ? " (LLM_CUDA_PREFILL_WG=0)" : "");
         check_f32(out, (size_t)ns[i] * rows, matmul_bound(t), what);
     }
     free_weights();
@@ -579,8 +582,7 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
  * for; once memory is back, the same call works and matches the CPU.  (The
  * worker turns such a failure into the step's error reply and goes on:
  * docs/worker.md.) */
-TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
-    mm_set_mode(MM_DEFAULT);
+static void oom_case(void) {
     fx_open();
     const int64_t rows = 1024, cols = 4096;
     const int32_t n = 512;
@@ -588,13 +590,14 @@ TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
     struct dbuf x = dbuf_from(rand_f32((size_t)n * cols, -1, 1), (size_t)n * cols * 4);
     struct dbuf out = dbuf_new((size_t)n * rows * 4);
     /* Fill the card, leaving less than the scratch this call needs (4 MiB
-     * of F16 activations + an 8 MiB tile, with headroom: > 12 MiB). */
+     * of F16 activations, with headroom 5 MiB; + an 8 MiB tile on the
+     * dequantized-tile path). */
     void *hog[256];
     int n_hog = 0;
     size_t fr = 0, tot = 0, chunk = (size_t)4 << 30;
     while (n_hog < 256 && chunk >= ((size_t)1 << 20)) {
         ASSERT_OK(backend_mem_info(fx.gpu, &fr, &tot));
-        void *p = fr >= chunk + ((size_t)6 << 20) ? backend_alloc(fx.gpu, chunk) : NULL;
+        void *p = fr >= chunk + ((size_t)3 << 20) ? backend_alloc(fx.gpu, chunk) : NULL;
         if (p) hog[n_hog++] = p;
         else chunk /= 2;
     }
@@ -613,6 +616,46 @@ TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
     if (rc != STATUS_OK) TEST_FAIL("gpu matmul after the memory came back: %s", backend_errstr(fx.gpu));
     check_f32(out, (size_t)n * rows, matmul_bound(DTYPE_Q4_K), "matmul after out of memory");
     fx_close();
+}
+
+/* Both prefill paths: wgmma with the dequantization fused (an H100 / H200
+ * with the build's sm_90a code) and dequantized tiles with cuBLAS
+ * (LLM_CUDA_PREFILL_WG=0, read when the backend is made). */
+TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
+    mm_set_mode(MM_DEFAULT);
+    oom_case();
+    setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+    oom_case();
+    unsetenv("LLM_CUDA_PREFILL_WG");
+}
+
+/* Prefill-sized matmuls on every quantized type, on both paths (above):
+ * token blocks of 128 with a partial last one, rows not a multiple of the
+ * 128 a block takes, one chunk and many (7B widths 4096 and 11008), and
+ * a width of 32-element blocks that is not whole 256-column chunks (the
+ * tile path: 1184 = 4 x 256 + 160). */
+static void prefill_case(enum dtype t, int64_t rows, int64_t cols) {
+    static const int32_t ns[] = {65, 128, 300};
+    fx_open();
+    matmul_case(t, rows, cols, ns, 3);
+    fx_close();
+}
+
+TEST(cuda_ops_matmul_prefill) {
+    mm_set_mode(MM_DEFAULT);
+    for (int m = 0; m < 2; m++) {
+        if (m == 1) setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+        prefill_case(DTYPE_Q4_K, 520, 4096);
+        prefill_case(DTYPE_Q8_0, 1000, 1280);
+        prefill_case(DTYPE_Q8_0, 100, 1184);
+        prefill_case(DTYPE_Q6_K, 197, 11008);
+        prefill_case(DTYPE_Q5_K, 300, 2048);
+        prefill_case(DTYPE_Q4_0, 259, 4096);
+        prefill_case(DTYPE_Q4_1, 130, 768);
+        prefill_case(DTYPE_Q5_0, 200, 256);
+        prefill_case(DTYPE_Q5_1, 64, 512);
+    }
+    unsetenv("LLM_CUDA_PREFILL_WG");
 }
 
 /* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
@@ -748,9 +791,11 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     multi_case(f32, two, 2, 256);
-    /* From 65 tokens (cuBLAS): F16 weights of equal rows in one batched
-     * call (q, k, v here; k and v above), quantized ones a call each; and
-     * with LLM_CUDA_GEMM_GROUP=0, one call each. */
+    /* From 65 tokens: F16 weights of equal rows in one batched cuBLAS
+     * call (q, k, v here; k and v above), quantized ones of one type one
+     * launch of matmul_prefill.cu (of any row counts, above) where it runs,
+     * else a call each; with LLM_CUDA_GEMM_GROUP=0 F16 one call each, and
+     * with LLM_CUDA_PREFILL_WG=0 quantized ones through dequantized tiles. */
     const int64_t eq[3] = {128, 128, 128};
     const enum dtype q6k[3] = {DTYPE_Q6_K, DTYPE_Q6_K, DTYPE_Q6_K};
     multi_case(f16, eq, 3, 512);
@@ -760,6 +805,9 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(f16, eq, 3, 512);
     multi_case(q4k, eq, 3, 768);
     unsetenv("LLM_CUDA_GEMM_GROUP");
+    setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+    multi_case(q8, qkv, 3, 1024);
+    unsetenv("LLM_CUDA_PREFILL_WG");
     /* matmul_wide.cu on groups of any size (one launch over the weights'
      * row blocks; by default it takes only large matmuls). */
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
@@ -1204,7 +1252,8 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_out_of_memory_fails_the_op_not_the_backend,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_prefill,
+          cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_matmul_wide,
