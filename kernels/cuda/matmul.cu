@@ -2,13 +2,12 @@
  * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
  * it is the weight-reading kernels of matmul_vec.cu, which read the weight
  * once in its stored form, and at 1-4 tokens on most quantized types the
- * warp-per-row dp4a kernel of matmul_gemv.cu.  Above (prefill), quantized
- * weights go to matmul_prefill.cu's wgmma kernel on Hopper, which
- * dequantizes in shared memory; otherwise cuBLAS does the work on tensor
- * cores: activations become F16, F16 weights are used as they are,
- * quantized weights are dequantized tile by tile into scratch (never a
- * second full copy), F32 accumulation throughout.  F32 weights go through
- * cublasSgemm. */
+ * warp-per-row dp4a kernel of matmul_gemv.cu; on Hopper, 17-64 tokens on
+ * quantized weights take matmul_wgmma.cu.  Above (prefill), cuBLAS does
+ * the work on tensor cores: activations become F16, F16 weights are used
+ * as they are, quantized weights are dequantized tile by tile into scratch
+ * (never a second full copy), F32 accumulation throughout.  F32 weights go
+ * through cublasSgemm. */
 #include "common.cuh"
 #include "matmul_group.cuh"
 
@@ -79,7 +78,7 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
         g.out[0] = out;
         g.rows[0] = (int)rows;
         g.n = 1;
-        int rc = cuda_matmul_prefill(ctx, &g, type, cols, x, n);
+        int rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
         if (rc != CUDA_NOT_FUSED) return rc;
     }
     size_t x_bytes = align256((size_t)n * cols * 2);
@@ -158,7 +157,8 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
         g.out[0] = out;
         g.rows[0] = (int)rows;
         g.n = 1;
-        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
             (uintptr_t)w % 16 == 0)
             rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
@@ -224,8 +224,9 @@ static int matmul_gemm_group(struct cuda_ctx *ctx, int n_w, float *const outs[],
  * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
  * tokens quantized, no swiglu): there a launch per weight costs as much as
  * several microseconds of reading, and one grid over all of them saves it.
- * At prefill sizes quantized weights are one launch of matmul_prefill.cu
- * where it takes them, F16 weights of equal rows one batched cuBLAS call
+ * Quantized weights are one launch of matmul_wgmma.cu where it takes the
+ * token count (17-64 by default), F16 weights of equal rows at prefill
+ * sizes one batched cuBLAS call
  * (matmul_gemm_group).  Other batches keep their per-weight kernels
  * (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
@@ -238,7 +239,7 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         if (swiglu || n_w < 2) return CUDA_NOT_FUSED;
         for (int j = 0; j < n_w; j++)
             if (rows[j] <= 0 || rows[j] > INT32_MAX) return CUDA_NOT_FUSED;
-        if (type != DTYPE_F16 && type != DTYPE_F32) { /* quantized: one launch of matmul_prefill.cu */
+        if (type != DTYPE_F16 && type != DTYPE_F32) { /* quantized: one launch of matmul_wgmma.cu, if it takes n */
             struct mm_group g = {};
             for (int j = 0; j < n_w; j++) {
                 g.w[j] = (const uint8_t *)ws[j];
@@ -247,7 +248,7 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
                 matmul_act_check(ctx, outs[j], rows[j], n);
             }
             g.n = n_w;
-            int rc = cuda_matmul_prefill(ctx, &g, type, cols, x, n);
+            int rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
             if (rc < 0) cuda_act_forget(ctx);
             return rc;
         }
@@ -296,7 +297,8 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
     if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
         if (swiglu) return CUDA_NOT_FUSED;
         for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
-        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc < 0) cuda_act_forget(ctx);
         return rc;
     }

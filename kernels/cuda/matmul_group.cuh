@@ -155,10 +155,10 @@ extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, e
 extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                  const float *x, int32_t n);
 
-/* matmul_prefill.cu: the same above the decode batches, on wgmma with the
- * dequantization fused (sm_90a code on an sm_90 GPU), or CUDA_NOT_FUSED
- * where it does not take the device, type or width. */
-extern "C" int cuda_matmul_prefill(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
-                                   const float *x, int32_t n);
+/* matmul_wgmma.cu: the same for ctx->wgmma_min .. wgmma_max tokens on
+ * wgmma with the dequantization in shared memory, or CUDA_NOT_FUSED where
+ * it does not take the device, type, width or token count. */
+extern "C" int cuda_matmul_wgmma(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                 const float *x, int32_t n);
 
 #endif

@@ -412,10 +412,8 @@ TEST(cuda_ops_embed_every_dtype) {
     fx_close();
 }
 
-/* Which matmul path the GPU takes: the backend's own choice, the prefill
- * path for every n (LLM_CUDA_SKINNY_MAX=0: matmul_prefill.cu's wgmma
- * kernel on quantized weights of whole 256-column chunks where the build
- * and GPU have it, else cuBLAS) or the weight-reading kernels up to 16
+/* Which matmul path the GPU takes: the backend's own choice, cuBLAS for
+ * every n (LLM_CUDA_SKINNY_MAX=0) or the weight-reading kernels up to 16
  * tokens (LLM_CUDA_SKINNY_MAX=16).  Each test runs all three. */
 enum mm_mode { MM_DEFAULT, MM_GEMM, MM_SKINNY };
 static enum mm_mode mm_mode;
@@ -453,10 +451,10 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, ns[i]);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), ns[i], backend_errstr(fx.gpu));
         char what[128];
-        static const char *mode_name[3] = {"default path", "prefill path", "skinny path"};
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s%s", dtype_name(t), (long long)rows,
-                 (long long)cols, ns[i], mode_name[mm_mode],
-                 getenv("LLM_CUDA_PREFILL_WG") ? " (LLM_CUDA_PREFILL_WG=0)" : "");
+        static const char *mode_name[3] = {"default path", "cuBLAS path", "skinny path"};
+        const char *wg = getenv("LLM_CUDA_WGMMA_MAX");
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s, LLM_CUDA_WGMMA_MAX=%s", dtype_name(t),
+                 (long long)rows, (long long)cols, ns[i], mode_name[mm_mode], wg ? wg : "(unset)");
         check_f32(out, (size_t)ns[i] * rows, matmul_bound(t), what);
     }
     free_weights();
@@ -618,22 +616,25 @@ static void oom_case(void) {
     fx_close();
 }
 
-/* Both prefill paths: wgmma with the dequantization fused (an H100 / H200
- * with the build's sm_90a code) and dequantized tiles with cuBLAS
- * (LLM_CUDA_PREFILL_WG=0, read when the backend is made). */
+/* Both paths at 512 tokens: dequantized tiles with cuBLAS (the default)
+ * and matmul_wgmma.cu where the build and GPU have it
+ * (LLM_CUDA_WGMMA_MAX=512, read when the backend is made; 4 MiB of
+ * activations and 8 MiB of partial sums). */
 TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
     mm_set_mode(MM_DEFAULT);
     oom_case();
-    setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+    setenv("LLM_CUDA_WGMMA_MAX", "512", 1);
     oom_case();
-    unsetenv("LLM_CUDA_PREFILL_WG");
+    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
-/* Prefill-sized matmuls on every quantized type, on both paths (above):
- * token blocks of 128 with a partial last one, rows not a multiple of the
- * 128 a block takes, one chunk and many (7B widths 4096 and 11008), and
- * a width of 32-element blocks that is not whole 256-column chunks (the
- * tile path: 1184 = 4 x 256 + 160). */
+/* Prefill-sized matmuls on every quantized type two ways: matmul_wgmma.cu
+ * given up to 512 tokens (LLM_CUDA_WGMMA_MAX=512: token blocks of 128,
+ * the last one partial; K split where row blocks are few) where the build
+ * and GPU have it, and dequantized tiles with cuBLAS (=0).  Rows not a
+ * multiple of the 128 a block takes, one chunk and many (7B widths 4096
+ * and 11008), and a width of 32-element blocks that is not whole
+ * 256-column chunks (always the tile path: 1184 = 4 x 256 + 160). */
 static void prefill_case(enum dtype t, int64_t rows, int64_t cols) {
     static const int32_t ns[] = {65, 128, 300};
     fx_open();
@@ -644,7 +645,7 @@ static void prefill_case(enum dtype t, int64_t rows, int64_t cols) {
 TEST(cuda_ops_matmul_prefill) {
     mm_set_mode(MM_DEFAULT);
     for (int m = 0; m < 2; m++) {
-        if (m == 1) setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+        setenv("LLM_CUDA_WGMMA_MAX", m == 0 ? "512" : "0", 1);
         prefill_case(DTYPE_Q4_K, 520, 4096);
         prefill_case(DTYPE_Q8_0, 1000, 1280);
         prefill_case(DTYPE_Q8_0, 100, 1184);
@@ -655,7 +656,7 @@ TEST(cuda_ops_matmul_prefill) {
         prefill_case(DTYPE_Q5_0, 200, 256);
         prefill_case(DTYPE_Q5_1, 64, 512);
     }
-    unsetenv("LLM_CUDA_PREFILL_WG");
+    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
@@ -791,11 +792,11 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     multi_case(f32, two, 2, 256);
-    /* From 65 tokens: F16 weights of equal rows in one batched cuBLAS
-     * call (q, k, v here; k and v above), quantized ones of one type one
-     * launch of matmul_prefill.cu (of any row counts, above) where it runs,
-     * else a call each; with LLM_CUDA_GEMM_GROUP=0 F16 one call each, and
-     * with LLM_CUDA_PREFILL_WG=0 quantized ones through dequantized tiles. */
+    /* From 65 tokens (cuBLAS): F16 weights of equal rows in one batched
+     * call (q, k, v here; k and v above), quantized ones a call each; with
+     * LLM_CUDA_GEMM_GROUP=0 F16 one call each; with LLM_CUDA_WGMMA_MAX=512
+     * quantized ones of one type in one matmul_wgmma.cu launch, of any row
+     * counts (17-64 tokens go there by default, above). */
     const int64_t eq[3] = {128, 128, 128};
     const enum dtype q6k[3] = {DTYPE_Q6_K, DTYPE_Q6_K, DTYPE_Q6_K};
     multi_case(f16, eq, 3, 512);
@@ -805,17 +806,19 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(f16, eq, 3, 512);
     multi_case(q4k, eq, 3, 768);
     unsetenv("LLM_CUDA_GEMM_GROUP");
-    setenv("LLM_CUDA_PREFILL_WG", "0", 1);
+    setenv("LLM_CUDA_WGMMA_MAX", "512", 1);
     multi_case(q8, qkv, 3, 1024);
-    unsetenv("LLM_CUDA_PREFILL_WG");
     /* matmul_wide.cu on groups of any size (one launch over the weights'
-     * row blocks; by default it takes only large matmuls). */
+     * row blocks; by default it takes only large matmuls, and on an H100
+     * matmul_wgmma.cu takes them first). */
+    setenv("LLM_CUDA_WGMMA_MAX", "0", 1);
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
     multi_case(q4k, qkv, 3, 768);
     multi_case(mixed, qkv, 3, 1024);
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
+    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* gate and up in one launch with silu(gate) * up written by the block
@@ -871,9 +874,11 @@ TEST(cuda_ops_matmul_swiglu) {
     swiglu_case(DTYPE_Q8_0, 301, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* gate and up in one matmul_wide.cu launch */
+    setenv("LLM_CUDA_WGMMA_MAX", "0", 1);
     swiglu_case(DTYPE_Q8_0, 320, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
+    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* matmul_wide.cu (17-64 tokens on quantized weights, sm_80 and later)
@@ -898,10 +903,12 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
         ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, n));
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), n, backend_errstr(fx.gpu));
-        char what[160];
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s",
+        char what[200];
+        const char *wmin = getenv("LLM_CUDA_WGMMA_MIN"), *wmax = getenv("LLM_CUDA_WGMMA_MAX");
+        snprintf(what, sizeof what,
+                 "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s LLM_CUDA_WGMMA_MIN=%s _MAX=%s",
                  dtype_name(t), (long long)rows, (long long)cols, n, getenv("LLM_CUDA_WIDE") ? "0" : "(unset)",
-                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)");
+                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)", wmin ? wmin : "(unset)", wmax ? wmax : "(unset)");
         check_f32(out, elems, matmul_bound(t), what);
         float *first = fx_host(elems * 4), *again = fx_host(elems * 4);
         ASSERT_OK(backend_download(fx.gpu, first, out.g, elems * 4));
@@ -914,6 +921,7 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
 
 TEST(cuda_ops_matmul_wide) {
     mm_set_mode(MM_DEFAULT);
+    setenv("LLM_CUDA_WGMMA_MAX", "0", 1); /* on an H100 matmul_wgmma.cu would take these first */
     for (int m = 0; m < 3; m++) {
         if (m == 1) setenv("LLM_CUDA_WIDE", "0", 1);
         else unsetenv("LLM_CUDA_WIDE");
@@ -928,6 +936,31 @@ TEST(cuda_ops_matmul_wide) {
     }
     unsetenv("LLM_CUDA_WIDE");
     unsetenv("LLM_CUDA_WIDE_ITEMS");
+    unsetenv("LLM_CUDA_WGMMA_MAX");
+}
+
+/* matmul_wgmma.cu (17-64 tokens on quantized weights of whole 256-column
+ * chunks, sm_90a code on an H100 / H200; elsewhere these run the other
+ * kernels and pass as well): every type, with 16 tokens too
+ * (LLM_CUDA_WGMMA_MIN=1); K split over 1-16 blocks and added in order
+ * (same bits twice): one row block of 2 chunks (100 x 512), 33 row blocks
+ * in 4 splits (4200 x 4096), 5 row blocks of 43 chunks in 16 (517 x
+ * 11008), partial last row blocks. */
+TEST(cuda_ops_matmul_wgmma) {
+    mm_set_mode(MM_DEFAULT);
+    for (int m = 0; m < 2; m++) {
+        if (m == 1) setenv("LLM_CUDA_WGMMA_MIN", "1", 1);
+        wide_case(DTYPE_Q4_K, 4200, 4096);
+        wide_case(DTYPE_Q8_0, 100, 512);
+        wide_case(DTYPE_Q8_0, 1000, 1280);
+        wide_case(DTYPE_Q6_K, 517, 11008);
+        wide_case(DTYPE_Q5_K, 300, 2048);
+        wide_case(DTYPE_Q4_0, 259, 4096);
+        wide_case(DTYPE_Q4_1, 130, 768);
+        wide_case(DTYPE_Q5_0, 200, 256);
+        wide_case(DTYPE_Q5_1, 64, 512);
+    }
+    unsetenv("LLM_CUDA_WGMMA_MIN");
 }
 
 /* ---- KV cache and attention ---- */
@@ -1256,7 +1289,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
-          cuda_ops_matmul_wide,
+          cuda_ops_matmul_wide, cuda_ops_matmul_wgmma,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
