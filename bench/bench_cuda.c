@@ -5,13 +5,12 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device] [gemv | wide | wgmma | prefill | attn]
+ *   bench_cuda [device] [gemv | wide | prefill | attn]
  *
- * With "gemv", "wide" or "wgmma", only the bandwidth and a comparison of
- * two kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
- * matmul_gemv.cu against the tensor-core kernel, the batch-8..64 kernel
- * of matmul_wide.cu against matmul_vec.cu's mq, or matmul_wgmma.cu
- * against those two.
+ * With "gemv" or "wide", only the bandwidth and a comparison of two
+ * kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
+ * matmul_gemv.cu against the tensor-core kernel, or the batch-8..64
+ * kernel of matmul_wide.cu against matmul_vec.cu's mq.
  *
  * With "prefill", only the ceilings and a 7B-shaped prefill of 512 tokens
  * op by op: the q/k/v/o, gate/up and down matmuls at n = 512 (F16, Q8_0,
@@ -196,11 +195,7 @@ static void crossover(int device, double bw) {
  *   - "gemv": batch 1, 2 and 4, the tensor-core kernel (LLM_CUDA_GEMV_MAX=0)
  *     against matmul_gemv.cu (LLM_CUDA_GEMV_MAX=4);
  *   - "wide": batch 17-64, matmul_vec.cu's mq (LLM_CUDA_WIDE=0) against
- *     matmul_wide.cu on every shape (LLM_CUDA_WIDE_ITEMS=0), both with
- *     matmul_wgmma.cu off (LLM_CUDA_WGMMA_MAX=0);
- *   - "wgmma": batch 8-64, mq (8, 16) and matmul_wide.cu on every shape
- *     (17-64; LLM_CUDA_WGMMA_MAX=0) against matmul_wgmma.cu from 8 tokens
- *     (LLM_CUDA_WGMMA_MIN=8). */
+ *     matmul_wide.cu on every shape (LLM_CUDA_WIDE_ITEMS=0). */
 struct cmp_spec {
     const char *title, *env[2][4], *name[2]; /* per backend up to two NAME, VALUE pairs */
     int32_t batches[4];
@@ -459,16 +454,12 @@ int main(int argc, char **argv) {
                                          {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
                                          {"mq", "gemv"}, {1, 2, 4}, 3};
     static const struct cmp_spec wide = {"matmul batch 17-64, mq vs matmul_wide (pipelined, stream-K)",
-                                         {{"LLM_CUDA_WIDE", "0", "LLM_CUDA_WGMMA_MAX", "0"},
-                                          {"LLM_CUDA_WIDE_ITEMS", "0", "LLM_CUDA_WGMMA_MAX", "0"}},
+                                         {{"LLM_CUDA_WIDE", "0"},
+                                          {"LLM_CUDA_WIDE_ITEMS", "0"}},
                                          {"mq", "wide"}, {17, 32, 48, 64}, 4};
-    static const struct cmp_spec wg = {"matmul batch 8-64, mq / matmul_wide vs matmul_wgmma",
-                                       {{"LLM_CUDA_WIDE_ITEMS", "0", "LLM_CUDA_WGMMA_MAX", "0"},
-                                        {"LLM_CUDA_WGMMA_MIN", "8"}},
-                                       {"mq/wide", "wgmma"}, {8, 16, 32, 64}, 4};
     const char *mode = argc > 2 ? argv[2] : "";
-    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0 || strcmp(mode, "wgmma") == 0) {
-        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : strcmp(mode, "wide") == 0 ? &wide : &wg);
+    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0) {
+        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : &wide);
         backend_free(be);
         return 0;
     }

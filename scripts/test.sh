@@ -6,7 +6,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
-archs=${LLM_CUDA_ARCHITECTURES:-75;80;86;89;90a}
+archs=${LLM_CUDA_ARCHITECTURES:-75;80;86;89;90}
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DLLM_CUDA_ARCHITECTURES=$archs" >build.log 2>&1 ||
     { cat build.log; exit 1; }
 grep -E "CUDA backend" build.log || true

@@ -38,9 +38,6 @@ struct cuda_ctx {
                          * and later, default; LLM_CUDA_WIDE=0: off) */
     int wide_items;     /* least items (row block x chunk) per SM it takes: 2 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
-    int wgmma_min;      /* quantized matmuls of wgmma_min .. wgmma_max tokens on */
-    int wgmma_max;      /* matmul_wgmma.cu (sm_90a code on an sm_90 GPU: 17 .. 64 by
-                         * default, else 0; LLM_CUDA_WGMMA_MIN / _MAX, 0: never) */
     int att_steps;      /* attention decode kernel: each context split at least this many
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
     int att_k16;        /* attention_prefill.cu: mma m16n8k16 (sm_80 and later, default;
@@ -65,7 +62,7 @@ struct cuda_ctx {
     char device_name[96];
 };
 
-enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2, MATMUL_ACT_WG64 = 3, MATMUL_ACT_WG128 = 4 };
+enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2 };
 
 /* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
  * then records that it will (the caller fills it). */
@@ -82,10 +79,6 @@ static inline int cuda_act_reuse(struct cuda_ctx *ctx, int kind, const float *x,
     return 0;
 }
 static inline void cuda_act_forget(struct cuda_ctx *ctx) { ctx->act_kind = MATMUL_ACT_NONE; }
-
-/* 1 where this build has matmul_wgmma.cu's code for the device (sm_90a
- * on an sm_90 GPU); it reads device memory, so the context calls it once. */
-int cuda_matmul_wgmma_built(struct cuda_ctx *ctx);
 
 /* Record a failure in ctx->err and return code. */
 int cuda_fail(struct cuda_ctx *ctx, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -112,16 +112,6 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * compare and to test. */
     env = getenv("LLM_CUDA_WIDE");
     ctx->wide = ctx->cc >= 80 && !(env && strcmp(env, "0") == 0);
-    /* Quantized matmuls of 17-64 tokens on wgmma with the dequantization in
-     * shared memory (matmul_wgmma.cu, where the build has sm_90a code);
-     * LLM_CUDA_WGMMA_MIN / LLM_CUDA_WGMMA_MAX move the range (MAX=0: never),
-     * to compare and to test. */
-    ctx->wgmma_min = 17;
-    ctx->wgmma_max = cuda_matmul_wgmma_built(ctx) ? 64 : 0;
-    env = getenv("LLM_CUDA_WGMMA_MIN");
-    if (env && *env) ctx->wgmma_min = atoi(env) < 1 ? 1 : atoi(env);
-    env = getenv("LLM_CUDA_WGMMA_MAX");
-    if (env && *env && ctx->wgmma_max) ctx->wgmma_max = atoi(env) < 0 ? 0 : atoi(env);
     /* Decode attention of groups of >= 8 query heads on the tensor-core
      * kernel of attention_prefill.cu (H100, 32 heads of 128 at context 512,
      * batch 8 / 64: groups of 8 33.1 / 134.9 us on the decode kernel, 20.4

@@ -2,12 +2,11 @@
  * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
  * it is the weight-reading kernels of matmul_vec.cu, which read the weight
  * once in its stored form, and at 1-4 tokens on most quantized types the
- * warp-per-row dp4a kernel of matmul_gemv.cu; on Hopper, 17-64 tokens on
- * quantized weights take matmul_wgmma.cu.  Above (prefill), cuBLAS does
- * the work on tensor cores: activations become F16, F16 weights are used
- * as they are, quantized weights are dequantized tile by tile into scratch
- * (never a second full copy), F32 accumulation throughout.  F32 weights go
- * through cublasSgemm. */
+ * warp-per-row dp4a kernel of matmul_gemv.cu.  Above (prefill), cuBLAS
+ * does the work on tensor cores: activations become F16, F16 weights are
+ * used as they are, quantized weights are dequantized tile by tile into
+ * scratch (never a second full copy), F32 accumulation throughout.  F32
+ * weights go through cublasSgemm. */
 #include "common.cuh"
 #include "matmul_group.cuh"
 
@@ -71,15 +70,6 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
         CUDA_CHECK(ctx, cublasSgemm((cublasHandle_t)ctx->cublas, CUBLAS_OP_T, CUBLAS_OP_N, (int)rows, n, (int)cols,
                                     &one, (const float *)w, (int)cols, x, (int)cols, &zero, out, (int)rows));
         return STATUS_OK;
-    }
-    if (type != DTYPE_F16) {
-        struct mm_group g = {};
-        g.w[0] = (const uint8_t *)w;
-        g.out[0] = out;
-        g.rows[0] = (int)rows;
-        g.n = 1;
-        int rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
-        if (rc != CUDA_NOT_FUSED) return rc;
     }
     size_t x_bytes = align256((size_t)n * cols * 2);
     int64_t tile_rows = 0;
@@ -157,8 +147,7 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
         g.out[0] = out;
         g.rows[0] = (int)rows;
         g.n = 1;
-        rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
-        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
             (uintptr_t)w % 16 == 0)
             rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
@@ -224,9 +213,7 @@ static int matmul_gemm_group(struct cuda_ctx *ctx, int n_w, float *const outs[],
  * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
  * tokens quantized, no swiglu): there a launch per weight costs as much as
  * several microseconds of reading, and one grid over all of them saves it.
- * Quantized weights are one launch of matmul_wgmma.cu where it takes the
- * token count (17-64 by default), F16 weights of equal rows at prefill
- * sizes one batched cuBLAS call
+ * At prefill sizes F16 weights of equal rows are one batched cuBLAS call
  * (matmul_gemm_group).  Other batches keep their per-weight kernels
  * (CUDA_NOT_FUSED). */
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
@@ -236,24 +223,11 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         cols > INT32_MAX || cuda_row_bytes(type, cols) == 0)
         return CUDA_NOT_FUSED;
     if (n > matmul_vec_max(ctx, type)) {
-        if (swiglu || n_w < 2) return CUDA_NOT_FUSED;
-        for (int j = 0; j < n_w; j++)
+        if (swiglu || n_w < 2 || type != DTYPE_F16 || !ctx->gemm_group) return CUDA_NOT_FUSED;
+        for (int j = 0; j < n_w; j++) {
             if (rows[j] <= 0 || rows[j] > INT32_MAX) return CUDA_NOT_FUSED;
-        if (type != DTYPE_F16 && type != DTYPE_F32) { /* quantized: one launch of matmul_wgmma.cu, if it takes n */
-            struct mm_group g = {};
-            for (int j = 0; j < n_w; j++) {
-                g.w[j] = (const uint8_t *)ws[j];
-                g.out[j] = outs[j];
-                g.rows[j] = (int)rows[j];
-                matmul_act_check(ctx, outs[j], rows[j], n);
-            }
-            g.n = n_w;
-            int rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
-            if (rc < 0) cuda_act_forget(ctx);
-            return rc;
+            matmul_act_check(ctx, outs[j], rows[j], n);
         }
-        if (type != DTYPE_F16 || !ctx->gemm_group) return CUDA_NOT_FUSED;
-        for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
         /* F16: runs of equal row counts (GQA's k and v apart from q)
          * batched, any other weight on its own. */
         int done[MG_MAX] = {0};
@@ -297,8 +271,7 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
     if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
         if (swiglu) return CUDA_NOT_FUSED;
         for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
-        rc = cuda_matmul_wgmma(ctx, &g, type, cols, x, n);
-        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc < 0) cuda_act_forget(ctx);
         return rc;
     }

@@ -79,22 +79,6 @@ __device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
     return r;
 }
 
-/* The weight of the group that row block rb belongs to, for kernels whose
- * blocks take row blocks (blk0 in row blocks): matmul_wide.cu,
- * matmul_prefill.cu.  Every field is read at a constant index (above). */
-struct mg_seg {
-    const uint8_t *w;
-    float *out;
-    int rows, rb0;
-};
-__device__ __forceinline__ mg_seg mg_segment(const mm_group &g, int rb) {
-    mg_seg s = {g.w[0], g.out[0], g.rows[0], 0};
-#pragma unroll
-    for (int k = 1; k < MG_MAX; k++)
-        if (k < g.n && rb >= g.blk0[k]) s = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
-    return s;
-}
-
 /* Stores a warp's sums acc[t] (already reduced over the warp, t < n) for
  * its row: straight to out; with KS > 1 warps per row (each summed part of
  * the row; no swiglu) the first adds the others' through shared memory;
@@ -153,12 +137,6 @@ extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, e
  * (no swiglu) on the pipelined tensor-core kernel, or CUDA_NOT_FUSED where
  * it does not take the type, width, token count or device. */
 extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
-                                 const float *x, int32_t n);
-
-/* matmul_wgmma.cu: the same for ctx->wgmma_min .. wgmma_max tokens on
- * wgmma with the dequantization in shared memory, or CUDA_NOT_FUSED where
- * it does not take the device, type, width or token count. */
-extern "C" int cuda_matmul_wgmma(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                  const float *x, int32_t n);
 
 #endif

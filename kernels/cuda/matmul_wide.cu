@@ -49,6 +49,45 @@ __device__ inline int mw_owner(int i, int nb, int n) {
     return b;
 }
 
+/* The weight of the group that row block rb belongs to (every field read
+ * at a constant index: see mg_locate). */
+struct mw_seg {
+    const uint8_t *w;
+    float *out;
+    int rows, rb0;
+};
+__device__ __forceinline__ mw_seg mw_locate(const mm_group &g, int rb) {
+    mw_seg s = {g.w[0], g.out[0], g.rows[0], 0};
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < g.n && rb >= g.blk0[k]) s = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
+    return s;
+}
+
+/* 16 bytes from global src to shared dst, of which only the first `bytes`
+ * are read (the rest zero).  These three exist on sm_80 and later only;
+ * the kernel is never launched below (ctx->wide), and its body there is a
+ * trap. */
+__device__ __forceinline__ void mw_cp16(void *dst, const void *src, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void mw_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/* Until at most `pending` (0 or 1) of this thread's copy groups are in flight. */
+__device__ __forceinline__ void mw_wait(int pending) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (pending) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 template <int T, int NT> struct mw_geom {
     using G = mq_geom<T>;
     static constexpr int wbytes = MW_ROWS * G::ws;            /* the weight tile of a stage */
@@ -68,7 +107,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
     constexpr int TPR = 4, RPP = MW_THREADS / TPR, JW = (G::nld + TPR - 1) / TPR, JX = G::ck / 8 / TPR;
     static_assert(RPP >= NT, "one pass of the activation copy covers every token");
     const int rb = item / nc, ch = item % nc, sub = threadIdx.x % TPR;
-    const mg_seg sg = mg_segment(g, rb);
+    const mw_seg sg = mw_locate(g, rb);
     const int row0 = (rb - sg.rb0) * MW_ROWS, col0 = ch * G::ck, nb = min(G::ck / 32, (cols - col0) / 32);
     const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
     const int cbytes = nb * 32 / mq_fmt<T>::eb * mq_fmt<T>::bb;
@@ -104,7 +143,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
                     }
                 }
             }
-            mq_cp16(dst + 16 * c, src, bytes);
+            mw_cp16(dst + 16 * c, src, bytes);
         }
     }
     const int tok = threadIdx.x / TPR;
@@ -116,7 +155,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
         for (int j = 0; j < JX; j++) {
             const int c = (sub + TPR * j) * 8;
             const bool in = live && col0 + c < cols;
-            mq_cp16(xd + c, in ? xp + c : x16, in ? 16 : 0);
+            mw_cp16(xd + c, in ? xp + c : x16, in ? 16 : 0);
         }
     }
 }
@@ -160,18 +199,18 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 
     for (int k = 0; k < stages - 1; k++) {
         if (i0 + k < i1) mw_load<T, NT>(smem + k * STAGE, g, row_bytes, cols, x16, n, nc, i0 + k);
-        mq_commit();
+        mw_commit();
     }
     for (int i = i0; i < i1; i++) {
         const int k = i - i0;
-        mq_wait(stages - 2); /* item i's copies (this thread's) have landed */
+        mw_wait(stages - 2); /* item i's copies (this thread's) have landed */
         __syncthreads();     /* everyone's have; the stage read last round is free */
         if (i + stages - 1 < i1)
             mw_load<T, NT>(smem + (k + stages - 1) % stages * STAGE, g, row_bytes, cols, x16, n, nc, i + stages - 1);
-        mq_commit();
+        mw_commit();
 
         const int rb = i / nc, ch = i % nc, col0 = ch * G::ck;
-        const mg_seg sg = mg_segment(g, rb);
+        const mw_seg sg = mw_locate(g, rb);
         const int row0 = (rb - sg.rb0) * MW_ROWS + warp * 16 * MW_MT;
         const uint8_t *st = smem + k % stages * STAGE;
         const __half *xs = (const __half *)(st + mw_geom<T, NT>::wbytes);

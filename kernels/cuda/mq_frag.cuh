@@ -83,30 +83,6 @@ __device__ __forceinline__ void mq_cvt(uint32_t (&a)[4], uint32_t v0, uint32_t v
     a[3] = mq_u32(__hfma2(__hsub2(mq_h2(__byte_perm(v1, 0x64646464u, 0x4342)), bias), scale, add));
 }
 
-/* 16 bytes from global src to shared dst, of which only the first `bytes`
- * are read (the rest zero).  These three exist on sm_80 and later only:
- * the kernels that use them (matmul_wide.cu, matmul_prefill.cu) are never
- * launched below, and their bodies there are traps. */
-__device__ __forceinline__ void mq_cp16(void *dst, const void *src, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void mq_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-/* Until at most `pending` (0 or 1) of this thread's copy groups are in flight. */
-__device__ __forceinline__ void mq_wait(int pending) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (pending) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
-}
-
 /* Bit i of the low 4 bits of b moved to bit 8i + 4 (a 5th code bit per byte). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return (((b & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
 

@@ -452,9 +452,8 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), ns[i], backend_errstr(fx.gpu));
         char what[128];
         static const char *mode_name[3] = {"default path", "cuBLAS path", "skinny path"};
-        const char *wg = getenv("LLM_CUDA_WGMMA_MAX");
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s, LLM_CUDA_WGMMA_MAX=%s", dtype_name(t),
-                 (long long)rows, (long long)cols, ns[i], mode_name[mm_mode], wg ? wg : "(unset)");
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, %s", dtype_name(t), (long long)rows,
+                 (long long)cols, ns[i], mode_name[mm_mode]);
         check_f32(out, (size_t)ns[i] * rows, matmul_bound(t), what);
     }
     free_weights();
@@ -580,7 +579,8 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
  * for; once memory is back, the same call works and matches the CPU.  (The
  * worker turns such a failure into the step's error reply and goes on:
  * docs/worker.md.) */
-static void oom_case(void) {
+TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
+    mm_set_mode(MM_DEFAULT);
     fx_open();
     const int64_t rows = 1024, cols = 4096;
     const int32_t n = 512;
@@ -588,14 +588,13 @@ static void oom_case(void) {
     struct dbuf x = dbuf_from(rand_f32((size_t)n * cols, -1, 1), (size_t)n * cols * 4);
     struct dbuf out = dbuf_new((size_t)n * rows * 4);
     /* Fill the card, leaving less than the scratch this call needs (4 MiB
-     * of F16 activations, with headroom 5 MiB; + an 8 MiB tile on the
-     * dequantized-tile path). */
+     * of F16 activations + an 8 MiB tile, with headroom: > 12 MiB). */
     void *hog[256];
     int n_hog = 0;
     size_t fr = 0, tot = 0, chunk = (size_t)4 << 30;
     while (n_hog < 256 && chunk >= ((size_t)1 << 20)) {
         ASSERT_OK(backend_mem_info(fx.gpu, &fr, &tot));
-        void *p = fr >= chunk + ((size_t)3 << 20) ? backend_alloc(fx.gpu, chunk) : NULL;
+        void *p = fr >= chunk + ((size_t)6 << 20) ? backend_alloc(fx.gpu, chunk) : NULL;
         if (p) hog[n_hog++] = p;
         else chunk /= 2;
     }
@@ -614,49 +613,6 @@ static void oom_case(void) {
     if (rc != STATUS_OK) TEST_FAIL("gpu matmul after the memory came back: %s", backend_errstr(fx.gpu));
     check_f32(out, (size_t)n * rows, matmul_bound(DTYPE_Q4_K), "matmul after out of memory");
     fx_close();
-}
-
-/* Both paths at 512 tokens: dequantized tiles with cuBLAS (the default)
- * and matmul_wgmma.cu where the build and GPU have it
- * (LLM_CUDA_WGMMA_MAX=512, read when the backend is made; 4 MiB of
- * activations and 8 MiB of partial sums). */
-TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
-    mm_set_mode(MM_DEFAULT);
-    oom_case();
-    setenv("LLM_CUDA_WGMMA_MAX", "512", 1);
-    oom_case();
-    unsetenv("LLM_CUDA_WGMMA_MAX");
-}
-
-/* Prefill-sized matmuls on every quantized type two ways: matmul_wgmma.cu
- * given up to 512 tokens (LLM_CUDA_WGMMA_MAX=512: token blocks of 128,
- * the last one partial; K split where row blocks are few) where the build
- * and GPU have it, and dequantized tiles with cuBLAS (=0).  Rows not a
- * multiple of the 128 a block takes, one chunk and many (7B widths 4096
- * and 11008), and a width of 32-element blocks that is not whole
- * 256-column chunks (always the tile path: 1184 = 4 x 256 + 160). */
-static void prefill_case(enum dtype t, int64_t rows, int64_t cols) {
-    static const int32_t ns[] = {65, 128, 300};
-    fx_open();
-    matmul_case(t, rows, cols, ns, 3);
-    fx_close();
-}
-
-TEST(cuda_ops_matmul_prefill) {
-    mm_set_mode(MM_DEFAULT);
-    for (int m = 0; m < 2; m++) {
-        setenv("LLM_CUDA_WGMMA_MAX", m == 0 ? "512" : "0", 1);
-        prefill_case(DTYPE_Q4_K, 520, 4096);
-        prefill_case(DTYPE_Q8_0, 1000, 1280);
-        prefill_case(DTYPE_Q8_0, 100, 1184);
-        prefill_case(DTYPE_Q6_K, 197, 11008);
-        prefill_case(DTYPE_Q5_K, 300, 2048);
-        prefill_case(DTYPE_Q4_0, 259, 4096);
-        prefill_case(DTYPE_Q4_1, 130, 768);
-        prefill_case(DTYPE_Q5_0, 200, 256);
-        prefill_case(DTYPE_Q5_1, 64, 512);
-    }
-    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
@@ -793,10 +749,8 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q40, four, 4, 1184);
     multi_case(f32, two, 2, 256);
     /* From 65 tokens (cuBLAS): F16 weights of equal rows in one batched
-     * call (q, k, v here; k and v above), quantized ones a call each; with
-     * LLM_CUDA_GEMM_GROUP=0 F16 one call each; with LLM_CUDA_WGMMA_MAX=512
-     * quantized ones of one type in one matmul_wgmma.cu launch, of any row
-     * counts (17-64 tokens go there by default, above). */
+     * call (q, k, v here; k and v above), quantized ones a call each; and
+     * with LLM_CUDA_GEMM_GROUP=0, one call each. */
     const int64_t eq[3] = {128, 128, 128};
     const enum dtype q6k[3] = {DTYPE_Q6_K, DTYPE_Q6_K, DTYPE_Q6_K};
     multi_case(f16, eq, 3, 512);
@@ -806,19 +760,14 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(f16, eq, 3, 512);
     multi_case(q4k, eq, 3, 768);
     unsetenv("LLM_CUDA_GEMM_GROUP");
-    setenv("LLM_CUDA_WGMMA_MAX", "512", 1);
-    multi_case(q8, qkv, 3, 1024);
     /* matmul_wide.cu on groups of any size (one launch over the weights'
-     * row blocks; by default it takes only large matmuls, and on an H100
-     * matmul_wgmma.cu takes them first). */
-    setenv("LLM_CUDA_WGMMA_MAX", "0", 1);
+     * row blocks; by default it takes only large matmuls). */
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
     multi_case(q4k, qkv, 3, 768);
     multi_case(mixed, qkv, 3, 1024);
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
-    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* gate and up in one launch with silu(gate) * up written by the block
@@ -874,11 +823,9 @@ TEST(cuda_ops_matmul_swiglu) {
     swiglu_case(DTYPE_Q8_0, 301, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     setenv("LLM_CUDA_WIDE_ITEMS", "0", 1); /* gate and up in one matmul_wide.cu launch */
-    setenv("LLM_CUDA_WGMMA_MAX", "0", 1);
     swiglu_case(DTYPE_Q8_0, 320, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
-    unsetenv("LLM_CUDA_WGMMA_MAX");
 }
 
 /* matmul_wide.cu (17-64 tokens on quantized weights, sm_80 and later)
@@ -903,12 +850,10 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
         ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], x.c, n));
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), n, backend_errstr(fx.gpu));
-        char what[200];
-        const char *wmin = getenv("LLM_CUDA_WGMMA_MIN"), *wmax = getenv("LLM_CUDA_WGMMA_MAX");
-        snprintf(what, sizeof what,
-                 "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s LLM_CUDA_WGMMA_MIN=%s _MAX=%s",
+        char what[160];
+        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s",
                  dtype_name(t), (long long)rows, (long long)cols, n, getenv("LLM_CUDA_WIDE") ? "0" : "(unset)",
-                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)", wmin ? wmin : "(unset)", wmax ? wmax : "(unset)");
+                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)");
         check_f32(out, elems, matmul_bound(t), what);
         float *first = fx_host(elems * 4), *again = fx_host(elems * 4);
         ASSERT_OK(backend_download(fx.gpu, first, out.g, elems * 4));
@@ -921,7 +866,6 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
 
 TEST(cuda_ops_matmul_wide) {
     mm_set_mode(MM_DEFAULT);
-    setenv("LLM_CUDA_WGMMA_MAX", "0", 1); /* on an H100 matmul_wgmma.cu would take these first */
     for (int m = 0; m < 3; m++) {
         if (m == 1) setenv("LLM_CUDA_WIDE", "0", 1);
         else unsetenv("LLM_CUDA_WIDE");
@@ -936,31 +880,6 @@ TEST(cuda_ops_matmul_wide) {
     }
     unsetenv("LLM_CUDA_WIDE");
     unsetenv("LLM_CUDA_WIDE_ITEMS");
-    unsetenv("LLM_CUDA_WGMMA_MAX");
-}
-
-/* matmul_wgmma.cu (17-64 tokens on quantized weights of whole 256-column
- * chunks, sm_90a code on an H100 / H200; elsewhere these run the other
- * kernels and pass as well): every type, with 16 tokens too
- * (LLM_CUDA_WGMMA_MIN=1); K split over 1-16 blocks and added in order
- * (same bits twice): one row block of 2 chunks (100 x 512), 33 row blocks
- * in 4 splits (4200 x 4096), 5 row blocks of 43 chunks in 16 (517 x
- * 11008), partial last row blocks. */
-TEST(cuda_ops_matmul_wgmma) {
-    mm_set_mode(MM_DEFAULT);
-    for (int m = 0; m < 2; m++) {
-        if (m == 1) setenv("LLM_CUDA_WGMMA_MIN", "1", 1);
-        wide_case(DTYPE_Q4_K, 4200, 4096);
-        wide_case(DTYPE_Q8_0, 100, 512);
-        wide_case(DTYPE_Q8_0, 1000, 1280);
-        wide_case(DTYPE_Q6_K, 517, 11008);
-        wide_case(DTYPE_Q5_K, 300, 2048);
-        wide_case(DTYPE_Q4_0, 259, 4096);
-        wide_case(DTYPE_Q4_1, 130, 768);
-        wide_case(DTYPE_Q5_0, 200, 256);
-        wide_case(DTYPE_Q5_1, 64, 512);
-    }
-    unsetenv("LLM_CUDA_WGMMA_MIN");
 }
 
 /* ---- KV cache and attention ---- */
@@ -1285,11 +1204,10 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_prefill,
-          cuda_ops_out_of_memory_fails_the_op_not_the_backend,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
-          cuda_ops_matmul_wide, cuda_ops_matmul_wgmma,
+          cuda_ops_matmul_wide,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill)
