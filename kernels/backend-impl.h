@@ -37,8 +37,8 @@ struct backend_i {
                    enum dtype src_type, int64_t n);
     /* Optional (NULL: host_alloc is malloc, graphs are unsupported, the
      * fused ops run the plain ones, sampling downloads the logits and runs
-     * common/sampling.c on the host).  matmul_multi and matmul_swiglu may
-     * return BACKEND_NOT_FUSED for a case they do not take: then the plain
+     * common/sampling.c on the host).  matmul_multi, matmul_swiglu and
+     * rope_kv_attention may return BACKEND_NOT_FUSED for a case they do not take: then the plain
      * ops run. */
     int (*matmul_multi)(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
                         const float *x, int32_t n);
@@ -48,6 +48,9 @@ struct backend_i {
     int (*rope_kv_write)(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
                          const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
                          const float *inv_freq, int32_t n_freq, int neox);
+    int (*rope_kv_attention)(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,
+                             const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq,
+                             int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale);
     int (*sample)(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
                   int32_t n_rows);
     void *(*host_alloc)(backend *b, size_t bytes);

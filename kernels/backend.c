@@ -182,6 +182,21 @@ int backend_rope_kv_write(backend *b, float *q, float *k, const float *v, struct
     return rc;
 }
 
+int backend_rope_kv_attention(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,
+                              const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq,
+                              int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    if (2 * n_freq > kv->head_dim)
+        return backend_fail(b, STATUS_BAD_INPUT, "rope: %d frequencies for head_dim %d", n_freq, kv->head_dim);
+    if (batch->n_tokens == 0) return STATUS_OK;
+    if (b->i->rope_kv_attention) {
+        int rc = b->i->rope_kv_attention(b, out, q, k, v, kv, pos, slots, inv_freq, n_freq, neox, batch, n_heads,
+                                         scale);
+        if (rc != BACKEND_NOT_FUSED) return rc;
+    }
+    int rc = backend_rope_kv_write(b, q, k, v, kv, pos, slots, batch->n_tokens, n_heads, inv_freq, n_freq, neox);
+    return rc == STATUS_OK ? backend_attention(b, out, q, kv, batch, n_heads, scale) : rc;
+}
+
 /* The host path: each row (downloaded first from a GPU) through
  * common/sampling.c. */
 static int backend_sample_host(backend *b, const float *logits, int32_t n_vocab,

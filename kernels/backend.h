@@ -137,6 +137,12 @@ int backend_matmul_swiglu(backend *b, float *out, const struct backend_weight *g
 int backend_rope_kv_write(backend *b, float *q, float *k, const float *v, struct backend_kv *kv,
                           const int32_t *pos, const int32_t *slots, int32_t n, int32_t n_heads,
                           const float *inv_freq, int32_t n_freq, int neox);
+/* backend_rope_kv_write of q, k (rotated) and v at pos and slots (the
+ * batch's rows), then out = backend_attention of the rotated q.  q and k
+ * may be left rotated or as given. */
+int backend_rope_kv_attention(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,
+                              const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq,
+                              int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale);
 
 /* Sampling.  One row of logits to sample: the request's parameters and
  * token history in, the token (or why there is none) out.  Host memory. */

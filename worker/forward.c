@@ -207,9 +207,9 @@ static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, in
                 FORWARD_TRY(backend_add(b, s->v + (size_t)t * s->kv_dim, l->bv, s->kv_dim), "bias v");
             }
         }
-        FORWARD_TRY(backend_rope_kv_write(b, s->q, s->k, s->v, kv, md + mt->pos, md + mt->slots, T, hp->n_heads,
-                                          s->inv_freq, n_freq, hp->rope_neox), "rope, kv_write");
-        FORWARD_TRY(backend_attention(b, s->att, s->q, kv, &ab, hp->n_heads, scale), "attention");
+        FORWARD_TRY(backend_rope_kv_attention(b, s->att, s->q, s->k, s->v, kv, md + mt->pos, md + mt->slots,
+                                              s->inv_freq, n_freq, hp->rope_neox, &ab, hp->n_heads, scale),
+                    "rope, kv_write, attention");
         FORWARD_TRY(backend_matmul(b, s->proj, &l->wo, s->att, T), "matmul attn_output");
         FORWARD_TRY(backend_add_rmsnorm(b, s->x, s->proj, s->xn, l->ffn_norm, T, hp->dim, hp->rms_eps), "add_rmsnorm");
         FORWARD_TRY(backend_matmul_swiglu(b, s->ffn_h, &l->w_gate, &l->w_up, s->xn, T, s->gate, s->up),

@@ -106,8 +106,8 @@ static int bc_kv_write(backend *b, struct backend_kv *kv, const float *k, const 
     return cuda_kv_write(ctx_fresh(b), kv->k, kv->v, kv->type, kv->n_blocks, kv->block_size, kv->n_kv_heads,
                          kv->head_dim, k, v, slots, n);
 }
-static int bc_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
-                        const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+static struct cuda_attn_args bc_attn_args(float *out, const float *q, const struct backend_kv *kv,
+                                           const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
     struct cuda_attn_args a = {
         .out = out, .q = q, .k = kv->k, .v = kv->v, .kv_type = kv->type,
         .n_blocks = kv->n_blocks, .block_size = kv->block_size, .n_kv_heads = kv->n_kv_heads,
@@ -116,7 +116,20 @@ static int bc_attention(backend *b, float *out, const float *q, const struct bac
         .max_ctx = batch->max_ctx, .seq_tok0 = batch->seq_tok0, .seq_pos0 = batch->seq_pos0,
         .block_tables = batch->block_tables, .scale = scale,
     };
+    return a;
+}
+static int bc_attention(backend *b, float *out, const float *q, const struct backend_kv *kv,
+                        const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    struct cuda_attn_args a = bc_attn_args(out, q, kv, batch, n_heads, scale);
     return cuda_attention(ctx_fresh(b), &a);
+}
+/* One decode row: rope, the cache write and attention in one launch. */
+static int bc_rope_kv_attention(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,
+                                const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq,
+                                int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
+    struct cuda_attn_args a = bc_attn_args(out, q, kv, batch, n_heads, scale);
+    int rc = cuda_rope_attention(ctx_fresh(b), &a, k, v, pos, slots, inv_freq, n_freq, neox);
+    return rc == CUDA_NOT_FUSED ? BACKEND_NOT_FUSED : rc;
 }
 static int bc_convert(backend *b, void *dst, enum dtype dst_type, const void *src, enum dtype src_type, int64_t n) {
     return cuda_convert(ctx_fresh(b), dst, dst_type, src, src_type, n);
@@ -272,6 +285,7 @@ static const struct backend_i cuda_iface = {
     .matmul_multi = bc_matmul_multi,
     .matmul_swiglu = bc_matmul_swiglu,
     .rope_kv_write = bc_rope_kv_write,
+    .rope_kv_attention = bc_rope_kv_attention,
     .sample = bc_sample,
 };
 

@@ -138,6 +138,23 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
         int v = atoi(env);
         ctx->wide_items = v < 0 ? 0 : v > 1024 ? 1024 : v;
     }
+    /* Rope, the cache write and attention of a decode row in one launch
+     * (rope_attention.cu); LLM_CUDA_ROPE_ATT=0 runs rope_kv_write and
+     * attention, to compare.  Its counters are zeroed here, once: a graph
+     * replays the kernel, never a reset. */
+    env = getenv("LLM_CUDA_ROPE_ATT");
+    ctx->rope_att = !(env && strcmp(env, "0") == 0);
+    if (ctx->rope_att) {
+        rc = [&]() -> int {
+            CUDA_CHECK(ctx, cudaMalloc((void **)&ctx->att_sync, CUDA_ATT_SYNC_WORDS * sizeof(unsigned)));
+            CUDA_CHECK(ctx, cudaMemset(ctx->att_sync, 0, CUDA_ATT_SYNC_WORDS * sizeof(unsigned)));
+            return STATUS_OK;
+        }();
+        if (rc != STATUS_OK) {
+            cuda_ctx_free(ctx);
+            return rc;
+        }
+    }
     snprintf(ctx->device_name, sizeof ctx->device_name, "%.95s", prop.name);
     *out = ctx;
     return STATUS_OK;
@@ -148,6 +165,7 @@ extern "C" void cuda_ctx_free(struct cuda_ctx *ctx) {
     cudaSetDevice(ctx->device);
     if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
     if (ctx->scratch) cudaFree(ctx->scratch);
+    if (ctx->att_sync) cudaFree(ctx->att_sync);
     if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);
     if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
     free(ctx);

@@ -1,0 +1,284 @@
+/* Rope, the cache write and attention for one decode row (a batch of one
+ * sequence at one new position), in one launch where the op-by-op path
+ * takes three: rope_kv_write, attention and the merge of its context
+ * slices.
+ *
+ * A warp owns one (query head, slice of the context) unit: it rotates its
+ * head of q in registers (the position's cosines and sines formed once a
+ * block), and walks its slice with an online softmax, sub-warps of LP
+ * lanes (8 dims a lane) owning positions, U positions' loads in flight.
+ * The slice that holds the new position rotates the new k there, rounds k
+ * and v to F16 as the cache holds them, uses them from registers and
+ * (once per KV head) writes them to the cache.  The last slice of a head
+ * to finish (a counter a head in ctx->att_sync, left at zero) merges the
+ * head's slices.  Data other blocks wrote in this launch is read through
+ * L2 (__ldcg).  Query heads of one KV head read its rows separately: at
+ * batch 1 they come from L2 after the first. */
+#include "common.cuh"
+
+#include <math.h>
+
+/* Context slices of one head at most, the least steps (U positions of
+ * every sub-warp) a slice takes, and U. */
+#define RA_SPLITS_MAX 64
+#define RA_STEPS 2
+#define RA_U 4
+
+struct ra_args {
+    const float *q, *k, *v; /* this row: q [n_heads * hd], k and v [n_kv_heads * hd], unrotated */
+    float *att, *part_acc, *part_ml;
+    unsigned *sync;
+    fp16_t *kc, *vc;
+    const int32_t *pos, *slots, *btab;
+    const float *inv_freq;
+    int n_blocks, block_size, n_kv_heads, n_heads, max_blocks, n_freq, neox;
+    float scale;
+};
+
+__device__ __forceinline__ float ra_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Dims d0 .. d0 + 7 of head vector hv rotated at the position whose
+ * cosines and sines are cs[0 .. nf), cs[nf .. 2 nf), as
+ * rope_kv_write_kernel rotates them. */
+__device__ __forceinline__ void ra_rope8(const float *hv, int d0, const float *cs, int nf, int neox, float (&y)[8]) {
+    const float4 a = __ldcg((const float4 *)(hv + d0)), b = __ldcg((const float4 *)(hv + d0 + 4));
+    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        const int d = d0 + e;
+        y[e] = x[e];
+        if (neox) {
+            if (d < nf) y[e] = x[e] * cs[d] - __ldcg(hv + d + nf) * cs[nf + d];
+            else if (d < 2 * nf) y[e] = __ldcg(hv + d - nf) * cs[d] + x[e] * cs[d - nf];
+        } else if (d < 2 * nf) {
+            const int i = d / 2;
+            /* The pair (2i, 2i + 1) is within the lane's 8 dims (d0 is a
+             * multiple of 8, so d is odd exactly when e is). */
+            y[e] = (e & 1) ? x[e - 1] * cs[nf + i] + x[e] * cs[i] : x[e] * cs[i] - x[e + 1] * cs[nf + i];
+        }
+    }
+}
+
+/* Eight floats as F16, rounded as the cache stores them. */
+__device__ __forceinline__ uint4 ra_pack8(const float (&v)[8]) {
+    uint4 r;
+    r.x = (uint32_t)f2h(v[0]) | ((uint32_t)f2h(v[1]) << 16);
+    r.y = (uint32_t)f2h(v[2]) | ((uint32_t)f2h(v[3]) << 16);
+    r.z = (uint32_t)f2h(v[4]) | ((uint32_t)f2h(v[5]) << 16);
+    r.w = (uint32_t)f2h(v[6]) | ((uint32_t)f2h(v[7]) << 16);
+    return r;
+}
+
+/* ---- A warp's slice z (of S, chunk positions each) of query head h.  Sub-warps of LP lanes (8 dims a lane) own positions, each with
+ * its own online softmax, U positions' loads in flight (the arithmetic of
+ * attention_decode_kernel). ---- */
+template <int LP>
+__device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, int S, int chunk, int len, const float *cs) {
+    constexpr int HD = LP * 8, SW = 32 / LP, U = RA_U;
+    const int lane = threadIdx.x & 31, li = lane % LP, sw = lane / LP;
+    const int G = a.n_heads / a.n_kv_heads, kvh = h / G;
+    const float ninf = -INFINITY;
+    float q[8];
+    ra_rope8(a.q + (size_t)h * HD, 8 * li, cs, a.n_freq, a.neox, q);
+#pragma unroll
+    for (int e = 0; e < 8; e++) q[e] *= a.scale;
+    const int j_begin = z * chunk, j_end = min(j_begin + chunk, len);
+    /* The new position's k (rotated) and v, as the cache will hold them. */
+    uint4 kn = make_uint4(0, 0, 0, 0), vn = kn;
+    if (j_end == len) {
+        float kv8[8];
+        ra_rope8(a.k + (size_t)kvh * HD, 8 * li, cs, a.n_freq, a.neox, kv8);
+        kn = ra_pack8(kv8);
+        const float4 v0 = __ldcg((const float4 *)(a.v + (size_t)kvh * HD + 8 * li)),
+                     v1 = __ldcg((const float4 *)(a.v + (size_t)kvh * HD + 8 * li + 4));
+        const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        vn = ra_pack8(vv);
+        const int32_t slot = a.slots[0];
+        if (h % G == 0 && sw == 0 && slot >= 0 && slot < a.n_blocks * a.block_size) {
+            const size_t at =
+                (((size_t)(slot / a.block_size) * a.n_kv_heads + kvh) * a.block_size + slot % a.block_size) * HD +
+                8 * li;
+            *(uint4 *)(a.kc + at) = kn;
+            *(uint4 *)(a.vc + at) = vn;
+        }
+    }
+    float m = ninf, l = 0.0f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+    for (int jw = j_begin; jw < j_end; jw += SW * U) {
+        const int j0 = jw + sw * U;
+        uint4 kr[U], vr[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = j0 + u;
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+            if (j == len - 1) {
+                kr[u] = kn;
+                vr[u] = vn;
+            } else if (j < j_end) {
+                const int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? a.btab[bi] : -1;
+                if (blk < 0 || blk >= a.n_blocks) {
+                    kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
+                } else {
+                    const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD +
+                                      8 * li;
+                    kr[u] = __ldg((const uint4 *)(a.kc + at));
+                    vr[u] = __ldg((const uint4 *)(a.vc + at));
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const __half2 *kh = (const __half2 *)&kr[u], *vh = (const __half2 *)&vr[u];
+            float d = 0.0f, vf[8];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 kf = __half22float2(kh[e]), f = __half22float2(vh[e]);
+                d += q[2 * e] * kf.x + q[2 * e + 1] * kf.y;
+                vf[2 * e] = f.x;
+                vf[2 * e + 1] = f.y;
+            }
+#pragma unroll
+            for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            if (j0 + u < j_end) {
+                const float mn = fmaxf(m, d), alpha = __expf(m - mn), pr = __expf(d - mn);
+                l = l * alpha + pr;
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[e] = acc[e] * alpha + pr * vf[e];
+                m = mn;
+            }
+        }
+    }
+    /* The sub-warps' states merged into sub-warp 0. */
+#pragma unroll
+    for (int o = LP; o < 32; o <<= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, o), lo = __shfl_xor_sync(0xffffffffu, l, o);
+        const float mn = fmaxf(m, mo);
+        const float wa = m == ninf ? 0.0f : __expf(m - mn), wb = mo == ninf ? 0.0f : __expf(mo - mn);
+        l = l * wa + lo * wb;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] = acc[e] * wa + __shfl_xor_sync(0xffffffffu, acc[e], o) * wb;
+        m = mn;
+    }
+    if (S == 1) {
+        if (sw == 0) {
+            float *o = a.att + (size_t)h * HD + 8 * li;
+            const float r = l > 0.0f ? 1.0f / l : 0.0f;
+            *(float4 *)o = make_float4(acc[0] * r, acc[1] * r, acc[2] * r, acc[3] * r);
+            *(float4 *)(o + 4) = make_float4(acc[4] * r, acc[5] * r, acc[6] * r, acc[7] * r);
+        }
+        return;
+    }
+    const size_t slot = (size_t)h * RA_SPLITS_MAX + z;
+    if (sw == 0) {
+        float *o = a.part_acc + slot * HD + 8 * li;
+        *(float4 *)o = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        *(float4 *)(o + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        if (li == 0) *(float2 *)(a.part_ml + slot * 2) = make_float2(l != l ? l : m, l);
+    }
+    __threadfence();
+    __syncwarp();
+    unsigned done = 0;
+    if (lane == 0) done = atomicAdd(a.sync + h, 1u);
+    done = __shfl_sync(0xffffffffu, done, 0);
+    if (done != (unsigned)S - 1) return;
+    /* The last slice of head h merges all S (attn_merge.cuh's rule: weights
+     * exp(m_z - max m), a slice that saw nothing adds nothing). */
+    __threadfence();
+    if (lane == 0) atomicExch(a.sync + h, 0u);
+    const float *ml = a.part_ml + (size_t)h * RA_SPLITS_MAX * 2;
+    const float m0 = lane < S ? __ldcg(ml + 2 * lane) : ninf, l0 = lane < S ? __ldcg(ml + 2 * lane + 1) : 0.0f;
+    const float m1 = lane + 32 < S ? __ldcg(ml + 2 * lane + 64) : ninf,
+                l1 = lane + 32 < S ? __ldcg(ml + 2 * lane + 65) : 0.0f;
+    float gm = fmaxf(m0, m1);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    const float w0 = m0 == ninf ? 0.0f : __expf(m0 - gm), w1 = m1 == ninf ? 0.0f : __expf(m1 - gm);
+    const float L = ra_warp_sum(w0 * l0 + w1 * l1);
+    constexpr int DPL = HD / 32; /* dims a lane */
+    float o[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) o[i] = 0.0f;
+    const float *pa = a.part_acc + (size_t)h * RA_SPLITS_MAX * HD;
+#pragma unroll 4
+    for (int zz = 0; zz < S; zz++) {
+        const float wz0 = __shfl_sync(0xffffffffu, w0, zz & 31), wz1 = __shfl_sync(0xffffffffu, w1, zz & 31);
+        const float wz = zz < 32 ? wz0 : wz1;
+        if (wz != 0.0f)
+#pragma unroll
+            for (int i = 0; i < DPL; i++) o[i] += wz * __ldcg(pa + (size_t)zz * HD + lane + 32 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < DPL; i++) a.att[(size_t)h * HD + lane + 32 * i] = L > 0.0f ? o[i] / L : 0.0f;
+}
+
+/* Grid (RA_SPLITS_MAX / 4, n_heads) of 4 warps: head blockIdx.y, slices
+ * 4 blockIdx.x .. + 3 (those past this row's count exit). */
+template <int LP> __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
+    __shared__ float cs[128]; /* cos, sin of this position: n_freq <= head_dim / 2 <= 64 */
+    /* The position is step metadata (uploaded before the step), no
+     * kernel's output: the rotation is formed before the wait. */
+    const int len = a.pos[0] + 1, nf = a.n_freq;
+    for (int i = threadIdx.x; i < nf; i += 128) {
+        double sn, c;
+        sincos((double)(len - 1) * (double)a.inv_freq[i], &sn, &c);
+        cs[i] = (float)c;
+        cs[nf + i] = (float)sn;
+    }
+    __syncthreads();
+    pdl_begin();
+    constexpr int step = (32 / LP) * RA_U;
+    int S = (len + step * RA_STEPS - 1) / (step * RA_STEPS);
+    S = S < 1 ? 1 : S > RA_SPLITS_MAX ? RA_SPLITS_MAX : S;
+    const int chunk = ((len + S - 1) / S + step - 1) / step * step;
+    S = (len + chunk - 1) / chunk;
+    const int z = blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (z < S) ra_attn_slice<LP>(a, blockIdx.y, z, S, chunk, len, cs);
+}
+
+extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
+                                   const float *v, const int32_t *pos, const int32_t *slots, const float *inv_freq,
+                                   int32_t n_freq, int neox) {
+    const int32_t hd = at->head_dim;
+    if (!ctx->rope_att || !ctx->att_sync || at->n_tokens != 1 || at->n_seqs != 1 || at->kv_type != DTYPE_F16 ||
+        (hd != 64 && hd != 128) || at->n_kv_heads < 1 || at->n_heads % at->n_kv_heads != 0 ||
+        at->n_heads > CUDA_ATT_SYNC_WORDS || 2 * n_freq > hd)
+        return CUDA_NOT_FUSED;
+    const void *bufs[] = {at->q, k, v, at->out, at->k, at->v};
+    for (const void *p : bufs)
+        if ((uintptr_t)p % 16 != 0) return CUDA_NOT_FUSED;
+    const size_t slots_n = (size_t)at->n_heads * RA_SPLITS_MAX;
+    float *part = (float *)cuda_scratch(ctx, slots_n * ((size_t)hd + 2) * sizeof(float));
+    if (!part) return STATUS_NO_MEMORY;
+    ra_args a = {};
+    a.q = at->q;
+    a.k = k;
+    a.v = v;
+    a.att = at->out;
+    a.part_acc = part;
+    a.part_ml = part + slots_n * hd;
+    a.sync = ctx->att_sync;
+    a.kc = (fp16_t *)at->k;
+    a.vc = (fp16_t *)at->v;
+    a.pos = pos;
+    a.slots = slots;
+    a.btab = at->block_tables;
+    a.inv_freq = inv_freq;
+    a.n_blocks = at->n_blocks;
+    a.block_size = at->block_size;
+    a.n_kv_heads = at->n_kv_heads;
+    a.n_heads = at->n_heads;
+    a.max_blocks = at->max_blocks;
+    a.n_freq = n_freq;
+    a.neox = neox;
+    a.scale = at->scale;
+    const dim3 grid(RA_SPLITS_MAX / 4, (unsigned)at->n_heads);
+    if (hd == 64) CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<8>, grid, dim3(128), 0, a));
+    else CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<16>, grid, dim3(128), 0, a));
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
+}
