@@ -42,8 +42,9 @@ struct cuda_ctx {
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
     int att_k16;        /* attention_prefill.cu: mma m16n8k16 (sm_80 and later, default;
                          * LLM_CUDA_ATT_K8=1: m16n8k8, sm_75's, to compare) */
-    int rope_att;       /* rope, cache write and attention of one decode row in one launch
-                         * (rope_attention.cu; default; LLM_CUDA_ROPE_ATT=0: the two ops) */
+    int rope_att;       /* rope, cache write and attention of decode batches of up to this
+                         * many rows in one launch (rope_attention.cu; LLM_CUDA_ROPE_ATT=k,
+                         * 0: the two ops) */
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
@@ -224,14 +225,16 @@ struct cuda_attn_args {
 };
 int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
 
-/* ---- rope_attention.cu: backend_rope_kv_attention for one decode row ---- */
-/* Counters of ctx->att_sync (one a query head; the kernel leaves them at 0). */
+/* ---- rope_attention.cu: backend_rope_kv_attention for decode rows ---- */
+/* Counters of ctx->att_sync (one a row and query head; the kernel leaves
+ * them at 0). */
 #define CUDA_ATT_SYNC_WORDS 1024
-/* a->q, k, v: the row's q, k and v as the matmuls left them (unrotated);
- * rotates them at pos[0] in registers (q and k stay as given), writes k
- * and v at slots[0] of the F16 cache and a->out = attention of the row.
- * CUDA_NOT_FUSED unless one sequence of one row, an F16 cache, heads of 64
- * or 128 and 16-byte aligned buffers (and ctx->rope_att). */
+/* a->q, k, v: the rows' q, k and v as the matmuls left them (unrotated);
+ * rotates row t at pos[t] in registers (q and k stay as given), writes k
+ * and v at slots[t] of the F16 cache and a->out = attention of the rows.
+ * CUDA_NOT_FUSED unless every sequence has one row and there are at most
+ * ctx->rope_att rows, an F16 cache, heads of 64 or 128 and 16-byte
+ * aligned buffers. */
 int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
                         const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox);
 

@@ -1,5 +1,5 @@
-/* Rope, the cache write and attention for one decode row (a batch of one
- * sequence at one new position), in one launch where the op-by-op path
+/* Rope, the cache write and attention for decode rows (each sequence of
+ * the batch at one new position), in one launch where the op-by-op path
  * takes three: rope_kv_write, attention and the merge of its context
  * slices.
  *
@@ -25,7 +25,7 @@
 #define RA_U 4
 
 struct ra_args {
-    const float *q, *k, *v; /* this row: q [n_heads * hd], k and v [n_kv_heads * hd], unrotated */
+    const float *q, *k, *v; /* q [rows, n_heads * hd], k and v [rows, n_kv_heads * hd], unrotated */
     float *att, *part_acc, *part_ml;
     unsigned *sync;
     fp16_t *kc, *vc;
@@ -97,7 +97,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
                      v1 = __ldcg((const float4 *)(a.v + (size_t)kvh * HD + 8 * li + 4));
         const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
         vn = ra_pack8(vv);
-        const int32_t slot = a.slots[0];
+        const int32_t slot = a.slots[0]; /* the row's own (rope_attention_kernel offsets them) */
         if (h % G == 0 && sw == 0 && slot >= 0 && slot < a.n_blocks * a.block_size) {
             const size_t at =
                 (((size_t)(slot / a.block_size) * a.n_kv_heads + kvh) * a.block_size + slot % a.block_size) * HD +
@@ -216,13 +216,16 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
     for (int i = 0; i < DPL; i++) a.att[(size_t)h * HD + lane + 32 * i] = L > 0.0f ? o[i] / L : 0.0f;
 }
 
-/* Grid (RA_SPLITS_MAX / 4, n_heads) of 4 warps: head blockIdx.y, slices
- * 4 blockIdx.x .. + 3 (those past this row's count exit). */
+/* Grid (RA_SPLITS_MAX / 4, n_heads, rows) of 4 warps: row blockIdx.z (its
+ * sequence's only row), head blockIdx.y, slices 4 blockIdx.x .. + 3 (those
+ * past the row's count exit). */
 template <int LP> __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
+    constexpr int HD = LP * 8;
     __shared__ float cs[128]; /* cos, sin of this position: n_freq <= head_dim / 2 <= 64 */
+    const int t = blockIdx.z;
     /* The position is step metadata (uploaded before the step), no
      * kernel's output: the rotation is formed before the wait. */
-    const int len = a.pos[0] + 1, nf = a.n_freq;
+    const int len = a.pos[t] + 1, nf = a.n_freq;
     for (int i = threadIdx.x; i < nf; i += 128) {
         double sn, c;
         sincos((double)(len - 1) * (double)a.inv_freq[i], &sn, &c);
@@ -237,21 +240,34 @@ template <int LP> __global__ void __launch_bounds__(128) rope_attention_kernel(c
     const int chunk = ((len + S - 1) / S + step - 1) / step * step;
     S = (len + chunk - 1) / chunk;
     const int z = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (z < S) ra_attn_slice<LP>(a, blockIdx.y, z, S, chunk, len, cs);
+    if (z >= S) return;
+    ra_args r = a;
+    const size_t qw = (size_t)a.n_heads * HD, kw = (size_t)a.n_kv_heads * HD, units = (size_t)a.n_heads * RA_SPLITS_MAX;
+    r.q += t * qw;
+    r.k += t * kw;
+    r.v += t * kw;
+    r.att += t * qw;
+    r.part_acc += t * units * HD;
+    r.part_ml += t * units * 2;
+    r.sync += (size_t)t * a.n_heads;
+    r.slots += t;
+    r.btab += (size_t)t * a.max_blocks;
+    ra_attn_slice<LP>(r, blockIdx.y, z, S, chunk, len, cs);
 }
 
 extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
                                    const float *v, const int32_t *pos, const int32_t *slots, const float *inv_freq,
                                    int32_t n_freq, int neox) {
     const int32_t hd = at->head_dim;
-    if (!ctx->rope_att || !ctx->att_sync || at->n_tokens != 1 || at->n_seqs != 1 || at->kv_type != DTYPE_F16 ||
+    const int32_t rows = at->n_tokens;
+    if (!ctx->att_sync || rows < 1 || rows > ctx->rope_att || at->n_seqs != rows || at->kv_type != DTYPE_F16 ||
         (hd != 64 && hd != 128) || at->n_kv_heads < 1 || at->n_heads % at->n_kv_heads != 0 ||
-        at->n_heads > CUDA_ATT_SYNC_WORDS || 2 * n_freq > hd)
+        (int64_t)rows * at->n_heads > CUDA_ATT_SYNC_WORDS || 2 * n_freq > hd)
         return CUDA_NOT_FUSED;
     const void *bufs[] = {at->q, k, v, at->out, at->k, at->v};
     for (const void *p : bufs)
         if ((uintptr_t)p % 16 != 0) return CUDA_NOT_FUSED;
-    const size_t slots_n = (size_t)at->n_heads * RA_SPLITS_MAX;
+    const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX;
     float *part = (float *)cuda_scratch(ctx, slots_n * ((size_t)hd + 2) * sizeof(float));
     if (!part) return STATUS_NO_MEMORY;
     ra_args a = {};
@@ -276,7 +292,7 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     a.n_freq = n_freq;
     a.neox = neox;
     a.scale = at->scale;
-    const dim3 grid(RA_SPLITS_MAX / 4, (unsigned)at->n_heads);
+    const dim3 grid(RA_SPLITS_MAX / 4, (unsigned)at->n_heads, (unsigned)rows);
     if (hd == 64) CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<8>, grid, dim3(128), 0, a));
     else CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<16>, grid, dim3(128), 0, a));
     CUDA_CHECK(ctx, cudaGetLastError());

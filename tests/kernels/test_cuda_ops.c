@@ -1199,60 +1199,73 @@ TEST(cuda_ops_attention_prefill) {
     unsetenv("LLM_CUDA_PREFILL_TC");
 }
 
-/* ---- Rope, cache write and attention of a decode row in one op ----
- * The CPU runs rope_kv_write and attention; the GPU, for one row and an
- * F16 cache with heads of 64 or 128, one launch (rope_attention.cu) that
- * rotates q and k in registers and leaves the buffers as given: so its q
- * must come back unchanged where it takes the case (a silent fallback
- * would rotate it), and rotated like the CPU's where it does not. */
+/* ---- Rope, cache write and attention of decode rows in one op ----
+ * The CPU runs rope_kv_write and attention; the GPU, for decode rows (one
+ * a sequence) and an F16 cache with heads of 64 or 128, one launch
+ * (rope_attention.cu, up to LLM_CUDA_ROPE_ATT rows: 16 here) that rotates
+ * q and k in registers and leaves the buffers as given: so its q must come
+ * back unchanged where it takes the case (a silent fallback would rotate
+ * it), and rotated like the CPU's where it does not. */
 struct ropeatt_case {
     enum dtype kv;
     int32_t n_heads, n_kv, hd, pos, n_freq;
-    int neox, n_rows;
+    int neox, n_seqs, rows_per_seq;
 };
 
-static void rope_attention_case(const struct ropeatt_case *rc_) {
+static void rope_attention_case(const struct ropeatt_case *c) {
     fx_open();
-    const int32_t bs = 16, hd = rc_->hd, n = rc_->n_rows, qw = rc_->n_heads * hd, kw = rc_->n_kv * hd;
-    const int32_t max_blocks = (rc_->pos + n - 1) / bs + 1, n_blocks = max_blocks + 3;
-    kv_pair(rc_->kv, n_blocks, bs, rc_->n_kv, hd);
-    int32_t *table = fx_host((size_t)max_blocks * 4), *perm = fx_host((size_t)n_blocks * 4);
+    const int32_t bs = 16, hd = c->hd, S = c->n_seqs, R = c->rows_per_seq, n = S * R;
+    const int32_t qw = c->n_heads * hd, kw = c->n_kv * hd;
+    /* Sequence s: rows at positions pos + 37 s .. + R - 1, its own blocks
+     * taken in a random order from one cache. */
+    const int32_t max_ctx = c->pos + 37 * (S - 1) + R, max_blocks = (max_ctx + bs - 1) / bs;
+    const int32_t n_blocks = S * max_blocks + 3;
+    kv_pair(c->kv, n_blocks, bs, c->n_kv, hd);
+    int32_t *perm = fx_host((size_t)n_blocks * 4), *tables = fx_host((size_t)S * max_blocks * 4);
     for (int i = 0; i < n_blocks; i++) perm[i] = i;
     for (int i = n_blocks - 1; i > 0; i--) {
         int j = rng_int(i + 1), tmp = perm[i];
         perm[i] = perm[j];
         perm[j] = tmp;
     }
-    for (int b = 0; b < max_blocks; b++) table[b] = perm[b];
-    int32_t pos[4], slots[4], tok0[2] = {0, n};
-    for (int t = 0; t < n; t++) {
-        pos[t] = rc_->pos + t;
-        slots[t] = table[pos[t] / bs] * bs + pos[t] % bs;
+    for (int i = 0; i < S * max_blocks; i++) tables[i] = perm[i];
+    int32_t *pos = fx_host((size_t)n * 4), *slots = fx_host((size_t)n * 4), *tok0 = fx_host((size_t)(S + 1) * 4);
+    int32_t *pos0 = fx_host((size_t)S * 4);
+    for (int s = 0; s < S; s++) {
+        tok0[s] = s * R;
+        pos0[s] = c->pos + 37 * s;
+        for (int r = 0; r < R; r++) {
+            const int32_t p = pos0[s] + r;
+            pos[s * R + r] = p;
+            slots[s * R + r] = tables[s * max_blocks + p / bs] * bs + p % bs;
+        }
     }
-    struct dbuf dt = dbuf_from(table, (size_t)max_blocks * 4), d0 = dbuf_from(tok0, sizeof tok0);
+    tok0[S] = n;
+    struct dbuf dt = dbuf_from(tables, (size_t)S * max_blocks * 4), d0 = dbuf_from(tok0, (size_t)(S + 1) * 4);
+    struct dbuf dp0 = dbuf_from(pos0, (size_t)S * 4);
     struct dbuf dp = dbuf_from(pos, (size_t)n * 4), ds = dbuf_from(slots, (size_t)n * 4);
-    float *inv = fx_host((size_t)rc_->n_freq * 4);
-    for (int i = 0; i < rc_->n_freq; i++) inv[i] = powf(10000.0f, -2.0f * i / (float)hd);
-    struct dbuf di = dbuf_from(inv, (size_t)rc_->n_freq * 4);
+    float *inv = fx_host((size_t)c->n_freq * 4);
+    for (int i = 0; i < c->n_freq; i++) inv[i] = powf(10000.0f, -2.0f * i / (float)hd);
+    struct dbuf di = dbuf_from(inv, (size_t)c->n_freq * 4);
     float *qh = rand_f32((size_t)n * qw, -2, 2);
     struct dbuf q = dbuf_from(qh, (size_t)n * qw * 4);
     struct dbuf k = dbuf_from(rand_f32((size_t)n * kw, -2, 2), (size_t)n * kw * 4);
     struct dbuf v = dbuf_from(rand_f32((size_t)n * kw, -2, 2), (size_t)n * kw * 4);
     struct dbuf out = dbuf_new((size_t)n * qw * 4);
     dbuf_poison(out);
-    struct backend_attn_batch cb = {1, n, max_blocks, rc_->pos + n, d0.c, dp.c, dt.c};
-    struct backend_attn_batch gb = {1, n, max_blocks, rc_->pos + n, d0.g, dp.g, dt.g};
+    struct backend_attn_batch cb = {S, n, max_blocks, max_ctx, d0.c, dp0.c, dt.c};
+    struct backend_attn_batch gb = {S, n, max_blocks, max_ctx, d0.g, dp0.g, dt.g};
     const float scale = 1.0f / sqrtf((float)hd);
     const int i = fx.n_kv - 1;
-    ASSERT_OK(backend_rope_kv_attention(fx.cpu, out.c, q.c, k.c, v.c, &fx.ckv[i], dp.c, ds.c, di.c, rc_->n_freq,
-                                        rc_->neox, &cb, rc_->n_heads, scale));
-    int rc = backend_rope_kv_attention(fx.gpu, out.g, q.g, k.g, v.g, &fx.gkv[i], dp.g, ds.g, di.g, rc_->n_freq,
-                                       rc_->neox, &gb, rc_->n_heads, scale);
+    ASSERT_OK(backend_rope_kv_attention(fx.cpu, out.c, q.c, k.c, v.c, &fx.ckv[i], dp.c, ds.c, di.c, c->n_freq,
+                                        c->neox, &cb, c->n_heads, scale));
+    int rc = backend_rope_kv_attention(fx.gpu, out.g, q.g, k.g, v.g, &fx.gkv[i], dp.g, ds.g, di.g, c->n_freq,
+                                       c->neox, &gb, c->n_heads, scale);
     if (rc != STATUS_OK) TEST_FAIL("gpu rope_kv_attention: %s", backend_errstr(fx.gpu));
     char what[160];
-    snprintf(what, sizeof what, "rope_kv_attention %s cache, %d/%d heads x %d, pos %d, %d rows, neox %d, %d freqs",
-             dtype_name(rc_->kv), rc_->n_heads, rc_->n_kv, hd, rc_->pos, n, rc_->neox, rc_->n_freq);
-    const int fused = n == 1 && rc_->kv == DTYPE_F16;
+    snprintf(what, sizeof what, "rope_kv_attention %s cache, %d/%d heads x %d, %d seqs x %d rows from %d, neox %d, %d freqs",
+             dtype_name(c->kv), c->n_heads, c->n_kv, hd, S, R, c->pos, c->neox, c->n_freq);
+    const int fused = R == 1 && S <= 16 && c->kv == DTYPE_F16;
     float *qg = fx_host((size_t)n * qw * 4);
     ASSERT_OK(backend_download(fx.gpu, qg, q.g, (size_t)n * qw * 4));
     if (fused && memcmp(qg, qh, (size_t)n * qw * 4) != 0) TEST_FAIL("%s: q was rotated in place: not one launch", what);
@@ -1262,14 +1275,14 @@ static void rope_attention_case(const struct ropeatt_case *rc_) {
      * position too many or too few moves a row by ~1/context of its size:
      * NMSE >= 1e-7 up to 3000 positions.  The two ops: attention's own
      * bounds (cuda_ops_attention_*; tensor cores round to F16). */
-    const double bound = !fused && attn_on_tensor_cores(rc_->kv, rc_->n_heads, rc_->n_kv, hd, n, 1) ? 1e-4 : 1e-8;
+    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, n, S) ? 1e-4 : 1e-8;
     double e = check_f32(out, (size_t)n * qw, bound, what);
     /* The caches, every slot: the new k rotated as rope rotates it (one F16
      * rounding may differ where the products round differently). */
-    const size_t elems = (size_t)n_blocks * bs * rc_->n_kv * hd;
-    const double cb_ = rc_->kv == DTYPE_F32 ? 1e-12 : 1e-7;
-    check_cache(rc_->kv, fx.ckv[i].k, fx.gkv[i].k, elems, cb_, what);
-    check_cache(rc_->kv, fx.ckv[i].v, fx.gkv[i].v, elems, cb_, what);
+    const size_t elems = (size_t)n_blocks * bs * c->n_kv * hd;
+    const double cache_bound = c->kv == DTYPE_F32 ? 1e-12 : 1e-7;
+    check_cache(c->kv, fx.ckv[i].k, fx.gkv[i].k, elems, cache_bound, what);
+    check_cache(c->kv, fx.ckv[i].v, fx.gkv[i].v, elems, cache_bound, what);
     printf("    %s%s: NMSE %.3g\n", what, fused ? " (one launch)" : "", e);
     fx_close();
 }
@@ -1277,20 +1290,27 @@ static void rope_attention_case(const struct ropeatt_case *rc_) {
 TEST(cuda_ops_rope_kv_attention) {
     static const struct ropeatt_case cases[] = {
         /* MHA heads of 128 at 38 positions (3 slices), pairs (2i, 2i+1). */
-        {DTYPE_F16, 4, 4, 128, 37, 64, 0, 1},
+        {DTYPE_F16, 4, 4, 128, 37, 64, 0, 1, 1},
         /* GQA 8 over 2, heads of 64, 701 positions, neox, a partial rotation. */
-        {DTYPE_F16, 8, 2, 64, 700, 24, 1, 1},
+        {DTYPE_F16, 8, 2, 64, 700, 24, 1, 1, 1},
         /* The first position: one slice. */
-        {DTYPE_F16, 4, 4, 64, 0, 32, 0, 1},
+        {DTYPE_F16, 4, 4, 64, 0, 32, 0, 1, 1},
         /* 3001 positions: the most slices, 48 positions each. */
-        {DTYPE_F16, 2, 1, 128, 3000, 64, 1, 1},
+        {DTYPE_F16, 2, 1, 128, 3000, 64, 1, 1, 1},
         /* GQA 4 over 1, a block's last position. */
-        {DTYPE_F16, 4, 1, 64, 95, 32, 1, 1},
-        /* Cases the one launch leaves to the two ops: an F32 cache, two rows. */
-        {DTYPE_F32, 8, 2, 64, 300, 32, 1, 1},
-        {DTYPE_F16, 8, 2, 64, 300, 32, 0, 2},
+        {DTYPE_F16, 4, 1, 64, 95, 32, 1, 1, 1},
+        /* Batches of decode rows: 5 and 16 sequences at different positions. */
+        {DTYPE_F16, 8, 2, 64, 3, 32, 1, 5, 1},
+        {DTYPE_F16, 4, 4, 128, 200, 64, 0, 16, 1},
+        /* Cases the one launch leaves to the two ops: an F32 cache, a
+         * sequence of two rows, more rows than it takes. */
+        {DTYPE_F32, 8, 2, 64, 300, 32, 1, 1, 1},
+        {DTYPE_F16, 8, 2, 64, 300, 32, 0, 1, 2},
+        {DTYPE_F16, 4, 2, 64, 10, 32, 0, 17, 1},
     };
+    setenv("LLM_CUDA_ROPE_ATT", "16", 1);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) rope_attention_case(&cases[c]);
+    unsetenv("LLM_CUDA_ROPE_ATT");
 }
 
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
