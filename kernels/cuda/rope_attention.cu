@@ -3,15 +3,15 @@
  * takes three: rope_kv_write, attention and the merge of its context
  * slices.
  *
- * A warp owns one (query head, slice of the context) unit: it rotates its
- * head of q in registers (the position's cosines and sines formed once a
+ * A warp owns one (row, query head, slice of the context) unit: it rotates
+ * its head of q in registers (the position's cosines and sines formed once a
  * block), and walks its slice with an online softmax, sub-warps of LP
  * lanes (8 dims a lane) owning positions, U positions' loads in flight.
  * The slice that holds the new position rotates the new k there, rounds k
  * and v to F16 as the cache holds them, uses them from registers and
- * (once per KV head) writes them to the cache.  The last slice of a head
- * to finish (a counter a head in ctx->att_sync, left at zero) merges the
- * head's slices.  Data other blocks wrote in this launch is read through
+ * (once per KV head) writes them to the cache.  The last slice of a
+ * (row, head) to finish (a counter each in ctx->att_sync, left at zero)
+ * merges its slices.  Data other blocks wrote in this launch is read through
  * L2 (__ldcg).  Query heads of one KV head read its rows separately: at
  * batch 1 they come from L2 after the first. */
 #include "common.cuh"
