@@ -38,8 +38,8 @@ struct backend_i {
     /* Optional (NULL: host_alloc is malloc, graphs are unsupported, the
      * fused ops run the plain ones, sampling downloads the logits and runs
      * common/sampling.c on the host).  matmul_multi, matmul_swiglu and
-     * rope_kv_attention may return BACKEND_NOT_FUSED for a case they do not take: then the plain
-     * ops run. */
+     * rope_kv_attention may return BACKEND_NOT_FUSED for a case they do
+     * not take: then the plain ops run. */
     int (*matmul_multi)(backend *b, int n_w, float *const outs[], const struct backend_weight *const ws[],
                         const float *x, int32_t n);
     int (*matmul_swiglu)(backend *b, float *out, const struct backend_weight *gate,
