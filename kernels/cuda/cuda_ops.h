@@ -66,7 +66,8 @@ struct cuda_ctx {
     char device_name[96];
 };
 
-enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2 };
+/* Q8S: the int8 form with matmul_gemv.cu's per-half sums (xs) too. */
+enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2, MATMUL_ACT_Q8S = 3 };
 
 /* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
  * then records that it will (the caller fills it). */

@@ -14,14 +14,21 @@
  * every type: on an H200 (7B, batch 1) 2 beat 4 for Q8_0 (2.89 -> 2.77 ms
  * a step) and Q4_K (2.70 -> 2.63 ms for Q4_K_M), and 1 was no better for
  * Q8_0 and worse for Q4_K (docs/cuda-backend.md, run 8): all warps asking
- * for their whole row at once did not reach the DRAM rate sooner. */
+ * for their whole row at once did not reach the DRAM rate sooner.  With
+ * the K-quants' leaner chunks (fifteenth pass) 4 was again slower for
+ * Q4_K (7B Q4_K_M 2.41 -> 2.52 ms on an H100). */
 #define GV_UNROLL 2
 #define GV_NT_MAX 4
 
 /* ---- Activations: x[n, cols] F32 -> xq int8 [n, cols], xd[n, cols / 32]
- * (scale of each block of 32: x ~ xd * xq).  One warp per block. ---- */
-__global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__ xd, const float *__restrict__ x,
-                                    int64_t nblk) {
+ * (scale of each block of 32: x ~ xd * xq).  One warp per block.  Where
+ * cols is a multiple of 64, also xs, for the K-quants with a min (Q4_K,
+ * Q5_K): one float4 per 64-element group g and half h (16 elements of each
+ * of its two blocks), {xd[2g], xd[2g + 1], xd[2g] * sum of xq over block
+ * 2g's half h, the same for 2g + 1}, so that a chunk's min term is a
+ * product and its scales one load. ---- */
+__global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__ xd, float *__restrict__ xs,
+                                    const float *__restrict__ x, int64_t nblk) {
     pdl_begin();
     int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x & 31;
@@ -33,6 +40,16 @@ __global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__
     int q = d > 0.0f ? __float2int_rn(v / d) : 0;
     xq[b * 32 + lane] = (int8_t)q;
     if (lane == 0) xd[b] = d;
+    if (xs) {
+        int s = q;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((lane & 15) == 0) {
+            float *e = xs + ((b >> 1) * 2 + (lane >> 4)) * 4 + (b & 1);
+            e[0] = d;
+            e[2] = d * (float)s;
+        }
+    }
 }
 
 /* ---- An unaligned (2-byte aligned) 16-byte load as aligned 4-byte
@@ -64,6 +81,23 @@ __device__ __forceinline__ uint4 gv_bit5(uint4 v, int s) {
                       ((v.z >> s) & 0x01010101u) << 4, ((v.w >> s) & 0x01010101u) << 4);
 }
 __device__ __forceinline__ uint32_t gv_byte(uint32_t v, int i) { return (v >> (8 * i)) & 0xffu; }
+/* c + the dot of a's unsigned bytes with b's signed ones. */
+__device__ __forceinline__ int gv_dp4a_us(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+/* Integer sums as floats without a conversion instruction (conversions
+ * issue at a quarter of the rate of arithmetic): a dot started at
+ * GV_MAGIC_I is the bit pattern of GV_MAGIC_F + the dot while |dot| <
+ * 2^22, so one exact subtraction gives it; a byte b placed under 0x4B00
+ * (gv_byte_f) is 2^23 + b. */
+#define GV_MAGIC_I 0x4B400000
+#define GV_MAGIC_F 12582912.0f
+__device__ __forceinline__ float gv_dot_f(int r) { return __int_as_float(r) - GV_MAGIC_F; }
+__device__ __forceinline__ float gv_byte_f(uint32_t v, int i) {
+    return __int_as_float((int)__byte_perm(v, 0x4B00u, 0x5440u | (uint32_t)i));
+}
 
 /* ---- Per type: a row is cut into chunks of CW weights; lane l of a warp
  * takes chunks l, l + 32, ... so that a warp's loads cover consecutive
@@ -77,13 +111,14 @@ template <> struct gv_chunk<DTYPE_Q8_0> {
     static constexpr int cw = 32;
     uint4 q0, q1;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int j, int cols) {
         q0 = __ldg((const uint4 *)wr + 2 * c);
         q1 = __ldg((const uint4 *)wr + 2 * c + 1);
         d = __ldg((const uint16_t *)(wr + q8s_d_off(cols)) + c);
     }
     template <int NT>
-    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+    __device__ __forceinline__ void dot(int c, int j, const int8_t *xq, const float *xd, const float4 *, int cols, int n,
+                                        float (&acc)[NT]) const {
         float dw = gv_half(d);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
@@ -91,7 +126,7 @@ template <> struct gv_chunk<DTYPE_Q8_0> {
                 const uint4 *xp = (const uint4 *)(xq + (size_t)t * cols + 32 * c);
                 uint4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
                 float dx = __ldg(xd + (size_t)t * (cols / 32) + c);
-                acc[t] += dw * dx * (float)gv_dot4(q0, x0, gv_dot4(q1, x1, 0));
+                acc[t] += dw * dx * gv_dot_f(gv_dot4(q0, x0, gv_dot4(q1, x1, GV_MAGIC_I)));
             }
         }
     }
@@ -103,13 +138,14 @@ template <> struct gv_chunk<DTYPE_Q4_0> {
     static constexpr int cw = 32;
     uint4 q;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int j, int cols) {
         const uint8_t *blk = wr + (size_t)c * 18;
         d = __ldg((const uint16_t *)blk);
         q = gv_ld16u(blk + 2);
     }
     template <int NT>
-    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
+    __device__ __forceinline__ void dot(int c, int j, const int8_t *xq, const float *xd, const float4 *, int cols, int n,
+                                        float (&acc)[NT]) const {
         float dw = gv_half(d);
         uint4 lo = gv_and(q, 0x0F0F0F0Fu), hi = gv_and(gv_shr(q, 4), 0x0F0F0F0Fu);
 #pragma unroll
@@ -128,55 +164,69 @@ template <> struct gv_chunk<DTYPE_Q4_0> {
 /* Q4_K / Q5_K: a chunk is 16 code bytes of a super-block (j = c % 8: pair
  * p = j / 2, bytes 32 p + 16 (j & 1)): low nibbles are 16 elements of
  * sub-block 2p, high nibbles of 2p + 1.  The super-block's 16-byte header
- * (d, dmin, 12 scale bytes) is one more 16-byte load, shared by 8 lanes. */
+ * (d, dmin, 12 scale bytes) is one more 16-byte load, shared by 8 lanes.
+ * j is the same in every chunk of a lane (c = lane + 32 k), so the byte
+ * selectors of its scales are fixed; the min term comes from xs. */
 template <int T> struct gv_chunk_k45 {
     static constexpr int cw = 32, bb = T == DTYPE_Q4_K ? 144 : 176, qo = T == DTYPE_Q4_K ? 16 : 48;
     uint4 h, q, qh;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int j, int cols) {
         const uint8_t *blk = wr + (size_t)(c >> 3) * bb;
-        int j = c & 7;
         h = __ldg((const uint4 *)blk);
         q = __ldg((const uint4 *)(blk + qo + 32 * (j >> 1) + 16 * (j & 1)));
         if constexpr (T == DTYPE_Q5_K) qh = __ldg((const uint4 *)(blk + 16 + 16 * (j & 1)));
     }
-    /* Scale and min of sub-block s (0..7) from the header words (the
-     * 6-bit packing of kq_scale_min). */
-    __device__ __forceinline__ void scale_min(int s, float *sc, float *mn) const {
-        int k = s & 3;
-        uint32_t a = gv_byte(h.y, k), b = gv_byte(h.z, k), e = gv_byte(h.w, k);
-        if (s < 4) {
-            *sc = (float)(a & 63);
-            *mn = (float)(b & 63);
-        } else {
-            *sc = (float)((e & 0xF) | ((a >> 6) << 4));
-            *mn = (float)((e >> 4) | ((b >> 6) << 4));
-        }
+    /* Bytes sc(2p), sc(2p + 1), mn(2p), mn(2p + 1) of the header (the
+     * 6-bit packing of kq_scale_min: sub-blocks 0-3 in the low 6 bits of
+     * h.y / h.z, 4-7 split between h.w's nibbles and those bytes' top 2
+     * bits), without a branch on p. */
+    __device__ __forceinline__ uint32_t scales(int p) const {
+        const uint32_t k = 2 * (p & 1), sel = k | (k + 1) << 4 | (k + 4) << 8 | (k + 5) << 12;
+        const uint32_t yz = __byte_perm(h.y, h.z, sel);
+        const uint32_t hi = (__byte_perm(h.w, h.w >> 4, sel) & 0x0F0F0F0Fu) | ((yz >> 2) & 0x30303030u);
+        return p >= 2 ? hi : yz & 0x3F3F3F3Fu;
     }
     template <int NT>
-    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
-        int j = c & 7, p = j >> 1;
-        float d = gv_half(h.x), dmin = gv_half(h.x >> 16), sc1, m1, sc2, m2;
-        scale_min(2 * p, &sc1, &m1);
-        scale_min(2 * p + 1, &sc2, &m2);
-        float ds1 = d * sc1, dm1 = dmin * m1, ds2 = d * sc2, dm2 = dmin * m2;
-        uint4 lo = gv_and(q, 0x0F0F0F0Fu), hi = gv_and(gv_shr(q, 4), 0x0F0F0F0Fu);
+    __device__ __forceinline__ void dot(int c, int j, const int8_t *xq, const float *xd, const float4 *xs, int cols, int n,
+                                        float (&acc)[NT]) const {
+        const int p = j >> 1;
+        const float d = gv_half(h.x), dmin = gv_half(h.x >> 16);
+        const uint32_t sm = scales(p);
+        /* d sc and -dmin mn as one rounding each (2^23 + b times d, less
+         * 2^23 d, is d b exactly before rounding).  Q4_K's high nibbles
+         * stay in place (16 times the code): 1/16 of the scale, exactly. */
+        const float hs = T == DTYPE_Q4_K ? 0.0625f : 1.0f;
+        const float ds1 = fmaf(d, gv_byte_f(sm, 0), -8388608.0f * d);
+        const float ds2 = fmaf(d * hs, gv_byte_f(sm, 1), -8388608.0f * hs * d);
+        const float dm1 = fmaf(-dmin, gv_byte_f(sm, 2), 8388608.0f * dmin);
+        const float dm2 = fmaf(-dmin, gv_byte_f(sm, 3), 8388608.0f * dmin);
+        uint4 lo = gv_and(q, 0x0F0F0F0Fu), hi;
         if constexpr (T == DTYPE_Q5_K) {
             /* 5th code bit of each byte: bit 2p (low) / 2p + 1 (high) of qh. */
+            hi = gv_or(gv_and(gv_shr(q, 4), 0x0F0F0F0Fu), gv_bit5(qh, 2 * p + 1));
             lo = gv_or(lo, gv_bit5(qh, 2 * p));
-            hi = gv_or(hi, gv_bit5(qh, 2 * p + 1));
+        } else {
+            hi = gv_and(q, 0xF0F0F0F0u);
         }
         /* Elements 256 sb + 64 p + 16 (j & 1) + i (low) and + 32 (high). */
         const size_t e0 = (size_t)(c >> 3) * 256 + 64 * p + 16 * (j & 1);
-        const size_t b0 = (size_t)(c >> 3) * 8 + 2 * p;
+        const size_t g0 = ((size_t)(c >> 3) * 4 + p) * 2 + (j & 1);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < n) {
                 const int8_t *xr = xq + (size_t)t * cols + e0;
                 uint4 x0 = __ldg((const uint4 *)xr), x1 = __ldg((const uint4 *)(xr + 32));
-                const float *dr = xd + (size_t)t * (cols / 32) + b0;
-                float dx0 = __ldg(dr), dx1 = __ldg(dr + 1);
-                acc[t] += dx0 * (ds1 * (float)gv_dot4(lo, x0, 0) - dm1 * (float)gv_sum4(x0)) +
-                          dx1 * (ds2 * (float)gv_dot4(hi, x1, 0) - dm2 * (float)gv_sum4(x1));
+                const float4 s = __ldg(xs + (size_t)t * (cols / 32) + g0);
+                int r0 = GV_MAGIC_I, r1 = GV_MAGIC_I;
+                r0 = gv_dp4a_us(lo.x, x0.x, r0);
+                r0 = gv_dp4a_us(lo.y, x0.y, r0);
+                r0 = gv_dp4a_us(lo.z, x0.z, r0);
+                r0 = gv_dp4a_us(lo.w, x0.w, r0);
+                r1 = gv_dp4a_us(hi.x, x1.x, r1);
+                r1 = gv_dp4a_us(hi.y, x1.y, r1);
+                r1 = gv_dp4a_us(hi.z, x1.z, r1);
+                r1 = gv_dp4a_us(hi.w, x1.w, r1);
+                acc[t] += fmaf(ds1 * s.x, gv_dot_f(r0), fmaf(ds2 * s.y, gv_dot_f(r1), fmaf(dm1, s.z, dm2 * s.w)));
             }
         }
     }
@@ -194,9 +244,9 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
     static constexpr int cw = 32;
     uint2 a, b, hh, sc;
     uint32_t d;
-    __device__ __forceinline__ void load(const uint8_t *wr, int c, int cols) {
+    __device__ __forceinline__ void load(const uint8_t *wr, int c, int j, int cols) {
         const size_t sb = (size_t)(c >> 3);
-        int j = c & 7, h = j >> 2, l0 = 8 * (j & 3);
+        const int h = j >> 2, l0 = 8 * (j & 3);
         const uint8_t *ql = wr + 128 * sb + 64 * h + l0;
         a = __ldg((const uint2 *)ql);
         b = __ldg((const uint2 *)(ql + 32));
@@ -205,41 +255,42 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
         d = __ldg((const uint16_t *)(wr + q6s_d_off(cols)) + sb);
     }
     template <int NT>
-    __device__ __forceinline__ void dot(int c, const int8_t *xq, const float *xd, int cols, int n, float (&acc)[NT]) const {
-        int j = c & 7, h = j >> 2, l0 = 8 * (j & 3);
-        float dw = gv_half(d);
-        /* Codes 0..63 minus 32, quarter by quarter, as signed bytes. */
+    __device__ __forceinline__ void dot(int c, int j, const int8_t *xq, const float *xd, const float4 *, int cols, int n,
+                                        float (&acc)[NT]) const {
+        const int h = j >> 2, l0 = 8 * (j & 3);
+        /* Codes 0..63 less 32 as signed bytes: (code + 96) ^ 128 never
+         * carries from one byte into the next. */
         uint2 q[4];
-        q[0] = make_uint2(__vsub4((a.x & 0x0F0F0F0Fu) | ((hh.x & 0x03030303u) << 4), 0x20202020u),
-                          __vsub4((a.y & 0x0F0F0F0Fu) | ((hh.y & 0x03030303u) << 4), 0x20202020u));
-        q[1] = make_uint2(__vsub4((b.x & 0x0F0F0F0Fu) | (((hh.x >> 2) & 0x03030303u) << 4), 0x20202020u),
-                          __vsub4((b.y & 0x0F0F0F0Fu) | (((hh.y >> 2) & 0x03030303u) << 4), 0x20202020u));
-        q[2] = make_uint2(__vsub4(((a.x >> 4) & 0x0F0F0F0Fu) | (((hh.x >> 4) & 0x03030303u) << 4), 0x20202020u),
-                          __vsub4(((a.y >> 4) & 0x0F0F0F0Fu) | (((hh.y >> 4) & 0x03030303u) << 4), 0x20202020u));
-        q[3] = make_uint2(__vsub4(((b.x >> 4) & 0x0F0F0F0Fu) | (((hh.x >> 6) & 0x03030303u) << 4), 0x20202020u),
-                          __vsub4(((b.y >> 4) & 0x0F0F0F0Fu) | (((hh.y >> 6) & 0x03030303u) << 4), 0x20202020u));
+#define GV_Q6(lo, hb) ((((lo) & 0x0F0F0F0Fu) | (((hb) & 0x03030303u) << 4)) + 0x60606060u) ^ 0x80808080u
+        q[0] = make_uint2(GV_Q6(a.x, hh.x), GV_Q6(a.y, hh.y));
+        q[1] = make_uint2(GV_Q6(b.x, hh.x >> 2), GV_Q6(b.y, hh.y >> 2));
+        q[2] = make_uint2(GV_Q6(a.x >> 4, hh.x >> 4), GV_Q6(a.y >> 4, hh.y >> 4));
+        q[3] = make_uint2(GV_Q6(b.x >> 4, hh.x >> 6), GV_Q6(b.y >> 4, hh.y >> 6));
+#undef GV_Q6
         /* Scale of quarter k: byte l0 / 16 + 2 k of the half's 8. */
         float s[4];
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int i = (l0 >> 4) + 2 * k;
-            s[k] = dw * (float)(int8_t)gv_byte(i < 4 ? sc.x : sc.y, i & 3);
+            s[k] = (float)(int8_t)gv_byte(i < 4 ? sc.x : sc.y, i & 3);
         }
+        const float dw = gv_half(d);
         const size_t e0 = (size_t)(c >> 3) * 256 + 128 * h + l0;
-        const size_t b0 = (size_t)(c >> 3) * 8 + 4 * h;
+        const size_t b0 = (size_t)(c >> 3) * 8 + 4 * h; /* 4 blocks: one 16-byte load */
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < n) {
                 const int8_t *xr = xq + (size_t)t * cols + e0;
-                const float *dr = xd + (size_t)t * (cols / 32) + b0;
+                const float4 dx = __ldg((const float4 *)(xd + (size_t)t * (cols / 32) + b0));
+                const float dk[4] = {dx.x, dx.y, dx.z, dx.w};
                 float r = 0.0f;
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     uint2 xv = __ldg((const uint2 *)(xr + 32 * k));
-                    int v = __dp4a((int)q[k].x, (int)xv.x, __dp4a((int)q[k].y, (int)xv.y, 0));
-                    r += s[k] * __ldg(dr + k) * (float)v;
+                    int v = __dp4a((int)q[k].x, (int)xv.x, __dp4a((int)q[k].y, (int)xv.y, GV_MAGIC_I));
+                    r = fmaf(s[k] * dk[k], gv_dot_f(v), r);
                 }
-                acc[t] += r;
+                acc[t] = fmaf(dw, r, acc[t]);
             }
         }
     }
@@ -251,18 +302,19 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
  * them. */
 template <int T, int NT>
 __device__ __forceinline__ void gv_row(const uint8_t *wr, int cols, const int8_t *__restrict__ xq,
-                                       const float *__restrict__ xd, int n, int lane, float (&acc)[NT]) {
+                                       const float *__restrict__ xd, const float4 *__restrict__ xs, int n, int lane,
+                                       float (&acc)[NT]) {
     using C = gv_chunk<T>;
     constexpr int U = GV_UNROLL;
-    const int nch = cols / C::cw;
+    const int nch = cols / C::cw, j = lane & 7; /* c % 8 of every chunk of the lane */
     for (int c0 = lane; c0 < nch; c0 += 32 * U) {
         C ch[U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, cols);
+            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, j, cols);
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, xq, xd, cols, n, acc);
+            if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, j, xq, xd, xs, cols, n, acc);
     }
 }
 
@@ -275,7 +327,7 @@ __device__ __forceinline__ void gv_row(const uint8_t *wr, int cols, const int8_t
 template <int T, int NT, int T1>
 __global__ void __launch_bounds__(GV_WARPS * 32, 8)
 matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1, int cols,
-                   const int8_t *__restrict__ xq, const float *__restrict__ xd, int n) {
+                   const int8_t *__restrict__ xq, const float *__restrict__ xd, const float4 *__restrict__ xs, int n) {
     pdl_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[NT];
@@ -283,9 +335,9 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row < r.rows) {
         if (T1 != T && (int)blockIdx.x >= b1)
-            gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, n, lane, acc);
+            gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, xs, n, lane, acc);
         else
-            gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, n, lane, acc);
+            gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, xs, n, lane, acc);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -298,19 +350,19 @@ matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1
 /* Segments seg1 .. of g are of type T1 (T1 == T: none). */
 template <int T, int T1>
 static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int seg1, int64_t cols, const int8_t *xq, const float *xd,
-                       int n) {
+                       const float4 *xs, int n) {
     const unsigned grid = mg_layout(&g, GV_WARPS);
     const size_t rb = cuda_row_bytes((enum dtype)T, cols), rb1 = cuda_row_bytes((enum dtype)T1, cols);
     const int b1 = seg1 < g.n ? g.blk0[seg1] : (int)grid;
     if (n == 1)
         CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 1, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
-                                    b1, (int)cols, xq, xd, n));
+                                    b1, (int)cols, xq, xd, xs, n));
     else if (n == 2)
         CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 2, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
-                                    b1, (int)cols, xq, xd, n));
+                                    b1, (int)cols, xq, xd, xs, n));
     else
         CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_gemv_kernel<T, 4, T1>), dim3(grid), dim3(GV_WARPS * 32), 0, g, rb, rb1,
-                                    b1, (int)cols, xq, xd, n));
+                                    b1, (int)cols, xq, xd, xs, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -338,28 +390,36 @@ extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g,
     if (seg1 < g->n && type1 != type && !cuda_matmul_gemv_pair(type, type1))
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: %s with %s in one launch", dtype_name(type),
                          dtype_name(type1));
-    /* Scratch: xq (n x cols bytes, 256-aligned size) then xd. */
-    size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
-    int64_t nblk = (int64_t)n * cols / 32;
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + (size_t)nblk * sizeof(float));
+    /* Scratch: xq (n x cols bytes, 256-aligned size), xd, then (cols a
+     * multiple of 64) xs: gemv_quant_x_kernel. */
+    const size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
+    const int64_t nblk = (int64_t)n * cols / 32;
+    const size_t d_bytes = ((size_t)nblk * sizeof(float) + 15) & ~(size_t)15;
+    const bool with_s = cols % 64 == 0;
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + d_bytes + (with_s ? (size_t)nblk * 16 : 0));
     if (!scratch) return STATUS_NO_MEMORY;
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + q_bytes);
-    if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8, x, n, cols, scratch)) {
+    float4 *xs = with_s ? (float4 *)(scratch + q_bytes + d_bytes) : NULL;
+    /* The sums are written for the types that read them (or where the
+     * kept form has them already: another input will need them again). */
+    const bool mins = type == DTYPE_Q4_K || type == DTYPE_Q5_K;
+    const int kind = with_s && (mins || ctx->act_kind == MATMUL_ACT_Q8S) ? MATMUL_ACT_Q8S : MATMUL_ACT_Q8;
+    if (!cuda_act_reuse(ctx, kind, x, n, cols, scratch)) {
         CUDA_CHECK(ctx, cuda_launch(ctx, gemv_quant_x_kernel, dim3(cuda_blocks(nblk * 32, 256)), dim3(256), 0, xq, xd,
-                                    x, nblk));
+                                    kind == MATMUL_ACT_Q8S ? (float *)xs : (float *)NULL, x, nblk));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     if (seg1 < g->n && type1 != type) {
-        if (type == DTYPE_Q4_K) return gemv_launch<DTYPE_Q4_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, n);
-        return gemv_launch<DTYPE_Q5_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, n);
+        if (type == DTYPE_Q4_K) return gemv_launch<DTYPE_Q4_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, xs, n);
+        return gemv_launch<DTYPE_Q5_K, DTYPE_Q6_K>(ctx, *g, seg1, cols, xq, xd, xs, n);
     }
     switch (type) {
-    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0, DTYPE_Q8_0>(ctx, *g, g->n, cols, xq, xd, n);
-    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0, DTYPE_Q4_0>(ctx, *g, g->n, cols, xq, xd, n);
-    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K, DTYPE_Q4_K>(ctx, *g, g->n, cols, xq, xd, n);
-    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K, DTYPE_Q5_K>(ctx, *g, g->n, cols, xq, xd, n);
-    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K, DTYPE_Q6_K>(ctx, *g, g->n, cols, xq, xd, n);
+    case DTYPE_Q8_0: return gemv_launch<DTYPE_Q8_0, DTYPE_Q8_0>(ctx, *g, g->n, cols, xq, xd, xs, n);
+    case DTYPE_Q4_0: return gemv_launch<DTYPE_Q4_0, DTYPE_Q4_0>(ctx, *g, g->n, cols, xq, xd, xs, n);
+    case DTYPE_Q4_K: return gemv_launch<DTYPE_Q4_K, DTYPE_Q4_K>(ctx, *g, g->n, cols, xq, xd, xs, n);
+    case DTYPE_Q5_K: return gemv_launch<DTYPE_Q5_K, DTYPE_Q5_K>(ctx, *g, g->n, cols, xq, xd, xs, n);
+    case DTYPE_Q6_K: return gemv_launch<DTYPE_Q6_K, DTYPE_Q6_K>(ctx, *g, g->n, cols, xq, xd, xs, n);
     default: break;
     }
     return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: weight type %s", dtype_name(type));

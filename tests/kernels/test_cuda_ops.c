@@ -462,7 +462,8 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
 /* Consecutive matmuls on one input (q, k, v; gate, up) reuse the
  * activations the first one converted or quantized (cuda_ops.h, act_*):
  * each result must still match the CPU, also across weight types that
- * share a form (Q4_K and Q8_0 both take int8 blocks), and an op that
+ * share a form (Q8_0, Q4_K and Q6_K all take int8 blocks; Q4_K also the
+ * per-half sums, which a form Q8_0 left lacks), and an op that
  * changes the input (add) or an upload into it must be seen by the next
  * matmul. */
 TEST(cuda_ops_matmul_reuses_input_safely) {
@@ -470,26 +471,27 @@ TEST(cuda_ops_matmul_reuses_input_safely) {
     fx_open();
     static const int32_t ns[] = {1, 2, 17, 80};
     int64_t cols = 512;
-    static const enum dtype types[3] = {DTYPE_Q4_K, DTYPE_Q8_0, DTYPE_F16};
-    static const int64_t rows[3] = {256, 96, 160};
-    int wi[3];
-    for (int k = 0; k < 3; k++) wi[k] = load_weight(types[k], rand_weight(types[k], rows[k], cols), rows[k], cols);
+    enum { NT = 4 };
+    static const enum dtype types[NT] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q6_K, DTYPE_F16};
+    static const int64_t rows[NT] = {96, 256, 64, 160};
+    int wi[NT];
+    for (int k = 0; k < NT; k++) wi[k] = load_weight(types[k], rand_weight(types[k], rows[k], cols), rows[k], cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)80 * cols, -1, 1), (size_t)80 * cols * 4);
     struct dbuf y = dbuf_from(rand_f32((size_t)80 * cols, -1, 1), (size_t)80 * cols * 4);
-    struct dbuf out[2][3];
+    struct dbuf out[2][NT];
     for (int r = 0; r < 2; r++)
-        for (int k = 0; k < 3; k++) out[r][k] = dbuf_new((size_t)80 * rows[k] * 4);
+        for (int k = 0; k < NT; k++) out[r][k] = dbuf_new((size_t)80 * rows[k] * 4);
     for (int i = 0; i < 4; i++) {
         int32_t n = ns[i];
         /* Poisoning is an upload, which forgets kept inputs: all first. */
         for (int r = 0; r < 2; r++)
-            for (int k = 0; k < 3; k++) dbuf_poison(out[r][k]);
+            for (int k = 0; k < NT; k++) dbuf_poison(out[r][k]);
         for (int r = 0; r < 2; r++) {
             if (r == 1) { /* the input changes through an op between two matmuls */
                 ASSERT_OK(backend_add(fx.cpu, x.c, y.c, (int64_t)n * cols));
                 ASSERT_OK(backend_add(fx.gpu, x.g, y.g, (int64_t)n * cols));
             }
-            for (int k = 0; k < 3; k++) {
+            for (int k = 0; k < NT; k++) {
                 ASSERT_OK(backend_matmul(fx.cpu, out[r][k].c, &fx.cw[wi[k]], x.c, n));
                 int rc = backend_matmul(fx.gpu, out[r][k].g, &fx.gw[wi[k]], x.g, n);
                 if (rc != STATUS_OK)
@@ -497,7 +499,7 @@ TEST(cuda_ops_matmul_reuses_input_safely) {
             }
         }
         for (int r = 0; r < 2; r++)
-            for (int k = 0; k < 3; k++) {
+            for (int k = 0; k < NT; k++) {
                 char what[128];
                 snprintf(what, sizeof what, "matmul %s n=%d %s", dtype_name(types[k]), n,
                          r == 0 ? "on one input in a row" : "after an add changed the input");
