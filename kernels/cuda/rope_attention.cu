@@ -76,11 +76,37 @@ __device__ __forceinline__ uint4 ra_pack8(const float (&v)[8]) {
     return r;
 }
 
+/* Loads of positions j0 .. j0 + U - 1 of a slice that ends at j_end, from
+ * the cache (zeros past j_end and at the new position len - 1, which the
+ * slice takes from registers; NaN where the block table is bad).  The
+ * cache rows and the tables are no output of this step's kernels, so the
+ * first round is issued before the programmatic wait. */
+template <int HD, int U>
+__device__ __forceinline__ void ra_kv_load(const ra_args &a, int kvh, int li, int j0, int j_end, int len,
+                                           uint4 (&kr)[U], uint4 (&vr)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int j = j0 + u;
+        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+        if (j < j_end && j != len - 1) {
+            const int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? a.btab[bi] : -1;
+            if (blk < 0 || blk >= a.n_blocks) {
+                kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
+            } else {
+                const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * li;
+                kr[u] = __ldg((const uint4 *)(a.kc + at));
+                vr[u] = __ldg((const uint4 *)(a.vc + at));
+            }
+        }
+    }
+}
+
 /* ---- A warp's slice z (of S, chunk positions each) of query head h.  Sub-warps of LP lanes (8 dims a lane) own positions, each with
  * its own online softmax, U positions' loads in flight (the arithmetic of
  * attention_decode_kernel). ---- */
 template <int LP, int U>
-__device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, int S, int chunk, int len, const float *cs) {
+__device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, int S, int chunk, int len, const float *cs,
+                                              uint4 (&kr)[U], uint4 (&vr)[U]) {
     constexpr int HD = LP * 8, SW = 32 / LP;
     const int lane = threadIdx.x & 31, li = lane % LP, sw = lane / LP;
     const int G = a.n_heads / a.n_kv_heads, kvh = h / G;
@@ -114,26 +140,13 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
     for (int e = 0; e < 8; e++) acc[e] = 0.0f;
     for (int jw = j_begin; jw < j_end; jw += SW * U) {
         const int j0 = jw + sw * U;
-        uint4 kr[U], vr[U];
+        if (jw != j_begin) ra_kv_load<HD, U>(a, kvh, li, j0, j_end, len, kr, vr); /* the first round came in */
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int j = j0 + u;
-            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-            if (j == len - 1) {
+        for (int u = 0; u < U; u++)
+            if (j0 + u == len - 1) {
                 kr[u] = kn;
                 vr[u] = vn;
-            } else if (j < j_end) {
-                const int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? a.btab[bi] : -1;
-                if (blk < 0 || blk >= a.n_blocks) {
-                    kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
-                } else {
-                    const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD +
-                                      8 * li;
-                    kr[u] = __ldg((const uint4 *)(a.kc + at));
-                    vr[u] = __ldg((const uint4 *)(a.vc + at));
-                }
             }
-        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const __half2 *kh = (const __half2 *)&kr[u], *vh = (const __half2 *)&vr[u];
@@ -254,21 +267,12 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     /* The position is step metadata (uploaded before the step), no
      * kernel's output: the rotation is formed before the wait. */
     const int len = a.pos[t] + 1, nf = a.n_freq;
-    for (int i = threadIdx.x; i < nf; i += 128) {
-        double sn, c;
-        sincos((double)(len - 1) * (double)a.inv_freq[i], &sn, &c);
-        cs[i] = (float)c;
-        cs[nf + i] = (float)sn;
-    }
-    __syncthreads();
-    pdl_begin();
     constexpr int step = (32 / LP) * U;
     int S = (len + step * STEPS - 1) / (step * STEPS);
     S = S < 1 ? 1 : S > RA_SPLITS_MAX ? RA_SPLITS_MAX : S;
     const int chunk = ((len + S - 1) / S + step - 1) / step * step;
     S = (len + chunk - 1) / chunk;
     const int z = blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (z >= S) return;
     ra_args r = a;
     const size_t qw = (size_t)a.n_heads * HD, kw = (size_t)a.n_kv_heads * HD, units = (size_t)a.n_heads * RA_SPLITS_MAX;
     r.q += t * qw;
@@ -280,7 +284,24 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     r.sync += (size_t)t * a.n_heads;
     r.slots += t;
     r.btab += (size_t)t * a.max_blocks;
-    ra_attn_slice<LP, U>(r, blockIdx.y, z, S, chunk, len, cs);
+    /* The slice's first round of cache loads, then the rotation, before
+     * the wait on the kernel before (which wrote q, k and v). */
+    uint4 kr[U], vr[U];
+    if (z < S) {
+        const int lane = threadIdx.x & 31, j0 = z * chunk + (lane / LP) * U;
+        ra_kv_load<HD, U>(r, (int)blockIdx.y / (a.n_heads / a.n_kv_heads), lane % LP, j0, min(z * chunk + chunk, len),
+                          len, kr, vr);
+    }
+    for (int i = threadIdx.x; i < nf; i += 128) {
+        double sn, c;
+        sincos((double)(len - 1) * (double)a.inv_freq[i], &sn, &c);
+        cs[i] = (float)c;
+        cs[nf + i] = (float)sn;
+    }
+    __syncthreads();
+    pdl_begin();
+    if (z >= S) return;
+    ra_attn_slice<LP, U>(r, blockIdx.y, z, S, chunk, len, cs, kr, vr);
 }
 
 extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
