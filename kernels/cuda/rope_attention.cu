@@ -106,7 +106,7 @@ __device__ __forceinline__ void ra_kv_load(const ra_args &a, int kvh, int li, in
  * attention_decode_kernel). ---- */
 template <int LP, int U>
 __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, int S, int chunk, int len, const float *cs,
-                                              uint4 (&kr)[U], uint4 (&vr)[U]) {
+                                              float *sm, uint4 (&kr)[U], uint4 (&vr)[U]) {
     constexpr int HD = LP * 8, SW = 32 / LP;
     const int lane = threadIdx.x & 31, li = lane % LP, sw = lane / LP;
     const int G = a.n_heads / a.n_kv_heads, kvh = h / G;
@@ -189,46 +189,75 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
         }
         return;
     }
-    const size_t slot = (size_t)h * RA_SPLITS_MAX + z;
+    /* The block's slices (z = 4 blockIdx.x + warp, those under S) merged
+     * in shared memory by its first warp (attn_merge.cuh's rule: weights
+     * exp(m_z - max m), a slice that saw nothing adds nothing), so that the
+     * head's last merge reads a quarter of the slices. */
+    constexpr int DPL = HD / 32;
+    const int w = threadIdx.x >> 5, nz = min(4, S - 4 * (int)blockIdx.x), nb = (S + 3) / 4;
     if (sw == 0) {
-        float *o = a.part_acc + slot * HD + 8 * li;
-        *(float4 *)o = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        *(float4 *)(o + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-        if (li == 0) *(float2 *)(a.part_ml + slot * 2) = make_float2(l != l ? l : m, l);
+#pragma unroll
+        for (int e = 0; e < 8; e++) sm[w * HD + 8 * li + e] = acc[e];
+        if (li == 0) {
+            sm[4 * HD + 2 * w] = m;
+            sm[4 * HD + 2 * w + 1] = l;
+        }
     }
+    asm volatile("bar.sync 1, %0;" ::"r"(nz * 32) : "memory");
+    if (w != 0) return;
+    float bm = ninf;
+    for (int i = 0; i < nz; i++) bm = fmaxf(bm, sm[4 * HD + 2 * i]);
+    float bl = 0.0f, bo[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; i++) bo[i] = 0.0f;
+    for (int k = 0; k < nz; k++) {
+        const float mk = sm[4 * HD + 2 * k], wk = mk == ninf ? 0.0f : __expf(mk - bm);
+        bl += wk * sm[4 * HD + 2 * k + 1];
+#pragma unroll
+        for (int i = 0; i < DPL; i++) bo[i] += wk * sm[k * HD + DPL * lane + i];
+    }
+    if (nb == 1) { /* one block held every slice */
+        float *out = a.att + (size_t)h * HD + DPL * lane;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) out[i] = bl > 0.0f ? bo[i] / bl : 0.0f;
+        return;
+    }
+    const size_t slot = (size_t)h * RA_SPLITS_MAX + blockIdx.x;
+    float *po = a.part_acc + slot * HD + DPL * lane;
+    if constexpr (DPL == 4) *(float4 *)po = make_float4(bo[0], bo[1], bo[2], bo[3]);
+    else *(float2 *)po = make_float2(bo[0], bo[1]);
+    if (lane == 0) *(float2 *)(a.part_ml + slot * 2) = make_float2(bl != bl ? bl : bm, bl);
     __threadfence();
     __syncwarp();
     unsigned done = 0;
     if (lane == 0) done = atomicAdd(a.sync + h, 1u);
     done = __shfl_sync(0xffffffffu, done, 0);
-    if (done != (unsigned)S - 1) return;
-    /* The last slice of head h merges all S (attn_merge.cuh's rule: weights
-     * exp(m_z - max m), a slice that saw nothing adds nothing). */
+    if (done != (unsigned)nb - 1) return;
+    /* The last block of head h merges the nb block sums, by the same rule. */
     __threadfence();
     if (lane == 0) atomicExch(a.sync + h, 0u);
     const float *ml = a.part_ml + (size_t)h * RA_SPLITS_MAX * 2;
-    const float m0 = lane < S ? __ldcg(ml + 2 * lane) : ninf, l0 = lane < S ? __ldcg(ml + 2 * lane + 1) : 0.0f;
-    const float m1 = lane + 32 < S ? __ldcg(ml + 2 * lane + 64) : ninf,
-                l1 = lane + 32 < S ? __ldcg(ml + 2 * lane + 65) : 0.0f;
+    const float m0 = lane < nb ? __ldcg(ml + 2 * lane) : ninf, l0 = lane < nb ? __ldcg(ml + 2 * lane + 1) : 0.0f;
+    const float m1 = lane + 32 < nb ? __ldcg(ml + 2 * lane + 64) : ninf,
+                l1 = lane + 32 < nb ? __ldcg(ml + 2 * lane + 65) : 0.0f;
     float gm = fmaxf(m0, m1);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
     const float w0 = m0 == ninf ? 0.0f : __expf(m0 - gm), w1 = m1 == ninf ? 0.0f : __expf(m1 - gm);
     const float L = ra_warp_sum(w0 * l0 + w1 * l1);
-    /* Lane l owns dims DPL l .. DPL l + DPL - 1; the slices' partial sums
-     * are loaded RA_MB slices at a time before any is used (one L2 round
-     * trip a batch: a loop that waited on each slice's load took most of
-     * the kernel's time). */
-    constexpr int DPL = HD / 32;
+    /* Lane l owns dims DPL l .. DPL l + DPL - 1; the blocks' partial sums
+     * are loaded RA_MB at a time before any is used (one L2 round trip a
+     * batch: a loop that waited on each load took most of the kernel's
+     * time). */
     float o[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; i++) o[i] = 0.0f;
     const float *pa = a.part_acc + (size_t)h * RA_SPLITS_MAX * HD + DPL * lane;
-    for (int z0 = 0; z0 < S; z0 += RA_MB) {
+    for (int z0 = 0; z0 < nb; z0 += RA_MB) {
         float v[RA_MB][DPL];
 #pragma unroll
         for (int j = 0; j < RA_MB; j++) {
-            if (z0 + j < S) {
+            if (z0 + j < nb) {
                 if constexpr (DPL == 4) {
                     const float4 f = __ldcg((const float4 *)(pa + (size_t)(z0 + j) * HD));
                     v[j][0] = f.x, v[j][1] = f.y, v[j][2] = f.z, v[j][3] = f.w;
@@ -246,7 +275,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
             const int zz = z0 + j;
             const float wz0 = __shfl_sync(0xffffffffu, w0, zz & 31), wz1 = __shfl_sync(0xffffffffu, w1, zz & 31);
             const float wz = zz < 32 ? wz0 : wz1;
-            if (zz < S && wz != 0.0f)
+            if (zz < nb && wz != 0.0f)
 #pragma unroll
                 for (int i = 0; i < DPL; i++) o[i] += wz * v[j][i];
         }
@@ -263,6 +292,7 @@ template <int LP, int U, int STEPS>
 __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     constexpr int HD = LP * 8;
     __shared__ float cs[128]; /* cos, sin of this position: n_freq <= head_dim / 2 <= 64 */
+    __shared__ float sm[4 * HD + 8]; /* the 4 warps' sums, then their (max, sum) pairs */
     const int t = blockIdx.z;
     /* The position is step metadata (uploaded before the step), no
      * kernel's output: the rotation is formed before the wait. */
@@ -301,7 +331,7 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     __syncthreads();
     pdl_begin();
     if (z >= S) return;
-    ra_attn_slice<LP, U>(r, blockIdx.y, z, S, chunk, len, cs, kr, vr);
+    ra_attn_slice<LP, U>(r, blockIdx.y, z, S, chunk, len, cs, sm, kr, vr);
 }
 
 extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
