@@ -9,17 +9,20 @@
  * lanes (8 dims a lane) owning positions, U positions' loads in flight.
  * The slice that holds the new position rotates the new k there, rounds k
  * and v to F16 as the cache holds them, uses them from registers and
- * (once per KV head) writes them to the cache.  The last slice of a
- * (row, head) to finish (a counter each in ctx->att_sync, left at zero)
- * merges its slices.  Data other blocks wrote in this launch is read through
- * L2 (__ldcg).  Query heads of one KV head read its rows separately: at
- * batch 1 they come from L2 after the first. */
+ * (once per KV head) writes them to the cache.  The first round of a
+ * slice's cache loads is issued before the programmatic wait (no kernel of
+ * the step writes those rows).  A block's four slices are merged in its
+ * shared memory, then the last block of a (row, head) to finish (a counter
+ * each in ctx->att_sync, left at zero) merges the blocks' sums.  Data other
+ * blocks wrote in this launch is read through L2 (__ldcg).  Query heads of
+ * one KV head read its rows separately: at batch 1 they come from L2 after
+ * the first. */
 #include "common.cuh"
 
 #include <math.h>
 
-/* Context slices of one head at most, and the slices the merge loads at
- * a time.  Each launch also fixes U (positions whose K/V loads a sub-warp
+/* Context slices of one head at most, and the block sums (up to 16) the
+ * last merge loads at a time.  Each launch also fixes U (positions whose K/V loads a sub-warp
  * issues at once) and STEPS (the least steps of U a slice takes): one row
  * takes U = 8 in one step, so a slice costs one round trip (7B Q8_0 batch
  * 1 on an H100: 3.262 -> 3.213 ms); more rows keep U = 4 in two steps,
