@@ -171,6 +171,14 @@ int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n);
 /* out[n, rows] = x[n, cols] . w^T; w 16-byte aligned. */
 int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                      int64_t cols, const float *x, int32_t n);
+/* Where the kernel before a gemv matmul (the norms) writes x[n, cols]'s
+ * int8 form itself, with the sums (cols a multiple of 64, n at most
+ * CUDA_MATMUL_GEMV_MAX): the scratch places of xq, xd and xs as
+ * matmul_gemv.cu lays them out, recorded as that form of x for the next
+ * matmul.  The caller writes them (bit for bit as gemv_quant_x_kernel
+ * would) or forgets them on failure. */
+int cuda_gemv_act_q8s(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
+                      float **xs);
 /* What a fused op returns for a case it leaves to the plain ops (the
  * backend's BACKEND_NOT_FUSED). */
 #define CUDA_NOT_FUSED 1

@@ -367,6 +367,35 @@ static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int seg1, int64_t cols
     return STATUS_OK;
 }
 
+/* Scratch: xq (n x cols bytes, 256-aligned size), xd, then (cols a
+ * multiple of 64) xs: gemv_quant_x_kernel's outputs. */
+static int gv_scratch(struct cuda_ctx *ctx, int32_t n, int64_t cols, uint8_t **scratch, int8_t **xq, float **xd,
+                      float4 **xs) {
+    const size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
+    const int64_t nblk = (int64_t)n * cols / 32;
+    const size_t d_bytes = ((size_t)nblk * sizeof(float) + 15) & ~(size_t)15;
+    const bool with_s = cols % 64 == 0;
+    uint8_t *p = (uint8_t *)cuda_scratch(ctx, q_bytes + d_bytes + (with_s ? (size_t)nblk * 16 : 0));
+    if (!p) return STATUS_NO_MEMORY;
+    *scratch = p;
+    *xq = (int8_t *)p;
+    *xd = (float *)(p + q_bytes);
+    *xs = with_s ? (float4 *)(p + q_bytes + d_bytes) : NULL;
+    return STATUS_OK;
+}
+
+extern "C" int cuda_gemv_act_q8s(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq,
+                                 float **xd, float **xs) {
+    if (n < 1 || n > GV_NT_MAX || cols <= 0 || cols % 64 != 0 || cols > INT32_MAX)
+        return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: no int8 form for [%d x %lld]", n, (long long)cols);
+    uint8_t *scratch;
+    float4 *s4;
+    if (gv_scratch(ctx, n, cols, &scratch, xq, xd, &s4) != STATUS_OK) return STATUS_NO_MEMORY;
+    *xs = (float *)s4;
+    cuda_act_reuse(ctx, MATMUL_ACT_Q8S, x, n, cols, scratch); /* records it */
+    return STATUS_OK;
+}
+
 extern "C" int cuda_matmul_gemv_supports(enum dtype type, int64_t cols, int32_t n) {
     if (n < 1 || n > GV_NT_MAX || cols <= 0 || cols > INT32_MAX) return 0;
     switch (type) {
@@ -390,17 +419,13 @@ extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g,
     if (seg1 < g->n && type1 != type && !cuda_matmul_gemv_pair(type, type1))
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul_gemv: %s with %s in one launch", dtype_name(type),
                          dtype_name(type1));
-    /* Scratch: xq (n x cols bytes, 256-aligned size), xd, then (cols a
-     * multiple of 64) xs: gemv_quant_x_kernel. */
-    const size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
     const int64_t nblk = (int64_t)n * cols / 32;
-    const size_t d_bytes = ((size_t)nblk * sizeof(float) + 15) & ~(size_t)15;
     const bool with_s = cols % 64 == 0;
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, q_bytes + d_bytes + (with_s ? (size_t)nblk * 16 : 0));
-    if (!scratch) return STATUS_NO_MEMORY;
-    int8_t *xq = (int8_t *)scratch;
-    float *xd = (float *)(scratch + q_bytes);
-    float4 *xs = with_s ? (float4 *)(scratch + q_bytes + d_bytes) : NULL;
+    uint8_t *scratch;
+    int8_t *xq;
+    float *xd;
+    float4 *xs;
+    if (gv_scratch(ctx, n, cols, &scratch, &xq, &xd, &xs) != STATUS_OK) return STATUS_NO_MEMORY;
     /* The sums are written for the types that read them (or where the
      * kept form has them already: another input will need them again). */
     const bool mins = type == DTYPE_Q4_K || type == DTYPE_Q5_K;

@@ -43,6 +43,40 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
     for (int32_t i = threadIdx.x; i < dim; i += blockDim.x) orow[i] = xr[i] * inv * w[i];
 }
 
+/* The int8 form of the output (matmul_gemv.cu's, for the gemv matmul that
+ * reads it next: cuda_gemv_act_q8s) from the float4 i of a row that this
+ * thread holds: 8 consecutive threads (lanes) make a block of 32, 4 a half;
+ * the same arithmetic as gemv_quant_x_kernel, so the same bits.  Every
+ * thread calls it (threads past the row with zeros). */
+__device__ __forceinline__ void rmsnorm_q8s(float4 v, float inv, float4 wv, int32_t i, int32_t n4, int64_t row,
+                                            int32_t dim, int8_t *xq, float *xd, float *xs) {
+    const bool in = i < n4;
+    const float o[4] = {in ? v.x * inv * wv.x : 0.0f, in ? v.y * inv * wv.y : 0.0f, in ? v.z * inv * wv.z : 0.0f,
+                        in ? v.w * inv * wv.w : 0.0f};
+    float a = fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])));
+#pragma unroll
+    for (int s = 4; s > 0; s >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
+    const float d = a / 127.0f;
+    int q[4], sum = 0;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        q[e] = d > 0.0f ? __float2int_rn(o[e] / d) : 0;
+        sum += q[e];
+    }
+#pragma unroll
+    for (int s = 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (!in) return;
+    ((uint32_t *)(xq + row * dim))[i] =
+        (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 | (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)q[3] << 24;
+    const int64_t b = row * (dim / 32) + i / 8; /* block of 32 */
+    if ((i & 7) == 0) xd[b] = d;
+    if ((i & 3) == 0) {
+        float *e = xs + ((b >> 1) * 2 + ((i >> 2) & 1)) * 4 + (b & 1);
+        e[0] = d;
+        e[2] = d * (float)sum;
+    }
+}
+
 /* The same op with every load of a row issued before any is used: each
  * thread holds its K float4s of x, delta and w in registers, so a row
  * costs one memory round trip instead of one per loop iteration (the
@@ -52,7 +86,8 @@ __global__ void rmsnorm_f32_kernel(float *out, float *x, const float *delta, con
  * 16-byte aligned, dim <= 4 * K * blockDim. */
 template <int K>
 __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
-                                   const float *__restrict__ w, int32_t dim, float eps, fp16_t *__restrict__ out16) {
+                                   const float *__restrict__ w, int32_t dim, float eps, fp16_t *__restrict__ out16,
+                                   int8_t *__restrict__ xq, float *__restrict__ xd, float *__restrict__ xs) {
     pdl_begin();
     const int64_t row = blockIdx.x;
     const int32_t n4 = dim / 4;
@@ -92,6 +127,7 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
                 ((uint2 *)(out16 + row * dim))[i] = h;
             }
         }
+        if (xq) rmsnorm_q8s(v[k], inv, wv[k], i, n4, row, dim, xq, xd, xs);
     }
 }
 
@@ -102,23 +138,34 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
                      (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && n4 <= 8 * 1024;
     if (vec) {
         /* Prefill rows also come out as F16 for the cuBLAS matmuls that
-         * read them next (cuda_gemm_act): no conversion pass over them. */
+         * read them next (cuda_gemm_act): no conversion pass over them;
+         * decode rows (1-2) as int8 blocks for the gemv kernels, which
+         * then need no quantizing launch. */
         fp16_t *o16 = NULL;
+        int8_t *xq = NULL;
+        float *xd = NULL, *xs = NULL;
         if (n > 2) {
             uint16_t *x16 = NULL;
             int fresh = 0;
             int rc = cuda_gemm_act(ctx, out, n, dim, &x16, &fresh);
             if (rc != STATUS_OK) return rc;
             o16 = (fp16_t *)x16;
+        } else if (dim % 64 == 0) {
+            int rc = cuda_gemv_act_q8s(ctx, out, n, dim, &xq, &xd, &xs);
+            if (rc != STATUS_OK) return rc;
         }
         /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
         const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
         int threads = (n4 + k - 1) / k;
         threads = (threads + 31) / 32 * 32;
-        void (*kernel)(float *, float *, const float *, const float *, int32_t, float, fp16_t *) =
+        void (*kernel)(float *, float *, const float *, const float *, int32_t, float, fp16_t *, int8_t *, float *,
+                       float *) =
             k == 1 ? rmsnorm_vec_kernel<1> : k == 2 ? rmsnorm_vec_kernel<2> : k == 4 ? rmsnorm_vec_kernel<4>
                                                                                      : rmsnorm_vec_kernel<8>;
-        CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3(n), dim3(threads), 0, out, x, delta, w, dim, eps, o16));
+        const cudaError_t launch = cuda_launch(ctx, kernel, dim3(n), dim3(threads), 0, out, x, delta, w, dim, eps, o16,
+                                               xq, xd, xs);
+        if (launch != cudaSuccess) cuda_act_forget(ctx); /* the forms recorded above were not written */
+        CUDA_CHECK(ctx, launch);
     } else {
         CUDA_CHECK(ctx, cuda_launch(ctx, rmsnorm_f32_kernel, dim3(n), dim3(RMSNORM_THREADS), 0, out, x, delta, w, dim,
                                     eps));
