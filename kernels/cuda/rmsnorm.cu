@@ -150,9 +150,11 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
             int rc = cuda_gemm_act(ctx, out, n, dim, &x16, &fresh);
             if (rc != STATUS_OK) return rc;
             o16 = (fp16_t *)x16;
-        } else if (dim % 64 == 0) {
-            int rc = cuda_gemv_act_q8s(ctx, out, n, dim, &xq, &xd, &xs);
-            if (rc != STATUS_OK) return rc;
+        } else if (dim % 64 == 0 && cuda_gemv_act_q8s(ctx, out, n, dim, &xq, &xd, &xs) != STATUS_OK) {
+            /* No scratch for it: the norm goes on without; the matmul
+             * quantizes its input itself (or reports the shortage). */
+            xq = NULL;
+            xd = xs = NULL;
         }
         /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
         const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
