@@ -56,6 +56,11 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
+    int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
+                         * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
+    int ahead_sms;      /* multiprocessors a GEMM leaves to the tile made ahead of the next
+                         * (n_sms / 8, default; LLM_CUDA_AHEAD_SMS=k) */
+    struct cuda_ahead *ahead; /* dequant_ahead.cu's side stream and tiles, made on first use */
     const float *act_x;
     int32_t act_n;
     int64_t act_cols;
@@ -135,6 +140,32 @@ int cuda_convert(struct cuda_ctx *ctx, void *dst, enum dtype dst_type, const voi
 /* dst[rows, cols] (F16) = the weight rows r0 .. r0 + rows of w, any type. */
 int cuda_dequant_f16(struct cuda_ctx *ctx, uint16_t *dst, const void *w, enum dtype type,
                      int64_t r0, int64_t rows, int64_t cols);
+/* Rows of a dequantized F16 tile of at most tile_bytes of a weight
+ * [rows, cols] (a multiple of 64, at least 64, at most rows). */
+static inline int64_t cuda_tile_rows(size_t tile_bytes, int64_t rows, int64_t cols) {
+    int64_t t = (int64_t)(tile_bytes / ((size_t)cols * 2)) / 64 * 64;
+    if (t < 64) t = 64;
+    return t < rows ? t : rows;
+}
+/* ---- dequant_ahead.cu: prefill tiles made on a side stream ahead of
+ * their matmul ---- */
+/* The F16 tile of w's rows r0 .. r0 + m for the GEMM the caller queues
+ * next on ctx->stream, in *tile: made ahead (the stream waits for it) or
+ * now.  *tile = NULL (and 0) where the path is off (a graph being
+ * recorded, LLM_CUDA_DEQUANT_AHEAD=0) or its buffers cannot be had: the
+ * caller makes the tile in its scratch. */
+int cuda_ahead_tile(struct cuda_ctx *ctx, const void *w, enum dtype type, int64_t rows, int64_t cols,
+                    int64_t r0, int64_t m, const uint16_t **tile, int *slot);
+/* After the GEMM reading slot's tile was queued (or failed): orders the
+ * tile's next writer after it, and starts the next tile ahead of tiles
+ * of tile_bytes (0: none). */
+void cuda_ahead_queued(struct cuda_ctx *ctx, int slot, size_t tile_bytes);
+/* Device memory was freed or weights uploaded: nothing made ahead or
+ * learned stays.  cuda_ahead_written: bytes at dst were written, and a
+ * tile of a weight there is dropped. */
+void cuda_ahead_forget(struct cuda_ctx *ctx);
+void cuda_ahead_written(struct cuda_ctx *ctx, const void *dst, size_t bytes);
+void cuda_ahead_free(struct cuda_ctx *ctx);
 /* out[n, rows] = x[n, cols] . w^T.  Up to ctx->vec_max_* tokens the
  * weight-reading kernels of matmul_vec.cu (weights read once per call, in
  * their stored form) for the shapes cuda_matmul_vec_supports; otherwise

@@ -72,27 +72,52 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
         return STATUS_OK;
     }
     size_t x_bytes = align256((size_t)n * cols * 2);
-    int64_t tile_rows = 0;
-    if (type != DTYPE_F16) {
-        tile_rows = (int64_t)(matmul_tile_bytes() / ((size_t)cols * 2)) / 64 * 64;
-        if (tile_rows < 64) tile_rows = 64;
-        if (tile_rows > rows) tile_rows = rows;
+    const size_t tile_bytes = matmul_tile_bytes();
+    int64_t tile_rows = type == DTYPE_F16 ? 0 : cuda_tile_rows(tile_bytes, rows, cols);
+    /* Quantized weights: tiles made ahead on the side stream
+     * (dequant_ahead.cu); the scratch holds a tile only where that is off. */
+    const uint16_t *first = NULL;
+    int slot = 0, rc = STATUS_OK;
+    if (tile_rows) rc = cuda_ahead_tile(ctx, w, type, rows, cols, 0, tile_rows, &first, &slot);
+    if (rc != STATUS_OK) return rc;
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (first ? 0 : (size_t)tile_rows * cols * 2));
+    if (!scratch) {
+        if (first) cuda_ahead_queued(ctx, slot, 0);
+        return STATUS_NO_MEMORY;
     }
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (size_t)tile_rows * cols * 2);
-    if (!scratch) return STATUS_NO_MEMORY;
     uint16_t *x16 = (uint16_t *)scratch, *w16 = (uint16_t *)(scratch + x_bytes);
-    int rc = STATUS_OK;
     if (!cuda_act_reuse(ctx, MATMUL_ACT_F16, x, n, cols, scratch))
         rc = cuda_convert(ctx, x16, DTYPE_F16, x, DTYPE_F32, (int64_t)n * cols);
     if (rc != STATUS_OK) {
         cuda_act_forget(ctx);
+        if (first) cuda_ahead_queued(ctx, slot, 0);
         return rc;
     }
     if (type == DTYPE_F16) return matmul_gemm_f16(ctx, out, w, 0, rows, rows, cols, x16, n);
     for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
         int64_t m = rows - r0 < tile_rows ? rows - r0 : tile_rows;
-        rc = cuda_dequant_f16(ctx, w16, w, type, r0, m, cols);
-        if (rc == STATUS_OK) rc = matmul_gemm_f16(ctx, out, w16, r0, m, rows, cols, x16, n);
+        const uint16_t *t = first;
+        if (r0 > 0 && first) rc = cuda_ahead_tile(ctx, w, type, rows, cols, r0, m, &t, &slot);
+        if (rc == STATUS_OK && !t && first) /* a later tile is never larger: cannot happen */
+            return cuda_fail(ctx, STATUS_INTERNAL, "matmul: no tile buffer for rows %lld", (long long)r0);
+        if (rc == STATUS_OK && !t) {
+            rc = cuda_dequant_f16(ctx, w16, w, type, r0, m, cols);
+            t = w16;
+        }
+        /* A GEMM after a tile made ahead that would fill every
+         * multiprocessor (more output tiles of 128 x 256, cuBLAS's on an
+         * H100, than SMs: 7B gate, up, down at 512 tokens) leaves
+         * ctx->ahead_sms of them to the next tile's dequantization: 7B
+         * Q8_0 prefill 20.7 -> 20.0 ms.  Smaller GEMMs leave SMs idle
+         * anyway, and capping them cost TinyLlama 2%. */
+        const bool spare = t != w16 && ctx->ahead_sms > 0 && ctx->ahead_sms < ctx->n_sms &&
+                           (m + 127) / 128 * ((n + 255) / 256) > ctx->n_sms;
+        /* (A failure to set it only leaves the GEMM every multiprocessor.) */
+        if (spare) cublasSetSmCountTarget((cublasHandle_t)ctx->cublas, ctx->n_sms - ctx->ahead_sms);
+        if (rc == STATUS_OK) rc = matmul_gemm_f16(ctx, out, t, r0, m, rows, cols, x16, n);
+        if (spare) cublasSetSmCountTarget((cublasHandle_t)ctx->cublas, 0);
+        /* Even after a failure: orders the tile's next writer after its readers. */
+        if (t != w16) cuda_ahead_queued(ctx, slot, rc == STATUS_OK ? tile_bytes : 0);
         if (rc != STATUS_OK) return rc;
     }
     return STATUS_OK;

@@ -575,6 +575,57 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     fx_close();
 }
 
+/* Prefill tiles made ahead on a side stream (dequant_ahead.cu): the CUDA
+ * backend learns which weight follows which and dequantizes the next tile
+ * while the present matmul runs.  Three weights of 1 MiB tiles (3, 2 and
+ * 1 tiles of 128 rows) in one order until it is learned, then in another
+ * (every guess wrong), then the first again, and then with A's bytes
+ * overwritten in place after a tile of A was made ahead from the old ones
+ * (the upload must drop it).  Every result against the CPU; the same with
+ * LLM_CUDA_DEQUANT_AHEAD=0 (the serial path). */
+TEST(cuda_ops_matmul_tiles_made_ahead) {
+    mm_set_mode(MM_DEFAULT);
+    setenv("LLM_CUDA_DEQUANT_TILE_MB", "1", 1);
+    for (int off = 0; off < 2; off++) {
+        if (off) setenv("LLM_CUDA_DEQUANT_AHEAD", "0", 1);
+        fx_open();
+        const int64_t cols = 4096;
+        const int32_t n = 80;
+        enum { NW = 3 };
+        static const enum dtype types[NW] = {DTYPE_Q4_K, DTYPE_Q8_0, DTYPE_Q6_K};
+        static const int64_t rows[NW] = {300, 200, 100};
+        int wi[NW];
+        for (int k = 0; k < NW; k++) wi[k] = load_weight(types[k], rand_weight(types[k], rows[k], cols), rows[k], cols);
+        struct dbuf x = dbuf_from(rand_f32((size_t)n * cols, -1, 1), (size_t)n * cols * 4);
+        struct dbuf out = dbuf_new((size_t)n * 300 * 4);
+        static const int order[] = {0, 1, 2, 0, 1, 2, 0, 1, 2, 2, 1, 0, 1, 0, 2, 0, 1, 2, 0, 1, 2};
+        const int n_order = (int)(sizeof order / sizeof order[0]);
+        for (int pass = 0; pass < 2; pass++) {
+            if (pass == 1) { /* new bytes for A in place, on both sides */
+                void *host = rand_weight(DTYPE_Q4_K, rows[0], cols);
+                ASSERT_OK(backend_upload(fx.gpu, fx.gw[wi[0]].data, host, dtype_row_bytes(DTYPE_Q4_K, cols) * 300));
+                backend_weight_free(fx.cpu, &fx.cw[wi[0]]);
+                ASSERT_OK(backend_weight_load(fx.cpu, &fx.cw[wi[0]], DTYPE_Q4_K, host, rows[0], cols));
+            }
+            for (int i = 0; i < (pass ? 6 : n_order); i++) {
+                int k = order[i];
+                dbuf_poison(out);
+                ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi[k]], x.c, n));
+                int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi[k]], x.g, n);
+                if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s: %s", dtype_name(types[k]), backend_errstr(fx.gpu));
+                char what[128];
+                snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, call %d%s%s", dtype_name(types[k]),
+                         (long long)rows[k], (long long)cols, n, i, pass ? " after A was overwritten" : "",
+                         off ? " (serial)" : "");
+                check_f32(out, (size_t)n * rows[k], matmul_bound(types[k]), what);
+            }
+        }
+        fx_close();
+    }
+    unsetenv("LLM_CUDA_DEQUANT_AHEAD");
+    unsetenv("LLM_CUDA_DEQUANT_TILE_MB");
+}
+
 /* Out of memory while serving: with the GPU nearly full, a prefill-sized
  * matmul whose scratch (F16 activations and a dequantized tile) cannot be
  * had fails with STATUS_NO_MEMORY and a message saying how much it asked
@@ -1320,7 +1371,8 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
           cuda_ops_matmul_q8_0, cuda_ops_matmul_q4_0, cuda_ops_matmul_q4_1, cuda_ops_matmul_q5_0,
           cuda_ops_matmul_q5_1, cuda_ops_matmul_q4_k, cuda_ops_matmul_q5_k, cuda_ops_matmul_q6_k,
-          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_out_of_memory_fails_the_op_not_the_backend,
+          cuda_ops_matmul_odd_width_and_tiles, cuda_ops_matmul_tiles_made_ahead,
+          cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_matmul_wide,
