@@ -421,12 +421,12 @@ static int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_
     size_t per_block = (size_t)(end - first) * 2 * hp->n_kv_heads * cfg->kv_block_size *
                        hp->head_dim * kv_elt;
     /* Activations, attention and lm_head scratch, and (GPU) cuBLAS and
-     * the two dequantized prefill tiles of 96 MiB (kernels/cuda/matmul.cu,
-     * dequant_ahead.cu): an upper estimate; the real figure is logged
-     * after the load. */
+     * three dequantized prefill tiles of up to 96 MiB (the scratch's and
+     * the two of kernels/cuda/dequant_ahead.cu): an upper estimate; the
+     * real figure is logged after the load. */
     size_t work = (size_t)cfg->max_batch_tokens * 4 *
                       (8 * (size_t)hp->dim + 3 * (size_t)hp->ffn_dim) +
-                  (size_t)cfg->max_seqs * hp->n_vocab * 4 + (gpu ? (size_t)(64 + 2 * 96) << 20 : 0);
+                  (size_t)cfg->max_seqs * hp->n_vocab * 4 + (gpu ? (size_t)(64 + 3 * 96) << 20 : 0);
     size_t mem_free = 0, mem_total = 0;
     backend_mem_info(n->b, &mem_free, &mem_total);
     int32_t blocks = cfg->kv_blocks;

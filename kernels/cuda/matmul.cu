@@ -75,12 +75,14 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
     const size_t tile_bytes = matmul_tile_bytes();
     int64_t tile_rows = type == DTYPE_F16 ? 0 : cuda_tile_rows(tile_bytes, rows, cols);
     /* Quantized weights: tiles made ahead on the side stream
-     * (dequant_ahead.cu); the scratch holds a tile only where that is off. */
+     * (dequant_ahead.cu), else in the scratch.  The scratch keeps room for
+     * a tile either way: a graph recorded later at this size takes the
+     * scratch tile, and a recording must not allocate. */
     const uint16_t *first = NULL;
     int slot = 0, rc = STATUS_OK;
     if (tile_rows) rc = cuda_ahead_tile(ctx, w, type, rows, cols, 0, tile_rows, &first, &slot);
     if (rc != STATUS_OK) return rc;
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (first ? 0 : (size_t)tile_rows * cols * 2));
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (size_t)tile_rows * cols * 2);
     if (!scratch) {
         if (first) cuda_ahead_queued(ctx, slot, 0);
         return STATUS_NO_MEMORY;

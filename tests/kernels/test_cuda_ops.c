@@ -620,6 +620,39 @@ TEST(cuda_ops_matmul_tiles_made_ahead) {
                 check_f32(out, (size_t)n * rows[k], matmul_bound(types[k]), what);
             }
         }
+        /* A graph of B then C at this size, recorded after the same ops ran
+         * outside it (as the worker does): recording takes the scratch
+         * tile, which must need no new memory, and the replays, with tiles
+         * of B made ahead before them, must still be right. */
+        struct dbuf out2 = dbuf_new((size_t)n * 300 * 4);
+        for (int rep = 0; rep < 3; rep++) {
+            dbuf_poison(out);
+            dbuf_poison(out2);
+            if (rep == 0) {
+                ASSERT_OK(backend_matmul(fx.gpu, out.g, &fx.gw[wi[1]], x.g, n));
+                ASSERT_OK(backend_matmul(fx.gpu, out2.g, &fx.gw[wi[2]], x.g, n));
+            } else {
+                backend_graph *g = NULL;
+                ASSERT_OK(backend_graph_begin(fx.gpu));
+                int rc1 = backend_matmul(fx.gpu, out.g, &fx.gw[wi[1]], x.g, n);
+                int rc2 = backend_matmul(fx.gpu, out2.g, &fx.gw[wi[2]], x.g, n);
+                int rc = backend_graph_end(fx.gpu, &g);
+                if (rc1 != STATUS_OK || rc2 != STATUS_OK || rc != STATUS_OK)
+                    TEST_FAIL("recording matmuls at %d tokens: %d %d %d: %s", n, rc1, rc2, rc,
+                              backend_errstr(fx.gpu));
+                ASSERT_OK(backend_matmul(fx.gpu, out.g, &fx.gw[wi[0]], x.g, n)); /* learns A -> B, makes B ahead */
+                dbuf_poison(out);
+                ASSERT_OK(backend_graph_launch(fx.gpu, g));
+                backend_graph_free(fx.gpu, g);
+            }
+            ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi[1]], x.c, n));
+            ASSERT_OK(backend_matmul(fx.cpu, out2.c, &fx.cw[wi[2]], x.c, n));
+            char what[96];
+            snprintf(what, sizeof what, "matmul B at %d tokens, %s%s", n, rep ? "graph" : "ops", off ? " (serial)" : "");
+            check_f32(out, (size_t)n * rows[1], matmul_bound(types[1]), what);
+            snprintf(what, sizeof what, "matmul C at %d tokens, %s%s", n, rep ? "graph" : "ops", off ? " (serial)" : "");
+            check_f32(out2, (size_t)n * rows[2], matmul_bound(types[2]), what);
+        }
         fx_close();
     }
     unsetenv("LLM_CUDA_DEQUANT_AHEAD");
