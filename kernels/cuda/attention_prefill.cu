@@ -4,8 +4,11 @@
  *
  * A block owns 64 query vectors -- 64 / G consecutive rows of one sequence
  * times the G query heads of one KV head, so each K/V tile is read once for
- * the whole group -- and walks its slice of the context in tiles of 32
- * positions.  Each of its 4 warps owns 16 query vectors: S = Q.K^T and
+ * the whole group -- and its two groups of 4 warps walk the two halves of
+ * its slice of the context in tiles of 32 positions, their states merged
+ * in shared memory at the end (a causal prefill's last rows see the whole
+ * context, the first rows little: halving the longest walk shortens the
+ * launch).  Each warp of a group owns 16 query vectors: S = Q.K^T and
  * O += P.V are mma.sync m16n8k8 (F16 in, F32 accumulate; sm_75 has it),
  * or from sm_80 m16n8k16 (half the instructions), Q stays in registers as
  * A fragments, and the S accumulators are already the A fragments of P.V
@@ -22,8 +25,9 @@
 #include <math.h>
 #include <stdlib.h>
 
-#define APF_THREADS 128
-#define APF_BQ 64 /* query vectors per block: 4 warps x 16 */
+#define APF_GT 128 /* threads of a group: 4 warps x 16 query vectors */
+#define APF_THREADS (2 * APF_GT)
+#define APF_BQ 64 /* query vectors per block */
 #define APF_BK 32 /* context positions per K/V tile */
 
 struct apf_params {
@@ -75,6 +79,14 @@ __device__ __forceinline__ void apf_ldsm_t4(uint32_t (&r)[4], const fp16_t *row)
                  : "r"(addr));
 }
 
+/* The barrier of group wg's 128 threads (the groups walk different counts
+ * of tiles; barrier 0 is __syncthreads). */
+__device__ __forceinline__ void apf_group_sync(int wg) {
+    /* Immediate ids: ptxas then reserves 3 barriers, not all 16. */
+    if (wg == 0) asm volatile("bar.sync 1, %0;" ::"n"(APF_GT) : "memory");
+    else asm volatile("bar.sync 2, %0;" ::"n"(APF_GT) : "memory");
+}
+
 /* Dims d .. d + 7 of position j of KV head kvh: zeros from j_end on, NaN
  * for a block id outside the cache (the row then comes out NaN). */
 __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct cuda_attn_args &a,
@@ -94,11 +106,15 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
                                     * ldmatrix tile in distinct banks */
     constexpr int NK = HD / 8;     /* k-steps of S over the head; n-tiles of O */
     constexpr int NT = APF_BK / 8; /* n-tiles of S; k-steps of P.V */
-    static_assert(APF_BK * (HD / 8) % APF_THREADS == 0, "the K/V tile loads split evenly over the threads");
+    static_assert(APF_BK * (HD / 8) % APF_GT == 0, "the K/V tile loads split evenly over a group's threads");
     static_assert(NK % 4 == 0, "P.V's B fragments come four n-tiles (two with k = 16) an ldmatrix");
-    __shared__ __align__(16) fp16_t sk[APF_BK * KS];
-    __shared__ __align__(16) fp16_t sv[APF_BK * KS];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, t4 = lane % 4;
+    /* Each group's K and V tiles; at the end, group 1's state for group 0
+     * (NK x 4 + 4 floats a thread: exactly this size). */
+    __shared__ __align__(16) fp16_t skv[2 * 2 * APF_BK * KS];
+    static_assert((NK * 4 + 4) * APF_GT * sizeof(float) <= sizeof(skv), "the merge fits the tiles' memory");
+    const int tid = threadIdx.x % APF_GT, wg = threadIdx.x / APF_GT, lane = tid % 32, warp = tid / 32,
+              gq = lane / 4, t4 = lane % 4;
+    fp16_t *sk = skv + wg * 2 * APF_BK * KS, *sv = sk + APF_BK * KS;
     const float ninf = -INFINITY;
 
     /* Which sequence and tile of rows.  The last tiles of a sequence see
@@ -132,6 +148,13 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
         const int32_t ck = ((ctx_tile + sp - 1) / sp + APF_BK - 1) / APF_BK * APF_BK;
         j_begin = z < sp ? z * ck : ctx_tile;
         j_end = z < sp - 1 ? min(j_begin + ck, ctx_tile) : ctx_tile;
+    }
+    /* This group's half of the slice (group 0 the first tiles). */
+    {
+        const int32_t span = j_end > j_begin ? j_end - j_begin : 0;
+        const int32_t half = ((span + 1) / 2 + APF_BK - 1) / APF_BK * APF_BK;
+        if (wg == 0) j_end = min(j_end, j_begin + half);
+        else j_begin = min(j_end, j_begin + half);
     }
     const int64_t width = (int64_t)a.n_heads * HD;
 
@@ -175,26 +198,26 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
      * there are too few warps to hide it otherwise).  A warp reads
      * consecutive bytes and stores whole rows, V as K (position-major):
      * P.V's B fragments come out of ldmatrix's transposing loads. */
-    constexpr int LD = APF_BK * (HD / 8) / APF_THREADS;
+    constexpr int LD = APF_BK * (HD / 8) / APF_GT;
     uint4 kr[LD], vr[LD];
 #pragma unroll
     for (int it = 0; it < LD; it++) {
-        int i = tid + it * APF_THREADS;
+        int i = tid + it * APF_GT;
         kr[it] = apf_load_kv(kc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
         vr[it] = apf_load_kv(vc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
     }
     for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
 #pragma unroll
         for (int it = 0; it < LD; it++) {
-            int i = tid + it * APF_THREADS;
+            int i = tid + it * APF_GT;
             *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = kr[it];
             *(uint4 *)(sv + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = vr[it];
         }
-        __syncthreads();
+        apf_group_sync(wg);
         if (j0 + APF_BK < j_end) {
 #pragma unroll
             for (int it = 0; it < LD; it++) {
-                int i = tid + it * APF_THREADS;
+                int i = tid + it * APF_GT;
                 kr[it] = apf_load_kv(kc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
                 vr[it] = apf_load_kv(vc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
             }
@@ -291,7 +314,37 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
                 }
             }
         }
-        __syncthreads();
+        apf_group_sync(wg);
+    }
+
+    /* Group 1's state merged into group 0's (the same query vectors in the
+     * same lanes), attn_merge.cuh's rule: weights exp(m - max m), a half
+     * that saw nothing adds nothing. */
+    __syncthreads(); /* both groups are done with their tiles */
+    float *mb = (float *)skv;
+    if (wg == 1) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mb[h * APF_GT + tid] = m[h];
+            mb[(2 + h) * APF_GT + tid] = l[h];
+        }
+#pragma unroll
+        for (int n = 0; n < NK; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) mb[(4 + 4 * n + c) * APF_GT + tid] = acc[n][c];
+    }
+    __syncthreads();
+    if (wg == 1) return;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float m1 = mb[h * APF_GT + tid], mn = fmaxf(m[h], m1);
+        const float w0 = m[h] == ninf ? 0.0f : __expf(m[h] - mn), w1 = m1 == ninf ? 0.0f : __expf(m1 - mn);
+        l[h] = l[h] * w0 + mb[(2 + h) * APF_GT + tid] * w1;
+#pragma unroll
+        for (int n = 0; n < NK; n++)
+#pragma unroll
+            for (int c = 2 * h; c < 2 * h + 2; c++) acc[n][c] = acc[n][c] * w0 + mb[(4 + 4 * n + c) * APF_GT + tid] * w1;
+        m[h] = mn;
     }
 
     /* The row sums are spread over the quad. */
