@@ -56,6 +56,8 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
+    int mr;             /* matmul_mr.cu for Q8_0/K-quant weights at 5-8 tokens (and 1-4 where the
+                         * gemv kernel is off), default; LLM_CUDA_MR=0: matmul_vec.cu's mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
                          * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
     int ahead_sms;      /* multiprocessors a GEMM leaves to the tile made ahead of the next
@@ -210,6 +212,14 @@ int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype
  * would) or forgets them on failure. */
 int cuda_gemv_act_q8s(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
                       float **xs);
+/* ---- matmul_mr.cu: up to 8 tokens on Q8_0, Q4_K, Q5_K, Q6_K, tensor
+ * cores fed straight from global memory ---- */
+/* 1 if it takes this type, width (a multiple of 256) and token count. */
+int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);
+/* out[n, rows] = x[n, cols] . w^T; CUDA_NOT_FUSED where it does not take
+ * the case (w and x 16-byte aligned). */
+int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows, int64_t cols,
+                   const float *x, int32_t n);
 /* What a fused op returns for a case it leaves to the plain ops (the
  * backend's BACKEND_NOT_FUSED). */
 #define CUDA_NOT_FUSED 1

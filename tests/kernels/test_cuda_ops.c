@@ -572,6 +572,11 @@ TEST(cuda_ops_matmul_odd_width_and_tiles) {
     static const int32_t dec[] = {1, 16};
     matmul_case(DTYPE_Q6_K, 4200, 4096, dec, 2);
     matmul_case(DTYPE_Q8_0, 1000, 11008, dec, 2);
+    /* Many rows at 5-12 tokens (matmul_mr.cu to 8, then mq), a partial
+     * last tile of 16 rows. */
+    static const int32_t few[] = {5, 8, 12};
+    matmul_case(DTYPE_Q4_K, 9000, 512, few, 3);
+    matmul_case(DTYPE_Q8_0, 40000, 256, few, 3);
     fx_close();
 }
 

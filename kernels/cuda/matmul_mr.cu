@@ -1,0 +1,193 @@
+/* Tensor-core matmul for decode batches of up to 8 tokens on Q8_0, Q4_K,
+ * Q5_K and Q6_K weights, with no shared-memory staging: out[n, rows] =
+ * x[n, cols] . w^T.  (At 1-4 tokens the dp4a kernel of matmul_gemv.cu
+ * comes first; this one takes 5-8, and 1-4 where that one is off.)
+ *
+ * matmul_vec.cu's mq copies each chunk of its rows into shared memory and
+ * meets at two block barriers a chunk; at 8 tokens it reached about half
+ * of the batch-1 kernel's bandwidth (7B Q4_K 11008x4096: 20.9 against
+ * 12.0 us).  Here each lane loads exactly the bytes of its own mma
+ * fragments straight from global memory -- lane (g, t) holds columns
+ * 8t .. 8t + 7 of each 32-column block of rows g and g + 8 (mq_frag.cuh's
+ * order), a few contiguous bytes in every layout -- and its activations
+ * (8 floats of token g a block, converted to F16 in registers), so a warp
+ * runs from its first load to its last mma with no barrier.
+ *
+ * A block is MR_WARPS warps on the same 16 rows, each warp one slice of
+ * the chunks (256 columns) of the row: parallelism for short matrices
+ * without partial sums in global memory.  The warps' sums are added in
+ * shared memory in warp order (the same bits every run). */
+#include "mq_frag.cuh"
+
+/* Each warp's raw bytes of the next chunk are loaded while the present
+ * chunk is multiplied (7B at 8 tokens, Q8_0 4096x11008: 35.3 -> 24.5 us).
+ * Fewer, longer warps (a tile's chunks over 4, 2 or 1 warps where there
+ * are many rows) measured slower: 11008x4096 Q4_K 20.9 -> 24.7 us. */
+
+#define MR_WARPS 8
+/* Most tokens: at 9-16 mq measured faster on most 7B shapes (Q4_K
+ * 11008x4096 at 16 tokens 25.1 against 27.1 us; Q8_0 32000x4096 66.9
+ * against 97.2), and the 7B Q8_0 step at 16 7.25 against 7.78 ms. */
+#define MR_NT 8
+
+/* The raw bytes of one row's chunk (256 columns) that lane t's fragments
+ * need, in registers: loaded for the next chunk while this one is
+ * multiplied. */
+template <int T> struct mr_raw;
+template <> struct mr_raw<DTYPE_Q8_0> { uint2 q[8]; uint4 d; };          /* codes; the 8 block scales */
+template <> struct mr_raw<DTYPE_Q4_K> { uint4 h; uint2 q[4]; };           /* header; codes of block pairs */
+template <> struct mr_raw<DTYPE_Q5_K> { uint4 h; uint2 qh; uint2 q[4]; }; /* and the 5th bits */
+template <> struct mr_raw<DTYPE_Q6_K> { uint2 ql[4]; uint2 qh[2]; uint4 sc; uint32_t d; };
+
+/* The backend's layouts: Q8_0 codes[cols] then d[cols / 32]; Q4_K / Q5_K
+ * GGUF's super-blocks as they are; Q6_K ql[cols / 2], qh[cols / 4],
+ * scales[cols / 16], d[cols / 256] (common.cuh). */
+template <int T>
+__device__ __forceinline__ void mr_load(mr_raw<T> &r, const uint8_t *row, int cols, int ch, int t) {
+    if constexpr (T == DTYPE_Q8_0) {
+#pragma unroll
+        for (int b = 0; b < 8; b++) r.q[b] = __ldg((const uint2 *)(row + 256 * (size_t)ch + 32 * b + 8 * t));
+        r.d = __ldg((const uint4 *)(row + q8s_d_off(cols) + 16 * (size_t)ch));
+    } else if constexpr (T == DTYPE_Q6_K) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.ql[i] = __ldg((const uint2 *)(row + 128 * (size_t)ch + 32 * i + 8 * t));
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            r.qh[h] = __ldg((const uint2 *)(row + q6s_qh_off(cols) + 64 * (size_t)ch + 32 * h + 8 * t));
+        r.sc = __ldg((const uint4 *)(row + q6s_sc_off(cols) + 16 * (size_t)ch));
+        r.d = __ldg((const uint16_t *)(row + q6s_d_off(cols)) + ch);
+    } else {
+        constexpr int qo = T == DTYPE_Q4_K ? 16 : 48;
+        const uint8_t *p = row + (size_t)ch * mq_fmt<T>::bb;
+        r.h = __ldg((const uint4 *)p);
+        if constexpr (T == DTYPE_Q5_K) r.qh = __ldg((const uint2 *)(p + 16 + 8 * t));
+#pragma unroll
+        for (int i = 0; i < 4; i++) r.q[i] = __ldg((const uint2 *)(p + qo + 32 * i + 8 * t));
+    }
+}
+
+/* Fragment a[0..3] of 32-column block b (a constant after unrolling) for
+ * lane t, as mq_decode<T> makes it from shared memory. */
+template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, int b, int t, uint32_t (&a)[4]) {
+    const __half2 zero = mq_hh(0.0f);
+    if constexpr (T == DTYPE_Q8_0) {
+        const uint32_t dw = b < 2 ? r.d.x : b < 4 ? r.d.y : b < 6 ? r.d.z : r.d.w;
+        const __half2 d = mq_h2((b & 1) ? __byte_perm(dw, 0, 0x3232) : __byte_perm(dw, 0, 0x1010));
+        mq_cvt(a, r.q[b].x ^ 0x80808080u, r.q[b].y ^ 0x80808080u, mq_hh(1152.0f), d, zero);
+    } else if constexpr (T == DTYPE_Q6_K) {
+        const int h = b >> 2, q = b & 3, sh = 4 * (q >> 1);
+        const uint2 ql = r.ql[2 * h + (q & 1)], qh = r.qh[h];
+        const uint32_t v0 = ((ql.x >> sh) & 0x0F0F0F0Fu) | (((qh.x >> (2 * q)) & 0x03030303u) << 4);
+        const uint32_t v1 = ((ql.y >> sh) & 0x0F0F0F0Fu) | (((qh.y >> (2 * q)) & 0x03030303u) << 4);
+        /* Scale byte 8h + 2q + t / 2 of the chunk's 16. */
+        const int wi = 2 * h + (q >> 1);
+        const uint32_t sw = wi == 0 ? r.sc.x : wi == 1 ? r.sc.y : wi == 2 ? r.sc.z : r.sc.w;
+        const int8_t sc = (int8_t)(sw >> (8 * (2 * (q & 1) + (t >> 1))));
+        const float d = __half2float(__ushort_as_half((unsigned short)r.d));
+        mq_cvt(a, v0, v1, mq_hh(1056.0f), mq_hh(d * (float)sc), zero);
+    } else {
+        const __half2 dm = mq_h2(mq_kq_pair(r.h, b));
+        const uint2 q = r.q[b >> 1];
+        const int sh = 4 * (b & 1);
+        uint32_t v0 = (q.x >> sh) & 0x0F0F0F0Fu, v1 = (q.y >> sh) & 0x0F0F0F0Fu;
+        if constexpr (T == DTYPE_Q5_K) {
+            v0 |= ((r.qh.x >> b) & 0x01010101u) << 4;
+            v1 |= ((r.qh.y >> b) & 0x01010101u) << 4;
+        }
+        mq_cvt(a, v0, v1, mq_hh(1024.0f), __low2half2(dm), __high2half2(dm));
+    }
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(MR_WARPS * 32)
+matmul_mr_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t row_bytes, int rows, int cols,
+                 const float *__restrict__ x, int n) {
+    pdl_begin();
+    constexpr int NTL = NT / 8;
+    __shared__ float4 red[MR_WARPS][NTL][32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16, nc = cols / 256;
+    const int c0 = nc * warp / MR_WARPS, c1 = nc * (warp + 1) / MR_WARPS;
+    /* Rows past the weight read row 0 (their sums are never written). */
+    const uint8_t *rlo = w + (size_t)(row0 + g < rows ? row0 + g : 0) * row_bytes;
+    const uint8_t *rhi = w + (size_t)(row0 + g + 8 < rows ? row0 + g + 8 : 0) * row_bytes;
+
+    float acc[NTL][4];
+#pragma unroll
+    for (int nt = 0; nt < NTL; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    mr_raw<T> lo, hi, nlo, nhi;
+    if (c0 < c1) {
+        mr_load<T>(lo, rlo, cols, c0, t);
+        mr_load<T>(hi, rhi, cols, c0, t);
+    }
+    for (int ch = c0; ch < c1; ch++) {
+        if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
+            mr_load<T>(nlo, rlo, cols, ch + 1, t);
+            mr_load<T>(nhi, rhi, cols, ch + 1, t);
+        }
+#pragma unroll
+        for (int b = 0; b < 8; b++) {
+            uint32_t alo[4], ahi[4];
+            mr_decode<T>(lo, b, t, alo);
+            mr_decode<T>(hi, b, t, ahi);
+            const int col = 256 * ch + 32 * b + 8 * t;
+#pragma unroll
+            for (int nt = 0; nt < NTL; nt++) {
+                const int tok = nt * 8 + g;
+                uint4 bx = make_uint4(0, 0, 0, 0);
+                if (tok < n) {
+                    const float4 f0 = __ldg((const float4 *)(x + (size_t)tok * cols + col));
+                    const float4 f1 = __ldg((const float4 *)(x + (size_t)tok * cols + col + 4));
+                    bx = make_uint4(mq_u32(__floats2half2_rn(f0.x, f0.y)), mq_u32(__floats2half2_rn(f0.z, f0.w)),
+                                    mq_u32(__floats2half2_rn(f1.x, f1.y)), mq_u32(__floats2half2_rn(f1.z, f1.w)));
+                }
+                mq_mma32(acc[nt], alo, ahi, bx);
+            }
+        }
+        lo = nlo;
+        hi = nhi;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTL; nt++) red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+    __syncthreads();
+    /* Thread i adds element i % 4 of float4 (nt, lane) over the warps, in
+     * warp order. */
+    for (int i = threadIdx.x; i < NTL * 128; i += MR_WARPS * 32) {
+        const int e = i & 3, l = (i >> 2) & 31, nt = i >> 7;
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MR_WARPS; k++) s += ((const float *)&red[k][nt][l])[e];
+        /* acc[nt][e]: row g (e < 2) or g + 8, token 8 nt + 2 t + (e & 1). */
+        const int tok = nt * 8 + 2 * (l & 3) + (e & 1), row = row0 + (l >> 2) + 8 * (e >> 1);
+        if (tok < n && row < rows) out[(size_t)tok * rows + row] = s;
+    }
+}
+
+extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    return ctx->mr && n >= 1 && n <= MR_NT && cols % 256 == 0 && cols <= INT32_MAX &&
+           (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);
+}
+
+template <int T>
+static int mr_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
+                     int n) {
+    const dim3 grid((unsigned)((rows + 15) / 16));
+    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 8>, grid, dim3(MR_WARPS * 32), 0, out, (const uint8_t *)w,
+                                cuda_row_bytes((enum dtype)T, cols), (int)rows, (int)cols, x, n));
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
+}
+
+extern "C" int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                              int64_t cols, const float *x, int32_t n) {
+    if (!cuda_matmul_mr_supports(ctx, type, cols, n) || rows <= 0 || rows > INT32_MAX || (uintptr_t)w % 16 != 0 ||
+        (uintptr_t)x % 16 != 0)
+        return CUDA_NOT_FUSED;
+    switch (type) {
+    case DTYPE_Q8_0: return mr_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, x, n);
+    case DTYPE_Q4_K: return mr_launch<DTYPE_Q4_K>(ctx, out, w, rows, cols, x, n);
+    case DTYPE_Q5_K: return mr_launch<DTYPE_Q5_K>(ctx, out, w, rows, cols, x, n);
+    case DTYPE_Q6_K: return mr_launch<DTYPE_Q6_K>(ctx, out, w, rows, cols, x, n);
+    default: return CUDA_NOT_FUSED;
+    }
+}
