@@ -299,9 +299,10 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
     }
     int rc;
     if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
-        if (swiglu) return CUDA_NOT_FUSED;
-        for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
-        rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        /* Up to 8 tokens matmul_mr.cu (swiglu too), from 17 matmul_wide.cu. */
+        for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
+        rc = cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED && !swiglu) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc < 0) cuda_act_forget(ctx);
         return rc;
     }

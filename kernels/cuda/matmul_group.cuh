@@ -133,6 +133,12 @@ extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g,
 extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                      const float *x, int32_t n);
 
+/* matmul_mr.cu: every weight of g (or gate and up with swiglu) at up to 8
+ * tokens in one launch, or CUDA_NOT_FUSED where it does not take the
+ * type, width or token count. */
+extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                    const float *x, int32_t n);
+
 /* matmul_wide.cu: outs[s][n, rows[s]] = x . ws[s]^T for every weight of g
  * (no swiglu) on the pipelined tensor-core kernel, or CUDA_NOT_FUSED where
  * it does not take the type, width, token count or device. */

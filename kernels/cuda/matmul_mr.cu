@@ -16,7 +16,11 @@
  * A block is MR_WARPS warps on the same 16 rows, each warp one slice of
  * the chunks (256 columns) of the row: parallelism for short matrices
  * without partial sums in global memory.  The warps' sums are added in
- * shared memory in warp order (the same bits every run). */
+ * shared memory in warp order (the same bits every run).  Several weights
+ * on one input (q, k, v) are one launch, a block per tile of any of them;
+ * gate and up with swiglu share each block, half the warps on each tile,
+ * and the block writes silu(gate) * up. */
+#include "matmul_group.cuh"
 #include "mq_frag.cuh"
 
 /* Each warp's raw bytes of the next chunk are loaded while the present
@@ -98,19 +102,37 @@ template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, i
     }
 }
 
+/* The weight of g that tile `tile` (16 rows) belongs to, with its first
+ * tile.  Fields of g at constant indices only (see mg_locate). */
+struct mr_seg {
+    const uint8_t *w;
+    float *out;
+    int rows, tile0;
+};
+__device__ __forceinline__ mr_seg mr_locate(const mm_group &g, int tile) {
+    mr_seg r = {g.w[0], g.out[0], g.rows[0], 0};
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < g.n && tile >= g.blk0[k]) r = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
+    return r;
+}
+
 template <int T, int NT>
-__global__ void __launch_bounds__(MR_WARPS * 32)
-matmul_mr_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t row_bytes, int rows, int cols,
-                 const float *__restrict__ x, int n) {
+__global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
+matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__restrict__ x, int n) {
     pdl_begin();
     constexpr int NTL = NT / 8;
     __shared__ float4 red[MR_WARPS][NTL][32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16, nc = cols / 256;
-    const int c0 = nc * warp / MR_WARPS, c1 = nc * (warp + 1) / MR_WARPS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane >> 2, t = lane & 3;
+    /* With swiglu, warps of the second half multiply the up weight. */
+    const int ks = g.swiglu ? MR_WARPS / 2 : MR_WARPS, z = warp % ks;
+    const mr_seg sg = mr_locate(g, blockIdx.x);
+    const uint8_t *w = g.swiglu && warp >= ks ? g.w[1] : sg.w;
+    const int rows = sg.rows, row0 = ((int)blockIdx.x - sg.tile0) * 16, nc = cols / 256;
+    const int c0 = nc * z / ks, c1 = nc * (z + 1) / ks;
     /* Rows past the weight read row 0 (their sums are never written). */
-    const uint8_t *rlo = w + (size_t)(row0 + g < rows ? row0 + g : 0) * row_bytes;
-    const uint8_t *rhi = w + (size_t)(row0 + g + 8 < rows ? row0 + g + 8 : 0) * row_bytes;
+    const uint8_t *rlo = w + (size_t)(row0 + g8 < rows ? row0 + g8 : 0) * row_bytes;
+    const uint8_t *rhi = w + (size_t)(row0 + g8 + 8 < rows ? row0 + g8 + 8 : 0) * row_bytes;
 
     float acc[NTL][4];
 #pragma unroll
@@ -133,7 +155,7 @@ matmul_mr_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t 
             const int col = 256 * ch + 32 * b + 8 * t;
 #pragma unroll
             for (int nt = 0; nt < NTL; nt++) {
-                const int tok = nt * 8 + g;
+                const int tok = nt * 8 + g8;
                 uint4 bx = make_uint4(0, 0, 0, 0);
                 if (tok < n) {
                     const float4 f0 = __ldg((const float4 *)(x + (size_t)tok * cols + col));
@@ -150,16 +172,17 @@ matmul_mr_kernel(float *__restrict__ out, const uint8_t *__restrict__ w, size_t 
 #pragma unroll
     for (int nt = 0; nt < NTL; nt++) red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     __syncthreads();
-    /* Thread i adds element i % 4 of float4 (nt, lane) over the warps, in
-     * warp order. */
+    /* Thread i adds element i % 4 of float4 (nt, lane) over the ks warps
+     * of its weight, in warp order; with swiglu both halves. */
     for (int i = threadIdx.x; i < NTL * 128; i += MR_WARPS * 32) {
         const int e = i & 3, l = (i >> 2) & 31, nt = i >> 7;
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < MR_WARPS; k++) s += ((const float *)&red[k][nt][l])[e];
+        float s = 0.0f, u = 0.0f;
+        for (int k = 0; k < ks; k++) s += ((const float *)&red[k][nt][l])[e];
+        if (g.swiglu)
+            for (int k = ks; k < 2 * ks; k++) u += ((const float *)&red[k][nt][l])[e];
         /* acc[nt][e]: row g (e < 2) or g + 8, token 8 nt + 2 t + (e & 1). */
         const int tok = nt * 8 + 2 * (l & 3) + (e & 1), row = row0 + (l >> 2) + 8 * (e >> 1);
-        if (tok < n && row < rows) out[(size_t)tok * rows + row] = s;
+        if (tok < n && row < rows) sg.out[(size_t)tok * rows + row] = g.swiglu ? s / (1.0f + expf(-s)) * u : s;
     }
 }
 
@@ -169,25 +192,42 @@ extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype ty
 }
 
 template <int T>
-static int mr_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
-                     int n) {
-    const dim3 grid((unsigned)((rows + 15) / 16));
-    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 8>, grid, dim3(MR_WARPS * 32), 0, out, (const uint8_t *)w,
-                                cuda_row_bytes((enum dtype)T, cols), (int)rows, (int)cols, x, n));
+static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+    int tiles = 0;
+    for (int s = 0; s < g.n; s++) {
+        g.blk0[s] = tiles;
+        tiles += g.swiglu && s == 1 ? 0 : (g.rows[s] + 15) / 16;
+    }
+    g.blk0[g.n] = tiles; /* with swiglu the up weight has no tiles of its own */
+    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, MR_NT>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0, g,
+                                cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
 
-extern "C" int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
-                              int64_t cols, const float *x, int32_t n) {
-    if (!cuda_matmul_mr_supports(ctx, type, cols, n) || rows <= 0 || rows > INT32_MAX || (uintptr_t)w % 16 != 0 ||
-        (uintptr_t)x % 16 != 0)
+extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                                    const float *x, int32_t n) {
+    if (!cuda_matmul_mr_supports(ctx, type, cols, n) || g->n < 1 || g->n > MG_MAX || (uintptr_t)x % 16 != 0 ||
+        (g->swiglu && (g->n != 2 || g->rows[0] != g->rows[1])))
         return CUDA_NOT_FUSED;
+    for (int s = 0; s < g->n; s++)
+        if (g->rows[s] <= 0 || (uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
     switch (type) {
-    case DTYPE_Q8_0: return mr_launch<DTYPE_Q8_0>(ctx, out, w, rows, cols, x, n);
-    case DTYPE_Q4_K: return mr_launch<DTYPE_Q4_K>(ctx, out, w, rows, cols, x, n);
-    case DTYPE_Q5_K: return mr_launch<DTYPE_Q5_K>(ctx, out, w, rows, cols, x, n);
-    case DTYPE_Q6_K: return mr_launch<DTYPE_Q6_K>(ctx, out, w, rows, cols, x, n);
+    case DTYPE_Q8_0: return mr_launch<DTYPE_Q8_0>(ctx, *g, cols, x, n);
+    case DTYPE_Q4_K: return mr_launch<DTYPE_Q4_K>(ctx, *g, cols, x, n);
+    case DTYPE_Q5_K: return mr_launch<DTYPE_Q5_K>(ctx, *g, cols, x, n);
+    case DTYPE_Q6_K: return mr_launch<DTYPE_Q6_K>(ctx, *g, cols, x, n);
     default: return CUDA_NOT_FUSED;
     }
+}
+
+extern "C" int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
+                              int64_t cols, const float *x, int32_t n) {
+    if (rows <= 0 || rows > INT32_MAX) return CUDA_NOT_FUSED;
+    struct mm_group g = {};
+    g.w[0] = (const uint8_t *)w;
+    g.out[0] = out;
+    g.rows[0] = (int)rows;
+    g.n = 1;
+    return cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
 }
