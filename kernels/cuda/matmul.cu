@@ -135,16 +135,17 @@ static int32_t matmul_vec_max(const struct cuda_ctx *ctx, enum dtype type) {
     return type == DTYPE_F16 ? ctx->vec_max_float : ctx->vec_max_quant;
 }
 
-/* Up to 4 tokens (its widest tile) on quantized weights: the warp-per-row
- * dp4a kernel of matmul_gemv.cu (no shared-memory staging), unless
- * LLM_CUDA_GEMV_MAX says otherwise.  Measured against the tensor-core
- * kernel on an H100 (docs/cuda-backend.md, run 8), 7B, with the regrouped
- * Q8_0/Q6_K rows: Q8_0 at 2 tokens 4.14 -> 4.00 ms a step (it used to take
- * only rows of <= 4096 there), at 4 tokens 5.21 -> 5.03; Q4_K_M at 4
- * tokens 5.04 -> 4.98.  Before the regrouping the tensor-core kernel won
- * at 3-4 tokens (third pass). */
-static int matmul_gemv_takes(const struct cuda_ctx *ctx, int32_t n) {
-    return n <= (ctx->gemv_max < 0 ? CUDA_MATMUL_GEMV_MAX : ctx->gemv_max);
+/* The warp-per-row dp4a kernel of matmul_gemv.cu on quantized weights:
+ * up to 4 tokens (its widest tile) against mq (run 8: 7B Q8_0 at 4 tokens
+ * 5.21 -> 5.03 ms a step), but where matmul_mr.cu takes the type only up
+ * to 2 tokens for the K-quants and 3 for Q8_0 (sixteenth pass, 7B on an
+ * H100: Q4_K_M at 3 tokens 3.91 -> 3.44 ms, at 4 4.58 -> 3.58; Q8_0 at 3
+ * 4.30 against 4.32, at 4 4.79 -> 4.47; at 2 the dp4a kernel wins, 3.10
+ * against 3.25).  LLM_CUDA_GEMV_MAX=k sets one limit for all types. */
+static int matmul_gemv_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    if (ctx->gemv_max >= 0) return n <= ctx->gemv_max;
+    if (!cuda_matmul_mr_supports(ctx, type, cols, n)) return n <= CUDA_MATMUL_GEMV_MAX;
+    return n <= (type == DTYPE_Q8_0 ? 3 : 2);
 }
 
 /* Kept activations are of an input this call's output must not overlap. */
@@ -163,7 +164,7 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
     int32_t vec_max = matmul_vec_max(ctx, type);
-    int gemv = matmul_gemv_takes(ctx, n);
+    int gemv = matmul_gemv_takes(ctx, type, cols, n);
     matmul_act_check(ctx, out, rows, n);
     int rc = CUDA_NOT_FUSED;
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
@@ -298,7 +299,7 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         return rc;
     }
     int rc;
-    if (!matmul_gemv_takes(ctx, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
+    if (!matmul_gemv_takes(ctx, type, cols, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
         /* Up to 8 tokens matmul_mr.cu (swiglu too), from 17 matmul_wide.cu. */
         for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
         rc = cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
@@ -315,10 +316,11 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
 extern "C" int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                        const int64_t rows[], const enum dtype types[], int64_t cols, const float *x,
                                        int32_t n) {
-    if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX || !matmul_gemv_takes(ctx, n))
-        return CUDA_NOT_FUSED;
+    if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX) return CUDA_NOT_FUSED;
     int seg1 = 0;
     while (seg1 < n_w && types[seg1] == types[0]) seg1++;
+    if (seg1 == n_w || !matmul_gemv_takes(ctx, types[0], cols, n) || !matmul_gemv_takes(ctx, types[seg1], cols, n))
+        return CUDA_NOT_FUSED;
     if (seg1 == n_w || !cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;
     struct mm_group g = {};
     for (int j = 0; j < n_w; j++) {

@@ -706,17 +706,18 @@ TEST(cuda_ops_out_of_memory_fails_the_op_not_the_backend) {
     fx_close();
 }
 
-/* The batch-1..4 kernel of matmul_gemv.cu three ways: the default routing
- * (it at 1-4 tokens), up to 2 tokens with the tensor-core kernel at 3-4
- * (LLM_CUDA_GEMV_MAX=2) and off (=0: the tensor-core kernel).  7B widths (4096, 11008: 43 super-blocks, a
+/* The batch-1..4 kernel of matmul_gemv.cu four ways: the default routing
+ * (it up to 2-4 tokens by type, matmul_mr.cu above), at every 1-4
+ * (LLM_CUDA_GEMV_MAX=4), up to 2 tokens with a tensor-core kernel at 3-4
+ * (=2) and off (=0: the tensor-core kernels).  7B widths (4096, 11008: 43 super-blocks, a
  * partial last round of lanes), widths under one round of 32 lanes (768,
  * 1184 = 37 blocks), and row counts that are not a multiple of the 4 rows
  * of a block. */
 static void gemv_type(enum dtype t) {
     static const int32_t ns[] = {1, 2, 3, 4};
-    static const char *modes[3] = {NULL, "2", "0"};
+    static const char *modes[4] = {NULL, "4", "2", "0"};
     int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
-    for (int m = 0; m < 3; m++) {
+    for (int m = 0; m < 4; m++) {
         if (modes[m]) setenv("LLM_CUDA_GEMV_MAX", modes[m], 1);
         else unsetenv("LLM_CUDA_GEMV_MAX");
         mm_set_mode(MM_DEFAULT);
@@ -783,10 +784,11 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
- * weights (1-2 on F16/F32), at 17-64 (matmul_wide.cu) and from 65 (one
- * batched cuBLAS call for F16 weights of equal rows), also with types mixed
+ * weights (matmul_gemv.cu; 1-2 on F16/F32), at up to 8 (matmul_mr.cu, Q8_0
+ * and the K-quants), at 17-64 (matmul_wide.cu) and from 65 (one batched
+ * cuBLAS call for F16 weights of equal rows), also with types mixed
  * (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts that
- * leave blocks part-full; 5 tokens takes the per-weight kernels. */
+ * leave blocks part-full; Q4_0 at 5-8 tokens takes the per-weight kernels. */
 #define MULTI_NMAX 130
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
@@ -832,7 +834,7 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(f16, qkv, 3, 512);
     multi_case(q8, qkv, 3, 4096);
     multi_case(q4k, qkv, 3, 768);
-    multi_case(mixed, qkv, 3, 1024); /* 1-4 tokens: one launch of two types */
+    multi_case(mixed, qkv, 3, 1024); /* 1-2 tokens: one launch of two types */
     multi_case(mixed5, qkv, 3, 512);
     multi_case(mixed_apart, qkv, 3, 512); /* the second type between: a launch per type */
     multi_case(q5k, qkv, 3, 512);
