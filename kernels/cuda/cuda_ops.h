@@ -56,8 +56,8 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
-    int mr;             /* matmul_mr.cu for Q8_0/K-quant weights at 5-8 tokens (and 1-4 where the
-                         * gemv kernel is off), default; LLM_CUDA_MR=0: matmul_vec.cu's mq */
+    int mr;             /* matmul_mr.cu for Q8_0/K-quant weights at 3-8 tokens (matmul.cu has the
+                         * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
                          * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
     int ahead_sms;      /* multiprocessors a GEMM leaves to the tile made ahead of the next

@@ -167,10 +167,10 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
             return rc;
         }
     }
-    /* Q8_0 and K-quant weights at 5-8 tokens on matmul_mr.cu (no
-     * shared-memory staging: 7B Q4_K_M batch 8 5.19 -> 4.62 ms, Q8_0
-     * 5.72 -> 5.52 on an H100); LLM_CUDA_MR=0 leaves them to mq, to
-     * compare. */
+    /* Q8_0 and K-quant weights at 3-8 tokens on matmul_mr.cu (no
+     * shared-memory staging: 7B Q4_K_M batch 8 5.19 -> 4.46 ms, batch 4
+     * 4.58 -> 3.56, on an H100); LLM_CUDA_MR=0 leaves them to mq and the
+     * dp4a kernel, to compare. */
     env = getenv("LLM_CUDA_MR");
     ctx->mr = !(env && strcmp(env, "0") == 0);
     /* Prefill tiles of quantized weights made on a side stream while the
