@@ -173,11 +173,7 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
         /* Up to 8 tokens matmul_mr.cu (Q8_0 and the K-quants), from 17
          * matmul_wide.cu, then mq. */
         rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
-        struct mm_group g = {};
-        g.w[0] = (const uint8_t *)w;
-        g.out[0] = out;
-        g.rows[0] = (int)rows;
-        g.n = 1;
+        struct mm_group g = mg_single(w, out, rows);
         if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
             (uintptr_t)w % 16 == 0)

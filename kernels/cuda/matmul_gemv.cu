@@ -465,10 +465,6 @@ extern "C" int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w,
                                 int64_t cols, const float *x, int32_t n) {
     if (rows <= 0 || rows > INT32_MAX)
         return cuda_fail(ctx, STATUS_BAD_INPUT, "matmul_gemv: %lld rows", (long long)rows);
-    struct mm_group g = {};
-    g.w[0] = (const uint8_t *)w;
-    g.out[0] = out;
-    g.rows[0] = (int)rows;
-    g.n = 1;
+    struct mm_group g = mg_single(w, out, rows);
     return cuda_matmul_gemv_group(ctx, &g, type, cols, x, n);
 }

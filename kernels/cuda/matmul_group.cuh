@@ -21,6 +21,16 @@ struct mm_group {
     int swiglu;
 };
 
+/* A group of the one weight w [rows] writing out. */
+static inline struct mm_group mg_single(const void *w, float *out, int64_t rows) {
+    struct mm_group g = {};
+    g.w[0] = (const uint8_t *)w;
+    g.out[0] = out;
+    g.rows[0] = (int)rows;
+    g.n = 1;
+    return g;
+}
+
 /* Fills blk0 for blocks of `warps` warps (one row each) and returns the
  * grid size. */
 static inline unsigned mg_layout(struct mm_group *g, int warps) {
@@ -77,6 +87,21 @@ __device__ __forceinline__ mm_row mg_locate(const mm_group &g, int warp) {
     }
     r.row = ((int)blockIdx.x - blk0) * WARPS + warp;
     return r;
+}
+
+/* The weight that unit u (a block, a row block: what blk0 counts) belongs
+ * to, with its first unit; the tensor-core kernels' form of mg_locate. */
+struct mg_seg {
+    const uint8_t *w;
+    float *out;
+    int rows, u0;
+};
+__device__ __forceinline__ mg_seg mg_seg_locate(const mm_group &g, int u) {
+    mg_seg s = {g.w[0], g.out[0], g.rows[0], 0};
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < g.n && u >= g.blk0[k]) s = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
+    return s;
 }
 
 /* Stores a warp's sums acc[t] (already reduced over the warp, t < n) for

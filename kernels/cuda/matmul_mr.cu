@@ -102,21 +102,6 @@ template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, i
     }
 }
 
-/* The weight of g that tile `tile` (16 rows) belongs to, with its first
- * tile.  Fields of g at constant indices only (see mg_locate). */
-struct mr_seg {
-    const uint8_t *w;
-    float *out;
-    int rows, tile0;
-};
-__device__ __forceinline__ mr_seg mr_locate(const mm_group &g, int tile) {
-    mr_seg r = {g.w[0], g.out[0], g.rows[0], 0};
-#pragma unroll
-    for (int k = 1; k < MG_MAX; k++)
-        if (k < g.n && tile >= g.blk0[k]) r = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
-    return r;
-}
-
 template <int T, int NT>
 __global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
 matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__restrict__ x, int n) {
@@ -126,9 +111,9 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__re
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane >> 2, t = lane & 3;
     /* With swiglu, warps of the second half multiply the up weight. */
     const int ks = g.swiglu ? MR_WARPS / 2 : MR_WARPS, z = warp % ks;
-    const mr_seg sg = mr_locate(g, blockIdx.x);
+    const mg_seg sg = mg_seg_locate(g, blockIdx.x);
     const uint8_t *w = g.swiglu && warp >= ks ? g.w[1] : sg.w;
-    const int rows = sg.rows, row0 = ((int)blockIdx.x - sg.tile0) * 16, nc = cols / 256;
+    const int rows = sg.rows, row0 = ((int)blockIdx.x - sg.u0) * 16, nc = cols / 256;
     const int c0 = nc * z / ks, c1 = nc * (z + 1) / ks;
     /* Rows past the weight read row 0 (their sums are never written). */
     const uint8_t *rlo = w + (size_t)(row0 + g8 < rows ? row0 + g8 : 0) * row_bytes;
@@ -224,10 +209,6 @@ extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, en
 extern "C" int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                               int64_t cols, const float *x, int32_t n) {
     if (rows <= 0 || rows > INT32_MAX) return CUDA_NOT_FUSED;
-    struct mm_group g = {};
-    g.w[0] = (const uint8_t *)w;
-    g.out[0] = out;
-    g.rows[0] = (int)rows;
-    g.n = 1;
+    struct mm_group g = mg_single(w, out, rows);
     return cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
 }

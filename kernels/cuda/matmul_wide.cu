@@ -49,21 +49,6 @@ __device__ inline int mw_owner(int i, int nb, int n) {
     return b;
 }
 
-/* The weight of the group that row block rb belongs to (every field read
- * at a constant index: see mg_locate). */
-struct mw_seg {
-    const uint8_t *w;
-    float *out;
-    int rows, rb0;
-};
-__device__ __forceinline__ mw_seg mw_locate(const mm_group &g, int rb) {
-    mw_seg s = {g.w[0], g.out[0], g.rows[0], 0};
-#pragma unroll
-    for (int k = 1; k < MG_MAX; k++)
-        if (k < g.n && rb >= g.blk0[k]) s = {g.w[k], g.out[k], g.rows[k], g.blk0[k]};
-    return s;
-}
-
 /* 16 bytes from global src to shared dst, of which only the first `bytes`
  * are read (the rest zero).  These three exist on sm_80 and later only;
  * the kernel is never launched below (ctx->wide), and its body there is a
@@ -107,8 +92,8 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
     constexpr int TPR = 4, RPP = MW_THREADS / TPR, JW = (G::nld + TPR - 1) / TPR, JX = G::ck / 8 / TPR;
     static_assert(RPP >= NT, "one pass of the activation copy covers every token");
     const int rb = item / nc, ch = item % nc, sub = threadIdx.x % TPR;
-    const mw_seg sg = mw_locate(g, rb);
-    const int row0 = (rb - sg.rb0) * MW_ROWS, col0 = ch * G::ck, nb = min(G::ck / 32, (cols - col0) / 32);
+    const mg_seg sg = mg_seg_locate(g, rb);
+    const int row0 = (rb - sg.u0) * MW_ROWS, col0 = ch * G::ck, nb = min(G::ck / 32, (cols - col0) / 32);
     const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
     const int cbytes = nb * 32 / mq_fmt<T>::eb * mq_fmt<T>::bb;
 #pragma unroll
@@ -210,8 +195,8 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
         mw_commit();
 
         const int rb = i / nc, ch = i % nc, col0 = ch * G::ck;
-        const mw_seg sg = mw_locate(g, rb);
-        const int row0 = (rb - sg.rb0) * MW_ROWS + warp * 16 * MW_MT;
+        const mg_seg sg = mg_seg_locate(g, rb);
+        const int row0 = (rb - sg.u0) * MW_ROWS + warp * 16 * MW_MT;
         const uint8_t *st = smem + k % stages * STAGE;
         const __half *xs = (const __half *)(st + mw_geom<T, NT>::wbytes);
         /* Where the lane's rows (g and g + 8 of each m tile) start in the
