@@ -317,7 +317,7 @@ extern "C" int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *con
     while (seg1 < n_w && types[seg1] == types[0]) seg1++;
     if (seg1 == n_w || !matmul_gemv_takes(ctx, types[0], cols, n) || !matmul_gemv_takes(ctx, types[seg1], cols, n))
         return CUDA_NOT_FUSED;
-    if (seg1 == n_w || !cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;
+    if (!cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;
     struct mm_group g = {};
     for (int j = 0; j < n_w; j++) {
         const enum dtype t = j < seg1 ? types[0] : types[seg1];
