@@ -29,10 +29,6 @@
  * are many rows) measured slower: 11008x4096 Q4_K 20.9 -> 24.7 us. */
 
 #define MR_WARPS 8
-/* Most tokens: at 9-16 mq measured faster on most 7B shapes (Q4_K
- * 11008x4096 at 16 tokens 25.1 against 27.1 us; Q8_0 32000x4096 66.9
- * against 97.2), and the 7B Q8_0 step at 16 7.25 against 7.78 ms. */
-#define MR_NT 8
 
 /* The raw bytes of one row's chunk (256 columns) that lane t's fragments
  * need, in registers: loaded for the next chunk while this one is
@@ -172,7 +168,10 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__re
 }
 
 extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    return ctx->mr && n >= 1 && n <= MR_NT && cols % 256 == 0 && cols <= INT32_MAX &&
+    /* Most tokens: 16 on the K-quants, 8 on Q8_0, whose step at 16 tokens
+     * measured slower than mq (7B 7.25 -> 7.78 ms; Q4_K_M 6.78 -> 6.38). */
+    const int most = type == DTYPE_Q8_0 ? 8 : 16;
+    return ctx->mr && n >= 1 && n <= most && cols % 256 == 0 && cols <= INT32_MAX &&
            (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);
 }
 
@@ -184,7 +183,15 @@ static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const floa
         tiles += g.swiglu && s == 1 ? 0 : (g.rows[s] + 15) / 16;
     }
     g.blk0[g.n] = tiles; /* with swiglu the up weight has no tiles of its own */
-    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, MR_NT>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0, g,
+    if constexpr (T != DTYPE_Q8_0) { /* Q8_0 stops at 8 tokens */
+        if (n > 8) {
+            CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 16>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
+                                        g, cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
+            CUDA_CHECK(ctx, cudaGetLastError());
+            return STATUS_OK;
+        }
+    }
+    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 8>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0, g,
                                 cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
