@@ -56,7 +56,7 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
-    int mr;             /* matmul_mr.cu for Q8_0/K-quant weights at 3-8 tokens (matmul.cu has the
+    int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
                          * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
@@ -212,7 +212,7 @@ int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype
  * would) or forgets them on failure. */
 int cuda_gemv_act_q8s(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
                       float **xs);
-/* ---- matmul_mr.cu: up to 8 tokens on Q8_0, Q4_K, Q5_K, Q6_K, tensor
+/* ---- matmul_mr.cu: up to 16 tokens on Q4_K, Q5_K, Q6_K (8 on Q8_0), tensor
  * cores fed straight from global memory ---- */
 /* 1 if it takes this type, width (a multiple of 256) and token count. */
 int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);

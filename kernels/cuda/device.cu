@@ -167,7 +167,7 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
             return rc;
         }
     }
-    /* Q8_0 and K-quant weights at 3-8 tokens on matmul_mr.cu (no
+    /* K-quant weights at 3-16 tokens and Q8_0 at 4-8 on matmul_mr.cu (no
      * shared-memory staging: 7B Q4_K_M batch 8 5.19 -> 4.46 ms, batch 4
      * 4.58 -> 3.56, on an H100); LLM_CUDA_MR=0 leaves them to mq and the
      * dp4a kernel, to compare. */

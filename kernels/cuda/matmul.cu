@@ -170,7 +170,7 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
         rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
     } else if (n <= vec_max) {
-        /* Up to 8 tokens matmul_mr.cu (Q8_0 and the K-quants), from 17
+        /* matmul_mr.cu (K-quants to 16 tokens, Q8_0 to 8), from 17
          * matmul_wide.cu, then mq. */
         rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
         struct mm_group g = mg_single(w, out, rows);
@@ -296,7 +296,8 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
     }
     int rc;
     if (!matmul_gemv_takes(ctx, type, cols, n) || !cuda_matmul_gemv_supports(type, cols, n)) {
-        /* Up to 8 tokens matmul_mr.cu (swiglu too), from 17 matmul_wide.cu. */
+        /* matmul_mr.cu (swiglu too; K-quants to 16 tokens, Q8_0 to 8), from
+         * 17 matmul_wide.cu. */
         for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
         rc = cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && !swiglu) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);

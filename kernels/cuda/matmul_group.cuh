@@ -158,7 +158,7 @@ extern "C" int cuda_matmul_gemv_group2(struct cuda_ctx *ctx, struct mm_group *g,
 extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                      const float *x, int32_t n);
 
-/* matmul_mr.cu: every weight of g (or gate and up with swiglu) at up to 8
+/* matmul_mr.cu: every weight of g (or gate and up with swiglu) at up to 16
  * tokens in one launch, or CUDA_NOT_FUSED where it does not take the
  * type, width or token count. */
 extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,

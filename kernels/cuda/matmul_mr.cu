@@ -1,7 +1,8 @@
-/* Tensor-core matmul for decode batches of up to 8 tokens on Q8_0, Q4_K,
- * Q5_K and Q6_K weights, with no shared-memory staging: out[n, rows] =
- * x[n, cols] . w^T.  (The dp4a kernel of matmul_gemv.cu keeps 1-2 tokens
- * on the K-quants and 1-3 on Q8_0, where it measured faster: matmul.cu.)
+/* Tensor-core matmul for decode batches of up to 16 tokens on Q4_K, Q5_K
+ * and Q6_K weights and up to 8 on Q8_0, with no shared-memory staging:
+ * out[n, rows] = x[n, cols] . w^T.  (The dp4a kernel of matmul_gemv.cu
+ * keeps 1-2 tokens on the K-quants and 1-3 on Q8_0, where it measured
+ * faster: matmul.cu.)
  *
  * matmul_vec.cu's mq copies each chunk of its rows into shared memory and
  * meets at two block barriers a chunk; at 8 tokens it reached about half
