@@ -784,15 +784,15 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
- * weights (matmul_gemv.cu; 1-2 on F16/F32), at up to 8 (matmul_mr.cu, Q8_0
- * and the K-quants), at 17-64 (matmul_wide.cu) and from 65 (one batched
+ * weights (matmul_gemv.cu; 1-2 on F16/F32), at up to 16 (matmul_mr.cu, the
+ * K-quants; Q8_0 to 8), at 17-64 (matmul_wide.cu) and from 65 (one batched
  * cuBLAS call for F16 weights of equal rows), also with types mixed
  * (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts that
  * leave blocks part-full; Q4_0 at 5-8 tokens takes the per-weight kernels. */
 #define MULTI_NMAX 130
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
-    static const int32_t ns[] = {1, 2, 3, 4, 5, 8, 17, 40, 64, 65, MULTI_NMAX};
+    static const int32_t ns[] = {1, 2, 3, 4, 5, 8, 12, 17, 40, 64, 65, MULTI_NMAX};
     int wi[4];
     for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)MULTI_NMAX * cols, -1, 1), (size_t)MULTI_NMAX * cols * 4);
@@ -873,12 +873,12 @@ static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
     int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wd = rows % dtype_block_elems(t) == 0 ? load_weight(t, rand_weight(t, cols, rows), cols, rows) : -1;
-    const int32_t ns[8] = {1, 2, 3, 4, 5, 8, 20, SWIGLU_NMAX};
+    const int32_t ns[9] = {1, 2, 3, 4, 5, 8, 12, 20, SWIGLU_NMAX};
     const size_t nm = SWIGLU_NMAX;
     struct dbuf x = dbuf_from(rand_f32(nm * cols, -1, 1), nm * cols * 4);
     struct dbuf out = dbuf_new(nm * rows * 4), gt = dbuf_new(nm * rows * 4), ut = dbuf_new(nm * rows * 4),
                 down = dbuf_new(nm * cols * 4);
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         dbuf_poison(out);
         ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
         int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], x.g, ns[i], gt.g, ut.g);
