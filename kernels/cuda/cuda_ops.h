@@ -45,6 +45,9 @@ struct cuda_ctx {
     int rope_att;       /* rope, cache write and attention of decode batches of up to this
                          * many rows in one launch (rope_attention.cu; LLM_CUDA_ROPE_ATT=k,
                          * 0: the two ops) */
+    int att_defer;      /* at 1-2 rows of rope_attention.cu, the merge of its slices as a kernel
+                         * of its own that also writes the o matmul's int8 form (default;
+                         * LLM_CUDA_ATT_DEFER=0: merged by the attention's last blocks) */
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
@@ -212,6 +215,9 @@ int cuda_matmul_gemv(struct cuda_ctx *ctx, float *out, const void *w, enum dtype
  * would) or forgets them on failure. */
 int cuda_gemv_act_q8s(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, int8_t **xq, float **xd,
                       float **xs);
+/* Bytes of that form at the start of the scratch (a caller that needs
+ * scratch of its own beside it takes it past these). */
+size_t cuda_gemv_act_bytes(int32_t n, int64_t cols);
 /* ---- matmul_mr.cu: up to 16 tokens on Q4_K, Q5_K, Q6_K (8 on Q8_0), tensor
  * cores fed straight from global memory ---- */
 /* 1 if it takes this type, width (a multiple of 256) and token count. */

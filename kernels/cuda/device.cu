@@ -167,6 +167,11 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
             return rc;
         }
     }
+    /* At 1-2 rows the attention's slices are merged by a kernel of its
+     * own, which leaves the output in the gemv's int8 form as well;
+     * LLM_CUDA_ATT_DEFER=0 merges them in the attention kernel, to compare. */
+    env = getenv("LLM_CUDA_ATT_DEFER");
+    ctx->att_defer = !(env && strcmp(env, "0") == 0);
     /* K-quant weights at 3-16 tokens and Q8_0 at 4-8 on matmul_mr.cu (no
      * shared-memory staging: 7B Q4_K_M batch 8 5.19 -> 4.46 ms, batch 4
      * 4.58 -> 3.56, on an H100); LLM_CUDA_MR=0 leaves them to mq and the

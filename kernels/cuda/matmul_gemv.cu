@@ -5,6 +5,7 @@
  * to int8 per 32 (a tiny pre-kernel) so that 4 weights cost one dp4a.
  * Decode is memory-bound: the aim is the DRAM rate (docs/cuda-backend.md). */
 #include "common.cuh"
+#include "act_q8.cuh"
 #include "matmul_group.cuh"
 
 /* 4 warps (rows) per block: small blocks fill every SM evenly; launch
@@ -33,23 +34,7 @@ __global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__
     int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x & 31;
     if (b >= nblk) return;
-    float v = __ldg(x + b * 32 + lane), a = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    float d = a / 127.0f;
-    int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    xq[b * 32 + lane] = (int8_t)q;
-    if (lane == 0) xd[b] = d;
-    if (xs) {
-        int s = q;
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if ((lane & 15) == 0) {
-            float *e = xs + ((b >> 1) * 2 + (lane >> 4)) * 4 + (b & 1);
-            e[0] = d;
-            e[2] = d * (float)s;
-        }
-    }
+    act_q8_block(__ldg(x + b * 32 + lane), lane, b, xq, xd, xs);
 }
 
 /* ---- An unaligned (2-byte aligned) 16-byte load as aligned 4-byte
@@ -369,18 +354,22 @@ static int gemv_launch(struct cuda_ctx *ctx, mm_group &g, int seg1, int64_t cols
 
 /* Scratch: xq (n x cols bytes, 256-aligned size), xd, then (cols a
  * multiple of 64) xs: gemv_quant_x_kernel's outputs. */
+static size_t gv_q_bytes(int32_t n, int64_t cols) { return ((size_t)n * cols + 255) & ~(size_t)255; }
+static size_t gv_d_bytes(int32_t n, int64_t cols) { return ((size_t)n * cols / 32 * sizeof(float) + 15) & ~(size_t)15; }
+
+extern "C" size_t cuda_gemv_act_bytes(int32_t n, int64_t cols) {
+    return gv_q_bytes(n, cols) + gv_d_bytes(n, cols) + (cols % 64 == 0 ? (size_t)n * cols / 32 * 16 : 0);
+}
+
 static int gv_scratch(struct cuda_ctx *ctx, int32_t n, int64_t cols, uint8_t **scratch, int8_t **xq, float **xd,
                       float4 **xs) {
-    const size_t q_bytes = ((size_t)n * cols + 255) & ~(size_t)255;
-    const int64_t nblk = (int64_t)n * cols / 32;
-    const size_t d_bytes = ((size_t)nblk * sizeof(float) + 15) & ~(size_t)15;
-    const bool with_s = cols % 64 == 0;
-    uint8_t *p = (uint8_t *)cuda_scratch(ctx, q_bytes + d_bytes + (with_s ? (size_t)nblk * 16 : 0));
+    const size_t q_bytes = gv_q_bytes(n, cols);
+    uint8_t *p = (uint8_t *)cuda_scratch(ctx, cuda_gemv_act_bytes(n, cols));
     if (!p) return STATUS_NO_MEMORY;
     *scratch = p;
     *xq = (int8_t *)p;
     *xd = (float *)(p + q_bytes);
-    *xs = with_s ? (float4 *)(p + q_bytes + d_bytes) : NULL;
+    *xs = cols % 64 == 0 ? (float4 *)(p + q_bytes + gv_d_bytes(n, cols)) : NULL;
     return STATUS_OK;
 }
 

@@ -16,8 +16,14 @@
  * each in ctx->att_sync, left at zero) merges the blocks' sums.  Data other
  * blocks wrote in this launch is read through L2 (__ldcg).  Query heads of
  * one KV head read its rows separately: at batch 1 they come from L2 after
- * the first. */
-#include "common.cuh"
+ * the first.
+ *
+ * At 1-2 rows the blocks' sums are merged by a second kernel instead
+ * (ra_merge_kernel), which also leaves the output in the int8 form of the
+ * gemv matmul that reads it next (o): the fence, counter and last block's
+ * round trips leave the attention's critical path, and the o matmul needs
+ * no quantizing launch of its own. */
+#include "act_q8.cuh"
 
 #include <math.h>
 
@@ -38,8 +44,19 @@ struct ra_args {
     const int32_t *pos, *slots, *btab;
     const float *inv_freq;
     int n_blocks, block_size, n_kv_heads, n_heads, max_blocks, n_freq, neox;
+    int defer; /* blocks write their sums only; ra_merge_kernel merges them */
     float scale;
 };
+
+/* Context slices S of a row of len positions and the positions of each
+ * (chunk): slices of whole rounds (step positions), at least `steps`
+ * rounds each, at most RA_SPLITS_MAX slices. */
+__device__ __forceinline__ int ra_slices(int len, int step, int steps, int *chunk) {
+    int S = (len + step * steps - 1) / (step * steps);
+    S = S < 1 ? 1 : S > RA_SPLITS_MAX ? RA_SPLITS_MAX : S;
+    *chunk = ((len + S - 1) / S + step - 1) / step * step;
+    return (len + *chunk - 1) / *chunk;
+}
 
 __device__ __forceinline__ float ra_warp_sum(float v) {
 #pragma unroll
@@ -183,7 +200,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
         for (int e = 0; e < 8; e++) acc[e] = acc[e] * wa + __shfl_xor_sync(0xffffffffu, acc[e], o) * wb;
         m = mn;
     }
-    if (S == 1) {
+    if (S == 1 && !a.defer) {
         if (sw == 0) {
             float *o = a.att + (size_t)h * HD + 8 * li;
             const float r = l > 0.0f ? 1.0f / l : 0.0f;
@@ -219,7 +236,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
 #pragma unroll
         for (int i = 0; i < DPL; i++) bo[i] += wk * sm[k * HD + DPL * lane + i];
     }
-    if (nb == 1) { /* one block held every slice */
+    if (nb == 1 && !a.defer) { /* one block held every slice */
         float *out = a.att + (size_t)h * HD + DPL * lane;
 #pragma unroll
         for (int i = 0; i < DPL; i++) out[i] = bl > 0.0f ? bo[i] / bl : 0.0f;
@@ -230,6 +247,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
     if constexpr (DPL == 4) *(float4 *)po = make_float4(bo[0], bo[1], bo[2], bo[3]);
     else *(float2 *)po = make_float2(bo[0], bo[1]);
     if (lane == 0) *(float2 *)(a.part_ml + slot * 2) = make_float2(bl != bl ? bl : bm, bl);
+    if (a.defer) return;
     __threadfence();
     __syncwarp();
     unsigned done = 0;
@@ -300,11 +318,8 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     /* The position is step metadata (uploaded before the step), no
      * kernel's output: the rotation is formed before the wait. */
     const int len = a.pos[t] + 1, nf = a.n_freq;
-    constexpr int step = (32 / LP) * U;
-    int S = (len + step * STEPS - 1) / (step * STEPS);
-    S = S < 1 ? 1 : S > RA_SPLITS_MAX ? RA_SPLITS_MAX : S;
-    const int chunk = ((len + S - 1) / S + step - 1) / step * step;
-    S = (len + chunk - 1) / chunk;
+    int chunk;
+    const int S = ra_slices(len, (32 / LP) * U, STEPS, &chunk);
     const int z = blockIdx.x * 4 + (threadIdx.x >> 5);
     ra_args r = a;
     const size_t qw = (size_t)a.n_heads * HD, kw = (size_t)a.n_kv_heads * HD, units = (size_t)a.n_heads * RA_SPLITS_MAX;
@@ -337,6 +352,46 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     ra_attn_slice<LP, U>(r, blockIdx.y, z, S, chunk, len, cs, sm, kr, vr);
 }
 
+/* The merge of the block sums rope_attention_kernel left with defer set
+ * (its slices counted as there: `step` positions a round, at least
+ * `steps` rounds): grid (ceil(cols / 128), rows) of 4 warps, a warp 32
+ * dims of one head of row blockIdx.y, which are one block of the int8
+ * form it also writes where xq is given.  Every load is issued before
+ * any is used (one round trip); the arithmetic is the last block's merge
+ * of ra_attn_slice. */
+template <int HD>
+__global__ void __launch_bounds__(128) ra_merge_kernel(const ra_args a, int step, int steps, int8_t *xq, float *xd,
+                                                       float *xs) {
+    constexpr int NB = RA_SPLITS_MAX / 4; /* block sums a head has at most */
+    pdl_begin();
+    const int t = blockIdx.y, lane = threadIdx.x & 31, cols = a.n_heads * HD;
+    const int d0 = ((int)blockIdx.x * 4 + (int)(threadIdx.x >> 5)) * 32;
+    if (d0 >= cols) return;
+    const int h = d0 / HD;
+    int chunk;
+    const int nb = (ra_slices(a.pos[t] + 1, step, steps, &chunk) + 3) / 4;
+    const size_t slot0 = ((size_t)t * a.n_heads + h) * RA_SPLITS_MAX;
+    const float *ml = a.part_ml + slot0 * 2, *pa = a.part_acc + slot0 * HD + d0 % HD + lane;
+    const float ninf = -INFINITY;
+    const float mz = lane < nb ? __ldcg(ml + 2 * lane) : ninf, lz = lane < nb ? __ldcg(ml + 2 * lane + 1) : 0.0f;
+    float v[NB];
+#pragma unroll
+    for (int z = 0; z < NB; z++) v[z] = z < nb ? __ldcg(pa + (size_t)z * HD) : 0.0f;
+    float gm = mz;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) gm = fmaxf(gm, __shfl_xor_sync(0xffffffffu, gm, o));
+    const float w = mz == ninf ? 0.0f : __expf(mz - gm), L = ra_warp_sum(w * lz);
+    float acc = 0.0f;
+#pragma unroll
+    for (int z = 0; z < NB; z++) {
+        const float wz = __shfl_sync(0xffffffffu, w, z);
+        if (z < nb && wz != 0.0f) acc += wz * v[z];
+    }
+    const float y = L > 0.0f ? acc / L : 0.0f;
+    a.att[(size_t)t * cols + d0 + lane] = y;
+    if (xq) act_q8_block(y, lane, ((int64_t)t * cols + d0) / 32, xq, xd, xs);
+}
+
 extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
                                    const float *v, const int32_t *pos, const int32_t *slots, const float *inv_freq,
                                    int32_t n_freq, int neox) {
@@ -349,9 +404,16 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     const void *bufs[] = {at->q, k, v, at->out, at->k, at->v};
     for (const void *p : bufs)
         if ((uintptr_t)p % 16 != 0) return CUDA_NOT_FUSED;
+    /* At 1-2 rows the merge is a kernel of its own that also writes the
+     * gemv's int8 form of the output, at the start of the scratch (the
+     * block sums go past it). */
+    const int64_t cols = (int64_t)at->n_heads * hd;
+    const bool defer = ctx->att_defer && rows <= 2 && cols % 64 == 0;
+    const size_t q8_bytes = defer ? (cuda_gemv_act_bytes(rows, cols) + 255) & ~(size_t)255 : 0;
     const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX;
-    float *part = (float *)cuda_scratch(ctx, slots_n * ((size_t)hd + 2) * sizeof(float));
-    if (!part) return STATUS_NO_MEMORY;
+    uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + slots_n * ((size_t)hd + 2) * sizeof(float));
+    if (!base) return STATUS_NO_MEMORY;
+    float *part = (float *)(base + q8_bytes);
     ra_args a = {};
     a.q = at->q;
     a.k = k;
@@ -373,6 +435,7 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     a.max_blocks = at->max_blocks;
     a.n_freq = n_freq;
     a.neox = neox;
+    a.defer = defer;
     a.scale = at->scale;
     const dim3 grid(RA_SPLITS_MAX / 4, (unsigned)at->n_heads, (unsigned)rows);
     if (rows == 1) {
@@ -383,5 +446,23 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
         else CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<16, 4, 2>, grid, dim3(128), 0, a));
     }
     CUDA_CHECK(ctx, cudaGetLastError());
+    if (defer) {
+        /* Recorded as the kept form of the output only now that the
+         * attention is queued (the scratch already holds it). */
+        int8_t *xq = NULL;
+        float *xd = NULL, *xs = NULL;
+        if (cuda_gemv_act_q8s(ctx, at->out, rows, cols, &xq, &xd, &xs) != STATUS_OK) {
+            xq = NULL; /* the o matmul quantizes for itself */
+            xd = xs = NULL;
+        }
+        /* The slicing of the launch above: (32 / LP) * U positions a round. */
+        const int step = 32 / (hd / 8) * (rows == 1 ? 8 : 4), steps = rows == 1 ? 1 : 2;
+        const dim3 mgrid((unsigned)((cols + 127) / 128), (unsigned)rows);
+        cudaError_t e = hd == 64 ? cuda_launch(ctx, ra_merge_kernel<64>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs)
+                                 : cuda_launch(ctx, ra_merge_kernel<128>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs);
+        if (e != cudaSuccess) cuda_act_forget(ctx); /* the form recorded above was not written */
+        CUDA_CHECK(ctx, e);
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
     return STATUS_OK;
 }
