@@ -1336,7 +1336,7 @@ static void att_mm_check(const struct att_mm *m, struct dbuf att, int32_t n, con
     for (int j = 0; j < m->n; j++) {
         char mw[200];
         snprintf(mw, sizeof mw, "%s matmul on the output of %s", dtype_name(fx.cw[m->wi[j]].type), what);
-        check_f32(m->o[j], (size_t)n * ATT_MM_ROWS, matmul_bound(fx.cw[m->wi[j]].type), mw);
+        printf("    %s: NMSE %.3g\n", mw, check_f32(m->o[j], (size_t)n * ATT_MM_ROWS, matmul_bound(fx.cw[m->wi[j]].type), mw));
     }
 }
 
