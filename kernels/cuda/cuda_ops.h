@@ -45,9 +45,9 @@ struct cuda_ctx {
     int rope_att;       /* rope, cache write and attention of decode batches of up to this
                          * many rows in one launch (rope_attention.cu; LLM_CUDA_ROPE_ATT=k,
                          * 0: the two ops) */
-    int att_defer;      /* at 1-2 rows of rope_attention.cu, the merge of its slices as a kernel
-                         * of its own that also writes the o matmul's int8 form (default;
-                         * LLM_CUDA_ATT_DEFER=0: merged by the attention's last blocks) */
+    int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
+                         * slices by a kernel of its own that also writes the o matmul's int8
+                         * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks) */
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;

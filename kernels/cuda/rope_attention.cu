@@ -18,11 +18,12 @@
  * one KV head read its rows separately: at batch 1 they come from L2 after
  * the first.
  *
- * At 1-2 rows the blocks' sums are merged by a second kernel instead
- * (ra_merge_kernel), which also leaves the output in the int8 form of the
- * gemv matmul that reads it next (o): the fence, counter and last block's
- * round trips leave the attention's critical path, and the o matmul needs
- * no quantizing launch of its own. */
+ * Up to ctx->att_defer rows (by default every row count it takes) the
+ * blocks' sums are merged by a second kernel instead (ra_merge_kernel),
+ * which also leaves the output in the int8 form of the gemv matmul that
+ * may read it next (o): the fence, counter and last block's round trips
+ * leave the attention's critical path, and a gemv o matmul needs no
+ * quantizing launch of its own. */
 #include "act_q8.cuh"
 
 #include <math.h>
@@ -404,11 +405,11 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     const void *bufs[] = {at->q, k, v, at->out, at->k, at->v};
     for (const void *p : bufs)
         if ((uintptr_t)p % 16 != 0) return CUDA_NOT_FUSED;
-    /* At 1-2 rows the merge is a kernel of its own that also writes the
-     * gemv's int8 form of the output, at the start of the scratch (the
-     * block sums go past it). */
+    /* Up to ctx->att_defer rows the merge is a kernel of its own that also
+     * writes the gemv's int8 form of the output, at the start of the
+     * scratch (the block sums go past it). */
     const int64_t cols = (int64_t)at->n_heads * hd;
-    const bool defer = ctx->att_defer && rows <= 2 && cols % 64 == 0;
+    const bool defer = ctx->att_defer && rows <= ctx->att_defer && cols % 64 == 0;
     const size_t q8_bytes = defer ? (cuda_gemv_act_bytes(rows, cols) + 255) & ~(size_t)255 : 0;
     const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX;
     uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + slots_n * ((size_t)hd + 2) * sizeof(float));

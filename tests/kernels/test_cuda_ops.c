@@ -1305,9 +1305,9 @@ struct ropeatt_case {
     int neox, n_seqs, rows_per_seq;
 };
 
-/* At 1-2 rows the one launch's merge also leaves its output in the int8
+/* At 1-4 rows the one launch's merge also leaves its output in the int8
  * form of the gemv matmul (rope_attention.cu), which the o matmul after it
- * reads instead of quantizing: a Q8_0 and a Q4_K weight (ATT_MM_ROWS
+ * reads instead of quantizing where it is a gemv: a Q8_0 and a Q4_K weight (ATT_MM_ROWS
  * rows) on the attention's output must match the CPU's matmuls.  The
  * weights and outputs are made before the attention (an upload forgets a
  * kept form). */
@@ -1346,7 +1346,7 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     const int32_t qw = c->n_heads * hd, kw = c->n_kv * hd;
     const int fused = R == 1 && S <= 16 && c->kv == DTYPE_F16;
     struct att_mm mm = {0};
-    if (fused && n <= 2) att_mm_prepare(&mm, n, qw);
+    if (fused && n <= 4) att_mm_prepare(&mm, n, qw);
     /* Sequence s: rows at positions pos + 37 s .. + R - 1, its own blocks
      * taken in a random order from one cache. */
     const int32_t max_ctx = c->pos + 37 * (S - 1) + R, max_blocks = (max_ctx + bs - 1) / bs;
@@ -1430,8 +1430,9 @@ TEST(cuda_ops_rope_kv_attention) {
         {DTYPE_F16, 2, 1, 128, 3000, 64, 1, 1, 1},
         /* GQA 4 over 1, a block's last position. */
         {DTYPE_F16, 4, 1, 64, 95, 32, 1, 1, 1},
-        /* Batches of decode rows: 2, 5 and 16 sequences at different positions. */
+        /* Batches of decode rows: 2, 4, 5 and 16 sequences at different positions. */
         {DTYPE_F16, 8, 8, 128, 520, 64, 0, 2, 1},
+        {DTYPE_F16, 4, 4, 128, 130, 64, 1, 4, 1},
         {DTYPE_F16, 8, 2, 64, 3, 32, 1, 5, 1},
         {DTYPE_F16, 4, 4, 128, 200, 64, 0, 16, 1},
         /* Cases the one launch leaves to the two ops: an F32 cache, a
