@@ -45,6 +45,8 @@ struct cuda_ctx {
     int rope_att;       /* rope, cache write and attention of decode batches of up to this
                          * many rows in one launch (rope_attention.cu; LLM_CUDA_ROPE_ATT=k,
                          * 0: the two ops) */
+    int rope_att_mha;   /* the same where every query head has its own KV head (16; the same
+                         * variable sets it) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
                          * slices by a kernel of its own that also writes the o matmul's int8
                          * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks) */
@@ -289,8 +291,8 @@ int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
  * rotates row t at pos[t] in registers (q and k stay as given), writes k
  * and v at slots[t] of the F16 cache and a->out = attention of the rows.
  * CUDA_NOT_FUSED unless every sequence has one row and there are at most
- * ctx->rope_att rows, an F16 cache, heads of 64 or 128 and 16-byte
- * aligned buffers. */
+ * ctx->rope_att rows (ctx->rope_att_mha without groups), an F16 cache,
+ * heads of 64 or 128 and 16-byte aligned buffers. */
 int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
                         const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox);
 

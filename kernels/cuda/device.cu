@@ -147,16 +147,21 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * measured faster up to 4 rows (TinyLlama, groups of 8: Q4_K_M batch 1
      * 1.00 -> 0.86 ms, 2 1.15 -> 1.04, 4 1.39 -> 1.33) and slower from 8
      * (1.80 -> 1.89: each query head reads its group's K/V rows, where the
-     * tensor-core kernel reads them once); LLM_CUDA_ROPE_ATT=k sets k (0:
-     * rope_kv_write and attention), to compare.  Its counters are zeroed
-     * here, once: a graph replays the kernel, never a reset. */
+     * tensor-core kernel reads them once).  Without groups (every query
+     * head its own KV head: nothing to share) it wins to 16 rows (7B on an
+     * H100: Q8_0 batch 8 5.38 -> 5.25 ms, 12 6.83 -> 6.66, 16 7.27 ->
+     * 7.22; it loses at 24 and 32), so rope_att_mha is 16.
+     * LLM_CUDA_ROPE_ATT=k sets both to k (0: rope_kv_write and attention),
+     * to compare.  Its counters are zeroed here, once: a graph replays the
+     * kernel, never a reset. */
     env = getenv("LLM_CUDA_ROPE_ATT");
     ctx->rope_att = 4;
+    ctx->rope_att_mha = 16;
     if (env && *env) {
         int v = atoi(env);
-        ctx->rope_att = v < 0 ? 0 : v > 64 ? 64 : v;
+        ctx->rope_att = ctx->rope_att_mha = v < 0 ? 0 : v > 64 ? 64 : v;
     }
-    if (ctx->rope_att) {
+    if (ctx->rope_att || ctx->rope_att_mha) {
         rc = [&]() -> int {
             CUDA_CHECK(ctx, cudaMalloc((void **)&ctx->att_sync, CUDA_ATT_SYNC_WORDS * sizeof(unsigned)));
             CUDA_CHECK(ctx, cudaMemset(ctx->att_sync, 0, CUDA_ATT_SYNC_WORDS * sizeof(unsigned)));

@@ -398,7 +398,8 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
                                    int32_t n_freq, int neox) {
     const int32_t hd = at->head_dim;
     const int32_t rows = at->n_tokens;
-    if (!ctx->att_sync || rows < 1 || rows > ctx->rope_att || at->n_seqs != rows || at->kv_type != DTYPE_F16 ||
+    const int max_rows = at->n_kv_heads == at->n_heads ? ctx->rope_att_mha : ctx->rope_att;
+    if (!ctx->att_sync || rows < 1 || rows > max_rows || at->n_seqs != rows || at->kv_type != DTYPE_F16 ||
         (hd != 64 && hd != 128) || at->n_kv_heads < 1 || at->n_heads % at->n_kv_heads != 0 ||
         (int64_t)rows * at->n_heads > CUDA_ATT_SYNC_WORDS || 2 * n_freq > hd)
         return CUDA_NOT_FUSED;
