@@ -37,6 +37,7 @@ struct att_params {
     int32_t split_min;    /* decode kernel: and at least this many (ctx->att_steps steps) */
     float *part_acc;      /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;       /* (n_splits, n_tokens, n_heads, 2) running max and sum */
+    fp16_t *out16;        /* decode kernel: out's F16 form too, unless NULL (cuda_att_scratch) */
 };
 
 template <int KT> __device__ __forceinline__ float kv_load(const void *base, size_t i) {
@@ -228,15 +229,17 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
 /* Merge the splits of one (row, head) (attn_merge.cuh): at batch 1, 9
  * splits, one round trip, where reading the (max, sum) pairs, a barrier,
  * the weights and a second barrier before the partial sums made three. */
-__global__ void attention_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
-                                         const float *__restrict__ part_ml, int32_t n_splits, int32_t n_tokens,
-                                         int32_t n_heads, int32_t hd) {
+__global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
+                                         const float *__restrict__ part_acc, const float *__restrict__ part_ml,
+                                         int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
     pdl_begin();
     const int32_t row = blockIdx.x, head = blockIdx.y;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float l, acc;
         att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
-        out[((int64_t)row * n_heads + head) * hd + d] = l > 0.0f ? acc / l : 0.0f;
+        const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
+        out[i] = l > 0.0f ? acc / l : 0.0f;
+        if (out16) out16[i] = f2h(out[i]);
     }
 }
 
@@ -387,7 +390,9 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
         }
         int head = kvh * G + g;
         if (p.n_splits == 1) {
-            a.out[(int64_t)row * width + (int64_t)head * HD + d] = ls == 0.0f ? 0.0f : as / ls;
+            const float o = ls == 0.0f ? 0.0f : as / ls;
+            a.out[(int64_t)row * width + (int64_t)head * HD + d] = o;
+            if (p.out16) p.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
         } else {
             int64_t slot = ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
             p.part_acc[slot * HD + d] = as;
@@ -419,10 +424,13 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     p->split_min = (int32_t)least;
     p->chunk = 0;
     p->n_splits = (int32_t)splits;
+    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * a->n_tokens * a->n_heads : 0;
+    uint16_t *out16 = NULL;
+    float *scr = NULL;
+    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+        return STATUS_NO_MEMORY;
+    p->out16 = (fp16_t *)out16;
     if (p->n_splits > 1) {
-        size_t slots = (size_t)p->n_splits * a->n_tokens * a->n_heads;
-        float *scr = (float *)cuda_scratch(ctx, slots * ((size_t)a->head_dim + 2) * sizeof(float));
-        if (!scr) return STATUS_NO_MEMORY;
         p->part_acc = scr;
         p->part_ml = scr + slots * a->head_dim;
     }
@@ -431,9 +439,9 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U>), dim3(grid), dim3(ATD_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        CUDA_CHECK(ctx,
-                   cuda_launch(ctx, attention_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0, a->out,
-                               p->part_acc, p->part_ml, p->n_splits, a->n_tokens, a->n_heads, a->head_dim));
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0,
+                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, a->n_tokens,
+                                    a->n_heads, a->head_dim));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -470,14 +478,39 @@ static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t s
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(p->a.n_tokens, p->a.n_heads), dim3(128), 0,
-                                    p->a.out, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens, p->a.n_heads,
-                                    p->a.head_dim));
+                                    p->a.out, (fp16_t *)NULL, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens,
+                                    p->a.n_heads, p->a.head_dim));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
 }
 
+extern "C" int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_args *a, size_t part_bytes,
+                                uint16_t **out16, float **part) {
+    *out16 = NULL;
+    *part = NULL;
+    const int64_t cols = (int64_t)a->n_heads * a->head_dim;
+    const bool want = ctx->att_f16 && a->n_tokens > 2 && (uintptr_t)a->out % 16 == 0;
+    const size_t x_bytes = want ? ((size_t)a->n_tokens * cols * 2 + 255) & ~(size_t)255 : 0;
+    if (x_bytes + part_bytes == 0) return STATUS_OK;
+    uint8_t *scr = (uint8_t *)cuda_scratch(ctx, x_bytes + part_bytes);
+    if (!scr) return STATUS_NO_MEMORY;
+    if (part_bytes) *part = (float *)(scr + x_bytes);
+    int fresh = 0;
+    if (want && cuda_gemm_act(ctx, a->out, a->n_tokens, cols, out16, &fresh) != STATUS_OK) *out16 = NULL;
+    return STATUS_OK;
+}
+
+static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+
+/* A failed launch leaves no F16 form behind for the matmul after it. */
 extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    const int rc = attention_run(ctx, a);
+    if (rc != STATUS_OK) cuda_act_forget(ctx);
+    return rc;
+}
+
+static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (a->n_seqs <= 0 || a->n_tokens < 0 || a->max_blocks <= 0 || a->max_ctx < 0 || a->head_dim <= 0 ||
         a->n_kv_heads <= 0 || a->n_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0)
         return cuda_fail(ctx, STATUS_BAD_INPUT,

@@ -40,6 +40,7 @@ struct apf_params {
                        * length, as attention.cu's decode kernel does); 0 otherwise */
     float *part_acc;  /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;   /* (n_splits, n_tokens, n_heads, 2) running max and sum */
+    fp16_t *out16;    /* out's F16 form too, unless NULL (cuda_att_scratch) */
 };
 
 __device__ __forceinline__ uint32_t apf_pack(float lo, float hi) {
@@ -362,6 +363,12 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             float *o = a.out + (int64_t)qrow[h] * width + (int64_t)qhead[h] * HD + 2 * t4;
 #pragma unroll
             for (int n = 0; n < NK; n++) *(float2 *)(o + 8 * n) = make_float2(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+            if (p.out16) {
+                fp16_t *o16 = p.out16 + (int64_t)qrow[h] * width + (int64_t)qhead[h] * HD + 2 * t4;
+#pragma unroll
+                for (int n = 0; n < NK; n++)
+                    *(uint32_t *)(o16 + 8 * n) = apf_pack(acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+            }
         } else {
             int64_t slot = ((int64_t)z * a.n_tokens + qrow[h]) * a.n_heads + qhead[h];
             float *o = p.part_acc + slot * HD + 2 * t4;
@@ -377,7 +384,8 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 
 /* Merge the splits of one (row, head) (attn_merge.cuh); a NaN sum makes
  * the row NaN. */
-__global__ void attention_prefill_combine_kernel(float *__restrict__ out, const float *__restrict__ part_acc,
+__global__ void attention_prefill_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
+                                                 const float *__restrict__ part_acc,
                                                  const float *__restrict__ part_ml, int32_t n_splits,
                                                  int32_t n_tokens, int32_t n_heads, int32_t hd) {
     const int32_t row = blockIdx.x, head = blockIdx.y;
@@ -385,7 +393,9 @@ __global__ void attention_prefill_combine_kernel(float *__restrict__ out, const 
         float l, acc;
         att_merge_dim<false>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-        out[((int64_t)row * n_heads + head) * hd + d] = acc * inv;
+        const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
+        out[i] = acc * inv;
+        if (out16) out16[i] = f2h(acc * inv);
     }
 }
 
@@ -462,12 +472,15 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     }
     p.chunk = (int32_t)chunk;
     p.n_splits = (int32_t)splits;
+    const size_t n_slots = p.n_splits > 1 ? (size_t)p.n_splits * a->n_tokens * a->n_heads : 0;
+    uint16_t *out16 = NULL;
+    float *scr = NULL;
+    if (cuda_att_scratch(ctx, a, n_slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+        return STATUS_NO_MEMORY;
+    p.out16 = (fp16_t *)out16;
     if (p.n_splits > 1) {
-        size_t slots = (size_t)p.n_splits * a->n_tokens * a->n_heads;
-        float *scr = (float *)cuda_scratch(ctx, slots * ((size_t)a->head_dim + 2) * sizeof(float));
-        if (!scr) return STATUS_NO_MEMORY;
         p.part_acc = scr;
-        p.part_ml = scr + slots * a->head_dim;
+        p.part_ml = scr + n_slots * a->head_dim;
     }
     /* Heads vary fastest: blocks start in grid order, so every head's
      * longest tile (the last rows, the whole context) starts first and the
@@ -485,7 +498,7 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p.n_splits > 1) {
         attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,
-                                           CUDA_STREAM(ctx)>>>(a->out, p.part_acc, p.part_ml, p.n_splits,
+                                           CUDA_STREAM(ctx)>>>(a->out, p.out16, p.part_acc, p.part_ml, p.n_splits,
                                                                a->n_tokens, a->n_heads, a->head_dim);
         CUDA_CHECK(ctx, cudaGetLastError());
     }

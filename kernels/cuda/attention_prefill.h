@@ -24,6 +24,13 @@ int cuda_attention_tc_fits(const struct cuda_attn_args *a);
  * probabilities rounded to F16 for the tensor cores, F32 softmax and
  * accumulation).  Arguments already checked by cuda_attention. */
 int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+/* The scratch of an attention launch (attention.cu): where the rows want
+ * it (ctx->att_f16, more than 2 rows), the F16 form of a->out for the
+ * matmul after it at the scratch's start, recorded as that form
+ * (cuda_gemm_act; *out16, else NULL), then part_bytes for the split sums
+ * (*part, NULL when part_bytes is 0).  STATUS_NO_MEMORY without scratch. */
+int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_args *a, size_t part_bytes, uint16_t **out16,
+                     float **part);
 
 #ifdef __cplusplus
 }

@@ -45,6 +45,8 @@ struct cuda_ctx {
     int rope_att;       /* rope, cache write and attention of decode batches of up to this
                          * many rows in one launch (rope_attention.cu; LLM_CUDA_ROPE_ATT=k,
                          * 0: the two ops) */
+    int att_f16;        /* from 3 rows the attention kernels also write their output's F16 form for
+                         * the matmul after it (default; LLM_CUDA_ATT_F16=0: not) */
     int rope_att_mha;   /* the same where every query head has its own KV head (16; the same
                          * variable sets it) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its

@@ -176,6 +176,11 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
      * of its own, which leaves the output in the gemv's int8 form as well
      * (7B on an H100: Q8_0 batch 1 -1.0%, 3 -1.1%, 4 -0.5%);
      * LLM_CUDA_ATT_DEFER=k sets k (0: merged in the attention kernel). */
+    /* From 3 rows the attention kernels also leave their output's F16
+     * form for the matmul after it (no conversion launch before o);
+     * LLM_CUDA_ATT_F16=0 leaves it to the matmul, to compare. */
+    env = getenv("LLM_CUDA_ATT_F16");
+    ctx->att_f16 = !(env && strcmp(env, "0") == 0);
     env = getenv("LLM_CUDA_ATT_DEFER");
     ctx->att_defer = 4;
     if (env && *env) {

@@ -1103,6 +1103,44 @@ static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int
     return fits && !(env && strcmp(env, "0") == 0);
 }
 
+/* The matmul after an attention (o) reads the form of its input that the
+ * attention kernels left: the int8 form of the gemv matmul at 1-4 decode
+ * rows (rope_attention.cu's merge kernel), the F16 form from 3 rows
+ * (attention.cu and attention_prefill.cu, for cuBLAS, matmul_wide and
+ * mq).  A Q8_0, a Q4_K and an F16 weight (ATT_MM_ROWS rows) on the
+ * attention's output must match the CPU's matmuls.  The weights and
+ * outputs are made before the attention (an upload forgets a kept form)
+ * and freed after the check. */
+#define ATT_MM_ROWS 64
+struct att_mm {
+    int n, wi[3];
+    struct dbuf o[3];
+};
+
+static void att_mm_prepare(struct att_mm *m, int32_t n, int32_t qw) {
+    static const enum dtype types[3] = {DTYPE_Q8_0, DTYPE_F16, DTYPE_Q4_K};
+    m->n = qw % 256 == 0 ? 3 : 2;
+    for (int j = 0; j < m->n; j++) {
+        m->wi[j] = load_weight(types[j], rand_weight(types[j], ATT_MM_ROWS, qw), ATT_MM_ROWS, qw);
+        m->o[j] = dbuf_new((size_t)n * ATT_MM_ROWS * 4);
+        dbuf_poison(m->o[j]);
+    }
+}
+
+static void att_mm_check(const struct att_mm *m, struct dbuf att, int32_t n, const char *what) {
+    for (int j = 0; j < m->n; j++) {
+        ASSERT_OK(backend_matmul(fx.cpu, m->o[j].c, &fx.cw[m->wi[j]], att.c, n));
+        if (backend_matmul(fx.gpu, m->o[j].g, &fx.gw[m->wi[j]], att.g, n) != STATUS_OK)
+            TEST_FAIL("%s: gpu matmul after it: %s", what, backend_errstr(fx.gpu));
+    }
+    for (int j = 0; j < m->n; j++) {
+        char mw[200];
+        snprintf(mw, sizeof mw, "%s matmul on the output of %s", dtype_name(fx.cw[m->wi[j]].type), what);
+        printf("    %s: NMSE %.3g\n", mw, check_f32(m->o[j], (size_t)n * ATT_MM_ROWS, matmul_bound(fx.cw[m->wi[j]].type), mw));
+    }
+    free_weights();
+}
+
 /* Sequences given as (tokens this step, position of the first); block
  * tables are a random permutation of the cache's blocks. */
 static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t bs, int n_seqs,
@@ -1139,6 +1177,8 @@ static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t 
     struct dbuf q = dbuf_from(rand_f32(elems, -2, 2), elems * 4);
     struct dbuf out = dbuf_new(elems * 4);
     dbuf_poison(out);
+    struct att_mm mm = {0};
+    if (n_tokens > 2) att_mm_prepare(&mm, n_tokens, n_heads * hd);
     struct backend_attn_batch cb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.c, dp.c, dt.c};
     struct backend_attn_batch gb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.g, dp.g, dt.g};
     float scale = 1.0f / sqrtf((float)hd);
@@ -1148,6 +1188,7 @@ static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t 
     char what[128];
     snprintf(what, sizeof what, "attention %s cache, %d heads / %d KV heads x %d, %d seqs, %d rows, ctx %d",
              dtype_name(t), n_heads, n_kv, hd, n_seqs, n_tokens, max_ctx);
+    if (mm.n) att_mm_check(&mm, out, n_tokens, what);
     if (!attn_on_tensor_cores(t, n_heads, n_kv, hd, n_tokens, n_seqs)) {
         /* F32 arithmetic on the same cache values; softmax exp differs by ulps. */
         check_f32(out, elems, 1e-9, what);
@@ -1304,41 +1345,6 @@ struct ropeatt_case {
     int32_t n_heads, n_kv, hd, pos, n_freq;
     int neox, n_seqs, rows_per_seq;
 };
-
-/* At 1-4 rows the one launch's merge also leaves its output in the int8
- * form of the gemv matmul (rope_attention.cu), which the o matmul after it
- * reads instead of quantizing where it is a gemv: a Q8_0 and a Q4_K weight (ATT_MM_ROWS
- * rows) on the attention's output must match the CPU's matmuls.  The
- * weights and outputs are made before the attention (an upload forgets a
- * kept form). */
-#define ATT_MM_ROWS 96
-struct att_mm {
-    int n, wi[2];
-    struct dbuf o[2];
-};
-
-static void att_mm_prepare(struct att_mm *m, int32_t n, int32_t qw) {
-    static const enum dtype types[2] = {DTYPE_Q8_0, DTYPE_Q4_K};
-    m->n = qw % 256 == 0 ? 2 : 1;
-    for (int j = 0; j < m->n; j++) {
-        m->wi[j] = load_weight(types[j], rand_weight(types[j], ATT_MM_ROWS, qw), ATT_MM_ROWS, qw);
-        m->o[j] = dbuf_new((size_t)n * ATT_MM_ROWS * 4);
-        dbuf_poison(m->o[j]);
-    }
-}
-
-static void att_mm_check(const struct att_mm *m, struct dbuf att, int32_t n, const char *what) {
-    for (int j = 0; j < m->n; j++) {
-        ASSERT_OK(backend_matmul(fx.cpu, m->o[j].c, &fx.cw[m->wi[j]], att.c, n));
-        if (backend_matmul(fx.gpu, m->o[j].g, &fx.gw[m->wi[j]], att.g, n) != STATUS_OK)
-            TEST_FAIL("%s: gpu matmul after it: %s", what, backend_errstr(fx.gpu));
-    }
-    for (int j = 0; j < m->n; j++) {
-        char mw[200];
-        snprintf(mw, sizeof mw, "%s matmul on the output of %s", dtype_name(fx.cw[m->wi[j]].type), what);
-        printf("    %s: NMSE %.3g\n", mw, check_f32(m->o[j], (size_t)n * ATT_MM_ROWS, matmul_bound(fx.cw[m->wi[j]].type), mw));
-    }
-}
 
 static void rope_attention_case(const struct ropeatt_case *c) {
     fx_open();
