@@ -238,8 +238,9 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
         float l, acc;
         att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
         const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
-        out[i] = l > 0.0f ? acc / l : 0.0f;
-        if (out16) out16[i] = f2h(out[i]);
+        const float o = l > 0.0f ? acc / l : 0.0f;
+        out[i] = o;
+        if (out16) out16[i] = f2h(o);
     }
 }
 

@@ -394,8 +394,9 @@ __global__ void attention_prefill_combine_kernel(float *__restrict__ out, fp16_t
         att_merge_dim<false>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
         const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
-        out[i] = acc * inv;
-        if (out16) out16[i] = f2h(acc * inv);
+        const float o = acc * inv;
+        out[i] = o;
+        if (out16) out16[i] = f2h(o);
     }
 }
 

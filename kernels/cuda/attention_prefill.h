@@ -1,6 +1,8 @@
-/* Tensor-core flash attention for attention batches that hold prefill
- * rows (attention_prefill.cu), as plain prototypes for attention.cu's
- * dispatch.  Nothing here allocates beyond the backend's scratch. */
+/* What attention.cu and attention_prefill.cu call of each other, as plain
+ * prototypes: the tensor-core flash attention for batches that hold
+ * prefill rows (attention_prefill.cu) for attention.cu's dispatch, and the
+ * scratch layout both use (attention.cu).  Nothing here allocates beyond
+ * the backend's scratch. */
 #ifndef KERNELS_CUDA_ATTENTION_PREFILL_H
 #define KERNELS_CUDA_ATTENTION_PREFILL_H
 
