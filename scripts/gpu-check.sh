@@ -7,6 +7,10 @@
 #           the GPU against the goldens, the NCCL link and a 2-GPU pipeline
 #   cluster scripts/cluster-bench.sh (1 vs 2 stages, router overhead)
 #   model   scripts/gpu-bench.sh (decode and prefill of 1.1B and 7B shapes)
+#   t4      the CUDA op, sampling and forward tests routed as sm_75
+#           (LLM_CUDA_SM=75); from a pack of a build configured with
+#           -DLLM_CUDA_ARCHITECTURES=75-virtual the driver compiles the T4's
+#           own kernel code for this card, so a newer GPU runs the T4's paths
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -41,6 +45,11 @@ for what in "$@"; do
         step link 120 "$build/tests/test_link"
         step node 240 "$build/tests/test_node"
         ;;
+    t4)
+        LLM_CUDA_SM=75 step cuda_ops_sm75 300 "$build/tests/test_cuda_ops"
+        LLM_CUDA_SM=75 step cuda_sample_sm75 120 "$build/tests/test_cuda_sample"
+        LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step forward_gpu_sm75 120 "$build/tests/test_forward"
+        ;;
     cluster)
         LLM_BENCH_BUILD=$build OUT=$out/cluster step cluster_bench 280 ./scripts/cluster-bench.sh
         tail -n 20 "$out/cluster_bench.log"
@@ -49,7 +58,7 @@ for what in "$@"; do
         LLM_BENCH_BIN=$build/bench/bench_gpu OUT=$out/model step model_bench 420 ./scripts/gpu-bench.sh
         tail -n 40 "$out/model_bench.log"
         ;;
-    *) echo "gpu-check: unknown step '$what' (tests, cluster, model)" >&2; exit 2 ;;
+    *) echo "gpu-check: unknown step '$what' (tests, t4, cluster, model)" >&2; exit 2 ;;
     esac
 done
 exit $status

@@ -110,6 +110,13 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     const int split = env_int("LLM_CUDA_MV_SPLIT", 4, 1, 4);
     ctx->mv_split = split >= 4 ? 4 : split >= 2 ? 2 : 1;
     ctx->cc = prop.major * 10 + prop.minor;
+    /* LLM_CUDA_SM=k, below the card's own, routes every choice as compute
+     * capability k.  With a build whose code for the card is compute_k PTX
+     * (LLM_CUDA_ARCHITECTURES=75-virtual: the driver compiles it for the
+     * card), a newer card then runs a T4's kernels and paths, so the tests
+     * can check them on hardware at hand (docs/cuda-backend.md, "Tests"). */
+    const int as_sm = env_int("LLM_CUDA_SM", 0, 0, 1000);
+    if (as_sm > 0 && as_sm < ctx->cc) ctx->cc = as_sm;
     /* Programmatic dependent launch needs sm_90; LLM_CUDA_PDL=0 turns it
      * off, to compare. */
     ctx->pdl = ctx->cc >= 90 && !env_is("LLM_CUDA_PDL", "0");
