@@ -2,6 +2,7 @@
  * the argument checks every backend shares. */
 #include "backend.h"
 #include "backend-impl.h"
+#include "../common/log.h"
 #include "../common/status.h"
 
 #include <stdarg.h>
@@ -15,6 +16,39 @@ int backend_fail(backend *b, int code, const char *fmt, ...) {
     vsnprintf(b->errstr, sizeof b->errstr, fmt, ap);
     va_end(ap);
     return code;
+}
+
+int backend_open(backend **out, const struct device_spec *dev, int n_threads, int require_gpu, char *chosen,
+                 size_t chosen_len, char *err, size_t errlen) {
+    char asked[32], why[512] = "", none[1];
+    device_format(dev, asked, sizeof asked);
+    if (!chosen) {
+        chosen = none;
+        chosen_len = sizeof none;
+    }
+    *out = NULL;
+    if (dev->kind == DEVICE_CPU) {
+        snprintf(chosen, chosen_len, "cpu");
+        return backend_cpu_init(out, n_threads, err, errlen);
+    }
+    int rc = backend_cuda_init(out, dev->index, why, sizeof why);
+    if (rc == STATUS_OK) {
+        snprintf(chosen, chosen_len, "%s", backend_name(*out));
+        if (dev->kind == DEVICE_AUTO) LOG(LL_INFO, "device auto: %s", chosen);
+        return rc;
+    }
+    if (require_gpu) {
+        snprintf(err, errlen, "--require-gpu: no GPU for device %s: %s", asked, why);
+        return rc;
+    }
+    rc = backend_cpu_init(out, n_threads, err, errlen);
+    if (rc != STATUS_OK) return rc;
+    snprintf(chosen, chosen_len, "cpu (%s: %s)", asked, why);
+    /* Asked for a GPU by name, the CPU is a surprise worth a warning; under
+     * auto it is the expected outcome on a machine without one. */
+    if (dev->kind == DEVICE_AUTO) LOG(LL_INFO, "device auto: running on the CPU (%s)", why);
+    else LOG(LL_WARN, "device %s unavailable (%s): running on the CPU", asked, why);
+    return STATUS_OK;
 }
 
 void backend_free(backend *b) {

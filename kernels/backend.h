@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../common/device.h"
 #include "../common/dtype.h"
 #include "../common/sampling.h"
 
@@ -59,6 +60,15 @@ int backend_cpu_init(backend **out, int n_threads, char *err, size_t errlen);
  * CUDA and STATUS_UNAVAILABLE when there is no such GPU. */
 int backend_cuda_init(backend **out, int device, char *err, size_t errlen);
 void backend_free(backend *b);
+/* The backend a parsed --device names (common/device.h).  auto: cuda:0
+ * when this build has the CUDA backend and that GPU opens, else the CPU.
+ * cuda:N: that GPU, else the CPU with a warning, unless require_gpu (then
+ * the failure).  cpu: the CPU.  Logs the choice and writes it into chosen
+ * (when not NULL), e.g. "cpu (auto: cuda:0: no usable GPU (no CUDA
+ * device))", so a program can tell its user.  Returns 0 and *out, or a
+ * negative status with a message in err (then *out is NULL). */
+int backend_open(backend **out, const struct device_spec *dev, int n_threads, int require_gpu, char *chosen,
+                 size_t chosen_len, char *err, size_t errlen);
 
 const char *backend_name(const backend *b);     /* "cpu", "cuda:0 (NVIDIA H100 ...)" */
 const char *backend_errstr(const backend *b);   /* details of the last failure */
