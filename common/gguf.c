@@ -60,6 +60,8 @@ struct cursor {
     char whatbuf[GGUF_NAME_MAX + 64];
 };
 
+/* A parse error prefixed with the file and the item being read, so that every
+ * message names where in the file it went wrong. */
 static int cur_fail(struct cursor *c, int status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int cur_fail(struct cursor *c, int status, const char *fmt, ...) {
     char msg[256];
@@ -67,8 +69,7 @@ static int cur_fail(struct cursor *c, int status, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (c->err && c->errlen) snprintf(c->err, c->errlen, "%s: %s: %s", c->path, c->what, msg);
-    return status;
+    return status_fail(c->err, c->errlen, status, "%s: %s: %s", c->path, c->what, msg);
 }
 
 static int cur_need(struct cursor *c, uint64_t n) {
@@ -491,6 +492,8 @@ int64_t gguf_find_key(const gguf_file *f, const char *key) {
 
 /* ---- getters ---- */
 
+/* A getter error, kept in the file's errbuf for gguf_errstr() and prefixed
+ * with the file and the key asked for. */
 static int get_fail(const gguf_file *f, int status, const char *key, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static int get_fail(const gguf_file *f, int status, const char *key, const char *fmt, ...) {
     char msg[256];
@@ -498,8 +501,7 @@ static int get_fail(const gguf_file *f, int status, const char *key, const char 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    snprintf(f->errbuf, GGUF_ERRBUF, "%s: key %s: %s", f->path, key, msg);
-    return status;
+    return status_fail(f->errbuf, GGUF_ERRBUF, status, "%s: key %s: %s", f->path, key, msg);
 }
 
 /* A numeric value of type t at p, as signed/unsigned integer or double.
@@ -932,17 +934,6 @@ void gguf_writer_add_tensor_info(gguf_writer *w, const char *name, enum dtype ty
     writer_new_tensor(w, name, type, n_dims, ne);
 }
 
-static int writer_err(char *err, size_t errlen, int status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int writer_err(char *err, size_t errlen, int status, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
 static int writer_pad(gguf_writer *w) {
     static const uint8_t zeros[256];
     uint64_t pad = (w->alignment - w->written % w->alignment) % w->alignment;
@@ -957,11 +948,11 @@ static int writer_pad(gguf_writer *w) {
 
 /* Writes header, keys, tensor infos and the padding before the data. */
 static int writer_head(gguf_writer *w, const char *path, char *err, size_t errlen) {
-    if (w->failed) return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: a key or tensor was refused (bad type, shape or no memory)", path);
+    if (w->failed) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: a key or tensor was refused (bad type, shape or no memory)", path);
     for (size_t i = 0; i < w->n_t; i++)
         for (size_t j = 0; j < i; j++)
             if (strcmp(w->t[i].name, w->t[j].name) == 0)
-                return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: added twice", path, w->t[i].name);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: added twice", path, w->t[i].name);
     uint64_t off = 0;
     for (size_t i = 0; i < w->n_t; i++) {
         w->t[i].offset = off;
@@ -971,7 +962,7 @@ static int writer_head(gguf_writer *w, const char *path, char *err, size_t errle
     free(w->path);
     w->path = strdup(path);
     w->fp = fopen(path, "wb");
-    if (!w->fp) return writer_err(err, errlen, STATUS_IO, "%s: cannot create: %s", path, strerror(errno));
+    if (!w->fp) return status_fail(err, errlen, STATUS_IO, "%s: cannot create: %s", path, strerror(errno));
     struct buf b = {0};
     buf_put(&b, GGUF_MAGIC, 4);
     buf_u32(&b, 3);
@@ -991,13 +982,13 @@ static int writer_head(gguf_writer *w, const char *path, char *err, size_t errle
     }
     if (b.failed) {
         free(b.p);
-        return writer_err(err, errlen, STATUS_NO_MEMORY, "%s: no memory for the header", path);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory for the header", path);
     }
     int ok = fwrite(b.p, 1, b.len, w->fp) == b.len;
     w->written = b.len;
     free(b.p);
     if (!ok || (w->n_t > 0 && writer_pad(w) != 0))
-        return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
+        return status_fail(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
     w->next_stream = 0;
     w->stream_done = 0;
     return 0;
@@ -1008,14 +999,14 @@ static int writer_close(gguf_writer *w, char *err, size_t errlen) {
     int e = errno;
     bad |= fclose(w->fp) != 0;
     w->fp = NULL;
-    if (bad) return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(e));
+    if (bad) return status_fail(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(e));
     return 0;
 }
 
 int gguf_writer_write(gguf_writer *w, const char *path, char *err, size_t errlen) {
     for (size_t i = 0; i < w->n_t; i++)
         if (!w->t[i].data)
-            return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s has no data (use the streaming calls)", path, w->t[i].name);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s has no data (use the streaming calls)", path, w->t[i].name);
     int st = writer_head(w, path, err, errlen);
     if (st) {
         if (w->fp) fclose(w->fp), w->fp = NULL;
@@ -1024,20 +1015,20 @@ int gguf_writer_write(gguf_writer *w, const char *path, char *err, size_t errlen
     for (size_t i = 0; i < w->n_t; i++) {
         if (fwrite(w->t[i].data, 1, w->t[i].nbytes, w->fp) != w->t[i].nbytes) {
             fclose(w->fp), w->fp = NULL;
-            return writer_err(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", path, w->t[i].name, strerror(errno));
+            return status_fail(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", path, w->t[i].name, strerror(errno));
         }
         w->written += w->t[i].nbytes;
         /* ggml pads after every tensor, the last included */
         if (writer_pad(w) != 0) {
             fclose(w->fp), w->fp = NULL;
-            return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
+            return status_fail(err, errlen, STATUS_IO, "%s: write failed: %s", path, strerror(errno));
         }
     }
     return writer_close(w, err, errlen);
 }
 
 int gguf_writer_begin(gguf_writer *w, const char *path, char *err, size_t errlen) {
-    if (w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: already writing %s", path, w->path);
+    if (w->fp) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: already writing %s", path, w->path);
     int st = writer_head(w, path, err, errlen);
     if (st && w->fp) fclose(w->fp), w->fp = NULL;
     return st;
@@ -1045,35 +1036,35 @@ int gguf_writer_begin(gguf_writer *w, const char *path, char *err, size_t errlen
 
 int gguf_writer_stream_tensor(gguf_writer *w, const char *name, const void *data, size_t nbytes, int last_part,
                               char *err, size_t errlen) {
-    if (!w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "tensor %s: gguf_writer_begin was not called", name);
+    if (!w->fp) return status_fail(err, errlen, STATUS_BAD_INPUT, "tensor %s: gguf_writer_begin was not called", name);
     if (w->next_stream >= w->n_t)
-        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: every tensor is already written", w->path, name);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: every tensor is already written", w->path, name);
     struct wtensor *t = &w->t[w->next_stream];
     if (strcmp(t->name, name) != 0)
-        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s written out of order: %s is next", w->path, name, t->name);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s written out of order: %s is next", w->path, name, t->name);
     if (nbytes > t->nbytes - w->stream_done)
-        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: %zu more bytes exceed its size %zu (%llu written)",
-                          w->path, name, nbytes, t->nbytes, (unsigned long long)w->stream_done);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: %zu more bytes exceed its size %zu (%llu written)",
+                           w->path, name, nbytes, t->nbytes, (unsigned long long)w->stream_done);
     if (last_part && w->stream_done + nbytes != t->nbytes)
-        return writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: ends after %llu of its %zu bytes", w->path, name,
-                          (unsigned long long)(w->stream_done + nbytes), t->nbytes);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: ends after %llu of its %zu bytes", w->path, name,
+                           (unsigned long long)(w->stream_done + nbytes), t->nbytes);
     if (nbytes && fwrite(data, 1, nbytes, w->fp) != nbytes)
-        return writer_err(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", w->path, name, strerror(errno));
+        return status_fail(err, errlen, STATUS_IO, "%s: tensor %s: write failed: %s", w->path, name, strerror(errno));
     w->written += nbytes;
     w->stream_done += nbytes;
     if (last_part) {
         w->next_stream++;
         w->stream_done = 0;
         if (writer_pad(w) != 0)
-            return writer_err(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(errno));
+            return status_fail(err, errlen, STATUS_IO, "%s: write failed: %s", w->path, strerror(errno));
     }
     return 0;
 }
 
 int gguf_writer_finish(gguf_writer *w, char *err, size_t errlen) {
-    if (!w->fp) return writer_err(err, errlen, STATUS_BAD_INPUT, "gguf_writer_finish: nothing is being written");
+    if (!w->fp) return status_fail(err, errlen, STATUS_BAD_INPUT, "gguf_writer_finish: nothing is being written");
     if (w->next_stream != w->n_t) {
-        int st = writer_err(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s was never written", w->path, w->t[w->next_stream].name);
+        int st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s was never written", w->path, w->t[w->next_stream].name);
         fclose(w->fp), w->fp = NULL;
         return st;
     }

@@ -7,7 +7,6 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,17 +33,6 @@ struct model_file {
     struct model_entry *entries; /* Hugging Face models: GGUF name -> tensor */
     int64_t n_entries;
 };
-
-static int mfail(char *err, size_t errlen, int status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int mfail(char *err, size_t errlen, int status, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 void model_file_close(model_file *m) {
     if (!m) return;
@@ -121,30 +109,30 @@ static int check_hparams(const char *path, struct model_hparams *hp, char *err, 
         {"n_vocab", hp->n_vocab}, {"dim (embedding length)", hp->dim}, {"n_layers (block count)", hp->n_layers},
         {"n_heads", hp->n_heads}, {"n_kv_heads", hp->n_kv_heads}, {"ffn_dim", hp->ffn_dim}, {"ctx_len", hp->ctx_len}};
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
-        if (pos[i].v <= 0) return mfail(err, errlen, STATUS_BAD_INPUT, "%s: %s is %d, must be positive", path, pos[i].what, pos[i].v);
-    if (hp->n_layers > 10000) return mfail(err, errlen, STATUS_BAD_INPUT, "%s: block count %d is implausible", path, hp->n_layers);
+        if (pos[i].v <= 0) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: %s is %d, must be positive", path, pos[i].what, pos[i].v);
+    if (hp->n_layers > 10000) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: block count %d is implausible", path, hp->n_layers);
     if (hp->head_dim == 0) {
         if (hp->dim % hp->n_heads != 0)
-            return mfail(err, errlen, STATUS_BAD_INPUT, "%s: dim %d is not a multiple of n_heads %d", path, hp->dim, hp->n_heads);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: dim %d is not a multiple of n_heads %d", path, hp->dim, hp->n_heads);
         hp->head_dim = hp->dim / hp->n_heads;
     }
     if (hp->head_dim <= 0 || hp->head_dim % 2 != 0)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: head_dim %d must be positive and even", path, hp->head_dim);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: head_dim %d must be positive and even", path, hp->head_dim);
     if (hp->n_heads % hp->n_kv_heads != 0)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: n_heads %d is not a multiple of n_kv_heads %d", path, hp->n_heads, hp->n_kv_heads);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: n_heads %d is not a multiple of n_kv_heads %d", path, hp->n_heads, hp->n_kv_heads);
     if ((int64_t)hp->n_heads * hp->head_dim > INT32_MAX)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: n_heads %d x head_dim %d overflows", path, hp->n_heads, hp->head_dim);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: n_heads %d x head_dim %d overflows", path, hp->n_heads, hp->head_dim);
     if (!(hp->rms_eps > 0 && hp->rms_eps < 1))
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: rms epsilon %g is not in (0, 1)", path, hp->rms_eps);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: rms epsilon %g is not in (0, 1)", path, hp->rms_eps);
     if (!(hp->rope_theta > 0) || !isfinite(hp->rope_theta))
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: rope theta %g must be positive", path, hp->rope_theta);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: rope theta %g must be positive", path, hp->rope_theta);
     if (hp->rope_scaling != ROPE_SCALING_NONE && !(hp->rope_factor > 0 && isfinite(hp->rope_factor)))
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: rope scaling factor %g must be positive", path, hp->rope_factor);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: rope scaling factor %g must be positive", path, hp->rope_factor);
     if (hp->rope_scaling == ROPE_SCALING_LLAMA3 &&
         !(hp->rope_low_freq_factor > 0 && hp->rope_high_freq_factor > hp->rope_low_freq_factor && hp->rope_orig_ctx > 0))
-        return mfail(err, errlen, STATUS_BAD_INPUT,
-                     "%s: llama3 rope scaling needs 0 < low_freq_factor (%g) < high_freq_factor (%g) and original context (%d) > 0",
-                     path, hp->rope_low_freq_factor, hp->rope_high_freq_factor, hp->rope_orig_ctx);
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "%s: llama3 rope scaling needs 0 < low_freq_factor (%g) < high_freq_factor (%g) and original context (%d) > 0",
+                           path, hp->rope_low_freq_factor, hp->rope_high_freq_factor, hp->rope_orig_ctx);
     return 0;
 }
 
@@ -155,13 +143,13 @@ static int check_tensor(const model_file *m, const char *name, int n_dims, int64
     struct model_tensor t;
     if (model_file_tensor(m, name, &t) != STATUS_OK) {
         if (optional) return 1;
-        return mfail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s: missing", m->path, name);
+        return status_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s: missing", m->path, name);
     }
     if (!dtype_valid((int)t.type))
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: type %d is not supported", m->path, name, (int)t.type);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: type %d is not supported", m->path, name, (int)t.type);
     if (vector_types_only && t.type != DTYPE_F32 && t.type != DTYPE_F16 && t.type != DTYPE_BF16)
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: type %s is not supported for a vector (F32, F16, BF16 are)",
-                     m->path, name, dtype_name(t.type));
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: type %s is not supported for a vector (F32, F16, BF16 are)",
+                           m->path, name, dtype_name(t.type));
     int64_t rest = t.ne[2] * t.ne[3];
     int ok = t.ne[0] == ne0 && rest == 1 && (n_dims == 1 ? t.ne[1] == 1 : t.ne[1] == ne1);
     if (!ok) {
@@ -171,7 +159,7 @@ static int check_tensor(const model_file *m, const char *name, int n_dims, int64
         else snprintf(got, sizeof got, "[%lld, %lld, %lld, %lld]", (long long)t.ne[0], (long long)t.ne[1], (long long)t.ne[2], (long long)t.ne[3]);
         if (n_dims == 1) snprintf(want, sizeof want, "[%lld]", (long long)ne0);
         else snprintf(want, sizeof want, "[%lld, %lld]", (long long)ne0, (long long)ne1);
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: shape %s (GGML order), want %s", m->path, name, got, want);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: shape %s (GGML order), want %s", m->path, name, got, want);
     }
     return 0;
 }
@@ -203,7 +191,7 @@ static int check_tensors(model_file *m, char *err, size_t errlen) {
     snprintf(name, sizeof name, "blk.%d.attn_q.weight", hp->n_layers);
     struct model_tensor extra;
     if (model_file_tensor(m, name, &extra) == STATUS_OK)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: present, but the block count is %d", m->path, name, hp->n_layers);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: present, but the block count is %d", m->path, name, hp->n_layers);
     return 0;
 }
 
@@ -212,11 +200,11 @@ static int load_tokenizer(model_file *m, char *err, size_t errlen) {
     int st = m->gguf ? tokenizer_from_gguf(&m->tok, m->gguf, terr, sizeof terr) : tokenizer_from_hf(&m->tok, m->path, terr, sizeof terr);
     if (st) {
         m->tok = NULL;
-        return mfail(err, errlen, st, "%s: tokenizer: %s", m->path, terr);
+        return status_fail(err, errlen, st, "%s: tokenizer: %s", m->path, terr);
     }
     int32_t nt = tokenizer_n_vocab(m->tok);
     if (nt > m->hp.n_vocab)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: tokenizer has %d tokens, the model embeds only %d", m->path, nt, m->hp.n_vocab);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tokenizer has %d tokens, the model embeds only %d", m->path, nt, m->hp.n_vocab);
     return 0;
 }
 
@@ -228,10 +216,10 @@ static int gguf_hp_i32(gguf_file *g, const char *path, const char *key, int opti
     int st = gguf_get_i64(g, key, &v);
     if (st == STATUS_NOT_FOUND) {
         if (optional) return 0;
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: missing", path, key);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: missing", path, key);
     }
-    if (st) return mfail(err, errlen, STATUS_BAD_INPUT, "%s", gguf_errstr(g));
-    if (v <= 0 || v > INT32_MAX) return mfail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: value %lld is out of range", path, key, (long long)v);
+    if (st) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s", gguf_errstr(g));
+    if (v <= 0 || v > INT32_MAX) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: value %lld is out of range", path, key, (long long)v);
     *out = (int32_t)v;
     return 0;
 }
@@ -240,10 +228,10 @@ static int gguf_hp_f32(gguf_file *g, const char *path, const char *key, int opti
     int st = gguf_get_f32(g, key, out);
     if (st == STATUS_NOT_FOUND) {
         if (optional) return 0;
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: missing", path, key);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: missing", path, key);
     }
-    if (st) return mfail(err, errlen, STATUS_BAD_INPUT, "%s", gguf_errstr(g));
-    if (!isfinite(*out)) return mfail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: value %g is not finite", path, key, *out);
+    if (st) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s", gguf_errstr(g));
+    if (!isfinite(*out)) return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: value %g is not finite", path, key, *out);
     return 0;
 }
 
@@ -254,7 +242,7 @@ static int open_gguf(model_file *m, char *err, size_t errlen) {
     struct model_hparams *hp = &m->hp;
     struct gguf_str arch;
     if (gguf_get_str(g, "general.architecture", &arch) != 0)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: key general.architecture: missing or not a string", m->path);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key general.architecture: missing or not a string", m->path);
     const char *a;
     if (gguf_str_eq(arch, "llama")) {
         a = "llama";
@@ -265,8 +253,8 @@ static int open_gguf(model_file *m, char *err, size_t errlen) {
         hp->qkv_bias = 1;
         hp->rope_neox = 1; /* llama.cpp runs qwen2 with the NeoX rotation */
     } else {
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: key general.architecture: \"%.*s\" is not supported (llama, qwen2 are)",
-                     m->path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: key general.architecture: \"%.*s\" is not supported (llama, qwen2 are)",
+                           m->path, (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
     }
     char key[128];
 #define K(suffix) (snprintf(key, sizeof key, "%s.%s", a, suffix), key)
@@ -304,8 +292,8 @@ static int open_gguf(model_file *m, char *err, size_t errlen) {
         hp->rope_scaling = ROPE_SCALING_LINEAR;
         hp->rope_factor = factor;
     } else if (has_type && !gguf_str_eq(stype, "none")) {
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s: rope scaling \"%.*s\" is not supported (none, linear are)",
-                     m->path, key, (int)(stype.len > 32 ? 32 : stype.len), stype.ptr);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s: rope scaling \"%.*s\" is not supported (none, linear are)",
+                           m->path, key, (int)(stype.len > 32 ? 32 : stype.len), stype.ptr);
     } else if (!has_type && factor > 0 && factor != 1) {
         hp->rope_scaling = ROPE_SCALING_LINEAR; /* older files give only the factor */
         hp->rope_factor = factor;
@@ -313,24 +301,24 @@ static int open_gguf(model_file *m, char *err, size_t errlen) {
     if (hp->rope_scaling == ROPE_SCALING_NONE) hp->rope_factor = 1.0f;
     if ((st = check_hparams(m->path, hp, err, errlen))) return st;
     if (vlen && vlen != hp->head_dim)
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s.attention.value_length: %d differs from the key length %d", m->path, a, vlen, hp->head_dim);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s.attention.value_length: %d differs from the key length %d", m->path, a, vlen, hp->head_dim);
     int32_t rope_dim = hp->head_dim;
     if ((st = gguf_hp_i32(g, m->path, K("rope.dimension_count"), 1, &rope_dim, err, errlen))) return st;
     if (rope_dim != hp->head_dim)
-        return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s: rotary dimension %d differs from head_dim %d (partial rotary is not supported)",
-                     m->path, K("rope.dimension_count"), rope_dim, hp->head_dim);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: key %s: rotary dimension %d differs from head_dim %d (partial rotary is not supported)",
+                           m->path, K("rope.dimension_count"), rope_dim, hp->head_dim);
 #undef K
     /* Llama 3.1 style scaling comes as a tensor of per-frequency divisors */
     const struct gguf_tensor *rf = gguf_tensor_find(g, "rope_freqs.weight");
     if (rf) {
         if (rf->type != DTYPE_F32 || rf->ne[0] != hp->head_dim / 2 || rf->ne[1] * rf->ne[2] * rf->ne[3] != 1)
-            return mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor rope_freqs.weight: %s [%lld], want F32 [%d]", m->path,
-                         dtype_name(rf->type), (long long)rf->ne[0], hp->head_dim / 2);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor rope_freqs.weight: %s [%lld], want F32 [%d]", m->path,
+                               dtype_name(rf->type), (long long)rf->ne[0], hp->head_dim / 2);
         hp->rope_freq_factors = rf->data;
         for (int i = 0; i < hp->head_dim / 2; i++)
             if (!(hp->rope_freq_factors[i] > 0) || !isfinite(hp->rope_freq_factors[i]))
-                return mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor rope_freqs.weight: element %d is %g, must be positive", m->path, i,
-                             hp->rope_freq_factors[i]);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor rope_freqs.weight: element %d is %g, must be positive", m->path, i,
+                                   hp->rope_freq_factors[i]);
     }
     if ((st = check_tensors(m, err, errlen))) return st;
     return load_tokenizer(m, err, errlen);
@@ -342,26 +330,26 @@ static char *read_text(const char *path, size_t *len, char *err, size_t errlen, 
     FILE *fp = fopen(path, "rb");
     if (!fp) {
         int e = errno;
-        *status = mfail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", path, strerror(e));
+        *status = status_fail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", path, strerror(e));
         return NULL;
     }
     struct stat sb;
     if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size > (off_t)MODEL_JSON_MAX) {
         fclose(fp);
-        *status = mfail(err, errlen, STATUS_BAD_INPUT, "%s: not a regular file of at most %u bytes", path, MODEL_JSON_MAX);
+        *status = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: not a regular file of at most %u bytes", path, MODEL_JSON_MAX);
         return NULL;
     }
     char *buf = malloc((size_t)sb.st_size + 1);
     if (!buf) {
         fclose(fp);
-        *status = mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
+        *status = status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
         return NULL;
     }
     size_t n = fread(buf, 1, (size_t)sb.st_size, fp);
     fclose(fp);
     if (n != (size_t)sb.st_size) {
         free(buf);
-        *status = mfail(err, errlen, STATUS_IO, "%s: short read", path);
+        *status = status_fail(err, errlen, STATUS_IO, "%s: short read", path);
         return NULL;
     }
     buf[n] = 0;
@@ -379,7 +367,7 @@ static cJSON *read_json(const char *path, char *err, size_t errlen, int *status)
         long off = where && where >= text && where <= text + len ? (long)(where - text) : -1;
         cJSON_Delete(j);
         free(text);
-        *status = mfail(err, errlen, STATUS_BAD_INPUT, "%s: not a JSON object (parse error near byte %ld)", path, off);
+        *status = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: not a JSON object (parse error near byte %ld)", path, off);
         return NULL;
     }
     free(text);
@@ -391,7 +379,7 @@ static int json_i32(const cJSON *o, const char *key, int32_t *out, const char *p
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     if (!v || cJSON_IsNull(v)) return 1;
     if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 || v->valuedouble > INT32_MAX)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s is not a non-negative 32-bit integer", path, key);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s is not a non-negative 32-bit integer", path, key);
     *out = (int32_t)v->valuedouble;
     return 0;
 }
@@ -400,7 +388,7 @@ static int json_f32(const cJSON *o, const char *key, float *out, const char *pat
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     if (!v || cJSON_IsNull(v)) return 1;
     if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s is not a finite number", path, key);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s is not a finite number", path, key);
     *out = (float)v->valuedouble;
     return 0;
 }
@@ -427,7 +415,7 @@ static int hf_rope(const cJSON *cfg, struct model_hparams *hp, const char *path,
     const char *t = cJSON_IsString(ty) ? ty->valuestring : "default";
     if (strcmp(t, "default") == 0) return 0;
     if ((st = json_f32(sc, "factor", &hp->rope_factor, path, err, errlen)) != 0)
-        return st < 0 ? st : mfail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: rope scaling \"%s\" without a factor", path, t);
+        return st < 0 ? st : status_fail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: rope scaling \"%s\" without a factor", path, t);
     if (strcmp(t, "linear") == 0) {
         hp->rope_scaling = ROPE_SCALING_LINEAR;
         return 0;
@@ -437,11 +425,11 @@ static int hf_rope(const cJSON *cfg, struct model_hparams *hp, const char *path,
         if ((st = json_f32(sc, "low_freq_factor", &hp->rope_low_freq_factor, path, err, errlen)) ||
             (st = json_f32(sc, "high_freq_factor", &hp->rope_high_freq_factor, path, err, errlen)) ||
             (st = json_i32(sc, "original_max_position_embeddings", &hp->rope_orig_ctx, path, err, errlen)))
-            return st < 0 ? st : mfail(err, errlen, STATUS_BAD_INPUT,
-                                       "%s: config.json: llama3 rope scaling needs low_freq_factor, high_freq_factor and original_max_position_embeddings", path);
+            return st < 0 ? st : status_fail(err, errlen, STATUS_BAD_INPUT,
+                                             "%s: config.json: llama3 rope scaling needs low_freq_factor, high_freq_factor and original_max_position_embeddings", path);
         return 0;
     }
-    return mfail(err, errlen, STATUS_UNSUPPORTED, "%s: config.json: rope scaling \"%s\" is not supported (default, linear, llama3 are)", path, t);
+    return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: config.json: rope scaling \"%s\" is not supported (default, linear, llama3 are)", path, t);
 }
 
 /* The GGUF name of a Hugging Face tensor name, or 0 when it is not one we use. */
@@ -472,14 +460,14 @@ static int hf_to_gguf(const char *hf, char *out, size_t size) {
 
 static int add_shard(model_file *m, const char *file, char *err, size_t errlen) {
     if (!*file || strchr(file, '/') || strcmp(file, ".") == 0 || strcmp(file, "..") == 0)
-        return mfail(err, errlen, STATUS_BAD_INPUT, "%s: model.safetensors.index.json: shard name \"%s\" is not a file in the directory", m->path, file);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.safetensors.index.json: shard name \"%s\" is not a file in the directory", m->path, file);
     for (int i = 0; i < m->n_shards; i++) {
         const char *p = safetensors_path(m->shards[i]);
         const char *base = strrchr(p, '/');
         if (strcmp(base ? base + 1 : p, file) == 0) return 0;
     }
     safetensors_file **ns = realloc(m->shards, (size_t)(m->n_shards + 1) * sizeof *ns);
-    if (!ns) return mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
+    if (!ns) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
     m->shards = ns;
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", m->path, file);
@@ -513,7 +501,7 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
         hp->arch = MODEL_ARCH_QWEN2;
         hp->qkv_bias = 1;
     } else {
-        st = mfail(err, errlen, STATUS_UNSUPPORTED, "%s: config.json: model_type \"%.64s\" is not supported (llama, mistral, qwen2 are)", m->path, type);
+        st = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: config.json: model_type \"%.64s\" is not supported (llama, mistral, qwen2 are)", m->path, type);
         goto done;
     }
     hp->rope_neox = 1; /* Hugging Face q/k rows pair dimension i with i + head_dim/2 */
@@ -528,7 +516,7 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
             goto done;
         }
         if (r == 1 && ints[i].required) {
-            st = mfail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s: missing", m->path, ints[i].key);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: config.json: %s: missing", m->path, ints[i].key);
             goto done;
         }
     }
@@ -549,13 +537,13 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
         if (!index) goto done;
         const cJSON *wm = cJSON_GetObjectItemCaseSensitive(index, "weight_map");
         if (!cJSON_IsObject(wm)) {
-            st = mfail(err, errlen, STATUS_BAD_INPUT, "%s: weight_map: missing or not an object", path);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: weight_map: missing or not an object", path);
             cJSON_Delete(index);
             goto done;
         }
         for (const cJSON *e = wm->child; e; e = e->next) {
             if (!cJSON_IsString(e)) {
-                st = mfail(err, errlen, STATUS_BAD_INPUT, "%s: weight_map: tensor %s: shard is not a string", path, e->string ? e->string : "?");
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: weight_map: tensor %s: shard is not a string", path, e->string ? e->string : "?");
                 break;
             }
             if ((st = add_shard(m, e->valuestring, err, errlen))) break;
@@ -564,8 +552,8 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
         for (const cJSON *e = wm->child; e && !st; e = e->next) {
             const safetensors_file *sf = shard_named(m, e->valuestring);
             if (!sf || !safetensors_tensor_find(sf, e->string))
-                st = mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: listed in model.safetensors.index.json under %s but absent there",
-                           m->path, e->string, e->valuestring);
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: listed in model.safetensors.index.json under %s but absent there",
+                                 m->path, e->string, e->valuestring);
         }
         cJSON_Delete(index);
         if (st) goto done;
@@ -576,7 +564,7 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
     for (int i = 0; i < m->n_shards; i++) total += safetensors_n_tensors(m->shards[i]);
     m->entries = calloc((size_t)(total ? total : 1), sizeof *m->entries);
     if (!m->entries) {
-        st = mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
+        st = status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
         goto done;
     }
     for (int i = 0; i < m->n_shards && !st; i++) {
@@ -586,18 +574,18 @@ static int open_hf(model_file *m, char *err, size_t errlen) {
             if (!hf_to_gguf(t->name, gname, sizeof gname)) continue;
             struct model_tensor dummy;
             if (model_file_tensor(m, gname, &dummy) == STATUS_OK) {
-                st = mfail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: appears in more than one shard", m->path, t->name);
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: appears in more than one shard", m->path, t->name);
                 break;
             }
             if (!t->supported) {
-                st = mfail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: dtype %s is not supported (F32, F16, BF16 are)",
-                           safetensors_path(m->shards[i]), t->name, t->dtype_str);
+                st = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: dtype %s is not supported (F32, F16, BF16 are)",
+                                 safetensors_path(m->shards[i]), t->name, t->dtype_str);
                 break;
             }
             struct model_entry *e = &m->entries[m->n_entries];
             e->name = strdup(gname);
             if (!e->name) {
-                st = mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
+                st = status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", m->path);
                 break;
             }
             m->n_entries++;
@@ -631,20 +619,20 @@ int model_file_open(model_file **out, const char *path, char *err, size_t errlen
     *out = NULL;
     if (err && errlen) err[0] = 0;
     model_file *m = calloc(1, sizeof *m);
-    if (!m) return mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
+    if (!m) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
     /* keep the path without trailing slashes: it prefixes every message */
     size_t len = strlen(path);
     while (len > 1 && path[len - 1] == '/') len--;
     m->path = strndup(path, len);
     if (!m->path) {
         free(m);
-        return mfail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
     }
     struct stat sb;
     int st;
     if (stat(m->path, &sb) != 0) {
         int e = errno;
-        st = mfail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", m->path, strerror(e));
+        st = status_fail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", m->path, strerror(e));
     } else if (S_ISDIR(sb.st_mode)) {
         st = open_hf(m, err, errlen);
     } else {

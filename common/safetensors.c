@@ -7,7 +7,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,17 +25,6 @@ struct safetensors_file {
     int64_t n;
     struct safetensors_tensor *t;
 };
-
-static int st_fail(char *err, size_t errlen, int status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int st_fail(char *err, size_t errlen, int status, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 void safetensors_close(safetensors_file *f) {
     if (!f) return;
@@ -78,14 +66,14 @@ static int parse_header(safetensors_file *f, const char *json, size_t len, uint6
     cJSON *root = cJSON_ParseWithLength(json, len);
     if (!root || !cJSON_IsObject(root)) {
         cJSON_Delete(root);
-        return st_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: not a JSON object (corrupt header of %zu bytes)", f->path, len);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: not a JSON object (corrupt header of %zu bytes)", f->path, len);
     }
     int64_t count = 0;
     for (cJSON *e = root->child; e; e = e->next) count++;
     f->t = calloc((size_t)(count ? count : 1), sizeof *f->t);
     if (!f->t) {
         cJSON_Delete(root);
-        return st_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory for %lld tensors", f->path, (long long)count);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory for %lld tensors", f->path, (long long)count);
     }
     uint64_t data_size = f->size - data_start;
     int st = 0;
@@ -95,19 +83,19 @@ static int parse_header(safetensors_file *f, const char *json, size_t len, uint6
         const char *nm = e->string;
         struct safetensors_tensor *t = &f->t[f->n];
         if (!cJSON_IsObject(e)) {
-            st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: entry is not an object", f->path, nm);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: entry is not an object", f->path, nm);
             break;
         }
         const cJSON *jd = cJSON_GetObjectItemCaseSensitive(e, "dtype");
         const cJSON *js = cJSON_GetObjectItemCaseSensitive(e, "shape");
         const cJSON *jo = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
         if (!cJSON_IsString(jd) || !cJSON_IsArray(js) || !cJSON_IsArray(jo) || cJSON_GetArraySize(jo) != 2) {
-            st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: needs dtype (string), shape (array) and data_offsets (2 numbers)", f->path, nm);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: needs dtype (string), shape (array) and data_offsets (2 numbers)", f->path, nm);
             break;
         }
         t->name = strdup(nm);
         if (!t->name) {
-            st = st_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", f->path);
+            st = status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", f->path);
             break;
         }
         f->n++;
@@ -115,12 +103,12 @@ static int parse_header(safetensors_file *f, const char *json, size_t len, uint6
         size_t elem = 0;
         t->supported = dtype_from_str(jd->valuestring, &t->type, &elem);
         if (!elem) {
-            st = st_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: dtype \"%.15s\" is unknown", f->path, nm, jd->valuestring);
+            st = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: dtype \"%.15s\" is unknown", f->path, nm, jd->valuestring);
             break;
         }
         int nd = cJSON_GetArraySize(js);
         if (nd > 4) {
-            st = st_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: %d dimensions (at most 4 are supported)", f->path, nm, nd);
+            st = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: %d dimensions (at most 4 are supported)", f->path, nm, nd);
             break;
         }
         t->n_dims = nd;
@@ -129,36 +117,36 @@ static int parse_header(safetensors_file *f, const char *json, size_t len, uint6
         for (int d = 0; d < nd; d++) {
             uint64_t v;
             if (json_uint(cJSON_GetArrayItem(js, d), &v) != 0) {
-                st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: shape[%d] is not a non-negative integer", f->path, nm, d);
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: shape[%d] is not a non-negative integer", f->path, nm, d);
                 break;
             }
             t->ne[nd - 1 - d] = (int64_t)v;
             if (__builtin_mul_overflow(nelem, v, &nelem)) {
-                st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: element count overflows", f->path, nm);
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: element count overflows", f->path, nm);
                 break;
             }
         }
         if (st) break;
         uint64_t b0, b1, want;
         if (json_uint(cJSON_GetArrayItem(jo, 0), &b0) || json_uint(cJSON_GetArrayItem(jo, 1), &b1) || b1 < b0) {
-            st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data_offsets are not an increasing pair of integers", f->path, nm);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data_offsets are not an increasing pair of integers", f->path, nm);
             break;
         }
         if (__builtin_mul_overflow(nelem, (uint64_t)elem, &want) || b1 - b0 != want) {
-            st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data_offsets [%llu, %llu) hold %llu bytes, shape and dtype %s need %llu",
-                         f->path, nm, (unsigned long long)b0, (unsigned long long)b1, (unsigned long long)(b1 - b0),
-                         t->dtype_str, (unsigned long long)want);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data_offsets [%llu, %llu) hold %llu bytes, shape and dtype %s need %llu",
+                             f->path, nm, (unsigned long long)b0, (unsigned long long)b1, (unsigned long long)(b1 - b0),
+                             t->dtype_str, (unsigned long long)want);
             break;
         }
         if (b1 > data_size) {
-            st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data [%llu, %llu) runs past the end of the data (%llu bytes; truncated?)",
-                         f->path, nm, (unsigned long long)b0, (unsigned long long)b1, (unsigned long long)data_size);
+            st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: data [%llu, %llu) runs past the end of the data (%llu bytes; truncated?)",
+                             f->path, nm, (unsigned long long)b0, (unsigned long long)b1, (unsigned long long)data_size);
             break;
         }
         /* only tensors we hand out as typed arrays need aligned data */
         if (t->supported && (data_start + b0) % elem != 0) {
-            st = st_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: data at file offset %llu is not aligned to its %zu-byte elements",
-                         f->path, nm, (unsigned long long)(data_start + b0), elem);
+            st = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: tensor %s: data at file offset %llu is not aligned to its %zu-byte elements",
+                             f->path, nm, (unsigned long long)(data_start + b0), elem);
             break;
         }
         t->data = f->map + data_start + b0;
@@ -169,12 +157,12 @@ static int parse_header(safetensors_file *f, const char *json, size_t len, uint6
     /* a repeated name would make lookups ambiguous */
     if (f->n > 1) {
         const struct safetensors_tensor **idx = malloc((size_t)f->n * sizeof *idx);
-        if (!idx) return st_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", f->path);
+        if (!idx) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", f->path);
         for (int64_t i = 0; i < f->n; i++) idx[i] = &f->t[i];
         qsort(idx, (size_t)f->n, sizeof *idx, tensor_name_cmp);
         for (int64_t i = 1; i < f->n; i++) {
             if (strcmp(idx[i - 1]->name, idx[i]->name) == 0) {
-                st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: appears more than once", f->path, idx[i]->name);
+                st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s: appears more than once", f->path, idx[i]->name);
                 break;
             }
         }
@@ -188,40 +176,40 @@ int safetensors_open(safetensors_file **out, const char *path, char *err, size_t
     safetensors_file *f = calloc(1, sizeof *f);
     if (!f || !(f->path = strdup(path))) {
         free(f);
-        return st_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: no memory", path);
     }
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         int e = errno;
         safetensors_close(f);
-        return st_fail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", path, strerror(e));
+        return status_fail(err, errlen, e == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: cannot open: %s", path, strerror(e));
     }
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
         safetensors_close(f);
-        return st_fail(err, errlen, STATUS_BAD_INPUT, "%s: not a regular file", path);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: not a regular file", path);
     }
     if (sb.st_size < 8) {
         close(fd);
         safetensors_close(f);
-        return st_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: file of %lld bytes is too short for the 8-byte header length (truncated?)",
-                       path, (long long)sb.st_size);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: file of %lld bytes is too short for the 8-byte header length (truncated?)",
+                           path, (long long)sb.st_size);
     }
     void *m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
     close(fd);
     if (m == MAP_FAILED) {
         safetensors_close(f);
-        return st_fail(err, errlen, STATUS_IO, "%s: mmap of %lld bytes failed: %s", path, (long long)sb.st_size, strerror(e));
+        return status_fail(err, errlen, STATUS_IO, "%s: mmap of %lld bytes failed: %s", path, (long long)sb.st_size, strerror(e));
     }
     f->map = m;
     f->size = (size_t)sb.st_size;
     uint64_t hlen;
     memcpy(&hlen, f->map, 8);
     if (hlen > ST_HEADER_MAX || hlen > f->size - 8) {
-        int st = st_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: length %llu runs past the end of the file (%zu bytes; truncated?) or exceeds %u",
-                         path, (unsigned long long)hlen, f->size, ST_HEADER_MAX);
+        int st = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: header: length %llu runs past the end of the file (%zu bytes; truncated?) or exceeds %u",
+                             path, (unsigned long long)hlen, f->size, ST_HEADER_MAX);
         safetensors_close(f);
         return st;
     }

@@ -26,16 +26,6 @@ struct sampler {
 /* Weight levels of the top-k/top-p prefilter in sampler_sample. */
 #define SAMPLING_LEVELS 6
 
-static void sampling_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void sampling_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 void sampling_params_default(struct sampling_params *p) { memset(p, 0, sizeof *p); }
 
 /* isfinite() plus range; NaN fails every comparison, so test it first. */
@@ -45,62 +35,42 @@ static int sampling_in_range(float v, float lo, float hi) {
 
 int sampling_params_validate(const struct sampling_params *p, int32_t n_vocab, char *err,
                              size_t errlen) {
-    if (!isfinite(p->temperature) || p->temperature < 0) {
-        sampling_err(err, errlen, "temperature = %g must be a finite number >= 0", p->temperature);
-        return STATUS_BAD_INPUT;
-    }
-    if (p->top_k < 0) {
-        sampling_err(err, errlen, "top_k = %d must be >= 0 (0 = off)", p->top_k);
-        return STATUS_BAD_INPUT;
-    }
-    if (!sampling_in_range(p->top_p, 0, 1)) {
-        sampling_err(err, errlen, "top_p = %g is outside [0, 1]", p->top_p);
-        return STATUS_BAD_INPUT;
-    }
-    if (!sampling_in_range(p->min_p, 0, 1)) {
-        sampling_err(err, errlen, "min_p = %g is outside [0, 1]", p->min_p);
-        return STATUS_BAD_INPUT;
-    }
-    if (!isfinite(p->repetition_penalty) || p->repetition_penalty < 0) {
-        sampling_err(err, errlen, "repetition_penalty = %g must be a finite number >= 0 "
-                     "(0 or 1 = off)", p->repetition_penalty);
-        return STATUS_BAD_INPUT;
-    }
-    if (!sampling_in_range(p->presence_penalty, -2, 2)) {
-        sampling_err(err, errlen, "presence_penalty = %g is outside [-2, 2]", p->presence_penalty);
-        return STATUS_BAD_INPUT;
-    }
-    if (!sampling_in_range(p->frequency_penalty, -2, 2)) {
-        sampling_err(err, errlen, "frequency_penalty = %g is outside [-2, 2]",
-                     p->frequency_penalty);
-        return STATUS_BAD_INPUT;
-    }
-    if (p->penalty_last_n < 0) {
-        sampling_err(err, errlen, "penalty_last_n = %d must be >= 0 (0 = whole sequence)",
-                     p->penalty_last_n);
-        return STATUS_BAD_INPUT;
-    }
-    if (p->n_stop_token_ids < 0 || p->n_stop_token_ids > SAMPLING_STOP_IDS_MAX) {
-        sampling_err(err, errlen, "stop_token_ids has %d entries, at most %d are allowed",
-                     p->n_stop_token_ids, SAMPLING_STOP_IDS_MAX);
-        return STATUS_BAD_INPUT;
-    }
+    const int bad = STATUS_BAD_INPUT;
+    if (!isfinite(p->temperature) || p->temperature < 0)
+        return status_fail(err, errlen, bad, "temperature = %g must be a finite number >= 0",
+                           p->temperature);
+    if (p->top_k < 0)
+        return status_fail(err, errlen, bad, "top_k = %d must be >= 0 (0 = off)", p->top_k);
+    if (!sampling_in_range(p->top_p, 0, 1))
+        return status_fail(err, errlen, bad, "top_p = %g is outside [0, 1]", p->top_p);
+    if (!sampling_in_range(p->min_p, 0, 1))
+        return status_fail(err, errlen, bad, "min_p = %g is outside [0, 1]", p->min_p);
+    if (!isfinite(p->repetition_penalty) || p->repetition_penalty < 0)
+        return status_fail(err, errlen, bad, "repetition_penalty = %g must be a finite number "
+                           ">= 0 (0 or 1 = off)", p->repetition_penalty);
+    if (!sampling_in_range(p->presence_penalty, -2, 2))
+        return status_fail(err, errlen, bad, "presence_penalty = %g is outside [-2, 2]",
+                           p->presence_penalty);
+    if (!sampling_in_range(p->frequency_penalty, -2, 2))
+        return status_fail(err, errlen, bad, "frequency_penalty = %g is outside [-2, 2]",
+                           p->frequency_penalty);
+    if (p->penalty_last_n < 0)
+        return status_fail(err, errlen, bad, "penalty_last_n = %d must be >= 0 (0 = whole "
+                           "sequence)", p->penalty_last_n);
+    if (p->n_stop_token_ids < 0 || p->n_stop_token_ids > SAMPLING_STOP_IDS_MAX)
+        return status_fail(err, errlen, bad, "stop_token_ids has %d entries, at most %d are "
+                           "allowed", p->n_stop_token_ids, SAMPLING_STOP_IDS_MAX);
     for (int32_t i = 0; i < p->n_stop_token_ids; i++) {
         int32_t t = p->stop_token_ids[i];
-        if (t < 0 || (n_vocab > 0 && t >= n_vocab)) {
-            if (n_vocab > 0)
-                sampling_err(err, errlen, "stop_token_ids[%d] = %d is outside the vocabulary "
-                             "[0, %d)", i, t, n_vocab);
-            else
-                sampling_err(err, errlen, "stop_token_ids[%d] = %d must be >= 0", i, t);
-            return STATUS_BAD_INPUT;
-        }
+        if (t < 0 && n_vocab <= 0)
+            return status_fail(err, errlen, bad, "stop_token_ids[%d] = %d must be >= 0", i, t);
+        if (t < 0 || (n_vocab > 0 && t >= n_vocab))
+            return status_fail(err, errlen, bad, "stop_token_ids[%d] = %d is outside the "
+                               "vocabulary [0, %d)", i, t, n_vocab);
     }
-    if (p->top_logprobs < 0 || p->top_logprobs > SAMPLING_TOP_LOGPROBS_MAX) {
-        sampling_err(err, errlen, "top_logprobs = %d is outside [0, %d]", p->top_logprobs,
-                     SAMPLING_TOP_LOGPROBS_MAX);
-        return STATUS_BAD_INPUT;
-    }
+    if (p->top_logprobs < 0 || p->top_logprobs > SAMPLING_TOP_LOGPROBS_MAX)
+        return status_fail(err, errlen, bad, "top_logprobs = %d is outside [0, %d]",
+                           p->top_logprobs, SAMPLING_TOP_LOGPROBS_MAX);
     return 0;
 }
 
@@ -127,10 +97,9 @@ double sampling_uniform(uint64_t seed, int64_t pos) {
 
 int sampler_init(sampler **out, int32_t n_vocab, char *err, size_t errlen) {
     *out = NULL;
-    if (n_vocab < 1) {
-        sampling_err(err, errlen, "sampler: n_vocab = %d must be >= 1", n_vocab);
-        return STATUS_BAD_INPUT;
-    }
+    if (n_vocab < 1)
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "sampler: n_vocab = %d must be >= 1",
+                           n_vocab);
     sampler *s = calloc(1, sizeof *s);
     if (!s) goto oom;
     s->n_vocab = n_vocab;
@@ -143,8 +112,8 @@ int sampler_init(sampler **out, int32_t n_vocab, char *err, size_t errlen) {
     return 0;
 oom:
     sampler_free(s);
-    sampling_err(err, errlen, "sampler: out of memory for n_vocab = %d", n_vocab);
-    return STATUS_NO_MEMORY;
+    return status_fail(err, errlen, STATUS_NO_MEMORY, "sampler: out of memory for n_vocab = %d",
+                       n_vocab);
 }
 
 void sampler_free(sampler *s) {
@@ -259,7 +228,7 @@ static int sampler_fail(sampler *s, struct sampling_result *out, int rc, const c
 static int sampler_fail(sampler *s, struct sampling_result *out, int rc, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(s->errstr, sizeof s->errstr, fmt, ap);
+    status_vfail(s->errstr, sizeof s->errstr, rc, fmt, ap);
     va_end(ap);
     memset(out, 0, sizeof *out);
     out->token = -1;

@@ -5,6 +5,9 @@
 #ifndef COMMON_STATUS_H
 #define COMMON_STATUS_H
 
+#include <stdarg.h>
+#include <stddef.h>
+
 enum status {
     STATUS_OK = 0,
     STATUS_BAD_INPUT = -1,    /* malformed input from outside: a file, a client, a flag */
@@ -23,5 +26,18 @@ enum status {
 
 /* Text for a status code ("bad input", ...); never NULL, also for unknown codes. */
 const char *status_str(int code);
+
+/* Formats a message into the caller's error buffer and returns status, so
+ * that a failure path is one statement:
+ *     return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: n = %d", path, n);
+ * err may be NULL or errlen 0 (the message is then dropped); the message is
+ * truncated to errlen - 1 bytes and always NUL-terminated. */
+int status_fail(char *err, size_t errlen, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* status_fail with a va_list, for helpers that write into an object's errstr
+ * and do more on failure. */
+int status_vfail(char *err, size_t errlen, int status, const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
 
 #endif

@@ -4,7 +4,6 @@
  * value. */
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,17 +13,6 @@
 #include "status.h"
 #include "tok_impl.h"
 #include "unicode.h"
-
-static int tl_fail(char *err, size_t errlen, int rc, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int tl_fail(char *err, size_t errlen, int rc, const char *fmt, ...) {
-    if (err && errlen > 0) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return rc;
-}
 
 /* Texts of end-of-turn tokens that models use without naming them in the
  * metadata; a control or user-defined token with one of these texts ends
@@ -95,14 +83,14 @@ static int tl_gguf_id(const gguf_file *f, const char *key, int32_t n_vocab, int3
     int64_t v;
     int rc = gguf_get_i64(f, key, &v);
     if (rc == STATUS_NOT_FOUND) return 0;
-    if (rc < 0) return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+    if (rc < 0) return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     if (v == -1 || v == 0xFFFFFFFFll) {
         *id = -1;
         return 0;
     }
     if (v < 0 || v >= n_vocab)
-        return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: token id %lld is outside the vocabulary (%d tokens)",
-                       gguf_path(f), key, (long long)v, (int)n_vocab);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key %s: token id %lld is outside the vocabulary (%d tokens)",
+                           gguf_path(f), key, (long long)v, (int)n_vocab);
     *id = (int32_t)v;
     return 0;
 }
@@ -110,7 +98,7 @@ static int tl_gguf_id(const gguf_file *f, const char *key, int32_t n_vocab, int3
 static int tl_gguf_bool(const gguf_file *f, const char *key, int *out, char *err, size_t errlen) {
     int v, rc = gguf_get_bool(f, key, &v);
     if (rc == STATUS_NOT_FOUND) return 0;
-    if (rc < 0) return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+    if (rc < 0) return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     *out = v != 0;
     return 0;
 }
@@ -122,42 +110,42 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
     uint64_t n;
     int rc = gguf_get_str(f, "tokenizer.ggml.model", &model);
     if (rc == STATUS_NOT_FOUND)
-        return tl_fail(err, errlen, rc, "%s: key tokenizer.ggml.model: missing (the file has no tokenizer)", path);
-    if (rc < 0) return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+        return status_fail(err, errlen, rc, "%s: key tokenizer.ggml.model: missing (the file has no tokenizer)", path);
+    if (rc < 0) return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     if (gguf_str_eq(model, "llama")) {
         t->kind = TOK_KIND_SPM;
     } else if (gguf_str_eq(model, "gpt2")) {
         t->kind = TOK_KIND_BPE;
     } else {
-        return tl_fail(err, errlen, STATUS_UNSUPPORTED,
-                       "%s: key tokenizer.ggml.model: tokenizer \"%.*s\" is not supported (llama, gpt2)", path,
-                       (int)(model.len > 64 ? 64 : model.len), model.ptr);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                           "%s: key tokenizer.ggml.model: tokenizer \"%.*s\" is not supported (llama, gpt2)", path,
+                           (int)(model.len > 64 ? 64 : model.len), model.ptr);
     }
 
     rc = gguf_get_arr(f, "tokenizer.ggml.tokens", &et, &n);
     if (rc == STATUS_NOT_FOUND)
-        return tl_fail(err, errlen, rc, "%s: key tokenizer.ggml.tokens: missing (the file has no token list)", path);
-    if (rc < 0) return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+        return status_fail(err, errlen, rc, "%s: key tokenizer.ggml.tokens: missing (the file has no token list)", path);
+    if (rc < 0) return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     if (et != GGUF_TYPE_STRING)
-        return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: array of type %d, want strings",
-                       path, (int)et);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: array of type %d, want strings",
+                           path, (int)et);
     if (n == 0 || n > (1u << 24))
-        return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: %llu tokens (want 1..%u)", path,
-                       (unsigned long long)n, 1u << 24);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: %llu tokens (want 1..%u)", path,
+                           (unsigned long long)n, 1u << 24);
     t->n_vocab = (int32_t)n;
     t->scores = calloc(n, sizeof *t->scores);
     t->types = malloc(n);
-    if (!t->scores || !t->types) return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", path);
+    if (!t->scores || !t->types) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", path);
     for (uint64_t i = 0; i < n; i++) {
         struct gguf_str s;
         int32_t id;
         if ((rc = gguf_arr_str(f, "tokenizer.ggml.tokens", i, &s)) < 0)
-            return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+            return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
         if (s.len > (1u << 20))
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: token %llu is %llu bytes long",
-                           path, (unsigned long long)i, (unsigned long long)s.len);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.tokens: token %llu is %llu bytes long",
+                               path, (unsigned long long)i, (unsigned long long)s.len);
         if ((rc = tok_str_add(t, s.ptr, (size_t)s.len, &id)) < 0)
-            return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+            return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
         t->types[i] = TOK_TYPE_NORMAL;
     }
 
@@ -165,35 +153,35 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
     rc = gguf_get_arr(f, "tokenizer.ggml.scores", &et, &m);
     if (rc == 0) {
         if (m != n)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.scores: %llu scores for %llu tokens",
-                           path, (unsigned long long)m, (unsigned long long)n);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.scores: %llu scores for %llu tokens",
+                               path, (unsigned long long)m, (unsigned long long)n);
         for (uint64_t i = 0; i < n; i++)
             if ((rc = gguf_arr_f32(f, "tokenizer.ggml.scores", i, &t->scores[i])) < 0)
-                return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+                return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     } else if (rc != STATUS_NOT_FOUND) {
-        return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+        return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     }
     int have_types = 0;
     rc = gguf_get_arr(f, "tokenizer.ggml.token_type", &et, &m);
     if (rc == 0) {
         if (m != n)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.token_type: %llu types for %llu tokens",
-                           path, (unsigned long long)m, (unsigned long long)n);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.token_type: %llu types for %llu tokens",
+                               path, (unsigned long long)m, (unsigned long long)n);
         for (uint64_t i = 0; i < n; i++) {
             int64_t v;
             if ((rc = gguf_arr_i64(f, "tokenizer.ggml.token_type", i, &v)) < 0)
-                return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+                return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
             if (v < 0 || v > TOK_TYPE_BYTE)
-                return tl_fail(err, errlen, STATUS_BAD_INPUT,
-                               "%s: key tokenizer.ggml.token_type: token %llu has type %lld (want 0..6)", path,
-                               (unsigned long long)i, (long long)v);
+                return status_fail(err, errlen, STATUS_BAD_INPUT,
+                                   "%s: key tokenizer.ggml.token_type: token %llu has type %lld (want 0..6)", path,
+                                   (unsigned long long)i, (long long)v);
             t->types[i] = v == 0 ? TOK_TYPE_NORMAL : (uint8_t)v; /* 0 is llama.cpp's "undefined" */
         }
         have_types = 1;
     } else if (rc != STATUS_NOT_FOUND) {
-        return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+        return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
     }
-    if ((rc = tok_map_build(t)) < 0) return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+    if ((rc = tok_map_build(t)) < 0) return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
 
     int add_space_prefix;
     if (t->kind == TOK_KIND_SPM) {
@@ -216,7 +204,7 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
             LOG(LL_WARN, "%s: no tokenizer.ggml.pre: using the gpt-2 pre-tokenizer", path);
             t->pretok = TOK_PRETOK_GPT2;
         } else if (rc < 0) {
-            return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+            return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
         } else if (gguf_str_eq(pre, "gpt-2") || gguf_str_eq(pre, "phi-2")) {
             t->pretok = TOK_PRETOK_GPT2;
         } else if (gguf_str_eq(pre, "llama-bpe") || gguf_str_eq(pre, "llama3") || gguf_str_eq(pre, "llama-v3") ||
@@ -225,29 +213,29 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
             t->ignore_merges = 1;
             t->add_bos = 1;
         } else {
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "%s: key tokenizer.ggml.pre: unknown pre-tokenizer \"%.*s\" (known: gpt-2, phi-2, "
-                           "llama-bpe, llama3, llama-v3, falcon3)",
-                           path, (int)(pre.len > 64 ? 64 : pre.len), pre.ptr);
+            return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                               "%s: key tokenizer.ggml.pre: unknown pre-tokenizer \"%.*s\" (known: gpt-2, phi-2, "
+                               "llama-bpe, llama3, llama-v3, falcon3)",
+                               path, (int)(pre.len > 64 ? 64 : pre.len), pre.ptr);
         }
-        if ((rc = tl_byte_chars(t)) < 0) return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+        if ((rc = tl_byte_chars(t)) < 0) return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
         rc = gguf_get_arr(f, "tokenizer.ggml.merges", &et, &m);
         if (rc == STATUS_NOT_FOUND)
-            return tl_fail(err, errlen, rc, "%s: key tokenizer.ggml.merges: missing (gpt2 tokenizers need merges)", path);
-        if (rc < 0) return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+            return status_fail(err, errlen, rc, "%s: key tokenizer.ggml.merges: missing (gpt2 tokenizers need merges)", path);
+        if (rc < 0) return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
         if (et != GGUF_TYPE_STRING || m > INT32_MAX)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.merges: want an array of strings", path);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: key tokenizer.ggml.merges: want an array of strings", path);
         for (uint64_t i = 0; i < m; i++) {
             struct gguf_str s;
             if ((rc = gguf_arr_str(f, "tokenizer.ggml.merges", i, &s)) < 0)
-                return tl_fail(err, errlen, rc, "%s", gguf_errstr(f));
+                return status_fail(err, errlen, rc, "%s", gguf_errstr(f));
             const char *sp = tl_split_merge(s.ptr, (size_t)s.len);
             if (!sp)
-                return tl_fail(err, errlen, STATUS_BAD_INPUT,
-                               "%s: key tokenizer.ggml.merges: merge %llu \"%.*s\" is not \"left right\"", path,
-                               (unsigned long long)i, (int)(s.len > 64 ? 64 : s.len), s.ptr);
+                return status_fail(err, errlen, STATUS_BAD_INPUT,
+                                   "%s: key tokenizer.ggml.merges: merge %llu \"%.*s\" is not \"left right\"", path,
+                                   (unsigned long long)i, (int)(s.len > 64 ? 64 : s.len), s.ptr);
             rc = tl_merge(t, s.ptr, (size_t)(sp - s.ptr), sp + 1, (size_t)(s.ptr + s.len - sp - 1), (int32_t)i);
-            if (rc < 0) return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+            if (rc < 0) return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
         }
     }
 
@@ -260,11 +248,11 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
     if ((rc = tl_gguf_bool(f, "tokenizer.ggml.add_eos_token", &t->add_eos, err, errlen)) < 0) return rc;
     if ((rc = tl_gguf_bool(f, "tokenizer.ggml.add_space_prefix", &add_space_prefix, err, errlen)) < 0) return rc;
     if (t->add_bos && t->bos < 0)
-        return tl_fail(err, errlen, STATUS_BAD_INPUT,
-                       "%s: key tokenizer.ggml.add_bos_token: BOS is to be added but the file names no BOS token", path);
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "%s: key tokenizer.ggml.add_bos_token: BOS is to be added but the file names no BOS token", path);
     if (t->add_eos && t->eos < 0)
-        return tl_fail(err, errlen, STATUS_BAD_INPUT,
-                       "%s: key tokenizer.ggml.add_eos_token: EOS is to be added but the file names no EOS token", path);
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "%s: key tokenizer.ggml.add_eos_token: EOS is to be added but the file names no EOS token", path);
     if (t->kind == TOK_KIND_SPM && add_space_prefix) {
         memcpy(t->prefix, "\xE2\x96\x81", 3);
         t->prefix_len = 3;
@@ -272,14 +260,14 @@ static int tl_gguf_load(struct tokenizer *t, const gguf_file *f, char *err, size
         t->strip_space_prefix = 1;
     }
     if ((rc = tok_finish(t)) < 0 || (rc = tl_collect_eog(t)) < 0)
-        return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+        return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
     return 0;
 }
 
 int tokenizer_from_gguf(tokenizer **out, const gguf_file *f, char *err, size_t errlen) {
     *out = NULL;
     struct tokenizer *t = tok_alloc();
-    if (!t) return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", gguf_path(f));
+    if (!t) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", gguf_path(f));
     int rc = tl_gguf_load(t, f, err, errlen);
     if (rc < 0) {
         tokenizer_free(t);
@@ -297,7 +285,7 @@ static int tl_json_read(const char *path, cJSON **out, char *err, size_t errlen)
     FILE *fp = fopen(path, "rb");
     if (!fp) {
         if (errno == ENOENT) return STATUS_NOT_FOUND;
-        return tl_fail(err, errlen, STATUS_IO, "%s: %s", path, strerror(errno));
+        return status_fail(err, errlen, STATUS_IO, "%s: %s", path, strerror(errno));
     }
     char *buf = NULL;
     size_t len = 0, cap = 0;
@@ -306,14 +294,14 @@ static int tl_json_read(const char *path, cJSON **out, char *err, size_t errlen)
             if (cap >= ((size_t)1 << 30)) {
                 free(buf);
                 fclose(fp);
-                return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: larger than 1 GiB", path);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: larger than 1 GiB", path);
             }
             cap = cap ? cap * 2 : 65536;
             char *b = realloc(buf, cap);
             if (!b) {
                 free(buf);
                 fclose(fp);
-                return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of memory", path);
+                return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of memory", path);
             }
             buf = b;
         }
@@ -325,14 +313,14 @@ static int tl_json_read(const char *path, cJSON **out, char *err, size_t errlen)
     fclose(fp);
     if (bad) {
         free(buf);
-        return tl_fail(err, errlen, STATUS_IO, "%s: read error", path);
+        return status_fail(err, errlen, STATUS_IO, "%s: read error", path);
     }
     const char *end = NULL;
     cJSON *j = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
     if (!j) {
         long at = end ? (long)(end - buf) : -1;
         free(buf);
-        return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: invalid JSON near byte %ld", path, at);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: invalid JSON near byte %ld", path, at);
     }
     free(buf);
     *out = j;
@@ -361,8 +349,8 @@ static const char *tl_token_name(const cJSON *v) {
 
 static int tl_hf_fail_type(char *err, size_t errlen, const char *path, const char *what, const cJSON *node) {
     const char *type = tl_get_str(node, "type");
-    return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: %s: type \"%s\" is not supported", path, what,
-                   type ? type : "(none)");
+    return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: %s: type \"%s\" is not supported", path, what,
+                       type ? type : "(none)");
 }
 
 static int tl_set_prefix(struct tokenizer *t, const char *p, int mode) {
@@ -389,16 +377,16 @@ static int tl_hf_normalizer(struct tokenizer *t, const cJSON *n, const char *pat
     if (strcmp(type, "Prepend") == 0) {
         const char *p = tl_get_str(n, "prepend");
         if (!p || tl_set_prefix(t, p, TOK_PREPEND_ALWAYS) < 0)
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: normalizer Prepend: prepend \"%s\" is not supported",
-                           path, p ? p : "(none)");
+            return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: normalizer Prepend: prepend \"%s\" is not supported",
+                               path, p ? p : "(none)");
         return 0;
     }
     if (strcmp(type, "Replace") == 0) {
         const char *from = tl_get_str(tl_get(n, "pattern"), "String"), *to = tl_get_str(n, "content");
         if (!from || !to || strcmp(from, " ") != 0 || strcmp(to, "\xE2\x96\x81") != 0)
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "%s: normalizer Replace: only \" \" -> \"\xE2\x96\x81\" is supported (got \"%s\" -> \"%s\")",
-                           path, from ? from : "(regex)", to ? to : "(none)");
+            return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                               "%s: normalizer Replace: only \" \" -> \"\xE2\x96\x81\" is supported (got \"%s\" -> \"%s\")",
+                               path, from ? from : "(regex)", to ? to : "(none)");
         t->escape_spaces = 1;
         return 0;
     }
@@ -412,8 +400,8 @@ static const char tl_regex_llama3[] =
 
 static int tl_set_pretok(struct tokenizer *t, enum tok_pretok_kind k, const char *path, char *err, size_t errlen) {
     if (t->pretok != TOK_PRETOK_NONE && t->pretok != k)
-        return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: pre_tokenizer: two different splitting stages are not supported",
-                       path);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: pre_tokenizer: two different splitting stages are not supported",
+                           path);
     t->pretok = k;
     return 0;
 }
@@ -440,20 +428,20 @@ static int tl_hf_pretok(struct tokenizer *t, const cJSON *p, const char *path, c
         const char *re = tl_get_str(tl_get(p, "pattern"), "Regex");
         const char *behavior = tl_get_str(p, "behavior");
         if (!re || (behavior && strcmp(behavior, "Isolated") != 0) || tl_get_bool(p, "invert", 0))
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "%s: pre_tokenizer Split: only an isolating Regex is supported (behavior \"%s\")", path,
-                           behavior ? behavior : "(none)");
+            return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                               "%s: pre_tokenizer Split: only an isolating Regex is supported (behavior \"%s\")", path,
+                               behavior ? behavior : "(none)");
         if (strcmp(re, tl_regex_gpt2) == 0) return tl_set_pretok(t, TOK_PRETOK_GPT2, path, err, errlen);
         if (strcmp(re, tl_regex_llama3) == 0) return tl_set_pretok(t, TOK_PRETOK_LLAMA3, path, err, errlen);
-        return tl_fail(err, errlen, STATUS_UNSUPPORTED,
-                       "%s: pre_tokenizer Split: regex \"%.120s\" is not supported (the GPT-2 and Llama-3 ones are)",
-                       path, re);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                           "%s: pre_tokenizer Split: regex \"%.120s\" is not supported (the GPT-2 and Llama-3 ones are)",
+                           path, re);
     }
     if (strcmp(type, "Metaspace") == 0) {
         const char *rep = tl_get_str(p, "replacement"), *scheme = tl_get_str(p, "prepend_scheme");
         if (rep && strcmp(rep, "\xE2\x96\x81") != 0)
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: pre_tokenizer Metaspace: replacement \"%s\" is not supported",
-                           path, rep);
+            return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: pre_tokenizer Metaspace: replacement \"%s\" is not supported",
+                               path, rep);
         t->escape_spaces = 1;
         int mode = tl_get_bool(p, "add_prefix_space", 1) ? TOK_PREPEND_ALWAYS : TOK_PREPEND_NEVER;
         if (scheme) mode = strcmp(scheme, "first") == 0 ? TOK_PREPEND_FIRST
@@ -479,14 +467,14 @@ static int tl_hf_decoder(struct tokenizer *t, const cJSON *d, const char *path, 
     }
     if (strcmp(type, "ByteLevel") == 0) {
         if (!t->byte_level)
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: decoder ByteLevel without a ByteLevel pre_tokenizer", path);
+            return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: decoder ByteLevel without a ByteLevel pre_tokenizer", path);
         return 0;
     }
     if (strcmp(type, "Replace") == 0) {
         const char *from = tl_get_str(tl_get(d, "pattern"), "String"), *to = tl_get_str(d, "content");
         if (!from || !to || strcmp(from, "\xE2\x96\x81") != 0 || strcmp(to, " ") != 0)
-            return tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: decoder Replace: only \"\xE2\x96\x81\" -> \" \" is supported",
-                           path);
+            return status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: decoder Replace: only \"\xE2\x96\x81\" -> \" \" is supported",
+                               path);
         t->decode_spaces = 1;
         return 0;
     }
@@ -563,21 +551,21 @@ static int tl_hf_vocab(struct tokenizer *t, const cJSON *model, const cJSON *add
                        size_t errlen) {
     const cJSON *vocab = tl_get(model, "vocab"), *e;
     if (!cJSON_IsObject(vocab) || !vocab->child)
-        return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.vocab: missing (no token list)", path);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.vocab: missing (no token list)", path);
     int64_t max_id = -1;
     cJSON_ArrayForEach(e, vocab) {
         int64_t id = tl_json_id(e, 1 << 24);
         if (id < 0)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.vocab: token \"%.64s\" has id %.17g (want 0..%d)",
-                           path, e->string, cJSON_IsNumber(e) ? e->valuedouble : -1.0, (1 << 24) - 1);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.vocab: token \"%.64s\" has id %.17g (want 0..%d)",
+                               path, e->string, cJSON_IsNumber(e) ? e->valuedouble : -1.0, (1 << 24) - 1);
         if (id > max_id) max_id = id;
     }
     cJSON_ArrayForEach(e, added) {
         int64_t id = tl_json_id(tl_get(e, "id"), 1 << 24);
         const char *content = tl_get_str(e, "content");
         if (id < 0 || !content)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: added_tokens: entry \"%.64s\" needs an id in 0..%d and a content",
-                           path, content ? content : "(none)", (1 << 24) - 1);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: added_tokens: entry \"%.64s\" needs an id in 0..%d and a content",
+                               path, content ? content : "(none)", (1 << 24) - 1);
         if (id > max_id) max_id = id;
     }
     t->n_vocab = (int32_t)(max_id + 1);
@@ -586,7 +574,7 @@ static int tl_hf_vocab(struct tokenizer *t, const cJSON *model, const cJSON *add
     t->types = malloc((size_t)t->n_vocab);
     if (!names || !t->scores || !t->types) {
         free(names);
-        return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", path);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", path);
     }
     memset(t->types, TOK_TYPE_NORMAL, (size_t)t->n_vocab);
     cJSON_ArrayForEach(e, vocab) names[(int64_t)e->valuedouble] = e->string;
@@ -602,7 +590,7 @@ static int tl_hf_vocab(struct tokenizer *t, const cJSON *model, const cJSON *add
         rc = tok_str_add(t, names[id] ? names[id] : "", names[id] ? strlen(names[id]) : 0, &got);
     }
     free(names);
-    if (rc < 0 || (rc = tok_map_build(t)) < 0) return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+    if (rc < 0 || (rc = tok_map_build(t)) < 0) return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
     return 0;
 }
 
@@ -616,17 +604,17 @@ static int tl_hf_merges(struct tokenizer *t, const cJSON *merges, const char *pa
             size_t n = strlen(s);
             const char *sp = tl_split_merge(s, n);
             if (!sp)
-                return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: merge %d \"%.64s\" is not \"left right\"",
-                               path, (int)rank, s);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: merge %d \"%.64s\" is not \"left right\"",
+                                   path, (int)rank, s);
             rc = tl_merge(t, s, (size_t)(sp - s), sp + 1, (size_t)(s + n - sp - 1), rank);
         } else {
             const cJSON *l = cJSON_GetArrayItem(e, 0), *r = cJSON_GetArrayItem(e, 1);
             if (!cJSON_IsString(l) || !cJSON_IsString(r) || cJSON_GetArraySize(e) != 2)
-                return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: merge %d is not a string or a pair of strings",
-                               path, (int)rank);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: merge %d is not a string or a pair of strings",
+                                   path, (int)rank);
             rc = tl_merge(t, l->valuestring, strlen(l->valuestring), r->valuestring, strlen(r->valuestring), rank);
         }
-        if (rc < 0) return tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+        if (rc < 0) return status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
         rank++;
     }
     return 0;
@@ -641,8 +629,8 @@ static int tl_hf_config_ids(struct tokenizer *t, const cJSON *cfg, const char *p
     if (set_bos && bos && !cJSON_IsNull(bos)) {
         int64_t id = tl_json_id(bos, t->n_vocab);
         if (id < 0)
-            return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: bos_token_id %.17g is outside the vocabulary (%d tokens)",
-                           path, cJSON_IsNumber(bos) ? bos->valuedouble : -1.0, (int)t->n_vocab);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: bos_token_id %.17g is outside the vocabulary (%d tokens)",
+                               path, cJSON_IsNumber(bos) ? bos->valuedouble : -1.0, (int)t->n_vocab);
         t->bos = (int32_t)id;
     }
     if (eos && !cJSON_IsNull(eos)) {
@@ -651,11 +639,11 @@ static int tl_hf_config_ids(struct tokenizer *t, const cJSON *cfg, const char *p
         for (e = one; e; e = cJSON_IsArray(eos) ? e->next : NULL) {
             int64_t id = tl_json_id(e, t->n_vocab);
             if (id < 0)
-                return tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: eos_token_id %.17g is outside the vocabulary (%d tokens)",
-                               path, cJSON_IsNumber(e) ? e->valuedouble : -1.0, (int)t->n_vocab);
+                return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: eos_token_id %.17g is outside the vocabulary (%d tokens)",
+                                   path, cJSON_IsNumber(e) ? e->valuedouble : -1.0, (int)t->n_vocab);
             if (first && set_bos) t->eos = (int32_t)id;
             first = 0;
-            if (tok_eog_add(t, (int32_t)id) < 0) return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of memory", path);
+            if (tok_eog_add(t, (int32_t)id) < 0) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of memory", path);
         }
     }
     return 0;
@@ -669,7 +657,7 @@ static int tl_hf_load(struct tokenizer *t, const char *dir, char *err, size_t er
     snprintf(tc_path, sizeof tc_path, "%s/tokenizer_config.json", dir);
     cJSON *root = NULL, *tc = NULL, *cfg = NULL, *gen = NULL;
     int rc = tl_json_read(path, &root, err, errlen);
-    if (rc == STATUS_NOT_FOUND) return tl_fail(err, errlen, rc, "%s: no such file", path);
+    if (rc == STATUS_NOT_FOUND) return status_fail(err, errlen, rc, "%s: no such file", path);
     if (rc < 0) return rc;
     if ((rc = tl_json_read(tc_path, &tc, err, errlen)) < 0 && rc != STATUS_NOT_FOUND) goto done;
     if ((rc = tl_json_read(cfg_path, &cfg, err, errlen)) < 0 && rc != STATUS_NOT_FOUND) goto done;
@@ -679,12 +667,12 @@ static int tl_hf_load(struct tokenizer *t, const char *dir, char *err, size_t er
     const cJSON *model = tl_get(root, "model");
     const char *mtype = tl_get_str(model, "type");
     if (!cJSON_IsObject(model)) {
-        rc = tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model: missing", path);
+        rc = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model: missing", path);
         goto done;
     }
     if (mtype ? strcmp(mtype, "BPE") != 0 : !tl_get(model, "merges")) {
-        rc = tl_fail(err, errlen, STATUS_UNSUPPORTED, "%s: model.type: \"%s\" is not supported (BPE)", path,
-                     mtype ? mtype : "(none)");
+        rc = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s: model.type: \"%s\" is not supported (BPE)", path,
+                         mtype ? mtype : "(none)");
         goto done;
     }
     t->kind = TOK_KIND_BPE;
@@ -704,12 +692,12 @@ static int tl_hf_load(struct tokenizer *t, const char *dir, char *err, size_t er
     if ((rc = tl_hf_pretok(t, tl_get(root, "pre_tokenizer"), path, err, errlen)) < 0) goto done;
     if ((rc = tl_hf_decoder(t, tl_get(root, "decoder"), path, err, errlen)) < 0) goto done;
     if (t->byte_level && (rc = tl_byte_chars(t)) < 0) {
-        rc = tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+        rc = status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
         goto done;
     }
     const cJSON *merges = tl_get(model, "merges");
     if (!cJSON_IsArray(merges)) {
-        rc = tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: missing (BPE needs merges)", path);
+        rc = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: model.merges: missing (BPE needs merges)", path);
         goto done;
     }
     if ((rc = tl_hf_merges(t, merges, path, err, errlen)) < 0) goto done;
@@ -729,15 +717,15 @@ static int tl_hf_load(struct tokenizer *t, const char *dir, char *err, size_t er
         t->add_eos = tl_get_bool(tc, "add_eos_token", 0);
     }
     if (t->add_bos && t->bos < 0) {
-        rc = tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: BOS is to be added but no BOS token is named", dir);
+        rc = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: BOS is to be added but no BOS token is named", dir);
         goto done;
     }
     if (t->add_eos && t->eos < 0) {
-        rc = tl_fail(err, errlen, STATUS_BAD_INPUT, "%s: EOS is to be added but no EOS token is named", dir);
+        rc = status_fail(err, errlen, STATUS_BAD_INPUT, "%s: EOS is to be added but no EOS token is named", dir);
         goto done;
     }
     if ((rc = tok_finish(t)) < 0 || (rc = tl_collect_eog(t)) < 0)
-        rc = tl_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
+        rc = status_fail(err, errlen, rc, "%s: tokenizer: out of memory", path);
 done:
     cJSON_Delete(root);
     cJSON_Delete(tc);
@@ -749,7 +737,7 @@ done:
 int tokenizer_from_hf(tokenizer **out, const char *dir, char *err, size_t errlen) {
     *out = NULL;
     struct tokenizer *t = tok_alloc();
-    if (!t) return tl_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", dir);
+    if (!t) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: tokenizer: out of memory", dir);
     int rc = tl_hf_load(t, dir, err, errlen);
     if (rc < 0) {
         tokenizer_free(t);
@@ -763,7 +751,7 @@ int tokenizer_load(tokenizer **out, const char *path, char *err, size_t errlen) 
     *out = NULL;
     struct stat st;
     if (stat(path, &st) != 0)
-        return tl_fail(err, errlen, errno == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: %s", path, strerror(errno));
+        return status_fail(err, errlen, errno == ENOENT ? STATUS_NOT_FOUND : STATUS_IO, "%s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode)) return tokenizer_from_hf(out, path, err, errlen);
     gguf_file *f;
     int rc = gguf_open(&f, path, err, errlen);

@@ -4,7 +4,6 @@
  * check. */
 #include "proto/wire.h"
 
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,16 +16,6 @@ static _Atomic uint64_t wire_rejected;
 /* A string nested deeper than this is not looked at but rejected: our schema
  * nests at most 5 levels, so deeper means a peer we do not understand. */
 #define WIRE_DEPTH_MAX 16
-
-static void wire_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void wire_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* Strict UTF-8: no overlong forms, no surrogates, nothing above U+10FFFF.
  * Returns the offset of the first bad byte, or -1 when s is valid. */
@@ -59,10 +48,9 @@ static long wire_utf8_bad(const char *s) {
 static int wire_check_strings(const ProtobufCMessage *m, int depth, char *err, size_t errlen) {
     const ProtobufCMessageDescriptor *d = m->descriptor;
     const char *base = (const char *)m;
-    if (depth > WIRE_DEPTH_MAX) {
-        wire_err(err, errlen, "%s nested more than %d levels deep", d->name, WIRE_DEPTH_MAX);
-        return STATUS_PROTOCOL;
-    }
+    if (depth > WIRE_DEPTH_MAX)
+        return status_fail(err, errlen, STATUS_PROTOCOL, "%s nested more than %d levels deep",
+                           d->name, WIRE_DEPTH_MAX);
     for (unsigned i = 0; i < d->n_fields; i++) {
         const ProtobufCFieldDescriptor *f = &d->fields[i];
         if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE) continue;
@@ -80,11 +68,10 @@ static int wire_check_strings(const ProtobufCMessage *m, int depth, char *err, s
             if (!item) continue;
             if (f->type == PROTOBUF_C_TYPE_STRING) {
                 long bad = wire_utf8_bad(item);
-                if (bad >= 0) {
-                    wire_err(err, errlen, "field %s.%s: byte %ld (0x%02x) is not valid UTF-8",
-                             d->name, f->name, bad, ((const unsigned char *)item)[bad]);
-                    return STATUS_PROTOCOL;
-                }
+                if (bad >= 0)
+                    return status_fail(err, errlen, STATUS_PROTOCOL, "field %s.%s: byte %ld "
+                                       "(0x%02x) is not valid UTF-8", d->name, f->name, bad,
+                                       ((const unsigned char *)item)[bad]);
             } else {
                 int rc = wire_check_strings(item, depth + 1, err, errlen);
                 if (rc < 0) return rc;
@@ -98,28 +85,23 @@ static int wire_pack(ProtobufCMessage *m, const char *side, uint32_t body_case, 
                      size_t *len, char *err, size_t errlen) {
     *buf = NULL;
     *len = 0;
-    if (body_case == 0) {
-        wire_err(err, errlen, "%s envelope: no body set", side);
-        return STATUS_BAD_INPUT;
-    }
+    if (body_case == 0)
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s envelope: no body set", side);
     size_t n = protobuf_c_message_get_packed_size(m);
-    if (n > PROTO_FRAME_MAX) {
-        wire_err(err, errlen, "%s envelope: %zu bytes exceeds the frame limit of %zu", side, n,
-                 PROTO_FRAME_MAX);
-        return STATUS_BAD_INPUT;
-    }
+    if (n > PROTO_FRAME_MAX)
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s envelope: %zu bytes exceeds the "
+                           "frame limit of %zu", side, n, PROTO_FRAME_MAX);
     /* malloc(0) may return NULL; an envelope with a body is never empty, but
      * keep the buffer non-NULL regardless. */
     uint8_t *b = malloc(n ? n : 1);
-    if (!b) {
-        wire_err(err, errlen, "%s envelope: out of memory for %zu bytes", side, n);
-        return STATUS_NO_MEMORY;
-    }
+    if (!b)
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s envelope: out of memory for %zu "
+                           "bytes", side, n);
     size_t w = protobuf_c_message_pack(m, b);
     if (w != n) {
         free(b);
-        wire_err(err, errlen, "%s envelope: packed %zu bytes, expected %zu", side, w, n);
-        return STATUS_INTERNAL;
+        return status_fail(err, errlen, STATUS_INTERNAL, "%s envelope: packed %zu bytes, "
+                           "expected %zu", side, w, n);
     }
     *buf = b;
     *len = n;
@@ -151,26 +133,23 @@ static int wire_unpack(const ProtobufCMessageDescriptor *desc, const char *side,
     *out = NULL;
     int rc;
     if (len > PROTO_FRAME_MAX) {
-        wire_err(err, errlen, "%s frame of %zu bytes exceeds the limit of %zu", side, len,
-                 PROTO_FRAME_MAX);
-        rc = STATUS_PROTOCOL;
+        rc = status_fail(err, errlen, STATUS_PROTOCOL, "%s frame of %zu bytes exceeds the "
+                         "limit of %zu", side, len, PROTO_FRAME_MAX);
         goto fail;
     }
     if (len == 0) {
-        wire_err(err, errlen, "%s frame is empty", side);
-        rc = STATUS_PROTOCOL;
+        rc = status_fail(err, errlen, STATUS_PROTOCOL, "%s frame is empty", side);
         goto fail;
     }
     if (!buf) {
-        wire_err(err, errlen, "%s frame: NULL buffer of %zu bytes", side, len);
-        rc = STATUS_BAD_INPUT;
+        rc = status_fail(err, errlen, STATUS_BAD_INPUT, "%s frame: NULL buffer of %zu bytes",
+                         side, len);
         goto fail;
     }
     ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, len, buf);
     if (!m) {
-        wire_err(err, errlen, "%s frame of %zu bytes is not a valid %s (protobuf decoding failed)",
-                 side, len, desc->name);
-        rc = STATUS_PROTOCOL;
+        rc = status_fail(err, errlen, STATUS_PROTOCOL, "%s frame of %zu bytes is not a valid %s "
+                         "(protobuf decoding failed)", side, len, desc->name);
         goto fail;
     }
     /* Both envelopes: uint32 version then the body case, right after base. */
@@ -184,24 +163,24 @@ static int wire_unpack(const ProtobufCMessageDescriptor *desc, const char *side,
     }
     if (version < PROTO_VERSION_MIN || version > PROTO_VERSION) {
         if (PROTO_VERSION_MIN == PROTO_VERSION)
-            wire_err(err, errlen, "%s frame: protocol version %u is not supported (this build speaks %u)",
-                     side, version, PROTO_VERSION);
+            rc = status_fail(err, errlen, STATUS_PROTOCOL, "%s frame: protocol version %u is not "
+                             "supported (this build speaks %u)", side, version, PROTO_VERSION);
         else
-            wire_err(err, errlen, "%s frame: protocol version %u is not supported (this build speaks %u..%u)",
-                     side, version, PROTO_VERSION_MIN, PROTO_VERSION);
-        rc = STATUS_PROTOCOL;
+            rc = status_fail(err, errlen, STATUS_PROTOCOL, "%s frame: protocol version %u is not "
+                             "supported (this build speaks %u..%u)", side, version,
+                             PROTO_VERSION_MIN, PROTO_VERSION);
         goto fail_free;
     }
     if (body_case == 0) {
-        wire_err(err, errlen, "%s frame of %zu bytes (version %u) has no body: none was set, or a "
-                 "message type this build does not know", side, len, version);
-        rc = STATUS_UNSUPPORTED;
+        rc = status_fail(err, errlen, STATUS_UNSUPPORTED, "%s frame of %zu bytes (version %u) "
+                         "has no body: none was set, or a message type this build does not "
+                         "know", side, len, version);
         goto fail_free;
     }
     char field_err[256];
     rc = wire_check_strings(m, 0, field_err, sizeof field_err);
     if (rc < 0) {
-        wire_err(err, errlen, "%s frame: %s", side, field_err);
+        status_fail(err, errlen, rc, "%s frame: %s", side, field_err);
         goto fail_free;
     }
     *out = m;
@@ -315,22 +294,16 @@ int proto_worker_error_pack(Llm__Error__Code code, const char *request_id, const
 }
 
 int proto_request_id_check(const char *id, char *err, size_t errlen) {
-    if (!id) {
-        wire_err(err, errlen, "request_id is missing");
-        return STATUS_BAD_INPUT;
-    }
+    if (!id) return status_fail(err, errlen, STATUS_BAD_INPUT, "request_id is missing");
     size_t n = strlen(id);
-    if (n == 0 || n > PROTO_REQUEST_ID_MAX) {
-        wire_err(err, errlen, "request_id has %zu bytes, must have 1..%d", n, PROTO_REQUEST_ID_MAX);
-        return STATUS_BAD_INPUT;
-    }
+    if (n == 0 || n > PROTO_REQUEST_ID_MAX)
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "request_id has %zu bytes, must have "
+                           "1..%d", n, PROTO_REQUEST_ID_MAX);
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)id[i];
-        if (c < 0x21 || c > 0x7e) {
-            wire_err(err, errlen, "request_id byte %zu is 0x%02x, must be printable ASCII "
-                     "(0x21..0x7e)", i, c);
-            return STATUS_BAD_INPUT;
-        }
+        if (c < 0x21 || c > 0x7e)
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "request_id byte %zu is 0x%02x, "
+                               "must be printable ASCII (0x21..0x7e)", i, c);
     }
     return 0;
 }

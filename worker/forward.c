@@ -12,19 +12,8 @@
 #include "common/status.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
-
-static int forward_fail(char *err, size_t errlen, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int forward_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return code;
-}
 
 int32_t forward_logits_rows(const struct forward_batch *batch) {
     int32_t n = 0;
@@ -45,58 +34,58 @@ static int forward_check(const stage *s, const struct forward_batch *batch, int3
                          char *err, size_t errlen) {
     const struct stage_config *c = &s->cfg;
     if (batch->n_seqs < 1 || batch->n_seqs > c->n_seqs_max)
-        return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: %d sequences (this stage takes 1 to %d)",
-                            batch->n_seqs, c->n_seqs_max);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "step: %d sequences (this stage takes 1 to %d)",
+                           batch->n_seqs, c->n_seqs_max);
     if (!s->first && !batch->hidden_in)
-        return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                            "step: stage [%d, %d) needs the previous stage's hidden states",
-                            c->layer_first, c->layer_last);
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "step: stage [%d, %d) needs the previous stage's hidden states",
+                           c->layer_first, c->layer_last);
     int64_t total = 0;
     for (int32_t i = 0; i < batch->n_seqs; i++) {
         const struct forward_seq *q = &batch->seqs[i];
         if (q->n_tokens < 1 || (s->first && !q->tokens))
-            return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: %d tokens", i, q->n_tokens);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: %d tokens", i, q->n_tokens);
         if (q->logits < FORWARD_LOGITS_LAST || q->logits > FORWARD_LOGITS_NONE)
-            return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: logits mode %d", i,
-                                (int)q->logits);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "step: sequence %d: logits mode %d", i,
+                               (int)q->logits);
         total += q->n_tokens;
         if (total > c->n_tokens_max)
-            return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                "step: sequence %d brings the step to %lld tokens (this stage takes %d)", i,
-                                (long long)total, c->n_tokens_max);
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: sequence %d brings the step to %lld tokens (this stage takes %d)", i,
+                               (long long)total, c->n_tokens_max);
         int64_t end = (int64_t)q->pos0 + q->n_tokens;
         if (q->pos0 < 0 || end > c->n_ctx_max)
-            return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                "step: sequence %d: positions %d..%lld exceed the context of %d", i,
-                                q->pos0, (long long)end - 1, c->n_ctx_max);
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: sequence %d: positions %d..%lld exceed the context of %d", i,
+                               q->pos0, (long long)end - 1, c->n_ctx_max);
         if (q->n_blocks < 0 || q->n_blocks > s->max_blocks_per_seq || (q->n_blocks > 0 && !q->block_table))
-            return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                "step: sequence %d: block table of %d blocks (at most %d)", i, q->n_blocks,
-                                s->max_blocks_per_seq);
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: sequence %d: block table of %d blocks (at most %d)", i, q->n_blocks,
+                               s->max_blocks_per_seq);
         if ((int64_t)q->n_blocks * c->block_size < end)
-            return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                "step: sequence %d: position %lld is past its %d blocks of %d", i,
-                                (long long)end - 1, q->n_blocks, c->block_size);
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: sequence %d: position %lld is past its %d blocks of %d", i,
+                               (long long)end - 1, q->n_blocks, c->block_size);
         for (int32_t j = 0; j < q->n_blocks; j++)
             if (q->block_table[j] < 0 || q->block_table[j] >= c->n_blocks)
-                return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                    "step: sequence %d: block %d is %d (the cache has %d blocks)", i, j,
-                                    q->block_table[j], c->n_blocks);
+                return status_fail(err, errlen, STATUS_BAD_INPUT,
+                                   "step: sequence %d: block %d is %d (the cache has %d blocks)", i, j,
+                                   q->block_table[j], c->n_blocks);
         if (s->first)
             for (int32_t j = 0; j < q->n_tokens; j++)
                 if (q->tokens[j] < 0 || q->tokens[j] >= s->hp.n_vocab)
-                    return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                        "step: sequence %d: token %d is %d (vocabulary of %d)", i, j,
-                                        q->tokens[j], s->hp.n_vocab);
+                    return status_fail(err, errlen, STATUS_BAD_INPUT,
+                                       "step: sequence %d: token %d is %d (vocabulary of %d)", i, j,
+                                       q->tokens[j], s->hp.n_vocab);
     }
     if (batch->n_copies < 0 || (batch->n_copies > 0 && !batch->copies))
-        return forward_fail(err, errlen, STATUS_BAD_INPUT, "step: %d block copies", batch->n_copies);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "step: %d block copies", batch->n_copies);
     for (int32_t i = 0; i < batch->n_copies; i++) {
         const struct kvblocks_copy *cp = &batch->copies[i];
         if (cp->src < 0 || cp->src >= c->n_blocks || cp->dst < 0 || cp->dst >= c->n_blocks || cp->src == cp->dst)
-            return forward_fail(err, errlen, STATUS_BAD_INPUT,
-                                "step: copy %d: block %d -> %d (the cache has %d blocks)", i, cp->src,
-                                cp->dst, c->n_blocks);
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: copy %d: block %d -> %d (the cache has %d blocks)", i, cp->src,
+                               cp->dst, c->n_blocks);
     }
     *n_tokens_out = (int32_t)total;
     return STATUS_OK;
@@ -158,8 +147,8 @@ static void forward_layout(stage *s, const struct forward_batch *batch, int32_t 
     do {                                                                                        \
         int rc_ = (call);                                                                       \
         if (rc_ != STATUS_OK)                                                                   \
-            return forward_fail(err, errlen, rc_, "step: %s (layer %d) on %s: %s", what, layer, \
-                                backend_name(b), backend_errstr(b));                            \
+            return status_fail(err, errlen, rc_, "step: %s (layer %d) on %s: %s", what, layer, \
+                               backend_name(b), backend_errstr(b));                            \
     } while (0)
 
 /* The ops of a step from its input rows in s->x (the first stage embeds
@@ -309,8 +298,8 @@ static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, 
         rc = backend_graph_launch(b, s->graphs[key]);
     }
     if (rc != STATUS_OK)
-        return forward_fail(err, errlen, rc, "step: graph of %d sequences on %s: %s", S, backend_name(b),
-                            backend_errstr(b));
+        return status_fail(err, errlen, rc, "step: graph of %d sequences on %s: %s", S, backend_name(b),
+                           backend_errstr(b));
     return STATUS_OK;
 }
 

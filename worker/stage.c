@@ -9,7 +9,6 @@
 #include "common/status.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,31 +18,21 @@ void stage_config_default(struct stage_config *cfg) {
     cfg->kv_type = -1;
 }
 
-static int stage_fail(char *err, size_t errlen, int code, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int stage_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return code;
-}
-
 /* A matrix by GGUF name, with its expected shape (rows = ne[1], cols = ne[0]). */
 static int stage_load_matrix(stage *s, const char *name, int64_t rows, int64_t cols,
                              struct backend_weight *w, char *err, size_t errlen) {
     struct model_tensor t;
     if (model_file_tensor(s->m, name, &t) != STATUS_OK)
-        return stage_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s is missing",
-                          model_file_path(s->m), name);
+        return status_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s is missing",
+                           model_file_path(s->m), name);
     if (t.ne[0] != cols || t.ne[1] != rows)
-        return stage_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld], want [%lld, %lld]",
-                          model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
-                          (long long)cols, (long long)rows);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld], want [%lld, %lld]",
+                           model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
+                           (long long)cols, (long long)rows);
     int rc = backend_weight_load(s->b, w, t.type, t.data, rows, cols);
     if (rc != STATUS_OK)
-        return stage_fail(err, errlen, rc, "%s: tensor %s (%s): %s", model_file_path(s->m), name,
-                          dtype_name(t.type), backend_errstr(s->b));
+        return status_fail(err, errlen, rc, "%s: tensor %s (%s): %s", model_file_path(s->m), name,
+                           dtype_name(t.type), backend_errstr(s->b));
     s->weight_bytes += t.nbytes;
     return STATUS_OK;
 }
@@ -53,10 +42,10 @@ static int stage_upload_floats(stage *s, const float *host, int64_t n, float **o
                                char *err, size_t errlen) {
     *out = backend_alloc(s->b, (size_t)n * sizeof(float));
     if (!*out)
-        return stage_fail(err, errlen, STATUS_NO_MEMORY, "%s: %s", what, backend_errstr(s->b));
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: %s", what, backend_errstr(s->b));
     int rc = backend_upload(s->b, *out, host, (size_t)n * sizeof(float));
     if (rc == STATUS_OK) rc = backend_sync(s->b); /* host is freed by the caller right after */
-    if (rc != STATUS_OK) return stage_fail(err, errlen, rc, "%s: upload: %s", what, backend_errstr(s->b));
+    if (rc != STATUS_OK) return status_fail(err, errlen, rc, "%s: upload: %s", what, backend_errstr(s->b));
     return STATUS_OK;
 }
 
@@ -66,14 +55,14 @@ static int stage_load_vector(stage *s, const char *name, int64_t n, float **out,
     struct model_tensor t;
     *out = NULL;
     if (model_file_tensor(s->m, name, &t) != STATUS_OK)
-        return stage_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s is missing",
-                          model_file_path(s->m), name);
+        return status_fail(err, errlen, STATUS_NOT_FOUND, "%s: tensor %s is missing",
+                           model_file_path(s->m), name);
     if (t.ne[0] != n || t.ne[1] > 1 || n % dtype_block_elems(t.type) != 0)
-        return stage_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld] %s, want [%lld]",
-                          model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
-                          dtype_name(t.type), (long long)n);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld] %s, want [%lld]",
+                           model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
+                           dtype_name(t.type), (long long)n);
     float *host = malloc((size_t)n * sizeof *host);
-    if (!host) return stage_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of host memory", name);
+    if (!host) return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: out of host memory", name);
     dtype_dequant_row(t.type, t.data, host, n);
     int rc = stage_upload_floats(s, host, n, out, name, err, errlen);
     free(host);
@@ -136,22 +125,22 @@ static int stage_config_resolve(stage *s, const struct stage_config *in, char *e
     if (c.n_blocks <= 0) c.n_blocks = c.n_seqs_max * per_seq;
     if (c.kv_type < 0) c.kv_type = backend_is_gpu(s->b) ? DTYPE_F16 : DTYPE_F32;
     if (c.layer_first < 0 || c.layer_first >= c.layer_last || c.layer_last > hp->n_layers)
-        return stage_fail(err, errlen, STATUS_BAD_INPUT, "stage: layers [%d, %d) of a %d-layer model",
-                          c.layer_first, c.layer_last, hp->n_layers);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "stage: layers [%d, %d) of a %d-layer model",
+                           c.layer_first, c.layer_last, hp->n_layers);
     if (c.n_seqs_max > c.n_tokens_max)
-        return stage_fail(err, errlen, STATUS_BAD_INPUT,
-                          "stage: %d sequences per step but only %d tokens per step", c.n_seqs_max,
-                          c.n_tokens_max);
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "stage: %d sequences per step but only %d tokens per step", c.n_seqs_max,
+                           c.n_tokens_max);
     if (c.kv_type != DTYPE_F32 && c.kv_type != DTYPE_F16)
-        return stage_fail(err, errlen, STATUS_UNSUPPORTED, "stage: KV cache type %s (F32 or F16)",
-                          dtype_name(c.kv_type));
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "stage: KV cache type %s (F32 or F16)",
+                           dtype_name(c.kv_type));
     if (hp->head_dim % 2 != 0 || hp->n_kv_heads <= 0 || hp->n_heads % hp->n_kv_heads != 0)
-        return stage_fail(err, errlen, STATUS_UNSUPPORTED, "stage: %d heads, %d KV heads of %d",
-                          hp->n_heads, hp->n_kv_heads, hp->head_dim);
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "stage: %d heads, %d KV heads of %d",
+                           hp->n_heads, hp->n_kv_heads, hp->head_dim);
     /* Metadata offsets are int32 slot numbers. */
     if ((int64_t)c.n_blocks * c.block_size > INT32_MAX)
-        return stage_fail(err, errlen, STATUS_BAD_INPUT, "stage: %d blocks of %d exceed int32 slots",
-                          c.n_blocks, c.block_size);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "stage: %d blocks of %d exceed int32 slots",
+                           c.n_blocks, c.block_size);
     s->cfg = c;
     s->max_blocks_per_seq = per_seq;
     return STATUS_OK;
@@ -178,8 +167,8 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         *bufs[i].p = backend_alloc(s->b, bufs[i].n * sizeof(float));
         if (!*bufs[i].p)
-            return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: scratch %s (%zu floats): %s",
-                              bufs[i].what, bufs[i].n, backend_errstr(s->b));
+            return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: scratch %s (%zu floats): %s",
+                               bufs[i].what, bufs[i].n, backend_errstr(s->b));
     }
     /* ids, pos, slots (3T), seq_tok0 (S+1), seq_pos0 (S), tables (S * max
      * blocks), logit rows (T). */
@@ -187,8 +176,8 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
     s->meta = backend_alloc(s->b, s->meta_cap * sizeof(int32_t));
     s->meta_host = backend_host_alloc(s->b, s->meta_cap * sizeof(int32_t));
     if (!s->meta || !s->meta_host)
-        return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints): %s", s->meta_cap,
-                          backend_errstr(s->b));
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints): %s", s->meta_cap,
+                           backend_errstr(s->b));
     /* Decode graphs: LLM_CUDA_GRAPHS=0 keeps every step on separate
      * launches, to compare. */
     const char *env = getenv("LLM_CUDA_GRAPHS");
@@ -197,7 +186,7 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
         s->graphs = calloc(2 * S, sizeof *s->graphs);
         s->graph_dead = calloc(2 * S, 1);
         if (!s->graphs || !s->graph_dead)
-            return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
+            return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
     }
     return STATUS_OK;
 }
@@ -206,7 +195,7 @@ int stage_init(stage **out, const model_file *m, backend *b, const struct stage_
                char *err, size_t errlen) {
     *out = NULL;
     stage *s = calloc(1, sizeof *s);
-    if (!s) return stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
+    if (!s) return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
     s->b = b;
     s->m = m;
     s->hp = *model_file_hparams(m);
@@ -240,7 +229,7 @@ int stage_init(stage **out, const model_file *m, backend *b, const struct stage_
     }
     s->layers = calloc((size_t)s->n_local, sizeof *s->layers);
     if (!s->layers) {
-        rc = stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
+        rc = status_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
         goto fail;
     }
     for (int32_t i = 0; i < s->n_local; i++) {
@@ -251,7 +240,7 @@ int stage_init(stage **out, const model_file *m, backend *b, const struct stage_
     int32_t n_freq = hp->head_dim / 2;
     float *inv = malloc((size_t)n_freq * sizeof *inv);
     if (!inv) {
-        rc = stage_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
+        rc = status_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
         goto fail;
     }
     model_rope_inv_freq(hp, inv);

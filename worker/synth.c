@@ -5,7 +5,6 @@
 #include "synth.h"
 
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,17 +34,6 @@ int synth_shape_preset(const char *name, struct synth_shape *out) {
         }
     }
     return STATUS_NOT_FOUND;
-}
-
-static int sfail(char *err, size_t errlen, int status, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static int sfail(char *err, size_t errlen, int status, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return status;
 }
 
 /* ---- weights ---- */
@@ -239,16 +227,16 @@ static int check_shape(const struct synth_shape *s, char *err, size_t errlen) {
         {"context", s->ctx_len, 1, 1 << 24}};
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].v < f[i].min || f[i].v > f[i].max)
-            return sfail(err, errlen, STATUS_BAD_INPUT, "%s %d is outside [%d, %d]", f[i].what, f[i].v, f[i].min, f[i].max);
+            return status_fail(err, errlen, STATUS_BAD_INPUT, "%s %d is outside [%d, %d]", f[i].what, f[i].v, f[i].min, f[i].max);
     if (s->dim % s->n_heads != 0)
-        return sfail(err, errlen, STATUS_BAD_INPUT, "dim %d is not a multiple of heads %d", s->dim, s->n_heads);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "dim %d is not a multiple of heads %d", s->dim, s->n_heads);
     if ((s->dim / s->n_heads) % 2 != 0)
-        return sfail(err, errlen, STATUS_BAD_INPUT, "head dim %d (dim %d / heads %d) is odd; rope needs pairs", s->dim / s->n_heads,
-                     s->dim, s->n_heads);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "head dim %d (dim %d / heads %d) is odd; rope needs pairs", s->dim / s->n_heads,
+                           s->dim, s->n_heads);
     if (s->n_heads % s->n_kv_heads != 0)
-        return sfail(err, errlen, STATUS_BAD_INPUT, "heads %d is not a multiple of kv-heads %d", s->n_heads, s->n_kv_heads);
-    if (!(s->rope_theta > 0)) return sfail(err, errlen, STATUS_BAD_INPUT, "rope theta %g must be positive", s->rope_theta);
-    if (!(s->rms_eps > 0 && s->rms_eps < 1)) return sfail(err, errlen, STATUS_BAD_INPUT, "rms epsilon %g is not in (0, 1)", s->rms_eps);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "heads %d is not a multiple of kv-heads %d", s->n_heads, s->n_kv_heads);
+    if (!(s->rope_theta > 0)) return status_fail(err, errlen, STATUS_BAD_INPUT, "rope theta %g must be positive", s->rope_theta);
+    if (!(s->rms_eps > 0 && s->rms_eps < 1)) return status_fail(err, errlen, STATUS_BAD_INPUT, "rms epsilon %g is not in (0, 1)", s->rms_eps);
     return 0;
 }
 
@@ -279,7 +267,7 @@ static int stream_tensor(gguf_writer *w, const struct synth_config *cfg, const s
     pthread_t *th = calloc((size_t)n_threads, sizeof *th);
     int st = 0;
     if (!out || !scratch || !jobs || !th) {
-        st = sfail(err, errlen, STATUS_NO_MEMORY, "tensor %s: no memory for a chunk of %lld rows", t->name, (long long)chunk_rows);
+        st = status_fail(err, errlen, STATUS_NO_MEMORY, "tensor %s: no memory for a chunk of %lld rows", t->name, (long long)chunk_rows);
         goto done;
     }
     uint64_t key = tensor_key(cfg->seed, t->name);
@@ -300,7 +288,7 @@ static int stream_tensor(gguf_writer *w, const struct synth_config *cfg, const s
         }
         for (int k = 0; k < started; k++) {
             if (th[k]) pthread_join(th[k], NULL);
-            if (jobs[k].status) st = sfail(err, errlen, jobs[k].status, "tensor %s: quantizing to %s failed", t->name, dtype_name(t->type));
+            if (jobs[k].status) st = status_fail(err, errlen, jobs[k].status, "tensor %s: quantizing to %s failed", t->name, dtype_name(t->type));
         }
         if (st) break;
         st = gguf_writer_stream_tensor(w, t->name, out, (size_t)nr * row_bytes, r0 + nr >= rows, err, errlen);
@@ -318,12 +306,12 @@ int synth_write(const struct synth_config *cfg, const char *path, char *err, siz
     int st = check_shape(s, err, errlen);
     if (st) return st;
     if ((int)cfg->type < 0 || (int)cfg->type >= SYNTH_TYPE_COUNT)
-        return sfail(err, errlen, STATUS_BAD_INPUT, "type %d is not a synth type", (int)cfg->type);
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "type %d is not a synth type", (int)cfg->type);
     int32_t head_dim = s->dim / s->n_heads;
     int64_t q = s->dim, kv = (int64_t)s->n_kv_heads * head_dim;
     int n_specs_max = 3 + 9 * s->n_layers;
     struct tensor_spec *specs = calloc((size_t)n_specs_max, sizeof *specs);
-    if (!specs) return sfail(err, errlen, STATUS_NO_MEMORY, "no memory for %d tensor specs", n_specs_max);
+    if (!specs) return status_fail(err, errlen, STATUS_NO_MEMORY, "no memory for %d tensor specs", n_specs_max);
     int n = 0;
     char name[64];
     add_spec(specs, &n, cfg, "token_embd.weight", 2, s->dim, s->n_vocab, -1);
@@ -349,12 +337,12 @@ int synth_write(const struct synth_config *cfg, const char *path, char *err, siz
     gguf_writer *w = NULL;
     int begun = 0;
     if ((st = make_vocab(s->n_vocab, &tokens, &scores, &types))) {
-        st = sfail(err, errlen, st, "no memory for a vocabulary of %d tokens", s->n_vocab);
+        st = status_fail(err, errlen, st, "no memory for a vocabulary of %d tokens", s->n_vocab);
         goto done;
     }
     w = gguf_writer_init();
     if (!w) {
-        st = sfail(err, errlen, STATUS_NO_MEMORY, "no memory for the writer");
+        st = status_fail(err, errlen, STATUS_NO_MEMORY, "no memory for the writer");
         goto done;
     }
     static const uint32_t file_types[SYNTH_TYPE_COUNT] = {0, 1, 32, 7, 2, 15, 17, 18};
