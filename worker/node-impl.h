@@ -1,0 +1,170 @@
+/* The body of a node and the functions its files share: node.c (init,
+ * free, the io thread's loop), node_io.c (router and Redis messages),
+ * node_mem.c (the stage and its memory), node_link.c (stage-to-stage
+ * links), node_step.c (the compute thread and one plan).  Only worker/node*.c
+ * include this. */
+#ifndef WORKER_NODE_IMPL_H
+#define WORKER_NODE_IMPL_H
+
+#include "node.h"
+
+#include "forward.h"
+#include "link.h"
+#include "stage.h"
+
+#include "common/kvblocks.h"
+#include "common/sampling.h"
+#include "common/zio.h"
+#include "kernels/backend.h"
+#include "proto/wire.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/time.h>
+#include <time.h>
+
+/* Messages on the inproc pipe: one type byte, then the payload frame. */
+#define NODE_MSG_PLAN 'P'      /* io -> compute: a packed WorkerEnvelope with a plan */
+#define NODE_MSG_PLACEMENT 'R' /* io -> compute: a packed WorkerEnvelope with a RegisterReply */
+#define NODE_MSG_DRAIN 'D'     /* io -> compute: finish what came before, then stop */
+#define NODE_MSG_RESULT 'S'    /* compute -> io: a packed WorkerEnvelope with a StepResult */
+#define NODE_MSG_DONE 'X'      /* compute -> io: stopped */
+
+#define NODE_PIPE "inproc://node-plans"
+#define NODE_HEARTBEAT_DEFAULT_MS 1000
+#define NODE_DRAIN_MAX_MS 60000
+
+/* What the worker knows of one sequence between plans. */
+struct node_seq {
+    uint64_t id;
+    int32_t n_blocks;      /* length of its latest block table (for the heartbeat) */
+    int32_t *hist;         /* last stage: its tokens at positions 0..n_hist-1 */
+    int32_t n_hist, cap_hist;
+};
+
+struct node {
+    struct node_config cfg;
+    char *s_model, *s_worker_id, *s_device, *s_router, *s_redis, *s_listen, *s_advertise;
+    char host[128];
+    uint64_t incarnation;
+
+    backend *b;
+    model_file *m;
+    const struct model_hparams *hp;
+    stage *s;
+    int32_t n_vocab, dim;
+    int device_links; /* links carry F16 device buffers (NCCL) */
+
+    void *zctx;
+    struct zio_sock *router; /* DEALER, io thread */
+    struct rconn *redis;     /* io thread only */
+    char redis_key[192];
+    struct zio_sock *pipe_io, *pipe_compute;
+    pthread_t compute;
+    int compute_started;
+
+    /* Placement (compute thread; the io thread reads it under lock to build Register). */
+    pthread_mutex_t lock;
+    uint32_t pipeline_id;
+    int32_t stage_index, stage_count, layer_first, layer_end;
+    uint64_t epoch;
+    char stage_endpoint[256]; /* where our receiving ZeroMQ link is bound, as others reach it */
+    char next_endpoint[256];  /* where our sending ZeroMQ link is connected */
+    uint64_t links_epoch;     /* epoch the NCCL links were made for */
+    link_conn *rx;            /* from the previous stage */
+    link_conn *tx;            /* to the next stage */
+    int links_ok;             /* the links this placement needs exist */
+    char links_err[512];
+
+    /* Step scratch (compute thread), sized at stage load. */
+    int32_t n_tokens_max, n_seqs_max, max_blocks;
+    float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
+    void *dev_in_f16, *dev_out_f16;          /* [n_tokens_max, dim] F16, device links */
+    float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */
+    struct backend_sample_row *srows;        /* [n_seqs_max] the last stage's sampling */
+    struct forward_seq *fseqs;
+    int32_t *tables;                         /* [n_seqs_max, max_blocks] */
+    struct kvblocks_copy *copies;
+    int32_t cap_copies;
+    struct sampling_params *params;          /* [n_seqs_max] */
+    char (*seq_err)[256];                    /* [n_seqs_max] per-sequence error, "" if none */
+    /* The last stage's StepResult, built in place: [n_seqs_max] each. */
+    Llm__SeqResult *res;
+    Llm__SeqResult **res_ptr;
+    Llm__TokenLogprob *res_lp;
+    Llm__Error *res_err;
+    Llm__TopLogprob (*res_top)[SAMPLING_TOP_LOGPROBS_MAX];
+    Llm__TopLogprob *(*res_top_ptr)[SAMPLING_TOP_LOGPROBS_MAX];
+
+    struct node_seq *seqs;
+    int32_t n_seqs, cap_seqs;
+
+    /* Shared counters (written by the compute thread, read by heartbeats). */
+    _Atomic int state; /* Llm__Heartbeat__State */
+    _Atomic uint64_t last_step_id, steps_total, tokens_total;
+    _Atomic uint32_t kv_blocks_used;
+    _Atomic uint32_t kv_blocks_total, kv_block_size; /* of the stage loaded now */
+    uint64_t mem_total;                              /* device (or host) memory, at init */
+};
+
+static inline int64_t node_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static inline int64_t node_now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+static inline int64_t node_unix_ms(void) {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    return (int64_t)tv.tv_sec * 1000 + tv.tv_usec / 1000;
+}
+
+/* ---- node_mem.c: the stage and its buffers ---- */
+
+/* Frees the step buffers (not the stage). */
+void node_buffers_free(node *n);
+/* Loads layers [first, end): checks that weights, KV cache and workspace
+ * fit before allocating, then logs what each takes. */
+int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errlen);
+
+/* ---- node_link.c: links to the neighbouring stages ---- */
+
+void node_links_close(node *n, int keep_rx_zmq);
+/* Applies a RegisterReply (compute thread, or before it starts). */
+void node_placement_apply(node *n, const Llm__RegisterReply *r);
+int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *batch, char *err,
+                    size_t errlen);
+int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen);
+void node_skip_send(node *n, uint64_t step, int32_t T);
+
+/* ---- node_step.c: the compute thread ---- */
+
+void node_seqs_free(node *n);
+/* The compute thread's body (arg is the node). */
+void *node_compute_main(void *arg);
+
+/* ---- node_io.c: router and Redis (io thread) ---- */
+
+enum node_router_event {
+    NODE_EV_NONE = 0,
+    NODE_EV_ACCEPTED = 1, /* an accepted RegisterReply (forwarded) */
+    NODE_EV_REFUSED = 2,  /* refused, no retry: fatal */
+    NODE_EV_RETRY = 3,    /* refused, register again after retry_ms */
+};
+
+void node_router_send(node *n, uint8_t *buf, size_t len, const char *what);
+int node_redis_ttl_ms(node *n, uint32_t hb_ms);
+void node_redis_register(node *n, uint32_t hb_ms);
+void node_heartbeat(node *n, uint32_t hb_ms);
+void node_send_register(node *n);
+int node_router_message(node *n, const struct zio_parts *in, int running, int draining,
+                        uint32_t *hb_ms, int *retry_ms, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,204 @@
+/* The worker's messages to and from the router and Redis (io thread):
+ * Register, heartbeats, the registry key, and each message from the router
+ * checked and handed to the compute thread. */
+#include "node-impl.h"
+
+#include "common/log.h"
+#include "common/rconn.h"
+#include "common/status.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Packs this worker's Register (placement read under the lock). */
+static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
+    Llm__Register r = LLM__REGISTER__INIT;
+    char model[256], device[192];
+    const char *path = n->s_model, *slash = strrchr(path, '/');
+    snprintf(model, sizeof model, "%s", slash && slash[1] ? slash + 1 : path);
+    snprintf(device, sizeof device, "%s", backend_name(n->b));
+    pthread_mutex_lock(&n->lock);
+    r.worker_id = n->s_worker_id;
+    r.incarnation = n->incarnation;
+    r.pipeline_id = n->pipeline_id;
+    r.stage_index = (uint32_t)n->stage_index;
+    r.stage_count = (uint32_t)n->stage_count;
+    r.layer_first = (uint32_t)n->layer_first;
+    r.layer_end = (uint32_t)n->layer_end;
+    r.model = model;
+    r.backend = backend_is_gpu(n->b) ? "cuda" : "cpu";
+    r.device = device;
+    r.device_memory_bytes = n->mem_total;
+    r.kv_block_count = atomic_load(&n->kv_blocks_total);
+    r.kv_block_size = atomic_load(&n->kv_block_size);
+    r.stage_endpoint = n->stage_endpoint;
+    r.host = n->host;
+    r.pid = (uint32_t)getpid();
+    r.max_step_tokens = (uint32_t)n->n_tokens_max;
+    r.max_step_seqs = (uint32_t)n->n_seqs_max;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
+    env.register_ = &r;
+    char err[256];
+    int rc = proto_worker_pack(&env, buf, len, err, sizeof err);
+    pthread_mutex_unlock(&n->lock);
+    if (rc < 0) LOG(LL_ERROR, "cannot pack Register: %s", err);
+    return rc;
+}
+
+/* Sends one packed frame to the router without blocking: a router that is
+ * down must not stop the worker (heartbeats are simply lost). */
+void node_router_send(node *n, uint8_t *buf, size_t len, const char *what) {
+    struct zio_frame f = {buf, len, proto_buf_free, NULL};
+    if (zio_send(n->router, &f, 1, ZMQ_DONTWAIT) < 0)
+        LOG(LL_WARN, "%s to the router %s not sent: %s", what, n->s_router, zio_errstr(n->router));
+}
+
+int node_redis_ttl_ms(node *n, uint32_t hb_ms) {
+    (void)n;
+    int64_t t = (int64_t)hb_ms * 3;
+    return t < 3000 ? 3000 : (int)t;
+}
+
+/* Writes (or rewrites) the registry key with the current Register. */
+void node_redis_register(node *n, uint32_t hb_ms) {
+    if (!n->redis) return;
+    uint8_t *buf;
+    size_t len;
+    if (node_register_pack(n, &buf, &len) < 0) return;
+    if (rconn_set(n->redis, n->redis_key, buf, len, node_redis_ttl_ms(n, hb_ms)) < 0)
+        LOG(LL_WARN, "registry key %s: %s", n->redis_key, rconn_errstr(n->redis));
+    free(buf);
+}
+
+void node_heartbeat(node *n, uint32_t hb_ms) {
+    Llm__Heartbeat h = LLM__HEARTBEAT__INIT;
+    h.worker_id = n->s_worker_id;
+    h.incarnation = n->incarnation;
+    h.state = (Llm__Heartbeat__State)atomic_load(&n->state);
+    h.time_ms = node_unix_ms();
+    h.last_step_id = atomic_load(&n->last_step_id);
+    h.kv_blocks_used = atomic_load(&n->kv_blocks_used);
+    h.kv_blocks_total = atomic_load(&n->kv_blocks_total);
+    h.steps_total = atomic_load(&n->steps_total);
+    h.tokens_total = atomic_load(&n->tokens_total);
+    Llm__Error e;
+    char why[512];
+    if (h.state == LLM__HEARTBEAT__STATE__FAILED) {
+        pthread_mutex_lock(&n->lock);
+        snprintf(why, sizeof why, "%s", n->links_err);
+        pthread_mutex_unlock(&n->lock);
+        proto_error_init(&e, LLM__ERROR__CODE__UNAVAILABLE, "", why, 0);
+        h.error = &e;
+    }
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &h;
+    uint8_t *buf;
+    size_t len;
+    char err[256];
+    if (proto_worker_pack(&env, &buf, &len, err, sizeof err) == 0)
+        node_router_send(n, buf, len, "heartbeat");
+    if (n->redis) {
+        int rc = rconn_expire(n->redis, n->redis_key, node_redis_ttl_ms(n, hb_ms));
+        if (rc == 0) node_redis_register(n, hb_ms); /* expired or flushed: write it again */
+        else if (rc < 0) LOG(LL_WARN, "registry key %s: %s", n->redis_key, rconn_errstr(n->redis));
+    }
+}
+
+void node_send_register(node *n) {
+    uint8_t *buf;
+    size_t len;
+    if (node_register_pack(n, &buf, &len) == 0) node_router_send(n, buf, len, "Register");
+}
+
+/* The Error reply to a frame that could not be read or is not for a worker. */
+static void node_reply_error(node *n, Llm__Error__Code code, const char *msg) {
+    uint8_t *buf;
+    size_t len;
+    if (proto_worker_error_pack(code, "", msg, 0, &buf, &len) == 0)
+        node_router_send(n, buf, len, "Error reply");
+}
+
+static void node_pipe_forward(node *n, char type, const void *data, size_t len) {
+    struct zio_frame f[2] = {{&type, 1, NULL, NULL}, {data, len, NULL, NULL}};
+    if (zio_send(n->pipe_io, f, 2, 0) < 0)
+        LOG(LL_ERROR, "handing a message to the compute thread: %s", zio_errstr(n->pipe_io));
+}
+
+
+/* One message from the router: checks it, answers bad frames, forwards
+ * plans (when running) and placements.  *hb_ms and *retry_ms are updated
+ * from a RegisterReply. */
+int node_router_message(node *n, const struct zio_parts *in, int running, int draining,
+                               uint32_t *hb_ms, int *retry_ms, char *err, size_t errlen) {
+    if (in->n != 1) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "a message to a worker is one frame, this one has %zu", in->n);
+        LOG(LL_WARN, "router %s: %s", n->s_router, msg);
+        node_reply_error(n, LLM__ERROR__CODE__INVALID_ARGUMENT, msg);
+        return NODE_EV_NONE;
+    }
+    const void *data = zio_parts_data(in, 0);
+    size_t len = zio_parts_size(in, 0);
+    Llm__WorkerEnvelope *env = NULL;
+    char why[256];
+    int rc = proto_worker_unpack(data, len, &env, why, sizeof why);
+    if (rc < 0) {
+        LOG(LL_WARN, "router %s: frame refused (%llu so far): %s", n->s_router,
+            (unsigned long long)proto_frames_rejected(), why);
+        node_reply_error(n, proto_code_from_status(rc), why);
+        return NODE_EV_NONE;
+    }
+    int ev = NODE_EV_NONE;
+    switch (env->body_case) {
+    case LLM__WORKER_ENVELOPE__BODY_PLAN:
+        if (!running)
+            LOG(LL_WARN, "step %llu arrived before registration finished: dropped",
+                (unsigned long long)env->plan->step_id);
+        else if (draining)
+            LOG(LL_INFO, "step %llu arrived while draining: dropped",
+                (unsigned long long)env->plan->step_id);
+        else
+            node_pipe_forward(n, NODE_MSG_PLAN, data, len);
+        break;
+    case LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY: {
+        const Llm__RegisterReply *r = env->register_reply;
+        if (r->accepted) {
+            *hb_ms = r->heartbeat_interval_ms ? r->heartbeat_interval_ms : NODE_HEARTBEAT_DEFAULT_MS;
+            node_pipe_forward(n, NODE_MSG_PLACEMENT, data, len);
+            ev = NODE_EV_ACCEPTED;
+        } else {
+            const char *msg = r->error && r->error->message[0] ? r->error->message : "no reason given";
+            uint32_t retry = r->error ? r->error->retry_after_ms : 0;
+            if (retry > 0) {
+                LOG(LL_WARN, "router %s refused the registration (%s): again in %u ms",
+                    n->s_router, msg, retry);
+                *retry_ms = (int)retry;
+                ev = NODE_EV_RETRY;
+            } else {
+                snprintf(err, errlen, "router %s refused worker %s: %s", n->s_router,
+                         n->s_worker_id, msg);
+                ev = NODE_EV_REFUSED;
+            }
+        }
+        break;
+    }
+    case LLM__WORKER_ENVELOPE__BODY_ERROR:
+        LOG(LL_WARN, "router %s: error %s: %s", n->s_router, proto_code_name(env->error->code),
+            env->error->message);
+        break;
+    default: {
+        char msg[128];
+        snprintf(msg, sizeof msg, "a worker does not take envelope body %d from the router",
+                 (int)env->body_case);
+        LOG(LL_WARN, "router %s: %s", n->s_router, msg);
+        node_reply_error(n, LLM__ERROR__CODE__UNIMPLEMENTED, msg);
+        break;
+    }
+    }
+    proto_worker_free(env);
+    return ev;
+}

@@ -1,0 +1,205 @@
+/* The worker's links to its neighbouring stages: made or remade for each
+ * placement (ZeroMQ or NCCL), and the hidden-state rows a step receives and
+ * sends over them. */
+#include "node-impl.h"
+
+#include "common/log.h"
+#include "common/rconn.h"
+#include "common/status.h"
+
+#include <stdio.h>
+#include <string.h>
+
+void node_links_close(node *n, int keep_rx_zmq) {
+    if (n->tx) link_free(n->tx);
+    n->tx = NULL;
+    n->next_endpoint[0] = 0;
+    if (n->rx && !(keep_rx_zmq && !link_on_device(n->rx))) {
+        link_free(n->rx);
+        n->rx = NULL;
+    }
+}
+
+/* Makes the links the current placement needs: a receiving link unless this
+ * is the first stage, a sending one unless it is the last.  ZeroMQ: the
+ * receiving socket was bound at init; the sending one connects to the
+ * next stage's endpoint from the RegisterReply.  NCCL: new communicators
+ * for every epoch.  On failure the node keeps serving, failing plans with
+ * the reason, until a later RegisterReply makes the links. */
+static int node_links_setup(node *n, const char *next_ep, int whole, char *err, size_t errlen) {
+    int first = stage_is_first(n->s), last = stage_is_last(n->s);
+    if (n->device_links) {
+        if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
+        node_links_close(n, 0);
+        if (first && last) {
+            n->links_epoch = n->epoch;
+            return STATUS_OK;
+        }
+        /* NCCL needs both ends at once, at the same epoch: before the
+         * pipeline is whole the next registration changes the epoch and a
+         * peer would never come. */
+        if (!whole) {
+            snprintf(err, errlen, "stage %d: waiting for the other stages of pipeline %u",
+                     n->stage_index, n->pipeline_id);
+            return STATUS_UNAVAILABLE;
+        }
+        if (!*n->s_redis) {
+            snprintf(err, errlen, "stage %d: NCCL links need --redis to exchange their ids",
+                     n->stage_index);
+            return STATUS_BAD_INPUT;
+        }
+        /* A connection of this thread's own: the io thread's is in use for heartbeats. */
+        struct rconn *redis = NULL;
+        int rc = rconn_open_url(n->s_redis, 2000, &redis, err, errlen);
+        if (rc < 0) return rc;
+        char key[128];
+        if (!first) {
+            link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)(n->stage_index - 1), n->epoch);
+            rc = link_nccl_init(&n->rx, n->b, LINK_RECV, redis, key, n->cfg.link_timeout_ms, err,
+                                errlen);
+        }
+        if (rc == STATUS_OK && !last) {
+            link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)n->stage_index, n->epoch);
+            rc = link_nccl_init(&n->tx, n->b, LINK_SEND, redis, key, n->cfg.link_timeout_ms, err,
+                                errlen);
+        }
+        rconn_close(redis);
+        if (rc < 0) return rc;
+        n->links_epoch = n->epoch;
+        return STATUS_OK;
+    }
+    if (!first && !n->rx) {
+        snprintf(err, errlen, "stage %d has no ZeroMQ endpoint bound for the previous stage",
+                 n->stage_index);
+        return STATUS_INTERNAL;
+    }
+    if (n->rx) link_set_epoch(n->rx, n->epoch);
+    if (last) {
+        if (n->tx) link_free(n->tx);
+        n->tx = NULL;
+        n->next_endpoint[0] = 0;
+        return STATUS_OK;
+    }
+    if (!next_ep || !*next_ep) {
+        snprintf(err, errlen, "stage %d of %d: the router gave no next_stage_endpoint yet",
+                 n->stage_index, n->stage_count);
+        return STATUS_UNAVAILABLE;
+    }
+    if (!n->tx || strcmp(next_ep, n->next_endpoint) != 0) {
+        if (n->tx) link_free(n->tx);
+        n->tx = NULL;
+        int rc = link_zmq_init(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms, err,
+                               errlen);
+        if (rc < 0) return rc;
+        snprintf(n->next_endpoint, sizeof n->next_endpoint, "%s", next_ep);
+        LOG(LL_INFO, "stage %d: sending hidden states to %s", n->stage_index, next_ep);
+    }
+    link_set_epoch(n->tx, n->epoch);
+    return STATUS_OK;
+}
+
+/* Applies a RegisterReply (compute thread, or before it starts). */
+void node_placement_apply(node *n, const Llm__RegisterReply *r) {
+    char err[512] = "";
+    int rc = STATUS_OK;
+    if (!r->accepted) return;
+    int32_t first = (int32_t)r->layer_first, end = (int32_t)r->layer_end;
+    pthread_mutex_lock(&n->lock);
+    n->pipeline_id = r->pipeline_id;
+    if (r->stage_count > 0) {
+        n->stage_index = (int32_t)r->stage_index;
+        n->stage_count = (int32_t)r->stage_count;
+    }
+    if (r->epoch != n->epoch)
+        LOG(LL_INFO, "pipeline %u: epoch %llu -> %llu", r->pipeline_id,
+            (unsigned long long)n->epoch, (unsigned long long)r->epoch);
+    n->epoch = r->epoch;
+    pthread_mutex_unlock(&n->lock);
+    if (end > 0 && (first != n->layer_first || end != n->layer_end)) {
+        LOG(LL_WARN, "router placed this worker on layers %d:%d (it loaded %d:%d): reloading",
+            first, end, n->layer_first, n->layer_end);
+        atomic_store(&n->state, LLM__HEARTBEAT__STATE__STARTING);
+        node_links_close(n, 1);
+        pthread_mutex_lock(&n->lock);
+        rc = node_stage_load(n, first, end, err, sizeof err);
+        pthread_mutex_unlock(&n->lock);
+    }
+    if (rc == STATUS_OK) rc = node_links_setup(n, r->next_stage_endpoint, r->pipeline_whole, err, sizeof err);
+    n->links_ok = rc == STATUS_OK;
+    pthread_mutex_lock(&n->lock); /* the io thread reads links_err for heartbeats */
+    snprintf(n->links_err, sizeof n->links_err, "%s", rc == STATUS_OK ? "" : err);
+    pthread_mutex_unlock(&n->lock);
+    if (rc == STATUS_OK) {
+        atomic_store(&n->state, LLM__HEARTBEAT__STATE__READY);
+        LOG(LL_INFO, "pipeline %u stage %d/%d (layers %d:%d), epoch %llu: ready", n->pipeline_id,
+            n->stage_index, n->stage_count, n->layer_first, n->layer_end,
+            (unsigned long long)n->epoch);
+    } else {
+        /* Waiting for the neighbours is a normal start; anything else failed. */
+        atomic_store(&n->state, rc == STATUS_UNAVAILABLE ? LLM__HEARTBEAT__STATE__STARTING
+                                                         : LLM__HEARTBEAT__STATE__FAILED);
+        LOG(rc == STATUS_UNAVAILABLE ? LL_INFO : LL_ERROR, "pipeline %u stage %d: %s",
+            n->pipeline_id, n->stage_index, err);
+    }
+}
+
+/* Receives this step's input rows from the previous stage into
+ * batch->hidden_in.  Returns 0, LINK_SKIPPED or a negative status. */
+int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *batch,
+                           char *err, size_t errlen) {
+    size_t rows = (size_t)T * n->dim;
+    int rc;
+    if (link_on_device(n->rx)) {
+        rc = link_recv(n->rx, step, n->dev_in_f16, rows * 2);
+        if (rc == STATUS_OK)
+            rc = backend_convert(n->b, n->dev_in_f32, DTYPE_F32, n->dev_in_f16, DTYPE_F16,
+                                 (int64_t)rows);
+        batch->hidden_in = n->dev_in_f32;
+        batch->hidden_in_backend = 1;
+    } else {
+        rc = link_recv(n->rx, step, n->hidden_in_host, rows * sizeof(float));
+        batch->hidden_in = n->hidden_in_host;
+        batch->hidden_in_backend = 0;
+    }
+    if (rc < 0)
+        snprintf(err, errlen, "%s", link_errstr(n->rx)[0] ? link_errstr(n->rx) : backend_errstr(n->b));
+    return rc;
+}
+
+/* Sends this step's output rows to the next stage (out->hidden already
+ * holds them for a host link). */
+int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen) {
+    size_t rows = (size_t)T * n->dim;
+    int rc;
+    if (link_on_device(n->tx)) {
+        rc = backend_convert(n->b, n->dev_out_f16, DTYPE_F16, forward_hidden(n->s), DTYPE_F32,
+                             (int64_t)rows);
+        if (rc < 0) {
+            snprintf(err, errlen, "hidden states to F16: %s", backend_errstr(n->b));
+            return rc;
+        }
+        rc = link_send(n->tx, step, n->dev_out_f16, rows * 2);
+    } else {
+        rc = link_send(n->tx, step, n->hidden_out_host, rows * sizeof(float));
+    }
+    if (rc < 0) snprintf(err, errlen, "%s", link_errstr(n->tx));
+    return rc;
+}
+
+/* Tells the next stage not to wait for a step that failed here.  ZeroMQ
+ * carries a skip marker.  NCCL has no way to say it: when the step's size
+ * is known (T > 0) the staging buffer goes out anyway, so that the next
+ * stage's receive, already queued on its stream, completes; its result is
+ * meaningless and this stage's StepResult tells the router the step failed.
+ * With T = 0 the plan was refused before its size was known, and the next
+ * stage, checking the same plan, refuses it too. */
+void node_skip_send(node *n, uint64_t step, int32_t T) {
+    if (!n->tx || !n->links_ok) return;
+    int rc;
+    if (!link_on_device(n->tx)) rc = link_send(n->tx, step, NULL, 0);
+    else if (T > 0) rc = link_send(n->tx, step, n->dev_out_f16, (size_t)T * n->dim * 2);
+    else return;
+    if (rc < 0)
+        LOG(LL_WARN, "step %llu: telling the next stage it failed here: %s",
+            (unsigned long long)step, link_errstr(n->tx));
+}

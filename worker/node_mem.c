@@ -1,0 +1,257 @@
+/* The worker's stage and its memory: the default layer split, what weights,
+ * KV cache and workspace take and whether they fit, loading the stage and
+ * sizing the step buffers. */
+#include "node-impl.h"
+
+#include "common/log.h"
+#include "common/status.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static size_t node_tensor_bytes(const model_file *m, const char *name) {
+    struct model_tensor t;
+    return model_file_tensor(m, name, &t) == STATUS_OK ? t.nbytes : 0;
+}
+
+static size_t node_layer_bytes(const model_file *m, int32_t layer) {
+    static const char *const parts[] = {"attn_norm.weight", "attn_q.weight",   "attn_k.weight",
+                                        "attn_v.weight",    "attn_output.weight", "ffn_norm.weight",
+                                        "ffn_gate.weight",  "ffn_up.weight",   "ffn_down.weight",
+                                        "attn_q.bias",      "attn_k.bias",     "attn_v.bias"};
+    size_t sum = 0;
+    char name[96];
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+        snprintf(name, sizeof name, "blk.%d.%s", layer, parts[i]);
+        sum += node_tensor_bytes(m, name);
+    }
+    return sum;
+}
+
+/* Bytes of weights a stage of layers [first, end) holds. */
+static size_t node_range_bytes(const model_file *m, int32_t first, int32_t end) {
+    const struct model_hparams *hp = model_file_hparams(m);
+    size_t sum = 0;
+    for (int32_t l = first; l < end; l++) sum += node_layer_bytes(m, l);
+    if (first == 0) sum += node_tensor_bytes(m, "token_embd.weight");
+    if (end == hp->n_layers) {
+        sum += node_tensor_bytes(m, "output_norm.weight");
+        sum += hp->tied_embeddings ? node_tensor_bytes(m, "token_embd.weight")
+                                   : node_tensor_bytes(m, "output.weight");
+    }
+    return sum;
+}
+
+int node_layer_split(const model_file *m, int32_t n_stages, int32_t index, int32_t *first,
+                     int32_t *end, char *err, size_t errlen) {
+    const struct model_hparams *hp = model_file_hparams(m);
+    int32_t L = hp->n_layers;
+    if (n_stages < 1 || index < 0 || index >= n_stages) {
+        snprintf(err, errlen, "stage %d of %d: the index must lie in [0, %d)", index, n_stages,
+                 n_stages < 1 ? 1 : n_stages);
+        return STATUS_BAD_INPUT;
+    }
+    if (n_stages > L) {
+        snprintf(err, errlen, "%d stages for %s: the model has only %d layers", n_stages,
+                 model_file_path(m), L);
+        return STATUS_BAD_INPUT;
+    }
+    /* Cumulative bytes with the embedding before layer 0 and the head after
+     * the last: cut where the running total crosses k/n of the whole, while
+     * leaving at least one layer for every stage on either side. */
+    size_t total = node_range_bytes(m, 0, L);
+    size_t acc = node_range_bytes(m, 0, 0); /* the embedding alone (end 0 is not the last layer) */
+    int32_t cut_prev = 0;
+    int32_t cuts[L + 1];
+    cuts[0] = 0;
+    int32_t k = 1;
+    for (int32_t l = 0; l < L && k < n_stages; l++) {
+        acc += node_layer_bytes(m, l);
+        int32_t next = l + 1;
+        int32_t left_needed = n_stages - k; /* stages still to place after this cut */
+        int must_cut = L - next == left_needed;
+        if (must_cut || (double)acc >= (double)total * k / n_stages) {
+            if (next > cut_prev && L - next >= left_needed) {
+                cuts[k++] = next;
+                cut_prev = next;
+            }
+        }
+    }
+    cuts[n_stages] = L;
+    *first = cuts[index];
+    *end = cuts[index + 1];
+    return STATUS_OK;
+}
+
+static double node_mib(size_t bytes) { return bytes / (1024.0 * 1024.0); }
+
+/* ---- the stage and its buffers ------------------------------------------ */
+
+void node_buffers_free(node *n) {
+    if (n->b) {
+        if (n->dev_in_f16) backend_dealloc(n->b, n->dev_in_f16);
+        if (n->dev_out_f16) backend_dealloc(n->b, n->dev_out_f16);
+        if (n->dev_in_f32) backend_dealloc(n->b, n->dev_in_f32);
+    }
+    n->dev_in_f16 = n->dev_out_f16 = NULL;
+    n->dev_in_f32 = NULL;
+    free(n->hidden_in_host);
+    free(n->hidden_out_host);
+    free(n->srows);
+    free(n->fseqs);
+    free(n->tables);
+    free(n->copies);
+    free(n->params);
+    free(n->seq_err);
+    free(n->res);
+    free(n->res_ptr);
+    free(n->res_lp);
+    free(n->res_err);
+    free(n->res_top);
+    free(n->res_top_ptr);
+    n->res = NULL;
+    n->res_ptr = NULL;
+    n->res_lp = NULL;
+    n->res_err = NULL;
+    n->res_top = NULL;
+    n->res_top_ptr = NULL;
+    n->hidden_in_host = n->hidden_out_host = NULL;
+    n->srows = NULL;
+    n->fseqs = NULL;
+    n->tables = NULL;
+    n->copies = NULL;
+    n->cap_copies = 0;
+    n->params = NULL;
+    n->seq_err = NULL;
+}
+
+static int node_buffers_init(node *n, char *err, size_t errlen) {
+    const struct stage_config *c = stage_config_get(n->s);
+    n->n_tokens_max = c->n_tokens_max;
+    n->n_seqs_max = c->n_seqs_max;
+    n->max_blocks = (c->n_ctx_max + c->block_size - 1) / c->block_size;
+    size_t rows = (size_t)n->n_tokens_max * n->dim;
+    n->hidden_in_host = malloc(rows * sizeof(float));
+    n->hidden_out_host = malloc(rows * sizeof(float));
+    n->srows = calloc((size_t)n->n_seqs_max, sizeof *n->srows);
+    n->fseqs = calloc((size_t)n->n_seqs_max, sizeof *n->fseqs);
+    n->tables = calloc((size_t)n->n_seqs_max * n->max_blocks, sizeof *n->tables);
+    n->params = calloc((size_t)n->n_seqs_max, sizeof *n->params);
+    n->seq_err = calloc((size_t)n->n_seqs_max, sizeof *n->seq_err);
+    size_t ns = (size_t)n->n_seqs_max;
+    n->res = calloc(ns, sizeof *n->res);
+    n->res_ptr = calloc(ns, sizeof *n->res_ptr);
+    n->res_lp = calloc(ns, sizeof *n->res_lp);
+    n->res_err = calloc(ns, sizeof *n->res_err);
+    n->res_top = calloc(ns, sizeof *n->res_top);
+    n->res_top_ptr = calloc(ns, sizeof *n->res_top_ptr);
+    if (!n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
+        !n->params || !n->seq_err || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
+        !n->res_top || !n->res_top_ptr) {
+        snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
+                 n->n_tokens_max, n->dim);
+        return STATUS_NO_MEMORY;
+    }
+    if (backend_is_gpu(n->b)) {
+        n->dev_in_f16 = backend_alloc(n->b, rows * 2);
+        n->dev_out_f16 = backend_alloc(n->b, rows * 2);
+        n->dev_in_f32 = backend_alloc(n->b, rows * sizeof(float));
+        if (!n->dev_in_f16 || !n->dev_out_f16 || !n->dev_in_f32) {
+            snprintf(err, errlen, "%s: no device memory for the link buffers: %s",
+                     backend_name(n->b), backend_errstr(n->b));
+            return STATUS_NO_MEMORY;
+        }
+    }
+    return STATUS_OK;
+}
+
+/* Loads layers [first, end): checks that weights, KV cache and workspace
+ * fit before allocating, then logs what each takes. */
+int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errlen) {
+    const struct node_config *cfg = &n->cfg;
+    node_buffers_free(n);
+    stage_free(n->s);
+    n->s = NULL;
+    node_seqs_free(n);
+    const struct model_hparams *hp = n->hp;
+    if (first < 0 || end > hp->n_layers || first >= end) {
+        snprintf(err, errlen, "layers %d:%d: %s has layers 0:%d", first, end,
+                 model_file_path(n->m), hp->n_layers);
+        return STATUS_BAD_INPUT;
+    }
+    int gpu = backend_is_gpu(n->b);
+    struct stage_config sc;
+    stage_config_default(&sc);
+    sc.layer_first = first;
+    sc.layer_last = end;
+    sc.n_tokens_max = cfg->max_batch_tokens;
+    sc.n_seqs_max = cfg->max_seqs;
+    sc.n_ctx_max = cfg->ctx > 0 ? cfg->ctx : hp->ctx_len;
+    sc.block_size = cfg->kv_block_size;
+    int32_t ctx = sc.n_ctx_max > 0 ? sc.n_ctx_max : 2048;
+    size_t weights = node_range_bytes(n->m, first, end);
+    size_t kv_elt = gpu ? 2 : 4;
+    size_t per_block = (size_t)(end - first) * 2 * hp->n_kv_heads * cfg->kv_block_size *
+                       hp->head_dim * kv_elt;
+    /* Activations, attention and lm_head scratch, and (GPU) cuBLAS and
+     * three dequantized prefill tiles of up to 96 MiB (the scratch's and
+     * the two of kernels/cuda/dequant_ahead.cu): an upper estimate; the
+     * real figure is logged after the load. */
+    size_t work = (size_t)cfg->max_batch_tokens * 4 *
+                      (8 * (size_t)hp->dim + 3 * (size_t)hp->ffn_dim) +
+                  (size_t)cfg->max_seqs * hp->n_vocab * 4 + (gpu ? (size_t)(64 + 3 * 96) << 20 : 0);
+    size_t mem_free = 0, mem_total = 0;
+    backend_mem_info(n->b, &mem_free, &mem_total);
+    int32_t blocks = cfg->kv_blocks;
+    if (blocks <= 0 && gpu) {
+        double budget = (double)mem_free * cfg->mem_fraction - (double)weights - (double)work;
+        if (budget < (double)per_block) {
+            snprintf(err, errlen,
+                     "%s: layers %d:%d do not fit: weights %.1f MiB + workspace ~%.1f MiB leave "
+                     "no room for a KV block (%.2f MiB) in %.2f of %.1f MiB free "
+                     "(--mem-fraction %.2f): use more stages or a smaller model",
+                     backend_name(n->b), first, end, node_mib(weights), node_mib(work),
+                     node_mib(per_block), cfg->mem_fraction, node_mib(mem_free), cfg->mem_fraction);
+            return STATUS_NO_MEMORY;
+        }
+        double nb = budget / (double)per_block;
+        blocks = nb > (double)(1 << 24) ? (1 << 24) : (int32_t)nb;
+    } else if (blocks <= 0) {
+        blocks = cfg->max_seqs * ((ctx + cfg->kv_block_size - 1) / cfg->kv_block_size);
+    }
+    sc.n_blocks = blocks;
+    size_t kv = per_block * (size_t)blocks;
+    /* On the CPU the weights are read in place from the file mapping (page
+     * cache), so only KV and workspace need free RAM. */
+    size_t need = kv + work + (gpu ? weights : 0);
+    if (mem_free > 0 && need > mem_free) {
+        snprintf(err, errlen,
+                 "%s: layers %d:%d do not fit: %sKV %.1f MiB (%d blocks of %d) + workspace "
+                 "~%.1f MiB = %.1f MiB, %.1f MiB free: lower --kv-blocks or --max-batch-tokens, "
+                 "or use more stages",
+                 backend_name(n->b), first, end, gpu ? "weights + " : "", node_mib(kv), blocks,
+                 cfg->kv_block_size, node_mib(work), node_mib(need), node_mib(mem_free));
+        return STATUS_NO_MEMORY;
+    }
+    int rc = stage_init(&n->s, n->m, n->b, &sc, err, errlen);
+    if (rc != STATUS_OK) return rc;
+    size_t free_after = 0;
+    backend_mem_info(n->b, &free_after, &mem_total);
+    size_t kv_real = kvcache_bytes(stage_kvcache(n->s));
+    if (gpu && mem_free > free_after && mem_free - free_after > weights + kv_real)
+        work = mem_free - free_after - weights - kv_real;
+    const struct stage_config *c = stage_config_get(n->s);
+    LOG(LL_INFO,
+        "stage %d/%d: layers %d:%d of %s on %s: weights %.2f MiB%s, KV %.2f MiB (%d blocks of %d "
+        "positions, %s), workspace %s%.2f MiB; %d tokens and %d sequences per step",
+        n->stage_index, n->stage_count, first, end, model_file_path(n->m), backend_name(n->b),
+        node_mib(weights), gpu ? "" : " (mapped from the file)", node_mib(kv_real), c->n_blocks,
+        c->block_size, c->kv_type == DTYPE_F16 ? "f16" : "f32", gpu ? "" : "~", node_mib(work),
+        c->n_tokens_max, c->n_seqs_max);
+    n->layer_first = first;
+    n->layer_end = end;
+    atomic_store(&n->kv_blocks_total, (uint32_t)c->n_blocks);
+    atomic_store(&n->kv_block_size, (uint32_t)c->block_size);
+    return node_buffers_init(n, err, errlen);
+}

@@ -1,0 +1,454 @@
+/* The worker's compute thread: the per-sequence state, and one step plan
+ * checked, run through the stage and answered with a StepResult. */
+#include "node-impl.h"
+
+#include "common/log.h"
+#include "common/status.h"
+#if defined(LLM_HAVE_CUDA)
+#include "kernels/cuda/nccl_link.h"
+#include "kernels/cuda/stream_access.h"
+#endif
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static struct node_seq *node_seq_find(node *n, uint64_t id) {
+    for (int32_t i = 0; i < n->n_seqs; i++)
+        if (n->seqs[i].id == id) return &n->seqs[i];
+    return NULL;
+}
+
+static struct node_seq *node_seq_get(node *n, uint64_t id) {
+    struct node_seq *q = node_seq_find(n, id);
+    if (q) return q;
+    if (n->n_seqs == n->cap_seqs) {
+        int32_t cap = n->cap_seqs ? n->cap_seqs * 2 : 64;
+        struct node_seq *t = realloc(n->seqs, (size_t)cap * sizeof *t);
+        if (!t) return NULL;
+        n->seqs = t;
+        n->cap_seqs = cap;
+    }
+    q = &n->seqs[n->n_seqs++];
+    memset(q, 0, sizeof *q);
+    q->id = id;
+    return q;
+}
+
+static void node_seq_forget(node *n, uint64_t id) {
+    struct node_seq *q = node_seq_find(n, id);
+    if (!q) return;
+    free(q->hist);
+    *q = n->seqs[--n->n_seqs];
+}
+
+void node_seqs_free(node *n) {
+    for (int32_t i = 0; i < n->n_seqs; i++) free(n->seqs[i].hist);
+    free(n->seqs);
+    n->seqs = NULL;
+    n->n_seqs = n->cap_seqs = 0;
+}
+
+static int node_hist_append(struct node_seq *q, const int32_t *toks, size_t n_toks) {
+    if ((size_t)q->n_hist + n_toks > (size_t)INT32_MAX / 2) return STATUS_BAD_INPUT;
+    int32_t need = q->n_hist + (int32_t)n_toks;
+    if (need > q->cap_hist) {
+        int32_t cap = q->cap_hist ? q->cap_hist : 64;
+        while (cap < need) cap *= 2;
+        int32_t *t = realloc(q->hist, (size_t)cap * sizeof *t);
+        if (!t) return STATUS_NO_MEMORY;
+        q->hist = t;
+        q->cap_hist = cap;
+    }
+    memcpy(q->hist + q->n_hist, toks, n_toks * sizeof *toks);
+    q->n_hist = need;
+    return STATUS_OK;
+}
+
+/* The last stage's history of a sequence after this step's tokens ran:
+ * positions 0..start_pos-1 as known (reset at position 0, rolled back if
+ * the router went back, or replaced by penalty_context when the sequence
+ * starts on a prefix this worker has not seen), then the step's tokens. */
+static int node_hist_update(struct node_seq *q, const Llm__SeqPlan *sp) {
+    int32_t pos = (int32_t)sp->start_pos;
+    if (pos == 0) {
+        q->n_hist = 0;
+    } else if (q->n_hist != pos) {
+        if (sp->n_penalty_context > 0) {
+            q->n_hist = 0;
+            int rc = node_hist_append(q, sp->penalty_context, sp->n_penalty_context);
+            if (rc != STATUS_OK) return rc;
+        } else if (q->n_hist > pos) {
+            q->n_hist = pos;
+        } else {
+            LOG(LL_DEBUG, "seq %llu: history has %d tokens before position %d; penalties see "
+                "only those", (unsigned long long)sp->seq_id, q->n_hist, pos);
+        }
+    }
+    return node_hist_append(q, sp->tokens, sp->n_tokens);
+}
+
+static void node_kv_used_update(node *n) {
+    uint64_t used = 0;
+    for (int32_t i = 0; i < n->n_seqs; i++) used += (uint64_t)n->seqs[i].n_blocks;
+    uint32_t total = atomic_load(&n->kv_blocks_total);
+    atomic_store(&n->kv_blocks_used, used > total ? total : (uint32_t)used);
+}
+
+/* ---- one step ----------------------------------------------------------- */
+
+static void node_params_from_wire(const Llm__SamplingParams *w, struct sampling_params *p) {
+    sampling_params_default(p);
+    if (!w) return;
+    p->temperature = w->temperature;
+    p->top_k = w->top_k;
+    p->top_p = w->top_p;
+    p->min_p = w->min_p;
+    p->repetition_penalty = w->repetition_penalty;
+    p->presence_penalty = w->presence_penalty;
+    p->frequency_penalty = w->frequency_penalty;
+    p->penalty_last_n = w->penalty_last_n;
+    p->seed = w->seed;
+    p->n_stop_token_ids = w->n_stop_token_ids > SAMPLING_STOP_IDS_MAX + 1
+                              ? SAMPLING_STOP_IDS_MAX + 1
+                              : (int32_t)w->n_stop_token_ids;
+    for (size_t i = 0; i < w->n_stop_token_ids && i < SAMPLING_STOP_IDS_MAX; i++)
+        p->stop_token_ids[i] = w->stop_token_ids[i];
+    p->ignore_eos = w->ignore_eos;
+    p->logprobs = w->logprobs;
+    p->top_logprobs = w->top_logprobs;
+}
+
+/* Checks the plan's sequences and lays out the forward batch.  Returns 0,
+ * or STATUS_BAD_INPUT with err naming the sequence and the field. */
+static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, char *err,
+                            size_t errlen) {
+    if (p->n_seqs == 0) {
+        snprintf(err, errlen, "step %llu has no sequences", (unsigned long long)p->step_id);
+        return STATUS_BAD_INPUT;
+    }
+    if (p->n_seqs > (size_t)n->n_seqs_max) {
+        snprintf(err, errlen, "step %llu: %zu sequences, this stage takes at most %d per step",
+                 (unsigned long long)p->step_id, p->n_seqs, n->n_seqs_max);
+        return STATUS_BAD_INPUT;
+    }
+    int64_t total = 0;
+    int last = stage_is_last(n->s);
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Llm__SeqPlan *sp = p->seqs[i];
+        unsigned long long id = (unsigned long long)sp->seq_id;
+        if (sp->n_tokens == 0) {
+            snprintf(err, errlen, "step %llu: seq %llu has no tokens", (unsigned long long)p->step_id, id);
+            return STATUS_BAD_INPUT;
+        }
+        if (sp->n_block_table > (size_t)n->max_blocks) {
+            snprintf(err, errlen, "step %llu: seq %llu: block table of %zu blocks, more than the "
+                     "%d a sequence of this stage can have", (unsigned long long)p->step_id, id,
+                     sp->n_block_table, n->max_blocks);
+            return STATUS_BAD_INPUT;
+        }
+        if (sp->start_pos > (uint32_t)INT32_MAX || sp->n_tokens > (size_t)n->n_tokens_max) {
+            snprintf(err, errlen, "step %llu: seq %llu: start_pos %u with %zu tokens is out of "
+                     "range (at most %d tokens per step)", (unsigned long long)p->step_id, id,
+                     sp->start_pos, sp->n_tokens, n->n_tokens_max);
+            return STATUS_BAD_INPUT;
+        }
+        int32_t *table = n->tables + i * (size_t)n->max_blocks;
+        for (size_t j = 0; j < sp->n_block_table; j++) {
+            if (sp->block_table[j] > (uint32_t)INT32_MAX) {
+                snprintf(err, errlen, "step %llu: seq %llu: block_table[%zu] = %u is out of range",
+                         (unsigned long long)p->step_id, id, j, sp->block_table[j]);
+                return STATUS_BAD_INPUT;
+            }
+            table[j] = (int32_t)sp->block_table[j];
+        }
+        struct forward_seq *f = &n->fseqs[i];
+        f->tokens = sp->tokens;
+        f->n_tokens = (int32_t)sp->n_tokens;
+        f->pos0 = (int32_t)sp->start_pos;
+        f->block_table = table;
+        f->n_blocks = (int32_t)sp->n_block_table;
+        f->logits = last && sp->want_logits ? FORWARD_LOGITS_LAST : FORWARD_LOGITS_NONE;
+        total += f->n_tokens;
+        n->seq_err[i][0] = 0;
+        if (last && sp->want_logits) {
+            node_params_from_wire(sp->sampling, &n->params[i]);
+            char why[200];
+            if (sampling_params_validate(&n->params[i], n->n_vocab, why, sizeof why) < 0)
+                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: sampling.%s", id, why);
+        }
+    }
+    if (total > n->n_tokens_max) {
+        snprintf(err, errlen, "step %llu: %lld tokens, this stage takes at most %d per step",
+                 (unsigned long long)p->step_id, (long long)total, n->n_tokens_max);
+        return STATUS_BAD_INPUT;
+    }
+    *n_tokens = (int32_t)total;
+    return STATUS_OK;
+}
+
+static int node_copies_run(node *n, const Llm__StepPlan *p, char *err, size_t errlen) {
+    if (p->n_copies == 0) return STATUS_OK;
+    if (p->n_copies > (size_t)n->cap_copies) {
+        struct kvblocks_copy *c = realloc(n->copies, p->n_copies * sizeof *c);
+        if (!c) {
+            snprintf(err, errlen, "out of memory for %zu block copies", p->n_copies);
+            return STATUS_NO_MEMORY;
+        }
+        n->copies = c;
+        n->cap_copies = (int32_t)p->n_copies;
+    }
+    for (size_t i = 0; i < p->n_copies; i++) {
+        if (p->copies[i]->src > (uint32_t)INT32_MAX || p->copies[i]->dst > (uint32_t)INT32_MAX) {
+            snprintf(err, errlen, "copies[%zu]: block %u -> %u is out of range", i,
+                     p->copies[i]->src, p->copies[i]->dst);
+            return STATUS_BAD_INPUT;
+        }
+        n->copies[i].src = (int32_t)p->copies[i]->src;
+        n->copies[i].dst = (int32_t)p->copies[i]->dst;
+    }
+    return kvcache_copy_blocks(stage_kvcache(n->s), n->copies, (int32_t)p->n_copies, err, errlen);
+}
+
+/* Packs and hands a StepResult to the io thread. */
+static void node_result_send(node *n, const Llm__StepPlan *p, Llm__SeqResult **seqs, size_t n_seqs,
+                             Llm__Error *error, int64_t t0_us) {
+    Llm__StepResult r = LLM__STEP_RESULT__INIT;
+    r.step_id = p->step_id;
+    r.pipeline_id = p->pipeline_id;
+    r.epoch = p->epoch;
+    r.worker_id = n->s_worker_id;
+    r.stage_index = (uint32_t)n->stage_index;
+    r.n_seqs = n_seqs;
+    r.seqs = seqs;
+    r.error = error;
+    r.compute_us = (uint64_t)(node_now_us() - t0_us);
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_RESULT;
+    env.result = &r;
+    uint8_t *buf;
+    size_t len;
+    char err[256];
+    if (proto_worker_pack(&env, &buf, &len, err, sizeof err) < 0) {
+        LOG(LL_ERROR, "step %llu: cannot pack the result: %s", (unsigned long long)p->step_id, err);
+        return;
+    }
+    const char type = NODE_MSG_RESULT;
+    struct zio_frame f[2] = {{&type, 1, NULL, NULL}, {buf, len, proto_buf_free, NULL}};
+    if (zio_send(n->pipe_compute, f, 2, 0) < 0)
+        LOG(LL_ERROR, "step %llu: %s", (unsigned long long)p->step_id, zio_errstr(n->pipe_compute));
+}
+
+static void node_step_fail(node *n, const Llm__StepPlan *p, int rc, const char *why, int64_t t0) {
+    Llm__Error e;
+    Llm__Error__Code code = proto_code_from_status(rc);
+    proto_error_init(&e, code, "", why, 0);
+    LOG(LL_WARN, "pipeline %u stage %d: step %llu failed (%s): %s", p->pipeline_id, n->stage_index,
+        (unsigned long long)p->step_id, proto_code_name(code), why);
+    node_result_send(n, p, NULL, 0, &e, t0);
+}
+
+/* Last stage, before the forward pass: each sequence's history takes the
+ * step's tokens (the penalties see the prompt and every token so far; a
+ * step that fails is corrected by the next plan's start_pos) and each
+ * logits row gets its sampling request for forward_step.  A sequence with
+ * an error still has a row (greedy, its result unused). */
+static void node_sample_prepare(node *n, const Llm__StepPlan *p) {
+    static const struct sampling_params greedy; /* all zero: argmax */
+    int32_t row = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Llm__SeqPlan *sp = p->seqs[i];
+        struct node_seq *q = node_seq_get(n, sp->seq_id);
+        if (q && !n->seq_err[i][0] && node_hist_update(q, sp) != STATUS_OK)
+            snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: out of memory for its token history",
+                     (unsigned long long)sp->seq_id);
+        if (!sp->want_logits) continue;
+        struct backend_sample_row *r = &n->srows[row++];
+        memset(r, 0, sizeof *r);
+        int ok = q && !n->seq_err[i][0];
+        r->params = ok ? &n->params[i] : &greedy;
+        r->history = ok ? q->hist : NULL;
+        r->n_history = ok ? q->n_hist : 0;
+        r->pos = (int64_t)sp->start_pos + (int64_t)sp->n_tokens;
+    }
+}
+
+/* Sends the StepResult: each sequence's token as forward_step sampled it. */
+static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
+    size_t ns = p->n_seqs; /* <= n_seqs_max: node_batch_build checked */
+    Llm__SeqResult *res = n->res, **resp = n->res_ptr;
+    Llm__TokenLogprob *lp = n->res_lp;
+    Llm__Error *errs = n->res_err;
+    Llm__TopLogprob(*tops)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top;
+    Llm__TopLogprob *(*topp)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top_ptr;
+    int32_t row = 0;
+    for (size_t i = 0; i < ns; i++) {
+        const Llm__SeqPlan *sp = p->seqs[i];
+        llm__seq_result__init(&res[i]);
+        resp[i] = &res[i];
+        res[i].seq_id = sp->seq_id;
+        res[i].token = -1;
+        if (!sp->want_logits) continue;
+        const struct backend_sample_row *r = &n->srows[row++];
+        if (n->seq_err[i][0]) {
+            proto_error_init(&errs[i], LLM__ERROR__CODE__INVALID_ARGUMENT, "", n->seq_err[i], 0);
+            res[i].error = &errs[i];
+            continue;
+        }
+        if (r->status < 0) {
+            snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu at position %lld: %s",
+                     (unsigned long long)sp->seq_id, (long long)r->pos, r->err);
+            proto_error_init(&errs[i], proto_code_from_status(r->status), "", n->seq_err[i], 0);
+            res[i].error = &errs[i];
+            continue;
+        }
+        const struct sampling_result *sr = &r->result;
+        res[i].token = sr->token;
+        if (n->params[i].logprobs || n->params[i].top_logprobs > 0) {
+            llm__token_logprob__init(&lp[i]);
+            lp[i].token = sr->token;
+            lp[i].logprob = sr->logprob;
+            for (int32_t k = 0; k < sr->n_top; k++) {
+                llm__top_logprob__init(&tops[i][k]);
+                tops[i][k].token = sr->top_token[k];
+                tops[i][k].logprob = sr->top_logprob[k];
+                topp[i][k] = &tops[i][k];
+            }
+            lp[i].n_top = (size_t)sr->n_top;
+            lp[i].top = topp[i];
+            res[i].logprob = &lp[i];
+        }
+    }
+    node_result_send(n, p, resp, ns, NULL, t0);
+}
+
+/* Executes one plan: frees, copies, input, forward, output. */
+static void node_step(node *n, const Llm__StepPlan *p) {
+    int64_t t0 = node_now_us();
+    char err[640] = "";
+    if (p->epoch < n->epoch) {
+        LOG(LL_DEBUG, "step %llu of epoch %llu dropped: the pipeline is at epoch %llu",
+            (unsigned long long)p->step_id, (unsigned long long)p->epoch,
+            (unsigned long long)n->epoch);
+        return;
+    }
+    if (p->pipeline_id != n->pipeline_id) {
+        snprintf(err, sizeof err, "step %llu is for pipeline %u; this worker serves pipeline %u",
+                 (unsigned long long)p->step_id, p->pipeline_id, n->pipeline_id);
+        node_step_fail(n, p, STATUS_BAD_INPUT, err, t0);
+        return;
+    }
+    if (p->epoch > n->epoch) {
+        /* The router re-formed the pipeline and its RegisterReply has not
+         * reached us: follow the plans, which carry the epoch. */
+        LOG(LL_WARN, "step %llu carries epoch %llu, newer than %llu: following it",
+            (unsigned long long)p->step_id, (unsigned long long)p->epoch,
+            (unsigned long long)n->epoch);
+        n->epoch = p->epoch;
+        if (n->rx) link_set_epoch(n->rx, n->epoch);
+        if (n->tx) link_set_epoch(n->tx, n->epoch);
+    }
+    for (size_t i = 0; i < p->n_freed_seqs; i++) node_seq_forget(n, p->freed_seqs[i]);
+
+    int first = stage_is_first(n->s), last = stage_is_last(n->s);
+    int32_t T = 0;
+    struct forward_batch batch = {0};
+    int rc = STATUS_OK;
+    int upstream_failed = 0;
+    if (!n->links_ok) {
+        snprintf(err, sizeof err, "stage %d is not linked to its neighbours: %s", n->stage_index,
+                 n->links_err);
+        rc = STATUS_UNAVAILABLE;
+    }
+    if (rc == STATUS_OK) rc = node_batch_build(n, p, &T, err, sizeof err);
+    if (rc == STATUS_OK) rc = node_copies_run(n, p, err, sizeof err);
+    if (rc == STATUS_OK && !first) {
+        rc = node_input_recv(n, p->step_id, T, &batch, err, sizeof err);
+        if (rc == LINK_SKIPPED) upstream_failed = 1;
+    }
+    if (rc == STATUS_OK) {
+        batch.seqs = n->fseqs;
+        batch.n_seqs = (int32_t)p->n_seqs;
+        if (last) node_sample_prepare(n, p);
+        struct forward_out out = {NULL, 0, !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL,
+                                  last ? n->srows : NULL};
+        rc = forward_step(n->s, &batch, &out, err, sizeof err);
+        if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
+        else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
+    } else if (!last) {
+        node_skip_send(n, p->step_id, T);
+    }
+
+    if (rc == STATUS_OK) {
+        for (size_t i = 0; i < p->n_seqs; i++) {
+            struct node_seq *q = node_seq_get(n, p->seqs[i]->seq_id);
+            if (!q) continue;
+            q->n_blocks = (int32_t)p->seqs[i]->n_block_table;
+        }
+        atomic_fetch_add(&n->tokens_total, (uint64_t)T);
+    }
+    node_kv_used_update(n);
+    atomic_fetch_add(&n->steps_total, 1);
+    atomic_store(&n->last_step_id, p->step_id);
+
+    if (upstream_failed) {
+        if (last) {
+            Llm__Error e;
+            proto_error_init(&e, LLM__ERROR__CODE__ABORTED, "",
+                             "the step failed at an earlier stage of the pipeline", 0);
+            node_result_send(n, p, NULL, 0, &e, t0);
+        }
+        return;
+    }
+    if (rc != STATUS_OK) {
+        node_step_fail(n, p, rc, err, t0);
+        return;
+    }
+    if (last) node_step_sample(n, p, t0);
+}
+
+/* ---- the compute thread ---------------------------------------------------- */
+
+void *node_compute_main(void *arg) {
+    node *n = arg;
+    struct zio_parts in = {0};
+#if defined(LLM_HAVE_CUDA)
+    /* CUDA's current device is per thread: this one must use the backend's. */
+    if (backend_is_gpu(n->b)) {
+        char err[256];
+        if (nccl_link_set_device(backend_cuda_device(n->b), err, sizeof err) < 0)
+            LOG(LL_ERROR, "compute thread: %s", err);
+    }
+#endif
+    for (;;) {
+        int rc = zio_recv(n->pipe_compute, &in, 1000);
+        if (rc == STATUS_TIMEOUT || rc == STATUS_CANCELLED) continue;
+        if (rc < 0) {
+            LOG(LL_ERROR, "compute: %s", zio_errstr(n->pipe_compute));
+            break;
+        }
+        if (in.n < 1 || zio_parts_size(&in, 0) != 1) continue;
+        char type = *(const char *)zio_parts_data(&in, 0);
+        if (type == NODE_MSG_DRAIN) break;
+        if (in.n != 2) continue;
+        Llm__WorkerEnvelope *env = NULL;
+        char err[256];
+        /* The io thread checked the frame already; this cannot fail unless memory runs out. */
+        if (proto_worker_unpack(zio_parts_data(&in, 1), zio_parts_size(&in, 1), &env, err,
+                                sizeof err) < 0) {
+            LOG(LL_ERROR, "compute: %s", err);
+            continue;
+        }
+        if (type == NODE_MSG_PLAN && env->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN)
+            node_step(n, env->plan);
+        else if (type == NODE_MSG_PLACEMENT &&
+                 env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY)
+            node_placement_apply(n, env->register_reply);
+        proto_worker_free(env);
+    }
+    zio_parts_free(&in);
+    const char done = NODE_MSG_DONE;
+    struct zio_frame f = {&done, 1, NULL, NULL};
+    zio_send(n->pipe_compute, &f, 1, 0);
+    return NULL;
+}
