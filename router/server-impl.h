@@ -1,0 +1,200 @@
+/* The router's private state, shared by the files of its event loop
+ * (server.c, server_reqs.c, server_pipes.c, server_worker.c,
+ * server_client.c, server_timers.c).  Only router/server*.c include this.
+ * Everything here runs on the loop's one thread. */
+#ifndef ROUTER_SERVER_IMPL_H
+#define ROUTER_SERVER_IMPL_H
+
+#include "router/server.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/rconn.h"
+#include "common/sampling.h"
+#include "common/tokenizer.h"
+#include "common/zio.h"
+#include "proto/request.h"
+#include "proto/wire.h"
+#include "router/modelinfo.h"
+#include "router/registry.h"
+#include "router/requests.h"
+#include "router/scheduler.h"
+
+#define SERVER_BUCKETS 4096
+#define SERVER_BUILD "llm-router 0.1"
+#define SERVER_FAILURES_MAX 4   /* failed steps a request survives before ABORTED */
+#define SERVER_DONE_MEMORY_MAX 20000
+
+enum req_state { REQ_QUEUED = 0, REQ_ASSIGNED = 1, REQ_DONE = 2 };
+
+struct lp {
+    int32_t token;
+    float logprob;
+    int32_t n_top;
+    int32_t top_token[SAMPLING_TOP_LOGPROBS_MAX];
+    float top_logprob[SAMPLING_TOP_LOGPROBS_MAX];
+};
+
+struct pipe;
+
+struct req {
+    char id[PROTO_REQUEST_ID_MAX + 1];
+    struct req *hnext;             /* by id */
+    struct req *snext;             /* by seq id, while assigned */
+    struct req *prev, *next;       /* every request in memory */
+    uint8_t *params;               /* canonical GenerateRequest bytes */
+    size_t params_len;
+    Llm__GenerateRequest *gen;     /* params unpacked */
+    struct sampling_params sp;
+    Llm__SamplingParams spm;       /* points into sp */
+    int32_t *prompt;
+    int32_t n_prompt;
+    int32_t *out;                  /* generated tokens */
+    int32_t n_out, cap_out;
+    int32_t n_persisted;           /* of out, appended to Redis */
+    struct lp *lps;                /* one per out token when logprobs were asked */
+    uint64_t seed;
+    int64_t created_ms, deadline_ms, done_ms;
+    int32_t priority;
+    int32_t limit;                 /* prompt + completion tokens, at most */
+    uint64_t order;
+    enum req_state state;
+    struct pipe *pipe;
+    struct sched_seq *seq;
+    uint64_t seq_id, step;         /* step: the step in flight holding it, 0 if none */
+    int failures;
+    /* The client connection it streams to. */
+    uint8_t ident[256];
+    size_t ident_len;
+    bool stream;
+    uint32_t resume_from;          /* non-streaming: first token of the final chunk */
+    int32_t n_sent;                /* tokens sent in chunks */
+    /* Detokenized output. */
+    struct detok dt;
+    char *text;
+    size_t text_len, text_cap, text_sent, text_checked;
+    /* Finish. */
+    int32_t finish, stop_token, error_code;
+    char *stop_string, *error_message;
+    char entry[RCONN_ID_MAX];
+    bool finish_stored;            /* reqstore_finish succeeded */
+    bool touched, finishing;
+};
+
+struct flight {
+    uint64_t step_id;
+    int64_t sent_ms;
+    int32_t n;
+    uint64_t *seq_ids;
+    bool *want;
+};
+
+struct pipe {
+    struct pipeline *p;
+    sched *sched;
+    uint64_t epoch;
+    struct flight *flights;
+    int32_t n_flights, max_flights;
+    int32_t max_batch;
+    /* Plan packing buffers, max_batch entries. */
+    Llm__SeqPlan *seqplans;
+    Llm__SeqPlan **seqptrs;
+    Llm__BlockCopy *copies;
+    Llm__BlockCopy **copyptrs;
+    /* Throughput. */
+    uint64_t gen_tokens, prompt_tokens, gen_mark, prompt_mark;
+    double tok_s, prompt_tok_s;
+    char last_problem[256];
+};
+
+struct server {
+    struct server_config cfg;
+    struct modelinfo mi;
+    tokenizer *tok;
+    void *zctx;
+    struct zio_sock *cs, *ws; /* clients, workers */
+    reqstore *rs;
+    bool recovered;
+    registry *reg;
+    struct req *by_id[SERVER_BUCKETS];
+    struct req *by_seq[SERVER_BUCKETS];
+    struct req *all;
+    size_t n_reqs, n_done;
+    struct req **queue;
+    size_t n_queue, cap_queue;
+    struct req **touched;
+    size_t n_touched, cap_touched;
+    uint64_t next_order, next_seq_id, next_step_id;
+    int32_t *scratch;
+    size_t cap_scratch;
+    char *detok_buf;
+    size_t detok_size;
+    /* Counters. */
+    uint64_t requests_total, frames_bad, steps_total, sends_dropped, stale_results;
+    double plan_us_sum, plan_us_max, turn_us_sum;
+    uint64_t plan_n, turn_n;
+    int64_t start_ms, last_timer_ms, last_keys_ms, last_redis_try_ms, last_rate_ms, last_stats_ms;
+    uint64_t stats_steps_mark;
+    uint64_t rate_gen_mark, rate_prompt_mark, gen_total, prompt_total;
+    double tok_s, prompt_tok_s;
+};
+
+/* ---- server.c: time, buffers, sending --------------------------------- */
+
+int64_t server_now_ms(void);   /* wall clock (deadlines are Unix ms) */
+int64_t server_mono_us(void);  /* for measuring the loop's own cost */
+/* Grows *p to hold at least want elements of elem bytes (doubling). */
+int server_grow(void **p, size_t *cap, size_t want, size_t elem);
+/* Never block: a dropped client send is counted, the client re-attaches. */
+void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__ClientEnvelope *env);
+void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
+                              Llm__Error__Code code, const char *rid, const char *msg,
+                              uint32_t retry_after_ms);
+void server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
+void server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env);
+void server_log_stats(server *s);
+
+/* ---- server_reqs.c: requests in memory --------------------------------- */
+
+struct req *req_find(server *s, const char *id);
+struct req *req_by_seq(server *s, uint64_t seq_id);
+void req_seq_put(server *s, struct req *q);
+void req_seq_del(server *s, struct req *q);
+struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen);
+void req_unlink(server *s, struct req *q);
+void req_free(struct req *q);
+int req_queue_push(server *s, struct req *q);
+void req_touch(server *s, struct req *q);
+size_t req_stop_hold(const struct req *q);
+size_t req_text_offset(server *s, const struct req *q, int32_t n);
+void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t0, size_t t1);
+void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_len);
+void req_store_finish(server *s, struct req *q);
+void req_end(server *s, struct req *q, int32_t finish, int32_t stop_token, const char *stop_string,
+             Llm__Error__Code code, const char *msg);
+void req_flush_touched(server *s);
+void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob *lp);
+
+/* ---- server_pipes.c: pipelines ----------------------------------------- */
+
+void pipe_free(struct pipe *pp);
+void pipe_on_drop(struct pipeline *p, void *ud); /* registry_expire's callback */
+int32_t pipe_capacity_tokens(const struct pipe *pp);
+void pipe_pump(server *s, struct pipe *pp);
+void pipes_sync(server *s);
+void pipes_assign(server *s);
+void pipes_pump(server *s);
+
+/* ---- server_worker.c, server_client.c: one message each ------------------ */
+
+void server_on_worker_frame(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
+void server_on_client_frame(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
+
+/* ---- server_timers.c: Redis and everything that runs on the clock -------- */
+
+void server_redis_connect(server *s);
+void server_timers(server *s);
+
+#endif

@@ -1,0 +1,477 @@
+/* Client messages: Generate (new or re-attached), Cancel, Health, Models
+ * and Status. */
+#include "router/server-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+/* The request as stored: the client's body without the fields that may
+ * differ between a request and its re-sends. */
+static int canonical_params(const Llm__GenerateRequest *g, uint8_t **out, size_t *len) {
+    Llm__GenerateRequest c = *g;
+    c.stream = false;
+    c.resume_from = 0;
+    c.timeout_ms = 0;
+    size_t n = llm__generate_request__get_packed_size(&c);
+    *out = malloc(n + 1);
+    if (!*out) return STATUS_NO_MEMORY;
+    *len = llm__generate_request__pack(&c, *out);
+    return 0;
+}
+
+static uint32_t queue_depth(server *s) {
+    uint32_t n = (uint32_t)s->n_queue;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+        if (pp && pp->sched) {
+            struct sched_stats st;
+            sched_get_stats(pp->sched, &st);
+            n += (uint32_t)st.n_waiting;
+        }
+    }
+    return n;
+}
+
+static void send_accepted(server *s, struct req *q, uint64_t tag, bool reattached, uint32_t position) {
+    Llm__GenerateAccepted a = LLM__GENERATE_ACCEPTED__INIT;
+    a.request_id = q->id;
+    a.reattached = reattached;
+    a.prompt_tokens = (uint32_t)q->n_prompt;
+    a.seed = q->seed;
+    a.queue_position = position;
+    a.n_prompt_token_ids = (size_t)q->n_prompt;
+    a.prompt_token_ids = q->prompt;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_ACCEPTED;
+    env.accepted = &a;
+    server_send_client(s, q->ident, q->ident_len, &env);
+}
+
+static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, const uint8_t *ident,
+                     size_t ident_len, uint64_t tag) {
+    uint8_t *cp = NULL;
+    size_t clen = 0;
+    if (canonical_params(g, &cp, &clen) < 0) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, g->request_id, "out of memory", 0);
+        return;
+    }
+    bool same = clen == q->params_len && memcmp(cp, q->params, clen) == 0;
+    free(cp);
+    if (!same) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__ALREADY_EXISTS, g->request_id,
+                          "request_id is in use by a request with a different body (model, prompt, "
+                          "sampling, max_tokens, stop, priority or deadline)",
+                          0);
+        return;
+    }
+    memcpy(q->ident, ident, ident_len);
+    q->ident_len = ident_len;
+    q->stream = g->stream;
+    int32_t from = (int32_t)(g->resume_from < (uint32_t)q->n_out ? g->resume_from : (uint32_t)q->n_out);
+    q->resume_from = (uint32_t)from;
+    send_accepted(s, q, tag, true, 0);
+    LOG(LL_INFO, "request %s: re-attached, %d tokens so far, replay from %d", q->id, q->n_out, from);
+    if (q->state == REQ_DONE) {
+        req_send_chunk(s, q, from, q->n_out, req_text_offset(s, q, from), q->text_len);
+        req_send_done(s, q, ident, ident_len);
+        return;
+    }
+    if (q->finishing) return; /* its end goes out with this loop's flush */
+    if (q->stream) {
+        size_t sendable = q->text_len - req_stop_hold(q);
+        size_t t0 = req_text_offset(s, q, from);
+        if (sendable < t0) sendable = t0;
+        req_send_chunk(s, q, from, q->n_out, t0, sendable);
+        q->n_sent = q->n_out;
+        q->text_sent = sendable;
+    }
+}
+
+static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
+                        const Llm__GenerateRequest *g) {
+    char err[512];
+    const char *rid = g->request_id ? g->request_id : "";
+    if (proto_request_id_check(rid, err, sizeof err) < 0) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, "", err, 0);
+        return;
+    }
+    struct req *q = req_find(s, rid);
+    if (q) {
+        reattach(s, q, g, ident, ident_len, tag);
+        return;
+    }
+    if (!s->rs) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid,
+                          "the router cannot reach Redis, so it cannot make the request durable", 1000);
+        return;
+    }
+    struct reqrec r;
+    int rc = reqstore_load(s->rs, rid, &r);
+    if (rc == 0) {
+        /* Known to Redis but not here: finished before a restart, or
+         * recovered state we dropped. */
+        q = req_new(s, &r, err, sizeof err);
+        bool queued = r.state == REQREC_QUEUED;
+        reqrec_free(&r);
+        if (!q) {
+            server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, err, 0);
+            return;
+        }
+        if (queued) req_queue_push(s, q);
+        reattach(s, q, g, ident, ident_len, tag);
+        return;
+    }
+    if (rc != STATUS_NOT_FOUND) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, reqstore_errstr(s->rs), 1000);
+        return;
+    }
+
+    int64_t now = server_now_ms();
+    rc = proto_generate_validate(g, s->mi.n_vocab, now, err, sizeof err);
+    if (rc < 0) {
+        server_send_client_error(s, ident, ident_len, tag,
+                          rc == STATUS_TIMEOUT ? LLM__ERROR__CODE__DEADLINE_EXCEEDED : LLM__ERROR__CODE__INVALID_ARGUMENT,
+                          rid, err, 0);
+        return;
+    }
+    if (g->model && g->model[0] && strcmp(g->model, s->mi.id) != 0) {
+        snprintf(err, sizeof err, "model \"%.128s\" is not served here; the model is \"%s\"", g->model, s->mi.id);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, err, 0);
+        return;
+    }
+    /* Tokens. */
+    int32_t *prompt = NULL;
+    int32_t n_prompt = 0;
+    if (g->n_prompt_tokens > 0) {
+        if (g->n_prompt_tokens > (size_t)s->mi.n_ctx) {
+            snprintf(err, sizeof err, "prompt_tokens has %zu tokens; the context of %s is %d", g->n_prompt_tokens,
+                     s->mi.id, s->mi.n_ctx);
+            server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+            return;
+        }
+        n_prompt = (int32_t)g->n_prompt_tokens;
+        prompt = malloc((size_t)n_prompt * sizeof *prompt);
+        if (prompt) memcpy(prompt, g->prompt_tokens, (size_t)n_prompt * sizeof *prompt);
+    } else {
+        size_t tl = strlen(g->prompt);
+        int32_t cap = (int32_t)(tl + 8 < (size_t)s->mi.n_ctx + 8 ? tl + 8 : (size_t)s->mi.n_ctx + 8);
+        prompt = malloc((size_t)cap * sizeof *prompt);
+        if (prompt) {
+            n_prompt = tokenizer_encode(s->tok, g->prompt, tl, -1, 0, prompt, cap);
+            if (n_prompt < 0) {
+                snprintf(err, sizeof err, "prompt: cannot be tokenized (%s)", status_str(n_prompt));
+                free(prompt);
+                server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+                return;
+            }
+            if (n_prompt > cap) {
+                snprintf(err, sizeof err, "prompt: %zu bytes are %d tokens or more; the context of %s is %d",
+                         tl, n_prompt, s->mi.id, s->mi.n_ctx);
+                free(prompt);
+                server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+                return;
+            }
+        }
+    }
+    if (!prompt) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, "router out of memory", 0);
+        return;
+    }
+    int64_t total = (int64_t)n_prompt + (g->max_tokens ? g->max_tokens : 1);
+    if (n_prompt == 0 || total > s->mi.n_ctx) {
+        if (n_prompt == 0)
+            snprintf(err, sizeof err, "prompt: is empty (0 tokens) and the model adds no BOS");
+        else
+            snprintf(err, sizeof err,
+                     "prompt (%d tokens) + max_tokens (%u) = %lld exceeds the context of %s (%d tokens)",
+                     n_prompt, g->max_tokens, (long long)total, s->mi.id, s->mi.n_ctx);
+        free(prompt);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+        return;
+    }
+    /* KV: the largest pipeline in service must be able to hold it. */
+    int32_t best_cap = -1;
+    uint32_t best_pid = 0;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+        if (pp && pp->sched && pipe_capacity_tokens(pp) > best_cap) {
+            best_cap = pipe_capacity_tokens(pp);
+            best_pid = pp->p->id;
+        }
+    }
+    if (best_cap >= 0 && total > best_cap) {
+        snprintf(err, sizeof err,
+                 "prompt (%d tokens) + max_tokens (%u) = %lld tokens do not fit the KV cache of any "
+                 "pipeline (the largest, pipeline %u, holds %d tokens)",
+                 n_prompt, g->max_tokens, (long long)total, best_pid, best_cap);
+        free(prompt);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__RESOURCE_EXHAUSTED, rid, err, 0);
+        return;
+    }
+    if (queue_depth(s) >= (uint32_t)s->cfg.max_queue) {
+        snprintf(err, sizeof err, "the queue is full (%d requests waiting); retry later", s->cfg.max_queue);
+        free(prompt);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__RESOURCE_EXHAUSTED, rid, err, 1000);
+        return;
+    }
+
+    /* Durable, then acknowledged. */
+    memset(&r, 0, sizeof r);
+    snprintf(r.id, sizeof r.id, "%s", rid);
+    if (canonical_params(g, &r.params, &r.params_len) < 0) {
+        free(prompt);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, "router out of memory", 0);
+        return;
+    }
+    r.prompt = prompt;
+    r.n_prompt = n_prompt;
+    r.seed = g->sampling && g->sampling->seed ? g->sampling->seed : 0;
+    while (r.seed == 0) {
+        uint64_t x = (uint64_t)server_mono_us() ^ ((uint64_t)now << 20) ^ ((uint64_t)getpid() << 40) ^ s->requests_total;
+        x ^= x >> 31;
+        x *= 0xbf58476d1ce4e5b9ull;
+        x ^= x >> 29;
+        r.seed = x;
+    }
+    r.created_ms = now;
+    r.deadline_ms = g->deadline_ms;
+    if (g->timeout_ms && (r.deadline_ms == 0 || now + g->timeout_ms < r.deadline_ms))
+        r.deadline_ms = now + g->timeout_ms;
+    r.state = REQREC_QUEUED;
+    rc = reqstore_create(s->rs, &r);
+    if (rc < 0) {
+        snprintf(err, sizeof err, "%s", reqstore_errstr(s->rs));
+        reqrec_free(&r);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, err, 1000);
+        return;
+    }
+    q = req_new(s, &r, err, sizeof err);
+    reqrec_free(&r);
+    if (!q) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, err, 0);
+        return;
+    }
+    memcpy(q->ident, ident, ident_len);
+    q->ident_len = ident_len;
+    q->stream = g->stream;
+    uint32_t position = queue_depth(s);
+    req_queue_push(s, q);
+    s->requests_total++;
+    send_accepted(s, q, tag, false, position);
+    LOG(LL_INFO, "request %s: accepted, %d prompt tokens, max_tokens %u, priority %d, seed %llu", q->id,
+        q->n_prompt, q->gen->max_tokens, q->priority, (unsigned long long)q->seed);
+}
+
+static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag, const Llm__Cancel *c) {
+    const char *rid = c->request_id ? c->request_id : "";
+    struct req *q = req_find(s, rid);
+    if (!q && s->rs) {
+        struct reqrec r;
+        if (reqstore_load(s->rs, rid, &r) == 0) {
+            char err[256];
+            q = req_new(s, &r, err, sizeof err);
+            bool queued = r.state == REQREC_QUEUED;
+            reqrec_free(&r);
+            if (q && queued) req_queue_push(s, q);
+        }
+    }
+    if (!q) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "no request with id \"%.128s\"", rid);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, msg, 0);
+        return;
+    }
+    if (q->state == REQ_DONE) {
+        req_send_done(s, q, ident, ident_len);
+        return;
+    }
+    req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, -1, NULL, LLM__ERROR__CODE__CANCELLED,
+            "cancelled by the client");
+    if (q->ident_len != ident_len || memcmp(q->ident, ident, ident_len) != 0) {
+        /* The canceller gets the GenerateDone too. */
+        req_flush_touched(s);
+        req_send_done(s, q, ident, ident_len);
+    }
+    LOG(LL_INFO, "request %s: cancelled", q->id);
+}
+
+static void on_health(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag) {
+    Llm__HealthReply h = LLM__HEALTH_REPLY__INIT;
+    uint32_t ready = 0;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+        if (pp && pp->sched) ready++;
+    }
+    h.status = ready > 0 && s->rs ? LLM__HEALTH_REPLY__SERVING_STATUS__SERVING
+                                  : LLM__HEALTH_REPLY__SERVING_STATUS__NOT_SERVING;
+    h.protocol_version = PROTO_VERSION;
+    h.build = SERVER_BUILD;
+    h.pipelines_ready = ready;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY;
+    env.health_reply = &h;
+    server_send_client(s, ident, ident_len, &env);
+}
+
+static void on_models(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag) {
+    Llm__ModelInfo mi = LLM__MODEL_INFO__INIT;
+    mi.id = s->mi.id;
+    mi.architecture = s->mi.arch;
+    mi.n_vocab = (uint32_t)s->mi.n_vocab;
+    mi.n_ctx = (uint32_t)s->mi.n_ctx;
+    mi.n_layers = (uint32_t)s->mi.n_layers;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+        if (pp && pp->sched) mi.pipelines++;
+    }
+    mi.is_default = true;
+    Llm__ModelInfo *mp = &mi;
+    Llm__ModelsReply m = LLM__MODELS_REPLY__INIT;
+    m.n_models = 1;
+    m.models = &mp;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_MODELS_REPLY;
+    env.models_reply = &m;
+    server_send_client(s, ident, ident_len, &env);
+}
+
+static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag) {
+    int64_t now = server_now_ms();
+    size_t np = registry_n_pipelines(s->reg), nw = registry_n_workers(s->reg);
+    size_t n_stages = 0;
+    for (size_t i = 0; i < np; i++) n_stages += registry_pipeline_at(s->reg, i)->stage_count;
+    Llm__PipelineStatus *ps = calloc(np + 1, sizeof *ps);
+    Llm__PipelineStatus **psp = calloc(np + 1, sizeof *psp);
+    Llm__StageStatus *ss = calloc(n_stages + 1, sizeof *ss);
+    Llm__StageStatus **ssp = calloc(n_stages + 1, sizeof *ssp);
+    Llm__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);
+    Llm__WorkerStatus **wsp = calloc(nw + 1, sizeof *wsp);
+    if (!ps || !psp || !ss || !ssp || !ws || !wsp) {
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, "", "router out of memory", 0);
+        goto done;
+    }
+    Llm__StatusReply st = LLM__STATUS_REPLY__INIT;
+    size_t si = 0;
+    for (size_t i = 0; i < np; i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = p->ud;
+        Llm__PipelineStatus *x = &ps[i];
+        llm__pipeline_status__init(x);
+        x->pipeline_id = p->id;
+        x->model = s->mi.id;
+        x->ready = pp && pp->sched;
+        x->epoch = p->epoch;
+        x->problem = p->problem;
+        x->stages = &ssp[si];
+        for (uint32_t k = 0; k < p->stage_count; k++) {
+            Llm__StageStatus *y = &ss[si];
+            llm__stage_status__init(y);
+            struct worker *w = p->stage[k];
+            y->stage_index = k;
+            if (w) {
+                y->worker_id = w->id;
+                y->layer_first = w->layer_first;
+                y->layer_end = w->layer_end;
+                y->backend = w->backend;
+                y->device = w->device;
+                y->kv_blocks_used = w->kv_used;
+                y->kv_blocks_total = w->kv_total ? w->kv_total : w->kv_block_count;
+                y->heartbeat_age_ms = (uint32_t)(now - w->last_seen_ms);
+                y->ready = w->state == WORKER_READY || w->state == WORKER_DRAINING;
+            }
+            ssp[si++] = y;
+            x->n_stages++;
+        }
+        if (pp && pp->sched) {
+            struct sched_stats q;
+            sched_get_stats(pp->sched, &q);
+            x->running = (uint32_t)q.n_running;
+            x->waiting = (uint32_t)q.n_waiting;
+            x->kv_blocks_used = (uint32_t)q.blocks_used;
+            x->kv_blocks_total = (uint32_t)q.blocks_total;
+            x->steps_in_flight = (uint32_t)q.n_inflight;
+            st.running += (uint32_t)q.n_running;
+            st.kv_blocks_used += (uint64_t)q.blocks_used;
+            st.kv_blocks_total += (uint64_t)q.blocks_total;
+            st.preemptions_total += q.preemptions_total;
+        }
+        if (pp) {
+            x->tokens_per_s = pp->tok_s;
+            x->prompt_tokens_per_s = pp->prompt_tok_s;
+        }
+        psp[i] = x;
+    }
+    for (size_t i = 0; i < nw; i++) {
+        struct worker *w = registry_worker_at(s->reg, i);
+        Llm__WorkerStatus *x = &ws[i];
+        llm__worker_status__init(x);
+        x->worker_id = w->id;
+        x->pipeline_id = w->pipeline_id;
+        x->stage_index = w->stage_index;
+        x->backend = w->backend;
+        x->device = w->device;
+        x->state = (char *)worker_state_name(w->state);
+        x->heartbeat_age_ms = (uint32_t)(now - w->last_seen_ms);
+        wsp[i] = x;
+    }
+    st.n_pipelines = np;
+    st.pipelines = psp;
+    st.n_workers = nw;
+    st.workers = wsp;
+    st.queue_depth = queue_depth(s);
+    st.tokens_per_s = s->tok_s;
+    st.prompt_tokens_per_s = s->prompt_tok_s;
+    st.requests_total = s->requests_total;
+    st.frames_rejected = proto_frames_rejected() + s->frames_bad;
+    st.uptime_s = (uint64_t)((now - s->start_ms) / 1000);
+    st.plan_us_mean = s->plan_n ? s->plan_us_sum / (double)s->plan_n : 0;
+    st.plan_us_max = s->plan_us_max;
+    st.turnaround_us_mean = s->turn_n ? s->turn_us_sum / (double)s->turn_n : 0;
+    st.steps_total = s->steps_total;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY;
+    env.status_reply = &st;
+    server_send_client(s, ident, ident_len, &env);
+done:
+    free(ps);
+    free(psp);
+    free(ss);
+    free(ssp);
+    free(ws);
+    free(wsp);
+}
+
+void server_on_client_frame(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {
+    Llm__ClientEnvelope *env = NULL;
+    char err[256];
+    int rc = proto_client_unpack(buf, len, &env, err, sizeof err);
+    if (rc < 0) {
+        server_send_client_error(s, ident, ident_len, 0, proto_code_from_status(rc), "", err, 0);
+        return;
+    }
+    switch (env->body_case) {
+    case LLM__CLIENT_ENVELOPE__BODY_GENERATE: on_generate(s, ident, ident_len, env->tag, env->generate); break;
+    case LLM__CLIENT_ENVELOPE__BODY_CANCEL: on_cancel(s, ident, ident_len, env->tag, env->cancel); break;
+    case LLM__CLIENT_ENVELOPE__BODY_HEALTH: on_health(s, ident, ident_len, env->tag); break;
+    case LLM__CLIENT_ENVELOPE__BODY_STATUS: on_status(s, ident, ident_len, env->tag); break;
+    case LLM__CLIENT_ENVELOPE__BODY_MODELS: on_models(s, ident, ident_len, env->tag); break;
+    default:
+        s->frames_bad++;
+        snprintf(err, sizeof err, "client envelope body %d is a reply, not a request", (int)env->body_case);
+        server_send_client_error(s, ident, ident_len, env->tag, LLM__ERROR__CODE__UNIMPLEMENTED, "", err, 0);
+    }
+    proto_client_free(env);
+}

@@ -1,0 +1,353 @@
+/* Pipelines: each one's scheduler kept in line with the registry (in
+ * service, torn down, re-formed), queued requests assigned to the least
+ * loaded one, and step plans sent to every stage. */
+#include "router/server-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+static void pipe_requeue_all(server *s, struct pipe *pp) {
+    for (struct req *q = s->all; q; q = q->next) {
+        if (q->pipe != pp || q->state != REQ_ASSIGNED) continue;
+        if (q->seq) req_seq_del(s, q);
+        q->seq = NULL;
+        q->pipe = NULL;
+        q->step = 0;
+        if (req_queue_push(s, q) < 0)
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL, LLM__ERROR__CODE__INTERNAL,
+                    "router out of memory re-queueing");
+    }
+}
+
+static void pipe_teardown(server *s, struct pipe *pp, const char *why) {
+    if (!pp->sched) return;
+    struct sched_stats st;
+    sched_get_stats(pp->sched, &st);
+    LOG(LL_WARN, "pipeline %u out of service (%s): %d running and %d waiting sequences re-queued",
+        pp->p ? pp->p->id : 0, why, st.n_running, st.n_waiting);
+    pipe_requeue_all(s, pp);
+    sched_free(pp->sched);
+    pp->sched = NULL;
+    pp->n_flights = 0;
+}
+
+void pipe_free(struct pipe *pp) {
+    if (!pp) return;
+    for (int32_t i = 0; i < pp->max_flights; i++) {
+        free(pp->flights[i].seq_ids);
+        free(pp->flights[i].want);
+    }
+    free(pp->flights);
+    free(pp->seqplans);
+    free(pp->seqptrs);
+    free(pp->copies);
+    free(pp->copyptrs);
+    free(pp);
+}
+
+void pipe_on_drop(struct pipeline *p, void *ud) {
+    server *s = ud;
+    struct pipe *pp = p->ud;
+    if (!pp) return;
+    pipe_teardown(s, pp, "all its workers are gone");
+    pipe_free(pp);
+    p->ud = NULL;
+}
+
+static struct pipe *pipe_of(server *s, struct pipeline *p) {
+    if (p->ud) return p->ud;
+    struct pipe *pp = calloc(1, sizeof *pp);
+    if (!pp) return NULL;
+    pp->p = p;
+    pp->max_batch = s->cfg.max_batch;
+    pp->max_flights = (int32_t)p->stage_count;
+    pp->flights = calloc((size_t)pp->max_flights, sizeof *pp->flights);
+    pp->seqplans = calloc((size_t)pp->max_batch, sizeof *pp->seqplans);
+    pp->seqptrs = calloc((size_t)pp->max_batch, sizeof *pp->seqptrs);
+    pp->copies = calloc((size_t)pp->max_batch, sizeof *pp->copies);
+    pp->copyptrs = calloc((size_t)pp->max_batch, sizeof *pp->copyptrs);
+    bool ok = pp->flights && pp->seqplans && pp->seqptrs && pp->copies && pp->copyptrs;
+    for (int32_t i = 0; ok && i < pp->max_flights; i++) {
+        pp->flights[i].seq_ids = calloc((size_t)pp->max_batch, sizeof(uint64_t));
+        pp->flights[i].want = calloc((size_t)pp->max_batch, sizeof(bool));
+        ok = pp->flights[i].seq_ids && pp->flights[i].want;
+    }
+    if (!ok) {
+        pipe_free(pp);
+        return NULL;
+    }
+    p->ud = pp;
+    return pp;
+}
+
+/* Tells every stage of a whole pipeline its placement, neighbours and the
+ * new epoch. */
+static void pipe_announce(server *s, struct pipeline *p) {
+    for (uint32_t st = 0; st < p->stage_count; st++) {
+        struct worker *w = p->stage[st];
+        if (!w) continue;
+        Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
+        rr.worker_id = w->id;
+        rr.accepted = true;
+        rr.heartbeat_interval_ms = (uint32_t)s->cfg.heartbeat_ms;
+        rr.pipeline_id = p->id;
+        rr.stage_index = st;
+        rr.stage_count = p->stage_count;
+        rr.layer_first = w->layer_first;
+        rr.layer_end = w->layer_end;
+        rr.prev_stage_endpoint = st > 0 && p->stage[st - 1] ? p->stage[st - 1]->stage_endpoint : "";
+        rr.next_stage_endpoint = st + 1 < p->stage_count && p->stage[st + 1] ? p->stage[st + 1]->stage_endpoint : "";
+        rr.epoch = p->epoch;
+        rr.pipeline_whole = true;
+        Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+        env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
+        env.register_reply = &rr;
+        server_send_worker_env(s, w->ident, w->ident_len, &env);
+    }
+    LOG(LL_INFO, "pipeline %u: %u stages whole, epoch %llu announced", p->id, p->stage_count,
+        (unsigned long long)p->epoch);
+}
+
+/* Moves sequences waiting on pp (never admitted there, or preempted) back
+ * to the queue when another pipeline in service has a free batch slot: a
+ * pipeline that joined takes work without anything being restarted. */
+static void rebalance(server *s, struct pipe *pp) {
+    bool room = false;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg) && !room; i++) {
+        struct pipe *o = registry_pipeline_at(s->reg, i)->ud;
+        if (!o || o == pp || !o->sched) continue;
+        struct sched_stats st;
+        sched_get_stats(o->sched, &st);
+        room = st.n_running + st.n_waiting < s->cfg.max_batch;
+    }
+    if (!room) return;
+    uint64_t ids[64];
+    int32_t n = sched_take_waiting(pp->sched, ids, 64);
+    for (int32_t k = 0; k < n; k++) {
+        struct req *q = req_by_seq(s, ids[k]);
+        if (!q) continue;
+        req_seq_del(s, q);
+        q->seq = NULL;
+        q->pipe = NULL;
+        req_queue_push(s, q);
+    }
+}
+
+/* Brings each pipeline's scheduler in line with its registry state. */
+void pipes_sync(server *s) {
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = pipe_of(s, p);
+        if (!pp) continue;
+        if (p->announce) {
+            p->announce = false;
+            pipe_announce(s, p);
+        }
+        bool ready = registry_pipeline_ready(s->reg, p);
+        if (p->problem[0] && strcmp(p->problem, pp->last_problem) != 0)
+            LOG(LL_ERROR, "%s: it cannot serve until this is fixed", p->problem);
+        snprintf(pp->last_problem, sizeof pp->last_problem, "%s", p->problem);
+        if (pp->sched && !ready) pipe_teardown(s, pp, "a stage is not ready");
+        else if (pp->sched && pp->epoch != p->epoch) pipe_teardown(s, pp, "re-formed");
+        if (!pp->sched && ready) {
+            int32_t step_tokens = s->cfg.step_tokens, step_seqs = s->cfg.max_step_seqs;
+            uint32_t wt = registry_pipeline_step_tokens(s->reg, p), wsq = registry_pipeline_step_seqs(s->reg, p);
+            if (wt > 0 && (int32_t)wt < step_tokens) step_tokens = (int32_t)wt;
+            if (wsq > 0 && (step_seqs <= 0 || (int32_t)wsq < step_seqs)) step_seqs = (int32_t)wsq;
+            struct sched_config c = {(int32_t)registry_pipeline_kv_blocks(s->reg, p),
+                                     (int32_t)registry_pipeline_block_size(s->reg, p),
+                                     step_tokens, s->cfg.max_batch, (int32_t)p->stage_count,
+                                     s->next_step_id, step_seqs};
+            char err[256];
+            if (sched_init(&pp->sched, &c, err, sizeof err) < 0) {
+                LOG(LL_ERROR, "pipeline %u: %s", p->id, err);
+                continue;
+            }
+            pp->epoch = p->epoch;
+            pp->n_flights = 0;
+            LOG(LL_INFO, "pipeline %u in service: %u stages, %d KV blocks of %d tokens, epoch %llu",
+                p->id, p->stage_count, c.n_blocks, c.block_size, (unsigned long long)p->epoch);
+        }
+        if (pp->sched) {
+            /* Assigned sequences not yet admitted go where there is room. */
+            struct sched_stats st;
+            sched_get_stats(pp->sched, &st);
+            if (st.n_waiting > 0 && s->n_queue == 0) rebalance(s, pp);
+        }
+    }
+}
+
+int32_t pipe_capacity_tokens(const struct pipe *pp) {
+    struct sched_stats st;
+    sched_get_stats(pp->sched, &st);
+    return st.blocks_total * (int32_t)registry_pipeline_block_size(NULL, pp->p);
+}
+
+static int queue_cmp(const void *a, const void *b) {
+    const struct req *x = *(struct req *const *)a, *y = *(struct req *const *)b;
+    if (x->priority != y->priority) return x->priority > y->priority ? -1 : 1;
+    return x->order < y->order ? -1 : x->order > y->order;
+}
+
+/* Moves queued requests onto pipelines: highest priority first, each to the
+ * least loaded pipeline that admits work. */
+void pipes_assign(server *s) {
+    if (s->n_queue == 0) return;
+    qsort(s->queue, s->n_queue, sizeof *s->queue, queue_cmp);
+    size_t kept = 0;
+    size_t i = 0;
+    for (; i < s->n_queue; i++) {
+        struct req *q = s->queue[i];
+        struct pipe *best = NULL;
+        int32_t best_load = 0;
+        for (size_t k = 0; k < registry_n_pipelines(s->reg); k++) {
+            struct pipeline *p = registry_pipeline_at(s->reg, k);
+            struct pipe *pp = p->ud;
+            if (!pp || !pp->sched || registry_pipeline_draining(s->reg, p)) continue;
+            struct sched_stats st;
+            sched_get_stats(pp->sched, &st);
+            if (st.n_waiting >= s->cfg.max_batch) continue;
+            int32_t load = st.n_running + st.n_waiting;
+            if (!best || load < best_load) {
+                best = pp;
+                best_load = load;
+            }
+        }
+        if (!best) break;
+        int32_t n = q->n_prompt + q->n_out;
+        if (server_grow((void **)&s->scratch, &s->cap_scratch, (size_t)n, sizeof *s->scratch) < 0) break;
+        memcpy(s->scratch, q->prompt, (size_t)q->n_prompt * sizeof *s->scratch);
+        memcpy(s->scratch + q->n_prompt, q->out, (size_t)q->n_out * sizeof *s->scratch);
+        int32_t cap = pipe_capacity_tokens(best);
+        if (q->limit > cap) q->limit = cap;
+        if (n >= q->limit) {
+            s->queue[i] = NULL;
+            q->state = REQ_ASSIGNED; /* so that req_end does not search the queue */
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__LENGTH, -1, NULL, LLM__ERROR__CODE__OK, NULL);
+            continue;
+        }
+        uint64_t sid = ++s->next_seq_id;
+        struct sched_seq *seq = NULL;
+        int rc = sched_add(best->sched, sid, q->priority, q->order, s->scratch, n, &seq);
+        if (rc < 0) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "%d tokens need %d KV blocks; pipeline %u has %d", n,
+                     sched_blocks_for(best->sched, n + 1), best->p->id, cap / (int32_t)registry_pipeline_block_size(NULL, best->p));
+            s->queue[i] = NULL;
+            q->state = REQ_ASSIGNED;
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL,
+                    rc == STATUS_EXHAUSTED ? LLM__ERROR__CODE__RESOURCE_EXHAUSTED : LLM__ERROR__CODE__INTERNAL, msg);
+            continue;
+        }
+        q->seq_id = sid;
+        q->seq = seq;
+        q->pipe = best;
+        q->step = 0;
+        q->state = REQ_ASSIGNED;
+        req_seq_put(s, q);
+        s->queue[i] = NULL;
+    }
+    for (size_t k = 0; k < s->n_queue; k++)
+        if (s->queue[k]) s->queue[kept++] = s->queue[k];
+    s->n_queue = kept;
+}
+
+/* Plans and sends steps until the pipeline has one in flight per stage or
+ * nothing more can run. */
+void pipe_pump(server *s, struct pipe *pp) {
+    if (!pp->sched) return;
+    struct req *stuck[16];
+    int n_stuck = 0;
+    for (;;) {
+        int64_t t0 = server_mono_us();
+        struct sched_step st;
+        int got = sched_plan(pp->sched, &st);
+        for (int32_t k = 0; k < st.n_stuck && n_stuck < 16; k++) {
+            struct req *q = req_by_seq(s, sched_seq_id(st.stuck[k]));
+            if (q) stuck[n_stuck++] = q;
+        }
+        if (got != 1) break;
+        struct pipeline *p = pp->p;
+        Llm__StepPlan plan = LLM__STEP_PLAN__INIT;
+        plan.step_id = st.step_id;
+        plan.pipeline_id = p->id;
+        plan.epoch = pp->epoch;
+        struct flight *f = &pp->flights[pp->n_flights];
+        f->step_id = st.step_id;
+        f->sent_ms = server_now_ms();
+        f->n = st.n_seqs;
+        for (int32_t k = 0; k < st.n_seqs; k++) {
+            const struct sched_step_seq *ss = &st.seqs[k];
+            struct req *q = req_by_seq(s, ss->seq_id);
+            Llm__SeqPlan *sp = &pp->seqplans[k];
+            llm__seq_plan__init(sp);
+            sp->seq_id = ss->seq_id;
+            sp->n_tokens = (size_t)ss->n_tokens;
+            sp->tokens = (int32_t *)ss->tokens;
+            sp->start_pos = (uint32_t)ss->start_pos;
+            sp->n_block_table = (size_t)ss->n_blocks;
+            sp->block_table = (uint32_t *)ss->block_table; /* ids are >= 0 */
+            sp->sampling = q ? &q->spm : NULL;
+            sp->want_logits = ss->want_logits;
+            pp->seqptrs[k] = sp;
+            f->seq_ids[k] = ss->seq_id;
+            f->want[k] = ss->want_logits;
+            if (q) q->step = st.step_id;
+        }
+        plan.n_seqs = (size_t)st.n_seqs;
+        plan.seqs = pp->seqptrs;
+        plan.n_freed_seqs = (size_t)st.n_freed;
+        plan.freed_seqs = (uint64_t *)st.freed;
+        for (int32_t k = 0; k < st.n_copies; k++) {
+            llm__block_copy__init(&pp->copies[k]);
+            pp->copies[k].src = (uint32_t)st.copies[k].src;
+            pp->copies[k].dst = (uint32_t)st.copies[k].dst;
+            pp->copyptrs[k] = &pp->copies[k];
+        }
+        plan.n_copies = (size_t)st.n_copies;
+        plan.copies = pp->copyptrs;
+        Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+        env.body_case = LLM__WORKER_ENVELOPE__BODY_PLAN;
+        env.plan = &plan;
+        uint8_t *buf = NULL;
+        size_t len = 0;
+        char err[256];
+        if (proto_worker_pack(&env, &buf, &len, err, sizeof err) < 0) {
+            LOG(LL_ERROR, "pipeline %u step %llu: %s", p->id, (unsigned long long)st.step_id, err);
+            sched_step_done(pp->sched, st.step_id);
+            break;
+        }
+        for (uint32_t k = 0; k < p->stage_count; k++)
+            if (p->stage[k]) server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len);
+        free(buf);
+        pp->n_flights++;
+        pp->prompt_tokens += (uint64_t)st.n_prefill_tokens;
+        s->prompt_total += (uint64_t)st.n_prefill_tokens;
+        if (s->next_step_id <= st.step_id) s->next_step_id = st.step_id + 1;
+        s->steps_total++;
+        double us = (double)(server_mono_us() - t0);
+        s->plan_us_sum += us;
+        s->plan_n++;
+        if (us > s->plan_us_max) s->plan_us_max = us;
+        if (pp->n_flights >= pp->max_flights) break;
+    }
+    for (int k = 0; k < n_stuck; k++)
+        req_end(s, stuck[k], LLM__GENERATE_DONE__FINISH_REASON__LENGTH, -1, NULL, LLM__ERROR__CODE__OK,
+                NULL);
+}
+
+void pipes_pump(server *s) {
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+        if (pp) pipe_pump(s, pp);
+    }
+}

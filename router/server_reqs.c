@@ -1,0 +1,495 @@
+/* Requests in memory: the maps by id and by sequence, a request's life
+ * from its stored form to its end (tokens recorded, stop conditions,
+ * detokenized text streamed to its client, the end stored in Redis). */
+#include "router/server-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+static uint32_t hash_str(const char *s) {
+    uint32_t h = 2166136261u;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 16777619u;
+    return h % SERVER_BUCKETS;
+}
+
+static uint32_t hash_u64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return (uint32_t)(x % SERVER_BUCKETS);
+}
+
+struct req *req_find(server *s, const char *id) {
+    for (struct req *q = s->by_id[hash_str(id)]; q; q = q->hnext)
+        if (strcmp(q->id, id) == 0) return q;
+    return NULL;
+}
+
+struct req *req_by_seq(server *s, uint64_t seq_id) {
+    for (struct req *q = s->by_seq[hash_u64(seq_id)]; q; q = q->snext)
+        if (q->seq_id == seq_id && q->seq) return q;
+    return NULL;
+}
+
+void req_seq_put(server *s, struct req *q) {
+    uint32_t h = hash_u64(q->seq_id);
+    q->snext = s->by_seq[h];
+    s->by_seq[h] = q;
+}
+
+void req_seq_del(server *s, struct req *q) {
+    for (struct req **pp = &s->by_seq[hash_u64(q->seq_id)]; *pp; pp = &(*pp)->snext)
+        if (*pp == q) {
+            *pp = q->snext;
+            break;
+        }
+    q->snext = NULL;
+}
+
+static void req_text_append(struct req *q, const char *t, size_t n) {
+    if (n == 0) return;
+    if (server_grow((void **)&q->text, &q->text_cap, q->text_len + n + 1, 1) < 0) return;
+    memcpy(q->text + q->text_len, t, n);
+    q->text_len += n;
+    q->text[q->text_len] = '\0';
+}
+
+void req_free(struct req *q) {
+    free(q->params);
+    if (q->gen) llm__generate_request__free_unpacked(q->gen, NULL);
+    free(q->prompt);
+    free(q->out);
+    free(q->lps);
+    free(q->text);
+    free(q->stop_string);
+    free(q->error_message);
+    free(q);
+}
+
+void req_unlink(server *s, struct req *q) {
+    for (struct req **pp = &s->by_id[hash_str(q->id)]; *pp; pp = &(*pp)->hnext)
+        if (*pp == q) {
+            *pp = q->hnext;
+            break;
+        }
+    if (q->prev) q->prev->next = q->next;
+    else s->all = q->next;
+    if (q->next) q->next->prev = q->prev;
+    s->n_reqs--;
+    if (q->state == REQ_DONE) s->n_done--;
+}
+
+/* A request from its stored form (new, re-attached after a restart, or
+ * recovered); takes nothing from r (copies). */
+struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen) {
+    struct req *q = calloc(1, sizeof *q);
+    if (!q) goto oom;
+    snprintf(q->id, sizeof q->id, "%s", r->id);
+    q->params = malloc(r->params_len + 1);
+    q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
+    q->cap_out = r->n_gen + 64;
+    q->out = malloc((size_t)q->cap_out * sizeof *q->out);
+    if (!q->params || !q->prompt || !q->out) goto oom;
+    memcpy(q->params, r->params, r->params_len);
+    q->params_len = r->params_len;
+    q->gen = llm__generate_request__unpack(NULL, r->params_len, r->params);
+    if (!q->gen) {
+        snprintf(err, errlen, "request %s: stored parameters (%zu bytes) do not decode", r->id,
+                 r->params_len);
+        req_free(q);
+        return NULL;
+    }
+    if (proto_sampling_from_msg(q->gen->sampling, &q->sp, err, errlen) < 0) {
+        req_free(q);
+        return NULL;
+    }
+    q->sp.seed = r->seed;
+    proto_sampling_to_msg(&q->sp, &q->spm);
+    memcpy(q->prompt, r->prompt, (size_t)r->n_prompt * sizeof *q->prompt);
+    q->n_prompt = r->n_prompt;
+    if (r->n_gen > 0) memcpy(q->out, r->gen, (size_t)r->n_gen * sizeof *q->out);
+    q->n_out = q->n_persisted = r->n_gen;
+    if (q->sp.logprobs || q->sp.top_logprobs > 0) {
+        q->lps = calloc((size_t)q->cap_out, sizeof *q->lps);
+        if (!q->lps) goto oom;
+        for (int32_t i = 0; i < q->n_out; i++) q->lps[i].token = q->out[i];
+    }
+    q->seed = r->seed;
+    q->created_ms = r->created_ms;
+    q->deadline_ms = r->deadline_ms;
+    q->priority = q->gen->priority;
+    int64_t limit = q->gen->max_tokens ? (int64_t)q->n_prompt + q->gen->max_tokens : s->mi.n_ctx;
+    q->limit = (int32_t)(limit < s->mi.n_ctx ? limit : s->mi.n_ctx);
+    q->order = ++s->next_order;
+    q->stream = q->gen->stream;
+    snprintf(q->entry, sizeof q->entry, "%s", r->entry);
+    tokenizer_detok_init(&q->dt, 0); /* a continuation keeps its leading space */
+    for (int32_t i = 0; i < q->n_out; i++) {
+        int n = tokenizer_detok_push(s->tok, &q->dt, q->out[i], s->detok_buf, s->detok_size);
+        if (n > 0) req_text_append(q, s->detok_buf, (size_t)n);
+    }
+    q->text_checked = q->text_len;
+    if (r->state == REQREC_DONE) {
+        q->state = REQ_DONE;
+        q->finish = r->finish;
+        q->stop_token = r->stop_token;
+        q->error_code = r->error_code;
+        q->stop_string = r->stop_string ? strdup(r->stop_string) : NULL;
+        q->error_message = r->error_message ? strdup(r->error_message) : NULL;
+        q->finish_stored = true;
+        q->done_ms = server_now_ms();
+        /* Text of a finished request: its stop string was cut off. */
+        if (q->stop_string) {
+            char *m = q->text ? memmem(q->text, q->text_len, q->stop_string, strlen(q->stop_string)) : NULL;
+            if (m) q->text_len = (size_t)(m - q->text);
+        }
+    }
+    /* Link. */
+    uint32_t h = hash_str(q->id);
+    q->hnext = s->by_id[h];
+    s->by_id[h] = q;
+    q->next = s->all;
+    if (s->all) s->all->prev = q;
+    s->all = q;
+    s->n_reqs++;
+    if (q->state == REQ_DONE) s->n_done++;
+    return q;
+oom:
+    snprintf(err, errlen, "request %s: out of memory", r->id);
+    if (q) req_free(q);
+    return NULL;
+}
+
+int req_queue_push(server *s, struct req *q) {
+    if (server_grow((void **)&s->queue, &s->cap_queue, s->n_queue + 1, sizeof *s->queue) < 0)
+        return STATUS_NO_MEMORY;
+    s->queue[s->n_queue++] = q;
+    q->state = REQ_QUEUED;
+    return 0;
+}
+
+static void queue_remove(server *s, struct req *q) {
+    for (size_t i = 0; i < s->n_queue; i++)
+        if (s->queue[i] == q) {
+            memmove(&s->queue[i], &s->queue[i + 1], (s->n_queue - i - 1) * sizeof *s->queue);
+            s->n_queue--;
+            return;
+        }
+}
+
+void req_touch(server *s, struct req *q) {
+    if (q->touched) return;
+    if (server_grow((void **)&s->touched, &s->cap_touched, s->n_touched + 1, sizeof *s->touched) < 0) return;
+    q->touched = true;
+    s->touched[s->n_touched++] = q;
+}
+
+/* Bytes of text held back because they may start a stop string. */
+size_t req_stop_hold(const struct req *q) {
+    size_t hold = 0;
+    for (size_t i = 0; i < q->gen->n_stop; i++) {
+        const char *st = q->gen->stop[i];
+        size_t L = strlen(st);
+        size_t k = L - 1 < q->text_len ? L - 1 : q->text_len;
+        for (; k > hold; k--)
+            if (memcmp(q->text + q->text_len - k, st, k) == 0) {
+                hold = k;
+                break;
+            }
+    }
+    return hold;
+}
+
+/* Text bytes of the first n tokens (what a fresh detokenizer makes of them). */
+size_t req_text_offset(server *s, const struct req *q, int32_t n) {
+    struct detok d;
+    tokenizer_detok_init(&d, 0);
+    size_t off = 0;
+    for (int32_t i = 0; i < n && i < q->n_out; i++) {
+        int k = tokenizer_detok_push(s->tok, &d, q->out[i], s->detok_buf, s->detok_size);
+        if (k > 0) off += (size_t)k;
+    }
+    return off < q->text_len ? off : q->text_len;
+}
+
+/* One chunk: tokens [from, to) with text bytes [t0, t1). */
+void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t0, size_t t1) {
+    if (to <= from && t1 <= t0) return;
+    Llm__GenerateChunk c = LLM__GENERATE_CHUNK__INIT;
+    c.request_id = q->id;
+    c.index = (uint32_t)from;
+    c.n_token_ids = (size_t)(to > from ? to - from : 0);
+    c.token_ids = q->out + from;
+    char *text = malloc(t1 > t0 ? t1 - t0 + 1 : 1);
+    if (!text) return;
+    if (t1 > t0) memcpy(text, q->text + t0, t1 - t0);
+    text[t1 > t0 ? t1 - t0 : 0] = '\0';
+    c.text = text;
+    Llm__TokenLogprob *lp = NULL, **lpp = NULL;
+    Llm__TopLogprob *tops = NULL, **topp = NULL;
+    if (q->lps && c.n_token_ids > 0) {
+        size_t n = c.n_token_ids;
+        lp = calloc(n, sizeof *lp);
+        lpp = calloc(n, sizeof *lpp);
+        tops = calloc(n * SAMPLING_TOP_LOGPROBS_MAX + 1, sizeof *tops);
+        topp = calloc(n * SAMPLING_TOP_LOGPROBS_MAX + 1, sizeof *topp);
+        if (lp && lpp && tops && topp) {
+            for (size_t i = 0; i < n; i++) {
+                const struct lp *l = &q->lps[from + (int32_t)i];
+                llm__token_logprob__init(&lp[i]);
+                lp[i].token = l->token;
+                lp[i].logprob = l->logprob;
+                lp[i].n_top = (size_t)l->n_top;
+                lp[i].top = topp + i * SAMPLING_TOP_LOGPROBS_MAX;
+                for (int32_t k = 0; k < l->n_top; k++) {
+                    Llm__TopLogprob *t = &tops[i * SAMPLING_TOP_LOGPROBS_MAX + (size_t)k];
+                    llm__top_logprob__init(t);
+                    t->token = l->top_token[k];
+                    t->logprob = l->top_logprob[k];
+                    lp[i].top[k] = t;
+                }
+                lpp[i] = &lp[i];
+            }
+            c.n_logprobs = n;
+            c.logprobs = lpp;
+        }
+    }
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_CHUNK;
+    env.chunk = &c;
+    server_send_client(s, q->ident, q->ident_len, &env);
+    free(text);
+    free(lp);
+    free(lpp);
+    free(tops);
+    free(topp);
+}
+
+void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_len) {
+    Llm__GenerateDone d = LLM__GENERATE_DONE__INIT;
+    Llm__GenerateDone__Usage u = LLM__GENERATE_DONE__USAGE__INIT;
+    Llm__Error e;
+    d.request_id = q->id;
+    d.finish_reason = (Llm__GenerateDone__FinishReason)q->finish;
+    u.prompt_tokens = (uint32_t)q->n_prompt;
+    u.completion_tokens = (uint32_t)q->n_out;
+    d.usage = &u;
+    d.stop_token = q->stop_token;
+    d.stop_string = q->stop_string ? q->stop_string : "";
+    if (q->error_code != LLM__ERROR__CODE__OK) {
+        proto_error_init(&e, (Llm__Error__Code)q->error_code, q->id, q->error_message, 0);
+        d.error = &e;
+    }
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_DONE;
+    env.done = &d;
+    server_send_client(s, ident, ident_len, &env);
+}
+
+/* Streams what the client has not seen yet (streaming requests). */
+static void req_stream(server *s, struct req *q) {
+    if (!q->stream) return;
+    size_t sendable = q->text_len - req_stop_hold(q);
+    if (sendable < q->text_sent) sendable = q->text_sent;
+    if (q->n_out > q->n_sent || sendable > q->text_sent) {
+        req_send_chunk(s, q, q->n_sent, q->n_out, q->text_sent, sendable);
+        q->n_sent = q->n_out;
+        q->text_sent = sendable;
+    }
+}
+
+/* Stores the tokens not yet in Redis for every touched request, in one
+ * round trip.  On failure they stay pending and go with the next batch. */
+static void persist_touched(server *s) {
+    if (!s->rs || s->n_touched == 0) return;
+    struct reqstore_append *a = calloc(s->n_touched, sizeof *a);
+    if (!a) return;
+    size_t n = 0;
+    for (size_t i = 0; i < s->n_touched; i++) {
+        struct req *q = s->touched[i];
+        if (q->n_out > q->n_persisted)
+            a[n++] = (struct reqstore_append){q->id, q->out + q->n_persisted, q->n_out - q->n_persisted};
+    }
+    if (n > 0) {
+        if (reqstore_append(s->rs, a, n) == 0) {
+            for (size_t i = 0; i < s->n_touched; i++) s->touched[i]->n_persisted = s->touched[i]->n_out;
+        } else {
+            LOG(LL_WARN, "persisting tokens of %zu requests: %s", n, reqstore_errstr(s->rs));
+        }
+    }
+    free(a);
+}
+
+void req_store_finish(server *s, struct req *q) {
+    if (q->finish_stored || !s->rs) return;
+    if (q->n_out > q->n_persisted) {
+        struct reqstore_append a = {q->id, q->out + q->n_persisted, q->n_out - q->n_persisted};
+        if (reqstore_append(s->rs, &a, 1) < 0) {
+            LOG(LL_WARN, "request %s: storing its last tokens: %s", q->id, reqstore_errstr(s->rs));
+            return;
+        }
+        q->n_persisted = q->n_out;
+    }
+    struct reqrec r;
+    memset(&r, 0, sizeof r);
+    snprintf(r.id, sizeof r.id, "%s", q->id);
+    snprintf(r.entry, sizeof r.entry, "%s", q->entry);
+    r.finish = q->finish;
+    r.stop_token = q->stop_token;
+    r.stop_string = q->stop_string;
+    r.error_code = q->error_code;
+    r.error_message = q->error_message;
+    if (reqstore_finish(s->rs, &r) == 0) q->finish_stored = true;
+    else LOG(LL_WARN, "request %s: storing its end: %s", q->id, reqstore_errstr(s->rs));
+}
+
+/* Takes q off its pipeline (its blocks return; the workers free it with
+ * the next step). */
+static void req_unassign(server *s, struct req *q) {
+    if (q->seq && q->pipe && q->pipe->sched) sched_remove(q->pipe->sched, q->seq);
+    if (q->seq) req_seq_del(s, q);
+    q->seq = NULL;
+    q->pipe = NULL;
+    q->step = 0;
+}
+
+/* Marks q finished (the stream ends in req_finalize). */
+void req_end(server *s, struct req *q, int32_t finish, int32_t stop_token, const char *stop_string,
+                    Llm__Error__Code code, const char *msg) {
+    if (q->state == REQ_DONE || q->finishing) return;
+    req_unassign(s, q);
+    if (q->state == REQ_QUEUED) queue_remove(s, q);
+    q->finish = finish;
+    q->stop_token = stop_token;
+    q->stop_string = stop_string ? strdup(stop_string) : NULL;
+    q->error_code = code;
+    q->error_message = msg ? strdup(msg) : NULL;
+    q->finishing = true;
+    req_touch(s, q);
+}
+
+/* The end of a finishing request: flushed text, stored end, last chunk and
+ * GenerateDone. */
+static void req_finalize(server *s, struct req *q) {
+    if (!q->stop_string) {
+        char tail[8];
+        int n = tokenizer_detok_flush(&q->dt, tail, sizeof tail);
+        if (n > 0) req_text_append(q, tail, (size_t)n);
+    }
+    q->finishing = false;
+    q->state = REQ_DONE;
+    q->done_ms = server_now_ms();
+    s->n_done++;
+    req_store_finish(s, q);
+    if (q->stream) {
+        if (q->n_out > q->n_sent || q->text_len > q->text_sent)
+            req_send_chunk(s, q, q->n_sent, q->n_out, q->text_sent, q->text_len);
+    } else {
+        int32_t from = (int32_t)q->resume_from < q->n_out ? (int32_t)q->resume_from : q->n_out;
+        req_send_chunk(s, q, from, q->n_out, req_text_offset(s, q, from), q->text_len);
+    }
+    q->n_sent = q->n_out;
+    q->text_sent = q->text_len;
+    req_send_done(s, q, q->ident, q->ident_len);
+    LOG(LL_INFO, "request %s: done (%s%s%s), %d prompt + %d completion tokens", q->id,
+        protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)
+            ? protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)->name
+            : "?",
+        q->error_message ? ": " : "", q->error_message ? q->error_message : "", q->n_prompt, q->n_out);
+}
+
+/* After a batch of events: store tokens, stream, end what finished. */
+void req_flush_touched(server *s) {
+    persist_touched(s);
+    for (size_t i = 0; i < s->n_touched; i++) {
+        struct req *q = s->touched[i];
+        q->touched = false;
+        if (q->finishing) req_finalize(s, q);
+        else if (q->state != REQ_DONE) req_stream(s, q);
+    }
+    s->n_touched = 0;
+}
+
+/* A sampled token for q: record it, check the stop conditions, and give
+ * the sequence its next decode input or end it. */
+void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob *lp) {
+    if (q->n_out == q->cap_out) {
+        int32_t cap = q->cap_out * 2;
+        int32_t *o = realloc(q->out, (size_t)cap * sizeof *o);
+        struct lp *l = q->lps ? realloc(q->lps, (size_t)cap * sizeof *l) : NULL;
+        if (!o || (q->lps && !l)) {
+            if (o) q->out = o;
+            if (l) q->lps = l;
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL,
+                    LLM__ERROR__CODE__RESOURCE_EXHAUSTED, "router out of memory");
+            return;
+        }
+        q->out = o;
+        q->lps = l;
+        q->cap_out = cap;
+    }
+    if (q->lps) {
+        struct lp *l = &q->lps[q->n_out];
+        memset(l, 0, sizeof *l);
+        l->token = token;
+        if (lp) {
+            l->logprob = lp->logprob;
+            l->n_top = (int32_t)(lp->n_top < SAMPLING_TOP_LOGPROBS_MAX ? lp->n_top : SAMPLING_TOP_LOGPROBS_MAX);
+            for (int32_t k = 0; k < l->n_top; k++) {
+                l->top_token[k] = lp->top[k] ? lp->top[k]->token : -1;
+                l->top_logprob[k] = lp->top[k] ? lp->top[k]->logprob : 0.0f;
+            }
+        }
+    }
+    q->out[q->n_out++] = token;
+    s->gen_total++;
+    if (q->pipe) q->pipe->gen_tokens++;
+    req_touch(s, q);
+    int n = tokenizer_detok_push(s->tok, &q->dt, token, s->detok_buf, s->detok_size);
+    if (n > 0) req_text_append(q, s->detok_buf, (size_t)n);
+
+    /* Stop strings: search the new text (and what could straddle it). */
+    size_t maxl = 0;
+    for (size_t i = 0; i < q->gen->n_stop; i++)
+        if (strlen(q->gen->stop[i]) > maxl) maxl = strlen(q->gen->stop[i]);
+    if (maxl > 0 && q->text_len > q->text_checked) {
+        size_t from = q->text_checked > maxl ? q->text_checked - maxl : 0;
+        if (from < q->text_sent) from = q->text_sent;
+        size_t best = SIZE_MAX;
+        const char *which = NULL;
+        for (size_t i = 0; i < q->gen->n_stop; i++) {
+            const char *m = memmem(q->text + from, q->text_len - from, q->gen->stop[i], strlen(q->gen->stop[i]));
+            if (m && (size_t)(m - q->text) < best) {
+                best = (size_t)(m - q->text);
+                which = q->gen->stop[i];
+            }
+        }
+        q->text_checked = q->text_len;
+        if (which) {
+            q->text_len = best;
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__STOP, -1, which, LLM__ERROR__CODE__OK, NULL);
+            return;
+        }
+    }
+    if ((!q->sp.ignore_eos && tokenizer_is_eog(s->tok, token)) || sampling_is_stop(&q->sp, token)) {
+        req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__STOP, token, NULL, LLM__ERROR__CODE__OK, NULL);
+        return;
+    }
+    if ((q->gen->max_tokens && (uint32_t)q->n_out >= q->gen->max_tokens) || q->n_prompt + q->n_out >= q->limit) {
+        req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__LENGTH, -1, NULL, LLM__ERROR__CODE__OK, NULL);
+        return;
+    }
+    if (q->seq && sched_append(q->pipe->sched, q->seq, token) < 0) {
+        /* The scheduler did not expect a token: start the sequence over. */
+        sched_restart(q->pipe->sched, q->seq);
+    }
+}

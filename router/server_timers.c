@@ -1,0 +1,140 @@
+/* What runs on the clock: the Redis connection (and recovering accepted
+ * requests once it is up), worker liveness, step timeouts, deadlines,
+ * forgetting finished requests, and the throughput figures. */
+#include "router/server-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+void server_redis_connect(server *s) {
+    if (s->rs) return;
+    char err[512];
+    struct reqstore_config c = {s->cfg.redis_url, s->cfg.redis_prefix, s->cfg.router_id,
+                                (int64_t)s->cfg.retention_s * 1000, s->cfg.claim_idle_ms, 2000};
+    if (reqstore_open(&s->rs, &c, err, sizeof err) < 0) {
+        LOG(LL_WARN, "redis: %s (retrying)", err);
+        return;
+    }
+    LOG(LL_INFO, "redis: connected to %s", s->cfg.redis_url);
+    if (s->recovered) return;
+    struct reqrec *list = NULL;
+    size_t n = 0;
+    if (reqstore_recover(s->rs, &list, &n) < 0) {
+        LOG(LL_WARN, "redis: recovering requests: %s (retrying)", reqstore_errstr(s->rs));
+        reqstore_close(s->rs);
+        s->rs = NULL;
+        return;
+    }
+    s->recovered = true;
+    size_t adopted = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!req_find(s, list[i].id)) {
+            struct req *q = req_new(s, &list[i], err, sizeof err);
+            if (q) {
+                req_queue_push(s, q);
+                adopted++;
+            } else {
+                LOG(LL_WARN, "recover: %s", err);
+            }
+        }
+        reqrec_free(&list[i]);
+    }
+    free(list);
+    if (adopted) LOG(LL_INFO, "redis: resumed %zu accepted, unfinished requests", adopted);
+}
+
+static void check_worker_keys(server *s) {
+    if (!s->rs) return;
+    struct rconn *c = reqstore_conn(s->rs);
+    for (size_t i = 0; i < registry_n_workers(s->reg); i++) {
+        struct worker *w = registry_worker_at(s->reg, i);
+        if (w->state == WORKER_LOST) continue;
+        char key[256];
+        snprintf(key, sizeof key, "%sworker:%s", s->cfg.redis_prefix, w->id);
+        int64_t ttl = 0;
+        int rc = rconn_ttl(c, key, &ttl);
+        if (rc == 0) w->redis_key_seen = true;
+        else if (rc == STATUS_NOT_FOUND && w->redis_key_seen) {
+            LOG(LL_WARN, "worker %s: its Redis key %s expired: lost", w->id, key);
+            registry_mark_lost(s->reg, w);
+        } else if (rc != STATUS_NOT_FOUND) {
+            return; /* Redis trouble: heartbeats still tell */
+        }
+    }
+}
+
+void server_timers(server *s) {
+    int64_t now = server_now_ms();
+    if (now - s->last_timer_ms < 50) return;
+    s->last_timer_ms = now;
+    if (!s->rs && now - s->last_redis_try_ms >= 1000) {
+        s->last_redis_try_ms = now;
+        server_redis_connect(s);
+    }
+    registry_expire(s->reg, now, pipe_on_drop, s);
+    if (now - s->last_keys_ms >= s->cfg.heartbeat_ms) {
+        s->last_keys_ms = now;
+        check_worker_keys(s);
+    }
+    /* Steps without a result for too long: re-form the pipeline. */
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = p->ud;
+        if (!pp || !pp->sched) continue;
+        for (int32_t k = 0; k < pp->n_flights; k++)
+            if (now - pp->flights[k].sent_ms > s->cfg.step_timeout_ms) {
+                LOG(LL_WARN, "pipeline %u: step %llu has no result after %lld ms: re-forming", p->id,
+                    (unsigned long long)pp->flights[k].step_id, (long long)(now - pp->flights[k].sent_ms));
+                registry_pipeline_bump(s->reg, p);
+                break;
+            }
+    }
+    /* Deadlines, unfinished stores, forgetting finished requests. */
+    for (struct req *q = s->all, *next; q; q = next) {
+        next = q->next;
+        if (q->state != REQ_DONE && !q->finishing && q->deadline_ms && now >= q->deadline_ms) {
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__DEADLINE, -1, NULL,
+                    LLM__ERROR__CODE__DEADLINE_EXCEEDED, "the request's deadline passed");
+            continue;
+        }
+        if (q->state == REQ_DONE && !q->finish_stored && s->rs) req_store_finish(s, q);
+        if (q->state == REQ_DONE && q->finish_stored && !q->touched &&
+            (now - q->done_ms > (int64_t)s->cfg.retention_s * 1000 || s->n_done > SERVER_DONE_MEMORY_MAX)) {
+            req_unlink(s, q);
+            req_free(q);
+        }
+    }
+    if (now - s->last_stats_ms >= 60000) {
+        if (s->steps_total != s->stats_steps_mark) server_log_stats(s);
+        s->stats_steps_mark = s->steps_total;
+        s->last_stats_ms = now;
+    }
+    /* Throughput, once a second. */
+    if (now - s->last_rate_ms >= 1000) {
+        double dt = (double)(now - s->last_rate_ms) / 1000.0;
+        if (s->last_rate_ms) {
+            s->tok_s = 0.5 * s->tok_s + 0.5 * (double)(s->gen_total - s->rate_gen_mark) / dt;
+            s->prompt_tok_s = 0.5 * s->prompt_tok_s + 0.5 * (double)(s->prompt_total - s->rate_prompt_mark) / dt;
+            for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+                struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
+                if (!pp) continue;
+                pp->tok_s = 0.5 * pp->tok_s + 0.5 * (double)(pp->gen_tokens - pp->gen_mark) / dt;
+                pp->prompt_tok_s = 0.5 * pp->prompt_tok_s + 0.5 * (double)(pp->prompt_tokens - pp->prompt_mark) / dt;
+                pp->gen_mark = pp->gen_tokens;
+                pp->prompt_mark = pp->prompt_tokens;
+            }
+        }
+        s->rate_gen_mark = s->gen_total;
+        s->rate_prompt_mark = s->prompt_total;
+        s->last_rate_ms = now;
+    }
+}

@@ -1,0 +1,202 @@
+/* Worker messages: registration, heartbeats and step results (sampled
+ * tokens back to their requests, failed steps started over). */
+#include "router/server-impl.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+static void on_register(server *s, const uint8_t *ident, size_t ident_len, const Llm__Register *m) {
+    struct worker *w = NULL;
+    struct pipeline *p = NULL;
+    bool reformed = false;
+    Llm__Error__Code code;
+    char err[512];
+    int rc = registry_register(s->reg, m, ident, ident_len, server_now_ms(), &w, &p, &reformed, &code, err, sizeof err);
+    if (rc < 0) {
+        LOG(LL_WARN, "%s", err);
+        Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
+        Llm__Error e;
+        proto_error_init(&e, code, "", err, 0);
+        rr.worker_id = m->worker_id;
+        rr.accepted = false;
+        rr.error = &e;
+        Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+        env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
+        env.register_reply = &rr;
+        server_send_worker_env(s, ident, ident_len, &env);
+        return;
+    }
+    (void)reformed;
+    if (p->announce) return; /* pipes_sync tells every stage, this one included */
+    Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
+    rr.worker_id = w->id;
+    rr.accepted = true;
+    rr.heartbeat_interval_ms = (uint32_t)s->cfg.heartbeat_ms;
+    rr.pipeline_id = p->id;
+    rr.stage_index = w->stage_index;
+    rr.stage_count = p->stage_count;
+    rr.layer_first = w->layer_first;
+    rr.layer_end = w->layer_end;
+    uint32_t si = w->stage_index;
+    rr.prev_stage_endpoint = si > 0 && p->stage[si - 1] ? p->stage[si - 1]->stage_endpoint : "";
+    rr.next_stage_endpoint = si + 1 < p->stage_count && p->stage[si + 1] ? p->stage[si + 1]->stage_endpoint : "";
+    rr.epoch = p->epoch;
+    rr.pipeline_whole = registry_pipeline_whole(s->reg, p);
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
+    env.register_reply = &rr;
+    server_send_worker_env(s, ident, ident_len, &env);
+}
+
+static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, const Llm__Heartbeat *m) {
+    struct worker *w = NULL;
+    if (registry_heartbeat(s->reg, m, server_now_ms(), &w) == 0) {
+        if (w->ident_len != ident_len || memcmp(w->ident, ident, ident_len) != 0) {
+            memcpy(w->ident, ident, ident_len < sizeof w->ident ? ident_len : sizeof w->ident);
+            w->ident_len = ident_len < sizeof w->ident ? ident_len : sizeof w->ident;
+        }
+        return;
+    }
+    /* Unknown (the router restarted) or lost meanwhile: ask it to register. */
+    char msg[256];
+    snprintf(msg, sizeof msg, "worker %.128s (incarnation %llu) is not registered with this router: register again",
+             m->worker_id, (unsigned long long)m->incarnation);
+    Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
+    Llm__Error e;
+    /* retry_after_ms > 0: "try again", not a final refusal. */
+    proto_error_init(&e, LLM__ERROR__CODE__UNAVAILABLE, "", msg, 100);
+    rr.worker_id = m->worker_id;
+    rr.accepted = false;
+    rr.error = &e;
+    rr.heartbeat_interval_ms = (uint32_t)s->cfg.heartbeat_ms;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
+    env.register_reply = &rr;
+    server_send_worker_env(s, ident, ident_len, &env);
+}
+
+static void on_result(server *s, const Llm__StepResult *m) {
+    int64_t t0 = server_mono_us();
+    struct pipeline *p = registry_pipeline_find(s->reg, m->pipeline_id);
+    struct pipe *pp = p ? p->ud : NULL;
+    if (!pp || !pp->sched || m->epoch != pp->epoch) {
+        s->stale_results++;
+        return;
+    }
+    int32_t fi = -1;
+    for (int32_t i = 0; i < pp->n_flights; i++)
+        if (pp->flights[i].step_id == m->step_id) fi = i;
+    if (fi < 0) {
+        s->stale_results++;
+        return;
+    }
+    struct flight *f = &pp->flights[fi];
+    bool failed = m->error && m->error->code != LLM__ERROR__CODE__OK;
+    if (!failed && m->stage_index + 1 != p->stage_count) return; /* only the last stage reports success */
+    if (failed) {
+        LOG(LL_WARN, "pipeline %u step %llu failed at stage %u (%s): %s: %d sequences start over",
+            p->id, (unsigned long long)m->step_id, m->stage_index, m->worker_id,
+            m->error->message, f->n);
+        for (int32_t k = 0; k < f->n; k++) {
+            struct req *q = req_by_seq(s, f->seq_ids[k]);
+            if (!q || q->step != m->step_id) continue;
+            q->step = 0;
+            if (++q->failures >= SERVER_FAILURES_MAX) {
+                char msg[512];
+                snprintf(msg, sizeof msg, "%d failed steps, the last at stage %u: %s", q->failures,
+                         m->stage_index, m->error->message);
+                req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL, LLM__ERROR__CODE__ABORTED, msg);
+            } else {
+                sched_restart(pp->sched, q->seq);
+            }
+        }
+    } else {
+        for (size_t k = 0; k < m->n_seqs; k++) {
+            const Llm__SeqResult *r = m->seqs[k];
+            struct req *q = req_by_seq(s, r->seq_id);
+            if (!q || q->step != m->step_id) continue;
+            bool want = false;
+            for (int32_t j = 0; j < f->n; j++)
+                if (f->seq_ids[j] == r->seq_id) want = f->want[j];
+            q->step = 0;
+            if (r->error && r->error->code != LLM__ERROR__CODE__OK) {
+                if (++q->failures >= SERVER_FAILURES_MAX)
+                    req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL,
+                            (Llm__Error__Code)r->error->code, r->error->message);
+                else
+                    sched_restart(pp->sched, q->seq);
+                continue;
+            }
+            if (!want) continue;
+            if (r->token < 0 || r->token >= s->mi.n_vocab) {
+                char msg[128];
+                snprintf(msg, sizeof msg, "stage %u sampled token %d, outside the vocabulary of %d",
+                         m->stage_index, r->token, s->mi.n_vocab);
+                req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL, LLM__ERROR__CODE__INTERNAL, msg);
+                continue;
+            }
+            req_token(s, q, r->token, r->logprob);
+        }
+        /* Sequences of the step the result did not mention start over. */
+        for (int32_t j = 0; j < f->n; j++) {
+            struct req *q = req_by_seq(s, f->seq_ids[j]);
+            if (q && q->step == m->step_id) {
+                q->step = 0;
+                if (f->want[j]) sched_restart(pp->sched, q->seq);
+            }
+        }
+    }
+    sched_step_done(pp->sched, m->step_id);
+    /* Swap whole slots, so that each keeps its own arrays. */
+    struct flight tmp = pp->flights[fi];
+    pp->flights[fi] = pp->flights[pp->n_flights - 1];
+    pp->flights[pp->n_flights - 1] = tmp;
+    pp->n_flights--;
+    pipe_pump(s, pp);
+    s->turn_us_sum += (double)(server_mono_us() - t0);
+    s->turn_n++;
+}
+
+void server_on_worker_frame(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {
+    Llm__WorkerEnvelope *env = NULL;
+    char err[256];
+    int rc = proto_worker_unpack(buf, len, &env, err, sizeof err);
+    if (rc < 0) {
+        LOG(LL_WARN, "worker frame refused: %s", err);
+        uint8_t *out = NULL;
+        size_t olen = 0;
+        if (proto_worker_error_pack(proto_code_from_status(rc), "", err, 0, &out, &olen) == 0) {
+            server_send_worker(s, ident, ident_len, out, olen);
+            free(out);
+        }
+        return;
+    }
+    switch (env->body_case) {
+    case LLM__WORKER_ENVELOPE__BODY_REGISTER: on_register(s, ident, ident_len, env->register_); break;
+    case LLM__WORKER_ENVELOPE__BODY_HEARTBEAT: on_heartbeat(s, ident, ident_len, env->heartbeat); break;
+    case LLM__WORKER_ENVELOPE__BODY_RESULT: on_result(s, env->result); break;
+    case LLM__WORKER_ENVELOPE__BODY_ERROR:
+        LOG(LL_WARN, "worker error: %s: %s", proto_code_name(env->error->code), env->error->message);
+        break;
+    default: {
+        s->frames_bad++;
+        snprintf(err, sizeof err, "worker envelope body %d is not one a worker sends", (int)env->body_case);
+        uint8_t *out = NULL;
+        size_t olen = 0;
+        if (proto_worker_error_pack(LLM__ERROR__CODE__UNIMPLEMENTED, "", err, 0, &out, &olen) == 0) {
+            server_send_worker(s, ident, ident_len, out, olen);
+            free(out);
+        }
+    }
+    }
+    proto_worker_free(env);
+}
