@@ -6,7 +6,8 @@
 #include <time.h>
 
 jmp_buf test_jmp;
-int test_skipped;
+/* Why the last test was skipped, repeated in the summary line. */
+static char test_skip_reason[256];
 
 void test_fail_at(const char *file, int line, const char *fmt, ...) {
     va_list ap;
@@ -17,6 +18,16 @@ void test_fail_at(const char *file, int line, const char *fmt, ...) {
     va_end(ap);
     fflush(stdout);
     longjmp(test_jmp, 1);
+}
+
+void test_skip(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(test_skip_reason, sizeof test_skip_reason, fmt, ap);
+    va_end(ap);
+    printf("  skipped: %s\n", test_skip_reason);
+    fflush(stdout);
+    longjmp(test_jmp, 2);
 }
 
 char *test_read_file(const char *path, size_t *len) {
@@ -68,7 +79,6 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv) {
         clock_gettime(CLOCK_MONOTONIC, &t0);
         printf("[ RUN  ] %s\n", cases[i].name);
         fflush(stdout);
-        test_skipped = 0;
         int r = test_run_one(cases[i].fn);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
@@ -76,7 +86,7 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv) {
         if (r == 1) {
             failed++;
             printf("[ FAIL ] %s (%.0f ms)\n", cases[i].name, ms);
-        } else if (test_skipped) {
+        } else if (r == 2) {
             skipped++;
             printf("[ SKIP ] %s\n", cases[i].name);
         } else {
@@ -85,5 +95,10 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv) {
         fflush(stdout);
     }
     printf("%d tests: %d passed, %d failed, %d skipped\n", ran, ran - failed - skipped, failed, skipped);
-    return failed ? 1 : 0;
+    if (failed) return 1;
+    if (ran > 0 && skipped == ran) {
+        printf("all %d tests skipped (last reason: %s)\n", ran, test_skip_reason);
+        return TEST_EXIT_SKIPPED;
+    }
+    return 0;
 }

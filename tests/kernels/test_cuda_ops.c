@@ -3,7 +3,7 @@
  * with NaN before each op so that an element the kernel forgets to write
  * fails.  Errors are normalised, NMSE = sum((gpu - cpu)^2) / sum(cpu^2),
  * with the bound per op and dtype next to each check and why.  Without a
- * GPU (CI) every test skips. */
+ * GPU (CI) every test skips and ctest reports the program skipped. */
 #include "../test.h"
 
 #include <stdint.h>

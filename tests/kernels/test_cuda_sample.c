@@ -4,7 +4,8 @@
  * tokens and stop flags exactly equal; a sampled token may differ only where
  * a third, sort-based reference here finds the draw (or a top-p cut) within
  * a relative 1e-5 of a boundary, where expf's last bit decides; logprobs
- * within 1e-4.  Without a GPU (CI) every test skips. */
+ * within 1e-4.  Without a GPU (CI) every test skips and ctest reports the
+ * program skipped. */
 #include "../test.h"
 
 #include <float.h>
