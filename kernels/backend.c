@@ -43,10 +43,10 @@ int backend_open(backend **out, const struct device_spec *dev, int n_threads, in
     }
     rc = backend_cpu_init(out, n_threads, err, errlen);
     if (rc != STATUS_OK) return rc;
-    snprintf(chosen, chosen_len, "cpu (%s: %s)", asked, why);
+    snprintf(chosen, chosen_len, "cpu (%s)", why);
     /* Asked for a GPU by name, the CPU is a surprise worth a warning; under
      * auto it is the expected outcome on a machine without one. */
-    if (dev->kind == DEVICE_AUTO) LOG(LL_INFO, "device auto: running on the CPU (%s)", why);
+    if (dev->kind == DEVICE_AUTO) LOG(LL_INFO, "device auto: %s", chosen);
     else LOG(LL_WARN, "device %s unavailable (%s): running on the CPU", asked, why);
     return STATUS_OK;
 }

@@ -63,9 +63,10 @@ void backend_free(backend *b);
 /* The backend a parsed --device names (common/device.h).  auto: cuda:0
  * when this build has the CUDA backend and that GPU opens, else the CPU.
  * cuda:N: that GPU, else the CPU with a warning, unless require_gpu (then
- * the failure).  cpu: the CPU.  Logs the choice and writes it into chosen
- * (when not NULL), e.g. "cpu (auto: cuda:0: no usable GPU (no CUDA
- * device))", so a program can tell its user.  Returns 0 and *out, or a
+ * the failure).  cpu: the CPU.  Logs the choice (info for auto, a warning
+ * for a named GPU that did not open) and writes it into chosen when not
+ * NULL: the backend's name, or "cpu (cuda:0: no usable GPU (no CUDA
+ * device))" with why the GPU did not open.  Returns 0 and *out, or a
  * negative status with a message in err (then *out is NULL). */
 int backend_open(backend **out, const struct device_spec *dev, int n_threads, int require_gpu, char *chosen,
                  size_t chosen_len, char *err, size_t errlen);

@@ -6,6 +6,7 @@
 #include "forward.h"
 #include "stage.h"
 
+#include "common/device.h"
 #include "common/kvblocks.h"
 #include "common/log.h"
 #include "common/model.h"
@@ -28,7 +29,8 @@ struct run_opts {
     int max_tokens, top, top_k, threads, kv_blocks, ctx, batch;
     double temperature, top_p, min_p, repeat_penalty;
     int64_t seed;
-    bool json, stop_at_eos, require_gpu;
+    bool json, stop_at_eos, require_gpu, bos, parse_special;
+    struct device_spec dev; /* --device, parsed */
 };
 
 static double run_now(void) {
@@ -37,32 +39,15 @@ static double run_now(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* The device the flags ask for; cuda:N falls back to the CPU (with a log
- * line) when there is no such GPU, unless --require-gpu. */
+/* The device --device names.  Under auto the user did not choose, so the
+ * choice is told on stderr: backend_open logs it at info level, and below
+ * that level (the default, warn) it gets a line of its own. */
 static int run_backend(const struct run_opts *o, backend **out, char *err, size_t errlen) {
-    if (strcmp(o->device, "cpu") == 0) return backend_cpu_init(out, o->threads, err, errlen);
-    if (strncmp(o->device, "cuda", 4) == 0) {
-        int dev = 0;
-        if (o->device[4] == ':') {
-            char *end;
-            errno = 0;
-            long v = strtol(o->device + 5, &end, 10);
-            if (errno || *end || end == o->device + 5 || v < 0 || v > 1024) {
-                snprintf(err, errlen, "--device %s: expected cpu or cuda:N", o->device);
-                return STATUS_BAD_INPUT;
-            }
-            dev = (int)v;
-        } else if (o->device[4]) {
-            snprintf(err, errlen, "--device %s: expected cpu or cuda:N", o->device);
-            return STATUS_BAD_INPUT;
-        }
-        int rc = backend_cuda_init(out, dev, err, errlen);
-        if (rc == STATUS_OK || o->require_gpu) return rc;
-        LOG(LL_WARN, "device %s unavailable (%s): running on the CPU", o->device, err);
-        return backend_cpu_init(out, o->threads, err, errlen);
-    }
-    snprintf(err, errlen, "--device %s: expected cpu or cuda:N", o->device);
-    return STATUS_BAD_INPUT;
+    char chosen[600];
+    int rc = backend_open(out, &o->dev, o->threads, o->require_gpu, chosen, sizeof chosen, err, errlen);
+    if (rc == STATUS_OK && o->dev.kind == DEVICE_AUTO && log_level_min > LL_INFO && log_level_min < LL_NONE)
+        fprintf(stderr, "llm-run: device auto: %s\n", chosen);
+    return rc;
 }
 
 static cJSON *run_json_ids(const int32_t *ids, int32_t n) {
@@ -80,9 +65,10 @@ static void run_print_json(cJSON *j) {
     fflush(stdout);
 }
 
-/* Tokenizes text with the BOS rule of the metadata; *ids is malloc'ed. */
-static int run_encode(const tokenizer *tok, const char *text, int32_t **ids, int32_t *n, char *err,
-                      size_t errlen) {
+/* Tokenizes text; add_bos and parse_special as tokenizer_encode takes
+ * them (-1: the BOS rule of the metadata).  *ids is malloc'ed. */
+static int run_encode(const tokenizer *tok, const char *text, int add_bos, int parse_special, int32_t **ids,
+                      int32_t *n, char *err, size_t errlen) {
     size_t len = strlen(text);
     int32_t cap = (int32_t)(len + 8);
     *ids = malloc((size_t)cap * sizeof **ids);
@@ -90,7 +76,7 @@ static int run_encode(const tokenizer *tok, const char *text, int32_t **ids, int
         snprintf(err, errlen, "out of memory for %zu bytes of text", len);
         return STATUS_NO_MEMORY;
     }
-    int32_t got = tokenizer_encode(tok, text, len, -1, 1, *ids, cap);
+    int32_t got = tokenizer_encode(tok, text, len, add_bos, parse_special, *ids, cap);
     if (got > cap) { /* cannot happen with one token per byte plus BOS, but the API allows it */
         int32_t *more = realloc(*ids, (size_t)got * sizeof **ids);
         if (!more) {
@@ -98,7 +84,7 @@ static int run_encode(const tokenizer *tok, const char *text, int32_t **ids, int
             return STATUS_NO_MEMORY;
         }
         *ids = more;
-        got = tokenizer_encode(tok, text, len, -1, 1, *ids, got);
+        got = tokenizer_encode(tok, text, len, add_bos, parse_special, *ids, got);
     }
     if (got < 0) {
         snprintf(err, errlen, "cannot tokenize the text: %s", status_str(got));
@@ -257,10 +243,33 @@ static const struct option_def run_defs_proto[] = {
     {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks of 16 positions (0: enough for the run)", NULL, 0, 1 << 24, NULL},
     {"ctx", NULL, OPTION_INT, "0", "positions per sequence (0: prompt + max tokens)", NULL, 0, 1 << 24, NULL},
     {"batch", NULL, OPTION_INT, "512", "tokens per prefill step", NULL, 1, 1 << 20, NULL},
-    {"device", "LLM_DEVICE", OPTION_STRING, "cpu", "cpu or cuda:N", NULL, 0, 0, NULL},
+    {"bos", NULL, OPTION_BOOL, "true", "--tokenize: add BOS as the metadata says (--no-bos: never)", NULL, 0, 0, NULL},
+    {"parse-special", NULL, OPTION_BOOL, "true", "--tokenize: turn the text of special tokens (\"<s>\") into their ids", NULL, 0, 0, NULL},
+    {"device", "LLM_DEVICE", OPTION_STRING, "auto", "auto (a GPU when one can be used, else the CPU), cpu, cuda or cuda:N", NULL, 0, 0, NULL},
     {"require-gpu", NULL, OPTION_BOOL, "false", "fail instead of falling back to the CPU", NULL, 0, 0, NULL},
     {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "warn", "debug, info, warn, error or none", NULL, 0, 0, NULL},
 };
+
+/* --tokenize reads only the tokenizer, so it also works on vocab-only
+ * GGUF files (metadata without tensors) and needs no device. */
+static int run_tokenize(const struct run_opts *o, char *err, size_t errlen) {
+    tokenizer *tok = NULL;
+    int32_t *ids = NULL, n = 0;
+    int rc = tokenizer_load(&tok, o->model, err, errlen);
+    if (rc == STATUS_OK) rc = run_encode(tok, o->tokenize, o->bos ? -1 : 0, o->parse_special, &ids, &n, err, errlen);
+    if (rc == STATUS_OK && o->json) {
+        cJSON *json = cJSON_CreateObject();
+        cJSON_AddItemToObject(json, "ids", run_json_ids(ids, n));
+        run_print_json(json);
+        cJSON_Delete(json);
+    } else if (rc == STATUS_OK) {
+        for (int32_t i = 0; i < n; i++) printf("%s%d", i ? " " : "", ids[i]);
+        printf("\n");
+    }
+    free(ids);
+    tokenizer_free(tok);
+    return rc;
+}
 
 static int run_main(struct run_opts *o, char *err, size_t errlen) {
     int n_modes = !!o->prompt + !!o->tokenize + !!o->eval_ids;
@@ -268,6 +277,7 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
         snprintf(err, errlen, "need --model and exactly one of --prompt, --tokenize, --eval-ids (see --help)");
         return STATUS_BAD_INPUT;
     }
+    if (o->tokenize) return run_tokenize(o, err, errlen);
     backend *b = NULL;
     model_file *m = NULL;
     stage *s = NULL;
@@ -284,25 +294,13 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
     const tokenizer *tok = model_file_tokenizer(m);
     const struct model_hparams *hp = model_file_hparams(m);
 
-    if (o->tokenize) {
-        rc = run_encode(tok, o->tokenize, &prompt, &n_prompt, err, errlen);
-        if (rc != STATUS_OK) goto done;
-        if (o->json) {
-            json = cJSON_CreateObject();
-            cJSON_AddItemToObject(json, "ids", run_json_ids(prompt, n_prompt));
-            run_print_json(json);
-        } else {
-            for (int32_t i = 0; i < n_prompt; i++) printf("%s%d", i ? " " : "", prompt[i]);
-            printf("\n");
-        }
-        goto done;
-    }
-
     if (o->eval_ids) rc = run_parse_ids(o->eval_ids, &prompt, &n_prompt, err, errlen);
-    else rc = run_encode(tok, o->prompt, &prompt, &n_prompt, err, errlen);
+    else rc = run_encode(tok, o->prompt, -1, 1, &prompt, &n_prompt, err, errlen);
     if (rc != STATUS_OK) goto done;
+    /* An empty prompt is BOS alone, where the tokenizer adds one. */
     if (n_prompt == 0) {
-        snprintf(err, errlen, "the prompt has no tokens");
+        snprintf(err, errlen, "the prompt is empty and %s's tokenizer adds no BOS: no token to generate from",
+                 o->model);
         rc = STATUS_BAD_INPUT;
         goto done;
     }
@@ -452,7 +450,7 @@ int main(int argc, char **argv) {
     memcpy(defs, run_defs_proto, sizeof defs);
     void *targets[] = {&o.model, &o.prompt, &o.tokenize, &o.eval_ids, &o.top, &o.max_tokens,
                        &o.temperature, &o.top_k, &o.top_p, &o.min_p, &o.repeat_penalty, &o.seed, &o.json, &o.stop_at_eos,
-                       &o.threads, &o.kv_blocks, &o.ctx, &o.batch, &o.device, &o.require_gpu,
+                       &o.threads, &o.kv_blocks, &o.ctx, &o.batch, &o.bos, &o.parse_special, &o.device, &o.require_gpu,
                        &o.log_level};
     _Static_assert(sizeof targets / sizeof targets[0] == sizeof defs / sizeof defs[0], "one target per option");
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) defs[i].target = targets[i];
@@ -477,6 +475,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     log_set_level(level);
+    if (device_parse("--device", o.device, &o.dev, err, sizeof err) != STATUS_OK) {
+        fprintf(stderr, "llm-run: %s\n", err);
+        return 2;
+    }
     rc = run_main(&o, err, sizeof err);
     if (rc != STATUS_OK) {
         fflush(stdout);

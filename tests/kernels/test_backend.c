@@ -39,7 +39,7 @@ TEST(backend_open_auto_takes_the_gpu_when_one_opens) {
     } else {
         /* The CPU, with the reason the GPU did not open. */
         printf("  auto chose: %s\n", chosen);
-        ASSERT_TRUE(strncmp(chosen, "cpu (auto: ", 11) == 0);
+        ASSERT_TRUE(strncmp(chosen, "cpu (cuda:0: ", 13) == 0);
         ASSERT_TRUE(strstr(chosen, why) != NULL);
     }
     backend_free(b);

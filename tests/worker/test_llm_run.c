@@ -1,5 +1,7 @@
-/* Tests of the llm-run program as a real process: its --json generation,
- * --tokenize and --eval-ids output against the llama.cpp goldens, and its
+/* Tests of the llm-run program as a real process: its --json generation
+ * (from a prompt and from BOS alone), --tokenize and --eval-ids output
+ * against the llama.cpp goldens, --tokenize on vocab-only files against
+ * llama.cpp's tokenizer suites, the device it picks by default, and its
  * exit status and message on bad input. */
 #include "../test.h"
 
@@ -16,6 +18,11 @@ struct proc_result {
     char err[4096];/* the start of stderr */
     int status;    /* exit code, or 128 + signal */
 };
+
+/* The device of the runs that give none (LLM_DEVICE in their environment):
+ * the CPU the goldens were checked on, or LLM_TEST_DEVICE's GPU; "" leaves
+ * LLM_DEVICE unset, so llm-run's own default (auto) holds. */
+static const char *run_device;
 
 /* Runs llm-run with args (NULL-terminated), bounded to 120 s. */
 static void run_llm(const char *const *args, struct proc_result *r) {
@@ -37,6 +44,9 @@ static void run_llm(const char *const *args, struct proc_result *r) {
         dup2(err_fd, 2);
         close(out_pipe[0]);
         close(out_pipe[1]);
+        const char *dev = run_device ? run_device : getenv("LLM_TEST_DEVICE") ? getenv("LLM_TEST_DEVICE") : "cpu";
+        if (*dev) setenv("LLM_DEVICE", dev, 1);
+        else unsetenv("LLM_DEVICE");
         alarm(120); /* survives exec: a hung run is killed */
         execv(RUN_BINARY, (char *const *)argv);
         _exit(127);
@@ -124,6 +134,44 @@ TEST(llm_run_generate_matches_golden) {
     cJSON_Delete(root);
 }
 
+/* An empty prompt is BOS alone, as in llama.cpp.  The golden set has no
+ * run from BOS, but its first prompt starts at BOS and the model's greedy
+ * picks after BOS reproduce that prompt ("Once upon a time"), so greedy
+ * from BOS must give the prompt's ids after BOS and then llama.cpp's
+ * greedy continuation of the prompt, token for token. */
+TEST(llm_run_empty_prompt_generates_from_bos) {
+    char model[2048];
+    snprintf(model, sizeof model, "%s", test_model_path("stories260K-f32.gguf"));
+    cJSON *root = load_json("stories260K-golden.json");
+    const cJSON *p = cJSON_GetArrayItem(cJSON_GetObjectItem(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(root, "models"), "stories260K-f32.gguf"), "prompts"), 0);
+    const cJSON *prompt_ids = cJSON_GetObjectItem(p, "prompt_ids"), *gen = cJSON_GetObjectItem(p, "generated_ids");
+    ASSERT_EQ(1, (int)cJSON_GetArrayItem(prompt_ids, 0)->valuedouble); /* BOS */
+    cJSON *want = cJSON_CreateArray();
+    const cJSON *e;
+    for (int i = 1; i < cJSON_GetArraySize(prompt_ids); i++)
+        cJSON_AddItemToArray(want, cJSON_CreateNumber(cJSON_GetArrayItem(prompt_ids, i)->valuedouble));
+    cJSON_ArrayForEach(e, gen) cJSON_AddItemToArray(want, cJSON_CreateNumber(e->valuedouble));
+    char n[16];
+    snprintf(n, sizeof n, "%d", cJSON_GetArraySize(want));
+    const char *args[] = {"--model", model, "--prompt", "", "--max-tokens", n, "--no-stop-at-eos", "--threads", "2",
+                          "--json", NULL};
+    struct proc_result r;
+    run_llm(args, &r);
+    if (r.status != 0) TEST_FAIL("llm-run exited %d: %s", r.status, r.err);
+    cJSON *j = last_line_json(&r);
+    cJSON *bos = cJSON_CreateArray();
+    cJSON_AddItemToArray(bos, cJSON_CreateNumber(1));
+    assert_same_ids(bos, cJSON_GetObjectItem(j, "prompt_ids"), "prompt_ids");
+    assert_same_ids(want, cJSON_GetObjectItem(j, "ids"), "ids");
+    printf("  %d greedy ids from BOS equal the golden's\n", cJSON_GetArraySize(want));
+    cJSON_Delete(bos);
+    cJSON_Delete(want);
+    cJSON_Delete(j);
+    free(r.out);
+    cJSON_Delete(root);
+}
+
 TEST(llm_run_tokenize_matches_golden) {
     char model[2048];
     snprintf(model, sizeof model, "%s", test_model_path("stories260K-f32.gguf"));
@@ -141,6 +189,57 @@ TEST(llm_run_tokenize_matches_golden) {
     }
     cJSON_Delete(root);
 }
+
+/* llama.cpp's tokenizer suite of a vocab-only GGUF file (metadata, no
+ * tensors) through the llm-run program, one process per text: FILE.inp
+ * holds the texts separated by "\n__ggml_vocab_test__\n", FILE.out one
+ * line of ids per text, made without BOS and without parsing special
+ * tokens.  tests/common/test_tokenizer.c runs the same suites on the
+ * library; this is about the program's path (tokenizer only, no model). */
+static void run_vocab_suite(const char *name) {
+    char path[2048], inp_path[2100], out_path[2100];
+    snprintf(path, sizeof path, "%s", test_model_path(name));
+    snprintf(inp_path, sizeof inp_path, "%s.inp", path);
+    snprintf(out_path, sizeof out_path, "%s.out", path);
+    char *inp = test_read_file(inp_path, NULL), *out = test_read_file(out_path, NULL);
+    if (!inp || !out) TEST_FAIL("cannot read %s or %s", inp_path, out_path);
+    static const char sep[] = "\n__ggml_vocab_test__\n";
+    char *pos = inp, *line = out, *end;
+    int n_cases = 0, n_failed = 0;
+    for (; (end = strstr(pos, sep)); pos = end + sizeof sep - 1, n_cases++) {
+        char *eol = strchr(line, '\n');
+        if (!eol) TEST_FAIL("%s: fewer lines than texts (at case %d)", out_path, n_cases);
+        *eol = 0;
+        *end = 0;
+        const char *args[] = {"--model", path, "--tokenize", pos, "--no-bos", "--no-parse-special", "--json", NULL};
+        struct proc_result r;
+        run_llm(args, &r);
+        if (r.status != 0) TEST_FAIL("%s case %d: llm-run exited %d: %s", name, n_cases, r.status, r.err);
+        cJSON *j = last_line_json(&r);
+        const cJSON *ids = cJSON_GetObjectItem(j, "ids");
+        /* The expected line against the printed ids, as text. */
+        char got[8192] = "";
+        size_t len = 0;
+        const cJSON *e;
+        cJSON_ArrayForEach(e, ids) len += (size_t)snprintf(got + len, len < sizeof got ? sizeof got - len : 0, " %d",
+                                                           (int)e->valuedouble);
+        if (!cJSON_IsArray(ids) || strcmp(got, line) != 0) {
+            printf("  %s case %d \"%s\":\n    expected%s\n    got     %s\n", name, n_cases, pos, line, got);
+            n_failed++;
+        }
+        cJSON_Delete(j);
+        free(r.out);
+        line = eol + 1;
+    }
+    free(inp);
+    free(out);
+    printf("  %s: %d cases through llm-run, %d failed\n", name, n_cases, n_failed);
+    ASSERT_EQ(46, n_cases);
+    ASSERT_EQ(0, n_failed);
+}
+
+TEST(llm_run_tokenize_vocab_only_llama_spm) { run_vocab_suite("vocab/ggml-vocab-llama-spm.gguf"); }
+TEST(llm_run_tokenize_vocab_only_gpt2) { run_vocab_suite("vocab/ggml-vocab-gpt-2.gguf"); }
 
 TEST(llm_run_eval_ids_top5_matches_golden) {
     char model[2048];
@@ -191,6 +290,25 @@ TEST(llm_run_eval_ids_top5_matches_golden) {
     cJSON_Delete(root);
 }
 
+/* Without --device, llm-run picks a GPU when one opens, else the CPU, and
+ * says which on stderr. */
+TEST(llm_run_device_auto_says_which) {
+    char model[2048];
+    snprintf(model, sizeof model, "%s", test_model_path("stories260K-f32.gguf"));
+    const char *args[] = {"--model", model, "--prompt", "Once", "--max-tokens", "3", "--threads", "2", NULL};
+    struct proc_result r;
+    run_device = "";
+    run_llm(args, &r);
+    run_device = NULL;
+    if (r.status != 0) TEST_FAIL("llm-run exited %d: %s", r.status, r.err);
+    const char *line = strstr(r.err, "llm-run: device auto: ");
+    if (!line) TEST_FAIL("no \"device auto:\" line on stderr: %s", r.err);
+    line += strlen("llm-run: device auto: ");
+    ASSERT_TRUE(strncmp(line, "cuda:0 (", 8) == 0 || strncmp(line, "cpu (", 5) == 0);
+    printf("  %.*s\n", (int)strcspn(line, "\n"), line);
+    free(r.out);
+}
+
 TEST(llm_run_bad_input_fails_with_message) {
     char model[2048];
     snprintf(model, sizeof model, "%s", test_model_path("stories260K-f32.gguf"));
@@ -222,8 +340,23 @@ TEST(llm_run_bad_input_fails_with_message) {
     const char *gpu[] = {"--model", model, "--prompt", "hi", "--device", "cuda:99", "--require-gpu", NULL};
     run_llm(gpu, &r);
     ASSERT_EQ(1, r.status);
+    ASSERT_TRUE(strstr(r.err, "cuda:99") != NULL);
+    free(r.out);
+    const char *bad_device[] = {"--model", model, "--prompt", "hi", "--device", "gpu0", NULL};
+    run_llm(bad_device, &r);
+    ASSERT_EQ(2, r.status);
+    ASSERT_TRUE(strstr(r.err, "--device") != NULL && strstr(r.err, "gpu0") != NULL);
+    free(r.out);
+    /* A vocab-only file tokenizes, but has no weights to generate with. */
+    char vocab[2048];
+    snprintf(vocab, sizeof vocab, "%s", test_model_path("vocab/ggml-vocab-llama-spm.gguf"));
+    const char *no_weights[] = {"--model", vocab, "--prompt", "hi", NULL};
+    run_llm(no_weights, &r);
+    ASSERT_EQ(1, r.status);
+    ASSERT_TRUE(strstr(r.err, "ggml-vocab-llama-spm.gguf") != NULL);
     free(r.out);
 }
 
-TEST_MAIN(llm_run_generate_matches_golden, llm_run_tokenize_matches_golden,
-          llm_run_eval_ids_top5_matches_golden, llm_run_bad_input_fails_with_message)
+TEST_MAIN(llm_run_generate_matches_golden, llm_run_empty_prompt_generates_from_bos, llm_run_tokenize_matches_golden, llm_run_tokenize_vocab_only_llama_spm,
+          llm_run_tokenize_vocab_only_gpt2, llm_run_eval_ids_top5_matches_golden,
+          llm_run_device_auto_says_which, llm_run_bad_input_fails_with_message)
