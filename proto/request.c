@@ -69,15 +69,15 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                             char *err, size_t errlen) {
     int rc = proto_request_id_check(g->request_id, err, errlen);
     if (rc < 0) return rc;
+    /* prompt is a proto3 string without presence: an absent prompt and an
+     * empty one are the same message ("" after unpacking).  Both mean the
+     * empty text, which the router tokenizes to BOS alone, as llama.cpp and
+     * OpenAI-style completions generate from the start of a document.
+     * prompt_tokens, when given, replaces the text. */
     int has_text = g->prompt && g->prompt[0];
     if (has_text && g->n_prompt_tokens > 0) {
         request_err(err, errlen, "request %s: prompt (%zu bytes) and prompt_tokens (%zu ids) are "
                     "both set; send one", g->request_id, strlen(g->prompt), g->n_prompt_tokens);
-        return STATUS_BAD_INPUT;
-    }
-    if (!has_text && g->n_prompt_tokens == 0) {
-        request_err(err, errlen, "request %s: neither prompt nor prompt_tokens is set",
-                    g->request_id);
         return STATUS_BAD_INPUT;
     }
     for (size_t i = 0; i < g->n_prompt_tokens; i++) {

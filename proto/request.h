@@ -27,8 +27,9 @@ int proto_sampling_from_msg(const Llm__SamplingParams *m, struct sampling_params
 void proto_sampling_to_msg(const struct sampling_params *p, Llm__SamplingParams *m);
 
 /* Everything the router checks before accepting a GenerateRequest:
- * request_id (proto_request_id_check), exactly one of prompt and
- * prompt_tokens, prompt token ids inside [0, n_vocab) (n_vocab 0 skips it),
+ * request_id (proto_request_id_check), not both a non-empty prompt and
+ * prompt_tokens (neither is the empty prompt: BOS alone once the router
+ * tokenizes it), prompt token ids inside [0, n_vocab) (n_vocab 0 skips it),
  * stop strings (count and length), priority, deadline_ms and the sampling
  * parameters (sampling_params_validate, field names prefixed "sampling.").
  * now_ms is the current Unix time in ms (for the deadline).  Returns 0;
