@@ -3,31 +3,19 @@
  * accepts, so every client gets the same messages. */
 #include "proto/request.h"
 
-#include <stdarg.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "common/status.h"
 #include "proto/wire.h"
-
-static void request_err(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void request_err(char *err, size_t errlen, const char *fmt, ...) {
-    if (!err || errlen == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 int proto_sampling_from_msg(const Llm__SamplingParams *m, struct sampling_params *p, char *err,
                             size_t errlen) {
     sampling_params_default(p);
     if (!m) return 0;
     if (m->n_stop_token_ids > SAMPLING_STOP_IDS_MAX) {
-        request_err(err, errlen, "sampling.stop_token_ids has %zu entries, at most %d are allowed",
-                    m->n_stop_token_ids, SAMPLING_STOP_IDS_MAX);
-        return STATUS_BAD_INPUT;
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "sampling.stop_token_ids has %zu entries, at most %d are allowed",
+                           m->n_stop_token_ids, SAMPLING_STOP_IDS_MAX);
     }
     p->temperature = m->temperature;
     p->top_k = m->top_k;
@@ -76,45 +64,45 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
      * prompt_tokens, when given, replaces the text. */
     int has_text = g->prompt && g->prompt[0];
     if (has_text && g->n_prompt_tokens > 0) {
-        request_err(err, errlen, "request %s: prompt (%zu bytes) and prompt_tokens (%zu ids) are "
-                    "both set; send one", g->request_id, strlen(g->prompt), g->n_prompt_tokens);
-        return STATUS_BAD_INPUT;
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: prompt (%zu bytes) and prompt_tokens (%zu ids) are "
+                           "both set; send one", g->request_id, strlen(g->prompt), g->n_prompt_tokens);
     }
     for (size_t i = 0; i < g->n_prompt_tokens; i++) {
         int32_t t = g->prompt_tokens[i];
         if (t < 0 || (n_vocab > 0 && t >= n_vocab)) {
-            request_err(err, errlen, "request %s: prompt_tokens[%zu] = %d is outside the "
-                        "vocabulary [0, %d)", g->request_id, i, t, n_vocab);
-            return STATUS_BAD_INPUT;
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "request %s: prompt_tokens[%zu] = %d is outside the "
+                               "vocabulary [0, %d)", g->request_id, i, t, n_vocab);
         }
     }
     if (g->n_stop > PROTO_STOP_STRINGS_MAX) {
-        request_err(err, errlen, "request %s: stop has %zu strings, at most %d are allowed",
-                    g->request_id, g->n_stop, PROTO_STOP_STRINGS_MAX);
-        return STATUS_BAD_INPUT;
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: stop has %zu strings, at most %d are allowed",
+                           g->request_id, g->n_stop, PROTO_STOP_STRINGS_MAX);
     }
     for (size_t i = 0; i < g->n_stop; i++) {
         size_t len = g->stop[i] ? strlen(g->stop[i]) : 0;
         if (len == 0 || len > PROTO_STOP_STRING_BYTES_MAX) {
-            request_err(err, errlen, "request %s: stop[%zu] has %zu bytes, must have 1..%d",
-                        g->request_id, i, len, PROTO_STOP_STRING_BYTES_MAX);
-            return STATUS_BAD_INPUT;
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "request %s: stop[%zu] has %zu bytes, must have 1..%d",
+                               g->request_id, i, len, PROTO_STOP_STRING_BYTES_MAX);
         }
     }
     if (g->priority < PROTO_PRIORITY_MIN || g->priority > PROTO_PRIORITY_MAX) {
-        request_err(err, errlen, "request %s: priority = %d is outside [%d, %d]", g->request_id,
-                    g->priority, PROTO_PRIORITY_MIN, PROTO_PRIORITY_MAX);
-        return STATUS_BAD_INPUT;
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: priority = %d is outside [%d, %d]", g->request_id,
+                           g->priority, PROTO_PRIORITY_MIN, PROTO_PRIORITY_MAX);
     }
     if (g->deadline_ms < 0) {
-        request_err(err, errlen, "request %s: deadline_ms = %lld must be >= 0 (Unix ms; 0 = none)",
-                    g->request_id, (long long)g->deadline_ms);
-        return STATUS_BAD_INPUT;
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: deadline_ms = %lld must be >= 0 (Unix ms; 0 = none)",
+                           g->request_id, (long long)g->deadline_ms);
     }
     if (g->deadline_ms > 0 && g->deadline_ms <= now_ms) {
-        request_err(err, errlen, "request %s: deadline_ms = %lld passed %lld ms ago",
-                    g->request_id, (long long)g->deadline_ms, (long long)(now_ms - g->deadline_ms));
-        return STATUS_TIMEOUT;
+        return status_fail(err, errlen, STATUS_TIMEOUT,
+                           "request %s: deadline_ms = %lld passed %lld ms ago",
+                           g->request_id, (long long)g->deadline_ms, (long long)(now_ms - g->deadline_ms));
     }
     struct sampling_params sp;
     char why[160];
@@ -123,9 +111,8 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
     if (rc < 0) {
         /* proto_sampling_from_msg already names "sampling."; the validator
          * names the bare field. */
-        request_err(err, errlen, "request %s: %s%s", g->request_id,
-                    strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
-        return rc;
+        return status_fail(err, errlen, rc, "request %s: %s%s", g->request_id,
+                           strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
     }
     return 0;
 }
