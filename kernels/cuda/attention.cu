@@ -226,9 +226,10 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
     }
 }
 
-/* Merge the splits of one (row, head) (attn_merge.cuh): at batch 1, 9
- * splits, one round trip, where reading the (max, sum) pairs, a barrier,
- * the weights and a second barrier before the partial sums made three. */
+/* Merge the splits of one (row, head) (attn_merge.cuh): a thread per dim
+ * loads every split's (max, sum) and its partial sum in one round and
+ * merges in registers, so the merge costs one memory round trip and no
+ * barrier. */
 __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
                                          const float *__restrict__ part_acc, const float *__restrict__ part_ml,
                                          int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {

@@ -17,9 +17,9 @@
  * tile is used only when it holds exactly the rows asked for, and every
  * change to device memory that could reach a weight (a free, a weight
  * upload, an upload or copy over the weight a tile came from) forgets the
- * tiles and what was learned.  Off while a graph is being recorded (the
- * caller's scratch tile then, as before) and with
- * LLM_CUDA_DEQUANT_AHEAD=0 (device.cu). */
+ * tiles and what was learned.  Off while a graph is being recorded (a
+ * recording must not allocate: the caller's scratch tile is used then)
+ * and with LLM_CUDA_DEQUANT_AHEAD=0 (device.cu). */
 #include "common.cuh"
 
 #include <stdlib.h>

@@ -11,13 +11,11 @@
 /* 4 warps (rows) per block: small blocks fill every SM evenly; launch
  * bounds keep registers at 64 so that 8 blocks (32 warps) fit per SM. */
 #define GV_WARPS 4
-/* Chunks (32 weights of one row) a lane loads before using any.  2 on
- * every type: on an H200 (7B, batch 1) 2 beat 4 for Q8_0 (2.89 -> 2.77 ms
- * a step) and Q4_K (2.70 -> 2.63 ms for Q4_K_M), and 1 was no better for
- * Q8_0 and worse for Q4_K (docs/cuda-backend.md, run 8): all warps asking
- * for their whole row at once did not reach the DRAM rate sooner.  With
- * the K-quants' leaner chunks (fifteenth pass) 4 was again slower for
- * Q4_K (7B Q4_K_M 2.41 -> 2.52 ms on an H100). */
+/* Chunks (32 weights of one row) a lane loads before using any: 2 on
+ * every type.  With 32 warps an SM, more loads in flight do not reach the
+ * DRAM rate sooner: 4 chunks make a 7B batch-1 step 3-5% slower on Q8_0
+ * and Q4_K_M (H100 and H200), and 1 chunk is no faster on Q8_0 and 11%
+ * slower on Q4_K_M. */
 #define GV_UNROLL 2
 #define GV_NT_MAX 4
 

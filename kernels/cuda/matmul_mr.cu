@@ -25,9 +25,12 @@
 #include "mq_frag.cuh"
 
 /* Each warp's raw bytes of the next chunk are loaded while the present
- * chunk is multiplied (7B at 8 tokens, Q8_0 4096x11008: 35.3 -> 24.5 us).
- * Fewer, longer warps (a tile's chunks over 4, 2 or 1 warps where there
- * are many rows) measured slower: 11008x4096 Q4_K 20.9 -> 24.7 us. */
+ * chunk is multiplied, so a warp does not wait a DRAM latency per chunk
+ * (7B at 8 tokens, Q8_0 4096x11008: 24.5 us, 35.3 with the loads where
+ * they are used).  Every tile keeps all MR_WARPS warps even where a
+ * matrix has many rows: fewer, longer warps keep fewer bytes in flight
+ * (11008x4096 Q4_K: 24.7 us on a tile's chunks over fewer warps, 20.9 on
+ * eight). */
 
 #define MR_WARPS 8
 
@@ -169,8 +172,9 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__re
 }
 
 extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    /* Most tokens: 16 on the K-quants, 8 on Q8_0, whose step at 16 tokens
-     * measured slower than mq (7B 7.25 -> 7.78 ms; Q4_K_M 6.78 -> 6.38). */
+    /* Most tokens: 16 on the K-quants, 8 on Q8_0.  At 16 tokens mq is the
+     * faster for Q8_0 (a 7B step 7.25 ms on mq, 7.78 here), this kernel
+     * for the K-quants (Q4_K_M 6.38 ms here, 6.78 on mq). */
     const int most = type == DTYPE_Q8_0 ? 8 : 16;
     return ctx->mr && n >= 1 && n <= most && cols % 256 == 0 && cols <= INT32_MAX &&
            (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);

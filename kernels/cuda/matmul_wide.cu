@@ -13,8 +13,9 @@
  *
  * Each warp owns 32 rows (two m tiles) and every token: each activation
  * fragment it loads from shared memory feeds two mma instead of one.
- * (Measured against: 16 rows a warp, and 16 warps that split the tokens
- * and so decode every row twice: docs/cuda-backend.md, ninth pass.)
+ * (16 rows a warp is slower, and so are 16 warps that split the tokens
+ * and so decode every row twice: 10-20% on the K-quants, whose decoding
+ * is most of the kernel's instructions.)
  *
  * Work is split stream-K style.  An item is one chunk (256 columns) of one
  * row block (256 rows); items are numbered row block by row

@@ -134,8 +134,8 @@ template <int T> __device__ __forceinline__ uint32_t mq_scale_pair(const uint8_t
  * bytes start at p (one row, in shared memory, even address).  With TAB
  * the K-quants take the block's scales from sc (its mq_scale_pair, which
  * the caller unpacked once for the 4 lanes of the row); without, they
- * unpack them here, as matmul_wide.cu does (a table measured 3-5% slower
- * there: tenth pass), Q6_K only the lane's own one of the pair. */
+ * unpack them here, as matmul_wide.cu does (a table is 3-5% slower
+ * there), Q6_K only the lane's own one of the pair. */
 template <int T, bool TAB = false>
 __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch, uint32_t (&a)[4], uint32_t sc = 0) {
     const __half2 zero = mq_hh(0.0f);
@@ -197,7 +197,7 @@ __device__ __forceinline__ void mq_decode(const uint8_t *p, int b, int t, int ch
         if constexpr (TAB) {
             const __half2 dd = mq_h2(sc);
             s = t >> 1 ? __high2half2(dd) : __low2half2(dd);
-        } else { /* the lane's one scale: cheaper here than mq_q6_pair's two (2% on matmul_wide, run 11) */
+        } else { /* the lane's one scale: 2% cheaper in matmul_wide than mq_q6_pair's two */
             s = mq_hh(__half2float(*(const __half *)(p + 208 + ((2 * ch) & 15))) *
                       (float)(int8_t)p[192 + 8 * h + 2 * q + (t >> 1)]);
         }

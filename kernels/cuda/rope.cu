@@ -50,9 +50,9 @@ extern "C" int cuda_rope(struct cuda_ctx *ctx, float *x, const int32_t *pos, int
  * makes (the slot, the position, its pairs and elements, its frequency)
  * is issued before any result is stored (the pointers are __restrict__,
  * the values sit in registers), so a token costs about two memory round
- * trips, and the units of a token spread over several blocks instead of
- * one (ncu at 7B batch 1, one block of 1024 threads for all 8192 units:
- * 8.2 us a layer, its loops waiting on one load after another).  The
+ * trips, and the units of a token spread over several blocks (one block
+ * of 1024 threads for a 7B token's 8192 units would loop, each round
+ * waiting on the one before: 8.2 us a layer under ncu).  The
  * token's sines and cosines are formed once a block (in double, as rope
  * above) in shared memory.  A slot outside the cache is skipped, as in
  * kv_write.cu. */

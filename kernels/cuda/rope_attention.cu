@@ -31,9 +31,9 @@
 /* Context slices of one head at most, and the block sums (up to 16) the
  * last merge loads at a time.  Each launch also fixes U (positions whose K/V loads a sub-warp
  * issues at once) and STEPS (the least steps of U a slice takes): one row
- * takes U = 8 in one step, so a slice costs one round trip (7B Q8_0 batch
- * 1 on an H100: 3.262 -> 3.213 ms); more rows keep U = 4 in two steps,
- * which measured 1% faster at 2-4 rows (fewer registers, more blocks). */
+ * takes U = 8 in one step, so a slice costs one memory round trip; more
+ * rows take U = 4 in two steps, 1% faster at 2-4 rows (fewer registers,
+ * more blocks). */
 #define RA_SPLITS_MAX 64
 #define RA_MB 16
 
