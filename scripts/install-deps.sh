@@ -9,13 +9,15 @@ for p in $pkgs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
 done
 if [ -z "$missing" ]; then
+    # shellcheck disable=SC2086 # unquoted: the list on one line
     echo "install-deps: all packages present:" $pkgs
     exit 0
 fi
-echo "install-deps: installing:$missing"
+echo "install-deps: installing:$missing (apt-get; a minute or more on a fresh machine)"
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 $SUDO apt-get update -qq
+# apt's "Unpacking"/"Setting up" lines are the progress.
 # shellcheck disable=SC2086
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing >/dev/null
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends $missing
 echo "install-deps: done"

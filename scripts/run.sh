@@ -4,36 +4,41 @@
 # worker pipeline on the CPU backend or on GPUs when present), streams one
 # generate request through the `llm` client, then stops what it started.
 #   MODEL=path/to/model.gguf PROMPT="Once upon a time" ./scripts/run.sh
-# Without MODEL it writes and uses a small synthetic model (random weights:
-# the text is meaningless, but every part of the cluster runs).
+# Without MODEL it uses ../shared/models/stories260K-f32.gguf (a tiny model
+# trained on children's stories) when that file is there, and otherwise
+# writes a small synthetic model (random weights: the text is meaningless,
+# but every part of the cluster runs).
 set -eu
 cd "$(dirname "$0")/.."
-./scripts/install-deps.sh
-archs=${LLM_CUDA_ARCHITECTURES:-75;80;86;89;90}
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DLLM_CUDA_ARCHITECTURES=$archs" >build.log 2>&1 ||
-    { cat build.log; exit 1; }
-cmake --build build -j "$(nproc)" --target llm-run llm-synth llm-router llm-worker llm llm-cluster \
-    >>build.log 2>&1 || { tail -n 60 build.log; exit 1; }
+./scripts/build.sh programs
 bin=build
 prompt=${PROMPT:-Once upon a time}
 model=${MODEL:-}
-if [ -z "$model" ]; then
+stories=../shared/models/stories260K-f32.gguf
+echo "== model"
+if [ -n "$model" ]; then
+    echo "run.sh: MODEL=$model"
+elif [ -f "$stories" ]; then
+    model=$stories
+    echo "run.sh: no MODEL given: using $model (a tiny story model, so expect simple English)"
+else
     model=run/models/synth-tiny-f16.gguf
     if [ ! -f "$model" ]; then
         mkdir -p run/models
         "$bin/worker/llm-synth" --shape tiny --type f16 --out "$model"
     fi
-    echo "run.sh: no MODEL given: using $model (random weights, so the text is meaningless;"
-    echo "run.sh: MODEL=../shared/models/stories260K-f32.gguf gives a small trained model)"
+    echo "run.sh: no MODEL given and no $stories: using the synthetic $model"
+    echo "run.sh: (random weights, so the text is meaningless; MODEL=path.gguf picks a real model)"
 fi
+echo "== cluster: redis-server, a router and a pipeline of 2 worker stages (logs in run/cluster)"
 rundir=run/cluster
 up_args="--model $model --pipelines 1 --stages 2 --run-dir $rundir"
 [ -n "${REDIS_URL:-}" ] && up_args="$up_args --redis $REDIS_URL"
 # shellcheck disable=SC2086
 "$bin/router/llm-cluster" up $up_args
-trap '"$bin/router/llm-cluster" down --run-dir "$rundir"' EXIT INT TERM
+trap 'echo "== stopping the cluster"; "$bin/router/llm-cluster" down --run-dir "$rundir"' EXIT INT TERM
 "$bin/router/llm-cluster" status --run-dir "$rundir"
 endpoint=$(cat "$rundir/endpoint")
-echo "--- generating from \"$prompt\" through $endpoint"
+echo "== generating from \"$prompt\" through $endpoint"
 "$bin/router/llm" --router "$endpoint" generate --prompt "$prompt" --max-tokens "${MAX_TOKENS:-64}"
 echo
