@@ -83,23 +83,30 @@ static int options_parse_size(const char *s, int64_t *v) {
     return 0;
 }
 
+/* Where a value came from: a flag, the environment variable of a flag, the
+ * table's default, or the variable of a table read from the environment
+ * only (options_parse_env), whose entries have no flag to name. */
+enum { ORIGIN_FLAG = 0, ORIGIN_ENV = 1, ORIGIN_DEFAULT = 2, ORIGIN_ENV_ONLY = 3 };
+
 /* Describes where a value came from for error messages: "--port" or
  * "LLM_PORT (for --port)" or "default of --port". */
 static void options_origin(const struct option_def *d, int origin, char *buf, size_t size) {
-    if (origin == 0)
+    if (origin == ORIGIN_FLAG)
         snprintf(buf, size, "--%s", d->name);
-    else if (origin == 1)
+    else if (origin == ORIGIN_ENV)
         snprintf(buf, size, "environment variable %s (for --%s)", d->env, d->name);
+    else if (origin == ORIGIN_ENV_ONLY)
+        snprintf(buf, size, "environment variable %s", d->env);
     else
         snprintf(buf, size, "default of --%s in the options table", d->name);
 }
 
-/* Parses s into d's target; origin: 0 flag, 1 environment, 2 default. */
+/* Parses s into d's target; origin: one of ORIGIN_*. */
 static int options_set(const struct option_def *d, const char *s, int origin, char *err,
                        size_t err_size) {
     char from[160];
     options_origin(d, origin, from, sizeof from);
-    int bad = origin == 2 ? STATUS_INTERNAL : STATUS_BAD_INPUT;
+    int bad = origin == ORIGIN_DEFAULT ? STATUS_INTERNAL : STATUS_BAD_INPUT;
     switch (d->type) {
     case OPTION_STRING:
         *(const char **)d->target = s;
@@ -192,7 +199,7 @@ static int options_set_default(const struct option_def *d, char *err, size_t err
         options_errf(err, err_size, "--%s: the options table gives no target", d->name);
         return STATUS_INTERNAL;
     }
-    if (d->def) return options_set(d, d->def, 2, err, err_size);
+    if (d->def) return options_set(d, d->def, ORIGIN_DEFAULT, err, err_size);
     switch (d->type) {
     case OPTION_STRING: *(const char **)d->target = NULL; break;
     case OPTION_INT: *(int *)d->target = 0; break;
@@ -204,7 +211,11 @@ static int options_set_default(const struct option_def *d, char *err, size_t err
     return 0;
 }
 
-int options_parse(const struct options *o, int *argc, char **argv, char *err, size_t err_size) {
+/* Every target from its default, then from its environment variable;
+ * env_origin says how a bad variable is named (ORIGIN_ENV or
+ * ORIGIN_ENV_ONLY). */
+static int options_set_defaults_env(const struct options *o, int env_origin, char *err,
+                                    size_t err_size) {
     if (err && err_size) err[0] = '\0';
     for (int i = 0; i < o->n_defs; i++) {
         int rc = options_set_default(&o->defs[i], err, err_size);
@@ -216,9 +227,19 @@ int options_parse(const struct options *o, int *argc, char **argv, char *err, si
         const char *v = getenv(d->env);
         /* An empty variable counts as unset: manifests often template empty values. */
         if (!v || !*v) continue;
-        int rc = options_set(d, v, 1, err, err_size);
+        int rc = options_set(d, v, env_origin, err, err_size);
         if (rc < 0) return rc;
     }
+    return 0;
+}
+
+int options_parse_env(const struct options *o, char *err, size_t err_size) {
+    return options_set_defaults_env(o, ORIGIN_ENV_ONLY, err, err_size);
+}
+
+int options_parse(const struct options *o, int *argc, char **argv, char *err, size_t err_size) {
+    int rc = options_set_defaults_env(o, ORIGIN_ENV, err, err_size);
+    if (rc < 0) return rc;
 
     int n_pos = 1; /* positionals are compacted into argv[1..] in order */
     int i = 1;
@@ -272,7 +293,7 @@ int options_parse(const struct options *o, int *argc, char **argv, char *err, si
             options_errf(err, err_size, "--%s: missing value", d->name);
             return STATUS_BAD_INPUT;
         }
-        int rc = options_set(d, val, 0, err, err_size);
+        rc = options_set(d, val, ORIGIN_FLAG, err, err_size);
         if (rc < 0) return rc;
     }
     for (; i < *argc; i++) argv[n_pos++] = argv[i];

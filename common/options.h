@@ -74,6 +74,16 @@ struct options {
  * may be partly set and argv partly reordered. */
 int options_parse(const struct options *o, int *argc, char **argv, char *err, size_t err_size);
 
+/* For settings of a library that has no command line of its own (the CUDA
+ * backend's LLM_CUDA_* knobs, kernels/cuda/knobs.c): sets every target from
+ * its default, then from its environment variable where that is set and not
+ * empty; flags play no part, and the names only label options_log's lines.
+ * Returns 0; STATUS_BAD_INPUT for a bad value, with a message in err naming
+ * the variable and the value ("environment variable LLM_CUDA_WIDE: 'maybe'
+ * is not a boolean ..."); STATUS_INTERNAL for a bad table.  On failure
+ * targets may be partly set. */
+int options_parse_env(const struct options *o, char *err, size_t err_size);
+
 /* Writes the usage line, the about text and one entry per option (flag,
  * value kind or choices, environment variable, default, help) to f. */
 void options_help(const struct options *o, FILE *f);

@@ -21,8 +21,10 @@
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
+#include "knobs.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #define APF_GT 128 /* threads of a group: 4 warps x 16 query vectors */
@@ -408,10 +410,19 @@ extern "C" int cuda_attention_tc_fits(const struct cuda_attn_args *a) {
            (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
 
+/* LLM_CUDA_PREFILL_TC (knobs.c) is read on every call, so that a benchmark
+ * or a test can compare the kernels on one backend.  cuda_ctx_init has
+ * checked it, and only the process itself can change its environment
+ * since: a bad value now is a bug of that process, which aborts naming it. */
 extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
-    const char *env = getenv("LLM_CUDA_PREFILL_TC");
-    if (env && strcmp(env, "0") == 0) return 0;
-    return a->n_tokens > a->n_seqs && cuda_attention_tc_fits(a);
+    struct cuda_knobs k;
+    char err[256];
+    if (cuda_knobs_read_one(&k, "LLM_CUDA_PREFILL_TC", err, sizeof err) != STATUS_OK) {
+        fprintf(stderr, "%s:%d: %s (the process changed it after the CUDA backend started)\n", __FILE__,
+                __LINE__, err);
+        abort();
+    }
+    return k.prefill_tc && a->n_tokens > a->n_seqs && cuda_attention_tc_fits(a);
 }
 
 /* Blocks of attention_prefill_kernel<HD, K16> resident on one

@@ -8,18 +8,9 @@
  * scratch (never a second full copy), F32 accumulation throughout.  F32
  * weights go through cublasSgemm. */
 #include "common.cuh"
+#include "knobs.h"
 #include "matmul_group.cuh"
 
-#include <stdlib.h>
-
-/* MiB of one dequantized F16 weight tile (reused scratch, never a second
- * full copy of the weights).  At prefill sizes the tile's row count is
- * cuBLAS's parallelism: 512 tokens x 2048 rows (a 16 MiB tile of a 4096
- * wide weight) is about 64 output tiles of 128 x 128 for 132 SMs, so small
- * tiles leave the GPU half idle.  96 MiB holds a whole 11008 x 4096 matrix
- * (86 MiB); lm_head (250 MiB) takes 3 tiles.  LLM_CUDA_DEQUANT_TILE_MB
- * overrides it (read per call, so the benchmark can compare sizes). */
-#define MATMUL_TILE_MB_DEFAULT 96
 /* Most tokens for F32 weights on the warp-per-row kernel: it beat cuBLAS
  * up to 2 tokens for F16 weights on an H100, and F32 weights (tests, tiny
  * models) are not worth a measurement of their own. */
@@ -27,12 +18,20 @@
 
 static size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 
-static size_t matmul_tile_bytes(void) {
-    const char *env = getenv("LLM_CUDA_DEQUANT_TILE_MB");
-    long mb = env && *env ? strtol(env, NULL, 10) : MATMUL_TILE_MB_DEFAULT;
-    if (mb < 1) mb = 1;
-    if (mb > 4096) mb = 4096;
-    return (size_t)mb << 20;
+/* Bytes of one dequantized F16 weight tile (reused scratch, never a second
+ * full copy of the weights): LLM_CUDA_DEQUANT_TILE_MB, 96 MiB by default
+ * (knobs.c).  At prefill sizes the tile's row count is cuBLAS's
+ * parallelism: 512 tokens x 2048 rows (a 16 MiB tile of a 4096 wide
+ * weight) is about 64 output tiles of 128 x 128 for 132 SMs, so small tiles
+ * leave the GPU half idle.  96 MiB holds a whole 11008 x 4096 matrix (86
+ * MiB); lm_head (250 MiB) takes 3 tiles.  Read on every call, so that a
+ * benchmark or a test can compare sizes on one backend. */
+static int matmul_tile_bytes(struct cuda_ctx *ctx, size_t *bytes) {
+    struct cuda_knobs k;
+    int rc = cuda_knobs_read_one(&k, "LLM_CUDA_DEQUANT_TILE_MB", ctx->err, ctx->errlen);
+    if (rc != STATUS_OK) return rc;
+    *bytes = (size_t)k.dequant_tile_mb << 20;
+    return STATUS_OK;
 }
 
 /* out[:, r0 .. r0 + m) = x16 . w16^T for a tile w16 [m, cols] (F16). */
@@ -72,14 +71,16 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
         return STATUS_OK;
     }
     size_t x_bytes = align256((size_t)n * cols * 2);
-    const size_t tile_bytes = matmul_tile_bytes();
+    size_t tile_bytes = 0;
+    int rc = matmul_tile_bytes(ctx, &tile_bytes);
+    if (rc != STATUS_OK) return rc;
     int64_t tile_rows = type == DTYPE_F16 ? 0 : cuda_tile_rows(tile_bytes, rows, cols);
     /* Quantized weights: tiles made ahead on the side stream
      * (dequant_ahead.cu), else in the scratch.  The scratch keeps room for
      * a tile either way: a graph recorded later at this size takes the
      * scratch tile, and a recording must not allocate. */
     const uint16_t *first = NULL;
-    int slot = 0, rc = STATUS_OK;
+    int slot = 0;
     if (tile_rows) rc = cuda_ahead_tile(ctx, w, type, rows, cols, 0, tile_rows, &first, &slot);
     if (rc != STATUS_OK) return rc;
     uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, x_bytes + (size_t)tile_rows * cols * 2);
@@ -109,9 +110,9 @@ static int matmul_gemm(struct cuda_ctx *ctx, float *out, const void *w, enum dty
         /* A GEMM after a tile made ahead that would fill every
          * multiprocessor (more output tiles of 128 x 256, cuBLAS's on an
          * H100, than SMs: 7B gate, up, down at 512 tokens) leaves
-         * ctx->ahead_sms of them to the next tile's dequantization: 7B
-         * Q8_0 prefill 20.7 -> 20.0 ms.  Smaller GEMMs leave SMs idle
-         * anyway, and capping them cost TinyLlama 2%. */
+         * ctx->ahead_sms of them to the next tile's dequantization, which
+         * measured faster on the 7B's prefill.  Smaller GEMMs leave SMs
+         * idle anyway, and capping them made TinyLlama's prefill slower. */
         const bool spare = t != w16 && ctx->ahead_sms > 0 && ctx->ahead_sms < ctx->n_sms &&
                            (m + 127) / 128 * ((n + 255) / 256) > ctx->n_sms;
         /* (A failure to set it only leaves the GEMM every multiprocessor.) */
@@ -136,12 +137,11 @@ static int32_t matmul_vec_max(const struct cuda_ctx *ctx, enum dtype type) {
 }
 
 /* The warp-per-row dp4a kernel of matmul_gemv.cu on quantized weights:
- * up to 4 tokens (its widest tile) against mq (run 8: 7B Q8_0 at 4 tokens
- * 5.21 -> 5.03 ms a step), but where matmul_mr.cu takes the type only up
- * to 2 tokens for the K-quants and 3 for Q8_0 (sixteenth pass, 7B on an
- * H100: Q4_K_M at 3 tokens 3.91 -> 3.44 ms, at 4 4.58 -> 3.58; Q8_0 at 3
- * 4.30 against 4.32, at 4 4.79 -> 4.47; at 2 the dp4a kernel wins, 3.10
- * against 3.25).  LLM_CUDA_GEMV_MAX=k sets one limit for all types. */
+ * up to 4 tokens (its widest tile), where it beats mq; but where
+ * matmul_mr.cu takes the type, only up to 2 tokens for the K-quants and 3
+ * for Q8_0, above which matmul_mr.cu measured faster on an H100 (7B steps,
+ * docs/cuda-backend.md).  LLM_CUDA_GEMV_MAX=k sets one limit for all
+ * types. */
 static int matmul_gemv_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
     if (ctx->gemv_max >= 0) return n <= ctx->gemv_max;
     if (!cuda_matmul_mr_supports(ctx, type, cols, n)) return n <= CUDA_MATMUL_GEMV_MAX;
@@ -204,9 +204,9 @@ __global__ void gemm_ptrs_kernel(const gemm_ptrs p, const void **dst) {
  * batched cuBLAS call instead of one per weight.  A 4096-row weight at
  * 512 tokens is about half a wave of cuBLAS's output tiles on an H100, so
  * q, k and v (gate and up) in one launch fill the machine where three
- * (two) could not: 7B F16 prefill 15.3 -> 14.8 ms.  Quantized weights
- * keep a dequantized tile and a call each: side by side in one tile and
- * one batched call they measured 1-2% slower (twelfth pass). */
+ * (two) could not.  Quantized weights keep a dequantized tile and a call
+ * each: side by side in one tile and one batched call they measured 1-2%
+ * slower. */
 static int matmul_gemm_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[], int64_t m,
                              int64_t cols, const float *x, int32_t n) {
     const size_t x_bytes = align256((size_t)n * cols * 2);

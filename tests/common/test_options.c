@@ -239,6 +239,45 @@ TEST(options_value_text) {
     ASSERT_STREQ("5555", v);
 }
 
+/* A table read from the environment only (a library's knobs): defaults,
+ * then the variables, and a bad value named by its variable alone. */
+TEST(options_parse_env_only) {
+    t_clear_env();
+    ASSERT_OK(options_parse_env(&t_opts, NULL, 0));
+    ASSERT_EQ(5555, t_port);
+    ASSERT_EQ(1, t_dtype);
+    setenv("TEST_OPT_PORT", "6001", 1);
+    setenv("TEST_OPT_VERBOSE", "on", 1);
+    setenv("TEST_OPT_URL", "", 1); /* empty: unset, as with flags */
+    char err[256];
+    ASSERT_OK(options_parse_env(&t_opts, err, sizeof err));
+    ASSERT_STREQ("", err);
+    ASSERT_EQ(6001, t_port);
+    ASSERT_TRUE(t_verbose);
+    ASSERT_STREQ("redis://127.0.0.1:6379", t_url);
+    setenv("TEST_OPT_PORT", "0", 1);
+    ASSERT_EQ(STATUS_BAD_INPUT, options_parse_env(&t_opts, err, sizeof err));
+    ASSERT_STREQ("environment variable TEST_OPT_PORT: 0 is out of range [1, 65535]", err);
+    t_clear_env();
+    setenv("TEST_OPT_DTYPE", "int4", 1);
+    ASSERT_EQ(STATUS_BAD_INPUT, options_parse_env(&t_opts, err, sizeof err));
+    ASSERT_STREQ("environment variable TEST_OPT_DTYPE: 'int4' is not one of f32, f16, bf16", err);
+    t_clear_env();
+    setenv("TEST_OPT_VERBOSE", "maybe", 1);
+    ASSERT_EQ(STATUS_BAD_INPUT, options_parse_env(&t_opts, err, sizeof err));
+    ASSERT_STREQ("environment variable TEST_OPT_VERBOSE: 'maybe' is not a boolean (true/false, 1/0, yes/no, on/off)",
+                 err);
+    t_clear_env();
+    static int x;
+    static const struct option_def bad[] = {
+        {"threads", "TEST_OPT_THREADS", OPTION_INT, "many", "threads", &x, 0, 0, NULL},
+    };
+    const struct options o = {"prog", NULL, NULL, bad, 1, false};
+    ASSERT_EQ(STATUS_INTERNAL, options_parse_env(&o, err, sizeof err));
+    ASSERT_STREQ("default of --threads in the options table: 'many' is not an integer", err);
+}
+
 TEST_MAIN(options_defaults, options_flag_forms, options_env_precedence, options_positionals,
           options_subcommand, options_rejects_bad_flags, options_rejects_bad_env,
-          options_bad_table, options_help_text, options_help_flag, options_value_text)
+          options_bad_table, options_help_text, options_help_flag, options_value_text,
+          options_parse_env_only)

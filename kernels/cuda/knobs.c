@@ -1,0 +1,165 @@
+/* The CUDA backend's knob table (knobs.h): every LLM_CUDA_* variable with
+ * its type, default, range and the reason it exists, read through
+ * common/options, and the rules that turn the knobs into the context's
+ * routing for one card.  Most knobs exist to measure a choice the backend
+ * makes against its alternative; the defaults are the measured winners
+ * (docs/cuda-backend.md has the measurements). */
+#include "knobs.h"
+
+#include "../../common/options.h"
+#include "../../common/status.h"
+#include "cuda_ops.h"
+
+#include <limits.h>
+#include <string.h>
+
+static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
+static const int knobs_mv_split_warps[] = {1, 2, 4};
+
+int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
+    const struct option_def t[CUDA_KNOBS_N] = {
+        {"cuda-skinny-max", "LLM_CUDA_SKINNY_MAX", OPTION_INT, "-1",
+         "most tokens of every weight type on the weight-reading kernels (0: always cuBLAS; -1: the "
+         "measured 64 for quantized, 2 for F16/F32 weights), to re-measure the crossover on another card",
+         &k->skinny_max, -1, CUDA_MATMUL_VEC_MAX, NULL},
+        {"cuda-gemv-max", "LLM_CUDA_GEMV_MAX", OPTION_INT, "-1",
+         "most tokens on matmul_gemv.cu's dp4a kernel for every quantized type (0: never; -1: where "
+         "it measured faster, per type and token count), to compare",
+         &k->gemv_max, -1, CUDA_MATMUL_GEMV_MAX, NULL},
+        {"cuda-gemm-group", "LLM_CUDA_GEMM_GROUP", OPTION_BOOL, "true",
+         "prefill-sized F16 weights of one input (q/k/v, gate/up) in one batched cuBLAS call, which "
+         "fills the GPU where one call a weight does not (false: a call each, to compare)",
+         &k->gemm_group, 0, 0, NULL},
+        {"cuda-mv-split", "LLM_CUDA_MV_SPLIT", OPTION_CHOICE, "4",
+         "warps sharing a row in matmul_vec.cu's row kernel where one warp a row would be a single "
+         "wave; fewer to compare",
+         &k->mv_split, 0, 0, knobs_mv_split_choices},
+        {"cuda-sm", "LLM_CUDA_SM", OPTION_INT, "0",
+         "route every choice as this compute capability where it is below the card's own (75: a T4's "
+         "kernels and paths on a newer card, with a compute_75 PTX build); 0: the card's",
+         &k->sm, 0, 1000, NULL},
+        {"cuda-pdl", "LLM_CUDA_PDL", OPTION_BOOL, "true",
+         "launch decode kernels as programmatic dependents on sm_90 and later, so each one's start "
+         "overlaps the end of the one before (false: off, to compare)",
+         &k->pdl, 0, 0, NULL},
+        {"cuda-wide", "LLM_CUDA_WIDE", OPTION_BOOL, "true",
+         "matmul_wide.cu's pipelined tensor-core kernel for quantized weights at 17-64 tokens on "
+         "sm_80 and later (false: matmul_vec.cu's mq, to compare)",
+         &k->wide, 0, 0, NULL},
+        {"cuda-wide-items", "LLM_CUDA_WIDE_ITEMS", OPTION_INT, "2",
+         "least items (row block x chunk) per multiprocessor for matmul_wide.cu to take a matmul; "
+         "smaller ones leave SMs idle and stay on mq (0: every matmul, to compare and to test)",
+         &k->wide_items, 0, 1024, NULL},
+        {"cuda-decode-tc-g", "LLM_CUDA_DECODE_TC_G", OPTION_INT, "8",
+         "decode attention of groups of at least this many query heads per KV head on the "
+         "tensor-core kernel, which measured faster from 8 (0: never, to compare)",
+         &k->decode_tc_g, 0, INT_MAX, NULL},
+        {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
+         "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
+         "needs half the instructions (true: to compare and to test the T4's kernel)",
+         &k->att_k8, 0, 0, NULL},
+        {"cuda-att-steps", "LLM_CUDA_ATT_STEPS", OPTION_INT, "2",
+         "least steps of its sub-warps in each context split of the decode attention kernel "
+         "(1: twice the splits, to compare)",
+         &k->att_steps, 1, 2, NULL},
+        {"cuda-rope-att", "LLM_CUDA_ROPE_ATT", OPTION_INT, "-1",
+         "most decode rows whose rope, cache write and attention run as one launch, grouped heads or "
+         "not (0: never; -1: 4 with groups, 16 without, where it measured faster), to compare",
+         &k->rope_att, -1, 64, NULL},
+        {"cuda-att-defer", "LLM_CUDA_ATT_DEFER", OPTION_INT, "4",
+         "most decode rows whose attention slices a kernel of its own merges, leaving the o "
+         "matmul's int8 form as well (0: merged by the attention's last blocks, to compare)",
+         &k->att_defer, 0, 4, NULL},
+        {"cuda-att-f16", "LLM_CUDA_ATT_F16", OPTION_BOOL, "true",
+         "from 3 rows the attention kernels also write their output's F16 form, so the o matmul "
+         "converts nothing (false: the matmul converts, to compare)",
+         &k->att_f16, 0, 0, NULL},
+        {"cuda-mr", "LLM_CUDA_MR", OPTION_BOOL, "true",
+         "matmul_mr.cu, without shared-memory staging, for K-quant weights at 3-16 tokens and Q8_0 "
+         "at 4-8 (false: the dp4a kernel and mq, to compare)",
+         &k->mr, 0, 0, NULL},
+        {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
+         "dequantize a prefill weight's F16 tiles on a side stream while the matmul before runs "
+         "(false: one after the other, to compare)",
+         &k->dequant_ahead, 0, 0, NULL},
+        {"cuda-ahead-sms", "LLM_CUDA_AHEAD_SMS", OPTION_INT, "-1",
+         "multiprocessors a large prefill GEMM leaves to the side stream's next tile (0: none; -1: "
+         "an eighth of the card's); below the card's count",
+         &k->ahead_sms, -1, 1024, NULL},
+        {"cuda-dequant-tile-mb", "LLM_CUDA_DEQUANT_TILE_MB", OPTION_INT, "96",
+         "MiB of one dequantized F16 weight tile for prefill: the tile's rows are cuBLAS's "
+         "parallelism, and 96 holds a whole 11008 x 4096 weight (read on every prefill matmul)",
+         &k->dequant_tile_mb, 1, 4096, NULL},
+        {"cuda-prefill-tc", "LLM_CUDA_PREFILL_TC", OPTION_BOOL, "true",
+         "the tensor-core flash attention for batches with prefill rows (false: the general kernel, "
+         "to compare; read on every attention)",
+         &k->prefill_tc, 0, 0, NULL},
+    };
+    memcpy(defs, t, sizeof t);
+    return CUDA_KNOBS_N;
+}
+
+/* options_parse_env over defs, then the choice index of LLM_CUDA_MV_SPLIT
+ * turned into its count of warps where defs holds that knob. */
+static int knobs_parse(struct cuda_knobs *k, const struct option_def *defs, int n, char *err,
+                       size_t err_size) {
+    const struct options o = {"llm-cuda", NULL, NULL, defs, n, false};
+    int rc = options_parse_env(&o, err, err_size);
+    if (rc < 0) return rc;
+    for (int i = 0; i < n; i++)
+        if (defs[i].target == &k->mv_split) k->mv_split = knobs_mv_split_warps[k->mv_split];
+    return STATUS_OK;
+}
+
+int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size) {
+    struct option_def defs[CUDA_KNOBS_N];
+    const int n = cuda_knobs_table(k, defs);
+    return knobs_parse(k, defs, n, err, err_size);
+}
+
+int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size) {
+    struct option_def defs[CUDA_KNOBS_N];
+    const int n = cuda_knobs_table(k, defs);
+    for (int i = 0; i < n; i++)
+        if (strcmp(defs[i].env, env) == 0) return knobs_parse(k, &defs[i], 1, err, err_size);
+    return status_fail(err, err_size, STATUS_INTERNAL, "%s is not a knob of the CUDA backend", env);
+}
+
+int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err, size_t err_size) {
+    if (k->ahead_sms >= ctx->n_sms)
+        return status_fail(err, err_size, STATUS_BAD_INPUT,
+                           "environment variable LLM_CUDA_AHEAD_SMS: %d is out of range [0, %d] on cuda:%d "
+                           "(%d multiprocessors)",
+                           k->ahead_sms, ctx->n_sms - 1, ctx->device, ctx->n_sms);
+    /* The crossovers of cuda_matmul, from an H100 at 4096 x 4096: on
+     * quantized weights the weight-reading kernels beat dequantizing for
+     * cuBLAS at every batch up to 64; on F16 weights cuBLAS wins from 8
+     * tokens and the warp-per-row kernel below 3. */
+    ctx->vec_max_quant = k->skinny_max >= 0 ? k->skinny_max : CUDA_MATMUL_VEC_MAX;
+    ctx->vec_max_float = k->skinny_max >= 0 ? k->skinny_max : 2;
+    ctx->gemv_max = k->gemv_max; /* -1: matmul.cu's per-type limits */
+    ctx->gemm_group = k->gemm_group;
+    ctx->mv_split = k->mv_split;
+    /* Below the card's own only: a card cannot run a newer one's code. */
+    if (k->sm > 0 && k->sm < ctx->cc) ctx->cc = k->sm;
+    /* Programmatic dependent launch needs sm_90, cp.async (matmul_wide.cu)
+     * and the m16n8k16 mma sm_80. */
+    ctx->pdl = ctx->cc >= 90 && k->pdl;
+    ctx->wide = ctx->cc >= 80 && k->wide;
+    ctx->wide_items = k->wide_items;
+    ctx->att_k16 = ctx->cc >= 80 && !k->att_k8;
+    ctx->decode_tc_g = k->decode_tc_g;
+    ctx->att_steps = k->att_steps;
+    /* One launch for rope, the cache write and attention measured faster
+     * up to 4 rows where query heads share a KV head (each query head
+     * reads its group's K/V rows, where the tensor-core kernel reads them
+     * once), and up to 16 where each has its own (nothing to share). */
+    ctx->rope_att = k->rope_att >= 0 ? k->rope_att : 4;
+    ctx->rope_att_mha = k->rope_att >= 0 ? k->rope_att : 16;
+    ctx->att_defer = k->att_defer;
+    ctx->att_f16 = k->att_f16;
+    ctx->mr = k->mr;
+    ctx->dequant_ahead = k->dequant_ahead;
+    ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
+    return STATUS_OK;
+}

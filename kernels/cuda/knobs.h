@@ -1,0 +1,80 @@
+/* The CUDA backend's tuning knobs: every LLM_CUDA_* environment variable
+ * the backend reads, declared once in one table (variable, type, default,
+ * range, the reason it exists) and read through common/options, so that a
+ * bad value is an error naming the variable and the value rather than a
+ * silent clamp.  Plain C with no CUDA header: the tests check the table on
+ * machines without a GPU.  docs/configuration.md lists the knobs. */
+#ifndef KERNELS_CUDA_KNOBS_H
+#define KERNELS_CUDA_KNOBS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "../../common/options.h"
+
+struct cuda_ctx;
+
+/* The knobs as read, before the card is known (cuda_knobs_apply resolves
+ * the ones that depend on it).  -1 in a field marked so: the variable is
+ * not set, and the measured default applies. */
+struct cuda_knobs {
+    int skinny_max;      /* LLM_CUDA_SKINNY_MAX: -1, or most tokens on the weight-reading kernels */
+    int gemv_max;        /* LLM_CUDA_GEMV_MAX: -1, or most tokens on matmul_gemv.cu */
+    bool gemm_group;     /* LLM_CUDA_GEMM_GROUP */
+    int mv_split;        /* LLM_CUDA_MV_SPLIT: 1, 2 or 4 warps per row */
+    int sm;              /* LLM_CUDA_SM: 0, or the compute capability to route as */
+    bool pdl;            /* LLM_CUDA_PDL */
+    bool wide;           /* LLM_CUDA_WIDE */
+    int wide_items;      /* LLM_CUDA_WIDE_ITEMS */
+    int decode_tc_g;     /* LLM_CUDA_DECODE_TC_G */
+    bool att_k8;         /* LLM_CUDA_ATT_K8 */
+    int att_steps;       /* LLM_CUDA_ATT_STEPS: 1 or 2 */
+    int rope_att;        /* LLM_CUDA_ROPE_ATT: -1, or most rows for both limits */
+    int att_defer;       /* LLM_CUDA_ATT_DEFER */
+    bool att_f16;        /* LLM_CUDA_ATT_F16 */
+    bool mr;             /* LLM_CUDA_MR */
+    bool dequant_ahead;  /* LLM_CUDA_DEQUANT_AHEAD */
+    int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
+    int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
+    bool prefill_tc;     /* LLM_CUDA_PREFILL_TC (read again on every attention) */
+};
+
+/* Number of entries of the table. */
+#define CUDA_KNOBS_N 19
+
+/* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
+ * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
+int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs);
+
+/* Reads every knob into k: its default, or its variable where that is set
+ * and not empty.  Returns 0, or STATUS_BAD_INPUT with a message in err
+ * naming the variable and the value ("environment variable
+ * LLM_CUDA_MV_SPLIT: '3' is not one of 1, 2, 4"). */
+int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size);
+
+/* Reads only the knob of variable env into its field of k (the others are
+ * left alone): for the two read on every call, so that a benchmark or a
+ * test can change them on a live backend.  Returns 0, STATUS_BAD_INPUT as
+ * cuda_knobs_read, or STATUS_INTERNAL when env is not in the table. */
+int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size);
+
+/* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
+ * gemm_group, mv_split, pdl, wide, wide_items, decode_tc_g, att_k16,
+ * att_steps, rope_att, rope_att_mha, att_defer, att_f16, mr,
+ * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
+ * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is
+ * below the card's own.  Returns 0, or STATUS_BAD_INPUT where a knob does
+ * not fit the card (LLM_CUDA_AHEAD_SMS of n_sms or more), naming it. */
+int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err, size_t err_size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,261 @@
+/* Tests for kernels/cuda/knobs: the LLM_CUDA_* table's defaults and the
+ * routing they give a card, the spellings scripts and tests use, bad values
+ * as errors that name the variable and the value, and the table against
+ * docs/configuration.md.  No GPU needed: the table is plain C. */
+#include "common/status.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/knobs.h"
+#include "tests/test.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void k_clear_env(void) {
+    struct cuda_knobs k;
+    struct option_def defs[CUDA_KNOBS_N];
+    const int n = cuda_knobs_table(&k, defs);
+    for (int i = 0; i < n; i++) unsetenv(defs[i].env);
+}
+
+/* The routing for a card of compute capability cc with n_sms
+ * multiprocessors under the present environment. */
+static struct cuda_ctx k_ctx(int cc, int n_sms) {
+    struct cuda_ctx ctx;
+    memset(&ctx, 0, sizeof ctx);
+    ctx.cc = cc;
+    ctx.n_sms = n_sms;
+    struct cuda_knobs k;
+    char err[256];
+    int rc = cuda_knobs_read(&k, err, sizeof err);
+    if (rc != STATUS_OK) TEST_FAIL("cuda_knobs_read: %s", err);
+    rc = cuda_knobs_apply(&k, &ctx, err, sizeof err);
+    if (rc != STATUS_OK) TEST_FAIL("cuda_knobs_apply: %s", err);
+    return ctx;
+}
+
+/* Nothing set: the measured defaults, as cuda_ctx_init has always set them. */
+TEST(cuda_knobs_defaults) {
+    k_clear_env();
+    struct cuda_knobs k;
+    char err[256];
+    ASSERT_OK(cuda_knobs_read(&k, err, sizeof err));
+    ASSERT_EQ(-1, k.skinny_max);
+    ASSERT_EQ(-1, k.gemv_max);
+    ASSERT_EQ(4, k.mv_split);
+    ASSERT_EQ(0, k.sm);
+    ASSERT_EQ(96, k.dequant_tile_mb);
+    ASSERT_TRUE(k.prefill_tc && k.gemm_group && k.pdl && k.wide && !k.att_k8);
+
+    struct cuda_ctx h = k_ctx(90, 132); /* an H100 */
+    ASSERT_EQ(90, h.cc);
+    ASSERT_EQ(CUDA_MATMUL_VEC_MAX, h.vec_max_quant);
+    ASSERT_EQ(2, h.vec_max_float);
+    ASSERT_EQ(-1, h.gemv_max);
+    ASSERT_EQ(1, h.gemm_group);
+    ASSERT_EQ(4, h.mv_split);
+    ASSERT_EQ(1, h.pdl);
+    ASSERT_EQ(1, h.wide);
+    ASSERT_EQ(2, h.wide_items);
+    ASSERT_EQ(8, h.decode_tc_g);
+    ASSERT_EQ(1, h.att_k16);
+    ASSERT_EQ(2, h.att_steps);
+    ASSERT_EQ(4, h.rope_att);
+    ASSERT_EQ(16, h.rope_att_mha);
+    ASSERT_EQ(4, h.att_defer);
+    ASSERT_EQ(1, h.att_f16);
+    ASSERT_EQ(1, h.mr);
+    ASSERT_EQ(1, h.dequant_ahead);
+    ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
+
+    struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
+    ASSERT_EQ(75, t.cc);
+    ASSERT_EQ(0, t.pdl);
+    ASSERT_EQ(0, t.wide);
+    ASSERT_EQ(0, t.att_k16);
+    ASSERT_EQ(5, t.ahead_sms);
+    struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
+    ASSERT_EQ(0, a.pdl);
+    ASSERT_EQ(1, a.wide);
+    ASSERT_EQ(1, a.att_k16);
+}
+
+/* The values scripts/gpu-check.sh, bench/ and the GPU tests set keep their
+ * meaning; an empty variable counts as unset. */
+TEST(cuda_knobs_spellings) {
+    k_clear_env();
+    setenv("LLM_CUDA_SM", "75", 1);
+    struct cuda_ctx c = k_ctx(90, 132);
+    ASSERT_EQ(75, c.cc);
+    ASSERT_EQ(0, c.pdl);
+    ASSERT_EQ(0, c.wide);
+    ASSERT_EQ(0, c.att_k16);
+    setenv("LLM_CUDA_SM", "100", 1); /* above the card's own: no effect */
+    ASSERT_EQ(90, k_ctx(90, 132).cc);
+    setenv("LLM_CUDA_SM", "", 1);
+    ASSERT_EQ(90, k_ctx(90, 132).cc);
+    k_clear_env();
+
+    setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(0, c.vec_max_quant);
+    ASSERT_EQ(0, c.vec_max_float);
+    setenv("LLM_CUDA_SKINNY_MAX", "16", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(16, c.vec_max_quant);
+    ASSERT_EQ(16, c.vec_max_float);
+    setenv("LLM_CUDA_SKINNY_MAX", "64", 1);
+    ASSERT_EQ(64, k_ctx(90, 132).vec_max_float);
+    k_clear_env();
+
+    setenv("LLM_CUDA_ROPE_ATT", "16", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(16, c.rope_att);
+    ASSERT_EQ(16, c.rope_att_mha);
+    setenv("LLM_CUDA_ROPE_ATT", "0", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(0, c.rope_att);
+    ASSERT_EQ(0, c.rope_att_mha);
+    k_clear_env();
+
+    setenv("LLM_CUDA_MV_SPLIT", "2", 1);
+    ASSERT_EQ(2, k_ctx(90, 132).mv_split);
+    setenv("LLM_CUDA_MV_SPLIT", "1", 1);
+    ASSERT_EQ(1, k_ctx(90, 132).mv_split);
+    setenv("LLM_CUDA_GEMV_MAX", "4", 1);
+    setenv("LLM_CUDA_GEMM_GROUP", "0", 1);
+    setenv("LLM_CUDA_PDL", "0", 1);
+    setenv("LLM_CUDA_WIDE", "0", 1);
+    setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
+    setenv("LLM_CUDA_DECODE_TC_G", "1", 1);
+    setenv("LLM_CUDA_ATT_K8", "1", 1);
+    setenv("LLM_CUDA_ATT_STEPS", "1", 1);
+    setenv("LLM_CUDA_ATT_DEFER", "0", 1);
+    setenv("LLM_CUDA_ATT_F16", "0", 1);
+    setenv("LLM_CUDA_MR", "0", 1);
+    setenv("LLM_CUDA_DEQUANT_AHEAD", "0", 1);
+    setenv("LLM_CUDA_AHEAD_SMS", "0", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(4, c.gemv_max);
+    ASSERT_EQ(0, c.gemm_group);
+    ASSERT_EQ(0, c.pdl);
+    ASSERT_EQ(0, c.wide);
+    ASSERT_EQ(0, c.wide_items);
+    ASSERT_EQ(1, c.decode_tc_g);
+    ASSERT_EQ(0, c.att_k16);
+    ASSERT_EQ(1, c.att_steps);
+    ASSERT_EQ(0, c.att_defer);
+    ASSERT_EQ(0, c.att_f16);
+    ASSERT_EQ(0, c.mr);
+    ASSERT_EQ(0, c.dequant_ahead);
+    ASSERT_EQ(0, c.ahead_sms);
+    setenv("LLM_CUDA_GEMV_MAX", "0", 1);
+    setenv("LLM_CUDA_AHEAD_SMS", "131", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(0, c.gemv_max);
+    ASSERT_EQ(131, c.ahead_sms);
+    k_clear_env();
+
+    /* The two read on every call, alone. */
+    struct cuda_knobs k;
+    char err[256];
+    setenv("LLM_CUDA_DEQUANT_TILE_MB", "16", 1);
+    setenv("LLM_CUDA_PREFILL_TC", "0", 1);
+    ASSERT_OK(cuda_knobs_read_one(&k, "LLM_CUDA_DEQUANT_TILE_MB", err, sizeof err));
+    ASSERT_EQ(16, k.dequant_tile_mb);
+    ASSERT_OK(cuda_knobs_read_one(&k, "LLM_CUDA_PREFILL_TC", err, sizeof err));
+    ASSERT_TRUE(!k.prefill_tc);
+    k_clear_env();
+    ASSERT_OK(cuda_knobs_read_one(&k, "LLM_CUDA_DEQUANT_TILE_MB", err, sizeof err));
+    ASSERT_EQ(96, k.dequant_tile_mb);
+    ASSERT_OK(cuda_knobs_read_one(&k, "LLM_CUDA_PREFILL_TC", err, sizeof err));
+    ASSERT_TRUE(k.prefill_tc);
+    ASSERT_EQ(STATUS_INTERNAL, cuda_knobs_read_one(&k, "LLM_CUDA_NOT_A_KNOB", err, sizeof err));
+    ASSERT_STREQ("LLM_CUDA_NOT_A_KNOB is not a knob of the CUDA backend", err);
+}
+
+/* var=value must fail cuda_knobs_read with a message naming both. */
+static void k_bad(const char *var, const char *value, const char *why) {
+    k_clear_env();
+    setenv(var, value, 1);
+    struct cuda_knobs k;
+    char err[256] = "";
+    int rc = cuda_knobs_read(&k, err, sizeof err);
+    unsetenv(var);
+    if (rc != STATUS_BAD_INPUT) TEST_FAIL("%s=%s: expected STATUS_BAD_INPUT, got %d", var, value, rc);
+    if (!strstr(err, var) || !strstr(err, value) || !strstr(err, why))
+        TEST_FAIL("%s=%s: the message \"%s\" should name the variable, the value and \"%s\"", var, value, err, why);
+}
+
+TEST(cuda_knobs_bad_values_name_the_variable) {
+    k_bad("LLM_CUDA_SKINNY_MAX", "65", "out of range [-1, 64]");
+    k_bad("LLM_CUDA_SKINNY_MAX", "lots", "not an integer");
+    k_bad("LLM_CUDA_GEMV_MAX", "5", "out of range [-1, 4]");
+    k_bad("LLM_CUDA_GEMM_GROUP", "2", "not a boolean");
+    k_bad("LLM_CUDA_MV_SPLIT", "3", "not one of 1, 2, 4");
+    k_bad("LLM_CUDA_MV_SPLIT", "0", "not one of 1, 2, 4");
+    k_bad("LLM_CUDA_SM", "7.5", "not an integer");
+    k_bad("LLM_CUDA_SM", "-75", "out of range [0, 1000]");
+    k_bad("LLM_CUDA_PDL", "nope", "not a boolean");
+    k_bad("LLM_CUDA_WIDE", "00", "not a boolean");
+    k_bad("LLM_CUDA_WIDE_ITEMS", "1025", "out of range [0, 1024]");
+    k_bad("LLM_CUDA_DECODE_TC_G", "-1", "out of range [0, 2147483647]");
+    k_bad("LLM_CUDA_ATT_K8", "yes please", "not a boolean");
+    k_bad("LLM_CUDA_ATT_STEPS", "3", "out of range [1, 2]");
+    k_bad("LLM_CUDA_ROPE_ATT", "65", "out of range [-1, 64]");
+    k_bad("LLM_CUDA_ATT_DEFER", "5", "out of range [0, 4]");
+    k_bad("LLM_CUDA_ATT_F16", "f16", "not a boolean");
+    k_bad("LLM_CUDA_MR", "disabled", "not a boolean");
+    k_bad("LLM_CUDA_DEQUANT_AHEAD", "2", "not a boolean");
+    k_bad("LLM_CUDA_AHEAD_SMS", "-2", "out of range [-1, 1024]");
+    k_bad("LLM_CUDA_DEQUANT_TILE_MB", "0", "out of range [1, 4096]");
+    k_bad("LLM_CUDA_DEQUANT_TILE_MB", "96M", "not an integer");
+    k_bad("LLM_CUDA_PREFILL_TC", "tc", "not a boolean");
+
+    /* The per-call read of the same knob fails the same way. */
+    setenv("LLM_CUDA_DEQUANT_TILE_MB", "huge", 1);
+    struct cuda_knobs k;
+    char err[256];
+    ASSERT_EQ(STATUS_BAD_INPUT, cuda_knobs_read_one(&k, "LLM_CUDA_DEQUANT_TILE_MB", err, sizeof err));
+    ASSERT_STREQ("environment variable LLM_CUDA_DEQUANT_TILE_MB: 'huge' is not an integer", err);
+    k_clear_env();
+
+    /* A knob that does not fit the card: as many SMs as it has. */
+    setenv("LLM_CUDA_AHEAD_SMS", "132", 1);
+    ASSERT_OK(cuda_knobs_read(&k, err, sizeof err));
+    struct cuda_ctx ctx;
+    memset(&ctx, 0, sizeof ctx);
+    ctx.cc = 90;
+    ctx.n_sms = 132;
+    ASSERT_EQ(STATUS_BAD_INPUT, cuda_knobs_apply(&k, &ctx, err, sizeof err));
+    ASSERT_STREQ("environment variable LLM_CUDA_AHEAD_SMS: 132 is out of range [0, 131] on cuda:0 "
+                 "(132 multiprocessors)", err);
+    k_clear_env();
+}
+
+/* Every knob: a distinct LLM_CUDA_ variable, a reason, and a line in
+ * docs/configuration.md. */
+TEST(cuda_knobs_table_is_documented) {
+    struct cuda_knobs k;
+    struct option_def defs[CUDA_KNOBS_N];
+    const int n = cuda_knobs_table(&k, defs);
+    ASSERT_EQ(CUDA_KNOBS_N, n);
+    FILE *f = fopen(LLM_SOURCE_DIR "/docs/configuration.md", "rb");
+    ASSERT_TRUE(f != NULL);
+    static char doc[1 << 16];
+    size_t len = fread(doc, 1, sizeof doc - 1, f);
+    fclose(f);
+    doc[len] = '\0';
+    for (int i = 0; i < n; i++) {
+        ASSERT_TRUE(strncmp(defs[i].env, "LLM_CUDA_", 9) == 0);
+        ASSERT_TRUE(defs[i].help && strlen(defs[i].help) > 20);
+        for (int j = 0; j < i; j++)
+            if (strcmp(defs[i].env, defs[j].env) == 0) TEST_FAIL("%s is in the table twice", defs[i].env);
+        char row[64];
+        snprintf(row, sizeof row, "| `%s` |", defs[i].env);
+        if (!strstr(doc, row)) TEST_FAIL("docs/configuration.md has no row \"%s\"", row);
+    }
+}
+
+TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
+          cuda_knobs_table_is_documented)
