@@ -1,0 +1,436 @@
+/* OpenAI request bodies into the cluster's terms, and OpenAI error objects.
+ * Every field of the body is looked up in the kind's table first, so that
+ * an unknown or misspelt field is an error naming it instead of a setting
+ * silently dropped. */
+#include "gateway/oai.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+
+void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
+                   const char *fmt, ...) {
+    e->status = status;
+    e->type = type;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    snprintf(e->code, sizeof e->code, "%s", code ? code : "");
+    e->retry_after_s = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+}
+
+char *oai_error_json(const struct oai_error *e) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON *o = cJSON_AddObjectToObject(root, "error");
+    cJSON_AddStringToObject(o, "message", e->message);
+    cJSON_AddStringToObject(o, "type", e->type ? e->type : "invalid_request_error");
+    if (e->param[0]) cJSON_AddStringToObject(o, "param", e->param);
+    else cJSON_AddNullToObject(o, "param");
+    if (e->code[0]) cJSON_AddStringToObject(o, "code", e->code);
+    else cJSON_AddNullToObject(o, "code");
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return s;
+}
+
+#define BAD(e, param, ...) (oai_error_set((e), 400, "invalid_request_error", (param), NULL, __VA_ARGS__), -1)
+
+enum field {
+    F_MODEL, F_PROMPT, F_MESSAGES, F_MAX_TOKENS, F_MAX_COMPLETION_TOKENS, F_TEMPERATURE, F_TOP_P, F_N,
+    F_STREAM, F_STREAM_OPTIONS, F_STOP, F_PRESENCE, F_FREQUENCY, F_SEED, F_USER, F_LOGPROBS,
+    F_TOP_LOGPROBS, F_LOGIT_BIAS, F_ECHO, F_BEST_OF, F_SUFFIX, F_TOP_K, F_MIN_P, F_REPETITION,
+    F_IGNORE_EOS, F_TOOLS, F_TOOL_CHOICE, F_PARALLEL_TOOL_CALLS, F_RESPONSE_FORMAT, F_FUNCTIONS,
+    F_FUNCTION_CALL,
+};
+
+struct field_def {
+    const char *name;
+    enum field f;
+    unsigned kinds; /* bit 1 << OAI_COMPLETIONS, 1 << OAI_CHAT */
+};
+
+#define K_CMPL (1u << OAI_COMPLETIONS)
+#define K_CHAT (1u << OAI_CHAT)
+#define K_BOTH (K_CMPL | K_CHAT)
+
+static const struct field_def fields[] = {
+    {"model", F_MODEL, K_BOTH},
+    {"prompt", F_PROMPT, K_CMPL},
+    {"messages", F_MESSAGES, K_CHAT},
+    {"max_tokens", F_MAX_TOKENS, K_BOTH},
+    {"max_completion_tokens", F_MAX_COMPLETION_TOKENS, K_CHAT},
+    {"temperature", F_TEMPERATURE, K_BOTH},
+    {"top_p", F_TOP_P, K_BOTH},
+    {"n", F_N, K_BOTH},
+    {"stream", F_STREAM, K_BOTH},
+    {"stream_options", F_STREAM_OPTIONS, K_BOTH},
+    {"stop", F_STOP, K_BOTH},
+    {"presence_penalty", F_PRESENCE, K_BOTH},
+    {"frequency_penalty", F_FREQUENCY, K_BOTH},
+    {"seed", F_SEED, K_BOTH},
+    {"user", F_USER, K_BOTH},
+    {"logprobs", F_LOGPROBS, K_BOTH},
+    {"top_logprobs", F_TOP_LOGPROBS, K_CHAT},
+    {"logit_bias", F_LOGIT_BIAS, K_BOTH},
+    {"echo", F_ECHO, K_CMPL},
+    {"best_of", F_BEST_OF, K_CMPL},
+    {"suffix", F_SUFFIX, K_CMPL},
+    {"top_k", F_TOP_K, K_BOTH},
+    {"min_p", F_MIN_P, K_BOTH},
+    {"repetition_penalty", F_REPETITION, K_BOTH},
+    {"ignore_eos", F_IGNORE_EOS, K_BOTH},
+    {"tools", F_TOOLS, K_CHAT},
+    {"tool_choice", F_TOOL_CHOICE, K_CHAT},
+    {"parallel_tool_calls", F_PARALLEL_TOOL_CALLS, K_CHAT},
+    {"response_format", F_RESPONSE_FORMAT, K_CHAT},
+    {"functions", F_FUNCTIONS, K_CHAT},
+    {"function_call", F_FUNCTION_CALL, K_CHAT},
+};
+
+static const char *json_type(const cJSON *v) {
+    if (cJSON_IsNull(v)) return "null";
+    if (cJSON_IsBool(v)) return "a boolean";
+    if (cJSON_IsNumber(v)) return "a number";
+    if (cJSON_IsString(v)) return "a string";
+    if (cJSON_IsArray(v)) return "an array";
+    if (cJSON_IsObject(v)) return "an object";
+    return "invalid";
+}
+
+/* A number in [lo, hi] (finite). */
+static int get_number(const cJSON *v, const char *name, double lo, double hi, double *out, struct oai_error *e) {
+    if (!cJSON_IsNumber(v)) return BAD(e, name, "%s must be a number, got %s", name, json_type(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < lo || d > hi) return BAD(e, name, "%s = %g is outside [%g, %g]", name, d, lo, hi);
+    *out = d;
+    return 0;
+}
+
+/* An integer in [lo, hi]: a JSON number without a fraction. */
+static int get_int(const cJSON *v, const char *name, double lo, double hi, int64_t *out, struct oai_error *e) {
+    if (!cJSON_IsNumber(v)) return BAD(e, name, "%s must be an integer, got %s", name, json_type(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d != floor(d)) return BAD(e, name, "%s = %g must be an integer", name, d);
+    if (d < lo || d > hi) return BAD(e, name, "%s = %.0f is outside [%.0f, %.0f]", name, d, lo, hi);
+    *out = (int64_t)d;
+    return 0;
+}
+
+static int get_bool(const cJSON *v, const char *name, bool *out, struct oai_error *e) {
+    if (!cJSON_IsBool(v)) return BAD(e, name, "%s must be a boolean, got %s", name, json_type(v));
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+static int add_stop(struct oai_request *r, const cJSON *v, const char *name, struct oai_error *e) {
+    if (!cJSON_IsString(v)) return BAD(e, name, "%s must be a string, got %s", name, json_type(v));
+    size_t n = strlen(v->valuestring);
+    if (n == 0) return BAD(e, name, "%s is empty: a stop string needs 1 to %d bytes", name, OAI_STOP_BYTES_MAX);
+    if (n > OAI_STOP_BYTES_MAX)
+        return BAD(e, name, "%s is %zu bytes long: at most %d are allowed", name, n, OAI_STOP_BYTES_MAX);
+    if (r->n_stop >= OAI_STOP_MAX) return BAD(e, "stop", "stop has more than %d strings", OAI_STOP_MAX);
+    r->stop[r->n_stop++] = v->valuestring;
+    return 0;
+}
+
+/* A message's content: a string, or an array of {"type": "text", "text"}
+ * parts joined in order. */
+static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e) {
+    char name[64];
+    snprintf(name, sizeof name, "messages[%zu].content", i);
+    *out = NULL;
+    if (cJSON_IsString(c)) {
+        *out = strdup(c->valuestring);
+        return *out ? 0 : BAD(e, name, "out of memory");
+    }
+    if (!cJSON_IsArray(c)) return BAD(e, name, "%s must be a string or an array of text parts, got %s", name, json_type(c));
+    size_t total = 0;
+    const cJSON *part;
+    int k = 0;
+    cJSON_ArrayForEach(part, c) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsObject(part) || !cJSON_IsString(type))
+            return BAD(e, name, "%s[%d] must be an object with a \"type\"", name, k);
+        if (strcmp(type->valuestring, "text") != 0)
+            return BAD(e, name, "%s[%d].type = \"%.64s\": only text parts are supported", name, k,
+                       type->valuestring);
+        if (!cJSON_IsString(text)) return BAD(e, name, "%s[%d].text must be a string", name, k);
+        total += strlen(text->valuestring);
+        k++;
+    }
+    *out = malloc(total + 1);
+    if (!*out) return BAD(e, name, "out of memory");
+    size_t off = 0;
+    cJSON_ArrayForEach(part, c) {
+        const char *t = cJSON_GetObjectItemCaseSensitive(part, "text")->valuestring;
+        size_t n = strlen(t);
+        memcpy(*out + off, t, n);
+        off += n;
+    }
+    (*out)[off] = 0;
+    return 0;
+}
+
+static int get_messages(struct oai_request *r, const cJSON *v, struct oai_error *e) {
+    if (!cJSON_IsArray(v)) return BAD(e, "messages", "messages must be an array, got %s", json_type(v));
+    int n = cJSON_GetArraySize(v);
+    if (n == 0) return BAD(e, "messages", "messages is empty: at least one message is needed");
+    r->messages = calloc((size_t)n, sizeof *r->messages);
+    r->contents = calloc((size_t)n, sizeof *r->contents);
+    if (!r->messages || !r->contents) return BAD(e, "messages", "out of memory");
+    r->n_messages = (size_t)n;
+    size_t i = 0;
+    const cJSON *m;
+    cJSON_ArrayForEach(m, v) {
+        char name[64];
+        snprintf(name, sizeof name, "messages[%zu]", i);
+        if (!cJSON_IsObject(m)) return BAD(e, name, "%s must be an object, got %s", name, json_type(m));
+        const cJSON *f;
+        const cJSON *role = NULL, *content = NULL;
+        cJSON_ArrayForEach(f, m) {
+            if (strcmp(f->string, "role") == 0) role = f;
+            else if (strcmp(f->string, "content") == 0) content = f;
+            else if (strcmp(f->string, "name") == 0) {
+                if (!cJSON_IsString(f)) return BAD(e, name, "%s.name must be a string", name);
+            } else
+                return BAD(e, name, "%s.%.64s is not supported (a message has role, content and name)", name,
+                           f->string);
+        }
+        if (!cJSON_IsString(role)) return BAD(e, name, "%s.role must be a string", name);
+        if (!content) return BAD(e, name, "%s.content is missing", name);
+        if (get_content(content, i, &r->contents[i], e) < 0) return -1;
+        r->messages[i].role = role->valuestring;
+        r->messages[i].content = r->contents[i];
+        i++;
+    }
+    return 0;
+}
+
+static int get_prompt(struct oai_request *r, const cJSON *v, struct oai_error *e) {
+    if (cJSON_IsString(v)) {
+        r->prompt = v->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsArray(v)) return BAD(e, "prompt", "prompt must be a string or an array, got %s", json_type(v));
+    int n = cJSON_GetArraySize(v);
+    if (n == 0) return BAD(e, "prompt", "prompt is an empty array");
+    const cJSON *first = cJSON_GetArrayItem(v, 0);
+    if (cJSON_IsString(first) || cJSON_IsArray(first)) {
+        if (n > 1)
+            return BAD(e, "prompt", "prompt has %d prompts: this server runs one prompt per request", n);
+        return get_prompt(r, first, e);
+    }
+    r->prompt_tokens = malloc((size_t)n * sizeof *r->prompt_tokens);
+    if (!r->prompt_tokens) return BAD(e, "prompt", "out of memory");
+    const cJSON *t;
+    cJSON_ArrayForEach(t, v) {
+        char name[48];
+        snprintf(name, sizeof name, "prompt[%zu]", r->n_prompt_tokens);
+        int64_t id;
+        if (get_int(t, name, 0, INT32_MAX, &id, e) < 0) return -1;
+        r->prompt_tokens[r->n_prompt_tokens++] = (int32_t)id;
+    }
+    return 0;
+}
+
+static int apply_field(struct oai_request *r, enum field f, const cJSON *v, struct oai_error *e) {
+    const char *name = v->string;
+    double d;
+    int64_t i;
+    bool b;
+    switch (f) {
+    case F_MODEL:
+        if (!cJSON_IsString(v)) return BAD(e, name, "model must be a string, got %s", json_type(v));
+        r->model = v->valuestring;
+        return 0;
+    case F_PROMPT: return get_prompt(r, v, e);
+    case F_MESSAGES: return get_messages(r, v, e);
+    case F_MAX_TOKENS:
+    case F_MAX_COMPLETION_TOKENS:
+        if (get_int(v, name, 1, UINT32_MAX, &i, e) < 0) return -1;
+        r->max_tokens = (uint32_t)i;
+        return 0;
+    case F_TEMPERATURE:
+        if (get_number(v, name, 0, 2, &d, e) < 0) return -1;
+        r->sp.temperature = (float)d;
+        return 0;
+    case F_TOP_P:
+        if (get_number(v, name, 0, 1, &d, e) < 0) return -1;
+        r->sp.top_p = (float)d;
+        return 0;
+    case F_N:
+    case F_BEST_OF:
+        if (get_int(v, name, 1, 1e9, &i, e) < 0) return -1;
+        if (i != 1) return BAD(e, name, "%s = %lld: this server returns one choice per request (%s must be 1)",
+                               name, (long long)i, name);
+        return 0;
+    case F_STREAM: return get_bool(v, name, &r->stream, e);
+    case F_STREAM_OPTIONS: {
+        if (!cJSON_IsObject(v)) return BAD(e, name, "stream_options must be an object, got %s", json_type(v));
+        const cJSON *o;
+        cJSON_ArrayForEach(o, v) {
+            if (strcmp(o->string, "include_usage") != 0)
+                return BAD(e, "stream_options", "stream_options.%.64s is not supported (only include_usage)",
+                           o->string);
+            if (get_bool(o, "stream_options.include_usage", &r->include_usage, e) < 0) return -1;
+        }
+        return 0;
+    }
+    case F_STOP:
+        if (cJSON_IsString(v)) return add_stop(r, v, "stop", e);
+        if (!cJSON_IsArray(v)) return BAD(e, name, "stop must be a string or an array of strings, got %s", json_type(v));
+        {
+            const cJSON *s;
+            int k = 0;
+            cJSON_ArrayForEach(s, v) {
+                char sn[32];
+                snprintf(sn, sizeof sn, "stop[%d]", k++);
+                if (add_stop(r, s, sn, e) < 0) return -1;
+            }
+        }
+        return 0;
+    case F_PRESENCE:
+        if (get_number(v, name, -2, 2, &d, e) < 0) return -1;
+        r->sp.presence_penalty = (float)d;
+        return 0;
+    case F_FREQUENCY:
+        if (get_number(v, name, -2, 2, &d, e) < 0) return -1;
+        r->sp.frequency_penalty = (float)d;
+        return 0;
+    case F_SEED:
+        /* 0 asks the router to pick a seed; any other value is the seed. */
+        if (get_int(v, name, 0, 9007199254740991.0, &i, e) < 0) return -1;
+        r->sp.seed = (uint64_t)i;
+        return 0;
+    case F_USER:
+        if (!cJSON_IsString(v)) return BAD(e, name, "user must be a string, got %s", json_type(v));
+        r->user = v->valuestring;
+        return 0;
+    case F_LOGPROBS:
+        if (r->kind == OAI_CHAT) {
+            if (get_bool(v, name, &b, e) < 0) return -1;
+            r->sp.logprobs = b;
+        } else {
+            if (get_int(v, name, 0, 5, &i, e) < 0) return -1;
+            r->sp.logprobs = 1;
+            r->sp.top_logprobs = (int32_t)i;
+        }
+        return 0;
+    case F_TOP_LOGPROBS:
+        if (get_int(v, name, 0, SAMPLING_TOP_LOGPROBS_MAX, &i, e) < 0) return -1;
+        r->sp.top_logprobs = (int32_t)i;
+        return 0;
+    case F_LOGIT_BIAS:
+        if (!cJSON_IsObject(v)) return BAD(e, name, "logit_bias must be an object, got %s", json_type(v));
+        if (cJSON_GetArraySize(v) > 0) return BAD(e, name, "logit_bias is not supported by this server");
+        return 0;
+    case F_ECHO:
+        if (get_bool(v, name, &b, e) < 0) return -1;
+        if (b) return BAD(e, name, "echo = true is not supported by this server");
+        return 0;
+    case F_SUFFIX:
+        return BAD(e, name, "suffix is not supported by this server");
+    case F_TOP_K:
+        /* -1 is how vLLM and llama.cpp clients say "off". */
+        if (get_int(v, name, -1, INT32_MAX, &i, e) < 0) return -1;
+        r->sp.top_k = i < 0 ? 0 : (int32_t)i;
+        return 0;
+    case F_MIN_P:
+        if (get_number(v, name, 0, 1, &d, e) < 0) return -1;
+        r->sp.min_p = (float)d;
+        return 0;
+    case F_REPETITION:
+        if (get_number(v, name, 0, 1e6, &d, e) < 0) return -1;
+        if (d == 0) return BAD(e, name, "repetition_penalty = 0: it must be > 0 (1 = off)");
+        r->sp.repetition_penalty = (float)d;
+        return 0;
+    case F_IGNORE_EOS:
+        if (get_bool(v, name, &b, e) < 0) return -1;
+        r->sp.ignore_eos = b;
+        return 0;
+    case F_TOOLS:
+    case F_FUNCTIONS:
+        if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) return 0;
+        return BAD(e, name, "%s: tool and function calling is not supported by this server", name);
+    case F_TOOL_CHOICE:
+    case F_FUNCTION_CALL:
+        if (cJSON_IsString(v) && strcmp(v->valuestring, "none") == 0) return 0;
+        return BAD(e, name, "%s: tool and function calling is not supported by this server", name);
+    case F_PARALLEL_TOOL_CALLS: return get_bool(v, name, &b, e);
+    case F_RESPONSE_FORMAT: {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
+        if (cJSON_IsObject(v) && cJSON_IsString(t) && strcmp(t->valuestring, "text") == 0) return 0;
+        return BAD(e, name, "response_format: only {\"type\": \"text\"} is supported by this server");
+    }
+    }
+    return BAD(e, name, "%s: not handled", name);
+}
+
+int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_request *r, struct oai_error *e) {
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->model = "";
+    sampling_params_default(&r->sp);
+    /* OpenAI's default for the legacy completions endpoint. */
+    if (kind == OAI_COMPLETIONS) r->max_tokens = 16;
+    const char *end = NULL;
+    r->root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!r->root) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        (void)BAD(e, NULL, "the request body is not valid JSON (error near byte %zu of %zu)", at, len);
+        oai_request_free(r);
+        return -1;
+    }
+    if (!cJSON_IsObject(r->root)) {
+        (void)BAD(e, NULL, "the request body must be a JSON object, got %s", json_type(r->root));
+        oai_request_free(r);
+        return -1;
+    }
+    const cJSON *v;
+    cJSON_ArrayForEach(v, r->root) {
+        const struct field_def *fd = NULL;
+        for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
+            if (strcmp(fields[k].name, v->string) == 0 && (fields[k].kinds & (1u << kind))) fd = &fields[k];
+        if (!fd) {
+            (void)BAD(e, v->string, "Unrecognized request argument supplied: %.64s", v->string);
+            snprintf(e->code, sizeof e->code, "unknown_parameter");
+            oai_request_free(r);
+            return -1;
+        }
+        /* null means "the default" for every optional field. */
+        if (cJSON_IsNull(v)) continue;
+        if (apply_field(r, fd->f, v, e) < 0) {
+            oai_request_free(r);
+            return -1;
+        }
+    }
+    const char *need = kind == OAI_CHAT ? "messages" : "prompt";
+    if ((kind == OAI_CHAT && !r->messages) || (kind == OAI_COMPLETIONS && !r->prompt && !r->prompt_tokens)) {
+        (void)BAD(e, need, "%s is required", need);
+        oai_request_free(r);
+        return -1;
+    }
+    if (r->include_usage && !r->stream) {
+        (void)BAD(e, "stream_options", "stream_options is only allowed when stream is true");
+        oai_request_free(r);
+        return -1;
+    }
+    return 0;
+}
+
+void oai_request_free(struct oai_request *r) {
+    if (!r) return;
+    for (size_t i = 0; r->contents && i < r->n_messages; i++) free(r->contents[i]);
+    free(r->contents);
+    free(r->messages);
+    free(r->prompt_tokens);
+    cJSON_Delete(r->root);
+    memset(r, 0, sizeof *r);
+}

@@ -1,0 +1,114 @@
+// Drives llm-gateway with the official openai npm package, as an
+// application would.  Started by tests/gateway/test_gateway.c with:
+//   GW_URL       gateway with the model's own (absent) chat template, API key GW_KEY
+//   GW_CHAT_URL  gateway with --chat-template chatml, no API key
+//   GW_MODEL     the model name both serve
+//   GW_PROMPT, GW_MAX_TOKENS, GW_EXPECT_TEXT  llm-run's greedy output for the prompt
+// Exits 0 when every check passes; prints what differed otherwise.
+import OpenAI from 'openai';
+
+const env = (k) => {
+  if (!process.env[k]) throw new Error(`${k} is not set`);
+  return process.env[k];
+};
+const model = env('GW_MODEL');
+const prompt = env('GW_PROMPT');
+const maxTokens = Number(env('GW_MAX_TOKENS'));
+const expectText = env('GW_EXPECT_TEXT');
+
+let failures = 0;
+function check(cond, what) {
+  if (cond) {
+    console.log(`ok: ${what}`);
+  } else {
+    console.log(`FAILED: ${what}`);
+    failures++;
+  }
+}
+
+const client = new OpenAI({ baseURL: env('GW_URL') + '/v1', apiKey: env('GW_KEY'), maxRetries: 0 });
+const chatClient = new OpenAI({ baseURL: env('GW_CHAT_URL') + '/v1', apiKey: 'unused', maxRetries: 0 });
+
+// Models.
+const models = await client.models.list();
+check(models.data.some((m) => m.id === model), `models.list has ${model}: ${JSON.stringify(models.data)}`);
+
+// Completions, not streamed: llm-run's text at temperature 0.
+const c = await client.completions.create({ model, prompt, max_tokens: maxTokens, temperature: 0 });
+check(c.object === 'text_completion', `completion object ${c.object}`);
+check(c.choices[0].text === expectText, `completion text ${JSON.stringify(c.choices[0].text)} == llm-run's ${JSON.stringify(expectText)}`);
+check(c.usage.completion_tokens === maxTokens, `completion_tokens ${c.usage.completion_tokens} == ${maxTokens}`);
+check(c.choices[0].finish_reason === 'length', `finish_reason ${c.choices[0].finish_reason}`);
+
+// Completions, streamed, with usage at the end.
+const stream = await client.completions.create({
+  model, prompt, max_tokens: maxTokens, temperature: 0, stream: true, stream_options: { include_usage: true },
+});
+let text = '';
+let usage = null;
+let finish = null;
+for await (const chunk of stream) {
+  if (chunk.usage) usage = chunk.usage;
+  for (const ch of chunk.choices) {
+    text += ch.text;
+    if (ch.finish_reason) finish = ch.finish_reason;
+  }
+}
+check(text === expectText, `streamed completion ${JSON.stringify(text)} == llm-run's`);
+check(usage && usage.completion_tokens === maxTokens, `streamed usage ${JSON.stringify(usage)}`);
+check(finish === 'length', `streamed finish_reason ${finish}`);
+
+// Chat on a model without a recognised template: the clear error.
+for (const streamed of [false, true]) {
+  try {
+    const r = await client.chat.completions.create({
+      model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 4, stream: streamed,
+    });
+    if (streamed) for await (const _ of r) { /* drain */ }
+    check(false, `chat (stream ${streamed}) without a template was refused`);
+  } catch (e) {
+    check(e instanceof OpenAI.APIError && e.status === 400, `chat (stream ${streamed}) refused with 400 (got ${e.status})`);
+    check(e.code === 'chat_template_not_found' && /--chat-template/.test(e.message) && e.message.includes(model),
+          `chat error names the model and the flag: ${e.message}`);
+  }
+}
+
+// Chat through a template chosen with --chat-template: non-streamed and
+// streamed give the same greedy answer.
+const messages = [{ role: 'system', content: 'You tell stories.' }, { role: 'user', content: 'Once upon a time' }];
+const cc = await chatClient.chat.completions.create({ model, messages, max_tokens: 12, temperature: 0 });
+check(cc.object === 'chat.completion', `chat object ${cc.object}`);
+check(cc.choices[0].message.role === 'assistant', `chat role ${cc.choices[0].message.role}`);
+check(typeof cc.choices[0].message.content === 'string' && cc.choices[0].message.content.length > 0,
+      `chat content ${JSON.stringify(cc.choices[0].message.content)}`);
+check(cc.usage.completion_tokens > 0 && cc.usage.prompt_tokens > 0, `chat usage ${JSON.stringify(cc.usage)}`);
+const cs = await chatClient.chat.completions.create({
+  model, messages, max_tokens: 12, temperature: 0, stream: true, stream_options: { include_usage: true },
+});
+let content = '';
+let role = null;
+let chatUsage = null;
+for await (const chunk of cs) {
+  if (chunk.usage) chatUsage = chunk.usage;
+  for (const ch of chunk.choices) {
+    if (ch.delta.role) role = ch.delta.role;
+    if (ch.delta.content) content += ch.delta.content;
+  }
+}
+check(role === 'assistant', `streamed chat role ${role}`);
+check(content === cc.choices[0].message.content, `streamed chat ${JSON.stringify(content)} == non-streamed`);
+check(chatUsage && chatUsage.completion_tokens === cc.usage.completion_tokens, `streamed chat usage ${JSON.stringify(chatUsage)}`);
+
+// A refused parameter comes back as an APIError naming it.
+try {
+  await client.completions.create({ model, prompt, max_tokens: 4, n: 2 });
+  check(false, 'n = 2 was refused');
+} catch (e) {
+  check(e.status === 400 && e.param === 'n', `n = 2 refused with 400, param ${e.param}: ${e.message}`);
+}
+
+if (failures > 0) {
+  console.log(`${failures} check(s) failed`);
+  process.exit(1);
+}
+console.log('all checks passed');

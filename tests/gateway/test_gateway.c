@@ -1,0 +1,530 @@
+/* Tests of llm-gateway in front of a real cluster (Redis, router, worker on
+ * the CPU, stories260K): curl checks the HTTP side (SSE framing, error
+ * objects and status codes, API keys, bad and huge bodies, a client that
+ * hangs up, an unreachable router) and the official openai npm package
+ * drives completions and chat (tests/gateway/node).  Completions at
+ * temperature 0 must equal llm-run's output. */
+#include "tests/router/cluster_harness.h"
+
+#define GW_BIN LLM_BINARY_DIR "/gateway/llm-gateway"
+#define GW_MODEL_NAME "stories"
+#define GW_KEY "sk-test-key"
+
+static const char *model_path(void) { return LLM_SOURCE_DIR "/../shared/models/stories260K-f32.gguf"; }
+
+struct gw {
+    struct h_proc proc;
+    int port;
+    char url[64];
+};
+
+/* Starts llm-gateway on a free port with extra flags; waits until it answers. */
+static void gw_start(struct cluster *cl, struct gw *g, const char *name, const char *router, const char *extra) {
+    if (access(GW_BIN, X_OK) != 0) TEST_FAIL("%s is not built", GW_BIN);
+    char err[256];
+    if (zio_free_port(NULL, &g->port, err, sizeof err) != 0) TEST_FAIL("free port: %s", err);
+    snprintf(g->url, sizeof g->url, "http://127.0.0.1:%d", g->port);
+    char listen[64], words[512];
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", g->port);
+    snprintf(words, sizeof words, "%s", extra);
+    snprintf(g->proc.name, sizeof g->proc.name, "%s", name);
+    snprintf(g->proc.log, sizeof g->proc.log, "%s/%s.log", cl->dir, name);
+    const char *argv[48] = {GW_BIN, "--listen", listen, "--router", router, "--model", model_path(),
+                            "--model-name", GW_MODEL_NAME, "--log-level", "info"};
+    int n = h_add_words(argv, 11, words);
+    argv[n] = NULL;
+    h_proc_setargs(&g->proc, argv);
+    h_proc_start(cl, &g->proc);
+    int64_t end = h_now_ms() + 10000;
+    char buf[4096];
+    for (;;) {
+        h_tail(g->proc.log, buf, sizeof buf, 20);
+        if (strstr(buf, "listening on port")) return;
+        int st;
+        if (h_proc_exited(&g->proc, &st) || h_now_ms() > end) H_FAIL(cl, "%s did not start: %s", name, buf);
+        h_sleep_ms(20);
+    }
+}
+
+struct resp {
+    int status;
+    char headers[4096];
+    char *body;        /* malloc'ed */
+    cJSON *json;       /* the body parsed, or NULL */
+};
+
+static void resp_free(struct resp *r) {
+    free(r->body);
+    cJSON_Delete(r->json);
+    memset(r, 0, sizeof r[0]);
+}
+
+static char *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return strdup("");
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    size_t got = fread(b, 1, (size_t)n, f);
+    b[got] = 0;
+    fclose(f);
+    if (len) *len = got;
+    return b;
+}
+
+/* curl METHOD URL with body (NULL: none) and extra curl arguments (NULL
+ * terminated); key NULL sends no Authorization header. */
+static void curl(struct cluster *cl, const char *method, const char *url, const char *key, const char *body,
+                 size_t body_len, const char *const *extra, struct resp *r) {
+    memset(r, 0, sizeof *r);
+    char in[320], out[320], hdr[320], code[320], auth[128];
+    snprintf(in, sizeof in, "%s/curl-in", cl->dir);
+    snprintf(out, sizeof out, "%s/curl-out", cl->dir);
+    snprintf(hdr, sizeof hdr, "%s/curl-hdr", cl->dir);
+    snprintf(code, sizeof code, "%s/curl-code", cl->dir);
+    unlink(out);
+    unlink(hdr);
+    char data[340];
+    const char *argv[40] = {"curl", "-s", "-X", method, "-o", out, "-D", hdr, "-w", "%{http_code}", "--max-time",
+                            "30"};
+    int n = 12;
+    if (key) {
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
+        argv[n++] = "-H";
+        argv[n++] = auth;
+    }
+    if (body) {
+        FILE *f = fopen(in, "wb");
+        if (!f) TEST_FAIL("%s: %s", in, strerror(errno));
+        fwrite(body, 1, body_len, f);
+        fclose(f);
+        snprintf(data, sizeof data, "@%s", in);
+        argv[n++] = "-H";
+        argv[n++] = "Content-Type: application/json";
+        argv[n++] = "--data-binary";
+        argv[n++] = data;
+    }
+    for (int i = 0; extra && extra[i] && n < 38; i++) argv[n++] = extra[i];
+    argv[n++] = url;
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open(code, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        execvp("curl", (char *const *)argv);
+        _exit(127);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    char *c = read_all(code, NULL);
+    r->status = atoi(c);
+    free(c);
+    char *h = read_all(hdr, NULL);
+    snprintf(r->headers, sizeof r->headers, "%s", h);
+    free(h);
+    r->body = read_all(out, NULL);
+    r->json = cJSON_Parse(r->body);
+}
+
+static void post(struct cluster *cl, const struct gw *g, const char *path, const char *key, const char *body,
+                 struct resp *r) {
+    char url[256];
+    snprintf(url, sizeof url, "%s%s", g->url, path);
+    curl(cl, "POST", url, key, body, strlen(body), NULL, r);
+}
+
+/* The error object's field (message, type, param, code), or "" / "null". */
+static const char *err_field(const struct resp *r, const char *name) {
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(r->json, "error");
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(e, name);
+    if (cJSON_IsNull(v)) return "null";
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+/* Asserts an OpenAI error object with this status, param and, when not
+ * NULL, a message containing needle. */
+static void expect_error(struct cluster *cl, const struct resp *r, int status, const char *param, const char *needle,
+                         const char *what) {
+    if (r->status != status) H_FAIL(cl, "%s: status %d, expected %d; body %s", what, r->status, status, r->body);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(r->json, "error");
+    if (!cJSON_IsObject(e) || !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(e, "message")) ||
+        !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(e, "type")) || !cJSON_GetObjectItemCaseSensitive(e, "param") ||
+        !cJSON_GetObjectItemCaseSensitive(e, "code"))
+        H_FAIL(cl, "%s: not an OpenAI error object: %s", what, r->body);
+    if (param && strcmp(err_field(r, "param"), param) != 0)
+        H_FAIL(cl, "%s: param %s, expected %s (%s)", what, err_field(r, "param"), param, r->body);
+    if (needle && !strstr(err_field(r, "message"), needle))
+        H_FAIL(cl, "%s: message does not say \"%s\": %s", what, needle, r->body);
+}
+
+/* The text of a completion response (choices[0].text). */
+static const char *completion_text(const struct resp *r) {
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r->json, "choices"), 0);
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(c, "text");
+    return cJSON_IsString(t) ? t->valuestring : "(none)";
+}
+
+#define PROMPT "Once upon a time"
+#define MAX_TOKENS 24
+
+static struct cluster *cl_;
+static struct gw gw_open, gw_keyed;
+static struct h_ref ref_;
+
+static void setup(void) {
+    if (access(model_path(), R_OK) != 0) TEST_SKIP("%s is missing", model_path());
+    if (system("curl --version > /dev/null 2>&1") != 0) TEST_SKIP("curl is not installed");
+    if (cl_) return;
+    cl_ = h_cluster_start(model_path(), 1, 1, "", "");
+    char keyfile[320];
+    snprintf(keyfile, sizeof keyfile, "%s/keys", cl_->dir);
+    FILE *f = fopen(keyfile, "w");
+    fprintf(f, "# test keys\nsk-other\n%s\n", GW_KEY);
+    fclose(f);
+    char extra[400];
+    snprintf(extra, sizeof extra, "--api-keys-file %s --max-body 64K", keyfile);
+    gw_start(cl_, &gw_keyed, "gateway-keyed", cl_->client_ep, extra);
+    gw_start(cl_, &gw_open, "gateway-chatml", cl_->client_ep, "--chat-template chatml");
+    h_reference(model_path(), PROMPT, MAX_TOKENS, 1, &ref_);
+}
+
+TEST(completion_equals_llm_run) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"model\":\"stories\",\"prompt\":\"" PROMPT "\",\"max_tokens\":24,\"temperature\":0}", &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    H_ASSERT(cl_, strcmp(completion_text(&r), ref_.text) == 0, "text \"%s\", llm-run's \"%s\"", completion_text(&r),
+             ref_.text);
+    const cJSON *u = cJSON_GetObjectItemCaseSensitive(r.json, "usage");
+    ASSERT_EQ(ref_.n, cJSON_GetObjectItemCaseSensitive(u, "completion_tokens")->valueint);
+    ASSERT_EQ(ref_.n_prompt, cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens")->valueint);
+    ASSERT_STREQ("text_completion", cJSON_GetObjectItemCaseSensitive(r.json, "object")->valuestring);
+    ASSERT_TRUE(strncmp(cJSON_GetObjectItemCaseSensitive(r.json, "id")->valuestring, "cmpl-", 5) == 0);
+    ASSERT_TRUE(strstr(r.headers, "Content-Type: application/json") != NULL);
+    resp_free(&r);
+}
+
+/* SSE: "data: JSON\n\n" events, the text equal to llm-run's, a usage
+ * chunk with empty choices, then "data: [DONE]\n\n" last. */
+TEST(completion_stream_sse) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"model\":\"stories\",\"prompt\":\"" PROMPT "\",\"max_tokens\":24,\"temperature\":0,\"stream\":true,"
+         "\"stream_options\":{\"include_usage\":true}}", &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    ASSERT_TRUE(strstr(r.headers, "Content-Type: text/event-stream") != NULL);
+    char text[4096] = "";
+    int events = 0, usage_tokens = -1;
+    bool done = false;
+    const char *finish = NULL;
+    char *save = NULL;
+    char *copy = strdup(r.body);
+    size_t blen = strlen(r.body);
+    H_ASSERT(cl_, blen >= 14 && strcmp(r.body + blen - 14, "data: [DONE]\n\n") == 0, "stream does not end with [DONE]: %s",
+             r.body);
+    for (char *ev = strtok_r(copy, "\n", &save); ev; ev = strtok_r(NULL, "\n", &save)) {
+        H_ASSERT(cl_, strncmp(ev, "data: ", 6) == 0, "a line that is not \"data: \": %s", ev);
+        H_ASSERT(cl_, !done, "an event after [DONE]");
+        if (strcmp(ev, "data: [DONE]") == 0) {
+            done = true;
+            continue;
+        }
+        cJSON *j = cJSON_Parse(ev + 6);
+        H_ASSERT(cl_, j != NULL, "event is not JSON: %s", ev);
+        const cJSON *cs = cJSON_GetObjectItemCaseSensitive(j, "choices");
+        const cJSON *u = cJSON_GetObjectItemCaseSensitive(j, "usage");
+        if (cJSON_IsObject(u)) {
+            ASSERT_EQ(0, cJSON_GetArraySize(cs));
+            usage_tokens = cJSON_GetObjectItemCaseSensitive(u, "completion_tokens")->valueint;
+        }
+        const cJSON *c = cJSON_GetArrayItem(cs, 0);
+        if (c) {
+            strncat(text, cJSON_GetObjectItemCaseSensitive(c, "text")->valuestring, sizeof text - strlen(text) - 1);
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "finish_reason");
+            if (cJSON_IsString(f)) finish = strcmp(f->valuestring, "length") == 0 ? "length" : "other";
+        }
+        cJSON_Delete(j);
+        events++;
+    }
+    free(copy);
+    /* Events are separated by blank lines: as many "\n\n" as events. */
+    int seps = 0;
+    for (const char *p = r.body; (p = strstr(p, "\n\n")); p += 2) seps++;
+    ASSERT_EQ(events + 1, seps);
+    ASSERT_TRUE(done);
+    ASSERT_STREQ(ref_.text, text);
+    ASSERT_EQ(ref_.n, usage_tokens);
+    ASSERT_STREQ("length", finish);
+    resp_free(&r);
+}
+
+TEST(chat_without_template) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/chat/completions", GW_KEY,
+         "{\"model\":\"stories\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", &r);
+    expect_error(cl_, &r, 400, "messages", "--chat-template", "chat on stories260K");
+    ASSERT_TRUE(strstr(err_field(&r, "message"), "stories") != NULL);
+    ASSERT_STREQ("chat_template_not_found", err_field(&r, "code"));
+    resp_free(&r);
+    /* With --chat-template chatml the same request runs. */
+    post(cl_, &gw_open, "/v1/chat/completions", NULL,
+         "{\"model\":\"stories\",\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":5}", &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r.json, "choices"), 0), "message");
+    ASSERT_STREQ("assistant", cJSON_GetObjectItemCaseSensitive(m, "role")->valuestring);
+    resp_free(&r);
+}
+
+TEST(api_keys) {
+    setup();
+    struct resp r;
+    const char *body = "{\"prompt\":\"a\",\"max_tokens\":1}";
+    post(cl_, &gw_keyed, "/v1/completions", NULL, body, &r);
+    expect_error(cl_, &r, 401, NULL, "API key", "no key");
+    ASSERT_TRUE(strstr(r.headers, "WWW-Authenticate: Bearer") != NULL);
+    resp_free(&r);
+    post(cl_, &gw_keyed, "/v1/completions", "sk-wrong", body, &r);
+    expect_error(cl_, &r, 401, NULL, NULL, "wrong key");
+    resp_free(&r);
+    post(cl_, &gw_keyed, "/v1/completions", "sk-other", body, &r);
+    ASSERT_EQ(200, r.status);
+    resp_free(&r);
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/models", gw_keyed.url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    ASSERT_EQ(401, r.status);
+    resp_free(&r);
+}
+
+TEST(bad_requests) {
+    setup();
+    struct resp r;
+    static const struct {
+        const char *body, *param, *needle;
+    } cases[] = {
+        {"{\"prompt\": \"a\", ", "null", "not valid JSON"},
+        {"[1, 2]", "null", "must be a JSON object"},
+        {"{\"prompt\":\"a\",\"temperature\":\"hot\"}", "temperature", "must be a number"},
+        {"{\"prompt\":\"a\",\"temperature\":2.5}", "temperature", "outside [0, 2]"},
+        {"{\"prompt\":\"a\",\"max_tokens\":1.5}", "max_tokens", "must be an integer"},
+        {"{\"prompt\":\"a\",\"max_tokens\":0}", "max_tokens", "outside"},
+        {"{\"prompt\":\"a\",\"n\":2}", "n", "one choice"},
+        {"{\"prompt\":\"a\",\"frobnicate\":1}", "frobnicate", "Unrecognized request argument"},
+        {"{\"prompt\":\"a\",\"stop\":[\"x\",3]}", "stop[1]", "must be a string"},
+        {"{\"prompt\":\"a\",\"stop\":\"\"}", "stop", "empty"},
+        {"{\"prompt\":\"a\",\"top_p\":-0.1}", "top_p", "outside"},
+        {"{\"prompt\":\"a\",\"presence_penalty\":3}", "presence_penalty", "outside [-2, 2]"},
+        {"{\"prompt\":\"a\",\"logprobs\":2}", "logprobs", "logprobs"},
+        {"{\"prompt\":[\"a\",\"b\"]}", "prompt", "one prompt"},
+        {"{\"max_tokens\":3}", "prompt", "prompt is required"},
+        {"{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options", "stream is true"},
+        {"{\"prompt\":\"a\",\"seed\":-1}", "seed", "outside"},
+        {"{\"prompt\":\"a\",\"echo\":true}", "echo", "not supported"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        post(cl_, &gw_keyed, "/v1/completions", GW_KEY, cases[i].body, &r);
+        expect_error(cl_, &r, 400, cases[i].param, cases[i].needle, cases[i].body);
+        resp_free(&r);
+    }
+    post(cl_, &gw_open, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", &r);
+    expect_error(cl_, &r, 400, "messages", "messages[0].role", "tool role");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"user\",\"content\":7}]}", &r);
+    expect_error(cl_, &r, 400, "messages[0].content", "must be a string", "content type");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/chat/completions", NULL,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}", &r);
+    expect_error(cl_, &r, 400, "tools", "not supported", "tools");
+    resp_free(&r);
+    /* The sampler's extensions and the penalties are accepted. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"prompt\":\"a\",\"max_tokens\":3,\"temperature\":0.8,\"top_k\":40,\"min_p\":0.05,\"top_p\":0.9,"
+         "\"repetition_penalty\":1.1,\"presence_penalty\":0.5,\"frequency_penalty\":0.5,\"seed\":7,"
+         "\"ignore_eos\":true,\"user\":\"u1\",\"stop\":[\"\\n\"],\"logprobs\":null}", &r);
+    H_ASSERT(cl_, r.status == 200, "extensions: status %d: %s", r.status, r.body);
+    resp_free(&r);
+    /* Routes and methods. */
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/completions", gw_keyed.url);
+    curl(cl_, "GET", url, GW_KEY, NULL, 0, NULL, &r);
+    expect_error(cl_, &r, 405, NULL, "use POST", "GET completions");
+    ASSERT_TRUE(strstr(r.headers, "Allow: POST") != NULL);
+    resp_free(&r);
+    snprintf(url, sizeof url, "%s/v1/embeddings", gw_keyed.url);
+    curl(cl_, "POST", url, GW_KEY, "{}", 2, NULL, &r);
+    expect_error(cl_, &r, 404, NULL, "/v1/embeddings", "unknown path");
+    resp_free(&r);
+    /* An unknown model: the router's NOT_FOUND. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"model\":\"gpt-9\",\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    expect_error(cl_, &r, 404, "model", NULL, "unknown model");
+    resp_free(&r);
+    /* A prompt longer than the context: the router's refusal, as 400. */
+    char *big = malloc(40000);
+    strcpy(big, "{\"prompt\":\"");
+    for (int i = 0; i < 3000; i++) strcat(big, "dog ");
+    strcat(big, "\",\"max_tokens\":10}");
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, big, &r);
+    H_ASSERT(cl_, r.status == 400 || r.status == 413, "long prompt: status %d: %s", r.status, r.body);
+    resp_free(&r);
+    free(big);
+}
+
+/* Bodies beyond --max-body (64K here) are refused: with Content-Length
+ * before a byte is read, chunked ones as they pass the limit.  The gateway
+ * keeps serving. */
+TEST(huge_body) {
+    setup();
+    size_t n = 2 << 20;
+    char *big = malloc(n + 64);
+    memset(big, ' ', n + 64);
+    memcpy(big, "{\"prompt\":\"", 11);
+    memcpy(big + n, "\"}", 3);
+    struct resp r;
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/completions", gw_keyed.url);
+    curl(cl_, "POST", url, GW_KEY, big, n + 2, NULL, &r);
+    expect_error(cl_, &r, 413, NULL, "--max-body", "2 MiB body");
+    resp_free(&r);
+    /* Chunked: read and dropped past the limit, then 413; past 8 times the
+     * limit the connection is closed. */
+    const char *chunked[] = {"-H", "Transfer-Encoding: chunked", NULL};
+    size_t mid = 200 << 10;
+    memcpy(big + mid, "\"}", 3);
+    curl(cl_, "POST", url, GW_KEY, big, mid + 2, chunked, &r);
+    expect_error(cl_, &r, 413, NULL, "--max-body", "200 KiB chunked body");
+    resp_free(&r);
+    memset(big + mid, ' ', 3);
+    curl(cl_, "POST", url, GW_KEY, big, n + 2, chunked, &r);
+    H_ASSERT(cl_, r.status != 200 && r.status != 400, "2 MiB chunked body: status %d", r.status);
+    resp_free(&r);
+    free(big);
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    ASSERT_EQ(200, r.status);
+    resp_free(&r);
+}
+
+/* A streaming client that hangs up cancels its request in the cluster.
+ * The worker is stopped (SIGSTOP) so that the request is still waiting for
+ * its first token when curl gives up: the gateway must notice the closed
+ * socket by itself, not by a failed write. */
+TEST(disconnect_cancels) {
+    setup();
+    struct resp r;
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/completions", gw_open.url);
+    const char *body = "{\"prompt\":\"a\",\"max_tokens\":100,\"ignore_eos\":true,\"stream\":true}";
+    const char *quick[] = {"--max-time", "1", NULL};
+    pid_t worker = cl_->workers[0].pid;
+    H_ASSERT(cl_, worker > 0, "no worker");
+    kill(worker, SIGSTOP);
+    curl(cl_, "POST", url, NULL, body, strlen(body), quick, &r);
+    resp_free(&r);
+    char log[8192];
+    int64_t end = h_now_ms() + 5000;
+    for (;;) {
+        h_tail(gw_open.proc.log, log, sizeof log, 40);
+        if (strstr(log, "went away; cancelling")) break;
+        if (h_now_ms() > end) {
+            kill(worker, SIGCONT);
+            H_FAIL(cl_, "the gateway did not cancel after the client hung up: %s", log);
+        }
+        h_sleep_ms(50);
+    }
+    kill(worker, SIGCONT);
+    /* The router ends it: nothing keeps running. */
+    llm_client *c = h_client(cl_, 2000, 30000, 5000);
+    end = h_now_ms() + 10000;
+    for (;;) {
+        Llm__ClientEnvelope *rep = NULL;
+        ASSERT_OK(llm_client_status(c, &rep));
+        uint32_t running = rep->status_reply->running, queued = rep->status_reply->queue_depth;
+        proto_client_free(rep);
+        if (running == 0 && queued == 0) break;
+        if (h_now_ms() > end) H_FAIL(cl_, "%u requests still running after the cancel", running);
+        h_sleep_ms(50);
+    }
+    llm_client_close(c);
+}
+
+/* No router behind it: 503 with the error object, for generations and models. */
+TEST(router_unreachable) {
+    setup();
+    int port;
+    char err[256], ep[64];
+    if (zio_free_port(NULL, &port, err, sizeof err) != 0) TEST_FAIL("free port: %s", err);
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
+    struct gw dead;
+    memset(&dead, 0, sizeof dead);
+    gw_start(cl_, &dead, "gateway-dead", ep, "--router-retry-ms 300 --router-reply-timeout-ms 200");
+    struct resp r;
+    post(cl_, &dead, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    expect_error(cl_, &r, 503, NULL, "cannot be reached", "dead router, completion");
+    ASSERT_TRUE(strstr(r.headers, "Retry-After:") != NULL);
+    resp_free(&r);
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/models", dead.url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    expect_error(cl_, &r, 503, NULL, NULL, "dead router, models");
+    resp_free(&r);
+    h_proc_kill(&dead.proc, SIGTERM);
+}
+
+TEST(models) {
+    setup();
+    struct resp r;
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/models", gw_keyed.url);
+    curl(cl_, "GET", url, GW_KEY, NULL, 0, NULL, &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    const cJSON *m = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r.json, "data"), 0);
+    ASSERT_STREQ(GW_MODEL_NAME, cJSON_GetObjectItemCaseSensitive(m, "id")->valuestring);
+    ASSERT_STREQ("model", cJSON_GetObjectItemCaseSensitive(m, "object")->valuestring);
+    resp_free(&r);
+}
+
+/* The official openai npm package against both gateways. */
+TEST(openai_node) {
+    setup();
+    if (system("node --version > /dev/null 2>&1") != 0 || system("npm --version > /dev/null 2>&1") != 0)
+        TEST_SKIP("node or npm is not installed: the openai npm package test needs Node 18 or newer");
+    const char *dir = LLM_SOURCE_DIR "/tests/gateway/node";
+    char cmd[2048];
+    if (access(LLM_SOURCE_DIR "/tests/gateway/node/node_modules/openai", R_OK) != 0) {
+        snprintf(cmd, sizeof cmd, "cd %s && npm ci --no-audit --no-fund > %s/npm.log 2>&1", dir, cl_->dir);
+        if (system(cmd) != 0) {
+            char log[2000];
+            snprintf(cmd, sizeof cmd, "%s/npm.log", cl_->dir);
+            h_tail(cmd, log, sizeof log, 8);
+            TEST_SKIP("npm ci in %s failed (no registry reachable?): %s", dir, log);
+        }
+    }
+    setenv("GW_URL", gw_keyed.url, 1);
+    setenv("GW_KEY", GW_KEY, 1);
+    setenv("GW_CHAT_URL", gw_open.url, 1);
+    setenv("GW_MODEL", GW_MODEL_NAME, 1);
+    setenv("GW_PROMPT", PROMPT, 1);
+    char mt[16];
+    snprintf(mt, sizeof mt, "%d", MAX_TOKENS);
+    setenv("GW_MAX_TOKENS", mt, 1);
+    setenv("GW_EXPECT_TEXT", ref_.text, 1);
+    snprintf(cmd, sizeof cmd, "cd %s && timeout 120 node test.mjs", dir);
+    fflush(stdout);
+    int st = system(cmd);
+    H_ASSERT(cl_, st == 0, "the openai npm package test failed (status 0x%x); its output is above", st);
+}
+
+/* Last: the cluster and gateways go. */
+TEST(teardown) {
+    if (!cl_) TEST_SKIP("nothing started");
+    h_proc_kill(&gw_keyed.proc, SIGTERM);
+    h_proc_kill(&gw_open.proc, SIGTERM);
+    h_cluster_stop(cl_);
+    cl_ = NULL;
+}
+
+TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, huge_body,
+          disconnect_cancels, router_unreachable, models, openai_node, teardown)
