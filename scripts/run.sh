@@ -23,12 +23,12 @@ elif [ -f "$stories" ]; then
     echo "run.sh: no MODEL given: using $model (a tiny story model, so expect simple English)"
 else
     model=run/models/synth-tiny-f16.gguf
+    echo "run.sh: no MODEL given and no $stories: using the synthetic $model"
+    echo "run.sh: (random weights, so the text is meaningless; MODEL=path.gguf picks a real model)"
     if [ ! -f "$model" ]; then
         mkdir -p run/models
         "$bin/worker/llm-synth" --shape tiny --type f16 --out "$model"
     fi
-    echo "run.sh: no MODEL given and no $stories: using the synthetic $model"
-    echo "run.sh: (random weights, so the text is meaningless; MODEL=path.gguf picks a real model)"
 fi
 echo "== cluster: redis-server, a router and a pipeline of 2 worker stages (logs in run/cluster)"
 rundir=run/cluster
