@@ -6,10 +6,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/httpd.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
 #include "router/server.h"
+#include "router/server_metrics.h"
 
 static volatile sig_atomic_t stop_flag;
 
@@ -22,6 +24,8 @@ int main(int argc, char **argv) {
     struct server_config c;
     memset(&c, 0, sizeof c);
     int log_level = LL_INFO;
+    const char *metrics_listen = NULL;
+    static const char metrics_default[] = "127.0.0.1:9464";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL,
@@ -56,6 +60,9 @@ int main(int argc, char **argv) {
          "finished requests are remembered (re-attach) this long", &c.retention_s, 1, 100000000, NULL},
         {"claim-idle-ms", "LLM_CLAIM_IDLE_MS", OPTION_INT, "0",
          "at start, take over another router's requests idle this long", &c.claim_idle_ms, 0, 86400000, NULL},
+        {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
+         "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready", &metrics_listen,
+         0, 0, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
     };
     struct options o = {"llm-router", "[options]",
@@ -81,12 +88,41 @@ int main(int argc, char **argv) {
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    server *s = NULL;
-    if (server_init(&s, &c, err, sizeof err) < 0) {
+    server_metrics *sm = NULL;
+    if (server_metrics_init(&sm, err, sizeof err) < 0) {
         fprintf(stderr, "llm-router: %s\n", err);
         return 1;
     }
+    /* The port comes up before the model loads, so that /health answers
+     * (and /ready says "starting") while it does. */
+    httpd *h = NULL;
+    struct httpd_config hc = {.listen = metrics_listen, .registry = server_metrics_registry(sm),
+                              .ready = server_metrics_ready, .ready_ud = sm};
+    rc = httpd_start(&h, &hc, err, sizeof err);
+    /* A default port another router on this host holds is not worth
+     * refusing to route for; an address the operator gave is. */
+    if (rc == STATUS_IO && metrics_listen == metrics_default) {
+        LOG(LL_WARN, "router: no metrics port: %s (give --metrics-listen another port)", err);
+    } else if (rc < 0) {
+        fprintf(stderr, "llm-router: --metrics-listen: %s\n", err);
+        server_metrics_free(sm);
+        return 2;
+    } else {
+        LOG(LL_INFO, "router: metrics on http://%s (port %d): /metrics, /health, /ready",
+            metrics_listen, httpd_port(h));
+    }
+    c.metrics = sm;
+    server *s = NULL;
+    if (server_init(&s, &c, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-router: %s\n", err);
+        httpd_stop(h);
+        server_metrics_free(sm);
+        return 1;
+    }
     server_run(s, &stop_flag);
+    /* The port stops first: it reads the registry the server updates. */
+    httpd_stop(h);
     server_free(s);
+    server_metrics_free(sm);
     return 0;
 }

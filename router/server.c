@@ -7,6 +7,7 @@
  * loop, init and free, and the sockets' send and receive. */
 #include "router/server.h"
 #include "router/server-impl.h"
+#include "router/server_metrics.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -262,6 +263,7 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
         pipes_assign(s);
         pipes_pump(s);
         req_flush_touched(s);
+        server_metrics_tick(s);
     }
     server_log_stats(s);
     LOG(LL_INFO, "router: stopping");

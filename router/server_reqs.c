@@ -2,6 +2,7 @@
  * from its stored form to its end (tokens recorded, stop conditions,
  * detokenized text streamed to its client, the end stored in Redis). */
 #include "router/server-impl.h"
+#include "router/server_metrics.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -389,6 +390,7 @@ static void req_finalize(server *s, struct req *q) {
     q->state = REQ_DONE;
     q->done_ms = server_now_ms();
     s->n_done++;
+    server_metrics_finished(s->cfg.metrics, q->finish, q->created_ms, q->done_ms);
     req_store_finish(s, q);
     if (q->stream) {
         if (q->n_out > q->n_sent || q->text_len > q->text_sent)
@@ -450,6 +452,7 @@ void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob 
             }
         }
     }
+    if (q->n_out == 0) server_metrics_first_token(s->cfg.metrics, q->created_ms, server_now_ms());
     q->out[q->n_out++] = token;
     s->gen_total++;
     if (q->pipe) q->pipe->gen_tokens++;

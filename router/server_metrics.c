@@ -1,0 +1,202 @@
+/* The router's metric families, their updates from the event loop, and the
+ * ready state behind /ready. */
+#include "router/server_metrics.h"
+#include "router/server-impl.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+
+/* Latency buckets in seconds: from a millisecond (a small model on a fast
+ * GPU) to minutes (a long generation, or a queue behind one). */
+static const double ttft_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                     0.5,   1,      2.5,   5,    10,    30,   60,  120};
+static const double itl_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075,
+                                    0.1,    0.15,  0.2,    0.3,   0.5,  1,     2.5};
+static const double e2e_bounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,  2.5,  5,
+                                    10,   15,    20,   30,  40,   50,  60, 120, 300, 600};
+
+/* GenerateDone's finish reasons, by value, as label values. */
+static const char *const finish_names[] = {"unspecified", "stop", "length", "cancelled",
+                                           "error", "deadline"};
+#define FINISH_N ((int)(sizeof finish_names / sizeof finish_names[0]))
+
+struct server_metrics {
+    metrics *reg;
+    metrics_series *running, *waiting, *kv_used, *kv_total, *pipelines, *redis;
+    metrics_series *prompt_tokens, *gen_tokens, *preemptions;
+    metrics_series *finished[FINISH_N];
+    metrics_series *ttft, *itl, *e2e, *queue;
+    /* The loop's running totals when last added to the counters.  The
+     * preemption total is a sum over the live pipelines' schedulers, so it
+     * can drop when a pipeline leaves: only rises are added. */
+    uint64_t gen_mark, prompt_mark, preempt_mark;
+    /* /ready: written by the loop when it changes, read by the port. */
+    pthread_mutex_t lock;
+    char why[256]; /* "" when ready */
+    char loop_why[256];
+};
+
+static const char *const finish_label[] = {"finished_reason", NULL};
+
+#define DEF(t, n, h) {.type = (t), .name = (n), .help = (h)}
+#define HIST(n, h, b) \
+    {.type = METRICS_HISTOGRAM, .name = (n), .help = (h), .bounds = (b), .n_bounds = (int)(sizeof(b) / sizeof((b)[0]))}
+
+int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
+    *out = NULL;
+    server_metrics *sm = calloc(1, sizeof *sm);
+    if (!sm || metrics_init(&sm->reg) < 0) {
+        free(sm);
+        snprintf(err, errlen, "router metrics: out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    pthread_mutex_init(&sm->lock, NULL);
+    snprintf(sm->why, sizeof sm->why, "starting");
+    snprintf(sm->loop_why, sizeof sm->loop_why, "starting");
+    static const struct metrics_def defs[] = {
+        DEF(METRICS_GAUGE, "llm_num_requests_running", "Requests admitted to a pipeline's batch."),
+        DEF(METRICS_GAUGE, "llm_num_requests_waiting",
+            "Requests accepted and not running: in the router's queue or waiting for KV blocks."),
+        {.type = METRICS_COUNTER, .name = "llm_requests_finished_total",
+         .help = "Requests finished, by finish reason.", .labels = finish_label},
+        DEF(METRICS_COUNTER, "llm_prompt_tokens_total", "Prompt tokens processed (prefill, with recomputation)."),
+        DEF(METRICS_COUNTER, "llm_generation_tokens_total", "Tokens generated."),
+        HIST("llm_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+             ttft_bounds),
+        HIST("llm_inter_token_latency_seconds", "Time between two tokens of one request.", itl_bounds),
+        HIST("llm_e2e_request_latency_seconds", "Time from a request's arrival to its end.", e2e_bounds),
+        HIST("llm_request_queue_time_seconds",
+             "Time from a request's arrival to its first placement on a pipeline.", ttft_bounds),
+        DEF(METRICS_GAUGE, "llm_kv_blocks_used", "KV blocks held by sequences, over the pipelines in service."),
+        DEF(METRICS_GAUGE, "llm_kv_blocks_capacity", "KV blocks of the pipelines in service, used or free."),
+        DEF(METRICS_COUNTER, "llm_num_preemptions_total",
+            "Sequences preempted (their KV blocks freed, to be recomputed)."),
+        DEF(METRICS_GAUGE, "llm_pipelines_in_service", "Pipelines that take new work."),
+        DEF(METRICS_GAUGE, "llm_redis_connected", "1 while the router's Redis connection is up."),
+    };
+    metrics_family *f[sizeof defs / sizeof defs[0]];
+    for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
+        int rc = metrics_family_new(sm->reg, &defs[i], &f[i], err, errlen);
+        if (rc < 0) {
+            server_metrics_free(sm);
+            return rc == STATUS_NO_MEMORY ? rc : STATUS_INTERNAL;
+        }
+    }
+    sm->running = metrics_series_get(f[0], NULL);
+    sm->waiting = metrics_series_get(f[1], NULL);
+    sm->prompt_tokens = metrics_series_get(f[3], NULL);
+    sm->gen_tokens = metrics_series_get(f[4], NULL);
+    sm->ttft = metrics_series_get(f[5], NULL);
+    sm->itl = metrics_series_get(f[6], NULL);
+    sm->e2e = metrics_series_get(f[7], NULL);
+    sm->queue = metrics_series_get(f[8], NULL);
+    sm->kv_used = metrics_series_get(f[9], NULL);
+    sm->kv_total = metrics_series_get(f[10], NULL);
+    sm->preemptions = metrics_series_get(f[11], NULL);
+    sm->pipelines = metrics_series_get(f[12], NULL);
+    sm->redis = metrics_series_get(f[13], NULL);
+    bool ok = true;
+    /* Every reason from the start, so that each reads 0 before its first. */
+    for (int i = 1; i < FINISH_N; i++)
+        ok &= (sm->finished[i] = metrics_series_get(f[2], (const char *[]){finish_names[i]})) != NULL;
+    if (!ok) {
+        server_metrics_free(sm);
+        snprintf(err, errlen, "router metrics: out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    *out = sm;
+    return STATUS_OK;
+}
+
+void server_metrics_free(server_metrics *sm) {
+    if (!sm) return;
+    metrics_free(sm->reg);
+    pthread_mutex_destroy(&sm->lock);
+    free(sm);
+}
+
+metrics *server_metrics_registry(server_metrics *sm) { return sm->reg; }
+
+const char *server_metrics_ready(void *ud, char *buf, size_t size) {
+    server_metrics *sm = ud;
+    pthread_mutex_lock(&sm->lock);
+    bool ready = !sm->why[0];
+    if (!ready) snprintf(buf, size, "%s", sm->why);
+    pthread_mutex_unlock(&sm->lock);
+    return ready ? NULL : buf;
+}
+
+void server_metrics_tick(server *s) {
+    server_metrics *sm = s->cfg.metrics;
+    if (!sm) return;
+    int64_t running = 0, waiting = (int64_t)s->n_queue, used = 0, total = 0, in_service = 0;
+    uint64_t preempt = 0;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = p->ud;
+        if (!pp || !pp->sched) continue;
+        struct sched_stats st;
+        sched_get_stats(pp->sched, &st);
+        running += st.n_running;
+        waiting += st.n_waiting;
+        preempt += st.preemptions_total;
+        if (registry_pipeline_ready(s->reg, p) && !registry_pipeline_draining(s->reg, p)) {
+            in_service++;
+            used += st.blocks_used;
+            total += st.blocks_total;
+        }
+    }
+    metrics_gauge_set(sm->running, (double)running);
+    metrics_gauge_set(sm->waiting, (double)waiting);
+    metrics_gauge_set(sm->kv_used, (double)used);
+    metrics_gauge_set(sm->kv_total, (double)total);
+    metrics_gauge_set(sm->pipelines, (double)in_service);
+    metrics_gauge_set(sm->redis, s->rs ? 1 : 0);
+    if (s->gen_total > sm->gen_mark) metrics_counter_add(sm->gen_tokens, (double)(s->gen_total - sm->gen_mark));
+    if (s->prompt_total > sm->prompt_mark)
+        metrics_counter_add(sm->prompt_tokens, (double)(s->prompt_total - sm->prompt_mark));
+    if (preempt > sm->preempt_mark) metrics_counter_add(sm->preemptions, (double)(preempt - sm->preempt_mark));
+    sm->gen_mark = s->gen_total;
+    sm->prompt_mark = s->prompt_total;
+    sm->preempt_mark = preempt;
+
+    char why[256] = "";
+    if (!s->rs)
+        snprintf(why, sizeof why, "Redis at %s is not reachable", s->cfg.redis_url ? s->cfg.redis_url : "?");
+    else if (in_service == 0)
+        snprintf(why, sizeof why, "no pipeline in service (%zu formed)", registry_n_pipelines(s->reg));
+    /* The port's lock only when the answer changes, not every turn. */
+    if (strcmp(why, sm->loop_why) != 0) {
+        snprintf(sm->loop_why, sizeof sm->loop_why, "%s", why);
+        pthread_mutex_lock(&sm->lock);
+        snprintf(sm->why, sizeof sm->why, "%s", why);
+        pthread_mutex_unlock(&sm->lock);
+    }
+}
+
+static double since_s(int64_t from_ms, int64_t to_ms) {
+    return to_ms > from_ms ? (double)(to_ms - from_ms) / 1000.0 : 0.0;
+}
+
+void server_metrics_first_token(server_metrics *sm, int64_t created_ms, int64_t now_ms) {
+    if (sm) metrics_histogram_observe(sm->ttft, since_s(created_ms, now_ms));
+}
+
+void server_metrics_token_gap(server_metrics *sm, double seconds) {
+    if (sm) metrics_histogram_observe(sm->itl, seconds);
+}
+
+void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms) {
+    if (sm) metrics_histogram_observe(sm->queue, since_s(created_ms, now_ms));
+}
+
+void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created_ms, int64_t done_ms) {
+    if (!sm) return;
+    if (finish >= 1 && finish < FINISH_N) metrics_counter_inc(sm->finished[finish]);
+    metrics_histogram_observe(sm->e2e, since_s(created_ms, done_ms));
+}

@@ -1,0 +1,178 @@
+/* The router's metrics port in a real cluster: /health at once, /ready 200
+ * once a pipeline serves and 503 naming the reason when none does, /metrics
+ * counting what three generations did (finish reasons, tokens, latency
+ * histograms, KV blocks), accepted by promtool; a bad --metrics-listen
+ * stops the router with a message naming the value. */
+#include "tests/router/cluster_harness.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#define MODEL "stories260K-f32.gguf"
+
+/* A loopback port free right now (bound and closed). */
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof sa;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &len) != 0)
+        TEST_FAIL("no free loopback port: %s", strerror(errno));
+    close(fd);
+    return ntohs(sa.sin_port);
+}
+
+/* GET path; returns the status (-1: no answer) with the body in body. */
+static int http_get(int port, const char *path, char *body, size_t size) {
+    body[0] = 0;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        return -1;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+    if (write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return -1;
+    }
+    size_t cap = 1 << 20, len = 0;
+    char *raw = malloc(cap);
+    ssize_t got;
+    while (len < cap - 1 && (got = read(fd, raw + len, cap - 1 - len)) > 0) len += (size_t)got;
+    close(fd);
+    raw[len] = 0;
+    int status = -1;
+    char *end = strstr(raw, "\r\n\r\n");
+    if (end && sscanf(raw, "HTTP/1.%*d %d", &status) == 1) snprintf(body, size, "%s", end + 4);
+    free(raw);
+    return status;
+}
+
+/* The value of the sample line that starts with `series ` in text, or -1. */
+static double sample(const char *text, const char *series) {
+    size_t n = strlen(series);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return -1;
+}
+
+/* Polls /ready until it answers want (bounded). */
+static void wait_ready_status(struct cluster *cl, int port, int want, char *body, size_t size) {
+    int64_t end = h_now_ms() + 15000;
+    int st;
+    while ((st = http_get(port, "/ready", body, size)) != want) {
+        if (h_now_ms() > end) H_FAIL(cl, "/ready answers %d (\"%s\"), expected %d", st, body, want);
+        h_sleep_ms(50);
+    }
+}
+
+TEST(cluster_router_metrics) {
+    const char *model = test_model_path(MODEL);
+    int port = free_port();
+    char extra[128];
+    snprintf(extra, sizeof extra, "--metrics-listen 127.0.0.1:%d --worker-timeout-ms 600", port);
+    struct cluster *cl = h_cluster_start(model, 1, 1, extra, "");
+    static char body[1 << 20];
+    ASSERT_EQ(200, http_get(port, "/health", body, sizeof body));
+    ASSERT_STREQ("ok\n", body);
+    wait_ready_status(cl, port, 200, body, sizeof body);
+    ASSERT_STREQ("ready\n", body);
+
+    struct h_gen g[3];
+    memset(g, 0, sizeof g);
+    int tokens = 0;
+    for (int i = 0; i < 3; i++) {
+        g[i].cl = cl;
+        g[i].prompt = "Once upon a time";
+        g[i].max_tokens = 8 + 4 * i;
+        g[i].ignore_eos = 1;
+        snprintf(g[i].request_id, sizeof g[i].request_id, "metrics-%d", i);
+        h_generate(&g[i]);
+        H_ASSERT(cl, g[i].rc == 0, "request %d: %s", i, g[i].err);
+        tokens += g[i].n;
+    }
+    ASSERT_EQ(8 + 12 + 16, tokens);
+    /* Counters follow the loop's turn after the last reply: poll briefly. */
+    int64_t end = h_now_ms() + 5000;
+    do {
+        ASSERT_EQ(200, http_get(port, "/metrics", body, sizeof body));
+    } while (sample(body, "llm_generation_tokens_total") < tokens && h_now_ms() < end && (h_sleep_ms(20), 1));
+    ASSERT_EQ((double)tokens, sample(body, "llm_generation_tokens_total"));
+    ASSERT_EQ(3.0, sample(body, "llm_requests_finished_total{finished_reason=\"length\"}"));
+    ASSERT_EQ(0.0, sample(body, "llm_requests_finished_total{finished_reason=\"error\"}"));
+    ASSERT_TRUE(sample(body, "llm_prompt_tokens_total") >= 3.0);
+    ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_count"));
+    ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
+    ASSERT_EQ(3.0, sample(body, "llm_e2e_request_latency_seconds_count"));
+    ASSERT_EQ(0.0, sample(body, "llm_num_requests_running"));
+    ASSERT_EQ(0.0, sample(body, "llm_num_requests_waiting"));
+    ASSERT_TRUE(sample(body, "llm_kv_blocks_capacity") > 0);
+    ASSERT_EQ(0.0, sample(body, "llm_kv_blocks_used"));
+    ASSERT_EQ(1.0, sample(body, "llm_pipelines_in_service"));
+    ASSERT_EQ(1.0, sample(body, "llm_redis_connected"));
+    ASSERT_TRUE(sample(body, "llm_num_preemptions_total") >= 0);
+
+    if (system("command -v promtool >/dev/null 2>&1") == 0) {
+        char path[] = "/tmp/llm_router_metrics_XXXXXX";
+        int fd = mkstemp(path);
+        ASSERT_TRUE(fd >= 0);
+        size_t len = strlen(body);
+        ASSERT_EQ((ssize_t)len, write(fd, body, len));
+        close(fd);
+        char cmd[256];
+        snprintf(cmd, sizeof cmd, "promtool check metrics < %s", path);
+        fflush(stdout);
+        int rc = system(cmd);
+        unlink(path);
+        ASSERT_TRUE(WIFEXITED(rc));
+        ASSERT_EQ(0, WEXITSTATUS(rc));
+    } else {
+        printf("  promtool is not installed (Debian package prometheus): format not checked by it\n");
+    }
+
+    /* Without its worker the pipeline leaves service and /ready says so. */
+    h_proc_kill(&cl->workers[0], SIGKILL);
+    wait_ready_status(cl, port, 503, body, sizeof body);
+    ASSERT_TRUE(strstr(body, "not ready: no pipeline in service") != NULL);
+    ASSERT_EQ(200, http_get(port, "/health", body, sizeof body));
+    h_cluster_stop(cl);
+}
+
+TEST(cluster_router_bad_metrics_listen) {
+    const char *model = test_model_path(MODEL);
+    int status = 0;
+    const char *argv[] = {H_ROUTER, "--model", model, "--metrics-listen", "127.0.0.1:notaport", NULL};
+    int fds[2];
+    ASSERT_EQ(0, pipe(fds));
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        close(fds[0]);
+        close(fds[1]);
+        alarm(30);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(fds[1]);
+    char err[2048] = "";
+    size_t len = 0;
+    ssize_t got;
+    while (len < sizeof err - 1 && (got = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)got;
+    err[len] = 0;
+    close(fds[0]);
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_EQ(2, WEXITSTATUS(status));
+    if (!strstr(err, "--metrics-listen") || !strstr(err, "'127.0.0.1:notaport'"))
+        TEST_FAIL("stderr does not name the flag and value: %s", err);
+}
+
+TEST_MAIN(cluster_router_metrics, cluster_router_bad_metrics_listen)
