@@ -62,6 +62,7 @@ int main(int argc, char **argv) {
     gateway_config_default(&cfg);
     const char *keys_file = NULL, *keys_env = NULL;
     int log_level = LL_INFO;
+    static const char metrics_default[] = "127.0.0.1:9466";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
     const struct option_def defs[] = {
         {"listen", "LLM_GATEWAY_LISTEN", OPTION_STRING, "127.0.0.1:8080",
@@ -90,6 +91,9 @@ int main(int argc, char **argv) {
          1 << 30, NULL},
         {"api-keys-file", "LLM_API_KEYS_FILE", OPTION_STRING, NULL,
          "file of accepted API keys (Authorization: Bearer KEY), one a line; # comments", &keys_file, 0, 0, NULL},
+        {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
+         "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none", &cfg.metrics_listen,
+         0, 0, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
         /* Last, so that options_log leaves the keys out of the log. */
         {"api-keys", "LLM_API_KEYS", OPTION_STRING, NULL,
@@ -127,6 +131,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "llm-gateway: %s\n", err);
         return 2;
     }
+    /* A default port another process on this host holds is not worth
+     * refusing to serve for; an address the operator gave is. */
+    cfg.metrics_optional = cfg.metrics_listen == metrics_default;
     cfg.api_keys = (const char *const *)keys.v;
     cfg.n_api_keys = keys.n;
     if (keys.n == 0)

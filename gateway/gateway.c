@@ -24,7 +24,9 @@
 #include <zmq.h>
 
 #include "common/chat_template.h"
+#include "common/httpd.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "common/tokenizer.h"
 #include "gateway/oai.h"
@@ -33,10 +35,20 @@
 #define GW_ENDPOINTS_MAX 16
 #define GW_POOL_MAX 64
 #define GW_STATUS_SLOTS 600
+#define GW_ROUTES 4 /* enum route */
+
+enum route { R_NONE, R_COMPLETIONS, R_CHAT, R_MODELS };
+static const char *const route_names[GW_ROUTES] = {"other", "completions", "chat_completions", "models"};
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 struct gateway {
     struct gateway_config cfg;
-    char *listen, *router, *model_path, *model_name;
+    char *listen, *router, *model_path, *model_name, *metrics_listen;
     char **keys;
     char *endpoints[GW_ENDPOINTS_MAX];
     size_t n_endpoints;
@@ -50,6 +62,17 @@ struct gateway {
     struct MHD_Daemon *mhd;
     uint16_t port;
     _Atomic uint64_t responses[GW_STATUS_SLOTS];
+    /* The metrics port (NULL when off) and what it shows. */
+    metrics *reg;
+    httpd *http;
+    metrics_family *f_requests;
+    metrics_series *_Atomic by_status[GW_ROUTES][GW_STATUS_SLOTS]; /* looked up once each */
+    metrics_series *running, *ttft, *e2e, *prompt_tokens, *gen_tokens;
+    llm_client *probe;              /* /ready's own client, used on the metrics thread only */
+    pthread_mutex_t probe_mu;
+    int64_t probe_at_ms;
+    char probe_why[512];
+    bool probe_ok;
     /* Job threads are detached; gateway_stop waits for this to reach 0. */
     pthread_mutex_t jobs_mu;
     pthread_cond_t jobs_cv;
@@ -129,6 +152,29 @@ static void pool_put(gateway *g, llm_client *c, bool keep) {
 
 /* ---- responses -------------------------------------------------------------- */
 
+/* The route of the request this connection thread is answering: every
+ * connection has a thread of its own (MHD_USE_THREAD_PER_CONNECTION), so the
+ * response counters learn it without passing it through every reply path. */
+static _Thread_local enum route tl_route;
+
+/* One more response with this status on the current route. */
+static void count_response(gateway *g, struct MHD_Connection *conn, int status) {
+    (void)conn;
+    if (status <= 0 || status >= GW_STATUS_SLOTS) return;
+    atomic_fetch_add(&g->responses[status], 1);
+    if (!g->f_requests) return;
+    enum route rt = tl_route;
+    metrics_series *sr = atomic_load(&g->by_status[rt][status]);
+    if (!sr) {
+        char code[8];
+        snprintf(code, sizeof code, "%d", status);
+        const char *values[] = {route_names[rt], code};
+        sr = metrics_series_get(g->f_requests, values);
+        atomic_store(&g->by_status[rt][status], sr);
+    }
+    if (sr) metrics_counter_inc(sr);
+}
+
 static enum MHD_Result send_text(gateway *g, struct MHD_Connection *conn, int status, const char *ctype,
                                  const char *body, int retry_after_s, const char *allow) {
     struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), (void *)body, MHD_RESPMEM_MUST_COPY);
@@ -143,7 +189,7 @@ static enum MHD_Result send_text(gateway *g, struct MHD_Connection *conn, int st
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     enum MHD_Result ok = MHD_queue_response(conn, (unsigned)status, r);
     MHD_destroy_response(r);
-    if (ok == MHD_YES && status > 0 && status < GW_STATUS_SLOTS) atomic_fetch_add(&g->responses[status], 1);
+    if (ok == MHD_YES) count_response(g, conn, status);
     return ok;
 }
 
@@ -221,6 +267,7 @@ struct job {
     const char *request_id;
     char model[256];                /* as the responses name it */
     int64_t created;
+    int64_t t0_ms;                  /* monotonic, when the request was read */
     int fd;                         /* the HTTP connection's socket */
     /* Under mu: */
     struct buf out;                 /* streaming: SSE bytes not yet sent */
@@ -334,6 +381,7 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
     } else {
         buf_add(&j->text, ch->text, ch->text_len);
     }
+    if (!j->started && j->g->ttft) metrics_histogram_observe(j->g->ttft, (double)(now_ms() - j->t0_ms) / 1000.0);
     j->started = true;
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
@@ -369,6 +417,7 @@ static void *job_thread(void *arg) {
     struct job *j = arg;
     gateway *g = j->g;
     char err[512] = "";
+    if (g->running) metrics_gauge_add(g->running, 1);
     llm_client *c = pool_get(g, err, sizeof err);
     int rc;
     Llm__Error__Code code = LLM__ERROR__CODE__OK;
@@ -414,6 +463,14 @@ static void *job_thread(void *arg) {
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
     if (rc < 0) LOG(LL_INFO, "gateway: request %s: %s", j->request_id, err);
+    if (g->running) {
+        metrics_gauge_add(g->running, -1);
+        metrics_histogram_observe(g->e2e, (double)(now_ms() - j->t0_ms) / 1000.0);
+        if (rc >= 0) {
+            metrics_counter_add(g->prompt_tokens, res.prompt_tokens);
+            metrics_counter_add(g->gen_tokens, res.completion_tokens);
+        }
+    }
     job_release(j);
     pthread_mutex_lock(&g->jobs_mu);
     if (--g->jobs == 0) pthread_cond_broadcast(&g->jobs_cv);
@@ -591,6 +648,7 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
     snprintf(j->id, sizeof j->id, "%s-%s", kind == OAI_CHAT ? "chatcmpl" : "cmpl", hex);
     j->request_id = strchr(j->id, '-') + 1;
     j->created = (int64_t)time(NULL);
+    j->t0_ms = now_ms();
     if (kind == OAI_CHAT) {
         if (!g->tok) {
             oai_error_set(&e, 400, "invalid_request_error", "messages", "chat_template_not_found",
@@ -685,7 +743,7 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
     MHD_add_response_header(r, "X-Accel-Buffering", "no");
     enum MHD_Result ok = MHD_queue_response(conn, 200, r);
     MHD_destroy_response(r);
-    if (ok == MHD_YES) atomic_fetch_add(&g->responses[200], 1);
+    if (ok == MHD_YES) count_response(g, conn, 200);
     return ok;
 }
 
@@ -739,8 +797,6 @@ static bool authorized(gateway *g, struct MHD_Connection *conn) {
     return ok;
 }
 
-enum route { R_NONE, R_COMPLETIONS, R_CHAT, R_MODELS };
-
 static enum route route_of(const char *url, const char **allow) {
     *allow = NULL;
     if (strcmp(url, "/v1/completions") == 0) { *allow = "POST"; return R_COMPLETIONS; }
@@ -755,6 +811,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     gateway *g = cls;
     struct req_ctx *ctx = *con_cls;
     struct oai_error e;
+    const char *allow_unused;
+    tl_route = route_of(url, &allow_unused);
     if (!ctx) {
         /* First call: headers only.  Everything that can be refused without
          * the body is refused here, before a byte of it is read. */
@@ -922,6 +980,110 @@ static int parse_listen(const char *s, struct sockaddr_storage *ss, socklen_t *s
 
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
+/* /ready: the gateway is ready when a router answers Health with SERVING.
+ * Asked at most once a second, on the metrics thread's own client. */
+static const char *gateway_ready(void *ud, char *buf, size_t size) {
+    gateway *g = ud;
+    pthread_mutex_lock(&g->probe_mu);
+    int64_t now = now_ms();
+    if (now - g->probe_at_ms >= 1000) {
+        g->probe_at_ms = now;
+        char err[256];
+        if (!g->probe) {
+            struct llm_client_config cc;
+            llm_client_config_default(&cc);
+            cc.endpoints = (const char *const *)g->endpoints;
+            cc.n_endpoints = g->n_endpoints;
+            cc.zmq_ctx = g->zctx;
+            cc.retry_ms = 1000;
+            cc.reply_timeout_ms = 500;
+            if (llm_client_open(&g->probe, &cc, err, sizeof err) < 0) g->probe = NULL;
+        }
+        Llm__ClientEnvelope *rep = NULL;
+        if (!g->probe) {
+            g->probe_ok = false;
+            snprintf(g->probe_why, sizeof g->probe_why, "no router client: %.200s", err);
+        } else if (llm_client_health(g->probe, &rep) < 0) {
+            g->probe_ok = false;
+            snprintf(g->probe_why, sizeof g->probe_why, "router %s: %s", g->cfg.router, llm_client_errstr(g->probe));
+        } else {
+            const Llm__HealthReply *h = rep->health_reply;
+            g->probe_ok = h && h->status == LLM__HEALTH_REPLY__SERVING_STATUS__SERVING;
+            snprintf(g->probe_why, sizeof g->probe_why, "router %s is up but not serving (no pipeline in service)",
+                     llm_client_endpoint(g->probe));
+        }
+        proto_client_free(rep);
+    }
+    const char *why = NULL;
+    if (!g->probe_ok) {
+        snprintf(buf, size, "%s", g->probe_why);
+        why = buf;
+    }
+    pthread_mutex_unlock(&g->probe_mu);
+    return why;
+}
+
+static const double ttft_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+static const double e2e_bounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300};
+
+/* The registry and, when cfg asks for one, the metrics port. */
+static int start_metrics(gateway *g, char *err, size_t errlen) {
+    if (!g->cfg.metrics_listen || !g->cfg.metrics_listen[0]) return 0;
+    if (metrics_init(&g->reg) < 0) {
+        snprintf(err, errlen, "out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    static const char *const req_labels[] = {"endpoint", "code", NULL};
+    const struct metrics_def defs[] = {
+        {METRICS_COUNTER, "llm_http_requests_total", "HTTP responses of the OpenAI API, by endpoint and status code.",
+         req_labels, NULL, 0},
+        {METRICS_GAUGE, "llm_gateway_requests_running", "Generations this gateway has in flight.", NULL, NULL, 0},
+        {METRICS_HISTOGRAM, "llm_gateway_time_to_first_token_seconds",
+         "Time from a request's body being read to its first token, seen by the gateway.", NULL, ttft_bounds,
+         (int)(sizeof ttft_bounds / sizeof ttft_bounds[0])},
+        {METRICS_HISTOGRAM, "llm_gateway_e2e_request_latency_seconds",
+         "Time from a request's body being read to its end, seen by the gateway.", NULL, e2e_bounds,
+         (int)(sizeof e2e_bounds / sizeof e2e_bounds[0])},
+        {METRICS_COUNTER, "llm_gateway_prompt_tokens_total", "Prompt tokens of the generations that ran.", NULL,
+         NULL, 0},
+        {METRICS_COUNTER, "llm_gateway_generation_tokens_total", "Tokens generated for this gateway's clients.",
+         NULL, NULL, 0},
+    };
+    metrics_family *f[6];
+    for (int i = 0; i < 6; i++) {
+        int rc = metrics_family_new(g->reg, &defs[i], &f[i], err, errlen);
+        if (rc < 0) return rc;
+    }
+    g->f_requests = f[0];
+    /* The statuses the gateway sends, so that they read 0 before the first. */
+    static const int codes[] = {200, 400, 401, 404, 405, 413, 429, 500, 503};
+    for (int rt = R_COMPLETIONS; rt <= R_MODELS; rt++)
+        for (size_t k = 0; k < sizeof codes / sizeof codes[0]; k++) {
+            char code[8];
+            snprintf(code, sizeof code, "%d", codes[k]);
+            const char *values[] = {route_names[rt], code};
+            atomic_store(&g->by_status[rt][codes[k]], metrics_series_get(g->f_requests, values));
+        }
+    g->running = metrics_series_get(f[1], NULL);
+    g->ttft = metrics_series_get(f[2], NULL);
+    g->e2e = metrics_series_get(f[3], NULL);
+    g->prompt_tokens = metrics_series_get(f[4], NULL);
+    g->gen_tokens = metrics_series_get(f[5], NULL);
+    struct httpd_config hc = {.listen = g->cfg.metrics_listen, .registry = g->reg, .ready = gateway_ready,
+                              .ready_ud = g};
+    int rc = httpd_start(&g->http, &hc, err, errlen);
+    if (rc == STATUS_IO && g->cfg.metrics_optional) {
+        LOG(LL_WARN, "gateway: no metrics port: %s (give --metrics-listen another port)", err);
+        return 0;
+    }
+    if (rc < 0) return rc;
+    LOG(LL_INFO, "gateway: metrics on http://%s (port %d): /metrics, /health, /ready", g->cfg.metrics_listen,
+        httpd_port(g->http));
+    return 0;
+}
+
+int gateway_metrics_port(const gateway *g) { return g->http ? httpd_port(g->http) : 0; }
+
 int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, size_t errlen) {
     *out = NULL;
     gateway *g = calloc(1, sizeof *g);
@@ -930,6 +1092,7 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
         return STATUS_NO_MEMORY;
     }
     pthread_mutex_init(&g->pool_mu, NULL);
+    pthread_mutex_init(&g->probe_mu, NULL);
     pthread_mutex_init(&g->jobs_mu, NULL);
     pthread_cond_init(&g->jobs_cv, NULL);
     g->cfg = *cfg;
@@ -964,6 +1127,14 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
     }
     rc = load_model(g, err, errlen);
     if (rc < 0) goto fail;
+    if (g->cfg.metrics_listen) g->cfg.metrics_listen = g->metrics_listen = strdup(g->cfg.metrics_listen);
+    rc = start_metrics(g, err, errlen);
+    if (rc < 0) {
+        char m[512];
+        snprintf(m, sizeof m, "%s", err);
+        snprintf(err, errlen, "--metrics-listen: %s", m);
+        goto fail;
+    }
     struct sockaddr_storage ss;
     socklen_t sl;
     rc = parse_listen(cfg->listen, &ss, &sl, err, errlen);
@@ -996,6 +1167,10 @@ void gateway_stop(gateway *g) {
     pthread_mutex_lock(&g->jobs_mu);
     while (g->jobs > 0) pthread_cond_wait(&g->jobs_cv, &g->jobs_mu);
     pthread_mutex_unlock(&g->jobs_mu);
+    httpd_stop(g->http);
+    llm_client_close(g->probe);
+    metrics_free(g->reg);
+    free(g->metrics_listen);
     for (int i = 0; i < g->n_pool; i++) llm_client_close(g->pool[i]);
     if (g->zctx) zmq_ctx_term(g->zctx);
     tokenizer_free(g->tok);
@@ -1007,6 +1182,7 @@ void gateway_stop(gateway *g) {
     free(g->model_name);
     pthread_mutex_destroy(&g->pool_mu);
     pthread_mutex_destroy(&g->jobs_mu);
+    pthread_mutex_destroy(&g->probe_mu);
     pthread_cond_destroy(&g->jobs_cv);
     free(g);
 }

@@ -7,6 +7,7 @@
 #ifndef GATEWAY_GATEWAY_H
 #define GATEWAY_GATEWAY_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -24,6 +25,11 @@ struct gateway_config {
     int max_connections;
     int router_retry_ms;            /* libllmclient retry_ms: how long an unreachable router is waited for */
     int router_reply_timeout_ms;
+    /* The metrics port (/metrics, /health, /ready; common/httpd.h): "HOST:PORT",
+     * or NULL / "" for none.  metrics_optional: a port that cannot be bound
+     * is a warning, not a failure to start (for a default address). */
+    const char *metrics_listen;
+    bool metrics_optional;
 };
 
 /* 127.0.0.1:8080, max_body 1 MiB, 256 connections, retry 5 s, reply 2 s. */
@@ -42,6 +48,9 @@ uint16_t gateway_port(const gateway *g);
 /* Stops listening, waits for the connection threads and frees g (NULL is
  * fine).  Generations still running are cancelled by their connections. */
 void gateway_stop(gateway *g);
+
+/* The metrics port's port, or 0 when there is none. */
+int gateway_metrics_port(const gateway *g);
 
 /* HTTP responses sent so far with this status (100..599); 0 otherwise. */
 uint64_t gateway_responses(const gateway *g, int status);

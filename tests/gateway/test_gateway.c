@@ -16,6 +16,7 @@ struct gw {
     struct h_proc proc;
     int port;
     char url[64];
+    char metrics_url[64]; /* the metrics port */
 };
 
 /* Starts llm-gateway on a free port with extra flags; waits until it answers. */
@@ -30,8 +31,8 @@ static void gw_start(struct cluster *cl, struct gw *g, const char *name, const c
     snprintf(g->proc.name, sizeof g->proc.name, "%s", name);
     snprintf(g->proc.log, sizeof g->proc.log, "%s/%s.log", cl->dir, name);
     const char *argv[48] = {GW_BIN, "--listen", listen, "--router", router, "--model", model_path(),
-                            "--model-name", GW_MODEL_NAME, "--log-level", "info"};
-    int n = h_add_words(argv, 11, words);
+                            "--model-name", GW_MODEL_NAME, "--log-level", "info", "--metrics-listen", "127.0.0.1:0"};
+    int n = h_add_words(argv, 13, words);
     argv[n] = NULL;
     h_proc_setargs(&g->proc, argv);
     h_proc_start(cl, &g->proc);
@@ -39,7 +40,13 @@ static void gw_start(struct cluster *cl, struct gw *g, const char *name, const c
     char buf[4096];
     for (;;) {
         h_tail(g->proc.log, buf, sizeof buf, 20);
-        if (strstr(buf, "listening on port")) return;
+        const char *mp = strstr(buf, "/metrics, /health");
+        if (strstr(buf, "listening on port")) {
+            const char *port = strstr(buf, "(port ");
+            if (!mp || !port) H_FAIL(cl, "%s started without a metrics port: %s", name, buf);
+            snprintf(g->metrics_url, sizeof g->metrics_url, "http://127.0.0.1:%d", atoi(port + 6));
+            return;
+        }
         int st;
         if (h_proc_exited(&g->proc, &st) || h_now_ms() > end) H_FAIL(cl, "%s did not start: %s", name, buf);
         h_sleep_ms(20);
@@ -470,7 +477,48 @@ TEST(router_unreachable) {
     curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
     expect_error(cl_, &r, 503, NULL, NULL, "dead router, models");
     resp_free(&r);
+    snprintf(url, sizeof url, "%s/ready", dead.metrics_url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    H_ASSERT(cl_, r.status == 503 && strstr(r.body, "not ready"), "/ready without a router: %d %s", r.status, r.body);
+    resp_free(&r);
     h_proc_kill(&dead.proc, SIGTERM);
+}
+
+/* The metrics port: /metrics counts the responses by endpoint and status,
+ * /health and /ready answer, and promtool accepts the text when present. */
+TEST(metrics_port) {
+    setup();
+    struct resp r;
+    char url[160];
+    snprintf(url, sizeof url, "%s/metrics", gw_keyed.metrics_url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    H_ASSERT(cl_, r.status == 200, "/metrics: status %d", r.status);
+    /* Sample lines (a newline first: not the # HELP lines). */
+    const char *want[] = {"\nllm_http_requests_total{endpoint=\"completions\",code=\"200\"} ",
+                          "\nllm_http_requests_total{endpoint=\"completions\",code=\"401\"} ",
+                          "\nllm_http_requests_total{endpoint=\"completions\",code=\"413\"} ",
+                          "\nllm_gateway_time_to_first_token_seconds_count ", "\nllm_gateway_generation_tokens_total "};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const char *p = strstr(r.body, want[i]);
+        H_ASSERT(cl_, p != NULL, "/metrics lacks %s:\n%s", want[i], r.body);
+        H_ASSERT(cl_, atof(p + strlen(want[i])) >= 1, "%s is 0 after requests that made it", want[i]);
+    }
+    if (system("promtool --version > /dev/null 2>&1") == 0) {
+        char cmd[512];
+        snprintf(cmd, sizeof cmd, "promtool check metrics < %s/curl-out", cl_->dir);
+        H_ASSERT(cl_, system(cmd) == 0, "promtool check metrics refused the gateway's /metrics");
+    } else {
+        printf("  (promtool not installed: the format check is left to tests/common/test_httpd)\n");
+    }
+    resp_free(&r);
+    snprintf(url, sizeof url, "%s/health", gw_keyed.metrics_url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    ASSERT_EQ(200, r.status);
+    resp_free(&r);
+    snprintf(url, sizeof url, "%s/ready", gw_keyed.metrics_url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    H_ASSERT(cl_, r.status == 200, "/ready: %d %s", r.status, r.body);
+    resp_free(&r);
 }
 
 TEST(models) {
@@ -527,4 +575,4 @@ TEST(teardown) {
 }
 
 TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, huge_body,
-          disconnect_cancels, router_unreachable, models, openai_node, teardown)
+          disconnect_cancels, router_unreachable, metrics_port, models, openai_node, teardown)
