@@ -61,7 +61,7 @@ int main(int argc, char **argv) {
         {"claim-idle-ms", "LLM_CLAIM_IDLE_MS", OPTION_INT, "0",
          "at start, take over another router's requests idle this long", &c.claim_idle_ms, 0, 86400000, NULL},
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
-         "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready", &metrics_listen,
+         "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none", &metrics_listen,
          0, 0, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
     };
@@ -98,7 +98,7 @@ int main(int argc, char **argv) {
     httpd *h = NULL;
     struct httpd_config hc = {.listen = metrics_listen, .registry = server_metrics_registry(sm),
                               .ready = server_metrics_ready, .ready_ud = sm};
-    rc = httpd_start(&h, &hc, err, sizeof err);
+    rc = metrics_listen[0] ? httpd_start(&h, &hc, err, sizeof err) : STATUS_OK;
     /* A default port another router on this host holds is not worth
      * refusing to route for; an address the operator gave is. */
     if (rc == STATUS_IO && metrics_listen == metrics_default) {
@@ -107,7 +107,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "llm-router: --metrics-listen: %s\n", err);
         server_metrics_free(sm);
         return 2;
-    } else {
+    } else if (h) {
         LOG(LL_INFO, "router: metrics on http://%s (port %d): /metrics, /health, /ready",
             metrics_listen, httpd_port(h));
     }
