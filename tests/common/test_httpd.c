@@ -27,7 +27,17 @@ struct t_reply {
 
 /* One request on a fresh connection ("Connection: close"), the whole reply
  * read until the server closes; 5 s bounds every wait. */
+static int t_http_raw(int port, const char *req, struct t_reply *r);
+
 static int t_http(int port, const char *method, const char *path, struct t_reply *r) {
+    char req[512];
+    snprintf(req, sizeof req, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+             method, path);
+    return t_http_raw(port, req, r);
+}
+
+/* The request as given (headers and body). */
+static int t_http_raw(int port, const char *req, struct t_reply *r) {
     memset(r, 0, sizeof *r);
     r->status = -1;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -43,10 +53,7 @@ static int t_http(int port, const char *method, const char *path, struct t_reply
         close(fd);
         return -1;
     }
-    char req[512];
-    int n = snprintf(req, sizeof req,
-                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n", method,
-                     path);
+    ssize_t n = (ssize_t)strlen(req);
     if (write(fd, req, (size_t)n) != n) {
         close(fd);
         return -1;
@@ -172,6 +179,10 @@ TEST(httpd_serves_metrics_health_ready) {
     ASSERT_EQ(405, r.status);
     ASSERT_TRUE(strstr(r.head, "Allow: GET, HEAD") != NULL);
     ASSERT_TRUE(strstr(r.body, "POST") != NULL);
+    /* A body is refused unread. */
+    ASSERT_OK(t_http_raw(port, "POST /ready HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n"
+                               "Connection: close\r\n\r\nhello=world", &r));
+    ASSERT_EQ(405, r.status);
     ASSERT_OK(t_http(port, "DELETE", "/health", &r));
     ASSERT_EQ(405, r.status);
     ASSERT_OK(t_http(port, "HEAD", "/health", &r));
