@@ -1,5 +1,6 @@
 /* The model's description for the router, from GGUF metadata and tensor
- * infos or from a Hugging Face config.json, and the default layer split. */
+ * infos or from a Hugging Face config.json, and the default layer split
+ * (common/layersplit). */
 #include "router/modelinfo.h"
 
 #include <cjson/cJSON.h>
@@ -20,7 +21,7 @@ void modelinfo_basename(const char *path, char *out, size_t size) {
 }
 
 void modelinfo_free(struct modelinfo *mi) {
-    free(mi->layer_bytes);
+    layersplit_sizes_free(&mi->sizes);
     memset(mi, 0, sizeof *mi);
 }
 
@@ -54,26 +55,7 @@ static int modelinfo_gguf(struct modelinfo *mi, const char *path, char *err, siz
     enum gguf_vtype et;
     uint64_t nv = 0;
     if (gguf_get_arr(f, "tokenizer.ggml.tokens", &et, &nv) == 0) mi->n_vocab = (int32_t)nv;
-    mi->layer_bytes = calloc((size_t)mi->n_layers, sizeof *mi->layer_bytes);
-    if (!mi->layer_bytes) {
-        rc = STATUS_NO_MEMORY;
-        snprintf(err, errlen, "%s: out of memory", path);
-        goto done;
-    }
-    for (int64_t i = 0; i < gguf_n_tensors(f); i++) {
-        const struct gguf_tensor *t = gguf_tensor_at(f, i);
-        if (t->name.len > 4 && memcmp(t->name.ptr, "blk.", 4) == 0) {
-            long l = 0;
-            for (uint64_t k = 4; k < t->name.len && t->name.ptr[k] >= '0' && t->name.ptr[k] <= '9'; k++)
-                l = l * 10 + (t->name.ptr[k] - '0');
-            if (l < mi->n_layers) mi->layer_bytes[l] += t->nbytes;
-        } else if (gguf_str_eq(t->name, "token_embd.weight")) {
-            mi->embed_bytes += t->nbytes;
-        } else {
-            mi->head_bytes += t->nbytes;
-        }
-    }
-    rc = STATUS_OK;
+    rc = layersplit_sizes_gguf(&mi->sizes, f, mi->n_layers, err, errlen);
 done:
     gguf_close(f);
     return rc;
@@ -141,22 +123,12 @@ static int modelinfo_hf(struct modelinfo *mi, const char *dir, char *err, size_t
     if (modelinfo_json_int(root, "head_dim", &head_dim) < 0 && heads > 0) head_dim = dim / heads;
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     snprintf(mi->arch, sizeof mi->arch, "%s", cJSON_IsString(mt) ? mt->valuestring : "llama");
-    mi->layer_bytes = calloc((size_t)mi->n_layers, sizeof *mi->layer_bytes);
-    if (!mi->layer_bytes) {
-        rc = STATUS_NO_MEMORY;
-        snprintf(err, errlen, "%s: out of memory", path);
-        goto done;
-    }
-    /* Parameters of one decoder layer (attention q/o, k/v, the three MLP
-     * matrices, two norms); every layer is alike, so only the ratio to the
-     * embedding and head matters for the split. */
-    uint64_t d = (uint64_t)dim, qd = (uint64_t)heads * (uint64_t)head_dim,
-             kvd = (uint64_t)kv_heads * (uint64_t)head_dim;
-    uint64_t layer = d * qd * 2 + d * kvd * 2 + 3 * d * (uint64_t)ffn + 2 * d;
-    for (int32_t i = 0; i < mi->n_layers; i++) mi->layer_bytes[i] = layer;
-    mi->embed_bytes = (uint64_t)mi->n_vocab * d;
-    mi->head_bytes = (uint64_t)mi->n_vocab * d + d;
-    rc = STATUS_OK;
+    /* A worker estimates from the same fields (common/model.c reads them
+     * with the same defaults), so both sides split alike. */
+    struct layersplit_shapes sh = {mi->n_layers, mi->n_vocab, dim, ffn, heads, kv_heads, head_dim};
+    char why[256];
+    rc = layersplit_sizes_shapes(&mi->sizes, &sh, why, sizeof why);
+    if (rc < 0) snprintf(err, errlen, "%s: %s", path, why);
 done:
     cJSON_Delete(root);
     return rc;
@@ -181,40 +153,8 @@ int modelinfo_load(struct modelinfo *mi, const char *path, char *err, size_t err
 
 int modelinfo_split(const struct modelinfo *mi, int32_t n_stages, int32_t *first, int32_t *end,
                     char *err, size_t errlen) {
-    if (n_stages < 1 || n_stages > mi->n_layers) {
-        snprintf(err, errlen, "model %s: %d stages for %d layers: need 1..%d", mi->id, n_stages,
-                 mi->n_layers, mi->n_layers);
-        return STATUS_BAD_INPUT;
-    }
-    double total = (double)mi->embed_bytes + (double)mi->head_bytes;
-    for (int32_t i = 0; i < mi->n_layers; i++) total += (double)mi->layer_bytes[i];
-    /* Cut k goes where the running total (embedding + layers before it) is
-     * closest to k/n of everything, keeping a layer for every stage. */
-    int32_t cut = 0;
-    double acc = (double)mi->embed_bytes;
-    for (int32_t s = 0; s < n_stages; s++) {
-        first[s] = cut;
-        if (s == n_stages - 1) {
-            end[s] = mi->n_layers;
-            break;
-        }
-        double target = total * (double)(s + 1) / (double)n_stages;
-        int32_t lo = cut + 1, hi = mi->n_layers - (n_stages - s - 1);
-        int32_t c = lo;
-        double a = acc + (double)mi->layer_bytes[cut];
-        double best = a > target ? a - target : target - a;
-        double run = a;
-        for (int32_t k = lo + 1; k <= hi; k++) {
-            run += (double)mi->layer_bytes[k - 1];
-            double dist = run > target ? run - target : target - run;
-            if (dist < best) {
-                best = dist;
-                c = k;
-            }
-        }
-        for (int32_t k = cut; k < c; k++) acc += (double)mi->layer_bytes[k];
-        end[s] = c;
-        cut = c;
-    }
-    return STATUS_OK;
+    char why[256];
+    int rc = layersplit_ranges(&mi->sizes, n_stages, first, end, why, sizeof why);
+    if (rc < 0) snprintf(err, errlen, "model %s: %s", mi->id, why);
+    return rc;
 }

@@ -1,20 +1,21 @@
 /* What the router needs to know about the model it serves, read from the
  * model's metadata only (never its weights): id, architecture, vocabulary,
- * context length, layer count and the bytes of each layer, from which it
- * computes the default layer split (equal bytes per stage). */
+ * context length, layer count and the bytes of each layer, from which
+ * common/layersplit computes the default layer split (equal bytes per
+ * stage, the same split a worker makes). */
 #ifndef ROUTER_MODELINFO_H
 #define ROUTER_MODELINFO_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/layersplit.h"
+
 struct modelinfo {
     char id[128];   /* the file or directory name: what workers report as model */
     char arch[32];  /* "llama", "qwen2" */
     int32_t n_vocab, n_ctx, n_layers;
-    uint64_t *layer_bytes;   /* n_layers entries; malloc'd, freed by modelinfo_free */
-    uint64_t embed_bytes;    /* token embedding: stage 0 holds it */
-    uint64_t head_bytes;     /* final norm + lm_head: the last stage holds them */
+    struct layersplit_sizes sizes; /* freed by modelinfo_free */
 };
 
 /* PATH is a .gguf file (metadata and tensor sizes) or a Hugging Face
@@ -23,10 +24,10 @@ struct modelinfo {
 int modelinfo_load(struct modelinfo *mi, const char *path, char *err, size_t errlen);
 void modelinfo_free(struct modelinfo *mi);
 
-/* The default split of the layers over n_stages stages, equal bytes per
- * stage (embedding counted in stage 0, the head in the last), at least one
- * layer each: stage s gets layers [first[s], end[s]).  STATUS_BAD_INPUT
- * when n_stages is outside 1..n_layers (err says so). */
+/* The default split of the layers over n_stages stages (layersplit_ranges:
+ * equal bytes per stage, embedding counted in stage 0, the head in the
+ * last, at least one layer each): stage s gets layers [first[s], end[s]).
+ * STATUS_BAD_INPUT when n_stages is outside 1..n_layers (err says so). */
 int modelinfo_split(const struct modelinfo *mi, int32_t n_stages, int32_t *first, int32_t *end,
                     char *err, size_t errlen);
 

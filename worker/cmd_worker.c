@@ -5,6 +5,7 @@
  * it is; see docs/worker.md. */
 #include "node.h"
 
+#include "common/device.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -39,7 +40,7 @@ int main(int argc, char **argv) {
         {"stage", "LLM_STAGE", OPTION_INT, "0", "stage index in the pipeline (0 = embeds the tokens)", &stage, 0, 4096, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1", "stages in the pipeline; layers split by equal bytes", &stages, 1, 4096, NULL},
         {"layers", "LLM_LAYERS", OPTION_STRING, NULL, "explicit layer range FIRST:END (END exclusive) instead of the split", &layers, 0, 0, NULL},
-        {"device", "LLM_DEVICE", OPTION_STRING, "auto", "cpu, cuda:N, or auto (a GPU when there is one, else the CPU)", &device, 0, 0, NULL},
+        {"device", "LLM_DEVICE", OPTION_STRING, "auto", "auto (a GPU when one can be used, else the CPU), cpu, cuda or cuda:N", &device, 0, 0, NULL},
         {"require-gpu", "LLM_REQUIRE_GPU", OPTION_BOOL, "false", "fail instead of running on the CPU when there is no GPU", &require_gpu, 0, 0, NULL},
         {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5556", "the router's worker endpoint", &router, 0, 0, NULL},
         {"redis", "LLM_REDIS", OPTION_STRING, "", "Redis URL for the worker registry and NCCL ids (empty: none)", &redis, 0, 0, NULL},
@@ -83,7 +84,6 @@ int main(int argc, char **argv) {
 
     cfg.model_path = model;
     cfg.worker_id = worker_id;
-    cfg.device = device;
     cfg.require_gpu = require_gpu;
     cfg.router = router;
     cfg.redis_url = redis;
@@ -101,6 +101,10 @@ int main(int argc, char **argv) {
     cfg.ctx = ctx;
     cfg.transport = (enum node_transport)transport;
     cfg.link_timeout_ms = link_timeout;
+    if (device_parse("--device", device, &cfg.device, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-worker: %s\n", err);
+        return 2;
+    }
     if (stage >= stages) {
         fprintf(stderr, "llm-worker: --stage %d with --stages %d: the index must be below the count\n",
                 stage, stages);

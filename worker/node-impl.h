@@ -45,7 +45,7 @@ struct node_seq {
 
 struct node {
     struct node_config cfg;
-    char *s_model, *s_worker_id, *s_device, *s_router, *s_redis, *s_listen, *s_advertise;
+    char *s_model, *s_worker_id, *s_router, *s_redis, *s_listen, *s_advertise;
     char host[128];
     uint64_t incarnation;
 
@@ -128,6 +128,11 @@ static inline int64_t node_unix_ms(void) {
 
 /* ---- node_mem.c: the stage and its buffers ---- */
 
+/* The layers of stage cfg.stage_index of cfg.stage_count by
+ * common/layersplit, from the sizes the router reads too, so that the
+ * router's placement finds them loaded.  STATUS_BAD_INPUT (err says why)
+ * when the index is out of range or there are more stages than layers. */
+int node_layers_default(node *n, int32_t *first, int32_t *end, char *err, size_t errlen);
 /* Frees the step buffers (not the stage). */
 void node_buffers_free(node *n);
 /* Loads layers [first, end): checks that weights, KV cache and workspace

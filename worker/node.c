@@ -20,7 +20,6 @@ static char *node_strdup(const char *s) { return s ? strdup(s) : NULL; }
 
 void node_config_default(struct node_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
-    cfg->device = "auto";
     cfg->router = "tcp://127.0.0.1:5556";
     cfg->listen = "tcp://*:*";
     cfg->stage_count = 1;
@@ -156,38 +155,6 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
 
 /* ---- init and free ----------------------------------------------------------- */
 
-static int node_backend_open(node *n, char *err, size_t errlen) {
-    const char *dev = n->s_device;
-    if (strcmp(dev, "cpu") == 0) return backend_cpu_init(&n->b, n->cfg.threads, err, errlen);
-    int idx = 0;
-    if (strcmp(dev, "auto") != 0) {
-        char *end;
-        long v = -1;
-        if (strncmp(dev, "cuda:", 5) == 0) {
-            errno = 0;
-            v = strtol(dev + 5, &end, 10);
-            if (errno || *end || end == dev + 5) v = -1;
-        } else if (strcmp(dev, "cuda") == 0) {
-            v = 0;
-        }
-        if (v < 0 || v > 1024) {
-            snprintf(err, errlen, "--device %s: expected cpu, cuda:N or auto", dev);
-            return STATUS_BAD_INPUT;
-        }
-        idx = (int)v;
-    }
-    int rc = backend_cuda_init(&n->b, idx, err, errlen);
-    if (rc == STATUS_OK) return rc;
-    if (n->cfg.require_gpu) {
-        char why[400];
-        snprintf(why, sizeof why, "%s", err);
-        snprintf(err, errlen, "--require-gpu: no GPU for --device %s: %s", dev, why);
-        return rc;
-    }
-    LOG(LL_WARN, "device %s: no GPU (%s): running on the CPU", dev, err);
-    return backend_cpu_init(&n->b, n->cfg.threads, err, errlen);
-}
-
 /* The bound endpoint with a wildcard host replaced by one others can reach. */
 static void node_advertise(node *n, const char *bound, char *out, size_t size) {
     const char *host = n->s_advertise && *n->s_advertise ? n->s_advertise : n->host;
@@ -219,7 +186,6 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     pthread_mutex_init(&n->lock, NULL);
     n->cfg = *cfg;
     n->s_model = node_strdup(cfg->model_path);
-    n->s_device = node_strdup(cfg->device ? cfg->device : "auto");
     n->s_router = node_strdup(cfg->router);
     n->s_redis = node_strdup(cfg->redis_url ? cfg->redis_url : "");
     n->s_listen = node_strdup(cfg->listen ? cfg->listen : "tcp://*:*");
@@ -236,7 +202,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     n->stage_count = cfg->stage_count;
     atomic_store(&n->state, LLM__HEARTBEAT__STATE__STARTING);
     int rc;
-    if (!n->s_model || !n->s_device || !n->s_router || !n->s_redis || !n->s_listen ||
+    if (!n->s_model || !n->s_router || !n->s_redis || !n->s_listen ||
         !n->s_advertise || !n->s_worker_id) {
         snprintf(err, errlen, "out of memory");
         rc = STATUS_NO_MEMORY;
@@ -244,7 +210,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     }
     snprintf(n->redis_key, sizeof n->redis_key, "llm:worker:%s", n->s_worker_id);
 
-    rc = node_backend_open(n, err, errlen);
+    rc = backend_open(&n->b, &cfg->device, cfg->threads, cfg->require_gpu, NULL, 0, err, errlen);
     if (rc < 0) goto fail;
     rc = model_file_open(&n->m, n->s_model, err, errlen);
     if (rc < 0) goto fail;
@@ -253,7 +219,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     n->dim = n->hp->dim;
     int32_t first = cfg->layer_first, end = cfg->layer_end;
     if (end <= 0) {
-        rc = node_layer_split(n->m, cfg->stage_count, cfg->stage_index, &first, &end, err, errlen);
+        rc = node_layers_default(n, &first, &end, err, errlen);
         if (rc < 0) goto fail;
     }
     size_t mem_free = 0, mem_total = 0;
@@ -345,7 +311,6 @@ void node_free(node *n) {
     pthread_mutex_destroy(&n->lock);
     free(n->s_model);
     free(n->s_worker_id);
-    free(n->s_device);
     free(n->s_router);
     free(n->s_redis);
     free(n->s_listen);

@@ -25,6 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/device.h"
 #include "common/model.h"
 
 typedef struct node node;
@@ -39,7 +40,7 @@ enum node_transport {
 struct node_config {
     const char *model_path;
     const char *worker_id;      /* NULL or "": "<host>-<pid>" */
-    const char *device;         /* "cpu", "cuda:N" or "auto" */
+    struct device_spec device;  /* device_parse of --device; zeroed: auto */
     int require_gpu;            /* no GPU is fatal instead of a fallback to the CPU */
     const char *router;         /* the router's worker endpoint, "tcp://host:port" */
     const char *redis_url;      /* NULL or "": no Redis registration (and no NCCL) */
@@ -61,14 +62,6 @@ struct node_config {
 };
 
 void node_config_default(struct node_config *cfg);
-
-/* Layers [*first, *end) of stage index of n_stages when the model's layers
- * are split into contiguous ranges of about equal bytes (token embedding
- * counted with stage 0, the output norm and lm_head with the last stage);
- * every stage gets at least one layer.  STATUS_BAD_INPUT (message in err)
- * when index is out of range or there are fewer layers than stages. */
-int node_layer_split(const model_file *m, int32_t n_stages, int32_t index, int32_t *first,
-                     int32_t *end, char *err, size_t errlen);
 
 /* Opens the backend and the model, loads the stage's layers (logging what
  * weights, KV cache and workspace take; refusing with a message naming the

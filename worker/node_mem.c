@@ -1,14 +1,17 @@
-/* The worker's stage and its memory: the default layer split, what weights,
+/* The worker's stage and its memory: its default layers, what weights,
  * KV cache and workspace take and whether they fit, loading the stage and
  * sizing the step buffers. */
 #include "node-impl.h"
 
+#include "common/gguf.h"
+#include "common/layersplit.h"
 #include "common/log.h"
 #include "common/status.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static size_t node_tensor_bytes(const model_file *m, const char *name) {
     struct model_tensor t;
@@ -43,45 +46,47 @@ static size_t node_range_bytes(const model_file *m, int32_t first, int32_t end) 
     return sum;
 }
 
-int node_layer_split(const model_file *m, int32_t n_stages, int32_t index, int32_t *first,
-                     int32_t *end, char *err, size_t errlen) {
-    const struct model_hparams *hp = model_file_hparams(m);
-    int32_t L = hp->n_layers;
+int node_layers_default(node *n, int32_t *first, int32_t *end, char *err, size_t errlen) {
+    int32_t n_stages = n->cfg.stage_count, index = n->cfg.stage_index;
     if (n_stages < 1 || index < 0 || index >= n_stages) {
         snprintf(err, errlen, "stage %d of %d: the index must lie in [0, %d)", index, n_stages,
                  n_stages < 1 ? 1 : n_stages);
         return STATUS_BAD_INPUT;
     }
-    if (n_stages > L) {
-        snprintf(err, errlen, "%d stages for %s: the model has only %d layers", n_stages,
-                 model_file_path(m), L);
-        return STATUS_BAD_INPUT;
+    /* The sizes the router reads: a GGUF file's tensor infos, or for a
+     * Hugging Face directory the estimate from the shapes (the router does
+     * not read the weights' headers). */
+    const struct model_hparams *hp = n->hp;
+    const char *path = model_file_path(n->m);
+    struct layersplit_sizes sz = {0};
+    char why[400];
+    int rc;
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        struct layersplit_shapes sh = {hp->n_layers, hp->n_vocab, hp->dim, hp->ffn_dim,
+                                       hp->n_heads, hp->n_kv_heads, hp->head_dim};
+        rc = layersplit_sizes_shapes(&sz, &sh, why, sizeof why);
+    } else {
+        gguf_file *f = NULL;
+        rc = gguf_open(&f, path, why, sizeof why);
+        if (rc == STATUS_OK) rc = layersplit_sizes_gguf(&sz, f, hp->n_layers, why, sizeof why);
+        gguf_close(f);
     }
-    /* Cumulative bytes with the embedding before layer 0 and the head after
-     * the last: cut where the running total crosses k/n of the whole, while
-     * leaving at least one layer for every stage on either side. */
-    size_t total = node_range_bytes(m, 0, L);
-    size_t acc = node_range_bytes(m, 0, 0); /* the embedding alone (end 0 is not the last layer) */
-    int32_t cut_prev = 0;
-    int32_t cuts[L + 1];
-    cuts[0] = 0;
-    int32_t k = 1;
-    for (int32_t l = 0; l < L && k < n_stages; l++) {
-        acc += node_layer_bytes(m, l);
-        int32_t next = l + 1;
-        int32_t left_needed = n_stages - k; /* stages still to place after this cut */
-        int must_cut = L - next == left_needed;
-        if (must_cut || (double)acc >= (double)total * k / n_stages) {
-            if (next > cut_prev && L - next >= left_needed) {
-                cuts[k++] = next;
-                cut_prev = next;
-            }
-        }
+    int32_t *cuts = rc == STATUS_OK ? malloc(2 * (size_t)n_stages * sizeof *cuts) : NULL;
+    if (rc == STATUS_OK && !cuts) {
+        snprintf(why, sizeof why, "out of memory for %d stages", n_stages);
+        rc = STATUS_NO_MEMORY;
     }
-    cuts[n_stages] = L;
-    *first = cuts[index];
-    *end = cuts[index + 1];
-    return STATUS_OK;
+    if (rc == STATUS_OK) rc = layersplit_ranges(&sz, n_stages, cuts, cuts + n_stages, why, sizeof why);
+    if (rc == STATUS_OK) {
+        *first = cuts[index];
+        *end = cuts[n_stages + index];
+    } else {
+        snprintf(err, errlen, "%s: %s", path, why);
+    }
+    free(cuts);
+    layersplit_sizes_free(&sz);
+    return rc;
 }
 
 static double node_mib(size_t bytes) { return bytes / (1024.0 * 1024.0); }

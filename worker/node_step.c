@@ -4,6 +4,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "proto/request.h"
 #if defined(LLM_HAVE_CUDA)
 #include "kernels/cuda/nccl_link.h"
 #include "kernels/cuda/stream_access.h"
@@ -97,28 +98,6 @@ static void node_kv_used_update(node *n) {
 
 /* ---- one step ----------------------------------------------------------- */
 
-static void node_params_from_wire(const Llm__SamplingParams *w, struct sampling_params *p) {
-    sampling_params_default(p);
-    if (!w) return;
-    p->temperature = w->temperature;
-    p->top_k = w->top_k;
-    p->top_p = w->top_p;
-    p->min_p = w->min_p;
-    p->repetition_penalty = w->repetition_penalty;
-    p->presence_penalty = w->presence_penalty;
-    p->frequency_penalty = w->frequency_penalty;
-    p->penalty_last_n = w->penalty_last_n;
-    p->seed = w->seed;
-    p->n_stop_token_ids = w->n_stop_token_ids > SAMPLING_STOP_IDS_MAX + 1
-                              ? SAMPLING_STOP_IDS_MAX + 1
-                              : (int32_t)w->n_stop_token_ids;
-    for (size_t i = 0; i < w->n_stop_token_ids && i < SAMPLING_STOP_IDS_MAX; i++)
-        p->stop_token_ids[i] = w->stop_token_ids[i];
-    p->ignore_eos = w->ignore_eos;
-    p->logprobs = w->logprobs;
-    p->top_logprobs = w->top_logprobs;
-}
-
 /* Checks the plan's sequences and lays out the forward batch.  Returns 0,
  * or STATUS_BAD_INPUT with err naming the sequence and the field. */
 static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, char *err,
@@ -172,10 +151,13 @@ static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, 
         total += f->n_tokens;
         n->seq_err[i][0] = 0;
         if (last && sp->want_logits) {
-            node_params_from_wire(sp->sampling, &n->params[i]);
             char why[200];
-            if (sampling_params_validate(&n->params[i], n->n_vocab, why, sizeof why) < 0)
-                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: sampling.%s", id, why);
+            int bad = proto_sampling_from_msg(sp->sampling, &n->params[i], why, sizeof why) < 0 ||
+                      sampling_params_validate(&n->params[i], n->n_vocab, why, sizeof why) < 0;
+            /* The conversion names "sampling."; the validator names the bare field. */
+            if (bad)
+                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: %s%s", id,
+                         strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
         }
     }
     if (total > n->n_tokens_max) {

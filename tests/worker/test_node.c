@@ -2,10 +2,10 @@
  * on a ZeroMQ ROUTER socket with the proto envelopes and a private Redis:
  * registration (envelope and registry key), heartbeats, greedy generation
  * through step plans against the llama.cpp goldens (one stage, and two
- * stages chained over the ZeroMQ link), bad frames answered with errors,
- * failing steps reported while the worker keeps serving, plans of an old
- * epoch dropped, seeded sampling reproduced, and a clean SIGTERM.  Every
- * wait is bounded. */
+ * stages chained over the ZeroMQ link on the router's default layer split),
+ * bad frames answered with errors, failing steps reported while the worker
+ * keeps serving, plans of an old epoch dropped, seeded sampling reproduced,
+ * and a clean SIGTERM.  Every wait is bounded. */
 #include "tests/test.h"
 
 #include "common/rconn.h"
@@ -13,6 +13,7 @@
 #include "common/zio.h"
 #include "kernels/backend.h"
 #include "proto/wire.h"
+#include "router/modelinfo.h"
 #include "tests/redis_fixture.h"
 
 #include <cjson/cJSON.h>
@@ -507,8 +508,18 @@ TEST(node_two_stages_chain_over_zmq) {
     struct t_worker w0 = {0}, w1 = {0};
     const char *a0[] = {"--stages", "2", "--stage", "0", "--pipeline", "1", NULL};
     const char *a1[] = {"--stages", "2", "--stage", "1", "--pipeline", "1", NULL};
+    /* The workers pick the layers the router's default split gives, so a
+     * router placing them would not make them reload. */
+    struct modelinfo mi;
+    char merr[256];
+    int32_t cut[2], cut_end[2];
+    ASSERT_OK(modelinfo_load(&mi, test_model_path("stories260K-f32.gguf"), merr, sizeof merr));
+    ASSERT_OK(modelinfo_split(&mi, 2, cut, cut_end, merr, sizeof merr));
+    modelinfo_free(&mi);
+    ASSERT_EQ(cut_end[0], cut[1]);
     t_worker_start(&w0, r.endpoint, NULL, "s0", a0);
     t_worker_start(&w1, r.endpoint, NULL, "s1", a1);
+    uint32_t cut0_end = 0, cut1_first = 0;
     char ep0[256] = "", ep1[256] = "";
     /* Until both have registered (a slow one sends Register again). */
     int64_t reg_end = t_now_ms() + 4 * T_WAIT_MS;
@@ -528,16 +539,20 @@ TEST(node_two_stages_chain_over_zmq) {
         if (strcmp(from, "s0") == 0) {
             ASSERT_EQ(0u, rg->layer_first);
             ASSERT_TRUE(rg->layer_end > 0 && rg->layer_end < 5);
+            cut0_end = rg->layer_end;
             snprintf(ep0, sizeof ep0, "%s", rg->stage_endpoint);
         } else {
             ASSERT_STREQ("s1", from);
             ASSERT_EQ(5u, rg->layer_end);
             ASSERT_TRUE(rg->layer_first > 0);
+            cut1_first = rg->layer_first;
             snprintf(ep1, sizeof ep1, "%s", rg->stage_endpoint);
         }
         proto_worker_free(e);
     }
     ASSERT_TRUE(ep0[0] && ep1[0]);
+    ASSERT_EQ((uint32_t)cut[1], cut0_end);
+    ASSERT_EQ((uint32_t)cut[1], cut1_first);
     t_reply(&r, "s0", 1, "", ep1);
     t_reply(&r, "s1", 1, ep0, "");
     int32_t toks[20];
@@ -821,6 +836,15 @@ TEST(node_router_placement_reloads) {
     unlink(w.log);
 }
 
+/* Reads a worker's log into buf (NUL-terminated). */
+static void t_worker_log_read(const struct t_worker *w, char *buf, size_t size) {
+    FILE *f = fopen(w->log, "r");
+    ASSERT_TRUE(f != NULL);
+    size_t got = fread(buf, 1, size - 1, f);
+    buf[got] = 0;
+    fclose(f);
+}
+
 TEST(node_refuses_what_does_not_fit) {
     struct t_router r = {0};
     t_router_open(&r);
@@ -830,13 +854,36 @@ TEST(node_refuses_what_does_not_fit) {
     int code = t_worker_wait(&w, 30000);
     t_worker_kill(&w);
     ASSERT_EQ(1, code);
-    FILE *f = fopen(w.log, "r");
-    ASSERT_TRUE(f != NULL);
     char buf[8192];
-    size_t got = fread(buf, 1, sizeof buf - 1, f);
-    buf[got] = 0;
-    fclose(f);
+    t_worker_log_read(&w, buf, sizeof buf);
     if (!strstr(buf, "do not fit")) TEST_FAIL("no clear refusal in the log: %s", buf);
+    t_router_close(&r);
+    unlink(w.log);
+}
+
+/* A device the parser does not know is a bad flag (exit 2, naming it); more
+ * stages than the model has layers cannot start (exit 1, saying both). */
+TEST(node_refuses_bad_device_and_stage_count) {
+    struct t_router r = {0};
+    t_router_open(&r);
+    struct t_worker w = {0};
+    const char *a[] = {"--device", "gpu:0", NULL};
+    t_worker_start(&w, r.endpoint, NULL, "w-dev", a);
+    int code = t_worker_wait(&w, 30000);
+    t_worker_kill(&w);
+    ASSERT_EQ(2, code);
+    char buf[8192];
+    t_worker_log_read(&w, buf, sizeof buf);
+    if (!strstr(buf, "--device \"gpu:0\"")) TEST_FAIL("the refusal does not name the flag: %s", buf);
+    unlink(w.log);
+
+    const char *b[] = {"--stages", "9", "--stage", "8", NULL};
+    t_worker_start(&w, r.endpoint, NULL, "w-stages", b);
+    code = t_worker_wait(&w, 30000);
+    t_worker_kill(&w);
+    ASSERT_EQ(1, code);
+    t_worker_log_read(&w, buf, sizeof buf);
+    if (!strstr(buf, "9 stages for 5 layers")) TEST_FAIL("no clear refusal in the log: %s", buf);
     t_router_close(&r);
     unlink(w.log);
 }
@@ -913,4 +960,4 @@ TEST_MAIN(node_registers_generates_and_stops, node_two_stages_chain_over_zmq,
           node_two_stages_chain_over_nccl,
           node_bad_input_keeps_serving, node_seeded_sampling_reproduces, node_logprobs_and_penalties,
           node_router_placement_reloads,
-          node_refuses_what_does_not_fit)
+          node_refuses_what_does_not_fit, node_refuses_bad_device_and_stage_count)
