@@ -35,7 +35,6 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
         server_send_worker_env(s, ident, ident_len, &env);
         return;
     }
-    (void)reformed;
     if (p->announce) return; /* pipes_sync tells every stage, this one included */
     Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
     rr.worker_id = w->id;
