@@ -337,7 +337,9 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
         int64_t sent = client_now_ms();
         bool lost = rc < 0;
         while (!lost) {
-            int left = (int)(sent + c->cfg.reply_timeout_ms - client_now_ms());
+            int64_t until = sent + c->cfg.reply_timeout_ms;
+            if (until > give_up) until = give_up;
+            int left = (int)(until - client_now_ms());
             if (left <= 0) break;
             Llm__ClientEnvelope *env;
             int ev = client_wait(c, left, &env);
@@ -404,6 +406,26 @@ int llm_client_status(llm_client *c, Llm__ClientEnvelope **reply) {
 int llm_client_models(llm_client *c, Llm__ClientEnvelope **reply) {
     return client_simple(c, LLM__CLIENT_ENVELOPE__BODY_MODELS, LLM__CLIENT_ENVELOPE__BODY_MODELS_REPLY,
                          "models", reply);
+}
+
+int llm_client_probe(llm_client *c, int timeout_ms) {
+    if (timeout_ms <= 0) timeout_ms = 1;
+    int reply = c->cfg.reply_timeout_ms, retry = c->cfg.retry_ms;
+    /* Every endpoint gets its share of the time before the next is tried. */
+    int share = timeout_ms / (int)c->n_endpoints;
+    c->cfg.reply_timeout_ms = share > 0 ? share : 1;
+    c->cfg.retry_ms = timeout_ms;
+    Llm__ClientEnvelope *env = NULL;
+    int rc = llm_client_health(c, &env);
+    c->cfg.reply_timeout_ms = reply;
+    c->cfg.retry_ms = retry;
+    proto_client_free(env);
+    if (rc == 0 || c->err_code != LLM__ERROR__CODE__OK) return 0; /* an Error is an answer too */
+    char eps[512] = "";
+    for (size_t i = 0; i < c->n_endpoints; i++)
+        snprintf(eps + strlen(eps), sizeof eps - strlen(eps), "%s%s", i ? ", " : "", c->endpoints[i]);
+    client_seterr(c, LLM__ERROR__CODE__OK, "no router answers at %s (waited %d ms)", eps, timeout_ms);
+    return STATUS_UNAVAILABLE;
 }
 
 /* ---- generation --------------------------------------------------------- */
@@ -531,7 +553,10 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     struct client_gen g = {c, res, on_chunk, ud, 0, false, false, false, false};
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
-    int64_t last_progress = client_now_ms(); /* last message about this request */
+    /* Progress (an acceptance, new tokens) bounds the call by cfg.retry_ms;
+     * any message about the request shows the connection is alive
+     * (cfg.idle_timeout_ms). */
+    int64_t last_progress = client_now_ms(), last_heard = last_progress;
     int64_t give_up = p->wait_ms > 0 ? last_progress + p->wait_ms : INT64_MAX;
     bool any_reply = false, need_send = true;
     int64_t sent = 0;
@@ -560,9 +585,12 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
             return STATUS_TIMEOUT;
         }
         if (!lost_why) {
-            int64_t until = g.accepted ? last_progress + c->cfg.idle_timeout_ms
+            int64_t until = g.accepted ? last_heard + c->cfg.idle_timeout_ms
                                        : sent + c->cfg.reply_timeout_ms;
             if (until > give_up) until = give_up;
+            /* Waiting for an answer: cfg.retry_ms without progress ends the
+             * call, whatever reply_timeout_ms says. */
+            if (!g.accepted && until > last_progress + c->cfg.retry_ms) until = last_progress + c->cfg.retry_ms;
             if (until < now) until = now;
             Llm__ClientEnvelope *in = NULL;
             int ev = client_wait(c, (int)(until - now), &in);
@@ -579,9 +607,13 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     continue;
                 }
                 any_reply = true;
+                last_heard = client_now_ms();
                 switch (in->body_case) {
                 case LLM__CLIENT_ENVELOPE__BODY_ACCEPTED: {
                     const Llm__GenerateAccepted *a = in->accepted;
+                    /* Accepted again after a re-attach: the router has the
+                     * request and a pipeline to run it (it answers UNAVAILABLE
+                     * otherwise), so a long prefill is not a stall. */
                     last_progress = client_now_ms();
                     g.accepted = true;
                     if (!g.ever_accepted) {
@@ -601,7 +633,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     break;
                 }
                 case LLM__CLIENT_ENVELOPE__BODY_CHUNK:
-                    last_progress = client_now_ms();
+                    if (in->chunk->index + (uint32_t)in->chunk->n_token_ids > g.have)
+                        last_progress = client_now_ms();
                     if (client_gen_chunk(&g, in->chunk)) {
                         res->reattaches++;
                         need_send = true;
@@ -639,8 +672,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
         if (client_now_ms() - last_progress >= c->cfg.retry_ms) {
             if (any_reply) {
                 client_seterr(c, LLM__ERROR__CODE__OK, "generate: request %s: no progress from %s for %d ms "
-                              "(%u tokens received)", res->request_id, c->endpoints[c->cur], c->cfg.retry_ms,
-                              g.have);
+                              "(%u tokens received; it may still run: re-attach or cancel it by id)",
+                              res->request_id, c->endpoints[c->cur], c->cfg.retry_ms, g.have);
                 return STATUS_TIMEOUT;
             }
             client_seterr(c, LLM__ERROR__CODE__OK, "generate: request %s: no router answered at %s "

@@ -52,9 +52,12 @@ struct llm_client_config {
      * that the client re-sends the request (a re-attach: no work is
      * repeated), which also finds a router that lost the connection. */
     int idle_timeout_ms;
-    /* How long the client keeps reconnecting without getting any message
-     * before it gives up with STATUS_UNAVAILABLE (STATUS_TIMEOUT when some
-     * router answered but the request made no progress). */
+    /* How long a call keeps trying without progress before it gives up:
+     * while no router answers (STATUS_UNAVAILABLE), or while routers answer
+     * only that they cannot serve the request now (their UNAVAILABLE or
+     * retry_after_ms; that error is returned), or when a generation was
+     * accepted but made no progress (STATUS_TIMEOUT).  Progress is an
+     * acceptance (also a re-attach's) or new tokens. */
     int retry_ms;
     /* ZMTP heartbeat: a peer that answers no ping for this long counts as
      * gone (finds a dead host whose TCP connection never closed); 0: off. */
@@ -185,6 +188,14 @@ int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate
 int llm_client_health(llm_client *c, Llm__ClientEnvelope **reply);
 int llm_client_status(llm_client *c, Llm__ClientEnvelope **reply);
 int llm_client_models(llm_client *c, Llm__ClientEnvelope **reply);
+
+/* Whether a router answers at all: asks the endpoints for Health, in turn,
+ * for at most timeout_ms in all (whatever the config's timeouts).  Returns
+ * 0 when one answered (serving or not; the client then stays on it), or
+ * STATUS_UNAVAILABLE with llm_client_errstr naming the endpoints tried.
+ * For a caller that wants to say "no router here" in seconds rather than
+ * after cfg.retry_ms. */
+int llm_client_probe(llm_client *c, int timeout_ms);
 
 /* "STOP", "LENGTH", ...; static. */
 const char *llm_finish_reason_name(Llm__GenerateDone__FinishReason r);

@@ -17,8 +17,64 @@
 
 struct llm_global {
     const char *router, *log_level;
-    int reply_timeout_ms, retry_ms, idle_timeout_ms;
+    int reply_timeout_ms, retry_ms, idle_timeout_ms, connect_timeout_ms;
 };
+
+/* The global options, declared once: main parses them before the
+ * subcommand, and every subcommand's table takes them again (defaults =
+ * the values so far, no environment) so that they work after it too. */
+#define LLM_N_GLOBAL 6
+static void llm_global_defs(struct llm_global *g, struct option_def *d) {
+    const struct option_def defs[LLM_N_GLOBAL] = {
+        {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5555",
+         "router client endpoint(s), comma-separated: tried in order after a failure", &g->router, 0, 0, NULL},
+        {"connect-timeout-ms", "LLM_CONNECT_TIMEOUT_MS", OPTION_INT, "2000",
+         "say that no router answers after this long, and how to start one", &g->connect_timeout_ms, 1,
+         1 << 30, NULL},
+        {"reply-timeout-ms", "LLM_REPLY_TIMEOUT_MS", OPTION_INT, "5000",
+         "wait this long for a reply before trying the next endpoint", &g->reply_timeout_ms, 1, 1 << 30, NULL},
+        {"retry-ms", "LLM_RETRY_MS", OPTION_INT, "30000",
+         "give up after this long without progress (no answer, or only 'cannot serve now')", &g->retry_ms, 1,
+         1 << 30, NULL},
+        {"idle-timeout-ms", "LLM_IDLE_TIMEOUT_MS", OPTION_INT, "30000",
+         "re-attach after this long without a message during a generation", &g->idle_timeout_ms, 1, 1 << 30, NULL},
+        {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "warn", "debug, info, warn, error or none", &g->log_level,
+         0, 0, NULL},
+    };
+    memcpy(d, defs, sizeof defs);
+}
+
+/* Parses a subcommand's options followed by the global ones.  Returns -1 to
+ * go on, else the exit code (0 after --help, 2 for a bad flag). */
+static int llm_parse_sub(struct llm_global *g, const char *name, const char *usage, const char *about,
+                         const struct option_def *sub, int n_sub, int *argc, char **argv) {
+    struct option_def defs[24 + LLM_N_GLOBAL];
+    static char values[LLM_N_GLOBAL][512];
+    if (n_sub > 24) n_sub = 24;
+    memcpy(defs, sub, (size_t)n_sub * sizeof *defs);
+    llm_global_defs(g, defs + n_sub);
+    for (int i = 0; i < LLM_N_GLOBAL; i++) {
+        struct option_def *d = &defs[n_sub + i];
+        options_value_str(d, values[i], sizeof values[i]);
+        d->def = values[i];
+        d->env = NULL; /* already applied by main: a flag before the subcommand stays */
+    }
+    struct options o = {name, usage, about, defs, n_sub + LLM_N_GLOBAL, false};
+    char err[512];
+    int rc = options_parse(&o, argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "%s: %s\n", name, err);
+        return 2;
+    }
+    int level;
+    if (log_level_parse(g->log_level, &level) < 0) {
+        fprintf(stderr, "%s: --log-level %s: expected debug, info, warn, error or none\n", name, g->log_level);
+        return 2;
+    }
+    log_set_level(level);
+    return -1;
+}
 
 /* Splits "tcp://a:1,tcp://b:2" in place into eps (at most max). */
 static size_t llm_split_endpoints(char *list, const char **eps, size_t max) {
@@ -28,7 +84,10 @@ static size_t llm_split_endpoints(char *list, const char **eps, size_t max) {
     return n;
 }
 
+/* Opens a client and checks that a router answers; returns 0, or the exit
+ * code (2: a bad --router; 1: no router answers, said how to start one). */
 static int llm_open(const struct llm_global *g, llm_client **c) {
+    *c = NULL;
     static char list[2048];
     snprintf(list, sizeof list, "%s", g->router);
     const char *eps[16];
@@ -41,8 +100,23 @@ static int llm_open(const struct llm_global *g, llm_client **c) {
     cfg.idle_timeout_ms = g->idle_timeout_ms;
     char err[512];
     int rc = llm_client_open(c, &cfg, err, sizeof err);
-    if (rc < 0) fprintf(stderr, "llm: --router %s: %s\n", g->router, err);
-    return rc;
+    if (rc < 0) {
+        fprintf(stderr, "llm: --router %s: %s\n", g->router, err);
+        return 2;
+    }
+    /* Seconds, not retry_ms, to learn that nothing listens: the usual cause
+     * is a cluster not started, and the user should hear how to start it. */
+    if (llm_client_probe(*c, g->connect_timeout_ms) < 0) {
+        fprintf(stderr,
+                "llm: %s.\n"
+                "  Start a cluster with:  llm-cluster up --model MODEL.gguf   (then: source RUN_DIR/cluster.env)\n"
+                "  or point --router (or LLM_ROUTER) at a running router's client endpoint.\n",
+                llm_client_errstr(*c));
+        llm_client_close(*c);
+        *c = NULL;
+        return 1;
+    }
+    return 0;
 }
 
 static void llm_print_json(cJSON *j) {
@@ -113,7 +187,7 @@ static int llm_gen_chunk(void *ud, const struct llm_chunk *ch) {
     return 0;
 }
 
-static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
+static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
     int max_tokens, top_k, priority, timeout_ms;
     double temperature, top_p, min_p;
@@ -135,16 +209,10 @@ static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
         {"timeout-ms", NULL, OPTION_INT, "0", "the request ends (DEADLINE) this long after acceptance; 0: never", &timeout_ms, 0, 1 << 30, NULL},
         {"stream", NULL, OPTION_BOOL, "true", "print text as it is generated", &stream, 0, 0, NULL},
     };
-    struct options o = {"llm generate", "--prompt TEXT [options]",
-                        "Generates a continuation of the prompt on the cluster.", defs,
-                        (int)(sizeof defs / sizeof defs[0]), false};
-    char err[512];
-    int rc = options_parse(&o, &argc, argv, err, sizeof err);
-    if (rc == STATUS_CANCELLED) return 0;
-    if (rc < 0) {
-        fprintf(stderr, "llm generate: %s\n", err);
-        return 2;
-    }
+    int rc = llm_parse_sub(gl, "llm generate", "--prompt TEXT [options]",
+                           "Generates a continuation of the prompt on the cluster.", defs,
+                           (int)(sizeof defs / sizeof defs[0]), &argc, argv);
+    if (rc >= 0) return rc;
     if (argc > 1) {
         fprintf(stderr, "llm generate: unexpected argument \"%s\" (see --help)\n", argv[1]);
         return 2;
@@ -154,7 +222,7 @@ static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
         return 2;
     }
     llm_client *c;
-    if (llm_open(gl, &c) < 0) return 2;
+    if ((rc = llm_open(gl, &c)) != 0) return rc;
     struct llm_generate_params p;
     llm_generate_params_default(&p);
     p.request_id = request_id;
@@ -223,19 +291,13 @@ static int llm_generate(const struct llm_global *gl, int argc, char **argv) {
 
 /* Parses a subcommand that takes only --json (and no positionals unless
  * n_pos says how many); returns -1 to go on, else the exit code. */
-static int llm_parse_simple(const char *name, const char *about, const char *usage, int *argc,
-                            char **argv, bool *json, int n_pos) {
+static int llm_parse_simple(struct llm_global *gl, const char *name, const char *about, const char *usage,
+                            int *argc, char **argv, bool *json, int n_pos) {
     const struct option_def defs[] = {
         {"json", NULL, OPTION_BOOL, "false", "print JSON", json, 0, 0, NULL},
     };
-    struct options o = {name, usage, about, defs, 1, false};
-    char err[512];
-    int rc = options_parse(&o, argc, argv, err, sizeof err);
-    if (rc == STATUS_CANCELLED) return 0;
-    if (rc < 0) {
-        fprintf(stderr, "%s: %s\n", name, err);
-        return 2;
-    }
+    int rc = llm_parse_sub(gl, name, usage, about, defs, 1, argc, argv);
+    if (rc >= 0) return rc;
     if (*argc - 1 != n_pos) {
         fprintf(stderr, "%s: expected %d argument%s, got %d (see --help)\n", name, n_pos, n_pos == 1 ? "" : "s",
                 *argc - 1);
@@ -344,13 +406,13 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
     }
 }
 
-static int llm_status(const struct llm_global *gl, int argc, char **argv) {
+static int llm_status(struct llm_global *gl, int argc, char **argv) {
     bool json = false;
-    int rc = llm_parse_simple("llm status", "Shows pipelines, stages, workers, queue, KV use and throughput.",
+    int rc = llm_parse_simple(gl, "llm status", "Shows pipelines, stages, workers, queue, KV use and throughput.",
                               "[--json]", &argc, argv, &json, 0);
     if (rc >= 0) return rc;
     llm_client *c;
-    if (llm_open(gl, &c) < 0) return 2;
+    if ((rc = llm_open(gl, &c)) != 0) return rc;
     Llm__ClientEnvelope *env;
     rc = llm_client_status(c, &env);
     if (rc < 0) {
@@ -379,13 +441,13 @@ static const char *llm_serving_name(Llm__HealthReply__ServingStatus s) {
 }
 
 /* Exit 0 only when SERVING: usable as a readiness probe. */
-static int llm_health(const struct llm_global *gl, int argc, char **argv) {
+static int llm_health(struct llm_global *gl, int argc, char **argv) {
     bool json = false;
-    int rc = llm_parse_simple("llm health", "Asks the router whether it can serve (exit 0 only when SERVING).",
+    int rc = llm_parse_simple(gl, "llm health", "Asks the router whether it can serve (exit 0 only when SERVING).",
                               "[--json]", &argc, argv, &json, 0);
     if (rc >= 0) return rc;
     llm_client *c;
-    if (llm_open(gl, &c) < 0) return 2;
+    if ((rc = llm_open(gl, &c)) != 0) return rc;
     Llm__ClientEnvelope *env;
     rc = llm_client_health(c, &env);
     if (rc < 0) {
@@ -412,13 +474,13 @@ static int llm_health(const struct llm_global *gl, int argc, char **argv) {
     return code;
 }
 
-static int llm_models(const struct llm_global *gl, int argc, char **argv) {
+static int llm_models(struct llm_global *gl, int argc, char **argv) {
     bool json = false;
-    int rc = llm_parse_simple("llm models", "Lists the models the cluster serves.", "[--json]", &argc, argv,
+    int rc = llm_parse_simple(gl, "llm models", "Lists the models the cluster serves.", "[--json]", &argc, argv,
                               &json, 0);
     if (rc >= 0) return rc;
     llm_client *c;
-    if (llm_open(gl, &c) < 0) return 2;
+    if ((rc = llm_open(gl, &c)) != 0) return rc;
     Llm__ClientEnvelope *env;
     rc = llm_client_models(c, &env);
     if (rc < 0) {
@@ -455,13 +517,13 @@ static int llm_models(const struct llm_global *gl, int argc, char **argv) {
     return 0;
 }
 
-static int llm_cancel(const struct llm_global *gl, int argc, char **argv) {
+static int llm_cancel(struct llm_global *gl, int argc, char **argv) {
     bool json = false;
-    int rc = llm_parse_simple("llm cancel", "Cancels a request by id and prints how it ended.",
+    int rc = llm_parse_simple(gl, "llm cancel", "Cancels a request by id and prints how it ended.",
                               "REQUEST_ID", &argc, argv, &json, 1);
     if (rc >= 0) return rc;
     llm_client *c;
-    if (llm_open(gl, &c) < 0) return 2;
+    if ((rc = llm_open(gl, &c)) != 0) return rc;
     struct llm_generate_result r;
     rc = llm_client_cancel(c, argv[1], &r);
     if (rc < 0) {
@@ -477,21 +539,11 @@ static int llm_cancel(const struct llm_global *gl, int argc, char **argv) {
 
 int main(int argc, char **argv) {
     struct llm_global g;
-    const struct option_def defs[] = {
-        {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5555",
-         "router client endpoint(s), comma-separated: tried in order after a failure", &g.router, 0, 0, NULL},
-        {"reply-timeout-ms", "LLM_REPLY_TIMEOUT_MS", OPTION_INT, "5000",
-         "wait this long for a reply before trying the next endpoint", &g.reply_timeout_ms, 1, 1 << 30, NULL},
-        {"retry-ms", "LLM_RETRY_MS", OPTION_INT, "30000",
-         "give up after this long without an answer", &g.retry_ms, 1, 1 << 30, NULL},
-        {"idle-timeout-ms", "LLM_IDLE_TIMEOUT_MS", OPTION_INT, "30000",
-         "re-attach after this long without a message during a generation", &g.idle_timeout_ms, 1, 1 << 30, NULL},
-        {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "warn", "debug, info, warn, error or none", &g.log_level,
-         0, 0, NULL},
-    };
+    struct option_def defs[LLM_N_GLOBAL];
+    llm_global_defs(&g, defs);
     struct options o = {"llm", "[options] (generate | status | health | models | cancel) [subcommand options]",
-                        "Talks to a running cluster's router.  Each subcommand has its own --help.", defs,
-                        (int)(sizeof defs / sizeof defs[0]), true};
+                        "Talks to a running cluster's router.  Each subcommand has its own --help; "
+                        "these options also work after the subcommand.", defs, LLM_N_GLOBAL, true};
     char err[512];
     log_set_process("llm");
     int rc = options_parse(&o, &argc, argv, err, sizeof err);

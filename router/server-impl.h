@@ -26,6 +26,7 @@
 #define SERVER_BUILD "llm-router 0.1"
 #define SERVER_FAILURES_MAX 4   /* failed steps a request survives before ABORTED */
 #define SERVER_DONE_MEMORY_MAX 20000
+#define SERVER_RETRY_AFTER_MS 1000 /* UNAVAILABLE: about one worker heartbeat, or a Redis reconnect */
 
 enum req_state { REQ_QUEUED = 0, REQ_ASSIGNED = 1, REQ_DONE = 2 };
 
@@ -81,6 +82,7 @@ struct req {
     char entry[RCONN_ID_MAX];
     bool finish_stored;            /* reqstore_finish succeeded */
     bool touched, finishing;
+    bool stall_told;               /* its client heard that no pipeline can run it */
 };
 
 struct flight {
@@ -139,6 +141,7 @@ struct server {
     uint64_t stats_steps_mark;
     uint64_t rate_gen_mark, rate_prompt_mark, gen_total, prompt_total;
     double tok_s, prompt_tok_s;
+    int64_t idle_since_ms;         /* since when no pipeline takes work (0: some does) */
 };
 
 /* ---- server.c: time, buffers, sending --------------------------------- */
@@ -186,6 +189,17 @@ void pipe_pump(server *s, struct pipe *pp);
 void pipes_sync(server *s);
 void pipes_assign(server *s);
 void pipes_pump(server *s);
+/* The pipelines that take new work (in service, not draining): how many,
+ * and the largest KV capacity among them in tokens (-1 when none) with
+ * its pipeline's id. */
+int32_t pipes_taking_work(server *s, int32_t *cap_max, uint32_t *cap_pid);
+/* Why no pipeline takes work (no worker, a pipeline's problem, stages not
+ * ready yet), for the client's UNAVAILABLE. */
+void pipes_why_idle(server *s, char *buf, size_t size);
+/* Tells a client of q (tag: its request's, or 0) that q is accepted and
+ * kept but no pipeline can run it now: UNAVAILABLE with retry_after_ms, so
+ * that the client's own bound on waiting applies. */
+void pipes_tell_stalled(server *s, struct req *q, const uint8_t *ident, size_t ident_len, uint64_t tag);
 
 /* ---- server_worker.c, server_client.c: one message each ------------------ */
 

@@ -69,9 +69,18 @@ static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, co
     free(cp);
     if (!same) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__ALREADY_EXISTS, g->request_id,
-                          "request_id is in use by a request with a different body (model, prompt, "
-                          "sampling, max_tokens, stop, priority or deadline)",
-                          0);
+                                 "request_id is in use by a request with a different body (model, prompt, "
+                                 "sampling, max_tokens, stop, priority or deadline)",
+                                 0);
+        return;
+    }
+    int32_t cap;
+    uint32_t pid;
+    if (q->state == REQ_QUEUED && !q->finishing && pipes_taking_work(s, &cap, &pid) == 0) {
+        /* The stream stays where it is: this client re-attaches again on
+         * retry, and moving it without the replay below would resend
+         * from the old position. */
+        pipes_tell_stalled(s, q, ident, ident_len, tag);
         return;
     }
     memcpy(q->ident, ident, ident_len);
@@ -112,7 +121,8 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     }
     if (!s->rs) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid,
-                          "the router cannot reach Redis, so it cannot make the request durable", 1000);
+                                 "the router cannot reach Redis, so it cannot make the request durable",
+                                 SERVER_RETRY_AFTER_MS);
         return;
     }
     struct reqrec r;
@@ -132,7 +142,8 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         return;
     }
     if (rc != STATUS_NOT_FOUND) {
-        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, reqstore_errstr(s->rs), 1000);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, reqstore_errstr(s->rs),
+                                 SERVER_RETRY_AFTER_MS);
         return;
     }
 
@@ -140,8 +151,8 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     rc = proto_generate_validate(g, s->mi.n_vocab, now, err, sizeof err);
     if (rc < 0) {
         server_send_client_error(s, ident, ident_len, tag,
-                          rc == STATUS_TIMEOUT ? LLM__ERROR__CODE__DEADLINE_EXCEEDED : LLM__ERROR__CODE__INVALID_ARGUMENT,
-                          rid, err, 0);
+                                 rc == STATUS_TIMEOUT ? LLM__ERROR__CODE__DEADLINE_EXCEEDED : LLM__ERROR__CODE__INVALID_ARGUMENT,
+                                 rid, err, 0);
         return;
     }
     if (g->model && g->model[0] && strcmp(g->model, s->mi.id) != 0) {
@@ -199,17 +210,23 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
         return;
     }
-    /* KV: the largest pipeline in service must be able to hold it. */
-    int32_t best_cap = -1;
-    uint32_t best_pid = 0;
-    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
-        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
-        if (pp && pp->sched && pipe_capacity_tokens(pp) > best_cap) {
-            best_cap = pipe_capacity_tokens(pp);
-            best_pid = pp->p->id;
-        }
+    /* Acceptance is a promise to run the request, so it is made only when
+     * some pipeline takes work: otherwise the client hears why and retries
+     * (a cluster scaling from zero serves it on a retry), and nothing that
+     * was accepted ever waits without a pipeline it could run on. */
+    int32_t best_cap;
+    uint32_t best_pid;
+    if (pipes_taking_work(s, &best_cap, &best_pid) == 0) {
+        char why[384];
+        pipes_why_idle(s, why, sizeof why);
+        snprintf(err, sizeof err, "no pipeline is in service to run it: %s", why);
+        free(prompt);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, err,
+                                 SERVER_RETRY_AFTER_MS);
+        return;
     }
-    if (best_cap >= 0 && total > best_cap) {
+    /* KV: the largest pipeline in service must be able to hold it. */
+    if (total > best_cap) {
         snprintf(err, sizeof err,
                  "prompt (%d tokens) + max_tokens (%u) = %lld tokens do not fit the KV cache of any "
                  "pipeline (the largest, pipeline %u, holds %d tokens)",

@@ -250,6 +250,7 @@ void pipes_assign(server *s) {
         }
         q->seq_id = sid;
         q->seq = seq;
+        q->stall_told = false;
         q->pipe = best;
         q->step = 0;
         q->state = REQ_ASSIGNED;
@@ -350,4 +351,64 @@ void pipes_pump(server *s) {
         struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
         if (pp) pipe_pump(s, pp);
     }
+}
+
+int32_t pipes_taking_work(server *s, int32_t *cap_max, uint32_t *cap_pid) {
+    int32_t n = 0;
+    *cap_max = -1;
+    *cap_pid = 0;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = p->ud;
+        if (!pp || !pp->sched || registry_pipeline_draining(s->reg, p)) continue;
+        n++;
+        int32_t cap = pipe_capacity_tokens(pp);
+        if (cap > *cap_max) {
+            *cap_max = cap;
+            *cap_pid = p->id;
+        }
+    }
+    return n;
+}
+
+void pipes_why_idle(server *s, char *buf, size_t size) {
+    size_t alive = 0;
+    for (size_t i = 0; i < registry_n_workers(s->reg); i++)
+        if (registry_worker_at(s->reg, i)->state != WORKER_LOST) alive++;
+    if (alive == 0) {
+        snprintf(buf, size, "no worker is registered with this router (workers connect to %s)",
+                 zio_endpoint(s->ws));
+        return;
+    }
+    /* The first pipeline that says what is wrong tells the most. */
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        if (p->problem[0]) {
+            snprintf(buf, size, "%zu workers registered; %s", alive, p->problem);
+            return;
+        }
+        if (registry_pipeline_draining(s->reg, p)) {
+            snprintf(buf, size, "%zu workers registered; pipeline %u is draining", alive, p->id);
+            return;
+        }
+    }
+    uint32_t have = 0, want = 0;
+    for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        want += p->stage_count;
+        for (uint32_t k = 0; k < p->stage_count; k++)
+            if (p->stage[k] && p->stage[k]->state == WORKER_READY) have++;
+    }
+    snprintf(buf, size, "%zu workers registered, %u of %u stages ready (loading, or waiting for "
+             "the other stages of their pipeline)", alive, have, want);
+}
+
+void pipes_tell_stalled(server *s, struct req *q, const uint8_t *ident, size_t ident_len, uint64_t tag) {
+    char why[384], msg[640];
+    pipes_why_idle(s, why, sizeof why);
+    snprintf(msg, sizeof msg, "request %s is accepted and kept (%d tokens so far; re-attach by its id), "
+             "but no pipeline is in service to run it: %s", q->id, q->n_out, why);
+    server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, q->id, msg,
+                             SERVER_RETRY_AFTER_MS);
+    q->stall_told = true;
 }

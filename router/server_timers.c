@@ -98,6 +98,21 @@ void server_timers(server *s) {
                 break;
             }
     }
+    /* Accepted requests with nowhere to run: once the stall has lasted
+     * about a heartbeat (a pipeline re-forming is not one), their clients
+     * hear why, so that they stop waiting when their bound says so. */
+    int32_t cap;
+    uint32_t pid;
+    if (pipes_taking_work(s, &cap, &pid) > 0) {
+        s->idle_since_ms = 0;
+    } else if (s->idle_since_ms == 0) {
+        s->idle_since_ms = now;
+    } else if (now - s->idle_since_ms >= SERVER_RETRY_AFTER_MS) {
+        for (size_t i = 0; i < s->n_queue; i++) {
+            struct req *q = s->queue[i];
+            if (!q->stall_told && !q->finishing) pipes_tell_stalled(s, q, q->ident, q->ident_len, 0);
+        }
+    }
     /* Deadlines, unfinished stores, forgetting finished requests. */
     for (struct req *q = s->all, *next; q; q = next) {
         next = q->next;

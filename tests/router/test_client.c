@@ -1,7 +1,8 @@
 /* libllmclient against a scripted router in a thread of the test: streaming,
  * re-attach with resume_from after the router's socket goes away (a router
  * restart) or goes quiet, replayed tokens dropped, errors with their codes,
- * cancel from the callback, status, and an unreachable router timing out. */
+ * cancel from the callback, status, an unreachable router timing out within
+ * retry_ms, and the quick probe. */
 #include "tests/test.h"
 
 #include "common/status.h"
@@ -165,6 +166,14 @@ static void *fake_main(void *arg) {
             r.tag = env->tag;
             r.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY;
             r.status_reply = &sr;
+            fake_send(s, &in, &r);
+        } else if (env->body_case == LLM__CLIENT_ENVELOPE__BODY_HEALTH) {
+            Llm__ClientEnvelope r = LLM__CLIENT_ENVELOPE__INIT;
+            Llm__HealthReply hr = LLM__HEALTH_REPLY__INIT;
+            hr.status = LLM__HEALTH_REPLY__SERVING_STATUS__SERVING;
+            r.tag = env->tag;
+            r.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY;
+            r.health_reply = &hr;
             fake_send(s, &in, &r);
         } else if (env->body_case == LLM__CLIENT_ENVELOPE__BODY_CANCEL) {
             f->n_cancels++;
@@ -506,6 +515,50 @@ TEST(client_unreachable_router_times_out) {
     llm_client_close(c);
 }
 
+TEST(client_retry_bounds_the_wait) {
+    /* retry_ms shorter than reply_timeout_ms: the call ends at retry_ms,
+     * not after a whole reply timeout. */
+    char err[128];
+    int port;
+    ASSERT_OK(zio_free_port(NULL, &port, err, sizeof err));
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", port);
+    llm_client *c = open_client(ep, 3000, 5000, 600);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "x";
+    struct llm_generate_result r;
+    int64_t t0 = now_ms();
+    int rc = llm_client_generate(c, &p, NULL, NULL, &r);
+    int64_t took = now_ms() - t0;
+    ASSERT_EQ(STATUS_UNAVAILABLE, rc);
+    ASSERT_TRUE(took >= 550 && took < 1500);
+    llm_generate_result_free(&r);
+    Llm__ClientEnvelope *env = NULL;
+    t0 = now_ms();
+    rc = llm_client_status(c, &env);
+    took = now_ms() - t0;
+    ASSERT_EQ(STATUS_UNAVAILABLE, rc);
+    ASSERT_TRUE(took >= 550 && took < 1500);
+    /* The probe answers in its own time, whatever retry_ms says. */
+    t0 = now_ms();
+    ASSERT_EQ(STATUS_UNAVAILABLE, llm_client_probe(c, 300));
+    took = now_ms() - t0;
+    ASSERT_TRUE(took >= 250 && took < 1000);
+    ASSERT_TRUE(strstr(llm_client_errstr(c), ep) != NULL);
+    llm_client_close(c);
+}
+
+TEST(client_probe_finds_a_router) {
+    struct fake f;
+    fake_start(&f, FAKE_STREAM);
+    llm_client *c = open_client(f.ep, 2000, 5000, 5000);
+    int rc = llm_client_probe(c, 2000);
+    fake_stop(&f);
+    ASSERT_OK(rc);
+    llm_client_close(c);
+}
+
 TEST(client_moves_to_the_next_endpoint) {
     struct fake f;
     fake_start(&f, FAKE_STREAM);
@@ -567,5 +620,6 @@ TEST(client_refuses_bad_config_and_ids) {
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
-          client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_moves_to_the_next_endpoint,
+          client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_retry_bounds_the_wait, client_probe_finds_a_router,
+          client_moves_to_the_next_endpoint,
           client_refuses_bad_config_and_ids)

@@ -1,8 +1,9 @@
-/* Tests of the router's event loop (router/server.c) in-process, against a
+/* Tests of the router's event loop (router/server*.c) in-process, against a
  * real redis-server, with fake workers and clients on ZeroMQ sockets: the
  * test plays the last stage and picks every token, so it can check plans,
  * streams, re-attach, cancel, a worker lost mid-stream, a router restart,
- * the bounded queue and the refusal of malformed frames. */
+ * the bounded queue, a request refused while no pipeline serves, and the
+ * refusal of malformed frames. */
 #include "router/server.h"
 
 #include <pthread.h>
@@ -213,6 +214,31 @@ static Llm__WorkerEnvelope *fw_recv(struct fw *w, int timeout_ms) {
     return NULL;
 }
 
+static Llm__HealthReply__ServingStatus cl_health(struct zio_sock *c) {
+    Llm__HealthRequest hr = LLM__HEALTH_REQUEST__INIT;
+    Llm__ClientEnvelope h = LLM__CLIENT_ENVELOPE__INIT;
+    h.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH;
+    h.health = &hr;
+    cl_send(c, &h);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY);
+    Llm__HealthReply__ServingStatus st = e->health_reply->status;
+    proto_client_free(e);
+    return st;
+}
+
+/* Heartbeats until the router serves (some pipeline is in service): it
+ * refuses new requests before that. */
+static void fw_wait_serving(struct fx *f, struct fw *w) {
+    struct zio_sock *c = cl_open(f);
+    int64_t end = t_ms() + 3000;
+    while (cl_health(c) != LLM__HEALTH_REPLY__SERVING_STATUS__SERVING) {
+        if (t_ms() > end) TEST_FAIL("worker %s: the router does not serve after 3 s", w->id);
+        usleep(20 * 1000);
+        fw_heartbeat(w);
+    }
+    zio_sock_close(c);
+}
+
 static void fw_open(struct fx *f, struct fw *w, const char *id) {
     memset(w, 0, sizeof *w);
     snprintf(w->id, sizeof w->id, "%s", id);
@@ -247,6 +273,7 @@ static void fw_open(struct fx *f, struct fw *w, const char *id) {
     ASSERT_EQ(5u, rep->register_reply->layer_end);
     proto_worker_free(rep);
     fw_heartbeat(w);
+    fw_wait_serving(f, w);
 }
 
 static void fw_close(struct fw *w) { zio_sock_close(w->d); }
@@ -477,37 +504,105 @@ TEST(router_server_refuses_bad_input_and_keeps_serving) {
     fx_stop(&f);
 }
 
+TEST(router_server_refuses_without_a_pipeline) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct zio_sock *c = cl_open(&f);
+    /* No worker: nothing could run it, so it is not accepted; the client
+     * hears why and when to retry. */
+    cl_generate(c, 1, "np-1", prompt3, 3, 4, 0);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ERROR);
+    ASSERT_EQ((int)LLM__ERROR__CODE__UNAVAILABLE, (int)e->error->code);
+    ASSERT_TRUE(e->error->retry_after_ms > 0);
+    ASSERT_STREQ("np-1", e->error->request_id);
+    ASSERT_TRUE(strstr(e->error->message, "no pipeline is in service") != NULL);
+    ASSERT_TRUE(strstr(e->error->message, "no worker is registered") != NULL);
+    proto_client_free(e);
+    ASSERT_EQ((int)LLM__HEALTH_REPLY__SERVING_STATUS__NOT_SERVING, (int)cl_health(c));
+    /* Nothing was stored: the same id is a new request once a pipeline serves. */
+    struct fw w;
+    fw_open(&f, &w, "late");
+    cl_generate(c, 2, "np-1", prompt3, 3, 4, 0);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_TRUE(!e->accepted->reattached);
+    proto_client_free(e);
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ((size_t)1, pe->plan->n_seqs);
+    proto_worker_free(pe);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST(router_server_tells_a_stalled_request) {
+    struct fx f;
+    fx_start(&f, 300, 100);
+    struct fw a;
+    fw_open(&f, &a, "wa");
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 1, "st-1", prompt3, 3, 6, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&a);
+    fw_answer(&a, pe->plan, 500);
+    proto_worker_free(pe);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_CHUNK));
+    /* The only worker dies: the request is kept, and its client hears
+     * that nothing can run it now (so its own bound on waiting applies). */
+    fw_close(&a);
+    int64_t t0 = t_ms();
+    Llm__ClientEnvelope *e = cl_recv(c, 3000);
+    ASSERT_TRUE(e != NULL);
+    ASSERT_EQ((int)LLM__CLIENT_ENVELOPE__BODY_ERROR, (int)e->body_case);
+    ASSERT_EQ((int)LLM__ERROR__CODE__UNAVAILABLE, (int)e->error->code);
+    ASSERT_TRUE(e->error->retry_after_ms > 0);
+    ASSERT_STREQ("st-1", e->error->request_id);
+    ASSERT_TRUE(strstr(e->error->message, "accepted and kept") != NULL);
+    ASSERT_TRUE(t_ms() - t0 < 2500);
+    proto_client_free(e);
+    /* A re-attach meanwhile gets the same answer, not an Accepted that
+     * would keep the client waiting for nothing. */
+    cl_generate(c, 2, "st-1", prompt3, 3, 6, 1);
+    cl_expect_error(c, LLM__ERROR__CODE__UNAVAILABLE, "no pipeline is in service");
+    /* A worker joins: the re-attach is accepted and the request resumes. */
+    struct fw b;
+    fw_open(&f, &b, "wb");
+    cl_generate(c, 3, "st-1", prompt3, 3, 6, 1);
+    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
+    ASSERT_TRUE(e->accepted->reattached);
+    proto_client_free(e);
+    pe = fw_plan(&b);
+    ASSERT_EQ((size_t)4, pe->plan->seqs[0]->n_tokens);
+    proto_worker_free(pe);
+    zio_sock_close(c);
+    fw_close(&b);
+    fx_stop(&f);
+}
+
 TEST(router_server_queue_is_bounded) {
     struct fx f;
     fx_start(&f, 2000, 2);
+    struct fw w;
+    fw_open(&f, &w, "w1");
     struct zio_sock *c = cl_open(&f);
-    /* No worker: requests are accepted (durable) and wait. */
+    /* The first request's step stays in flight (the worker does not
+     * answer), so the ones after it wait. */
     cl_generate(c, 1, "q1", prompt3, 3, 4, 0);
     proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ((size_t)1, pe->plan->n_seqs);
+    proto_worker_free(pe);
     cl_generate(c, 2, "q2", prompt3, 3, 4, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    cl_generate(c, 3, "q3", prompt3, 3, 4, 0);
     Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED);
     ASSERT_EQ(1u, e->accepted->queue_position);
     proto_client_free(e);
-    cl_generate(c, 3, "q3", prompt3, 3, 4, 0);
+    cl_generate(c, 4, "q4", prompt3, 3, 4, 0);
     e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ERROR);
     ASSERT_EQ((int)LLM__ERROR__CODE__RESOURCE_EXHAUSTED, (int)e->error->code);
     ASSERT_TRUE(e->error->retry_after_ms > 0);
-    ASSERT_STREQ("q3", e->error->request_id);
+    ASSERT_STREQ("q4", e->error->request_id);
     proto_client_free(e);
-    Llm__HealthRequest hr = LLM__HEALTH_REQUEST__INIT;
-    Llm__ClientEnvelope h = LLM__CLIENT_ENVELOPE__INIT;
-    h.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH;
-    h.health = &hr;
-    cl_send(c, &h);
-    e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY);
-    ASSERT_EQ((int)LLM__HEALTH_REPLY__SERVING_STATUS__NOT_SERVING, (int)e->health_reply->status);
-    proto_client_free(e);
-    /* A pipeline joins: the queued requests run without being re-sent. */
-    struct fw w;
-    fw_open(&f, &w, "late");
-    Llm__WorkerEnvelope *pe = fw_plan(&w);
-    ASSERT_EQ((size_t)2, pe->plan->n_seqs);
-    proto_worker_free(pe);
     zio_sock_close(c);
     fw_close(&w);
     fx_stop(&f);
@@ -684,8 +779,14 @@ TEST(router_server_restart_resumes_requests) {
 TEST(router_server_stop_string_and_deadline) {
     struct fx f;
     fx_start(&f, 2000, 100);
-    struct zio_sock *c = cl_open(&f);
-    /* A deadline passes while the request waits for a pipeline. */
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c = cl_open(&f), *c0 = cl_open(&f);
+    /* A deadline passes while the request waits for its turn: the
+     * pipeline's one step in flight holds another request, unanswered. */
+    cl_generate(c0, 1, "dl-0", prompt3, 3, 4, 0);
+    proto_client_free(cl_expect(c0, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *held = fw_plan(&w);
     Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
     g.request_id = "dl-1";
     g.prompt = "Once upon a time";
@@ -706,11 +807,19 @@ TEST(router_server_stop_string_and_deadline) {
     ASSERT_EQ((int)LLM__ERROR__CODE__DEADLINE_EXCEEDED, (int)e->done->error->code);
     ASSERT_TRUE(t_ms() - t0 < 1000);
     proto_client_free(e);
+    Llm__Cancel cm = LLM__CANCEL__INIT;
+    cm.request_id = "dl-0";
+    Llm__ClientEnvelope ce = LLM__CLIENT_ENVELOPE__INIT;
+    ce.body_case = LLM__CLIENT_ENVELOPE__BODY_CANCEL;
+    ce.cancel = &cm;
+    cl_send(c0, &ce);
+    proto_client_free(cl_expect(c0, LLM__CLIENT_ENVELOPE__BODY_DONE));
+    fw_answer(&w, held->plan, 500);
+    proto_worker_free(held);
+    zio_sock_close(c0);
 
     /* A stop string across two tokens: the text stops before it, and the
      * part of it sent early is held back. */
-    struct fw w;
-    fw_open(&f, &w, "w1");
     char *stops[1] = {"a lit"};
     g.request_id = "st-1";
     g.timeout_ms = 0;
@@ -751,6 +860,7 @@ finished:
     fx_stop(&f);
 }
 
-TEST_MAIN(router_server_generates_and_streams, router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
+TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_pipeline, router_server_tells_a_stalled_request,
+          router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
           router_server_queue_is_bounded, router_server_worker_loss_resumes_exactly_once,
           router_server_reattach_and_cancel, router_server_restart_resumes_requests)
