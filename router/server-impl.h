@@ -58,6 +58,8 @@ struct req {
     struct lp *lps;                /* one per out token when logprobs were asked */
     uint64_t seed;
     int64_t created_ms, deadline_ms, done_ms;
+    int64_t last_token_us;         /* server_mono_us() of its latest token (0: none yet) */
+    bool placed_once;              /* its queue time is recorded (router/server_metrics.h) */
     int32_t priority;
     int32_t limit;                 /* prompt + completion tokens, at most */
     uint64_t order;

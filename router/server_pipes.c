@@ -2,6 +2,7 @@
  * service, torn down, re-formed), queued requests assigned to the least
  * loaded one, and step plans sent to every stage. */
 #include "router/server-impl.h"
+#include "router/server_metrics.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -256,6 +257,8 @@ void pipes_assign(server *s) {
         q->state = REQ_ASSIGNED;
         req_seq_put(s, q);
         s->queue[i] = NULL;
+        if (!q->placed_once) server_metrics_scheduled(s->cfg.metrics, q->created_ms, server_now_ms());
+        q->placed_once = true;
     }
     for (size_t k = 0; k < s->n_queue; k++)
         if (s->queue[k]) s->queue[kept++] = s->queue[k];

@@ -452,7 +452,10 @@ void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob 
             }
         }
     }
+    int64_t now_us = server_mono_us();
     if (q->n_out == 0) server_metrics_first_token(s->cfg.metrics, q->created_ms, server_now_ms());
+    else if (q->last_token_us) server_metrics_token_gap(s->cfg.metrics, (double)(now_us - q->last_token_us) / 1e6);
+    q->last_token_us = now_us;
     q->out[q->n_out++] = token;
     s->gen_total++;
     if (q->pipe) q->pipe->gen_tokens++;

@@ -112,6 +112,8 @@ TEST(cluster_router_metrics) {
     ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_count"));
     ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
     ASSERT_EQ(3.0, sample(body, "llm_e2e_request_latency_seconds_count"));
+    ASSERT_EQ(3.0, sample(body, "llm_request_queue_time_seconds_count"));
+    ASSERT_EQ((double)(tokens - 3), sample(body, "llm_inter_token_latency_seconds_count"));
     ASSERT_EQ(0.0, sample(body, "llm_num_requests_running"));
     ASSERT_EQ(0.0, sample(body, "llm_num_requests_waiting"));
     ASSERT_TRUE(sample(body, "llm_kv_blocks_capacity") > 0);
