@@ -105,13 +105,21 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                            g->request_id, (long long)g->deadline_ms, (long long)(now_ms - g->deadline_ms));
     }
     struct sampling_params sp;
+    char why[200];
+    rc = proto_sampling_check(g->sampling, n_vocab, &sp, why, sizeof why);
+    if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);
+    return 0;
+}
+
+int proto_sampling_check(const Llm__SamplingParams *m, int32_t n_vocab, struct sampling_params *p,
+                         char *err, size_t errlen) {
     char why[160];
-    rc = proto_sampling_from_msg(g->sampling, &sp, why, sizeof why);
-    if (rc == 0) rc = sampling_params_validate(&sp, n_vocab, why, sizeof why);
+    int rc = proto_sampling_from_msg(m, p, why, sizeof why);
+    if (rc == 0) rc = sampling_params_validate(p, n_vocab, why, sizeof why);
     if (rc < 0) {
         /* proto_sampling_from_msg already names "sampling."; the validator
          * names the bare field. */
-        return status_fail(err, errlen, rc, "request %s: %s%s", g->request_id,
+        return status_fail(err, errlen, rc, "%s%s",
                            strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
     }
     return 0;

@@ -25,6 +25,12 @@ int proto_sampling_from_msg(const Llm__SamplingParams *m, struct sampling_params
 /* Fills *m (the caller's, e.g. on the stack) from *p.  m->stop_token_ids
  * points into p, so p must outlive every use of m. */
 void proto_sampling_to_msg(const struct sampling_params *p, Llm__SamplingParams *m);
+/* proto_sampling_from_msg, then sampling_params_validate against n_vocab
+ * (0 skips the vocabulary checks): what the router checks in a request and
+ * the worker in a plan.  Returns 0, or STATUS_BAD_INPUT with err naming the
+ * field as "sampling.<field>" and its value (*p then holds no meaning). */
+int proto_sampling_check(const Llm__SamplingParams *m, int32_t n_vocab, struct sampling_params *p,
+                         char *err, size_t errlen);
 
 /* Everything the router checks before accepting a GenerateRequest:
  * request_id (proto_request_id_check), not both a non-empty prompt and

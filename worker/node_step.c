@@ -152,12 +152,8 @@ static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, 
         n->seq_err[i][0] = 0;
         if (last && sp->want_logits) {
             char why[200];
-            int bad = proto_sampling_from_msg(sp->sampling, &n->params[i], why, sizeof why) < 0 ||
-                      sampling_params_validate(&n->params[i], n->n_vocab, why, sizeof why) < 0;
-            /* The conversion names "sampling."; the validator names the bare field. */
-            if (bad)
-                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: %s%s", id,
-                         strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
+            if (proto_sampling_check(sp->sampling, n->n_vocab, &n->params[i], why, sizeof why) < 0)
+                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: %s", id, why);
         }
     }
     if (total > n->n_tokens_max) {
