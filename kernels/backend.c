@@ -97,12 +97,16 @@ void backend_weight_free(backend *b, struct backend_weight *w) {
 int backend_kv_init(backend *b, struct backend_kv *out, enum dtype type, int32_t n_blocks,
                     int32_t block_size, int32_t n_kv_heads, int32_t head_dim) {
     memset(out, 0, sizeof *out);
-    if (type != DTYPE_F32 && type != DTYPE_F16)
-        return backend_fail(b, STATUS_UNSUPPORTED, "KV cache type %s (F32 or F16 only)", dtype_name(type));
+    if (type != DTYPE_F32 && type != DTYPE_F16 && type != DTYPE_Q8_0)
+        return backend_fail(b, STATUS_UNSUPPORTED, "KV cache type %s (F32, F16 or Q8_0 only)", dtype_name(type));
     if (n_blocks <= 0 || block_size <= 0 || n_kv_heads <= 0 || head_dim <= 0)
         return backend_fail(b, STATUS_BAD_INPUT, "KV cache shape %d blocks x %d x %d x %d", n_blocks,
                             block_size, n_kv_heads, head_dim);
-    size_t bytes = (size_t)n_blocks * block_size * n_kv_heads * head_dim * dtype_block_bytes(type);
+    if (type == DTYPE_Q8_0 && (head_dim % 2 != 0 || head_dim % backend_kv_q8_group(head_dim) != 0))
+        return backend_fail(b, STATUS_UNSUPPORTED,
+                            "KV cache type Q8_0 needs an even head_dim below 32 or a multiple of 32, not %d",
+                            head_dim);
+    size_t bytes = (size_t)n_blocks * block_size * n_kv_heads * backend_kv_row_bytes(type, head_dim);
     out->k = backend_alloc(b, bytes);
     out->v = out->k ? backend_alloc(b, bytes) : NULL;
     if (!out->v) {

@@ -34,12 +34,32 @@ struct backend_weight {
 };
 
 /* One layer's paged KV cache.  k and v are each
- * [n_blocks][n_kv_heads][block_size][head_dim] of `type` (F32 or F16). */
+ * [n_blocks][n_kv_heads][block_size][head_dim] of `type`: F32, F16, or
+ * Q8_0.  A Q8_0 position row (one KV head) is head_dim / g groups of g =
+ * backend_kv_q8_group(head_dim) values, each group an F16 scale d followed
+ * by g int8 q (value = d * q): with g = 32 that is common/dtype.h's
+ * block_q8_0, and heads narrower than 32 keep one scale per row.  Rows are
+ * backend_kv_row_bytes apart, so a KV block stays contiguous.  Writes
+ * quantize (d = amax / 127 rounded to F16, q = x / d rounded to nearest, as
+ * dtype_quant_row does); attention reads the 8-bit values directly. */
 struct backend_kv {
     void *k, *v;
     enum dtype type;
     int32_t n_blocks, block_size, n_kv_heads, head_dim;
 };
+
+/* Values per F16 scale in a Q8_0 KV row: 32, or the whole row for heads
+ * narrower than 32.  Q8_0 needs an even head_dim that is below 32 or a
+ * multiple of 32. */
+static inline int32_t backend_kv_q8_group(int32_t head_dim) { return head_dim < 32 ? head_dim : 32; }
+/* Bytes of one position of one KV head in a cache of this type. */
+static inline size_t backend_kv_row_bytes(enum dtype type, int32_t head_dim) {
+    if (type == DTYPE_Q8_0) {
+        int32_t g = backend_kv_q8_group(head_dim);
+        return (size_t)(head_dim / g) * (size_t)(g + 2);
+    }
+    return (size_t)head_dim * (type == DTYPE_F32 ? 4 : 2);
+}
 
 /* The sequences of one step, for attention.  Every pointer is backend
  * memory; the host-side counts size the launch. */
@@ -91,7 +111,8 @@ int backend_sync(backend *b);
 int backend_weight_load(backend *b, struct backend_weight *out, enum dtype type,
                         const void *host, int64_t rows, int64_t cols);
 void backend_weight_free(backend *b, struct backend_weight *w);
-/* A KV cache for one layer, or NULL.  type F16 or F32. */
+/* A KV cache for one layer, or NULL.  type F32, F16 or Q8_0 (see
+ * backend_kv_q8_group for the head widths it takes). */
 int backend_kv_init(backend *b, struct backend_kv *out, enum dtype type, int32_t n_blocks,
                     int32_t block_size, int32_t n_kv_heads, int32_t head_dim);
 void backend_kv_free(backend *b, struct backend_kv *kv);

@@ -26,7 +26,7 @@
 
 struct run_opts {
     const char *model, *prompt, *tokenize, *eval_ids, *device, *log_level;
-    int max_tokens, top, top_k, threads, kv_blocks, ctx, batch;
+    int max_tokens, top, top_k, threads, kv_blocks, kv_type, ctx, batch;
     double temperature, top_p, min_p, repeat_penalty;
     int64_t seed;
     bool json, stop_at_eos, require_gpu, bos, parse_special;
@@ -241,6 +241,7 @@ static const struct option_def run_defs_proto[] = {
     {"stop-at-eos", NULL, OPTION_BOOL, "true", "stop at an end-of-generation token", NULL, 0, 0, NULL},
     {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU threads (0: one per core)", NULL, 0, 1024, NULL},
     {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks of 16 positions (0: enough for the run)", NULL, 0, 1 << 24, NULL},
+    {"kv-type", "LLM_KV_TYPE", OPTION_CHOICE, "auto", "KV cache elements: auto (f32 on the CPU, f16 on a GPU), f32, f16 or q8_0 (8-bit, about half of f16's memory)", NULL, 0, 0, kvcache_type_names},
     {"ctx", NULL, OPTION_INT, "0", "positions per sequence (0: prompt + max tokens)", NULL, 0, 1 << 24, NULL},
     {"batch", NULL, OPTION_INT, "512", "tokens per prefill step", NULL, 1, 1 << 20, NULL},
     {"bos", NULL, OPTION_BOOL, "true", "--tokenize: add BOS as the metadata says (--no-bos: never)", NULL, 0, 0, NULL},
@@ -321,6 +322,7 @@ static int run_main(struct run_opts *o, char *err, size_t errlen) {
     cfg.n_seqs_max = 1;
     cfg.n_tokens_max = o->batch;
     cfg.n_blocks = o->kv_blocks;
+    cfg.kv_type = kvcache_type_of_name(o->kv_type);
     /* Evaluation wants every row's logits: run lm_head on up to 64 rows at once. */
     cfg.n_logits_max = o->eval_ids ? 64 : 1;
     rc = stage_init(&s, m, b, &cfg, err, errlen);
@@ -450,7 +452,7 @@ int main(int argc, char **argv) {
     memcpy(defs, run_defs_proto, sizeof defs);
     void *targets[] = {&o.model, &o.prompt, &o.tokenize, &o.eval_ids, &o.top, &o.max_tokens,
                        &o.temperature, &o.top_k, &o.top_p, &o.min_p, &o.repeat_penalty, &o.seed, &o.json, &o.stop_at_eos,
-                       &o.threads, &o.kv_blocks, &o.ctx, &o.batch, &o.bos, &o.parse_special, &o.device, &o.require_gpu,
+                       &o.threads, &o.kv_blocks, &o.kv_type, &o.ctx, &o.batch, &o.bos, &o.parse_special, &o.device, &o.require_gpu,
                        &o.log_level};
     _Static_assert(sizeof targets / sizeof targets[0] == sizeof defs / sizeof defs[0], "one target per option");
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) defs[i].target = targets[i];

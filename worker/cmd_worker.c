@@ -3,6 +3,7 @@
  * plans in order until SIGTERM or SIGINT, then drains and deregisters.  The
  * flags (or LLM_* environment variables) say which stage of which pipeline
  * it is; see docs/worker.md. */
+#include "kvcache.h"
 #include "node.h"
 
 #include "common/device.h"
@@ -31,7 +32,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
     const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
-    int max_tokens = 0, max_seqs = 0, ctx = 0, transport = 0, link_timeout = 0;
+    int max_tokens = 0, max_seqs = 0, ctx = 0, transport = 0, link_timeout = 0, kv_type = 0;
     double mem_fraction = 0;
     bool require_gpu = false;
     const struct option_def defs[] = {
@@ -46,6 +47,7 @@ int main(int argc, char **argv) {
         {"redis", "LLM_REDIS", OPTION_STRING, "", "Redis URL for the worker registry and NCCL ids (empty: none)", &redis, 0, 0, NULL},
         {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks (0: --mem-fraction on a GPU, max-seqs full contexts on the CPU)", &kv_blocks, 0, 1 << 24, NULL},
         {"mem-fraction", "LLM_MEM_FRACTION", OPTION_FLOAT, "0.9", "fraction of free GPU memory for weights, KV and workspace", &mem_fraction, 0.01, 1, NULL},
+        {"kv-type", "LLM_KV_TYPE", OPTION_CHOICE, "auto", "KV cache elements: auto (f32 on the CPU, f16 on a GPU), f32, f16 or q8_0 (8-bit: about twice f16's positions in the same memory)", &kv_type, 0, 0, kvcache_type_names},
         {"kv-block-size", "LLM_KV_BLOCK_SIZE", OPTION_INT, "16", "positions per KV block (the router must use the same)", &block_size, 1, 4096, NULL},
         {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU backend threads (0: one per core)", &threads, 0, 1024, NULL},
         {"max-batch-tokens", "LLM_MAX_BATCH_TOKENS", OPTION_INT, "512", "tokens per step, all sequences together", &max_tokens, 1, 1 << 20, NULL},
@@ -95,6 +97,7 @@ int main(int argc, char **argv) {
     cfg.kv_blocks = kv_blocks;
     cfg.mem_fraction = mem_fraction;
     cfg.kv_block_size = block_size;
+    cfg.kv_type = kvcache_type_of_name(kv_type);
     cfg.threads = threads;
     cfg.max_batch_tokens = max_tokens;
     cfg.max_seqs = max_seqs;

@@ -41,9 +41,20 @@ int kvcache_init(kvcache **out, backend *b, int32_t n_layers, enum dtype type, i
         }
         kc->n_layers = i + 1;
     }
-    kc->block_bytes = (size_t)n_kv_heads * block_size * head_dim * dtype_block_bytes(type);
+    kc->block_bytes = kvcache_block_bytes(type, block_size, n_kv_heads, head_dim) / 2;
     *out = kc;
     return STATUS_OK;
+}
+
+const char *const kvcache_type_names[] = {"auto", "f32", "f16", "q8_0", NULL};
+
+int32_t kvcache_type_of_name(int i) {
+    static const int32_t types[] = {-1, DTYPE_F32, DTYPE_F16, DTYPE_Q8_0};
+    return i >= 0 && i < (int)(sizeof types / sizeof types[0]) ? types[i] : -1;
+}
+
+size_t kvcache_block_bytes(enum dtype type, int32_t block_size, int32_t n_kv_heads, int32_t head_dim) {
+    return 2 * (size_t)n_kv_heads * (size_t)block_size * backend_kv_row_bytes(type, head_dim);
 }
 
 void kvcache_free(kvcache *kc) {

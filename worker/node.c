@@ -25,6 +25,7 @@ void node_config_default(struct node_config *cfg) {
     cfg->stage_count = 1;
     cfg->mem_fraction = 0.9;
     cfg->kv_block_size = KVBLOCKS_BLOCK_SIZE_DEFAULT;
+    cfg->kv_type = -1;
     cfg->max_batch_tokens = 512;
     cfg->max_seqs = 16;
     cfg->link_timeout_ms = 30000;

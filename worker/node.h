@@ -52,6 +52,7 @@ struct node_config {
     int32_t kv_blocks;          /* 0: from mem_fraction on a GPU, else the stage default */
     double mem_fraction;        /* of the free device memory, for weights + KV + workspace */
     int32_t kv_block_size;
+    int32_t kv_type;            /* stage_config.kv_type: DTYPE_F32, F16, Q8_0; < 0: F32 on the CPU, F16 on a GPU */
     int32_t threads;            /* CPU backend threads; 0: one per core */
     int32_t max_batch_tokens;   /* rows per step, all sequences together */
     int32_t max_seqs;           /* sequences per step */

@@ -196,9 +196,9 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     sc.block_size = cfg->kv_block_size;
     int32_t ctx = sc.n_ctx_max > 0 ? sc.n_ctx_max : 2048;
     size_t weights = node_range_bytes(n->m, first, end);
-    size_t kv_elt = gpu ? 2 : 4;
-    size_t per_block = (size_t)(end - first) * 2 * hp->n_kv_heads * cfg->kv_block_size *
-                       hp->head_dim * kv_elt;
+    sc.kv_type = cfg->kv_type >= 0 ? cfg->kv_type : gpu ? DTYPE_F16 : DTYPE_F32;
+    size_t per_block = (size_t)(end - first) *
+                       kvcache_block_bytes((enum dtype)sc.kv_type, cfg->kv_block_size, hp->n_kv_heads, hp->head_dim);
     /* Activations, attention and lm_head scratch, and (GPU) cuBLAS and
      * three dequantized prefill tiles of up to 96 MiB (the scratch's and
      * the two of kernels/cuda/dequant_ahead.cu): an upper estimate; the
@@ -252,7 +252,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
         "positions, %s), workspace %s%.2f MiB; %d tokens and %d sequences per step",
         n->stage_index, n->stage_count, first, end, model_file_path(n->m), backend_name(n->b),
         node_mib(weights), gpu ? "" : " (mapped from the file)", node_mib(kv_real), c->n_blocks,
-        c->block_size, c->kv_type == DTYPE_F16 ? "f16" : "f32", gpu ? "" : "~", node_mib(work),
+        c->block_size, dtype_name(c->kv_type), gpu ? "" : "~", node_mib(work),
         c->n_tokens_max, c->n_seqs_max);
     n->layer_first = first;
     n->layer_end = end;

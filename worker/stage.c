@@ -131,9 +131,13 @@ static int stage_config_resolve(stage *s, const struct stage_config *in, char *e
         return status_fail(err, errlen, STATUS_BAD_INPUT,
                            "stage: %d sequences per step but only %d tokens per step", c.n_seqs_max,
                            c.n_tokens_max);
-    if (c.kv_type != DTYPE_F32 && c.kv_type != DTYPE_F16)
-        return status_fail(err, errlen, STATUS_UNSUPPORTED, "stage: KV cache type %s (F32 or F16)",
+    if (c.kv_type != DTYPE_F32 && c.kv_type != DTYPE_F16 && c.kv_type != DTYPE_Q8_0)
+        return status_fail(err, errlen, STATUS_UNSUPPORTED, "stage: KV cache type %s (F32, F16 or Q8_0)",
                            dtype_name(c.kv_type));
+    if (c.kv_type == DTYPE_Q8_0 && hp->head_dim % backend_kv_q8_group(hp->head_dim) != 0)
+        return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                           "stage: KV cache type Q8_0 needs head_dim below 32 or a multiple of 32; this model's is %d",
+                           hp->head_dim);
     if (hp->head_dim % 2 != 0 || hp->n_kv_heads <= 0 || hp->n_heads % hp->n_kv_heads != 0)
         return status_fail(err, errlen, STATUS_UNSUPPORTED, "stage: %d heads, %d KV heads of %d",
                            hp->n_heads, hp->n_kv_heads, hp->head_dim);

@@ -26,7 +26,7 @@ struct stage_config {
     int32_t n_logits_max; /* lm_head rows per launch (more are done in chunks); default n_seqs_max */
     int32_t block_size;   /* KV positions per block; default KVBLOCKS_BLOCK_SIZE_DEFAULT */
     int32_t n_blocks;     /* KV blocks in the pool; default n_seqs_max * blocks of n_ctx_max */
-    int32_t kv_type;      /* DTYPE_F32 or DTYPE_F16; < 0: F32 on CPU, F16 on GPU (the default) */
+    int32_t kv_type;      /* DTYPE_F32, DTYPE_F16 or DTYPE_Q8_0; < 0: F32 on CPU, F16 on GPU (the default) */
 };
 
 /* All fields 0 / -1: "use the default". */

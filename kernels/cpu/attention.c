@@ -1,5 +1,5 @@
-/* Paged KV cache writes and causal grouped-query attention on the CPU
- * backend.  Attention threads take (sequence, head) pairs from a shared
+/* Paged KV cache writes (F32, F16, or Q8_0 quantized on write) and causal
+ * grouped-query attention on the CPU backend.  Attention threads take (sequence, head) pairs from a shared
  * counter; each computes, for every query row of its sequence, the scores
  * against positions 0..p, a max-subtracted softmax, and the weighted sum of
  * V, with per-thread score buffers from the backend's scratch. */
@@ -9,6 +9,54 @@
 #include <string.h>
 
 #include "../../common/status.h"
+
+/* ---- Q8_0 rows ----
+ * An 8-bit cache row is head_dim / g groups (g = backend_kv_q8_group): an
+ * F16 scale, then g int8.  Attention dots it against the float query and
+ * adds it into the float accumulator a group at a time, the scale applied
+ * once per group: the query and the sums stay F32, so the cache's own
+ * rounding is the only error the 8-bit cache adds. */
+
+static void quant_q8_row(const float *x, uint8_t *row, int64_t n, int g) {
+    for (int64_t i = 0; i < n / g; i++, row += g + 2, x += g) {
+        float amax = 0;
+        for (int j = 0; j < g; j++) amax = fmaxf(amax, fabsf(x[j]));
+        /* Round against the stored F16 scale, as dtype_quant_row does. */
+        uint16_t dh = cpu_f32_to_fp16(amax / 127.0f);
+        float d = cpu_fp16_to_f32(dh), id = d > 0 ? 1.0f / d : 0.0f;
+        memcpy(row, &dh, 2);
+        int8_t *qs = (int8_t *)(row + 2);
+        for (int j = 0; j < g; j++) {
+            long q = lrintf(x[j] * id);
+            qs[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        }
+    }
+}
+
+static inline float q8_scale(const uint8_t *group) {
+    uint16_t h;
+    memcpy(&h, group, 2);
+    return cpu_fp16_to_f32(h);
+}
+
+static float dot_q8_row(const uint8_t *row, const float *x, int64_t n, int g) {
+    float sum = 0;
+    for (int64_t i = 0; i < n / g; i++, row += g + 2, x += g) {
+        const int8_t *qs = (const int8_t *)(row + 2);
+        float s = 0;
+        for (int j = 0; j < g; j++) s += (float)qs[j] * x[j];
+        sum += s * q8_scale(row);
+    }
+    return sum;
+}
+
+static void axpy_q8_row(float *y, float a, const uint8_t *row, int64_t n, int g) {
+    for (int64_t i = 0; i < n / g; i++, row += g + 2, y += g) {
+        const int8_t *qs = (const int8_t *)(row + 2);
+        float ad = a * q8_scale(row);
+        for (int j = 0; j < g; j++) y[j] += ad * (float)qs[j];
+    }
+}
 
 /* ---- kv_write ---- */
 
@@ -26,7 +74,13 @@ int cpu_kv_write(backend *b_, struct backend_kv *kv, const float *k, const float
             /* [block][kv head][offset][dim] */
             int64_t dst = ((blk * kv->n_kv_heads + h) * kv->block_size + off) * hd;
             const float *ks = k + i * width + h * hd, *vs = v + i * width + h * hd;
-            if (kv->type == DTYPE_F32) {
+            if (kv->type == DTYPE_Q8_0) {
+                /* dst counts elements: dst / hd is the row. */
+                size_t rb = backend_kv_row_bytes(DTYPE_Q8_0, kv->head_dim), at = (size_t)(dst / hd) * rb;
+                int g = backend_kv_q8_group(kv->head_dim);
+                quant_q8_row(ks, (uint8_t *)kv->k + at, hd, g);
+                quant_q8_row(vs, (uint8_t *)kv->v + at, hd, g);
+            } else if (kv->type == DTYPE_F32) {
                 memcpy((float *)kv->k + dst, ks, (size_t)hd * sizeof(float));
                 memcpy((float *)kv->v + dst, vs, (size_t)hd * sizeof(float));
             } else {
@@ -63,17 +117,19 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
     int64_t width = (int64_t)t->n_heads * hd;
     const int32_t *bt = ba->block_tables + (int64_t)s * ba->max_blocks;
     int32_t tok0 = ba->seq_tok0[s], tok1 = ba->seq_tok0[s + 1], pos0 = ba->seq_pos0[s];
-    size_t es = kv->type == DTYPE_F32 ? 4 : 2;
+    /* Bytes of one position's row of head_dim values. */
+    size_t rb = backend_kv_row_bytes(kv->type, kv->head_dim);
     const struct cpu_type_traits *tr = cpu_type_traits(kv->type);
+    int q8 = kv->type == DTYPE_Q8_0, g = backend_kv_q8_group(kv->head_dim);
 
     for (int32_t r = tok0; r < tok1; r++) {
         const float *q = t->q + r * width + h * hd;
         int32_t n_ctx = pos0 + (r - tok0) + 1;
         float mx = -INFINITY;
         for (int32_t j = 0; j < n_ctx; j++) {
-            int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
-            const void *kr = (const uint8_t *)kv->k + e * es;
-            float sc = tr->dot(kr, q, hd) * t->scale;
+            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+            const void *kr = (const uint8_t *)kv->k + e * rb;
+            float sc = (q8 ? dot_q8_row(kr, q, hd, g) : tr->dot(kr, q, hd)) * t->scale;
             scores[j] = sc;
             if (sc > mx) mx = sc;
         }
@@ -84,9 +140,12 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
         }
         memset(acc, 0, (size_t)hd * sizeof(float));
         for (int32_t j = 0; j < n_ctx; j++) {
-            int64_t e = (((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs) * hd;
-            const void *vr = (const uint8_t *)kv->v + e * es;
-            tr->axpy(acc, scores[j], vr, hd);
+            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+            const void *vr = (const uint8_t *)kv->v + e * rb;
+            if (q8)
+                axpy_q8_row(acc, scores[j], vr, hd, g);
+            else
+                tr->axpy(acc, scores[j], vr, hd);
         }
         float inv = 1.0f / sum;
         float *o = t->out + r * width + h * hd;
