@@ -6,7 +6,10 @@
 #include "kvcache.h"
 #include "node.h"
 
+#include "node_metrics.h"
+
 #include "common/device.h"
+#include "common/httpd.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -31,6 +34,8 @@ int main(int argc, char **argv) {
     node_config_default(&cfg);
     const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
     const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
+    const char *metrics_listen = NULL;
+    static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
     int max_tokens = 0, max_seqs = 0, ctx = 0, transport = 0, link_timeout = 0, kv_type = 0;
     double mem_fraction = 0;
@@ -58,6 +63,9 @@ int main(int argc, char **argv) {
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
         {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
         {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},
+        {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
+         "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none",
+         &metrics_listen, 0, 0, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "info", "debug, info, warn, error or none", &log_level, 0, 0, NULL},
     };
     struct options o = {"llm-worker", "[options]",
@@ -138,14 +146,45 @@ int main(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
 
+    node_metrics *nm = NULL;
+    if (node_metrics_init(&nm, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-worker: %s\n", err);
+        return 1;
+    }
+    /* The port comes up before the model loads, so that /health answers
+     * (and /ready says "loading the model") while it does. */
+    httpd *h = NULL;
+    struct httpd_config hc = {.listen = metrics_listen, .registry = node_metrics_registry(nm),
+                              .refresh = node_metrics_refresh, .refresh_ud = nm,
+                              .ready = node_metrics_ready, .ready_ud = nm};
+    rc = metrics_listen[0] ? httpd_start(&h, &hc, err, sizeof err) : STATUS_OK;
+    /* Several workers share a host (one per GPU, or a local cluster): a
+     * taken default port is a warning; an address the operator gave that
+     * cannot be served is not. */
+    if (rc == STATUS_IO && metrics_listen == metrics_default) {
+        LOG(LL_WARN, "worker: no metrics port: %s (give --metrics-listen another port)", err);
+    } else if (rc < 0) {
+        fprintf(stderr, "llm-worker: --metrics-listen: %s\n", err);
+        node_metrics_free(nm);
+        return 2;
+    } else if (h) {
+        LOG(LL_INFO, "worker: metrics on http://%s (port %d): /metrics, /health, /ready",
+            metrics_listen, httpd_port(h));
+    }
     node *n;
     rc = node_init(&n, &cfg, err, sizeof err);
     if (rc < 0) {
         fprintf(stderr, "llm-worker: cannot start: %s\n", err);
+        httpd_stop(h);
+        node_metrics_free(nm);
         return 1;
     }
+    node_metrics_attach(nm, n);
     rc = node_run(n, &worker_stop, err, sizeof err);
+    /* The port stops first: it reads the node. */
+    httpd_stop(h);
     node_free(n);
+    node_metrics_free(nm);
     if (rc < 0) {
         fprintf(stderr, "llm-worker: %s\n", err);
         return 1;

@@ -106,6 +106,7 @@ struct node {
     _Atomic uint32_t kv_blocks_used;
     _Atomic uint32_t kv_blocks_total, kv_block_size; /* of the stage loaded now */
     uint64_t mem_total;                              /* device (or host) memory, at init */
+    struct node_metrics *metrics;                    /* worker/node_metrics.h; NULL: none */
 };
 
 static inline int64_t node_now_ms(void) {

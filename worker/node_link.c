@@ -2,6 +2,7 @@
  * placement (ZeroMQ or NCCL), and the hidden-state rows a step receives and
  * sends over them. */
 #include "node-impl.h"
+#include "node_metrics.h"
 
 #include "common/log.h"
 #include "common/rconn.h"
@@ -170,6 +171,7 @@ int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *bat
  * holds them for a host link). */
 int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen) {
     size_t rows = (size_t)T * n->dim;
+    int64_t t0 = node_now_us();
     int rc;
     if (link_on_device(n->tx)) {
         rc = backend_convert(n->b, n->dev_out_f16, DTYPE_F16, forward_hidden(n->s), DTYPE_F32,
@@ -183,6 +185,7 @@ int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen
         rc = link_send(n->tx, step, n->hidden_out_host, rows * sizeof(float));
     }
     if (rc < 0) snprintf(err, errlen, "%s", link_errstr(n->tx));
+    else node_metrics_link_send(n->metrics, n->stage_index, (double)(node_now_us() - t0) / 1e6);
     return rc;
 }
 

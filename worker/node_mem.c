@@ -2,6 +2,7 @@
  * KV cache and workspace take and whether they fit, loading the stage and
  * sizing the step buffers. */
 #include "node-impl.h"
+#include "node_metrics.h"
 
 #include "common/gguf.h"
 #include "common/layersplit.h"
@@ -257,6 +258,8 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     n->layer_first = first;
     n->layer_end = end;
     atomic_store(&n->kv_blocks_total, (uint32_t)c->n_blocks);
+    if (mem_total >= free_after)
+        node_metrics_memory(n->metrics, n->stage_index, mem_total - free_after, mem_total);
     atomic_store(&n->kv_block_size, (uint32_t)c->block_size);
     return node_buffers_init(n, err, errlen);
 }

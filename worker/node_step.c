@@ -1,6 +1,7 @@
 /* The worker's compute thread: the per-sequence state, and one step plan
  * checked, run through the stage and answered with a StepResult. */
 #include "node-impl.h"
+#include "node_metrics.h"
 
 #include "common/log.h"
 #include "common/status.h"
@@ -368,6 +369,7 @@ static void node_step(node *n, const Llm__StepPlan *p) {
     node_kv_used_update(n);
     atomic_fetch_add(&n->steps_total, 1);
     atomic_store(&n->last_step_id, p->step_id);
+    node_metrics_step(n->metrics, n->stage_index, (double)(node_now_us() - t0) / 1e6);
 
     if (upstream_failed) {
         if (last) {

@@ -1,8 +1,9 @@
-/* The router's metrics port in a real cluster: /health at once, /ready 200
- * once a pipeline serves and 503 naming the reason when none does, /metrics
- * counting what three generations did (finish reasons, tokens, latency
- * histograms, KV blocks), accepted by promtool; a bad --metrics-listen
- * stops the router with a message naming the value. */
+/* The metrics ports of a real cluster.  The router's: /health at once,
+ * /ready 200 once a pipeline serves and 503 naming the reason when none
+ * does, /metrics counting what three generations did (finish reasons,
+ * tokens, latency histograms, KV blocks), accepted by promtool; a bad
+ * --metrics-listen stops the router with a message naming the value.  The
+ * workers': per-stage step and link times, memory, KV blocks. */
 #include "tests/router/cluster_harness.h"
 
 #include <arpa/inet.h>
@@ -64,6 +65,27 @@ static double sample(const char *text, const char *series) {
     return -1;
 }
 
+/* promtool's verdict on a scrape (a note when it is not installed). */
+static void promtool_check(const char *text) {
+    if (system("command -v promtool >/dev/null 2>&1") != 0) {
+        printf("  promtool is not installed (Debian package prometheus): format not checked by it\n");
+        return;
+    }
+    char path[] = "/tmp/llm_cluster_metrics_XXXXXX";
+    int fd = mkstemp(path);
+    ASSERT_TRUE(fd >= 0);
+    size_t len = strlen(text);
+    ASSERT_EQ((ssize_t)len, write(fd, text, len));
+    close(fd);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "promtool check metrics < %s", path);
+    fflush(stdout);
+    int rc = system(cmd);
+    unlink(path);
+    ASSERT_TRUE(WIFEXITED(rc));
+    ASSERT_EQ(0, WEXITSTATUS(rc));
+}
+
 /* Polls /ready until it answers want (bounded). */
 static void wait_ready_status(struct cluster *cl, int port, int want, char *body, size_t size) {
     int64_t end = h_now_ms() + 15000;
@@ -122,29 +144,70 @@ TEST(cluster_router_metrics) {
     ASSERT_EQ(1.0, sample(body, "llm_redis_connected"));
     ASSERT_TRUE(sample(body, "llm_num_preemptions_total") >= 0);
 
-    if (system("command -v promtool >/dev/null 2>&1") == 0) {
-        char path[] = "/tmp/llm_router_metrics_XXXXXX";
-        int fd = mkstemp(path);
-        ASSERT_TRUE(fd >= 0);
-        size_t len = strlen(body);
-        ASSERT_EQ((ssize_t)len, write(fd, body, len));
-        close(fd);
-        char cmd[256];
-        snprintf(cmd, sizeof cmd, "promtool check metrics < %s", path);
-        fflush(stdout);
-        int rc = system(cmd);
-        unlink(path);
-        ASSERT_TRUE(WIFEXITED(rc));
-        ASSERT_EQ(0, WEXITSTATUS(rc));
-    } else {
-        printf("  promtool is not installed (Debian package prometheus): format not checked by it\n");
-    }
+    promtool_check(body);
 
     /* Without its worker the pipeline leaves service and /ready says so. */
     h_proc_kill(&cl->workers[0], SIGKILL);
     wait_ready_status(cl, port, 503, body, sizeof body);
     ASSERT_TRUE(strstr(body, "not ready: no pipeline in service") != NULL);
     ASSERT_EQ(200, http_get(port, "/health", body, sizeof body));
+    h_cluster_stop(cl);
+}
+
+/* The port a process logged ("metrics on http://... (port N)"), waiting for
+ * the line (bounded); -1 when it never came. */
+static int logged_port(struct h_proc *p) {
+    int64_t end = h_now_ms() + 10000;
+    while (h_now_ms() < end) {
+        char *log = test_read_file(p->log, NULL);
+        const char *at = log ? strstr(log, "metrics on http://") : NULL;
+        at = at ? strstr(at, "(port ") : NULL;
+        int port = at ? atoi(at + 6) : -1;
+        free(log);
+        if (port > 0) return port;
+        h_sleep_ms(50);
+    }
+    return -1;
+}
+
+/* Each stage of a 2-stage pipeline on its own metrics port (port 0: the
+ * worker logs which): step times per stage, the first stage's link sends,
+ * memory, KV blocks, steps; ready while placed; promtool accepts it. */
+TEST(cluster_worker_metrics) {
+    const char *model = test_model_path(MODEL);
+    struct cluster *cl = h_cluster_start(model, 1, 2, "",
+                                         "--metrics-listen 127.0.0.1:0");
+    int port[2];
+    static char body[1 << 20];
+    for (int i = 0; i < 2; i++) {
+        port[i] = logged_port(&cl->workers[i]);
+        H_ASSERT(cl, port[i] > 0, "%s logged no metrics port", cl->workers[i].name);
+        wait_ready_status(cl, port[i], 200, body, sizeof body);
+    }
+    struct h_gen g = {0};
+    g.cl = cl;
+    g.prompt = "Once upon a time";
+    g.max_tokens = 10;
+    g.ignore_eos = 1;
+    snprintf(g.request_id, sizeof g.request_id, "worker-metrics");
+    h_generate(&g);
+    H_ASSERT(cl, g.rc == 0, "request: %s", g.err);
+    for (int i = 0; i < 2; i++) {
+        ASSERT_EQ(200, http_get(port[i], "/metrics", body, sizeof body));
+        char series[128];
+        snprintf(series, sizeof series, "llm_step_time_seconds_count{stage=\"%d\"}", i);
+        /* One prefill step and a decode step per further token, at least. */
+        if (!(sample(body, series) >= 10)) H_FAIL(cl, "stage %d: %s is %g", i, series, sample(body, series));
+        ASSERT_TRUE(sample(body, "llm_stage_steps_total") >= 10);
+        ASSERT_TRUE(sample(body, "llm_stage_tokens_total") >= 10);
+        ASSERT_TRUE(sample(body, "llm_stage_kv_blocks_capacity") > 0);
+        snprintf(series, sizeof series, "llm_device_memory_capacity_bytes{stage=\"%d\"}", i);
+        ASSERT_TRUE(sample(body, series) > 0);
+        snprintf(series, sizeof series, "llm_link_send_time_seconds_count{stage=\"%d\"}", i);
+        if (i == 0) ASSERT_TRUE(sample(body, series) >= 10);
+        else ASSERT_EQ(0.0, sample(body, series)); /* the last stage sends nothing on */
+        promtool_check(body);
+    }
     h_cluster_stop(cl);
 }
 
@@ -177,4 +240,4 @@ TEST(cluster_router_bad_metrics_listen) {
         TEST_FAIL("stderr does not name the flag and value: %s", err);
 }
 
-TEST_MAIN(cluster_router_metrics, cluster_router_bad_metrics_listen)
+TEST_MAIN(cluster_router_metrics, cluster_worker_metrics, cluster_router_bad_metrics_listen)
