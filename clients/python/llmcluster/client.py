@@ -1,0 +1,450 @@
+"""The synchronous client of the cluster's ZeroMQ protocol (docs/protocol.md),
+and what it shares with the asyncio one (aio.py): the request builder, the
+chunk and error types, and the per-stream rule that drops tokens a client
+already has after a re-attach.
+
+One Client is one DEALER connection to the router; it is not thread-safe
+(use one per thread, or AsyncClient for many requests in one event loop).
+Several generations may be iterated in turn on one Client: replies are
+matched by tag and pushed chunks by request id."""
+
+import collections
+import dataclasses
+import time
+import uuid
+from typing import List, Optional
+
+import zmq
+
+from ._pb import client_pb2 as pb
+from ._pb import types_pb2
+
+PROTOCOL_VERSION = 1
+
+# Keyword arguments of generate(): those of GenerateRequest, then those of
+# SamplingParams (proto/client.proto, proto/types.proto); zero means the
+# default, as in the protocol.
+REQUEST_FIELDS = ("model", "max_tokens", "stop", "priority", "deadline_ms", "timeout_ms", "stream", "resume_from")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "penalty_last_n", "seed", "stop_token_ids", "ignore_eos", "logprobs",
+                   "top_logprobs")
+
+
+class LlmError(Exception):
+    """An Error reply of the router.  code is the name ("NOT_FOUND",
+    "INVALID_ARGUMENT", ...; gRPC's codes), code_value its number."""
+
+    def __init__(self, code_value, message, request_id="", retry_after_ms=0):
+        self.code_value = int(code_value)
+        codes = types_pb2.Error.Code
+        self.code = codes.Name(code_value) if code_value in codes.values() else str(code_value)
+        self.message = message
+        self.request_id = request_id
+        self.retry_after_ms = retry_after_ms
+        super().__init__(f"{self.code}: {message}")
+
+    @classmethod
+    def from_pb(cls, e):
+        return cls(e.code, e.message, e.request_id, e.retry_after_ms)
+
+
+@dataclasses.dataclass
+class TopLogprob:
+    token: int
+    logprob: float
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and the most likely alternatives."""
+    token: int
+    logprob: float
+    top: List[TopLogprob]
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclasses.dataclass
+class Accepted:
+    """GenerateAccepted: the request is durable and will run."""
+    request_id: str
+    reattached: bool
+    prompt_tokens: int
+    prompt_token_ids: List[int]
+    seed: int
+    queue_position: int
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Tokens of a stream, or its end.  index is the position of
+    token_ids[0] among the completion tokens.  The last chunk of every
+    generation has no tokens and a finish_reason: "stop", "length",
+    "cancelled", "deadline" or "error" (then error says why), with usage and,
+    for "stop", stop_token (-1 if none) or stop_string."""
+    index: int
+    token_ids: List[int]
+    text: str
+    logprobs: List[TokenLogprob]
+    finish_reason: Optional[str] = None
+    usage: Optional[Usage] = None
+    stop_token: int = -1
+    stop_string: str = ""
+    error: Optional[LlmError] = None
+
+
+@dataclasses.dataclass
+class Health:
+    serving: bool
+    status: str  # "SERVING", "NOT_SERVING"
+    protocol_version: int
+    build: str
+    pipelines_ready: int
+
+
+def new_request_id():
+    return str(uuid.uuid4())
+
+
+def build_generate(env, request_id, prompt, params):
+    """Fills env.generate from the arguments of generate(); raises TypeError
+    or ValueError for arguments that are wrong in Python terms (the router
+    checks ranges and answers INVALID_ARGUMENT naming the field)."""
+    unknown = sorted(set(params) - set(REQUEST_FIELDS) - set(SAMPLING_FIELDS) - {"prompt_tokens"})
+    if unknown:
+        raise TypeError(f"generate(): unknown argument {unknown[0]!r}")
+    g = env.generate
+    g.request_id = request_id
+    tokens = params.get("prompt_tokens")
+    if (prompt is None) == (tokens is None):
+        raise ValueError("generate(): give exactly one of prompt (text) and prompt_tokens (ids)")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise TypeError(f"generate(): prompt must be a str, not {type(prompt).__name__}")
+        g.prompt = prompt
+    else:
+        g.prompt_tokens.extend(int(t) for t in tokens)
+    g.stream = bool(params.get("stream", True))
+    for f in REQUEST_FIELDS:
+        if f in ("stream", "stop") or params.get(f) is None:
+            continue
+        setattr(g, f, params[f])
+    stop = params.get("stop")
+    if stop is not None:
+        g.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    for f in SAMPLING_FIELDS:
+        v = params.get(f)
+        if v is None:
+            continue
+        if f == "stop_token_ids":
+            g.sampling.stop_token_ids.extend(int(t) for t in v)
+        else:
+            setattr(g.sampling, f, v)
+
+
+def _logprobs(lps):
+    return [TokenLogprob(lp.token, lp.logprob, [TopLogprob(t.token, t.logprob) for t in lp.top]) for lp in lps]
+
+
+def accepted_from_pb(a):
+    return Accepted(a.request_id, a.reattached, a.prompt_tokens, list(a.prompt_token_ids), a.seed, a.queue_position)
+
+
+def done_chunk(d, index):
+    fin = pb.GenerateDone.FinishReason.Name(d.finish_reason).lower()
+    err = LlmError.from_pb(d.error) if d.HasField("error") and d.error.code != 0 else None
+    return Chunk(index, [], "", [], fin, Usage(d.usage.prompt_tokens, d.usage.completion_tokens), d.stop_token,
+                 d.stop_string, err)
+
+
+def health_from_pb(h):
+    return Health(h.status == pb.HealthReply.SERVING, pb.HealthReply.ServingStatus.Name(h.status),
+                  h.protocol_version, h.build, h.pipelines_ready)
+
+
+def discard_before_accepted(queue):
+    """Empties a stream's queue when its Accepted arrives.  Nothing is
+    pushed for a new request before its Accepted, and after a re-attach on
+    the connection that already followed the request, what came before
+    belongs to the old stream: the replay follows the Accepted, and a live
+    chunk taken first would make the replay's earlier tokens look held."""
+    if queue is None:
+        return
+    if isinstance(queue, collections.deque):
+        queue.clear()
+        return
+    while not queue.empty():
+        queue.get_nowait()
+
+
+class StreamState:
+    """The tokens of one request seen so far, and the rule of docs/protocol.md
+    for re-attaching: a token whose position the client already has is
+    dropped.  feed() turns a pushed message into the Chunk to hand out (None
+    for one that carries nothing new) and raises LlmError for an error."""
+
+    def __init__(self, resume_from):
+        self.have = resume_from
+        self.finished = None  # the last Chunk, once GenerateDone came
+
+    def feed(self, env):
+        kind = env.WhichOneof("body")
+        if kind == "done":
+            self.finished = done_chunk(env.done, self.have)
+            return self.finished
+        if kind == "error":
+            raise LlmError.from_pb(env.error)
+        c = env.chunk
+        ids = list(c.token_ids)
+        lps = _logprobs(c.logprobs)
+        skip = max(0, self.have - c.index)
+        if ids and skip >= len(ids):
+            return None
+        if skip:
+            # Replays start at resume_from, so a chunk never straddles what
+            # the client has; were one to, its ids are cut but its text (whole
+            # characters of all its tokens) cannot be, and is kept.
+            ids, lps = ids[skip:], lps[skip:]
+        self.have = max(self.have, c.index + len(c.token_ids))
+        return Chunk(c.index + skip, ids, c.text, lps)
+
+
+@dataclasses.dataclass
+class Completion:
+    """A whole generation, as Generation.collect() returns it."""
+    request_id: str
+    text: str
+    token_ids: List[int]
+    logprobs: List[TokenLogprob]
+    finish_reason: str
+    usage: Usage
+    accepted: Accepted
+    last: Chunk
+
+
+class Generation:
+    """One generate request: iterate it for Chunks.  The request is sent on
+    the first next() (or start()), which raises LlmError when the router
+    refuses it.  request_id is known before.  Iterating to the end (the
+    chunk with finish_reason) releases it; close() releases one abandoned
+    earlier (the request goes on running: cancel() stops it)."""
+
+    def __init__(self, client, request_id, env, resume_from, idle_timeout):
+        self._client = client
+        self.request_id = request_id
+        self._env = env
+        self._state = StreamState(resume_from)
+        self._idle_timeout = idle_timeout
+        self.accepted = None
+        self._closed = False
+
+    @property
+    def tokens_received(self):
+        """Completion tokens this client has: resume_from for a re-attach."""
+        return self._state.have
+
+    @property
+    def finish_reason(self):
+        return self._state.finished.finish_reason if self._state.finished else None
+
+    def start(self):
+        if self.accepted is None:
+            self.accepted = self._client._start(self)
+        return self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._state.finished or self._closed:
+            raise StopIteration
+        self.start()
+        while True:
+            env = self._client._next_pushed(self.request_id, self._idle_timeout)
+            try:
+                chunk = self._state.feed(env)
+            except LlmError:
+                self.close()
+                raise
+            if chunk is None:
+                continue
+            if chunk.finish_reason:
+                self.close()
+            return chunk
+
+    def collect(self):
+        """Reads the rest of the stream; returns a Completion."""
+        text, ids, lps, last = [], [], [], None
+        for ch in self:
+            text.append(ch.text)
+            ids.extend(ch.token_ids)
+            lps.extend(ch.logprobs)
+            last = ch
+        last = last or self._state.finished
+        return Completion(self.request_id, "".join(text), ids, lps, last.finish_reason, last.usage, self.accepted, last)
+
+    def cancel(self):
+        return self._client.cancel(self.request_id)
+
+    def close(self):
+        self._closed = True
+        self._client._streams.pop(self.request_id, None)
+
+
+class Client:
+    """A connection to the router.  timeout (seconds) bounds the wait for a
+    direct reply (Accepted, Health, Status, Models, a cancel's GenerateDone);
+    generate(idle_timeout=S) bounds the gap between a stream's messages
+    (default: none, a queued request may wait long).  Both raise
+    TimeoutError; a generation can then be re-attached by its request id."""
+
+    def __init__(self, endpoint="tcp://127.0.0.1:5555", *, timeout=30.0, context=None):
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._tag = 0
+        self._replies = {}       # tag -> envelope of a direct reply
+        self._streams = {}       # request_id -> deque of pushed envelopes
+        self._cancel_waits = {}  # request_id -> GenerateDone envelope, None until it came
+
+    def close(self):
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- the connection ---------------------------------------------------
+
+    def _send(self, env):
+        if self._sock is None:
+            raise RuntimeError(f"llmcluster.Client({self.endpoint}) is closed")
+        self._tag += 1
+        env.version = PROTOCOL_VERSION
+        env.tag = self._tag
+        self._sock.send(env.SerializeToString())
+        return self._tag
+
+    def _dispatch(self, env):
+        kind = env.WhichOneof("body")
+        if kind in ("chunk", "done"):
+            rid = getattr(env, kind).request_id
+            q = self._streams.get(rid)
+            if q is not None:
+                q.append(env)
+            if kind == "done" and rid in self._cancel_waits:
+                self._cancel_waits[rid] = env
+        elif env.tag:
+            if kind == "accepted":
+                discard_before_accepted(self._streams.get(env.accepted.request_id))
+            self._replies[env.tag] = env
+        elif kind == "error" and env.error.request_id in self._streams:
+            self._streams[env.error.request_id].append(env)
+        # else: a message for a stream no longer followed, or about a frame
+        # the router could not read (tag 0, no request id): nothing waits.
+
+    def _pump(self, ready, timeout, what):
+        """Receives and dispatches until ready() is true; TimeoutError after
+        timeout seconds (None: no limit) without it."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if left is not None and left == 0.0:
+                raise TimeoutError(f"{self.endpoint}: no {what} within {timeout} s")
+            if self._sock.poll(None if left is None else int(left * 1000) + 1) == 0:
+                continue
+            env = pb.ClientEnvelope.FromString(self._sock.recv())
+            self._dispatch(env)
+
+    def _call(self, env, kind):
+        tag = self._send(env)
+        self._pump(lambda: tag in self._replies, self.timeout, f"answer to {kind}")
+        reply = self._replies.pop(tag)
+        if reply.WhichOneof("body") == "error":
+            raise LlmError.from_pb(reply.error)
+        return reply
+
+    # ---- generation -------------------------------------------------------
+
+    def generate(self, prompt=None, *, request_id=None, idle_timeout=None, **params):
+        """A streamed generation (a Generation, iterable for Chunks).
+        prompt is text (or prompt_tokens=[ids]); the other keywords are the
+        GenerateRequest fields (model, max_tokens, stop, priority,
+        deadline_ms, timeout_ms, stream, resume_from) and the SamplingParams
+        fields (temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, penalty_last_n, seed,
+        stop_token_ids, ignore_eos, logprobs, top_logprobs).  Sending the
+        same request with the request_id of a known request re-attaches to
+        it (resume_from: the tokens already held)."""
+        env = pb.ClientEnvelope()
+        rid = request_id or new_request_id()
+        build_generate(env, rid, prompt, params)
+        return Generation(self, rid, env, env.generate.resume_from, idle_timeout)
+
+    def _start(self, gen):
+        # The stream is followed before the request goes out: its first
+        # chunks may arrive right behind the Accepted.
+        self._streams[gen.request_id] = collections.deque()
+        try:
+            reply = self._call(gen._env, "generate")
+        except BaseException:
+            self._streams.pop(gen.request_id, None)
+            raise
+        return accepted_from_pb(reply.accepted)
+
+    def _next_pushed(self, rid, timeout):
+        q = self._streams.get(rid)
+        if q is None:
+            raise RuntimeError(f"request {rid}: not followed by this client")
+        self._pump(lambda: len(q) > 0, timeout, f"message of request {rid}")
+        return q.popleft()
+
+    def cancel(self, request_id):
+        """Stops the request; returns its last Chunk (finish_reason
+        "cancelled", or its real one if it had finished).  LlmError
+        NOT_FOUND for an unknown id."""
+        env = pb.ClientEnvelope()
+        env.cancel.request_id = request_id
+        self._cancel_waits[request_id] = None
+        try:
+            tag = self._send(env)
+            self._pump(lambda: tag in self._replies or self._cancel_waits[request_id] is not None, self.timeout,
+                       f"answer to cancel {request_id}")
+            if tag in self._replies:
+                raise LlmError.from_pb(self._replies.pop(tag).error)
+            d = self._cancel_waits[request_id].done
+            return done_chunk(d, d.usage.completion_tokens)
+        finally:
+            self._cancel_waits.pop(request_id, None)
+
+    # ---- the cluster ------------------------------------------------------
+
+    def health(self):
+        env = pb.ClientEnvelope()
+        env.health.SetInParent()
+        return health_from_pb(self._call(env, "health").health_reply)
+
+    def status(self):
+        """The router's StatusReply (proto/client.proto): pipelines, workers,
+        queue, KV blocks, throughput and counters."""
+        env = pb.ClientEnvelope()
+        env.status.SetInParent()
+        return self._call(env, "status").status_reply
+
+    def models(self):
+        """The served models: a list of ModelInfo (id, architecture, n_vocab,
+        n_ctx, n_layers, pipelines, is_default)."""
+        env = pb.ClientEnvelope()
+        env.models.SetInParent()
+        return list(self._call(env, "models").models_reply.models)

@@ -1,0 +1,265 @@
+"""Tests of the llmcluster package against a running cluster serving
+stories260K (tests/clients/test_python_client.c starts one and runs this):
+greedy streams equal llm-run's output token for token, sync and asyncio;
+logprobs; non-streamed requests; cancel; re-attach by request id; errors;
+health, status and models.
+
+Environment: LLM_ROUTER (the router's client endpoint), LLM_TEST_MODEL (the
+GGUF file it serves), LLM_RUN (the llm-run program), LLMCLUSTER_PROTO_DIR
+(the generated protobuf modules)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import unittest
+import uuid
+
+import llmcluster
+from llmcluster import AsyncClient, Client, LlmError
+
+ROUTER = os.environ["LLM_ROUTER"]
+MODEL = os.environ["LLM_TEST_MODEL"]
+LLM_RUN = os.environ["LLM_RUN"]
+
+_refs = {}
+
+
+def reference(prompt, max_tokens, stop_at_eos=True):
+    """llm-run's greedy output (ids, text) for prompt, the reference every
+    cluster generation at temperature 0 must equal."""
+    key = (prompt, max_tokens, stop_at_eos)
+    if key not in _refs:
+        cmd = [LLM_RUN, "--model", MODEL, "--prompt", prompt, "--max-tokens", str(max_tokens), "--json",
+               "--threads", "1", "--stop-at-eos" if stop_at_eos else "--no-stop-at-eos"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr[-500:]}")
+        j = json.loads(r.stdout.strip().splitlines()[-1])
+        _refs[key] = (j["ids"], j["text"])
+    return _refs[key]
+
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
+
+
+class SyncTest(unittest.TestCase):
+    def setUp(self):
+        self.c = Client(ROUTER, timeout=20)
+
+    def tearDown(self):
+        self.c.close()
+
+    def test_cluster_calls(self):
+        h = self.c.health()
+        self.assertTrue(h.serving, h)
+        self.assertEqual(h.protocol_version, llmcluster.PROTOCOL_VERSION)
+        self.assertGreaterEqual(h.pipelines_ready, 1)
+        models = self.c.models()
+        self.assertEqual(len(models), 1, models)
+        m = models[0]
+        self.assertEqual(m.id, os.path.basename(MODEL))
+        self.assertTrue(m.is_default)
+        self.assertEqual(m.n_vocab, 512)
+        self.assertGreaterEqual(m.pipelines, 1)
+        s = self.c.status()
+        self.assertEqual(len(s.pipelines), 1)
+        self.assertTrue(s.pipelines[0].ready)
+        self.assertEqual(len(s.workers), 1)
+
+    def check_stream(self, gen, prompt, max_tokens):
+        ids, text = reference(prompt, max_tokens)
+        got_ids, got_text, chunks = [], [], list(gen)
+        for i, ch in enumerate(chunks[:-1]):
+            self.assertIsNone(ch.finish_reason, f"chunk {i} of {len(chunks)} has a finish reason")
+            self.assertEqual(ch.index, len(got_ids), f"chunk {i} starts at token {ch.index}")
+            got_ids += ch.token_ids
+            got_text.append(ch.text)
+        last = chunks[-1]
+        self.assertIn(last.finish_reason, ("length", "stop"))
+        self.assertEqual(last.token_ids, [])
+        self.assertEqual(got_ids, ids, f'"{prompt}": token ids differ from llm-run\'s')
+        self.assertEqual("".join(got_text), text)
+        self.assertEqual(last.usage.completion_tokens, len(ids))
+        self.assertEqual(gen.finish_reason, last.finish_reason)
+        self.assertEqual(gen.tokens_received, len(ids))
+        return chunks
+
+    def test_greedy_equals_llm_run(self):
+        for p in PROMPTS:
+            gen = self.c.generate(p, max_tokens=40, temperature=0)
+            chunks = self.check_stream(gen, p, 40)
+            self.assertGreater(len(chunks), 2, "streamed as one chunk")
+            self.assertFalse(gen.accepted.reattached)
+            self.assertEqual(gen.accepted.prompt_tokens, len(gen.accepted.prompt_token_ids))
+
+    def test_several_streams_on_one_client(self):
+        gens = [self.c.generate(p, max_tokens=30) for p in PROMPTS]
+        for g in gens:
+            g.start()
+        # read them interleaved: each message must reach its own stream
+        out = {g.request_id: [] for g in gens}
+        live = list(gens)
+        while live:
+            for g in list(live):
+                ch = next(g)
+                out[g.request_id] += ch.token_ids
+                if ch.finish_reason:
+                    live.remove(g)
+        for p, g in zip(PROMPTS, gens):
+            self.assertEqual(out[g.request_id], reference(p, 30)[0], p)
+
+    def test_logprobs_and_not_streamed(self):
+        p = PROMPTS[0]
+        comp = self.c.generate(p, max_tokens=12, logprobs=True, top_logprobs=2, stream=False).collect()
+        ids, text = reference(p, 12)
+        self.assertEqual(comp.token_ids, ids)
+        self.assertEqual(comp.text, text)
+        self.assertEqual(len(comp.logprobs), len(ids))
+        for tid, lp in zip(ids, comp.logprobs):
+            self.assertEqual(lp.token, tid)
+            self.assertLess(lp.logprob, 0.0 + 1e-6)
+            self.assertEqual(len(lp.top), 2)
+            # greedy takes the most likely token, which heads the alternatives
+            self.assertEqual(lp.top[0].token, tid)
+            self.assertAlmostEqual(lp.top[0].logprob, lp.logprob, places=5)
+            self.assertGreaterEqual(lp.top[0].logprob, lp.top[1].logprob)
+
+    def test_cancel(self):
+        # The router runs one sequence at a time (--max-batch 1), so a
+        # request behind long ones is still queued when the cancel comes:
+        # cancelled for certain, not a race with its last token.
+        blockers = [self.c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True) for _ in range(6)]
+        for b in blockers:
+            b.start()
+        gen = self.c.generate(PROMPTS[1], max_tokens=50, priority=-100).start()
+        last = self.c.cancel(gen.request_id)
+        self.assertEqual(last.finish_reason, "cancelled", last)
+        self.assertEqual(last.error.code, "CANCELLED")
+        chunks = list(gen)
+        self.assertEqual(chunks[-1].finish_reason, "cancelled")
+        self.assertEqual(sum(len(ch.token_ids) for ch in chunks), 0)
+        # the last blocker is queued behind the others too
+        for b in reversed(blockers):
+            self.c.cancel(b.request_id)
+        rest = list(blockers[-1])
+        self.assertEqual(rest[-1].finish_reason, "cancelled")
+        self.assertEqual(sum(len(ch.token_ids) for ch in rest), 0)
+        for b in blockers:
+            b.close()
+        # cancelling a finished request answers its real end again
+        self.assertEqual(self.c.cancel(gen.request_id).finish_reason, "cancelled")
+        with self.assertRaises(LlmError) as e:
+            self.c.cancel("no-such-request-" + uuid.uuid4().hex)
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        self.assertIn("no-such-request", e.exception.message)
+
+    def test_reattach(self):
+        p, n = PROMPTS[2], 40
+        ids, text = reference(p, n)
+        rid = "py-reattach-" + uuid.uuid4().hex
+        with Client(ROUTER) as first:
+            gen = first.generate(p, max_tokens=n, request_id=rid)
+            self.assertEqual(gen.request_id, rid)
+            self.assertTrue(next(gen).token_ids)
+        # the first connection is gone; the same request on another replays it
+        again = self.c.generate(p, max_tokens=n, request_id=rid)
+        comp = again.collect()
+        self.assertTrue(again.accepted.reattached)
+        self.assertEqual(comp.token_ids, ids)
+        self.assertEqual(comp.text, text)
+        # resume_from: only the tokens after those held
+        tail = self.c.generate(p, max_tokens=n, request_id=rid, resume_from=10)
+        chunks = list(tail)
+        self.assertEqual(chunks[0].index, 10)
+        self.assertEqual([t for ch in chunks for t in ch.token_ids], ids[10:])
+        # the same id with another body is refused
+        with self.assertRaises(LlmError) as e:
+            self.c.generate(p, max_tokens=n + 1, request_id=rid).start()
+        self.assertEqual(e.exception.code, "ALREADY_EXISTS")
+
+    def test_refusals(self):
+        with self.assertRaises(LlmError) as e:
+            next(self.c.generate(PROMPTS[0], max_tokens=4, top_p=1.5))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("top_p", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.c.generate(max_tokens=4)
+        with self.assertRaises(TypeError):
+            self.c.generate("x", max_token=4)
+        # the connection still serves after the refusals
+        self.assertTrue(self.c.health().serving)
+
+    def test_prompt_tokens(self):
+        gen = self.c.generate(PROMPTS[1], max_tokens=5)
+        ids = gen.collect().token_ids
+        comp = self.c.generate(prompt_tokens=gen.accepted.prompt_token_ids, max_tokens=5).collect()
+        self.assertEqual(comp.token_ids, ids)
+
+
+class AsyncTest(unittest.TestCase):
+    def test_async(self):
+        asyncio.run(self.run_async())
+
+    async def run_async(self):
+        async with AsyncClient(ROUTER, timeout=20) as c:
+            h, models = await asyncio.gather(c.health(), c.models())
+            self.assertTrue(h.serving)
+            self.assertEqual(models[0].n_vocab, 512)
+            self.assertTrue((await c.status()).pipelines[0].ready)
+
+            # several generations at once on one connection, each equal to llm-run
+            async def one(p):
+                gen = c.generate(p, max_tokens=40)
+                ids, text, idx = [], [], []
+                async for ch in gen:
+                    idx.append(ch.index)
+                    ids += ch.token_ids
+                    text.append(ch.text)
+                return gen, ids, "".join(text)
+
+            results = await asyncio.gather(*(one(p) for p in PROMPTS))
+            for p, (gen, ids, text) in zip(PROMPTS, results):
+                self.assertEqual((ids, text), reference(p, 40), p)
+                self.assertIn(gen.finish_reason, ("length", "stop"))
+
+            # cancel a request queued behind others (--max-batch 1), from
+            # another task while its stream is awaited
+            blockers = [c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True) for _ in range(4)]
+            await asyncio.gather(*(b.start() for b in blockers))
+            gen = c.generate(PROMPTS[2], max_tokens=50, priority=-100)
+            await gen.start()
+            streamed = asyncio.ensure_future(gen.collect())
+            last = await c.cancel(gen.request_id)
+            self.assertEqual(last.finish_reason, "cancelled")
+            comp = await streamed
+            self.assertEqual((comp.finish_reason, comp.token_ids), ("cancelled", []))
+            for b in blockers:
+                await b.cancel()
+                b.close()
+            with self.assertRaises(LlmError) as e:
+                await c.cancel("no-such-" + uuid.uuid4().hex)
+            self.assertEqual(e.exception.code, "NOT_FOUND")
+
+            # re-attach by id
+            rid = "py-async-" + uuid.uuid4().hex
+            g1 = c.generate(PROMPTS[1], max_tokens=30, request_id=rid)
+            await g1.__anext__()
+            g1.close()
+            g2 = c.generate(PROMPTS[1], max_tokens=30, request_id=rid)
+            comp = await g2.collect()
+            self.assertTrue(g2.accepted.reattached)
+            self.assertEqual(comp.token_ids, reference(PROMPTS[1], 30)[0])
+
+
+class BuildTest(unittest.TestCase):
+    def test_missing_proto_dir(self):
+        from llmcluster import build
+        with self.assertRaises(build.BuildError) as e:
+            build.build(proto_dir="/nonexistent-proto-dir", out="/tmp/unused")
+        self.assertIn("/nonexistent-proto-dir/types.proto", str(e.exception))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
