@@ -5,8 +5,12 @@
 
 #include "status.h"
 
+#include "log.h"
+
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +59,8 @@ int zio_sock_open(void *ctx, int type, struct zio_sock **out, char *err, size_t 
     }
     int linger = 1000;
     zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
+    int64_t max = zio_max_msg_size();
+    if (max > 0) zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
     *out = s;
     return 0;
 }
@@ -358,3 +364,248 @@ int zio_free_port(void *ctx, int *port, char *err, size_t err_size) {
     if (own) zmq_ctx_term(own); /* waits until the listener is really closed */
     return rc;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Frame bound and CURVE */
+
+static _Atomic int64_t zio_max_msg = ZIO_MAX_MSG_SIZE_DEFAULT;
+
+void zio_set_max_msg_size(int64_t bytes) { zio_max_msg = bytes > 0 ? bytes : -1; }
+int64_t zio_max_msg_size(void) { return zio_max_msg; }
+
+int zio_curve_server(struct zio_sock *s, const struct keys_pair *own, const char *zap_domain) {
+    int one = 1;
+    if (zmq_setsockopt(s->sock, ZMQ_CURVE_SERVER, &one, sizeof one) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, own->sec, KEYS_Z85_LEN) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_ZAP_DOMAIN, zap_domain, strlen(zap_domain)) != 0) {
+        int e = errno;
+        zio_seterr(s, e == EINVAL ? STATUS_BAD_INPUT : STATUS_IO,
+                   "%s: CURVE server (ZAP domain %s): %s", zio_name(s), zap_domain,
+                   zmq_strerror(e));
+        return s->err;
+    }
+    zio_ok(s);
+    return 0;
+}
+
+int zio_curve_client(struct zio_sock *s, const struct keys_pair *own, const char *server_pub) {
+    if (!keys_z85_valid(server_pub)) {
+        zio_seterr(s, STATUS_BAD_INPUT, "%s: CURVE client: server key '%.60s' is not a key "
+                   "(40 Z85 characters)", zio_name(s), server_pub ? server_pub : "");
+        return s->err;
+    }
+    if (zmq_setsockopt(s->sock, ZMQ_CURVE_SERVERKEY, server_pub, KEYS_Z85_LEN) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_CURVE_PUBLICKEY, own->pub, KEYS_Z85_LEN) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_CURVE_SECRETKEY, own->sec, KEYS_Z85_LEN) != 0) {
+        int e = errno;
+        zio_seterr(s, e == EINVAL ? STATUS_BAD_INPUT : STATUS_IO, "%s: CURVE client: %s",
+                   zio_name(s), zmq_strerror(e));
+        return s->err;
+    }
+    zio_ok(s);
+    return 0;
+}
+
+const char *zio_parts_user_id(const struct zio_parts *p) {
+    if (!p || p->n == 0) return "";
+    /* The last frame: every frame of a message carries the connection's
+     * metadata, and the payload certainly does (a ROUTER's routing-id frame
+     * is made by the socket). */
+    const char *u = zmq_msg_gets((zmq_msg_t *)&p->msgs[p->n - 1], "User-Id");
+    return u ? u : "";
+}
+
+const char *zio_user_id_key(const char *user_id) {
+    size_t n = user_id ? strlen(user_id) : 0;
+    if (n < KEYS_Z85_LEN) return "";
+    const char *k = user_id + n - KEYS_Z85_LEN;
+    return keys_z85_valid(k) ? k : "";
+}
+
+/* ------------------------------------------------------------------------ */
+/* ZAP handler */
+
+#define ZIO_ZAP_DOMAINS 16
+
+struct zio_zap_domain {
+    char name[64];
+    struct keys_entry *keys;
+    size_t n;
+    uint64_t refused, admitted;
+};
+
+struct zio_zap {
+    void *sock;                 /* REP on inproc://zeromq.zap.01; used by the thread only */
+    pthread_t thread;
+    atomic_bool stop;
+    pthread_mutex_t mu;         /* guards domains */
+    struct zio_zap_domain d[ZIO_ZAP_DOMAINS];
+    size_t n_domains;
+};
+
+/* The domain's slot, made when missing (mu held); NULL when all are taken. */
+static struct zio_zap_domain *zio_zap_slot(zio_zap *z, const char *domain, bool make) {
+    for (size_t i = 0; i < z->n_domains; i++)
+        if (strcmp(z->d[i].name, domain) == 0) return &z->d[i];
+    if (!make || z->n_domains == ZIO_ZAP_DOMAINS) return NULL;
+    struct zio_zap_domain *d = &z->d[z->n_domains++];
+    memset(d, 0, sizeof *d);
+    snprintf(d->name, sizeof d->name, "%s", domain);
+    return d;
+}
+
+/* Sends the six-frame ZAP reply (RFC 27). */
+static void zio_zap_reply(void *sock, const zmq_msg_t *req_id, const char *code, const char *text,
+                          const char *user_id) {
+    const char *parts[6] = {"1.0", NULL, code, text, user_id, ""};
+    for (int i = 0; i < 6; i++) {
+        int fl = i < 5 ? ZMQ_SNDMORE : 0;
+        if (i == 1) zmq_send(sock, zmq_msg_data((zmq_msg_t *)req_id), zmq_msg_size((zmq_msg_t *)req_id), fl);
+        else zmq_send(sock, parts[i], strlen(parts[i]), fl);
+    }
+}
+
+/* Answers one request: frames version, request id, domain, address,
+ * routing id, mechanism, credentials. */
+static void zio_zap_handle(zio_zap *z, zmq_msg_t *f, int n) {
+    static const char *const none = "";
+    if (n < 6) return; /* not a ZAP request: nothing to answer to */
+    char domain[64] = "", address[64] = "", key[KEYS_Z85_LEN + 1] = "";
+    snprintf(domain, sizeof domain, "%.*s", (int)zmq_msg_size(&f[2]), (const char *)zmq_msg_data(&f[2]));
+    snprintf(address, sizeof address, "%.*s", (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
+    bool curve = zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0;
+    if (curve && n >= 7 && zmq_msg_size(&f[6]) == 32) zmq_z85_encode(key, zmq_msg_data(&f[6]), 32);
+    char user_id[KEYS_NAME_MAX + KEYS_Z85_LEN + 2] = "";
+    const char *why = "key not admitted";
+    pthread_mutex_lock(&z->mu);
+    struct zio_zap_domain *d = zio_zap_slot(z, domain, true);
+    bool ok = false;
+    if (!curve) {
+        why = "not a CURVE handshake";
+    } else if (d) {
+        for (size_t i = 0; i < d->n && !ok; i++) {
+            if (strcmp(d->keys[i].pub, key) != 0) continue;
+            ok = true;
+            if (d->keys[i].name[0]) snprintf(user_id, sizeof user_id, "%s/%s", d->keys[i].name, key);
+            else snprintf(user_id, sizeof user_id, "%s", key);
+        }
+    }
+    uint64_t refused = 0;
+    if (d && ok) d->admitted++;
+    if (d && !ok) refused = ++d->refused;
+    pthread_mutex_unlock(&z->mu);
+    if (!ok && (refused <= 10 || refused % 1000 == 0))
+        LOG(LL_WARN, "security: refused %s peer from %s (key %s): %s (%llu refused in domain '%s')",
+            curve ? "CURVE" : "a non-CURVE", address[0] ? address : "?", key[0] ? key : "-", why,
+            (unsigned long long)refused, domain);
+    zio_zap_reply(z->sock, &f[1], ok ? "200" : "400", ok ? "OK" : why, ok ? user_id : none);
+}
+
+static void *zio_zap_main(void *arg) {
+    zio_zap *z = arg;
+    zmq_msg_t f[8];
+    while (!atomic_load(&z->stop)) {
+        zmq_pollitem_t it = {z->sock, 0, ZMQ_POLLIN, 0};
+        /* A short wait, so that zio_zap_stop is seen without a wake-up socket. */
+        if (zmq_poll(&it, 1, 100) <= 0) continue;
+        int n = 0;
+        bool more = true;
+        while (more) {
+            zmq_msg_t m;
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, z->sock, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&m);
+                break;
+            }
+            more = zmq_msg_more(&m);
+            if (n < 8) f[n++] = m;
+            else zmq_msg_close(&m);
+        }
+        zio_zap_handle(z, f, n);
+        for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
+    }
+    zmq_close(z->sock);
+    return NULL;
+}
+
+int zio_zap_start(void *ctx, zio_zap **out, char *err, size_t errlen) {
+    *out = NULL;
+    zio_zap *z = calloc(1, sizeof *z);
+    if (!z) return status_fail(err, errlen, STATUS_NO_MEMORY, "ZAP handler: out of memory");
+    pthread_mutex_init(&z->mu, NULL);
+    z->sock = zmq_socket(ctx, ZMQ_REP);
+    if (!z->sock || zmq_bind(z->sock, "inproc://zeromq.zap.01") != 0) {
+        int e = errno;
+        if (z->sock) zmq_close(z->sock);
+        pthread_mutex_destroy(&z->mu);
+        free(z);
+        return status_fail(err, errlen, STATUS_IO, "ZAP handler: inproc://zeromq.zap.01: %s%s",
+                           zmq_strerror(e),
+                           e == EADDRINUSE ? " (one handler per ZeroMQ context)" : "");
+    }
+    int linger = 0;
+    zmq_setsockopt(z->sock, ZMQ_LINGER, &linger, sizeof linger);
+    if (pthread_create(&z->thread, NULL, zio_zap_main, z) != 0) {
+        zmq_close(z->sock);
+        pthread_mutex_destroy(&z->mu);
+        free(z);
+        return status_fail(err, errlen, STATUS_IO, "ZAP handler: cannot start its thread");
+    }
+    *out = z;
+    return 0;
+}
+
+void zio_zap_stop(zio_zap *z) {
+    if (!z) return;
+    atomic_store(&z->stop, true);
+    pthread_join(z->thread, NULL);
+    for (size_t i = 0; i < z->n_domains; i++) free(z->d[i].keys);
+    pthread_mutex_destroy(&z->mu);
+    free(z);
+}
+
+static int zio_zap_put(zio_zap *z, const char *domain, const struct keys_entry *e, size_t n) {
+    struct keys_entry *copy = NULL;
+    if (n) {
+        copy = malloc(n * sizeof *copy);
+        if (!copy) return STATUS_NO_MEMORY;
+        memcpy(copy, e, n * sizeof *copy);
+    }
+    pthread_mutex_lock(&z->mu);
+    struct zio_zap_domain *d = zio_zap_slot(z, domain, true);
+    if (d) {
+        free(d->keys);
+        d->keys = copy;
+        d->n = n;
+    }
+    pthread_mutex_unlock(&z->mu);
+    if (!d) {
+        free(copy);
+        return STATUS_BAD_INPUT;
+    }
+    return 0;
+}
+
+int zio_zap_set(zio_zap *z, const char *domain, const struct keys_list *l) {
+    return zio_zap_put(z, domain, l ? l->e : NULL, l ? l->n : 0);
+}
+
+int zio_zap_set_one(zio_zap *z, const char *domain, const char *pub, const char *name) {
+    if (!pub || !pub[0]) return zio_zap_put(z, domain, NULL, 0);
+    if (!keys_z85_valid(pub)) return STATUS_BAD_INPUT;
+    struct keys_entry e;
+    memcpy(e.pub, pub, KEYS_Z85_LEN + 1);
+    snprintf(e.name, sizeof e.name, "%s", name ? name : "");
+    return zio_zap_put(z, domain, &e, 1);
+}
+
+static uint64_t zio_zap_count(zio_zap *z, const char *domain, bool refused) {
+    pthread_mutex_lock(&z->mu);
+    struct zio_zap_domain *d = zio_zap_slot(z, domain, false);
+    uint64_t v = d ? (refused ? d->refused : d->admitted) : 0;
+    pthread_mutex_unlock(&z->mu);
+    return v;
+}
+
+uint64_t zio_zap_refused(zio_zap *z, const char *domain) { return zio_zap_count(z, domain, true); }
+uint64_t zio_zap_admitted(zio_zap *z, const char *domain) { return zio_zap_count(z, domain, false); }

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <zmq.h>
 
+#include "keys.h"
+
 struct zio_sock;
 
 /* Frees a zero-copy frame's data once ZeroMQ is done with it; it may run on
@@ -46,7 +48,8 @@ struct zio_parts {
 };
 
 /* Opens a socket of a ZeroMQ type (ZMQ_ROUTER, ZMQ_DEALER, ...) on ctx with
- * linger set to 1000 ms, so that closing never hangs the process for long.
+ * linger set to 1000 ms, so that closing never hangs the process for long,
+ * and ZMQ_MAXMSGSIZE set to zio_max_msg_size().
  * On failure *out is NULL and err holds the reason. */
 int zio_sock_open(void *ctx, int type, struct zio_sock **out, char *err, size_t err_size);
 /* Closes the socket; NULL is fine. */
@@ -100,5 +103,57 @@ void *zio_sock_raw(const struct zio_sock *s);
  * its I/O thread).  Another process may take the port before the caller
  * binds it: callers retry. */
 int zio_free_port(void *ctx, int *port, char *err, size_t err_size);
+
+/* --- Frame bound and CURVE security (docs/security.md) -------------------- */
+
+/* The largest frame a socket opened from now on accepts (ZMQ_MAXMSGSIZE):
+ * ZeroMQ drops a peer's connection as soon as a frame header announces more,
+ * before any of it is allocated.  Process-wide, set once at start from
+ * --max-msg-size; <= 0 means no bound.  Default ZIO_MAX_MSG_SIZE_DEFAULT. */
+#define ZIO_MAX_MSG_SIZE_DEFAULT ((int64_t)64 << 20)
+void zio_set_max_msg_size(int64_t bytes);
+int64_t zio_max_msg_size(void);
+
+/* Makes s a CURVE server with this secret key (before bind).  Peers are
+ * then checked by the context's ZAP handler (zio_zap) under zap_domain.
+ * 0 or a negative status with errstr. */
+int zio_curve_server(struct zio_sock *s, const struct keys_pair *own, const char *zap_domain);
+/* Makes s a CURVE client (before connect) that talks only to a server
+ * holding the secret key of server_pub. */
+int zio_curve_client(struct zio_sock *s, const struct keys_pair *own, const char *server_pub);
+
+/* The User-Id the ZAP handler gave the connection a message came in on
+ * ("name/<z85 key>", or "<z85 key>" for a key listed without a name), or ""
+ * on a plain socket.  Valid while the parts are. */
+const char *zio_parts_user_id(const struct zio_parts *p);
+/* The Z85 public key in a User-Id (its last 40 characters), or "" when it
+ * holds none. */
+const char *zio_user_id_key(const char *user_id);
+
+/* The ZAP handler of one ZeroMQ context: a thread with a REP socket on
+ * inproc://zeromq.zap.01 that admits a CURVE peer only if its public key is
+ * in the list of the socket's ZAP domain, and counts the refusals.  Lists
+ * can be replaced at any time from any thread (a stage's link learns its
+ * predecessor's key when the router places it).  A domain with no list
+ * admits nobody.
+ *
+ *   zio_zap *z;
+ *   zio_zap_start(ctx, &z, err, sizeof err);
+ *   zio_zap_set(z, "clients", client_keys);   // copied
+ *   zio_curve_server(sock, &kp, "clients"); zio_bind(sock, ...);
+ *   ...
+ *   zio_zap_stop(z);                          // before zmq_ctx_term(ctx) */
+typedef struct zio_zap zio_zap;
+int zio_zap_start(void *ctx, zio_zap **out, char *err, size_t errlen);
+/* Stops the thread and closes its socket; NULL is fine. */
+void zio_zap_stop(zio_zap *z);
+/* Replaces the domain's admitted keys with a copy of l (NULL: nobody).
+ * 0 or STATUS_NO_MEMORY / STATUS_BAD_INPUT (more than 16 domains). */
+int zio_zap_set(zio_zap *z, const char *domain, const struct keys_list *l);
+/* Admits exactly one key in the domain ("" or NULL: nobody), named name. */
+int zio_zap_set_one(zio_zap *z, const char *domain, const char *pub, const char *name);
+/* Handshakes refused and admitted in the domain so far. */
+uint64_t zio_zap_refused(zio_zap *z, const char *domain);
+uint64_t zio_zap_admitted(zio_zap *z, const char *domain);
 
 #endif

@@ -1,5 +1,6 @@
 /* Tests for common/zio: multipart round trips, zero-copy frames, timeouts,
- * poll, errors that name the endpoint, and the free-port helper. */
+ * poll, errors that name the endpoint, the free-port helper, CURVE with the
+ * ZAP handler's allowlists, and the frame bound. */
 #include "common/status.h"
 #include "common/zio.h"
 #include "tests/test.h"
@@ -195,5 +196,105 @@ TEST(zio_free_port_bindable) {
     zmq_ctx_term(ctx);
 }
 
+/* A CURVE ROUTER under a ZAP handler, and DEALER clients with their keys. */
+struct zsecure {
+    void *ctx;
+    zio_zap *zap;
+    struct keys_pair server, good, bad;
+    struct zio_sock *router;
+};
+
+static void zsecure_open(struct zsecure *z) {
+    char err[256];
+    memset(z, 0, sizeof *z);
+    if (!zmq_has("curve")) TEST_SKIP("libzmq without CURVE");
+    z->ctx = zmq_ctx_new();
+    ASSERT_OK(zio_zap_start(z->ctx, &z->zap, err, sizeof err));
+    ASSERT_OK(keys_pair_generate(&z->server, err, sizeof err));
+    ASSERT_OK(keys_pair_generate(&z->good, err, sizeof err));
+    ASSERT_OK(keys_pair_generate(&z->bad, err, sizeof err));
+    ASSERT_OK(zio_zap_set_one(z->zap, "clients", z->good.pub, "alice"));
+    ASSERT_OK(zio_sock_open(z->ctx, ZMQ_ROUTER, &z->router, err, sizeof err));
+    ASSERT_OK(zio_curve_server(z->router, &z->server, "clients"));
+    ASSERT_OK(zio_bind(z->router, "tcp://127.0.0.1:*"));
+}
+
+static struct zio_sock *zsecure_client(struct zsecure *z, const struct keys_pair *kp) {
+    char err[256];
+    struct zio_sock *d = NULL;
+    ASSERT_OK(zio_sock_open(z->ctx, ZMQ_DEALER, &d, err, sizeof err));
+    ASSERT_OK(zio_curve_client(d, kp, z->server.pub));
+    ASSERT_OK(zio_connect(d, zio_endpoint(z->router)));
+    return d;
+}
+
+static void zsecure_close(struct zsecure *z) {
+    zio_sock_close(z->router);
+    zio_zap_stop(z->zap);
+    if (z->ctx) zmq_ctx_term(z->ctx);
+}
+
+TEST(zio_curve_admits_listed_keys_only) {
+    struct zsecure z;
+    zsecure_open(&z);
+    struct zio_sock *good = zsecure_client(&z, &z.good), *bad = zsecure_client(&z, &z.bad);
+    struct zio_frame f = {"hi", 2, NULL, NULL};
+    ASSERT_OK(zio_send(good, &f, 1, ZMQ_DONTWAIT));
+    zio_send(bad, &f, 1, ZMQ_DONTWAIT);
+    struct zio_parts in = {0};
+    ASSERT_OK(zio_recv(z.router, &in, 3000));
+    /* The ZAP handler named the sender: "name/<key>". */
+    char want[128];
+    snprintf(want, sizeof want, "alice/%s", z.good.pub);
+    ASSERT_STREQ(want, zio_parts_user_id(&in));
+    ASSERT_STREQ(z.good.pub, zio_user_id_key(zio_parts_user_id(&in)));
+    /* The unlisted key's message never arrives, and the refusal is counted. */
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(z.router, &in, 500));
+    ASSERT_TRUE(zio_zap_refused(z.zap, "clients") >= 1);
+    ASSERT_EQ((uint64_t)1, zio_zap_admitted(z.zap, "clients"));
+    /* Changed at run time: now only the other key gets in. */
+    ASSERT_OK(zio_zap_set_one(z.zap, "clients", z.bad.pub, NULL));
+    struct zio_sock *bad2 = zsecure_client(&z, &z.bad);
+    ASSERT_OK(zio_send(bad2, &f, 1, ZMQ_DONTWAIT));
+    ASSERT_OK(zio_recv(z.router, &in, 3000));
+    ASSERT_STREQ(z.bad.pub, zio_parts_user_id(&in));
+    /* A plain (non-CURVE) peer gets nothing either. */
+    char err[256];
+    struct zio_sock *plain = NULL;
+    ASSERT_OK(zio_sock_open(z.ctx, ZMQ_DEALER, &plain, err, sizeof err));
+    ASSERT_OK(zio_connect(plain, zio_endpoint(z.router)));
+    zio_send(plain, &f, 1, ZMQ_DONTWAIT);
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(z.router, &in, 300));
+    zio_parts_free(&in);
+    zio_sock_close(plain);
+    zio_sock_close(bad2);
+    zio_sock_close(good);
+    zio_sock_close(bad);
+    zsecure_close(&z);
+}
+
+TEST(zio_max_msg_size_drops_oversized_frames) {
+    /* Set before the sockets open: the receiver drops the connection at the
+     * frame header, so a later small frame on a new connection still comes. */
+    zio_set_max_msg_size(4096);
+    struct zpair p;
+    zpair_open(&p);
+    zio_set_max_msg_size(ZIO_MAX_MSG_SIZE_DEFAULT);
+    ASSERT_EQ(ZIO_MAX_MSG_SIZE_DEFAULT, zio_max_msg_size());
+    char *big = calloc(1, 8192);
+    struct zio_frame f = {big, 8192, NULL, NULL};
+    ASSERT_OK(zio_send(p.dealer, &f, 1, 0));
+    struct zio_parts in = {0};
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 500));
+    struct zio_frame small = {big, 100, NULL, NULL};
+    ASSERT_OK(zio_send(p.dealer, &small, 1, 0)); /* after the reconnect */
+    ASSERT_OK(zio_recv(p.router, &in, 5000));
+    ASSERT_EQ((size_t)100, zio_parts_size(&in, 1));
+    zio_parts_free(&in);
+    free(big);
+    zpair_close(&p);
+}
+
 TEST_MAIN(zio_multipart_roundtrip, zio_zero_copy_frames, zio_zero_copy_freed_on_failure,
-          zio_recv_timeout, zio_poll_ready, zio_bad_endpoint_named, zio_free_port_bindable)
+          zio_recv_timeout, zio_poll_ready, zio_bad_endpoint_named, zio_free_port_bindable,
+          zio_curve_admits_listed_keys_only, zio_max_msg_size_drops_oversized_frames)
