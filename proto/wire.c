@@ -44,13 +44,22 @@ static long wire_utf8_bad(const char *s) {
 }
 
 /* Walks every set field of m; returns 0, or STATUS_PROTOCOL with err naming
- * the field (full protobuf name) and the byte offset of a non-UTF-8 string. */
+ * the field (full protobuf name) and the byte offset of a non-UTF-8 string,
+ * or the message that holds a field numbered 0. */
 static int wire_check_strings(const ProtobufCMessage *m, int depth, char *err, size_t errlen) {
     const ProtobufCMessageDescriptor *d = m->descriptor;
     const char *base = (const char *)m;
     if (depth > WIRE_DEPTH_MAX)
         return status_fail(err, errlen, STATUS_PROTOCOL, "%s nested more than %d levels deep",
                            d->name, WIRE_DEPTH_MAX);
+    /* Field number 0 does not exist, but protobuf-c keeps one that arrives
+     * as an over-long tag among the unknown fields and packs it back as a
+     * tag its own decoder refuses: a request accepted once would not decode
+     * again from where the router stores it. */
+    for (size_t i = 0; i < m->n_unknown_fields; i++)
+        if (m->unknown_fields[i].tag == 0)
+            return status_fail(err, errlen, STATUS_PROTOCOL, "%s has a field numbered 0",
+                               d->name);
     for (unsigned i = 0; i < d->n_fields; i++) {
         const ProtobufCFieldDescriptor *f = &d->fields[i];
         if (f->type != PROTOBUF_C_TYPE_STRING && f->type != PROTOBUF_C_TYPE_MESSAGE) continue;

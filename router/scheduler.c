@@ -360,7 +360,8 @@ int sched_plan(sched *s, struct sched_step *step) {
     if (n_out == 0) return 0;
 
     if (sched_grow((void **)&s->freed_out, &s->cap_freed_out, s->n_freed, sizeof *s->freed_out) == 0) {
-        memcpy(s->freed_out, s->freed, (size_t)s->n_freed * sizeof *s->freed);
+        /* s->freed is NULL until a sequence is first freed. */
+        if (s->n_freed) memcpy(s->freed_out, s->freed, (size_t)s->n_freed * sizeof *s->freed);
         step->n_freed = s->n_freed;
         step->freed = s->freed_out;
         s->n_freed = 0;

@@ -1,0 +1,42 @@
+/* Helpers shared by the libFuzzer harnesses: a private scratch folder for
+ * the parsers that read files (GGUF, safetensors, Hugging Face folders),
+ * splitting one input into several files, and where the test models are. */
+#ifndef TESTS_FUZZ_UTIL_H
+#define TESTS_FUZZ_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A folder of this process's own (under /dev/shm when there is one, so that
+ * writing an input per run costs no disk I/O), removed at exit.  Aborts when
+ * it cannot be made: a harness without it would test nothing. */
+const char *fuzz_scratch_dir(void);
+
+/* Writes n bytes to DIR/NAME (replacing it) and returns the path in a
+ * static buffer of its own per call site's slot (0..3).  Aborts on failure. */
+const char *fuzz_write(int slot, const char *name, const void *data, size_t n);
+/* Removes DIR/NAME if present. */
+void fuzz_remove(const char *name);
+
+/* Splits data at NUL bytes into at most max parts (the last keeps any
+ * further NULs); returns how many.  The parts point into data. */
+int fuzz_split(const uint8_t *data, size_t n, const uint8_t **part, size_t *len, int max);
+
+/* ../shared/models (LLM_MODELS_DIR overrides), or NULL if missing. */
+const char *fuzz_models_dir(void);
+
+/* A small valid Hugging Face model that fuzz_hf_config opens and
+ * fuzz_seeds writes: llama-shaped, 1 layer, hidden size 8, 2 heads of 4
+ * (1 KV head), ffn 16, vocabulary 16, F32, with q/k/v biases (so that a
+ * qwen2 config opens too).  The config.json seeds in
+ * tests/fuzz/corpus/hf_config match it.  fuzz_tiny_safetensors returns the
+ * size of a malloc'd file image. */
+size_t fuzz_tiny_safetensors(uint8_t **out);
+/* A byte-level BPE tokenizer.json of 8 tokens (<s> and </s> added). */
+extern const char fuzz_tiny_tokenizer_json[];
+
+/* Aborts with a message: an invariant of the code under test broke, which
+ * libFuzzer reports as a crash and saves the input for. */
+_Noreturn void fuzz_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif
