@@ -1,5 +1,5 @@
 """Tests of the llmcluster package against a running cluster serving
-stories260K (tests/clients/test_python_client.c starts one and runs this):
+stories260K (tests/clients/test_cluster_python_client.c starts one and runs this):
 greedy streams equal llm-run's output token for token, sync and asyncio;
 logprobs; non-streamed requests; cancel; re-attach by request id; errors;
 health, status and models.
