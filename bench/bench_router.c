@@ -1,0 +1,699 @@
+/* bench_router: how many pipelines one router can drive (docs/router.md,
+ * "Capacity").  For each pipeline count it starts a private redis-server,
+ * a real llm-router and one sim_worker process playing pipelines x stages
+ * workers that answer plans at once with synthetic tokens (no model, no
+ * compute), then keeps pipelines x --seqs requests in flight from one
+ * client socket (each request re-sent as a new one when it ends), so every
+ * pipeline always has work.  After a warm-up it measures a window:
+ *
+ *   steps/s        results the last stages sent, in all and per pipeline
+ *                  (mean, and the slowest pipeline)
+ *   plan           the router's planning time per step (Status: the
+ *                  window's mean from the running mean and step count, and
+ *                  the largest since start)
+ *   turnaround     the router's answer time as a last stage sees it: from
+ *                  sending a result to the next plan of that pipeline
+ *                  (p50, p99; includes the plan, the sockets and whatever
+ *                  else the router's loop was doing)
+ *   CPU            router, redis-server, sim_worker and this program, from
+ *                  /proc/<pid>/stat, as a fraction of one core
+ *
+ * and prints a table and (--json) the same rows as JSON.  Everything runs on
+ * this machine, so the router shares its cores with the simulated workers
+ * and the client: the CPU columns say who used what.
+ *
+ *   bench_router --pipelines 1,2,4,8,16,32,64,128,256 --seqs 4 --json router.json */
+#include "router/client.h"
+#include "worker/synth.h"
+
+#include "common/log.h"
+#include "common/options.h"
+#include "common/status.h"
+#include "common/zio.h"
+#include "proto/wire.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+extern char **environ;
+
+#define BR_LIST_MAX 16
+
+static volatile sig_atomic_t br_stop;
+static void br_on_signal(int sig) {
+    (void)sig;
+    br_stop = 1;
+}
+
+static double br_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void br_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR && !br_stop) {}
+}
+
+static void br_fmt(char *out, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void br_fmt(char *out, size_t size, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out, size, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- Processes ---- */
+
+struct br_proc {
+    const char *name;
+    pid_t pid;
+    char log[512];
+};
+
+/* Starts argv with stdout and stderr in p->log. */
+static int br_spawn(struct br_proc *p, char *const argv[], char *err, size_t errlen) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, p->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    int e = posix_spawn(&p->pid, argv[0], &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (e != 0) {
+        p->pid = 0;
+        br_fmt(err, errlen, "cannot start %s: %s", argv[0], strerror(e));
+        return STATUS_IO;
+    }
+    return 0;
+}
+
+static bool br_alive(struct br_proc *p) {
+    if (p->pid <= 0) return false;
+    int st;
+    if (waitpid(p->pid, &st, WNOHANG) == p->pid) {
+        p->pid = 0;
+        return false;
+    }
+    return true;
+}
+
+/* SIGTERM, then SIGKILL after 5 s. */
+static void br_stop_proc(struct br_proc *p) {
+    if (p->pid <= 0) return;
+    kill(p->pid, SIGTERM);
+    double end = br_now() + 5;
+    for (;;) {
+        int st;
+        pid_t r = waitpid(p->pid, &st, WNOHANG);
+        if (r == p->pid || (r < 0 && errno == ECHILD)) break;
+        if (br_now() > end) {
+            kill(p->pid, SIGKILL);
+            waitpid(p->pid, &st, 0);
+            break;
+        }
+        br_sleep_ms(10);
+    }
+    p->pid = 0;
+}
+
+static void br_tail(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char lines[8][512];
+    int n = 0;
+    while (fgets(lines[n % 8], sizeof lines[0], f)) n++;
+    fclose(f);
+    fprintf(stderr, "  ---- %s, last lines:\n", path);
+    for (int i = n > 8 ? n - 8 : 0; i < n; i++) fprintf(stderr, "  %s", lines[i % 8]);
+}
+
+/* CPU seconds of a process (utime + stime), or -1. */
+static double br_cpu_s(pid_t pid) {
+    char path[64], buf[2048];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    /* Fields after the command, which is in parentheses and may hold spaces. */
+    char *p = strrchr(buf, ')');
+    if (!p) return -1;
+    unsigned long ut = 0, st = 0;
+    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2) return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
+static double br_self_cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- Options ---- */
+
+struct br_opts {
+    const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *json, *tmpdir;
+    int stages, seqs, prompt_tokens, max_tokens, step_us, warmup_s, seconds, up_timeout_s;
+    int pipe_v[BR_LIST_MAX], n_pipes;
+};
+
+static int br_parse_list(const char *s, int *v, char *err, size_t errlen) {
+    char buf[256];
+    br_fmt(buf, sizeof buf, "%s", s);
+    int n = 0;
+    for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        char *end = NULL;
+        long x = strtol(t, &end, 10);
+        if (n == BR_LIST_MAX || end == t || *end || x < 1 || x > 4096) {
+            br_fmt(err, errlen, "--pipelines: \"%s\" is not a list of at most %d integers in [1, 4096]", s,
+                   BR_LIST_MAX);
+            return STATUS_BAD_INPUT;
+        }
+        v[n++] = (int)x;
+    }
+    if (n == 0) {
+        br_fmt(err, errlen, "--pipelines: empty list");
+        return STATUS_BAD_INPUT;
+    }
+    return n;
+}
+
+/* ---- One level ---- */
+
+struct br_row {
+    int pipelines, stages, conc;
+    double window_s;
+    double steps_s, steps_s_pipe, steps_s_pipe_min, tok_s;
+    double plan_mean_us, plan_max_us, router_turn_mean_us;
+    unsigned turn_p50, turn_p90, turn_p99, turn_max;
+    double cpu_router, cpu_redis, cpu_sim, cpu_client;
+    uint64_t requests_done, errors;
+    char note[256];
+};
+
+/* The figures sim_worker wrote (a flat JSON object of numbers). */
+struct br_sim_stats {
+    double snapshot, window_s, results, tokens, steps_min, steps_max, turn_n, p50, p90, p99, max, cpu_s;
+};
+
+static double br_json_num(const char *buf, const char *key) {
+    char k[64];
+    snprintf(k, sizeof k, "\"%s\":", key);
+    const char *p = strstr(buf, k);
+    return p ? strtod(p + strlen(k), NULL) : 0;
+}
+
+static int br_sim_read(const char *path, struct br_sim_stats *st) {
+    FILE *f = fopen(path, "r");
+    if (!f) return STATUS_NOT_FOUND;
+    char buf[2048];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    st->snapshot = br_json_num(buf, "snapshot");
+    st->window_s = br_json_num(buf, "window_s");
+    st->results = br_json_num(buf, "results");
+    st->tokens = br_json_num(buf, "tokens");
+    st->steps_min = br_json_num(buf, "pipeline_steps_min");
+    st->steps_max = br_json_num(buf, "pipeline_steps_max");
+    st->turn_n = br_json_num(buf, "turnaround_n");
+    st->p50 = br_json_num(buf, "turnaround_us_p50");
+    st->p90 = br_json_num(buf, "turnaround_us_p90");
+    st->p99 = br_json_num(buf, "turnaround_us_p99");
+    st->max = br_json_num(buf, "turnaround_us_max");
+    st->cpu_s = br_json_num(buf, "cpu_s");
+    return 0;
+}
+
+/* Asks sim_worker for a snapshot and waits for snapshot number want. */
+static int br_sim_snapshot(struct br_proc *sim, const char *path, int want, struct br_sim_stats *st) {
+    kill(sim->pid, SIGUSR1);
+    for (int i = 0; i < 500; i++) {
+        if (br_sim_read(path, st) == 0 && (int)st->snapshot == want) return 0;
+        br_sleep_ms(10);
+    }
+    return STATUS_TIMEOUT;
+}
+
+struct br_status {
+    double plan_mean, plan_max, turn_mean;
+    uint64_t steps;
+    int ready;
+};
+
+static int br_status(llm_client *c, struct br_status *s) {
+    Llm__ClientEnvelope *env = NULL;
+    int rc = llm_client_status(c, &env);
+    if (rc < 0) return rc;
+    const Llm__StatusReply *r = env->status_reply;
+    s->plan_mean = r->plan_us_mean;
+    s->plan_max = r->plan_us_max;
+    s->turn_mean = r->turnaround_us_mean;
+    s->steps = r->steps_total;
+    s->ready = 0;
+    for (size_t i = 0; i < r->n_pipelines; i++) s->ready += r->pipelines[i]->ready;
+    proto_client_free(env);
+    return 0;
+}
+
+/* The load: conc requests in flight over one DEALER socket; each that ends
+ * is replaced by a new one. */
+struct br_load {
+    struct zio_sock *sock;
+    const struct br_opts *o;
+    int level;
+    uint64_t next_id, done, errors, tokens;
+    int in_flight;
+    bool fatal;             /* the router refused a request for good */
+    int32_t *prompt;
+    char first_err[200];
+};
+
+static int br_load_send(struct br_load *L) {
+    uint64_t id = L->next_id++;
+    char rid[64];
+    snprintf(rid, sizeof rid, "br%d-%" PRIu64 "-%d", L->level, id, (int)getpid());
+    uint64_t x = 0x9e3779b97f4a7c15ULL * (id + 1);
+    for (int i = 0; i < L->o->prompt_tokens; i++) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        L->prompt[i] = 300 + (int32_t)((x * 0x2545f4914f6cdd1dULL >> 33) % 100);
+    }
+    Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
+    sp.ignore_eos = true;
+    sp.seed = id + 1;
+    Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
+    g.request_id = rid;
+    g.n_prompt_tokens = (size_t)L->o->prompt_tokens;
+    g.prompt_tokens = L->prompt;
+    g.max_tokens = (uint32_t)L->o->max_tokens;
+    g.sampling = &sp;
+    g.stream = true;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = id;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    char err[256];
+    if (proto_client_pack(&env, &buf, &len, err, sizeof err) < 0) {
+        br_fmt(L->first_err, sizeof L->first_err, "pack: %s", err);
+        return STATUS_INTERNAL;
+    }
+    struct zio_frame f = {buf, len, proto_buf_free, NULL};
+    if (zio_send(L->sock, &f, 1, 0) < 0) {
+        br_fmt(L->first_err, sizeof L->first_err, "send: %s", zio_errstr(L->sock));
+        return STATUS_IO;
+    }
+    L->in_flight++;
+    return 0;
+}
+
+/* Reads what the router sent until deadline (monotonic seconds). */
+static void br_load_pump(struct br_load *L, double deadline) {
+    struct zio_parts in = {0};
+    while (!br_stop) {
+        int ms = (int)((deadline - br_now()) * 1000);
+        if (ms <= 0) break;
+        if (zio_recv(L->sock, &in, ms > 100 ? 100 : ms) != 0) continue;
+        Llm__ClientEnvelope *env = NULL;
+        char err[256];
+        if (in.n != 1 || proto_client_unpack(zio_parts_data(&in, 0), zio_parts_size(&in, 0), &env, err, sizeof err) < 0)
+            continue;
+        switch (env->body_case) {
+        case LLM__CLIENT_ENVELOPE__BODY_CHUNK: L->tokens += env->chunk->n_token_ids; break;
+        case LLM__CLIENT_ENVELOPE__BODY_DONE:
+            L->done++;
+            L->in_flight--;
+            if (env->done->finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+                L->errors++;
+                if (!L->first_err[0])
+                    br_fmt(L->first_err, sizeof L->first_err, "request %s: %s", env->done->request_id,
+                             env->done->error ? env->done->error->message : "error");
+            }
+            br_load_send(L);
+            break;
+        case LLM__CLIENT_ENVELOPE__BODY_ERROR:
+            /* A refused request: one that retrying can help (queue full,
+             * no pipeline yet) is replaced; any other refusal is the
+             * bench's mistake and ends the level. */
+            L->errors++;
+            L->in_flight--;
+            if (!L->first_err[0])
+                br_fmt(L->first_err, sizeof L->first_err, "%s: %s", proto_code_name(env->error->code),
+                       env->error->message);
+            if (env->error->code == LLM__ERROR__CODE__UNAVAILABLE ||
+                env->error->code == LLM__ERROR__CODE__RESOURCE_EXHAUSTED) {
+                br_load_send(L);
+            } else {
+                L->fatal = true;
+                proto_client_free(env);
+                zio_parts_free(&in);
+                return;
+            }
+            break;
+        default: break;
+        }
+        proto_client_free(env);
+    }
+    zio_parts_free(&in);
+}
+
+static int br_free_port(char *err, size_t errlen) {
+    int port = 0;
+    if (zio_free_port(NULL, &port, err, errlen) < 0) return -1;
+    return port;
+}
+
+static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, char *err, size_t errlen) {
+    memset(row, 0, sizeof *row);
+    row->pipelines = pipelines;
+    row->stages = o->stages;
+    row->conc = pipelines * o->seqs;
+    char dir[PATH_MAX];
+    br_fmt(dir, sizeof dir, "%s/bench-router-XXXXXX", o->tmpdir);
+    if (!mkdtemp(dir)) {
+        br_fmt(err, errlen, "mkdtemp %s: %s", dir, strerror(errno));
+        return STATUS_IO;
+    }
+    int rport = br_free_port(err, errlen), cport = br_free_port(err, errlen), wport = br_free_port(err, errlen);
+    if (rport < 0 || cport < 0 || wport < 0) return STATUS_IO;
+    char rport_s[16], cep[64], wep[64], redis_url[64], pipes_s[16], stages_s[16], step_s[16], stats[PATH_MAX];
+    snprintf(rport_s, sizeof rport_s, "%d", rport);
+    snprintf(cep, sizeof cep, "tcp://127.0.0.1:%d", cport);
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", wport);
+    snprintf(redis_url, sizeof redis_url, "redis://127.0.0.1:%d", rport);
+    snprintf(pipes_s, sizeof pipes_s, "%d", pipelines);
+    snprintf(stages_s, sizeof stages_s, "%d", o->stages);
+    snprintf(step_s, sizeof step_s, "%d", o->step_us);
+    br_fmt(stats, sizeof stats, "%s/sim-stats.json", dir);
+
+    struct br_proc redis = {"redis-server", 0, ""}, router = {"llm-router", 0, ""}, sim = {"sim_worker", 0, ""};
+    br_fmt(redis.log, sizeof redis.log, "%s/redis.log", dir);
+    br_fmt(router.log, sizeof router.log, "%s/router.log", dir);
+    br_fmt(sim.log, sizeof sim.log, "%s/sim.log", dir);
+    int rc = 0;
+    llm_client *c = NULL;
+    struct br_load L = {0};
+    void *zctx = NULL;
+    char *redis_argv[] = {(char *)o->redis_bin, "--port", rport_s, "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", dir, NULL};
+    if ((rc = br_spawn(&redis, redis_argv, err, errlen)) < 0) goto done;
+    /* The router's extra words, split on spaces. */
+    char rargs[1024];
+    br_fmt(rargs, sizeof rargs, "%s", o->router_args);
+    char *router_argv[64] = {(char *)o->router_bin, "--model", (char *)o->model, "--listen", cep,
+                             "--worker-listen", wep, "--redis", redis_url, "--metrics-listen", "",
+                             "--router-id", "bench", "--log-level", "info"};
+    int n = 15;
+    for (char *save = NULL, *t = strtok_r(rargs, " ", &save); t && n < 62; t = strtok_r(NULL, " ", &save))
+        router_argv[n++] = t;
+    router_argv[n] = NULL;
+    br_sleep_ms(200); /* redis first: the router connects at start (and retries every second) */
+    if ((rc = br_spawn(&router, router_argv, err, errlen)) < 0) goto done;
+    char *sim_argv[] = {(char *)o->sim_bin, "--router", wep, "--model", (char *)o->model, "--pipelines", pipes_s,
+                        "--stages", stages_s, "--step-us", step_s, "--stats-file", stats, "--insecure",
+                        "--log-level", "info", NULL};
+    if ((rc = br_spawn(&sim, sim_argv, err, errlen)) < 0) goto done;
+
+    const char *eps[1] = {cep};
+    struct llm_client_config cc;
+    llm_client_config_default(&cc);
+    cc.endpoints = eps;
+    cc.n_endpoints = 1;
+    cc.reply_timeout_ms = 2000;
+    cc.retry_ms = 2000;
+    if ((rc = llm_client_open(&c, &cc, err, errlen)) < 0) goto done;
+    struct br_status st0, st1;
+    double up_end = br_now() + o->up_timeout_s;
+    for (;;) {
+        if (br_status(c, &st0) == 0 && st0.ready >= pipelines) break;
+        if (!br_alive(&router) || !br_alive(&sim) || br_now() > up_end || br_stop) {
+            br_fmt(err, errlen, "%d pipelines: %d ready after %d s (router %s, sim_worker %s)", pipelines,
+                   st0.ready, o->up_timeout_s, br_alive(&router) ? "up" : "exited",
+                   br_alive(&sim) ? "up" : "exited");
+            br_tail(router.log);
+            br_tail(sim.log);
+            rc = STATUS_TIMEOUT;
+            goto done;
+        }
+        br_sleep_ms(100);
+    }
+
+    zctx = zmq_ctx_new();
+    L.o = o;
+    L.level = pipelines;
+    L.prompt = malloc((size_t)o->prompt_tokens * sizeof *L.prompt);
+    if (!zctx || !L.prompt || zio_sock_open(zctx, ZMQ_DEALER, &L.sock, err, errlen) < 0) {
+        if (!err[0]) br_fmt(err, errlen, "out of memory");
+        rc = STATUS_NO_MEMORY;
+        goto done;
+    }
+    zio_set_int(L.sock, ZMQ_SNDHWM, 1000000);
+    zio_set_int(L.sock, ZMQ_RCVHWM, 1000000);
+    if ((rc = zio_connect(L.sock, cep)) < 0) {
+        br_fmt(err, errlen, "%s", zio_errstr(L.sock));
+        goto done;
+    }
+    for (int i = 0; i < row->conc && rc == 0; i++) rc = br_load_send(&L);
+    if (rc < 0) {
+        br_fmt(err, errlen, "%s", L.first_err);
+        goto done;
+    }
+    br_load_pump(&L, br_now() + o->warmup_s);
+    if (L.fatal) {
+        br_fmt(err, errlen, "%d pipelines: the router refused a request: %s", pipelines, L.first_err);
+        rc = STATUS_BAD_INPUT;
+        goto done;
+    }
+
+    /* The window. */
+    struct br_sim_stats s0, s1;
+    if (br_status(c, &st0) < 0 || br_sim_snapshot(&sim, stats, 1, &s0) < 0) {
+        br_fmt(err, errlen, "%d pipelines: no router Status or sim_worker snapshot at the window's start",
+               pipelines);
+        rc = STATUS_TIMEOUT;
+        goto done;
+    }
+    double t0 = br_now(), cr0 = br_cpu_s(router.pid), cd0 = br_cpu_s(redis.pid), cc0 = br_self_cpu_s();
+    uint64_t done0 = L.done, err0 = L.errors, tok0 = L.tokens;
+    br_load_pump(&L, t0 + o->seconds);
+    double t1 = br_now(), cr1 = br_cpu_s(router.pid), cd1 = br_cpu_s(redis.pid), cc1 = br_self_cpu_s();
+    if (br_status(c, &st1) < 0 || br_sim_snapshot(&sim, stats, 2, &s1) < 0) {
+        br_fmt(err, errlen, "%d pipelines: no router Status or sim_worker snapshot at the window's end", pipelines);
+        rc = STATUS_TIMEOUT;
+        goto done;
+    }
+    double w = t1 - t0;
+    row->window_s = w;
+    row->steps_s = s1.results / s1.window_s;
+    row->steps_s_pipe = row->steps_s / pipelines;
+    row->steps_s_pipe_min = s1.steps_min / s1.window_s;
+    row->tok_s = (double)(L.tokens - tok0) / w;
+    uint64_t dn = st1.steps - st0.steps;
+    row->plan_mean_us = dn ? (st1.plan_mean * (double)st1.steps - st0.plan_mean * (double)st0.steps) / (double)dn : 0;
+    row->plan_max_us = st1.plan_max;
+    row->router_turn_mean_us = st1.turn_mean;
+    row->turn_p50 = (unsigned)s1.p50;
+    row->turn_p90 = (unsigned)s1.p90;
+    row->turn_p99 = (unsigned)s1.p99;
+    row->turn_max = (unsigned)s1.max;
+    row->cpu_router = (cr1 - cr0) / w;
+    row->cpu_redis = (cd1 - cd0) / w;
+    row->cpu_sim = s1.cpu_s / s1.window_s;
+    row->cpu_client = (cc1 - cc0) / w;
+    row->requests_done = L.done - done0;
+    row->errors = L.errors - err0;
+    if (L.first_err[0]) br_fmt(row->note, sizeof row->note, "%s", L.first_err);
+done:
+    zio_sock_close(L.sock);
+    free(L.prompt);
+    if (zctx) zmq_ctx_term(zctx);
+    llm_client_close(c);
+    br_stop_proc(&sim);
+    br_stop_proc(&router);
+    br_stop_proc(&redis);
+    if (rc == 0) {
+        char cmd[PATH_MAX + 16];
+        br_fmt(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        if (system(cmd) != 0) fprintf(stderr, "bench_router: could not remove %s\n", dir);
+    } else {
+        fprintf(stderr, "bench_router: logs kept in %s\n", dir);
+    }
+    return rc;
+}
+
+static void br_print(FILE *f, const struct br_row *r, int n) {
+    fprintf(f, "| pipelines | in flight | steps/s | steps/s/pipe (min) | tok/s | plan us mean (max) | "
+               "turnaround us p50 / p90 / p99 | CPU router / redis / sim / client |\n");
+    fprintf(f, "|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < n; i++)
+        fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f (%.0f) | %u / %u / %u | %.2f / %.2f / %.2f / %.2f |\n",
+                r[i].pipelines, r[i].stages, r[i].conc, r[i].steps_s, r[i].steps_s_pipe, r[i].steps_s_pipe_min,
+                r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].turn_p50, r[i].turn_p90, r[i].turn_p99,
+                r[i].cpu_router, r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client);
+}
+
+static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, int n) {
+    double load[3] = {0, 0, 0};
+    FILE *la = fopen("/proc/loadavg", "r");
+    if (la) {
+        if (fscanf(la, "%lf %lf %lf", &load[0], &load[1], &load[2]) != 3) load[0] = load[1] = load[2] = 0;
+        fclose(la);
+    }
+    fprintf(f, "{\"model\": \"%s\", \"stages\": %d, \"seqs_per_pipeline\": %d, \"step_us\": %d, \"seconds\": %d, "
+               "\"cpus\": %ld, \"loadavg_at_end\": [%.2f, %.2f, %.2f], \"rows\": [\n",
+            o->model, o->stages, o->seqs, o->step_us, o->seconds, sysconf(_SC_NPROCESSORS_ONLN), load[0], load[1],
+            load[2]);
+    for (int i = 0; i < n; i++)
+        fprintf(f,
+                "  {\"pipelines\": %d, \"stages\": %d, \"in_flight\": %d, \"window_s\": %.3f, \"steps_per_s\": %.1f, "
+                "\"steps_per_s_per_pipeline\": %.1f, \"steps_per_s_slowest_pipeline\": %.1f, \"tokens_per_s\": %.1f, "
+                "\"plan_us_mean\": %.2f, \"plan_us_max\": %.1f, \"router_turnaround_us_mean\": %.2f, "
+                "\"turnaround_us_p50\": %u, \"turnaround_us_p90\": %u, \"turnaround_us_p99\": %u, "
+                "\"turnaround_us_max\": %u, \"cpu_router\": %.3f, \"cpu_redis\": %.3f, \"cpu_sim_worker\": %.3f, "
+                "\"cpu_client\": %.3f, \"requests_done\": %" PRIu64 ", \"errors\": %" PRIu64 "}%s\n",
+                r[i].pipelines, r[i].stages, r[i].conc, r[i].window_s, r[i].steps_s, r[i].steps_s_pipe,
+                r[i].steps_s_pipe_min, r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].router_turn_mean_us,
+                r[i].turn_p50, r[i].turn_p90, r[i].turn_p99, r[i].turn_max, r[i].cpu_router, r[i].cpu_redis,
+                r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].errors, i + 1 < n ? "," : "");
+    fprintf(f, "]}\n");
+}
+
+/* bin/bench/bench_router -> bin/<rel> */
+static void br_sibling(const char *argv0, const char *rel, char *out, size_t size) {
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) br_fmt(self, sizeof self, "%s", argv0);
+    else self[n] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = 0;
+    br_fmt(out, size, "%s/%s", self, rel);
+}
+
+int main(int argc, char **argv) {
+    struct br_opts o;
+    memset(&o, 0, sizeof o);
+    static char router_default[PATH_MAX], sim_default[PATH_MAX];
+    br_sibling(argv[0], "../router/llm-router", router_default, sizeof router_default);
+    br_sibling(argv[0], "sim_worker", sim_default, sizeof sim_default);
+    const struct option_def defs[] = {
+        {"model", "LLM_MODEL", OPTION_STRING, NULL,
+         "model file the router serves (its tokenizer and metadata); none: a synthetic one is written",
+         &o.model, 0, 0, NULL},
+        {"pipelines", NULL, OPTION_STRING, "1,2,4,8,16,32,64,128,256", "pipeline counts to measure", &o.pipelines, 0,
+         0, NULL},
+        {"stages", NULL, OPTION_INT, "1", "stages per pipeline", &o.stages, 1, 64, NULL},
+        {"seqs", NULL, OPTION_INT, "4", "requests in flight per pipeline", &o.seqs, 1, 4096, NULL},
+        {"prompt-tokens", NULL, OPTION_INT, "16", "prompt tokens per request", &o.prompt_tokens, 1, 65536, NULL},
+        {"max-tokens", NULL, OPTION_INT, "256", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
+        {"step-us", NULL, OPTION_INT, "0", "sim_worker holds each result this long (0: at once)", &o.step_us, 0,
+         60000000, NULL},
+        {"warmup-s", NULL, OPTION_INT, "2", "seconds of load before the window", &o.warmup_s, 0, 3600, NULL},
+        {"seconds", NULL, OPTION_INT, "5", "seconds measured per pipeline count", &o.seconds, 1, 3600, NULL},
+        {"up-timeout-s", NULL, OPTION_INT, "60", "wait this long for every pipeline to be ready", &o.up_timeout_s, 1,
+         3600, NULL},
+        {"router-bin", NULL, OPTION_STRING, router_default, "llm-router to run", &o.router_bin, 0, 0, NULL},
+        {"sim-bin", NULL, OPTION_STRING, sim_default, "sim_worker to run", &o.sim_bin, 0, 0, NULL},
+        {"redis-server", "LLM_REDIS_SERVER", OPTION_STRING, "/usr/bin/redis-server", "redis-server to run",
+         &o.redis_bin, 0, 0, NULL},
+        {"router-args", NULL, OPTION_STRING, "", "extra words for llm-router's command line", &o.router_args, 0, 0,
+         NULL},
+        {"json", NULL, OPTION_STRING, "", "also write the rows as JSON to this file", &o.json, 0, 0, NULL},
+        {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where each run's logs go (kept when a run fails)", &o.tmpdir, 0,
+         0, NULL},
+    };
+    struct options op = {"bench_router", "[options]",
+                         "One router driven by sim_worker pipelines: steps/s, plan time, turnaround and CPU as the "
+                         "pipelines grow.",
+                         defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char err[1024] = "";
+    int rc = options_parse(&op, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) return 0;
+    if (rc < 0) {
+        fprintf(stderr, "bench_router: %s\n", err);
+        return 2;
+    }
+    /* Without --model: a small synthetic model (only its tokenizer and
+     * metadata are read) whose context holds prompt + max_tokens. */
+    static char synth_path[PATH_MAX];
+    if (!o.model || !o.model[0]) {
+        struct synth_config sc;
+        memset(&sc, 0, sizeof sc);
+        synth_shape_preset("tiny", &sc.shape);
+        sc.shape.ctx_len = o.prompt_tokens + o.max_tokens + 64;
+        if (sc.shape.n_layers < o.stages) sc.shape.n_layers = o.stages;
+        sc.type = SYNTH_F32;
+        sc.seed = 1;
+        sc.n_threads = 1;
+        sc.name = "bench-router";
+        br_fmt(synth_path, sizeof synth_path, "%s/bench-router-synth-%d.gguf", o.tmpdir, (int)getpid());
+        if (synth_write(&sc, synth_path, err, sizeof err) != STATUS_OK) {
+            fprintf(stderr, "bench_router: writing a synthetic model to %s: %s\n", synth_path, err);
+            return 1;
+        }
+        o.model = synth_path;
+    }
+    if ((o.n_pipes = br_parse_list(o.pipelines, o.pipe_v, err, sizeof err)) < 0) {
+        fprintf(stderr, "bench_router: %s\n", err);
+        return 2;
+    }
+    const char *bins[3] = {o.router_bin, o.sim_bin, o.redis_bin};
+    for (int i = 0; i < 3; i++)
+        if (access(bins[i], X_OK) != 0) {
+            fprintf(stderr, "bench_router: %s: %s (build it, or give its path)\n", bins[i], strerror(errno));
+            return 2;
+        }
+    log_set_level(LL_WARN);
+    signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = br_on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    struct br_row rows[BR_LIST_MAX];
+    int n_rows = 0, failed = 0;
+    for (int i = 0; i < o.n_pipes && !br_stop; i++) {
+        err[0] = 0;
+        struct br_row r;
+        if (br_level(&o, o.pipe_v[i], &r, err, sizeof err) < 0) {
+            fprintf(stderr, "bench_router: %d pipelines: %s\n", o.pipe_v[i], err);
+            failed = 1;
+            continue;
+        }
+        rows[n_rows++] = r;
+        fprintf(stderr, "%d x %d: %.0f steps/s (%.0f per pipeline, slowest %.0f), plan %.1f us, turnaround p99 %u us, "
+                "router CPU %.2f%s%s\n", r.pipelines, r.stages, r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min,
+                r.plan_mean_us, r.turn_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
+    }
+    if (synth_path[0]) unlink(synth_path);
+    br_print(stdout, rows, n_rows);
+    if (o.json && o.json[0]) {
+        FILE *f = fopen(o.json, "w");
+        if (!f) {
+            fprintf(stderr, "bench_router: --json %s: %s\n", o.json, strerror(errno));
+            return 1;
+        }
+        br_json(f, &o, rows, n_rows);
+        fclose(f);
+    }
+    return failed ? 1 : 0;
+}
