@@ -11,7 +11,10 @@
  * sequence bounds live in device memory): block x counts tiles through the
  * sequences in order.  Decode-only steps with an F16 cache take a kernel
  * of their own (attention_decode_kernel, below): K/V rows in registers,
- * no barrier per tile. */
+ * no barrier per tile.  An 8-bit (Q8_0) cache takes this kernel for every
+ * step, prefill and decode: its tiles are dequantized into shared memory
+ * as they are loaded (att_load_tile_q8), and the tensor-core and decode
+ * kernels, which read F16 rows, never see it. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -47,9 +50,41 @@ template <int KT> __device__ __forceinline__ float kv_load(const void *base, siz
 /* skv[jj][0 .. hd) (row stride hd + 1) = the cache rows of positions j0 + jj
  * of KV head kvh, zeros past j_end, NaN for a block id outside the cache.
  * 16-byte loads when the head width allows (8 halves or 4 floats). */
+/* The tile loader's form for an 8-bit cache: a position row of a KV head
+ * is head_dim / g groups of an F16 scale and g int8 (kernels/backend.h),
+ * dequantized into the float tile.  A thread per element; the group's
+ * scale is read by its g threads, which the cache serves. */
+__device__ __forceinline__ void att_load_tile_q8(float *skv, const void *cache, const struct cuda_attn_args &a,
+                                                 const int32_t *btab, int32_t kvh, int32_t j0, int32_t j_end,
+                                                 int kt) {
+    const int hd = a.head_dim, g = hd < 32 ? hd : 32;
+    const size_t rb = (size_t)(hd / g) * (g + 2);
+    for (int i = threadIdx.x; i < kt * hd; i += ATT_THREADS) {
+        int jj = i / hd, d = i % hd;
+        int32_t j = j0 + jj;
+        float val = 0.0f;
+        if (j < j_end) {
+            int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+            if (blk < 0 || blk >= a.n_blocks) {
+                val = __int_as_float(0x7fc00000);
+            } else {
+                const uint8_t *grp = (const uint8_t *)cache +
+                                     (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * rb +
+                                     (size_t)(d / g) * (g + 2);
+                val = h2f(__ldg((const fp16_t *)grp)) * (float)__ldg((const int8_t *)grp + 2 + d % g);
+            }
+        }
+        skv[jj * (hd + 1) + d] = val;
+    }
+}
+
 template <int KT>
 __device__ __forceinline__ void att_load_tile(float *skv, const void *cache, const struct cuda_attn_args &a,
                                               const int32_t *btab, int32_t kvh, int32_t j0, int32_t j_end, int kt) {
+    if (KT == DTYPE_Q8_0) {
+        att_load_tile_q8(skv, cache, a, btab, kvh, j0, j_end, kt);
+        return;
+    }
     const int hd = a.head_dim;
     const int vec = KT == DTYPE_F16 ? 8 : 4;
     if (hd % vec == 0) {
@@ -475,6 +510,8 @@ static size_t att_smem(int qv, int kt, int hd) {
 static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t smem, dim3 grid) {
     if (p->a.kv_type == DTYPE_F16)
         attention_kernel<DTYPE_F16><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
+    else if (p->a.kv_type == DTYPE_Q8_0)
+        attention_kernel<DTYPE_Q8_0><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
     else
         attention_kernel<DTYPE_F32><<<grid, ATT_THREADS, smem, CUDA_STREAM(ctx)>>>(*p);
     CUDA_CHECK(ctx, cudaGetLastError());
@@ -519,8 +556,10 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
                          "attention: %d sequences, %d tokens, %d heads over %d KV heads of %d, block %d x %d",
                          a->n_seqs, a->n_tokens, a->n_heads, a->n_kv_heads, a->head_dim, a->max_blocks,
                          a->block_size);
-    if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32)
+    if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32 && a->kv_type != DTYPE_Q8_0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: cache type %s", dtype_name(a->kv_type));
+    if (a->kv_type == DTYPE_Q8_0 && (a->head_dim % 2 != 0 || (a->head_dim >= 32 && a->head_dim % 32 != 0)))
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: Q8_0 cache with head_dim %d", a->head_dim);
     if (a->n_tokens == 0) return STATUS_OK;
     /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
     if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);

@@ -1,4 +1,5 @@
-/* Write this step's keys and values into the paged cache, laid out
+/* Write this step's keys and values into the paged cache (F32, F16, or
+ * Q8_0 quantized here), laid out
  * [n_blocks][n_kv_heads][block_size][head_dim], at slot = block *
  * block_size + offset.  A negative slot (a padding row) is skipped; a slot
  * past the cache is skipped too, since the host cannot see device-side
@@ -27,6 +28,39 @@ __global__ void kv_write_kernel(void *kc, void *vc, int32_t n_blocks, int32_t bl
     }
 }
 
+/* The 8-bit cache (kernels/backend.h): each position row of a KV head is
+ * head_dim / g groups of an F16 scale and g int8.  A thread quantizes one
+ * group of k and the same group of v, rounding as dtype_quant_row does
+ * (d = amax / 127 to F16, q = x / d to nearest even, clamped to +-127), so
+ * the bytes equal the CPU backend's for the same input. */
+__device__ __forceinline__ void kv_quant_group(const float *__restrict__ x, uint8_t *__restrict__ dst, int g) {
+    float amax = 0.0f;
+    for (int j = 0; j < g; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const fp16_t dh = f2h(amax / 127.0f);
+    const float d = h2f(dh), id = d > 0.0f ? 1.0f / d : 0.0f;
+    *(fp16_t *)dst = dh;
+    int8_t *qs = (int8_t *)(dst + 2);
+    for (int j = 0; j < g; j++) qs[j] = (int8_t)max(-127, min(127, __float2int_rn(x[j] * id)));
+}
+
+__global__ void kv_write_q8_kernel(uint8_t *kc, uint8_t *vc, int32_t n_blocks, int32_t block_size,
+                                   int32_t n_kv_heads, int32_t head_dim, int32_t g, const float *k, const float *v,
+                                   const int32_t *slots) {
+    int64_t t = blockIdx.x;
+    int32_t slot = slots[t];
+    if (slot < 0 || slot >= n_blocks * block_size) return;
+    int32_t blk = slot / block_size, off = slot % block_size;
+    const int32_t per_head = head_dim / g, n_groups = n_kv_heads * per_head, width = n_kv_heads * head_dim;
+    const size_t rb = (size_t)per_head * (g + 2);
+    for (int32_t i = threadIdx.x; i < n_groups; i += blockDim.x) {
+        int32_t h = i / per_head, gi = i % per_head;
+        /* Group i covers elements i * g .. i * g + g - 1 of the row's width. */
+        size_t at = (((size_t)blk * n_kv_heads + h) * block_size + off) * rb + (size_t)gi * (g + 2);
+        kv_quant_group(k + t * width + (int64_t)i * g, kc + at, g);
+        kv_quant_group(v + t * width + (int64_t)i * g, vc + at, g);
+    }
+}
+
 template <int KT>
 static int kv_write_launch(struct cuda_ctx *ctx, void *kc, void *vc, int32_t n_blocks, int32_t block_size,
                            int32_t n_kv_heads, int32_t head_dim, const float *k, const float *v, const int32_t *slots,
@@ -50,5 +84,16 @@ extern "C" int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum 
         return kv_write_launch<DTYPE_F16>(ctx, kv_k, kv_v, n_blocks, block_size, n_kv_heads, head_dim, k, v, slots, n);
     if (kv_type == DTYPE_F32)
         return kv_write_launch<DTYPE_F32>(ctx, kv_k, kv_v, n_blocks, block_size, n_kv_heads, head_dim, k, v, slots, n);
-    return cuda_fail(ctx, STATUS_UNSUPPORTED, "kv_write: cache type %s (F32 or F16 only)", dtype_name(kv_type));
+    if (kv_type == DTYPE_Q8_0) {
+        const int32_t g = head_dim < 32 ? head_dim : 32;
+        if (head_dim % 2 != 0 || head_dim % g != 0)
+            return cuda_fail(ctx, STATUS_UNSUPPORTED, "kv_write: Q8_0 cache with head_dim %d", head_dim);
+        const int groups = n_kv_heads * (head_dim / g);
+        const int threads = groups < 256 ? (groups + 31) / 32 * 32 : 256;
+        kv_write_q8_kernel<<<n, threads, 0, CUDA_STREAM(ctx)>>>((uint8_t *)kv_k, (uint8_t *)kv_v, n_blocks,
+                                                                block_size, n_kv_heads, head_dim, g, k, v, slots);
+        CUDA_CHECK(ctx, cudaGetLastError());
+        return STATUS_OK;
+    }
+    return cuda_fail(ctx, STATUS_UNSUPPORTED, "kv_write: cache type %s (F32, F16 or Q8_0 only)", dtype_name(kv_type));
 }

@@ -138,8 +138,19 @@ extern "C" int cuda_rope_kv_write(struct cuda_ctx *ctx, float *q, float *k, cons
         return cuda_fail(ctx, STATUS_BAD_INPUT,
                          "rope_kv_write: %d tokens x %d/%d heads x %d dims, %d frequencies, %d blocks of %d", n,
                          n_heads, n_kv_heads, head_dim, n_freq, n_blocks, block_size);
+    if (kv_type == DTYPE_Q8_0) {
+        /* The 8-bit cache quantizes whole groups of a row: rope in place,
+         * then kv_write.cu's quantizing write (q and k end rotated, which
+         * backend_rope_kv_write allows). */
+        if (n == 0) return STATUS_OK;
+        int rc = n_freq ? rope_launch(ctx, q, pos, n, n_heads, head_dim, inv_freq, n_freq, neox) : STATUS_OK;
+        if (rc == STATUS_OK && n_freq) rc = rope_launch(ctx, k, pos, n, n_kv_heads, head_dim, inv_freq, n_freq, neox);
+        if (rc == STATUS_OK)
+            rc = cuda_kv_write(ctx, kv_k, kv_v, kv_type, n_blocks, block_size, n_kv_heads, head_dim, k, v, slots, n);
+        return rc;
+    }
     if (kv_type != DTYPE_F16 && kv_type != DTYPE_F32)
-        return cuda_fail(ctx, STATUS_UNSUPPORTED, "rope_kv_write: cache type %s (F32 or F16 only)",
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "rope_kv_write: cache type %s (F32, F16 or Q8_0 only)",
                          dtype_name(kv_type));
     if (n == 0) return STATUS_OK;
     /* Blocks of RK_UNITS units per token: enough for every pair and for

@@ -977,6 +977,26 @@ TEST(cuda_ops_matmul_wide) {
 
 /* ---- KV cache and attention ---- */
 
+/* Floats as an 8-bit cache's rows (kernels/backend.h): groups of g values,
+ * each an F16 scale amax / 127 and g int8 rounded to nearest. */
+static void *q8_rows(const float *f, size_t rows, int32_t hd) {
+    int32_t g = backend_kv_q8_group(hd);
+    size_t rb = backend_kv_row_bytes(DTYPE_Q8_0, hd);
+    unsigned char *out = fx_host(rows * rb);
+    for (size_t r = 0; r < rows; r++)
+        for (int32_t i = 0; i < hd / g; i++) {
+            const float *x = f + r * hd + (size_t)i * g;
+            unsigned char *grp = out + r * rb + (size_t)i * (g + 2);
+            float amax = 0;
+            for (int j = 0; j < g; j++) amax = fmaxf(amax, fabsf(x[j]));
+            uint16_t dh = f32_to_fp16(amax / 127.0f);
+            float d = fp16_to_f32(dh), id = d > 0 ? 1.0f / d : 0.0f;
+            memcpy(grp, &dh, 2);
+            for (int j = 0; j < g; j++) grp[2 + j] = (unsigned char)(int8_t)lrintf(x[j] * id);
+        }
+    return out;
+}
+
 static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, int32_t hd) {
     if (fx.n_kv == 4) TEST_FAIL("fixture: more than 4 KV caches");
     int i = fx.n_kv++;
@@ -987,13 +1007,17 @@ static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, in
     for (int kv = 0; kv < 2; kv++) {
         float *f = rand_f32(elems, -1, 1);
         void *buf = f;
+        size_t bytes = elems * es;
         if (t == DTYPE_F16) {
             uint16_t *h = fx_host(elems * 2);
             for (size_t e = 0; e < elems; e++) h[e] = f32_to_fp16(f[e]);
             buf = h;
+        } else if (t == DTYPE_Q8_0) {
+            buf = q8_rows(f, elems / hd, hd);
+            bytes = elems / hd * backend_kv_row_bytes(t, hd);
         }
-        ASSERT_OK(backend_upload(fx.cpu, kv ? fx.ckv[i].v : fx.ckv[i].k, buf, elems * es));
-        ASSERT_OK(backend_upload(fx.gpu, kv ? fx.gkv[i].v : fx.gkv[i].k, buf, elems * es));
+        ASSERT_OK(backend_upload(fx.cpu, kv ? fx.ckv[i].v : fx.ckv[i].k, buf, bytes));
+        ASSERT_OK(backend_upload(fx.gpu, kv ? fx.gkv[i].v : fx.gkv[i].k, buf, bytes));
     }
 }
 
@@ -1010,9 +1034,11 @@ static void kv_write_case(enum dtype t) {
     ASSERT_OK(backend_kv_write(fx.cpu, &fx.ckv[0], k.c, v.c, ds.c, n));
     ASSERT_OK(backend_kv_write(fx.gpu, &fx.gkv[0], k.g, v.g, ds.g, n));
     ASSERT_OK(backend_sync(fx.cpu));
-    size_t bytes = (size_t)nb * bs * width * (t == DTYPE_F32 ? 4 : 2);
+    size_t bytes = (size_t)nb * bs * n_kv * backend_kv_row_bytes(t, hd);
     struct dbuf ck = {fx.ckv[0].k, fx.gkv[0].k, bytes}, cv = {fx.ckv[0].v, fx.gkv[0].v, bytes};
-    /* Written slots equal (F16: both round to nearest even), the others untouched. */
+    /* Written slots equal (F16: both round to nearest even; Q8_0: both
+     * divide amax by 127 in IEEE single, round the scale to F16 and the
+     * values to nearest even), the others untouched. */
     check_bytes(ck, "kv_write K cache");
     check_bytes(cv, "kv_write V cache");
     fx_close();
@@ -1020,9 +1046,33 @@ static void kv_write_case(enum dtype t) {
 
 TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32); }
 TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16); }
+TEST(cuda_ops_kv_write_q8_0) { kv_write_case(DTYPE_Q8_0); }
 
 /* Both caches as floats (F16 widened), for an NMSE check. */
 static void check_cache(enum dtype t, void *cbuf, void *gbuf, size_t elems, double bound, const char *what) {
+    if (t == DTYPE_Q8_0) {
+        /* 8-bit rows, dequantized; the cache is the last one kv_pair made. */
+        int32_t hd = fx.ckv[fx.n_kv - 1].head_dim, g = backend_kv_q8_group(hd);
+        size_t rows = elems / hd, rb = backend_kv_row_bytes(t, hd);
+        unsigned char *c = fx_host(rows * rb), *gq = fx_host(rows * rb);
+        ASSERT_OK(backend_download(fx.cpu, c, cbuf, rows * rb));
+        ASSERT_OK(backend_download(fx.gpu, gq, gbuf, rows * rb));
+        float *cf = fx_host(elems * 4), *gf = fx_host(elems * 4);
+        for (size_t r = 0; r < rows; r++)
+            for (int32_t d = 0; d < hd; d++) {
+                size_t at = r * rb + (size_t)(d / g) * (g + 2);
+                uint16_t hc, hg;
+                memcpy(&hc, c + at, 2);
+                memcpy(&hg, gq + at, 2);
+                cf[r * hd + d] = fp16_to_f32(hc) * (float)(int8_t)c[at + 2 + d % g];
+                gf[r * hd + d] = fp16_to_f32(hg) * (float)(int8_t)gq[at + 2 + d % g];
+            }
+        size_t w = 0;
+        double e = nmse(cf, gf, elems, &w);
+        if (!(e <= bound))
+            TEST_FAIL("%s: NMSE %.3g > %.3g (element %zu: cpu %.9g, gpu %.9g)", what, e, bound, w, cf[w], gf[w]);
+        return;
+    }
     size_t es = t == DTYPE_F32 ? 4 : 2;
     unsigned char *c = fx_host(elems * es), *g = fx_host(elems * es);
     ASSERT_OK(backend_download(fx.cpu, c, cbuf, elems * es));
@@ -1076,7 +1126,10 @@ static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
     /* The caches: every slot (written or not); F16 may round one last bit
      * differently where the rotated values differ in their last bits. */
     size_t elems = (size_t)nb * bs * n_kv * hd;
-    double bound = t == DTYPE_F32 ? 1e-12 : 1e-7;
+    /* Q8_0: a rotated value a last bit apart may round to the next int8
+     * (1/254 of its group's largest) or move the scale: a few such
+     * elements among the cache's 24576 stay far below 1e-6. */
+    double bound = t == DTYPE_F32 ? 1e-12 : t == DTYPE_Q8_0 ? 1e-6 : 1e-7;
     check_cache(t, fx.ckv[i].k, fx.gkv[i].k, elems, bound, what);
     check_cache(t, fx.ckv[i].v, fx.gkv[i].v, elems, bound, what);
     fx_close();
@@ -1087,6 +1140,8 @@ TEST(cuda_ops_rope_kv_write) {
     rope_kv_case(DTYPE_F16, 1, 32);
     rope_kv_case(DTYPE_F32, 1, 12);
     rope_kv_case(DTYPE_F32, 0, 32);
+    rope_kv_case(DTYPE_Q8_0, 1, 32);
+    rope_kv_case(DTYPE_Q8_0, 0, 12);
 }
 
 /* Whether the GPU takes this batch on the tensor-core kernel of
@@ -1217,6 +1272,25 @@ TEST(cuda_ops_attention_gqa_f32) {
 TEST(cuda_ops_attention_gqa_f16) {
     fx_open();
     attention_case(DTYPE_F16, 8, 2, 64, 16, 6, mix_lens, mix_pos);
+    fx_close();
+}
+
+/* The 8-bit cache: every attention with it runs attention.cu's general
+ * kernel, which dequantizes the tiles as it loads them.  Both backends
+ * read the same cache bytes and compute in F32 (the CPU scales a group's
+ * integer dot product once, the GPU each element), so the outputs differ
+ * only by float rounding: the F32 bound of 1e-9 holds.  Prefill chunks
+ * and decode rows of GQA, MHA heads of 128 at long contexts (split),
+ * groups of 8, and 8-wide heads (one scale per row). */
+TEST(cuda_ops_attention_q8_0) {
+    fx_open();
+    attention_case(DTYPE_Q8_0, 8, 2, 64, 16, 6, mix_lens, mix_pos);
+    static const int32_t l1[] = {1, 1, 40}, p1[] = {1000, 17, 500};
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 3, l1, p1);
+    static const int32_t l2[] = {1, 1, 1, 1}, p2[] = {2047, 5, 300, 64};
+    attention_case(DTYPE_Q8_0, 32, 4, 128, 16, 4, l2, p2);
+    static const int32_t l3[] = {12, 1}, p3[] = {0, 100};
+    attention_case(DTYPE_Q8_0, 8, 4, 8, 32, 2, l3, p3);
     fx_close();
 }
 
@@ -1412,12 +1486,17 @@ static void rope_attention_case(const struct ropeatt_case *c) {
      * position too many or too few moves a row by ~1/context of its size:
      * NMSE >= 1e-7 up to 3000 positions.  The two ops: attention's own
      * bounds (cuda_ops_attention_*; tensor cores round to F16). */
-    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, n, S) ? 1e-4 : 1e-8;
+    /* Q8_0: a new k a last bit apart after rope may round to the next
+     * int8 (kernels: rope_kv_case), which moves a score by ~1e-3 of the
+     * value: 1e-6. */
+    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, n, S) ? 1e-4
+                         : c->kv == DTYPE_Q8_0                                               ? 1e-6
+                                                                                             : 1e-8;
     double e = check_f32(out, (size_t)n * qw, bound, what);
     /* The caches, every slot: the new k rotated as rope rotates it (one F16
      * rounding may differ where the products round differently). */
     const size_t elems = (size_t)n_blocks * bs * c->n_kv * hd;
-    const double cache_bound = c->kv == DTYPE_F32 ? 1e-12 : 1e-7;
+    const double cache_bound = c->kv == DTYPE_F32 ? 1e-12 : c->kv == DTYPE_Q8_0 ? 1e-6 : 1e-7;
     check_cache(c->kv, fx.ckv[i].k, fx.gkv[i].k, elems, cache_bound, what);
     check_cache(c->kv, fx.ckv[i].v, fx.gkv[i].v, elems, cache_bound, what);
     printf("    %s%s: NMSE %.3g\n", what, fused ? " (one launch)" : "", e);
@@ -1446,6 +1525,9 @@ TEST(cuda_ops_rope_kv_attention) {
         {DTYPE_F32, 8, 2, 64, 300, 32, 1, 1, 1},
         {DTYPE_F16, 8, 2, 64, 300, 32, 0, 1, 2},
         {DTYPE_F16, 4, 2, 64, 10, 32, 0, 17, 1},
+        /* An 8-bit cache: always the two ops (rope_kv_write, attention). */
+        {DTYPE_Q8_0, 8, 2, 64, 300, 32, 1, 1, 1},
+        {DTYPE_Q8_0, 4, 4, 128, 130, 64, 0, 4, 1},
     };
     setenv("LLM_CUDA_ROPE_ATT", "16", 1);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) rope_attention_case(&cases[c]);
@@ -1462,6 +1544,6 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
           cuda_ops_matmul_wide,
-          cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_rope_kv_write,
-          cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_shapes,
+          cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
+          cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention)
