@@ -166,12 +166,28 @@ static double br_self_cpu_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Whether a program's --help mentions flag (the router takes --insecure
+ * only where it has CURVE keys to leave out). */
+static bool br_knows_flag(const char *bin, const char *flag) {
+    char cmd[PATH_MAX + 32];
+    br_fmt(cmd, sizeof cmd, "'%s' --help 2>&1", bin);
+    FILE *f = popen(cmd, "r");
+    if (!f) return false;
+    char line[1024];
+    bool found = false;
+    while (fgets(line, sizeof line, f))
+        if (strstr(line, flag)) found = true;
+    pclose(f);
+    return found;
+}
+
 /* ---- Options ---- */
 
 struct br_opts {
     const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *json, *tmpdir;
     int stages, seqs, prompt_tokens, max_tokens, step_us, warmup_s, seconds, up_timeout_s;
     int pipe_v[BR_LIST_MAX], n_pipes;
+    bool router_insecure; /* the router has CURVE: run it with --insecure */
 };
 
 static int br_parse_list(const char *s, int *v, char *err, size_t errlen) {
@@ -424,6 +440,7 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
                              "--worker-listen", wep, "--redis", redis_url, "--metrics-listen", "",
                              "--router-id", "bench", "--log-level", "info"};
     int n = 15;
+    if (o->router_insecure) router_argv[n++] = "--insecure";
     for (char *save = NULL, *t = strtok_r(rargs, " ", &save); t && n < 62; t = strtok_r(NULL, " ", &save))
         router_argv[n++] = t;
     router_argv[n] = NULL;
@@ -662,6 +679,10 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_router: %s: %s (build it, or give its path)\n", bins[i], strerror(errno));
             return 2;
         }
+    /* Plain sockets throughout (CURVE's cost is not what this measures):
+     * the client library reads LLM_INSECURE where it has keys. */
+    o.router_insecure = br_knows_flag(o.router_bin, "--insecure");
+    setenv("LLM_INSECURE", "true", 1);
     log_set_level(LL_WARN);
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa;

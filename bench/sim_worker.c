@@ -25,6 +25,7 @@
  * edges: a socket is read until ZMQ_EVENTS has no POLLIN, and read again
  * after every send on it, since a send can consume the signal of a message
  * that came meanwhile. */
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -98,11 +99,13 @@ struct sim_delayed {
 
 struct sim {
     /* Options. */
-    const char *router, *model, *prefix, *stats_file;
+    const char *router, *model, *prefix, *stats_file, *key_file, *router_key;
     int pipelines, stages, first_pipeline, kv_blocks, kv_block_size, max_step_tokens, max_step_seqs;
     int step_us, vocab;
     bool insecure;
     /* State. */
+    struct keys_pair kp;       /* with --curve-key-file: every worker's own pair */
+    char router_pub[KEYS_Z85_LEN + 1];
     struct modelinfo mi;
     char model_id[128];
     int32_t tok_lo, tok_n;
@@ -491,6 +494,10 @@ static int sim_open(struct sim *s, char *err, size_t errlen) {
         if (rc < 0) return rc;
         zio_set_int(w->sock, ZMQ_SNDHWM, 100000);
         zio_set_int(w->sock, ZMQ_RCVHWM, 100000);
+        if (!s->insecure && (rc = zio_curve_client(w->sock, &s->kp, s->router_pub)) < 0) {
+            snprintf(err, errlen, "worker %s: CURVE: %s", w->id, zio_errstr(w->sock));
+            return rc;
+        }
         if ((rc = zio_set_bytes(w->sock, ZMQ_ROUTING_ID, w->id, strlen(w->id))) < 0 ||
             (rc = zio_connect(w->sock, s->router)) < 0) {
             snprintf(err, errlen, "worker %s: %s", w->id, zio_errstr(w->sock));
@@ -623,6 +630,11 @@ int main(int argc, char **argv) {
          1 << 30, NULL},
         {"stats-file", NULL, OPTION_STRING, "", "on SIGUSR1, write the figures since the last SIGUSR1 here (JSON)",
          &s.stats_file, 0, 0, NULL},
+        {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
+         "the workers' CURVE key pair (NAME.key from llm keygen; all simulated workers share it)", &s.key_file, 0,
+         0, NULL},
+        {"router-key", "LLM_ROUTER_KEY", OPTION_STRING, NULL, "the router's public key file (NAME.pub)",
+         &s.router_key, 0, 0, NULL},
         {"insecure", "LLM_INSECURE", OPTION_BOOL, "false", "plain ZeroMQ sockets, no CURVE", &s.insecure, 0, 0,
          NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
@@ -644,15 +656,22 @@ int main(int argc, char **argv) {
     }
     log_set_process("sim_worker");
     log_set_level(log_level);
-    /* The CURVE options (--curve-key-file, --router-key) come with the key
-     * support in common/; until then only plain sockets exist, and saying
-     * so has to be a choice, as for every process of the cluster. */
-    if (!s.insecure) {
-        fprintf(stderr, "sim_worker: this build has no CURVE keys for the router connection; "
-                        "start with --insecure (LLM_INSECURE=true) for plain sockets\n");
+    /* As every process of the cluster: CURVE with a key pair, or plain
+     * sockets only when asked for by name. */
+    if (s.insecure) {
+        LOG(LL_WARN, "sim_worker: --insecure: plain ZeroMQ sockets, no authentication or encryption");
+    } else if (!s.key_file || !s.key_file[0]) {
+        fprintf(stderr, "sim_worker: no --curve-key-file (LLM_CURVE_KEY_FILE) and no --insecure (LLM_INSECURE): "
+                        "give the workers' key pair and --router-key, or ask for plain sockets\n");
+        return 2;
+    } else if (!s.router_key || !s.router_key[0]) {
+        fprintf(stderr, "sim_worker: --curve-key-file needs --router-key (LLM_ROUTER_KEY), the router's public key\n");
+        return 2;
+    } else if (keys_pair_load(s.key_file, &s.kp, err, sizeof err) < 0 ||
+               keys_pub_load(s.router_key, s.router_pub, err, sizeof err) < 0) {
+        fprintf(stderr, "sim_worker: %s\n", err);
         return 2;
     }
-    LOG(LL_WARN, "sim_worker: --insecure: plain ZeroMQ sockets, no authentication or encryption");
     if (!s.model || !s.model[0]) {
         fprintf(stderr, "sim_worker: --model is required (the router's model file: its name, vocabulary and layers)\n");
         return 2;
