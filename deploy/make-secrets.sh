@@ -36,6 +36,11 @@ done
 # Hex: no character that a Redis config line or a URL would need quoted.
 [ -f "$dir/redis-password" ] || od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$dir/redis-password"
 [ -f "$dir/api-keys" ] || { printf 'sk-'; od -An -tx1 -N24 /dev/urandom | tr -d ' \n'; echo; } > "$dir/api-keys"
+# Compose mounts each file into its container as it is, and the containers
+# run as other users (10001, Redis 999) than the one who made them: the
+# files are readable by all, and the directory (0700) is what keeps them
+# private on this host.  Kubernetes copies them into Secrets instead.
+chmod 644 "$dir"/*.key "$dir"/*.pub "$dir/redis-password" "$dir/api-keys"
 echo "make-secrets: keys and passwords in $dir"
 
 [ -n "$kube" ] || exit 0
