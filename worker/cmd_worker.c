@@ -37,7 +37,8 @@ int main(int argc, char **argv) {
     const char *metrics_listen = NULL;
     static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
-    int max_tokens = 0, max_seqs = 0, ctx = 0, transport = 0, link_timeout = 0, kv_type = 0;
+    int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_timeout = 0,
+        kv_type = 0;
     double mem_fraction = 0;
     bool require_gpu = false;
     const struct option_def defs[] = {
@@ -50,14 +51,15 @@ int main(int argc, char **argv) {
         {"require-gpu", "LLM_REQUIRE_GPU", OPTION_BOOL, "false", "fail instead of running on the CPU when there is no GPU", &require_gpu, 0, 0, NULL},
         {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5556", "the router's worker endpoint", &router, 0, 0, NULL},
         {"redis", "LLM_REDIS", OPTION_STRING, "", "Redis URL for the worker registry and NCCL ids (empty: none)", &redis, 0, 0, NULL},
-        {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks (0: --mem-fraction on a GPU, max-seqs full contexts on the CPU)", &kv_blocks, 0, 1 << 24, NULL},
+        {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks (0: auto: what --mem-fraction leaves after weights and workspace on a GPU, max-seqs whole contexts on the CPU)", &kv_blocks, 0, 1 << 24, NULL},
         {"mem-fraction", "LLM_MEM_FRACTION", OPTION_FLOAT, "0.9", "fraction of free GPU memory for weights, KV and workspace", &mem_fraction, 0.01, 1, NULL},
         {"kv-type", "LLM_KV_TYPE", OPTION_CHOICE, "auto", "KV cache elements: auto (f32 on the CPU, f16 on a GPU), f32, f16 or q8_0 (8-bit: about twice f16's positions in the same memory)", &kv_type, 0, 0, kvcache_type_names},
         {"kv-block-size", "LLM_KV_BLOCK_SIZE", OPTION_INT, "16", "positions per KV block (the router must use the same)", &block_size, 1, 4096, NULL},
         {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU backend threads (0: one per core)", &threads, 0, 1024, NULL},
-        {"max-batch-tokens", "LLM_MAX_BATCH_TOKENS", OPTION_INT, "512", "tokens per step, all sequences together", &max_tokens, 1, 1 << 20, NULL},
-        {"max-seqs", "LLM_MAX_SEQS", OPTION_INT, "16", "sequences per step", &max_seqs, 1, 4096, NULL},
+        {"max-batch-tokens", "LLM_MAX_BATCH_TOKENS", OPTION_INT, "0", "tokens per step, all sequences together (0: auto: max-seqs + 512 up to a multiple of 64 on a GPU, 512 on the CPU)", &max_tokens, 0, 1 << 20, NULL},
+        {"max-seqs", "LLM_MAX_SEQS", OPTION_INT, "0", "sequences per step (0: auto: on a GPU the --target-ctx sequences the KV holds / --stages, at most 256; 16 on the CPU)", &max_seqs, 0, 4096, NULL},
         {"ctx", "LLM_CTX", OPTION_INT, "0", "positions per sequence (0: the model's context length)", &ctx, 0, 1 << 24, NULL},
+        {"target-ctx", "LLM_TARGET_CTX", OPTION_INT, "2048", "positions a typical sequence reaches (prompt and output): the auto sizing fits max-seqs x stages of them in the KV cache", &target_ctx, 1, 1 << 24, NULL},
         {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://*:*", "where the previous stage's ZeroMQ link connects (CPU transport)", &listen, 0, 0, NULL},
         {"advertise-host", "LLM_ADVERTISE_HOST", OPTION_STRING, "", "host name others use for --listen's wildcard (default: hostname)", &advertise, 0, 0, NULL},
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
@@ -110,6 +112,7 @@ int main(int argc, char **argv) {
     cfg.max_batch_tokens = max_tokens;
     cfg.max_seqs = max_seqs;
     cfg.ctx = ctx;
+    cfg.target_ctx = target_ctx;
     cfg.transport = (enum node_transport)transport;
     cfg.link_timeout_ms = link_timeout;
     if (device_parse("--device", device, &cfg.device, err, sizeof err) < 0) {

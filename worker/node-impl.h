@@ -79,6 +79,9 @@ struct node {
 
     /* Step scratch (compute thread), sized at stage load. */
     int32_t n_tokens_max, n_seqs_max, max_blocks;
+    /* What the sizing assumed (worker/sizing.h), stated in Register. */
+    int32_t target_ctx, kv_seqs; /* typical positions per sequence; sequences of it the KV holds */
+    unsigned sized_auto;         /* enum sizing_auto: the limits chosen rather than given */
     float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
     void *dev_in_f16, *dev_out_f16;          /* [n_tokens_max, dim] F16, device links */
     float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */

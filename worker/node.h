@@ -49,7 +49,9 @@ struct node_config {
     uint32_t pipeline_id;
     int32_t stage_index, stage_count;
     int32_t layer_first, layer_end; /* layer_end > 0: this explicit range */
-    int32_t kv_blocks;          /* 0: from mem_fraction on a GPU, else the stage default */
+    /* kv_blocks, max_batch_tokens, max_seqs: 0 = chosen from the memory
+     * budget on a GPU, small defaults on the CPU (worker/sizing.h). */
+    int32_t kv_blocks;          /* KV blocks */
     double mem_fraction;        /* of the free device memory, for weights + KV + workspace */
     int32_t kv_block_size;
     int32_t kv_type;            /* stage_config.kv_type: DTYPE_F32, F16, Q8_0; < 0: F32 on the CPU, F16 on a GPU */
@@ -57,6 +59,7 @@ struct node_config {
     int32_t max_batch_tokens;   /* rows per step, all sequences together */
     int32_t max_seqs;           /* sequences per step */
     int32_t ctx;                /* positions per sequence; 0: the model's context length */
+    int32_t target_ctx;         /* positions a typical sequence reaches, for the sizing; 0: 2048 */
     enum node_transport transport;
     int link_timeout_ms;        /* bound on one link send/receive (a peer that is gone) */
     int register_retry_ms;      /* Register is sent again this often until answered */

@@ -38,6 +38,9 @@ static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     r.pid = (uint32_t)getpid();
     r.max_step_tokens = (uint32_t)n->n_tokens_max;
     r.max_step_seqs = (uint32_t)n->n_seqs_max;
+    r.target_ctx = (uint32_t)n->target_ctx;
+    r.kv_seqs = (uint32_t)n->kv_seqs;
+    r.sized_auto = n->sized_auto;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
     env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
     env.register_ = &r;

@@ -3,6 +3,7 @@
  * sizing the step buffers. */
 #include "node-impl.h"
 #include "node_metrics.h"
+#include "sizing.h"
 
 #include "common/gguf.h"
 #include "common/layersplit.h"
@@ -191,8 +192,6 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     stage_config_default(&sc);
     sc.layer_first = first;
     sc.layer_last = end;
-    sc.n_tokens_max = cfg->max_batch_tokens;
-    sc.n_seqs_max = cfg->max_seqs;
     sc.n_ctx_max = cfg->ctx > 0 ? cfg->ctx : hp->ctx_len;
     sc.block_size = cfg->kv_block_size;
     int32_t ctx = sc.n_ctx_max > 0 ? sc.n_ctx_max : 2048;
@@ -200,32 +199,28 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     sc.kv_type = cfg->kv_type >= 0 ? cfg->kv_type : gpu ? DTYPE_F16 : DTYPE_F32;
     size_t per_block = (size_t)(end - first) *
                        kvcache_block_bytes((enum dtype)sc.kv_type, cfg->kv_block_size, hp->n_kv_heads, hp->head_dim);
-    /* Activations, attention and lm_head scratch, and (GPU) cuBLAS and
-     * three dequantized prefill tiles of up to 96 MiB (the scratch's and
-     * the two of kernels/cuda/dequant_ahead.cu): an upper estimate; the
-     * real figure is logged after the load. */
-    size_t work = (size_t)cfg->max_batch_tokens * 4 *
-                      (8 * (size_t)hp->dim + 3 * (size_t)hp->ffn_dim) +
-                  (size_t)cfg->max_seqs * hp->n_vocab * 4 + (gpu ? (size_t)(64 + 3 * 96) << 20 : 0);
     size_t mem_free = 0, mem_total = 0;
     backend_mem_info(n->b, &mem_free, &mem_total);
-    int32_t blocks = cfg->kv_blocks;
-    if (blocks <= 0 && gpu) {
-        double budget = (double)mem_free * cfg->mem_fraction - (double)weights - (double)work;
-        if (budget < (double)per_block) {
-            snprintf(err, errlen,
-                     "%s: layers %d:%d do not fit: weights %.1f MiB + workspace ~%.1f MiB leave "
-                     "no room for a KV block (%.2f MiB) in %.2f of %.1f MiB free "
-                     "(--mem-fraction %.2f): use more stages or a smaller model",
-                     backend_name(n->b), first, end, node_mib(weights), node_mib(work),
-                     node_mib(per_block), cfg->mem_fraction, node_mib(mem_free), cfg->mem_fraction);
-            return STATUS_NO_MEMORY;
-        }
-        double nb = budget / (double)per_block;
-        blocks = nb > (double)(1 << 24) ? (1 << 24) : (int32_t)nb;
-    } else if (blocks <= 0) {
-        blocks = cfg->max_seqs * ((ctx + cfg->kv_block_size - 1) / cfg->kv_block_size);
+    /* Steps and KV from the memory budget, unless the flags give them
+     * (worker/sizing.h); a stage holds the KV of every micro-batch in
+     * flight, one per stage of its pipeline. */
+    struct sizing_input si = {gpu, mem_free, cfg->mem_fraction, weights, per_block,
+                              cfg->kv_block_size, hp->dim, hp->ffn_dim, hp->n_vocab, ctx,
+                              cfg->target_ctx, n->stage_count, cfg->kv_blocks, cfg->max_seqs,
+                              cfg->max_batch_tokens};
+    struct sizing sz;
+    char why[400];
+    int rc = sizing_choose(&sz, &si, why, sizeof why);
+    if (rc != STATUS_OK) {
+        snprintf(err, errlen, "%s: layers %d:%d do not fit: %s", backend_name(n->b), first, end, why);
+        return rc;
     }
+    LOG(LL_INFO, "stage %d/%d sizing (layers %d:%d, %s KV): %s", n->stage_index, n->stage_count, first,
+        end, dtype_name((enum dtype)sc.kv_type), sz.why);
+    sc.n_tokens_max = sz.max_tokens;
+    sc.n_seqs_max = sz.max_seqs;
+    size_t work = sz.work_bytes;
+    int32_t blocks = sz.kv_blocks;
     sc.n_blocks = blocks;
     size_t kv = per_block * (size_t)blocks;
     /* On the CPU the weights are read in place from the file mapping (page
@@ -240,7 +235,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
                  cfg->kv_block_size, node_mib(work), node_mib(need), node_mib(mem_free));
         return STATUS_NO_MEMORY;
     }
-    int rc = stage_init(&n->s, n->m, n->b, &sc, err, errlen);
+    rc = stage_init(&n->s, n->m, n->b, &sc, err, errlen);
     if (rc != STATUS_OK) return rc;
     size_t free_after = 0;
     backend_mem_info(n->b, &free_after, &mem_total);
@@ -257,6 +252,9 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
         c->n_tokens_max, c->n_seqs_max);
     n->layer_first = first;
     n->layer_end = end;
+    n->target_ctx = sz.target_ctx;
+    n->kv_seqs = sz.kv_seqs;
+    n->sized_auto = sz.auto_mask;
     atomic_store(&n->kv_blocks_total, (uint32_t)c->n_blocks);
     if (mem_total >= free_after)
         node_metrics_memory(n->metrics, n->stage_index, mem_total - free_after, mem_total);
