@@ -52,24 +52,48 @@ void server_redis_connect(server *s) {
     if (adopted) LOG(LL_INFO, "redis: resumed %zu accepted, unfinished requests", adopted);
 }
 
+/* Every live worker's Redis key, in one round trip: a key that existed
+ * and is gone means the worker is.  One PTTL each in turn would stop the
+ * loop for a round trip per worker every heartbeat interval, which with
+ * hundreds of workers is milliseconds in which no step is planned. */
 static void check_worker_keys(server *s) {
     if (!s->rs) return;
-    struct rconn *c = reqstore_conn(s->rs);
-    for (size_t i = 0; i < registry_n_workers(s->reg); i++) {
+    size_t nw = registry_n_workers(s->reg), n = 0;
+    if (nw == 0) return;
+    struct rconn_cmd *cmds = calloc(nw, sizeof *cmds);
+    const char **argv = calloc(2 * nw, sizeof *argv);
+    char (*keys)[256] = calloc(nw, sizeof *keys);
+    struct worker **ws = calloc(nw, sizeof *ws);
+    redisReply **replies = calloc(nw, sizeof *replies);
+    if (!cmds || !argv || !keys || !ws || !replies) goto done; /* heartbeats still tell */
+    for (size_t i = 0; i < nw; i++) {
         struct worker *w = registry_worker_at(s->reg, i);
         if (w->state == WORKER_LOST) continue;
-        char key[256];
-        snprintf(key, sizeof key, "%sworker:%s", s->cfg.redis_prefix, w->id);
-        int64_t ttl = 0;
-        int rc = rconn_ttl(c, key, &ttl);
-        if (rc == 0) w->redis_key_seen = true;
-        else if (rc == STATUS_NOT_FOUND && w->redis_key_seen) {
-            LOG(LL_WARN, "worker %s: its Redis key %s expired: lost", w->id, key);
-            registry_mark_lost(s->reg, w);
-        } else if (rc != STATUS_NOT_FOUND) {
-            return; /* Redis trouble: heartbeats still tell */
+        snprintf(keys[n], sizeof keys[n], "%sworker:%s", s->cfg.redis_prefix, w->id);
+        argv[2 * n] = "PTTL";
+        argv[2 * n + 1] = keys[n];
+        cmds[n] = (struct rconn_cmd){2, &argv[2 * n], NULL};
+        ws[n++] = w;
+    }
+    if (n == 0 || rconn_pipeline(reqstore_conn(s->rs), cmds, n, replies) < 0) goto done; /* Redis trouble */
+    for (size_t k = 0; k < n; k++) {
+        const redisReply *r = replies[k];
+        if (!r || r->type != REDIS_REPLY_INTEGER) continue;
+        if (r->integer != -2) {
+            ws[k]->redis_key_seen = true;
+        } else if (ws[k]->redis_key_seen) {
+            LOG(LL_WARN, "worker %s: its Redis key %s expired: lost", ws[k]->id, keys[k]);
+            registry_mark_lost(s->reg, ws[k]);
         }
     }
+done:
+    for (size_t k = 0; replies && k < n; k++)
+        if (replies[k]) freeReplyObject(replies[k]);
+    free(replies);
+    free(ws);
+    free(keys);
+    free(argv);
+    free(cmds);
 }
 
 void server_timers(server *s) {
