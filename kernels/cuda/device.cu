@@ -19,6 +19,10 @@ extern "C" int cuda_fail(struct cuda_ctx *ctx, int code, const char *fmt, ...) {
     return code;
 }
 
+/* Launched never: its attributes tell which architecture's code the
+ * driver loaded for this card (cuda_ctx_init). */
+__global__ void cuda_arch_probe(void) {}
+
 extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_t errlen) {
     *out = NULL;
     /* The LLM_CUDA_* knobs (knobs.c), read once, before the GPU is touched:
@@ -71,6 +75,14 @@ extern "C" int cuda_ctx_init(struct cuda_ctx **out, int device, char *err, size_
     }
     ctx->n_sms = prop.multiProcessorCount;
     ctx->cc = prop.major * 10 + prop.minor;
+    /* A build may hold code for older architectures only (the T4 image is
+     * compute_75 alone; on an L4 or an H100 the driver compiles its PTX):
+     * the newer paths' instructions are not in that code, so route as the
+     * newest architecture the build holds for this card. */
+    cudaFuncAttributes fa;
+    if (cudaFuncGetAttributes(&fa, cuda_arch_probe) == cudaSuccess && fa.ptxVersion > 0 && fa.ptxVersion < ctx->cc)
+        ctx->cc = fa.ptxVersion;
+    cudaGetLastError();
     rc = cuda_knobs_apply(&knobs, ctx, err, errlen);
     if (rc != STATUS_OK) {
         cuda_ctx_free(ctx);
