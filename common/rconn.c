@@ -23,6 +23,8 @@ struct rconn {
     char host[256];
     int port;
     int db;
+    char *user;     /* NULL: AUTH with the password alone (the "default" user) */
+    char *password; /* NULL: no AUTH; wiped before it is freed */
     int timeout_ms;
     int err;
     char errstr[512];
@@ -72,6 +74,25 @@ static int rconn_connect(struct rconn *c) {
     redisSetTimeout(ctx, rconn_tv(c->timeout_ms));
     redisEnableKeepAlive(ctx);
     c->ctx = ctx;
+    if (c->password) {
+        /* Argument vector, never a format string: the password may hold any byte. */
+        const char *argv[3] = {"AUTH", c->user ? c->user : c->password, c->password};
+        redisReply *r = redisCommandArgv(ctx, c->user ? 3 : 2, argv, NULL);
+        if (!r || r->type == REDIS_REPLY_ERROR) {
+            /* Redis's refusal ("WRONGPASS invalid username-password pair")
+             * never echoes the password, and neither does this message. */
+            if (c->user)
+                rconn_seterr(c, r ? STATUS_BAD_INPUT : STATUS_UNAVAILABLE, "AUTH as user '%s': %s",
+                             c->user, r ? r->str : ctx->errstr);
+            else
+                rconn_seterr(c, r ? STATUS_BAD_INPUT : STATUS_UNAVAILABLE, "AUTH: %s",
+                             r ? r->str : ctx->errstr);
+            if (r) freeReplyObject(r);
+            rconn_drop(c);
+            return c->err;
+        }
+        freeReplyObject(r);
+    }
     if (c->db != 0) {
         redisReply *r = redisCommand(ctx, "SELECT %d", c->db);
         if (!r || r->type == REDIS_REPLY_ERROR) {
@@ -89,11 +110,34 @@ static int rconn_connect(struct rconn *c) {
 
 int rconn_reconnect(struct rconn *c) { return rconn_connect(c); }
 
+static void rconn_wipe_free(char *p) {
+    if (!p) return;
+    for (volatile char *v = p; *v; v++) *v = 0;
+    free(p);
+}
+
+static void rconn_free(struct rconn *c) {
+    rconn_drop(c);
+    free(c->user);
+    rconn_wipe_free(c->password);
+    free(c);
+}
+
 int rconn_open(const char *host, int port, int db, int timeout_ms, struct rconn **out, char *err,
                size_t err_size) {
+    return rconn_open_auth(host, port, db, NULL, NULL, timeout_ms, out, err, err_size);
+}
+
+int rconn_open_auth(const char *host, int port, int db, const char *user, const char *password,
+                    int timeout_ms, struct rconn **out, char *err, size_t err_size) {
     *out = NULL;
     if (!host || !*host || port <= 0 || port > 65535 || db < 0) {
         snprintf(err, err_size, "redis %s:%d db %d: bad address", host ? host : "(null)", port, db);
+        return STATUS_BAD_INPUT;
+    }
+    if (user && *user && (!password || !*password)) {
+        snprintf(err, err_size, "redis %s:%d: user '%s' has no password (give one in the URL or a "
+                 "password file)", host, port, user);
         return STATUS_BAD_INPUT;
     }
     struct sigaction sa;
@@ -109,62 +153,243 @@ int rconn_open(const char *host, int port, int db, int timeout_ms, struct rconn 
     c->db = db;
     c->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
     snprintf(c->addr, sizeof c->addr, "%s:%d", c->host, port);
+    if (password && *password) {
+        c->password = strdup(password);
+        c->user = user && *user ? strdup(user) : NULL;
+        if (!c->password || (user && *user && !c->user)) {
+            snprintf(err, err_size, "redis %s:%d: out of memory", host, port);
+            rconn_free(c);
+            return STATUS_NO_MEMORY;
+        }
+    }
     int rc = rconn_connect(c);
     if (rc < 0) {
         snprintf(err, err_size, "%s", c->errstr);
-        free(c);
+        rconn_free(c);
         return rc;
     }
     *out = c;
     return 0;
 }
 
-int rconn_open_url(const char *url, int timeout_ms, struct rconn **out, char *err,
-                   size_t err_size) {
-    *out = NULL;
+void rconn_url_redact(const char *url, char *out, size_t size) {
+    if (!url) url = "(null)";
+    const char *scheme = strstr(url, "://");
+    const char *auth = scheme ? scheme + 3 : url;
+    const char *at = strrchr(auth, '@');
+    const char *colon = at ? memchr(auth, ':', (size_t)(at - auth)) : NULL;
+    if (!colon) {
+        snprintf(out, size, "%s", url);
+        return;
+    }
+    snprintf(out, size, "%.*s***%s", (int)(colon + 1 - url), url, at);
+}
+
+/* Percent-decodes n bytes of s into a malloc'd string; NULL on a bad
+ * escape, on a NUL byte, or out of memory (*bad says which). */
+static char *rconn_pct_decode(const char *s, size_t n, int *bad) {
+    *bad = 0;
+    char *d = malloc(n + 1);
+    if (!d) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] != '%') {
+            d[k++] = s[i];
+            continue;
+        }
+        unsigned v = 0;
+        for (size_t j = i + 1; j <= i + 2 && !*bad; j++) {
+            int h = j < n ? tolower((unsigned char)s[j]) : -1;
+            if (h >= '0' && h <= '9') v = v * 16 + (unsigned)(h - '0');
+            else if (h >= 'a' && h <= 'f') v = v * 16 + (unsigned)(h - 'a' + 10);
+            else *bad = 1;
+        }
+        if (*bad || v == 0) {
+            *bad = 1;
+            break;
+        }
+        d[k++] = (char)v;
+        i += 2;
+    }
+    if (*bad) {
+        for (size_t i = 0; i < k; i++) d[i] = 0;
+        free(d);
+        return NULL;
+    }
+    d[k] = '\0';
+    return d;
+}
+
+/* The parts of "redis://[user[:password]@]host[:port][/db]". */
+struct rconn_url {
+    char host[256];
+    long port, db;
+    char *user, *password; /* malloc'd, NULL when absent */
+    const char *hostpart;  /* into the URL: what follows the '@' */
+};
+
+static void rconn_url_free(struct rconn_url *u) {
+    free(u->user);
+    rconn_wipe_free(u->password);
+    u->user = u->password = NULL;
+}
+
+/* Error messages name the URL with its password replaced by "***". */
+static int rconn_url_parse(const char *url, struct rconn_url *u, char *err, size_t err_size) {
+    memset(u, 0, sizeof *u);
+    char shown[512];
+    rconn_url_redact(url, shown, sizeof shown);
     const char *p = url && strncmp(url, "redis://", 8) == 0 ? url + 8 : NULL;
     if (!p) {
-        snprintf(err, err_size, "redis URL '%s': does not start with redis://", url ? url : "(null)");
+        snprintf(err, err_size, "redis URL '%s': does not start with redis://", shown);
         return STATUS_BAD_INPUT;
     }
-    char host[256];
+    const char *at = strrchr(p, '@');
+    if (at) {
+        const char *colon = memchr(p, ':', (size_t)(at - p));
+        size_t ul = colon ? (size_t)(colon - p) : (size_t)(at - p);
+        int bad = 0;
+        if (ul > 0 && !(u->user = rconn_pct_decode(p, ul, &bad))) {
+            snprintf(err, err_size, "redis URL '%s': %s", shown,
+                     bad ? "the user name has a bad %-escape" : "out of memory");
+            return bad ? STATUS_BAD_INPUT : STATUS_NO_MEMORY;
+        }
+        if (colon && colon + 1 < at &&
+            !(u->password = rconn_pct_decode(colon + 1, (size_t)(at - colon - 1), &bad))) {
+            rconn_url_free(u);
+            snprintf(err, err_size, "redis URL '%s': %s", shown,
+                     bad ? "the password has a bad %-escape (write '%' as %25)" : "out of memory");
+            return bad ? STATUS_BAD_INPUT : STATUS_NO_MEMORY;
+        }
+        p = at + 1;
+    }
+    u->hostpart = p;
     size_t hl = strcspn(p, ":/");
-    if (hl == 0 || hl >= sizeof host) {
-        snprintf(err, err_size, "redis URL '%s': no host", url);
+    if (hl == 0 || hl >= sizeof u->host) {
+        rconn_url_free(u);
+        snprintf(err, err_size, "redis URL '%s': no host", shown);
         return STATUS_BAD_INPUT;
     }
-    memcpy(host, p, hl);
-    host[hl] = '\0';
+    memcpy(u->host, p, hl);
+    u->host[hl] = '\0';
     p += hl;
-    long port = 6379, db = 0;
+    u->port = 6379;
+    u->db = 0;
     char *end;
     if (*p == ':') {
         errno = 0;
-        port = strtol(p + 1, &end, 10);
-        if (end == p + 1 || errno || port <= 0 || port > 65535 || (*end && *end != '/')) {
-            snprintf(err, err_size, "redis URL '%s': port is not a number from 1 to 65535", url);
+        u->port = strtol(p + 1, &end, 10);
+        if (end == p + 1 || errno || u->port <= 0 || u->port > 65535 || (*end && *end != '/')) {
+            rconn_url_free(u);
+            snprintf(err, err_size, "redis URL '%s': port is not a number from 1 to 65535", shown);
             return STATUS_BAD_INPUT;
         }
         p = end;
     }
     if (*p == '/' && p[1]) {
         errno = 0;
-        db = strtol(p + 1, &end, 10);
-        if (end == p + 1 || errno || db < 0 || db > 100000 || *end) {
-            snprintf(err, err_size, "redis URL '%s': database '%s' is not a number", url, p + 1);
+        u->db = strtol(p + 1, &end, 10);
+        if (end == p + 1 || errno || u->db < 0 || u->db > 100000 || *end) {
+            rconn_url_free(u);
+            snprintf(err, err_size, "redis URL '%s': database '%s' is not a number", shown, p + 1);
             return STATUS_BAD_INPUT;
         }
     } else if (*p && strcmp(p, "/") != 0) {
-        snprintf(err, err_size, "redis URL '%s': unexpected '%s' after the host", url, p);
+        rconn_url_free(u);
+        snprintf(err, err_size, "redis URL '%s': unexpected '%s' after the host", shown, p);
         return STATUS_BAD_INPUT;
     }
-    return rconn_open(host, (int)port, (int)db, timeout_ms, out, err, err_size);
+    return 0;
+}
+
+int rconn_open_url(const char *url, int timeout_ms, struct rconn **out, char *err,
+                   size_t err_size) {
+    *out = NULL;
+    struct rconn_url u;
+    int rc = rconn_url_parse(url, &u, err, err_size);
+    if (rc < 0) return rc;
+    rc = rconn_open_auth(u.host, (int)u.port, (int)u.db, u.user, u.password, timeout_ms, out, err,
+                         err_size);
+    if (rc < 0 && u.password) {
+        /* Which URL the refused password came from, without the password. */
+        char shown[512], why[512];
+        rconn_url_redact(url, shown, sizeof shown);
+        snprintf(why, sizeof why, "%s", err);
+        snprintf(err, err_size, "%s (URL %s)", why, shown);
+    }
+    rconn_url_free(&u);
+    return rc;
+}
+
+int rconn_url_password_file(const char *url, const char *path, char **out, char *err,
+                            size_t err_size) {
+    *out = NULL;
+    struct rconn_url u;
+    int rc = rconn_url_parse(url, &u, err, err_size);
+    if (rc < 0) return rc;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, err_size, "redis password file %s: %s", path, strerror(errno));
+        rconn_url_free(&u);
+        return STATUS_IO;
+    }
+    char pw[1025];
+    size_t n = fread(pw, 1, sizeof pw, f);
+    int read_err = ferror(f);
+    fclose(f);
+    rc = STATUS_BAD_INPUT;
+    if (read_err) {
+        snprintf(err, err_size, "redis password file %s: cannot be read", path);
+        rc = STATUS_IO;
+        goto done;
+    }
+    if (n == sizeof pw) {
+        snprintf(err, err_size, "redis password file %s: longer than %zu bytes", path, sizeof pw - 1);
+        goto done;
+    }
+    /* A Secret or `echo` leaves a final newline; it is not part of the password. */
+    while (n > 0 && (pw[n - 1] == '\n' || pw[n - 1] == '\r')) n--;
+    pw[n] = '\0';
+    if (n == 0) {
+        snprintf(err, err_size, "redis password file %s: is empty", path);
+        goto done;
+    }
+    if (memchr(pw, '\n', n) || memchr(pw, '\r', n) || strlen(pw) != n) {
+        snprintf(err, err_size, "redis password file %s: the password must be one line of text", path);
+        goto done;
+    }
+    /* redis:// [user] : password (every byte outside the unreserved set
+     * escaped) @ host... */
+    size_t ulen = u.user ? strlen(u.user) : 0;
+    size_t cap = 8 + 3 * ulen + 1 + 3 * n + 1 + strlen(u.hostpart) + 1;
+    char *s = malloc(cap);
+    if (!s) {
+        snprintf(err, err_size, "redis password file %s: out of memory", path);
+        rc = STATUS_NO_MEMORY;
+        goto done;
+    }
+    size_t k = (size_t)snprintf(s, cap, "redis://");
+    for (int part = 0; part < 2; part++) {
+        const char *src = part == 0 ? (u.user ? u.user : "") : pw;
+        for (const unsigned char *c = (const unsigned char *)src; *c; c++) {
+            if (isalnum(*c) || *c == '-' || *c == '.' || *c == '_' || *c == '~')
+                s[k++] = (char)*c;
+            else
+                k += (size_t)snprintf(s + k, cap - k, "%%%02X", *c);
+        }
+        s[k++] = part == 0 ? ':' : '@';
+    }
+    snprintf(s + k, cap - k, "%s", u.hostpart);
+    *out = s;
+    rc = 0;
+done:
+    for (volatile char *v = pw; v < pw + sizeof pw; v++) *v = 0;
+    rconn_url_free(&u);
+    return rc;
 }
 
 void rconn_close(struct rconn *c) {
-    if (!c) return;
-    rconn_drop(c);
-    free(c);
+    if (c) rconn_free(c);
 }
 
 int rconn_err(const struct rconn *c) { return c->err; }

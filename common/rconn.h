@@ -72,10 +72,33 @@ struct rconn_pending {
  * and the reason.  The caller frees the connection with rconn_close. */
 int rconn_open(const char *host, int port, int db, int timeout_ms, struct rconn **out, char *err,
                size_t err_size);
-/* Same from "redis://host[:port][/db]" (port 6379, db 0 by default);
- * STATUS_BAD_INPUT names a malformed URL. */
+/* Same, authenticating every connection (and every reconnection) with AUTH
+ * before SELECT: user and password for an ACL user, the password alone
+ * (user NULL or "") for requirepass.  password NULL or "": no AUTH.  The
+ * strings are copied; the password copy is wiped when the connection is
+ * closed.  A refused password is STATUS_BAD_INPUT ("redis host:port: AUTH as
+ * user 'app': WRONGPASS ..."); no message ever contains the password. */
+int rconn_open_auth(const char *host, int port, int db, const char *user, const char *password,
+                    int timeout_ms, struct rconn **out, char *err, size_t err_size);
+/* Same from "redis://[user[:password]@]host[:port][/db]" (port 6379, db 0 by
+ * default; user and password %-escaped where they hold reserved characters:
+ * '@' is %40, ':' %3A, '/' %2F, '%' %25); STATUS_BAD_INPUT names a
+ * malformed URL.  Error messages show the URL with its password as "***". */
 int rconn_open_url(const char *url, int timeout_ms, struct rconn **out, char *err,
                    size_t err_size);
+/* The URL with the password of the file at path in place of the URL's own
+ * (the URL's user, host, port and db kept): *out is malloc'd, the caller's to
+ * free.  The file holds the password as one line (a final newline is
+ * dropped).  STATUS_IO (the file cannot be read) or STATUS_BAD_INPUT (empty,
+ * several lines, a malformed URL) with err naming the file or the redacted
+ * URL.  For --redis-password-file, so that the URL itself can stay in a
+ * ConfigMap and the password in a Secret. */
+int rconn_url_password_file(const char *url, const char *path, char **out, char *err,
+                            size_t err_size);
+/* url with the password of its user part replaced by "***", for logs and
+ * error messages ("redis://app:***@host:6379/0"); a URL without a password
+ * is copied as it is. */
+void rconn_url_redact(const char *url, char *out, size_t size);
 /* NULL is fine. */
 void rconn_close(struct rconn *c);
 /* Drops the connection and connects again (the automatic path uses this). */

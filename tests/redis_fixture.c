@@ -6,6 +6,7 @@
 #include "common/zio.h"
 #include "test.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -139,7 +140,8 @@ static pid_t fixture_spawn(const char *server, const struct redis_fixture *f) {
                     "--dir", (char *)f->dir, "--logfile", "redis.log",
                     "--daemonize", "no", "--save", "",
                     "--appendonly", persist ? "yes" : "no",
-                    "--appendfsync", "always", NULL};
+                    "--appendfsync", "always",
+                    f->password[0] ? "--requirepass" : NULL, (char *)f->password, NULL};
     execv(server, argv);
     _exit(127);
 }
@@ -159,6 +161,11 @@ static int fixture_wait_ready(struct redis_fixture *f) {
         struct timeval tv = {0, 200000};
         redisContext *c = redisConnectWithTimeout(f->host, f->port, tv);
         if (c && !c->err) {
+            if (f->password[0]) {
+                const char *argv[] = {"AUTH", f->password};
+                redisReply *a = redisCommandArgv(c, 2, argv, NULL);
+                if (a) freeReplyObject(a);
+            }
             redisReply *r = redisCommand(c, "PING");
             int ok = r && r->type == REDIS_REPLY_STATUS && strcmp(r->str, "PONG") == 0;
             if (r) freeReplyObject(r);
@@ -192,6 +199,16 @@ static void fixture_launch(struct redis_fixture *f, int pick_port, pid_t old_pid
             }
         }
         snprintf(f->url, sizeof f->url, "redis://%s:%d", f->host, f->port);
+        if (f->password[0]) {
+            char esc[3 * 40];
+            size_t k = 0;
+            for (const char *c = f->password; *c; c++)
+                k += (size_t)(isalnum((unsigned char)*c) ? snprintf(esc + k, sizeof esc - k, "%c", *c)
+                                                         : snprintf(esc + k, sizeof esc - k, "%%%02X", *c));
+            snprintf(f->url_auth, sizeof f->url_auth, "redis://:%s@%s:%d", esc, f->host, f->port);
+        } else {
+            snprintf(f->url_auth, sizeof f->url_auth, "%s", f->url);
+        }
         f->pid = fixture_spawn(server, f);
         if (f->pid < 0) {
             f->pid = 0;
@@ -224,6 +241,8 @@ void fixture_redis_start(struct redis_fixture *f, int flags) {
     memset(f, 0, sizeof *f);
     f->flags = flags;
     snprintf(f->host, sizeof f->host, "127.0.0.1");
+    /* Characters a URL must escape, so that the tests see them round-trip. */
+    if (flags & FIXTURE_REDIS_AUTH) snprintf(f->password, sizeof f->password, "s3cr@t:/%%%d", (int)getpid());
     char server[512];
     if (fixture_find_server(server, sizeof server) < 0)
         TEST_SKIP("redis-server is not installed (not in PATH; set LLM_REDIS_SERVER or "

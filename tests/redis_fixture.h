@@ -22,12 +22,17 @@
 enum {
     /* Keep data across fixture_redis_restart: append-only file, fsync always. */
     FIXTURE_REDIS_PERSIST = 1,
+    /* Require a password (requirepass f->password, one with characters a URL
+     * must escape); f->url_auth carries it, f->url does not. */
+    FIXTURE_REDIS_AUTH = 2,
 };
 
 struct redis_fixture {
     char host[32];  /* "127.0.0.1" */
     int port;
-    char url[64];   /* "redis://127.0.0.1:PORT" */
+    char url[64];   /* "redis://127.0.0.1:PORT" (no password, even with FIXTURE_REDIS_AUTH) */
+    char url_auth[200]; /* with FIXTURE_REDIS_AUTH "redis://:ESCAPED-PASSWORD@127.0.0.1:PORT", else url */
+    char password[40];  /* with FIXTURE_REDIS_AUTH, else "" */
     char dir[256];  /* the server's working folder (log, data) */
     pid_t pid;      /* 0 while no server runs */
     int flags;

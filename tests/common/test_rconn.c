@@ -21,10 +21,10 @@ static struct rconn *t_open(struct redis_fixture *f, int flags) {
     fixture_redis_start(f, flags);
     struct rconn *c;
     char err[512];
-    int rc = rconn_open_url(f->url, 2000, &c, err, sizeof err);
+    int rc = rconn_open_url(f->url_auth, 2000, &c, err, sizeof err);
     if (rc < 0) {
         fixture_redis_stop(f);
-        TEST_FAIL("rconn_open_url(%s): %s", f->url, err);
+        TEST_FAIL("rconn_open_url(%s): %s", f->url, err); /* f->url: no password in logs */
     }
     return c;
 }
@@ -436,7 +436,166 @@ TEST(rconn_url_and_db) {
     t_close(&f, c);
 }
 
+/* requirepass: the URL's password (with characters it must escape) opens
+ * the connection and every reconnection; a wrong one fails naming the
+ * server and the redacted URL, never the password. */
+TEST(rconn_auth_password) {
+    struct redis_fixture f;
+    struct rconn *c = t_open(&f, FIXTURE_REDIS_AUTH);
+    ASSERT_TRUE(strchr(f.password, '@') && strchr(f.password, ':') && strchr(f.password, '/'));
+    ASSERT_OK(rconn_set(c, "k", "v", 1, 0));
+    /* Reconnecting after a restart authenticates again. */
+    fixture_redis_restart(&f);
+    ASSERT_OK(rconn_ping(c));
+
+    /* No password: connected, but every command is refused. */
+    struct rconn *x;
+    char err[512], want[256];
+    ASSERT_OK(rconn_open_url(f.url, 1000, &x, err, sizeof err));
+    ASSERT_EQ(STATUS_INTERNAL, rconn_ping(x));
+    ASSERT_TRUE(strstr(rconn_errstr(x), "NOAUTH") != NULL);
+    rconn_close(x);
+
+    /* A wrong password. */
+    char url[160];
+    snprintf(url, sizeof url, "redis://:not-it@127.0.0.1:%d", f.port);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_url(url, 1000, &x, err, sizeof err));
+    ASSERT_TRUE(x == NULL);
+    snprintf(want, sizeof want, "redis 127.0.0.1:%d: AUTH: WRONGPASS", f.port);
+    ASSERT_TRUE(strncmp(err, want, strlen(want)) == 0);
+    snprintf(want, sizeof want, "(URL redis://:***@127.0.0.1:%d)", f.port);
+    ASSERT_TRUE(strstr(err, want) != NULL);
+    ASSERT_TRUE(strstr(err, "not-it") == NULL);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_auth(f.host, f.port, 0, NULL, "not-it", 1000, &x, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "not-it") == NULL);
+    ASSERT_OK(rconn_open_auth(f.host, f.port, 0, NULL, f.password, 1000, &x, err, sizeof err));
+    rconn_close(x);
+    t_close(&f, c);
+}
+
+/* An ACL user: user and password in the URL, with a database. */
+TEST(rconn_auth_acl_user) {
+    struct redis_fixture f;
+    struct rconn *admin = t_open(&f, FIXTURE_REDIS_AUTH);
+    redisReply *r;
+    ASSERT_OK(rconn_command(admin, &r, "ACL SETUSER app on >app-pw ~app:* &* +@all"));
+    freeReplyObject(r);
+    struct rconn *c;
+    char err[512], url[160], want[256];
+    snprintf(url, sizeof url, "redis://app:app-pw@127.0.0.1:%d/2", f.port);
+    ASSERT_OK(rconn_open_url(url, 1000, &c, err, sizeof err));
+    ASSERT_OK(rconn_command(c, &r, "ACL WHOAMI"));
+    ASSERT_STREQ("app", r->str);
+    freeReplyObject(r);
+    ASSERT_OK(rconn_set(c, "app:k", "v", 1, 0));
+    /* The ACL holds: keys outside app:* are refused. */
+    ASSERT_EQ(STATUS_INTERNAL, rconn_set(c, "other", "v", 1, 0));
+    /* db 2 was selected after AUTH. */
+    void *v;
+    size_t len;
+    ASSERT_EQ(STATUS_NOT_FOUND, rconn_get(admin, "app:k", &v, &len));
+    rconn_close(c);
+
+    struct rconn *x;
+    snprintf(url, sizeof url, "redis://app:wrong@127.0.0.1:%d/2", f.port);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_url(url, 1000, &x, err, sizeof err));
+    snprintf(want, sizeof want, "redis 127.0.0.1:%d: AUTH as user 'app': WRONGPASS", f.port);
+    ASSERT_TRUE(strncmp(err, want, strlen(want)) == 0);
+    snprintf(want, sizeof want, "(URL redis://app:***@127.0.0.1:%d/2)", f.port);
+    ASSERT_TRUE(strstr(err, want) != NULL);
+    ASSERT_TRUE(strstr(err, "wrong") == NULL);
+    /* A user without a password cannot authenticate. */
+    snprintf(url, sizeof url, "redis://app@127.0.0.1:%d", f.port);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_url(url, 1000, &x, err, sizeof err));
+    snprintf(want, sizeof want, "redis 127.0.0.1:%d: user 'app' has no password (give one in the URL or a "
+             "password file)", f.port);
+    ASSERT_STREQ(want, err);
+    t_close(&f, admin);
+}
+
+/* --redis-password-file: the file's password replaces the URL's. */
+TEST(rconn_url_password_file) {
+    char dir[] = "/tmp/llm-rconn-pw-XXXXXX";
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    char path[128], err[512];
+    snprintf(path, sizeof path, "%s/pw", dir);
+    FILE *fp = fopen(path, "w");
+    ASSERT_TRUE(fp != NULL);
+    fputs("p@ss:w/rd%\n", fp);
+    fclose(fp);
+    char *u = NULL;
+    ASSERT_OK(rconn_url_password_file("redis://app:old@h:1/2", path, &u, err, sizeof err));
+    ASSERT_STREQ("redis://app:p%40ss%3Aw%2Frd%25@h:1/2", u);
+    free(u);
+    ASSERT_OK(rconn_url_password_file("redis://h", path, &u, err, sizeof err));
+    ASSERT_STREQ("redis://:p%40ss%3Aw%2Frd%25@h", u);
+    free(u);
+    /* Bad files and URLs: errors name the file, and never a password. */
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_url_password_file("http://:old@h", path, &u, err, sizeof err));
+    ASSERT_STREQ("redis URL 'http://:***@h': does not start with redis://", err);
+    ASSERT_TRUE(u == NULL);
+    fp = fopen(path, "w");
+    fputs("\n", fp);
+    fclose(fp);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_url_password_file("redis://h", path, &u, err, sizeof err));
+    char want[256];
+    snprintf(want, sizeof want, "redis password file %s: is empty", path);
+    ASSERT_STREQ(want, err);
+    fp = fopen(path, "w");
+    fputs("alpha\nbeta\n", fp);
+    fclose(fp);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_url_password_file("redis://h", path, &u, err, sizeof err));
+    snprintf(want, sizeof want, "redis password file %s: the password must be one line of text", path);
+    ASSERT_STREQ(want, err);
+    ASSERT_TRUE(strstr(err, "alpha") == NULL);
+    unlink(path);
+    ASSERT_EQ(STATUS_IO, rconn_url_password_file("redis://h", path, &u, err, sizeof err));
+    snprintf(want, sizeof want, "redis password file %s: No such file or directory", path);
+    ASSERT_STREQ(want, err);
+    rmdir(dir);
+
+    /* Against a server: the URL without a password plus the file. */
+    struct redis_fixture f;
+    fixture_redis_start(&f, FIXTURE_REDIS_AUTH);
+    char d2[] = "/tmp/llm-rconn-pw-XXXXXX";
+    ASSERT_TRUE(mkdtemp(d2) != NULL);
+    snprintf(path, sizeof path, "%s/pw", d2);
+    fp = fopen(path, "w");
+    fprintf(fp, "%s\n", f.password);
+    fclose(fp);
+    ASSERT_OK(rconn_url_password_file(f.url, path, &u, err, sizeof err));
+    ASSERT_STREQ(f.url_auth, u);
+    struct rconn *c;
+    ASSERT_OK(rconn_open_url(u, 1000, &c, err, sizeof err));
+    free(u);
+    unlink(path);
+    rmdir(d2);
+    t_close(&f, c);
+}
+
+TEST(rconn_url_redact_and_escapes) {
+    static const char *const cases[][2] = {
+        {"redis://h:1", "redis://h:1"},
+        {"redis://:pw@h:1/2", "redis://:***@h:1/2"},
+        {"redis://app:p@w@h", "redis://app:***@h"},
+        {"redis://app@h", "redis://app@h"},
+        {"redis://:@h", "redis://:***@h"},
+    };
+    char out[128];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        rconn_url_redact(cases[i][0], out, sizeof out);
+        ASSERT_STREQ(cases[i][1], out);
+    }
+    struct rconn *x;
+    char err[256];
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_url("redis://:ab%zz@h:1", 100, &x, err, sizeof err));
+    ASSERT_STREQ("redis URL 'redis://:***@h:1': the password has a bad %-escape (write '%' as %25)", err);
+    ASSERT_EQ(STATUS_BAD_INPUT, rconn_open_url("redis://:secret@h:99999", 100, &x, err, sizeof err));
+    ASSERT_STREQ("redis URL 'redis://:***@h:99999': port is not a number from 1 to 65535", err);
+}
+
 TEST_MAIN(rconn_fixture_ping, rconn_set_get_ttl, rconn_hash_and_counter, rconn_stream_add_read_ack,
           rconn_stream_claim_dead_consumer, rconn_missing_group, rconn_scan_pattern,
           rconn_generic_command, rconn_pipeline_replies, rconn_reconnect_after_restart, rconn_error_when_gone,
-          rconn_timeout_then_recovers, rconn_url_and_db)
+          rconn_timeout_then_recovers, rconn_url_and_db, rconn_auth_password, rconn_auth_acl_user,
+          rconn_url_password_file, rconn_url_redact_and_escapes)
