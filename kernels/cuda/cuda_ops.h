@@ -38,6 +38,10 @@ struct cuda_ctx {
                          * and later, default; LLM_CUDA_WIDE=0: off) */
     int wide_items;     /* least items (row block x chunk) per SM it takes: 2 (default),
                          * or LLM_CUDA_WIDE_ITEMS */
+    int mq_nt_max;      /* most tokens on matmul_vec.cu's mq: 64, or 32 on sm_75 with
+                         * LLM_CUDA_MQ64=0 (the tile path above) */
+    int mq_x_parts;     /* mq at 33-64 tokens stages each chunk's activations in this many
+                         * column parts: 2 on sm_75 (64 KB of shared memory a block), else 1 */
     int att_steps;      /* attention decode kernel: each context split at least this many
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
     int att_k16;        /* attention_prefill.cu: mma m16n8k16 (sm_80 and later, default;
@@ -197,7 +201,7 @@ int cuda_swiglu_act(struct cuda_ctx *ctx, float *out, const float *gate, const f
 #define CUDA_MATMUL_VEC_MAX 64
 /* 1 if the weight-reading kernels take this type, width and token count on
  * ctx's device: F16 and the quantized types on tensor cores up to 64 tokens
- * (32 on sm_75) for widths a multiple of 32 (256 for the K-quants); any
+ * (ctx->mq_nt_max) for widths a multiple of 32 (256 for the K-quants); any
  * type up to 16 tokens one warp per row otherwise. */
 int cuda_matmul_vec_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);
 int cuda_matmul_vec(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,

@@ -50,6 +50,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "least items (row block x chunk) per multiprocessor for matmul_wide.cu to take a matmul; "
          "smaller ones leave SMs idle and stay on mq (0: every matmul, to compare and to test)",
          &k->wide_items, 0, 1024, NULL},
+        {"cuda-mq64", "LLM_CUDA_MQ64", OPTION_BOOL, "true",
+         "matmul_vec.cu's mq for quantized weights at 33-64 tokens on sm_75 too, the activations of "
+         "each chunk staged in two halves to fit 64 KB of shared memory (false: dequantized tiles and "
+         "cuBLAS there, to compare); newer cards always take it",
+         &k->mq64, 0, 0, NULL},
         {"cuda-decode-tc-g", "LLM_CUDA_DECODE_TC_G", OPTION_INT, "8",
          "decode attention of groups of at least this many query heads per KV head on the "
          "tensor-core kernel, which measured faster from 8 (0: never, to compare)",
@@ -147,6 +152,13 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->pdl = ctx->cc >= 90 && k->pdl;
     ctx->wide = ctx->cc >= 80 && k->wide;
     ctx->wide_items = k->wide_items;
+    /* mq at 64 tokens stages a chunk's activations whole, 36 KB, which
+     * with the weights' bytes needs up to 70 KB of shared memory a block;
+     * sm_75 has 64 KB, so there they come in two halves of the chunk's
+     * columns (matmul_vec.cu): each weight is still read once, where the
+     * tile path writes and reads back 2 bytes a weight. */
+    ctx->mq_nt_max = ctx->cc >= 80 || k->mq64 ? 64 : 32;
+    ctx->mq_x_parts = ctx->cc >= 80 ? 1 : 2;
     ctx->att_k16 = ctx->cc >= 80 && !k->att_k8;
     ctx->decode_tc_g = k->decode_tc_g;
     ctx->att_steps = k->att_steps;

@@ -32,6 +32,7 @@ struct cuda_knobs {
     bool pdl;            /* LLM_CUDA_PDL */
     bool wide;           /* LLM_CUDA_WIDE */
     int wide_items;      /* LLM_CUDA_WIDE_ITEMS */
+    bool mq64;           /* LLM_CUDA_MQ64 */
     int decode_tc_g;     /* LLM_CUDA_DECODE_TC_G */
     bool att_k8;         /* LLM_CUDA_ATT_K8 */
     int att_steps;       /* LLM_CUDA_ATT_STEPS: 1 or 2 */
@@ -46,7 +47,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 19
+#define CUDA_KNOBS_N 20
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -65,7 +66,7 @@ int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size);
 int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size);
 
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
- * gemm_group, mv_split, pdl, wide, wide_items, decode_tc_g, att_k16,
+ * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, decode_tc_g, att_k16,
  * att_steps, rope_att, rope_att_mha, att_defer, att_f16, mr,
  * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
  * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is

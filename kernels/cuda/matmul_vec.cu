@@ -37,8 +37,21 @@
  * (the backend's contract: one worker per GPU, ops from one thread). */
 __device__ unsigned int mq_counters[MQ_COUNTERS];
 
-template <int T> static size_t mq_smem_bytes(int nt) {
-    return (size_t)MQ_WARPS * 16 * mq_geom<T>::ws + (size_t)nt * mq_geom<T>::xs * 2;
+/* The activations of a chunk are staged in XP parts of xc columns each
+ * (row stride xs halves, 64 mod 128 bytes as mq_geom's: conflict-free),
+ * xi 16-byte loads a thread for NT tokens.  XP = 2 holds 64 tokens within
+ * sm_75's 64 KB of shared memory a block: the whole chunk's 64 rows of
+ * activations are 36 KB, which with the weights' 22-35 KB (and the
+ * K-quants' 4.5 KB scale table) passes 64 KB for every type but Q4_0 and
+ * Q4_1, while half of them is 20 KB. */
+template <int T, int NT, int XP> struct mq_xpart {
+    static constexpr int xc = mq_geom<T>::ck / XP;
+    static constexpr int xs = xc + 32;
+    static constexpr int xi = NT * xc / 8 / (MQ_WARPS * 32);
+};
+
+template <int T, int NT, int XP> static constexpr size_t mq_smem_bytes() {
+    return (size_t)MQ_WARPS * 16 * mq_geom<T>::ws + (size_t)NT * mq_xpart<T, NT, XP>::xs * 2;
 }
 
 /* buf = this lane's 16-byte loads of the raw bytes of chunk ch of the
@@ -113,25 +126,31 @@ __device__ __forceinline__ void mq_store_x(__half *xs, const float4 (&xv)[NT * m
     }
 }
 
-/* From 32 tokens: the activations of chunk ch from their F16 form x16
- * (which the norms and swiglu leave for the next matmul) straight into
- * shared memory, 16 bytes at a time: half the bytes of the F32 rows and no
- * conversion in every block (zeros past n and past cols). */
-template <int T, int NT>
-__device__ __forceinline__ void mq_copy_xh(__half *xs, const __half *x16, int cols, int n, int ch) {
-    constexpr int CK = mq_geom<T>::ck, XI = NT * CK / 8 / (MQ_WARPS * 32);
-    const int col0 = ch * CK;
-    uint4 v[XI];
+/* From 32 tokens the activations come from their F16 form x16 (which the
+ * norms and swiglu leave for the next matmul), 16 bytes at a time: half
+ * the bytes of the F32 rows and no conversion in every block.
+ * mq_load_xh: this thread's share of part p of chunk ch (zeros past n and
+ * past cols); mq_store_xh puts it in shared memory. */
+template <int T, int NT, int XP>
+__device__ __forceinline__ void mq_load_xh(uint4 (&v)[mq_xpart<T, NT, XP>::xi], const __half *x16, int cols, int n,
+                                           int ch, int p) {
+    using X = mq_xpart<T, NT, XP>;
+    const int col0 = ch * mq_geom<T>::ck + p * X::xc;
 #pragma unroll
-    for (int i = 0; i < XI; i++) {
-        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 8), c = (item % (CK / 8)) * 8;
+    for (int i = 0; i < X::xi; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (X::xc / 8), c = (item % (X::xc / 8)) * 8;
         v[i] = make_uint4(0, 0, 0, 0);
         if (tok < n && col0 + c < cols) v[i] = __ldg((const uint4 *)(x16 + (size_t)tok * cols + col0 + c));
     }
+}
+
+template <int T, int NT, int XP>
+__device__ __forceinline__ void mq_store_xh(__half *xs, const uint4 (&v)[mq_xpart<T, NT, XP>::xi]) {
+    using X = mq_xpart<T, NT, XP>;
 #pragma unroll
-    for (int i = 0; i < XI; i++) {
-        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (CK / 8), c = (item % (CK / 8)) * 8;
-        *(uint4 *)(xs + tok * mq_geom<T>::xs + c) = v[i];
+    for (int i = 0; i < X::xi; i++) {
+        int item = threadIdx.x + MQ_WARPS * 32 * i, tok = item / (X::xc / 8), c = (item % (X::xc / 8)) * 8;
+        *(uint4 *)(xs + tok * X::xs + c) = v[i];
     }
 }
 
@@ -143,15 +162,28 @@ __device__ __forceinline__ void mq_copy_xh(__half *xs, const __half *x16, int co
  * Up to 16 tokens the next chunk's weights and activations are loaded
  * while this one is multiplied (registers allow it; wider tiles rely on
  * the other resident block instead), and x is read as F32; above, x16 (x
- * as F16) is read instead. */
-template <int T, int NT>
-__global__ void __launch_bounds__(MQ_WARPS * 32, 2)
+ * as F16) is read instead.
+ *
+ * XP = 2 (sm_75, 33-64 tokens) stages the activations in two halves of
+ * the chunk's columns (mq_xpart): the fragments of a 32-column block are
+ * decoded once and used at once for every token, so no fragment waits in
+ * a register across the barriers between the halves, and each weight is
+ * still read and decoded once.  A T4 holds one such block a
+ * multiprocessor (42-55 KB of its 64 KB), with no other block to cover
+ * the wait for the next chunk, so the next half's activations and the
+ * next chunk's weights (with its first half of activations) are loaded
+ * while this half is multiplied; the registers that takes (150-200 a
+ * thread) are free there, hence launch bounds of one block. */
+template <int T, int NT, int XP>
+__global__ void __launch_bounds__(MQ_WARPS * 32, XP > 1 ? 1 : 2)
 matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_t *__restrict__ w, size_t row_bytes,
                  int rows, int cols, const float *__restrict__ x, const __half *__restrict__ x16, int n) {
     pdl_begin();
     using G = mq_geom<T>;
-    constexpr int CK = G::ck, NB = CK / 32, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
-    constexpr bool PIPE = NT <= 16, LAST = NT <= 16;
+    using X = mq_xpart<T, NT, XP>;
+    constexpr int CK = G::ck, NB = CK / 32, NBP = NB / XP, NTL = NT / 8, XI = NT * CK / 4 / (MQ_WARPS * 32);
+    constexpr bool PIPE = NT <= 16, LAST = NT <= 16, HALVES = XP > 1;
+    static_assert(XP == 1 || (XP == 2 && NT > 16 && NB % XP == 0), "halves: F16 activations, whole blocks");
     extern __shared__ uint4 mq_smem[];
     __shared__ uint32_t mq_sc[mq_scales<T>::on ? MQ_WARPS * 16 * 9 : 1];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -169,24 +201,38 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
 
     uint4 buf[G::iters];
     float4 xv[XI];
+    uint4 xh[HALVES ? X::xi : 1]; /* HALVES: the next half's activations */
     if (PIPE && c_begin < c_end) {
         mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, c_begin, lane);
         mq_load_x<T, NT>(xv, x, cols, n, c_begin);
+    }
+    if constexpr (HALVES) {
+        if (c_begin < c_end) {
+            mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, c_begin, lane);
+            mq_load_xh<T, NT, XP>(xh, x16, cols, n, c_begin, 0);
+        }
     }
     for (int ch = c_begin; ch < c_end; ch++) {
         const int col0 = ch * CK, nb = min(NB, (cols - col0) / 32);
         const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
         /* Issue every 16-byte load of this warp's 16 row chunks before
          * using any: the bytes in flight are what reaches bandwidth. */
-        if (!PIPE) mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch, lane);
+        if (!PIPE && !HALVES) mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch, lane);
         __syncthreads(); /* the previous chunk's fragments are all read */
 #pragma unroll
         for (int i = 0; i < G::iters; i++) {
             int item = lane + 32 * i, r = item / G::nld, c = item % G::nld;
             if (item < 16 * G::nld) *(uint4 *)(wsm + r * G::ws + 16 * c) = buf[i];
         }
-        if constexpr (PIPE) mq_store_x<T, NT>(xs, xv);
-        else mq_copy_xh<T, NT>(xs, x16, cols, n, ch);
+        if constexpr (PIPE) {
+            mq_store_x<T, NT>(xs, xv);
+        } else if constexpr (HALVES) {
+            mq_store_xh<T, NT, XP>(xs, xh);
+        } else {
+            uint4 v[X::xi];
+            mq_load_xh<T, NT, XP>(v, x16, cols, n, ch, 0);
+            mq_store_xh<T, NT, XP>(xs, v);
+        }
         __syncthreads();
         if (PIPE && ch + 1 < c_end) {
             mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch + 1, lane);
@@ -210,15 +256,33 @@ matmul_mq_kernel(float *__restrict__ out, float *__restrict__ part, const uint8_
             __syncwarp();
         }
 #pragma unroll
-        for (int b = 0; b < NB; b++) {
-            if (b < nb) {
-                uint32_t alo[4], ahi[4];
-                mq_decode<T, true>(pg, b, t, ch, alo, sct[g * 9 + b]);
-                mq_decode<T, true>(pg8, b, t, ch, ahi, sct[(g + 8) * 9 + b]);
+        for (int p = 0; p < XP; p++) {
+            if constexpr (HALVES) {
+                if (p == 0) {
+                    mq_load_xh<T, NT, XP>(xh, x16, cols, n, ch, 1);
+                } else {
+                    __syncthreads(); /* every warp has read the first half */
+                    mq_store_xh<T, NT, XP>(xs, xh);
+                    __syncthreads();
+                    if (ch + 1 < c_end) {
+                        mq_load_w<T>(buf, w, w_end, row_bytes, row0, rows, cols, ch + 1, lane);
+                        mq_load_xh<T, NT, XP>(xh, x16, cols, n, ch + 1, 0);
+                    }
+                }
+            }
 #pragma unroll
-                for (int nt = 0; nt < NTL; nt++)
-                    if (nt * 8 < n)
-                        mq_mma32(acc[nt], alo, ahi, *(const uint4 *)(xs + (nt * 8 + g) * G::xs + 32 * b + 8 * t));
+            for (int bp = 0; bp < NBP; bp++) {
+                const int b = p * NBP + bp;
+                if (b < nb) {
+                    uint32_t alo[4], ahi[4];
+                    mq_decode<T, true>(pg, b, t, ch, alo, sct[g * 9 + b]);
+                    mq_decode<T, true>(pg8, b, t, ch, ahi, sct[(g + 8) * 9 + b]);
+#pragma unroll
+                    for (int nt = 0; nt < NTL; nt++)
+                        if (nt * 8 < n)
+                            mq_mma32(acc[nt], alo, ahi,
+                                     *(const uint4 *)(xs + (nt * 8 + g) * X::xs + 32 * bp + 8 * t));
+                }
             }
         }
     }
@@ -324,19 +388,22 @@ __global__ void matmul_mq_reduce_kernel(float *__restrict__ out, const float *__
     out[i] = s;
 }
 
-template <int T, int NT>
+template <int T, int NT, int XP = 1>
 static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t rows, int64_t cols, const float *x,
                         int n) {
-    size_t smem = mq_smem_bytes<T>(NT);
+    constexpr size_t smem = mq_smem_bytes<T, NT, XP>();
+    static_assert(XP == 1 || smem + (mq_scales<T>::on ? MQ_WARPS * 16 * 9 * 4 : 4) <= 64 * 1024,
+                  "sm_75's halves within its 64 KB of shared memory a block");
     /* Blocks resident per SM, asked once per device (the shared memory
-     * limit is raised first: up to 76 KB for 64 tokens of Q8_0). */
+     * limit is raised first: up to 70 KB for 64 tokens of Q8_0 in one
+     * part, 55 KB in halves). */
     static int per_sm[64];
     int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     if (!per_sm[dev]) {
-        CUDA_CHECK(ctx, cudaFuncSetAttribute(matmul_mq_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(ctx, cudaFuncSetAttribute(matmul_mq_kernel<T, NT, XP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)smem));
         int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mq_kernel<T, NT>, MQ_WARPS * 32,
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mq_kernel<T, NT, XP>, MQ_WARPS * 32,
                                                                       smem));
         per_sm[dev] = b > 0 ? b : 1;
     }
@@ -367,7 +434,7 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
     } else if (ks > 1) {
         cuda_act_forget(ctx); /* the partial sums overwrite the scratch's activations */
     }
-    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mq_kernel<T, NT>), dim3((unsigned)n_rb, (unsigned)ks), dim3(MQ_WARPS * 32),
+    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mq_kernel<T, NT, XP>), dim3((unsigned)n_rb, (unsigned)ks), dim3(MQ_WARPS * 32),
                                 smem, out, part, (const uint8_t *)w, cuda_row_bytes((enum dtype)T, cols), (int)rows,
                                 (int)cols, x, (const __half *)x16, n));
     CUDA_CHECK(ctx, cudaGetLastError());
@@ -386,15 +453,14 @@ static int mq_launch(struct cuda_ctx *ctx, float *out, const void *w, int64_t ro
     if (n <= 8) return mq_launch_nt<T, 8>(ctx, out, w, rows, cols, x, n);
     if (n <= 16) return mq_launch_nt<T, 16>(ctx, out, w, rows, cols, x, n);
     if (n <= 32) return mq_launch_nt<T, 32>(ctx, out, w, rows, cols, x, n);
+    /* sm_75: the activations in two halves of each chunk (ctx->mq_x_parts,
+     * knobs.c), within its 64 KB of shared memory a block. */
+    if (ctx->mq_x_parts == 2) return mq_launch_nt<T, 64, 2>(ctx, out, w, rows, cols, x, n);
     return mq_launch_nt<T, 64>(ctx, out, w, rows, cols, x, n);
 }
 
-/* Most tokens mq takes on this device: 64 tokens of Q8_0 need 76 KB of
- * shared memory, past the 64 KB of sm_75. */
-static int mq_nt_max(const struct cuda_ctx *ctx) { return ctx->cc >= 80 ? MQ_NT_MAX : 32; }
-
 static int mq_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    if (n < 1 || n > mq_nt_max(ctx) || cols > INT32_MAX) return 0;
+    if (n < 1 || n > ctx->mq_nt_max || n > MQ_NT_MAX || cols > INT32_MAX) return 0;
     switch (type) {
     case DTYPE_F16: case DTYPE_Q8_0: case DTYPE_Q4_0: case DTYPE_Q4_1: case DTYPE_Q5_0: case DTYPE_Q5_1:
         return cols % 32 == 0;

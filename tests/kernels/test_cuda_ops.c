@@ -1534,6 +1534,56 @@ TEST(cuda_ops_rope_kv_attention) {
     unsetenv("LLM_CUDA_ROPE_ATT");
 }
 
+/* sm_75's mq at 33-64 tokens (LLM_CUDA_SM=75): the activations of each
+ * chunk staged in two halves of its columns, within a T4's 64 KB of shared
+ * memory a block, against the CPU on fresh inputs for every quantized type
+ * at 33, 48, 63 and 64 tokens: widths of one chunk (no split), of several
+ * (split K, partial sums added by the reduction kernel) and, for the
+ * 32-element types, a partial last chunk whose second half holds no
+ * column (1056 = 4 x 256 + 32) or one block (1184 = 4 x 256 + 160); rows not
+ * a multiple of the 128 a block.  With LLM_CUDA_MQ64=0 the same shapes
+ * take the tile path.  On a newer card the routing is sm_75's with the
+ * card's own code; a build of compute_75 PTX runs sm_75's too. */
+static void mq64_sm75_type(enum dtype t) {
+    static const int32_t ns[] = {33, 48, 63, 64};
+    const int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
+    mm_set_mode(MM_DEFAULT);
+    for (int off = 0; off < 2; off++) {
+        setenv("LLM_CUDA_SM", "75", 1);
+        if (off) setenv("LLM_CUDA_MQ64", "0", 1);
+        else unsetenv("LLM_CUDA_MQ64");
+        fx_open();
+        matmul_case(t, 300, 256, ns, 4);
+        matmul_case(t, 131, 4096, ns, 4);
+        matmul_case(t, 35, 768, ns, 4);
+        if (!k_quant) {
+            matmul_case(t, 130, 1056, ns, 4);
+            matmul_case(t, 257, 1184, ns, 4);
+        }
+        fx_close();
+    }
+    unsetenv("LLM_CUDA_MQ64");
+    unsetenv("LLM_CUDA_SM");
+}
+
+TEST(cuda_ops_matmul_mq64_sm75) {
+    static const enum dtype types[] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_1, DTYPE_Q5_0, DTYPE_Q5_1,
+                                       DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) mq64_sm75_type(types[k]);
+    /* F16 reaches mq at these sizes only when sent there
+     * (LLM_CUDA_SKINNY_MAX=64). */
+    setenv("LLM_CUDA_SKINNY_MAX", "64", 1);
+    setenv("LLM_CUDA_SM", "75", 1);
+    fx_open();
+    static const int32_t ns[] = {33, 48, 63, 64};
+    matmul_case(DTYPE_F16, 300, 256, ns, 4);
+    matmul_case(DTYPE_F16, 131, 4096, ns, 4);
+    matmul_case(DTYPE_F16, 130, 1056, ns, 4);
+    fx_close();
+    unsetenv("LLM_CUDA_SM");
+    mm_set_mode(MM_DEFAULT);
+}
+
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
           cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
@@ -1546,4 +1596,5 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_wide,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
-          cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention)
+          cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention,
+          cuda_ops_matmul_mq64_sm75)
