@@ -67,6 +67,8 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(1, h.mr);
     ASSERT_EQ(1, h.dequant_ahead);
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
+    ASSERT_EQ(64, h.mq_nt_max);
+    ASSERT_EQ(1, h.mq_x_parts);
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
     ASSERT_EQ(75, t.cc);
@@ -74,6 +76,8 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(0, t.wide);
     ASSERT_EQ(0, t.att_k16);
     ASSERT_EQ(5, t.ahead_sms);
+    ASSERT_EQ(64, t.mq_nt_max); /* up to 64 tokens in two column parts */
+    ASSERT_EQ(2, t.mq_x_parts);
     struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
     ASSERT_EQ(0, a.pdl);
     ASSERT_EQ(1, a.wide);
@@ -94,6 +98,12 @@ TEST(cuda_knobs_spellings) {
     ASSERT_EQ(90, k_ctx(90, 132).cc);
     setenv("LLM_CUDA_SM", "", 1);
     ASSERT_EQ(90, k_ctx(90, 132).cc);
+    /* LLM_CUDA_MQ64=0 sends sm_75's 33-64 tokens back to the tile path;
+     * newer cards keep mq to 64. */
+    setenv("LLM_CUDA_MQ64", "0", 1);
+    ASSERT_EQ(32, k_ctx(75, 40).mq_nt_max);
+    ASSERT_EQ(64, k_ctx(90, 132).mq_nt_max);
+    unsetenv("LLM_CUDA_MQ64");
     k_clear_env();
 
     setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
@@ -211,6 +221,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_DEQUANT_TILE_MB", "0", "out of range [1, 4096]");
     k_bad("LLM_CUDA_DEQUANT_TILE_MB", "96M", "not an integer");
     k_bad("LLM_CUDA_PREFILL_TC", "tc", "not a boolean");
+    k_bad("LLM_CUDA_MQ64", "2", "not a boolean");
 
     /* The per-call read of the same knob fails the same way. */
     setenv("LLM_CUDA_DEQUANT_TILE_MB", "huge", 1);
