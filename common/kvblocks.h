@@ -4,7 +4,14 @@
  * write into a shared block first gets a private copy (copy-on-write), which
  * the caller executes on the KV memory from the returned copy instruction.
  * Pure bookkeeping: no KV memory lives here, so the router can own every
- * table while the workers only execute block ids and copies. */
+ * table while the workers only execute block ids and copies.
+ *
+ * With the prefix cache on (kvblocks_cache_enable), a full block whose KV is
+ * computed can be published under a hash chained over its tokens and every
+ * token before it; a new table maps the leading blocks of its tokens that are
+ * published instead of computing them.  A published block nobody holds is
+ * "idle": it counts as free and is reused (evicted) least recently released
+ * first, only when no never-used block is left. */
 #ifndef COMMON_KVBLOCKS_H
 #define COMMON_KVBLOCKS_H
 
@@ -23,6 +30,17 @@ struct kvblocks_table {
     int32_t n_ids;
     int32_t cap;      /* allocated entries of ids */
     int32_t n_tokens; /* positions 0..n_tokens-1 hold (or are reserved for) KV */
+    /* Prefix cache: ids[0..n_hashed) are published, found cached, or
+     * duplicates of published blocks; hash is the chain hash of block
+     * n_hashed-1 and hash_parent the published block holding that KV (the
+     * parent of the next block published).  pin1 - 1: a published block the
+     * table holds a reference on because one of its own blocks duplicates it
+     * (0: none); hash_stop: publishing ended (a second duplicate). */
+    int32_t n_hashed;
+    uint64_t hash;
+    int32_t hash_parent;
+    int32_t pin1;
+    int hash_stop;
 };
 
 /* "Copy KV block src into block dst" (all layers, K and V), to run on the KV
@@ -40,7 +58,9 @@ void kvblocks_free(kvblocks *a);
 
 int32_t kvblocks_block_size(const kvblocks *a);
 int32_t kvblocks_n_blocks(const kvblocks *a);
+/* Free blocks, idle cached ones included (they are taken when needed). */
 int32_t kvblocks_n_free(const kvblocks *a);
+/* Blocks some table holds. */
 int32_t kvblocks_n_used(const kvblocks *a);
 /* References held on block id (0 when free), or -1 for an id out of range. */
 int32_t kvblocks_refcount(const kvblocks *a, int32_t id);
@@ -80,5 +100,51 @@ int kvblocks_truncate(kvblocks *a, struct kvblocks_table *t, int32_t n_tokens);
 /* The cache slot (block * block_size + offset) of position pos of t, or -1
  * if pos is not covered by the table. */
 int32_t kvblocks_slot(const kvblocks *a, const struct kvblocks_table *t, int32_t pos);
+
+/* ---- prefix cache ---------------------------------------------------------- */
+
+/* The chain hash of the root (no block before). */
+#define KVBLOCKS_HASH_ROOT UINT64_C(0x6c6c6d2d70726566)
+
+/* The chain hash of a block holding tokens[0..n) after the block whose chain
+ * hash is parent. */
+uint64_t kvblocks_hash_block(uint64_t parent, const int32_t *tokens, int32_t n);
+
+/* Turns the prefix cache on (an empty pool only: STATUS_BAD_INPUT
+ * otherwise), or STATUS_NO_MEMORY with err filled. */
+int kvblocks_cache_enable(kvblocks *a, char *err, size_t errlen);
+int kvblocks_cache_on(const kvblocks *a);
+/* Blocks published (held or idle), and idle ones. */
+int32_t kvblocks_n_cached(const kvblocks *a);
+int32_t kvblocks_n_idle(const kvblocks *a);
+/* Idle blocks reused for something else so far. */
+uint64_t kvblocks_n_evicted(const kvblocks *a);
+
+/* How many leading full blocks of tokens[0..n_tokens) are cached (0 with
+ * the cache off); *n_idle (may be NULL) receives how many of them are idle,
+ * i.e. how many free blocks mapping them uses up.  Tokens are compared
+ * exactly, never only by hash. */
+int32_t kvblocks_cache_lookup(const kvblocks *a, const int32_t *tokens, int32_t n_tokens,
+                              int32_t *n_idle);
+/* t (empty) takes the first n_blocks cached blocks of tokens (n_blocks at
+ * most what kvblocks_cache_lookup found), their references + 1, and holds
+ * n_tokens positions of them (n_tokens <= n_blocks * block_size): the next
+ * write starts at n_tokens, and a write into a cached block copies it first
+ * (kvblocks_reserve), so a published block is never rewritten.
+ * STATUS_BAD_INPUT (t not empty, n_blocks or n_tokens out of range, or a block
+ * not cached) leaves t empty; STATUS_NO_MEMORY likewise. */
+int kvblocks_cache_map(kvblocks *a, struct kvblocks_table *t, const int32_t *tokens,
+                       int32_t n_blocks, int32_t n_tokens);
+/* Publishes t's full blocks whose positions are all below n_computed (their
+ * KV is written), tokens being t's tokens from position 0.  A block whose
+ * KV is already published in another block (computed twice) stays private:
+ * t pins the published one and publishes its next blocks after that one;
+ * after a second such block in t, none of the rest is published.  Returns
+ * the blocks newly published. */
+int32_t kvblocks_cache_publish(kvblocks *a, struct kvblocks_table *t, const int32_t *tokens,
+                               int32_t n_computed);
+/* 1 if the next write into t (at position t->n_tokens) lands in a block that
+ * must be copied first (shared, or published). */
+int kvblocks_write_copies(const kvblocks *a, const struct kvblocks_table *t);
 
 #endif

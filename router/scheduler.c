@@ -31,6 +31,7 @@ struct sched_seq {
 struct sched {
     struct sched_config cfg;
     kvblocks *kv;
+    bool cache; /* prefix caching on */
     bool admit;
     struct sched_seq **all;
     int32_t n_all, cap_all;
@@ -50,6 +51,7 @@ struct sched {
     struct sched_seq **cands; /* scratch: cap_all entries */
     int32_t cap_cands;
     uint64_t steps_total, preemptions_total;
+    uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks;
 };
 
 static int sched_grow(void **p, int32_t *cap, int32_t want, size_t elem) {
@@ -99,6 +101,17 @@ int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t er
 oom:
     snprintf(err, errlen, "scheduler: out of memory for %d sequences", cfg->max_batch);
     return STATUS_NO_MEMORY;
+}
+
+int sched_enable_prefix_cache(sched *s, char *err, size_t errlen) {
+    if (s->n_all > 0) {
+        snprintf(err, errlen, "scheduler: the prefix cache is turned on before sequences are added "
+                 "(%d are)", s->n_all);
+        return STATUS_BAD_INPUT;
+    }
+    int rc = kvblocks_cache_enable(s->kv, err, errlen);
+    if (rc == STATUS_OK) s->cache = true;
+    return rc;
 }
 
 static void sched_seq_destroy(sched *s, struct sched_seq *q) {
@@ -243,8 +256,21 @@ int32_t sched_blocks_free(const sched *s) { return kvblocks_n_free(s->kv); }
 /* Blocks running sequences still need to hold all their known tokens plus
  * the next one: admission keeps these free so admitted prefills complete. */
 static int32_t sched_outstanding(const sched *s, const struct sched_seq *q) {
-    int32_t n = sched_blocks_for(s, q->n_tokens + 1) - q->table.n_ids;
-    return n > 0 ? n : 0;
+    int32_t n = q->n_tokens + 1 - q->table.n_tokens;
+    return n > 0 ? kvblocks_blocks_needed(s->kv, &q->table, n) : 0;
+}
+
+/* Maps the leading blocks of w's tokens found in the prefix cache into its
+ * (empty) table: at most those below its last token, which is computed in
+ * any case for its logits, so the next write always starts in a block of
+ * its own.  Returns the blocks mapped. */
+static int32_t sched_map_prefix(sched *s, struct sched_seq *w) {
+    int32_t bs = s->cfg.block_size;
+    int32_t n = kvblocks_cache_lookup(s->kv, w->tokens, w->n_tokens, NULL);
+    int32_t most = (w->n_tokens - 1) / bs;
+    if (n > most) n = most;
+    if (n > 0 && kvblocks_cache_map(s->kv, &w->table, w->tokens, n, n * bs) != STATUS_OK) n = 0;
+    return n;
 }
 
 static void sched_admit(sched *s) {
@@ -268,16 +294,29 @@ static void sched_admit(sched *s) {
             reserved -= sched_outstanding(s, v);
             sched_restart(s, v);
         }
-        int32_t need = sched_blocks_for(s, w->n_tokens + 1);
+        /* Blocks found cached are mapped first: they need no free block
+         * (an idle one leaves the free count as it is mapped). */
+        int32_t hits = s->cache ? sched_map_prefix(s, w) : 0;
+        int32_t need = sched_outstanding(s, w);
         while (need > kvblocks_n_free(s->kv) - reserved) {
             struct sched_seq *v = sched_victim(s, NULL);
-            if (!v || v->priority >= w->priority) return;
+            if (!v || v->priority >= w->priority) {
+                kvblocks_table_free(s->kv, &w->table);
+                return;
+            }
             reserved -= sched_outstanding(s, v);
             sched_restart(s, v);
         }
         w->running = true;
         s->n_running++;
         reserved += need;
+        if (s->cache) {
+            int32_t full = w->n_tokens / s->cfg.block_size;
+            s->hit_blocks += (uint64_t)hits;
+            s->miss_blocks += (uint64_t)(full - hits);
+            s->hit_tokens += (uint64_t)w->table.n_tokens;
+            s->miss_tokens += (uint64_t)(w->n_tokens - w->table.n_tokens);
+        }
     }
 }
 
@@ -318,8 +357,7 @@ int sched_plan(sched *s, struct sched_step *step) {
             /* A shorter chunk that fits the free blocks still makes progress
              * (prefill only: a decode is one token). */
             int32_t room = (q->table.n_ids + kvblocks_n_free(s->kv)) * bs - q->table.n_tokens;
-            if (q->table.n_tokens % bs != 0 && q->table.n_ids > 0 &&
-                kvblocks_refcount(s->kv, q->table.ids[q->table.n_ids - 1]) > 1)
+            if (kvblocks_write_copies(s->kv, &q->table))
                 room -= bs; /* the shared last block would need a copy first */
             if (room >= 1 && room < n) {
                 n = room;
@@ -340,9 +378,11 @@ int sched_plan(sched *s, struct sched_step *step) {
         int32_t start = q->table.n_tokens;
         if (kvblocks_reserve(s->kv, &q->table, n, &cp, &nc) < 0) continue;
         if (nc) s->copies[n_copies++] = cp;
+        struct sched_step_seq *o = &s->out[n_out++];
+        o->context = q->tokens;
+        o->n_context = q->seen ? 0 : start;
         q->inflight = step_id;
         q->seen = true;
-        struct sched_step_seq *o = &s->out[n_out++];
         o->seq_id = q->id;
         o->seq = q;
         o->start_pos = start;
@@ -385,8 +425,15 @@ int sched_step_done(sched *s, uint64_t step_id) {
         if (s->flights[i] == step_id) f = i;
     if (f < 0) return STATUS_NOT_FOUND;
     s->flights[f] = s->flights[--s->n_flights];
-    for (int32_t i = 0; i < s->n_all; i++)
-        if (s->all[i]->inflight == step_id) s->all[i]->inflight = 0;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        struct sched_seq *q = s->all[i];
+        if (q->inflight != step_id) continue;
+        q->inflight = 0;
+        /* The step's KV is written (a failed step restarted its sequences
+         * before this): full blocks become findable.  Only now, so a block
+         * is never mapped before its KV exists. */
+        if (s->cache) kvblocks_cache_publish(s->kv, &q->table, q->tokens, q->table.n_tokens);
+    }
     return STATUS_OK;
 }
 
@@ -420,4 +467,14 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->blocks_used = kvblocks_n_used(s->kv);
     st->steps_total = s->steps_total;
     st->preemptions_total = s->preemptions_total;
+    st->blocks_cached = kvblocks_n_cached(s->kv);
+    st->blocks_idle = kvblocks_n_idle(s->kv);
+    st->prefix_hit_tokens = s->hit_tokens;
+    st->prefix_miss_tokens = s->miss_tokens;
+    st->prefix_hit_blocks = s->hit_blocks;
+    st->prefix_miss_blocks = s->miss_blocks;
+}
+
+int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens) {
+    return kvblocks_cache_lookup(s->kv, tokens, n_tokens, NULL);
 }

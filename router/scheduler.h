@@ -45,6 +45,12 @@ struct sched_step_seq {
     const int32_t *block_table; /* n_blocks physical ids covering [0, start_pos + n_tokens) */
     int32_t n_blocks;
     bool want_logits;           /* the last known token is in this chunk: sample after it */
+    /* The workers hold no state for this sequence yet (its first step since
+     * it was admitted) although it starts past position 0 (cached prefix):
+     * context[0..n_context) are the tokens before start_pos, for the
+     * sampler's penalties.  n_context is 0 otherwise. */
+    const int32_t *context;
+    int32_t n_context;
 };
 
 struct sched_step {
@@ -69,11 +75,22 @@ struct sched_stats {
     int32_t n_running, n_waiting, n_inflight;
     int32_t blocks_used, blocks_total;
     uint64_t steps_total, preemptions_total;
+    /* Prefix cache: published blocks (held or idle) and idle ones (counted
+     * free in blocks_used); at each admission the tokens found cached (not
+     * computed) and those computed, and the full blocks found. */
+    int32_t blocks_cached, blocks_idle;
+    uint64_t prefix_hit_tokens, prefix_miss_tokens, prefix_hit_blocks, prefix_miss_blocks;
 };
 
 /* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
  * naming the field and value / STATUS_NO_MEMORY with err filled. */
 int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t errlen);
+/* Turns on automatic prefix caching (docs/router.md), before the first
+ * sched_add: full blocks whose KV is computed stay published after their
+ * sequence ends, and a sequence admitted later maps the leading blocks of
+ * its tokens found there instead of computing them.  STATUS_BAD_INPUT once
+ * sequences exist; STATUS_NO_MEMORY; err filled. */
+int sched_enable_prefix_cache(sched *s, char *err, size_t errlen);
 /* Frees every sequence and step; handles become invalid. */
 void sched_free(sched *s);
 
@@ -123,5 +140,8 @@ void sched_get_stats(const sched *s, struct sched_stats *st);
 /* Free blocks; blocks a sequence of n tokens needs. */
 int32_t sched_blocks_free(const sched *s);
 int32_t sched_blocks_for(const sched *s, int32_t n_tokens);
+/* Leading full blocks of tokens[0..n_tokens) this pipeline holds in its
+ * prefix cache (0 with the cache off): what routing compares. */
+int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens);
 
 #endif

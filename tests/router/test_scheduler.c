@@ -341,10 +341,153 @@ TEST(scheduler_partial_chunk_when_blocks_are_short) {
     sched_free(s);
 }
 
+
+/* Runs s until nothing is in flight or planned, appending token 7 to every
+ * sequence that asks for logits until it holds max tokens, then removing it. */
+static void drain(sched *s, int32_t max) {
+    struct sched_step st;
+    for (int guard = 0; guard < 1000 && sched_plan(s, &st) == 1; guard++) {
+        uint64_t id = st.step_id;
+        struct sched_seq *done[64];
+        int nd = 0;
+        for (int32_t i = 0; i < st.n_seqs; i++) {
+            if (!st.seqs[i].want_logits) continue;
+            struct sched_seq *q = st.seqs[i].seq;
+            if (sched_seq_n_tokens(q) >= max) done[nd++] = q;
+            else ASSERT_OK(sched_append(s, q, 7));
+        }
+        ASSERT_OK(sched_step_done(s, id));
+        for (int k = 0; k < nd; k++) sched_remove(s, done[k]);
+    }
+}
+
+TEST(scheduler_prefix_cache_maps_computed_blocks) {
+    sched *s = mk(32, 4, 256, 8, 2);
+    char err[256];
+    ASSERT_OK(sched_enable_prefix_cache(s, err, sizeof err));
+    int32_t p1[14], p2[14], t1[4];
+    for (int i = 0; i < 14; i++) p1[i] = p2[i] = 50 + i;
+    p2[13] = 99; /* same first 13 tokens: 3 full blocks */
+    struct sched_seq *q = NULL;
+    ASSERT_OK(sched_add(s, 1, 0, 1, p1, 14, &q));
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(0, st.seqs[0].start_pos);
+    ASSERT_EQ(0, st.seqs[0].n_context);
+    memcpy(t1, st.seqs[0].block_table, sizeof t1);
+    uint64_t step1 = st.step_id;
+    /* A sequence admitted while the first one's KV is not computed yet
+     * finds nothing: blocks are published when their step is done. */
+    struct sched_seq *r = NULL;
+    ASSERT_OK(sched_add(s, 2, 0, 2, p2, 14, &r));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(0, find(&st, 2)->start_pos);
+    ASSERT_OK(sched_step_done(s, step1));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_remove(s, r);
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(3, ss.blocks_cached);
+    ASSERT_EQ(0, (int)ss.prefix_hit_tokens);
+    ASSERT_EQ(28, (int)ss.prefix_miss_tokens);
+    /* Now a third one maps the 3 blocks and starts at 12, with the 12
+     * tokens before as penalty context. */
+    ASSERT_OK(sched_add(s, 3, 0, 3, p2, 14, &r));
+    ASSERT_EQ(3, sched_prefix_blocks(s, p2, 14));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    const struct sched_step_seq *o = find(&st, 3);
+    ASSERT_TRUE(o != NULL);
+    ASSERT_EQ(12, o->start_pos);
+    ASSERT_EQ(2, o->n_tokens);
+    ASSERT_EQ(12, o->n_context);
+    ASSERT_EQ(p2[0], o->context[0]);
+    ASSERT_EQ(p2[12], o->tokens[0]);
+    ASSERT_EQ(0, st.n_copies);
+    for (int b = 0; b < 3; b++) ASSERT_EQ(t1[b], o->block_table[b]);
+    ASSERT_NE(t1[3], o->block_table[3]);
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(12, (int)ss.prefix_hit_tokens);
+    ASSERT_EQ(3, (int)ss.prefix_hit_blocks);
+    ASSERT_EQ(30, (int)ss.prefix_miss_tokens);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    /* An identical prompt of whole blocks still computes its last block, so
+     * its logits exist. */
+    struct sched_seq *u = NULL;
+    ASSERT_OK(sched_add(s, 4, 0, 4, p1, 12, &u));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(8, find(&st, 4)->start_pos);
+    ASSERT_TRUE(find(&st, 4)->want_logits);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, q, 7));
+    ASSERT_OK(sched_append(s, r, 7));
+    ASSERT_OK(sched_append(s, u, 7));
+    drain(s, 20);
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(0, ss.n_running + ss.n_waiting);
+    ASSERT_EQ(0, ss.blocks_used);
+    ASSERT_EQ(ss.blocks_cached, ss.blocks_idle);
+    ASSERT_TRUE(ss.blocks_cached >= 4);
+    sched_free(s);
+}
+
+TEST(scheduler_prefix_cache_survives_preemption) {
+    /* 6 blocks of 4: a low-priority sequence of 13 tokens is preempted by a
+     * high-priority one; its published blocks stay idle and are found again
+     * when it comes back, unless the pool needed them. */
+    sched *s = mk(6, 4, 256, 1, 1);
+    char err[256];
+    ASSERT_OK(sched_enable_prefix_cache(s, err, sizeof err));
+    struct sched_seq *lo = add(s, 1, 0, 13);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, lo, 7));
+    struct sched_seq *hi = add(s, 2, 5, 3);
+    ASSERT_EQ(1, sched_plan(s, &st)); /* batch of 1: lo gives way */
+    ASSERT_TRUE(find(&st, 2) != NULL);
+    ASSERT_TRUE(has_freed(&st, 1));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(3, ss.blocks_idle);
+    sched_remove(s, hi);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    const struct sched_step_seq *o = find(&st, 1);
+    ASSERT_EQ(12, o->start_pos);
+    ASSERT_EQ(2, o->n_tokens); /* token 12 of the prompt and the sampled one */
+    ASSERT_EQ(12, o->n_context);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_remove(s, lo);
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(0, ss.blocks_used);
+    sched_free(s);
+}
+
+TEST(scheduler_prefix_cache_off_by_default) {
+    sched *s = mk(32, 4, 256, 8, 1);
+    int32_t p[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    struct sched_seq *q = NULL;
+    ASSERT_OK(sched_add(s, 1, 0, 1, p, 9, &q));
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_remove(s, q);
+    ASSERT_EQ(0, sched_prefix_blocks(s, p, 9));
+    ASSERT_OK(sched_add(s, 2, 0, 2, p, 9, &q));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(0, st.seqs[0].start_pos);
+    char err[256] = "";
+    ASSERT_EQ(STATUS_BAD_INPUT, sched_enable_prefix_cache(s, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "before sequences") != NULL);
+    sched_free(s);
+}
+
 TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_chunked_prefill_keeps_decodes_running, scheduler_admits_by_free_blocks,
           scheduler_preempts_newest_by_recomputation,
           scheduler_higher_priority_runs_first_and_preempts, scheduler_microbatches_in_flight,
           scheduler_step_seq_limit,
           scheduler_cancel_frees_blocks, scheduler_take_waiting_for_handover,
-          scheduler_never_fitting_sequences, scheduler_partial_chunk_when_blocks_are_short)
+          scheduler_never_fitting_sequences, scheduler_partial_chunk_when_blocks_are_short,
+          scheduler_prefix_cache_maps_computed_blocks, scheduler_prefix_cache_survives_preemption,
+          scheduler_prefix_cache_off_by_default)
