@@ -5,6 +5,7 @@
 #include "router/requests.h"
 
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,8 @@ struct reqstore {
     char consumer[128];
     char stream[96];
     int64_t retention_ms, claim_idle_ms;
+    uint64_t groups_made; /* consumer group recreated after NOGROUP */
+    uint64_t groups_told; /* of those, reported by reqstore_check */
     char errstr[512];
 };
 
@@ -58,6 +61,47 @@ static int reqstore_fail(reqstore *rs, int rc) {
     return rc;
 }
 
+/* After a failed command: when Redis said NOGROUP, the consumer group is
+ * gone (Redis restarted without its data, or someone deleted it), and every
+ * later command on it would fail the same way for as long as the router
+ * runs.  Makes it again (MKSTREAM, from "0": whatever the stream holds is
+ * read again) and returns 1 so that the caller retries the command at once;
+ * 0 for any other failure, or when the group cannot be made. */
+static int reqstore_regroup(reqstore *rs, int rc) {
+    if (rc >= 0 || !strstr(rconn_errstr(rs->c), "NOGROUP")) return 0;
+    char why[512];
+    snprintf(why, sizeof why, "%s", rconn_errstr(rs->c));
+    if (rconn_xgroup_create(rs->c, rs->stream, REQSTORE_GROUP, "0") < 0) {
+        LOG(LL_WARN, "redis: %s; recreating the group failed: %s", why, rconn_errstr(rs->c));
+        return 0;
+    }
+    rs->groups_made++;
+    LOG(LL_WARN, "redis: consumer group %s of %s was gone (Redis restarted without its data?): "
+        "made it again", REQSTORE_GROUP, rs->stream);
+    return 1;
+}
+
+uint64_t reqstore_groups_recreated(const reqstore *rs) { return rs->groups_made; }
+
+int reqstore_check(reqstore *rs) {
+    const char *argv[] = {"EXISTS", rs->stream};
+    redisReply *r = NULL;
+    int rc = rconn_command_argv(rs->c, &r, 2, argv, NULL);
+    if (rc < 0) return reqstore_fail(rs, rc);
+    bool gone = r->type == REDIS_REPLY_INTEGER && r->integer == 0;
+    freeReplyObject(r);
+    if (gone) {
+        rc = rconn_xgroup_create(rs->c, rs->stream, REQSTORE_GROUP, "0");
+        if (rc < 0) return reqstore_fail(rs, rc);
+        rs->groups_made++;
+        LOG(LL_WARN, "redis: stream %s was gone (Redis restarted without its data?): made it and "
+            "its consumer group %s again", rs->stream, REQSTORE_GROUP);
+    }
+    if (rs->groups_told == rs->groups_made) return 0;
+    rs->groups_told = rs->groups_made;
+    return 1;
+}
+
 int reqstore_open(reqstore **out, const struct reqstore_config *cfg, char *err, size_t errlen) {
     *out = NULL;
     reqstore *rs = calloc(1, sizeof *rs);
@@ -75,7 +119,16 @@ int reqstore_open(reqstore **out, const struct reqstore_config *cfg, char *err, 
         free(rs);
         return rc;
     }
-    rc = rconn_xgroup_create(rs->c, rs->stream, REQSTORE_GROUP, "0");
+    /* No stream: a new Redis, or one that lost its data while we were
+     * away from it; reqstore_check then tells the caller once. */
+    const char *argv[] = {"EXISTS", rs->stream};
+    redisReply *r = NULL;
+    rc = rconn_command_argv(rs->c, &r, 2, argv, NULL);
+    if (rc == 0) {
+        if (r->type == REDIS_REPLY_INTEGER && r->integer == 0) rs->groups_made = 1;
+        freeReplyObject(r);
+        rc = rconn_xgroup_create(rs->c, rs->stream, REQSTORE_GROUP, "0");
+    }
     if (rc < 0) {
         snprintf(err, errlen, "%s", rconn_errstr(rs->c));
         reqstore_close(rs);
@@ -99,8 +152,14 @@ struct rconn *reqstore_conn(reqstore *rs) { return rs->c; }
  * field/value pairs.  Reading the entry back into this consumer's pending
  * list makes XPENDING show the accepted, unfinished requests; entries of
  * other producers it also reads stay pending and are picked up by
- * reqstore_recover at the next start. */
+ * reqstore_recover at the next start.  A missing stream means Redis lost
+ * its data: the script then fails with NOGROUP before it writes anything
+ * (the group lives in the stream key), so the retry after the group is
+ * made again leaves no stray entry. */
 static const char reqstore_create_lua[] =
+    "if redis.call('EXISTS', KEYS[2]) == 0 then\n"
+    "  return redis.error_reply('NOGROUP stream ' .. KEYS[2] .. ' does not exist')\n"
+    "end\n"
     "redis.call('DEL', KEYS[1], KEYS[1] .. ':gen')\n"
     "redis.call('HSET', KEYS[1], unpack(ARGV, 2))\n"
     "local e = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1])\n"
@@ -132,6 +191,8 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
         lens[i] = i == 8 ? r->params_len : i == 10 ? (size_t)r->n_prompt * 4 : strlen(argv[i]);
     redisReply *rep = NULL;
     int rc = rconn_command_argv(rs->c, &rep, (int)(sizeof argv / sizeof argv[0]), argv, lens);
+    if (reqstore_regroup(rs, rc))
+        rc = rconn_command_argv(rs->c, &rep, (int)(sizeof argv / sizeof argv[0]), argv, lens);
     free(prompt);
     if (rc < 0) return reqstore_fail(rs, rc);
     if (rep->type == REDIS_REPLY_STRING && rep->len < RCONN_ID_MAX) {
@@ -419,6 +480,8 @@ int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n) {
     char start[RCONN_ID_MAX] = "0";
     for (;;) {
         rc = rconn_xreadgroup(rs->c, rs->stream, REQSTORE_GROUP, rs->consumer, 128, 0, start, &es);
+        if (reqstore_regroup(rs, rc))
+            rc = rconn_xreadgroup(rs->c, rs->stream, REQSTORE_GROUP, rs->consumer, 128, 0, start, &es);
         if (rc < 0) goto fail;
         if (es.n == 0) break;
         snprintf(start, sizeof start, "%s", es.items[es.n - 1].id);

@@ -71,7 +71,10 @@ const char *reqstore_errstr(const reqstore *rs);
 struct rconn *reqstore_conn(reqstore *rs);
 
 /* Stores a new request: the hash (state queued), then a stream entry whose
- * id goes to r->entry.  Once it returns 0 the request is durable. */
+ * id goes to r->entry.  Once it returns 0 the request is durable.  When
+ * the consumer group is gone (NOGROUP: Redis restarted without its data) it
+ * is made again and the request stored at once, so a Redis that lost
+ * everything costs no request a retry. */
 int reqstore_create(reqstore *rs, struct reqrec *r);
 
 /* Appends generated tokens of several requests in one round trip. */
@@ -99,6 +102,19 @@ int reqstore_load(reqstore *rs, const char *id, struct reqrec *r);
  * with free()); entries whose hash is gone or done are acknowledged and
  * dropped.  Requests the caller already has are returned again: skip them. */
 int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n);
+
+/* Checks that Redis answers and still holds this router's data (the
+ * request stream exists).  Returns 0 when it does; 1 when Redis lost its
+ * data since the last check or since reqstore_open (the stream and group
+ * are made again here, or were by reqstore_open, or by a create or recover
+ * that met NOGROUP): requests only in the caller's memory should be stored
+ * again; a negative status (errstr says
+ * why) when Redis cannot be reached or refuses us. */
+int reqstore_check(reqstore *rs);
+
+/* How often the consumer group was made again after NOGROUP (create and
+ * recover do it by themselves); the router notices Redis lost its data. */
+uint64_t reqstore_groups_recreated(const reqstore *rs);
 
 /* Little-endian int32 encoding of token ids (the stored format). */
 void reqstore_tokens_encode(const int32_t *ids, int32_t n, uint8_t *out);

@@ -15,16 +15,44 @@
 #include "common/status.h"
 
 /* The request as stored: the client's body without the fields that may
- * differ between a request and its re-sends. */
-static int canonical_params(const Llm__GenerateRequest *g, uint8_t **out, size_t *len) {
+ * differ between a request and its re-sends.  seed_zero: as if the client
+ * had left the seed to the router. */
+static int canonical_params_as(const Llm__GenerateRequest *g, bool seed_zero, uint8_t **out, size_t *len) {
     Llm__GenerateRequest c = *g;
+    Llm__SamplingParams sp;
     c.stream = false;
     c.resume_from = 0;
     c.timeout_ms = 0;
+    if (seed_zero && g->sampling) {
+        sp = *g->sampling;
+        sp.seed = 0;
+        c.sampling = &sp;
+    }
     size_t n = llm__generate_request__get_packed_size(&c);
     *out = malloc(n + 1);
     if (!*out) return STATUS_NO_MEMORY;
     *len = llm__generate_request__pack(&c, *out);
+    return 0;
+}
+
+static int canonical_params(const Llm__GenerateRequest *g, uint8_t **out, size_t *len) {
+    return canonical_params_as(g, false, out, len);
+}
+
+/* Whether a re-sent request is the stored one.  A client may send back the
+ * seed the router chose for it (GenerateAccepted.seed): that is the same
+ * request, and it is what lets the request resume on the same sample path
+ * should its state ever be lost. */
+static int same_request(const struct req *q, const Llm__GenerateRequest *g, bool *same) {
+    *same = false;
+    for (int pass = 0; pass < 2 && !*same; pass++) {
+        if (pass == 1 && !(g->sampling && g->sampling->seed != 0 && g->sampling->seed == q->seed)) break;
+        uint8_t *cp = NULL;
+        size_t clen = 0;
+        if (canonical_params_as(g, pass == 1, &cp, &clen) < 0) return STATUS_NO_MEMORY;
+        *same = clen == q->params_len && memcmp(cp, q->params, clen) == 0;
+        free(cp);
+    }
     return 0;
 }
 
@@ -59,14 +87,11 @@ static void send_accepted(server *s, struct req *q, uint64_t tag, bool reattache
 
 static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, const uint8_t *ident,
                      size_t ident_len, uint64_t tag) {
-    uint8_t *cp = NULL;
-    size_t clen = 0;
-    if (canonical_params(g, &cp, &clen) < 0) {
+    bool same = false;
+    if (same_request(q, g, &same) < 0) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, g->request_id, "out of memory", 0);
         return;
     }
-    bool same = clen == q->params_len && memcmp(cp, q->params, clen) == 0;
-    free(cp);
     if (!same) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__ALREADY_EXISTS, g->request_id,
                                  "request_id is in use by a request with a different body (model, prompt, "
@@ -119,6 +144,13 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         reattach(s, q, g, ident, ident_len, tag);
         return;
     }
+    /* Redis may be back before the next try on the clock (a restart takes
+     * well under a second): a request does not wait for it.  A burst of
+     * requests while it is down costs one connection attempt per 10 ms. */
+    if (!s->rs && server_now_ms() - s->last_redis_try_ms >= 10) {
+        s->last_redis_try_ms = server_now_ms();
+        server_redis_connect(s);
+    }
     if (!s->rs) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid,
                                  "the router cannot reach Redis, so it cannot make the request durable",
@@ -146,7 +178,6 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
                                  SERVER_RETRY_AFTER_MS);
         return;
     }
-
     int64_t now = server_now_ms();
     rc = proto_generate_validate(g, s->mi.n_vocab, now, err, sizeof err);
     if (rc < 0) {
@@ -160,6 +191,27 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, err, 0);
         return;
     }
+    /* A client that already has tokens of a request nobody knows any more
+     * (Redis lost it, or the retention passed) is re-attaching.  Running it
+     * again is right only on the same sample path: with the seed it sends,
+     * which for a router-chosen seed is the one GenerateAccepted returned.
+     * Without one, a new seed would silently continue the client's text
+     * from a different sample (greedy decoding has no seed to lose). */
+    bool resumed = g->resume_from > 0;
+    bool greedy = !g->sampling || g->sampling->temperature <= 0.0f;
+    if (resumed && !greedy && g->sampling->seed == 0) {
+        snprintf(err, sizeof err,
+                 "request %.128s: its state is gone (Redis lost it, or its retention passed) and it was sampled"
+                 " with a seed the router chose; running it again with a new seed "
+                 "would continue your %u tokens from a different sample: re-send it with sampling.seed "
+                 "set to the seed of its GenerateAccepted, or with resume_from = 0 to start over",
+                 rid, g->resume_from);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__FAILED_PRECONDITION, rid, err, 0);
+        LOG(LL_WARN, "request %s: re-attach with %u tokens to a request whose state is gone, without its seed: "
+            "refused", rid, g->resume_from);
+        return;
+    }
+
     /* Tokens. */
     int32_t *prompt = NULL;
     int32_t n_prompt = 0;
@@ -281,12 +333,16 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     memcpy(q->ident, ident, ident_len);
     q->ident_len = ident_len;
     q->stream = g->stream;
+    /* Run again for a client that has its first resume_from tokens: the
+     * same seed makes the same tokens, and those are not sent again. */
+    q->resume_from = resumed ? g->resume_from : 0;
     uint32_t position = queue_depth(s);
     req_queue_push(s, q);
     s->requests_total++;
     send_accepted(s, q, tag, false, position);
-    LOG(LL_INFO, "request %s: accepted, %d prompt tokens, max_tokens %u, priority %d, seed %llu", q->id,
-        q->n_prompt, q->gen->max_tokens, q->priority, (unsigned long long)q->seed);
+    LOG(LL_INFO, "request %s: accepted%s, %d prompt tokens, max_tokens %u, priority %d, seed %llu", q->id,
+        resumed ? " again (its state was gone; the client has some tokens)" : "", q->n_prompt,
+        q->gen->max_tokens, q->priority, (unsigned long long)q->seed);
 }
 
 static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag, const Llm__Cancel *c) {

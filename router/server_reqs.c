@@ -296,9 +296,21 @@ void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_
     server_send_client(s, ident, ident_len, &env);
 }
 
+/* A request run again from its prompt after its state was lost (see
+ * on_generate) streams to a client that already has its first resume_from
+ * tokens: those are not sent again, so that no chunk straddles them.
+ * Returns false while the request has not caught up with the client. */
+static bool req_skip_had(server *s, struct req *q) {
+    if (q->n_sent >= (int32_t)q->resume_from) return true;
+    if (q->n_out < (int32_t)q->resume_from) return false;
+    q->n_sent = (int32_t)q->resume_from;
+    q->text_sent = req_text_offset(s, q, q->n_sent);
+    return true;
+}
+
 /* Streams what the client has not seen yet (streaming requests). */
 static void req_stream(server *s, struct req *q) {
-    if (!q->stream) return;
+    if (!q->stream || !req_skip_had(s, q)) return;
     size_t sendable = q->text_len - req_stop_hold(q);
     if (sendable < q->text_sent) sendable = q->text_sent;
     if (q->n_out > q->n_sent || sendable > q->text_sent) {
@@ -393,6 +405,7 @@ static void req_finalize(server *s, struct req *q) {
     server_metrics_finished(s->cfg.metrics, q->finish, q->created_ms, q->done_ms);
     req_store_finish(s, q);
     if (q->stream) {
+        req_skip_had(s, q);
         if (q->n_out > q->n_sent || q->text_len > q->text_sent)
             req_send_chunk(s, q, q->n_sent, q->n_out, q->text_sent, q->text_len);
     } else {

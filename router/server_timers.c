@@ -24,7 +24,9 @@ void server_redis_connect(server *s) {
         LOG(LL_WARN, "redis: %s (retrying)", err);
         return;
     }
-    LOG(LL_INFO, "redis: connected to %s", s->cfg.redis_url);
+    char shown[512];
+    rconn_url_redact(s->cfg.redis_url, shown, sizeof shown);
+    LOG(LL_INFO, "redis: connected to %s", shown);
     if (s->recovered) return;
     struct reqrec *list = NULL;
     size_t n = 0;
@@ -56,6 +58,54 @@ void server_redis_connect(server *s) {
  * and is gone means the worker is.  One PTTL each in turn would stop the
  * loop for a round trip per worker every heartbeat interval, which with
  * hundreds of workers is milliseconds in which no step is planned. */
+/* Stores again every unfinished request this router holds in memory, after
+ * Redis lost its data: they were accepted, so they must survive a router
+ * restart too.  Each gets a new stream entry pending for this router, and
+ * all its tokens so far. */
+static void restore_requests(server *s) {
+    size_t n = 0, failed = 0;
+    for (struct req *q = s->all; q; q = q->next) {
+        if (q->state == REQ_DONE || q->finishing) continue;
+        struct reqrec r;
+        memset(&r, 0, sizeof r);
+        snprintf(r.id, sizeof r.id, "%s", q->id);
+        r.params = q->params;
+        r.params_len = q->params_len;
+        r.prompt = q->prompt;
+        r.n_prompt = q->n_prompt;
+        r.seed = q->seed;
+        r.created_ms = q->created_ms;
+        r.deadline_ms = q->deadline_ms;
+        struct reqstore_append a = {q->id, q->out, q->n_out};
+        if (reqstore_create(s->rs, &r) < 0 || reqstore_append(s->rs, &a, 1) < 0) {
+            failed++;
+            LOG(LL_WARN, "request %s: storing it again: %s", q->id, reqstore_errstr(s->rs));
+            continue;
+        }
+        snprintf(q->entry, sizeof q->entry, "%s", r.entry);
+        q->n_persisted = q->n_out;
+        n++;
+    }
+    if (n || failed)
+        LOG(LL_WARN, "redis: stored %zu unfinished requests again%s", n,
+            failed ? " (some failed: see above)" : "");
+}
+
+/* Is Redis there, with our data?  Health and /ready say NOT_SERVING and new
+ * requests get UNAVAILABLE while it is not: the connection is dropped, and
+ * the reconnection (every second) makes the stream and group again. */
+static void check_redis(server *s) {
+    if (!s->rs) return;
+    int rc = reqstore_check(s->rs);
+    if (rc < 0) {
+        LOG(LL_WARN, "redis: %s: not serving until it answers again", reqstore_errstr(s->rs));
+        reqstore_close(s->rs);
+        s->rs = NULL;
+        return;
+    }
+    if (rc == 1) restore_requests(s);
+}
+
 static void check_worker_keys(server *s) {
     if (!s->rs) return;
     size_t nw = registry_n_workers(s->reg), n = 0;
@@ -107,6 +157,7 @@ void server_timers(server *s) {
     registry_expire(s->reg, now, pipe_on_drop, s);
     if (now - s->last_keys_ms >= s->cfg.heartbeat_ms) {
         s->last_keys_ms = now;
+        check_redis(s);
         check_worker_keys(s);
     }
     /* Steps without a result for too long: re-form the pipeline. */

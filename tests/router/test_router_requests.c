@@ -246,6 +246,77 @@ TEST(router_requests_unavailable_redis) {
     ASSERT_OK(fixture_redis_stop(&f));
 }
 
+/* Redis restarted without its data under a running store: the next
+ * request is stored at once (the group made again), with nothing stray in
+ * the stream, and pending for this router as usual. */
+TEST(router_requests_group_recreated_after_empty_restart) {
+    struct redis_fixture f;
+    fixture_redis_start(&f, FIXTURE_REDIS_AUTH); /* and through a password */
+    struct reqstore_config cfg = {f.url_auth, "t:", "r1", 60000, 60000, 2000};
+    reqstore *rs = NULL;
+    char err[512];
+    if (reqstore_open(&rs, &cfg, err, sizeof err) != 0) TEST_FAIL("reqstore_open: %s", err);
+    int32_t prompt[2] = {1, 2};
+    struct reqrec a, b;
+    t_rec(&a, "before", prompt, 2);
+    /* A new Redis counts as one that lost its data, once. */
+    ASSERT_EQ((uint64_t)1, reqstore_groups_recreated(rs));
+    ASSERT_EQ(1, reqstore_check(rs));
+    ASSERT_EQ(0, reqstore_check(rs));
+    ASSERT_OK(reqstore_create(rs, &a));
+    fixture_redis_restart(&f); /* no persistence: empty */
+    ASSERT_EQ((uint64_t)1, reqstore_groups_recreated(rs));
+    t_rec(&b, "after", prompt, 2);
+    ASSERT_OK(reqstore_create(rs, &b));
+    ASSERT_EQ((uint64_t)2, reqstore_groups_recreated(rs));
+    ASSERT_EQ(1, reqstore_check(rs)); /* the caller hears of it once */
+    ASSERT_EQ(0, reqstore_check(rs));
+    ASSERT_EQ((int64_t)1, t_pending(rs, "r1"));
+    int64_t len = 0;
+    ASSERT_OK(rconn_xlen(reqstore_conn(rs), "t:requests", &len));
+    ASSERT_EQ((int64_t)1, len);
+    struct reqrec l;
+    ASSERT_OK(reqstore_load(rs, "after", &l));
+    ASSERT_EQ(b.seed, l.seed);
+    reqrec_free(&l);
+    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "before", &l));
+    /* Recovery after the group was deleted by hand makes it again too. */
+    redisReply *r;
+    ASSERT_OK(rconn_command(reqstore_conn(rs), &r, "XGROUP DESTROY t:requests routers"));
+    freeReplyObject(r);
+    struct reqrec *list = NULL;
+    size_t n = 0;
+    ASSERT_OK(reqstore_recover(rs, &list, &n));
+    ASSERT_EQ((uint64_t)3, reqstore_groups_recreated(rs));
+    ASSERT_EQ((size_t)1, n);
+    ASSERT_STREQ("after", list[0].id);
+    reqrec_free(&list[0]);
+    free(list);
+    /* reqstore_check notices an empty Redis by itself, and remakes the stream. */
+    ASSERT_EQ(1, reqstore_check(rs));
+    fixture_redis_restart(&f);
+    ASSERT_EQ(1, reqstore_check(rs));
+    ASSERT_OK(rconn_xlen(reqstore_conn(rs), "t:requests", &len));
+    ASSERT_EQ((int64_t)0, len);
+    ASSERT_EQ(0, (int)t_pending(rs, "r1"));
+    /* Redis gone: a status naming it. */
+    fixture_redis_kill(&f);
+    ASSERT_EQ(STATUS_UNAVAILABLE, reqstore_check(rs));
+    ASSERT_TRUE(strstr(reqstore_errstr(rs), "127.0.0.1") != NULL);
+    fixture_redis_restart(&f);
+    reqstore_close(rs);
+
+    /* A wrong password: the error names the server, not the password. */
+    char url[200];
+    snprintf(url, sizeof url, "redis://:wrong-pw@127.0.0.1:%d", f.port);
+    cfg.url = url;
+    ASSERT_EQ(STATUS_BAD_INPUT, reqstore_open(&rs, &cfg, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "WRONGPASS") != NULL);
+    ASSERT_TRUE(strstr(err, "wrong-pw") == NULL);
+    ASSERT_OK(fixture_redis_stop(&f));
+}
+
 TEST_MAIN(router_requests_tokens_encoding, router_requests_persist_and_reattach,
           router_requests_finish_acks_and_expires, router_requests_recover_after_restart,
-          router_requests_recover_drops_broken_entries, router_requests_unavailable_redis)
+          router_requests_recover_drops_broken_entries, router_requests_unavailable_redis,
+          router_requests_group_recreated_after_empty_restart)
