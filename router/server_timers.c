@@ -54,10 +54,6 @@ void server_redis_connect(server *s) {
     if (adopted) LOG(LL_INFO, "redis: resumed %zu accepted, unfinished requests", adopted);
 }
 
-/* Every live worker's Redis key, in one round trip: a key that existed
- * and is gone means the worker is.  One PTTL each in turn would stop the
- * loop for a round trip per worker every heartbeat interval, which with
- * hundreds of workers is milliseconds in which no step is planned. */
 /* Stores again every unfinished request this router holds in memory, after
  * Redis lost its data: they were accepted, so they must survive a router
  * restart too.  Each gets a new stream entry pending for this router, and
@@ -106,6 +102,10 @@ static void check_redis(server *s) {
     if (rc == 1) restore_requests(s);
 }
 
+/* Every live worker's Redis key, in one round trip: a key that existed
+ * and is gone means the worker is.  One PTTL each in turn would stop the
+ * loop for a round trip per worker every heartbeat interval, which with
+ * hundreds of workers is milliseconds in which no step is planned. */
 static void check_worker_keys(server *s) {
     if (!s->rs) return;
     size_t nw = registry_n_workers(s->reg), n = 0;
