@@ -166,8 +166,11 @@ void server_metrics_tick(server *s) {
     sm->preempt_mark = preempt;
 
     char why[256] = "";
-    if (!s->rs)
-        snprintf(why, sizeof why, "Redis at %s is not reachable", s->cfg.redis_url ? s->cfg.redis_url : "?");
+    if (!s->rs) {
+        char shown[200]; /* /ready is served to anyone: never the password */
+        rconn_url_redact(s->cfg.redis_url ? s->cfg.redis_url : "?", shown, sizeof shown);
+        snprintf(why, sizeof why, "Redis at %s is not reachable", shown);
+    }
     else if (in_service == 0)
         snprintf(why, sizeof why, "no pipeline in service (%zu formed)", registry_n_pipelines(s->reg));
     /* The port's lock only when the answer changes, not every turn. */
