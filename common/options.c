@@ -382,10 +382,29 @@ void options_value_str(const struct option_def *d, char *buf, size_t size) {
     snprintf(buf, size, "(type %d)", (int)d->type);
 }
 
+/* A password in a URL's user part ("redis://app:pw@host") becomes "***":
+ * the start-up log goes wherever logs go, the password must not. */
+static void options_redact_url(char *v, size_t size) {
+    char *auth = strstr(v, "://");
+    char *at = auth ? strrchr(auth + 3, '@') : NULL;
+    char *colon = at ? memchr(auth + 3, ':', (size_t)(at - (auth + 3))) : NULL;
+    if (!colon) return;
+    if ((size_t)(colon + 4 - v) >= size) {
+        colon[1] = '\0';
+        return;
+    }
+    size_t tail = strlen(at) + 1;
+    if ((size_t)(colon + 4 - v) + tail > size) tail = size - (size_t)(colon + 4 - v); /* cut short */
+    memmove(colon + 4, at, tail);
+    v[size - 1] = '\0';
+    memcpy(colon + 1, "***", 3);
+}
+
 void options_log(const struct options *o) {
     for (int i = 0; i < o->n_defs; i++) {
         char v[256];
         options_value_str(&o->defs[i], v, sizeof v);
+        options_redact_url(v, sizeof v);
         LOG(LL_INFO, "option %s=%s", o->defs[i].name, v);
     }
 }

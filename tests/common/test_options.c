@@ -1,6 +1,7 @@
 /* Tests for common/options: defaults, environment, flags and their
  * precedence, positionals and subcommands, and the messages for bad input. */
 #include "common/options.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "tests/test.h"
 
@@ -277,7 +278,38 @@ TEST(options_parse_env_only) {
     ASSERT_STREQ("default of --threads in the options table: 'many' is not an integer", err);
 }
 
+static char t_logged[2048];
+
+static void t_log_line(int level, const char *line, void *ud) {
+    (void)level;
+    (void)ud;
+    size_t n = strlen(t_logged);
+    snprintf(t_logged + n, sizeof t_logged - n, "%s\n", line);
+}
+
+/* The start-up log shows every option, but a URL's password as "***". */
+TEST(options_log_hides_url_passwords) {
+    t_clear_env();
+    char *argv[] = {"llm-test", "--redis-url", "redis://app:s3cret@h:6379/2", "in.gguf", NULL};
+    int argc;
+    char err[256];
+    ASSERT_OK(t_parse(&t_opts, argv, &argc, err, sizeof err));
+    t_logged[0] = '\0';
+    log_set_callback(t_log_line, NULL);
+    options_log(&t_opts);
+    log_set_callback(NULL, NULL);
+    ASSERT_TRUE(strstr(t_logged, "option redis-url=redis://app:***@h:6379/2") != NULL);
+    ASSERT_TRUE(strstr(t_logged, "s3cret") == NULL);
+    char *argv2[] = {"llm-test", "--redis-url", "redis://:x@h", "in.gguf", NULL};
+    ASSERT_OK(t_parse(&t_opts, argv2, &argc, err, sizeof err));
+    t_logged[0] = '\0';
+    log_set_callback(t_log_line, NULL);
+    options_log(&t_opts);
+    log_set_callback(NULL, NULL);
+    ASSERT_TRUE(strstr(t_logged, "option redis-url=redis://:***@h") != NULL);
+}
+
 TEST_MAIN(options_defaults, options_flag_forms, options_env_precedence, options_positionals,
           options_subcommand, options_rejects_bad_flags, options_rejects_bad_env,
           options_bad_table, options_help_text, options_help_flag, options_value_text,
-          options_parse_env_only)
+          options_parse_env_only, options_log_hides_url_passwords)
