@@ -1,13 +1,18 @@
 /* bench_cluster: the whole cluster's speed as a client sees it, and the
  * router's share of each step (the cluster issue's table).  For each layout
- * (pipelines x stages) it starts a private cluster with the built
- * llm-cluster, then at each concurrency level sends N fixed-length greedy
- * requests through libllmclient with that many in flight and measures
- * requests/s, generated tokens/s, time to first token and inter-token
- * latency; the router's Status gives its planning cost per step.
+ * (pipelines x stages, optionally with NCCL held to sockets) it starts a
+ * private cluster with the built llm-cluster, then at each concurrency level
+ * sends N fixed-length greedy requests through libllmclient with that many
+ * in flight and measures requests/s, generated tokens/s, time to first
+ * token and inter-token latency; the router's Status gives its planning
+ * cost per step, the workers' metrics ports each stage's busy fraction.
+ * The shared-prefix workload (one system prompt, distinct questions) runs
+ * every layout with the router's prefix cache on and off.
  *
- *   bench_cluster --shape tiny --stages 1,2 --concurrency 1,4,16 --threads 1
- *   bench_cluster --model m.gguf --device auto --stages 1,2 --concurrency 1,4,16,64 */
+ *   bench_cluster --shape tiny --layouts 1x1,1x2,2x1 --concurrency 1,4,16 --threads 1
+ *   bench_cluster --model m.gguf --device auto --layouts 1x1,1x2,1x2s,2x1 --concurrency 64,128
+ *   bench_cluster --model m.gguf --device auto --layouts 1x1 --shared-prefix 1024 --question-tokens 32 \
+ *       --requests 64 --concurrency 16 --max-tokens 64 */
 #include "router/client.h"
 
 #include "common/log.h"
@@ -33,11 +38,17 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
 extern char **environ;
 
 #define CB_LIST_MAX 16
 #define CB_ROWS_MAX 512
 #define CB_CONC_MAX 1024
+#define CB_WORKERS_MAX 64
 
 /* Set by SIGTERM/SIGINT (a time limit): requests in flight are cancelled,
  * the cluster is stopped, and the rows measured so far are printed. */
@@ -85,18 +96,37 @@ static double cb_percentile(double *v, size_t n, double q) {
 
 /* ---- Options ---- */
 
+/* One cluster to start: pipelines x stages, the stage links' NCCL limited
+ * to sockets (as between hosts without NVLink or a shared /dev/shm), and in
+ * the shared-prefix workload the router's prefix cache on or off. */
+struct cb_layout {
+    int pipelines, stages;
+    bool sockets;
+    int cache;            /* -1: not the shared-prefix workload; 0: --no-prefix-cache; 1: the cache on */
+    char name[24];        /* "1x2", "1x2s" */
+};
+
 struct cb_opts {
     const char *model, *shape, *type, *stages, *pipelines, *layouts, *concurrency, *device, *cluster, *tmpdir, *run_root,
-        *router_args, *worker_args, *log_level;
+        *router_args, *worker_args, *log_level, *json, *no_cache_arg;
     int requests, prompt_tokens, max_tokens, threads, kv_blocks, warmup, up_timeout_s, up_tries;
+    int shared_prefix, question_tokens;
+    bool insecure;
     /* Parsed lists. */
     int stage_v[CB_LIST_MAX], n_stages;
     int pipe_v[CB_LIST_MAX], n_pipes;
-    /* The clusters to start, in order: --layouts, else pipelines x stages. */
-    int lay_pipes[CB_LIST_MAX * CB_LIST_MAX], lay_stages[CB_LIST_MAX * CB_LIST_MAX], n_layouts;
+    /* The clusters to start, in order: --layouts, else pipelines x stages;
+     * the shared-prefix workload starts each twice (cache on, then off). */
+    struct cb_layout lay[2 * CB_LIST_MAX * CB_LIST_MAX];
+    int n_layouts;
     int conc_v[CB_LIST_MAX], n_conc;
     enum synth_type synth_type;
 };
+
+/* Tokens of every prompt: the shared prefix and a question, or --prompt-tokens. */
+static int cb_prompt_len(const struct cb_opts *o) {
+    return o->shared_prefix > 0 ? o->shared_prefix + o->question_tokens : o->prompt_tokens;
+}
 
 /* Parses a comma-separated list of integers in [lo, hi] into v.  Returns
  * the count or STATUS_BAD_INPUT with err naming the flag and the item. */
@@ -133,7 +163,9 @@ static int cb_parse_lists(struct cb_opts *o, char *err, size_t errlen) {
     if ((o->n_stages = cb_parse_ints("stages", o->stages, 1, 64, o->stage_v, err, errlen)) < 0) return o->n_stages;
     if ((o->n_pipes = cb_parse_ints("pipelines", o->pipelines, 1, 64, o->pipe_v, err, errlen)) < 0)
         return o->n_pipes;
-    o->n_layouts = 0;
+    int pipes[CB_LIST_MAX * CB_LIST_MAX], stages[CB_LIST_MAX * CB_LIST_MAX];
+    bool sockets[CB_LIST_MAX * CB_LIST_MAX];
+    int n = 0;
     if (o->layouts && o->layouts[0]) {
         char buf[512];
         if (strlen(o->layouts) + 1 > sizeof buf) {
@@ -143,22 +175,39 @@ static int cb_parse_lists(struct cb_opts *o, char *err, size_t errlen) {
         memcpy(buf, o->layouts, strlen(o->layouts) + 1);
         for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             int p = 0, st = 0, used = 0;
-            if (sscanf(t, "%dx%d%n", &p, &st, &used) != 2 || t[used] || p < 1 || p > 64 || st < 1 || st > 64 ||
-                o->n_layouts == CB_LIST_MAX) {
-                cb_fmt(err, errlen, "--layouts: \"%s\" is not PIPELINESxSTAGES with both in [1, 64] (at most %d "
-                       "layouts)", t, CB_LIST_MAX);
+            bool s = false;
+            if (sscanf(t, "%dx%d%n", &p, &st, &used) == 2 && t[used] == 's') {
+                s = true;
+                used++;
+            }
+            if (sscanf(t, "%dx%d", &p, &st) != 2 || t[used] || p < 1 || p > 64 || st < 1 || st > 64 ||
+                n == CB_LIST_MAX) {
+                cb_fmt(err, errlen, "--layouts: \"%s\" is not PIPELINESxSTAGES with both in [1, 64], optionally "
+                       "followed by s for NCCL over sockets (at most %d layouts)", t, CB_LIST_MAX);
                 return STATUS_BAD_INPUT;
             }
-            o->lay_pipes[o->n_layouts] = p;
-            o->lay_stages[o->n_layouts++] = st;
+            pipes[n] = p;
+            stages[n] = st;
+            sockets[n++] = s;
         }
     } else {
         for (int pi = 0; pi < o->n_pipes; pi++)
             for (int si = 0; si < o->n_stages; si++) {
-                o->lay_pipes[o->n_layouts] = o->pipe_v[pi];
-                o->lay_stages[o->n_layouts++] = o->stage_v[si];
+                pipes[n] = o->pipe_v[pi];
+                stages[n] = o->stage_v[si];
+                sockets[n++] = false;
             }
     }
+    o->n_layouts = 0;
+    for (int i = 0; i < n; i++)
+        for (int c = o->shared_prefix > 0 ? 1 : -1; c >= (o->shared_prefix > 0 ? 0 : -1); c--) {
+            struct cb_layout *l = &o->lay[o->n_layouts++];
+            l->pipelines = pipes[i];
+            l->stages = stages[i];
+            l->sockets = sockets[i];
+            l->cache = c;
+            cb_fmt(l->name, sizeof l->name, "%dx%d%s", pipes[i], stages[i], sockets[i] ? "s" : "");
+        }
     if ((o->n_conc = cb_parse_ints("concurrency", o->concurrency, 1, CB_CONC_MAX, o->conc_v, err, errlen)) < 0)
         return o->n_conc;
     if (!o->model) {
@@ -239,16 +288,18 @@ static void cb_print_log_tails(const char *dir) {
 }
 
 /* Runs argv with stdout and stderr appended to log_path and waits for it,
- * at most timeout_s; a signal to this program sends it SIGTERM.  Returns
- * its exit status (0..255), or a negative status with err saying why. */
-static int cb_run(char *const argv[], const char *log_path, int timeout_s, char *err, size_t errlen) {
+ * at most timeout_s; a signal to this program sends it SIGTERM.  envp: its
+ * environment (NULL: this program's).  Returns its exit status (0..255), or
+ * a negative status with err saying why. */
+static int cb_run(char *const argv[], char *const envp[], const char *log_path, int timeout_s, char *err,
+                  size_t errlen) {
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
     posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
     posix_spawn_file_actions_adddup2(&fa, 1, 2);
     pid_t pid;
-    int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, environ);
+    int rc = posix_spawn(&pid, argv[0], &fa, NULL, argv, envp ? envp : environ);
     posix_spawn_file_actions_destroy(&fa);
     if (rc != 0) {
         cb_fmt(err, errlen, "cannot run %s: %s", argv[0], strerror(rc));
@@ -301,6 +352,164 @@ static int cb_find_cluster(char *out, size_t size, char *err, size_t errlen) {
     return STATUS_NOT_FOUND;
 }
 
+/* ---- Keys ---- */
+
+/* llm-cluster up makes CURVE keys for the router, one client and every
+ * worker in RUN_DIR/keys, or, run with --insecure, leaves the marker
+ * RUN_DIR/insecure.  The bench's clients take theirs from the environment
+ * as env.sh would set it; the variables this program started with are put
+ * back before llm-cluster runs again (llm-cluster up reads LLM_INSECURE). */
+static const char *const cb_key_vars[] = {"LLM_CURVE_KEY_FILE", "LLM_ROUTER_KEY", "LLM_INSECURE"};
+static char *cb_key_vars_saved[3];
+static bool cb_key_vars_had[3];
+
+static void cb_keys_save(void) {
+    for (int i = 0; i < 3; i++) {
+        const char *v = getenv(cb_key_vars[i]);
+        cb_key_vars_had[i] = v != NULL;
+        cb_key_vars_saved[i] = v ? strdup(v) : NULL;
+    }
+}
+
+static void cb_keys_restore(void) {
+    for (int i = 0; i < 3; i++) {
+        if (cb_key_vars_had[i] && cb_key_vars_saved[i]) setenv(cb_key_vars[i], cb_key_vars_saved[i], 1);
+        else unsetenv(cb_key_vars[i]);
+    }
+}
+
+/* The client settings of the cluster in dir.  Called with no client thread
+ * running (setenv is not thread-safe). */
+static void cb_keys_use(const char *dir) {
+    char path[PATH_MAX + 64];
+    cb_fmt(path, sizeof path, "%s/insecure", dir);
+    if (access(path, F_OK) == 0) {
+        setenv("LLM_INSECURE", "true", 1);
+        unsetenv("LLM_CURVE_KEY_FILE");
+        unsetenv("LLM_ROUTER_KEY");
+        return;
+    }
+    cb_fmt(path, sizeof path, "%s/keys/clients/client.key", dir);
+    setenv("LLM_CURVE_KEY_FILE", path, 1);
+    cb_fmt(path, sizeof path, "%s/keys/router.pub", dir);
+    setenv("LLM_ROUTER_KEY", path, 1);
+    unsetenv("LLM_INSECURE");
+}
+
+/* ---- The workers' metrics ports ---- */
+
+/* The port a process logged for its metrics ("metrics on http://HOST:PORT
+ * (port N)"): the clusters run with LLM_METRICS_LISTEN=127.0.0.1:0, so
+ * that every process picks a free port and says which.  0: none logged. */
+static int cb_log_metrics_port(const char *log_path) {
+    FILE *f = fopen(log_path, "r");
+    if (!f) return 0;
+    char line[1024];
+    int port = 0;
+    while (fgets(line, sizeof line, f)) {
+        const char *m = strstr(line, "metrics on http://");
+        const char *q = m ? strstr(m, "(port ") : NULL;
+        if (q) port = atoi(q + 6);
+    }
+    fclose(f);
+    return port > 0 && port < 65536 ? port : 0;
+}
+
+/* The body of GET /metrics from 127.0.0.1:port into buf, NUL-terminated
+ * (cut at size).  Returns 0, or -1 when there is no answer or no 200 within
+ * 2 s. */
+static int cb_http_metrics(int port, char *buf, size_t size) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_in a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    static const char req[] = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0 || write(fd, req, sizeof req - 1) != (ssize_t)(sizeof req - 1)) {
+        close(fd);
+        return -1;
+    }
+    size_t n = 0;
+    ssize_t got;
+    while (n + 1 < size && (got = read(fd, buf + n, size - 1 - n)) > 0) n += (size_t)got;
+    close(fd);
+    buf[n] = 0;
+    const char *body = strstr(buf, "\r\n\r\n");
+    if (strncmp(buf, "HTTP/1.", 7) != 0 || n < 12 || atoi(buf + 9) != 200 || !body) return -1;
+    memmove(buf, body + 4, strlen(body + 4) + 1);
+    return 0;
+}
+
+/* Sum over the series of one metric in Prometheus text (name, or name{...}),
+ * or -1 when the text has none. */
+static double cb_metric_sum(const char *text, const char *name) {
+    size_t len = strlen(name);
+    double sum = 0;
+    bool found = false;
+    for (const char *l = text; l && *l; l = strchr(l, '\n'), l = l ? l + 1 : NULL) {
+        if (strncmp(l, name, len) != 0 || (l[len] != ' ' && l[len] != '{')) continue;
+        const char *v = l + len;
+        if (*v == '{') {
+            const char *end = strchr(v, '}'), *nl = strchr(v, '\n');
+            if (!end || (nl && end > nl)) continue;
+            v = end + 1;
+        }
+        char *e = NULL;
+        double x = strtod(v, &e);
+        if (e == v) continue;
+        sum += x;
+        found = true;
+    }
+    return found ? sum : -1;
+}
+
+/* One worker's counters at one moment: its step time sum and the token
+ * rows it computed; < 0 where the scrape failed. */
+struct cb_wm {
+    double step_s, rows;
+};
+
+/* A running cluster: its layout, run dir and each worker's metrics port
+ * (worker p*stages+s; 0: unknown). */
+struct cb_cluster {
+    const struct cb_layout *lay;
+    const char *dir;
+    int ports[CB_WORKERS_MAX];
+    int n_workers;
+};
+
+static void cb_cluster_ports(struct cb_cluster *cl) {
+    const struct cb_layout *l = cl->lay;
+    cl->n_workers = l->pipelines * l->stages <= CB_WORKERS_MAX ? l->pipelines * l->stages : 0;
+    int missing = 0;
+    for (int w = 0; w < cl->n_workers; w++) {
+        char path[PATH_MAX + 64];
+        cb_fmt(path, sizeof path, "%s/worker-p%d-s%d.log", cl->dir, w / l->stages, w % l->stages);
+        cl->ports[w] = cb_log_metrics_port(path);
+        missing += cl->ports[w] == 0;
+    }
+    if (missing || !cl->n_workers)
+        fprintf(stderr, "bench_cluster: %s: %d of %d workers logged no metrics port (--log-level above info, or "
+                "more than %d workers): their busy fractions are not measured\n", l->name,
+                cl->n_workers ? missing : l->pipelines * l->stages, l->pipelines * l->stages, CB_WORKERS_MAX);
+}
+
+static void cb_cluster_scrape(const struct cb_cluster *cl, struct cb_wm *wm) {
+    static char buf[1 << 18];
+    for (int w = 0; w < cl->n_workers; w++) {
+        wm[w].step_s = wm[w].rows = -1;
+        if (cl->ports[w] && cb_http_metrics(cl->ports[w], buf, sizeof buf) == 0) {
+            wm[w].step_s = cb_metric_sum(buf, "llm_step_time_seconds_sum");
+            wm[w].rows = cb_metric_sum(buf, "llm_stage_tokens_total");
+        }
+    }
+}
+
 /* ---- One concurrency level ---- */
 
 /* The router's counters at one moment (StatusReply). */
@@ -324,11 +533,18 @@ static int cb_router_status(llm_client *c, struct cb_router *r) {
 }
 
 struct cb_row {
-    int pipelines, stages, conc;
+    struct cb_layout lay;
+    int conc;
     int n_req, n_ok, n_err, n_short;
     double wall_s, req_s, tok_s, ttft50, ttft90, itl50, itl90;
     uint64_t steps, tokens;
     double plan_mean, plan_max, turn_mean;
+    /* From the workers' metrics ports: each worker's step time over the
+     * level's wall time (worker p*stages+s; < 0: not measured), and the
+     * token rows the first stages computed (prefill and decode, all
+     * pipelines; < 0: not measured). */
+    double busy[CB_WORKERS_MAX];
+    double rows0;
     bool failed;          /* the cluster did not start: nothing measured */
     char note[160];
 };
@@ -395,7 +611,7 @@ static int cb_on_chunk(void *ud, const struct llm_chunk *ch) {
 
 /* Prompt ids of request idx: distinct per request (no shared prefix), away
  * from the low ids where models keep their special tokens. */
-static void cb_prompt(int idx, int32_t n_vocab, int32_t *ids, int n) {
+static void cb_prompt_ids(int idx, int32_t n_vocab, int32_t *ids, int n) {
     int32_t lo = n_vocab > 400 ? 300 : 3;
     uint64_t x = 0x9e3779b97f4a7c15ULL * (uint64_t)(idx + 1);
     for (int i = 0; i < n; i++) {
@@ -404,6 +620,20 @@ static void cb_prompt(int idx, int32_t n_vocab, int32_t *ids, int n) {
         x ^= x >> 27;
         ids[i] = lo + (int32_t)((x * 0x2545f4914f6cdd1dULL >> 33) % (uint64_t)(n_vocab - lo));
     }
+}
+
+/* The cb_prompt_len(o) ids of request idx: distinct throughout, or in the
+ * shared-prefix workload one system prompt common to every request (the
+ * same ids in every run, so cache on and off see the same prompts)
+ * followed by a question of the request's own. */
+#define CB_PREFIX_SEED 7777777
+static void cb_prompt(const struct cb_opts *o, int idx, int32_t n_vocab, int32_t *ids) {
+    if (o->shared_prefix <= 0) {
+        cb_prompt_ids(idx, n_vocab, ids, o->prompt_tokens);
+        return;
+    }
+    cb_prompt_ids(CB_PREFIX_SEED, n_vocab, ids, o->shared_prefix);
+    cb_prompt_ids(idx, n_vocab, ids + o->shared_prefix, o->question_tokens);
 }
 
 static llm_client *cb_client_open(const char *endpoint, void *zmq_ctx, char *err, size_t errlen) {
@@ -428,7 +658,7 @@ static void *cb_stream(void *arg) {
     const struct cb_opts *o = lv->o;
     char err[512];
     llm_client *c = cb_client_open(lv->endpoint, lv->zmq_ctx, err, sizeof err);
-    int32_t *ids = malloc((size_t)o->prompt_tokens * sizeof *ids);
+    int32_t *ids = malloc((size_t)cb_prompt_len(o) * sizeof *ids);
     if (!c || !ids) cb_level_error(lv, "client: %s", c ? "out of memory" : err);
     /* Connect before the clock starts. */
     Llm__ClientEnvelope *env = NULL;
@@ -438,11 +668,11 @@ static void *cb_stream(void *arg) {
     while (c && ids && !cb_stop) {
         int idx = atomic_fetch_add(&lv->next, 1);
         if (idx >= lv->n_req) break;
-        cb_prompt(idx, lv->n_vocab, ids, o->prompt_tokens);
+        cb_prompt(o, idx, lv->n_vocab, ids);
         struct llm_generate_params p;
         llm_generate_params_default(&p);
         p.prompt_tokens = ids;
-        p.n_prompt_tokens = (size_t)o->prompt_tokens;
+        p.n_prompt_tokens = (size_t)cb_prompt_len(o);
         p.max_tokens = (uint32_t)o->max_tokens;
         p.sampling.ignore_eos = 1; /* every request generates exactly max_tokens */
         p.stream = true;
@@ -555,13 +785,14 @@ done:
 static struct cb_row cb_rows[CB_ROWS_MAX];
 static int cb_n_rows;
 
-static struct cb_row *cb_row_add(int pipelines, int stages, int conc) {
+static struct cb_row *cb_row_add(const struct cb_layout *lay, int conc) {
     if (cb_n_rows == CB_ROWS_MAX) return NULL;
     struct cb_row *r = &cb_rows[cb_n_rows++];
     memset(r, 0, sizeof *r);
-    r->pipelines = pipelines;
-    r->stages = stages;
+    r->lay = *lay;
     r->conc = conc;
+    for (int w = 0; w < CB_WORKERS_MAX; w++) r->busy[w] = -1;
+    r->rows0 = -1;
     return r;
 }
 
@@ -590,13 +821,15 @@ static int cb_model_info(llm_client *c, int32_t *n_vocab, int32_t *n_ctx, char *
 
 /* One warm-up request (first-use costs: CUDA contexts, page faults). */
 static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, char *err, size_t errlen) {
-    int32_t *ids = malloc((size_t)o->prompt_tokens * sizeof *ids);
+    int n = cb_prompt_len(o);
+    int32_t *ids = malloc((size_t)n * sizeof *ids);
     if (!ids) return STATUS_NO_MEMORY;
-    cb_prompt(1000000, n_vocab, ids, o->prompt_tokens);
+    /* Shares no prefix with the measured prompts: the cache starts cold. */
+    cb_prompt_ids(1000000, n_vocab, ids, n);
     struct llm_generate_params p;
     llm_generate_params_default(&p);
     p.prompt_tokens = ids;
-    p.n_prompt_tokens = (size_t)o->prompt_tokens;
+    p.n_prompt_tokens = (size_t)n;
     p.max_tokens = (uint32_t)o->max_tokens;
     p.sampling.ignore_eos = 1;
     struct llm_generate_result res;
@@ -614,36 +847,40 @@ static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, ch
 }
 
 /* Measures every concurrency level on a running cluster. */
-static int cb_levels(const struct cb_opts *o, const char *dir, const char *endpoint, int pipelines, int stages,
-                     char *err, size_t errlen) {
+static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const char *endpoint, char *err,
+                     size_t errlen) {
+    const struct cb_layout *lay = cl->lay;
     llm_client *c = cb_client_open(endpoint, NULL, err, errlen);
     if (!c) return STATUS_UNAVAILABLE;
     int32_t n_vocab = 0, n_ctx = 0;
     int rc = cb_model_info(c, &n_vocab, &n_ctx, err, errlen);
-    if (rc == STATUS_OK && o->prompt_tokens + o->max_tokens > n_ctx) {
-        cb_fmt(err, errlen, "--prompt-tokens %d + --max-tokens %d exceed the model's context of %d",
-                 o->prompt_tokens, o->max_tokens, n_ctx);
+    if (rc == STATUS_OK && cb_prompt_len(o) + o->max_tokens > n_ctx) {
+        cb_fmt(err, errlen, "prompts of %d tokens + --max-tokens %d exceed the model's context of %d",
+               cb_prompt_len(o), o->max_tokens, n_ctx);
         rc = STATUS_BAD_INPUT;
     }
     for (int i = 0; rc == STATUS_OK && i < o->warmup && !cb_stop; i++) rc = cb_warmup(c, o, n_vocab, err, errlen);
     for (int ci = 0; rc == STATUS_OK && ci < o->n_conc && !cb_stop; ci++) {
         int conc = o->conc_v[ci];
-        struct cb_row *row = cb_row_add(pipelines, stages, conc);
+        struct cb_row *row = cb_row_add(lay, conc);
         if (!row) break;
         row->n_req = cb_level_requests(o, conc);
         struct cb_router before, after;
+        struct cb_wm wm0[CB_WORKERS_MAX], wm1[CB_WORKERS_MAX];
         if ((rc = cb_router_status(c, &before)) < 0) {
             cb_fmt(err, errlen, "status before concurrency %d: %s", conc, llm_client_errstr(c));
             break;
         }
-        fprintf(stderr, "bench_cluster: %d x %d: concurrency %d, %d requests\n", pipelines, stages, conc,
-                row->n_req);
+        cb_cluster_scrape(cl, wm0);
+        fprintf(stderr, "bench_cluster: %s%s: concurrency %d, %d requests\n", lay->name,
+                lay->cache < 0 ? "" : lay->cache ? " cache on" : " cache off", conc, row->n_req);
         if ((rc = cb_level_run(o, endpoint, n_vocab, conc, row, err, errlen)) < 0) break;
         /* Between levels nothing is in flight, so the deltas belong to this level. */
         if ((rc = cb_router_status(c, &after)) < 0) {
             cb_fmt(err, errlen, "status after concurrency %d: %s", conc, llm_client_errstr(c));
             break;
         }
+        cb_cluster_scrape(cl, wm1);
         row->steps = after.steps - before.steps;
         if (row->steps > 0) {
             /* Status reports means since start: recover this level's sums.  The
@@ -655,14 +892,25 @@ static int cb_levels(const struct cb_opts *o, const char *dir, const char *endpo
                              (double)row->steps;
         }
         row->plan_max = after.plan_us_max;
+        /* Busy: the step time a worker's histogram gained over the level's
+         * wall time.  Rows: what the first stages computed, prefill rows a
+         * cached prefix saved included. */
+        double rows0 = 0;
+        for (int w = 0; w < cl->n_workers; w++) {
+            if (wm0[w].step_s >= 0 && wm1[w].step_s >= 0 && row->wall_s > 0)
+                row->busy[w] = (wm1[w].step_s - wm0[w].step_s) / row->wall_s;
+            if (w % lay->stages == 0)
+                rows0 = rows0 >= 0 && wm0[w].rows >= 0 && wm1[w].rows >= 0 ? rows0 + wm1[w].rows - wm0[w].rows : -1;
+        }
+        row->rows0 = cl->n_workers ? rows0 : -1;
         fprintf(stderr,
-                "bench_cluster: %d x %d c=%d: %d ok, %d errors, %d short in %.2f s: %.2f req/s, %.1f tok/s, "
+                "bench_cluster: %s c=%d: %d ok, %d errors, %d short in %.2f s: %.2f req/s, %.1f tok/s, "
                 "TTFT p50 %.1f ms, ITL p50 %.2f ms; router: %llu steps, plan %.1f us mean, turnaround %.1f us\n",
-                pipelines, stages, conc, row->n_ok, row->n_err, row->n_short, row->wall_s, row->req_s, row->tok_s,
+                lay->name, conc, row->n_ok, row->n_err, row->n_short, row->wall_s, row->req_s, row->tok_s,
                 row->ttft50, row->itl50, (unsigned long long)row->steps, row->plan_mean, row->turn_mean);
         if (row->note[0]) {
-            fprintf(stderr, "bench_cluster: %d x %d c=%d: first problem: %s\n", pipelines, stages, conc, row->note);
-            if (row->n_err) cb_print_log_tails(dir);
+            fprintf(stderr, "bench_cluster: %s c=%d: first problem: %s\n", lay->name, conc, row->note);
+            if (row->n_err) cb_print_log_tails(cl->dir);
         }
     }
     llm_client_close(c);
@@ -676,47 +924,92 @@ static void cb_down(const char *cluster, const char *dir) {
     char *down[] = {(char *)cluster, "down", "--run-dir", (char *)dir, NULL};
     sig_atomic_t stop = cb_stop;
     cb_stop = 0;
-    int rc = cb_run(down, down_log, 60, err, sizeof err);
+    cb_keys_restore();
+    int rc = cb_run(down, NULL, down_log, 60, err, sizeof err);
     cb_stop = cb_stop || stop;
     if (rc != 0)
         fprintf(stderr, "bench_cluster: llm-cluster down --run-dir %s: %s\n", dir,
                 rc < 0 ? err : "non-zero exit status (see cluster-down.log)");
 }
 
-/* Starts a cluster of the layout in run_root/pPsS, measures it and stops it. */
+/* The environment of llm-cluster up, which its router and workers inherit:
+ * this program's, with every metrics port on a free loopback port (the
+ * processes log which: cb_log_metrics_port) and, for a sockets layout,
+ * NCCL without peer-to-peer and shared-memory transports, as between two
+ * hosts.  A NULL-terminated array the caller frees (the strings are
+ * environ's or static). */
+static char **cb_up_env(const struct cb_layout *lay) {
+    static char metrics[] = "LLM_METRICS_LISTEN=127.0.0.1:0";
+    static char p2p[] = "NCCL_P2P_DISABLE=1", shm[] = "NCCL_SHM_DISABLE=1";
+    char *add[3] = {metrics, lay->sockets ? p2p : NULL, lay->sockets ? shm : NULL};
+    size_t n = 0;
+    while (environ[n]) n++;
+    char **env = malloc((n + 4) * sizeof *env);
+    if (!env) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        bool replaced = false;
+        for (int a = 0; a < 3; a++) {
+            if (!add[a]) continue;
+            size_t len = (size_t)(strchr(add[a], '=') - add[a]) + 1;
+            replaced = replaced || strncmp(environ[i], add[a], len) == 0;
+        }
+        if (!replaced) env[k++] = environ[i];
+    }
+    for (int a = 0; a < 3; a++)
+        if (add[a]) env[k++] = add[a];
+    env[k] = NULL;
+    return env;
+}
+
+/* Starts a cluster of the layout in run_root/NAME, measures it and stops it. */
 static int cb_layout(const struct cb_opts *o, const char *cluster, const char *model, const char *run_root,
-                     int pipelines, int stages, char *err, size_t errlen) {
+                     const struct cb_layout *lay, char *err, size_t errlen) {
     char dir[PATH_MAX], log_path[PATH_MAX + 32];
-    cb_fmt(dir, sizeof dir, "%s/p%d-s%d", run_root, pipelines, stages);
+    cb_fmt(dir, sizeof dir, "%s/%s%s", run_root, lay->name, lay->cache < 0 ? "" : lay->cache ? "-cache" : "-nocache");
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
         cb_fmt(err, errlen, "run dir %s: %s", dir, strerror(errno));
         return STATUS_IO;
     }
     cb_fmt(log_path, sizeof log_path, "%s/cluster-up.log", dir);
-    char p_s[16], s_s[16], t_s[16], kv_s[16], to_s[16];
-    cb_fmt(p_s, sizeof p_s, "%d", pipelines);
-    cb_fmt(s_s, sizeof s_s, "%d", stages);
+    char p_s[16], s_s[16], t_s[16], kv_s[16], to_s[16], router_args[1024];
+    cb_fmt(p_s, sizeof p_s, "%d", lay->pipelines);
+    cb_fmt(s_s, sizeof s_s, "%d", lay->stages);
     cb_fmt(t_s, sizeof t_s, "%d", o->threads);
     cb_fmt(kv_s, sizeof kv_s, "%d", o->kv_blocks);
     cb_fmt(to_s, sizeof to_s, "%d", o->up_timeout_s);
-    char *up[] = {(char *)cluster, "up", "--model", (char *)model, "--pipelines", p_s, "--stages", s_s,
-                  "--run-dir", dir, "--port", "0", "--device", (char *)o->device, "--threads", t_s,
-                  "--kv-blocks", kv_s, "--timeout-s", to_s, "--log-level", (char *)o->log_level,
-                  "--router-args", (char *)o->router_args, "--worker-args", (char *)o->worker_args, NULL};
-    fprintf(stderr, "bench_cluster: starting %d pipeline(s) x %d stage(s) in %s\n", pipelines, stages, dir);
+    cb_fmt(router_args, sizeof router_args, "%s%s%s", o->router_args,
+           lay->cache == 0 && o->router_args[0] ? " " : "", lay->cache == 0 ? o->no_cache_arg : "");
+    char *up[32] = {(char *)cluster, "up", "--model", (char *)model, "--pipelines", p_s, "--stages", s_s,
+                    "--run-dir", dir, "--port", "0", "--device", (char *)o->device, "--threads", t_s,
+                    "--kv-blocks", kv_s, "--timeout-s", to_s, "--log-level", (char *)o->log_level,
+                    "--router-args", router_args, "--worker-args", (char *)o->worker_args};
+    int n_up = 26;
+    if (o->insecure) up[n_up++] = "--insecure";
+    up[n_up] = NULL;
+    char **env = cb_up_env(lay);
+    if (!env) {
+        cb_fmt(err, errlen, "out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    fprintf(stderr, "bench_cluster: starting %d pipeline(s) x %d stage(s)%s%s in %s\n", lay->pipelines,
+            lay->stages, lay->sockets ? ", NCCL over sockets" : "",
+            lay->cache < 0 ? "" : lay->cache ? ", prefix cache on" : ", prefix cache off", dir);
     double t0 = cb_now();
     int rc;
     for (int attempt = 1;; attempt++) {
-        rc = cb_run(up, log_path, o->up_timeout_s + 30, err, errlen);
+        cb_keys_restore();
+        rc = cb_run(up, env, log_path, o->up_timeout_s + 30, err, errlen);
         if (rc == 0 || cb_stop || attempt >= o->up_tries) break;
         /* A start can fail for a reason outside this layout (a port taken
          * meanwhile): say why, clean up, and start it once more. */
-        fprintf(stderr, "bench_cluster: %d x %d: llm-cluster up failed (attempt %d of %d, status %d):\n", pipelines,
-                stages, attempt, o->up_tries, rc);
+        fprintf(stderr, "bench_cluster: %s: llm-cluster up failed (attempt %d of %d, status %d):\n", lay->name,
+                attempt, o->up_tries, rc);
         cb_print_log_tails(dir);
         cb_down(cluster, dir);
         t0 = cb_now();
     }
+    free(env);
     if (rc == 0) {
         char ep_path[PATH_MAX + 32], endpoint[256] = "";
         cb_fmt(ep_path, sizeof ep_path, "%s/endpoint", dir);
@@ -731,7 +1024,13 @@ static int cb_layout(const struct cb_opts *o, const char *cluster, const char *m
             rc = STATUS_INTERNAL;
         } else {
             fprintf(stderr, "bench_cluster: cluster in service at %s after %.1f s\n", endpoint, cb_now() - t0);
-            rc = cb_levels(o, dir, endpoint, pipelines, stages, err, errlen);
+            struct cb_cluster cl;
+            memset(&cl, 0, sizeof cl);
+            cl.lay = lay;
+            cl.dir = dir;
+            cb_cluster_ports(&cl);
+            cb_keys_use(dir);
+            rc = cb_levels(o, &cl, endpoint, err, errlen);
             if (rc < 0) cb_print_log_tails(dir);
         }
     } else if (rc > 0) {
@@ -745,38 +1044,195 @@ static int cb_layout(const struct cb_opts *o, const char *cluster, const char *m
     return rc;
 }
 
-/* ---- Table ---- */
+/* ---- Table and JSON ---- */
+
+/* Mean busy fraction of stage st over the row's pipelines; < 0 when no
+ * worker of that stage was measured. */
+static double cb_stage_busy(const struct cb_row *r, int st) {
+    double sum = 0;
+    int n = 0;
+    for (int p = 0; p < r->lay.pipelines; p++) {
+        int w = p * r->lay.stages + st;
+        if (w < CB_WORKERS_MAX && r->busy[w] >= 0) {
+            sum += r->busy[w];
+            n++;
+        }
+    }
+    return n ? sum / n : -1;
+}
+
+static void cb_workload(char *out, size_t size, const struct cb_opts *o) {
+    if (o->shared_prefix > 0)
+        cb_fmt(out, size, "prompts of a %d-token shared prefix + a distinct %d-token question", o->shared_prefix,
+               o->question_tokens);
+    else
+        cb_fmt(out, size, "distinct prompts of %d tokens", o->prompt_tokens);
+}
+
+/* The row with the same layout and concurrency and the cache as given. */
+static const struct cb_row *cb_row_pair(const struct cb_row *r, int cache) {
+    for (int i = 0; i < cb_n_rows; i++) {
+        const struct cb_row *q = &cb_rows[i];
+        if (!q->failed && q->lay.cache == cache && q->conc == r->conc && strcmp(q->lay.name, r->lay.name) == 0)
+            return q;
+    }
+    return NULL;
+}
 
 static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) {
-    fprintf(f, "\n## bench_cluster: %s, device %s, prompt %d tokens, %d generated (greedy, EOS ignored)\n\n", model,
-            o->device, o->prompt_tokens, o->max_tokens);
-    fprintf(f, "| pipes | stages | conc | requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
-               "ITL p90 ms | steps | tok/step | plan us mean | plan us max | turnaround us | errors |\n");
-    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    char wl[160];
+    cb_workload(wl, sizeof wl, o);
+    bool prefix = o->shared_prefix > 0;
+    fprintf(f, "\n## bench_cluster: %s, device %s, %s, %d generated (greedy, EOS ignored)\n\n", model, o->device, wl,
+            o->max_tokens);
+    fprintf(f, "| layout |%s conc | requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
+               "ITL p90 ms | busy by stage | stage-0 rows/req | steps | tok/step | plan us mean | plan us max | "
+               "turnaround us | errors |\n", prefix ? " prefix cache |" : "");
+    fprintf(f, "|---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", prefix ? "---|" : "");
     for (int i = 0; i < cb_n_rows; i++) {
         const struct cb_row *r = &cb_rows[i];
+        char cache[16] = "";
+        if (prefix) cb_fmt(cache, sizeof cache, " %s |", r->lay.cache ? "on" : "off");
         if (r->failed) {
-            fprintf(f, "| %d | %d | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
-                    r->pipelines, r->stages, r->note);
+            fprintf(f, "| %s |%s - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
+                    r->lay.name, cache, r->note);
             continue;
         }
-        char errs[64];
+        char errs[64], busy[24 * 8] = "", rows[32];
         if (r->n_err || r->n_short)
             cb_fmt(errs, sizeof errs, "%d failed, %d short", r->n_err, r->n_short);
         else
             cb_fmt(errs, sizeof errs, "0");
+        for (int st = 0; st < r->lay.stages && st < 8; st++) {
+            double b = cb_stage_busy(r, st);
+            size_t l = strlen(busy);
+            if (b >= 0) cb_fmt(busy + l, sizeof busy - l, "%s%.2f", st ? "/" : "", b);
+            else cb_fmt(busy + l, sizeof busy - l, "%s-", st ? "/" : "");
+        }
+        if (r->lay.stages > 8) cb_fmt(busy + strlen(busy), sizeof busy - strlen(busy), "/...");
+        int n_done = r->n_ok + r->n_err + r->n_short;
+        if (r->rows0 >= 0 && n_done > 0) cb_fmt(rows, sizeof rows, "%.0f", r->rows0 / n_done);
+        else cb_fmt(rows, sizeof rows, "-");
         fprintf(f,
-                "| %d | %d | %d | %d | %.2f | %.1f | %.1f | %.1f | %.2f | %.2f | %llu | %.1f | %.1f | %.1f | %.1f | "
-                "%s |\n",
-                r->pipelines, r->stages, r->conc, r->n_ok + r->n_err + r->n_short, r->req_s, r->tok_s, r->ttft50,
-                r->ttft90, r->itl50, r->itl90, (unsigned long long)r->steps,
-                r->steps ? (double)r->tokens / (double)r->steps : 0.0, r->plan_mean, r->plan_max, r->turn_mean,
-                errs);
+                "| %s |%s %d | %d | %.2f | %.1f | %.1f | %.1f | %.2f | %.2f | %s | %s | %llu | %.1f | %.1f | %.1f | "
+                "%.1f | %s |\n",
+                r->lay.name, cache, r->conc, n_done, r->req_s, r->tok_s, r->ttft50, r->ttft90, r->itl50, r->itl90,
+                busy, rows, (unsigned long long)r->steps, r->steps ? (double)r->tokens / (double)r->steps : 0.0,
+                r->plan_mean, r->plan_max, r->turn_mean, errs);
     }
-    fprintf(f, "\nplan us: the router's time to plan and send one step (mean over this level; max since the "
-               "cluster started).\nturnaround us: from a step's result arriving to the next plans sent. "
-               "tok/step: generated tokens per router step.\n");
+    fprintf(f, "\nlayout: PIPELINESxSTAGES, s: NCCL over sockets only.  busy by stage: step time over wall time "
+               "per stage (mean over pipelines; after the first stage it includes the wait for the previous "
+               "stage's hidden states).\nstage-0 rows/req: token rows the first stage computed per request "
+               "(prompt not found in a cache + generated).  plan us: the router's time to plan and send one step "
+               "(mean over this level; max since the cluster started).\nturnaround us: from a step's result "
+               "arriving to the next plans sent.  tok/step: generated tokens per router step.\n");
+    if (prefix) {
+        fprintf(f, "\n### shared prefix: prefix cache on against off\n\n");
+        fprintf(f, "| layout | conc | TTFT p50 ms off | TTFT p50 ms on | TTFT off/on | gen tok/s off | gen tok/s on | "
+                   "tok/s on/off |\n|---|---|---|---|---|---|---|---|\n");
+        for (int i = 0; i < cb_n_rows; i++) {
+            const struct cb_row *on = &cb_rows[i], *off;
+            if (on->failed || on->lay.cache != 1 || !(off = cb_row_pair(on, 0))) continue;
+            fprintf(f, "| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", on->lay.name, on->conc, off->ttft50,
+                    on->ttft50, on->ttft50 > 0 ? off->ttft50 / on->ttft50 : 0.0, off->tok_s, on->tok_s,
+                    off->tok_s > 0 ? on->tok_s / off->tok_s : 0.0);
+        }
+    }
     fflush(f);
+}
+
+static void cb_json_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
+        else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+        else fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+/* A number, or null for what was not measured (< 0). */
+static void cb_json_num(FILE *f, double v) {
+    if (v >= 0) fprintf(f, "%.6g", v);
+    else fputs("null", f);
+}
+
+static int cb_write_json(const char *path, const struct cb_opts *o, const char *model, char *err, size_t errlen) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        cb_fmt(err, errlen, "--json %s: %s", path, strerror(errno));
+        return STATUS_IO;
+    }
+    fputs("{\n  \"model\": ", f);
+    cb_json_str(f, model);
+    fputs(",\n  \"device\": ", f);
+    cb_json_str(f, o->device);
+    fprintf(f, ",\n  \"workload\": \"%s\",\n  \"prompt_tokens\": %d,\n  \"shared_prefix\": %d,\n  "
+               "\"question_tokens\": %d,\n  \"max_tokens\": %d,\n  \"rows\": [",
+            o->shared_prefix > 0 ? "shared-prefix" : "distinct", cb_prompt_len(o), o->shared_prefix > 0 ? o->shared_prefix : 0,
+            o->shared_prefix > 0 ? o->question_tokens : 0, o->max_tokens);
+    for (int i = 0; i < cb_n_rows; i++) {
+        const struct cb_row *r = &cb_rows[i];
+        fprintf(f, "%s\n    {\"layout\": ", i ? "," : "");
+        cb_json_str(f, r->lay.name);
+        fprintf(f, ", \"pipelines\": %d, \"stages\": %d, \"nccl_sockets\": %s, \"prefix_cache\": %s, "
+                   "\"ran\": %s", r->lay.pipelines, r->lay.stages, r->lay.sockets ? "true" : "false",
+                r->lay.cache < 0 ? "null" : r->lay.cache ? "true" : "false", r->failed ? "false" : "true");
+        if (r->failed) {
+            fputs(", \"error\": ", f);
+            cb_json_str(f, r->note);
+            fputs("}", f);
+            continue;
+        }
+        fprintf(f, ", \"concurrency\": %d, \"requests\": %d, \"ok\": %d, \"failed\": %d, \"short\": %d, "
+                   "\"wall_s\": %.6g, \"req_s\": %.6g, \"tok_s\": %.6g, \"ttft_p50_ms\": %.6g, \"ttft_p90_ms\": "
+                   "%.6g, \"itl_p50_ms\": %.6g, \"itl_p90_ms\": %.6g, \"steps\": %llu, \"tokens\": %llu, "
+                   "\"plan_us_mean\": %.6g, \"plan_us_max\": %.6g, \"turnaround_us_mean\": %.6g, \"stage0_rows\": ",
+                r->conc, r->n_req, r->n_ok, r->n_err, r->n_short, r->wall_s, r->req_s, r->tok_s, r->ttft50,
+                r->ttft90, r->itl50, r->itl90, (unsigned long long)r->steps, (unsigned long long)r->tokens,
+                r->plan_mean, r->plan_max, r->turn_mean);
+        cb_json_num(f, r->rows0);
+        fputs(", \"busy_by_stage\": [", f);
+        for (int st = 0; st < r->lay.stages; st++) {
+            if (st) fputs(", ", f);
+            cb_json_num(f, cb_stage_busy(r, st));
+        }
+        fputs("], \"busy_by_worker\": [", f);
+        for (int w = 0; w < r->lay.pipelines * r->lay.stages && w < CB_WORKERS_MAX; w++) {
+            fprintf(f, "%s{\"pipeline\": %d, \"stage\": %d, \"busy\": ", w ? ", " : "", w / r->lay.stages,
+                    w % r->lay.stages);
+            cb_json_num(f, r->busy[w]);
+            fputs("}", f);
+        }
+        fputs("]", f);
+        if (r->note[0]) {
+            fputs(", \"first_problem\": ", f);
+            cb_json_str(f, r->note);
+        }
+        fputs("}", f);
+    }
+    fputs("\n  ]", f);
+    if (o->shared_prefix > 0) {
+        fputs(",\n  \"prefix_cache\": [", f);
+        int k = 0;
+        for (int i = 0; i < cb_n_rows; i++) {
+            const struct cb_row *on = &cb_rows[i], *off;
+            if (on->failed || on->lay.cache != 1 || !(off = cb_row_pair(on, 0))) continue;
+            fprintf(f, "%s\n    {\"layout\": ", k++ ? "," : "");
+            cb_json_str(f, on->lay.name);
+            fprintf(f, ", \"concurrency\": %d, \"ttft_p50_ms_off\": %.6g, \"ttft_p50_ms_on\": %.6g, "
+                       "\"ttft_ratio\": %.6g, \"tok_s_off\": %.6g, \"tok_s_on\": %.6g, \"throughput_ratio\": %.6g}",
+                    on->conc, off->ttft50, on->ttft50, on->ttft50 > 0 ? off->ttft50 / on->ttft50 : 0.0, off->tok_s,
+                    on->tok_s, off->tok_s > 0 ? on->tok_s / off->tok_s : 0.0);
+        }
+        fputs("\n  ]", f);
+    }
+    fputs("\n}\n", f);
+    if (fclose(f) != 0) {
+        cb_fmt(err, errlen, "--json %s: %s", path, strerror(errno));
+        return STATUS_IO;
+    }
+    return STATUS_OK;
 }
 
 /* ---- main ---- */
@@ -793,13 +1249,20 @@ int main(int argc, char **argv) {
         {"stages", NULL, OPTION_STRING, "1,2", "stages per pipeline to measure, comma-separated", &o.stages, 0, 0,
          NULL},
         {"pipelines", NULL, OPTION_STRING, "1", "pipelines to measure, comma-separated", &o.pipelines, 0, 0, NULL},
-        {"layouts", NULL, OPTION_STRING, "", "clusters as PIPELINESxSTAGES, comma-separated (\"1x1,1x2,2x1\"); "
-         "replaces --pipelines x --stages", &o.layouts, 0, 0, NULL},
+        {"layouts", NULL, OPTION_STRING, "", "clusters as PIPELINESxSTAGES[s], comma-separated (\"1x1,1x2,1x2s,2x1\"; "
+         "s: NCCL over sockets only); replaces --pipelines x --stages", &o.layouts, 0, 0, NULL},
         {"concurrency", NULL, OPTION_STRING, "1,4,16,64", "requests in flight, comma-separated", &o.concurrency, 0,
          0, NULL},
         {"requests", NULL, OPTION_INT, "0", "requests per level (0: two per stream, at least 8)", &o.requests, 0,
          1000000, NULL},
         {"prompt-tokens", NULL, OPTION_INT, "128", "prompt length in tokens", &o.prompt_tokens, 1, 1 << 20, NULL},
+        {"shared-prefix", NULL, OPTION_INT, "0", "the shared-prefix workload: every prompt starts with the same "
+         "N tokens (a system prompt) and each layout runs with the router's prefix cache on and off", &o.shared_prefix,
+         0, 1 << 20, NULL},
+        {"question-tokens", NULL, OPTION_INT, "32", "with --shared-prefix: each request's own tokens after the "
+         "prefix", &o.question_tokens, 1, 1 << 20, NULL},
+        {"no-cache-arg", NULL, OPTION_STRING, "--no-prefix-cache", "with --shared-prefix: the llm-router argument "
+         "that turns its prefix cache off", &o.no_cache_arg, 0, 0, NULL},
         {"max-tokens", NULL, OPTION_INT, "64", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
         {"warmup", NULL, OPTION_INT, "1", "requests sent one by one before the first level", &o.warmup, 0, 1000,
          NULL},
@@ -818,8 +1281,11 @@ int main(int argc, char **argv) {
          0, NULL},
         {"worker-args", NULL, OPTION_STRING, "", "extra llm-worker arguments, space-separated", &o.worker_args, 0,
          0, NULL},
-        {"log-level", NULL, OPTION_STRING, "info", "log level of the cluster's processes", &o.log_level, 0, 0,
+        {"log-level", NULL, OPTION_STRING, "info", "log level of the cluster's processes (info or lower: the "
+         "workers' metrics ports are read from their logs)", &o.log_level, 0, 0, NULL},
+        {"insecure", NULL, OPTION_BOOL, "false", "llm-cluster up --insecure: no CURVE keys", &o.insecure, 0, 0,
          NULL},
+        {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o.json, 0, 0, NULL},
         {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic model and run dirs go", &o.tmpdir, 0, 0,
          NULL},
         {"run-root", NULL, OPTION_STRING, NULL, "keep each cluster's run dir (logs) under this folder",
@@ -912,15 +1378,16 @@ int main(int argc, char **argv) {
     }
 
     int failed = 0;
+    cb_keys_save();
     for (int li = 0; li < o.n_layouts && !cb_stop; li++) {
-        int pipelines = o.lay_pipes[li], stages = o.lay_stages[li];
+        const struct cb_layout *lay = &o.lay[li];
         int n_before = cb_n_rows;
-        rc = cb_layout(&o, cluster, model, run_root, pipelines, stages, err, sizeof err);
+        rc = cb_layout(&o, cluster, model, run_root, lay, err, sizeof err);
         if (rc < 0) {
-            fprintf(stderr, "bench_cluster: %d x %d: %s\n", pipelines, stages, err);
+            fprintf(stderr, "bench_cluster: %s: %s\n", lay->name, err);
             failed = 1;
             if (cb_n_rows == n_before) {
-                struct cb_row *r = cb_row_add(pipelines, stages, 0);
+                struct cb_row *r = cb_row_add(lay, 0);
                 if (r) {
                     r->failed = true;
                     cb_fmt(r->note, sizeof r->note, "%s", err);
@@ -935,6 +1402,10 @@ int main(int argc, char **argv) {
         failed = 1;
     }
     cb_print_table(stdout, &o, model_name);
+    if (o.json && cb_write_json(o.json, &o, model_name, err, sizeof err) != STATUS_OK) {
+        fprintf(stderr, "bench_cluster: %s\n", err);
+        failed = 1;
+    }
     if (failed && !o.run_root) {
         unlink(model);
         fprintf(stderr, "bench_cluster: kept the run dirs (logs) under %s\n", run_root);
