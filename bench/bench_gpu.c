@@ -8,6 +8,8 @@
  *
  *   bench_gpu --device cuda:0 [--shapes tinyllama-1.1b,llama2-7b]
  *             [--types f16,q8_0,q4_k_m] [--batches 1,8,32,64] [--ctx 512]
+ *   bench_gpu --shapes llama2-7b --types q4_k_m --kv-type f16,q8_0 --batches 1,64 --ctx 2048
+ *             (and the capacity line: sequences of --capacity-ctx in --capacity-budget, F16 vs Q8_0 KV)
  *   bench_gpu --device cpu --shapes tiny     (a quick run without a GPU) */
 #include "common/dtype.h"
 #include "common/kvblocks.h"
@@ -61,7 +63,7 @@ static double bench_median(double *v, int n) {
 /* ---- Options ---- */
 
 struct bench_opts {
-    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out;
+    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out, *kv_types;
     int logits; /* --out logits: each step downloads the logits instead of sampling */
     int ctx, prompt, steps, warmup, prefill_reps, threads;
     int64_t copy_bytes;
@@ -74,6 +76,10 @@ struct bench_opts {
     int32_t batch_v[BENCH_LIST_MAX];
     int n_batches;
     int32_t batch_max;
+    enum dtype kv_v[BENCH_LIST_MAX];
+    int n_kv;
+    int64_t cap_budget;  /* the capacity line's memory budget (weights + KV), bytes; 0: none */
+    int cap_ctx;         /* and the context each sequence holds */
 };
 
 /* Splits a comma-separated list into items (written into buf, a copy of s)
@@ -148,6 +154,19 @@ static int bench_parse_lists(struct bench_opts *o, char *err, size_t errlen) {
         if (v > o->batch_max) o->batch_max = (int32_t)v;
     }
     o->n_batches = n;
+
+    n = bench_split("kv-type", o->kv_types, buf, sizeof buf, items, err, errlen);
+    if (n < 0) return n;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(items[i], "f16") == 0) o->kv_v[i] = DTYPE_F16;
+        else if (strcmp(items[i], "q8_0") == 0) o->kv_v[i] = DTYPE_Q8_0;
+        else if (strcmp(items[i], "f32") == 0) o->kv_v[i] = DTYPE_F32;
+        else {
+            snprintf(err, errlen, "--kv-type: unknown KV cache type \"%s\" (f16, q8_0, f32)", items[i]);
+            return STATUS_BAD_INPUT;
+        }
+    }
+    o->n_kv = n;
     return STATUS_OK;
 }
 
@@ -354,7 +373,7 @@ static int bench_ceilings_measure(backend *b, const struct bench_opts *o, struct
 /* ---- Results ---- */
 
 struct bench_row {
-    char shape[32], type[16], phase[8];
+    char shape[32], type[16], phase[8], kv[8];
     char setting[64];   /* --ab: the environment this row ran under */
     int32_t batch, ctx;
     double tok_s, ms_step;
@@ -368,6 +387,29 @@ struct bench_row {
 static struct bench_row bench_rows[BENCH_ROWS_MAX];
 static int bench_n_rows;
 static char bench_setting[64]; /* copied into the rows added */
+
+/* How many sequences of cap_ctx positions fit a memory budget next to the
+ * weights, for each KV cache type: one line per model. */
+struct bench_cap {
+    char shape[32], type[16];
+    double weight_bytes;     /* the GGUF file: every tensor, embeddings included */
+    double kv_seq[2];        /* KV bytes of one sequence: F16, Q8_0 */
+    int64_t seqs[2];         /* sequences that fit (0 when the weights alone do not) */
+};
+static struct bench_cap bench_caps[BENCH_LIST_MAX * BENCH_LIST_MAX];
+static int bench_n_caps;
+
+/* KV bytes of one sequence of ctx positions: K and V of every layer and KV
+ * head, rows of the backend's own size for the type (kernels/backend.h),
+ * positions rounded up to whole blocks as the paged cache holds them. */
+static double bench_kv_seq_bytes(const struct model_hparams *hp, enum dtype kv, int32_t ctx, int32_t block) {
+    int64_t positions = ((int64_t)ctx + block - 1) / block * block;
+    return (double)positions * hp->n_layers * hp->n_kv_heads * 2.0 * (double)backend_kv_row_bytes(kv, hp->head_dim);
+}
+
+static const char *bench_kv_name(enum dtype kv) {
+    return kv == DTYPE_Q8_0 ? "q8_0" : kv == DTYPE_F32 ? "f32" : "f16";
+}
 
 /* The issue's H100 targets: batch-1 decode of the 7B shape >= 80% of the
  * bandwidth (F16, Q8_0) or >= 70% (Q4_K_M); batch-64 decode >= 70% counting
@@ -391,6 +433,7 @@ static struct bench_row *bench_row_add(const char *shape, enum synth_type type, 
     snprintf(r->type, sizeof r->type, "%s", synth_type_names[type]);
     snprintf(r->phase, sizeof r->phase, "%s", phase);
     snprintf(r->setting, sizeof r->setting, "%s", bench_setting);
+    snprintf(r->kv, sizeof r->kv, "-");
     r->target = -1;
     return r;
 }
@@ -410,7 +453,7 @@ static double bench_prefill_flops(const struct model_hparams *hp, int32_t n) {
 
 /* Prefill and decode of the model at path on b; appends rows.  Everything
  * allocated here is released before returning, on success and failure. */
-static int bench_model(backend *b, const char *path, const char *shape, enum synth_type type,
+static int bench_model(backend *b, const char *path, const char *shape, enum synth_type type, enum dtype kv,
                        const struct bench_opts *o, const struct bench_ceilings *c, char *err, size_t errlen) {
     model_file *m = NULL;
     stage *s = NULL;
@@ -436,15 +479,35 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     if (cfg.n_tokens_max < B) cfg.n_tokens_max = B;
     cfg.n_ctx_max = n_ctx;
     cfg.n_logits_max = B;
-    cfg.kv_type = DTYPE_F16;
+    cfg.kv_type = kv;
     double t0 = bench_now();
     rc = stage_init(&s, m, b, &cfg, err, errlen);
     if (rc != STATUS_OK) goto done;
     const struct stage_config *sc = stage_config_get(s);
     kvcache *kc = stage_kvcache(s);
     fprintf(stderr, "bench_gpu: %s %s: loaded in %.1f s: weights %.2f GB read per token, KV pool %.2f GB "
-            "(%d blocks of %d, F16)\n", shape, synth_type_names[type], bench_now() - t0,
-            (double)stage_weight_bytes(s) / 1e9, (double)kvcache_bytes(kc) / 1e9, sc->n_blocks, sc->block_size);
+            "(%d blocks of %d, %s)\n", shape, synth_type_names[type], bench_now() - t0,
+            (double)stage_weight_bytes(s) / 1e9, (double)kvcache_bytes(kc) / 1e9, sc->n_blocks, sc->block_size,
+            bench_kv_name(kv));
+    if (o->cap_budget > 0) {
+        struct bench_cap *cap = NULL;
+        for (int i = 0; i < bench_n_caps && !cap; i++)
+            if (strcmp(bench_caps[i].shape, shape) == 0 && strcmp(bench_caps[i].type, synth_type_names[type]) == 0)
+                cap = &bench_caps[i];
+        if (!cap && bench_n_caps < BENCH_LIST_MAX * BENCH_LIST_MAX) {
+            cap = &bench_caps[bench_n_caps++];
+            snprintf(cap->shape, sizeof cap->shape, "%s", shape);
+            snprintf(cap->type, sizeof cap->type, "%s", synth_type_names[type]);
+            struct stat st;
+            cap->weight_bytes = stat(path, &st) == 0 ? (double)st.st_size : 0;
+            static const enum dtype kvs[2] = {DTYPE_F16, DTYPE_Q8_0};
+            for (int k = 0; k < 2; k++) {
+                cap->kv_seq[k] = bench_kv_seq_bytes(hp, kvs[k], o->cap_ctx, sc->block_size);
+                double left = (double)o->cap_budget - cap->weight_bytes;
+                cap->seqs[k] = left > 0 ? (int64_t)(left / cap->kv_seq[k]) : 0;
+            }
+        }
+    }
 
     rc = kvblocks_init(&kb, sc->n_blocks, sc->block_size, err, errlen);
     if (rc != STATUS_OK) goto done;
@@ -490,6 +553,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     if (rc != STATUS_OK) goto done;
     struct bench_row *r = bench_row_add(shape, type, "prefill");
     if (r) {
+        snprintf(r->kv, sizeof r->kv, "%s", bench_kv_name(kv));
         double t = bench_median(times, o->prefill_reps);
         r->batch = 1;
         r->ctx = o->prompt;
@@ -523,7 +587,8 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     /* Decode: every sequence brings one token at position o->ctx, so each
      * step attends over ctx + 1 positions; repeating the same position
      * keeps the context fixed across the timed steps. */
-    double kv_per_seq = (double)(o->ctx + 1) * hp->n_layers * hp->n_kv_heads * hp->head_dim * 2.0 * 2.0;
+    double kv_per_seq =
+        (double)(o->ctx + 1) * hp->n_layers * hp->n_kv_heads * 2.0 * (double)backend_kv_row_bytes(kv, hp->head_dim);
     for (int bi = 0; bi < o->n_batches && rc == STATUS_OK && !bench_stop; bi++) {
         int32_t nb = o->batch_v[bi];
         for (int32_t i = 0; i < nb; i++)
@@ -545,6 +610,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         if (rc != STATUS_OK) break;
         r = bench_row_add(shape, type, "decode");
         if (!r) continue;
+        snprintf(r->kv, sizeof r->kv, "%s", bench_kv_name(kv));
         double t = bench_median(times, o->steps);
         r->batch = nb;
         r->ctx = o->ctx;
@@ -554,8 +620,9 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         r->achieved = r->bytes_step / t;
         r->frac = r->achieved / c->bw;
         r->target = bench_target(shape, type, 0, nb);
-        fprintf(stderr, "bench_gpu: %s %s decode batch %d: %.2f ms/step, %.1f tokens/s, %.1f%% of bandwidth\n",
-                shape, synth_type_names[type], nb, r->ms_step, r->tok_s, 100.0 * r->frac);
+        fprintf(stderr, "bench_gpu: %s %s decode batch %d, %s KV: %.2f ms/step, %.1f tokens/s, %.1f%% of "
+                "bandwidth\n", shape, synth_type_names[type], nb, bench_kv_name(kv), r->ms_step, r->tok_s,
+                100.0 * r->frac);
     }
 done:
     if (tabs && kb)
@@ -580,7 +647,7 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
     fprintf(f, "\n== bench_gpu: %s ==\n", device);
     fprintf(f, "bandwidth ceiling: %.1f GB/s  (%s)\n", c->bw / 1e9, c->bw_how);
     fprintf(f, "GEMM ceiling:      %.2f TFLOP/s  (%s)\n", c->gemm / 1e12, c->gemm_how);
-    fprintf(f, "decode: every sequence at context %d (F16 KV of %d positions read per layer), median of %d steps "
+    fprintf(f, "decode: every sequence at context %d (KV of %d positions read per layer), median of %d steps "
             "after %d warm-up, %s; moved = weight bytes read per step + KV bytes read\n",
             o->ctx, o->ctx + 1, o->steps, o->warmup,
             o->logits ? "logits downloaded each step" : "each row's token picked on the device (greedy) and downloaded");
@@ -588,8 +655,9 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
             o->prompt, o->prefill_reps);
     fprintf(f, "targets are the issue's H100 figures (fraction of the ceiling); a model whose weights fit in the "
             "caches (tiny shapes on a CPU) can read faster than the ceiling\n\n");
-    fprintf(f, "%-15s %-7s %-7s %5s %5s %11s %9s %11s %14s %8s %7s %-5s %s\n", "shape", "type", "phase", "batch",
-            "ctx", "tokens/s", "ms/step", "moved", "achieved", "of ceil", "target", "", o->ab ? "setting" : "");
+    fprintf(f, "%-15s %-7s %-7s %-5s %5s %5s %11s %9s %11s %14s %8s %7s %-5s %s\n", "shape", "type", "phase", "kv",
+            "batch", "ctx", "tokens/s", "ms/step", "moved", "achieved", "of ceil", "target", "",
+            o->ab ? "setting" : "");
     for (int i = 0; i < bench_n_rows; i++) {
         const struct bench_row *r = &bench_rows[i];
         int prefill = strcmp(r->phase, "prefill") == 0;
@@ -606,9 +674,20 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
         }
         if (r->target >= 0) snprintf(tgt, sizeof tgt, ">=%.0f%%", 100.0 * r->target);
         else snprintf(tgt, sizeof tgt, "-");
-        fprintf(f, "%-15s %-7s %-7s %5d %5d %11.1f %9.3f %11s %14s %7.1f%% %7s %-5s %s\n", r->shape, r->type,
-                r->phase, r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
+        fprintf(f, "%-15s %-7s %-7s %-5s %5d %5d %11.1f %9.3f %11s %14s %7.1f%% %7s %-5s %s\n", r->shape, r->type,
+                r->phase, r->kv, r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
                 r->target < 0 ? "" : r->frac >= r->target ? "met" : "BELOW", r->setting);
+    }
+    if (bench_n_caps) {
+        fprintf(f, "\ncapacity in a %.1f GiB budget (weights = the GGUF file, + KV of sequences at context %d; "
+                "workspace not counted):\n", (double)o->cap_budget / 1073741824.0, o->cap_ctx);
+        for (int i = 0; i < bench_n_caps; i++) {
+            const struct bench_cap *cp = &bench_caps[i];
+            fprintf(f, "capacity: %s %s: weights %.2f GiB; F16 KV %.1f MiB/seq -> %lld seqs; Q8_0 KV %.1f MiB/seq "
+                    "-> %lld seqs; Q8_0/F16 %.2fx\n", cp->shape, cp->type, cp->weight_bytes / 1073741824.0,
+                    cp->kv_seq[0] / 1048576.0, (long long)cp->seqs[0], cp->kv_seq[1] / 1048576.0,
+                    (long long)cp->seqs[1], cp->seqs[0] > 0 ? (double)cp->seqs[1] / (double)cp->seqs[0] : 0.0);
+        }
     }
     fflush(f);
 }
@@ -629,11 +708,20 @@ static int bench_write_json(const char *path, const char *device, const struct b
             c->bw, c->gemm, c->gemm_conv, o->ctx, o->prompt, o->steps);
     for (int i = 0; i < bench_n_rows; i++) {
         const struct bench_row *r = &bench_rows[i];
-        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"phase\": \"%s\", \"batch\": %d, \"ctx\": %d, "
+        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"phase\": \"%s\", \"kv\": \"%s\", \"batch\": %d, \"ctx\": %d, "
                 "\"tokens_s\": %.6g, \"ms_step\": %.6g, \"bytes_step\": %.6g, \"flops_step\": %.6g, "
                 "\"achieved\": %.6g, \"fraction\": %.4f, \"target\": %.2f, \"setting\": \"%s\"}%s\n",
-                r->shape, r->type, r->phase, r->batch, r->ctx, r->tok_s, r->ms_step, r->bytes_step, r->flops_step,
+                r->shape, r->type, r->phase, r->kv, r->batch, r->ctx, r->tok_s, r->ms_step, r->bytes_step, r->flops_step,
                 r->achieved, r->frac, r->target, r->setting, i + 1 < bench_n_rows ? "," : "");
+    }
+    fprintf(f, "  ],\n  \"capacity\": [\n");
+    for (int i = 0; i < bench_n_caps; i++) {
+        const struct bench_cap *cp = &bench_caps[i];
+        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"budget_bytes\": %lld, \"ctx\": %d, "
+                "\"weight_bytes\": %.0f, \"kv_seq_bytes_f16\": %.0f, \"kv_seq_bytes_q8_0\": %.0f, \"seqs_f16\": %lld, "
+                "\"seqs_q8_0\": %lld}%s\n", cp->shape, cp->type, (long long)o->cap_budget, o->cap_ctx,
+                cp->weight_bytes, cp->kv_seq[0], cp->kv_seq[1], (long long)cp->seqs[0], (long long)cp->seqs[1],
+                i + 1 < bench_n_caps ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     if (fclose(f) != 0) {
@@ -652,6 +740,12 @@ int main(int argc, char **argv) {
          0, 0, NULL},
         {"types", NULL, OPTION_STRING, "f16,q8_0,q4_k_m", "comma-separated synth weight mixes", &o.types, 0, 0, NULL},
         {"batches", NULL, OPTION_STRING, "1,8,32,64", "comma-separated decode batch sizes", &o.batches, 0, 0, NULL},
+        {"kv-type", NULL, OPTION_STRING, "f16", "comma-separated KV cache types to measure each model with (f16, "
+         "q8_0, f32)", &o.kv_types, 0, 0, NULL},
+        {"capacity-budget", NULL, OPTION_SIZE, "16G", "capacity line: sequences of --capacity-ctx that fit this "
+         "budget next to the weights, F16 against Q8_0 KV (0: no line)", &o.cap_budget, 0, 0, NULL},
+        {"capacity-ctx", NULL, OPTION_INT, "2048", "capacity line: positions of each sequence", &o.cap_ctx, 1,
+         1 << 24, NULL},
         {"ctx", NULL, OPTION_INT, "512", "context of every decoding sequence", &o.ctx, 1, 1 << 20, NULL},
         {"prompt", NULL, OPTION_INT, "512", "prefill prompt tokens", &o.prompt, 1, 1 << 20, NULL},
         {"steps", NULL, OPTION_INT, "10", "timed decode steps per batch size (the median is reported)", &o.steps, 1,
@@ -788,7 +882,8 @@ int main(int argc, char **argv) {
                 struct stat st;
                 fprintf(stderr, "bench_gpu: wrote %s (%.2f GB) in %.1f s\n", path,
                         stat(path, &st) == 0 ? (double)st.st_size / 1e9 : 0.0, bench_now() - t0);
-                if (!o.ab) rc = bench_model(b, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
+                for (int ki = 0; !o.ab && ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
+                    rc = bench_model(b, path, o.shape_v[si], sc.type, o.kv_v[ki], &o, &c, err, sizeof err);
                 /* Runs: as given, V1 .. Vk, Vk .. V1, as given. */
                 for (int k = 0; o.ab && k < 2 * ab_n + 2 && rc == STATUS_OK && !bench_stop; k++) {
                     const char *val = k == 0 || k == 2 * ab_n + 1 ? NULL : ab_vals[k <= ab_n ? k - 1 : 2 * ab_n - k];
@@ -800,7 +895,8 @@ int main(int argc, char **argv) {
                     backend *bk = NULL;
                     rc = device < 0 ? backend_cpu_init(&bk, o.threads, err, sizeof err)
                                     : backend_cuda_init(&bk, device, err, sizeof err);
-                    if (rc == STATUS_OK) rc = bench_model(bk, path, o.shape_v[si], sc.type, &o, &c, err, sizeof err);
+                    for (int ki = 0; ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
+                        rc = bench_model(bk, path, o.shape_v[si], sc.type, o.kv_v[ki], &o, &c, err, sizeof err);
                     backend_free(bk);
                 }
             }
