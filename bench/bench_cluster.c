@@ -554,6 +554,7 @@ struct cb_level {
     const char *endpoint;
     void *zmq_ctx;
     int n_req;
+    int first_id;         /* prompt id of this level's first request */
     int32_t n_vocab;
     atomic_int next;
     double *ttft;         /* [n_req]; < 0 when no token came */
@@ -668,7 +669,7 @@ static void *cb_stream(void *arg) {
     while (c && ids && !cb_stop) {
         int idx = atomic_fetch_add(&lv->next, 1);
         if (idx >= lv->n_req) break;
-        cb_prompt(o, idx, lv->n_vocab, ids);
+        cb_prompt(o, lv->first_id + idx, lv->n_vocab, ids);
         struct llm_generate_params p;
         llm_generate_params_default(&p);
         p.prompt_tokens = ids;
@@ -713,6 +714,11 @@ static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n
     lv.o = o;
     lv.endpoint = endpoint;
     lv.n_req = row->n_req;
+    /* No two requests of a run share a prompt (or a question), so that a
+     * level finds nothing of the levels before it in a prefix cache. */
+    static int next_id;
+    lv.first_id = next_id;
+    next_id += lv.n_req;
     lv.n_vocab = n_vocab;
     atomic_init(&lv.next, 0);
     atomic_init(&lv.n_ok, 0);

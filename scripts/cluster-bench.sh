@@ -6,10 +6,16 @@
 #   OUT=/tmp/out ./scripts/cluster-bench.sh          # build-clbench, --device auto
 #   LLM_BENCH_DEVICE=cpu LLM_BENCH_THREADS=1 LLM_CLUSTER_BENCH_PLAN="tiny:60" ./scripts/cluster-bench.sh
 # With --device auto each worker takes one GPU: on a 2-GPU machine 1x1 is one
-# GPU, 1x2 two GPUs linked by NCCL (two stages), 2x1 two GPUs as replicas.
+# GPU, 1x2 two GPUs linked by NCCL (two stages), 1x2s the same with NCCL held
+# to sockets (as between T4 hosts), 2x1 two GPUs as replicas.  Settings:
+# LLM_BENCH_LAYOUTS, LLM_BENCH_CONC (concurrency levels), LLM_BENCH_TYPE
+# (synthetic weight types), LLM_BENCH_WORKER_ARGS (llm-worker flags; empty:
+# the workers size themselves), LLM_BENCH_ARGS (more bench_cluster flags).
 # Run-time libraries and redis-server come from .deps/env.sh (see
 # shared/scripts/bundle-runtime-deps.sh) and $build/rt (libcjson) when there.
 # Budget: about 3 minutes (100m shape 70 s, TinyLlama shape 90 s).
+# Under $OUT: bench-SHAPE.txt (the table), .json, .log (stderr), machine.txt
+# and cluster-logs.tar.gz (every cluster's run dir).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/cluster-bench}
@@ -17,11 +23,15 @@ mkdir -p "$out"
 build=${LLM_BENCH_BUILD:-build-clbench}
 device=${LLM_BENCH_DEVICE:-auto}
 threads=${LLM_BENCH_THREADS:-0}
-layouts=${LLM_BENCH_LAYOUTS:-1x1,1x2,2x1}
+layouts=${LLM_BENCH_LAYOUTS:-1x1,1x2,1x2s,2x1}
+conc=${LLM_BENCH_CONC:-1,4,16,64}
+wtype=${LLM_BENCH_TYPE:-f16}
+worker_args=${LLM_BENCH_WORKER_ARGS:-}
+case $build in /*) ;; *) build=$PWD/$build ;; esac
 # NVLink multicast stays off: it can take a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0
 [ -f .deps/env.sh ] && . .deps/env.sh
-[ -d "$build/rt" ] && export LD_LIBRARY_PATH="$PWD/$build/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ -d "$build/rt" ] && export LD_LIBRARY_PATH="$build/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 bins="$build/bench/bench_cluster $build/router/llm-cluster $build/router/llm-router $build/worker/llm-worker"
 {
@@ -68,10 +78,10 @@ run() {
     echo "cluster-bench: $shape on $device ($layouts), at most $limit s" >&2
     mkdir -p "$runs/$shape"
     # shellcheck disable=SC2086
-    timeout --signal=TERM --kill-after=20 "$limit" "$build/bench/bench_cluster" --shape "$shape" --type f16 \
-        --device "$device" --threads "$threads" --layouts "$layouts" --concurrency 1,4,16,64 \
-        --prompt-tokens 128 --max-tokens 64 --worker-args "--max-seqs 64" --up-timeout-s 120 \
-        --tmpdir "$tmp" --run-root "$runs/$shape" ${LLM_BENCH_ARGS:-} \
+    timeout --signal=TERM --kill-after=20 "$limit" "$build/bench/bench_cluster" --shape "$shape" --type "$wtype" \
+        --device "$device" --threads "$threads" --layouts "$layouts" --concurrency "$conc" \
+        --prompt-tokens 128 --max-tokens 64 --worker-args "$worker_args" --up-timeout-s 120 \
+        --tmpdir "$tmp" --run-root "$runs/$shape" --json "$out/bench-$shape.json" ${LLM_BENCH_ARGS:-} \
         >"$out/bench-$shape.txt" 2>"$out/bench-$shape.log"
     rc=$?
     if [ $rc -ne 0 ]; then
