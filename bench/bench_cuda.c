@@ -17,8 +17,10 @@
  * Q4_K, Q6_K; quantized weights with dequantized tiles of 16 MiB, the old
  * size, and of the default size), attention over 512 tokens (tensor-core
  * kernel against LLM_CUDA_PREFILL_TC=0), and their sum for 32 layers.
- * With "attn", only the bandwidth and the attention decode table (run it
- * with LLM_CUDA_DECODE_TC_G set to compare the kernels).
+ * With "attn", only the bandwidth and the attention decode tables (run it
+ * with LLM_CUDA_DECODE_TC_G set to compare the kernels): context 512 on
+ * an F16 cache at batch 1..64, and batch 64 at context 2048 on an F16
+ * against a Q8_0 cache (attn_kv_compare).
  *
  * Inputs rotate over enough copies to exceed the L2 cache, so the numbers
  * are DRAM numbers.  Times are the median of 5 rounds. */
@@ -429,6 +431,77 @@ static void prefill_bench(double gemm_rate) {
     }
 }
 
+/* ---- Decode attention, F16 against the 8-bit (Q8_0) cache ----
+ * Batch 64 at context 2048 on 7B heads (32 of 128 over 32 or 8 KV heads),
+ * blocks of 16 in order: the same step on an F16 cache (the decode kernel,
+ * or the tensor-core one where LLM_CUDA_DECODE_TC_G sends the group there)
+ * and on a Q8_0 cache (attention_q8.cu).  One cache is 1.1-2.1 GB for 32
+ * KV heads, far past L2, so no rotation is needed.  Bytes = the K and V
+ * rows read (256 a position and KV head in F16, 136 in Q8_0); the rest
+ * (q, out, tables) is 1 MB. */
+static void attn_kv_compare(double bw) {
+    const int32_t B = 64, ctx = 2048, n_heads = 32, hd = 128, bs = 16, per_seq = ctx / bs;
+    const int32_t n_blocks = B * per_seq;
+    static const int32_t kv_heads[2] = {32, 8};
+    static const enum dtype kv_types[2] = {DTYPE_F16, DTYPE_Q8_0};
+    printf("\nattention decode, F16 against Q8_0 cache: batch %d, context %d, 32 heads of 128, block 16\n", B, ctx);
+    printf("%-9s %-5s %10s %10s %9s %7s %8s\n", "heads/kv", "cache", "MB read", "time us", "GB/s", "of bw",
+           "vs F16");
+    int32_t tok0[65], pos0[64];
+    for (int i = 0; i <= B; i++) tok0[i] = i;
+    for (int i = 0; i < B; i++) pos0[i] = ctx - 1;
+    int32_t *tables = malloc((size_t)n_blocks * 4);
+    if (!tables) die("host alloc");
+    for (int32_t i = 0; i < n_blocks; i++) tables[i] = i;
+    int32_t *d0 = dev_alloc(sizeof tok0), *dp = dev_alloc(sizeof pos0), *dt = dev_alloc((size_t)n_blocks * 4);
+    if (backend_upload(be, d0, tok0, sizeof tok0) || backend_upload(be, dp, pos0, sizeof pos0) ||
+        backend_upload(be, dt, tables, (size_t)n_blocks * 4) || backend_sync(be))
+        die("upload");
+    free(tables);
+    float *q = dev_random_f32((size_t)B * n_heads * hd), *out = dev_alloc((size_t)B * n_heads * hd * 4);
+    /* A pattern of 32768 random rows, repeated over the cache. */
+    const size_t pat_rows = 32768;
+    float *f = malloc(pat_rows * hd * sizeof(float));
+    void *row_bytes = malloc(pat_rows * hd * 2);
+    if (!f || !row_bytes) die("host alloc");
+    for (size_t i = 0; i < pat_rows * hd; i++) f[i] = rnd();
+    for (int kh = 0; kh < 2; kh++) {
+        double t_f16 = 0.0;
+        for (int ti = 0; ti < 2; ti++) {
+            const enum dtype t = kv_types[ti];
+            const int32_t n_kv = kv_heads[kh];
+            const size_t rb = backend_kv_row_bytes(t, hd);
+            for (size_t r = 0; r < pat_rows; r++)
+                if (dtype_quant_row(t, f + r * hd, (uint8_t *)row_bytes + r * rb, hd)) die("quantize pattern");
+            struct backend_kv kv;
+            if (backend_kv_init(be, &kv, t, n_blocks, bs, n_kv, hd)) die("kv_init");
+            const size_t rows = (size_t)n_blocks * bs * n_kv;
+            for (size_t off = 0; off < rows; off += pat_rows) {
+                size_t m = rows - off < pat_rows ? rows - off : pat_rows;
+                if (backend_upload(be, (uint8_t *)kv.k + off * rb, row_bytes, m * rb) ||
+                    backend_upload(be, (uint8_t *)kv.v + off * rb, (uint8_t *)row_bytes + (pat_rows - m) * rb,
+                                   m * rb) ||
+                    backend_sync(be))
+                    die("upload kv");
+            }
+            struct attn_arg a = {&kv, {B, B, per_seq, ctx, d0, dp, dt}, q, out, n_heads};
+            const double tm = time_median(attn_fn, &a);
+            const double bytes = (double)B * ctx * n_kv * rb * 2;
+            if (t == DTYPE_F16) t_f16 = tm;
+            printf("%2d/%-6d %-5s %10.1f %10.1f %9.1f %6.1f%% %7.2fx\n", n_heads, n_kv, dtype_name(t), bytes / 1e6,
+                   tm * 1e6, bytes / tm / 1e9, 100.0 * bytes / tm / bw, t_f16 / tm);
+            backend_kv_free(be, &kv);
+        }
+    }
+    free(f);
+    free(row_bytes);
+    backend_dealloc(be, q);
+    backend_dealloc(be, out);
+    backend_dealloc(be, d0);
+    backend_dealloc(be, dp);
+    backend_dealloc(be, dt);
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     char err[256];
@@ -574,6 +647,7 @@ int main(int argc, char **argv) {
         backend_dealloc(be, dtab);
         backend_kv_free(be, &kv);
     }
+    attn_kv_compare(bw);
     if (!attn_only) crossover(device, bw);
     backend_free(be);
     return 0;

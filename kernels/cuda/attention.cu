@@ -11,10 +11,11 @@
  * sequence bounds live in device memory): block x counts tiles through the
  * sequences in order.  Decode-only steps with an F16 cache take a kernel
  * of their own (attention_decode_kernel, below): K/V rows in registers,
- * no barrier per tile.  An 8-bit (Q8_0) cache takes this kernel for every
- * step, prefill and decode: its tiles are dequantized into shared memory
- * as they are loaded (att_load_tile_q8), and the tensor-core and decode
- * kernels, which read F16 rows, never see it. */
+ * no barrier per tile.  An 8-bit (Q8_0) cache takes this kernel for steps
+ * with prefill rows (its tiles dequantized into shared memory as they are
+ * loaded, att_load_tile_q8) and for shapes attention_q8.cu does not take;
+ * decode-only steps go to attention_q8.cu, which reads the int8 rows as
+ * they are stored. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -569,6 +570,8 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (ctx->decode_tc_g > 0 && a->n_tokens == a->n_seqs && a->n_heads / a->n_kv_heads >= ctx->decode_tc_g &&
         cuda_attention_tc_fits(a))
         return cuda_attention_prefill(ctx, a);
+    /* Decode-only batches on an 8-bit cache: attention_q8.cu. */
+    if (cuda_attention_q8_decode_takes(a)) return cuda_attention_q8_decode(ctx, a);
     struct att_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;

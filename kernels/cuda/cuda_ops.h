@@ -288,6 +288,14 @@ struct cuda_attn_args {
     float scale;
 };
 int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+/* attention_q8.cu: decode-only batches on the 8-bit cache.  _takes is 1
+ * when every sequence has one row, the cache is Q8_0, heads are 64, 128 or
+ * 256 wide, groups of 1, 2, 4 or 8 query heads, block_size a power of two
+ * of at least 4, and q and the cache 16-byte aligned; cuda_attention then
+ * routes the batch to cuda_attention_q8_decode (STATUS_UNSUPPORTED for a
+ * batch _takes refuses). */
+int cuda_attention_q8_decode_takes(const struct cuda_attn_args *a);
+int cuda_attention_q8_decode(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
 
 /* ---- rope_attention.cu: backend_rope_kv_attention for decode rows ---- */
 /* Counters of ctx->att_sync (one a row and query head; the kernel leaves

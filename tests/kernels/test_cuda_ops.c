@@ -1275,8 +1275,9 @@ TEST(cuda_ops_attention_gqa_f16) {
     fx_close();
 }
 
-/* The 8-bit cache: every attention with it runs attention.cu's general
- * kernel, which dequantizes the tiles as it loads them.  Both backends
+/* The 8-bit cache: batches with prefill rows (and the 8-wide heads) run
+ * attention.cu's general kernel, which dequantizes the tiles as it loads
+ * them; the decode-only batches here attention_q8.cu.  Both backends
  * read the same cache bytes and compute in F32 (the CPU scales a group's
  * integer dot product once, the GPU each element), so the outputs differ
  * only by float rounding: the F32 bound of 1e-9 holds.  Prefill chunks
@@ -1584,6 +1585,82 @@ TEST(cuda_ops_matmul_mq64_sm75) {
     mm_set_mode(MM_DEFAULT);
 }
 
+/* ---- Decode attention on the 8-bit cache (attention_q8.cu) ----
+ * Decode-only batches (one row a sequence) on a Q8_0 cache with heads of
+ * 64, 128 or 256, groups of 1, 2, 4 or 8 and blocks a power of two take
+ * attention_q8.cu, which reads the int8 rows and their scales as stored.
+ * Both backends read the same cache bytes and compute in F32 (the CPU
+ * scales a group's dot product once, the GPU each lane's 8 values, and
+ * sums in another order), so the outputs differ by float rounding only:
+ * NMSE ~1e-13, and attention_case's F32 bound of 1e-9 still fails one
+ * position masked wrongly (it moves its row by ~1/sqrt(context) of the
+ * row's size: NMSE >= 1e-6 even at context 2048 among 64 rows), a wrong
+ * scale group, block, head or row (NMSE ~1).  Contexts 1, 31, 33, 500 and 2048
+ * (a chunk of one row, chunks ending inside a 4-row piece, one past a
+ * chunk, long ones split over blocks); batches of 1 (split the most) and
+ * 64 (the rest of the rows at random contexts); tables a random
+ * permutation of the cache's blocks; blocks of 8 (a warp's chunk of 16
+ * rows spans two), 16 and 32. */
+static const int32_t q8d_ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+static const int32_t q8d_pos[5] = {0, 30, 32, 499, 2047}; /* contexts 1, 31, 33, 500, 2048 */
+
+/* 64 rows: the five contexts, then random ones up to max_pos + 1. */
+static void q8d_batch64(int32_t *pos, int32_t max_pos) {
+    for (int i = 0; i < 64; i++) pos[i] = i < 5 ? q8d_pos[i] : rng_int(max_pos + 1);
+}
+
+static void q8d_cases(void) {
+    int32_t pos[64];
+    static const int32_t p2048[1] = {2047}, p1[1] = {0};
+    fx_open();
+    /* Heads of 128 without groups (Llama-7B): one row at 2048 and at 1,
+     * the five contexts together, 64 rows. */
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 1, q8d_ones, p2048);
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 1, q8d_ones, p1);
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 5, q8d_ones, q8d_pos);
+    q8d_batch64(pos, 150);
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 64, q8d_ones, pos);
+    fx_close();
+    fx_open();
+    /* Groups of 4 and 8 with heads of 128. */
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 1, q8d_ones, p2048);
+    q8d_batch64(pos, 300);
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 64, q8d_ones, pos);
+    attention_case(DTYPE_Q8_0, 32, 4, 128, 16, 5, q8d_ones, q8d_pos);
+    q8d_batch64(pos, 300);
+    attention_case(DTYPE_Q8_0, 32, 4, 128, 16, 64, q8d_ones, pos);
+    fx_close();
+    fx_open();
+    /* Heads of 64: groups of 1 in blocks of 8, of 4 and of 8 (TinyLlama). */
+    attention_case(DTYPE_Q8_0, 8, 8, 64, 8, 5, q8d_ones, q8d_pos);
+    attention_case(DTYPE_Q8_0, 8, 8, 64, 8, 1, q8d_ones, p2048);
+    attention_case(DTYPE_Q8_0, 16, 4, 64, 16, 5, q8d_ones, q8d_pos);
+    q8d_batch64(pos, 400);
+    attention_case(DTYPE_Q8_0, 32, 4, 64, 16, 64, q8d_ones, pos);
+    fx_close();
+    fx_open();
+    /* Groups of 2 in blocks of 32; heads of 256 in groups of 1 and 8. */
+    attention_case(DTYPE_Q8_0, 16, 8, 128, 32, 5, q8d_ones, q8d_pos);
+    attention_case(DTYPE_Q8_0, 4, 4, 256, 16, 5, q8d_ones, q8d_pos);
+    attention_case(DTYPE_Q8_0, 16, 2, 256, 16, 5, q8d_ones, q8d_pos);
+    fx_close();
+}
+
+TEST(cuda_ops_attention_q8_0_decode) {
+    q8d_cases();
+    /* Splits of one chunk a warp (LLM_CUDA_ATT_STEPS=1): twice as many,
+     * up to the 64 the merge takes. */
+    setenv("LLM_CUDA_ATT_STEPS", "1", 1);
+    fx_open();
+    static const int32_t p4000[1] = {3999};
+    attention_case(DTYPE_Q8_0, 8, 2, 64, 16, 1, q8d_ones, p4000);
+    attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 5, q8d_ones, q8d_pos);
+    fx_close();
+    unsetenv("LLM_CUDA_ATT_STEPS");
+}
+
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
           cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
@@ -1597,4 +1674,4 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention,
-          cuda_ops_matmul_mq64_sm75)
+          cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode)
