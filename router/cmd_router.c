@@ -42,10 +42,12 @@ int main(int argc, char **argv) {
          &c.router_id, 0, 0, NULL},
         {"max-queue", "LLM_MAX_QUEUE", OPTION_INT, "1024",
          "accepted requests waiting to run, at most (then RESOURCE_EXHAUSTED)", &c.max_queue, 1, 10000000, NULL},
-        {"step-tokens", "LLM_STEP_TOKENS", OPTION_INT, "512",
-         "tokens per scheduler step: decodes plus prefill chunks", &c.step_tokens, 1, 1048576, NULL},
-        {"max-batch", "LLM_MAX_BATCH", OPTION_INT, "64", "sequences running per pipeline, at most",
-         &c.max_batch, 1, 65536, NULL},
+        {"step-tokens", "LLM_STEP_TOKENS", OPTION_INT, "0",
+         "tokens per scheduler step: decodes plus prefill chunks (0: as the stages state, 512 if none "
+         "does; else at most what they state)", &c.step_tokens, 0, 1048576, NULL},
+        {"max-batch", "LLM_MAX_BATCH", OPTION_INT, "0",
+         "sequences running per pipeline, at most (0: stages x the sequences a step takes, 64 if no "
+         "stage states those)", &c.max_batch, 0, 65536, NULL},
         {"max-step-seqs", "LLM_MAX_STEP_SEQS", OPTION_INT, "0",
          "sequences in one step, at most (0: as the workers state; else the smaller)", &c.max_step_seqs, 0, 65536, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",

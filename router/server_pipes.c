@@ -65,29 +65,75 @@ void pipe_on_drop(struct pipeline *p, void *ud) {
 }
 
 static struct pipe *pipe_of(server *s, struct pipeline *p) {
+    (void)s;
     if (p->ud) return p->ud;
     struct pipe *pp = calloc(1, sizeof *pp);
     if (!pp) return NULL;
     pp->p = p;
-    pp->max_batch = s->cfg.max_batch;
     pp->max_flights = (int32_t)p->stage_count;
     pp->flights = calloc((size_t)pp->max_flights, sizeof *pp->flights);
-    pp->seqplans = calloc((size_t)pp->max_batch, sizeof *pp->seqplans);
-    pp->seqptrs = calloc((size_t)pp->max_batch, sizeof *pp->seqptrs);
-    pp->copies = calloc((size_t)pp->max_batch, sizeof *pp->copies);
-    pp->copyptrs = calloc((size_t)pp->max_batch, sizeof *pp->copyptrs);
-    bool ok = pp->flights && pp->seqplans && pp->seqptrs && pp->copies && pp->copyptrs;
-    for (int32_t i = 0; ok && i < pp->max_flights; i++) {
-        pp->flights[i].seq_ids = calloc((size_t)pp->max_batch, sizeof(uint64_t));
-        pp->flights[i].want = calloc((size_t)pp->max_batch, sizeof(bool));
-        ok = pp->flights[i].seq_ids && pp->flights[i].want;
-    }
-    if (!ok) {
+    if (!pp->flights) {
         pipe_free(pp);
         return NULL;
     }
     p->ud = pp;
     return pp;
+}
+
+/* Makes max_batch the pipeline's limit of running sequences, with plan
+ * packing buffers for at least that many (a step never carries more): they
+ * grow, and are kept when it shrinks.  STATUS_NO_MEMORY leaves the limit
+ * as it was. */
+static int pipe_size(struct pipe *pp, int32_t max_batch) {
+    if (max_batch <= pp->max_batch) {
+        pp->max_batch = max_batch;
+        return STATUS_OK;
+    }
+    size_t n = (size_t)max_batch;
+    Llm__SeqPlan *sp = realloc(pp->seqplans, n * sizeof *sp);
+    if (sp) pp->seqplans = sp;
+    Llm__SeqPlan **spp = sp ? realloc(pp->seqptrs, n * sizeof *spp) : NULL;
+    if (spp) pp->seqptrs = spp;
+    Llm__BlockCopy *cp = spp ? realloc(pp->copies, n * sizeof *cp) : NULL;
+    if (cp) pp->copies = cp;
+    Llm__BlockCopy **cpp = cp ? realloc(pp->copyptrs, n * sizeof *cpp) : NULL;
+    if (cpp) pp->copyptrs = cpp;
+    bool ok = cpp != NULL;
+    for (int32_t i = 0; ok && i < pp->max_flights; i++) {
+        uint64_t *ids = realloc(pp->flights[i].seq_ids, n * sizeof *ids);
+        if (ids) pp->flights[i].seq_ids = ids;
+        bool *want = ids ? realloc(pp->flights[i].want, n * sizeof *want) : NULL;
+        if (want) pp->flights[i].want = want;
+        ok = want != NULL;
+    }
+    if (!ok) return STATUS_NO_MEMORY;
+    pp->max_batch = max_batch;
+    return STATUS_OK;
+}
+
+/* A pipeline's step and batch limits from what its stages state in
+ * Register and the router's flags.  A stage refuses a step beyond what it
+ * stated, so the flags --step-tokens and --max-step-seqs can only lower
+ * those; --max-batch replaces the running-sequence limit, which is
+ * otherwise one full step per stage: as many micro-batches in flight as
+ * stages, each of the size the stages chose for their memory.  how says
+ * where each number came from. */
+static void pipe_limits(const server *s, const struct pipeline *p, int32_t *step_tokens,
+                        int32_t *step_seqs, int32_t *max_batch, char *how, size_t how_len) {
+    uint32_t wt = registry_pipeline_step_tokens(s->reg, p), wsq = registry_pipeline_step_seqs(s->reg, p);
+    int32_t ft = s->cfg.step_tokens, fsq = s->cfg.max_step_seqs, fb = s->cfg.max_batch;
+    const char *t_how, *sq_how, *b_how;
+    if (ft > 0 && (wt == 0 || (uint32_t)ft < wt)) *step_tokens = ft, t_how = "--step-tokens";
+    else if (wt > 0) *step_tokens = (int32_t)wt, t_how = "as the stages state";
+    else *step_tokens = 512, t_how = "default, no stage states one";
+    if (fsq > 0 && (wsq == 0 || (uint32_t)fsq < wsq)) *step_seqs = fsq, sq_how = "--max-step-seqs";
+    else if (wsq > 0) *step_seqs = (int32_t)wsq, sq_how = "as the stages state";
+    else *step_seqs = 0, sq_how = "no limit";
+    if (fb > 0) *max_batch = fb, b_how = "--max-batch";
+    else if (*step_seqs > 0) *max_batch = (int32_t)p->stage_count * *step_seqs, b_how = "stages x sequences a step";
+    else *max_batch = 64, b_how = "default, no stage states sequences a step";
+    snprintf(how, how_len, "steps of %d tokens (%s) and %d sequences (%s), %d running (%s)",
+             *step_tokens, t_how, *step_seqs, sq_how, *max_batch, b_how);
 }
 
 /* Tells every stage of a whole pipeline its placement, neighbours and the
@@ -128,7 +174,7 @@ static void rebalance(server *s, struct pipe *pp) {
         if (!o || o == pp || !o->sched) continue;
         struct sched_stats st;
         sched_get_stats(o->sched, &st);
-        room = st.n_running + st.n_waiting < s->cfg.max_batch;
+        room = st.n_running + st.n_waiting < o->max_batch;
     }
     if (!room) return;
     uint64_t ids[64];
@@ -160,23 +206,26 @@ void pipes_sync(server *s) {
         if (pp->sched && !ready) pipe_teardown(s, pp, "a stage is not ready");
         else if (pp->sched && pp->epoch != p->epoch) pipe_teardown(s, pp, "re-formed");
         if (!pp->sched && ready) {
-            int32_t step_tokens = s->cfg.step_tokens, step_seqs = s->cfg.max_step_seqs;
-            uint32_t wt = registry_pipeline_step_tokens(s->reg, p), wsq = registry_pipeline_step_seqs(s->reg, p);
-            if (wt > 0 && (int32_t)wt < step_tokens) step_tokens = (int32_t)wt;
-            if (wsq > 0 && (step_seqs <= 0 || (int32_t)wsq < step_seqs)) step_seqs = (int32_t)wsq;
+            int32_t step_tokens, step_seqs, max_batch;
+            char how[320];
+            pipe_limits(s, p, &step_tokens, &step_seqs, &max_batch, how, sizeof how);
             struct sched_config c = {(int32_t)registry_pipeline_kv_blocks(s->reg, p),
                                      (int32_t)registry_pipeline_block_size(s->reg, p),
-                                     step_tokens, s->cfg.max_batch, (int32_t)p->stage_count,
+                                     step_tokens, max_batch, (int32_t)p->stage_count,
                                      s->next_step_id, step_seqs};
             char err[256];
+            if (pipe_size(pp, max_batch) < 0) {
+                LOG(LL_ERROR, "pipeline %u: out of memory for plans of %d sequences", p->id, max_batch);
+                continue;
+            }
             if (sched_init(&pp->sched, &c, err, sizeof err) < 0) {
                 LOG(LL_ERROR, "pipeline %u: %s", p->id, err);
                 continue;
             }
             pp->epoch = p->epoch;
             pp->n_flights = 0;
-            LOG(LL_INFO, "pipeline %u in service: %u stages, %d KV blocks of %d tokens, epoch %llu",
-                p->id, p->stage_count, c.n_blocks, c.block_size, (unsigned long long)p->epoch);
+            LOG(LL_INFO, "pipeline %u in service: %u stages, %d KV blocks of %d tokens, epoch %llu; %s",
+                p->id, p->stage_count, c.n_blocks, c.block_size, (unsigned long long)p->epoch, how);
         }
         if (pp->sched) {
             /* Assigned sequences not yet admitted go where there is room. */
@@ -216,7 +265,7 @@ void pipes_assign(server *s) {
             if (!pp || !pp->sched || registry_pipeline_draining(s->reg, p)) continue;
             struct sched_stats st;
             sched_get_stats(pp->sched, &st);
-            if (st.n_waiting >= s->cfg.max_batch) continue;
+            if (st.n_waiting >= pp->max_batch) continue;
             int32_t load = st.n_running + st.n_waiting;
             if (!best || load < best_load) {
                 best = pp;

@@ -14,6 +14,26 @@
 #include "common/log.h"
 #include "common/status.h"
 
+/* The limits a worker states and how it chose them (Register's sizing
+ * fields; an older worker states none), so that the router's log shows
+ * what each pipeline's batches are made of. */
+static void register_log_sizing(const Llm__Register *m) {
+    if (m->target_ctx == 0) return;
+    char chosen[96] = "";
+    size_t at = 0;
+    static const struct {
+        uint32_t bit;
+        const char *what;
+    } parts[] = {{1, "KV blocks"}, {2, "step tokens"}, {4, "step sequences"}};
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
+        if (m->sized_auto & parts[i].bit && at < sizeof chosen)
+            at += (size_t)snprintf(chosen + at, sizeof chosen - at, "%s%s", at ? ", " : "", parts[i].what);
+    LOG(LL_INFO, "worker %.128s states %u tokens and %u sequences a step, %u KV blocks = %u "
+        "sequences of %u positions; chosen by the worker rather than flags: %s",
+        m->worker_id, m->max_step_tokens, m->max_step_seqs, m->kv_block_count, m->kv_seqs,
+        m->target_ctx, chosen[0] ? chosen : "none");
+}
+
 static void on_register(server *s, const uint8_t *ident, size_t ident_len, const Llm__Register *m) {
     struct worker *w = NULL;
     struct pipeline *p = NULL;
@@ -35,6 +55,7 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
         server_send_worker_env(s, ident, ident_len, &env);
         return;
     }
+    register_log_sizing(m);
     if (p->announce) return; /* pipes_sync tells every stage, this one included */
     Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
     rr.worker_id = w->id;
