@@ -214,7 +214,11 @@ int httpd_start(httpd **out, const struct httpd_config *c, char *err, size_t err
             snprintf(err, errlen, "listen address '%s': cannot serve: %s", listen, h->start_err);
         else
             snprintf(err, errlen, "listen address '%s': libmicrohttpd could not start", listen);
-        bool bind_failed = strstr(h->start_err, "bind") != NULL;
+        /* A taken port shows as a failed bind or, where the bind went
+         * through, as a failed listen: both are the operating system's
+         * refusal, which callers may tell from a bad configuration. */
+        bool bind_failed = strstr(h->start_err, "bind") != NULL || strstr(h->start_err, "listen") != NULL ||
+                           strstr(h->start_err, "in use") != NULL;
         pthread_mutex_destroy(&h->log_lock);
         free(h);
         return bind_failed ? STATUS_IO : STATUS_INTERNAL;
