@@ -25,6 +25,7 @@ int main(int argc, char **argv) {
     memset(&c, 0, sizeof c);
     int log_level = LL_INFO;
     const char *metrics_listen = NULL;
+    bool prefix_cache = true;
     static const char metrics_default[] = "127.0.0.1:9464";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
     const struct option_def defs[] = {
@@ -50,6 +51,9 @@ int main(int argc, char **argv) {
          "stage states those)", &c.max_batch, 0, 65536, NULL},
         {"max-step-seqs", "LLM_MAX_STEP_SEQS", OPTION_INT, "0",
          "sequences in one step, at most (0: as the workers state; else the smaller)", &c.max_step_seqs, 0, 65536, NULL},
+        {"prefix-cache", "LLM_PREFIX_CACHE", OPTION_BOOL, "true",
+         "keep computed KV blocks for later requests that start with the same tokens, and route "
+         "requests to the pipeline holding their prefix (--no-prefix-cache: off)", &prefix_cache, 0, 0, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",
@@ -81,6 +85,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "llm-router: unexpected argument \"%s\" (see --help)\n", argv[1]);
         return 2;
     }
+    c.no_prefix_cache = !prefix_cache;
     log_set_process("router");
     log_set_level(log_level);
     options_log(&o);

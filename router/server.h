@@ -30,6 +30,7 @@ struct server_config {
     int stages;                /* stages per pipeline for workers that let the router place them */
     int retention_s;           /* finished requests are remembered this long */
     int claim_idle_ms;         /* another router's requests idle this long are taken over */
+    int no_prefix_cache;       /* every prompt computed whole (--no-prefix-cache; docs/router.md) */
     struct server_metrics *metrics; /* updated by the loop (router/server_metrics.h), the
                                        caller's; NULL: no metrics */
 };

@@ -479,6 +479,18 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
             st.kv_blocks_used += (uint64_t)q.blocks_used;
             st.kv_blocks_total += (uint64_t)q.blocks_total;
             st.preemptions_total += q.preemptions_total;
+            x->prefix_cached_blocks = (uint32_t)q.blocks_cached;
+            x->prefix_idle_blocks = (uint32_t)q.blocks_idle;
+            x->prefix_hit_tokens = q.prefix_hit_tokens;
+            x->prefix_miss_tokens = q.prefix_miss_tokens;
+            x->prefix_hit_blocks = q.prefix_hit_blocks;
+            x->prefix_miss_blocks = q.prefix_miss_blocks;
+            st.prefix_cached_blocks += (uint64_t)q.blocks_cached;
+            st.prefix_idle_blocks += (uint64_t)q.blocks_idle;
+            st.prefix_hit_tokens += q.prefix_hit_tokens;
+            st.prefix_miss_tokens += q.prefix_miss_tokens;
+            st.prefix_hit_blocks += q.prefix_hit_blocks;
+            st.prefix_miss_blocks += q.prefix_miss_blocks;
         }
         if (pp) {
             x->tokens_per_s = pp->tok_s;
@@ -513,6 +525,7 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
     st.plan_us_max = s->plan_us_max;
     st.turnaround_us_mean = s->turn_n ? s->turn_us_sum / (double)s->turn_n : 0;
     st.steps_total = s->steps_total;
+    st.prefix_cache = !s->cfg.no_prefix_cache;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
     env.tag = tag;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY;

@@ -29,12 +29,14 @@ struct server_metrics {
     metrics *reg;
     metrics_series *running, *waiting, *kv_used, *kv_total, *pipelines, *redis;
     metrics_series *prompt_tokens, *gen_tokens, *preemptions;
+    metrics_series *prefix_hits, *prefix_misses, *prefix_blocks;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     /* The loop's running totals when last added to the counters.  The
      * preemption total is a sum over the live pipelines' schedulers, so it
      * can drop when a pipeline leaves: only rises are added. */
     uint64_t gen_mark, prompt_mark, preempt_mark;
+    uint64_t hit_mark, miss_mark; /* prefix-cache totals, summed like preemptions */
     /* /ready: written by the loop when it changes, read by the port. */
     pthread_mutex_t lock;
     char why[256]; /* "" when ready */
@@ -78,6 +80,12 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
             "Sequences preempted (their KV blocks freed, to be recomputed)."),
         DEF(METRICS_GAUGE, "llm_pipelines_in_service", "Pipelines that take new work."),
         DEF(METRICS_GAUGE, "llm_redis_connected", "1 while the router's Redis connection is up."),
+        DEF(METRICS_COUNTER, "llm_prefix_cache_hit_tokens_total",
+            "Prompt tokens found in a pipeline's prefix cache when their sequence was admitted (not computed)."),
+        DEF(METRICS_COUNTER, "llm_prefix_cache_miss_tokens_total",
+            "Prompt tokens computed when their sequence was admitted with the prefix cache on."),
+        DEF(METRICS_GAUGE, "llm_prefix_cache_blocks",
+            "KV blocks published in the prefix caches of the pipelines in service (held or idle)."),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -100,6 +108,9 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->preemptions = metrics_series_get(f[11], NULL);
     sm->pipelines = metrics_series_get(f[12], NULL);
     sm->redis = metrics_series_get(f[13], NULL);
+    sm->prefix_hits = metrics_series_get(f[14], NULL);
+    sm->prefix_misses = metrics_series_get(f[15], NULL);
+    sm->prefix_blocks = metrics_series_get(f[16], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -135,7 +146,8 @@ void server_metrics_tick(server *s) {
     server_metrics *sm = s->cfg.metrics;
     if (!sm) return;
     int64_t running = 0, waiting = (int64_t)s->n_queue, used = 0, total = 0, in_service = 0;
-    uint64_t preempt = 0;
+    uint64_t preempt = 0, hits = 0, misses = 0;
+    int64_t cached = 0;
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
         struct pipeline *p = registry_pipeline_at(s->reg, i);
         struct pipe *pp = p->ud;
@@ -145,10 +157,13 @@ void server_metrics_tick(server *s) {
         running += st.n_running;
         waiting += st.n_waiting;
         preempt += st.preemptions_total;
+        hits += st.prefix_hit_tokens;
+        misses += st.prefix_miss_tokens;
         if (registry_pipeline_ready(s->reg, p) && !registry_pipeline_draining(s->reg, p)) {
             in_service++;
             used += st.blocks_used;
             total += st.blocks_total;
+            cached += st.blocks_cached;
         }
     }
     metrics_gauge_set(sm->running, (double)running);
@@ -164,6 +179,11 @@ void server_metrics_tick(server *s) {
     sm->gen_mark = s->gen_total;
     sm->prompt_mark = s->prompt_total;
     sm->preempt_mark = preempt;
+    metrics_gauge_set(sm->prefix_blocks, (double)cached);
+    if (hits > sm->hit_mark) metrics_counter_add(sm->prefix_hits, (double)(hits - sm->hit_mark));
+    if (misses > sm->miss_mark) metrics_counter_add(sm->prefix_misses, (double)(misses - sm->miss_mark));
+    sm->hit_mark = hits;
+    sm->miss_mark = misses;
 
     char why[256] = "";
     if (!s->rs) {

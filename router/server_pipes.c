@@ -222,6 +222,10 @@ void pipes_sync(server *s) {
                 LOG(LL_ERROR, "pipeline %u: %s", p->id, err);
                 continue;
             }
+            /* A fresh scheduler is a cold cache: what the workers' KV held
+             * for another epoch (or another router) is never found. */
+            if (!s->cfg.no_prefix_cache && sched_enable_prefix_cache(pp->sched, err, sizeof err) < 0)
+                LOG(LL_WARN, "pipeline %u: serving without a prefix cache: %s", p->id, err);
             pp->epoch = p->epoch;
             pp->n_flights = 0;
             LOG(LL_INFO, "pipeline %u in service: %u stages, %d KV blocks of %d tokens, epoch %llu; %s",
@@ -248,8 +252,18 @@ static int queue_cmp(const void *a, const void *b) {
     return x->order < y->order ? -1 : x->order > y->order;
 }
 
-/* Moves queued requests onto pipelines: highest priority first, each to the
- * least loaded pipeline that admits work. */
+/* How far past the least loaded pipeline's load (running + waiting
+ * sequences) a pipeline holding a request's longest cached prefix may be
+ * and still get it: a quarter of its batch limit, at least 1. */
+static int32_t prefix_slack(const struct pipe *pp) {
+    return pp->max_batch / 4 > 1 ? pp->max_batch / 4 : 1;
+}
+
+/* Moves queued requests onto pipelines that admit work, highest priority
+ * first.  Each goes to the pipeline holding the longest prefix of its
+ * tokens in its prefix cache, unless that one is overloaded (its load
+ * exceeds the least loaded pipeline's by more than prefix_slack), and
+ * otherwise, or when no pipeline holds any of it, to the least loaded. */
 void pipes_assign(server *s) {
     if (s->n_queue == 0) return;
     qsort(s->queue, s->n_queue, sizeof *s->queue, queue_cmp);
@@ -257,8 +271,12 @@ void pipes_assign(server *s) {
     size_t i = 0;
     for (; i < s->n_queue; i++) {
         struct req *q = s->queue[i];
-        struct pipe *best = NULL;
-        int32_t best_load = 0;
+        int32_t n = q->n_prompt + q->n_out;
+        if (server_grow((void **)&s->scratch, &s->cap_scratch, (size_t)n, sizeof *s->scratch) < 0) break;
+        memcpy(s->scratch, q->prompt, (size_t)q->n_prompt * sizeof *s->scratch);
+        memcpy(s->scratch + q->n_prompt, q->out, (size_t)q->n_out * sizeof *s->scratch);
+        struct pipe *best = NULL, *held = NULL;
+        int32_t best_load = 0, held_load = 0, held_tokens = 0;
         for (size_t k = 0; k < registry_n_pipelines(s->reg); k++) {
             struct pipeline *p = registry_pipeline_at(s->reg, k);
             struct pipe *pp = p->ud;
@@ -271,12 +289,16 @@ void pipes_assign(server *s) {
                 best = pp;
                 best_load = load;
             }
+            int32_t hit = sched_prefix_blocks(pp->sched, s->scratch, n) *
+                          (int32_t)registry_pipeline_block_size(NULL, p);
+            if (hit > held_tokens || (hit > 0 && hit == held_tokens && load < held_load)) {
+                held = pp;
+                held_load = load;
+                held_tokens = hit;
+            }
         }
         if (!best) break;
-        int32_t n = q->n_prompt + q->n_out;
-        if (server_grow((void **)&s->scratch, &s->cap_scratch, (size_t)n, sizeof *s->scratch) < 0) break;
-        memcpy(s->scratch, q->prompt, (size_t)q->n_prompt * sizeof *s->scratch);
-        memcpy(s->scratch + q->n_prompt, q->out, (size_t)q->n_out * sizeof *s->scratch);
+        if (held && held_load - best_load <= prefix_slack(held)) best = held;
         int32_t cap = pipe_capacity_tokens(best);
         if (q->limit > cap) q->limit = cap;
         if (n >= q->limit) {
@@ -351,6 +373,10 @@ void pipe_pump(server *s, struct pipe *pp) {
             sp->block_table = (uint32_t *)ss->block_table; /* ids are >= 0 */
             sp->sampling = q ? &q->spm : NULL;
             sp->want_logits = ss->want_logits;
+            /* Started on a cached prefix: the last stage's penalties see
+             * the tokens before it, which it never processed. */
+            sp->n_penalty_context = (size_t)ss->n_context;
+            sp->penalty_context = (int32_t *)ss->context;
             pp->seqptrs[k] = sp;
             f->seq_ids[k] = ss->seq_id;
             f->want[k] = ss->want_logits;
