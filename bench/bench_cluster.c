@@ -825,6 +825,13 @@ static int cb_model_info(llm_client *c, int32_t *n_vocab, int32_t *n_ctx, char *
     return rc;
 }
 
+/* A stop signal cancels the warm-up request too. */
+static int cb_warm_chunk(void *ud, const struct llm_chunk *ch) {
+    (void)ud;
+    (void)ch;
+    return cb_stop ? 1 : 0;
+}
+
 /* One warm-up request (first-use costs: CUDA contexts, page faults). */
 static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, char *err, size_t errlen) {
     int n = cb_prompt_len(o);
@@ -839,7 +846,8 @@ static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, ch
     p.max_tokens = (uint32_t)o->max_tokens;
     p.sampling.ignore_eos = 1;
     struct llm_generate_result res;
-    int rc = llm_client_generate(c, &p, NULL, NULL, &res);
+    p.stream = true;
+    int rc = llm_client_generate(c, &p, cb_warm_chunk, NULL, &res);
     if (rc < 0) cb_fmt(err, errlen, "warm-up request: %s", llm_client_errstr(c));
     else if (res.finish_reason != LLM__GENERATE_DONE__FINISH_REASON__LENGTH) {
         cb_fmt(err, errlen, "warm-up request %s: %s after %u tokens (%s), expected LENGTH after %d",

@@ -1,0 +1,245 @@
+/* bench/bench_cluster on the CPU with the tiny synthetic model: a small
+ * layout sweep (one stage, and two stages with the sockets-only NCCL
+ * variant, which on the CPU links by ZeroMQ) and the shared-prefix workload
+ * with the router's prefix cache on and off.  Checks that the table prints,
+ * that the JSON parses with every row measured (busy fractions from the
+ * workers' metrics ports included) and that bad command lines are refused.
+ * No timing is asserted: speed is the benchmark's business, never a test's. */
+#include "tests/test.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BENCH_BIN LLM_BINARY_DIR "/bench/bench_cluster"
+#define CLUSTER_BIN LLM_BINARY_DIR "/router/llm-cluster"
+#define ROUTER_BIN LLM_BINARY_DIR "/router/llm-router"
+#define WORKER_BIN LLM_BINARY_DIR "/worker/llm-worker"
+
+static char out_path[256], err_path[256], json_path[256];
+
+/* redis-server from $LLM_REDIS_SERVER or PATH, as llm-cluster finds it. */
+static int have_redis(void) {
+    const char *env = getenv("LLM_REDIS_SERVER");
+    if (env && *env) return access(env, X_OK) == 0;
+    const char *path = getenv("PATH");
+    if (!path) return 0;
+    char buf[4096], file[4200];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+        snprintf(file, sizeof file, "%s/redis-server", d);
+        if (access(file, X_OK) == 0) return 1;
+    }
+    return 0;
+}
+
+static void need_programs(void) {
+    const char *bins[] = {BENCH_BIN, CLUSTER_BIN, ROUTER_BIN, WORKER_BIN};
+    for (size_t i = 0; i < sizeof bins / sizeof bins[0]; i++)
+        if (access(bins[i], X_OK) != 0) TEST_FAIL("%s is not built", bins[i]);
+    if (!have_redis()) TEST_SKIP("no redis-server (PATH or LLM_REDIS_SERVER): llm-cluster cannot start a cluster");
+}
+
+/* Runs bench_cluster with args (NULL-terminated), stdout and stderr into
+ * files; returns its exit status, or -1 when it ran past limit_s. */
+static int run_bench(const char *const *args, int limit_s) {
+    const char *dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(out_path, sizeof out_path, "%s/test_bench_cluster.%d.out", dir, (int)getpid());
+    snprintf(err_path, sizeof err_path, "%s/test_bench_cluster.%d.err", dir, (int)getpid());
+    const char *argv[48] = {BENCH_BIN};
+    int n = 1;
+    for (; args[n - 1] && n < 47; n++) argv[n] = args[n - 1];
+    argv[n] = NULL;
+    fflush(stdout);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) TEST_FAIL("fork: %s", strerror(errno));
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent) _exit(127);
+        int o = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644), e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (o < 0 || e < 0) _exit(127);
+        dup2(o, 1);
+        dup2(e, 2);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < limit_s * 20; i++) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        struct timespec ts = {0, 50000000L};
+        nanosleep(&ts, NULL);
+    }
+    /* Past the limit: SIGTERM makes it stop its clusters. */
+    kill(pid, SIGTERM);
+    int st;
+    waitpid(pid, &st, 0);
+    return -1;
+}
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    static char buf[1 << 17];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *copy = malloc(n + 1);
+    if (copy) memcpy(copy, buf, n + 1);
+    return copy;
+}
+
+static void show_err(void) {
+    char *e = slurp(err_path);
+    printf("  --- bench_cluster stderr:\n%s\n", e ? e : "(none)");
+    free(e);
+}
+
+static cJSON *load_json(void) {
+    char *text = slurp(json_path);
+    if (!text) TEST_FAIL("bench_cluster wrote no %s", json_path);
+    cJSON *j = cJSON_Parse(text);
+    if (!j) TEST_FAIL("%s does not parse as JSON:\n%s", json_path, text);
+    free(text);
+    return j;
+}
+
+static double num(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    if (!cJSON_IsNumber(v)) TEST_FAIL("JSON row without a number \"%s\"", key);
+    return v->valuedouble;
+}
+
+/* Every row ran, every request came back whole, and the workers' metrics
+ * gave a busy fraction for each stage and the first stages' rows. */
+static void check_rows(const cJSON *rows, int requests, int prompt, int max_tokens) {
+    const cJSON *r;
+    cJSON_ArrayForEach(r, rows) {
+        const char *layout = cJSON_GetStringValue(cJSON_GetObjectItem(r, "layout"));
+        if (!cJSON_IsTrue(cJSON_GetObjectItem(r, "ran")))
+            TEST_FAIL("layout %s did not run: %s", layout, cJSON_GetStringValue(cJSON_GetObjectItem(r, "error")));
+        ASSERT_EQ(requests, (int)num(r, "ok"));
+        ASSERT_EQ(0, (int)num(r, "failed"));
+        ASSERT_EQ(0, (int)num(r, "short"));
+        ASSERT_EQ((double)requests * max_tokens, num(r, "tokens"));
+        ASSERT_TRUE(num(r, "tok_s") > 0);
+        ASSERT_TRUE(num(r, "ttft_p50_ms") > 0);
+        ASSERT_TRUE(num(r, "ttft_p90_ms") >= num(r, "ttft_p50_ms"));
+        const cJSON *busy = cJSON_GetObjectItem(r, "busy_by_stage");
+        ASSERT_EQ((int)num(r, "stages"), cJSON_GetArraySize(busy));
+        const cJSON *b;
+        cJSON_ArrayForEach(b, busy) {
+            if (!cJSON_IsNumber(b)) TEST_FAIL("layout %s: a stage without a busy fraction (metrics port not read)", layout);
+            ASSERT_TRUE(b->valuedouble > 0);
+        }
+        /* The first stages computed at most every prompt row and every
+         * generated token but the last (a prefix cache saves rows). */
+        double rows0 = num(r, "stage0_rows");
+        ASSERT_TRUE(rows0 > 0);
+        ASSERT_TRUE(rows0 <= (double)requests * (prompt + max_tokens - 1));
+    }
+}
+
+TEST(sweep_prints_the_table_and_json) {
+    need_programs();
+    snprintf(json_path, sizeof json_path, "%s/test_bench_cluster.%d.json", "/tmp", (int)getpid());
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1,1x2s", "--concurrency", "2",
+                          "--requests", "4", "--prompt-tokens", "16", "--max-tokens", "4", "--up-tries", "2",
+                          "--json", json_path, NULL};
+    int rc = run_bench(args, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    char *out = slurp(out_path);
+    ASSERT_TRUE(out != NULL);
+    ASSERT_TRUE(strstr(out, "| layout | conc | requests |") != NULL);
+    ASSERT_TRUE(strstr(out, "| 1x1 | 2 | 4 |") != NULL);
+    ASSERT_TRUE(strstr(out, "| 1x2s | 2 | 4 |") != NULL);
+    free(out);
+    cJSON *j = load_json();
+    ASSERT_STREQ("distinct", cJSON_GetStringValue(cJSON_GetObjectItem(j, "workload")));
+    const cJSON *rows = cJSON_GetObjectItem(j, "rows");
+    ASSERT_EQ(2, cJSON_GetArraySize(rows));
+    check_rows(rows, 4, 16, 4);
+    const cJSON *r1 = cJSON_GetArrayItem(rows, 1);
+    ASSERT_TRUE(cJSON_IsTrue(cJSON_GetObjectItem(r1, "nccl_sockets")));
+    ASSERT_EQ(2, (int)num(r1, "stages"));
+    cJSON_Delete(j);
+    unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+}
+
+/* The router's --help names its prefix-cache switch: the shared-prefix
+ * workload needs it for the run without the cache. */
+static int router_has_prefix_cache(void) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "'%s' --help 2>&1 | grep -q -- --no-prefix-cache", ROUTER_BIN);
+    return system(cmd) == 0;
+}
+
+TEST(shared_prefix_runs_with_the_cache_on_and_off) {
+    need_programs();
+    if (!router_has_prefix_cache()) TEST_SKIP("this llm-router has no --no-prefix-cache");
+    snprintf(json_path, sizeof json_path, "%s/test_bench_cluster.%d.json", "/tmp", (int)getpid());
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1", "--shared-prefix", "64",
+                          "--question-tokens", "8", "--concurrency", "2", "--requests", "6", "--max-tokens", "4",
+                          "--json", json_path, NULL};
+    int rc = run_bench(args, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    char *out = slurp(out_path);
+    ASSERT_TRUE(out != NULL);
+    ASSERT_TRUE(strstr(out, "| 1x1 | on | 2 | 6 |") != NULL);
+    ASSERT_TRUE(strstr(out, "| 1x1 | off | 2 | 6 |") != NULL);
+    ASSERT_TRUE(strstr(out, "### shared prefix: prefix cache on against off") != NULL);
+    free(out);
+    cJSON *j = load_json();
+    ASSERT_STREQ("shared-prefix", cJSON_GetStringValue(cJSON_GetObjectItem(j, "workload")));
+    ASSERT_EQ(72, (int)num(j, "prompt_tokens"));
+    const cJSON *rows = cJSON_GetObjectItem(j, "rows");
+    ASSERT_EQ(2, cJSON_GetArraySize(rows));
+    check_rows(rows, 6, 72, 4);
+    ASSERT_TRUE(cJSON_IsTrue(cJSON_GetObjectItem(cJSON_GetArrayItem(rows, 0), "prefix_cache")));
+    ASSERT_TRUE(cJSON_IsFalse(cJSON_GetObjectItem(cJSON_GetArrayItem(rows, 1), "prefix_cache")));
+    const cJSON *cmp = cJSON_GetObjectItem(j, "prefix_cache");
+    ASSERT_EQ(1, cJSON_GetArraySize(cmp));
+    const cJSON *c0 = cJSON_GetArrayItem(cmp, 0);
+    ASSERT_TRUE(num(c0, "ttft_ratio") > 0);
+    ASSERT_TRUE(num(c0, "throughput_ratio") > 0);
+    cJSON_Delete(j);
+    unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+}
+
+TEST(bad_command_lines_are_refused) {
+    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
+    const char *bad[][4] = {
+        {"--layouts", "1x", NULL},
+        {"--layouts", "1x2q", NULL},
+        {"--layouts", "0x1", NULL},
+        {"--concurrency", "0", NULL},
+        {"--shape", "nonesuch", NULL},
+        {"--device", "cuda:0", NULL},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = run_bench(bad[i], 10);
+        if (rc != 2) show_err();
+        ASSERT_EQ(2, rc);
+        char *e = slurp(err_path);
+        ASSERT_TRUE(e && strstr(e, bad[i][0]) != NULL); /* the message names the flag */
+        free(e);
+    }
+    unlink(out_path);
+    unlink(err_path);
+}
+
+TEST_MAIN(sweep_prints_the_table_and_json, shared_prefix_runs_with_the_cache_on_and_off, bad_command_lines_are_refused)
