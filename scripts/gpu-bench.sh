@@ -6,6 +6,7 @@
 #   OUT=/tmp/out ./scripts/gpu-bench.sh                 # build-gpubench, cuda:0
 #   LLM_BENCH_BIN=build/bench/bench_gpu LLM_BENCH_DEVICE=cuda:1 ./scripts/gpu-bench.sh
 #   LLM_BENCH_DEVICE=cpu LLM_BENCH_PLAN="tiny:60" ./scripts/gpu-bench.sh   # a check without a GPU
+# LLM_BENCH_KV=f16,q8_0 measures every model with both KV cache types.
 # Budget: about 6 minutes in all (TinyLlama shape 100 s, 7B shape 250 s);
 # the synthetic models are written to the first folder with room for the
 # largest (7B F16, 13.5 GB) and deleted after each model.
@@ -54,6 +55,7 @@ run() {
     echo "gpu-bench: $shape ($types), at most $limit s" >&2
     timeout --signal=TERM --kill-after=10 "$limit" "$bin" --device "$device" --shapes "$shape" --types "$types" \
         --batches 1,8,32,64 --ctx 512 --prompt 512 --steps 10 --warmup 2 --prefill-reps 3 --tmpdir "$tmp" \
+        --kv-type "${LLM_BENCH_KV:-f16}" \
         --json "$out/bench-$shape.json" >"$out/bench-$shape.txt" 2>"$out/bench-$shape.log"
     rc=$?
     if [ $rc -ne 0 ]; then

@@ -20,7 +20,7 @@
 #   LLM_SESSION_STEPS="cluster prefix" LLM_SESSION_SHAPE=tiny LLM_SESSION_PREFIX=256 \
 #       ./scripts/gpu-session.sh                                    # a check on the CPU
 # Planned for 2 x H100 (expected / bound, seconds): unpack 15/60, tests
-# 80/200, t4 100/200, kv 100/170, cluster 150/210, prefix 60/110; the
+# 80/230, t4 100/200, kv 100/170, cluster 150/210, prefix 60/110; the
 # deadline (LLM_SESSION_S, 540) cuts each bound to the time left and skips
 # what no longer fits.  With one GPU the layouts of two stages or two
 # pipelines are left out (NCCL needs a GPU per stage).
