@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -60,7 +61,8 @@ static int keys_from_file(struct keys *k, const char *path, char *err, size_t er
 int main(int argc, char **argv) {
     struct gateway_config cfg;
     gateway_config_default(&cfg);
-    const char *keys_file = NULL, *keys_env = NULL;
+    const char *keys_file = NULL, *keys_env = NULL, *curve_key_file = NULL, *router_key = NULL;
+    bool insecure = false;
     int log_level = LL_INFO;
     static const char metrics_default[] = "127.0.0.1:9466";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
@@ -94,6 +96,13 @@ int main(int argc, char **argv) {
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none", &cfg.metrics_listen,
          0, 0, NULL},
+        {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
+         "the gateway's CURVE key pair towards the router (NAME.key from llm keygen)", &curve_key_file, 0, 0,
+         NULL},
+        {"router-key", "LLM_ROUTER_KEY", OPTION_STRING, NULL, "the router's public key file (NAME.pub)",
+         &router_key, 0, 0, NULL},
+        {"insecure", "LLM_INSECURE", OPTION_BOOL, "false", "plain sockets to a router that runs --insecure",
+         &insecure, 0, 0, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
         /* Last, so that options_log leaves the keys out of the log. */
         {"api-keys", "LLM_API_KEYS", OPTION_STRING, NULL,
@@ -121,6 +130,33 @@ int main(int argc, char **argv) {
     struct options logged = o;
     logged.n_defs = n_defs - 1;
     options_log(&logged);
+
+    /* The router connection's keys: checked here, so that a bad file stops
+     * the start with its name instead of failing every request, then handed
+     * to libllmclient through the variables it reads (docs/client.md). */
+    if (insecure) {
+        LOG(LL_WARN, "gateway: --insecure: plain sockets to the router %s, without keys", cfg.router);
+        setenv("LLM_INSECURE", "true", 1);
+        unsetenv("LLM_CURVE_KEY_FILE");
+    } else {
+        struct keys_pair kp;
+        char pub[KEYS_Z85_LEN + 1];
+        if (!curve_key_file || !curve_key_file[0] || !router_key || !router_key[0]) {
+            fprintf(stderr, "llm-gateway: no keys for the router connection: give --curve-key-file "
+                    "(LLM_CURVE_KEY_FILE) and --router-key (LLM_ROUTER_KEY), or --insecure for a router "
+                    "without keys\n");
+            return 2;
+        }
+        if (keys_pair_load(curve_key_file, &kp, err, sizeof err) < 0 ||
+            keys_pub_load(router_key, pub, err, sizeof err) < 0) {
+            fprintf(stderr, "llm-gateway: %s\n", err);
+            return 2;
+        }
+        memset(&kp, 0, sizeof kp);
+        setenv("LLM_CURVE_KEY_FILE", curve_key_file, 1);
+        setenv("LLM_ROUTER_KEY", router_key, 1);
+        unsetenv("LLM_INSECURE");
+    }
 
     struct keys keys = {0};
     if (keys_file && keys_file[0] && keys_from_file(&keys, keys_file, err, sizeof err) < 0) {

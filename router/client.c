@@ -30,6 +30,10 @@ struct llm_client {
     struct zio_sock *mon;  /* PAIR fed by the DEALER's socket monitor */
     uint32_t n_opened;     /* sockets opened so far (names the monitor's inproc endpoint) */
     uint64_t next_tag;
+    bool secure;
+    struct keys_pair kp;   /* this client's CURVE key pair, when secure */
+    char router_pub[KEYS_Z85_LEN + 1];
+    char auth_note[320];   /* why the last handshake failed, "" when none did */
     Llm__Error__Code err_code;
     char errstr[1024];
 };
@@ -50,8 +54,11 @@ static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt,
     c->err_code = code;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(c->errstr, sizeof c->errstr, fmt, ap);
+    int n = vsnprintf(c->errstr, sizeof c->errstr, fmt, ap);
     va_end(ap);
+    /* A refused handshake looks like a router that never answers: say so. */
+    if (code == LLM__ERROR__CODE__OK && c->auth_note[0] && n > 0 && (size_t)n < sizeof c->errstr)
+        snprintf(c->errstr + n, sizeof c->errstr - (size_t)n, " (%s)", c->auth_note);
 }
 
 void llm_client_config_default(struct llm_client_config *cfg) {
@@ -119,6 +126,11 @@ static int client_sock_open(llm_client *c) {
         zio_set_int(c->sock, ZMQ_HEARTBEAT_IVL, c->cfg.heartbeat_ms);
         zio_set_int(c->sock, ZMQ_HEARTBEAT_TIMEOUT, c->cfg.heartbeat_ms * 2);
     }
+    if (c->secure && (rc = zio_curve_client(c->sock, &c->kp, c->router_pub)) < 0) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: %s", ep, zio_errstr(c->sock));
+        client_sock_close(c);
+        return rc;
+    }
     /* Unique in the process: a client freed and another allocated at the
      * same address must not meet the old monitor's endpoint, which ZeroMQ
      * releases asynchronously. */
@@ -126,7 +138,9 @@ static int client_sock_open(llm_client *c) {
     char mon_ep[96];
     snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%d-%llu", (int)getpid(),
              (unsigned long long)atomic_fetch_add(&mon_seq, 1));
-    if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep, ZMQ_EVENT_DISCONNECTED) != 0) {
+    if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep,
+                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0) {
         client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: monitor: %s", ep,
                       zmq_strerror(errno));
         client_sock_close(c);
@@ -162,6 +176,32 @@ static int client_reconnect(llm_client *c, const char *why) {
     return client_sock_open(c);
 }
 
+/* The key files of the config, else of the environment (a sourced
+ * llm-cluster env.sh, or a Kubernetes Secret's paths). */
+static int client_keys_load(llm_client *c, const struct llm_client_config *cfg, char *err,
+                            size_t errlen) {
+    const char *key = cfg->curve_key_file, *router = cfg->router_key_file;
+    bool insecure = cfg->insecure;
+    if ((!key || !key[0]) && !insecure) {
+        key = getenv("LLM_CURVE_KEY_FILE");
+        router = router && router[0] ? router : getenv("LLM_ROUTER_KEY");
+        const char *ins = getenv("LLM_INSECURE");
+        insecure = ins && (!strcmp(ins, "true") || !strcmp(ins, "1") || !strcmp(ins, "yes") ||
+                           !strcmp(ins, "on"));
+    }
+    if (insecure) return 0;
+    if (!key || !key[0] || !router || !router[0])
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "llm client: no %s: give --curve-key-file (LLM_CURVE_KEY_FILE) and "
+                           "--router-key (LLM_ROUTER_KEY), or --insecure (LLM_INSECURE=true) for "
+                           "a router without keys", key && key[0] ? "router key" : "key pair");
+    int rc = keys_pair_load(key, &c->kp, err, errlen);
+    if (rc == 0) rc = keys_pub_load(router, c->router_pub, err, errlen);
+    if (rc < 0) return rc;
+    c->secure = true;
+    return 0;
+}
+
 int llm_client_open(llm_client **out, const struct llm_client_config *cfg, char *err,
                     size_t errlen) {
     *out = NULL;
@@ -189,6 +229,11 @@ int llm_client_open(llm_client **out, const struct llm_client_config *cfg, char 
     for (size_t i = 0; i < cfg->n_endpoints; i++)
         if (!(c->endpoints[i] = strdup(cfg->endpoints[i]))) goto oom;
     c->cfg.endpoints = NULL; /* the copies above are what counts */
+    int krc = client_keys_load(c, cfg, err, errlen);
+    if (krc < 0) {
+        llm_client_close(c);
+        return krc;
+    }
     if (cfg->zmq_ctx) {
         c->ctx = cfg->zmq_ctx;
     } else {
@@ -217,6 +262,7 @@ void llm_client_close(llm_client *c) {
     if (c->own_ctx) zmq_ctx_term(c->ctx);
     for (size_t i = 0; c->endpoints && i < c->n_endpoints; i++) free(c->endpoints[i]);
     free(c->endpoints);
+    memset(&c->kp, 0, sizeof c->kp);
     free(c);
 }
 
@@ -267,9 +313,24 @@ static int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env)
                     uint16_t e;
                     memcpy(&e, zio_parts_data(&p, 0), 2);
                     if (e & ZMQ_EVENT_DISCONNECTED) lost = true;
+                    if (e & (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)) {
+                        bool first = !c->auth_note[0];
+                        snprintf(c->auth_note, sizeof c->auth_note,
+                                 (e & ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+                                     ? "the router at %s refused this client's key: is its public "
+                                       "key in the router's --client-keys?"
+                                     : "the CURVE handshake with %s failed: is the router key "
+                                       "(LLM_ROUTER_KEY) the router's, and does it run with keys?",
+                                 c->endpoints[c->cur]);
+                        if (first) LOG(LL_WARN, "client: %s", c->auth_note);
+                    }
                 }
             }
             zio_parts_free(&p);
+            /* A refused handshake also ends in a disconnect; the socket
+             * tries again by itself (ZMQ_RECONNECT_IVL), and opening a new
+             * one at once would only ask to be refused again in a loop. */
+            if (c->auth_note[0]) lost = false;
             /* A frame the router sent before it went is still worth reading. */
             if (lost && !(rev[0] & ZMQ_POLLIN)) return CLIENT_LOST;
         }

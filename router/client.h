@@ -9,6 +9,8 @@
  *   struct llm_client_config cfg;
  *   llm_client_config_default(&cfg);
  *   cfg.endpoints = eps; cfg.n_endpoints = 1;
+ *   cfg.curve_key_file = "keys/client.key";    // or LLM_CURVE_KEY_FILE
+ *   cfg.router_key_file = "keys/router.pub";   // or LLM_ROUTER_KEY
  *   llm_client *c;
  *   if (llm_client_open(&c, &cfg, err, sizeof err) < 0) ...;
  *   struct llm_generate_params p;
@@ -62,15 +64,28 @@ struct llm_client_config {
     /* ZMTP heartbeat: a peer that answers no ping for this long counts as
      * gone (finds a dead host whose TCP connection never closed); 0: off. */
     int heartbeat_ms;
+    /* CURVE (docs/security.md): this client's key pair file (NAME.key) and
+     * the router's public key file (NAME.pub); or insecure, for a router
+     * that runs --insecure.  When curve_key_file is NULL or "" and insecure
+     * is false, llm_client_open takes all three from the environment:
+     * LLM_CURVE_KEY_FILE, LLM_ROUTER_KEY, LLM_INSECURE (true/1/yes/on); with
+     * neither keys nor insecure it refuses, naming them. */
+    const char *curve_key_file;
+    const char *router_key_file;
+    bool insecure;
 };
 
-/* reply_timeout 5 s, idle_timeout 30 s, retry 60 s, heartbeat 2 s, no endpoints. */
+/* reply_timeout 5 s, idle_timeout 30 s, retry 60 s, heartbeat 2 s, no
+ * endpoints, no keys (the environment's, see above). */
 void llm_client_config_default(struct llm_client_config *cfg);
 
 /* On success *out is the caller's, freed with llm_client_close.  No
  * connection is made yet (ZeroMQ connects in the background), so an
- * unreachable router shows up in the first call, not here.  On failure
- * (no endpoints, a malformed endpoint: STATUS_BAD_INPUT; ZeroMQ failures)
+ * unreachable router shows up in the first call, not here (a router that
+ * refuses the client's key too: the call's error then says so).  On
+ * failure (no endpoints, a malformed endpoint, no keys and not insecure, a
+ * key file that does not load: STATUS_BAD_INPUT or STATUS_NOT_FOUND;
+ * ZeroMQ failures)
  * *out is NULL and err says why. */
 int llm_client_open(llm_client **out, const struct llm_client_config *cfg, char *err,
                     size_t errlen);

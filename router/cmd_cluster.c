@@ -2,9 +2,13 @@
  * development.  `up` starts a private redis-server, one llm-router and
  * pipelines x stages llm-workers in the background, waits until every
  * pipeline serves, and prints the router's endpoint and the run directory
- * (pid files and logs); `status` and `down` act on what `up` started. */
+ * (pid files, logs, keys, env.sh); `status` and `down` act on what `up`
+ * started.  Secure by default: `up` makes CURVE keys for the router, a
+ * client and every worker in RUN_DIR/keys/ and starts everything with them;
+ * `--insecure` runs without. */
 #include "client.h"
 
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/rconn.h"
@@ -21,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -42,6 +47,7 @@ struct cl_proc {
 struct cl_up {
     const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args;
     int pipelines, stages, port, threads, timeout_s, kv_blocks;
+    bool insecure;
     char dir[PATH_MAX];     /* run dir, absolute */
     char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX];
     char redis_url[128];
@@ -374,17 +380,39 @@ static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
     if (port < 0) return STATUS_IO;
     char port_s[16];
     cl_fmt(port_s, sizeof port_s, "%d", port);
-    /* A private, throw-away store: no RDB snapshots, no AOF. */
-    char *argv[] = {u->bin_redis, "--port", port_s, "--bind", "127.0.0.1", "--dir", u->dir,
-                    "--save", "", "--appendonly", "no", "--daemonize", "no", NULL};
+    /* A fresh password (requirepass), in a config file of the run dir that
+     * only this user reads, so that it is not on redis-server's command
+     * line; the URL that carries it goes to env.sh. */
+    uint8_t raw[16];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
+        cl_fmt(err, errlen, "getrandom: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    char password[2 * sizeof raw + 1], conf[PATH_MAX + 32], text[128];
+    for (size_t i = 0; i < sizeof raw; i++) cl_fmt(password + 2 * i, 3, "%02x", raw[i]);
+    cl_fmt(conf, sizeof conf, "%s/redis.conf", u->dir);
+    cl_fmt(text, sizeof text, "requirepass %s\n", password);
+    int fd = open(conf, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || fchmod(fd, 0600) != 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
+        cl_fmt(err, errlen, "%s: %s", conf, strerror(errno));
+        if (fd >= 0) close(fd);
+        return STATUS_IO;
+    }
+    close(fd);
+    /* A private store that survives its own restart: the append-only file
+     * in the run dir, written to disk every second (at most a second of
+     * writes lost); no RDB snapshots besides. */
+    char *argv[] = {u->bin_redis, conf, "--port", port_s, "--bind", "127.0.0.1", "--dir", u->dir,
+                    "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                    "--daemonize", "no", NULL};
     int rc = cl_spawn(u, "redis", "redis-server", argv, err, errlen);
     if (rc < 0) return rc;
-    cl_fmt(u->redis_url, sizeof u->redis_url, "redis://127.0.0.1:%d", port);
+    cl_fmt(u->redis_url, sizeof u->redis_url, "redis://:%s@127.0.0.1:%d", password, port);
     int64_t end = cl_now_ms() + 10000;
     for (;;) {
         struct rconn *rc_conn = NULL;
         char e2[256];
-        if (rconn_open("127.0.0.1", port, 0, 500, &rc_conn, e2, sizeof e2) == 0 && rconn_ping(rc_conn) == 0) {
+        if (rconn_open_url(u->redis_url, 500, &rc_conn, e2, sizeof e2) == 0 && rconn_ping(rc_conn) == 0) {
             rconn_close(rc_conn);
             return 0;
         }
@@ -404,6 +432,99 @@ static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
     }
 }
 
+/* The key files of a run dir (docs/security.md). */
+static void cl_key_path(char *out, size_t size, const char *dir, const char *which) {
+    cl_fmt(out, size, "%s/keys/%s", dir, which);
+}
+
+/* dir/NAME.key and .pub: kept when there from an earlier `up` in this run
+ * dir (a client may hold them), else made now. */
+static int cl_key_ensure(const char *dir, const char *name, char *err, size_t errlen) {
+    char path[PATH_MAX + 80];
+    cl_fmt(path, sizeof path, "%s/%s.key", dir, name);
+    struct keys_pair kp;
+    if (access(path, F_OK) == 0) return keys_pair_load(path, &kp, err, errlen);
+    int rc = keys_pair_generate(&kp, err, errlen);
+    if (rc == 0) rc = keys_pair_write(dir, name, &kp, err, errlen);
+    memset(&kp, 0, sizeof kp);
+    return rc;
+}
+
+/* Keys for the router, one client (env.sh's) and each worker. */
+static int cl_make_keys(struct cl_up *u, char *err, size_t errlen) {
+    char dir[PATH_MAX + 32], sub[PATH_MAX + 48];
+    cl_fmt(dir, sizeof dir, "%s/keys", u->dir);
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        cl_fmt(err, errlen, "%s: %s", dir, strerror(errno));
+        return STATUS_IO;
+    }
+    int rc = cl_key_ensure(dir, "router", err, errlen);
+    cl_fmt(sub, sizeof sub, "%s/clients", dir);
+    if (rc == 0) rc = cl_key_ensure(sub, "client", err, errlen);
+    cl_fmt(sub, sizeof sub, "%s/workers", dir);
+    for (int p = 0; rc == 0 && p < u->pipelines; p++) {
+        for (int s = 0; rc == 0 && s < u->stages; s++) {
+            char name[64];
+            cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
+            rc = cl_key_ensure(sub, name, err, errlen);
+        }
+    }
+    return rc;
+}
+
+/* The client settings of a run dir into cfg: its client key, or insecure
+ * when `up` ran with --insecure.  Paths go into the two buffers. */
+static void cl_client_keys(const char *dir, struct llm_client_config *cfg, char *key, char *router,
+                           size_t size) {
+    char marker[PATH_MAX + 32];
+    cl_fmt(marker, sizeof marker, "%s/insecure", dir);
+    if (access(marker, F_OK) == 0) {
+        cfg->insecure = true;
+        return;
+    }
+    cl_key_path(key, size, dir, "clients/client.key");
+    cl_key_path(router, size, dir, "router.pub");
+    cfg->curve_key_file = key;
+    cfg->router_key_file = router;
+}
+
+/* Appends "export NAME='value'\n" to text, the value quoted for sh. */
+static void cl_export(char *text, size_t size, const char *name, const char *value) {
+    size_t n = strlen(text);
+    n += (size_t)snprintf(text + n, n < size ? size - n : 0, "export %s='", name);
+    for (const char *v = value; *v && n + 5 < size; v++) {
+        if (*v == '\'') n += (size_t)snprintf(text + n, size - n, "'\\''");
+        else text[n++] = *v;
+    }
+    snprintf(text + (n < size ? n : size - 1), n < size ? size - n : 1, "'\n");
+}
+
+/* RUN_DIR/env.sh: sourced, it points llm and any libllmclient program at
+ * this cluster with its client key. */
+static int cl_write_env(struct cl_up *u) {
+    char path[PATH_MAX + 32], key[PATH_MAX + 64], text[4 * PATH_MAX];
+    cl_fmt(text, sizeof text, "# llm-cluster up: . %s/env.sh\n", u->dir);
+    cl_export(text, sizeof text, "LLM_ROUTER", u->endpoint);
+    cl_export(text, sizeof text, "LLM_REDIS", u->redis_url);
+    if (u->insecure) {
+        cl_export(text, sizeof text, "LLM_INSECURE", "true");
+        size_t n = strlen(text);
+        cl_fmt(text + n, sizeof text - n, "unset LLM_CURVE_KEY_FILE LLM_ROUTER_KEY\n");
+    } else {
+        cl_key_path(key, sizeof key, u->dir, "clients/client.key");
+        cl_export(text, sizeof text, "LLM_CURVE_KEY_FILE", key);
+        cl_key_path(key, sizeof key, u->dir, "router.pub");
+        cl_export(text, sizeof text, "LLM_ROUTER_KEY", key);
+        size_t n = strlen(text);
+        cl_fmt(text + n, sizeof text - n, "unset LLM_INSECURE\n");
+    }
+    cl_fmt(path, sizeof path, "%s/env.sh", u->dir);
+    int rc = cl_write_file(path, text);
+    /* It names the Redis password: for this user only. */
+    if (rc == 0 && chmod(path, 0600) != 0) rc = STATUS_IO;
+    return rc;
+}
+
 /* Polls the router until health says SERVING with every pipeline ready,
  * checking all along that no process died.  Prints progress once a second
  * on stderr when it changes. */
@@ -415,6 +536,8 @@ static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
     cfg.n_endpoints = 1;
     cfg.reply_timeout_ms = 1000;
     cfg.retry_ms = 1000;
+    char key[PATH_MAX + 64], router_key[PATH_MAX + 64];
+    cl_client_keys(u->dir, &cfg, key, router_key, sizeof key);
     llm_client *c;
     int rc = llm_client_open(&c, &cfg, err, errlen);
     if (rc < 0) return rc;
@@ -498,6 +621,20 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     } else if ((rc = cl_start_redis(u, err, errlen)) < 0) {
         return rc;
     }
+    char marker[PATH_MAX + 32], key_router[PATH_MAX + 64], keys_clients[PATH_MAX + 64],
+        keys_workers[PATH_MAX + 64], pub_router[PATH_MAX + 64];
+    cl_fmt(marker, sizeof marker, "%s/insecure", u->dir);
+    cl_key_path(key_router, sizeof key_router, u->dir, "router.key");
+    cl_key_path(pub_router, sizeof pub_router, u->dir, "router.pub");
+    cl_key_path(keys_clients, sizeof keys_clients, u->dir, "clients");
+    cl_key_path(keys_workers, sizeof keys_workers, u->dir, "workers");
+    if (u->insecure) {
+        fprintf(stderr, "llm-cluster: --insecure: no keys; anyone who reaches the ports is served\n");
+        cl_write_file(marker, "started with --insecure\n");
+    } else {
+        unlink(marker);
+        if ((rc = cl_make_keys(u, err, errlen)) < 0) return rc;
+    }
 
     /* The router. */
     char client_ep[64], worker_ep[64], extra_r[1024], stages_s[16];
@@ -521,6 +658,16 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     argv[n++] = stages_s;
     argv[n++] = "--log-level";
     argv[n++] = (char *)u->log_level;
+    if (u->insecure) {
+        argv[n++] = "--insecure";
+    } else {
+        argv[n++] = "--curve-key-file";
+        argv[n++] = key_router;
+        argv[n++] = "--client-keys";
+        argv[n++] = keys_clients;
+        argv[n++] = "--worker-keys";
+        argv[n++] = keys_workers;
+    }
     if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
     argv[n] = NULL;
     if ((rc = cl_spawn(u, "router", "llm-router", argv, err, errlen)) < 0) return rc;
@@ -536,6 +683,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         for (int s = 0; s < u->stages; s++) {
             int idx = p * u->stages + s;
             char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024];
+            char wkey[PATH_MAX + 96];
             cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
             cl_fmt(pid_s, sizeof pid_s, "%d", p);
             cl_fmt(sid_s, sizeof sid_s, "%d", s);
@@ -576,6 +724,15 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             }
             argv[n++] = "--log-level";
             argv[n++] = (char *)u->log_level;
+            if (u->insecure) {
+                argv[n++] = "--insecure";
+            } else {
+                cl_fmt(wkey, sizeof wkey, "%s/keys/workers/%s.key", u->dir, name);
+                argv[n++] = "--curve-key-file";
+                argv[n++] = wkey;
+                argv[n++] = "--router-key";
+                argv[n++] = pub_router;
+            }
             if ((n = cl_add_words(argv, n, extra_w, err, errlen)) < 0) return STATUS_BAD_INPUT;
             argv[n] = NULL;
             if ((rc = cl_spawn(u, name, "llm-worker", argv, err, errlen)) < 0) return rc;
@@ -590,6 +747,11 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     cl_fmt(path, sizeof path, "%s/cluster.env", u->dir);
     cl_fmt(text, sizeof text, "LLM_ROUTER=%s\nLLM_REDIS_URL=%s\n", u->endpoint, u->redis_url);
     cl_write_file(path, text);
+    chmod(path, 0600);
+    if (cl_write_env(u) < 0) {
+        cl_fmt(err, errlen, "%s/env.sh: cannot write it", u->dir);
+        return STATUS_IO;
+    }
     return 0;
 }
 
@@ -625,6 +787,8 @@ static int cl_up(int argc, char **argv) {
          0, 0, NULL},
         {"worker-args", NULL, OPTION_STRING, "", "extra llm-worker arguments, space-separated", &u->worker_args,
          0, 0, NULL},
+        {"insecure", "LLM_INSECURE", OPTION_BOOL, "false",
+         "no CURVE keys: plain sockets that anyone who reaches the ports may use", &u->insecure, 0, 0, NULL},
     };
     struct options o = {"llm-cluster up", "--model PATH [options]",
                         "Starts Redis, a router and pipelines x stages workers in the background and waits "
@@ -652,7 +816,8 @@ static int cl_up(int argc, char **argv) {
         return 1;
     }
     printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
-    printf("try: LLM_ROUTER=%s llm generate --prompt \"Once upon a time\"\n", u->endpoint);
+    printf("keys: %s\n", u->insecure ? "none (--insecure)" : "RUN_DIR/keys (router, clients/client, workers/)");
+    printf("try: . %s/env.sh; llm generate --prompt \"Once upon a time\"\n", u->dir);
     printf("stop: llm-cluster down --run-dir %s\n", u->dir);
     free(u);
     return 0;
@@ -801,6 +966,8 @@ static int cl_status(int argc, char **argv) {
     cfg.n_endpoints = 1;
     cfg.reply_timeout_ms = 2000;
     cfg.retry_ms = 2000;
+    char key[PATH_MAX + 64], router_key[PATH_MAX + 64];
+    cl_client_keys(run_dir, &cfg, key, router_key, sizeof key);
     llm_client *c;
     char err[512];
     if (llm_client_open(&c, &cfg, err, sizeof err) < 0) {

@@ -1,10 +1,13 @@
 /* llm: the command-line client of a running cluster.  `llm generate` has
  * the options and output of llm-run (text streamed to stdout, --json's
  * object on the last line) but asks the router; `llm status`, `llm health`,
- * `llm models` and `llm cancel` show and steer the cluster.  The router is
- * --router, else $LLM_ROUTER, else tcp://127.0.0.1:5555. */
+ * `llm models` and `llm cancel` show and steer the cluster; `llm keygen`
+ * writes a CURVE key pair.  The router is --router, else $LLM_ROUTER, else
+ * tcp://127.0.0.1:5555; the keys are --curve-key-file and --router-key (or
+ * LLM_CURVE_KEY_FILE, LLM_ROUTER_KEY; see docs/security.md). */
 #include "client.h"
 
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -16,14 +19,15 @@
 #include <string.h>
 
 struct llm_global {
-    const char *router, *log_level;
+    const char *router, *log_level, *curve_key_file, *router_key;
     int reply_timeout_ms, retry_ms, idle_timeout_ms, connect_timeout_ms;
+    bool insecure;
 };
 
 /* The global options, declared once: main parses them before the
  * subcommand, and every subcommand's table takes them again (defaults =
  * the values so far, no environment) so that they work after it too. */
-#define LLM_N_GLOBAL 6
+#define LLM_N_GLOBAL 9
 static void llm_global_defs(struct llm_global *g, struct option_def *d) {
     const struct option_def defs[LLM_N_GLOBAL] = {
         {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5555",
@@ -40,6 +44,12 @@ static void llm_global_defs(struct llm_global *g, struct option_def *d) {
          "re-attach after this long without a message during a generation", &g->idle_timeout_ms, 1, 1 << 30, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "warn", "debug, info, warn, error or none", &g->log_level,
          0, 0, NULL},
+        {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
+         "this client's CURVE key pair (NAME.key from llm keygen)", &g->curve_key_file, 0, 0, NULL},
+        {"router-key", "LLM_ROUTER_KEY", OPTION_STRING, NULL, "the router's public key file (NAME.pub)",
+         &g->router_key, 0, 0, NULL},
+        {"insecure", "LLM_INSECURE", OPTION_BOOL, "false", "plain socket, for a router that runs --insecure",
+         &g->insecure, 0, 0, NULL},
     };
     memcpy(d, defs, sizeof defs);
 }
@@ -56,7 +66,8 @@ static int llm_parse_sub(struct llm_global *g, const char *name, const char *usa
     for (int i = 0; i < LLM_N_GLOBAL; i++) {
         struct option_def *d = &defs[n_sub + i];
         options_value_str(d, values[i], sizeof values[i]);
-        d->def = values[i];
+        /* An unset string stays unset (its text would be "(none)"). */
+        d->def = d->type == OPTION_STRING && !*(const char **)d->target ? NULL : values[i];
         d->env = NULL; /* already applied by main: a flag before the subcommand stays */
     }
     struct options o = {name, usage, about, defs, n_sub + LLM_N_GLOBAL, false};
@@ -98,6 +109,10 @@ static int llm_open(const struct llm_global *g, llm_client **c) {
     cfg.reply_timeout_ms = g->reply_timeout_ms;
     cfg.retry_ms = g->retry_ms;
     cfg.idle_timeout_ms = g->idle_timeout_ms;
+    cfg.curve_key_file = g->curve_key_file;
+    cfg.router_key_file = g->router_key;
+    cfg.insecure = g->insecure;
+    if (g->insecure) LOG(LL_WARN, "llm: --insecure: plain socket to %s, without keys", g->router);
     char err[512];
     int rc = llm_client_open(c, &cfg, err, sizeof err);
     if (rc < 0) {
@@ -109,7 +124,7 @@ static int llm_open(const struct llm_global *g, llm_client **c) {
     if (llm_client_probe(*c, g->connect_timeout_ms) < 0) {
         fprintf(stderr,
                 "llm: %s.\n"
-                "  Start a cluster with:  llm-cluster up --model MODEL.gguf   (then: source RUN_DIR/cluster.env)\n"
+                "  Start a cluster with:  llm-cluster up --model MODEL.gguf   (then: . RUN_DIR/env.sh)\n"
                 "  or point --router (or LLM_ROUTER) at a running router's client endpoint.\n",
                 llm_client_errstr(*c));
         llm_client_close(*c);
@@ -537,11 +552,47 @@ static int llm_cancel(struct llm_global *gl, int argc, char **argv) {
     return 0;
 }
 
+/* llm keygen: a key pair for a client, a worker or a router. */
+static int llm_keygen(struct llm_global *gl, int argc, char **argv) {
+    const char *out = NULL, *name = NULL;
+    const struct option_def defs[] = {
+        {"out", NULL, OPTION_STRING, NULL, "folder to write NAME.key and NAME.pub into (made if missing)",
+         &out, 0, 0, NULL},
+        {"name", NULL, OPTION_STRING, NULL, "the key's name: the files' names, and the peer's name in logs",
+         &name, 0, 0, NULL},
+    };
+    int rc = llm_parse_sub(gl, "llm keygen",
+                           "--out DIR --name NAME",
+                           "Writes a CURVE key pair: DIR/NAME.key (secret, mode 0600) and DIR/NAME.pub; "
+                           "never overwrites.  Put NAME.pub in the router's --client-keys or "
+                           "--worker-keys.", defs, 2, &argc, argv);
+    if (rc >= 0) return rc;
+    if (!out || !out[0] || !name || !name[0]) {
+        fprintf(stderr, "llm keygen: give --out DIR and --name NAME\n");
+        return 2;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "llm keygen: unexpected argument \"%s\"\n", argv[1]);
+        return 2;
+    }
+    struct keys_pair kp;
+    char err[512];
+    if ((rc = keys_pair_generate(&kp, err, sizeof err)) == 0)
+        rc = keys_pair_write(out, name, &kp, err, sizeof err);
+    if (rc < 0) {
+        fprintf(stderr, "llm keygen: %s\n", err);
+        return rc == STATUS_BAD_INPUT ? 2 : 1;
+    }
+    printf("%s/%s.key\n%s/%s.pub\n%s\n", out, name, out, name, kp.pub);
+    memset(&kp, 0, sizeof kp);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     struct llm_global g;
     struct option_def defs[LLM_N_GLOBAL];
     llm_global_defs(&g, defs);
-    struct options o = {"llm", "[options] (generate | status | health | models | cancel) [subcommand options]",
+    struct options o = {"llm", "[options] (generate | status | health | models | cancel | keygen) [subcommand options]",
                         "Talks to a running cluster's router.  Each subcommand has its own --help; "
                         "these options also work after the subcommand.", defs, LLM_N_GLOBAL, true};
     char err[512];
@@ -569,6 +620,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "health") == 0) return llm_health(&g, n, argv + 1);
     if (strcmp(cmd, "models") == 0) return llm_models(&g, n, argv + 1);
     if (strcmp(cmd, "cancel") == 0) return llm_cancel(&g, n, argv + 1);
-    fprintf(stderr, "llm: unknown subcommand \"%s\": expected generate, status, health, models or cancel\n", cmd);
+    if (strcmp(cmd, "keygen") == 0) return llm_keygen(&g, n, argv + 1);
+    fprintf(stderr, "llm: unknown subcommand \"%s\": expected generate, status, health, models, cancel or keygen\n", cmd);
     return 2;
 }

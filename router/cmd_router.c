@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
+#include "common/zio.h"
 #include "router/server.h"
 #include "router/server_metrics.h"
 
@@ -26,14 +27,27 @@ int main(int argc, char **argv) {
     int log_level = LL_INFO;
     const char *metrics_listen = NULL;
     bool prefix_cache = true;
+    int64_t max_msg_size = 0;
     static const char metrics_default[] = "127.0.0.1:9464";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL,
          "model file (.gguf) or Hugging Face directory: its tokenizer and metadata", &c.model_path, 0, 0, NULL},
-        {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://0.0.0.0:5555", "endpoint for clients", &c.listen, 0, 0, NULL},
-        {"worker-listen", "LLM_WORKER_LISTEN", OPTION_STRING, "tcp://0.0.0.0:5556", "endpoint for workers",
-         &c.worker_listen, 0, 0, NULL},
+        {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://127.0.0.1:5555",
+         "endpoint for clients (tcp://0.0.0.0:5555 for every interface)", &c.listen, 0, 0, NULL},
+        {"worker-listen", "LLM_WORKER_LISTEN", OPTION_STRING, "tcp://127.0.0.1:5556",
+         "endpoint for workers (tcp://0.0.0.0:5556 for every interface)", &c.worker_listen, 0, 0, NULL},
+        {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
+         "this router's CURVE key pair (NAME.key from llm keygen)", &c.curve_key_file, 0, 0, NULL},
+        {"client-keys", "LLM_CLIENT_KEYS", OPTION_STRING, NULL,
+         "public keys of the admitted clients: a list file or a directory of *.pub", &c.client_keys, 0, 0, NULL},
+        {"worker-keys", "LLM_WORKER_KEYS", OPTION_STRING, NULL,
+         "public keys of the admitted workers: a list file or a directory of *.pub", &c.worker_keys, 0, 0, NULL},
+        {"insecure", "LLM_INSECURE", OPTION_BOOL, "false",
+         "plain sockets without keys: anyone who reaches the ports is served", &c.insecure, 0, 0, NULL},
+        {"max-msg-size", "LLM_MAX_MSG_SIZE", OPTION_SIZE, "64M",
+         "largest frame accepted on any socket; a peer sending more is disconnected", &max_msg_size,
+         1024, 4.0 * 1024 * 1024 * 1024, NULL},
         {"redis", "LLM_REDIS", OPTION_STRING, "redis://127.0.0.1:6379", "Redis URL (queue, state, registry)",
          &c.redis_url, 0, 0, NULL},
         {"redis-prefix", "LLM_REDIS_PREFIX", OPTION_STRING, "llm:", "prefix of every Redis key",
@@ -89,6 +103,7 @@ int main(int argc, char **argv) {
     log_set_process("router");
     log_set_level(log_level);
     options_log(&o);
+    zio_set_max_msg_size(max_msg_size);
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

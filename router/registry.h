@@ -44,6 +44,9 @@ struct worker {
     uint32_t kv_used, kv_total;
     bool redis_key_seen; /* its TTL key existed once: its absence now means death */
     char error[256];     /* the last failure it reported */
+    /* The CURVE public key (Z85) it registered from, "" on an insecure
+     * router: while it lives, its id belongs to this key. */
+    char key[48];
 };
 
 struct pipeline {

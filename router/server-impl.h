@@ -119,6 +119,11 @@ struct server {
     tokenizer *tok;
     void *zctx;
     struct zio_sock *cs, *ws; /* clients, workers */
+    zio_zap *zap;             /* admits the listed keys; NULL when insecure */
+    /* The sender of the frame being handled: its CURVE key, or "" on an
+     * insecure router. */
+    const char *peer_key;
+    uint64_t workers_refused; /* registrations, heartbeats, results from a key not the id's */
     reqstore *rs;
     bool recovered;
     registry *reg;

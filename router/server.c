@@ -97,6 +97,41 @@ void server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, L
 
 /* ------------------------------------------------------------------------ */
 
+/* CURVE on both sockets, each admitting its own list (docs/security.md), or
+ * plain sockets with a warning.  Before bind: the mechanism is fixed then. */
+static int server_secure(server *s, char *err, size_t errlen) {
+    const struct server_config *c = &s->cfg;
+    if (c->insecure) {
+        LOG(LL_WARN, "router: --insecure: client and worker sockets are plain; anyone who "
+            "reaches %s or %s is served", c->listen, c->worker_listen);
+        return 0;
+    }
+    if (!c->curve_key_file || !c->curve_key_file[0] || !c->client_keys || !c->client_keys[0] ||
+        !c->worker_keys || !c->worker_keys[0])
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "router: no keys: give --curve-key-file, --client-keys and --worker-keys "
+                           "(llm keygen writes key pairs), or --insecure for plain sockets");
+    struct keys_pair kp;
+    struct keys_list *clients = NULL, *workers = NULL;
+    int rc = keys_pair_load(c->curve_key_file, &kp, err, errlen);
+    if (rc == 0) rc = keys_list_load(c->client_keys, &clients, err, errlen);
+    if (rc == 0) rc = keys_list_load(c->worker_keys, &workers, err, errlen);
+    if (rc == 0) rc = zio_zap_start(s->zctx, &s->zap, err, errlen);
+    if (rc == 0) rc = zio_zap_set(s->zap, "clients", clients);
+    if (rc == 0) rc = zio_zap_set(s->zap, "workers", workers);
+    if (rc == 0) {
+        LOG(LL_INFO, "router: CURVE on, key %s; %zu client keys (%s), %zu worker keys (%s)", kp.pub,
+            clients->n, c->client_keys, workers->n, c->worker_keys);
+        if ((rc = zio_curve_server(s->cs, &kp, "clients")) < 0 ||
+            (rc = zio_curve_server(s->ws, &kp, "workers")) < 0)
+            snprintf(err, errlen, "router: %s", zio_errstr(rc == 0 ? s->ws : s->cs));
+    }
+    keys_list_free(clients);
+    keys_list_free(workers);
+    memset(&kp, 0, sizeof kp);
+    return rc;
+}
+
 int server_init(server **out, const struct server_config *cfg, char *err, size_t errlen) {
     *out = NULL;
     server *s = calloc(1, sizeof *s);
@@ -145,9 +180,14 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
     zio_set_int(s->ws, ZMQ_SNDHWM, 100000);
     zio_set_int(s->ws, ZMQ_RCVHWM, 100000);
     /* A worker that restarts reconnects with the same routing id (its
-     * worker_id): hand the id over to the new connection. */
-    zio_set_int(s->ws, ZMQ_ROUTER_HANDOVER, 1);
+     * worker_id): hand the id over to the new connection.  Not with keys:
+     * any admitted peer could then take a live worker's connection by
+     * naming its routing id; a second connection with a live id is refused
+     * instead, and the router learns a worker's connection from its
+     * authenticated registration and heartbeats. */
+    zio_set_int(s->ws, ZMQ_ROUTER_HANDOVER, cfg->insecure ? 1 : 0);
     zio_set_int(s->cs, ZMQ_ROUTER_HANDOVER, 1);
+    if ((rc = server_secure(s, err, errlen)) < 0) goto fail;
     if ((rc = zio_bind(s->cs, cfg->listen)) < 0) {
         snprintf(err, errlen, "router: client endpoint: %s", zio_errstr(s->cs));
         goto fail;
@@ -195,6 +235,7 @@ void server_free(server *s) {
     free(s->detok_buf);
     zio_sock_close(s->cs);
     zio_sock_close(s->ws);
+    zio_zap_stop(s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
     reqstore_close(s->rs);
     tokenizer_free(s->tok);
@@ -207,12 +248,16 @@ const char *server_worker_endpoint(const server *s) { return zio_endpoint(s->ws)
 
 void server_log_stats(server *s) {
     LOG(LL_INFO, "router: %llu requests, %llu steps; per step: planning %.1f us mean (%.1f max), "
-        "result-to-next-plans %.1f us mean; %llu frames rejected, %llu client sends dropped, %llu stale results",
+        "result-to-next-plans %.1f us mean; %llu frames rejected, %llu client sends dropped, %llu stale results; "
+        "refused: %llu client and %llu worker handshakes, %llu worker messages from a key not the id's",
         (unsigned long long)s->requests_total, (unsigned long long)s->steps_total,
         s->plan_n ? s->plan_us_sum / (double)s->plan_n : 0.0, s->plan_us_max,
         s->turn_n ? s->turn_us_sum / (double)s->turn_n : 0.0,
         (unsigned long long)(proto_frames_rejected() + s->frames_bad), (unsigned long long)s->sends_dropped,
-        (unsigned long long)s->stale_results);
+        (unsigned long long)s->stale_results,
+        (unsigned long long)(s->zap ? zio_zap_refused(s->zap, "clients") : 0),
+        (unsigned long long)(s->zap ? zio_zap_refused(s->zap, "workers") : 0),
+        (unsigned long long)s->workers_refused);
 }
 
 /* Reads up to max messages from a ROUTER socket without waiting. */
@@ -223,6 +268,7 @@ static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
         if (rc < 0) break;
         const uint8_t *ident = zio_parts_data(&in, 0);
         size_t ident_len = zio_parts_size(&in, 0);
+        s->peer_key = zio_user_id_key(zio_parts_user_id(&in));
         if (in.n != 2) {
             /* One frame after the routing id is the protocol. */
             s->frames_bad++;

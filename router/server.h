@@ -10,6 +10,7 @@
 #define ROUTER_SERVER_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,13 @@ struct server_config {
     int retention_s;           /* finished requests are remembered this long */
     int claim_idle_ms;         /* another router's requests idle this long are taken over */
     int no_prefix_cache;       /* every prompt computed whole (--no-prefix-cache; docs/router.md) */
+    /* Security (docs/security.md).  Without insecure, curve_key_file (the
+     * router's key pair), client_keys and worker_keys (allowlists: a file or
+     * a directory of *.pub) are required. */
+    const char *curve_key_file;
+    const char *client_keys;
+    const char *worker_keys;
+    bool insecure;             /* plain sockets: anyone who reaches a port is served */
     struct server_metrics *metrics; /* updated by the loop (router/server_metrics.h), the
                                        caller's; NULL: no metrics */
 };

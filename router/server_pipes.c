@@ -153,6 +153,8 @@ static void pipe_announce(server *s, struct pipeline *p) {
         rr.layer_end = w->layer_end;
         rr.prev_stage_endpoint = st > 0 && p->stage[st - 1] ? p->stage[st - 1]->stage_endpoint : "";
         rr.next_stage_endpoint = st + 1 < p->stage_count && p->stage[st + 1] ? p->stage[st + 1]->stage_endpoint : "";
+        rr.prev_stage_key = st > 0 && p->stage[st - 1] ? p->stage[st - 1]->key : "";
+        rr.next_stage_key = st + 1 < p->stage_count && p->stage[st + 1] ? p->stage[st + 1]->key : "";
         rr.epoch = p->epoch;
         rr.pipeline_whole = true;
         Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;

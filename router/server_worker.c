@@ -14,6 +14,19 @@
 #include "common/log.h"
 #include "common/status.h"
 
+/* A live worker's id belongs to the key it registered from: another key
+ * naming it is refused, so that no admitted peer can take over a running
+ * stage.  After the worker is lost, the id is free again. */
+static bool key_owns_id(server *s, const char *worker_id, char *err, size_t errlen) {
+    struct worker *w = registry_worker_find(s->reg, worker_id);
+    if (!w || w->state == WORKER_LOST || strcmp(w->key, s->peer_key) == 0) return true;
+    s->workers_refused++;
+    snprintf(err, errlen, "worker %.128s is registered from another key (%.8s...) and alive: "
+             "refused from key %.8s... (%llu refused so far)", worker_id, w->key,
+             s->peer_key[0] ? s->peer_key : "(none)", (unsigned long long)s->workers_refused);
+    return false;
+}
+
 /* The limits a worker states and how it chose them (Register's sizing
  * fields; an older worker states none), so that the router's log shows
  * what each pipeline's batches are made of. */
@@ -38,9 +51,13 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
     struct worker *w = NULL;
     struct pipeline *p = NULL;
     bool reformed = false;
-    Llm__Error__Code code;
+    Llm__Error__Code code = LLM__ERROR__CODE__ALREADY_EXISTS;
     char err[512];
-    int rc = registry_register(s->reg, m, ident, ident_len, server_now_ms(), &w, &p, &reformed, &code, err, sizeof err);
+    int rc = key_owns_id(s, m->worker_id, err, sizeof err)
+                 ? registry_register(s->reg, m, ident, ident_len, server_now_ms(), &w, &p, &reformed,
+                                     &code, err, sizeof err)
+                 : STATUS_BAD_INPUT;
+    if (rc == 0) snprintf(w->key, sizeof w->key, "%s", s->peer_key);
     if (rc < 0) {
         LOG(LL_WARN, "%s", err);
         Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
@@ -69,6 +86,8 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
     uint32_t si = w->stage_index;
     rr.prev_stage_endpoint = si > 0 && p->stage[si - 1] ? p->stage[si - 1]->stage_endpoint : "";
     rr.next_stage_endpoint = si + 1 < p->stage_count && p->stage[si + 1] ? p->stage[si + 1]->stage_endpoint : "";
+    rr.prev_stage_key = si > 0 && p->stage[si - 1] ? p->stage[si - 1]->key : "";
+    rr.next_stage_key = si + 1 < p->stage_count && p->stage[si + 1] ? p->stage[si + 1]->key : "";
     rr.epoch = p->epoch;
     rr.pipeline_whole = registry_pipeline_whole(s->reg, p);
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
@@ -78,7 +97,24 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
 }
 
 static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, const Llm__Heartbeat *m) {
-    struct worker *w = NULL;
+    struct worker *w = registry_worker_find(s->reg, m->worker_id);
+    if (w && strcmp(w->key, s->peer_key) != 0) {
+        /* Not its owner: it must not keep the worker alive or move its
+         * connection.  The refusal goes to the sender only. */
+        s->workers_refused++;
+        char msg[256];
+        snprintf(msg, sizeof msg, "heartbeat for worker %.128s from a key that did not register it",
+                 m->worker_id);
+        LOG(LL_WARN, "%s (%llu refused so far)", msg, (unsigned long long)s->workers_refused);
+        uint8_t *out = NULL;
+        size_t olen = 0;
+        if (proto_worker_error_pack(LLM__ERROR__CODE__ALREADY_EXISTS, "", msg, 0, &out, &olen) == 0) {
+            server_send_worker(s, ident, ident_len, out, olen);
+            free(out);
+        }
+        return;
+    }
+    w = NULL;
     if (registry_heartbeat(s->reg, m, server_now_ms(), &w) == 0) {
         if (w->ident_len != ident_len || memcmp(w->ident, ident, ident_len) != 0) {
             memcpy(w->ident, ident, ident_len < sizeof w->ident ? ident_len : sizeof w->ident);
@@ -106,6 +142,14 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
 
 static void on_result(server *s, const Llm__StepResult *m) {
     int64_t t0 = server_mono_us();
+    /* A result counts only from the stage worker it names, sent from that
+     * worker's key. */
+    struct worker *from = registry_worker_find(s->reg, m->worker_id);
+    if (!from || strcmp(from->key, s->peer_key) != 0) {
+        if (from) s->workers_refused++;
+        s->stale_results++;
+        return;
+    }
     struct pipeline *p = registry_pipeline_find(s->reg, m->pipeline_id);
     struct pipe *pp = p ? p->ud : NULL;
     if (!pp || !pp->sched || m->epoch != pp->epoch) {

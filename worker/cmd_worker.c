@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
+#include "common/zio.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -34,7 +35,9 @@ int main(int argc, char **argv) {
     node_config_default(&cfg);
     const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
     const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
-    const char *metrics_listen = NULL;
+    const char *metrics_listen = NULL, *curve_key_file = NULL, *router_key = NULL;
+    bool insecure = false;
+    int64_t max_msg_size = 0;
     static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
     int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_timeout = 0,
@@ -65,6 +68,16 @@ int main(int argc, char **argv) {
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
         {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
         {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},
+        {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
+         "this worker's CURVE key pair (NAME.key from llm keygen), for the router and the stage links",
+         &curve_key_file, 0, 0, NULL},
+        {"router-key", "LLM_ROUTER_KEY", OPTION_STRING, NULL, "the router's public key file (NAME.pub)",
+         &router_key, 0, 0, NULL},
+        {"insecure", "LLM_INSECURE", OPTION_BOOL, "false",
+         "plain sockets to the router and on the stage links, without keys", &insecure, 0, 0, NULL},
+        {"max-msg-size", "LLM_MAX_MSG_SIZE", OPTION_SIZE, "64M",
+         "largest frame accepted on any socket; a peer sending more is disconnected", &max_msg_size, 1024,
+         4.0 * 1024 * 1024 * 1024, NULL},
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none",
          &metrics_listen, 0, 0, NULL},
@@ -94,6 +107,10 @@ int main(int argc, char **argv) {
     log_set_process("worker");
     options_log(&o);
 
+    zio_set_max_msg_size(max_msg_size);
+    cfg.curve_key_file = curve_key_file;
+    cfg.router_key = router_key;
+    cfg.insecure = insecure;
     cfg.model_path = model;
     cfg.worker_id = worker_id;
     cfg.require_gpu = require_gpu;

@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/keys.h"
 #include "kernels/backend.h"
 
 typedef struct link_conn link_conn;
@@ -40,6 +41,19 @@ enum link_dir {
  * endpoint (*out NULL). */
 int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
                   int timeout_ms, char *err, size_t errlen);
+
+/* The ZAP domain of the links' listeners: the worker admits in it only the
+ * public key of the stage the router placed before it (zio_zap_set_one). */
+#define LINK_ZAP_DOMAIN "link"
+
+/* link_zmq_init with CURVE (docs/security.md): own is this worker's key
+ * pair.  LINK_RECV listens as a CURVE server in LINK_ZAP_DOMAIN, so the
+ * context's ZAP handler (common/zio.h) decides who may send; peer_key is
+ * unused.  LINK_SEND connects as a client that talks only to the holder of
+ * peer_key, the next stage's public key.  own NULL: link_zmq_init. */
+int link_zmq_init_curve(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
+                        int timeout_ms, const struct keys_pair *own, const char *peer_key, char *err,
+                        size_t errlen);
 
 /* NCCL: the link between stage k (LINK_SEND, rank 0) and k+1 (LINK_RECV,
  * rank 1) over a 2-rank communicator of its own.  The sender creates the

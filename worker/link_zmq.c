@@ -1,7 +1,8 @@
 /* The ZeroMQ link: PUSH (stage k) -> PULL (stage k+1) over TCP, for the
  * CPU backend.  Each message is two frames: a 32-byte header (magic, flags,
  * epoch, step id, payload size, little-endian) and the hidden states.
- * Timeouts on both ends turn a vanished peer into STATUS_TIMEOUT. */
+ * Timeouts on both ends turn a vanished peer into STATUS_TIMEOUT.  With
+ * keys, the listener admits only the predecessor the router placed. */
 #include "link.h"
 #include "link-impl.h"
 
@@ -143,6 +144,12 @@ static const struct link_ops link_zmq_ops = {"zmq", 0, lz_send, lz_recv, lz_free
 
 int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
                   int timeout_ms, char *err, size_t errlen) {
+    return link_zmq_init_curve(out, ctx, dir, endpoint, timeout_ms, NULL, NULL, err, errlen);
+}
+
+int link_zmq_init_curve(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
+                        int timeout_ms, const struct keys_pair *own, const char *peer_key, char *err,
+                        size_t errlen) {
     *out = NULL;
     if (!endpoint || !*endpoint || timeout_ms <= 0) {
         snprintf(err, errlen, "zmq link: endpoint \"%s\" and timeout %d ms: need an endpoint and a "
@@ -162,9 +169,17 @@ int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *end
         free(z);
         return rc;
     }
-    if (dir == LINK_SEND) {
+    /* Before bind or connect: the security mechanism is fixed then. */
+    if (own && dir == LINK_SEND) rc = zio_curve_client(z->sock, own, peer_key);
+    if (own && dir == LINK_RECV) rc = zio_curve_server(z->sock, own, LINK_ZAP_DOMAIN);
+    if (rc < 0) {
+        /* nothing more to set up: reported below */
+    } else if (dir == LINK_SEND) {
         /* IMMEDIATE: queue only to a connected peer, so a stage that is gone
-         * makes the send time out instead of piling up messages for it. */
+         * makes the send time out instead of piling up messages for it.
+         * With CURVE a peer counts as connected only after its handshake,
+         * so a listener that does not admit this key looks like one that is
+         * gone. */
         rc = zio_set_int(z->sock, ZMQ_IMMEDIATE, 1);
         if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDTIMEO, timeout_ms);
         if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDHWM, 8);

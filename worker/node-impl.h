@@ -57,6 +57,14 @@ struct node {
     int device_links; /* links carry F16 device buffers (NCCL) */
 
     void *zctx;
+    /* CURVE, unless cfg.insecure: this worker's keys, the router's public
+     * key, and the ZAP handler that admits on the link listener only the
+     * predecessor the router placed (LINK_ZAP_DOMAIN). */
+    int secure;
+    struct keys_pair kp;
+    char router_key[KEYS_Z85_LEN + 1];
+    char next_key[KEYS_Z85_LEN + 1]; /* the next stage's key the tx link was made for */
+    zio_zap *zap;
     struct zio_sock *router; /* DEALER, io thread */
     struct rconn *redis;     /* io thread only */
     char redis_key[192];

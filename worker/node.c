@@ -37,7 +37,16 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     uint32_t hb_ms = NODE_HEARTBEAT_DEFAULT_MS;
     int rc = zio_sock_open(n->zctx, ZMQ_DEALER, &n->router, err, errlen);
     if (rc < 0) return rc;
-    rc = zio_set_bytes(n->router, ZMQ_ROUTING_ID, n->s_worker_id, strlen(n->s_worker_id));
+    /* The routing id names this process's connection: the worker id on a
+     * plain router (which hands an id over to a restarted worker), the id
+     * and this start's incarnation with keys, where the router refuses a
+     * second connection under a live routing id and so a restarted or a
+     * second process must not reuse one. */
+    char rid[256];
+    if (n->secure) snprintf(rid, sizeof rid, "%.200s#%llx", n->s_worker_id, (unsigned long long)n->incarnation);
+    else snprintf(rid, sizeof rid, "%s", n->s_worker_id);
+    rc = zio_set_bytes(n->router, ZMQ_ROUTING_ID, rid, strlen(rid));
+    if (rc == 0 && n->secure) rc = zio_curve_client(n->router, &n->kp, n->router_key);
     if (rc == 0) rc = zio_connect(n->router, n->s_router);
     if (rc < 0) {
         snprintf(err, errlen, "%s", zio_errstr(n->router));
@@ -210,6 +219,21 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
         goto fail;
     }
     snprintf(n->redis_key, sizeof n->redis_key, "llm:worker:%s", n->s_worker_id);
+    /* Keys first: a missing one fails in a second, not after the weights load. */
+    if (cfg->insecure) {
+        LOG(LL_WARN, "worker %s: --insecure: plain sockets to the router and on the stage links",
+            n->s_worker_id);
+    } else if (!cfg->curve_key_file || !*cfg->curve_key_file || !cfg->router_key || !*cfg->router_key) {
+        snprintf(err, errlen, "no keys: give --curve-key-file (this worker's key pair) and --router-key "
+                 "(the router's public key), or --insecure for plain sockets");
+        rc = STATUS_BAD_INPUT;
+        goto fail;
+    } else {
+        rc = keys_pair_load(cfg->curve_key_file, &n->kp, err, errlen);
+        if (rc == 0) rc = keys_pub_load(cfg->router_key, n->router_key, err, errlen);
+        if (rc < 0) goto fail;
+        n->secure = 1;
+    }
 
     rc = backend_open(&n->b, &cfg->device, cfg->threads, cfg->require_gpu, NULL, 0, err, errlen);
     if (rc < 0) goto fail;
@@ -266,10 +290,17 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
         snprintf(err, errlen, "%s", zio_errstr(n->pipe_io));
         goto fail;
     }
+    if (n->secure) {
+        /* Nobody is admitted on the link until the router names the
+         * predecessor (node_placement_apply). */
+        rc = zio_zap_start(n->zctx, &n->zap, err, errlen);
+        if (rc == 0) rc = zio_zap_set_one(n->zap, LINK_ZAP_DOMAIN, NULL, NULL);
+        if (rc < 0) goto fail;
+    }
     if (!n->device_links) {
         /* Bound even on stage 0: the router may place this worker later in a pipeline. */
-        rc = link_zmq_init(&n->rx, n->zctx, LINK_RECV, n->s_listen, cfg->link_timeout_ms, err,
-                           errlen);
+        rc = link_zmq_init_curve(&n->rx, n->zctx, LINK_RECV, n->s_listen, cfg->link_timeout_ms,
+                                 n->secure ? &n->kp : NULL, NULL, err, errlen);
         if (rc < 0) goto fail;
         node_advertise(n, link_endpoint(n->rx), n->stage_endpoint, sizeof n->stage_endpoint);
         LOG(LL_INFO, "stage link endpoint %s (bound %s)", n->stage_endpoint, link_endpoint(n->rx));
@@ -302,7 +333,9 @@ void node_free(node *n) {
     zio_sock_close(n->router);
     zio_sock_close(n->pipe_io);
     zio_sock_close(n->pipe_compute);
+    zio_zap_stop(n->zap);
     if (n->zctx) zmq_ctx_term(n->zctx);
+    memset(&n->kp, 0, sizeof n->kp);
     rconn_close(n->redis);
     node_buffers_free(n);
     node_seqs_free(n);

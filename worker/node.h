@@ -63,6 +63,12 @@ struct node_config {
     enum node_transport transport;
     int link_timeout_ms;        /* bound on one link send/receive (a peer that is gone) */
     int register_retry_ms;      /* Register is sent again this often until answered */
+    /* CURVE (docs/security.md): this worker's key pair file, used towards
+     * the router and on the stage links, and the router's public key file.
+     * Both required unless insecure (plain sockets). */
+    const char *curve_key_file;
+    const char *router_key;
+    int insecure;
 };
 
 void node_config_default(struct node_config *cfg);

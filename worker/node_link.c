@@ -27,7 +27,8 @@ void node_links_close(node *n, int keep_rx_zmq) {
  * next stage's endpoint from the RegisterReply.  NCCL: new communicators
  * for every epoch.  On failure the node keeps serving, failing plans with
  * the reason, until a later RegisterReply makes the links. */
-static int node_links_setup(node *n, const char *next_ep, int whole, char *err, size_t errlen) {
+static int node_links_setup(node *n, const char *next_ep, const char *next_key, int whole, char *err,
+                            size_t errlen) {
     int first = stage_is_first(n->s), last = stage_is_last(n->s);
     if (n->device_links) {
         if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
@@ -86,13 +87,20 @@ static int node_links_setup(node *n, const char *next_ep, int whole, char *err, 
                  n->stage_index, n->stage_count);
         return STATUS_UNAVAILABLE;
     }
-    if (!n->tx || strcmp(next_ep, n->next_endpoint) != 0) {
+    if (n->secure && (!next_key || !keys_z85_valid(next_key))) {
+        snprintf(err, errlen, "stage %d of %d: the router gave no valid next_stage_key (\"%.48s\"); "
+                 "does it run with keys?", n->stage_index, n->stage_count, next_key ? next_key : "");
+        return STATUS_UNAVAILABLE;
+    }
+    if (!n->secure) next_key = "";
+    if (!n->tx || strcmp(next_ep, n->next_endpoint) != 0 || strcmp(next_key, n->next_key) != 0) {
         if (n->tx) link_free(n->tx);
         n->tx = NULL;
-        int rc = link_zmq_init(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms, err,
-                               errlen);
+        int rc = link_zmq_init_curve(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms,
+                                     n->secure ? &n->kp : NULL, next_key, err, errlen);
         if (rc < 0) return rc;
         snprintf(n->next_endpoint, sizeof n->next_endpoint, "%s", next_ep);
+        snprintf(n->next_key, sizeof n->next_key, "%s", next_key);
         LOG(LL_INFO, "stage %d: sending hidden states to %s", n->stage_index, next_ep);
     }
     link_set_epoch(n->tx, n->epoch);
@@ -125,7 +133,16 @@ void node_placement_apply(node *n, const Llm__RegisterReply *r) {
         rc = node_stage_load(n, first, end, err, sizeof err);
         pthread_mutex_unlock(&n->lock);
     }
-    if (rc == STATUS_OK) rc = node_links_setup(n, r->next_stage_endpoint, r->pipeline_whole, err, sizeof err);
+    /* Only the predecessor the router placed may send on our link (a
+     * connection it admitted before stays until it closes; the epoch
+     * check drops what such a stale peer sends). */
+    if (n->zap && zio_zap_set_one(n->zap, LINK_ZAP_DOMAIN, r->prev_stage_key, "previous stage") < 0 &&
+        r->prev_stage_key[0])
+        LOG(LL_WARN, "pipeline %u stage %d: the router's prev_stage_key \"%.48s\" is not a key: the "
+            "link admits nobody", r->pipeline_id, n->stage_index, r->prev_stage_key);
+    if (rc == STATUS_OK)
+        rc = node_links_setup(n, r->next_stage_endpoint, r->next_stage_key, r->pipeline_whole, err,
+                              sizeof err);
     n->links_ok = rc == STATUS_OK;
     pthread_mutex_lock(&n->lock); /* the io thread reads links_err for heartbeats */
     snprintf(n->links_err, sizeof n->links_err, "%s", rc == STATUS_OK ? "" : err);

@@ -51,7 +51,8 @@ TEST(sim_worker_pipelines_serve_requests) {
     /* Plain sockets for the router, the client library and sim_worker
      * (each reads LLM_INSECURE where it has CURVE keys to leave out). */
     setenv("LLM_INSECURE", "true", 1);
-    struct cluster *cl = h_cluster_start(model, 0, 2, "", "");
+    /* sim_worker runs --insecure below: so does the router. */
+    struct cluster *cl = h_cluster_start(model, 0, 2, "--insecure", "");
     char stats[320];
     snprintf(stats, sizeof stats, "%s/sim-stats.json", cl->dir);
     struct h_proc *p = &cl->workers[cl->n_workers++];

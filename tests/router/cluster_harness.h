@@ -5,6 +5,13 @@
  * waits, kill/restart of single processes, the llm-run reference output of
  * a prompt, and many generations at once on threads.
  *
+ * Keys as in production (docs/security.md): every cluster gets fresh CURVE
+ * key pairs in its folder (curve/router, curve/clients/client, one per
+ * worker slot in curve/workers/), and the test process exports LLM_CURVE_KEY_FILE
+ * and LLM_ROUTER_KEY as llm-cluster's env.sh does, so that its clients and
+ * the programs it starts (llm, llm-gateway) use them.  "--insecure" among
+ * the router's extra words runs the whole cluster without keys instead.
+ *
  * Included by each cluster test file (the build makes one program per
  * test_*.c), so every function is static; unused ones are fine.
  *
@@ -20,6 +27,7 @@
 #include "tests/redis_fixture.h"
 #include "tests/test.h"
 
+#include "common/keys.h"
 #include "common/status.h"
 #include "common/zio.h"
 #include "router/client.h"
@@ -61,6 +69,8 @@ struct cluster {
     int n_workers;
     char router_extra[512], worker_extra[512];
     void *zctx;       /* shared by the test's clients */
+    int insecure;     /* "--insecure" in router_extra: no keys anywhere */
+    char keys[320];   /* dir/curve: the CURVE keys */
 };
 
 static struct cluster *h_current; /* the running cluster, for cleanup after a failed test */
@@ -204,10 +214,18 @@ static H_UNUSED void h_start_router(struct cluster *cl) {
     char stages[16], extra[512];
     snprintf(stages, sizeof stages, "%d", cl->stages);
     snprintf(extra, sizeof extra, "%s", cl->router_extra);
+    char key[400], clients[400], workers[400];
+    snprintf(key, sizeof key, "%s/router.key", cl->keys);
+    snprintf(clients, sizeof clients, "%s/clients", cl->keys);
+    snprintf(workers, sizeof workers, "%s/workers", cl->keys);
     const char *argv[48] = {H_ROUTER, "--model", cl->model, "--listen", cl->client_ep, "--worker-listen",
                             cl->worker_ep, "--redis", cl->redis.url, "--stages", stages,
                             "--router-id", "test-router", "--log-level", "info"};
     int n = 15;
+    if (!cl->insecure) {
+        const char *k[] = {"--curve-key-file", key, "--client-keys", clients, "--worker-keys", workers};
+        for (int i = 0; i < 6; i++) argv[n++] = k[i];
+    }
     n = h_add_words(argv, n, extra);
     argv[n] = NULL;
     h_proc_setargs(p, argv);
@@ -237,6 +255,15 @@ static H_UNUSED void h_start_worker(struct cluster *cl, int idx, int pipeline, i
                             "--listen", "tcp://127.0.0.1:*", "--device", "cpu", "--threads", "1",
                             "--log-level", "info"};
     int n = 23;
+    char key[400], router_key[400];
+    snprintf(key, sizeof key, "%s/workers/worker-%d.key", cl->keys, idx);
+    snprintf(router_key, sizeof router_key, "%s/router.pub", cl->keys);
+    if (cl->insecure) {
+        if (!strstr(cl->worker_extra, "--insecure")) argv[n++] = "--insecure";
+    } else {
+        const char *k[] = {"--curve-key-file", key, "--router-key", router_key};
+        for (int i = 0; i < 4; i++) argv[n++] = k[i];
+    }
     n = h_add_words(argv, n, extra);
     argv[n] = NULL;
     h_proc_setargs(p, argv);
@@ -257,6 +284,28 @@ static H_UNUSED llm_client *h_client(struct cluster *cl, int reply_ms, int idle_
     char err[256];
     if (llm_client_open(&c, &cfg, err, sizeof err) != 0) H_FAIL(cl, "llm_client_open: %s", err);
     return c;
+}
+
+/* A raw socket of type on the cluster's context, set up as a client with the
+ * key in curve/<key_name>.key (CURVE towards the router) unless the cluster
+ * is insecure, and connected to ep. */
+static H_UNUSED struct zio_sock *h_raw_socket(struct cluster *cl, int type, const char *key_name,
+                                              const char *ep) {
+    struct zio_sock *s = NULL;
+    char err[512];
+    if (zio_sock_open(cl->zctx, type, &s, err, sizeof err) != 0) H_FAIL(cl, "socket: %s", err);
+    zio_set_int(s, ZMQ_LINGER, 0);
+    if (!cl->insecure) {
+        struct keys_pair kp;
+        char path[512], router[KEYS_Z85_LEN + 1];
+        snprintf(path, sizeof path, "%s/%s.key", cl->keys, key_name);
+        if (keys_pair_load(path, &kp, err, sizeof err) < 0) H_FAIL(cl, "%s", err);
+        snprintf(path, sizeof path, "%s/router.pub", cl->keys);
+        if (keys_pub_load(path, router, err, sizeof err) < 0) H_FAIL(cl, "%s", err);
+        if (zio_curve_client(s, &kp, router) != 0) H_FAIL(cl, "%s", zio_errstr(s));
+    }
+    if (zio_connect(s, ep) != 0) H_FAIL(cl, "%s", zio_errstr(s));
+    return s;
 }
 
 /* Pipelines ready in the router's Status, or -1 when it did not answer. */
@@ -321,6 +370,39 @@ static H_UNUSED void h_cluster_cleanup(struct cluster *cl, int keep_logs) {
 
 static void h_atexit(void) { h_cluster_cleanup(h_current, 1); }
 
+/* Fresh keys for the cluster in cl->keys, and the environment its clients
+ * read; or, insecure, the environment that says so. */
+static H_UNUSED void h_keys_make(struct cluster *cl) {
+    snprintf(cl->keys, sizeof cl->keys, "%s/curve", cl->dir);
+    if (cl->insecure) {
+        setenv("LLM_INSECURE", "true", 1);
+        unsetenv("LLM_CURVE_KEY_FILE");
+        unsetenv("LLM_ROUTER_KEY");
+        return;
+    }
+    if (!zmq_has("curve")) TEST_SKIP("libzmq without CURVE");
+    char err[512], sub[400];
+    struct keys_pair kp;
+    if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(cl->keys, "router", &kp, err, sizeof err) < 0)
+        TEST_FAIL("router key: %s", err);
+    snprintf(sub, sizeof sub, "%s/clients", cl->keys);
+    if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(sub, "client", &kp, err, sizeof err) < 0)
+        TEST_FAIL("client key: %s", err);
+    snprintf(sub, sizeof sub, "%s/workers", cl->keys);
+    for (int i = 0; i < H_WORKERS_MAX; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "worker-%d", i);
+        if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(sub, name, &kp, err, sizeof err) < 0)
+            TEST_FAIL("worker key: %s", err);
+    }
+    char path[400];
+    snprintf(path, sizeof path, "%s/clients/client.key", cl->keys);
+    setenv("LLM_CURVE_KEY_FILE", path, 1);
+    snprintf(path, sizeof path, "%s/router.pub", cl->keys);
+    setenv("LLM_ROUTER_KEY", path, 1);
+    unsetenv("LLM_INSECURE");
+}
+
 /* Starts Redis, the router and pipelines x stages workers and waits (60 s at
  * most) until every pipeline is ready.  Extra words go on the router's and
  * every worker's command line. */
@@ -344,6 +426,8 @@ static H_UNUSED struct cluster *h_cluster_start(const char *model, int pipelines
     cl->stages = stages;
     snprintf(cl->router_extra, sizeof cl->router_extra, "%s", router_extra ? router_extra : "");
     snprintf(cl->worker_extra, sizeof cl->worker_extra, "%s", worker_extra ? worker_extra : "");
+    cl->insecure = strstr(cl->router_extra, "--insecure") != NULL;
+    h_keys_make(cl);
     int p1, p2;
     char err[256];
     if (zio_free_port(NULL, &p1, err, sizeof err) != 0 || zio_free_port(NULL, &p2, err, sizeof err) != 0)

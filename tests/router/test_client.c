@@ -270,6 +270,7 @@ static llm_client *open_client(const char *ep, int reply_ms, int idle_ms, int re
     const char *eps[1] = {ep};
     struct llm_client_config cfg;
     llm_client_config_default(&cfg);
+    cfg.insecure = true; /* the test's routers are plain sockets */
     cfg.endpoints = eps;
     cfg.n_endpoints = 1;
     cfg.reply_timeout_ms = reply_ms;
@@ -569,6 +570,7 @@ TEST(client_moves_to_the_next_endpoint) {
     const char *eps[2] = {dead, f.ep};
     struct llm_client_config cfg;
     llm_client_config_default(&cfg);
+    cfg.insecure = true; /* the test's routers are plain sockets */
     cfg.endpoints = eps;
     cfg.n_endpoints = 2;
     cfg.reply_timeout_ms = 300;

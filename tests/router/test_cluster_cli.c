@@ -137,9 +137,33 @@ TEST(cluster_cli_up_generate_status_down) {
     int n_pids = cli_pids(pids, 16);
     ASSERT_EQ(4, n_pids); /* redis, router, 2 workers */
 
-    /* It serves: llm generate through it prints llm-run's JSON. */
-    const char *gen[] = {LLM_BINARY_DIR "/router/llm", "--router", endpoint, "generate", "--prompt",
-                         "Once upon a time", "--max-tokens", "40", "--json", NULL};
+    /* Secure by default: keys in the run dir, Redis with its append-only
+     * file there, and an env.sh that gives llm what it needs. */
+    char path[512];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/keys/router.key", run_dir);
+    ASSERT_EQ(0, stat(path, &st));
+    ASSERT_EQ(0600u, (unsigned)(st.st_mode & 0777));
+    snprintf(path, sizeof path, "%s/keys/workers/worker-p0-s1.pub", run_dir);
+    ASSERT_EQ(0, stat(path, &st));
+    char aof[512], aofdir[512];
+    snprintf(aof, sizeof aof, "%s/appendonly.aof", run_dir);
+    snprintf(aofdir, sizeof aofdir, "%s/appendonlydir", run_dir);
+    ASSERT_TRUE(stat(aof, &st) == 0 || stat(aofdir, &st) == 0);
+    /* Without keys llm refuses, naming the options. */
+    const char *nokeys[] = {LLM_BINARY_DIR "/router/llm", "--router", endpoint, "health", NULL};
+    rc = cli_run(nokeys, &out, &err);
+    if (rc != 2 || !strstr(err, "--curve-key-file")) printf("  llm without keys (status %d):\n%s%s", rc, out, err);
+    ASSERT_EQ(2, rc);
+    ASSERT_TRUE(strstr(err, "--curve-key-file") && strstr(err, "--insecure"));
+    free(out);
+    free(err);
+
+    /* It serves: llm generate after ". RUN_DIR/env.sh" prints llm-run's JSON. */
+    char script[1024];
+    snprintf(script, sizeof script, ". '%s/env.sh' && exec '%s' generate --prompt 'Once upon a time' "
+             "--max-tokens 40 --json", run_dir, LLM_BINARY_DIR "/router/llm");
+    const char *gen[] = {"/bin/sh", "-c", script, NULL};
     rc = cli_run(gen, &out, &err);
     cJSON *j = cJSON_Parse(strrchr(out, '{') ? strrchr(out, '{') : "");
     int same = j != NULL && cJSON_GetArraySize(cJSON_GetObjectItem(j, "ids")) == ref.n;

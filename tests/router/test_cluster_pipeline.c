@@ -232,11 +232,8 @@ TEST(cluster_cancel_frees_kv_blocks) {
 /* Sends raw bytes on a fresh DEALER and returns the reply's Error (the
  * envelope is the caller's), or fails the test. */
 static Llm__ClientEnvelope *raw_exchange(struct cluster *cl, const void *buf, size_t len) {
-    struct zio_sock *s;
     char err[256];
-    if (zio_sock_open(cl->zctx, ZMQ_DEALER, &s, err, sizeof err) != 0) H_FAIL(cl, "socket: %s", err);
-    zio_set_int(s, ZMQ_LINGER, 0);
-    if (zio_connect(s, cl->client_ep) != 0) H_FAIL(cl, "%s", zio_errstr(s));
+    struct zio_sock *s = h_raw_socket(cl, ZMQ_DEALER, "clients/client", cl->client_ep);
     struct zio_frame f = {buf, len, NULL, NULL};
     if (zio_send(s, &f, 1, 0) != 0) H_FAIL(cl, "%s", zio_errstr(s));
     struct zio_parts in = {0};

@@ -42,6 +42,7 @@ static int run_llm(const char *const *argv, char *err, size_t errlen) {
         int devnull = open("/dev/null", O_WRONLY);
         if (devnull >= 0) dup2(devnull, 1);
         unsetenv("LLM_ROUTER");
+        setenv("LLM_INSECURE", "true", 1); /* the test's router is a plain socket */
         alarm(20);
         execv(argv[0], (char *const *)argv);
         _exit(127);
@@ -127,6 +128,7 @@ TEST(llm_cli_retry_bounds_generate) {
     c.heartbeat_ms = 100;
     c.worker_timeout_ms = 2000;
     c.stages = 1;
+    c.insecure = true;
     char err[4096];
     if (server_init(&f.s, &c, err, sizeof err) < 0) TEST_FAIL("server_init: %s", err);
     char ep[128];

@@ -1,11 +1,13 @@
 /* Tests of the stage-to-stage links: the ZeroMQ link on loopback (ordered
  * delivery matched by step id, stale and early messages, skip markers,
  * epochs, large buffers, size mismatches, a vanished peer giving a bounded
- * error) and the NCCL link between two GPUs (skipped without them). */
+ * error, CURVE admitting only the predecessor's key) and the NCCL link
+ * between two GPUs (skipped without them). */
 #include "tests/test.h"
 
 #include "common/rconn.h"
 #include "common/status.h"
+#include "common/zio.h"
 #include "kernels/backend.h"
 #include "tests/redis_fixture.h"
 #include "worker/link.h"
@@ -188,6 +190,61 @@ TEST(link_zmq_bad_endpoint) {
     zmq_ctx_term(ctx);
 }
 
+/* ---- CURVE: the listener admits only the predecessor's key ---- */
+
+TEST(link_zmq_curve_admits_only_the_predecessor) {
+    if (!zmq_has("curve")) TEST_SKIP("libzmq without CURVE");
+    char err[512];
+    struct keys_pair me, prev, forger;
+    ASSERT_OK(keys_pair_generate(&me, err, sizeof err));
+    ASSERT_OK(keys_pair_generate(&prev, err, sizeof err));
+    ASSERT_OK(keys_pair_generate(&forger, err, sizeof err));
+    /* One context per "process": the receiver's holds its ZAP handler. */
+    void *ctx_rx = zmq_ctx_new(), *ctx_prev = zmq_ctx_new(), *ctx_forger = zmq_ctx_new();
+    zio_zap *zap = NULL;
+    ASSERT_OK(zio_zap_start(ctx_rx, &zap, err, sizeof err));
+    ASSERT_OK(zio_zap_set_one(zap, LINK_ZAP_DOMAIN, prev.pub, "worker-p0-s0"));
+    link_conn *rx = NULL, *tx = NULL, *fake = NULL;
+    if (link_zmq_init_curve(&rx, ctx_rx, LINK_RECV, "tcp://127.0.0.1:*", 1500, &me, NULL, err,
+                            sizeof err) < 0)
+        TEST_FAIL("receiver: %s", err);
+    /* The forger knows the endpoint and the receiver's public key, and sends
+     * first, with a far-future epoch and step. */
+    if (link_zmq_init_curve(&fake, ctx_forger, LINK_SEND, link_endpoint(rx), 1500, &forger, me.pub,
+                            err, sizeof err) < 0)
+        TEST_FAIL("forger: %s", err);
+    link_set_epoch(fake, UINT64_C(9223372036854775807));
+    float buf[16], got[16];
+    t_fill(buf, 16, 7.0f);
+    /* Never admitted, so never connected: its sends time out (IMMEDIATE). */
+    ASSERT_EQ(STATUS_TIMEOUT, link_send(fake, 1, buf, sizeof buf));
+    if (link_zmq_init_curve(&tx, ctx_prev, LINK_SEND, link_endpoint(rx), 3000, &prev, me.pub, err,
+                            sizeof err) < 0)
+        TEST_FAIL("predecessor: %s", err);
+    t_fill(buf, 16, 1.0f);
+    ASSERT_OK(link_send(tx, 1, buf, sizeof buf));
+    ASSERT_OK(link_recv(rx, 1, got, sizeof got));
+    ASSERT_TRUE(memcmp(buf, got, sizeof buf) == 0);
+    ASSERT_TRUE(zio_zap_refused(zap, LINK_ZAP_DOMAIN) >= 1);
+    /* Nothing else arrived: the forged message is not held anywhere. */
+    ASSERT_EQ(STATUS_TIMEOUT, link_recv(rx, 2, got, sizeof got));
+    /* A sender with the wrong idea of the receiver's key gets nowhere either. */
+    link_conn *wrong = NULL;
+    ASSERT_OK(link_zmq_init_curve(&wrong, ctx_prev, LINK_SEND, link_endpoint(rx), 500, &prev,
+                                  forger.pub, err, sizeof err));
+    ASSERT_EQ(STATUS_TIMEOUT, link_send(wrong, 3, buf, sizeof buf));
+    link_free(wrong);
+    ASSERT_EQ(STATUS_BAD_INPUT, link_zmq_init_curve(&wrong, ctx_prev, LINK_SEND, link_endpoint(rx),
+                                                     500, &prev, "short", err, sizeof err));
+    link_free(fake);
+    link_free(tx);
+    link_free(rx);
+    zio_zap_stop(zap);
+    zmq_ctx_term(ctx_forger);
+    zmq_ctx_term(ctx_prev);
+    zmq_ctx_term(ctx_rx);
+}
+
 /* ---- NCCL: two GPUs of this machine, one thread per stage ---- */
 
 struct t_nccl_side {
@@ -268,4 +325,5 @@ TEST(link_nccl_needs_cuda_backend) {
 TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_skip_marker,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
           link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
-          link_nccl_two_gpus, link_nccl_needs_cuda_backend)
+          link_nccl_two_gpus, link_nccl_needs_cuda_backend,
+          link_zmq_curve_admits_only_the_predecessor)

@@ -70,6 +70,7 @@ static void t_worker_start(struct t_worker *w, const char *router, const char *r
     argv[n++] = "1";
     argv[n++] = "--router";
     argv[n++] = router;
+    argv[n++] = "--insecure"; /* the test's router is a plain socket */
     argv[n++] = "--worker-id";
     argv[n++] = id;
     argv[n++] = "--listen";

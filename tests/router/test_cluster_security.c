@@ -1,0 +1,196 @@
+/* Authentication of a real cluster (docs/security.md): clients, workers and
+ * link peers without an admitted key get no service and change nothing; a
+ * second worker with a live worker's id and another key is refused while
+ * the real pipeline serves on; a 1 GB frame is refused at its header and
+ * leaves the router small; --insecure still runs a whole cluster. */
+#include "tests/router/cluster_harness.h"
+
+#include <sys/mman.h>
+
+#define MODEL "stories260K-f32.gguf"
+
+/* 1 when the file holds needle. */
+static int file_has(const char *path, const char *needle) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    static char buf[1 << 20];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    return strstr(buf, needle) != NULL;
+}
+
+/* Waits up to ms for needle in the router's log. */
+static int router_log_has(struct cluster *cl, const char *needle, int ms) {
+    int64_t end = h_now_ms() + ms;
+    while (!file_has(cl->router.log, needle)) {
+        if (h_now_ms() > end) return 0;
+        h_sleep_ms(50);
+    }
+    return 1;
+}
+
+static void generate_ok(struct cluster *cl, const struct h_ref *ref, const char *id) {
+    struct h_gen g = {0};
+    g.cl = cl;
+    g.prompt = "Once upon a time";
+    g.max_tokens = 20;
+    snprintf(g.request_id, sizeof g.request_id, "%s", id);
+    h_generate(&g);
+    h_check(cl, &g, ref);
+    llm_generate_result_free(&g.res);
+}
+
+/* A key pair nobody admitted, in the cluster's folder. */
+static void stranger_key(struct cluster *cl, const char *name, char *path, size_t size) {
+    char err[512], dir[300];
+    struct keys_pair kp;
+    snprintf(dir, sizeof dir, "%s/strangers", cl->dir);
+    if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(dir, name, &kp, err, sizeof err) < 0)
+        H_FAIL(cl, "stranger key: %s", err);
+    snprintf(path, size, "%s/%s.key", dir, name);
+}
+
+/* Starts an extra llm-worker outside the harness's slots. */
+static void extra_worker(struct cluster *cl, struct h_proc *p, const char *name, const char *id,
+                         const char *key, int pipeline) {
+    char pl[16], router_key[400];
+    snprintf(pl, sizeof pl, "%d", pipeline);
+    snprintf(router_key, sizeof router_key, "%s/router.pub", cl->keys);
+    snprintf(p->name, sizeof p->name, "%s", name);
+    snprintf(p->log, sizeof p->log, "%s/%s.log", cl->dir, name);
+    const char *argv[] = {H_WORKER, "--model", cl->model, "--router", cl->worker_ep, "--redis", cl->redis.url,
+                          "--pipeline", pl, "--stage", "0", "--stages", "1", "--worker-id", id,
+                          "--listen", "tcp://127.0.0.1:*", "--device", "cpu", "--threads", "1",
+                          "--metrics-listen", "", "--curve-key-file", key, "--router-key", router_key,
+                          "--log-level", "info", NULL};
+    h_proc_setargs(p, argv);
+    h_proc_start(cl, p);
+}
+
+TEST(cluster_security_admits_listed_keys_only) {
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 20, 1, &ref);
+    struct cluster *cl = h_cluster_start(model, 1, 2, "", "");
+    generate_ok(cl, &ref, "sec-before");
+
+    /* A client with a key the router does not list: no answer, a clear
+     * reason, and the router counts the refusal. */
+    char key[400], router_key[400], err[512];
+    stranger_key(cl, "mallory", key, sizeof key);
+    snprintf(router_key, sizeof router_key, "%s/router.pub", cl->keys);
+    const char *eps[1] = {cl->client_ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = cl->zctx;
+    cfg.curve_key_file = key;
+    cfg.router_key_file = router_key;
+    llm_client *c = NULL;
+    H_ASSERT(cl, llm_client_open(&c, &cfg, err, sizeof err) == 0, "open: %s", err);
+    ASSERT_EQ(STATUS_UNAVAILABLE, llm_client_probe(c, 1500));
+    printf("  stranger client: %s\n", llm_client_errstr(c));
+    H_ASSERT(cl, strstr(llm_client_errstr(c), "refused this client's key") != NULL, "error: %s",
+             llm_client_errstr(c));
+    llm_client_close(c);
+    H_ASSERT(cl, router_log_has(cl, "in domain 'clients'", 3000), "the router did not log the refused client");
+    /* A plain client gets nothing either. */
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = cl->zctx;
+    cfg.insecure = true;
+    H_ASSERT(cl, llm_client_open(&c, &cfg, err, sizeof err) == 0, "open: %s", err);
+    ASSERT_EQ(STATUS_UNAVAILABLE, llm_client_probe(c, 1000));
+    llm_client_close(c);
+
+    /* A worker with an unlisted key cannot register: no pipeline 7 appears
+     * and the router logs the refused handshake. */
+    struct h_proc stranger = {0}, fake = {0};
+    stranger_key(cl, "eve", key, sizeof key);
+    extra_worker(cl, &stranger, "stranger", "w-stranger", key, 7);
+    H_ASSERT(cl, router_log_has(cl, "in domain 'workers'", 20000), "the router did not log the refused worker");
+    llm_client *sc = h_client(cl, 2000, 5000, 5000);
+    Llm__ClientEnvelope *env = NULL;
+    ASSERT_OK(llm_client_status(sc, &env));
+    for (size_t i = 0; i < env->status_reply->n_workers; i++)
+        H_ASSERT(cl, strcmp(env->status_reply->workers[i]->worker_id, "w-stranger") != 0,
+                 "a worker with an unlisted key registered");
+    proto_client_free(env);
+    h_proc_kill(&stranger, SIGKILL);
+
+    /* A second worker with the live stage 1's id and another admitted key
+     * (an unused slot's) is refused with a clear error and exits; the real
+     * pipeline keeps serving. */
+    char fake_key[400];
+    snprintf(fake_key, sizeof fake_key, "%s/workers/worker-%d.key", cl->keys, H_WORKERS_MAX - 1);
+    int slot = h_worker_slot(cl, 0, 1);
+    H_ASSERT(cl, slot >= 0, "no stage 1 worker");
+    extra_worker(cl, &fake, "fake", cl->workers[slot].name, fake_key, 0);
+    int st = 0;
+    int64_t end = h_now_ms() + 30000;
+    while (!h_proc_exited(&fake, &st) && h_now_ms() < end) h_sleep_ms(50);
+    H_ASSERT(cl, fake.pid == 0, "the fake worker is still running after 30 s");
+    H_ASSERT(cl, WIFEXITED(st) && WEXITSTATUS(st) != 0, "the fake worker ended with status 0x%x", st);
+    H_ASSERT(cl, file_has(fake.log, "registered from another key"), "the fake worker's log does not say why");
+    H_ASSERT(cl, router_log_has(cl, "registered from another key", 1000), "the router did not log the refusal");
+    h_wait_ready(cl, 1, 1, 10000);
+    generate_ok(cl, &ref, "sec-after");
+    ASSERT_OK(llm_client_status(sc, &env));
+    ASSERT_EQ((size_t)2, env->status_reply->n_workers);
+    proto_client_free(env);
+    llm_client_close(sc);
+    h_cluster_stop(cl);
+}
+
+/* VmHWM (peak resident set) of a process, in KiB; -1 when unreadable. */
+static long vm_hwm_kb(pid_t pid) {
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %ld kB", &kb) == 1) break;
+    fclose(f);
+    return kb;
+}
+
+static void no_free(void *data, void *hint) {
+    (void)data;
+    (void)hint;
+}
+
+TEST(cluster_insecure_serves_and_bounds_frames) {
+    /* Plain sockets, so that the 1 GB frame costs the sender no encryption
+     * copy; the bound (ZMQ_MAXMSGSIZE) is the same with keys. */
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 20, 1, &ref);
+    struct cluster *cl = h_cluster_start(model, 1, 1, "--insecure", "");
+    generate_ok(cl, &ref, "insecure-1");
+    H_ASSERT(cl, router_log_has(cl, "--insecure", 1000), "no warning about --insecure in the router's log");
+    long before = vm_hwm_kb(cl->router.pid);
+    H_ASSERT(cl, before > 0, "cannot read the router's VmHWM");
+    /* Untouched anonymous pages read as zeros without becoming resident. */
+    size_t size = (size_t)1 << 30;
+    void *big = mmap(NULL, size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    H_ASSERT(cl, big != MAP_FAILED, "mmap 1 GB: %s", strerror(errno));
+    struct zio_sock *s = h_raw_socket(cl, ZMQ_DEALER, "", cl->client_ep);
+    struct zio_frame f = {big, size, no_free, NULL};
+    ASSERT_OK(zio_send(s, &f, 1, 0));
+    /* The router drops the connection at the frame's header. */
+    struct zio_parts in = {0};
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(s, &in, 1500));
+    zio_sock_close(s);
+    long after = vm_hwm_kb(cl->router.pid);
+    printf("  router VmHWM %ld kB before, %ld kB after a 1 GB frame\n", before, after);
+    H_ASSERT(cl, after > 0 && after < 200 * 1024, "router VmHWM %ld kB after a 1 GB frame", after);
+    generate_ok(cl, &ref, "insecure-2");
+    h_cluster_stop(cl); /* ends the context: ZeroMQ no longer reads the buffer */
+    munmap(big, size);
+}
+
+TEST_MAIN(cluster_security_admits_listed_keys_only, cluster_insecure_serves_and_bounds_frames)
