@@ -40,5 +40,8 @@ trap 'echo "== stopping the cluster"; "$bin/router/llm-cluster" down --run-dir "
 "$bin/router/llm-cluster" status --run-dir "$rundir"
 endpoint=$(cat "$rundir/endpoint")
 echo "== generating from \"$prompt\" through $endpoint"
-"$bin/router/llm" --router "$endpoint" generate --prompt "$prompt" --max-tokens "${MAX_TOKENS:-64}"
+# env.sh: the router's endpoint and the client's CURVE keys that up made.
+# shellcheck disable=SC1091
+. "$rundir/env.sh"
+"$bin/router/llm" generate --prompt "$prompt" --max-tokens "${MAX_TOKENS:-64}"
 echo
