@@ -140,6 +140,7 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
         return STATUS_NO_MEMORY;
     }
     s->cfg = *cfg;
+    s->peer_key = "";
     if (s->cfg.step_timeout_ms <= 0) s->cfg.step_timeout_ms = 30000;
     if (s->cfg.retention_s <= 0) s->cfg.retention_s = 3600;
     if (!s->cfg.redis_prefix) s->cfg.redis_prefix = "llm:";
@@ -289,6 +290,7 @@ static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
         if (workers) server_on_worker_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
         else server_on_client_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
     }
+    s->peer_key = ""; /* it pointed into the frames freed here */
     zio_parts_free(&in);
 }
 
