@@ -11,11 +11,12 @@
  * sequence bounds live in device memory): block x counts tiles through the
  * sequences in order.  Decode-only steps with an F16 cache take a kernel
  * of their own (attention_decode_kernel, below): K/V rows in registers,
- * no barrier per tile.  An 8-bit (Q8_0) cache takes this kernel for steps
- * with prefill rows (its tiles dequantized into shared memory as they are
- * loaded, att_load_tile_q8) and for shapes attention_q8.cu does not take;
- * decode-only steps go to attention_q8.cu, which reads the int8 rows as
- * they are stored. */
+ * no barrier per tile.  An 8-bit (Q8_0) cache goes, as F16 does, to the
+ * tensor-core kernel for steps with prefill rows (attention_prefill.cu,
+ * which turns the int8 into F16 as it stores each tile) and decode-only
+ * steps to attention_q8.cu, which reads the int8 rows as they are stored;
+ * this kernel takes the shapes neither takes (its tiles dequantized into
+ * shared memory as they are loaded, att_load_tile_q8). */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -564,11 +565,12 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (a->n_tokens == 0) return STATUS_OK;
     /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
     if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
-    /* Decode-only batches of large groups: the tensor-core kernel, whose
-     * mma take the group's heads as rows (the decode kernel's per-head dot
-     * products and shuffles are instruction-bound there). */
-    if (ctx->decode_tc_g > 0 && a->n_tokens == a->n_seqs && a->n_heads / a->n_kv_heads >= ctx->decode_tc_g &&
-        cuda_attention_tc_fits(a))
+    /* Decode-only batches of large groups on an F16 cache: the tensor-core
+     * kernel, whose mma take the group's heads as rows (the decode kernel's
+     * per-head dot products and shuffles are instruction-bound there).  An
+     * 8-bit cache keeps attention_q8.cu, which reads its rows as stored. */
+    if (ctx->decode_tc_g > 0 && a->kv_type == DTYPE_F16 && a->n_tokens == a->n_seqs &&
+        a->n_heads / a->n_kv_heads >= ctx->decode_tc_g && cuda_attention_tc_fits(a))
         return cuda_attention_prefill(ctx, a);
     /* Decode-only batches on an 8-bit cache: attention_q8.cu. */
     if (cuda_attention_q8_decode_takes(a)) return cuda_attention_q8_decode(ctx, a);

@@ -17,7 +17,13 @@
  * operand transposed by ldmatrix), rows padded so that every fragment load
  * is free of bank conflicts.  When the blocks cannot fill the GPU, the
  * context is split and a second kernel merges the partial (max, sum, acc),
- * as the general kernel of attention.cu does. */
+ * as the general kernel of attention.cu does.
+ *
+ * An 8-bit (Q8_0) cache takes the same kernel: each thread loads the int8
+ * bytes and the scale of its 8 dims of a position instead of 16 bytes of
+ * F16, and turns them into the same F16 values as it stores the tile
+ * (apf_load_kv_q8, apf_q8_to_f16), so everything after the tile's store is
+ * the F16 kernel. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -102,7 +108,62 @@ __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct c
     return __ldg((const uint4 *)(cache + at));
 }
 
-template <int HD, bool K16>
+/* The same 8 dims of an 8-bit cache row (kernels/backend.h: head_dim / 32
+ * groups of an F16 scale and 32 int8, 34 bytes each, rows 4-byte aligned
+ * since 34 x head_dim / 32 is a multiple of 4 for heads of 64 and 128).
+ * The 8 int8 start 2 bytes into a 4-byte word in even groups and on a word
+ * boundary in odd ones, so they come as three aligned words (two in odd
+ * groups) and the scale as one 2-byte load: x, y, z the words, w the
+ * scale's bits.  The same register count as the F16 piece, so the loads of
+ * the next tile stay in flight as they do for F16.  Zeros past the slice
+ * (scale 0); a NaN scale for a block id outside the cache. */
+__device__ __forceinline__ uint4 apf_load_kv_q8(const uint8_t *cache, const struct cuda_attn_args &a,
+                                                const int32_t *btab, int32_t kvh, int32_t j, int32_t j_end, int d,
+                                                int hd) {
+    if (j >= j_end) return make_uint4(0, 0, 0, 0);
+    int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    if (blk < 0 || blk >= a.n_blocks) return make_uint4(0, 0, 0, 0x7e00u);
+    const int rb = hd / 32 * 34, so = (d / 32) * 34, vo = so + 2 + d % 32;
+    const uint8_t *row = cache + (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * rb;
+    const uint32_t *w = (const uint32_t *)(row + (vo & ~3));
+    uint4 r;
+    r.x = __ldg(w);
+    r.y = __ldg(w + 1);
+    r.z = (vo & 3) ? __ldg(w + 2) : 0u;
+    r.w = __ldg((const unsigned short *)(row + so));
+    return r;
+}
+
+/* A piece from apf_load_kv_q8 as the 8 F16 values d * q (the shift sh is
+ * 16 for dims in even groups, else 0): each int8 + 128 is put in the
+ * mantissa of 1024 (0x64xx) by a byte permute and 1152 subtracted, both
+ * exact, then one F16 multiply by the scale -- the F32 product rounded
+ * once to F16, what an F16 cache would have held of that value. */
+__device__ __forceinline__ uint4 apf_q8_to_f16(uint4 r, int sh) {
+    const uint32_t lo = __funnelshift_r(r.x, r.y, sh) ^ 0x80808080u, hi = __funnelshift_r(r.y, r.z, sh) ^ 0x80808080u;
+    const __half2 off = __half2half2(__ushort_as_half((unsigned short)0x6480)); /* 1152 */
+    const __half2 dd = __half2half2(__ushort_as_half((unsigned short)r.w));
+    const uint32_t in[4] = {__byte_perm(lo, 0x64646464u, 0x4140), __byte_perm(lo, 0x64646464u, 0x4342),
+                            __byte_perm(hi, 0x64646464u, 0x4140), __byte_perm(hi, 0x64646464u, 0x4342)};
+    uint4 o;
+    uint32_t *op = (uint32_t *)&o;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const __half2 h = __hmul2(__hsub2(*(const __half2 *)&in[e], off), dd);
+        op[e] = *(const uint32_t *)&h;
+    }
+    return o;
+}
+
+/* A thread's piece of a K or V tile in the cache's form (F16 or Q8_0). */
+template <bool Q8>
+__device__ __forceinline__ uint4 apf_load(const void *cache, const struct cuda_attn_args &a, const int32_t *btab,
+                                          int32_t kvh, int32_t j, int32_t j_end, int d, int hd) {
+    if constexpr (Q8) return apf_load_kv_q8((const uint8_t *)cache, a, btab, kvh, j, j_end, d, hd);
+    else return apf_load_kv((const fp16_t *)cache, a, btab, kvh, j, j_end, d, hd);
+}
+
+template <int HD, bool K16, bool Q8>
 __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct apf_params p) {
     const struct cuda_attn_args &a = p.a;
     constexpr int KS = HD + 8;     /* K and V tile row stride in halves: the 8 rows of a fragment or
@@ -193,7 +254,6 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     for (int n = 0; n < NK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
-    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
     /* K and V tiles: one 16-byte load per 8 dims of a position; zeros past
      * the slice, NaN for a block id outside the cache.  The next tile's
      * loads are issued into registers before the current tile is used, so
@@ -202,27 +262,31 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
      * consecutive bytes and stores whole rows, V as K (position-major):
      * P.V's B fragments come out of ldmatrix's transposing loads. */
     constexpr int LD = APF_BK * (HD / 8) / APF_GT;
+    /* A thread's dims are the same in every piece (APF_GT is a multiple of
+     * HD / 8): in an 8-bit cache their bytes sit 2 bytes into a word in
+     * even groups. */
+    const int q8_sh = ((tid % (HD / 8)) * 8 / 32) % 2 ? 0 : 16;
     uint4 kr[LD], vr[LD];
 #pragma unroll
     for (int it = 0; it < LD; it++) {
         int i = tid + it * APF_GT;
-        kr[it] = apf_load_kv(kc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-        vr[it] = apf_load_kv(vc, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+        kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+        vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
     }
     for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
 #pragma unroll
         for (int it = 0; it < LD; it++) {
             int i = tid + it * APF_GT;
-            *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = kr[it];
-            *(uint4 *)(sv + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = vr[it];
+            *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = Q8 ? apf_q8_to_f16(kr[it], q8_sh) : kr[it];
+            *(uint4 *)(sv + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = Q8 ? apf_q8_to_f16(vr[it], q8_sh) : vr[it];
         }
         apf_group_sync(wg);
         if (j0 + APF_BK < j_end) {
 #pragma unroll
             for (int it = 0; it < LD; it++) {
                 int i = tid + it * APF_GT;
-                kr[it] = apf_load_kv(kc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-                vr[it] = apf_load_kv(vc, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+                kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+                vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
             }
         }
         if (wmax >= j0) {
@@ -405,7 +469,8 @@ __global__ void attention_prefill_combine_kernel(float *__restrict__ out, fp16_t
 extern "C" int cuda_attention_tc_fits(const struct cuda_attn_args *a) {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0) return 0;
     int32_t G = a->n_heads / a->n_kv_heads;
-    return a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) && G <= APF_BQ &&
+    return (a->kv_type == DTYPE_F16 || a->kv_type == DTYPE_Q8_0) && (a->head_dim == 64 || a->head_dim == 128) &&
+           G <= APF_BQ &&
            (G & (G - 1)) == 0 && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->out % 16 == 0 &&
            (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
@@ -425,19 +490,34 @@ extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
     return k.prefill_tc && a->n_tokens > a->n_seqs && cuda_attention_tc_fits(a);
 }
 
-/* Blocks of attention_prefill_kernel<HD, K16> resident on one
+/* Blocks of attention_prefill_kernel<HD, K16, Q8> resident on one
  * multiprocessor, asked once per device (1 if the runtime cannot say). */
-template <int HD, bool K16> static int64_t apf_per_sm(const struct cuda_ctx *ctx) {
+template <int HD, bool K16, bool Q8> static int64_t apf_per_sm(const struct cuda_ctx *ctx) {
     static int per_sm[64];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     if (!per_sm[dev]) {
         int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_prefill_kernel<HD, K16>, APF_THREADS, 0) !=
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_prefill_kernel<HD, K16, Q8>, APF_THREADS, 0) !=
             cudaSuccess)
             cudaGetLastError();
         per_sm[dev] = b > 0 ? b : 1;
     }
     return per_sm[dev];
+}
+
+template <bool Q8> static int64_t apf_per_sm_of(const struct cuda_ctx *ctx, int hd, bool k16) {
+    if (hd == 64) return k16 ? apf_per_sm<64, true, Q8>(ctx) : apf_per_sm<64, false, Q8>(ctx);
+    return k16 ? apf_per_sm<128, true, Q8>(ctx) : apf_per_sm<128, false, Q8>(ctx);
+}
+
+template <bool Q8> static void apf_launch(const struct cuda_ctx *ctx, const struct apf_params &p, dim3 grid, bool k16) {
+    if (p.a.head_dim == 64) {
+        if (k16) attention_prefill_kernel<64, true, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+        else attention_prefill_kernel<64, false, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    } else {
+        if (k16) attention_prefill_kernel<128, true, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+        else attention_prefill_kernel<128, false, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
+    }
 }
 
 extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
@@ -463,10 +543,9 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
      * long context splits, into one wave (7B, 128 rows at position 3968:
      * 64 blocks of heads of 128, one a multiprocessor, 2 splits; 3 splits,
      * a wave and a half, took 163 µs against 127). */
-    const bool k16 = ctx->att_k16;
-    const int64_t slots =
-        ctx->n_sms * (a->head_dim == 64 ? (k16 ? apf_per_sm<64, true>(ctx) : apf_per_sm<64, false>(ctx))
-                                        : (k16 ? apf_per_sm<128, true>(ctx) : apf_per_sm<128, false>(ctx)));
+    const bool k16 = ctx->att_k16, q8 = a->kv_type == DTYPE_Q8_0;
+    const int64_t slots = ctx->n_sms * (q8 ? apf_per_sm_of<true>(ctx, a->head_dim, k16)
+                                           : apf_per_sm_of<false>(ctx, a->head_dim, k16));
     int64_t want = slots / blocks;
     if (want < 1) want = 1;
     if (want > 32) want = 32;
@@ -500,13 +579,8 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     dim3 grid((unsigned)a->n_kv_heads, (unsigned)tiles, (unsigned)p.n_splits);
     /* m16n8k16 where the card has it (sm_80 and later), unless
      * LLM_CUDA_ATT_K8=1 asks for the sm_75 instruction, to compare. */
-    if (a->head_dim == 64) {
-        if (k16) attention_prefill_kernel<64, true><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-        else attention_prefill_kernel<64, false><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-    } else {
-        if (k16) attention_prefill_kernel<128, true><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-        else attention_prefill_kernel<128, false><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-    }
+    if (q8) apf_launch<true>(ctx, p, grid, k16);
+    else apf_launch<false>(ctx, p, grid, k16);
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p.n_splits > 1) {
         attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,

@@ -13,7 +13,7 @@ extern "C" {
 #endif
 
 /* 1 if cuda_attention_prefill takes this batch: some sequence has more
- * than one row, F16 cache, head_dim 64 or 128, query heads per KV head a
+ * than one row, F16 or Q8_0 cache, head_dim 64 or 128, query heads per KV head a
  * power of two up to 64, 16-byte aligned q, out and cache, and the
  * variable LLM_CUDA_PREFILL_TC is not "0" (it exists to measure the
  * general kernel against this one). */
