@@ -426,21 +426,39 @@ const char *zio_user_id_key(const char *user_id) {
 /* ZAP handler */
 
 #define ZIO_ZAP_DOMAINS 16
+#define ZIO_ZAP_HELD_MAX 64
+/* How long a domain of one replaceable key (zio_zap_set_one) holds a
+ * handshake with another key before refusing it. */
+#define ZIO_ZAP_HOLD_MS 5000
 
 struct zio_zap_domain {
     char name[64];
     struct keys_entry *keys;
     size_t n;
+    bool hold_others;           /* set by zio_zap_set_one: hold other keys a while */
     uint64_t refused, admitted;
 };
 
+/* A handshake waiting for its domain's first key. */
+struct zio_zap_held {
+    uint8_t peer[256];   /* the ZAP client's routing id on our ROUTER socket */
+    size_t peer_len;
+    uint8_t req_id[256];
+    size_t req_id_len;
+    char domain[64], address[64], key[KEYS_Z85_LEN + 1];
+    int64_t since_ms;    /* when it came */
+};
+
 struct zio_zap {
-    void *sock;                 /* REP on inproc://zeromq.zap.01; used by the thread only */
+    void *sock;                 /* ROUTER on inproc://zeromq.zap.01; used by the thread only */
     pthread_t thread;
     atomic_bool stop;
+    atomic_uint gen;            /* bumped by every list change */
     pthread_mutex_t mu;         /* guards domains */
     struct zio_zap_domain d[ZIO_ZAP_DOMAINS];
     size_t n_domains;
+    struct zio_zap_held held[ZIO_ZAP_HELD_MAX]; /* thread only */
+    size_t n_held;
 };
 
 /* The domain's slot, made when missing (mu held); NULL when all are taken. */
@@ -454,41 +472,48 @@ static struct zio_zap_domain *zio_zap_slot(zio_zap *z, const char *domain, bool 
     return d;
 }
 
-/* Sends the six-frame ZAP reply (RFC 27). */
-static void zio_zap_reply(void *sock, const zmq_msg_t *req_id, const char *code, const char *text,
+/* Sends the ZAP reply (RFC 27) behind the requester's envelope. */
+static void zio_zap_reply(void *sock, const struct zio_zap_held *h, const char *code, const char *text,
                           const char *user_id) {
-    const char *parts[6] = {"1.0", NULL, code, text, user_id, ""};
-    for (int i = 0; i < 6; i++) {
-        int fl = i < 5 ? ZMQ_SNDMORE : 0;
-        if (i == 1) zmq_send(sock, zmq_msg_data((zmq_msg_t *)req_id), zmq_msg_size((zmq_msg_t *)req_id), fl);
-        else zmq_send(sock, parts[i], strlen(parts[i]), fl);
-    }
+    zmq_send(sock, h->peer, h->peer_len, ZMQ_SNDMORE);
+    zmq_send(sock, "", 0, ZMQ_SNDMORE);
+    zmq_send(sock, "1.0", 3, ZMQ_SNDMORE);
+    zmq_send(sock, h->req_id, h->req_id_len, ZMQ_SNDMORE);
+    zmq_send(sock, code, strlen(code), ZMQ_SNDMORE);
+    zmq_send(sock, text, strlen(text), ZMQ_SNDMORE);
+    zmq_send(sock, user_id, strlen(user_id), ZMQ_SNDMORE);
+    zmq_send(sock, "", 0, 0);
 }
 
-/* Answers one request: frames version, request id, domain, address,
- * routing id, mechanism, credentials. */
-static void zio_zap_handle(zio_zap *z, zmq_msg_t *f, int n) {
-    static const char *const none = "";
-    if (n < 6) return; /* not a ZAP request: nothing to answer to */
-    char domain[64] = "", address[64] = "", key[KEYS_Z85_LEN + 1] = "";
-    snprintf(domain, sizeof domain, "%.*s", (int)zmq_msg_size(&f[2]), (const char *)zmq_msg_data(&f[2]));
-    snprintf(address, sizeof address, "%.*s", (int)zmq_msg_size(&f[3]), (const char *)zmq_msg_data(&f[3]));
-    bool curve = zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0;
-    if (curve && n >= 7 && zmq_msg_size(&f[6]) == 32) zmq_z85_encode(key, zmq_msg_data(&f[6]), 32);
+/* Answers h, or holds it (returns false) while its domain has no key yet:
+ * the peer waits in its handshake instead of being refused for good
+ * (ZeroMQ never reconnects after a refusal), and is answered as soon as
+ * the domain gets its keys. */
+static bool zio_zap_decide(zio_zap *z, const struct zio_zap_held *h, bool curve, bool may_hold) {
     char user_id[KEYS_NAME_MAX + KEYS_Z85_LEN + 2] = "";
     const char *why = "key not admitted";
     pthread_mutex_lock(&z->mu);
-    struct zio_zap_domain *d = zio_zap_slot(z, domain, true);
+    struct zio_zap_domain *d = zio_zap_slot(z, h->domain, true);
+    if (curve && may_hold && d && d->n == 0) {
+        pthread_mutex_unlock(&z->mu);
+        return false;
+    }
     bool ok = false;
     if (!curve) {
         why = "not a CURVE handshake";
     } else if (d) {
         for (size_t i = 0; i < d->n && !ok; i++) {
-            if (strcmp(d->keys[i].pub, key) != 0) continue;
+            if (strcmp(d->keys[i].pub, h->key) != 0) continue;
             ok = true;
-            if (d->keys[i].name[0]) snprintf(user_id, sizeof user_id, "%s/%s", d->keys[i].name, key);
-            else snprintf(user_id, sizeof user_id, "%s", key);
+            if (d->keys[i].name[0]) snprintf(user_id, sizeof user_id, "%s/%s", d->keys[i].name, h->key);
+            else snprintf(user_id, sizeof user_id, "%s", h->key);
         }
+    }
+    /* A new predecessor may connect just before this stage hears that the
+     * router placed it: give the placement a moment to arrive. */
+    if (curve && !ok && may_hold && d && d->hold_others && zio_now_ms() - h->since_ms < ZIO_ZAP_HOLD_MS) {
+        pthread_mutex_unlock(&z->mu);
+        return false;
     }
     uint64_t refused = 0;
     if (d && ok) d->admitted++;
@@ -496,18 +521,62 @@ static void zio_zap_handle(zio_zap *z, zmq_msg_t *f, int n) {
     pthread_mutex_unlock(&z->mu);
     if (!ok && (refused <= 10 || refused % 1000 == 0))
         LOG(LL_WARN, "security: refused %s peer from %s (key %s): %s (%llu refused in domain '%s')",
-            curve ? "CURVE" : "a non-CURVE", address[0] ? address : "?", key[0] ? key : "-", why,
-            (unsigned long long)refused, domain);
-    zio_zap_reply(z->sock, &f[1], ok ? "200" : "400", ok ? "OK" : why, ok ? user_id : none);
+            curve ? "CURVE" : "a non-CURVE", h->address[0] ? h->address : "?", h->key[0] ? h->key : "-",
+            why, (unsigned long long)refused, h->domain);
+    zio_zap_reply(z->sock, h, ok ? "200" : "400", ok ? "OK" : why, ok ? user_id : "");
+    return true;
+}
+
+/* One request: frames routing id, "", version, request id, domain,
+ * address, identity, mechanism, credentials. */
+static void zio_zap_handle(zio_zap *z, zmq_msg_t *f, int n) {
+    if (n < 8 || zmq_msg_size(&f[0]) > 256 || zmq_msg_size(&f[3]) > 256) return;
+    struct zio_zap_held h;
+    memset(&h, 0, sizeof h);
+    h.peer_len = zmq_msg_size(&f[0]);
+    memcpy(h.peer, zmq_msg_data(&f[0]), h.peer_len);
+    h.req_id_len = zmq_msg_size(&f[3]);
+    memcpy(h.req_id, zmq_msg_data(&f[3]), h.req_id_len);
+    snprintf(h.domain, sizeof h.domain, "%.*s", (int)zmq_msg_size(&f[4]), (const char *)zmq_msg_data(&f[4]));
+    snprintf(h.address, sizeof h.address, "%.*s", (int)zmq_msg_size(&f[5]), (const char *)zmq_msg_data(&f[5]));
+    bool curve = zmq_msg_size(&f[7]) == 5 && memcmp(zmq_msg_data(&f[7]), "CURVE", 5) == 0;
+    if (curve && n >= 9 && zmq_msg_size(&f[8]) == 32) zmq_z85_encode(h.key, zmq_msg_data(&f[8]), 32);
+    h.since_ms = zio_now_ms();
+    if (zio_zap_decide(z, &h, curve, true)) return;
+    /* Held: the oldest gives way when the list is full (its peer's
+     * handshake has most likely timed out and been retried already). */
+    if (z->n_held == ZIO_ZAP_HELD_MAX) {
+        zio_zap_decide(z, &z->held[0], true, false);
+        memmove(&z->held[0], &z->held[1], (ZIO_ZAP_HELD_MAX - 1) * sizeof z->held[0]);
+        z->n_held--;
+    }
+    z->held[z->n_held++] = h;
+}
+
+/* After a list change: answers the held requests whose domain has keys now. */
+static void zio_zap_release(zio_zap *z) {
+    size_t keep = 0;
+    for (size_t i = 0; i < z->n_held; i++)
+        if (!zio_zap_decide(z, &z->held[i], true, true)) z->held[keep++] = z->held[i];
+    z->n_held = keep;
 }
 
 static void *zio_zap_main(void *arg) {
     zio_zap *z = arg;
-    zmq_msg_t f[8];
+    zmq_msg_t f[10];
+    unsigned seen = atomic_load(&z->gen);
+    int64_t next_sweep = zio_now_ms() + 100;
     while (!atomic_load(&z->stop)) {
+        unsigned gen = atomic_load(&z->gen);
+        if (gen != seen || (z->n_held && zio_now_ms() >= next_sweep)) {
+            seen = gen;
+            next_sweep = zio_now_ms() + 100;
+            zio_zap_release(z);
+        }
         zmq_pollitem_t it = {z->sock, 0, ZMQ_POLLIN, 0};
-        /* A short wait, so that zio_zap_stop is seen without a wake-up socket. */
-        if (zmq_poll(&it, 1, 100) <= 0) continue;
+        /* A short wait, so that zio_zap_stop and list changes are seen
+         * without a wake-up socket. */
+        if (zmq_poll(&it, 1, z->n_held ? 20 : 100) <= 0) continue;
         int n = 0;
         bool more = true;
         while (more) {
@@ -518,7 +587,7 @@ static void *zio_zap_main(void *arg) {
                 break;
             }
             more = zmq_msg_more(&m);
-            if (n < 8) f[n++] = m;
+            if (n < 10) f[n++] = m;
             else zmq_msg_close(&m);
         }
         zio_zap_handle(z, f, n);
@@ -533,7 +602,7 @@ int zio_zap_start(void *ctx, zio_zap **out, char *err, size_t errlen) {
     zio_zap *z = calloc(1, sizeof *z);
     if (!z) return status_fail(err, errlen, STATUS_NO_MEMORY, "ZAP handler: out of memory");
     pthread_mutex_init(&z->mu, NULL);
-    z->sock = zmq_socket(ctx, ZMQ_REP);
+    z->sock = zmq_socket(ctx, ZMQ_ROUTER);
     if (!z->sock || zmq_bind(z->sock, "inproc://zeromq.zap.01") != 0) {
         int e = errno;
         if (z->sock) zmq_close(z->sock);
@@ -564,7 +633,8 @@ void zio_zap_stop(zio_zap *z) {
     free(z);
 }
 
-static int zio_zap_put(zio_zap *z, const char *domain, const struct keys_entry *e, size_t n) {
+static int zio_zap_put(zio_zap *z, const char *domain, const struct keys_entry *e, size_t n,
+                       bool hold_others) {
     struct keys_entry *copy = NULL;
     if (n) {
         copy = malloc(n * sizeof *copy);
@@ -577,26 +647,28 @@ static int zio_zap_put(zio_zap *z, const char *domain, const struct keys_entry *
         free(d->keys);
         d->keys = copy;
         d->n = n;
+        d->hold_others = hold_others;
     }
     pthread_mutex_unlock(&z->mu);
     if (!d) {
         free(copy);
         return STATUS_BAD_INPUT;
     }
+    atomic_fetch_add(&z->gen, 1);
     return 0;
 }
 
 int zio_zap_set(zio_zap *z, const char *domain, const struct keys_list *l) {
-    return zio_zap_put(z, domain, l ? l->e : NULL, l ? l->n : 0);
+    return zio_zap_put(z, domain, l ? l->e : NULL, l ? l->n : 0, false);
 }
 
 int zio_zap_set_one(zio_zap *z, const char *domain, const char *pub, const char *name) {
-    if (!pub || !pub[0]) return zio_zap_put(z, domain, NULL, 0);
+    if (!pub || !pub[0]) return zio_zap_put(z, domain, NULL, 0, true);
     if (!keys_z85_valid(pub)) return STATUS_BAD_INPUT;
     struct keys_entry e;
     memcpy(e.pub, pub, KEYS_Z85_LEN + 1);
     snprintf(e.name, sizeof e.name, "%s", name ? name : "");
-    return zio_zap_put(z, domain, &e, 1);
+    return zio_zap_put(z, domain, &e, 1, true);
 }
 
 static uint64_t zio_zap_count(zio_zap *z, const char *domain, bool refused) {

@@ -134,8 +134,12 @@ const char *zio_user_id_key(const char *user_id);
  * inproc://zeromq.zap.01 that admits a CURVE peer only if its public key is
  * in the list of the socket's ZAP domain, and counts the refusals.  Lists
  * can be replaced at any time from any thread (a stage's link learns its
- * predecessor's key when the router places it).  A domain with no list
- * admits nobody.
+ * predecessor's key when the router places it).  A handshake in a domain
+ * with no keys yet is held, unanswered, until the domain gets keys (at most
+ * 64 are held; the peer's handshake timeout, ZMQ_HANDSHAKE_IVL, makes it
+ * retry meanwhile): a refusal is final for a ZeroMQ peer, which never
+ * reconnects after one, so a predecessor that connects before the router
+ * named it must wait rather than be turned away.
  *
  *   zio_zap *z;
  *   zio_zap_start(ctx, &z, err, sizeof err);
@@ -147,10 +151,13 @@ typedef struct zio_zap zio_zap;
 int zio_zap_start(void *ctx, zio_zap **out, char *err, size_t errlen);
 /* Stops the thread and closes its socket; NULL is fine. */
 void zio_zap_stop(zio_zap *z);
-/* Replaces the domain's admitted keys with a copy of l (NULL: nobody).
+/* Replaces the domain's admitted keys with a copy of l (NULL: none yet).
  * 0 or STATUS_NO_MEMORY / STATUS_BAD_INPUT (more than 16 domains). */
 int zio_zap_set(zio_zap *z, const char *domain, const struct keys_list *l);
-/* Admits exactly one key in the domain ("" or NULL: nobody), named name. */
+/* Admits exactly one key in the domain ("" or NULL: none yet), named name.
+ * Such a domain holds a handshake with another key for up to 5 s before
+ * refusing it: when the router re-places a stage, its new predecessor may
+ * connect just before the stage learns the new key. */
 int zio_zap_set_one(zio_zap *z, const char *domain, const char *pub, const char *name);
 /* Handshakes refused and admitted in the domain so far. */
 uint64_t zio_zap_refused(zio_zap *z, const char *domain);

@@ -213,7 +213,12 @@ static void zsecure_open(struct zsecure *z) {
     ASSERT_OK(keys_pair_generate(&z->server, err, sizeof err));
     ASSERT_OK(keys_pair_generate(&z->good, err, sizeof err));
     ASSERT_OK(keys_pair_generate(&z->bad, err, sizeof err));
-    ASSERT_OK(zio_zap_set_one(z->zap, "clients", z->good.pub, "alice"));
+    /* A list (zio_zap_set) refuses other keys at once. */
+    struct keys_entry e;
+    memcpy(e.pub, z->good.pub, sizeof e.pub);
+    snprintf(e.name, sizeof e.name, "alice");
+    struct keys_list l = {1, &e};
+    ASSERT_OK(zio_zap_set(z->zap, "clients", &l));
     ASSERT_OK(zio_sock_open(z->ctx, ZMQ_ROUTER, &z->router, err, sizeof err));
     ASSERT_OK(zio_curve_server(z->router, &z->server, "clients"));
     ASSERT_OK(zio_bind(z->router, "tcp://127.0.0.1:*"));
