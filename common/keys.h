@@ -47,8 +47,8 @@ struct keys_list {
 bool keys_z85_valid(const char *s);
 
 /* Reads a NAME.key file: both lines required, the public key must belong to
- * the secret one.  A file readable by group or others is refused (it holds
- * a secret).  0, or STATUS_NOT_FOUND / STATUS_IO / STATUS_BAD_INPUT with err
+ * the secret one.  A file every user may read is logged as a warning (not
+ * refused: mounted Secrets often are).  0, or STATUS_NOT_FOUND / STATUS_IO / STATUS_BAD_INPUT with err
  * naming the file (and line). */
 int keys_pair_load(const char *path, struct keys_pair *out, char *err, size_t errlen);
 
