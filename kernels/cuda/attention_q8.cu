@@ -17,7 +17,6 @@
  * applied once per 8 values); the int8 values become floats by a byte
  * permute into a float's mantissa and one subtraction (conversion
  * instructions run at a quarter of the rate). */
-#include "act_q8.cuh"
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -253,15 +252,10 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
     }
 }
 
-/* Merge the splits of one (row, head): a thread per dim (attn_merge.cuh).
- * Where xq is given (1-2 rows) it also writes the gemv's int8 form of the
- * output (act_q8.cuh; a warp's 32 dims are one block of it, head_dim
- * being a multiple of 32), so the o matmul after it launches no
- * quantizing kernel, as rope_attention.cu's merge does for F16 caches. */
+/* Merge the splits of one (row, head): a thread per dim (attn_merge.cuh). */
 __global__ void attention_q8_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
                                             const float *__restrict__ part_acc, const float *__restrict__ part_ml,
-                                            int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
-                                            int8_t *__restrict__ xq, float *__restrict__ xd, float *__restrict__ xs) {
+                                            int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
     pdl_begin();
     const int32_t row = blockIdx.x, head = blockIdx.y;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -271,7 +265,6 @@ __global__ void attention_q8_combine_kernel(float *__restrict__ out, fp16_t *__r
         const float o = l > 0.0f ? acc / l : 0.0f;
         out[i] = o;
         if (out16) out16[i] = f2h(o);
-        if (xq) act_q8_block(o, threadIdx.x % 32, i / 32, xq, xd, xs);
     }
 }
 
@@ -297,24 +290,10 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     p->split_min = (int32_t)least;
     p->n_splits = (int32_t)splits;
     const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * a->n_tokens * a->n_heads : 0;
-    const size_t part_bytes = slots * ((size_t)HD + 2) * sizeof(float);
-    /* 1-2 rows with a split context (every step at a graph's context
-     * bound): the combine also leaves the gemv's int8 form of the output
-     * at the scratch's start, the split sums past it (up to
-     * ctx->att_defer rows, as rope_attention.cu; from 3 rows the F16 form
-     * of cuda_att_scratch serves the matmuls there). */
-    const int64_t cols = (int64_t)a->n_heads * HD;
-    const bool q8form = p->n_splits > 1 && a->n_tokens <= 2 && a->n_tokens <= ctx->att_defer && cols % 64 == 0;
     uint16_t *out16 = NULL;
     float *scr = NULL;
-    if (q8form) {
-        const size_t q8_bytes = (cuda_gemv_act_bytes(a->n_tokens, cols) + 255) & ~(size_t)255;
-        uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + part_bytes);
-        if (!base) return STATUS_NO_MEMORY;
-        scr = (float *)(base + q8_bytes);
-    } else if (cuda_att_scratch(ctx, a, part_bytes, &out16, &scr) != STATUS_OK) {
+    if (cuda_att_scratch(ctx, a, slots * ((size_t)HD + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
         return STATUS_NO_MEMORY;
-    }
     p->out16 = (fp16_t *)out16;
     if (p->n_splits > 1) {
         p->part_acc = scr;
@@ -326,19 +305,9 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_q8_decode_kernel<G, LP, T>), grid, dim3(ATQ_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        /* Recorded as the kept form of the output only now that the
-         * attention is queued (the scratch already holds its room). */
-        int8_t *xq = NULL;
-        float *xd = NULL, *xs = NULL;
-        if (q8form && cuda_gemv_act_q8s(ctx, a->out, a->n_tokens, cols, &xq, &xd, &xs) != STATUS_OK) {
-            xq = NULL; /* the o matmul quantizes for itself */
-            xd = xs = NULL;
-        }
-        const cudaError_t e = cuda_launch(ctx, attention_q8_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128),
-                                          0, a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, a->n_tokens,
-                                          a->n_heads, a->head_dim, xq, xd, xs);
-        if (e != cudaSuccess) cuda_act_forget(ctx); /* the form recorded above was not written */
-        CUDA_CHECK(ctx, e);
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_q8_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0,
+                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, a->n_tokens,
+                                    a->n_heads, a->head_dim));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;

@@ -1710,76 +1710,6 @@ TEST(cuda_ops_attention_q8_0_prefill) {
     unsetenv("LLM_CUDA_PREFILL_TC");
 }
 
-/* Decode rows over the 8-bit cache at 1-2 rows with a split context: the
- * combine kernel of attention_q8.cu also leaves the gemv's int8 form of
- * the output, which the o matmul (gemv at 1-2 tokens) then reads instead
- * of quantizing: a Q8_0, an F16 and a Q4_K matmul on the output must
- * match the CPU's (att_mm_check), the attention itself the F32 bound.
- * Shuffled tables as attention_case; LLM_CUDA_ATT_DEFER=0 keeps the form
- * off, which must give the same. */
-static void q8d_then_matmul(int32_t n_heads, int32_t n_kv, int32_t hd, int32_t bs, int n_seqs, const int32_t *pos0s) {
-    int32_t max_ctx = 0, max_blocks = 0, total_blocks = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int32_t ctx = pos0s[s] + 1, nbk = (ctx + bs - 1) / bs;
-        max_ctx = ctx > max_ctx ? ctx : max_ctx;
-        max_blocks = nbk > max_blocks ? nbk : max_blocks;
-        total_blocks += nbk;
-    }
-    const int32_t n_blocks = total_blocks + 2;
-    kv_pair(DTYPE_Q8_0, n_blocks, bs, n_kv, hd);
-    int32_t *tables = fx_host((size_t)n_seqs * max_blocks * 4), *tok0 = fx_host((size_t)(n_seqs + 1) * 4);
-    int32_t *perm = fx_host((size_t)n_blocks * 4);
-    for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
-        int j = rng_int(i + 1), tmp = perm[i];
-        perm[i] = perm[j];
-        perm[j] = tmp;
-    }
-    int32_t used = 0;
-    tok0[0] = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int32_t nbk = (pos0s[s] + bs) / bs;
-        for (int b = 0; b < max_blocks; b++) tables[s * max_blocks + b] = b < nbk ? perm[used++] : perm[n_blocks - 1];
-        tok0[s + 1] = s + 1;
-    }
-    struct dbuf dt = dbuf_from(tables, (size_t)n_seqs * max_blocks * 4);
-    struct dbuf d0 = dbuf_from(tok0, (size_t)(n_seqs + 1) * 4);
-    struct dbuf dp = dbuf_from(pos0s, (size_t)n_seqs * 4);
-    const size_t elems = (size_t)n_seqs * n_heads * hd;
-    struct dbuf q = dbuf_from(rand_f32(elems, -2, 2), elems * 4);
-    struct dbuf out = dbuf_new(elems * 4);
-    dbuf_poison(out);
-    struct att_mm mm = {0};
-    att_mm_prepare(&mm, n_seqs, n_heads * hd);
-    struct backend_attn_batch cb = {n_seqs, n_seqs, max_blocks, max_ctx, d0.c, dp.c, dt.c};
-    struct backend_attn_batch gb = {n_seqs, n_seqs, max_blocks, max_ctx, d0.g, dp.g, dt.g};
-    const float scale = 1.0f / sqrtf((float)hd);
-    ASSERT_OK(backend_attention(fx.cpu, out.c, q.c, &fx.ckv[fx.n_kv - 1], &cb, n_heads, scale));
-    if (backend_attention(fx.gpu, out.g, q.g, &fx.gkv[fx.n_kv - 1], &gb, n_heads, scale) != STATUS_OK)
-        TEST_FAIL("gpu attention: %s", backend_errstr(fx.gpu));
-    char what[128];
-    snprintf(what, sizeof what, "attention Q8_0 cache, %d heads / %d KV heads x %d, %d decode rows, ctx %d", n_heads,
-             n_kv, hd, n_seqs, max_ctx);
-    att_mm_check(&mm, out, n_seqs, what);
-    check_f32(out, elems, 1e-9, what);
-}
-
-static void q8d_matmul_cases(void) {
-    fx_open();
-    static const int32_t p1[] = {2047}, p2[] = {700, 90};
-    q8d_then_matmul(32, 32, 128, 16, 1, p1); /* 7B heads, one row */
-    q8d_then_matmul(16, 4, 64, 32, 2, p2);   /* groups of 4, two rows */
-    q8d_then_matmul(8, 1, 256, 16, 1, p2);   /* heads of 256, groups of 8 */
-    fx_close();
-}
-
-TEST(cuda_ops_attention_q8_0_decode_feeds_gemv) {
-    q8d_matmul_cases();
-    setenv("LLM_CUDA_ATT_DEFER", "0", 1);
-    q8d_matmul_cases();
-    unsetenv("LLM_CUDA_ATT_DEFER");
-}
-
 TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_rmsnorm, cuda_ops_add_rmsnorm,
           cuda_ops_add_swiglu, cuda_ops_get_rows, cuda_ops_rope_both_orders, cuda_ops_convert,
           cuda_ops_embed_every_dtype, cuda_ops_matmul_f32, cuda_ops_matmul_f16, cuda_ops_matmul_bf16,
@@ -1793,5 +1723,4 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention,
-          cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode, cuda_ops_attention_q8_0_prefill,
-          cuda_ops_attention_q8_0_decode_feeds_gemv)
+          cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode, cuda_ops_attention_q8_0_prefill)
