@@ -5,7 +5,10 @@
  * (pid files, logs, keys, env.sh); `status` and `down` act on what `up`
  * started.  Secure by default: `up` makes CURVE keys for the router, a
  * client and every worker in RUN_DIR/keys/ and starts everything with them;
- * `--insecure` runs without. */
+ * `--insecure` runs without.  `--http-port P` adds an llm-gateway (the
+ * OpenAI HTTP API) on 127.0.0.1:P with an API key in RUN_DIR/api-key.  Every
+ * process gets a metrics port of its own, listed for Prometheus in
+ * RUN_DIR/prometheus-targets.json. */
 #include "client.h"
 
 #include "common/keys.h"
@@ -28,6 +31,7 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -40,16 +44,18 @@
  * that a pid reused by an unrelated process is never killed. */
 struct cl_proc {
     char name[64];
-    char program[32]; /* "llm-worker", "llm-router", "redis-server" */
+    char program[32]; /* "llm-worker", "llm-router", "llm-gateway", "redis-server" */
     pid_t pid;
+    int metrics_port; /* its /metrics on 127.0.0.1, 0 for none (Redis) */
 };
 
 struct cl_up {
-    const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args;
-    int pipelines, stages, port, threads, timeout_s, kv_blocks;
+    const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args, *api_keys_file;
+    int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port;
     bool insecure;
     char dir[PATH_MAX];     /* run dir, absolute */
-    char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX];
+    char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX], bin_gateway[PATH_MAX];
+    char http_url[128];     /* the gateway's base URL, "" without --http-port */
     char redis_url[128];
     char endpoint[128];     /* router client endpoint */
     struct cl_proc procs[CL_PROCS_MAX];
@@ -302,7 +308,7 @@ static int cl_gpu_count(void) {
 }
 
 /* 0 when nothing listens on 127.0.0.1:port and the port can be bound. */
-static int cl_port_free(int port, char *err, size_t errlen) {
+static int cl_port_free(const char *option, int port, char *err, size_t errlen) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return 0; /* cannot tell; the router will say */
     int one = 1;
@@ -315,8 +321,8 @@ static int cl_port_free(int port, char *err, size_t errlen) {
     int e = errno;
     close(fd);
     if (rc != 0) {
-        cl_fmt(err, errlen, "--port %d: cannot listen there: %s (another router, or pick another port)", port,
-                 strerror(e));
+        cl_fmt(err, errlen, "%s %d: cannot listen there: %s (another process holds it: pick another port)", option,
+               port, strerror(e));
         return STATUS_UNAVAILABLE;
     }
     return 0;
@@ -461,6 +467,7 @@ static int cl_make_keys(struct cl_up *u, char *err, size_t errlen) {
     int rc = cl_key_ensure(dir, "router", err, errlen);
     cl_fmt(sub, sizeof sub, "%s/clients", dir);
     if (rc == 0) rc = cl_key_ensure(sub, "client", err, errlen);
+    if (rc == 0 && u->http_port > 0) rc = cl_key_ensure(sub, "gateway", err, errlen);
     cl_fmt(sub, sizeof sub, "%s/workers", dir);
     for (int p = 0; rc == 0 && p < u->pipelines; p++) {
         for (int s = 0; rc == 0 && s < u->stages; s++) {
@@ -517,6 +524,17 @@ static int cl_write_env(struct cl_up *u) {
         cl_export(text, sizeof text, "LLM_ROUTER_KEY", key);
         size_t n = strlen(text);
         cl_fmt(text + n, sizeof text - n, "unset LLM_INSECURE\n");
+    }
+    if (u->http_url[0]) {
+        /* What the openai SDKs read, so that a sourced env.sh points them
+         * here too. */
+        cl_export(text, sizeof text, "OPENAI_BASE_URL", u->http_url);
+        if (!u->api_keys_file || !u->api_keys_file[0]) {
+            char kp[PATH_MAX + 32], k[128] = "";
+            cl_fmt(kp, sizeof kp, "%s/api-key", u->dir);
+            cl_last_line(kp, k, sizeof k);
+            if (k[0]) cl_export(text, sizeof text, "OPENAI_API_KEY", k);
+        }
     }
     cl_fmt(path, sizeof path, "%s/env.sh", u->dir);
     int rc = cl_write_file(path, text);
@@ -584,6 +602,151 @@ static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
     return rc;
 }
 
+/* The HTTP status of GET path from 127.0.0.1:port, or -1 when nothing
+ * answers there (yet). */
+static int cl_http_status(int port, const char *path) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct timeval tv = {1, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    char req[256], reply[64] = "";
+    cl_fmt(req, sizeof req, "GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n", path);
+    int code = -1;
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0 && write(fd, req, strlen(req)) == (ssize_t)strlen(req)) {
+        ssize_t got = read(fd, reply, sizeof reply - 1);
+        if (got > 0) {
+            reply[got] = 0;
+            if (sscanf(reply, "HTTP/%*s %d", &code) != 1) code = -1;
+        }
+    }
+    close(fd);
+    return code;
+}
+
+/* RUN_DIR/api-key: kept when there from an earlier `up` (a client may hold
+ * it), else a fresh random one, readable by this user only. */
+static int cl_api_key_ensure(const char *path, char *err, size_t errlen) {
+    if (access(path, F_OK) == 0) return 0;
+    uint8_t raw[24];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
+        cl_fmt(err, errlen, "getrandom: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    char text[8 + 2 * sizeof raw + 2] = "llm-";
+    for (size_t i = 0; i < sizeof raw; i++) cl_fmt(text + 4 + 2 * i, 3, "%02x", raw[i]);
+    strcat(text, "\n");
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        if (fd >= 0) close(fd);
+        return STATUS_IO;
+    }
+    close(fd);
+    return 0;
+}
+
+/* The gateway on 127.0.0.1:--http-port, a client of the router with its
+ * own key in keys/clients/, started once the cluster serves; returns when
+ * its /ready says it reaches a serving router, so that the first request
+ * after `up` is answered. */
+static int cl_start_gateway(struct cl_up *u, const char *pub_router, char *err, size_t errlen) {
+    char listen[64], metrics[64], key[PATH_MAX + 64], keys_file[PATH_MAX + 32];
+    int mport = cl_free_port(err, errlen);
+    if (mport < 0) return STATUS_IO;
+    cl_fmt(listen, sizeof listen, "127.0.0.1:%d", u->http_port);
+    cl_fmt(metrics, sizeof metrics, "127.0.0.1:%d", mport);
+    if (u->api_keys_file && u->api_keys_file[0]) {
+        cl_fmt(keys_file, sizeof keys_file, "%s", u->api_keys_file);
+    } else {
+        cl_fmt(keys_file, sizeof keys_file, "%s/api-key", u->dir);
+        int rc = cl_api_key_ensure(keys_file, err, errlen);
+        if (rc < 0) return rc;
+    }
+    char *argv[CL_ARGS_MAX];
+    int n = 0;
+    argv[n++] = u->bin_gateway;
+    argv[n++] = "--listen";
+    argv[n++] = listen;
+    argv[n++] = "--router";
+    argv[n++] = u->endpoint;
+    argv[n++] = "--model";
+    argv[n++] = (char *)u->model;
+    argv[n++] = "--metrics-listen";
+    argv[n++] = metrics;
+    argv[n++] = "--api-keys-file";
+    argv[n++] = keys_file;
+    argv[n++] = "--log-level";
+    argv[n++] = (char *)u->log_level;
+    if (u->insecure) {
+        argv[n++] = "--insecure";
+    } else {
+        cl_key_path(key, sizeof key, u->dir, "clients/gateway.key");
+        argv[n++] = "--curve-key-file";
+        argv[n++] = key;
+        argv[n++] = "--router-key";
+        argv[n++] = (char *)pub_router;
+    }
+    argv[n] = NULL;
+    int rc = cl_spawn(u, "gateway", "llm-gateway", argv, err, errlen);
+    if (rc < 0) return rc;
+    u->procs[u->n_procs - 1].metrics_port = mport;
+    cl_fmt(u->http_url, sizeof u->http_url, "http://127.0.0.1:%d/v1", u->http_port);
+    int64_t end = cl_now_ms() + 30000;
+    for (;;) {
+        int ws;
+        struct cl_proc *dead = cl_find_dead(u, &ws);
+        if (dead) {
+            cl_report_dead(u, dead, ws, "while the gateway was starting");
+            cl_fmt(err, errlen, "%s stopped while the gateway was starting", dead->name);
+            return STATUS_UNAVAILABLE;
+        }
+        int code = cl_http_status(mport, "/ready");
+        if (code == 200 && cl_http_status(u->http_port, "/v1/models") > 0) return 0;
+        if (cl_now_ms() > end) {
+            cl_fmt(err, errlen, "the gateway on %s was not ready within 30 s (its /ready on port %d: %d); see %s/gateway.log",
+                   listen, mport, code, u->dir);
+            return STATUS_TIMEOUT;
+        }
+        cl_sleep_ms(100);
+    }
+}
+
+/* RUN_DIR/prometheus-targets.json in Prometheus' file_sd format: each
+ * process's metrics address with its job (llm-router, llm-worker,
+ * llm-gateway) and its name in the run dir as the "process" label. */
+static int cl_write_targets(struct cl_up *u, char *err, size_t errlen) {
+    char path[PATH_MAX + 48], tmp[PATH_MAX + 56];
+    cl_fmt(path, sizeof path, "%s/prometheus-targets.json", u->dir);
+    cl_fmt(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        cl_fmt(err, errlen, "%s: %s", tmp, strerror(errno));
+        return STATUS_IO;
+    }
+    fputs("[", f);
+    int written = 0;
+    for (int i = 0; i < u->n_procs; i++) {
+        const struct cl_proc *p = &u->procs[i];
+        if (p->metrics_port <= 0) continue;
+        fprintf(f, "%s\n  {\"targets\": [\"127.0.0.1:%d\"], \"labels\": {\"job\": \"%s\", \"process\": \"%s\"}}",
+                written++ ? "," : "", p->metrics_port, p->program, p->name);
+    }
+    fputs("\n]\n", f);
+    /* Renamed into place: Prometheus rereads the file when it changes and
+     * must never see half of it. */
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        unlink(tmp);
+        return STATUS_IO;
+    }
+    return 0;
+}
+
 static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     int rc = cl_check_model(u->model, err, errlen);
     if (rc < 0) return rc;
@@ -604,7 +767,12 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         return rc;
     int port = u->port;
     if (port == 0 && (port = cl_free_port(err, errlen)) < 0) return STATUS_IO;
-    if ((rc = cl_port_free(port, err, errlen)) < 0) return rc;
+    if ((rc = cl_port_free("--port", port, err, errlen)) < 0) return rc;
+    if (u->http_port > 0) {
+        if ((rc = cl_port_free("--http-port", u->http_port, err, errlen)) < 0) return rc;
+        if ((rc = cl_find_sibling("llm-gateway", "gateway", u->bin_gateway, sizeof u->bin_gateway, err, errlen)) < 0)
+            return rc;
+    }
     int worker_port = cl_free_port(err, errlen);
     if (worker_port < 0) return STATUS_IO;
 
@@ -637,7 +805,10 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     }
 
     /* The router. */
-    char client_ep[64], worker_ep[64], extra_r[1024], stages_s[16];
+    char client_ep[64], worker_ep[64], extra_r[1024], stages_s[16], metrics_r[64];
+    int metrics_port = cl_free_port(err, errlen);
+    if (metrics_port < 0) return STATUS_IO;
+    cl_fmt(metrics_r, sizeof metrics_r, "127.0.0.1:%d", metrics_port);
     cl_fmt(stages_s, sizeof stages_s, "%d", u->stages);
     cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", port);
     cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", worker_port);
@@ -656,6 +827,8 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     argv[n++] = u->redis_url;
     argv[n++] = "--stages";
     argv[n++] = stages_s;
+    argv[n++] = "--metrics-listen";
+    argv[n++] = metrics_r;
     argv[n++] = "--log-level";
     argv[n++] = (char *)u->log_level;
     if (u->insecure) {
@@ -671,6 +844,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
     argv[n] = NULL;
     if ((rc = cl_spawn(u, "router", "llm-router", argv, err, errlen)) < 0) return rc;
+    u->procs[u->n_procs - 1].metrics_port = metrics_port;
 
     /* The workers. */
     int n_gpus = strcmp(u->device, "auto") == 0 ? cl_gpu_count() : 0;
@@ -682,7 +856,8 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     for (int p = 0; p < u->pipelines; p++) {
         for (int s = 0; s < u->stages; s++) {
             int idx = p * u->stages + s;
-            char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024];
+            char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024],
+                metrics_w[64];
             char wkey[PATH_MAX + 96];
             cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
             cl_fmt(pid_s, sizeof pid_s, "%d", p);
@@ -695,6 +870,9 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             int lport = cl_free_port(err, errlen);
             if (lport < 0) return STATUS_IO;
             cl_fmt(listen, sizeof listen, "tcp://127.0.0.1:%d", lport);
+            int mport = cl_free_port(err, errlen);
+            if (mport < 0) return STATUS_IO;
+            cl_fmt(metrics_w, sizeof metrics_w, "127.0.0.1:%d", mport);
             cl_fmt(extra_w, sizeof extra_w, "%s", u->worker_args ? u->worker_args : "");
             n = 0;
             argv[n++] = u->bin_worker;
@@ -718,6 +896,8 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = dev;
             argv[n++] = "--threads";
             argv[n++] = thr_s;
+            argv[n++] = "--metrics-listen";
+            argv[n++] = metrics_w;
             if (u->kv_blocks > 0) {
                 argv[n++] = "--kv-blocks";
                 argv[n++] = kv_s;
@@ -736,9 +916,12 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             if ((n = cl_add_words(argv, n, extra_w, err, errlen)) < 0) return STATUS_BAD_INPUT;
             argv[n] = NULL;
             if ((rc = cl_spawn(u, name, "llm-worker", argv, err, errlen)) < 0) return rc;
+            u->procs[u->n_procs - 1].metrics_port = mport;
         }
     }
     if ((rc = cl_wait_ready(u, err, errlen)) < 0) return rc;
+    if (u->http_port > 0 && (rc = cl_start_gateway(u, pub_router, err, errlen)) < 0) return rc;
+    if ((rc = cl_write_targets(u, err, errlen)) < 0) return rc;
 
     char path[PATH_MAX + 32], text[512];
     cl_fmt(path, sizeof path, "%s/endpoint", u->dir);
@@ -748,6 +931,13 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     cl_fmt(text, sizeof text, "LLM_ROUTER=%s\nLLM_REDIS_URL=%s\n", u->endpoint, u->redis_url);
     cl_write_file(path, text);
     chmod(path, 0600);
+    cl_fmt(path, sizeof path, "%s/http-url", u->dir);
+    if (u->http_url[0]) {
+        cl_fmt(text, sizeof text, "%s\n", u->http_url);
+        cl_write_file(path, text);
+    } else {
+        unlink(path);
+    }
     if (cl_write_env(u) < 0) {
         cl_fmt(err, errlen, "%s/env.sh: cannot write it", u->dir);
         return STATUS_IO;
@@ -789,6 +979,12 @@ static int cl_up(int argc, char **argv) {
          0, 0, NULL},
         {"insecure", "LLM_INSECURE", OPTION_BOOL, "false",
          "no CURVE keys: plain sockets that anyone who reaches the ports may use", &u->insecure, 0, 0, NULL},
+        {"http-port", "LLM_HTTP_PORT", OPTION_INT, "0",
+         "also start llm-gateway (the OpenAI HTTP API) on 127.0.0.1:PORT (0: none)", &u->http_port, 0, 65535,
+         NULL},
+        {"api-keys-file", "LLM_API_KEYS_FILE", OPTION_STRING, NULL,
+         "the gateway's API keys, one a line (default: a fresh key in RUN_DIR/api-key)", &u->api_keys_file, 0, 0,
+         NULL},
     };
     struct options o = {"llm-cluster up", "--model PATH [options]",
                         "Starts Redis, a router and pipelines x stages workers in the background and waits "
@@ -818,6 +1014,18 @@ static int cl_up(int argc, char **argv) {
     printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
     printf("keys: %s\n", u->insecure ? "none (--insecure)" : "RUN_DIR/keys (router, clients/client, workers/)");
     printf("try: . %s/env.sh; llm generate --prompt \"Once upon a time\"\n", u->dir);
+    if (u->http_url[0]) {
+        bool own_keys = u->api_keys_file && u->api_keys_file[0];
+        char key_cmd[PATH_MAX + 32];
+        if (own_keys) cl_fmt(key_cmd, sizeof key_cmd, "head -n1 %s", u->api_keys_file);
+        else cl_fmt(key_cmd, sizeof key_cmd, "cat %s/api-key", u->dir);
+        printf("http: %s (OpenAI API; API key in %s%s)\n", u->http_url, own_keys ? "" : "RUN_DIR/api-key, ",
+               own_keys ? u->api_keys_file : "OPENAI_API_KEY in env.sh");
+        printf("try: curl %s/completions -H \"Authorization: Bearer $(%s)\" -H 'Content-Type: application/json' "
+               "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 20}'\n",
+               u->http_url, key_cmd);
+    }
+    printf("metrics: %s/prometheus-targets.json (Prometheus file_sd)\n", u->dir);
     printf("stop: llm-cluster down --run-dir %s\n", u->dir);
     free(u);
     return 0;
@@ -825,8 +1033,8 @@ static int cl_up(int argc, char **argv) {
 
 /* ---- status and down ------------------------------------------------------ */
 
-/* The pid files of a run dir, in the order down stops them: workers, then
- * the router, then Redis. */
+/* The pid files of a run dir, in the order down stops them: the gateway,
+ * the workers, the router, then Redis. */
 struct cl_pidfile {
     char name[64];
     char program[32];
@@ -834,9 +1042,10 @@ struct cl_pidfile {
 };
 
 static int cl_pidfile_rank(const char *name) {
-    if (strncmp(name, "worker", 6) == 0) return 0;
-    if (strncmp(name, "router", 6) == 0) return 1;
-    return 2;
+    if (strncmp(name, "gateway", 7) == 0) return 0;
+    if (strncmp(name, "worker", 6) == 0) return 1;
+    if (strncmp(name, "router", 6) == 0) return 2;
+    return 3;
 }
 
 static int cl_pidfile_cmp(const void *a, const void *b) {
@@ -863,9 +1072,8 @@ static int cl_read_pidfiles(const char *dir, struct cl_pidfile *out, int max) {
         struct cl_pidfile *p = &out[n++];
         cl_fmt(p->name, sizeof p->name, "%.*s", (int)(len - 4), e->d_name);
         p->pid = pid;
-        cl_fmt(p->program, sizeof p->program, "%s",
-                 cl_pidfile_rank(p->name) == 0 ? "llm-worker" : cl_pidfile_rank(p->name) == 1 ? "llm-router"
-                                                                                              : "redis-server");
+        static const char *const programs[] = {"llm-gateway", "llm-worker", "llm-router", "redis-server"};
+        cl_fmt(p->program, sizeof p->program, "%s", programs[cl_pidfile_rank(p->name)]);
     }
     closedir(d);
     qsort(out, (size_t)n, sizeof *out, cl_pidfile_cmp);
@@ -926,6 +1134,8 @@ static int cl_down(int argc, char **argv) {
     char path[PATH_MAX + 32];
     cl_fmt(path, sizeof path, "%s/endpoint", run_dir);
     unlink(path);
+    cl_fmt(path, sizeof path, "%s/http-url", run_dir);
+    unlink(path);
     if (stopped == 0) printf("nothing was running from %s\n", run_dir);
     return 0;
 }
@@ -959,6 +1169,10 @@ static int cl_status(int argc, char **argv) {
         printf("router endpoint unknown (%s missing: up did not finish)\n", path);
         return 1;
     }
+    char url[256] = "";
+    cl_fmt(path, sizeof path, "%s/http-url", run_dir);
+    cl_last_line(path, url, sizeof url);
+    if (url[0]) printf("gateway %s (OpenAI API)\n", url);
     const char *eps[1] = {ep};
     struct llm_client_config cfg;
     llm_client_config_default(&cfg);

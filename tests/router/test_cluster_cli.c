@@ -261,5 +261,162 @@ TEST(cluster_cli_port_taken_is_reported) {
     free(err);
 }
 
+/* GET url with curl (bounded to 10 s): the HTTP status, the body into
+ * *body (malloc'ed); extra headers and a JSON body when given. */
+static int cli_curl(const char *url, const char *auth, const char *json, char **body) {
+    char header[256] = "", *out, *err;
+    if (auth) snprintf(header, sizeof header, "Authorization: Bearer %s", auth);
+    const char *argv[16];
+    int n = 0;
+    argv[n++] = "/usr/bin/curl";
+    argv[n++] = "-sS";
+    argv[n++] = "--max-time";
+    argv[n++] = "10";
+    argv[n++] = "-w";
+    argv[n++] = "\n%{http_code}";
+    if (auth) {
+        argv[n++] = "-H";
+        argv[n++] = header;
+    }
+    if (json) {
+        argv[n++] = "-H";
+        argv[n++] = "Content-Type: application/json";
+        argv[n++] = "-d";
+        argv[n++] = json;
+    }
+    argv[n++] = url;
+    argv[n] = NULL;
+    int rc = cli_run(argv, &out, &err);
+    char *nl = strrchr(out, '\n');
+    int code = rc == 0 && nl ? atoi(nl + 1) : -1;
+    if (nl) *nl = 0;
+    if (rc != 0) printf("  curl %s: exit %d: %s", url, rc, err);
+    free(err);
+    *body = out;
+    return code;
+}
+
+/* up --http-port: a gateway with a fresh API key answers the OpenAI API
+ * (llm-run's greedy text), refuses a request without the key, shows in
+ * status and stops on down; prometheus-targets.json lists every process's
+ * metrics address, and each one serves /metrics. */
+TEST(cluster_cli_http_gateway_and_prometheus_targets) {
+    if (access("/usr/bin/curl", X_OK) != 0) TEST_SKIP("no /usr/bin/curl");
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 20, 1, &ref);
+    cli_new_run_dir();
+    int http_port;
+    char e[128];
+    ASSERT_OK(zio_free_port(NULL, &http_port, e, sizeof e));
+    char http_s[16];
+    snprintf(http_s, sizeof http_s, "%d", http_port);
+    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", "0", "--run-dir", run_dir, "--stages", "2",
+                        "--threads", "1", "--timeout-s", "60", "--http-port", http_s, NULL};
+    char *out, *err;
+    int rc = cli_run(up, &out, &err);
+    if (rc != 0) printf("  stdout:\n%s  stderr:\n%s", out, err);
+    ASSERT_EQ(0, rc);
+    char url[128];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/v1", http_port);
+    ASSERT_TRUE(strstr(out, url) != NULL);
+    ASSERT_TRUE(strstr(out, "api-key") != NULL);
+    free(out);
+    free(err);
+
+    char path[512], key[128] = "";
+    struct stat st;
+    snprintf(path, sizeof path, "%s/api-key", run_dir);
+    ASSERT_EQ(0, stat(path, &st));
+    ASSERT_EQ(0600u, (unsigned)(st.st_mode & 0777));
+    FILE *f = fopen(path, "r");
+    ASSERT_TRUE(f && fgets(key, sizeof key, f));
+    fclose(f);
+    key[strcspn(key, "\r\n")] = 0;
+    ASSERT_TRUE(strlen(key) >= 32);
+
+    char completions[160];
+    snprintf(completions, sizeof completions, "%s/completions", url);
+    const char *req = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 20, \"temperature\": 0}";
+    char *body;
+    int code = cli_curl(completions, key, req, &body);
+    cJSON *j = cJSON_Parse(body);
+    cJSON *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0), "text");
+    int same = cJSON_IsString(text) && strcmp(text->valuestring, ref.text) == 0;
+    if (code != 200 || !same) printf("  completions (%d): %s\n  llm-run: %s\n", code, body, ref.text);
+    cJSON_Delete(j);
+    free(body);
+    ASSERT_EQ(200, code);
+    ASSERT_TRUE(same);
+    code = cli_curl(completions, NULL, req, &body);
+    if (code != 401) printf("  completions without a key (%d): %s\n", code, body);
+    free(body);
+    ASSERT_EQ(401, code);
+    code = cli_curl(completions, "not-the-key", req, &body);
+    free(body);
+    ASSERT_EQ(401, code);
+
+    /* The targets: router, both workers and the gateway, each with a
+     * /metrics in the Prometheus text format. */
+    snprintf(path, sizeof path, "%s/prometheus-targets.json", run_dir);
+    f = fopen(path, "r");
+    ASSERT_TRUE(f != NULL);
+    char text_buf[8192];
+    size_t got = fread(text_buf, 1, sizeof text_buf - 1, f);
+    fclose(f);
+    text_buf[got] = 0;
+    cJSON *targets = cJSON_Parse(text_buf);
+    if (!cJSON_IsArray(targets)) printf("  %s:\n%s\n", path, text_buf);
+    ASSERT_TRUE(cJSON_IsArray(targets));
+    ASSERT_EQ(4, cJSON_GetArraySize(targets));
+    int jobs[3] = {0, 0, 0};
+    for (int i = 0; i < cJSON_GetArraySize(targets); i++) {
+        cJSON *t = cJSON_GetArrayItem(targets, i);
+        cJSON *addrs = cJSON_GetObjectItem(t, "targets");
+        cJSON *job = cJSON_GetObjectItem(cJSON_GetObjectItem(t, "labels"), "job");
+        ASSERT_TRUE(cJSON_IsArray(addrs) && cJSON_GetArraySize(addrs) == 1 && cJSON_IsString(job));
+        const char *addr = cJSON_GetArrayItem(addrs, 0)->valuestring;
+        ASSERT_TRUE(addr && strncmp(addr, "127.0.0.1:", 10) == 0);
+        jobs[0] += strcmp(job->valuestring, "llm-router") == 0;
+        jobs[1] += strcmp(job->valuestring, "llm-worker") == 0;
+        jobs[2] += strcmp(job->valuestring, "llm-gateway") == 0;
+        char murl[96];
+        snprintf(murl, sizeof murl, "http://%s/metrics", addr);
+        code = cli_curl(murl, NULL, NULL, &body);
+        int ok = code == 200 && strstr(body, "# TYPE llm_") != NULL;
+        if (!ok) printf("  %s (%s): %d\n%.300s\n", murl, job->valuestring, code, body);
+        free(body);
+        ASSERT_TRUE(ok);
+    }
+    cJSON_Delete(targets);
+    ASSERT_EQ(1, jobs[0]);
+    ASSERT_EQ(2, jobs[1]);
+    ASSERT_EQ(1, jobs[2]);
+
+    const char *status[] = {CLUSTER_BIN, "status", "--run-dir", run_dir, NULL};
+    rc = cli_run(status, &out, &err);
+    if (rc != 0 || !strstr(out, url)) printf("  status (%d):\n%s%s", rc, out, err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(strstr(out, "gateway ") != NULL && strstr(out, url) != NULL);
+    free(out);
+    free(err);
+    pid_t pids[16];
+    int n_pids = cli_pids(pids, 16);
+    ASSERT_EQ(5, n_pids); /* redis, router, 2 workers, gateway */
+    const char *down[] = {CLUSTER_BIN, "down", "--run-dir", run_dir, NULL};
+    rc = cli_run(down, &out, &err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(strstr(out, "stopped gateway") != NULL);
+    free(out);
+    free(err);
+    int64_t end = h_now_ms() + 5000;
+    for (int i = 0; i < n_pids; i++) {
+        while (cli_alive(pids[i]) && h_now_ms() < end) h_sleep_ms(20);
+        if (cli_alive(pids[i])) TEST_FAIL("pid %d still runs after llm-cluster down", (int)pids[i]);
+    }
+    cli_atexit();
+    run_dir[0] = 0;
+}
+
 TEST_MAIN(cluster_cli_up_generate_status_down, cluster_cli_worker_dying_while_loading_is_reported,
-          cluster_cli_port_taken_is_reported)
+          cluster_cli_port_taken_is_reported, cluster_cli_http_gateway_and_prometheus_targets)
