@@ -52,6 +52,8 @@ struct sched {
     int32_t cap_cands;
     uint64_t steps_total, preemptions_total;
     uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks;
+    int32_t prefill_cap; /* < 0: none */
+    uint64_t steps_capped, capped_tokens;
 };
 
 static int sched_grow(void **p, int32_t *cap, int32_t want, size_t elem) {
@@ -82,6 +84,7 @@ int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t er
     if (!s) goto oom;
     s->cfg = *cfg;
     s->admit = true;
+    s->prefill_cap = -1;
     s->next_step_id = cfg->first_step_id ? cfg->first_step_id : 1;
     int rc = kvblocks_init(&s->kv, cfg->n_blocks, cfg->block_size, err, errlen);
     if (rc < 0) {
@@ -320,14 +323,30 @@ static void sched_admit(sched *s) {
     }
 }
 
+void sched_set_prefill_cap(sched *s, int32_t max_tokens) { s->prefill_cap = max_tokens; }
+
+int32_t sched_prefill_floor(const sched *s) {
+    int32_t f = s->cfg.step_tokens / 16;
+    if (f < 16) f = 16;
+    return f < s->cfg.step_tokens ? f : s->cfg.step_tokens;
+}
+
+/* A running sequence with at most its next input left: it is decoding (or
+ * its last prefill chunk is in flight and its first token comes next). */
+static bool sched_decoding(const struct sched_seq *q) {
+    return q->running && q->n_tokens - q->table.n_tokens <= 1;
+}
+
 int sched_plan(sched *s, struct sched_step *step) {
     memset(step, 0, sizeof *step);
     if (s->n_flights >= s->cfg.max_inflight) return 0;
     sched_admit(s);
 
     int32_t n_cand = 0;
+    bool decoding = false;
     for (int32_t i = 0; i < s->n_all; i++) {
         struct sched_seq *q = s->all[i];
+        decoding = decoding || sched_decoding(q);
         if (q->running && !q->inflight && q->table.n_tokens < q->n_tokens) s->cands[n_cand++] = q;
     }
     if (n_cand == 0) return 0;
@@ -342,12 +361,28 @@ int sched_plan(sched *s, struct sched_step *step) {
     int32_t budget = s->cfg.step_tokens, n_out = 0, n_copies = 0, n_stuck = 0;
     int32_t n_prefill = 0, n_decode = 0;
     int32_t bs = s->cfg.block_size;
+    /* Prefill tokens this step may still take, and those the cap held back
+     * (counted against what the step would have carried without it, so
+     * that two prompts never count the same budget twice). */
+    int32_t pf_room = budget, held = 0;
+    if (decoding && s->prefill_cap >= 0) {
+        int32_t floor = sched_prefill_floor(s);
+        pf_room = s->prefill_cap > floor ? s->prefill_cap : floor;
+    }
 
     for (int32_t c = 0; c < n_cand && n_out < per_step && budget > 0; c++) {
         struct sched_seq *q = s->cands[c];
         if (!q->running) continue; /* preempted while planning this step */
         int32_t left = q->n_tokens - q->table.n_tokens;
         int32_t n = left < budget ? left : budget;
+        bool prefill = left > 1;
+        if (prefill && n > pf_room) {
+            int32_t uncapped = budget - held;
+            uncapped = left < uncapped ? left : uncapped;
+            if (uncapped > pf_room) held += uncapped - pf_room;
+            n = pf_room;
+            if (n == 0) continue;
+        }
         while (kvblocks_blocks_needed(s->kv, &q->table, n) > kvblocks_n_free(s->kv)) {
             struct sched_seq *v = sched_victim(s, q);
             if (!v || sched_before(v, q)) break;
@@ -393,6 +428,7 @@ int sched_plan(sched *s, struct sched_step *step) {
         o->want_logits = q->table.n_tokens == q->n_tokens;
         if (o->want_logits && n == 1) n_decode += n;
         else n_prefill += n;
+        if (prefill) pf_room -= n;
         budget -= n;
     }
     step->n_stuck = n_stuck;
@@ -409,6 +445,10 @@ int sched_plan(sched *s, struct sched_step *step) {
     s->next_step_id++;
     s->flights[s->n_flights++] = step_id;
     s->steps_total++;
+    if (held > 0) {
+        s->steps_capped++;
+        s->capped_tokens += (uint64_t)held;
+    }
     step->step_id = step_id;
     step->n_seqs = n_out;
     step->seqs = s->out;
@@ -473,6 +513,8 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->prefix_miss_tokens = s->miss_tokens;
     st->prefix_hit_blocks = s->hit_blocks;
     st->prefix_miss_blocks = s->miss_blocks;
+    st->steps_capped = s->steps_capped;
+    st->prefill_capped_tokens = s->capped_tokens;
 }
 
 int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens) {

@@ -80,6 +80,9 @@ struct sched_stats {
      * computed) and those computed, and the full blocks found. */
     int32_t blocks_cached, blocks_idle;
     uint64_t prefix_hit_tokens, prefix_miss_tokens, prefix_hit_blocks, prefix_miss_blocks;
+    /* The prefill cap (sched_set_prefill_cap): steps it shortened, and the
+     * prefill tokens it held back from them (taken by later steps). */
+    uint64_t steps_capped, prefill_capped_tokens;
 };
 
 /* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
@@ -124,6 +127,19 @@ int sched_plan(sched *s, struct sched_step *step);
 /* The step's results were handled: its sequences may be planned again.
  * STATUS_NOT_FOUND for a step that is not in flight. */
 int sched_step_done(sched *s, uint64_t step_id);
+
+/* Bounds the prefill a step carries while some running sequence is
+ * decoding, so that the step stays short enough for their inter-token
+ * latency (docs/router.md, "Decode latency"): at most max_tokens of
+ * prefill chunks, but never less than sched_prefill_floor, so that the
+ * first prompt in line moves on every step.  Steps while no sequence
+ * decodes take the whole token budget.  max_tokens < 0: no cap (the
+ * initial state).  Prefill keeps its order: the chunks still go to the
+ * waiting prompts by priority, then arrival. */
+void sched_set_prefill_cap(sched *s, int32_t max_tokens);
+/* The least prefill a capped step carries: step_tokens / 16, at least 16
+ * (at most step_tokens). */
+int32_t sched_prefill_floor(const sched *s);
 
 /* While false, waiting sequences are not admitted (a draining pipeline). */
 void sched_set_admit(sched *s, bool admit);

@@ -482,6 +482,113 @@ TEST(scheduler_prefix_cache_off_by_default) {
     sched_free(s);
 }
 
+/* One step of a decoding sequence a (planned, done, a token appended), so
+ * that it is decoding when the next step is planned. */
+static struct sched_seq *start_decoding(sched *s, uint64_t id) {
+    struct sched_seq *a = add(s, id, 0, 2);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 50));
+    return a;
+}
+
+TEST(scheduler_prefill_cap_applies_while_decoding) {
+    sched *s = mk(256, 4, 256, 8, 1);
+    ASSERT_EQ(16, sched_prefill_floor(s)); /* 256 / 16 */
+    struct sched_seq *a = start_decoding(s, 1);
+    add(s, 2, 0, 200);
+    sched_set_prefill_cap(s, 40);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(1, st.n_decode_tokens);
+    ASSERT_EQ(40, st.n_prefill_tokens);
+    ASSERT_EQ(40, find(&st, 2)->n_tokens);
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(1, (int)ss.steps_capped);
+    ASSERT_EQ(200 - 40, (int)ss.prefill_capped_tokens); /* the prompt fitted the 255 left */
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 51));
+    /* No cap: the rest of the prompt in one chunk. */
+    sched_set_prefill_cap(s, -1);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(160, find(&st, 2)->n_tokens);
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(1, (int)ss.steps_capped);
+    sched_free(s);
+}
+
+TEST(scheduler_prefill_cap_idle_without_decodes) {
+    sched *s = mk(256, 4, 256, 8, 1);
+    sched_set_prefill_cap(s, 40);
+    add(s, 1, 0, 200);
+    add(s, 2, 0, 30);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    /* Nobody is waiting for a token: the whole budget goes to prefill. */
+    ASSERT_EQ(230, st.n_prefill_tokens);
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(0, (int)ss.steps_capped);
+    sched_free(s);
+}
+
+TEST(scheduler_prefill_cap_keeps_order) {
+    sched *s = mk(256, 4, 256, 8, 1);
+    struct sched_seq *a = start_decoding(s, 1);
+    add(s, 2, 0, 50); /* arrives first */
+    add(s, 3, 0, 50);
+    sched_set_prefill_cap(s, 40);
+    struct sched_step st;
+    /* 40 to the first; then its last 10 and 30 to the second. */
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(40, find(&st, 2)->n_tokens);
+    ASSERT_TRUE(find(&st, 3) == NULL);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 51));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(10, find(&st, 2)->n_tokens);
+    ASSERT_TRUE(find(&st, 2)->want_logits);
+    ASSERT_EQ(30, find(&st, 3)->n_tokens);
+    ASSERT_EQ(0, find(&st, 3)->start_pos);
+    ASSERT_EQ(40, st.n_prefill_tokens);
+    sched_free(s);
+}
+
+TEST(scheduler_prefill_cap_never_starves) {
+    /* A cap of 0 (decodes alone over the target) still moves the first
+     * prompt in line by the floor every step, the others after it. */
+    sched *s = mk(512, 4, 256, 8, 1);
+    struct sched_seq *a = start_decoding(s, 1);
+    add(s, 2, 0, 100);
+    add(s, 3, 0, 20);
+    sched_set_prefill_cap(s, 0);
+    int32_t done2 = 0, done3 = 0, steps = 0;
+    struct sched_step st;
+    while (done3 < 20) {
+        ASSERT_EQ(1, sched_plan(s, &st));
+        steps++;
+        ASSERT_TRUE(find(&st, 1) != NULL);
+        int32_t rest = 120 - done2 - done3;
+        ASSERT_EQ(rest < 16 ? rest : 16, st.n_prefill_tokens);
+        /* Once through its prompt, 2 decodes: only its chunks count. */
+        const struct sched_step_seq *p2 = done2 < 100 ? find(&st, 2) : NULL, *p3 = find(&st, 3);
+        if (done2 < 100) ASSERT_TRUE(p2 != NULL);
+        if (p3) ASSERT_TRUE(done2 + (p2 ? p2->n_tokens : 0) == 100); /* only once 2 is through */
+        struct sched_seq *q2 = p2 ? p2->seq : NULL, *q3 = p3 ? p3->seq : NULL;
+        done2 += p2 ? p2->n_tokens : 0;
+        done3 += p3 ? p3->n_tokens : 0;
+        ASSERT_OK(sched_step_done(s, st.step_id));
+        ASSERT_OK(sched_append(s, a, 60 + steps));
+        if (q2 && done2 == 100) ASSERT_OK(sched_append(s, q2, 7));
+        if (q3 && done3 == 20) ASSERT_OK(sched_append(s, q3, 8));
+        ASSERT_TRUE(steps <= 8);
+    }
+    ASSERT_EQ(8, steps); /* 120 tokens, 16 a step: 7 full, 8 in the last */
+    sched_free(s);
+}
+
 TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_chunked_prefill_keeps_decodes_running, scheduler_admits_by_free_blocks,
           scheduler_preempts_newest_by_recomputation,
@@ -490,4 +597,6 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_cancel_frees_blocks, scheduler_take_waiting_for_handover,
           scheduler_never_fitting_sequences, scheduler_partial_chunk_when_blocks_are_short,
           scheduler_prefix_cache_maps_computed_blocks, scheduler_prefix_cache_survives_preemption,
-          scheduler_prefix_cache_off_by_default)
+          scheduler_prefix_cache_off_by_default, scheduler_prefill_cap_applies_while_decoding,
+          scheduler_prefill_cap_idle_without_decodes, scheduler_prefill_cap_keeps_order,
+          scheduler_prefill_cap_never_starves)
