@@ -35,6 +35,7 @@ struct llm_client {
     char router_pub[KEYS_Z85_LEN + 1];
     char auth_note[320];   /* why the last handshake failed, "" when none did */
     Llm__Error__Code err_code;
+    uint32_t retry_after_ms; /* of the router's Error behind err_code */
     char errstr[1024];
 };
 
@@ -52,6 +53,7 @@ static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt,
 
 static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt, ...) {
     c->err_code = code;
+    c->retry_after_ms = 0;
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(c->errstr, sizeof c->errstr, fmt, ap);
@@ -95,6 +97,7 @@ const char *llm_finish_reason_name(Llm__GenerateDone__FinishReason r) {
 
 const char *llm_client_errstr(const llm_client *c) { return c->errstr; }
 Llm__Error__Code llm_client_error_code(const llm_client *c) { return c->err_code; }
+uint32_t llm_client_retry_after_ms(const llm_client *c) { return c->retry_after_ms; }
 const char *llm_client_endpoint(const llm_client *c) { return c->endpoints[c->cur]; }
 uint32_t llm_client_reconnects(const llm_client *c) { return c->n_opened > 0 ? c->n_opened - 1 : 0; }
 
@@ -371,6 +374,7 @@ static int client_router_error(llm_client *c, const Llm__Error *e, const char *w
     client_seterr(c, e->code, "%s: %s: %s%s%s", what, proto_code_name(e->code), e->message,
                   e->request_id[0] ? " (request " : "", e->request_id[0] ? e->request_id : "");
     if (e->request_id[0]) strncat(c->errstr, ")", sizeof c->errstr - strlen(c->errstr) - 1);
+    c->retry_after_ms = e->retry_after_ms;
     int st = proto_status_from_code(e->code);
     return st < 0 ? st : STATUS_INTERNAL;
 }
@@ -389,6 +393,7 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
                        const char *what, Llm__ClientEnvelope **reply) {
     *reply = NULL;
     c->err_code = LLM__ERROR__CODE__OK;
+    c->retry_after_ms = 0;
     int64_t give_up = client_now_ms() + c->cfg.retry_ms;
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
@@ -558,7 +563,40 @@ static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) 
     }
     uint32_t skip = g->have - ch->index;
     struct llm_chunk out = {g->res->request_id, g->have, ch->token_ids + skip,
-                            ch->n_token_ids - skip, ch->text, strlen(ch->text)};
+                            ch->n_token_ids - skip, ch->text, strlen(ch->text), NULL, 0};
+    /* Logprobs as plain structs pointing into the decoded frame: one array
+     * of tokens and one of their alternatives, for this chunk only. */
+    struct llm_token_logprob *lps = NULL;
+    struct llm_top_logprob *tops = NULL;
+    if (ch->n_logprobs == ch->n_token_ids && ch->n_logprobs > skip) {
+        size_t n = ch->n_logprobs - skip, n_top = 0;
+        for (size_t i = skip; i < ch->n_logprobs; i++) n_top += ch->logprobs[i]->n_top;
+        lps = calloc(n, sizeof *lps);
+        tops = calloc(n_top + 1, sizeof *tops);
+        if (lps && tops) {
+            size_t t = 0;
+            for (size_t i = 0; i < n; i++) {
+                const Llm__TokenLogprob *l = ch->logprobs[skip + i];
+                lps[i].token = l->token;
+                lps[i].logprob = l->logprob;
+                lps[i].text = l->text.len ? (const char *)l->text.data : "";
+                lps[i].text_len = l->text.len;
+                lps[i].top = tops + t;
+                lps[i].n_top = l->n_top;
+                for (size_t k = 0; k < l->n_top; k++, t++) {
+                    tops[t].token = l->top[k]->token;
+                    tops[t].logprob = l->top[k]->logprob;
+                    tops[t].text = l->top[k]->text.len ? (const char *)l->top[k]->text.data : "";
+                    tops[t].text_len = l->top[k]->text.len;
+                }
+            }
+            out.logprobs = lps;
+            out.n_logprobs = n;
+        } else {
+            LOG(LL_WARN, "client: request %s: out of memory for the logprobs of tokens %u..%u",
+                g->res->request_id, g->have, end);
+        }
+    }
     if (skip > 0) {
         /* A replay that straddles what we have: the text of the chunk cannot
          * be split by token, so it is not passed on (the router replays from
@@ -572,6 +610,8 @@ static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) 
     g->have = end;
     g->res->tokens_received = end;
     if (g->on_chunk && !g->cancel && g->on_chunk(g->ud, &out) != 0) g->cancel = true;
+    free(lps);
+    free(tops);
     return 0;
 }
 
@@ -579,6 +619,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                         llm_chunk_fn on_chunk, void *ud, struct llm_generate_result *res) {
     memset(res, 0, sizeof *res);
     c->err_code = LLM__ERROR__CODE__OK;
+    c->retry_after_ms = 0;
     c->errstr[0] = 0;
     if (p->request_id && p->request_id[0]) {
         char err[256];
@@ -709,6 +750,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     const Llm__Error *e = in->error;
                     bool retry = e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0;
                     rc = client_router_error(c, e, "generate");
+                    res->retry_after_ms = e->retry_after_ms;
                     if (retry && client_now_ms() + (int64_t)e->retry_after_ms < last_progress + c->cfg.retry_ms) {
                         LOG(LL_INFO, "client: request %s: %s; retrying", res->request_id, c->errstr);
                         client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
@@ -754,6 +796,7 @@ int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate
     if (!res) res = &local;
     memset(res, 0, sizeof *res);
     c->err_code = LLM__ERROR__CODE__OK;
+    c->retry_after_ms = 0;
     char err[256];
     if (!request_id || proto_request_id_check(request_id, err, sizeof err) < 0) {
         client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "cancel: %s",

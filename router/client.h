@@ -101,6 +101,11 @@ const char *llm_client_errstr(const llm_client *c);
 /* The code of the router's Error behind the last failure, or OK when the
  * failure was the client's own (a timeout, ZeroMQ). */
 Llm__Error__Code llm_client_error_code(const llm_client *c);
+/* The retry_after_ms of the router's Error behind the last failure: how
+ * long to wait before trying again (a full queue, no pipeline in service
+ * yet); 0 when the router gave none (a request that can never fit, a bad
+ * field) or the failure was the client's own. */
+uint32_t llm_client_retry_after_ms(const llm_client *c);
 /* The endpoint the client talks to now (owned by c). */
 const char *llm_client_endpoint(const llm_client *c);
 /* Connections opened after the first one: reconnects, for tests and logs. */
@@ -133,6 +138,24 @@ struct llm_generate_params {
 /* Greedy, streaming, nothing else set. */
 void llm_generate_params_default(struct llm_generate_params *p);
 
+/* A token's text (TokenLogprob.text, docs/protocol.md): the bytes it adds
+ * to the output text, text_len of them, not NUL-terminated; a token may
+ * hold part of a UTF-8 character, the rest coming with the next tokens. */
+struct llm_top_logprob {
+    int32_t token;
+    float logprob;
+    const char *text;
+    size_t text_len;
+};
+struct llm_token_logprob {
+    int32_t token;
+    float logprob;                  /* log-softmax after penalties, before temperature */
+    const char *text;
+    size_t text_len;
+    const struct llm_top_logprob *top; /* most likely first, n_top of them */
+    size_t n_top;
+};
+
 /* Tokens as they arrive, each exactly once and in order.  Every pointer is
  * valid during the call only. */
 struct llm_chunk {
@@ -142,6 +165,10 @@ struct llm_chunk {
     size_t n_tokens;
     const char *text;               /* whole UTF-8 characters, NUL-terminated */
     size_t text_len;
+    /* When the request asked for logprobs (sampling.logprobs): one per
+     * token_ids entry; otherwise NULL and 0. */
+    const struct llm_token_logprob *logprobs;
+    size_t n_logprobs;
 };
 /* Return 0 to go on; anything else cancels the request (the client sends a
  * Cancel and waits for the GenerateDone, which then says CANCELLED unless
@@ -168,6 +195,10 @@ struct llm_generate_result {
     uint32_t tokens_received;       /* tokens passed to the callback */
     uint32_t reattaches;            /* requests re-sent after a broken or silent connection */
     uint32_t duplicates_dropped;    /* replayed tokens the callback did not see again */
+    /* When the call failed on the router's refusal: the wait it asked for
+     * before a retry (Error.retry_after_ms; 0: retrying will not help, or
+     * no refusal).  Also llm_client_retry_after_ms. */
+    uint32_t retry_after_ms;
 };
 /* Frees prompt_ids; the result can then be reused.  NULL is fine. */
 void llm_generate_result_free(struct llm_generate_result *r);

@@ -151,13 +151,140 @@ static cJSON *llm_json_ids(const int32_t *ids, size_t n) {
 
 /* ---- generate ------------------------------------------------------------- */
 
+/* One token's logprob as --logprobs prints it (texts malloc'ed). */
+struct llm_lp_alt {
+    int32_t token;
+    float logprob;
+    char *text;
+    size_t text_len;
+};
+struct llm_lp_rec {
+    struct llm_lp_alt chosen;
+    struct llm_lp_alt *top;
+    size_t n_top;
+};
+
 struct llm_gen_out {
     int32_t *ids;
     size_t n, cap;
     char *text;
     size_t text_len, text_cap;
+    struct llm_lp_rec *lps;   /* --logprobs: one per token, n_lps of them */
+    size_t n_lps, cap_lps;
     bool oom;
 };
+
+static bool llm_lp_copy(struct llm_lp_alt *d, int32_t token, float logprob, const char *text, size_t len) {
+    d->token = token;
+    d->logprob = logprob;
+    d->text_len = len;
+    d->text = malloc(len + 1);
+    if (!d->text) return false;
+    memcpy(d->text, text, len);
+    d->text[len] = 0;
+    return true;
+}
+
+/* Keeps a chunk's logprobs for the listing after the text. */
+static bool llm_lp_keep(struct llm_gen_out *o, const struct llm_chunk *ch) {
+    if (o->n_lps + ch->n_logprobs > o->cap_lps) {
+        size_t cap = o->cap_lps ? o->cap_lps : 64;
+        while (cap < o->n_lps + ch->n_logprobs) cap *= 2;
+        struct llm_lp_rec *t = realloc(o->lps, cap * sizeof *t);
+        if (!t) return false;
+        o->lps = t;
+        o->cap_lps = cap;
+    }
+    for (size_t i = 0; i < ch->n_logprobs; i++) {
+        const struct llm_token_logprob *l = &ch->logprobs[i];
+        struct llm_lp_rec *r = &o->lps[o->n_lps++];
+        memset(r, 0, sizeof *r);
+        if (!llm_lp_copy(&r->chosen, l->token, l->logprob, l->text, l->text_len)) return false;
+        r->top = calloc(l->n_top + 1, sizeof *r->top);
+        if (!r->top) return false;
+        for (size_t k = 0; k < l->n_top; k++, r->n_top++)
+            if (!llm_lp_copy(&r->top[k], l->top[k].token, l->top[k].logprob, l->top[k].text, l->top[k].text_len))
+                return false;
+    }
+    return true;
+}
+
+static void llm_lp_free(struct llm_gen_out *o) {
+    for (size_t i = 0; i < o->n_lps; i++) {
+        free(o->lps[i].chosen.text);
+        for (size_t k = 0; k < o->lps[i].n_top; k++) free(o->lps[i].top[k].text);
+        free(o->lps[i].top);
+    }
+    free(o->lps);
+}
+
+/* Whether s[0..n) is whole, valid UTF-8 (a token may hold part of a
+ * character). */
+static bool llm_utf8_valid(const unsigned char *s, size_t n) {
+    for (size_t i = 0; i < n;) {
+        unsigned char c = s[i];
+        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (l == 0 || i + l > n || (l == 2 && c < 0xc2)) return false;
+        for (size_t k = 1; k < l; k++)
+            if ((s[i + k] & 0xc0) != 0x80) return false;
+        i += l;
+    }
+    return true;
+}
+
+/* A token's text as JSON shows it: the text when it is whole UTF-8, else
+ * "bytes:\xNN..." (OpenAI's form); out holds 4 * len + 8 bytes. */
+static const char *llm_lp_text(const struct llm_lp_alt *a, char *out, size_t size) {
+    if (llm_utf8_valid((const unsigned char *)a->text, a->text_len)) return a->text;
+    size_t n = (size_t)snprintf(out, size, "bytes:");
+    for (size_t i = 0; i < a->text_len && n + 5 < size; i++)
+        n += (size_t)snprintf(out + n, size - n, "\\x%02x", (unsigned char)a->text[i]);
+    return out;
+}
+
+static cJSON *llm_lp_json(const struct llm_lp_alt *a) {
+    cJSON *j = cJSON_CreateObject();
+    char *buf = malloc(4 * a->text_len + 8);
+    cJSON_AddNumberToObject(j, "id", a->token);
+    cJSON_AddStringToObject(j, "text", buf ? llm_lp_text(a, buf, 4 * a->text_len + 8) : "");
+    cJSON_AddNumberToObject(j, "logprob", a->logprob);
+    cJSON *b = cJSON_AddArrayToObject(j, "bytes");
+    for (size_t i = 0; i < a->text_len; i++) cJSON_AddItemToArray(b, cJSON_CreateNumber((unsigned char)a->text[i]));
+    free(buf);
+    return j;
+}
+
+/* A token's text for the terminal: quoted, with control characters and the
+ * bytes of a partial character escaped. */
+static void llm_lp_print_text(const struct llm_lp_alt *a) {
+    bool valid = llm_utf8_valid((const unsigned char *)a->text, a->text_len);
+    putchar('"');
+    for (size_t i = 0; i < a->text_len; i++) {
+        unsigned char c = (unsigned char)a->text[i];
+        if (c == '\n') fputs("\\n", stdout);
+        else if (c == '"' || c == '\\') printf("\\%c", c);
+        else if (c < 0x20 || c == 0x7f || (c >= 0x80 && !valid)) printf("\\x%02x", c);
+        else putchar(c);
+    }
+    putchar('"');
+}
+
+/* --logprobs without --json: one line per token after the text. */
+static void llm_lp_print(const struct llm_gen_out *o) {
+    printf("logprobs (token: text logprob, then the most likely alternatives):\n");
+    for (size_t i = 0; i < o->n_lps; i++) {
+        const struct llm_lp_rec *r = &o->lps[i];
+        printf("%4zu %6d ", i, r->chosen.token);
+        llm_lp_print_text(&r->chosen);
+        printf(" %.4f", r->chosen.logprob);
+        for (size_t k = 0; k < r->n_top; k++) {
+            printf(k == 0 ? "   | " : ", ");
+            llm_lp_print_text(&r->top[k]);
+            printf(" %.4f", r->top[k].logprob);
+        }
+        printf("\n");
+    }
+}
 
 /* Ctrl-C during `llm generate` cancels the request at its next chunk
  * (a second Ctrl-C ends llm at once: the handler resets itself). */
@@ -199,13 +326,37 @@ static int llm_gen_chunk(void *ud, const struct llm_chunk *ch) {
     memcpy(o->text + o->text_len, ch->text, ch->text_len);
     o->text_len += ch->text_len;
     o->text[o->text_len] = 0;
+    if (ch->n_logprobs > 0 && !llm_lp_keep(o, ch)) {
+        o->oom = true;
+        return 1;
+    }
     return 0;
 }
 
+/* --stop may be given several times, which the option table (one value
+ * per flag) does not hold: the table checks it and says it in --help, and
+ * this collects every value.  Returns how many were found (at most max). */
+static size_t llm_collect_stops(int argc, char **argv, const char **stops, size_t max) {
+    size_t n = 0;
+    for (int i = 1; i < argc && n < max; i++) {
+        if (strcmp(argv[i], "--") == 0) break;
+        if (strcmp(argv[i], "--stop") == 0 && i + 1 < argc) stops[n++] = argv[++i];
+        else if (strncmp(argv[i], "--stop=", 7) == 0) stops[n++] = argv[i] + 7;
+        else if (strncmp(argv[i], "--", 2) == 0 && !strchr(argv[i], '=') && i + 1 < argc &&
+                 strncmp(argv[i + 1], "--", 2) != 0)
+            i++; /* another flag's value, which may itself read "--stop" */
+    }
+    return n;
+}
+
 static int llm_generate(struct llm_global *gl, int argc, char **argv) {
+    /* Before options_parse, which moves argv's entries. */
+    const char *stops[PROTO_STOP_STRINGS_MAX + 1];
+    size_t n_stops = llm_collect_stops(argc, argv, stops, PROTO_STOP_STRINGS_MAX + 1);
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
-    int max_tokens, top_k, priority, timeout_ms;
-    double temperature, top_p, min_p;
+    const char *stop_flag = NULL;
+    int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n;
+    double temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty;
     int64_t seed;
     bool json, stop_at_eos, stream;
     const struct option_def defs[] = {
@@ -223,6 +374,18 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         {"model", "LLM_MODEL_ID", OPTION_STRING, NULL, "model id (default: the cluster's default)", &model, 0, 0, NULL},
         {"timeout-ms", NULL, OPTION_INT, "0", "the request ends (DEADLINE) this long after acceptance; 0: never", &timeout_ms, 0, 1 << 30, NULL},
         {"stream", NULL, OPTION_BOOL, "true", "print text as it is generated", &stream, 0, 0, NULL},
+        {"stop", NULL, OPTION_STRING, NULL, "stop when the text contains this (not printed); repeat for several, "
+         "at most 16", &stop_flag, 0, 0, NULL},
+        {"logprobs", NULL, OPTION_INT, "-1", "list each token's text and logprob, with the N most likely "
+         "alternatives (0: none; -1: no list)", &logprobs, -1, SAMPLING_TOP_LOGPROBS_MAX, NULL},
+        {"presence-penalty", NULL, OPTION_FLOAT, "0", "subtract this from the logit of every token already seen",
+         &presence_penalty, -2, 2, NULL},
+        {"frequency-penalty", NULL, OPTION_FLOAT, "0", "subtract this once per earlier occurrence of a token",
+         &frequency_penalty, -2, 2, NULL},
+        {"repetition-penalty", NULL, OPTION_FLOAT, "1", "divide positive logits of seen tokens by this, multiply "
+         "negative ones (1: off)", &repetition_penalty, 0, 10, NULL},
+        {"penalty-last-n", NULL, OPTION_INT, "0", "tokens of history the penalties look at (0: all)",
+         &penalty_last_n, 0, 1 << 30, NULL},
     };
     int rc = llm_parse_sub(gl, "llm generate", "--prompt TEXT [options]",
                            "Generates a continuation of the prompt on the cluster.", defs,
@@ -236,6 +399,17 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         fprintf(stderr, "llm generate: need --prompt (see --help)\n");
         return 2;
     }
+    if (n_stops > PROTO_STOP_STRINGS_MAX) {
+        fprintf(stderr, "llm generate: --stop given more than %d times\n", PROTO_STOP_STRINGS_MAX);
+        return 2;
+    }
+    for (size_t i = 0; i < n_stops; i++)
+        if (stops[i][0] == 0 || strlen(stops[i]) > PROTO_STOP_STRING_BYTES_MAX) {
+            fprintf(stderr, "llm generate: --stop \"%s\": a stop string is 1 to %d bytes\n", stops[i],
+                    PROTO_STOP_STRING_BYTES_MAX);
+            return 2;
+        }
+    (void)stop_flag;
     llm_client *c;
     if ((rc = llm_open(gl, &c)) != 0) return rc;
     struct llm_generate_params p;
@@ -250,6 +424,14 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.sampling.min_p = (float)min_p;
     p.sampling.seed = (uint64_t)seed;
     p.sampling.ignore_eos = !stop_at_eos;
+    p.sampling.presence_penalty = (float)presence_penalty;
+    p.sampling.frequency_penalty = (float)frequency_penalty;
+    p.sampling.repetition_penalty = (float)repetition_penalty;
+    p.sampling.penalty_last_n = penalty_last_n;
+    p.sampling.logprobs = logprobs >= 0;
+    p.sampling.top_logprobs = logprobs > 0 ? logprobs : 0;
+    p.stop = stops;
+    p.n_stop = n_stops;
     p.priority = priority;
     p.timeout_ms = (uint32_t)timeout_ms;
     p.stream = stream;
@@ -291,11 +473,25 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
             cJSON_AddStringToObject(j, "text", out.text ? out.text : "");
             cJSON_AddStringToObject(j, "request_id", r.request_id);
             cJSON_AddStringToObject(j, "finish_reason", llm_finish_reason_name(r.finish_reason));
+            if (r.stop_string[0]) cJSON_AddStringToObject(j, "stop_string", r.stop_string);
+            if (logprobs >= 0) {
+                cJSON *a = cJSON_AddArrayToObject(j, "logprobs");
+                for (size_t i = 0; i < out.n_lps; i++) {
+                    cJSON *t = llm_lp_json(&out.lps[i].chosen);
+                    cJSON *tops = cJSON_AddArrayToObject(t, "top");
+                    for (size_t k = 0; k < out.lps[i].n_top; k++)
+                        cJSON_AddItemToArray(tops, llm_lp_json(&out.lps[i].top[k]));
+                    cJSON_AddItemToArray(a, t);
+                }
+            }
             llm_print_json(j);
             cJSON_Delete(j);
+        } else if (logprobs >= 0 && !out.oom) {
+            llm_lp_print(&out);
         }
     }
     llm_generate_result_free(&r);
+    llm_lp_free(&out);
     free(out.ids);
     free(out.text);
     llm_client_close(c);
@@ -321,6 +517,11 @@ static int llm_parse_simple(struct llm_global *gl, const char *name, const char 
     return -1;
 }
 
+/* Prompt tokens found in the prefix cache among those admitted; 0 before any. */
+static double llm_hit_rate(uint64_t hits, uint64_t misses) {
+    return hits + misses ? (double)hits / (double)(hits + misses) : 0.0;
+}
+
 static cJSON *llm_status_json(const Llm__StatusReply *s) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddNumberToObject(j, "queue_depth", s->queue_depth);
@@ -337,6 +538,14 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
     cJSON_AddNumberToObject(j, "plan_us_mean", s->plan_us_mean);
     cJSON_AddNumberToObject(j, "plan_us_max", s->plan_us_max);
     cJSON_AddNumberToObject(j, "turnaround_us_mean", s->turnaround_us_mean);
+    cJSON_AddBoolToObject(j, "prefix_cache", s->prefix_cache);
+    cJSON_AddNumberToObject(j, "prefix_cached_blocks", (double)s->prefix_cached_blocks);
+    cJSON_AddNumberToObject(j, "prefix_idle_blocks", (double)s->prefix_idle_blocks);
+    cJSON_AddNumberToObject(j, "prefix_hit_tokens", (double)s->prefix_hit_tokens);
+    cJSON_AddNumberToObject(j, "prefix_miss_tokens", (double)s->prefix_miss_tokens);
+    cJSON_AddNumberToObject(j, "prefix_hit_blocks", (double)s->prefix_hit_blocks);
+    cJSON_AddNumberToObject(j, "prefix_miss_blocks", (double)s->prefix_miss_blocks);
+    cJSON_AddNumberToObject(j, "prefix_hit_rate", llm_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens));
     cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
@@ -353,6 +562,12 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
         cJSON_AddNumberToObject(pj, "steps_in_flight", p->steps_in_flight);
         cJSON_AddNumberToObject(pj, "epoch", (double)p->epoch);
         cJSON_AddStringToObject(pj, "problem", p->problem ? p->problem : "");
+        cJSON_AddNumberToObject(pj, "prefix_cached_blocks", p->prefix_cached_blocks);
+        cJSON_AddNumberToObject(pj, "prefix_idle_blocks", p->prefix_idle_blocks);
+        cJSON_AddNumberToObject(pj, "prefix_hit_tokens", (double)p->prefix_hit_tokens);
+        cJSON_AddNumberToObject(pj, "prefix_miss_tokens", (double)p->prefix_miss_tokens);
+        cJSON_AddNumberToObject(pj, "prefix_hit_blocks", (double)p->prefix_hit_blocks);
+        cJSON_AddNumberToObject(pj, "prefix_miss_blocks", (double)p->prefix_miss_blocks);
         cJSON *ss = cJSON_AddArrayToObject(pj, "stages");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
@@ -399,6 +614,14 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
                "%llu preemptions\n",
                (unsigned long long)s->steps_total, s->plan_us_mean, s->plan_us_max, s->turnaround_us_mean,
                (unsigned long long)s->preemptions_total);
+    if (s->prefix_cache)
+        printf("prefix cache: %.1f%% of prompt tokens found (%llu found, %llu computed), %llu blocks cached, "
+               "%llu idle\n",
+               100.0 * llm_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens),
+               (unsigned long long)s->prefix_hit_tokens, (unsigned long long)s->prefix_miss_tokens,
+               (unsigned long long)s->prefix_cached_blocks, (unsigned long long)s->prefix_idle_blocks);
+    else
+        printf("prefix cache: off (--no-prefix-cache)\n");
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
         printf("pipeline %u: %s, model %s, %zu stages, running %u, waiting %u, KV blocks %u/%u, %.1f tokens/s%s%s\n",

@@ -222,6 +222,17 @@ size_t req_text_offset(server *s, const struct req *q, int32_t n) {
     return off < q->text_len ? off : q->text_len;
 }
 
+/* The bytes token adds to the output text (TokenLogprob.text): what the
+ * router's detokenizer takes from it, before it joins bytes into whole
+ * characters: none for a control token.  Writes at most size bytes to buf
+ * and returns how many. */
+static size_t req_token_text(server *s, int32_t token, char *buf, size_t size) {
+    if (tokenizer_token_type(s->tok, token) == 3 /* control */) return 0;
+    int n = tokenizer_token_bytes(s->tok, token, buf, size);
+    if (n <= 0) return 0;
+    return (size_t)n < size ? (size_t)n : size;
+}
+
 /* One chunk: tokens [from, to) with text bytes [t0, t1). */
 void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t0, size_t t1) {
     if (to <= from && t1 <= t0) return;
@@ -237,18 +248,26 @@ void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t
     c.text = text;
     Llm__TokenLogprob *lp = NULL, **lpp = NULL;
     Llm__TopLogprob *tops = NULL, **topp = NULL;
+    uint8_t *texts = NULL;
     if (q->lps && c.n_token_ids > 0) {
         size_t n = c.n_token_ids;
+        /* Room for the text of every token and alternative: no token's
+         * bytes are longer than its stored text. */
+        size_t tlen = (size_t)tokenizer_token_len_max(s->tok) + 1, used = 0;
         lp = calloc(n, sizeof *lp);
         lpp = calloc(n, sizeof *lpp);
         tops = calloc(n * SAMPLING_TOP_LOGPROBS_MAX + 1, sizeof *tops);
         topp = calloc(n * SAMPLING_TOP_LOGPROBS_MAX + 1, sizeof *topp);
-        if (lp && lpp && tops && topp) {
+        texts = malloc(n * (SAMPLING_TOP_LOGPROBS_MAX + 1) * tlen);
+        if (lp && lpp && tops && topp && texts) {
             for (size_t i = 0; i < n; i++) {
                 const struct lp *l = &q->lps[from + (int32_t)i];
                 llm__token_logprob__init(&lp[i]);
                 lp[i].token = l->token;
                 lp[i].logprob = l->logprob;
+                lp[i].text.data = texts + used;
+                lp[i].text.len = req_token_text(s, l->token, (char *)texts + used, tlen);
+                used += lp[i].text.len;
                 lp[i].n_top = (size_t)l->n_top;
                 lp[i].top = topp + i * SAMPLING_TOP_LOGPROBS_MAX;
                 for (int32_t k = 0; k < l->n_top; k++) {
@@ -256,6 +275,9 @@ void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t
                     llm__top_logprob__init(t);
                     t->token = l->top_token[k];
                     t->logprob = l->top_logprob[k];
+                    t->text.data = texts + used;
+                    t->text.len = req_token_text(s, t->token, (char *)texts + used, tlen);
+                    used += t->text.len;
                     lp[i].top[k] = t;
                 }
                 lpp[i] = &lp[i];
@@ -273,6 +295,7 @@ void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t
     free(lpp);
     free(tops);
     free(topp);
+    free(texts);
 }
 
 void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_len) {

@@ -1,8 +1,11 @@
 /* The `llm` command as a user meets it: with no router it says so within
  * seconds and how to start one; global flags work after the subcommand;
  * --retry-ms bounds `llm generate` against a router that cannot serve (no
- * pipeline), which answers why. */
+ * pipeline), which answers why; against a real cluster, --logprobs lists
+ * each token's text (which together make the output text) and --stop (given
+ * several times) ends the text before the first match. */
 #include "router/server.h"
+#include "tests/router/cluster_harness.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -28,19 +31,20 @@ static int64_t t_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Runs argv (killed after 20 s); its stderr goes to err (NUL-terminated).
- * Returns the exit status, or -1 when it did not exit by itself. */
-static int run_llm(const char *const *argv, char *err, size_t errlen) {
+/* Runs argv (killed after 20 s); its stderr goes to err (NUL-terminated),
+ * its stdout to out when not NULL.  Returns the exit status, or -1 when it
+ * did not exit by itself. */
+static int run_llm_out(const char *const *argv, char *err, size_t errlen, char *out, size_t outlen) {
     if (access(LLM_BIN, X_OK) != 0) TEST_FAIL("%s is not built", LLM_BIN);
-    char epath[] = "/tmp/llm-cli-errXXXXXX";
-    int efd = mkstemp(epath);
-    if (efd < 0) TEST_FAIL("mkstemp: %s", strerror(errno));
+    char epath[] = "/tmp/llm-cli-errXXXXXX", opath[] = "/tmp/llm-cli-outXXXXXX";
+    int efd = mkstemp(epath), ofd = mkstemp(opath);
+    if (efd < 0 || ofd < 0) TEST_FAIL("mkstemp: %s", strerror(errno));
     unlink(epath);
+    unlink(opath);
     pid_t pid = fork();
     if (pid == 0) {
         dup2(efd, 2);
-        int devnull = open("/dev/null", O_WRONLY);
-        if (devnull >= 0) dup2(devnull, 1);
+        dup2(ofd, 1);
         unsetenv("LLM_ROUTER");
         setenv("LLM_INSECURE", "true", 1); /* the test's router is a plain socket */
         alarm(20);
@@ -53,7 +57,17 @@ static int run_llm(const char *const *argv, char *err, size_t errlen) {
     ssize_t n = read(efd, err, errlen - 1);
     err[n > 0 ? n : 0] = 0;
     close(efd);
+    if (out) {
+        lseek(ofd, 0, SEEK_SET);
+        n = read(ofd, out, outlen - 1);
+        out[n > 0 ? n : 0] = 0;
+    }
+    close(ofd);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int run_llm(const char *const *argv, char *err, size_t errlen) {
+    return run_llm_out(argv, err, errlen, NULL, 0);
 }
 
 static void free_endpoint(char *ep, size_t n) {
@@ -151,4 +165,113 @@ TEST(llm_cli_retry_bounds_generate) {
     ASSERT_TRUE(strstr(err, "no pipeline is in service") != NULL);
 }
 
-TEST_MAIN(llm_cli_says_no_router_fast, llm_cli_global_flags_after_the_subcommand, llm_cli_retry_bounds_generate)
+/* The JSON object on the last line of out. */
+static cJSON *last_json(char *out) {
+    size_t n = strlen(out);
+    while (n > 0 && out[n - 1] == '\n') out[--n] = 0;
+    char *line = strrchr(out, '\n');
+    return cJSON_Parse(line ? line + 1 : out);
+}
+
+TEST(llm_cli_logprobs_and_stop) {
+    const char *model = test_model_path("stories260K-f32.gguf");
+    struct cluster *cl = h_cluster_start(model, 1, 1, "--insecure", "");
+    static char out[1 << 16], err[8192];
+    const char *prompt = "Once upon a time";
+    /* --logprobs 2 --json: a record per token with the token's text, the
+     * chosen token first among its alternatives (greedy), and the texts
+     * together are the output text. */
+    const char *a1[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--max-tokens", "24",
+                        "--logprobs", "2", "--json", NULL};
+    int rc = run_llm_out(a1, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm generate --logprobs 2 --json: exit %d: %s", rc, err);
+    cJSON *j = last_json(out);
+    H_ASSERT(cl, j != NULL, "no JSON on the last line: %s", out);
+    const cJSON *ids = cJSON_GetObjectItemCaseSensitive(j, "ids");
+    const cJSON *lps = cJSON_GetObjectItemCaseSensitive(j, "logprobs");
+    char text[4096];
+    snprintf(text, sizeof text, "%s", cJSON_GetObjectItemCaseSensitive(j, "text")->valuestring);
+    H_ASSERT(cl, cJSON_GetArraySize(ids) == 24 && cJSON_GetArraySize(lps) == 24, "%d ids, %d logprobs: %s",
+             cJSON_GetArraySize(ids), cJSON_GetArraySize(lps), out);
+    char joined[4096];
+    size_t jl = 0;
+    for (int i = 0; i < 24; i++) {
+        const cJSON *l = cJSON_GetArrayItem(lps, i);
+        ASSERT_EQ(cJSON_GetArrayItem(ids, i)->valueint, cJSON_GetObjectItemCaseSensitive(l, "id")->valueint);
+        double lp = cJSON_GetObjectItemCaseSensitive(l, "logprob")->valuedouble;
+        ASSERT_TRUE(lp <= 0);
+        const cJSON *top = cJSON_GetObjectItemCaseSensitive(l, "top");
+        ASSERT_EQ(2, cJSON_GetArraySize(top));
+        const cJSON *t0 = cJSON_GetArrayItem(top, 0), *t1 = cJSON_GetArrayItem(top, 1);
+        ASSERT_EQ(cJSON_GetObjectItemCaseSensitive(l, "id")->valueint,
+                  cJSON_GetObjectItemCaseSensitive(t0, "id")->valueint);
+        ASSERT_TRUE(cJSON_GetObjectItemCaseSensitive(t1, "logprob")->valuedouble <= lp);
+        const cJSON *b;
+        cJSON_ArrayForEach(b, cJSON_GetObjectItemCaseSensitive(l, "bytes")) {
+            if (jl + 1 < sizeof joined) joined[jl++] = (char)b->valueint;
+        }
+    }
+    joined[jl] = 0;
+    H_ASSERT(cl, strcmp(joined, text) == 0, "the tokens' texts make \"%s\", the text is \"%s\"", joined, text);
+    cJSON_Delete(j);
+
+    /* Without --json: the text, then one line per token. */
+    const char *a2[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--max-tokens", "5",
+                        "--logprobs", "1", NULL};
+    rc = run_llm_out(a2, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm generate --logprobs 1: exit %d: %s", rc, err);
+    const char *list = strstr(out, "logprobs (");
+    H_ASSERT(cl, list != NULL, "no logprobs listing: %s", out);
+    int lines = 0;
+    for (const char *p = strchr(list, '\n'); p && p[1]; p = strchr(p + 1, '\n')) lines++;
+    H_ASSERT(cl, lines == 5, "%d lines of logprobs for 5 tokens: %s", lines, out);
+
+    /* --stop twice: the first match of either ends the text, and is not
+     * in it.  The stop string is a piece of the greedy text. */
+    char stop[16];
+    const char *mid = text + strlen(text) / 2;
+    snprintf(stop, sizeof stop, "%.4s", mid);
+    size_t want_len = (size_t)(strstr(text, stop) - text);
+    const char *a3[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--max-tokens", "24",
+                        "--stop", "zzqx-never", "--stop", stop, "--json", NULL};
+    rc = run_llm_out(a3, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm generate --stop: exit %d: %s", rc, err);
+    j = last_json(out);
+    H_ASSERT(cl, j != NULL, "no JSON on the last line: %s", out);
+    const char *got = cJSON_GetObjectItemCaseSensitive(j, "text")->valuestring;
+    H_ASSERT(cl, strlen(got) == want_len && strncmp(got, text, want_len) == 0,
+             "--stop \"%s\": text \"%s\", expected the first %zu bytes of \"%s\"", stop, got, want_len, text);
+    ASSERT_STREQ("STOP", cJSON_GetObjectItemCaseSensitive(j, "finish_reason")->valuestring);
+    ASSERT_STREQ(stop, cJSON_GetObjectItemCaseSensitive(j, "stop_string")->valuestring);
+    cJSON_Delete(j);
+
+    /* Bad values are named; the penalties are accepted. */
+    const char *a4[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--logprobs", "21", NULL};
+    ASSERT_EQ(2, run_llm_out(a4, err, sizeof err, out, sizeof out));
+    ASSERT_TRUE(strstr(err, "logprobs") != NULL && strstr(err, "21") != NULL);
+    const char *a5[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--stop", "", NULL};
+    ASSERT_EQ(2, run_llm_out(a5, err, sizeof err, out, sizeof out));
+    ASSERT_TRUE(strstr(err, "--stop") != NULL);
+    const char *a6[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", prompt, "--max-tokens", "4",
+                        "--temperature", "0.8", "--seed", "7", "--presence-penalty", "0.5", "--frequency-penalty",
+                        "0.5", "--repetition-penalty", "1.1", "--penalty-last-n", "16", NULL};
+    rc = run_llm_out(a6, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm generate with penalties: exit %d: %s", rc, err);
+    /* llm status shows the prefix cache. */
+    const char *a7[] = {LLM_BIN, "status", "--router", cl->client_ep, "--json", NULL};
+    rc = run_llm_out(a7, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm status --json: exit %d: %s", rc, err);
+    j = last_json(out);
+    H_ASSERT(cl, j && cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(j, "prefix_hit_tokens")) &&
+                     cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(j, "prefix_miss_tokens")) &&
+                     cJSON_GetObjectItemCaseSensitive(j, "prefix_miss_tokens")->valuedouble > 0,
+             "llm status --json lacks the prefix cache counters: %s", out);
+    cJSON_Delete(j);
+    const char *a8[] = {LLM_BIN, "status", "--router", cl->client_ep, NULL};
+    rc = run_llm_out(a8, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0 && strstr(out, "prefix cache"), "llm status: exit %d: %s %s", rc, out, err);
+    h_cluster_stop(cl);
+}
+
+TEST_MAIN(llm_cli_says_no_router_fast, llm_cli_global_flags_after_the_subcommand, llm_cli_retry_bounds_generate,
+          llm_cli_logprobs_and_stop)
