@@ -175,3 +175,20 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;
 }
+
+int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0) {
+    if (n_rb < 1 || n_chunks < 1 || slots < 1) return ks0;
+    /* Time as waves x (chunks a block + 1, the first chunk's load that
+     * nothing covers). */
+    const int64_t c0 = ((int64_t)n_rb * ks0 + slots - 1) / slots * ((n_chunks + ks0 - 1) / ks0 + 1);
+    int best = ks0;
+    int64_t best_cost = c0;
+    for (int ks = 1; ks <= n_chunks && ks <= CUDA_MQ_SPLIT_MAX; ks++) {
+        const int64_t c = ((int64_t)n_rb * ks + slots - 1) / slots * ((n_chunks + ks - 1) / ks + 1);
+        if (c < best_cost && c * 16 < c0 * 15) {
+            best = ks;
+            best_cost = c;
+        }
+    }
+    return best;
+}

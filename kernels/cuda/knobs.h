@@ -74,6 +74,21 @@ int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t
  * not fit the card (LLM_CUDA_AHEAD_SMS of n_sms or more), naming it. */
 int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err, size_t err_size);
 
+/* Most K splits cuda_mq_split weighs. */
+#define CUDA_MQ_SPLIT_MAX 64
+
+/* The K split of matmul_vec.cu's mq for n_rb row blocks of n_chunks
+ * chunks on slots resident blocks: ks0 (one wave, as many splits as fit),
+ * or a split into full waves that finishes at least a sixteenth sooner,
+ * which pays for the partial sums' traffic and their reduction.  Row
+ * blocks that more than half fill the slots leave the rest idle for the
+ * whole matmul where one block a row block is all that makes one wave:
+ * the 7B's gate and up (86 row blocks) with sm_75's one 64-token block a
+ * multiprocessor fill 65% of 132 SMs, and split in three make two full
+ * waves of a third of the chunks each.  Rows that fill the slots, or a
+ * split into one full wave, keep ks0. */
+int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
+
 #ifdef __cplusplus
 }
 #endif

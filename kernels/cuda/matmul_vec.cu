@@ -8,6 +8,7 @@
  *     registers straight from a shared-memory copy of the raw bytes;
  *   - the warp-per-row kernel for what mq does not take (F32 weights, odd
  *     widths), up to 16 tokens. */
+#include "knobs.h"
 #include "matmul_group.cuh"
 #include "mq_frag.cuh"
 #include "quant_units.cuh"
@@ -410,12 +411,15 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
     int n_rb = (int)((rows + MQ_ROWS - 1) / MQ_ROWS);
     int n_chunks = (int)((cols + mq_fmt<T>::ck - 1) / mq_fmt<T>::ck);
     /* Split K until the blocks fill every resident slot once (one wave:
-     * a second, partial wave would cost a whole block's latency). */
+     * a second, partial wave would cost a whole block's latency), or into
+     * full waves where a single one leaves many slots idle
+     * (cuda_mq_split, knobs.c). */
     int slots = ctx->n_sms * per_sm[dev], ks = 1;
     if (n_rb < slots && n_rb <= MQ_COUNTERS) ks = slots / n_rb;
     if (ks > n_chunks) ks = n_chunks;
     if (ks > 65535) ks = 65535;
     if (ks < 1) ks = 1;
+    if (n_rb <= MQ_COUNTERS) ks = cuda_mq_split(n_rb, n_chunks, slots, ks);
     size_t rp = (size_t)n_rb * MQ_ROWS;
     /* Scratch: from 32 tokens x's F16 form first (kept for the next
      * matmul on x: cuda_gemm_act), then the split-K partial sums. */

@@ -268,5 +268,40 @@ TEST(cuda_knobs_table_is_documented) {
     }
 }
 
+/* mq's K split: row blocks that fill between half and all of the slots
+ * once become full waves where that is a sixteenth sooner; one wave that
+ * the splits fill, rows that fill the slots, and gains too small to pay
+ * for the partial sums keep the one-wave split.  Row blocks of 128 rows,
+ * chunks of 256 columns (the K-quants). */
+TEST(cuda_knobs_mq_split) {
+    /* sm_75's 64-token mq, one block a multiprocessor, 132 SMs (the T4's
+     * code on an H100 or H200): 7B gate/up 11008 x 4096 from 65% of one
+     * wave to two full ones; q/k/v/o (4 splits fill 128 of 132), down
+     * and lm_head keep theirs. */
+    ASSERT_EQ(3, cuda_mq_split(86, 16, 132, 1));
+    ASSERT_EQ(4, cuda_mq_split(32, 16, 132, 4));
+    ASSERT_EQ(4, cuda_mq_split(32, 43, 132, 4));
+    ASSERT_EQ(1, cuda_mq_split(250, 16, 132, 1));
+    /* Two blocks a multiprocessor (264 slots): one wave of 258 stays. */
+    ASSERT_EQ(3, cuda_mq_split(86, 16, 264, 3));
+    ASSERT_EQ(8, cuda_mq_split(32, 16, 264, 8));
+    /* A T4 (40 SMs, one block each): gate/up 86 row blocks in 3 waves
+     * (the last of 6) become 5 of 172; lm_head's 7 waves of 250 would
+     * gain 2%, less than the partial sums cost. */
+    ASSERT_EQ(2, cuda_mq_split(86, 16, 40, 1));
+    ASSERT_EQ(1, cuda_mq_split(250, 16, 40, 1));
+    ASSERT_EQ(1, cuda_mq_split(32, 16, 40, 1));
+    /* Never more splits than chunks; degenerate input keeps ks0. */
+    ASSERT_EQ(1, cuda_mq_split(86, 1, 132, 1));
+    for (int ch = 1; ch <= 80; ch++)
+        for (int rb = 1; rb <= 300; rb += 7) {
+            int ks = cuda_mq_split(rb, ch, 132, 1);
+            if (ks < 1 || ks > ch || ks > CUDA_MQ_SPLIT_MAX)
+                TEST_FAIL("%d row blocks, %d chunks: split %d", rb, ch, ks);
+        }
+    ASSERT_EQ(5, cuda_mq_split(10, 16, 0, 5));
+    ASSERT_EQ(5, cuda_mq_split(0, 16, 132, 5));
+}
+
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
-          cuda_knobs_table_is_documented)
+          cuda_knobs_table_is_documented, cuda_knobs_mq_split)
