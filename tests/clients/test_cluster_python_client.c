@@ -4,7 +4,8 @@
  * stories260K.  The package's build step generates its protobuf modules
  * from the proto files into the test's temporary folder, then
  * clients/python/tests/test_client.py checks streams against llm-run
- * (sync and asyncio), cancel, re-attach, errors, health, status and models.
+ * (sync and asyncio), cancel, re-attach, errors, health, status and models,
+ * and the CURVE keys (from the environment, files and values; a refused key).
  * Skipped without a python3 that has zmq and google.protobuf (Debian
  * python3-zmq, python3-protobuf), protoc (protobuf-compiler), redis-server
  * or the model. */
@@ -64,8 +65,9 @@ TEST(python_client) {
     if (run_quiet("protoc --version") != 0) TEST_SKIP("protoc is not installed (Debian: protobuf-compiler)");
     if (access(model_path(), R_OK) != 0) TEST_SKIP("%s is missing", model_path());
     if (access(H_RUN, X_OK) != 0) TEST_FAIL("%s is not built", H_RUN);
-    /* The Python client has no CURVE keys yet: a cluster without them. */
-    struct cluster *cl = h_cluster_start(model_path(), 1, 1, "--max-batch 1 --insecure", "");
+    /* With CURVE keys: the harness exports LLM_CURVE_KEY_FILE and
+     * LLM_ROUTER_KEY (an admitted client), which the client reads. */
+    struct cluster *cl = h_cluster_start(model_path(), 1, 1, "--max-batch 1", "");
 
     char proto_dir[320];
     snprintf(proto_dir, sizeof proto_dir, "%s/llmcluster-proto", cl->dir);

@@ -10,8 +10,9 @@ import zmq
 import zmq.asyncio
 
 from ._pb import client_pb2 as pb
-from .client import (PROTOCOL_VERSION, Completion, LlmError, StreamState, accepted_from_pb, build_generate,
-                     discard_before_accepted, done_chunk, health_from_pb, new_request_id)
+from . import keys as _keys
+from .client import (PROTOCOL_VERSION, Completion, LlmError, SeedMemory, StreamState, accepted_from_pb,
+                     build_generate, discard_before_accepted, done_chunk, health_from_pb, new_request_id, open_socket)
 
 
 class AsyncGeneration:
@@ -94,20 +95,24 @@ class AsyncClient:
     """A connection to the router for asyncio code.  timeout bounds the wait
     for a direct reply; generate(idle_timeout=S) the gap between a stream's
     messages (default none).  Both raise TimeoutError.  Use
-    `async with AsyncClient(ep) as c:` or call `await c.close()`."""
+    `async with AsyncClient(ep) as c:` or call `await c.close()`.  The
+    endpoint and the keys are chosen as Client's."""
 
-    def __init__(self, endpoint="tcp://127.0.0.1:5555", *, timeout=30.0, context=None):
-        self.endpoint = endpoint
+    def __init__(self, endpoint=None, *, timeout=30.0, context=None, curve_key_file=None, router_key=None,
+                 insecure=None, curve_secretkey=None, curve_publickey=None, curve_serverkey=None):
+        self.endpoint = endpoint or _keys.default_endpoint()
         self.timeout = timeout
+        self._sock = None
+        self._reader = None
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = open_socket(self._ctx, self.endpoint, dict(
+            curve_key_file=curve_key_file, router_key=router_key, insecure=insecure,
+            curve_secretkey=curve_secretkey, curve_publickey=curve_publickey, curve_serverkey=curve_serverkey))
+        self._seeds = SeedMemory()
         self._tag = 0
         self._replies = {}        # tag -> Future of the direct reply
         self._streams = {}        # request_id -> asyncio.Queue of pushed envelopes
         self._cancel_waits = {}   # request_id -> Future of its GenerateDone
-        self._reader = None
 
     async def close(self):
         if self._reader is not None:
@@ -195,6 +200,7 @@ class AsyncClient:
     def generate(self, prompt=None, *, request_id=None, idle_timeout=None, **params):
         """As Client.generate; returns an AsyncGeneration (`async for`)."""
         env = pb.ClientEnvelope()
+        self._seeds.fill(request_id, params)
         rid = request_id or new_request_id()
         build_generate(env, rid, prompt, params)
         return AsyncGeneration(self, rid, env, env.generate.resume_from, idle_timeout)
@@ -206,6 +212,7 @@ class AsyncClient:
         except BaseException:
             self._streams.pop(gen.request_id, None)
             raise
+        self._seeds.remember(gen.request_id, reply.accepted.seed)
         return accepted_from_pb(reply.accepted)
 
     async def cancel(self, request_id):

@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import zmq
 
+from . import keys as _keys
 from ._pb import client_pb2 as pb
 from ._pb import types_pb2
 
@@ -110,6 +111,43 @@ def new_request_id():
     return str(uuid.uuid4())
 
 
+def open_socket(ctx, endpoint, key_args):
+    """A DEALER socket connected to the router, with CURVE unless the
+    settings (keys.curve_settings(**key_args)) say insecure."""
+    curve = _keys.curve_settings(**key_args)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(endpoint)
+    return sock
+
+
+class SeedMemory:
+    """The seeds of the GenerateAccepted replies this client saw, by
+    request id, so that a re-send of the same id carries the seed when its
+    caller gave none (docs/protocol.md, "Keep the seed": a sampled request
+    whose state the cluster lost is refused without it, and run again with
+    the same tokens with it).  Bounded: the oldest ids are forgotten."""
+
+    LIMIT = 65536
+
+    def __init__(self):
+        self._seeds = collections.OrderedDict()
+
+    def remember(self, request_id, seed):
+        if not seed:
+            return
+        self._seeds[request_id] = seed
+        self._seeds.move_to_end(request_id)
+        while len(self._seeds) > self.LIMIT:
+            self._seeds.popitem(last=False)
+
+    def fill(self, request_id, params):
+        if request_id is not None and not params.get("seed") and request_id in self._seeds:
+            params["seed"] = self._seeds[request_id]
+
+
 def build_generate(env, request_id, prompt, params):
     """Fills env.generate from the arguments of generate(); raises TypeError
     or ValueError for arguments that are wrong in Python terms (the router
@@ -129,6 +167,10 @@ def build_generate(env, request_id, prompt, params):
     else:
         g.prompt_tokens.extend(int(t) for t in tokens)
     g.stream = bool(params.get("stream", True))
+    # Always present, even empty: the router compares a re-send with the
+    # stored request byte for byte, and a re-send that carries the seed
+    # from GenerateAccepted has this message, so the first send must too.
+    g.sampling.SetInParent()
     for f in REQUEST_FIELDS:
         if f in ("stream", "stop") or params.get(f) is None:
             continue
@@ -300,15 +342,25 @@ class Client:
     direct reply (Accepted, Health, Status, Models, a cancel's GenerateDone);
     generate(idle_timeout=S) bounds the gap between a stream's messages
     (default: none, a queued request may wait long).  Both raise
-    TimeoutError; a generation can then be re-attached by its request id."""
+    TimeoutError; a generation can then be re-attached by its request id.
 
-    def __init__(self, endpoint="tcp://127.0.0.1:5555", *, timeout=30.0, context=None):
-        self.endpoint = endpoint
+    endpoint defaults to LLM_ROUTER.  The connection is CURVE-encrypted with
+    curve_key_file (this client's NAME.key) and router_key (the router's
+    NAME.pub), or with the keys themselves (curve_secretkey,
+    curve_publickey, curve_serverkey: Z85), else with LLM_CURVE_KEY_FILE and
+    LLM_ROUTER_KEY; insecure=True (or LLM_INSECURE=true) for a router
+    without keys.  With none of these the constructor raises ValueError."""
+
+    def __init__(self, endpoint=None, *, timeout=30.0, context=None, curve_key_file=None, router_key=None,
+                 insecure=None, curve_secretkey=None, curve_publickey=None, curve_serverkey=None):
+        self.endpoint = endpoint or _keys.default_endpoint()
         self.timeout = timeout
+        self._sock = None
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = open_socket(self._ctx, self.endpoint, dict(
+            curve_key_file=curve_key_file, router_key=router_key, insecure=insecure,
+            curve_secretkey=curve_secretkey, curve_publickey=curve_publickey, curve_serverkey=curve_serverkey))
+        self._seeds = SeedMemory()
         self._tag = 0
         self._replies = {}       # tag -> envelope of a direct reply
         self._streams = {}       # request_id -> deque of pushed envelopes
@@ -386,8 +438,11 @@ class Client:
         presence_penalty, frequency_penalty, penalty_last_n, seed,
         stop_token_ids, ignore_eos, logprobs, top_logprobs).  Sending the
         same request with the request_id of a known request re-attaches to
-        it (resume_from: the tokens already held)."""
+        it (resume_from: the tokens already held); the re-send carries the
+        seed of the request's GenerateAccepted when seed is not given and
+        this client saw it (else pass seed=generation.accepted.seed)."""
         env = pb.ClientEnvelope()
+        self._seeds.fill(request_id, params)
         rid = request_id or new_request_id()
         build_generate(env, rid, prompt, params)
         return Generation(self, rid, env, env.generate.resume_from, idle_timeout)
@@ -401,6 +456,7 @@ class Client:
         except BaseException:
             self._streams.pop(gen.request_id, None)
             raise
+        self._seeds.remember(gen.request_id, reply.accepted.seed)
         return accepted_from_pb(reply.accepted)
 
     def _next_pushed(self, rid, timeout):

@@ -1,23 +1,30 @@
 """Tests of the llmcluster package against a running cluster serving
 stories260K (tests/clients/test_cluster_python_client.c starts one and runs this):
 greedy streams equal llm-run's output token for token, sync and asyncio;
-logprobs; non-streamed requests; cancel; re-attach by request id; errors;
-health, status and models.
+logprobs; non-streamed requests; cancel; re-attach by request id (with the
+seed of GenerateAccepted); errors; health, status and models; CURVE keys
+from files and the environment, refused keys and bad key files.
 
 Environment: LLM_ROUTER (the router's client endpoint), LLM_TEST_MODEL (the
 GGUF file it serves), LLM_RUN (the llm-run program), LLMCLUSTER_PROTO_DIR
-(the generated protobuf modules)."""
+(the generated protobuf modules), LLM_CURVE_KEY_FILE and LLM_ROUTER_KEY (an
+admitted client key and the router's public key)."""
 
 import asyncio
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import unittest
 import uuid
+from unittest import mock
+
+import zmq
 
 import llmcluster
 from llmcluster import AsyncClient, Client, LlmError
+from llmcluster import keys as llmkeys
 
 ROUTER = os.environ["LLM_ROUTER"]
 MODEL = os.environ["LLM_TEST_MODEL"]
@@ -179,6 +186,27 @@ class SyncTest(unittest.TestCase):
             self.c.generate(p, max_tokens=n + 1, request_id=rid).start()
         self.assertEqual(e.exception.code, "ALREADY_EXISTS")
 
+    def test_reattach_sends_the_seed(self):
+        # A sampled request without a seed: the router picks one and says it
+        # in Accepted; a re-send of the id carries it unless given.
+        p, n = PROMPTS[0], 24
+        rid = "py-seed-" + uuid.uuid4().hex
+        first = self.c.generate(p, max_tokens=n, request_id=rid, temperature=0.9)
+        comp = first.collect()
+        seed = first.accepted.seed
+        self.assertNotEqual(seed, 0)
+        again = self.c.generate(p, max_tokens=n, request_id=rid, temperature=0.9, resume_from=8)
+        self.assertEqual(again._env.generate.sampling.seed, seed)
+        self.assertEqual([t for ch in again for t in ch.token_ids], comp.token_ids[8:])
+        self.assertTrue(again.accepted.reattached)
+        # the same seed runs the same tokens as a new request
+        other = self.c.generate(p, max_tokens=n, temperature=0.9, seed=seed).collect()
+        self.assertEqual(other.token_ids, comp.token_ids)
+        # a seed the caller gives is kept (and, differing, refused as another body)
+        with self.assertRaises(LlmError) as e:
+            self.c.generate(p, max_tokens=n, request_id=rid, temperature=0.9, seed=seed + 1).start()
+        self.assertEqual(e.exception.code, "ALREADY_EXISTS")
+
     def test_refusals(self):
         with self.assertRaises(LlmError) as e:
             next(self.c.generate(PROMPTS[0], max_tokens=4, top_p=1.5))
@@ -251,6 +279,74 @@ class AsyncTest(unittest.TestCase):
             comp = await g2.collect()
             self.assertTrue(g2.accepted.reattached)
             self.assertEqual(comp.token_ids, reference(PROMPTS[1], 30)[0])
+
+
+class KeysTest(unittest.TestCase):
+    """The keys of the environment (the harness's admitted client) reach the
+    router; given explicitly they do too; an unlisted key gets no answer; a
+    bad key file and missing keys are errors that name the file or the
+    options."""
+
+    def test_keys_from_files_and_values(self):
+        key, router = os.environ["LLM_CURVE_KEY_FILE"], os.environ["LLM_ROUTER_KEY"]
+        with mock.patch.dict(os.environ, {}, clear=False):
+            for v in ("LLM_CURVE_KEY_FILE", "LLM_ROUTER_KEY", "LLM_INSECURE"):
+                os.environ.pop(v, None)
+            with Client(ROUTER, timeout=10, curve_key_file=key, router_key=router) as c:
+                self.assertTrue(c.health().serving)
+            pub, sec = llmkeys.load_key_pair(key)
+            server = llmkeys.load_public_key(router)
+            with Client(ROUTER, timeout=10, curve_secretkey=sec.decode(), curve_publickey=pub,
+                        curve_serverkey=server) as c:
+                self.assertTrue(c.health().serving)
+            with self.assertRaises(ValueError) as e:
+                Client(ROUTER)
+            self.assertIn("curve_key_file", str(e.exception))
+            self.assertIn("LLM_CURVE_KEY_FILE", str(e.exception))
+            self.assertIn("insecure", str(e.exception))
+
+    def test_unlisted_key_gets_no_answer(self):
+        pub, sec = zmq.curve_keypair()
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "stranger.key")
+            with open(path, "w") as f:
+                f.write(f"# a key the router does not list\npublic {pub.decode()}\nsecret {sec.decode()}\n")
+            os.chmod(path, 0o600)
+            with Client(ROUTER, timeout=1.5, curve_key_file=path, router_key=os.environ["LLM_ROUTER_KEY"]) as c:
+                with self.assertRaises(TimeoutError):
+                    c.health()
+        # a plain socket gets nothing from a router with keys either
+        with Client(ROUTER, timeout=1.5, insecure=True) as c:
+            with self.assertRaises(TimeoutError):
+                c.health()
+
+    def test_bad_key_files(self):
+        pub, sec = zmq.curve_keypair()
+        other_pub, _ = zmq.curve_keypair()
+        cases = {
+            "short.key": (f"public {pub.decode()}\nsecret abc\n", "short.key:2: secret key 'abc' is not a key"),
+            "nosecret.key": (f"public {pub.decode()}\n", "no 'secret <key>' line"),
+            "mismatch.key": (f"public {other_pub.decode()}\nsecret {sec.decode()}\n", "does not belong"),
+            "words.key": ("private xyz\n", "words.key:1: expected 'public <key>' or 'secret <key>'"),
+        }
+        with tempfile.TemporaryDirectory() as d:
+            for name, (text, want) in cases.items():
+                path = os.path.join(d, name)
+                with open(path, "w") as f:
+                    f.write(text)
+                os.chmod(path, 0o600)
+                with self.assertRaises(llmkeys.KeyFileError) as e:
+                    Client(ROUTER, curve_key_file=path, router_key=os.environ["LLM_ROUTER_KEY"])
+                self.assertIn(want, str(e.exception))
+            two = os.path.join(d, "two.pub")
+            with open(two, "w") as f:
+                f.write(f"{pub.decode()}\n{other_pub.decode()}\n")
+            with self.assertRaises(llmkeys.KeyFileError) as e:
+                llmkeys.load_public_key(two)
+            self.assertIn("two.pub:2: a public key file holds one key on one line", str(e.exception))
+            with self.assertRaises(llmkeys.KeyFileError) as e:
+                llmkeys.load_public_key(os.path.join(d, "missing.pub"))
+            self.assertIn("missing.pub", str(e.exception))
 
 
 class BuildTest(unittest.TestCase):
