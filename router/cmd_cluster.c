@@ -380,6 +380,26 @@ static int cl_check_model(const char *path, char *err, size_t errlen) {
     return 0;
 }
 
+/* The --redis words for the router and the workers: for the private Redis
+ * the URL without its password and the password file beside it, so that no
+ * command line shows the password; a --redis URL given to llm-cluster is
+ * passed as it came. */
+static int cl_redis_words(const struct cl_up *u, char **argv, int n, char *url, size_t url_size,
+                          char *pwfile, size_t pwfile_size) {
+    const char *at = strchr(u->redis_url, '@');
+    argv[n++] = "--redis";
+    if ((u->redis && u->redis[0]) || !at) {
+        argv[n++] = (char *)u->redis_url;
+        return n;
+    }
+    cl_fmt(url, url_size, "redis://%s", at + 1);
+    cl_fmt(pwfile, pwfile_size, "%s/redis.password", u->dir);
+    argv[n++] = url;
+    argv[n++] = "--redis-password-file";
+    argv[n++] = pwfile;
+    return n;
+}
+
 static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
     if (cl_find_redis(u->bin_redis, sizeof u->bin_redis, err, errlen) < 0) return STATUS_NOT_FOUND;
     int port = cl_free_port(err, errlen);
@@ -401,6 +421,19 @@ static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
     int fd = open(conf, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0 || fchmod(fd, 0600) != 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
         cl_fmt(err, errlen, "%s: %s", conf, strerror(errno));
+        if (fd >= 0) close(fd);
+        return STATUS_IO;
+    }
+    close(fd);
+    /* The same password for the router and the workers, in a file they
+     * read (--redis-password-file), so that their command lines, which
+     * every user of the host sees in ps, carry only the host and port. */
+    char pwfile[PATH_MAX + 32];
+    cl_fmt(pwfile, sizeof pwfile, "%s/redis.password", u->dir);
+    cl_fmt(text, sizeof text, "%s\n", password);
+    fd = open(pwfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || fchmod(fd, 0600) != 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
+        cl_fmt(err, errlen, "%s: %s", pwfile, strerror(errno));
         if (fd >= 0) close(fd);
         return STATUS_IO;
     }
@@ -823,8 +856,8 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     argv[n++] = client_ep;
     argv[n++] = "--worker-listen";
     argv[n++] = worker_ep;
-    argv[n++] = "--redis";
-    argv[n++] = u->redis_url;
+    char redis_plain[160], redis_pwfile[PATH_MAX + 32];
+    n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
     argv[n++] = "--stages";
     argv[n++] = stages_s;
     argv[n++] = "--metrics-listen";
@@ -880,8 +913,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = (char *)u->model;
             argv[n++] = "--router";
             argv[n++] = worker_ep;
-            argv[n++] = "--redis";
-            argv[n++] = u->redis_url;
+            n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
             argv[n++] = "--worker-id";
             argv[n++] = name;
             argv[n++] = "--pipeline";

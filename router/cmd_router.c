@@ -4,17 +4,45 @@
  * variables (see --help). */
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/httpd.h"
 #include "common/log.h"
 #include "common/options.h"
+#include "common/rconn.h"
 #include "common/status.h"
 #include "common/zio.h"
 #include "router/server.h"
 #include "router/server_metrics.h"
 
 static volatile sig_atomic_t stop_flag;
+
+/* --redis-password-file: *out is the URL with the file's password (the
+ * caller's to free).  A password Redis refuses is an error here, at start,
+ * naming the file: the router would otherwise only warn and retry for
+ * ever.  A Redis that cannot be reached yet is not: the router connects
+ * when it comes up. */
+static int redis_url_with_file(const char *url, const char *path, char **out, char *err,
+                               size_t errlen) {
+    char e[512];
+    int rc = rconn_url_password_file(url, path, out, e, sizeof e);
+    if (rc < 0) {
+        snprintf(err, errlen, "--redis-password-file: %s", e);
+        return rc;
+    }
+    struct rconn *r = NULL;
+    rc = rconn_open_url(*out, 2000, &r, e, sizeof e);
+    rconn_close(r);
+    if (rc == STATUS_BAD_INPUT) {
+        snprintf(err, errlen, "--redis-password-file %s: Redis refused the password in this file: %s",
+                 path, e);
+        free(*out);
+        *out = NULL;
+        return rc;
+    }
+    return 0;
+}
 
 static void on_signal(int sig) {
     (void)sig;
@@ -25,7 +53,7 @@ int main(int argc, char **argv) {
     struct server_config c;
     memset(&c, 0, sizeof c);
     int log_level = LL_INFO;
-    const char *metrics_listen = NULL;
+    const char *metrics_listen = NULL, *redis_password_file = NULL;
     bool prefix_cache = true;
     int64_t max_msg_size = 0;
     static const char metrics_default[] = "127.0.0.1:9464";
@@ -50,6 +78,9 @@ int main(int argc, char **argv) {
          1024, 4.0 * 1024 * 1024 * 1024, NULL},
         {"redis", "LLM_REDIS", OPTION_STRING, "redis://127.0.0.1:6379", "Redis URL (queue, state, registry)",
          &c.redis_url, 0, 0, NULL},
+        {"redis-password-file", "LLM_REDIS_PASSWORD_FILE", OPTION_STRING, NULL,
+         "file holding the Redis password, used instead of the URL's (keeps it off the command line)",
+         &redis_password_file, 0, 0, NULL},
         {"redis-prefix", "LLM_REDIS_PREFIX", OPTION_STRING, "llm:", "prefix of every Redis key",
          &c.redis_prefix, 0, 0, NULL},
         {"router-id", "LLM_ROUTER_ID", OPTION_STRING, "router",
@@ -88,7 +119,7 @@ int main(int argc, char **argv) {
     struct options o = {"llm-router", "[options]",
                         "Routes and schedules generation requests over the cluster's worker pipelines.",
                         defs, (int)(sizeof defs / sizeof defs[0]), false};
-    char err[512];
+    char err[1024];
     int rc = options_parse(&o, &argc, argv, err, sizeof err);
     if (rc == STATUS_CANCELLED) return 0;
     if (rc < 0) {
@@ -103,6 +134,14 @@ int main(int argc, char **argv) {
     log_set_process("router");
     log_set_level(log_level);
     options_log(&o);
+    char *redis_url = NULL;
+    if (redis_password_file && redis_password_file[0]) {
+        if (redis_url_with_file(c.redis_url, redis_password_file, &redis_url, err, sizeof err) < 0) {
+            fprintf(stderr, "llm-router: %s\n", err);
+            return 2;
+        }
+        c.redis_url = redis_url;
+    }
     zio_set_max_msg_size(max_msg_size);
     signal(SIGPIPE, SIG_IGN);
     struct sigaction sa;
@@ -113,6 +152,7 @@ int main(int argc, char **argv) {
     server_metrics *sm = NULL;
     if (server_metrics_init(&sm, err, sizeof err) < 0) {
         fprintf(stderr, "llm-router: %s\n", err);
+        free(redis_url);
         return 1;
     }
     /* The port comes up before the model loads, so that /health answers
@@ -128,6 +168,7 @@ int main(int argc, char **argv) {
     } else if (rc < 0) {
         fprintf(stderr, "llm-router: --metrics-listen: %s\n", err);
         server_metrics_free(sm);
+        free(redis_url);
         return 2;
     } else if (h) {
         LOG(LL_INFO, "router: metrics on http://%s (port %d): /metrics, /health, /ready",
@@ -139,6 +180,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "llm-router: %s\n", err);
         httpd_stop(h);
         server_metrics_free(sm);
+        free(redis_url);
         return 1;
     }
     server_run(s, &stop_flag);
@@ -146,5 +188,6 @@ int main(int argc, char **argv) {
     httpd_stop(h);
     server_free(s);
     server_metrics_free(sm);
+    free(redis_url);
     return 0;
 }

@@ -12,6 +12,7 @@
 #include "common/httpd.h"
 #include "common/log.h"
 #include "common/options.h"
+#include "common/rconn.h"
 #include "common/status.h"
 #include "common/zio.h"
 
@@ -28,6 +29,34 @@ static void worker_on_signal(int sig) {
     worker_stop = 1;
 }
 
+/* --redis-password-file: *out is the URL with the file's password (the
+ * caller's to free).  A password Redis refuses is reported naming the file
+ * (the connection's own message names only host and port); a Redis that
+ * cannot be reached is left to node_init, which says so. */
+static int worker_redis_url(const char *url, const char *path, char **out, char *err, size_t errlen) {
+    char e[512];
+    if (!url || !url[0]) {
+        snprintf(err, errlen, "--redis-password-file %s: no --redis URL to use it with", path);
+        return STATUS_BAD_INPUT;
+    }
+    int rc = rconn_url_password_file(url, path, out, e, sizeof e);
+    if (rc < 0) {
+        snprintf(err, errlen, "--redis-password-file: %s", e);
+        return rc;
+    }
+    struct rconn *r = NULL;
+    rc = rconn_open_url(*out, 2000, &r, e, sizeof e);
+    rconn_close(r);
+    if (rc == STATUS_BAD_INPUT) {
+        snprintf(err, errlen, "--redis-password-file %s: Redis refused the password in this file: %s",
+                 path, e);
+        free(*out);
+        *out = NULL;
+        return rc;
+    }
+    return 0;
+}
+
 static const char *const worker_transports[] = {"auto", "zmq", "nccl", NULL};
 
 int main(int argc, char **argv) {
@@ -36,6 +65,7 @@ int main(int argc, char **argv) {
     const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
     const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
     const char *metrics_listen = NULL, *curve_key_file = NULL, *router_key = NULL;
+    const char *redis_password_file = NULL;
     bool insecure = false;
     int64_t max_msg_size = 0;
     static const char metrics_default[] = "127.0.0.1:9465";
@@ -54,6 +84,9 @@ int main(int argc, char **argv) {
         {"require-gpu", "LLM_REQUIRE_GPU", OPTION_BOOL, "false", "fail instead of running on the CPU when there is no GPU", &require_gpu, 0, 0, NULL},
         {"router", "LLM_ROUTER", OPTION_STRING, "tcp://127.0.0.1:5556", "the router's worker endpoint", &router, 0, 0, NULL},
         {"redis", "LLM_REDIS", OPTION_STRING, "", "Redis URL for the worker registry and NCCL ids (empty: none)", &redis, 0, 0, NULL},
+        {"redis-password-file", "LLM_REDIS_PASSWORD_FILE", OPTION_STRING, NULL,
+         "file holding the Redis password, used instead of the URL's (keeps it off the command line)",
+         &redis_password_file, 0, 0, NULL},
         {"kv-blocks", "LLM_KV_BLOCKS", OPTION_INT, "0", "KV cache blocks (0: auto: what --mem-fraction leaves after weights and workspace on a GPU, max-seqs whole contexts on the CPU)", &kv_blocks, 0, 1 << 24, NULL},
         {"mem-fraction", "LLM_MEM_FRACTION", OPTION_FLOAT, "0.9", "fraction of free GPU memory for weights, KV and workspace", &mem_fraction, 0.01, 1, NULL},
         {"kv-type", "LLM_KV_TYPE", OPTION_CHOICE, "auto", "KV cache elements: auto (f32 on the CPU, f16 on a GPU), f32, f16 or q8_0 (8-bit: about twice f16's positions in the same memory)", &kv_type, 0, 0, kvcache_type_names},
@@ -191,8 +224,21 @@ int main(int argc, char **argv) {
         LOG(LL_INFO, "worker: metrics on http://%s (port %d): /metrics, /health, /ready",
             metrics_listen, httpd_port(h));
     }
+    /* node_init copies the URL, so the one with the password lives only
+     * this long. */
+    char *redis_url = NULL;
+    if (redis_password_file && redis_password_file[0]) {
+        if (worker_redis_url(redis, redis_password_file, &redis_url, err, sizeof err) < 0) {
+            fprintf(stderr, "llm-worker: %s\n", err);
+            httpd_stop(h);
+            node_metrics_free(nm);
+            return 2;
+        }
+        cfg.redis_url = redis_url;
+    }
     node *n;
     rc = node_init(&n, &cfg, err, sizeof err);
+    free(redis_url);
     if (rc < 0) {
         fprintf(stderr, "llm-worker: cannot start: %s\n", err);
         httpd_stop(h);

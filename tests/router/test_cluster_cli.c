@@ -104,6 +104,30 @@ static pid_t cli_find_process(const char *needle) {
     return found;
 }
 
+/* The command line of a process, its arguments joined by spaces, into buf. */
+static void cli_cmdline(pid_t pid, char *buf, size_t size) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/cmdline", (int)pid);
+    buf[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    size_t n = fread(buf, 1, size - 1, f);
+    fclose(f);
+    for (size_t i = 0; i < n; i++)
+        if (!buf[i]) buf[i] = ' ';
+    buf[n] = 0;
+}
+
+/* The first line of a file, without its newline. */
+static void cli_first_line(const char *path, char *buf, size_t size) {
+    buf[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    if (!fgets(buf, (int)size, f)) buf[0] = 0;
+    fclose(f);
+    buf[strcspn(buf, "\r\n")] = 0;
+}
+
 static bool cli_alive(pid_t pid) {
     char path[64], state = 0;
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
@@ -150,6 +174,75 @@ TEST(cluster_cli_up_generate_status_down) {
     snprintf(aof, sizeof aof, "%s/appendonly.aof", run_dir);
     snprintf(aofdir, sizeof aofdir, "%s/appendonlydir", run_dir);
     ASSERT_TRUE(stat(aof, &st) == 0 || stat(aofdir, &st) == 0);
+    /* The Redis password is in a file of the run dir that only this user
+     * reads, and on no command line that ps shows: the router and the
+     * workers get the file (--redis-password-file). */
+    char password[128], pwfile[512];
+    snprintf(pwfile, sizeof pwfile, "%s/redis.password", run_dir);
+    ASSERT_EQ(0, stat(pwfile, &st));
+    ASSERT_EQ(0600u, (unsigned)(st.st_mode & 0777));
+    cli_first_line(pwfile, password, sizeof password);
+    ASSERT_TRUE(strlen(password) >= 16);
+    int n_checked = 0;
+    for (int i = 0; i < n_pids; i++) {
+        char cmd[4096];
+        cli_cmdline(pids[i], cmd, sizeof cmd);
+        if (!strstr(cmd, "llm-router") && !strstr(cmd, "llm-worker")) continue;
+        if (strstr(cmd, password)) TEST_FAIL("pid %d shows the Redis password: %s", (int)pids[i], cmd);
+        ASSERT_TRUE(strstr(cmd, "--redis-password-file") != NULL);
+        n_checked++;
+    }
+    ASSERT_EQ(3, n_checked); /* the router and 2 workers */
+    /* A password file that Redis refuses stops a router and a worker at
+     * start, naming the file and not the password. */
+    char redis_url[256] = "", wrong[512];
+    {
+        char envf[512], line[512];
+        snprintf(envf, sizeof envf, "%s/cluster.env", run_dir);
+        FILE *f = fopen(envf, "r");
+        ASSERT_TRUE(f != NULL);
+        while (fgets(line, sizeof line, f)) {
+            const char *at = strchr(line, '@');
+            if (strncmp(line, "LLM_REDIS_URL=", 14) == 0 && at) {
+                snprintf(redis_url, sizeof redis_url, "redis://%s", at + 1);
+                redis_url[strcspn(redis_url, "\r\n")] = 0;
+            }
+        }
+        fclose(f);
+    }
+    ASSERT_TRUE(strncmp(redis_url, "redis://127.0.0.1:", 18) == 0);
+    snprintf(wrong, sizeof wrong, "%s/wrong.password", run_dir);
+    {
+        FILE *f = fopen(wrong, "w");
+        ASSERT_TRUE(f != NULL);
+        fputs("not-the-password-x7\n", f);
+        fclose(f);
+    }
+    const char *bad_router[] = {LLM_BINARY_DIR "/router/llm-router", "--model", model, "--insecure",
+                                "--listen", "tcp://127.0.0.1:0", "--worker-listen", "tcp://127.0.0.1:0",
+                                "--metrics-listen", "", "--redis", redis_url, "--redis-password-file",
+                                wrong, NULL};
+    const char *bad_worker[] = {LLM_BINARY_DIR "/worker/llm-worker", "--model", model, "--insecure",
+                                "--metrics-listen", "", "--redis", redis_url, "--redis-password-file",
+                                wrong, NULL};
+    const char *const *bad[] = {bad_router, bad_worker};
+    for (int i = 0; i < 2; i++) {
+        rc = cli_run(bad[i], &out, &err);
+        printf("  %s with a wrong password file (status %d): %s", bad[i][0], rc, err);
+        ASSERT_EQ(2, rc);
+        ASSERT_TRUE(strstr(err, wrong) != NULL);
+        ASSERT_TRUE(strstr(err, "refused the password") != NULL);
+        ASSERT_TRUE(strstr(err, "not-the-password-x7") == NULL);
+        free(out);
+        free(err);
+    }
+    /* A password file that is not there is named too. */
+    snprintf(wrong, sizeof wrong, "%s/missing.password", run_dir);
+    rc = cli_run(bad_router, &out, &err);
+    ASSERT_EQ(2, rc);
+    ASSERT_TRUE(strstr(err, wrong) != NULL);
+    free(out);
+    free(err);
     /* Without keys llm refuses, naming the options. */
     const char *nokeys[] = {LLM_BINARY_DIR "/router/llm", "--router", endpoint, "health", NULL};
     rc = cli_run(nokeys, &out, &err);
