@@ -215,7 +215,7 @@ static enum MHD_Result send_error(gateway *g, struct MHD_Connection *conn, const
 
 /* The router's refusal (llm_client_generate < 0, or a request that ended in
  * ERROR before its first token) as an OpenAI error. */
-static void error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg) {
+static void error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg, uint32_t retry_after_ms) {
     switch (code) {
     case LLM__ERROR__CODE__INVALID_ARGUMENT:
         oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "%s", msg);
@@ -224,22 +224,21 @@ static void error_from_router(struct oai_error *e, Llm__Error__Code code, const 
         oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found", "%s", msg);
         break;
     case LLM__ERROR__CODE__RESOURCE_EXHAUSTED:
-        /* Two refusals share this code: a full queue (retry later) and a
-         * request that can never fit the KV cache (retrying cannot help).
-         * libllmclient does not pass retry_after_ms on, so the router's
-         * text tells them apart. */
-        if (strstr(msg, "do not fit")) {
+        /* Two refusals share this code: a full queue, with the router's
+         * retry_after_ms, and a request that can never fit the KV cache,
+         * without (retrying cannot help). */
+        if (retry_after_ms == 0) {
             oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", msg);
         } else {
             oai_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded", "%s", msg);
-            e->retry_after_s = 1;
+            e->retry_after_s = (int)((retry_after_ms + 999) / 1000);
         }
         break;
     case LLM__ERROR__CODE__FAILED_PRECONDITION:
     case LLM__ERROR__CODE__UNAVAILABLE:
     case LLM__ERROR__CODE__ABORTED:
         oai_error_set(e, 503, "server_error", NULL, "service_unavailable", "%s", msg);
-        e->retry_after_s = 1;
+        e->retry_after_s = retry_after_ms > 0 ? (int)((retry_after_ms + 999) / 1000) : 1;
         break;
     case LLM__ERROR__CODE__OK: /* the client's own failure: no router answered */
         oai_error_set(e, 503, "server_error", NULL, "router_unavailable", "the cluster's router cannot be reached: %s",
@@ -276,8 +275,11 @@ struct job {
     bool started, done, cancel, role_sent;
     int rc;
     Llm__Error__Code code;
+    uint32_t retry_after_ms;        /* of the router's refusal */
     char errstr[512];
     struct llm_generate_result res;
+    cJSON *lp;                      /* not streaming, logprobs asked: the choice's logprobs so far */
+    size_t lp_chars;                /* characters of the text the tokens so far make (text_offset) */
 };
 
 static void job_release(struct job *j) {
@@ -290,6 +292,7 @@ static void job_release(struct job *j) {
     free(j->out.p);
     free(j->text.p);
     llm_generate_result_free(&j->res);
+    cJSON_Delete(j->lp);
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);
@@ -322,8 +325,103 @@ static cJSON *usage_json(const struct llm_generate_result *r) {
     return u;
 }
 
+/* ---- logprobs --------------------------------------------------------------
+ * A token's text is its bytes (TokenLogprob.text): whole UTF-8 for most, part
+ * of a character for some.  JSON strings must be whole UTF-8, so such a
+ * token's string is "bytes:\xNN..." (OpenAI's form) while "bytes" (chat)
+ * always has the real bytes. */
+
+static bool utf8_whole(const unsigned char *s, size_t n) {
+    for (size_t i = 0; i < n;) {
+        unsigned char c = s[i];
+        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+        if (l == 0 || i + l > n || (l == 2 && c < 0xc2)) return false;
+        for (size_t k = 1; k < l; k++)
+            if ((s[i + k] & 0xc0) != 0x80) return false;
+        i += l;
+    }
+    return true;
+}
+
+static cJSON *token_string(const char *text, size_t len) {
+    char stack[256], *b = len * 4 + 8 <= sizeof stack ? stack : malloc(len * 4 + 8);
+    if (!b) return cJSON_CreateString("");
+    if (utf8_whole((const unsigned char *)text, len)) {
+        memcpy(b, text, len);
+        b[len] = 0;
+    } else {
+        size_t n = (size_t)sprintf(b, "bytes:");
+        for (size_t i = 0; i < len; i++) n += (size_t)sprintf(b + n, "\\x%02x", (unsigned char)text[i]);
+    }
+    cJSON *s = cJSON_CreateString(b);
+    if (b != stack) free(b);
+    return s;
+}
+
+static cJSON *token_bytes(const char *text, size_t len) {
+    cJSON *a = cJSON_CreateArray();
+    for (size_t i = 0; i < len; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber((unsigned char)text[i]));
+    return a;
+}
+
+/* An empty logprobs object of the request's kind: chat's {"content": []},
+ * the legacy completion's four parallel arrays. */
+static cJSON *lp_object(const struct job *j) {
+    cJSON *o = cJSON_CreateObject();
+    if (j->req.kind == OAI_CHAT) {
+        cJSON_AddArrayToObject(o, "content");
+    } else {
+        cJSON_AddArrayToObject(o, "tokens");
+        cJSON_AddArrayToObject(o, "token_logprobs");
+        cJSON_AddArrayToObject(o, "top_logprobs");
+        cJSON_AddArrayToObject(o, "text_offset");
+    }
+    return o;
+}
+
+/* Appends a chunk's tokens to a logprobs object; *chars counts the
+ * characters of the text so far (the legacy text_offset). */
+static void lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, size_t *chars) {
+    for (size_t i = 0; i < ch->n_logprobs; i++) {
+        const struct llm_token_logprob *l = &ch->logprobs[i];
+        if (j->req.kind == OAI_CHAT) {
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddItemToObject(t, "token", token_string(l->text, l->text_len));
+            cJSON_AddNumberToObject(t, "logprob", l->logprob);
+            cJSON_AddItemToObject(t, "bytes", token_bytes(l->text, l->text_len));
+            cJSON *tops = cJSON_AddArrayToObject(t, "top_logprobs");
+            for (size_t k = 0; k < l->n_top; k++) {
+                cJSON *a = cJSON_CreateObject();
+                cJSON_AddItemToObject(a, "token", token_string(l->top[k].text, l->top[k].text_len));
+                cJSON_AddNumberToObject(a, "logprob", l->top[k].logprob);
+                cJSON_AddItemToObject(a, "bytes", token_bytes(l->top[k].text, l->top[k].text_len));
+                cJSON_AddItemToArray(tops, a);
+            }
+            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "content"), t);
+        } else {
+            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "tokens"), token_string(l->text, l->text_len));
+            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "token_logprobs"), cJSON_CreateNumber(l->logprob));
+            cJSON *d = cJSON_CreateObject();
+            for (size_t k = 0; k < l->n_top; k++) {
+                cJSON *key = token_string(l->top[k].text, l->top[k].text_len);
+                /* Two alternatives with one text (a token and its byte
+                 * form) keep the likelier, which comes first. */
+                if (!cJSON_GetObjectItemCaseSensitive(d, key->valuestring))
+                    cJSON_AddNumberToObject(d, key->valuestring, l->top[k].logprob);
+                cJSON_Delete(key);
+            }
+            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "top_logprobs"), d);
+            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "text_offset"), cJSON_CreateNumber((double)*chars));
+        }
+        /* Characters, counted as their first bytes. */
+        for (size_t b = 0; b < l->text_len; b++)
+            if (((unsigned char)l->text[b] & 0xc0) != 0x80) (*chars)++;
+    }
+}
+
 /* One choice of a streamed chunk: text (NULL: none) and finish (NULL: null). */
-static cJSON *stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role) {
+static cJSON *stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role,
+                            cJSON *lp) {
     cJSON *c = cJSON_CreateObject();
     cJSON_AddNumberToObject(c, "index", 0);
     char *t = NULL;
@@ -342,7 +440,8 @@ static cJSON *stream_choice(const struct job *j, const char *text, size_t len, c
         cJSON_AddStringToObject(c, "text", t ? t : "");
     }
     free(t);
-    cJSON_AddNullToObject(c, "logprobs");
+    if (lp) cJSON_AddItemToObject(c, "logprobs", lp);
+    else cJSON_AddNullToObject(c, "logprobs");
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     return c;
@@ -359,12 +458,13 @@ static void sse_event(struct job *j, cJSON *o) {
     free(s);
 }
 
-static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish) {
+/* lp (consumed; NULL: none) is the chunk's logprobs object. */
+static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
     bool role = j->req.kind == OAI_CHAT && !j->role_sent;
     j->role_sent = true;
     cJSON *o = job_object(j, true);
     cJSON *cs = cJSON_AddArrayToObject(o, "choices");
-    cJSON_AddItemToArray(cs, stream_choice(j, role && text && !len ? NULL : text, len, finish, role));
+    cJSON_AddItemToArray(cs, stream_choice(j, role && text && !len ? NULL : text, len, finish, role, lp));
     if (j->req.include_usage) cJSON_AddNullToObject(o, "usage");
     sse_event(j, o);
 }
@@ -377,9 +477,18 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
         return 1;
     }
     if (j->req.stream) {
-        if (ch->text_len > 0 || !j->role_sent) sse_chunk(j, ch->text, ch->text_len, NULL);
+        cJSON *lp = NULL;
+        if (ch->n_logprobs > 0) {
+            lp = lp_object(j);
+            lp_append(j, lp, ch, &j->lp_chars);
+        }
+        if (ch->text_len > 0 || !j->role_sent || lp) sse_chunk(j, ch->text, ch->text_len, NULL, lp);
     } else {
         buf_add(&j->text, ch->text, ch->text_len);
+        if (ch->n_logprobs > 0) {
+            if (!j->lp) j->lp = lp_object(j);
+            lp_append(j, j->lp, ch, &j->lp_chars);
+        }
     }
     if (!j->started && j->g->ttft) metrics_histogram_observe(j->g->ttft, (double)(now_ms() - j->t0_ms) / 1000.0);
     j->started = true;
@@ -393,7 +502,8 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
 static void sse_finish(struct job *j) {
     if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
         struct oai_error e;
-        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message);
+        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
+                          j->rc < 0 ? j->retry_after_ms : 0);
         char *s = oai_error_json(&e);
         if (s) {
             buf_add(&j->out, "data: ", 6);
@@ -402,7 +512,7 @@ static void sse_finish(struct job *j) {
             free(s);
         }
     } else {
-        sse_chunk(j, NULL, 0, finish_name(j->res.finish_reason));
+        sse_chunk(j, NULL, 0, finish_name(j->res.finish_reason), NULL);
         if (j->req.include_usage) {
             cJSON *o = job_object(j, true);
             cJSON_AddArrayToObject(o, "choices");
@@ -421,6 +531,7 @@ static void *job_thread(void *arg) {
     llm_client *c = pool_get(g, err, sizeof err);
     int rc;
     Llm__Error__Code code = LLM__ERROR__CODE__OK;
+    uint32_t retry_after_ms = 0;
     struct llm_generate_result res;
     memset(&res, 0, sizeof res);
     if (!c) {
@@ -449,6 +560,7 @@ static void *job_thread(void *arg) {
         rc = llm_client_generate(c, &p, job_on_chunk, j, &res);
         if (rc < 0) {
             code = llm_client_error_code(c);
+            retry_after_ms = llm_client_retry_after_ms(c);
             snprintf(err, sizeof err, "%s", llm_client_errstr(c));
         }
         pool_put(g, c, rc >= 0 || code != LLM__ERROR__CODE__OK);
@@ -456,6 +568,7 @@ static void *job_thread(void *arg) {
     pthread_mutex_lock(&j->mu);
     j->rc = rc;
     j->code = code;
+    j->retry_after_ms = retry_after_ms;
     snprintf(j->errstr, sizeof j->errstr, "%s", err);
     j->res = res;
     if (j->req.stream && j->started) sse_finish(j);
@@ -631,10 +744,9 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
     j->fd = -1;
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci) j->fd = ci->connect_fd;
-    if (j->req.sp.logprobs || j->req.sp.top_logprobs > 0) {
-        oai_error_set(&e, 400, "invalid_request_error", j->req.sp.top_logprobs > 0 && kind == OAI_CHAT ? "top_logprobs" : "logprobs",
-                      NULL, "logprobs are not available through this gateway yet: libllmclient does not pass the "
-                      "router's log-probabilities on to its callers");
+    if (kind == OAI_CHAT && j->req.sp.top_logprobs > 0 && !j->req.sp.logprobs) {
+        oai_error_set(&e, 400, "invalid_request_error", "top_logprobs", NULL,
+                      "top_logprobs = %d needs logprobs: true", (int)j->req.sp.top_logprobs);
         job_release(j);
         return send_error(g, conn, &e, NULL);
     }
@@ -696,14 +808,16 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
     }
     /* Refused before any token: an error response with its status. */
     if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
-        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message);
+        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
+                          j->rc < 0 ? j->retry_after_ms : 0);
         pthread_mutex_unlock(&j->mu);
         job_release(j);
         return send_error(g, conn, &e, NULL);
     }
     if (!j->req.stream) {
         if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-            error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message);
+            error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
+                          j->rc < 0 ? j->retry_after_ms : 0);
             pthread_mutex_unlock(&j->mu);
             job_release(j);
             return send_error(g, conn, &e, NULL);
@@ -719,7 +833,12 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
         } else {
             cJSON_AddStringToObject(c, "text", j->text.p ? j->text.p : "");
         }
-        cJSON_AddNullToObject(c, "logprobs");
+        if (j->req.sp.logprobs) {
+            cJSON_AddItemToObject(c, "logprobs", j->lp ? j->lp : lp_object(j));
+            j->lp = NULL;
+        } else {
+            cJSON_AddNullToObject(c, "logprobs");
+        }
         cJSON_AddStringToObject(c, "finish_reason", finish_name(j->res.finish_reason));
         cJSON_AddItemToArray(cs, c);
         cJSON_AddItemToObject(o, "usage", usage_json(&j->res));
@@ -755,7 +874,7 @@ static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
     int rc = c ? llm_client_models(c, &rep) : STATUS_UNAVAILABLE;
     if (rc < 0) {
         Llm__Error__Code code = c ? llm_client_error_code(c) : LLM__ERROR__CODE__OK;
-        error_from_router(&e, code, c ? llm_client_errstr(c) : err);
+        error_from_router(&e, code, c ? llm_client_errstr(c) : err, c ? llm_client_retry_after_ms(c) : 0);
         pool_put(g, c, c && code != LLM__ERROR__CODE__OK);
         return send_error(g, conn, &e, NULL);
     }

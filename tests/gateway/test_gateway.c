@@ -325,7 +325,7 @@ TEST(bad_requests) {
         {"{\"prompt\":\"a\",\"stop\":\"\"}", "stop", "empty"},
         {"{\"prompt\":\"a\",\"top_p\":-0.1}", "top_p", "outside"},
         {"{\"prompt\":\"a\",\"presence_penalty\":3}", "presence_penalty", "outside [-2, 2]"},
-        {"{\"prompt\":\"a\",\"logprobs\":2}", "logprobs", "logprobs"},
+        {"{\"prompt\":\"a\",\"logprobs\":6}", "logprobs", "outside"},
         {"{\"prompt\":[\"a\",\"b\"]}", "prompt", "one prompt"},
         {"{\"max_tokens\":3}", "prompt", "prompt is required"},
         {"{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options", "stream is true"},
@@ -378,6 +378,65 @@ TEST(bad_requests) {
     H_ASSERT(cl_, r.status == 400 || r.status == 413, "long prompt: status %d: %s", r.status, r.body);
     resp_free(&r);
     free(big);
+}
+
+/* Logprobs carry token text: the legacy object's tokens and chat's
+ * content[].bytes make the output text; top_logprobs on chat needs
+ * logprobs. */
+TEST(logprobs_with_text) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"prompt\":\"" PROMPT "\",\"max_tokens\":24,\"temperature\":0,\"logprobs\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r.json, "choices"), 0);
+    const cJSON *lp = cJSON_GetObjectItemCaseSensitive(c, "logprobs");
+    const cJSON *toks = cJSON_GetObjectItemCaseSensitive(lp, "tokens");
+    const cJSON *tlp = cJSON_GetObjectItemCaseSensitive(lp, "token_logprobs");
+    const cJSON *top = cJSON_GetObjectItemCaseSensitive(lp, "top_logprobs");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(lp, "text_offset");
+    H_ASSERT(cl_, cJSON_GetArraySize(toks) == 24 && cJSON_GetArraySize(tlp) == 24 && cJSON_GetArraySize(top) == 24 &&
+                      cJSON_GetArraySize(off) == 24, "logprobs arrays: %s", r.body);
+    char joined[4096] = "";
+    for (int i = 0; i < 24; i++) {
+        ASSERT_EQ((int)strlen(joined), cJSON_GetArrayItem(off, i)->valueint); /* ASCII text */
+        strncat(joined, cJSON_GetArrayItem(toks, i)->valuestring, sizeof joined - strlen(joined) - 1);
+        ASSERT_TRUE(cJSON_GetArrayItem(tlp, i)->valuedouble <= 0);
+        const cJSON *d = cJSON_GetArrayItem(top, i);
+        ASSERT_TRUE(cJSON_GetArraySize(d) >= 1 && cJSON_GetArraySize(d) <= 2);
+        /* Greedy: the chosen token is the likeliest alternative. */
+        const cJSON *mine = cJSON_GetObjectItemCaseSensitive(d, cJSON_GetArrayItem(toks, i)->valuestring);
+        H_ASSERT(cl_, cJSON_IsNumber(mine), "token %d's text is not among its alternatives: %s", i, r.body);
+    }
+    H_ASSERT(cl_, strcmp(joined, ref_.text) == 0, "tokens make \"%s\", the text is \"%s\"", joined, ref_.text);
+    resp_free(&r);
+
+    post(cl_, &gw_open, "/v1/chat/completions", NULL,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":8,\"temperature\":0,"
+         "\"logprobs\":true,\"top_logprobs\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "chat: status %d: %s", r.status, r.body);
+    c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r.json, "choices"), 0);
+    const cJSON *content = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "logprobs"), "content");
+    const char *msg = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "message"), "content")->valuestring;
+    H_ASSERT(cl_, cJSON_GetArraySize(content) >= 1, "chat logprobs.content: %s", r.body);
+    size_t jl = 0;
+    const cJSON *t;
+    cJSON_ArrayForEach(t, content) {
+        ASSERT_TRUE(cJSON_IsString(cJSON_GetObjectItemCaseSensitive(t, "token")));
+        ASSERT_EQ(2, cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(t, "top_logprobs")));
+        const cJSON *b;
+        cJSON_ArrayForEach(b, cJSON_GetObjectItemCaseSensitive(t, "bytes")) {
+            if (jl + 1 < sizeof joined) joined[jl++] = (char)b->valueint;
+        }
+    }
+    joined[jl] = 0;
+    H_ASSERT(cl_, strcmp(joined, msg) == 0, "chat tokens' bytes make \"%s\", the content is \"%s\"", joined, msg);
+    resp_free(&r);
+
+    post(cl_, &gw_open, "/v1/chat/completions", NULL,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"top_logprobs\":2}", &r);
+    expect_error(cl_, &r, 400, "top_logprobs", "logprobs: true", "top_logprobs without logprobs");
+    resp_free(&r);
 }
 
 /* Bodies beyond --max-body (64K here) are refused: with Content-Length
@@ -574,5 +633,6 @@ TEST(teardown) {
     cl_ = NULL;
 }
 
-TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, huge_body,
+TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
+          huge_body,
           disconnect_cancels, router_unreachable, metrics_port, models, openai_node, teardown)

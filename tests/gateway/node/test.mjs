@@ -99,6 +99,40 @@ check(role === 'assistant', `streamed chat role ${role}`);
 check(content === cc.choices[0].message.content, `streamed chat ${JSON.stringify(content)} == non-streamed`);
 check(chatUsage && chatUsage.completion_tokens === cc.usage.completion_tokens, `streamed chat usage ${JSON.stringify(chatUsage)}`);
 
+// Logprobs with token text: the tokens together are the output text.
+const lc = await client.completions.create({ model, prompt, max_tokens: maxTokens, temperature: 0, logprobs: 2 });
+const lpc = lc.choices[0].logprobs;
+check(lpc && lpc.tokens.length === maxTokens && lpc.token_logprobs.length === maxTokens &&
+      lpc.top_logprobs.length === maxTokens && lpc.text_offset.length === maxTokens,
+      `completion logprobs have ${maxTokens} entries: ${JSON.stringify(lpc).slice(0, 200)}`);
+check(lpc && lpc.tokens.join('') === lc.choices[0].text, `completion tokens ${JSON.stringify(lpc && lpc.tokens)} make the text`);
+check(lpc && lpc.token_logprobs.every((x) => x <= 0) && lpc.top_logprobs.every((d) => Object.keys(d).length >= 1),
+      'completion logprobs are <= 0, with alternatives');
+check(lpc && lpc.text_offset[0] === 0 && lpc.text_offset.every((o, i) => i === 0 || o >= lpc.text_offset[i - 1]),
+      `completion text_offset ${JSON.stringify(lpc && lpc.text_offset)}`);
+const lcc = await chatClient.chat.completions.create({
+  model, messages, max_tokens: 12, temperature: 0, logprobs: true, top_logprobs: 3,
+});
+const lpcc = lcc.choices[0].logprobs;
+check(lpcc && Array.isArray(lpcc.content) && lpcc.content.length === lcc.usage.completion_tokens,
+      `chat logprobs.content has one entry per token: ${JSON.stringify(lpcc).slice(0, 200)}`);
+const chatBytes = lpcc ? Buffer.from(lpcc.content.flatMap((t) => t.bytes)).toString('utf8') : null;
+check(chatBytes === lcc.choices[0].message.content, `chat tokens' bytes ${JSON.stringify(chatBytes)} make the content`);
+check(lpcc && lpcc.content.every((t) => t.top_logprobs.length === 3 && typeof t.token === 'string' && t.logprob <= 0),
+      'chat tokens have 3 alternatives each');
+const ls = await client.completions.create({
+  model, prompt, max_tokens: maxTokens, temperature: 0, logprobs: 1, stream: true,
+});
+let lsText = '';
+let lsTokens = '';
+for await (const chunk of ls) {
+  for (const ch of chunk.choices) {
+    lsText += ch.text;
+    if (ch.logprobs) lsTokens += ch.logprobs.tokens.join('');
+  }
+}
+check(lsText === expectText && lsTokens === lsText, `streamed logprobs tokens ${JSON.stringify(lsTokens)} make the text`);
+
 // A refused parameter comes back as an APIError naming it.
 try {
   await client.completions.create({ model, prompt, max_tokens: 4, n: 2 });
