@@ -185,7 +185,7 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
     const char *argv[] = {"EVAL", reqstore_create_lua, "3", hkey, rs->stream, rs->consumer, r->id,
                           "params", (const char *)r->params, "prompt", (const char *)prompt,
                           "seed", seed, "created_ms", created, "deadline_ms", deadline,
-                          "state", "queued"};
+                          "state", "queued", "owner", r->owner};
     size_t lens[sizeof argv / sizeof argv[0]];
     for (size_t i = 0; i < sizeof argv / sizeof argv[0]; i++)
         lens[i] = i == 8 ? r->params_len : i == 10 ? (size_t)r->n_prompt * 4 : strlen(argv[i]);
@@ -202,6 +202,30 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
     freeReplyObject(rep);
     r->state = REQREC_QUEUED;
     return STATUS_OK;
+}
+
+int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size) {
+    char hkey[256], gkey[256];
+    reqstore_keys(rs, id, hkey, gkey, sizeof hkey);
+    owner[0] = '\0';
+    /* One round trip for both: whether the request is known, and its owner. */
+    const char *argv[] = {"HMGET", hkey, "state", "owner"};
+    redisReply *rep = NULL;
+    int rc = rconn_command_argv(rs->c, &rep, 4, argv, NULL);
+    if (rc < 0) return reqstore_fail(rs, rc);
+    rc = STATUS_OK;
+    if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2) {
+        snprintf(rs->errstr, sizeof rs->errstr, "redis %s: HMGET state owner: unexpected reply", hkey);
+        rc = STATUS_PROTOCOL;
+    } else if (rep->element[0]->type != REDIS_REPLY_STRING) {
+        snprintf(rs->errstr, sizeof rs->errstr, "redis %s: no such request", hkey);
+        rc = STATUS_NOT_FOUND;
+    } else if (rep->element[1]->type == REDIS_REPLY_STRING && rep->element[1]->len < size) {
+        memcpy(owner, rep->element[1]->str, rep->element[1]->len);
+        owner[rep->element[1]->len] = '\0';
+    }
+    freeReplyObject(rep);
+    return rc;
 }
 
 static const char reqstore_append_lua[] =
@@ -378,6 +402,8 @@ int reqstore_load(reqstore *rs, const char *id, struct reqrec *r) {
     if ((rc = reqstore_int(rs, hkey, &f, "created_ms", &r->created_ms, 1)) < 0) goto fail;
     if ((rc = reqstore_int(rs, hkey, &f, "deadline_ms", &r->deadline_ms, 1)) < 0) goto fail;
     if (entry && entry->len < RCONN_ID_MAX) memcpy(r->entry, entry->val, entry->len + 1);
+    const struct rconn_field *owner = reqstore_field(&f, "owner");
+    if (owner && owner->len < sizeof r->owner) memcpy(r->owner, owner->val, owner->len + 1);
     if (r->state == REQREC_DONE) {
         v = 0;
         if ((rc = reqstore_int(rs, hkey, &f, "finish", &v, 1)) < 0) goto fail;

@@ -10,7 +10,8 @@
  *                        (XPENDING) until the request finishes (XACK + XDEL)
  *   <p>req:<id>          hash: params (the canonical GenerateRequest bytes),
  *                        prompt (int32 little-endian), seed, created_ms,
- *                        deadline_ms, state ("queued" | "done"), entry, and
+ *                        deadline_ms, state ("queued" | "done"), entry, owner
+ *                        (the creating client's public key, "" without keys), and
  *                        when done finish, stop_token, stop_string,
  *                        error_code, error_message
  *   <p>req:<id>:gen      string: the generated tokens, int32 little-endian,
@@ -52,6 +53,10 @@ struct reqrec {
     int64_t created_ms, deadline_ms; /* Unix ms; deadline 0 = none */
     enum reqrec_state state;
     char entry[RCONN_ID_MAX];        /* stream entry id, "" if not known */
+    /* The CURVE public key (Z85) of the client that created it, "" when
+     * the router had no keys: only that client may cancel or re-attach
+     * (docs/security.md, "Request ownership"). */
+    char owner[48];
     /* When done: */
     int32_t finish;                  /* Llm__GenerateDone__FinishReason */
     int32_t stop_token;
@@ -115,6 +120,11 @@ int reqstore_check(reqstore *rs);
 /* How often the consumer group was made again after NOGROUP (create and
  * recover do it by themselves); the router notices Redis lost its data. */
 uint64_t reqstore_groups_recreated(const reqstore *rs);
+
+/* The owner field of request id's record into owner (size bytes): ""
+ * when the record names none (made by a router without keys).
+ * STATUS_NOT_FOUND when Redis does not know the id. */
+int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size);
 
 /* Little-endian int32 encoding of token ids (the stored format). */
 void reqstore_tokens_encode(const int32_t *ids, int32_t n, uint8_t *out);

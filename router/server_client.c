@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "router/server_metrics.h"
 
 /* The request as stored: the client's body without the fields that may
  * differ between a request and its re-sends.  seed_zero: as if the client
@@ -85,8 +86,41 @@ static void send_accepted(server *s, struct req *q, uint64_t tag, bool reattache
     server_send_client(s, q->ident, q->ident_len, &env);
 }
 
+/* Request ownership (docs/security.md): on a router with keys, a request
+ * is cancelled or re-attached to only by the client whose key created it.
+ * The key is in the request's Redis record, which a restarted router reads
+ * too.  Any other key hears what it would for an id nobody used, so that
+ * it learns nothing of other clients' requests; the refusal is counted
+ * (llm_refused_request_access_total) and logged, the first ten and then
+ * every thousandth.  A record without an owner (made by a router without
+ * keys) is anyone's, as it was.  Returns true when the frame was answered
+ * with a refusal. */
+static bool not_owner(server *s, const char *id, const uint8_t *ident, size_t ident_len, uint64_t tag,
+                      bool cancel) {
+    if (!s->zap || !s->peer_key[0]) return false;
+    char owner[64] = "", msg[384];
+    int rc = s->rs ? reqstore_owner(s->rs, id, owner, sizeof owner) : STATUS_UNAVAILABLE;
+    if (rc == STATUS_NOT_FOUND || (rc == 0 && (!owner[0] || strcmp(owner, s->peer_key) == 0))) return false;
+    if (rc < 0) {
+        snprintf(msg, sizeof msg, "the router cannot reach Redis to check which client created request "
+                 "\"%.128s\"", id);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, id, msg,
+                                 SERVER_RETRY_AFTER_MS);
+        return true;
+    }
+    static uint64_t refused;
+    server_metrics_request_refused(s->cfg.metrics, cancel);
+    if (++refused <= 10 || refused % 1000 == 0)
+        LOG(LL_WARN, "security: %s of request %.128s from key %.40s refused: another client's key created "
+            "it (%llu refused)", cancel ? "cancel" : "re-attach", id, s->peer_key, (unsigned long long)refused);
+    snprintf(msg, sizeof msg, "no request with id \"%.128s\"", id);
+    server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, id, msg, 0);
+    return true;
+}
+
 static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, const uint8_t *ident,
                      size_t ident_len, uint64_t tag) {
+    if (not_owner(s, q->id, ident, ident_len, tag, false)) return;
     bool same = false;
     if (same_request(q, g, &same) < 0) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, g->request_id, "out of memory", 0);
@@ -297,6 +331,7 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     /* Durable, then acknowledged. */
     memset(&r, 0, sizeof r);
     snprintf(r.id, sizeof r.id, "%s", rid);
+    snprintf(r.owner, sizeof r.owner, "%s", s->zap ? s->peer_key : "");
     if (canonical_params(g, &r.params, &r.params_len) < 0) {
         free(prompt);
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, "router out of memory", 0);
@@ -364,6 +399,7 @@ static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, msg, 0);
         return;
     }
+    if (not_owner(s, q->id, ident, ident_len, tag, true)) return;
     if (q->state == REQ_DONE) {
         req_send_done(s, q, ident, ident_len);
         return;

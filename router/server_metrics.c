@@ -32,6 +32,10 @@ struct server_metrics {
     metrics_series *prefix_hits, *prefix_misses, *prefix_blocks;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
+    metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
+    metrics_series *worker_refused[3]; /* register, heartbeat, result */
+    metrics_series *access_refused[2]; /* cancel, reattach */
+    uint64_t hs_mark[2];               /* the ZAP handler's totals when last added */
     /* The loop's running totals when last added to the counters.  The
      * preemption total is a sum over the live pipelines' schedulers, so it
      * can drop when a pipeline leaves: only rises are added. */
@@ -44,6 +48,44 @@ struct server_metrics {
 };
 
 static const char *const finish_label[] = {"finished_reason", NULL};
+static const char *const domain_label[] = {"domain", NULL};
+static const char *const message_label[] = {"message", NULL};
+static const char *const operation_label[] = {"operation", NULL};
+static const char *const hs_domains[] = {"clients", "workers"};
+static const char *const worker_messages[] = {"register", "heartbeat", "result"};
+static const char *const operations[] = {"cancel", "reattach"};
+
+/* The refusals (docs/security.md), every label value present from the
+ * start so that each reads 0 before its first. */
+static int refusal_families(server_metrics *sm, char *err, size_t errlen) {
+    static const struct metrics_def defs[] = {
+        {.type = METRICS_COUNTER, .name = "llm_refused_handshakes_total",
+         .help = "CURVE handshakes refused: a key not in the socket's allowlist.", .labels = domain_label},
+        {.type = METRICS_COUNTER, .name = "llm_refused_worker_messages_total",
+         .help = "Worker messages naming a live worker id from a key other than the one that registered it.",
+         .labels = message_label},
+        {.type = METRICS_COUNTER, .name = "llm_refused_request_access_total",
+         .help = "Cancels and re-attaches refused: another client's key created the request.",
+         .labels = operation_label},
+    };
+    metrics_family *f[3];
+    for (int i = 0; i < 3; i++) {
+        int rc = metrics_family_new(sm->reg, &defs[i], &f[i], err, errlen);
+        if (rc < 0) return rc == STATUS_NO_MEMORY ? rc : STATUS_INTERNAL;
+    }
+    bool ok = true;
+    for (int i = 0; i < 2; i++) {
+        ok &= (sm->hs_refused[i] = metrics_series_get(f[0], (const char *[]){hs_domains[i]})) != NULL;
+        ok &= (sm->access_refused[i] = metrics_series_get(f[2], (const char *[]){operations[i]})) != NULL;
+    }
+    for (int i = 0; i < 3; i++)
+        ok &= (sm->worker_refused[i] = metrics_series_get(f[1], (const char *[]){worker_messages[i]})) != NULL;
+    if (!ok) {
+        snprintf(err, errlen, "router metrics: out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    return STATUS_OK;
+}
 
 #define DEF(t, n, h) {.type = (t), .name = (n), .help = (h)}
 #define HIST(n, h, b) \
@@ -120,6 +162,11 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
         snprintf(err, errlen, "router metrics: out of memory");
         return STATUS_NO_MEMORY;
     }
+    int rrc = refusal_families(sm, err, errlen);
+    if (rrc < 0) {
+        server_metrics_free(sm);
+        return rrc;
+    }
     *out = sm;
     return STATUS_OK;
 }
@@ -184,6 +231,11 @@ void server_metrics_tick(server *s) {
     if (misses > sm->miss_mark) metrics_counter_add(sm->prefix_misses, (double)(misses - sm->miss_mark));
     sm->hit_mark = hits;
     sm->miss_mark = misses;
+    for (int i = 0; i < 2 && s->zap; i++) {
+        uint64_t n = zio_zap_refused(s->zap, hs_domains[i]);
+        if (n > sm->hs_mark[i]) metrics_counter_add(sm->hs_refused[i], (double)(n - sm->hs_mark[i]));
+        sm->hs_mark[i] = n;
+    }
 
     char why[256] = "";
     if (!s->rs) {
@@ -222,4 +274,13 @@ void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created
     if (!sm) return;
     if (finish >= 1 && finish < FINISH_N) metrics_counter_inc(sm->finished[finish]);
     metrics_histogram_observe(sm->e2e, since_s(created_ms, done_ms));
+}
+
+void server_metrics_request_refused(server_metrics *sm, bool cancel) {
+    if (sm) metrics_counter_inc(sm->access_refused[cancel ? 0 : 1]);
+}
+
+void server_metrics_worker_refused(server_metrics *sm, enum server_refused_worker what) {
+    if (sm && what >= SERVER_REFUSED_REGISTER && what <= SERVER_REFUSED_RESULT)
+        metrics_counter_inc(sm->worker_refused[what]);
 }

@@ -9,6 +9,7 @@
 #ifndef ROUTER_SERVER_METRICS_H
 #define ROUTER_SERVER_METRICS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -40,5 +41,12 @@ void server_metrics_token_gap(server_metrics *sm, double seconds);
 void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms);
 /* A request finished with a GenerateDone finish reason. */
 void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created_ms, int64_t done_ms);
+/* Refusals (docs/security.md): a Cancel (cancel true) or a re-attaching
+ * Generate from a key other than the request's creator; a worker message
+ * naming a live worker id from a key other than its owner's.  The refused
+ * CURVE handshakes come from the ZAP handler's counters in the tick. */
+void server_metrics_request_refused(server_metrics *sm, bool cancel);
+enum server_refused_worker { SERVER_REFUSED_REGISTER, SERVER_REFUSED_HEARTBEAT, SERVER_REFUSED_RESULT };
+void server_metrics_worker_refused(server_metrics *sm, enum server_refused_worker what);
 
 #endif

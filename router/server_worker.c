@@ -13,6 +13,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "router/server_metrics.h"
 
 /* A live worker's id belongs to the key it registered from: another key
  * naming it is refused, so that no admitted peer can take over a running
@@ -21,6 +22,7 @@ static bool key_owns_id(server *s, const char *worker_id, char *err, size_t errl
     struct worker *w = registry_worker_find(s->reg, worker_id);
     if (!w || w->state == WORKER_LOST || strcmp(w->key, s->peer_key) == 0) return true;
     s->workers_refused++;
+    server_metrics_worker_refused(s->cfg.metrics, SERVER_REFUSED_REGISTER);
     snprintf(err, errlen, "worker %.128s is registered from another key (%.8s...) and alive: "
              "refused from key %.8s... (%llu refused so far)", worker_id, w->key,
              s->peer_key[0] ? s->peer_key : "(none)", (unsigned long long)s->workers_refused);
@@ -102,6 +104,7 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
         /* Not its owner: it must not keep the worker alive or move its
          * connection.  The refusal goes to the sender only. */
         s->workers_refused++;
+        server_metrics_worker_refused(s->cfg.metrics, SERVER_REFUSED_HEARTBEAT);
         char msg[256];
         snprintf(msg, sizeof msg, "heartbeat for worker %.128s from a key that did not register it",
                  m->worker_id);
@@ -146,7 +149,10 @@ static void on_result(server *s, const Llm__StepResult *m) {
      * worker's key. */
     struct worker *from = registry_worker_find(s->reg, m->worker_id);
     if (!from || strcmp(from->key, s->peer_key) != 0) {
-        if (from) s->workers_refused++;
+        if (from) {
+            s->workers_refused++;
+            server_metrics_worker_refused(s->cfg.metrics, SERVER_REFUSED_RESULT);
+        }
         s->stale_results++;
         return;
     }

@@ -145,6 +145,94 @@ TEST(cluster_security_admits_listed_keys_only) {
     h_cluster_stop(cl);
 }
 
+/* A client of the cluster with the key pair at key (NULL: the harness's
+ * client key, from the environment). */
+static llm_client *keyed_client(struct cluster *cl, const char *key) {
+    char router_key[400], err[512];
+    snprintf(router_key, sizeof router_key, "%s/router.pub", cl->keys);
+    const char *eps[1] = {cl->client_ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = cl->zctx;
+    cfg.retry_ms = 5000;
+    if (key) {
+        cfg.curve_key_file = key;
+        cfg.router_key_file = router_key;
+    }
+    llm_client *c = NULL;
+    H_ASSERT(cl, llm_client_open(&c, &cfg, err, sizeof err) == 0, "open: %s", err);
+    return c;
+}
+
+TEST(cluster_security_request_belongs_to_its_client) {
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 20, 1, &ref);
+    struct cluster *cl = h_cluster_start(model, 1, 1, "", "");
+    generate_ok(cl, &ref, "owned-by-a");
+    /* A second admitted client, bob; the router reads its allowlist at
+     * start, so it restarts, which also shows that the owner is kept with
+     * the request in Redis rather than only in the router's memory. */
+    char err[512], dir[400], bob[450];
+    struct keys_pair kp;
+    snprintf(dir, sizeof dir, "%s/clients", cl->keys);
+    if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(dir, "bob", &kp, err, sizeof err) < 0)
+        H_FAIL(cl, "bob's key: %s", err);
+    snprintf(bob, sizeof bob, "%s/bob.key", dir);
+    h_proc_kill(&cl->router, SIGTERM);
+    h_start_router(cl);
+    h_wait_ready(cl, 1, 1, 20000);
+
+    /* Bob can neither cancel nor re-attach to it: he hears what an unknown
+     * id gets. */
+    llm_client *b = keyed_client(cl, bob);
+    struct llm_generate_result res = {0};
+    ASSERT_EQ(STATUS_NOT_FOUND, llm_client_cancel(b, "never-used-id", &res));
+    char unknown[512];
+    snprintf(unknown, sizeof unknown, "%s", llm_client_errstr(b));
+    llm_generate_result_free(&res);
+    ASSERT_EQ(STATUS_NOT_FOUND, llm_client_cancel(b, "owned-by-a", &res));
+    printf("  bob cancels: %s\n  (an unknown id: %s)\n", llm_client_errstr(b), unknown);
+    H_ASSERT(cl, strstr(llm_client_errstr(b), "no request with id") != NULL, "bob's cancel: %s",
+             llm_client_errstr(b));
+    llm_generate_result_free(&res);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = "owned-by-a";
+    p.prompt = "Once upon a time";
+    p.max_tokens = 20;
+    int rc = llm_client_generate(b, &p, NULL, NULL, &res);
+    H_ASSERT(cl, rc == STATUS_NOT_FOUND, "bob's re-attach: %d (%s)", rc, llm_client_errstr(b));
+    ASSERT_EQ(0u, res.tokens_received);
+    llm_generate_result_free(&res);
+    llm_client_close(b);
+    H_ASSERT(cl, router_log_has(cl, "another client's key created it", 3000),
+             "the router did not log the refusals");
+
+    /* Its creator can: the re-attach replays the whole completion, and a
+     * cancel of the finished request answers with its real end. */
+    llm_client *a = keyed_client(cl, NULL);
+    ASSERT_OK(llm_client_generate(a, &p, NULL, NULL, &res));
+    ASSERT_TRUE(res.reattached);
+    ASSERT_EQ((uint32_t)ref.n, res.completion_tokens);
+    llm_generate_result_free(&res);
+    ASSERT_OK(llm_client_cancel(a, "owned-by-a", &res));
+    ASSERT_TRUE(res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH);
+    llm_generate_result_free(&res);
+    /* And a new request of bob's is his alone. */
+    b = keyed_client(cl, bob);
+    p.request_id = "owned-by-bob";
+    ASSERT_OK(llm_client_generate(b, &p, NULL, NULL, &res));
+    llm_generate_result_free(&res);
+    llm_client_close(b);
+    ASSERT_EQ(STATUS_NOT_FOUND, llm_client_cancel(a, "owned-by-bob", &res));
+    llm_generate_result_free(&res);
+    llm_client_close(a);
+    h_cluster_stop(cl);
+}
+
 /* VmHWM (peak resident set) of a process, in KiB; -1 when unreadable. */
 static long vm_hwm_kb(pid_t pid) {
     char path[64], line[256];
@@ -193,4 +281,5 @@ TEST(cluster_insecure_serves_and_bounds_frames) {
     munmap(big, size);
 }
 
-TEST_MAIN(cluster_security_admits_listed_keys_only, cluster_insecure_serves_and_bounds_frames)
+TEST_MAIN(cluster_security_admits_listed_keys_only, cluster_security_request_belongs_to_its_client,
+          cluster_insecure_serves_and_bounds_frames)
