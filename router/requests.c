@@ -346,7 +346,7 @@ static char *reqstore_strdup(const struct rconn_field *v) {
     return s;
 }
 
-int reqstore_load(reqstore *rs, const char *id, struct reqrec *r) {
+static int reqstore_load_hash(reqstore *rs, const char *id, struct reqrec *r) {
     memset(r, 0, sizeof *r);
     char hkey[256], gkey[256];
     reqstore_keys(rs, id, hkey, gkey, sizeof hkey);
@@ -453,6 +453,86 @@ struct reqstore_list {
     size_t n, cap;
 };
 
+/* Who holds a queued request's stream entry, and since when: with several
+ * routers on one Redis, a request another live router runs must not be
+ * started here too (its client re-attaching to this router after a broken
+ * connection would otherwise run it twice).  Returns 0 when this router may
+ * take it: the entry is its own, nobody's, or idle for claim_idle_ms (its
+ * holder is dead: the entry is claimed here at once); STATUS_UNAVAILABLE
+ * with errstr naming the holder otherwise.  Without --claim-idle-ms no
+ * router ever takes another's entries, so none is refused either. */
+static int reqstore_entry_guard(reqstore *rs, const char *id, const char *entry) {
+    if (rs->claim_idle_ms <= 0 || !entry[0]) return STATUS_OK;
+    const char *argv[] = {"XPENDING", rs->stream, REQSTORE_GROUP, entry, entry, "1"};
+    redisReply *r = NULL;
+    int rc = rconn_command_argv(rs->c, &r, 6, argv, NULL);
+    if (rc < 0) return reqstore_fail(rs, rc);
+    char holder[128] = "";
+    long long idle = 0;
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 1 && r->element[0]->type == REDIS_REPLY_ARRAY &&
+        r->element[0]->elements >= 3 && r->element[0]->element[1]->type == REDIS_REPLY_STRING) {
+        snprintf(holder, sizeof holder, "%s", r->element[0]->element[1]->str);
+        idle = r->element[0]->element[2]->integer;
+    }
+    freeReplyObject(r);
+    if (!holder[0] || strcmp(holder, rs->consumer) == 0) return STATUS_OK;
+    if (idle >= rs->claim_idle_ms) {
+        char min[32];
+        snprintf(min, sizeof min, "%" PRId64, rs->claim_idle_ms);
+        const char *cv[] = {"XCLAIM", rs->stream, REQSTORE_GROUP, rs->consumer, min, entry, "JUSTID"};
+        rc = rconn_command_argv(rs->c, &r, 7, cv, NULL);
+        if (rc < 0) return reqstore_fail(rs, rc);
+        bool got = r->type == REDIS_REPLY_ARRAY && r->elements == 1;
+        freeReplyObject(r);
+        if (got) {
+            LOG(LL_INFO, "request %s: taken over from router %s (silent for %lld ms)", id, holder, idle);
+            return STATUS_OK;
+        }
+    }
+    snprintf(rs->errstr, sizeof rs->errstr,
+             "request %.128s runs on router %.100s (heard from %lld ms ago); it moves to another router "
+             "once that one is silent for %" PRId64 " ms: retry",
+             id, holder, idle, rs->claim_idle_ms);
+    return STATUS_UNAVAILABLE;
+}
+
+int reqstore_load(reqstore *rs, const char *id, struct reqrec *r) {
+    int rc = reqstore_load_hash(rs, id, r);
+    if (rc < 0 || r->state != REQREC_QUEUED) return rc;
+    rc = reqstore_entry_guard(rs, id, r->entry);
+    if (rc < 0) reqrec_free(r);
+    return rc;
+}
+
+/* KEYS: stream.  ARGV: group, consumer.  Resets the idle time of every
+ * entry pending for this consumer (XCLAIM to itself, JUSTID: no delivery
+ * counted), 1000 at a time: unpack() of more would overflow Lua's stack. */
+static const char reqstore_touch_lua[] =
+    "local n, start = 0, '-'\n"
+    "while true do\n"
+    "  local p = redis.call('XPENDING', KEYS[1], ARGV[1], start, '+', 1000, ARGV[2])\n"
+    "  if #p == 0 then break end\n"
+    "  local a = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}\n"
+    "  for _, e in ipairs(p) do a[#a + 1] = e[1] end\n"
+    "  a[#a + 1] = 'JUSTID'\n"
+    "  redis.call(unpack(a))\n"
+    "  n = n + #p\n"
+    "  if #p < 1000 then break end\n"
+    "  start = '(' .. p[#p][1]\n"
+    "end\n"
+    "return n\n";
+
+int reqstore_touch(reqstore *rs) {
+    const char *argv[] = {"EVAL", reqstore_touch_lua, "1", rs->stream, REQSTORE_GROUP, rs->consumer};
+    redisReply *r = NULL;
+    int rc = rconn_command_argv(rs->c, &r, 6, argv, NULL);
+    if (reqstore_regroup(rs, rc)) rc = rconn_command_argv(rs->c, &r, 6, argv, NULL);
+    if (rc < 0) return reqstore_fail(rs, rc);
+    int n = r->type == REDIS_REPLY_INTEGER ? (int)r->integer : 0;
+    freeReplyObject(r);
+    return n;
+}
+
 /* Loads the request of one stream entry into the list, or acknowledges and
  * drops an entry whose request is gone or finished. */
 static int reqstore_take(reqstore *rs, const struct rconn_entry *e, struct reqstore_list *l) {
@@ -461,7 +541,7 @@ static int reqstore_take(reqstore *rs, const struct rconn_entry *e, struct reqst
     for (size_t i = 0; id && i < l->n; i++)
         if (strcmp(l->items[i].id, id) == 0) return STATUS_OK;
     struct reqrec r;
-    int rc = id && idlen <= PROTO_REQUEST_ID_MAX ? reqstore_load(rs, id, &r) : STATUS_NOT_FOUND;
+    int rc = id && idlen <= PROTO_REQUEST_ID_MAX ? reqstore_load_hash(rs, id, &r) : STATUS_NOT_FOUND;
     if (rc == STATUS_UNAVAILABLE || rc == STATUS_TIMEOUT || rc == STATUS_NO_MEMORY) return rc;
     if (rc < 0 || r.state == REQREC_DONE) {
         if (rc < 0)
@@ -496,6 +576,41 @@ static int reqstore_take_all(reqstore *rs, const struct rconn_entries *es, struc
     return STATUS_OK;
 }
 
+/* XAUTOCLAIM of every entry idle for claim_idle_ms, loaded into l. */
+static int reqstore_claim_into(reqstore *rs, struct reqstore_list *l) {
+    struct rconn_entries es = {0};
+    char start[RCONN_ID_MAX] = "0-0";
+    for (int rounds = 0; rounds < 100000; rounds++) {
+        char next[RCONN_ID_MAX];
+        int rc = rconn_xautoclaim(rs->c, rs->stream, REQSTORE_GROUP, rs->consumer, rs->claim_idle_ms,
+                                  start, 128, &es, next);
+        if (reqstore_regroup(rs, rc)) break; /* a new group holds nothing to claim */
+        if (rc < 0) return rc;
+        rc = reqstore_take_all(rs, &es, l);
+        rconn_entries_free(&es);
+        if (rc < 0) return rc;
+        if (strcmp(next, "0-0") == 0 || next[0] == '\0') break;
+        snprintf(start, sizeof start, "%s", next);
+    }
+    return STATUS_OK;
+}
+
+int reqstore_claim(reqstore *rs, struct reqrec **out, size_t *n) {
+    *out = NULL;
+    *n = 0;
+    struct reqstore_list l = {0};
+    int rc = reqstore_claim_into(rs, &l);
+    if (rc < 0) {
+        if (rs->errstr[0] == '\0' || rc != STATUS_NO_MEMORY) reqstore_fail(rs, rc);
+        for (size_t i = 0; i < l.n; i++) reqrec_free(&l.items[i]);
+        free(l.items);
+        return rc;
+    }
+    *out = l.items;
+    *n = l.n;
+    return STATUS_OK;
+}
+
 int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n) {
     *out = NULL;
     *n = 0;
@@ -516,18 +631,8 @@ int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n) {
         if (rc < 0) goto fail;
     }
     /* 2. Entries of other consumers idle long enough: a dead router's. */
-    snprintf(start, sizeof start, "0-0");
-    for (int rounds = 0; rounds < 100000; rounds++) {
-        char next[RCONN_ID_MAX];
-        rc = rconn_xautoclaim(rs->c, rs->stream, REQSTORE_GROUP, rs->consumer, rs->claim_idle_ms,
-                              start, 128, &es, next);
-        if (rc < 0) goto fail;
-        rc = reqstore_take_all(rs, &es, &l);
-        rconn_entries_free(&es);
-        if (rc < 0) goto fail;
-        if (strcmp(next, "0-0") == 0 || next[0] == '\0') break;
-        snprintf(start, sizeof start, "%s", next);
-    }
+    rc = reqstore_claim_into(rs, &l);
+    if (rc < 0) goto fail;
     /* 3. Entries nobody has read: accepted by a router that died before it
      * read them back, or written by another producer. */
     for (;;) {

@@ -96,7 +96,11 @@ int reqstore_finish(reqstore *rs, const struct reqrec *r);
 
 /* Loads a request with its generated tokens into *r (zeroed first).
  * STATUS_NOT_FOUND when Redis does not know the id; STATUS_PROTOCOL when the
- * stored hash is malformed (naming the key and field). */
+ * stored hash is malformed (naming the key and field); STATUS_UNAVAILABLE
+ * (errstr names the holder) when, with claim_idle_ms set, the request is
+ * queued and its stream entry is held by another router heard from within
+ * claim_idle_ms: that router runs it.  A holder silent longer loses the
+ * entry to this router here. */
 int reqstore_load(reqstore *rs, const char *id, struct reqrec *r);
 
 /* Takes into this consumer every stream entry it should work on: its own
@@ -107,6 +111,16 @@ int reqstore_load(reqstore *rs, const char *id, struct reqrec *r);
  * with free()); entries whose hash is gone or done are acknowledged and
  * dropped.  Requests the caller already has are returned again: skip them. */
 int reqstore_recover(reqstore *rs, struct reqrec **out, size_t *n);
+
+/* Several routers on one Redis (docs/router.md, "Fail-over"): every router
+ * that lives touches its pending entries each heartbeat (reqstore_touch:
+ * their idle time restarts), so an entry idle for claim_idle_ms belongs to
+ * a router that is dead or cut off from Redis.  reqstore_claim takes those
+ * into this consumer (XAUTOCLAIM) and loads them as reqstore_recover does;
+ * the caller skips the ids it already has.  reqstore_touch returns how many
+ * entries it touched, or a negative status. */
+int reqstore_touch(reqstore *rs);
+int reqstore_claim(reqstore *rs, struct reqrec **out, size_t *n);
 
 /* Checks that Redis answers and still holds this router's data (the
  * request stream exists).  Returns 0 when it does; 1 when Redis lost its

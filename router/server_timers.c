@@ -15,6 +15,27 @@
 #include "common/log.h"
 #include "common/status.h"
 
+/* Queues the loaded requests this router does not hold yet (they resume
+ * by recomputation, with their stored seeds) and frees the list. */
+static size_t adopt_requests(server *s, struct reqrec *list, size_t n) {
+    char err[512];
+    size_t adopted = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!req_find(s, list[i].id)) {
+            struct req *q = req_new(s, &list[i], err, sizeof err);
+            if (q) {
+                req_queue_push(s, q);
+                adopted++;
+            } else {
+                LOG(LL_WARN, "recover: %s", err);
+            }
+        }
+        reqrec_free(&list[i]);
+    }
+    free(list);
+    return adopted;
+}
+
 void server_redis_connect(server *s) {
     if (s->rs) return;
     char err[512];
@@ -37,20 +58,7 @@ void server_redis_connect(server *s) {
         return;
     }
     s->recovered = true;
-    size_t adopted = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!req_find(s, list[i].id)) {
-            struct req *q = req_new(s, &list[i], err, sizeof err);
-            if (q) {
-                req_queue_push(s, q);
-                adopted++;
-            } else {
-                LOG(LL_WARN, "recover: %s", err);
-            }
-        }
-        reqrec_free(&list[i]);
-    }
-    free(list);
+    size_t adopted = adopt_requests(s, list, n);
     if (adopted) LOG(LL_INFO, "redis: resumed %zu accepted, unfinished requests", adopted);
 }
 
@@ -146,6 +154,31 @@ done:
     free(cmds);
 }
 
+/* Routers sharing one Redis (docs/router.md, "Fail-over"): this router
+ * shows it is alive by touching its pending stream entries, and with
+ * --claim-idle-ms takes over the entries of a router silent that long (dead,
+ * or cut off from Redis) and resumes those requests.  Their clients
+ * re-attach here by id and get what they missed; their workers, having
+ * lost that router, register here. */
+static void share_stream(server *s) {
+    if (!s->rs || !s->recovered) return;
+    if (reqstore_touch(s->rs) < 0) {
+        LOG(LL_WARN, "redis: touching this router's stream entries: %s", reqstore_errstr(s->rs));
+        return;
+    }
+    if (s->cfg.claim_idle_ms <= 0) return;
+    struct reqrec *list = NULL;
+    size_t n = 0;
+    if (reqstore_claim(s->rs, &list, &n) < 0) {
+        LOG(LL_WARN, "redis: claiming idle requests: %s", reqstore_errstr(s->rs));
+        return;
+    }
+    size_t adopted = adopt_requests(s, list, n);
+    if (adopted)
+        LOG(LL_WARN, "redis: took over %zu requests of a router silent for %d ms or more: resuming them",
+            adopted, s->cfg.claim_idle_ms);
+}
+
 void server_timers(server *s) {
     int64_t now = server_now_ms();
     if (now - s->last_timer_ms < 50) return;
@@ -159,6 +192,7 @@ void server_timers(server *s) {
         s->last_keys_ms = now;
         check_redis(s);
         check_worker_keys(s);
+        share_stream(s);
     }
     /* Steps without a result for too long: re-form the pipeline. */
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {

@@ -33,6 +33,11 @@
 
 #define NODE_PIPE "inproc://node-plans"
 #define NODE_HEARTBEAT_DEFAULT_MS 1000
+/* Heartbeat intervals without a connection to the router before a worker
+ * with several router endpoints registers with the next one: the router's
+ * own default worker timeout (5 s at 1 s beats), so that a router restart
+ * under a supervisor keeps its workers and a dead one loses them. */
+#define NODE_ROUTER_LOST_BEATS 5
 #define NODE_DRAIN_MAX_MS 60000
 
 /* What the worker knows of one sequence between plans. */
@@ -66,6 +71,16 @@ struct node {
     char next_key[KEYS_Z85_LEN + 1]; /* the next stage's key the tx link was made for */
     zio_zap *zap;
     struct zio_sock *router; /* DEALER, io thread */
+    /* The router endpoints (--router a,b): the worker talks to
+     * routers[router_cur] (s_router points at it) and moves to the next
+     * when that one has not been connected for NODE_ROUTER_LOST_BEATS
+     * heartbeat intervals (docs/worker.md, "Router fail-over").  The
+     * monitor reports the connection's handshakes and disconnects. */
+    char **routers;
+    size_t n_routers, router_cur;
+    struct zio_sock *router_mon;
+    int64_t router_down_since; /* 0 while connected */
+    uint32_t router_seq;       /* sockets opened (names the monitor) */
     struct rconn *redis;     /* io thread only */
     char redis_key[192];
     struct zio_sock *pipe_io, *pipe_compute;
@@ -177,6 +192,14 @@ enum node_router_event {
 };
 
 void node_router_send(node *n, uint8_t *buf, size_t len, const char *what);
+/* Splits "tcp://a:5556,tcp://b:5556" into n->routers (STATUS_BAD_INPUT
+ * naming the entry when one is empty or not an endpoint). */
+int node_routers_parse(node *n, const char *list, char *err, size_t errlen);
+/* Opens the DEALER (with its monitor) to routers[router_cur]; closes it. */
+int node_router_open(node *n, char *err, size_t errlen);
+void node_router_close(node *n);
+/* Reads the monitor's events and keeps router_down_since up to date. */
+void node_router_events(node *n, int64_t now);
 int node_redis_ttl_ms(node *n, uint32_t hb_ms);
 void node_redis_register(node *n, uint32_t hb_ms);
 void node_heartbeat(node *n, uint32_t hb_ms);

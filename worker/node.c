@@ -35,23 +35,8 @@ void node_config_default(struct node_config *cfg) {
 int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     err[0] = 0;
     uint32_t hb_ms = NODE_HEARTBEAT_DEFAULT_MS;
-    int rc = zio_sock_open(n->zctx, ZMQ_DEALER, &n->router, err, errlen);
+    int rc = node_router_open(n, err, errlen);
     if (rc < 0) return rc;
-    /* The routing id names this process's connection: the worker id on a
-     * plain router (which hands an id over to a restarted worker), the id
-     * and this start's incarnation with keys, where the router refuses a
-     * second connection under a live routing id and so a restarted or a
-     * second process must not reuse one. */
-    char rid[256];
-    if (n->secure) snprintf(rid, sizeof rid, "%.200s#%llx", n->s_worker_id, (unsigned long long)n->incarnation);
-    else snprintf(rid, sizeof rid, "%s", n->s_worker_id);
-    rc = zio_set_bytes(n->router, ZMQ_ROUTING_ID, rid, strlen(rid));
-    if (rc == 0 && n->secure) rc = zio_curve_client(n->router, &n->kp, n->router_key);
-    if (rc == 0) rc = zio_connect(n->router, n->s_router);
-    if (rc < 0) {
-        snprintf(err, errlen, "%s", zio_errstr(n->router));
-        return rc;
-    }
     /* The compute thread must not take SIGTERM/SIGINT: they stop this thread's waits. */
     sigset_t block, old;
     sigemptyset(&block);
@@ -67,7 +52,8 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     n->compute_started = 1;
     atomic_store(&n->state, LLM__HEARTBEAT__STATE__STARTING);
     node_redis_register(n, hb_ms);
-    LOG(LL_INFO, "worker %s: registering with %s%s%s", n->s_worker_id, n->s_router,
+    LOG(LL_INFO, "worker %s: registering with %s%s%s%s", n->s_worker_id, n->s_router,
+        n->n_routers > 1 ? " (of several routers)" : "",
         n->redis ? ", registry key " : "", n->redis ? n->redis_key : "");
 
     int registered = 0, draining = 0, compute_done = 0, result = STATUS_OK;
@@ -75,9 +61,29 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     int64_t next_register = node_now_ms(), next_hb = node_now_ms() + hb_ms;
     int64_t drain_deadline = 0;
     struct zio_parts in = {0};
-    struct zio_sock *socks[2] = {n->router, n->pipe_io};
     while (!compute_done) {
         int64_t now = node_now_ms();
+        node_router_events(n, now);
+        /* The router has not been connected for a worker timeout: with
+         * several endpoints, register with the next.  Plans of the old
+         * router still running finish; their results go nowhere useful (the
+         * new router knows neither their pipeline nor their epoch). */
+        if (n->n_routers > 1 && !draining && n->router_down_since &&
+            now - n->router_down_since >= (int64_t)NODE_ROUTER_LOST_BEATS * hb_ms) {
+            const char *old = n->s_router;
+            node_router_close(n);
+            n->router_cur = (n->router_cur + 1) % n->n_routers;
+            LOG(LL_WARN, "worker %s: no connection to the router %s for %lld ms: registering with %s",
+                n->s_worker_id, old, (long long)(now - n->router_down_since), n->routers[n->router_cur]);
+            if ((rc = node_router_open(n, err, errlen)) < 0) {
+                LOG(LL_ERROR, "worker %s: %s", n->s_worker_id, err);
+                result = rc;
+                *stop = 1;
+                break;
+            }
+            registered = 0;
+            next_register = now;
+        }
         if (*stop && !draining) {
             /* Plans that reached this process before the signal are in
              * flight: hand them over before the drain marker. */
@@ -112,8 +118,9 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         if (!registered && next_register - now < wait) wait = next_register - now;
         if (wait > 100) wait = 100;
         if (wait < 0) wait = 0;
-        short ev[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, rev[2] = {0, 0};
-        int ready = zio_poll(socks, ev, rev, 2, (int)wait);
+        struct zio_sock *socks[3] = {n->router, n->pipe_io, n->router_mon};
+        short ev[3] = {ZMQ_POLLIN, ZMQ_POLLIN, ZMQ_POLLIN}, rev[3] = {0, 0, 0};
+        int ready = zio_poll(socks, ev, rev, 3, (int)wait);
         if (ready <= 0) continue;
         if (rev[0] & ZMQ_POLLIN) {
             if (zio_recv(n->router, &in, 0) == 0) {
@@ -196,7 +203,6 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     pthread_mutex_init(&n->lock, NULL);
     n->cfg = *cfg;
     n->s_model = node_strdup(cfg->model_path);
-    n->s_router = node_strdup(cfg->router);
     n->s_redis = node_strdup(cfg->redis_url ? cfg->redis_url : "");
     n->s_listen = node_strdup(cfg->listen ? cfg->listen : "tcp://*:*");
     n->s_advertise = node_strdup(cfg->advertise_host ? cfg->advertise_host : "");
@@ -212,13 +218,14 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     n->stage_count = cfg->stage_count;
     atomic_store(&n->state, LLM__HEARTBEAT__STATE__STARTING);
     int rc;
-    if (!n->s_model || !n->s_router || !n->s_redis || !n->s_listen ||
+    if (!n->s_model || !n->s_redis || !n->s_listen ||
         !n->s_advertise || !n->s_worker_id) {
         snprintf(err, errlen, "out of memory");
         rc = STATUS_NO_MEMORY;
         goto fail;
     }
     snprintf(n->redis_key, sizeof n->redis_key, "llm:worker:%s", n->s_worker_id);
+    if ((rc = node_routers_parse(n, cfg->router, err, errlen)) < 0) goto fail;
     /* Keys first: a missing one fails in a second, not after the weights load. */
     if (cfg->insecure) {
         LOG(LL_WARN, "worker %s: --insecure: plain sockets to the router and on the stage links",
@@ -330,7 +337,7 @@ void node_free(node *n) {
         pthread_join(n->compute, NULL);
     }
     node_links_close(n, 0);
-    zio_sock_close(n->router);
+    node_router_close(n);
     zio_sock_close(n->pipe_io);
     zio_sock_close(n->pipe_compute);
     zio_zap_stop(n->zap);
@@ -345,7 +352,8 @@ void node_free(node *n) {
     pthread_mutex_destroy(&n->lock);
     free(n->s_model);
     free(n->s_worker_id);
-    free(n->s_router);
+    for (size_t i = 0; i < n->n_routers; i++) free(n->routers[i]);
+    free(n->routers);
     free(n->s_redis);
     free(n->s_listen);
     free(n->s_advertise);

@@ -7,10 +7,12 @@
 #include "common/rconn.h"
 #include "common/status.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <zmq.h>
 
 /* Packs this worker's Register (placement read under the lock). */
 static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
@@ -49,6 +51,110 @@ static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     pthread_mutex_unlock(&n->lock);
     if (rc < 0) LOG(LL_ERROR, "cannot pack Register: %s", err);
     return rc;
+}
+
+int node_routers_parse(node *n, const char *list, char *err, size_t errlen) {
+    size_t cap = 1;
+    for (const char *p = list; *p; p++)
+        if (*p == ',') cap++;
+    n->routers = calloc(cap, sizeof *n->routers);
+    if (!n->routers) {
+        snprintf(err, errlen, "out of memory");
+        return STATUS_NO_MEMORY;
+    }
+    const char *p = list;
+    for (size_t i = 0; i < cap; i++) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        while (len && (*p == ' ' || *p == '\t')) p++, len--;
+        while (len && (p[len - 1] == ' ' || p[len - 1] == '\t')) len--;
+        char *e = strndup(p, len);
+        if (!e) {
+            snprintf(err, errlen, "out of memory");
+            return STATUS_NO_MEMORY;
+        }
+        n->routers[n->n_routers++] = e;
+        const char *sep = strstr(e, "://");
+        if (!sep || sep == e || !sep[3]) {
+            snprintf(err, errlen, "--router \"%s\": entry %zu \"%s\" is not a ZeroMQ endpoint "
+                     "(tcp://host:port; several separated by commas)", list, i + 1, e);
+            return STATUS_BAD_INPUT;
+        }
+        if (end) p = end + 1;
+    }
+    n->router_cur = 0;
+    n->s_router = n->routers[0];
+    return STATUS_OK;
+}
+
+void node_router_close(node *n) {
+    if (n->router) zmq_socket_monitor(zio_sock_raw(n->router), NULL, 0);
+    zio_sock_close(n->router_mon);
+    zio_sock_close(n->router);
+    n->router_mon = NULL;
+    n->router = NULL;
+}
+
+int node_router_open(node *n, char *err, size_t errlen) {
+    n->s_router = n->routers[n->router_cur];
+    int rc = zio_sock_open(n->zctx, ZMQ_DEALER, &n->router, err, errlen);
+    if (rc < 0) return rc;
+    /* The routing id names this process's connection: the worker id on a
+     * plain router (which hands an id over to a restarted worker), the id
+     * and this start's incarnation with keys, where the router refuses a
+     * second connection under a live routing id and so a restarted or a
+     * second process must not reuse one. */
+    char rid[256];
+    if (n->secure) snprintf(rid, sizeof rid, "%.200s#%llx", n->s_worker_id, (unsigned long long)n->incarnation);
+    else snprintf(rid, sizeof rid, "%s", n->s_worker_id);
+    rc = zio_set_bytes(n->router, ZMQ_ROUTING_ID, rid, strlen(rid));
+    /* What was queued for a router we leave is not for the next one. */
+    if (rc == 0) rc = zio_set_int(n->router, ZMQ_LINGER, 0);
+    /* ZMTP heartbeats: a router that is stopped or cut off (no TCP reset)
+     * still ends the connection, and so shows in the monitor. */
+    if (rc == 0) rc = zio_set_int(n->router, ZMQ_HEARTBEAT_IVL, NODE_HEARTBEAT_DEFAULT_MS);
+    if (rc == 0) rc = zio_set_int(n->router, ZMQ_HEARTBEAT_TIMEOUT, 3 * NODE_HEARTBEAT_DEFAULT_MS);
+    if (rc == 0 && n->secure) rc = zio_curve_client(n->router, &n->kp, n->router_key);
+    if (rc < 0) {
+        snprintf(err, errlen, "%s", zio_errstr(n->router));
+        node_router_close(n);
+        return rc;
+    }
+    char mon_ep[96];
+    snprintf(mon_ep, sizeof mon_ep, "inproc://worker-router-mon-%u", n->router_seq++);
+    if (zmq_socket_monitor(zio_sock_raw(n->router), mon_ep,
+                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED) != 0) {
+        snprintf(err, errlen, "router socket monitor: %s", zmq_strerror(errno));
+        node_router_close(n);
+        return STATUS_IO;
+    }
+    rc = zio_sock_open(n->zctx, ZMQ_PAIR, &n->router_mon, err, errlen);
+    if (rc == 0 && (rc = zio_connect(n->router_mon, mon_ep)) < 0)
+        snprintf(err, errlen, "%s", zio_errstr(n->router_mon));
+    if (rc == 0 && (rc = zio_connect(n->router, n->s_router)) < 0)
+        snprintf(err, errlen, "%s", zio_errstr(n->router));
+    if (rc < 0) {
+        node_router_close(n);
+        return rc;
+    }
+    n->router_down_since = node_now_ms();
+    return STATUS_OK;
+}
+
+void node_router_events(node *n, int64_t now) {
+    struct zio_parts p = {0};
+    while (n->router_mon && zio_recv(n->router_mon, &p, 0) == 0) {
+        if (zio_parts_size(&p, 0) < 2) continue;
+        uint16_t e;
+        memcpy(&e, zio_parts_data(&p, 0), 2);
+        if (e & ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            n->router_down_since = 0;
+        } else if ((e & ZMQ_EVENT_DISCONNECTED) && n->router_down_since == 0) {
+            n->router_down_since = now;
+            LOG(LL_WARN, "worker %s: connection to the router %s lost", n->s_worker_id, n->s_router);
+        }
+    }
+    zio_parts_free(&p);
 }
 
 /* Sends one packed frame to the router without blocking: a router that is

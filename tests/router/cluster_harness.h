@@ -71,7 +71,18 @@ struct cluster {
     void *zctx;       /* shared by the test's clients */
     int insecure;     /* "--insecure" in router_extra: no keys anywhere */
     char keys[320];   /* dir/curve: the CURVE keys */
+    /* A second router on the same Redis with the same key pair
+     * (h_cluster_start_routers with 2): workers and clients are given both
+     * endpoints, the first router's first. */
+    int n_routers;
+    struct h_proc router2;
+    char client_ep2[64], worker_ep2[64];
 };
+
+/* The first chunk a client callback saw at or after h_mark_ms (0: none
+ * yet, or no mark): when the mark is a kill of the router that served, the
+ * first token another router served. */
+static int64_t h_mark_ms, h_first_after_mark_ms;
 
 static struct cluster *h_current; /* the running cluster, for cleanup after a failed test */
 
@@ -207,10 +218,10 @@ static H_UNUSED int h_proc_exited(struct h_proc *p, int *status) {
     return 0;
 }
 
-static H_UNUSED void h_start_router(struct cluster *cl) {
-    struct h_proc *p = &cl->router;
-    snprintf(p->name, sizeof p->name, "router");
-    snprintf(p->log, sizeof p->log, "%s/router.log", cl->dir);
+static H_UNUSED void h_start_router_as(struct cluster *cl, struct h_proc *p, const char *name, const char *client_ep,
+                                       const char *worker_ep, const char *router_id) {
+    snprintf(p->name, sizeof p->name, "%s", name);
+    snprintf(p->log, sizeof p->log, "%s/%s.log", cl->dir, name);
     char stages[16], extra[512];
     snprintf(stages, sizeof stages, "%d", cl->stages);
     snprintf(extra, sizeof extra, "%s", cl->router_extra);
@@ -218,9 +229,9 @@ static H_UNUSED void h_start_router(struct cluster *cl) {
     snprintf(key, sizeof key, "%s/router.key", cl->keys);
     snprintf(clients, sizeof clients, "%s/clients", cl->keys);
     snprintf(workers, sizeof workers, "%s/workers", cl->keys);
-    const char *argv[48] = {H_ROUTER, "--model", cl->model, "--listen", cl->client_ep, "--worker-listen",
-                            cl->worker_ep, "--redis", cl->redis.url, "--stages", stages,
-                            "--router-id", "test-router", "--log-level", "info"};
+    const char *argv[48] = {H_ROUTER, "--model", cl->model, "--listen", client_ep, "--worker-listen",
+                            worker_ep, "--redis", cl->redis.url, "--stages", stages,
+                            "--router-id", router_id, "--log-level", "info"};
     int n = 15;
     if (!cl->insecure) {
         const char *k[] = {"--curve-key-file", key, "--client-keys", clients, "--worker-keys", workers};
@@ -230,6 +241,14 @@ static H_UNUSED void h_start_router(struct cluster *cl) {
     argv[n] = NULL;
     h_proc_setargs(p, argv);
     h_proc_start(cl, p);
+}
+
+static H_UNUSED void h_start_router(struct cluster *cl) {
+    h_start_router_as(cl, &cl->router, "router", cl->client_ep, cl->worker_ep, "test-router");
+}
+
+static H_UNUSED void h_start_router2(struct cluster *cl) {
+    h_start_router_as(cl, &cl->router2, "router2", cl->client_ep2, cl->worker_ep2, "test-router-2");
 }
 
 /* Starts the worker of (pipeline, stage) in slot idx (a new slot when idx
@@ -250,7 +269,10 @@ static H_UNUSED void h_start_worker(struct cluster *cl, int idx, int pipeline, i
     snprintf(st, sizeof st, "%d", stage);
     snprintf(sts, sizeof sts, "%d", cl->stages);
     snprintf(extra, sizeof extra, "%s", cl->worker_extra);
-    const char *argv[48] = {H_WORKER, "--model", cl->model, "--router", cl->worker_ep, "--redis", cl->redis.url,
+    char routers[160];
+    if (cl->n_routers > 1) snprintf(routers, sizeof routers, "%s,%s", cl->worker_ep, cl->worker_ep2);
+    else snprintf(routers, sizeof routers, "%s", cl->worker_ep);
+    const char *argv[48] = {H_WORKER, "--model", cl->model, "--router", routers, "--redis", cl->redis.url,
                             "--pipeline", pl, "--stage", st, "--stages", sts, "--worker-id", p->name,
                             "--listen", "tcp://127.0.0.1:*", "--device", "cpu", "--threads", "1",
                             "--log-level", "info"};
@@ -270,12 +292,19 @@ static H_UNUSED void h_start_worker(struct cluster *cl, int idx, int pipeline, i
     h_proc_start(cl, p);
 }
 
-static H_UNUSED llm_client *h_client(struct cluster *cl, int reply_ms, int idle_ms, int retry_ms) {
-    const char *eps[1] = {cl->client_ep};
+/* A client of the given endpoints (NULL: the cluster's, both routers' when
+ * it has two). */
+static H_UNUSED llm_client *h_client_at(struct cluster *cl, const char *ep, int reply_ms, int idle_ms,
+                                        int retry_ms) {
+    const char *eps[2] = {cl->client_ep, cl->client_ep2};
     struct llm_client_config cfg;
     llm_client_config_default(&cfg);
     cfg.endpoints = eps;
-    cfg.n_endpoints = 1;
+    cfg.n_endpoints = cl->n_routers > 1 ? 2 : 1;
+    if (ep) {
+        eps[0] = ep;
+        cfg.n_endpoints = 1;
+    }
     cfg.zmq_ctx = cl->zctx;
     cfg.reply_timeout_ms = reply_ms;
     cfg.idle_timeout_ms = idle_ms;
@@ -284,6 +313,10 @@ static H_UNUSED llm_client *h_client(struct cluster *cl, int reply_ms, int idle_
     char err[256];
     if (llm_client_open(&c, &cfg, err, sizeof err) != 0) H_FAIL(cl, "llm_client_open: %s", err);
     return c;
+}
+
+static H_UNUSED llm_client *h_client(struct cluster *cl, int reply_ms, int idle_ms, int retry_ms) {
+    return h_client_at(cl, NULL, reply_ms, idle_ms, retry_ms);
 }
 
 /* A raw socket of type on the cluster's context, set up as a client with the
@@ -323,7 +356,9 @@ static H_UNUSED int h_ready_pipelines(struct cluster *cl, llm_client *c, Llm__Cl
 /* Waits until `want` pipelines are ready (exactly, when exact), failing the
  * test with the logs after timeout_ms or when a process died. */
 static H_UNUSED void h_wait_ready(struct cluster *cl, int want, int exact, int timeout_ms) {
-    llm_client *c = h_client(cl, 500, 1000, 500);
+    /* With two routers, the second answers once the first is gone. */
+    llm_client *c = h_client_at(cl, cl->n_routers > 1 && !cl->router.pid ? cl->client_ep2 : cl->client_ep, 500,
+                                1000, 500);
     int64_t end = h_now_ms() + timeout_ms;
     int got = -1;
     for (;;) {
@@ -354,6 +389,7 @@ static H_UNUSED void h_cluster_cleanup(struct cluster *cl, int keep_logs) {
     if (!cl) return;
     for (int i = 0; i < cl->n_workers; i++) h_proc_kill(&cl->workers[i], SIGKILL);
     h_proc_kill(&cl->router, SIGKILL);
+    h_proc_kill(&cl->router2, SIGKILL);
     fixture_redis_stop(&cl->redis);
     if (cl->zctx) zmq_ctx_term(cl->zctx);
     cl->zctx = NULL;
@@ -406,8 +442,9 @@ static H_UNUSED void h_keys_make(struct cluster *cl) {
 /* Starts Redis, the router and pipelines x stages workers and waits (60 s at
  * most) until every pipeline is ready.  Extra words go on the router's and
  * every worker's command line. */
-static H_UNUSED struct cluster *h_cluster_start(const char *model, int pipelines, int stages,
-                                                const char *router_extra, const char *worker_extra) {
+static H_UNUSED struct cluster *h_cluster_start_routers(const char *model, int pipelines, int stages,
+                                                        const char *router_extra, const char *worker_extra,
+                                                        int n_routers) {
     static int registered;
     if (!registered) {
         atexit(h_atexit);
@@ -434,12 +471,28 @@ static H_UNUSED struct cluster *h_cluster_start(const char *model, int pipelines
         TEST_FAIL("free port: %s", err);
     snprintf(cl->client_ep, sizeof cl->client_ep, "tcp://127.0.0.1:%d", p1);
     snprintf(cl->worker_ep, sizeof cl->worker_ep, "tcp://127.0.0.1:%d", p2);
+    cl->n_routers = n_routers > 1 ? 2 : 1;
+    if (cl->n_routers > 1) {
+        if (zio_free_port(NULL, &p1, err, sizeof err) != 0 || zio_free_port(NULL, &p2, err, sizeof err) != 0)
+            TEST_FAIL("free port: %s", err);
+        snprintf(cl->client_ep2, sizeof cl->client_ep2, "tcp://127.0.0.1:%d", p1);
+        snprintf(cl->worker_ep2, sizeof cl->worker_ep2, "tcp://127.0.0.1:%d", p2);
+    }
     cl->zctx = zmq_ctx_new();
+    /* Each client holds a socket and its monitor's pair (and closed ones
+     * linger briefly): hundreds of clients pass ZeroMQ's default 1023. */
+    zmq_ctx_set(cl->zctx, ZMQ_MAX_SOCKETS, 8192);
     h_start_router(cl);
+    if (cl->n_routers > 1) h_start_router2(cl);
     for (int p = 0; p < pipelines; p++)
         for (int s = 0; s < stages; s++) h_start_worker(cl, cl->n_workers, p, s);
     h_wait_ready(cl, pipelines, 0, 60000);
     return cl;
+}
+
+static H_UNUSED struct cluster *h_cluster_start(const char *model, int pipelines, int stages,
+                                                const char *router_extra, const char *worker_extra) {
+    return h_cluster_start_routers(model, pipelines, stages, router_extra, worker_extra, 1);
 }
 
 /* Stops everything and removes the logs; the test asserts on nothing left. */
@@ -534,7 +587,11 @@ static int h_on_chunk(void *ud, const struct llm_chunk *ch) {
     struct h_gen *g = ud;
     g->callbacks++;
     if ((int)ch->index != g->n) g->out_of_order++;
-    if (!g->first_token_ms) g->first_token_ms = h_now_ms();
+    int64_t now = h_now_ms();
+    if (!g->first_token_ms) g->first_token_ms = now;
+    int64_t mark = __atomic_load_n(&h_mark_ms, __ATOMIC_ACQUIRE), none = 0;
+    if (mark && now >= mark)
+        __atomic_compare_exchange_n(&h_first_after_mark_ms, &none, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     for (size_t i = 0; i < ch->n_tokens; i++) {
         if (g->n < 512) g->ids[g->n] = ch->token_ids[i];
         g->n++;

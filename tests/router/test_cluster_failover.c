@@ -1,0 +1,119 @@
+/* Router fail-over: two routers on one Redis with one key pair, CPU
+ * workers and clients that know both endpoints.  kill -9 of the router the
+ * workers are registered with, under about 200 requests in flight: the
+ * workers register with the other router, which takes over the dead one's
+ * stream entries after --claim-idle-ms and resumes them; the clients
+ * re-attach there by id.  Every request finishes exactly once with llm-run's
+ * greedy output, and the fail-over time (the kill to the first token the
+ * other router serves) is printed and bounded. */
+#include "tests/router/cluster_harness.h"
+
+#include "common/log.h"
+#include "common/rconn.h"
+
+#define MODEL "stories260K-f32.gguf"
+
+static const char *const prompts[] = {
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+};
+#define N_PROMPTS 4
+#define N_TOKENS 40
+#define N_REQ 200
+#define N_AFTER 8
+#define FAILOVER_MAX_MS 20000
+
+/* Fast detection (a worker moves after 5 heartbeats without its router:
+ * 1 s; the survivor claims entries idle 1.5 s), and a batch small enough
+ * that the kill lands with requests finished, running and queued. */
+#define ROUTER_ARGS \
+    "--heartbeat-ms 200 --worker-timeout-ms 1000 --step-timeout-ms 3000 --claim-idle-ms 1500 --max-batch 16"
+
+static struct h_ref refs[N_PROMPTS];
+
+static void make_requests(struct cluster *cl, struct h_gen *gs, int n, const char *tag) {
+    memset(gs, 0, sizeof *gs * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        gs[i].cl = cl;
+        gs[i].prompt = prompts[i % N_PROMPTS];
+        gs[i].max_tokens = N_TOKENS;
+        gs[i].ignore_eos = 1;
+        gs[i].retry_ms = 30000;
+        gs[i].wait_ms = 50000; /* a request that never ends fails the test, not ctest's timeout */
+        snprintf(gs[i].request_id, sizeof gs[i].request_id, "%s-%03d", tag, i);
+    }
+}
+
+static void check_all(struct cluster *cl, struct h_gen *gs, int n) {
+    int reattached = 0;
+    for (int i = 0; i < n; i++) {
+        h_check(cl, &gs[i], &refs[i % N_PROMPTS]);
+        reattached += gs[i].res.reattaches > 0;
+        llm_generate_result_free(&gs[i].res);
+    }
+    printf("  %d requests complete and correct (%d re-attached)\n", n, reattached);
+}
+
+/* Nothing left in the request stream: each request was finished (XACK and
+ * XDEL of its one entry), none is pending for any router. */
+static void check_stream_empty(struct cluster *cl) {
+    struct rconn *c = NULL;
+    char err[256];
+    H_ASSERT(cl, rconn_open_url(cl->redis.url, 2000, &c, err, sizeof err) == 0, "redis: %s", err);
+    int64_t len = -1;
+    H_ASSERT(cl, rconn_xlen(c, "llm:requests", &len) == 0, "XLEN: %s", rconn_errstr(c));
+    struct rconn_pending *pend = NULL;
+    size_t n_pend = 0;
+    H_ASSERT(cl, rconn_xpending(c, "llm:requests", "routers", NULL, 16, &pend, &n_pend) == 0, "XPENDING: %s",
+             rconn_errstr(c));
+    free(pend);
+    rconn_close(c);
+    H_ASSERT(cl, len == 0 && n_pend == 0, "request stream after the run: %lld entries, %zu pending", (long long)len,
+             n_pend);
+}
+
+TEST(cluster_router_failover_kill9) {
+    const char *model = test_model_path(MODEL);
+    log_set_level(LL_WARN); /* 200 clients each saying it retries is noise */
+    for (int p = 0; p < N_PROMPTS; p++) h_reference(model, prompts[p], N_TOKENS, 0, &refs[p]);
+    struct cluster *cl = h_cluster_start_routers(model, 2, 1, ROUTER_ARGS, "", 2);
+    static struct h_gen gs[N_REQ];
+    make_requests(cl, gs, N_REQ, "fo");
+    struct h_batch b;
+    h_batch_start(&b, gs, N_REQ);
+    int64_t end = h_now_ms() + 30000;
+    int seen;
+    while ((seen = h_tokens_seen(gs, N_REQ)) < 400) {
+        if (h_now_ms() > end) H_FAIL(cl, "no tokens within 30 s");
+        h_sleep_ms(1);
+    }
+    H_ASSERT(cl, seen < N_REQ * N_TOKENS / 2, "%d of %d tokens already out before the kill", seen, N_REQ * N_TOKENS);
+    int64_t killed = h_now_ms();
+    /* Chunks the dead router sent just before the kill may still be on
+     * their way through the clients' sockets: what arrives 200 ms later
+     * comes from the other router. */
+    __atomic_store_n(&h_first_after_mark_ms, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&h_mark_ms, killed + 200, __ATOMIC_RELEASE);
+    h_proc_kill(&cl->router, SIGKILL);
+    printf("  kill -9 of the router after %d of %d tokens\n", seen, N_REQ * N_TOKENS);
+    h_batch_join(&b);
+    int64_t first = __atomic_load_n(&h_first_after_mark_ms, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&h_mark_ms, 0, __ATOMIC_RELEASE);
+    H_ASSERT(cl, first > 0, "no token after the kill");
+    printf("  fail-over: first token from the other router %lld ms after the kill\n", (long long)(first - killed));
+    check_all(cl, gs, N_REQ);
+    H_ASSERT(cl, first - killed < FAILOVER_MAX_MS, "fail-over took %lld ms (bound %d ms)", (long long)(first - killed),
+             FAILOVER_MAX_MS);
+    check_stream_empty(cl);
+    /* The survivor serves new requests with both pipelines. */
+    h_wait_ready(cl, 2, 1, 10000);
+    make_requests(cl, gs, N_AFTER, "after");
+    h_generate_all(gs, N_AFTER);
+    check_all(cl, gs, N_AFTER);
+    check_stream_empty(cl);
+    h_cluster_stop(cl);
+}
+
+TEST_MAIN(cluster_router_failover_kill9)
