@@ -750,9 +750,11 @@ static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, 
         job_release(j);
         return send_error(g, conn, &e, NULL);
     }
-    /* The configured name and "" mean the cluster's default model. */
+    /* The configured name, "" and "default" (the name a response reports
+     * when neither request nor configuration gave one) mean the cluster's
+     * default model. */
     const char *m = j->req.model;
-    bool is_default = !m[0] || (g->model_name && strcmp(m, g->model_name) == 0);
+    bool is_default = !m[0] || strcmp(m, "default") == 0 || (g->model_name && strcmp(m, g->model_name) == 0);
     snprintf(j->router_model, sizeof j->router_model, "%s", is_default ? "" : m);
     snprintf(j->model, sizeof j->model, "%s", m[0] ? m : g->model_name ? g->model_name : "default");
     char hex[33];

@@ -369,6 +369,11 @@ TEST(bad_requests) {
     post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"model\":\"gpt-9\",\"prompt\":\"a\",\"max_tokens\":2}", &r);
     expect_error(cl_, &r, 404, "model", NULL, "unknown model");
     resp_free(&r);
+    /* "default", the name a response reports when no model is named,
+     * names the default model back. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"model\":\"default\",\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "model \"default\": status %d: %s", r.status, r.body);
+    resp_free(&r);
     /* A prompt longer than the context: the router's refusal, as 400. */
     char *big = malloc(40000);
     strcpy(big, "{\"prompt\":\"");
