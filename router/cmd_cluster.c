@@ -51,13 +51,14 @@ struct cl_proc {
 
 struct cl_up {
     const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args, *api_keys_file;
-    int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port;
+    int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port, routers;
     bool insecure;
     char dir[PATH_MAX];     /* run dir, absolute */
     char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX], bin_gateway[PATH_MAX];
     char http_url[128];     /* the gateway's base URL, "" without --http-port */
     char redis_url[128];
-    char endpoint[128];     /* router client endpoint */
+    char endpoint[128];     /* the first router's client endpoint */
+    char endpoints[640];    /* every router's, comma-separated (LLM_ROUTER) */
     struct cl_proc procs[CL_PROCS_MAX];
     int n_procs;
 };
@@ -544,7 +545,7 @@ static void cl_export(char *text, size_t size, const char *name, const char *val
 static int cl_write_env(struct cl_up *u) {
     char path[PATH_MAX + 32], key[PATH_MAX + 64], text[4 * PATH_MAX];
     cl_fmt(text, sizeof text, "# llm-cluster up: . %s/env.sh\n", u->dir);
-    cl_export(text, sizeof text, "LLM_ROUTER", u->endpoint);
+    cl_export(text, sizeof text, "LLM_ROUTER", u->endpoints);
     cl_export(text, sizeof text, "LLM_REDIS", u->redis_url);
     if (u->insecure) {
         cl_export(text, sizeof text, "LLM_INSECURE", "true");
@@ -806,8 +807,6 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         if ((rc = cl_find_sibling("llm-gateway", "gateway", u->bin_gateway, sizeof u->bin_gateway, err, errlen)) < 0)
             return rc;
     }
-    int worker_port = cl_free_port(err, errlen);
-    if (worker_port < 0) return STATUS_IO;
 
     if (u->redis && u->redis[0]) {
         cl_fmt(u->redis_url, sizeof u->redis_url, "%s", u->redis);
@@ -837,47 +836,74 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         if ((rc = cl_make_keys(u, err, errlen)) < 0) return rc;
     }
 
-    /* The router. */
-    char client_ep[64], worker_ep[64], extra_r[1024], stages_s[16], metrics_r[64];
-    int metrics_port = cl_free_port(err, errlen);
-    if (metrics_port < 0) return STATUS_IO;
-    cl_fmt(metrics_r, sizeof metrics_r, "127.0.0.1:%d", metrics_port);
+    /* The routers: with --routers N, N of them on the same Redis with the
+     * same key pair, so that workers and clients admit each alike; the
+     * workers and clients get every endpoint and move to the next when one
+     * stops answering, and the routers take over each other's requests
+     * (--claim-idle-ms, docs/router.md "Fail-over"). */
+    char worker_eps[640] = "", extra_r[1024], stages_s[16];
     cl_fmt(stages_s, sizeof stages_s, "%d", u->stages);
-    cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", port);
-    cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", worker_port);
-    cl_fmt(u->endpoint, sizeof u->endpoint, "%s", client_ep);
-    cl_fmt(extra_r, sizeof extra_r, "%s", u->router_args ? u->router_args : "");
+    char redis_plain[160], redis_pwfile[PATH_MAX + 32];
     char *argv[CL_ARGS_MAX];
     int n = 0;
-    argv[n++] = u->bin_router;
-    argv[n++] = "--model";
-    argv[n++] = (char *)u->model;
-    argv[n++] = "--listen";
-    argv[n++] = client_ep;
-    argv[n++] = "--worker-listen";
-    argv[n++] = worker_ep;
-    char redis_plain[160], redis_pwfile[PATH_MAX + 32];
-    n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
-    argv[n++] = "--stages";
-    argv[n++] = stages_s;
-    argv[n++] = "--metrics-listen";
-    argv[n++] = metrics_r;
-    argv[n++] = "--log-level";
-    argv[n++] = (char *)u->log_level;
-    if (u->insecure) {
-        argv[n++] = "--insecure";
-    } else {
-        argv[n++] = "--curve-key-file";
-        argv[n++] = key_router;
-        argv[n++] = "--client-keys";
-        argv[n++] = keys_clients;
-        argv[n++] = "--worker-keys";
-        argv[n++] = keys_workers;
+    u->endpoints[0] = 0;
+    for (int r = 0; r < u->routers; r++) {
+        char client_ep[64], worker_ep[64], metrics_r[64], rname[32], rid[32];
+        int cport = r == 0 ? port : cl_free_port(err, errlen);
+        int wport = cl_free_port(err, errlen);
+        int metrics_port = cl_free_port(err, errlen);
+        if (cport < 0 || wport < 0 || metrics_port < 0) return STATUS_IO;
+        cl_fmt(metrics_r, sizeof metrics_r, "127.0.0.1:%d", metrics_port);
+        cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", cport);
+        cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", wport);
+        if (r == 0) cl_fmt(u->endpoint, sizeof u->endpoint, "%s", client_ep);
+        size_t el = strlen(u->endpoints), wl = strlen(worker_eps);
+        cl_fmt(u->endpoints + el, sizeof u->endpoints - el, "%s%s", r ? "," : "", client_ep);
+        cl_fmt(worker_eps + wl, sizeof worker_eps - wl, "%s%s", r ? "," : "", worker_ep);
+        if (r == 0) {
+            cl_fmt(rname, sizeof rname, "router");
+            cl_fmt(rid, sizeof rid, "router");
+        } else {
+            cl_fmt(rname, sizeof rname, "router%d", r + 1);
+            cl_fmt(rid, sizeof rid, "router-%d", r + 1);
+        }
+        cl_fmt(extra_r, sizeof extra_r, "%s", u->router_args ? u->router_args : "");
+        n = 0;
+        argv[n++] = u->bin_router;
+        argv[n++] = "--model";
+        argv[n++] = (char *)u->model;
+        argv[n++] = "--listen";
+        argv[n++] = client_ep;
+        argv[n++] = "--worker-listen";
+        argv[n++] = worker_ep;
+        argv[n++] = "--router-id";
+        argv[n++] = rid;
+        if (u->routers > 1) {
+            argv[n++] = "--claim-idle-ms";
+            argv[n++] = "5000";
+        }
+        n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
+        argv[n++] = "--stages";
+        argv[n++] = stages_s;
+        argv[n++] = "--metrics-listen";
+        argv[n++] = metrics_r;
+        argv[n++] = "--log-level";
+        argv[n++] = (char *)u->log_level;
+        if (u->insecure) {
+            argv[n++] = "--insecure";
+        } else {
+            argv[n++] = "--curve-key-file";
+            argv[n++] = key_router;
+            argv[n++] = "--client-keys";
+            argv[n++] = keys_clients;
+            argv[n++] = "--worker-keys";
+            argv[n++] = keys_workers;
+        }
+        if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
+        argv[n] = NULL;
+        if ((rc = cl_spawn(u, rname, "llm-router", argv, err, errlen)) < 0) return rc;
+        u->procs[u->n_procs - 1].metrics_port = metrics_port;
     }
-    if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
-    argv[n] = NULL;
-    if ((rc = cl_spawn(u, "router", "llm-router", argv, err, errlen)) < 0) return rc;
-    u->procs[u->n_procs - 1].metrics_port = metrics_port;
 
     /* The workers. */
     int n_gpus = strcmp(u->device, "auto") == 0 ? cl_gpu_count() : 0;
@@ -912,7 +938,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = "--model";
             argv[n++] = (char *)u->model;
             argv[n++] = "--router";
-            argv[n++] = worker_ep;
+            argv[n++] = worker_eps;
             n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
             argv[n++] = "--worker-id";
             argv[n++] = name;
@@ -960,7 +986,7 @@ static int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     cl_fmt(text, sizeof text, "%s\n", u->endpoint);
     cl_write_file(path, text);
     cl_fmt(path, sizeof path, "%s/cluster.env", u->dir);
-    cl_fmt(text, sizeof text, "LLM_ROUTER=%s\nLLM_REDIS_URL=%s\n", u->endpoint, u->redis_url);
+    cl_fmt(text, sizeof text, "LLM_ROUTER=%s\nLLM_REDIS_URL=%s\n", u->endpoints, u->redis_url);
     cl_write_file(path, text);
     chmod(path, 0600);
     cl_fmt(path, sizeof path, "%s/http-url", u->dir);
@@ -988,6 +1014,9 @@ static int cl_up(int argc, char **argv) {
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or Hugging Face directory", &u->model, 0, 0, NULL},
         {"pipelines", NULL, OPTION_INT, "1", "pipelines (replicas of the model)", &u->pipelines, 1, 64, NULL},
+        {"routers", NULL, OPTION_INT, "1",
+         "routers on the same Redis and keys; workers and clients get every endpoint and fail over between them",
+         &u->routers, 1, 4, NULL},
         {"stages", NULL, OPTION_INT, "2", "stages per pipeline (one worker each)", &u->stages, 1, 64, NULL},
         {"redis", "LLM_REDIS_URL", OPTION_STRING, NULL, "use this Redis instead of starting a private one",
          &u->redis, 0, 0, NULL},
@@ -1043,7 +1072,8 @@ static int cl_up(int argc, char **argv) {
         free(u);
         return 1;
     }
-    printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
+    if (u->routers > 1) printf("routers: %s\nrun dir: %s\n", u->endpoints, u->dir);
+    else printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
     printf("keys: %s\n", u->insecure ? "none (--insecure)" : "RUN_DIR/keys (router, clients/client, workers/)");
     printf("try: . %s/env.sh; llm generate --prompt \"Once upon a time\"\n", u->dir);
     if (u->http_url[0]) {
