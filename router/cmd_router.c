@@ -99,6 +99,10 @@ int main(int argc, char **argv) {
         {"prefix-cache", "LLM_PREFIX_CACHE", OPTION_BOOL, "true",
          "keep computed KV blocks for later requests that start with the same tokens, and route "
          "requests to the pipeline holding their prefix (--no-prefix-cache: off)", &prefix_cache, 0, 0, NULL},
+        {"itl-target-ms", "LLM_ITL_TARGET_MS", OPTION_INT, "50",
+         "inter-token latency to keep for running sequences: a step with decodes carries only the "
+         "prefill that fits it, by a step-time model learned per pipeline (0: no cap)",
+         &c.itl_target_ms, 0, 600000, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",

@@ -11,8 +11,15 @@
 #include "common/log.h"
 #include "common/status.h"
 
+/* Index buckets (chained through hnext): results are looked up by worker
+ * and pipeline id at every step, so a search over hundreds of pipelines
+ * would be paid hundreds of thousands of times a second. */
+#define REGISTRY_BUCKETS 1024
+
 struct registry {
     struct registry_config cfg;
+    struct worker *by_id[REGISTRY_BUCKETS];
+    struct pipeline *by_pid[REGISTRY_BUCKETS];
     struct worker **workers;
     size_t n_workers, cap_workers;
     struct pipeline **pipes;
@@ -55,15 +62,21 @@ struct worker *registry_worker_at(registry *r, size_t i) { return r->workers[i];
 size_t registry_n_pipelines(const registry *r) { return r->n_pipes; }
 struct pipeline *registry_pipeline_at(registry *r, size_t i) { return r->pipes[i]; }
 
+static uint32_t registry_hash(const char *id) {
+    uint32_t h = 2166136261u; /* FNV-1a */
+    for (; *id; id++) h = (h ^ (uint8_t)*id) * 16777619u;
+    return h % REGISTRY_BUCKETS;
+}
+
 struct worker *registry_worker_find(registry *r, const char *id) {
-    for (size_t i = 0; i < r->n_workers; i++)
-        if (strcmp(r->workers[i]->id, id) == 0) return r->workers[i];
+    for (struct worker *w = r->by_id[registry_hash(id)]; w; w = w->hnext)
+        if (strcmp(w->id, id) == 0) return w;
     return NULL;
 }
 
 struct pipeline *registry_pipeline_find(registry *r, uint32_t id) {
-    for (size_t i = 0; i < r->n_pipes; i++)
-        if (r->pipes[i]->id == id) return r->pipes[i];
+    for (struct pipeline *p = r->by_pid[id % REGISTRY_BUCKETS]; p; p = p->hnext)
+        if (p->id == id) return p;
     return NULL;
 }
 
@@ -87,10 +100,17 @@ static struct pipeline *registry_pipeline_new(registry *r, uint32_t id, uint32_t
     p->auto_placed = auto_placed;
     p->epoch = ++r->epoch;
     r->pipes[r->n_pipes++] = p;
+    p->hnext = r->by_pid[id % REGISTRY_BUCKETS];
+    r->by_pid[id % REGISTRY_BUCKETS] = p;
     return p;
 }
 
 static void registry_pipeline_remove(registry *r, struct pipeline *p) {
+    for (struct pipeline **pp = &r->by_pid[p->id % REGISTRY_BUCKETS]; *pp; pp = &(*pp)->hnext)
+        if (*pp == p) {
+            *pp = p->hnext;
+            break;
+        }
     for (size_t i = 0; i < r->n_pipes; i++)
         if (r->pipes[i] == p) {
             r->pipes[i] = r->pipes[--r->n_pipes];
@@ -110,6 +130,11 @@ static void registry_unslot(registry *r, struct worker *w) {
 
 static void registry_worker_remove(registry *r, struct worker *w) {
     registry_unslot(r, w);
+    for (struct worker **pp = &r->by_id[registry_hash(w->id)]; *pp; pp = &(*pp)->hnext)
+        if (*pp == w) {
+            *pp = w->hnext;
+            break;
+        }
     for (size_t i = 0; i < r->n_workers; i++)
         if (r->workers[i] == w) {
             r->workers[i] = r->workers[--r->n_workers];
@@ -332,6 +357,9 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
         if (!w) REG_REFUSE(LLM__ERROR__CODE__INTERNAL, "register %s: out of memory", id);
         r->workers[r->n_workers++] = w;
         registry_copy(w->id, sizeof w->id, id);
+        uint32_t b = registry_hash(w->id);
+        w->hnext = r->by_id[b];
+        r->by_id[b] = w;
     } else {
         registry_unslot(r, w);
     }

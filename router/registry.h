@@ -47,6 +47,7 @@ struct worker {
     /* The CURVE public key (Z85) it registered from, "" on an insecure
      * router: while it lives, its id belongs to this key. */
     char key[48];
+    struct worker *hnext; /* the registry's index by id */
 };
 
 struct pipeline {
@@ -58,6 +59,7 @@ struct pipeline {
     bool announce;     /* whole with a new epoch: tell every stage (RegisterReply) */
     char problem[256]; /* why a whole pipeline cannot serve ("" when it can) */
     void *ud;          /* the server's per-pipeline state */
+    struct pipeline *hnext; /* the registry's index by id */
 };
 
 typedef struct registry registry;
@@ -115,6 +117,7 @@ uint32_t registry_pipeline_step_seqs(const registry *r, const struct pipeline *p
 
 size_t registry_n_workers(const registry *r);
 struct worker *registry_worker_at(registry *r, size_t i);
+/* By id, in O(1): every step result names its worker and pipeline. */
 struct worker *registry_worker_find(registry *r, const char *id);
 size_t registry_n_pipelines(const registry *r);
 struct pipeline *registry_pipeline_at(registry *r, size_t i);

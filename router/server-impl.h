@@ -90,6 +90,8 @@ struct req {
 struct flight {
     uint64_t step_id;
     int64_t sent_ms;
+    int64_t sent_us;               /* server_mono_us(), for the step-time model */
+    int32_t n_prefill, n_decode;   /* the step's tokens */
     int32_t n;
     uint64_t *seq_ids;
     bool *want;
@@ -111,6 +113,13 @@ struct pipe {
     uint64_t gen_tokens, prompt_tokens, gen_mark, prompt_mark;
     double tok_s, prompt_tok_s;
     char last_problem[256];
+    /* Step time against prefill tokens, for the ITL target (docs/router.md,
+     * "Decode latency"): exponentially weighted sums of the steps with
+     * decodes, and the fitted line t = base_us + us_per_token * prefill. */
+    double fit_w, fit_p, fit_pp, fit_t, fit_pt;
+    double base_us, us_per_token; /* us_per_token 0: no fit yet */
+    int64_t last_result_us;
+    bool touched; /* in server.pipes_touched */
 };
 
 struct server {
@@ -149,6 +158,13 @@ struct server {
     uint64_t rate_gen_mark, rate_prompt_mark, gen_total, prompt_total;
     double tok_s, prompt_tok_s;
     int64_t idle_since_ms;         /* since when no pipeline takes work (0: some does) */
+    /* The loop's turns (docs/router.md, "Capacity"): pipelines that need
+     * pumping after this turn's results and requests, and whether the
+     * turn walks every pipeline (something other than results came). */
+    struct pipe **pipes_touched;
+    size_t n_pipes_touched, cap_pipes_touched;
+    bool loop_full;
+    int64_t last_full_ms;
 };
 
 /* ---- server.c: time, buffers, sending --------------------------------- */
@@ -196,6 +212,12 @@ void pipe_pump(server *s, struct pipe *pp);
 void pipes_sync(server *s);
 void pipes_assign(server *s);
 void pipes_pump(server *s);
+/* pp is pumped again at the end of this loop turn (pipes_pump_touched). */
+void pipe_touch(server *s, struct pipe *pp);
+void pipes_pump_touched(server *s);
+/* A step of pp came back at now_us (server_mono_us): its time feeds the
+ * step-time model behind the prefill cap. */
+void pipe_step_observed(server *s, struct pipe *pp, const struct flight *f, int64_t now_us);
 /* The pipelines that take new work (in service, not draining): how many,
  * and the largest KV capacity among them in tokens (-1 when none) with
  * its pipeline's id. */

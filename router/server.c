@@ -232,6 +232,7 @@ void server_free(server *s) {
     }
     free(s->queue);
     free(s->touched);
+    free(s->pipes_touched);
     free(s->scratch);
     free(s->detok_buf);
     zio_sock_close(s->cs);
@@ -307,11 +308,23 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
         if (rc > 0 && (revents[0] & ZMQ_POLLIN)) drain(s, s->ws, true, 1024);
         if (rc > 0 && (revents[1] & ZMQ_POLLIN)) drain(s, s->cs, false, 256);
         server_timers(s);
-        pipes_sync(s);
+        /* Each result has pumped its own pipeline, and new requests touch
+         * the pipelines they go to: a turn walks every pipeline only when
+         * something else came (a registration, a worker's new state) and
+         * every 50 ms (liveness, deadlines, cancels, the gauges), so that
+         * a result costs its own pipeline and not all of them. */
+        int64_t now_ms = server_mono_us() / 1000;
+        bool full = s->loop_full || now_ms - s->last_full_ms >= 50;
+        if (full) {
+            s->loop_full = false;
+            s->last_full_ms = now_ms;
+            pipes_sync(s);
+        }
         pipes_assign(s);
-        pipes_pump(s);
+        if (full) pipes_pump(s);
         req_flush_touched(s);
-        server_metrics_tick(s);
+        pipes_pump_touched(s);
+        if (full) server_metrics_tick(s);
     }
     server_log_stats(s);
     LOG(LL_INFO, "router: stopping");

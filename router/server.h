@@ -32,6 +32,7 @@ struct server_config {
     int retention_s;           /* finished requests are remembered this long */
     int claim_idle_ms;         /* another router's requests idle this long are taken over */
     int no_prefix_cache;       /* every prompt computed whole (--no-prefix-cache; docs/router.md) */
+    int itl_target_ms;         /* inter-token latency the prefill cap keeps (0: no cap; docs/router.md) */
     /* Security (docs/security.md).  Without insecure, curve_key_file (the
      * router's key pair), client_keys and worker_keys (allowlists: a file or
      * a directory of *.pub) are required. */

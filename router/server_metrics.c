@@ -17,6 +17,9 @@ static const double ttft_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
                                      0.5,   1,      2.5,   5,    10,    30,   60,  120};
 static const double itl_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075,
                                     0.1,    0.15,  0.2,    0.3,   0.5,  1,     2.5};
+/* Planning one step: microseconds normally, a millisecond is trouble. */
+static const double plan_bounds[] = {0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005,
+                                     0.0001,   0.00025,   0.0005,   0.001,   0.0025,   0.01};
 static const double e2e_bounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,  2.5,  5,
                                     10,   15,    20,   30,  40,   50,  60, 120, 300, 600};
 
@@ -30,6 +33,7 @@ struct server_metrics {
     metrics_series *running, *waiting, *kv_used, *kv_total, *pipelines, *redis;
     metrics_series *prompt_tokens, *gen_tokens, *preemptions;
     metrics_series *prefix_hits, *prefix_misses, *prefix_blocks;
+    metrics_series *plan, *capped;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
@@ -41,6 +45,7 @@ struct server_metrics {
      * can drop when a pipeline leaves: only rises are added. */
     uint64_t gen_mark, prompt_mark, preempt_mark;
     uint64_t hit_mark, miss_mark; /* prefix-cache totals, summed like preemptions */
+    uint64_t capped_mark;         /* prefill tokens the ITL target held back, likewise */
     /* /ready: written by the loop when it changes, read by the port. */
     pthread_mutex_t lock;
     char why[256]; /* "" when ready */
@@ -128,6 +133,10 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
             "Prompt tokens computed when their sequence was admitted with the prefix cache on."),
         DEF(METRICS_GAUGE, "llm_prefix_cache_blocks",
             "KV blocks published in the prefix caches of the pipelines in service (held or idle)."),
+        HIST("llm_router_step_plan_seconds", "Time the router took to plan one step.", plan_bounds),
+        DEF(METRICS_COUNTER, "llm_router_prefill_tokens_capped_total",
+            "Prefill tokens held back from steps with decodes to keep the inter-token latency "
+            "target (--itl-target-ms); later steps take them."),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -153,6 +162,8 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->prefix_hits = metrics_series_get(f[14], NULL);
     sm->prefix_misses = metrics_series_get(f[15], NULL);
     sm->prefix_blocks = metrics_series_get(f[16], NULL);
+    sm->plan = metrics_series_get(f[17], NULL);
+    sm->capped = metrics_series_get(f[18], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -193,7 +204,7 @@ void server_metrics_tick(server *s) {
     server_metrics *sm = s->cfg.metrics;
     if (!sm) return;
     int64_t running = 0, waiting = (int64_t)s->n_queue, used = 0, total = 0, in_service = 0;
-    uint64_t preempt = 0, hits = 0, misses = 0;
+    uint64_t preempt = 0, hits = 0, misses = 0, capped = 0;
     int64_t cached = 0;
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
         struct pipeline *p = registry_pipeline_at(s->reg, i);
@@ -206,6 +217,7 @@ void server_metrics_tick(server *s) {
         preempt += st.preemptions_total;
         hits += st.prefix_hit_tokens;
         misses += st.prefix_miss_tokens;
+        capped += st.prefill_capped_tokens;
         if (registry_pipeline_ready(s->reg, p) && !registry_pipeline_draining(s->reg, p)) {
             in_service++;
             used += st.blocks_used;
@@ -236,6 +248,8 @@ void server_metrics_tick(server *s) {
         if (n > sm->hs_mark[i]) metrics_counter_add(sm->hs_refused[i], (double)(n - sm->hs_mark[i]));
         sm->hs_mark[i] = n;
     }
+    if (capped > sm->capped_mark) metrics_counter_add(sm->capped, (double)(capped - sm->capped_mark));
+    sm->capped_mark = capped;
 
     char why[256] = "";
     if (!s->rs) {
@@ -264,6 +278,10 @@ void server_metrics_first_token(server_metrics *sm, int64_t created_ms, int64_t 
 
 void server_metrics_token_gap(server_metrics *sm, double seconds) {
     if (sm) metrics_histogram_observe(sm->itl, seconds);
+}
+
+void server_metrics_step_plan(server_metrics *sm, double seconds) {
+    if (sm) metrics_histogram_observe(sm->plan, seconds);
 }
 
 void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms) {

@@ -29,9 +29,9 @@ const char *server_metrics_ready(void *ud, char *buf, size_t size);
 
 /* ---- hooks, on the loop thread ------------------------------------------- */
 
-/* Once per loop turn: the gauges (requests running and waiting, KV blocks,
- * pipelines in service), the token and preemption counters (from the
- * server's own running totals) and the ready state. */
+/* Every 50 ms of the loop: the gauges (requests running and waiting, KV
+ * blocks, pipelines in service), the token, preemption and prefill-cap
+ * counters (from the server's own running totals) and the ready state. */
 void server_metrics_tick(server *s);
 /* A request's first token came, created_ms (wall clock) after it arrived. */
 void server_metrics_first_token(server_metrics *sm, int64_t created_ms, int64_t now_ms);
@@ -39,6 +39,8 @@ void server_metrics_first_token(server_metrics *sm, int64_t created_ms, int64_t 
 void server_metrics_token_gap(server_metrics *sm, double seconds);
 /* A request was placed on a pipeline for the first time. */
 void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms);
+/* The planning of one step took this long (router/server_pipes.c). */
+void server_metrics_step_plan(server_metrics *sm, double seconds);
 /* A request finished with a GenerateDone finish reason. */
 void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created_ms, int64_t done_ms);
 /* Refusals (docs/security.md): a Cancel (cancel true) or a re-attaching

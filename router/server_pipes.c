@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <inttypes.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,6 +60,11 @@ void pipe_on_drop(struct pipeline *p, void *ud) {
     server *s = ud;
     struct pipe *pp = p->ud;
     if (!pp) return;
+    for (size_t i = 0; pp->touched && i < s->n_pipes_touched; i++)
+        if (s->pipes_touched[i] == pp) {
+            s->pipes_touched[i] = s->pipes_touched[--s->n_pipes_touched];
+            pp->touched = false;
+        }
     pipe_teardown(s, pp, "all its workers are gone");
     pipe_free(pp);
     p->ud = NULL;
@@ -329,6 +335,7 @@ void pipes_assign(server *s) {
         q->step = 0;
         q->state = REQ_ASSIGNED;
         req_seq_put(s, q);
+        pipe_touch(s, best);
         s->queue[i] = NULL;
         if (!q->placed_once) server_metrics_scheduled(s->cfg.metrics, q->created_ms, server_now_ms());
         q->placed_once = true;
@@ -336,6 +343,55 @@ void pipes_assign(server *s) {
     for (size_t k = 0; k < s->n_queue; k++)
         if (s->queue[k]) s->queue[kept++] = s->queue[k];
     s->n_queue = kept;
+}
+
+/* The step-time model behind --itl-target-ms (docs/router.md, "Decode
+ * latency").  A step's time is taken from its result back to the later of
+ * its send and the pipeline's previous result: with one stage that is the
+ * round trip, and with several stages busy it is the time the step held
+ * the slowest stage, which is what the steps of one micro-batch cycle add
+ * up to in a sequence's inter-token gap.  Only steps carrying decodes are
+ * fitted (those are the steps the cap shapes), by least squares on
+ * prefill tokens, with each older step weighing PIPE_FIT_DECAY as much:
+ * the fit follows the last hundred or so steps, as batches and contexts
+ * drift. */
+#define PIPE_FIT_DECAY 0.99
+#define PIPE_FIT_MIN_STEPS 8.0
+
+void pipe_step_observed(server *s, struct pipe *pp, const struct flight *f, int64_t now_us) {
+    int64_t from = f->sent_us > pp->last_result_us ? f->sent_us : pp->last_result_us;
+    pp->last_result_us = now_us;
+    if (s->cfg.itl_target_ms <= 0 || f->n_decode == 0 || now_us <= from) return;
+    double t = (double)(now_us - from), p = (double)f->n_prefill;
+    pp->fit_w = PIPE_FIT_DECAY * pp->fit_w + 1.0;
+    pp->fit_p = PIPE_FIT_DECAY * pp->fit_p + p;
+    pp->fit_pp = PIPE_FIT_DECAY * pp->fit_pp + p * p;
+    pp->fit_t = PIPE_FIT_DECAY * pp->fit_t + t;
+    pp->fit_pt = PIPE_FIT_DECAY * pp->fit_pt + p * t;
+    if (pp->fit_w < PIPE_FIT_MIN_STEPS) return;
+    double mp = pp->fit_p / pp->fit_w, mt = pp->fit_t / pp->fit_w;
+    double var = pp->fit_pp / pp->fit_w - mp * mp;
+    /* Steps whose prefill hardly differs tell nothing of its cost: the last
+     * fit stays. */
+    if (var < 1.0) return;
+    double slope = (pp->fit_pt / pp->fit_w - mp * mt) / var;
+    /* Prefill that costs nothing measurable is never capped. */
+    pp->us_per_token = slope > 0 ? slope : 0;
+    pp->base_us = mt - slope * mp;
+}
+
+/* The prefill a step with decodes may carry and stay under the target's
+ * share of one step (the target over the stages: a sequence's gap spans
+ * one step per micro-batch); no cap while the target is off or the model
+ * has no fit yet. */
+static void pipe_set_cap(server *s, struct pipe *pp) {
+    int32_t cap = -1;
+    if (s->cfg.itl_target_ms > 0 && pp->us_per_token > 0) {
+        double bound = s->cfg.itl_target_ms * 1000.0 / (double)pp->p->stage_count;
+        double room = (bound - pp->base_us) / pp->us_per_token;
+        cap = room <= 0 ? 0 : room >= (double)INT32_MAX ? INT32_MAX : (int32_t)room;
+    }
+    sched_set_prefill_cap(pp->sched, cap);
 }
 
 /* Plans and sends steps until the pipeline has one in flight per stage or
@@ -347,6 +403,8 @@ void pipe_pump(server *s, struct pipe *pp) {
     for (;;) {
         int64_t t0 = server_mono_us();
         struct sched_step st;
+        if (pp->n_flights >= pp->max_flights) break;
+        pipe_set_cap(s, pp);
         int got = sched_plan(pp->sched, &st);
         for (int32_t k = 0; k < st.n_stuck && n_stuck < 16; k++) {
             struct req *q = req_by_seq(s, sched_seq_id(st.stuck[k]));
@@ -361,6 +419,8 @@ void pipe_pump(server *s, struct pipe *pp) {
         struct flight *f = &pp->flights[pp->n_flights];
         f->step_id = st.step_id;
         f->sent_ms = server_now_ms();
+        f->n_prefill = st.n_prefill_tokens;
+        f->n_decode = st.n_decode_tokens;
         f->n = st.n_seqs;
         for (int32_t k = 0; k < st.n_seqs; k++) {
             const struct sched_step_seq *ss = &st.seqs[k];
@@ -407,6 +467,7 @@ void pipe_pump(server *s, struct pipe *pp) {
             sched_step_done(pp->sched, st.step_id);
             break;
         }
+        f->sent_us = server_mono_us();
         for (uint32_t k = 0; k < p->stage_count; k++)
             if (p->stage[k]) server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len);
         free(buf);
@@ -415,7 +476,8 @@ void pipe_pump(server *s, struct pipe *pp) {
         s->prompt_total += (uint64_t)st.n_prefill_tokens;
         if (s->next_step_id <= st.step_id) s->next_step_id = st.step_id + 1;
         s->steps_total++;
-        double us = (double)(server_mono_us() - t0);
+        double us = (double)(f->sent_us - t0);
+        server_metrics_step_plan(s->cfg.metrics, us / 1e6);
         s->plan_us_sum += us;
         s->plan_n++;
         if (us > s->plan_us_max) s->plan_us_max = us;
@@ -431,6 +493,27 @@ void pipes_pump(server *s) {
         struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
         if (pp) pipe_pump(s, pp);
     }
+}
+
+void pipe_touch(server *s, struct pipe *pp) {
+    if (pp->touched) return;
+    if (server_grow((void **)&s->pipes_touched, &s->cap_pipes_touched, s->n_pipes_touched + 1,
+                    sizeof *s->pipes_touched) < 0) {
+        s->loop_full = true; /* out of memory: the turn pumps every pipeline instead */
+        return;
+    }
+    pp->touched = true;
+    s->pipes_touched[s->n_pipes_touched++] = pp;
+}
+
+void pipes_pump_touched(server *s) {
+    /* pipe_pump never touches a pipeline, so the list holds still. */
+    for (size_t i = 0; i < s->n_pipes_touched; i++) {
+        struct pipe *pp = s->pipes_touched[i];
+        pp->touched = false;
+        pipe_pump(s, pp);
+    }
+    s->n_pipes_touched = 0;
 }
 
 int32_t pipes_taking_work(server *s, int32_t *cap_max, uint32_t *cap_pid) {

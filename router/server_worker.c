@@ -60,6 +60,7 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
                                      &code, err, sizeof err)
                  : STATUS_BAD_INPUT;
     if (rc == 0) snprintf(w->key, sizeof w->key, "%s", s->peer_key);
+    s->loop_full = true; /* a pipeline may have formed, or changed */
     if (rc < 0) {
         LOG(LL_WARN, "%s", err);
         Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
@@ -117,8 +118,12 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
         }
         return;
     }
+    enum worker_state was = w ? w->state : WORKER_LOST;
     w = NULL;
     if (registry_heartbeat(s->reg, m, server_now_ms(), &w) == 0) {
+        /* A state change (ready, draining, failed) may put a pipeline in
+         * or out of service: the loop's next turn walks them all. */
+        if (w->state != was) s->loop_full = true;
         if (w->ident_len != ident_len || memcmp(w->ident, ident, ident_len) != 0) {
             memcpy(w->ident, ident, ident_len < sizeof w->ident ? ident_len : sizeof w->ident);
             w->ident_len = ident_len < sizeof w->ident ? ident_len : sizeof w->ident;
@@ -194,9 +199,12 @@ static void on_result(server *s, const Llm__StepResult *m) {
             const Llm__SeqResult *r = m->seqs[k];
             struct req *q = req_by_seq(s, r->seq_id);
             if (!q || q->step != m->step_id) continue;
+            /* Results come in plan order: the same slot, else a search. */
             bool want = false;
-            for (int32_t j = 0; j < f->n; j++)
-                if (f->seq_ids[j] == r->seq_id) want = f->want[j];
+            if (k < (size_t)f->n && f->seq_ids[k] == r->seq_id) want = f->want[k];
+            else
+                for (int32_t j = 0; j < f->n; j++)
+                    if (f->seq_ids[j] == r->seq_id) want = f->want[j];
             q->step = 0;
             if (r->error && r->error->code != LLM__ERROR__CODE__OK) {
                 if (++q->failures >= SERVER_FAILURES_MAX)
@@ -226,12 +234,16 @@ static void on_result(server *s, const Llm__StepResult *m) {
         }
     }
     sched_step_done(pp->sched, m->step_id);
+    if (!failed) pipe_step_observed(s, pp, f, t0);
     /* Swap whole slots, so that each keeps its own arrays. */
     struct flight tmp = pp->flights[fi];
     pp->flights[fi] = pp->flights[pp->n_flights - 1];
     pp->flights[pp->n_flights - 1] = tmp;
     pp->n_flights--;
     pipe_pump(s, pp);
+    /* Again after the turn's writes and sends: a request that ended there
+     * may have left room. */
+    pipe_touch(s, pp);
     s->turn_us_sum += (double)(server_mono_us() - t0);
     s->turn_n++;
 }
