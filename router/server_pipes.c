@@ -476,7 +476,9 @@ void pipe_pump(server *s, struct pipe *pp) {
         s->prompt_total += (uint64_t)st.n_prefill_tokens;
         if (s->next_step_id <= st.step_id) s->next_step_id = st.step_id + 1;
         s->steps_total++;
-        double us = (double)(f->sent_us - t0);
+        /* Planning through the sends, as Status's plan_us has always
+         * counted it: packing and queueing the plan are its cost too. */
+        double us = (double)(server_mono_us() - t0);
         server_metrics_step_plan(s->cfg.metrics, us / 1e6);
         s->plan_us_sum += us;
         s->plan_n++;
