@@ -331,6 +331,10 @@ int32_t sched_prefill_floor(const sched *s) {
     return f < s->cfg.step_tokens ? f : s->cfg.step_tokens;
 }
 
+/* A capped step takes at least this fraction (1/N) of the prompt tokens
+ * the running sequences have left to prefill. */
+#define SCHED_PREFILL_SPREAD 4
+
 /* A running sequence with at most its next input left: it is decoding (or
  * its last prefill chunk is in flight and its first token comes next). */
 static bool sched_decoding(const struct sched_seq *q) {
@@ -344,10 +348,14 @@ int sched_plan(sched *s, struct sched_step *step) {
 
     int32_t n_cand = 0;
     bool decoding = false;
+    int64_t backlog = 0; /* prompt tokens the running sequences still have to prefill */
     for (int32_t i = 0; i < s->n_all; i++) {
         struct sched_seq *q = s->all[i];
         decoding = decoding || sched_decoding(q);
-        if (q->running && !q->inflight && q->table.n_tokens < q->n_tokens) s->cands[n_cand++] = q;
+        if (q->running && !q->inflight && q->table.n_tokens < q->n_tokens) {
+            s->cands[n_cand++] = q;
+            if (q->n_tokens - q->table.n_tokens > 1) backlog += q->n_tokens - q->table.n_tokens;
+        }
     }
     if (n_cand == 0) return 0;
     qsort(s->cands, (size_t)n_cand, sizeof *s->cands, sched_cmp_cand);
@@ -366,8 +374,15 @@ int sched_plan(sched *s, struct sched_step *step) {
      * that two prompts never count the same budget twice). */
     int32_t pf_room = budget, held = 0;
     if (decoding && s->prefill_cap >= 0) {
+        /* The floor keeps prompts moving when decodes alone take the
+         * target; the spread keeps prefill up with its arrivals, so that a
+         * cap below what the prompts bring never lets them pile up (and
+         * the batch empty out): a burst goes out over SCHED_PREFILL_SPREAD
+         * steps instead of one. */
         int32_t floor = sched_prefill_floor(s);
+        int64_t spread = (backlog + SCHED_PREFILL_SPREAD - 1) / SCHED_PREFILL_SPREAD;
         pf_room = s->prefill_cap > floor ? s->prefill_cap : floor;
+        if (spread > pf_room) pf_room = spread < budget ? (int32_t)spread : budget;
     }
 
     for (int32_t c = 0; c < n_cand && n_out < per_step && budget > 0; c++) {

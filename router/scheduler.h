@@ -131,9 +131,11 @@ int sched_step_done(sched *s, uint64_t step_id);
 /* Bounds the prefill a step carries while some running sequence is
  * decoding, so that the step stays short enough for their inter-token
  * latency (docs/router.md, "Decode latency"): at most max_tokens of
- * prefill chunks, but never less than sched_prefill_floor, so that the
- * first prompt in line moves on every step.  Steps while no sequence
- * decodes take the whole token budget.  max_tokens < 0: no cap (the
+ * prefill chunks, but never less than sched_prefill_floor (so that the
+ * first prompt in line moves on every step) nor than a quarter of the
+ * prompt tokens the running sequences have left (so that prefill keeps up
+ * with the prompts coming in: a burst is spread over four steps).  Steps
+ * while no sequence decodes take the whole token budget.  max_tokens < 0: no cap (the
  * initial state).  Prefill keeps its order: the chunks still go to the
  * waiting prompts by priority, then arrival. */
 void sched_set_prefill_cap(sched *s, int32_t max_tokens);

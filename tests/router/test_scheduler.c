@@ -497,25 +497,44 @@ TEST(scheduler_prefill_cap_applies_while_decoding) {
     sched *s = mk(256, 4, 256, 8, 1);
     ASSERT_EQ(16, sched_prefill_floor(s)); /* 256 / 16 */
     struct sched_seq *a = start_decoding(s, 1);
-    add(s, 2, 0, 200);
+    add(s, 2, 0, 100);
     sched_set_prefill_cap(s, 40);
     struct sched_step st;
     ASSERT_EQ(1, sched_plan(s, &st));
     ASSERT_EQ(1, st.n_decode_tokens);
-    ASSERT_EQ(40, st.n_prefill_tokens);
+    ASSERT_EQ(40, st.n_prefill_tokens); /* above the floor and a quarter of 100 */
     ASSERT_EQ(40, find(&st, 2)->n_tokens);
     struct sched_stats ss;
     sched_get_stats(s, &ss);
     ASSERT_EQ(1, (int)ss.steps_capped);
-    ASSERT_EQ(200 - 40, (int)ss.prefill_capped_tokens); /* the prompt fitted the 255 left */
+    ASSERT_EQ(100 - 40, (int)ss.prefill_capped_tokens); /* the prompt fitted the 255 left */
     ASSERT_OK(sched_step_done(s, st.step_id));
     ASSERT_OK(sched_append(s, a, 51));
     /* No cap: the rest of the prompt in one chunk. */
     sched_set_prefill_cap(s, -1);
     ASSERT_EQ(1, sched_plan(s, &st));
-    ASSERT_EQ(160, find(&st, 2)->n_tokens);
+    ASSERT_EQ(60, find(&st, 2)->n_tokens);
     sched_get_stats(s, &ss);
     ASSERT_EQ(1, (int)ss.steps_capped);
+    sched_free(s);
+}
+
+TEST(scheduler_prefill_cap_spreads_a_burst) {
+    /* Below a quarter of what the prompts have left, the cap gives way:
+     * prefill keeps up with the prompts instead of piling them up. */
+    sched *s = mk(256, 4, 256, 8, 1);
+    struct sched_seq *a = start_decoding(s, 1);
+    add(s, 2, 0, 400);
+    sched_set_prefill_cap(s, 0);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(100, find(&st, 2)->n_tokens);
+    struct sched_seq *q = find(&st, 2)->seq;
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 51));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(75, find(&st, 2)->n_tokens); /* a quarter of the 300 left */
+    ASSERT_TRUE(find(&st, 2)->seq == q);
     sched_free(s);
 }
 
@@ -558,7 +577,8 @@ TEST(scheduler_prefill_cap_keeps_order) {
 
 TEST(scheduler_prefill_cap_never_starves) {
     /* A cap of 0 (decodes alone over the target) still moves the first
-     * prompt in line by the floor every step, the others after it. */
+     * prompt in line every step, by the floor or a quarter of what is
+     * left, whichever is more, and the others after it. */
     sched *s = mk(512, 4, 256, 8, 1);
     struct sched_seq *a = start_decoding(s, 1);
     add(s, 2, 0, 100);
@@ -570,8 +590,8 @@ TEST(scheduler_prefill_cap_never_starves) {
         ASSERT_EQ(1, sched_plan(s, &st));
         steps++;
         ASSERT_TRUE(find(&st, 1) != NULL);
-        int32_t rest = 120 - done2 - done3;
-        ASSERT_EQ(rest < 16 ? rest : 16, st.n_prefill_tokens);
+        int32_t rest = 120 - done2 - done3, want = (rest + 3) / 4 > 16 ? (rest + 3) / 4 : 16;
+        ASSERT_EQ(rest < want ? rest : want, st.n_prefill_tokens);
         /* Once through its prompt, 2 decodes: only its chunks count. */
         const struct sched_step_seq *p2 = done2 < 100 ? find(&st, 2) : NULL, *p3 = find(&st, 3);
         if (done2 < 100) ASSERT_TRUE(p2 != NULL);
@@ -583,9 +603,9 @@ TEST(scheduler_prefill_cap_never_starves) {
         ASSERT_OK(sched_append(s, a, 60 + steps));
         if (q2 && done2 == 100) ASSERT_OK(sched_append(s, q2, 7));
         if (q3 && done3 == 20) ASSERT_OK(sched_append(s, q3, 8));
-        ASSERT_TRUE(steps <= 8);
+        ASSERT_TRUE(steps <= 8); /* 120 tokens at 16 a step at least */
     }
-    ASSERT_EQ(8, steps); /* 120 tokens, 16 a step: 7 full, 8 in the last */
+    ASSERT_EQ(7, steps); /* 30, 23, 17, 16, 16, 16, 2 */
     sched_free(s);
 }
 
@@ -598,5 +618,5 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_never_fitting_sequences, scheduler_partial_chunk_when_blocks_are_short,
           scheduler_prefix_cache_maps_computed_blocks, scheduler_prefix_cache_survives_preemption,
           scheduler_prefix_cache_off_by_default, scheduler_prefill_cap_applies_while_decoding,
-          scheduler_prefill_cap_idle_without_decodes, scheduler_prefill_cap_keeps_order,
+          scheduler_prefill_cap_spreads_a_burst, scheduler_prefill_cap_idle_without_decodes, scheduler_prefill_cap_keeps_order,
           scheduler_prefill_cap_never_starves)
