@@ -113,6 +113,10 @@ int main(int argc, char **argv) {
          "a step without a result this long re-forms its pipeline", &c.step_timeout_ms, 10, 86400000, NULL},
         {"retention-s", "LLM_RETENTION_S", OPTION_INT, "3600",
          "finished requests are remembered (re-attach) this long", &c.retention_s, 1, 100000000, NULL},
+        {"client-gone-ms", "LLM_CLIENT_GONE_MS", OPTION_INT, "5000",
+         "a request whose client is unreachable this long (its connection closed or stopped reading) "
+         "is cancelled and its KV freed; a re-attach within it carries on (0: never)", &c.client_gone_ms,
+         0, 86400000, NULL},
         {"claim-idle-ms", "LLM_CLAIM_IDLE_MS", OPTION_INT, "0",
          "at start, take over another router's requests idle this long", &c.claim_idle_ms, 0, 86400000, NULL},
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,

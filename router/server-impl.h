@@ -85,7 +85,17 @@ struct req {
     bool finish_stored;            /* reqstore_finish succeeded */
     bool touched, finishing;
     bool stall_told;               /* its client heard that no pipeline can run it */
+    int64_t client_seen_ms;        /* its client's latest Generate for it (0: not yet looked at) */
 };
+
+/* A client connection a send failed to (gone, or not reading), since when. */
+struct gone {
+    uint8_t ident[256];
+    size_t ident_len;
+    int64_t since_ms;
+    struct gone *next;
+};
+#define SERVER_GONE_BUCKETS 64
 
 struct flight {
     uint64_t step_id;
@@ -165,6 +175,11 @@ struct server {
     size_t n_pipes_touched, cap_pipes_touched;
     bool loop_full;
     int64_t last_full_ms;
+    /* Clients gone (docs/router.md, "Clients that go away"). */
+    struct gone *gone[SERVER_GONE_BUCKETS];
+    size_t n_gone;
+    uint64_t clients_gone;         /* requests cancelled because their client went away */
+    int64_t last_gone_ms, last_probe_ms;
 };
 
 /* ---- server.c: time, buffers, sending --------------------------------- */
@@ -173,7 +188,9 @@ int64_t server_now_ms(void);   /* wall clock (deadlines are Unix ms) */
 int64_t server_mono_us(void);  /* for measuring the loop's own cost */
 /* Grows *p to hold at least want elements of elem bytes (doubling). */
 int server_grow(void **p, size_t *cap, size_t want, size_t elem);
-/* Never block: a dropped client send is counted, the client re-attaches. */
+/* Never block: a dropped client send is counted, the client re-attaches.
+ * A send that fails because the connection is gone or full starts its
+ * client's grace (server_clients_gone); one that goes through ends it. */
 void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__ClientEnvelope *env);
 void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                               Llm__Error__Code code, const char *rid, const char *msg,

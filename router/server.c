@@ -45,6 +45,49 @@ int server_grow(void **p, size_t *cap, size_t want, size_t elem) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Clients that go away: the connections a send failed to, by routing id */
+
+static uint32_t gone_hash(const uint8_t *p, size_t n) {
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 16777619u;
+    return h % SERVER_GONE_BUCKETS;
+}
+
+static struct gone **gone_find(server *s, const uint8_t *ident, size_t ident_len) {
+    struct gone **pp = &s->gone[gone_hash(ident, ident_len)];
+    for (; *pp; pp = &(*pp)->next)
+        if ((*pp)->ident_len == ident_len && memcmp((*pp)->ident, ident, ident_len) == 0) break;
+    return pp;
+}
+
+/* The connection took a message, or sent one: it is there. */
+static void gone_clear(server *s, const uint8_t *ident, size_t ident_len) {
+    if (s->n_gone == 0) return;
+    struct gone **pp = gone_find(s, ident, ident_len), *g = *pp;
+    if (!g) return;
+    *pp = g->next;
+    free(g);
+    s->n_gone--;
+}
+
+/* A send to the connection failed: it closed (ZMQ_ROUTER_MANDATORY says
+ * EHOSTUNREACH once ZeroMQ has dropped its routing id) or it stopped
+ * reading (its high-water mark is reached: EAGAIN).  The first failure
+ * starts the clock. */
+static void gone_mark(server *s, const uint8_t *ident, size_t ident_len) {
+    if (ident_len > sizeof ((struct gone *)0)->ident) return;
+    struct gone **pp = gone_find(s, ident, ident_len);
+    if (*pp) return;
+    struct gone *g = calloc(1, sizeof *g);
+    if (!g) return;
+    memcpy(g->ident, ident, ident_len);
+    g->ident_len = ident_len;
+    g->since_ms = server_now_ms();
+    *pp = g;
+    s->n_gone++;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Sending */
 
 void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__ClientEnvelope *env) {
@@ -58,9 +101,13 @@ void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__
     }
     struct zio_frame f[2] = {{ident, ident_len, NULL, NULL}, {buf, len, proto_buf_free, NULL}};
     /* Never block the loop on a slow client: it re-attaches for what it missed. */
-    if (zio_send(s->cs, f, 2, ZMQ_DONTWAIT) < 0) {
+    int rc = zio_send(s->cs, f, 2, ZMQ_DONTWAIT);
+    if (rc < 0) {
         s->sends_dropped++;
         LOG(LL_DEBUG, "client send dropped: %s", zio_errstr(s->cs));
+        if (rc == STATUS_UNAVAILABLE || rc == STATUS_EXHAUSTED) gone_mark(s, ident, ident_len);
+    } else {
+        gone_clear(s, ident, ident_len);
     }
 }
 
@@ -188,6 +235,10 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
      * authenticated registration and heartbeats. */
     zio_set_int(s->ws, ZMQ_ROUTER_HANDOVER, cfg->insecure ? 1 : 0);
     zio_set_int(s->cs, ZMQ_ROUTER_HANDOVER, 1);
+    /* A send to a client connection that has closed fails (EHOSTUNREACH)
+     * instead of vanishing, and one to a full connection says EAGAIN: both
+     * start the grace after which its requests are cancelled. */
+    zio_set_int(s->cs, ZMQ_ROUTER_MANDATORY, 1);
     if ((rc = server_secure(s, err, errlen)) < 0) goto fail;
     if ((rc = zio_bind(s->cs, cfg->listen)) < 0) {
         snprintf(err, errlen, "router: client endpoint: %s", zio_errstr(s->cs));
@@ -230,6 +281,11 @@ void server_free(server *s) {
         next = q->next;
         req_free(q);
     }
+    for (int i = 0; i < SERVER_GONE_BUCKETS; i++)
+        for (struct gone *g = s->gone[i], *next; g; g = next) {
+            next = g->next;
+            free(g);
+        }
     free(s->queue);
     free(s->touched);
     free(s->pipes_touched);
@@ -251,7 +307,8 @@ const char *server_worker_endpoint(const server *s) { return zio_endpoint(s->ws)
 void server_log_stats(server *s) {
     LOG(LL_INFO, "router: %llu requests, %llu steps; per step: planning %.1f us mean (%.1f max), "
         "result-to-next-plans %.1f us mean; %llu frames rejected, %llu client sends dropped, %llu stale results; "
-        "refused: %llu client and %llu worker handshakes, %llu worker messages from a key not the id's",
+        "refused: %llu client and %llu worker handshakes, %llu worker messages from a key not the id's; "
+        "%llu requests cancelled because their client went away",
         (unsigned long long)s->requests_total, (unsigned long long)s->steps_total,
         s->plan_n ? s->plan_us_sum / (double)s->plan_n : 0.0, s->plan_us_max,
         s->turn_n ? s->turn_us_sum / (double)s->turn_n : 0.0,
@@ -259,7 +316,72 @@ void server_log_stats(server *s) {
         (unsigned long long)s->stale_results,
         (unsigned long long)(s->zap ? zio_zap_refused(s->zap, "clients") : 0),
         (unsigned long long)(s->zap ? zio_zap_refused(s->zap, "workers") : 0),
-        (unsigned long long)s->workers_refused);
+        (unsigned long long)s->workers_refused, (unsigned long long)s->clients_gone);
+}
+
+/* An empty chunk (no tokens, no text, at a position the client has) for a
+ * request that has nothing to stream for now: queued, in prefill, or not
+ * streaming.  Clients drop a chunk whose tokens they have (docs/protocol.md),
+ * so it changes nothing there; its send failing is how the router learns that
+ * such a request's client has gone. */
+static void probe_client(server *s, struct req *q) {
+    Llm__GenerateChunk c = LLM__GENERATE_CHUNK__INIT;
+    c.request_id = q->id;
+    c.index = q->stream ? (uint32_t)q->n_sent : 0;
+    c.text = "";
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_CHUNK;
+    env.chunk = &c;
+    server_send_client(s, q->ident, q->ident_len, &env);
+}
+
+/* Cancels the unfinished requests whose client has gone for
+ * cfg.client_gone_ms: its connection refused their chunks (or took none)
+ * that long, or they have had no connection (recovered after a restart)
+ * that long, and no Generate re-attached them meanwhile.  A re-attach from
+ * another connection moves the request there, which ends its grace. */
+static void server_clients_gone(server *s) {
+    int64_t grace = s->cfg.client_gone_ms;
+    int64_t now = server_now_ms();
+    if (grace <= 0 || now - s->last_gone_ms < 100) return;
+    s->last_gone_ms = now;
+    int64_t probe_every = grace / 2 < 1000 ? grace / 2 : 1000;
+    bool probe = now - s->last_probe_ms >= probe_every;
+    if (probe) s->last_probe_ms = now;
+    for (struct req *q = s->all; q; q = q->next) {
+        if (q->state == REQ_DONE || q->finishing) continue;
+        if (q->client_seen_ms == 0) q->client_seen_ms = now;
+        int64_t since = q->client_seen_ms; /* the client was known to be there */
+        if (q->ident_len > 0) {
+            struct gone *g = s->n_gone ? *gone_find(s, q->ident, q->ident_len) : NULL;
+            if (probe && (!q->stream || q->n_out == 0)) {
+                probe_client(s, q);
+                if (!g && s->n_gone) g = *gone_find(s, q->ident, q->ident_len);
+            }
+            if (!g) continue;
+            if (g->since_ms > since) since = g->since_ms;
+        }
+        if (now - since < grace) continue;
+        s->clients_gone++;
+        char msg[160];
+        snprintf(msg, sizeof msg, "its client went away: unreachable for %lld ms (--client-gone-ms %d)",
+                 (long long)(now - since), s->cfg.client_gone_ms);
+        LOG(LL_INFO, "request %s: cancelled after %d tokens: %s", q->id, q->n_out, msg);
+        req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, -1, NULL, LLM__ERROR__CODE__CANCELLED, msg);
+    }
+    /* Every request of a connection gone this long has been cancelled or
+     * moved: its entry is no longer needed. */
+    for (int i = 0; i < SERVER_GONE_BUCKETS; i++)
+        for (struct gone **pp = &s->gone[i]; *pp;) {
+            struct gone *g = *pp;
+            if (now - g->since_ms > 2 * grace + 1000) {
+                *pp = g->next;
+                free(g);
+                s->n_gone--;
+            } else {
+                pp = &g->next;
+            }
+        }
 }
 
 /* Reads up to max messages from a ROUTER socket without waiting. */
@@ -289,7 +411,10 @@ static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
             continue;
         }
         if (workers) server_on_worker_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
-        else server_on_client_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
+        else {
+            gone_clear(s, ident, ident_len);
+            server_on_client_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
+        }
     }
     s->peer_key = ""; /* it pointed into the frames freed here */
     zio_parts_free(&in);
@@ -308,6 +433,7 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
         if (rc > 0 && (revents[0] & ZMQ_POLLIN)) drain(s, s->ws, true, 1024);
         if (rc > 0 && (revents[1] & ZMQ_POLLIN)) drain(s, s->cs, false, 256);
         server_timers(s);
+        server_clients_gone(s);
         /* Each result has pumped its own pipeline, and new requests touch
          * the pipelines they go to: a turn walks every pipeline only when
          * something else came (a registration, a worker's new state) and

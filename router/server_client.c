@@ -133,6 +133,7 @@ static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, co
                                  0);
         return;
     }
+    q->client_seen_ms = server_now_ms(); /* its client is there: the grace starts over */
     int32_t cap;
     uint32_t pid;
     if (q->state == REQ_QUEUED && !q->finishing && pipes_taking_work(s, &cap, &pid) == 0) {
