@@ -1,0 +1,99 @@
+/* llm-cluster's private state and helpers, shared by its files: the
+ * command and its subcommands (cmd_cluster.c), starting the cluster in
+ * order (cluster_up.c), the run dir's files (cluster_files.c) and its
+ * processes (cluster_proc.c).  Only router/cmd_cluster.c and
+ * router/cluster_*.c include this. */
+#ifndef ROUTER_CLUSTER_IMPL_H
+#define ROUTER_CLUSTER_IMPL_H
+
+#include "router/client.h"
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define CL_PROCS_MAX 512
+#define CL_ARGS_MAX 96
+
+/* One process `up` started: its name in the run dir (name.pid, name.log)
+ * and what its command line must show before `down` signals a pid, so
+ * that a pid reused by an unrelated process is never killed. */
+struct cl_proc {
+    char name[64];
+    char program[32]; /* "llm-worker", "llm-router", "llm-gateway", "redis-server" */
+    pid_t pid;
+    int metrics_port; /* its /metrics on 127.0.0.1, 0 for none (Redis) */
+};
+
+struct cl_up {
+    const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args, *api_keys_file;
+    int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port, routers;
+    bool insecure;
+    char dir[PATH_MAX];     /* run dir, absolute */
+    char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX], bin_gateway[PATH_MAX];
+    char http_url[128];     /* the gateway's base URL, "" without --http-port */
+    char redis_url[128];
+    char endpoint[128];     /* the first router's client endpoint */
+    char endpoints[640];    /* every router's, comma-separated (LLM_ROUTER) */
+    struct cl_proc procs[CL_PROCS_MAX];
+    int n_procs;
+};
+
+/* The pid files of a run dir, in the order down stops them: the gateway,
+ * the workers, the router, then Redis. */
+struct cl_pidfile {
+    char name[64];
+    char program[32];
+    pid_t pid;
+};
+
+/* ---- the run dir's files (cluster_files.c) -------------------------------- */
+
+/* Errors go to a caller's err buffer (errlen bytes) with a negative
+ * status; functions without one return only the status. */
+void cl_fmt(char *out, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+int cl_write_file(const char *path, const char *text);
+void cl_last_line(const char *path, char *out, size_t size);
+int cl_mkdirs(const char *path, char *err, size_t errlen);
+int cl_find_sibling(const char *name, const char *folder, char *out, size_t size, char *err, size_t errlen);
+int cl_find_redis(char *out, size_t size, char *err, size_t errlen);
+int cl_check_model(const char *path, char *err, size_t errlen);
+void cl_key_path(char *out, size_t size, const char *dir, const char *which);
+int cl_make_keys(struct cl_up *u, char *err, size_t errlen);
+void cl_client_keys(const char *dir, struct llm_client_config *cfg, char *key, char *router, size_t size);
+int cl_write_env(struct cl_up *u);
+int cl_api_key_ensure(const char *path, char *err, size_t errlen);
+int cl_write_targets(struct cl_up *u, char *err, size_t errlen);
+
+/* ---- processes (cluster_proc.c) ------------------------------------------- */
+
+int64_t cl_now_ms(void);
+void cl_sleep_ms(int ms);
+int cl_spawn(struct cl_up *u, const char *name, const char *program, char *const argv[], char *err, size_t errlen);
+bool cl_pid_is(pid_t pid, const char *program);
+void cl_stop_pid(pid_t pid, const char *program, int grace_ms);
+void cl_stop_all(struct cl_up *u);
+struct cl_proc *cl_find_dead(struct cl_up *u, int *wstatus);
+void cl_report_dead(struct cl_up *u, const struct cl_proc *p, int wstatus, const char *when);
+int cl_add_words(char **argv, int n, char *words, char *err, size_t errlen);
+int cl_gpu_count(void);
+int cl_port_free(const char *option, int port, char *err, size_t errlen);
+int cl_free_port(char *err, size_t errlen);
+int cl_http_status(int port, const char *path);
+/* The pid files of dir into out (at most max), in the order down stops
+ * them; -1 with errno when dir cannot be read. */
+int cl_read_pidfiles(const char *dir, struct cl_pidfile *out, int max);
+/* Some process running from a run dir's pid files, or 0. */
+pid_t cl_running_pid(const char *dir, char *name, size_t size);
+
+/* ---- up (cluster_up.c) ---------------------------------------------------- */
+
+/* Starts Redis (unless u->redis), the routers and the workers of u, waits
+ * until every pipeline serves, then the gateway (with u->http_port) and
+ * writes the run dir's files.  On failure the processes it started stay in
+ * u->procs for cl_stop_all. */
+int cl_up_run(struct cl_up *u, char *err, size_t errlen);
+
+#endif

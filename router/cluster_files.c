@@ -1,0 +1,301 @@
+/* llm-cluster's run dir: its files (env.sh, the endpoint, keys, the API
+ * key, prometheus-targets.json), the programs it starts and the model it
+ * checks before starting anything. */
+#include "router/cluster-impl.h"
+
+#include "common/keys.h"
+#include "common/status.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* vsnprintf-based formatting: paths and messages here may be cut to fit
+ * their buffer (a cut message is still a message; a cut path fails to open). */
+void cl_fmt(char *out, size_t size, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out, size, fmt, ap);
+    va_end(ap);
+}
+
+/* ---- files ---------------------------------------------------------------- */
+
+int cl_write_file(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (!f) return STATUS_IO;
+    fputs(text, f);
+    return fclose(f) == 0 ? 0 : STATUS_IO;
+}
+
+/* The last non-empty line of a log file into out ("" when none). */
+void cl_last_line(const char *path, char *out, size_t size) {
+    out[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        size_t n = strlen(line);
+        while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
+        if (n) cl_fmt(out, size, "%s", line);
+    }
+    fclose(f);
+}
+
+/* mkdir -p */
+int cl_mkdirs(const char *path, char *err, size_t errlen) {
+    char tmp[PATH_MAX];
+    cl_fmt(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1;; p++) {
+        if (*p == '/' || *p == 0) {
+            char c = *p;
+            *p = 0;
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+                cl_fmt(err, errlen, "run dir %s: mkdir %s: %s", path, tmp, strerror(errno));
+                return STATUS_IO;
+            }
+            *p = c;
+            if (!c) break;
+        }
+    }
+    return 0;
+}
+
+/* A program next to this one (an installed bin/), else in the build tree's
+ * folder for it (build/router/llm-cluster -> build/worker/llm-worker). */
+int cl_find_sibling(const char *name, const char *folder, char *out, size_t size, char *err,
+                    size_t errlen) {
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) {
+        cl_fmt(err, errlen, "/proc/self/exe: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    self[n] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = 0;
+    cl_fmt(out, size, "%s/%s", self, name);
+    if (access(out, X_OK) == 0) return 0;
+    cl_fmt(out, size, "%s/../%s/%s", self, folder, name);
+    if (access(out, X_OK) == 0) return 0;
+    cl_fmt(err, errlen, "%s not found next to %s or in %s/../%s (build it first)", name, self, self, folder);
+    return STATUS_NOT_FOUND;
+}
+
+/* redis-server from $LLM_REDIS_SERVER or PATH. */
+int cl_find_redis(char *out, size_t size, char *err, size_t errlen) {
+    const char *env = getenv("LLM_REDIS_SERVER");
+    if (env && *env) {
+        cl_fmt(out, size, "%s", env);
+        if (access(out, X_OK) == 0) return 0;
+        cl_fmt(err, errlen, "LLM_REDIS_SERVER=%s is not an executable", env);
+        return STATUS_NOT_FOUND;
+    }
+    const char *path = getenv("PATH");
+    if (!path) path = "/usr/bin:/bin";
+    for (const char *p = path; *p;) {
+        const char *e = strchr(p, ':');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        cl_fmt(out, size, "%.*s/redis-server", (int)len, p);
+        if (len && access(out, X_OK) == 0) return 0;
+        p += len + (e ? 1 : 0);
+    }
+    cl_fmt(err, errlen, "redis-server not found in PATH (install redis-server, set LLM_REDIS_SERVER, "
+             "or give --redis URL)");
+    return STATUS_NOT_FOUND;
+}
+
+int cl_check_model(const char *path, char *err, size_t errlen) {
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        cl_fmt(err, errlen, "--model %s: %s", path, strerror(errno));
+        return STATUS_NOT_FOUND;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        char cfg[PATH_MAX + 16];
+        cl_fmt(cfg, sizeof cfg, "%s/config.json", path);
+        if (access(cfg, R_OK) != 0) {
+            cl_fmt(err, errlen, "--model %s: a directory without a readable config.json (%s)", path,
+                     strerror(errno));
+            return STATUS_NOT_FOUND;
+        }
+        return 0;
+    }
+    int fd = open(path, O_RDONLY);
+    char magic[4];
+    if (fd < 0) {
+        cl_fmt(err, errlen, "--model %s: %s", path, strerror(errno));
+        return STATUS_IO;
+    }
+    ssize_t n = read(fd, magic, 4);
+    close(fd);
+    if (n != 4 || memcmp(magic, "GGUF", 4) != 0) {
+        cl_fmt(err, errlen, "--model %s: not a GGUF file (no GGUF magic in its first 4 bytes)", path);
+        return STATUS_BAD_INPUT;
+    }
+    return 0;
+}
+
+/* The key files of a run dir (docs/security.md). */
+void cl_key_path(char *out, size_t size, const char *dir, const char *which) {
+    cl_fmt(out, size, "%s/keys/%s", dir, which);
+}
+
+/* dir/NAME.key and .pub: kept when there from an earlier `up` in this run
+ * dir (a client may hold them), else made now. */
+static int cl_key_ensure(const char *dir, const char *name, char *err, size_t errlen) {
+    char path[PATH_MAX + 80];
+    cl_fmt(path, sizeof path, "%s/%s.key", dir, name);
+    struct keys_pair kp;
+    if (access(path, F_OK) == 0) return keys_pair_load(path, &kp, err, errlen);
+    int rc = keys_pair_generate(&kp, err, errlen);
+    if (rc == 0) rc = keys_pair_write(dir, name, &kp, err, errlen);
+    memset(&kp, 0, sizeof kp);
+    return rc;
+}
+
+/* Keys for the router, one client (env.sh's) and each worker. */
+int cl_make_keys(struct cl_up *u, char *err, size_t errlen) {
+    char dir[PATH_MAX + 32], sub[PATH_MAX + 48];
+    cl_fmt(dir, sizeof dir, "%s/keys", u->dir);
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        cl_fmt(err, errlen, "%s: %s", dir, strerror(errno));
+        return STATUS_IO;
+    }
+    int rc = cl_key_ensure(dir, "router", err, errlen);
+    cl_fmt(sub, sizeof sub, "%s/clients", dir);
+    if (rc == 0) rc = cl_key_ensure(sub, "client", err, errlen);
+    if (rc == 0 && u->http_port > 0) rc = cl_key_ensure(sub, "gateway", err, errlen);
+    cl_fmt(sub, sizeof sub, "%s/workers", dir);
+    for (int p = 0; rc == 0 && p < u->pipelines; p++) {
+        for (int s = 0; rc == 0 && s < u->stages; s++) {
+            char name[64];
+            cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
+            rc = cl_key_ensure(sub, name, err, errlen);
+        }
+    }
+    return rc;
+}
+
+/* The client settings of a run dir into cfg: its client key, or insecure
+ * when `up` ran with --insecure.  Paths go into the two buffers. */
+void cl_client_keys(const char *dir, struct llm_client_config *cfg, char *key, char *router,
+                    size_t size) {
+    char marker[PATH_MAX + 32];
+    cl_fmt(marker, sizeof marker, "%s/insecure", dir);
+    if (access(marker, F_OK) == 0) {
+        cfg->insecure = true;
+        return;
+    }
+    cl_key_path(key, size, dir, "clients/client.key");
+    cl_key_path(router, size, dir, "router.pub");
+    cfg->curve_key_file = key;
+    cfg->router_key_file = router;
+}
+
+/* Appends "export NAME='value'\n" to text, the value quoted for sh. */
+static void cl_export(char *text, size_t size, const char *name, const char *value) {
+    size_t n = strlen(text);
+    n += (size_t)snprintf(text + n, n < size ? size - n : 0, "export %s='", name);
+    for (const char *v = value; *v && n + 5 < size; v++) {
+        if (*v == '\'') n += (size_t)snprintf(text + n, size - n, "'\\''");
+        else text[n++] = *v;
+    }
+    snprintf(text + (n < size ? n : size - 1), n < size ? size - n : 1, "'\n");
+}
+
+/* RUN_DIR/env.sh: sourced, it points llm and any libllmclient program at
+ * this cluster with its client key. */
+int cl_write_env(struct cl_up *u) {
+    char path[PATH_MAX + 32], key[PATH_MAX + 64], text[4 * PATH_MAX];
+    cl_fmt(text, sizeof text, "# llm-cluster up: . %s/env.sh\n", u->dir);
+    cl_export(text, sizeof text, "LLM_ROUTER", u->endpoints);
+    cl_export(text, sizeof text, "LLM_REDIS", u->redis_url);
+    if (u->insecure) {
+        cl_export(text, sizeof text, "LLM_INSECURE", "true");
+        size_t n = strlen(text);
+        cl_fmt(text + n, sizeof text - n, "unset LLM_CURVE_KEY_FILE LLM_ROUTER_KEY\n");
+    } else {
+        cl_key_path(key, sizeof key, u->dir, "clients/client.key");
+        cl_export(text, sizeof text, "LLM_CURVE_KEY_FILE", key);
+        cl_key_path(key, sizeof key, u->dir, "router.pub");
+        cl_export(text, sizeof text, "LLM_ROUTER_KEY", key);
+        size_t n = strlen(text);
+        cl_fmt(text + n, sizeof text - n, "unset LLM_INSECURE\n");
+    }
+    if (u->http_url[0]) {
+        /* What the openai SDKs read, so that a sourced env.sh points them
+         * here too. */
+        cl_export(text, sizeof text, "OPENAI_BASE_URL", u->http_url);
+        if (!u->api_keys_file || !u->api_keys_file[0]) {
+            char kp[PATH_MAX + 32], k[128] = "";
+            cl_fmt(kp, sizeof kp, "%s/api-key", u->dir);
+            cl_last_line(kp, k, sizeof k);
+            if (k[0]) cl_export(text, sizeof text, "OPENAI_API_KEY", k);
+        }
+    }
+    cl_fmt(path, sizeof path, "%s/env.sh", u->dir);
+    int rc = cl_write_file(path, text);
+    /* It names the Redis password: for this user only. */
+    if (rc == 0 && chmod(path, 0600) != 0) rc = STATUS_IO;
+    return rc;
+}
+
+/* RUN_DIR/api-key: kept when there from an earlier `up` (a client may hold
+ * it), else a fresh random one, readable by this user only. */
+int cl_api_key_ensure(const char *path, char *err, size_t errlen) {
+    if (access(path, F_OK) == 0) return 0;
+    uint8_t raw[24];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) {
+        cl_fmt(err, errlen, "getrandom: %s", strerror(errno));
+        return STATUS_IO;
+    }
+    char text[8 + 2 * sizeof raw + 2] = "llm-";
+    for (size_t i = 0; i < sizeof raw; i++) cl_fmt(text + 4 + 2 * i, 3, "%02x", raw[i]);
+    strcat(text, "\n");
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, text, strlen(text)) != (ssize_t)strlen(text)) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        if (fd >= 0) close(fd);
+        return STATUS_IO;
+    }
+    close(fd);
+    return 0;
+}
+
+/* RUN_DIR/prometheus-targets.json in Prometheus' file_sd format: each
+ * process's metrics address with its job (llm-router, llm-worker,
+ * llm-gateway) and its name in the run dir as the "process" label. */
+int cl_write_targets(struct cl_up *u, char *err, size_t errlen) {
+    char path[PATH_MAX + 48], tmp[PATH_MAX + 56];
+    cl_fmt(path, sizeof path, "%s/prometheus-targets.json", u->dir);
+    cl_fmt(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) {
+        cl_fmt(err, errlen, "%s: %s", tmp, strerror(errno));
+        return STATUS_IO;
+    }
+    fputs("[", f);
+    int written = 0;
+    for (int i = 0; i < u->n_procs; i++) {
+        const struct cl_proc *p = &u->procs[i];
+        if (p->metrics_port <= 0) continue;
+        fprintf(f, "%s\n  {\"targets\": [\"127.0.0.1:%d\"], \"labels\": {\"job\": \"%s\", \"process\": \"%s\"}}",
+                written++ ? "," : "", p->metrics_port, p->program, p->name);
+    }
+    fputs("\n]\n", f);
+    /* Renamed into place: Prometheus rereads the file when it changes and
+     * must never see half of it. */
+    if (fclose(f) != 0 || rename(tmp, path) != 0) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        unlink(tmp);
+        return STATUS_IO;
+    }
+    return 0;
+}
