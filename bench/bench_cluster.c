@@ -1421,7 +1421,9 @@ int main(int argc, char **argv) {
         failed = 1;
     }
     if (failed && !o.run_root) {
-        unlink(model);
+        /* Keep the logs, not the synthetic model written into tmp; a model
+         * the user gave is never touched. */
+        if (!o.model) unlink(model);
         fprintf(stderr, "bench_cluster: kept the run dirs (logs) under %s\n", run_root);
     } else {
         cb_rmtree(tmp);
