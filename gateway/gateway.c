@@ -1,83 +1,29 @@
-/* llm-gateway's HTTP side.  libmicrohttpd runs one thread per connection,
- * so a handler may block; each generation runs llm_client_generate on a
- * thread of its own (a "job") that writes the OpenAI chunks into a buffer,
- * and the connection's thread turns that buffer into the HTTP response
- * while it watches its socket: a peer that hangs up cancels the request at
- * once instead of when the next token would fail to send. */
-#include "gateway/gateway.h"
+/* llm-gateway's HTTP server: libmicrohttpd with one thread per connection,
+ * the routes, API keys and body limits, the pool of router clients,
+ * /v1/models, and the metrics port with its /ready probe.  Generations are
+ * gw_generate.c's. */
+#include "gateway/gateway-impl.h"
 
-#include <cjson/cJSON.h>
 #include <errno.h>
-#include <microhttpd.h>
 #include <netdb.h>
-#include <poll.h>
-#include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
-#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <zmq.h>
 
-#include "common/chat_template.h"
-#include "common/httpd.h"
 #include "common/log.h"
-#include "common/metrics.h"
 #include "common/status.h"
-#include "common/tokenizer.h"
-#include "gateway/oai.h"
-#include "router/client.h"
 
-#define GW_ENDPOINTS_MAX 16
-#define GW_POOL_MAX 64
-#define GW_STATUS_SLOTS 600
-#define GW_ROUTES 4 /* enum route */
-
-enum route { R_NONE, R_COMPLETIONS, R_CHAT, R_MODELS };
 static const char *const route_names[GW_ROUTES] = {"other", "completions", "chat_completions", "models"};
 
-static int64_t now_ms(void) {
+int64_t gw_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
-
-struct gateway {
-    struct gateway_config cfg;
-    char *listen, *router, *model_path, *model_name, *metrics_listen;
-    char **keys;
-    char *endpoints[GW_ENDPOINTS_MAX];
-    size_t n_endpoints;
-    void *zctx;
-    pthread_mutex_t pool_mu;
-    llm_client *pool[GW_POOL_MAX];
-    int n_pool;
-    tokenizer *tok;                 /* NULL without --model */
-    enum chat_family family;
-    char chat_problem[512];         /* why chat is refused, when family is NONE */
-    struct MHD_Daemon *mhd;
-    uint16_t port;
-    _Atomic uint64_t responses[GW_STATUS_SLOTS];
-    /* The metrics port (NULL when off) and what it shows. */
-    metrics *reg;
-    httpd *http;
-    metrics_family *f_requests;
-    metrics_series *_Atomic by_status[GW_ROUTES][GW_STATUS_SLOTS]; /* looked up once each */
-    metrics_series *running, *ttft, *e2e, *prompt_tokens, *gen_tokens;
-    llm_client *probe;              /* /ready's own client, used on the metrics thread only */
-    pthread_mutex_t probe_mu;
-    int64_t probe_at_ms;
-    char probe_why[512];
-    bool probe_ok;
-    /* Job threads are detached; gateway_stop waits for this to reach 0. */
-    pthread_mutex_t jobs_mu;
-    pthread_cond_t jobs_cv;
-    int jobs;
-};
 
 void gateway_config_default(struct gateway_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
@@ -97,12 +43,8 @@ uint64_t gateway_responses(const gateway *g, int status) {
 
 /* ---- growable byte buffer ------------------------------------------------ */
 
-struct buf {
-    char *p;
-    size_t len, cap;
-};
 
-static int buf_add(struct buf *b, const char *s, size_t n) {
+int gw_buf_add(struct buf *b, const char *s, size_t n) {
     if (b->len + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 1024;
         while (cap < b->len + n + 1) cap *= 2;
@@ -121,7 +63,7 @@ static int buf_add(struct buf *b, const char *s, size_t n) {
  * A libllmclient client is used by one thread at a time; idle ones wait in
  * a pool so that a request does not pay for a new connection. */
 
-static llm_client *pool_get(gateway *g, char *err, size_t errlen) {
+llm_client *gw_pool_get(gateway *g, char *err, size_t errlen) {
     pthread_mutex_lock(&g->pool_mu);
     llm_client *c = g->n_pool > 0 ? g->pool[--g->n_pool] : NULL;
     pthread_mutex_unlock(&g->pool_mu);
@@ -139,7 +81,7 @@ static llm_client *pool_get(gateway *g, char *err, size_t errlen) {
 
 /* A client whose last call failed on its own side (no router answered) is
  * closed rather than kept: its socket may hold a stale connection. */
-static void pool_put(gateway *g, llm_client *c, bool keep) {
+void gw_pool_put(gateway *g, llm_client *c, bool keep) {
     if (!c) return;
     pthread_mutex_lock(&g->pool_mu);
     if (keep && g->n_pool < GW_POOL_MAX) {
@@ -158,7 +100,7 @@ static void pool_put(gateway *g, llm_client *c, bool keep) {
 static _Thread_local enum route tl_route;
 
 /* One more response with this status on the current route. */
-static void count_response(gateway *g, struct MHD_Connection *conn, int status) {
+void gw_count_response(gateway *g, struct MHD_Connection *conn, int status) {
     (void)conn;
     if (status <= 0 || status >= GW_STATUS_SLOTS) return;
     atomic_fetch_add(&g->responses[status], 1);
@@ -189,11 +131,11 @@ static enum MHD_Result send_text(gateway *g, struct MHD_Connection *conn, int st
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     enum MHD_Result ok = MHD_queue_response(conn, (unsigned)status, r);
     MHD_destroy_response(r);
-    if (ok == MHD_YES) count_response(g, conn, status);
+    if (ok == MHD_YES) gw_count_response(g, conn, status);
     return ok;
 }
 
-static enum MHD_Result send_json(gateway *g, struct MHD_Connection *conn, int status, cJSON *root) {
+enum MHD_Result gw_send_json(gateway *g, struct MHD_Connection *conn, int status, cJSON *root) {
     char *s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     if (!s) return MHD_NO;
@@ -202,8 +144,8 @@ static enum MHD_Result send_json(gateway *g, struct MHD_Connection *conn, int st
     return ok;
 }
 
-static enum MHD_Result send_error(gateway *g, struct MHD_Connection *conn, const struct oai_error *e,
-                                  const char *allow) {
+enum MHD_Result gw_send_error(gateway *g, struct MHD_Connection *conn, const struct oai_error *e,
+                              const char *allow) {
     char *s = oai_error_json(e);
     if (!s) return MHD_NO;
     if (e->status >= 500) LOG(LL_WARN, "gateway: %d: %s", e->status, e->message);
@@ -213,674 +155,19 @@ static enum MHD_Result send_error(gateway *g, struct MHD_Connection *conn, const
     return ok;
 }
 
-/* The router's refusal (llm_client_generate < 0, or a request that ended in
- * ERROR before its first token) as an OpenAI error. */
-static void error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg, uint32_t retry_after_ms) {
-    switch (code) {
-    case LLM__ERROR__CODE__INVALID_ARGUMENT:
-        oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "%s", msg);
-        break;
-    case LLM__ERROR__CODE__NOT_FOUND:
-        oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found", "%s", msg);
-        break;
-    case LLM__ERROR__CODE__RESOURCE_EXHAUSTED:
-        /* Two refusals share this code: a full queue, with the router's
-         * retry_after_ms, and a request that can never fit the KV cache,
-         * without (retrying cannot help). */
-        if (retry_after_ms == 0) {
-            oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", msg);
-        } else {
-            oai_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded", "%s", msg);
-            e->retry_after_s = (int)((retry_after_ms + 999) / 1000);
-        }
-        break;
-    case LLM__ERROR__CODE__FAILED_PRECONDITION:
-    case LLM__ERROR__CODE__UNAVAILABLE:
-    case LLM__ERROR__CODE__ABORTED:
-        oai_error_set(e, 503, "server_error", NULL, "service_unavailable", "%s", msg);
-        e->retry_after_s = retry_after_ms > 0 ? (int)((retry_after_ms + 999) / 1000) : 1;
-        break;
-    case LLM__ERROR__CODE__OK: /* the client's own failure: no router answered */
-        oai_error_set(e, 503, "server_error", NULL, "router_unavailable", "the cluster's router cannot be reached: %s",
-                      msg);
-        e->retry_after_s = 1;
-        break;
-    default:
-        oai_error_set(e, 500, "server_error", NULL, NULL, "%s", msg);
-        break;
-    }
-}
-
-/* ---- generations ---------------------------------------------------------- */
-
-struct job {
-    gateway *g;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int refs;                       /* the job thread, the connection, the response */
-    struct oai_request req;
-    int32_t *prompt_ids;            /* chat: the rendered prompt, tokenized here */
-    size_t n_prompt_ids;
-    char router_model[256];
-    char id[64];                    /* "chatcmpl-..." / "cmpl-..."; the part after '-' is the request id */
-    const char *request_id;
-    char model[256];                /* as the responses name it */
-    int64_t created;
-    int64_t t0_ms;                  /* monotonic, when the request was read */
-    int fd;                         /* the HTTP connection's socket */
-    /* Under mu: */
-    struct buf out;                 /* streaming: SSE bytes not yet sent */
-    size_t out_off;
-    struct buf text;                /* not streaming: the whole completion */
-    bool started, done, cancel, role_sent;
-    int rc;
-    Llm__Error__Code code;
-    uint32_t retry_after_ms;        /* of the router's refusal */
-    char errstr[512];
-    struct llm_generate_result res;
-    cJSON *lp;                      /* not streaming, logprobs asked: the choice's logprobs so far */
-    size_t lp_chars;                /* characters of the text the tokens so far make (text_offset) */
-};
-
-static void job_release(struct job *j) {
-    pthread_mutex_lock(&j->mu);
-    int left = --j->refs;
-    pthread_mutex_unlock(&j->mu);
-    if (left > 0) return;
-    oai_request_free(&j->req);
-    free(j->prompt_ids);
-    free(j->out.p);
-    free(j->text.p);
-    llm_generate_result_free(&j->res);
-    cJSON_Delete(j->lp);
-    pthread_cond_destroy(&j->cv);
-    pthread_mutex_destroy(&j->mu);
-    free(j);
-}
-
-/* The skeleton every response object shares. */
-static cJSON *job_object(const struct job *j, bool chunk) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "id", j->id);
-    cJSON_AddStringToObject(o, "object", j->req.kind == OAI_CHAT ? (chunk ? "chat.completion.chunk" : "chat.completion")
-                                                                : "text_completion");
-    cJSON_AddNumberToObject(o, "created", (double)j->created);
-    cJSON_AddStringToObject(o, "model", j->model);
-    return o;
-}
-
-static const char *finish_name(Llm__GenerateDone__FinishReason r) {
-    switch (r) {
-    case LLM__GENERATE_DONE__FINISH_REASON__LENGTH:
-    case LLM__GENERATE_DONE__FINISH_REASON__DEADLINE: return "length";
-    default: return "stop";
-    }
-}
-
-static cJSON *usage_json(const struct llm_generate_result *r) {
-    cJSON *u = cJSON_CreateObject();
-    cJSON_AddNumberToObject(u, "prompt_tokens", r->prompt_tokens);
-    cJSON_AddNumberToObject(u, "completion_tokens", r->completion_tokens);
-    cJSON_AddNumberToObject(u, "total_tokens", (double)r->prompt_tokens + r->completion_tokens);
-    return u;
-}
-
-/* ---- logprobs --------------------------------------------------------------
- * A token's text is its bytes (TokenLogprob.text): whole UTF-8 for most, part
- * of a character for some.  JSON strings must be whole UTF-8, so such a
- * token's string is "bytes:\xNN..." (OpenAI's form) while "bytes" (chat)
- * always has the real bytes. */
-
-static bool utf8_whole(const unsigned char *s, size_t n) {
-    for (size_t i = 0; i < n;) {
-        unsigned char c = s[i];
-        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (l == 0 || i + l > n || (l == 2 && c < 0xc2)) return false;
-        for (size_t k = 1; k < l; k++)
-            if ((s[i + k] & 0xc0) != 0x80) return false;
-        i += l;
-    }
-    return true;
-}
-
-static cJSON *token_string(const char *text, size_t len) {
-    char stack[256], *b = len * 4 + 8 <= sizeof stack ? stack : malloc(len * 4 + 8);
-    if (!b) return cJSON_CreateString("");
-    if (utf8_whole((const unsigned char *)text, len)) {
-        memcpy(b, text, len);
-        b[len] = 0;
-    } else {
-        size_t n = (size_t)sprintf(b, "bytes:");
-        for (size_t i = 0; i < len; i++) n += (size_t)sprintf(b + n, "\\x%02x", (unsigned char)text[i]);
-    }
-    cJSON *s = cJSON_CreateString(b);
-    if (b != stack) free(b);
-    return s;
-}
-
-static cJSON *token_bytes(const char *text, size_t len) {
-    cJSON *a = cJSON_CreateArray();
-    for (size_t i = 0; i < len; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber((unsigned char)text[i]));
-    return a;
-}
-
-/* An empty logprobs object of the request's kind: chat's {"content": []},
- * the legacy completion's four parallel arrays. */
-static cJSON *lp_object(const struct job *j) {
-    cJSON *o = cJSON_CreateObject();
-    if (j->req.kind == OAI_CHAT) {
-        cJSON_AddArrayToObject(o, "content");
-    } else {
-        cJSON_AddArrayToObject(o, "tokens");
-        cJSON_AddArrayToObject(o, "token_logprobs");
-        cJSON_AddArrayToObject(o, "top_logprobs");
-        cJSON_AddArrayToObject(o, "text_offset");
-    }
-    return o;
-}
-
-/* Appends a chunk's tokens to a logprobs object; *chars counts the
- * characters of the text so far (the legacy text_offset). */
-static void lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, size_t *chars) {
-    for (size_t i = 0; i < ch->n_logprobs; i++) {
-        const struct llm_token_logprob *l = &ch->logprobs[i];
-        if (j->req.kind == OAI_CHAT) {
-            cJSON *t = cJSON_CreateObject();
-            cJSON_AddItemToObject(t, "token", token_string(l->text, l->text_len));
-            cJSON_AddNumberToObject(t, "logprob", l->logprob);
-            cJSON_AddItemToObject(t, "bytes", token_bytes(l->text, l->text_len));
-            cJSON *tops = cJSON_AddArrayToObject(t, "top_logprobs");
-            for (size_t k = 0; k < l->n_top; k++) {
-                cJSON *a = cJSON_CreateObject();
-                cJSON_AddItemToObject(a, "token", token_string(l->top[k].text, l->top[k].text_len));
-                cJSON_AddNumberToObject(a, "logprob", l->top[k].logprob);
-                cJSON_AddItemToObject(a, "bytes", token_bytes(l->top[k].text, l->top[k].text_len));
-                cJSON_AddItemToArray(tops, a);
-            }
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "content"), t);
-        } else {
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "tokens"), token_string(l->text, l->text_len));
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "token_logprobs"), cJSON_CreateNumber(l->logprob));
-            cJSON *d = cJSON_CreateObject();
-            for (size_t k = 0; k < l->n_top; k++) {
-                cJSON *key = token_string(l->top[k].text, l->top[k].text_len);
-                /* Two alternatives with one text (a token and its byte
-                 * form) keep the likelier, which comes first. */
-                if (!cJSON_GetObjectItemCaseSensitive(d, key->valuestring))
-                    cJSON_AddNumberToObject(d, key->valuestring, l->top[k].logprob);
-                cJSON_Delete(key);
-            }
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "top_logprobs"), d);
-            cJSON_AddItemToArray(cJSON_GetObjectItemCaseSensitive(o, "text_offset"), cJSON_CreateNumber((double)*chars));
-        }
-        /* Characters, counted as their first bytes. */
-        for (size_t b = 0; b < l->text_len; b++)
-            if (((unsigned char)l->text[b] & 0xc0) != 0x80) (*chars)++;
-    }
-}
-
-/* One choice of a streamed chunk: text (NULL: none) and finish (NULL: null). */
-static cJSON *stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role,
-                            cJSON *lp) {
-    cJSON *c = cJSON_CreateObject();
-    cJSON_AddNumberToObject(c, "index", 0);
-    char *t = NULL;
-    if (text) {
-        t = malloc(len + 1);
-        if (t) {
-            memcpy(t, text, len);
-            t[len] = 0;
-        }
-    }
-    if (j->req.kind == OAI_CHAT) {
-        cJSON *d = cJSON_AddObjectToObject(c, "delta");
-        if (role) cJSON_AddStringToObject(d, "role", "assistant");
-        if (t || role) cJSON_AddStringToObject(d, "content", t ? t : "");
-    } else {
-        cJSON_AddStringToObject(c, "text", t ? t : "");
-    }
-    free(t);
-    if (lp) cJSON_AddItemToObject(c, "logprobs", lp);
-    else cJSON_AddNullToObject(c, "logprobs");
-    if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
-    else cJSON_AddNullToObject(c, "finish_reason");
-    return c;
-}
-
-/* Appends "data: JSON\n\n" (o is consumed).  Called with mu held. */
-static void sse_event(struct job *j, cJSON *o) {
-    char *s = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (!s) return;
-    buf_add(&j->out, "data: ", 6);
-    buf_add(&j->out, s, strlen(s));
-    buf_add(&j->out, "\n\n", 2);
-    free(s);
-}
-
-/* lp (consumed; NULL: none) is the chunk's logprobs object. */
-static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
-    bool role = j->req.kind == OAI_CHAT && !j->role_sent;
-    j->role_sent = true;
-    cJSON *o = job_object(j, true);
-    cJSON *cs = cJSON_AddArrayToObject(o, "choices");
-    cJSON_AddItemToArray(cs, stream_choice(j, role && text && !len ? NULL : text, len, finish, role, lp));
-    if (j->req.include_usage) cJSON_AddNullToObject(o, "usage");
-    sse_event(j, o);
-}
-
-static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
-    struct job *j = ud;
-    pthread_mutex_lock(&j->mu);
-    if (j->cancel) {
-        pthread_mutex_unlock(&j->mu);
-        return 1;
-    }
-    if (j->req.stream) {
-        cJSON *lp = NULL;
-        if (ch->n_logprobs > 0) {
-            lp = lp_object(j);
-            lp_append(j, lp, ch, &j->lp_chars);
-        }
-        if (ch->text_len > 0 || !j->role_sent || lp) sse_chunk(j, ch->text, ch->text_len, NULL, lp);
-    } else {
-        buf_add(&j->text, ch->text, ch->text_len);
-        if (ch->n_logprobs > 0) {
-            if (!j->lp) j->lp = lp_object(j);
-            lp_append(j, j->lp, ch, &j->lp_chars);
-        }
-    }
-    if (!j->started && j->g->ttft) metrics_histogram_observe(j->g->ttft, (double)(now_ms() - j->t0_ms) / 1000.0);
-    j->started = true;
-    pthread_cond_broadcast(&j->cv);
-    pthread_mutex_unlock(&j->mu);
-    return 0;
-}
-
-/* The end of a stream that has begun: the finishing chunk, usage and
- * [DONE], or an error event.  Called with mu held. */
-static void sse_finish(struct job *j) {
-    if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-        struct oai_error e;
-        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
-                          j->rc < 0 ? j->retry_after_ms : 0);
-        char *s = oai_error_json(&e);
-        if (s) {
-            buf_add(&j->out, "data: ", 6);
-            buf_add(&j->out, s, strlen(s));
-            buf_add(&j->out, "\n\n", 2);
-            free(s);
-        }
-    } else {
-        sse_chunk(j, NULL, 0, finish_name(j->res.finish_reason), NULL);
-        if (j->req.include_usage) {
-            cJSON *o = job_object(j, true);
-            cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToObject(o, "usage", usage_json(&j->res));
-            sse_event(j, o);
-        }
-    }
-    buf_add(&j->out, "data: [DONE]\n\n", 14);
-}
-
-static void *job_thread(void *arg) {
-    struct job *j = arg;
-    gateway *g = j->g;
-    char err[512] = "";
-    if (g->running) metrics_gauge_add(g->running, 1);
-    llm_client *c = pool_get(g, err, sizeof err);
-    int rc;
-    Llm__Error__Code code = LLM__ERROR__CODE__OK;
-    uint32_t retry_after_ms = 0;
-    struct llm_generate_result res;
-    memset(&res, 0, sizeof res);
-    if (!c) {
-        rc = STATUS_UNAVAILABLE;
-    } else {
-        struct llm_generate_params p;
-        llm_generate_params_default(&p);
-        p.request_id = j->request_id;
-        p.model = j->router_model;
-        if (j->prompt_ids) {
-            p.prompt_tokens = j->prompt_ids;
-            p.n_prompt_tokens = j->n_prompt_ids;
-        } else if (j->req.prompt_tokens) {
-            p.prompt_tokens = j->req.prompt_tokens;
-            p.n_prompt_tokens = j->req.n_prompt_tokens;
-        } else {
-            p.prompt = j->req.prompt;
-        }
-        p.max_tokens = j->req.max_tokens;
-        p.sampling = j->req.sp;
-        p.stop = j->req.stop;
-        p.n_stop = j->req.n_stop;
-        /* Always streamed from the router: tokens arriving are what lets a
-         * non-streaming request notice a client that went away. */
-        p.stream = true;
-        rc = llm_client_generate(c, &p, job_on_chunk, j, &res);
-        if (rc < 0) {
-            code = llm_client_error_code(c);
-            retry_after_ms = llm_client_retry_after_ms(c);
-            snprintf(err, sizeof err, "%s", llm_client_errstr(c));
-        }
-        pool_put(g, c, rc >= 0 || code != LLM__ERROR__CODE__OK);
-    }
-    pthread_mutex_lock(&j->mu);
-    j->rc = rc;
-    j->code = code;
-    j->retry_after_ms = retry_after_ms;
-    snprintf(j->errstr, sizeof j->errstr, "%s", err);
-    j->res = res;
-    if (j->req.stream && j->started) sse_finish(j);
-    j->done = true;
-    pthread_cond_broadcast(&j->cv);
-    pthread_mutex_unlock(&j->mu);
-    if (rc < 0) LOG(LL_INFO, "gateway: request %s: %s", j->request_id, err);
-    if (g->running) {
-        metrics_gauge_add(g->running, -1);
-        metrics_histogram_observe(g->e2e, (double)(now_ms() - j->t0_ms) / 1000.0);
-        if (rc >= 0) {
-            metrics_counter_add(g->prompt_tokens, res.prompt_tokens);
-            metrics_counter_add(g->gen_tokens, res.completion_tokens);
-        }
-    }
-    job_release(j);
-    pthread_mutex_lock(&g->jobs_mu);
-    if (--g->jobs == 0) pthread_cond_broadcast(&g->jobs_cv);
-    pthread_mutex_unlock(&g->jobs_mu);
-    return NULL;
-}
-
-/* 1 when the peer closed the connection (or it failed). */
-static bool peer_gone(int fd) {
-    if (fd < 0) return false;
-    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
-}
-
-/* The client went away: the job stops at its next token, and a Cancel by id
- * stops it now even while it waits in the router's queue. */
-static void job_cancel(struct job *j) {
-    pthread_mutex_lock(&j->mu);
-    bool already = j->cancel || j->done;
-    j->cancel = true;
-    pthread_mutex_unlock(&j->mu);
-    if (already) return;
-    LOG(LL_INFO, "gateway: request %s: the HTTP client went away; cancelling", j->request_id);
-    char err[256];
-    llm_client *c = pool_get(j->g, err, sizeof err);
-    if (!c) return;
-    int rc = llm_client_cancel(c, j->request_id, NULL);
-    pool_put(j->g, c, rc >= 0 || llm_client_error_code(c) != LLM__ERROR__CODE__OK);
-}
-
-/* Waits until cond holds (mu held), checking the socket every 100 ms.
- * Returns false when the peer went away (mu is then released). */
-static bool job_wait(struct job *j, bool (*cond)(const struct job *)) {
-    while (!cond(j)) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
-        if (!cond(j) && peer_gone(j->fd)) {
-            pthread_mutex_unlock(&j->mu);
-            job_cancel(j);
-            return false;
-        }
-    }
-    return true;
-}
-
-static bool cond_started(const struct job *j) { return j->started || j->done; }
-static bool cond_done(const struct job *j) { return j->done; }
-static bool cond_output(const struct job *j) { return j->out_off < j->out.len || j->done; }
-
-static ssize_t sse_reader(void *cls, uint64_t pos, char *out, size_t max) {
-    struct job *j = cls;
-    pthread_mutex_lock(&j->mu);
-    if (!job_wait(j, cond_output)) return MHD_CONTENT_READER_END_WITH_ERROR;
-    size_t avail = j->out.len - j->out_off;
-    if (avail == 0) {
-        pthread_mutex_unlock(&j->mu);
-        return MHD_CONTENT_READER_END_OF_STREAM;
-    }
-    size_t n = avail < max ? avail : max;
-    memcpy(out, j->out.p + j->out_off, n);
-    j->out_off += n;
-    if (j->out_off == j->out.len) j->out_off = j->out.len = 0;
-    pthread_mutex_unlock(&j->mu);
-    return (ssize_t)n;
-}
-
-static void sse_free(void *cls) {
-    struct job *j = cls;
-    job_cancel(j); /* no-op once done */
-    job_release(j);
-}
-
-/* Per HTTP request: the body as it arrives, and the job once there is one. */
-struct req_ctx {
-    struct buf body;
-    size_t received;
-    bool too_big;
-    struct job *job;
-};
-
-/* Chat: the rendered prompt tokenized with the model's tokenizer, and its
- * end-of-turn token as a stop. */
-static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
-    const char *model = g->model_path ? g->model_path : "the served model";
-    if (g->family == CHAT_FAMILY_NONE) {
-        oai_error_set(e, 400, "invalid_request_error", "messages", "chat_template_not_found", "%s", g->chat_problem);
-        return -1;
-    }
-    char err[512], *text = NULL;
-    if (chat_template_render(g->family, j->req.messages, j->req.n_messages, 1, &text, err, sizeof err) < 0) {
-        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err);
-        return -1;
-    }
-    size_t len = strlen(text);
-    int32_t n = tokenizer_encode(g->tok, text, len, -1, 1, NULL, 0);
-    if (n >= 0) {
-        j->prompt_ids = malloc(((size_t)n + 1) * sizeof *j->prompt_ids);
-        n = j->prompt_ids ? tokenizer_encode(g->tok, text, len, -1, 1, j->prompt_ids, n + 1) : STATUS_NO_MEMORY;
-    }
-    free(text);
-    if (n < 0) {
-        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "the messages cannot be tokenized by %s: %s",
-                      model, status_str(n));
-        return -1;
-    }
-    j->n_prompt_ids = (size_t)n;
-    const char *eot = chat_template_end_of_turn(g->family);
-    int32_t id = tokenizer_token_find(g->tok, eot, strlen(eot));
-    struct sampling_params *sp = &j->req.sp;
-    if (id >= 0) {
-        if (!tokenizer_is_eog(g->tok, id) || sp->ignore_eos) {
-            if (sp->n_stop_token_ids < SAMPLING_STOP_IDS_MAX) sp->stop_token_ids[sp->n_stop_token_ids++] = id;
-        }
-    } else if (j->req.n_stop < OAI_STOP_MAX) {
-        j->req.stop[j->req.n_stop++] = eot;
-    } else {
-        oai_error_set(e, 400, "invalid_request_error", "stop",
-                      NULL, "stop has %d strings: chat requests on this model keep one for the end of turn %s",
-                      OAI_STOP_MAX, eot);
-        return -1;
-    }
-    return 0;
-}
-
-static void random_hex(char *out, size_t n_hex) {
-    unsigned char b[32];
-    size_t nb = (n_hex + 1) / 2;
-    if (nb > sizeof b) nb = sizeof b;
-    if (getrandom(b, nb, 0) != (ssize_t)nb) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        for (size_t i = 0; i < nb; i++) b[i] = (unsigned char)((uint64_t)ts.tv_nsec >> (i % 8) * 8) ^ (unsigned char)i;
-    }
-    for (size_t i = 0; i < nb * 2 && i < n_hex; i++) out[i] = "0123456789abcdef"[(b[i / 2] >> (i % 2 ? 0 : 4)) & 15];
-    out[n_hex] = 0;
-}
-
-static enum MHD_Result handle_generate(gateway *g, struct MHD_Connection *conn, struct req_ctx *ctx,
-                                       enum oai_kind kind) {
-    struct oai_error e;
-    struct job *j = calloc(1, sizeof *j);
-    if (!j) return MHD_NO;
-    if (oai_parse(kind, ctx->body.p ? ctx->body.p : "", ctx->body.len, &j->req, &e) < 0) {
-        free(j);
-        return send_error(g, conn, &e, NULL);
-    }
-    pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->cv, NULL);
-    j->g = g;
-    j->refs = 1;
-    j->fd = -1;
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (ci) j->fd = ci->connect_fd;
-    if (kind == OAI_CHAT && j->req.sp.top_logprobs > 0 && !j->req.sp.logprobs) {
-        oai_error_set(&e, 400, "invalid_request_error", "top_logprobs", NULL,
-                      "top_logprobs = %d needs logprobs: true", (int)j->req.sp.top_logprobs);
-        job_release(j);
-        return send_error(g, conn, &e, NULL);
-    }
-    /* The configured name, "" and "default" (the name a response reports
-     * when neither request nor configuration gave one) mean the cluster's
-     * default model. */
-    const char *m = j->req.model;
-    bool is_default = !m[0] || strcmp(m, "default") == 0 || (g->model_name && strcmp(m, g->model_name) == 0);
-    snprintf(j->router_model, sizeof j->router_model, "%s", is_default ? "" : m);
-    snprintf(j->model, sizeof j->model, "%s", m[0] ? m : g->model_name ? g->model_name : "default");
-    char hex[33];
-    random_hex(hex, 32);
-    snprintf(j->id, sizeof j->id, "%s-%s", kind == OAI_CHAT ? "chatcmpl" : "cmpl", hex);
-    j->request_id = strchr(j->id, '-') + 1;
-    j->created = (int64_t)time(NULL);
-    j->t0_ms = now_ms();
-    if (kind == OAI_CHAT) {
-        if (!g->tok) {
-            oai_error_set(&e, 400, "invalid_request_error", "messages", "chat_template_not_found",
-                          "chat completions need the model's tokenizer and chat template: start llm-gateway with "
-                          "--model PATH (the model file the cluster serves)%s",
-                          g->family != CHAT_FAMILY_NONE ? "" : " and, if its template is not recognised, --chat-template NAME");
-            job_release(j);
-            return send_error(g, conn, &e, NULL);
-        }
-        if (chat_prompt(g, j, &e) < 0) {
-            job_release(j);
-            return send_error(g, conn, &e, NULL);
-        }
-    }
-    LOG(LL_DEBUG, "gateway: request %s: %s, stream %d, max_tokens %u%s%s", j->request_id,
-        kind == OAI_CHAT ? "chat" : "completion", j->req.stream, j->req.max_tokens, j->req.user ? ", user " : "",
-        j->req.user ? j->req.user : "");
-
-    j->refs = 2; /* this connection and the job thread */
-    pthread_t th;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_mutex_lock(&g->jobs_mu);
-    g->jobs++;
-    pthread_mutex_unlock(&g->jobs_mu);
-    if (pthread_create(&th, &attr, job_thread, j) != 0) {
-        pthread_mutex_lock(&g->jobs_mu);
-        g->jobs--;
-        pthread_mutex_unlock(&g->jobs_mu);
-        pthread_attr_destroy(&attr);
-        j->refs = 1;
-        job_release(j);
-        oai_error_set(&e, 503, "server_error", NULL, NULL, "the gateway cannot start a thread for this request");
-        return send_error(g, conn, &e, NULL);
-    }
-    pthread_attr_destroy(&attr);
-    ctx->job = j;
-    j->refs++; /* ctx's, dropped by the request-completed callback */
-
-    pthread_mutex_lock(&j->mu);
-    if (!job_wait(j, j->req.stream ? cond_started : cond_done)) {
-        job_release(j);
-        return MHD_NO;
-    }
-    /* Refused before any token: an error response with its status. */
-    if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
-        error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
-                          j->rc < 0 ? j->retry_after_ms : 0);
-        pthread_mutex_unlock(&j->mu);
-        job_release(j);
-        return send_error(g, conn, &e, NULL);
-    }
-    if (!j->req.stream) {
-        if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-            error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->errstr : j->res.error_message,
-                          j->rc < 0 ? j->retry_after_ms : 0);
-            pthread_mutex_unlock(&j->mu);
-            job_release(j);
-            return send_error(g, conn, &e, NULL);
-        }
-        cJSON *o = job_object(j, false);
-        cJSON *cs = cJSON_AddArrayToObject(o, "choices");
-        cJSON *c = cJSON_CreateObject();
-        cJSON_AddNumberToObject(c, "index", 0);
-        if (kind == OAI_CHAT) {
-            cJSON *msg = cJSON_AddObjectToObject(c, "message");
-            cJSON_AddStringToObject(msg, "role", "assistant");
-            cJSON_AddStringToObject(msg, "content", j->text.p ? j->text.p : "");
-        } else {
-            cJSON_AddStringToObject(c, "text", j->text.p ? j->text.p : "");
-        }
-        if (j->req.sp.logprobs) {
-            cJSON_AddItemToObject(c, "logprobs", j->lp ? j->lp : lp_object(j));
-            j->lp = NULL;
-        } else {
-            cJSON_AddNullToObject(c, "logprobs");
-        }
-        cJSON_AddStringToObject(c, "finish_reason", finish_name(j->res.finish_reason));
-        cJSON_AddItemToArray(cs, c);
-        cJSON_AddItemToObject(o, "usage", usage_json(&j->res));
-        pthread_mutex_unlock(&j->mu);
-        job_release(j);
-        return send_json(g, conn, 200, o);
-    }
-    /* A stream that has begun: when the job was already done, its end is
-     * written now (the job thread only writes it once tokens went out). */
-    if (j->done && !j->started) sse_finish(j);
-    j->started = true;
-    pthread_mutex_unlock(&j->mu);
-    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_reader, j, sse_free);
-    if (!r) {
-        job_cancel(j);
-        job_release(j);
-        return MHD_NO;
-    }
-    MHD_add_response_header(r, "Content-Type", "text/event-stream");
-    MHD_add_response_header(r, "Cache-Control", "no-cache");
-    MHD_add_response_header(r, "X-Accel-Buffering", "no");
-    enum MHD_Result ok = MHD_queue_response(conn, 200, r);
-    MHD_destroy_response(r);
-    if (ok == MHD_YES) count_response(g, conn, 200);
-    return ok;
-}
-
 static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
     char err[512];
     struct oai_error e;
-    llm_client *c = pool_get(g, err, sizeof err);
+    llm_client *c = gw_pool_get(g, err, sizeof err);
     Llm__ClientEnvelope *rep = NULL;
     int rc = c ? llm_client_models(c, &rep) : STATUS_UNAVAILABLE;
     if (rc < 0) {
         Llm__Error__Code code = c ? llm_client_error_code(c) : LLM__ERROR__CODE__OK;
-        error_from_router(&e, code, c ? llm_client_errstr(c) : err, c ? llm_client_retry_after_ms(c) : 0);
-        pool_put(g, c, c && code != LLM__ERROR__CODE__OK);
-        return send_error(g, conn, &e, NULL);
+        gw_error_from_router(&e, code, c ? llm_client_errstr(c) : err, c ? llm_client_retry_after_ms(c) : 0);
+        gw_pool_put(g, c, c && code != LLM__ERROR__CODE__OK);
+        return gw_send_error(g, conn, &e, NULL);
     }
-    pool_put(g, c, true);
+    gw_pool_put(g, c, true);
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "object", "list");
     cJSON *data = cJSON_AddArrayToObject(root, "data");
@@ -896,7 +183,7 @@ static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
         cJSON_AddItemToArray(data, m);
     }
     proto_client_free(rep);
-    return send_json(g, conn, 200, root);
+    return gw_send_json(g, conn, 200, root);
 }
 
 static bool authorized(gateway *g, struct MHD_Connection *conn) {
@@ -945,17 +232,17 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (rt == R_NONE) {
             oai_error_set(&e, 404, "invalid_request_error", NULL, "unknown_url", "Unknown request URL: %s %.200s",
                           method, url);
-            return send_error(g, conn, &e, NULL);
+            return gw_send_error(g, conn, &e, NULL);
         }
         if (strcmp(method, allow) != 0) {
             oai_error_set(&e, 405, "invalid_request_error", NULL, "method_not_allowed",
                           "%s %.200s is not allowed: use %s", method, url, allow);
-            return send_error(g, conn, &e, allow);
+            return gw_send_error(g, conn, &e, allow);
         }
         if (!authorized(g, conn)) {
             oai_error_set(&e, 401, "invalid_request_error", NULL, "invalid_api_key",
                           "a valid API key is needed: send it as \"Authorization: Bearer KEY\"");
-            return send_error(g, conn, &e, NULL);
+            return gw_send_error(g, conn, &e, NULL);
         }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
         if (cl) {
@@ -966,7 +253,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                 oai_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
                               "the request body (Content-Length %.40s) is larger than this gateway's limit of %lld "
                               "bytes (--max-body)", cl, (long long)g->cfg.max_body);
-                return send_error(g, conn, &e, NULL);
+                return gw_send_error(g, conn, &e, NULL);
             }
         }
         return MHD_YES;
@@ -979,7 +266,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
          * loses the connection. */
         ctx->received += *upload_data_size;
         if (!ctx->too_big && (int64_t)ctx->received > g->cfg.max_body) ctx->too_big = true;
-        if (!ctx->too_big && buf_add(&ctx->body, upload_data, *upload_data_size) < 0) return MHD_NO;
+        if (!ctx->too_big && gw_buf_add(&ctx->body, upload_data, *upload_data_size) < 0) return MHD_NO;
         *upload_data_size = 0;
         if (ctx->too_big && (int64_t)ctx->received > 8 * g->cfg.max_body) {
             LOG(LL_INFO, "gateway: a chunked body past %lld bytes: closing the connection",
@@ -992,12 +279,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         oai_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
                       "the request body is larger than this gateway's limit of %lld bytes (--max-body)",
                       (long long)g->cfg.max_body);
-        return send_error(g, conn, &e, NULL);
+        return gw_send_error(g, conn, &e, NULL);
     }
     const char *allow;
     switch (route_of(url, &allow)) {
-    case R_COMPLETIONS: return handle_generate(g, conn, ctx, OAI_COMPLETIONS);
-    case R_CHAT: return handle_generate(g, conn, ctx, OAI_CHAT);
+    case R_COMPLETIONS: return gw_handle_generate(g, conn, ctx, OAI_COMPLETIONS);
+    case R_CHAT: return gw_handle_generate(g, conn, ctx, OAI_CHAT);
     case R_MODELS: return handle_models(g, conn);
     default: return MHD_NO;
     }
@@ -1010,8 +297,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     struct req_ctx *ctx = *con_cls;
     if (!ctx) return;
     if (ctx->job) {
-        if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) job_cancel(ctx->job);
-        job_release(ctx->job);
+        if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK) gw_job_cancel(ctx->job);
+        gw_job_release(ctx->job);
     }
     free(ctx->body.p);
     free(ctx);
@@ -1106,7 +393,7 @@ static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 static const char *gateway_ready(void *ud, char *buf, size_t size) {
     gateway *g = ud;
     pthread_mutex_lock(&g->probe_mu);
-    int64_t now = now_ms();
+    int64_t now = gw_now_ms();
     if (now - g->probe_at_ms >= 1000) {
         g->probe_at_ms = now;
         char err[256];

@@ -1,0 +1,141 @@
+/* llm-gateway's private state, shared by its files: the server, its routes
+ * and the router client pool (gateway.c), the generation jobs and their
+ * Server-Sent Events (gw_generate.c) and the OpenAI response objects
+ * (gw_json.c).  Only gateway/gateway.c and gateway/gw_*.c include this. */
+#ifndef GATEWAY_GATEWAY_IMPL_H
+#define GATEWAY_GATEWAY_IMPL_H
+
+#include "gateway/gateway.h"
+
+#include <cjson/cJSON.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/chat_template.h"
+#include "common/httpd.h"
+#include "common/metrics.h"
+#include "common/tokenizer.h"
+#include "gateway/oai.h"
+#include "router/client.h"
+
+#define GW_ENDPOINTS_MAX 16
+#define GW_POOL_MAX 64
+#define GW_STATUS_SLOTS 600
+#define GW_ROUTES 4 /* enum route */
+
+enum route { R_NONE, R_COMPLETIONS, R_CHAT, R_MODELS };
+
+struct gateway {
+    struct gateway_config cfg;
+    char *listen, *router, *model_path, *model_name, *metrics_listen;
+    char **keys;
+    char *endpoints[GW_ENDPOINTS_MAX];
+    size_t n_endpoints;
+    void *zctx;
+    pthread_mutex_t pool_mu;
+    llm_client *pool[GW_POOL_MAX];
+    int n_pool;
+    tokenizer *tok;                 /* NULL without --model */
+    enum chat_family family;
+    char chat_problem[512];         /* why chat is refused, when family is NONE */
+    struct MHD_Daemon *mhd;
+    uint16_t port;
+    _Atomic uint64_t responses[GW_STATUS_SLOTS];
+    /* The metrics port (NULL when off) and what it shows. */
+    metrics *reg;
+    httpd *http;
+    metrics_family *f_requests;
+    metrics_series *_Atomic by_status[GW_ROUTES][GW_STATUS_SLOTS]; /* looked up once each */
+    metrics_series *running, *ttft, *e2e, *prompt_tokens, *gen_tokens;
+    llm_client *probe;              /* /ready's own client, used on the metrics thread only */
+    pthread_mutex_t probe_mu;
+    int64_t probe_at_ms;
+    char probe_why[512];
+    bool probe_ok;
+    /* Job threads are detached; gateway_stop waits for this to reach 0. */
+    pthread_mutex_t jobs_mu;
+    pthread_cond_t jobs_cv;
+    int jobs;
+};
+
+struct buf {
+    char *p;
+    size_t len, cap;
+};
+
+struct job {
+    gateway *g;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;                       /* the job thread, the connection, the response */
+    struct oai_request req;
+    int32_t *prompt_ids;            /* chat: the rendered prompt, tokenized here */
+    size_t n_prompt_ids;
+    char router_model[256];
+    char id[64];                    /* "chatcmpl-..." / "cmpl-..."; the part after '-' is the request id */
+    const char *request_id;
+    char model[256];                /* as the responses name it */
+    int64_t created;
+    int64_t t0_ms;                  /* monotonic, when the request was read */
+    int fd;                         /* the HTTP connection's socket */
+    /* Under mu: */
+    struct buf out;                 /* streaming: SSE bytes not yet sent */
+    size_t out_off;
+    struct buf text;                /* not streaming: the whole completion */
+    bool started, done, cancel, role_sent;
+    int rc;
+    Llm__Error__Code code;
+    uint32_t retry_after_ms;        /* of the router's refusal */
+    char errstr[512];
+    struct llm_generate_result res;
+    cJSON *lp;                      /* not streaming, logprobs asked: the choice's logprobs so far */
+    size_t lp_chars;                /* characters of the text the tokens so far make (text_offset) */
+};
+
+/* Per HTTP request: the body as it arrives, and the job once there is one. */
+struct req_ctx {
+    struct buf body;
+    size_t received;
+    bool too_big;
+    struct job *job;
+};
+
+/* ---- the server (gateway.c) ------------------------------------------------ */
+
+int64_t gw_now_ms(void);
+/* Appends n bytes of s and keeps the buffer NUL-terminated; STATUS_NO_MEMORY
+ * leaves it as it was. */
+int gw_buf_add(struct buf *b, const char *s, size_t n);
+/* A router client for this thread (from the pool or new; NULL with err
+ * when none can be opened); gw_pool_put gives it back, keep false closing
+ * it. */
+llm_client *gw_pool_get(gateway *g, char *err, size_t errlen);
+void gw_pool_put(gateway *g, llm_client *c, bool keep);
+void gw_count_response(gateway *g, struct MHD_Connection *conn, int status);
+/* Queue a response on conn; gw_send_json consumes root. */
+enum MHD_Result gw_send_json(gateway *g, struct MHD_Connection *conn, int status, cJSON *root);
+enum MHD_Result gw_send_error(gateway *g, struct MHD_Connection *conn, const struct oai_error *e, const char *allow);
+
+/* ---- response objects (gw_json.c) ------------------------------------------ */
+
+void gw_error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg, uint32_t retry_after_ms);
+cJSON *gw_job_object(const struct job *j, bool chunk);
+const char *gw_finish_name(Llm__GenerateDone__FinishReason r);
+cJSON *gw_usage_json(const struct llm_generate_result *r);
+cJSON *gw_lp_object(const struct job *j);
+void gw_lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, size_t *chars);
+cJSON *gw_stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role, cJSON *lp);
+
+/* ---- generations (gw_generate.c) ------------------------------------------- */
+
+/* Drops one reference; the last frees the job. */
+void gw_job_release(struct job *j);
+void gw_job_cancel(struct job *j);
+/* POST /v1/completions and /v1/chat/completions once ctx holds the body. */
+enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, struct req_ctx *ctx, enum oai_kind kind);
+
+#endif

@@ -1,0 +1,448 @@
+/* llm-gateway's HTTP side.  libmicrohttpd runs one thread per connection,
+ * so a handler may block; each generation runs llm_client_generate on a
+ * thread of its own (a "job") that writes the OpenAI chunks into a buffer,
+ * and the connection's thread turns that buffer into the HTTP response
+ * while it watches its socket: a peer that hangs up cancels the request at
+ * once instead of when the next token would fail to send. */
+#include "gateway/gateway-impl.h"
+
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+/* ---- generations ---------------------------------------------------------- */
+
+void gw_job_release(struct job *j) {
+    pthread_mutex_lock(&j->mu);
+    int left = --j->refs;
+    pthread_mutex_unlock(&j->mu);
+    if (left > 0) return;
+    oai_request_free(&j->req);
+    free(j->prompt_ids);
+    free(j->out.p);
+    free(j->text.p);
+    llm_generate_result_free(&j->res);
+    cJSON_Delete(j->lp);
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
+
+/* Appends "data: JSON\n\n" (o is consumed).  Called with mu held. */
+static void sse_event(struct job *j, cJSON *o) {
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!s) return;
+    gw_buf_add(&j->out, "data: ", 6);
+    gw_buf_add(&j->out, s, strlen(s));
+    gw_buf_add(&j->out, "\n\n", 2);
+    free(s);
+}
+
+/* lp (consumed; NULL: none) is the chunk's logprobs object. */
+static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
+    bool role = j->req.kind == OAI_CHAT && !j->role_sent;
+    j->role_sent = true;
+    cJSON *o = gw_job_object(j, true);
+    cJSON *cs = cJSON_AddArrayToObject(o, "choices");
+    cJSON_AddItemToArray(cs, gw_stream_choice(j, role && text && !len ? NULL : text, len, finish, role, lp));
+    if (j->req.include_usage) cJSON_AddNullToObject(o, "usage");
+    sse_event(j, o);
+}
+
+static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
+    struct job *j = ud;
+    pthread_mutex_lock(&j->mu);
+    if (j->cancel) {
+        pthread_mutex_unlock(&j->mu);
+        return 1;
+    }
+    if (j->req.stream) {
+        cJSON *lp = NULL;
+        if (ch->n_logprobs > 0) {
+            lp = gw_lp_object(j);
+            gw_lp_append(j, lp, ch, &j->lp_chars);
+        }
+        if (ch->text_len > 0 || !j->role_sent || lp) sse_chunk(j, ch->text, ch->text_len, NULL, lp);
+    } else {
+        gw_buf_add(&j->text, ch->text, ch->text_len);
+        if (ch->n_logprobs > 0) {
+            if (!j->lp) j->lp = gw_lp_object(j);
+            gw_lp_append(j, j->lp, ch, &j->lp_chars);
+        }
+    }
+    if (!j->started && j->g->ttft) metrics_histogram_observe(j->g->ttft, (double)(gw_now_ms() - j->t0_ms) / 1000.0);
+    j->started = true;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    return 0;
+}
+
+/* The end of a stream that has begun: the finishing chunk, usage and
+ * [DONE], or an error event.  Called with mu held. */
+static void sse_finish(struct job *j) {
+    if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+        struct oai_error e;
+        gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+                             j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+        char *s = oai_error_json(&e);
+        if (s) {
+            gw_buf_add(&j->out, "data: ", 6);
+            gw_buf_add(&j->out, s, strlen(s));
+            gw_buf_add(&j->out, "\n\n", 2);
+            free(s);
+        }
+    } else {
+        sse_chunk(j, NULL, 0, gw_finish_name(j->res.finish_reason), NULL);
+        if (j->req.include_usage) {
+            cJSON *o = gw_job_object(j, true);
+            cJSON_AddArrayToObject(o, "choices");
+            cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res));
+            sse_event(j, o);
+        }
+    }
+    gw_buf_add(&j->out, "data: [DONE]\n\n", 14);
+}
+
+static void *job_thread(void *arg) {
+    struct job *j = arg;
+    gateway *g = j->g;
+    char err[512] = "";
+    if (g->running) metrics_gauge_add(g->running, 1);
+    llm_client *c = gw_pool_get(g, err, sizeof err);
+    int rc;
+    Llm__Error__Code code = LLM__ERROR__CODE__OK;
+    uint32_t retry_after_ms = 0;
+    struct llm_generate_result res;
+    memset(&res, 0, sizeof res);
+    if (!c) {
+        rc = STATUS_UNAVAILABLE;
+    } else {
+        struct llm_generate_params p;
+        llm_generate_params_default(&p);
+        p.request_id = j->request_id;
+        p.model = j->router_model;
+        if (j->prompt_ids) {
+            p.prompt_tokens = j->prompt_ids;
+            p.n_prompt_tokens = j->n_prompt_ids;
+        } else if (j->req.prompt_tokens) {
+            p.prompt_tokens = j->req.prompt_tokens;
+            p.n_prompt_tokens = j->req.n_prompt_tokens;
+        } else {
+            p.prompt = j->req.prompt;
+        }
+        p.max_tokens = j->req.max_tokens;
+        p.sampling = j->req.sp;
+        p.stop = j->req.stop;
+        p.n_stop = j->req.n_stop;
+        /* Always streamed from the router: tokens arriving are what lets a
+         * non-streaming request notice a client that went away. */
+        p.stream = true;
+        rc = llm_client_generate(c, &p, job_on_chunk, j, &res);
+        if (rc < 0) {
+            code = llm_client_error_code(c);
+            retry_after_ms = llm_client_retry_after_ms(c);
+            snprintf(err, sizeof err, "%s", llm_client_errstr(c));
+        }
+        gw_pool_put(g, c, rc >= 0 || code != LLM__ERROR__CODE__OK);
+    }
+    pthread_mutex_lock(&j->mu);
+    j->rc = rc;
+    j->code = code;
+    j->retry_after_ms = retry_after_ms;
+    snprintf(j->errstr, sizeof j->errstr, "%s", err);
+    j->res = res;
+    if (j->req.stream && j->started) sse_finish(j);
+    j->done = true;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (rc < 0) LOG(LL_INFO, "gateway: request %s: %s", j->request_id, err);
+    if (g->running) {
+        metrics_gauge_add(g->running, -1);
+        metrics_histogram_observe(g->e2e, (double)(gw_now_ms() - j->t0_ms) / 1000.0);
+        if (rc >= 0) {
+            metrics_counter_add(g->prompt_tokens, res.prompt_tokens);
+            metrics_counter_add(g->gen_tokens, res.completion_tokens);
+        }
+    }
+    gw_job_release(j);
+    pthread_mutex_lock(&g->jobs_mu);
+    if (--g->jobs == 0) pthread_cond_broadcast(&g->jobs_cv);
+    pthread_mutex_unlock(&g->jobs_mu);
+    return NULL;
+}
+
+/* 1 when the peer closed the connection (or it failed). */
+static bool peer_gone(int fd) {
+    if (fd < 0) return false;
+    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+    if (poll(&p, 1, 0) <= 0) return false;
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+/* The client went away: the job stops at its next token, and a Cancel by id
+ * stops it now even while it waits in the router's queue. */
+void gw_job_cancel(struct job *j) {
+    pthread_mutex_lock(&j->mu);
+    bool already = j->cancel || j->done;
+    j->cancel = true;
+    pthread_mutex_unlock(&j->mu);
+    if (already) return;
+    LOG(LL_INFO, "gateway: request %s: the HTTP client went away; cancelling", j->request_id);
+    char err[256];
+    llm_client *c = gw_pool_get(j->g, err, sizeof err);
+    if (!c) return;
+    int rc = llm_client_cancel(c, j->request_id, NULL);
+    gw_pool_put(j->g, c, rc >= 0 || llm_client_error_code(c) != LLM__ERROR__CODE__OK);
+}
+
+/* Waits until cond holds (mu held), checking the socket every 100 ms.
+ * Returns false when the peer went away (mu is then released). */
+static bool job_wait(struct job *j, bool (*cond)(const struct job *)) {
+    while (!cond(j)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+        if (!cond(j) && peer_gone(j->fd)) {
+            pthread_mutex_unlock(&j->mu);
+            gw_job_cancel(j);
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool cond_started(const struct job *j) { return j->started || j->done; }
+static bool cond_done(const struct job *j) { return j->done; }
+static bool cond_output(const struct job *j) { return j->out_off < j->out.len || j->done; }
+
+static ssize_t sse_reader(void *cls, uint64_t pos, char *out, size_t max) {
+    struct job *j = cls;
+    pthread_mutex_lock(&j->mu);
+    if (!job_wait(j, cond_output)) return MHD_CONTENT_READER_END_WITH_ERROR;
+    size_t avail = j->out.len - j->out_off;
+    if (avail == 0) {
+        pthread_mutex_unlock(&j->mu);
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    }
+    size_t n = avail < max ? avail : max;
+    memcpy(out, j->out.p + j->out_off, n);
+    j->out_off += n;
+    if (j->out_off == j->out.len) j->out_off = j->out.len = 0;
+    pthread_mutex_unlock(&j->mu);
+    return (ssize_t)n;
+}
+
+static void sse_free(void *cls) {
+    struct job *j = cls;
+    gw_job_cancel(j); /* no-op once done */
+    gw_job_release(j);
+}
+
+/* Chat: the rendered prompt tokenized with the model's tokenizer, and its
+ * end-of-turn token as a stop. */
+static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
+    const char *model = g->model_path ? g->model_path : "the served model";
+    if (g->family == CHAT_FAMILY_NONE) {
+        oai_error_set(e, 400, "invalid_request_error", "messages", "chat_template_not_found", "%s", g->chat_problem);
+        return -1;
+    }
+    char err[512], *text = NULL;
+    if (chat_template_render(g->family, j->req.messages, j->req.n_messages, 1, &text, err, sizeof err) < 0) {
+        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err);
+        return -1;
+    }
+    size_t len = strlen(text);
+    int32_t n = tokenizer_encode(g->tok, text, len, -1, 1, NULL, 0);
+    if (n >= 0) {
+        j->prompt_ids = malloc(((size_t)n + 1) * sizeof *j->prompt_ids);
+        n = j->prompt_ids ? tokenizer_encode(g->tok, text, len, -1, 1, j->prompt_ids, n + 1) : STATUS_NO_MEMORY;
+    }
+    free(text);
+    if (n < 0) {
+        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "the messages cannot be tokenized by %s: %s",
+                      model, status_str(n));
+        return -1;
+    }
+    j->n_prompt_ids = (size_t)n;
+    const char *eot = chat_template_end_of_turn(g->family);
+    int32_t id = tokenizer_token_find(g->tok, eot, strlen(eot));
+    struct sampling_params *sp = &j->req.sp;
+    if (id >= 0) {
+        if (!tokenizer_is_eog(g->tok, id) || sp->ignore_eos) {
+            if (sp->n_stop_token_ids < SAMPLING_STOP_IDS_MAX) sp->stop_token_ids[sp->n_stop_token_ids++] = id;
+        }
+    } else if (j->req.n_stop < OAI_STOP_MAX) {
+        j->req.stop[j->req.n_stop++] = eot;
+    } else {
+        oai_error_set(e, 400, "invalid_request_error", "stop",
+                      NULL, "stop has %d strings: chat requests on this model keep one for the end of turn %s",
+                      OAI_STOP_MAX, eot);
+        return -1;
+    }
+    return 0;
+}
+
+static void random_hex(char *out, size_t n_hex) {
+    unsigned char b[32];
+    size_t nb = (n_hex + 1) / 2;
+    if (nb > sizeof b) nb = sizeof b;
+    if (getrandom(b, nb, 0) != (ssize_t)nb) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        for (size_t i = 0; i < nb; i++) b[i] = (unsigned char)((uint64_t)ts.tv_nsec >> (i % 8) * 8) ^ (unsigned char)i;
+    }
+    for (size_t i = 0; i < nb * 2 && i < n_hex; i++) out[i] = "0123456789abcdef"[(b[i / 2] >> (i % 2 ? 0 : 4)) & 15];
+    out[n_hex] = 0;
+}
+
+enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, struct req_ctx *ctx,
+                                   enum oai_kind kind) {
+    struct oai_error e;
+    struct job *j = calloc(1, sizeof *j);
+    if (!j) return MHD_NO;
+    if (oai_parse(kind, ctx->body.p ? ctx->body.p : "", ctx->body.len, &j->req, &e) < 0) {
+        free(j);
+        return gw_send_error(g, conn, &e, NULL);
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->g = g;
+    j->refs = 1;
+    j->fd = -1;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci) j->fd = ci->connect_fd;
+    if (kind == OAI_CHAT && j->req.sp.top_logprobs > 0 && !j->req.sp.logprobs) {
+        oai_error_set(&e, 400, "invalid_request_error", "top_logprobs", NULL,
+                      "top_logprobs = %d needs logprobs: true", (int)j->req.sp.top_logprobs);
+        gw_job_release(j);
+        return gw_send_error(g, conn, &e, NULL);
+    }
+    /* The configured name, "" and "default" (the name a response reports
+     * when neither request nor configuration gave one) mean the cluster's
+     * default model. */
+    const char *m = j->req.model;
+    bool is_default = !m[0] || strcmp(m, "default") == 0 || (g->model_name && strcmp(m, g->model_name) == 0);
+    snprintf(j->router_model, sizeof j->router_model, "%s", is_default ? "" : m);
+    snprintf(j->model, sizeof j->model, "%s", m[0] ? m : g->model_name ? g->model_name : "default");
+    char hex[33];
+    random_hex(hex, 32);
+    snprintf(j->id, sizeof j->id, "%s-%s", kind == OAI_CHAT ? "chatcmpl" : "cmpl", hex);
+    j->request_id = strchr(j->id, '-') + 1;
+    j->created = (int64_t)time(NULL);
+    j->t0_ms = gw_now_ms();
+    if (kind == OAI_CHAT) {
+        if (!g->tok) {
+            oai_error_set(&e, 400, "invalid_request_error", "messages", "chat_template_not_found",
+                          "chat completions need the model's tokenizer and chat template: start llm-gateway with "
+                          "--model PATH (the model file the cluster serves)%s",
+                          g->family != CHAT_FAMILY_NONE ? "" : " and, if its template is not recognised, --chat-template NAME");
+            gw_job_release(j);
+            return gw_send_error(g, conn, &e, NULL);
+        }
+        if (chat_prompt(g, j, &e) < 0) {
+            gw_job_release(j);
+            return gw_send_error(g, conn, &e, NULL);
+        }
+    }
+    LOG(LL_DEBUG, "gateway: request %s: %s, stream %d, max_tokens %u%s%s", j->request_id,
+        kind == OAI_CHAT ? "chat" : "completion", j->req.stream, j->req.max_tokens, j->req.user ? ", user " : "",
+        j->req.user ? j->req.user : "");
+
+    j->refs = 2; /* this connection and the job thread */
+    pthread_t th;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_mutex_lock(&g->jobs_mu);
+    g->jobs++;
+    pthread_mutex_unlock(&g->jobs_mu);
+    if (pthread_create(&th, &attr, job_thread, j) != 0) {
+        pthread_mutex_lock(&g->jobs_mu);
+        g->jobs--;
+        pthread_mutex_unlock(&g->jobs_mu);
+        pthread_attr_destroy(&attr);
+        j->refs = 1;
+        gw_job_release(j);
+        oai_error_set(&e, 503, "server_error", NULL, NULL, "the gateway cannot start a thread for this request");
+        return gw_send_error(g, conn, &e, NULL);
+    }
+    pthread_attr_destroy(&attr);
+    ctx->job = j;
+    j->refs++; /* ctx's, dropped by the request-completed callback */
+
+    pthread_mutex_lock(&j->mu);
+    if (!job_wait(j, j->req.stream ? cond_started : cond_done)) {
+        gw_job_release(j);
+        return MHD_NO;
+    }
+    /* Refused before any token: an error response with its status. */
+    if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
+        gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+                             j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+        pthread_mutex_unlock(&j->mu);
+        gw_job_release(j);
+        return gw_send_error(g, conn, &e, NULL);
+    }
+    if (!j->req.stream) {
+        if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+            gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+                                 j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+            pthread_mutex_unlock(&j->mu);
+            gw_job_release(j);
+            return gw_send_error(g, conn, &e, NULL);
+        }
+        cJSON *o = gw_job_object(j, false);
+        cJSON *cs = cJSON_AddArrayToObject(o, "choices");
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddNumberToObject(c, "index", 0);
+        if (kind == OAI_CHAT) {
+            cJSON *msg = cJSON_AddObjectToObject(c, "message");
+            cJSON_AddStringToObject(msg, "role", "assistant");
+            cJSON_AddStringToObject(msg, "content", j->text.p ? j->text.p : "");
+        } else {
+            cJSON_AddStringToObject(c, "text", j->text.p ? j->text.p : "");
+        }
+        if (j->req.sp.logprobs) {
+            cJSON_AddItemToObject(c, "logprobs", j->lp ? j->lp : gw_lp_object(j));
+            j->lp = NULL;
+        } else {
+            cJSON_AddNullToObject(c, "logprobs");
+        }
+        cJSON_AddStringToObject(c, "finish_reason", gw_finish_name(j->res.finish_reason));
+        cJSON_AddItemToArray(cs, c);
+        cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res));
+        pthread_mutex_unlock(&j->mu);
+        gw_job_release(j);
+        return gw_send_json(g, conn, 200, o);
+    }
+    /* A stream that has begun: when the job was already done, its end is
+     * written now (the job thread only writes it once tokens went out). */
+    if (j->done && !j->started) sse_finish(j);
+    j->started = true;
+    pthread_mutex_unlock(&j->mu);
+    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, sse_reader, j, sse_free);
+    if (!r) {
+        gw_job_cancel(j);
+        gw_job_release(j);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "text/event-stream");
+    MHD_add_response_header(r, "Cache-Control", "no-cache");
+    MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    enum MHD_Result ok = MHD_queue_response(conn, 200, r);
+    MHD_destroy_response(r);
+    if (ok == MHD_YES) gw_count_response(g, conn, 200);
+    return ok;
+}
