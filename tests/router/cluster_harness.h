@@ -85,6 +85,9 @@ struct cluster {
 static int64_t h_mark_ms, h_first_after_mark_ms;
 
 static struct cluster *h_current; /* the running cluster, for cleanup after a failed test */
+/* Fixture flags of the Redis the next h_cluster_start starts (tests/redis_fixture.h:
+ * FIXTURE_REDIS_PERSIST keeps its data across fixture_redis_kill + _restart). */
+static int h_redis_flags H_UNUSED;
 
 static H_UNUSED int64_t h_now_ms(void) {
     struct timespec ts;
@@ -455,7 +458,7 @@ static H_UNUSED struct cluster *h_cluster_start_routers(const char *model, int p
     struct cluster *cl = calloc(1, sizeof *cl);
     if (!cl) TEST_FAIL("out of memory");
     h_current = cl;
-    fixture_redis_start(&cl->redis, 0);
+    fixture_redis_start(&cl->redis, h_redis_flags);
     snprintf(cl->dir, sizeof cl->dir, "/tmp/llm-cluster-test-XXXXXX");
     if (!mkdtemp(cl->dir)) TEST_FAIL("mkdtemp: %s", strerror(errno));
     snprintf(cl->model, sizeof cl->model, "%s", model);
