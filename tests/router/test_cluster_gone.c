@@ -9,7 +9,7 @@
 
 #define MODEL "stories260K-f32.gguf"
 #define GRACE_MS 500
-#define MARGIN_MS 800
+#define MARGIN_MS 1500
 #define PROMPT "Once upon a time"
 
 /* One sequence at a time, so that the requests take (about 2 s) much
