@@ -57,6 +57,7 @@ struct req {
     int32_t n_persisted;           /* of out, appended to Redis */
     struct lp *lps;                /* one per out token when logprobs were asked */
     uint64_t seed;
+    char owner[48];                /* its creator's public key ("": none; docs/security.md) */
     int64_t created_ms, deadline_ms, done_ms;
     int64_t last_token_us;         /* server_mono_us() of its latest token (0: none yet) */
     bool placed_once;              /* its queue time is recorded (router/server_metrics.h) */

@@ -125,6 +125,7 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
         for (int32_t i = 0; i < q->n_out; i++) q->lps[i].token = q->out[i];
     }
     q->seed = r->seed;
+    snprintf(q->owner, sizeof q->owner, "%s", r->owner);
     q->created_ms = r->created_ms;
     q->deadline_ms = r->deadline_ms;
     q->priority = q->gen->priority;

@@ -78,6 +78,7 @@ static void restore_requests(server *s) {
         r.prompt = q->prompt;
         r.n_prompt = q->n_prompt;
         r.seed = q->seed;
+        snprintf(r.owner, sizeof r.owner, "%s", q->owner);
         r.created_ms = q->created_ms;
         r.deadline_ms = q->deadline_ms;
         struct reqstore_append a = {q->id, q->out, q->n_out};
