@@ -6,6 +6,7 @@
 #include "link.h"
 #include "link-impl.h"
 
+#include "common/log.h"
 #include "common/status.h"
 #include "common/zio.h"
 
@@ -23,8 +24,19 @@ struct link_zmq {
     /* A message of a later step, received while waiting for an earlier one. */
     struct zio_parts held;
     int has_held;
+    /* A message of a later epoch: its stage may get its new placement first.
+     * It waits here, apart, so that it never stands in the way of the
+     * current epoch's steps (one slot: a newer one replaces it). */
+    struct zio_parts future;
+    int has_future;
+    uint64_t dropped; /* later-epoch messages replaced, steps too far ahead */
     struct zio_parts in;
 };
+
+/* Steps of one epoch that can be ahead of the one a stage waits for: the
+ * micro-batches in flight are far fewer.  A message further ahead cannot
+ * come from the placed predecessor and would hold every later step. */
+#define LZ_AHEAD_MAX 4096
 
 static void lz_put64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -79,8 +91,30 @@ static int lz_parse(struct link_zmq *z, const struct zio_parts *p, uint64_t *epo
     return STATUS_OK;
 }
 
+static void lz_drop(struct link_zmq *z, const char *what, uint64_t epoch, uint64_t step) {
+    z->dropped++;
+    if (z->dropped <= 10 || z->dropped % 1000 == 0)
+        LOG(LL_WARN, "zmq link %s: dropped %s (epoch %llu, step %llu; %llu dropped so far)", z->base.endpoint,
+            what, (unsigned long long)epoch, (unsigned long long)step, (unsigned long long)z->dropped);
+}
+
 static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
     struct link_zmq *z = (struct link_zmq *)l;
+    /* A later epoch's message whose epoch has come: it is next in line. */
+    if (z->has_future && !z->has_held) {
+        const uint8_t *h = z->future.n == 2 && zio_parts_size(&z->future, 0) == LINK_ZMQ_HEADER
+                               ? zio_parts_data(&z->future, 0) : NULL;
+        uint64_t fe = h ? lz_get64(h + 8) : 0;
+        if (fe == l->epoch) {
+            struct zio_parts t = z->held;
+            z->held = z->future;
+            z->future = t;
+            z->has_held = 1;
+            z->has_future = 0;
+        } else if (fe < l->epoch) {
+            z->has_future = 0;
+        }
+    }
     for (;;) {
         struct zio_parts *p;
         if (z->has_held) {
@@ -107,7 +141,27 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
             z->has_held = 0;
             continue;
         }
-        if (epoch > l->epoch || step > step_id) {
+        if (epoch > l->epoch) {
+            if (z->has_future) lz_drop(z, "a later-epoch message replaced by a newer one", epoch, step);
+            if (p == &z->in) {
+                struct zio_parts t = z->future;
+                z->future = z->in;
+                z->in = t;
+            } else {
+                struct zio_parts t = z->future;
+                z->future = z->held;
+                z->held = t;
+                z->has_held = 0;
+            }
+            z->has_future = 1;
+            continue;
+        }
+        if (step - step_id > LZ_AHEAD_MAX) {
+            z->has_held = 0;
+            lz_drop(z, "a step too far ahead", epoch, step);
+            continue;
+        }
+        if (step > step_id) {
             if (p == &z->in) {
                 struct zio_parts t = z->held;
                 z->held = z->in;
@@ -135,6 +189,7 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
 static void lz_free(link_conn *l) {
     struct link_zmq *z = (struct link_zmq *)l;
     zio_parts_free(&z->held);
+    zio_parts_free(&z->future);
     zio_parts_free(&z->in);
     zio_sock_close(z->sock);
     free(z);

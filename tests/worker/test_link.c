@@ -117,6 +117,50 @@ TEST(link_zmq_older_epoch_dropped) {
     t_pair_close(&p);
 }
 
+/* Without keys anyone reaching the port can send: a message of a later
+ * epoch, or of a step far ahead, must not stand in the way of the steps the
+ * receiver waits for (it used to be held, failing every later step). */
+TEST(link_zmq_forged_future_never_blocks) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[4] = {1, 2, 3, 4}, in[4] = {0};
+    link_set_epoch(p.tx, 9223372036854775807ULL);
+    ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
+    link_set_epoch(p.tx, 3);
+    ASSERT_OK(link_send(p.tx, 1000000, out, sizeof out)); /* far ahead */
+    out[0] = 42;
+    ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
+    link_set_epoch(p.rx, 3);
+    ASSERT_OK(link_recv(p.rx, 1, in, sizeof in));
+    ASSERT_EQ(42.0f, in[0]);
+    out[0] = 43;
+    ASSERT_OK(link_send(p.tx, 2, out, sizeof out));
+    ASSERT_OK(link_recv(p.rx, 2, in, sizeof in));
+    ASSERT_EQ(43.0f, in[0]);
+    t_pair_close(&p);
+}
+
+/* A predecessor given its new placement first sends the new epoch's step
+ * while the receiver still waits in the old one: it is kept for the new
+ * epoch, and the old step still arrives. */
+TEST(link_zmq_later_epoch_kept_for_its_turn) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[4] = {5, 0, 0, 0}, in[4] = {0};
+    link_set_epoch(p.tx, 2);
+    ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
+    link_set_epoch(p.tx, 1);
+    out[0] = 7;
+    ASSERT_OK(link_send(p.tx, 8, out, sizeof out));
+    link_set_epoch(p.rx, 1);
+    ASSERT_OK(link_recv(p.rx, 8, in, sizeof in));
+    ASSERT_EQ(7.0f, in[0]);
+    link_set_epoch(p.rx, 2);
+    ASSERT_OK(link_recv(p.rx, 1, in, sizeof in));
+    ASSERT_EQ(5.0f, in[0]);
+    t_pair_close(&p);
+}
+
 TEST(link_zmq_large_buffer) {
     struct t_pair p = {0};
     t_pair_open(&p, 5000);
@@ -337,6 +381,7 @@ TEST(link_nccl_needs_cuda_backend) {
 }
 
 TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_skip_marker,
+          link_zmq_forged_future_never_blocks, link_zmq_later_epoch_kept_for_its_turn,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
           link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
           link_nccl_two_gpus, link_nccl_needs_cuda_backend,
