@@ -47,6 +47,11 @@ struct worker {
     /* The CURVE public key (Z85) it registered from, "" on an insecure
      * router: while it lives, its id belongs to this key. */
     char key[48];
+    /* When the router last wrote the id's owner record to Redis
+     * (docs/security.md): heartbeats renew it once per worker timeout; 0
+     * after a registration, so that the first heartbeat gives it its full
+     * lifetime. */
+    int64_t owner_written_ms;
     struct worker *hnext; /* the registry's index by id */
 };
 

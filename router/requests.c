@@ -228,6 +228,51 @@ int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size) {
     return rc;
 }
 
+/* KEYS: the owner record.  ARGV: the registering key, the TTL in ms.
+ * Returns {} when the key may have the id (the record now names it), else
+ * {holder, its PTTL}. */
+static const char reqstore_worker_claim_lua[] =
+    "local o = redis.call('GET', KEYS[1])\n"
+    "if o and o ~= ARGV[1] then return {o, redis.call('PTTL', KEYS[1])} end\n"
+    "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n"
+    "return {}\n";
+
+static void reqstore_worker_key(const reqstore *rs, const char *id, char *key, size_t size) {
+    snprintf(key, size, "%sworker-owner:%s", rs->prefix, id);
+}
+
+int reqstore_worker_claim(reqstore *rs, const char *id, const char *key, int64_t ttl_ms, char *holder,
+                          size_t size, int64_t *ttl_left_ms) {
+    char rkey[256], ttl[32];
+    reqstore_worker_key(rs, id, rkey, sizeof rkey);
+    snprintf(ttl, sizeof ttl, "%" PRId64, ttl_ms);
+    holder[0] = '\0';
+    *ttl_left_ms = 0;
+    const char *argv[] = {"EVAL", reqstore_worker_claim_lua, "1", rkey, key, ttl};
+    redisReply *rep = NULL;
+    int rc = rconn_command_argv(rs->c, &rep, 6, argv, NULL);
+    if (rc < 0) return reqstore_fail(rs, rc);
+    if (rep->type != REDIS_REPLY_ARRAY || (rep->elements != 0 && rep->elements != 2)) {
+        snprintf(rs->errstr, sizeof rs->errstr, "redis %s: claiming worker %s: unexpected reply", rkey, id);
+        rc = STATUS_PROTOCOL;
+    } else if (rep->elements == 2) {
+        const redisReply *o = rep->element[0], *t = rep->element[1];
+        if (o->type == REDIS_REPLY_STRING)
+            snprintf(holder, size, "%.*s", (int)o->len, o->str);
+        if (t->type == REDIS_REPLY_INTEGER) *ttl_left_ms = t->integer;
+        rc = 1;
+    }
+    freeReplyObject(rep);
+    return rc;
+}
+
+int reqstore_worker_own(reqstore *rs, const char *id, const char *key, int64_t ttl_ms) {
+    char rkey[256];
+    reqstore_worker_key(rs, id, rkey, sizeof rkey);
+    int rc = rconn_set(rs->c, rkey, key, strlen(key), ttl_ms);
+    return rc < 0 ? reqstore_fail(rs, rc) : STATUS_OK;
+}
+
 static const char reqstore_append_lua[] =
     "for i = 1, #KEYS do redis.call('APPEND', KEYS[i], ARGV[i]) end\n"
     "return #KEYS\n";

@@ -16,6 +16,9 @@
  *                        error_code, error_message
  *   <p>req:<id>:gen      string: the generated tokens, int32 little-endian,
  *                        appended as they are sampled
+ *   <p>worker-owner:<id> string: the public key (Z85) that worker id
+ *                        registered from, with a TTL the router renews while
+ *                        the worker lives (docs/security.md)
  * Finished requests expire after the retention period. */
 #ifndef ROUTER_REQUESTS_H
 #define ROUTER_REQUESTS_H
@@ -139,6 +142,20 @@ uint64_t reqstore_groups_recreated(const reqstore *rs);
  * when the record names none (made by a router without keys).
  * STATUS_NOT_FOUND when Redis does not know the id. */
 int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size);
+
+/* Worker ids across router restarts (docs/security.md): the record
+ * <p>worker-owner:<id> names the key a live worker registered from.
+ * reqstore_worker_claim, for an id this router does not know: when the
+ * record is absent or names key, writes key with ttl_ms and returns 0; when
+ * it names another key, writes nothing and returns 1 with that key in
+ * holder (size bytes) and its remaining time in *ttl_left_ms.  One round
+ * trip, atomic, so two routers on one Redis never both hand the id out.
+ * reqstore_worker_own writes the record whatever it held (the router knows
+ * the worker registered from key).  Both return a negative status when
+ * Redis fails (errstr says why). */
+int reqstore_worker_claim(reqstore *rs, const char *id, const char *key, int64_t ttl_ms, char *holder,
+                          size_t size, int64_t *ttl_left_ms);
+int reqstore_worker_own(reqstore *rs, const char *id, const char *key, int64_t ttl_ms);
 
 /* Little-endian int32 encoding of token ids (the stored format). */
 void reqstore_tokens_encode(const int32_t *ids, int32_t n, uint8_t *out);

@@ -15,18 +15,92 @@
 #include "common/status.h"
 #include "router/server_metrics.h"
 
+/* A worker id's owner across router restarts: the record
+ * <prefix>worker-owner:<id> in Redis names the key the worker registered
+ * from, and this router renews it from the worker's heartbeats.  A router
+ * that restarts knows no worker, and without the record the first admitted
+ * key to name a live worker's id would get it.  The worker's own registry
+ * key (<prefix>worker:<id>) cannot tell: the worker writes it, so anyone
+ * naming the id could keep it alive.  The record outlives its last renewal
+ * by this many worker timeouts: a restart of the router, and the worker's
+ * registering again, fit well inside. */
+#define OWNER_TTL_TIMEOUTS 6
+
+/* For an id this router does not know (it restarted, or another router had
+ * the worker): the record is checked and taken in one round trip.  The
+ * claim lasts one worker timeout, and the worker's first heartbeat gives it
+ * its full lifetime, so that a registration refused afterwards (a wrong
+ * model, a taken slot) keeps the id from others no longer than a lost
+ * worker does.  When Redis fails the registration goes on as it would
+ * without the record: a Redis outage must not keep workers out
+ * (docs/security.md). */
+static bool owner_record_allows(server *s, const char *worker_id, char *err, size_t errlen) {
+    size_t idlen = strlen(worker_id);
+    if (idlen == 0 || idlen > REGISTRY_ID_MAX) return true; /* registry_register refuses it */
+    if (!s->rs) {
+        LOG(LL_WARN, "worker %.128s registers while Redis cannot be reached: the owner record of "
+            "its id is not checked", worker_id);
+        return true;
+    }
+    char holder[64];
+    int64_t left_ms = 0;
+    int rc = reqstore_worker_claim(s->rs, worker_id, s->peer_key, s->cfg.worker_timeout_ms, holder,
+                                   sizeof holder, &left_ms);
+    if (rc < 0) {
+        LOG(LL_WARN, "worker %.128s: the owner record of its id: %s: registering it unchecked",
+            worker_id, reqstore_errstr(s->rs));
+        return true;
+    }
+    if (rc == 0) return true;
+    s->workers_refused++;
+    server_metrics_worker_refused(s->cfg.metrics, SERVER_REFUSED_REGISTER);
+    snprintf(err, errlen, "worker %.128s is registered from another key (%.8s...) that this router "
+             "has not heard from since it started: the id's owner record %sworker-owner:%.128s "
+             "keeps it for that key another %lld ms, or longer once that worker is back: refused "
+             "from key %.8s... "
+             "(%llu refused so far)", worker_id, holder, s->cfg.redis_prefix, worker_id,
+             (long long)left_ms, s->peer_key, (unsigned long long)s->workers_refused);
+    return false;
+}
+
 /* A live worker's id belongs to the key it registered from: another key
  * naming it is refused, so that no admitted peer can take over a running
- * stage.  After the worker is lost, the id is free again. */
-static bool key_owns_id(server *s, const char *worker_id, char *err, size_t errlen) {
+ * stage.  After the worker is lost, the id is free again.  *claimed: the
+ * owner record now names this key (an id this router did not know). */
+static bool key_owns_id(server *s, const char *worker_id, bool *claimed, char *err, size_t errlen) {
+    *claimed = false;
     struct worker *w = registry_worker_find(s->reg, worker_id);
-    if (!w || w->state == WORKER_LOST || strcmp(w->key, s->peer_key) == 0) return true;
+    if (!w) {
+        /* Insecure: no keys, nothing to own. */
+        if (!s->peer_key[0]) return true;
+        *claimed = true;
+        return owner_record_allows(s, worker_id, err, errlen);
+    }
+    if (w->state == WORKER_LOST || strcmp(w->key, s->peer_key) == 0) return true;
     s->workers_refused++;
     server_metrics_worker_refused(s->cfg.metrics, SERVER_REFUSED_REGISTER);
     snprintf(err, errlen, "worker %.128s is registered from another key (%.8s...) and alive: "
              "refused from key %.8s... (%llu refused so far)", worker_id, w->key,
              s->peer_key[0] ? s->peer_key : "(none)", (unsigned long long)s->workers_refused);
     return false;
+}
+
+/* An accepted registration of an id this router knew (the worker
+ * reconnecting, or a new worker in a lost one's place): the record names
+ * its key from now on.  Heartbeats renew it (owner_renew). */
+static void owner_write(server *s, struct worker *w, int64_t ttl_ms) {
+    if (!w->key[0] || !s->rs) return;
+    if (reqstore_worker_own(s->rs, w->id, w->key, ttl_ms) < 0)
+        LOG(LL_WARN, "worker %s: writing the owner record of its id: %s", w->id, reqstore_errstr(s->rs));
+}
+
+/* From a heartbeat of the id's owner: at most once per worker timeout, so
+ * that hundreds of workers cost Redis little. */
+static void owner_renew(server *s, struct worker *w) {
+    int64_t now = server_now_ms();
+    if (!w->key[0] || (w->owner_written_ms && now - w->owner_written_ms < s->cfg.worker_timeout_ms)) return;
+    w->owner_written_ms = now;
+    owner_write(s, w, (int64_t)OWNER_TTL_TIMEOUTS * s->cfg.worker_timeout_ms);
 }
 
 /* The limits a worker states and how it chose them (Register's sizing
@@ -54,12 +128,17 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
     struct pipeline *p = NULL;
     bool reformed = false;
     Llm__Error__Code code = LLM__ERROR__CODE__ALREADY_EXISTS;
-    char err[512];
-    int rc = key_owns_id(s, m->worker_id, err, sizeof err)
+    char err[1024]; /* two worker ids, three keys and the record's name */
+    bool claimed = false;
+    int rc = key_owns_id(s, m->worker_id, &claimed, err, sizeof err)
                  ? registry_register(s->reg, m, ident, ident_len, server_now_ms(), &w, &p, &reformed,
                                      &code, err, sizeof err)
                  : STATUS_BAD_INPUT;
-    if (rc == 0) snprintf(w->key, sizeof w->key, "%s", s->peer_key);
+    if (rc == 0) {
+        snprintf(w->key, sizeof w->key, "%s", s->peer_key);
+        w->owner_written_ms = 0;
+        if (!claimed) owner_write(s, w, s->cfg.worker_timeout_ms);
+    }
     s->loop_full = true; /* a pipeline may have formed, or changed */
     if (rc < 0) {
         LOG(LL_WARN, "%s", err);
@@ -124,6 +203,7 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
         /* A state change (ready, draining, failed) may put a pipeline in
          * or out of service: the loop's next turn walks them all. */
         if (w->state != was) s->loop_full = true;
+        owner_renew(s, w);
         if (w->ident_len != ident_len || memcmp(w->ident, ident, ident_len) != 0) {
             memcpy(w->ident, ident, ident_len < sizeof w->ident ? ident_len : sizeof w->ident);
             w->ident_len = ident_len < sizeof w->ident ? ident_len : sizeof w->ident;

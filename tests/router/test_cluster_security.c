@@ -1,11 +1,15 @@
 /* Authentication of a real cluster (docs/security.md): clients, workers and
  * link peers without an admitted key get no service and change nothing; a
  * second worker with a live worker's id and another key is refused while
- * the real pipeline serves on; a 1 GB frame is refused at its header and
+ * the real pipeline serves on, and also when the router restarted and the
+ * second worker names the id before the real one is back; a 1 GB frame is
+ * refused at its header and
  * leaves the router small; --insecure still runs a whole cluster. */
 #include "tests/router/cluster_harness.h"
 
 #include <sys/mman.h>
+
+#include "common/rconn.h"
 
 #define MODEL "stories260K-f32.gguf"
 
@@ -233,6 +237,114 @@ TEST(cluster_security_request_belongs_to_its_client) {
     h_cluster_stop(cl);
 }
 
+/* Waits up to ms for needle in the part of the file past offset (a log
+ * that a restarted process appends to). */
+static int file_has_after(const char *path, long offset, const char *needle, int ms) {
+    static char buf[1 << 20];
+    int64_t end = h_now_ms() + ms;
+    for (;;) {
+        FILE *f = fopen(path, "r");
+        size_t n = 0;
+        if (f) {
+            if (fseek(f, offset, SEEK_SET) == 0) n = fread(buf, 1, sizeof buf - 1, f);
+            fclose(f);
+        }
+        buf[n] = 0;
+        if (strstr(buf, needle)) return 1;
+        if (h_now_ms() > end) return 0;
+        h_sleep_ms(50);
+    }
+}
+
+static long file_size(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? (long)st.st_size : 0;
+}
+
+/* The owner record of worker id in the cluster's Redis: its value into
+ * owner ("" when absent) and its remaining time in ms (-2 when absent). */
+static int64_t owner_record(struct cluster *cl, const char *id, char *owner, size_t size) {
+    struct rconn *c = NULL;
+    char err[512], key[256];
+    H_ASSERT(cl, rconn_open_url(cl->redis.url, 2000, &c, err, sizeof err) == 0, "redis: %s", err);
+    snprintf(key, sizeof key, "llm:worker-owner:%s", id);
+    void *val = NULL;
+    size_t len = 0;
+    owner[0] = 0;
+    if (rconn_get(c, key, &val, &len) == 0) snprintf(owner, size, "%.*s", (int)len, (char *)val);
+    free(val);
+    int64_t ttl = -2;
+    if (rconn_ttl(c, key, &ttl) < 0) ttl = -2;
+    rconn_close(c);
+    return ttl;
+}
+
+/* A worker id stays its key's across a router restart: the restarted
+ * router knows no worker, and the id's owner record in Redis, which the
+ * router renews from the real worker's heartbeats, refuses another admitted
+ * key that names the id first.  The real worker then gets its id back. */
+TEST(cluster_security_worker_id_survives_router_restart) {
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, "Once upon a time", 20, 1, &ref);
+    struct cluster *cl = h_cluster_start(model, 1, 1, "", "");
+    generate_ok(cl, &ref, "owner-before");
+    int slot = h_worker_slot(cl, 0, 0);
+    H_ASSERT(cl, slot >= 0, "no stage 0 worker");
+    struct h_proc *real = &cl->workers[slot];
+    char real_key[KEYS_Z85_LEN + 1], path[400], err[512], owner[64];
+    snprintf(path, sizeof path, "%s/workers/worker-%d.pub", cl->keys, slot);
+    H_ASSERT(cl, keys_pub_load(path, real_key, err, sizeof err) == 0, "%s", err);
+    /* Its record names its key, and a heartbeat gave it more than one worker
+     * timeout (the default 5 s) to live. */
+    int64_t ttl = -2, end = h_now_ms() + 10000;
+    while ((ttl = owner_record(cl, real->name, owner, sizeof owner)) <= 5000 && h_now_ms() < end) h_sleep_ms(100);
+    H_ASSERT(cl, strcmp(owner, real_key) == 0, "owner record of %s: \"%s\", its key is %s", real->name, owner,
+             real_key);
+    H_ASSERT(cl, ttl > 5000, "owner record of %s lives %lld ms, not renewed past one worker timeout", real->name,
+             (long long)ttl);
+
+    /* The real worker is held still, so that the fake names its id to the
+     * new router first. */
+    H_ASSERT(cl, kill(real->pid, SIGSTOP) == 0, "SIGSTOP: %s", strerror(errno));
+    h_proc_kill(&cl->router, SIGKILL);
+    long off = file_size(cl->router.log);
+    h_start_router(cl);
+    H_ASSERT(cl, file_has_after(cl->router.log, off, "redis: connected", 20000), "the new router has no Redis");
+    struct h_proc fake = {0};
+    char fake_key[400];
+    snprintf(fake_key, sizeof fake_key, "%s/workers/worker-%d.key", cl->keys, H_WORKERS_MAX - 1);
+    extra_worker(cl, &fake, "fake-after-restart", real->name, fake_key, 0);
+    int st = 0;
+    end = h_now_ms() + 30000;
+    while (!h_proc_exited(&fake, &st) && h_now_ms() < end) h_sleep_ms(50);
+    if (fake.pid) {
+        kill(real->pid, SIGCONT);
+        h_proc_kill(&fake, SIGKILL);
+        H_FAIL(cl, "the fake worker with %s's id still runs 30 s after the router restarted", real->name);
+    }
+    H_ASSERT(cl, WIFEXITED(st) && WEXITSTATUS(st) != 0, "the fake worker ended with status 0x%x", st);
+    H_ASSERT(cl, file_has(fake.log, "worker-owner:"), "the fake worker's log does not say why");
+    H_ASSERT(cl, file_has_after(cl->router.log, off, "registered from another key", 1000),
+             "the router did not log the refusal");
+
+    /* The real worker comes back under its id and serves. */
+    H_ASSERT(cl, kill(real->pid, SIGCONT) == 0, "SIGCONT: %s", strerror(errno));
+    h_wait_ready(cl, 1, 1, 30000);
+    generate_ok(cl, &ref, "owner-after");
+    llm_client *sc = h_client(cl, 2000, 5000, 5000);
+    Llm__ClientEnvelope *env = NULL;
+    ASSERT_OK(llm_client_status(sc, &env));
+    ASSERT_EQ((size_t)1, env->status_reply->n_workers);
+    H_ASSERT(cl, strcmp(env->status_reply->workers[0]->worker_id, real->name) == 0, "worker %s serves",
+             env->status_reply->workers[0]->worker_id);
+    proto_client_free(env);
+    llm_client_close(sc);
+    owner_record(cl, real->name, owner, sizeof owner);
+    H_ASSERT(cl, strcmp(owner, real_key) == 0, "owner record of %s after the restart: \"%s\"", real->name, owner);
+    h_cluster_stop(cl);
+}
+
 /* VmHWM (peak resident set) of a process, in KiB; -1 when unreadable. */
 static long vm_hwm_kb(pid_t pid) {
     char path[64], line[256];
@@ -282,4 +394,4 @@ TEST(cluster_insecure_serves_and_bounds_frames) {
 }
 
 TEST_MAIN(cluster_security_admits_listed_keys_only, cluster_security_request_belongs_to_its_client,
-          cluster_insecure_serves_and_bounds_frames)
+          cluster_security_worker_id_survives_router_restart, cluster_insecure_serves_and_bounds_frames)
