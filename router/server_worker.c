@@ -57,8 +57,7 @@ static bool owner_record_allows(server *s, const char *worker_id, char *err, siz
     snprintf(err, errlen, "worker %.128s is registered from another key (%.8s...) that this router "
              "has not heard from since it started: the id's owner record %sworker-owner:%.128s "
              "keeps it for that key another %lld ms, or longer once that worker is back: refused "
-             "from key %.8s... "
-             "(%llu refused so far)", worker_id, holder, s->cfg.redis_prefix, worker_id,
+             "from key %.8s... (%llu refused so far)", worker_id, holder, s->cfg.redis_prefix, worker_id,
              (long long)left_ms, s->peer_key, (unsigned long long)s->workers_refused);
     return false;
 }
