@@ -180,7 +180,10 @@ TEST(cluster_gone_client_killed_mid_stream) {
     }
     printf("  %d CANCELLED (%d of them mid-stream, the others still queued), %d finished within the grace\n",
            cancelled, partial, whole);
-    H_ASSERT(cl, cancelled >= N / 2, "only %d of %d requests were cancelled", cancelled, N);
+    /* How many finish on their own within the grace and the detection
+     * depends on the machine's speed (17 to 30 here); without the rule none
+     * is cancelled. */
+    H_ASSERT(cl, cancelled >= N / 5, "only %d of %d requests were cancelled", cancelled, N);
     h_cluster_stop(cl);
 }
 
