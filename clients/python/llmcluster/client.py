@@ -241,6 +241,10 @@ class StreamState:
         if kind == "error":
             raise LlmError.from_pb(env.error)
         c = env.chunk
+        if not c.token_ids and not c.text:
+            # The router's check that the client is still there
+            # (docs/router.md, "Clients that go away"): nothing to hand on.
+            return None
         ids = list(c.token_ids)
         lps = _logprobs(c.logprobs)
         skip = max(0, self.have - c.index)

@@ -186,6 +186,21 @@ class SyncTest(unittest.TestCase):
             self.c.generate(p, max_tokens=n + 1, request_id=rid).start()
         self.assertEqual(e.exception.code, "ALREADY_EXISTS")
 
+    def test_empty_chunks_are_not_handed_out(self):
+        # The router sends an empty chunk now and then to check a client is
+        # still there; a stream hands out only chunks with something in them.
+        from llmcluster._pb import client_pb2 as pb
+        from llmcluster.client import StreamState
+        st = StreamState(0)
+        env = pb.ClientEnvelope()
+        env.chunk.index = 0
+        self.assertIsNone(st.feed(env))
+        env.chunk.token_ids.extend([5, 6])
+        env.chunk.text = "ab"
+        c = st.feed(env)
+        self.assertEqual([5, 6], c.token_ids)
+        self.assertEqual(2, st.have)
+
     def test_reattach_sends_the_seed(self):
         # A sampled request without a seed: the router picks one and says it
         # in Accepted; a re-send of the id carries it unless given.
