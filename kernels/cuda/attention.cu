@@ -269,12 +269,20 @@ __global__ void __launch_bounds__(ATT_THREADS) attention_kernel(struct att_param
  * barrier. */
 __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
                                          const float *__restrict__ part_acc, const float *__restrict__ part_ml,
-                                         int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
+                                         int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
+                                         const int32_t *__restrict__ one_tok0) {
     pdl_begin();
-    const int32_t row = blockIdx.x, head = blockIdx.y;
+    /* one_tok0 (CUDA_ATT_ONE_ROW): a block per sequence, whose partial
+     * sums sit at its index (n_tokens is then the sequence count). */
+    const int32_t idx = blockIdx.x, head = blockIdx.y;
+    int32_t row = idx;
+    if (one_tok0) {
+        row = one_tok0[idx];
+        if (one_tok0[idx + 1] - row != 1) return;
+    }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float l, acc;
-        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
+        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, idx, head, d, &l, &acc);
         const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
         const float o = l > 0.0f ? acc / l : 0.0f;
         out[i] = o;
@@ -301,13 +309,23 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
     constexpr int HD = LP * 8, SW = 32 / LP, NS = (ATD_THREADS / 32) * SW;
     const int lane = threadIdx.x % 32, li = lane % LP, warp = threadIdx.x / 32, sw = warp * SW + lane / LP;
     const float ninf = -INFINITY;
-    const int32_t row = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z;
-    /* The sequence holding this row: last s with seq_tok0[s] <= row. */
-    int32_t lo = 0, hi = a.n_seqs - 1;
-    while (lo < hi) {
-        int32_t mid = (lo + hi + 1) / 2;
-        if (a.seq_tok0[mid] <= row) lo = mid;
-        else hi = mid - 1;
+    const int32_t kvh = blockIdx.y, z = blockIdx.z;
+    const bool one = a.rows == CUDA_ATT_ONE_ROW;
+    /* The sequence holding this row: last s with seq_tok0[s] <= row.  Of
+     * one-row sequences only: a block a sequence, which skips the others
+     * (their partial sums go by sequence). */
+    int32_t lo = 0, row = blockIdx.x;
+    if (one) {
+        lo = blockIdx.x;
+        row = a.seq_tok0[lo];
+        if (a.seq_tok0[lo + 1] - row != 1) return;
+    } else {
+        int32_t hi = a.n_seqs - 1;
+        while (lo < hi) {
+            int32_t mid = (lo + hi + 1) / 2;
+            if (a.seq_tok0[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
     }
     const int32_t s = lo, pos = a.seq_pos0[s] + (row - a.seq_tok0[s]);
     /* The split of this row's own context, from its length in device
@@ -433,7 +451,8 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
             a.out[(int64_t)row * width + (int64_t)head * HD + d] = o;
             if (p.out16) p.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
         } else {
-            int64_t slot = ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
+            int64_t slot = one ? ((int64_t)z * a.n_seqs + s) * a.n_heads + head
+                               : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
             p.part_acc[slot * HD + d] = as;
             if (d == 0) {
                 p.part_ml[slot * 2] = ls != ls ? ls : mx; /* NaN max: the combine keeps it */
@@ -447,7 +466,11 @@ template <int G, int LP>
 static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     constexpr int U = G <= 2 ? 4 : 2, NS = (ATD_THREADS / 32) * (32 / LP);
     const struct cuda_attn_args *a = &p->a;
-    int64_t blocks = (int64_t)a->n_tokens * a->n_kv_heads;
+    const bool one = a->rows == CUDA_ATT_ONE_ROW;
+    /* One-row sequences of a mixed batch: a block a sequence (those with
+     * several rows exit), their count at most n_seqs. */
+    const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
+    int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     /* Split the context until about 8 blocks per SM are in flight, each
      * split at least ctx->att_steps steps of all its sub-warps. */
     int64_t step = (int64_t)NS * U, least = step * ctx->att_steps;
@@ -463,7 +486,7 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     p->split_min = (int32_t)least;
     p->chunk = 0;
     p->n_splits = (int32_t)splits;
-    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * a->n_tokens * a->n_heads : 0;
+    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
     uint16_t *out16 = NULL;
     float *scr = NULL;
     if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
@@ -474,13 +497,13 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
         p->part_ml = scr + slots * a->head_dim;
     }
     size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
-    dim3 grid((unsigned)a->n_tokens, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
+    dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U>), dim3(grid), dim3(ATD_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0,
-                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, a->n_tokens,
-                                    a->n_heads, a->head_dim));
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0,
+                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, n_idx,
+                                    a->n_heads, a->head_dim, one ? a->seq_tok0 : (const int32_t *)NULL));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -496,13 +519,14 @@ template <int LP> static int att_decode_g(struct cuda_ctx *ctx, struct att_param
 }
 
 /* 1 if the decode kernel takes this step: one row per sequence (every
- * sequence decoding), F16 cache, heads of 64, 128 or 256, groups of 1, 2,
- * 4 or 8 query heads, 16-byte aligned q and cache. */
+ * sequence decoding, or the one-row sequences of a mixed batch), F16
+ * cache, heads of 64, 128 or 256, groups of 1, 2, 4 or 8 query heads,
+ * 16-byte aligned q and cache. */
 static int att_decode_ok(const struct cuda_attn_args *a) {
     int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
-    return a->n_tokens == a->n_seqs && a->kv_type == DTYPE_F16 && (hd == 64 || hd == 128 || hd == 256) &&
-           (G == 1 || G == 2 || G == 4 || G == 8) && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 &&
-           (uintptr_t)a->v % 16 == 0;
+    return (a->n_tokens == a->n_seqs || a->rows == CUDA_ATT_ONE_ROW) && a->kv_type == DTYPE_F16 &&
+           (hd == 64 || hd == 128 || hd == 256) && (G == 1 || G == 2 || G == 4 || G == 8) &&
+           (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
 
 static size_t att_smem(int qv, int kt, int hd) {
@@ -520,7 +544,7 @@ static int attention_launch(struct cuda_ctx *ctx, struct att_params *p, size_t s
     if (p->n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(p->a.n_tokens, p->a.n_heads), dim3(128), 0,
                                     p->a.out, (fp16_t *)NULL, p->part_acc, p->part_ml, p->n_splits, p->a.n_tokens,
-                                    p->a.n_heads, p->a.head_dim));
+                                    p->a.n_heads, p->a.head_dim, (const int32_t *)NULL));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -551,6 +575,32 @@ extern "C" int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args 
     return rc;
 }
 
+static int att_decode(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    struct att_params p;
+    memset(&p, 0, sizeof p);
+    p.a = *a;
+    const int32_t G = a->n_heads / a->n_kv_heads;
+    if (a->head_dim == 64) return att_decode_g<8>(ctx, &p, G);
+    if (a->head_dim == 128) return att_decode_g<16>(ctx, &p, G);
+    return att_decode_g<32>(ctx, &p, G);
+}
+
+/* The sequences of several rows first, then those of one (d): both write
+ * their rows of out and of its F16 form.  Should the second launch grow
+ * the scratch (a new buffer, perhaps at the same address), the F16 rows of
+ * the first went with the old one, and the o matmul converts out for
+ * itself. */
+static int attention_mixed(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const struct cuda_attn_args *d) {
+    struct cuda_attn_args m = *a;
+    m.rows = CUDA_ATT_MULTI_ROW;
+    int rc = cuda_attention_prefill(ctx, &m);
+    if (rc != STATUS_OK) return rc;
+    const size_t scr_bytes = ctx->scratch_bytes;
+    rc = cuda_attention_q8_decode_takes(d) ? cuda_attention_q8_decode(ctx, d) : att_decode(ctx, d);
+    if (rc == STATUS_OK && ctx->scratch_bytes != scr_bytes) cuda_act_forget(ctx);
+    return rc;
+}
+
 static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (a->n_seqs <= 0 || a->n_tokens < 0 || a->max_blocks <= 0 || a->max_ctx < 0 || a->head_dim <= 0 ||
         a->n_kv_heads <= 0 || a->n_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0)
@@ -563,8 +613,22 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (a->kv_type == DTYPE_Q8_0 && (a->head_dim % 2 != 0 || (a->head_dim >= 32 && a->head_dim % 32 != 0)))
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: Q8_0 cache with head_dim %d", a->head_dim);
     if (a->n_tokens == 0) return STATUS_OK;
-    /* Batches with prefill rows: tensor cores (attention_prefill.cu). */
-    if (cuda_attention_prefill_takes(a)) return cuda_attention_prefill(ctx, a);
+    /* Batches with prefill rows: tensor cores (attention_prefill.cu), with
+     * their one-row sequences split off to the decode kernels where those
+     * take them (cuda_att_rows): a decode row alone in a prefill tile of
+     * 64 query rows made a 7B step of 63 decodes and a 6-token prefill
+     * cost 2.7 times a decode-only step (docs/router.md).  Groups that
+     * decode on tensor cores anyway stay in the one launch. */
+    if (cuda_attention_prefill_takes(a)) {
+        struct cuda_attn_args d = *a;
+        d.rows = CUDA_ATT_ONE_ROW;
+        const bool tc_decode = ctx->decode_tc_g > 0 && a->kv_type == DTYPE_F16 &&
+                               a->n_heads / a->n_kv_heads >= ctx->decode_tc_g;
+        if (a->rows == CUDA_ATT_ALL && a->n_seqs > 1 && !tc_decode &&
+            (cuda_attention_q8_decode_takes(&d) || att_decode_ok(&d)))
+            return attention_mixed(ctx, a, &d);
+        return cuda_attention_prefill(ctx, a);
+    }
     /* Decode-only batches of large groups on an F16 cache: the tensor-core
      * kernel, whose mma take the group's heads as rows (the decode kernel's
      * per-head dot products and shuffles are instruction-bound there).  An
@@ -574,16 +638,11 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
         return cuda_attention_prefill(ctx, a);
     /* Decode-only batches on an 8-bit cache: attention_q8.cu. */
     if (cuda_attention_q8_decode_takes(a)) return cuda_attention_q8_decode(ctx, a);
+    if (att_decode_ok(a)) return att_decode(ctx, a);
     struct att_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;
     int hd = a->head_dim;
-    if (att_decode_ok(a)) {
-        int32_t G = a->n_heads / a->n_kv_heads;
-        if (hd == 64) return att_decode_g<8>(ctx, &p, G);
-        if (hd == 128) return att_decode_g<16>(ctx, &p, G);
-        return att_decode_g<32>(ctx, &p, G);
-    }
     /* Short KV tiles for wide heads keep a block small enough for several
      * per multiprocessor (a T4 has 64 KiB of shared memory per SM). */
     p.kt = hd <= 64 ? 32 : 16;

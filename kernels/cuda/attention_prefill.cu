@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     int32_t s = -1, tile = (int32_t)(gridDim.y - 1 - blockIdx.y);
     for (int32_t i = 0; i < a.n_seqs; i++) {
         int32_t len = a.seq_tok0[i + 1] - a.seq_tok0[i];
-        int32_t nt = len > 0 ? (len + p.tq - 1) / p.tq : 0;
+        /* CUDA_ATT_MULTI_ROW: one-row sequences are the decode kernel's. */
+        int32_t nt = len > (a.rows == CUDA_ATT_MULTI_ROW) ? (len + p.tq - 1) / p.tq : 0;
         if (tile < nt) {
             s = i;
             break;
@@ -453,8 +454,18 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 __global__ void attention_prefill_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
                                                  const float *__restrict__ part_acc,
                                                  const float *__restrict__ part_ml, int32_t n_splits,
-                                                 int32_t n_tokens, int32_t n_heads, int32_t hd) {
+                                                 int32_t n_tokens, int32_t n_heads, int32_t hd,
+                                                 const int32_t *__restrict__ multi_tok0, int32_t n_seqs) {
     const int32_t row = blockIdx.x, head = blockIdx.y;
+    if (multi_tok0) { /* CUDA_ATT_MULTI_ROW: the rows of one-row sequences are not this launch's */
+        int32_t lo = 0, hi = n_seqs - 1;
+        while (lo < hi) {
+            const int32_t mid = (lo + hi + 1) / 2;
+            if (multi_tok0[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+        if (multi_tok0[lo + 1] - multi_tok0[lo] == 1) return;
+    }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float l, acc;
         att_merge_dim<false>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
@@ -534,6 +545,16 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
      * partial tile; surplus blocks return at once. */
     int64_t tiles = (a->n_tokens + p.tq - 1) / p.tq + a->n_seqs;
     if (tiles > a->n_tokens) tiles = a->n_tokens;
+    /* A sequence of len rows takes at most (len - 1) / tq + 1 tiles, and
+     * the rows past each sequence's first number e = n_tokens - n_seqs: at
+     * most e / tq tiles and one a sequence, and with CUDA_ATT_MULTI_ROW at
+     * most e sequences (each at least one row past its first: a sequence
+     * has rows, forward.c refuses one without).  A step of
+     * 60 decodes and a 4-row prefill is 3 tiles, not 61 that walk the
+     * sequence list to exit. */
+    const int64_t e = (int64_t)a->n_tokens - a->n_seqs;
+    const int64_t owners = a->rows == CUDA_ATT_MULTI_ROW && e < a->n_seqs ? e : a->n_seqs;
+    if (e >= 0 && tiles > e / p.tq + owners) tiles = e / p.tq + owners;
     /* Decode-only batches (one row a sequence) keep every tile busy. */
     int64_t busy = a->n_tokens == a->n_seqs ? tiles : (a->n_tokens + p.tq - 1) / p.tq;
     int64_t blocks = busy * a->n_kv_heads;
@@ -585,7 +606,9 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     if (p.n_splits > 1) {
         attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,
                                            CUDA_STREAM(ctx)>>>(a->out, p.out16, p.part_acc, p.part_ml, p.n_splits,
-                                                               a->n_tokens, a->n_heads, a->head_dim);
+                                                               a->n_tokens, a->n_heads, a->head_dim,
+                                                               a->rows == CUDA_ATT_MULTI_ROW ? a->seq_tok0 : NULL,
+                                                               a->n_seqs);
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;

@@ -78,16 +78,26 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
     static_assert(HD % 32 == 0 && T % SW == 0 && T % 4 == 0 && QB % 16 == 0, "atq shape");
     const float ninf = -INFINITY;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, sub = lane / LP;
-    const int32_t row = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z;
+    const int32_t kvh = blockIdx.y, z = blockIdx.z;
+    const bool one = a.rows == CUDA_ATT_ONE_ROW;
 
     /* The sequence holding this row, and this split of its context (from
      * its length in device memory, as attention.cu's decode kernel: the
-     * grid has enough splits for the longest row, the rest exit empty). */
-    int32_t lo = 0, hi = a.n_seqs - 1;
-    while (lo < hi) {
-        int32_t mid = (lo + hi + 1) / 2;
-        if (a.seq_tok0[mid] <= row) lo = mid;
-        else hi = mid - 1;
+     * grid has enough splits for the longest row, the rest exit empty).
+     * CUDA_ATT_ONE_ROW: a block a sequence, skipping those of several rows
+     * (partial sums by sequence). */
+    int32_t lo = 0, row = blockIdx.x;
+    if (one) {
+        lo = blockIdx.x;
+        row = a.seq_tok0[lo];
+        if (a.seq_tok0[lo + 1] - row != 1) return;
+    } else {
+        int32_t hi = a.n_seqs - 1;
+        while (lo < hi) {
+            int32_t mid = (lo + hi + 1) / 2;
+            if (a.seq_tok0[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
     }
     const int32_t s = lo, len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.split_step;
     int32_t sp = min(p.split_want, (len + p.split_min - 1) / p.split_min);
@@ -242,7 +252,8 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
             a.out[(int64_t)row * width + head * HD + dd] = o;
             if (p.out16) p.out16[(int64_t)row * width + head * HD + dd] = f2h(o);
         } else {
-            const int64_t slot = ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
+            const int64_t slot = one ? ((int64_t)z * a.n_seqs + lo) * a.n_heads + head
+                                     : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
             p.part_acc[slot * HD + dd] = as;
             if (dd == 0) {
                 p.part_ml[slot * 2] = ls != ls ? ls : mx; /* NaN max: the merge keeps it */
@@ -255,12 +266,20 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
 /* Merge the splits of one (row, head): a thread per dim (attn_merge.cuh). */
 __global__ void attention_q8_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
                                             const float *__restrict__ part_acc, const float *__restrict__ part_ml,
-                                            int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd) {
+                                            int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
+                                            const int32_t *__restrict__ one_tok0) {
     pdl_begin();
-    const int32_t row = blockIdx.x, head = blockIdx.y;
+    /* one_tok0 (CUDA_ATT_ONE_ROW): a block per sequence, its sums at its
+     * index (n_tokens is then the sequence count). */
+    const int32_t idx = blockIdx.x, head = blockIdx.y;
+    int32_t row = idx;
+    if (one_tok0) {
+        row = one_tok0[idx];
+        if (one_tok0[idx + 1] - row != 1) return;
+    }
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float l, acc;
-        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, row, head, d, &l, &acc);
+        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, idx, head, d, &l, &acc);
         const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
         const float o = l > 0.0f ? acc / l : 0.0f;
         out[i] = o;
@@ -276,7 +295,9 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     constexpr int T = G <= 2 ? 16 : G == 4 ? 8 : 4;
     constexpr int HD = LP * 8, RB = HD / 32 * 34, SW = 32 / LP, NS = ATQ_WARPS * SW;
     const struct cuda_attn_args *a = &p->a;
-    const int64_t blocks = (int64_t)a->n_tokens * a->n_kv_heads;
+    const bool one = a->rows == CUDA_ATT_ONE_ROW;
+    const int32_t n_idx = one ? a->n_seqs : a->n_tokens; /* blocks (and sums) by sequence or by row */
+    const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     /* Split the context until about 8 blocks per SM are in flight, each
      * split at least ctx->att_steps chunks of every warp. */
     const int64_t step = (int64_t)ATQ_WARPS * T, least = step * ctx->att_steps;
@@ -289,7 +310,7 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     p->split_step = (int32_t)step;
     p->split_min = (int32_t)least;
     p->n_splits = (int32_t)splits;
-    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * a->n_tokens * a->n_heads : 0;
+    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
     uint16_t *out16 = NULL;
     float *scr = NULL;
     if (cuda_att_scratch(ctx, a, slots * ((size_t)HD + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
@@ -301,13 +322,13 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     }
     const size_t stage = (size_t)ATQ_WARPS * 2 * (T * RB + 16), merge = (size_t)NS * G * (2 + HD) * sizeof(float);
     const size_t smem = stage > merge ? stage : merge;
-    const dim3 grid((unsigned)a->n_tokens, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
+    const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_q8_decode_kernel<G, LP, T>), grid, dim3(ATQ_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        CUDA_CHECK(ctx, cuda_launch(ctx, attention_q8_combine_kernel, dim3(a->n_tokens, a->n_heads), dim3(128), 0,
-                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, a->n_tokens,
-                                    a->n_heads, a->head_dim));
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_q8_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0,
+                                    a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, n_idx,
+                                    a->n_heads, a->head_dim, one ? a->seq_tok0 : (const int32_t *)NULL));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
@@ -325,9 +346,10 @@ template <int LP> static int atq_g(struct cuda_ctx *ctx, struct atq_params *p, i
 extern "C" int cuda_attention_q8_decode_takes(const struct cuda_attn_args *a) {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0) return 0;
     const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim, bs = a->block_size;
-    return a->kv_type == DTYPE_Q8_0 && a->n_tokens == a->n_seqs && (hd == 64 || hd == 128 || hd == 256) &&
-           (G == 1 || G == 2 || G == 4 || G == 8) && bs >= 4 && (bs & (bs - 1)) == 0 &&
-           (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
+    return a->kv_type == DTYPE_Q8_0 && (a->n_tokens == a->n_seqs || a->rows == CUDA_ATT_ONE_ROW) &&
+           (hd == 64 || hd == 128 || hd == 256) && (G == 1 || G == 2 || G == 4 || G == 8) && bs >= 4 &&
+           (bs & (bs - 1)) == 0 && (uintptr_t)a->q % 16 == 0 && (uintptr_t)a->k % 16 == 0 &&
+           (uintptr_t)a->v % 16 == 0;
 }
 
 extern "C" int cuda_attention_q8_decode(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {

@@ -286,12 +286,27 @@ struct cuda_attn_args {
     const int32_t *seq_pos0;     /* (n_seqs) */
     const int32_t *block_tables; /* (n_seqs, max_blocks) */
     float scale;
+    int32_t rows;                /* enum cuda_att_rows: the sequences this launch serves */
+};
+/* A batch mixing decode and prefill rows runs as two launches over the one
+ * batch (cuda_attention): its one-row sequences on the decode kernels, as
+ * a decode-only step would, and the others on the tensor-core prefill
+ * kernel, so that no decode row takes a prefill tile of 64 query rows.
+ * Each launch skips the other's sequences on the device (the batch's
+ * layout is device memory), and writes out and its F16 form for its own
+ * rows only. */
+enum cuda_att_rows {
+    CUDA_ATT_ALL = 0,  /* every sequence (zero: the callers' default) */
+    CUDA_ATT_ONE_ROW,  /* sequences of one row */
+    CUDA_ATT_MULTI_ROW /* sequences of several rows */
 };
 int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
-/* attention_q8.cu: decode-only batches on the 8-bit cache.  _takes is 1
- * when every sequence has one row, the cache is Q8_0, heads are 64, 128 or
- * 256 wide, groups of 1, 2, 4 or 8 query heads, block_size a power of two
- * of at least 4, and q and the cache 16-byte aligned; cuda_attention then
+/* attention_q8.cu: decode-only batches on the 8-bit cache, and the
+ * one-row sequences of a mixed one (CUDA_ATT_ONE_ROW).  _takes is 1 when
+ * every sequence has one row (or a->rows says to take those alone), the
+ * cache is Q8_0, heads are 64, 128 or 256 wide, groups of 1, 2, 4 or 8
+ * query heads, block_size a power of two of at least 4, and q and the
+ * cache 16-byte aligned; cuda_attention then
  * routes the batch to cuda_attention_q8_decode (STATUS_UNSUPPORTED for a
  * batch _takes refuses). */
 int cuda_attention_q8_decode_takes(const struct cuda_attn_args *a);

@@ -1398,6 +1398,41 @@ static void attention_prefill_cases(void) {
     fx_close();
 }
 
+/* A step of many decodes beside two prefills: the one-row sequences go to
+ * the decode kernels (attention.cu, attention_q8.cu) and the others to the
+ * tensor-core kernel, two launches over one batch that must each leave the
+ * other's rows and F16 output alone (the o matmuls read it). */
+TEST(cuda_ops_attention_mixed) {
+    fx_open();
+    int32_t lens[62], pos[62];
+    for (int s = 0; s < 60; s++) {
+        lens[s] = 1;
+        pos[s] = 99 + (int32_t)((int64_t)s * 1901 / 59); /* contexts 100-2000 */
+    }
+    lens[60] = 4, pos[60] = 700;
+    lens[61] = 64, pos[61] = 1500;
+    /* The prefills last, then first and in the middle: the layout the
+     * kernels skip by must not matter. */
+    for (int o = 0; o < 2; o++) {
+        int32_t l[62], p[62];
+        memcpy(l, lens, sizeof l);
+        memcpy(p, pos, sizeof p);
+        if (o == 1) { /* the 4-row sequence first, the 64-row one in the middle */
+            int32_t t = l[0]; l[0] = l[60]; l[60] = t;
+            t = p[0]; p[0] = p[60]; p[60] = t;
+            t = l[30]; l[30] = l[61]; l[61] = t;
+            t = p[30]; p[30] = p[61]; p[61] = t;
+        }
+        attention_case(DTYPE_F16, 8, 8, 128, 16, 62, l, p);
+        attention_case(DTYPE_F16, 8, 2, 128, 16, 62, l, p);
+        attention_case(DTYPE_Q8_0, 8, 8, 128, 16, 62, l, p);
+        attention_case(DTYPE_Q8_0, 8, 2, 128, 16, 62, l, p);
+        fx_close();
+        fx_open();
+    }
+    fx_close();
+}
+
 TEST(cuda_ops_attention_prefill) {
     unsetenv("LLM_CUDA_PREFILL_TC");
     attention_prefill_cases();
@@ -1722,5 +1757,6 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_wide,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
-          cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_rope_kv_attention,
+          cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_attention_mixed,
+          cuda_ops_rope_kv_attention,
           cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode, cuda_ops_attention_q8_0_prefill)
