@@ -306,10 +306,13 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
                        "register %s: pipeline %u has %u stages, the worker says %u", id,
                        m->pipeline_id, p->stage_count, m->stage_count);
         si = m->stage_index;
-        if (p && !registry_slot_free(p, si, w))
-            REG_REFUSE(LLM__ERROR__CODE__ALREADY_EXISTS,
-                       "register %s: stage %u of pipeline %u is held by worker %s", id, si,
-                       m->pipeline_id, p->stage[si]->id);
+        if (p && !registry_slot_free(p, si, w)) {
+            /* Not final: a replacement may start before the holder is lost. */
+            *code = LLM__ERROR__CODE__ALREADY_EXISTS;
+            snprintf(err, errlen, "register %s: stage %u of pipeline %u is held by worker %s", id, si,
+                     m->pipeline_id, p->stage[si]->id);
+            return STATUS_EXHAUSTED;
+        }
     } else {
         /* Back into its old slot if it is free, else the first free slot of
          * a self-placed pipeline, else a new pipeline. */

@@ -85,7 +85,9 @@ void registry_free(registry *r); /* pipelines' ud must be released by the caller
  * pipeline; *reformed is true when the pipeline's membership changed (a new
  * worker in a slot, a new incarnation): the caller drops the pipeline's
  * running work.  On refusal returns a negative status with *code and err
- * (naming the worker and the value) for the RegisterReply. */
+ * (naming the worker and the value) for the RegisterReply:
+ * STATUS_EXHAUSTED when the stage it names is held by another live worker
+ * (worth trying again once that one is lost), STATUS_BAD_INPUT otherwise. */
 int registry_register(registry *r, const Llm__Register *m, const void *ident, size_t ident_len,
                       int64_t now_ms, struct worker **w, struct pipeline **p, bool *reformed,
                       Llm__Error__Code *code, char *err, size_t errlen);

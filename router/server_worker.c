@@ -143,7 +143,9 @@ static void on_register(server *s, const uint8_t *ident, size_t ident_len, const
         LOG(LL_WARN, "%s", err);
         Llm__RegisterReply rr = LLM__REGISTER_REPLY__INIT;
         Llm__Error e;
-        proto_error_init(&e, code, "", err, 0);
+        /* A held stage frees once its holder is lost: the worker tries
+         * again every heartbeat interval instead of giving up. */
+        proto_error_init(&e, code, "", err, rc == STATUS_EXHAUSTED ? (uint32_t)s->cfg.heartbeat_ms : 0);
         rr.worker_id = m->worker_id;
         rr.accepted = false;
         rr.error = &e;

@@ -245,7 +245,9 @@ static void fw_wait_serving(struct fx *f, struct fw *w) {
     zio_sock_close(c);
 }
 
-static void fw_open(struct fx *f, struct fw *w, const char *id) {
+/* Connects worker id and sends its Register for stage 0 of pipeline 0;
+ * returns the router's RegisterReply. */
+static Llm__WorkerEnvelope *fw_register(struct fx *f, struct fw *w, const char *id) {
     memset(w, 0, sizeof *w);
     snprintf(w->id, sizeof w->id, "%s", id);
     char err[256];
@@ -273,6 +275,11 @@ static void fw_open(struct fx *f, struct fw *w, const char *id) {
     w->silent = 0;
     if (!rep || rep->body_case != LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY)
         TEST_FAIL("worker %s: no RegisterReply", id);
+    return rep;
+}
+
+static void fw_open(struct fx *f, struct fw *w, const char *id) {
+    Llm__WorkerEnvelope *rep = fw_register(f, w, id);
     if (!rep->register_reply->accepted)
         TEST_FAIL("worker %s refused: %s", id, rep->register_reply->error->message);
     ASSERT_EQ(0u, rep->register_reply->layer_first);
@@ -537,6 +544,25 @@ TEST(router_server_refuses_without_a_pipeline) {
     proto_worker_free(pe);
     zio_sock_close(c);
     fw_close(&w);
+    fx_stop(&f);
+}
+
+/* A worker placed in a stage another live worker holds (a replacement
+ * started before the router gave up the old one) is told to try again, not
+ * refused for good: it gets the slot once the holder is lost. */
+TEST(router_server_held_stage_is_retried) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw a, b;
+    fw_open(&f, &a, "holder");
+    Llm__WorkerEnvelope *rep = fw_register(&f, &b, "replacement");
+    ASSERT_TRUE(!rep->register_reply->accepted);
+    ASSERT_TRUE(rep->register_reply->error != NULL);
+    ASSERT_TRUE(rep->register_reply->error->retry_after_ms > 0);
+    ASSERT_TRUE(strstr(rep->register_reply->error->message, "is held by worker holder") != NULL);
+    proto_worker_free(rep);
+    fw_close(&b);
+    fw_close(&a);
     fx_stop(&f);
 }
 
@@ -1065,7 +1091,8 @@ TEST(router_server_reattach_with_chosen_seed) {
     fx_stop(&f);
 }
 
-TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_pipeline, router_server_tells_a_stalled_request,
+TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_pipeline, router_server_held_stage_is_retried,
+          router_server_tells_a_stalled_request,
           router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
           router_server_queue_is_bounded, router_server_worker_loss_resumes_exactly_once,
           router_server_reattach_and_cancel, router_server_restart_resumes_requests,
