@@ -1175,3 +1175,20 @@ int rconn_scan(struct rconn *c, const char *pattern, char ***keys_out, size_t *n
     *n_out = n;
     return 0;
 }
+
+int rconn_url_password_file_checked(const char *url, const char *path, char **out, char *err,
+                                    size_t err_size) {
+    char e[512];
+    int rc = rconn_url_password_file(url, path, out, e, sizeof e);
+    if (rc < 0) return status_fail(err, err_size, rc, "--redis-password-file: %s", e);
+    struct rconn *r = NULL;
+    rc = rconn_open_url(*out, 2000, &r, e, sizeof e);
+    rconn_close(r);
+    if (rc == STATUS_BAD_INPUT) {
+        free(*out);
+        *out = NULL;
+        return status_fail(err, err_size, rc,
+                           "--redis-password-file %s: Redis refused the password in this file: %s", path, e);
+    }
+    return STATUS_OK;
+}

@@ -95,6 +95,14 @@ int rconn_open_url(const char *url, int timeout_ms, struct rconn **out, char *er
  * ConfigMap and the password in a Secret. */
 int rconn_url_password_file(const char *url, const char *path, char **out, char *err,
                             size_t err_size);
+
+/* rconn_url_password_file for --redis-password-file, then one connection to
+ * check the password: a password Redis refuses is STATUS_BAD_INPUT naming
+ * the file (a process would otherwise only warn and retry for ever); a Redis
+ * that cannot be reached yet is not an error (the caller connects when it
+ * comes up).  Messages start with "--redis-password-file". */
+int rconn_url_password_file_checked(const char *url, const char *path, char **out, char *err,
+                                    size_t err_size);
 /* url with the password of its user part replaced by "***", for logs and
  * error messages ("redis://app:***@host:6379/0"); a URL without a password
  * is copied as it is. */

@@ -3,6 +3,8 @@
  * and the router's refusals as OpenAI errors. */
 #include "gateway/gateway-impl.h"
 
+#include "common/unicode.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,22 +80,10 @@ cJSON *gw_usage_json(const struct llm_generate_result *r) {
  * token's string is "bytes:\xNN..." (OpenAI's form) while "bytes" (chat)
  * always has the real bytes. */
 
-static bool utf8_whole(const unsigned char *s, size_t n) {
-    for (size_t i = 0; i < n;) {
-        unsigned char c = s[i];
-        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (l == 0 || i + l > n || (l == 2 && c < 0xc2)) return false;
-        for (size_t k = 1; k < l; k++)
-            if ((s[i + k] & 0xc0) != 0x80) return false;
-        i += l;
-    }
-    return true;
-}
-
 static cJSON *token_string(const char *text, size_t len) {
     char stack[256], *b = len * 4 + 8 <= sizeof stack ? stack : malloc(len * 4 + 8);
     if (!b) return cJSON_CreateString("");
-    if (utf8_whole((const unsigned char *)text, len)) {
+    if (unicode_utf8_valid_prefix(text, len) == len) {
         memcpy(b, text, len);
         b[len] = 0;
     } else {

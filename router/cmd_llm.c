@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
+#include "common/unicode.h"
 
 #include <cjson/cJSON.h>
 #include <signal.h>
@@ -218,24 +219,10 @@ static void llm_lp_free(struct llm_gen_out *o) {
     free(o->lps);
 }
 
-/* Whether s[0..n) is whole, valid UTF-8 (a token may hold part of a
- * character). */
-static bool llm_utf8_valid(const unsigned char *s, size_t n) {
-    for (size_t i = 0; i < n;) {
-        unsigned char c = s[i];
-        size_t l = c < 0x80 ? 1 : (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
-        if (l == 0 || i + l > n || (l == 2 && c < 0xc2)) return false;
-        for (size_t k = 1; k < l; k++)
-            if ((s[i + k] & 0xc0) != 0x80) return false;
-        i += l;
-    }
-    return true;
-}
-
 /* A token's text as JSON shows it: the text when it is whole UTF-8, else
  * "bytes:\xNN..." (OpenAI's form); out holds 4 * len + 8 bytes. */
 static const char *llm_lp_text(const struct llm_lp_alt *a, char *out, size_t size) {
-    if (llm_utf8_valid((const unsigned char *)a->text, a->text_len)) return a->text;
+    if (unicode_utf8_valid_prefix(a->text, a->text_len) == a->text_len) return a->text;
     size_t n = (size_t)snprintf(out, size, "bytes:");
     for (size_t i = 0; i < a->text_len && n + 5 < size; i++)
         n += (size_t)snprintf(out + n, size - n, "\\x%02x", (unsigned char)a->text[i]);
@@ -257,7 +244,7 @@ static cJSON *llm_lp_json(const struct llm_lp_alt *a) {
 /* A token's text for the terminal: quoted, with control characters and the
  * bytes of a partial character escaped. */
 static void llm_lp_print_text(const struct llm_lp_alt *a) {
-    bool valid = llm_utf8_valid((const unsigned char *)a->text, a->text_len);
+    bool valid = unicode_utf8_valid_prefix(a->text, a->text_len) == a->text_len;
     putchar('"');
     for (size_t i = 0; i < a->text_len; i++) {
         unsigned char c = (unsigned char)a->text[i];

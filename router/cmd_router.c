@@ -18,32 +18,6 @@
 
 static volatile sig_atomic_t stop_flag;
 
-/* --redis-password-file: *out is the URL with the file's password (the
- * caller's to free).  A password Redis refuses is an error here, at start,
- * naming the file: the router would otherwise only warn and retry for
- * ever.  A Redis that cannot be reached yet is not: the router connects
- * when it comes up. */
-static int redis_url_with_file(const char *url, const char *path, char **out, char *err,
-                               size_t errlen) {
-    char e[512];
-    int rc = rconn_url_password_file(url, path, out, e, sizeof e);
-    if (rc < 0) {
-        snprintf(err, errlen, "--redis-password-file: %s", e);
-        return rc;
-    }
-    struct rconn *r = NULL;
-    rc = rconn_open_url(*out, 2000, &r, e, sizeof e);
-    rconn_close(r);
-    if (rc == STATUS_BAD_INPUT) {
-        snprintf(err, errlen, "--redis-password-file %s: Redis refused the password in this file: %s",
-                 path, e);
-        free(*out);
-        *out = NULL;
-        return rc;
-    }
-    return 0;
-}
-
 static void on_signal(int sig) {
     (void)sig;
     stop_flag = 1;
@@ -145,7 +119,7 @@ int main(int argc, char **argv) {
     options_log(&o);
     char *redis_url = NULL;
     if (redis_password_file && redis_password_file[0]) {
-        if (redis_url_with_file(c.redis_url, redis_password_file, &redis_url, err, sizeof err) < 0) {
+        if (rconn_url_password_file_checked(c.redis_url, redis_password_file, &redis_url, err, sizeof err) < 0) {
             fprintf(stderr, "llm-router: %s\n", err);
             return 2;
         }

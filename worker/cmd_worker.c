@@ -29,32 +29,12 @@ static void worker_on_signal(int sig) {
     worker_stop = 1;
 }
 
-/* --redis-password-file: *out is the URL with the file's password (the
- * caller's to free).  A password Redis refuses is reported naming the file
- * (the connection's own message names only host and port); a Redis that
- * cannot be reached is left to node_init, which says so. */
+/* --redis-password-file needs a --redis URL to put the password into. */
 static int worker_redis_url(const char *url, const char *path, char **out, char *err, size_t errlen) {
-    char e[512];
-    if (!url || !url[0]) {
-        snprintf(err, errlen, "--redis-password-file %s: no --redis URL to use it with", path);
-        return STATUS_BAD_INPUT;
-    }
-    int rc = rconn_url_password_file(url, path, out, e, sizeof e);
-    if (rc < 0) {
-        snprintf(err, errlen, "--redis-password-file: %s", e);
-        return rc;
-    }
-    struct rconn *r = NULL;
-    rc = rconn_open_url(*out, 2000, &r, e, sizeof e);
-    rconn_close(r);
-    if (rc == STATUS_BAD_INPUT) {
-        snprintf(err, errlen, "--redis-password-file %s: Redis refused the password in this file: %s",
-                 path, e);
-        free(*out);
-        *out = NULL;
-        return rc;
-    }
-    return 0;
+    if (!url || !url[0])
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "--redis-password-file %s: no --redis URL to use it with",
+                           path);
+    return rconn_url_password_file_checked(url, path, out, err, errlen);
 }
 
 static const char *const worker_transports[] = {"auto", "zmq", "nccl", NULL};
