@@ -314,20 +314,9 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
     /* The sequence holding this row: last s with seq_tok0[s] <= row.  Of
      * one-row sequences only: a block a sequence, which skips the others
      * (their partial sums go by sequence). */
-    int32_t lo = 0, row = blockIdx.x;
-    if (one) {
-        lo = blockIdx.x;
-        row = a.seq_tok0[lo];
-        if (a.seq_tok0[lo + 1] - row != 1) return;
-    } else {
-        int32_t hi = a.n_seqs - 1;
-        while (lo < hi) {
-            int32_t mid = (lo + hi + 1) / 2;
-            if (a.seq_tok0[mid] <= row) lo = mid;
-            else hi = mid - 1;
-        }
-    }
-    const int32_t s = lo, pos = a.seq_pos0[s] + (row - a.seq_tok0[s]);
+    int32_t row, s;
+    if (!att_decode_row(a, &row, &s)) return;
+    const int32_t pos = a.seq_pos0[s] + (row - a.seq_tok0[s]);
     /* The split of this row's own context, from its length in device
      * memory: the launch (sized for the longest context allowed, say, in a
      * replayed graph) has at least as many splits as any row uses, and the

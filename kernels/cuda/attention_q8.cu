@@ -86,20 +86,9 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
      * grid has enough splits for the longest row, the rest exit empty).
      * CUDA_ATT_ONE_ROW: a block a sequence, skipping those of several rows
      * (partial sums by sequence). */
-    int32_t lo = 0, row = blockIdx.x;
-    if (one) {
-        lo = blockIdx.x;
-        row = a.seq_tok0[lo];
-        if (a.seq_tok0[lo + 1] - row != 1) return;
-    } else {
-        int32_t hi = a.n_seqs - 1;
-        while (lo < hi) {
-            int32_t mid = (lo + hi + 1) / 2;
-            if (a.seq_tok0[mid] <= row) lo = mid;
-            else hi = mid - 1;
-        }
-    }
-    const int32_t s = lo, len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.split_step;
+    int32_t row, s;
+    if (!att_decode_row(a, &row, &s)) return;
+    const int32_t len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.split_step;
     int32_t sp = min(p.split_want, (len + p.split_min - 1) / p.split_min);
     sp = max(sp, 1);
     const int32_t chunk = ((len + sp - 1) / sp + step - 1) / step * step;
@@ -252,7 +241,7 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
             a.out[(int64_t)row * width + head * HD + dd] = o;
             if (p.out16) p.out16[(int64_t)row * width + head * HD + dd] = f2h(o);
         } else {
-            const int64_t slot = one ? ((int64_t)z * a.n_seqs + lo) * a.n_heads + head
+            const int64_t slot = one ? ((int64_t)z * a.n_seqs + s) * a.n_heads + head
                                      : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
             p.part_acc[slot * HD + dd] = as;
             if (dd == 0) {
@@ -260,30 +249,6 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
                 p.part_ml[slot * 2 + 1] = ls;
             }
         }
-    }
-}
-
-/* Merge the splits of one (row, head): a thread per dim (attn_merge.cuh). */
-__global__ void attention_q8_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
-                                            const float *__restrict__ part_acc, const float *__restrict__ part_ml,
-                                            int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
-                                            const int32_t *__restrict__ one_tok0) {
-    pdl_begin();
-    /* one_tok0 (CUDA_ATT_ONE_ROW): a block per sequence, its sums at its
-     * index (n_tokens is then the sequence count). */
-    const int32_t idx = blockIdx.x, head = blockIdx.y;
-    int32_t row = idx;
-    if (one_tok0) {
-        row = one_tok0[idx];
-        if (one_tok0[idx + 1] - row != 1) return;
-    }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float l, acc;
-        att_merge_dim<true>(part_acc, part_ml, n_splits, n_tokens, n_heads, hd, idx, head, d, &l, &acc);
-        const int64_t i = ((int64_t)row * n_heads + head) * hd + d;
-        const float o = l > 0.0f ? acc / l : 0.0f;
-        out[i] = o;
-        if (out16) out16[i] = f2h(o);
     }
 }
 
@@ -326,7 +291,7 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_q8_decode_kernel<G, LP, T>), grid, dim3(ATQ_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
-        CUDA_CHECK(ctx, cuda_launch(ctx, attention_q8_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0,
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0,
                                     a->out, p->out16, p->part_acc, p->part_ml, p->n_splits, n_idx,
                                     a->n_heads, a->head_dim, one ? a->seq_tok0 : (const int32_t *)NULL));
         CUDA_CHECK(ctx, cudaGetLastError());

@@ -1,5 +1,6 @@
 /* The merge of a (row, head)'s context splits for one dim, shared by the
- * combine kernels of attention.cu and attention_prefill.cu (partial sums
+ * combine kernels of attention.cu (whose attention_combine_kernel
+ * attention_q8.cu launches too) and attention_prefill.cu (partial sums
  * part_acc (n_splits, n_tokens, n_heads, hd), running (max, sum) part_ml
  * (n_splits, n_tokens, n_heads, 2)).  Weights exp(m_z - max m); a split
  * that saw nothing (max -inf) adds nothing.  The thread loads, for up to
@@ -15,6 +16,7 @@
 #define KERNELS_CUDA_ATTN_MERGE_CUH
 
 #include "common.cuh"
+#include "cuda_ops.h"
 
 #define ATT_MERGE_GROUP 32
 
@@ -55,6 +57,38 @@ __device__ __forceinline__ void att_merge_dim(const float *__restrict__ part_acc
     }
     *l_out = l;
     *acc_out = acc;
+}
+
+/* Merges a row's splits into out (and its F16 form out16 when not NULL):
+ * a block per (row, head), a thread per dim; with one_tok0
+ * (CUDA_ATT_ONE_ROW) a block per sequence, whose sums sit at its index
+ * (n_tokens is then the sequence count).  Defined in attention.cu. */
+__global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__restrict__ out16,
+                                         const float *__restrict__ part_acc, const float *__restrict__ part_ml,
+                                         int32_t n_splits, int32_t n_tokens, int32_t n_heads, int32_t hd,
+                                         const int32_t *__restrict__ one_tok0);
+
+/* The row and sequence of a decode block (blockIdx.x).  CUDA_ATT_ONE_ROW: a
+ * block a sequence, false for a sequence of several rows (the block has
+ * nothing to do; partial sums go by sequence).  Else blockIdx.x is the row
+ * and its sequence the last s with seq_tok0[s] <= row. */
+__device__ __forceinline__ bool att_decode_row(const struct cuda_attn_args &a, int32_t *row_out, int32_t *seq_out) {
+    int32_t lo = 0, row = blockIdx.x;
+    if (a.rows == CUDA_ATT_ONE_ROW) {
+        lo = blockIdx.x;
+        row = a.seq_tok0[lo];
+        if (a.seq_tok0[lo + 1] - row != 1) return false;
+    } else {
+        int32_t hi = a.n_seqs - 1;
+        while (lo < hi) {
+            int32_t mid = (lo + hi + 1) / 2;
+            if (a.seq_tok0[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+    }
+    *row_out = row;
+    *seq_out = lo;
+    return true;
 }
 
 #endif
