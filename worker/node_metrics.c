@@ -43,7 +43,7 @@ int node_metrics_init(node_metrics **out, char *err, size_t errlen) {
     atomic_init(&nm->n, NULL);
     const struct metrics_def defs[] = {
         {.type = METRICS_HISTOGRAM, .name = "llm_step_time_seconds",
-         .help = "Time to execute one step plan on this stage: inputs, forward pass, output sent.",
+         .help = "Time to execute one step plan on this stage: its inputs, the layers' computation and its output sent.",
          .labels = stage_label, .bounds = step_bounds,
          .n_bounds = (int)(sizeof step_bounds / sizeof step_bounds[0])},
         {.type = METRICS_HISTOGRAM, .name = "llm_link_send_time_seconds",

@@ -59,7 +59,7 @@ TEST(request_valid_passes) {
 
 /* An empty prompt is the start of a document (BOS alone once the router
  * tokenizes it).  proto3 cannot tell it from an absent prompt: after the
- * wire both are "", and both pass. */
+ * wire both are "", and both are accepted. */
 TEST(request_empty_prompt_passes) {
     struct req r;
     req_init(&r);
