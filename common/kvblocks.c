@@ -409,3 +409,11 @@ int32_t kvblocks_cache_publish(kvblocks *a, struct kvblocks_table *t, const int3
     }
     return n_new;
 }
+
+int kvblocks_cache_next_found(const kvblocks *a, const struct kvblocks_table *t, const int32_t *tokens) {
+    if (!a->cached || a->n_cached == 0) return 0;
+    int32_t k = t->n_hashed, bs = a->block_size;
+    const int32_t *tk = tokens + (size_t)k * bs;
+    uint64_t h = kvblocks_hash_block(k > 0 ? t->hash : KVBLOCKS_HASH_ROOT, tk, bs);
+    return kvblocks_index_find(a, h, k > 0 ? t->hash_parent : -1, tk) >= 0;
+}

@@ -143,6 +143,12 @@ int kvblocks_cache_map(kvblocks *a, struct kvblocks_table *t, const int32_t *tok
  * the blocks newly published. */
 int32_t kvblocks_cache_publish(kvblocks *a, struct kvblocks_table *t, const int32_t *tokens,
                                int32_t n_computed);
+/* 1 if block t->n_hashed of tokens (t's tokens from position 0, at least
+ * (t->n_hashed + 1) * block_size of them), the first one t has not
+ * published, is published already under t's chain (by another table), so
+ * that a lookup of these tokens finds it now; 0 otherwise or with the cache
+ * off.  Hashes one block. */
+int kvblocks_cache_next_found(const kvblocks *a, const struct kvblocks_table *t, const int32_t *tokens);
 /* 1 if the next write into t (at position t->n_tokens) lands in a block that
  * must be copied first (shared, or published). */
 int kvblocks_write_copies(const kvblocks *a, const struct kvblocks_table *t);

@@ -25,6 +25,7 @@ struct sched_seq {
     bool running;      /* admitted: may hold blocks and be planned */
     uint64_t inflight; /* step id, or 0 */
     bool seen;         /* some worker may hold state for it: free it there */
+    bool deferred;     /* waiting for a running sequence to publish its prefix */
     int32_t idx;       /* position in sched.all */
 };
 
@@ -50,8 +51,10 @@ struct sched {
     int32_t cap_freed_out;
     struct sched_seq **cands; /* scratch: cap_all entries */
     int32_t cap_cands;
+    struct sched_seq **leaders; /* scratch of sched_admit: cap_leaders entries */
+    int32_t cap_leaders;
     uint64_t steps_total, preemptions_total;
-    uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks;
+    uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks, deferred;
     int32_t prefill_cap; /* < 0: none */
     uint64_t steps_capped, capped_tokens;
 };
@@ -135,6 +138,7 @@ void sched_free(sched *s) {
     free(s->stuck);
     free(s->freed_out);
     free(s->cands);
+    free(s->leaders);
     free(s);
 }
 
@@ -148,6 +152,8 @@ int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const
     if (sched_grow((void **)&s->all, &s->cap_all, s->n_all + 1, sizeof *s->all) < 0)
         return STATUS_NO_MEMORY;
     if (sched_grow((void **)&s->cands, &s->cap_cands, s->n_all + 1, sizeof *s->cands) < 0)
+        return STATUS_NO_MEMORY;
+    if (sched_grow((void **)&s->leaders, &s->cap_leaders, s->n_all + 1, sizeof *s->leaders) < 0)
         return STATUS_NO_MEMORY;
     struct sched_seq *q = calloc(1, sizeof *q);
     if (!q) return STATUS_NO_MEMORY;
@@ -276,13 +282,73 @@ static int32_t sched_map_prefix(sched *s, struct sched_seq *w) {
     return n;
 }
 
+/* In-flight prefix sharing.  A running sequence L "leads" while the first
+ * full block of its known tokens that it has not published (block k =
+ * L->table.n_hashed) is still to be computed by it or is in a step in
+ * flight: when that step is done, sched_step_done publishes the block.  A
+ * waiting sequence whose tokens equal L's up to the end of block k, and
+ * that could map block k (it lies before its last token), is not admitted
+ * to compute the same KV again: it waits, and the admission after L's step
+ * maps the blocks L published and goes on from there (waiting again while
+ * L computes its next shared block).  Blocks are still published only
+ * after their step is done, so a follower never maps a block whose KV is
+ * not written on every stage.
+ *
+ * A wait always ends: L stops leading for block k once the step computing
+ * it is done (block k published, or publishing stopped for L: then the
+ * follower is admitted normally), or once L leaves the running set
+ * (finished, cancelled, preempted, its step failed); every admission
+ * evaluates the waiting sequences again, and the first of them in line
+ * then becomes a leader itself.  A follower waits only for a leader of its
+ * priority or higher, so a sequence never waits on a less important one
+ * that could be preempted or planned after others. */
+static bool sched_leads(const sched *s, const struct sched_seq *q) {
+    const struct kvblocks_table *t = &q->table;
+    int32_t end = (t->n_hashed + 1) * s->cfg.block_size; /* block k's end */
+    return q->running && !t->hash_stop && q->n_tokens >= end &&
+           (q->inflight != 0 || t->n_tokens < end);
+}
+
+/* Whether w waits for one of leaders[0..n) to publish the next blocks of
+ * its prefix.  Cost: O(n) leader checks of a few fields each, plus for a
+ * leader whose block k starts a block w could map, one compare of block k
+ * (bs tokens, ending at the first token that differs: a leader that does
+ * not share it is rejected there); only a leader sharing block k also
+ * compares the k * bs tokens before it and hashes block k once, and then
+ * the search ends.  So O(n_leaders * bs) per waiting candidate at worst,
+ * and the leaders are the running sequences with an unpublished full block
+ * still to compute (those in prefill, or with a block in flight), not all
+ * of them. */
+static bool sched_prefix_pending(const sched *s, const struct sched_seq *w,
+                                 struct sched_seq *const *leaders, int32_t n) {
+    int32_t bs = s->cfg.block_size;
+    int32_t most = (w->n_tokens - 1) / bs; /* blocks w could map */
+    for (int32_t i = 0; i < n; i++) {
+        const struct sched_seq *l = leaders[i];
+        if (!l->running || l->priority < w->priority) continue; /* preempted since the list was made */
+        int32_t k = l->table.n_hashed;
+        if (k >= most) continue; /* w could map no block beyond what is cached */
+        size_t off = (size_t)k * (size_t)bs;
+        if (memcmp(w->tokens + off, l->tokens + off, (size_t)bs * sizeof *w->tokens) != 0) continue;
+        if (k > 0 && memcmp(w->tokens, l->tokens, off * sizeof *w->tokens) != 0) continue;
+        /* Another sequence published block k already: w maps it now. */
+        if (kvblocks_cache_next_found(s->kv, &l->table, l->tokens)) continue;
+        return true;
+    }
+    return false;
+}
+
 static void sched_admit(sched *s) {
     if (!s->admit) return;
-    int32_t n_wait = 0, reserved = 0;
+    int32_t n_wait = 0, reserved = 0, n_lead = 0;
     for (int32_t i = 0; i < s->n_all; i++) {
         struct sched_seq *q = s->all[i];
-        if (q->running) reserved += sched_outstanding(s, q);
-        else s->cands[n_wait++] = q;
+        if (q->running) {
+            reserved += sched_outstanding(s, q);
+            if (s->cache && sched_leads(s, q)) s->leaders[n_lead++] = q;
+        } else {
+            s->cands[n_wait++] = q;
+        }
     }
     if (n_wait == 0) return;
     qsort(s->cands, (size_t)n_wait, sizeof *s->cands, sched_cmp);
@@ -290,7 +356,21 @@ static void sched_admit(sched *s) {
         struct sched_seq *w = s->cands[i];
         /* A waiting sequence of higher priority takes the place (batch slot
          * or blocks) of a lower-priority running one, which is recomputed
-         * later; equal priorities never preempt each other here. */
+         * later; equal priorities never preempt each other here.  With no
+         * slot to take, nobody behind w (of its priority or lower) could
+         * take one either. */
+        if (s->n_running >= s->cfg.max_batch) {
+            struct sched_seq *v = sched_victim(s, NULL);
+            if (!v || v->priority >= w->priority) return;
+        }
+        /* A follower takes neither slot nor blocks, and those behind it
+         * are still admitted by the usual rules. */
+        if (n_lead > 0 && sched_prefix_pending(s, w, s->leaders, n_lead)) {
+            if (!w->deferred) s->deferred++;
+            w->deferred = true;
+            continue;
+        }
+        w->deferred = false;
         while (s->n_running >= s->cfg.max_batch) {
             struct sched_seq *v = sched_victim(s, NULL);
             if (!v || v->priority >= w->priority) return;
@@ -319,6 +399,8 @@ static void sched_admit(sched *s) {
             s->miss_blocks += (uint64_t)(full - hits);
             s->hit_tokens += (uint64_t)w->table.n_tokens;
             s->miss_tokens += (uint64_t)(w->n_tokens - w->table.n_tokens);
+            /* w now leads the sequences behind it that share its blocks. */
+            if (sched_leads(s, w)) s->leaders[n_lead++] = w;
         }
     }
 }
@@ -528,6 +610,7 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->prefix_miss_tokens = s->miss_tokens;
     st->prefix_hit_blocks = s->hit_blocks;
     st->prefix_miss_blocks = s->miss_blocks;
+    st->prefix_deferred = s->deferred;
     st->steps_capped = s->steps_capped;
     st->prefill_capped_tokens = s->capped_tokens;
 }

@@ -80,6 +80,10 @@ struct sched_stats {
      * computed) and those computed, and the full blocks found. */
     int32_t blocks_cached, blocks_idle;
     uint64_t prefix_hit_tokens, prefix_miss_tokens, prefix_hit_blocks, prefix_miss_blocks;
+    /* Waiting sequences held back at admission until a running sequence
+     * published the blocks of their prefix it was computing (each counted
+     * once per wait; docs/router.md, "Prefix caching"). */
+    uint64_t prefix_deferred;
     /* The prefill cap (sched_set_prefill_cap): steps it shortened, and the
      * prefill tokens it held back from them (taken by later steps). */
     uint64_t steps_capped, prefill_capped_tokens;
