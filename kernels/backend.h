@@ -16,6 +16,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* C linkage for CUDA files that include it (kernels/cuda), whichever
+ * header of common/ they reach first. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #include "../common/device.h"
 #include "../common/dtype.h"
 #include "../common/sampling.h"
@@ -37,8 +43,9 @@ struct backend_weight {
  * [n_blocks][n_kv_heads][block_size][head_dim] of `type`: F32, F16, or
  * Q8_0.  A Q8_0 position row (one KV head) is head_dim / g groups of g =
  * backend_kv_q8_group(head_dim) values, each group an F16 scale d followed
- * by g int8 q (value = d * q): with g = 32 that is common/dtype.h's
- * block_q8_0, and heads narrower than 32 keep one scale per row.  Rows are
+ * by g int8 q (value = d * q): 66 bytes per 64 values for heads whose width
+ * is a multiple of 128, 34 per 32 (common/dtype.h's block_q8_0) for heads
+ * of 32, 64 or 96, one scale per row for heads narrower than 32.  Rows are
  * backend_kv_row_bytes apart, so a KV block stays contiguous.  Writes
  * quantize (d = amax / 127 rounded to F16, q = x / d rounded to nearest, as
  * dtype_quant_row does); attention reads the 8-bit values directly. */
@@ -48,10 +55,27 @@ struct backend_kv {
     int32_t n_blocks, block_size, n_kv_heads, head_dim;
 };
 
-/* Values per F16 scale in a Q8_0 KV row: 32, or the whole row for heads
- * narrower than 32.  Q8_0 needs an even head_dim that is below 32 or a
- * multiple of 32. */
-static inline int32_t backend_kv_q8_group(int32_t head_dim) { return head_dim < 32 ? head_dim : 32; }
+/* Values per F16 scale in a Q8_0 KV row.  64 where head_dim is a multiple
+ * of 128: a 128-wide row is then 132 bytes, so a memory budget holds
+ * 256 / 132 = 1.94x the positions of F16 where groups of 32 (136 bytes)
+ * hold 1.88x.  The cost is rounding.  A value is rounded to a step of its
+ * group's largest magnitude / 127, so where one half of a group of 64
+ * holds smaller values than the other (largest a < b), that half takes
+ * the step of b instead of a: for one small value the step grows by b / a,
+ * but summed over the group the expected squared rounding error (a step
+ * squared / 12 a value), 64 b^2 against 32 (a^2 + b^2) for two groups of
+ * 32 in units of 1 / (12 x 127^2), is at most twice as large.  32 for
+ * heads of 32, 64 or 96, whose rows with groups of 64 would lose the
+ * 4-byte alignment the GPU kernels read rows by (a 64-wide row of 66
+ * bytes); the whole row for heads narrower than 32.  Q8_0 needs an even
+ * head_dim that is below 32 or a multiple of 32.  The CUDA kernels call it
+ * too, at compile time where a kernel is built for one head width. */
+#ifdef __CUDACC__
+__host__ __device__ constexpr
+#endif
+static inline int32_t backend_kv_q8_group(int32_t head_dim) {
+    return head_dim < 32 ? head_dim : head_dim % 128 == 0 ? 64 : 32;
+}
 /* Bytes of one position of one KV head in a cache of this type. */
 static inline size_t backend_kv_row_bytes(enum dtype type, int32_t head_dim) {
     if (type == DTYPE_Q8_0) {
@@ -230,5 +254,9 @@ int backend_graph_end(backend *b, backend_graph **out);
  * (free it and record again). */
 int backend_graph_launch(backend *b, backend_graph *g);
 void backend_graph_free(backend *b, backend_graph *g);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -23,6 +23,8 @@
 
 #include <math.h>
 
+#include "../backend.h"
+
 #define ATT_THREADS 128
 #define ATT_SMEM_MAX (44 * 1024)
 /* Most context splits of one launch (both launchers cap theirs at this). */
@@ -59,7 +61,7 @@ template <int KT> __device__ __forceinline__ float kv_load(const void *base, siz
 __device__ __forceinline__ void att_load_tile_q8(float *skv, const void *cache, const struct cuda_attn_args &a,
                                                  const int32_t *btab, int32_t kvh, int32_t j0, int32_t j_end,
                                                  int kt) {
-    const int hd = a.head_dim, g = hd < 32 ? hd : 32;
+    const int hd = a.head_dim, g = backend_kv_q8_group(hd);
     const size_t rb = (size_t)(hd / g) * (g + 2);
     for (int i = threadIdx.x; i < kt * hd; i += ATT_THREADS) {
         int jj = i / hd, d = i % hd;
@@ -599,7 +601,7 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
                          a->block_size);
     if (a->kv_type != DTYPE_F16 && a->kv_type != DTYPE_F32 && a->kv_type != DTYPE_Q8_0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: cache type %s", dtype_name(a->kv_type));
-    if (a->kv_type == DTYPE_Q8_0 && (a->head_dim % 2 != 0 || (a->head_dim >= 32 && a->head_dim % 32 != 0)))
+    if (a->kv_type == DTYPE_Q8_0 && (a->head_dim % 2 != 0 || a->head_dim % backend_kv_q8_group(a->head_dim) != 0))
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention: Q8_0 cache with head_dim %d", a->head_dim);
     if (a->n_tokens == 0) return STATUS_OK;
     /* Batches with prefill rows: tensor cores (attention_prefill.cu), with

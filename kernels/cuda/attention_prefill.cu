@@ -29,6 +29,8 @@
 #include "common.cuh"
 #include "knobs.h"
 
+#include "../backend.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -108,22 +110,23 @@ __device__ __forceinline__ uint4 apf_load_kv(const fp16_t *cache, const struct c
     return __ldg((const uint4 *)(cache + at));
 }
 
-/* The same 8 dims of an 8-bit cache row (kernels/backend.h: head_dim / 32
- * groups of an F16 scale and 32 int8, 34 bytes each, rows 4-byte aligned
- * since 34 x head_dim / 32 is a multiple of 4 for heads of 64 and 128).
- * The 8 int8 start 2 bytes into a 4-byte word in even groups and on a word
- * boundary in odd ones, so they come as three aligned words (two in odd
- * groups) and the scale as one 2-byte load: x, y, z the words, w the
- * scale's bits.  The same register count as the F16 piece, so the loads of
- * the next tile stay in flight as they do for F16.  Zeros past the slice
- * (scale 0); a NaN scale for a block id outside the cache. */
+/* The same 8 dims of an 8-bit cache row (kernels/backend.h: head_dim / g
+ * groups of an F16 scale and g int8, g = backend_kv_q8_group: 66 bytes a
+ * group for heads of 128, 34 for heads of 64, rows 4-byte aligned in
+ * both).  Since g + 2 is 2 mod 4, the 8 int8 start 2 bytes into a 4-byte
+ * word in even groups and on a word boundary in odd ones, so they come as
+ * three aligned words (two in odd groups) and the scale as one 2-byte
+ * load: x, y, z the words, w the scale's bits.  The same register count as
+ * the F16 piece, so the loads of the next tile stay in flight as they do
+ * for F16.  Zeros past the slice (scale 0); a NaN scale for a block id
+ * outside the cache. */
 __device__ __forceinline__ uint4 apf_load_kv_q8(const uint8_t *cache, const struct cuda_attn_args &a,
                                                 const int32_t *btab, int32_t kvh, int32_t j, int32_t j_end, int d,
                                                 int hd) {
     if (j >= j_end) return make_uint4(0, 0, 0, 0);
     int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
     if (blk < 0 || blk >= a.n_blocks) return make_uint4(0, 0, 0, 0x7e00u);
-    const int rb = hd / 32 * 34, so = (d / 32) * 34, vo = so + 2 + d % 32;
+    const int g = backend_kv_q8_group(hd), rb = hd / g * (g + 2), so = (d / g) * (g + 2), vo = so + 2 + d % g;
     const uint8_t *row = cache + (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * rb;
     const uint32_t *w = (const uint32_t *)(row + (vo & ~3));
     uint4 r;
@@ -266,7 +269,7 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     /* A thread's dims are the same in every piece (APF_GT is a multiple of
      * HD / 8): in an 8-bit cache their bytes sit 2 bytes into a word in
      * even groups. */
-    const int q8_sh = ((tid % (HD / 8)) * 8 / 32) % 2 ? 0 : 16;
+    const int q8_sh = ((tid % (HD / 8)) * 8 / backend_kv_q8_group(HD)) % 2 ? 0 : 16;
     uint4 kr[LD], vr[LD];
 #pragma unroll
     for (int it = 0; it < LD; it++) {

@@ -5,21 +5,24 @@
  * row, one KV head with the G query heads that share it (each K/V row is
  * read once for the group) and one slice of the context, merged by a
  * combine kernel when the context is split.  A cache row of a KV head is
- * head_dim / 32 groups of (F16 scale, 32 int8), 34 bytes a group
- * (kernels/backend.h), so a row's groups sit at 2-byte offsets that no
- * 16-byte load can follow.  Each warp therefore copies whole chunks of T
+ * head_dim / Q groups of (F16 scale, Q int8), Q + 2 bytes a group, with
+ * Q = backend_kv_q8_group (kernels/backend.h): 64 for heads of 128 and
+ * 256, 32 for 64.  A row's groups sit at 2-byte offsets that no 16-byte
+ * load can follow.  Each warp therefore copies whole chunks of T
  * consecutive positions (contiguous in the cache four positions at a time,
  * 16-byte aligned) into a shared buffer of its own with 16-byte loads, and
  * its sub-warps read their rows from there with 4-byte loads; the next
  * chunk's loads are issued before the present chunk is used, and only
  * __syncwarp orders the buffer, so the loop has no block barrier.  A lane
- * owns 8 dims of a row (one group holds 4 lanes' dims, so the scale is
+ * owns 8 dims of a row (one group holds Q / 8 lanes' dims, so the scale is
  * applied once per 8 values); the int8 values become floats by a byte
  * permute into a float's mantissa and one subtraction (conversion
  * instructions run at a quarter of the rate). */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
+
+#include "../backend.h"
 
 #include <math.h>
 
@@ -70,12 +73,13 @@ template <int G, int LP, int T>
 __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct atq_params p) {
     pdl_begin();
     const struct cuda_attn_args &a = p.a;
-    constexpr int HD = LP * 8, RB = HD / 32 * 34; /* bytes a cache row */
+    constexpr int HD = LP * 8, Q = backend_kv_q8_group(HD), RB = HD / Q * (Q + 2); /* values a scale, bytes a row */
     constexpr int SW = 32 / LP, U = T / SW, NS = ATQ_WARPS * SW;
     constexpr int CB = T * RB, NP = CB / 16, PPL = (NP + 31) / 32; /* chunk bytes, 16-byte pieces */
     constexpr int QB = 4 * RB, QP = QB / 16;                        /* four rows: 16-byte aligned */
     constexpr int BUF = CB + 16; /* a lane's third word may read past the last row */
-    static_assert(HD % 32 == 0 && T % SW == 0 && T % 4 == 0 && QB % 16 == 0, "atq shape");
+    static_assert(HD % Q == 0 && Q % 32 == 0 && RB % 4 == 0 && T % SW == 0 && T % 4 == 0 && QB % 16 == 0,
+                  "atq shape");
     const float ninf = -INFINITY;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, li = lane % LP, sub = lane / LP;
     const int32_t kvh = blockIdx.y, z = blockIdx.z;
@@ -116,11 +120,13 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
         for (int e = 0; e < 8; e++) acc[g][e] = 0.0f;
     }
 
-    /* Where this lane's 8 values lie in a row: group gi = li / 4, bytes
-     * 34 gi + 2 + 8 (li % 4) onwards; rows are 4-byte aligned (RB is a
-     * multiple of 4), so the phase depends on the group only. */
-    const int gi = li / 4, vo = 34 * gi + 2 + 8 * (li % 4);
-    const int so = 34 * gi, wo = vo & ~3, sh = (vo & 3) * 8;
+    /* Where this lane's 8 values lie in a row: group gi = li / (Q / 8),
+     * bytes (Q + 2) gi + 2 + 8 (li % (Q / 8)) onwards; rows are 4-byte
+     * aligned (RB is a multiple of 4) and Q + 2 is 2 mod 4, so the phase
+     * depends on the group's parity only: 2 bytes into a word in even
+     * groups, on a word in odd ones. */
+    const int gi = li / (Q / 8), vo = (Q + 2) * gi + 2 + 8 * (li % (Q / 8));
+    const int so = (Q + 2) * gi, wo = vo & ~3, sh = (vo & 3) * 8;
 
     extern __shared__ __align__(16) uint8_t atq_smem[];
     uint8_t *kbuf = atq_smem + (size_t)warp * 2 * BUF, *vbuf = kbuf + BUF;
@@ -252,13 +258,14 @@ __global__ void __launch_bounds__(ATQ_THREADS) attention_q8_decode_kernel(struct
     }
 }
 
-/* Chunks of 16 positions a warp for groups of 1-2 (4.3 KB of K and V in
+/* Chunks of 16 positions a warp for groups of 1-2 (4.1 KB of K and V in
  * flight for heads of 128), 8 for 4 and 4 for 8, where the group's q and
  * sums already hold 144 registers. */
 template <int G, int LP>
 static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     constexpr int T = G <= 2 ? 16 : G == 4 ? 8 : 4;
-    constexpr int HD = LP * 8, RB = HD / 32 * 34, SW = 32 / LP, NS = ATQ_WARPS * SW;
+    constexpr int HD = LP * 8, Q = backend_kv_q8_group(HD), RB = HD / Q * (Q + 2), SW = 32 / LP,
+                  NS = ATQ_WARPS * SW;
     const struct cuda_attn_args *a = &p->a;
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens; /* blocks (and sums) by sequence or by row */

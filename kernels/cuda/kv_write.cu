@@ -6,6 +6,8 @@
  * slots to reject them. */
 #include "common.cuh"
 
+#include "../backend.h"
+
 template <int KT>
 __global__ void kv_write_kernel(void *kc, void *vc, int32_t n_blocks, int32_t block_size, int32_t n_kv_heads,
                                 int32_t head_dim, const float *k, const float *v, const int32_t *slots) {
@@ -29,7 +31,8 @@ __global__ void kv_write_kernel(void *kc, void *vc, int32_t n_blocks, int32_t bl
 }
 
 /* The 8-bit cache (kernels/backend.h): each position row of a KV head is
- * head_dim / g groups of an F16 scale and g int8.  A thread quantizes one
+ * head_dim / g groups of an F16 scale and g int8 (g = backend_kv_q8_group:
+ * 64, 32, or the whole row).  A thread quantizes one
  * group of k and the same group of v, rounding as dtype_quant_row does
  * (d = amax / 127 to F16, q = x / d to nearest even, clamped to +-127), so
  * the bytes equal the CPU backend's for the same input. */
@@ -85,7 +88,7 @@ extern "C" int cuda_kv_write(struct cuda_ctx *ctx, void *kv_k, void *kv_v, enum 
     if (kv_type == DTYPE_F32)
         return kv_write_launch<DTYPE_F32>(ctx, kv_k, kv_v, n_blocks, block_size, n_kv_heads, head_dim, k, v, slots, n);
     if (kv_type == DTYPE_Q8_0) {
-        const int32_t g = head_dim < 32 ? head_dim : 32;
+        const int32_t g = backend_kv_q8_group(head_dim);
         if (head_dim % 2 != 0 || head_dim % g != 0)
             return cuda_fail(ctx, STATUS_UNSUPPORTED, "kv_write: Q8_0 cache with head_dim %d", head_dim);
         const int groups = n_kv_heads * (head_dim / g);

@@ -488,20 +488,50 @@ struct attn_case {
     int32_t pos0[6], len[6];  /* per sequence: history length and rows this step */
 };
 
+/* hd values as an 8-bit cache row holds them (kernels/backend.h): groups of
+ * backend_kv_q8_group(hd), each scaled by d = amax / 127 rounded to F16,
+ * the values rounded to nearest multiples of d. */
+static void q8_round_row(float *x, int32_t hd) {
+    int32_t g = backend_kv_q8_group(hd);
+    for (int32_t i = 0; i < hd; i += g) {
+        float amax = 0;
+        for (int32_t j = 0; j < g; j++) amax = fmaxf(amax, fabsf(x[i + j]));
+        float d = fp16_to_f32(f32_to_fp16(amax / 127.0f)), id = d > 0 ? 1.0f / d : 0.0f;
+        for (int32_t j = 0; j < g; j++) x[i + j] = d * (float)lrintf(x[i + j] * id);
+    }
+}
+
+/* n rows of hd values as a cache of this type holds them. */
+static float *as_cached(const float *x, int64_t n, int32_t hd, enum dtype kv_type) {
+    float *r = fx_alloc((size_t)n * hd * sizeof(float));
+    memcpy(r, x, (size_t)n * hd * sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        if (kv_type == DTYPE_Q8_0) q8_round_row(r + i * hd, hd);
+        else if (kv_type == DTYPE_F16)
+            for (int32_t d = 0; d < hd; d++) r[i * hd + d] = fp16_to_f32(f32_to_fp16(r[i * hd + d]));
+    }
+    return r;
+}
+
 /* Runs one attention step and compares with a double reference over the
- * K/V values as the cache stores them (rounded to fp16 for an F16 cache). */
+ * K/V values as the cache stores them (rounded to fp16 for an F16 cache,
+ * to each group's 8-bit steps for Q8_0). */
 static void check_attention(backend *be, enum dtype kv_type, const struct attn_case *c) {
     int32_t S = c->n_seqs, hd = c->head_dim, nkv = c->n_kv_heads, nh = c->n_heads, bs = c->block_size;
     int64_t kvw = (int64_t)nkv * hd, qw = (int64_t)nh * hd;
     struct backend_kv kv;
     ASSERT_OK(backend_kv_init(be, &kv, kv_type, c->n_blocks, bs, nkv, hd));
-    /* NaN in every slot: reading one the step did not write poisons the output. */
+    /* NaN in every slot: reading one the step did not write poisons the
+     * output.  F16 NaN in every 2-byte word: every element of an F16
+     * cache, every scale of an 8-bit one (its groups are an even number
+     * of bytes). */
     size_t cache_elems = (size_t)c->n_blocks * bs * kvw;
     if (kv_type == DTYPE_F32) {
         poison(kv.k, (int64_t)cache_elems);
         poison(kv.v, (int64_t)cache_elems);
     } else {
-        for (size_t i = 0; i < cache_elems; i++) ((uint16_t *)kv.k)[i] = ((uint16_t *)kv.v)[i] = 0x7e00;
+        size_t words = (size_t)c->n_blocks * bs * nkv * backend_kv_row_bytes(kv_type, hd) / 2;
+        for (size_t i = 0; i < words; i++) ((uint16_t *)kv.k)[i] = ((uint16_t *)kv.v)[i] = 0x7e00;
     }
 
     /* Block tables: a random permutation of all blocks, dealt out to the
@@ -562,7 +592,10 @@ static void check_attention(backend *be, enum dtype kv_type, const struct attn_c
 
     double *ref = fx_alloc((size_t)n_tokens * qw * sizeof(double));
     double *sc = fx_alloc((size_t)max_ctx * sizeof(double));
-    for (int32_t s = 0; s < S; s++)
+    for (int32_t s = 0; s < S; s++) {
+        int32_t ctx = c->pos0[s] + c->len[s];
+        float *kc = as_cached(kall[s], (int64_t)ctx * nkv, hd, kv_type);
+        float *vc = as_cached(vall[s], (int64_t)ctx * nkv, hd, kv_type);
         for (int32_t r = 0; r < c->len[s]; r++) {
             int32_t row = tok0[s] + r, p = c->pos0[s] + r;
             for (int32_t h = 0; h < nh; h++) {
@@ -570,26 +603,19 @@ static void check_attention(backend *be, enum dtype kv_type, const struct attn_c
                 double mx = -INFINITY, sum = 0;
                 for (int32_t j = 0; j <= p; j++) {
                     double d = 0;
-                    for (int32_t i = 0; i < hd; i++) {
-                        float kf = kall[s][j * kvw + g * hd + i];
-                        if (kv_type == DTYPE_F16) kf = fp16_to_f32(f32_to_fp16(kf));
-                        d += (double)q[row * qw + h * hd + i] * kf;
-                    }
+                    for (int32_t i = 0; i < hd; i++) d += (double)q[row * qw + h * hd + i] * kc[j * kvw + g * hd + i];
                     sc[j] = d * scale;
                     if (sc[j] > mx) mx = sc[j];
                 }
                 for (int32_t j = 0; j <= p; j++) sum += (sc[j] = exp(sc[j] - mx));
                 for (int32_t i = 0; i < hd; i++) {
                     double o = 0;
-                    for (int32_t j = 0; j <= p; j++) {
-                        float vf = vall[s][j * kvw + g * hd + i];
-                        if (kv_type == DTYPE_F16) vf = fp16_to_f32(f32_to_fp16(vf));
-                        o += sc[j] * vf;
-                    }
+                    for (int32_t j = 0; j <= p; j++) o += sc[j] * vc[j * kvw + g * hd + i];
                     ref[row * qw + h * hd + i] = o / sum;
                 }
             }
         }
+    }
     /* The cache holds exactly the values of the reference; what remains is
      * float rounding in dots of head_dim terms and sums of up to max_ctx. */
     double e = nmse(out, ref, n_tokens * qw);
@@ -609,6 +635,11 @@ static const struct attn_case attn_wide = {
     .n_seqs = 3, .n_heads = 16, .n_kv_heads = 4, .head_dim = 64, .block_size = 16, .n_blocks = 40,
     .pos0 = {0, 100, 31}, .len = {40, 1, 2},
 };
+/* Heads of 128: the 8-bit cache's groups of 64. */
+static const struct attn_case attn_128 = {
+    .n_seqs = 2, .n_heads = 4, .n_kv_heads = 2, .head_dim = 128, .block_size = 16, .n_blocks = 12,
+    .pos0 = {0, 70}, .len = {20, 1},
+};
 
 TEST(cpu_ops_attention_f32_cache) {
     fx_release();
@@ -623,6 +654,66 @@ TEST(cpu_ops_attention_f16_cache) {
     backend *be = fx_backend(2);
     check_attention(be, DTYPE_F16, &attn_mixed);
     check_attention(be, DTYPE_F16, &attn_wide);
+    fx_release();
+}
+
+/* The 8-bit cache against a reference over the values it stores, for every
+ * group width: the whole row (20), 32 (64), 64 (128). */
+TEST(cpu_ops_attention_q8_0_cache) {
+    fx_release();
+    backend *be = fx_backend(2);
+    check_attention(be, DTYPE_Q8_0, &attn_mixed);
+    check_attention(be, DTYPE_Q8_0, &attn_wide);
+    check_attention(be, DTYPE_Q8_0, &attn_128);
+    fx_release();
+}
+
+/* The 8-bit row layout of kernels/backend.h, read back byte by byte: a
+ * 128-wide row is two groups of [F16 d][64 int8], 132 bytes, group 1's
+ * scale at byte 66 and its values from byte 68.  Each group's largest
+ * value sits in its second half, so a row cut into groups of 32 puts
+ * other scales at bytes 0 and 66. */
+TEST(cpu_ops_kv_write_q8_layout) {
+    fx_release();
+    ASSERT_EQ(132, (int)backend_kv_row_bytes(DTYPE_Q8_0, 128));
+    ASSERT_EQ(264, (int)backend_kv_row_bytes(DTYPE_Q8_0, 256));
+    ASSERT_EQ(68, (int)backend_kv_row_bytes(DTYPE_Q8_0, 64));
+    ASSERT_EQ(102, (int)backend_kv_row_bytes(DTYPE_Q8_0, 96));
+    ASSERT_EQ(10, (int)backend_kv_row_bytes(DTYPE_Q8_0, 8));
+    backend *be = fx_backend(1);
+    struct backend_kv kv;
+    int32_t nkv = 2, hd = 128, bs = 4, nb = 3, rb = 132;
+    ASSERT_OK(backend_kv_init(be, &kv, DTYPE_Q8_0, nb, bs, nkv, hd));
+    float *k = rand_floats(nkv * hd, 1.0f), *v = rand_floats(nkv * hd, 0.25f);
+    for (int32_t h = 0; h < nkv; h++) { /* 6 to 12 standard deviations */
+        k[h * hd + 40] = 8.0f + h;
+        k[h * hd + 100] = -6.0f;
+        v[h * hd + 50] = 2.0f;
+        v[h * hd + 127] = 3.0f - h;
+    }
+    int32_t slot = 6; /* block 1, offset 2 */
+    ASSERT_OK(backend_kv_write(be, &kv, k, v, &slot, 1));
+    const struct { const uint8_t *cache; const float *x; } kvs[2] = {{kv.k, k}, {kv.v, v}};
+    for (int c = 0; c < 2; c++)
+        for (int32_t h = 0; h < nkv; h++) {
+            const uint8_t *row = kvs[c].cache + ((size_t)(slot / bs * nkv + h) * bs + slot % bs) * rb;
+            const float *x = kvs[c].x + h * hd;
+            for (int grp = 0; grp < 2; grp++) {
+                float amax = 0;
+                for (int j = 0; j < 64; j++) amax = fmaxf(amax, fabsf(x[64 * grp + j]));
+                uint16_t dh;
+                memcpy(&dh, row + 66 * grp, 2);
+                ASSERT_EQ((unsigned)f32_to_fp16(amax / 127.0f), (unsigned)dh);
+                float d = fp16_to_f32(dh);
+                for (int j = 0; j < 64; j++) {
+                    float got = d * (float)(int8_t)row[66 * grp + 2 + j];
+                    if (!(fabsf(got - x[64 * grp + j]) <= 0.5001f * d))
+                        TEST_FAIL("%s head %d dim %d: d * q = %g, written %g (d %g)", c ? "V" : "K", h, 64 * grp + j,
+                                  got, x[64 * grp + j], d);
+                }
+            }
+        }
+    backend_kv_free(be, &kv);
     fx_release();
 }
 
@@ -805,6 +896,7 @@ TEST(cpu_ops_mem_info_and_alloc) {
 TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
           cpu_ops_embed_every_dtype, cpu_ops_embed_rejects_bad_id, cpu_ops_rmsnorm, cpu_ops_add_rmsnorm,
           cpu_ops_add_and_swiglu, cpu_ops_get_rows, cpu_ops_rope_both_orders, cpu_ops_rope_orders_differ,
-          cpu_ops_kv_write_layout, cpu_ops_attention_f32_cache, cpu_ops_attention_f16_cache,
+          cpu_ops_kv_write_layout, cpu_ops_kv_write_q8_layout, cpu_ops_attention_f32_cache,
+          cpu_ops_attention_f16_cache, cpu_ops_attention_q8_0_cache,
           cpu_ops_attention_rejects_bad_block, cpu_ops_convert, cpu_ops_thread_count_invariance,
           cpu_ops_mem_info_and_alloc)

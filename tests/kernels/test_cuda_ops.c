@@ -1021,9 +1021,9 @@ static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, in
     }
 }
 
-static void kv_write_case(enum dtype t) {
+static void kv_write_case(enum dtype t, int32_t hd) {
     fx_open();
-    int32_t nb = 12, bs = 16, n_kv = 2, hd = 64, n = 10;
+    int32_t nb = 12, bs = 16, n_kv = 2, n = 10;
     kv_pair(t, nb, bs, n_kv, hd);
     size_t width = (size_t)n_kv * hd;
     struct dbuf k = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
@@ -1044,9 +1044,14 @@ static void kv_write_case(enum dtype t) {
     fx_close();
 }
 
-TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32); }
-TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16); }
-TEST(cuda_ops_kv_write_q8_0) { kv_write_case(DTYPE_Q8_0); }
+TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32, 64); }
+TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16, 64); }
+/* Every group width of the 8-bit rows (backend_kv_q8_group): the whole
+ * row (8), 32 (64 and 96), 64 (128 and 256). */
+TEST(cuda_ops_kv_write_q8_0) {
+    static const int32_t hds[] = {8, 64, 96, 128, 256};
+    for (size_t i = 0; i < sizeof hds / sizeof hds[0]; i++) kv_write_case(DTYPE_Q8_0, hds[i]);
+}
 
 /* Both caches as floats (F16 widened), for an NMSE check. */
 static void check_cache(enum dtype t, void *cbuf, void *gbuf, size_t elems, double bound, const char *what) {
@@ -1098,9 +1103,9 @@ static void check_cache(enum dtype t, void *cbuf, void *gbuf, size_t elems, doub
 /* rope of q and k and the cache write in one launch, against rope, rope
  * and kv_write on the CPU: GQA (8 heads over 2), both pairings, a partial
  * rotation, slots in no order and positions up to 2e5. */
-static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
+static void rope_kv_case(enum dtype t, int neox, int32_t n_freq, int32_t hd) {
     fx_open();
-    int32_t nb = 12, bs = 16, n_kv = 2, n_heads = 8, hd = 64, n = 9;
+    int32_t nb = 12, bs = 16, n_kv = 2, n_heads = 8, n = 9;
     kv_pair(t, nb, bs, n_kv, hd);
     size_t qe = (size_t)n * n_heads * hd, ke = (size_t)n * n_kv * hd;
     struct dbuf q = dbuf_from(rand_f32(qe, -2, 2), qe * 4);
@@ -1119,7 +1124,7 @@ static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
     if (rc != STATUS_OK) TEST_FAIL("gpu rope_kv_write: %s", backend_errstr(fx.gpu));
     ASSERT_OK(backend_sync(fx.cpu));
     char what[96];
-    snprintf(what, sizeof what, "rope_kv_write %s neox=%d n_freq=%d", dtype_name(t), neox, n_freq);
+    snprintf(what, sizeof what, "rope_kv_write %s head_dim %d neox=%d n_freq=%d", dtype_name(t), hd, neox, n_freq);
     /* As rope: both form the angle in double; sin/cos of two libraries. */
     check_f32(q, qe, 1e-12, what);
     check_f32(k, ke, 1e-12, what);
@@ -1128,7 +1133,8 @@ static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
     size_t elems = (size_t)nb * bs * n_kv * hd;
     /* Q8_0: a rotated value a last bit apart may round to the next int8
      * (1/254 of its group's largest) or move the scale: a few such
-     * elements among the cache's 24576 stay far below 1e-6. */
+     * elements among the cache's 24576 (49152 at head_dim 128) stay far
+     * below 1e-6. */
     double bound = t == DTYPE_F32 ? 1e-12 : t == DTYPE_Q8_0 ? 1e-6 : 1e-7;
     check_cache(t, fx.ckv[i].k, fx.gkv[i].k, elems, bound, what);
     check_cache(t, fx.ckv[i].v, fx.gkv[i].v, elems, bound, what);
@@ -1136,12 +1142,15 @@ static void rope_kv_case(enum dtype t, int neox, int32_t n_freq) {
 }
 
 TEST(cuda_ops_rope_kv_write) {
-    rope_kv_case(DTYPE_F16, 0, 32);
-    rope_kv_case(DTYPE_F16, 1, 32);
-    rope_kv_case(DTYPE_F32, 1, 12);
-    rope_kv_case(DTYPE_F32, 0, 32);
-    rope_kv_case(DTYPE_Q8_0, 1, 32);
-    rope_kv_case(DTYPE_Q8_0, 0, 12);
+    rope_kv_case(DTYPE_F16, 0, 32, 64);
+    rope_kv_case(DTYPE_F16, 1, 32, 64);
+    rope_kv_case(DTYPE_F32, 1, 12, 64);
+    rope_kv_case(DTYPE_F32, 0, 32, 64);
+    /* 8-bit rows in groups of 32 (heads of 64) and of 64 (heads of 128). */
+    rope_kv_case(DTYPE_Q8_0, 1, 32, 64);
+    rope_kv_case(DTYPE_Q8_0, 0, 12, 64);
+    rope_kv_case(DTYPE_Q8_0, 1, 64, 128);
+    rope_kv_case(DTYPE_Q8_0, 0, 20, 128);
 }
 
 /* Whether the GPU takes this batch on the tensor-core kernel of
@@ -1283,9 +1292,12 @@ TEST(cuda_ops_attention_gqa_f16) {
  * Where the GPU computes in F32 both backends read the same cache bytes
  * (the CPU scales a group's integer dot product once, the GPU each
  * element), so the outputs differ only by float rounding: the F32 bound
- * of 1e-9 holds.  Prefill chunks
- * and decode rows of GQA, MHA heads of 128 at long contexts (split),
- * groups of 8, and 8-wide heads (one scale per row). */
+ * of 1e-9 holds.  Prefill chunks and decode rows of GQA, MHA heads of
+ * 128 at long contexts (split), groups of 8, and every group width of the
+ * rows (backend_kv_q8_group): 64 values a scale for heads of 128 and 256
+ * (256: attention_q8.cu's four groups a row, and the general kernel for
+ * the prefill rows), 32 for heads of 64 and 96 (96: the general kernel
+ * only), one scale per row for 8-wide heads. */
 TEST(cuda_ops_attention_q8_0) {
     fx_open();
     attention_case(DTYPE_Q8_0, 8, 2, 64, 16, 6, mix_lens, mix_pos);
@@ -1295,6 +1307,14 @@ TEST(cuda_ops_attention_q8_0) {
     attention_case(DTYPE_Q8_0, 32, 4, 128, 16, 4, l2, p2);
     static const int32_t l3[] = {12, 1}, p3[] = {0, 100};
     attention_case(DTYPE_Q8_0, 8, 4, 8, 32, 2, l3, p3);
+    fx_close(); /* the fixture holds 4 caches */
+    fx_open();
+    static const int32_t l4[] = {1, 1, 1}, p4[] = {700, 3, 129};
+    attention_case(DTYPE_Q8_0, 8, 2, 256, 16, 3, l4, p4);
+    static const int32_t l5[] = {9, 1}, p5[] = {0, 90};
+    attention_case(DTYPE_Q8_0, 8, 2, 256, 16, 2, l5, p5);
+    static const int32_t l6[] = {7, 1}, p6[] = {20, 60};
+    attention_case(DTYPE_Q8_0, 4, 2, 96, 16, 2, l6, p6);
     fx_close();
 }
 
