@@ -56,10 +56,23 @@ struct gateway {
     int64_t probe_at_ms;
     char probe_why[512];
     bool probe_ok;
-    /* Job threads are detached; gateway_stop waits for this to reach 0. */
+    /* Generations in flight (jobs) and the detached threads that run them
+     * (runners); a runner whose job ended waits on the idle list for the
+     * next one.  gateway_stop waits for both to reach 0. */
     pthread_mutex_t jobs_mu;
     pthread_cond_t jobs_cv;
     int jobs;
+    int runners;
+    struct gw_runner *idle;
+    bool stopping;
+};
+
+/* A thread that runs generations one after another (gw_generate.c). */
+struct gw_runner {
+    gateway *g;
+    pthread_cond_t cv;              /* under g->jobs_mu: a job was handed over, or the gateway stops */
+    struct job *job;
+    struct gw_runner *next;         /* on g->idle */
 };
 
 struct buf {
@@ -71,7 +84,7 @@ struct job {
     gateway *g;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int refs;                       /* the job thread, the connection, the response */
+    int refs;                       /* the runner, the connection, the response */
     struct oai_request req;
     int32_t *prompt_ids;            /* chat: the rendered prompt, tokenized here */
     size_t n_prompt_ids;
@@ -134,6 +147,9 @@ cJSON *gw_stream_choice(const struct job *j, const char *text, size_t len, const
 
 /* Drops one reference; the last frees the job. */
 void gw_job_release(struct job *j);
+/* Makes idle runners exit and waits until no job and no runner is left
+ * (the HTTP server is stopped first, so no job starts meanwhile). */
+void gw_runners_stop(gateway *g);
 void gw_job_cancel(struct job *j);
 /* POST /v1/completions and /v1/chat/completions once ctx holds the body. */
 enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, struct req_ctx *ctx, enum oai_kind kind);

@@ -572,9 +572,7 @@ void gateway_stop(gateway *g) {
     if (!g) return;
     /* Connections first: each one that ends cancels its job. */
     if (g->mhd) MHD_stop_daemon(g->mhd);
-    pthread_mutex_lock(&g->jobs_mu);
-    while (g->jobs > 0) pthread_cond_wait(&g->jobs_cv, &g->jobs_mu);
-    pthread_mutex_unlock(&g->jobs_mu);
+    gw_runners_stop(g);
     httpd_stop(g->http);
     llm_client_close(g->probe);
     metrics_free(g->reg);

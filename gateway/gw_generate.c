@@ -1,11 +1,16 @@
 /* llm-gateway's HTTP side.  libmicrohttpd runs one thread per connection,
- * so a handler may block; each generation runs llm_client_generate on a
- * thread of its own (a "job") that writes the OpenAI chunks into a buffer,
+ * so a handler may block; each generation (a "job") runs llm_client_generate
+ * on another thread, a runner, that writes the OpenAI chunks into a buffer,
  * and the connection's thread turns that buffer into the HTTP response
  * while it watches its socket: a peer that hangs up cancels the request at
- * once instead of when the next token would fail to send. */
+ * once instead of when the next token would fail to send.  Runners outlive
+ * their jobs and wait for the next one, so that a request is handed to a
+ * thread that already exists: creating one, and the scheduler placing a new
+ * thread behind the busy ones, costs from a fraction of a millisecond to
+ * several on a loaded host, all of it time to the first token. */
 #include "gateway/gateway-impl.h"
 
+#include <errno.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,8 +115,7 @@ static void sse_finish(struct job *j) {
     gw_buf_add(&j->out, "data: [DONE]\n\n", 14);
 }
 
-static void *job_thread(void *arg) {
-    struct job *j = arg;
+static void job_run(struct job *j) {
     gateway *g = j->g;
     char err[512] = "";
     if (g->running) metrics_gauge_add(g->running, 1);
@@ -172,10 +176,104 @@ static void *job_thread(void *arg) {
         }
     }
     gw_job_release(j);
+}
+
+/* ---- runners ---------------------------------------------------------------
+ * An idle runner waits this long for a job before it exits: long enough to
+ * carry a steady load from one request to the next, short enough that the
+ * threads of a burst do not stay. */
+#define GW_RUNNER_IDLE_MS 30000
+
+static void *runner_main(void *arg) {
+    struct gw_runner *w = arg;
+    gateway *g = w->g;
     pthread_mutex_lock(&g->jobs_mu);
-    if (--g->jobs == 0) pthread_cond_broadcast(&g->jobs_cv);
+    for (;;) {
+        struct job *j = w->job;
+        pthread_mutex_unlock(&g->jobs_mu);
+        job_run(j);
+        pthread_mutex_lock(&g->jobs_mu);
+        w->job = NULL;
+        if (--g->jobs == 0) pthread_cond_broadcast(&g->jobs_cv);
+        if (g->stopping) break;
+        w->next = g->idle;
+        g->idle = w;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_sec += GW_RUNNER_IDLE_MS / 1000;
+        while (!w->job && !g->stopping) {
+            if (pthread_cond_timedwait(&w->cv, &g->jobs_mu, &ts) == ETIMEDOUT && !w->job) break;
+        }
+        if (w->job) continue; /* gw_job_start took it off the idle list */
+        for (struct gw_runner **p = &g->idle; *p; p = &(*p)->next) {
+            if (*p == w) {
+                *p = w->next;
+                break;
+            }
+        }
+        break;
+    }
+    g->runners--;
+    pthread_cond_broadcast(&g->jobs_cv);
     pthread_mutex_unlock(&g->jobs_mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
     return NULL;
+}
+
+/* Hands j (holding the runner's reference) to an idle runner, or to a new
+ * one.  STATUS_INTERNAL when no thread can be started: j is then not run. */
+static int job_start(gateway *g, struct job *j) {
+    pthread_mutex_lock(&g->jobs_mu);
+    g->jobs++;
+    struct gw_runner *w = g->idle;
+    if (w) {
+        g->idle = w->next;
+        w->job = j;
+        pthread_cond_signal(&w->cv);
+        pthread_mutex_unlock(&g->jobs_mu);
+        return 0;
+    }
+    g->runners++;
+    pthread_mutex_unlock(&g->jobs_mu);
+    int rc = STATUS_NO_MEMORY;
+    w = calloc(1, sizeof *w);
+    if (w) {
+        w->g = g;
+        w->job = j;
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&w->cv, &ca);
+        pthread_condattr_destroy(&ca);
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        rc = pthread_create(&th, &attr, runner_main, w) == 0 ? 0 : STATUS_INTERNAL;
+        pthread_attr_destroy(&attr);
+        if (rc < 0) {
+            pthread_cond_destroy(&w->cv);
+            free(w);
+        }
+    }
+    if (rc < 0) {
+        pthread_mutex_lock(&g->jobs_mu);
+        g->jobs--;
+        g->runners--;
+        pthread_cond_broadcast(&g->jobs_cv);
+        pthread_mutex_unlock(&g->jobs_mu);
+    }
+    return rc;
+}
+
+void gw_runners_stop(gateway *g) {
+    pthread_mutex_lock(&g->jobs_mu);
+    while (g->jobs > 0) pthread_cond_wait(&g->jobs_cv, &g->jobs_mu);
+    g->stopping = true;
+    for (struct gw_runner *w = g->idle; w; w = w->next) pthread_cond_signal(&w->cv);
+    while (g->runners > 0) pthread_cond_wait(&g->jobs_cv, &g->jobs_mu);
+    pthread_mutex_unlock(&g->jobs_mu);
 }
 
 /* 1 when the peer closed the connection (or it failed). */
@@ -360,27 +458,17 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
         kind == OAI_CHAT ? "chat" : "completion", j->req.stream, j->req.max_tokens, j->req.user ? ", user " : "",
         j->req.user ? j->req.user : "");
 
-    j->refs = 2; /* this connection and the job thread */
-    pthread_t th;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_mutex_lock(&g->jobs_mu);
-    g->jobs++;
-    pthread_mutex_unlock(&g->jobs_mu);
-    if (pthread_create(&th, &attr, job_thread, j) != 0) {
-        pthread_mutex_lock(&g->jobs_mu);
-        g->jobs--;
-        pthread_mutex_unlock(&g->jobs_mu);
-        pthread_attr_destroy(&attr);
+    /* This connection's, the runner's and ctx's (dropped by the
+     * request-completed callback), all taken before the runner may drop its
+     * own. */
+    j->refs = 3;
+    if (job_start(g, j) < 0) {
         j->refs = 1;
         gw_job_release(j);
         oai_error_set(&e, 503, "server_error", NULL, NULL, "the gateway cannot start a thread for this request");
         return gw_send_error(g, conn, &e, NULL);
     }
-    pthread_attr_destroy(&attr);
     ctx->job = j;
-    j->refs++; /* ctx's, dropped by the request-completed callback */
 
     pthread_mutex_lock(&j->mu);
     if (!job_wait(j, j->req.stream ? cond_started : cond_done)) {
@@ -428,7 +516,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
         return gw_send_json(g, conn, 200, o);
     }
     /* A stream that has begun: when the job was already done, its end is
-     * written now (the job thread only writes it once tokens went out). */
+     * written now (the runner only writes it once tokens went out). */
     if (j->done && !j->started) sse_finish(j);
     j->started = true;
     pthread_mutex_unlock(&j->mu);
