@@ -18,6 +18,7 @@
 #define N_CONV 2
 #define N_TURNS 3
 #define N_SAME 3
+#define N_LATE 3      /* questions after a third system prompt, phase 7 */
 #define MAX_TOK 256
 
 /* The workload's token ids: deterministic, inside the vocabulary (512). */
@@ -126,6 +127,26 @@ static int pipeline_with_cache(struct cluster *cl) {
     return n == 1 ? found : -1;
 }
 
+/* Prompt tokens found cached and computed, over all pipelines. */
+static void prefix_totals(struct cluster *cl, uint64_t *hit, uint64_t *miss) {
+    Llm__ClientEnvelope *env;
+    Llm__StatusReply *st = status(cl, &env);
+    *hit = st->prefix_hit_tokens;
+    *miss = st->prefix_miss_tokens;
+    proto_client_free(env);
+}
+
+/* Requests accepted so far, and sequences the pipelines hold (running or
+ * waiting for admission). */
+static void held(struct cluster *cl, uint64_t *accepted, uint32_t *seqs) {
+    Llm__ClientEnvelope *env;
+    Llm__StatusReply *st = status(cl, &env);
+    *accepted = st->requests_total;
+    *seqs = 0;
+    for (size_t i = 0; i < st->n_pipelines; i++) *seqs += st->pipelines[i]->running + st->pipelines[i]->waiting;
+    proto_client_free(env);
+}
+
 static uint32_t running_on(struct cluster *cl, int pipeline) {
     Llm__ClientEnvelope *env;
     Llm__StatusReply *st = status(cl, &env);
@@ -147,17 +168,22 @@ static uint32_t running_on(struct cluster *cl, int pipeline) {
  *      the conversations, at once;
  *   5. the conversations' later turns (history + answer + question), the
  *      conversations at once;
- *   6. identical prompts at once, twice.
+ *   6. identical prompts at once, twice;
+ *   7. a system prompt no pipeline holds, with distinct questions, all at
+ *      the router while every worker is stopped: on each pipeline the first
+ *      computes the system prompt's blocks (two steps: --step-tokens 16),
+ *      and the others wait for them to be published and map them rather
+ *      than computing them alongside.
  * Each request runs greedy and seeded-sampled.  Without the cache (cached
- * 0) the same requests run in the same order, without the stop. */
+ * 0) the same requests run in the same order, without the stops. */
 static void workload(struct cluster *cl, struct outcome *o, int cached) {
     static struct pgen gs[64];
     struct pgen *batch[32];
     int ng = 0;
     memset(gs, 0, sizeof gs);
     o->n = 0;
-    int32_t sys[2][SYS_LEN];
-    for (int s = 0; s < 2; s++)
+    int32_t sys[3][SYS_LEN];
+    for (int s = 0; s < 3; s++)
         for (int i = 0; i < SYS_LEN; i++) sys[s][i] = tok(100 + (uint32_t)s, i);
 #define NEW(sysi, q, mode)                                                     \
     do {                                                                       \
@@ -276,6 +302,52 @@ static void workload(struct cluster *cl, struct outcome *o, int cached) {
         pgen_all(batch, nb);
         for (int k = 0; k < nb; k++) keep(cl, o, batch[k]);
     }
+
+    /* 7 */
+    nb = 0;
+    for (int q = 0; q < N_LATE; q++)
+        for (int m = 0; m < 2; m++) {
+            NEW(2, 90 + q, m);
+            batch[nb++] = &gs[ng - 1];
+        }
+    if (cached) {
+        uint64_t hit0, miss0, hit1, miss1, acc0, acc;
+        uint32_t seqs;
+        prefix_totals(cl, &hit0, &miss0);
+        held(cl, &acc0, &seqs);
+        int slots[2];
+        for (int p = 0; p < 2; p++) {
+            slots[p] = h_worker_slot(cl, p, 0);
+            H_ASSERT(cl, slots[p] >= 0, "no worker of pipeline %d", p);
+            kill(cl->workers[slots[p]].pid, SIGSTOP);
+        }
+        pthread_t th[2 * N_LATE];
+        for (int k = 0; k < nb; k++) pthread_create(&th[k], NULL, pgen_thread, batch[k]);
+        int64_t end = h_now_ms() + 3000;
+        do {
+            h_sleep_ms(10);
+            held(cl, &acc, &seqs);
+        } while ((acc - acc0 < (uint64_t)nb || seqs < (uint32_t)nb) && h_now_ms() < end);
+        H_ASSERT(cl, acc - acc0 == (uint64_t)nb && seqs == (uint32_t)nb,
+                 "phase 7: %llu requests accepted and %u held by the pipelines while the workers are stopped, "
+                 "expected %d", (unsigned long long)(acc - acc0), seqs, nb);
+        for (int p = 0; p < 2; p++) kill(cl->workers[slots[p]].pid, SIGCONT);
+        for (int k = 0; k < nb; k++) pthread_join(th[k], NULL);
+        prefix_totals(cl, &hit1, &miss1);
+        /* At most one request per pipeline computes the system prompt's
+         * full blocks; every other maps them (and the other mode's twin
+         * also its question's first block). */
+        int full = SYS_LEN / BS * BS;
+        H_ASSERT(cl, hit1 - hit0 >= (uint64_t)((nb - 2) * full),
+                 "phase 7: %llu prompt tokens found cached, expected at least %d: the system prompt "
+                 "was computed by more than one request per pipeline (%llu computed)",
+                 (unsigned long long)(hit1 - hit0), (nb - 2) * full, (unsigned long long)(miss1 - miss0));
+        H_ASSERT(cl, miss1 - miss0 <= (uint64_t)(2 * SYS_LEN + nb * Q_LEN + (nb - 2) * (SYS_LEN - full)),
+                 "phase 7: %llu prompt tokens computed", (unsigned long long)(miss1 - miss0));
+    } else {
+        pgen_all(batch, nb);
+    }
+    for (int k = 0; k < nb; k++) keep(cl, o, batch[k]);
 #undef NEW
 }
 
@@ -294,9 +366,12 @@ TEST(cluster_prefix_cache_changes_no_token) {
     /* A small pool (48 blocks of 8 positions per pipeline) so that idle
      * cached blocks get evicted and sequences preempted along the way. */
     const char *workers = "--kv-block-size 8 --kv-blocks 48";
+    /* Prompts of several steps, so that phase 7's system prompt is still
+     * being computed when the other requests are admitted. */
+    const char *router = "--step-tokens 16";
     static struct outcome off, on;
 
-    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 2, 1, "--no-prefix-cache", workers);
+    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 2, 1, "--step-tokens 16 --no-prefix-cache", workers);
     workload(cl, &off, 0);
     Llm__ClientEnvelope *env;
     Llm__StatusReply *st = settled(cl, &env);
@@ -308,7 +383,7 @@ TEST(cluster_prefix_cache_changes_no_token) {
     proto_client_free(env);
     h_cluster_stop(cl);
 
-    cl = h_cluster_start(test_model_path(MODEL), 2, 1, "", workers);
+    cl = h_cluster_start(test_model_path(MODEL), 2, 1, router, workers);
     workload(cl, &on, 1);
     st = settled(cl, &env);
     H_ASSERT(cl, st->prefix_cache, "status says the prefix cache is off by default");
