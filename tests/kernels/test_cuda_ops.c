@@ -1021,18 +1021,20 @@ static void kv_pair(enum dtype t, int32_t n_blocks, int32_t bs, int32_t n_kv, in
     }
 }
 
-static void kv_write_case(enum dtype t, int32_t hd) {
+/* k and v start `skew` floats into their buffers: 1 takes the 8-bit
+ * write's form for inputs that are not 16-byte aligned. */
+static void kv_write_case(enum dtype t, int32_t hd, int skew) {
     fx_open();
     int32_t nb = 12, bs = 16, n_kv = 2, n = 10;
     kv_pair(t, nb, bs, n_kv, hd);
-    size_t width = (size_t)n_kv * hd;
-    struct dbuf k = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
-    struct dbuf v = dbuf_from(rand_f32(n * width, -4, 4), n * width * 4);
+    size_t width = (size_t)n_kv * hd, elems = n * width + (size_t)skew;
+    struct dbuf k = dbuf_from(rand_f32(elems, -4, 4), elems * 4);
+    struct dbuf v = dbuf_from(rand_f32(elems, -4, 4), elems * 4);
     int32_t slots[10];
     distinct_slots(slots, n, nb * bs);
     struct dbuf ds = dbuf_from(slots, sizeof slots);
-    ASSERT_OK(backend_kv_write(fx.cpu, &fx.ckv[0], k.c, v.c, ds.c, n));
-    ASSERT_OK(backend_kv_write(fx.gpu, &fx.gkv[0], k.g, v.g, ds.g, n));
+    ASSERT_OK(backend_kv_write(fx.cpu, &fx.ckv[0], (float *)k.c + skew, (float *)v.c + skew, ds.c, n));
+    ASSERT_OK(backend_kv_write(fx.gpu, &fx.gkv[0], (float *)k.g + skew, (float *)v.g + skew, ds.g, n));
     ASSERT_OK(backend_sync(fx.cpu));
     size_t bytes = (size_t)nb * bs * n_kv * backend_kv_row_bytes(t, hd);
     struct dbuf ck = {fx.ckv[0].k, fx.gkv[0].k, bytes}, cv = {fx.ckv[0].v, fx.gkv[0].v, bytes};
@@ -1044,13 +1046,16 @@ static void kv_write_case(enum dtype t, int32_t hd) {
     fx_close();
 }
 
-TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32, 64); }
-TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16, 64); }
+TEST(cuda_ops_kv_write_f32) { kv_write_case(DTYPE_F32, 64, 0); }
+TEST(cuda_ops_kv_write_f16) { kv_write_case(DTYPE_F16, 64, 0); }
 /* Every group width of the 8-bit rows (backend_kv_q8_group): the whole
- * row (8), 32 (64 and 96), 64 (128 and 256). */
+ * row (8), 32 (64 and 96), 64 (128 and 256); groups of 32 and 64 also
+ * from unaligned inputs (kv_write.cu's thread-per-group form). */
 TEST(cuda_ops_kv_write_q8_0) {
     static const int32_t hds[] = {8, 64, 96, 128, 256};
-    for (size_t i = 0; i < sizeof hds / sizeof hds[0]; i++) kv_write_case(DTYPE_Q8_0, hds[i]);
+    for (size_t i = 0; i < sizeof hds / sizeof hds[0]; i++) kv_write_case(DTYPE_Q8_0, hds[i], 0);
+    kv_write_case(DTYPE_Q8_0, 64, 1);
+    kv_write_case(DTYPE_Q8_0, 128, 1);
 }
 
 /* Both caches as floats (F16 widened), for an NMSE check. */
