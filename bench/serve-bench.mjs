@@ -4,10 +4,13 @@
 // streamed completions or chat completions at a fixed concurrency or with
 // open-loop Poisson arrivals, and reports throughput and TTFT, TPOT,
 // inter-token and end-to-end latency as a table and as JSON.
-// Node 20 and nothing else: the built-in fetch, read as a stream.
+// Node 20 and nothing else: node:http with kept-alive connections, each
+// streamed response read as it arrives.
 // docs/serve-bench.md describes the flags, the numbers and their definitions.
 
 import { readFileSync, realpathSync, writeFileSync } from 'node:fs';
+import http from 'node:http';
+import https from 'node:https';
 import { performance } from 'node:perf_hooks';
 import { pathToFileURL } from 'node:url';
 
@@ -25,7 +28,8 @@ const OPTIONS = [
   ['rate', 'num', null, null, 'open loop: Poisson arrivals at R requests/s'],
   ['requests', 'int', null, null, 'how many requests to send (default 100 unless --duration)'],
   ['duration', 'num', null, null, 'send new requests for S seconds, then wait for those in flight'],
-  ['input-len', 'range', '32', null, 'synthetic prompt length in words: N, or A:B drawn uniformly'],
+  ['input-len', 'range', '32', null, 'synthetic prompt length in words (in token ids with --token-prompts): N, or A:B drawn uniformly'],
+  ['token-prompts', 'int', null, null, 'synthetic prompts as --input-len random token ids below VOCAB (the model\'s vocabulary size) instead of words: exact prompt lengths whatever the tokenizer (completions only)'],
   ['output-len', 'range', '128', null, 'max_tokens: N, or A:B drawn uniformly'],
   ['prompts', 'str', null, null, 'JSONL file, one {"prompt": ...} or {"messages": [...]} per line (optional "max_tokens"); used in turn'],
   ['prompt', 'str', null, null, 'one fixed prompt text for every request'],
@@ -34,7 +38,7 @@ const OPTIONS = [
   ['temperature', 'num', '0', null, 'sampling temperature'],
   ['extra', 'str', null, null, 'JSON object merged into every request body, e.g. \'{"top_k": 1}\''],
   ['seed', 'int', '1', null, 'seed of the prompt, length and arrival draws (the same seed gives the same load)'],
-  ['warmup', 'int', '0', null, 'requests sent one by one before the measurement, not counted'],
+  ['warmup', 'int', '0', null, 'requests sent before the measurement, not counted, up to --concurrency at a time'],
   ['timeout', 'num', '600', null, 'seconds one request may take before it counts as an error'],
   ['json', 'str', null, null, 'also write the results as JSON to FILE'],
   ['quiet', 'flag', false, null, 'no progress line on stderr'],
@@ -119,6 +123,13 @@ export function parseArgs(argv, env = process.env) {
   if (opt.prompts !== null && opt.prompt !== null) throw new UsageError('--prompts and --prompt exclude each other');
   if (opt.prompts !== null && given.has('input-len'))
     throw new UsageError('--input-len applies to synthetic prompts, not to --prompts');
+  if (opt.tokenPrompts !== null) {
+    if (opt.prompts !== null || opt.prompt !== null)
+      throw new UsageError('--token-prompts makes synthetic prompts: it excludes --prompts and --prompt');
+    if (opt.endpoint !== 'completions')
+      throw new UsageError('--token-prompts: token-id prompts go to --endpoint completions only (chat takes text messages)');
+    if (opt.tokenPrompts < 2) throw new UsageError(`--token-prompts ${opt.tokenPrompts}: a vocabulary of at least 2 tokens`);
+  }
   if (opt.timeout <= 0) throw new UsageError(`--timeout ${opt.timeout}: must be above 0`);
   if (opt.extra !== null) {
     let v;
@@ -168,6 +179,19 @@ function syntheticPrompt(rng, words) {
   const out = [];
   for (let i = 0; i < words; i++) out.push(WORDS[Math.floor(rng() * WORDS.length)]);
   return out.join(' ');
+}
+
+// A prompt of n token ids below vocab, for servers that take token arrays
+// as the completions prompt (llm-gateway, vLLM, llama-server): the length is
+// exact on any tokenizer, so a run compares with bench_cluster's prompts of
+// --prompt-tokens ids.  Ids start above the low ones where vocabularies keep
+// special and byte tokens (from 300 when the vocabulary has more than 400,
+// as bench_cluster draws them).
+function tokenPrompt(rng, n, vocab) {
+  const lo = vocab > 400 ? 300 : Math.min(3, vocab - 1);
+  const out = new Array(n);
+  for (let i = 0; i < n; i++) out[i] = lo + Math.floor(rng() * (vocab - lo));
+  return out;
 }
 
 export function loadPrompts(path, endpoint) {
@@ -283,87 +307,140 @@ export class SseParser {
   }
 }
 
+// Kept-alive connections, as many as requests in flight: a measured request
+// does not wait for a TCP (or TLS) handshake once the warm-up or an earlier
+// request opened its connection.
+const agents = { 'http:': new http.Agent({ keepAlive: true }), 'https:': new https.Agent({ keepAlive: true }) };
+
 // Sends one streamed request and measures it.  Never throws: a failure comes
 // back as { ok: false, error: "HTTP 429" | "network: ..." | "stream: ..." }.
-async function runRequest(opt, url, body) {
+//
+// node:http rather than fetch: the clock is read when a piece of the
+// response comes off the socket, before it is decoded and parsed, and fetch's
+// web streams would put promise turns of the event loop between the two (at
+// concurrency 1 fetch alone added about a millisecond to TTFT against the
+// same server, more when the loop is busy with other streams).  A token's
+// time is that of the read that completed its event.
+function runRequest(opt, url, body) {
   const r = { ok: false, error: null, detail: '', ttft: null, e2e: null, gaps: [], chunks: 0,
               usageTokens: null, promptTokens: null, finish: null, tokens: 0 };
-  const t0 = performance.now();
-  let last = null;
-  try {
-    const res = await fetch(url, { method: 'POST', headers: headers(opt), body: JSON.stringify(body),
-                                   signal: AbortSignal.timeout(opt.timeout * 1000) });
-    if (res.status !== 200) {
-      r.error = `HTTP ${res.status}`;
-      const text = await res.text().catch(() => '');
-      try {
-        r.detail = JSON.parse(text).error?.message ?? text;
-      } catch {
-        r.detail = text;
-      }
-      r.detail = String(r.detail).slice(0, 200);
-      return r;
-    }
-    const ct = res.headers.get('content-type') ?? '';
-    if (!ct.startsWith('text/event-stream')) {
-      await res.text().catch(() => '');
-      r.error = 'stream: not text/event-stream';
-      r.detail = `content-type "${ct}"`;
-      return r;
-    }
-    let done = false;
-    let streamError = null;
-    const parser = new SseParser((data) => {
-      if (done || streamError) return;
-      if (data === '[DONE]') {
-        done = true;
+  const payload = Buffer.from(JSON.stringify(body));
+  const u = new URL(url);
+  const mod = u.protocol === 'https:' ? https : http;
+  return new Promise((resolve) => {
+    let settled = false;
+    let timer = null;
+    const finish = () => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      resolve(r);
+    };
+    const failNetwork = (e) => {
+      if (settled) return;
+      r.error = `network: ${e.code ?? e.message}`;
+      r.detail = String(e.message).slice(0, 200);
+      finish();
+    };
+    let last = null;
+    const t0 = performance.now();
+    const req = mod.request(u, {
+      method: 'POST',
+      agent: agents[u.protocol],
+      headers: { ...headers(opt), 'Content-Length': payload.length },
+    }, (res) => {
+      const ct = res.headers['content-type'] ?? '';
+      if (res.statusCode !== 200 || !ct.startsWith('text/event-stream')) {
+        const parts = [];
+        res.on('data', (b) => parts.push(b));
+        res.on('error', failNetwork);
+        res.on('end', () => {
+          const text = Buffer.concat(parts).toString('utf8');
+          if (res.statusCode !== 200) {
+            r.error = `HTTP ${res.statusCode}`;
+            try {
+              r.detail = JSON.parse(text).error?.message ?? text;
+            } catch {
+              r.detail = text;
+            }
+            r.detail = String(r.detail).slice(0, 200);
+          } else {
+            r.error = 'stream: not text/event-stream';
+            r.detail = `content-type "${ct}"`;
+          }
+          finish();
+        });
         return;
       }
-      let ev;
-      try {
-        ev = JSON.parse(data);
-      } catch {
-        streamError = ['stream: event is not JSON', data.slice(0, 200)];
-        return;
-      }
-      if (ev.error) {
-        streamError = ['stream: error event', String(ev.error.message ?? JSON.stringify(ev.error)).slice(0, 200)];
-        return;
-      }
-      if (ev.usage && typeof ev.usage.completion_tokens === 'number') {
-        r.usageTokens = ev.usage.completion_tokens;
-        if (typeof ev.usage.prompt_tokens === 'number') r.promptTokens = ev.usage.prompt_tokens;
-      }
-      for (const choice of ev.choices ?? []) {
-        if (choice.finish_reason) r.finish = choice.finish_reason;
-        if (chunkText(choice) === '') continue;
-        const now = performance.now();
-        if (r.ttft === null) r.ttft = now - t0;
-        else r.gaps.push(now - last);
-        last = now;
-        r.chunks++;
-      }
+      let done = false;
+      let streamError = null;
+      let arrival = t0;
+      const parser = new SseParser((data) => {
+        if (done || streamError) return;
+        if (data === '[DONE]') {
+          done = true;
+          return;
+        }
+        let ev;
+        try {
+          ev = JSON.parse(data);
+        } catch {
+          streamError = ['stream: event is not JSON', data.slice(0, 200)];
+          return;
+        }
+        if (ev.error) {
+          streamError = ['stream: error event', String(ev.error.message ?? JSON.stringify(ev.error)).slice(0, 200)];
+          return;
+        }
+        if (ev.usage && typeof ev.usage.completion_tokens === 'number') {
+          r.usageTokens = ev.usage.completion_tokens;
+          if (typeof ev.usage.prompt_tokens === 'number') r.promptTokens = ev.usage.prompt_tokens;
+        }
+        for (const choice of ev.choices ?? []) {
+          if (choice.finish_reason) r.finish = choice.finish_reason;
+          if (chunkText(choice) === '') continue;
+          if (r.ttft === null) r.ttft = arrival - t0;
+          else r.gaps.push(arrival - last);
+          last = arrival;
+          r.chunks++;
+        }
+      });
+      const decoder = new TextDecoder();
+      res.on('data', (bytes) => {
+        arrival = performance.now();
+        parser.push(decoder.decode(bytes, { stream: true }));
+      });
+      res.on('error', failNetwork);
+      res.on('end', () => {
+        parser.push(decoder.decode());
+        parser.end();
+        r.e2e = performance.now() - t0;
+        if (streamError) [r.error, r.detail] = streamError;
+        else if (!done) r.error = 'stream: ended before [DONE]';
+        else {
+          r.ok = true;
+          r.tokens = r.usageTokens ?? r.chunks;
+        }
+        finish();
+      });
+      // a connection cut mid-stream may end the response without 'end' or 'error'
+      res.on('close', () => {
+        if (settled || res.complete) return;
+        r.error = 'network: connection closed mid-stream';
+        r.detail = 'the server closed the connection before the response ended';
+        finish();
+      });
     });
-    const decoder = new TextDecoder();
-    for await (const bytes of res.body) parser.push(decoder.decode(bytes, { stream: true }));
-    parser.push(decoder.decode());
-    parser.end();
-    r.e2e = performance.now() - t0;
-    if (streamError) [r.error, r.detail] = streamError;
-    else if (!done) r.error = 'stream: ended before [DONE]';
-    else {
-      r.ok = true;
-      r.tokens = r.usageTokens ?? r.chunks;
-    }
-  } catch (e) {
-    if (e.name === 'TimeoutError') r.error = 'timeout';
-    else {
-      const cause = e.cause?.code ?? e.cause?.message ?? e.message;
-      r.error = `network: ${cause}`;
-    }
-    r.detail = String(e.cause?.message ?? e.message).slice(0, 200);
-  }
-  return r;
+    timer = setTimeout(() => {
+      if (settled) return;
+      r.error = 'timeout';
+      r.detail = `no complete answer within ${opt.timeout} s`;
+      finish();
+      req.destroy();
+    }, opt.timeout * 1000);
+    req.on('error', failNetwork);
+    req.end(payload);
+  });
 }
 
 /* ---- the load ----------------------------------------------------------- */
@@ -377,7 +454,11 @@ function makeItems(opt) {
   let n = 0;
   return () => {
     const i = n++;
-    const item = file ? { ...file[i % file.length] } : { prompt: opt.prompt ?? syntheticPrompt(rng, drawRange(rng, opt.inputLen)) };
+    let item;
+    if (file) item = { ...file[i % file.length] };
+    else if (opt.prompt !== null) item = { prompt: opt.prompt };
+    else if (opt.tokenPrompts !== null) item = { prompt: tokenPrompt(rng, drawRange(rng, opt.inputLen), opt.tokenPrompts) };
+    else item = { prompt: syntheticPrompt(rng, drawRange(rng, opt.inputLen)) };
     // drawn for every request, so that the lengths do not depend on the file
     const maxTokens = drawRange(rng, opt.outputLen);
     item.maxTokens ??= maxTokens;
@@ -563,11 +644,21 @@ async function main() {
   if (opt.prompts !== null) loadPrompts(opt.prompts, opt.endpoint); // its errors before any traffic
   const model = await pickModel(opt, base);
   if (opt.warmup > 0) {
+    // As many at a time as the load will have in flight (capped by the
+    // warm-up's size), so that the connections the load needs are open
+    // before the clock starts: this client's, and the server's own towards
+    // its backends (llm-gateway opens a router connection per concurrent
+    // request the first time).
     const next = makeItems({ ...opt, seed: opt.seed + 1 });
-    for (let i = 0; i < opt.warmup; i++) {
-      const r = await runRequest(opt, url, makeBody(opt, model, next()));
-      if (!r.ok) process.stderr.write(`serve-bench: warm-up request ${i + 1} failed: ${r.error} ${r.detail}\n`);
-    }
+    let i = 0;
+    const lane = async () => {
+      while (i < opt.warmup) {
+        const k = ++i;
+        const r = await runRequest(opt, url, makeBody(opt, model, next()));
+        if (!r.ok) process.stderr.write(`serve-bench: warm-up request ${k} failed: ${r.error} ${r.detail}\n`);
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(opt.warmup, opt.concurrency ?? 1) }, lane));
   }
   let lastShown = 0;
   const progress = (results) => {

@@ -92,7 +92,8 @@ function startMock(opts = {}) {
       }
       if (!prompt.includes('STREAMERR') && !prompt.includes('CUT')) {
         if (o.usage && body.stream_options?.include_usage)
-          send({ ...base, choices: [], usage: { prompt_tokens: prompt.split(' ').length, completion_tokens: n, total_tokens: n } });
+          send({ ...base, choices: [], usage: { prompt_tokens: Array.isArray(prompt) ? prompt.length : prompt.split(' ').length,
+                                                completion_tokens: n, total_tokens: n } });
         res.write('data: [DONE]\n\n');
       }
     } finally {
@@ -310,6 +311,41 @@ const scenarios = {
     } finally {
       await m.close();
     }
+  },
+
+  // Token-id prompts of exact lengths below the vocabulary, and a warm-up
+  // sent at the load's concurrency.
+  async token_prompts_and_warmup() {
+    const m = await startMock();
+    try {
+      const r = await bench(['--url', m.url, '--model', 'm', '--token-prompts', '1000', '--input-len', '20',
+                             '--requests', '2', '--concurrency', '4', '--warmup', '4', '--output-len', '2', '--ignore-eos']);
+      check(r.code === 0 && r.json, `serve-bench failed: ${describe(r)}`);
+      check(m.seen.requests.length === 6, `the mock saw ${m.seen.requests.length} requests, expected 4 warm-up + 2`);
+      const seen = new Set();
+      for (const { body } of m.seen.requests) {
+        const p = body.prompt;
+        check(Array.isArray(p) && p.length === 20 && p.every((t) => Number.isInteger(t) && t >= 300 && t < 1000),
+              `prompt ${JSON.stringify(p)}: expected 20 token ids in [300, 1000)`);
+        seen.add(JSON.stringify(p));
+      }
+      check(seen.size === 6, `${seen.size} distinct prompts of 6`);
+      check(r.json.prompt_tokens === 2 * 20, `prompt tokens ${r.json.prompt_tokens}`);
+      // 2 measured requests cannot have more than 2 in flight: the rest is the warm-up's
+      between('the most requests in flight at the mock', m.seen.maxInflight, 3, 4);
+    } finally {
+      await m.close();
+    }
+    const cases = [
+      [['--endpoint', 'chat'], '--token-prompts: token-id prompts go to --endpoint completions only'],
+      [['--prompt', 'hi'], '--token-prompts makes synthetic prompts: it excludes --prompts and --prompt'],
+    ];
+    for (const [args, want] of cases) {
+      const r = await bench(['--url', 'http://x', '--model', 'm', '--token-prompts', '512', ...args]);
+      check(r.code === 2 && r.stderr.includes(want), `serve-bench ${args.join(' ')}: expected exit 2 and "${want}", got ${describe(r)}`);
+    }
+    const r = await bench(['--url', 'http://x', '--model', 'm', '--token-prompts', '1']);
+    check(r.code === 2 && r.stderr.includes('--token-prompts 1: a vocabulary of at least 2 tokens'), describe(r));
   },
 
   // API keys and the model taken from /v1/models.
