@@ -437,7 +437,7 @@ static void prefill_bench(double gemm_rate) {
  * or the tensor-core one where LLM_CUDA_DECODE_TC_G sends the group there)
  * and on a Q8_0 cache (attention_q8.cu).  One cache is 1.1-2.1 GB for 32
  * KV heads, far past L2, so no rotation is needed.  Bytes = the K and V
- * rows read (256 a position and KV head in F16, 136 in Q8_0); the rest
+ * rows read (256 a position and KV head in F16, 132 in Q8_0); the rest
  * (q, out, tables) is 1 MB. */
 static void attn_kv_compare(double bw) {
     const int32_t B = 64, ctx = 2048, n_heads = 32, hd = 128, bs = 16, per_seq = ctx / bs;

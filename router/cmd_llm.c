@@ -532,6 +532,7 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
     cJSON_AddNumberToObject(j, "prefix_miss_tokens", (double)s->prefix_miss_tokens);
     cJSON_AddNumberToObject(j, "prefix_hit_blocks", (double)s->prefix_hit_blocks);
     cJSON_AddNumberToObject(j, "prefix_miss_blocks", (double)s->prefix_miss_blocks);
+    cJSON_AddNumberToObject(j, "prefix_deferred", (double)s->prefix_deferred);
     cJSON_AddNumberToObject(j, "prefix_hit_rate", llm_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens));
     cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
     for (size_t i = 0; i < s->n_pipelines; i++) {
@@ -555,6 +556,7 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
         cJSON_AddNumberToObject(pj, "prefix_miss_tokens", (double)p->prefix_miss_tokens);
         cJSON_AddNumberToObject(pj, "prefix_hit_blocks", (double)p->prefix_hit_blocks);
         cJSON_AddNumberToObject(pj, "prefix_miss_blocks", (double)p->prefix_miss_blocks);
+        cJSON_AddNumberToObject(pj, "prefix_deferred", (double)p->prefix_deferred);
         cJSON *ss = cJSON_AddArrayToObject(pj, "stages");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
@@ -603,10 +605,11 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
                (unsigned long long)s->preemptions_total);
     if (s->prefix_cache)
         printf("prefix cache: %.1f%% of prompt tokens found (%llu found, %llu computed), %llu blocks cached, "
-               "%llu idle\n",
+               "%llu idle, %llu admissions waited for blocks being computed\n",
                100.0 * llm_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens),
                (unsigned long long)s->prefix_hit_tokens, (unsigned long long)s->prefix_miss_tokens,
-               (unsigned long long)s->prefix_cached_blocks, (unsigned long long)s->prefix_idle_blocks);
+               (unsigned long long)s->prefix_cached_blocks, (unsigned long long)s->prefix_idle_blocks,
+               (unsigned long long)s->prefix_deferred);
     else
         printf("prefix cache: off (--no-prefix-cache)\n");
     for (size_t i = 0; i < s->n_pipelines; i++) {

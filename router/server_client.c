@@ -522,12 +522,14 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
             x->prefix_miss_tokens = q.prefix_miss_tokens;
             x->prefix_hit_blocks = q.prefix_hit_blocks;
             x->prefix_miss_blocks = q.prefix_miss_blocks;
+            x->prefix_deferred = q.prefix_deferred;
             st.prefix_cached_blocks += (uint64_t)q.blocks_cached;
             st.prefix_idle_blocks += (uint64_t)q.blocks_idle;
             st.prefix_hit_tokens += q.prefix_hit_tokens;
             st.prefix_miss_tokens += q.prefix_miss_tokens;
             st.prefix_hit_blocks += q.prefix_hit_blocks;
             st.prefix_miss_blocks += q.prefix_miss_blocks;
+            st.prefix_deferred += q.prefix_deferred;
         }
         if (pp) {
             x->tokens_per_s = pp->tok_s;

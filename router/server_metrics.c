@@ -32,7 +32,7 @@ struct server_metrics {
     metrics *reg;
     metrics_series *running, *waiting, *kv_used, *kv_total, *pipelines, *redis;
     metrics_series *prompt_tokens, *gen_tokens, *preemptions;
-    metrics_series *prefix_hits, *prefix_misses, *prefix_blocks;
+    metrics_series *prefix_hits, *prefix_misses, *prefix_blocks, *prefix_deferred;
     metrics_series *plan, *capped;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
@@ -44,7 +44,7 @@ struct server_metrics {
      * preemption total is a sum over the live pipelines' schedulers, so it
      * can drop when a pipeline leaves: only rises are added. */
     uint64_t gen_mark, prompt_mark, preempt_mark;
-    uint64_t hit_mark, miss_mark; /* prefix-cache totals, summed like preemptions */
+    uint64_t hit_mark, miss_mark, deferred_mark; /* prefix-cache totals, summed like preemptions */
     uint64_t capped_mark;         /* prefill tokens the ITL target held back, likewise */
     /* /ready: written by the loop when it changes, read by the port. */
     pthread_mutex_t lock;
@@ -137,6 +137,9 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
         DEF(METRICS_COUNTER, "llm_router_prefill_tokens_capped_total",
             "Prefill tokens held back from steps with decodes to keep the inter-token latency "
             "target (--itl-target-ms); later steps take them."),
+        DEF(METRICS_COUNTER, "llm_prefix_cache_deferred_total",
+            "Admissions that waited for prompt blocks another running sequence was still computing, "
+            "to map them from the prefix cache instead of computing them again."),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -164,6 +167,7 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->prefix_blocks = metrics_series_get(f[16], NULL);
     sm->plan = metrics_series_get(f[17], NULL);
     sm->capped = metrics_series_get(f[18], NULL);
+    sm->prefix_deferred = metrics_series_get(f[19], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -204,7 +208,7 @@ void server_metrics_tick(server *s) {
     server_metrics *sm = s->cfg.metrics;
     if (!sm) return;
     int64_t running = 0, waiting = (int64_t)s->n_queue, used = 0, total = 0, in_service = 0;
-    uint64_t preempt = 0, hits = 0, misses = 0, capped = 0;
+    uint64_t preempt = 0, hits = 0, misses = 0, capped = 0, deferred = 0;
     int64_t cached = 0;
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
         struct pipeline *p = registry_pipeline_at(s->reg, i);
@@ -217,6 +221,7 @@ void server_metrics_tick(server *s) {
         preempt += st.preemptions_total;
         hits += st.prefix_hit_tokens;
         misses += st.prefix_miss_tokens;
+        deferred += st.prefix_deferred;
         capped += st.prefill_capped_tokens;
         if (registry_pipeline_ready(s->reg, p) && !registry_pipeline_draining(s->reg, p)) {
             in_service++;
@@ -241,8 +246,11 @@ void server_metrics_tick(server *s) {
     metrics_gauge_set(sm->prefix_blocks, (double)cached);
     if (hits > sm->hit_mark) metrics_counter_add(sm->prefix_hits, (double)(hits - sm->hit_mark));
     if (misses > sm->miss_mark) metrics_counter_add(sm->prefix_misses, (double)(misses - sm->miss_mark));
+    if (deferred > sm->deferred_mark)
+        metrics_counter_add(sm->prefix_deferred, (double)(deferred - sm->deferred_mark));
     sm->hit_mark = hits;
     sm->miss_mark = misses;
+    sm->deferred_mark = deferred;
     for (int i = 0; i < 2 && s->zap; i++) {
         uint64_t n = zio_zap_refused(s->zap, hs_domains[i]);
         if (n > sm->hs_mark[i]) metrics_counter_add(sm->hs_refused[i], (double)(n - sm->hs_mark[i]));

@@ -16,16 +16,16 @@
 typedef struct kvcache kvcache;
 
 /* n_layers layers, each K and V [n_blocks][n_kv_heads][block_size][head_dim]
- * of type (F32, F16, or Q8_0: 8-bit values with one F16 scale per 32 along
- * the head dimension, kernels/backend.h).  Returns 0 and *out, or a negative status with a
+ * of type (F32, F16, or Q8_0: 8-bit values with one F16 scale per group
+ * along the head dimension, backend_kv_q8_group in kernels/backend.h).  Returns 0 and *out, or a negative status with a
  * message in err (*out NULL).  The backend must outlive the cache. */
 int kvcache_init(kvcache **out, backend *b, int32_t n_layers, enum dtype type, int32_t n_blocks,
                  int32_t block_size, int32_t n_kv_heads, int32_t head_dim, char *err,
                  size_t errlen);
 void kvcache_free(kvcache *kc);
 /* Bytes of one block of positions in one layer, K and V together: what
- * sizing a cache from a memory budget divides by (Q8_0 takes 34 bytes per
- * 32 values against F16's 64: 1.88x the positions in the same memory). */
+ * sizing a cache from a memory budget divides by (Q8_0 takes 132 bytes per
+ * 128-wide row against F16's 256: 1.94x the positions in the same memory). */
 size_t kvcache_block_bytes(enum dtype type, int32_t block_size, int32_t n_kv_heads, int32_t head_dim);
 
 /* The values of --kv-type (llm-worker, llm-run), NULL-terminated:

@@ -376,6 +376,8 @@ TEST(cluster_prefix_cache_changes_no_token) {
     Llm__ClientEnvelope *env;
     Llm__StatusReply *st = settled(cl, &env);
     H_ASSERT(cl, !st->prefix_cache, "status says the prefix cache is on under --no-prefix-cache");
+    H_ASSERT(cl, st->prefix_deferred == 0, "--no-prefix-cache: %llu admissions waited for blocks being computed",
+             (unsigned long long)st->prefix_deferred);
     H_ASSERT(cl, st->prefix_hit_tokens == 0 && st->prefix_cached_blocks == 0,
              "--no-prefix-cache: %llu hit tokens, %llu cached blocks", (unsigned long long)st->prefix_hit_tokens,
              (unsigned long long)st->prefix_cached_blocks);
@@ -404,6 +406,13 @@ TEST(cluster_prefix_cache_changes_no_token) {
     }
     H_ASSERT(cl, sum_hits == st->prefix_hit_tokens, "pipelines' hit tokens sum to %llu, the total says %llu",
              (unsigned long long)sum_hits, (unsigned long long)st->prefix_hit_tokens);
+    /* Phase 7's requests reach the router together: all but the first of
+     * each pipeline waited for the system prompt's blocks. */
+    uint64_t sum_deferred = 0;
+    for (size_t i = 0; i < st->n_pipelines; i++) sum_deferred += st->pipelines[i]->prefix_deferred;
+    H_ASSERT(cl, st->prefix_deferred >= (uint64_t)(2 * N_LATE - 2) && sum_deferred == st->prefix_deferred,
+             "status: %llu admissions waited for blocks being computed (pipelines sum to %llu), expected at "
+             "least %d", (unsigned long long)st->prefix_deferred, (unsigned long long)sum_deferred, 2 * N_LATE - 2);
     fprintf(stderr, "prefix cache: %llu prompt tokens found cached, %llu computed; %llu blocks cached; "
             "%llu preemptions\n", (unsigned long long)st->prefix_hit_tokens,
             (unsigned long long)st->prefix_miss_tokens, (unsigned long long)st->prefix_cached_blocks,
