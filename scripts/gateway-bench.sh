@@ -1,0 +1,165 @@
+#!/bin/bash
+# The gateway against libllmclient on the same model, device and load: first
+# bench_cluster through libllmclient on a 1x1 cluster, then a 1x1 cluster with
+# llm-gateway (llm-cluster up --http-port) loaded by bench/serve-bench.mjs,
+# with prompts of exactly the same number of token ids (serve-bench
+# --token-prompts with the vocabulary `llm models` reports), the same number
+# generated (EOS ignored) and the same concurrency; serve-bench warms the
+# gateway's router connections up at the load's concurrency before each run.
+# Builds nothing: runs bench_cluster, llm-cluster, llm-router, llm-worker,
+# llm-gateway, llm (and llm-synth without a model) of the build folder.
+#   OUT=/tmp/out ./scripts/gateway-bench.sh                  # build-clbench, --device auto, 7B Q4_K_M
+#   LLM_BENCH_DEVICE=cpu LLM_BENCH_THREADS=1 LLM_GW_BENCH_SHAPE=tiny LLM_GW_BENCH_TYPE=f32 \
+#       LLM_BENCH_BUILD=build-gw LLM_GW_BENCH_CONC=1,8 LLM_GW_BENCH_REQUESTS=96 ./scripts/gateway-bench.sh
+# Settings: LLM_BENCH_BUILD (build folder), LLM_BENCH_DEVICE (auto or cpu),
+# LLM_BENCH_THREADS (CPU threads per worker), LLM_GW_BENCH_MODEL (a model
+# file; none: llm-synth writes LLM_GW_BENCH_SHAPE, default llama2-7b, in
+# LLM_GW_BENCH_TYPE, default q4_k_m, and removes it at the end),
+# LLM_GW_BENCH_CONC (concurrency levels, default 1,64), LLM_GW_BENCH_REQUESTS
+# (per level and run; default 4 per stream and at least 32: 32 at
+# concurrency 1, 256 at 64), LLM_GW_BENCH_PROMPT (prompt tokens, 128),
+# LLM_GW_BENCH_GEN (tokens generated, 64), LLM_GW_BENCH_RUNS (gateway runs
+# per level, each with its own prompts, default 3).
+# Under $OUT: bench_cluster-c<C>.{txt,json,log}, serve-c<C>-r<R>.{txt,json},
+# cluster-logs.tar.gz (the gateway cluster's run dir) and summary.txt, which
+# is printed last: per level, libllmclient's gen tok/s and TTFT p50 against
+# each gateway run's, the TTFT difference and the throughput ratio.
+# Budget on one H200 with the 7B model at the defaults: about 3 minutes.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+out=${OUT:-/tmp/gateway-bench}
+mkdir -p "$out"
+build=${LLM_BENCH_BUILD:-build-clbench}
+case $build in /*) ;; *) build=$PWD/$build ;; esac
+device=${LLM_BENCH_DEVICE:-auto}
+threads=${LLM_BENCH_THREADS:-0}
+conc=${LLM_GW_BENCH_CONC:-1,64}
+requests=${LLM_GW_BENCH_REQUESTS:-}
+prompt=${LLM_GW_BENCH_PROMPT:-128}
+gen=${LLM_GW_BENCH_GEN:-64}
+runs=${LLM_GW_BENCH_RUNS:-3}
+export NCCL_NVLS_ENABLE=0
+# shellcheck disable=SC1091
+[ -f .deps/env.sh ] && . .deps/env.sh
+[ -d "$build/rt" ] && export LD_LIBRARY_PATH="$build/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+tmp=${TMPDIR:-/tmp}
+
+for b in bench/bench_cluster router/llm-cluster router/llm-router router/llm worker/llm-worker gateway/llm-gateway; do
+    if [ ! -x "$build/$b" ]; then
+        echo "gateway-bench: $build/$b is missing: build it first (cmake --build $build --target bench_cluster" \
+            "llm-cluster llm-router llm-worker llm-gateway llm llm-synth)" >&2
+        exit 2
+    fi
+done
+if ! node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 18 ? 0 : 1)' 2>/dev/null; then
+    echo "gateway-bench: serve-bench needs Node 18 or newer in PATH" >&2
+    exit 2
+fi
+
+model=${LLM_GW_BENCH_MODEL:-}
+written=""
+if [ -z "$model" ]; then
+    shape=${LLM_GW_BENCH_SHAPE:-llama2-7b}
+    wtype=${LLM_GW_BENCH_TYPE:-q4_k_m}
+    model=$tmp/gateway-bench-$shape-$wtype.gguf
+    if [ ! -x "$build/worker/llm-synth" ]; then
+        echo "gateway-bench: no LLM_GW_BENCH_MODEL and $build/worker/llm-synth is not built" >&2
+        exit 2
+    fi
+    if ! timeout 180 "$build/worker/llm-synth" --out "$model" --shape "$shape" --type "$wtype" >"$out/synth.log" 2>&1; then
+        echo "gateway-bench: llm-synth failed (see $out/synth.log)" >&2
+        rm -f "$model"
+        exit 1
+    fi
+    written=$model
+fi
+status=0
+
+# Requests of a level.
+level_requests() {
+    if [ -n "$requests" ]; then
+        echo "$requests"
+    else
+        echo $(($1 * 4 > 32 ? $1 * 4 : 32))
+    fi
+}
+
+# libllmclient: bench_cluster on a 1x1 cluster of its own, once per level
+# (its --requests is one number for all levels).
+for c in ${conc//,/ }; do
+    echo "gateway-bench: bench_cluster (libllmclient) at concurrency $c" >&2
+    mkdir -p "$out/bench_cluster-runs"
+    timeout --signal=TERM --kill-after=20 600 "$build/bench/bench_cluster" --model "$model" --device "$device" \
+        --threads "$threads" --layouts 1x1 --concurrency "$c" --requests "$(level_requests "$c")" \
+        --prompt-tokens "$prompt" --max-tokens "$gen" --up-timeout-s 180 --tmpdir "$tmp" \
+        --run-root "$out/bench_cluster-runs" --json "$out/bench_cluster-c$c.json" >"$out/bench_cluster-c$c.txt" \
+        2>"$out/bench_cluster-c$c.log" || {
+        echo "gateway-bench: bench_cluster at concurrency $c failed; log tail:" >&2
+        tail -n 15 "$out/bench_cluster-c$c.log" >&2
+        status=1
+    }
+    for d in "$out/bench_cluster-runs"/*/; do
+        [ -d "$d" ] && "$build/router/llm-cluster" down --run-dir "$d" >/dev/null 2>&1
+    done
+    rm -rf "$out/bench_cluster-runs"
+done
+
+# The gateway: a 1x1 cluster with llm-gateway on a free port.
+port=$(node -e 'const s=require("net").createServer().listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})')
+run_dir=$tmp/gateway-bench-cluster
+rm -rf "$run_dir"
+echo "gateway-bench: llm-cluster up with llm-gateway on port $port" >&2
+if ! "$build/router/llm-cluster" up --model "$model" --pipelines 1 --stages 1 --device "$device" --threads "$threads" \
+    --port 0 --run-dir "$run_dir" --http-port "$port" --timeout-s 180 >"$out/cluster-up.log" 2>&1; then
+    echo "gateway-bench: llm-cluster up failed; log tail:" >&2
+    tail -n 15 "$out/cluster-up.log" >&2
+    "$build/router/llm-cluster" down --run-dir "$run_dir" >/dev/null 2>&1
+    [ -n "$written" ] && rm -f "$written"
+    exit 1
+fi
+# shellcheck disable=SC1091
+. "$run_dir/env.sh"
+vocab=$("$build/router/llm" models 2>/dev/null | sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' | head -n 1)
+if [ -z "$vocab" ]; then
+    echo "gateway-bench: llm models gave no vocabulary size" >&2
+    status=1
+else
+    for c in ${conc//,/ }; do
+        for r in $(seq 1 "$runs"); do
+            echo "gateway-bench: serve-bench at concurrency $c, run $r of $runs" >&2
+            timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" \
+                --requests "$(level_requests "$c")" \
+                --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos --warmup "$c" \
+                --seed "$r" --quiet --json "$out/serve-c$c-r$r.json" >"$out/serve-c$c-r$r.txt" 2>&1 || status=1
+        done
+    done
+fi
+"$build/router/llm-cluster" down --run-dir "$run_dir" >/dev/null 2>&1
+tar -czf "$out/cluster-logs.tar.gz" -C "$tmp" "$(basename "$run_dir")" 2>/dev/null && rm -rf "$run_dir"
+[ -n "$written" ] && rm -f "$written"
+
+# The comparison, from the JSON both wrote.
+node - "$out" "$conc" "$runs" "$prompt" "$gen" "$device" >"$out/summary.txt" <<'EOF'
+const fs = require('fs');
+const [outDir, concs, runs, prompt, gen, device] = process.argv.slice(2);
+const read = (f) => { try { return JSON.parse(fs.readFileSync(`${outDir}/${f}`, 'utf8')); } catch { return null; } };
+
+const f = (v, d = 1) => (typeof v === 'number' && Number.isFinite(v) ? v.toFixed(d) : '-');
+console.log(`## llm-gateway against libllmclient: 1x1, device ${device}, prompts of ${prompt} token ids, ${gen} generated`);
+console.log('');
+console.log('| conc | run | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | errors |');
+console.log('|---|---|---:|---:|---:|---:|---:|---:|---|');
+for (const c of concs.split(',').map(Number)) {
+  const row = read(`bench_cluster-c${c}.json`)?.rows?.find((x) => x.concurrency === c && x.ran);
+  console.log(`| ${c} | libllmclient (bench_cluster) | ${f(row?.tok_s)} | ${f(row?.ttft_p50_ms, 2)} | ${f(row?.ttft_p90_ms, 2)} | ${f(row?.itl_p50_ms, 2)} | | | ${row ? row.failed : 'no row'} |`);
+  for (let r = 1; r <= Number(runs); r++) {
+    const s = read(`serve-c${c}-r${r}.json`);
+    if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | no result |`); continue; }
+    const d = row && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - row.ttft_p50_ms : null;
+    const q = row && row.tok_s > 0 ? s.output_throughput / row.tok_s : null;
+    console.log(`| ${c} | gateway ${r} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
+  }
+}
+EOF
+cat "$out/summary.txt"
+exit $status
