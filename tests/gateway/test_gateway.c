@@ -521,6 +521,68 @@ TEST(disconnect_cancels) {
     llm_client_close(c);
 }
 
+/* The threads of a process (/proc/PID/status), or -1. */
+static int proc_threads(pid_t pid) {
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "Threads: %d", &n) == 1) break;
+    fclose(f);
+    return n;
+}
+
+/* Waits up to 3 s for the gateway to have want threads; returns the count. */
+static int threads_settle(const struct gw *g, int want) {
+    int n = proc_threads(g->proc.pid);
+    for (int64_t end = h_now_ms() + 3000; n != want && h_now_ms() < end; n = proc_threads(g->proc.pid)) h_sleep_ms(20);
+    return n;
+}
+
+/* A generation runs on a runner thread that stays for the next one instead
+ * of a thread per request (a new thread costs time to the first token): one
+ * request leaves one idle runner, four more one after another reuse it, and
+ * the gateway still stops at once with it idle. */
+TEST(runners_reused) {
+    setup();
+    struct gw g;
+    memset(&g, 0, sizeof g);
+    gw_start(cl_, &g, "gateway-runners", cl_->client_ep, "");
+    /* /v1/models first: it opens a router client on the connection's own
+     * thread, which starts ZeroMQ's threads, and runs no generation. */
+    struct resp m;
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/models", g.url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &m);
+    H_ASSERT(cl_, m.status == 200, "/v1/models: %d %s", m.status, m.body);
+    resp_free(&m);
+    int base = proc_threads(g.proc.pid);
+    H_ASSERT(cl_, base > 0, "no thread count for pid %d", (int)g.proc.pid);
+    h_sleep_ms(200);
+    for (int prev = -1; base != prev;) {
+        prev = base;
+        h_sleep_ms(100);
+        base = proc_threads(g.proc.pid);
+    }
+    const char *body = "{\"prompt\":\"" PROMPT "\",\"max_tokens\":8,\"stream\":true}";
+    for (int i = 0; i < 5; i++) {
+        struct resp r;
+        post(cl_, &g, "/v1/completions", NULL, body, &r);
+        H_ASSERT(cl_, r.status == 200 && strstr(r.body, "data: [DONE]"), "request %d: %d %s", i, r.status, r.body);
+        resp_free(&r);
+        /* The connection's thread ends with the connection; the runner stays. */
+        int n = threads_settle(&g, base + 1);
+        H_ASSERT(cl_, n == base + 1, "after %d sequential requests the gateway has %d threads, expected %d (%d "
+                 "before any generation and one idle runner)", i + 1, n, base + 1, base);
+    }
+    int64_t t0 = h_now_ms();
+    h_proc_kill(&g.proc, SIGTERM);
+    H_ASSERT(cl_, g.proc.pid == 0 && h_now_ms() - t0 < 2000, "the gateway took %lld ms to stop with an idle runner",
+             (long long)(h_now_ms() - t0));
+}
+
 /* No router behind it: 503 with the error object, for generations and models. */
 TEST(router_unreachable) {
     setup();
@@ -640,4 +702,4 @@ TEST(teardown) {
 
 TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
           huge_body,
-          disconnect_cancels, router_unreachable, metrics_port, models, openai_node, teardown)
+          disconnect_cancels, runners_reused, router_unreachable, metrics_port, models, openai_node, teardown)
