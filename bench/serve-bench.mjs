@@ -315,12 +315,15 @@ const agents = { 'http:': new http.Agent({ keepAlive: true }), 'https:': new htt
 // Sends one streamed request and measures it.  Never throws: a failure comes
 // back as { ok: false, error: "HTTP 429" | "network: ..." | "stream: ..." }.
 //
-// node:http rather than fetch: the clock is read when a piece of the
-// response comes off the socket, before it is decoded and parsed, and fetch's
-// web streams would put promise turns of the event loop between the two (at
-// concurrency 1 fetch alone added about a millisecond to TTFT against the
-// same server, more when the loop is busy with other streams).  A token's
-// time is that of the read that completed its event.
+// node:http rather than fetch, so that the clocks are read at the socket:
+// a request's starts when it is given its connection, right before it is
+// written, and a token's time is that of the socket read that completed its
+// event, before the HTTP parser, the decoder and the SSE parser run.  What
+// this client spends building a request and parsing a response is not the
+// server's latency, and fetch's web streams put promise turns of the event
+// loop between a read and its chunk (at concurrency 1 fetch added about a
+// millisecond to TTFT against the same server; more when the loop is busy
+// with other streams).
 function runRequest(opt, url, body) {
   const r = { ok: false, error: null, detail: '', ttft: null, e2e: null, gaps: [], chunks: 0,
               usageTokens: null, promptTokens: null, finish: null, tokens: 0 };
@@ -330,10 +333,13 @@ function runRequest(opt, url, body) {
   return new Promise((resolve) => {
     let settled = false;
     let timer = null;
+    let sock = null;
     const finish = () => {
       if (settled) return;
       settled = true;
       clearTimeout(timer);
+      // the connection goes on to serve other requests
+      if (sock) sock.removeListener('data', stamp);
       resolve(r);
     };
     const failNetwork = (e) => {
@@ -343,7 +349,12 @@ function runRequest(opt, url, body) {
       finish();
     };
     let last = null;
-    const t0 = performance.now();
+    let t0 = performance.now();
+    // the time of the socket's latest read (a listener ahead of the parser's)
+    let arrival = t0;
+    const stamp = () => {
+      arrival = performance.now();
+    };
     const req = mod.request(u, {
       method: 'POST',
       agent: agents[u.protocol],
@@ -374,7 +385,6 @@ function runRequest(opt, url, body) {
       }
       let done = false;
       let streamError = null;
-      let arrival = t0;
       const parser = new SseParser((data) => {
         if (done || streamError) return;
         if (data === '[DONE]') {
@@ -406,10 +416,7 @@ function runRequest(opt, url, body) {
         }
       });
       const decoder = new TextDecoder();
-      res.on('data', (bytes) => {
-        arrival = performance.now();
-        parser.push(decoder.decode(bytes, { stream: true }));
-      });
+      res.on('data', (bytes) => parser.push(decoder.decode(bytes, { stream: true })));
       res.on('error', failNetwork);
       res.on('end', () => {
         parser.push(decoder.decode());
@@ -430,6 +437,14 @@ function runRequest(opt, url, body) {
         r.detail = 'the server closed the connection before the response ended';
         finish();
       });
+    });
+    // emitted for each request given a connection (a new one or one kept
+    // alive), just before the request is written to it
+    req.on('socket', (s) => {
+      sock = s;
+      t0 = performance.now();
+      arrival = t0;
+      s.prependListener('data', stamp);
     });
     timer = setTimeout(() => {
       if (settled) return;
