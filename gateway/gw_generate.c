@@ -204,7 +204,7 @@ static void *runner_main(void *arg) {
         while (!w->job && !g->stopping) {
             if (pthread_cond_timedwait(&w->cv, &g->jobs_mu, &ts) == ETIMEDOUT && !w->job) break;
         }
-        if (w->job) continue; /* gw_job_start took it off the idle list */
+        if (w->job) continue; /* job_start took it off the idle list */
         for (struct gw_runner **p = &g->idle; *p; p = &(*p)->next) {
             if (*p == w) {
                 *p = w->next;
@@ -221,8 +221,9 @@ static void *runner_main(void *arg) {
     return NULL;
 }
 
-/* Hands j (holding the runner's reference) to an idle runner, or to a new
- * one.  STATUS_INTERNAL when no thread can be started: j is then not run. */
+/* Hands j (holding the runner's reference) to the runner that went idle
+ * last, or to a new one.  < 0 when no thread can be started: j is then not
+ * run and its reference is the caller's. */
 static int job_start(gateway *g, struct job *j) {
     pthread_mutex_lock(&g->jobs_mu);
     g->jobs++;
