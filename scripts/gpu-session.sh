@@ -14,6 +14,9 @@
 #   prefix   bench_cluster, 7B Q4_K_M, 1x1: 1,024-token shared prefix + 64
 #            distinct 32-token questions, 64 generated, concurrency 16, the
 #            router's prefix cache on and off
+#   gateway  scripts/gateway-bench.sh: llm-gateway + serve-bench against
+#            bench_cluster through libllmclient, 7B Q4_K_M, 1x1, c=1 and 64
+#            (needs node on PATH and the pack's llm-gateway and llm)
 # Logs, tables and JSON go under $OUT; a summary is printed last.
 #   OUT=/tmp/out LLM_GPU_PACK=gpu-pack/sm90.tar.xz LLM_GPU_PACK_T4=gpu-pack/sm75.tar.xz ./scripts/gpu-session.sh
 #   LLM_SESSION_STEPS="tests kv" ./scripts/gpu-session.sh        # some steps only
@@ -140,12 +143,14 @@ for what in $steps; do
         step cuda_sample 40 "$b90/tests/test_cuda_sample"
         LLM_TEST_DEVICE=cuda:0 step forward_gpu 40 "$b90/tests/test_forward"
         step link 60 "$b90/tests/test_link"
+        LLM_TEST_DEVICE=cuda:0 step kv_q8_gpu 60 "$b90/tests/test_kv_q8"
         ;;
     t4)
         [ -n "$b75" ] || continue
         LLM_CUDA_SM=75 step cuda_ops_sm75 120 "$b75/tests/test_cuda_ops"
         LLM_CUDA_SM=75 step cuda_sample_sm75 40 "$b75/tests/test_cuda_sample"
         LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step forward_gpu_sm75 40 "$b75/tests/test_forward"
+        [ -x "$b75/tests/test_kv_q8" ] && LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step kv_q8_gpu_sm75 60 "$b75/tests/test_kv_q8"
         ;;
     kv)
         [ -n "$b90" ] && [ -n "$tmp" ] || continue
@@ -165,7 +170,12 @@ for what in $steps; do
         cluster prefix_bench 110 1x1 --shared-prefix "${LLM_SESSION_PREFIX:-1024}" --question-tokens 32 --requests 64 --concurrency 16 \
             --max-tokens 64
         ;;
-    *) note "gpu-session: unknown step '$what' (tests, t4, kv, cluster, prefix)"; status=2 ;;
+    gateway)
+        [ -n "$b90" ] && cluster_model || continue
+        OUT="$out/gateway" LLM_BENCH_BUILD="$b90" LLM_GW_BENCH_MODEL="$model" TMPDIR="$tmp" \
+            step gateway_bench 300 ./scripts/gateway-bench.sh
+        ;;
+    *) note "gpu-session: unknown step '$what' (tests, t4, kv, cluster, prefix, gateway)"; status=2 ;;
     esac
 done
 [ -n "$model" ] && rm -f "$model"
@@ -181,6 +191,10 @@ for f in kv_bench cluster_bench prefix_bench; do
         grep -E "^\||^##" "$out/$f.log"
     fi
 done
+if [ -f "$out/gateway/summary.txt" ]; then
+    echo "=== gateway_bench"
+    cat "$out/gateway/summary.txt"
+fi
 echo "=== summary ($(( $(date +%s) - t_start )) s)"
 cat "$summary"
 exit $status
