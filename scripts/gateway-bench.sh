@@ -19,11 +19,13 @@
 # (per level and run; default 4 per stream and at least 32: 32 at
 # concurrency 1, 256 at 64), LLM_GW_BENCH_PROMPT (prompt tokens, 128),
 # LLM_GW_BENCH_GEN (tokens generated, 64), LLM_GW_BENCH_RUNS (gateway runs
-# per level, each with its own prompts, default 3).
-# Under $OUT: bench_cluster-c<C>.{txt,json,log}, serve-c<C>-r<R>.{txt,json},
-# cluster-logs.tar.gz (the gateway cluster's run dir) and summary.txt, which
-# is printed last: per level, libllmclient's gen tok/s and TTFT p50 against
-# each gateway run's, the TTFT difference and the throughput ratio.
+# per level and side, each with its own prompts, default 3).
+# Under $OUT: bench_cluster-c<C>.{txt,json,log} (a warm-up row, then the
+# runs), serve-c<C>-r<R>.{txt,json}, cluster-logs.tar.gz (the gateway
+# cluster's run dir) and summary.txt, which is printed last: per level, each
+# run's gen tok/s and TTFT, each gateway run against the mean of
+# libllmclient's runs (TTFT p50 difference, throughput ratio), and the same
+# for the means of the gateway's runs.
 # Budget on one H200 with the 7B model at the defaults: about 3 minutes.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -84,13 +86,17 @@ level_requests() {
     fi
 }
 
-# libllmclient: bench_cluster on a 1x1 cluster of its own, once per level
-# (its --requests is one number for all levels).
+# libllmclient: bench_cluster on a 1x1 cluster of its own per level, the
+# level run runs + 1 times on it with fresh prompts each time: the first
+# warms the cluster up as serve-bench's --warmup does the gateway's, the
+# others are the runs compared (its --requests is one number for all levels).
 for c in ${conc//,/ }; do
-    echo "gateway-bench: bench_cluster (libllmclient) at concurrency $c" >&2
+    echo "gateway-bench: bench_cluster (libllmclient) at concurrency $c, $runs runs after a warm-up" >&2
     mkdir -p "$out/bench_cluster-runs"
+    levels=$c
+    for _ in $(seq 1 "$runs"); do levels=$levels,$c; done
     timeout --signal=TERM --kill-after=20 600 "$build/bench/bench_cluster" --model "$model" --device "$device" \
-        --threads "$threads" --layouts 1x1 --concurrency "$c" --requests "$(level_requests "$c")" \
+        --threads "$threads" --layouts 1x1 --concurrency "$levels" --requests "$(level_requests "$c")" \
         --prompt-tokens "$prompt" --max-tokens "$gen" --up-timeout-s 180 --tmpdir "$tmp" \
         --run-root "$out/bench_cluster-runs" --json "$out/bench_cluster-c$c.json" >"$out/bench_cluster-c$c.txt" \
         2>"$out/bench_cluster-c$c.log" || {
@@ -149,15 +155,26 @@ console.log(`## llm-gateway against libllmclient: 1x1, device ${device}, prompts
 console.log('');
 console.log('| conc | run | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | errors |');
 console.log('|---|---|---:|---:|---:|---:|---:|---:|---|');
+const mean = (xs) => xs.reduce((a, b) => a + b, 0) / xs.length;
 for (const c of concs.split(',').map(Number)) {
-  const row = read(`bench_cluster-c${c}.json`)?.rows?.find((x) => x.concurrency === c && x.ran);
-  console.log(`| ${c} | libllmclient (bench_cluster) | ${f(row?.tok_s)} | ${f(row?.ttft_p50_ms, 2)} | ${f(row?.ttft_p90_ms, 2)} | ${f(row?.itl_p50_ms, 2)} | | | ${row ? row.failed : 'no row'} |`);
+  // The level's first row warmed the cluster up; the others are its runs.
+  const rows = (read(`bench_cluster-c${c}.json`)?.rows ?? []).filter((x) => x.concurrency === c && x.ran).slice(1);
+  rows.forEach((row, i) => console.log(`| ${c} | libllmclient ${i + 1} | ${f(row.tok_s)} | ${f(row.ttft_p50_ms, 2)} | ${f(row.ttft_p90_ms, 2)} | ${f(row.itl_p50_ms, 2)} | | | ${row.failed} |`));
+  if (rows.length === 0) console.log(`| ${c} | libllmclient | - | - | - | - | | | no row |`);
+  const base = rows.length ? { ttft: mean(rows.map((x) => x.ttft_p50_ms)), tok: mean(rows.map((x) => x.tok_s)) } : null;
+  const gw = [];
   for (let r = 1; r <= Number(runs); r++) {
     const s = read(`serve-c${c}-r${r}.json`);
     if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | no result |`); continue; }
-    const d = row && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - row.ttft_p50_ms : null;
-    const q = row && row.tok_s > 0 ? s.output_throughput / row.tok_s : null;
+    gw.push(s);
+    const d = base && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - base.ttft : null;
+    const q = base && base.tok > 0 ? s.output_throughput / base.tok : null;
     console.log(`| ${c} | gateway ${r} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
+  }
+  if (base && gw.length) {
+    const d = mean(gw.map((s) => s.ttft_ms.p50)) - base.ttft;
+    const q = mean(gw.map((s) => s.output_throughput)) / base.tok;
+    console.log(`| ${c} | mean of runs | | | | | ${(d >= 0 ? '+' : '') + d.toFixed(2)} | ${q.toFixed(3)} | |`);
   }
 }
 EOF
