@@ -73,9 +73,6 @@ struct cuda_ctx {
                          * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
     int ahead_sms;      /* multiprocessors a GEMM leaves to the tile made ahead of the next
                          * (n_sms / 8, default; LLM_CUDA_AHEAD_SMS=k) */
-    int split_max;      /* matmul: quantized weights at vec_max_quant < n <= split_max tokens run as
-                         * chunks of <= 64 on the weight-reading kernels (128, default;
-                         * LLM_CUDA_SPLIT_MAX=0: dequantized tiles and cuBLAS) */
     struct cuda_ahead *ahead; /* dequant_ahead.cu's side stream and tiles, made on first use */
     const float *act_x;
     int32_t act_n;
@@ -184,9 +181,8 @@ void cuda_ahead_written(struct cuda_ctx *ctx, const void *dst, size_t bytes);
 void cuda_ahead_free(struct cuda_ctx *ctx);
 /* out[n, rows] = x[n, cols] . w^T.  Up to ctx->vec_max_* tokens the
  * weight-reading kernels of matmul_vec.cu (weights read once per call, in
- * their stored form) for the shapes cuda_matmul_vec_supports; quantized
- * weights up to ctx->split_max tokens the same kernels on chunks of at most
- * 64 tokens (the weight read once a chunk); otherwise cuBLAS on F16 tiles. */
+ * their stored form) for the shapes cuda_matmul_vec_supports; otherwise
+ * cuBLAS on F16 tiles. */
 int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                 int64_t cols, const float *x, int32_t n);
 /* Where the cuBLAS path wants x[n, cols] as F16 (the start of the
@@ -198,13 +194,6 @@ int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols,
 /* The same, and x converted there unless it already is: *x16 holds x as
  * F16 when it returns 0 (the tensor-core kernels' activations). */
 int cuda_gemm_act_f16(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16);
-/* Where x (n x cols) lies row-aligned within the F16 form kept at the
- * start of the scratch (a matmul run as token chunks keeps all of its
- * rows there, matmul.cu), cuda_gemm_act hands out its rows of that form.
- * Bytes at the scratch start that a kernel reading x's F16 form must leave
- * alone, so that its scratch of its own (partial sums) goes past them:
- * that whole kept form then, else n x cols halves; 256-byte aligned. */
-size_t cuda_gemm_act_bytes(const struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols);
 /* out[rows, width] = silu(gate) * up, also written as F16 for the matmul
  * that reads out next (cuda_gemm_act). */
 int cuda_swiglu_act(struct cuda_ctx *ctx, float *out, const float *gate, const float *up, int32_t rows,
@@ -250,8 +239,7 @@ int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype t
 #define CUDA_NOT_FUSED 1
 /* Several weights of one type and width on one input x[n, cols], in one
  * launch where the decode kernels take them (and, above 64 tokens, F16
- * weights of equal rows in one batched cuBLAS call, quantized ones up to
- * ctx->split_max tokens one launch a token chunk): outs[j][n, rows[j]] =
+ * weights of equal rows in one batched cuBLAS call): outs[j][n, rows[j]] =
  * x . ws[j]^T for j < n_w (at most 4).  With swiglu (n_w = 2, equal rows)
  * outs[0] = silu(x . ws[0]^T) * (x . ws[1]^T) and outs[1] is not written.
  * CUDA_NOT_FUSED when the shape or type is not one it takes. */

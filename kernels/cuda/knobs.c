@@ -99,12 +99,6 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "the tensor-core flash attention for batches with prefill rows (false: the general kernel, "
          "to compare; read on every attention)",
          &k->prefill_tc, 0, 0, NULL},
-        {"cuda-split-max", "LLM_CUDA_SPLIT_MAX", OPTION_INT, "128",
-         "most tokens of a quantized matmul run as consecutive chunks of at most 64 on the "
-         "weight-reading kernels (each reads the weight once) instead of dequantized tiles and "
-         "cuBLAS, which write and read back 2 bytes a weight: a decode batch of 64 plus a few "
-         "prefill tokens (0: never, to compare)",
-         &k->split_max, 0, 1024, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;
@@ -179,7 +173,6 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mr = k->mr;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
-    ctx->split_max = k->split_max;
     return STATUS_OK;
 }
 
@@ -198,25 +191,4 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0) {
         }
     }
     return best;
-}
-
-int cuda_matmul_split_plan(int n, int lim, int *sizes, int max) {
-    if (lim < 33 || n <= lim) return 0;
-    const int k = (n + lim - 1) / lim;
-    if (k > max) return 0;
-    /* rem <= lim * left and rem >= 17 * left hold at every step (n > lim *
-     * (k - 1) >= 17 * k for lim >= 33 and k >= 2, and a chunk takes at
-     * least ceil(rem / left)), so the plain even share fits in lim and
-     * leaves 17 or more to each chunk after it. */
-    int rem = n;
-    for (int i = 0; i < k; i++) {
-        const int left = k - i;
-        int c = (rem + left - 1) / left;
-        const int up = (c + 15) / 16 * 16;
-        if (left == 1) c = rem;
-        else if (up <= lim && rem - up >= 17 * (left - 1)) c = up;
-        sizes[i] = c;
-        rem -= c;
-    }
-    return k;
 }

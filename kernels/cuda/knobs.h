@@ -44,11 +44,10 @@ struct cuda_knobs {
     int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
     int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
     bool prefill_tc;     /* LLM_CUDA_PREFILL_TC (read again on every attention) */
-    int split_max;       /* LLM_CUDA_SPLIT_MAX: most tokens of a quantized matmul run as chunks (0: never) */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 21
+#define CUDA_KNOBS_N 20
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -69,7 +68,7 @@ int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
  * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, decode_tc_g, att_k16,
  * att_steps, rope_att, rope_att_mha, att_defer, att_f16, mr,
- * dequant_ahead, ahead_sms, split_max) from k, for the card that ctx->device, ctx->cc
+ * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
  * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is
  * below the card's own.  Returns 0, or STATUS_BAD_INPUT where a knob does
  * not fit the card (LLM_CUDA_AHEAD_SMS of n_sms or more), naming it. */
@@ -89,24 +88,6 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
  * waves of a third of the chunks each.  Rows that fill the slots, or a
  * split into one full wave, keep ks0. */
 int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
-
-/* Most chunks cuda_matmul_split_plan makes (LLM_CUDA_SPLIT_MAX's ceiling
- * over 33-token chunks). */
-#define CUDA_SPLIT_CHUNKS_MAX 32
-
-/* The token chunks of a quantized matmul of n tokens that cuda_matmul runs
- * as consecutive weight-reading matmuls of at most lim tokens each
- * (matmul.cu): writes their sizes, in order, to sizes and returns their
- * count, ceil(n / lim), or 0 where there is no such plan (lim < 33, n <= lim,
- * or more than max chunks).  Every chunk reads the whole weight once, so
- * the count is the fewest that fit; the sizes are as even as that count
- * allows, each rounded up to a multiple of 16 where the chunks after it
- * still get 17 tokens or more: matmul_wide.cu computes all of its 32, 48 or
- * 64 token columns whatever n, so 80 tokens are 48 + 32 (80 columns of
- * work) rather than 40 + 40 (96) or 64 + 16, and no chunk falls to 16
- * tokens or fewer, whose kernels (matmul_mr.cu, mq's 8/16-token tiles)
- * read the F32 activations instead of the F16 form the chunks share. */
-int cuda_matmul_split_plan(int n, int lim, int *sizes, int max);
 
 #ifdef __cplusplus
 }

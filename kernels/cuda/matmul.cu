@@ -2,9 +2,7 @@
  * type.  Up to ctx->vec_max_quant / vec_max_float tokens (decode batches)
  * it is the weight-reading kernels of matmul_vec.cu, which read the weight
  * once in its stored form, and at 1-4 tokens on most quantized types the
- * warp-per-row dp4a kernel of matmul_gemv.cu; quantized weights a little
- * past that (ctx->split_max) the same kernels on chunks of the tokens
- * (matmul_split).  Above (prefill), cuBLAS
+ * warp-per-row dp4a kernel of matmul_gemv.cu.  Above (prefill), cuBLAS
  * does the work on tensor cores: activations become F16, F16 weights are
  * used as they are, quantized weights are dequantized tile by tile into
  * scratch (never a second full copy), F32 accumulation throughout.  F32
@@ -47,35 +45,10 @@ static int matmul_gemm_f16(struct cuda_ctx *ctx, float *out, const void *w16, in
     return STATUS_OK;
 }
 
-/* The row of the F16 form kept at the scratch start where x (n x cols)
- * begins, when x's rows all lie within it; else -1. */
-static int64_t matmul_act_row(const struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols) {
-    if (ctx->act_kind != MATMUL_ACT_F16 || ctx->act_scratch != ctx->scratch || ctx->act_cols != cols ||
-        x < ctx->act_x)
-        return -1;
-    const int64_t off = x - ctx->act_x;
-    if (off % cols != 0 || off / cols + n > ctx->act_n) return -1;
-    return off / cols;
-}
-
-extern "C" size_t cuda_gemm_act_bytes(const struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols) {
-    if (matmul_act_row(ctx, x, n, cols) >= 0) return align256((size_t)ctx->act_n * cols * 2);
-    return align256((size_t)n * cols * 2);
-}
-
 extern "C" int cuda_gemm_act(struct cuda_ctx *ctx, const float *x, int32_t n, int64_t cols, uint16_t **x16,
                               int *fresh) {
-    /* Rows of a larger kept form (the chunks of a split matmul): used in
-     * place, and the form stays recorded whole for the chunks after. */
-    const size_t kept = cuda_gemm_act_bytes(ctx, x, n, cols);
-    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, kept); /* a reallocation forgets the form */
+    uint8_t *scratch = (uint8_t *)cuda_scratch(ctx, align256((size_t)n * cols * 2));
     if (!scratch) return STATUS_NO_MEMORY;
-    const int64_t r = matmul_act_row(ctx, x, n, cols);
-    if (r > 0 || (r == 0 && n < ctx->act_n)) {
-        *x16 = (uint16_t *)scratch + r * cols;
-        *fresh = 0;
-        return STATUS_OK;
-    }
     *x16 = (uint16_t *)scratch;
     *fresh = !cuda_act_reuse(ctx, MATMUL_ACT_F16, x, n, cols, scratch);
     return STATUS_OK;
@@ -182,70 +155,6 @@ static void matmul_act_check(struct cuda_ctx *ctx, const float *out, int64_t row
         cuda_act_forget(ctx);
 }
 
-/* The weight-reading kernels on n <= vec_max tokens: the dp4a kernel, or
- * matmul_mr.cu (K-quants to 16 tokens, Q8_0 to 8), from 17 matmul_wide.cu,
- * then mq.  CUDA_NOT_FUSED where none takes the shape. */
-static int matmul_skinny(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
-                         int64_t cols, const float *x, int32_t n) {
-    if (matmul_gemv_takes(ctx, type, cols, n) && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0)
-        return cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
-    int rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
-    struct mm_group g = mg_single(w, out, rows);
-    if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
-    if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
-        (uintptr_t)w % 16 == 0)
-        rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
-    return rc;
-}
-
-/* ---- Batches a little past the weight-reading kernels' range ----
- * A decode batch of 64 sequences with a few prefill tokens beside it (65-100
- * tokens) would otherwise take the tile path, which writes and reads back 2
- * bytes of F16 per weight besides reading it: 4.6 bytes a Q4_K weight
- * against 0.56, a step-time cliff right past 64 tokens, worst on a card of
- * little bandwidth (a T4).  Up to ctx->split_max tokens quantized weights instead
- * run as consecutive chunks of the activations' rows, each a plain
- * weight-reading matmul that reads the weight once more: ceil(n / 64)
- * reads of 0.56 bytes.  The F16 form of all n rows is made (or found kept)
- * once at the scratch start and each chunk's kernel reads its rows there
- * (cuda_gemm_act), putting its partial sums past all of them
- * (cuda_gemm_act_bytes); the chunks run in order on the one stream, so
- * mq's and matmul_wide.cu's arrival counters, zero again when a launch
- * ends, and the partial-sum scratch serve one launch at a time as between
- * any two matmuls.  Chunk sizes: cuda_matmul_split_plan (knobs.c). */
-
-/* Tokens a chunk may have for weights of type and width cols (0: no
- * split): the weight-reading range, capped by what mq takes (32 on sm_75
- * with LLM_CUDA_MQ64=0) and at least 33, so that every chunk has 17 tokens
- * or more and its kernel (matmul_wide.cu, or mq's 32- and 64-token tiles)
- * reads the kept F16 form, never the F32 rows. */
-static int32_t matmul_split_lim(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, const void *w,
-                                const float *x, int32_t n) {
-    if (type == DTYPE_F32 || type == DTYPE_F16 || type == DTYPE_BF16) return 0;
-    if (n <= ctx->vec_max_quant || n > ctx->split_max) return 0;
-    int32_t lim = ctx->vec_max_quant < ctx->mq_nt_max ? ctx->vec_max_quant : ctx->mq_nt_max;
-    if (lim > CUDA_MATMUL_VEC_MAX) lim = CUDA_MATMUL_VEC_MAX;
-    /* mq must take every chunk (matmul_wide.cu may decline one): a width
-     * it cannot take would put each chunk on the tile path. */
-    if (lim < 33 || !cuda_matmul_vec_supports(ctx, type, cols, lim) || (uintptr_t)x % 16 != 0 ||
-        (uintptr_t)w % 16 != 0)
-        return 0;
-    return lim;
-}
-
-static int matmul_split(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
-                        int64_t cols, const float *x, int32_t n, const int *sizes, int k) {
-    uint16_t *x16 = NULL;
-    int rc = cuda_gemm_act_f16(ctx, x, n, cols, &x16);
-    for (int i = 0, r0 = 0; i < k && rc == STATUS_OK; r0 += sizes[i++]) {
-        rc = matmul_skinny(ctx, out + (int64_t)r0 * rows, w, type, rows, cols, x + (int64_t)r0 * cols, sizes[i]);
-        if (rc == CUDA_NOT_FUSED) /* cannot happen: matmul_split_lim checked that mq takes it */
-            rc = cuda_fail(ctx, STATUS_INTERNAL, "matmul: no kernel for a chunk of %d tokens x %s [%lld x %lld]",
-                           sizes[i], dtype_name(type), (long long)rows, (long long)cols);
-    }
-    return rc;
-}
-
 extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,
                            int64_t cols, const float *x, int32_t n) {
     if (n < 0 || rows <= 0 || cols <= 0 || rows > INT32_MAX || cols > INT32_MAX)
@@ -254,14 +163,21 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (cuda_row_bytes(type, cols) == 0)
         return cuda_fail(ctx, STATUS_UNSUPPORTED, "matmul: weight type %d is not supported", (int)type);
     if (n == 0) return STATUS_OK;
+    int32_t vec_max = matmul_vec_max(ctx, type);
+    int gemv = matmul_gemv_takes(ctx, type, cols, n);
     matmul_act_check(ctx, out, rows, n);
     int rc = CUDA_NOT_FUSED;
-    int sizes[CUDA_SPLIT_CHUNKS_MAX];
-    if (n <= matmul_vec_max(ctx, type)) {
-        rc = matmul_skinny(ctx, out, w, type, rows, cols, x, n);
-    } else if (const int k = cuda_matmul_split_plan(n, matmul_split_lim(ctx, type, cols, w, x, n), sizes,
-                                                     CUDA_SPLIT_CHUNKS_MAX)) {
-        rc = matmul_split(ctx, out, w, type, rows, cols, x, n, sizes, k);
+    if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
+        rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
+    } else if (n <= vec_max) {
+        /* matmul_mr.cu (K-quants to 16 tokens, Q8_0 to 8), from 17
+         * matmul_wide.cu, then mq. */
+        rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
+        struct mm_group g = mg_single(w, out, rows);
+        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
+            (uintptr_t)w % 16 == 0)
+            rc = cuda_matmul_vec(ctx, out, w, type, rows, cols, x, n); /* keeps or forgets the kept form itself */
     }
     if (rc == CUDA_NOT_FUSED) rc = matmul_gemm(ctx, out, w, type, rows, cols, x, n);
     if (rc != STATUS_OK) cuda_act_forget(ctx);
@@ -322,63 +238,17 @@ static int matmul_gemm_group(struct cuda_ctx *ctx, int n_w, float *const outs[],
 
 /* Where cuda_matmul would take a warp-per-row kernel for every weight
  * (1-4 tokens quantized, 1-2 F16/F32), or matmul_wide.cu's kernel (17-64
- * tokens quantized, and each chunk of a split matmul; no swiglu): there a
- * launch per weight costs as much as several microseconds of reading, and
- * one grid over all of them saves it.
+ * tokens quantized, no swiglu): there a launch per weight costs as much as
+ * several microseconds of reading, and one grid over all of them saves it.
  * At prefill sizes F16 weights of equal rows are one batched cuBLAS call
  * (matmul_gemm_group).  Other batches keep their per-weight kernels
  * (CUDA_NOT_FUSED). */
-static int matmul_group_skinny(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
-                               const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
-                               int swiglu);
-
-/* A quantized group (no swiglu, which no kernel past 16 tokens fuses) of
- * the split range as token chunks (matmul_split): each chunk one group
- * launch where matmul_wide.cu takes it.  The first chunk's refusal leaves
- * the group to the caller's matmul a weight (each split the same way);
- * a later one's, which only a different token tile could cause, runs that
- * chunk a weight at a time. */
-static int matmul_group_split(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
-                              const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
-                              const int *sizes, int k) {
-    uint16_t *x16 = NULL;
-    for (int j = 0; j < n_w; j++) {
-        if (rows[j] <= 0 || rows[j] > INT32_MAX || (uintptr_t)ws[j] % 16 != 0) return CUDA_NOT_FUSED;
-        matmul_act_check(ctx, outs[j], rows[j], n);
-    }
-    int rc = cuda_gemm_act_f16(ctx, x, n, cols, &x16);
-    for (int i = 0, r0 = 0; i < k && rc == STATUS_OK; r0 += sizes[i++]) {
-        float *co[MG_MAX];
-        for (int j = 0; j < n_w; j++) co[j] = outs[j] + (int64_t)r0 * rows[j];
-        const float *cx = x + (int64_t)r0 * cols;
-        rc = matmul_group_skinny(ctx, n_w, co, ws, rows, type, cols, cx, sizes[i], 0);
-        if (rc != CUDA_NOT_FUSED) continue;
-        if (i == 0) return CUDA_NOT_FUSED;
-        rc = STATUS_OK;
-        for (int j = 0; j < n_w && rc == STATUS_OK; j++) {
-            rc = matmul_skinny(ctx, co[j], ws[j], type, rows[j], cols, cx, sizes[i]);
-            if (rc == CUDA_NOT_FUSED) /* cannot happen: matmul_split_lim checked that mq takes it */
-                rc = cuda_fail(ctx, STATUS_INTERNAL, "matmul: no kernel for a chunk of %d tokens x %s [%lld x %lld]",
-                               sizes[i], dtype_name(type), (long long)rows[j], (long long)cols);
-        }
-    }
-    if (rc != STATUS_OK) cuda_act_forget(ctx);
-    return rc;
-}
-
 extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
                                  const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
                                  int swiglu) {
     if (n_w < 1 || n_w > MG_MAX || (swiglu && (n_w != 2 || rows[0] != rows[1])) || n < 1 || cols <= 0 ||
         cols > INT32_MAX || cuda_row_bytes(type, cols) == 0)
         return CUDA_NOT_FUSED;
-    int sizes[CUDA_SPLIT_CHUNKS_MAX];
-    if (n > matmul_vec_max(ctx, type) && !swiglu) {
-        /* (Every weight's alignment: matmul_group_split.) */
-        if (const int k = cuda_matmul_split_plan(n, matmul_split_lim(ctx, type, cols, ws[0], x, n), sizes,
-                                                 CUDA_SPLIT_CHUNKS_MAX))
-            return matmul_group_split(ctx, n_w, outs, ws, rows, type, cols, x, n, sizes, k);
-    }
     if (n > matmul_vec_max(ctx, type)) {
         if (swiglu || n_w < 2 || type != DTYPE_F16 || !ctx->gemm_group) return CUDA_NOT_FUSED;
         for (int j = 0; j < n_w; j++) {
@@ -410,13 +280,6 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         }
         return STATUS_OK;
     }
-    return matmul_group_skinny(ctx, n_w, outs, ws, rows, type, cols, x, n, swiglu);
-}
-
-/* cuda_matmul_group's weight-reading kernels, n <= the type's vec_max. */
-static int matmul_group_skinny(struct cuda_ctx *ctx, int n_w, float *const outs[], const void *const ws[],
-                               const int64_t rows[], enum dtype type, int64_t cols, const float *x, int32_t n,
-                               int swiglu) {
     struct mm_group g = {};
     for (int j = 0; j < n_w; j++) {
         if (rows[j] <= 0 || rows[j] > INT32_MAX || (uintptr_t)ws[j] % 16 != 0) return CUDA_NOT_FUSED;

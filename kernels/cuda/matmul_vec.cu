@@ -422,9 +422,8 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
     if (n_rb <= MQ_COUNTERS) ks = cuda_mq_split(n_rb, n_chunks, slots, ks);
     size_t rp = (size_t)n_rb * MQ_ROWS;
     /* Scratch: from 32 tokens x's F16 form first (kept for the next
-     * matmul on x: cuda_gemm_act; all of a split matmul's rows, of which
-     * x is a chunk), then the split-K partial sums. */
-    const size_t x_bytes = NT > 16 ? cuda_gemm_act_bytes(ctx, x, n, cols) : 0;
+     * matmul on x: cuda_gemm_act), then the split-K partial sums. */
+    const size_t x_bytes = NT > 16 ? ((size_t)n * cols * 2 + 255) & ~(size_t)255 : 0;
     const size_t part_bytes = ks > 1 ? (size_t)ks * n * rp * sizeof(float) : 0;
     float *part = NULL;
     if (x_bytes + part_bytes > 0) {

@@ -317,10 +317,9 @@ static int mw_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const f
      * block), docs/cuda-backend.md. */
     if (items > INT32_MAX || items < (int64_t)ctx->wide_items * ctx->n_sms) return CUDA_NOT_FUSED;
     const int blocks = (int)(items < (int64_t)ctx->n_sms * per_sm[dev] ? items : (int64_t)ctx->n_sms * per_sm[dev]);
-    /* Scratch: x's F16 form first (kept for the next matmul on x; all of
-     * a split matmul's rows, of which x is a chunk: cuda_gemm_act), then
+    /* Scratch: x's F16 form first (kept for the next matmul on x), then
      * the partial-sum slots. */
-    const size_t x_bytes = cuda_gemm_act_bytes(ctx, x, n, cols);
+    const size_t x_bytes = ((size_t)n * cols * 2 + 255) & ~(size_t)255;
     const size_t part_bytes = (size_t)2 * blocks * MW_ROWS * NT * sizeof(float);
     uint8_t *scr = (uint8_t *)cuda_scratch(ctx, x_bytes + part_bytes);
     if (!scr) return STATUS_NO_MEMORY;

@@ -45,7 +45,6 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(4, k.mv_split);
     ASSERT_EQ(0, k.sm);
     ASSERT_EQ(96, k.dequant_tile_mb);
-    ASSERT_EQ(128, k.split_max);
     ASSERT_TRUE(k.prefill_tc && k.gemm_group && k.pdl && k.wide && !k.att_k8);
 
     struct cuda_ctx h = k_ctx(90, 132); /* an H100 */
@@ -70,7 +69,6 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
     ASSERT_EQ(64, h.mq_nt_max);
     ASSERT_EQ(1, h.mq_x_parts);
-    ASSERT_EQ(128, h.split_max);
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
     ASSERT_EQ(75, t.cc);
@@ -118,14 +116,6 @@ TEST(cuda_knobs_spellings) {
     ASSERT_EQ(16, c.vec_max_float);
     setenv("LLM_CUDA_SKINNY_MAX", "64", 1);
     ASSERT_EQ(64, k_ctx(90, 132).vec_max_float);
-    k_clear_env();
-
-    setenv("LLM_CUDA_SPLIT_MAX", "0", 1);
-    ASSERT_EQ(0, k_ctx(90, 132).split_max);
-    setenv("LLM_CUDA_SPLIT_MAX", "1024", 1);
-    ASSERT_EQ(1024, k_ctx(75, 40).split_max);
-    setenv("LLM_CUDA_SPLIT_MAX", "", 1);
-    ASSERT_EQ(128, k_ctx(90, 132).split_max);
     k_clear_env();
 
     setenv("LLM_CUDA_ROPE_ATT", "16", 1);
@@ -232,10 +222,6 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_DEQUANT_TILE_MB", "96M", "not an integer");
     k_bad("LLM_CUDA_PREFILL_TC", "tc", "not a boolean");
     k_bad("LLM_CUDA_MQ64", "2", "not a boolean");
-    k_bad("LLM_CUDA_SPLIT_MAX", "1025", "out of range [0, 1024]");
-    k_bad("LLM_CUDA_SPLIT_MAX", "-1", "out of range [0, 1024]");
-    k_bad("LLM_CUDA_SPLIT_MAX", "128 tokens", "not an integer");
-    k_bad("LLM_CUDA_SPLIT_MAX", "off", "not an integer");
 
     /* The per-call read of the same knob fails the same way. */
     setenv("LLM_CUDA_DEQUANT_TILE_MB", "huge", 1);
@@ -317,49 +303,5 @@ TEST(cuda_knobs_mq_split) {
     ASSERT_EQ(5, cuda_mq_split(0, 16, 132, 5));
 }
 
-/* The token chunks of a split matmul: ceil(n / lim) of them, in order,
- * adding up to n, each of 17 to lim tokens and within one of a multiple of
- * 16 where the rest allows (matmul_wide.cu computes 32, 48 or 64 token
- * columns); no plan at or below lim, for lim < 33, or past max chunks. */
-static void k_plan(int n, int lim, int count, const int *want) {
-    int sizes[CUDA_SPLIT_CHUNKS_MAX];
-    int k = cuda_matmul_split_plan(n, lim, sizes, CUDA_SPLIT_CHUNKS_MAX);
-    if (k != count) TEST_FAIL("n=%d lim=%d: %d chunks, expected %d", n, lim, k, count);
-    for (int i = 0; i < k; i++)
-        if (sizes[i] != want[i]) TEST_FAIL("n=%d lim=%d: chunk %d has %d tokens, expected %d", n, lim, i, sizes[i],
-                                           want[i]);
-}
-
-TEST(cuda_knobs_split_plan) {
-    k_plan(65, 64, 2, (const int[]){48, 17});
-    k_plan(72, 64, 2, (const int[]){48, 24});
-    k_plan(80, 64, 2, (const int[]){48, 32});
-    k_plan(96, 64, 2, (const int[]){48, 48});
-    k_plan(97, 64, 2, (const int[]){64, 33});
-    k_plan(100, 64, 2, (const int[]){64, 36});
-    k_plan(127, 64, 2, (const int[]){64, 63});
-    k_plan(128, 64, 2, (const int[]){64, 64});
-    k_plan(129, 64, 3, (const int[]){48, 48, 33});
-    k_plan(193, 64, 4, (const int[]){64, 48, 48, 33});
-    k_plan(65, 48, 2, (const int[]){48, 17});
-    k_plan(64, 64, 0, NULL);
-    k_plan(10, 64, 0, NULL);
-    k_plan(80, 32, 0, NULL); /* 32-token chunks would leave some of 16 or fewer */
-    k_plan(80, 0, 0, NULL);
-    int sizes[CUDA_SPLIT_CHUNKS_MAX];
-    ASSERT_EQ(0, cuda_matmul_split_plan(200, 64, sizes, 3));
-    for (int lim = 33; lim <= 64; lim++)
-        for (int n = lim + 1; n <= 1024; n++) {
-            const int k = cuda_matmul_split_plan(n, lim, sizes, CUDA_SPLIT_CHUNKS_MAX);
-            if (k != (n + lim - 1) / lim) TEST_FAIL("n=%d lim=%d: %d chunks", n, lim, k);
-            int sum = 0;
-            for (int i = 0; i < k; i++) {
-                if (sizes[i] < 17 || sizes[i] > lim) TEST_FAIL("n=%d lim=%d: chunk %d of %d", n, lim, i, sizes[i]);
-                sum += sizes[i];
-            }
-            if (sum != n) TEST_FAIL("n=%d lim=%d: chunks add up to %d", n, lim, sum);
-        }
-}
-
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
-          cuda_knobs_table_is_documented, cuda_knobs_mq_split, cuda_knobs_split_plan)
+          cuda_knobs_table_is_documented, cuda_knobs_mq_split)

@@ -459,81 +459,6 @@ static void matmul_case(enum dtype t, int64_t rows, int64_t cols, const int32_t 
     free_weights();
 }
 
-/* Quantized matmuls of 65-128 tokens run as token chunks of at most 64
- * (LLM_CUDA_SPLIT_MAX, 128 by default; 129 still takes the tile path),
- * each on the weight-reading kernels, and with LLM_CUDA_SPLIT_MAX=0 all of
- * them take the tile path: against the CPU on fresh inputs, by the default
- * routing, with matmul_wide.cu given every shape (LLM_CUDA_WIDE_ITEMS=0)
- * and on sm_75's (LLM_CUDA_SM=75: mq, the activations of 33-64 token chunks
- * in halves); widths of one chunk and of several (split K, partial sums
- * past the F16 form of all rows), rows that leave a block part-full, and a
- * matmul large enough for matmul_wide.cu by default. */
-static void split_type(enum dtype t) {
-    static const int32_t ns[] = {65, 80, 96, 127, 128, 129};
-    const int nn = (int)(sizeof ns / sizeof ns[0]);
-    for (int off = 0; off < 2; off++)
-        for (int route = 0; route < 3; route++) {
-            mm_set_mode(MM_DEFAULT);
-            if (off) setenv("LLM_CUDA_SPLIT_MAX", "0", 1);
-            else unsetenv("LLM_CUDA_SPLIT_MAX");
-            if (route == 1) setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
-            if (route == 2) setenv("LLM_CUDA_SM", "75", 1);
-            fx_open();
-            matmul_case(t, 300, 512, ns, nn);
-            matmul_case(t, 35, 4096, ns, nn);
-            if (route == 0 && t == DTYPE_Q4_K) matmul_case(t, 4200, 4096, ns, nn);
-            fx_close();
-            unsetenv("LLM_CUDA_WIDE_ITEMS");
-            unsetenv("LLM_CUDA_SM");
-        }
-    unsetenv("LLM_CUDA_SPLIT_MAX");
-}
-
-/* A split matmul keeps the F16 form of all its rows at the scratch start
- * and its chunks read their rows of it in place (cuda_gemm_act); a later
- * matmul on rows of the same input (row-aligned, within it) reads them
- * there too, while one on an input that starts mid-row, or an input
- * changed under the kept form, converts its own. */
-static void split_kept_rows(void) {
-    mm_set_mode(MM_DEFAULT);
-    unsetenv("LLM_CUDA_SPLIT_MAX");
-    fx_open();
-    const int64_t cols = 1024, rows = 300;
-    const enum dtype t = DTYPE_Q4_K;
-    int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
-    struct dbuf x = dbuf_from(rand_f32((size_t)128 * cols, -1, 1), (size_t)128 * cols * 4);
-    struct dbuf y = dbuf_from(rand_f32((size_t)128 * cols, -1, 1), (size_t)128 * cols * 4);
-    struct dbuf out = dbuf_new((size_t)128 * rows * 4);
-    /* (first row, rows, float offset within the row) */
-    static const int32_t runs[][3] = {{0, 96, 0}, {32, 48, 0}, {0, 40, 0}, {57, 39, 0}, {20, 64, 8}, {0, 128, 0},
-                                      {64, 64, 0}, {1, 100, 0}};
-    for (int round = 0; round < 2; round++) {
-        if (round == 1) { /* the input changes through an op: nothing kept may be read */
-            ASSERT_OK(backend_add(fx.cpu, x.c, y.c, (int64_t)128 * cols));
-            ASSERT_OK(backend_add(fx.gpu, x.g, y.g, (int64_t)128 * cols));
-        }
-        for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) {
-            const int32_t r0 = runs[i][0], n = runs[i][1];
-            const size_t off = (size_t)r0 * cols + (size_t)runs[i][2];
-            const float *xc = (const float *)x.c + off, *xg = (const float *)x.g + off;
-            /* Poisoning is an upload, which forgets kept forms: only
-             * before the first run of a round, so that each run finds what
-             * the one before kept.  An element a later run failed to write
-             * holds a result for other rows, which fails the check too. */
-            if (i == 0) dbuf_poison(out);
-            ASSERT_OK(backend_matmul(fx.cpu, out.c, &fx.cw[wi], xc, n));
-            int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], xg, n);
-            if (rc != STATUS_OK) TEST_FAIL("gpu matmul rows %d+%d: %s", r0, n, backend_errstr(fx.gpu));
-            char what[128];
-            snprintf(what, sizeof what, "matmul %s rows %d..%d (+%d floats)%s", dtype_name(t), r0, r0 + n - 1,
-                     runs[i][2], round ? " after an add" : "");
-            check_f32(out, (size_t)n * rows, matmul_bound(t), what);
-        }
-    }
-    free_weights();
-    fx_close();
-}
-
 /* Consecutive matmuls on one input (q, k, v; gate, up) reuse the
  * activations the first one converted or quantized (cuda_ops.h, act_*):
  * each result must still match the CPU, also across weight types that
@@ -584,7 +509,6 @@ TEST(cuda_ops_matmul_reuses_input_safely) {
     }
     free_weights();
     fx_close();
-    split_kept_rows();
 }
 
 /* Every token count the weight-reading kernels pick a different tile for
@@ -621,20 +545,14 @@ static void matmul_float_type(enum dtype t) {
 TEST(cuda_ops_matmul_f32) { matmul_float_type(DTYPE_F32); }
 TEST(cuda_ops_matmul_f16) { matmul_float_type(DTYPE_F16); }
 TEST(cuda_ops_matmul_bf16) { matmul_type(DTYPE_BF16); }
-/* Quantized types: also 65-129 tokens, split into chunks and not. */
-static void matmul_quant_type(enum dtype t) {
-    matmul_type(t);
-    split_type(t);
-}
-
-TEST(cuda_ops_matmul_q8_0) { matmul_quant_type(DTYPE_Q8_0); }
-TEST(cuda_ops_matmul_q4_0) { matmul_quant_type(DTYPE_Q4_0); }
-TEST(cuda_ops_matmul_q4_1) { matmul_quant_type(DTYPE_Q4_1); }
-TEST(cuda_ops_matmul_q5_0) { matmul_quant_type(DTYPE_Q5_0); }
-TEST(cuda_ops_matmul_q5_1) { matmul_quant_type(DTYPE_Q5_1); }
-TEST(cuda_ops_matmul_q4_k) { matmul_quant_type(DTYPE_Q4_K); }
-TEST(cuda_ops_matmul_q5_k) { matmul_quant_type(DTYPE_Q5_K); }
-TEST(cuda_ops_matmul_q6_k) { matmul_quant_type(DTYPE_Q6_K); }
+TEST(cuda_ops_matmul_q8_0) { matmul_type(DTYPE_Q8_0); }
+TEST(cuda_ops_matmul_q4_0) { matmul_type(DTYPE_Q4_0); }
+TEST(cuda_ops_matmul_q4_1) { matmul_type(DTYPE_Q4_1); }
+TEST(cuda_ops_matmul_q5_0) { matmul_type(DTYPE_Q5_0); }
+TEST(cuda_ops_matmul_q5_1) { matmul_type(DTYPE_Q5_1); }
+TEST(cuda_ops_matmul_q4_k) { matmul_type(DTYPE_Q4_K); }
+TEST(cuda_ops_matmul_q5_k) { matmul_type(DTYPE_Q5_K); }
+TEST(cuda_ops_matmul_q6_k) { matmul_type(DTYPE_Q6_K); }
 
 TEST(cuda_ops_matmul_odd_width_and_tiles) {
     mm_set_mode(MM_DEFAULT);
@@ -821,21 +739,20 @@ TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 /* A norm followed by a matmul: at 1-2 rows the gemv kernels (which keep
  * the int8 form of their input for the next matmul on it), from 3 rows the
  * norm also writes the F16 form the cuBLAS path and, from 32 tokens, the
- * tensor-core kernel read (rmsnorm.cu, cuda_gemm_act), and at 65-128 the token chunks of a split
- * matmul read in place.  The matmul results must match the CPU through
+ * tensor-core kernel read (rmsnorm.cu, cuda_gemm_act).  The matmul results must match the CPU through
  * add_rmsnorm and rmsnorm, and again after the input changed under the
  * same pointer (a second norm with other weights must not leave the first
  * one's form in use). */
 TEST(cuda_ops_rmsnorm_feeds_matmul) {
     mm_set_mode(MM_DEFAULT);
     const enum dtype types[3] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_F16};
-    const int32_t ns[8] = {1, 2, 5, 40, 80, 96, 128, 129};
+    const int32_t ns[5] = {1, 2, 5, 40, 80};
     for (int ti = 0; ti < 3; ti++) {
         fx_open();
         enum dtype t = types[ti];
         int64_t rows = 300, dim = 1024;
         int wi = load_weight(t, rand_weight(t, rows, dim), rows, dim);
-        for (int ni = 0; ni < 8; ni++) {
+        for (int ni = 0; ni < 5; ni++) {
             const int32_t n = ns[ni];
             struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
             struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
@@ -869,14 +786,13 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
  * weights (matmul_gemv.cu; 1-2 on F16/F32), at up to 16 (matmul_mr.cu, the
  * K-quants; Q8_0 to 8), at 17-64 (matmul_wide.cu) and from 65 (one batched
- * cuBLAS call for F16 weights of equal rows; quantized ones at 65-128 in
- * token chunks, a launch a chunk, LLM_CUDA_SPLIT_MAX), also with types
- * mixed (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts that
+ * cuBLAS call for F16 weights of equal rows), also with types mixed
+ * (Q4_K_M's v may be Q6_K while q and k are Q4_K) and row counts that
  * leave blocks part-full; Q4_0 at 5-8 tokens takes the per-weight kernels. */
 #define MULTI_NMAX 130
 static void multi_case(const enum dtype *types, const int64_t *rows, int n_w, int64_t cols) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
-    static const int32_t ns[] = {1, 2, 3, 4, 5, 8, 12, 17, 40, 64, 65, 80, 96, 127, 128, 129, MULTI_NMAX};
+    static const int32_t ns[] = {1, 2, 3, 4, 5, 8, 12, 17, 40, 64, 65, MULTI_NMAX};
     int wi[4];
     for (int j = 0; j < n_w; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], cols), rows[j], cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)MULTI_NMAX * cols, -1, 1), (size_t)MULTI_NMAX * cols * 4);
@@ -945,39 +861,24 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(q6k_q8, qkv, 3, 512);
     multi_case(q40, four, 4, 1184);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
-    /* 65-128 tokens on the tile path (LLM_CUDA_SPLIT_MAX=0), against the
-     * chunks above; and the chunks as one matmul_wide.cu launch each on
-     * every shape. */
-    setenv("LLM_CUDA_SPLIT_MAX", "0", 1);
-    multi_case(q8, qkv, 3, 4096);
-    multi_case(q4k, qkv, 3, 768);
-    multi_case(mixed, qkv, 3, 1024);
-    multi_case(q6k_q8, qkv, 3, 512);
-    multi_case(q40, four, 4, 1184);
-    unsetenv("LLM_CUDA_SPLIT_MAX");
-    setenv("LLM_CUDA_WIDE_ITEMS", "0", 1);
-    multi_case(q8, eq, 3, 1024);
-    multi_case(q6k, eq, 3, 768);
-    unsetenv("LLM_CUDA_WIDE_ITEMS");
 }
 
 /* gate and up in one launch with silu(gate) * up written by the block
  * (1-4 tokens on quantized weights, 1-2 on F16/F32), and the plain path
- * (two matmuls, or one matmul_wide.cu launch for both at 17-64 tokens and
- * for each token chunk at 65-128, and swiglu) above; the down matmul reads
- * the F16 form the swiglu left, in place chunk by chunk at 65-128. */
-#define SWIGLU_NMAX 129
+ * (two matmuls, or one matmul_wide.cu launch for both at 17-64 tokens,
+ * and swiglu) above. */
+#define SWIGLU_NMAX 64
 static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
     fx_open();
     int wg = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wu = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     int wd = rows % dtype_block_elems(t) == 0 ? load_weight(t, rand_weight(t, cols, rows), cols, rows) : -1;
-    const int32_t ns[] = {1, 2, 3, 4, 5, 8, 12, 20, 64, 65, 80, 96, 127, 128, SWIGLU_NMAX};
+    const int32_t ns[9] = {1, 2, 3, 4, 5, 8, 12, 20, SWIGLU_NMAX};
     const size_t nm = SWIGLU_NMAX;
     struct dbuf x = dbuf_from(rand_f32(nm * cols, -1, 1), nm * cols * 4);
     struct dbuf out = dbuf_new(nm * rows * 4), gt = dbuf_new(nm * rows * 4), ut = dbuf_new(nm * rows * 4),
                 down = dbuf_new(nm * cols * 4);
-    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    for (int i = 0; i < 9; i++) {
         dbuf_poison(out);
         ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], x.c, ns[i], gt.c, ut.c));
         int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], x.g, ns[i], gt.g, ut.g);
@@ -1018,12 +919,6 @@ TEST(cuda_ops_matmul_swiglu) {
     swiglu_case(DTYPE_Q8_0, 320, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     unsetenv("LLM_CUDA_WIDE_ITEMS");
-    setenv("LLM_CUDA_SPLIT_MAX", "0", 1); /* 65-128 tokens on the tile path */
-    swiglu_case(DTYPE_Q8_0, 320, 1024);
-    swiglu_case(DTYPE_Q4_0, 160, 512);
-    swiglu_case(DTYPE_Q4_K, 512, 768);
-    swiglu_case(DTYPE_Q6_K, 256, 512);
-    unsetenv("LLM_CUDA_SPLIT_MAX");
 }
 
 /* matmul_wide.cu (17-64 tokens on quantized weights, sm_80 and later)
