@@ -12,7 +12,14 @@
  *   bench_cluster --shape tiny --layouts 1x1,1x2,2x1 --concurrency 1,4,16 --threads 1
  *   bench_cluster --model m.gguf --device auto --layouts 1x1,1x2,1x2s,2x1 --concurrency 64,128
  *   bench_cluster --model m.gguf --device auto --layouts 1x1 --shared-prefix 1024 --question-tokens 32 \
- *       --requests 64 --concurrency 16 --max-tokens 64 */
+ *       --requests 64 --concurrency 16 --max-tokens 64
+ *   bench_cluster --model m.gguf --device auto --layouts 1x1 --concurrency 64 --requests 256 --rate 60
+ *
+ * --rate R makes each level an open loop: its requests arrive as a Poisson
+ * process of R per second, drawn from --seed exactly as serve-bench draws
+ * its --rate arrivals, and the level's --concurrency threads send them at
+ * their times (an arrival that finds every thread busy waits for the first
+ * one free, as serve-bench's in-flight cap does). */
 #include "router/client.h"
 
 #include "common/log.h"
@@ -24,6 +31,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
@@ -79,6 +87,15 @@ static void cb_sleep_ms(int ms) {
     nanosleep(&ts, NULL);
 }
 
+/* Sleeps until cb_now() reaches at, or a stop signal. */
+static void cb_sleep_until(double at) {
+    for (double now = cb_now(); now < at && !cb_stop; now = cb_now()) {
+        double d = at - now < 0.1 ? at - now : 0.1;
+        struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static int cb_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -111,6 +128,10 @@ struct cb_opts {
         *router_args, *worker_args, *log_level, *json, *no_cache_arg;
     int requests, prompt_tokens, max_tokens, threads, kv_blocks, warmup, up_timeout_s, up_tries;
     int shared_prefix, question_tokens;
+    /* Open loop: Poisson arrivals of rate per second (0: the closed loop),
+     * level k of a layout drawn from seed + k. */
+    double rate;
+    int seed;
     bool insecure;
     /* Parsed lists. */
     int stage_v[CB_LIST_MAX], n_stages;
@@ -535,6 +556,12 @@ static int cb_router_status(llm_client *c, struct cb_router *r) {
 struct cb_row {
     struct cb_layout lay;
     int conc;
+    /* Open loop: the arrival rate (0: closed loop) and seed of this level,
+     * the requests that waited for a free stream and their mean wait. */
+    double rate;
+    int seed;
+    int n_capped;
+    double cap_wait_ms;
     int n_req, n_ok, n_err, n_short;
     double wall_s, req_s, tok_s, ttft50, ttft90, itl50, itl90;
     uint64_t steps, tokens;
@@ -557,6 +584,11 @@ struct cb_level {
     int first_id;         /* prompt id of this level's first request */
     int32_t n_vocab;
     atomic_int next;
+    /* Open loop: request k is sent at t0 + due[k] (NULL: closed loop);
+     * cap_wait[k] > 0: it waited that long for a free stream. */
+    const double *due;
+    double t0;
+    double *cap_wait;
     double *ttft;         /* [n_req]; < 0 when no token came */
     double *itl;          /* [n_req * max_tokens] */
     int *n_itl;           /* [n_req] */
@@ -608,6 +640,32 @@ static int cb_on_chunk(void *ud, const struct llm_chunk *ch) {
         r->t_last = now;
     }
     return cb_stop ? 1 : 0;
+}
+
+/* ---- Open-loop arrivals ---- */
+
+/* mulberry32, the generator of serve-bench's makeRng, in uint32 arithmetic
+ * (JavaScript's Math.imul and ^ work modulo 2^32 alike): one seed gives the
+ * same draws in [0, 1) in both programs. */
+static double cb_rng_next(uint32_t *state) {
+    uint32_t t = *state += 0x6d2b79f5u;
+    t = (t ^ (t >> 15)) * (t | 1u);
+    t ^= t + (t ^ (t >> 7)) * (t | 61u);
+    return (double)(t ^ (t >> 14)) / 4294967296.0;
+}
+
+/* The times of n arrivals in seconds from the level's start: request k is
+ * due at the k-th point of a Poisson process of rate per second, its gaps
+ * exponential draws from mulberry32 seeded with seed ^ 0x5bd1e995.  That
+ * is serve-bench's schedule for --rate rate --seed seed, so the two clients
+ * load a cluster with the same arrivals (to rounding of the logarithm). */
+static void cb_arrivals(double rate, uint32_t seed, double *due, int n) {
+    uint32_t state = seed ^ 0x5bd1e995u;
+    double t = 0;
+    for (int k = 0; k < n; k++) {
+        t += -log(1.0 - cb_rng_next(&state)) / rate;
+        due[k] = t;
+    }
 }
 
 /* Prompt ids of request idx: distinct per request (no shared prefix), away
@@ -666,9 +724,22 @@ static void *cb_stream(void *arg) {
     if (c && llm_client_health(c, &env) == 0) proto_client_free(env);
     atomic_fetch_add(&lv->ready, 1);
     while (!atomic_load(&lv->go)) cb_sleep_ms(1);
+    bool sent_one = false;
     while (c && ids && !cb_stop) {
         int idx = atomic_fetch_add(&lv->next, 1);
         if (idx >= lv->n_req) break;
+        if (lv->due) {
+            /* Open loop: a free stream takes the next arrival at once and
+             * sleeps until it is due, so an arrival still untaken when due
+             * found every stream with a request in flight: it goes as soon
+             * as one ends (this one), first come first served, which is
+             * how serve-bench's --concurrency caps its --rate.  Lateness at
+             * a stream's first take is its wake-up at the start, not the cap. */
+            double at = lv->t0 + lv->due[idx], now = cb_now();
+            if (now < at) cb_sleep_until(at);
+            else if (sent_one) lv->cap_wait[idx] = now - at;
+        }
+        sent_one = true;
         cb_prompt(o, lv->first_id + idx, lv->n_vocab, ids);
         struct llm_generate_params p;
         llm_generate_params_default(&p);
@@ -731,10 +802,17 @@ static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n
     lv.ttft = malloc((size_t)lv.n_req * sizeof *lv.ttft);
     lv.itl = malloc(n_itl_max * sizeof *lv.itl);
     lv.n_itl = calloc((size_t)lv.n_req, sizeof *lv.n_itl);
+    double *due = NULL;
+    if (row->rate > 0) {
+        due = malloc((size_t)lv.n_req * sizeof *due);
+        lv.cap_wait = calloc((size_t)lv.n_req, sizeof *lv.cap_wait);
+        if (due) cb_arrivals(row->rate, (uint32_t)row->seed, due, lv.n_req);
+        lv.due = due;
+    }
     pthread_t *th = malloc((size_t)conc * sizeof *th);
     lv.zmq_ctx = zmq_ctx_new();
     int rc = STATUS_OK;
-    if (!lv.ttft || !lv.itl || !lv.n_itl || !th || !lv.zmq_ctx) {
+    if (!lv.ttft || !lv.itl || !lv.n_itl || !th || !lv.zmq_ctx || (row->rate > 0 && (!due || !lv.cap_wait))) {
         cb_fmt(err, errlen, "concurrency %d: out of memory for %d requests", conc, lv.n_req);
         rc = STATUS_NO_MEMORY;
         goto done;
@@ -753,10 +831,12 @@ static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n
         }
     }
     while (atomic_load(&lv.ready) < started) cb_sleep_ms(1);
-    double t0 = cb_now();
+    /* The arrivals count from here, as serve-bench's from its start: the
+     * first is one gap after it. */
+    lv.t0 = cb_now();
     atomic_store(&lv.go, true);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-    row->wall_s = cb_now() - t0;
+    row->wall_s = cb_now() - lv.t0;
     pthread_mutex_destroy(&lv.mu);
     if (rc < 0) goto done;
 
@@ -776,6 +856,15 @@ static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n
         for (int k = 0; k < lv.n_itl[i]; k++) lv.itl[n_i++] = lv.itl[(size_t)i * (size_t)o->max_tokens + (size_t)k];
     row->itl50 = cb_percentile(lv.itl, n_i, 0.5) * 1e3;
     row->itl90 = cb_percentile(lv.itl, n_i, 0.9) * 1e3;
+    if (lv.cap_wait) {
+        double sum = 0;
+        for (int i = 0; i < lv.n_req; i++)
+            if (lv.cap_wait[i] > 0) {
+                row->n_capped++;
+                sum += lv.cap_wait[i];
+            }
+        row->cap_wait_ms = row->n_capped ? sum / row->n_capped * 1e3 : 0;
+    }
     if (lv.first_err[0]) cb_fmt(row->note, sizeof row->note, "%s", lv.first_err);
 done:
     if (lv.zmq_ctx) zmq_ctx_term(lv.zmq_ctx);
@@ -783,6 +872,8 @@ done:
     free(lv.ttft);
     free(lv.itl);
     free(lv.n_itl);
+    free(due);
+    free(lv.cap_wait);
     return rc;
 }
 
@@ -879,6 +970,9 @@ static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const
         struct cb_row *row = cb_row_add(lay, conc);
         if (!row) break;
         row->n_req = cb_level_requests(o, conc);
+        row->rate = o->rate;
+        /* Each level its own arrivals, the same for every layout. */
+        row->seed = (int)((unsigned)o->seed + (unsigned)ci);
         struct cb_router before, after;
         struct cb_wm wm0[CB_WORKERS_MAX], wm1[CB_WORKERS_MAX];
         if ((rc = cb_router_status(c, &before)) < 0) {
@@ -886,8 +980,11 @@ static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const
             break;
         }
         cb_cluster_scrape(cl, wm0);
-        fprintf(stderr, "bench_cluster: %s%s: concurrency %d, %d requests\n", lay->name,
-                lay->cache < 0 ? "" : lay->cache ? " cache on" : " cache off", conc, row->n_req);
+        char load[96] = "";
+        if (row->rate > 0)
+            cb_fmt(load, sizeof load, ", Poisson arrivals at %g req/s (seed %d)", row->rate, row->seed);
+        fprintf(stderr, "bench_cluster: %s%s: concurrency %d, %d requests%s\n", lay->name,
+                lay->cache < 0 ? "" : lay->cache ? " cache on" : " cache off", conc, row->n_req, load);
         if ((rc = cb_level_run(o, endpoint, n_vocab, conc, row, err, errlen)) < 0) break;
         /* Between levels nothing is in flight, so the deltas belong to this level. */
         if ((rc = cb_router_status(c, &after)) < 0) {
@@ -922,6 +1019,9 @@ static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const
                 "TTFT p50 %.1f ms, ITL p50 %.2f ms; router: %llu steps, plan %.1f us mean, turnaround %.1f us\n",
                 lay->name, conc, row->n_ok, row->n_err, row->n_short, row->wall_s, row->req_s, row->tok_s,
                 row->ttft50, row->itl50, (unsigned long long)row->steps, row->plan_mean, row->turn_mean);
+        if (row->rate > 0)
+            fprintf(stderr, "bench_cluster: %s c=%d: %d of %d arrivals found all %d streams busy and waited "
+                    "%.1f ms on average\n", lay->name, conc, row->n_capped, row->n_req, conc, row->cap_wait_ms);
         if (row->note[0]) {
             fprintf(stderr, "bench_cluster: %s c=%d: first problem: %s\n", lay->name, conc, row->note);
             if (row->n_err) cb_print_log_tails(cl->dir);
@@ -1096,22 +1196,31 @@ static const struct cb_row *cb_row_pair(const struct cb_row *r, int cache) {
 static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) {
     char wl[160];
     cb_workload(wl, sizeof wl, o);
-    bool prefix = o->shared_prefix > 0;
-    fprintf(f, "\n## bench_cluster: %s, device %s, %s, %d generated (greedy, EOS ignored)\n\n", model, o->device, wl,
-            o->max_tokens);
-    fprintf(f, "| layout |%s conc | requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
+    bool prefix = o->shared_prefix > 0, open_loop = o->rate > 0;
+    char load[160];
+    if (open_loop)
+        cb_fmt(load, sizeof load, "open loop: Poisson arrivals at %g req/s (seed %d + level), at most conc in flight",
+               o->rate, o->seed);
+    else
+        cb_fmt(load, sizeof load, "closed loop");
+    fprintf(f, "\n## bench_cluster: %s, device %s, %s, %d generated (greedy, EOS ignored), %s\n\n", model, o->device,
+            wl, o->max_tokens, load);
+    fprintf(f, "| layout |%s conc |%s requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
                "ITL p90 ms | busy by stage | stage-0 rows/req | steps | tok/step | plan us mean | plan us max | "
-               "turnaround us | errors |\n", prefix ? " prefix cache |" : "");
-    fprintf(f, "|---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", prefix ? "---|" : "");
+               "turnaround us | errors |\n", prefix ? " prefix cache |" : "", open_loop ? " rate req/s | capped |" : "");
+    fprintf(f, "|---|%s---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", prefix ? "---|" : "",
+            open_loop ? "---|---|" : "");
     for (int i = 0; i < cb_n_rows; i++) {
         const struct cb_row *r = &cb_rows[i];
         char cache[16] = "";
         if (prefix) cb_fmt(cache, sizeof cache, " %s |", r->lay.cache ? "on" : "off");
         if (r->failed) {
-            fprintf(f, "| %s |%s - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
-                    r->lay.name, cache, r->note);
+            fprintf(f, "| %s |%s - |%s - | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
+                    r->lay.name, cache, open_loop ? " - | - |" : "", r->note);
             continue;
         }
+        char rate[48] = "";
+        if (open_loop) cb_fmt(rate, sizeof rate, " %g | %d |", r->rate, r->n_capped);
         char errs[64], busy[24 * 8] = "", rows[32];
         if (r->n_err || r->n_short)
             cb_fmt(errs, sizeof errs, "%d failed, %d short", r->n_err, r->n_short);
@@ -1128,12 +1237,16 @@ static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) 
         if (r->rows0 >= 0 && n_done > 0) cb_fmt(rows, sizeof rows, "%.0f", r->rows0 / n_done);
         else cb_fmt(rows, sizeof rows, "-");
         fprintf(f,
-                "| %s |%s %d | %d | %.2f | %.1f | %.1f | %.1f | %.2f | %.2f | %s | %s | %llu | %.1f | %.1f | %.1f | "
+                "| %s |%s %d |%s %d | %.2f | %.1f | %.1f | %.1f | %.2f | %.2f | %s | %s | %llu | %.1f | %.1f | %.1f | "
                 "%.1f | %s |\n",
-                r->lay.name, cache, r->conc, n_done, r->req_s, r->tok_s, r->ttft50, r->ttft90, r->itl50, r->itl90,
+                r->lay.name, cache, r->conc, rate, n_done, r->req_s, r->tok_s, r->ttft50, r->ttft90, r->itl50, r->itl90,
                 busy, rows, (unsigned long long)r->steps, r->steps ? (double)r->tokens / (double)r->steps : 0.0,
                 r->plan_mean, r->plan_max, r->turn_mean, errs);
     }
+    if (open_loop)
+        fprintf(f, "\nrate: arrivals per second, level k of a layout drawn from seed %d + k as serve-bench --rate "
+                   "--seed draws them; capped: arrivals that found every stream (conc) busy and were sent when one "
+                   "ended.  TTFT counts from the send.\n", o->seed);
     fprintf(f, "\nlayout: PIPELINESxSTAGES, s: NCCL over sockets only.  busy by stage: step time over wall time "
                "per stage (mean over pipelines; after the first stage it includes the wait for the previous "
                "stage's hidden states).\nstage-0 rows/req: token rows the first stage computed per request "
@@ -1182,9 +1295,12 @@ static int cb_write_json(const char *path, const struct cb_opts *o, const char *
     fputs(",\n  \"device\": ", f);
     cb_json_str(f, o->device);
     fprintf(f, ",\n  \"workload\": \"%s\",\n  \"prompt_tokens\": %d,\n  \"shared_prefix\": %d,\n  "
-               "\"question_tokens\": %d,\n  \"max_tokens\": %d,\n  \"rows\": [",
+               "\"question_tokens\": %d,\n  \"max_tokens\": %d,\n  \"rate\": ",
             o->shared_prefix > 0 ? "shared-prefix" : "distinct", cb_prompt_len(o), o->shared_prefix > 0 ? o->shared_prefix : 0,
             o->shared_prefix > 0 ? o->question_tokens : 0, o->max_tokens);
+    /* rate and seed null: the closed loop. */
+    if (o->rate > 0) fprintf(f, "%.6g,\n  \"seed\": %d,\n  \"rows\": [", o->rate, o->seed);
+    else fputs("null,\n  \"seed\": null,\n  \"rows\": [", f);
     for (int i = 0; i < cb_n_rows; i++) {
         const struct cb_row *r = &cb_rows[i];
         fprintf(f, "%s\n    {\"layout\": ", i ? "," : "");
@@ -1206,6 +1322,11 @@ static int cb_write_json(const char *path, const struct cb_opts *o, const char *
                 r->ttft90, r->itl50, r->itl90, (unsigned long long)r->steps, (unsigned long long)r->tokens,
                 r->plan_mean, r->plan_max, r->turn_mean);
         cb_json_num(f, r->rows0);
+        if (r->rate > 0)
+            fprintf(f, ", \"rate\": %.6g, \"arrival_seed\": %d, \"capped\": %d, \"cap_wait_ms_mean\": %.6g", r->rate,
+                    r->seed, r->n_capped, r->cap_wait_ms);
+        else
+            fputs(", \"rate\": null, \"arrival_seed\": null, \"capped\": null, \"cap_wait_ms_mean\": null", f);
         fputs(", \"busy_by_stage\": [", f);
         for (int st = 0; st < r->lay.stages; st++) {
             if (st) fputs(", ", f);
@@ -1278,6 +1399,11 @@ int main(int argc, char **argv) {
         {"no-cache-arg", NULL, OPTION_STRING, "--no-prefix-cache", "with --shared-prefix: the llm-router argument "
          "that turns its prefix cache off", &o.no_cache_arg, 0, 0, NULL},
         {"max-tokens", NULL, OPTION_INT, "64", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
+        {"rate", NULL, OPTION_FLOAT, "0", "open loop: requests arrive as a Poisson process of R per second, sent by "
+         "the level's --concurrency streams (an arrival that finds all busy waits for one); 0: closed loop, each "
+         "stream sends its next request when the last ends", &o.rate, 0, 1e6, NULL},
+        {"seed", NULL, OPTION_INT, "1", "with --rate: level k of each layout draws its arrivals from seed N + k, as "
+         "serve-bench --rate --seed N + k does", &o.seed, 0, INT_MAX / 2, NULL},
         {"warmup", NULL, OPTION_INT, "1", "requests sent one by one before the first level", &o.warmup, 0, 1000,
          NULL},
         {"device", NULL, OPTION_STRING, "cpu", "llm-cluster --device: cpu, or auto (one GPU per worker)", &o.device,

@@ -4,12 +4,16 @@
  * with the router's prefix cache on and off.  Checks that the table prints,
  * that the JSON parses with every row measured (busy fractions from the
  * workers' metrics ports included) and that bad command lines are refused.
- * No timing is asserted: speed is the benchmark's business, never a test's. */
+ * With --rate, the arrivals: a level lasts at least until its last
+ * request's scheduled time (a bound the schedule sets, not a speed).  No
+ * speed is asserted: that is the benchmark's business, never a test's. */
 #include "tests/test.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -220,6 +224,76 @@ TEST(shared_prefix_runs_with_the_cache_on_and_off) {
     unlink(err_path);
 }
 
+/* The time of the last of n arrivals at rate per second from seed, as
+ * serve-bench draws them (mulberry32 seeded with seed ^ 0x5bd1e995,
+ * exponential gaps), written out here apart from bench_cluster's own. */
+static double last_arrival_s(uint32_t seed, double rate, int n) {
+    uint32_t s = seed ^ 0x5bd1e995u;
+    double t = 0;
+    for (int k = 0; k < n; k++) {
+        s += 0x6d2b79f5u;
+        uint32_t x = s;
+        x = (x ^ (x >> 15)) * (x | 1u);
+        x ^= x + (x ^ (x >> 7)) * (x | 61u);
+        t += -log(1.0 - (double)(x ^ (x >> 14)) / 4294967296.0) / rate;
+    }
+    return t;
+}
+
+/* 16 requests at 20 req/s from seed 3: the last is due at 0.86 s, where
+ * the closed loop sends all 16 in a fraction of that on the tiny model. */
+TEST(rate_sends_requests_at_their_poisson_arrivals) {
+    need_programs();
+    snprintf(json_path, sizeof json_path, "%s/test_bench_cluster.%d.json", "/tmp", (int)getpid());
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1", "--concurrency", "4",
+                          "--requests", "16", "--prompt-tokens", "16", "--max-tokens", "4", "--rate", "20",
+                          "--seed", "3", "--json", json_path, NULL};
+    int rc = run_bench(args, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    char *out = slurp(out_path);
+    ASSERT_TRUE(out != NULL);
+    ASSERT_TRUE(strstr(out, "open loop: Poisson arrivals at 20 req/s") != NULL);
+    ASSERT_TRUE(strstr(out, "| layout | conc | rate req/s | capped | requests |") != NULL);
+    ASSERT_TRUE(strstr(out, "| 1x1 | 4 | 20 | ") != NULL);
+    free(out);
+    cJSON *j = load_json();
+    ASSERT_EQ(20.0, num(j, "rate"));
+    ASSERT_EQ(3, (int)num(j, "seed"));
+    const cJSON *rows = cJSON_GetObjectItem(j, "rows");
+    ASSERT_EQ(1, cJSON_GetArraySize(rows));
+    check_rows(rows, 16, 16, 4);
+    const cJSON *r = cJSON_GetArrayItem(rows, 0);
+    ASSERT_EQ(20.0, num(r, "rate"));
+    ASSERT_EQ(3, (int)num(r, "arrival_seed"));
+    ASSERT_TRUE(num(r, "capped") >= 0);
+    double last = last_arrival_s(3, 20, 16);
+    ASSERT_TRUE(last > 0.8 && last < 0.9);
+    if (!(num(r, "wall_s") >= last))
+        TEST_FAIL("16 requests at 20 req/s took %.3f s, before the last arrival at %.3f s", num(r, "wall_s"), last);
+    cJSON_Delete(j);
+
+    /* One stream and arrivals 1 ms apart on average, each request several
+     * ms long: arrivals find the stream busy, wait for it and are counted. */
+    const char *capped[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1", "--concurrency", "1",
+                            "--requests", "8", "--prompt-tokens", "16", "--max-tokens", "16", "--rate", "1000",
+                            "--json", json_path, NULL};
+    rc = run_bench(capped, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    j = load_json();
+    rows = cJSON_GetObjectItem(j, "rows");
+    check_rows(rows, 8, 16, 16);
+    r = cJSON_GetArrayItem(rows, 0);
+    ASSERT_EQ(1, (int)num(r, "arrival_seed")); /* the default seed, level 0 */
+    ASSERT_TRUE(num(r, "capped") >= 1 && num(r, "capped") <= 7);
+    ASSERT_TRUE(num(r, "cap_wait_ms_mean") > 0);
+    cJSON_Delete(j);
+    unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+}
+
 TEST(bad_command_lines_are_refused) {
     if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
     const char *bad[][4] = {
@@ -229,6 +303,11 @@ TEST(bad_command_lines_are_refused) {
         {"--concurrency", "0", NULL},
         {"--shape", "nonesuch", NULL},
         {"--device", "cuda:0", NULL},
+        {"--rate", "-1", NULL},
+        {"--rate", "nan", NULL},
+        {"--rate", "fast", NULL},
+        {"--rate", "", NULL},
+        {"--seed", "-2", NULL},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = run_bench(bad[i], 10);
@@ -236,10 +315,12 @@ TEST(bad_command_lines_are_refused) {
         ASSERT_EQ(2, rc);
         char *e = slurp(err_path);
         ASSERT_TRUE(e && strstr(e, bad[i][0]) != NULL); /* the message names the flag */
+        if (bad[i][1][0]) ASSERT_TRUE(strstr(e, bad[i][1]) != NULL); /* and the value */
         free(e);
     }
     unlink(out_path);
     unlink(err_path);
 }
 
-TEST_MAIN(sweep_prints_the_table_and_json, shared_prefix_runs_with_the_cache_on_and_off, bad_command_lines_are_refused)
+TEST_MAIN(sweep_prints_the_table_and_json, shared_prefix_runs_with_the_cache_on_and_off,
+          rate_sends_requests_at_their_poisson_arrivals, bad_command_lines_are_refused)
