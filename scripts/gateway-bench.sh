@@ -6,11 +6,20 @@
 # --token-prompts with the vocabulary `llm models` reports), the same number
 # generated (EOS ignored) and the same concurrency; serve-bench warms the
 # gateway's router connections up at the load's concurrency before each run.
+# Closed loop by default (each stream sends its next request when the last
+# ends); with LLM_GW_BENCH_RATE both clients run open loop: Poisson arrivals
+# at that rate with the level's concurrency as the most in flight, run r of
+# each side drawing the same arrival times (bench_cluster --seed 0 gives its
+# level r seed r, serve-bench run r takes --seed r).  TTFT p50 of a closed
+# loop depends on how each client's arrivals line up with the scheduler's
+# steps; the open loop gives both the same arrivals, so the difference is
+# what the gateway and the HTTP client add (docs/gateway.md).
 # Builds nothing: runs bench_cluster, llm-cluster, llm-router, llm-worker,
 # llm-gateway, llm (and llm-synth without a model) of the build folder.
 #   OUT=/tmp/out ./scripts/gateway-bench.sh                  # build-clbench, --device auto, 7B Q4_K_M
 #   LLM_BENCH_DEVICE=cpu LLM_BENCH_THREADS=1 LLM_GW_BENCH_SHAPE=tiny LLM_GW_BENCH_TYPE=f32 \
 #       LLM_BENCH_BUILD=build-gw LLM_GW_BENCH_CONC=1,8 LLM_GW_BENCH_REQUESTS=96 ./scripts/gateway-bench.sh
+#   LLM_GW_BENCH_CONC=64 LLM_GW_BENCH_RATE=60 OUT=/tmp/out ./scripts/gateway-bench.sh   # open loop
 # Settings: LLM_BENCH_BUILD (build folder), LLM_BENCH_DEVICE (auto or cpu),
 # LLM_BENCH_THREADS (CPU threads per worker), LLM_GW_BENCH_MODEL (a model
 # file; none: llm-synth writes LLM_GW_BENCH_SHAPE, default llama2-7b, in
@@ -19,7 +28,8 @@
 # (per level and run; default 4 per stream and at least 32: 32 at
 # concurrency 1, 256 at 64), LLM_GW_BENCH_PROMPT (prompt tokens, 128),
 # LLM_GW_BENCH_GEN (tokens generated, 64), LLM_GW_BENCH_RUNS (gateway runs
-# per level and side, each with its own prompts, default 3).
+# per level and side, each with its own prompts, default 3),
+# LLM_GW_BENCH_RATE (requests/s, the same at every level; empty: closed loop).
 # Under $OUT: bench_cluster-c<C>.{txt,json,log} (a warm-up row, then the
 # runs), serve-c<C>-r<R>.{txt,json}, cluster-logs.tar.gz (the gateway
 # cluster's run dir) and summary.txt, which is printed last: per level, each
@@ -40,6 +50,18 @@ requests=${LLM_GW_BENCH_REQUESTS:-}
 prompt=${LLM_GW_BENCH_PROMPT:-128}
 gen=${LLM_GW_BENCH_GEN:-64}
 runs=${LLM_GW_BENCH_RUNS:-3}
+rate=${LLM_GW_BENCH_RATE:-}
+if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]*\.?[0-9]+$ && ! $rate =~ ^0*\.?0*$ ]]; then
+    echo "gateway-bench: LLM_GW_BENCH_RATE=$rate: expected requests per second above 0 (or empty for the closed loop)" >&2
+    exit 2
+fi
+# Both clients' open-loop flags: bench_cluster's level k draws from seed 0 + k.
+cb_rate=()
+sb_rate=()
+if [ -n "$rate" ]; then
+    cb_rate=(--rate "$rate" --seed 0)
+    sb_rate=(--rate "$rate")
+fi
 export NCCL_NVLS_ENABLE=0
 # shellcheck disable=SC1091
 [ -f .deps/env.sh ] && . .deps/env.sh
@@ -90,14 +112,15 @@ level_requests() {
 # level run runs + 1 times on it with fresh prompts each time: the first
 # warms the cluster up as serve-bench's --warmup does the gateway's, the
 # others are the runs compared (its --requests is one number for all levels).
+# Open loop: the warm-up level draws its arrivals from seed 0, run r from seed r.
 for c in ${conc//,/ }; do
-    echo "gateway-bench: bench_cluster (libllmclient) at concurrency $c, $runs runs after a warm-up" >&2
+    echo "gateway-bench: bench_cluster (libllmclient) at concurrency $c${rate:+, $rate req/s}, $runs runs after a warm-up" >&2
     mkdir -p "$out/bench_cluster-runs"
     levels=$c
     for _ in $(seq 1 "$runs"); do levels=$levels,$c; done
     timeout --signal=TERM --kill-after=20 600 "$build/bench/bench_cluster" --model "$model" --device "$device" \
         --threads "$threads" --layouts 1x1 --concurrency "$levels" --requests "$(level_requests "$c")" \
-        --prompt-tokens "$prompt" --max-tokens "$gen" --up-timeout-s 180 --tmpdir "$tmp" \
+        --prompt-tokens "$prompt" --max-tokens "$gen" "${cb_rate[@]}" --up-timeout-s 180 --tmpdir "$tmp" \
         --run-root "$out/bench_cluster-runs" --json "$out/bench_cluster-c$c.json" >"$out/bench_cluster-c$c.txt" \
         2>"$out/bench_cluster-c$c.log" || {
         echo "gateway-bench: bench_cluster at concurrency $c failed; log tail:" >&2
@@ -132,8 +155,8 @@ if [ -z "$vocab" ]; then
 else
     for c in ${conc//,/ }; do
         for r in $(seq 1 "$runs"); do
-            echo "gateway-bench: serve-bench at concurrency $c, run $r of $runs" >&2
-            timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" \
+            echo "gateway-bench: serve-bench at concurrency $c${rate:+, $rate req/s}, run $r of $runs" >&2
+            timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" "${sb_rate[@]}" \
                 --requests "$(level_requests "$c")" \
                 --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos --warmup "$c" \
                 --seed "$r" --quiet --json "$out/serve-c$c-r$r.json" >"$out/serve-c$c-r$r.txt" 2>&1 || status=1
@@ -145,36 +168,40 @@ tar -czf "$out/cluster-logs.tar.gz" -C "$tmp" "$(basename "$run_dir")" 2>/dev/nu
 [ -n "$written" ] && rm -f "$written"
 
 # The comparison, from the JSON both wrote.
-node - "$out" "$conc" "$runs" "$prompt" "$gen" "$device" >"$out/summary.txt" <<'EOF'
+node - "$out" "$conc" "$runs" "$prompt" "$gen" "$device" "$rate" >"$out/summary.txt" <<'EOF'
 const fs = require('fs');
-const [outDir, concs, runs, prompt, gen, device] = process.argv.slice(2);
+const [outDir, concs, runs, prompt, gen, device, rate] = process.argv.slice(2);
 const read = (f) => { try { return JSON.parse(fs.readFileSync(`${outDir}/${f}`, 'utf8')); } catch { return null; } };
 
 const f = (v, d = 1) => (typeof v === 'number' && Number.isFinite(v) ? v.toFixed(d) : '-');
-console.log(`## llm-gateway against libllmclient: 1x1, device ${device}, prompts of ${prompt} token ids, ${gen} generated`);
+const mode = rate ? `open loop: Poisson arrivals at ${rate} req/s, at most conc in flight, the same arrival times for run r of both`
+                  : 'closed loop: conc streams, each sending its next request when the last ends';
+console.log(`## llm-gateway against libllmclient: 1x1, device ${device}, prompts of ${prompt} token ids, ${gen} generated, ${mode}`);
 console.log('');
-console.log('| conc | run | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | errors |');
-console.log('|---|---|---:|---:|---:|---:|---:|---:|---|');
+console.log('| conc | run | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | errors |');
+console.log('|---|---|---:|---:|---:|---:|---:|---:|---:|---|');
 const mean = (xs) => xs.reduce((a, b) => a + b, 0) / xs.length;
 for (const c of concs.split(',').map(Number)) {
   // The level's first row warmed the cluster up; the others are its runs.
   const rows = (read(`bench_cluster-c${c}.json`)?.rows ?? []).filter((x) => x.concurrency === c && x.ran).slice(1);
-  rows.forEach((row, i) => console.log(`| ${c} | libllmclient ${i + 1} | ${f(row.tok_s)} | ${f(row.ttft_p50_ms, 2)} | ${f(row.ttft_p90_ms, 2)} | ${f(row.itl_p50_ms, 2)} | | | ${row.failed} |`));
-  if (rows.length === 0) console.log(`| ${c} | libllmclient | - | - | - | - | | | no row |`);
+  // capped (open loop): arrivals that found every stream busy and waited for one.
+  const capped = (row) => (typeof row.capped === 'number' && row.capped > 0 ? `; ${row.capped} capped, ${f(row.cap_wait_ms_mean, 2)} ms wait` : '');
+  rows.forEach((row, i) => console.log(`| ${c} | libllmclient ${i + 1} | ${f(row.req_s, 2)} | ${f(row.tok_s)} | ${f(row.ttft_p50_ms, 2)} | ${f(row.ttft_p90_ms, 2)} | ${f(row.itl_p50_ms, 2)} | | | ${row.failed}${capped(row)} |`));
+  if (rows.length === 0) console.log(`| ${c} | libllmclient | - | - | - | - | - | | | no row |`);
   const base = rows.length ? { ttft: mean(rows.map((x) => x.ttft_p50_ms)), tok: mean(rows.map((x) => x.tok_s)) } : null;
   const gw = [];
   for (let r = 1; r <= Number(runs); r++) {
     const s = read(`serve-c${c}-r${r}.json`);
-    if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | no result |`); continue; }
+    if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | - | no result |`); continue; }
     gw.push(s);
     const d = base && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - base.ttft : null;
     const q = base && base.tok > 0 ? s.output_throughput / base.tok : null;
-    console.log(`| ${c} | gateway ${r} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
+    console.log(`| ${c} | gateway ${r} | ${f(s.request_throughput, 2)} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
   }
   if (base && gw.length) {
     const d = mean(gw.map((s) => s.ttft_ms.p50)) - base.ttft;
     const q = mean(gw.map((s) => s.output_throughput)) / base.tok;
-    console.log(`| ${c} | mean of runs | | | | | ${(d >= 0 ? '+' : '') + d.toFixed(2)} | ${q.toFixed(3)} | |`);
+    console.log(`| ${c} | mean of runs | | | | | | ${(d >= 0 ? '+' : '') + d.toFixed(2)} | ${q.toFixed(3)} | |`);
   }
 }
 EOF
