@@ -50,7 +50,7 @@ struct gateway {
     httpd *http;
     metrics_family *f_requests;
     metrics_series *_Atomic by_status[GW_ROUTES][GW_STATUS_SLOTS]; /* looked up once each */
-    metrics_series *running, *ttft, *e2e, *prompt_tokens, *gen_tokens;
+    metrics_series *running, *ttft, *e2e, *prompt_tokens, *gen_tokens, *added;
     llm_client *probe;              /* /ready's own client, used on the metrics thread only */
     pthread_mutex_t probe_mu;
     int64_t probe_at_ms;
@@ -94,6 +94,13 @@ struct job {
     char model[256];                /* as the responses name it */
     int64_t created;
     int64_t t0_ms;                  /* monotonic, when the request was read */
+    /* The gateway's own share of a streamed request's first token
+     * (llm_gateway_added_latency_seconds), monotonic microseconds: the
+     * request's first callback, the generate call on the router connection,
+     * the first token's arrival (under mu), and whether the first event
+     * has gone to the connection (the connection's thread only). */
+    int64_t t_arrive_us, t_call_us, t_tok_us;
+    bool first_out;
     int fd;                         /* the HTTP connection's socket */
     /* Under mu: */
     struct buf out;                 /* streaming: SSE bytes not yet sent */
@@ -111,6 +118,7 @@ struct job {
 
 /* Per HTTP request: the body as it arrives, and the job once there is one. */
 struct req_ctx {
+    int64_t t_arrive_us; /* monotonic, the request's first callback (headers read) */
     struct buf body;
     size_t received;
     bool too_big;
@@ -120,6 +128,7 @@ struct req_ctx {
 /* ---- the server (gateway.c) ------------------------------------------------ */
 
 int64_t gw_now_ms(void);
+int64_t gw_now_us(void);
 /* Appends n bytes of s and keeps the buffer NUL-terminated; STATUS_NO_MEMORY
  * leaves it as it was. */
 int gw_buf_add(struct buf *b, const char *s, size_t n);

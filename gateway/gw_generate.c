@@ -82,6 +82,7 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
             gw_lp_append(j, j->lp, ch, &j->lp_chars);
         }
     }
+    if (!j->started) j->t_tok_us = gw_now_us();
     if (!j->started && j->g->ttft) metrics_histogram_observe(j->g->ttft, (double)(gw_now_ms() - j->t0_ms) / 1000.0);
     j->started = true;
     pthread_cond_broadcast(&j->cv);
@@ -148,6 +149,7 @@ static void job_run(struct job *j) {
         /* Always streamed from the router: tokens arriving are what lets a
          * non-streaming request notice a client that went away. */
         p.stream = true;
+        j->t_call_us = gw_now_us();
         rc = llm_client_generate(c, &p, job_on_chunk, j, &res);
         if (rc < 0) {
             code = llm_client_error_code(c);
@@ -339,7 +341,11 @@ static ssize_t sse_reader(void *cls, uint64_t pos, char *out, size_t max) {
     memcpy(out, j->out.p + j->out_off, n);
     j->out_off += n;
     if (j->out_off == j->out.len) j->out_off = j->out.len = 0;
+    bool first = !j->first_out && j->t_tok_us > 0 && j->t_call_us > 0;
+    int64_t added_us = first ? (j->t_call_us - j->t_arrive_us) + (gw_now_us() - j->t_tok_us) : 0;
+    j->first_out = true;
     pthread_mutex_unlock(&j->mu);
+    if (first && j->g->added) metrics_histogram_observe(j->g->added, (double)added_us / 1e6);
     return (ssize_t)n;
 }
 
@@ -441,6 +447,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     j->request_id = strchr(j->id, '-') + 1;
     j->created = (int64_t)time(NULL);
     j->t0_ms = gw_now_ms();
+    j->t_arrive_us = ctx->t_arrive_us;
     if (kind == OAI_CHAT) {
         if (!g->tok) {
             oai_error_set(&e, 400, "invalid_request_error", "messages", "chat_template_not_found",

@@ -148,6 +148,17 @@ if ! "$build/router/llm-cluster" up --model "$model" --pipelines 1 --stages 1 --
 fi
 # shellcheck disable=SC1091
 . "$run_dir/env.sh"
+# The gateway's /metrics (its address from the run dir's file_sd targets),
+# read before and after each measured run: llm_gateway_added_latency_seconds
+# is the gateway's own share of each first token.
+gw_scrape() {
+    node -e '
+const fs = require("fs"), http = require("http");
+const t = JSON.parse(fs.readFileSync(process.argv[1], "utf8")).find((x) => x.labels.job === "llm-gateway");
+if (!t) process.exit(0);
+http.get(`http://${t.targets[0]}/metrics`, (res) => res.pipe(process.stdout)).on("error", () => process.exit(0));
+' "$run_dir/prometheus-targets.json" 2>/dev/null
+}
 vocab=$("$build/router/llm" models 2>/dev/null | sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' | head -n 1)
 if [ -z "$vocab" ]; then
     echo "gateway-bench: llm models gave no vocabulary size" >&2
@@ -156,10 +167,18 @@ else
     for c in ${conc//,/ }; do
         for r in $(seq 1 "$runs"); do
             echo "gateway-bench: serve-bench at concurrency $c${rate:+, $rate req/s}, run $r of $runs" >&2
+            # The warm-up (router connections open at this concurrency) as
+            # a run of its own, so that the gateway's metrics read around
+            # the measured run count its requests alone.
+            timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" --requests "$c" \
+                --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos \
+                --seed "$((1000 + r))" --quiet >/dev/null 2>&1 || status=1
+            gw_scrape >"$out/gateway-metrics-c$c-r$r.before"
             timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" "${sb_rate[@]}" \
                 --requests "$(level_requests "$c")" \
-                --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos --warmup "$c" \
+                --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos \
                 --seed "$r" --quiet --json "$out/serve-c$c-r$r.json" >"$out/serve-c$c-r$r.txt" 2>&1 || status=1
+            gw_scrape >"$out/gateway-metrics-c$c-r$r.after"
         done
     done
 fi
@@ -178,30 +197,66 @@ const mode = rate ? `open loop: Poisson arrivals at ${rate} req/s, at most conc 
                   : 'closed loop: conc streams, each sending its next request when the last ends';
 console.log(`## llm-gateway against libllmclient: 1x1, device ${device}, prompts of ${prompt} token ids, ${gen} generated, ${mode}`);
 console.log('');
-console.log('| conc | run | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | errors |');
-console.log('|---|---|---:|---:|---:|---:|---:|---:|---:|---|');
+console.log('| conc | run | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | TTFT p50 - libllmclient ms | tok/s / libllmclient | gateway\'s own share ms, mean / p50 | errors |');
+console.log('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|');
 const mean = (xs) => xs.reduce((a, b) => a + b, 0) / xs.length;
+// llm_gateway_added_latency_seconds over one run: the difference of the
+// scrapes around it; mean, and the median interpolated in its buckets.
+const histo = (text) => {
+  const h = { b: [], sum: 0, count: 0 };
+  for (const line of (text ?? '').split('\n')) {
+    let m = line.match(/^llm_gateway_added_latency_seconds_bucket\{le="([^"]+)"\} (\S+)/);
+    if (m) h.b.push([m[1] === '+Inf' ? Infinity : Number(m[1]), Number(m[2])]);
+    m = line.match(/^llm_gateway_added_latency_seconds_(sum|count) (\S+)/);
+    if (m) h[m[1]] = Number(m[2]);
+  }
+  return h;
+};
+const added = (c, r) => {
+  let before, after;
+  try {
+    before = histo(fs.readFileSync(`${outDir}/gateway-metrics-c${c}-r${r}.before`, 'utf8'));
+    after = histo(fs.readFileSync(`${outDir}/gateway-metrics-c${c}-r${r}.after`, 'utf8'));
+  } catch { return null; }
+  const n = after.count - before.count;
+  if (!(n > 0) || after.b.length !== before.b.length) return null;
+  const cum = after.b.map(([le, v], i) => [le, v - before.b[i][1]]);
+  let p50 = null, lo = 0, prev = 0;
+  for (const [le, v] of cum) {
+    if (v >= n / 2) { p50 = le === Infinity ? lo : lo + (le - lo) * (n / 2 - prev) / Math.max(v - prev, 1); break; }
+    lo = le; prev = v;
+  }
+  return { mean: (after.sum - before.sum) / n * 1e3, p50: p50 === null ? null : p50 * 1e3, n };
+};
 for (const c of concs.split(',').map(Number)) {
   // The level's first row warmed the cluster up; the others are its runs.
   const rows = (read(`bench_cluster-c${c}.json`)?.rows ?? []).filter((x) => x.concurrency === c && x.ran).slice(1);
   // capped (open loop): arrivals that found every stream busy and waited for one.
   const capped = (row) => (typeof row.capped === 'number' && row.capped > 0 ? `; ${row.capped} capped, ${f(row.cap_wait_ms_mean, 2)} ms wait` : '');
-  rows.forEach((row, i) => console.log(`| ${c} | libllmclient ${i + 1} | ${f(row.req_s, 2)} | ${f(row.tok_s)} | ${f(row.ttft_p50_ms, 2)} | ${f(row.ttft_p90_ms, 2)} | ${f(row.itl_p50_ms, 2)} | | | ${row.failed}${capped(row)} |`));
-  if (rows.length === 0) console.log(`| ${c} | libllmclient | - | - | - | - | - | | | no row |`);
+  rows.forEach((row, i) => console.log(`| ${c} | libllmclient ${i + 1} | ${f(row.req_s, 2)} | ${f(row.tok_s)} | ${f(row.ttft_p50_ms, 2)} | ${f(row.ttft_p90_ms, 2)} | ${f(row.itl_p50_ms, 2)} | | | | ${row.failed}${capped(row)} |`));
+  if (rows.length === 0) console.log(`| ${c} | libllmclient | - | - | - | - | - | | | | no row |`);
   const base = rows.length ? { ttft: mean(rows.map((x) => x.ttft_p50_ms)), tok: mean(rows.map((x) => x.tok_s)) } : null;
-  const gw = [];
+  // Open loop: run r of both sides had the same arrival times, so each
+  // gateway run is compared with its own libllmclient run; closed loop:
+  // with the mean of libllmclient's runs.
+  const gw = [], ds = [], qs = [], owns = [];
   for (let r = 1; r <= Number(runs); r++) {
     const s = read(`serve-c${c}-r${r}.json`);
-    if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | - | no result |`); continue; }
+    if (!s) { console.log(`| ${c} | gateway ${r} | - | - | - | - | - | - | - | - | no result |`); continue; }
     gw.push(s);
-    const d = base && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - base.ttft : null;
-    const q = base && base.tok > 0 ? s.output_throughput / base.tok : null;
-    console.log(`| ${c} | gateway ${r} | ${f(s.request_throughput, 2)} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
+    const ref = rate && rows[r - 1] ? { ttft: rows[r - 1].ttft_p50_ms, tok: rows[r - 1].tok_s } : base;
+    const d = ref && s.ttft_ms.p50 !== null ? s.ttft_ms.p50 - ref.ttft : null;
+    const q = ref && ref.tok > 0 ? s.output_throughput / ref.tok : null;
+    const own = added(c, r);
+    if (d !== null) ds.push(d);
+    if (q !== null) qs.push(q);
+    if (own) owns.push(own);
+    console.log(`| ${c} | gateway ${r} | ${f(s.request_throughput, 2)} | ${f(s.output_throughput)} | ${f(s.ttft_ms.p50, 2)} | ${f(s.ttft_ms.p90, 2)} | ${f(s.itl_ms.p50, 2)} | ${d === null ? '-' : (d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${own ? `${f(own.mean, 3)} / ${f(own.p50, 3)}` : '-'} | ${s.requests.failed}${s.prompt_tokens !== null && s.prompt_tokens !== s.requests.ok * Number(prompt) ? ` (prompt tokens ${s.prompt_tokens})` : ''} |`);
   }
-  if (base && gw.length) {
-    const d = mean(gw.map((s) => s.ttft_ms.p50)) - base.ttft;
-    const q = mean(gw.map((s) => s.output_throughput)) / base.tok;
-    console.log(`| ${c} | mean of runs | | | | | | ${(d >= 0 ? '+' : '') + d.toFixed(2)} | ${q.toFixed(3)} | |`);
+  if (ds.length) {
+    const d = mean(ds), q = qs.length ? mean(qs) : null;
+    const own = owns.length ? `${f(mean(owns.map((o) => o.mean)), 3)} / ${f(mean(owns.map((o) => o.p50 ?? NaN)), 3)}` : '';
+    console.log(`| ${c} | mean of runs | | | | | | ${(d >= 0 ? '+' : '') + d.toFixed(2)} | ${f(q, 3)} | ${own} | |`);
   }
 }
 EOF

@@ -623,12 +623,27 @@ TEST(metrics_port) {
     const char *want[] = {"\nllm_http_requests_total{endpoint=\"completions\",code=\"200\"} ",
                           "\nllm_http_requests_total{endpoint=\"completions\",code=\"401\"} ",
                           "\nllm_http_requests_total{endpoint=\"completions\",code=\"413\"} ",
-                          "\nllm_gateway_time_to_first_token_seconds_count ", "\nllm_gateway_generation_tokens_total "};
+                          "\nllm_gateway_time_to_first_token_seconds_count ", "\nllm_gateway_generation_tokens_total ",
+                          "\nllm_gateway_added_latency_seconds_count "};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         const char *p = strstr(r.body, want[i]);
         H_ASSERT(cl_, p != NULL, "/metrics lacks %s:\n%s", want[i], r.body);
         H_ASSERT(cl_, atof(p + strlen(want[i])) >= 1, "%s is 0 after requests that made it", want[i]);
     }
+    /* The gateway's own share of a first token: more than nothing, and far
+     * below the first tokens themselves (a whole prefill on the CPU). */
+    const char *as = strstr(r.body, "\nllm_gateway_added_latency_seconds_sum ");
+    const char *ac = strstr(r.body, "\nllm_gateway_added_latency_seconds_count ");
+    const char *ts = strstr(r.body, "\nllm_gateway_time_to_first_token_seconds_sum ");
+    const char *tc = strstr(r.body, "\nllm_gateway_time_to_first_token_seconds_count ");
+    H_ASSERT(cl_, as && ac && ts && tc, "/metrics lacks a _sum or _count:\n%s", r.body);
+    double added = atof(as + strlen("\nllm_gateway_added_latency_seconds_sum ")) /
+                   atof(ac + strlen("\nllm_gateway_added_latency_seconds_count "));
+    double ttft = atof(ts + strlen("\nllm_gateway_time_to_first_token_seconds_sum ")) /
+                  atof(tc + strlen("\nllm_gateway_time_to_first_token_seconds_count "));
+    H_ASSERT(cl_, added > 0 && added < 0.05, "the gateway's mean added latency is %.6f s", added);
+    printf("  gateway's own share of a first token: %.3f ms mean (time to first token %.3f ms mean)\n",
+           added * 1e3, ttft * 1e3);
     if (system("promtool --version > /dev/null 2>&1") == 0) {
         char cmd[512];
         snprintf(cmd, sizeof cmd, "promtool check metrics < %s/curl-out", cl_->dir);
