@@ -13,6 +13,7 @@ import http from 'node:http';
 import https from 'node:https';
 import { performance } from 'node:perf_hooks';
 import { pathToFileURL } from 'node:url';
+import { isMainThread, parentPort, Worker, workerData } from 'node:worker_threads';
 
 /* ---- options ------------------------------------------------------------ */
 
@@ -38,6 +39,7 @@ const OPTIONS = [
   ['temperature', 'num', '0', null, 'sampling temperature'],
   ['extra', 'str', null, null, 'JSON object merged into every request body, e.g. \'{"top_k": 1}\''],
   ['seed', 'int', '1', null, 'seed of the prompt, length and arrival draws (the same seed gives the same load)'],
+  ['workers', 'int', '1', null, 'client threads that send the requests and read their streams, each with its own connections and event loop; the schedule and the cap stay in one thread'],
   ['warmup', 'int', '0', null, 'requests sent before the measurement, not counted, up to --concurrency at a time'],
   ['timeout', 'num', '600', null, 'seconds one request may take before it counts as an error'],
   ['json', 'str', null, null, 'also write the results as JSON to FILE'],
@@ -46,6 +48,10 @@ const OPTIONS = [
 ];
 
 class UsageError extends Error {}
+
+// More client threads than this only add startup time: at 64 streams a
+// thread each, no event loop has more than one stream to read.
+const MAX_WORKERS = 64;
 
 function usage() {
   const lines = ['usage: serve-bench.mjs --url URL [options]', ''];
@@ -130,6 +136,8 @@ export function parseArgs(argv, env = process.env) {
       throw new UsageError('--token-prompts: token-id prompts go to --endpoint completions only (chat takes text messages)');
     if (opt.tokenPrompts < 2) throw new UsageError(`--token-prompts ${opt.tokenPrompts}: a vocabulary of at least 2 tokens`);
   }
+  if (opt.workers < 1 || opt.workers > MAX_WORKERS)
+    throw new UsageError(`--workers ${opt.workers}: must be between 1 and ${MAX_WORKERS}`);
   if (opt.timeout <= 0) throw new UsageError(`--timeout ${opt.timeout}: must be above 0`);
   if (opt.extra !== null) {
     let v;
@@ -458,6 +466,79 @@ function runRequest(opt, url, body) {
   });
 }
 
+/* ---- client threads ----------------------------------------------------- */
+
+// Where requests run: run(body) sends one and resolves with its record.
+// With --workers 1, on this thread, as runRequest alone.  With more, on
+// worker threads of their own (each loads this module, hence has its own
+// kept-alive agents and event loop): one event loop reading every stream
+// stamps a token's socket read only when it gets to that socket's 'data'
+// handler, and at 64 streams of thousands of events a second it is late by
+// the other streams' parsing.  This thread keeps the schedule, the draws
+// and the cap; a worker only sends what it is handed, times it as
+// runRequest does and posts the record back.
+//
+// A request goes to the worker with the fewest in flight, ties to the next
+// after the last one chosen, so that no thread reads more than its share of
+// the streams in flight, whatever their lengths: in a closed loop of a
+// multiple of --workers streams, the request that follows one that ended
+// goes to the thread it left.  Which thread reads a stream changes nothing
+// the server sees: the same arrival times and bodies as with one thread.
+async function makePool(opt, url) {
+  if (opt.workers === 1) return { run: (body) => runRequest(opt, url, body), close: async () => {} };
+  const workers = [];
+  const load = new Array(opt.workers).fill(0);
+  const pending = new Map();
+  let last = opt.workers - 1;
+  let nextId = 0;
+  const ready = [];
+  for (let k = 0; k < opt.workers; k++) {
+    const w = new Worker(new URL(import.meta.url), { workerData: { serveBenchWorker: true, opt, url } });
+    ready.push(new Promise((resolve, reject) => {
+      w.once('online', resolve);
+      w.once('error', reject);
+    }));
+    w.on('message', ({ id, r }) => {
+      const done = pending.get(id);
+      pending.delete(id);
+      load[k]--;
+      r.worker = k;
+      done(r);
+    });
+    // a worker that dies leaves requests that never end: nothing to report
+    w.on('error', (e) => {
+      process.stderr.write(`serve-bench: worker ${k}: ${e.stack ?? e}\n`);
+      process.exit(1);
+    });
+    workers.push(w);
+  }
+  await Promise.all(ready);
+  return {
+    run(body) {
+      let k = (last + 1) % opt.workers;
+      for (let j = 1, i = k; j < opt.workers; j++) {
+        i = (i + 1) % opt.workers;
+        if (load[i] < load[k]) k = i;
+      }
+      last = k;
+      load[k]++;
+      const id = nextId++;
+      return new Promise((resolve) => {
+        pending.set(id, resolve);
+        workers[k].postMessage({ id, body });
+      });
+    },
+    close: () => Promise.all(workers.map((w) => w.terminate())),
+  };
+}
+
+// A worker thread: runs each request it is handed, posts its record back.
+function workerMain({ opt, url }) {
+  parentPort.on('message', async ({ id, body }) => {
+    parentPort.postMessage({ id, r: await runRequest(opt, url, body) });
+  });
+}
+
 /* ---- the load ----------------------------------------------------------- */
 
 const sleep = (ms) => new Promise((res) => setTimeout(res, Math.max(0, ms)));
@@ -483,7 +564,7 @@ function makeItems(opt) {
 
 // Runs the load and returns the records of the measured requests, the wall
 // time from the first send to the last answer, and the arrival schedule used.
-async function runLoad(opt, url, model, progress) {
+async function runLoad(opt, pool, model, progress) {
   const next = makeItems(opt);
   const results = [];
   const deadline = opt.duration !== null ? opt.duration * 1000 : Infinity;
@@ -491,7 +572,7 @@ async function runLoad(opt, url, model, progress) {
   let sent = 0;
   const t0 = performance.now();
   const one = async (item) => {
-    const r = await runRequest(opt, url, makeBody(opt, model, item));
+    const r = await pool.run(makeBody(opt, model, item));
     r.maxTokens = item.maxTokens;
     results.push(r);
     progress(results);
@@ -567,6 +648,8 @@ export function report(opt, url, model, results, wallMs) {
     endpoint: opt.endpoint,
     load: opt.rate !== null ? { mode: 'poisson', rate: opt.rate, max_concurrency: opt.concurrency }
                             : { mode: 'concurrency', concurrency: opt.concurrency },
+    workers: opt.workers,
+    requests_per_worker: results.reduce((a, r) => (a[r.worker ?? 0]++, a), new Array(opt.workers).fill(0)),
     requests_planned: opt.requests,
     duration_planned_s: opt.duration,
     ignore_eos: opt.ignoreEos,
@@ -599,7 +682,8 @@ export function formatTable(s) {
     ? `Poisson arrivals at ${s.load.rate} req/s` + (s.load.max_concurrency ? `, at most ${s.load.max_concurrency} in flight` : '')
     : `concurrency ${s.load.concurrency}`;
   L.push(`serve-bench  ${s.url}  model ${s.model}  (${s.endpoint}, streamed)`);
-  L.push(`load         ${load}; ${s.requests.total} requests in ${fmt(s.duration_s, 2)} s`);
+  const threads = s.workers > 1 ? ` from ${s.workers} client threads` : '';
+  L.push(`load         ${load}; ${s.requests.total} requests${threads} in ${fmt(s.duration_s, 2)} s`);
   L.push(`requests     ${s.requests.ok} ok, ${s.requests.failed} failed`);
   const why = { usage: 'the usage object of every stream', chunks: 'streamed chunks (the server sent no usage)',
                 mixed: `the usage object of ${s.requests_with_usage} streams, chunks for the others`, none: '-' };
@@ -658,18 +742,20 @@ async function main() {
   const url = base + (opt.endpoint === 'chat' ? '/chat/completions' : '/completions');
   if (opt.prompts !== null) loadPrompts(opt.prompts, opt.endpoint); // its errors before any traffic
   const model = await pickModel(opt, base);
+  const pool = await makePool(opt, url);
   if (opt.warmup > 0) {
     // As many at a time as the load will have in flight (capped by the
     // warm-up's size), so that the connections the load needs are open
     // before the clock starts: this client's, and the server's own towards
     // its backends (llm-gateway opens a router connection per concurrent
-    // request the first time).
+    // request the first time).  With --workers, through the same threads
+    // as the load, each opening its share of the connections.
     const next = makeItems({ ...opt, seed: opt.seed + 1 });
     let i = 0;
     const lane = async () => {
       while (i < opt.warmup) {
         const k = ++i;
-        const r = await runRequest(opt, url, makeBody(opt, model, next()));
+        const r = await pool.run(makeBody(opt, model, next()));
         if (!r.ok) process.stderr.write(`serve-bench: warm-up request ${k} failed: ${r.error} ${r.detail}\n`);
       }
     };
@@ -684,7 +770,8 @@ async function main() {
     const bad = results.filter((r) => !r.ok).length;
     process.stderr.write(`\r${results.length} done, ${bad} failed `);
   };
-  const { results, wallMs } = await runLoad(opt, url, model, progress);
+  const { results, wallMs } = await runLoad(opt, pool, model, progress);
+  await pool.close();
   if (!opt.quiet && process.stderr.isTTY) process.stderr.write('\r\x1b[K');
   const s = report(opt, url, model, results, wallMs);
   console.log(formatTable(s));
@@ -692,8 +779,10 @@ async function main() {
   return s.requests.ok > 0 ? 0 : 1;
 }
 
-// Run as a program, not when imported (the tests import the SSE parser).
-if (process.argv[1] && import.meta.url === pathToFileURL(realpathSync(process.argv[1])).href) {
+// Run as a program, not when imported (the tests import the SSE parser);
+// as a worker when makePool starts this module on a thread.
+if (!isMainThread && workerData?.serveBenchWorker) workerMain(workerData);
+else if (isMainThread && process.argv[1] && import.meta.url === pathToFileURL(realpathSync(process.argv[1])).href) {
   main().then(
     (rc) => process.exit(rc),
     (e) => {

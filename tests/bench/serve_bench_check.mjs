@@ -13,6 +13,7 @@ import http from 'node:http';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { performance } from 'node:perf_hooks';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const BENCH = path.resolve(here, '../../bench/serve-bench.mjs');
@@ -40,9 +41,10 @@ function startMock(opts = {}) {
   const o = { usage: true, perChunk: 1, apiKey: null, ...opts };
   const seen = { requests: [], inflight: 0, maxInflight: 0 };
   const server = http.createServer((req, res) => {
+    const t = performance.now(); // when the request's head was read
     const chunks = [];
     req.on('data', (c) => chunks.push(c));
-    req.on('end', () => handle(req, res, Buffer.concat(chunks).toString('utf8')).catch((e) => {
+    req.on('end', () => handle(req, res, Buffer.concat(chunks).toString('utf8'), t).catch((e) => {
       console.error('mock:', e);
       res.destroy();
     }));
@@ -51,7 +53,7 @@ function startMock(opts = {}) {
     res.writeHead(status, { 'Content-Type': 'application/json' });
     res.end(JSON.stringify(obj));
   };
-  async function handle(req, res, text) {
+  async function handle(req, res, text, t) {
     if (o.apiKey && req.headers.authorization !== `Bearer ${o.apiKey}`)
       return json(res, 401, { error: { message: 'Incorrect API key provided', type: 'invalid_request_error' } });
     if (req.method === 'GET' && req.url === '/v1/models')
@@ -60,7 +62,7 @@ function startMock(opts = {}) {
     if (req.method !== 'POST' || (!chat && req.url !== '/v1/completions'))
       return json(res, 404, { error: { message: `no route ${req.method} ${req.url}` } });
     const body = JSON.parse(text);
-    seen.requests.push({ url: req.url, body });
+    seen.requests.push({ url: req.url, body, t });
     const prompt = chat ? body.messages.map((m) => m.content).join('\n') : body.prompt;
     if (prompt.includes('FAIL503')) return json(res, 503, { error: { message: 'no pipeline serves the model' } });
     if (prompt.includes('FAIL429')) return json(res, 429, { error: { message: 'queue full' } });
@@ -348,6 +350,80 @@ const scenarios = {
     check(r.code === 2 && r.stderr.includes('--token-prompts 1: a vocabulary of at least 2 tokens'), describe(r));
   },
 
+  // --workers 3: the requests read on three client threads, the schedule,
+  // the draws and the cap kept in one.  Every request counted once, the cap
+  // global (not per thread), tokens and TTFT measured; the open loop sends
+  // the same bodies at the same arrival times as one thread does.
+  async workers() {
+    const m = await startMock();
+    try {
+      const r = await bench(['--url', m.url, '--model', 'm', '--workers', '3', '--concurrency', '4', '--requests', '20',
+                             '--warmup', '4', '--token-prompts', '1000', '--input-len', '8', '--output-len', '4',
+                             '--ignore-eos']);
+      check(r.code === 0 && r.json, `serve-bench failed: ${describe(r)}`);
+      const s = r.json;
+      check(s.workers === 3, `workers ${s.workers}`);
+      check(m.seen.requests.length === 24, `the mock saw ${m.seen.requests.length} requests, expected 4 warm-up + 20`);
+      check(s.requests.total === 20 && s.requests.ok === 20, `requests ${JSON.stringify(s.requests)}`);
+      const measured = new Set(m.seen.requests.slice(4).map(({ body }) => JSON.stringify(body.prompt)));
+      check(measured.size === 20, `${measured.size} distinct measured prompts of 20`);
+      const per = s.requests_per_worker;
+      check(Array.isArray(per) && per.length === 3 && per.every((n) => n > 0) && per.reduce((a, b) => a + b, 0) === 20,
+            `requests_per_worker ${JSON.stringify(per)}: expected 3 threads sharing 20`);
+      check(m.seen.maxInflight <= 4, `${m.seen.maxInflight} in flight at the mock, --concurrency 4`);
+      between('the most requests in flight at the mock', m.seen.maxInflight, 3, 4);
+      check(s.output_tokens === 80 && s.token_count_source === 'usage', `output tokens ${s.output_tokens} from ${s.token_count_source}`);
+      check(s.ttft_ms.n === 20 && s.itl_ms.n === 20 * 3, `ttft n ${s.ttft_ms.n}, itl n ${s.itl_ms.n}`);
+      between('ttft p50', s.ttft_ms.p50, TTFT_MS * 0.8, 3000);
+      between('e2e min', s.e2e_ms.min, TTFT_MS + 3 * ITL_MS * 0.8, 5000);
+      check(r.stdout.includes('20 requests from 3 client threads'), `the table does not name the threads:\n${r.stdout}`);
+
+      // open loop, arrivals faster than the cap lets through
+      const before = m.seen.requests.length;
+      m.seen.maxInflight = 0;
+      const c = await bench(['--url', m.url, '--model', 'm', '--workers', '3', '--rate', '200', '--concurrency', '3',
+                             '--requests', '24', '--output-len', '3', '--ignore-eos']);
+      check(c.code === 0 && c.json?.requests.ok === 24, `capped open loop: ${describe(c)}`);
+      check(m.seen.requests.length - before === 24, `the mock saw ${m.seen.requests.length - before} requests, expected 24`);
+      check(m.seen.maxInflight <= 3, `${m.seen.maxInflight} in flight at the mock, --concurrency 3`);
+      check(c.json.requests_per_worker.reduce((a, b) => a + b, 0) === 24, `requests_per_worker ${c.json.requests_per_worker}`);
+    } finally {
+      await m.close();
+    }
+
+    // The open loop's schedule: each prompt (drawn in arrival order) reaches
+    // the mock at the same offset with 3 threads as with 1, up to the timer
+    // noise of a loaded machine (a few ms; 40 allowed).  Arrivals are 50 ms
+    // apart on average over about 0.6 s: a schedule drawn or kept per
+    // thread, or a rate off by a sixth, is off by more.
+    const arrivals = async (workers) => {
+      const mk = await startMock();
+      try {
+        const a = await bench(['--url', mk.url, '--model', 'm', '--workers', String(workers), '--rate', '20',
+                               '--concurrency', '16', '--requests', '12', '--seed', '5', '--token-prompts', '1000',
+                               '--input-len', '4', '--output-len', '2', '--ignore-eos']);
+        check(a.code === 0 && a.json?.requests.ok === 12, `open loop, --workers ${workers}: ${describe(a)}`);
+        const t0 = mk.seen.requests[0].t;
+        return new Map(mk.seen.requests.map(({ body, t }) => [JSON.stringify(body.prompt), t - t0]));
+      } finally {
+        await mk.close();
+      }
+    };
+    const one = await arrivals(1);
+    const three = await arrivals(3);
+    check(one.size === 12 && three.size === 12, `distinct prompts: ${one.size} and ${three.size} of 12`);
+    const diffs = [];
+    for (const [p, t] of one) {
+      check(three.has(p), `prompt ${p} sent with --workers 1, not with --workers 3`);
+      diffs.push(three.get(p) - t);
+    }
+    const spread = Math.max(...diffs) - Math.min(...diffs);
+    check(spread < 40, `arrival offsets with --workers 3 minus those with 1: ${diffs.map((d) => d.toFixed(1))} ms ` +
+                       `(spread ${spread.toFixed(1)} ms, at most 40 expected)`);
+    const span = Math.max(...one.values());
+    between('the open loop\'s span of arrivals (ms)', span, 100, 5000);
+  },
+
   // API keys and the model taken from /v1/models.
   async api_key_and_model() {
     const m = await startMock({ apiKey: 'sk-mock' });
@@ -381,6 +457,10 @@ const scenarios = {
       [['--url', 'http://x', '--rate', '0'], '--rate 0: must be above 0'],
       [['--url', 'http://x', '--requests', '5', '--duration', '2'], '--requests and --duration exclude each other'],
       [['--url', 'http://x', '--extra', '[1]'], '--extra [1]: must be a JSON object'],
+      [['--url', 'http://x', '--workers', '0'], '--workers 0: must be between 1 and 64'],
+      [['--url', 'http://x', '--workers', '65'], '--workers 65: must be between 1 and 64'],
+      [['--url', 'http://x', '--workers', '-2'], '--workers -2: not a whole number'],
+      [['--url', 'http://x', '--workers', '1.5'], '--workers 1.5: not a whole number'],
       [['--url', 'http://x', '--model', 'm', '--prompts', bad], `${bad} line 2: needs "prompt"`],
       [['--url', 'http://x', '--model', 'm', '--prompts', msgs], 'cannot send (use --endpoint chat)'],
       [['--url', 'http://x', '--model', 'm', '--prompts', '/nonexistent.jsonl'], '--prompts /nonexistent.jsonl: ENOENT'],

@@ -49,6 +49,7 @@ TEST(errors_by_status) { run_scenario("errors_by_status"); }
 TEST(api_key_and_model) { run_scenario("api_key_and_model"); }
 TEST(bad_input) { run_scenario("bad_input"); }
 TEST(token_prompts_and_warmup) { run_scenario("token_prompts_and_warmup"); }
+TEST(workers) { run_scenario("workers"); }
 
 TEST_MAIN(sse_parser, completions_concurrency, chat_chunks, batched_chunks, poisson_and_duration, errors_by_status,
-          api_key_and_model, bad_input, token_prompts_and_warmup)
+          api_key_and_model, bad_input, token_prompts_and_warmup, workers)
