@@ -29,7 +29,10 @@
 # concurrency 1, 256 at 64), LLM_GW_BENCH_PROMPT (prompt tokens, 128),
 # LLM_GW_BENCH_GEN (tokens generated, 64), LLM_GW_BENCH_RUNS (gateway runs
 # per level and side, each with its own prompts, default 3),
-# LLM_GW_BENCH_RATE (requests/s, the same at every level; empty: closed loop).
+# LLM_GW_BENCH_RATE (requests/s, the same at every level; empty: closed loop),
+# LLM_GW_BENCH_SB_WORKERS (serve-bench --workers of the measured runs: client
+# threads reading the streams, default 1; one event loop reading 64 streams
+# stamps their tokens late, docs/serve-bench.md).
 # Under $OUT: bench_cluster-c<C>.{txt,json,log} (a warm-up row, then the
 # runs), serve-c<C>-r<R>.{txt,json}, cluster-logs.tar.gz (the gateway
 # cluster's run dir) and summary.txt, which is printed last: per level, each
@@ -51,6 +54,11 @@ prompt=${LLM_GW_BENCH_PROMPT:-128}
 gen=${LLM_GW_BENCH_GEN:-64}
 runs=${LLM_GW_BENCH_RUNS:-3}
 rate=${LLM_GW_BENCH_RATE:-}
+sb_workers=${LLM_GW_BENCH_SB_WORKERS:-1}
+if ! [[ $sb_workers =~ ^[1-9][0-9]?$ && $sb_workers -le 64 ]]; then
+    echo "gateway-bench: LLM_GW_BENCH_SB_WORKERS=$sb_workers: expected serve-bench client threads, 1 to 64" >&2
+    exit 2
+fi
 if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]*\.?[0-9]+$ && ! $rate =~ ^0*\.?0*$ ]]; then
     echo "gateway-bench: LLM_GW_BENCH_RATE=$rate: expected requests per second above 0 (or empty for the closed loop)" >&2
     exit 2
@@ -175,6 +183,7 @@ else
                 --seed "$((1000 + r))" --quiet >/dev/null 2>&1 || status=1
             gw_scrape >"$out/gateway-metrics-c$c-r$r.before"
             timeout 600 node bench/serve-bench.mjs --url "$OPENAI_BASE_URL" --concurrency "$c" "${sb_rate[@]}" \
+                --workers "$sb_workers" \
                 --requests "$(level_requests "$c")" \
                 --token-prompts "$vocab" --input-len "$prompt" --output-len "$gen" --ignore-eos \
                 --seed "$r" --quiet --json "$out/serve-c$c-r$r.json" >"$out/serve-c$c-r$r.txt" 2>&1 || status=1
