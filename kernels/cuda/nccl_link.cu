@@ -45,9 +45,14 @@ static double nl_now_ms(void) {
 }
 
 /* A non-blocking communicator may answer ncclInProgress: wait until the
- * call has really been taken (or failed), at most timeout_ms. */
+ * call has really been taken (or failed), at most timeout_ms.  A send or
+ * receive of a step is taken within microseconds and sits on every
+ * token's path between two stages, so the wait starts with short sleeps
+ * (10 us, doubling) and reaches 1 ms naps only for what takes long, such
+ * as a communicator's set-up. */
 static int nl_wait(ncclComm_t comm, int timeout_ms, const char *what, char *err, size_t errlen) {
     double deadline = nl_now_ms() + timeout_ms;
+    long nap_ns = 10000;
     for (;;) {
         ncclResult_t st = ncclSuccess;
         ncclResult_t r = ncclCommGetAsyncError(comm, &st);
@@ -61,8 +66,9 @@ static int nl_wait(ncclComm_t comm, int timeout_ms, const char *what, char *err,
             snprintf(err, errlen, "%s: the peer did not join within %d ms", what, timeout_ms);
             return STATUS_TIMEOUT;
         }
-        struct timespec ts = {0, 1000000};
+        struct timespec ts = {0, nap_ns};
         nanosleep(&ts, NULL);
+        if (nap_ns < 1000000) nap_ns = nap_ns * 2 < 1000000 ? nap_ns * 2 : 1000000;
     }
 }
 
