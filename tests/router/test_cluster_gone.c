@@ -84,12 +84,30 @@ static pid_t client_process(struct cluster *cl, const char *tag, int n, int max_
     return pid;
 }
 
-static void wait_ready_byte(struct cluster *cl, int fd) {
+/* Waits for the client process's byte (tokens are streaming) and then for
+ * the router to have accepted all n of its requests: on a busy machine the
+ * last connections may still be on their way when the first tokens come,
+ * and a request the router never saw cannot be re-attached or cancelled. */
+static void wait_ready_byte(struct cluster *cl, int fd, int n) {
     char c;
     struct pollfd pf = {fd, POLLIN, 0};
     ssize_t r = poll(&pf, 1, 30000) == 1 ? read(fd, &c, 1) : -1;
     close(fd);
     H_ASSERT(cl, r == 1, "the client process did not stream within 30 s");
+    llm_client *sc = h_client(cl, 2000, 5000, 5000);
+    int64_t end = h_now_ms() + 30000;
+    uint64_t accepted = 0;
+    for (;;) {
+        Llm__ClientEnvelope *env;
+        H_ASSERT(cl, llm_client_status(sc, &env) == 0, "no Status reply");
+        accepted = env->status_reply->requests_total;
+        proto_client_free(env);
+        if (accepted >= (uint64_t)n) break;
+        H_ASSERT(cl, h_now_ms() < end, "the router accepted %llu of the client process's %d requests in 30 s",
+                 (unsigned long long)accepted, n);
+        h_sleep_ms(5);
+    }
+    llm_client_close(sc);
 }
 
 static void kill_child(pid_t pid) {
@@ -134,7 +152,7 @@ TEST(cluster_gone_client_killed_mid_stream) {
     make_gens(cl, gs, N, "gone", MAX_TOKENS);
     int fd;
     pid_t child = client_process(cl, "gone", N, MAX_TOKENS, 100, &fd);
-    wait_ready_byte(cl, fd);
+    wait_ready_byte(cl, fd, N);
     llm_client *c = h_client(cl, 2000, 5000, 5000);
     struct usage u;
     H_ASSERT(cl, get_usage(cl, c, &u) == 0, "no Status reply");
@@ -197,7 +215,7 @@ TEST(cluster_gone_reattach_within_grace) {
     make_gens(cl, gs, N, "back", MAX_TOKENS);
     int fd;
     pid_t child = client_process(cl, "back", N, MAX_TOKENS, 20, &fd);
-    wait_ready_byte(cl, fd);
+    wait_ready_byte(cl, fd, N);
     kill_child(child);
     /* Back after two thirds of the grace, from new connections: the stream
      * moves to them, and the requests run on past the grace. */

@@ -193,10 +193,15 @@ TEST(cluster_worker_metrics) {
     h_generate(&g);
     H_ASSERT(cl, g.rc == 0, "request: %s", g.err);
     for (int i = 0; i < 2; i++) {
-        ASSERT_EQ(200, http_get(port[i], "/metrics", body, sizeof body));
         char series[128];
         snprintf(series, sizeof series, "llm_step_time_seconds_count{stage=\"%d\"}", i);
-        /* One prefill step and a decode step per further token, at least. */
+        /* One prefill step and a decode step per further token, at least.
+         * The first stage records a step after sending it on, so the reply
+         * can reach the client first: poll briefly. */
+        int64_t end = h_now_ms() + 5000;
+        do {
+            ASSERT_EQ(200, http_get(port[i], "/metrics", body, sizeof body));
+        } while (sample(body, series) < 10 && h_now_ms() < end && (h_sleep_ms(20), 1));
         if (!(sample(body, series) >= 10)) H_FAIL(cl, "stage %d: %s is %g", i, series, sample(body, series));
         ASSERT_TRUE(sample(body, "llm_stage_steps_total") >= 10);
         ASSERT_TRUE(sample(body, "llm_stage_tokens_total") >= 10);
