@@ -459,7 +459,7 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     cc.reply_timeout_ms = 2000;
     cc.retry_ms = 2000;
     if ((rc = llm_client_open(&c, &cc, err, errlen)) < 0) goto done;
-    struct br_status st0, st1;
+    struct br_status st0 = {0}, st1 = {0};
     double up_end = br_now() + o->up_timeout_s;
     for (;;) {
         if (br_status(c, &st0) == 0 && st0.ready >= pipelines) break;

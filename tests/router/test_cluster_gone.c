@@ -154,7 +154,7 @@ TEST(cluster_gone_client_killed_mid_stream) {
     pid_t child = client_process(cl, "gone", N, MAX_TOKENS, 100, &fd);
     wait_ready_byte(cl, fd, N);
     llm_client *c = h_client(cl, 2000, 5000, 5000);
-    struct usage u;
+    struct usage u = {0};
     H_ASSERT(cl, get_usage(cl, c, &u) == 0, "no Status reply");
     printf("  before the kill: %u running, %u waiting, %u queued, %llu KV blocks used\n", u.running, u.waiting,
            u.queue, (unsigned long long)u.kv_used);

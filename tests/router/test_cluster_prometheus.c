@@ -201,7 +201,7 @@ static void write_config(const char *path, const char *targets) {
  * caller deletes *root), or NULL while Prometheus does not answer. */
 static cJSON *api_get(struct cluster *cl, struct prom *pr, const char *what, cJSON **root) {
     char *body;
-    char path[2048];
+    char path[2048 + 16];
     snprintf(path, sizeof path, "/api/v1/%s", what);
     int st = http_request(pr->port, "GET", path, NULL, &body);
     *root = NULL;
