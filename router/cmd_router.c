@@ -77,6 +77,10 @@ int main(int argc, char **argv) {
          "inter-token latency to keep for running sequences: a step with decodes carries only the "
          "prefill that fits it, by a step-time model learned per pipeline (0: no cap)",
          &c.itl_target_ms, 0, 600000, NULL},
+        {"batch-wait-us", "LLM_BATCH_WAIT_US", OPTION_INT, "0",
+         "a pipeline with nothing running waits this long after a prompt arrives before planning, so "
+         "that prompts arriving together start in one step (0: plan at once)",
+         &c.batch_wait_us, 0, 1000000, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",

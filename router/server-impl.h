@@ -130,6 +130,7 @@ struct pipe {
     double fit_w, fit_p, fit_pp, fit_t, fit_pt;
     double base_us, us_per_token; /* us_per_token 0: no fit yet */
     int64_t last_result_us;
+    int64_t idle_work_us; /* when an idle pipeline got its first prompt (--batch-wait-us); 0: none */
     bool touched; /* in server.pipes_touched */
 };
 
@@ -176,6 +177,7 @@ struct server {
     size_t n_pipes_touched, cap_pipes_touched;
     bool loop_full;
     int64_t last_full_ms;
+    int64_t batch_wake_us; /* the earliest end of a pipeline's --batch-wait-us; 0: none */
     /* Clients gone (docs/router.md, "Clients that go away"). */
     struct gone *gone[SERVER_GONE_BUCKETS];
     size_t n_gone;

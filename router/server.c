@@ -424,7 +424,14 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
     struct zio_sock *socks[2] = {s->ws, s->cs};
     short events[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, revents[2];
     while (!*stop) {
-        int rc = zio_poll(socks, events, revents, 2, 50);
+        /* A pipeline's batch wait ends within the poll: the last part of a
+         * millisecond spins (zmq_poll counts whole ones). */
+        int timeout_ms = 50;
+        if (s->batch_wake_us) {
+            int64_t left = s->batch_wake_us - server_mono_us();
+            timeout_ms = left <= 0 ? 0 : left / 1000 < 50 ? (int)(left / 1000) : 50;
+        }
+        int rc = zio_poll(socks, events, revents, 2, timeout_ms);
         if (rc < 0) {
             LOG(LL_ERROR, "poll: %s", zio_errstr(s->ws));
             usleep(10000);
@@ -447,7 +454,11 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
             pipes_sync(s);
         }
         pipes_assign(s);
-        if (full) pipes_pump(s);
+        /* A batch wait ended: every waiting pipeline plans now, or sets
+         * the next wake. */
+        bool wake = s->batch_wake_us && server_mono_us() >= s->batch_wake_us;
+        if (wake) s->batch_wake_us = 0;
+        if (full || wake) pipes_pump(s);
         req_flush_touched(s);
         pipes_pump_touched(s);
         if (full) server_metrics_tick(s);

@@ -399,10 +399,36 @@ static void pipe_set_cap(server *s, struct pipe *pp) {
     sched_set_prefill_cap(pp->sched, cap);
 }
 
+/* --batch-wait-us (docs/router.md, "Batch wait"): true while a pipeline
+ * with nothing running or in flight holds its first step for prompts that
+ * arrive together; the loop pumps it again when the wait ends. */
+static bool pipe_batch_waits(server *s, struct pipe *pp) {
+    if (s->cfg.batch_wait_us <= 0 || pp->n_flights > 0) {
+        pp->idle_work_us = 0;
+        return false;
+    }
+    struct sched_stats st;
+    sched_get_stats(pp->sched, &st);
+    if (st.n_running > 0 || st.n_waiting == 0 || st.n_waiting >= pp->max_batch) {
+        pp->idle_work_us = 0;
+        return false;
+    }
+    int64_t now = server_mono_us();
+    if (!pp->idle_work_us) pp->idle_work_us = now;
+    int64_t end = pp->idle_work_us + s->cfg.batch_wait_us;
+    if (now >= end) {
+        pp->idle_work_us = 0;
+        return false;
+    }
+    if (!s->batch_wake_us || end < s->batch_wake_us) s->batch_wake_us = end;
+    return true;
+}
+
 /* Plans and sends steps until the pipeline has one in flight per stage or
  * nothing more can run. */
 void pipe_pump(server *s, struct pipe *pp) {
     if (!pp->sched) return;
+    if (pipe_batch_waits(s, pp)) return;
     struct req *stuck[16];
     int n_stuck = 0;
     for (;;) {

@@ -1,0 +1,89 @@
+/* --batch-wait-us: a pipeline with nothing running holds its first step
+ * for prompts that arrive after the first, so that they start in one step
+ * (the router counts its steps), and plans at once when the prompts fill
+ * its batch.  Outputs stay llm-run's. */
+#include "tests/router/cluster_harness.h"
+
+#define MODEL "stories260K-f32.gguf"
+#define MAX_TOKENS 8
+#define WAIT_US 1000000
+#define LATE_MS 200
+
+static const char *const prompts[2] = {"Once upon a time", "The little dog"};
+
+static uint64_t router_steps(struct cluster *cl) {
+    llm_client *c = h_client(cl, 2000, 5000, 5000);
+    Llm__ClientEnvelope *env;
+    H_ASSERT(cl, llm_client_status(c, &env) == 0, "no Status reply");
+    uint64_t steps = env->status_reply->steps_total;
+    proto_client_free(env);
+    llm_client_close(c);
+    return steps;
+}
+
+/* Sends prompts[0] and, LATE_MS later, prompts[1]; returns the first
+ * request's time to its first token, in ms. */
+static int64_t run_pair(struct cluster *cl, struct h_gen *g, const char *tag) {
+    memset(g, 0, 2 * sizeof *g);
+    for (int i = 0; i < 2; i++) {
+        g[i].cl = cl;
+        g[i].prompt = prompts[i];
+        g[i].max_tokens = MAX_TOKENS;
+        g[i].ignore_eos = 1;
+        snprintf(g[i].request_id, sizeof g[i].request_id, "%s-%d", tag, i);
+    }
+    struct h_batch first, second;
+    int64_t t0 = h_now_ms();
+    h_batch_start(&first, &g[0], 1);
+    h_sleep_ms(LATE_MS);
+    h_batch_start(&second, &g[1], 1);
+    h_batch_join(&first);
+    h_batch_join(&second);
+    return g[0].first_token_ms - t0;
+}
+
+TEST(cluster_batch_wait_one_step) {
+    const char *model = test_model_path(MODEL);
+    static struct h_ref ref[2];
+    for (int i = 0; i < 2; i++) h_reference(model, prompts[i], MAX_TOKENS, 0, &ref[i]);
+    char args[128];
+    snprintf(args, sizeof args, "--batch-wait-us %d", WAIT_US);
+    struct cluster *cl = h_cluster_start(model, 1, 1, args, "");
+    struct h_gen g[2];
+    int64_t ttft = run_pair(cl, g, "wait");
+    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
+    /* Both prompts in the first step, then a decode step per further token:
+     * without the wait the first runs alone and the second starts later. */
+    uint64_t steps = router_steps(cl);
+    printf("  two prompts %d ms apart: %llu steps for %d tokens each, first token of the first after %lld ms\n",
+           LATE_MS, (unsigned long long)steps, MAX_TOKENS, (long long)ttft);
+    H_ASSERT(cl, steps == MAX_TOKENS, "%llu steps, expected %d (both prompts in the first)",
+             (unsigned long long)steps, MAX_TOKENS);
+    H_ASSERT(cl, ttft >= WAIT_US / 1000 - 50, "the first token came %lld ms after the request, within the wait",
+             (long long)ttft);
+    h_cluster_stop(cl);
+}
+
+/* A batch that is full ends the wait: with --max-batch 2 the second prompt
+ * starts the step. */
+TEST(cluster_batch_wait_full_batch_plans) {
+    const char *model = test_model_path(MODEL);
+    static struct h_ref ref[2];
+    for (int i = 0; i < 2; i++) h_reference(model, prompts[i], MAX_TOKENS, 0, &ref[i]);
+    char args[128];
+    snprintf(args, sizeof args, "--batch-wait-us %d --max-batch 2", WAIT_US);
+    struct cluster *cl = h_cluster_start(model, 1, 1, args, "");
+    struct h_gen g[2];
+    int64_t ttft = run_pair(cl, g, "full");
+    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
+    uint64_t steps = router_steps(cl);
+    printf("  --max-batch 2: %llu steps, first token of the first after %lld ms\n", (unsigned long long)steps,
+           (long long)ttft);
+    H_ASSERT(cl, steps == MAX_TOKENS, "%llu steps, expected %d", (unsigned long long)steps, MAX_TOKENS);
+    H_ASSERT(cl, ttft >= LATE_MS && ttft < WAIT_US / 1000 - 100,
+             "the first token came %lld ms after the request: expected when the second prompt filled the batch "
+             "(%d ms), well before the wait's end", (long long)ttft, LATE_MS);
+    h_cluster_stop(cl);
+}
+
+TEST_MAIN(cluster_batch_wait_one_step, cluster_batch_wait_full_batch_plans)
