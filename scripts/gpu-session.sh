@@ -14,6 +14,13 @@
 #   prefix   bench_cluster, 7B Q4_K_M, 1x1: 1,024-token shared prefix + 64
 #            distinct 32-token questions, 64 generated, concurrency 16, the
 #            router's prefix cache on and off
+#   wait     the prefix step's load with llm-router --batch-wait-us
+#            (LLM_SESSION_WAIT_US, 1000) on both sides, then c=1 (prompt
+#            128, 64 generated) without and with it: what the wait costs
+#            a request that finds the pipeline idle
+#   itl      bench_cluster, 7B Q4_K_M, 1x1, c=64, prompt 128, 128 generated,
+#            256 requests: the router's defaults, then hand-tuned
+#            (--max-seqs 64, --itl-target-ms 0): ITL p50/p90 and throughput
 #   gateway  scripts/gateway-bench.sh: llm-gateway + serve-bench against
 #            bench_cluster through libllmclient, 7B Q4_K_M, 1x1, c=1 and 64
 #            (needs node on PATH and the pack's llm-gateway and llm)
@@ -170,19 +177,35 @@ for what in $steps; do
         cluster prefix_bench 110 1x1 --shared-prefix "${LLM_SESSION_PREFIX:-1024}" --question-tokens 32 --requests 64 --concurrency 16 \
             --max-tokens 64
         ;;
+    wait)
+        [ -n "$b90" ] && cluster_model || continue
+        w="--batch-wait-us ${LLM_SESSION_WAIT_US:-1000}"
+        cluster wait_prefix_bench 110 1x1 --shared-prefix "${LLM_SESSION_PREFIX:-1024}" --question-tokens 32 \
+            --requests 64 --concurrency 16 --max-tokens 64 --router-args "$w"
+        cluster wait_c1_off_bench 60 1x1 --concurrency 1 --requests 24 --prompt-tokens 128 --max-tokens 64
+        cluster wait_c1_on_bench 60 1x1 --concurrency 1 --requests 24 --prompt-tokens 128 --max-tokens 64 \
+            --router-args "$w"
+        ;;
+    itl)
+        [ -n "$b90" ] && cluster_model || continue
+        cluster itl_default_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128
+        cluster itl_tuned_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
+            --worker-args "--max-seqs 64" --router-args "--itl-target-ms 0"
+        ;;
     gateway)
         [ -n "$b90" ] && cluster_model || continue
         OUT="$out/gateway" LLM_BENCH_BUILD="$b90" LLM_GW_BENCH_MODEL="$model" TMPDIR="$tmp" \
             step gateway_bench 300 ./scripts/gateway-bench.sh
         ;;
-    *) note "gpu-session: unknown step '$what' (tests, t4, kv, cluster, prefix, gateway)"; status=2 ;;
+    *) note "gpu-session: unknown step '$what' (tests, t4, kv, cluster, prefix, wait, itl, gateway)"; status=2 ;;
     esac
 done
 [ -n "$model" ] && rm -f "$model"
 rm -rf "$tmp"/bench_cluster_* 2>/dev/null
 
 # The tables, then the summary.
-for f in kv_bench cluster_bench prefix_bench; do
+for f in kv_bench cluster_bench prefix_bench wait_prefix_bench wait_c1_off_bench wait_c1_on_bench itl_default_bench \
+    itl_tuned_bench; do
     [ -f "$out/$f.log" ] || continue
     echo "=== $f"
     if [ "$f" = kv_bench ]; then
