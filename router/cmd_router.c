@@ -78,8 +78,9 @@ int main(int argc, char **argv) {
          "prefill that fits it, by a step-time model learned per pipeline (0: no cap)",
          &c.itl_target_ms, 0, 600000, NULL},
         {"batch-wait-us", "LLM_BATCH_WAIT_US", OPTION_INT, "0",
-         "a pipeline with nothing running waits this long after a prompt arrives before planning, so "
-         "that prompts arriving together start in one step (0: plan at once)",
+         "a pipeline with nothing running waits until this long passes without a new prompt (at most "
+         "8 times this long) before planning, so that prompts arriving together start in one step (0: plan "
+         "at once)",
          &c.batch_wait_us, 0, 1000000, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},

@@ -130,7 +130,10 @@ struct pipe {
     double fit_w, fit_p, fit_pp, fit_t, fit_pt;
     double base_us, us_per_token; /* us_per_token 0: no fit yet */
     int64_t last_result_us;
-    int64_t idle_work_us; /* when an idle pipeline got its first prompt (--batch-wait-us); 0: none */
+    /* --batch-wait-us: when an idle pipeline got its first prompt (0: none),
+     * when the last came, and how many were waiting then. */
+    int64_t idle_first_us, idle_last_us;
+    int32_t idle_waiting;
     bool touched; /* in server.pipes_touched */
 };
 
@@ -178,6 +181,7 @@ struct server {
     bool loop_full;
     int64_t last_full_ms;
     int64_t batch_wake_us; /* the earliest end of a pipeline's --batch-wait-us; 0: none */
+    int64_t last_end_us;   /* server_mono_us() of the last GenerateDone sent (--batch-wait-us) */
     /* Clients gone (docs/router.md, "Clients that go away"). */
     struct gone *gone[SERVER_GONE_BUCKETS];
     size_t n_gone;

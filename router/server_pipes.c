@@ -401,23 +401,36 @@ static void pipe_set_cap(server *s, struct pipe *pp) {
 
 /* --batch-wait-us (docs/router.md, "Batch wait"): true while a pipeline
  * with nothing running or in flight holds its first step for prompts that
- * arrive together; the loop pumps it again when the wait ends. */
+ * arrive together: until the wait passes with neither a new prompt nor a
+ * request's end sent (whose client may be about to send the next), at
+ * most PIPE_BATCH_WAIT_MAX waits from the first, or until the batch is
+ * full.  The loop pumps it again when the wait ends. */
+#define PIPE_BATCH_WAIT_MAX 8
+
 static bool pipe_batch_waits(server *s, struct pipe *pp) {
     if (s->cfg.batch_wait_us <= 0 || pp->n_flights > 0) {
-        pp->idle_work_us = 0;
+        pp->idle_first_us = 0;
         return false;
     }
     struct sched_stats st;
     sched_get_stats(pp->sched, &st);
     if (st.n_running > 0 || st.n_waiting == 0 || st.n_waiting >= pp->max_batch) {
-        pp->idle_work_us = 0;
+        pp->idle_first_us = 0;
         return false;
     }
-    int64_t now = server_mono_us();
-    if (!pp->idle_work_us) pp->idle_work_us = now;
-    int64_t end = pp->idle_work_us + s->cfg.batch_wait_us;
+    int64_t now = server_mono_us(), wait = s->cfg.batch_wait_us;
+    if (!pp->idle_first_us) {
+        pp->idle_first_us = pp->idle_last_us = now;
+        pp->idle_waiting = st.n_waiting;
+    } else if (st.n_waiting > pp->idle_waiting) {
+        pp->idle_last_us = now;
+        pp->idle_waiting = st.n_waiting;
+    }
+    if (s->last_end_us > pp->idle_last_us) pp->idle_last_us = s->last_end_us;
+    int64_t end = pp->idle_last_us + wait, cap = pp->idle_first_us + PIPE_BATCH_WAIT_MAX * wait;
+    if (end > cap) end = cap;
     if (now >= end) {
-        pp->idle_work_us = 0;
+        pp->idle_first_us = 0;
         return false;
     }
     if (!s->batch_wake_us || end < s->batch_wake_us) s->batch_wake_us = end;

@@ -439,6 +439,7 @@ static void req_finalize(server *s, struct req *q) {
     q->n_sent = q->n_out;
     q->text_sent = q->text_len;
     req_send_done(s, q, q->ident, q->ident_len);
+    s->last_end_us = server_mono_us();
     LOG(LL_INFO, "request %s: done (%s%s%s), %d prompt + %d completion tokens", q->id,
         protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)
             ? protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)->name
