@@ -42,19 +42,28 @@ static int64_t run_pair(struct cluster *cl, struct h_gen *g, const char *tag) {
     return g[0].first_token_ms - t0;
 }
 
-TEST(cluster_batch_wait_one_step) {
+/* A 1x1 cluster with the router's args runs the pair (checked against
+ * llm-run); its steps and the first request's time to first token. */
+static struct cluster *run_case(const char *router_args, const char *tag, uint64_t *steps, int64_t *ttft) {
     const char *model = test_model_path(MODEL);
     static struct h_ref ref[2];
     for (int i = 0; i < 2; i++) h_reference(model, prompts[i], MAX_TOKENS, 0, &ref[i]);
+    struct cluster *cl = h_cluster_start(model, 1, 1, router_args, "");
+    struct h_gen g[2];
+    *ttft = run_pair(cl, g, tag);
+    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
+    *steps = router_steps(cl);
+    return cl;
+}
+
+TEST(cluster_batch_wait_one_step) {
     char args[128];
     snprintf(args, sizeof args, "--batch-wait-us %d", WAIT_US);
-    struct cluster *cl = h_cluster_start(model, 1, 1, args, "");
-    struct h_gen g[2];
-    int64_t ttft = run_pair(cl, g, "wait");
-    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
+    uint64_t steps;
+    int64_t ttft;
+    struct cluster *cl = run_case(args, "wait", &steps, &ttft);
     /* Both prompts in the first step, then a decode step per further token:
      * without the wait the first runs alone and the second starts later. */
-    uint64_t steps = router_steps(cl);
     printf("  two prompts %d ms apart: %llu steps for %d tokens each, first token of the first after %lld ms\n",
            LATE_MS, (unsigned long long)steps, MAX_TOKENS, (long long)ttft);
     H_ASSERT(cl, steps == MAX_TOKENS, "%llu steps, expected %d (both prompts in the first)",
@@ -69,16 +78,11 @@ TEST(cluster_batch_wait_one_step) {
 /* A batch that is full ends the wait: with --max-batch 2 the second prompt
  * starts the step. */
 TEST(cluster_batch_wait_full_batch_plans) {
-    const char *model = test_model_path(MODEL);
-    static struct h_ref ref[2];
-    for (int i = 0; i < 2; i++) h_reference(model, prompts[i], MAX_TOKENS, 0, &ref[i]);
     char args[128];
     snprintf(args, sizeof args, "--batch-wait-us %d --max-batch 2", WAIT_US);
-    struct cluster *cl = h_cluster_start(model, 1, 1, args, "");
-    struct h_gen g[2];
-    int64_t ttft = run_pair(cl, g, "full");
-    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
-    uint64_t steps = router_steps(cl);
+    uint64_t steps;
+    int64_t ttft;
+    struct cluster *cl = run_case(args, "full", &steps, &ttft);
     printf("  --max-batch 2: %llu steps, first token of the first after %lld ms\n", (unsigned long long)steps,
            (long long)ttft);
     H_ASSERT(cl, steps == MAX_TOKENS, "%llu steps, expected %d", (unsigned long long)steps, MAX_TOKENS);
