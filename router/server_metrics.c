@@ -20,6 +20,8 @@ static const double itl_bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 /* Planning one step: microseconds normally, a millisecond is trouble. */
 static const double plan_bounds[] = {0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005,
                                      0.0001,   0.00025,   0.0005,   0.001,   0.0025,   0.01};
+/* --batch-wait-us holds a step for at most 8 waits of up to a second. */
+static const double wait_bounds[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1, 8};
 static const double e2e_bounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,  2.5,  5,
                                     10,   15,    20,   30,  40,   50,  60, 120, 300, 600};
 
@@ -33,7 +35,7 @@ struct server_metrics {
     metrics_series *running, *waiting, *kv_used, *kv_total, *pipelines, *redis;
     metrics_series *prompt_tokens, *gen_tokens, *preemptions;
     metrics_series *prefix_hits, *prefix_misses, *prefix_blocks, *prefix_deferred;
-    metrics_series *plan, *capped;
+    metrics_series *plan, *capped, *batch_wait;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
@@ -140,6 +142,9 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
         DEF(METRICS_COUNTER, "llm_prefix_cache_deferred_total",
             "Admissions that waited for prompt blocks another running sequence was still computing, "
             "to map them from the prefix cache instead of computing them again."),
+        HIST("llm_router_batch_wait_seconds",
+             "Time a pipeline with nothing running held its first step for more prompts (--batch-wait-us).",
+             wait_bounds),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -168,6 +173,7 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->plan = metrics_series_get(f[17], NULL);
     sm->capped = metrics_series_get(f[18], NULL);
     sm->prefix_deferred = metrics_series_get(f[19], NULL);
+    sm->batch_wait = metrics_series_get(f[20], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -290,6 +296,10 @@ void server_metrics_token_gap(server_metrics *sm, double seconds) {
 
 void server_metrics_step_plan(server_metrics *sm, double seconds) {
     if (sm) metrics_histogram_observe(sm->plan, seconds);
+}
+
+void server_metrics_batch_wait(server_metrics *sm, double seconds) {
+    if (sm) metrics_histogram_observe(sm->batch_wait, seconds);
 }
 
 void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms) {

@@ -41,6 +41,8 @@ void server_metrics_token_gap(server_metrics *sm, double seconds);
 void server_metrics_scheduled(server_metrics *sm, int64_t created_ms, int64_t now_ms);
 /* The planning of one step took this long (router/server_pipes.c). */
 void server_metrics_step_plan(server_metrics *sm, double seconds);
+/* A pipeline held its first step this long for more prompts (--batch-wait-us). */
+void server_metrics_batch_wait(server_metrics *sm, double seconds);
 /* A request finished with a GenerateDone finish reason. */
 void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created_ms, int64_t done_ms);
 /* Refusals (docs/security.md): a Cancel (cancel true) or a re-attaching

@@ -415,6 +415,9 @@ static bool pipe_batch_waits(server *s, struct pipe *pp) {
     struct sched_stats st;
     sched_get_stats(pp->sched, &st);
     if (st.n_running > 0 || st.n_waiting == 0 || st.n_waiting >= pp->max_batch) {
+        /* A full batch ends a wait early. */
+        if (pp->idle_first_us && st.n_waiting >= pp->max_batch)
+            server_metrics_batch_wait(s->cfg.metrics, (double)(server_mono_us() - pp->idle_first_us) / 1e6);
         pp->idle_first_us = 0;
         return false;
     }
@@ -430,6 +433,7 @@ static bool pipe_batch_waits(server *s, struct pipe *pp) {
     int64_t end = pp->idle_last_us + wait, cap = pp->idle_first_us + PIPE_BATCH_WAIT_MAX * wait;
     if (end > cap) end = cap;
     if (now >= end) {
+        server_metrics_batch_wait(s->cfg.metrics, (double)(now - pp->idle_first_us) / 1e6);
         pp->idle_first_us = 0;
         return false;
     }

@@ -39,7 +39,11 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <sys/prctl.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -688,6 +692,64 @@ static H_UNUSED void h_check(struct cluster *cl, const struct h_gen *g, const st
         H_ASSERT(cl, strncmp(g->text, ref->text, strlen(g->text)) == 0,
                  "request %s: text \"%s\" is not a prefix of llm-run's \"%s\"", g->res.request_id, g->text,
                  ref->text);
+}
+
+
+/* ---- metrics ports ---- */
+
+/* GET path; returns the status (-1: no answer) with the body in body. */
+static H_UNUSED int h_http_get(int port, const char *path, char *body, size_t size) {
+    body[0] = 0;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        close(fd);
+        return -1;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+    if (write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return -1;
+    }
+    size_t cap = 1 << 20, len = 0;
+    char *raw = malloc(cap);
+    ssize_t got;
+    while (len < cap - 1 && (got = read(fd, raw + len, cap - 1 - len)) > 0) len += (size_t)got;
+    close(fd);
+    raw[len] = 0;
+    int status = -1;
+    char *end = strstr(raw, "\r\n\r\n");
+    if (end && sscanf(raw, "HTTP/1.%*d %d", &status) == 1) snprintf(body, size, "%s", end + 4);
+    free(raw);
+    return status;
+}
+
+/* The value of the sample line that starts with `series ` in text, or -1. */
+static H_UNUSED double h_sample(const char *text, const char *series) {
+    size_t n = strlen(series);
+    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+    return -1;
+}
+
+/* The port a process logged ("metrics on http://... (port N)"), waiting for
+ * the line (bounded); -1 when it never came. */
+static H_UNUSED int h_logged_port(struct h_proc *p) {
+    int64_t end = h_now_ms() + 10000;
+    while (h_now_ms() < end) {
+        char *log = test_read_file(p->log, NULL);
+        const char *at = log ? strstr(log, "metrics on http://") : NULL;
+        at = at ? strstr(at, "(port ") : NULL;
+        int port = at ? atoi(at + 6) : -1;
+        free(log);
+        if (port > 0) return port;
+        h_sleep_ms(50);
+    }
+    return -1;
 }
 
 #endif

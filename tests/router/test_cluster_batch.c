@@ -58,7 +58,7 @@ static struct cluster *run_case(const char *router_args, const char *tag, uint64
 
 TEST(cluster_batch_wait_one_step) {
     char args[128];
-    snprintf(args, sizeof args, "--batch-wait-us %d", WAIT_US);
+    snprintf(args, sizeof args, "--batch-wait-us %d --metrics-listen 127.0.0.1:0", WAIT_US);
     uint64_t steps;
     int64_t ttft;
     struct cluster *cl = run_case(args, "wait", &steps, &ttft);
@@ -72,6 +72,15 @@ TEST(cluster_batch_wait_one_step) {
     H_ASSERT(cl, ttft >= LATE_MS + WAIT_US / 1000 - 50,
              "the first token came %lld ms after the request, within the wait that the second prompt started",
              (long long)ttft);
+    /* One held step, of about that long, in the router's histogram. */
+    int port = h_logged_port(&cl->router);
+    H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    static char body[1 << 20];
+    H_ASSERT(cl, h_http_get(port, "/metrics", body, sizeof body) == 200, "no /metrics");
+    double n = h_sample(body, "llm_router_batch_wait_seconds_count");
+    double sum = h_sample(body, "llm_router_batch_wait_seconds_sum");
+    H_ASSERT(cl, n == 1 && sum >= (LATE_MS + WAIT_US / 1000 - 50) / 1000.0 && sum < 8.0 * WAIT_US / 1e6,
+             "llm_router_batch_wait_seconds: count %g, sum %g s", n, sum);
     h_cluster_stop(cl);
 }
 

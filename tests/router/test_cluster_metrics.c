@@ -9,7 +9,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 
 #define MODEL "stories260K-f32.gguf"
 
@@ -24,45 +23,6 @@ static int free_port(void) {
         TEST_FAIL("no free loopback port: %s", strerror(errno));
     close(fd);
     return ntohs(sa.sin_port);
-}
-
-/* GET path; returns the status (-1: no answer) with the body in body. */
-static int http_get(int port, const char *path, char *body, size_t size) {
-    body[0] = 0;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct timeval tv = {5, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        close(fd);
-        return -1;
-    }
-    char req[256];
-    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
-    if (write(fd, req, (size_t)n) != n) {
-        close(fd);
-        return -1;
-    }
-    size_t cap = 1 << 20, len = 0;
-    char *raw = malloc(cap);
-    ssize_t got;
-    while (len < cap - 1 && (got = read(fd, raw + len, cap - 1 - len)) > 0) len += (size_t)got;
-    close(fd);
-    raw[len] = 0;
-    int status = -1;
-    char *end = strstr(raw, "\r\n\r\n");
-    if (end && sscanf(raw, "HTTP/1.%*d %d", &status) == 1) snprintf(body, size, "%s", end + 4);
-    free(raw);
-    return status;
-}
-
-/* The value of the sample line that starts with `series ` in text, or -1. */
-static double sample(const char *text, const char *series) {
-    size_t n = strlen(series);
-    for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
-        if (strncmp(p, series, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
-    return -1;
 }
 
 /* promtool's verdict on a scrape (a note when it is not installed). */
@@ -90,7 +50,7 @@ static void promtool_check(const char *text) {
 static void wait_ready_status(struct cluster *cl, int port, int want, char *body, size_t size) {
     int64_t end = h_now_ms() + 15000;
     int st;
-    while ((st = http_get(port, "/ready", body, size)) != want) {
+    while ((st = h_http_get(port, "/ready", body, size)) != want) {
         if (h_now_ms() > end) H_FAIL(cl, "/ready answers %d (\"%s\"), expected %d", st, body, want);
         h_sleep_ms(50);
     }
@@ -103,7 +63,7 @@ TEST(cluster_router_metrics) {
     snprintf(extra, sizeof extra, "--metrics-listen 127.0.0.1:%d --worker-timeout-ms 600", port);
     struct cluster *cl = h_cluster_start(model, 1, 1, extra, "");
     static char body[1 << 20];
-    ASSERT_EQ(200, http_get(port, "/health", body, sizeof body));
+    ASSERT_EQ(200, h_http_get(port, "/health", body, sizeof body));
     ASSERT_STREQ("ok\n", body);
     wait_ready_status(cl, port, 200, body, sizeof body);
     ASSERT_STREQ("ready\n", body);
@@ -125,24 +85,24 @@ TEST(cluster_router_metrics) {
     /* Counters follow the loop's turn after the last reply: poll briefly. */
     int64_t end = h_now_ms() + 5000;
     do {
-        ASSERT_EQ(200, http_get(port, "/metrics", body, sizeof body));
-    } while (sample(body, "llm_generation_tokens_total") < tokens && h_now_ms() < end && (h_sleep_ms(20), 1));
-    ASSERT_EQ((double)tokens, sample(body, "llm_generation_tokens_total"));
-    ASSERT_EQ(3.0, sample(body, "llm_requests_finished_total{finished_reason=\"length\"}"));
-    ASSERT_EQ(0.0, sample(body, "llm_requests_finished_total{finished_reason=\"error\"}"));
-    ASSERT_TRUE(sample(body, "llm_prompt_tokens_total") >= 3.0);
-    ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_count"));
-    ASSERT_EQ(3.0, sample(body, "llm_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
-    ASSERT_EQ(3.0, sample(body, "llm_e2e_request_latency_seconds_count"));
-    ASSERT_EQ(3.0, sample(body, "llm_request_queue_time_seconds_count"));
-    ASSERT_EQ((double)(tokens - 3), sample(body, "llm_inter_token_latency_seconds_count"));
-    ASSERT_EQ(0.0, sample(body, "llm_num_requests_running"));
-    ASSERT_EQ(0.0, sample(body, "llm_num_requests_waiting"));
-    ASSERT_TRUE(sample(body, "llm_kv_blocks_capacity") > 0);
-    ASSERT_EQ(0.0, sample(body, "llm_kv_blocks_used"));
-    ASSERT_EQ(1.0, sample(body, "llm_pipelines_in_service"));
-    ASSERT_EQ(1.0, sample(body, "llm_redis_connected"));
-    ASSERT_TRUE(sample(body, "llm_num_preemptions_total") >= 0);
+        ASSERT_EQ(200, h_http_get(port, "/metrics", body, sizeof body));
+    } while (h_sample(body, "llm_generation_tokens_total") < tokens && h_now_ms() < end && (h_sleep_ms(20), 1));
+    ASSERT_EQ((double)tokens, h_sample(body, "llm_generation_tokens_total"));
+    ASSERT_EQ(3.0, h_sample(body, "llm_requests_finished_total{finished_reason=\"length\"}"));
+    ASSERT_EQ(0.0, h_sample(body, "llm_requests_finished_total{finished_reason=\"error\"}"));
+    ASSERT_TRUE(h_sample(body, "llm_prompt_tokens_total") >= 3.0);
+    ASSERT_EQ(3.0, h_sample(body, "llm_time_to_first_token_seconds_count"));
+    ASSERT_EQ(3.0, h_sample(body, "llm_time_to_first_token_seconds_bucket{le=\"+Inf\"}"));
+    ASSERT_EQ(3.0, h_sample(body, "llm_e2e_request_latency_seconds_count"));
+    ASSERT_EQ(3.0, h_sample(body, "llm_request_queue_time_seconds_count"));
+    ASSERT_EQ((double)(tokens - 3), h_sample(body, "llm_inter_token_latency_seconds_count"));
+    ASSERT_EQ(0.0, h_sample(body, "llm_num_requests_running"));
+    ASSERT_EQ(0.0, h_sample(body, "llm_num_requests_waiting"));
+    ASSERT_TRUE(h_sample(body, "llm_kv_blocks_capacity") > 0);
+    ASSERT_EQ(0.0, h_sample(body, "llm_kv_blocks_used"));
+    ASSERT_EQ(1.0, h_sample(body, "llm_pipelines_in_service"));
+    ASSERT_EQ(1.0, h_sample(body, "llm_redis_connected"));
+    ASSERT_TRUE(h_sample(body, "llm_num_preemptions_total") >= 0);
 
     promtool_check(body);
 
@@ -150,24 +110,8 @@ TEST(cluster_router_metrics) {
     h_proc_kill(&cl->workers[0], SIGKILL);
     wait_ready_status(cl, port, 503, body, sizeof body);
     ASSERT_TRUE(strstr(body, "not ready: no pipeline in service") != NULL);
-    ASSERT_EQ(200, http_get(port, "/health", body, sizeof body));
+    ASSERT_EQ(200, h_http_get(port, "/health", body, sizeof body));
     h_cluster_stop(cl);
-}
-
-/* The port a process logged ("metrics on http://... (port N)"), waiting for
- * the line (bounded); -1 when it never came. */
-static int logged_port(struct h_proc *p) {
-    int64_t end = h_now_ms() + 10000;
-    while (h_now_ms() < end) {
-        char *log = test_read_file(p->log, NULL);
-        const char *at = log ? strstr(log, "metrics on http://") : NULL;
-        at = at ? strstr(at, "(port ") : NULL;
-        int port = at ? atoi(at + 6) : -1;
-        free(log);
-        if (port > 0) return port;
-        h_sleep_ms(50);
-    }
-    return -1;
 }
 
 /* Each stage of a 2-stage pipeline on its own metrics port (port 0: the
@@ -180,7 +124,7 @@ TEST(cluster_worker_metrics) {
     int port[2];
     static char body[1 << 20];
     for (int i = 0; i < 2; i++) {
-        port[i] = logged_port(&cl->workers[i]);
+        port[i] = h_logged_port(&cl->workers[i]);
         H_ASSERT(cl, port[i] > 0, "%s logged no metrics port", cl->workers[i].name);
         wait_ready_status(cl, port[i], 200, body, sizeof body);
     }
@@ -200,17 +144,17 @@ TEST(cluster_worker_metrics) {
          * can reach the client first: poll briefly. */
         int64_t end = h_now_ms() + 5000;
         do {
-            ASSERT_EQ(200, http_get(port[i], "/metrics", body, sizeof body));
-        } while (sample(body, series) < 10 && h_now_ms() < end && (h_sleep_ms(20), 1));
-        if (!(sample(body, series) >= 10)) H_FAIL(cl, "stage %d: %s is %g", i, series, sample(body, series));
-        ASSERT_TRUE(sample(body, "llm_stage_steps_total") >= 10);
-        ASSERT_TRUE(sample(body, "llm_stage_tokens_total") >= 10);
-        ASSERT_TRUE(sample(body, "llm_stage_kv_blocks_capacity") > 0);
+            ASSERT_EQ(200, h_http_get(port[i], "/metrics", body, sizeof body));
+        } while (h_sample(body, series) < 10 && h_now_ms() < end && (h_sleep_ms(20), 1));
+        if (!(h_sample(body, series) >= 10)) H_FAIL(cl, "stage %d: %s is %g", i, series, h_sample(body, series));
+        ASSERT_TRUE(h_sample(body, "llm_stage_steps_total") >= 10);
+        ASSERT_TRUE(h_sample(body, "llm_stage_tokens_total") >= 10);
+        ASSERT_TRUE(h_sample(body, "llm_stage_kv_blocks_capacity") > 0);
         snprintf(series, sizeof series, "llm_device_memory_capacity_bytes{stage=\"%d\"}", i);
-        ASSERT_TRUE(sample(body, series) > 0);
+        ASSERT_TRUE(h_sample(body, series) > 0);
         snprintf(series, sizeof series, "llm_link_send_time_seconds_count{stage=\"%d\"}", i);
-        if (i == 0) ASSERT_TRUE(sample(body, series) >= 10);
-        else ASSERT_EQ(0.0, sample(body, series)); /* the last stage sends nothing on */
+        if (i == 0) ASSERT_TRUE(h_sample(body, series) >= 10);
+        else ASSERT_EQ(0.0, h_sample(body, series)); /* the last stage sends nothing on */
         promtool_check(body);
     }
     h_cluster_stop(cl);
