@@ -66,6 +66,7 @@ struct req {
     uint64_t order;
     enum req_state state;
     struct pipe *pipe;
+    uint32_t ended_on;             /* 1 + the id of the pipeline it ended on (0: none; --batch-wait-us) */
     struct sched_seq *seq;
     uint64_t seq_id, step;         /* step: the step in flight holding it, 0 if none */
     int failures;
@@ -134,6 +135,7 @@ struct pipe {
      * when the last came, and how many were waiting then. */
     int64_t idle_first_us, idle_last_us;
     int32_t idle_waiting;
+    int64_t last_end_us; /* the last GenerateDone sent for a request that ran here */
     bool touched; /* in server.pipes_touched */
 };
 
@@ -181,7 +183,6 @@ struct server {
     bool loop_full;
     int64_t last_full_ms;
     int64_t batch_wake_us; /* the earliest end of a pipeline's --batch-wait-us; 0: none */
-    int64_t last_end_us;   /* server_mono_us() of the last GenerateDone sent (--batch-wait-us) */
     /* Clients gone (docs/router.md, "Clients that go away"). */
     struct gone *gone[SERVER_GONE_BUCKETS];
     size_t n_gone;

@@ -401,10 +401,10 @@ static void pipe_set_cap(server *s, struct pipe *pp) {
 
 /* --batch-wait-us (docs/router.md, "Batch wait"): true while a pipeline
  * with nothing running or in flight holds its first step for prompts that
- * arrive together: until the wait passes with neither a new prompt nor a
- * request's end sent (whose client may be about to send the next), at
- * most PIPE_BATCH_WAIT_MAX waits from the first, or until the batch is
- * full.  The loop pumps it again when the wait ends. */
+ * arrive together: until the wait passes with neither a new prompt nor the
+ * end of a request that ran on it sent (whose client may be about to send
+ * the next), at most PIPE_BATCH_WAIT_MAX waits from the first, or until
+ * the batch is full.  The loop pumps it again when the wait ends. */
 #define PIPE_BATCH_WAIT_MAX 8
 
 static bool pipe_batch_waits(server *s, struct pipe *pp) {
@@ -429,7 +429,7 @@ static bool pipe_batch_waits(server *s, struct pipe *pp) {
         pp->idle_last_us = now;
         pp->idle_waiting = st.n_waiting;
     }
-    if (s->last_end_us > pp->idle_last_us) pp->idle_last_us = s->last_end_us;
+    if (pp->last_end_us > pp->idle_last_us) pp->idle_last_us = pp->last_end_us;
     int64_t end = pp->idle_last_us + wait, cap = pp->idle_first_us + PIPE_BATCH_WAIT_MAX * wait;
     if (end > cap) end = cap;
     if (now >= end) {

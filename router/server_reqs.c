@@ -403,6 +403,7 @@ static void req_unassign(server *s, struct req *q) {
 void req_end(server *s, struct req *q, int32_t finish, int32_t stop_token, const char *stop_string,
                     Llm__Error__Code code, const char *msg) {
     if (q->state == REQ_DONE || q->finishing) return;
+    if (q->pipe) q->ended_on = q->pipe->p->id + 1;
     req_unassign(s, q);
     if (q->state == REQ_QUEUED) queue_remove(s, q);
     q->finish = finish;
@@ -439,7 +440,9 @@ static void req_finalize(server *s, struct req *q) {
     q->n_sent = q->n_out;
     q->text_sent = q->text_len;
     req_send_done(s, q, q->ident, q->ident_len);
-    s->last_end_us = server_mono_us();
+    /* Its client may send the next request now (--batch-wait-us). */
+    struct pipeline *ended = q->ended_on ? registry_pipeline_find(s->reg, q->ended_on - 1) : NULL;
+    if (ended && ended->ud) ((struct pipe *)ended->ud)->last_end_us = server_mono_us();
     LOG(LL_INFO, "request %s: done (%s%s%s), %d prompt + %d completion tokens", q->id,
         protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)
             ? protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)->name
