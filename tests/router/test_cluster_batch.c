@@ -51,7 +51,10 @@ static struct cluster *run_case(const char *router_args, const char *tag, uint64
     struct cluster *cl = h_cluster_start(model, 1, 1, router_args, "");
     struct h_gen g[2];
     *ttft = run_pair(cl, g, tag);
-    for (int i = 0; i < 2; i++) h_check(cl, &g[i], &ref[i]);
+    for (int i = 0; i < 2; i++) {
+        h_check(cl, &g[i], &ref[i]);
+        llm_generate_result_free(&g[i].res);
+    }
     *steps = router_steps(cl);
     return cl;
 }

@@ -80,6 +80,7 @@ TEST(cluster_router_metrics) {
         h_generate(&g[i]);
         H_ASSERT(cl, g[i].rc == 0, "request %d: %s", i, g[i].err);
         tokens += g[i].n;
+        llm_generate_result_free(&g[i].res);
     }
     ASSERT_EQ(8 + 12 + 16, tokens);
     /* Counters follow the loop's turn after the last reply: poll briefly. */
@@ -136,6 +137,7 @@ TEST(cluster_worker_metrics) {
     snprintf(g.request_id, sizeof g.request_id, "worker-metrics");
     h_generate(&g);
     H_ASSERT(cl, g.rc == 0, "request: %s", g.err);
+    llm_generate_result_free(&g.res);
     for (int i = 0; i < 2; i++) {
         char series[128];
         snprintf(series, sizeof series, "llm_step_time_seconds_count{stage=\"%d\"}", i);
