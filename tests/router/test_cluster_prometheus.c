@@ -420,6 +420,7 @@ TEST(cluster_prometheus_scrapes) {
     for (int i = 0; i < N_DIRECT; i++) {
         P_ASSERT(cl, &pr, g[i].rc == 0, "request %d: %s", i, g[i].err);
         tokens += g[i].n;
+        llm_generate_result_free(&g[i].res);
     }
     int requests = N_DIRECT;
     if (with_gateway) {

@@ -384,6 +384,7 @@ TEST(cluster_insecure_serves_and_bounds_frames) {
     /* The router drops the connection at the frame's header. */
     struct zio_parts in = {0};
     ASSERT_EQ(STATUS_TIMEOUT, zio_recv(s, &in, 1500));
+    zio_parts_free(&in);
     zio_sock_close(s);
     long after = vm_hwm_kb(cl->router.pid);
     printf("  router VmHWM %ld kB before, %ld kB after a 1 GB frame\n", before, after);
