@@ -441,7 +441,8 @@ static void req_finalize(server *s, struct req *q) {
     q->text_sent = q->text_len;
     req_send_done(s, q, q->ident, q->ident_len);
     /* Its client may send the next request now (--batch-wait-us). */
-    struct pipeline *ended = q->ended_on ? registry_pipeline_find(s->reg, q->ended_on - 1) : NULL;
+    struct pipeline *ended =
+        s->cfg.batch_wait_us > 0 && q->ended_on ? registry_pipeline_find(s->reg, q->ended_on - 1) : NULL;
     if (ended && ended->ud) ((struct pipe *)ended->ud)->last_end_us = server_mono_us();
     LOG(LL_INFO, "request %s: done (%s%s%s), %d prompt + %d completion tokens", q->id,
         protobuf_c_enum_descriptor_get_value(&llm__generate_done__finish_reason__descriptor, q->finish)
