@@ -82,6 +82,14 @@ int main(int argc, char **argv) {
          "8 times this long) before planning, so that prompts arriving together start in one step (0: plan "
          "at once)",
          &c.batch_wait_us, 0, 1000000, NULL},
+        {"prefill-hold-tokens", "LLM_PREFILL_HOLD_TOKENS", OPTION_INT, "0",
+         "while sequences decode, new prompts wait until they bring this many tokens together (at most "
+         "what a step takes beside the decodes), so that their prefill goes in one step rather than a "
+         "little in each of many (0: each prompt starts at once)",
+         &c.prefill_hold_tokens, 0, 1048576, NULL},
+        {"prefill-hold-ms", "LLM_PREFILL_HOLD_MS", OPTION_INT, "100",
+         "with --prefill-hold-tokens: the longest a prompt waits for others", &c.prefill_hold_ms, 1, 600000,
+         NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",

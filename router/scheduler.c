@@ -56,6 +56,8 @@ struct sched {
     uint64_t steps_total, preemptions_total;
     uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks, deferred;
     int32_t prefill_cap; /* < 0: none */
+    int32_t hold_tokens; /* sched_set_prefill_hold; <= 0: none */
+    uint64_t admissions_held;
     uint64_t steps_capped, capped_tokens;
 };
 
@@ -338,8 +340,34 @@ static bool sched_prefix_pending(const sched *s, const struct sched_seq *w,
     return false;
 }
 
+/* A running sequence with at most its next input left: it is decoding (or
+ * its last prefill chunk is in flight and its first token comes next). */
+static bool sched_decoding(const struct sched_seq *q) {
+    return q->running && q->n_tokens - q->table.n_tokens <= 1;
+}
+
+/* sched_set_prefill_hold: true while sequences decode and the waiting ones
+ * bring fewer tokens than the hold, or than a step can take beside the
+ * decodes. */
+static bool sched_holds(const sched *s) {
+    int32_t n_dec = 0;
+    int64_t waiting = 0;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        const struct sched_seq *q = s->all[i];
+        if (sched_decoding(q)) n_dec++;
+        else if (!q->running) waiting += q->n_tokens;
+    }
+    int32_t want = s->hold_tokens, room = s->cfg.step_tokens - n_dec;
+    if (room < want) want = room;
+    return n_dec > 0 && waiting > 0 && waiting < want;
+}
+
 static void sched_admit(sched *s) {
     if (!s->admit) return;
+    if (s->hold_tokens > 0 && sched_holds(s)) {
+        s->admissions_held++;
+        return;
+    }
     int32_t n_wait = 0, reserved = 0, n_lead = 0;
     for (int32_t i = 0; i < s->n_all; i++) {
         struct sched_seq *q = s->all[i];
@@ -407,6 +435,17 @@ static void sched_admit(sched *s) {
 
 void sched_set_prefill_cap(sched *s, int32_t max_tokens) { s->prefill_cap = max_tokens; }
 
+void sched_set_prefill_hold(sched *s, int32_t min_tokens) { s->hold_tokens = min_tokens; }
+
+struct sched_seq *sched_first_waiting(const sched *s) {
+    struct sched_seq *first = NULL;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        struct sched_seq *q = s->all[i];
+        if (!q->running && (!first || sched_before(q, first))) first = q;
+    }
+    return first;
+}
+
 int32_t sched_prefill_floor(const sched *s) {
     int32_t f = s->cfg.step_tokens / 16;
     if (f < 16) f = 16;
@@ -416,12 +455,6 @@ int32_t sched_prefill_floor(const sched *s) {
 /* A capped step takes at least this fraction (1/N) of the prompt tokens
  * the running sequences have left to prefill. */
 #define SCHED_PREFILL_SPREAD 4
-
-/* A running sequence with at most its next input left: it is decoding (or
- * its last prefill chunk is in flight and its first token comes next). */
-static bool sched_decoding(const struct sched_seq *q) {
-    return q->running && q->n_tokens - q->table.n_tokens <= 1;
-}
 
 int sched_plan(sched *s, struct sched_step *step) {
     memset(step, 0, sizeof *step);
@@ -613,6 +646,7 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->prefix_deferred = s->deferred;
     st->steps_capped = s->steps_capped;
     st->prefill_capped_tokens = s->capped_tokens;
+    st->admissions_held = s->admissions_held;
 }
 
 int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens) {

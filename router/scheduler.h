@@ -87,6 +87,8 @@ struct sched_stats {
     /* The prefill cap (sched_set_prefill_cap): steps it shortened, and the
      * prefill tokens it held back from them (taken by later steps). */
     uint64_t steps_capped, prefill_capped_tokens;
+    /* Plans that admitted nothing under sched_set_prefill_hold. */
+    uint64_t admissions_held;
 };
 
 /* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
@@ -146,6 +148,17 @@ void sched_set_prefill_cap(sched *s, int32_t max_tokens);
 /* The least prefill a capped step carries: step_tokens / 16, at least 16
  * (at most step_tokens). */
 int32_t sched_prefill_floor(const sched *s);
+
+/* Prefill in few, large steps (docs/router.md, "Prefill hold"): while some
+ * running sequence decodes, waiting sequences are admitted only once their
+ * tokens together reach min_tokens, or as many as a step takes beside one
+ * token per decoding sequence if that is fewer; then their prefill goes
+ * in one step instead of a small chunk in each of many.  min_tokens <= 0:
+ * admitted as they come (the initial state).  The caller lifts the hold
+ * (0) when the first in line has waited long enough. */
+void sched_set_prefill_hold(sched *s, int32_t min_tokens);
+/* The waiting sequence first in line (priority, then arrival); NULL if none. */
+struct sched_seq *sched_first_waiting(const sched *s);
 
 /* While false, waiting sequences are not admitted (a draining pipeline). */
 void sched_set_admit(sched *s, bool admit);

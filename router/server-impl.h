@@ -67,6 +67,7 @@ struct req {
     enum req_state state;
     struct pipe *pipe;
     uint32_t ended_on;             /* 1 + the id of the pipeline it ended on (0: none; --batch-wait-us) */
+    int64_t assigned_us;           /* server_mono_us() when it went to its pipeline (--prefill-hold-ms) */
     struct sched_seq *seq;
     uint64_t seq_id, step;         /* step: the step in flight holding it, 0 if none */
     int failures;
@@ -182,7 +183,7 @@ struct server {
     size_t n_pipes_touched, cap_pipes_touched;
     bool loop_full;
     int64_t last_full_ms;
-    int64_t batch_wake_us; /* the earliest end of a pipeline's --batch-wait-us; 0: none */
+    int64_t batch_wake_us; /* the earliest end of a --batch-wait-us or --prefill-hold-ms; 0: none */
     /* Clients gone (docs/router.md, "Clients that go away"). */
     struct gone *gone[SERVER_GONE_BUCKETS];
     size_t n_gone;

@@ -330,6 +330,7 @@ void pipes_assign(server *s) {
         }
         q->seq_id = sid;
         q->seq = seq;
+        q->assigned_us = server_mono_us();
         q->stall_told = false;
         q->pipe = best;
         q->step = 0;
@@ -399,6 +400,21 @@ static void pipe_set_cap(server *s, struct pipe *pp) {
     sched_set_prefill_cap(pp->sched, cap);
 }
 
+/* --prefill-hold-tokens (docs/router.md, "Prefill hold"): the scheduler
+ * holds new prompts while others decode, until the first in line has
+ * waited --prefill-hold-ms on this pipeline; the loop pumps it again then. */
+static void pipe_set_hold(server *s, struct pipe *pp) {
+    int32_t hold = s->cfg.prefill_hold_tokens;
+    if (hold > 0) {
+        struct sched_seq *w = sched_first_waiting(pp->sched);
+        struct req *q = w ? req_by_seq(s, sched_seq_id(w)) : NULL;
+        int64_t end = q ? q->assigned_us + (int64_t)s->cfg.prefill_hold_ms * 1000 : 0;
+        if (!q || server_mono_us() >= end) hold = 0;
+        else if (!s->batch_wake_us || end < s->batch_wake_us) s->batch_wake_us = end;
+    }
+    sched_set_prefill_hold(pp->sched, hold);
+}
+
 /* --batch-wait-us (docs/router.md, "Batch wait"): true while a pipeline
  * with nothing running or in flight holds its first step for prompts that
  * arrive together: until the wait passes with neither a new prompt nor the
@@ -453,6 +469,7 @@ void pipe_pump(server *s, struct pipe *pp) {
         struct sched_step st;
         if (pp->n_flights >= pp->max_flights) break;
         pipe_set_cap(s, pp);
+        pipe_set_hold(s, pp);
         int got = sched_plan(pp->sched, &st);
         for (int32_t k = 0; k < st.n_stuck && n_stuck < 16; k++) {
             struct req *q = req_by_seq(s, sched_seq_id(st.stuck[k]));

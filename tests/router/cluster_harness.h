@@ -588,6 +588,7 @@ struct h_gen {
     char text[4096];
     int callbacks, out_of_order;
     int64_t first_token_ms;  /* h_now_ms() of the first token, 0 before */
+    int64_t last_token_ms;   /* h_now_ms() of the latest token */
 };
 
 static int h_on_chunk(void *ud, const struct llm_chunk *ch) {
@@ -595,7 +596,8 @@ static int h_on_chunk(void *ud, const struct llm_chunk *ch) {
     g->callbacks++;
     if ((int)ch->index != g->n) g->out_of_order++;
     int64_t now = h_now_ms();
-    if (!g->first_token_ms) g->first_token_ms = now;
+    if (!g->first_token_ms) __atomic_store_n(&g->first_token_ms, now, __ATOMIC_RELEASE);
+    g->last_token_ms = now;
     int64_t mark = __atomic_load_n(&h_mark_ms, __ATOMIC_ACQUIRE), none = 0;
     if (mark && now >= mark)
         __atomic_compare_exchange_n(&h_first_after_mark_ms, &none, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);

@@ -1,13 +1,17 @@
-/* --batch-wait-us: a pipeline with nothing running holds its first step
- * until the wait passes with no new prompt, so that prompts arriving
- * apart start in one step (the router counts its steps), and plans at
- * once when the prompts fill its batch.  Outputs stay llm-run's. */
+/* The router's batching policies on a real cluster.  --batch-wait-us: a
+ * pipeline with nothing running holds its first step until the wait
+ * passes with no new prompt, so that prompts arriving apart start in one
+ * step (the router counts its steps), and plans at once when the prompts
+ * fill its batch.  --prefill-hold-tokens: a prompt that arrives while
+ * another sequence decodes waits for more prompts, until nothing decodes
+ * or --prefill-hold-ms passes.  Outputs stay llm-run's. */
 #include "tests/router/cluster_harness.h"
 
 #define MODEL "stories260K-f32.gguf"
 #define MAX_TOKENS 8
 #define WAIT_US 1000000
 #define LATE_MS 200
+#define HOLD_A_TOKENS 100
 
 static const char *const prompts[2] = {"Once upon a time", "The little dog"};
 
@@ -104,4 +108,47 @@ TEST(cluster_batch_wait_full_batch_plans) {
     h_cluster_stop(cl);
 }
 
-TEST_MAIN(cluster_batch_wait_one_step, cluster_batch_wait_full_batch_plans)
+/* B arrives while A decodes; with a hold of more tokens than B brings it
+ * starts only once A has ended (nothing decodes), and with the hold's
+ * longest wait at 1 ms while A still decodes.  Returns B's first token
+ * minus A's last, in ms. */
+static int64_t hold_case(const char *router_args, const char *tag) {
+    const char *model = test_model_path(MODEL);
+    static struct h_ref ref[2];
+    h_reference(model, prompts[0], HOLD_A_TOKENS, 0, &ref[0]);
+    h_reference(model, prompts[1], MAX_TOKENS, 0, &ref[1]);
+    /* Two stages: each of A's steps takes two hops, which leaves B time. */
+    struct cluster *cl = h_cluster_start(model, 1, 2, router_args, "");
+    struct h_gen g[2];
+    memset(g, 0, sizeof g);
+    for (int i = 0; i < 2; i++) {
+        g[i].cl = cl;
+        g[i].prompt = prompts[i];
+        g[i].max_tokens = i == 0 ? HOLD_A_TOKENS : MAX_TOKENS;
+        g[i].ignore_eos = 1;
+        snprintf(g[i].request_id, sizeof g[i].request_id, "%s-%d", tag, i);
+    }
+    struct h_batch a, b;
+    h_batch_start(&a, &g[0], 1);
+    int64_t end = h_now_ms() + 30000;
+    while (!__atomic_load_n(&g[0].first_token_ms, __ATOMIC_ACQUIRE) && h_now_ms() < end) h_sleep_ms(1);
+    h_batch_start(&b, &g[1], 1);
+    h_batch_join(&a);
+    h_batch_join(&b);
+    for (int i = 0; i < 2; i++) {
+        h_check(cl, &g[i], &ref[i]);
+        llm_generate_result_free(&g[i].res);
+    }
+    int64_t d = g[1].first_token_ms - g[0].last_token_ms;
+    printf("  %s: B's first token %lld ms after A's last\n", router_args, (long long)d);
+    h_cluster_stop(cl);
+    return d;
+}
+
+TEST(cluster_prefill_hold) {
+    ASSERT_TRUE(hold_case("--prefill-hold-tokens 1000 --prefill-hold-ms 600000", "hold") >= 0);
+    /* A decodes for HOLD_A_TOKENS steps: a 1 ms hold lets B start long before. */
+    ASSERT_TRUE(hold_case("--prefill-hold-tokens 1000 --prefill-hold-ms 1", "short") < 0);
+}
+
+TEST_MAIN(cluster_batch_wait_one_step, cluster_batch_wait_full_batch_plans, cluster_prefill_hold)

@@ -861,6 +861,85 @@ TEST(scheduler_prefill_cap_never_starves) {
     sched_free(s);
 }
 
+/* The prefill hold: while a sequence decodes, prompts are admitted only
+ * once they bring the hold's tokens together; then they go in one step. */
+TEST(scheduler_prefill_hold_gathers_prompts) {
+    sched *s = mk(256, 4, 256, 8, 1);
+    struct sched_seq *a = start_decoding(s, 1);
+    sched_set_prefill_hold(s, 32);
+    add(s, 2, 0, 10);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(1, st.n_seqs); /* the decode alone: 10 of 32 tokens wait */
+    ASSERT_EQ(0, st.n_prefill_tokens);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 51));
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(1, (int)ss.admissions_held);
+    ASSERT_EQ(1, ss.n_waiting);
+    add(s, 3, 0, 30);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(3, st.n_seqs); /* 40 tokens: both prompts beside the decode */
+    ASSERT_EQ(40, st.n_prefill_tokens);
+    ASSERT_EQ(1, st.n_decode_tokens);
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(1, (int)ss.admissions_held);
+    sched_free(s);
+}
+
+/* Without decodes nothing is held, and a hold beyond what a step takes
+ * beside the decodes is cut to it; lifting the hold (0) admits at once. */
+TEST(scheduler_prefill_hold_limits) {
+    sched *s = mk(256, 4, 16, 8, 1);
+    sched_set_prefill_hold(s, 100);
+    add(s, 1, 0, 2);
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(2, st.n_prefill_tokens); /* nobody decodes: admitted */
+    struct sched_seq *a = st.seqs[0].seq;
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 50));
+    add(s, 2, 0, 14);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(1, st.n_seqs); /* 14 < 16 - 1 decode */
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 51));
+    add(s, 3, 0, 1);
+    ASSERT_EQ(1, sched_plan(s, &st)); /* 15: as much as the step takes beside the decode */
+    ASSERT_EQ(14, find(&st, 2)->n_tokens);
+    ASSERT_EQ(1, find(&st, 3)->n_tokens);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    ASSERT_OK(sched_append(s, a, 52));
+    ASSERT_OK(sched_append(s, find(&st, 2)->seq, 60));
+    ASSERT_OK(sched_append(s, find(&st, 3)->seq, 61));
+    add(s, 4, 0, 3);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_TRUE(find(&st, 4) == NULL);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    for (int32_t i = 0; i < st.n_seqs; i++) ASSERT_OK(sched_append(s, st.seqs[i].seq, 70));
+    sched_set_prefill_hold(s, 0);
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(3, find(&st, 4)->n_tokens);
+    sched_free(s);
+}
+
+/* The first in line: priority, then arrival; running ones never. */
+TEST(scheduler_first_waiting) {
+    sched *s = mk(256, 4, 256, 8, 1);
+    ASSERT_TRUE(sched_first_waiting(s) == NULL);
+    struct sched_seq *a = start_decoding(s, 1);
+    ASSERT_TRUE(sched_first_waiting(s) == NULL);
+    struct sched_seq *b = add(s, 2, 0, 5);
+    ASSERT_TRUE(sched_first_waiting(s) == b);
+    add(s, 3, 0, 5);
+    ASSERT_TRUE(sched_first_waiting(s) == b);
+    struct sched_seq *d = add(s, 4, 1, 5);
+    ASSERT_TRUE(sched_first_waiting(s) == d);
+    (void)a;
+    sched_free(s);
+}
+
 TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_chunked_prefill_keeps_decodes_running, scheduler_admits_by_free_blocks,
           scheduler_preempts_newest_by_recomputation,
@@ -874,4 +953,5 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_prefix_in_flight_others_not_held, scheduler_prefix_in_flight_needs_a_full_block,
           scheduler_prefill_cap_applies_while_decoding,
           scheduler_prefill_cap_spreads_a_burst, scheduler_prefill_cap_idle_without_decodes, scheduler_prefill_cap_keeps_order,
-          scheduler_prefill_cap_never_starves)
+          scheduler_prefill_cap_never_starves, scheduler_prefill_hold_gathers_prompts, scheduler_prefill_hold_limits,
+          scheduler_first_waiting)
