@@ -8,6 +8,10 @@
  * and no compute: the last stage answers each StepPlan with a StepResult at
  * once (or after --step-us) with a synthetic token for every sequence that
  * asked for one, a pure function of (seq_id, position), so runs repeat.
+ * --step-ms gives a step a time that follows its tokens instead, from a
+ * table (measured step times of a real model and card), so that the
+ * router's scheduling can be judged for latency on a machine without a
+ * GPU; a worker then runs its steps one after another, as a GPU does.
  *
  *   sim_worker --router tcp://127.0.0.1:5556 --model m.gguf --pipelines 64 --stages 2 --insecure
  *
@@ -81,6 +85,7 @@ struct sim_worker {
     int64_t next_register_us, next_hb_us;
     uint32_t hb_ms;
     bool dirty;                 /* read it before the next wait */
+    int64_t busy_until_us;      /* --step-ms: the end of its last step */
     /* Last stage: the router's turnaround. */
     int64_t result_sent_us;     /* 0: a plan came since the last result */
     int32_t plans_waiting;      /* plans received, result not yet sent */
@@ -90,6 +95,8 @@ struct sim_worker {
 
 /* A result held back until its time (--step-us).  The delay is the same for
  * every step, so the order of arrival is the order of sending. */
+#define SIM_STEP_POINTS 32
+
 struct sim_delayed {
     int64_t due_us;
     int32_t worker;
@@ -102,7 +109,11 @@ struct sim {
     const char *router, *model, *prefix, *stats_file, *key_file, *router_key;
     int pipelines, stages, first_pipeline, kv_blocks, kv_block_size, max_step_tokens, max_step_seqs;
     int step_us, vocab;
+    const char *step_ms;
     bool insecure;
+    /* --step-ms: step time (us) against step tokens, n_pts points. */
+    double pt_tokens[SIM_STEP_POINTS], pt_us[SIM_STEP_POINTS];
+    int n_pts;
     /* State. */
     struct keys_pair kp;       /* with --curve-key-file: every worker's own pair */
     char router_pub[KEYS_Z85_LEN + 1];
@@ -114,7 +125,7 @@ struct sim {
     struct sim_worker *w;
     int n_w;
     struct sim_delayed *q;
-    size_t q_head, q_n, q_cap;
+    size_t q_n, q_cap;          /* results held until due, in no order */
     /* Result packing buffers. */
     Llm__SeqResult *res;
     Llm__SeqResult **resp;
@@ -225,6 +236,48 @@ static void sim_result_out(struct sim *s, struct sim_worker *w, uint8_t *buf, si
 
 /* A plan for w: the last stage answers it; the others only count it, as a
  * real middle stage sends nothing to the router on success. */
+/* --step-ms "T1:MS1,T2:MS2,...": at least two points, tokens increasing,
+ * times positive.  0, or -1 with err naming the flag and the value. */
+static int sim_parse_step_ms(struct sim *s, const char *text, char *err, size_t errlen) {
+    s->n_pts = 0;
+    const char *p = text;
+    while (*p) {
+        char *end;
+        double t = strtod(p, &end);
+        double ms = -1;
+        if (end != p && *end == ':') {
+            p = end + 1;
+            ms = strtod(p, &end);
+        }
+        if (end == p || (*end && *end != ',') || !(t >= 1) || !(ms > 0) || s->n_pts == SIM_STEP_POINTS ||
+            (s->n_pts > 0 && t <= s->pt_tokens[s->n_pts - 1])) {
+            snprintf(err, errlen,
+                     "--step-ms '%s': expected up to %d points TOKENS:MS with tokens >= 1 and increasing and "
+                     "times > 0, separated by commas, e.g. 1:2.3,64:8.1,640:25.4",
+                     text, SIM_STEP_POINTS);
+            return -1;
+        }
+        s->pt_tokens[s->n_pts] = t;
+        s->pt_us[s->n_pts++] = ms * 1000.0;
+        p = *end ? end + 1 : end;
+    }
+    if (s->n_pts < 2) {
+        snprintf(err, errlen, "--step-ms '%s': give at least two points TOKENS:MS", text);
+        return -1;
+    }
+    return 0;
+}
+
+/* A step's time under --step-ms: linear between the two points around its
+ * tokens, and along the first or last two beyond them (never below 0). */
+static int64_t sim_step_us(const struct sim *s, double tokens) {
+    int i = 1;
+    while (i < s->n_pts - 1 && tokens > s->pt_tokens[i]) i++;
+    double t0 = s->pt_tokens[i - 1], t1 = s->pt_tokens[i], u0 = s->pt_us[i - 1], u1 = s->pt_us[i];
+    double us = u0 + (u1 - u0) * (tokens - t0) / (t1 - t0);
+    return us > 0 ? (int64_t)us : 0;
+}
+
 static void sim_plan(struct sim *s, struct sim_worker *w, const Llm__StepPlan *p) {
     s->w_plans++;
     if (p->epoch < w->epoch) {
@@ -296,26 +349,28 @@ static void sim_plan(struct sim *s, struct sim_worker *w, const Llm__StepPlan *p
     }
     s->w_results++;
     w->steps_window++;
-    if (s->step_us <= 0) {
+    int64_t due = now + s->step_us;
+    if (s->n_pts > 0) {
+        double tokens = 0;
+        for (size_t i = 0; i < p->n_seqs; i++) tokens += (double)p->seqs[i]->n_tokens;
+        due = (w->busy_until_us > now ? w->busy_until_us : now) + sim_step_us(s, tokens);
+        w->busy_until_us = due;
+    } else if (s->step_us <= 0) {
         sim_result_out(s, w, buf, len);
         return;
     }
     if (s->q_n == s->q_cap) {
         size_t cap = s->q_cap ? s->q_cap * 2 : 1024;
-        struct sim_delayed *q = malloc(cap * sizeof *q);
+        struct sim_delayed *q = realloc(s->q, cap * sizeof *q);
         if (!q) {
             LOG(LL_ERROR, "worker %s: out of memory holding a result: sent now", w->id);
             sim_result_out(s, w, buf, len);
             return;
         }
-        for (size_t i = 0; i < s->q_n; i++) q[i] = s->q[(s->q_head + i) % s->q_cap];
-        free(s->q);
         s->q = q;
-        s->q_head = 0;
         s->q_cap = cap;
     }
-    s->q[(s->q_head + s->q_n) % s->q_cap] = (struct sim_delayed){now + s->step_us, (int32_t)(w - s->w), buf, len};
-    s->q_n++;
+    s->q[s->q_n++] = (struct sim_delayed){due, (int32_t)(w - s->w), buf, len};
 }
 
 static void sim_message(struct sim *s, struct sim_worker *w, const struct zio_parts *in) {
@@ -519,7 +574,7 @@ static int sim_open(struct sim *s, char *err, size_t errlen) {
 }
 
 static void sim_close(struct sim *s) {
-    for (size_t i = 0; i < s->q_n; i++) free(s->q[(s->q_head + i) % s->q_cap].buf);
+    for (size_t i = 0; i < s->q_n; i++) free(s->q[i].buf);
     free(s->q);
     for (int i = 0; s->w && i < s->n_w; i++) zio_sock_close(s->w[i].sock);
     free(s->w);
@@ -576,21 +631,28 @@ static int sim_run(struct sim *s) {
             }
         }
         if (s->next_timer_us < wake) wake = s->next_timer_us;
-        /* Results whose time has come. */
-        while (s->q_n > 0) {
-            struct sim_delayed *d = &s->q[s->q_head];
-            if (d->due_us > sim_now_us()) {
-                if (d->due_us < wake) wake = d->due_us;
-                break;
+        /* Results whose time has come (held ones keep their order). */
+        size_t kept = 0, n_held = s->q_n;
+        for (size_t i = 0; i < n_held; i++) {
+            struct sim_delayed d = s->q[i];
+            if (d.due_us > sim_now_us()) {
+                if (d.due_us < wake) wake = d.due_us;
+                s->q[kept++] = d;
+                continue;
             }
-            struct sim_worker *w = &s->w[d->worker];
-            sim_result_out(s, w, d->buf, d->len);
+            struct sim_worker *w = &s->w[d.worker];
+            sim_result_out(s, w, d.buf, d.len);
             sim_drain(s, w, &in);
-            s->q_head = (s->q_head + 1) % s->q_cap;
-            s->q_n--;
         }
+        /* sim_drain may have held new results behind the old ones. */
+        memmove(s->q + kept, s->q + n_held, (s->q_n - n_held) * sizeof *s->q);
+        s->q_n = kept + (s->q_n - n_held);
+        for (size_t i = kept; i < s->q_n; i++)
+            if (s->q[i].due_us < wake) wake = s->q[i].due_us;
+        /* Whole milliseconds in epoll, the rest spun: step times of a few
+         * ms are what --step-ms models. */
         int64_t wait_us = wake - sim_now_us();
-        int timeout = wait_us <= 0 ? 0 : (int)((wait_us + 999) / 1000);
+        int timeout = wait_us <= 0 ? 0 : (int)(wait_us / 1000);
         int n = epoll_wait(s->ep, evs, (int)(sizeof evs / sizeof evs[0]), timeout);
         for (int k = 0; k < n; k++) {
             struct sim_worker *w = &s->w[evs[k].data.u32];
@@ -626,6 +688,11 @@ int main(int argc, char **argv) {
          &s.max_step_seqs, 0, 1 << 30, NULL},
         {"step-us", NULL, OPTION_INT, "0", "microseconds the last stage holds each result (0: answer at once)",
          &s.step_us, 0, 60000000, NULL},
+        {"step-ms", NULL, OPTION_STRING, "",
+         "the last stage holds each result for a time that follows the step's tokens: TOKENS:MS points, "
+         "comma-separated, linear between them and beyond the outer ones (e.g. 1:2.3,64:8.1,640:25.4); "
+         "a worker's steps then run one after another; replaces --step-us",
+         &s.step_ms, 0, 0, NULL},
         {"vocab", NULL, OPTION_INT, "0", "vocabulary size for the synthetic tokens (0: the model's)", &s.vocab, 0,
          1 << 30, NULL},
         {"stats-file", NULL, OPTION_STRING, "", "on SIGUSR1, write the figures since the last SIGUSR1 here (JSON)",
@@ -652,6 +719,10 @@ int main(int argc, char **argv) {
     }
     if (argc > 1) {
         fprintf(stderr, "sim_worker: unexpected argument \"%s\" (see --help)\n", argv[1]);
+        return 2;
+    }
+    if (s.step_ms && s.step_ms[0] && sim_parse_step_ms(&s, s.step_ms, err, sizeof err) < 0) {
+        fprintf(stderr, "sim_worker: %s\n", err);
         return 2;
     }
     log_set_process("sim_worker");
@@ -709,7 +780,7 @@ int main(int argc, char **argv) {
     }
     LOG(LL_INFO, "sim_worker: %d pipelines x %d stages (ids %s-p%d-s0 ...) registering with %s, model %s, "
         "results %s", s.pipelines, s.stages, s.prefix, s.first_pipeline, s.router, s.model_id,
-        s.step_us > 0 ? "after --step-us" : "at once");
+        s.n_pts > 0 ? "after --step-ms" : s.step_us > 0 ? "after --step-us" : "at once");
     rc = sim_run(&s);
     sim_close(&s);
     return rc;
