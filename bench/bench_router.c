@@ -15,6 +15,15 @@
  *                  sending a result to the next plan of that pipeline
  *                  (p50, p99; includes the plan, the sockets and whatever
  *                  else the router's loop was doing)
+ *   tok/s          generated tokens the client received in the window
+ *   TTFT, ITL      as the client sees them, from the chunks that arrive in
+ *                  the window: a request's first chunk gives its time to
+ *                  first token (from its send, which may be in the
+ *                  warm-up), each later chunk of k tokens after a gap g k
+ *                  inter-token samples of g / k (TTFT p50, p90; ITL p50,
+ *                  p90, p99, in ms).  With --sim-args "--step-ms ..." the
+ *                  steps take a time that grows with their tokens, so these
+ *                  compare the router's scheduling choices without a GPU
  *   CPU            router, redis-server, sim_worker and this program, from
  *                  /proc/<pid>/stat, as a fraction of one core
  *
@@ -184,7 +193,7 @@ static bool br_knows_flag(const char *bin, const char *flag) {
 /* ---- Options ---- */
 
 struct br_opts {
-    const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *json, *tmpdir;
+    const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *sim_args, *json, *tmpdir;
     int stages, seqs, prompt_tokens, max_tokens, step_us, warmup_s, seconds, up_timeout_s;
     int pipe_v[BR_LIST_MAX], n_pipes;
     bool router_insecure; /* the router has CURVE: run it with --insecure */
@@ -220,6 +229,8 @@ struct br_row {
     double plan_mean_us, plan_max_us, router_turn_mean_us;
     unsigned turn_p50, turn_p90, turn_p99, turn_max;
     double cpu_router, cpu_redis, cpu_sim, cpu_client;
+    double ttft_p50, ttft_p90, itl_p50, itl_p90, itl_p99; /* ms, as the client saw them */
+    uint64_t ttft_n, itl_n;                               /* samples behind them */
     uint64_t requests_done, errors;
     char note[256];
 };
@@ -289,8 +300,68 @@ static int br_status(llm_client *c, struct br_status *s) {
     return 0;
 }
 
+/* Latency samples in seconds.  Past BR_SAMPLES_MAX a sample replaces a
+ * random one with probability max / seen (reservoir sampling), so a long
+ * window at high token rates keeps its memory bounded and its percentiles
+ * unbiased. */
+#define BR_SAMPLES_MAX (4u << 20)
+
+struct br_samples {
+    double *v;
+    size_t n, cap;
+    uint64_t seen, rng;
+};
+
+static void br_sample_add(struct br_samples *s, double x) {
+    s->seen++;
+    if (s->n < BR_SAMPLES_MAX) {
+        if (s->n == s->cap) {
+            size_t cap = s->cap ? s->cap * 2 : 4096;
+            double *v = realloc(s->v, cap * sizeof *v);
+            if (!v) return; /* a sample lost, not the run */
+            s->v = v;
+            s->cap = cap;
+        }
+        s->v[s->n++] = x;
+        return;
+    }
+    s->rng ^= s->rng << 13;
+    s->rng ^= s->rng >> 7;
+    s->rng ^= s->rng << 17;
+    uint64_t j = s->rng % s->seen;
+    if (j < s->n) s->v[j] = x;
+}
+
+static int br_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile (q in (0, 1]) of s in milliseconds; the samples
+ * must be sorted.  0 when there are none. */
+static double br_pct_ms(const struct br_samples *s, double q) {
+    if (s->n == 0) return 0;
+    size_t k = (size_t)(q * (double)s->n + 0.999999);
+    if (k < 1) k = 1;
+    if (k > s->n) k = s->n;
+    return s->v[k - 1] * 1e3;
+}
+
+/* A request in flight, as the client saw it: open addressing (linear
+ * probing) keyed by the load's request number, at least 4 slots per request
+ * that can be in flight, so probes stay short. */
+struct br_slot {
+    uint64_t id;     /* request number + 1; 0: free */
+    double t_send;   /* when it was sent */
+    double t_last;   /* when its last token-bearing chunk came; 0: none yet */
+    uint32_t n_tok;  /* completion tokens received */
+};
+
 /* The load: conc requests in flight over one DEALER socket; each that ends
- * is replaced by a new one. */
+ * is replaced by a new one.  While measuring, each chunk that arrives gives
+ * latency samples: its request's first gives a time to first token (from
+ * the send), a later one of k tokens after a gap g gives k inter-token
+ * samples of g / k. */
 struct br_load {
     struct zio_sock *sock;
     const struct br_opts *o;
@@ -298,9 +369,88 @@ struct br_load {
     uint64_t next_id, done, errors, tokens;
     int in_flight;
     bool fatal;             /* the router refused a request for good */
+    bool measure;           /* take latency samples */
     int32_t *prompt;
+    struct br_slot *slots;
+    size_t n_slots;         /* a power of two */
+    struct br_samples ttft, itl;
     char first_err[200];
 };
+
+static struct br_slot *br_slot_find(struct br_load *L, uint64_t id) {
+    size_t mask = L->n_slots - 1;
+    for (size_t i = 0, k = (size_t)id & mask; i < L->n_slots; i++, k = (k + 1) & mask) {
+        if (L->slots[k].id == 0) return NULL;
+        if (L->slots[k].id == id + 1) return &L->slots[k];
+    }
+    return NULL;
+}
+
+/* A new request's slot; NULL when the table is full (a request that ended
+ * without the load hearing of it holds its slot: it goes untimed). */
+static struct br_slot *br_slot_add(struct br_load *L, uint64_t id) {
+    size_t mask = L->n_slots - 1;
+    for (size_t i = 0, k = (size_t)id & mask; i < L->n_slots; i++, k = (k + 1) & mask)
+        if (L->slots[k].id == 0) {
+            L->slots[k] = (struct br_slot){id + 1, 0, 0, 0};
+            return &L->slots[k];
+        }
+    return NULL;
+}
+
+/* Frees id's slot, moving back the later slots of its probe run so that
+ * every lookup still finds its key before a free slot. */
+static void br_slot_del(struct br_load *L, uint64_t id) {
+    struct br_slot *sl = br_slot_find(L, id);
+    if (!sl) return;
+    size_t mask = L->n_slots - 1, hole = (size_t)(sl - L->slots);
+    L->slots[hole].id = 0;
+    for (size_t k = (hole + 1) & mask; L->slots[k].id != 0; k = (k + 1) & mask) {
+        size_t home = (size_t)(L->slots[k].id - 1) & mask;
+        /* Move k into the hole unless its home lies cyclically in (hole, k]. */
+        bool stays = hole <= k ? (home > hole && home <= k) : (home > hole || home <= k);
+        if (stays) continue;
+        L->slots[hole] = L->slots[k];
+        L->slots[k].id = 0;
+        hole = k;
+    }
+}
+
+/* The load's request number from a request id it made ("br<level>-<n>-<pid>");
+ * false for any other id. */
+static bool br_parse_rid(const struct br_load *L, const char *rid, uint64_t *id) {
+    if (!rid || strncmp(rid, "br", 2) != 0) return false;
+    char *end = NULL;
+    long level = strtol(rid + 2, &end, 10);
+    if (level != L->level || *end != '-') return false;
+    const char *p = end + 1;
+    unsigned long long n = strtoull(p, &end, 10);
+    if (end == p || *end != '-') return false;
+    p = end + 1;
+    long pid = strtol(p, &end, 10);
+    if (end == p || *end || pid != (long)getpid()) return false;
+    *id = (uint64_t)n;
+    return true;
+}
+
+static void br_on_chunk(struct br_load *L, const Llm__GenerateChunk *ch, double now) {
+    uint64_t id;
+    if (ch->n_token_ids == 0 || !br_parse_rid(L, ch->request_id, &id)) return;
+    struct br_slot *sl = br_slot_find(L, id);
+    /* A chunk whose tokens the client has (docs/protocol.md) says nothing new. */
+    uint32_t end = ch->index + (uint32_t)ch->n_token_ids;
+    if (!sl || end <= sl->n_tok) return;
+    uint32_t fresh = end - (ch->index > sl->n_tok ? ch->index : sl->n_tok);
+    if (L->measure) {
+        if (sl->t_last == 0) br_sample_add(&L->ttft, now - sl->t_send);
+        else {
+            double gap = (now - sl->t_last) / (double)fresh;
+            for (uint32_t k = 0; k < fresh; k++) br_sample_add(&L->itl, gap);
+        }
+    }
+    sl->n_tok = end;
+    sl->t_last = now;
+}
 
 static int br_load_send(struct br_load *L) {
     uint64_t id = L->next_id++;
@@ -340,6 +490,8 @@ static int br_load_send(struct br_load *L) {
         return STATUS_IO;
     }
     L->in_flight++;
+    struct br_slot *sl = br_slot_add(L, id);
+    if (sl) sl->t_send = br_now();
     return 0;
 }
 
@@ -350,13 +502,20 @@ static void br_load_pump(struct br_load *L, double deadline) {
         int ms = (int)((deadline - br_now()) * 1000);
         if (ms <= 0) break;
         if (zio_recv(L->sock, &in, ms > 100 ? 100 : ms) != 0) continue;
+        double now = br_now();
         Llm__ClientEnvelope *env = NULL;
         char err[256];
         if (in.n != 1 || proto_client_unpack(zio_parts_data(&in, 0), zio_parts_size(&in, 0), &env, err, sizeof err) < 0)
             continue;
         switch (env->body_case) {
-        case LLM__CLIENT_ENVELOPE__BODY_CHUNK: L->tokens += env->chunk->n_token_ids; break;
-        case LLM__CLIENT_ENVELOPE__BODY_DONE:
+        case LLM__CLIENT_ENVELOPE__BODY_CHUNK:
+            L->tokens += env->chunk->n_token_ids;
+            br_on_chunk(L, env->chunk, now);
+            break;
+        case LLM__CLIENT_ENVELOPE__BODY_DONE: {
+            /* Chunks and Done name the request (their envelope's tag is 0). */
+            uint64_t id;
+            if (br_parse_rid(L, env->done->request_id, &id)) br_slot_del(L, id);
             L->done++;
             L->in_flight--;
             if (env->done->finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
@@ -367,12 +526,14 @@ static void br_load_pump(struct br_load *L, double deadline) {
             }
             br_load_send(L);
             break;
+        }
         case LLM__CLIENT_ENVELOPE__BODY_ERROR:
             /* A refused request: one that retrying can help (queue full,
              * no pipeline yet) is replaced; any other refusal is the
              * bench's mistake and ends the level. */
             L->errors++;
             L->in_flight--;
+            br_slot_del(L, env->tag); /* a refusal answers the Generate's tag */
             if (!L->first_err[0])
                 br_fmt(L->first_err, sizeof L->first_err, "%s: %s", proto_code_name(env->error->code),
                        env->error->message);
@@ -446,9 +607,16 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     router_argv[n] = NULL;
     br_sleep_ms(200); /* redis first: the router connects at start (and retries every second) */
     if ((rc = br_spawn(&router, router_argv, err, errlen)) < 0) goto done;
-    char *sim_argv[] = {(char *)o->sim_bin, "--router", wep, "--model", (char *)o->model, "--pipelines", pipes_s,
-                        "--stages", stages_s, "--step-us", step_s, "--stats-file", stats, "--insecure",
-                        "--log-level", "info", NULL};
+    /* sim_worker's extra words, likewise. */
+    char sargs[1024];
+    br_fmt(sargs, sizeof sargs, "%s", o->sim_args);
+    char *sim_argv[64] = {(char *)o->sim_bin, "--router", wep, "--model", (char *)o->model, "--pipelines", pipes_s,
+                          "--stages", stages_s, "--step-us", step_s, "--stats-file", stats, "--insecure",
+                          "--log-level", "info"};
+    n = 16;
+    for (char *save = NULL, *t = strtok_r(sargs, " ", &save); t && n < 62; t = strtok_r(NULL, " ", &save))
+        sim_argv[n++] = t;
+    sim_argv[n] = NULL;
     if ((rc = br_spawn(&sim, sim_argv, err, errlen)) < 0) goto done;
 
     const char *eps[1] = {cep};
@@ -479,7 +647,11 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     L.o = o;
     L.level = pipelines;
     L.prompt = malloc((size_t)o->prompt_tokens * sizeof *L.prompt);
-    if (!zctx || !L.prompt || zio_sock_open(zctx, ZMQ_DEALER, &L.sock, err, errlen) < 0) {
+    for (L.n_slots = 16; L.n_slots < 4 * (size_t)row->conc; L.n_slots *= 2) {}
+    L.slots = calloc(L.n_slots, sizeof *L.slots);
+    L.ttft.rng = 0x9e3779b97f4a7c15ULL;
+    L.itl.rng = 0xd1b54a32d192ed03ULL;
+    if (!zctx || !L.prompt || !L.slots || zio_sock_open(zctx, ZMQ_DEALER, &L.sock, err, errlen) < 0) {
         if (!err[0]) br_fmt(err, errlen, "out of memory");
         rc = STATUS_NO_MEMORY;
         goto done;
@@ -512,7 +684,9 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     }
     double t0 = br_now(), cr0 = br_cpu_s(router.pid), cd0 = br_cpu_s(redis.pid), cc0 = br_self_cpu_s();
     uint64_t done0 = L.done, err0 = L.errors, tok0 = L.tokens;
+    L.measure = true;
     br_load_pump(&L, t0 + o->seconds);
+    L.measure = false;
     double t1 = br_now(), cr1 = br_cpu_s(router.pid), cd1 = br_cpu_s(redis.pid), cc1 = br_self_cpu_s();
     if (br_status(c, &st1) < 0 || br_sim_snapshot(&sim, stats, 2, &s1) < 0) {
         br_fmt(err, errlen, "%d pipelines: no router Status or sim_worker snapshot at the window's end", pipelines);
@@ -537,12 +711,24 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     row->cpu_redis = (cd1 - cd0) / w;
     row->cpu_sim = s1.cpu_s / s1.window_s;
     row->cpu_client = (cc1 - cc0) / w;
+    qsort(L.ttft.v, L.ttft.n, sizeof *L.ttft.v, br_cmp_double);
+    qsort(L.itl.v, L.itl.n, sizeof *L.itl.v, br_cmp_double);
+    row->ttft_n = L.ttft.seen;
+    row->itl_n = L.itl.seen;
+    row->ttft_p50 = br_pct_ms(&L.ttft, 0.5);
+    row->ttft_p90 = br_pct_ms(&L.ttft, 0.9);
+    row->itl_p50 = br_pct_ms(&L.itl, 0.5);
+    row->itl_p90 = br_pct_ms(&L.itl, 0.9);
+    row->itl_p99 = br_pct_ms(&L.itl, 0.99);
     row->requests_done = L.done - done0;
     row->errors = L.errors - err0;
     if (L.first_err[0]) br_fmt(row->note, sizeof row->note, "%s", L.first_err);
 done:
     zio_sock_close(L.sock);
     free(L.prompt);
+    free(L.slots);
+    free(L.ttft.v);
+    free(L.itl.v);
     if (zctx) zmq_ctx_term(zctx);
     llm_client_close(c);
     br_stop_proc(&sim);
@@ -560,13 +746,16 @@ done:
 
 static void br_print(FILE *f, const struct br_row *r, int n) {
     fprintf(f, "| pipelines | in flight | steps/s | steps/s/pipe (min) | tok/s | plan us mean (max) | "
-               "turnaround us p50 / p90 / p99 | CPU router / redis / sim / client |\n");
-    fprintf(f, "|---|---|---|---|---|---|---|---|\n");
+               "turnaround us p50 / p90 / p99 | TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 | "
+               "CPU router / redis / sim / client |\n");
+    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++)
-        fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f (%.0f) | %u / %u / %u | %.2f / %.2f / %.2f / %.2f |\n",
+        fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f (%.0f) | %u / %u / %u | %.1f / %.1f | "
+                   "%.2f / %.2f / %.2f | %.2f / %.2f / %.2f / %.2f |\n",
                 r[i].pipelines, r[i].stages, r[i].conc, r[i].steps_s, r[i].steps_s_pipe, r[i].steps_s_pipe_min,
                 r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].turn_p50, r[i].turn_p90, r[i].turn_p99,
-                r[i].cpu_router, r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client);
+                r[i].ttft_p50, r[i].ttft_p90, r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].cpu_router,
+                r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client);
 }
 
 static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, int n) {
@@ -586,11 +775,14 @@ static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, in
                 "\"steps_per_s_per_pipeline\": %.1f, \"steps_per_s_slowest_pipeline\": %.1f, \"tokens_per_s\": %.1f, "
                 "\"plan_us_mean\": %.2f, \"plan_us_max\": %.1f, \"router_turnaround_us_mean\": %.2f, "
                 "\"turnaround_us_p50\": %u, \"turnaround_us_p90\": %u, \"turnaround_us_p99\": %u, "
-                "\"turnaround_us_max\": %u, \"cpu_router\": %.3f, \"cpu_redis\": %.3f, \"cpu_sim_worker\": %.3f, "
+                "\"turnaround_us_max\": %u, \"gen_tok_s\": %.1f, \"ttft_p50_ms\": %.3f, \"ttft_p90_ms\": %.3f, "
+                "\"itl_p50_ms\": %.3f, \"itl_p90_ms\": %.3f, \"itl_p99_ms\": %.3f, \"ttft_samples\": %" PRIu64 ", "
+                "\"itl_samples\": %" PRIu64 ", \"cpu_router\": %.3f, \"cpu_redis\": %.3f, \"cpu_sim_worker\": %.3f, "
                 "\"cpu_client\": %.3f, \"requests_done\": %" PRIu64 ", \"errors\": %" PRIu64 "}%s\n",
                 r[i].pipelines, r[i].stages, r[i].conc, r[i].window_s, r[i].steps_s, r[i].steps_s_pipe,
                 r[i].steps_s_pipe_min, r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].router_turn_mean_us,
-                r[i].turn_p50, r[i].turn_p90, r[i].turn_p99, r[i].turn_max, r[i].cpu_router, r[i].cpu_redis,
+                r[i].turn_p50, r[i].turn_p90, r[i].turn_p99, r[i].turn_max, r[i].tok_s, r[i].ttft_p50, r[i].ttft_p90,
+                r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].ttft_n, r[i].itl_n, r[i].cpu_router, r[i].cpu_redis,
                 r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].errors, i + 1 < n ? "," : "");
     fprintf(f, "]}\n");
 }
@@ -634,13 +826,15 @@ int main(int argc, char **argv) {
          &o.redis_bin, 0, 0, NULL},
         {"router-args", NULL, OPTION_STRING, "", "extra words for llm-router's command line", &o.router_args, 0, 0,
          NULL},
+        {"sim-args", NULL, OPTION_STRING, "", "extra words for sim_worker's command line (e.g. --step-ms ...)",
+         &o.sim_args, 0, 0, NULL},
         {"json", NULL, OPTION_STRING, "", "also write the rows as JSON to this file", &o.json, 0, 0, NULL},
         {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where each run's logs go (kept when a run fails)", &o.tmpdir, 0,
          0, NULL},
     };
     struct options op = {"bench_router", "[options]",
-                         "One router driven by sim_worker pipelines: steps/s, plan time, turnaround and CPU as the "
-                         "pipelines grow.",
+                         "One router driven by sim_worker pipelines: steps/s, plan time, turnaround, the client's "
+                         "TTFT and ITL, and CPU as the pipelines grow.",
                          defs, (int)(sizeof defs / sizeof defs[0]), false};
     char err[1024] = "";
     int rc = options_parse(&op, &argc, argv, err, sizeof err);
@@ -649,6 +843,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_router: %s\n", err);
         return 2;
     }
+    if ((o.n_pipes = br_parse_list(o.pipelines, o.pipe_v, err, sizeof err)) < 0) {
+        fprintf(stderr, "bench_router: %s\n", err);
+        return 2;
+    }
+    const char *bins[3] = {o.router_bin, o.sim_bin, o.redis_bin};
+    for (int i = 0; i < 3; i++)
+        if (access(bins[i], X_OK) != 0) {
+            fprintf(stderr, "bench_router: %s: %s (build it, or give its path)\n", bins[i], strerror(errno));
+            return 2;
+        }
     /* Without --model: a small synthetic model (only its tokenizer and
      * metadata are read) whose context holds prompt + max_tokens. */
     static char synth_path[PATH_MAX];
@@ -669,16 +873,6 @@ int main(int argc, char **argv) {
         }
         o.model = synth_path;
     }
-    if ((o.n_pipes = br_parse_list(o.pipelines, o.pipe_v, err, sizeof err)) < 0) {
-        fprintf(stderr, "bench_router: %s\n", err);
-        return 2;
-    }
-    const char *bins[3] = {o.router_bin, o.sim_bin, o.redis_bin};
-    for (int i = 0; i < 3; i++)
-        if (access(bins[i], X_OK) != 0) {
-            fprintf(stderr, "bench_router: %s: %s (build it, or give its path)\n", bins[i], strerror(errno));
-            return 2;
-        }
     /* Plain sockets throughout (CURVE's cost is not what this measures):
      * the client library reads LLM_INSECURE where it has keys. */
     o.router_insecure = br_knows_flag(o.router_bin, "--insecure");
@@ -702,8 +896,9 @@ int main(int argc, char **argv) {
         }
         rows[n_rows++] = r;
         fprintf(stderr, "%d x %d: %.0f steps/s (%.0f per pipeline, slowest %.0f), plan %.1f us, turnaround p99 %u us, "
-                "router CPU %.2f%s%s\n", r.pipelines, r.stages, r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min,
-                r.plan_mean_us, r.turn_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
+                "TTFT p50 %.1f ms, ITL p50 %.2f ms p99 %.2f ms, router CPU %.2f%s%s\n", r.pipelines, r.stages,
+                r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min, r.plan_mean_us, r.turn_p99, r.ttft_p50, r.itl_p50,
+                r.itl_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
     }
     if (synth_path[0]) unlink(synth_path);
     br_print(stdout, rows, n_rows);

@@ -1,0 +1,185 @@
+/* bench/bench_router with one simulated pipeline: the table prints, the JSON
+ * row carries the client's latency figures, and --sim-args reaches
+ * sim_worker.  The latencies are held only to what the simulated step time
+ * forces (a step of 2 ms cannot give tokens less than about 2 ms apart, nor
+ * a first token sooner), with upper bounds orders of magnitude away: they
+ * catch a wrong unit or a sample from the wrong request, never a slow
+ * machine. */
+#include "tests/test.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BENCH_BIN LLM_BINARY_DIR "/bench/bench_router"
+#define SIM_BIN LLM_BINARY_DIR "/bench/sim_worker"
+#define ROUTER_BIN LLM_BINARY_DIR "/router/llm-router"
+
+static char out_path[256], err_path[256], json_path[256];
+
+/* redis-server as bench_router finds it: $LLM_REDIS_SERVER, else
+ * /usr/bin/redis-server. */
+static void need_programs(void) {
+    const char *bins[] = {BENCH_BIN, SIM_BIN, ROUTER_BIN};
+    for (size_t i = 0; i < sizeof bins / sizeof bins[0]; i++)
+        if (access(bins[i], X_OK) != 0) TEST_FAIL("%s is not built", bins[i]);
+    const char *redis = getenv("LLM_REDIS_SERVER");
+    if (!redis || !*redis) redis = "/usr/bin/redis-server";
+    if (access(redis, X_OK) != 0) TEST_SKIP("no %s (set LLM_REDIS_SERVER): bench_router cannot start a router", redis);
+}
+
+/* Runs bench_router with args (NULL-terminated), stdout and stderr into
+ * files; returns its exit status, or -1 when it ran past limit_s. */
+static int run_bench(const char *const *args, int limit_s) {
+    const char *dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(out_path, sizeof out_path, "%s/test_bench_router.%d.out", dir, (int)getpid());
+    snprintf(err_path, sizeof err_path, "%s/test_bench_router.%d.err", dir, (int)getpid());
+    snprintf(json_path, sizeof json_path, "%s/test_bench_router.%d.json", dir, (int)getpid());
+    const char *argv[48] = {BENCH_BIN};
+    int n = 1;
+    for (; args[n - 1] && n < 45; n++) argv[n] = args[n - 1];
+    argv[n++] = "--json";
+    argv[n++] = json_path;
+    argv[n] = NULL;
+    unlink(json_path);
+    fflush(stdout);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) TEST_FAIL("fork: %s", strerror(errno));
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent) _exit(127);
+        int o = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644), e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (o < 0 || e < 0) _exit(127);
+        dup2(o, 1);
+        dup2(e, 2);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < limit_s * 20; i++) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        struct timespec ts = {0, 50000000L};
+        nanosleep(&ts, NULL);
+    }
+    /* Past the limit: SIGTERM makes it stop its processes. */
+    kill(pid, SIGTERM);
+    int st;
+    waitpid(pid, &st, 0);
+    return -1;
+}
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return NULL;
+    static char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *copy = malloc(n + 1);
+    if (copy) memcpy(copy, buf, n + 1);
+    return copy;
+}
+
+static void show_err(void) {
+    char *e = slurp(err_path);
+    printf("  --- bench_router stderr:\n%s\n", e ? e : "(none)");
+    free(e);
+}
+
+static double num(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    if (!cJSON_IsNumber(v)) TEST_FAIL("JSON row without a number \"%s\"", key);
+    return v->valuedouble;
+}
+
+/* Runs one level and returns its JSON (the caller frees it); *row is its
+ * only row. */
+static cJSON *run_level(const char *const *args, const cJSON **row) {
+    int rc = run_bench(args, 90);
+    if (rc != 0) {
+        show_err();
+        TEST_FAIL("bench_router exited %d", rc);
+    }
+    char *text = slurp(json_path);
+    if (!text) TEST_FAIL("bench_router wrote no %s", json_path);
+    cJSON *j = cJSON_Parse(text);
+    if (!j) TEST_FAIL("%s does not parse as JSON:\n%s", json_path, text);
+    free(text);
+    const cJSON *rows = cJSON_GetObjectItem(j, "rows");
+    if (cJSON_GetArraySize(rows) != 1) TEST_FAIL("%d rows for one pipeline count", cJSON_GetArraySize(rows));
+    *row = cJSON_GetArrayItem(rows, 0);
+    char *out = slurp(out_path);
+    if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| 1 x 1 | 8 |"))
+        TEST_FAIL("no latency columns or no row in the table:\n%s", out ? out : "(none)");
+    free(out);
+    unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+    return j;
+}
+
+TEST(latency_follows_the_step_time) {
+    need_programs();
+    const char *args[] = {"--pipelines", "1", "--seqs", "8", "--prompt-tokens", "16", "--max-tokens", "32",
+                          "--step-us", "2000", "--seconds", "2", "--warmup-s", "1", NULL};
+    const cJSON *r;
+    cJSON *j = run_level(args, &r);
+    ASSERT_EQ(0.0, num(r, "errors"));
+    ASSERT_TRUE(num(r, "requests_done") > 0);
+    double tok_s = num(r, "gen_tok_s");
+    ASSERT_EQ(num(r, "tokens_per_s"), tok_s);
+    ASSERT_TRUE(tok_s > 0);
+    /* Every token that came in the window is one sample: the first of a
+     * request's one TTFT sample (the simulated prefill gives one token),
+     * each later one an ITL sample. */
+    double tokens = tok_s * num(r, "window_s"), samples = num(r, "ttft_samples") + num(r, "itl_samples");
+    if (samples < 0.95 * tokens || samples > 1.01 * tokens)
+        TEST_FAIL("%.0f latency samples for %.0f tokens in the window", samples, tokens);
+    ASSERT_TRUE(num(r, "ttft_samples") > 0);
+    /* A token needs a step of 2 ms; the first needs the prefill's step as
+     * well, after the plan that took the request in. */
+    double itl50 = num(r, "itl_p50_ms"), itl90 = num(r, "itl_p90_ms"), itl99 = num(r, "itl_p99_ms");
+    double ttft50 = num(r, "ttft_p50_ms"), ttft90 = num(r, "ttft_p90_ms");
+    printf("  ITL ms %.3f / %.3f / %.3f, TTFT ms %.3f / %.3f, %.0f tok/s\n", itl50, itl90, itl99, ttft50, ttft90,
+           tok_s);
+    if (itl50 < 1.5 || itl50 > 200) TEST_FAIL("ITL p50 %.3f ms with 2 ms steps", itl50);
+    if (ttft50 < 2 || ttft50 > 2000) TEST_FAIL("TTFT p50 %.3f ms with 2 ms steps", ttft50);
+    ASSERT_TRUE(itl90 >= itl50 && itl99 >= itl90);
+    ASSERT_TRUE(ttft90 >= ttft50);
+    cJSON_Delete(j);
+}
+
+TEST(sim_args_reach_sim_worker) {
+    need_programs();
+    /* Steps at once from bench_router's --step-us, 4 ms from the extra
+     * words that come after it on sim_worker's command line. */
+    const char *args[] = {"--pipelines", "1", "--seqs", "8", "--prompt-tokens", "16", "--max-tokens", "32",
+                          "--step-us", "0", "--sim-args", "--log-level info --step-us 4000", "--seconds", "1",
+                          "--warmup-s", "1", NULL};
+    const cJSON *r;
+    cJSON *j = run_level(args, &r);
+    double itl50 = num(r, "itl_p50_ms");
+    printf("  ITL p50 %.3f ms\n", itl50);
+    if (itl50 < 3) TEST_FAIL("ITL p50 %.3f ms: the 4 ms steps of --sim-args did not reach sim_worker", itl50);
+    cJSON_Delete(j);
+}
+
+TEST(bad_command_lines_are_refused) {
+    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
+    ASSERT_EQ(2, run_bench((const char *[]){"--pipelines", "0", NULL}, 30));
+    ASSERT_EQ(2, run_bench((const char *[]){"--seqs", "x", NULL}, 30));
+    ASSERT_EQ(2, run_bench((const char *[]){"--no-such-option", NULL}, 30));
+    unlink(out_path);
+    unlink(err_path);
+}
+
+TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, bad_command_lines_are_refused)
