@@ -19,8 +19,9 @@
 #            128, 64 generated) without and with it: what the wait costs
 #            a request that finds the pipeline idle
 #   itl      bench_cluster, 7B Q4_K_M, 1x1, c=64, prompt 128, 128 generated,
-#            256 requests: the router's defaults, then hand-tuned
-#            (--max-seqs 64, --itl-target-ms 0): ITL p50/p90 and throughput
+#            256 requests: the router's defaults, workers' steps of 1,024
+#            tokens (--max-batch-tokens 1024), then hand-tuned (--max-seqs
+#            64, --itl-target-ms 0): ITL p50/p90 and throughput
 #   gateway  scripts/gateway-bench.sh: llm-gateway + serve-bench against
 #            bench_cluster through libllmclient, 7B Q4_K_M, 1x1, c=1 and 64
 #            (needs node on PATH and the pack's llm-gateway and llm)
@@ -189,6 +190,8 @@ for what in $steps; do
     itl)
         [ -n "$b90" ] && cluster_model || continue
         cluster itl_default_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128
+        cluster itl_steps1024_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
+            --worker-args "--max-batch-tokens 1024"
         cluster itl_tuned_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
             --worker-args "--max-seqs 64" --router-args "--itl-target-ms 0"
         ;;
@@ -205,7 +208,7 @@ rm -rf "$tmp"/bench_cluster_* 2>/dev/null
 
 # The tables, then the summary.
 for f in kv_bench cluster_bench prefix_bench wait_prefix_bench wait_c1_off_bench wait_c1_on_bench itl_default_bench \
-    itl_tuned_bench; do
+    itl_steps1024_bench itl_tuned_bench; do
     [ -f "$out/$f.log" ] || continue
     echo "=== $f"
     if [ "$f" = kv_bench ]; then
