@@ -4,7 +4,13 @@
  * workers that answer plans at once with synthetic tokens (no model, no
  * compute), then keeps pipelines x --seqs requests in flight from one
  * client socket (each request re-sent as a new one when it ends), so every
- * pipeline always has work.  After a warm-up it measures a window:
+ * pipeline always has work.  With --rate R the load is an open loop
+ * instead: requests arrive as a Poisson process of R per second (level k
+ * of --pipelines drawn from --seed + k, as bench_cluster --rate --seed
+ * draws them, so both can be given the same arrivals); each is sent at its
+ * arrival while fewer than pipelines x --seqs are in flight, else when one
+ * ends, and one that ends is not replaced.  After a warm-up (arrivals run
+ * through it and the window alike) it measures a window:
  *
  *   steps/s        results the last stages sent, in all and per pipeline
  *                  (mean, and the slowest pipeline)
@@ -16,14 +22,19 @@
  *                  (p50, p99; includes the plan, the sockets and whatever
  *                  else the router's loop was doing)
  *   tok/s          generated tokens the client received in the window
+ *   req/s          requests that ended in the window; in the open loop
+ *                  the JSON's capped counts the window's arrivals that
+ *                  found every slot busy
  *   TTFT, ITL      as the client sees them, from the chunks that arrive in
  *                  the window: a request's first chunk gives its time to
  *                  first token (from its send, which may be in the
- *                  warm-up), each later chunk of k tokens after a gap g k
- *                  inter-token samples of g / k (TTFT p50, p90; ITL p50,
- *                  p90, p99, in ms).  With --sim-args "--step-ms ..." the
- *                  steps take a time that grows with their tokens, so these
- *                  compare the router's scheduling choices without a GPU
+ *                  warm-up; in the open loop from its arrival, so a wait
+ *                  for a free slot counts), each later chunk of k tokens
+ *                  after a gap g k inter-token samples of g / k (TTFT p50,
+ *                  p90; ITL p50, p90, p99, in ms).  With --sim-args
+ *                  "--step-ms ..." the steps take a time that grows with
+ *                  their tokens, so these compare the router's scheduling
+ *                  choices without a GPU
  *   CPU            router, redis-server, sim_worker and this program, from
  *                  /proc/<pid>/stat, as a fraction of one core
  *
@@ -31,7 +42,8 @@
  * this machine, so the router shares its cores with the simulated workers
  * and the client: the CPU columns say who used what.
  *
- *   bench_router --pipelines 1,2,4,8,16,32,64,128,256 --seqs 4 --json router.json */
+ *   bench_router --pipelines 1,2,4,8,16,32,64,128,256 --seqs 4 --json router.json
+ *   bench_router --pipelines 1 --seqs 64 --rate 30 --sim-args "--step-ms 1:2.3,640:25.4" */
 #include "router/client.h"
 #include "worker/synth.h"
 
@@ -45,6 +57,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdarg.h>
@@ -195,6 +208,8 @@ static bool br_knows_flag(const char *bin, const char *flag) {
 struct br_opts {
     const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *sim_args, *json, *tmpdir;
     int stages, seqs, prompt_tokens, max_tokens, step_us, warmup_s, seconds, up_timeout_s;
+    double rate; /* open loop: Poisson arrivals per second; 0: the closed loop */
+    int seed;    /* level k draws its arrivals from seed + k */
     int pipe_v[BR_LIST_MAX], n_pipes;
     bool router_insecure; /* the router has CURVE: run it with --insecure */
 };
@@ -224,8 +239,11 @@ static int br_parse_list(const char *s, int *v, char *err, size_t errlen) {
 
 struct br_row {
     int pipelines, stages, conc;
+    double rate;    /* arrivals per second; 0: closed loop */
+    uint32_t seed;  /* of the arrivals */
+    uint64_t capped; /* arrivals in the window that found every slot busy */
     double window_s;
-    double steps_s, steps_s_pipe, steps_s_pipe_min, tok_s;
+    double steps_s, steps_s_pipe, steps_s_pipe_min, tok_s, req_s;
     double plan_mean_us, plan_max_us, router_turn_mean_us;
     unsigned turn_p50, turn_p90, turn_p99, turn_max;
     double cpu_router, cpu_redis, cpu_sim, cpu_client;
@@ -352,22 +370,30 @@ static double br_pct_ms(const struct br_samples *s, double q) {
  * that can be in flight, so probes stay short. */
 struct br_slot {
     uint64_t id;     /* request number + 1; 0: free */
-    double t_send;   /* when it was sent */
+    double t_send;   /* when it was sent (open loop: when it arrived) */
     double t_last;   /* when its last token-bearing chunk came; 0: none yet */
     uint32_t n_tok;  /* completion tokens received */
 };
 
 /* The load: conc requests in flight over one DEALER socket; each that ends
- * is replaced by a new one.  While measuring, each chunk that arrives gives
+ * is replaced by a new one.  In the open loop (rate > 0) requests arrive
+ * on their own clock instead and wait in a queue, first come first served,
+ * while conc are in flight.  While measuring, each chunk that arrives gives
  * latency samples: its request's first gives a time to first token (from
- * the send), a later one of k tokens after a gap g gives k inter-token
- * samples of g / k. */
+ * the send, or the arrival in the open loop), a later one of k tokens after
+ * a gap g gives k inter-token samples of g / k. */
 struct br_load {
     struct zio_sock *sock;
     const struct br_opts *o;
-    int level;
+    int level, conc;
     uint64_t next_id, done, errors, tokens;
     int in_flight;
+    double rate;            /* arrivals per second; 0: closed loop */
+    uint32_t rng;           /* mulberry32 state of the arrival gaps */
+    double t_next;          /* the next arrival (monotonic seconds) */
+    double *queue;          /* arrival times not yet sent, a ring */
+    size_t q_head, q_n, q_cap;
+    uint64_t capped;        /* arrivals measured that found every slot busy */
     bool fatal;             /* the router refused a request for good */
     bool measure;           /* take latency samples */
     int32_t *prompt;
@@ -452,7 +478,8 @@ static void br_on_chunk(struct br_load *L, const Llm__GenerateChunk *ch, double 
     sl->t_last = now;
 }
 
-static int br_load_send(struct br_load *L) {
+/* t_arrive: when the request arrived (open loop), 0: now. */
+static int br_load_send(struct br_load *L, double t_arrive) {
     uint64_t id = L->next_id++;
     char rid[64];
     snprintf(rid, sizeof rid, "br%d-%" PRIu64 "-%d", L->level, id, (int)getpid());
@@ -491,16 +518,75 @@ static int br_load_send(struct br_load *L) {
     }
     L->in_flight++;
     struct br_slot *sl = br_slot_add(L, id);
-    if (sl) sl->t_send = br_now();
+    if (sl) sl->t_send = t_arrive > 0 ? t_arrive : br_now();
     return 0;
 }
 
-/* Reads what the router sent until deadline (monotonic seconds). */
+/* ---- Open-loop arrivals ---- */
+
+/* mulberry32 and the seed's mixing exactly as bench_cluster draws its --rate
+ * arrivals (which are serve-bench's): one seed gives the same gaps here,
+ * there and in serve-bench. */
+static double br_rng_next(uint32_t *state) {
+    uint32_t t = *state += 0x6d2b79f5u;
+    t = (t ^ (t >> 15)) * (t | 1u);
+    t ^= t + (t ^ (t >> 7)) * (t | 61u);
+    return (double)(t ^ (t >> 14)) / 4294967296.0;
+}
+
+/* Arrivals from t0 (monotonic seconds) on: the k-th at the k-th point of a
+ * Poisson process of rate per second. */
+static void br_arrivals_start(struct br_load *L, double rate, uint32_t seed, double t0) {
+    L->rate = rate;
+    L->rng = seed ^ 0x5bd1e995u;
+    L->t_next = t0 - log(1.0 - br_rng_next(&L->rng)) / rate;
+}
+
+/* Queues the arrivals due by now, then sends the oldest while fewer than
+ * conc are in flight.  An arrival that cannot go at once keeps its time:
+ * its wait counts in its TTFT. */
+static void br_arrivals_run(struct br_load *L, double now) {
+    while (L->t_next <= now) {
+        if (L->q_n == L->q_cap) {
+            size_t cap = L->q_cap ? L->q_cap * 2 : 1024;
+            double *q = malloc(cap * sizeof *q);
+            if (!q) break; /* late arrivals, not a lost run: retried on the next wake */
+            for (size_t i = 0; i < L->q_n; i++) q[i] = L->queue[(L->q_head + i) % L->q_cap];
+            free(L->queue);
+            L->queue = q;
+            L->q_head = 0;
+            L->q_cap = cap;
+        }
+        /* Arrivals queued in this same pass are not waiting yet: only conc
+         * ahead of it, sent or not, make this one wait. */
+        if (L->measure && (size_t)L->in_flight + L->q_n >= (size_t)L->conc) L->capped++;
+        L->queue[(L->q_head + L->q_n++) % L->q_cap] = L->t_next;
+        L->t_next -= log(1.0 - br_rng_next(&L->rng)) / L->rate;
+    }
+    while (L->q_n > 0 && L->in_flight < L->conc) {
+        double t = L->queue[L->q_head];
+        L->q_head = (L->q_head + 1) % L->q_cap;
+        L->q_n--;
+        if (br_load_send(L, t) < 0) break;
+    }
+}
+
+/* Reads what the router sent until deadline (monotonic seconds); in the
+ * open loop also sends the arrivals, waking for each. */
 static void br_load_pump(struct br_load *L, double deadline) {
     struct zio_parts in = {0};
     while (!br_stop) {
-        int ms = (int)((deadline - br_now()) * 1000);
-        if (ms <= 0) break;
+        double t = br_now();
+        if (t >= deadline) break;
+        double wake = deadline;
+        if (L->rate > 0) {
+            br_arrivals_run(L, t);
+            if (L->t_next < wake) wake = L->t_next;
+        }
+        /* Whole milliseconds, rounded up: an arrival is sent at most 1 ms
+         * late (and counted from its time), never in a busy loop. */
+        int ms = (int)ceil((wake - t) * 1000);
+        if (ms < 1) ms = 1;
         if (zio_recv(L->sock, &in, ms > 100 ? 100 : ms) != 0) continue;
         double now = br_now();
         Llm__ClientEnvelope *env = NULL;
@@ -524,13 +610,14 @@ static void br_load_pump(struct br_load *L, double deadline) {
                     br_fmt(L->first_err, sizeof L->first_err, "request %s: %s", env->done->request_id,
                              env->done->error ? env->done->error->message : "error");
             }
-            br_load_send(L);
+            if (L->rate == 0) br_load_send(L, 0);
             break;
         }
         case LLM__CLIENT_ENVELOPE__BODY_ERROR:
             /* A refused request: one that retrying can help (queue full,
-             * no pipeline yet) is replaced; any other refusal is the
-             * bench's mistake and ends the level. */
+             * no pipeline yet) is replaced in the closed loop (in the open
+             * loop it is an error and the arrivals go on); any other
+             * refusal is the bench's mistake and ends the level. */
             L->errors++;
             L->in_flight--;
             br_slot_del(L, env->tag); /* a refusal answers the Generate's tag */
@@ -539,7 +626,7 @@ static void br_load_pump(struct br_load *L, double deadline) {
                        env->error->message);
             if (env->error->code == LLM__ERROR__CODE__UNAVAILABLE ||
                 env->error->code == LLM__ERROR__CODE__RESOURCE_EXHAUSTED) {
-                br_load_send(L);
+                if (L->rate == 0) br_load_send(L, 0);
             } else {
                 L->fatal = true;
                 proto_client_free(env);
@@ -560,11 +647,15 @@ static int br_free_port(char *err, size_t errlen) {
     return port;
 }
 
-static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, char *err, size_t errlen) {
+/* One pipeline count; seed: of its arrivals in the open loop. */
+static int br_level(const struct br_opts *o, int pipelines, uint32_t seed, struct br_row *row, char *err,
+                    size_t errlen) {
     memset(row, 0, sizeof *row);
     row->pipelines = pipelines;
     row->stages = o->stages;
     row->conc = pipelines * o->seqs;
+    row->rate = o->rate;
+    row->seed = seed;
     char dir[PATH_MAX];
     br_fmt(dir, sizeof dir, "%s/bench-router-XXXXXX", o->tmpdir);
     if (!mkdtemp(dir)) {
@@ -646,6 +737,7 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     zctx = zmq_ctx_new();
     L.o = o;
     L.level = pipelines;
+    L.conc = row->conc;
     L.prompt = malloc((size_t)o->prompt_tokens * sizeof *L.prompt);
     for (L.n_slots = 16; L.n_slots < 4 * (size_t)row->conc; L.n_slots *= 2) {}
     L.slots = calloc(L.n_slots, sizeof *L.slots);
@@ -662,7 +754,9 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
         br_fmt(err, errlen, "%s", zio_errstr(L.sock));
         goto done;
     }
-    for (int i = 0; i < row->conc && rc == 0; i++) rc = br_load_send(&L);
+    if (o->rate > 0) br_arrivals_start(&L, o->rate, seed, br_now());
+    else
+        for (int i = 0; i < row->conc && rc == 0; i++) rc = br_load_send(&L, 0);
     if (rc < 0) {
         br_fmt(err, errlen, "%s", L.first_err);
         goto done;
@@ -684,6 +778,7 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     }
     double t0 = br_now(), cr0 = br_cpu_s(router.pid), cd0 = br_cpu_s(redis.pid), cc0 = br_self_cpu_s();
     uint64_t done0 = L.done, err0 = L.errors, tok0 = L.tokens;
+    L.capped = 0;
     L.measure = true;
     br_load_pump(&L, t0 + o->seconds);
     L.measure = false;
@@ -699,6 +794,8 @@ static int br_level(const struct br_opts *o, int pipelines, struct br_row *row, 
     row->steps_s_pipe = row->steps_s / pipelines;
     row->steps_s_pipe_min = s1.steps_min / s1.window_s;
     row->tok_s = (double)(L.tokens - tok0) / w;
+    row->req_s = (double)(L.done - done0) / w;
+    row->capped = L.capped;
     uint64_t dn = st1.steps - st0.steps;
     row->plan_mean_us = dn ? (st1.plan_mean * (double)st1.steps - st0.plan_mean * (double)st0.steps) / (double)dn : 0;
     row->plan_max_us = st1.plan_max;
@@ -727,6 +824,7 @@ done:
     zio_sock_close(L.sock);
     free(L.prompt);
     free(L.slots);
+    free(L.queue);
     free(L.ttft.v);
     free(L.itl.v);
     if (zctx) zmq_ctx_term(zctx);
@@ -744,16 +842,22 @@ done:
     return rc;
 }
 
-static void br_print(FILE *f, const struct br_row *r, int n) {
-    fprintf(f, "| pipelines | in flight | steps/s | steps/s/pipe (min) | tok/s | plan us mean (max) | "
+static void br_print(FILE *f, const struct br_opts *o, const struct br_row *r, int n) {
+    if (o->rate > 0)
+        fprintf(f, "open loop: Poisson arrivals at %g req/s (seed %d + level), at most pipelines x %d in flight, "
+                   "TTFT from the arrival\n\n", o->rate, o->seed, o->seqs);
+    else
+        fprintf(f, "closed loop: pipelines x %d in flight, each request replaced when it ends, TTFT from the send\n\n",
+                o->seqs);
+    fprintf(f, "| pipelines | in flight | steps/s | steps/s/pipe (min) | tok/s | req/s | plan us mean (max) | "
                "turnaround us p50 / p90 / p99 | TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 | "
                "CPU router / redis / sim / client |\n");
-    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|\n");
+    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++)
-        fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f (%.0f) | %u / %u / %u | %.1f / %.1f | "
+        fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f | %.1f (%.0f) | %u / %u / %u | %.1f / %.1f | "
                    "%.2f / %.2f / %.2f | %.2f / %.2f / %.2f / %.2f |\n",
                 r[i].pipelines, r[i].stages, r[i].conc, r[i].steps_s, r[i].steps_s_pipe, r[i].steps_s_pipe_min,
-                r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].turn_p50, r[i].turn_p90, r[i].turn_p99,
+                r[i].tok_s, r[i].req_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].turn_p50, r[i].turn_p90, r[i].turn_p99,
                 r[i].ttft_p50, r[i].ttft_p90, r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].cpu_router,
                 r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client);
 }
@@ -766,24 +870,26 @@ static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, in
         fclose(la);
     }
     fprintf(f, "{\"model\": \"%s\", \"stages\": %d, \"seqs_per_pipeline\": %d, \"step_us\": %d, \"seconds\": %d, "
-               "\"cpus\": %ld, \"loadavg_at_end\": [%.2f, %.2f, %.2f], \"rows\": [\n",
-            o->model, o->stages, o->seqs, o->step_us, o->seconds, sysconf(_SC_NPROCESSORS_ONLN), load[0], load[1],
-            load[2]);
+               "\"rate\": %.6g, \"seed\": %d, \"cpus\": %ld, \"loadavg_at_end\": [%.2f, %.2f, %.2f], \"rows\": [\n",
+            o->model, o->stages, o->seqs, o->step_us, o->seconds, o->rate, o->seed, sysconf(_SC_NPROCESSORS_ONLN),
+            load[0], load[1], load[2]);
     for (int i = 0; i < n; i++)
         fprintf(f,
-                "  {\"pipelines\": %d, \"stages\": %d, \"in_flight\": %d, \"window_s\": %.3f, \"steps_per_s\": %.1f, "
+                "  {\"pipelines\": %d, \"stages\": %d, \"in_flight\": %d, \"rate\": %.6g, \"arrival_seed\": %u, "
+                "\"capped\": %" PRIu64 ", \"window_s\": %.3f, \"steps_per_s\": %.1f, "
                 "\"steps_per_s_per_pipeline\": %.1f, \"steps_per_s_slowest_pipeline\": %.1f, \"tokens_per_s\": %.1f, "
                 "\"plan_us_mean\": %.2f, \"plan_us_max\": %.1f, \"router_turnaround_us_mean\": %.2f, "
                 "\"turnaround_us_p50\": %u, \"turnaround_us_p90\": %u, \"turnaround_us_p99\": %u, "
                 "\"turnaround_us_max\": %u, \"gen_tok_s\": %.1f, \"ttft_p50_ms\": %.3f, \"ttft_p90_ms\": %.3f, "
                 "\"itl_p50_ms\": %.3f, \"itl_p90_ms\": %.3f, \"itl_p99_ms\": %.3f, \"ttft_samples\": %" PRIu64 ", "
                 "\"itl_samples\": %" PRIu64 ", \"cpu_router\": %.3f, \"cpu_redis\": %.3f, \"cpu_sim_worker\": %.3f, "
-                "\"cpu_client\": %.3f, \"requests_done\": %" PRIu64 ", \"errors\": %" PRIu64 "}%s\n",
-                r[i].pipelines, r[i].stages, r[i].conc, r[i].window_s, r[i].steps_s, r[i].steps_s_pipe,
+                "\"cpu_client\": %.3f, \"requests_done\": %" PRIu64 ", \"requests_per_s\": %.2f, "
+                "\"errors\": %" PRIu64 "}%s\n",
+                r[i].pipelines, r[i].stages, r[i].conc, r[i].rate, r[i].seed, r[i].capped, r[i].window_s, r[i].steps_s, r[i].steps_s_pipe,
                 r[i].steps_s_pipe_min, r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].router_turn_mean_us,
                 r[i].turn_p50, r[i].turn_p90, r[i].turn_p99, r[i].turn_max, r[i].tok_s, r[i].ttft_p50, r[i].ttft_p90,
                 r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].ttft_n, r[i].itl_n, r[i].cpu_router, r[i].cpu_redis,
-                r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].errors, i + 1 < n ? "," : "");
+                r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].req_s, r[i].errors, i + 1 < n ? "," : "");
     fprintf(f, "]}\n");
 }
 
@@ -816,6 +922,11 @@ int main(int argc, char **argv) {
         {"max-tokens", NULL, OPTION_INT, "256", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
         {"step-us", NULL, OPTION_INT, "0", "sim_worker holds each result this long (0: at once)", &o.step_us, 0,
          60000000, NULL},
+        {"rate", NULL, OPTION_FLOAT, "0", "open loop: requests arrive as a Poisson process of R per second, each sent "
+         "at its arrival while fewer than pipelines x --seqs are in flight (else when one ends); 0: closed loop, "
+         "each request replaced when it ends", &o.rate, 0, 1e6, NULL},
+        {"seed", NULL, OPTION_INT, "1", "with --rate: level k of --pipelines draws its arrivals from seed N + k, as "
+         "bench_cluster --rate --seed N does", &o.seed, 0, INT_MAX / 2, NULL},
         {"warmup-s", NULL, OPTION_INT, "2", "seconds of load before the window", &o.warmup_s, 0, 3600, NULL},
         {"seconds", NULL, OPTION_INT, "5", "seconds measured per pipeline count", &o.seconds, 1, 3600, NULL},
         {"up-timeout-s", NULL, OPTION_INT, "60", "wait this long for every pipeline to be ready", &o.up_timeout_s, 1,
@@ -889,19 +1000,24 @@ int main(int argc, char **argv) {
     for (int i = 0; i < o.n_pipes && !br_stop; i++) {
         err[0] = 0;
         struct br_row r;
-        if (br_level(&o, o.pipe_v[i], &r, err, sizeof err) < 0) {
+        if (br_level(&o, o.pipe_v[i], (uint32_t)o.seed + (uint32_t)i, &r, err, sizeof err) < 0) {
             fprintf(stderr, "bench_router: %d pipelines: %s\n", o.pipe_v[i], err);
             failed = 1;
             continue;
         }
         rows[n_rows++] = r;
-        fprintf(stderr, "%d x %d: %.0f steps/s (%.0f per pipeline, slowest %.0f), plan %.1f us, turnaround p99 %u us, "
-                "TTFT p50 %.1f ms, ITL p50 %.2f ms p99 %.2f ms, router CPU %.2f%s%s\n", r.pipelines, r.stages,
-                r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min, r.plan_mean_us, r.turn_p99, r.ttft_p50, r.itl_p50,
-                r.itl_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
+        char load[96];
+        if (r.rate > 0)
+            br_fmt(load, sizeof load, "rate %g req/s (seed %u, %" PRIu64 " capped)", r.rate, r.seed, r.capped);
+        else
+            br_fmt(load, sizeof load, "closed loop");
+        fprintf(stderr, "%d x %d, %s: %.1f req/s, %.0f steps/s (%.0f per pipeline, slowest %.0f), plan %.1f us, "
+                "turnaround p99 %u us, TTFT p50 %.1f ms, ITL p50 %.2f ms p99 %.2f ms, router CPU %.2f%s%s\n",
+                r.pipelines, r.stages, load, r.req_s, r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min, r.plan_mean_us,
+                r.turn_p99, r.ttft_p50, r.itl_p50, r.itl_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
     }
     if (synth_path[0]) unlink(synth_path);
-    br_print(stdout, rows, n_rows);
+    br_print(stdout, &o, rows, n_rows);
     if (o.json && o.json[0]) {
         FILE *f = fopen(o.json, "w");
         if (!f) {

@@ -1,6 +1,7 @@
 /* bench/bench_router with one simulated pipeline: the table prints, the JSON
- * row carries the client's latency figures, and --sim-args reaches
- * sim_worker.  The latencies are held only to what the simulated step time
+ * row carries the client's latency figures, --sim-args reaches sim_worker,
+ * and --rate's open loop sends its arrivals at their rate and counts a wait
+ * for a free slot in the TTFT.  The latencies are held only to what the simulated step time
  * forces (a step of 2 ms cannot give tokens less than about 2 ms apart, nor
  * a first token sooner), with upper bounds orders of magnitude away: they
  * catch a wrong unit or a sample from the wrong request, never a slow
@@ -102,8 +103,9 @@ static double num(const cJSON *o, const char *key) {
 }
 
 /* Runs one level and returns its JSON (the caller frees it); *row is its
- * only row. */
-static cJSON *run_level(const char *const *args, const cJSON **row) {
+ * only row.  The table must say which loop ran (load: the start of the
+ * line above it). */
+static cJSON *run_level(const char *const *args, const char *load, const cJSON **row) {
     int rc = run_bench(args, 90);
     if (rc != 0) {
         show_err();
@@ -118,8 +120,9 @@ static cJSON *run_level(const char *const *args, const cJSON **row) {
     if (cJSON_GetArraySize(rows) != 1) TEST_FAIL("%d rows for one pipeline count", cJSON_GetArraySize(rows));
     *row = cJSON_GetArrayItem(rows, 0);
     char *out = slurp(out_path);
-    if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| 1 x 1 | 8 |"))
+    if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| 1 x 1 |"))
         TEST_FAIL("no latency columns or no row in the table:\n%s", out ? out : "(none)");
+    if (strncmp(out, load, strlen(load)) != 0) TEST_FAIL("the table does not start with \"%s\":\n%s", load, out);
     free(out);
     unlink(json_path);
     unlink(out_path);
@@ -132,8 +135,10 @@ TEST(latency_follows_the_step_time) {
     const char *args[] = {"--pipelines", "1", "--seqs", "8", "--prompt-tokens", "16", "--max-tokens", "32",
                           "--step-us", "2000", "--seconds", "2", "--warmup-s", "1", NULL};
     const cJSON *r;
-    cJSON *j = run_level(args, &r);
+    cJSON *j = run_level(args, "closed loop:", &r);
     ASSERT_EQ(0.0, num(r, "errors"));
+    ASSERT_EQ(0.0, num(r, "rate"));
+    ASSERT_EQ(8.0, num(r, "in_flight"));
     ASSERT_TRUE(num(r, "requests_done") > 0);
     double tok_s = num(r, "gen_tok_s");
     ASSERT_EQ(num(r, "tokens_per_s"), tok_s);
@@ -166,10 +171,51 @@ TEST(sim_args_reach_sim_worker) {
                           "--step-us", "0", "--sim-args", "--log-level info --step-us 4000", "--seconds", "1",
                           "--warmup-s", "1", NULL};
     const cJSON *r;
-    cJSON *j = run_level(args, &r);
+    cJSON *j = run_level(args, "closed loop:", &r);
     double itl50 = num(r, "itl_p50_ms");
     printf("  ITL p50 %.3f ms\n", itl50);
     if (itl50 < 3) TEST_FAIL("ITL p50 %.3f ms: the 4 ms steps of --sim-args did not reach sim_worker", itl50);
+    cJSON_Delete(j);
+}
+
+/* Requests of 4 tokens take about 5 steps of 2 ms, so 8 slots carry some
+ * 800 a second: 200 arrivals a second all go, about as they come. */
+TEST(open_loop_keeps_its_rate) {
+    need_programs();
+    const char *args[] = {"--pipelines", "1", "--seqs", "8", "--prompt-tokens", "16", "--max-tokens", "4",
+                          "--step-us", "2000", "--rate", "200", "--seconds", "2", "--warmup-s", "1", NULL};
+    const cJSON *r;
+    cJSON *j = run_level(args, "open loop: Poisson arrivals at 200 req/s", &r);
+    ASSERT_EQ(200.0, num(r, "rate"));
+    ASSERT_EQ(1.0, num(r, "arrival_seed"));
+    ASSERT_EQ(0.0, num(r, "errors"));
+    double req_s = num(r, "requests_per_s"), w = num(r, "window_s");
+    printf("  %.1f requests/s done at 200 arriving, %.0f capped, TTFT p50 %.3f ms\n", req_s, num(r, "capped"),
+           num(r, "ttft_p50_ms"));
+    if (req_s < 150 || req_s > 250) TEST_FAIL("%.1f requests/s done in the window at 200 arriving", req_s);
+    double done = num(r, "requests_done");
+    if (done < req_s * w - 1 || done > req_s * w + 1) TEST_FAIL("%.0f requests done, %.1f/s in %.3f s", done, req_s, w);
+    double ttft50 = num(r, "ttft_p50_ms");
+    if (ttft50 < 2 || ttft50 > 2000) TEST_FAIL("TTFT p50 %.3f ms with 2 ms steps", ttft50);
+    cJSON_Delete(j);
+}
+
+/* One slot and requests of about 10 ms carry some 100 a second: at 1000
+ * arriving the queue grows by about 0.9 s each second, and the TTFT, counted
+ * from the arrival, with it (from the send it would stay near 2 steps). */
+TEST(open_loop_counts_the_wait_for_a_slot) {
+    need_programs();
+    const char *args[] = {"--pipelines", "1", "--seqs", "1", "--prompt-tokens", "16", "--max-tokens", "4",
+                          "--step-us", "2000", "--rate", "1000", "--seed", "5", "--seconds", "1", "--warmup-s", "1",
+                          NULL};
+    const cJSON *r;
+    cJSON *j = run_level(args, "open loop: Poisson arrivals at 1000 req/s (seed 5 + level)", &r);
+    double req_s = num(r, "requests_per_s"), ttft50 = num(r, "ttft_p50_ms"), capped = num(r, "capped");
+    printf("  %.1f requests/s done at 1000 arriving, %.0f capped, TTFT p50 %.1f ms\n", req_s, capped, ttft50);
+    ASSERT_EQ(5.0, num(r, "arrival_seed"));
+    if (req_s > 300) TEST_FAIL("%.1f requests/s done with one slot and 10 ms requests", req_s);
+    if (capped < 500) TEST_FAIL("%.0f of about 1000 arrivals in the window found the slot busy", capped);
+    if (ttft50 < 300) TEST_FAIL("TTFT p50 %.1f ms: the wait for the slot is not counted", ttft50);
     cJSON_Delete(j);
 }
 
@@ -178,8 +224,13 @@ TEST(bad_command_lines_are_refused) {
     ASSERT_EQ(2, run_bench((const char *[]){"--pipelines", "0", NULL}, 30));
     ASSERT_EQ(2, run_bench((const char *[]){"--seqs", "x", NULL}, 30));
     ASSERT_EQ(2, run_bench((const char *[]){"--no-such-option", NULL}, 30));
+    ASSERT_EQ(2, run_bench((const char *[]){"--rate", "-1", NULL}, 30));
+    char *e = slurp(err_path);
+    if (!e || !strstr(e, "--rate")) TEST_FAIL("--rate -1 refused without naming the flag: %s", e ? e : "(none)");
+    free(e);
     unlink(out_path);
     unlink(err_path);
 }
 
-TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, bad_command_lines_are_refused)
+TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, open_loop_keeps_its_rate,
+          open_loop_counts_the_wait_for_a_slot, bad_command_lines_are_refused)
