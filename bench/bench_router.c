@@ -37,13 +37,21 @@
  *                  choices without a GPU
  *   CPU            router, redis-server, sim_worker and this program, from
  *                  /proc/<pid>/stat, as a fraction of one core
+ *   prefix hits    the prompt tokens the router's prefix cache found at
+ *                  admissions in the window, as a share of those it found
+ *                  and computed (Status; "off" under --no-prefix-cache)
  *
+ * Prompts are distinct per request, or with --shared-prefix N all start
+ * with the same N ids (a system prompt) and end in --question-tokens ids of
+ * their own, so two runs, one with --router-args --no-prefix-cache, show
+ * what the cache saves.
  * and prints a table and (--json) the same rows as JSON.  Everything runs on
  * this machine, so the router shares its cores with the simulated workers
  * and the client: the CPU columns say who used what.
  *
  *   bench_router --pipelines 1,2,4,8,16,32,64,128,256 --seqs 4 --json router.json
- *   bench_router --pipelines 1 --seqs 64 --rate 30 --sim-args "--step-ms 1:2.3,640:25.4" */
+ *   bench_router --pipelines 1 --seqs 64 --rate 30 --sim-args "--step-ms 1:2.3,640:25.4"
+ *   bench_router --pipelines 1 --seqs 16 --shared-prefix 1024 --question-tokens 32 [--router-args --no-prefix-cache] */
 #include "router/client.h"
 #include "worker/synth.h"
 
@@ -208,11 +216,17 @@ static bool br_knows_flag(const char *bin, const char *flag) {
 struct br_opts {
     const char *model, *pipelines, *router_bin, *sim_bin, *redis_bin, *router_args, *sim_args, *json, *tmpdir;
     int stages, seqs, prompt_tokens, max_tokens, step_us, warmup_s, seconds, up_timeout_s;
+    int shared_prefix, question_tokens; /* the shared-prefix workload when shared_prefix > 0 */
     double rate; /* open loop: Poisson arrivals per second; 0: the closed loop */
     int seed;    /* level k draws its arrivals from seed + k */
     int pipe_v[BR_LIST_MAX], n_pipes;
     bool router_insecure; /* the router has CURVE: run it with --insecure */
 };
+
+/* Tokens of every prompt: the shared prefix and a question, or --prompt-tokens. */
+static int br_prompt_len(const struct br_opts *o) {
+    return o->shared_prefix > 0 ? o->shared_prefix + o->question_tokens : o->prompt_tokens;
+}
 
 static int br_parse_list(const char *s, int *v, char *err, size_t errlen) {
     char buf[256];
@@ -250,6 +264,8 @@ struct br_row {
     double ttft_p50, ttft_p90, itl_p50, itl_p90, itl_p99; /* ms, as the client saw them */
     uint64_t ttft_n, itl_n;                               /* samples behind them */
     uint64_t requests_done, errors;
+    bool prefix_cache;                                    /* the router's, as its Status says */
+    uint64_t prefix_hit_tokens, prefix_miss_tokens;       /* at admissions in the window */
     char note[256];
 };
 
@@ -299,7 +315,8 @@ static int br_sim_snapshot(struct br_proc *sim, const char *path, int want, stru
 
 struct br_status {
     double plan_mean, plan_max, turn_mean;
-    uint64_t steps;
+    uint64_t steps, prefix_hit_tokens, prefix_miss_tokens;
+    bool prefix_cache;
     int ready;
 };
 
@@ -312,6 +329,9 @@ static int br_status(llm_client *c, struct br_status *s) {
     s->plan_max = r->plan_us_max;
     s->turn_mean = r->turnaround_us_mean;
     s->steps = r->steps_total;
+    s->prefix_cache = r->prefix_cache;
+    s->prefix_hit_tokens = r->prefix_hit_tokens;
+    s->prefix_miss_tokens = r->prefix_miss_tokens;
     s->ready = 0;
     for (size_t i = 0; i < r->n_pipelines; i++) s->ready += r->pipelines[i]->ready;
     proto_client_free(env);
@@ -478,24 +498,49 @@ static void br_on_chunk(struct br_load *L, const Llm__GenerateChunk *ch, double 
     sl->t_last = now;
 }
 
+/* n ids drawn from key into ids, all in 300..399: inside the synthetic
+ * model's vocabulary of 512 and any real one's, away from the low ids where
+ * models keep their special tokens. */
+static void br_prompt_ids(uint64_t key, int32_t *ids, int n) {
+    uint64_t x = 0x9e3779b97f4a7c15ULL * (key + 1);
+    for (int i = 0; i < n; i++) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        ids[i] = 300 + (int32_t)((x * 0x2545f4914f6cdd1dULL >> 33) % 100);
+    }
+}
+
+/* The prompt of request id: distinct throughout, or the shared prefix (the
+ * same ids in every run and level, so cache on and off see the same
+ * prompts) and a question of its own.  A question's first id follows the
+ * request number, so consecutive requests differ there and no question's
+ * block can be found cached from another's by a chance match of random
+ * ids. */
+#define BR_PREFIX_KEY 7777777u
+static void br_prompt(const struct br_opts *o, uint64_t id, int32_t *ids) {
+    if (o->shared_prefix <= 0) {
+        br_prompt_ids(id, ids, o->prompt_tokens);
+        return;
+    }
+    br_prompt_ids(BR_PREFIX_KEY, ids, o->shared_prefix);
+    int32_t *q = ids + o->shared_prefix;
+    q[0] = 300 + (int32_t)(id % 100);
+    br_prompt_ids(id, q + 1, o->question_tokens - 1);
+}
+
 /* t_arrive: when the request arrived (open loop), 0: now. */
 static int br_load_send(struct br_load *L, double t_arrive) {
     uint64_t id = L->next_id++;
     char rid[64];
     snprintf(rid, sizeof rid, "br%d-%" PRIu64 "-%d", L->level, id, (int)getpid());
-    uint64_t x = 0x9e3779b97f4a7c15ULL * (id + 1);
-    for (int i = 0; i < L->o->prompt_tokens; i++) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        L->prompt[i] = 300 + (int32_t)((x * 0x2545f4914f6cdd1dULL >> 33) % 100);
-    }
+    br_prompt(L->o, id, L->prompt);
     Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
     sp.ignore_eos = true;
     sp.seed = id + 1;
     Llm__GenerateRequest g = LLM__GENERATE_REQUEST__INIT;
     g.request_id = rid;
-    g.n_prompt_tokens = (size_t)L->o->prompt_tokens;
+    g.n_prompt_tokens = (size_t)br_prompt_len(L->o);
     g.prompt_tokens = L->prompt;
     g.max_tokens = (uint32_t)L->o->max_tokens;
     g.sampling = &sp;
@@ -738,7 +783,7 @@ static int br_level(const struct br_opts *o, int pipelines, uint32_t seed, struc
     L.o = o;
     L.level = pipelines;
     L.conc = row->conc;
-    L.prompt = malloc((size_t)o->prompt_tokens * sizeof *L.prompt);
+    L.prompt = malloc((size_t)br_prompt_len(o) * sizeof *L.prompt);
     for (L.n_slots = 16; L.n_slots < 4 * (size_t)row->conc; L.n_slots *= 2) {}
     L.slots = calloc(L.n_slots, sizeof *L.slots);
     L.ttft.rng = 0x9e3779b97f4a7c15ULL;
@@ -819,6 +864,9 @@ static int br_level(const struct br_opts *o, int pipelines, uint32_t seed, struc
     row->itl_p99 = br_pct_ms(&L.itl, 0.99);
     row->requests_done = L.done - done0;
     row->errors = L.errors - err0;
+    row->prefix_cache = st1.prefix_cache;
+    row->prefix_hit_tokens = st1.prefix_hit_tokens - st0.prefix_hit_tokens;
+    row->prefix_miss_tokens = st1.prefix_miss_tokens - st0.prefix_miss_tokens;
     if (L.first_err[0]) br_fmt(row->note, sizeof row->note, "%s", L.first_err);
 done:
     zio_sock_close(L.sock);
@@ -842,24 +890,43 @@ done:
     return rc;
 }
 
+/* The window's prefix hits as a share of the prompt tokens admitted:
+ * "off" without the cache, "-" when nothing was admitted. */
+static void br_fmt_hits(char *out, size_t size, const struct br_row *r) {
+    uint64_t all = r->prefix_hit_tokens + r->prefix_miss_tokens;
+    if (!r->prefix_cache) br_fmt(out, size, "off");
+    else if (all == 0) br_fmt(out, size, "-");
+    else br_fmt(out, size, "%.1f%%", 100.0 * (double)r->prefix_hit_tokens / (double)all);
+}
+
 static void br_print(FILE *f, const struct br_opts *o, const struct br_row *r, int n) {
+    char prompts[128];
+    if (o->shared_prefix > 0)
+        br_fmt(prompts, sizeof prompts, "prompts of a %d-token shared prefix + a distinct %d-token question",
+               o->shared_prefix, o->question_tokens);
+    else
+        br_fmt(prompts, sizeof prompts, "distinct prompts of %d tokens", o->prompt_tokens);
     if (o->rate > 0)
         fprintf(f, "open loop: Poisson arrivals at %g req/s (seed %d + level), at most pipelines x %d in flight, "
-                   "TTFT from the arrival\n\n", o->rate, o->seed, o->seqs);
+                   "TTFT from the arrival; %s, %d tokens generated\n\n", o->rate, o->seed, o->seqs, prompts,
+                o->max_tokens);
     else
-        fprintf(f, "closed loop: pipelines x %d in flight, each request replaced when it ends, TTFT from the send\n\n",
-                o->seqs);
+        fprintf(f, "closed loop: pipelines x %d in flight, each request replaced when it ends, TTFT from the send; "
+                   "%s, %d tokens generated\n\n", o->seqs, prompts, o->max_tokens);
     fprintf(f, "| pipelines | in flight | steps/s | steps/s/pipe (min) | tok/s | req/s | plan us mean (max) | "
                "turnaround us p50 / p90 / p99 | TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 | "
-               "CPU router / redis / sim / client |\n");
-    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int i = 0; i < n; i++)
+               "CPU router / redis / sim / client | prefix hits |\n");
+    fprintf(f, "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < n; i++) {
+        char hits[32];
+        br_fmt_hits(hits, sizeof hits, &r[i]);
         fprintf(f, "| %d x %d | %d | %.0f | %.0f (%.0f) | %.0f | %.1f | %.1f (%.0f) | %u / %u / %u | %.1f / %.1f | "
-                   "%.2f / %.2f / %.2f | %.2f / %.2f / %.2f / %.2f |\n",
+                   "%.2f / %.2f / %.2f | %.2f / %.2f / %.2f / %.2f | %s |\n",
                 r[i].pipelines, r[i].stages, r[i].conc, r[i].steps_s, r[i].steps_s_pipe, r[i].steps_s_pipe_min,
                 r[i].tok_s, r[i].req_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].turn_p50, r[i].turn_p90, r[i].turn_p99,
                 r[i].ttft_p50, r[i].ttft_p90, r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].cpu_router,
-                r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client);
+                r[i].cpu_redis, r[i].cpu_sim, r[i].cpu_client, hits);
+    }
 }
 
 static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, int n) {
@@ -870,9 +937,13 @@ static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, in
         fclose(la);
     }
     fprintf(f, "{\"model\": \"%s\", \"stages\": %d, \"seqs_per_pipeline\": %d, \"step_us\": %d, \"seconds\": %d, "
-               "\"rate\": %.6g, \"seed\": %d, \"cpus\": %ld, \"loadavg_at_end\": [%.2f, %.2f, %.2f], \"rows\": [\n",
-            o->model, o->stages, o->seqs, o->step_us, o->seconds, o->rate, o->seed, sysconf(_SC_NPROCESSORS_ONLN),
-            load[0], load[1], load[2]);
+               "\"rate\": %.6g, \"seed\": %d, \"workload\": \"%s\", \"prompt_tokens\": %d, \"shared_prefix\": %d, "
+               "\"question_tokens\": %d, \"max_tokens\": %d, \"cpus\": %ld, \"loadavg_at_end\": [%.2f, %.2f, %.2f], "
+               "\"rows\": [\n",
+            o->model, o->stages, o->seqs, o->step_us, o->seconds, o->rate, o->seed,
+            o->shared_prefix > 0 ? "shared-prefix" : "distinct", br_prompt_len(o), o->shared_prefix,
+            o->shared_prefix > 0 ? o->question_tokens : 0, o->max_tokens, sysconf(_SC_NPROCESSORS_ONLN), load[0],
+            load[1], load[2]);
     for (int i = 0; i < n; i++)
         fprintf(f,
                 "  {\"pipelines\": %d, \"stages\": %d, \"in_flight\": %d, \"rate\": %.6g, \"arrival_seed\": %u, "
@@ -884,12 +955,15 @@ static void br_json(FILE *f, const struct br_opts *o, const struct br_row *r, in
                 "\"itl_p50_ms\": %.3f, \"itl_p90_ms\": %.3f, \"itl_p99_ms\": %.3f, \"ttft_samples\": %" PRIu64 ", "
                 "\"itl_samples\": %" PRIu64 ", \"cpu_router\": %.3f, \"cpu_redis\": %.3f, \"cpu_sim_worker\": %.3f, "
                 "\"cpu_client\": %.3f, \"requests_done\": %" PRIu64 ", \"requests_per_s\": %.2f, "
-                "\"errors\": %" PRIu64 "}%s\n",
+                "\"errors\": %" PRIu64 ", \"prefix_cache\": %s, \"prefix_hit_tokens\": %" PRIu64 ", "
+                "\"prefix_miss_tokens\": %" PRIu64 "}%s\n",
                 r[i].pipelines, r[i].stages, r[i].conc, r[i].rate, r[i].seed, r[i].capped, r[i].window_s, r[i].steps_s, r[i].steps_s_pipe,
                 r[i].steps_s_pipe_min, r[i].tok_s, r[i].plan_mean_us, r[i].plan_max_us, r[i].router_turn_mean_us,
                 r[i].turn_p50, r[i].turn_p90, r[i].turn_p99, r[i].turn_max, r[i].tok_s, r[i].ttft_p50, r[i].ttft_p90,
                 r[i].itl_p50, r[i].itl_p90, r[i].itl_p99, r[i].ttft_n, r[i].itl_n, r[i].cpu_router, r[i].cpu_redis,
-                r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].req_s, r[i].errors, i + 1 < n ? "," : "");
+                r[i].cpu_sim, r[i].cpu_client, r[i].requests_done, r[i].req_s, r[i].errors,
+                r[i].prefix_cache ? "true" : "false", r[i].prefix_hit_tokens, r[i].prefix_miss_tokens,
+                i + 1 < n ? "," : "");
     fprintf(f, "]}\n");
 }
 
@@ -918,7 +992,14 @@ int main(int argc, char **argv) {
          0, NULL},
         {"stages", NULL, OPTION_INT, "1", "stages per pipeline", &o.stages, 1, 64, NULL},
         {"seqs", NULL, OPTION_INT, "4", "requests in flight per pipeline", &o.seqs, 1, 4096, NULL},
-        {"prompt-tokens", NULL, OPTION_INT, "16", "prompt tokens per request", &o.prompt_tokens, 1, 65536, NULL},
+        {"prompt-tokens", NULL, OPTION_INT, "16", "prompt tokens per request (not used with --shared-prefix, whose "
+         "prompts are N + --question-tokens long)", &o.prompt_tokens, 1, 65536, NULL},
+        {"shared-prefix", NULL, OPTION_INT, "0", "the shared-prefix workload: every prompt starts with the same N "
+         "tokens (a system prompt) and ends in --question-tokens of its own; 0: distinct prompts of --prompt-tokens. "
+         "Run twice, once with --router-args --no-prefix-cache, to compare the router's prefix cache on and off",
+         &o.shared_prefix, 0, 1 << 20, NULL},
+        {"question-tokens", NULL, OPTION_INT, "32", "with --shared-prefix: each request's own tokens after the prefix",
+         &o.question_tokens, 1, 1 << 20, NULL},
         {"max-tokens", NULL, OPTION_INT, "256", "tokens generated per request", &o.max_tokens, 1, 1 << 20, NULL},
         {"step-us", NULL, OPTION_INT, "0", "sim_worker holds each result this long (0: at once)", &o.step_us, 0,
          60000000, NULL},
@@ -966,12 +1047,13 @@ int main(int argc, char **argv) {
         }
     /* Without --model: a small synthetic model (only its tokenizer and
      * metadata are read) whose context holds prompt + max_tokens. */
+
     static char synth_path[PATH_MAX];
     if (!o.model || !o.model[0]) {
         struct synth_config sc;
         memset(&sc, 0, sizeof sc);
         synth_shape_preset("tiny", &sc.shape);
-        sc.shape.ctx_len = o.prompt_tokens + o.max_tokens + 64;
+        sc.shape.ctx_len = br_prompt_len(&o) + o.max_tokens + 64;
         if (sc.shape.n_layers < o.stages) sc.shape.n_layers = o.stages;
         sc.type = SYNTH_F32;
         sc.seed = 1;
@@ -1006,15 +1088,17 @@ int main(int argc, char **argv) {
             continue;
         }
         rows[n_rows++] = r;
-        char load[96];
+        char load[96], hits[32];
+        br_fmt_hits(hits, sizeof hits, &r);
         if (r.rate > 0)
             br_fmt(load, sizeof load, "rate %g req/s (seed %u, %" PRIu64 " capped)", r.rate, r.seed, r.capped);
         else
             br_fmt(load, sizeof load, "closed loop");
         fprintf(stderr, "%d x %d, %s: %.1f req/s, %.0f steps/s (%.0f per pipeline, slowest %.0f), plan %.1f us, "
-                "turnaround p99 %u us, TTFT p50 %.1f ms, ITL p50 %.2f ms p99 %.2f ms, router CPU %.2f%s%s\n",
+                "turnaround p99 %u us, TTFT p50 %.1f ms, ITL p50 %.2f ms p99 %.2f ms, router CPU %.2f, prefix hits %s"
+                "%s%s\n",
                 r.pipelines, r.stages, load, r.req_s, r.steps_s, r.steps_s_pipe, r.steps_s_pipe_min, r.plan_mean_us,
-                r.turn_p99, r.ttft_p50, r.itl_p50, r.itl_p99, r.cpu_router, r.note[0] ? "; " : "", r.note);
+                r.turn_p99, r.ttft_p50, r.itl_p50, r.itl_p99, r.cpu_router, hits, r.note[0] ? "; " : "", r.note);
     }
     if (synth_path[0]) unlink(synth_path);
     br_print(stdout, &o, rows, n_rows);

@@ -1,7 +1,8 @@
 /* bench/bench_router with one simulated pipeline: the table prints, the JSON
  * row carries the client's latency figures, --sim-args reaches sim_worker,
- * and --rate's open loop sends its arrivals at their rate and counts a wait
- * for a free slot in the TTFT.  The latencies are held only to what the simulated step time
+ * --rate's open loop sends its arrivals at their rate and counts a wait
+ * for a free slot in the TTFT, and --shared-prefix's prompts share their
+ * prefix, and only it, in the router's prefix cache.  The latencies are held only to what the simulated step time
  * forces (a step of 2 ms cannot give tokens less than about 2 ms apart, nor
  * a first token sooner), with upper bounds orders of magnitude away: they
  * catch a wrong unit or a sample from the wrong request, never a slow
@@ -12,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +98,12 @@ static void show_err(void) {
     free(e);
 }
 
+static bool flag(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    if (!cJSON_IsBool(v)) TEST_FAIL("JSON without a true or false \"%s\"", key);
+    return cJSON_IsTrue(v);
+}
+
 static double num(const cJSON *o, const char *key) {
     const cJSON *v = cJSON_GetObjectItem(o, key);
     if (!cJSON_IsNumber(v)) TEST_FAIL("JSON row without a number \"%s\"", key);
@@ -120,7 +128,8 @@ static cJSON *run_level(const char *const *args, const char *load, const cJSON *
     if (cJSON_GetArraySize(rows) != 1) TEST_FAIL("%d rows for one pipeline count", cJSON_GetArraySize(rows));
     *row = cJSON_GetArrayItem(rows, 0);
     char *out = slurp(out_path);
-    if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| 1 x 1 |"))
+    if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| prefix hits |") ||
+        !strstr(out, "| 1 x 1 |"))
         TEST_FAIL("no latency columns or no row in the table:\n%s", out ? out : "(none)");
     if (strncmp(out, load, strlen(load)) != 0) TEST_FAIL("the table does not start with \"%s\":\n%s", load, out);
     free(out);
@@ -219,6 +228,49 @@ TEST(open_loop_counts_the_wait_for_a_slot) {
     cJSON_Delete(j);
 }
 
+/* Prompts of 256 shared tokens and 32 of their own, in blocks of 16
+ * (sim_worker's default): with the cache on each admission finds the 16
+ * blocks of the prefix cached and computes its question, so 256 of every
+ * 288 prompt tokens are hits, no more (the question's first block found
+ * cached would be a match between two requests' own tokens; its last block
+ * is computed in any case, for the last token's logits) and not many fewer
+ * (only the first requests and those let in while the prefix was still
+ * being computed miss it).  With --no-prefix-cache the router finds
+ * nothing. */
+TEST(shared_prefix_is_found_cached) {
+    need_programs();
+    const char *on[] = {"--pipelines", "1", "--shared-prefix", "256", "--question-tokens", "32", "--max-tokens", "8",
+                        "--seqs", "8", "--step-us", "0", "--seconds", "2", "--warmup-s", "1", NULL};
+    /* The loop line names the workload. */
+    const char *load = "closed loop: pipelines x 8 in flight, each request replaced when it ends, TTFT from the send; "
+                       "prompts of a 256-token shared prefix + a distinct 32-token question";
+    const cJSON *r;
+    cJSON *j = run_level(on, load, &r);
+    ASSERT_EQ(256.0, num(j, "shared_prefix"));
+    ASSERT_EQ(32.0, num(j, "question_tokens"));
+    ASSERT_EQ(288.0, num(j, "prompt_tokens"));
+    ASSERT_EQ(0.0, num(r, "errors"));
+    ASSERT_TRUE(flag(r, "prefix_cache"));
+    double hit = num(r, "prefix_hit_tokens"), miss = num(r, "prefix_miss_tokens"), done = num(r, "requests_done");
+    printf("  cache on: %.0f prompt tokens found cached, %.0f computed, %.0f requests done\n", hit, miss, done);
+    if (hit + miss < 288 * 100) TEST_FAIL("%.0f prompt tokens admitted in the window", hit + miss);
+    double share = hit / (hit + miss);
+    if (share < 0.9 * 256 / 288 || share > 256.0 / 288 + 1e-9)
+        TEST_FAIL("%.4f of the prompt tokens found cached; the prefix is %.4f of each prompt", share, 256.0 / 288);
+    ASSERT_TRUE(hit > miss);
+    cJSON_Delete(j);
+
+    const char *off[] = {"--pipelines", "1", "--shared-prefix", "256", "--question-tokens", "32", "--max-tokens",
+                         "8", "--seqs", "8", "--step-us", "0", "--seconds", "2", "--warmup-s", "1", "--router-args",
+                         "--no-prefix-cache", NULL};
+    j = run_level(off, load, &r);
+    ASSERT_EQ(0.0, num(r, "errors"));
+    ASSERT_TRUE(!flag(r, "prefix_cache"));
+    ASSERT_EQ(0.0, num(r, "prefix_hit_tokens"));
+    ASSERT_TRUE(num(r, "requests_done") > 0);
+    cJSON_Delete(j);
+}
+
 TEST(bad_command_lines_are_refused) {
     if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
     ASSERT_EQ(2, run_bench((const char *[]){"--pipelines", "0", NULL}, 30));
@@ -228,9 +280,14 @@ TEST(bad_command_lines_are_refused) {
     char *e = slurp(err_path);
     if (!e || !strstr(e, "--rate")) TEST_FAIL("--rate -1 refused without naming the flag: %s", e ? e : "(none)");
     free(e);
+    ASSERT_EQ(2, run_bench((const char *[]){"--shared-prefix", "-1", NULL}, 30));
+    e = slurp(err_path);
+    if (!e || !strstr(e, "--shared-prefix"))
+        TEST_FAIL("--shared-prefix -1 refused without naming the flag: %s", e ? e : "(none)");
+    free(e);
     unlink(out_path);
     unlink(err_path);
 }
 
 TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, open_loop_keeps_its_rate,
-          open_loop_counts_the_wait_for_a_slot, bad_command_lines_are_refused)
+          open_loop_counts_the_wait_for_a_slot, shared_prefix_is_found_cached, bad_command_lines_are_refused)
