@@ -7,7 +7,7 @@
  * With --rate, the arrivals: a level lasts at least until its last
  * request's scheduled time (a bound the schedule sets, not a speed).  No
  * speed is asserted: that is the benchmark's business, never a test's. */
-#include "tests/test.h"
+#include "tests/bench/bench_child.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -62,53 +62,17 @@ static int run_bench(const char *const *args, int limit_s) {
     int n = 1;
     for (; args[n - 1] && n < 47; n++) argv[n] = args[n - 1];
     argv[n] = NULL;
-    fflush(stdout);
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) TEST_FAIL("fork: %s", strerror(errno));
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (getppid() != parent) _exit(127);
-        int o = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644), e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (o < 0 || e < 0) _exit(127);
-        dup2(o, 1);
-        dup2(e, 2);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    for (int i = 0; i < limit_s * 20; i++) {
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        struct timespec ts = {0, 50000000L};
-        nanosleep(&ts, NULL);
-    }
-    /* Past the limit: SIGTERM makes it stop its clusters. */
-    kill(pid, SIGTERM);
-    int st;
-    waitpid(pid, &st, 0);
-    return -1;
-}
-
-static char *slurp(const char *path) {
-    FILE *f = fopen(path, "r");
-    if (!f) return NULL;
-    static char buf[1 << 17];
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *copy = malloc(n + 1);
-    if (copy) memcpy(copy, buf, n + 1);
-    return copy;
+    return bench_child_run(argv, out_path, err_path, limit_s);
 }
 
 static void show_err(void) {
-    char *e = slurp(err_path);
+    char *e = bench_child_slurp(err_path);
     printf("  --- bench_cluster stderr:\n%s\n", e ? e : "(none)");
     free(e);
 }
 
 static cJSON *load_json(void) {
-    char *text = slurp(json_path);
+    char *text = bench_child_slurp(json_path);
     if (!text) TEST_FAIL("bench_cluster wrote no %s", json_path);
     cJSON *j = cJSON_Parse(text);
     if (!j) TEST_FAIL("%s does not parse as JSON:\n%s", json_path, text);
@@ -161,7 +125,7 @@ TEST(sweep_prints_the_table_and_json) {
     int rc = run_bench(args, 60);
     if (rc != 0) show_err();
     ASSERT_EQ(0, rc);
-    char *out = slurp(out_path);
+    char *out = bench_child_slurp(out_path);
     ASSERT_TRUE(out != NULL);
     ASSERT_TRUE(strstr(out, "| layout | conc | requests |") != NULL);
     ASSERT_TRUE(strstr(out, "| 1x1 | 2 | 4 |") != NULL);
@@ -199,7 +163,7 @@ TEST(shared_prefix_runs_with_the_cache_on_and_off) {
     int rc = run_bench(args, 60);
     if (rc != 0) show_err();
     ASSERT_EQ(0, rc);
-    char *out = slurp(out_path);
+    char *out = bench_child_slurp(out_path);
     ASSERT_TRUE(out != NULL);
     ASSERT_TRUE(strstr(out, "| 1x1 | on | 2 | 6 |") != NULL);
     ASSERT_TRUE(strstr(out, "| 1x1 | off | 2 | 6 |") != NULL);
@@ -251,7 +215,7 @@ TEST(rate_sends_requests_at_their_poisson_arrivals) {
     int rc = run_bench(args, 60);
     if (rc != 0) show_err();
     ASSERT_EQ(0, rc);
-    char *out = slurp(out_path);
+    char *out = bench_child_slurp(out_path);
     ASSERT_TRUE(out != NULL);
     ASSERT_TRUE(strstr(out, "open loop: Poisson arrivals at 20 req/s") != NULL);
     ASSERT_TRUE(strstr(out, "| layout | conc | rate req/s | capped | requests |") != NULL);
@@ -313,7 +277,7 @@ TEST(bad_command_lines_are_refused) {
         int rc = run_bench(bad[i], 10);
         if (rc != 2) show_err();
         ASSERT_EQ(2, rc);
-        char *e = slurp(err_path);
+        char *e = bench_child_slurp(err_path);
         ASSERT_TRUE(e && strstr(e, bad[i][0]) != NULL); /* the message names the flag */
         if (bad[i][1][0]) ASSERT_TRUE(strstr(e, bad[i][1]) != NULL); /* and the value */
         free(e);

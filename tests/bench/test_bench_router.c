@@ -7,7 +7,7 @@
  * a first token sooner), with upper bounds orders of magnitude away: they
  * catch a wrong unit or a sample from the wrong request, never a slow
  * machine. */
-#include "tests/test.h"
+#include "tests/bench/bench_child.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -53,47 +53,11 @@ static int run_bench(const char *const *args, int limit_s) {
     argv[n++] = json_path;
     argv[n] = NULL;
     unlink(json_path);
-    fflush(stdout);
-    pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid < 0) TEST_FAIL("fork: %s", strerror(errno));
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGTERM);
-        if (getppid() != parent) _exit(127);
-        int o = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644), e = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (o < 0 || e < 0) _exit(127);
-        dup2(o, 1);
-        dup2(e, 2);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    for (int i = 0; i < limit_s * 20; i++) {
-        int st;
-        if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-        struct timespec ts = {0, 50000000L};
-        nanosleep(&ts, NULL);
-    }
-    /* Past the limit: SIGTERM makes it stop its processes. */
-    kill(pid, SIGTERM);
-    int st;
-    waitpid(pid, &st, 0);
-    return -1;
-}
-
-static char *slurp(const char *path) {
-    FILE *f = fopen(path, "r");
-    if (!f) return NULL;
-    static char buf[1 << 16];
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *copy = malloc(n + 1);
-    if (copy) memcpy(copy, buf, n + 1);
-    return copy;
+    return bench_child_run(argv, out_path, err_path, limit_s);
 }
 
 static void show_err(void) {
-    char *e = slurp(err_path);
+    char *e = bench_child_slurp(err_path);
     printf("  --- bench_router stderr:\n%s\n", e ? e : "(none)");
     free(e);
 }
@@ -119,7 +83,7 @@ static cJSON *run_level(const char *const *args, const char *load, const cJSON *
         show_err();
         TEST_FAIL("bench_router exited %d", rc);
     }
-    char *text = slurp(json_path);
+    char *text = bench_child_slurp(json_path);
     if (!text) TEST_FAIL("bench_router wrote no %s", json_path);
     cJSON *j = cJSON_Parse(text);
     if (!j) TEST_FAIL("%s does not parse as JSON:\n%s", json_path, text);
@@ -127,7 +91,7 @@ static cJSON *run_level(const char *const *args, const char *load, const cJSON *
     const cJSON *rows = cJSON_GetObjectItem(j, "rows");
     if (cJSON_GetArraySize(rows) != 1) TEST_FAIL("%d rows for one pipeline count", cJSON_GetArraySize(rows));
     *row = cJSON_GetArrayItem(rows, 0);
-    char *out = slurp(out_path);
+    char *out = bench_child_slurp(out_path);
     if (!out || !strstr(out, "| TTFT ms p50 / p90 | ITL ms p50 / p90 / p99 |") || !strstr(out, "| prefix hits |") ||
         !strstr(out, "| 1 x 1 |"))
         TEST_FAIL("no latency columns or no row in the table:\n%s", out ? out : "(none)");
@@ -277,11 +241,11 @@ TEST(bad_command_lines_are_refused) {
     ASSERT_EQ(2, run_bench((const char *[]){"--seqs", "x", NULL}, 30));
     ASSERT_EQ(2, run_bench((const char *[]){"--no-such-option", NULL}, 30));
     ASSERT_EQ(2, run_bench((const char *[]){"--rate", "-1", NULL}, 30));
-    char *e = slurp(err_path);
+    char *e = bench_child_slurp(err_path);
     if (!e || !strstr(e, "--rate")) TEST_FAIL("--rate -1 refused without naming the flag: %s", e ? e : "(none)");
     free(e);
     ASSERT_EQ(2, run_bench((const char *[]){"--shared-prefix", "-1", NULL}, 30));
-    e = slurp(err_path);
+    e = bench_child_slurp(err_path);
     if (!e || !strstr(e, "--shared-prefix"))
         TEST_FAIL("--shared-prefix -1 refused without naming the flag: %s", e ? e : "(none)");
     free(e);
