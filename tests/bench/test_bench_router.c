@@ -151,6 +151,22 @@ TEST(sim_args_reach_sim_worker) {
     cJSON_Delete(j);
 }
 
+/* sim_worker --step-ms prices a step by its tokens: 8 decodes at 1 ms, any
+ * step with a 16-token prompt in it at 10 ms, so first tokens take 10 ms
+ * or more while most gaps stay near 1 ms. */
+TEST(step_ms_prices_steps_by_their_tokens) {
+    need_programs();
+    const char *args[] = {"--pipelines", "1", "--seqs", "8", "--prompt-tokens", "16", "--max-tokens", "32",
+                          "--sim-args", "--step-ms 1:1,8:1,9:10,2000:10", "--seconds", "2", "--warmup-s", "1", NULL};
+    const cJSON *r;
+    cJSON *j = run_level(args, "closed loop:", &r);
+    double itl50 = num(r, "itl_p50_ms"), ttft50 = num(r, "ttft_p50_ms");
+    printf("  ITL p50 %.3f ms, TTFT p50 %.3f ms\n", itl50, ttft50);
+    if (itl50 < 0.8 || itl50 > 5) TEST_FAIL("ITL p50 %.3f ms: decode steps of 8 tokens take 1 ms", itl50);
+    if (ttft50 < 9.5) TEST_FAIL("TTFT p50 %.3f ms: a step with a 16-token prompt takes 10 ms", ttft50);
+    cJSON_Delete(j);
+}
+
 /* Requests of 4 tokens take about 5 steps of 2 ms, so 8 slots carry some
  * 800 a second: 200 arrivals a second all go, about as they come. */
 TEST(open_loop_keeps_its_rate) {
@@ -253,5 +269,6 @@ TEST(bad_command_lines_are_refused) {
     unlink(err_path);
 }
 
-TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, open_loop_keeps_its_rate,
+TEST_MAIN(latency_follows_the_step_time, sim_args_reach_sim_worker, step_ms_prices_steps_by_their_tokens,
+          open_loop_keeps_its_rate,
           open_loop_counts_the_wait_for_a_slot, shared_prefix_is_found_cached, bad_command_lines_are_refused)

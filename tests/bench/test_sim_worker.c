@@ -37,6 +37,10 @@ TEST(sim_worker_refuses_what_it_cannot_do) {
     ASSERT_EQ(2, run_sim((const char *[]){"--insecure", "--model", "/nonexistent.gguf", NULL}));
     ASSERT_EQ(2, run_sim((const char *[]){"--insecure", "--model", model, "--stages", "6", NULL})); /* 5 layers */
     ASSERT_EQ(2, run_sim((const char *[]){"--insecure", "--model", model, "--pipelines", "0", NULL}));
+    /* --step-ms: two points at least, tokens increasing, times above 0. */
+    const char *bad_tables[] = {"1:2", "64:8,1:2", "1:0,64:8", "1:2,64", "x", "1:2;64:8"};
+    for (size_t i = 0; i < sizeof bad_tables / sizeof bad_tables[0]; i++)
+        ASSERT_EQ(2, run_sim((const char *[]){"--insecure", "--model", model, "--step-ms", bad_tables[i], NULL}));
 }
 
 static long stats_num(const char *buf, const char *key) {
