@@ -162,7 +162,9 @@ TEST(step_ms_prices_steps_by_their_tokens) {
     cJSON *j = run_level(args, "closed loop:", &r);
     double itl50 = num(r, "itl_p50_ms"), ttft50 = num(r, "ttft_p50_ms");
     printf("  ITL p50 %.3f ms, TTFT p50 %.3f ms\n", itl50, ttft50);
-    if (itl50 < 0.8 || itl50 > 5) TEST_FAIL("ITL p50 %.3f ms: decode steps of 8 tokens take 1 ms", itl50);
+    /* Under 9 ms: priced as the 10 ms prompt steps it could not be, with
+     * room for a busy machine's scheduling on top of the 1 ms. */
+    if (itl50 < 0.8 || itl50 > 9) TEST_FAIL("ITL p50 %.3f ms: decode steps of 8 tokens take 1 ms", itl50);
     if (ttft50 < 9.5) TEST_FAIL("TTFT p50 %.3f ms: a step with a 16-token prompt takes 10 ms", ttft50);
     cJSON_Delete(j);
 }
