@@ -385,9 +385,8 @@ static double br_pct_ms(const struct br_samples *s, double q) {
     return s->v[k - 1] * 1e3;
 }
 
-/* A request in flight, as the client saw it: open addressing (linear
- * probing) keyed by the load's request number, at least 4 slots per request
- * that can be in flight, so probes stay short. */
+/* A request in flight, as the client saw it.  There are conc slots; a
+ * request's id and tag name its slot, so replies find it directly. */
 struct br_slot {
     uint64_t id;     /* request number + 1; 0: free */
     double t_send;   /* when it was sent (open loop: when it arrived) */
@@ -417,72 +416,56 @@ struct br_load {
     bool fatal;             /* the router refused a request for good */
     bool measure;           /* take latency samples */
     int32_t *prompt;
-    struct br_slot *slots;
-    size_t n_slots;         /* a power of two */
+    struct br_slot *slots; /* conc of them */
+    int32_t *free_slots;   /* a stack of free slot indices */
+    int32_t n_free;
     struct br_samples ttft, itl;
     char first_err[200];
 };
 
-static struct br_slot *br_slot_find(struct br_load *L, uint64_t id) {
-    size_t mask = L->n_slots - 1;
-    for (size_t i = 0, k = (size_t)id & mask; i < L->n_slots; i++, k = (k + 1) & mask) {
-        if (L->slots[k].id == 0) return NULL;
-        if (L->slots[k].id == id + 1) return &L->slots[k];
-    }
-    return NULL;
+/* Request number id's slot, or NULL when slot does not hold it. */
+static struct br_slot *br_slot_find(struct br_load *L, uint64_t id, uint64_t slot) {
+    return slot < (uint64_t)L->conc && L->slots[slot].id == id + 1 ? &L->slots[slot] : NULL;
 }
 
-/* A new request's slot; NULL when the table is full (a request that ended
- * without the load hearing of it holds its slot: it goes untimed). */
-static struct br_slot *br_slot_add(struct br_load *L, uint64_t id) {
-    size_t mask = L->n_slots - 1;
-    for (size_t i = 0, k = (size_t)id & mask; i < L->n_slots; i++, k = (k + 1) & mask)
-        if (L->slots[k].id == 0) {
-            L->slots[k] = (struct br_slot){id + 1, 0, 0, 0};
-            return &L->slots[k];
-        }
-    return NULL;
+/* A free slot for request number id, or -1 when none is free (a request
+ * that ended without the load hearing of it holds its slot: the next goes
+ * untimed). */
+static int32_t br_slot_take(struct br_load *L, uint64_t id) {
+    if (L->n_free == 0) return -1;
+    int32_t k = L->free_slots[--L->n_free];
+    L->slots[k] = (struct br_slot){id + 1, 0, 0, 0};
+    return k;
 }
 
-/* Frees id's slot, moving back the later slots of its probe run so that
- * every lookup still finds its key before a free slot. */
-static void br_slot_del(struct br_load *L, uint64_t id) {
-    struct br_slot *sl = br_slot_find(L, id);
+static void br_slot_give(struct br_load *L, uint64_t id, uint64_t slot) {
+    struct br_slot *sl = br_slot_find(L, id, slot);
     if (!sl) return;
-    size_t mask = L->n_slots - 1, hole = (size_t)(sl - L->slots);
-    L->slots[hole].id = 0;
-    for (size_t k = (hole + 1) & mask; L->slots[k].id != 0; k = (k + 1) & mask) {
-        size_t home = (size_t)(L->slots[k].id - 1) & mask;
-        /* Move k into the hole unless its home lies cyclically in (hole, k]. */
-        bool stays = hole <= k ? (home > hole && home <= k) : (home > hole || home <= k);
-        if (stays) continue;
-        L->slots[hole] = L->slots[k];
-        L->slots[k].id = 0;
-        hole = k;
-    }
+    sl->id = 0;
+    L->free_slots[L->n_free++] = (int32_t)slot;
 }
 
-/* The load's request number from a request id it made ("br<level>-<n>-<pid>");
- * false for any other id. */
-static bool br_parse_rid(const struct br_load *L, const char *rid, uint64_t *id) {
-    if (!rid || strncmp(rid, "br", 2) != 0) return false;
-    char *end = NULL;
-    long level = strtol(rid + 2, &end, 10);
-    if (level != L->level || *end != '-') return false;
-    const char *p = end + 1;
-    unsigned long long n = strtoull(p, &end, 10);
-    if (end == p || *end != '-') return false;
-    p = end + 1;
-    long pid = strtol(p, &end, 10);
-    if (end == p || *end || pid != (long)getpid()) return false;
+/* A Generate's tag: its slot above its request number (numbers stay far
+ * below 2^40). */
+#define BR_TAG_SLOT_SHIFT 40
+
+/* The load's request number and slot from a request id it made
+ * ("br<level>-<n>-<pid>-<slot>"); false for any other id. */
+static bool br_parse_rid(const struct br_load *L, const char *rid, uint64_t *id, uint64_t *slot) {
+    unsigned long long n, k;
+    int level, pid, used = 0;
+    if (!rid || sscanf(rid, "br%d-%llu-%d-%llu%n", &level, &n, &pid, &k, &used) != 4 || rid[used] ||
+        level != L->level || pid != (int)getpid())
+        return false;
     *id = (uint64_t)n;
+    *slot = (uint64_t)k;
     return true;
 }
 
 static void br_on_chunk(struct br_load *L, const Llm__GenerateChunk *ch, double now) {
-    uint64_t id;
-    if (ch->n_token_ids == 0 || !br_parse_rid(L, ch->request_id, &id)) return;
-    struct br_slot *sl = br_slot_find(L, id);
+    uint64_t id, slot;
+    if (ch->n_token_ids == 0 || !br_parse_rid(L, ch->request_id, &id, &slot)) return;
+    struct br_slot *sl = br_slot_find(L, id, slot);
     /* A chunk whose tokens the client has (docs/protocol.md) says nothing new. */
     uint32_t end = ch->index + (uint32_t)ch->n_token_ids;
     if (!sl || end <= sl->n_tok) return;
@@ -532,8 +515,10 @@ static void br_prompt(const struct br_opts *o, uint64_t id, int32_t *ids) {
 /* t_arrive: when the request arrived (open loop), 0: now. */
 static int br_load_send(struct br_load *L, double t_arrive) {
     uint64_t id = L->next_id++;
-    char rid[64];
-    snprintf(rid, sizeof rid, "br%d-%" PRIu64 "-%d", L->level, id, (int)getpid());
+    int32_t slot = br_slot_take(L, id); /* -1: untimed, named past the slots */
+    uint64_t named = slot < 0 ? (uint64_t)L->conc : (uint64_t)slot;
+    char rid[80];
+    snprintf(rid, sizeof rid, "br%d-%" PRIu64 "-%d-%" PRIu64, L->level, id, (int)getpid(), named);
     br_prompt(L->o, id, L->prompt);
     Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
     sp.ignore_eos = true;
@@ -546,7 +531,7 @@ static int br_load_send(struct br_load *L, double t_arrive) {
     g.sampling = &sp;
     g.stream = true;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
-    env.tag = id;
+    env.tag = named << BR_TAG_SLOT_SHIFT | id;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
     env.generate = &g;
     uint8_t *buf = NULL;
@@ -562,8 +547,7 @@ static int br_load_send(struct br_load *L, double t_arrive) {
         return STATUS_IO;
     }
     L->in_flight++;
-    struct br_slot *sl = br_slot_add(L, id);
-    if (sl) sl->t_send = t_arrive > 0 ? t_arrive : br_now();
+    if (slot >= 0) L->slots[slot].t_send = t_arrive > 0 ? t_arrive : br_now();
     return 0;
 }
 
@@ -645,8 +629,8 @@ static void br_load_pump(struct br_load *L, double deadline) {
             break;
         case LLM__CLIENT_ENVELOPE__BODY_DONE: {
             /* Chunks and Done name the request (their envelope's tag is 0). */
-            uint64_t id;
-            if (br_parse_rid(L, env->done->request_id, &id)) br_slot_del(L, id);
+            uint64_t id, slot;
+            if (br_parse_rid(L, env->done->request_id, &id, &slot)) br_slot_give(L, id, slot);
             L->done++;
             L->in_flight--;
             if (env->done->finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
@@ -665,7 +649,8 @@ static void br_load_pump(struct br_load *L, double deadline) {
              * refusal is the bench's mistake and ends the level. */
             L->errors++;
             L->in_flight--;
-            br_slot_del(L, env->tag); /* a refusal answers the Generate's tag */
+            /* A refusal answers the Generate's tag. */
+            br_slot_give(L, env->tag & ((1ull << BR_TAG_SLOT_SHIFT) - 1), env->tag >> BR_TAG_SLOT_SHIFT);
             if (!L->first_err[0])
                 br_fmt(L->first_err, sizeof L->first_err, "%s: %s", proto_code_name(env->error->code),
                        env->error->message);
@@ -784,11 +769,12 @@ static int br_level(const struct br_opts *o, int pipelines, uint32_t seed, struc
     L.level = pipelines;
     L.conc = row->conc;
     L.prompt = malloc((size_t)br_prompt_len(o) * sizeof *L.prompt);
-    for (L.n_slots = 16; L.n_slots < 4 * (size_t)row->conc; L.n_slots *= 2) {}
-    L.slots = calloc(L.n_slots, sizeof *L.slots);
+    L.slots = calloc((size_t)row->conc, sizeof *L.slots);
+    L.free_slots = malloc((size_t)row->conc * sizeof *L.free_slots);
+    for (int32_t k = row->conc - 1; L.free_slots && k >= 0; k--) L.free_slots[L.n_free++] = k;
     L.ttft.rng = 0x9e3779b97f4a7c15ULL;
     L.itl.rng = 0xd1b54a32d192ed03ULL;
-    if (!zctx || !L.prompt || !L.slots || zio_sock_open(zctx, ZMQ_DEALER, &L.sock, err, errlen) < 0) {
+    if (!zctx || !L.prompt || !L.slots || !L.free_slots || zio_sock_open(zctx, ZMQ_DEALER, &L.sock, err, errlen) < 0) {
         if (!err[0]) br_fmt(err, errlen, "out of memory");
         rc = STATUS_NO_MEMORY;
         goto done;
@@ -872,6 +858,7 @@ done:
     zio_sock_close(L.sock);
     free(L.prompt);
     free(L.slots);
+    free(L.free_slots);
     free(L.queue);
     free(L.ttft.v);
     free(L.itl.v);
