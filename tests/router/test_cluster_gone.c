@@ -84,6 +84,27 @@ static pid_t client_process(struct cluster *cl, const char *tag, int n, int max_
     return pid;
 }
 
+struct usage {
+    uint32_t running, waiting, queue;
+    uint64_t kv_used;
+    uint64_t accepted; /* requests the router accepted since it started */
+};
+
+static int get_usage(struct cluster *cl, llm_client *c, struct usage *u) {
+    Llm__ClientEnvelope *env;
+    if (llm_client_status(c, &env) != 0) return -1;
+    const Llm__StatusReply *st = env->status_reply;
+    memset(u, 0, sizeof *u);
+    u->running = st->running;
+    u->queue = st->queue_depth;
+    u->kv_used = st->kv_blocks_used;
+    u->accepted = st->requests_total;
+    for (size_t i = 0; i < st->n_pipelines; i++) u->waiting += st->pipelines[i]->waiting;
+    proto_client_free(env);
+    (void)cl;
+    return 0;
+}
+
 /* Waits for the client process's byte (tokens are streaming) and then for
  * the router to have accepted all n of its requests: on a busy machine the
  * last connections may still be on their way when the first tokens come,
@@ -96,15 +117,12 @@ static void wait_ready_byte(struct cluster *cl, int fd, int n) {
     H_ASSERT(cl, r == 1, "the client process did not stream within 30 s");
     llm_client *sc = h_client(cl, 2000, 5000, 5000);
     int64_t end = h_now_ms() + 30000;
-    uint64_t accepted = 0;
+    struct usage u = {0};
     for (;;) {
-        Llm__ClientEnvelope *env;
-        H_ASSERT(cl, llm_client_status(sc, &env) == 0, "no Status reply");
-        accepted = env->status_reply->requests_total;
-        proto_client_free(env);
-        if (accepted >= (uint64_t)n) break;
+        H_ASSERT(cl, get_usage(cl, sc, &u) == 0, "no Status reply");
+        if (u.accepted >= (uint64_t)n) break;
         H_ASSERT(cl, h_now_ms() < end, "the router accepted %llu of the client process's %d requests in 30 s",
-                 (unsigned long long)accepted, n);
+                 (unsigned long long)u.accepted, n);
         h_sleep_ms(5);
     }
     llm_client_close(sc);
@@ -116,24 +134,6 @@ static void kill_child(pid_t pid) {
     waitpid(pid, &st, 0);
 }
 
-struct usage {
-    uint32_t running, waiting, queue;
-    uint64_t kv_used;
-};
-
-static int get_usage(struct cluster *cl, llm_client *c, struct usage *u) {
-    Llm__ClientEnvelope *env;
-    if (llm_client_status(c, &env) != 0) return -1;
-    const Llm__StatusReply *st = env->status_reply;
-    memset(u, 0, sizeof *u);
-    u->running = st->running;
-    u->queue = st->queue_depth;
-    u->kv_used = st->kv_blocks_used;
-    for (size_t i = 0; i < st->n_pipelines; i++) u->waiting += st->pipelines[i]->waiting;
-    proto_client_free(env);
-    (void)cl;
-    return 0;
-}
 
 /* The request's end as a re-attach from a new connection sees it. */
 static void reattach_one(struct h_gen *g) {
