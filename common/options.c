@@ -337,8 +337,10 @@ void options_help(const struct options *o, FILE *f) {
             fprintf(f, "  %s\n  %-30s %s\n", head, "", d->help ? d->help : "");
         else
             fprintf(f, "  %-30s %s\n", head, d->help ? d->help : "");
-        if ((d->type == OPTION_INT || d->type == OPTION_FLOAT || d->type == OPTION_SIZE) &&
-            options_has_range(d))
+        /* Whole numbers in full: %g would show 1 << 24 as 1.67772e+07. */
+        if ((d->type == OPTION_INT || d->type == OPTION_SIZE) && options_has_range(d))
+            fprintf(f, "  %-30s range: %.0f to %.0f\n", "", d->min, d->max);
+        else if (d->type == OPTION_FLOAT && options_has_range(d))
             fprintf(f, "  %-30s range: %g to %g\n", "", d->min, d->max);
         const char *def = d->def;
         if (!def) {

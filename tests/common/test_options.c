@@ -217,6 +217,34 @@ TEST(options_help_text) {
     free(buf);
 }
 
+/* Integer ranges print as integers, however large: "0 to 16777216", not
+ * %g's "0 to 1.67772e+07"; a float range keeps its fraction. */
+TEST(options_help_prints_integer_ranges_in_full) {
+    static int n_blocks, n_port;
+    static int64_t n_bytes;
+    static double frac;
+    static const struct option_def defs[] = {
+        {"kv-blocks", NULL, OPTION_INT, "0", "KV blocks", &n_blocks, 0, 1 << 24, NULL},
+        {"retry-ms", NULL, OPTION_INT, "5000", "retry", &n_port, 1, 1 << 30, NULL},
+        {"max-body", NULL, OPTION_SIZE, "1M", "body", &n_bytes, 1024, (double)(1LL << 40), NULL},
+        {"top-p", NULL, OPTION_FLOAT, "0.95", "nucleus", &frac, 0.05, 1, NULL},
+    };
+    const struct options o = {"llm-test", "[options]", "Ranges.", defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    ASSERT_TRUE(f != NULL);
+    options_help(&o, f);
+    fclose(f);
+    if (!strstr(buf, "range: 0 to 16777216")) printf("%s", buf);
+    ASSERT_TRUE(strstr(buf, "range: 0 to 16777216") != NULL);
+    ASSERT_TRUE(strstr(buf, "range: 1 to 1073741824") != NULL);
+    ASSERT_TRUE(strstr(buf, "range: 1024 to 1099511627776") != NULL);
+    ASSERT_TRUE(strstr(buf, "range: 0.05 to 1") != NULL);
+    ASSERT_TRUE(strstr(buf, "e+") == NULL);
+    free(buf);
+}
+
 TEST(options_help_flag) {
     t_clear_env();
     char *argv[] = {"prog", "--port", "1", "--help", "--bogus", NULL};
@@ -311,5 +339,5 @@ TEST(options_log_hides_url_passwords) {
 
 TEST_MAIN(options_defaults, options_flag_forms, options_env_precedence, options_positionals,
           options_subcommand, options_rejects_bad_flags, options_rejects_bad_env,
-          options_bad_table, options_help_text, options_help_flag, options_value_text,
-          options_parse_env_only, options_log_hides_url_passwords)
+          options_bad_table, options_help_text, options_help_prints_integer_ranges_in_full,
+          options_help_flag, options_value_text, options_parse_env_only, options_log_hides_url_passwords)
