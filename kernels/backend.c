@@ -316,7 +316,9 @@ void backend_graph_free(backend *b, backend_graph *g) {
 #ifndef LLM_HAVE_CUDA
 int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {
     *out = NULL;
-    snprintf(err, errlen, "cuda:%d: this build has no CUDA backend (nvcc was not found at build time)", device);
+    /* The reason configure gave (no nvcc, LLM_CUDA=OFF, or nvcc without a
+     * GPU and no architectures), not a guess. */
+    snprintf(err, errlen, "cuda:%d: this build has no CUDA backend (at configure time: %s)", device, LLM_CUDA_WHY);
     return STATUS_UNSUPPORTED;
 }
 #endif

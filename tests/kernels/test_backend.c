@@ -66,5 +66,23 @@ TEST(backend_open_absent_gpu_falls_back_unless_required) {
     ASSERT_TRUE(strstr(err, "cuda:1023") != NULL);
 }
 
+/* A build without the CUDA backend says why configure left it out (no
+ * nvcc, LLM_CUDA=OFF, or nvcc without a GPU to build for), which llm-run
+ * and the CUDA tests' skip line repeat, rather than always blaming nvcc. */
+TEST(backend_cuda_init_names_why_this_build_has_no_cuda) {
+#ifdef LLM_HAVE_CUDA
+    TEST_SKIP("this build has the CUDA backend");
+#else
+    backend *b = NULL;
+    char err[512] = "";
+    ASSERT_EQ(STATUS_UNSUPPORTED, backend_cuda_init(&b, 0, err, sizeof err));
+    ASSERT_TRUE(b == NULL);
+    printf("  %s\n", err);
+    ASSERT_TRUE(strstr(err, "this build has no CUDA backend") != NULL);
+    ASSERT_TRUE(strstr(err, LLM_CUDA_WHY) != NULL);
+    if (strstr(LLM_CUDA_WHY, "no nvcc") == NULL) ASSERT_TRUE(strstr(err, "nvcc was not found") == NULL);
+#endif
+}
+
 TEST_MAIN(backend_open_cpu, backend_open_auto_takes_the_gpu_when_one_opens,
-          backend_open_absent_gpu_falls_back_unless_required)
+          backend_open_absent_gpu_falls_back_unless_required, backend_cuda_init_names_why_this_build_has_no_cuda)
