@@ -36,6 +36,7 @@ struct llm_client {
     char auth_note[320];   /* why the last handshake failed, "" when none did */
     Llm__Error__Code err_code;
     uint32_t retry_after_ms; /* of the router's Error behind err_code */
+    char err_reason[64];     /* its reason ("" when none) */
     char errstr[1024];
 };
 
@@ -54,6 +55,7 @@ static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt,
 static void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt, ...) {
     c->err_code = code;
     c->retry_after_ms = 0;
+    c->err_reason[0] = '\0';
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(c->errstr, sizeof c->errstr, fmt, ap);
@@ -98,6 +100,7 @@ const char *llm_finish_reason_name(Llm__GenerateDone__FinishReason r) {
 const char *llm_client_errstr(const llm_client *c) { return c->errstr; }
 Llm__Error__Code llm_client_error_code(const llm_client *c) { return c->err_code; }
 uint32_t llm_client_retry_after_ms(const llm_client *c) { return c->retry_after_ms; }
+const char *llm_client_error_reason(const llm_client *c) { return c->err_reason; }
 const char *llm_client_endpoint(const llm_client *c) { return c->endpoints[c->cur]; }
 uint32_t llm_client_reconnects(const llm_client *c) { return c->n_opened > 0 ? c->n_opened - 1 : 0; }
 
@@ -375,6 +378,7 @@ static int client_router_error(llm_client *c, const Llm__Error *e, const char *w
                   e->request_id[0] ? " (request " : "", e->request_id[0] ? e->request_id : "");
     if (e->request_id[0]) strncat(c->errstr, ")", sizeof c->errstr - strlen(c->errstr) - 1);
     c->retry_after_ms = e->retry_after_ms;
+    snprintf(c->err_reason, sizeof c->err_reason, "%s", e->reason ? e->reason : "");
     int st = proto_status_from_code(e->code);
     return st < 0 ? st : STATUS_INTERNAL;
 }
@@ -397,12 +401,13 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
     int64_t give_up = client_now_ms() + c->cfg.retry_ms;
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
+    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE */
     for (;;) {
         req->tag = c->next_tag++;
         rc = client_send(c, req);
         int64_t sent = client_now_ms();
-        bool lost = rc < 0;
-        while (!lost) {
+        bool lost = rc < 0, move_on = false;
+        while (!lost && !move_on) {
             int64_t until = sent + c->cfg.reply_timeout_ms;
             if (until > give_up) until = give_up;
             int left = (int)(until - client_now_ms());
@@ -421,7 +426,13 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
                 if ((e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0) &&
                     client_now_ms() + (int64_t)e->retry_after_ms < give_up) {
                     client_router_error(c, e, what);
-                    client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
+                    /* Another router may serve it: see client_unavailable. */
+                    if (e->code == LLM__ERROR__CODE__UNAVAILABLE && ++unavailable < c->n_endpoints) {
+                        move_on = true;
+                    } else {
+                        unavailable = 0;
+                        client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
+                    }
                     proto_client_free(env);
                     break;
                 }
@@ -438,8 +449,8 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
             return c->err_code == LLM__ERROR__CODE__OK ? STATUS_UNAVAILABLE
                                                        : proto_status_from_code(c->err_code);
         }
-        if (lost || client_now_ms() >= sent + c->cfg.reply_timeout_ms) {
-            rc = client_reconnect(c, lost ? "connection lost" : "no reply");
+        if (lost || move_on || client_now_ms() >= sent + c->cfg.reply_timeout_ms) {
+            rc = client_reconnect(c, lost ? "connection lost" : move_on ? c->errstr : "no reply");
             if (rc < 0) return rc;
         }
     }
@@ -660,7 +671,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
      * (cfg.idle_timeout_ms). */
     int64_t last_progress = client_now_ms(), last_heard = last_progress;
     int64_t give_up = p->wait_ms > 0 ? last_progress + p->wait_ms : INT64_MAX;
-    bool any_reply = false, need_send = true;
+    bool any_reply = false, need_send = true, move_on = false;
+    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE */
     int64_t sent = 0;
     uint64_t tag = 0;
     const char *lost_why = NULL;
@@ -718,6 +730,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                      * otherwise), so a long prefill is not a stall. */
                     last_progress = client_now_ms();
                     g.accepted = true;
+                    unavailable = 0;
+                    res->max_tokens = a->max_tokens;
                     if (!g.ever_accepted) {
                         res->reattached = a->reattached;
                         res->queue_position = a->queue_position;
@@ -752,6 +766,21 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     rc = client_router_error(c, e, "generate");
                     res->retry_after_ms = e->retry_after_ms;
                     if (retry && client_now_ms() + (int64_t)e->retry_after_ms < last_progress + c->cfg.retry_ms) {
+                        /* A router that cannot serve now (no worker, no
+                         * pipeline, no Redis, or another router holds the
+                         * request) says so with UNAVAILABLE: the next
+                         * endpoint may serve it at once (docs/router.md,
+                         * "Balance"), so the client moves on, and waits
+                         * only once every endpoint said it in a row.  A
+                         * request it had accepted re-attaches there by id. */
+                        if (e->code == LLM__ERROR__CODE__UNAVAILABLE && ++unavailable < c->n_endpoints) {
+                            LOG(LL_INFO, "client: request %s: %s; trying the next router", res->request_id,
+                                c->errstr);
+                            lost_why = "router unavailable";
+                            move_on = true;
+                            break;
+                        }
+                        unavailable = 0;
                         LOG(LL_INFO, "client: request %s: %s; retrying", res->request_id, c->errstr);
                         client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
                         need_send = true;
@@ -786,7 +815,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
         rc = client_reconnect(c, lost_why);
         if (rc < 0) return rc;
         lost_why = NULL;
-        res->reattaches++;
+        if (!move_on) res->reattaches++;
+        move_on = false;
         need_send = true;
     }
 }

@@ -59,7 +59,10 @@ struct llm_client_config {
      * only that they cannot serve the request now (their UNAVAILABLE or
      * retry_after_ms; that error is returned), or when a generation was
      * accepted but made no progress (STATUS_TIMEOUT).  Progress is an
-     * acceptance (also a re-attach's) or new tokens. */
+     * acceptance (also a re-attach's) or new tokens.  A router's
+     * UNAVAILABLE (no worker, no pipeline, no Redis) sends the call on to
+     * the next endpoint at once; the call waits the router's retry_after_ms
+     * only when every endpoint said UNAVAILABLE in a row. */
     int retry_ms;
     /* ZMTP heartbeat: a peer that answers no ping for this long counts as
      * gone (finds a dead host whose TCP connection never closed); 0: off. */
@@ -106,6 +109,10 @@ Llm__Error__Code llm_client_error_code(const llm_client *c);
  * yet); 0 when the router gave none (a request that can never fit, a bad
  * field) or the failure was the client's own. */
 uint32_t llm_client_retry_after_ms(const llm_client *c);
+/* The reason of the router's Error behind the last failure
+ * (proto/types.proto Error.reason: "context_length_exceeded" when the
+ * prompt alone fills the model's context), or "" (owned by c). */
+const char *llm_client_error_reason(const llm_client *c);
 /* The endpoint the client talks to now (owned by c). */
 const char *llm_client_endpoint(const llm_client *c);
 /* Connections opened after the first one: reconnects, for tests and logs. */
@@ -180,6 +187,11 @@ struct llm_generate_result {
     bool reattached;                /* the router already knew the id */
     uint64_t seed;                  /* the seed in use */
     uint32_t queue_position;
+    /* The completion tokens the request may make (GenerateAccepted.max_tokens):
+     * the params' max_tokens, or less when the router clamped it to the
+     * context left after the prompt (also for max_tokens 0); 0 from a router
+     * that does not say. */
+    uint32_t max_tokens;
     /* The prompt's ids as the router tokenized them (malloc'ed, or NULL
      * when the router did not send them); free with llm_generate_result_free. */
     int32_t *prompt_ids;
@@ -214,8 +226,13 @@ void llm_generate_result_free(struct llm_generate_result *r);
  * the wire code) — then on_chunk never ran — or when no router could be
  * reached for cfg.retry_ms (STATUS_UNAVAILABLE / STATUS_TIMEOUT) or
  * p->wait_ms passed (STATUS_TIMEOUT), which may happen after some chunks
- * were delivered.  An Error with retry_after_ms
- * set, or UNAVAILABLE, is retried after that wait within cfg.retry_ms. */
+ * were delivered.  An UNAVAILABLE is retried on the next endpoint at once,
+ * and an Error with retry_after_ms set (or UNAVAILABLE from every endpoint
+ * in a row) after that wait, within cfg.retry_ms.  A prompt that is not
+ * valid UTF-8 fails at once with STATUS_BAD_INPUT (INVALID_ARGUMENT), as
+ * does one that fills the whole context (llm_client_error_reason says
+ * "context_length_exceeded"); a max_tokens past the context is clamped
+ * (res->max_tokens), not refused. */
 int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                         llm_chunk_fn on_chunk, void *ud, struct llm_generate_result *res);
 

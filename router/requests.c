@@ -51,9 +51,18 @@ void reqstore_tokens_decode(const uint8_t *in, int32_t n, int32_t *ids) {
                            (uint32_t)in[4 * i + 2] << 16 | (uint32_t)in[4 * i + 3] << 24);
 }
 
-static void reqstore_keys(const reqstore *rs, const char *id, char *hkey, char *gkey, size_t size) {
-    snprintf(hkey, size, "%sreq:%s", rs->prefix, id);
-    snprintf(gkey, size, "%sreq:%s:gen", rs->prefix, id);
+/* A request's keys: <p>req:<id> without an owner, <p>req@<owner>:<id> with
+ * one.  The "req@" form never meets the "req:" form, so ids of different
+ * keys, and of none, live apart. */
+static void reqstore_keys(const reqstore *rs, const char *owner, const char *id, char *hkey, char *gkey,
+                          size_t size) {
+    if (owner && owner[0]) {
+        snprintf(hkey, size, "%sreq@%s:%s", rs->prefix, owner, id);
+        snprintf(gkey, size, "%sreq@%s:%s:gen", rs->prefix, owner, id);
+    } else {
+        snprintf(hkey, size, "%sreq:%s", rs->prefix, id);
+        snprintf(gkey, size, "%sreq:%s:gen", rs->prefix, id);
+    }
 }
 
 static int reqstore_fail(reqstore *rs, int rc) {
@@ -148,8 +157,8 @@ const char *reqstore_errstr(const reqstore *rs) { return rs->errstr; }
 struct rconn *reqstore_conn(reqstore *rs) { return rs->c; }
 
 /* KEYS: hash, stream, consumer name (not a key; passed here so that the
- * script stays the same for every router).  ARGV: request id, then
- * field/value pairs.  Reading the entry back into this consumer's pending
+ * script stays the same for every router).  ARGV: request id, owner, then
+ * field/value pairs.  The entry names both, which find the hash.  Reading the entry back into this consumer's pending
  * list makes XPENDING show the accepted, unfinished requests; entries of
  * other producers it also reads stay pending and are picked up by
  * reqstore_recover at the next start.  A missing stream means Redis lost
@@ -161,8 +170,8 @@ static const char reqstore_create_lua[] =
     "  return redis.error_reply('NOGROUP stream ' .. KEYS[2] .. ' does not exist')\n"
     "end\n"
     "redis.call('DEL', KEYS[1], KEYS[1] .. ':gen')\n"
-    "redis.call('HSET', KEYS[1], unpack(ARGV, 2))\n"
-    "local e = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1])\n"
+    "redis.call('HSET', KEYS[1], unpack(ARGV, 3))\n"
+    "local e = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1], 'owner', ARGV[2])\n"
     "redis.call('HSET', KEYS[1], 'entry', e)\n"
     "redis.call('XREADGROUP', 'GROUP', '" REQSTORE_GROUP "', KEYS[3], 'COUNT', '1000000',\n"
     "           'STREAMS', KEYS[2], '>')\n"
@@ -170,7 +179,7 @@ static const char reqstore_create_lua[] =
 
 int reqstore_create(reqstore *rs, struct reqrec *r) {
     char hkey[256], gkey[256];
-    reqstore_keys(rs, r->id, hkey, gkey, sizeof hkey);
+    reqstore_keys(rs, r->owner, r->id, hkey, gkey, sizeof hkey);
     uint8_t *prompt = malloc((size_t)r->n_prompt * 4 + 1);
     if (!prompt) {
         snprintf(rs->errstr, sizeof rs->errstr, "reqstore: out of memory for %d prompt tokens",
@@ -182,13 +191,13 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
     snprintf(seed, sizeof seed, "%" PRIu64, r->seed);
     snprintf(created, sizeof created, "%" PRId64, r->created_ms);
     snprintf(deadline, sizeof deadline, "%" PRId64, r->deadline_ms);
-    const char *argv[] = {"EVAL", reqstore_create_lua, "3", hkey, rs->stream, rs->consumer, r->id,
+    const char *argv[] = {"EVAL", reqstore_create_lua, "3", hkey, rs->stream, rs->consumer, r->id, r->owner,
                           "params", (const char *)r->params, "prompt", (const char *)prompt,
                           "seed", seed, "created_ms", created, "deadline_ms", deadline,
                           "state", "queued", "owner", r->owner};
     size_t lens[sizeof argv / sizeof argv[0]];
     for (size_t i = 0; i < sizeof argv / sizeof argv[0]; i++)
-        lens[i] = i == 8 ? r->params_len : i == 10 ? (size_t)r->n_prompt * 4 : strlen(argv[i]);
+        lens[i] = i == 9 ? r->params_len : i == 11 ? (size_t)r->n_prompt * 4 : strlen(argv[i]);
     redisReply *rep = NULL;
     int rc = rconn_command_argv(rs->c, &rep, (int)(sizeof argv / sizeof argv[0]), argv, lens);
     if (reqstore_regroup(rs, rc))
@@ -202,30 +211,6 @@ int reqstore_create(reqstore *rs, struct reqrec *r) {
     freeReplyObject(rep);
     r->state = REQREC_QUEUED;
     return STATUS_OK;
-}
-
-int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size) {
-    char hkey[256], gkey[256];
-    reqstore_keys(rs, id, hkey, gkey, sizeof hkey);
-    owner[0] = '\0';
-    /* One round trip for both: whether the request is known, and its owner. */
-    const char *argv[] = {"HMGET", hkey, "state", "owner"};
-    redisReply *rep = NULL;
-    int rc = rconn_command_argv(rs->c, &rep, 4, argv, NULL);
-    if (rc < 0) return reqstore_fail(rs, rc);
-    rc = STATUS_OK;
-    if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2) {
-        snprintf(rs->errstr, sizeof rs->errstr, "redis %s: HMGET state owner: unexpected reply", hkey);
-        rc = STATUS_PROTOCOL;
-    } else if (rep->element[0]->type != REDIS_REPLY_STRING) {
-        snprintf(rs->errstr, sizeof rs->errstr, "redis %s: no such request", hkey);
-        rc = STATUS_NOT_FOUND;
-    } else if (rep->element[1]->type == REDIS_REPLY_STRING && rep->element[1]->len < size) {
-        memcpy(owner, rep->element[1]->str, rep->element[1]->len);
-        owner[rep->element[1]->len] = '\0';
-    }
-    freeReplyObject(rep);
-    return rc;
 }
 
 /* KEYS: the owner record.  ARGV: the registering key, the TTL in ms.
@@ -302,7 +287,8 @@ int reqstore_append(reqstore *rs, const struct reqstore_append *a, size_t n) {
     size_t k = 0, off = 0;
     for (size_t i = 0; i < n; i++) {
         if (a[i].n <= 0) continue;
-        snprintf(keys[k], sizeof keys[k], "%sreq:%s:gen", rs->prefix, a[i].id);
+        char hkey[256];
+        reqstore_keys(rs, a[i].owner, a[i].id, hkey, keys[k], sizeof keys[k]);
         argv[3 + k] = keys[k];
         reqstore_tokens_encode(a[i].tokens, a[i].n, bytes + off);
         argv[3 + m + k] = (const char *)(bytes + off);
@@ -337,7 +323,7 @@ static const char reqstore_finish_lua[] =
 
 int reqstore_finish(reqstore *rs, const struct reqrec *r) {
     char hkey[256], gkey[256];
-    reqstore_keys(rs, r->id, hkey, gkey, sizeof hkey);
+    reqstore_keys(rs, r->owner, r->id, hkey, gkey, sizeof hkey);
     char ret[32], fin[16], stok[16], ecode[16];
     snprintf(ret, sizeof ret, "%" PRId64, rs->retention_ms);
     snprintf(fin, sizeof fin, "%d", (int)r->finish);
@@ -391,10 +377,10 @@ static char *reqstore_strdup(const struct rconn_field *v) {
     return s;
 }
 
-static int reqstore_load_hash(reqstore *rs, const char *id, struct reqrec *r) {
+static int reqstore_load_hash(reqstore *rs, const char *owner, const char *id, struct reqrec *r) {
     memset(r, 0, sizeof *r);
     char hkey[256], gkey[256];
-    reqstore_keys(rs, id, hkey, gkey, sizeof hkey);
+    reqstore_keys(rs, owner, id, hkey, gkey, sizeof hkey);
     struct rconn_fields f = {0};
     int rc = rconn_hgetall(rs->c, hkey, &f);
     if (rc < 0) return reqstore_fail(rs, rc);
@@ -447,8 +433,9 @@ static int reqstore_load_hash(reqstore *rs, const char *id, struct reqrec *r) {
     if ((rc = reqstore_int(rs, hkey, &f, "created_ms", &r->created_ms, 1)) < 0) goto fail;
     if ((rc = reqstore_int(rs, hkey, &f, "deadline_ms", &r->deadline_ms, 1)) < 0) goto fail;
     if (entry && entry->len < RCONN_ID_MAX) memcpy(r->entry, entry->val, entry->len + 1);
-    const struct rconn_field *owner = reqstore_field(&f, "owner");
-    if (owner && owner->len < sizeof r->owner) memcpy(r->owner, owner->val, owner->len + 1);
+    /* The key it was found under names the owner (the hash's own field
+     * says the same, and older records than the "req@" keys have it too). */
+    snprintf(r->owner, sizeof r->owner, "%s", owner ? owner : "");
     if (r->state == REQREC_DONE) {
         v = 0;
         if ((rc = reqstore_int(rs, hkey, &f, "finish", &v, 1)) < 0) goto fail;
@@ -541,8 +528,8 @@ static int reqstore_entry_guard(reqstore *rs, const char *id, const char *entry)
     return STATUS_UNAVAILABLE;
 }
 
-int reqstore_load(reqstore *rs, const char *id, struct reqrec *r) {
-    int rc = reqstore_load_hash(rs, id, r);
+int reqstore_load(reqstore *rs, const char *owner, const char *id, struct reqrec *r) {
+    int rc = reqstore_load_hash(rs, owner, id, r);
     if (rc < 0 || r->state != REQREC_QUEUED) return rc;
     rc = reqstore_entry_guard(rs, id, r->entry);
     if (rc < 0) reqrec_free(r);
@@ -581,12 +568,16 @@ int reqstore_touch(reqstore *rs) {
 /* Loads the request of one stream entry into the list, or acknowledges and
  * drops an entry whose request is gone or finished. */
 static int reqstore_take(reqstore *rs, const struct rconn_entry *e, struct reqstore_list *l) {
-    size_t idlen = 0;
+    size_t idlen = 0, olen = 0;
     const char *id = rconn_entry_field(e, "id", &idlen);
+    /* No owner field: an entry of a router before owners named entries,
+     * whose hash is <p>req:<id>. */
+    const char *owner = rconn_entry_field(e, "owner", &olen);
+    if (!owner || olen >= sizeof l->items[0].owner) owner = "";
     for (size_t i = 0; id && i < l->n; i++)
-        if (strcmp(l->items[i].id, id) == 0) return STATUS_OK;
+        if (strcmp(l->items[i].id, id) == 0 && strcmp(l->items[i].owner, owner) == 0) return STATUS_OK;
     struct reqrec r;
-    int rc = id && idlen <= PROTO_REQUEST_ID_MAX ? reqstore_load_hash(rs, id, &r) : STATUS_NOT_FOUND;
+    int rc = id && idlen <= PROTO_REQUEST_ID_MAX ? reqstore_load_hash(rs, owner, id, &r) : STATUS_NOT_FOUND;
     if (rc == STATUS_UNAVAILABLE || rc == STATUS_TIMEOUT || rc == STATUS_NO_MEMORY) return rc;
     if (rc < 0 || r.state == REQREC_DONE) {
         if (rc < 0)

@@ -5,17 +5,21 @@
  * after a router restart.
  *
  * Layout (prefix "llm:" by default):
- *   <p>requests          stream, one entry {id} per accepted request, read by
- *                        the consumer group "routers"; an entry stays pending
- *                        (XPENDING) until the request finishes (XACK + XDEL)
- *   <p>req:<id>          hash: params (the canonical GenerateRequest bytes),
+ *   <p>requests          stream, one entry {id, owner} per accepted request,
+ *                        read by the consumer group "routers"; an entry stays
+ *                        pending (XPENDING) until the request finishes (XACK +
+ *                        XDEL)
+ *   <p>req:<id>          a request without an owner (a router without keys);
+ *   <p>req@<owner>:<id>  one created by the client key owner (its public key,
+ *                        Z85): request ids are per key (docs/security.md)
+ *                        hash: params (the canonical GenerateRequest bytes),
  *                        prompt (int32 little-endian), seed, created_ms,
  *                        deadline_ms, state ("queued" | "done"), entry, owner
  *                        (the creating client's public key, "" without keys), and
  *                        when done finish, stop_token, stop_string,
  *                        error_code, error_message
- *   <p>req:<id>:gen      string: the generated tokens, int32 little-endian,
- *                        appended as they are sampled
+ *   <p>req...<id>:gen    string: the generated tokens, int32 little-endian,
+ *                        appended as they are sampled (beside its hash)
  *   <p>worker-owner:<id> string: the public key (Z85) that worker id
  *                        registered from, with a TTL the router renews while
  *                        the worker lives (docs/security.md)
@@ -57,8 +61,9 @@ struct reqrec {
     enum reqrec_state state;
     char entry[RCONN_ID_MAX];        /* stream entry id, "" if not known */
     /* The CURVE public key (Z85) of the client that created it, "" when
-     * the router had no keys: only that client may cancel or re-attach
-     * (docs/security.md, "Request ownership"). */
+     * the router had no keys.  Part of the request's name: the id is the
+     * owner's, other keys have their own (docs/security.md, "Request
+     * ownership"), and it picks the Redis keys. */
     char owner[48];
     /* When done: */
     int32_t finish;                  /* Llm__GenerateDone__FinishReason */
@@ -90,6 +95,7 @@ struct reqstore_append {
     const char *id;
     const int32_t *tokens;
     int32_t n;
+    const char *owner; /* the request's owner; NULL or "": none */
 };
 int reqstore_append(reqstore *rs, const struct reqstore_append *a, size_t n);
 
@@ -97,14 +103,15 @@ int reqstore_append(reqstore *rs, const struct reqstore_append *a, size_t n);
  * entry, and lets both keys expire after the retention period. */
 int reqstore_finish(reqstore *rs, const struct reqrec *r);
 
-/* Loads a request with its generated tokens into *r (zeroed first).
- * STATUS_NOT_FOUND when Redis does not know the id; STATUS_PROTOCOL when the
+/* Loads request id of owner ("": a request without one) with its generated
+ * tokens into *r (zeroed first).  STATUS_NOT_FOUND when Redis does not know
+ * the id under that owner (another key's request of that id is not found); STATUS_PROTOCOL when the
  * stored hash is malformed (naming the key and field); STATUS_UNAVAILABLE
  * (errstr names the holder) when, with claim_idle_ms set, the request is
  * queued and its stream entry is held by another router heard from within
  * claim_idle_ms: that router runs it.  A holder silent longer loses the
  * entry to this router here. */
-int reqstore_load(reqstore *rs, const char *id, struct reqrec *r);
+int reqstore_load(reqstore *rs, const char *owner, const char *id, struct reqrec *r);
 
 /* Takes into this consumer every stream entry it should work on: its own
  * pending entries (a restart under the same name), entries of other
@@ -137,11 +144,6 @@ int reqstore_check(reqstore *rs);
 /* How often the consumer group was made again after NOGROUP (create and
  * recover do it by themselves); the router notices Redis lost its data. */
 uint64_t reqstore_groups_recreated(const reqstore *rs);
-
-/* The owner field of request id's record into owner (size bytes): ""
- * when the record names none (made by a router without keys).
- * STATUS_NOT_FOUND when Redis does not know the id. */
-int reqstore_owner(reqstore *rs, const char *id, char *owner, size_t size);
 
 /* Worker ids across router restarts (docs/security.md): the record
  * <p>worker-owner:<id> names the key a live worker registered from.

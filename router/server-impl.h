@@ -26,6 +26,9 @@
 #define SERVER_BUILD "llm-router 0.1"
 #define SERVER_FAILURES_MAX 4   /* failed steps a request survives before ABORTED */
 #define SERVER_DONE_MEMORY_MAX 20000
+/* Error.reason of a prompt that fills the model's context (proto/types.proto):
+ * what the gateway maps to OpenAI's context_length_exceeded. */
+#define SERVER_REASON_CONTEXT "context_length_exceeded"
 #define SERVER_RETRY_AFTER_MS 1000 /* UNAVAILABLE: about one worker heartbeat, or a Redis reconnect */
 
 enum req_state { REQ_QUEUED = 0, REQ_ASSIGNED = 1, REQ_DONE = 2 };
@@ -204,13 +207,23 @@ void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__
 void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                               Llm__Error__Code code, const char *rid, const char *msg,
                               uint32_t retry_after_ms);
+/* The same with Error.reason set (proto/types.proto: a stable name a client
+ * branches on, like "context_length_exceeded"; NULL: none). */
+void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
+                                     Llm__Error__Code code, const char *reason, const char *rid,
+                                     const char *msg, uint32_t retry_after_ms);
 void server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
 void server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env);
 void server_log_stats(server *s);
 
 /* ---- server_reqs.c: requests in memory --------------------------------- */
 
-struct req *req_find(server *s, const char *id);
+/* The request id of the client key owner (docs/security.md, "Request ownership"):
+ * ids are per key, so two keys may each have a request "a" ("" on a router
+ * without keys). */
+struct req *req_find(server *s, const char *owner, const char *id);
+/* Whether a key other than owner has a request id in memory. */
+bool req_find_other(server *s, const char *owner, const char *id);
 struct req *req_by_seq(server *s, uint64_t seq_id);
 void req_seq_put(server *s, struct req *q);
 void req_seq_del(server *s, struct req *q);

@@ -114,8 +114,15 @@ void server_send_client(server *s, const uint8_t *ident, size_t ident_len, Llm__
 void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                               Llm__Error__Code code, const char *rid, const char *msg,
                               uint32_t retry_after_ms) {
+    server_send_client_error_reason(s, ident, ident_len, tag, code, NULL, rid, msg, retry_after_ms);
+}
+
+void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
+                                     Llm__Error__Code code, const char *reason, const char *rid,
+                                     const char *msg, uint32_t retry_after_ms) {
     Llm__Error e;
     proto_error_init(&e, code, rid, msg, retry_after_ms);
+    if (reason) e.reason = (char *)reason;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
     env.tag = tag;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_ERROR;

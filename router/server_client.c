@@ -79,6 +79,7 @@ static void send_accepted(server *s, struct req *q, uint64_t tag, bool reattache
     a.queue_position = position;
     a.n_prompt_token_ids = (size_t)q->n_prompt;
     a.prompt_token_ids = q->prompt;
+    a.max_tokens = q->limit > q->n_prompt ? (uint32_t)(q->limit - q->n_prompt) : 0;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
     env.tag = tag;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_ACCEPTED;
@@ -86,41 +87,30 @@ static void send_accepted(server *s, struct req *q, uint64_t tag, bool reattache
     server_send_client(s, q->ident, q->ident_len, &env);
 }
 
-/* Request ownership (docs/security.md): on a router with keys, a request
- * is cancelled or re-attached to only by the client whose key created it.
- * The key is in the request's Redis record, which a restarted router reads
- * too.  Any other key hears what it would for an id nobody used, so that
- * it learns nothing of other clients' requests; the refusal is counted
+/* Request ownership (docs/security.md): on a router with keys a request id
+ * is the sending key's, so the owner is part of every lookup and another
+ * key's request of the same id is simply not found (nor taken, cancelled or
+ * read).  The owner is in the request's Redis keys, which a restarted router
+ * reads too. */
+static const char *client_owner(const server *s) { return s->zap ? s->peer_key : ""; }
+
+/* A Generate or Cancel naming an id that only another key has in this
+ * router's memory: not an error (the id is free for this key), but a sign
+ * of someone guessing ids, so it is counted
  * (llm_refused_request_access_total) and logged, the first ten and then
- * every thousandth.  A record without an owner (made by a router without
- * keys) is anyone's, as it was.  Returns true when the frame was answered
- * with a refusal. */
-static bool not_owner(server *s, const char *id, const uint8_t *ident, size_t ident_len, uint64_t tag,
-                      bool cancel) {
-    if (!s->zap || !s->peer_key[0]) return false;
-    char owner[64] = "", msg[384];
-    int rc = s->rs ? reqstore_owner(s->rs, id, owner, sizeof owner) : STATUS_UNAVAILABLE;
-    if (rc == STATUS_NOT_FOUND || (rc == 0 && (!owner[0] || strcmp(owner, s->peer_key) == 0))) return false;
-    if (rc < 0) {
-        snprintf(msg, sizeof msg, "the router cannot reach Redis to check which client created request "
-                 "\"%.128s\"", id);
-        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, id, msg,
-                                 SERVER_RETRY_AFTER_MS);
-        return true;
-    }
-    static uint64_t refused;
+ * every thousandth. */
+static void note_foreign_id(server *s, const char *id, bool cancel) {
+    if (!s->zap || !s->peer_key[0] || !req_find_other(s, s->peer_key, id)) return;
+    static uint64_t seen;
     server_metrics_request_refused(s->cfg.metrics, cancel);
-    if (++refused <= 10 || refused % 1000 == 0)
-        LOG(LL_WARN, "security: %s of request %.128s from key %.40s refused: another client's key created "
-            "it (%llu refused)", cancel ? "cancel" : "re-attach", id, s->peer_key, (unsigned long long)refused);
-    snprintf(msg, sizeof msg, "no request with id \"%.128s\"", id);
-    server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, id, msg, 0);
-    return true;
+    if (++seen <= 10 || seen % 1000 == 0)
+        LOG(LL_WARN, "security: %s of request id %.128s from key %.40s: another client's key has a request "
+            "of that id, which this key cannot reach (%llu such)", cancel ? "cancel" : "generate", id,
+            s->peer_key, (unsigned long long)seen);
 }
 
 static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, const uint8_t *ident,
                      size_t ident_len, uint64_t tag) {
-    if (not_owner(s, q->id, ident, ident_len, tag, false)) return;
     bool same = false;
     if (same_request(q, g, &same) < 0) {
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, g->request_id, "out of memory", 0);
@@ -174,7 +164,8 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, "", err, 0);
         return;
     }
-    struct req *q = req_find(s, rid);
+    const char *owner = client_owner(s);
+    struct req *q = req_find(s, owner, rid);
     if (q) {
         reattach(s, q, g, ident, ident_len, tag);
         return;
@@ -193,7 +184,7 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         return;
     }
     struct reqrec r;
-    int rc = reqstore_load(s->rs, rid, &r);
+    int rc = reqstore_load(s->rs, owner, rid, &r);
     if (rc == 0) {
         /* Known to Redis but not here: finished before a restart, or
          * recovered state we dropped. */
@@ -213,6 +204,7 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
                                  SERVER_RETRY_AFTER_MS);
         return;
     }
+    note_foreign_id(s, rid, false);
     int64_t now = server_now_ms();
     rc = proto_generate_validate(g, s->mi.n_vocab, now, err, sizeof err);
     if (rc < 0) {
@@ -251,10 +243,11 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     int32_t *prompt = NULL;
     int32_t n_prompt = 0;
     if (g->n_prompt_tokens > 0) {
-        if (g->n_prompt_tokens > (size_t)s->mi.n_ctx) {
-            snprintf(err, sizeof err, "prompt_tokens has %zu tokens; the context of %s is %d", g->n_prompt_tokens,
-                     s->mi.id, s->mi.n_ctx);
-            server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+        if (g->n_prompt_tokens >= (size_t)s->mi.n_ctx) {
+            snprintf(err, sizeof err, "prompt_tokens has %zu tokens and fills the context of %s (%d tokens): "
+                     "no completion token fits", g->n_prompt_tokens, s->mi.id, s->mi.n_ctx);
+            server_send_client_error_reason(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT,
+                                            SERVER_REASON_CONTEXT, rid, err, 0);
             return;
         }
         n_prompt = (int32_t)g->n_prompt_tokens;
@@ -273,10 +266,11 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
                 return;
             }
             if (n_prompt > cap) {
-                snprintf(err, sizeof err, "prompt: %zu bytes are %d tokens or more; the context of %s is %d",
-                         tl, n_prompt, s->mi.id, s->mi.n_ctx);
+                snprintf(err, sizeof err, "prompt: %zu bytes are %d tokens or more and fill the context of %s "
+                         "(%d tokens): no completion token fits", tl, n_prompt, s->mi.id, s->mi.n_ctx);
                 free(prompt);
-                server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+                server_send_client_error_reason(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT,
+                                                SERVER_REASON_CONTEXT, rid, err, 0);
                 return;
             }
         }
@@ -285,18 +279,28 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, "router out of memory", 0);
         return;
     }
-    int64_t total = (int64_t)n_prompt + (g->max_tokens ? g->max_tokens : 1);
-    if (n_prompt == 0 || total > s->mi.n_ctx) {
-        if (n_prompt == 0)
-            snprintf(err, sizeof err, "prompt: is empty (0 tokens) and the model adds no BOS");
-        else
-            snprintf(err, sizeof err,
-                     "prompt (%d tokens) + max_tokens (%u) = %lld exceeds the context of %s (%d tokens)",
-                     n_prompt, g->max_tokens, (long long)total, s->mi.id, s->mi.n_ctx);
+    if (n_prompt == 0) {
         free(prompt);
-        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid, err, 0);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, rid,
+                                 "prompt: is empty (0 tokens) and the model adds no BOS", 0);
         return;
     }
+    /* Only a prompt that leaves no room for one completion token is
+     * refused.  A max_tokens that runs past the context is clamped to what
+     * the context leaves, as llama-server does (req_new's limit): the stored
+     * request keeps the client's max_tokens, so a re-send is the same
+     * request, and GenerateAccepted.max_tokens tells the client the bound. */
+    if (n_prompt >= s->mi.n_ctx) {
+        snprintf(err, sizeof err, "prompt: %d tokens fill the context of %s (%d tokens): no completion token fits",
+                 n_prompt, s->mi.id, s->mi.n_ctx);
+        free(prompt);
+        server_send_client_error_reason(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT,
+                                        SERVER_REASON_CONTEXT, rid, err, 0);
+        return;
+    }
+    uint32_t room = (uint32_t)(s->mi.n_ctx - n_prompt);
+    bool clamped = g->max_tokens > room;
+    int64_t total = (int64_t)n_prompt + (g->max_tokens ? (clamped ? room : g->max_tokens) : 1);
     /* Acceptance is a promise to run the request, so it is made only when
      * some pipeline takes work: otherwise the client hears why and retries
      * (a cluster scaling from zero serves it on a retry), and nothing that
@@ -317,7 +321,7 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         snprintf(err, sizeof err,
                  "prompt (%d tokens) + max_tokens (%u) = %lld tokens do not fit the KV cache of any "
                  "pipeline (the largest, pipeline %u, holds %d tokens)",
-                 n_prompt, g->max_tokens, (long long)total, best_pid, best_cap);
+                 n_prompt, (uint32_t)(total - n_prompt), (long long)total, best_pid, best_cap);
         free(prompt);
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__RESOURCE_EXHAUSTED, rid, err, 0);
         return;
@@ -332,7 +336,7 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     /* Durable, then acknowledged. */
     memset(&r, 0, sizeof r);
     snprintf(r.id, sizeof r.id, "%s", rid);
-    snprintf(r.owner, sizeof r.owner, "%s", s->zap ? s->peer_key : "");
+    snprintf(r.owner, sizeof r.owner, "%s", owner);
     if (canonical_params(g, &r.params, &r.params_len) < 0) {
         free(prompt);
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INTERNAL, rid, "router out of memory", 0);
@@ -376,17 +380,19 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     req_queue_push(s, q);
     s->requests_total++;
     send_accepted(s, q, tag, false, position);
-    LOG(LL_INFO, "request %s: accepted%s, %d prompt tokens, max_tokens %u, priority %d, seed %llu", q->id,
+    LOG(LL_INFO, "request %s: accepted%s, %d prompt tokens, max_tokens %u%s, priority %d, seed %llu", q->id,
         resumed ? " again (its state was gone; the client has some tokens)" : "", q->n_prompt,
-        q->gen->max_tokens, q->priority, (unsigned long long)q->seed);
+        (uint32_t)(q->limit - q->n_prompt), clamped ? " (clamped to the context left)" : "", q->priority,
+        (unsigned long long)q->seed);
 }
 
 static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag, const Llm__Cancel *c) {
     const char *rid = c->request_id ? c->request_id : "";
-    struct req *q = req_find(s, rid);
+    const char *owner = client_owner(s);
+    struct req *q = req_find(s, owner, rid);
     if (!q && s->rs) {
         struct reqrec r;
-        if (reqstore_load(s->rs, rid, &r) == 0) {
+        if (reqstore_load(s->rs, owner, rid, &r) == 0) {
             char err[256];
             q = req_new(s, &r, err, sizeof err);
             bool queued = r.state == REQREC_QUEUED;
@@ -396,11 +402,11 @@ static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_
     }
     if (!q) {
         char msg[256];
+        note_foreign_id(s, rid, true);
         snprintf(msg, sizeof msg, "no request with id \"%.128s\"", rid);
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, msg, 0);
         return;
     }
-    if (not_owner(s, q->id, ident, ident_len, tag, true)) return;
     if (q->state == REQ_DONE) {
         req_send_done(s, q, ident, ident_len);
         return;
@@ -579,12 +585,35 @@ done:
     free(wsp);
 }
 
+/* A frame that proto_client_unpack refused may still be a well-formed
+ * envelope with a bad field (a prompt that is not UTF-8): its tag and
+ * request id then go back with the error, so that the client matches it to
+ * its request and reports it at once instead of waiting out its retries.
+ * The id is echoed only when it is itself a valid id. */
+static void frame_refused_ids(const uint8_t *buf, size_t len, uint64_t *tag, char *rid, size_t size) {
+    *tag = 0;
+    rid[0] = '\0';
+    if (len == 0 || len > PROTO_FRAME_MAX) return;
+    Llm__ClientEnvelope *env = llm__client_envelope__unpack(NULL, len, buf);
+    if (!env) return;
+    *tag = env->tag;
+    const char *id = env->body_case == LLM__CLIENT_ENVELOPE__BODY_GENERATE && env->generate ? env->generate->request_id
+                     : env->body_case == LLM__CLIENT_ENVELOPE__BODY_CANCEL && env->cancel ? env->cancel->request_id
+                                                                                          : NULL;
+    char err[64];
+    if (id && proto_request_id_check(id, err, sizeof err) == 0) snprintf(rid, size, "%s", id);
+    llm__client_envelope__free_unpacked(env, NULL);
+}
+
 void server_on_client_frame(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {
     Llm__ClientEnvelope *env = NULL;
     char err[256];
     int rc = proto_client_unpack(buf, len, &env, err, sizeof err);
     if (rc < 0) {
-        server_send_client_error(s, ident, ident_len, 0, proto_code_from_status(rc), "", err, 0);
+        uint64_t tag;
+        char rid[PROTO_REQUEST_ID_MAX + 1];
+        frame_refused_ids(buf, len, &tag, rid, sizeof rid);
+        server_send_client_error(s, ident, ident_len, tag, proto_code_from_status(rc), rid, err, 0);
         return;
     }
     switch (env->body_case) {

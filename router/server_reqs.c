@@ -29,10 +29,16 @@ static uint32_t hash_u64(uint64_t x) {
     return (uint32_t)(x % SERVER_BUCKETS);
 }
 
-struct req *req_find(server *s, const char *id) {
+struct req *req_find(server *s, const char *owner, const char *id) {
     for (struct req *q = s->by_id[hash_str(id)]; q; q = q->hnext)
-        if (strcmp(q->id, id) == 0) return q;
+        if (strcmp(q->id, id) == 0 && strcmp(q->owner, owner) == 0) return q;
     return NULL;
+}
+
+bool req_find_other(server *s, const char *owner, const char *id) {
+    for (struct req *q = s->by_id[hash_str(id)]; q; q = q->hnext)
+        if (strcmp(q->id, id) == 0 && strcmp(q->owner, owner) != 0) return true;
+    return false;
 }
 
 struct req *req_by_seq(server *s, uint64_t seq_id) {
@@ -354,7 +360,7 @@ static void persist_touched(server *s) {
     for (size_t i = 0; i < s->n_touched; i++) {
         struct req *q = s->touched[i];
         if (q->n_out > q->n_persisted)
-            a[n++] = (struct reqstore_append){q->id, q->out + q->n_persisted, q->n_out - q->n_persisted};
+            a[n++] = (struct reqstore_append){q->id, q->out + q->n_persisted, q->n_out - q->n_persisted, q->owner};
     }
     if (n > 0) {
         if (reqstore_append(s->rs, a, n) == 0) {
@@ -369,7 +375,7 @@ static void persist_touched(server *s) {
 void req_store_finish(server *s, struct req *q) {
     if (q->finish_stored || !s->rs) return;
     if (q->n_out > q->n_persisted) {
-        struct reqstore_append a = {q->id, q->out + q->n_persisted, q->n_out - q->n_persisted};
+        struct reqstore_append a = {q->id, q->out + q->n_persisted, q->n_out - q->n_persisted, q->owner};
         if (reqstore_append(s->rs, &a, 1) < 0) {
             LOG(LL_WARN, "request %s: storing its last tokens: %s", q->id, reqstore_errstr(s->rs));
             return;
@@ -379,6 +385,7 @@ void req_store_finish(server *s, struct req *q) {
     struct reqrec r;
     memset(&r, 0, sizeof r);
     snprintf(r.id, sizeof r.id, "%s", q->id);
+    snprintf(r.owner, sizeof r.owner, "%s", q->owner);
     snprintf(r.entry, sizeof r.entry, "%s", q->entry);
     r.finish = q->finish;
     r.stop_token = q->stop_token;

@@ -21,7 +21,7 @@ static size_t adopt_requests(server *s, struct reqrec *list, size_t n) {
     char err[512];
     size_t adopted = 0;
     for (size_t i = 0; i < n; i++) {
-        if (!req_find(s, list[i].id)) {
+        if (!req_find(s, list[i].owner, list[i].id)) {
             struct req *q = req_new(s, &list[i], err, sizeof err);
             if (q) {
                 req_queue_push(s, q);
@@ -81,7 +81,7 @@ static void restore_requests(server *s) {
         snprintf(r.owner, sizeof r.owner, "%s", q->owner);
         r.created_ms = q->created_ms;
         r.deadline_ms = q->deadline_ms;
-        struct reqstore_append a = {q->id, q->out, q->n_out};
+        struct reqstore_append a = {q->id, q->out, q->n_out, q->owner};
         if (reqstore_create(s->rs, &r) < 0 || reqstore_append(s->rs, &a, 1) < 0) {
             failed++;
             LOG(LL_WARN, "request %s: storing it again: %s", q->id, reqstore_errstr(s->rs));

@@ -67,15 +67,15 @@ TEST(router_requests_persist_and_reattach) {
     ASSERT_EQ((int64_t)2, t_pending(rs, "r1")); /* accepted and unfinished */
 
     int32_t g1[2] = {7, 8}, g2[1] = {9}, gb[3] = {100, 101, 102};
-    struct reqstore_append ap[3] = {{"req-a", g1, 2}, {"req-b", gb, 3}, {"req-x", NULL, 0}};
+    struct reqstore_append ap[3] = {{"req-a", g1, 2, NULL}, {"req-b", gb, 3, NULL}, {"req-x", NULL, 0, NULL}};
     ASSERT_OK(reqstore_append(rs, ap, 3));
-    struct reqstore_append ap2 = {"req-a", g2, 1};
+    struct reqstore_append ap2 = {"req-a", g2, 1, NULL};
     ASSERT_OK(reqstore_append(rs, &ap2, 1));
 
     /* A client re-attaching to a router that lost its memory gets the
      * request and every token generated so far. */
     struct reqrec l;
-    ASSERT_OK(reqstore_load(rs, "req-a", &l));
+    ASSERT_OK(reqstore_load(rs, "", "req-a", &l));
     ASSERT_STREQ("req-a", l.id);
     ASSERT_EQ((size_t)7, l.params_len);
     ASSERT_EQ(0, memcmp(l.params, a.params, 7));
@@ -89,7 +89,7 @@ TEST(router_requests_persist_and_reattach) {
     ASSERT_EQ((int)REQREC_QUEUED, (int)l.state);
     ASSERT_STREQ(a.entry, l.entry);
     reqrec_free(&l);
-    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "nobody", &l));
+    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "", "nobody", &l));
     ASSERT_TRUE(strstr(reqstore_errstr(rs), "t:req:nobody") != NULL);
     reqstore_close(rs);
     ASSERT_OK(fixture_redis_stop(&f));
@@ -104,7 +104,7 @@ TEST(router_requests_finish_acks_and_expires) {
     t_rec(&a, "done-1", prompt, 2);
     ASSERT_OK(reqstore_create(rs, &a));
     int32_t g[1] = {5};
-    struct reqstore_append ap = {"done-1", g, 1};
+    struct reqstore_append ap = {"done-1", g, 1, NULL};
     ASSERT_OK(reqstore_append(rs, &ap, 1));
     a.finish = 1;
     a.stop_token = -1;
@@ -119,13 +119,68 @@ TEST(router_requests_finish_acks_and_expires) {
     ASSERT_OK(rconn_ttl(reqstore_conn(rs), "t:req:done-1:gen", &ttl));
     ASSERT_TRUE(ttl > 0 && ttl <= 60000);
     struct reqrec l;
-    ASSERT_OK(reqstore_load(rs, "done-1", &l));
+    ASSERT_OK(reqstore_load(rs, "", "done-1", &l));
     ASSERT_EQ((int)REQREC_DONE, (int)l.state);
     ASSERT_EQ(1, l.finish);
     ASSERT_EQ(-1, l.stop_token);
     ASSERT_STREQ("The end", l.stop_string);
     ASSERT_TRUE(l.error_message == NULL);
     ASSERT_EQ(1, l.n_gen);
+    reqrec_free(&l);
+    reqstore_close(rs);
+    ASSERT_OK(fixture_redis_stop(&f));
+}
+
+/* Request ids are per owner key: two keys' requests of one id are two
+ * requests, each with its own tokens and end, and a restarted router
+ * recovers both with their owners. */
+TEST(router_requests_ids_are_per_owner) {
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    reqstore *rs = t_open(&f, "r1", 60000);
+    static const char alice[] = "A1ice0000000000000000000000000000000000";
+    static const char bob[] = "B0b:{}0000000000000000000000000000000000";
+    int32_t pa[2] = {1, 2}, pb[3] = {1, 7, 8};
+    struct reqrec a, b, l;
+    t_rec(&a, "same", pa, 2);
+    snprintf(a.owner, sizeof a.owner, "%s", alice);
+    t_rec(&b, "same", pb, 3);
+    snprintf(b.owner, sizeof b.owner, "%s", bob);
+    ASSERT_OK(reqstore_create(rs, &a));
+    ASSERT_OK(reqstore_create(rs, &b)); /* bob's does not replace alice's */
+    int32_t ga[1] = {50}, gb[2] = {60, 61};
+    struct reqstore_append ap[2] = {{"same", ga, 1, alice}, {"same", gb, 2, bob}};
+    ASSERT_OK(reqstore_append(rs, ap, 2));
+    ASSERT_OK(reqstore_load(rs, alice, "same", &l));
+    ASSERT_EQ(2, l.n_prompt);
+    ASSERT_EQ(1, l.n_gen);
+    ASSERT_EQ(50, l.gen[0]);
+    ASSERT_STREQ(alice, l.owner);
+    reqrec_free(&l);
+    ASSERT_OK(reqstore_load(rs, bob, "same", &l));
+    ASSERT_EQ(3, l.n_prompt);
+    ASSERT_EQ(2, l.n_gen);
+    ASSERT_STREQ(bob, l.owner);
+    reqrec_free(&l);
+    /* Neither is the request of no owner, nor of a third key. */
+    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "", "same", &l));
+    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "C0000000000000000000000000000000000000000", "same", &l));
+    /* Bob's end leaves alice's request queued. */
+    b.finish = 1;
+    ASSERT_OK(reqstore_finish(rs, &b));
+    reqstore_close(rs);
+    rs = t_open(&f, "r1", 60000);
+    struct reqrec *list = NULL;
+    size_t n = 0;
+    ASSERT_OK(reqstore_recover(rs, &list, &n));
+    ASSERT_EQ((size_t)1, n);
+    ASSERT_STREQ("same", list[0].id);
+    ASSERT_STREQ(alice, list[0].owner);
+    ASSERT_EQ(1, list[0].n_gen);
+    for (size_t i = 0; i < n; i++) reqrec_free(&list[i]);
+    free(list);
+    ASSERT_OK(reqstore_load(rs, bob, "same", &l));
+    ASSERT_EQ((int)REQREC_DONE, (int)l.state);
     reqrec_free(&l);
     reqstore_close(rs);
     ASSERT_OK(fixture_redis_stop(&f));
@@ -154,7 +209,7 @@ TEST(router_requests_recover_after_restart) {
     ASSERT_OK(reqstore_create(rs, &a));
     ASSERT_OK(reqstore_create(rs, &b));
     int32_t g[3] = {40, 41, 42};
-    struct reqstore_append ap = {"live", g, 3};
+    struct reqstore_append ap = {"live", g, 3, NULL};
     ASSERT_OK(reqstore_append(rs, &ap, 1));
     b.finish = 2;
     ASSERT_OK(reqstore_finish(rs, &b));
@@ -215,7 +270,7 @@ TEST(router_requests_recover_drops_broken_entries) {
     ASSERT_OK(rconn_command(c, &rep, "XADD t:requests * id ext"));
     freeReplyObject(rep);
     struct reqrec l;
-    ASSERT_EQ(STATUS_PROTOCOL, reqstore_load(rs, "bad", &l));
+    ASSERT_EQ(STATUS_PROTOCOL, reqstore_load(rs, "", "bad", &l));
     ASSERT_TRUE(strstr(reqstore_errstr(rs), "t:req:bad: field prompt has 3 bytes") != NULL);
     struct reqrec *list = NULL;
     size_t n = 0;
@@ -276,10 +331,10 @@ TEST(router_requests_group_recreated_after_empty_restart) {
     ASSERT_OK(rconn_xlen(reqstore_conn(rs), "t:requests", &len));
     ASSERT_EQ((int64_t)1, len);
     struct reqrec l;
-    ASSERT_OK(reqstore_load(rs, "after", &l));
+    ASSERT_OK(reqstore_load(rs, "", "after", &l));
     ASSERT_EQ(b.seed, l.seed);
     reqrec_free(&l);
-    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "before", &l));
+    ASSERT_EQ(STATUS_NOT_FOUND, reqstore_load(rs, "", "before", &l));
     /* Recovery after the group was deleted by hand makes it again too. */
     redisReply *r;
     ASSERT_OK(rconn_command(reqstore_conn(rs), &r, "XGROUP DESTROY t:requests routers"));
@@ -317,6 +372,7 @@ TEST(router_requests_group_recreated_after_empty_restart) {
 }
 
 TEST_MAIN(router_requests_tokens_encoding, router_requests_persist_and_reattach,
-          router_requests_finish_acks_and_expires, router_requests_recover_after_restart,
+          router_requests_finish_acks_and_expires, router_requests_ids_are_per_owner,
+          router_requests_recover_after_restart,
           router_requests_recover_drops_broken_entries, router_requests_unavailable_redis,
           router_requests_group_recreated_after_empty_restart)
