@@ -18,6 +18,7 @@ struct link_conn {
     const struct link_ops *ops;
     enum link_dir dir;
     uint64_t epoch;
+    uint64_t dropped[LINK_DROP_N]; /* messages a receiver dropped, by enum link_drop */
     char endpoint[256];
     char errstr[320];
 };

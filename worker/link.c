@@ -43,6 +43,19 @@ int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
 }
 
 void link_set_epoch(link_conn *l, uint64_t epoch) { l->epoch = epoch; }
+uint64_t link_dropped(const link_conn *l, enum link_drop why) {
+    return (unsigned)why < LINK_DROP_N ? l->dropped[why] : 0;
+}
+
+const char *link_drop_name(enum link_drop why) {
+    switch (why) {
+    case LINK_DROP_MALFORMED: return "malformed";
+    case LINK_DROP_STALE: return "stale";
+    case LINK_DROP_AHEAD: return "ahead";
+    default: return "unknown";
+    }
+}
+
 int link_on_device(const link_conn *l) { return l->ops->on_device; }
 const char *link_endpoint(const link_conn *l) { return l->endpoint; }
 const char *link_kind(const link_conn *l) { return l->ops->kind; }

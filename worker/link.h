@@ -88,14 +88,31 @@ int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
  * LINK_SKIPPED (buf untouched) when the sender failed the step, or
  * STATUS_TIMEOUT (nothing within the link's timeout), STATUS_NOT_FOUND (the
  * sender went on to a later step: this one will never come),
- * STATUS_PROTOCOL (a malformed message or a size other than bytes), or
- * STATUS_CANCELLED (a signal interrupted the wait). */
+ * STATUS_PROTOCOL (the step's own message has a size other than bytes), or
+ * STATUS_CANCELLED (a signal interrupted the wait).  A malformed message
+ * (anything an admitted peer may send that is not a link message) is
+ * dropped and counted (link_dropped), and the wait goes on: it never fails
+ * the step by itself; the timeout bounds the whole call. */
 int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
 
 /* Messages from another epoch of the pipeline are stale: after
  * link_set_epoch a receiver drops those of older epochs, and senders stamp
  * theirs with it.  Starts at 0. */
 void link_set_epoch(link_conn *l, uint64_t epoch);
+
+/* Why a receiver dropped a message instead of returning it (ZeroMQ; NCCL
+ * carries no framing and drops nothing).  None of them fails a step: the
+ * receiver goes on waiting for the step's own message until its timeout. */
+enum link_drop {
+    LINK_DROP_MALFORMED = 0, /* not a link message: frame count, header size, magic or body size */
+    LINK_DROP_STALE = 1,     /* an older epoch, or a step before the one awaited (a dropped plan) */
+    LINK_DROP_AHEAD = 2,     /* too far ahead of the awaited step, or a later-epoch message replaced */
+    LINK_DROP_N = 3,
+};
+/* Messages dropped for that reason since the link was made. */
+uint64_t link_dropped(const link_conn *l, enum link_drop why);
+/* "malformed", "stale" or "ahead" (the metric's label). */
+const char *link_drop_name(enum link_drop why);
 
 /* 1 if send/recv take device (backend) memory, 0 for host memory. */
 int link_on_device(const link_conn *l);

@@ -10,8 +10,10 @@
 #include "common/status.h"
 #include "common/zio.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define LINK_ZMQ_MAGIC 0x314b4c4cu /* "LLK1" */
 #define LINK_ZMQ_HEADER 32
@@ -29,7 +31,6 @@ struct link_zmq {
      * current epoch's steps (one slot: a newer one replaces it). */
     struct zio_parts future;
     int has_future;
-    uint64_t dropped; /* later-epoch messages replaced, steps too far ahead */
     struct zio_parts in;
 };
 
@@ -65,37 +66,49 @@ static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes
     return STATUS_OK;
 }
 
-/* Checks a message's framing; fills its epoch, step, flags and size. */
-static int lz_parse(struct link_zmq *z, const struct zio_parts *p, uint64_t *epoch, uint64_t *step,
-                    uint32_t *flags, uint64_t *bytes) {
-    link_conn *l = &z->base;
-    if (p->n != 2 || zio_parts_size(p, 0) != LINK_ZMQ_HEADER)
-        return link_fail(l, STATUS_PROTOCOL,
-                         "zmq link %s: malformed message (%zu frames, header %zu bytes; want 2 "
-                         "frames, header %d bytes)",
-                         l->endpoint, p->n, zio_parts_size(p, 0), LINK_ZMQ_HEADER);
+/* Checks a message's framing; fills its epoch, step, flags and size.
+ * STATUS_PROTOCOL with why filled when it is not a link message. */
+static int lz_parse(const struct zio_parts *p, uint64_t *epoch, uint64_t *step, uint32_t *flags,
+                    uint64_t *bytes, char *why, size_t whylen) {
+    if (p->n != 2 || zio_parts_size(p, 0) != LINK_ZMQ_HEADER) {
+        snprintf(why, whylen, "%zu frames, header %zu bytes; want 2 frames, header %d bytes", p->n,
+                 zio_parts_size(p, 0), LINK_ZMQ_HEADER);
+        return STATUS_PROTOCOL;
+    }
     const uint8_t *h = zio_parts_data(p, 0);
     uint64_t w0 = lz_get64(h);
-    if ((uint32_t)w0 != LINK_ZMQ_MAGIC)
-        return link_fail(l, STATUS_PROTOCOL, "zmq link %s: bad magic 0x%08x", l->endpoint,
-                         (unsigned)(uint32_t)w0);
+    if ((uint32_t)w0 != LINK_ZMQ_MAGIC) {
+        snprintf(why, whylen, "bad magic 0x%08x", (unsigned)(uint32_t)w0);
+        return STATUS_PROTOCOL;
+    }
     *flags = (uint32_t)(w0 >> 32);
     *epoch = lz_get64(h + 8);
     *step = lz_get64(h + 16);
     *bytes = lz_get64(h + 24);
-    if (!(*flags & LINK_ZMQ_SKIPPED) && zio_parts_size(p, 1) != *bytes)
-        return link_fail(l, STATUS_PROTOCOL,
-                         "zmq link %s: step %llu: header says %llu bytes, frame has %zu",
-                         l->endpoint, (unsigned long long)*step, (unsigned long long)*bytes,
-                         zio_parts_size(p, 1));
+    size_t body = zio_parts_size(p, 1);
+    if ((*flags & LINK_ZMQ_SKIPPED) ? body != 0 : body != *bytes) {
+        snprintf(why, whylen, "step %llu: header says %llu bytes%s, frame has %zu",
+                 (unsigned long long)*step, (unsigned long long)*bytes,
+                 (*flags & LINK_ZMQ_SKIPPED) ? " (a skip marker has none)" : "", body);
+        return STATUS_PROTOCOL;
+    }
     return STATUS_OK;
 }
 
-static void lz_drop(struct link_zmq *z, const char *what, uint64_t epoch, uint64_t step) {
-    z->dropped++;
-    if (z->dropped <= 10 || z->dropped % 1000 == 0)
-        LOG(LL_WARN, "zmq link %s: dropped %s (epoch %llu, step %llu; %llu dropped so far)", z->base.endpoint,
-            what, (unsigned long long)epoch, (unsigned long long)step, (unsigned long long)z->dropped);
+/* Counts a dropped message; logs the first ten of each reason, then every
+ * thousandth, so that a peer sending garbage cannot flood the log. */
+static void lz_drop(struct link_zmq *z, enum link_drop reason, const char *what) {
+    uint64_t n = ++z->base.dropped[reason];
+    if (reason == LINK_DROP_STALE) return; /* normal after a failed or dropped step */
+    if (n <= 10 || n % 1000 == 0)
+        LOG(LL_WARN, "zmq link %s: dropped %s (%llu %s messages dropped so far)", z->base.endpoint,
+            what, (unsigned long long)n, link_drop_name(reason));
+}
+
+static int64_t lz_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
@@ -115,34 +128,56 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
             z->has_future = 0;
         }
     }
+    /* One deadline for the whole call: messages that are dropped (a peer
+     * sending garbage) do not extend the wait. */
+    int64_t deadline = lz_now_ms() + z->timeout_ms;
+    uint64_t malformed0 = l->dropped[LINK_DROP_MALFORMED];
     for (;;) {
         struct zio_parts *p;
         if (z->has_held) {
             p = &z->held;
         } else {
-            int rc = zio_recv(z->sock, &z->in, z->timeout_ms);
-            if (rc == STATUS_TIMEOUT)
+            int64_t left = deadline - lz_now_ms();
+            int rc = zio_recv(z->sock, &z->in, left > 0 ? (int)left : 0);
+            if (rc == STATUS_TIMEOUT) {
+                uint64_t bad = l->dropped[LINK_DROP_MALFORMED] - malformed0;
+                char also[96] = "";
+                if (bad)
+                    snprintf(also, sizeof also, " (%llu malformed messages dropped meanwhile)",
+                             (unsigned long long)bad);
                 return link_fail(l, STATUS_TIMEOUT,
                                  "zmq link %s: step %llu: nothing from the previous stage within "
-                                 "%d ms",
-                                 l->endpoint, (unsigned long long)step_id, z->timeout_ms);
+                                 "%d ms%s",
+                                 l->endpoint, (unsigned long long)step_id, z->timeout_ms, also);
+            }
             if (rc < 0) return link_fail(l, rc, "zmq link: %s", zio_errstr(z->sock));
             p = &z->in;
         }
         uint64_t epoch = 0, step = 0, size = 0;
         uint32_t flags = 0;
-        int rc = lz_parse(z, p, &epoch, &step, &flags, &size);
-        if (rc < 0) {
-            z->has_held = 0;
-            return rc;
+        char why[160];
+        if (lz_parse(p, &epoch, &step, &flags, &size, why, sizeof why) < 0) {
+            /* Not from a stage of this build: whoever sent it, the step's
+             * own message may still come. */
+            if (p == &z->held) z->has_held = 0;
+            char what[200];
+            snprintf(what, sizeof what, "a malformed message (%s)", why);
+            lz_drop(z, LINK_DROP_MALFORMED, what);
+            continue;
         }
         /* Stale: a step of an older epoch, or one whose plan we dropped. */
         if (epoch < l->epoch || (epoch == l->epoch && step < step_id)) {
             z->has_held = 0;
+            lz_drop(z, LINK_DROP_STALE, "a stale message");
             continue;
         }
         if (epoch > l->epoch) {
-            if (z->has_future) lz_drop(z, "a later-epoch message replaced by a newer one", epoch, step);
+            if (z->has_future) {
+                char what[160];
+                snprintf(what, sizeof what, "a later-epoch message replaced by a newer one (epoch "
+                         "%llu, step %llu)", (unsigned long long)epoch, (unsigned long long)step);
+                lz_drop(z, LINK_DROP_AHEAD, what);
+            }
             if (p == &z->in) {
                 struct zio_parts t = z->future;
                 z->future = z->in;
@@ -158,7 +193,11 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
         }
         if (step - step_id > LZ_AHEAD_MAX) {
             z->has_held = 0;
-            lz_drop(z, "a step too far ahead", epoch, step);
+            char what[160];
+            snprintf(what, sizeof what, "a step too far ahead (epoch %llu, step %llu, waiting for "
+                     "%llu)", (unsigned long long)epoch, (unsigned long long)step,
+                     (unsigned long long)step_id);
+            lz_drop(z, LINK_DROP_AHEAD, what);
             continue;
         }
         if (step > step_id) {

@@ -39,11 +39,18 @@
  * under a supervisor keeps its workers and a dead one loses them. */
 #define NODE_ROUTER_LOST_BEATS 5
 #define NODE_DRAIN_MAX_MS 60000
+/* A refused handshake (docs/security.md, "A worker whose key is refused"):
+ * the first retry after 2 s, then twice as long each time, up to a minute. */
+#define NODE_REFUSED_RETRY_MS 2000
+#define NODE_REFUSED_RETRY_MAX_MS 60000
 
-/* What the worker knows of one sequence between plans. */
+/* What the worker knows of one sequence between plans, for the router's
+ * current epoch only: a new epoch (a re-formed pipeline, or another router)
+ * forgets them all (node_seqs_reset). */
 struct node_seq {
     uint64_t id;
-    int32_t n_blocks;      /* length of its latest block table (for the heartbeat) */
+    int32_t *table;        /* its latest block table, as the router planned it */
+    int32_t n_blocks, cap_table;
     int32_t *hist;         /* last stage: its tokens at positions 0..n_hist-1 */
     int32_t n_hist, cap_hist;
 };
@@ -81,6 +88,14 @@ struct node {
     struct zio_sock *router_mon;
     int64_t router_down_since; /* 0 while connected */
     uint32_t router_seq;       /* sockets opened (names the monitor) */
+    /* The router refused this worker's handshake (its key is not admitted,
+     * or the keys do not match): ZeroMQ does not reconnect after that, so
+     * the worker opens the connection again at router_retry_at, backing off
+     * from NODE_REFUSED_RETRY_MS to NODE_REFUSED_RETRY_MAX_MS. */
+    int64_t router_retry_at;   /* 0: none pending */
+    int32_t router_refused_ms; /* the current back-off */
+    uint64_t router_refusals;  /* handshakes refused since the last one admitted */
+    _Atomic int router_refused; /* 1 while the last handshake was refused (for /ready) */
     struct rconn *redis;     /* io thread only */
     char redis_key[192];
     struct zio_sock *pipe_io, *pipe_compute;
@@ -125,6 +140,14 @@ struct node {
 
     struct node_seq *seqs;
     int32_t n_seqs, cap_seqs;
+    /* The stage's KV view: references the sequences' tables hold on each
+     * block (as the router's block tables say) and the blocks with any, so
+     * that blocks shared by several sequences count once, as the router
+     * counts them.  [kv_blocks_total], compute thread. */
+    int32_t *kv_refs;
+    int32_t kv_used;
+    /* The rx link's drop counters already added to the metrics. */
+    uint64_t rx_dropped_mark[LINK_DROP_N];
 
     /* Shared counters (written by the compute thread, read by heartbeats). */
     _Atomic int state; /* Llm__Heartbeat__State */
@@ -179,6 +202,10 @@ void node_skip_send(node *n, uint64_t step, int32_t T);
 /* ---- node_step.c: the compute thread ---- */
 
 void node_seqs_free(node *n);
+/* Forgets every sequence (and so every KV block the stage's view holds):
+ * the router that planned them, or the epoch they belong to, is gone.  Logs
+ * why when there were any. */
+void node_seqs_reset(node *n, const char *why);
 /* The compute thread's body (arg is the node). */
 void *node_compute_main(void *arg);
 
@@ -198,8 +225,13 @@ int node_routers_parse(node *n, const char *list, char *err, size_t errlen);
 /* Opens the DEALER (with its monitor) to routers[router_cur]; closes it. */
 int node_router_open(node *n, char *err, size_t errlen);
 void node_router_close(node *n);
-/* Reads the monitor's events and keeps router_down_since up to date. */
+/* Reads the monitor's events and keeps router_down_since up to date; a
+ * refused handshake is logged (naming the key file, the public key and the
+ * endpoint) and schedules a new connection at router_retry_at. */
 void node_router_events(node *n, int64_t now);
+/* Opens the connection again once router_retry_at has come; a negative
+ * status (err says why) when no socket could be opened. */
+int node_router_retry(node *n, int64_t now, char *err, size_t errlen);
 int node_redis_ttl_ms(node *n, uint32_t hb_ms);
 void node_redis_register(node *n, uint32_t hb_ms);
 void node_heartbeat(node *n, uint32_t hb_ms);

@@ -64,6 +64,12 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     while (!compute_done) {
         int64_t now = node_now_ms();
         node_router_events(n, now);
+        if ((rc = node_router_retry(n, now, err, errlen)) < 0) {
+            LOG(LL_ERROR, "worker %s: %s", n->s_worker_id, err);
+            result = rc;
+            *stop = 1;
+            break;
+        }
         /* The router has not been connected for a worker timeout: with
          * several endpoints, register with the next.  Plans of the old
          * router still running finish; their results go nowhere useful (the
@@ -73,6 +79,7 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
             const char *old = n->s_router;
             node_router_close(n);
             n->router_cur = (n->router_cur + 1) % n->n_routers;
+            n->router_refused_ms = 0; /* another router: its refusal, if any, is news */
             LOG(LL_WARN, "worker %s: no connection to the router %s for %lld ms: registering with %s",
                 n->s_worker_id, old, (long long)(now - n->router_down_since), n->routers[n->router_cur]);
             if ((rc = node_router_open(n, err, errlen)) < 0) {
@@ -103,7 +110,9 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
                 n->s_worker_id, NODE_DRAIN_MAX_MS);
             break;
         }
-        if (!registered && !draining && now >= next_register) {
+        /* While the connection waits to be opened again after a refused
+         * handshake, a Register would only pile up in the socket. */
+        if (!registered && !draining && now >= next_register && !n->router_retry_at) {
             node_send_register(n);
             next_register = now + retry_ms;
             retry_ms = n->cfg.register_retry_ms;
@@ -115,7 +124,8 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
             next_hb = now + hb_ms;
         }
         int64_t wait = next_hb - now;
-        if (!registered && next_register - now < wait) wait = next_register - now;
+        if (!registered && !n->router_retry_at && next_register - now < wait) wait = next_register - now;
+        if (n->router_retry_at && n->router_retry_at - now < wait) wait = n->router_retry_at - now;
         if (wait > 100) wait = 100;
         if (wait < 0) wait = 0;
         struct zio_sock *socks[3] = {n->router, n->pipe_io, n->router_mon};

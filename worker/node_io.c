@@ -123,7 +123,9 @@ int node_router_open(node *n, char *err, size_t errlen) {
     char mon_ep[96];
     snprintf(mon_ep, sizeof mon_ep, "inproc://worker-router-mon-%u", n->router_seq++);
     if (zmq_socket_monitor(zio_sock_raw(n->router), mon_ep,
-                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED) != 0) {
+                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
         snprintf(err, errlen, "router socket monitor: %s", zmq_strerror(errno));
         node_router_close(n);
         return STATUS_IO;
@@ -138,23 +140,76 @@ int node_router_open(node *n, char *err, size_t errlen) {
         return rc;
     }
     n->router_down_since = node_now_ms();
+    n->router_retry_at = 0;
     return STATUS_OK;
+}
+
+/* The router's handshake refused this worker: says so, naming what the
+ * operator must fix, and schedules a new connection (ZeroMQ makes none
+ * after a refused handshake). */
+static void node_router_refused(node *n, int64_t now, uint16_t event, uint32_t value) {
+    if (n->router_retry_at) return; /* this connection's refusal is already handled */
+    n->router_refusals++;
+    atomic_store(&n->router_refused, 1);
+    n->router_refused_ms = n->router_refused_ms <= 0 ? NODE_REFUSED_RETRY_MS
+                           : n->router_refused_ms >= NODE_REFUSED_RETRY_MAX_MS / 2 ? NODE_REFUSED_RETRY_MAX_MS
+                                                                                  : n->router_refused_ms * 2;
+    n->router_retry_at = now + n->router_refused_ms;
+    const char *key_file = n->cfg.curve_key_file ? n->cfg.curve_key_file : "";
+    const char *router_key = n->cfg.router_key ? n->cfg.router_key : "";
+    if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+        LOG(LL_ERROR, "worker %s: the router %s refused this worker's key %s (--curve-key-file %s; ZAP "
+            "status %u): add its public key to the router's --worker-keys (docs/security.md); "
+            "connecting again in %d s (refused %llu times)", n->s_worker_id, n->s_router, n->kp.pub,
+            key_file, value, n->router_refused_ms / 1000, (unsigned long long)n->router_refusals);
+    else
+        LOG(LL_ERROR, "worker %s: the CURVE handshake with the router %s failed (%s 0x%x): is "
+            "--router-key %s the public key of the router at that endpoint, and does the router run "
+            "with keys? This worker's key is %s (--curve-key-file %s); connecting again in %d s "
+            "(failed %llu times)", n->s_worker_id, n->s_router,
+            event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? "protocol error" : "no detail", value,
+            router_key, n->kp.pub, key_file, n->router_refused_ms / 1000,
+            (unsigned long long)n->router_refusals);
 }
 
 void node_router_events(node *n, int64_t now) {
     struct zio_parts p = {0};
     while (n->router_mon && zio_recv(n->router_mon, &p, 0) == 0) {
-        if (zio_parts_size(&p, 0) < 2) continue;
+        if (zio_parts_size(&p, 0) < 6) continue;
         uint16_t e;
+        uint32_t value;
         memcpy(&e, zio_parts_data(&p, 0), 2);
+        memcpy(&value, (const uint8_t *)zio_parts_data(&p, 0) + 2, 4);
         if (e & ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
             n->router_down_since = 0;
+            if (atomic_load(&n->router_refused))
+                LOG(LL_INFO, "worker %s: the router %s admitted this worker's key after %llu refusals",
+                    n->s_worker_id, n->s_router, (unsigned long long)n->router_refusals);
+            atomic_store(&n->router_refused, 0);
+            n->router_refusals = 0;
+            n->router_refused_ms = 0;
+        } else if (e & (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                        ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)) {
+            node_router_refused(n, now, e, value);
         } else if ((e & ZMQ_EVENT_DISCONNECTED) && n->router_down_since == 0) {
             n->router_down_since = now;
             LOG(LL_WARN, "worker %s: connection to the router %s lost", n->s_worker_id, n->s_router);
         }
     }
     zio_parts_free(&p);
+}
+
+int node_router_retry(node *n, int64_t now, char *err, size_t errlen) {
+    if (!n->router_retry_at || now < n->router_retry_at) return STATUS_OK;
+    /* A fresh socket: the refused one never connects again.  The time
+     * without a router keeps counting (fail-over to the next endpoint). */
+    int64_t down = n->router_down_since;
+    node_router_close(n);
+    int rc = node_router_open(n, err, errlen);
+    if (rc < 0) return rc;
+    if (down) n->router_down_since = down;
+    LOG(LL_INFO, "worker %s: connecting to the router %s again", n->s_worker_id, n->s_router);
+    return STATUS_OK;
 }
 
 /* Sends one packed frame to the router without blocking: a router that is

@@ -18,6 +18,7 @@ void node_links_close(node *n, int keep_rx_zmq) {
     if (n->rx && !(keep_rx_zmq && !link_on_device(n->rx))) {
         link_free(n->rx);
         n->rx = NULL;
+        memset(n->rx_dropped_mark, 0, sizeof n->rx_dropped_mark);
     }
 }
 
@@ -114,16 +115,23 @@ void node_placement_apply(node *n, const Llm__RegisterReply *r) {
     if (!r->accepted) return;
     int32_t first = (int32_t)r->layer_first, end = (int32_t)r->layer_end;
     pthread_mutex_lock(&n->lock);
+    int moved = r->epoch != n->epoch || r->pipeline_id != n->pipeline_id;
+    if (moved)
+        LOG(LL_INFO, "pipeline %u: epoch %llu -> %llu", r->pipeline_id,
+            (unsigned long long)n->epoch, (unsigned long long)r->epoch);
     n->pipeline_id = r->pipeline_id;
     if (r->stage_count > 0) {
         n->stage_index = (int32_t)r->stage_index;
         n->stage_count = (int32_t)r->stage_count;
     }
-    if (r->epoch != n->epoch)
-        LOG(LL_INFO, "pipeline %u: epoch %llu -> %llu", r->pipeline_id,
-            (unsigned long long)n->epoch, (unsigned long long)r->epoch);
     n->epoch = r->epoch;
     pthread_mutex_unlock(&n->lock);
+    /* A new epoch is a new scheduler at the router (the pipeline was
+     * re-formed, or another router placed us): it re-plans every sequence
+     * it resumes from position 0 and will never free the old ones, so the
+     * stage's view of its KV starts empty.  The same epoch again (a resent
+     * reply) keeps it. */
+    if (moved) node_seqs_reset(n, "a new placement epoch");
     if (end > 0 && (first != n->layer_first || end != n->layer_end)) {
         LOG(LL_WARN, "router placed this worker on layers %d:%d (it loaded %d:%d): reloading",
             first, end, n->layer_first, n->layer_end);
@@ -178,6 +186,15 @@ int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *bat
         rc = link_recv(n->rx, step, n->hidden_in_host, rows * sizeof(float));
         batch->hidden_in = n->hidden_in_host;
         batch->hidden_in_backend = 0;
+    }
+    /* What the link dropped while waiting (garbage from an admitted peer,
+     * stale steps) goes to the metrics, never into this step's result. */
+    for (int r = 0; r < LINK_DROP_N; r++) {
+        uint64_t d = link_dropped(n->rx, (enum link_drop)r);
+        if (d < n->rx_dropped_mark[r]) n->rx_dropped_mark[r] = 0; /* a new link */
+        if (d > n->rx_dropped_mark[r])
+            node_metrics_link_dropped(n->metrics, (enum link_drop)r, d - n->rx_dropped_mark[r]);
+        n->rx_dropped_mark[r] = d;
     }
     if (rc < 0)
         snprintf(err, errlen, "%s", link_errstr(n->rx)[0] ? link_errstr(n->rx) : backend_errstr(n->b));

@@ -117,6 +117,9 @@ void node_buffers_free(node *n) {
     free(n->res_err);
     free(n->res_top);
     free(n->res_top_ptr);
+    free(n->kv_refs);
+    n->kv_refs = NULL;
+    n->kv_used = 0;
     n->res = NULL;
     n->res_ptr = NULL;
     n->res_lp = NULL;
@@ -153,7 +156,9 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->res_err = calloc(ns, sizeof *n->res_err);
     n->res_top = calloc(ns, sizeof *n->res_top);
     n->res_top_ptr = calloc(ns, sizeof *n->res_top_ptr);
-    if (!n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
+    n->kv_refs = calloc((size_t)(c->n_blocks > 0 ? c->n_blocks : 1), sizeof *n->kv_refs);
+    n->kv_used = 0;
+    if (!n->kv_refs || !n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
         !n->params || !n->seq_err || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
         !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",

@@ -17,11 +17,13 @@ static const double send_bounds[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.
                                      0.01,    0.025,  0.05,    0.1,    0.5,   1};
 
 static const char *const stage_label[] = {"stage", NULL};
+static const char *const reason_label[] = {"reason", NULL};
 
 struct node_metrics {
     metrics *reg;
     metrics_family *step_f, *send_f, *mem_used_f, *mem_cap_f;
     metrics_series *kv_used, *kv_cap, *steps, *tokens;
+    metrics_series *link_dropped[LINK_DROP_N]; /* by enum link_drop */
     /* The compute thread's series for the stage it serves (it can be
      * placed on another stage, which gets series of its own). */
     int32_t stage;
@@ -63,6 +65,11 @@ int node_metrics_init(node_metrics **out, char *err, size_t errlen) {
         {.type = METRICS_COUNTER, .name = "llm_stage_steps_total", .help = "Step plans executed."},
         {.type = METRICS_COUNTER, .name = "llm_stage_tokens_total",
          .help = "Token rows processed by this stage (prefill and decode)."},
+        {.type = METRICS_COUNTER, .name = "llm_stage_link_frames_dropped_total",
+         .help = "Messages the link from the previous stage dropped instead of failing a step: "
+                 "malformed (not a link message), stale (an older epoch or step), ahead (too far "
+                 "ahead, or a later epoch's replaced).",
+         .labels = reason_label},
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -80,6 +87,10 @@ int node_metrics_init(node_metrics **out, char *err, size_t errlen) {
     nm->kv_cap = metrics_series_get(f[5], NULL);
     nm->steps = metrics_series_get(f[6], NULL);
     nm->tokens = metrics_series_get(f[7], NULL);
+    for (int r = 0; r < LINK_DROP_N; r++) {
+        const char *values[] = {link_drop_name((enum link_drop)r)};
+        nm->link_dropped[r] = metrics_series_get(f[8], values); /* shown at 0 from the start */
+    }
     *out = nm;
     return STATUS_OK;
 }
@@ -123,7 +134,12 @@ const char *node_metrics_ready(void *ud, char *buf, size_t size) {
     case LLM__HEARTBEAT__STATE__FAILED:
         snprintf(buf, size, "failed (see the log)");
         return buf;
-    default: return "not yet registered and placed in a pipeline with its links up";
+    default:
+        if (atomic_load(&n->router_refused)) {
+            snprintf(buf, size, "the router refused this worker's key %s (see the log)", n->kp.pub);
+            return buf;
+        }
+        return "not yet registered and placed in a pipeline with its links up";
     }
 }
 
@@ -148,6 +164,11 @@ void node_metrics_step(node_metrics *nm, int32_t stage_index, double seconds) {
 
 void node_metrics_link_send(node_metrics *nm, int32_t stage_index, double seconds) {
     if (nm && use_stage(nm, stage_index)) metrics_histogram_observe(nm->send, seconds);
+}
+
+void node_metrics_link_dropped(node_metrics *nm, enum link_drop why, uint64_t n) {
+    if (nm && (unsigned)why < LINK_DROP_N && nm->link_dropped[why])
+        metrics_counter_add(nm->link_dropped[why], (double)n);
 }
 
 void node_metrics_memory(node_metrics *nm, int32_t stage_index, uint64_t used, uint64_t total) {

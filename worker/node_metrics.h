@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "common/metrics.h"
+#include "link.h"
 #include "node.h"
 
 typedef struct node_metrics node_metrics;
@@ -39,6 +40,8 @@ const char *node_metrics_ready(void *ud, char *buf, size_t size);
 void node_metrics_step(node_metrics *nm, int32_t stage_index, double seconds);
 /* One send of hidden states to the next stage, in seconds. */
 void node_metrics_link_send(node_metrics *nm, int32_t stage_index, double seconds);
+/* n messages the receiving link dropped for reason why (link.h). */
+void node_metrics_link_dropped(node_metrics *nm, enum link_drop why, uint64_t n);
 /* The backend's memory in use (all of the device, other processes too) and
  * its size, in bytes. */
 void node_metrics_memory(node_metrics *nm, int32_t stage_index, uint64_t used, uint64_t total);

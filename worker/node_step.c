@@ -37,18 +37,72 @@ static struct node_seq *node_seq_get(node *n, uint64_t id) {
     return q;
 }
 
+/* Moves a block's reference count; kv_used counts blocks with any.  Ids
+ * outside the cache (a plan the batch check refuses) are not counted. */
+static void node_kv_ref(node *n, int32_t id, int32_t delta) {
+    if (!n->kv_refs || id < 0 || (uint32_t)id >= atomic_load(&n->kv_blocks_total)) return;
+    int32_t was = n->kv_refs[id];
+    n->kv_refs[id] = was + delta;
+    if (was == 0 && delta > 0) n->kv_used++;
+    else if (was > 0 && was + delta == 0) n->kv_used--;
+}
+
+/* The sequence's block table becomes the plan's.  STATUS_NO_MEMORY leaves
+ * the old one. */
+static int node_seq_table_set(node *n, struct node_seq *q, const uint32_t *ids, size_t n_ids) {
+    if (n_ids > (size_t)q->cap_table) {
+        int32_t *t = realloc(q->table, n_ids * sizeof *t);
+        if (!t) return STATUS_NO_MEMORY;
+        q->table = t;
+        q->cap_table = (int32_t)n_ids;
+    }
+    /* References to the new blocks first: a block in both tables never
+     * passes through 0. */
+    for (size_t j = 0; j < n_ids; j++) node_kv_ref(n, (int32_t)ids[j], +1);
+    for (int32_t j = 0; j < q->n_blocks; j++) node_kv_ref(n, q->table[j], -1);
+    for (size_t j = 0; j < n_ids; j++) q->table[j] = (int32_t)ids[j];
+    q->n_blocks = (int32_t)n_ids;
+    return STATUS_OK;
+}
+
 static void node_seq_forget(node *n, uint64_t id) {
     struct node_seq *q = node_seq_find(n, id);
     if (!q) return;
+    for (int32_t j = 0; j < q->n_blocks; j++) node_kv_ref(n, q->table[j], -1);
+    free(q->table);
     free(q->hist);
     *q = n->seqs[--n->n_seqs];
 }
 
-void node_seqs_free(node *n) {
-    for (int32_t i = 0; i < n->n_seqs; i++) free(n->seqs[i].hist);
-    free(n->seqs);
-    n->seqs = NULL;
-    n->n_seqs = n->cap_seqs = 0;
+static void node_kv_used_update(node *n) {
+    uint32_t total = atomic_load(&n->kv_blocks_total);
+    atomic_store(&n->kv_blocks_used, (uint32_t)n->kv_used > total ? total : (uint32_t)n->kv_used);
+}
+
+/* Drops every sequence's state; keeps the array when keep_array. */
+static void node_seqs_clear(node *n, int keep_array) {
+    for (int32_t i = 0; i < n->n_seqs; i++) {
+        free(n->seqs[i].table);
+        free(n->seqs[i].hist);
+    }
+    n->n_seqs = 0;
+    if (!keep_array) {
+        free(n->seqs);
+        n->seqs = NULL;
+        n->cap_seqs = 0;
+    }
+    if (n->kv_refs) memset(n->kv_refs, 0, (size_t)atomic_load(&n->kv_blocks_total) * sizeof *n->kv_refs);
+    n->kv_used = 0;
+    node_kv_used_update(n);
+}
+
+void node_seqs_free(node *n) { node_seqs_clear(n, 0); }
+
+void node_seqs_reset(node *n, const char *why) {
+    if (n->n_seqs > 0 || n->kv_used > 0)
+        LOG(LL_INFO, "stage %d: forgetting %d sequences holding %d KV blocks: %s", n->stage_index,
+            n->n_seqs, n->kv_used, why);
+    node_seqs_clear(n, 1);
 }
 
 static int node_hist_append(struct node_seq *q, const int32_t *toks, size_t n_toks) {
@@ -88,13 +142,6 @@ static int node_hist_update(struct node_seq *q, const Llm__SeqPlan *sp) {
         }
     }
     return node_hist_append(q, sp->tokens, sp->n_tokens);
-}
-
-static void node_kv_used_update(node *n) {
-    uint64_t used = 0;
-    for (int32_t i = 0; i < n->n_seqs; i++) used += (uint64_t)n->seqs[i].n_blocks;
-    uint32_t total = atomic_load(&n->kv_blocks_total);
-    atomic_store(&n->kv_blocks_used, used > total ? total : (uint32_t)used);
 }
 
 /* ---- one step ----------------------------------------------------------- */
@@ -323,11 +370,22 @@ static void node_step(node *n, const Llm__StepPlan *p) {
         LOG(LL_WARN, "step %llu carries epoch %llu, newer than %llu: following it",
             (unsigned long long)p->step_id, (unsigned long long)p->epoch,
             (unsigned long long)n->epoch);
+        pthread_mutex_lock(&n->lock); /* the io thread reads the epoch for Register */
         n->epoch = p->epoch;
+        pthread_mutex_unlock(&n->lock);
         if (n->rx) link_set_epoch(n->rx, n->epoch);
         if (n->tx) link_set_epoch(n->tx, n->epoch);
+        /* The router started the pipeline's scheduler afresh: it plans
+         * every sequence again from its start. */
+        node_seqs_reset(n, "the router's plans moved to a new epoch");
     }
     for (size_t i = 0; i < p->n_freed_seqs; i++) node_seq_forget(n, p->freed_seqs[i]);
+    if (p->n_seqs == 0 && p->n_freed_seqs > 0) {
+        /* Only frees (the router sends them so when no step follows): no
+         * computation, no link message, no result. */
+        node_kv_used_update(n);
+        return;
+    }
 
     int first = stage_is_first(n->s), last = stage_is_last(n->s);
     int32_t T = 0;
@@ -360,9 +418,12 @@ static void node_step(node *n, const Llm__StepPlan *p) {
 
     if (rc == STATUS_OK) {
         for (size_t i = 0; i < p->n_seqs; i++) {
-            struct node_seq *q = node_seq_get(n, p->seqs[i]->seq_id);
-            if (!q) continue;
-            q->n_blocks = (int32_t)p->seqs[i]->n_block_table;
+            const Llm__SeqPlan *sp = p->seqs[i];
+            struct node_seq *q = node_seq_get(n, sp->seq_id);
+            if (!q || node_seq_table_set(n, q, sp->block_table, sp->n_block_table) != STATUS_OK)
+                LOG(LL_WARN, "step %llu: seq %llu: out of memory for its block table: the stage's "
+                    "KV view misses it", (unsigned long long)p->step_id,
+                    (unsigned long long)sp->seq_id);
         }
         atomic_fetch_add(&n->tokens_total, (uint64_t)T);
     }
