@@ -29,6 +29,7 @@ struct cl_proc {
 
 struct cl_up {
     const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args, *api_keys_file;
+    const char *chat_template; /* the gateway's --chat-template, NULL for the model's own */
     int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port, routers;
     bool insecure;
     char dir[PATH_MAX];     /* run dir, absolute */
@@ -54,9 +55,19 @@ struct cl_pidfile {
 /* Errors go to a caller's err buffer (errlen bytes) with a negative
  * status; functions without one return only the status. */
 void cl_fmt(char *out, size_t size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Writes text to path, readable by this user only (0600). */
 int cl_write_file(const char *path, const char *text);
 void cl_last_line(const char *path, char *out, size_t size);
+/* mkdir -p; the last folder, the run dir, is made 0700. */
 int cl_mkdirs(const char *path, char *err, size_t errlen);
+/* Makes the run dir dir (absolute) and what an earlier run left in it
+ * private to this user: 0700 folders, files without group or other
+ * access.  A folder this user does not own or a sticky one (/tmp) keeps its
+ * mode, with a warning on stderr; its files are made private all the same. */
+void cl_private_dir(const char *dir);
+/* word into out, single-quoted for sh when it needs it (a path with a
+ * space), as it is when not. */
+void cl_sh_word(char *out, size_t size, const char *word);
 int cl_find_sibling(const char *name, const char *folder, char *out, size_t size, char *err, size_t errlen);
 int cl_find_redis(char *out, size_t size, char *err, size_t errlen);
 int cl_check_model(const char *path, char *err, size_t errlen);

@@ -6,6 +6,7 @@
 #include "common/keys.h"
 #include "common/status.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -28,10 +29,13 @@ void cl_fmt(char *out, size_t size, const char *fmt, ...) {
 /* ---- files ---------------------------------------------------------------- */
 
 int cl_write_file(const char *path, const char *text) {
-    FILE *f = fopen(path, "w");
-    if (!f) return STATUS_IO;
-    fputs(text, f);
-    return fclose(f) == 0 ? 0 : STATUS_IO;
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return STATUS_IO;
+    /* A file an earlier llm-cluster left readable by others keeps its mode
+     * through O_TRUNC: set it. */
+    size_t n = strlen(text);
+    int ok = fchmod(fd, 0600) == 0 && write(fd, text, n) == (ssize_t)n;
+    return close(fd) == 0 && ok ? 0 : STATUS_IO;
 }
 
 /* The last non-empty line of a log file into out ("" when none). */
@@ -48,15 +52,18 @@ void cl_last_line(const char *path, char *out, size_t size) {
     fclose(f);
 }
 
-/* mkdir -p */
 int cl_mkdirs(const char *path, char *err, size_t errlen) {
     char tmp[PATH_MAX];
     cl_fmt(tmp, sizeof tmp, "%s", path);
+    size_t len = strlen(tmp);
+    while (len > 1 && tmp[len - 1] == '/') tmp[--len] = 0;
     for (char *p = tmp + 1;; p++) {
         if (*p == '/' || *p == 0) {
             char c = *p;
             *p = 0;
-            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+            /* The run dir holds Redis's append-only file (every prompt and
+             * completion), the logs and the keys: for this user only. */
+            if (mkdir(tmp, c ? 0755 : 0700) != 0 && errno != EEXIST) {
                 cl_fmt(err, errlen, "run dir %s: mkdir %s: %s", path, tmp, strerror(errno));
                 return STATUS_IO;
             }
@@ -65,6 +72,71 @@ int cl_mkdirs(const char *path, char *err, size_t errlen) {
         }
     }
     return 0;
+}
+
+/* Strips group and other access from dir's files and makes its folders
+ * 0700, depth levels down (appendonlydir/, keys/clients/). */
+static void cl_private_tree(const char *dir, int depth) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        char path[PATH_MAX];
+        cl_fmt(path, sizeof path, "%s/%s", dir, e->d_name);
+        struct stat st;
+        if (lstat(path, &st) != 0 || st.st_uid != geteuid()) continue;
+        if (S_ISDIR(st.st_mode)) {
+            if ((st.st_mode & 077) && chmod(path, 0700) != 0)
+                fprintf(stderr, "llm-cluster: chmod 700 %s: %s\n", path, strerror(errno));
+            if (depth > 0) cl_private_tree(path, depth - 1);
+        } else if (S_ISREG(st.st_mode) && (st.st_mode & 077)) {
+            if (chmod(path, st.st_mode & 0700) != 0)
+                fprintf(stderr, "llm-cluster: chmod go-rwx %s: %s\n", path, strerror(errno));
+        }
+    }
+    closedir(d);
+}
+
+void cl_private_dir(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0) return;
+    if ((st.st_mode & 077) != 0) {
+        if (st.st_uid == geteuid() && !(st.st_mode & S_ISVTX)) {
+            if (chmod(dir, 0700) != 0)
+                fprintf(stderr, "llm-cluster: chmod 700 %s: %s\n", dir, strerror(errno));
+        } else {
+            fprintf(stderr, "llm-cluster: run dir %s is open to other users (mode %04o%s); its files are made "
+                    "private, but a --run-dir of your own is safer\n", dir, (unsigned)(st.st_mode & 07777),
+                    st.st_uid == geteuid() ? ", sticky" : ", another user's");
+        }
+    }
+    cl_private_tree(dir, 3);
+}
+
+void cl_sh_word(char *out, size_t size, const char *word) {
+    bool plain = word[0] != 0;
+    for (const char *c = word; *c && plain; c++)
+        plain = strchr("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789/._-+:@,=%", *c) != NULL;
+    if (plain) {
+        cl_fmt(out, size, "%s", word);
+        return;
+    }
+    size_t n = 0;
+    if (size < 3) {
+        if (size) out[0] = 0;
+        return;
+    }
+    out[n++] = '\'';
+    for (const char *c = word; *c && n + 6 < size; c++) {
+        if (*c == '\'') {
+            memcpy(out + n, "'\\''", 4);
+            n += 4;
+        } else {
+            out[n++] = *c;
+        }
+    }
+    out[n++] = '\'';
+    out[n] = 0;
 }
 
 /* A program next to this one (an installed bin/), else in the build tree's
@@ -210,11 +282,58 @@ static void cl_export(char *text, size_t size, const char *name, const char *val
     snprintf(text + (n < size ? n : size - 1), n < size ? size - n : 1, "'\n");
 }
 
+/* The folder of program path, resolved ("build/router/../worker/llm-worker"
+ * -> "/abs/build/worker"), into out; "" when it cannot be. */
+static void cl_bin_dir(const char *program, char *out, size_t size) {
+    char real[PATH_MAX];
+    out[0] = 0;
+    if (!program[0] || !realpath(program, real)) return;
+    char *slash = strrchr(real, '/');
+    if (slash) *slash = 0;
+    cl_fmt(out, size, "%s", real);
+}
+
+/* Appends to text the lines that put the folders of the programs `up`
+ * started, and its own (llm, llm-cluster), first on PATH, each once however
+ * often env.sh is sourced: the line `up` prints after "try:" runs as printed. */
+static void cl_env_path(struct cl_up *u, char *text, size_t size) {
+    char dirs[5][PATH_MAX], self[PATH_MAX], gateway[PATH_MAX] = "", e[256];
+    ssize_t got = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[got > 0 ? got : 0] = 0;
+    if (u->bin_gateway[0]) cl_fmt(gateway, sizeof gateway, "%s", u->bin_gateway);
+    else if (cl_find_sibling("llm-gateway", "gateway", gateway, sizeof gateway, e, sizeof e) < 0) gateway[0] = 0;
+    const char *programs[] = {self, u->bin_router, u->bin_worker, gateway};
+    int n = 0;
+    for (size_t i = 0; i < sizeof programs / sizeof programs[0]; i++) {
+        cl_bin_dir(programs[i], dirs[n], sizeof dirs[n]);
+        bool seen = !dirs[n][0];
+        for (int j = 0; j < n && !seen; j++) seen = strcmp(dirs[j], dirs[n]) == 0;
+        if (!seen) n++;
+    }
+    size_t len = strlen(text);
+    cl_fmt(text + len, size - len, "# The programs of the build llm-cluster came from: llm, llm-cluster, llm-run, ...\n"
+           "for llm_bin_dir in");
+    for (int i = n - 1; i >= 0; i--) { /* prepended in turn: the first ends up first */
+        char word[PATH_MAX + 64];
+        cl_sh_word(word, sizeof word, dirs[i]);
+        len = strlen(text);
+        cl_fmt(text + len, size - len, " %s", word);
+    }
+    len = strlen(text);
+    cl_fmt(text + len, size - len, "; do\n"
+           "    case \":$PATH:\" in *\":$llm_bin_dir:\"*) ;; *) PATH=\"$llm_bin_dir${PATH:+:$PATH}\" ;; esac\n"
+           "done\n"
+           "unset llm_bin_dir\n"
+           "export PATH\n");
+}
+
 /* RUN_DIR/env.sh: sourced, it points llm and any libllmclient program at
- * this cluster with its client key. */
+ * this cluster with its client key, and puts the programs on PATH. */
 int cl_write_env(struct cl_up *u) {
-    char path[PATH_MAX + 32], key[PATH_MAX + 64], text[4 * PATH_MAX];
-    cl_fmt(text, sizeof text, "# llm-cluster up: . %s/env.sh\n", u->dir);
+    char path[PATH_MAX + 32], key[PATH_MAX + 64], text[8 * PATH_MAX], word[PATH_MAX + 64];
+    cl_sh_word(word, sizeof word, u->dir);
+    cl_fmt(text, sizeof text, "# llm-cluster up: . %s/env.sh\n", word);
+    cl_env_path(u, text, sizeof text);
     cl_export(text, sizeof text, "LLM_ROUTER", u->endpoints);
     cl_export(text, sizeof text, "LLM_REDIS", u->redis_url);
     if (u->insecure) {

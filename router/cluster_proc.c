@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -44,7 +45,13 @@ int cl_spawn(struct cl_up *u, const char *name, const char *program, char *const
     char log_path[PATH_MAX + 80], pid_path[PATH_MAX + 80];
     cl_fmt(log_path, sizeof log_path, "%s/%s.log", u->dir, name);
     cl_fmt(pid_path, sizeof pid_path, "%s/%s.pid", u->dir, name);
-    int log_fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+    /* Logs can quote prompts: this user's only, like everything in the
+     * run dir (an earlier run's log keeps its mode through O_TRUNC). */
+    int log_fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+    if (log_fd >= 0 && fchmod(log_fd, 0600) != 0) {
+        close(log_fd);
+        log_fd = -1;
+    }
     if (log_fd < 0) {
         cl_fmt(err, errlen, "%s: %s", log_path, strerror(errno));
         return STATUS_IO;

@@ -197,6 +197,10 @@ static int cl_start_gateway(struct cl_up *u, const char *pub_router, char *err, 
     argv[n++] = keys_file;
     argv[n++] = "--log-level";
     argv[n++] = (char *)u->log_level;
+    if (u->chat_template && u->chat_template[0]) {
+        argv[n++] = "--chat-template";
+        argv[n++] = (char *)u->chat_template;
+    }
     if (u->insecure) {
         argv[n++] = "--insecure";
     } else {
@@ -239,6 +243,13 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         cl_fmt(err, errlen, "run dir %s: %s", u->run_dir, strerror(errno));
         return STATUS_IO;
     }
+    /* Everything in the run dir is this user's alone: Redis's append-only
+     * file holds every prompt and completion, the logs may quote them, and
+     * the keys and passwords are there.  The umask reaches what the
+     * processes started below create (the AOF, its rewrites); what an
+     * earlier run left is made private here. */
+    umask(077);
+    cl_private_dir(u->dir);
     char running[64];
     pid_t other = cl_running_pid(u->dir, running, sizeof running);
     if (other) {

@@ -11,6 +11,7 @@
  * RUN_DIR/prometheus-targets.json. */
 #include "router/cluster-impl.h"
 
+#include "common/chat_template.h"
 #include "common/log.h"
 #include "common/options.h"
 #include "common/status.h"
@@ -64,6 +65,10 @@ static int cl_up(int argc, char **argv) {
         {"api-keys-file", "LLM_API_KEYS_FILE", OPTION_STRING, NULL,
          "the gateway's API keys, one a line (default: a fresh key in RUN_DIR/api-key)", &u->api_keys_file, 0, 0,
          NULL},
+        {"chat-template", "LLM_CHAT_TEMPLATE", OPTION_STRING, NULL,
+         "the gateway's chat template family, for a model without a template of its own (llm-gateway "
+         "--chat-template): llama2, llama3, chatml, mistral, zephyr, gemma, phi3 or deepseek",
+         &u->chat_template, 0, 0, NULL},
     };
     struct options o = {"llm-cluster up", "--model PATH [options]",
                         "Starts Redis, a router and pipelines x stages workers in the background and waits "
@@ -82,6 +87,18 @@ static int cl_up(int argc, char **argv) {
         return 2;
     }
     u->device = devices[device_i];
+    if (u->chat_template && u->chat_template[0]) {
+        /* Refused here rather than by the gateway after the cluster started. */
+        if (chat_family_from_name(u->chat_template) == CHAT_FAMILY_NONE) {
+            fprintf(stderr, "llm-cluster up: --chat-template %s: unknown; expected one of %s\n", u->chat_template,
+                    chat_family_names());
+            free(u);
+            return 2;
+        }
+        if (u->http_port <= 0)
+            fprintf(stderr, "llm-cluster up: --chat-template %s: only the gateway uses it, and without "
+                    "--http-port none is started\n", u->chat_template);
+    }
     rc = cl_up_run(u, err, sizeof err);
     if (rc < 0) {
         fprintf(stderr, "llm-cluster up: %s\n", err);
@@ -93,12 +110,20 @@ static int cl_up(int argc, char **argv) {
     if (u->routers > 1) printf("routers: %s\nrun dir: %s\n", u->endpoints, u->dir);
     else printf("router: %s\nrun dir: %s\n", u->endpoint, u->dir);
     printf("keys: %s\n", u->insecure ? "none (--insecure)" : "RUN_DIR/keys (router, clients/client, workers/)");
-    printf("try: . %s/env.sh; llm generate --prompt \"Once upon a time\"\n", u->dir);
+    /* Printed to be pasted: env.sh puts llm on PATH. */
+    char path[PATH_MAX + 32], env_sh[PATH_MAX + 64], self[PATH_MAX + 64], dir_w[PATH_MAX + 64];
+    cl_fmt(path, sizeof path, "%s/env.sh", u->dir);
+    cl_sh_word(env_sh, sizeof env_sh, path);
+    ssize_t got = readlink("/proc/self/exe", path, sizeof path - 1);
+    path[got > 0 ? got : 0] = 0;
+    cl_sh_word(self, sizeof self, got > 0 ? path : "llm-cluster");
+    cl_sh_word(dir_w, sizeof dir_w, u->dir);
+    printf("try: . %s && llm generate --prompt \"Once upon a time\"\n", env_sh);
     if (u->http_url[0]) {
         bool own_keys = u->api_keys_file && u->api_keys_file[0];
-        char key_cmd[PATH_MAX + 32];
+        char key_cmd[PATH_MAX + 96];
         if (own_keys) cl_fmt(key_cmd, sizeof key_cmd, "head -n1 %s", u->api_keys_file);
-        else cl_fmt(key_cmd, sizeof key_cmd, "cat %s/api-key", u->dir);
+        else cl_fmt(key_cmd, sizeof key_cmd, "cat %s/api-key", dir_w);
         printf("http: %s (OpenAI API; API key in %s%s)\n", u->http_url, own_keys ? "" : "RUN_DIR/api-key, ",
                own_keys ? u->api_keys_file : "OPENAI_API_KEY in env.sh");
         printf("try: curl %s/completions -H \"Authorization: Bearer $(%s)\" -H 'Content-Type: application/json' "
@@ -106,7 +131,7 @@ static int cl_up(int argc, char **argv) {
                u->http_url, key_cmd);
     }
     printf("metrics: %s/prometheus-targets.json (Prometheus file_sd)\n", u->dir);
-    printf("stop: llm-cluster down --run-dir %s\n", u->dir);
+    printf("stop: %s down --run-dir %s\n", self, dir_w);
     free(u);
     return 0;
 }

@@ -12,14 +12,16 @@
 #define MODEL "stories260K-f32.gguf"
 #define CLUSTER_BIN LLM_BINARY_DIR "/router/llm-cluster"
 
-static char run_dir[256];
+/* The run dir, RUN_BASE/run: up makes it, as it would a fresh clone's
+ * run/cluster, inside a folder others may read (0755). */
+static char run_base[256], run_dir[300];
 
 /* Stops what a failed test left running. */
 static void cli_atexit(void) {
-    if (!run_dir[0]) return;
+    if (!run_base[0]) return;
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s down --run-dir '%s' >/dev/null 2>&1; rm -rf '%s'", CLUSTER_BIN, run_dir, run_dir);
-    if (system(cmd) != 0) fprintf(stderr, "cleanup of %s failed\n", run_dir);
+    snprintf(cmd, sizeof cmd, "%s down --run-dir '%s' >/dev/null 2>&1; rm -rf '%s'", CLUSTER_BIN, run_dir, run_base);
+    if (system(cmd) != 0) fprintf(stderr, "cleanup of %s failed\n", run_base);
 }
 
 static void cli_new_run_dir(void) {
@@ -29,8 +31,32 @@ static void cli_new_run_dir(void) {
         registered = 1;
     }
     cli_atexit();
-    snprintf(run_dir, sizeof run_dir, "/tmp/llm-cluster-cli-XXXXXX");
-    if (!mkdtemp(run_dir)) TEST_FAIL("mkdtemp: %s", strerror(errno));
+    snprintf(run_base, sizeof run_base, "/tmp/llm-cluster-cli-XXXXXX");
+    if (!mkdtemp(run_base)) TEST_FAIL("mkdtemp: %s", strerror(errno));
+    if (chmod(run_base, 0755) != 0) TEST_FAIL("chmod %s: %s", run_base, strerror(errno));
+    snprintf(run_dir, sizeof run_dir, "%s/run", run_base);
+}
+
+/* Everything under dir, dir included, is this user's alone: no group or
+ * other bit on a file or folder (Redis's append-only file holds every
+ * prompt and completion, the logs may quote them, and the keys are there).
+ * Returns how many entries it checked. */
+static int cli_assert_private(const char *dir) {
+    struct stat st;
+    if (lstat(dir, &st) != 0) TEST_FAIL("%s: %s", dir, strerror(errno));
+    if (st.st_mode & 077) TEST_FAIL("%s is mode %04o: others may read it", dir, (unsigned)(st.st_mode & 07777));
+    int n = 1;
+    if (!S_ISDIR(st.st_mode)) return n;
+    DIR *d = opendir(dir);
+    if (!d) TEST_FAIL("%s: %s", dir, strerror(errno));
+    for (struct dirent *e; (e = readdir(d));) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        n += cli_assert_private(path);
+    }
+    closedir(d);
+    return n;
 }
 
 /* Runs argv (bounded to 120 s); stdout and stderr go to *out / *err (malloc'ed). */
@@ -155,6 +181,20 @@ TEST(cluster_cli_up_generate_status_down) {
     sscanf(r + 8, "%63s", endpoint);
     ASSERT_TRUE(strncmp(endpoint, "tcp://127.0.0.1:", 16) == 0);
     ASSERT_TRUE(strstr(out, run_dir) != NULL);
+    /* The line printed after "try:" works as printed, in a shell with
+     * nothing of this build on its PATH: env.sh puts llm there, and the
+     * router fits the default --max-tokens to the model's context. */
+    const char *t = strstr(out, "try: ");
+    ASSERT_TRUE(t != NULL);
+    char try_line[1024];
+    snprintf(try_line, sizeof try_line, "%.*s", (int)strcspn(t + 5, "\n"), t + 5);
+    free(out);
+    free(err);
+    const char *try_argv[] = {"/usr/bin/env", "-i", "PATH=/usr/bin:/bin", "/bin/sh", "-c", try_line, NULL};
+    rc = cli_run(try_argv, &out, &err);
+    printf("  try: %s\n  (status %d) stdout: %.200s\n  stderr: %.300s\n", try_line, rc, out, err);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(strlen(out) > 10);
     free(out);
     free(err);
     pid_t pids[16];
@@ -174,6 +214,11 @@ TEST(cluster_cli_up_generate_status_down) {
     snprintf(aof, sizeof aof, "%s/appendonly.aof", run_dir);
     snprintf(aofdir, sizeof aofdir, "%s/appendonlydir", run_dir);
     ASSERT_TRUE(stat(aof, &st) == 0 || stat(aofdir, &st) == 0);
+    /* ... and the run dir, the AOF, the logs, env.sh and the keys are this
+     * user's alone, although the folder above is open (0755). */
+    int n_private = cli_assert_private(run_dir);
+    printf("  %d entries of the run dir, none readable by others\n", n_private);
+    ASSERT_TRUE(n_private >= 15);
     /* The Redis password is in a file of the run dir that only this user
      * reads, and on no command line that ps shows: the router and the
      * workers get the file (--redis-password-file). */
@@ -404,10 +449,38 @@ TEST(cluster_cli_http_gateway_and_prometheus_targets) {
     ASSERT_OK(zio_free_port(NULL, &http_port, e, sizeof e));
     char http_s[16];
     snprintf(http_s, sizeof http_s, "%d", http_port);
-    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", "0", "--run-dir", run_dir, "--stages", "2",
-                        "--threads", "1", "--timeout-s", "60", "--http-port", http_s, NULL};
     char *out, *err;
-    int rc = cli_run(up, &out, &err);
+    /* An unknown chat template is refused before anything starts, with
+     * the names that would do. */
+    const char *bad_tmpl[] = {CLUSTER_BIN, "up", "--model", model, "--port", "0", "--run-dir", run_dir,
+                              "--http-port", http_s, "--chat-template", "no-such-family", NULL};
+    int rc = cli_run(bad_tmpl, &out, &err);
+    printf("  up --chat-template no-such-family (status %d): %s", rc, err);
+    ASSERT_EQ(2, rc);
+    ASSERT_TRUE(strstr(err, "no-such-family") != NULL && strstr(err, "chatml") != NULL);
+    free(out);
+    free(err);
+    pid_t pids[16];
+    ASSERT_EQ(0, cli_pids(pids, 16));
+    /* A run dir an earlier run left open to others (0755, a 0644 log) is
+     * made private by up. */
+    char path[512];
+    ASSERT_EQ(0, mkdir(run_dir, 0755));
+    ASSERT_EQ(0, chmod(run_dir, 0755));
+    snprintf(path, sizeof path, "%s/old-notes.log", run_dir);
+    {
+        FILE *f = fopen(path, "w");
+        ASSERT_TRUE(f != NULL);
+        fputs("a prompt from an earlier run\n", f);
+        fclose(f);
+        ASSERT_EQ(0, chmod(path, 0644));
+    }
+    /* stories260K has no chat template: --chat-template gives the gateway
+     * one, and chat completions are served. */
+    const char *up[] = {CLUSTER_BIN, "up", "--model", model, "--port", "0", "--run-dir", run_dir, "--stages", "2",
+                        "--threads", "1", "--timeout-s", "60", "--http-port", http_s, "--chat-template", "chatml",
+                        NULL};
+    rc = cli_run(up, &out, &err);
     if (rc != 0) printf("  stdout:\n%s  stderr:\n%s", out, err);
     ASSERT_EQ(0, rc);
     char url[128];
@@ -417,8 +490,9 @@ TEST(cluster_cli_http_gateway_and_prometheus_targets) {
     free(out);
     free(err);
 
-    char path[512], key[128] = "";
+    char key[128] = "";
     struct stat st;
+    ASSERT_TRUE(cli_assert_private(run_dir) >= 15);
     snprintf(path, sizeof path, "%s/api-key", run_dir);
     ASSERT_EQ(0, stat(path, &st));
     ASSERT_EQ(0600u, (unsigned)(st.st_mode & 0777));
@@ -448,6 +522,18 @@ TEST(cluster_cli_http_gateway_and_prometheus_targets) {
     code = cli_curl(completions, "not-the-key", req, &body);
     free(body);
     ASSERT_EQ(401, code);
+    char chat[160];
+    snprintf(chat, sizeof chat, "%s/chat/completions", url);
+    code = cli_curl(chat, key, "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}], "
+                    "\"max_tokens\": 8}", &body);
+    j = cJSON_Parse(body);
+    cJSON *msg = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0), "message");
+    int has_content = cJSON_IsString(cJSON_GetObjectItem(msg, "content"));
+    if (code != 200 || !has_content) printf("  chat completions with --chat-template chatml (%d): %s\n", code, body);
+    cJSON_Delete(j);
+    free(body);
+    ASSERT_EQ(200, code);
+    ASSERT_TRUE(has_content);
 
     /* The targets: router, both workers and the gateway, each with a
      * /metrics in the Prometheus text format. */
@@ -493,7 +579,6 @@ TEST(cluster_cli_http_gateway_and_prometheus_targets) {
     ASSERT_TRUE(strstr(out, "gateway ") != NULL && strstr(out, url) != NULL);
     free(out);
     free(err);
-    pid_t pids[16];
     int n_pids = cli_pids(pids, 16);
     ASSERT_EQ(5, n_pids); /* redis, router, 2 workers, gateway */
     const char *down[] = {CLUSTER_BIN, "down", "--run-dir", run_dir, NULL};
