@@ -1,6 +1,7 @@
 /* The metrics port's HTTP server: /metrics, /health and /ready on
- * libmicrohttpd's own thread. */
+ * libmicrohttpd's own thread, behind a slow-client guard (httpd_guard.h). */
 #include "httpd.h"
+#include "httpd_guard.h"
 #include "log.h"
 #include "status.h"
 
@@ -17,16 +18,21 @@
 #include <string.h>
 #include <sys/socket.h>
 
-/* Scrapes and probes are small and few; a bounded number of connections and
- * a timeout keep a stuck or hostile client from holding the thread's
- * resources. */
+/* Scrapes and probes are small and few.  A request must arrive whole
+ * within HTTPD_READ_TIMEOUT_MS of its connection opening (or of the previous
+ * response), and when HTTPD_CONNECTIONS_MAX are open a new connection closes
+ * the one that has waited longest: idle or trickling clients, however many,
+ * cannot keep a liveness probe out (httpd_guard.h).  HTTPD_TIMEOUT_S is
+ * libmicrohttpd's own inactivity limit, for a response nobody reads. */
 #define HTTPD_CONNECTIONS_MAX 32
+#define HTTPD_READ_TIMEOUT_MS 5000
 #define HTTPD_TIMEOUT_S 10
 
 struct httpd {
     struct httpd_config c;
     char listen[256];        /* c.listen, copied, for log lines */
     struct MHD_Daemon *d;
+    httpd_guard *guard;
     int port;
     /* libmicrohttpd reports why it could not start (a bind that failed) only
      * through its logger; while starting, the first message is kept here. */
@@ -45,7 +51,10 @@ static void httpd_log(void *cls, const char *fmt, va_list ap) {
     bool keep = h->starting && !h->start_err[0];
     if (keep) snprintf(h->start_err, sizeof h->start_err, "%s", line);
     pthread_mutex_unlock(&h->log_lock);
-    if (!keep) LOG(LL_WARN, "metrics port %s: %s", h->listen, line);
+    /* A client that hangs up mid-request, or one the guard closed, is
+     * reported by libmicrohttpd on every occurrence: at debug level, so
+     * that a slowloris cannot flood the log. */
+    if (!keep) LOG(strstr(line, "socket is closed") ? LL_DEBUG : LL_WARN, "metrics port %s: %s", h->listen, line);
 }
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const char *type,
@@ -88,6 +97,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
      * connection after the reply instead. */
     if (*con_cls) return MHD_NO;
     *con_cls = h;
+    httpd_guard_busy(conn);
     bool get = strcmp(method, MHD_HTTP_METHOD_GET) == 0 || strcmp(method, MHD_HTTP_METHOD_HEAD) == 0;
     bool known = strcmp(url, "/metrics") == 0 || strcmp(url, "/health") == 0 ||
                  strcmp(url, "/ready") == 0;
@@ -117,6 +127,16 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     }
     return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len,
                  MHD_RESPMEM_MUST_FREE, NULL);
+}
+
+/* The response has gone (or the request ended otherwise): the connection's
+ * deadline for its next request starts. */
+static void completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                      enum MHD_RequestTerminationCode toe) {
+    (void)cls;
+    (void)con_cls;
+    (void)toe;
+    httpd_guard_idle(conn);
 }
 
 /* "HOST:PORT" into a socket address.  The port is the text after the last
@@ -194,6 +214,16 @@ int httpd_start(httpd **out, const struct httpd_config *c, char *err, size_t err
     h->c = *c;
     snprintf(h->listen, sizeof h->listen, "%s", listen);
     pthread_mutex_init(&h->log_lock, NULL);
+    char gname[300];
+    snprintf(gname, sizeof gname, "metrics port %s", listen);
+    struct httpd_guard_config gc = {.name = gname, .max_connections = HTTPD_CONNECTIONS_MAX,
+                                    .read_timeout_ms = HTTPD_READ_TIMEOUT_MS};
+    rc = httpd_guard_init(&h->guard, &gc, err, errlen);
+    if (rc < 0) {
+        pthread_mutex_destroy(&h->log_lock);
+        free(h);
+        return rc;
+    }
     h->starting = true;
     unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
     if (sa.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
@@ -203,8 +233,10 @@ int httpd_start(httpd **out, const struct httpd_config *c, char *err, size_t err
     h->d = MHD_start_daemon(flags, port, NULL, NULL, handle, h,
                             MHD_OPTION_EXTERNAL_LOGGER, httpd_log, h,
                             MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)HTTPD_CONNECTIONS_MAX,
+                            MHD_OPTION_CONNECTION_LIMIT, httpd_guard_mhd_limit(h->guard),
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)HTTPD_TIMEOUT_S,
+                            MHD_OPTION_NOTIFY_CONNECTION, httpd_guard_notify, h->guard,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, h,
                             MHD_OPTION_END);
     pthread_mutex_lock(&h->log_lock);
     h->starting = false;
@@ -219,6 +251,7 @@ int httpd_start(httpd **out, const struct httpd_config *c, char *err, size_t err
          * refusal, which callers may tell from a bad configuration. */
         bool bind_failed = strstr(h->start_err, "bind") != NULL || strstr(h->start_err, "listen") != NULL ||
                            strstr(h->start_err, "in use") != NULL;
+        httpd_guard_free(h->guard);
         pthread_mutex_destroy(&h->log_lock);
         free(h);
         return bind_failed ? STATUS_IO : STATUS_INTERNAL;
@@ -235,6 +268,7 @@ int httpd_port(const httpd *h) { return h->port; }
 void httpd_stop(httpd *h) {
     if (!h) return;
     MHD_stop_daemon(h->d);
+    httpd_guard_free(h->guard);
     pthread_mutex_destroy(&h->log_lock);
     free(h);
 }

@@ -1,6 +1,7 @@
-# llmhttpd: common/httpd.c, the metrics port's HTTP server, on
-# libmicrohttpd.  llm_folder puts every common/*.c into llmcommon; httpd.c is
-# taken out of it again here so that programs without a metrics port (the
+# llmhttpd: common/httpd.c, the metrics port's HTTP server, and
+# common/httpd_guard.c, its defence against slow clients (the gateway uses it
+# too), on libmicrohttpd.  llm_folder puts every common/*.c into llmcommon;
+# both are taken out of it again here so that programs without a metrics port (the
 # CLI, benchmarks) do not link libmicrohttpd.
 if(TARGET llmcommon)
   pkg_check_modules(MHD IMPORTED_TARGET GLOBAL libmicrohttpd)
@@ -10,9 +11,9 @@ if(TARGET llmcommon)
             "(scripts/install-deps.sh)")
   endif()
   get_target_property(llm_common_srcs llmcommon SOURCES)
-  list(FILTER llm_common_srcs EXCLUDE REGEX "/httpd\\.c$")
+  list(FILTER llm_common_srcs EXCLUDE REGEX "/httpd(_guard)?\\.c$")
   set_property(TARGET llmcommon PROPERTY SOURCES ${llm_common_srcs})
-  add_library(llmhttpd STATIC ${CMAKE_CURRENT_SOURCE_DIR}/httpd.c)
+  add_library(llmhttpd STATIC ${CMAKE_CURRENT_SOURCE_DIR}/httpd.c ${CMAKE_CURRENT_SOURCE_DIR}/httpd_guard.c)
   target_compile_options(llmhttpd PRIVATE ${LLM_WARNINGS})
   target_link_libraries(llmhttpd PUBLIC llmcommon PkgConfig::MHD)
 

@@ -1,8 +1,10 @@
 /* Tests for common/httpd: real HTTP requests over loopback to a server on an
  * ephemeral port (a plain socket client): /metrics, /health, /ready with its
  * callback, 404 and 405, HEAD, bad and busy addresses, concurrent scrapes,
- * and that stopping releases the port and every descriptor; promtool checks
- * what /metrics served. */
+ * that stopping releases the port and every descriptor, and that 500 idle
+ * and trickling connections (slowloris) neither keep /health from a fresh
+ * client nor outlive the read deadline; promtool checks what /metrics
+ * served. */
 #include "common/httpd.h"
 #include "common/metrics.h"
 #include "common/status.h"
@@ -10,6 +12,11 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdbool.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -351,6 +358,173 @@ TEST(httpd_metrics_pass_promtool) {
     ASSERT_EQ(0, WEXITSTATUS(rc));
 }
 
+/* ---- slow clients ------------------------------------------------------------ */
+
+static int64_t t_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void t_sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* A slowloris: T_LORIS_N connections that never finish a request, half of
+ * them idle, half sending one more byte of a header every tick; a
+ * connection the server closes is opened again at the next tick, as an
+ * attacker would.  Runs on its own thread until stop. */
+#define T_LORIS_N 500
+#define T_LORIS_TICK_MS 200
+
+struct t_loris {
+    int port;
+    int fd[T_LORIS_N];
+    atomic_int stop;
+    atomic_int opened, closed; /* by the server, seen here */
+    pthread_t th;
+};
+
+static int t_loris_connect(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* false when the server has closed fd. */
+static bool t_loris_alive(int fd) {
+    char buf[512];
+    for (;;) {
+        ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n > 0) continue; /* a reply (an error page): read on to its end */
+        if (n == 0) return false;
+        return errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN || errno == EINTR;
+    }
+}
+
+static void *t_loris_main(void *arg) {
+    struct t_loris *l = arg;
+    static const char head[] = "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    size_t sent[T_LORIS_N] = {0};
+    while (!atomic_load(&l->stop)) {
+        for (int i = 0; i < T_LORIS_N; i++) {
+            if (l->fd[i] >= 0 && !t_loris_alive(l->fd[i])) {
+                close(l->fd[i]);
+                l->fd[i] = -1;
+                atomic_fetch_add(&l->closed, 1);
+            }
+            if (l->fd[i] < 0) {
+                l->fd[i] = t_loris_connect(l->port);
+                sent[i] = 0;
+                if (l->fd[i] >= 0) atomic_fetch_add(&l->opened, 1);
+                continue;
+            }
+            if (i % 2 == 1) {
+                char b = sent[i] < sizeof head - 1 ? head[sent[i]] : 'a';
+                if (send(l->fd[i], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1) sent[i]++;
+            }
+        }
+        t_sleep_ms(T_LORIS_TICK_MS);
+    }
+    for (int i = 0; i < T_LORIS_N; i++)
+        if (l->fd[i] >= 0) close(l->fd[i]);
+    return NULL;
+}
+
+/* Starts the slowloris on port and waits until all its connections are
+ * open. */
+static void t_loris_start(struct t_loris *l, int port) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 2 * T_LORIS_N + 256) {
+        rl.rlim_cur = rl.rlim_max < 2 * T_LORIS_N + 256 ? rl.rlim_max : 2 * T_LORIS_N + 256;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        if (rl.rlim_cur < 2 * T_LORIS_N + 256)
+            TEST_SKIP("ulimit -n is %llu: %d connections on both ends need more", (unsigned long long)rl.rlim_cur,
+                      T_LORIS_N);
+    }
+    memset(l, 0, sizeof *l);
+    l->port = port;
+    for (int i = 0; i < T_LORIS_N; i++) l->fd[i] = -1;
+    ASSERT_EQ(0, pthread_create(&l->th, NULL, t_loris_main, l));
+    int64_t end = t_now_ms() + 10000;
+    while (atomic_load(&l->opened) < T_LORIS_N && t_now_ms() < end) t_sleep_ms(20);
+    ASSERT_TRUE(atomic_load(&l->opened) >= T_LORIS_N);
+    /* Two ticks more: the trickling ones have started their headers. */
+    t_sleep_ms(2 * T_LORIS_TICK_MS);
+}
+
+static void t_loris_stop(struct t_loris *l) {
+    atomic_store(&l->stop, 1);
+    pthread_join(l->th, NULL);
+}
+
+/* While 500 connections sit idle or trickle a header (and come back when
+ * closed), a fresh client's /health is answered within 1 s, every time over
+ * 3 s.  The server keeps 32 connections: without the guard the 33rd on was
+ * refused until an idle one timed out (10 s). */
+TEST(httpd_health_under_slowloris) {
+    httpd *h = NULL;
+    char err[256] = "";
+    ASSERT_OK(httpd_start(&h, &(struct httpd_config){.listen = "127.0.0.1:0"}, err, sizeof err));
+    int port = httpd_port(h);
+    static struct t_loris l;
+    t_loris_start(&l, port);
+    static struct t_reply r;
+    int64_t worst = 0;
+    for (int i = 0; i < 10; i++) {
+        int64_t t0 = t_now_ms();
+        int rc = t_http(port, "GET", "/health", &r);
+        int64_t took = t_now_ms() - t0;
+        if (rc != 0 || r.status != 200 || took > 1000) {
+            t_loris_stop(&l);
+            httpd_stop(h);
+            TEST_FAIL("probe %d under %d slow connections: rc %d, status %d, %lld ms (expected 200 within 1000 ms)",
+                      i, T_LORIS_N, rc, r.status, (long long)took);
+        }
+        if (took > worst) worst = took;
+        t_sleep_ms(300);
+    }
+    int opened = atomic_load(&l.opened), closed = atomic_load(&l.closed);
+    t_loris_stop(&l);
+    printf("  10 /health probes under %d slow connections: slowest %lld ms; the server closed %d of the %d "
+           "connections the attacker opened\n", T_LORIS_N, (long long)worst, closed, opened);
+    ASSERT_TRUE(closed > 0);
+    httpd_stop(h);
+}
+
+/* Trickling a header one byte every 100 ms does not keep a connection past
+ * the read deadline (5 s), though libmicrohttpd's own timeout (10 s of
+ * silence) would never fire. */
+TEST(httpd_read_deadline) {
+    httpd *h = NULL;
+    char err[256] = "";
+    ASSERT_OK(httpd_start(&h, &(struct httpd_config){.listen = "127.0.0.1:0"}, err, sizeof err));
+    int fd = t_loris_connect(httpd_port(h));
+    ASSERT_TRUE(fd >= 0);
+    static const char head[] = "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    int64_t t0 = t_now_ms(), closed_at = 0;
+    for (size_t k = 0; t_now_ms() - t0 < 12000; k++) {
+        char b = k < sizeof head - 1 ? head[k] : 'a';
+        if (!t_loris_alive(fd) || send(fd, &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+            closed_at = t_now_ms() - t0;
+            break;
+        }
+        t_sleep_ms(100);
+    }
+    close(fd);
+    httpd_stop(h);
+    if (closed_at == 0) TEST_FAIL("a connection trickling a header was still open after 12 s (deadline 5 s)");
+    printf("  a trickling connection was closed after %lld ms\n", (long long)closed_at);
+    ASSERT_TRUE(closed_at >= 4500 && closed_at <= 8000);
+}
+
 TEST_MAIN(httpd_serves_metrics_health_ready, httpd_without_registry_or_ready,
           httpd_refuses_bad_addresses, httpd_ipv6_loopback, httpd_concurrent_scrapes,
-          httpd_metrics_pass_promtool)
+          httpd_metrics_pass_promtool, httpd_health_under_slowloris, httpd_read_deadline)
