@@ -607,6 +607,18 @@ int sched_step_done(sched *s, uint64_t step_id) {
     return STATUS_OK;
 }
 
+int32_t sched_take_freed(sched *s, const uint64_t **ids) {
+    *ids = NULL;
+    if (s->n_freed == 0 ||
+        sched_grow((void **)&s->freed_out, &s->cap_freed_out, s->n_freed, sizeof *s->freed_out) < 0)
+        return 0;
+    memcpy(s->freed_out, s->freed, (size_t)s->n_freed * sizeof *s->freed);
+    int32_t n = s->n_freed;
+    s->n_freed = 0;
+    *ids = s->freed_out;
+    return n;
+}
+
 void sched_set_admit(sched *s, bool admit) { s->admit = admit; }
 
 int32_t sched_take_waiting(sched *s, uint64_t *ids, int32_t max) {

@@ -130,6 +130,12 @@ void sched_restart(sched *s, struct sched_seq *q);
  * sched_* call that changes s), or 0 when nothing can run now (no runnable
  * sequence, or max_inflight steps are out).  Never fails on input. */
 int sched_plan(sched *s, struct sched_step *step);
+/* Hands over the ids waiting to be freed with the next step (as a plan
+ * would): *ids, valid until the next sched_* call that changes s, and
+ * their count (0: none).  For a plan of frees only, sent when no step
+ * follows, so that the stages' view of their KV comes back to the
+ * router's. */
+int32_t sched_take_freed(sched *s, const uint64_t **ids);
 /* The step's results were handled: its sequences may be planned again.
  * STATUS_NOT_FOUND for a step that is not in flight. */
 int sched_step_done(sched *s, uint64_t step_id);

@@ -457,6 +457,35 @@ static bool pipe_batch_waits(server *s, struct pipe *pp) {
     return true;
 }
 
+/* Sequences that ended with no step after them to carry their frees: a
+ * plan of frees only (step 0, no sequences), which the stages apply without
+ * computing or answering, so that their KV view (llm status,
+ * llm_stage_kv_blocks_used) comes back to the router's. */
+static void pipe_send_frees(server *s, struct pipe *pp) {
+    const uint64_t *ids;
+    int32_t n = sched_take_freed(pp->sched, &ids);
+    if (n == 0) return;
+    struct pipeline *p = pp->p;
+    Llm__StepPlan plan = LLM__STEP_PLAN__INIT;
+    plan.pipeline_id = p->id;
+    plan.epoch = pp->epoch;
+    plan.n_freed_seqs = (size_t)n;
+    plan.freed_seqs = (uint64_t *)ids;
+    Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
+    env.body_case = LLM__WORKER_ENVELOPE__BODY_PLAN;
+    env.plan = &plan;
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    char err[256];
+    if (proto_worker_pack(&env, &buf, &len, err, sizeof err) < 0) {
+        LOG(LL_ERROR, "pipeline %u: frees of %d sequences: %s", p->id, n, err);
+        return;
+    }
+    for (uint32_t k = 0; k < p->stage_count; k++)
+        if (p->stage[k]) server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len);
+    free(buf);
+}
+
 /* Plans and sends steps until the pipeline has one in flight per stage or
  * nothing more can run. */
 void pipe_pump(server *s, struct pipe *pp) {
@@ -553,6 +582,7 @@ void pipe_pump(server *s, struct pipe *pp) {
     for (int k = 0; k < n_stuck; k++)
         req_end(s, stuck[k], LLM__GENERATE_DONE__FINISH_REASON__LENGTH, -1, NULL, LLM__ERROR__CODE__OK,
                 NULL);
+    if (pp->sched && pp->n_flights == 0) pipe_send_frees(s, pp);
 }
 
 void pipes_pump(server *s) {
