@@ -60,10 +60,11 @@ int cl_write_file(const char *path, const char *text);
 void cl_last_line(const char *path, char *out, size_t size);
 /* mkdir -p; the last folder, the run dir, is made 0700. */
 int cl_mkdirs(const char *path, char *err, size_t errlen);
-/* Makes the run dir dir (absolute) and what an earlier run left in it
- * private to this user: 0700 folders, files without group or other
- * access.  A folder this user does not own or a sticky one (/tmp) keeps its
- * mode, with a warning on stderr; its files are made private all the same. */
+/* Makes what an earlier run left in the run dir dir (absolute) private to
+ * this user: its files (logs, the AOF, keys, env.sh, ...) lose group and
+ * other access, its folders become 0700, and so does dir when an earlier
+ * `up` wrote it.  Any other folder, one this user does not own or a sticky
+ * one (/tmp) keeps its mode, with a warning on stderr. */
 void cl_private_dir(const char *dir);
 /* word into out, single-quoted for sh when it needs it (a path with a
  * space), as it is when not. */

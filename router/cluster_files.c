@@ -74,13 +74,29 @@ int cl_mkdirs(const char *path, char *err, size_t errlen) {
     return 0;
 }
 
-/* Strips group and other access from dir's files and makes its folders
- * 0700, depth levels down (appendonlydir/, keys/clients/). */
-static void cl_private_tree(const char *dir, int depth) {
+/* Whether name is a file or folder llm-cluster or its Redis writes into a
+ * run dir: only those are made private, so that a --run-dir pointed at a
+ * folder with other things in it keeps their modes. */
+static bool cl_run_file(const char *name) {
+    static const char *const exact[] = {"keys", "appendonlydir", "appendonly.aof", "dump.rdb", "redis.conf",
+                                        "redis.password", "env.sh", "cluster.env", "endpoint", "http-url",
+                                        "api-key", "insecure", "prometheus-targets.json",
+                                        "prometheus-targets.json.tmp"};
+    for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
+        if (strcmp(name, exact[i]) == 0) return true;
+    size_t n = strlen(name);
+    return (n > 4 && (strcmp(name + n - 4, ".log") == 0 || strcmp(name + n - 4, ".pid") == 0)) ||
+           strncmp(name, "temp-", 5) == 0; /* Redis's rewrite files */
+}
+
+/* Strips group and other access from the files of dir that match (all,
+ * or cl_run_file's) and makes its folders 0700, depth levels down. */
+static void cl_private_tree(const char *dir, bool all, int depth) {
     DIR *d = opendir(dir);
     if (!d) return;
     for (struct dirent *e; (e = readdir(d));) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (!all && !cl_run_file(e->d_name)) continue;
         char path[PATH_MAX];
         cl_fmt(path, sizeof path, "%s/%s", dir, e->d_name);
         struct stat st;
@@ -88,7 +104,7 @@ static void cl_private_tree(const char *dir, int depth) {
         if (S_ISDIR(st.st_mode)) {
             if ((st.st_mode & 077) && chmod(path, 0700) != 0)
                 fprintf(stderr, "llm-cluster: chmod 700 %s: %s\n", path, strerror(errno));
-            if (depth > 0) cl_private_tree(path, depth - 1);
+            if (depth > 0) cl_private_tree(path, true, depth - 1);
         } else if (S_ISREG(st.st_mode) && (st.st_mode & 077)) {
             if (chmod(path, st.st_mode & 0700) != 0)
                 fprintf(stderr, "llm-cluster: chmod go-rwx %s: %s\n", path, strerror(errno));
@@ -101,16 +117,25 @@ void cl_private_dir(const char *dir) {
     struct stat st;
     if (stat(dir, &st) != 0) return;
     if ((st.st_mode & 077) != 0) {
-        if (st.st_uid == geteuid() && !(st.st_mode & S_ISVTX)) {
-            if (chmod(dir, 0700) != 0)
-                fprintf(stderr, "llm-cluster: chmod 700 %s: %s\n", dir, strerror(errno));
+        /* A folder an earlier `up` wrote (it has its Redis config, env.sh
+         * or keys) is made private; any other keeps its mode: --run-dir may
+         * name a folder that is not llm-cluster's alone. */
+        char probe[PATH_MAX];
+        bool ours = false;
+        static const char *const marks[] = {"redis.conf", "env.sh", "keys"};
+        for (size_t i = 0; i < sizeof marks / sizeof marks[0] && !ours; i++) {
+            cl_fmt(probe, sizeof probe, "%s/%s", dir, marks[i]);
+            ours = access(probe, F_OK) == 0;
+        }
+        if (ours && st.st_uid == geteuid() && !(st.st_mode & S_ISVTX)) {
+            if (chmod(dir, 0700) != 0) fprintf(stderr, "llm-cluster: chmod 700 %s: %s\n", dir, strerror(errno));
         } else {
-            fprintf(stderr, "llm-cluster: run dir %s is open to other users (mode %04o%s); its files are made "
-                    "private, but a --run-dir of your own is safer\n", dir, (unsigned)(st.st_mode & 07777),
-                    st.st_uid == geteuid() ? ", sticky" : ", another user's");
+            fprintf(stderr, "llm-cluster: run dir %s is open to other users (mode %04o); the files llm-cluster "
+                    "writes there are private (0600), but a run dir of its own (a new --run-dir) is safer\n", dir,
+                    (unsigned)(st.st_mode & 07777));
         }
     }
-    cl_private_tree(dir, 3);
+    cl_private_tree(dir, false, 3);
 }
 
 void cl_sh_word(char *out, size_t size, const char *word) {

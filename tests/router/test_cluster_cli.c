@@ -462,16 +462,18 @@ TEST(cluster_cli_http_gateway_and_prometheus_targets) {
     free(err);
     pid_t pids[16];
     ASSERT_EQ(0, cli_pids(pids, 16));
-    /* A run dir an earlier run left open to others (0755, a 0644 log) is
+    /* A run dir an earlier llm-cluster left open to others (0755, its
+     * env.sh and a log of a worker this run does not start at 0644) is
      * made private by up. */
     char path[512];
     ASSERT_EQ(0, mkdir(run_dir, 0755));
     ASSERT_EQ(0, chmod(run_dir, 0755));
-    snprintf(path, sizeof path, "%s/old-notes.log", run_dir);
-    {
+    static const char *const left[] = {"env.sh", "worker-p1-s0.log"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", run_dir, left[i]);
         FILE *f = fopen(path, "w");
         ASSERT_TRUE(f != NULL);
-        fputs("a prompt from an earlier run\n", f);
+        fputs("# from an earlier run: a prompt\n", f);
         fclose(f);
         ASSERT_EQ(0, chmod(path, 0644));
     }
