@@ -1,6 +1,7 @@
 /* Tests of the stage-to-stage links: the ZeroMQ link on loopback (ordered
  * delivery matched by step id, stale and early messages, skip markers,
- * epochs, large buffers, size mismatches, a vanished peer giving a bounded
+ * epochs, large buffers, size mismatches, malformed messages dropped and
+ * counted without failing the step, a vanished peer giving a bounded
  * error, CURVE admitting only the predecessor's key) and the NCCL link
  * between two GPUs (skipped without them). */
 #include "tests/test.h"
@@ -183,6 +184,58 @@ TEST(link_zmq_size_mismatch) {
     ASSERT_OK(link_send(p.tx, 1, out, sizeof out));
     ASSERT_EQ(STATUS_PROTOCOL, link_recv(p.rx, 1, in, sizeof in));
     ASSERT_TRUE(strstr(link_errstr(p.rx), "40 bytes") != NULL);
+    t_pair_close(&p);
+}
+
+/* A peer that sends what is not a link message (wrong frame count, header
+ * size, magic, or a body its header does not announce) costs the receiver
+ * nothing but a count: the step's own message, behind them, is returned. */
+TEST(link_zmq_malformed_dropped_and_counted) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 3000);
+    void *raw = zmq_socket(p.ctx, ZMQ_PUSH);
+    int linger = 0;
+    zmq_setsockopt(raw, ZMQ_LINGER, &linger, sizeof linger);
+    ASSERT_EQ(0, zmq_connect(raw, link_endpoint(p.rx)));
+    uint8_t junk[64], hdr[32] = {0x4c, 0x4c, 0x4b, 0x31}; /* "LLK1", epoch 0, step 0 */
+    memset(junk, 0xa5, sizeof junk);
+    hdr[24] = 40; /* announces 40 bytes */
+    ASSERT_EQ(5, zmq_send(raw, junk, 5, 0));                   /* one frame */
+    ASSERT_EQ(0, zmq_send(raw, junk, 0, 0));                   /* one empty frame */
+    ASSERT_EQ(32, zmq_send(raw, junk, 32, ZMQ_SNDMORE));       /* bad magic */
+    ASSERT_EQ(4, zmq_send(raw, junk, 4, 0));
+    ASSERT_EQ(31, zmq_send(raw, hdr, 31, ZMQ_SNDMORE));        /* short header */
+    ASSERT_EQ(4, zmq_send(raw, junk, 4, 0));
+    ASSERT_EQ(32, zmq_send(raw, hdr, 32, ZMQ_SNDMORE));        /* three frames */
+    ASSERT_EQ(4, zmq_send(raw, junk, 4, ZMQ_SNDMORE));
+    ASSERT_EQ(4, zmq_send(raw, junk, 4, 0));
+    ASSERT_EQ(32, zmq_send(raw, hdr, 32, ZMQ_SNDMORE));        /* 40 announced, 8 sent */
+    ASSERT_EQ(8, zmq_send(raw, junk, 8, 0));
+    float out[10], in[10];
+    /* The receiver takes turns between its two peers: steps go on being
+     * served while it reads every piece of garbage (bounded for a slow
+     * connect on a busy machine). */
+    uint64_t step = 1;
+    for (; step <= 400 && link_dropped(p.rx, LINK_DROP_MALFORMED) < 6; step++) {
+        t_fill(out, 10, (float)step);
+        ASSERT_OK(link_send(p.tx, step, out, sizeof out));
+        ASSERT_OK(link_recv(p.rx, step, in, sizeof in));
+        ASSERT_TRUE(memcmp(out, in, sizeof in) == 0);
+        struct timespec tick = {0, 5 * 1000000L};
+        nanosleep(&tick, NULL);
+    }
+    ASSERT_EQ(6, (int)link_dropped(p.rx, LINK_DROP_MALFORMED));
+    ASSERT_EQ(0, (int)link_dropped(p.rx, LINK_DROP_AHEAD));
+    ASSERT_STREQ("malformed", link_drop_name(LINK_DROP_MALFORMED));
+    /* Garbage alone never ends a wait early: the timeout does, and says
+     * what was dropped meanwhile. */
+    ASSERT_EQ(5, zmq_send(raw, junk, 5, 0));
+    int64_t t0 = t_now_ms();
+    ASSERT_EQ(STATUS_TIMEOUT, link_recv(p.rx, step, in, sizeof in));
+    ASSERT_TRUE(t_now_ms() - t0 >= 2500);
+    ASSERT_TRUE(strstr(link_errstr(p.rx), "1 malformed messages dropped") != NULL);
+    ASSERT_EQ(7, (int)link_dropped(p.rx, LINK_DROP_MALFORMED));
+    zmq_close(raw);
     t_pair_close(&p);
 }
 
@@ -383,6 +436,7 @@ TEST(link_nccl_needs_cuda_backend) {
 TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_skip_marker,
           link_zmq_forged_future_never_blocks, link_zmq_later_epoch_kept_for_its_turn,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
+          link_zmq_malformed_dropped_and_counted,
           link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
           link_nccl_two_gpus, link_nccl_needs_cuda_backend,
           link_zmq_curve_admits_only_the_predecessor)
