@@ -84,7 +84,14 @@ int main(int argc, char **argv) {
         {"max-body", "LLM_GATEWAY_MAX_BODY", OPTION_SIZE, "1M", "largest request body (bytes; 413 beyond)",
          &cfg.max_body, 1024, (double)(1LL << 30), NULL},
         {"max-connections", "LLM_GATEWAY_MAX_CONNECTIONS", OPTION_INT, "256",
-         "HTTP connections at once (one thread each)", &cfg.max_connections, 1, 65536, NULL},
+         "HTTP connections at once (one thread each); when all are open, a new one closes the one that has waited "
+         "longest for its request", &cfg.max_connections, 1, 65536, NULL},
+        {"max-connections-per-ip", "LLM_GATEWAY_MAX_CONNECTIONS_PER_IP", OPTION_INT, "0",
+         "HTTP connections at once from one client address (0: no limit; behind a proxy every client shares its "
+         "address)", &cfg.max_connections_per_ip, 0, 65536, NULL},
+        {"read-timeout-ms", "LLM_GATEWAY_READ_TIMEOUT_MS", OPTION_INT, "10000",
+         "a request's headers and body must arrive within this long of its connection opening (or of the "
+         "previous response); slower clients are closed", &cfg.read_timeout_ms, 1, 3600000, NULL},
         {"router-retry-ms", "LLM_GATEWAY_ROUTER_RETRY_MS", OPTION_INT, "5000",
          "how long a request waits for an unreachable or overloaded router before 503/429", &cfg.router_retry_ms, 1,
          1 << 30, NULL},

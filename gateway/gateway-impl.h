@@ -17,6 +17,7 @@
 
 #include "common/chat_template.h"
 #include "common/httpd.h"
+#include "common/httpd_guard.h"
 #include "common/metrics.h"
 #include "common/tokenizer.h"
 #include "gateway/oai.h"
@@ -43,7 +44,20 @@ struct gateway {
     enum chat_family family;
     char chat_problem[512];         /* why chat is refused, when family is NONE */
     struct MHD_Daemon *mhd;
+    httpd_guard *guard;             /* slow and idle clients (common/httpd_guard.h) */
     uint16_t port;
+    /* The router's default model, asked with Models and kept for a minute
+     * (gw_model_info): the name responses report and its context.  One
+     * thread asks at a time, on info_client (short timeouts, so that a
+     * router that is down costs a request little more than its own 503). */
+    pthread_mutex_t info_mu;
+    pthread_cond_t info_cv;         /* under info_mu: info_busy went false */
+    llm_client *info_client;        /* used by the thread that set info_busy */
+    bool info_busy;
+    int64_t info_at_ms;             /* 0: never learnt */
+    int64_t info_try_ms;            /* the last time it was asked */
+    char info_id[256];
+    uint32_t info_n_ctx;
     _Atomic uint64_t responses[GW_STATUS_SLOTS];
     /* The metrics port (NULL when off) and what it shows. */
     metrics *reg;
@@ -138,13 +152,22 @@ int gw_buf_add(struct buf *b, const char *s, size_t n);
 llm_client *gw_pool_get(gateway *g, char *err, size_t errlen);
 void gw_pool_put(gateway *g, llm_client *c, bool keep);
 void gw_count_response(gateway *g, struct MHD_Connection *conn, int status);
+/* The default model's name as clients see it (--model-name, else the
+ * router's id, else the model file's name, else "default") into name, and
+ * its context in tokens into *n_ctx (0 when unknown).  Asks the router when
+ * its answer is older than a minute (at most every 2 s while it fails);
+ * a router that does not answer costs the caller at most about 1 s. */
+void gw_model_info(gateway *g, char *name, size_t size, uint32_t *n_ctx);
 /* Queue a response on conn; gw_send_json consumes root. */
 enum MHD_Result gw_send_json(gateway *g, struct MHD_Connection *conn, int status, cJSON *root);
 enum MHD_Result gw_send_error(gateway *g, struct MHD_Connection *conn, const struct oai_error *e, const char *allow);
 
 /* ---- response objects (gw_json.c) ------------------------------------------ */
 
-void gw_error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg, uint32_t retry_after_ms);
+/* kind names the prompt's field for a prompt that does not fit the context
+ * (prompt or messages). */
+void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *msg,
+                          uint32_t retry_after_ms);
 cJSON *gw_job_object(const struct job *j, bool chunk);
 const char *gw_finish_name(Llm__GenerateDone__FinishReason r);
 cJSON *gw_usage_json(const struct llm_generate_result *r);

@@ -37,6 +37,7 @@ void gateway_config_default(struct gateway_config *cfg) {
     cfg->router = "tcp://127.0.0.1:5555";
     cfg->max_body = 1 << 20;
     cfg->max_connections = 256;
+    cfg->read_timeout_ms = 10000;
     cfg->router_retry_ms = 5000;
     cfg->router_reply_timeout_ms = 2000;
 }
@@ -161,6 +162,81 @@ enum MHD_Result gw_send_error(gateway *g, struct MHD_Connection *conn, const str
     return ok;
 }
 
+/* ---- the default model ------------------------------------------------------ */
+
+#define GW_INFO_MAX_AGE_MS 60000
+
+/* Keeps the default model of a Models reply. */
+static void info_learn(gateway *g, const Llm__ModelsReply *mr) {
+    for (size_t i = 0; mr && i < mr->n_models; i++) {
+        const Llm__ModelInfo *mi = mr->models[i];
+        if (!mi->is_default && mr->n_models > 1) continue;
+        pthread_mutex_lock(&g->info_mu);
+        snprintf(g->info_id, sizeof g->info_id, "%s", mi->id ? mi->id : "");
+        g->info_n_ctx = mi->n_ctx;
+        g->info_at_ms = gw_now_ms();
+        pthread_mutex_unlock(&g->info_mu);
+        return;
+    }
+}
+
+/* How long a failed Models call waits before the next. */
+#define GW_INFO_RETRY_MS 2000
+
+/* One Models call on info_client (opened here the first time); called by
+ * the thread that set info_busy, without info_mu. */
+static void info_fetch(gateway *g) {
+    char err[256] = "";
+    if (!g->info_client) {
+        struct llm_client_config cc;
+        llm_client_config_default(&cc);
+        cc.endpoints = (const char *const *)g->endpoints;
+        cc.n_endpoints = g->n_endpoints;
+        cc.zmq_ctx = g->zctx;
+        cc.retry_ms = 300;
+        cc.reply_timeout_ms = 500;
+        if (llm_client_open(&g->info_client, &cc, err, sizeof err) < 0) g->info_client = NULL;
+    }
+    Llm__ClientEnvelope *rep = NULL;
+    int rc = g->info_client ? llm_client_models(g->info_client, &rep) : STATUS_UNAVAILABLE;
+    if (rc >= 0) info_learn(g, rep->models_reply);
+    else LOG(LL_DEBUG, "gateway: the router's models: %s", g->info_client ? llm_client_errstr(g->info_client) : err);
+    proto_client_free(rep);
+}
+
+void gw_model_info(gateway *g, char *name, size_t size, uint32_t *n_ctx) {
+    pthread_mutex_lock(&g->info_mu);
+    int64_t now = gw_now_ms();
+    bool stale = g->info_at_ms == 0 || now - g->info_at_ms >= GW_INFO_MAX_AGE_MS;
+    if (stale && !g->info_busy && now - g->info_try_ms >= GW_INFO_RETRY_MS) {
+        g->info_busy = true;
+        g->info_try_ms = now;
+        pthread_mutex_unlock(&g->info_mu);
+        info_fetch(g);
+        pthread_mutex_lock(&g->info_mu);
+        g->info_busy = false;
+        pthread_cond_broadcast(&g->info_cv);
+    }
+    /* Never learnt and being asked: the answer is a moment away. */
+    while (g->info_busy && g->info_at_ms == 0) pthread_cond_wait(&g->info_cv, &g->info_mu);
+    if (g->model_name) {
+        snprintf(name, size, "%s", g->model_name);
+    } else if (g->info_id[0]) {
+        snprintf(name, size, "%s", g->info_id);
+    } else if (g->model_path) {
+        /* What the router calls a model: its file's or folder's name. */
+        size_t n = strlen(g->model_path);
+        while (n > 1 && g->model_path[n - 1] == '/') n--;
+        size_t b = n;
+        while (b > 0 && g->model_path[b - 1] != '/') b--;
+        snprintf(name, size, "%.*s", (int)(n - b), g->model_path + b);
+    } else {
+        snprintf(name, size, "default");
+    }
+    if (n_ctx) *n_ctx = g->info_n_ctx;
+    pthread_mutex_unlock(&g->info_mu);
+}
+
 static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
     char err[512];
     struct oai_error e;
@@ -169,15 +245,17 @@ static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
     int rc = c ? llm_client_models(c, &rep) : STATUS_UNAVAILABLE;
     if (rc < 0) {
         Llm__Error__Code code = c ? llm_client_error_code(c) : LLM__ERROR__CODE__OK;
-        gw_error_from_router(&e, code, c ? llm_client_errstr(c) : err, c ? llm_client_retry_after_ms(c) : 0);
+        gw_error_from_router(&e, OAI_COMPLETIONS, code, c ? llm_client_errstr(c) : err,
+                             c ? llm_client_retry_after_ms(c) : 0);
         gw_pool_put(g, c, c && code != LLM__ERROR__CODE__OK);
         return gw_send_error(g, conn, &e, NULL);
     }
     gw_pool_put(g, c, true);
+    const Llm__ModelsReply *mr = rep->models_reply;
+    info_learn(g, mr);
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "object", "list");
     cJSON *data = cJSON_AddArrayToObject(root, "data");
-    const Llm__ModelsReply *mr = rep->models_reply;
     for (size_t i = 0; mr && i < mr->n_models; i++) {
         const Llm__ModelInfo *mi = mr->models[i];
         cJSON *m = cJSON_CreateObject();
@@ -282,6 +360,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         }
         return MHD_YES;
     }
+    /* The request is read: from here to its response's end the guard leaves
+     * the connection alone, however long the generation takes. */
+    httpd_guard_busy(conn);
     if (ctx->too_big) {
         oai_error_set(&e, 413, "invalid_request_error", NULL, "request_too_large",
                       "the request body is larger than this gateway's limit of %lld bytes (--max-body)",
@@ -301,6 +382,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
  * a full response (the client hung up, a write failed) cancels its job. */
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
+    (void)cls;
+    httpd_guard_idle(conn);
     struct req_ctx *ctx = *con_cls;
     if (!ctx) return;
     if (ctx->job) {
@@ -317,7 +400,10 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     size_t n = strlen(msg);
     while (n > 0 && msg[n - 1] == '\n') msg[--n] = 0;
-    LOG(LL_WARN, "gateway: libmicrohttpd: %s", msg);
+    /* A client that hangs up mid-request, or one the guard closed, is
+     * reported on every occurrence: at debug level, so that a slowloris
+     * cannot flood the log. */
+    LOG(strstr(msg, "socket is closed") ? LL_DEBUG : LL_WARN, "gateway: libmicrohttpd: %s", msg);
 }
 
 /* ---- start and stop ----------------------------------------------------------- */
@@ -350,13 +436,16 @@ static int load_model(gateway *g, char *err, size_t errlen) {
     if (rc < 0) return rc;
     g->family = chat_template_detect(tmpl);
     if (g->family == CHAT_FAMILY_NONE) {
+        /* Said after "model NAME" (the name clients use, known only once
+         * the router answers): how to choose a template, whichever way the
+         * gateway was started. */
         snprintf(g->chat_problem, sizeof g->chat_problem,
-                 "model %s %s: chat completions are refused rather than sent a guessed prompt; start llm-gateway "
-                 "with --chat-template NAME (one of %s) to choose one, or use /v1/completions",
-                 g->model_name ? g->model_name : g->model_path,
+                 "%s: chat completions are refused rather than sent a guessed prompt; choose a template with "
+                 "llm-gateway --chat-template NAME (or the environment variable LLM_CHAT_TEMPLATE=NAME; with "
+                 "llm-cluster: llm-cluster up --chat-template NAME), NAME one of %s, or use /v1/completions",
                  tmpl ? "has a chat template this gateway does not recognise" : "has no chat template",
                  chat_family_names());
-        LOG(LL_WARN, "gateway: %s", g->chat_problem);
+        LOG(LL_WARN, "gateway: model %s %s", g->model_name ? g->model_name : g->model_path, g->chat_problem);
     } else {
         LOG(LL_INFO, "gateway: chat template %s (from %s)", chat_family_name(g->family), g->model_path);
     }
@@ -501,8 +590,11 @@ static int start_metrics(gateway *g, char *err, size_t errlen) {
         return 0;
     }
     if (rc < 0) return rc;
-    LOG(LL_INFO, "gateway: metrics on http://%s (port %d): /metrics, /health, /ready", g->cfg.metrics_listen,
-        httpd_port(g->http));
+    /* The address as given, with the port it got (port 0 picks one). */
+    const char *colon = strrchr(g->cfg.metrics_listen, ':');
+    int hl = colon ? (int)(colon - g->cfg.metrics_listen) : (int)strlen(g->cfg.metrics_listen);
+    LOG(LL_INFO, "gateway: metrics on http://%.*s:%d (port %d): /metrics, /health, /ready", hl, g->cfg.metrics_listen,
+        httpd_port(g->http), httpd_port(g->http));
     return 0;
 }
 
@@ -517,6 +609,8 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
     }
     pthread_mutex_init(&g->pool_mu, NULL);
     pthread_mutex_init(&g->probe_mu, NULL);
+    pthread_mutex_init(&g->info_mu, NULL);
+    pthread_cond_init(&g->info_cv, NULL);
     pthread_mutex_init(&g->jobs_mu, NULL);
     pthread_cond_init(&g->jobs_cv, NULL);
     g->cfg = *cfg;
@@ -563,11 +657,20 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
     socklen_t sl;
     rc = parse_listen(cfg->listen, &ss, &sl, err, errlen);
     if (rc < 0) goto fail;
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    struct httpd_guard_config gc = {.name = "gateway", .max_connections = (unsigned)cfg->max_connections,
+                                    .read_timeout_ms = (unsigned)cfg->read_timeout_ms};
+    rc = httpd_guard_init(&g->guard, &gc, err, errlen);
+    if (rc < 0) goto fail;
+    /* poll(), not select(): a busy gateway's descriptors pass FD_SETSIZE. */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
     if (ss.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
+    /* libmicrohttpd's own inactivity timeout (60 s) stays for a response
+     * nobody reads; the guard bounds the time to send a request. */
     g->mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_request, g, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, g,
                               MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-                              g, MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_connections,
+                              g, MHD_OPTION_NOTIFY_CONNECTION, httpd_guard_notify, g->guard,
+                              MHD_OPTION_CONNECTION_LIMIT, httpd_guard_mhd_limit(g->guard),
+                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)cfg->max_connections_per_ip,
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)60, MHD_OPTION_END);
     if (!g->mhd) {
         snprintf(err, errlen, "--listen %s: cannot listen there (in use, or not an address of this host)",
@@ -588,9 +691,11 @@ void gateway_stop(gateway *g) {
     if (!g) return;
     /* Connections first: each one that ends cancels its job. */
     if (g->mhd) MHD_stop_daemon(g->mhd);
+    httpd_guard_free(g->guard);
     gw_runners_stop(g);
     httpd_stop(g->http);
     llm_client_close(g->probe);
+    llm_client_close(g->info_client);
     metrics_free(g->reg);
     free(g->metrics_listen);
     for (int i = 0; i < g->n_pool; i++) llm_client_close(g->pool[i]);
@@ -605,6 +710,8 @@ void gateway_stop(gateway *g) {
     pthread_mutex_destroy(&g->pool_mu);
     pthread_mutex_destroy(&g->jobs_mu);
     pthread_mutex_destroy(&g->probe_mu);
+    pthread_mutex_destroy(&g->info_mu);
+    pthread_cond_destroy(&g->info_cv);
     pthread_cond_destroy(&g->jobs_cv);
     free(g);
 }

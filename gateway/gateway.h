@@ -22,7 +22,13 @@ struct gateway_config {
     const char *const *api_keys;    /* accepted Bearer keys; none: open */
     size_t n_api_keys;
     int64_t max_body;               /* bytes of a request body, refused with 413 beyond */
+    /* HTTP connections kept at once; when all are open, a new one closes
+     * the one that has waited longest for its request (common/httpd_guard.h). */
     int max_connections;
+    int max_connections_per_ip;     /* 0: no limit per client address */
+    /* A request's headers and body must arrive within this many ms of its
+     * connection opening or of the previous response on it. */
+    int read_timeout_ms;
     int router_retry_ms;            /* libllmclient retry_ms: how long an unreachable router is waited for */
     int router_reply_timeout_ms;
     /* The metrics port (/metrics, /health, /ready; common/httpd.h): "HOST:PORT",
@@ -32,7 +38,8 @@ struct gateway_config {
     bool metrics_optional;
 };
 
-/* 127.0.0.1:8080, max_body 1 MiB, 256 connections, retry 5 s, reply 2 s. */
+/* 127.0.0.1:8080, max_body 1 MiB, 256 connections (any number per address),
+ * read timeout 10 s, retry 5 s, reply 2 s. */
 void gateway_config_default(struct gateway_config *cfg);
 
 typedef struct gateway gateway;

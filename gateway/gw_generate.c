@@ -50,15 +50,26 @@ static void sse_event(struct job *j, cJSON *o) {
     free(s);
 }
 
-/* lp (consumed; NULL: none) is the chunk's logprobs object. */
-static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
-    bool role = j->req.kind == OAI_CHAT && !j->role_sent;
-    j->role_sent = true;
+/* One chunk with this choice (consumed).  Called with mu held. */
+static void sse_choice(struct job *j, cJSON *choice) {
     cJSON *o = gw_job_object(j, true);
     cJSON *cs = cJSON_AddArrayToObject(o, "choices");
-    cJSON_AddItemToArray(cs, gw_stream_choice(j, role && text && !len ? NULL : text, len, finish, role, lp));
+    cJSON_AddItemToArray(cs, choice);
     if (j->req.include_usage) cJSON_AddNullToObject(o, "usage");
     sse_event(j, o);
+}
+
+/* lp (consumed; NULL: none) is the chunk's logprobs object.  A chat stream
+ * opens, as OpenAI's does, with a chunk that carries the role alone
+ * (content ""); text follows in chunks of its own. */
+static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
+    if (j->req.kind == OAI_CHAT && !j->role_sent) {
+        j->role_sent = true;
+        sse_choice(j, gw_stream_choice(j, NULL, 0, NULL, true, NULL));
+        if (len == 0 && !lp && !finish) return;
+    }
+    j->role_sent = true;
+    sse_choice(j, gw_stream_choice(j, len > 0 ? text : NULL, len, finish, false, lp));
 }
 
 static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
@@ -95,7 +106,7 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
 static void sse_finish(struct job *j) {
     if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
         struct oai_error e;
-        gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
                              j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
         char *s = oai_error_json(&e);
         if (s) {
@@ -129,6 +140,15 @@ static void job_run(struct job *j) {
     if (!c) {
         rc = STATUS_UNAVAILABLE;
     } else {
+        if (!j->model[0]) {
+            /* The request named the default model: the response names it
+             * as /v1/models does (asked of the router once a minute). */
+            char name[sizeof j->model];
+            gw_model_info(g, name, sizeof name, NULL);
+            pthread_mutex_lock(&j->mu);
+            snprintf(j->model, sizeof j->model, "%s", name);
+            pthread_mutex_unlock(&j->mu);
+        }
         struct llm_generate_params p;
         llm_generate_params_default(&p);
         p.request_id = j->request_id;
@@ -358,9 +378,11 @@ static void sse_free(void *cls) {
 /* Chat: the rendered prompt tokenized with the model's tokenizer, and its
  * end-of-turn token as a stop. */
 static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
-    const char *model = g->model_path ? g->model_path : "the served model";
     if (g->family == CHAT_FAMILY_NONE) {
-        oai_error_set(e, 400, "invalid_request_error", "messages", "chat_template_not_found", "%s", g->chat_problem);
+        char model[256];
+        gw_model_info(g, model, sizeof model, NULL);
+        oai_error_set(e, 400, "invalid_request_error", "messages", "chat_template_not_found", "model %s %s", model,
+                      g->chat_problem);
         return -1;
     }
     char err[512], *text = NULL;
@@ -376,6 +398,8 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
     }
     free(text);
     if (n < 0) {
+        char model[256];
+        gw_model_info(g, model, sizeof model, NULL);
         oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "the messages cannot be tokenized by %s: %s",
                       model, status_str(n));
         return -1;
@@ -440,7 +464,9 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     const char *m = j->req.model;
     bool is_default = !m[0] || strcmp(m, "default") == 0 || (g->model_name && strcmp(m, g->model_name) == 0);
     snprintf(j->router_model, sizeof j->router_model, "%s", is_default ? "" : m);
-    snprintf(j->model, sizeof j->model, "%s", m[0] ? m : g->model_name ? g->model_name : "default");
+    /* The default model is reported by the name /v1/models gives it, set
+     * by the runner (gw_model_info); another name as the request gave it. */
+    if (!is_default) snprintf(j->model, sizeof j->model, "%s", m);
     char hex[33];
     random_hex(hex, 32);
     snprintf(j->id, sizeof j->id, "%s-%s", kind == OAI_CHAT ? "chatcmpl" : "cmpl", hex);
@@ -458,6 +484,25 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
             return gw_send_error(g, conn, &e, NULL);
         }
         if (chat_prompt(g, j, &e) < 0) {
+            gw_job_release(j);
+            return gw_send_error(g, conn, &e, NULL);
+        }
+    }
+    /* A prompt of known length that leaves no room for one token is refused
+     * here, by the model's context (the router's refusal of a text prompt
+     * gets the same code through gw_error_from_router). */
+    size_t n_prompt = j->prompt_ids ? j->n_prompt_ids : j->req.prompt_tokens ? j->req.n_prompt_tokens : 0;
+    if (n_prompt > 0 && is_default) {
+        char name[256];
+        uint32_t n_ctx = 0;
+        gw_model_info(g, name, sizeof name, &n_ctx);
+        if (n_ctx > 0 && n_prompt >= n_ctx) {
+            oai_error_set(&e, 400, "invalid_request_error", kind == OAI_CHAT ? "messages" : "prompt",
+                          "context_length_exceeded",
+                          "This model's maximum context length is %u tokens. However, your %s %zu tokens, which "
+                          "leaves no room for the completion. Please reduce the length of the %s.", n_ctx,
+                          kind == OAI_CHAT ? "messages resulted in" : "prompt has", n_prompt,
+                          kind == OAI_CHAT ? "messages" : "prompt");
             gw_job_release(j);
             return gw_send_error(g, conn, &e, NULL);
         }
@@ -485,7 +530,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     }
     /* Refused before any token: an error response with its status. */
     if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
-        gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
                              j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
         pthread_mutex_unlock(&j->mu);
         gw_job_release(j);
@@ -493,7 +538,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     }
     if (!j->req.stream) {
         if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-            gw_error_from_router(&e, j->rc < 0 ? j->code : j->res.error_code,
+            gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
                                  j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
             pthread_mutex_unlock(&j->mu);
             gw_job_release(j);

@@ -9,40 +9,70 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The router's own words: libllmclient's "generate: INVALID_ARGUMENT: TEXT
+ * (request ID)" without the call, the code and the request id, which the
+ * error object carries in its own fields (type, code, the response id). */
+static void router_text(const char *msg, Llm__Error__Code code, char *out, size_t size) {
+    const char *t = msg ? msg : "";
+    if (code != LLM__ERROR__CODE__OK) {
+        char mark[64];
+        snprintf(mark, sizeof mark, ": %s: ", proto_code_name(code));
+        const char *m = strstr(t, mark);
+        if (m) t = m + strlen(mark);
+    }
+    size_t n = strlen(t);
+    /* Only the last, trailing "(request ...)": the text itself may say it. */
+    const char *rq = NULL;
+    for (const char *p = strstr(t, " (request "); p; p = strstr(p + 1, " (request ")) rq = p;
+    if (rq && n > 0 && t[n - 1] == ')' && !strchr(rq + 2, '(')) n = (size_t)(rq - t);
+    snprintf(out, size, "%.*s", (int)n, t);
+}
+
 /* The router's refusal (llm_client_generate < 0, or a request that ended in
  * ERROR before its first token) as an OpenAI error. */
-void gw_error_from_router(struct oai_error *e, Llm__Error__Code code, const char *msg, uint32_t retry_after_ms) {
+void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *msg,
+                          uint32_t retry_after_ms) {
+    char text[sizeof e->message];
+    router_text(msg, code, text, sizeof text);
+    const char *prompt = kind == OAI_CHAT ? "messages" : "prompt";
     switch (code) {
     case LLM__ERROR__CODE__INVALID_ARGUMENT:
-        oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "%s", msg);
+        /* The router refuses a prompt longer than the model's context, or
+         * (before it clamps max_tokens) a prompt plus max_tokens beyond it,
+         * with a message that speaks of the context. */
+        if (strstr(text, "context"))
+            oai_error_set(e, 400, "invalid_request_error", strstr(text, "max_tokens") ? "max_tokens" : prompt,
+                          "context_length_exceeded", "%s", text);
+        else
+            oai_error_set(e, 400, "invalid_request_error", NULL, "invalid_value", "%s", text);
         break;
     case LLM__ERROR__CODE__NOT_FOUND:
-        oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found", "%s", msg);
+        oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found", "%s", text);
         break;
     case LLM__ERROR__CODE__RESOURCE_EXHAUSTED:
         /* Two refusals share this code: a full queue, with the router's
          * retry_after_ms, and a request that can never fit the KV cache,
          * without (retrying cannot help). */
         if (retry_after_ms == 0) {
-            oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", msg);
+            oai_error_set(e, 400, "invalid_request_error", "max_tokens", "context_length_exceeded", "%s", text);
         } else {
-            oai_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded", "%s", msg);
+            oai_error_set(e, 429, "rate_limit_error", NULL, "rate_limit_exceeded", "%s", text);
             e->retry_after_s = (int)((retry_after_ms + 999) / 1000);
         }
         break;
     case LLM__ERROR__CODE__FAILED_PRECONDITION:
     case LLM__ERROR__CODE__UNAVAILABLE:
     case LLM__ERROR__CODE__ABORTED:
-        oai_error_set(e, 503, "server_error", NULL, "service_unavailable", "%s", msg);
+        oai_error_set(e, 503, "server_error", NULL, "service_unavailable", "%s", text);
         e->retry_after_s = retry_after_ms > 0 ? (int)((retry_after_ms + 999) / 1000) : 1;
         break;
     case LLM__ERROR__CODE__OK: /* the client's own failure: no router answered */
         oai_error_set(e, 503, "server_error", NULL, "router_unavailable", "the cluster's router cannot be reached: %s",
-                      msg);
+                      text);
         e->retry_after_s = 1;
         break;
     default:
-        oai_error_set(e, 500, "server_error", NULL, NULL, "%s", msg);
+        oai_error_set(e, 500, "server_error", NULL, "internal_error", "%s", text);
         break;
     }
 }

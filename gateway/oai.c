@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "common/unicode.h"
 
 void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
                    const char *fmt, ...) {
@@ -373,6 +374,39 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     return BAD(e, name, "%s: not handled", name);
 }
 
+/* The first string of v that is not valid UTF-8, as a path into the body
+ * ("messages[2].content[0].text"), with *key set when it is a key of that
+ * path rather than its value; false when all are valid.  JSON text must be
+ * UTF-8 (RFC 8259), and every string reaches a tokenizer, the router or a
+ * response that has to be valid JSON again. */
+static bool bad_utf8(const cJSON *v, char *path, size_t size, size_t *at, bool *key) {
+    if (cJSON_IsString(v)) {
+        size_t sl = strlen(v->valuestring);
+        *at = unicode_utf8_valid_prefix(v->valuestring, sl);
+        return *at != sl;
+    }
+    if (!cJSON_IsArray(v) && !cJSON_IsObject(v)) return false;
+    size_t n = strlen(path);
+    int i = 0;
+    const cJSON *c;
+    cJSON_ArrayForEach(c, v) {
+        if (cJSON_IsArray(v)) {
+            snprintf(path + n, size - n, "[%d]", i++);
+        } else {
+            size_t kl = strlen(c->string);
+            *at = unicode_utf8_valid_prefix(c->string, kl);
+            if (*at != kl) {
+                *key = true;
+                return true;
+            }
+            snprintf(path + n, size - n, "%s%.64s", n ? "." : "", c->string);
+        }
+        if (bad_utf8(c, path, size, at, key)) return true;
+        path[n] = 0;
+    }
+    return false;
+}
+
 int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_request *r, struct oai_error *e) {
     memset(r, 0, sizeof *r);
     r->kind = kind;
@@ -388,8 +422,30 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
         oai_request_free(r);
         return -1;
     }
+    /* One value and nothing after it but blanks: a second object would be
+     * a request silently dropped. */
+    size_t tail = end && end >= body && (size_t)(end - body) <= len ? (size_t)(end - body) : len;
+    while (tail < len && (body[tail] == ' ' || body[tail] == '\t' || body[tail] == '\r' || body[tail] == '\n')) tail++;
+    if (tail < len) {
+        (void)BAD(e, NULL, "the request body has %zu more bytes after its JSON value (from byte %zu of %zu): send "
+                  "one JSON object per request", len - tail, tail, len);
+        oai_request_free(r);
+        return -1;
+    }
     if (!cJSON_IsObject(r->root)) {
         (void)BAD(e, NULL, "the request body must be a JSON object, got %s", json_type(r->root));
+        oai_request_free(r);
+        return -1;
+    }
+    char path[256] = "";
+    size_t at = 0;
+    bool key = false;
+    if (bad_utf8(r->root, path, sizeof path, &at, &key)) {
+        if (key && !path[0]) (void)BAD(e, NULL, "a field name is not valid UTF-8 (byte %zu): JSON text must be UTF-8", at);
+        else if (key) (void)BAD(e, path, "a field name in %s is not valid UTF-8 (byte %zu): JSON text must be UTF-8",
+                                path, at);
+        else (void)BAD(e, path, "%s is not valid UTF-8 (byte %zu is not part of a character): JSON text must be UTF-8",
+                       path, at);
         oai_request_free(r);
         return -1;
     }

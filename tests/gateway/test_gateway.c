@@ -6,6 +6,9 @@
  * temperature 0 must equal llm-run's output. */
 #include "tests/router/cluster_harness.h"
 
+#include <stdatomic.h>
+#include <sys/resource.h>
+
 #define GW_BIN LLM_BINARY_DIR "/gateway/llm-gateway"
 #define GW_MODEL_NAME "stories"
 #define GW_KEY "sk-test-key"
@@ -19,8 +22,11 @@ struct gw {
     char metrics_url[64]; /* the metrics port */
 };
 
-/* Starts llm-gateway on a free port with extra flags; waits until it answers. */
-static void gw_start(struct cluster *cl, struct gw *g, const char *name, const char *router, const char *extra) {
+/* Starts llm-gateway on a free port with extra flags, serving the model as
+ * model_name (NULL: no --model-name, the router's id); waits until it
+ * answers. */
+static void gw_start_named(struct cluster *cl, struct gw *g, const char *name, const char *router,
+                           const char *model_name, const char *extra) {
     if (access(GW_BIN, X_OK) != 0) TEST_FAIL("%s is not built", GW_BIN);
     char err[256];
     if (zio_free_port(NULL, &g->port, err, sizeof err) != 0) TEST_FAIL("free port: %s", err);
@@ -31,8 +37,13 @@ static void gw_start(struct cluster *cl, struct gw *g, const char *name, const c
     snprintf(g->proc.name, sizeof g->proc.name, "%s", name);
     snprintf(g->proc.log, sizeof g->proc.log, "%s/%s.log", cl->dir, name);
     const char *argv[48] = {GW_BIN, "--listen", listen, "--router", router, "--model", model_path(),
-                            "--model-name", GW_MODEL_NAME, "--log-level", "info", "--metrics-listen", "127.0.0.1:0"};
-    int n = h_add_words(argv, 13, words);
+                            "--log-level", "info", "--metrics-listen", "127.0.0.1:0"};
+    int n = 11;
+    if (model_name) {
+        argv[n++] = "--model-name";
+        argv[n++] = model_name;
+    }
+    n = h_add_words(argv, n, words);
     argv[n] = NULL;
     h_proc_setargs(&g->proc, argv);
     h_proc_start(cl, &g->proc);
@@ -45,12 +56,21 @@ static void gw_start(struct cluster *cl, struct gw *g, const char *name, const c
             const char *port = strstr(buf, "(port ");
             if (!mp || !port) H_FAIL(cl, "%s started without a metrics port: %s", name, buf);
             snprintf(g->metrics_url, sizeof g->metrics_url, "http://127.0.0.1:%d", atoi(port + 6));
+            /* The URL in the log line is the one to use: the port it got,
+             * not the 0 it was asked for. */
+            char logged[96];
+            snprintf(logged, sizeof logged, "metrics on %s (port", g->metrics_url);
+            if (!strstr(buf, logged)) H_FAIL(cl, "%s: the metrics line does not say \"%s\": %s", name, logged, buf);
             return;
         }
         int st;
         if (h_proc_exited(&g->proc, &st) || h_now_ms() > end) H_FAIL(cl, "%s did not start: %s", name, buf);
         h_sleep_ms(20);
     }
+}
+
+static void gw_start(struct cluster *cl, struct gw *g, const char *name, const char *router, const char *extra) {
+    gw_start_named(cl, g, name, router, GW_MODEL_NAME, extra);
 }
 
 struct resp {
@@ -163,6 +183,12 @@ static void expect_error(struct cluster *cl, const struct resp *r, int status, c
         H_FAIL(cl, "%s: param %s, expected %s (%s)", what, err_field(r, "param"), param, r->body);
     if (needle && !strstr(err_field(r, "message"), needle))
         H_FAIL(cl, "%s: message does not say \"%s\": %s", what, needle, r->body);
+}
+
+/* Asserts that the error's message contains needle. */
+static void msg_has(struct cluster *cl, const struct resp *r, const char *needle) {
+    if (!strstr(err_field(r, "message"), needle))
+        H_FAIL(cl, "the message does not say \"%s\": %s", needle, r->body);
 }
 
 /* The text of a completion response (choices[0].text). */
@@ -706,6 +732,403 @@ TEST(openai_node) {
     H_ASSERT(cl_, st == 0, "the openai npm package test failed (status 0x%x); its output is above", st);
 }
 
+
+/* ---- issue 29: hardening and first use -------------------------------------- */
+
+/* Invalid UTF-8 anywhere in a body is the client's error, named by its
+ * field and answered at once (it used to reach the router, whose refusal
+ * libllmclient dropped: 503 router_unavailable after --router-retry-ms). */
+TEST(invalid_utf8_refused) {
+    setup();
+    struct resp r;
+    static const struct {
+        const struct gw *g;
+        const char *path, *key, *body, *param;
+    } cases[] = {
+        {&gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"\xff\xfe\",\"max_tokens\":2}", "prompt"},
+        {&gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":[\"ok \xc3\"],\"max_tokens\":2}", "prompt[0]"},
+        {&gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"a\",\"stop\":[\"x\",\"\xe2\x82\"]}", "stop[1]"},
+        {&gw_open, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xe9\"}]}",
+         "messages[0].content"},
+        {&gw_open, "/v1/chat/completions", NULL,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"ok\"},{\"role\":\"user\",\"content\":[{\"type\":\"text\","
+         "\"text\":\"\xed\xa0\x80\"}]}]}", "messages[1].content[0].text"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t t0 = h_now_ms();
+        post(cl_, cases[i].g, cases[i].path, cases[i].key, cases[i].body, &r);
+        int64_t took = h_now_ms() - t0;
+        expect_error(cl_, &r, 400, cases[i].param, "not valid UTF-8", cases[i].param);
+        ASSERT_STREQ("invalid_request_error", err_field(&r, "type"));
+        H_ASSERT(cl_, took < 1000, "%s: the refusal took %lld ms", cases[i].param, (long long)took);
+        resp_free(&r);
+    }
+    /* Whole characters pass: é as UTF-8. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"caf\xc3\xa9\",\"max_tokens\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "a valid UTF-8 prompt: status %d: %s", r.status, r.body);
+    resp_free(&r);
+}
+
+/* A body is one JSON value: a second object after it was silently dropped. */
+TEST(trailing_bytes_refused) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"a\",\"max_tokens\":2} {\"prompt\":\"b\"}", &r);
+    expect_error(cl_, &r, 400, "null", "after its JSON value", "two objects");
+    resp_free(&r);
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"a\",\"max_tokens\":2}x", &r);
+    expect_error(cl_, &r, 400, "null", "1 more bytes", "one trailing byte");
+    resp_free(&r);
+    /* Blanks after the object are fine. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"a\",\"max_tokens\":2}\r\n \n", &r);
+    H_ASSERT(cl_, r.status == 200, "trailing blanks: status %d: %s", r.status, r.body);
+    resp_free(&r);
+}
+
+/* A prompt longer than the context is OpenAI's 400 context_length_exceeded
+ * with the prompt's field as param, and a message without libllmclient's
+ * "generate: INVALID_ARGUMENT: ... (request ...)" wrapping: a text prompt
+ * through the router's refusal, token ids and chat by the gateway itself. */
+TEST(context_length_exceeded) {
+    setup();
+    struct resp r;
+    char *big = malloc(40000);
+    strcpy(big, "{\"prompt\":\"");
+    for (int i = 0; i < 3000; i++) strcat(big, "dog ");
+    strcat(big, "\",\"max_tokens\":10}");
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, big, &r);
+    expect_error(cl_, &r, 400, "prompt", "context", "a 3000-word prompt");
+    ASSERT_STREQ("context_length_exceeded", err_field(&r, "code"));
+    const char *msg = err_field(&r, "message");
+    H_ASSERT(cl_, !strstr(msg, "INVALID_ARGUMENT") && !strstr(msg, "generate:") && !strstr(msg, "(request "),
+             "the message carries libllmclient's wrapping: %s", msg);
+    resp_free(&r);
+
+    strcpy(big, "{\"prompt\":[1");
+    for (int i = 1; i < 200; i++) strcat(big, ",1");
+    strcat(big, "],\"max_tokens\":2}");
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, big, &r);
+    expect_error(cl_, &r, 400, "prompt", "maximum context length is 128 tokens", "200 token ids");
+    ASSERT_STREQ("context_length_exceeded", err_field(&r, "code"));
+    resp_free(&r);
+
+    strcpy(big, "{\"messages\":[{\"role\":\"user\",\"content\":\"");
+    for (int i = 0; i < 300; i++) strcat(big, "dog ");
+    strcat(big, "\"}]}");
+    post(cl_, &gw_open, "/v1/chat/completions", NULL, big, &r);
+    expect_error(cl_, &r, 400, "messages", "maximum context length is 128 tokens", "a 300-word chat");
+    ASSERT_STREQ("context_length_exceeded", err_field(&r, "code"));
+    resp_free(&r);
+    free(big);
+}
+
+/* The model's name when a request does not give one: the id /v1/models
+ * lists (the router's, without --model-name), in whole and streamed
+ * responses, not "default".  The chat template error names it the same
+ * way, never by path, and says how to choose a template with the
+ * environment variable and with llm-cluster. */
+TEST(model_named_as_listed) {
+    setup();
+    struct gw g;
+    memset(&g, 0, sizeof g);
+    gw_start_named(cl_, &g, "gateway-unnamed", cl_->client_ep, NULL, "");
+    struct resp r;
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/models", g.url);
+    curl(cl_, "GET", url, NULL, NULL, 0, NULL, &r);
+    H_ASSERT(cl_, r.status == 200, "/v1/models: %d %s", r.status, r.body);
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r.json, "data"), 0), "id");
+    H_ASSERT(cl_, cJSON_IsString(id), "/v1/models has no id: %s", r.body);
+    char name[256];
+    snprintf(name, sizeof name, "%s", id->valuestring);
+    resp_free(&r);
+    H_ASSERT(cl_, strcmp(name, "default") != 0, "/v1/models lists \"default\"");
+
+    post(cl_, &g, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "completion: %d %s", r.status, r.body);
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(r.json, "model");
+    H_ASSERT(cl_, cJSON_IsString(m) && strcmp(m->valuestring, name) == 0, "completion's model is %s, /v1/models "
+             "lists %s", cJSON_IsString(m) ? m->valuestring : "(none)", name);
+    resp_free(&r);
+    post(cl_, &g, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":2,\"stream\":true}", &r);
+    char want[300];
+    snprintf(want, sizeof want, "\"model\":\"%s\"", name);
+    H_ASSERT(cl_, r.status == 200 && strstr(r.body, want) && !strstr(r.body, "\"model\":\"default\""),
+             "streamed completion does not name %s: %s", name, r.body);
+    resp_free(&r);
+
+    post(cl_, &g, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}]}", &r);
+    expect_error(cl_, &r, 400, "messages", "LLM_CHAT_TEMPLATE", "chat without a template");
+    msg_has(cl_, &r, name);
+    msg_has(cl_, &r, "llm-cluster up --chat-template");
+    msg_has(cl_, &r, "--chat-template NAME");
+    H_ASSERT(cl_, !strstr(err_field(&r, "message"), "/shared/models/"), "the message names the model by path: %s",
+             err_field(&r, "message"));
+    resp_free(&r);
+    h_proc_kill(&g.proc, SIGTERM);
+}
+
+/* A streamed chat opens with the role alone (content ""), as OpenAI's does
+ * and docs/gateway.md shows; no later chunk repeats it, and text comes in
+ * chunks of its own. */
+TEST(chat_stream_role_first) {
+    setup();
+    struct resp r;
+    post(cl_, &gw_open, "/v1/chat/completions", NULL,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"Once upon a time\"}],\"max_tokens\":8,\"temperature\":0,"
+         "\"stream\":true}", &r);
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    char *copy = strdup(r.body), *save = NULL;
+    int n = 0, texts = 0;
+    for (char *ev = strtok_r(copy, "\n", &save); ev; ev = strtok_r(NULL, "\n", &save)) {
+        if (strcmp(ev, "data: [DONE]") == 0) break;
+        cJSON *j = cJSON_Parse(ev + 6);
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0), "delta");
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(d, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(d, "content");
+        if (n == 0) {
+            H_ASSERT(cl_, cJSON_IsString(role) && strcmp(role->valuestring, "assistant") == 0 &&
+                              cJSON_IsString(content) && content->valuestring[0] == 0,
+                     "the first chunk is not the role alone: %s", ev);
+        } else {
+            H_ASSERT(cl_, !role, "chunk %d repeats the role: %s", n, ev);
+            if (cJSON_IsString(content) && content->valuestring[0]) texts++;
+        }
+        cJSON_Delete(j);
+        n++;
+    }
+    free(copy);
+    H_ASSERT(cl_, texts >= 1, "no chunk after the role carries text: %s", r.body);
+    resp_free(&r);
+}
+
+
+/* ---- slow clients ------------------------------------------------------------ */
+
+/* One request on a fresh connection to 127.0.0.1:port ("Connection: close"
+ * in req), read to its end; status, or -1.  Waits at most 5 s. */
+static int raw_http(int port, const char *req, char *body, size_t size) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ssize_t n = (ssize_t)strlen(req);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return -1;
+    }
+    size_t len = 0;
+    ssize_t got;
+    while (len + 1 < size && (got = read(fd, body + len, size - 1 - len)) > 0) len += (size_t)got;
+    close(fd);
+    body[len] = 0;
+    int status = -1;
+    if (sscanf(body, "HTTP/1.%*d %d", &status) != 1) return -1;
+    return status;
+}
+
+/* A slowloris: LORIS_N connections that never finish a request, half idle,
+ * half sending one more byte of a header every tick; one the server closes
+ * is opened again at the next tick, as an attacker would.  Its own thread. */
+#define LORIS_N 500
+#define LORIS_TICK_MS 200
+
+struct loris {
+    int port;
+    const char *head;
+    int fd[LORIS_N];
+    atomic_int stop, opened, closed;
+    pthread_t th;
+};
+
+static int loris_connect(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static bool loris_alive(int fd) {
+    char buf[512];
+    for (;;) {
+        ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n > 0) continue;
+        if (n == 0) return false;
+        return errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN || errno == EINTR;
+    }
+}
+
+static void *loris_main(void *arg) {
+    struct loris *l = arg;
+    size_t sent[LORIS_N] = {0}, hl = strlen(l->head);
+    while (!atomic_load(&l->stop)) {
+        for (int i = 0; i < LORIS_N; i++) {
+            if (l->fd[i] >= 0 && !loris_alive(l->fd[i])) {
+                close(l->fd[i]);
+                l->fd[i] = -1;
+                atomic_fetch_add(&l->closed, 1);
+            }
+            if (l->fd[i] < 0) {
+                l->fd[i] = loris_connect(l->port);
+                sent[i] = 0;
+                if (l->fd[i] >= 0) atomic_fetch_add(&l->opened, 1);
+                continue;
+            }
+            if (i % 2 == 1) {
+                char b = sent[i] < hl ? l->head[sent[i]] : 'a';
+                if (send(l->fd[i], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT) == 1) sent[i]++;
+            }
+        }
+        h_sleep_ms(LORIS_TICK_MS);
+    }
+    for (int i = 0; i < LORIS_N; i++)
+        if (l->fd[i] >= 0) close(l->fd[i]);
+    return NULL;
+}
+
+static void loris_start(struct loris *l, int port, const char *head) {
+    memset(l, 0, sizeof *l);
+    l->port = port;
+    l->head = head;
+    for (int i = 0; i < LORIS_N; i++) l->fd[i] = -1;
+    ASSERT_EQ(0, pthread_create(&l->th, NULL, loris_main, l));
+}
+
+static void loris_stop(struct loris *l) {
+    atomic_store(&l->stop, 1);
+    pthread_join(l->th, NULL);
+}
+
+/* 500 idle or trickling connections on the API port and 500 more on the
+ * metrics port, coming back as they are closed: a fresh client still gets
+ * /v1/models and /health within 1 s, every time over 3 s, and a completion.
+ * The gateway runs with its defaults (256 connections, 10 s to send a
+ * request); before, 256 idle connections shut everyone out for 60 s and
+ * 32 shut out /health for 10 s. */
+TEST(slowloris) {
+    setup();
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < 4 * LORIS_N) {
+        rl.rlim_cur = rl.rlim_max < 4 * LORIS_N ? rl.rlim_max : 4 * LORIS_N;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        if (rl.rlim_cur < 4 * LORIS_N)
+            TEST_SKIP("ulimit -n is %llu: 2 x %d slow connections need %d", (unsigned long long)rl.rlim_cur, LORIS_N,
+                      4 * LORIS_N);
+    }
+    struct gw g;
+    memset(&g, 0, sizeof g);
+    gw_start(cl_, &g, "gateway-slowloris", cl_->client_ep, "");
+    int mport = atoi(strrchr(g.metrics_url, ':') + 1);
+    static struct loris api, met;
+    loris_start(&api, g.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Slow: ");
+    loris_start(&met, mport, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ");
+    int64_t end = h_now_ms() + 10000;
+    while ((atomic_load(&api.opened) < LORIS_N || atomic_load(&met.opened) < LORIS_N) && h_now_ms() < end)
+        h_sleep_ms(20);
+    h_sleep_ms(3 * LORIS_TICK_MS);
+    static char body[65536];
+    int64_t worst_api = 0, worst_health = 0;
+    const char *fail = NULL;
+    int status = 0;
+    int64_t took = 0;
+    for (int i = 0; i < 10 && !fail; i++) {
+        int64_t t0 = h_now_ms();
+        status = raw_http(g.port, "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", body, sizeof body);
+        took = h_now_ms() - t0;
+        if (status != 200 || took > 1000) fail = "/v1/models";
+        if (took > worst_api) worst_api = took;
+        if (fail) break;
+        t0 = h_now_ms();
+        status = raw_http(mport, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", body, sizeof body);
+        took = h_now_ms() - t0;
+        if (status != 200 || took > 1000) fail = "/health";
+        if (took > worst_health) worst_health = took;
+        h_sleep_ms(300);
+    }
+    int64_t t0 = h_now_ms();
+    int cstatus = fail ? 0 : raw_http(g.port, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                      "Content-Type: application/json\r\nContent-Length: 31\r\n\r\n"
+                                      "{\"prompt\":\"a\",\"max_tokens\":2}  ", body, sizeof body);
+    int64_t ctook = h_now_ms() - t0;
+    int a_open = atomic_load(&api.opened), a_closed = atomic_load(&api.closed);
+    int m_open = atomic_load(&met.opened), m_closed = atomic_load(&met.closed);
+    loris_stop(&api);
+    loris_stop(&met);
+    if (fail)
+        H_FAIL(cl_, "%s under %d slow connections: status %d after %lld ms (expected 200 within 1000 ms)", fail,
+               LORIS_N, status, (long long)took);
+    printf("  under 2 x %d slow connections: /v1/models within %lld ms, /health within %lld ms, a completion %d in "
+           "%lld ms; the gateway closed %d of %d on its API port and %d of %d on its metrics port\n",
+           LORIS_N, (long long)worst_api, (long long)worst_health, cstatus, (long long)ctook, a_closed, a_open,
+           m_closed, m_open);
+    H_ASSERT(cl_, cstatus == 200 && ctook < 5000, "a completion under the slowloris: status %d in %lld ms: %s", cstatus,
+             (long long)ctook, body);
+    /* It still serves once they are gone. */
+    struct resp r;
+    post(cl_, &g, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":2}", &r);
+    H_ASSERT(cl_, r.status == 200, "after the slowloris: %d %s", r.status, r.body);
+    resp_free(&r);
+    h_proc_kill(&g.proc, SIGTERM);
+}
+
+/* The read deadline bounds sending a request, not answering it: with
+ * --read-timeout-ms 1000, a trickling header is closed after about 1 s,
+ * while a streamed request whose worker is stopped for 2.5 s still ends
+ * with its whole answer. */
+TEST(read_deadline) {
+    setup();
+    struct gw g;
+    memset(&g, 0, sizeof g);
+    gw_start(cl_, &g, "gateway-deadline", cl_->client_ep, "--read-timeout-ms 1000");
+    int fd = loris_connect(g.port);
+    H_ASSERT(cl_, fd >= 0, "connect to %d", g.port);
+    const char *head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    int64_t t0 = h_now_ms(), closed_at = 0;
+    for (size_t k = 0; h_now_ms() - t0 < 8000; k++) {
+        char b = k < strlen(head) ? head[k] : 'a';
+        if (!loris_alive(fd) || send(fd, &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+            closed_at = h_now_ms() - t0;
+            break;
+        }
+        h_sleep_ms(50);
+    }
+    close(fd);
+    H_ASSERT(cl_, closed_at > 0, "a connection trickling a header was still open after 8 s (deadline 1 s)");
+    printf("  a trickling connection was closed after %lld ms\n", (long long)closed_at);
+    H_ASSERT(cl_, closed_at >= 800 && closed_at <= 4000, "closed after %lld ms, expected about 1000",
+             (long long)closed_at);
+
+    pid_t worker = cl_->workers[0].pid;
+    H_ASSERT(cl_, worker > 0, "no worker");
+    kill(worker, SIGSTOP);
+    char url[128];
+    snprintf(url, sizeof url, "%s/v1/completions", g.url);
+    pid_t cont = fork();
+    if (cont == 0) {
+        usleep(2500 * 1000);
+        kill(worker, SIGCONT);
+        _exit(0);
+    }
+    struct resp r;
+    post(cl_, &g, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":8,\"stream\":true}", &r);
+    kill(worker, SIGCONT);
+    waitpid(cont, NULL, 0);
+    H_ASSERT(cl_, r.status == 200 && strstr(r.body, "data: [DONE]"), "a request that waited 2.5 s: %d %s", r.status,
+             r.body);
+    resp_free(&r);
+    h_proc_kill(&g.proc, SIGTERM);
+}
+
 /* Last: the cluster and gateways go. */
 TEST(teardown) {
     if (!cl_) TEST_SKIP("nothing started");
@@ -716,5 +1139,6 @@ TEST(teardown) {
 }
 
 TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
-          huge_body,
+          huge_body, invalid_utf8_refused, trailing_bytes_refused, context_length_exceeded, model_named_as_listed,
+          chat_stream_role_first, slowloris, read_deadline,
           disconnect_cancels, runners_reused, router_unreachable, metrics_port, models, openai_node, teardown)

@@ -141,6 +141,25 @@ try {
   check(e.status === 400 && e.param === 'n', `n = 2 refused with 400, param ${e.param}: ${e.message}`);
 }
 
+// A prompt longer than the context: the code SDK users branch on, and a
+// message without libllmclient's "generate: INVALID_ARGUMENT" wrapping.
+try {
+  await client.completions.create({ model, prompt: 'dog '.repeat(3000), max_tokens: 4 });
+  check(false, 'a 3000-word prompt was refused');
+} catch (e) {
+  check(e instanceof OpenAI.BadRequestError && e.code === 'context_length_exceeded' && e.param === 'prompt' &&
+        !/INVALID_ARGUMENT|\(request /.test(e.message),
+        `a 3000-word prompt refused with context_length_exceeded: ${e.status} ${e.code} ${e.message}`);
+}
+
+// A streamed chat opens with the role alone, then text.
+const rs = await chatClient.chat.completions.create({ model, messages, max_tokens: 4, temperature: 0, stream: true });
+const firsts = [];
+for await (const chunk of rs) firsts.push(chunk.choices[0]?.delta ?? {});
+check(firsts.length >= 2 && firsts[0].role === 'assistant' && firsts[0].content === '' &&
+      firsts.slice(1).every((d) => d.role === undefined),
+      `streamed chat opens with the role alone: ${JSON.stringify(firsts.slice(0, 3))}`);
+
 if (failures > 0) {
   console.log(`${failures} check(s) failed`);
   process.exit(1);
