@@ -437,6 +437,13 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         exit_code = 1;
     } else {
         printf("\n");
+        /* The router clamps a max_tokens that runs past the model's context
+         * rather than refusing it: say so, since the text may end sooner
+         * than asked (finish LENGTH). */
+        if (r.max_tokens > 0 && max_tokens > 0 && r.max_tokens < (uint32_t)max_tokens)
+            fprintf(stderr, "llm: note: request %s: --max-tokens %d was clamped to %u, what the model's "
+                    "context leaves after the %zu-token prompt\n", r.request_id, max_tokens, r.max_tokens,
+                    r.n_prompt_ids);
         if (out.oom) {
             fprintf(stderr, "llm: request %s: out of memory for the output; cancelled\n", r.request_id);
             exit_code = 1;

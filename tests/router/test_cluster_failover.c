@@ -116,4 +116,81 @@ TEST(cluster_router_failover_kill9) {
     h_cluster_stop(cl);
 }
 
-TEST_MAIN(cluster_router_failover_kill9)
+/* A client of both routers, the second router's endpoint first. */
+static llm_client *client_r2_first(struct cluster *cl, int reply_ms, int retry_ms) {
+    const char *eps[2] = {cl->client_ep2, cl->client_ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 2;
+    cfg.zmq_ctx = cl->zctx;
+    cfg.reply_timeout_ms = reply_ms;
+    cfg.retry_ms = retry_ms;
+    llm_client *c = NULL;
+    char err[256];
+    if (llm_client_open(&c, &cfg, err, sizeof err) != 0) H_FAIL(cl, "llm_client_open: %s", err);
+    return c;
+}
+
+/* One greedy request of N_TOKENS with id on c; returns the ms it took. */
+static int64_t generate_on(struct cluster *cl, llm_client *c, const char *id, struct llm_generate_result *res) {
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = id;
+    p.prompt = prompts[0];
+    p.max_tokens = N_TOKENS;
+    p.sampling.ignore_eos = true;
+    p.wait_ms = 60000;
+    int64_t t0 = h_now_ms();
+    int rc = llm_client_generate(c, &p, NULL, NULL, res);
+    int64_t took = h_now_ms() - t0;
+    H_ASSERT(cl, rc == 0, "request %s: %d after %lld ms: %s", id, rc, (long long)took, llm_client_errstr(c));
+    H_ASSERT(cl, res->finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH &&
+                     res->completion_tokens == (uint32_t)refs[0].n,
+             "request %s: %s with %u tokens", id, llm_finish_reason_name(res->finish_reason), res->completion_tokens);
+    return took;
+}
+
+/* Defect 1 of issue 29: a router that answers UNAVAILABLE (here the second
+ * one, which no worker registered with: "no worker is registered with this
+ * router") sends the client on to the next endpoint at once, instead of
+ * re-sending to it until --retry-ms; a router that is down costs one
+ * --reply-timeout-ms.  A request re-sent by id still re-attaches. */
+TEST(cluster_router_unavailable_moves_on) {
+    const char *model = test_model_path(MODEL);
+    h_reference(model, prompts[0], N_TOKENS, 0, &refs[0]);
+    struct cluster *cl = h_cluster_start_routers(model, 1, 1, ROUTER_ARGS, "", 2);
+    h_wait_ready(cl, 1, 1, 20000);
+    enum { REPLY_MS = 4000 };
+    struct llm_generate_result res;
+    llm_client *c = client_r2_first(cl, REPLY_MS, 30000);
+    int64_t took = generate_on(cl, c, "moves-on", &res);
+    printf("  router 2 has no worker: served by %s in %lld ms\n", llm_client_endpoint(c), (long long)took);
+    ASSERT_STREQ(cl->client_ep, llm_client_endpoint(c));
+    ASSERT_TRUE(!res.reattached);
+    H_ASSERT(cl, took < REPLY_MS, "took %lld ms (--reply-timeout-ms %d)", (long long)took, REPLY_MS);
+    llm_generate_result_free(&res);
+    llm_client_close(c);
+
+    /* The same id again, from a new client that asks router 2 first: it
+     * re-attaches (no second run) and gets every token. */
+    c = client_r2_first(cl, REPLY_MS, 30000);
+    took = generate_on(cl, c, "moves-on", &res);
+    ASSERT_TRUE(res.reattached);
+    ASSERT_EQ((uint32_t)refs[0].n, res.tokens_received);
+    llm_generate_result_free(&res);
+    llm_client_close(c);
+
+    /* Router 2 down: one reply timeout, then router 1 serves. */
+    h_proc_kill(&cl->router2, SIGKILL);
+    c = client_r2_first(cl, REPLY_MS, 30000);
+    took = generate_on(cl, c, "after-r2-died", &res);
+    printf("  router 2 down: served by %s in %lld ms\n", llm_client_endpoint(c), (long long)took);
+    ASSERT_STREQ(cl->client_ep, llm_client_endpoint(c));
+    H_ASSERT(cl, took < 2 * REPLY_MS, "took %lld ms (--reply-timeout-ms %d)", (long long)took, REPLY_MS);
+    llm_generate_result_free(&res);
+    llm_client_close(c);
+    h_cluster_stop(cl);
+}
+
+TEST_MAIN(cluster_router_failover_kill9, cluster_router_unavailable_moves_on)

@@ -170,10 +170,37 @@ static llm_client *keyed_client(struct cluster *cl, const char *key) {
     return c;
 }
 
+/* One greedy request of 20 tokens on c; the result must match ref. */
+static void keyed_generate(struct cluster *cl, llm_client *c, const char *id, const char *prompt,
+                           const struct h_ref *ref, bool reattached) {
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = id;
+    p.prompt = prompt;
+    p.max_tokens = 20;
+    struct llm_generate_result res;
+    int rc = llm_client_generate(c, &p, NULL, NULL, &res);
+    H_ASSERT(cl, rc == 0, "request %s (\"%s\"): %d (%s)", id, prompt, rc, llm_client_errstr(c));
+    H_ASSERT(cl, res.reattached == reattached, "request %s (\"%s\"): reattached %d, expected %d", id, prompt,
+             res.reattached, reattached);
+    H_ASSERT(cl, res.n_prompt_ids > 0 && res.completion_tokens == (uint32_t)ref->n &&
+                     res.tokens_received == (uint32_t)ref->n,
+             "request %s (\"%s\"): %u tokens, %u received, expected %d", id, prompt, res.completion_tokens,
+             res.tokens_received, ref->n);
+    llm_generate_result_free(&res);
+}
+
+/* Request ids are per client key (docs/security.md, "Request ownership"):
+ * another admitted key that names an id gets a request of its own, never
+ * the owner's (no cancel, no re-attach, no tokens), and cannot take an id
+ * before its owner's request is accepted (issue 29's squatting: the
+ * owner's retry then found NOT_FOUND).  The owner is kept in Redis, so a
+ * restarted router keeps both apart. */
 TEST(cluster_security_request_belongs_to_its_client) {
     const char *model = test_model_path(MODEL);
-    struct h_ref ref;
+    struct h_ref ref, ref_bob;
     h_reference(model, "Once upon a time", 20, 1, &ref);
+    h_reference(model, "The little dog", 20, 1, &ref_bob);
     struct cluster *cl = h_cluster_start(model, 1, 1, "", "");
     generate_ok(cl, &ref, "owned-by-a");
     /* A second admitted client, bob; the router reads its allowlist at
@@ -189,8 +216,7 @@ TEST(cluster_security_request_belongs_to_its_client) {
     h_start_router(cl);
     h_wait_ready(cl, 1, 1, 20000);
 
-    /* Bob can neither cancel nor re-attach to it: he hears what an unknown
-     * id gets. */
+    /* Bob cannot cancel alice's request: he hears what an unknown id gets. */
     llm_client *b = keyed_client(cl, bob);
     struct llm_generate_result res = {0};
     ASSERT_EQ(STATUS_NOT_FOUND, llm_client_cancel(b, "never-used-id", &res));
@@ -202,37 +228,40 @@ TEST(cluster_security_request_belongs_to_its_client) {
     H_ASSERT(cl, strstr(llm_client_errstr(b), "no request with id") != NULL, "bob's cancel: %s",
              llm_client_errstr(b));
     llm_generate_result_free(&res);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.request_id = "owned-by-a";
-    p.prompt = "Once upon a time";
-    p.max_tokens = 20;
-    int rc = llm_client_generate(b, &p, NULL, NULL, &res);
-    H_ASSERT(cl, rc == STATUS_NOT_FOUND, "bob's re-attach: %d (%s)", rc, llm_client_errstr(b));
-    ASSERT_EQ(0u, res.tokens_received);
-    llm_generate_result_free(&res);
-    llm_client_close(b);
-    H_ASSERT(cl, router_log_has(cl, "another client's key created it", 3000),
-             "the router did not log the refusals");
+    /* Bob naming alice's id gets a request of his own: his prompt's tokens,
+     * not a replay of hers. */
+    keyed_generate(cl, b, "owned-by-a", "The little dog", &ref_bob, false);
+    /* Squatting: bob names an id first, before alice's request with it is
+     * accepted; alice still gets her own request of that id. */
+    keyed_generate(cl, b, "squat", "The little dog", &ref_bob, false);
 
-    /* Its creator can: the re-attach replays the whole completion, and a
-     * cancel of the finished request answers with its real end. */
     llm_client *a = keyed_client(cl, NULL);
-    ASSERT_OK(llm_client_generate(a, &p, NULL, NULL, &res));
-    ASSERT_TRUE(res.reattached);
+    keyed_generate(cl, a, "squat", "Once upon a time", &ref, false);
+    H_ASSERT(cl, router_log_has(cl, "another client's key has a request of that id", 3000),
+             "the router did not log alice naming an id bob's key has");
+    /* Each re-attaches to its own, also after a router restart. */
+    keyed_generate(cl, a, "owned-by-a", "Once upon a time", &ref, true);
+    llm_client_close(a);
+    llm_client_close(b);
+    h_proc_kill(&cl->router, SIGTERM);
+    h_start_router(cl);
+    h_wait_ready(cl, 1, 1, 20000);
+    a = keyed_client(cl, NULL);
+    b = keyed_client(cl, bob);
+    keyed_generate(cl, a, "squat", "Once upon a time", &ref, true);
+    keyed_generate(cl, b, "squat", "The little dog", &ref_bob, true);
+    keyed_generate(cl, b, "owned-by-a", "The little dog", &ref_bob, true);
+    /* A cancel of a finished request answers with its real end, each key
+     * its own. */
+    ASSERT_OK(llm_client_cancel(a, "squat", &res));
+    ASSERT_TRUE(res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH);
     ASSERT_EQ((uint32_t)ref.n, res.completion_tokens);
     llm_generate_result_free(&res);
-    ASSERT_OK(llm_client_cancel(a, "owned-by-a", &res));
-    ASSERT_TRUE(res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH);
-    llm_generate_result_free(&res);
     /* And a new request of bob's is his alone. */
-    b = keyed_client(cl, bob);
-    p.request_id = "owned-by-bob";
-    ASSERT_OK(llm_client_generate(b, &p, NULL, NULL, &res));
-    llm_generate_result_free(&res);
-    llm_client_close(b);
+    keyed_generate(cl, b, "owned-by-bob", "The little dog", &ref_bob, false);
     ASSERT_EQ(STATUS_NOT_FOUND, llm_client_cancel(a, "owned-by-bob", &res));
     llm_generate_result_free(&res);
+    llm_client_close(b);
     llm_client_close(a);
     h_cluster_stop(cl);
 }

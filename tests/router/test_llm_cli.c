@@ -273,5 +273,76 @@ TEST(llm_cli_logprobs_and_stop) {
     h_cluster_stop(cl);
 }
 
+/* A newcomer's first calls (issue 29): the default --max-tokens (128) plus
+ * the prompt runs past stories260K's 128-token context, and is clamped to
+ * what the context leaves, with a note, instead of refused; a prompt that
+ * is not UTF-8 fails at once with the router's reason (not "router
+ * unavailable" after the retries); only a prompt that fills the whole
+ * context is refused, with the reason context_length_exceeded. */
+TEST(llm_cli_first_use) {
+    const char *model = test_model_path("stories260K-f32.gguf");
+    struct cluster *cl = h_cluster_start(model, 1, 1, "--insecure", "");
+    static char out[1 << 16], err[8192];
+    const char *a1[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", "Once upon a time", "--json",
+                        NULL};
+    int rc = run_llm_out(a1, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 0, "llm generate with the default --max-tokens: exit %d: %s", rc, err);
+    H_ASSERT(cl, strstr(err, "--max-tokens 128 was clamped to") != NULL, "no note of the clamp: %s", err);
+    cJSON *j = last_json(out);
+    H_ASSERT(cl, j != NULL, "no JSON on the last line: %s", out);
+    int n_prompt = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "prompt_ids"));
+    int n_ids = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j, "ids"));
+    const char *fin = cJSON_GetObjectItemCaseSensitive(j, "finish_reason")->valuestring;
+    printf("  default --max-tokens: %d prompt + %d completion tokens, %s; %s", n_prompt, n_ids, fin, err);
+    /* Greedy on stories260K may meet its end token first; never more than fits. */
+    H_ASSERT(cl, n_prompt > 0 && n_ids > 0 && n_prompt + n_ids <= 128, "%d + %d tokens in a 128-token context",
+             n_prompt, n_ids);
+    H_ASSERT(cl, strcmp(fin, "STOP") == 0 || (strcmp(fin, "LENGTH") == 0 && n_prompt + n_ids == 128),
+             "finish %s after %d + %d tokens", fin, n_prompt, n_ids);
+    cJSON_Delete(j);
+
+    /* Not UTF-8: refused at once, well inside --retry-ms. */
+    const char *a2[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--retry-ms", "15000", "--prompt", "\xff",
+                        NULL};
+    int64_t t0 = t_ms();
+    rc = run_llm_out(a2, err, sizeof err, out, sizeof out);
+    int64_t took = t_ms() - t0;
+    printf("  --prompt $'\\xff': exit %d after %lld ms: %s", rc, (long long)took, err);
+    H_ASSERT(cl, rc == 1 && took < 5000, "exit %d after %lld ms: %s", rc, (long long)took, err);
+    H_ASSERT(cl, strstr(err, "INVALID_ARGUMENT") && strstr(err, "UTF-8") && strstr(err, "prompt"),
+             "the error does not name the prompt's UTF-8: %s", err);
+
+    /* A prompt that fills the context: refused, with a reason to branch on. */
+    static char longp[8192];
+    size_t n = 0;
+    for (int i = 0; i < 200 && n + 16 < sizeof longp; i++) n += (size_t)snprintf(longp + n, sizeof longp - n, "cat dog ");
+    const char *a3[] = {LLM_BIN, "generate", "--router", cl->client_ep, "--prompt", longp, NULL};
+    rc = run_llm_out(a3, err, sizeof err, out, sizeof out);
+    H_ASSERT(cl, rc == 1 && strstr(err, "INVALID_ARGUMENT") && strstr(err, "fill the context"),
+             "a prompt longer than the context: exit %d: %s", rc, err);
+    llm_client *c = h_client(cl, 5000, 30000, 10000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = longp;
+    p.max_tokens = 4;
+    struct llm_generate_result res;
+    rc = llm_client_generate(c, &p, NULL, NULL, &res);
+    H_ASSERT(cl, rc == STATUS_BAD_INPUT, "generate: %d (%s)", rc, llm_client_errstr(c));
+    ASSERT_EQ((int)LLM__ERROR__CODE__INVALID_ARGUMENT, (int)llm_client_error_code(c));
+    ASSERT_STREQ("context_length_exceeded", llm_client_error_reason(c));
+    llm_generate_result_free(&res);
+    /* Through the library: the bound in effect is in the result. */
+    p.prompt = "Once upon a time";
+    p.max_tokens = 500;
+    p.sampling.ignore_eos = true;
+    ASSERT_OK(llm_client_generate(c, &p, NULL, NULL, &res));
+    ASSERT_EQ((uint32_t)(128 - res.n_prompt_ids), res.max_tokens);
+    ASSERT_EQ((uint32_t)(128 - res.n_prompt_ids), res.completion_tokens);
+    ASSERT_TRUE(res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH);
+    llm_generate_result_free(&res);
+    llm_client_close(c);
+    h_cluster_stop(cl);
+}
+
 TEST_MAIN(llm_cli_says_no_router_fast, llm_cli_global_flags_after_the_subcommand, llm_cli_retry_bounds_generate,
-          llm_cli_logprobs_and_stop)
+          llm_cli_logprobs_and_stop, llm_cli_first_use)
