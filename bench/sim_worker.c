@@ -285,6 +285,7 @@ static void sim_plan(struct sim *s, struct sim_worker *w, const Llm__StepPlan *p
         return;
     }
     if (p->epoch > w->epoch) w->epoch = p->epoch; /* the RegisterReply is late: follow the plan */
+    if (p->n_seqs == 0) return; /* frees only: a real stage neither computes nor answers */
     bool last = w->stage + 1 == (uint32_t)s->stages;
     w->last_step_id = p->step_id;
     w->steps_total++;

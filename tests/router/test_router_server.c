@@ -296,7 +296,8 @@ static Llm__WorkerEnvelope *fw_plan(struct fw *w) {
     for (int i = 0; i < 10; i++) {
         Llm__WorkerEnvelope *e = fw_recv(w, 3000);
         if (!e) TEST_FAIL("worker %s: no plan", w->id);
-        if (e->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN) return e;
+        /* A plan of frees only (no sequences) asks for no answer. */
+        if (e->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN && e->plan->n_seqs > 0) return e;
         proto_worker_free(e);
     }
     TEST_FAIL("worker %s: no plan among 10 messages", w->id);
@@ -739,15 +740,29 @@ TEST(router_server_reattach_and_cancel) {
         ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, (int)e->done->finish_reason);
         proto_client_free(e);
     }
-    /* The next plan tells the worker to free the cancelled sequence. */
+    /* With no step after it, a plan of frees only tells the worker to free
+     * the cancelled sequence (docs/worker.md, "KV view"). */
     Llm__WorkerEnvelope *before = fw_plan(&w); /* planned before the cancel */
     fw_answer(&w, before->plan, 203);          /* its result is ignored */
     proto_worker_free(before);
-    cl_generate(c1, 4, "ra-2", prompt3, 3, 2, 0);
-    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
-    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    Llm__WorkerEnvelope *pe = NULL;
+    for (int i = 0; i < 10 && !pe; i++) {
+        pe = fw_recv(&w, 3000);
+        ASSERT_TRUE(pe != NULL);
+        if (pe->body_case != LLM__WORKER_ENVELOPE__BODY_PLAN) {
+            proto_worker_free(pe);
+            pe = NULL;
+        }
+    }
+    ASSERT_TRUE(pe != NULL);
+    ASSERT_EQ((size_t)0, pe->plan->n_seqs);
     ASSERT_EQ((size_t)1, pe->plan->n_freed_seqs);
     ASSERT_EQ(seq_id, pe->plan->freed_seqs[0]);
+    proto_worker_free(pe);
+    cl_generate(c1, 4, "ra-2", prompt3, 3, 2, 0);
+    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    pe = fw_plan(&w);
+    ASSERT_EQ((size_t)0, pe->plan->n_freed_seqs);
     proto_worker_free(pe);
     zio_sock_close(c1);
     zio_sock_close(c2);
