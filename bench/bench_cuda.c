@@ -5,12 +5,13 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device] [gemv | wide | prefill | attn]
+ *   bench_cuda [device] [gemv | wide | mmq | prefill | attn]
  *
- * With "gemv" or "wide", only the bandwidth and a comparison of two
+ * With "gemv", "wide" or "mmq", only the bandwidth and a comparison of two
  * kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
- * matmul_gemv.cu against the tensor-core kernel, or the batch-8..64
- * kernel of matmul_wide.cu against matmul_vec.cu's mq.
+ * matmul_gemv.cu against the tensor-core kernel, the batch-8..64 kernel
+ * of matmul_wide.cu against matmul_vec.cu's mq, or matmul_mmq.cu at
+ * batch 8-64 against the path the backend takes without it.
  *
  * With "prefill", only the ceilings and a 7B-shaped prefill of 512 tokens
  * op by op: the q/k/v/o, gate/up and down matmuls at n = 512 (F16, Q8_0,
@@ -530,9 +531,12 @@ int main(int argc, char **argv) {
                                          {{"LLM_CUDA_WIDE", "0"},
                                           {"LLM_CUDA_WIDE_ITEMS", "0"}},
                                          {"mq", "wide"}, {17, 32, 48, 64}, 4};
+    static const struct cmp_spec mmq = {"matmul batch 8-64, the other kernels vs matmul_mmq (int8 tensor cores)",
+                                        {{"LLM_CUDA_MMQ_MIN", "0"}, {"LLM_CUDA_MMQ_MIN", "1"}},
+                                        {"before", "mmq"}, {8, 16, 32, 64}, 4};
     const char *mode = argc > 2 ? argv[2] : "";
-    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0) {
-        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : &wide);
+    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0 || strcmp(mode, "mmq") == 0) {
+        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : strcmp(mode, "wide") == 0 ? &wide : &mmq);
         backend_free(be);
         return 0;
     }

@@ -94,15 +94,15 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv);
 
 #define TEST(name) static void test_##name(void)
 #define TEST_ENTRY_(name) {#name, test_##name},
-/* TEST_MAIN(a, b, c): up to 48 tests per file. */
+/* TEST_MAIN(a, b, c): up to 64 tests per file. */
 #define TEST_MAIN(...)                                                                  \
     int main(int argc, char **argv) {                                                   \
         static const struct test_case cases[] = {TEST_FOREACH_(TEST_ENTRY_, __VA_ARGS__)}; \
         return test_run_all(cases, (int)(sizeof cases / sizeof cases[0]), argc, argv); \
     }
 
-#define TEST_N_(_1,_2,_3,_4,_5,_6,_7,_8,_9,_10,_11,_12,_13,_14,_15,_16,_17,_18,_19,_20,_21,_22,_23,_24,_25,_26,_27,_28,_29,_30,_31,_32,_33,_34,_35,_36,_37,_38,_39,_40,_41,_42,_43,_44,_45,_46,_47,_48,N,...) N
-#define TEST_COUNT_(...) TEST_N_(__VA_ARGS__,48,47,46,45,44,43,42,41,40,39,38,37,36,35,34,33,32,31,30,29,28,27,26,25,24,23,22,21,20,19,18,17,16,15,14,13,12,11,10,9,8,7,6,5,4,3,2,1)
+#define TEST_N_(_1,_2,_3,_4,_5,_6,_7,_8,_9,_10,_11,_12,_13,_14,_15,_16,_17,_18,_19,_20,_21,_22,_23,_24,_25,_26,_27,_28,_29,_30,_31,_32,_33,_34,_35,_36,_37,_38,_39,_40,_41,_42,_43,_44,_45,_46,_47,_48,_49,_50,_51,_52,_53,_54,_55,_56,_57,_58,_59,_60,_61,_62,_63,_64,N,...) N
+#define TEST_COUNT_(...) TEST_N_(__VA_ARGS__,64,63,62,61,60,59,58,57,56,55,54,53,52,51,50,49,48,47,46,45,44,43,42,41,40,39,38,37,36,35,34,33,32,31,30,29,28,27,26,25,24,23,22,21,20,19,18,17,16,15,14,13,12,11,10,9,8,7,6,5,4,3,2,1)
 #define TEST_CAT_(a, b) TEST_CAT2_(a, b)
 #define TEST_CAT2_(a, b) a##b
 #define TEST_FOREACH_(m, ...) TEST_CAT_(TEST_FE_, TEST_COUNT_(__VA_ARGS__))(m, __VA_ARGS__)
@@ -154,6 +154,22 @@ int test_run_all(const struct test_case *cases, int n, int argc, char **argv);
 #define TEST_FE_46(m, x, ...) m(x) TEST_FE_45(m, __VA_ARGS__)
 #define TEST_FE_47(m, x, ...) m(x) TEST_FE_46(m, __VA_ARGS__)
 #define TEST_FE_48(m, x, ...) m(x) TEST_FE_47(m, __VA_ARGS__)
+#define TEST_FE_49(m, x, ...) m(x) TEST_FE_48(m, __VA_ARGS__)
+#define TEST_FE_50(m, x, ...) m(x) TEST_FE_49(m, __VA_ARGS__)
+#define TEST_FE_51(m, x, ...) m(x) TEST_FE_50(m, __VA_ARGS__)
+#define TEST_FE_52(m, x, ...) m(x) TEST_FE_51(m, __VA_ARGS__)
+#define TEST_FE_53(m, x, ...) m(x) TEST_FE_52(m, __VA_ARGS__)
+#define TEST_FE_54(m, x, ...) m(x) TEST_FE_53(m, __VA_ARGS__)
+#define TEST_FE_55(m, x, ...) m(x) TEST_FE_54(m, __VA_ARGS__)
+#define TEST_FE_56(m, x, ...) m(x) TEST_FE_55(m, __VA_ARGS__)
+#define TEST_FE_57(m, x, ...) m(x) TEST_FE_56(m, __VA_ARGS__)
+#define TEST_FE_58(m, x, ...) m(x) TEST_FE_57(m, __VA_ARGS__)
+#define TEST_FE_59(m, x, ...) m(x) TEST_FE_58(m, __VA_ARGS__)
+#define TEST_FE_60(m, x, ...) m(x) TEST_FE_59(m, __VA_ARGS__)
+#define TEST_FE_61(m, x, ...) m(x) TEST_FE_60(m, __VA_ARGS__)
+#define TEST_FE_62(m, x, ...) m(x) TEST_FE_61(m, __VA_ARGS__)
+#define TEST_FE_63(m, x, ...) m(x) TEST_FE_62(m, __VA_ARGS__)
+#define TEST_FE_64(m, x, ...) m(x) TEST_FE_63(m, __VA_ARGS__)
 
 /* The whole file at path, NUL-terminated (the caller frees it), its length
  * in *len (may be NULL); NULL when it cannot be opened or read. */

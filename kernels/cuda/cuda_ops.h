@@ -67,6 +67,8 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
+    int mmq_min;        /* fewest tokens on matmul_mmq.cu, the int8 tensor-core kernel for K-quant
+                         * weights (up to 64 tokens; 0: never; LLM_CUDA_MMQ_MIN) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
@@ -84,8 +86,9 @@ struct cuda_ctx {
     char device_name[96];
 };
 
-/* Q8S: the int8 form with matmul_gemv.cu's per-half sums (xs) too. */
-enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2, MATMUL_ACT_Q8S = 3 };
+/* Q8S: the int8 form with matmul_gemv.cu's per-half sums (xs) too; Q8K:
+ * matmul_mmq.cu's int8 form, a scale per 256 columns. */
+enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2, MATMUL_ACT_Q8S = 3, MATMUL_ACT_Q8K = 4 };
 
 /* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
  * then records that it will (the caller fills it). */
@@ -234,6 +237,10 @@ int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t
  * the case (w and x 16-byte aligned). */
 int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows, int64_t cols,
                    const float *x, int32_t n);
+/* ---- matmul_mmq.cu: Q4_K, Q5_K, Q6_K on int8 tensor cores, from
+ * ctx->mmq_min to 64 tokens ---- */
+/* 1 if it takes this type, width (a multiple of 256) and token count. */
+int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n);
 /* What a fused op returns for a case it leaves to the plain ops (the
  * backend's BACKEND_NOT_FUSED). */
 #define CUDA_NOT_FUSED 1

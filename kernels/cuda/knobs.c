@@ -13,6 +13,9 @@
 #include <limits.h>
 #include <string.h>
 
+/* Fewest tokens on matmul_mmq.cu by default (docs/cuda-backend.md). */
+#define CUDA_MMQ_MIN_DEFAULT 17
+
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const int knobs_mv_split_warps[] = {1, 2, 4};
 
@@ -83,6 +86,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "matmul_mr.cu, without shared-memory staging, for K-quant weights at 3-16 tokens and Q8_0 "
          "at 4-8 (false: the dp4a kernel and mq, to compare)",
          &k->mr, 0, 0, NULL},
+        {"cuda-mmq-min", "LLM_CUDA_MMQ_MIN", OPTION_INT, "-1",
+         "fewest tokens on matmul_mmq.cu, the int8 tensor-core kernel for Q4_K, Q5_K and Q6_K weights, "
+         "up to 64 (0: never; -1: the measured default), to compare and to test",
+         &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
         {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
          "dequantize a prefill weight's F16 tiles on a side stream while the matmul before runs "
          "(false: one after the other, to compare)",
@@ -171,6 +178,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;
+    ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

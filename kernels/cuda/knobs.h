@@ -40,6 +40,7 @@ struct cuda_knobs {
     int att_defer;       /* LLM_CUDA_ATT_DEFER */
     bool att_f16;        /* LLM_CUDA_ATT_F16 */
     bool mr;             /* LLM_CUDA_MR */
+    int mmq_min;         /* LLM_CUDA_MMQ_MIN: -1, or fewest tokens on matmul_mmq.cu (0: never) */
     bool dequant_ahead;  /* LLM_CUDA_DEQUANT_AHEAD */
     int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
     int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
@@ -47,7 +48,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 20
+#define CUDA_KNOBS_N 21
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -66,7 +67,7 @@ int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size);
 int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size);
 
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
- * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, decode_tc_g, att_k16,
+ * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, mmq_min, decode_tc_g, att_k16,
  * att_steps, rope_att, rope_att_mha, att_defer, att_f16, mr,
  * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
  * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is

@@ -170,10 +170,12 @@ extern "C" int cuda_matmul(struct cuda_ctx *ctx, float *out, const void *w, enum
     if (gemv && n <= vec_max && cuda_matmul_gemv_supports(type, cols, n) && (uintptr_t)w % 16 == 0) {
         rc = cuda_matmul_gemv(ctx, out, w, type, rows, cols, x, n);
     } else if (n <= vec_max) {
-        /* matmul_mr.cu (K-quants to 16 tokens, Q8_0 to 8), from 17
+        /* matmul_mmq.cu (K-quants from ctx->mmq_min), matmul_mr.cu (K-quants
+         * to 16 tokens, Q8_0 to 8), from 17
          * matmul_wide.cu, then mq. */
-        rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
         struct mm_group g = mg_single(w, out, rows);
+        rc = cuda_matmul_mmq(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_mr(ctx, out, w, type, rows, cols, x, n);
         if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && cuda_matmul_vec_supports(ctx, type, cols, n) && (uintptr_t)x % 16 == 0 &&
             (uintptr_t)w % 16 == 0)
@@ -299,7 +301,11 @@ extern "C" int cuda_matmul_group(struct cuda_ctx *ctx, int n_w, float *const out
         /* matmul_mr.cu (swiglu too; K-quants to 16 tokens, Q8_0 to 8), from
          * 17 matmul_wide.cu. */
         for (int j = 0; j < (swiglu ? 1 : n_w); j++) matmul_act_check(ctx, outs[j], rows[j], n);
-        rc = cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
+        /* matmul_mmq.cu has no swiglu: where it takes the batch, gate and
+         * up go to it one by one (CUDA_NOT_FUSED) and swiglu follows. */
+        if (swiglu && cuda_matmul_mmq_takes(ctx, type, cols, n)) return CUDA_NOT_FUSED;
+        rc = cuda_matmul_mmq(ctx, &g, type, cols, x, n);
+        if (rc == CUDA_NOT_FUSED) rc = cuda_matmul_mr_group(ctx, &g, type, cols, x, n);
         if (rc == CUDA_NOT_FUSED && !swiglu) rc = cuda_matmul_wide(ctx, &g, type, cols, x, n);
         if (rc < 0) cuda_act_forget(ctx);
         return rc;

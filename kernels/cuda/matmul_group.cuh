@@ -170,4 +170,10 @@ extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, en
 extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                  const float *x, int32_t n);
 
+/* matmul_mmq.cu: every weight of g (no swiglu) on int8 tensor cores in
+ * one launch, or CUDA_NOT_FUSED where it does not take the type, width or
+ * token count (cuda_matmul_mmq_takes). */
+extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                               const float *x, int32_t n);
+
 #endif

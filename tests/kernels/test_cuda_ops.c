@@ -959,6 +959,7 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
 
 TEST(cuda_ops_matmul_wide) {
     mm_set_mode(MM_DEFAULT);
+    setenv("LLM_CUDA_MMQ_MIN", "0", 1); /* the K-quants too: matmul_mmq.cu takes them by default */
     for (int m = 0; m < 3; m++) {
         if (m == 1) setenv("LLM_CUDA_WIDE", "0", 1);
         else unsetenv("LLM_CUDA_WIDE");
@@ -973,6 +974,40 @@ TEST(cuda_ops_matmul_wide) {
     }
     unsetenv("LLM_CUDA_WIDE");
     unsetenv("LLM_CUDA_WIDE_ITEMS");
+    unsetenv("LLM_CUDA_MMQ_MIN");
+}
+
+/* matmul_mmq.cu (K-quants on int8 tensor cores) given every token count
+ * from 1 (LLM_CUDA_MMQ_MIN=1): odd counts inside and at the edges of its
+ * tiles of 8 tokens and of the two blocks a row block above 32; one chunk
+ * (no split), K split over blocks with partial rows (4200 x 4096, 517 x
+ * 11008), a partial last row block; groups of weights in one launch; the
+ * same bits on a second run (wide_case). */
+TEST(cuda_ops_matmul_mmq) {
+    mm_set_mode(MM_DEFAULT);
+    setenv("LLM_CUDA_MMQ_MIN", "1", 1);
+    fx_open();
+    static const int32_t ns[] = {1, 2, 3, 7, 8, 9, 15, 24, 31, 33, 40, 47, 57, 63, 64};
+    const int n_ns = (int)(sizeof ns / sizeof ns[0]);
+    const enum dtype kq[3] = {DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    for (int k = 0; k < 3; k++) {
+        matmul_case(kq[k], 100, 512, ns, n_ns);
+        matmul_case(kq[k], 35, 768, ns, n_ns);
+        matmul_case(kq[k], 300, 256, ns, n_ns);
+    }
+    fx_close();
+    wide_case(DTYPE_Q4_K, 4200, 4096);
+    wide_case(DTYPE_Q6_K, 517, 11008);
+    wide_case(DTYPE_Q5_K, 300, 2048);
+    const int64_t qkv[3] = {301, 99, 99};
+    const enum dtype q4k[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q4_K}, q6k[3] = {DTYPE_Q6_K, DTYPE_Q6_K, DTYPE_Q6_K};
+    const enum dtype mixed[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q6_K};
+    multi_case(q4k, qkv, 3, 768);
+    multi_case(q6k, qkv, 3, 512);
+    multi_case(mixed, qkv, 3, 1024);
+    swiglu_case(DTYPE_Q4_K, 299, 768);
+    swiglu_case(DTYPE_Q6_K, 256, 512);
+    unsetenv("LLM_CUDA_MMQ_MIN");
 }
 
 /* ---- KV cache and attention ---- */
@@ -1779,7 +1814,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_out_of_memory_fails_the_op_not_the_backend,
           cuda_ops_matmul_reuses_input_safely, cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0,
           cuda_ops_matmul_gemv_q4_k, cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu,
-          cuda_ops_matmul_wide,
+          cuda_ops_matmul_wide, cuda_ops_matmul_mmq,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
           cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_attention_mixed,

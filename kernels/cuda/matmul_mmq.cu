@@ -1,0 +1,508 @@
+/* Batched K-quant matmul on int8 tensor cores ("mmq"): out[n, rows] =
+ * x[n, cols] . w^T for Q4_K, Q5_K and Q6_K weights at up to 64 tokens.
+ *
+ * The activations are quantized once per input, as the CPU backend does
+ * for these types (Q8K: int8 codes with one scale per 256 columns and the
+ * sums of each 32 codes), and stored so that a lane's mma B fragments for
+ * a 256-column chunk are 64 contiguous bytes.  The weights are read once,
+ * a chunk ahead, straight from global memory into the lanes whose A
+ * fragments they are; their codes are the int8 operands as stored (Q6_K
+ * less 32), so decoding is a mask and a shift per 4 weights.  Each mma
+ * covers one scale's columns (k32 for Q4_K/Q5_K's 32, k16 for Q6_K's 16):
+ * its int32 sum is turned into a float by adding it to 1.5 * 2^23 (the
+ * mma's accumulator input) and subtracting that again, then scaled by the
+ * row's d * sc; the activation scale and the K-quants' min term (dmin *
+ * m_j times the activations' 32-sums, by dp2a) come once per chunk.
+ * m16n8k32 / m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75:
+ * the fragments' registers are the same.
+ *
+ * A block is MMQ_WARPS warps of 16 rows each on one K range; when the row
+ * blocks cannot fill the GPU, K is split over gridDim.y blocks, each writes
+ * partial sums and the last to finish adds them in split order (an arrival
+ * counter per row block, reset by that block), so the result is the same
+ * bits every run.  Several weights on one input (q, k, v) are one launch. */
+#include "common.cuh"
+#include "matmul_group.cuh"
+
+#define MMQ_WARPS 4
+#define MMQ_ROWS (MMQ_WARPS * 16)
+#define MMQ_COUNTERS 16384
+#define MMQ_NT_MAX 64
+#define MMQ_SPLIT_MAX 8
+#define MMQ_NTW_MAX 4
+#define MMQ_MIN_BLOCKS 3
+
+/* 1.5 * 2^23: an int32 v with |v| < 2^22 added to its bits gives the float
+ * 1.5 * 2^23 + v exactly. */
+#define MMQ_MAGIC_I 0x4B400000
+#define MMQ_MAGIC_F 12582912.0f
+
+__device__ unsigned int mmq_counters[MMQ_COUNTERS];
+
+/* ---- Activations: Q8K, a lane's fragments contiguous ----
+ * For chunk s (256 columns) and token c: xq[(s * n + c) * 256 + t * 64 +
+ * m * 4 + i] = code of column 256 s + 16 m + 4 t + i (t < 4, m < 16,
+ * i < 4), so lane t's B fragment words of 32-column block j are words 2j
+ * (columns 32 j + 4 t ..) and 2j + 1 (32 j + 16 + 4 t ..) of its 64 bytes;
+ * xd[s * n + c] the scale, xb[(s * n + c) * 8 + j] the sum of block j's
+ * codes. */
+struct mmq_act {
+    const int8_t *xq;
+    const float *xd;
+    const int16_t *xb;
+};
+
+static size_t mmq_align(size_t b) { return (b + 255) & ~(size_t)255; }
+
+static size_t mmq_act_bytes(int32_t n, int64_t cols) {
+    const size_t blocks = (size_t)n * (size_t)(cols / 256);
+    return mmq_align(blocks * 256) + mmq_align(blocks * 4) + mmq_align(blocks * 16);
+}
+
+/* A warp per (chunk, token); lane L holds columns 8L .. 8L + 7 of it.  The
+ * rounding is the CPU's (kernels/cpu/quant.c, q8_round of x * 127 / amax). */
+__global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict__ xq, float *__restrict__ xd,
+                                 int16_t *__restrict__ xb, int n, int cols, int items) {
+    pdl_begin();
+    const int item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (item >= items) return;
+    const int s = item / n, c = item % n;
+    const float4 *src = (const float4 *)(x + (size_t)c * cols + (size_t)s * 256 + lane * 8);
+    const float4 v0 = src[0], v1 = src[1];
+    float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    float amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; u++) amax = fmaxf(amax, fabsf(v[u]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int q[8], sum = 0;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const float f = __fmul_rn(v[u], id);
+        q[u] = f >= 0.0f ? (int)(f + 0.5f) : -(int)(0.5f - f);
+        sum += q[u];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const size_t b = (size_t)s * n + c;
+    /* Columns 8L + u: m = L / 2, t = 2 (L & 1) + u / 4. */
+    uint32_t *dst = (uint32_t *)(xq + b * 256 + (lane & 1) * 128 + (lane >> 1) * 4);
+    dst[0] = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
+             (uint32_t)(q[3] & 255) << 24;
+    dst[16] = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
+              (uint32_t)(q[7] & 255) << 24;
+    if ((lane & 3) == 0) xb[b * 8 + lane / 4] = (int16_t)sum;
+    if (lane == 0) xd[b] = amax / 127.0f;
+}
+
+/* ---- Tensor-core products: the m16n8 tiles of the PTX ISA, a0/a2 row g,
+ * a1/a3 row g + 8, k = 4 t .. (a0, a1, b0) and 16 + 4 t .. (a2, a3, b1) ---- */
+__device__ __forceinline__ void mmq_mma_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[0]), "+r"(c[1])
+                 : "r"(a[0]), "r"(b0));
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[0]), "+r"(c[1])
+                 : "r"(a[2]), "r"(b1));
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[1]), "r"(b0));
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[3]), "r"(b1));
+#endif
+}
+
+/* a0 row g, a1 row g + 8, k = 4 t ... */
+__device__ __forceinline__ void mmq_mma_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b));
+#else
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[0]), "+r"(c[1])
+                 : "r"(a0), "r"(b));
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c[2]), "+r"(c[3])
+                 : "r"(a1), "r"(b));
+#endif
+}
+
+__device__ __forceinline__ uint32_t mmq_ld32(const uint8_t *p) { return __ldg((const unsigned int *)p); }
+
+/* Byte k of w as a float, exactly (unsigned; signed for the _s form). */
+__device__ __forceinline__ float mmq_byte_f(uint32_t w, int k) {
+    return __uint_as_float(0x4B000000u | ((w >> (8 * k)) & 255u)) - 8388608.0f;
+}
+__device__ __forceinline__ float mmq_sbyte_f(uint32_t w, int k) {
+    const int v = (int)(w << (24 - 8 * k)) >> 24;
+    return __int_as_float(MMQ_MAGIC_I + v) - MMQ_MAGIC_F;
+}
+
+/* ---- Weights: what one lane holds of its two rows' chunk, and how a
+ * pair of 32-column blocks (Q6_K: of 16-column halves, four scales)
+ * becomes A fragments and scales ---- */
+template <int T> struct mmq_w;
+
+/* Q4_K and Q5_K: the 16-byte head (d, dmin, 12 scale bytes) and, for pair
+ * p (columns 64 p ..), qs bytes 32 p + 4 t .. (lo) and 32 p + 16 + 4 t ..
+ * (hi): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
+ * bits from qh bytes 4 t .. and 16 + 4 t ... */
+template <int T> struct mmq_wk {
+    static constexpr int BYTES = T == DTYPE_Q5_K ? 176 : 144;
+    static constexpr int QS = T == DTYPE_Q5_K ? 48 : 16;
+    static constexpr bool MIN = true;
+    static constexpr int KPP = 2; /* mma per pair */
+    uint4 h;
+    uint32_t lo[4], hi[4], qa, qb;
+
+    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
+        const uint8_t *b = row + (size_t)s * BYTES;
+        h = __ldg((const uint4 *)b);
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            lo[p] = mmq_ld32(b + QS + 32 * p + 4 * t);
+            hi[p] = mmq_ld32(b + QS + 32 * p + 16 + 4 * t);
+        }
+        if (T == DTYPE_Q5_K) {
+            qa = mmq_ld32(b + 16 + 4 * t);
+            qb = mmq_ld32(b + 16 + 16 + 4 * t);
+        }
+    }
+    /* Block 2p + k's codes: a0 columns 4 t .., a2 columns 16 + 4 t .. */
+    __device__ __forceinline__ void codes(int p, int k, uint32_t &c0, uint32_t &c2) const {
+        c0 = (lo[p] >> (4 * k)) & 0x0F0F0F0Fu;
+        c2 = (hi[p] >> (4 * k)) & 0x0F0F0F0Fu;
+        if (T == DTYPE_Q5_K) {
+            c0 |= ((qa >> (2 * p + k)) & 0x01010101u) << 4;
+            c2 |= ((qb >> (2 * p + k)) & 0x01010101u) << 4;
+        }
+    }
+    __device__ __forceinline__ float d() const { return __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF))); }
+    __device__ __forceinline__ float dmin() const { return __half2float(__ushort_as_half((unsigned short)(h.x >> 16))); }
+    /* Scales 0-3 / 4-7 packed a byte each. */
+    __device__ __forceinline__ uint32_t sc(int half) const {
+        return half == 0 ? h.y & 0x3F3F3F3Fu : (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+    }
+    __device__ __forceinline__ uint32_t mins(int half) const {
+        return half == 0 ? h.z & 0x3F3F3F3Fu : ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    }
+};
+template <> struct mmq_w<DTYPE_Q4_K> : mmq_wk<DTYPE_Q4_K> {};
+template <> struct mmq_w<DTYPE_Q5_K> : mmq_wk<DTYPE_Q5_K> {};
+
+/* Q6_K in the backend's regrouped rows (common.cuh): for half h of the
+ * chunk, ql words 64 h + 16 k + 4 t (k < 4) and qh words 32 h + 16 k + 4 t
+ * (k < 2); 16 scale bytes; d.  Pair p is h = p / 2, quarters 2 (p & 1)
+ * and 2 (p & 1) + 1; quarter q's 32 columns are 128 h + 32 q .., its
+ * halves' scales 8 h + 2 q and 8 h + 2 q + 1. */
+template <> struct mmq_w<DTYPE_Q6_K> {
+    static constexpr bool MIN = false;
+    static constexpr int KPP = 4;
+    uint32_t L[8], H[4];
+    uint4 scb;
+    uint32_t dh;
+
+    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t cols) {
+        const uint8_t *ql = row + (size_t)s * 128, *qh = row + q6s_qh_off(cols) + (size_t)s * 64;
+#pragma unroll
+        for (int k = 0; k < 8; k++) L[k] = mmq_ld32(ql + 16 * k + 4 * t);
+#pragma unroll
+        for (int k = 0; k < 4; k++) H[k] = mmq_ld32(qh + 16 * k + 4 * t);
+        scb = __ldg((const uint4 *)(row + q6s_sc_off(cols) + (size_t)s * 16));
+        dh = __ldg((const unsigned short *)(row + q6s_d_off(cols)) + s);
+    }
+    /* Quarter q of half h, column half e: codes less 32, as int8. */
+    __device__ __forceinline__ uint32_t codes(int h, int q, int e) const {
+        const uint32_t l = L[4 * h + 2 * (q & 1) + e], hb = H[2 * h + e];
+        const uint32_t v = ((l >> (4 * (q >> 1))) & 0x0F0F0F0Fu) | (((hb >> (2 * q)) & 0x03030303u) << 4);
+        return __vsub4(v, 0x20202020u);
+    }
+    __device__ __forceinline__ float d() const { return __half2float(__ushort_as_half((unsigned short)dh)); }
+    __device__ __forceinline__ uint32_t scw(int k) const {
+        return k == 0 ? scb.x : k == 1 ? scb.y : k == 2 ? scb.z : scb.w;
+    }
+};
+
+struct mmq_args {
+    mm_group g;   /* blk0: first row block of each weight */
+    mmq_act a;
+    float *part;  /* partial sums when gridDim.y > 1 */
+    size_t part0[MG_MAX]; /* each weight's first partial sum */
+    int n, n_sb, sps; /* tokens, chunks, chunks a split */
+    int th;           /* blocks side by side on one row block, each 8 NT tokens */
+    int64_t cols;
+    size_t rb;        /* bytes a weight row */
+};
+
+/* NT tiles of 8 tokens a warp, from token tok0 = 8 NT (blockIdx.x % th):
+ * above 32 tokens two blocks side by side in the grid take the two
+ * halves of the tokens of one row block, so that neither holds 64 sums a
+ * lane, and the second reads the weights from L2 as the first brings
+ * them in. */
+template <int T, int NT>
+__global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_kernel(const mmq_args a) {
+    pdl_begin();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
+    const mg_seg seg = mg_seg_locate(a.g, bx);
+    const int row0 = (bx - seg.u0) * MMQ_ROWS + warp * 16;
+    const size_t rb = a.rb;
+    const int r0 = min(row0 + g, seg.rows - 1), r1 = min(row0 + g + 8, seg.rows - 1);
+    const uint8_t *w0 = seg.w + (size_t)r0 * rb, *w1 = seg.w + (size_t)r1 * rb;
+    const int n = a.n;
+    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+
+    mmq_w<T> cw[2], nw[2];
+    if (s0 < s1) {
+        cw[0].load(w0, s0, t, a.cols);
+        cw[1].load(w1, s0, t, a.cols);
+    }
+    for (int s = s0; s < s1; s++) {
+        if (s + 1 < s1) {
+            nw[0].load(w0, s + 1, t, a.cols);
+            nw[1].load(w1, s + 1, t, a.cols);
+        }
+        float sub[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sub[nt][e] = 0.0f;
+        const int8_t *xs = a.a.xq + (size_t)s * n * 256 + t * 64;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            /* This pair's A fragments and each mma's row scales. */
+            uint32_t fa[mmq_w<T>::KPP][4];
+            float sc[mmq_w<T>::KPP][2];
+            if constexpr (T == DTYPE_Q6_K) {
+                const int h = p >> 1;
+#pragma unroll
+                for (int k = 0; k < 4; k++) { /* quarter 2 (p & 1) + k / 2, column half k & 1 */
+                    /* Its scale is 8 h + 2 q + e = 4 p + k, as its activation word. */
+                    const int q = 2 * (p & 1) + (k >> 1), e = k & 1;
+                    fa[k][0] = cw[0].codes(h, q, e);
+                    fa[k][1] = cw[1].codes(h, q, e);
+                    sc[k][0] = cw[0].d() * mmq_sbyte_f(cw[0].scw(p), k);
+                    sc[k][1] = cw[1].d() * mmq_sbyte_f(cw[1].scw(p), k);
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    cw[0].codes(p, k, fa[k][0], fa[k][2]);
+                    cw[1].codes(p, k, fa[k][1], fa[k][3]);
+                    const int j = 2 * p + k;
+                    sc[k][0] = cw[0].d() * mmq_byte_f(cw[0].sc(j >> 2), j & 3);
+                    sc[k][1] = cw[1].d() * mmq_byte_f(cw[1].sc(j >> 2), j & 3);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int tok = min(tok0 + nt * 8 + g, n - 1);
+                const uint4 b = __ldg((const uint4 *)(xs + (size_t)tok * 256 + 16 * p));
+#pragma unroll
+                for (int k = 0; k < mmq_w<T>::KPP; k++) {
+                    int c[4] = {MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I};
+                    if constexpr (T == DTYPE_Q6_K) {
+                        const uint32_t bw = k == 0 ? b.x : k == 1 ? b.y : k == 2 ? b.z : b.w;
+                        mmq_mma_k16(c, fa[k][0], fa[k][1], bw);
+                    } else {
+                        mmq_mma_k32(c, fa[k], k == 0 ? b.x : b.z, k == 0 ? b.y : b.w);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        sub[nt][e] = fmaf(sc[k][e >> 1], __int_as_float(c[e]) - MMQ_MAGIC_F, sub[nt][e]);
+                }
+            }
+        }
+        /* The chunk's activation scales, and the min term. */
+        float dm[2] = {0.0f, 0.0f};
+        uint32_t m03[2] = {0, 0}, m47[2] = {0, 0};
+        if constexpr (mmq_w<T>::MIN) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                dm[r] = cw[r].dmin();
+                m03[r] = cw[r].mins(0);
+                m47[r] = cw[r].mins(1);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int tok = min(tok0 + nt * 8 + 2 * t + j, n - 1);
+                const size_t bi = (size_t)s * n + tok;
+                const float dx = __ldg(a.a.xd + bi);
+                if constexpr (mmq_w<T>::MIN) {
+                    const uint4 bs = __ldg((const uint4 *)(a.a.xb + bi * 8));
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        int mi = __dp2a_lo((int)bs.x, (int)m03[r], 0);
+                        mi = __dp2a_hi((int)bs.y, (int)m03[r], mi);
+                        mi = __dp2a_lo((int)bs.z, (int)m47[r], mi);
+                        mi = __dp2a_hi((int)bs.w, (int)m47[r], mi);
+                        const float mf = __int_as_float(MMQ_MAGIC_I + mi) - MMQ_MAGIC_F;
+                        acc[nt][2 * r + j] = fmaf(dx, fmaf(-dm[r], mf, sub[nt][2 * r + j]), acc[nt][2 * r + j]);
+                    }
+                } else {
+#pragma unroll
+                    for (int r = 0; r < 2; r++) acc[nt][2 * r + j] = fmaf(dx, sub[nt][2 * r + j], acc[nt][2 * r + j]);
+                }
+            }
+        }
+        if (s + 1 < s1) {
+            cw[0] = nw[0];
+            cw[1] = nw[1];
+        }
+    }
+
+    const int rows = seg.rows;
+    if (gridDim.y == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+                if (tok < n && row < rows) seg.out[(size_t)tok * rows + row] = acc[nt][e];
+            }
+        return;
+    }
+    /* Split K: this split's partial sums, then the last block of the row
+     * block adds every split's in order. */
+    size_t p0 = a.part0[0];
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
+    float *part = a.part + p0;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+            if (tok < n && row < rows) part[((size_t)blockIdx.y * n + tok) * rows + row] = acc[nt][e];
+        }
+    __shared__ unsigned int last;
+    __threadfence(); /* partials visible before the arrival is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int prev = atomicAdd(&mmq_counters[blockIdx.x], 1u);
+        last = prev == gridDim.y - 1;
+        if (last) mmq_counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, ntok = min(8 * NT, n - tok0);
+    for (int i = threadIdx.x; i < ntok * MMQ_ROWS; i += MMQ_WARPS * 32) {
+        const int tok = tok0 + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
+        if (row >= rows) continue;
+        float v = 0.0f;
+        for (int k = 0; k < ks; k++) v += __ldcg(part + ((size_t)k * n + tok) * rows + row);
+        seg.out[(size_t)tok * rows + row] = v;
+    }
+}
+
+template <int T, int NT>
+static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+    static int per_sm[64];
+    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    if (!per_sm[dev]) {
+        int b = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mmq_kernel<T, NT>, MMQ_WARPS * 32, 0));
+        per_sm[dev] = b > 0 ? b : 1;
+    }
+    int rbs = 0;
+    for (int s = 0; s < g.n; s++) {
+        g.blk0[s] = rbs;
+        rbs += (g.rows[s] + MMQ_ROWS - 1) / MMQ_ROWS;
+    }
+    g.blk0[g.n] = rbs;
+    const int th = (n + 8 * NT - 1) / (8 * NT);
+    if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
+    /* Split K until the blocks fill the resident slots, at most
+     * MMQ_SPLIT_MAX ways and a chunk a split. */
+    const int n_sb = (int)(cols / 256), slots = per_sm[dev] * ctx->n_sms;
+    int ks = rbs * th >= slots ? 1 : (slots + rbs * th - 1) / (rbs * th);
+    if (ks > MMQ_SPLIT_MAX) ks = MMQ_SPLIT_MAX;
+    if (ks > n_sb) ks = n_sb;
+    const int sps = (n_sb + ks - 1) / ks;
+    ks = (n_sb + sps - 1) / sps;
+
+    mmq_args a = {};
+    a.g = g;
+    a.n = n;
+    a.n_sb = n_sb;
+    a.sps = sps;
+    a.th = th;
+    a.cols = cols;
+    a.rb = cuda_row_bytes((enum dtype)T, cols);
+    size_t part_floats = 0;
+    if (ks > 1)
+        for (int s = 0; s < g.n; s++) {
+            a.part0[s] = part_floats;
+            part_floats += (size_t)ks * n * g.rows[s];
+        }
+    const size_t act_bytes = mmq_act_bytes(n, cols);
+    uint8_t *scr = (uint8_t *)cuda_scratch(ctx, act_bytes + part_floats * sizeof(float));
+    if (!scr) return STATUS_NO_MEMORY;
+    const size_t blocks = (size_t)n * n_sb;
+    a.a.xq = (const int8_t *)scr;
+    a.a.xd = (const float *)(scr + mmq_align(blocks * 256));
+    a.a.xb = (const int16_t *)(scr + mmq_align(blocks * 256) + mmq_align(blocks * 4));
+    a.part = ks > 1 ? (float *)(scr + act_bytes) : NULL;
+    if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8K, x, n, cols, scr)) {
+        const int items = (int)blocks, per_block = 8;
+        CUDA_CHECK(ctx, cuda_launch(ctx, mmq_quant_kernel, dim3((unsigned)((items + per_block - 1) / per_block)),
+                                    dim3(per_block * 32), 0, x, (int8_t *)a.a.xq, (float *)a.a.xd,
+                                    (int16_t *)a.a.xb, n, (int)cols, items));
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT>), dim3((unsigned)(rbs * th), (unsigned)ks),
+                                dim3(MMQ_WARPS * 32), 0, a));
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
+}
+
+template <int T>
+static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+    /* Tiles a warp: all of them up to 32 tokens, else half. */
+    int nt = (n + 7) / 8;
+    if (nt > MMQ_NTW_MAX) nt = (nt + 1) / 2;
+    switch (nt) {
+    case 1: return mmq_launch_nt<T, 1>(ctx, g, cols, x, n);
+    case 2: return mmq_launch_nt<T, 2>(ctx, g, cols, x, n);
+    case 3: return mmq_launch_nt<T, 3>(ctx, g, cols, x, n);
+    default: return mmq_launch_nt<T, 4>(ctx, g, cols, x, n);
+    }
+}
+
+extern "C" int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
+    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= MMQ_NT_MAX &&
+           (type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K) && cols % 256 == 0 && cols <= INT32_MAX;
+}
+
+extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                               const float *x, int32_t n) {
+    if (!cuda_matmul_mmq_takes(ctx, type, cols, n) || g->swiglu || (uintptr_t)x % 16 != 0) return CUDA_NOT_FUSED;
+    for (int s = 0; s < g->n; s++)
+        if ((uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
+    switch (type) {
+    case DTYPE_Q4_K: return mmq_launch<DTYPE_Q4_K>(ctx, *g, cols, x, n);
+    case DTYPE_Q5_K: return mmq_launch<DTYPE_Q5_K>(ctx, *g, cols, x, n);
+    case DTYPE_Q6_K: return mmq_launch<DTYPE_Q6_K>(ctx, *g, cols, x, n);
+    default: return CUDA_NOT_FUSED;
+    }
+}
