@@ -124,6 +124,7 @@ struct job {
     int rc;
     Llm__Error__Code code;
     uint32_t retry_after_ms;        /* of the router's refusal */
+    char reason[64];                /* of the router's refusal (Error.reason), or "" */
     char errstr[512];
     struct llm_generate_result res;
     cJSON *lp;                      /* not streaming, logprobs asked: the choice's logprobs so far */
@@ -165,9 +166,10 @@ enum MHD_Result gw_send_error(gateway *g, struct MHD_Connection *conn, const str
 /* ---- response objects (gw_json.c) ------------------------------------------ */
 
 /* kind names the prompt's field for a prompt that does not fit the context
- * (prompt or messages). */
-void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *msg,
-                          uint32_t retry_after_ms);
+ * (prompt or messages); reason is the router's Error.reason
+ * (llm_client_error_reason; NULL or "": none). */
+void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *reason,
+                          const char *msg, uint32_t retry_after_ms);
 cJSON *gw_job_object(const struct job *j, bool chunk);
 const char *gw_finish_name(Llm__GenerateDone__FinishReason r);
 cJSON *gw_usage_json(const struct llm_generate_result *r);

@@ -245,8 +245,8 @@ static enum MHD_Result handle_models(gateway *g, struct MHD_Connection *conn) {
     int rc = c ? llm_client_models(c, &rep) : STATUS_UNAVAILABLE;
     if (rc < 0) {
         Llm__Error__Code code = c ? llm_client_error_code(c) : LLM__ERROR__CODE__OK;
-        gw_error_from_router(&e, OAI_COMPLETIONS, code, c ? llm_client_errstr(c) : err,
-                             c ? llm_client_retry_after_ms(c) : 0);
+        gw_error_from_router(&e, OAI_COMPLETIONS, code, c ? llm_client_error_reason(c) : NULL,
+                             c ? llm_client_errstr(c) : err, c ? llm_client_retry_after_ms(c) : 0);
         gw_pool_put(g, c, c && code != LLM__ERROR__CODE__OK);
         return gw_send_error(g, conn, &e, NULL);
     }

@@ -106,7 +106,7 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
 static void sse_finish(struct job *j) {
     if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
         struct oai_error e;
-        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
+        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
                              j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
         char *s = oai_error_json(&e);
         if (s) {
@@ -175,6 +175,7 @@ static void job_run(struct job *j) {
             code = llm_client_error_code(c);
             retry_after_ms = llm_client_retry_after_ms(c);
             snprintf(err, sizeof err, "%s", llm_client_errstr(c));
+            snprintf(j->reason, sizeof j->reason, "%s", llm_client_error_reason(c));
         }
         gw_pool_put(g, c, rc >= 0 || code != LLM__ERROR__CODE__OK);
     }
@@ -530,7 +531,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     }
     /* Refused before any token: an error response with its status. */
     if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
-        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
+        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
                              j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
         pthread_mutex_unlock(&j->mu);
         gw_job_release(j);
@@ -538,7 +539,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     }
     if (!j->req.stream) {
         if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-            gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code,
+            gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
                                  j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
             pthread_mutex_unlock(&j->mu);
             gw_job_release(j);

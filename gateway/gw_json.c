@@ -5,6 +5,7 @@
 
 #include "common/unicode.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,17 +31,19 @@ static void router_text(const char *msg, Llm__Error__Code code, char *out, size_
 
 /* The router's refusal (llm_client_generate < 0, or a request that ended in
  * ERROR before its first token) as an OpenAI error. */
-void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *msg,
-                          uint32_t retry_after_ms) {
+void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__Code code, const char *reason,
+                          const char *msg, uint32_t retry_after_ms) {
     char text[sizeof e->message];
     router_text(msg, code, text, sizeof text);
     const char *prompt = kind == OAI_CHAT ? "messages" : "prompt";
     switch (code) {
     case LLM__ERROR__CODE__INVALID_ARGUMENT:
-        /* The router refuses a prompt longer than the model's context, or
-         * (before it clamps max_tokens) a prompt plus max_tokens beyond it,
-         * with a message that speaks of the context. */
-        if (strstr(text, "context"))
+        /* The router refuses a prompt that fills the model's context with
+         * reason context_length_exceeded; one without reasons (before
+         * proto/types.proto had them) said so in its message, and also
+         * refused a prompt plus max_tokens beyond the context. */
+        bool no_reason = !reason || !reason[0];
+        if ((!no_reason && strcmp(reason, "context_length_exceeded") == 0) || (no_reason && strstr(text, "context")))
             oai_error_set(e, 400, "invalid_request_error", strstr(text, "max_tokens") ? "max_tokens" : prompt,
                           "context_length_exceeded", "%s", text);
         else

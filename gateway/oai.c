@@ -441,7 +441,8 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
     size_t at = 0;
     bool key = false;
     if (bad_utf8(r->root, path, sizeof path, &at, &key)) {
-        if (key && !path[0]) (void)BAD(e, NULL, "a field name is not valid UTF-8 (byte %zu): JSON text must be UTF-8", at);
+        if (key && !path[0])
+            (void)BAD(e, NULL, "a field name is not valid UTF-8 (byte %zu): JSON text must be UTF-8", at);
         else if (key) (void)BAD(e, path, "a field name in %s is not valid UTF-8 (byte %zu): JSON text must be UTF-8",
                                 path, at);
         else (void)BAD(e, path, "%s is not valid UTF-8 (byte %zu is not part of a character): JSON text must be UTF-8",
