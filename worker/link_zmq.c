@@ -2,7 +2,9 @@
  * CPU backend.  Each message is two frames: a 32-byte header (magic, flags,
  * epoch, step id, payload size, little-endian) and the hidden states.
  * Timeouts on both ends turn a vanished peer into STATUS_TIMEOUT.  With
- * keys, the listener admits only the predecessor the router placed. */
+ * keys, the listener admits only the predecessor the router placed; what
+ * an admitted peer sends that is not a link message is dropped and counted,
+ * never failing a step. */
 #include "link.h"
 #include "link-impl.h"
 

@@ -59,7 +59,7 @@ int node_metrics_init(node_metrics **out, char *err, size_t errlen) {
          .help = "Memory of this worker's device (the GPU, or the host on the CPU backend).",
          .labels = stage_label},
         {.type = METRICS_GAUGE, .name = "llm_stage_kv_blocks_used",
-         .help = "KV blocks this stage holds for sequences."},
+         .help = "KV blocks this stage holds for sequences of the router's current epoch (a shared block once)."},
         {.type = METRICS_GAUGE, .name = "llm_stage_kv_blocks_capacity",
          .help = "KV blocks of this stage's cache."},
         {.type = METRICS_COUNTER, .name = "llm_stage_steps_total", .help = "Step plans executed."},
