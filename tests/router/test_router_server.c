@@ -470,10 +470,14 @@ TEST(router_server_refuses_bad_input_and_keeps_serving) {
     cl_send(c, &ge);
     cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "top_p");
     sp.top_p = 0;
-    g.max_tokens = 1000;
+    /* A max_tokens past the context is clamped (docs/protocol.md, "The
+     * prompt"); a prompt that fills the context is refused. */
+    static char longp[4096];
+    for (size_t k = 0; k + 8 < sizeof longp; k += 8) memcpy(longp + k, "cat dog ", 9);
+    g.prompt = longp;
     cl_send(c, &ge);
-    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "exceeds the context");
-    g.max_tokens = 0;
+    cl_expect_error(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "fill the context");
+    g.prompt = "Once upon a time";
     g.model = "other.gguf";
     cl_send(c, &ge);
     cl_expect_error(c, LLM__ERROR__CODE__NOT_FOUND, "other.gguf");
