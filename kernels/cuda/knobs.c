@@ -13,8 +13,9 @@
 #include <limits.h>
 #include <string.h>
 
-/* Fewest tokens on matmul_mmq.cu by default (docs/cuda-backend.md). */
-#define CUDA_MMQ_MIN_DEFAULT 17
+/* Fewest tokens on matmul_mmq.cu by default: 0, off, until it beats the
+ * kernels it would replace (docs/cuda-backend.md has the measurements). */
+#define CUDA_MMQ_MIN_DEFAULT 0
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const int knobs_mv_split_warps[] = {1, 2, 4};

@@ -1,0 +1,106 @@
+#!/bin/bash
+# The kernel checks and measurements of one GPU call, for a lent GPU host
+# without build tools: unpacks an sm_90 pack and a 75-virtual pack
+# (scripts/gpu-pack.sh), then runs the steps named in LLM_KERNEL_STEPS,
+# each bounded, logs under $OUT and a summary last:
+#   ops      test_cuda_ops's matmul tests (every type; matmul_mmq.cu at every
+#            token count), sm_90 pack
+#   ops75    the same routed as sm_75 (LLM_CUDA_SM=75) from the 75-virtual pack
+#   forward  test_forward on the GPU (goldens; pycode Q4_K_M teacher-forced),
+#            default routing and with LLM_CUDA_MMQ_MIN=1, both packs
+#   mmq      bench_cuda mmq: the 7B shapes at batch 8-64, the other kernels
+#            against matmul_mmq.cu, both packs
+#   attn     bench_cuda attn with LLM_CUDA_DECODE_TC_G=8, 4 and 2
+#   model    bench_gpu, llama2-7b (context 512) and llama3-8b (context 2048)
+#            Q4_K_M at batch 1, 16, 64, LLM_CUDA_MMQ_MIN=0 against the
+#            default, both packs
+#   all      every test_cuda_ops and test_forward test, both packs
+#   OUT=/tmp/out LLM_GPU_PACK=gpu-pack/sm90.tar.xz LLM_GPU_PACK_T4=gpu-pack/sm75.tar.xz \
+#       LLM_KERNEL_STEPS="ops mmq" ./scripts/gpu-kernels.sh
+set -u
+cd "$(dirname "$0")/.." || exit 2
+out=${OUT:-/tmp/gpu-kernels}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0
+[ -f .deps/env.sh ] && . .deps/env.sh
+unpack() {
+    local pack=$1 build
+    [ -f "$pack" ] || { echo ""; return; }
+    build=$(tar -xJf "$pack" -O build.path) || { echo ""; return; }
+    [ -d "$build" ] || tar -xJf "$pack" -C / --exclude=build.path
+    echo "$build"
+}
+b90=$(unpack "${LLM_GPU_PACK:-gpu-pack/sm90.tar.xz}")
+b75=$(unpack "${LLM_GPU_PACK_T4:-gpu-pack/sm75.tar.xz}")
+models=${LLM_MODELS_DIR:-}
+for b in "$b90" "$b75"; do
+    [ -z "$models" ] && [ -n "$b" ] && [ -d "$b/models" ] && models=$b/models
+done
+export LLM_MODELS_DIR=$models
+for b in "$b90" "$b75"; do
+    [ -n "$b" ] && [ -d "$b/rt" ] && export LD_LIBRARY_PATH="$b/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader >"$out/machine.txt" 2>&1
+summary=$out/summary.txt
+: >"$summary"
+status=0
+# step NAME BOUND_S COMMAND...: the command's output in NAME.log, the test
+# counts or the tables' last lines in the summary.
+step() {
+    local name=$1 bound=$2
+    shift 2
+    local t0
+    t0=$(date +%s)
+    timeout --kill-after=10 "$bound" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    {
+        echo "== $name: exit $rc, $(( $(date +%s) - t0 )) s"
+        grep -E "^\[ FAIL \]|tests: |teacher-forced|FAIL" "$out/$name.log" | head -n 12
+    } >>"$summary"
+    [ $rc -eq 0 ] || status=1
+}
+matmul_tests="cuda_ops_matmul_mmq cuda_ops_matmul_q4_k cuda_ops_matmul_q5_k cuda_ops_matmul_q6_k
+    cuda_ops_matmul_multi cuda_ops_matmul_swiglu cuda_ops_matmul_reuses_input_safely
+    cuda_ops_matmul_odd_width_and_tiles cuda_ops_matmul_wide cuda_ops_rmsnorm_feeds_matmul"
+for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
+    case $what in
+    ops) [ -n "$b90" ] && step ops 300 "$b90/tests/test_cuda_ops" $matmul_tests ;;
+    ops75) [ -n "$b75" ] && LLM_CUDA_SM=75 step ops75 300 "$b75/tests/test_cuda_ops" $matmul_tests ;;
+    forward)
+        [ -n "$b90" ] && LLM_TEST_DEVICE=cuda:0 step forward 200 "$b90/tests/test_forward"
+        [ -n "$b90" ] && LLM_CUDA_MMQ_MIN=1 LLM_TEST_DEVICE=cuda:0 step forward_mmq1 200 "$b90/tests/test_forward"
+        [ -n "$b75" ] && LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step forward75 200 "$b75/tests/test_forward"
+        ;;
+    mmq)
+        [ -n "$b90" ] && step mmq 240 "$b90/bench/bench_cuda" 0 mmq
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step mmq75 240 "$b75/bench/bench_cuda" 0 mmq
+        ;;
+    attn)
+        for g in 8 4 2; do
+            [ -n "$b90" ] && LLM_CUDA_DECODE_TC_G=$g step "attn_g$g" 120 "$b90/bench/bench_cuda" 0 attn
+        done
+        ;;
+    model)
+        for b in "$b90" "$b75"; do
+            [ -n "$b" ] || continue
+            sm=""
+            tag=90
+            [ "$b" = "$b75" ] && { sm=75; tag=75; }
+            LLM_CUDA_SM=$sm step "model7b_$tag" 280 "$b/bench/bench_gpu" --shapes llama2-7b --types q4_k_m \
+                --batches 1,16,64 --ctx 512 --ab LLM_CUDA_MMQ_MIN=0,17 --tmpdir /tmp
+            LLM_CUDA_SM=$sm step "model8b_$tag" 280 "$b/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
+                --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_MMQ_MIN=0,17 --tmpdir /tmp
+        done
+        ;;
+    all)
+        [ -n "$b90" ] && step all_ops 400 "$b90/tests/test_cuda_ops"
+        [ -n "$b90" ] && LLM_TEST_DEVICE=cuda:0 step all_forward 200 "$b90/tests/test_forward"
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step all_ops75 500 "$b75/tests/test_cuda_ops"
+        ;;
+    esac
+done
+cat "$summary"
+for f in "$out"/mmq*.log "$out"/attn_g*.log "$out"/model*.log; do
+    [ -f "$f" ] && { echo "== $f"; tail -n 30 "$f"; }
+done
+exit $status
