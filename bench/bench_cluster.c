@@ -20,7 +20,7 @@
  * its --rate arrivals, and the level's --concurrency threads send them at
  * their times (an arrival that finds every thread busy waits for the first
  * one free, as serve-bench's in-flight cap does). */
-#include "router/client.h"
+#include "clients/c/client.h"
 
 #include "common/log.h"
 #include "common/options.h"

@@ -52,7 +52,7 @@
  *   bench_router --pipelines 1,2,4,8,16,32,64,128,256 --seqs 4 --json router.json
  *   bench_router --pipelines 1 --seqs 64 --rate 30 --sim-args "--step-ms 1:2.3,640:25.4"
  *   bench_router --pipelines 1 --seqs 16 --shared-prefix 1024 --question-tokens 32 [--router-args --no-prefix-cache] */
-#include "router/client.h"
+#include "clients/c/client.h"
 #include "worker/synth.h"
 
 #include "common/log.h"

@@ -7,7 +7,7 @@
 #                                                Secrets and the ConfigMap of public keys in
 #                                                namespace NS (kubectl create; docs/deploy.md)
 # CURVE key pairs come from `llm keygen` (LLM, default: llm on PATH, else
-# build/router/llm); the Redis password and an API key from /dev/urandom.
+# build/clients/c/llm); the Redis password and an API key from /dev/urandom.
 # Existing files are kept: run it again to fill in what is missing.
 set -eu
 kube=""
@@ -18,7 +18,7 @@ fi
 dir="${1:-$(dirname "$0")/secrets}"
 llm="${LLM:-}"
 if [ -z "$llm" ]; then
-    if command -v llm > /dev/null 2>&1; then llm=llm; else llm="$(dirname "$0")/../build/router/llm"; fi
+    if command -v llm > /dev/null 2>&1; then llm=llm; else llm="$(dirname "$0")/../build/clients/c/llm"; fi
 fi
 mkdir -p "$dir"
 chmod 700 "$dir"

@@ -15,13 +15,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "clients/c/client.h"
 #include "common/chat_template.h"
 #include "common/httpd.h"
 #include "common/httpd_guard.h"
 #include "common/metrics.h"
 #include "common/tokenizer.h"
 #include "gateway/oai.h"
-#include "router/client.h"
 
 #define GW_ENDPOINTS_MAX 16
 #define GW_POOL_MAX 64

@@ -6,7 +6,7 @@
 #ifndef ROUTER_CLUSTER_IMPL_H
 #define ROUTER_CLUSTER_IMPL_H
 
-#include "router/client.h"
+#include "clients/c/client.h"
 
 #include <limits.h>
 #include <stdbool.h>

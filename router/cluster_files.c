@@ -319,15 +319,17 @@ static void cl_bin_dir(const char *program, char *out, size_t size) {
 }
 
 /* Appends to text the lines that put the folders of the programs `up`
- * started, and its own (llm, llm-cluster), first on PATH, each once however
- * often env.sh is sourced: the line `up` prints after "try:" runs as printed. */
+ * started, its own (llm-cluster) and llm's (clients/c/ in a build tree),
+ * first on PATH, each once however often env.sh is sourced: the line `up`
+ * prints after "try:" runs as printed. */
 static void cl_env_path(struct cl_up *u, char *text, size_t size) {
-    char dirs[5][PATH_MAX], self[PATH_MAX], gateway[PATH_MAX] = "", e[256];
+    char dirs[5][PATH_MAX], self[PATH_MAX], llm[PATH_MAX], gateway[PATH_MAX] = "", e[256];
     ssize_t got = readlink("/proc/self/exe", self, sizeof self - 1);
     self[got > 0 ? got : 0] = 0;
+    if (cl_find_sibling("llm", "clients/c", llm, sizeof llm, e, sizeof e) < 0) llm[0] = 0;
     if (u->bin_gateway[0]) cl_fmt(gateway, sizeof gateway, "%s", u->bin_gateway);
     else if (cl_find_sibling("llm-gateway", "gateway", gateway, sizeof gateway, e, sizeof e) < 0) gateway[0] = 0;
-    const char *programs[] = {self, u->bin_router, u->bin_worker, gateway};
+    const char *programs[] = {self, llm, u->bin_router, u->bin_worker, gateway};
     int n = 0;
     for (size_t i = 0; i < sizeof programs / sizeof programs[0]; i++) {
         cl_bin_dir(programs[i], dirs[n], sizeof dirs[n]);

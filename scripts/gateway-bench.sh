@@ -76,7 +76,7 @@ export NCCL_NVLS_ENABLE=0
 [ -d "$build/rt" ] && export LD_LIBRARY_PATH="$build/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 tmp=${TMPDIR:-/tmp}
 
-for b in bench/bench_cluster router/llm-cluster router/llm-router router/llm worker/llm-worker gateway/llm-gateway; do
+for b in bench/bench_cluster router/llm-cluster router/llm-router clients/c/llm worker/llm-worker gateway/llm-gateway; do
     if [ ! -x "$build/$b" ]; then
         echo "gateway-bench: $build/$b is missing: build it first (cmake --build $build --target bench_cluster" \
             "llm-cluster llm-router llm-worker llm-gateway llm llm-synth)" >&2
@@ -167,7 +167,7 @@ if (!t) process.exit(0);
 http.get(`http://${t.targets[0]}/metrics`, (res) => res.pipe(process.stdout)).on("error", () => process.exit(0));
 ' "$run_dir/prometheus-targets.json" 2>/dev/null
 }
-vocab=$("$build/router/llm" models 2>/dev/null | sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' | head -n 1)
+vocab=$("$build/clients/c/llm" models 2>/dev/null | sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' | head -n 1)
 if [ -z "$vocab" ]; then
     echo "gateway-bench: llm models gave no vocabulary size" >&2
     status=1

@@ -43,5 +43,5 @@ echo "== generating from \"$prompt\" through $endpoint"
 # env.sh: the router's endpoint and the client's CURVE keys that up made.
 # shellcheck disable=SC1091
 . "$rundir/env.sh"
-"$bin/router/llm" generate --prompt "$prompt" --max-tokens "${MAX_TOKENS:-64}"
+"$bin/clients/c/llm" generate --prompt "$prompt" --max-tokens "${MAX_TOKENS:-64}"
 echo

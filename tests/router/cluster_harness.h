@@ -27,10 +27,10 @@
 #include "tests/redis_fixture.h"
 #include "tests/test.h"
 
+#include "clients/c/client.h"
 #include "common/keys.h"
 #include "common/status.h"
 #include "common/zio.h"
-#include "router/client.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>

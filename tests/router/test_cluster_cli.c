@@ -289,7 +289,7 @@ TEST(cluster_cli_up_generate_status_down) {
     free(out);
     free(err);
     /* Without keys llm refuses, naming the options. */
-    const char *nokeys[] = {LLM_BINARY_DIR "/router/llm", "--router", endpoint, "health", NULL};
+    const char *nokeys[] = {LLM_BINARY_DIR "/clients/c/llm", "--router", endpoint, "health", NULL};
     rc = cli_run(nokeys, &out, &err);
     if (rc != 2 || !strstr(err, "--curve-key-file")) printf("  llm without keys (status %d):\n%s%s", rc, out, err);
     ASSERT_EQ(2, rc);
@@ -300,7 +300,7 @@ TEST(cluster_cli_up_generate_status_down) {
     /* It serves: llm generate after ". RUN_DIR/env.sh" prints llm-run's JSON. */
     char script[1024];
     snprintf(script, sizeof script, ". '%s/env.sh' && exec '%s' generate --prompt 'Once upon a time' "
-             "--max-tokens 40 --json", run_dir, LLM_BINARY_DIR "/router/llm");
+             "--max-tokens 40 --json", run_dir, LLM_BINARY_DIR "/clients/c/llm");
     const char *gen[] = {"/bin/sh", "-c", script, NULL};
     rc = cli_run(gen, &out, &err);
     cJSON *j = cJSON_Parse(strrchr(out, '{') ? strrchr(out, '{') : "");

@@ -31,18 +31,11 @@ static const char *const prompts[] = {
 
 static struct h_ref refs[N_PROMPTS];
 
-/* The `llm` program (router/ or, once moved, clients/c/). */
-static const char *llm_bin(void) {
-    static const char *const paths[] = {LLM_BINARY_DIR "/router/llm", LLM_BINARY_DIR "/clients/c/llm"};
-    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++)
-        if (access(paths[i], X_OK) == 0) return paths[i];
-    TEST_FAIL("the llm program is built neither in %s nor in %s", paths[0], paths[1]);
-    return NULL;
-}
+#define LLM_BIN LLM_BINARY_DIR "/clients/c/llm"
 
 /* `llm --router EP status --json`: its output parsed (NULL when it failed). */
 static cJSON *llm_status(const char *ep) {
-    const char *argv[] = {llm_bin(), "--router", ep, "status", "--json", NULL};
+    const char *argv[] = {LLM_BIN, "--router", ep, "status", "--json", NULL};
     int fds[2];
     if (pipe(fds) != 0) TEST_FAIL("pipe: %s", strerror(errno));
     pid_t pid = fork();

@@ -6,7 +6,7 @@
 #include "tests/router/cluster_harness.h"
 
 #define MODEL "stories260K-f32.gguf"
-#define LLM_BIN LLM_BINARY_DIR "/router/llm"
+#define LLM_BIN LLM_BINARY_DIR "/clients/c/llm"
 
 static const char *const prompts[] = {
     "Once upon a time",

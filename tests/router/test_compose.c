@@ -113,7 +113,7 @@ static void check_env_names(const char *file, const char *help) {
 TEST(compose_settings_are_real_options) {
     static char help[1 << 17];
     size_t off = 0;
-    const char *progs[] = {BIN "/router/llm-router", BIN "/worker/llm-worker", BIN "/router/llm",
+    const char *progs[] = {BIN "/router/llm-router", BIN "/worker/llm-worker", BIN "/clients/c/llm",
                            BIN "/gateway/llm-gateway"};
     for (size_t i = 0; i < sizeof progs / sizeof progs[0]; i++) {
         if (access(progs[i], X_OK) != 0) TEST_SKIP("%s is not built", progs[i]);

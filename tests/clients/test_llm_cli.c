@@ -23,7 +23,7 @@
 #include "tests/redis_fixture.h"
 #include "tests/test.h"
 
-#define LLM_BIN LLM_BINARY_DIR "/router/llm"
+#define LLM_BIN LLM_BINARY_DIR "/clients/c/llm"
 
 static int64_t t_ms(void) {
     struct timespec ts;

@@ -5,10 +5,10 @@
  * retry_ms, and the quick probe. */
 #include "tests/test.h"
 
+#include "clients/c/client.h"
 #include "common/status.h"
 #include "common/zio.h"
 #include "proto/wire.h"
-#include "router/client.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

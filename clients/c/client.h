@@ -25,8 +25,8 @@
  * One client is used by one thread at a time (a ZeroMQ socket rule); run
  * requests concurrently with one client per thread, sharing a ZeroMQ
  * context through cfg.zmq_ctx if there are many. */
-#ifndef ROUTER_CLIENT_H
-#define ROUTER_CLIENT_H
+#ifndef CLIENTS_C_CLIENT_H
+#define CLIENTS_C_CLIENT_H
 
 #include <stdbool.h>
 #include <stddef.h>
