@@ -1,0 +1,100 @@
+/* The cluster across hosts (tests/net/netbed.h): Redis, the router and
+ * each stage on hosts of their own, joined by a bridge with capped links
+ * and a relay that adds latency.  Greedy outputs equal llm-run's; the
+ * throughput and the bytes each stage host moved are printed. */
+#include "tests/net/netbed.h"
+
+#define MODEL "stories260K-f32.gguf"
+
+static const char *const prompts[] = {
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+};
+#define N_PROMPTS 4
+#define N_TOKENS 64
+
+static struct h_ref refs[N_PROMPTS];
+
+static void make_requests(struct cluster *cl, struct h_gen *gs, int n, const char *tag) {
+    memset(gs, 0, sizeof *gs * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        gs[i].cl = cl;
+        gs[i].prompt = prompts[i % N_PROMPTS];
+        gs[i].max_tokens = N_TOKENS;
+        gs[i].ignore_eos = 1;
+        gs[i].retry_ms = 30000;
+        gs[i].wait_ms = 60000;
+        snprintf(gs[i].request_id, sizeof gs[i].request_id, "%s-%02d", tag, i);
+    }
+}
+
+static void check_all(struct cluster *cl, struct h_gen *gs, int n) {
+    for (int i = 0; i < n; i++) {
+        h_check(cl, &gs[i], &refs[i % N_PROMPTS]);
+        llm_generate_result_free(&gs[i].res);
+    }
+}
+
+static const char *const hosts_1x3[] = {"db", "ctl", "s0", "s1", "s2", "cli", "wan", NULL};
+
+/* 1x3 across five hosts, every link capped at 1 Gbit/s, 2 ms each way on
+ * every hop through the relays: serves exactly what llm-run gives. */
+TEST(net_bed_serves_across_hosts) {
+    const char *model = test_model_path(MODEL);
+    for (int p = 0; p < N_PROMPTS; p++) h_reference(model, prompts[p], N_TOKENS, 0, &refs[p]);
+    struct netbed *nb = nb_init(hosts_1x3);
+    for (int i = 0; i < 5; i++) nb_cap(nb, hosts_1x3[i], "1gbit");
+    struct nb_cluster_opts o = {1, 3, "", "", 2};
+    struct cluster *cl = nb_cluster_start(nb, model, &o);
+    uint64_t tx0[3], rx0[3];
+    for (int s = 0; s < 3; s++) {
+        char h[8];
+        snprintf(h, sizeof h, "s%d", s);
+        nb_bytes(nb, h, &tx0[s], &rx0[s]);
+    }
+    enum { N = 8 };
+    static struct h_gen gs[N];
+    make_requests(cl, gs, N, "bed");
+    int64_t t0 = h_now_ms();
+    h_generate_all(gs, N);
+    int64_t ms = h_now_ms() - t0;
+    check_all(cl, gs, N);
+    printf("  %d requests x %d tokens across hosts (1 Gbit/s, 2 ms a hop): %lld ms, %.0f tokens/s\n", N, N_TOKENS,
+           (long long)ms, N * N_TOKENS * 1000.0 / (double)(ms > 0 ? ms : 1));
+    for (int s = 0; s < 3; s++) {
+        char h[8];
+        uint64_t tx, rx;
+        snprintf(h, sizeof h, "s%d", s);
+        nb_bytes(nb, h, &tx, &rx);
+        printf("  host %s: sent %llu bytes, received %llu\n", h, (unsigned long long)(tx - tx0[s]),
+               (unsigned long long)(rx - rx0[s]));
+    }
+    int64_t relayed = 0;
+    for (int i = 0; i < nb->n_relays; i++) relayed += nb->relays[i].bytes;
+    H_ASSERT(cl, relayed > 0, "nothing went through the latency relays");
+    printf("  the relays carried %lld bytes\n", (long long)relayed);
+    nb_free(nb);
+}
+
+/* The bed itself: a namespace cannot reach another whose switch port is
+ * down, and can again once it is up (a plain TCP connect, no cluster). */
+TEST(net_bed_port_down_and_up) {
+    static const char *const hosts[] = {"a", "b", "cli", NULL};
+    struct netbed *nb = nb_init(hosts);
+    nb_link_set(nb, "b", 0);
+    /* bash's /dev/tcp: a connect that hangs (no answer at all) is the cut */
+    int cut = nb_sh(NB_IP " netns exec %s timeout 2 bash -c 'exec 3<>/dev/tcp/%s/22'", nb_host(nb, "a")->ns,
+                    nb_host(nb, "b")->addr);
+    nb_link_set(nb, "b", 1);
+    int refused_after = nb_sh(NB_IP " netns exec %s timeout 3 bash -c 'exec 3<>/dev/tcp/%s/22'",
+                              nb_host(nb, "a")->ns, nb_host(nb, "b")->addr);
+    nb_free(nb);
+    /* Nothing listens on b:22: reachable means "refused" (exit 1), cut
+     * means the connect hangs until timeout (124). */
+    ASSERT_EQ(124, cut);
+    ASSERT_EQ(1, refused_after);
+}
+
+TEST_MAIN(net_bed_port_down_and_up, net_bed_serves_across_hosts)
