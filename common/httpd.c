@@ -108,7 +108,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     if (!get)
         return reply_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "GET, HEAD",
                           "method %.32s not allowed on %s: use GET\n", method, url);
-    if (strcmp(url, "/health") == 0) return reply_text(conn, MHD_HTTP_OK, NULL, "ok\n");
+    if (strcmp(url, "/health") == 0) {
+        char buf[256] = "";
+        const char *why = h->c.health ? h->c.health(h->c.health_ud, buf, sizeof buf) : NULL;
+        if (!why) return reply_text(conn, MHD_HTTP_OK, NULL, "ok\n");
+        return reply_text(conn, MHD_HTTP_SERVICE_UNAVAILABLE, NULL, "unhealthy: %.255s\n", why);
+    }
     if (strcmp(url, "/ready") == 0) {
         char buf[256] = "";
         const char *why = h->c.ready ? h->c.ready(h->c.ready_ud, buf, sizeof buf) : NULL;

@@ -3,7 +3,8 @@
  * Prometheus and for Kubernetes probes:
  *
  *   GET /metrics  200, the registry in the Prometheus text format
- *   GET /health   200 "ok": the process is alive
+ *   GET /health   200 "ok": the process is alive (and, with a health callback,
+ *                 its loops turn: common/watchdog.h), or 503 "unhealthy: <reason>"
  *   GET /ready    200 "ready", or 503 "not ready: <reason>"
  *
  * Any other path gets 404, any method but GET and HEAD 405.  It lives in its
@@ -35,6 +36,11 @@ typedef void (*httpd_refresh_fn)(void *ud);
  * 503 reply carries.  Runs on the server's thread. */
 typedef const char *(*httpd_ready_fn)(void *ud, char *buf, size_t size);
 
+/* Called for each /health, the same way: NULL while the process is alive,
+ * else the reason for a 503 (watchdog_health is one).  Runs on the
+ * server's thread. */
+typedef const char *(*httpd_health_fn)(void *ud, char *buf, size_t size);
+
 struct httpd_config {
     const char *listen;        /* "HOST:PORT": an IPv4 address, a host name, "[IPv6]",
                                   or "*" / empty host for every interface; port 0
@@ -45,6 +51,8 @@ struct httpd_config {
     void *refresh_ud;
     httpd_ready_fn ready;      /* may be NULL: ready whenever alive */
     void *ready_ud;
+    httpd_health_fn health;    /* may be NULL: healthy whenever the port answers */
+    void *health_ud;
 };
 
 /* Binds c->listen and starts serving on a thread of its own.  Returns 0 and

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/keys.h"
 #include "common/log.h"
@@ -103,6 +104,10 @@ int main(int argc, char **argv) {
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none", &cfg.metrics_listen,
          0, 0, NULL},
+        {"watchdog-ms", "LLM_WATCHDOG_MS", OPTION_INT, "60000",
+         "/health answers 503 once the supervisor loop (which takes every lock a request takes, 4 times a second) "
+         "has not turned for this long (0: /health only says the process is up)", &cfg.watchdog_ms, 0, 86400000,
+         NULL},
         {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
          "the gateway's CURVE key pair towards the router (NAME.key from llm keygen)", &curve_key_file, 0, 0,
          NULL},
@@ -202,8 +207,13 @@ int main(int argc, char **argv) {
     /* The listening line on stdout, for scripts and tests that asked for port 0. */
     printf("llm-gateway: listening on port %u\n", gateway_port(g));
     fflush(stdout);
-    int sig = 0;
-    sigwait(&set, &sig);
+    int sig = -1;
+    /* The supervisor loop: four turns a second (gateway_tick), until a signal. */
+    while (sig < 0) {
+        gateway_tick(g);
+        struct timespec turn = {0, 250 * 1000 * 1000};
+        sig = sigtimedwait(&set, NULL, &turn);
+    }
     LOG(LL_INFO, "gateway: signal %d: stopping", sig);
     gateway_stop(g);
     for (size_t i = 0; i < keys.n; i++) free(keys.v[i]);

@@ -21,6 +21,7 @@
 #include "common/httpd_guard.h"
 #include "common/metrics.h"
 #include "common/tokenizer.h"
+#include "common/watchdog.h"
 #include "gateway/oai.h"
 
 #define GW_ENDPOINTS_MAX 16
@@ -79,6 +80,7 @@ struct gateway {
     int runners;
     struct gw_runner *idle;
     bool stopping;
+    watchdog *wd;                   /* /health's (cfg.watchdog_ms), NULL when off */
 };
 
 /* A thread that runs generations one after another (gw_generate.c). */

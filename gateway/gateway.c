@@ -583,7 +583,7 @@ static int start_metrics(gateway *g, char *err, size_t errlen) {
     g->gen_tokens = metrics_series_get(f[5], NULL);
     g->added = metrics_series_get(f[6], NULL);
     struct httpd_config hc = {.listen = g->cfg.metrics_listen, .registry = g->reg, .ready = gateway_ready,
-                              .ready_ud = g};
+                              .ready_ud = g, .health = g->wd ? watchdog_health : NULL, .health_ud = g->wd};
     int rc = httpd_start(&g->http, &hc, err, errlen);
     if (rc == STATUS_IO && g->cfg.metrics_optional) {
         LOG(LL_WARN, "gateway: no metrics port: %s (give --metrics-listen another port)", err);
@@ -599,6 +599,16 @@ static int start_metrics(gateway *g, char *err, size_t errlen) {
 }
 
 int gateway_metrics_port(const gateway *g) { return g->http ? httpd_port(g->http) : 0; }
+
+void gateway_tick(gateway *g) {
+    pthread_mutex_lock(&g->pool_mu);
+    pthread_mutex_unlock(&g->pool_mu);
+    pthread_mutex_lock(&g->jobs_mu);
+    pthread_mutex_unlock(&g->jobs_mu);
+    pthread_mutex_lock(&g->info_mu);
+    pthread_mutex_unlock(&g->info_mu);
+    watchdog_beat(g->wd, 0);
+}
 
 int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, size_t errlen) {
     *out = NULL;
@@ -645,6 +655,9 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
     }
     rc = load_model(g, err, errlen);
     if (rc < 0) goto fail;
+    static const char *const loops[] = {"supervisor"};
+    if (cfg->watchdog_ms > 0 && (rc = watchdog_init(&g->wd, cfg->watchdog_ms, loops, 1, err, errlen)) < 0)
+        goto fail;
     if (g->cfg.metrics_listen) g->cfg.metrics_listen = g->metrics_listen = strdup(g->cfg.metrics_listen);
     rc = start_metrics(g, err, errlen);
     if (rc < 0) {
@@ -694,6 +707,7 @@ void gateway_stop(gateway *g) {
     httpd_guard_free(g->guard);
     gw_runners_stop(g);
     httpd_stop(g->http);
+    watchdog_free(g->wd);
     llm_client_close(g->probe);
     llm_client_close(g->info_client);
     metrics_free(g->reg);

@@ -36,6 +36,9 @@ struct gateway_config {
      * is a warning, not a failure to start (for a default address). */
     const char *metrics_listen;
     bool metrics_optional;
+    /* /health fails once gateway_tick has not run for this long, and until
+     * it first runs (common/watchdog.h); 0: no watchdog. */
+    int watchdog_ms;
 };
 
 /* 127.0.0.1:8080, max_body 1 MiB, 256 connections (any number per address),
@@ -55,6 +58,14 @@ uint16_t gateway_port(const gateway *g);
 /* Stops listening, waits for the connection threads and frees g (NULL is
  * fine).  Generations still running are cancelled by their connections. */
 void gateway_stop(gateway *g);
+
+/* The supervisor's turn, for the thread that waits for signals to call
+ * a few times a second: takes and releases the locks every request takes
+ * (the router client pool's, the jobs', the model info's), then beats the
+ * watchdog, so that a deadlock or a thread stuck holding one of them makes
+ * /health fail.  It does not see one connection's thread hanging on its
+ * own (the read deadline and the connection guard bound those). */
+void gateway_tick(gateway *g);
 
 /* The metrics port's port, or 0 when there is none. */
 int gateway_metrics_port(const gateway *g);

@@ -12,6 +12,7 @@
 #include "common/options.h"
 #include "common/rconn.h"
 #include "common/status.h"
+#include "common/watchdog.h"
 #include "common/zio.h"
 #include "router/server.h"
 #include "router/server_metrics.h"
@@ -30,6 +31,7 @@ int main(int argc, char **argv) {
     const char *metrics_listen = NULL, *redis_password_file = NULL;
     bool prefix_cache = true;
     int64_t max_msg_size = 0;
+    int watchdog_ms = 0;
     static const char metrics_default[] = "127.0.0.1:9464";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
     const struct option_def defs[] = {
@@ -110,6 +112,9 @@ int main(int argc, char **argv) {
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none", &metrics_listen,
          0, 0, NULL},
+        {"watchdog-ms", "LLM_WATCHDOG_MS", OPTION_INT, "60000",
+         "/health answers 503 once the event loop has not turned for this long, and until it first "
+         "turns (0: /health only says the process is up)", &watchdog_ms, 0, 86400000, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_CHOICE, "info", "log level", &log_level, 0, 0, levels},
     };
     struct options o = {"llm-router", "[options]",
@@ -151,11 +156,21 @@ int main(int argc, char **argv) {
         free(redis_url);
         return 1;
     }
-    /* The port comes up before the model loads, so that /health answers
-     * (and /ready says "starting") while it does. */
+    /* The port comes up before the model loads, so that it answers while it
+     * does: /ready "starting", /health 503 until the event loop turns. */
+    static const char *const loops[] = {"event"};
+    watchdog *wd = NULL;
+    if (watchdog_ms > 0 && watchdog_init(&wd, watchdog_ms, loops, 1, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-router: %s\n", err);
+        server_metrics_free(sm);
+        free(redis_url);
+        return 1;
+    }
+    c.watchdog = wd;
     httpd *h = NULL;
     struct httpd_config hc = {.listen = metrics_listen, .registry = server_metrics_registry(sm),
-                              .ready = server_metrics_ready, .ready_ud = sm};
+                              .ready = server_metrics_ready, .ready_ud = sm,
+                              .health = wd ? watchdog_health : NULL, .health_ud = wd};
     rc = metrics_listen[0] ? httpd_start(&h, &hc, err, sizeof err) : STATUS_OK;
     /* A default port another router on this host holds is not worth
      * refusing to route for; an address the operator gave is. */
@@ -163,6 +178,7 @@ int main(int argc, char **argv) {
         LOG(LL_WARN, "router: no metrics port: %s (give --metrics-listen another port)", err);
     } else if (rc < 0) {
         fprintf(stderr, "llm-router: --metrics-listen: %s\n", err);
+        watchdog_free(wd);
         server_metrics_free(sm);
         free(redis_url);
         return 2;
@@ -175,6 +191,7 @@ int main(int argc, char **argv) {
     if (server_init(&s, &c, err, sizeof err) < 0) {
         fprintf(stderr, "llm-router: %s\n", err);
         httpd_stop(h);
+        watchdog_free(wd);
         server_metrics_free(sm);
         free(redis_url);
         return 1;
@@ -183,6 +200,7 @@ int main(int argc, char **argv) {
     /* The port stops first: it reads the registry the server updates. */
     httpd_stop(h);
     server_free(s);
+    watchdog_free(wd);
     server_metrics_free(sm);
     free(redis_url);
     return 0;

@@ -8,6 +8,7 @@
 #include "router/server.h"
 #include "router/server-impl.h"
 #include "router/server_metrics.h"
+#include "common/watchdog.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -431,6 +432,9 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
     struct zio_sock *socks[2] = {s->ws, s->cs};
     short events[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, revents[2];
     while (!*stop) {
+        /* A turn takes at most the 50 ms poll plus its work: /health fails
+         * when one takes longer than the watchdog's bound. */
+        watchdog_beat(s->cfg.watchdog, 0);
         /* A pipeline's batch wait ends within the poll: the last part of a
          * millisecond spins (zmq_poll counts whole ones). */
         int timeout_ms = 50;

@@ -45,7 +45,8 @@ struct server_config {
     const char *worker_keys;
     bool insecure;             /* plain sockets: anyone who reaches a port is served */
     struct server_metrics *metrics; /* updated by the loop (router/server_metrics.h), the
-                                       caller's; NULL: no metrics */
+                                       caller's; NULL: no metrics */    struct watchdog *watchdog;      /* the loop beats its loop 0 every turn (common/watchdog.h);
+                                       the caller's; NULL: none */
 };
 
 typedef struct server server;

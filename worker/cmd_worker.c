@@ -14,6 +14,7 @@
 #include "common/options.h"
 #include "common/rconn.h"
 #include "common/status.h"
+#include "common/watchdog.h"
 #include "common/zio.h"
 
 #include <errno.h>
@@ -48,6 +49,7 @@ int main(int argc, char **argv) {
     const char *redis_password_file = NULL;
     bool insecure = false;
     int64_t max_msg_size = 0;
+    int watchdog_ms = 0;
     static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
     int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_timeout = 0,
@@ -95,6 +97,10 @@ int main(int argc, char **argv) {
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none",
          &metrics_listen, 0, 0, NULL},
+        {"watchdog-ms", "LLM_WATCHDOG_MS", OPTION_INT, "60000",
+         "/health answers 503 while the model loads, and once the io loop or the compute thread has not "
+         "turned for this long (a step or a link that hangs); keep it above --link-timeout-ms "
+         "(0: /health only says the process is up)", &watchdog_ms, 0, 86400000, NULL},
         {"log-level", "LLM_LOG_LEVEL", OPTION_STRING, "info", "debug, info, warn, error or none", &log_level, 0, 0, NULL},
     };
     struct options o = {"llm-worker", "[options]",
@@ -185,12 +191,22 @@ int main(int argc, char **argv) {
         fprintf(stderr, "llm-worker: %s\n", err);
         return 1;
     }
-    /* The port comes up before the model loads, so that /health answers
-     * (and /ready says "loading the model") while it does. */
+    static const char *const loops[] = {"io", "compute"};
+    watchdog *wd = NULL;
+    if (watchdog_ms > 0 && watchdog_init(&wd, watchdog_ms, loops, 2, err, sizeof err) < 0) {
+        fprintf(stderr, "llm-worker: %s\n", err);
+        node_metrics_free(nm);
+        return 1;
+    }
+    cfg.watchdog = wd;
+    /* The port comes up before the model loads, so that it answers while it
+     * does: /ready "loading the model", /health 503 "starting" until both
+     * loops turn (a startup probe, not liveness, bounds the load). */
     httpd *h = NULL;
     struct httpd_config hc = {.listen = metrics_listen, .registry = node_metrics_registry(nm),
                               .refresh = node_metrics_refresh, .refresh_ud = nm,
-                              .ready = node_metrics_ready, .ready_ud = nm};
+                              .ready = node_metrics_ready, .ready_ud = nm,
+                              .health = wd ? watchdog_health : NULL, .health_ud = wd};
     rc = metrics_listen[0] ? httpd_start(&h, &hc, err, sizeof err) : STATUS_OK;
     /* Several workers share a host (one per GPU, or a local cluster): a
      * taken default port is a warning; an address the operator gave that
@@ -199,6 +215,7 @@ int main(int argc, char **argv) {
         LOG(LL_WARN, "worker: no metrics port: %s (give --metrics-listen another port)", err);
     } else if (rc < 0) {
         fprintf(stderr, "llm-worker: --metrics-listen: %s\n", err);
+        watchdog_free(wd);
         node_metrics_free(nm);
         return 2;
     } else if (h) {
@@ -212,6 +229,7 @@ int main(int argc, char **argv) {
         if (worker_redis_url(redis, redis_password_file, &redis_url, err, sizeof err) < 0) {
             fprintf(stderr, "llm-worker: %s\n", err);
             httpd_stop(h);
+            watchdog_free(wd);
             node_metrics_free(nm);
             return 2;
         }
@@ -223,6 +241,7 @@ int main(int argc, char **argv) {
     if (rc < 0) {
         fprintf(stderr, "llm-worker: cannot start: %s\n", err);
         httpd_stop(h);
+        watchdog_free(wd);
         node_metrics_free(nm);
         return 1;
     }
@@ -231,6 +250,7 @@ int main(int argc, char **argv) {
     /* The port stops first: it reads the node. */
     httpd_stop(h);
     node_free(n);
+    watchdog_free(wd);
     node_metrics_free(nm);
     if (rc < 0) {
         fprintf(stderr, "llm-worker: %s\n", err);

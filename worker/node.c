@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "common/rconn.h"
 #include "common/status.h"
+#include "common/watchdog.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -62,6 +63,7 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     int64_t drain_deadline = 0;
     struct zio_parts in = {0};
     while (!compute_done) {
+        watchdog_beat(n->cfg.watchdog, 0); /* each turn waits at most 100 ms */
         int64_t now = node_now_ms();
         node_router_events(n, now);
         if ((rc = node_router_retry(n, now, err, errlen)) < 0) {

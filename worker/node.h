@@ -69,6 +69,10 @@ struct node_config {
     const char *curve_key_file;
     const char *router_key;
     int insecure;
+    /* Liveness (common/watchdog.h), the caller's, NULL for none: node_run
+     * beats loop 0 every turn of the io thread, the compute thread loop 1
+     * between steps (so a step that hangs, on a stuck link, stops it). */
+    struct watchdog *watchdog;
 };
 
 void node_config_default(struct node_config *cfg);

@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "common/watchdog.h"
 #include "proto/request.h"
 #if defined(LLM_HAVE_CUDA)
 #include "kernels/cuda/nccl_link.h"
@@ -462,6 +463,8 @@ void *node_compute_main(void *arg) {
     }
 #endif
     for (;;) {
+        /* Between steps: an idle wait lasts 1 s, a step as long as it runs. */
+        watchdog_beat(n->cfg.watchdog, 1);
         int rc = zio_recv(n->pipe_compute, &in, 1000);
         if (rc == STATUS_TIMEOUT || rc == STATUS_CANCELLED) continue;
         if (rc < 0) {
