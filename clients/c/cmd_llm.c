@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 struct llm_global {
     const char *router, *log_level, *curve_key_file, *router_key;
@@ -516,7 +517,50 @@ static double llm_hit_rate(uint64_t hits, uint64_t misses) {
     return hits + misses ? (double)hits / (double)(hits + misses) : 0.0;
 }
 
-static cJSON *llm_status_json(const Llm__StatusReply *s) {
+/* The stages' KV view against the router's (docs/client.md, "llm status"):
+ * once a pipeline is idle (ready, nothing running, no step in flight) each
+ * stage holds exactly the blocks the router's pipeline holds (prefix-cached
+ * ones included).  A stage's view travels in its heartbeat, so a reply
+ * just after a load may carry a view from before the last frees: a view
+ * counts only when it is newer than the moment the router was first seen
+ * idle with nothing run since (fresh). */
+static bool llm_pipeline_idle(const Llm__PipelineStatus *p) {
+    return p->ready && p->running == 0 && p->steps_in_flight == 0;
+}
+
+static bool llm_stage_kv_differs(const Llm__PipelineStatus *p, const Llm__StageStatus *st) {
+    return llm_pipeline_idle(p) && st->worker_id && st->worker_id[0] && st->kv_blocks_used != p->kv_blocks_used;
+}
+
+/* One status reply with what is needed to judge its stages' views: when it
+ * was asked for, and when the router was first seen idle (idle_ms, local
+ * monotonic ms; the reply of that moment came back then).  compare_all:
+ * --settle-ms 0, every view is taken as it is. */
+struct llm_kv_read {
+    const Llm__StatusReply *s;
+    int64_t sent_ms, idle_ms;
+    bool compare_all;
+};
+
+/* Whether stage st's view came to the router after the idle moment. */
+static bool llm_stage_view_fresh(const struct llm_kv_read *kv, const Llm__StageStatus *st) {
+    return kv->compare_all || (int64_t)st->heartbeat_age_ms < kv->sent_ms - kv->idle_ms;
+}
+
+/* Stages of idle pipelines whose view differs: fresh ones when fresh, else
+ * those not yet fresh. */
+static int llm_kv_count(const struct llm_kv_read *kv, bool fresh) {
+    int n = 0;
+    for (size_t i = 0; i < kv->s->n_pipelines; i++) {
+        const Llm__PipelineStatus *p = kv->s->pipelines[i];
+        for (size_t j = 0; j < p->n_stages; j++)
+            if (llm_stage_kv_differs(p, p->stages[j]) && llm_stage_view_fresh(kv, p->stages[j]) == fresh) n++;
+    }
+    return n;
+}
+
+static cJSON *llm_status_json(const struct llm_kv_read *kv) {
+    const Llm__StatusReply *s = kv->s;
     cJSON *j = cJSON_CreateObject();
     cJSON_AddNumberToObject(j, "queue_depth", s->queue_depth);
     cJSON_AddNumberToObject(j, "running", s->running);
@@ -541,6 +585,7 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
     cJSON_AddNumberToObject(j, "prefix_miss_blocks", (double)s->prefix_miss_blocks);
     cJSON_AddNumberToObject(j, "prefix_deferred", (double)s->prefix_deferred);
     cJSON_AddNumberToObject(j, "prefix_hit_rate", llm_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens));
+    cJSON_AddNumberToObject(j, "stages_kv_differ", llm_kv_count(kv, true));
     cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
@@ -555,6 +600,7 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
         cJSON_AddNumberToObject(pj, "prompt_tokens_per_s", p->prompt_tokens_per_s);
         cJSON_AddNumberToObject(pj, "waiting", p->waiting);
         cJSON_AddNumberToObject(pj, "steps_in_flight", p->steps_in_flight);
+        cJSON_AddBoolToObject(pj, "idle", llm_pipeline_idle(p));
         cJSON_AddNumberToObject(pj, "epoch", (double)p->epoch);
         cJSON_AddStringToObject(pj, "problem", p->problem ? p->problem : "");
         cJSON_AddNumberToObject(pj, "prefix_cached_blocks", p->prefix_cached_blocks);
@@ -577,6 +623,7 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
             cJSON_AddNumberToObject(sj, "kv_blocks_used", st->kv_blocks_used);
             cJSON_AddNumberToObject(sj, "kv_blocks_total", st->kv_blocks_total);
             cJSON_AddNumberToObject(sj, "heartbeat_age_ms", st->heartbeat_age_ms);
+            cJSON_AddBoolToObject(sj, "kv_differs", llm_stage_kv_differs(p, st) && llm_stage_view_fresh(kv, st));
             cJSON_AddBoolToObject(sj, "ready", st->ready);
             cJSON_AddItemToArray(ss, sj);
         }
@@ -598,7 +645,8 @@ static cJSON *llm_status_json(const Llm__StatusReply *s) {
     return j;
 }
 
-static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
+static void llm_status_print(const char *endpoint, const struct llm_kv_read *kv) {
+    const Llm__StatusReply *s = kv->s;
     printf("router %s: up %llu s, %llu requests, %llu frames rejected\n", endpoint,
            (unsigned long long)s->uptime_s, (unsigned long long)s->requests_total,
            (unsigned long long)s->frames_rejected);
@@ -627,10 +675,21 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
                p->problem ? p->problem : "");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
-            printf("  stage %u: worker %s, layers [%u, %u), %s %s, KV blocks %u/%u, heartbeat %u ms ago%s\n",
+            bool differs = llm_stage_kv_differs(p, st) && llm_stage_view_fresh(kv, st);
+            printf("  stage %u: worker %s, layers [%u, %u), %s %s, KV blocks %u/%u, heartbeat %u ms ago%s%s\n",
                    st->stage_index, st->worker_id[0] ? st->worker_id : "(none)", st->layer_first,
                    st->layer_end, st->backend, st->device, st->kv_blocks_used, st->kv_blocks_total,
-                   st->heartbeat_age_ms, st->ready ? "" : ", not ready");
+                   st->heartbeat_age_ms, st->ready ? "" : ", not ready",
+                   differs ? ", KV DIFFERS from the router's (idle pipeline)" : "");
+        }
+    }
+    for (size_t i = 0; i < s->n_pipelines; i++) {
+        const Llm__PipelineStatus *p = s->pipelines[i];
+        for (size_t j = 0; j < p->n_stages; j++) {
+            const Llm__StageStatus *st = p->stages[j];
+            if (llm_stage_kv_differs(p, st) && llm_stage_view_fresh(kv, st))
+                printf("warning: pipeline %u is idle and holds %u KV blocks, but stage %u (worker %s) holds %u\n",
+                       p->pipeline_id, p->kv_blocks_used, st->stage_index, st->worker_id, st->kv_blocks_used);
         }
     }
     if (s->n_workers) printf("workers:\n");
@@ -641,30 +700,74 @@ static void llm_status_print(const char *endpoint, const Llm__StatusReply *s) {
     }
 }
 
+static int64_t llm_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Exit 3 when a stage of an idle pipeline holds other KV blocks than the
+ * router's pipeline.  A view older than the idle moment is asked for again
+ * (every 200 ms, for --settle-ms at most) rather than judged; anything run
+ * in between (requests or steps counted) moves the idle moment on. */
 static int llm_status(struct llm_global *gl, int argc, char **argv) {
     bool json = false;
-    int rc = llm_parse_simple(gl, "llm status", "Shows pipelines, stages, workers, queue, KV use and throughput.",
-                              "[--json]", &argc, argv, &json, 0);
+    int settle_ms = 3000;
+    const struct option_def defs[] = {
+        {"json", NULL, OPTION_BOOL, "false", "print JSON", &json, 0, 0, NULL},
+        {"settle-ms", NULL, OPTION_INT, "3000",
+         "wait this long at most for a stage's KV view newer than its pipeline's idleness (0: judge the first reply)",
+         &settle_ms, 0, 600000, NULL},
+    };
+    int rc = llm_parse_sub(gl, "llm status", "[--json] [--settle-ms MS]",
+                           "Shows pipelines, stages, workers, queue, KV use and throughput; exits 3 when a stage "
+                           "of an idle pipeline holds other KV blocks than the router's pipeline.",
+                           defs, 2, &argc, argv);
     if (rc >= 0) return rc;
+    if (argc != 1) {
+        fprintf(stderr, "llm status: expected 0 arguments, got %d (see --help)\n", argc - 1);
+        return 2;
+    }
     llm_client *c;
     if ((rc = llm_open(gl, &c)) != 0) return rc;
     Llm__ClientEnvelope *env;
+    struct llm_kv_read kv = {.compare_all = settle_ms == 0};
+    kv.sent_ms = llm_now_ms();
     rc = llm_client_status(c, &env);
+    kv.idle_ms = llm_now_ms();
+    int64_t end = kv.idle_ms + settle_ms;
+    while (rc >= 0) {
+        kv.s = env->status_reply;
+        if (llm_kv_count(&kv, false) == 0 || llm_now_ms() >= end) break;
+        int64_t wait = end - llm_now_ms();
+        struct timespec ts = {0, (wait < 200 ? wait : 200) * 1000000L};
+        nanosleep(&ts, NULL);
+        uint64_t requests = env->status_reply->requests_total, steps = env->status_reply->steps_total;
+        Llm__ClientEnvelope *next;
+        kv.sent_ms = llm_now_ms();
+        if ((rc = llm_client_status(c, &next)) < 0) break;
+        proto_client_free(env);
+        env = next;
+        if (env->status_reply->requests_total != requests || env->status_reply->steps_total != steps)
+            kv.idle_ms = llm_now_ms();
+    }
     if (rc < 0) {
         fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
+        if (kv.s) proto_client_free(env);
         llm_client_close(c);
         return 1;
     }
     if (json) {
-        cJSON *j = llm_status_json(env->status_reply);
+        cJSON *j = llm_status_json(&kv);
         llm_print_json(j);
         cJSON_Delete(j);
     } else {
-        llm_status_print(llm_client_endpoint(c), env->status_reply);
+        llm_status_print(llm_client_endpoint(c), &kv);
     }
+    int differ = llm_kv_count(&kv, true);
     proto_client_free(env);
     llm_client_close(c);
-    return 0;
+    return differ ? 3 : 0;
 }
 
 static const char *llm_serving_name(Llm__HealthReply__ServingStatus s) {

@@ -3,7 +3,10 @@
  * --retry-ms bounds `llm generate` against a router that cannot serve (no
  * pipeline), which answers why; against a real cluster, --logprobs lists
  * each token's text (which together make the output text) and --stop (given
- * several times) ends the text before the first match. */
+ * several times) ends the text before the first match; against a scripted
+ * router, `llm status` flags a stage of an idle pipeline whose KV view
+ * differs from the router's, only once the view is newer than the
+ * idleness, and exits 3. */
 #include "router/server.h"
 #include "tests/router/cluster_harness.h"
 
@@ -11,6 +14,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +24,7 @@
 
 #include "common/log.h"
 #include "common/zio.h"
+#include "proto/wire.h"
 #include "tests/redis_fixture.h"
 #include "tests/test.h"
 
@@ -344,5 +349,204 @@ TEST(llm_cli_first_use) {
     h_cluster_stop(cl);
 }
 
+/* ---- llm status against a scripted router ---------------------------------- */
+
+/* One StatusReply of a pipeline of two stages (workers w0, w1). */
+struct sf_reply {
+    uint32_t running, router_kv, stage_kv[2], age_ms;
+    uint64_t steps;
+};
+
+/* A router that answers each Status with the next of its replies (the last
+ * again once they run out) and counts them. */
+struct status_fake {
+    char ep[64];
+    pthread_t th;
+    atomic_int stop, asked;
+    int n;
+    struct sf_reply r[4];
+};
+
+static void sf_send(struct zio_sock *s, const struct zio_parts *from, Llm__ClientEnvelope *env) {
+    uint8_t *buf;
+    size_t len;
+    char err[128];
+    if (proto_client_pack(env, &buf, &len, err, sizeof err) != 0) return;
+    struct zio_frame f[2] = {{zio_parts_data(from, 0), zio_parts_size(from, 0), NULL, NULL},
+                             {buf, len, proto_buf_free, NULL}};
+    zio_send(s, f, 2, 0);
+}
+
+static void *sf_main(void *arg) {
+    struct status_fake *f = arg;
+    void *ctx = zmq_ctx_new();
+    struct zio_sock *s = NULL;
+    char err[128];
+    if (zio_sock_open(ctx, ZMQ_ROUTER, &s, err, sizeof err) != 0 || zio_bind(s, f->ep) != 0) {
+        fprintf(stderr, "status fake: cannot bind %s\n", f->ep);
+        atomic_store(&f->asked, -1000);
+        if (s) zio_sock_close(s);
+        zmq_ctx_term(ctx);
+        return NULL;
+    }
+    zio_set_int(s, ZMQ_LINGER, 0);
+    struct zio_parts in = {0};
+    while (!atomic_load(&f->stop)) {
+        if (zio_recv(s, &in, 10) != 0 || in.n != 2) continue;
+        Llm__ClientEnvelope *env;
+        if (proto_client_unpack(zio_parts_data(&in, 1), zio_parts_size(&in, 1), &env, err, sizeof err) != 0)
+            continue;
+        if (env->body_case == LLM__CLIENT_ENVELOPE__BODY_STATUS) {
+            int k = atomic_fetch_add(&f->asked, 1);
+            const struct sf_reply *x = &f->r[k < f->n ? k : f->n - 1];
+            Llm__StageStatus st[2], *stp[2];
+            for (int i = 0; i < 2; i++) {
+                llm__stage_status__init(&st[i]);
+                st[i].stage_index = (uint32_t)i;
+                st[i].worker_id = i ? "w1" : "w0";
+                st[i].backend = "cpu";
+                st[i].device = "cpu";
+                st[i].kv_blocks_used = x->stage_kv[i];
+                st[i].kv_blocks_total = 128;
+                st[i].heartbeat_age_ms = x->age_ms;
+                st[i].ready = true;
+                stp[i] = &st[i];
+            }
+            Llm__PipelineStatus p = LLM__PIPELINE_STATUS__INIT, *pp = &p;
+            p.model = "m";
+            p.ready = true;
+            p.stages = stp;
+            p.n_stages = 2;
+            p.running = x->running;
+            p.kv_blocks_used = x->router_kv;
+            p.kv_blocks_total = 128;
+            Llm__StatusReply sr = LLM__STATUS_REPLY__INIT;
+            sr.pipelines = &pp;
+            sr.n_pipelines = 1;
+            sr.running = x->running;
+            sr.steps_total = x->steps;
+            Llm__ClientEnvelope r = LLM__CLIENT_ENVELOPE__INIT;
+            r.tag = env->tag;
+            r.body_case = LLM__CLIENT_ENVELOPE__BODY_STATUS_REPLY;
+            r.status_reply = &sr;
+            sf_send(s, &in, &r);
+        }
+        if (env->body_case == LLM__CLIENT_ENVELOPE__BODY_HEALTH) { /* llm's first probe */
+            Llm__ClientEnvelope r = LLM__CLIENT_ENVELOPE__INIT;
+            Llm__HealthReply hr = LLM__HEALTH_REPLY__INIT;
+            hr.status = LLM__HEALTH_REPLY__SERVING_STATUS__SERVING;
+            r.tag = env->tag;
+            r.body_case = LLM__CLIENT_ENVELOPE__BODY_HEALTH_REPLY;
+            r.health_reply = &hr;
+            sf_send(s, &in, &r);
+        }
+        proto_client_free(env);
+    }
+    zio_parts_free(&in);
+    zio_sock_close(s);
+    zmq_ctx_term(ctx);
+    return NULL;
+}
+
+static void sf_start(struct status_fake *f, int n, const struct sf_reply *r) {
+    memset(f, 0, sizeof *f);
+    free_endpoint(f->ep, sizeof f->ep);
+    f->n = n;
+    memcpy(f->r, r, sizeof *r * (size_t)n);
+    pthread_create(&f->th, NULL, sf_main, f);
+}
+
+static int sf_stop(struct status_fake *f) {
+    atomic_store(&f->stop, 1);
+    pthread_join(f->th, NULL);
+    return atomic_load(&f->asked);
+}
+
+/* `llm status` [--json] against f with --settle-ms settle; out gets stdout. */
+static int sf_status(struct status_fake *f, bool json, const char *settle, char *out, size_t outlen) {
+    char err[4096];
+    const char *argv[] = {LLM_BIN, "--router", f->ep, "status", "--settle-ms", settle, json ? "--json" : NULL, NULL};
+    int rc = run_llm_out(argv, err, sizeof err, out, outlen);
+    printf("  llm status%s --settle-ms %s: exit %d\n%s%s", json ? " --json" : "", settle, rc, out, err);
+    return rc;
+}
+
+/* The stages' KV view of an idle pipeline against the router's (issue 29,
+ * defect 4): a difference is flagged in text and JSON with exit status 3
+ * once a view newer than the idleness still shows it; a view from before
+ * (an old heartbeat) is asked for again, not flagged; a busy pipeline's
+ * views are not judged. */
+TEST(llm_cli_status_flags_stage_kv_differing_from_router) {
+    static char out[1 << 16];
+    struct status_fake f;
+
+    /* Stage 1 keeps 123 blocks while the router's idle pipeline holds 0,
+     * in views 0 ms old: asked again once, then flagged. */
+    const struct sf_reply stuck[] = {{0, 0, {0, 123}, 0, 50}};
+    sf_start(&f, 1, stuck);
+    ASSERT_EQ(3, sf_status(&f, false, "5000", out, sizeof out));
+    ASSERT_TRUE(strstr(out, "stage 1: worker w1") != NULL);
+    ASSERT_TRUE(strstr(out, "KV blocks 123/128, heartbeat 0 ms ago, KV DIFFERS from the router's") != NULL);
+    ASSERT_TRUE(strstr(out, "warning: pipeline 0 is idle and holds 0 KV blocks, but stage 1 (worker w1) holds 123") != NULL);
+    ASSERT_TRUE(strstr(out, "stage 0: worker w0, layers [0, 0), cpu cpu, KV blocks 0/128, heartbeat 0 ms ago\n") != NULL);
+    ASSERT_EQ(2, sf_stop(&f));
+
+    sf_start(&f, 1, stuck);
+    ASSERT_EQ(3, sf_status(&f, true, "5000", out, sizeof out));
+    cJSON *j = cJSON_Parse(out);
+    ASSERT_TRUE(j != NULL);
+    ASSERT_EQ(1, cJSON_GetObjectItem(j, "stages_kv_differ")->valueint);
+    cJSON *p = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "pipelines"), 0);
+    ASSERT_TRUE(cJSON_IsTrue(cJSON_GetObjectItem(p, "idle")));
+    cJSON *ss = cJSON_GetObjectItem(p, "stages");
+    ASSERT_TRUE(cJSON_IsFalse(cJSON_GetObjectItem(cJSON_GetArrayItem(ss, 0), "kv_differs")));
+    ASSERT_TRUE(cJSON_IsTrue(cJSON_GetObjectItem(cJSON_GetArrayItem(ss, 1), "kv_differs")));
+    cJSON_Delete(j);
+    ASSERT_EQ(2, sf_stop(&f));
+
+    /* A view 900 ms old that differs, then a fresh one that agrees: the
+     * last frees had not reached the heartbeat yet.  Nothing flagged. */
+    const struct sf_reply stale[] = {{0, 4, {4, 9}, 900, 50}, {0, 4, {4, 4}, 10, 50}};
+    sf_start(&f, 2, stale);
+    ASSERT_EQ(0, sf_status(&f, false, "5000", out, sizeof out));
+    ASSERT_TRUE(strstr(out, "DIFFERS") == NULL && strstr(out, "warning") == NULL);
+    ASSERT_EQ(2, sf_stop(&f));
+
+    /* Steps ran between two reads: the idle moment moves on, so a fresh
+     * view must be newer than the second read; the third read's is. */
+    const struct sf_reply moved[] = {{0, 0, {0, 7}, 0, 50}, {0, 0, {0, 7}, 0, 51}, {0, 0, {0, 7}, 0, 51}};
+    sf_start(&f, 3, moved);
+    ASSERT_EQ(3, sf_status(&f, true, "5000", out, sizeof out));
+    ASSERT_EQ(3, sf_stop(&f));
+
+    /* A busy pipeline (2 running): views lag by design, none is judged. */
+    const struct sf_reply busy[] = {{2, 10, {10, 12}, 0, 50}};
+    sf_start(&f, 1, busy);
+    ASSERT_EQ(0, sf_status(&f, true, "5000", out, sizeof out));
+    j = cJSON_Parse(out);
+    ASSERT_TRUE(j != NULL);
+    ASSERT_EQ(0, cJSON_GetObjectItem(j, "stages_kv_differ")->valueint);
+    p = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "pipelines"), 0);
+    ASSERT_TRUE(cJSON_IsFalse(cJSON_GetObjectItem(p, "idle")));
+    cJSON_Delete(j);
+    ASSERT_EQ(1, sf_stop(&f));
+
+    /* --settle-ms 0 judges the first reply as it is, old view or not. */
+    sf_start(&f, 2, stale);
+    ASSERT_EQ(3, sf_status(&f, false, "0", out, sizeof out));
+    ASSERT_EQ(1, sf_stop(&f));
+
+    /* A stage whose view never gets newer than the idleness is not judged:
+     * after --settle-ms the reply is shown as it is, exit 0. */
+    const struct sf_reply old[] = {{0, 0, {0, 5}, 60000, 50}};
+    sf_start(&f, 1, old);
+    int64_t t0 = t_ms();
+    ASSERT_EQ(0, sf_status(&f, false, "600", out, sizeof out));
+    int64_t took = t_ms() - t0;
+    ASSERT_TRUE(took >= 600 && took < 5000);
+    ASSERT_TRUE(strstr(out, "DIFFERS") == NULL);
+    ASSERT_TRUE(sf_stop(&f) >= 2);
+}
+
 TEST_MAIN(llm_cli_says_no_router_fast, llm_cli_global_flags_after_the_subcommand, llm_cli_retry_bounds_generate,
-          llm_cli_logprobs_and_stop, llm_cli_first_use)
+          llm_cli_logprobs_and_stop, llm_cli_first_use, llm_cli_status_flags_stage_kv_differing_from_router)

@@ -33,8 +33,9 @@ static struct h_ref refs[N_PROMPTS];
 
 #define LLM_BIN LLM_BINARY_DIR "/clients/c/llm"
 
-/* `llm --router EP status --json`: its output parsed (NULL when it failed). */
-static cJSON *llm_status(const char *ep) {
+/* `llm --router EP status --json`: its output parsed (NULL when it failed)
+ * and its exit status in *code (3: it flags a stage of an idle pipeline). */
+static cJSON *llm_status(const char *ep, int *code) {
     const char *argv[] = {LLM_BIN, "--router", ep, "status", "--json", NULL};
     int fds[2];
     if (pipe(fds) != 0) TEST_FAIL("pipe: %s", strerror(errno));
@@ -58,7 +59,8 @@ static cJSON *llm_status(const char *ep) {
     close(fds[0]);
     int st;
     waitpid(pid, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) return NULL;
+    *code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    if (*code != 0 && *code != 3) return NULL;
     return cJSON_Parse(out);
 }
 
@@ -67,11 +69,13 @@ struct kv_view {
     int running, in_flight;
     int router_used; /* the router's pipeline */
     int stage_used[2], stage_total[2];
+    int code, flagged; /* llm status's exit status, its stages_kv_differ */
+    int idle;          /* its pipeline's "idle" */
 };
 
 static struct kv_view kv_view_read(const char *ep) {
     struct kv_view v = {0};
-    cJSON *j = llm_status(ep);
+    cJSON *j = llm_status(ep, &v.code);
     cJSON *ps = j ? cJSON_GetObjectItem(j, "pipelines") : NULL;
     cJSON *p = cJSON_GetArraySize(ps) == 1 ? cJSON_GetArrayItem(ps, 0) : NULL;
     cJSON *ss = p ? cJSON_GetObjectItem(p, "stages") : NULL;
@@ -80,6 +84,8 @@ static struct kv_view kv_view_read(const char *ep) {
         v.running = cJSON_GetObjectItem(p, "running")->valueint;
         v.in_flight = cJSON_GetObjectItem(p, "steps_in_flight")->valueint;
         v.router_used = cJSON_GetObjectItem(p, "kv_blocks_used")->valueint;
+        v.idle = cJSON_IsTrue(cJSON_GetObjectItem(p, "idle"));
+        v.flagged = cJSON_GetObjectItem(j, "stages_kv_differ")->valueint;
         for (int k = 0; k < 2; k++) {
             cJSON *s = cJSON_GetArrayItem(ss, k);
             v.stage_used[k] = cJSON_GetObjectItem(s, "kv_blocks_used")->valueint;
@@ -104,7 +110,8 @@ static void make_requests(struct cluster *cl, struct h_gen *gs, int n, const cha
 }
 
 /* Waits until the router at ep is idle and each stage's view equals its
- * own; fails with the last views read. */
+ * own; fails with the last views read.  llm status then calls the pipeline
+ * idle, flags no stage and exits 0. */
 static void wait_views_match(struct cluster *cl, const char *ep, const char *when) {
     int64_t end = h_now_ms() + SETTLE_MS;
     struct kv_view v;
@@ -115,11 +122,15 @@ static void wait_views_match(struct cluster *cl, const char *ep, const char *whe
             break;
         if (h_now_ms() > end)
             H_FAIL(cl, "%s: %d ms after the load, llm status shows the router's pipeline holding %d KV blocks "
-                   "(%d running, %d steps in flight) and the stages %d/%d and %d/%d (status read: %s)",
+                   "(%d running, %d steps in flight) and the stages %d/%d and %d/%d (status read: %s, exit %d, "
+                   "%d stages flagged)",
                    when, SETTLE_MS, v.router_used, v.running, v.in_flight, v.stage_used[0], v.stage_total[0],
-                   v.stage_used[1], v.stage_total[1], v.ok ? "yes" : "no");
+                   v.stage_used[1], v.stage_total[1], v.ok ? "yes" : "no", v.code, v.flagged);
         h_sleep_ms(200);
     }
+    H_ASSERT(cl, v.idle && v.flagged == 0 && v.code == 0,
+             "%s: the views agree, yet llm status says idle %d, %d stages flagged, exit %d", when, v.idle,
+             v.flagged, v.code);
     printf("  %s: router %d KV blocks, stages %d/%d and %d/%d\n", when, v.router_used, v.stage_used[0],
            v.stage_total[0], v.stage_used[1], v.stage_total[1]);
 }
