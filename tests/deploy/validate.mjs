@@ -64,6 +64,22 @@ const targets = readdirSync(overlaysDir).sort().map((d) => [join('deploy/k8s/ove
 // The model-fill Job goes into a cluster an overlay made (its namespace,
 // claim and default-deny policy): checked together with the CPU overlay.
 targets.push(['deploy/k8s/overlays/cpu', 'deploy/k8s/model-fill']);
+// The laptop's copy pod goes into the CPU overlay's cluster too; the
+// PodMonitors beside the T4 overlay ask for monitoring (ctx.monitored).
+targets.push(['deploy/k8s/overlays/cpu', 'deploy/k8s/model-copy']);
+targets.push(['deploy/k8s/overlays/t4', 'deploy/k8s/monitoring']);
+// Outside the cluster's namespace on purpose (root, CAP_CHOWN): schemas and
+// its own check only (PREPARE_CHECKS).
+const prepareTargets = [['deploy/k8s/storage/gke-prepare']];
+// The provider overlays the docs walk through: each must exist and render.
+const providerOverlays = ['t4-gke', 't4-eks', 't4-aks'];
+// The uid every program of the cluster runs as (deploy/Dockerfile), which
+// the model share must let write.
+const clusterUid = 10001;
+// The smallest T4 hosts (g4dn.xlarge 16 GiB, GKE n1-standard-4 15 GB) leave
+// about 11 GiB allocatable to pods: a worker's request must fit beside the
+// node's daemons, its limit below the host's memory net of the system's.
+const t4WorkerRequestMax = 10 * 2 ** 30, t4WorkerLimitMax = 12 * 2 ** 30;
 
 function render(dir) {
   const out = execFileSync(kubectl, ['kustomize', join(root, dir)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
@@ -99,6 +115,7 @@ async function validateSchema(o) {
   }
   let mod;
   if (group === 'keda.sh') mod = `@kubernetes-models/keda/keda.sh/${version}/${o.kind}`;
+  else if (group === 'monitoring.coreos.com') mod = `@kubernetes-models/prometheus-operator/monitoring.coreos.com/${version}/${o.kind}`;
   else mod = `kubernetes-models/${group ? group + '/' : ''}${version}/${o.kind}`;
   let Model;
   try {
@@ -126,7 +143,7 @@ function podTemplates(objs) {
     else if (o.kind === 'LeaderWorkerSet') {
       r.push([o, o.spec.leaderWorkerTemplate.workerTemplate, true]);
       if (o.spec.leaderWorkerTemplate.leaderTemplate) r.push([o, o.spec.leaderWorkerTemplate.leaderTemplate, true]);
-    } else if (o.kind === 'Pod') r.push([o, o, true]);
+    } else if (o.kind === 'Pod') r.push([o, o, false]); // a helper (model-copy), not a service
   }
   return r;
 }
@@ -136,10 +153,13 @@ const selects = (sel, labels) =>
   sel && Object.entries(sel.matchLabels || {}).every(([k, v]) => labels[k] === v) && !(sel.matchExpressions || []).length;
 const envValue = (c, n) => ((c.env || []).find((e) => e.name === n) || {}).value;
 const configMap = (objs, n) => objs.find((o) => o.kind === 'ConfigMap' && o.metadata.name === n);
-// The value a container sees for n: env, else a ConfigMap of envFrom.
+// The value a container sees for n: env (a value or a ConfigMap key), else a
+// ConfigMap of envFrom.
 function envSeen(objs, c, n) {
   const v = envValue(c, n);
   if (v !== undefined) return v;
+  const ref = (c.env || []).find((e) => e.name === n)?.valueFrom?.configMapKeyRef;
+  if (ref) return configMap(objs, ref.name)?.data?.[ref.key];
   for (const f of c.envFrom || []) {
     const cm = f.configMapRef && configMap(objs, f.configMapRef.name);
     if (cm && cm.data && n in cm.data) return cm.data[n];
@@ -147,6 +167,23 @@ function envSeen(objs, c, n) {
   return undefined;
 }
 const program = (c) => (c.command || [])[0];
+// "10Gi", "512Mi", "1G", "3" -> bytes (or cores); NaN when it does not parse.
+function quantity(q) {
+  const m = /^([0-9.]+)(Ki|Mi|Gi|Ti|k|M|G|T|m)?$/.exec(String(q ?? ''));
+  if (!m) return NaN;
+  const mult = { Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, k: 1e3, M: 1e6, G: 1e9, T: 1e12, m: 1e-3 };
+  return Number(m[1]) * (m[2] ? mult[m[2]] : 1);
+}
+// A label selector with matchLabels and In/NotIn/Exists expressions.
+function selectsAll(sel, labels) {
+  if (!sel) return false;
+  if (!Object.entries(sel.matchLabels || {}).every(([k, v]) => labels[k] === v)) return false;
+  return (sel.matchExpressions || []).every((e) =>
+    e.operator === 'In' ? (e.values || []).includes(labels[e.key]) :
+    e.operator === 'NotIn' ? !(e.values || []).includes(labels[e.key]) :
+    e.operator === 'Exists' ? e.key in labels : e.operator === 'DoesNotExist' ? !(e.key in labels) : false);
+}
+const isT4 = (ctx) => /(^|\/)t4/.test(ctx.dir);
 const isWorker = (t) => labelsOf(t).app === 'llm-worker';
 const hostPort = (ep) => {
   const m = /^tcp:\/\/([^:/]+):(\d+)$/.exec(ep || '');
@@ -198,14 +235,25 @@ const CHECKS = {
           const metrics = (c.ports || []).find((p) => p.name === 'metrics');
           if (!metrics || metrics.containerPort !== port)
             f.push(`${where}: the port named metrics is not LLM_METRICS_LISTEN's (${listen})`);
-          for (const [probe, path] of [['livenessProbe', '/health'], ['readinessProbe', '/ready']]) {
+          // /health fails until the loops turn (model loaded): a startup
+          // probe on it must cover the start, or liveness would kill it.
+          if (!c.startupProbe) f.push(`${where}: no startup probe (/health is 503 until the model is loaded)`);
+          for (const [probe, path] of [['livenessProbe', '/health'], ['readinessProbe', '/ready'], ['startupProbe', '/health']]) {
+            if (!c[probe]) continue;
             const g = c[probe].httpGet || {};
             if (g.path !== path || (g.port !== 'metrics' && g.port !== port))
               f.push(`${where}: ${probe} is not GET ${path} on the metrics port`);
           }
+          const sp = c.startupProbe;
+          const window = sp ? (sp.periodSeconds ?? 10) * (sp.failureThreshold ?? 3) : 0;
+          if (program(c) === 'llm-worker' && window < 600)
+            f.push(`${where}: the startup probe allows ${window} s for the model load, less than 600 s`);
         } else if (/redis/.test(c.image)) {
-          for (const probe of ['livenessProbe', 'readinessProbe'])
-            if (!JSON.stringify(c[probe].exec || {}).includes('redis-cli ping'))
+          // A long append-only file replay answers LOADING: liveness must
+          // wait for a startup probe, or it kills Redis mid-replay.
+          if (!c.startupProbe) f.push(`${where}: no startup probe (an AOF replay would meet liveness)`);
+          for (const probe of ['livenessProbe', 'readinessProbe', 'startupProbe'])
+            if (c[probe] && !JSON.stringify(c[probe].exec || {}).includes('redis-cli ping'))
               f.push(`${where}: ${probe} is not redis-cli ping`);
         }
       }
@@ -433,6 +481,183 @@ const CHECKS = {
     }
     return f;
   },
+  // Nothing KEDA or an HPA scales carries replicas: kubectl apply -k would
+  // reset what the autoscaler chose.
+  noReplicasWhenAutoscaled(objs) {
+    const f = [];
+    for (const a of objs.filter((o) => o.kind === 'HorizontalPodAutoscaler' || o.kind === 'ScaledObject')) {
+      const ref = a.spec.scaleTargetRef || {};
+      const kind = ref.kind || 'Deployment';
+      const t = objs.find((o) => o.kind === kind && o.metadata.name === ref.name);
+      if (t && t.spec.replicas !== undefined)
+        f.push(`${name(t)}: replicas ${t.spec.replicas} set, but ${name(a)} scales it`);
+    }
+    return f;
+  },
+  // A rollout surges a new pipeline before it takes an old one down, and
+  // production (T4) keeps at least 2 pipelines.
+  pipelineAvailability(objs, ctx) {
+    const f = [];
+    for (const o of objs.filter((x) => x.kind === 'LeaderWorkerSet')) {
+      const ru = o.spec.rolloutStrategy?.rollingUpdateConfiguration || {};
+      if (!(Number(ru.maxSurge) >= 1)) f.push(`${name(o)}: maxSurge ${ru.maxSurge ?? 0}, a rollout empties a pipeline before its replacement loads`);
+    }
+    if (isT4(ctx))
+      for (const so of objs.filter((x) => x.kind === 'ScaledObject'))
+        if (!(so.spec.minReplicaCount >= 2)) f.push(`${name(so)}: minReplicaCount ${so.spec.minReplicaCount}, production needs 2 pipelines`);
+    return f;
+  },
+  // Every worker waits in an init container for LLM_MODEL on the same
+  // volume, instead of exiting (and recreating its group) without it.
+  workerWaitsForModel(objs) {
+    const f = [];
+    for (const [o, t] of podTemplates(objs)) {
+      if (!isWorker(t)) continue;
+      const w = t.spec.containers.find((c) => program(c) === 'llm-worker');
+      if (!w) continue;
+      const model = envSeen(objs, w, 'LLM_MODEL');
+      const mount = (w.volumeMounts || []).find((m) => model && model.startsWith(m.mountPath.replace(/\/?$/, '/')));
+      const ok = (t.spec.initContainers || []).some((ic) => {
+        const im = (ic.volumeMounts || []).find((m) => mount && m.name === mount.name && m.mountPath === mount.mountPath);
+        return im && envSeen(objs, ic, 'LLM_MODEL') === model && JSON.stringify([ic.command, ic.args]).includes('$LLM_MODEL');
+      });
+      if (!ok) f.push(`${name(o)}: no init container waits for ${model} on the worker's volume ${mount?.name}`);
+    }
+    return f;
+  },
+  // Egress to port 53 only to the cluster's DNS.
+  dnsDestination(objs) {
+    const f = [];
+    for (const p of objs.filter((o) => o.kind === 'NetworkPolicy'))
+      for (const r of p.spec.egress || []) {
+        if (!(r.ports || []).some((x) => x.port === 53)) continue;
+        if (!r.to?.length) { f.push(`${name(p)}: port 53 open to every address (no to:)`); continue; }
+        for (const peer of r.to) {
+          const dnsPods = peer.podSelector && ['kube-dns', 'node-local-dns'].includes(peer.podSelector.matchLabels?.['k8s-app']) &&
+            peer.namespaceSelector?.matchLabels?.['kubernetes.io/metadata.name'] === 'kube-system';
+          const host = peer.ipBlock && /\/32$/.test(peer.ipBlock.cidr);
+          if (!dnsPods && !host) f.push(`${name(p)}: port 53 to ${JSON.stringify(peer)}, not the cluster's DNS`);
+        }
+      }
+    return f;
+  },
+  // The fill Job: bounded in time, a download that gives up, written as the
+  // cluster's uid, and egress only outside the cluster: not the metadata
+  // servers' link-local range nor the private ranges of pods and nodes.
+  modelFill(objs) {
+    const f = [];
+    const jobs = objs.filter((o) => o.kind === 'Job' && labelsOf(o.spec.template).app === 'llm-model-fill');
+    const must = ['169.254.0.0/16', '10.0.0.0/8', '172.16.0.0/12', '192.168.0.0/16'];
+    for (const j of jobs) {
+      const t = j.spec.template;
+      if (!(j.spec.activeDeadlineSeconds > 0)) f.push(`${name(j)}: no activeDeadlineSeconds`);
+      const cmd = JSON.stringify(t.spec.containers.map((c) => [c.command, c.args]));
+      if (!/--connect-timeout/.test(cmd) || !(/--speed-time/.test(cmd) || /--max-time/.test(cmd)))
+        f.push(`${name(j)}: the download has no timeout (curl --connect-timeout and --speed-time or --max-time)`);
+      const uid = t.spec.containers[0].securityContext?.runAsUser ?? t.spec.securityContext?.runAsUser;
+      if (uid !== clusterUid) f.push(`${name(j)}: writes as uid ${uid}, not ${clusterUid} (the uid the provider storage lets write)`);
+      const nps = objs.filter((p) => p.kind === 'NetworkPolicy' && Object.keys(p.spec.podSelector || {}).length &&
+        selectsAll(p.spec.podSelector, labelsOf(t)) && (p.spec.policyTypes || []).includes('Egress'));
+      if (!nps.length) f.push(`${name(j)}: no egress policy of its own`);
+      for (const p of nps)
+        for (const r of p.spec.egress || []) {
+          if (!r.to?.length) { f.push(`${name(p)}: egress to every address`); continue; }
+          for (const peer of r.to) {
+            if (!peer.ipBlock) { f.push(`${name(p)}: egress to cluster pods ${JSON.stringify(peer)}`); continue; }
+            if (peer.ipBlock.cidr === '0.0.0.0/0')
+              for (const m of must) if (!(peer.ipBlock.except || []).includes(m)) f.push(`${name(p)}: egress reaches ${m}`);
+          }
+        }
+    }
+    return f;
+  },
+  // With the monitoring kustomization: a PodMonitor scrapes every metrics
+  // port of every pod that has one.
+  podMonitors(objs, ctx) {
+    const f = [];
+    if (!ctx.monitored) return f;
+    const pms = objs.filter((o) => o.kind === 'PodMonitor');
+    if (!pms.length) return ['monitoring asked for, but no PodMonitor'];
+    for (const [o, t] of podTemplates(objs))
+      for (const c of t.spec.containers)
+        for (const port of (c.ports || []).filter((p) => p.name === 'metrics')) {
+          const ok = pms.some((pm) => selectsAll(pm.spec.selector, labelsOf(t)) &&
+            (pm.spec.podMetricsEndpoints || []).some((e) => e.port === port.name && (e.path ?? '/metrics') === '/metrics'));
+          if (!ok) f.push(`${name(o)}: metrics port ${port.containerPort} is in no PodMonitor`);
+        }
+    return f;
+  },
+  // T4: a worker's memory fits the smallest T4 hosts (16 GiB).
+  workerMemory(objs, ctx) {
+    const f = [];
+    if (!isT4(ctx)) return f;
+    for (const [o, t] of podTemplates(objs)) {
+      if (!isWorker(t)) continue;
+      const r = t.spec.containers[0].resources || {};
+      const req = quantity(r.requests?.memory), lim = quantity(r.limits?.memory);
+      if (!(req <= t4WorkerRequestMax)) f.push(`${name(o)}: memory request ${r.requests?.memory} > 10Gi, more than a 16 GiB T4 host has for it`);
+      if (!(lim <= t4WorkerLimitMax)) f.push(`${name(o)}: memory limit ${r.limits?.memory} > 12Gi, above a 16 GiB T4 host`);
+      if (!(lim >= req)) f.push(`${name(o)}: memory limit below the request`);
+    }
+    return f;
+  },
+  // T4: the models claim is ReadWriteMany; in a provider overlay its
+  // storage is defined here and lets the cluster's uid write.
+  storage(objs, ctx) {
+    const f = [];
+    if (!isT4(ctx)) return f;
+    const pvc = objs.find((o) => o.kind === 'PersistentVolumeClaim' && o.metadata.name === 'llm-models');
+    if (!pvc) return ['no PersistentVolumeClaim llm-models'];
+    if (!(pvc.spec.accessModes || []).includes('ReadWriteMany')) f.push(`${name(pvc)}: not ReadWriteMany`);
+    const provider = providerOverlays.find((p) => ctx.dir.includes(`overlays/${p}`));
+    if (!provider) {
+      if (!deployDoc.includes(pvc.spec.storageClassName)) f.push(`${name(pvc)}: class ${pvc.spec.storageClassName} is not in docs/deploy.md`);
+      return f;
+    }
+    const uid = String(clusterUid);
+    if (pvc.spec.storageClassName === '') {
+      const pv = objs.find((o) => o.kind === 'PersistentVolume' && o.metadata.name === pvc.spec.volumeName);
+      if (!pv) return [...f, `${name(pvc)}: volumeName ${pvc.spec.volumeName} is no PersistentVolume here`];
+      if (!(pv.spec.accessModes || []).includes('ReadWriteMany')) f.push(`${name(pv)}: not ReadWriteMany`);
+      if (pv.spec.claimRef?.name !== 'llm-models' || pv.spec.claimRef?.namespace !== pvc.metadata.namespace)
+        f.push(`${name(pv)}: not reserved for ${pvc.metadata.namespace}/llm-models`);
+      if (!pv.spec.nfs || /^\/[^/]*\/?$/.test(pv.spec.nfs.path))
+        f.push(`${name(pv)}: not a prepared directory below the share's root (root-owned)`);
+      return f;
+    }
+    const sc = objs.find((o) => o.kind === 'StorageClass' && o.metadata.name === pvc.spec.storageClassName);
+    if (!sc) return [...f, `${name(pvc)}: class ${pvc.spec.storageClassName} is not defined in ${ctx.dir}`];
+    const p = sc.parameters || {}, mo = sc.mountOptions || [];
+    const writable = sc.provisioner === 'efs.csi.aws.com' ? p.provisioningMode === 'efs-ap' && p.uid === uid && p.gid === uid
+      : sc.provisioner === 'file.csi.azure.com' ? mo.includes(`uid=${uid}`) && mo.includes(`gid=${uid}`)
+      : false;
+    if (!writable) f.push(`${name(sc)}: ${sc.provisioner} does not hand the share to uid/gid ${uid}`);
+    return f;
+  },
+};
+
+// The GKE share preparation: root with CAP_CHOWN, so outside the restricted
+// namespace, in one of its own at the baseline level, and nothing more.
+const PREPARE_CHECKS = {
+  prepareOutsideRestricted(objs) {
+    const f = [];
+    const ns = objs.find((o) => o.kind === 'Namespace');
+    const level = ns?.metadata?.labels?.['pod-security.kubernetes.io/enforce'];
+    if (!ns || level !== 'baseline') f.push(`the preparation's namespace enforces ${level}, not baseline`);
+    for (const [o, t] of podTemplates(objs)) {
+      if (o.metadata.namespace === 'llm' || o.metadata.namespace !== ns?.metadata?.name)
+        f.push(`${name(o)}: in namespace ${o.metadata.namespace}, not the preparation's own`);
+      for (const c of containersOf(t)) {
+        const sc = c.securityContext || {};
+        if (sc.privileged || sc.allowPrivilegeEscalation !== false) f.push(`${name(o)}: privileged or may escalate`);
+        const add = sc.capabilities?.add || [];
+        if (add.some((x) => x !== 'CHOWN') || !(sc.capabilities?.drop || []).includes('ALL'))
+          f.push(`${name(o)}: capabilities beyond CHOWN`);
+        if (!JSON.stringify(c.command).includes(`chown ${clusterUid}:${clusterUid}`)) f.push(`${name(o)}: does not give the directory to ${clusterUid}`);
+      }
+    }
+    return f;
+  },
 };
 
 /* ---- breaking things on purpose: each mutation must trip its check ---- */
@@ -459,6 +684,34 @@ const MUTATIONS = [
   ['referencesDocumented', 'an undocumented Secret', (o) => { routerT(o).spec.volumes.push({ name: 'x', secret: { secretName: 'llm-undocumented' } }); }],
   ['settingsKnown', 'a misspelt setting', (o) => { routerT(o).spec.containers[0].env.push({ name: 'LLM_ROUTERID', value: 'x' }); }, () => !!helps['llm-router']],
   ['hardware', 'a GPU in the CPU overlay / two GPUs on T4', (o, ctx) => { const c = workerT(o).spec.containers[0]; c.resources = { limits: { 'nvidia.com/gpu': ctx.dir.includes('t4') ? 2 : 1 } }; }],
+  ['probes', 'a worker without a startup probe', (o) => { delete workerT(o).spec.containers[0].startupProbe; }, (o) => !!workerT(o)],
+  ['probes', 'a 1-minute model load', (o) => { workerT(o).spec.containers[0].startupProbe.failureThreshold = 6; }, (o) => !!workerT(o)],
+  ['probes', 'Redis without a startup probe', (o) => { delete podTemplates(o).find(([, t]) => labelsOf(t).app === 'redis')[1].spec.containers[0].startupProbe; }],
+  ['noReplicasWhenAutoscaled', 'replicas on the autoscaled LeaderWorkerSet', (o) => { o.find((x) => x.kind === 'LeaderWorkerSet').spec.replicas = 1; }, (o) => o.some((x) => x.kind === 'ScaledObject')],
+  ['noReplicasWhenAutoscaled', 'replicas on the gateways the HPA scales', (o) => { o.find((x) => x.kind === 'Deployment' && x.metadata.name === 'llm-gateway').spec.replicas = 2; }],
+  ['pipelineAvailability', 'maxSurge 0', (o) => { o.find((x) => x.kind === 'LeaderWorkerSet').spec.rolloutStrategy.rollingUpdateConfiguration.maxSurge = 0; }, (o) => o.some((x) => x.kind === 'LeaderWorkerSet')],
+  ['pipelineAvailability', 'one pipeline on T4', (o) => { o.find((x) => x.kind === 'ScaledObject').spec.minReplicaCount = 1; }, (o, ctx) => isT4(ctx) && o.some((x) => x.kind === 'ScaledObject')],
+  ['workerWaitsForModel', 'no init container', (o) => { for (const [, t] of podTemplates(o)) if (isWorker(t)) delete t.spec.initContainers; }, (o) => !!workerT(o)],
+  ['workerWaitsForModel', 'waiting on another volume', (o) => { workerT(o).spec.initContainers[0].volumeMounts[0].mountPath = '/elsewhere'; }, (o) => !!workerT(o)],
+  ['dnsDestination', 'port 53 to anywhere', (o) => { delete o.find((x) => x.kind === 'NetworkPolicy' && x.metadata.name === 'allow-dns').spec.egress[0].to; }],
+  ['dnsDestination', 'port 53 to a whole range', (o) => { o.find((x) => x.kind === 'NetworkPolicy' && x.metadata.name === 'allow-dns').spec.egress[0].to = [{ ipBlock: { cidr: '0.0.0.0/0' } }]; }],
+  ['modelFill', 'the fill Job reaches the metadata server', (o) => { o.find((x) => x.metadata.name === 'llm-model-fill' && x.kind === 'NetworkPolicy').spec.egress[0].to[0].ipBlock.except = ['10.0.0.0/8']; }, (o) => o.some((x) => x.kind === 'Job')],
+  ['modelFill', 'the fill Job reaches any address', (o) => { delete o.find((x) => x.metadata.name === 'llm-model-fill' && x.kind === 'NetworkPolicy').spec.egress[0].to; }, (o) => o.some((x) => x.kind === 'Job')],
+  ['modelFill', 'no deadline', (o) => { delete o.find((x) => x.kind === 'Job').spec.activeDeadlineSeconds; }, (o) => o.some((x) => x.kind === 'Job')],
+  ['modelFill', 'a download without a timeout', (o) => { const c = o.find((x) => x.kind === 'Job').spec.template.spec.containers[0]; c.args = c.args.map((a) => a.replace(/--connect-timeout \d+ /, '')); }, (o) => o.some((x) => x.kind === 'Job')],
+  ['modelFill', 'the fill Job as uid 100', (o) => { o.find((x) => x.kind === 'Job').spec.template.spec.securityContext.runAsUser = 100; }, (o) => o.some((x) => x.kind === 'Job')],
+  ['podMonitors', 'workers left unscraped', (o) => { o.find((x) => x.kind === 'PodMonitor').spec.selector.matchExpressions[0].values = ['llm-router', 'llm-gateway']; }, (o, ctx) => ctx.monitored],
+  ['podMonitors', 'the wrong port name', (o) => { o.find((x) => x.kind === 'PodMonitor').spec.podMetricsEndpoints[0].port = 'http'; }, (o, ctx) => ctx.monitored],
+  ['workerMemory', 'a 24Gi limit on T4', (o) => { workerT(o).spec.containers[0].resources.limits.memory = '24Gi'; }, (o, ctx) => isT4(ctx)],
+  ['workerMemory', 'a 12Gi request on T4', (o) => { workerT(o).spec.containers[0].resources.requests.memory = '12Gi'; }, (o, ctx) => isT4(ctx)],
+  ['storage', 'a class no provider has', (o) => { o.find((x) => x.kind === 'PersistentVolumeClaim').spec.storageClassName = 'efs-sc'; o.find((x) => x.kind === 'PersistentVolumeClaim').spec.volumeName = undefined; }, (o, ctx) => providerOverlays.some((p) => ctx.dir.includes(p))],
+  ['storage', 'a share left to root', (o) => { const sc = o.find((x) => x.kind === 'StorageClass'); if (sc) { sc.parameters = { ...sc.parameters, uid: '0' }; sc.mountOptions = (sc.mountOptions || []).map((m) => m.replace('uid=10001', 'uid=0')); } else o.find((x) => x.kind === 'PersistentVolume').spec.nfs.path = '/vol1'; }, (o, ctx) => providerOverlays.some((p) => ctx.dir.includes(p))],
+  ['storage', 'ReadWriteOnce on T4', (o) => { o.find((x) => x.kind === 'PersistentVolumeClaim').spec.accessModes = ['ReadWriteOnce']; }, (o, ctx) => isT4(ctx)],
+];
+const PREPARE_MUTATIONS = [
+  ['prepareOutsideRestricted', 'a privileged namespace', (o) => { o.find((x) => x.kind === 'Namespace').metadata.labels['pod-security.kubernetes.io/enforce'] = 'privileged'; }],
+  ['prepareOutsideRestricted', 'in the namespace llm', (o) => { o.find((x) => x.kind === 'Job').metadata.namespace = 'llm'; }],
+  ['prepareOutsideRestricted', 'SYS_ADMIN too', (o) => { o.find((x) => x.kind === 'Job').spec.template.spec.containers[0].securityContext.capabilities.add.push('SYS_ADMIN'); }],
 ];
 
 /* ---- run ---- */
@@ -496,7 +749,7 @@ for (const dirs of targets) {
     fail(`${dir}: kubectl kustomize failed: ${(e.stderr || e.message).toString().slice(0, 2000)}`);
     continue;
   }
-  const ctx = { dir, images: dirs.flatMap(imageEntries) };
+  const ctx = { dir, images: dirs.flatMap(imageEntries), monitored: dirs.some((d) => d.endsWith('/monitoring')) };
   let bad = 0;
   for (const o of objs) {
     const err = await validateSchema(o);
@@ -513,7 +766,7 @@ for (const dirs of targets) {
   for (const [check, what, mutate, applies] of MUTATIONS) {
     const copy = structuredClone(objs);
     try {
-      if (applies && !applies(copy)) continue;
+      if (applies && !applies(copy, ctx)) continue;
       mutate(copy, ctx);
     } catch {
       continue;
@@ -528,6 +781,8 @@ for (const dirs of targets) {
     ['ScaledObject', 'a string minReplicaCount', (o) => { o.spec.minReplicaCount = 'one'; }],
     ['Deployment', 'a string replicas', (o) => { o.spec.replicas = 'two'; }],
     ['NetworkPolicy', 'an unknown policy type', (o) => { o.spec.policyTypes = ['Sideways']; }],
+    ['PodMonitor', 'a numeric endpoint list', (o) => { o.spec.podMetricsEndpoints = 9465; }],
+    ['StorageClass', 'a numeric provisioner', (o) => { o.provisioner = 5; }],
   ]) {
     const o = objs.find((x) => x.kind === kind);
     if (!o) continue;
@@ -537,6 +792,31 @@ for (const dirs of targets) {
     if (!(await validateSchema(copy))) { missed++; fail(`${dir}: the ${kind} schema accepted ${what}`); }
   }
   console.log(`${dir}: ${tried} deliberate breaks, ${missed ? missed + ' not caught' : 'each caught'}`);
+}
+for (const p of providerOverlays)
+  if (!targets.some((t) => t[0] === `deploy/k8s/overlays/${p}`)) fail(`deploy/k8s/overlays/${p} is missing`);
+// The GKE share preparation: schemas, its own check, and its breaks.
+for (const dirs of prepareTargets) {
+  const dir = dirs.join(' + ');
+  let objs;
+  try {
+    objs = dirs.flatMap(render);
+  } catch (e) {
+    fail(`${dir}: kubectl kustomize failed: ${(e.stderr || e.message).toString().slice(0, 2000)}`);
+    continue;
+  }
+  for (const o of objs) {
+    const err = await validateSchema(o);
+    if (err) fail(`${dir}: ${name(o)} does not validate: ${err}`);
+  }
+  for (const [check, fn] of Object.entries(PREPARE_CHECKS)) for (const msg of fn(objs)) fail(`${dir}: ${check}: ${msg}`);
+  let missed = 0;
+  for (const [check, what, mutate] of PREPARE_MUTATIONS) {
+    const copy = structuredClone(objs);
+    mutate(copy);
+    if (!PREPARE_CHECKS[check](copy).length) { missed++; fail(`${dir}: ${check} did not notice: ${what}`); }
+  }
+  console.log(`${dir}: ${objs.length} objects, ${PREPARE_MUTATIONS.length} deliberate breaks, ${missed ? missed + ' not caught' : 'each caught'}`);
 }
 for (const n of notes) console.log(`note: ${n}`);
 if (!Object.keys(helps).length) console.log('note: no --bin build tree: LLM_* settings not checked against --help');
