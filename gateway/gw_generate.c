@@ -388,7 +388,7 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
     }
     char err[512], *text = NULL;
     if (chat_template_render(g->family, j->req.messages, j->req.n_messages, 1, &text, err, sizeof err) < 0) {
-        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err);
+        oai_error_set(e, 400, "invalid_request_error", "messages", "invalid_value", "%s", err);
         return -1;
     }
     size_t len = strlen(text);
@@ -401,7 +401,8 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
     if (n < 0) {
         char model[256];
         gw_model_info(g, model, sizeof model, NULL);
-        oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "the messages cannot be tokenized by %s: %s",
+        oai_error_set(e, 400, "invalid_request_error", "messages", "invalid_value",
+                      "the messages cannot be tokenized by %s: %s",
                       model, status_str(n));
         return -1;
     }
@@ -416,8 +417,8 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
     } else if (j->req.n_stop < OAI_STOP_MAX) {
         j->req.stop[j->req.n_stop++] = eot;
     } else {
-        oai_error_set(e, 400, "invalid_request_error", "stop",
-                      NULL, "stop has %d strings: chat requests on this model keep one for the end of turn %s",
+        oai_error_set(e, 400, "invalid_request_error", "stop", "invalid_value",
+                      "stop has %d strings: chat requests on this model keep one for the end of turn %s",
                       OAI_STOP_MAX, eot);
         return -1;
     }
@@ -454,7 +455,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (ci) j->fd = ci->connect_fd;
     if (kind == OAI_CHAT && j->req.sp.top_logprobs > 0 && !j->req.sp.logprobs) {
-        oai_error_set(&e, 400, "invalid_request_error", "top_logprobs", NULL,
+        oai_error_set(&e, 400, "invalid_request_error", "top_logprobs", "invalid_value",
                       "top_logprobs = %d needs logprobs: true", (int)j->req.sp.top_logprobs);
         gw_job_release(j);
         return gw_send_error(g, conn, &e, NULL);

@@ -40,7 +40,14 @@ char *oai_error_json(const struct oai_error *e) {
     return s;
 }
 
-#define BAD(e, param, ...) (oai_error_set((e), 400, "invalid_request_error", (param), NULL, __VA_ARGS__), -1)
+/* A 400 with OpenAI's code: BAD's "invalid_value" unless a sharper one
+ * fits (invalid_type, integer_below_min_value, missing_required_parameter,
+ * unsupported_parameter, ...); NULL (null) only where OpenAI sends none, a
+ * body that is not a JSON object. */
+#define BAD_CODE(e, param, code, ...) \
+    (oai_error_set((e), 400, "invalid_request_error", (param), (code), __VA_ARGS__), -1)
+#define BAD(e, param, ...) BAD_CODE(e, param, "invalid_value", __VA_ARGS__)
+#define BAD_TYPE(e, param, ...) BAD_CODE(e, param, "invalid_type", __VA_ARGS__)
 
 enum field {
     F_MODEL, F_PROMPT, F_MESSAGES, F_MAX_TOKENS, F_MAX_COMPLETION_TOKENS, F_TEMPERATURE, F_TOP_P, F_N,
@@ -106,31 +113,35 @@ static const char *json_type(const cJSON *v) {
 
 /* A number in [lo, hi] (finite). */
 static int get_number(const cJSON *v, const char *name, double lo, double hi, double *out, struct oai_error *e) {
-    if (!cJSON_IsNumber(v)) return BAD(e, name, "%s must be a number, got %s", name, json_type(v));
+    if (!cJSON_IsNumber(v)) return BAD_TYPE(e, name, "%s must be a number, got %s", name, json_type(v));
     double d = v->valuedouble;
-    if (!isfinite(d) || d < lo || d > hi) return BAD(e, name, "%s = %g is outside [%g, %g]", name, d, lo, hi);
+    if (!isfinite(d) || d < lo || d > hi)
+        return BAD_CODE(e, name, d < lo ? "decimal_below_min_value" : "decimal_above_max_value",
+                        "%s = %g is outside [%g, %g]", name, d, lo, hi);
     *out = d;
     return 0;
 }
 
 /* An integer in [lo, hi]: a JSON number without a fraction. */
 static int get_int(const cJSON *v, const char *name, double lo, double hi, int64_t *out, struct oai_error *e) {
-    if (!cJSON_IsNumber(v)) return BAD(e, name, "%s must be an integer, got %s", name, json_type(v));
+    if (!cJSON_IsNumber(v)) return BAD_TYPE(e, name, "%s must be an integer, got %s", name, json_type(v));
     double d = v->valuedouble;
-    if (!isfinite(d) || d != floor(d)) return BAD(e, name, "%s = %g must be an integer", name, d);
-    if (d < lo || d > hi) return BAD(e, name, "%s = %.0f is outside [%.0f, %.0f]", name, d, lo, hi);
+    if (!isfinite(d) || d != floor(d)) return BAD_TYPE(e, name, "%s = %g must be an integer", name, d);
+    if (d < lo || d > hi)
+        return BAD_CODE(e, name, d < lo ? "integer_below_min_value" : "integer_above_max_value",
+                        "%s = %.0f is outside [%.0f, %.0f]", name, d, lo, hi);
     *out = (int64_t)d;
     return 0;
 }
 
 static int get_bool(const cJSON *v, const char *name, bool *out, struct oai_error *e) {
-    if (!cJSON_IsBool(v)) return BAD(e, name, "%s must be a boolean, got %s", name, json_type(v));
+    if (!cJSON_IsBool(v)) return BAD_TYPE(e, name, "%s must be a boolean, got %s", name, json_type(v));
     *out = cJSON_IsTrue(v);
     return 0;
 }
 
 static int add_stop(struct oai_request *r, const cJSON *v, const char *name, struct oai_error *e) {
-    if (!cJSON_IsString(v)) return BAD(e, name, "%s must be a string, got %s", name, json_type(v));
+    if (!cJSON_IsString(v)) return BAD_TYPE(e, name, "%s must be a string, got %s", name, json_type(v));
     size_t n = strlen(v->valuestring);
     if (n == 0) return BAD(e, name, "%s is empty: a stop string needs 1 to %d bytes", name, OAI_STOP_BYTES_MAX);
     if (n > OAI_STOP_BYTES_MAX)
@@ -150,7 +161,8 @@ static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e
         *out = strdup(c->valuestring);
         return *out ? 0 : BAD(e, name, "out of memory");
     }
-    if (!cJSON_IsArray(c)) return BAD(e, name, "%s must be a string or an array of text parts, got %s", name, json_type(c));
+    if (!cJSON_IsArray(c))
+        return BAD_TYPE(e, name, "%s must be a string or an array of text parts, got %s", name, json_type(c));
     size_t total = 0;
     const cJSON *part;
     int k = 0;
@@ -158,11 +170,11 @@ static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
         const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
         if (!cJSON_IsObject(part) || !cJSON_IsString(type))
-            return BAD(e, name, "%s[%d] must be an object with a \"type\"", name, k);
+            return BAD_TYPE(e, name, "%s[%d] must be an object with a \"type\"", name, k);
         if (strcmp(type->valuestring, "text") != 0)
             return BAD(e, name, "%s[%d].type = \"%.64s\": only text parts are supported", name, k,
                        type->valuestring);
-        if (!cJSON_IsString(text)) return BAD(e, name, "%s[%d].text must be a string", name, k);
+        if (!cJSON_IsString(text)) return BAD_TYPE(e, name, "%s[%d].text must be a string", name, k);
         total += strlen(text->valuestring);
         k++;
     }
@@ -180,7 +192,7 @@ static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e
 }
 
 static int get_messages(struct oai_request *r, const cJSON *v, struct oai_error *e) {
-    if (!cJSON_IsArray(v)) return BAD(e, "messages", "messages must be an array, got %s", json_type(v));
+    if (!cJSON_IsArray(v)) return BAD_TYPE(e, "messages", "messages must be an array, got %s", json_type(v));
     int n = cJSON_GetArraySize(v);
     if (n == 0) return BAD(e, "messages", "messages is empty: at least one message is needed");
     r->messages = calloc((size_t)n, sizeof *r->messages);
@@ -192,19 +204,19 @@ static int get_messages(struct oai_request *r, const cJSON *v, struct oai_error 
     cJSON_ArrayForEach(m, v) {
         char name[64];
         snprintf(name, sizeof name, "messages[%zu]", i);
-        if (!cJSON_IsObject(m)) return BAD(e, name, "%s must be an object, got %s", name, json_type(m));
+        if (!cJSON_IsObject(m)) return BAD_TYPE(e, name, "%s must be an object, got %s", name, json_type(m));
         const cJSON *f;
         const cJSON *role = NULL, *content = NULL;
         cJSON_ArrayForEach(f, m) {
             if (strcmp(f->string, "role") == 0) role = f;
             else if (strcmp(f->string, "content") == 0) content = f;
             else if (strcmp(f->string, "name") == 0) {
-                if (!cJSON_IsString(f)) return BAD(e, name, "%s.name must be a string", name);
+                if (!cJSON_IsString(f)) return BAD_TYPE(e, name, "%s.name must be a string", name);
             } else
                 return BAD(e, name, "%s.%.64s is not supported (a message has role, content and name)", name,
                            f->string);
         }
-        if (!cJSON_IsString(role)) return BAD(e, name, "%s.role must be a string", name);
+        if (!cJSON_IsString(role)) return BAD_TYPE(e, name, "%s.role must be a string", name);
         if (!content) return BAD(e, name, "%s.content is missing", name);
         if (get_content(content, i, &r->contents[i], e) < 0) return -1;
         r->messages[i].role = role->valuestring;
@@ -219,7 +231,7 @@ static int get_prompt(struct oai_request *r, const cJSON *v, struct oai_error *e
         r->prompt = v->valuestring;
         return 0;
     }
-    if (!cJSON_IsArray(v)) return BAD(e, "prompt", "prompt must be a string or an array, got %s", json_type(v));
+    if (!cJSON_IsArray(v)) return BAD_TYPE(e, "prompt", "prompt must be a string or an array, got %s", json_type(v));
     int n = cJSON_GetArraySize(v);
     if (n == 0) return BAD(e, "prompt", "prompt is an empty array");
     const cJSON *first = cJSON_GetArrayItem(v, 0);
@@ -248,7 +260,7 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     bool b;
     switch (f) {
     case F_MODEL:
-        if (!cJSON_IsString(v)) return BAD(e, name, "model must be a string, got %s", json_type(v));
+        if (!cJSON_IsString(v)) return BAD_TYPE(e, name, "model must be a string, got %s", json_type(v));
         r->model = v->valuestring;
         return 0;
     case F_PROMPT: return get_prompt(r, v, e);
@@ -269,12 +281,14 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     case F_N:
     case F_BEST_OF:
         if (get_int(v, name, 1, 1e9, &i, e) < 0) return -1;
-        if (i != 1) return BAD(e, name, "%s = %lld: this server returns one choice per request (%s must be 1)",
-                               name, (long long)i, name);
+        if (i != 1)
+            return BAD_CODE(e, name, "unsupported_value",
+                            "%s = %lld: this server returns one choice per request (%s must be 1)", name,
+                            (long long)i, name);
         return 0;
     case F_STREAM: return get_bool(v, name, &r->stream, e);
     case F_STREAM_OPTIONS: {
-        if (!cJSON_IsObject(v)) return BAD(e, name, "stream_options must be an object, got %s", json_type(v));
+        if (!cJSON_IsObject(v)) return BAD_TYPE(e, name, "stream_options must be an object, got %s", json_type(v));
         const cJSON *o;
         cJSON_ArrayForEach(o, v) {
             if (strcmp(o->string, "include_usage") != 0)
@@ -286,7 +300,8 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     }
     case F_STOP:
         if (cJSON_IsString(v)) return add_stop(r, v, "stop", e);
-        if (!cJSON_IsArray(v)) return BAD(e, name, "stop must be a string or an array of strings, got %s", json_type(v));
+        if (!cJSON_IsArray(v))
+            return BAD_TYPE(e, name, "stop must be a string or an array of strings, got %s", json_type(v));
         {
             const cJSON *s;
             int k = 0;
@@ -311,7 +326,7 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
         r->sp.seed = (uint64_t)i;
         return 0;
     case F_USER:
-        if (!cJSON_IsString(v)) return BAD(e, name, "user must be a string, got %s", json_type(v));
+        if (!cJSON_IsString(v)) return BAD_TYPE(e, name, "user must be a string, got %s", json_type(v));
         r->user = v->valuestring;
         return 0;
     case F_LOGPROBS:
@@ -329,15 +344,16 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
         r->sp.top_logprobs = (int32_t)i;
         return 0;
     case F_LOGIT_BIAS:
-        if (!cJSON_IsObject(v)) return BAD(e, name, "logit_bias must be an object, got %s", json_type(v));
-        if (cJSON_GetArraySize(v) > 0) return BAD(e, name, "logit_bias is not supported by this server");
+        if (!cJSON_IsObject(v)) return BAD_TYPE(e, name, "logit_bias must be an object, got %s", json_type(v));
+        if (cJSON_GetArraySize(v) > 0)
+            return BAD_CODE(e, name, "unsupported_value", "logit_bias is not supported by this server");
         return 0;
     case F_ECHO:
         if (get_bool(v, name, &b, e) < 0) return -1;
-        if (b) return BAD(e, name, "echo = true is not supported by this server");
+        if (b) return BAD_CODE(e, name, "unsupported_value", "echo = true is not supported by this server");
         return 0;
     case F_SUFFIX:
-        return BAD(e, name, "suffix is not supported by this server");
+        return BAD_CODE(e, name, "unsupported_parameter", "suffix is not supported by this server");
     case F_TOP_K:
         /* -1 is how vLLM and llama.cpp clients say "off". */
         if (get_int(v, name, -1, INT32_MAX, &i, e) < 0) return -1;
@@ -359,11 +375,13 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     case F_TOOLS:
     case F_FUNCTIONS:
         if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) return 0;
-        return BAD(e, name, "%s: tool and function calling is not supported by this server", name);
+        return BAD_CODE(e, name, "unsupported_parameter",
+                        "%s: tool and function calling is not supported by this server", name);
     case F_TOOL_CHOICE:
     case F_FUNCTION_CALL:
         if (cJSON_IsString(v) && strcmp(v->valuestring, "none") == 0) return 0;
-        return BAD(e, name, "%s: tool and function calling is not supported by this server", name);
+        return BAD_CODE(e, name, "unsupported_parameter",
+                        "%s: tool and function calling is not supported by this server", name);
     case F_PARALLEL_TOOL_CALLS: return get_bool(v, name, &b, e);
     case F_RESPONSE_FORMAT: {
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
@@ -418,7 +436,7 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
     r->root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!r->root) {
         size_t at = end && end >= body ? (size_t)(end - body) : 0;
-        (void)BAD(e, NULL, "the request body is not valid JSON (error near byte %zu of %zu)", at, len);
+        (void)BAD_CODE(e, NULL, NULL, "the request body is not valid JSON (error near byte %zu of %zu)", at, len);
         oai_request_free(r);
         return -1;
     }
@@ -427,13 +445,14 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
     size_t tail = end && end >= body && (size_t)(end - body) <= len ? (size_t)(end - body) : len;
     while (tail < len && (body[tail] == ' ' || body[tail] == '\t' || body[tail] == '\r' || body[tail] == '\n')) tail++;
     if (tail < len) {
-        (void)BAD(e, NULL, "the request body has %zu more bytes after its JSON value (from byte %zu of %zu): send "
+        (void)BAD_CODE(e, NULL, NULL,
+                       "the request body has %zu more bytes after its JSON value (from byte %zu of %zu): send "
                   "one JSON object per request", len - tail, tail, len);
         oai_request_free(r);
         return -1;
     }
     if (!cJSON_IsObject(r->root)) {
-        (void)BAD(e, NULL, "the request body must be a JSON object, got %s", json_type(r->root));
+        (void)BAD_CODE(e, NULL, NULL, "the request body must be a JSON object, got %s", json_type(r->root));
         oai_request_free(r);
         return -1;
     }
@@ -456,8 +475,8 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
         for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
             if (strcmp(fields[k].name, v->string) == 0 && (fields[k].kinds & (1u << kind))) fd = &fields[k];
         if (!fd) {
-            (void)BAD(e, v->string, "Unrecognized request argument supplied: %.64s", v->string);
-            snprintf(e->code, sizeof e->code, "unknown_parameter");
+            (void)BAD_CODE(e, v->string, "unknown_parameter", "Unrecognized request argument supplied: %.64s",
+                           v->string);
             oai_request_free(r);
             return -1;
         }
@@ -470,7 +489,7 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
     }
     const char *need = kind == OAI_CHAT ? "messages" : "prompt";
     if ((kind == OAI_CHAT && !r->messages) || (kind == OAI_COMPLETIONS && !r->prompt && !r->prompt_tokens)) {
-        (void)BAD(e, need, "%s is required", need);
+        (void)BAD_CODE(e, need, "missing_required_parameter", "%s is required", need);
         oai_request_free(r);
         return -1;
     }

@@ -183,8 +183,11 @@ int main(int argc, char **argv) {
         free(redis_url);
         return 2;
     } else if (h) {
-        LOG(LL_INFO, "router: metrics on http://%s (port %d): /metrics, /health, /ready",
-            metrics_listen, httpd_port(h));
+        /* The address as given, with the port it got (port 0 picks one). */
+        const char *colon = strrchr(metrics_listen, ':');
+        int hl = colon ? (int)(colon - metrics_listen) : (int)strlen(metrics_listen);
+        LOG(LL_INFO, "router: metrics on http://%.*s:%d (port %d): /metrics, /health, /ready", hl,
+            metrics_listen, httpd_port(h), httpd_port(h));
     }
     c.metrics = sm;
     server *s = NULL;

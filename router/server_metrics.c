@@ -72,7 +72,8 @@ static int refusal_families(server_metrics *sm, char *err, size_t errlen) {
          .help = "Worker messages naming a live worker id from a key other than the one that registered it.",
          .labels = message_label},
         {.type = METRICS_COUNTER, .name = "llm_refused_request_access_total",
-         .help = "Cancels and re-attaches refused: another client's key created the request.",
+         .help = "Cancels and re-attaches (Generate) naming an id another client's key has a request of: ids are "
+                 "per key, so it got what an unknown id gets.",
          .labels = operation_label},
     };
     metrics_family *f[3];

@@ -219,8 +219,11 @@ int main(int argc, char **argv) {
         node_metrics_free(nm);
         return 2;
     } else if (h) {
-        LOG(LL_INFO, "worker: metrics on http://%s (port %d): /metrics, /health, /ready",
-            metrics_listen, httpd_port(h));
+        /* The address as given, with the port it got (port 0 picks one). */
+        const char *colon = strrchr(metrics_listen, ':');
+        int hl = colon ? (int)(colon - metrics_listen) : (int)strlen(metrics_listen);
+        LOG(LL_INFO, "worker: metrics on http://%.*s:%d (port %d): /metrics, /health, /ready", hl,
+            metrics_listen, httpd_port(h), httpd_port(h));
     }
     /* node_init copies the URL, so the one with the password lives only
      * this long. */

@@ -185,6 +185,14 @@ static void expect_error(struct cluster *cl, const struct resp *r, int status, c
         H_FAIL(cl, "%s: message does not say \"%s\": %s", what, needle, r->body);
 }
 
+/* Asserts the error's code: OpenAI's string, or "null" (the gateway's own
+ * 400s name one, as SDKs branch on it; a body that is not a JSON object
+ * has none, as with OpenAI). */
+static void expect_code(struct cluster *cl, const struct resp *r, const char *code, const char *what) {
+    if (strcmp(err_field(r, "code"), code) != 0)
+        H_FAIL(cl, "%s: code %s, expected %s (%s)", what, err_field(r, "code"), code, r->body);
+}
+
 /* Asserts that the error's message contains needle. */
 static void msg_has(struct cluster *cl, const struct resp *r, const char *needle) {
     if (!strstr(err_field(r, "message"), needle))
@@ -337,41 +345,46 @@ TEST(bad_requests) {
     setup();
     struct resp r;
     static const struct {
-        const char *body, *param, *needle;
+        const char *body, *param, *needle, *code; /* code: OpenAI's, "null" for none */
     } cases[] = {
-        {"{\"prompt\": \"a\", ", "null", "not valid JSON"},
-        {"[1, 2]", "null", "must be a JSON object"},
-        {"{\"prompt\":\"a\",\"temperature\":\"hot\"}", "temperature", "must be a number"},
-        {"{\"prompt\":\"a\",\"temperature\":2.5}", "temperature", "outside [0, 2]"},
-        {"{\"prompt\":\"a\",\"max_tokens\":1.5}", "max_tokens", "must be an integer"},
-        {"{\"prompt\":\"a\",\"max_tokens\":0}", "max_tokens", "outside"},
-        {"{\"prompt\":\"a\",\"n\":2}", "n", "one choice"},
-        {"{\"prompt\":\"a\",\"frobnicate\":1}", "frobnicate", "Unrecognized request argument"},
-        {"{\"prompt\":\"a\",\"stop\":[\"x\",3]}", "stop[1]", "must be a string"},
-        {"{\"prompt\":\"a\",\"stop\":\"\"}", "stop", "empty"},
-        {"{\"prompt\":\"a\",\"top_p\":-0.1}", "top_p", "outside"},
-        {"{\"prompt\":\"a\",\"presence_penalty\":3}", "presence_penalty", "outside [-2, 2]"},
-        {"{\"prompt\":\"a\",\"logprobs\":6}", "logprobs", "outside"},
-        {"{\"prompt\":[\"a\",\"b\"]}", "prompt", "one prompt"},
-        {"{\"max_tokens\":3}", "prompt", "prompt is required"},
-        {"{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options", "stream is true"},
-        {"{\"prompt\":\"a\",\"seed\":-1}", "seed", "outside"},
-        {"{\"prompt\":\"a\",\"echo\":true}", "echo", "not supported"},
+        {"{\"prompt\": \"a\", ", "null", "not valid JSON", "null"},
+        {"[1, 2]", "null", "must be a JSON object", "null"},
+        {"{\"prompt\":\"a\",\"temperature\":\"hot\"}", "temperature", "must be a number", "invalid_type"},
+        {"{\"prompt\":\"a\",\"temperature\":2.5}", "temperature", "outside [0, 2]", "decimal_above_max_value"},
+        {"{\"prompt\":\"a\",\"max_tokens\":1.5}", "max_tokens", "must be an integer", "invalid_type"},
+        {"{\"prompt\":\"a\",\"max_tokens\":0}", "max_tokens", "outside", "integer_below_min_value"},
+        {"{\"prompt\":\"a\",\"n\":2}", "n", "one choice", "unsupported_value"},
+        {"{\"prompt\":\"a\",\"frobnicate\":1}", "frobnicate", "Unrecognized request argument", "unknown_parameter"},
+        {"{\"prompt\":\"a\",\"stop\":[\"x\",3]}", "stop[1]", "must be a string", "invalid_type"},
+        {"{\"prompt\":\"a\",\"stop\":\"\"}", "stop", "empty", "invalid_value"},
+        {"{\"prompt\":\"a\",\"top_p\":-0.1}", "top_p", "outside", "decimal_below_min_value"},
+        {"{\"prompt\":\"a\",\"presence_penalty\":3}", "presence_penalty", "outside [-2, 2]", "decimal_above_max_value"},
+        {"{\"prompt\":\"a\",\"logprobs\":6}", "logprobs", "outside", "integer_above_max_value"},
+        {"{\"prompt\":[\"a\",\"b\"]}", "prompt", "one prompt", "invalid_value"},
+        {"{\"max_tokens\":3}", "prompt", "prompt is required", "missing_required_parameter"},
+        {"{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options", "stream is true",
+         "invalid_value"},
+        {"{\"prompt\":\"a\",\"seed\":-1}", "seed", "outside", "integer_below_min_value"},
+        {"{\"prompt\":\"a\",\"echo\":true}", "echo", "not supported", "unsupported_value"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         post(cl_, &gw_keyed, "/v1/completions", GW_KEY, cases[i].body, &r);
         expect_error(cl_, &r, 400, cases[i].param, cases[i].needle, cases[i].body);
+        expect_code(cl_, &r, cases[i].code, cases[i].body);
         resp_free(&r);
     }
     post(cl_, &gw_open, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", &r);
     expect_error(cl_, &r, 400, "messages", "messages[0].role", "tool role");
+    expect_code(cl_, &r, "invalid_value", "tool role");
     resp_free(&r);
     post(cl_, &gw_open, "/v1/chat/completions", NULL, "{\"messages\":[{\"role\":\"user\",\"content\":7}]}", &r);
     expect_error(cl_, &r, 400, "messages[0].content", "must be a string", "content type");
+    expect_code(cl_, &r, "invalid_type", "content type");
     resp_free(&r);
     post(cl_, &gw_open, "/v1/chat/completions", NULL,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\"}]}", &r);
     expect_error(cl_, &r, 400, "tools", "not supported", "tools");
+    expect_code(cl_, &r, "unsupported_parameter", "tools");
     resp_free(&r);
     /* The sampler's extensions and the penalties are accepted. */
     post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
@@ -467,6 +480,7 @@ TEST(logprobs_with_text) {
     post(cl_, &gw_open, "/v1/chat/completions", NULL,
          "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"top_logprobs\":2}", &r);
     expect_error(cl_, &r, 400, "top_logprobs", "logprobs: true", "top_logprobs without logprobs");
+    expect_code(cl_, &r, "invalid_value", "top_logprobs without logprobs");
     resp_free(&r);
 }
 

@@ -155,6 +155,17 @@ static int logged_port(struct h_proc *p, const char *marker, const char *after) 
     return -1;
 }
 
+/* Whether p's log names its metrics URL with the port it got, not the 0 it
+ * was given: "WHO: metrics on http://127.0.0.1:PORT (port PORT)". */
+static bool logged_url_has_port(struct h_proc *p, const char *who, int port) {
+    char want[128];
+    snprintf(want, sizeof want, "%s: metrics on http://127.0.0.1:%d (port %d)", who, port, port);
+    char *log = test_read_file(p->log, NULL);
+    bool ok = log && strstr(log, want);
+    free(log);
+    return ok;
+}
+
 /* ---- the scrape configuration --------------------------------------------- */
 
 /* The file_sd targets (what `llm-cluster up` writes as RUN_DIR/
@@ -388,10 +399,13 @@ TEST(cluster_prometheus_scrapes) {
     memset(&pr, 0, sizeof pr);
     int port = logged_port(&cl->router, "router: metrics on http://", "(port ");
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    H_ASSERT(cl, logged_url_has_port(&cl->router, "router", port), "the router's metrics URL lacks port %d", port);
     pr.targets[pr.n_targets++] = (struct target){"llm-router", port};
     for (int i = 0; i < cl->n_workers; i++) {
         port = logged_port(&cl->workers[i], "worker: metrics on http://", "(port ");
         H_ASSERT(cl, port > 0, "%s logged no metrics port", cl->workers[i].name);
+        H_ASSERT(cl, logged_url_has_port(&cl->workers[i], "worker", port), "%s's metrics URL lacks port %d",
+                 cl->workers[i].name, port);
         pr.targets[pr.n_targets++] = (struct target){"llm-worker", port};
     }
     int with_gateway = access(GW_BIN, X_OK) == 0;
