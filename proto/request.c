@@ -3,8 +3,11 @@
  * accepts, so every client gets the same messages. */
 #include "proto/request.h"
 
+#include <stdlib.h>
 #include <string.h>
 
+#include "common/grammar.h"
+#include "common/json_schema.h"
 #include "common/status.h"
 #include "proto/wire.h"
 
@@ -105,9 +108,62 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                            g->request_id, (long long)g->deadline_ms, (long long)(now_ms - g->deadline_ms));
     }
     struct sampling_params sp;
-    char why[200];
+    char why[300];
     rc = proto_sampling_check(g->sampling, n_vocab, &sp, why, sizeof why);
     if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);
+    if (g->n > 1) {
+        return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                           "request %s: n = %u: more than one completion per request is not "
+                           "supported yet; send %u requests", g->request_id, g->n, g->n);
+    }
+    const char *field = NULL;
+    rc = proto_constraint_check(g->sampling, &field, why, sizeof why);
+    if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);
+    if (field) {
+        /* It compiles, but no last stage applies masks yet: refusing beats
+         * running it unconstrained. */
+        return status_fail(err, errlen, STATUS_UNSUPPORTED,
+                           "request %s: sampling.%s: constrained decoding is not served by the "
+                           "workers yet", g->request_id, field);
+    }
+    return 0;
+}
+
+int proto_constraint_check(const Llm__SamplingParams *m, const char **field, char *err,
+                           size_t errlen) {
+    *field = NULL;
+    if (!m) return 0;
+    char why[256];
+    grammar *gr = NULL;
+    int rc = 0;
+    switch (m->constraint_case) {
+    case LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_SCHEMA: {
+        *field = "json_schema";
+        char *gbnf = NULL;
+        const char *text = m->json_schema ? m->json_schema : "";
+        rc = json_schema_to_gbnf(text, strlen(text), &gbnf, why, sizeof why);
+        if (rc == 0) rc = grammar_parse(&gr, gbnf, strlen(gbnf), why, sizeof why);
+        free(gbnf);
+        break;
+    }
+    case LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT:
+        if (m->json_object) *field = "json_object";
+        break;
+    case LLM__SAMPLING_PARAMS__CONSTRAINT_GRAMMAR: {
+        *field = "grammar";
+        const char *text = m->grammar ? m->grammar : "";
+        rc = grammar_parse(&gr, text, strlen(text), why, sizeof why);
+        break;
+    }
+    default:
+        break;
+    }
+    grammar_free(gr);
+    if (rc < 0) {
+        /* an unsupported schema keyword is a bad request like any other */
+        return status_fail(err, errlen, rc == STATUS_NO_MEMORY ? rc : STATUS_BAD_INPUT,
+                           "sampling.%s: %s", *field, why);
+    }
     return 0;
 }
 

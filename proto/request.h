@@ -32,16 +32,27 @@ void proto_sampling_to_msg(const struct sampling_params *p, Llm__SamplingParams 
 int proto_sampling_check(const Llm__SamplingParams *m, int32_t n_vocab, struct sampling_params *p,
                          char *err, size_t errlen);
 
+/* Compiles m's constraint (json_schema, json_object or grammar; none when
+ * m is NULL), only to refuse one that does not compile.  *field = the
+ * constraint's field name ("grammar"), or NULL when m has none.  Returns 0,
+ * or STATUS_BAD_INPUT with err as "sampling.grammar: line 2, column 11:
+ * undefined rule 'x'" or "sampling.json_schema: json schema /properties/age:
+ * keyword 'minimum' is not supported". */
+int proto_constraint_check(const Llm__SamplingParams *m, const char **field, char *err,
+                           size_t errlen);
+
 /* Everything the router checks before accepting a GenerateRequest:
  * request_id (proto_request_id_check), not both a non-empty prompt and
  * prompt_tokens (neither is the empty prompt: BOS alone once the router
  * tokenizes it), prompt token ids inside [0, n_vocab) (n_vocab 0 skips it),
  * stop strings (count and length), priority, deadline_ms and the sampling
  * parameters (sampling_params_validate, field names prefixed "sampling.").
- * now_ms is the current Unix time in ms (for the deadline).  Returns 0;
- * STATUS_BAD_INPUT (reply INVALID_ARGUMENT); or STATUS_TIMEOUT when
- * deadline_ms has already passed (reply DEADLINE_EXCEEDED).  err names the
- * field and its value. */
+ * now_ms is the current Unix time in ms (for the deadline), and the
+ * constraint (proto_constraint_check).  Returns 0; STATUS_BAD_INPUT (reply
+ * INVALID_ARGUMENT); STATUS_TIMEOUT when deadline_ms has already passed
+ * (reply DEADLINE_EXCEEDED); or STATUS_UNSUPPORTED (reply UNIMPLEMENTED)
+ * for n > 1 and for a constraint that compiles, which no worker applies
+ * yet.  err names the field and its value. */
 int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int64_t now_ms,
                             char *err, size_t errlen);
 

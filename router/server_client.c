@@ -209,7 +209,9 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     rc = proto_generate_validate(g, s->mi.n_vocab, now, err, sizeof err);
     if (rc < 0) {
         server_send_client_error(s, ident, ident_len, tag,
-                                 rc == STATUS_TIMEOUT ? LLM__ERROR__CODE__DEADLINE_EXCEEDED : LLM__ERROR__CODE__INVALID_ARGUMENT,
+                                 rc == STATUS_TIMEOUT       ? LLM__ERROR__CODE__DEADLINE_EXCEEDED
+                                 : rc == STATUS_UNSUPPORTED ? LLM__ERROR__CODE__UNIMPLEMENTED
+                                                            : LLM__ERROR__CODE__INVALID_ARGUMENT,
                                  rid, err, 0);
         return;
     }

@@ -187,5 +187,44 @@ TEST(request_sampling_converts_both_ways) {
     ASSERT_EQ(0, p.n_stop_token_ids);
 }
 
-TEST_MAIN(request_valid_passes, request_empty_prompt_passes, request_invalid_fields_named,
+/* Constraints compile at the router: errors name line and column (GBNF)
+ * or keyword and place (schema); one that compiles is refused as not
+ * served yet rather than run unconstrained.  n > 1 likewise. */
+TEST(request_constraints_checked) {
+    struct req r;
+    req_init(&r);
+    r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_GRAMMAR;
+    r.sp.grammar = "root ::= item+\nitem ::= \"a\" missing\n";
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT,
+                   "request req-1: sampling.grammar: line 2, column 14: undefined rule 'missing'");
+    r.sp.grammar = "root ::= [a-z\n";
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "sampling.grammar: line 1, column 10: unterminated "
+                   "character class");
+    r.sp.grammar = "root ::= \"yes\" | \"no\"\n";
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.grammar: constrained decoding is not served "
+                   "by the workers yet");
+    r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_SCHEMA;
+    r.sp.json_schema = "{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\","
+                       "\"minimum\":0}}}";
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "sampling.json_schema: json schema /properties/age: "
+                   "keyword 'minimum' is not supported");
+    r.sp.json_schema = "{\"type\":\"object\"";
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "sampling.json_schema: json schema: not valid JSON");
+    r.sp.json_schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[1,2]}}}";
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.json_schema: constrained decoding");
+    r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT;
+    r.sp.json_object = 1;
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.json_object: constrained decoding");
+    r.sp.json_object = 0; /* false: no constraint */
+    char err[256] = "";
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT__NOT_SET;
+    r.g.n = 1;
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    r.g.n = 4;
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "request req-1: n = 4: more than one completion per "
+                   "request is not supported yet; send 4 requests");
+}
+
+TEST_MAIN(request_valid_passes, request_constraints_checked, request_empty_prompt_passes, request_invalid_fields_named,
           request_sampling_converts_both_ways)
