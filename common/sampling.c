@@ -408,7 +408,9 @@ int sampler_sample(sampler *s, const float *logits, const struct sampling_params
         const double target = sampling_uniform(p->seed, pos) * total;
         double cum = 0;
         for (int32_t i = 0; i < n; i++) {
-            if (z[i] >= zmin && (last < 0 || i == last || sampling_before(z, i, last))) {
+            /* A -inf logit (a grammar's mask) weighs 0: never the fallback
+             * either. */
+            if (z[i] >= zmin && z[i] > -INFINITY && (last < 0 || i == last || sampling_before(z, i, last))) {
                 token = i; /* the last kept token, if rounding leaves cum short */
                 cum += w[i];
                 if (cum > target) break;

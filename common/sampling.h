@@ -88,7 +88,8 @@ int32_t sampler_n_vocab(const sampler *s);
  *      (renormalised over the top-k set) reaches top_p; min-p drops tokens
  *      whose probability is below min_p times the largest;
  *   5. draws from what is left: u = sampling_uniform(seed, pos); walking the
- *      kept tokens in ascending id order, the first whose cumulative weight
+ *      kept tokens in ascending id order (never one whose logit is -inf),
+ *      the first whose cumulative weight
  *      exp((logit - max) / temperature) exceeds u times their total.
  *      (Defined this way, the result does not depend on how the cuts are
  *      computed; another implementation can reproduce it.)

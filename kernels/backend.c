@@ -5,6 +5,7 @@
 #include "../common/log.h"
 #include "../common/status.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -250,7 +251,9 @@ static int backend_sample_host(backend *b, const float *logits, int32_t n_vocab,
         int rc = sampler_init(&b->smp, n_vocab, err, sizeof err);
         if (rc != STATUS_OK) return backend_fail(b, rc, "sample: %s", err);
     }
-    if (b->i->is_gpu && !b->sample_buf) {
+    int masked = 0;
+    for (int32_t r = 0; r < n_rows; r++) masked |= rows[r].allow != NULL;
+    if ((b->i->is_gpu || masked) && !b->sample_buf) {
         b->sample_buf = malloc((size_t)n_vocab * sizeof(float));
         if (!b->sample_buf)
             return backend_fail(b, STATUS_NO_MEMORY, "sample: no host memory for %d logits", n_vocab);
@@ -263,6 +266,17 @@ static int backend_sample_host(backend *b, const float *logits, int32_t n_vocab,
             row = b->sample_buf;
         }
         struct backend_sample_row *sr = &rows[r];
+        if (sr->allow) {
+            if (row != b->sample_buf) memcpy(b->sample_buf, row, (size_t)n_vocab * sizeof(float));
+            row = b->sample_buf;
+            for (int32_t w = 0; w * 64 < n_vocab; w++) {
+                uint64_t m = sr->allow[w];
+                if (m == UINT64_MAX) continue;
+                int32_t end = w * 64 + 64 < n_vocab ? w * 64 + 64 : n_vocab;
+                for (int32_t t = w * 64; t < end; t++)
+                    if (!((m >> (t - w * 64)) & 1)) b->sample_buf[t] = -INFINITY;
+            }
+        }
         sr->err[0] = 0;
         sr->status = sampler_sample(b->smp, row, sr->params, sr->history, sr->n_history, sr->pos, &sr->result);
         if (sr->status < 0) snprintf(sr->err, sizeof sr->err, "%s", sampler_errstr(b->smp));
@@ -275,11 +289,21 @@ int backend_sample(backend *b, const float *logits, int32_t n_vocab, struct back
     if (n_vocab < 1 || n_rows < 0)
         return backend_fail(b, STATUS_BAD_INPUT, "sample: %d rows of %d logits", n_rows, n_vocab);
     if (n_rows == 0) return STATUS_OK;
-    if (b->i->sample) {
-        int rc = b->i->sample(b, logits, n_vocab, rows, n_rows);
-        if (rc != BACKEND_NOT_FUSED) return rc;
+    if (!b->i->sample) return backend_sample_host(b, logits, n_vocab, rows, n_rows);
+    /* Masked rows go to the host path; runs of unmasked rows in between to
+     * the backend's own sampler. */
+    for (int32_t r0 = 0; r0 < n_rows;) {
+        int masked = rows[r0].allow != NULL;
+        int32_t r1 = r0 + 1;
+        while (r1 < n_rows && (rows[r1].allow != NULL) == masked) r1++;
+        const float *l = logits + (size_t)r0 * n_vocab;
+        int rc = BACKEND_NOT_FUSED;
+        if (!masked) rc = b->i->sample(b, l, n_vocab, rows + r0, r1 - r0);
+        if (rc == BACKEND_NOT_FUSED) rc = backend_sample_host(b, l, n_vocab, rows + r0, r1 - r0);
+        if (rc != STATUS_OK) return rc;
+        r0 = r1;
     }
-    return backend_sample_host(b, logits, n_vocab, rows, n_rows);
+    return STATUS_OK;
 }
 
 void *backend_host_alloc(backend *b, size_t bytes) {

@@ -207,6 +207,11 @@ struct backend_sample_row {
     const int32_t *history;               /* the sequence's tokens so far (penalties read them) */
     int32_t n_history;
     int64_t pos;                          /* position of the token being picked */
+    /* NULL, or the tokens this row may pick: bit t of allow[t / 64] (a
+     * grammar's mask, worker/constrain.h).  The others count as -inf
+     * logits, before the penalties; a row whose mask allows nothing fails.
+     * Masked rows are sampled on the host (a GPU downloads just them). */
+    const uint64_t *allow;
     struct sampling_result result;        /* out: as sampler_sample fills it */
     int status;                           /* out: 0, or why this row has no token (result.token = -1) */
     char err[96];                         /* out: when status < 0, "logit of token 17 is nan" */

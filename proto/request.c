@@ -119,12 +119,15 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
     const char *field = NULL;
     rc = proto_constraint_check(g->sampling, &field, why, sizeof why);
     if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);
-    if (field) {
-        /* It compiles, but no last stage applies masks yet: refusing beats
-         * running it unconstrained. */
+    if (field && (g->n_stop > 0 || sp.n_stop_token_ids > 0)) {
+        /* A stop would end the output wherever it matched, short of the
+         * grammar's end, and still report "stop": refused rather than
+         * hand back a text the constraint does not accept. */
         return status_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "request %s: sampling.%s: constrained decoding is not served by the "
-                           "workers yet", g->request_id, field);
+                           "request %s: %s with sampling.%s is not supported: a stop could cut "
+                           "the output short of the %s", g->request_id,
+                           g->n_stop > 0 ? "stop" : "sampling.stop_token_ids", field,
+                           strcmp(field, "grammar") == 0 ? "grammar" : "JSON text");
     }
     return 0;
 }

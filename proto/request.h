@@ -51,8 +51,9 @@ int proto_constraint_check(const Llm__SamplingParams *m, const char **field, cha
  * constraint (proto_constraint_check).  Returns 0; STATUS_BAD_INPUT (reply
  * INVALID_ARGUMENT); STATUS_TIMEOUT when deadline_ms has already passed
  * (reply DEADLINE_EXCEEDED); or STATUS_UNSUPPORTED (reply UNIMPLEMENTED)
- * for n > 1 and for a constraint that compiles, which no worker applies
- * yet.  err names the field and its value. */
+ * for n > 1 and for a constraint together with stop strings or
+ * stop_token_ids (a stop could end the output inside the grammar).  err
+ * names the field and its value. */
 int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int64_t now_ms,
                             char *err, size_t errlen);
 

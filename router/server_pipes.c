@@ -528,6 +528,7 @@ void pipe_pump(server *s, struct pipe *pp) {
             sp->n_block_table = (size_t)ss->n_blocks;
             sp->block_table = (uint32_t *)ss->block_table; /* ids are >= 0 */
             sp->sampling = q ? &q->spm : NULL;
+            sp->output_start = q ? (uint32_t)q->n_prompt : 0;
             sp->want_logits = ss->want_logits;
             /* Started on a cached prefix: the last stage's penalties see
              * the tokens before it, which it never processed. */

@@ -121,6 +121,15 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
     }
     q->sp.seed = r->seed;
     proto_sampling_to_msg(&q->sp, &q->spm);
+    /* The constraint travels to the last stage as the client sent it (the
+     * strings live in q->gen). */
+    if (q->gen->sampling) {
+        const Llm__SamplingParams *g = q->gen->sampling;
+        q->spm.constraint_case = g->constraint_case;
+        if (g->constraint_case == LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_SCHEMA) q->spm.json_schema = g->json_schema;
+        else if (g->constraint_case == LLM__SAMPLING_PARAMS__CONSTRAINT_GRAMMAR) q->spm.grammar = g->grammar;
+        else if (g->constraint_case == LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT) q->spm.json_object = g->json_object;
+    }
     memcpy(q->prompt, r->prompt, (size_t)r->n_prompt * sizeof *q->prompt);
     q->n_prompt = r->n_prompt;
     if (r->n_gen > 0) memcpy(q->out, r->gen, (size_t)r->n_gen * sizeof *q->out);

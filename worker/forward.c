@@ -25,6 +25,11 @@ int32_t forward_logits_rows(const struct forward_batch *batch) {
     return n;
 }
 
+void forward_set_before_sample(stage *s, void (*fn)(void *arg), void *arg) {
+    s->before_sample = fn;
+    s->before_sample_arg = arg;
+}
+
 const float *forward_hidden(const stage *s) { return s->x; }
 float *forward_input_buffer(stage *s) { return s->x; }
 
@@ -361,6 +366,7 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
             rc = forward_lm_head(s, &mt, r0, n, err, errlen);
             if (rc != STATUS_OK) return rc;
         }
+        if (r0 == 0 && out->sample && s->before_sample) s->before_sample(s->before_sample_arg);
         if (out->logits)
             FORWARD_TRY(backend_download(b, out->logits + (size_t)r0 * hp->n_vocab, s->logits,
                                          (size_t)n * hp->n_vocab * sizeof(float)), "logits download");

@@ -59,6 +59,12 @@ struct forward_out {
     struct backend_sample_row *sample;
 };
 
+/* Last stage: fn(arg) is called by each later forward_step that samples,
+ * once the step's ops are queued and before its rows are sampled, so that
+ * host work the sampling needs (a grammar's masks in sample[r].allow) runs
+ * while a GPU computes.  fn NULL: none. */
+void forward_set_before_sample(stage *s, void (*fn)(void *arg), void *arg);
+
 /* Rows of logits the batch asks for (on the last stage). */
 int32_t forward_logits_rows(const struct forward_batch *batch);
 

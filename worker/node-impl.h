@@ -8,6 +8,7 @@
 
 #include "node.h"
 
+#include "constrain.h"
 #include "forward.h"
 #include "link.h"
 #include "stage.h"
@@ -53,6 +54,8 @@ struct node_seq {
     int32_t n_blocks, cap_table;
     int32_t *hist;         /* last stage: its tokens at positions 0..n_hist-1 */
     int32_t n_hist, cap_hist;
+    int hist_whole;        /* hist holds every position from 0 (else some are missing) */
+    struct constrain_seq cs; /* last stage: its constraint's parse state */
 };
 
 struct node {
@@ -130,6 +133,14 @@ struct node {
     int32_t cap_copies;
     struct sampling_params *params;          /* [n_seqs_max] */
     char (*seq_err)[256];                    /* [n_seqs_max] per-sequence error, "" if none */
+    int *seq_status;                         /* [n_seqs_max] its status (0: a bad request) */
+    /* Constrained decoding (last stage): the grammars, and this step's
+     * masks, one per constrained logits row: [n_seqs_max, mask words],
+     * allocated on the first constrained step. */
+    constrain *cons;
+    uint64_t *masks;
+    int32_t *mask_seq;                       /* [n_seqs_max] the plan index of mask row k */
+    int32_t n_masks;
     /* The last stage's StepResult, built in place: [n_seqs_max] each. */
     Llm__SeqResult *res;
     Llm__SeqResult **res_ptr;

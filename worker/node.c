@@ -261,6 +261,8 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     n->hp = model_file_hparams(n->m);
     n->n_vocab = n->hp->n_vocab;
     n->dim = n->hp->dim;
+    rc = constrain_init(&n->cons, n->s_model, n->n_vocab, err, errlen);
+    if (rc < 0) goto fail;
     int32_t first = cfg->layer_first, end = cfg->layer_end;
     if (end <= 0) {
         rc = node_layers_default(n, &first, &end, err, errlen);
@@ -358,6 +360,7 @@ void node_free(node *n) {
     rconn_close(n->redis);
     node_buffers_free(n);
     node_seqs_free(n);
+    constrain_free(n->cons);
     stage_free(n->s);
     model_file_close(n->m);
     backend_free(n->b);

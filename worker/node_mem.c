@@ -111,6 +111,9 @@ void node_buffers_free(node *n) {
     free(n->copies);
     free(n->params);
     free(n->seq_err);
+    free(n->seq_status);
+    free(n->masks);
+    free(n->mask_seq);
     free(n->res);
     free(n->res_ptr);
     free(n->res_lp);
@@ -134,6 +137,10 @@ void node_buffers_free(node *n) {
     n->cap_copies = 0;
     n->params = NULL;
     n->seq_err = NULL;
+    n->seq_status = NULL;
+    n->masks = NULL;
+    n->mask_seq = NULL;
+    n->n_masks = 0;
 }
 
 static int node_buffers_init(node *n, char *err, size_t errlen) {
@@ -149,6 +156,7 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->tables = calloc((size_t)n->n_seqs_max * n->max_blocks, sizeof *n->tables);
     n->params = calloc((size_t)n->n_seqs_max, sizeof *n->params);
     n->seq_err = calloc((size_t)n->n_seqs_max, sizeof *n->seq_err);
+    n->seq_status = calloc((size_t)n->n_seqs_max, sizeof *n->seq_status);
     size_t ns = (size_t)n->n_seqs_max;
     n->res = calloc(ns, sizeof *n->res);
     n->res_ptr = calloc(ns, sizeof *n->res_ptr);
@@ -159,7 +167,7 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->kv_refs = calloc((size_t)(c->n_blocks > 0 ? c->n_blocks : 1), sizeof *n->kv_refs);
     n->kv_used = 0;
     if (!n->kv_refs || !n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
-        !n->params || !n->seq_err || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
+        !n->params || !n->seq_err || !n->seq_status || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
         !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
                  n->n_tokens_max, n->dim);

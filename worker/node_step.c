@@ -35,6 +35,7 @@ static struct node_seq *node_seq_get(node *n, uint64_t id) {
     q = &n->seqs[n->n_seqs++];
     memset(q, 0, sizeof *q);
     q->id = id;
+    constrain_seq_invalidate(&q->cs);
     return q;
 }
 
@@ -72,6 +73,7 @@ static void node_seq_forget(node *n, uint64_t id) {
     for (int32_t j = 0; j < q->n_blocks; j++) node_kv_ref(n, q->table[j], -1);
     free(q->table);
     free(q->hist);
+    constrain_seq_clear(n->cons, &q->cs);
     *q = n->seqs[--n->n_seqs];
 }
 
@@ -85,6 +87,7 @@ static void node_seqs_clear(node *n, int keep_array) {
     for (int32_t i = 0; i < n->n_seqs; i++) {
         free(n->seqs[i].table);
         free(n->seqs[i].hist);
+        constrain_seq_clear(n->cons, &n->seqs[i].cs);
     }
     n->n_seqs = 0;
     if (!keep_array) {
@@ -128,16 +131,22 @@ static int node_hist_append(struct node_seq *q, const int32_t *toks, size_t n_to
  * starts on a prefix this worker has not seen), then the step's tokens. */
 static int node_hist_update(struct node_seq *q, const Llm__SeqPlan *sp) {
     int32_t pos = (int32_t)sp->start_pos;
+    /* Anything but an append may change tokens the constraint's state has
+     * taken: it is rebuilt from the history (worker/constrain.h). */
+    if (q->n_hist != pos || pos == 0) constrain_seq_invalidate(&q->cs);
     if (pos == 0) {
         q->n_hist = 0;
+        q->hist_whole = 1;
     } else if (q->n_hist != pos) {
         if (sp->n_penalty_context > 0) {
             q->n_hist = 0;
+            q->hist_whole = sp->n_penalty_context == (size_t)pos;
             int rc = node_hist_append(q, sp->penalty_context, sp->n_penalty_context);
             if (rc != STATUS_OK) return rc;
         } else if (q->n_hist > pos) {
             q->n_hist = pos;
         } else {
+            q->hist_whole = 0;
             LOG(LL_DEBUG, "seq %llu: history has %d tokens before position %d; penalties see "
                 "only those", (unsigned long long)sp->seq_id, q->n_hist, pos);
         }
@@ -199,6 +208,7 @@ static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, 
         f->logits = last && sp->want_logits ? FORWARD_LOGITS_LAST : FORWARD_LOGITS_NONE;
         total += f->n_tokens;
         n->seq_err[i][0] = 0;
+        n->seq_status[i] = 0;
         if (last && sp->want_logits) {
             char why[200];
             if (proto_sampling_check(sp->sampling, n->n_vocab, &n->params[i], why, sizeof why) < 0)
@@ -275,6 +285,75 @@ static void node_step_fail(node *n, const Llm__StepPlan *p, int rc, const char *
     node_result_send(n, p, NULL, 0, &e, t0);
 }
 
+/* A constrained sequence's row: its parse state brought over the tokens it
+ * generated so far (hist from output_start), and a mask row for
+ * node_masks_compute.  A failure is the sequence's (seq_err): it is never
+ * sampled unconstrained. */
+static void node_constrain_prepare(node *n, const Llm__StepPlan *p, size_t i, struct node_seq *q,
+                                   struct backend_sample_row *r) {
+    const Llm__SeqPlan *sp = p->seqs[i];
+    char why[224] = "";
+    int rc = constrain_seq_set(n->cons, &q->cs, sp->sampling, why, sizeof why);
+    if (rc == STATUS_OK && !q->cs.g) return;
+    if (rc == STATUS_OK && !q->hist_whole) {
+        rc = STATUS_UNAVAILABLE;
+        snprintf(why, sizeof why, "its tokens before position %u are not known to this stage; the "
+                 "constraint cannot be applied", sp->start_pos);
+    } else if (rc == STATUS_OK && sp->output_start > (uint32_t)q->n_hist) {
+        rc = STATUS_BAD_INPUT;
+        snprintf(why, sizeof why, "output_start %u is past its %d tokens", sp->output_start, q->n_hist);
+    }
+    if (rc == STATUS_OK)
+        rc = constrain_seq_advance(n->cons, &q->cs, q->hist + sp->output_start,
+                                   q->n_hist - (int32_t)sp->output_start, why, sizeof why);
+    size_t words = constrain_mask_words(n->cons);
+    if (rc == STATUS_OK && !n->masks) {
+        n->masks = malloc((size_t)n->n_seqs_max * words * sizeof *n->masks);
+        n->mask_seq = malloc((size_t)n->n_seqs_max * sizeof *n->mask_seq);
+        if (!n->masks || !n->mask_seq) {
+            free(n->masks), free(n->mask_seq);
+            n->masks = NULL, n->mask_seq = NULL;
+            rc = STATUS_NO_MEMORY;
+            snprintf(why, sizeof why, "out of memory for the grammar masks");
+        }
+    }
+    if (rc != STATUS_OK) {
+        snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: %s", (unsigned long long)sp->seq_id, why);
+        n->seq_status[i] = rc;
+        return;
+    }
+    int32_t k = n->n_masks++;
+    n->mask_seq[k] = (int32_t)i;
+    r->allow = n->masks + (size_t)k * words;
+}
+
+struct node_masks_arg {
+    node *n;
+    const Llm__StepPlan *p;
+};
+
+/* forward_out.before_sample: the masks of the step's constrained rows,
+ * while the device (if any) runs the step.  A mask that cannot be computed
+ * stays empty (the row then fails to sample) and names the sequence. */
+static void node_masks_compute(void *arg) {
+    const struct node_masks_arg *a = arg;
+    node *n = a->n;
+    size_t words = constrain_mask_words(n->cons);
+    for (int32_t k = 0; k < n->n_masks; k++) {
+        int32_t i = n->mask_seq[k];
+        const Llm__SeqPlan *sp = a->p->seqs[i];
+        struct node_seq *q = node_seq_find(n, sp->seq_id);
+        uint64_t *mask = n->masks + (size_t)k * words;
+        int rc = q ? constrain_seq_mask(n->cons, &q->cs, mask) : STATUS_INTERNAL;
+        if (rc != STATUS_OK) {
+            memset(mask, 0, words * sizeof *mask);
+            snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: its grammar's tables are full",
+                     (unsigned long long)sp->seq_id);
+            n->seq_status[i] = rc;
+        }
+    }
+}
+
 /* Last stage, before the forward pass: each sequence's history takes the
  * step's tokens (the penalties see the prompt and every token so far; a
  * step that fails is corrected by the next plan's start_pos) and each
@@ -283,6 +362,7 @@ static void node_step_fail(node *n, const Llm__StepPlan *p, int rc, const char *
 static void node_sample_prepare(node *n, const Llm__StepPlan *p) {
     static const struct sampling_params greedy; /* all zero: argmax */
     int32_t row = 0;
+    n->n_masks = 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Llm__SeqPlan *sp = p->seqs[i];
         struct node_seq *q = node_seq_get(n, sp->seq_id);
@@ -292,6 +372,7 @@ static void node_sample_prepare(node *n, const Llm__StepPlan *p) {
         if (!sp->want_logits) continue;
         struct backend_sample_row *r = &n->srows[row++];
         memset(r, 0, sizeof *r);
+        if (q && !n->seq_err[i][0]) node_constrain_prepare(n, p, i, q, r);
         int ok = q && !n->seq_err[i][0];
         r->params = ok ? &n->params[i] : &greedy;
         r->history = ok ? q->hist : NULL;
@@ -318,7 +399,9 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
         if (!sp->want_logits) continue;
         const struct backend_sample_row *r = &n->srows[row++];
         if (n->seq_err[i][0]) {
-            proto_error_init(&errs[i], LLM__ERROR__CODE__INVALID_ARGUMENT, "", n->seq_err[i], 0);
+            Llm__Error__Code code = n->seq_status[i] < 0 ? proto_code_from_status(n->seq_status[i])
+                                                         : LLM__ERROR__CODE__INVALID_ARGUMENT;
+            proto_error_init(&errs[i], code, "", n->seq_err[i], 0);
             res[i].error = &errs[i];
             continue;
         }
@@ -330,6 +413,15 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
             continue;
         }
         const struct sampling_result *sr = &r->result;
+        if (r->allow && !constrain_mask_allows(r->allow, sr->token)) {
+            /* cannot happen: the sampler never draws a -inf logit */
+            snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu at position %lld: token %d was "
+                     "sampled outside its grammar's mask", (unsigned long long)sp->seq_id,
+                     (long long)r->pos, sr->token);
+            proto_error_init(&errs[i], LLM__ERROR__CODE__INTERNAL, "", n->seq_err[i], 0);
+            res[i].error = &errs[i];
+            continue;
+        }
         res[i].token = sr->token;
         if (n->params[i].logprobs || n->params[i].top_logprobs > 0) {
             llm__token_logprob__init(&lp[i]);
@@ -408,9 +500,12 @@ static void node_step(node *n, const Llm__StepPlan *p) {
         batch.seqs = n->fseqs;
         batch.n_seqs = (int32_t)p->n_seqs;
         if (last) node_sample_prepare(n, p);
+        struct node_masks_arg ma = {n, p};
         struct forward_out out = {NULL, 0, !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL,
                                   last ? n->srows : NULL};
+        forward_set_before_sample(n->s, last && n->n_masks > 0 ? node_masks_compute : NULL, &ma);
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
+        forward_set_before_sample(n->s, NULL, NULL);
         if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
         else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
     } else if (!last) {

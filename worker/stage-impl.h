@@ -50,6 +50,9 @@ struct stage {
     int32_t *meta_host;/* host mirror (backend_host_alloc: page-locked on a GPU), uploaded once per step */
     size_t meta_cap;   /* int32 entries of meta and meta_host */
     int unsynced;      /* the last step ended without waiting for the backend */
+    /* forward_set_before_sample: host work before the rows are sampled */
+    void (*before_sample)(void *arg);
+    void *before_sample_arg;
 
     /* Decode steps replayed as backend graphs (forward.c): one per
      * sequence count and logits wanted or not, index

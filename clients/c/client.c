@@ -646,6 +646,16 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     Llm__GenerateRequest gr = LLM__GENERATE_REQUEST__INIT;
     Llm__SamplingParams sp = LLM__SAMPLING_PARAMS__INIT;
     proto_sampling_to_msg(&p->sampling, &sp);
+    if (p->json_schema) {
+        sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_SCHEMA;
+        sp.json_schema = (char *)p->json_schema;
+    } else if (p->grammar) {
+        sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_GRAMMAR;
+        sp.grammar = (char *)p->grammar;
+    } else if (p->json_object) {
+        sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT;
+        sp.json_object = 1;
+    }
     gr.request_id = res->request_id;
     gr.model = (char *)(p->model ? p->model : "");
     gr.prompt = (char *)(p->prompt ? p->prompt : "");

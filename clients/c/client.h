@@ -131,6 +131,12 @@ struct llm_generate_params {
     size_t n_prompt_tokens;
     uint32_t max_tokens;            /* 0: until a stop or the context ends */
     struct sampling_params sampling;
+    /* Constrained decoding (docs/grammar.md), at most one; NULL/false: none.
+     * json_schema: a JSON Schema's text; json_object: any JSON object;
+     * grammar: GBNF text whose start rule is root. */
+    const char *json_schema;
+    bool json_object;
+    const char *grammar;
     const char *const *stop;        /* stop strings */
     size_t n_stop;
     int32_t priority;               /* -100..100 */

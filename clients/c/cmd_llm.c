@@ -14,6 +14,7 @@
 #include "common/unicode.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -337,12 +338,50 @@ static size_t llm_collect_stops(int argc, char **argv, const char **stops, size_
     return n;
 }
 
+/* A whole file as a NUL-terminated string (malloc'ed), or NULL after
+ * saying why on stderr. */
+static char *llm_read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "llm generate: %s: %s\n", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    size_t got;
+    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += got;
+        if (len + 1 == cap) {
+            char *t = cap < ((size_t)1 << 26) ? realloc(buf, cap * 2) : NULL;
+            if (!t) {
+                free(buf);
+                buf = NULL;
+                fprintf(stderr, "llm generate: %s: larger than 64 MiB or out of memory\n", path);
+                break;
+            }
+            buf = t;
+            cap *= 2;
+        }
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!buf) return NULL;
+    if (bad) {
+        fprintf(stderr, "llm generate: %s: read error\n", path);
+        free(buf);
+        return NULL;
+    }
+    buf[len] = 0;
+    return buf;
+}
+
 static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     /* Before options_parse, which moves argv's entries. */
     const char *stops[PROTO_STOP_STRINGS_MAX + 1];
     size_t n_stops = llm_collect_stops(argc, argv, stops, PROTO_STOP_STRINGS_MAX + 1);
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
-    const char *stop_flag = NULL;
+    const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL;
+    bool json_object = false;
     int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n;
     double temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty;
     int64_t seed;
@@ -374,6 +413,11 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
          "negative ones (1: off)", &repetition_penalty, 0, 10, NULL},
         {"penalty-last-n", NULL, OPTION_INT, "0", "tokens of history the penalties look at (0: all)",
          &penalty_last_n, 0, 1 << 30, NULL},
+        {"json-schema", NULL, OPTION_STRING, NULL, "the output is a JSON text this JSON Schema file accepts "
+         "(docs/grammar.md)", &schema_file, 0, 0, NULL},
+        {"json-object", NULL, OPTION_BOOL, "false", "the output is a JSON object", &json_object, 0, 0, NULL},
+        {"grammar", NULL, OPTION_STRING, NULL, "the output is a sentence of this GBNF grammar file (start "
+         "rule root)", &grammar_file, 0, 0, NULL},
     };
     int rc = llm_parse_sub(gl, "llm generate", "--prompt TEXT [options]",
                            "Generates a continuation of the prompt on the cluster.", defs,
@@ -398,8 +442,18 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
             return 2;
         }
     (void)stop_flag;
+    if ((schema_file != NULL) + (grammar_file != NULL) + json_object > 1) {
+        fprintf(stderr, "llm generate: --json-schema, --json-object and --grammar exclude each other\n");
+        return 2;
+    }
+    char *constraint = NULL;
+    const char *cfile = schema_file ? schema_file : grammar_file;
+    if (cfile && !(constraint = llm_read_file(cfile))) return 2;
     llm_client *c;
-    if ((rc = llm_open(gl, &c)) != 0) return rc;
+    if ((rc = llm_open(gl, &c)) != 0) {
+        free(constraint);
+        return rc;
+    }
     struct llm_generate_params p;
     llm_generate_params_default(&p);
     p.request_id = request_id;
@@ -423,6 +477,9 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.priority = priority;
     p.timeout_ms = (uint32_t)timeout_ms;
     p.stream = stream;
+    p.json_schema = schema_file ? constraint : NULL;
+    p.grammar = grammar_file ? constraint : NULL;
+    p.json_object = json_object;
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
     struct sigaction sa;
@@ -490,6 +547,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     free(out.ids);
     free(out.text);
     llm_client_close(c);
+    free(constraint);
     return exit_code;
 }
 

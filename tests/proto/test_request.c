@@ -188,11 +188,13 @@ TEST(request_sampling_converts_both_ways) {
 }
 
 /* Constraints compile at the router: errors name line and column (GBNF)
- * or keyword and place (schema); one that compiles is refused as not
- * served yet rather than run unconstrained.  n > 1 likewise. */
+ * or keyword and place (schema); one that compiles passes, unless stops
+ * come with it (they could end the output inside the grammar).  n > 1 is
+ * refused as not served yet. */
 TEST(request_constraints_checked) {
     struct req r;
     req_init(&r);
+    r.g.n_stop = 0;
     r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_GRAMMAR;
     r.sp.grammar = "root ::= item+\nitem ::= \"a\" missing\n";
     EXPECT_REFUSED(r, STATUS_BAD_INPUT,
@@ -201,8 +203,17 @@ TEST(request_constraints_checked) {
     EXPECT_REFUSED(r, STATUS_BAD_INPUT, "sampling.grammar: line 1, column 10: unterminated "
                    "character class");
     r.sp.grammar = "root ::= \"yes\" | \"no\"\n";
-    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.grammar: constrained decoding is not served "
-                   "by the workers yet");
+    char err[256] = "";
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    /* a stop could end the output inside the grammar */
+    int32_t stop_id = 7;
+    r.sp.n_stop_token_ids = 1;
+    r.sp.stop_token_ids = &stop_id;
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "request req-1: sampling.stop_token_ids with "
+                   "sampling.grammar is not supported: a stop could cut the output short of the "
+                   "grammar");
+    r.sp.n_stop_token_ids = 0;
+    r.sp.stop_token_ids = NULL;
     r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_SCHEMA;
     r.sp.json_schema = "{\"type\":\"object\",\"properties\":{\"age\":{\"type\":\"integer\","
                        "\"minimum\":0}}}";
@@ -211,12 +222,15 @@ TEST(request_constraints_checked) {
     r.sp.json_schema = "{\"type\":\"object\"";
     EXPECT_REFUSED(r, STATUS_BAD_INPUT, "sampling.json_schema: json schema: not valid JSON");
     r.sp.json_schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"enum\":[1,2]}}}";
-    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.json_schema: constrained decoding");
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
     r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT;
     r.sp.json_object = 1;
-    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "sampling.json_object: constrained decoding");
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    r.g.n_stop = 2;
+    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "request req-1: stop with sampling.json_object is not "
+                   "supported: a stop could cut the output short of the JSON text");
+    r.g.n_stop = 0;
     r.sp.json_object = 0; /* false: no constraint */
-    char err[256] = "";
     ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
     r.sp.constraint_case = LLM__SAMPLING_PARAMS__CONSTRAINT__NOT_SET;
     r.g.n = 1;
