@@ -166,6 +166,8 @@ static void job_run(struct job *j) {
         p.sampling = j->req.sp;
         p.stop = j->req.stop;
         p.n_stop = j->req.n_stop;
+        p.json_schema = j->req.json_schema;
+        p.json_object = j->req.json_object;
         /* Always streamed from the router: tokens arriving are what lets a
          * non-streaming request notice a client that went away. */
         p.stream = true;
@@ -377,7 +379,7 @@ static void sse_free(void *cls) {
 }
 
 /* Chat: the rendered prompt tokenized with the model's tokenizer, and its
- * end-of-turn token as a stop. */
+ * end-of-turn token as a stop (not with a response_format). */
 static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
     if (g->family == CHAT_FAMILY_NONE) {
         char model[256];
@@ -407,6 +409,10 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
         return -1;
     }
     j->n_prompt_ids = (size_t)n;
+    /* A response_format ends where its JSON text is complete (the last
+     * stage allows end-of-generation only there); an end-of-turn stop could
+     * only cut it short, and the router refuses stops with a constraint. */
+    if (j->req.json_schema || j->req.json_object) return 0;
     const char *eot = chat_template_end_of_turn(g->family);
     int32_t id = tokenizer_token_find(g->tok, eot, strlen(eot));
     struct sampling_params *sp = &j->req.sp;

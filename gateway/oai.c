@@ -384,9 +384,42 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
                         "%s: tool and function calling is not supported by this server", name);
     case F_PARALLEL_TOOL_CALLS: return get_bool(v, name, &b, e);
     case F_RESPONSE_FORMAT: {
+        /* OpenAI's three types.  The schema is enforced whether strict is
+         * true or not (docs/gateway.md). */
+        if (!cJSON_IsObject(v)) return BAD_TYPE(e, name, "response_format must be an object, got %s", json_type(v));
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
-        if (cJSON_IsObject(v) && cJSON_IsString(t) && strcmp(t->valuestring, "text") == 0) return 0;
-        return BAD(e, name, "response_format: only {\"type\": \"text\"} is supported by this server");
+        if (!cJSON_IsString(t))
+            return BAD_CODE(e, "response_format.type", "missing_required_parameter",
+                            "response_format.type is required: \"text\", \"json_object\" or \"json_schema\"");
+        if (strcmp(t->valuestring, "text") == 0) return 0;
+        if (strcmp(t->valuestring, "json_object") == 0) {
+            r->json_object = true;
+            return 0;
+        }
+        if (strcmp(t->valuestring, "json_schema") != 0)
+            return BAD(e, "response_format.type", "response_format.type = \"%.64s\": expected \"text\", "
+                       "\"json_object\" or \"json_schema\"", t->valuestring);
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(v, "json_schema");
+        if (!cJSON_IsObject(js))
+            return BAD_CODE(e, "response_format.json_schema", "missing_required_parameter",
+                            "response_format.json_schema is required (an object with name and schema)");
+        const cJSON *nm = cJSON_GetObjectItemCaseSensitive(js, "name");
+        if (!cJSON_IsString(nm))
+            return BAD_CODE(e, "response_format.json_schema.name", "missing_required_parameter",
+                            "response_format.json_schema.name is required (a string)");
+        const cJSON *st = cJSON_GetObjectItemCaseSensitive(js, "strict");
+        if (st && !cJSON_IsNull(st) && !cJSON_IsBool(st))
+            return BAD_TYPE(e, "response_format.json_schema.strict", "response_format.json_schema.strict must be "
+                            "a boolean, got %s", json_type(st));
+        const cJSON *sc = cJSON_GetObjectItemCaseSensitive(js, "schema");
+        /* OpenAI: no schema is the empty schema (any JSON value). */
+        if (sc && !cJSON_IsNull(sc) && !cJSON_IsObject(sc))
+            return BAD_TYPE(e, "response_format.json_schema.schema", "response_format.json_schema.schema must be "
+                            "an object, got %s", json_type(sc));
+        free(r->json_schema);
+        r->json_schema = sc && cJSON_IsObject(sc) ? cJSON_PrintUnformatted(sc) : strdup("{}");
+        if (!r->json_schema) return BAD(e, name, "response_format: out of memory");
+        return 0;
     }
     }
     return BAD(e, name, "%s: not handled", name);
@@ -493,6 +526,13 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
         oai_request_free(r);
         return -1;
     }
+    if ((r->json_schema || r->json_object) && r->n_stop > 0) {
+        (void)BAD_CODE(e, "stop", "unsupported_parameter",
+                       "stop with response_format %s is not supported: a stop could cut the output short of "
+                       "the JSON text", r->json_schema ? "json_schema" : "json_object");
+        oai_request_free(r);
+        return -1;
+    }
     if (r->include_usage && !r->stream) {
         (void)BAD(e, "stream_options", "stream_options is only allowed when stream is true");
         oai_request_free(r);
@@ -507,6 +547,7 @@ void oai_request_free(struct oai_request *r) {
     free(r->contents);
     free(r->messages);
     free(r->prompt_tokens);
+    free(r->json_schema);
     cJSON_Delete(r->root);
     memset(r, 0, sizeof *r);
 }

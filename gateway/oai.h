@@ -54,6 +54,10 @@ struct oai_request {
     struct sampling_params sp;
     const char *stop[OAI_STOP_MAX];
     size_t n_stop;
+    /* response_format (chat): json_schema's "schema" as JSON text
+     * (malloc'ed), or json_object; neither for "text". */
+    char *json_schema;
+    bool json_object;
     bool stream, include_usage;
     const char *user;              /* NULL when absent */
 };

@@ -722,7 +722,8 @@ TEST(openai_node) {
         TEST_SKIP("node or npm is not installed: the openai npm package test needs Node 18 or newer");
     const char *dir = LLM_SOURCE_DIR "/tests/gateway/node";
     char cmd[2048];
-    if (access(LLM_SOURCE_DIR "/tests/gateway/node/node_modules/openai", R_OK) != 0) {
+    if (access(LLM_SOURCE_DIR "/tests/gateway/node/node_modules/openai", R_OK) != 0 ||
+        access(LLM_SOURCE_DIR "/tests/gateway/node/node_modules/ajv", R_OK) != 0) {
         snprintf(cmd, sizeof cmd, "cd %s && npm ci --no-audit --no-fund > %s/npm.log 2>&1", dir, cl_->dir);
         if (system(cmd) != 0) {
             char log[2000];
@@ -744,6 +745,12 @@ TEST(openai_node) {
     fflush(stdout);
     int st = system(cmd);
     H_ASSERT(cl_, st == 0, "the openai npm package test failed (status 0x%x); its output is above", st);
+    /* Structured outputs (issue 33): response_format through the SDK,
+     * every complete output checked by ajv. */
+    snprintf(cmd, sizeof cmd, "cd %s && timeout 300 node structured.mjs", dir);
+    fflush(stdout);
+    st = system(cmd);
+    H_ASSERT(cl_, st == 0, "structured.mjs failed (status 0x%x); its output is above", st);
 }
 
 
