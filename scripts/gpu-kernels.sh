@@ -10,10 +10,16 @@
 #            default routing and with LLM_CUDA_MMQ_MIN=1, both packs
 #   mmq      bench_cuda mmq: the 7B shapes at batch 8-64, the other kernels
 #            against matmul_mmq.cu, both packs
-#   attn     bench_cuda attn with LLM_CUDA_DECODE_TC_G=8, 4 and 2
-#   model    bench_gpu, llama2-7b (context 512) and llama3-8b (context 2048)
-#            Q4_K_M at batch 1, 16, 64, LLM_CUDA_MMQ_MIN=0 against the
-#            default, both packs
+#   attn     bench_cuda attn with LLM_CUDA_ATT_GQA_MIN=0 (off) and 2 (default),
+#            and the 75-virtual pack's
+#   model    bench_gpu Q4_K_M at batch 1, 16, 64, both packs: llama2-7b at
+#            context 512, matmul_mmq.cu off (LLM_CUDA_MMQ_MIN=0) against
+#            the default; llama3-8b at context 2048, attention_gqa.cu off
+#            (LLM_CUDA_ATT_GQA_MIN=0) against the default
+#   ncu      Nsight Compute on one launch each of matmul_mmq.cu's and
+#            attention_gqa.cu's kernels (bench_cuda mmq / attn), sm_90 pack
+#   gqa      bench_gpu, llama3-8b Q4_K_M at context 2048, batch 16 and 64,
+#            attention_gqa.cu off against on (sm_90 pack)
 #   all      every test_cuda_ops and test_forward test, both packs
 #   OUT=/tmp/out LLM_GPU_PACK=gpu-pack/sm90.tar.xz LLM_GPU_PACK_T4=gpu-pack/sm75.tar.xz \
 #       LLM_KERNEL_STEPS="ops mmq" ./scripts/gpu-kernels.sh
@@ -55,17 +61,20 @@ step() {
     local rc=$?
     {
         echo "== $name: exit $rc, $(( $(date +%s) - t0 )) s"
-        grep -E "^\[ FAIL \]|tests: |teacher-forced|FAIL" "$out/$name.log" | head -n 12
+        grep -E -B3 "^\[ FAIL \]" "$out/$name.log" | grep -v "^\[ RUN" | head -n 24
+        grep -E "tests: |teacher-forced" "$out/$name.log" | head -n 4
     } >>"$summary"
     [ $rc -eq 0 ] || status=1
 }
+attn_tests="cuda_ops_attention_gqa cuda_ops_attention_decode cuda_ops_attention_mixed cuda_ops_rope_kv_attention
+    cuda_ops_attention_gqa_f16 cuda_ops_attention_shapes"
 matmul_tests="cuda_ops_matmul_mmq cuda_ops_matmul_q4_k cuda_ops_matmul_q5_k cuda_ops_matmul_q6_k
     cuda_ops_matmul_multi cuda_ops_matmul_swiglu cuda_ops_matmul_reuses_input_safely
     cuda_ops_matmul_odd_width_and_tiles cuda_ops_matmul_wide cuda_ops_rmsnorm_feeds_matmul"
 for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
     case $what in
-    ops) [ -n "$b90" ] && step ops 300 "$b90/tests/test_cuda_ops" $matmul_tests ;;
-    ops75) [ -n "$b75" ] && LLM_CUDA_SM=75 step ops75 300 "$b75/tests/test_cuda_ops" $matmul_tests ;;
+    ops) [ -n "$b90" ] && step ops 300 "$b90/tests/test_cuda_ops" $matmul_tests $attn_tests ;;
+    ops75) [ -n "$b75" ] && LLM_CUDA_SM=75 step ops75 300 "$b75/tests/test_cuda_ops" $matmul_tests $attn_tests ;;
     forward)
         [ -n "$b90" ] && LLM_TEST_DEVICE=cuda:0 step forward 200 "$b90/tests/test_forward"
         [ -n "$b90" ] && LLM_CUDA_MMQ_MIN=1 LLM_TEST_DEVICE=cuda:0 step forward_mmq1 200 "$b90/tests/test_forward"
@@ -76,9 +85,10 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         [ -n "$b75" ] && LLM_CUDA_SM=75 step mmq75 240 "$b75/bench/bench_cuda" 0 mmq
         ;;
     attn)
-        for g in 8 4 2; do
-            [ -n "$b90" ] && LLM_CUDA_DECODE_TC_G=$g step "attn_g$g" 120 "$b90/bench/bench_cuda" 0 attn
+        for g in 0 2; do
+            [ -n "$b90" ] && LLM_CUDA_ATT_GQA_MIN=$g step "attn_gqa$g" 120 "$b90/bench/bench_cuda" 0 attn
         done
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step attn75 120 "$b75/bench/bench_cuda" 0 attn
         ;;
     model)
         for b in "$b90" "$b75"; do
@@ -87,10 +97,22 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             tag=90
             [ "$b" = "$b75" ] && { sm=75; tag=75; }
             LLM_CUDA_SM=$sm step "model7b_$tag" 280 "$b/bench/bench_gpu" --shapes llama2-7b --types q4_k_m \
-                --batches 1,16,64 --ctx 512 --ab LLM_CUDA_MMQ_MIN=0,17 --tmpdir /tmp
+                --batches 1,16,64 --ctx 512 --ab LLM_CUDA_MMQ_MIN=0,-1 --tmpdir /tmp
             LLM_CUDA_SM=$sm step "model8b_$tag" 280 "$b/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
-                --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_MMQ_MIN=0,17 --tmpdir /tmp
+                --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_ATT_GQA_MIN=0,2 --tmpdir /tmp
         done
+        ;;
+    ncu)
+        sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
+            --section MemoryWorkloadAnalysis --section SchedulerStats"
+        [ -n "$b90" ] && step ncu_mmq 150 ncu --clock-control none --kernel-name regex:matmul_mmq_kernel \
+            --launch-skip 30 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 mmq
+        [ -n "$b90" ] && step ncu_gqa 150 ncu --clock-control none --kernel-name regex:attention_gqa_kernel \
+            --launch-skip 200 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 attn
+        ;;
+    gqa)
+        [ -n "$b90" ] && step model8b_gqa 280 "$b90/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
+            --batches 16,64 --ctx 2048 --ab LLM_CUDA_ATT_GQA_MIN=0,2 --tmpdir /tmp
         ;;
     all)
         [ -n "$b90" ] && step all_ops 400 "$b90/tests/test_cuda_ops"
@@ -100,7 +122,10 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
     esac
 done
 cat "$summary"
-for f in "$out"/mmq*.log "$out"/attn_g*.log "$out"/model*.log; do
+for f in "$out"/ncu*.log; do
+    [ -f "$f" ] && { echo "== $f"; grep -E "Duration|Throughput|Achieved Occupancy|Registers|Stall|Warp Cycles|Eligible|Issued|Block Limit|Grid Size|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth" "$f" | head -n 40; }
+done
+for f in "$out"/mmq*.log "$out"/attn*.log "$out"/model*.log; do
     [ -f "$f" ] && { echo "== $f"; tail -n 30 "$f"; }
 done
 exit $status

@@ -587,7 +587,9 @@ static int attention_mixed(struct cuda_ctx *ctx, const struct cuda_attn_args *a,
     int rc = cuda_attention_prefill(ctx, &m);
     if (rc != STATUS_OK) return rc;
     const size_t scr_bytes = ctx->scratch_bytes;
-    rc = cuda_attention_q8_decode_takes(d) ? cuda_attention_q8_decode(ctx, d) : att_decode(ctx, d);
+    rc = cuda_attention_gqa_takes(ctx, d)         ? cuda_attention_gqa(ctx, d)
+         : cuda_attention_q8_decode_takes(d) ? cuda_attention_q8_decode(ctx, d)
+                                             : att_decode(ctx, d);
     if (rc == STATUS_OK && ctx->scratch_bytes != scr_bytes) cuda_act_forget(ctx);
     return rc;
 }
@@ -615,11 +617,14 @@ static int attention_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
         d.rows = CUDA_ATT_ONE_ROW;
         const bool tc_decode = ctx->decode_tc_g > 0 && a->kv_type == DTYPE_F16 &&
                                a->n_heads / a->n_kv_heads >= ctx->decode_tc_g;
-        if (a->rows == CUDA_ATT_ALL && a->n_seqs > 1 && !tc_decode &&
-            (cuda_attention_q8_decode_takes(&d) || att_decode_ok(&d)))
+        if (a->rows == CUDA_ATT_ALL && a->n_seqs > 1 &&
+            (cuda_attention_gqa_takes(ctx, &d) ||
+             (!tc_decode && (cuda_attention_q8_decode_takes(&d) || att_decode_ok(&d)))))
             return attention_mixed(ctx, a, &d);
         return cuda_attention_prefill(ctx, a);
     }
+    /* Decode-only batches of grouped heads on an F16 cache: attention_gqa.cu. */
+    if (cuda_attention_gqa_takes(ctx, a)) return cuda_attention_gqa(ctx, a);
     /* Decode-only batches of large groups on an F16 cache: the tensor-core
      * kernel, whose mma take the group's heads as rows (the decode kernel's
      * per-head dot products and shuffles are instruction-bound there).  An

@@ -57,6 +57,8 @@ struct cuda_ctx {
                          * slices by a kernel of its own that also writes the o matmul's int8
                          * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks) */
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
+    int att_gqa_min;    /* attention: decode rows of at least this many query heads per KV head
+                         * on attention_gqa.cu (2, default; 0: never; LLM_CUDA_ATT_GQA_MIN) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
                          * LLM_CUDA_DECODE_TC_G) */
@@ -67,8 +69,11 @@ struct cuda_ctx {
      * scratch at act_scratch.  Every op but matmul forgets them
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
-    int mmq_min;        /* fewest tokens on matmul_mmq.cu, the int8 tensor-core kernel for K-quant
-                         * weights (up to 64 tokens; 0: never; LLM_CUDA_MMQ_MIN) */
+    int mmq_min;        /* matmul_mmq.cu, the int8 tensor-core kernel for K-quant weights, takes
+                         * mmq_min .. mmq_max tokens on weights (a group: together) of at least
+                         * mmq_rows rows (0: never; LLM_CUDA_MMQ_MIN forces min, 64 and any rows) */
+    int mmq_max;
+    int mmq_rows;
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
@@ -318,6 +323,14 @@ int cuda_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
  * batch _takes refuses). */
 int cuda_attention_q8_decode_takes(const struct cuda_attn_args *a);
 int cuda_attention_q8_decode(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+
+/* attention_gqa.cu: decode rows (every sequence one row, or the one-row
+ * sequences of a mixed batch: CUDA_ATT_ONE_ROW) of 2-16 query heads per KV
+ * head on tensor cores, F16 cache, heads of 64 or 128; _takes is 1 for
+ * such a batch when ctx->att_gqa_min allows its group (0: never), else
+ * cuda_attention_gqa refuses it (STATUS_UNSUPPORTED). */
+int cuda_attention_gqa_takes(const struct cuda_ctx *ctx, const struct cuda_attn_args *a);
+int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
 
 /* ---- rope_attention.cu: backend_rope_kv_attention for decode rows ---- */
 /* Counters of ctx->att_sync (one a row and query head; the kernel leaves

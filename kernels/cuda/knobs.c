@@ -13,9 +13,12 @@
 #include <limits.h>
 #include <string.h>
 
-/* Fewest tokens on matmul_mmq.cu by default: 0, off, until it beats the
- * kernels it would replace (docs/cuda-backend.md has the measurements). */
-#define CUDA_MMQ_MIN_DEFAULT 0
+/* Where matmul_mmq.cu measured faster than the kernels it replaces (one
+ * H200, both builds; docs/cuda-backend.md): weights of 11008 rows and more
+ * from 8 tokens, to 16 on sm_80 and later, to 64 on sm_75; the 4096-row
+ * ones stayed faster on the others. */
+#define CUDA_MMQ_MIN_DEFAULT 8
+#define CUDA_MMQ_ROWS_DEFAULT 8192
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const int knobs_mv_split_warps[] = {1, 2, 4};
@@ -63,6 +66,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "decode attention of groups of at least this many query heads per KV head on the "
          "tensor-core kernel, which measured faster from 8 (0: never, to compare)",
          &k->decode_tc_g, 0, INT_MAX, NULL},
+        {"cuda-att-gqa-min", "LLM_CUDA_ATT_GQA_MIN", OPTION_INT, "2",
+         "decode attention of groups of at least this many query heads per KV head (up to 16) on "
+         "attention_gqa.cu, tensor cores with the group's heads as the mma rows (0: never, to compare)",
+         &k->att_gqa_min, 0, 16, NULL},
         {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
@@ -89,7 +96,8 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->mr, 0, 0, NULL},
         {"cuda-mmq-min", "LLM_CUDA_MMQ_MIN", OPTION_INT, "-1",
          "fewest tokens on matmul_mmq.cu, the int8 tensor-core kernel for Q4_K, Q5_K and Q6_K weights, "
-         "up to 64 (0: never; -1: the measured default), to compare and to test",
+         "which then takes every batch up to 64 and every weight (0: never; -1: where it measured faster), "
+         "to compare and to test",
          &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
         {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
          "dequantize a prefill weight's F16 tiles on a side stream while the matmul before runs "
@@ -169,6 +177,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mq_x_parts = ctx->cc >= 80 ? 1 : 2;
     ctx->att_k16 = ctx->cc >= 80 && !k->att_k8;
     ctx->decode_tc_g = k->decode_tc_g;
+    ctx->att_gqa_min = k->att_gqa_min;
     ctx->att_steps = k->att_steps;
     /* One launch for rope, the cache write and attention measured faster
      * up to 4 rows where query heads share a KV head (each query head
@@ -180,6 +189,8 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;
     ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
+    ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : ctx->cc >= 80 ? 16 : 64;
+    ctx->mmq_rows = k->mmq_min >= 0 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

@@ -16,7 +16,8 @@
  * m16n8k32 / m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75:
  * the fragments' registers are the same.
  *
- * A block is MMQ_WARPS warps of 16 rows each on one K range; when the row
+ * A block is MMQ_WARPS warps of 16 rows each on one K range, its tokens'
+ * activations of a chunk staged in shared memory a chunk ahead; when the row
  * blocks cannot fill the GPU, K is split over gridDim.y blocks, each writes
  * partial sums and the last to finish adds them in split order (an arrival
  * counter per row block, reset by that block), so the result is the same
@@ -31,6 +32,7 @@
 #define MMQ_SPLIT_MAX 8
 #define MMQ_NTW_MAX 4
 #define MMQ_MIN_BLOCKS 3
+#define MMQ_XS 272 /* bytes a token's staged chunk takes in shared memory */
 
 /* 1.5 * 2^23: an int32 v with |v| < 2^22 added to its bits gives the float
  * 1.5 * 2^23 + v exactly. */
@@ -243,6 +245,38 @@ struct mmq_args {
     size_t rb;        /* bytes a weight row */
 };
 
+/* This thread's part of the block's activations of chunk s, tokens tok0 ..
+ * tok0 + 8 NT (clamped to n - 1): NT 16-byte pieces of the codes, and for
+ * threads below 8 NT one token's scale and sums.  Loaded a chunk ahead into
+ * registers, stored to shared memory after the present chunk. */
+template <int NT>
+__device__ __forceinline__ void mmq_x_load(const mmq_act &x, int n, int s, int tok0, uint4 (&px)[NT], float &pd,
+                                           uint4 &pb) {
+#pragma unroll
+    for (int k = 0; k < NT; k++) {
+        const int q = threadIdx.x + MMQ_WARPS * 32 * k, tok = min(tok0 + q / 16, n - 1);
+        px[k] = __ldg((const uint4 *)(x.xq + ((size_t)s * n + tok) * 256) + q % 16);
+    }
+    if ((int)threadIdx.x < 8 * NT) {
+        const size_t bi = (size_t)s * n + min(tok0 + (int)threadIdx.x, n - 1);
+        pd = __ldg(x.xd + bi);
+        pb = __ldg((const uint4 *)(x.xb + bi * 8));
+    }
+}
+template <int NT>
+__device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb, const uint4 (&px)[NT], float pd,
+                                            uint4 pb) {
+#pragma unroll
+    for (int k = 0; k < NT; k++) {
+        const int q = threadIdx.x + MMQ_WARPS * 32 * k;
+        *(uint4 *)(sxq + (q / 16) * MMQ_XS + (q % 16) * 16) = px[k];
+    }
+    if ((int)threadIdx.x < 8 * NT) {
+        sxd[threadIdx.x] = pd;
+        sxb[threadIdx.x] = pb;
+    }
+}
+
 /* NT tiles of 8 tokens a warp, from token tok0 = 8 NT (blockIdx.x % th):
  * above 32 tokens two blocks side by side in the grid take the two
  * halves of the tokens of one row block, so that neither holds 64 sums a
@@ -267,22 +301,37 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
 #pragma unroll
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 
+    /* The block's activations of a chunk, staged in shared memory (two
+     * buffers): token rows of MMQ_XS bytes (256 and 16 of padding, so that
+     * the 8 tokens of a fragment load fall on different banks), scales,
+     * 32-sums. */
+    constexpr int TOK = 8 * NT;
+    __shared__ __align__(16) int8_t sxq[2][TOK * MMQ_XS];
+    __shared__ float sxd[2][TOK];
+    __shared__ __align__(16) uint4 sxb[2][TOK];
+    uint4 px[NT], pb = make_uint4(0, 0, 0, 0);
+    float pd = 0.0f;
     mmq_w<T> cw[2], nw[2];
     if (s0 < s1) {
         cw[0].load(w0, s0, t, a.cols);
         cw[1].load(w1, s0, t, a.cols);
+        mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
+        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], px, pd, pb);
     }
+    __syncthreads();
     for (int s = s0; s < s1; s++) {
+        const int buf = (s - s0) & 1;
         if (s + 1 < s1) {
             nw[0].load(w0, s + 1, t, a.cols);
             nw[1].load(w1, s + 1, t, a.cols);
+            mmq_x_load<NT>(a.a, n, s + 1, tok0, px, pd, pb);
         }
         float sub[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) sub[nt][e] = 0.0f;
-        const int8_t *xs = a.a.xq + (size_t)s * n * 256 + t * 64;
+        const int8_t *xs = sxq[buf] + t * 64;
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             /* This pair's A fragments and each mma's row scales. */
@@ -311,8 +360,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
             }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const int tok = min(tok0 + nt * 8 + g, n - 1);
-                const uint4 b = __ldg((const uint4 *)(xs + (size_t)tok * 256 + 16 * p));
+                const uint4 b = *(const uint4 *)(xs + (nt * 8 + g) * MMQ_XS + 16 * p);
 #pragma unroll
                 for (int k = 0; k < mmq_w<T>::KPP; k++) {
                     int c[4] = {MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I};
@@ -343,11 +391,10 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
         for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
             for (int j = 0; j < 2; j++) {
-                const int tok = min(tok0 + nt * 8 + 2 * t + j, n - 1);
-                const size_t bi = (size_t)s * n + tok;
-                const float dx = __ldg(a.a.xd + bi);
+                const int tl = nt * 8 + 2 * t + j;
+                const float dx = sxd[buf][tl];
                 if constexpr (mmq_w<T>::MIN) {
-                    const uint4 bs = __ldg((const uint4 *)(a.a.xb + bi * 8));
+                    const uint4 bs = sxb[buf][tl];
 #pragma unroll
                     for (int r = 0; r < 2; r++) {
                         int mi = __dp2a_lo((int)bs.x, (int)m03[r], 0);
@@ -366,7 +413,11 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
         if (s + 1 < s1) {
             cw[0] = nw[0];
             cw[1] = nw[1];
+            /* The other buffer was last read a chunk ago, before the
+             * barrier that ended it. */
+            mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], px, pd, pb);
         }
+        __syncthreads();
     }
 
     const int rows = seg.rows;
@@ -432,10 +483,10 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     g.blk0[g.n] = rbs;
     const int th = (n + 8 * NT - 1) / (8 * NT);
     if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
-    /* Split K until the blocks fill the resident slots, at most
-     * MMQ_SPLIT_MAX ways and a chunk a split. */
+    /* Split K as far as the blocks still fit the resident slots in one
+     * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
     const int n_sb = (int)(cols / 256), slots = per_sm[dev] * ctx->n_sms;
-    int ks = rbs * th >= slots ? 1 : (slots + rbs * th - 1) / (rbs * th);
+    int ks = rbs * th >= slots ? 1 : slots / (rbs * th);
     if (ks > MMQ_SPLIT_MAX) ks = MMQ_SPLIT_MAX;
     if (ks > n_sb) ks = n_sb;
     const int sps = (n_sb + ks - 1) / ks;
@@ -490,15 +541,21 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
 }
 
 extern "C" int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= MMQ_NT_MAX &&
+    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= ctx->mmq_max && n <= MMQ_NT_MAX &&
            (type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K) && cols % 256 == 0 && cols <= INT32_MAX;
 }
 
 extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                const float *x, int32_t n) {
     if (!cuda_matmul_mmq_takes(ctx, type, cols, n) || g->swiglu || (uintptr_t)x % 16 != 0) return CUDA_NOT_FUSED;
-    for (int s = 0; s < g->n; s++)
+    int64_t rows = 0;
+    for (int s = 0; s < g->n; s++) {
         if ((uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
+        rows += g->rows[s];
+    }
+    /* Fewer rows than fill the GPU without splitting K far: the other
+     * kernels measured faster there (4096 x 4096 at every batch). */
+    if (rows < ctx->mmq_rows) return CUDA_NOT_FUSED;
     switch (type) {
     case DTYPE_Q4_K: return mmq_launch<DTYPE_Q4_K>(ctx, *g, cols, x, n);
     case DTYPE_Q5_K: return mmq_launch<DTYPE_Q5_K>(ctx, *g, cols, x, n);

@@ -986,16 +986,16 @@ TEST(cuda_ops_matmul_wide) {
 TEST(cuda_ops_matmul_mmq) {
     mm_set_mode(MM_DEFAULT);
     setenv("LLM_CUDA_MMQ_MIN", "1", 1);
-    fx_open();
     static const int32_t ns[] = {1, 2, 3, 7, 8, 9, 15, 24, 31, 33, 40, 47, 57, 63, 64};
     const int n_ns = (int)(sizeof ns / sizeof ns[0]);
     const enum dtype kq[3] = {DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
-    for (int k = 0; k < 3; k++) {
-        matmul_case(kq[k], 100, 512, ns, n_ns);
-        matmul_case(kq[k], 35, 768, ns, n_ns);
-        matmul_case(kq[k], 300, 256, ns, n_ns);
-    }
-    fx_close();
+    static const int64_t shapes[3][2] = {{100, 512}, {35, 768}, {300, 256}};
+    for (int k = 0; k < 3; k++)
+        for (int sh = 0; sh < 3; sh++) {
+            fx_open(); /* a fixture per case: the host buffers of its token counts add up */
+            matmul_case(kq[k], shapes[sh][0], shapes[sh][1], ns, n_ns);
+            fx_close();
+        }
     wide_case(DTYPE_Q4_K, 4200, 4096);
     wide_case(DTYPE_Q6_K, 517, 11008);
     wide_case(DTYPE_Q5_K, 300, 2048);
@@ -1203,9 +1203,14 @@ static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int
     int32_t G = n_heads / n_kv;
     int fits = (t == DTYPE_F16 || t == DTYPE_Q8_0) && (hd == 64 || hd == 128) && G <= 64 && (G & (G - 1)) == 0;
     const int min_g = dg ? atoi(dg) : 8; /* the backend's default: groups of 8 and more */
+    /* Decode rows of 2-16 query heads a KV head on an F16 cache:
+     * attention_gqa.cu (LLM_CUDA_ATT_GQA_MIN, 2 by default). */
+    const char *gq = getenv("LLM_CUDA_ATT_GQA_MIN");
+    const int gqa_min = gq ? atoi(gq) : 2;
+    const int gqa = t == DTYPE_F16 && (hd == 64 || hd == 128) && G >= 2 && G <= 16 && gqa_min > 0 && G >= gqa_min;
     /* Decode-only batches over an 8-bit cache stay on attention_q8.cu. */
-    if (n_tokens == n_seqs) return t == DTYPE_F16 && fits && min_g > 0 && G >= min_g;
-    return fits && !(env && strcmp(env, "0") == 0);
+    if (n_tokens == n_seqs) return gqa || (t == DTYPE_F16 && fits && min_g > 0 && G >= min_g);
+    return gqa || (fits && !(env && strcmp(env, "0") == 0));
 }
 
 /* The matmul after an attention (o) reads the form of its input that the
@@ -1377,6 +1382,7 @@ TEST(cuda_ops_attention_shapes) {
  * split over the context when the rows are few, whole when they are many
  * (40 sequences of MHA); F32 stays on the general kernel. */
 TEST(cuda_ops_attention_decode) {
+    setenv("LLM_CUDA_ATT_GQA_MIN", "0", 1); /* the decode kernel for groups too (attention_gqa.cu: below) */
     fx_open();
     static const int32_t ones[64] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                      1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -1428,6 +1434,42 @@ TEST(cuda_ops_attention_decode) {
     attention_case(DTYPE_F16, 32, 4, 64, 16, 40, ones, p6);
     fx_close();
     unsetenv("LLM_CUDA_DECODE_TC_G");
+    unsetenv("LLM_CUDA_ATT_GQA_MIN");
+}
+
+/* attention_gqa.cu (decode rows of 2-16 query heads a KV head, tensor
+ * cores): groups of 2, 4, 8, 12 and 16 with heads of 64 and 128, rows at
+ * position 0 and at block edges, splits of one long row merged, many rows,
+ * blocks of 16 and 32; a prefill row beside them (a mixed batch: its
+ * one-row sequences here, the other on the prefill kernel); and the T4's
+ * mma (two m16n8k8) through LLM_CUDA_ATT_K8's routing is the sm_75 build's
+ * own (scripts/gpu-check.sh t4). */
+TEST(cuda_ops_attention_gqa) {
+    unsetenv("LLM_CUDA_ATT_GQA_MIN");
+    fx_open(); /* at most 4 KV caches a fixture */
+    static const int32_t ones[48] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    static const int32_t p1[] = {0, 5, 100, 300, 1023};
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p1);  /* groups of 4 (Llama 3) */
+    attention_case(DTYPE_F16, 32, 16, 128, 16, 5, ones, p1); /* groups of 2 */
+    attention_case(DTYPE_F16, 32, 4, 128, 16, 5, ones, p1);  /* groups of 8 */
+    fx_close();
+    fx_open();
+    attention_case(DTYPE_F16, 48, 4, 64, 16, 5, ones, p1);   /* groups of 12 */
+    attention_case(DTYPE_F16, 32, 2, 64, 32, 5, ones, p1);   /* groups of 16, blocks of 32 */
+    static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
+    attention_case(DTYPE_F16, 28, 4, 128, 16, 6, ones, p2); /* groups of 7 */
+    static const int32_t p3[] = {4000};
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 1, ones, p3); /* one long row: many splits */
+    fx_close();
+    fx_open();
+    int32_t p4[48];
+    for (int i = 0; i < 48; i++) p4[i] = rng_int(700);
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 48, ones, p4); /* many rows */
+    static const int32_t lens[] = {1, 9, 1, 1};
+    static const int32_t p5[] = {40, 0, 300, 7};
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 4, lens, p5); /* a prefill row among decodes */
+    fx_close();
 }
 
 /* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
@@ -1817,6 +1859,6 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_wide, cuda_ops_matmul_mmq,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
-          cuda_ops_attention_decode, cuda_ops_attention_prefill, cuda_ops_attention_mixed,
+          cuda_ops_attention_decode, cuda_ops_attention_gqa, cuda_ops_attention_prefill, cuda_ops_attention_mixed,
           cuda_ops_rope_kv_attention,
           cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode, cuda_ops_attention_q8_0_prefill)

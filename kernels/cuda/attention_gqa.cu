@@ -1,0 +1,348 @@
+/* Decode attention of grouped query heads on tensor cores: every sequence
+ * (or the one-row sequences of a mixed batch) has one query row, the F16
+ * cache holds n_kv_heads heads of 64 or 128 dims, and G = n_heads /
+ * n_kv_heads query heads (2 to 16) share each KV head.
+ *
+ * A block owns one row, one KV head and one slice of its context; each of
+ * its 4 warps walks steps of 16 positions of the slice with its own online
+ * softmax, and the warps' states are merged in shared memory at the end
+ * (across slices by attention.cu's combine kernel).  The G query heads are
+ * the rows of the mma's A operand (16 rows: G <= 8 leave rows 8-15 empty),
+ * so each K/V row is read once for the whole group and the dot products
+ * and P.V are mma.sync m16n8k16 (two m16n8k8 on sm_75), F16 in, F32
+ * accumulate; the softmax is per (head, position) in the S accumulators,
+ * with no shuffles but the 4 lanes of a row.
+ *
+ * Lane (g, t) loads 16 bytes of its position's K and V rows a 32-dim group
+ * (dims 32 c + 8 t ..): S = Q.K^T takes them as B fragments under a
+ * permutation of the dims (the same for Q's A fragments), and P.V's B
+ * fragments are the V words transposed in registers (movmatrix), whose
+ * output columns then land on dims 32 c + 8 t + 2 u .. of lane t's
+ * accumulators: 8 contiguous dims a group. */
+#include "attention_prefill.h"
+#include "attn_merge.cuh"
+#include "common.cuh"
+
+#include "../backend.h"
+
+#define AGQ_WARPS 4
+#define AGQ_STEP 16 /* positions a warp takes at a time */
+#define AGQ_SPLITS_MAX 64
+
+struct agq_params {
+    struct cuda_attn_args a;
+    int32_t split_want, split_step, split_min, n_splits;
+    float *part_acc, *part_ml;
+    fp16_t *out16;
+};
+
+__device__ __forceinline__ uint32_t agq_pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(const uint32_t *)&h;
+}
+
+/* d += a . b for the m16n8k16 tile: a0/a2 row g, a1/a3 row g + 8, k slots
+ * 2t, 2t + 1 (a0, a1, b0) and 2t + 8, 2t + 9 (a2, a3, b1). */
+__device__ __forceinline__ void agq_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a2), "r"(a3), "r"(b1));
+#endif
+}
+
+/* The 8 x 8 matrix of 16-bit values whose row r lane (r, t) holds at
+ * columns 2t, 2t + 1, transposed. */
+__device__ __forceinline__ uint32_t agq_trans(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+/* Lane (g, t)'s K and V words of positions j0 + g and j0 + 8 + g (dims
+ * 32 c + 8 t .. of each group c): zeros past the slice (masked by the
+ * caller), NaN for a block id outside the cache, which then reaches the
+ * output. */
+template <int HD>
+__device__ __forceinline__ void agq_load(const struct cuda_attn_args &a, const int32_t *btab, const fp16_t *kc,
+                                         const fp16_t *vc, int32_t kvh, int32_t j0, int32_t j_end, int g, int t,
+                                         uint4 (&kr)[2][HD / 32], uint4 (&vr)[2][HD / 32]) {
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int32_t j = j0 + 8 * e + g;
+        const int32_t bi = j / a.block_size, blk = j >= j_end ? 0 : bi < a.max_blocks ? btab[bi] : -1;
+        const bool bad = j < j_end && (blk < 0 || blk >= a.n_blocks);
+        const size_t at =
+            (((size_t)(bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * t;
+#pragma unroll
+        for (int c = 0; c < HD / 32; c++) {
+            if (j < j_end && !bad) {
+                kr[e][c] = __ldg((const uint4 *)(kc + at + 32 * c));
+                vr[e][c] = __ldg((const uint4 *)(vc + at + 32 * c));
+            } else {
+                const uint32_t f = bad ? 0x7e007e00u : 0u;
+                kr[e][c] = vr[e][c] = make_uint4(f, f, f, f);
+            }
+        }
+    }
+}
+
+/* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8). */
+template <int HD, bool G2>
+__global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const struct agq_params p) {
+    pdl_begin();
+    constexpr int NC = HD / 32; /* 32-dim groups */
+    const struct cuda_attn_args &a = p.a;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, t = lane & 3;
+    const int32_t kvh = blockIdx.y, z = blockIdx.z;
+    const int G = a.n_heads / a.n_kv_heads;
+    const bool one = a.rows == CUDA_ATT_ONE_ROW;
+    int32_t row = blockIdx.x, s = blockIdx.x;
+    /* Every sequence one row: block x is row and sequence (no search). */
+    if (!(a.n_tokens == a.n_seqs && !one) && !att_decode_row(a, &row, &s)) return;
+    const int32_t len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.split_step;
+    int32_t sp = max(min(p.split_want, (len + p.split_min - 1) / p.split_min), 1);
+    const int32_t chunk = ((len + sp - 1) / sp + step - 1) / step * step;
+    const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
+    const int32_t width = a.n_heads * HD;
+    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
+    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+
+    /* Q as A fragments, scaled: k-step (c, h) takes dims 32c + 8t + 4h +
+     * {0, 1} (slots 2t, 2t + 1) and + {2, 3} (slots 2t + 8, 2t + 9). */
+    uint32_t qa[NC][2][2], qb[NC][2][2];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            qa[c][h][0] = qa[c][h][1] = qb[c][h][0] = qb[c][h][1] = 0;
+            if (g < G) {
+                const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width + (int64_t)(kvh * G + g) * HD +
+                                                        32 * c + 8 * t + 4 * h));
+                qa[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
+                qa[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
+            }
+            if (G2 && g + 8 < G) {
+                const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width +
+                                                        (int64_t)(kvh * G + g + 8) * HD + 32 * c + 8 * t + 4 * h));
+                qb[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
+                qb[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
+            }
+        }
+
+    /* acc[c][u]: head g (and g + 8), dims 32c + 8t + 2u + {0, 1}; m, l: this
+     * lane's rows' running max and its own part of the sum. */
+    float acc[NC][4][4];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int u = 0; u < 4; u++) acc[c][u][0] = acc[c][u][1] = acc[c][u][2] = acc[c][u][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    /* Each step's K and V rows are loaded a step ahead, so that their
+     * latency hides behind the present step's products. */
+    uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC];
+    int32_t j0 = j_begin + warp * AGQ_STEP;
+    agq_load<HD>(a, btab, kc, vc, kvh, j0, j_end, g, t, kr, vr);
+    for (; j0 < j_end; j0 += AGQ_WARPS * AGQ_STEP) {
+        const int32_t jn = j0 + AGQ_WARPS * AGQ_STEP;
+        if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, j_end, g, t, kn, vn);
+        /* S = Q.K^T for the two n-tiles of 8 positions. */
+        float sc[2][4];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            sc[e][0] = sc[e][1] = sc[e][2] = sc[e][3] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                agq_mma(sc[e], qa[c][0][0], qb[c][0][0], qa[c][0][1], qb[c][0][1], kr[e][c].x, kr[e][c].y);
+                agq_mma(sc[e], qa[c][1][0], qb[c][1][0], qa[c][1][1], qb[c][1][1], kr[e][c].z, kr[e][c].w);
+            }
+            /* Lane (g, t) holds positions j0 + 8e + 2t, + 1. */
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (j0 + 8 * e + 2 * t + (i & 1) >= j_end) sc[e][i] = -INFINITY;
+        }
+        /* Online softmax of rows g (r = 0) and g + 8 (r = 1). */
+        uint32_t pa[2][2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (r == 1 && !G2) {
+                pa[1][0] = pa[1][1] = 0;
+                continue;
+            }
+            float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[r], mx);
+            /* Nothing seen yet and nothing here: keep the state. */
+            const float alpha = mn == -INFINITY ? 1.0f : __expf(m[r] - mn);
+            float pr[4];
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+#pragma unroll
+                for (int i = 0; i < 2; i++) pr[2 * e + i] = mn == -INFINITY ? 0.0f : __expf(sc[e][2 * r + i] - mn);
+            l[r] = l[r] * alpha + pr[0] + pr[1] + pr[2] + pr[3];
+            m[r] = mn;
+#pragma unroll
+            for (int c = 0; c < NC; c++)
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    acc[c][u][2 * r] *= alpha;
+                    acc[c][u][2 * r + 1] *= alpha;
+                }
+            /* P as A: slots 2t, 2t + 1 are the first n-tile's positions,
+             * 2t + 8, 2t + 9 the second's. */
+            pa[r][0] = agq_pack(pr[0], pr[1]);
+            pa[r][1] = agq_pack(pr[2], pr[3]);
+        }
+        /* O += P.V: V word u of group c is an 8 x 8 tile (positions x
+         * dims 32c + 8t + 2u + {0, 1}); transposed, it is the B fragment. */
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const uint32_t w0 = u == 0 ? vr[0][c].x : u == 1 ? vr[0][c].y : u == 2 ? vr[0][c].z : vr[0][c].w;
+                const uint32_t w1 = u == 0 ? vr[1][c].x : u == 1 ? vr[1][c].y : u == 2 ? vr[1][c].z : vr[1][c].w;
+                agq_mma(acc[c][u], pa[0][0], pa[1][0], pa[0][1], pa[1][1], agq_trans(w0), agq_trans(w1));
+            }
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                kr[e][c] = kn[e][c];
+                vr[e][c] = vn[e][c];
+            }
+    }
+
+    /* Merge the warps: sml[warp][row] = (m, l), sacc[warp][row][HD]. */
+    constexpr int R = G2 ? 16 : 8;
+    __shared__ float sml[AGQ_WARPS][R][2];
+    __shared__ __align__(16) float sacc[AGQ_WARPS][R][HD];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (r == 1 && !G2) break;
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        if (t == 0) {
+            sml[warp][g + 8 * r][0] = m[r];
+            sml[warp][g + 8 * r][1] = lr;
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            float *d = &sacc[warp][g + 8 * r][32 * c + 8 * t];
+            *(float4 *)d = make_float4(acc[c][0][2 * r], acc[c][0][2 * r + 1], acc[c][1][2 * r], acc[c][1][2 * r + 1]);
+            *(float4 *)(d + 4) =
+                make_float4(acc[c][2][2 * r], acc[c][2][2 * r + 1], acc[c][3][2 * r], acc[c][3][2 * r + 1]);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += AGQ_WARPS * 32) {
+        const int hg = i / HD, d = i % HD;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < AGQ_WARPS; w++) mx = fmaxf(mx, sml[w][hg][0]);
+        float ls = 0.0f, as = 0.0f;
+#pragma unroll
+        for (int w = 0; w < AGQ_WARPS; w++) {
+            const float mw = sml[w][hg][0], lw = sml[w][hg][1];
+            if (mw == -INFINITY && lw == 0.0f) continue; /* saw no position */
+            const float wt = mw == -INFINITY ? 0.0f : __expf(mw - mx);
+            ls += lw * wt;
+            as += sacc[w][hg][d] * wt;
+        }
+        const int head = kvh * G + hg;
+        if (p.n_splits == 1) {
+            const float o = ls == 0.0f ? 0.0f : as / ls;
+            a.out[(int64_t)row * width + (int64_t)head * HD + d] = o;
+            if (p.out16) p.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
+        } else {
+            const int64_t slot = one ? ((int64_t)z * a.n_seqs + s) * a.n_heads + head
+                                     : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
+            p.part_acc[slot * HD + d] = as;
+            if (d == 0) {
+                p.part_ml[slot * 2] = ls != ls ? ls : mx;
+                p.part_ml[slot * 2 + 1] = ls;
+            }
+        }
+    }
+}
+
+extern "C" int cuda_attention_gqa_takes(const struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    const int32_t G = a->n_kv_heads > 0 ? a->n_heads / a->n_kv_heads : 0;
+    return ctx->att_gqa_min > 0 && G >= ctx->att_gqa_min && G >= 2 && G <= 16 &&
+           a->n_heads == G * a->n_kv_heads && (a->n_tokens == a->n_seqs || a->rows == CUDA_ATT_ONE_ROW) &&
+           a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) && (uintptr_t)a->q % 16 == 0 &&
+           (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
+}
+
+template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
+    const struct cuda_attn_args *a = &p->a;
+    const bool one = a->rows == CUDA_ATT_ONE_ROW;
+    const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
+    const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
+    /* Split the context until the blocks make about two waves of the
+     * resident slots, each split at least two steps of every warp: long
+     * blocks keep their loads a step ahead, short ones pay the start (the
+     * row, Q, the first loads) more often. */
+    static int per_sm[64][2][2];
+    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    int &bps = per_sm[dev][HD == 128][G2];
+    if (!bps) {
+        int b = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2>,
+                                                                      AGQ_WARPS * 32, 0));
+        bps = b > 0 ? b : 1;
+    }
+    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, least = 2 * step;
+    int64_t want = (2LL * bps * ctx->n_sms + blocks - 1) / blocks;
+    if (want > AGQ_SPLITS_MAX) want = AGQ_SPLITS_MAX;
+    const int64_t by_ctx = (a->max_ctx + least - 1) / least;
+    int64_t splits = want < by_ctx ? want : by_ctx;
+    if (splits < 1) splits = 1;
+    p->split_want = (int32_t)want;
+    p->split_step = (int32_t)step;
+    p->split_min = (int32_t)least;
+    p->n_splits = (int32_t)splits;
+    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
+    uint16_t *out16 = NULL;
+    float *scr = NULL;
+    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+        return STATUS_NO_MEMORY;
+    p->out16 = (fp16_t *)out16;
+    if (p->n_splits > 1) {
+        p->part_acc = scr;
+        p->part_ml = scr + slots * a->head_dim;
+    }
+    const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
+    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_gqa_kernel<HD, G2>), grid, dim3(AGQ_WARPS * 32), 0, *p));
+    CUDA_CHECK(ctx, cudaGetLastError());
+    if (p->n_splits > 1) {
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0, a->out,
+                                    p->out16, p->part_acc, p->part_ml, p->n_splits, n_idx, a->n_heads, a->head_dim,
+                                    one ? a->seq_tok0 : (const int32_t *)NULL));
+        CUDA_CHECK(ctx, cudaGetLastError());
+    }
+    return STATUS_OK;
+}
+
+extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    if (!cuda_attention_gqa_takes(ctx, a))
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention_gqa: %d heads over %d KV heads of %d, %s cache",
+                         a->n_heads, a->n_kv_heads, a->head_dim, dtype_name(a->kv_type));
+    struct agq_params p;
+    memset(&p, 0, sizeof p);
+    p.a = *a;
+    const bool g2 = a->n_heads / a->n_kv_heads > 8;
+    if (a->head_dim == 64) return g2 ? agq_launch<64, true>(ctx, &p) : agq_launch<64, false>(ctx, &p);
+    return g2 ? agq_launch<128, true>(ctx, &p) : agq_launch<128, false>(ctx, &p);
+}
