@@ -9,6 +9,7 @@ Several generations may be iterated in turn on one Client: replies are
 matched by tag and pushed chunks by request id."""
 
 import collections
+import json
 import dataclasses
 import time
 import uuid
@@ -28,7 +29,7 @@ PROTOCOL_VERSION = 1
 REQUEST_FIELDS = ("model", "max_tokens", "stop", "priority", "deadline_ms", "timeout_ms", "stream", "resume_from")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "penalty_last_n", "seed", "stop_token_ids", "ignore_eos", "logprobs",
-                   "top_logprobs")
+                   "top_logprobs", "json_schema", "json_object", "grammar")
 
 
 class LlmError(Exception):
@@ -184,6 +185,9 @@ def build_generate(env, request_id, prompt, params):
             continue
         if f == "stop_token_ids":
             g.sampling.stop_token_ids.extend(int(t) for t in v)
+        elif f == "json_schema" and not isinstance(v, str):
+            # a schema given as a dict (or list) goes as its JSON text
+            g.sampling.json_schema = json.dumps(v, separators=(",", ":"))
         else:
             setattr(g.sampling, f, v)
 
@@ -440,7 +444,9 @@ class Client:
         deadline_ms, timeout_ms, stream, resume_from) and the SamplingParams
         fields (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, penalty_last_n, seed,
-        stop_token_ids, ignore_eos, logprobs, top_logprobs).  Sending the
+        stop_token_ids, ignore_eos, logprobs, top_logprobs, and one of the
+        constraints of docs/grammar.md: json_schema (a JSON Schema as a dict
+        or its text), json_object=True, or grammar (GBNF text)).  Sending the
         same request with the request_id of a known request re-attaches to
         it (resume_from: the tokens already held); the re-send carries the
         seed of the request's GenerateAccepted when seed is not given and
