@@ -61,6 +61,21 @@ int zio_sock_open(void *ctx, int type, struct zio_sock **out, char *err, size_t 
     zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger);
     int64_t max = zio_max_msg_size();
     if (max > 0) zmq_setsockopt(s->sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+    /* A peer cut off without a reset (a pulled cable, a partition, a host
+     * that drops packets) leaves TCP half-open for many minutes: ZMTP
+     * heartbeats close such a connection within IVL + TIMEOUT on either
+     * end, so that ZeroMQ reconnects and the ROUTER side frees the routing
+     * id the peer comes back with (docs/protocol.md, "Dead peers").  A
+     * connect that gets no answer is given up after CONNECT_TIMEOUT and
+     * tried again, instead of waiting out the kernel's SYN retries.  Inproc
+     * sockets ignore all of these. */
+    if (type != ZMQ_PAIR) {
+        int ivl = ZIO_HEARTBEAT_IVL_MS, tmo = ZIO_HEARTBEAT_TIMEOUT_MS, ctmo = ZIO_CONNECT_TIMEOUT_MS;
+        zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+        zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+        zmq_setsockopt(s->sock, ZMQ_HEARTBEAT_TTL, &tmo, sizeof tmo);
+        zmq_setsockopt(s->sock, ZMQ_CONNECT_TIMEOUT, &ctmo, sizeof ctmo);
+    }
     *out = s;
     return 0;
 }

@@ -47,9 +47,20 @@ struct zio_parts {
     zmq_msg_t *msgs;
 };
 
+/* Dead-peer bounds every socket but ZMQ_PAIR gets from zio_sock_open (a
+ * caller may set others after it): a ZMTP PING every IVL, the connection
+ * closed when nothing came for TIMEOUT after one (and the peer told to do
+ * the same, ZMQ_HEARTBEAT_TTL); a TCP connect given up after
+ * CONNECT_TIMEOUT and tried again.  A half-open connection is thus closed
+ * within IVL + TIMEOUT (4 s).  docs/protocol.md, "Dead peers". */
+#define ZIO_HEARTBEAT_IVL_MS 1000
+#define ZIO_HEARTBEAT_TIMEOUT_MS 3000
+#define ZIO_CONNECT_TIMEOUT_MS 2000
+
 /* Opens a socket of a ZeroMQ type (ZMQ_ROUTER, ZMQ_DEALER, ...) on ctx with
  * linger set to 1000 ms, so that closing never hangs the process for long,
- * and ZMQ_MAXMSGSIZE set to zio_max_msg_size().
+ * ZMQ_MAXMSGSIZE set to zio_max_msg_size(), and (but on ZMQ_PAIR) the
+ * heartbeats and connect timeout above.
  * On failure *out is NULL and err holds the reason. */
 int zio_sock_open(void *ctx, int type, struct zio_sock **out, char *err, size_t err_size);
 /* Closes the socket; NULL is fine. */

@@ -87,7 +87,8 @@ int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
  * messages of a later step are kept for their own call.  Returns 0, or
  * LINK_SKIPPED (buf untouched) when the sender failed the step, or
  * STATUS_TIMEOUT (nothing within the link's timeout), STATUS_NOT_FOUND (the
- * sender went on to a later step: this one will never come),
+ * sender went on to a later step, or is at a later epoch and the step did
+ * not come within a short grace: this one will never come),
  * STATUS_PROTOCOL (the step's own message has a size other than bytes), or
  * STATUS_CANCELLED (a signal interrupted the wait).  A malformed message
  * (anything an admitted peer may send that is not a link message) is

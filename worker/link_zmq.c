@@ -33,6 +33,7 @@ struct link_zmq {
      * current epoch's steps (one slot: a newer one replaces it). */
     struct zio_parts future;
     int has_future;
+    int64_t future_at; /* when it came (monotonic ms) */
     struct zio_parts in;
 };
 
@@ -40,6 +41,17 @@ struct link_zmq {
  * micro-batches in flight are far fewer.  A message further ahead cannot
  * come from the placed predecessor and would hold every later step. */
 #define LZ_AHEAD_MAX 4096
+
+/* Once the previous stage has sent a later epoch's message, a step of the
+ * current epoch is waited for this much longer at most: the sender dropped
+ * this epoch's plans, and what it sent before the later message is already
+ * here or in flight.  A stage that fell behind (plans queued while it was
+ * cut off from its predecessor) then catches up at once instead of waiting
+ * out the link timeout once per stale plan.  A later-epoch message older
+ * than LZ_FUTURE_FRESH_TIMEOUTS link timeouts no longer shortens waits, so
+ * that a forged one (a plain link admits anyone) cannot do so for long. */
+#define LZ_EPOCH_GRACE_MS 100
+#define LZ_FUTURE_FRESH_TIMEOUTS 10
 
 static void lz_put64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -132,15 +144,27 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
     }
     /* One deadline for the whole call: messages that are dropped (a peer
      * sending garbage) do not extend the wait. */
-    int64_t deadline = lz_now_ms() + z->timeout_ms;
+    int64_t start = lz_now_ms(), deadline = start + z->timeout_ms;
     uint64_t malformed0 = l->dropped[LINK_DROP_MALFORMED];
     for (;;) {
         struct zio_parts *p;
+        if (z->has_future && start - z->future_at < (int64_t)LZ_FUTURE_FRESH_TIMEOUTS * z->timeout_ms) {
+            int64_t grace = (z->future_at > start ? z->future_at : start) + LZ_EPOCH_GRACE_MS;
+            if (grace < deadline) deadline = grace;
+        }
         if (z->has_held) {
             p = &z->held;
         } else {
             int64_t left = deadline - lz_now_ms();
             int rc = zio_recv(z->sock, &z->in, left > 0 ? (int)left : 0);
+            if (rc == STATUS_TIMEOUT && z->has_future && deadline < start + z->timeout_ms) {
+                const uint8_t *fh = zio_parts_data(&z->future, 0);
+                return link_fail(l, STATUS_NOT_FOUND,
+                                 "zmq link %s: step %llu (epoch %llu) did not come, and the "
+                                 "previous stage is at a later epoch %llu",
+                                 l->endpoint, (unsigned long long)step_id,
+                                 (unsigned long long)l->epoch, (unsigned long long)lz_get64(fh + 8));
+            }
             if (rc == STATUS_TIMEOUT) {
                 uint64_t bad = l->dropped[LINK_DROP_MALFORMED] - malformed0;
                 char also[96] = "";
@@ -191,6 +215,7 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
                 z->has_held = 0;
             }
             z->has_future = 1;
+            z->future_at = lz_now_ms();
             continue;
         }
         if (step - step_id > LZ_AHEAD_MAX) {

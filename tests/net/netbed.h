@@ -139,9 +139,9 @@ static void nb_relays_stop(struct netbed *nb) {
 
 /* Stops the processes and the relays, deletes every namespace and returns
  * the test process to the namespace it started in. */
-static H_UNUSED void nb_free(struct netbed *nb) {
+static void nb_free_keep(struct netbed *nb, int keep_logs) {
     if (!nb) return;
-    if (nb->cl) h_cluster_cleanup(nb->cl, 0);
+    if (nb->cl) h_cluster_cleanup(nb->cl, keep_logs);
     nb->cl = NULL;
     h_proc_kill(&nb->redis, SIGKILL);
     nb_relays_stop(nb);
@@ -156,10 +156,12 @@ static H_UNUSED void nb_free(struct netbed *nb) {
     free(nb);
 }
 
+/* The end of a test that passed: the logs go too. */
+static H_UNUSED void nb_free(struct netbed *nb) { nb_free_keep(nb, 0); }
+
 static void nb_atexit(void) {
     if (!nb_current) return;
-    h_dump_logs(nb_current->cl);
-    nb_free(nb_current);
+    nb_free_keep(nb_current, 1);
 }
 
 /* Makes the bed: the switch and one namespace per name in hosts (a
@@ -171,7 +173,7 @@ static H_UNUSED struct netbed *nb_init(const char *const *hosts) {
         atexit(nb_atexit);
         registered = 1;
     }
-    if (nb_current) nb_free(nb_current); /* what a failed test left */
+    if (nb_current) nb_free_keep(nb_current, 1); /* what a failed test left: its logs stay */
     nb_sweep_stale();
     if (geteuid() != 0) TEST_SKIP("netbed: needs root for network namespaces (euid %d)", (int)geteuid());
     if (access(NB_IP, X_OK) != 0) TEST_SKIP("netbed: %s (iproute2) is not installed", NB_IP);
