@@ -39,6 +39,8 @@ static int worker_redis_url(const char *url, const char *path, char **out, char 
 }
 
 static const char *const worker_transports[] = {"auto", "zmq", "nccl", NULL};
+/* "auto", then link_dtype_names in enum link_dtype's order. */
+static const char *const worker_link_dtypes[] = {"auto", "f32", "f16", "bf16", "int8", NULL};
 
 int main(int argc, char **argv) {
     struct node_config cfg;
@@ -52,7 +54,7 @@ int main(int argc, char **argv) {
     int watchdog_ms = 0;
     static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
-    int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_timeout = 0,
+    int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_dtype = 0, link_timeout = 0,
         kv_type = 0;
     double mem_fraction = 0;
     bool require_gpu = false;
@@ -82,6 +84,9 @@ int main(int argc, char **argv) {
         {"listen", "LLM_LISTEN", OPTION_STRING, "tcp://*:*", "where the previous stage's ZeroMQ link connects (CPU transport)", &listen, 0, 0, NULL},
         {"advertise-host", "LLM_ADVERTISE_HOST", OPTION_STRING, "", "host name others use for --listen's wildcard (default: hostname)", &advertise, 0, 0, NULL},
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
+        {"link-dtype", "LLM_LINK_DTYPE", OPTION_CHOICE, "auto",
+         "hidden states this stage sends to the next: auto (f32 on ZeroMQ, f16 on NCCL), f32, f16, bf16 or "
+         "int8 (a scale per row); ZeroMQ takes all, NCCL only f16", &link_dtype, 0, 0, worker_link_dtypes},
         {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
         {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},
         {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
@@ -151,6 +156,7 @@ int main(int argc, char **argv) {
     cfg.ctx = ctx;
     cfg.target_ctx = target_ctx;
     cfg.transport = (enum node_transport)transport;
+    cfg.link_dtype = link_dtype - 1; /* "auto" is -1 */
     cfg.link_timeout_ms = link_timeout;
     if (device_parse("--device", device, &cfg.device, err, sizeof err) < 0) {
         fprintf(stderr, "llm-worker: %s\n", err);

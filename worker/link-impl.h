@@ -11,6 +11,8 @@ struct link_ops {
     int (*send)(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
     int (*recv)(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
     void (*free)(link_conn *l);
+    /* NULL: F32 only. */
+    int (*set_dtype)(link_conn *l, enum link_dtype t, size_t row_elems);
 };
 
 /* Every transport's struct starts with this. */
@@ -19,6 +21,7 @@ struct link_conn {
     enum link_dir dir;
     uint64_t epoch;
     uint64_t dropped[LINK_DROP_N]; /* messages a receiver dropped, by enum link_drop */
+    uint64_t wire_sent;            /* bytes a sender put on the wire */
     char endpoint[256];
     char errstr[320];
 };

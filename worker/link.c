@@ -43,6 +43,32 @@ int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
 }
 
 void link_set_epoch(link_conn *l, uint64_t epoch) { l->epoch = epoch; }
+
+const char *const link_dtype_names[] = {"f32", "f16", "bf16", "int8", NULL};
+
+size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems) {
+    size_t elems = bytes / sizeof(float);
+    switch (t) {
+    case LINK_DTYPE_F16:
+    case LINK_DTYPE_BF16: return elems * 2;
+    case LINK_DTYPE_INT8: return elems + (row_elems ? elems / row_elems : 0) * sizeof(float);
+    default: return bytes;
+    }
+}
+
+int link_set_dtype(link_conn *l, enum link_dtype t, size_t row_elems) {
+    if ((int)t < 0 || t >= LINK_DTYPE_N || row_elems == 0 || row_elems >= ((size_t)1 << 20))
+        return link_fail(l, STATUS_BAD_INPUT, "%s link %s: element type %d for rows of %zu: need a "
+                         "type of enum link_dtype and rows of 1 to 2^20 - 1 elements",
+                         l->ops->kind, l->endpoint, (int)t, row_elems);
+    if (!l->ops->set_dtype)
+        return t == LINK_DTYPE_F32 ? STATUS_OK
+                                   : link_fail(l, STATUS_UNSUPPORTED, "%s link: carries no %s",
+                                               l->ops->kind, link_dtype_names[t]);
+    return l->ops->set_dtype(l, t, row_elems);
+}
+
+uint64_t link_wire_bytes_sent(const link_conn *l) { return l->wire_sent; }
 uint64_t link_dropped(const link_conn *l, enum link_drop why) {
     return (unsigned)why < LINK_DROP_N ? l->dropped[why] : 0;
 }

@@ -101,6 +101,32 @@ int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
  * theirs with it.  Starts at 0. */
 void link_set_epoch(link_conn *l, uint64_t epoch);
 
+/* The element type of the hidden states on the wire (--link-dtype).  The
+ * ZeroMQ link converts from and to the F32 rows the stages compute; each
+ * message names its type, so a receiver reads whatever its sender chose.
+ * INT8 carries each row as one F32 scale (max |x| / 127) and the row's
+ * values rounded to int8: (row_elems + 4) bytes a row, a quarter of F32's
+ * plus 4.  The NCCL link carries F16 (LINK_DTYPE_F16) only. */
+enum link_dtype {
+    LINK_DTYPE_F32 = 0,
+    LINK_DTYPE_F16 = 1,
+    LINK_DTYPE_BF16 = 2,
+    LINK_DTYPE_INT8 = 3,
+    LINK_DTYPE_N = 4,
+};
+/* "f32", "f16", "bf16", "int8", NULL: indexed by enum link_dtype. */
+extern const char *const link_dtype_names[];
+/* Bytes on the wire for `bytes` of F32 rows of row_elems elements. */
+size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems);
+
+/* Sets what a sender puts on the wire; rows are row_elems floats (the
+ * model's width; every send is then whole rows).  STATUS_UNSUPPORTED on a
+ * transport that cannot (NCCL, for anything but F16), STATUS_BAD_INPUT for
+ * row_elems 0 or past 2^20.  A link starts at LINK_DTYPE_F32. */
+int link_set_dtype(link_conn *l, enum link_dtype t, size_t row_elems);
+/* Bytes this end has put on the wire (ZeroMQ payloads, headers included). */
+uint64_t link_wire_bytes_sent(const link_conn *l);
+
 /* Why a receiver dropped a message instead of returning it (ZeroMQ; NCCL
  * carries no framing and drops nothing).  None of them fails a step: the
  * receiver goes on waiting for the step's own message until its timeout. */

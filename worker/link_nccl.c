@@ -58,7 +58,14 @@ static void ln_free(link_conn *l) {
     free(n);
 }
 
-static const struct link_ops link_nccl_ops = {"nccl", 1, ln_send, ln_recv, ln_free};
+/* The stages convert to and from F16 on the GPU around the link. */
+static int ln_set_dtype(link_conn *l, enum link_dtype t, size_t row_elems) {
+    (void)row_elems;
+    if (t == LINK_DTYPE_F16) return STATUS_OK;
+    return link_fail(l, STATUS_UNSUPPORTED, "nccl link: carries f16 only, not %s", link_dtype_names[t]);
+}
+
+static const struct link_ops link_nccl_ops = {"nccl", 1, ln_send, ln_recv, ln_free, ln_set_dtype};
 
 static double ln_now_ms(void) {
     struct timespec ts;

@@ -1,6 +1,7 @@
 /* The ZeroMQ link: PUSH (stage k) -> PULL (stage k+1) over TCP, for the
  * CPU backend.  Each message is two frames: a 32-byte header (magic, flags,
- * epoch, step id, payload size, little-endian) and the hidden states.
+ * epoch, step id, payload size, little-endian) and the hidden states, as
+ * F32 or the element type the sender chose (link_set_dtype).
  * Timeouts on both ends turn a vanished peer into STATUS_TIMEOUT.  With
  * keys, the listener admits only the predecessor the router placed; what
  * an admitted peer sends that is not a link message is dropped and counted,
@@ -8,10 +9,12 @@
 #include "link.h"
 #include "link-impl.h"
 
+#include "common/dtype.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/zio.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +23,12 @@
 #define LINK_ZMQ_MAGIC 0x314b4c4cu /* "LLK1" */
 #define LINK_ZMQ_HEADER 32
 #define LINK_ZMQ_SKIPPED 1u
+/* The header's flags word: bit 0 skipped, bits 8..11 the element type
+ * (enum link_dtype), bits 12..31 the row width (for INT8's per-row scale).
+ * The size word is the F32 bytes the rows decode to; the body frame holds
+ * link_dtype_wire_bytes of them. */
+#define LZ_DTYPE_SHIFT 8
+#define LZ_ROW_SHIFT 12
 
 struct link_zmq {
     struct link_conn base;
@@ -35,6 +44,12 @@ struct link_zmq {
     int has_future;
     int64_t future_at; /* when it came (monotonic ms) */
     struct zio_parts in;
+    /* The sender's element type and row width, and its encoding buffer
+     * (grown to the largest message once, then reused). */
+    enum link_dtype dtype;
+    size_t row;
+    uint8_t *enc;
+    size_t enc_cap;
 };
 
 /* Steps of one epoch that can be ahead of the one a stage waits for: the
@@ -62,14 +77,79 @@ static uint64_t lz_get64(const uint8_t *p) {
     return v;
 }
 
+/* F32 rows to the wire's type, into dst (link_dtype_wire_bytes long). */
+static void lz_encode(enum link_dtype t, const float *src, size_t elems, size_t row, uint8_t *dst) {
+    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
+        for (size_t i = 0; i < elems; i++) {
+            uint16_t h = t == LINK_DTYPE_F16 ? f32_to_fp16(src[i]) : f32_to_bf16(src[i]);
+            dst[2 * i] = (uint8_t)h;
+            dst[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        return;
+    }
+    /* INT8: per row, the scale (F32, little-endian) then the values. */
+    for (size_t r = 0; r < elems / row; r++) {
+        const float *x = src + r * row;
+        uint8_t *o = dst + r * (row + sizeof(float));
+        float amax = 0;
+        for (size_t i = 0; i < row; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0;
+        uint32_t bits;
+        memcpy(&bits, &scale, 4);
+        for (int b = 0; b < 4; b++) o[b] = (uint8_t)(bits >> (8 * b));
+        for (size_t i = 0; i < row; i++) {
+            float q = roundf(x[i] * inv);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            o[4 + i] = (uint8_t)(int8_t)q;
+        }
+    }
+}
+
+static void lz_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row, float *dst) {
+    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
+        for (size_t i = 0; i < elems; i++) {
+            uint16_t h = (uint16_t)(src[2 * i] | src[2 * i + 1] << 8);
+            dst[i] = t == LINK_DTYPE_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
+        }
+        return;
+    }
+    for (size_t r = 0; r < elems / row; r++) {
+        const uint8_t *in = src + r * (row + sizeof(float));
+        uint32_t bits = (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
+        float scale;
+        memcpy(&scale, &bits, 4);
+        for (size_t i = 0; i < row; i++) dst[r * row + i] = (float)(int8_t)in[4 + i] * scale;
+    }
+}
+
 static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes) {
     struct link_zmq *z = (struct link_zmq *)l;
+    enum link_dtype t = buf ? z->dtype : LINK_DTYPE_F32;
+    const void *body = buf;
+    size_t wire = buf ? link_dtype_wire_bytes(t, bytes, z->row) : 0;
+    if (t != LINK_DTYPE_F32) {
+        if (bytes % (z->row * sizeof(float)) != 0)
+            return link_fail(l, STATUS_BAD_INPUT, "zmq link to %s: step %llu: %zu bytes are not whole "
+                             "rows of %zu floats", l->endpoint, (unsigned long long)step_id, bytes, z->row);
+        if (wire > z->enc_cap) {
+            uint8_t *p = realloc(z->enc, wire);
+            if (!p)
+                return link_fail(l, STATUS_NO_MEMORY, "zmq link to %s: %zu bytes to encode step %llu",
+                                 l->endpoint, wire, (unsigned long long)step_id);
+            z->enc = p;
+            z->enc_cap = wire;
+        }
+        lz_encode(t, buf, bytes / sizeof(float), z->row, z->enc);
+        body = z->enc;
+    }
     uint8_t hdr[LINK_ZMQ_HEADER];
-    lz_put64(hdr, (uint64_t)LINK_ZMQ_MAGIC | (uint64_t)(buf ? 0 : LINK_ZMQ_SKIPPED) << 32);
+    uint32_t flags = (buf ? 0 : LINK_ZMQ_SKIPPED) | (uint32_t)t << LZ_DTYPE_SHIFT |
+                     (t == LINK_DTYPE_INT8 ? (uint32_t)z->row << LZ_ROW_SHIFT : 0);
+    lz_put64(hdr, (uint64_t)LINK_ZMQ_MAGIC | (uint64_t)flags << 32);
     lz_put64(hdr + 8, l->epoch);
     lz_put64(hdr + 16, step_id);
     lz_put64(hdr + 24, bytes);
-    struct zio_frame f[2] = {{hdr, sizeof hdr, NULL, NULL}, {buf, buf ? bytes : 0, NULL, NULL}};
+    struct zio_frame f[2] = {{hdr, sizeof hdr, NULL, NULL}, {body, wire, NULL, NULL}};
     int rc = zio_send(z->sock, f, 2, 0);
     if (rc == STATUS_EXHAUSTED)
         return link_fail(l, STATUS_TIMEOUT,
@@ -77,6 +157,14 @@ static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes
                          "next stage running?",
                          l->endpoint, (unsigned long long)step_id, bytes, z->timeout_ms);
     if (rc < 0) return link_fail(l, rc, "zmq link: %s", zio_errstr(z->sock));
+    l->wire_sent += sizeof hdr + wire;
+    return STATUS_OK;
+}
+
+static int lz_set_dtype(link_conn *l, enum link_dtype t, size_t row_elems) {
+    struct link_zmq *z = (struct link_zmq *)l;
+    z->dtype = t;
+    z->row = row_elems;
     return STATUS_OK;
 }
 
@@ -100,9 +188,18 @@ static int lz_parse(const struct zio_parts *p, uint64_t *epoch, uint64_t *step, 
     *step = lz_get64(h + 16);
     *bytes = lz_get64(h + 24);
     size_t body = zio_parts_size(p, 1);
-    if ((*flags & LINK_ZMQ_SKIPPED) ? body != 0 : body != *bytes) {
-        snprintf(why, whylen, "step %llu: header says %llu bytes%s, frame has %zu",
-                 (unsigned long long)*step, (unsigned long long)*bytes,
+    unsigned t = (*flags >> LZ_DTYPE_SHIFT) & 15u;
+    size_t row = *flags >> LZ_ROW_SHIFT;
+    if (t >= LINK_DTYPE_N || (t == LINK_DTYPE_INT8 && row == 0) ||
+        (t != LINK_DTYPE_F32 && *bytes % ((t == LINK_DTYPE_INT8 ? row : 1) * sizeof(float)) != 0)) {
+        snprintf(why, whylen, "step %llu: element type %u, row %zu for %llu bytes", (unsigned long long)*step,
+                 t, row, (unsigned long long)*bytes);
+        return STATUS_PROTOCOL;
+    }
+    size_t want = (*flags & LINK_ZMQ_SKIPPED) ? 0 : link_dtype_wire_bytes((enum link_dtype)t, *bytes, row);
+    if (body != want) {
+        snprintf(why, whylen, "step %llu: header says %llu bytes as %s (%zu on the wire)%s, frame has %zu",
+                 (unsigned long long)*step, (unsigned long long)*bytes, link_dtype_names[t], want,
                  (*flags & LINK_ZMQ_SKIPPED) ? " (a skip marker has none)" : "", body);
         return STATUS_PROTOCOL;
     }
@@ -247,7 +344,9 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
             return link_fail(l, STATUS_PROTOCOL,
                              "zmq link %s: step %llu has %llu bytes, expected %zu", l->endpoint,
                              (unsigned long long)step_id, (unsigned long long)size, bytes);
-        if (bytes) memcpy(buf, zio_parts_data(p, 1), bytes);
+        unsigned t = (flags >> LZ_DTYPE_SHIFT) & 15u;
+        if (bytes && t == LINK_DTYPE_F32) memcpy(buf, zio_parts_data(p, 1), bytes);
+        else if (bytes) lz_decode((enum link_dtype)t, zio_parts_data(p, 1), bytes / sizeof(float), flags >> LZ_ROW_SHIFT, buf);
         return STATUS_OK;
     }
 }
@@ -258,10 +357,11 @@ static void lz_free(link_conn *l) {
     zio_parts_free(&z->future);
     zio_parts_free(&z->in);
     zio_sock_close(z->sock);
+    free(z->enc);
     free(z);
 }
 
-static const struct link_ops link_zmq_ops = {"zmq", 0, lz_send, lz_recv, lz_free};
+static const struct link_ops link_zmq_ops = {"zmq", 0, lz_send, lz_recv, lz_free, lz_set_dtype};
 
 int link_zmq_init(link_conn **out, void *ctx, enum link_dir dir, const char *endpoint,
                   int timeout_ms, char *err, size_t errlen) {

@@ -30,6 +30,7 @@ void node_config_default(struct node_config *cfg) {
     cfg->max_batch_tokens = 512;
     cfg->max_seqs = 16;
     cfg->link_timeout_ms = 30000;
+    cfg->link_dtype = -1;
     cfg->register_retry_ms = 2000;
 }
 

@@ -32,6 +32,11 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
                             size_t errlen) {
     int first = stage_is_first(n->s), last = stage_is_last(n->s);
     if (n->device_links) {
+        if (n->cfg.link_dtype >= 0 && n->cfg.link_dtype != LINK_DTYPE_F16) {
+            snprintf(err, errlen, "--link-dtype %s: the NCCL link carries f16 only (use auto or f16, or "
+                     "--transport zmq)", link_dtype_names[n->cfg.link_dtype]);
+            return STATUS_UNSUPPORTED;
+        }
         if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
         node_links_close(n, 0);
         if (first && last) {
@@ -100,9 +105,16 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         int rc = link_zmq_init_curve(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms,
                                      n->secure ? &n->kp : NULL, next_key, err, errlen);
         if (rc < 0) return rc;
+        enum link_dtype t = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F32;
+        if ((rc = link_set_dtype(n->tx, t, (size_t)n->dim)) < 0) {
+            snprintf(err, errlen, "%s", link_errstr(n->tx));
+            link_free(n->tx);
+            n->tx = NULL;
+            return rc;
+        }
         snprintf(n->next_endpoint, sizeof n->next_endpoint, "%s", next_ep);
         snprintf(n->next_key, sizeof n->next_key, "%s", next_key);
-        LOG(LL_INFO, "stage %d: sending hidden states to %s", n->stage_index, next_ep);
+        LOG(LL_INFO, "stage %d: sending hidden states to %s as %s", n->stage_index, next_ep, link_dtype_names[t]);
     }
     link_set_epoch(n->tx, n->epoch);
     return STATUS_OK;

@@ -97,4 +97,56 @@ TEST(net_bed_port_down_and_up) {
     ASSERT_EQ(1, refused_after);
 }
 
-TEST_MAIN(net_bed_port_down_and_up, net_bed_serves_across_hosts)
+/* --link-dtype on the ZeroMQ links of a 1x3 pipeline across hosts: the
+ * greedy tokens stay close to llm-run's (F32 exactly) and the bytes the
+ * stage hosts send shrink with the type. */
+TEST(net_link_dtype_outputs_and_bytes) {
+    const char *model = test_model_path(MODEL);
+    for (int p = 0; p < N_PROMPTS; p++) h_reference(model, prompts[p], N_TOKENS, 0, &refs[p]);
+    static const char *const types[] = {"f32", "f16", "bf16", "int8"};
+    /* positions equal to llm-run's greedy token, at least (a first
+     * difference changes the rest of the text: greedy agreement is a
+     * strict measure; teacher-forced agreement is higher) */
+    static const double agree_min[] = {1.0, 0.95, 0.9, 0.75};
+    uint64_t sent[4];
+    for (int t = 0; t < 4; t++) {
+        struct netbed *nb = nb_init(hosts_1x3);
+        char wx[64];
+        snprintf(wx, sizeof wx, "--link-dtype %s", types[t]);
+        struct nb_cluster_opts o = {1, 3, "", wx, 0};
+        struct cluster *cl = nb_cluster_start(nb, model, &o);
+        uint64_t tx0[2], rx;
+        nb_bytes(nb, "s0", &tx0[0], &rx);
+        nb_bytes(nb, "s1", &tx0[1], &rx);
+        enum { N = 8 };
+        static struct h_gen gs[N];
+        make_requests(cl, gs, N, types[t]);
+        h_generate_all(gs, N);
+        uint64_t tx1[2];
+        nb_bytes(nb, "s0", &tx1[0], &rx);
+        nb_bytes(nb, "s1", &tx1[1], &rx);
+        sent[t] = (tx1[0] - tx0[0]) + (tx1[1] - tx0[1]);
+        int same = 0, total = 0;
+        for (int i = 0; i < N; i++) {
+            H_ASSERT(cl, gs[i].rc == 0 && gs[i].n == N_TOKENS, "%s: request %d: status %d, %d tokens: %s", types[t],
+                     i, gs[i].rc, gs[i].n, gs[i].err);
+            for (int k = 0; k < N_TOKENS; k++) same += gs[i].ids[k] == refs[i % N_PROMPTS].ids[k];
+            total += N_TOKENS;
+            if (t == 0) h_check(cl, &gs[i], &refs[i % N_PROMPTS]);
+            llm_generate_result_free(&gs[i].res);
+        }
+        double agree = (double)same / total;
+        printf("  MEASURED link dtype %-4s: %d of %d greedy tokens equal to llm-run's (%.1f%%); stage hosts sent %llu "
+               "bytes (%.2f of f32)\n", types[t], same, total, 100.0 * agree, (unsigned long long)sent[t],
+               (double)sent[t] / (double)sent[0]);
+        H_ASSERT(cl, agree >= agree_min[t], "%s: %.3f of the greedy tokens equal llm-run's, want >= %.2f", types[t],
+                 agree, agree_min[t]);
+        nb_free(nb);
+    }
+    /* The hidden states are most of what the stage hosts send. */
+    ASSERT_TRUE(sent[1] < sent[0] * 8 / 10);
+    ASSERT_TRUE(sent[2] < sent[0] * 8 / 10);
+    ASSERT_TRUE(sent[3] < sent[1]);
+}
+
+TEST_MAIN(net_bed_port_down_and_up, net_bed_serves_across_hosts, net_link_dtype_outputs_and_bytes)

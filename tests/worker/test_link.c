@@ -433,10 +433,56 @@ TEST(link_nccl_needs_cuda_backend) {
     backend_free(b);
 }
 
+/* --link-dtype: each element type round-trips within its precision, the
+ * receiver reads the type from the message, and the bytes on the wire
+ * shrink as the type says (int8: a quarter of F32's plus a scale a row). */
+TEST(link_zmq_dtype_round_trip) {
+    enum { ROW = 64, ROWS = 8, N = ROW * ROWS };
+    static const double tol[LINK_DTYPE_N] = {0, 1.0 / 1024, 1.0 / 128, 1.0 / 127};
+    static const size_t wire[LINK_DTYPE_N] = {N * 4, N * 2, N * 2, N + ROWS * 4};
+    struct t_pair p = {0};
+    t_pair_open(&p, 2000);
+    float out[N], in[N];
+    uint64_t rng = 12345;
+    for (int i = 0; i < N; i++) {
+        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        /* rows of different magnitudes, as hidden states have */
+        out[i] = ((float)(rng >> 40) / (float)(1 << 24) - 0.5f) * (float)(1 + i / ROW * 7);
+    }
+    uint64_t step = 1;
+    for (int t = 0; t < LINK_DTYPE_N; t++, step++) {
+        ASSERT_OK(link_set_dtype(p.tx, (enum link_dtype)t, ROW));
+        uint64_t before = link_wire_bytes_sent(p.tx);
+        ASSERT_OK(link_send(p.tx, step, out, sizeof out));
+        ASSERT_EQ((uint64_t)(wire[t] + 32), link_wire_bytes_sent(p.tx) - before);
+        ASSERT_EQ(wire[t], link_dtype_wire_bytes((enum link_dtype)t, sizeof out, ROW));
+        memset(in, 0, sizeof in);
+        ASSERT_OK(link_recv(p.rx, step, in, sizeof in));
+        /* error relative to each row's largest magnitude */
+        double worst = 0;
+        for (int r = 0; r < ROWS; r++) {
+            double amax = 0;
+            for (int i = 0; i < ROW; i++) amax = fmax(amax, fabs(out[r * ROW + i]));
+            for (int i = 0; i < ROW; i++) worst = fmax(worst, fabs(in[r * ROW + i] - out[r * ROW + i]) / amax);
+        }
+        if (!(worst <= tol[t])) TEST_FAIL("%s: worst error %.3g of a row's max, bound %.3g", link_dtype_names[t], worst, tol[t]);
+    }
+    /* A skip marker stays one whatever the type. */
+    float keep[N];
+    memcpy(keep, in, sizeof keep);
+    ASSERT_OK(link_send(p.tx, step, NULL, 0));
+    ASSERT_EQ(LINK_SKIPPED, link_recv(p.rx, step, in, sizeof in));
+    ASSERT_TRUE(memcmp(keep, in, sizeof in) == 0);
+    /* Not whole rows: refused before anything is sent. */
+    ASSERT_EQ(STATUS_BAD_INPUT, link_send(p.tx, step + 1, out, sizeof(float) * (ROW + 1)));
+    ASSERT_EQ(STATUS_BAD_INPUT, link_set_dtype(p.tx, LINK_DTYPE_INT8, 0));
+    t_pair_close(&p);
+}
+
 TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_skip_marker,
           link_zmq_forged_future_never_blocks, link_zmq_later_epoch_kept_for_its_turn,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
           link_zmq_malformed_dropped_and_counted,
           link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
           link_nccl_two_gpus, link_nccl_needs_cuda_backend,
-          link_zmq_curve_admits_only_the_predecessor)
+          link_zmq_curve_admits_only_the_predecessor, link_zmq_dtype_round_trip)
