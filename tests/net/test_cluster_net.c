@@ -149,4 +149,63 @@ TEST(net_link_dtype_outputs_and_bytes) {
     ASSERT_TRUE(sent[3] < sent[1]);
 }
 
-TEST_MAIN(net_bed_port_down_and_up, net_bed_serves_across_hosts, net_link_dtype_outputs_and_bytes)
+/* Scaling a running cluster across hosts, by hand: a second pipeline's
+ * workers started with --router on the stage hosts join and take traffic,
+ * then the first pipeline's are stopped (SIGTERM drains them), all while
+ * requests run; nothing is lost, and the router's Status follows. */
+TEST(net_scale_out_and_in_under_load) {
+    const char *model = test_model_path(MODEL);
+    for (int p = 0; p < N_PROMPTS; p++) h_reference(model, prompts[p], N_TOKENS, 0, &refs[p]);
+    static const char *const hosts[] = {"db", "ctl", "s0", "s1", "cli", NULL};
+    struct netbed *nb = nb_init(hosts);
+    struct nb_cluster_opts o = {1, 2, "--heartbeat-ms 200 --worker-timeout-ms 2000 --max-batch 2", "", 0};
+    struct cluster *cl = nb_cluster_start(nb, model, &o);
+    char router_ep[64];
+    snprintf(router_ep, sizeof router_ep, "tcp://%s:5556", nb_host(nb, "ctl")->addr);
+    enum { N = 16 };
+    static struct h_gen gs[N];
+    make_requests(cl, gs, N, "scale");
+    struct h_batch b;
+    h_batch_start(&b, gs, N);
+    int64_t end = h_now_ms() + 30000;
+    while (h_tokens_seen(gs, N) < 100) {
+        H_ASSERT(cl, h_now_ms() < end, "no tokens within 30 s");
+        h_sleep_ms(1);
+    }
+    /* Out: pipeline 1 on the same stage hosts (port 7001 there). */
+    int64_t t0 = h_now_ms();
+    int n = cl->n_workers;
+    nb_start_worker(nb, n, 1, 0, router_ep, NULL);
+    nb_start_worker(nb, n + 1, 1, 1, router_ep, NULL);
+    h_wait_ready(cl, 2, 1, 30000);
+    int64_t t_out = h_now_ms() - t0;
+    int at_out = h_tokens_seen(gs, N);
+    /* In: pipeline 0's workers drain and leave. */
+    t0 = h_now_ms();
+    for (int s = 0; s < 2; s++) {
+        int slot = h_worker_slot(cl, 0, s);
+        H_ASSERT(cl, slot >= 0, "no worker of pipeline 0 stage %d", s);
+        h_proc_kill(&cl->workers[slot], SIGTERM);
+    }
+    h_wait_ready(cl, 1, 1, 30000);
+    int64_t t_in = h_now_ms() - t0;
+    h_batch_join(&b);
+    int total = 0;
+    for (int i = 0; i < N; i++) {
+        h_check(cl, &gs[i], &refs[i % N_PROMPTS]);
+        total += gs[i].n;
+        llm_generate_result_free(&gs[i].res);
+    }
+    H_ASSERT(cl, at_out < N * N_TOKENS, "every token was out before the scale-out (%d)", at_out);
+    printf("  MEASURED scale-out: pipeline 1 ready %lld ms after its workers started (%d of %d tokens out); "
+           "scale-in: pipeline 0 gone from Status %lld ms after SIGTERM; %d requests, %d tokens, all equal to "
+           "llm-run\n", (long long)t_out, at_out, N * N_TOKENS, (long long)t_in, N, total);
+    /* The remaining pipeline serves. */
+    make_requests(cl, gs, 4, "scaled");
+    h_generate_all(gs, 4);
+    check_all(cl, gs, 4);
+    nb_free(nb);
+}
+
+TEST_MAIN(net_bed_port_down_and_up, net_bed_serves_across_hosts, net_link_dtype_outputs_and_bytes,
+          net_scale_out_and_in_under_load)
