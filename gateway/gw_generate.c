@@ -168,6 +168,8 @@ static void job_run(struct job *j) {
         p.n_stop = j->req.n_stop;
         p.json_schema = j->req.json_schema;
         p.json_object = j->req.json_object;
+        p.spec = j->req.spec;
+        p.spec_tokens = j->req.spec_tokens;
         /* Always streamed from the router: tokens arriving are what lets a
          * non-streaming request notice a client that went away. */
         p.stream = true;

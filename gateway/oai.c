@@ -54,7 +54,7 @@ enum field {
     F_STREAM, F_STREAM_OPTIONS, F_STOP, F_PRESENCE, F_FREQUENCY, F_SEED, F_USER, F_LOGPROBS,
     F_TOP_LOGPROBS, F_LOGIT_BIAS, F_ECHO, F_BEST_OF, F_SUFFIX, F_TOP_K, F_MIN_P, F_REPETITION,
     F_IGNORE_EOS, F_TOOLS, F_TOOL_CHOICE, F_PARALLEL_TOOL_CALLS, F_RESPONSE_FORMAT, F_FUNCTIONS,
-    F_FUNCTION_CALL,
+    F_FUNCTION_CALL, F_SPECULATION, F_SPEC_TOKENS,
 };
 
 struct field_def {
@@ -99,6 +99,8 @@ static const struct field_def fields[] = {
     {"response_format", F_RESPONSE_FORMAT, K_CHAT},
     {"functions", F_FUNCTIONS, K_CHAT},
     {"function_call", F_FUNCTION_CALL, K_CHAT},
+    {"speculation", F_SPECULATION, K_BOTH},
+    {"num_speculative_tokens", F_SPEC_TOKENS, K_BOTH},
 };
 
 static const char *json_type(const cJSON *v) {
@@ -371,6 +373,23 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
     case F_IGNORE_EOS:
         if (get_bool(v, name, &b, e) < 0) return -1;
         r->sp.ignore_eos = b;
+        return 0;
+    case F_SPECULATION: {
+        /* GenerateRequest.Spec's values by name ("draft" is not served). */
+        static const char *const modes[] = {"default", "off", "ngram", NULL, "auto"};
+        if (!cJSON_IsString(v)) return BAD_TYPE(e, name, "speculation must be a string, got %s", json_type(v));
+        for (int k = 0; k < 5; k++)
+            if (modes[k] && strcmp(v->valuestring, modes[k]) == 0) {
+                r->spec = k;
+                return 0;
+            }
+        return BAD_CODE(e, name, "unsupported_value",
+                        "speculation = \"%.32s\": one of \"default\", \"off\", \"ngram\", \"auto\"",
+                        v->valuestring);
+    }
+    case F_SPEC_TOKENS:
+        if (get_int(v, name, 0, 16, &i, e) < 0) return -1;
+        r->spec_tokens = (uint32_t)i;
         return 0;
     case F_TOOLS:
     case F_FUNCTIONS:

@@ -60,6 +60,11 @@ struct oai_request {
     bool json_object;
     bool stream, include_usage;
     const char *user;              /* NULL when absent */
+    /* Extensions "speculation" and "num_speculative_tokens"
+     * (docs/gateway.md): a GenerateRequest.Spec value and its spec_tokens;
+     * 0: the router's. */
+    int32_t spec;
+    uint32_t spec_tokens;
 };
 
 /* Parses body[0..len) (not NUL-terminated) as a request of kind.  On

@@ -13,6 +13,8 @@
 #include "proto/types.pb-c.h"
 
 #define PROTO_STOP_STRINGS_MAX 16
+/* Most drafted tokens a request may ask one step to verify (spec_tokens). */
+#define PROTO_SPEC_TOKENS_MAX 16
 #define PROTO_STOP_STRING_BYTES_MAX 256
 #define PROTO_PRIORITY_MIN (-100)
 #define PROTO_PRIORITY_MAX 100

@@ -34,6 +34,8 @@ int main(int argc, char **argv) {
     int watchdog_ms = 0;
     static const char metrics_default[] = "127.0.0.1:9464";
     static const char *const levels[] = {"debug", "info", "warn", "error", "none", NULL};
+    /* In enum server_spec's order. */
+    static const char *const spec_modes[] = {"off", "ngram", "draft", "auto", NULL};
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL,
          "model file (.gguf) or Hugging Face directory: its tokenizer and metadata", &c.model_path, 0, 0, NULL},
@@ -92,6 +94,19 @@ int main(int argc, char **argv) {
         {"prefill-hold-ms", "LLM_PREFILL_HOLD_MS", OPTION_INT, "100",
          "with --prefill-hold-tokens: the longest a prompt waits for others", &c.prefill_hold_ms, 1, 600000,
          NULL},
+        {"spec", "LLM_SPEC", OPTION_CHOICE, "off",
+         "speculative decoding for requests that do not choose: off; ngram (drafts found by prompt "
+         "lookup in the sequence's own tokens, verified by the pipeline: same outputs, fewer steps "
+         "when the output repeats its input); auto (ngram while the pipeline runs at most "
+         "--spec-auto-batch sequences per stage); draft (a draft model: not served yet)",
+         &c.spec, 0, 0, spec_modes},
+        {"spec-tokens", "LLM_SPEC_TOKENS", OPTION_INT, "4",
+         "drafted tokens one step verifies for a sequence, at most (k; a request may ask for fewer or more, "
+         "up to 16)", &c.spec_tokens, 1, 16, NULL},
+        {"spec-auto-batch", "LLM_SPEC_AUTO_BATCH", OPTION_INT, "4",
+         "--spec auto: speculate while the pipeline's running sequences per stage are at most this many "
+         "(a larger batch makes a decode step compute-bound, where drafts cost more than they gain)",
+         &c.spec_auto_batch, 0, 65536, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",

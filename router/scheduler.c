@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "router/ngram.h"
 
 struct sched_seq {
     uint64_t id;
@@ -27,6 +28,13 @@ struct sched_seq {
     bool seen;         /* some worker may hold state for it: free it there */
     bool deferred;     /* waiting for a running sequence to publish its prefix */
     int32_t idx;       /* position in sched.all */
+    /* Speculation (sched_seq_set_spec): drafts a decode step may carry,
+     * whether only while sched_set_spec_auto allows, and the drafts of
+     * the step in flight (tokens[n_tokens .. n_tokens + n_draft), their
+     * positions reserved in table until sched_spec_accept). */
+    int32_t spec_k;
+    bool spec_auto;
+    int32_t n_draft;
 };
 
 struct sched {
@@ -59,6 +67,9 @@ struct sched {
     int32_t hold_tokens; /* sched_set_prefill_hold; <= 0: none */
     uint64_t admissions_held;
     uint64_t steps_capped, capped_tokens;
+    bool spec_auto_on; /* sched_set_spec_auto */
+    int32_t spec_ngram_max, spec_ngram_min;
+    uint64_t spec_steps, spec_proposed, spec_accepted;
 };
 
 static int sched_grow(void **p, int32_t *cap, int32_t want, size_t elem) {
@@ -90,6 +101,9 @@ int sched_init(sched **out, const struct sched_config *cfg, char *err, size_t er
     s->cfg = *cfg;
     s->admit = true;
     s->prefill_cap = -1;
+    s->spec_auto_on = true;
+    s->spec_ngram_max = 3;
+    s->spec_ngram_min = 1;
     s->next_step_id = cfg->first_step_id ? cfg->first_step_id : 1;
     int rc = kvblocks_init(&s->kv, cfg->n_blocks, cfg->block_size, err, errlen);
     if (rc < 0) {
@@ -179,7 +193,10 @@ int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const
 
 int sched_append(sched *s, struct sched_seq *q, int32_t token) {
     (void)s;
-    if (q->table.n_tokens != q->n_tokens) return STATUS_BAD_INPUT;
+    /* Past n_tokens, the table covers only accepted drafts (after
+     * sched_spec_accept): the token must be the one computed there. */
+    if (q->n_draft > 0 || q->table.n_tokens < q->n_tokens) return STATUS_BAD_INPUT;
+    if (q->table.n_tokens > q->n_tokens && q->tokens[q->n_tokens] != token) return STATUS_BAD_INPUT;
     if (q->n_tokens == q->cap) {
         int32_t cap = q->cap * 2;
         int32_t *t = realloc(q->tokens, (size_t)cap * sizeof *t);
@@ -209,6 +226,7 @@ static void sched_preempt(sched *s, struct sched_seq *q) {
     if (q->running) s->n_running--;
     q->running = false;
     q->inflight = 0;
+    q->n_draft = 0;
 }
 
 void sched_remove(sched *s, struct sched_seq *q) {
@@ -513,6 +531,20 @@ int sched_plan(sched *s, struct sched_step *step) {
             n = pf_room;
             if (n == 0) continue;
         }
+        int32_t n_draft = 0;
+        if (!prefill && n == 1 && q->spec_k > 0 && (!q->spec_auto || s->spec_auto_on) &&
+            budget > 1) {
+            /* Drafts ride only on blocks that are free: speculation never
+             * preempts anyone. */
+            int32_t k = q->spec_k < budget - 1 ? q->spec_k : budget - 1;
+            if (sched_grow((void **)&q->tokens, &q->cap, q->n_tokens + k, sizeof *q->tokens) == 0)
+                n_draft = ngram_propose(q->tokens, q->n_tokens, s->spec_ngram_max, s->spec_ngram_min,
+                                        k, q->tokens + q->n_tokens);
+            while (n_draft > 0 &&
+                   kvblocks_blocks_needed(s->kv, &q->table, 1 + n_draft) > kvblocks_n_free(s->kv))
+                n_draft--;
+            n += n_draft;
+        }
         while (kvblocks_blocks_needed(s->kv, &q->table, n) > kvblocks_n_free(s->kv)) {
             struct sched_seq *v = sched_victim(s, q);
             if (!v || sched_before(v, q)) break;
@@ -555,8 +587,14 @@ int sched_plan(sched *s, struct sched_step *step) {
         o->tokens = q->tokens + start;
         o->block_table = q->table.ids;
         o->n_blocks = q->table.n_ids;
-        o->want_logits = q->table.n_tokens == q->n_tokens;
-        if (o->want_logits && n == 1) n_decode += n;
+        o->want_logits = q->table.n_tokens >= q->n_tokens;
+        o->n_draft = n_draft;
+        q->n_draft = n_draft;
+        if (n_draft > 0) {
+            s->spec_steps++;
+            s->spec_proposed += (uint64_t)n_draft;
+        }
+        if (o->want_logits && !prefill) n_decode += n;
         else n_prefill += n;
         if (prefill) pf_room -= n;
         budget -= n;
@@ -599,6 +637,12 @@ int sched_step_done(sched *s, uint64_t step_id) {
         struct sched_seq *q = s->all[i];
         if (q->inflight != step_id) continue;
         q->inflight = 0;
+        if (q->n_draft > 0) {
+            /* No verdict came for the drafts (sched_spec_accept): none
+             * counts as written. */
+            kvblocks_truncate(s->kv, &q->table, q->table.n_tokens - q->n_draft);
+            q->n_draft = 0;
+        }
         /* The step's KV is written (a failed step restarted its sequences
          * before this): full blocks become findable.  Only now, so a block
          * is never mapped before its KV exists. */
@@ -659,8 +703,33 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->steps_capped = s->steps_capped;
     st->prefill_capped_tokens = s->capped_tokens;
     st->admissions_held = s->admissions_held;
+    st->spec_steps = s->spec_steps;
+    st->spec_proposed = s->spec_proposed;
+    st->spec_accepted = s->spec_accepted;
 }
 
 int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens) {
     return kvblocks_cache_lookup(s->kv, tokens, n_tokens, NULL);
 }
+
+void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only) {
+    q->spec_k = k > 0 ? k : 0;
+    q->spec_auto = auto_only;
+}
+
+void sched_set_spec_auto(sched *s, bool on) { s->spec_auto_on = on; }
+
+int sched_spec_accept(sched *s, struct sched_seq *q, int32_t n_accepted) {
+    if (n_accepted < 0 || n_accepted > q->n_draft) return STATUS_BAD_INPUT;
+    /* Positions past the last token and the accepted drafts were written
+     * with rejected guesses: as if never written. */
+    int32_t keep = q->table.n_tokens - (q->n_draft - n_accepted);
+    if (kvblocks_truncate(s->kv, &q->table, keep) < 0) return STATUS_BAD_INPUT;
+    s->spec_accepted += (uint64_t)n_accepted;
+    q->n_draft = 0;
+    return STATUS_OK;
+}
+
+int32_t sched_seq_n_draft(const struct sched_seq *q) { return q->n_draft; }
+int32_t sched_n_running(const sched *s) { return s->n_running; }
+const int32_t *sched_seq_drafts(const struct sched_seq *q) { return q->tokens + q->n_tokens; }

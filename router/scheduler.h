@@ -51,6 +51,10 @@ struct sched_step_seq {
      * sampler's penalties.  n_context is 0 otherwise. */
     const int32_t *context;
     int32_t n_context;
+    /* Speculation: the last n_draft of tokens are drafts to verify (a
+     * decode of 1 + n_draft tokens; want_logits is true).  The caller
+     * gives the verdict with sched_spec_accept before its sched_append. */
+    int32_t n_draft;
 };
 
 struct sched_step {
@@ -89,6 +93,9 @@ struct sched_stats {
     uint64_t steps_capped, prefill_capped_tokens;
     /* Plans that admitted nothing under sched_set_prefill_hold. */
     uint64_t admissions_held;
+    /* Speculation: decode steps that carried drafts, the drafts, and those
+     * accepted (sched_spec_accept). */
+    uint64_t spec_steps, spec_proposed, spec_accepted;
 };
 
 /* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
@@ -114,7 +121,9 @@ int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const
               int32_t n_tokens, struct sched_seq **out);
 /* A token sampled for q: it becomes q's next decode input.  STATUS_BAD_INPUT
  * if q still has tokens waiting to be processed (a result that should not
- * have been asked for). */
+ * have been asked for), if a verdict on drafts is missing
+ * (sched_spec_accept), or if the token differs from the accepted draft
+ * computed at its place. */
 int sched_append(sched *s, struct sched_seq *q, int32_t token);
 /* Removes q (finished, cancelled, moved to another pipeline): its blocks
  * return to the pool now, and its id goes into the next step's freed list if
@@ -165,6 +174,28 @@ int32_t sched_prefill_floor(const sched *s);
 void sched_set_prefill_hold(sched *s, int32_t min_tokens);
 /* The waiting sequence first in line (priority, then arrival); NULL if none. */
 struct sched_seq *sched_first_waiting(const sched *s);
+
+/* Speculation (docs/router.md, "Speculation").  q's decode steps carry up
+ * to k drafted tokens found by prompt lookup (router/ngram.h) in q's own
+ * tokens, on KV blocks that are free (a draft never preempts), within the
+ * step's token budget; k = 0: none (the initial state).  auto_only: only
+ * while sched_set_spec_auto(s, true) (the initial state). */
+void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only);
+void sched_set_spec_auto(sched *s, bool on);
+/* The verdict on the drafts of q's step (its result, before any
+ * sched_append of it): n_accepted of them were accepted.  The table is cut
+ * back to the last token and the accepted drafts; then the caller appends
+ * the tokens the step produced (the accepted drafts first, each equal to
+ * its draft, then the one after them).  A step done without a verdict
+ * counts none as accepted.  STATUS_BAD_INPUT: n_accepted outside
+ * [0, drafts in flight]. */
+int sched_spec_accept(sched *s, struct sched_seq *q, int32_t n_accepted);
+/* Drafts of q's step in flight (0: none), and the drafts themselves
+ * (valid until the next sched_* call that changes q). */
+int32_t sched_seq_n_draft(const struct sched_seq *q);
+const int32_t *sched_seq_drafts(const struct sched_seq *q);
+/* Sequences running (admitted). */
+int32_t sched_n_running(const sched *s);
 
 /* While false, waiting sequences are not admitted (a draining pipeline). */
 void sched_set_admit(sched *s, bool admit);

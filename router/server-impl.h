@@ -120,6 +120,7 @@ struct pipe {
     struct flight *flights;
     int32_t n_flights, max_flights;
     int32_t max_batch;
+    bool spec_auto_on;             /* --spec auto speculates now (pipe_set_spec_auto) */
     /* Plan packing buffers, max_batch entries. */
     Llm__SeqPlan *seqplans;
     Llm__SeqPlan **seqptrs;
@@ -177,6 +178,7 @@ struct server {
     int64_t start_ms, last_timer_ms, last_keys_ms, last_redis_try_ms, last_rate_ms, last_stats_ms;
     uint64_t stats_steps_mark;
     uint64_t rate_gen_mark, rate_prompt_mark, gen_total, prompt_total;
+    uint64_t spec_steps, spec_drafts, spec_accepted; /* speculation's verdicts (server_worker.c) */
     double tok_s, prompt_tok_s;
     int64_t idle_since_ms;         /* since when no pipeline takes work (0: some does) */
     /* The loop's turns (docs/router.md, "Capacity"): pipelines that need
@@ -241,6 +243,11 @@ void req_end(server *s, struct req *q, int32_t finish, int32_t stop_token, const
              Llm__Error__Code code, const char *msg);
 void req_flush_touched(server *s);
 void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob *lp);
+/* q's speculation (docs/router.md, "Speculation"): the drafts a decode
+ * step of it may carry (0: none) and whether only under --spec auto's
+ * rule.  Its own spec and spec_tokens, else the router's; none for a
+ * constrained request. */
+void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only);
 
 /* ---- server_pipes.c: pipelines ----------------------------------------- */
 

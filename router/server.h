@@ -14,6 +14,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* --spec: speculative decoding by default (a request may choose its own). */
+enum server_spec { SERVER_SPEC_OFF = 0, SERVER_SPEC_NGRAM = 1, SERVER_SPEC_DRAFT = 2, SERVER_SPEC_AUTO = 3 };
+/* The most drafts one step verifies for a sequence (--spec-tokens, a
+ * request's spec_tokens). */
+#define SERVER_SPEC_TOKENS_MAX 16 /* = PROTO_SPEC_TOKENS_MAX */
+
 struct server_config {
     const char *model_path;    /* GGUF file or HF directory: tokenizer and metadata */
     const char *listen;        /* client endpoint, "tcp://0.0.0.0:5555" */
@@ -37,6 +43,12 @@ struct server_config {
     int prefill_hold_tokens;   /* while sequences decode, prompts wait to bring this many tokens (0: none) */
     int prefill_hold_ms;       /* ... but none waits longer than this */
     int client_gone_ms;        /* a request whose client is unreachable this long is cancelled (0: never) */
+    /* Speculation (docs/router.md, "Speculation"): enum server_spec, the
+     * drafts a step verifies per sequence, and the running sequences per
+     * stage up to which SERVER_SPEC_AUTO speculates. */
+    int spec;
+    int spec_tokens;
+    int spec_auto_batch;
     /* Security (docs/security.md).  Without insecure, curve_key_file (the
      * router's key pair), client_keys and worker_keys (allowlists: a file or
      * a directory of *.pub) are required. */

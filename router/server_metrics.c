@@ -22,6 +22,8 @@ static const double plan_bounds[] = {0.000001, 0.0000025, 0.000005, 0.00001, 0.0
                                      0.0001,   0.00025,   0.0005,   0.001,   0.0025,   0.01};
 /* --batch-wait-us holds a step for at most 8 waits of up to a second. */
 static const double wait_bounds[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1, 8};
+/* Drafts accepted in one verification: 0 .. --spec-tokens (at most 16). */
+static const double spec_len_bounds[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16};
 static const double e2e_bounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,  2.5,  5,
                                     10,   15,    20,   30,  40,   50,  60, 120, 300, 600};
 
@@ -36,6 +38,7 @@ struct server_metrics {
     metrics_series *prompt_tokens, *gen_tokens, *preemptions;
     metrics_series *prefix_hits, *prefix_misses, *prefix_blocks, *prefix_deferred;
     metrics_series *plan, *capped, *batch_wait;
+    metrics_series *spec_steps, *spec_drafts, *spec_accepted, *spec_len;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
@@ -146,6 +149,12 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
         HIST("llm_router_batch_wait_seconds",
              "Time a pipeline with nothing running held its first step for more prompts (--batch-wait-us).",
              wait_bounds),
+        DEF(METRICS_COUNTER, "llm_spec_verifications_total",
+            "Decode steps of a sequence that carried drafted tokens to verify (speculation)."),
+        DEF(METRICS_COUNTER, "llm_spec_draft_tokens_total", "Drafted tokens sent to be verified."),
+        DEF(METRICS_COUNTER, "llm_spec_accepted_tokens_total",
+            "Drafted tokens the last stage accepted (each one a token gained over a plain decode step)."),
+        HIST("llm_spec_accepted_length", "Drafts accepted per verification.", spec_len_bounds),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -175,6 +184,10 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->capped = metrics_series_get(f[18], NULL);
     sm->prefix_deferred = metrics_series_get(f[19], NULL);
     sm->batch_wait = metrics_series_get(f[20], NULL);
+    sm->spec_steps = metrics_series_get(f[21], NULL);
+    sm->spec_drafts = metrics_series_get(f[22], NULL);
+    sm->spec_accepted = metrics_series_get(f[23], NULL);
+    sm->spec_len = metrics_series_get(f[24], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -311,6 +324,14 @@ void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created
     if (!sm) return;
     if (finish >= 1 && finish < FINISH_N) metrics_counter_inc(sm->finished[finish]);
     metrics_histogram_observe(sm->e2e, since_s(created_ms, done_ms));
+}
+
+void server_metrics_spec(server_metrics *sm, int32_t n_draft, int32_t n_accepted) {
+    if (!sm) return;
+    metrics_counter_inc(sm->spec_steps);
+    metrics_counter_add(sm->spec_drafts, (double)n_draft);
+    metrics_counter_add(sm->spec_accepted, (double)n_accepted);
+    metrics_histogram_observe(sm->spec_len, (double)n_accepted);
 }
 
 void server_metrics_request_refused(server_metrics *sm, bool cancel) {

@@ -328,6 +328,10 @@ void pipes_assign(server *s) {
                     rc == STATUS_EXHAUSTED ? LLM__ERROR__CODE__RESOURCE_EXHAUSTED : LLM__ERROR__CODE__INTERNAL, msg);
             continue;
         }
+        int32_t spec_k = 0;
+        bool spec_auto = false;
+        req_spec(s, q, &spec_k, &spec_auto);
+        sched_seq_set_spec(seq, spec_k, spec_auto);
         q->seq_id = sid;
         q->seq = seq;
         q->assigned_us = server_mono_us();
@@ -486,6 +490,25 @@ static void pipe_send_frees(server *s, struct pipe *pp) {
     free(buf);
 }
 
+/* --spec auto (docs/router.md, "Speculation"): drafts only while the
+ * pipeline runs at most --spec-auto-batch sequences per stage.  A decode
+ * step reads every weight once for all its rows: with few rows it is bound
+ * by memory, and the k drafts of each sequence ride almost free; with many
+ * it becomes bound by compute, and rejected drafts take time from the
+ * other sequences. */
+static void pipe_set_spec_auto(server *s, struct pipe *pp) {
+    int32_t running = sched_n_running(pp->sched);
+    int32_t stages = pp->max_flights > 0 ? pp->max_flights : 1;
+    bool on = running <= (int64_t)s->cfg.spec_auto_batch * stages;
+    if (on != pp->spec_auto_on) {
+        LOG(LL_DEBUG, "pipeline %u: --spec auto %s speculation: %d sequences running over %d stages "
+            "(--spec-auto-batch %d)", pp->p->id, on ? "resumes" : "pauses", running, stages,
+            s->cfg.spec_auto_batch);
+        pp->spec_auto_on = on;
+    }
+    sched_set_spec_auto(pp->sched, on);
+}
+
 /* Plans and sends steps until the pipeline has one in flight per stage or
  * nothing more can run. */
 void pipe_pump(server *s, struct pipe *pp) {
@@ -499,6 +522,7 @@ void pipe_pump(server *s, struct pipe *pp) {
         if (pp->n_flights >= pp->max_flights) break;
         pipe_set_cap(s, pp);
         pipe_set_hold(s, pp);
+        pipe_set_spec_auto(s, pp);
         int got = sched_plan(pp->sched, &st);
         for (int32_t k = 0; k < st.n_stuck && n_stuck < 16; k++) {
             struct req *q = req_by_seq(s, sched_seq_id(st.stuck[k]));
@@ -530,6 +554,7 @@ void pipe_pump(server *s, struct pipe *pp) {
             sp->sampling = q ? &q->spm : NULL;
             sp->output_start = q ? (uint32_t)q->n_prompt : 0;
             sp->want_logits = ss->want_logits;
+            sp->n_draft = (uint32_t)ss->n_draft;
             /* Started on a cached prefix: the last stage's penalties see
              * the tokens before it, which it never processed. */
             sp->n_penalty_context = (size_t)ss->n_context;

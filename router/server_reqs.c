@@ -479,6 +479,29 @@ void req_flush_touched(server *s) {
     s->n_touched = 0;
 }
 
+void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only) {
+    *k = 0;
+    *auto_only = false;
+    int mode = s->cfg.spec;
+    switch (q->gen->spec) {
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_OFF: mode = SERVER_SPEC_OFF; break;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM: mode = SERVER_SPEC_NGRAM; break;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_AUTO: mode = SERVER_SPEC_AUTO; break;
+    default: break; /* SPEC_DRAFT is refused at validation */
+    }
+    if (mode != SERVER_SPEC_NGRAM && mode != SERVER_SPEC_AUTO) return;
+    /* The grammar's masks follow one parse state per sequence, and a step
+     * would need one per drafted position: constrained requests decode one
+     * token a step (for now). */
+    const Llm__SamplingParams *m = q->gen->sampling;
+    if (m && m->constraint_case != LLM__SAMPLING_PARAMS__CONSTRAINT__NOT_SET &&
+        !(m->constraint_case == LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT && !m->json_object))
+        return;
+    *k = q->gen->spec_tokens > 0 ? (int32_t)q->gen->spec_tokens : s->cfg.spec_tokens;
+    if (*k > SERVER_SPEC_TOKENS_MAX) *k = SERVER_SPEC_TOKENS_MAX;
+    *auto_only = mode == SERVER_SPEC_AUTO;
+}
+
 /* A sampled token for q: record it, check the stop conditions, and give
  * the sequence its next decode input or end it. */
 void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob *lp) {

@@ -229,6 +229,40 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
     server_send_worker_env(s, ident, ident_len, &env);
 }
 
+/* The verdict of the last stage on q's drafts (docs/router.md,
+ * "Speculation"): the block table is cut back to the accepted positions
+ * (the router's table is the truth: the stages follow it with the next
+ * plan).  false, with the sequence started over or ended, when the answer
+ * does not fit what was drafted. */
+static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__SeqResult *r,
+                         uint32_t stage) {
+    int32_t n_draft = sched_seq_n_draft(q->seq);
+    if (n_draft == 0 && r->n_next_tokens == 0) return true;
+    int32_t n_acc = (int32_t)r->n_next_tokens;
+    bool ok = n_acc <= n_draft;
+    /* Every token but the last one emitted is an accepted draft. */
+    const int32_t *drafts = sched_seq_drafts(q->seq);
+    for (size_t j = 0; ok && j < r->n_next_tokens; j++)
+        ok = r->next_tokens[j] >= 0 && r->next_tokens[j] < s->mi.n_vocab &&
+             (j == 0 ? r->token : r->next_tokens[j - 1]) == drafts[j];
+    if (ok) ok = sched_spec_accept(pp->sched, q->seq, n_acc) == STATUS_OK;
+    if (!ok) {
+        LOG(LL_WARN, "request %s: stage %u answered %d tokens for %d drafts (or one outside the "
+            "vocabulary): its sequence starts over", q->id, stage, n_acc + 1, n_draft);
+        if (++q->failures >= SERVER_FAILURES_MAX)
+            req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL, LLM__ERROR__CODE__INTERNAL,
+                    "the last stage's answers to drafted tokens do not fit them");
+        else
+            sched_restart(pp->sched, q->seq);
+        return false;
+    }
+    s->spec_steps++;
+    s->spec_drafts += (uint64_t)n_draft;
+    s->spec_accepted += (uint64_t)n_acc;
+    server_metrics_spec(s->cfg.metrics, n_draft, n_acc);
+    return true;
+}
+
 static void on_result(server *s, const Llm__StepResult *m) {
     int64_t t0 = server_mono_us();
     /* A result counts only from the stage worker it names, sent from that
@@ -303,7 +337,12 @@ static void on_result(server *s, const Llm__StepResult *m) {
                 req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__ERROR, -1, NULL, LLM__ERROR__CODE__INTERNAL, msg);
                 continue;
             }
+            if (!spec_verdict(s, pp, q, r, m->stage_index)) continue;
             req_token(s, q, r->token, r->logprob);
+            /* The accepted drafts and the token after them, until one ends
+             * the request (then the rest are never streamed nor stored). */
+            for (size_t j = 0; j < r->n_next_tokens && q->seq; j++)
+                req_token(s, q, r->next_tokens[j], j < r->n_next_logprobs ? r->next_logprobs[j] : NULL);
         }
         /* Sequences of the step the result did not mention start over. */
         for (int32_t j = 0; j < f->n; j++) {

@@ -126,7 +126,9 @@ struct node {
     float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
     void *dev_in_f16, *dev_out_f16;          /* [n_tokens_max, dim] F16, device links */
     float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */
-    struct backend_sample_row *srows;        /* [n_seqs_max] the last stage's sampling */
+    /* The last stage's sampling, one row per logits row: [max(n_tokens_max,
+     * n_seqs_max)] (a speculative sequence has k + 1). */
+    struct backend_sample_row *srows;
     struct forward_seq *fseqs;
     int32_t *tables;                         /* [n_seqs_max, max_blocks] */
     struct kvblocks_copy *copies;
@@ -141,10 +143,14 @@ struct node {
     uint64_t *masks;
     int32_t *mask_seq;                       /* [n_seqs_max] the plan index of mask row k */
     int32_t n_masks;
-    /* The last stage's StepResult, built in place: [n_seqs_max] each. */
+    /* The last stage's StepResult, built in place: res, res_ptr, res_err
+     * [n_seqs_max]; the per-row ones (logprobs, a speculative sequence's
+     * next_tokens) as many as srows. */
     Llm__SeqResult *res;
     Llm__SeqResult **res_ptr;
     Llm__TokenLogprob *res_lp;
+    Llm__TokenLogprob **res_lp_ptr;
+    int32_t *res_next;
     Llm__Error *res_err;
     Llm__TopLogprob (*res_top)[SAMPLING_TOP_LOGPROBS_MAX];
     Llm__TopLogprob *(*res_top_ptr)[SAMPLING_TOP_LOGPROBS_MAX];

@@ -117,6 +117,8 @@ void node_buffers_free(node *n) {
     free(n->res);
     free(n->res_ptr);
     free(n->res_lp);
+    free(n->res_lp_ptr);
+    free(n->res_next);
     free(n->res_err);
     free(n->res_top);
     free(n->res_top_ptr);
@@ -126,6 +128,8 @@ void node_buffers_free(node *n) {
     n->res = NULL;
     n->res_ptr = NULL;
     n->res_lp = NULL;
+    n->res_lp_ptr = NULL;
+    n->res_next = NULL;
     n->res_err = NULL;
     n->res_top = NULL;
     n->res_top_ptr = NULL;
@@ -151,7 +155,10 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     size_t rows = (size_t)n->n_tokens_max * n->dim;
     n->hidden_in_host = malloc(rows * sizeof(float));
     n->hidden_out_host = malloc(rows * sizeof(float));
-    n->srows = calloc((size_t)n->n_seqs_max, sizeof *n->srows);
+    /* Sampling rows: one per sequence, or one per token of a speculative
+     * sequence's verification (all k + 1 rows get logits). */
+    size_t nr = (size_t)(n->n_tokens_max > n->n_seqs_max ? n->n_tokens_max : n->n_seqs_max);
+    n->srows = calloc(nr, sizeof *n->srows);
     n->fseqs = calloc((size_t)n->n_seqs_max, sizeof *n->fseqs);
     n->tables = calloc((size_t)n->n_seqs_max * n->max_blocks, sizeof *n->tables);
     n->params = calloc((size_t)n->n_seqs_max, sizeof *n->params);
@@ -160,15 +167,17 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     size_t ns = (size_t)n->n_seqs_max;
     n->res = calloc(ns, sizeof *n->res);
     n->res_ptr = calloc(ns, sizeof *n->res_ptr);
-    n->res_lp = calloc(ns, sizeof *n->res_lp);
+    n->res_lp = calloc(nr, sizeof *n->res_lp);
+    n->res_lp_ptr = calloc(nr, sizeof *n->res_lp_ptr);
+    n->res_next = calloc(nr, sizeof *n->res_next);
     n->res_err = calloc(ns, sizeof *n->res_err);
-    n->res_top = calloc(ns, sizeof *n->res_top);
-    n->res_top_ptr = calloc(ns, sizeof *n->res_top_ptr);
+    n->res_top = calloc(nr, sizeof *n->res_top);
+    n->res_top_ptr = calloc(nr, sizeof *n->res_top_ptr);
     n->kv_refs = calloc((size_t)(c->n_blocks > 0 ? c->n_blocks : 1), sizeof *n->kv_refs);
     n->kv_used = 0;
     if (!n->kv_refs || !n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
         !n->params || !n->seq_err || !n->seq_status || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
-        !n->res_top || !n->res_top_ptr) {
+        !n->res_lp_ptr || !n->res_next || !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
                  n->n_tokens_max, n->dim);
         return STATUS_NO_MEMORY;

@@ -206,13 +206,31 @@ static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, 
         f->block_table = table;
         f->n_blocks = (int32_t)sp->n_block_table;
         f->logits = last && sp->want_logits ? FORWARD_LOGITS_LAST : FORWARD_LOGITS_NONE;
+        if (last && sp->want_logits && sp->n_draft > 0) f->logits = FORWARD_LOGITS_ALL;
         total += f->n_tokens;
         n->seq_err[i][0] = 0;
         n->seq_status[i] = 0;
+        if (sp->n_draft > 0 && (sp->n_draft >= sp->n_tokens || !sp->want_logits)) {
+            snprintf(err, errlen, "step %llu: seq %llu: n_draft %u with %zu tokens%s (the drafts "
+                     "follow one accepted token and are verified)", (unsigned long long)p->step_id,
+                     id, sp->n_draft, sp->n_tokens, sp->want_logits ? "" : " and no logits");
+            return STATUS_BAD_INPUT;
+        }
         if (last && sp->want_logits) {
             char why[200];
             if (proto_sampling_check(sp->sampling, n->n_vocab, &n->params[i], why, sizeof why) < 0)
                 snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: %s", id, why);
+            else if (sp->n_draft > 0 && sp->sampling &&
+                     sp->sampling->constraint_case != LLM__SAMPLING_PARAMS__CONSTRAINT__NOT_SET &&
+                     !(sp->sampling->constraint_case == LLM__SAMPLING_PARAMS__CONSTRAINT_JSON_OBJECT &&
+                       !sp->sampling->json_object)) {
+                /* The masks follow one parse state per sequence: verifying
+                 * drafts would need one per drafted position. */
+                snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: drafted tokens with a "
+                         "constraint are not supported (the router does not speculate constrained "
+                         "requests)", id);
+                n->seq_status[i] = STATUS_UNSUPPORTED;
+            }
         }
     }
     if (total > n->n_tokens_max) {
@@ -372,23 +390,60 @@ static void node_sample_prepare(node *n, const Llm__StepPlan *p) {
         if (!sp->want_logits) continue;
         struct backend_sample_row *r = &n->srows[row++];
         memset(r, 0, sizeof *r);
-        if (q && !n->seq_err[i][0]) node_constrain_prepare(n, p, i, q, r);
+        if (q && !n->seq_err[i][0] && sp->n_draft == 0) node_constrain_prepare(n, p, i, q, r);
         int ok = q && !n->seq_err[i][0];
         r->params = ok ? &n->params[i] : &greedy;
         r->history = ok ? q->hist : NULL;
         r->n_history = ok ? q->n_hist : 0;
         r->pos = (int64_t)sp->start_pos + (int64_t)sp->n_tokens;
+        if (sp->n_draft > 0) {
+            /* Speculation: a row after each of the k + 1 tokens, each
+             * sampled as a decode at its position would be (its history
+             * ends with the token it follows; its draw is the one of
+             * (seed, position)), so the tokens accepted are those the
+             * sequence would have produced without drafts. */
+            int32_t n_rows = (int32_t)sp->n_tokens;
+            int32_t hist0 = ok ? q->n_hist - n_rows : 0;
+            row--;
+            for (int32_t j = 0; j < n_rows; j++) {
+                r = &n->srows[row++];
+                memset(r, 0, sizeof *r);
+                r->params = ok ? &n->params[i] : &greedy;
+                r->history = ok ? q->hist : NULL;
+                r->n_history = ok ? hist0 + j + 1 : 0;
+                r->pos = (int64_t)sp->start_pos + j + 1;
+            }
+        }
     }
 }
 
-/* Sends the StepResult: each sequence's token as forward_step sampled it. */
+/* The SeqResult's logprob for the token sampled in row r (rows r are
+ * res_lp's too), or NULL when p does not ask for them. */
+static Llm__TokenLogprob *node_result_logprob(node *n, const struct sampling_params *p, int32_t r) {
+    if (!p->logprobs && p->top_logprobs <= 0) return NULL;
+    const struct sampling_result *sr = &n->srows[r].result;
+    Llm__TokenLogprob *lp = &n->res_lp[r];
+    llm__token_logprob__init(lp);
+    lp->token = sr->token;
+    lp->logprob = sr->logprob;
+    for (int32_t k = 0; k < sr->n_top; k++) {
+        llm__top_logprob__init(&n->res_top[r][k]);
+        n->res_top[r][k].token = sr->top_token[k];
+        n->res_top[r][k].logprob = sr->top_logprob[k];
+        n->res_top_ptr[r][k] = &n->res_top[r][k];
+    }
+    lp->n_top = (size_t)sr->n_top;
+    lp->top = n->res_top_ptr[r];
+    return lp;
+}
+
+/* Sends the StepResult: each sequence's token as forward_step sampled it;
+ * for a speculative sequence, the drafts accepted and the token after them
+ * (SeqResult.next_tokens). */
 static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
     size_t ns = p->n_seqs; /* <= n_seqs_max: node_batch_build checked */
     Llm__SeqResult *res = n->res, **resp = n->res_ptr;
-    Llm__TokenLogprob *lp = n->res_lp;
     Llm__Error *errs = n->res_err;
-    Llm__TopLogprob(*tops)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top;
-    Llm__TopLogprob *(*topp)[SAMPLING_TOP_LOGPROBS_MAX] = n->res_top_ptr;
     int32_t row = 0;
     for (size_t i = 0; i < ns; i++) {
         const Llm__SeqPlan *sp = p->seqs[i];
@@ -397,7 +452,8 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
         res[i].seq_id = sp->seq_id;
         res[i].token = -1;
         if (!sp->want_logits) continue;
-        const struct backend_sample_row *r = &n->srows[row++];
+        int32_t r0 = row, n_rows = sp->n_draft > 0 ? (int32_t)sp->n_tokens : 1;
+        row += n_rows;
         if (n->seq_err[i][0]) {
             Llm__Error__Code code = n->seq_status[i] < 0 ? proto_code_from_status(n->seq_status[i])
                                                          : LLM__ERROR__CODE__INVALID_ARGUMENT;
@@ -405,13 +461,30 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
             res[i].error = &errs[i];
             continue;
         }
-        if (r->status < 0) {
+        /* Rows past the first rejected draft are not looked at: a failure
+         * there is not the sequence's. */
+        int32_t n_emit = 0, bad = -1;
+        for (int32_t j = 0; j < n_rows; j++) {
+            const struct backend_sample_row *r = &n->srows[r0 + j];
+            if (r->status < 0) {
+                bad = r0 + j;
+                break;
+            }
+            n_emit++;
+            if (j + 1 < n_rows && r->result.token != sp->tokens[j + 1]) break; /* draft j rejected */
+        }
+        if (bad >= 0 && n_emit == 0) {
+            const struct backend_sample_row *r = &n->srows[bad];
             snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu at position %lld: %s",
                      (unsigned long long)sp->seq_id, (long long)r->pos, r->err);
             proto_error_init(&errs[i], proto_code_from_status(r->status), "", n->seq_err[i], 0);
             res[i].error = &errs[i];
             continue;
         }
+        /* bad >= 0 past row 0: the rows before it are emitted; the last
+         * of them (an accepted draft) becomes the sequence's next input,
+         * its position computed again by the next step. */
+        const struct backend_sample_row *r = &n->srows[r0];
         const struct sampling_result *sr = &r->result;
         if (r->allow && !constrain_mask_allows(r->allow, sr->token)) {
             /* cannot happen: the sampler never draws a -inf logit */
@@ -423,19 +496,18 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
             continue;
         }
         res[i].token = sr->token;
-        if (n->params[i].logprobs || n->params[i].top_logprobs > 0) {
-            llm__token_logprob__init(&lp[i]);
-            lp[i].token = sr->token;
-            lp[i].logprob = sr->logprob;
-            for (int32_t k = 0; k < sr->n_top; k++) {
-                llm__top_logprob__init(&tops[i][k]);
-                tops[i][k].token = sr->top_token[k];
-                tops[i][k].logprob = sr->top_logprob[k];
-                topp[i][k] = &tops[i][k];
+        res[i].logprob = node_result_logprob(n, &n->params[i], r0);
+        if (n_emit > 1) {
+            for (int32_t j = 1; j < n_emit; j++) {
+                n->res_next[r0 + j] = n->srows[r0 + j].result.token;
+                n->res_lp_ptr[r0 + j] = node_result_logprob(n, &n->params[i], r0 + j);
             }
-            lp[i].n_top = (size_t)sr->n_top;
-            lp[i].top = topp[i];
-            res[i].logprob = &lp[i];
+            res[i].n_next_tokens = (size_t)(n_emit - 1);
+            res[i].next_tokens = &n->res_next[r0 + 1];
+            if (res[i].logprob) {
+                res[i].n_next_logprobs = (size_t)(n_emit - 1);
+                res[i].next_logprobs = &n->res_lp_ptr[r0 + 1];
+            }
         }
     }
     node_result_send(n, p, resp, ns, NULL, t0);

@@ -666,6 +666,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     gr.stop = (char **)p->stop;
     gr.n_stop = p->n_stop;
     gr.priority = p->priority;
+    gr.spec = (Llm__GenerateRequest__Spec)p->spec;
+    gr.spec_tokens = p->spec_tokens;
     gr.deadline_ms = p->deadline_ms;
     gr.timeout_ms = p->timeout_ms;
     gr.stream = p->stream;

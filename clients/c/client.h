@@ -147,6 +147,11 @@ struct llm_generate_params {
      * after this long it returns STATUS_TIMEOUT (the request itself goes
      * on in the cluster; re-attach or cancel it by id); 0: no bound. */
     int64_t wait_ms;
+    /* Speculative decoding for this request (docs/router.md,
+     * "Speculation"): a GenerateRequest.Spec value, 0 (LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT):
+     * the router's --spec; spec_tokens 0: the router's --spec-tokens. */
+    int32_t spec;
+    uint32_t spec_tokens;
 };
 /* Greedy, streaming, nothing else set. */
 void llm_generate_params_default(struct llm_generate_params *p);

@@ -382,7 +382,9 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
     const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL;
     bool json_object = false;
-    int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n;
+    int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n, spec = 0, spec_tokens;
+    /* GenerateRequest.Spec's values, in order. */
+    static const char *const spec_modes[] = {"default", "off", "ngram", "draft", "auto", NULL};
     double temperature, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty;
     int64_t seed;
     bool json, stop_at_eos, stream;
@@ -418,6 +420,11 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         {"json-object", NULL, OPTION_BOOL, "false", "the output is a JSON object", &json_object, 0, 0, NULL},
         {"grammar", NULL, OPTION_STRING, NULL, "the output is a sentence of this GBNF grammar file (start "
          "rule root)", &grammar_file, 0, 0, NULL},
+        {"spec", NULL, OPTION_CHOICE, "default", "speculative decoding for this request: default (the "
+         "router's --spec), off, ngram (prompt lookup), auto (ngram while the pipeline is lightly loaded); "
+         "the output is the same, only faster or not", &spec, 0, 0, spec_modes},
+        {"spec-tokens", NULL, OPTION_INT, "0", "drafted tokens a step verifies at most (0: the router's "
+         "--spec-tokens)", &spec_tokens, 0, 16, NULL},
     };
     int rc = llm_parse_sub(gl, "llm generate", "--prompt TEXT [options]",
                            "Generates a continuation of the prompt on the cluster.", defs,
@@ -480,6 +487,8 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.json_schema = schema_file ? constraint : NULL;
     p.grammar = grammar_file ? constraint : NULL;
     p.json_object = json_object;
+    p.spec = spec;
+    p.spec_tokens = (uint32_t)spec_tokens;
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
     struct sigaction sa;

@@ -393,6 +393,18 @@ TEST(bad_requests) {
          "\"ignore_eos\":true,\"user\":\"u1\",\"stop\":[\"\\n\"],\"logprobs\":null}", &r);
     H_ASSERT(cl_, r.status == 200, "extensions: status %d: %s", r.status, r.body);
     resp_free(&r);
+    /* Speculation per request (docs/gateway.md): named modes only. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"prompt\":\"a b a b a\",\"max_tokens\":4,\"speculation\":\"ngram\",\"num_speculative_tokens\":3}", &r);
+    H_ASSERT(cl_, r.status == 200, "speculation: status %d: %s", r.status, r.body);
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"speculation\":\"draft\"}", &r);
+    expect_error(cl_, &r, 400, "speculation", "one of", "speculation draft");
+    expect_code(cl_, &r, "unsupported_value", "speculation draft");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"num_speculative_tokens\":17}", &r);
+    expect_error(cl_, &r, 400, "num_speculative_tokens", NULL, "spec tokens");
+    resp_free(&r);
     /* Routes and methods. */
     char url[128];
     snprintf(url, sizeof url, "%s/v1/completions", gw_keyed.url);

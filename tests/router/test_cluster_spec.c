@@ -1,0 +1,238 @@
+/* Speculative decoding end to end (docs/router.md, "Speculation"): prompt
+ * lookup drafts in the router, verified by real workers.  The outputs must
+ * be those of plain decoding, token for token: greedy against llm-run on
+ * stories260K and the pycode target (whose output repeats code, so drafts
+ * are accepted often), seeded sampling against the same request with
+ * speculation off, on 1x1 and 1x2 pipelines, and with a last stage killed
+ * mid-stream (the request resumes on the other pipeline to the same text).
+ * The router's llm_spec_* metrics must show drafts proposed and accepted,
+ * and its KV blocks must all come back. */
+#include "tests/router/cluster_harness.h"
+
+#define STORIES "stories260K-f32.gguf"
+#define PYCODE "pycode/pycode-target-f16.gguf"
+
+static const char *const story_prompts[] = {"Once upon a time", "The little dog", "Lily and Tom"};
+
+static const char *const code_prompts[] = {
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "    def __repr__(self):\n",
+};
+
+struct sgen {
+    struct cluster *cl;
+    char request_id[64];
+    const char *prompt;
+    int spec; /* GenerateRequest.Spec */
+    float temperature;
+    uint64_t seed;
+    int max_tokens;
+    /* out */
+    int rc;
+    char err[512];
+    struct llm_generate_result res;
+    int32_t ids[512];
+    int n;
+    char text[8192];
+    size_t len;
+    volatile int *seen; /* tokens seen by all, for the kill test */
+};
+
+static int sg_on_chunk(void *ud, const struct llm_chunk *ch) {
+    struct sgen *g = ud;
+    for (size_t i = 0; i < ch->n_tokens; i++) {
+        if (g->n < 512) g->ids[g->n] = ch->token_ids[i];
+        g->n++;
+    }
+    if (g->len + ch->text_len < sizeof g->text) {
+        memcpy(g->text + g->len, ch->text, ch->text_len);
+        g->len += ch->text_len;
+        g->text[g->len] = 0;
+    }
+    if (g->seen) __atomic_add_fetch(g->seen, (int)ch->n_tokens, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void sg_run(struct sgen *g) {
+    llm_client *c = h_client(g->cl, 5000, 10000, 60000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = g->request_id;
+    p.prompt = g->prompt;
+    p.max_tokens = (uint32_t)g->max_tokens;
+    p.sampling.temperature = g->temperature;
+    p.sampling.seed = g->seed;
+    p.sampling.ignore_eos = 1;
+    p.spec = g->spec;
+    p.wait_ms = 180000;
+    g->n = 0;
+    g->len = 0;
+    g->text[0] = 0;
+    g->rc = llm_client_generate(c, &p, sg_on_chunk, g, &g->res);
+    if (g->rc != 0) snprintf(g->err, sizeof g->err, "%s", llm_client_errstr(c));
+    llm_client_close(c);
+}
+
+static void *sg_thread(void *arg) {
+    sg_run(arg);
+    return NULL;
+}
+
+static void sg_run_all(struct sgen *gs, int n) {
+    pthread_t th[32];
+    for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
+    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+
+static void sg_ok(struct cluster *cl, const struct sgen *g) {
+    H_ASSERT(cl, g->rc == 0, "request %s: status %d: %s", g->request_id, g->rc, g->err);
+    H_ASSERT(cl, g->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH,
+             "request %s: finish %s (%s)", g->request_id, llm_finish_reason_name(g->res.finish_reason),
+             g->res.error_message ? g->res.error_message : "");
+    H_ASSERT(cl, g->n == g->max_tokens && (int)g->res.completion_tokens == g->n,
+             "request %s: %d tokens received, %u counted, %d asked", g->request_id, g->n,
+             g->res.completion_tokens, g->max_tokens);
+}
+
+/* The same ids and text. */
+static void sg_same(struct cluster *cl, const struct sgen *want, const struct sgen *got) {
+    sg_ok(cl, want);
+    sg_ok(cl, got);
+    for (int i = 0; i < want->n && i < 512; i++)
+        H_ASSERT(cl, want->ids[i] == got->ids[i], "%s: token %d is %d, %s has %d", got->request_id, i,
+                 got->ids[i], want->request_id, want->ids[i]);
+    ASSERT_STREQ(want->text, got->text);
+}
+
+struct spec_counts {
+    double drafts, accepted, verifications, kv_used;
+};
+
+static struct spec_counts spec_metrics(struct cluster *cl, int port) {
+    static char body[1 << 18];
+    struct spec_counts c = {0};
+    H_ASSERT(cl, h_http_get(port, "/metrics", body, sizeof body) == 200, "router /metrics on port %d", port);
+    c.drafts = h_sample(body, "llm_spec_draft_tokens_total");
+    c.accepted = h_sample(body, "llm_spec_accepted_tokens_total");
+    c.verifications = h_sample(body, "llm_spec_verifications_total");
+    c.kv_used = h_sample(body, "llm_kv_blocks_used");
+    return c;
+}
+
+/* The router's KV blocks all come back once nothing runs (the tick
+ * updates the gauge every 50 ms). */
+static void kv_back(struct cluster *cl, int port) {
+    int64_t end = h_now_ms() + 5000;
+    struct spec_counts c = spec_metrics(cl, port);
+    while (c.kv_used != 0 && h_now_ms() < end) {
+        h_sleep_ms(50);
+        c = spec_metrics(cl, port);
+    }
+    H_ASSERT(cl, c.kv_used == 0, "llm_kv_blocks_used is %g with nothing running", c.kv_used);
+}
+
+/* Greedy with drafts (the router's --spec ngram) equals llm-run, and a
+ * seeded sampled request equals itself with speculation off. */
+static void spec_exact(const char *model_name, const char *const *prompts, int n_prompts, int stages,
+                       int max_tokens, bool want_accepts) {
+    const char *model = test_model_path(model_name);
+    struct cluster *cl = h_cluster_start(model, 1, stages, "--spec ngram --spec-tokens 4 --metrics-listen 127.0.0.1:0",
+                                         "");
+    int port = h_logged_port(&cl->router);
+    H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    enum { MAXP = 4 };
+    static struct sgen greedy[MAXP], off[MAXP], on[MAXP];
+    static struct h_ref ref[MAXP];
+    for (int i = 0; i < n_prompts; i++) {
+        h_reference(model, prompts[i], max_tokens, 0, &ref[i]);
+        memset(&greedy[i], 0, sizeof greedy[i]);
+        greedy[i].cl = cl;
+        snprintf(greedy[i].request_id, sizeof greedy[i].request_id, "greedy-%d", i);
+        greedy[i].prompt = prompts[i];
+        greedy[i].max_tokens = max_tokens;
+        off[i] = greedy[i];
+        snprintf(off[i].request_id, sizeof off[i].request_id, "off-%d", i);
+        off[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
+        off[i].temperature = 0.9f;
+        off[i].seed = 1000 + (uint64_t)i;
+        on[i] = off[i];
+        snprintf(on[i].request_id, sizeof on[i].request_id, "on-%d", i);
+        on[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT; /* --spec ngram */
+    }
+    sg_run_all(greedy, n_prompts);
+    struct spec_counts after_greedy = spec_metrics(cl, port);
+    for (int i = 0; i < n_prompts; i++) {
+        sg_ok(cl, &greedy[i]);
+        H_ASSERT(cl, ref[i].n == max_tokens, "llm-run gave %d tokens", ref[i].n);
+        for (int t = 0; t < max_tokens; t++)
+            H_ASSERT(cl, greedy[i].ids[t] == ref[i].ids[t], "\"%.30s\": token %d is %d, llm-run has %d",
+                     prompts[i], t, greedy[i].ids[t], ref[i].ids[t]);
+        ASSERT_STREQ(ref[i].text, greedy[i].text);
+    }
+    sg_run_all(off, n_prompts);
+    sg_run_all(on, n_prompts);
+    for (int i = 0; i < n_prompts; i++) sg_same(cl, &off[i], &on[i]);
+    struct spec_counts c = spec_metrics(cl, port);
+    printf("  %s 1x%d: greedy %g drafts, %g accepted in %g verifications; all %g drafts, %g accepted\n",
+           model_name, stages, after_greedy.drafts, after_greedy.accepted, after_greedy.verifications,
+           c.drafts, c.accepted);
+    H_ASSERT(cl, after_greedy.drafts > 0 && after_greedy.verifications > 0, "no drafts were verified");
+    if (want_accepts) H_ASSERT(cl, after_greedy.accepted > 0, "no draft was accepted");
+    kv_back(cl, port);
+    for (int i = 0; i < n_prompts; i++) {
+        llm_generate_result_free(&greedy[i].res);
+        llm_generate_result_free(&off[i].res);
+        llm_generate_result_free(&on[i].res);
+    }
+    h_cluster_stop(cl);
+}
+
+TEST(cluster_spec_stories_1x1) { spec_exact(STORIES, story_prompts, 3, 1, 48, false); }
+TEST(cluster_spec_stories_1x2) { spec_exact(STORIES, story_prompts, 3, 2, 48, false); }
+TEST(cluster_spec_pycode_1x1) { spec_exact(PYCODE, code_prompts, 2, 1, 64, true); }
+
+/* The last stage of pipeline 0 dies while speculated sampled requests
+ * stream: they resume on pipeline 1 (prefilled again with the tokens they
+ * had) and end with the text of a run with speculation off. */
+TEST(cluster_spec_worker_killed) {
+    const char *model = test_model_path(STORIES);
+    struct cluster *cl = h_cluster_start(model, 2, 2, "--spec ngram", "");
+    enum { N = 6 };
+    static struct sgen ref[N], gs[N];
+    for (int i = 0; i < N; i++) {
+        memset(&ref[i], 0, sizeof ref[i]);
+        ref[i].cl = cl;
+        snprintf(ref[i].request_id, sizeof ref[i].request_id, "ref-%d", i);
+        ref[i].prompt = story_prompts[i % 3];
+        ref[i].max_tokens = 64;
+        ref[i].temperature = i % 2 ? 0.8f : 0.0f;
+        ref[i].seed = 77 + (uint64_t)i;
+        ref[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
+        gs[i] = ref[i];
+        snprintf(gs[i].request_id, sizeof gs[i].request_id, "kill-%d", i);
+        gs[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM;
+    }
+    sg_run_all(ref, N);
+    static volatile int seen;
+    seen = 0;
+    for (int i = 0; i < N; i++) gs[i].seen = &seen;
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
+    int64_t t0 = h_now_ms();
+    while (__atomic_load_n(&seen, __ATOMIC_RELAXED) < 3 * N && h_now_ms() - t0 < 30000) h_sleep_ms(1);
+    int at = __atomic_load_n(&seen, __ATOMIC_RELAXED);
+    int slot = h_worker_slot(cl, 0, 1);
+    ASSERT_TRUE(slot >= 0);
+    h_proc_kill(&cl->workers[slot], SIGKILL);
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    printf("  killed after %d tokens\n", at);
+    for (int i = 0; i < N; i++) {
+        sg_same(cl, &ref[i], &gs[i]);
+        llm_generate_result_free(&gs[i].res);
+        llm_generate_result_free(&ref[i].res);
+    }
+    h_cluster_stop(cl);
+}
+
+TEST_MAIN(cluster_spec_stories_1x1, cluster_spec_stories_1x2, cluster_spec_pycode_1x1, cluster_spec_worker_killed)
