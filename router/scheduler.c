@@ -34,6 +34,7 @@ struct sched_seq {
      * positions reserved in table until sched_spec_accept). */
     int32_t spec_k;
     bool spec_auto;
+    int32_t spec_limit; /* tokens it may reach in all (0: no limit) */
     int32_t n_draft;
 };
 
@@ -537,7 +538,11 @@ int sched_plan(sched *s, struct sched_step *step) {
             /* Drafts ride only on blocks that are free: speculation never
              * preempts anyone. */
             int32_t k = q->spec_k < budget - 1 ? q->spec_k : budget - 1;
-            if (sched_grow((void **)&q->tokens, &q->cap, q->n_tokens + k, sizeof *q->tokens) == 0)
+            /* Past its limit a draft could never be kept, and its position
+             * could lie past the context. */
+            if (q->spec_limit > 0 && k > q->spec_limit - 1 - q->n_tokens) k = q->spec_limit - 1 - q->n_tokens;
+            if (k < 0) k = 0;
+            if (k > 0 && sched_grow((void **)&q->tokens, &q->cap, q->n_tokens + k, sizeof *q->tokens) == 0)
                 n_draft = ngram_propose(q->tokens, q->n_tokens, s->spec_ngram_max, s->spec_ngram_min,
                                         k, q->tokens + q->n_tokens);
             while (n_draft > 0 &&
@@ -712,9 +717,10 @@ int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tok
     return kvblocks_cache_lookup(s->kv, tokens, n_tokens, NULL);
 }
 
-void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only) {
+void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only, int32_t limit) {
     q->spec_k = k > 0 ? k : 0;
     q->spec_auto = auto_only;
+    q->spec_limit = limit > 0 ? limit : 0;
 }
 
 void sched_set_spec_auto(sched *s, bool on) { s->spec_auto_on = on; }

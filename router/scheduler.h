@@ -179,8 +179,10 @@ struct sched_seq *sched_first_waiting(const sched *s);
  * to k drafted tokens found by prompt lookup (router/ngram.h) in q's own
  * tokens, on KV blocks that are free (a draft never preempts), within the
  * step's token budget; k = 0: none (the initial state).  auto_only: only
- * while sched_set_spec_auto(s, true) (the initial state). */
-void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only);
+ * while sched_set_spec_auto(s, true) (the initial state).  limit > 0: q
+ * ends when it has that many tokens (prompt and output, within the
+ * context), so no draft goes at or past position limit - 1. */
+void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only, int32_t limit);
 void sched_set_spec_auto(sched *s, bool on);
 /* The verdict on the drafts of q's step (its result, before any
  * sched_append of it): n_accepted of them were accepted.  The table is cut

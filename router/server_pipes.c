@@ -331,7 +331,7 @@ void pipes_assign(server *s) {
         int32_t spec_k = 0;
         bool spec_auto = false;
         req_spec(s, q, &spec_k, &spec_auto);
-        sched_seq_set_spec(seq, spec_k, spec_auto);
+        sched_seq_set_spec(seq, spec_k, spec_auto, q->limit);
         q->seq_id = sid;
         q->seq = seq;
         q->assigned_us = server_mono_us();

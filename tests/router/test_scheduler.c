@@ -949,7 +949,7 @@ static struct sched_seq *spec_seq(sched *s, uint64_t id) {
     static const int32_t toks[] = {1, 2, 3, 4, 1, 2};
     struct sched_seq *q = NULL;
     ASSERT_OK(sched_add(s, id, 0, id, toks, 6, &q));
-    sched_seq_set_spec(q, 4, false);
+    sched_seq_set_spec(q, 4, false, 0);
     struct sched_step st;
     ASSERT_EQ(1, sched_plan(s, &st));
     ASSERT_EQ(0, st.seqs[0].n_draft); /* a prefill carries none */
@@ -1033,7 +1033,7 @@ TEST(scheduler_spec_within_free_blocks_and_auto) {
     sched *s = mk(3, 4, 64, 4, 1);
     struct sched_seq *q = spec_seq(s, 1);
     sched_set_spec_auto(s, false);
-    sched_seq_set_spec(q, 4, true);
+    sched_seq_set_spec(q, 4, true, 0);
     struct sched_step st;
     ASSERT_EQ(1, sched_plan(s, &st));
     ASSERT_EQ(0, st.seqs[0].n_draft); /* auto paused */
@@ -1056,6 +1056,25 @@ TEST(scheduler_spec_within_free_blocks_and_auto) {
     sched_free(s);
 }
 
+TEST(scheduler_spec_stops_at_the_limit) {
+    sched *s = mk(16, 4, 64, 4, 1);
+    struct sched_seq *q = spec_seq(s, 1); /* 1 2 3 4 1 2 3: drafts 4 1 2 3 */
+    sched_seq_set_spec(q, 4, false, 10); /* it ends at 10 tokens: drafts up to index 8 */
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(2, st.seqs[0].n_draft);
+    ASSERT_OK(sched_spec_accept(s, q, 2));
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_seq_set_spec(q, 4, false, 8);
+    ASSERT_OK(sched_append(s, q, 4));
+    ASSERT_OK(sched_append(s, q, 1));
+    ASSERT_OK(sched_append(s, q, 2)); /* 10 tokens; past limit 8 no drafts */
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(0, st.seqs[0].n_draft);
+    ASSERT_EQ(1, st.seqs[0].n_tokens);
+    sched_free(s);
+}
+
 TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_chunked_prefill_keeps_decodes_running, scheduler_admits_by_free_blocks,
           scheduler_preempts_newest_by_recomputation,
@@ -1071,4 +1090,5 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_prefill_cap_spreads_a_burst, scheduler_prefill_cap_idle_without_decodes, scheduler_prefill_cap_keeps_order,
           scheduler_prefill_cap_never_starves, scheduler_prefill_hold_gathers_prompts, scheduler_prefill_hold_limits,
           scheduler_first_waiting, scheduler_spec_verdict_truncates,
-          scheduler_spec_rejected_all_and_no_verdict, scheduler_spec_within_free_blocks_and_auto)
+          scheduler_spec_rejected_all_and_no_verdict, scheduler_spec_within_free_blocks_and_auto,
+          scheduler_spec_stops_at_the_limit)
