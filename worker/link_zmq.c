@@ -390,9 +390,18 @@ int link_zmq_init_curve(link_conn **out, void *ctx, enum link_dir dir, const cha
         free(z);
         return rc;
     }
+    /* No ZMTP heartbeats on a link (common/zio.h sets them on every other
+     * socket): a receiver reads only inside a step and holds 8 messages at
+     * most, and a ZeroMQ engine that cannot hand on what it reads stops
+     * reading, heartbeats included, so a busy or idle next stage would have
+     * its predecessor drop the connection and the messages queued on it.
+     * --link-timeout-ms and the router's step timeout bound a dead link. */
+    rc = zio_set_int(z->sock, ZMQ_HEARTBEAT_IVL, 0);
     /* Before bind or connect: the security mechanism is fixed then. */
-    if (own && dir == LINK_SEND) rc = zio_curve_client(z->sock, own, peer_key);
-    if (own && dir == LINK_RECV) rc = zio_curve_server(z->sock, own, LINK_ZAP_DOMAIN);
+    if (rc < 0) {
+        /* reported below */
+    } else if (own && dir == LINK_SEND) rc = zio_curve_client(z->sock, own, peer_key);
+    if (rc == 0 && own && dir == LINK_RECV) rc = zio_curve_server(z->sock, own, LINK_ZAP_DOMAIN);
     if (rc < 0) {
         /* nothing more to set up: reported below */
     } else if (dir == LINK_SEND) {
