@@ -40,7 +40,12 @@ static void need_programs(void) {
 }
 
 /* Runs bench_router with args (NULL-terminated), stdout and stderr into
- * files; returns its exit status, or -1 when it ran past limit_s. */
+ * files; returns its exit status, or -1 when it ran past limit_s.
+ * bench_router picks its ports by binding port 0 and letting go, so another
+ * test running beside this one (or an outgoing connection's ephemeral port)
+ * can take one before redis-server or llm-router binds it; that run says
+ * "Address already in use" and is run again on fresh ports, at most twice,
+ * since it says nothing about bench_router. */
 static int run_bench(const char *const *args, int limit_s) {
     const char *dir = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     snprintf(out_path, sizeof out_path, "%s/test_bench_router.%d.out", dir, (int)getpid());
@@ -52,8 +57,17 @@ static int run_bench(const char *const *args, int limit_s) {
     argv[n++] = "--json";
     argv[n++] = json_path;
     argv[n] = NULL;
-    unlink(json_path);
-    return bench_child_run(argv, out_path, err_path, limit_s);
+    for (int attempt = 0;; attempt++) {
+        unlink(json_path);
+        int rc = bench_child_run(argv, out_path, err_path, limit_s);
+        if (rc == 0 || attempt == 2) return rc;
+        char *e = bench_child_slurp(err_path);
+        bool in_use = e && strstr(e, "Address already in use");
+        free(e);
+        if (!in_use) return rc;
+        printf("  bench_router exited %d: a port it picked was taken meanwhile (attempt %d), running it again\n", rc,
+               attempt + 1);
+    }
 }
 
 static void show_err(void) {
