@@ -393,35 +393,72 @@ const scenarios = {
 
     // The open loop's schedule: each prompt (drawn in arrival order) reaches
     // the mock at the same offset with 3 threads as with 1, up to the timer
-    // noise of a loaded machine (a few ms; 40 allowed).  Arrivals are 50 ms
-    // apart on average over about 0.6 s: a schedule drawn or kept per
-    // thread, or a rate off by a sixth, is off by more.
+    // noise of a loaded machine.  Arrivals are 50 ms apart on average over
+    // about 1.2 s.  The check once saw a spread of 51 ms where a few were
+    // expected; what made the noise, and what the check does about it:
+    // - the first arrivals of a run paid a connect and a thread's start-up
+    //   (40-70 ms late with --workers 3): --warmup opens each thread's
+    //   connections and runs its code before the clock starts;
+    // - on a busy machine an arrival is now and then tens of ms late (an
+    //   event loop not scheduled): the offsets are compared about their
+    //   median, and a quarter of them may stray by more than 20 ms;
+    // - with both cores of a 2-core machine kept busy and other clusters
+    //   running, a run at times stalls for 100-300 ms and every arrival in
+    //   that window is late by up to that much, which no bound that still
+    //   means something absorbs: such a run is made again, and the check
+    //   passes when some run with 1 thread and some run with 3 (of up to
+    //   three each) agree.  Late arrivals are noise; a wrong schedule is
+    //   wrong in every run.
+    // A schedule drawn or kept per thread strays by hundreds of ms in every
+    // pairing, and a rate off by a sixth (or a tenth) leaves 4 (7) of the 24
+    // offsets within 20 ms of their median where 18 are needed.
+    const N = 24, WARMUP = 6, NEAR_MS = 20, NEED = N * 3 / 4;
     const arrivals = async (workers) => {
       const mk = await startMock();
       try {
         const a = await bench(['--url', mk.url, '--model', 'm', '--workers', String(workers), '--rate', '20',
-                               '--concurrency', '16', '--requests', '12', '--seed', '5', '--token-prompts', '1000',
-                               '--input-len', '4', '--output-len', '2', '--ignore-eos']);
-        check(a.code === 0 && a.json?.requests.ok === 12, `open loop, --workers ${workers}: ${describe(a)}`);
-        const t0 = mk.seen.requests[0].t;
-        return new Map(mk.seen.requests.map(({ body, t }) => [JSON.stringify(body.prompt), t - t0]));
+                               '--concurrency', '16', '--requests', String(N), '--warmup', String(WARMUP), '--seed', '5',
+                               '--token-prompts', '1000', '--input-len', '4', '--output-len', '2', '--ignore-eos']);
+        check(a.code === 0 && a.json?.requests.ok === N, `open loop, --workers ${workers}: ${describe(a)}`);
+        check(mk.seen.requests.length === WARMUP + N, `the mock saw ${mk.seen.requests.length} requests with ` +
+                                                      `--workers ${workers}, expected ${WARMUP} warm-up + ${N}`);
+        const measured = mk.seen.requests.slice(WARMUP); // the warm-up ends before the clock starts
+        const t0 = measured[0].t;
+        const m = new Map(measured.map(({ body, t }) => [JSON.stringify(body.prompt), t - t0]));
+        check(m.size === N, `${m.size} distinct prompts of ${N} with --workers ${workers}`);
+        return m;
       } finally {
         await mk.close();
       }
     };
-    const one = await arrivals(1);
-    const three = await arrivals(3);
-    check(one.size === 12 && three.size === 12, `distinct prompts: ${one.size} and ${three.size} of 12`);
-    const diffs = [];
-    for (const [p, t] of one) {
-      check(three.has(p), `prompt ${p} sent with --workers 1, not with --workers 3`);
-      diffs.push(three.get(p) - t);
+    const compare = (one, three) => {
+      const diffs = [];
+      for (const [p, t] of one) {
+        check(three.has(p), `prompt ${p} sent with --workers 1, not with --workers 3`);
+        diffs.push(three.get(p) - t);
+      }
+      const sorted = [...diffs].sort((x, y) => x - y);
+      const median = (sorted[N / 2 - 1] + sorted[N / 2]) / 2;
+      const near = diffs.filter((d) => Math.abs(d - median) <= NEAR_MS).length;
+      return { diffs, median, near,
+               text: `arrival offsets with --workers 3 minus those with 1: ${diffs.map((d) => d.toFixed(1))} ms; ` +
+                     `${near} of ${N} within ${NEAR_MS} ms of their median ${median.toFixed(1)} ms, at least ${NEED} expected` };
+    };
+    const ones = [], threes = [];
+    let best = null;
+    for (let round = 1; round <= 3 && !(best?.near >= NEED); round++) {
+      if (best) console.log(`workers: no pairing of the runs so far agrees, running both again; the best: ${best.text}`);
+      ones.push(await arrivals(1));
+      threes.push(await arrivals(3));
+      for (const one of ones)
+        for (const three of threes) {
+          const c = compare(one, three);
+          if (!best || c.near > best.near) best = c;
+        }
     }
-    const spread = Math.max(...diffs) - Math.min(...diffs);
-    check(spread < 40, `arrival offsets with --workers 3 minus those with 1: ${diffs.map((d) => d.toFixed(1))} ms ` +
-                       `(spread ${spread.toFixed(1)} ms, at most 40 expected)`);
-    const span = Math.max(...one.values());
-    between('the open loop\'s span of arrivals (ms)', span, 100, 5000);
+    check(best.near >= NEED, `in the best of ${ones.length} x ${threes.length} pairings of runs: ${best.text}`);
+    const span = Math.max(...ones[0].values());
+    between('the open loop\'s span of arrivals (ms)', span, 300, 5000);
   },
 
   // API keys and the model taken from /v1/models.
