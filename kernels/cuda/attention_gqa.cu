@@ -290,7 +290,7 @@ template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct ag
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
     const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
-    /* Split the context until the blocks make about two waves of the
+    /* Split the context until the blocks make about one wave of the
      * resident slots, each split at least two steps of every warp: long
      * blocks keep their loads a step ahead, short ones pay the start (the
      * row, Q, the first loads) more often. */
@@ -304,7 +304,7 @@ template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct ag
         bps = b > 0 ? b : 1;
     }
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, least = 2 * step;
-    int64_t want = (2LL * bps * ctx->n_sms + blocks - 1) / blocks;
+    int64_t want = ((int64_t)bps * ctx->n_sms + blocks - 1) / blocks;
     if (want > AGQ_SPLITS_MAX) want = AGQ_SPLITS_MAX;
     const int64_t by_ctx = (a->max_ctx + least - 1) / least;
     int64_t splits = want < by_ctx ? want : by_ctx;
