@@ -45,5 +45,9 @@ void node_metrics_link_dropped(node_metrics *nm, enum link_drop why, uint64_t n)
 /* The backend's memory in use (all of the device, other processes too) and
  * its size, in bytes. */
 void node_metrics_memory(node_metrics *nm, int32_t stage_index, uint64_t used, uint64_t total);
+/* Constrained decoding on the last stage: one mask computed, in seconds;
+ * one parse state rebuilt by replaying n_tokens generated tokens. */
+void node_metrics_constrain_mask(node_metrics *nm, double seconds);
+void node_metrics_constrain_replay(node_metrics *nm, uint64_t n_tokens);
 
 #endif

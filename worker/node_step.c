@@ -321,9 +321,13 @@ static void node_constrain_prepare(node *n, const Llm__StepPlan *p, size_t i, st
         rc = STATUS_BAD_INPUT;
         snprintf(why, sizeof why, "output_start %u is past its %d tokens", sp->output_start, q->n_hist);
     }
-    if (rc == STATUS_OK)
-        rc = constrain_seq_advance(n->cons, &q->cs, q->hist + sp->output_start,
-                                   q->n_hist - (int32_t)sp->output_start, why, sizeof why);
+    if (rc == STATUS_OK) {
+        int32_t n_out = q->n_hist - (int32_t)sp->output_start;
+        /* a rebuild (not a new sequence's start) is what the metric counts */
+        bool replay = n_out > 0 && (q->cs.n_done < 0 || q->cs.n_done > n_out);
+        rc = constrain_seq_advance(n->cons, &q->cs, q->hist + sp->output_start, n_out, why, sizeof why);
+        if (replay) node_metrics_constrain_replay(n->metrics, (uint64_t)n_out);
+    }
     size_t words = constrain_mask_words(n->cons);
     if (rc == STATUS_OK && !n->masks) {
         n->masks = malloc((size_t)n->n_seqs_max * words * sizeof *n->masks);
@@ -362,7 +366,9 @@ static void node_masks_compute(void *arg) {
         const Llm__SeqPlan *sp = a->p->seqs[i];
         struct node_seq *q = node_seq_find(n, sp->seq_id);
         uint64_t *mask = n->masks + (size_t)k * words;
+        int64_t t0 = node_now_us();
         int rc = q ? constrain_seq_mask(n->cons, &q->cs, mask) : STATUS_INTERNAL;
+        node_metrics_constrain_mask(n->metrics, (double)(node_now_us() - t0) / 1e6);
         if (rc != STATUS_OK) {
             memset(mask, 0, words * sizeof *mask);
             snprintf(n->seq_err[i], sizeof n->seq_err[i], "seq %llu: its grammar's tables are full",

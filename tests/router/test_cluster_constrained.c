@@ -277,7 +277,7 @@ TEST(cluster_constrained_1x2) { constrained_serves(2); }
  * run's. */
 TEST(cluster_constrained_worker_killed) {
     const char *model = test_model_path(MODEL);
-    struct cluster *cl = h_cluster_start(model, 2, 2, "", "");
+    struct cluster *cl = h_cluster_start(model, 2, 2, "", "--metrics-listen 127.0.0.1:0");
     enum { N = 10 };
     static struct cgen ref[N], gs[N];
     make(ref, N, cl, "ref", 1.0f);
@@ -306,6 +306,20 @@ TEST(cluster_constrained_worker_killed) {
         llm_generate_result_free(&gs[i].res);
         llm_generate_result_free(&ref[i].res);
     }
+    /* The surviving last stage computed masks and rebuilt the moved
+     * sequences' parse states by replay (docs/metrics.md). */
+    int last = h_worker_slot(cl, 1, 1);
+    ASSERT_TRUE(last >= 0);
+    int port = h_logged_port(&cl->workers[last]);
+    H_ASSERT(cl, port > 0, "%s logged no metrics port", cl->workers[last].name);
+    static char body[1 << 20];
+    H_ASSERT(cl, h_http_get(port, "/metrics", body, sizeof body) == 200, "worker /metrics on port %d", port);
+    double masks = h_sample(body, "llm_constrain_mask_time_seconds_count");
+    double replays = h_sample(body, "llm_constrain_replays_total");
+    double replayed = h_sample(body, "llm_constrain_replayed_tokens_total");
+    printf("  surviving last stage: %g masks, %g replays of %g tokens\n", masks, replays, replayed);
+    H_ASSERT(cl, masks > 0 && replays >= 1 && replayed >= replays, "masks %g, replays %g, replayed tokens %g",
+             masks, replays, replayed);
     h_cluster_stop(cl);
 }
 
