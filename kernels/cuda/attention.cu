@@ -464,29 +464,19 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     /* Split the context until about 8 blocks per SM are in flight, each
      * split at least ctx->att_steps steps of all its sub-warps. */
-    int64_t step = (int64_t)NS * U, least = step * ctx->att_steps;
-    int64_t want = (8LL * ctx->n_sms + blocks - 1) / blocks;
-    int64_t by_ctx = (a->max_ctx + least - 1) / least;
-    if (want > ATT_COMBINE_MAX_SPLITS) want = ATT_COMBINE_MAX_SPLITS;
-    int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits < 1) splits = 1;
-    /* The kernel cuts each row's own context (its length is read on the
-     * device): here only the grid, enough splits for the longest. */
-    p->split_want = (int32_t)want;
-    p->split_step = (int32_t)step;
-    p->split_min = (int32_t)least;
-    p->chunk = 0;
-    p->n_splits = (int32_t)splits;
-    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
-    uint16_t *out16 = NULL;
-    float *scr = NULL;
-    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+    const int64_t step = (int64_t)NS * U;
+    struct cuda_att_split sp;
+    if (cuda_att_split(ctx, a, n_idx, (8LL * ctx->n_sms + blocks - 1) / blocks, step, step * ctx->att_steps,
+                       ATT_COMBINE_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
-    p->out16 = (fp16_t *)out16;
-    if (p->n_splits > 1) {
-        p->part_acc = scr;
-        p->part_ml = scr + slots * a->head_dim;
-    }
+    p->split_want = sp.want;
+    p->split_step = sp.step;
+    p->split_min = sp.least;
+    p->chunk = 0;
+    p->n_splits = sp.n_splits;
+    p->out16 = (fp16_t *)sp.out16;
+    p->part_acc = sp.part_acc;
+    p->part_ml = sp.part_ml;
     size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
     dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U>), dim3(grid), dim3(ATD_THREADS), smem, *p));
@@ -554,6 +544,28 @@ extern "C" int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_arg
     if (part_bytes) *part = (float *)(scr + x_bytes);
     int fresh = 0;
     if (want && cuda_gemm_act(ctx, a->out, a->n_tokens, cols, out16, &fresh) != STATUS_OK) *out16 = NULL;
+    return STATUS_OK;
+}
+
+extern "C" int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t want,
+                              int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s) {
+    memset(s, 0, sizeof *s);
+    if (want > max_splits) want = max_splits;
+    const int64_t by_ctx = (a->max_ctx + least - 1) / least;
+    int64_t splits = want < by_ctx ? want : by_ctx;
+    if (splits < 1) splits = 1;
+    s->want = (int32_t)want;
+    s->step = (int32_t)step;
+    s->least = (int32_t)least;
+    s->n_splits = (int32_t)splits;
+    const size_t slots = splits > 1 ? (size_t)splits * n_idx * a->n_heads : 0;
+    float *scr = NULL;
+    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &s->out16, &scr) != STATUS_OK)
+        return STATUS_NO_MEMORY;
+    if (splits > 1) {
+        s->part_acc = scr;
+        s->part_ml = scr + slots * a->head_dim;
+    }
     return STATUS_OK;
 }
 

@@ -31,9 +31,7 @@
 
 struct agq_params {
     struct cuda_attn_args a;
-    int32_t split_want, split_step, split_min, n_splits;
-    float *part_acc, *part_ml;
-    fp16_t *out16;
+    struct cuda_att_split sp;
 };
 
 __device__ __forceinline__ uint32_t agq_pack(float lo, float hi) {
@@ -109,9 +107,9 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     int32_t row = blockIdx.x, s = blockIdx.x;
     /* Every sequence one row: block x is row and sequence (no search). */
     if (!(a.n_tokens == a.n_seqs && !one) && !att_decode_row(a, &row, &s)) return;
-    const int32_t len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.split_step;
-    int32_t sp = max(min(p.split_want, (len + p.split_min - 1) / p.split_min), 1);
-    const int32_t chunk = ((len + sp - 1) / sp + step - 1) / step * step;
+    const int32_t len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.sp.step;
+    const int32_t nsp = max(min(p.sp.want, (len + p.sp.least - 1) / p.sp.least), 1);
+    const int32_t chunk = ((len + nsp - 1) / nsp + step - 1) / step * step;
     const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
     const int32_t width = a.n_heads * HD;
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
@@ -261,17 +259,17 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
             as += sacc[w][hg][d] * wt;
         }
         const int head = kvh * G + hg;
-        if (p.n_splits == 1) {
+        if (p.sp.n_splits == 1) {
             const float o = ls == 0.0f ? 0.0f : as / ls;
             a.out[(int64_t)row * width + (int64_t)head * HD + d] = o;
-            if (p.out16) p.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
+            if (p.sp.out16) p.sp.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
         } else {
             const int64_t slot = one ? ((int64_t)z * a.n_seqs + s) * a.n_heads + head
                                      : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
-            p.part_acc[slot * HD + d] = as;
+            p.sp.part_acc[slot * HD + d] = as;
             if (d == 0) {
-                p.part_ml[slot * 2] = ls != ls ? ls : mx;
-                p.part_ml[slot * 2 + 1] = ls;
+                p.sp.part_ml[slot * 2] = ls != ls ? ls : mx;
+                p.sp.part_ml[slot * 2 + 1] = ls;
             }
         }
     }
@@ -303,33 +301,18 @@ template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct ag
                                                                       AGQ_WARPS * 32, 0));
         bps = b > 0 ? b : 1;
     }
-    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, least = 2 * step;
-    int64_t want = ((int64_t)bps * ctx->n_sms + blocks - 1) / blocks;
-    if (want > AGQ_SPLITS_MAX) want = AGQ_SPLITS_MAX;
-    const int64_t by_ctx = (a->max_ctx + least - 1) / least;
-    int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits < 1) splits = 1;
-    p->split_want = (int32_t)want;
-    p->split_step = (int32_t)step;
-    p->split_min = (int32_t)least;
-    p->n_splits = (int32_t)splits;
-    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
-    uint16_t *out16 = NULL;
-    float *scr = NULL;
-    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
+    if (cuda_att_split(ctx, a, n_idx, ((int64_t)bps * ctx->n_sms + blocks - 1) / blocks, step, 2 * step,
+                       AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
-    p->out16 = (fp16_t *)out16;
-    if (p->n_splits > 1) {
-        p->part_acc = scr;
-        p->part_ml = scr + slots * a->head_dim;
-    }
-    const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
+    const struct cuda_att_split &sp = p->sp;
+    const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_gqa_kernel<HD, G2>), grid, dim3(AGQ_WARPS * 32), 0, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
-    if (p->n_splits > 1) {
+    if (sp.n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0, a->out,
-                                    p->out16, p->part_acc, p->part_ml, p->n_splits, n_idx, a->n_heads, a->head_dim,
-                                    one ? a->seq_tok0 : (const int32_t *)NULL));
+                                    (fp16_t *)sp.out16, sp.part_acc, sp.part_ml, sp.n_splits, n_idx, a->n_heads,
+                                    a->head_dim, one ? a->seq_tok0 : (const int32_t *)NULL));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;

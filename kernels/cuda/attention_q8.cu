@@ -272,26 +272,18 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     /* Split the context until about 8 blocks per SM are in flight, each
      * split at least ctx->att_steps chunks of every warp. */
-    const int64_t step = (int64_t)ATQ_WARPS * T, least = step * ctx->att_steps;
-    int64_t want = (8LL * ctx->n_sms + blocks - 1) / blocks;
-    const int64_t by_ctx = (a->max_ctx + least - 1) / least;
-    if (want > ATQ_MAX_SPLITS) want = ATQ_MAX_SPLITS;
-    int64_t splits = want < by_ctx ? want : by_ctx;
-    if (splits < 1) splits = 1;
-    p->split_want = (int32_t)want;
-    p->split_step = (int32_t)step;
-    p->split_min = (int32_t)least;
-    p->n_splits = (int32_t)splits;
-    const size_t slots = p->n_splits > 1 ? (size_t)p->n_splits * n_idx * a->n_heads : 0;
-    uint16_t *out16 = NULL;
-    float *scr = NULL;
-    if (cuda_att_scratch(ctx, a, slots * ((size_t)HD + 2) * sizeof(float), &out16, &scr) != STATUS_OK)
+    const int64_t step = (int64_t)ATQ_WARPS * T;
+    struct cuda_att_split sp;
+    if (cuda_att_split(ctx, a, n_idx, (8LL * ctx->n_sms + blocks - 1) / blocks, step, step * ctx->att_steps,
+                       ATQ_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
-    p->out16 = (fp16_t *)out16;
-    if (p->n_splits > 1) {
-        p->part_acc = scr;
-        p->part_ml = scr + slots * HD;
-    }
+    p->split_want = sp.want;
+    p->split_step = sp.step;
+    p->split_min = sp.least;
+    p->n_splits = sp.n_splits;
+    p->out16 = (fp16_t *)sp.out16;
+    p->part_acc = sp.part_acc;
+    p->part_ml = sp.part_ml;
     const size_t stage = (size_t)ATQ_WARPS * 2 * (T * RB + 16), merge = (size_t)NS * G * (2 + HD) * sizeof(float);
     const size_t smem = stage > merge ? stage : merge;
     const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);

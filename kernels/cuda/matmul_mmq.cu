@@ -100,6 +100,13 @@ __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict
 
 /* ---- Tensor-core products: the m16n8 tiles of the PTX ISA, a0/a2 row g,
  * a1/a3 row g + 8, k = 4 t .. (a0, a1, b0) and 16 + 4 t .. (a2, a3, b1) ---- */
+/* sm_75's 8 x 8 x 16 tile: c0 c1 row g, columns 2t, 2t + 1. */
+__device__ __forceinline__ void mmq_mma_m8(int &c0, int &c1, uint32_t a, uint32_t b) {
+    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+r"(c0), "+r"(c1)
+                 : "r"(a), "r"(b));
+}
+
 __device__ __forceinline__ void mmq_mma_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -107,18 +114,10 @@ __device__ __forceinline__ void mmq_mma_k32(int (&c)[4], const uint32_t (&a)[4],
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[0]), "+r"(c[1])
-                 : "r"(a[0]), "r"(b0));
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[0]), "+r"(c[1])
-                 : "r"(a[2]), "r"(b1));
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[1]), "r"(b0));
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[3]), "r"(b1));
+    mmq_mma_m8(c[0], c[1], a[0], b0);
+    mmq_mma_m8(c[0], c[1], a[2], b1);
+    mmq_mma_m8(c[2], c[3], a[1], b0);
+    mmq_mma_m8(c[2], c[3], a[3], b1);
 #endif
 }
 
@@ -129,12 +128,8 @@ __device__ __forceinline__ void mmq_mma_k16(int (&c)[4], uint32_t a0, uint32_t a
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a0), "r"(a1), "r"(b));
 #else
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[0]), "+r"(c[1])
-                 : "r"(a0), "r"(b));
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c[2]), "+r"(c[3])
-                 : "r"(a1), "r"(b));
+    mmq_mma_m8(c[0], c[1], a0, b);
+    mmq_mma_m8(c[2], c[3], a1, b);
 #endif
 }
 
