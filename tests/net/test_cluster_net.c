@@ -162,7 +162,10 @@ TEST(net_scale_out_and_in_under_load) {
     struct cluster *cl = nb_cluster_start(nb, model, &o);
     char router_ep[64];
     snprintf(router_ep, sizeof router_ep, "tcp://%s:5556", nb_host(nb, "ctl")->addr);
-    enum { N = 16 };
+    /* Enough work to outlast the scale-out: 16 requests (1024 tokens at 2
+     * a step) all ended about when pipeline 1 became ready, 0.8 s after its
+     * workers started, and failed the check below in CI; 48 run about 3 s. */
+    enum { N = 48 };
     static struct h_gen gs[N];
     make_requests(cl, gs, N, "scale");
     struct h_batch b;
