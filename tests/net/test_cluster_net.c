@@ -162,9 +162,10 @@ TEST(net_scale_out_and_in_under_load) {
     struct cluster *cl = nb_cluster_start(nb, model, &o);
     char router_ep[64];
     snprintf(router_ep, sizeof router_ep, "tcp://%s:5556", nb_host(nb, "ctl")->addr);
-    /* Enough work to outlast the scale-out: 16 requests (1024 tokens at 2
-     * a step) all ended about when pipeline 1 became ready, 0.8 s after its
-     * workers started, and failed the check below in CI; 48 run about 3 s. */
+    /* Enough work to outlast the scale-out: in CI the 16 requests this
+     * had (1024 tokens, 2 sequences a step) had all ended 20 ms before
+     * pipeline 1 came into service, failing the check below; 48 are three
+     * times the work. */
     enum { N = 48 };
     static struct h_gen gs[N];
     make_requests(cl, gs, N, "scale");
