@@ -150,6 +150,18 @@ static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, co
         size_t sendable = q->text_len - req_stop_hold(q);
         size_t t0 = req_text_offset(s, q, from);
         if (sendable < t0) sendable = t0;
+        /* The tokens streamed already end a chunk of their own: a client
+         * that re-attached twice from one position (two gaps before the
+         * first replay came) has them by the time this replay comes, and
+         * a chunk that straddles what a client has cannot be split by
+         * text, so the text of the new tokens after them would be lost
+         * (clients/c drops it). */
+        if (q->n_sent > from && q->n_sent < q->n_out) {
+            size_t tm = q->text_sent < t0 ? t0 : q->text_sent > sendable ? sendable : q->text_sent;
+            req_send_chunk(s, q, from, q->n_sent, t0, tm);
+            from = q->n_sent;
+            t0 = tm;
+        }
         req_send_chunk(s, q, from, q->n_out, t0, sendable);
         q->n_sent = q->n_out;
         q->text_sent = sendable;

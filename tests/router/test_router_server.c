@@ -7,6 +7,7 @@
 #include "router/server.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <time.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include "common/log.h"
 #include "common/rconn.h"
 #include "common/status.h"
+#include "common/tokenizer.h"
 #include "common/zio.h"
 #include "proto/wire.h"
 #include "tests/redis_fixture.h"
@@ -1110,10 +1112,107 @@ TEST(router_server_reattach_with_chosen_seed) {
     fx_stop(&f);
 }
 
+/* The text a client builds from a stream as clients/c does: a chunk that
+ * ends at or before what it has is a duplicate; one that starts past it is
+ * a gap; one that starts before it and ends after it (a replay straddling
+ * its count) cannot be split by text, so the client would keep its new
+ * tokens and lose their text. */
+struct tc_client {
+    uint32_t have;
+    char text[256];
+    size_t len;
+};
+
+static void tc_take(struct tc_client *t, const Llm__GenerateChunk *ch) {
+    uint32_t end = ch->index + (uint32_t)ch->n_token_ids;
+    if (end <= t->have) return;
+    if (ch->index > t->have) TEST_FAIL("chunk at token %u, but the client has %u (a gap)", ch->index, t->have);
+    if (ch->index < t->have)
+        TEST_FAIL("chunk of tokens %u..%u (text \"%s\") straddles the %u tokens the client has: their text "
+                  "cannot be split, the client loses that of tokens %u..%u", ch->index, end, ch->text, t->have,
+                  t->have, end);
+    size_t n = strlen(ch->text);
+    if (t->len + n >= sizeof t->text) TEST_FAIL("text longer than %zu bytes", sizeof t->text);
+    memcpy(t->text + t->len, ch->text, n + 1);
+    t->len += n;
+    t->have = end;
+}
+
+/* A client that re-attached twice from one position (two gaps came before
+ * the first replay) is answered the second time after it got the tokens
+ * streamed since: the second replay must not put those and a token not
+ * streamed yet in one chunk, or that token's text (here " p" of " the
+ * park", SentencePiece pieces whose spaces start the next token) is lost
+ * though its id arrives.  Stopping Redis holds the router in its token
+ * store for a moment, so that a result and the re-attach are handled in
+ * one turn, the result first, as under load. */
+TEST(router_server_reattach_replay_keeps_the_text) {
+    static const char *const pieces[] = {"\xe2\x96\x81the", "\xe2\x96\x81p", "ar", "k", "."};
+    int32_t toks[5];
+    tokenizer *tok = NULL;
+    char err[256];
+    ASSERT_OK(tokenizer_load(&tok, test_model_path("stories260K-f32.gguf"), err, sizeof err));
+    for (int i = 0; i < 5; i++) {
+        toks[i] = tokenizer_token_find(tok, pieces[i], strlen(pieces[i]));
+        if (toks[i] < 0) TEST_FAIL("stories260K has no token \"%s\"", pieces[i]);
+    }
+    tokenizer_free(tok);
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c = cl_open(&f);
+    struct tc_client t = {0};
+    cl_generate(c, 1, "rt-1", prompt3, 3, 5, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, toks[0]);
+    proto_worker_free(pe);
+    Llm__ClientEnvelope *e = cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_CHUNK);
+    tc_take(&t, e->chunk);
+    proto_client_free(e);
+    ASSERT_EQ(1u, t.have);
+    ASSERT_EQ(0, kill(f.r.pid, SIGSTOP));
+    /* Token 1: the router plans step 3 and blocks storing the token, so
+     * its chunk goes out only once Redis is back. */
+    pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, toks[1]);
+    proto_worker_free(pe);
+    pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, toks[2]); /* token 2, not streamed before the re-attach is handled */
+    proto_worker_free(pe);
+    cl_generate(c, 2, "rt-1", prompt3, 3, 5, t.have); /* the client has 1 token: stale once token 1 comes */
+    usleep(100 * 1000);
+    ASSERT_EQ(0, kill(f.r.pid, SIGCONT));
+    int next = 3; /* the next token the worker answers */
+    for (;;) {
+        e = cl_recv(c, 3000);
+        if (!e) TEST_FAIL("no chunk or done (the client has %u tokens, text \"%s\")", t.have, t.text);
+        if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE) {
+            proto_client_free(e);
+            break;
+        }
+        if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_CHUNK) tc_take(&t, e->chunk);
+        else if (e->body_case != LLM__CLIENT_ENVELOPE__BODY_ACCEPTED) TEST_FAIL("unexpected body %d", (int)e->body_case);
+        proto_client_free(e);
+        if (next < 5 && t.have == (uint32_t)next) {
+            pe = fw_plan(&w);
+            fw_answer(&w, pe->plan, toks[next++]);
+            proto_worker_free(pe);
+        }
+    }
+    ASSERT_EQ(5u, t.have);
+    ASSERT_STREQ(" the park.", t.text);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
 TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_pipeline, router_server_held_stage_is_retried,
           router_server_tells_a_stalled_request,
           router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
           router_server_queue_is_bounded, router_server_worker_loss_resumes_exactly_once,
           router_server_reattach_and_cancel, router_server_restart_resumes_requests,
           router_server_redis_restarted_empty, router_server_health_follows_redis,
-          router_server_lost_state_keeps_the_seed, router_server_reattach_with_chosen_seed)
+          router_server_lost_state_keeps_the_seed, router_server_reattach_with_chosen_seed,
+          router_server_reattach_replay_keeps_the_text)
