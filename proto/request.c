@@ -122,11 +122,6 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                            "request %s: spec = %d is not a speculation mode (0 default, 1 off, 2 ngram, "
                            "3 draft, 4 auto)", g->request_id, (int)g->spec);
     }
-    if (g->spec == LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT) {
-        return status_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "request %s: spec = draft: draft-model speculation is not served yet; use "
-                           "ngram or auto", g->request_id);
-    }
     if (g->spec_tokens > PROTO_SPEC_TOKENS_MAX) {
         return status_fail(err, errlen, STATUS_BAD_INPUT,
                            "request %s: spec_tokens = %u is more than %d", g->request_id, g->spec_tokens,

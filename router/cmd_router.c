@@ -97,8 +97,9 @@ int main(int argc, char **argv) {
         {"spec", "LLM_SPEC", OPTION_CHOICE, "off",
          "speculative decoding for requests that do not choose: off; ngram (drafts found by prompt "
          "lookup in the sequence's own tokens, verified by the pipeline: same outputs, fewer steps "
-         "when the output repeats its input); auto (ngram while the pipeline runs at most "
-         "--spec-auto-batch sequences per stage); draft (a draft model: not served yet)",
+         "when the output repeats its input); draft (the last stage's draft model, llm-worker "
+         "--draft-model); auto (while the pipeline runs at most --spec-auto-batch sequences per "
+         "stage: prompt lookup, else the draft model where the last stage has one)",
          &c.spec, 0, 0, spec_modes},
         {"spec-tokens", "LLM_SPEC_TOKENS", OPTION_INT, "4",
          "drafted tokens one step verifies for a sequence, at most (k; a request may ask for fewer or more, "

@@ -36,6 +36,12 @@ struct sched_seq {
     bool spec_auto;
     int32_t spec_limit; /* tokens it may reach in all (0: no limit) */
     int32_t n_draft;
+    /* Draft-model speculation (sched_seq_set_spec_source): the sources,
+     * the source of the drafts in flight, and the last stage's drafts to
+     * follow tokens[0 .. mdraft_at). */
+    unsigned spec_src, draft_src;
+    int32_t mdraft[SCHED_SPEC_TOKENS_MAX];
+    int32_t n_mdraft, mdraft_at;
 };
 
 struct sched {
@@ -185,6 +191,7 @@ int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const
     q->id = seq_id;
     q->priority = priority;
     q->order = order;
+    q->spec_src = SCHED_SPEC_NGRAM;
     kvblocks_table_init(&q->table);
     q->idx = s->n_all;
     s->all[s->n_all++] = q;
@@ -542,9 +549,21 @@ int sched_plan(sched *s, struct sched_step *step) {
              * could lie past the context. */
             if (q->spec_limit > 0 && k > q->spec_limit - 1 - q->n_tokens) k = q->spec_limit - 1 - q->n_tokens;
             if (k < 0) k = 0;
-            if (k > 0 && sched_grow((void **)&q->tokens, &q->cap, q->n_tokens + k, sizeof *q->tokens) == 0)
-                n_draft = ngram_propose(q->tokens, q->n_tokens, s->spec_ngram_max, s->spec_ngram_min,
-                                        k, q->tokens + q->n_tokens);
+            if (k > 0 && sched_grow((void **)&q->tokens, &q->cap, q->n_tokens + k, sizeof *q->tokens) == 0) {
+                q->draft_src = 0;
+                if (q->spec_src & SCHED_SPEC_NGRAM)
+                    n_draft = ngram_propose(q->tokens, q->n_tokens, s->spec_ngram_max,
+                                            s->spec_ngram_min, k, q->tokens + q->n_tokens);
+                if (n_draft > 0) {
+                    q->draft_src = SCHED_SPEC_NGRAM;
+                } else if ((q->spec_src & SCHED_SPEC_MODEL) && q->n_mdraft > 0 &&
+                           q->mdraft_at == q->n_tokens) {
+                    n_draft = q->n_mdraft < k ? q->n_mdraft : k;
+                    memcpy(q->tokens + q->n_tokens, q->mdraft, (size_t)n_draft * sizeof *q->tokens);
+                    q->draft_src = SCHED_SPEC_MODEL;
+                }
+                q->n_mdraft = 0;
+            }
             while (n_draft > 0 &&
                    kvblocks_blocks_needed(s->kv, &q->table, 1 + n_draft) > kvblocks_n_free(s->kv))
                 n_draft--;
@@ -595,6 +614,12 @@ int sched_plan(sched *s, struct sched_step *step) {
         o->want_logits = q->table.n_tokens >= q->n_tokens;
         o->n_draft = n_draft;
         q->n_draft = n_draft;
+        /* The draft model proposes the next step's drafts after this one's
+         * answer (docs/router.md, "Speculation"). */
+        o->draft_k = (q->spec_src & SCHED_SPEC_MODEL) && q->spec_k > 0 && o->want_logits &&
+                             (!q->spec_auto || s->spec_auto_on)
+                         ? q->spec_k
+                         : 0;
         if (n_draft > 0) {
             s->spec_steps++;
             s->spec_proposed += (uint64_t)n_draft;
@@ -724,6 +749,20 @@ void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only, int32_t 
 }
 
 void sched_set_spec_auto(sched *s, bool on) { s->spec_auto_on = on; }
+
+void sched_seq_set_spec_source(struct sched_seq *q, unsigned sources) {
+    q->spec_src = sources & (SCHED_SPEC_NGRAM | SCHED_SPEC_MODEL);
+}
+
+void sched_seq_set_model_drafts(struct sched_seq *q, const int32_t *drafts, int32_t n) {
+    if (n < 0) n = 0;
+    if (n > SCHED_SPEC_TOKENS_MAX) n = SCHED_SPEC_TOKENS_MAX;
+    memcpy(q->mdraft, drafts, (size_t)n * sizeof *drafts);
+    q->n_mdraft = n;
+    q->mdraft_at = q->n_tokens;
+}
+
+unsigned sched_seq_draft_source(const struct sched_seq *q) { return q->n_draft > 0 ? q->draft_src : 0; }
 
 int sched_spec_accept(sched *s, struct sched_seq *q, int32_t n_accepted) {
     if (n_accepted < 0 || n_accepted > q->n_draft) return STATUS_BAD_INPUT;

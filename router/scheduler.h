@@ -55,6 +55,10 @@ struct sched_step_seq {
      * decode of 1 + n_draft tokens; want_logits is true).  The caller
      * gives the verdict with sched_spec_accept before its sched_append. */
     int32_t n_draft;
+    /* Draft-model speculation: the last stage is asked to propose up to
+     * draft_k tokens to follow this step's answer (SeqPlan.draft_k), given
+     * back with sched_seq_set_model_drafts.  0: none. */
+    int32_t draft_k;
 };
 
 struct sched_step {
@@ -183,6 +187,22 @@ struct sched_seq *sched_first_waiting(const sched *s);
  * ends when it has that many tokens (prompt and output, within the
  * context), so no draft goes at or past position limit - 1. */
 void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only, int32_t limit);
+/* Where q's drafts come from (a mask; the initial state is prompt lookup
+ * only).  With SCHED_SPEC_MODEL, a decode step asks the last stage for
+ * draft_k drafts of the next step (the draft model beside it), and the
+ * next step carries those sched_seq_set_model_drafts gave, unless prompt
+ * lookup (also in the mask) found some first. */
+#define SCHED_SPEC_NGRAM 1u
+#define SCHED_SPEC_MODEL 2u
+#define SCHED_SPEC_TOKENS_MAX 16
+void sched_seq_set_spec_source(struct sched_seq *q, unsigned sources);
+/* The draft model's guesses of the n tokens to follow q's tokens as they
+ * are now (after the step's sched_append); kept until q gains a token or a
+ * step uses them.  At most SCHED_SPEC_TOKENS_MAX are kept. */
+void sched_seq_set_model_drafts(struct sched_seq *q, const int32_t *drafts, int32_t n);
+/* SCHED_SPEC_NGRAM or SCHED_SPEC_MODEL: where the drafts of q's step in
+ * flight came from (0: none in flight). */
+unsigned sched_seq_draft_source(const struct sched_seq *q);
 void sched_set_spec_auto(sched *s, bool on);
 /* The verdict on the drafts of q's step (its result, before any
  * sched_append of it): n_accepted of them were accepted.  The table is cut

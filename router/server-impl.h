@@ -247,7 +247,7 @@ void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob 
  * step of it may carry (0: none) and whether only under --spec auto's
  * rule.  Its own spec and spec_tokens, else the router's; none for a
  * constrained request. */
-void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only);
+void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only, unsigned *sources);
 
 /* ---- server_pipes.c: pipelines ----------------------------------------- */
 

@@ -203,12 +203,6 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
     if (s->cfg.spec_tokens <= 0) s->cfg.spec_tokens = 4;
     if (s->cfg.spec_tokens > SERVER_SPEC_TOKENS_MAX) s->cfg.spec_tokens = SERVER_SPEC_TOKENS_MAX;
     int rc;
-    if (cfg->spec == SERVER_SPEC_DRAFT) {
-        snprintf(err, errlen, "router: --spec draft: draft-model speculation is not served yet "
-                 "(docs/router.md, \"Speculation\"); use ngram or auto");
-        rc = STATUS_UNSUPPORTED;
-        goto fail;
-    }
     if (!cfg->model_path || !cfg->model_path[0]) {
         snprintf(err, errlen, "router: --model is required (a .gguf file or a Hugging Face directory)");
         rc = STATUS_BAD_INPUT;

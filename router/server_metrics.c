@@ -39,6 +39,7 @@ struct server_metrics {
     metrics_series *prefix_hits, *prefix_misses, *prefix_blocks, *prefix_deferred;
     metrics_series *plan, *capped, *batch_wait;
     metrics_series *spec_steps, *spec_drafts, *spec_accepted, *spec_len;
+    metrics_series *spec_m_steps, *spec_m_drafts, *spec_m_accepted; /* the draft model's share */
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
@@ -155,6 +156,12 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
         DEF(METRICS_COUNTER, "llm_spec_accepted_tokens_total",
             "Drafted tokens the last stage accepted (each one a token gained over a plain decode step)."),
         HIST("llm_spec_accepted_length", "Drafts accepted per verification.", spec_len_bounds),
+        DEF(METRICS_COUNTER, "llm_spec_model_verifications_total",
+            "Of llm_spec_verifications_total, those whose drafts came from the last stage's draft model."),
+        DEF(METRICS_COUNTER, "llm_spec_model_draft_tokens_total",
+            "Of llm_spec_draft_tokens_total, the draft model's (the rest are prompt lookup's)."),
+        DEF(METRICS_COUNTER, "llm_spec_model_accepted_tokens_total",
+            "Of llm_spec_accepted_tokens_total, the draft model's."),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -188,6 +195,9 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->spec_drafts = metrics_series_get(f[22], NULL);
     sm->spec_accepted = metrics_series_get(f[23], NULL);
     sm->spec_len = metrics_series_get(f[24], NULL);
+    sm->spec_m_steps = metrics_series_get(f[25], NULL);
+    sm->spec_m_drafts = metrics_series_get(f[26], NULL);
+    sm->spec_m_accepted = metrics_series_get(f[27], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -326,12 +336,16 @@ void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created
     metrics_histogram_observe(sm->e2e, since_s(created_ms, done_ms));
 }
 
-void server_metrics_spec(server_metrics *sm, int32_t n_draft, int32_t n_accepted) {
+void server_metrics_spec(server_metrics *sm, int32_t n_draft, int32_t n_accepted, bool model) {
     if (!sm) return;
     metrics_counter_inc(sm->spec_steps);
     metrics_counter_add(sm->spec_drafts, (double)n_draft);
     metrics_counter_add(sm->spec_accepted, (double)n_accepted);
     metrics_histogram_observe(sm->spec_len, (double)n_accepted);
+    if (!model) return;
+    metrics_counter_inc(sm->spec_m_steps);
+    metrics_counter_add(sm->spec_m_drafts, (double)n_draft);
+    metrics_counter_add(sm->spec_m_accepted, (double)n_accepted);
 }
 
 void server_metrics_request_refused(server_metrics *sm, bool cancel) {

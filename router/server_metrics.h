@@ -46,7 +46,7 @@ void server_metrics_batch_wait(server_metrics *sm, double seconds);
 /* A request finished with a GenerateDone finish reason. */
 void server_metrics_finished(server_metrics *sm, int32_t finish, int64_t created_ms, int64_t done_ms);
 /* A sequence's drafts were verified: n_accepted of n_draft accepted. */
-void server_metrics_spec(server_metrics *sm, int32_t n_draft, int32_t n_accepted);
+void server_metrics_spec(server_metrics *sm, int32_t n_draft, int32_t n_accepted, bool model);
 /* Refusals (docs/security.md): a Cancel (cancel true) or a re-attaching
  * Generate from a key other than the request's creator; a worker message
  * naming a live worker id from a key other than its owner's.  The refused

@@ -330,8 +330,10 @@ void pipes_assign(server *s) {
         }
         int32_t spec_k = 0;
         bool spec_auto = false;
-        req_spec(s, q, &spec_k, &spec_auto);
+        unsigned spec_src = 0;
+        req_spec(s, q, &spec_k, &spec_auto, &spec_src);
         sched_seq_set_spec(seq, spec_k, spec_auto, q->limit);
+        sched_seq_set_spec_source(seq, spec_src);
         q->seq_id = sid;
         q->seq = seq;
         q->assigned_us = server_mono_us();
@@ -555,6 +557,7 @@ void pipe_pump(server *s, struct pipe *pp) {
             sp->output_start = q ? (uint32_t)q->n_prompt : 0;
             sp->want_logits = ss->want_logits;
             sp->n_draft = (uint32_t)ss->n_draft;
+            sp->draft_k = (uint32_t)ss->draft_k;
             /* Started on a cached prefix: the last stage's penalties see
              * the tokens before it, which it never processed. */
             sp->n_penalty_context = (size_t)ss->n_context;

@@ -479,17 +479,25 @@ void req_flush_touched(server *s) {
     s->n_touched = 0;
 }
 
-void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only) {
+void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only, unsigned *sources) {
     *k = 0;
     *auto_only = false;
+    *sources = SCHED_SPEC_NGRAM;
     int mode = s->cfg.spec;
     switch (q->gen->spec) {
     case LLM__GENERATE_REQUEST__SPEC__SPEC_OFF: mode = SERVER_SPEC_OFF; break;
     case LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM: mode = SERVER_SPEC_NGRAM; break;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT: mode = SERVER_SPEC_DRAFT; break;
     case LLM__GENERATE_REQUEST__SPEC__SPEC_AUTO: mode = SERVER_SPEC_AUTO; break;
-    default: break; /* SPEC_DRAFT is refused at validation */
+    default: break;
     }
-    if (mode != SERVER_SPEC_NGRAM && mode != SERVER_SPEC_AUTO) return;
+    if (mode == SERVER_SPEC_OFF) return;
+    /* draft: the last stage's draft model only; auto: prompt lookup first
+     * (free), the draft model when it finds nothing.  A last stage without
+     * a draft model answers no drafts: plain decoding. */
+    *sources = mode == SERVER_SPEC_NGRAM   ? SCHED_SPEC_NGRAM
+               : mode == SERVER_SPEC_DRAFT ? SCHED_SPEC_MODEL
+                                           : SCHED_SPEC_NGRAM | SCHED_SPEC_MODEL;
     /* The grammar's masks follow one parse state per sequence, and a step
      * would need one per drafted position: constrained requests decode one
      * token a step (for now). */

@@ -237,6 +237,7 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
 static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__SeqResult *r,
                          uint32_t stage) {
     int32_t n_draft = sched_seq_n_draft(q->seq);
+    bool model = sched_seq_draft_source(q->seq) == SCHED_SPEC_MODEL;
     if (n_draft == 0 && r->n_next_tokens == 0) return true;
     int32_t n_acc = (int32_t)r->n_next_tokens;
     bool ok = n_acc <= n_draft;
@@ -259,7 +260,7 @@ static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__S
     s->spec_steps++;
     s->spec_drafts += (uint64_t)n_draft;
     s->spec_accepted += (uint64_t)n_acc;
-    server_metrics_spec(s->cfg.metrics, n_draft, n_acc);
+    server_metrics_spec(s->cfg.metrics, n_draft, n_acc, model);
     return true;
 }
 
@@ -343,6 +344,16 @@ static void on_result(server *s, const Llm__StepResult *m) {
              * the request (then the rest are never streamed nor stored). */
             for (size_t j = 0; j < r->n_next_tokens && q->seq; j++)
                 req_token(s, q, r->next_tokens[j], j < r->n_next_logprobs ? r->next_logprobs[j] : NULL);
+            /* The draft model's guesses of what follows, for the next step:
+             * hints only (the last stage verifies them), so one outside the
+             * vocabulary just ends the list. */
+            if (q->seq && r->n_draft_tokens > 0) {
+                size_t nd = 0;
+                while (nd < r->n_draft_tokens && r->draft_tokens[nd] >= 0 &&
+                       r->draft_tokens[nd] < s->mi.n_vocab)
+                    nd++;
+                sched_seq_set_model_drafts(q->seq, r->draft_tokens, (int32_t)nd);
+            }
         }
         /* Sequences of the step the result did not mention start over. */
         for (int32_t j = 0; j < f->n; j++) {

@@ -45,6 +45,7 @@ static const char *const worker_link_dtypes[] = {"auto", "f32", "f16", "bf16", "
 int main(int argc, char **argv) {
     struct node_config cfg;
     node_config_default(&cfg);
+    const char *draft_model = NULL;
     const char *model = NULL, *layers = NULL, *log_level = NULL, *worker_id = NULL;
     const char *device = NULL, *router = NULL, *redis = NULL, *listen = NULL, *advertise = NULL;
     const char *metrics_listen = NULL, *curve_key_file = NULL, *router_key = NULL;
@@ -60,6 +61,9 @@ int main(int argc, char **argv) {
     bool require_gpu = false;
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or Hugging Face directory", &model, 0, 0, NULL},
+        {"draft-model", "LLM_DRAFT_MODEL", OPTION_STRING, NULL,
+         "draft model for speculative decoding (same tokenizer as --model; loaded when this worker is "
+         "its pipeline's last stage, checked at start)", &draft_model, 0, 0, NULL},
         {"pipeline", "LLM_PIPELINE", OPTION_INT, "0", "pipeline id this worker belongs to", &pipeline, 0, 1 << 30, NULL},
         {"stage", "LLM_STAGE", OPTION_INT, "0", "stage index in the pipeline (0 = embeds the tokens)", &stage, 0, 4096, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1", "stages in the pipeline; layers split by equal bytes", &stages, 1, 4096, NULL},
@@ -137,6 +141,7 @@ int main(int argc, char **argv) {
     cfg.router_key = router_key;
     cfg.insecure = insecure;
     cfg.model_path = model;
+    cfg.draft_model = draft_model;
     cfg.worker_id = worker_id;
     cfg.require_gpu = require_gpu;
     cfg.router = router;

@@ -9,6 +9,7 @@
 #include "node.h"
 
 #include "constrain.h"
+#include "draft.h"
 #include "forward.h"
 #include "link.h"
 #include "stage.h"
@@ -40,6 +41,8 @@
  * under a supervisor keeps its workers and a dead one loses them. */
 #define NODE_ROUTER_LOST_BEATS 5
 #define NODE_DRAIN_MAX_MS 60000
+/* Most drafts the draft model proposes for a sequence (= PROTO_SPEC_TOKENS_MAX). */
+#define NODE_DRAFT_MAX 16
 /* A refused handshake (docs/security.md, "A worker whose key is refused"):
  * the first retry after 2 s, then twice as long each time, up to a minute. */
 #define NODE_REFUSED_RETRY_MS 2000
@@ -56,6 +59,7 @@ struct node_seq {
     int32_t n_hist, cap_hist;
     int hist_whole;        /* hist holds every position from 0 (else some are missing) */
     struct constrain_seq cs; /* last stage: its constraint's parse state */
+    struct draft_seq ds;     /* last stage with a draft model: the draft's state of it */
 };
 
 struct node {
@@ -68,6 +72,13 @@ struct node {
     model_file *m;
     const struct model_hparams *hp;
     stage *s;
+    /* The draft model (cfg.draft_model), loaded with a last stage; NULL
+     * otherwise.  dreqs [n_seqs_max] and res_draft [n_seqs_max *
+     * NODE_DRAFT_MAX] are its requests and the drafts answered. */
+    char *s_draft;
+    draft *dm;
+    struct draft_req *dreqs;
+    int32_t *res_draft;
     int32_t n_vocab, dim;
     int device_links; /* links carry F16 device buffers (NCCL) */
 

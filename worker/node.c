@@ -261,6 +261,16 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     if (rc < 0) goto fail;
     n->hp = model_file_hparams(n->m);
     n->n_vocab = n->hp->n_vocab;
+    if (cfg->draft_model && cfg->draft_model[0]) {
+        /* Checked here whatever the stage (it loads only with the last), so
+         * that a draft that does not fit the target stops the start. */
+        n->s_draft = strdup(cfg->draft_model);
+        model_file *dm = NULL;
+        rc = n->s_draft ? model_file_open(&dm, n->s_draft, err, errlen) : STATUS_NO_MEMORY;
+        if (rc == STATUS_OK) rc = draft_vocab_check(dm, n->m, err, errlen);
+        model_file_close(dm);
+        if (rc < 0) goto fail;
+    }
     n->dim = n->hp->dim;
     rc = constrain_init(&n->cons, n->s_model, n->n_vocab, err, errlen);
     if (rc < 0) goto fail;
@@ -361,6 +371,8 @@ void node_free(node *n) {
     rconn_close(n->redis);
     node_buffers_free(n);
     node_seqs_free(n);
+    draft_free(n->dm);
+    free(n->s_draft);
     constrain_free(n->cons);
     stage_free(n->s);
     model_file_close(n->m);

@@ -39,6 +39,10 @@ enum node_transport {
 /* Strings are the caller's and must outlive node_init only (they are copied). */
 struct node_config {
     const char *model_path;
+    /* A draft model with the same vocabulary (NULL or "": none): loaded
+     * beside the stage when the stage is the pipeline's last, to propose
+     * the drafts of speculative decoding (worker/draft.h). */
+    const char *draft_model;
     const char *worker_id;      /* NULL or "": "<host>-<pid>" */
     struct device_spec device;  /* device_parse of --device; zeroed: auto */
     int require_gpu;            /* no GPU is fatal instead of a fallback to the CPU */

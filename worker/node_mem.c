@@ -123,6 +123,10 @@ void node_buffers_free(node *n) {
     free(n->res_top);
     free(n->res_top_ptr);
     free(n->kv_refs);
+    free(n->dreqs);
+    free(n->res_draft);
+    n->dreqs = NULL;
+    n->res_draft = NULL;
     n->kv_refs = NULL;
     n->kv_used = 0;
     n->res = NULL;
@@ -175,7 +179,9 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
     n->res_top_ptr = calloc(nr, sizeof *n->res_top_ptr);
     n->kv_refs = calloc((size_t)(c->n_blocks > 0 ? c->n_blocks : 1), sizeof *n->kv_refs);
     n->kv_used = 0;
-    if (!n->kv_refs || !n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
+    n->dreqs = calloc(ns, sizeof *n->dreqs);
+    n->res_draft = calloc(ns * NODE_DRAFT_MAX, sizeof *n->res_draft);
+    if (!n->dreqs || !n->res_draft || !n->kv_refs || !n->hidden_in_host || !n->hidden_out_host || !n->srows || !n->fseqs || !n->tables ||
         !n->params || !n->seq_err || !n->seq_status || !n->res || !n->res_ptr || !n->res_lp || !n->res_err ||
         !n->res_lp_ptr || !n->res_next || !n->res_top || !n->res_top_ptr) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
@@ -203,6 +209,8 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     stage_free(n->s);
     n->s = NULL;
     node_seqs_free(n);
+    draft_free(n->dm);
+    n->dm = NULL;
     const struct model_hparams *hp = n->hp;
     if (first < 0 || end > hp->n_layers || first >= end) {
         snprintf(err, errlen, "layers %d:%d: %s has layers 0:%d", first, end,
@@ -281,5 +289,16 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     if (mem_total >= free_after)
         node_metrics_memory(n->metrics, n->stage_index, mem_total - free_after, mem_total);
     atomic_store(&n->kv_block_size, (uint32_t)c->block_size);
+    if (n->s_draft && stage_is_last(n->s)) {
+        /* The draft beside the last stage (docs/router.md, "Speculation"):
+         * its pool holds the router's positions and k guesses a sequence. */
+        struct draft_config dc = {c->n_tokens_max, c->n_seqs_max, c->n_ctx_max, c->block_size,
+                                  c->n_blocks + c->n_seqs_max * (NODE_DRAFT_MAX / c->block_size + 2),
+                                  c->kv_type};
+        rc = draft_open(&n->dm, n->s_draft, n->m, n->b, &dc, err, errlen);
+        if (rc != STATUS_OK) return rc;
+        LOG(LL_INFO, "stage %d/%d: draft model %s beside the last stage (%d KV blocks of its own)",
+            n->stage_index, n->stage_count, n->s_draft, dc.n_blocks);
+    }
     return node_buffers_init(n, err, errlen);
 }

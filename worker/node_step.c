@@ -36,6 +36,7 @@ static struct node_seq *node_seq_get(node *n, uint64_t id) {
     memset(q, 0, sizeof *q);
     q->id = id;
     constrain_seq_invalidate(&q->cs);
+    draft_seq_init(&q->ds);
     return q;
 }
 
@@ -74,6 +75,7 @@ static void node_seq_forget(node *n, uint64_t id) {
     free(q->table);
     free(q->hist);
     constrain_seq_clear(n->cons, &q->cs);
+    draft_seq_clear(n->dm, &q->ds);
     *q = n->seqs[--n->n_seqs];
 }
 
@@ -88,6 +90,7 @@ static void node_seqs_clear(node *n, int keep_array) {
         free(n->seqs[i].table);
         free(n->seqs[i].hist);
         constrain_seq_clear(n->cons, &n->seqs[i].cs);
+        draft_seq_clear(n->dm, &n->seqs[i].ds);
     }
     n->n_seqs = 0;
     if (!keep_array) {
@@ -443,6 +446,59 @@ static Llm__TokenLogprob *node_result_logprob(node *n, const struct sampling_par
     return lp;
 }
 
+/* Draft-model speculation (docs/router.md, "Speculation"): for each
+ * sequence the plan asks it of (draft_k), the draft model's guesses of the
+ * tokens after the one answered, put in SeqResult.draft_tokens for the
+ * router's next plan of it.  The draft follows the sequence's accepted
+ * tokens: its history up to the last accepted position, then the token
+ * answered.  A sequence it cannot draft for (a history with gaps, a
+ * constraint, the pool or the context short) gets none: it decodes one
+ * token a step. */
+static void node_step_draft(node *n, const Llm__StepPlan *p) {
+    int32_t nr = 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Llm__SeqPlan *sp = p->seqs[i];
+        Llm__SeqResult *r = &n->res[i];
+        if (sp->draft_k == 0 || !sp->want_logits || r->error || r->token < 0) continue;
+        if (sp->sampling && sp->sampling->constraint_case != LLM__SAMPLING_PARAMS__CONSTRAINT__NOT_SET)
+            continue;
+        struct node_seq *q = node_seq_find(n, sp->seq_id);
+        /* The accepted positions: the plan's first token and the drafts
+         * accepted (a plain step: all its tokens). */
+        int64_t h = (int64_t)sp->start_pos + (int64_t)sp->n_tokens - sp->n_draft + (int64_t)r->n_next_tokens;
+        if (!q || !q->hist_whole || h > q->n_hist) continue;
+        int32_t t_new = r->n_next_tokens ? r->next_tokens[r->n_next_tokens - 1] : r->token;
+        q->n_hist = (int32_t)h; /* the rejected drafts are gone; the next plan starts here */
+        if (node_hist_append(q, &t_new, 1) != STATUS_OK) continue;
+        struct draft_req *dr = &n->dreqs[nr++];
+        dr->ds = &q->ds;
+        dr->tokens = q->hist;
+        dr->n_tokens = q->n_hist;
+        dr->params = &n->params[i];
+        dr->k = sp->draft_k < NODE_DRAFT_MAX ? (int32_t)sp->draft_k : NODE_DRAFT_MAX;
+        dr->out = n->res_draft + i * NODE_DRAFT_MAX;
+        dr->tag = (int32_t)i;
+        q->n_hist--; /* t_new stays past the end: the next plan brings it */
+    }
+    if (nr == 0) return;
+    int64_t t0 = node_now_us();
+    char err[512];
+    int rc = draft_propose(n->dm, n->dreqs, nr, err, sizeof err);
+    if (rc != STATUS_OK) {
+        LOG(LL_WARN, "step %llu: %s: no drafts this step", (unsigned long long)p->step_id, err);
+        return;
+    }
+    int64_t total = 0;
+    for (int32_t j = 0; j < nr; j++) {
+        Llm__SeqResult *r = &n->res[n->dreqs[j].tag];
+        r->n_draft_tokens = (size_t)n->dreqs[j].n_out;
+        r->draft_tokens = n->dreqs[j].out;
+        total += n->dreqs[j].n_out;
+    }
+    LOG(LL_DEBUG, "step %llu: draft model: %lld guesses for %d sequences in %lld us",
+        (unsigned long long)p->step_id, (long long)total, nr, (long long)(node_now_us() - t0));
+}
+
 /* Sends the StepResult: each sequence's token as forward_step sampled it;
  * for a speculative sequence, the drafts accepted and the token after them
  * (SeqResult.next_tokens). */
@@ -516,6 +572,7 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
             }
         }
     }
+    if (n->dm) node_step_draft(n, p);
     node_result_send(n, p, resp, ns, NULL, t0);
 }
 

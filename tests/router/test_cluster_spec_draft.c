@@ -1,0 +1,286 @@
+/* Draft-model speculation end to end (docs/router.md, "Speculation"): the
+ * pycode draft beside the last stage proposes the drafts, real workers
+ * verify them.  Greedy outputs equal llm-run's token for token; seeded
+ * sampled outputs equal the same requests with speculation off (the draft
+ * draws each guess with the target's (seed, position) draw and the last
+ * stage keeps only its own samples, so equality holds by design, which is
+ * stronger than equal distributions); a last stage killed mid-stream
+ * resumes to the same text; a draft whose vocabulary differs is refused at
+ * start naming both files.  llm_spec_model_* must show the draft model's
+ * drafts accepted, and the router's KV blocks must all come back. */
+#include "tests/router/cluster_harness.h"
+
+#include <stdio.h>
+
+#define PYCODE "pycode/pycode-target-f16.gguf"
+#define PYDRAFT "pycode/pycode-draft-f16.gguf"
+#define STORIES "stories260K-f32.gguf"
+
+static const char *const code_prompts[] = {
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "    def __repr__(self):\n",
+    "import os\n\n\ndef read_lines(path):\n",
+};
+
+struct sgen {
+    struct cluster *cl;
+    char request_id[64];
+    const char *prompt;
+    int spec; /* GenerateRequest.Spec */
+    float temperature;
+    uint64_t seed;
+    int max_tokens;
+    /* out */
+    int rc;
+    char err[512];
+    struct llm_generate_result res;
+    int32_t ids[512];
+    int n;
+    char text[8192];
+    size_t len;
+    volatile int *seen; /* tokens seen by all, for the kill test */
+};
+
+static int sg_on_chunk(void *ud, const struct llm_chunk *ch) {
+    struct sgen *g = ud;
+    for (size_t i = 0; i < ch->n_tokens; i++) {
+        if (g->n < 512) g->ids[g->n] = ch->token_ids[i];
+        g->n++;
+    }
+    if (g->len + ch->text_len < sizeof g->text) {
+        memcpy(g->text + g->len, ch->text, ch->text_len);
+        g->len += ch->text_len;
+        g->text[g->len] = 0;
+    }
+    if (g->seen) __atomic_add_fetch(g->seen, (int)ch->n_tokens, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void sg_run(struct sgen *g) {
+    llm_client *c = h_client(g->cl, 5000, 10000, 60000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.request_id = g->request_id;
+    p.prompt = g->prompt;
+    p.max_tokens = (uint32_t)g->max_tokens;
+    p.sampling.temperature = g->temperature;
+    p.sampling.seed = g->seed;
+    p.sampling.ignore_eos = 1;
+    p.spec = g->spec;
+    p.wait_ms = 180000;
+    g->n = 0;
+    g->len = 0;
+    g->text[0] = 0;
+    g->rc = llm_client_generate(c, &p, sg_on_chunk, g, &g->res);
+    if (g->rc != 0) snprintf(g->err, sizeof g->err, "%s", llm_client_errstr(c));
+    llm_client_close(c);
+}
+
+static void *sg_thread(void *arg) {
+    sg_run(arg);
+    return NULL;
+}
+
+static void sg_run_all(struct sgen *gs, int n) {
+    pthread_t th[32];
+    for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
+    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+
+static void sg_ok(struct cluster *cl, const struct sgen *g) {
+    H_ASSERT(cl, g->rc == 0, "request %s: status %d: %s", g->request_id, g->rc, g->err);
+    H_ASSERT(cl, g->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH,
+             "request %s: finish %s (%s)", g->request_id, llm_finish_reason_name(g->res.finish_reason),
+             g->res.error_message ? g->res.error_message : "");
+    H_ASSERT(cl, g->n == g->max_tokens && (int)g->res.completion_tokens == g->n,
+             "request %s: %d tokens received, %u counted, %d asked", g->request_id, g->n,
+             g->res.completion_tokens, g->max_tokens);
+}
+
+/* The same ids and text. */
+static void sg_same(struct cluster *cl, const struct sgen *want, const struct sgen *got) {
+    sg_ok(cl, want);
+    sg_ok(cl, got);
+    for (int i = 0; i < want->n && i < 512; i++)
+        H_ASSERT(cl, want->ids[i] == got->ids[i], "%s: token %d is %d, %s has %d", got->request_id, i,
+                 got->ids[i], want->request_id, want->ids[i]);
+    ASSERT_STREQ(want->text, got->text);
+}
+
+struct spec_counts {
+    double drafts, accepted, verifications, kv_used, model_drafts, model_accepted;
+};
+
+static struct spec_counts spec_metrics(struct cluster *cl, int port) {
+    static char body[1 << 18];
+    struct spec_counts c = {0};
+    H_ASSERT(cl, h_http_get(port, "/metrics", body, sizeof body) == 200, "router /metrics on port %d", port);
+    c.drafts = h_sample(body, "llm_spec_draft_tokens_total");
+    c.accepted = h_sample(body, "llm_spec_accepted_tokens_total");
+    c.verifications = h_sample(body, "llm_spec_verifications_total");
+    c.model_drafts = h_sample(body, "llm_spec_model_draft_tokens_total");
+    c.model_accepted = h_sample(body, "llm_spec_model_accepted_tokens_total");
+    c.kv_used = h_sample(body, "llm_kv_blocks_used");
+    return c;
+}
+
+/* The router's KV blocks all come back once nothing runs (the tick
+ * updates the gauge every 50 ms). */
+static void kv_back(struct cluster *cl, int port) {
+    int64_t end = h_now_ms() + 5000;
+    struct spec_counts c = spec_metrics(cl, port);
+    while (c.kv_used != 0 && h_now_ms() < end) {
+        h_sleep_ms(50);
+        c = spec_metrics(cl, port);
+    }
+    H_ASSERT(cl, c.kv_used == 0, "llm_kv_blocks_used is %g with nothing running", c.kv_used);
+}
+
+
+static char worker_extra[400];
+
+static const char *draft_args(void) {
+    snprintf(worker_extra, sizeof worker_extra, "--draft-model %s", test_model_path(PYDRAFT));
+    return worker_extra;
+}
+
+/* Greedy with the draft model's drafts equals llm-run; seeded sampled
+ * requests equal themselves with speculation off. */
+static void draft_exact(int stages, int max_tokens) {
+    static char model[512]; /* test_model_path's buffer is reused by draft_args */
+    snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
+    struct cluster *cl = h_cluster_start(model, 1, stages,
+                                         "--spec draft --spec-tokens 4 --metrics-listen 127.0.0.1:0",
+                                         draft_args());
+    int port = h_logged_port(&cl->router);
+    H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    enum { NP = 3, NS = 4 };
+    static struct sgen greedy[NP], off[NP * NS], on[NP * NS];
+    static struct h_ref ref[NP];
+    for (int i = 0; i < NP; i++) {
+        h_reference(model, code_prompts[i], max_tokens, 0, &ref[i]);
+        memset(&greedy[i], 0, sizeof greedy[i]);
+        greedy[i].cl = cl;
+        snprintf(greedy[i].request_id, sizeof greedy[i].request_id, "greedy-%d", i);
+        greedy[i].prompt = code_prompts[i];
+        greedy[i].max_tokens = max_tokens;
+        for (int s = 0; s < NS; s++) {
+            struct sgen *o = &off[i * NS + s];
+            *o = greedy[i];
+            snprintf(o->request_id, sizeof o->request_id, "off-%d-%d", i, s);
+            o->spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
+            o->temperature = s % 2 ? 0.7f : 1.0f;
+            o->seed = 500 + (uint64_t)(i * NS + s);
+            on[i * NS + s] = *o;
+            snprintf(on[i * NS + s].request_id, sizeof o->request_id, "on-%d-%d", i, s);
+            on[i * NS + s].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT; /* --spec draft */
+        }
+    }
+    sg_run_all(greedy, NP);
+    struct spec_counts after_greedy = spec_metrics(cl, port);
+    for (int i = 0; i < NP; i++) {
+        sg_ok(cl, &greedy[i]);
+        H_ASSERT(cl, ref[i].n == max_tokens, "llm-run gave %d tokens", ref[i].n);
+        for (int t = 0; t < max_tokens; t++)
+            H_ASSERT(cl, greedy[i].ids[t] == ref[i].ids[t], "\"%.30s\": token %d is %d, llm-run has %d",
+                     code_prompts[i], t, greedy[i].ids[t], ref[i].ids[t]);
+        ASSERT_STREQ(ref[i].text, greedy[i].text);
+    }
+    sg_run_all(off, NP * NS);
+    struct spec_counts before_on = spec_metrics(cl, port);
+    sg_run_all(on, NP * NS);
+    for (int i = 0; i < NP * NS; i++) sg_same(cl, &off[i], &on[i]);
+    struct spec_counts c = spec_metrics(cl, port);
+    printf("  pycode 1x%d greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
+           stages, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
+           NP * max_tokens);
+    printf("  pycode 1x%d sampled: %g model drafts, %g accepted\n", stages,
+           c.model_drafts - before_on.model_drafts, c.model_accepted - before_on.model_accepted);
+    H_ASSERT(cl, after_greedy.model_drafts > 0 && after_greedy.model_drafts == after_greedy.drafts,
+             "draft model: %g drafts of %g", after_greedy.model_drafts, after_greedy.drafts);
+    H_ASSERT(cl, after_greedy.model_accepted > 0, "no draft was accepted");
+    H_ASSERT(cl, c.model_accepted > after_greedy.model_accepted, "no sampled draft was accepted");
+    kv_back(cl, port);
+    for (int i = 0; i < NP; i++) llm_generate_result_free(&greedy[i].res);
+    for (int i = 0; i < NP * NS; i++) {
+        llm_generate_result_free(&off[i].res);
+        llm_generate_result_free(&on[i].res);
+    }
+    h_cluster_stop(cl);
+}
+
+TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64); }
+TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48); }
+
+/* The last stage of pipeline 0 dies while requests speculated by the draft
+ * model stream: they resume on pipeline 1 and end with the text of a run
+ * with speculation off. */
+TEST(cluster_spec_draft_worker_killed) {
+    static char model[512];
+    snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
+    struct cluster *cl = h_cluster_start(model, 2, 2, "--spec draft", draft_args());
+    enum { N = 4 };
+    static struct sgen ref[N], gs[N];
+    for (int i = 0; i < N; i++) {
+        memset(&ref[i], 0, sizeof ref[i]);
+        ref[i].cl = cl;
+        snprintf(ref[i].request_id, sizeof ref[i].request_id, "ref-%d", i);
+        ref[i].prompt = code_prompts[i % 3];
+        ref[i].max_tokens = 64;
+        ref[i].temperature = i % 2 ? 0.8f : 0.0f;
+        ref[i].seed = 91 + (uint64_t)i;
+        ref[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
+        gs[i] = ref[i];
+        snprintf(gs[i].request_id, sizeof gs[i].request_id, "kill-%d", i);
+        gs[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT;
+    }
+    sg_run_all(ref, N);
+    static volatile int seen;
+    seen = 0;
+    for (int i = 0; i < N; i++) gs[i].seen = &seen;
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
+    int64_t t0 = h_now_ms();
+    while (__atomic_load_n(&seen, __ATOMIC_RELAXED) < 3 * N && h_now_ms() - t0 < 30000) h_sleep_ms(1);
+    int at = __atomic_load_n(&seen, __ATOMIC_RELAXED);
+    int slot = h_worker_slot(cl, 0, 1);
+    ASSERT_TRUE(slot >= 0);
+    h_proc_kill(&cl->workers[slot], SIGKILL);
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    printf("  killed after %d tokens\n", at);
+    for (int i = 0; i < N; i++) {
+        sg_same(cl, &ref[i], &gs[i]);
+        llm_generate_result_free(&gs[i].res);
+        llm_generate_result_free(&ref[i].res);
+    }
+    h_cluster_stop(cl);
+}
+
+/* stories260K as a "draft" of pycode: 512 tokens against 4096.  The
+ * worker stops at start with both files and both sizes named. */
+TEST(cluster_spec_draft_vocab_refused) {
+    char model[512], bad[512]; /* test_model_path's buffer is its own */
+    snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
+    snprintf(bad, sizeof bad, "%s", test_model_path(STORIES));
+    if (access(model, R_OK) != 0 || access(bad, R_OK) != 0) TEST_SKIP("%s or %s is missing", model, bad);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "timeout 60 %s --model %s --draft-model %s --router tcp://127.0.0.1:9 "
+             "--insecure --device cpu --threads 1 2>&1", H_WORKER, model, bad);
+    FILE *f = popen(cmd, "r");
+    ASSERT_TRUE(f != NULL);
+    static char out[16384];
+    size_t len = fread(out, 1, sizeof out - 1, f);
+    out[len] = 0;
+    int st = pclose(f);
+    printf("  llm-worker: exit %d: %s\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1, len > 400 ? out + len - 400 : out);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0 && WEXITSTATUS(st) != 124);
+    char want[1200];
+    snprintf(want, sizeof want, "draft %s has a vocabulary of 512 tokens (512 logits), the target %s "
+             "one of 4096 (4096 logits)", bad, model);
+    if (!strstr(out, want)) printf("  output:\n%s\n", out);
+    ASSERT_TRUE(strstr(out, want) != NULL);
+}
+
+TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_worker_killed,
+          cluster_spec_draft_vocab_refused)
