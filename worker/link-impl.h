@@ -22,6 +22,7 @@ struct link_conn {
     uint64_t epoch;
     uint64_t dropped[LINK_DROP_N]; /* messages a receiver dropped, by enum link_drop */
     uint64_t wire_sent;            /* bytes a sender put on the wire */
+    const _Atomic uint64_t *abort_gen; /* link_set_abort's, or NULL */
     char endpoint[256];
     char errstr[320];
 };

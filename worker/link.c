@@ -44,6 +44,8 @@ int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
 
 void link_set_epoch(link_conn *l, uint64_t epoch) { l->epoch = epoch; }
 
+void link_set_abort(link_conn *l, const _Atomic uint64_t *gen) { l->abort_gen = gen; }
+
 const char *const link_dtype_names[] = {"f32", "f16", "bf16", "int8", NULL};
 
 size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems) {

@@ -78,8 +78,9 @@ void link_free(link_conn *l);
  * device stream: buf may be reused once the call returns on ZeroMQ, once the
  * stream passes the send on NCCL).  buf NULL (bytes 0) on ZeroMQ tells the
  * receiver the step failed here (it gets LINK_SKIPPED).  Returns 0,
- * STATUS_TIMEOUT when the peer does not take it in time, or another
- * negative status (link_errstr says why). */
+ * STATUS_TIMEOUT when the peer does not take it in time, STATUS_CANCELLED
+ * when link_set_abort's generation moved meanwhile, or another negative
+ * status (link_errstr says why). */
 int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
 
 /* Receives step step_id's message into buf, which must be exactly bytes
@@ -95,6 +96,14 @@ int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
  * dropped and counted (link_dropped), and the wait goes on: it never fails
  * the step by itself; the timeout bounds the whole call. */
 int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
+
+/* A send of the ZeroMQ transport waiting for room (its next stage gone or
+ * slow) gives up with STATUS_CANCELLED as soon as *gen differs from its
+ * value when the send began.  The node bumps it when the router sends a
+ * new placement, so a stage whose next stage died does not wait out the
+ * link timeout on a step the new placement replaces before it can apply
+ * that placement.  gen (NULL: none) must outlive the link. */
+void link_set_abort(link_conn *l, const _Atomic uint64_t *gen);
 
 /* Messages from another epoch of the pipeline are stale: after
  * link_set_epoch a receiver drops those of older epochs, and senders stamp

@@ -15,6 +15,7 @@
 #include "common/zio.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +67,8 @@ struct link_zmq {
  * than LZ_FUTURE_FRESH_TIMEOUTS link timeouts no longer shortens waits, so
  * that a forged one (a plain link admits anyone) cannot do so for long. */
 #define LZ_EPOCH_GRACE_MS 100
+/* A send waiting for room looks for a new placement this often. */
+#define LZ_SEND_SLICE_MS 100
 #define LZ_FUTURE_FRESH_TIMEOUTS 10
 
 static void lz_put64(uint8_t *p, uint64_t v) {
@@ -122,6 +125,12 @@ static void lz_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_
     }
 }
 
+static int64_t lz_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes) {
     struct link_zmq *z = (struct link_zmq *)l;
     enum link_dtype t = buf ? z->dtype : LINK_DTYPE_F32;
@@ -150,7 +159,28 @@ static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes
     lz_put64(hdr + 16, step_id);
     lz_put64(hdr + 24, bytes);
     struct zio_frame f[2] = {{hdr, sizeof hdr, NULL, NULL}, {body, wire, NULL, NULL}};
-    int rc = zio_send(z->sock, f, 2, 0);
+    /* Wait for room in slices, so that a new placement (link_set_abort)
+     * ends the wait; the frames are copied on each try, the first part
+     * taken means the whole message is. */
+    const uint64_t gen0 = l->abort_gen ? atomic_load(l->abort_gen) : 0;
+    const int64_t deadline = z->timeout_ms < 0 ? -1 : lz_now_ms() + z->timeout_ms;
+    int rc;
+    for (;;) {
+        rc = zio_send(z->sock, f, 2, ZMQ_DONTWAIT);
+        if (rc != STATUS_EXHAUSTED) break;
+        if (l->abort_gen && atomic_load(l->abort_gen) != gen0)
+            return link_fail(l, STATUS_CANCELLED, "zmq link to %s: step %llu: a new placement arrived while "
+                             "waiting for the next stage", l->endpoint, (unsigned long long)step_id);
+        const int64_t left = deadline < 0 ? LZ_SEND_SLICE_MS : deadline - lz_now_ms();
+        if (left <= 0) break;
+        struct zio_sock *socks[1] = {z->sock};
+        const short ev[1] = {ZMQ_POLLOUT};
+        short rev[1] = {0};
+        if (zio_poll(socks, ev, rev, 1, left < LZ_SEND_SLICE_MS ? (int)left : LZ_SEND_SLICE_MS) < 0) {
+            rc = zio_err(z->sock);
+            break;
+        }
+    }
     if (rc == STATUS_EXHAUSTED)
         return link_fail(l, STATUS_TIMEOUT,
                          "zmq link to %s: step %llu (%zu bytes) not taken within %d ms: is the "
@@ -216,11 +246,6 @@ static void lz_drop(struct link_zmq *z, enum link_drop reason, const char *what)
             what, (unsigned long long)n, link_drop_name(reason));
 }
 
-static int64_t lz_now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
     struct link_zmq *z = (struct link_zmq *)l;
@@ -406,12 +431,11 @@ int link_zmq_init_curve(link_conn **out, void *ctx, enum link_dir dir, const cha
         /* nothing more to set up: reported below */
     } else if (dir == LINK_SEND) {
         /* IMMEDIATE: queue only to a connected peer, so a stage that is gone
-         * makes the send time out instead of piling up messages for it.
-         * With CURVE a peer counts as connected only after its handshake,
-         * so a listener that does not admit this key looks like one that is
-         * gone. */
+         * makes the send time out (lz_send waits up to the timeout) instead
+         * of piling up messages for it.  With CURVE a peer counts as
+         * connected only after its handshake, so a listener that does not
+         * admit this key looks like one that is gone. */
         rc = zio_set_int(z->sock, ZMQ_IMMEDIATE, 1);
-        if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDTIMEO, timeout_ms);
         if (rc == 0) rc = zio_set_int(z->sock, ZMQ_SNDHWM, 8);
         if (rc == 0) rc = zio_connect(z->sock, endpoint);
     } else {

@@ -126,6 +126,7 @@ struct node {
     uint64_t links_epoch;     /* epoch the NCCL links were made for */
     link_conn *rx;            /* from the previous stage */
     link_conn *tx;            /* to the next stage */
+    _Atomic uint64_t placements_sent; /* placements the io thread handed on (link_set_abort) */
     int links_ok;             /* the links this placement needs exist */
     char links_err[512];
 

@@ -117,6 +117,7 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         LOG(LL_INFO, "stage %d: sending hidden states to %s as %s", n->stage_index, next_ep, link_dtype_names[t]);
     }
     link_set_epoch(n->tx, n->epoch);
+    link_set_abort(n->tx, &n->placements_sent);
     return STATUS_OK;
 }
 

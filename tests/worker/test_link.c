@@ -13,7 +13,12 @@
 #include "tests/redis_fixture.h"
 #include "worker/link.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <time.h>
 #include <zmq.h>
 
@@ -276,6 +281,64 @@ TEST(link_zmq_peer_gone_times_out) {
     t_pair_close(&p);
 }
 
+/* A send waiting for a next stage that is not there gives up at the
+ * link's timeout, or as soon as the abort generation moves (a new
+ * placement), long before that timeout. */
+struct t_bump {
+    _Atomic uint64_t *gen;
+    int after_ms;
+};
+static void *t_bump_run(void *arg) {
+    struct t_bump *b = arg;
+    struct timespec ts = {b->after_ms / 1000, (long)(b->after_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    atomic_fetch_add(b->gen, 1);
+    return NULL;
+}
+
+TEST(link_zmq_send_gives_up_on_new_placement) {
+    char err[512], ep[64];
+    void *ctx = zmq_ctx_new();
+    ASSERT_TRUE(ctx != NULL);
+    /* An endpoint nobody listens on: a port held bound without listen()
+     * for the whole test, so connecting is refused and nothing else can
+     * take it. */
+    int hold = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_TRUE(hold >= 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(0, bind(hold, (struct sockaddr *)&a, sizeof a));
+    socklen_t alen = sizeof a;
+    ASSERT_EQ(0, getsockname(hold, (struct sockaddr *)&a, &alen));
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", (int)ntohs(a.sin_port));
+    link_conn *tx = NULL;
+    if (link_zmq_init(&tx, ctx, LINK_SEND, ep, 400, err, sizeof err) < 0) TEST_FAIL("%s", err);
+    float buf[64] = {0};
+    /* No abort generation: the timeout. */
+    int64_t t0 = t_now_ms();
+    ASSERT_EQ(STATUS_TIMEOUT, link_send(tx, 1, buf, sizeof buf));
+    int64_t waited = t_now_ms() - t0;
+    ASSERT_TRUE(waited >= 350 && waited < 5000);
+    link_free(tx);
+    /* A timeout of 20 s, and the generation bumped after 200 ms. */
+    if (link_zmq_init(&tx, ctx, LINK_SEND, ep, 20000, err, sizeof err) < 0) TEST_FAIL("%s", err);
+    _Atomic uint64_t gen = 5;
+    link_set_abort(tx, &gen);
+    struct t_bump b = {&gen, 200};
+    pthread_t th;
+    ASSERT_EQ(0, pthread_create(&th, NULL, t_bump_run, &b));
+    t0 = t_now_ms();
+    ASSERT_EQ(STATUS_CANCELLED, link_send(tx, 2, buf, sizeof buf));
+    waited = t_now_ms() - t0;
+    pthread_join(th, NULL);
+    ASSERT_TRUE(waited >= 150 && waited < 5000);
+    ASSERT_TRUE(strstr(link_errstr(tx), "new placement") != NULL);
+    link_free(tx);
+    zmq_ctx_term(ctx);
+    close(hold);
+}
+
 TEST(link_zmq_bad_endpoint) {
     void *ctx = zmq_ctx_new();
     link_conn *l = NULL;
@@ -483,6 +546,6 @@ TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_
           link_zmq_forged_future_never_blocks, link_zmq_later_epoch_kept_for_its_turn,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
           link_zmq_malformed_dropped_and_counted,
-          link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_bad_endpoint,
+          link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_send_gives_up_on_new_placement, link_zmq_bad_endpoint,
           link_nccl_two_gpus, link_nccl_needs_cuda_backend,
           link_zmq_curve_admits_only_the_predecessor, link_zmq_dtype_round_trip)
