@@ -111,10 +111,13 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
     char why[300];
     rc = proto_sampling_check(g->sampling, n_vocab, &sp, why, sizeof why);
     if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);
-    if (g->n > 1) {
-        return status_fail(err, errlen, STATUS_UNSUPPORTED,
-                           "request %s: n = %u: more than one completion per request is not "
-                           "supported yet; send %u requests", g->request_id, g->n, g->n);
+    if (g->n > PROTO_N_MAX) {
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "request %s: n = %u is more than %d",
+                           g->request_id, g->n, PROTO_N_MAX);
+    }
+    if (g->n_resume_from_choice > PROTO_N_MAX) {
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "request %s: resume_from_choice has %zu entries, "
+                           "more than %d", g->request_id, g->n_resume_from_choice, PROTO_N_MAX);
     }
     if ((int)g->spec < LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT ||
         (int)g->spec > LLM__GENERATE_REQUEST__SPEC__SPEC_AUTO) {
@@ -193,4 +196,13 @@ int proto_sampling_check(const Llm__SamplingParams *m, int32_t n_vocab, struct s
                            strncmp(why, "sampling.", 9) == 0 ? "" : "sampling.", why);
     }
     return 0;
+}
+
+uint64_t proto_choice_seed(uint64_t seed, uint32_t i) {
+    if (i == 0) return seed;
+    uint64_t x = seed + (uint64_t)i * 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x ? x : 1;
 }

@@ -18,6 +18,15 @@
 #define PROTO_STOP_STRING_BYTES_MAX 256
 #define PROTO_PRIORITY_MIN (-100)
 #define PROTO_PRIORITY_MAX 100
+/* Most choices one request may ask for (GenerateRequest.n). */
+#define PROTO_N_MAX 16
+
+/* The seed choice i of a request with seed `seed` samples with: seed itself
+ * for choice 0; for i > 0 the splitmix64 finalizer of
+ * seed + i * 0x9e3779b97f4a7c15 (never 0: 1 instead).  A request of n = 1
+ * with this seed makes the same tokens as choice i (docs/protocol.md,
+ * "Several choices"). */
+uint64_t proto_choice_seed(uint64_t seed, uint32_t i);
 
 /* Copies m into *p (m NULL: all defaults, i.e. greedy).  No range checks
  * beyond what the struct can hold: more than SAMPLING_STOP_IDS_MAX stop ids

@@ -24,6 +24,10 @@
 #define PROTO_FRAME_MAX ((size_t)64 << 20)
 /* Client request ids: 1..PROTO_REQUEST_ID_MAX bytes of printable ASCII. */
 #define PROTO_REQUEST_ID_MAX 128
+/* The router's name of one choice of a request of n > 1: the client's id,
+ * then " <choice>" for choices 1.. (a space, which no client id holds;
+ * docs/protocol.md, "Several choices").  Room for that suffix. */
+#define PROTO_REQUEST_KEY_MAX (PROTO_REQUEST_ID_MAX + 8)
 
 /* --- Packing ---------------------------------------------------------------
  * Sets env->version to PROTO_VERSION and packs env into a new buffer.

@@ -577,7 +577,7 @@ static int reqstore_take(reqstore *rs, const struct rconn_entry *e, struct reqst
     for (size_t i = 0; id && i < l->n; i++)
         if (strcmp(l->items[i].id, id) == 0 && strcmp(l->items[i].owner, owner) == 0) return STATUS_OK;
     struct reqrec r;
-    int rc = id && idlen <= PROTO_REQUEST_ID_MAX ? reqstore_load_hash(rs, owner, id, &r) : STATUS_NOT_FOUND;
+    int rc = id && idlen <= PROTO_REQUEST_KEY_MAX ? reqstore_load_hash(rs, owner, id, &r) : STATUS_NOT_FOUND;
     if (rc == STATUS_UNAVAILABLE || rc == STATUS_TIMEOUT || rc == STATUS_NO_MEMORY) return rc;
     if (rc < 0 || r.state == REQREC_DONE) {
         if (rc < 0)

@@ -49,7 +49,7 @@ enum reqrec_state { REQREC_QUEUED = 0, REQREC_DONE = 1 };
 /* One request as stored.  Every pointer is owned by the record: free it
  * with reqrec_free (a zeroed record is empty; reqrec_free leaves it so). */
 struct reqrec {
-    char id[PROTO_REQUEST_ID_MAX + 1];
+    char id[PROTO_REQUEST_KEY_MAX + 1]; /* a choice's: "<id> <choice>" (server-impl.h) */
     uint8_t *params; /* packed GenerateRequest, canonical (see server.c) */
     size_t params_len;
     int32_t *prompt;

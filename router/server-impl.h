@@ -44,7 +44,14 @@ struct lp {
 struct pipe;
 
 struct req {
-    char id[PROTO_REQUEST_ID_MAX + 1];
+    char id[PROTO_REQUEST_KEY_MAX + 1]; /* in memory and Redis: the client's id, " <choice>" for choices 1.. */
+    /* A request of n > 1 (docs/protocol.md, "Several choices") is n of
+     * these, one per choice, each with its own Redis state, seed
+     * (proto_choice_seed) and sequence: cid is the client's id, choice the
+     * index its chunks and GenerateDone carry; choice 0 has id == cid and
+     * is the one a re-attach or cancel finds first. */
+    char cid[PROTO_REQUEST_ID_MAX + 1];
+    uint32_t choice, n_choices;
     struct req *hnext;             /* by id */
     struct req *snext;             /* by seq id, while assigned */
     struct req *prev, *next;       /* every request in memory */

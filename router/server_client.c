@@ -23,6 +23,8 @@ static int canonical_params_as(const Llm__GenerateRequest *g, bool seed_zero, ui
     Llm__SamplingParams sp;
     c.stream = false;
     c.resume_from = 0;
+    c.n_resume_from_choice = 0;
+    c.resume_from_choice = NULL;
     c.timeout_ms = 0;
     if (seed_zero && g->sampling) {
         sp = *g->sampling;
@@ -109,6 +111,114 @@ static void note_foreign_id(server *s, const char *id, bool cancel) {
             s->peer_key, (unsigned long long)seen);
 }
 
+/* What a re-attached client missed of q, from token from on: the whole
+ * rest and its GenerateDone when q is done, else (streaming) what is
+ * sendable now; the rest streams as it comes. */
+static void reattach_replay(server *s, struct req *q, int32_t from, const uint8_t *ident, size_t ident_len) {
+    if (q->state == REQ_DONE) {
+        req_send_chunk(s, q, from, q->n_out, req_text_offset(s, q, from), q->text_len);
+        req_send_done(s, q, ident, ident_len);
+        return;
+    }
+    if (q->finishing) return; /* its end goes out with this loop's flush */
+    if (q->stream) {
+        size_t sendable = q->text_len - req_stop_hold(q);
+        size_t t0 = req_text_offset(s, q, from);
+        if (sendable < t0) sendable = t0;
+        /* The tokens streamed already end a chunk of their own: a client
+         * that re-attached twice from one position (two gaps before the
+         * first replay came) has them by the time this replay comes, and
+         * a chunk that straddles what a client has cannot be split by
+         * text, so the text of the new tokens after them would be lost
+         * (clients/c drops it). */
+        if (q->n_sent > from && q->n_sent < q->n_out) {
+            size_t tm = q->text_sent < t0 ? t0 : q->text_sent > sendable ? sendable : q->text_sent;
+            req_send_chunk(s, q, from, q->n_sent, t0, tm);
+            from = q->n_sent;
+            t0 = tm;
+        }
+        req_send_chunk(s, q, from, q->n_out, t0, sendable);
+        q->n_sent = q->n_out;
+        q->text_sent = sendable;
+    }
+}
+
+/* Choice i (1..n-1) of the request whose choice 0 is first
+ * (docs/protocol.md, "Several choices"): in memory, else loaded from
+ * Redis, else (create) stored now from first's record with its own seed
+ * (a new request, or a router that stopped between storing choice 0 and
+ * the others).  Returns it, or NULL with err filled. */
+static struct req *choice_get(server *s, struct req *first, uint32_t i, bool create, char *err, size_t errlen) {
+    char id[PROTO_REQUEST_KEY_MAX + 1];
+    snprintf(id, sizeof id, "%s %u", first->cid, i);
+    struct req *q = req_find(s, first->owner, id);
+    if (q) return q;
+    if (!s->rs) {
+        snprintf(err, errlen, "request %s: choice %u: the router cannot reach Redis", first->cid, i);
+        return NULL;
+    }
+    struct reqrec r;
+    int rc = reqstore_load(s->rs, first->owner, id, &r);
+    if (rc == STATUS_NOT_FOUND && create) {
+        memset(&r, 0, sizeof r);
+        snprintf(r.id, sizeof r.id, "%s", id);
+        snprintf(r.owner, sizeof r.owner, "%s", first->owner);
+        r.params = malloc(first->params_len + 1);
+        r.prompt = malloc((size_t)first->n_prompt * sizeof *r.prompt);
+        if (!r.params || !r.prompt) {
+            reqrec_free(&r);
+            snprintf(err, errlen, "request %s: choice %u: router out of memory", first->cid, i);
+            return NULL;
+        }
+        memcpy(r.params, first->params, first->params_len);
+        r.params_len = first->params_len;
+        memcpy(r.prompt, first->prompt, (size_t)first->n_prompt * sizeof *r.prompt);
+        r.n_prompt = first->n_prompt;
+        r.seed = proto_choice_seed(first->seed, i);
+        r.created_ms = first->created_ms;
+        r.deadline_ms = first->deadline_ms;
+        r.state = REQREC_QUEUED;
+        rc = reqstore_create(s->rs, &r);
+        if (rc < 0) reqrec_free(&r);
+    }
+    if (rc < 0) {
+        snprintf(err, errlen, "request %s: choice %u: %s", first->cid, i,
+                 rc == STATUS_NOT_FOUND ? "not found" : reqstore_errstr(s->rs));
+        return NULL;
+    }
+    q = req_new(s, &r, err, errlen);
+    bool queued = r.state == REQREC_QUEUED;
+    reqrec_free(&r);
+    if (q && queued) req_queue_push(s, q);
+    return q;
+}
+
+/* Choices 1..n-1 of first's request join the client's connection: made
+ * if missing, and (replay: a re-attach) each replays what the client has
+ * not got of it, from resume_from_choice[i], as choice 0 does.  Returns 0,
+ * or a negative status with err (the choices before stay attached; a
+ * retry of the request attaches the rest). */
+static int choices_attach(server *s, struct req *first, const Llm__GenerateRequest *g, const uint8_t *ident,
+                          size_t ident_len, bool replay, char *err, size_t errlen) {
+    for (uint32_t i = 1; i < first->n_choices; i++) {
+        struct req *q = choice_get(s, first, i, true, err, errlen);
+        if (!q) return STATUS_UNAVAILABLE;
+        q->client_seen_ms = server_now_ms();
+        memcpy(q->ident, ident, ident_len);
+        q->ident_len = ident_len;
+        q->stream = g->stream;
+        uint32_t have = i < g->n_resume_from_choice ? g->resume_from_choice[i] : 0;
+        if (!replay) {
+            q->resume_from = have; /* run again for a client that has some (on_generate) */
+            continue;
+        }
+        int32_t from = (int32_t)(have < (uint32_t)q->n_out ? have : (uint32_t)q->n_out);
+        q->resume_from = (uint32_t)from;
+        reattach_replay(s, q, from, ident, ident_len);
+    }
+    return 0;
+}
+
 static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, const uint8_t *ident,
                      size_t ident_len, uint64_t tag) {
     bool same = false;
@@ -140,32 +250,11 @@ static void reattach(server *s, struct req *q, const Llm__GenerateRequest *g, co
     q->resume_from = (uint32_t)from;
     send_accepted(s, q, tag, true, 0);
     LOG(LL_INFO, "request %s: re-attached, %d tokens so far, replay from %d", q->id, q->n_out, from);
-    if (q->state == REQ_DONE) {
-        req_send_chunk(s, q, from, q->n_out, req_text_offset(s, q, from), q->text_len);
-        req_send_done(s, q, ident, ident_len);
-        return;
-    }
-    if (q->finishing) return; /* its end goes out with this loop's flush */
-    if (q->stream) {
-        size_t sendable = q->text_len - req_stop_hold(q);
-        size_t t0 = req_text_offset(s, q, from);
-        if (sendable < t0) sendable = t0;
-        /* The tokens streamed already end a chunk of their own: a client
-         * that re-attached twice from one position (two gaps before the
-         * first replay came) has them by the time this replay comes, and
-         * a chunk that straddles what a client has cannot be split by
-         * text, so the text of the new tokens after them would be lost
-         * (clients/c drops it). */
-        if (q->n_sent > from && q->n_sent < q->n_out) {
-            size_t tm = q->text_sent < t0 ? t0 : q->text_sent > sendable ? sendable : q->text_sent;
-            req_send_chunk(s, q, from, q->n_sent, t0, tm);
-            from = q->n_sent;
-            t0 = tm;
-        }
-        req_send_chunk(s, q, from, q->n_out, t0, sendable);
-        q->n_sent = q->n_out;
-        q->text_sent = sendable;
-    }
+    reattach_replay(s, q, from, ident, ident_len);
+    char err[256];
+    if (choices_attach(s, q, g, ident, ident_len, true, err, sizeof err) < 0)
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, q->cid, err,
+                                 SERVER_RETRY_AFTER_MS);
 }
 
 static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
@@ -393,11 +482,18 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
     uint32_t position = queue_depth(s);
     req_queue_push(s, q);
     s->requests_total++;
+    if (choices_attach(s, q, g, ident, ident_len, false, err, sizeof err) < 0) {
+        /* Choice 0 is durable and runs; the retry re-attaches and makes
+         * the choices still missing. */
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, err,
+                                 SERVER_RETRY_AFTER_MS);
+        return;
+    }
     send_accepted(s, q, tag, false, position);
-    LOG(LL_INFO, "request %s: accepted%s, %d prompt tokens, max_tokens %u%s, priority %d, seed %llu", q->id,
-        resumed ? " again (its state was gone; the client has some tokens)" : "", q->n_prompt,
+    LOG(LL_INFO, "request %s: accepted%s, %d prompt tokens, max_tokens %u%s, priority %d, seed %llu, %u choice%s",
+        q->id, resumed ? " again (its state was gone; the client has some tokens)" : "", q->n_prompt,
         (uint32_t)(q->limit - q->n_prompt), clamped ? " (clamped to the context left)" : "", q->priority,
-        (unsigned long long)q->seed);
+        (unsigned long long)q->seed, q->n_choices, q->n_choices == 1 ? "" : "s");
 }
 
 static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag, const Llm__Cancel *c) {
@@ -421,18 +517,27 @@ static void on_cancel(server *s, const uint8_t *ident, size_t ident_len, uint64_
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, rid, msg, 0);
         return;
     }
-    if (q->state == REQ_DONE) {
-        req_send_done(s, q, ident, ident_len);
-        return;
+    /* Every choice of it (docs/protocol.md, "Several choices"). */
+    struct req *first = q;
+    for (uint32_t i = 0; i < first->n_choices; i++) {
+        char err[256];
+        if (i > 0 && !(q = choice_get(s, first, i, false, err, sizeof err))) {
+            LOG(LL_WARN, "cancel: %s", err);
+            continue;
+        }
+        if (q->state == REQ_DONE) {
+            req_send_done(s, q, ident, ident_len);
+            continue;
+        }
+        req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, -1, NULL, LLM__ERROR__CODE__CANCELLED,
+                "cancelled by the client");
+        if (q->ident_len != ident_len || memcmp(q->ident, ident, ident_len) != 0) {
+            /* The canceller gets the GenerateDone too. */
+            req_flush_touched(s);
+            req_send_done(s, q, ident, ident_len);
+        }
+        LOG(LL_INFO, "request %s: cancelled", q->id);
     }
-    req_end(s, q, LLM__GENERATE_DONE__FINISH_REASON__CANCELLED, -1, NULL, LLM__ERROR__CODE__CANCELLED,
-            "cancelled by the client");
-    if (q->ident_len != ident_len || memcmp(q->ident, ident, ident_len) != 0) {
-        /* The canceller gets the GenerateDone too. */
-        req_flush_touched(s);
-        req_send_done(s, q, ident, ident_len);
-    }
-    LOG(LL_INFO, "request %s: cancelled", q->id);
 }
 
 static void on_health(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag) {

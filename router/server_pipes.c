@@ -307,6 +307,13 @@ void pipes_assign(server *s) {
         }
         if (!best) break;
         if (held && held_load - best_load <= prefix_slack(held)) best = held;
+        /* The choices of one request go where its choice 0 went, so that
+         * they share its prompt's blocks (docs/protocol.md, "Several
+         * choices"). */
+        struct req *first = q->choice > 0 ? req_find(s, q->owner, q->cid) : NULL;
+        if (first && first->state == REQ_ASSIGNED && first->pipe && first->pipe->sched &&
+            !registry_pipeline_draining(s->reg, first->pipe->p))
+            best = first->pipe;
         int32_t cap = pipe_capacity_tokens(best);
         if (q->limit > cap) q->limit = cap;
         if (n >= q->limit) {

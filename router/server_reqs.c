@@ -101,6 +101,9 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
     struct req *q = calloc(1, sizeof *q);
     if (!q) goto oom;
     snprintf(q->id, sizeof q->id, "%s", r->id);
+    const char *sp = strchr(q->id, ' ');
+    snprintf(q->cid, sizeof q->cid, "%.*s", sp ? (int)(sp - q->id) : (int)strlen(q->id), q->id);
+    q->choice = sp ? (uint32_t)strtoul(sp + 1, NULL, 10) : 0;
     q->params = malloc(r->params_len + 1);
     q->prompt = malloc((size_t)r->n_prompt * sizeof *q->prompt);
     q->cap_out = r->n_gen + 64;
@@ -144,6 +147,7 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
     q->created_ms = r->created_ms;
     q->deadline_ms = r->deadline_ms;
     q->priority = q->gen->priority;
+    q->n_choices = q->gen->n > 1 ? q->gen->n : 1;
     int64_t limit = q->gen->max_tokens ? (int64_t)q->n_prompt + q->gen->max_tokens : s->mi.n_ctx;
     q->limit = (int32_t)(limit < s->mi.n_ctx ? limit : s->mi.n_ctx);
     q->order = ++s->next_order;
@@ -253,7 +257,8 @@ static size_t req_token_text(server *s, int32_t token, char *buf, size_t size) {
 void req_send_chunk(server *s, struct req *q, int32_t from, int32_t to, size_t t0, size_t t1) {
     if (to <= from && t1 <= t0) return;
     Llm__GenerateChunk c = LLM__GENERATE_CHUNK__INIT;
-    c.request_id = q->id;
+    c.request_id = q->cid;
+    c.choice = q->choice;
     c.index = (uint32_t)from;
     c.n_token_ids = (size_t)(to > from ? to - from : 0);
     c.token_ids = q->out + from;
@@ -318,7 +323,8 @@ void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_
     Llm__GenerateDone d = LLM__GENERATE_DONE__INIT;
     Llm__GenerateDone__Usage u = LLM__GENERATE_DONE__USAGE__INIT;
     Llm__Error e;
-    d.request_id = q->id;
+    d.request_id = q->cid;
+    d.choice = q->choice;
     d.finish_reason = (Llm__GenerateDone__FinishReason)q->finish;
     u.prompt_tokens = (uint32_t)q->n_prompt;
     u.completion_tokens = (uint32_t)q->n_out;
@@ -326,7 +332,7 @@ void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_
     d.stop_token = q->stop_token;
     d.stop_string = q->stop_string ? q->stop_string : "";
     if (q->error_code != LLM__ERROR__CODE__OK) {
-        proto_error_init(&e, (Llm__Error__Code)q->error_code, q->id, q->error_message, 0);
+        proto_error_init(&e, (Llm__Error__Code)q->error_code, q->cid, q->error_message, 0);
         d.error = &e;
     }
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;

@@ -84,6 +84,9 @@ void llm_generate_result_free(struct llm_generate_result *r) {
     free(r->prompt_ids);
     r->prompt_ids = NULL;
     r->n_prompt_ids = 0;
+    free(r->choices);
+    r->choices = NULL;
+    r->n_choices = 0;
 }
 
 const char *llm_finish_reason_name(Llm__GenerateDone__FinishReason r) {
@@ -508,6 +511,18 @@ int llm_client_probe(llm_client *c, int timeout_ms) {
 /* ---- generation --------------------------------------------------------- */
 
 static void client_fill_done(struct llm_generate_result *res, const Llm__GenerateDone *d) {
+    if (res->choices && d->choice < res->n_choices) {
+        struct llm_choice_done *ch = &res->choices[d->choice];
+        ch->finish_reason = d->finish_reason;
+        ch->completion_tokens = d->usage ? d->usage->completion_tokens : 0;
+        ch->stop_token = d->stop_token;
+        snprintf(ch->stop_string, sizeof ch->stop_string, "%s", d->stop_string ? d->stop_string : "");
+        if (d->error) {
+            ch->error_code = d->error->code;
+            snprintf(ch->error_message, sizeof ch->error_message, "%s", d->error->message);
+        }
+    }
+    if (d->choice != 0) return;
     res->finish_reason = d->finish_reason;
     if (d->usage) {
         res->prompt_tokens = d->usage->prompt_tokens;
@@ -551,7 +566,11 @@ struct client_gen {
     struct llm_generate_result *res;
     llm_chunk_fn on_chunk;
     void *ud;
-    uint32_t have;       /* completion tokens passed on */
+    uint32_t have;       /* completion tokens passed on (choice being handled) */
+    uint32_t n;          /* choices */
+    uint32_t haves[PROTO_N_MAX]; /* completion tokens passed on, per choice */
+    bool done[PROTO_N_MAX];
+    uint32_t n_done;
     bool accepted;       /* an Accepted came on this connection */
     bool cancel;         /* the callback asked to stop */
     bool cancel_sent;    /* on this connection */
@@ -561,7 +580,23 @@ struct client_gen {
 /* Passes on the tokens of a chunk the caller does not have yet.  Returns
  * 1 when the chunk leaves a gap (tokens missing before it): the caller
  * re-attaches from what it has. */
+static int client_gen_chunk_one(struct client_gen *g, const Llm__GenerateChunk *ch);
+
+/* Tokens of one choice: its own count of tokens had (haves). */
 static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) {
+    if (ch->choice >= g->n) {
+        LOG(LL_WARN, "client: request %s: chunk of choice %u, but %u asked for; dropped", g->res->request_id,
+            ch->choice, g->n);
+        return 0;
+    }
+    g->have = g->haves[ch->choice];
+    int rc = client_gen_chunk_one(g, ch);
+    g->haves[ch->choice] = g->have;
+    g->have = g->haves[0];
+    return rc;
+}
+
+static int client_gen_chunk_one(struct client_gen *g, const Llm__GenerateChunk *ch) {
     uint32_t end = ch->index + (uint32_t)ch->n_token_ids;
     if (end <= g->have) {
         g->res->duplicates_dropped += (uint32_t)ch->n_token_ids;
@@ -573,7 +608,7 @@ static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) 
         return 1;
     }
     uint32_t skip = g->have - ch->index;
-    struct llm_chunk out = {g->res->request_id, g->have, ch->token_ids + skip,
+    struct llm_chunk out = {g->res->request_id, ch->choice, g->have, ch->token_ids + skip,
                             ch->n_token_ids - skip, ch->text, strlen(ch->text), NULL, 0};
     /* Logprobs as plain structs pointing into the decoded frame: one array
      * of tokens and one of their alternatives, for this chunk only. */
@@ -618,8 +653,8 @@ static int client_gen_chunk(struct client_gen *g, const Llm__GenerateChunk *ch) 
         out.text = "";
         out.text_len = 0;
     }
+    g->res->tokens_received += end - g->have;
     g->have = end;
-    g->res->tokens_received = end;
     if (g->on_chunk && !g->cancel && g->on_chunk(g->ud, &out) != 0) g->cancel = true;
     free(lps);
     free(tops);
@@ -675,7 +710,18 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
     env.generate = &gr;
 
-    struct client_gen g = {c, res, on_chunk, ud, 0, false, false, false, false};
+    if (p->n > PROTO_N_MAX) {
+        client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: n = %u is more than %d", p->n, PROTO_N_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    gr.n = p->n;
+    struct client_gen g = {.c = c, .res = res, .on_chunk = on_chunk, .ud = ud, .n = p->n > 1 ? p->n : 1};
+    res->n_choices = g.n;
+    res->choices = g.n > 1 ? calloc(g.n, sizeof *res->choices) : NULL;
+    if (g.n > 1 && !res->choices) {
+        client_seterr(c, LLM__ERROR__CODE__OK, "generate: out of memory");
+        return STATUS_NO_MEMORY;
+    }
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
     /* Progress (an acceptance, new tokens) bounds the call by cfg.retry_ms;
@@ -690,7 +736,9 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     const char *lost_why = NULL;
     for (;;) {
         if (need_send) {
-            gr.resume_from = g.have;
+            gr.resume_from = g.haves[0];
+            gr.resume_from_choice = g.haves;
+            gr.n_resume_from_choice = g.n > 1 ? g.n : 0;
             env.tag = tag = c->next_tag++;
             g.accepted = false;
             g.cancel_sent = false;
@@ -761,7 +809,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     break;
                 }
                 case LLM__CLIENT_ENVELOPE__BODY_CHUNK:
-                    if (in->chunk->index + (uint32_t)in->chunk->n_token_ids > g.have)
+                    if (in->chunk->choice < g.n &&
+                        in->chunk->index + (uint32_t)in->chunk->n_token_ids > g.haves[in->chunk->choice])
                         last_progress = client_now_ms();
                     if (client_gen_chunk(&g, in->chunk)) {
                         res->reattaches++;
@@ -769,9 +818,15 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     }
                     break;
                 case LLM__CLIENT_ENVELOPE__BODY_DONE:
-                    client_fill_done(res, in->done);
+                    if (in->done->choice < g.n && !g.done[in->done->choice]) {
+                        client_fill_done(res, in->done);
+                        g.done[in->done->choice] = true;
+                        g.n_done++;
+                    }
                     proto_client_free(in);
-                    return 0;
+                    if (g.n_done == g.n) return 0;
+                    last_progress = client_now_ms();
+                    continue;
                 case LLM__CLIENT_ENVELOPE__BODY_ERROR: {
                     const Llm__Error *e = in->error;
                     bool retry = e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0;

@@ -143,6 +143,11 @@ struct llm_generate_params {
     int64_t deadline_ms;            /* absolute Unix ms; 0: none */
     uint32_t timeout_ms;            /* relative to acceptance; 0: none */
     bool stream;                    /* false: one chunk just before done */
+    /* Choices (completions) of the prompt: 0 and 1 mean one, at most
+     * PROTO_N_MAX.  Choice i samples with proto_choice_seed(seed, i), the
+     * choices share the prompt's KV blocks, and the call returns once
+     * every choice is done (docs/protocol.md, "Several choices"). */
+    uint32_t n;
     /* The client's own bound on the whole call, re-attaches included:
      * after this long it returns STATUS_TIMEOUT (the request itself goes
      * on in the cluster; re-attach or cancel it by id); 0: no bound. */
@@ -178,6 +183,7 @@ struct llm_token_logprob {
  * valid during the call only. */
 struct llm_chunk {
     const char *request_id;
+    uint32_t choice;                /* which choice (0 .. n-1) the tokens are */
     uint32_t index;                 /* position of token_ids[0] among the completion tokens */
     const int32_t *token_ids;
     size_t n_tokens;
@@ -222,8 +228,23 @@ struct llm_generate_result {
      * before a retry (Error.retry_after_ms; 0: retrying will not help, or
      * no refusal).  Also llm_client_retry_after_ms. */
     uint32_t retry_after_ms;
+    /* n > 1: each choice's end, n_choices of them (malloc'ed, freed by
+     * llm_generate_result_free); the GenerateDone fields above are choice
+     * 0's, tokens_received counts every choice.  n <= 1: NULL, n_choices
+     * 1, the fields above are the one choice's. */
+    struct llm_choice_done *choices;
+    uint32_t n_choices;
 };
-/* Frees prompt_ids; the result can then be reused.  NULL is fine. */
+struct llm_choice_done {
+    Llm__GenerateDone__FinishReason finish_reason;
+    uint32_t completion_tokens;
+    int32_t stop_token;
+    char stop_string[PROTO_STOP_STRING_BYTES_MAX + 1];
+    Llm__Error__Code error_code;
+    char error_message[512];
+};
+/* Frees prompt_ids and choices; the result can then be reused.  NULL is
+ * fine. */
 void llm_generate_result_free(struct llm_generate_result *r);
 
 /* Runs one request to its end: sends it, streams its tokens to on_chunk

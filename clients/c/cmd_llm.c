@@ -14,6 +14,7 @@
 #include "common/unicode.h"
 
 #include <cjson/cJSON.h>
+#include <assert.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -61,9 +62,11 @@ static void llm_global_defs(struct llm_global *g, struct option_def *d) {
  * go on, else the exit code (0 after --help, 2 for a bad flag). */
 static int llm_parse_sub(struct llm_global *g, const char *name, const char *usage, const char *about,
                          const struct option_def *sub, int n_sub, int *argc, char **argv) {
-    struct option_def defs[24 + LLM_N_GLOBAL];
+    enum { N_SUB_MAX = 32 };
+    struct option_def defs[N_SUB_MAX + LLM_N_GLOBAL];
     static char values[LLM_N_GLOBAL][512];
-    if (n_sub > 24) n_sub = 24;
+    /* A subcommand with more options is a bug here, not bad input. */
+    assert(n_sub <= N_SUB_MAX);
     memcpy(defs, sub, (size_t)n_sub * sizeof *defs);
     llm_global_defs(g, defs + n_sub);
     for (int i = 0; i < LLM_N_GLOBAL; i++) {
@@ -283,11 +286,27 @@ static void llm_on_sigint(int sig) {
     llm_interrupted = 1;
 }
 
+static int llm_gen_keep(struct llm_gen_out *o, const struct llm_chunk *ch);
+
 static int llm_gen_chunk(void *ud, const struct llm_chunk *ch) {
     struct llm_gen_out *o = ud;
     if (llm_interrupted) return 1;
     fwrite(ch->text, 1, ch->text_len, stdout);
     fflush(stdout);
+    return llm_gen_keep(o, ch);
+}
+
+/* --n > 1: each choice's tokens kept apart (ud: PROTO_N_MAX outputs),
+ * printed once all are done. */
+static int llm_gen_chunk_choices(void *ud, const struct llm_chunk *ch) {
+    struct llm_gen_out *outs = ud;
+    if (llm_interrupted) return 1;
+    return ch->choice < PROTO_N_MAX ? llm_gen_keep(&outs[ch->choice], ch) : 0;
+}
+
+/* Keeps a chunk's ids, text and logprobs in o; 1 (cancel) when out of
+ * memory. */
+static int llm_gen_keep(struct llm_gen_out *o, const struct llm_chunk *ch) {
     if (o->n + ch->n_tokens > o->cap) {
         size_t cap = o->cap ? o->cap : 64;
         while (cap < o->n + ch->n_tokens) cap *= 2;
@@ -382,6 +401,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
     const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL;
     bool json_object = false;
+    int n_choices = 1;
     int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n, spec = 0, spec_tokens;
     /* GenerateRequest.Spec's values, in order. */
     static const char *const spec_modes[] = {"default", "off", "ngram", "draft", "auto", NULL};
@@ -425,6 +445,9 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
          "the output is the same, only faster or not", &spec, 0, 0, spec_modes},
         {"spec-tokens", NULL, OPTION_INT, "0", "drafted tokens a step verifies at most (0: the router's "
          "--spec-tokens)", &spec_tokens, 0, 16, NULL},
+        {"n", NULL, OPTION_INT, "1", "choices (completions) to generate, on the prompt's shared KV blocks; "
+         "choice i samples with a seed derived from --seed and i (docs/protocol.md, \"Several choices\"); "
+         "each is printed whole once all are done", &n_choices, 1, PROTO_N_MAX, NULL},
     };
     int rc = llm_parse_sub(gl, "llm generate", "--prompt TEXT [options]",
                            "Generates a continuation of the prompt on the cluster.", defs,
@@ -489,6 +512,8 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.json_object = json_object;
     p.spec = spec;
     p.spec_tokens = (uint32_t)spec_tokens;
+    p.n = (uint32_t)n_choices;
+    static struct llm_gen_out outs[PROTO_N_MAX];
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
     struct sigaction sa;
@@ -496,13 +521,32 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     sa.sa_handler = llm_on_sigint;
     sa.sa_flags = SA_RESETHAND;
     sigaction(SIGINT, &sa, NULL);
-    rc = llm_client_generate(c, &p, llm_gen_chunk, &out, &r);
+    rc = n_choices > 1 ? llm_client_generate(c, &p, llm_gen_chunk_choices, outs, &r)
+                       : llm_client_generate(c, &p, llm_gen_chunk, &out, &r);
+    if (n_choices > 1) {
+        out = outs[0]; /* choice 0 is the output the single-choice fields show */
+        outs[0] = (struct llm_gen_out){0};
+    }
     int exit_code = 0;
     if (rc < 0) {
         fflush(stdout);
         fprintf(stderr, "llm: %s\n", llm_client_errstr(c));
         exit_code = 1;
     } else {
+        if (n_choices > 1 && !json) {
+            /* Each choice whole, choice 0 first, under a line naming it. */
+            for (int i = 0; i < n_choices; i++) {
+                const struct llm_gen_out *o = i == 0 ? &out : &outs[i];
+                printf("[choice %d: %s, %zu tokens]\n%s\n", i,
+                       llm_finish_reason_name(r.choices ? r.choices[i].finish_reason : r.finish_reason), o->n,
+                       o->text ? o->text : "");
+                if (r.choices && r.choices[i].finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
+                    fprintf(stderr, "llm: request %s choice %d failed: %s: %s\n", r.request_id, i,
+                            proto_code_name(r.choices[i].error_code), r.choices[i].error_message);
+                    exit_code = 1;
+                }
+            }
+        }
         printf("\n");
         /* The router clamps a max_tokens that runs past the model's context
          * rather than refusing it: say so, since the text may end sooner
@@ -535,6 +579,22 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
             cJSON_AddStringToObject(j, "request_id", r.request_id);
             cJSON_AddStringToObject(j, "finish_reason", llm_finish_reason_name(r.finish_reason));
             if (r.stop_string[0]) cJSON_AddStringToObject(j, "stop_string", r.stop_string);
+            if (n_choices > 1) {
+                /* Every choice, choice 0 (the fields above) included. */
+                cJSON *a = cJSON_AddArrayToObject(j, "choices");
+                for (int i = 0; i < n_choices; i++) {
+                    const struct llm_gen_out *o = i == 0 ? &out : &outs[i];
+                    cJSON *ch = cJSON_CreateObject();
+                    cJSON_AddNumberToObject(ch, "index", i);
+                    cJSON_AddItemToObject(ch, "ids", llm_json_ids(o->ids, o->n));
+                    cJSON_AddStringToObject(ch, "text", o->text ? o->text : "");
+                    cJSON_AddStringToObject(ch, "finish_reason", llm_finish_reason_name(
+                        r.choices ? r.choices[i].finish_reason : r.finish_reason));
+                    if (r.choices && r.choices[i].stop_string[0])
+                        cJSON_AddStringToObject(ch, "stop_string", r.choices[i].stop_string);
+                    cJSON_AddItemToArray(a, ch);
+                }
+            }
             if (logprobs >= 0) {
                 cJSON *a = cJSON_AddArrayToObject(j, "logprobs");
                 for (size_t i = 0; i < out.n_lps; i++) {
@@ -555,6 +615,11 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     llm_lp_free(&out);
     free(out.ids);
     free(out.text);
+    for (int i = 1; i < n_choices; i++) {
+        llm_lp_free(&outs[i]);
+        free(outs[i].ids);
+        free(outs[i].text);
+    }
     llm_client_close(c);
     free(constraint);
     return exit_code;

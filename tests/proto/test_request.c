@@ -236,9 +236,24 @@ TEST(request_constraints_checked) {
     r.g.n = 1;
     ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
     r.g.n = 4;
-    EXPECT_REFUSED(r, STATUS_UNSUPPORTED, "request req-1: n = 4: more than one completion per "
-                   "request is not supported yet; send 4 requests");
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    r.g.n = PROTO_N_MAX + 1;
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "request req-1: n = 17 is more than 16");
+}
+
+/* Choice 0 keeps the request's seed; the others differ from it and from
+ * each other, and never are 0 (a seed the router would replace). */
+TEST(request_choice_seeds) {
+    ASSERT_EQ((uint64_t)42, proto_choice_seed(42, 0));
+    uint64_t seen[PROTO_N_MAX];
+    for (uint32_t i = 0; i < PROTO_N_MAX; i++) {
+        seen[i] = proto_choice_seed(42, i);
+        ASSERT_TRUE(seen[i] != 0);
+        for (uint32_t k = 0; k < i; k++) ASSERT_TRUE(seen[k] != seen[i]);
+    }
+    ASSERT_EQ(seen[3], proto_choice_seed(42, 3)); /* a function of (seed, i) only */
+    ASSERT_TRUE(proto_choice_seed(43, 1) != seen[1]);
 }
 
 TEST_MAIN(request_valid_passes, request_constraints_checked, request_empty_prompt_passes, request_invalid_fields_named,
-          request_sampling_converts_both_ways)
+          request_sampling_converts_both_ways, request_choice_seeds)

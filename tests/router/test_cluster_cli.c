@@ -314,6 +314,26 @@ TEST(cluster_cli_up_generate_status_down) {
     ASSERT_EQ(0, rc);
     ASSERT_TRUE(same);
 
+    /* --n 3: a "choices" array of three, choice 0 the top-level output. */
+    snprintf(script, sizeof script, ". '%s/env.sh' && exec '%s' generate --prompt 'Once upon a time' "
+             "--max-tokens 20 --temperature 1 --seed 5 --n 3 --json", run_dir, LLM_BINARY_DIR "/clients/c/llm");
+    rc = cli_run(gen, &out, &err);
+    j = cJSON_Parse(strrchr(out, '\n') && strstr(out, "{\"prompt_ids\"") ? strstr(out, "{\"prompt_ids\"") : "");
+    cJSON *choices = j ? cJSON_GetObjectItem(j, "choices") : NULL;
+    int n_choices = choices ? cJSON_GetArraySize(choices) : -1;
+    if (rc != 0 || n_choices != 3) printf("  llm generate --n 3 (status %d):\n%s%s", rc, out, err);
+    ASSERT_EQ(0, rc);
+    ASSERT_EQ(3, n_choices);
+    ASSERT_TRUE(cJSON_Compare(cJSON_GetObjectItem(j, "ids"),
+                              cJSON_GetObjectItem(cJSON_GetArrayItem(choices, 0), "ids"), 1));
+    for (int i = 0; i < 3; i++) {
+        int n_ids = cJSON_GetArraySize(cJSON_GetObjectItem(cJSON_GetArrayItem(choices, i), "ids"));
+        ASSERT_TRUE(n_ids >= 1 && n_ids <= 20);
+    }
+    cJSON_Delete(j);
+    free(out);
+    free(err);
+
     const char *status[] = {CLUSTER_BIN, "status", "--run-dir", run_dir, NULL};
     rc = cli_run(status, &out, &err);
     if (rc != 0 || !strstr(out, "1/1 pipelines ready")) printf("  status (%d):\n%s%s", rc, out, err);
