@@ -121,16 +121,17 @@ struct job {
     /* Under mu: */
     struct buf out;                 /* streaming: SSE bytes not yet sent */
     size_t out_off;
-    struct buf text;                /* not streaming: the whole completion */
-    bool started, done, cancel, role_sent;
+    struct buf text[OAI_N_MAX];     /* not streaming: each choice's whole completion */
+    bool started, done, cancel;
+    bool role_sent[OAI_N_MAX];      /* chat streaming: the choice's opening chunk went out */
     int rc;
     Llm__Error__Code code;
     uint32_t retry_after_ms;        /* of the router's refusal */
     char reason[64];                /* of the router's refusal (Error.reason), or "" */
     char errstr[512];
     struct llm_generate_result res;
-    cJSON *lp;                      /* not streaming, logprobs asked: the choice's logprobs so far */
-    size_t lp_chars;                /* characters of the text the tokens so far make (text_offset) */
+    cJSON *lp[OAI_N_MAX];           /* not streaming, logprobs asked: each choice's logprobs so far */
+    size_t lp_chars[OAI_N_MAX];     /* characters of the text each choice's tokens make (text_offset) */
 };
 
 /* Per HTTP request: the body as it arrives, and the job once there is one. */
@@ -177,7 +178,8 @@ const char *gw_finish_name(Llm__GenerateDone__FinishReason r);
 cJSON *gw_usage_json(const struct llm_generate_result *r);
 cJSON *gw_lp_object(const struct job *j);
 void gw_lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, size_t *chars);
-cJSON *gw_stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role, cJSON *lp);
+cJSON *gw_stream_choice(const struct job *j, uint32_t index, const char *text, size_t len, const char *finish, bool role,
+                        cJSON *lp);
 
 /* ---- generations (gw_generate.c) ------------------------------------------- */
 

@@ -31,9 +31,9 @@ void gw_job_release(struct job *j) {
     oai_request_free(&j->req);
     free(j->prompt_ids);
     free(j->out.p);
-    free(j->text.p);
+    for (int i = 0; i < OAI_N_MAX; i++) free(j->text[i].p);
     llm_generate_result_free(&j->res);
-    cJSON_Delete(j->lp);
+    for (int i = 0; i < OAI_N_MAX; i++) cJSON_Delete(j->lp[i]);
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);
@@ -62,14 +62,14 @@ static void sse_choice(struct job *j, cJSON *choice) {
 /* lp (consumed; NULL: none) is the chunk's logprobs object.  A chat stream
  * opens, as OpenAI's does, with a chunk that carries the role alone
  * (content ""); text follows in chunks of its own. */
-static void sse_chunk(struct job *j, const char *text, size_t len, const char *finish, cJSON *lp) {
-    if (j->req.kind == OAI_CHAT && !j->role_sent) {
-        j->role_sent = true;
-        sse_choice(j, gw_stream_choice(j, NULL, 0, NULL, true, NULL));
+static void sse_chunk(struct job *j, uint32_t ci, const char *text, size_t len, const char *finish, cJSON *lp) {
+    if (j->req.kind == OAI_CHAT && !j->role_sent[ci]) {
+        j->role_sent[ci] = true;
+        sse_choice(j, gw_stream_choice(j, ci, NULL, 0, NULL, true, NULL));
         if (len == 0 && !lp && !finish) return;
     }
-    j->role_sent = true;
-    sse_choice(j, gw_stream_choice(j, len > 0 ? text : NULL, len, finish, false, lp));
+    j->role_sent[ci] = true;
+    sse_choice(j, gw_stream_choice(j, ci, len > 0 ? text : NULL, len, finish, false, lp));
 }
 
 static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
@@ -79,18 +79,19 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
         pthread_mutex_unlock(&j->mu);
         return 1;
     }
+    uint32_t ci = ch->choice < OAI_N_MAX ? ch->choice : 0; /* the client checks it against n */
     if (j->req.stream) {
         cJSON *lp = NULL;
         if (ch->n_logprobs > 0) {
             lp = gw_lp_object(j);
-            gw_lp_append(j, lp, ch, &j->lp_chars);
+            gw_lp_append(j, lp, ch, &j->lp_chars[ci]);
         }
-        if (ch->text_len > 0 || !j->role_sent || lp) sse_chunk(j, ch->text, ch->text_len, NULL, lp);
+        if (ch->text_len > 0 || !j->role_sent[ci] || lp) sse_chunk(j, ci, ch->text, ch->text_len, NULL, lp);
     } else {
-        gw_buf_add(&j->text, ch->text, ch->text_len);
+        gw_buf_add(&j->text[ci], ch->text, ch->text_len);
         if (ch->n_logprobs > 0) {
-            if (!j->lp) j->lp = gw_lp_object(j);
-            gw_lp_append(j, j->lp, ch, &j->lp_chars);
+            if (!j->lp[ci]) j->lp[ci] = gw_lp_object(j);
+            gw_lp_append(j, j->lp[ci], ch, &j->lp_chars[ci]);
         }
     }
     if (!j->started) j->t_tok_us = gw_now_us();
@@ -101,13 +102,35 @@ static int job_on_chunk(void *ud, const struct llm_chunk *ch) {
     return 0;
 }
 
-/* The end of a stream that has begun: the finishing chunk, usage and
- * [DONE], or an error event.  Called with mu held. */
+/* Whether the request failed: the call (rc < 0), or a choice that ended
+ * in ERROR (the first such); *e is then the error to answer. */
+static bool job_failed(const struct job *j, struct oai_error *e) {
+    if (j->rc < 0) {
+        gw_error_from_router(e, j->req.kind, j->code, j->reason, j->errstr, j->retry_after_ms);
+        return true;
+    }
+    for (uint32_t i = 0; i < j->res.n_choices || (i == 0 && !j->res.choices); i++) {
+        bool err = j->res.choices ? j->res.choices[i].finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR
+                                  : j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR;
+        if (!err) continue;
+        gw_error_from_router(e, j->req.kind, j->res.choices ? j->res.choices[i].error_code : j->res.error_code, NULL,
+                             j->res.choices ? j->res.choices[i].error_message : j->res.error_message, 0);
+        return true;
+    }
+    return false;
+}
+
+/* A choice's finish_reason as OpenAI names it. */
+static const char *job_finish_name(const struct job *j, uint32_t i) {
+    return gw_finish_name(j->res.choices && i < j->res.n_choices ? j->res.choices[i].finish_reason
+                                                                : j->res.finish_reason);
+}
+
+/* The end of a stream that has begun: each choice's finishing chunk, usage
+ * and [DONE], or an error event.  Called with mu held. */
 static void sse_finish(struct job *j) {
-    if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-        struct oai_error e;
-        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
-                             j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+    struct oai_error e;
+    if (job_failed(j, &e)) {
         char *s = oai_error_json(&e);
         if (s) {
             gw_buf_add(&j->out, "data: ", 6);
@@ -116,7 +139,7 @@ static void sse_finish(struct job *j) {
             free(s);
         }
     } else {
-        sse_chunk(j, NULL, 0, gw_finish_name(j->res.finish_reason), NULL);
+        for (uint32_t i = 0; i < j->req.n; i++) sse_chunk(j, i, NULL, 0, job_finish_name(j, i), NULL);
         if (j->req.include_usage) {
             cJSON *o = gw_job_object(j, true);
             cJSON_AddArrayToObject(o, "choices");
@@ -170,6 +193,7 @@ static void job_run(struct job *j) {
         p.json_object = j->req.json_object;
         p.spec = j->req.spec;
         p.spec_tokens = j->req.spec_tokens;
+        p.n = j->req.n;
         /* Always streamed from the router: tokens arriving are what lets a
          * non-streaming request notice a client that went away. */
         p.stream = true;
@@ -199,7 +223,9 @@ static void job_run(struct job *j) {
         metrics_histogram_observe(g->e2e, (double)(gw_now_ms() - j->t0_ms) / 1000.0);
         if (rc >= 0) {
             metrics_counter_add(g->prompt_tokens, res.prompt_tokens);
-            metrics_counter_add(g->gen_tokens, res.completion_tokens);
+            double gen = res.completion_tokens;
+            for (uint32_t i = 1; res.choices && i < res.n_choices; i++) gen += res.choices[i].completion_tokens;
+            metrics_counter_add(g->gen_tokens, gen);
         }
     }
     gw_job_release(j);
@@ -539,40 +565,38 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
         return MHD_NO;
     }
     /* Refused before any token: an error response with its status. */
-    if (!j->started && (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR)) {
-        gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
-                             j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+    if (!j->started && job_failed(j, &e)) {
         pthread_mutex_unlock(&j->mu);
         gw_job_release(j);
         return gw_send_error(g, conn, &e, NULL);
     }
     if (!j->req.stream) {
-        if (j->rc < 0 || j->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__ERROR) {
-            gw_error_from_router(&e, j->req.kind, j->rc < 0 ? j->code : j->res.error_code, j->rc < 0 ? j->reason : NULL,
-                                 j->rc < 0 ? j->errstr : j->res.error_message, j->rc < 0 ? j->retry_after_ms : 0);
+        if (job_failed(j, &e)) {
             pthread_mutex_unlock(&j->mu);
             gw_job_release(j);
             return gw_send_error(g, conn, &e, NULL);
         }
         cJSON *o = gw_job_object(j, false);
         cJSON *cs = cJSON_AddArrayToObject(o, "choices");
-        cJSON *c = cJSON_CreateObject();
-        cJSON_AddNumberToObject(c, "index", 0);
-        if (kind == OAI_CHAT) {
-            cJSON *msg = cJSON_AddObjectToObject(c, "message");
-            cJSON_AddStringToObject(msg, "role", "assistant");
-            cJSON_AddStringToObject(msg, "content", j->text.p ? j->text.p : "");
-        } else {
-            cJSON_AddStringToObject(c, "text", j->text.p ? j->text.p : "");
+        for (uint32_t i = 0; i < j->req.n; i++) {
+            cJSON *c = cJSON_CreateObject();
+            cJSON_AddNumberToObject(c, "index", i);
+            if (kind == OAI_CHAT) {
+                cJSON *msg = cJSON_AddObjectToObject(c, "message");
+                cJSON_AddStringToObject(msg, "role", "assistant");
+                cJSON_AddStringToObject(msg, "content", j->text[i].p ? j->text[i].p : "");
+            } else {
+                cJSON_AddStringToObject(c, "text", j->text[i].p ? j->text[i].p : "");
+            }
+            if (j->req.sp.logprobs) {
+                cJSON_AddItemToObject(c, "logprobs", j->lp[i] ? j->lp[i] : gw_lp_object(j));
+                j->lp[i] = NULL;
+            } else {
+                cJSON_AddNullToObject(c, "logprobs");
+            }
+            cJSON_AddStringToObject(c, "finish_reason", job_finish_name(j, i));
+            cJSON_AddItemToArray(cs, c);
         }
-        if (j->req.sp.logprobs) {
-            cJSON_AddItemToObject(c, "logprobs", j->lp ? j->lp : gw_lp_object(j));
-            j->lp = NULL;
-        } else {
-            cJSON_AddNullToObject(c, "logprobs");
-        }
-        cJSON_AddStringToObject(c, "finish_reason", gw_finish_name(j->res.finish_reason));
-        cJSON_AddItemToArray(cs, c);
         cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res));
         pthread_mutex_unlock(&j->mu);
         gw_job_release(j);

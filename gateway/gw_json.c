@@ -100,10 +100,16 @@ const char *gw_finish_name(Llm__GenerateDone__FinishReason r) {
 }
 
 cJSON *gw_usage_json(const struct llm_generate_result *r) {
+    /* n > 1: the prompt once, the completions of every choice (OpenAI's) */
+    double completion = r->completion_tokens;
+    if (r->choices) {
+        completion = 0;
+        for (uint32_t i = 0; i < r->n_choices; i++) completion += r->choices[i].completion_tokens;
+    }
     cJSON *u = cJSON_CreateObject();
     cJSON_AddNumberToObject(u, "prompt_tokens", r->prompt_tokens);
-    cJSON_AddNumberToObject(u, "completion_tokens", r->completion_tokens);
-    cJSON_AddNumberToObject(u, "total_tokens", (double)r->prompt_tokens + r->completion_tokens);
+    cJSON_AddNumberToObject(u, "completion_tokens", completion);
+    cJSON_AddNumberToObject(u, "total_tokens", (double)r->prompt_tokens + completion);
     return u;
 }
 
@@ -189,10 +195,11 @@ void gw_lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, siz
     }
 }
 
-/* One choice of a streamed chunk: text (NULL: none) and finish (NULL: null). */
-cJSON *gw_stream_choice(const struct job *j, const char *text, size_t len, const char *finish, bool role, cJSON *lp) {
+/* Choice index of a streamed chunk: text (NULL: none) and finish (NULL: null). */
+cJSON *gw_stream_choice(const struct job *j, uint32_t index, const char *text, size_t len, const char *finish, bool role,
+                        cJSON *lp) {
     cJSON *c = cJSON_CreateObject();
-    cJSON_AddNumberToObject(c, "index", 0);
+    cJSON_AddNumberToObject(c, "index", index);
     char *t = NULL;
     if (text) {
         t = malloc(len + 1);

@@ -281,12 +281,15 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
         r->sp.top_p = (float)d;
         return 0;
     case F_N:
+        if (get_int(v, name, 1, OAI_N_MAX, &i, e) < 0) return -1;
+        r->n = (uint32_t)i;
+        return 0;
     case F_BEST_OF:
         if (get_int(v, name, 1, 1e9, &i, e) < 0) return -1;
         if (i != 1)
             return BAD_CODE(e, name, "unsupported_value",
-                            "%s = %lld: this server returns one choice per request (%s must be 1)", name,
-                            (long long)i, name);
+                            "%s = %lld: this server does not rank completions (best_of must be 1; n asks "
+                            "for several choices)", name, (long long)i);
         return 0;
     case F_STREAM: return get_bool(v, name, &r->stream, e);
     case F_STREAM_OPTIONS: {
@@ -480,6 +483,7 @@ static bool bad_utf8(const cJSON *v, char *path, size_t size, size_t *at, bool *
 int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_request *r, struct oai_error *e) {
     memset(r, 0, sizeof *r);
     r->kind = kind;
+    r->n = 1;
     r->model = "";
     sampling_params_default(&r->sp);
     /* OpenAI's default for the legacy completions endpoint. */

@@ -2,7 +2,7 @@
  * /v1/completions or /v1/chat/completions body into the cluster's request
  * terms (prompt, sampling parameters, stops), and formats OpenAI's error
  * object.  Anything the cluster cannot do exactly as asked (an unknown
- * field, n > 1, tools) is refused by name, never ignored. */
+ * field, best_of > 1, tools) is refused by name, never ignored. */
 #ifndef GATEWAY_OAI_H
 #define GATEWAY_OAI_H
 
@@ -17,6 +17,7 @@
 
 #define OAI_STOP_MAX 16         /* the router's limit on stop strings */
 #define OAI_STOP_BYTES_MAX 256
+#define OAI_N_MAX 16            /* the router's limit on choices (PROTO_N_MAX) */
 
 enum oai_kind { OAI_COMPLETIONS = 0, OAI_CHAT = 1 };
 
@@ -59,6 +60,7 @@ struct oai_request {
     char *json_schema;
     bool json_object;
     bool stream, include_usage;
+    uint32_t n;                    /* choices, 1 .. OAI_N_MAX */
     const char *user;              /* NULL when absent */
     /* Extensions "speculation" and "num_speculative_tokens"
      * (docs/gateway.md): a GenerateRequest.Spec value and its spec_tokens;

@@ -1,7 +1,7 @@
 // Structured outputs through llm-gateway with the official openai npm
 // package, every output checked by ajv (a real JSON Schema validator):
 // response_format json_schema (strict and not) and json_object, greedy and
-// sampled, streamed and not.  An output that finished with "stop" must be
+// sampled, streamed and not, and n > 1 choices.  An output that finished with "stop" must be
 // valid; one that finished with "length" hit max_tokens and may be cut
 // inside the structure (as OpenAI's API says), so it is only counted.
 // Run by tests/gateway/test_gateway.c (GW_CHAT_URL, GW_MODEL).
@@ -108,6 +108,43 @@ for (const [i, schema] of schemas.entries()) {
 for (let seed = 1; seed <= 3; seed++) jobs.push(one({ type: "json_object" }, anyObject, seed === 1 ? 0 : 1, seed, false));
 await Promise.all(jobs);
 
+// n > 1 (docs/protocol.md, "Several choices"): n choices with indexes
+// 0..n-1, each checked like the others; the stream (chunks carry index)
+// gives the same texts as the whole response for the same seed.
+async function choices(format, validate, n, seed) {
+  const req = { model, messages: [{ role: "user", content: "Pet" }], max_tokens: 160, temperature: 1.0, seed, n,
+                response_format: format };
+  const r = await client.chat.completions.create(req);
+  if (r.choices.length !== n) throw new Error(`n = ${n}: ${r.choices.length} choices`);
+  const texts = new Array(n).fill(""), finishes = new Array(n).fill(null);
+  const s = await client.chat.completions.create({ ...req, stream: true });
+  for await (const ch of s)
+    for (const c of ch.choices) {
+      if (!(c.index >= 0 && c.index < n)) throw new Error(`streamed choice index ${c.index} with n = ${n}`);
+      if (c.delta?.content) texts[c.index] += c.delta.content;
+      if (c.finish_reason) finishes[c.index] = c.finish_reason;
+    }
+  for (const [i, c] of r.choices.entries()) {
+    if (c.index !== i) throw new Error(`choices[${i}].index = ${c.index}`);
+    if (c.message.content !== texts[i] || c.finish_reason !== finishes[i])
+      throw new Error(`choice ${i}: streamed ${JSON.stringify(texts[i])} (${finishes[i]}), whole ` +
+                      `${JSON.stringify(c.message.content)} (${c.finish_reason})`);
+    total++;
+    if (c.finish_reason === "length") { lengths++; continue; }
+    stops++;
+    let v;
+    try { v = JSON.parse(c.message.content); } catch (e) { v = undefined; }
+    if (v === undefined || !validate(v)) {
+      invalid++;
+      console.log(`choice ${i} invalid: ${JSON.stringify(c.message.content)}`);
+    }
+  }
+  if (new Set(texts).size < 2) console.log(`note: the ${n} sampled choices of seed ${seed} are one text`);
+}
+await choices({ type: "json_schema", json_schema: { name: "n0", strict: true, schema: schemas[0] } },
+              ajv.compile(schemas[0]), 3, 11);
+await choices({ type: "json_object" }, anyObject, 2, 5);
+
 // Refusals name the parameter.
 async function refused(req, param, what) {
   try {
@@ -124,6 +161,7 @@ await refused({ response_format: { type: "json_schema", json_schema: { name: "x"
 await refused({ response_format: { type: "json_object" }, stop: ["}"] }, "stop", "stop with a format");
 await refused({ response_format: { type: "json_schema" } }, "response_format.json_schema", "no json_schema");
 await refused({ response_format: { type: "xml" } }, "response_format.type", "unknown type");
+await refused({ n: 17 }, "n", "n above 16");
 
 console.log(`structured outputs: ${total} requests, ${stops} stop (all checked by ajv), ${lengths} length, ${invalid} invalid`);
 if (invalid > 0) process.exit(1);

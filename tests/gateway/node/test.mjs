@@ -133,12 +133,19 @@ for await (const chunk of ls) {
 }
 check(lsText === expectText && lsTokens === lsText, `streamed logprobs tokens ${JSON.stringify(lsTokens)} make the text`);
 
+// n = 2: two choices, indexes 0 and 1 (docs/protocol.md, "Several choices").
+{
+  const r = await client.completions.create({ model, prompt, max_tokens: 4, n: 2, temperature: 1, seed: 3 });
+  check(r.choices.length === 2 && r.choices[0].index === 0 && r.choices[1].index === 1,
+        `n = 2 gives choices 0 and 1: ${JSON.stringify(r.choices.map((c) => c.index))}`);
+}
+
 // A refused parameter comes back as an APIError naming it.
 try {
-  await client.completions.create({ model, prompt, max_tokens: 4, n: 2 });
-  check(false, 'n = 2 was refused');
+  await client.completions.create({ model, prompt, max_tokens: 4, best_of: 2 });
+  check(false, 'best_of = 2 was refused');
 } catch (e) {
-  check(e.status === 400 && e.param === 'n', `n = 2 refused with 400, param ${e.param}: ${e.message}`);
+  check(e.status === 400 && e.param === 'best_of', `best_of = 2 refused with 400, param ${e.param}: ${e.message}`);
 }
 
 // A prompt longer than the context: the code SDK users branch on, and a
