@@ -1,7 +1,7 @@
 /* Constrained decoding end to end (docs/grammar.md): requests carrying a
  * JSON Schema, json_object or a GBNF grammar through real routers and
- * workers, greedy and sampled, on 1x1 and 1x2 pipelines, and with the last
- * stage killed mid-generation.  Every output that finished with "stop" is
+ * workers, greedy and sampled, on 1x1 and 1x2 pipelines of stories260K
+ * and of the pycode target, and with the last stage killed mid-generation.  Every output that finished with "stop" is
  * checked: a JSON text the schema accepts (a small validator of the schema
  * subset used here, on cJSON), or a sentence of the grammar (a POSIX regex
  * of the same language).  A request resumed elsewhere must give the same
@@ -13,6 +13,9 @@
 #include <regex.h>
 
 #define MODEL "stories260K-f32.gguf"
+/* A 23M code model with a 32k-class tokenizer of its own (BPE, byte
+ * fallback): other token shapes for the masks than stories260K's. */
+#define PYCODE "pycode/pycode-target-q4_k_m.gguf"
 
 /* Bounded, so that a 260K-parameter model finishes within max_tokens. */
 static const char *const schemas[] = {
@@ -268,6 +271,36 @@ static void constrained_serves(int stages) {
     h_cluster_stop(cl);
 }
 
+/* The pycode target on 1x1 and 1x2 pipelines, greedy and sampled: every
+ * output that finished with stop is valid. */
+static void constrained_pycode(int stages) {
+    static const char *const code_prompts[] = {"# the settings as JSON\nsettings = ", "data = json.loads(",
+                                               "def config():\n    return "};
+    const char *model = test_model_path(PYCODE);
+    struct cluster *cl = h_cluster_start(model, 1, stages, "", "");
+    enum { N = 5 };
+    static struct cgen gs[N];
+    int total = 0, stops = 0;
+    int64_t t0 = h_now_ms();
+    for (int sampled = 0; sampled < 2; sampled++) {
+        make(gs, N, cl, sampled ? "py-t1" : "py-greedy", sampled ? 1.0f : 0.0f);
+        for (int i = 0; i < N; i++) {
+            gs[i].prompt = code_prompts[i % 3];
+            gs[i].max_tokens = 120;
+        }
+        cg_run_all(gs, N);
+        stops += check_outputs(cl, gs, N);
+        total += N;
+        for (int i = 0; i < N; i++) llm_generate_result_free(&gs[i].res);
+    }
+    printf("  pycode 1x%d: %d of %d outputs finished with stop, all valid (%lld ms)\n", stages, stops, total,
+           (long long)(h_now_ms() - t0));
+    H_ASSERT(cl, stops >= total / 3, "only %d of %d outputs finished", stops, total);
+    h_cluster_stop(cl);
+}
+
+TEST(cluster_constrained_pycode_1x1) { constrained_pycode(1); }
+TEST(cluster_constrained_pycode_1x2) { constrained_pycode(2); }
 TEST(cluster_constrained_1x1) { constrained_serves(1); }
 TEST(cluster_constrained_1x2) { constrained_serves(2); }
 
@@ -323,4 +356,5 @@ TEST(cluster_constrained_worker_killed) {
     h_cluster_stop(cl);
 }
 
-TEST_MAIN(cluster_constrained_1x1, cluster_constrained_1x2, cluster_constrained_worker_killed)
+TEST_MAIN(cluster_constrained_1x1, cluster_constrained_1x2, cluster_constrained_worker_killed,
+          cluster_constrained_pycode_1x1, cluster_constrained_pycode_1x2)
