@@ -170,7 +170,7 @@ TEST(cluster_choices_share_prompt_blocks) {
     struct poll pl = {.cl = cl};
     pthread_t pt;
     pthread_create(&pt, NULL, poll_thread, &pl);
-    enum { T = 20 };
+    enum { T = 40 };
     static struct cgen g;
     cg_init(&g, cl, "choices-shared", prompt, 4, 9, T, true);
     cg_run(&g);
