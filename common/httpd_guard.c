@@ -157,6 +157,17 @@ void httpd_guard_free(httpd_guard *gd) {
     free(gd);
 }
 
+/* 1 when the socket holds a whole request head (up to a blank line) not
+ * yet read: a peek, which leaves the bytes for the daemon. */
+static bool guard_head_waiting(int fd) {
+    if (fd < 0) return false;
+    char buf[4096];
+    ssize_t n = recv(fd, buf, sizeof buf - 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n <= 0) return false;
+    buf[n] = '\0';
+    return strstr(buf, "\r\n\r\n") != NULL;
+}
+
 unsigned httpd_guard_mhd_limit(const httpd_guard *gd) { return gd->max_connections * 2 + 16; }
 
 void httpd_guard_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
@@ -191,10 +202,15 @@ void httpd_guard_notify(void *cls, struct MHD_Connection *conn, void **socket_co
     c->since_ms = now;
     if (gd->n_open - gd->n_closing >= gd->max_connections) {
         /* Full: the connection that has waited longest for its request
-         * makes room; with none to spare, the new one goes. */
+         * makes room; with none to spare, the new one goes.  One whose
+         * whole request head already waits in its socket is about to be
+         * served, not waiting: under a flood of reconnecting slow clients
+         * a fresh client's connection could otherwise be the oldest idle
+         * one by the time 32 more arrive, before the daemon reads it. */
         struct guard_conn *oldest = NULL;
         for (struct guard_conn *o = gd->head; o; o = o->next)
-            if (!o->busy && !o->closing && (!oldest || o->since_ms < oldest->since_ms)) oldest = o;
+            if (!o->busy && !o->closing && (!oldest || o->since_ms < oldest->since_ms) && !guard_head_waiting(o->fd))
+                oldest = o;
         if (oldest) {
             guard_shut(gd, oldest);
             gd->evicted++;
