@@ -78,7 +78,7 @@ int node_metrics_init(node_metrics **out, char *err, size_t errlen) {
          .labels = reason_label},
         {.type = METRICS_HISTOGRAM, .name = "llm_constrain_mask_time_seconds",
          .help = "Time the last stage took to compute one constrained sequence's token mask "
-                 "(it overlaps the step's forward pass).",
+                 "(after the step's ops are queued, before its rows are sampled).",
          .bounds = mask_bounds, .n_bounds = (int)(sizeof mask_bounds / sizeof mask_bounds[0])},
         {.type = METRICS_COUNTER, .name = "llm_constrain_replays_total",
          .help = "Parse states of constrained sequences rebuilt from their generated tokens "
