@@ -8,6 +8,7 @@
  * The router's llm_spec_* metrics must show drafts proposed and accepted,
  * and its KV blocks must all come back. */
 #include "tests/router/cluster_harness.h"
+#include "tests/router/spec_harness.h"
 
 #define STORIES "stories260K-f32.gguf"
 #define PYCODE "pycode/pycode-target-f16.gguf"
@@ -20,90 +21,6 @@ static const char *const code_prompts[] = {
     "    def __repr__(self):\n",
 };
 
-struct sgen {
-    struct cluster *cl;
-    char request_id[64];
-    const char *prompt;
-    int spec; /* GenerateRequest.Spec */
-    float temperature;
-    uint64_t seed;
-    int max_tokens;
-    /* out */
-    int rc;
-    char err[512];
-    struct llm_generate_result res;
-    int32_t ids[512];
-    int n;
-    char text[8192];
-    size_t len;
-    volatile int *seen; /* tokens seen by all, for the kill test */
-};
-
-static int sg_on_chunk(void *ud, const struct llm_chunk *ch) {
-    struct sgen *g = ud;
-    for (size_t i = 0; i < ch->n_tokens; i++) {
-        if (g->n < 512) g->ids[g->n] = ch->token_ids[i];
-        g->n++;
-    }
-    if (g->len + ch->text_len < sizeof g->text) {
-        memcpy(g->text + g->len, ch->text, ch->text_len);
-        g->len += ch->text_len;
-        g->text[g->len] = 0;
-    }
-    if (g->seen) __atomic_add_fetch(g->seen, (int)ch->n_tokens, __ATOMIC_RELAXED);
-    return 0;
-}
-
-static void sg_run(struct sgen *g) {
-    llm_client *c = h_client(g->cl, 5000, 10000, 60000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.request_id = g->request_id;
-    p.prompt = g->prompt;
-    p.max_tokens = (uint32_t)g->max_tokens;
-    p.sampling.temperature = g->temperature;
-    p.sampling.seed = g->seed;
-    p.sampling.ignore_eos = 1;
-    p.spec = g->spec;
-    p.wait_ms = 180000;
-    g->n = 0;
-    g->len = 0;
-    g->text[0] = 0;
-    g->rc = llm_client_generate(c, &p, sg_on_chunk, g, &g->res);
-    if (g->rc != 0) snprintf(g->err, sizeof g->err, "%s", llm_client_errstr(c));
-    llm_client_close(c);
-}
-
-static void *sg_thread(void *arg) {
-    sg_run(arg);
-    return NULL;
-}
-
-static void sg_run_all(struct sgen *gs, int n) {
-    pthread_t th[32];
-    for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
-    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
-}
-
-static void sg_ok(struct cluster *cl, const struct sgen *g) {
-    H_ASSERT(cl, g->rc == 0, "request %s: status %d: %s", g->request_id, g->rc, g->err);
-    H_ASSERT(cl, g->res.finish_reason == LLM__GENERATE_DONE__FINISH_REASON__LENGTH,
-             "request %s: finish %s (%s)", g->request_id, llm_finish_reason_name(g->res.finish_reason),
-             g->res.error_message ? g->res.error_message : "");
-    H_ASSERT(cl, g->n == g->max_tokens && (int)g->res.completion_tokens == g->n,
-             "request %s: %d tokens received, %u counted, %d asked", g->request_id, g->n,
-             g->res.completion_tokens, g->max_tokens);
-}
-
-/* The same ids and text. */
-static void sg_same(struct cluster *cl, const struct sgen *want, const struct sgen *got) {
-    sg_ok(cl, want);
-    sg_ok(cl, got);
-    for (int i = 0; i < want->n && i < 512; i++)
-        H_ASSERT(cl, want->ids[i] == got->ids[i], "%s: token %d is %d, %s has %d", got->request_id, i,
-                 got->ids[i], want->request_id, want->ids[i]);
-    ASSERT_STREQ(want->text, got->text);
-}
 
 struct spec_counts {
     double drafts, accepted, verifications, kv_used;
