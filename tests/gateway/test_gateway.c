@@ -1117,8 +1117,11 @@ TEST(slowloris) {
 
 /* The read deadline bounds sending a request, not answering it: with
  * --read-timeout-ms 1000, a trickling header is closed after about 1 s,
- * while a streamed request whose worker is stopped for 2.5 s still ends
- * with its whole answer.  The clock starts before connect(): the handshake
+ * while a streamed request whose worker is stopped for 1.5 s still ends
+ * with its whole answer.  (1.5 s, not more: the router's socket drops a
+ * worker silent for its 3 s ZeroMQ heartbeat timeout, and a busy machine
+ * can stretch a 2.5 s stop past it; recovering from that is the cluster
+ * tests' business, not this one's.)  The clock starts before connect(): the handshake
  * completes inside it and the gateway may accept (and start the deadline)
  * before connect() returns, so a clock read after it is late by however
  * long a busy machine keeps this thread off a core, and the lower bound
@@ -1153,7 +1156,7 @@ TEST(read_deadline) {
     snprintf(url, sizeof url, "%s/v1/completions", g.url);
     pid_t cont = fork();
     if (cont == 0) {
-        usleep(2500 * 1000);
+        usleep(1500 * 1000);
         kill(worker, SIGCONT);
         _exit(0);
     }
@@ -1161,7 +1164,7 @@ TEST(read_deadline) {
     post(cl_, &g, "/v1/completions", NULL, "{\"prompt\":\"a\",\"max_tokens\":8,\"stream\":true}", &r);
     kill(worker, SIGCONT);
     waitpid(cont, NULL, 0);
-    H_ASSERT(cl_, r.status == 200 && strstr(r.body, "data: [DONE]"), "a request that waited 2.5 s: %d %s", r.status,
+    H_ASSERT(cl_, r.status == 200 && strstr(r.body, "data: [DONE]"), "a request that waited 1.5 s: %d %s", r.status,
              r.body);
     resp_free(&r);
     h_proc_kill(&g.proc, SIGTERM);

@@ -209,14 +209,16 @@ static void write_config(const char *path, const char *targets) {
 /* ---- Prometheus's HTTP API ------------------------------------------------- */
 
 /* GET /api/v1/<what>; the "data" member of a successful answer (the
- * caller deletes *root), or NULL while Prometheus does not answer. */
+ * caller deletes *root), or NULL while Prometheus does not answer or
+ * answers 503 (starting: its storage not open yet, seen on a busy CI
+ * machine). */
 static cJSON *api_get(struct cluster *cl, struct prom *pr, const char *what, cJSON **root) {
     char *body;
     char path[2048 + 16];
     snprintf(path, sizeof path, "/api/v1/%s", what);
     int st = http_request(pr->port, "GET", path, NULL, &body);
     *root = NULL;
-    if (st < 0) {
+    if (st < 0 || st == 503) {
         free(body);
         return NULL;
     }
