@@ -193,6 +193,7 @@ static void job_run(struct job *j) {
         p.json_object = j->req.json_object;
         p.spec = j->req.spec;
         p.spec_tokens = j->req.spec_tokens;
+        p.prediction = j->req.prediction;
         p.n = j->req.n;
         /* Always streamed from the router: tokens arriving are what lets a
          * non-streaming request notice a client that went away. */

@@ -54,7 +54,7 @@ enum field {
     F_STREAM, F_STREAM_OPTIONS, F_STOP, F_PRESENCE, F_FREQUENCY, F_SEED, F_USER, F_LOGPROBS,
     F_TOP_LOGPROBS, F_LOGIT_BIAS, F_ECHO, F_BEST_OF, F_SUFFIX, F_TOP_K, F_MIN_P, F_REPETITION,
     F_IGNORE_EOS, F_TOOLS, F_TOOL_CHOICE, F_PARALLEL_TOOL_CALLS, F_RESPONSE_FORMAT, F_FUNCTIONS,
-    F_FUNCTION_CALL, F_SPECULATION, F_SPEC_TOKENS,
+    F_FUNCTION_CALL, F_SPECULATION, F_SPEC_TOKENS, F_PREDICTION,
 };
 
 struct field_def {
@@ -101,6 +101,7 @@ static const struct field_def fields[] = {
     {"function_call", F_FUNCTION_CALL, K_CHAT},
     {"speculation", F_SPECULATION, K_BOTH},
     {"num_speculative_tokens", F_SPEC_TOKENS, K_BOTH},
+    {"prediction", F_PREDICTION, K_BOTH},
 };
 
 static const char *json_type(const cJSON *v) {
@@ -153,11 +154,9 @@ static int add_stop(struct oai_request *r, const cJSON *v, const char *name, str
     return 0;
 }
 
-/* A message's content: a string, or an array of {"type": "text", "text"}
- * parts joined in order. */
-static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e) {
-    char name[64];
-    snprintf(name, sizeof name, "messages[%zu].content", i);
+/* A content named name (a message's, a prediction's): a string, or an
+ * array of {"type": "text", "text"} parts joined in order (malloc'ed). */
+static int get_text_parts(const cJSON *c, const char *name, char **out, struct oai_error *e) {
     *out = NULL;
     if (cJSON_IsString(c)) {
         *out = strdup(c->valuestring);
@@ -190,6 +189,35 @@ static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e
         off += n;
     }
     (*out)[off] = 0;
+    return 0;
+}
+
+static int get_content(const cJSON *c, size_t i, char **out, struct oai_error *e) {
+    char name[64];
+    snprintf(name, sizeof name, "messages[%zu].content", i);
+    return get_text_parts(c, name, out, e);
+}
+
+/* OpenAI's predicted outputs: {"type": "content", "content": text or text
+ * parts}, the text kept in r->prediction. */
+static int get_prediction(struct oai_request *r, const cJSON *v, struct oai_error *e) {
+    if (!cJSON_IsObject(v))
+        return BAD_TYPE(e, "prediction", "prediction must be an object, got %s", json_type(v));
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "type");
+    if (!cJSON_IsString(type))
+        return BAD_TYPE(e, "prediction.type", "prediction.type must be the string \"content\", got %s",
+                        json_type(type));
+    if (strcmp(type->valuestring, "content") != 0)
+        return BAD_CODE(e, "prediction.type", "unsupported_value",
+                        "prediction.type = \"%.64s\" is not supported: only \"content\"", type->valuestring);
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(v, "content");
+    if (!c) return BAD_CODE(e, "prediction.content", "missing_required_parameter", "prediction.content is missing");
+    free(r->prediction);
+    if (get_text_parts(c, "prediction.content", &r->prediction, e) < 0) return -1;
+    size_t n = strlen(r->prediction);
+    if (n > OAI_PREDICTION_BYTES_MAX)
+        return BAD(e, "prediction.content", "prediction.content is %zu bytes long: at most %d are allowed", n,
+                   OAI_PREDICTION_BYTES_MAX);
     return 0;
 }
 
@@ -378,8 +406,8 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
         r->sp.ignore_eos = b;
         return 0;
     case F_SPECULATION: {
-        /* GenerateRequest.Spec's values by name ("draft" is not served). */
-        static const char *const modes[] = {"default", "off", "ngram", NULL, "auto"};
+        /* GenerateRequest.Spec's values by name. */
+        static const char *const modes[] = {"default", "off", "ngram", "draft", "auto"};
         if (!cJSON_IsString(v)) return BAD_TYPE(e, name, "speculation must be a string, got %s", json_type(v));
         for (int k = 0; k < 5; k++)
             if (modes[k] && strcmp(v->valuestring, modes[k]) == 0) {
@@ -387,13 +415,14 @@ static int apply_field(struct oai_request *r, enum field f, const cJSON *v, stru
                 return 0;
             }
         return BAD_CODE(e, name, "unsupported_value",
-                        "speculation = \"%.32s\": one of \"default\", \"off\", \"ngram\", \"auto\"",
+                        "speculation = \"%.32s\": one of \"default\", \"off\", \"ngram\", \"draft\", \"auto\"",
                         v->valuestring);
     }
     case F_SPEC_TOKENS:
         if (get_int(v, name, 0, 16, &i, e) < 0) return -1;
         r->spec_tokens = (uint32_t)i;
         return 0;
+    case F_PREDICTION: return get_prediction(r, v, e);
     case F_TOOLS:
     case F_FUNCTIONS:
         if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 0) return 0;
@@ -571,6 +600,7 @@ void oai_request_free(struct oai_request *r) {
     free(r->messages);
     free(r->prompt_tokens);
     free(r->json_schema);
+    free(r->prediction);
     cJSON_Delete(r->root);
     memset(r, 0, sizeof *r);
 }

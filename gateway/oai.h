@@ -18,6 +18,7 @@
 #define OAI_STOP_MAX 16         /* the router's limit on stop strings */
 #define OAI_STOP_BYTES_MAX 256
 #define OAI_N_MAX 16            /* the router's limit on choices (PROTO_N_MAX) */
+#define OAI_PREDICTION_BYTES_MAX 262144 /* the router's limit (PROTO_PREDICTION_BYTES_MAX) */
 
 enum oai_kind { OAI_COMPLETIONS = 0, OAI_CHAT = 1 };
 
@@ -67,6 +68,9 @@ struct oai_request {
      * 0: the router's. */
     int32_t spec;
     uint32_t spec_tokens;
+    /* prediction (OpenAI's predicted outputs, {"type": "content"}): its
+     * content's text, malloc'ed; NULL when absent. */
+    char *prediction;
 };
 
 /* Parses body[0..len) (not NUL-terminated) as a request of kind.  On

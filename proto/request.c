@@ -130,6 +130,11 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                            "request %s: spec_tokens = %u is more than %d", g->request_id, g->spec_tokens,
                            PROTO_SPEC_TOKENS_MAX);
     }
+    if (g->prediction && strlen(g->prediction) > PROTO_PREDICTION_BYTES_MAX) {
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: prediction has %zu bytes, at most %d are allowed", g->request_id,
+                           strlen(g->prediction), PROTO_PREDICTION_BYTES_MAX);
+    }
     const char *field = NULL;
     rc = proto_constraint_check(g->sampling, &field, why, sizeof why);
     if (rc < 0) return status_fail(err, errlen, rc, "request %s: %s", g->request_id, why);

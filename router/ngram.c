@@ -2,6 +2,7 @@
  * own tokens proposes the tokens that followed it. */
 #include "router/ngram.h"
 
+#include <stdbool.h>
 #include <string.h>
 
 int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, int32_t n_min,
@@ -19,6 +20,68 @@ int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, in
             if (n > k) n = k;
             memcpy(out, tokens + from, (size_t)n * sizeof *out);
             return n;
+        }
+    }
+    return 0;
+}
+
+/* Token i of the sequence (prompt, then output) and of the lookup text
+ * (prompt, then prediction). */
+static int32_t seq_at(const int32_t *prompt, int32_t n_prompt, const int32_t *out, int32_t i) {
+    return i < n_prompt ? prompt[i] : out[i - n_prompt];
+}
+
+/* Whether the g tokens of the lookup text ending before position e equal
+ * the sequence's last g tokens (n tokens in all). */
+static bool pred_match(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, const int32_t *out,
+                       int32_t n, int32_t e, int32_t g) {
+    for (int32_t t = 1; t <= g; t++) {
+        int32_t want = seq_at(prompt, n_prompt, out, n - t);
+        int32_t i = e - t;
+        int32_t have = i < n_prompt ? prompt[i] : pred[i - n_prompt];
+        if (have != want) return false;
+    }
+    return true;
+}
+
+int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, int32_t n_pred,
+                           const int32_t *out, int32_t n_out, int32_t n_max, int32_t n_min, int32_t k,
+                           int32_t *offset, int32_t *out_draft) {
+    if (k < 1 || n_min < 1 || n_max < n_min || n_out < 1 || n_prompt < 0 || n_pred < 0) return 0;
+    int32_t n = n_prompt + n_out;
+    int32_t want = n_out + *offset;
+    for (int32_t g = n_max < n ? n_max : n; g >= n_min; g--) {
+        /* e: where the next token would be in the lookup text; a
+         * prediction token must be there. */
+        int32_t best = -1, best_d = 0;
+        int32_t e0 = n_prompt > g ? n_prompt : g;
+        for (int32_t e = e0; e < n_prompt + n_pred; e++) {
+            if (!pred_match(prompt, n_prompt, pred, out, n, e, g)) continue;
+            int32_t j = e - n_prompt;
+            int32_t d = j > want ? j - want : want - j;
+            if (best < 0 || d < best_d) {
+                best = j;
+                best_d = d;
+            }
+            if (j > want) break; /* later ones are farther */
+        }
+        if (best >= 0) {
+            int32_t m = n_pred - best < k ? n_pred - best : k;
+            memcpy(out_draft, pred + best, (size_t)m * sizeof *out_draft);
+            *offset = best - n_out;
+            return m;
+        }
+    }
+    /* No prediction match: the sequence's own lookup, as ngram_propose
+     * (latest earlier occurrence of the longest suffix). */
+    for (int32_t g = n_max < n - 1 ? n_max : n - 1; g >= n_min; g--) {
+        for (int32_t i = n - g - 1; i >= 0; i--) {
+            int32_t t = 0;
+            while (t < g && seq_at(prompt, n_prompt, out, i + t) == seq_at(prompt, n_prompt, out, n - g + t)) t++;
+            if (t < g) continue;
+            int32_t from = i + g, m = n - from < k ? n - from : k;
+            for (int32_t x = 0; x < m; x++) out_draft[x] = seq_at(prompt, n_prompt, out, from + x);
+            return m;
         }
     }
     return 0;

@@ -17,4 +17,22 @@
 int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, int32_t n_min,
                       int32_t k, int32_t *out);
 
+/* Prompt lookup with a predicted output (GenerateRequest.prediction): the
+ * sequence is prompt[0..n_prompt) followed by out[0..n_out) (n_out >= 1),
+ * and the lookup text is the prompt followed by pred[0..n_pred), so that
+ * the n-gram ending the prompt is found right before the prediction.  For
+ * g = n_max down to n_min, the sequence's last g tokens are looked up in
+ * that text where at least one prediction token follows them; of several
+ * occurrences, the one whose next prediction index j is nearest to
+ * n_out + *offset (the alignment of the last match: insertions and
+ * deletions in the output move it) wins, ties to the earlier.  The up to k
+ * prediction tokens from j are copied to out_draft and *offset becomes
+ * j - n_out.  When the prediction has no match, ngram_propose's lookup in
+ * the sequence itself is tried.  Returns how many drafts (0: none).
+ * Cost: O((n_prompt + n_pred + n_out) * n_max) compares.  Allocates
+ * nothing. */
+int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, int32_t n_pred,
+                           const int32_t *out, int32_t n_out, int32_t n_max, int32_t n_min, int32_t k,
+                           int32_t *offset, int32_t *out_draft);
+
 #endif

@@ -99,6 +99,15 @@ struct req {
     bool touched, finishing;
     bool stall_told;               /* its client heard that no pipeline can run it */
     int64_t client_seen_ms;        /* its client's latest Generate for it (0: not yet looked at) */
+    /* Predicted output (GenerateRequest.prediction; docs/router.md,
+     * "Predicted outputs"), tokenized without BOS; NULL when none.
+     * pred_off: ngram_propose_pred's alignment.  pred_drafts: the drafts
+     * kept for q's next step came from it (counted as prompt lookup's),
+     * not from the draft model.  pred_only: mode ngram, so the last stage
+     * is asked for no draft-model guesses. */
+    int32_t *pred;
+    int32_t n_pred, pred_off;
+    bool pred_drafts, pred_only;
 };
 
 /* A client connection a send failed to (gone, or not reading), since when. */
@@ -253,8 +262,13 @@ void req_token(server *s, struct req *q, int32_t token, const Llm__TokenLogprob 
 /* q's speculation (docs/router.md, "Speculation"): the drafts a decode
  * step of it may carry (0: none) and whether only under --spec auto's
  * rule.  Its own spec and spec_tokens, else the router's; none for a
- * constrained request. */
+ * constrained request.  A prediction makes the router's off (for a request
+ * that does not choose) prompt lookup, through req_pred_drafts. */
 void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only, unsigned *sources);
+/* After q's step appended its tokens: drafts for its next step found in
+ * its prompt, predicted output and output (a request with a prediction
+ * only; the draft model's guesses, if any, stay when none is found). */
+void req_pred_drafts(server *s, struct req *q);
 
 /* ---- server_pipes.c: pipelines ----------------------------------------- */
 

@@ -564,7 +564,9 @@ void pipe_pump(server *s, struct pipe *pp) {
             sp->output_start = q ? (uint32_t)q->n_prompt : 0;
             sp->want_logits = ss->want_logits;
             sp->n_draft = (uint32_t)ss->n_draft;
-            sp->draft_k = (uint32_t)ss->draft_k;
+            /* A prediction under prompt lookup takes no draft-model guesses
+             * (its drafts come from req_pred_drafts). */
+            sp->draft_k = q && q->pred_only ? 0 : (uint32_t)ss->draft_k;
             /* Started on a cached prefix: the last stage's penalties see
              * the tokens before it, which it never processed. */
             sp->n_penalty_context = (size_t)ss->n_context;

@@ -15,6 +15,13 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "router/ngram.h"
+
+/* Longest suffix a prediction lookup tries (3, 2, then 1 tokens), as the
+ * scheduler's own prompt lookup. */
+#define SERVER_PRED_NGRAM_MAX 3
+
+static int req_spec_mode(const server *s, const struct req *q);
 
 static uint32_t hash_str(const char *s) {
     uint32_t h = 2166136261u;
@@ -74,6 +81,7 @@ void req_free(struct req *q) {
     free(q->params);
     if (q->gen) llm__generate_request__free_unpacked(q->gen, NULL);
     free(q->prompt);
+    free(q->pred);
     free(q->out);
     free(q->lps);
     free(q->text);
@@ -93,6 +101,39 @@ void req_unlink(server *s, struct req *q) {
     if (q->next) q->next->prev = q->prev;
     s->n_reqs--;
     if (q->state == REQ_DONE) s->n_done--;
+}
+
+/* q's prediction as tokens: a continuation, so no BOS, and where the
+ * tokenizer puts a space before a text (SentencePiece) the prediction's
+ * own leading space stands for it (" there" is "▁there", as the model
+ * makes it after a prompt). */
+static int req_pred_tokenize(server *s, struct req *q, char *err, size_t errlen) {
+    const char *text = q->gen->prediction;
+    size_t len = strlen(text);
+    if (tokenizer_adds_space_prefix(s->tok) && text[0] == ' ') {
+        text++;
+        len--;
+    }
+    int32_t cap = (int32_t)len + 8, n = 0;
+    for (;;) {
+        q->pred = malloc((size_t)cap * sizeof *q->pred);
+        if (!q->pred) {
+            snprintf(err, errlen, "request %s: out of memory for its prediction", q->id);
+            return STATUS_NO_MEMORY;
+        }
+        n = tokenizer_encode(s->tok, text, len, 0, 0, q->pred, cap);
+        if (n < 0) {
+            snprintf(err, errlen, "request %s: prediction (%zu bytes) cannot be tokenized (%s)", q->id,
+                     strlen(q->gen->prediction), status_str(n));
+            return n;
+        }
+        if (n <= cap) break;
+        free(q->pred);
+        q->pred = NULL;
+        cap = n;
+    }
+    q->n_pred = n;
+    return 0;
 }
 
 /* A request from its stored form (new, re-attached after a restart, or
@@ -115,6 +156,10 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
     if (!q->gen) {
         snprintf(err, errlen, "request %s: stored parameters (%zu bytes) do not decode", r->id,
                  r->params_len);
+        req_free(q);
+        return NULL;
+    }
+    if (q->gen->prediction && q->gen->prediction[0] && req_pred_tokenize(s, q, err, errlen) < 0) {
         req_free(q);
         return NULL;
     }
@@ -150,6 +195,7 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
     q->n_choices = q->gen->n > 1 ? q->gen->n : 1;
     int64_t limit = q->gen->max_tokens ? (int64_t)q->n_prompt + q->gen->max_tokens : s->mi.n_ctx;
     q->limit = (int32_t)(limit < s->mi.n_ctx ? limit : s->mi.n_ctx);
+    q->pred_only = q->pred && req_spec_mode(s, q) == SERVER_SPEC_NGRAM;
     q->order = ++s->next_order;
     q->stream = q->gen->stream;
     snprintf(q->entry, sizeof q->entry, "%s", r->entry);
@@ -485,18 +531,26 @@ void req_flush_touched(server *s) {
     s->n_touched = 0;
 }
 
+/* q's speculation mode: its own, else the router's --spec. */
+static int req_spec_mode(const server *s, const struct req *q) {
+    switch (q->gen->spec) {
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_OFF: return SERVER_SPEC_OFF;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM: return SERVER_SPEC_NGRAM;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT: return SERVER_SPEC_DRAFT;
+    case LLM__GENERATE_REQUEST__SPEC__SPEC_AUTO: return SERVER_SPEC_AUTO;
+    default: break;
+    }
+    /* A prediction is there to be drafted from: it asks for prompt lookup
+     * unless the request itself says off. */
+    if (q->pred && s->cfg.spec == SERVER_SPEC_OFF) return SERVER_SPEC_NGRAM;
+    return s->cfg.spec;
+}
+
 void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only, unsigned *sources) {
     *k = 0;
     *auto_only = false;
     *sources = SCHED_SPEC_NGRAM;
-    int mode = s->cfg.spec;
-    switch (q->gen->spec) {
-    case LLM__GENERATE_REQUEST__SPEC__SPEC_OFF: mode = SERVER_SPEC_OFF; break;
-    case LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM: mode = SERVER_SPEC_NGRAM; break;
-    case LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT: mode = SERVER_SPEC_DRAFT; break;
-    case LLM__GENERATE_REQUEST__SPEC__SPEC_AUTO: mode = SERVER_SPEC_AUTO; break;
-    default: break;
-    }
+    int mode = req_spec_mode(s, q);
     if (mode == SERVER_SPEC_OFF) return;
     /* draft: the last stage's draft model only; auto: prompt lookup first
      * (free), the draft model when it finds nothing.  A last stage without
@@ -514,6 +568,28 @@ void req_spec(const server *s, const struct req *q, int32_t *k, bool *auto_only,
     *k = q->gen->spec_tokens > 0 ? (int32_t)q->gen->spec_tokens : s->cfg.spec_tokens;
     if (*k > SERVER_SPEC_TOKENS_MAX) *k = SERVER_SPEC_TOKENS_MAX;
     *auto_only = mode == SERVER_SPEC_AUTO;
+    /* With a prediction the lookup runs here (req_pred_drafts: it sees the
+     * prediction, the scheduler's does not) and hands its drafts to the
+     * scheduler as the model's source does; the draft model, where the
+     * mode has it, fills in when the lookup finds nothing. */
+    if (q->pred) *sources = SCHED_SPEC_MODEL;
+}
+
+void req_pred_drafts(server *s, struct req *q) {
+    if (!q->pred || !q->seq || q->n_out < 1) return;
+    int32_t k = 0;
+    bool auto_only = false;
+    unsigned sources = 0;
+    req_spec(s, q, &k, &auto_only, &sources);
+    q->pred_drafts = false;
+    if (k <= 0) return;
+    int32_t d[SCHED_SPEC_TOKENS_MAX];
+    if (k > SCHED_SPEC_TOKENS_MAX) k = SCHED_SPEC_TOKENS_MAX;
+    int32_t n = ngram_propose_pred(q->prompt, q->n_prompt, q->pred, q->n_pred, q->out, q->n_out,
+                                   SERVER_PRED_NGRAM_MAX, 1, k, &q->pred_off, d);
+    if (n <= 0) return;
+    sched_seq_set_model_drafts(q->seq, d, n);
+    q->pred_drafts = true;
 }
 
 /* A sampled token for q: record it, check the stop conditions, and give

@@ -237,7 +237,8 @@ static void on_heartbeat(server *s, const uint8_t *ident, size_t ident_len, cons
 static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__SeqResult *r,
                          uint32_t stage) {
     int32_t n_draft = sched_seq_n_draft(q->seq);
-    bool model = sched_seq_draft_source(q->seq) == SCHED_SPEC_MODEL;
+    /* A prediction's drafts travel as the model's but are prompt lookup's. */
+    bool model = sched_seq_draft_source(q->seq) == SCHED_SPEC_MODEL && !q->pred_drafts;
     if (n_draft == 0 && r->n_next_tokens == 0) return true;
     int32_t n_acc = (int32_t)r->n_next_tokens;
     bool ok = n_acc <= n_draft;
@@ -354,6 +355,7 @@ static void on_result(server *s, const Llm__StepResult *m) {
                     nd++;
                 sched_seq_set_model_drafts(q->seq, r->draft_tokens, (int32_t)nd);
             }
+            req_pred_drafts(s, q);
         }
         /* Sequences of the step the result did not mention start over. */
         for (int32_t j = 0; j < f->n; j++) {

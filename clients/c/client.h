@@ -157,6 +157,11 @@ struct llm_generate_params {
      * the router's --spec; spec_tokens 0: the router's --spec-tokens. */
     int32_t spec;
     uint32_t spec_tokens;
+    /* Predicted output (GenerateRequest.prediction; docs/router.md,
+     * "Predicted outputs"): text the completion is expected to repeat,
+     * drafted from by prompt lookup; NULL or "": none.  At most
+     * PROTO_PREDICTION_BYTES_MAX bytes.  Borrowed for the call. */
+    const char *prediction;
 };
 /* Greedy, streaming, nothing else set. */
 void llm_generate_params_default(struct llm_generate_params *p);

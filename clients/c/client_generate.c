@@ -208,6 +208,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     gr.priority = p->priority;
     gr.spec = (Llm__GenerateRequest__Spec)p->spec;
     gr.spec_tokens = p->spec_tokens;
+    if (p->prediction) gr.prediction = (char *)p->prediction;
     gr.deadline_ms = p->deadline_ms;
     gr.timeout_ms = p->timeout_ms;
     gr.stream = p->stream;
@@ -215,6 +216,11 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_GENERATE;
     env.generate = &gr;
 
+    if (p->prediction && strlen(p->prediction) > PROTO_PREDICTION_BYTES_MAX) {
+        client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: prediction has %zu bytes, at most %d",
+                      strlen(p->prediction), PROTO_PREDICTION_BYTES_MAX);
+        return STATUS_BAD_INPUT;
+    }
     if (p->n > PROTO_N_MAX) {
         client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: n = %u is more than %d", p->n, PROTO_N_MAX);
         return STATUS_BAD_INPUT;

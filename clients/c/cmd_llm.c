@@ -179,6 +179,10 @@ struct llm_gen_out {
     struct llm_lp_rec *lps;   /* --logprobs: one per token, n_lps of them */
     size_t n_lps, cap_lps;
     bool oom;
+    /* When the first and the latest chunk came (llm_now_us; 0: none yet)
+     * and the tokens of the first: --json's decode timing. */
+    int64_t first_us, last_us;
+    size_t n_first;
 };
 
 static bool llm_lp_copy(struct llm_lp_alt *d, int32_t token, float logprob, const char *text, size_t len) {
@@ -307,7 +311,20 @@ static int llm_gen_chunk_choices(void *ud, const struct llm_chunk *ch) {
 
 /* Keeps a chunk's ids, text and logprobs in o; 1 (cancel) when out of
  * memory. */
+static int64_t llm_now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 static int llm_gen_keep(struct llm_gen_out *o, const struct llm_chunk *ch) {
+    if (ch->n_tokens > 0) {
+        o->last_us = llm_now_us();
+        if (o->first_us == 0) {
+            o->first_us = o->last_us;
+            o->n_first = ch->n_tokens;
+        }
+    }
     if (o->n + ch->n_tokens > o->cap) {
         size_t cap = o->cap ? o->cap : 64;
         while (cap < o->n + ch->n_tokens) cap *= 2;
@@ -400,7 +417,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     const char *stops[PROTO_STOP_STRINGS_MAX + 1];
     size_t n_stops = llm_collect_stops(argc, argv, stops, PROTO_STOP_STRINGS_MAX + 1);
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
-    const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL;
+    const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL, *prediction_file = NULL;
     bool json_object = false;
     int n_choices = 1;
     int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n, spec = 0, spec_tokens;
@@ -446,6 +463,9 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
          "the output is the same, only faster or not", &spec, 0, 0, spec_modes},
         {"spec-tokens", NULL, OPTION_INT, "0", "drafted tokens a step verifies at most (0: the router's "
          "--spec-tokens)", &spec_tokens, 0, 16, NULL},
+        {"prediction", NULL, OPTION_STRING, NULL, "predicted output: a file whose text the completion is "
+         "expected to repeat (an edit's original); prompt lookup drafts from it (docs/router.md, \"Predicted "
+         "outputs\"); the output is the same", &prediction_file, 0, 0, NULL},
         {"n", NULL, OPTION_INT, "1", "choices (completions) to generate, on the prompt's shared KV blocks; "
          "choice i samples with a seed derived from --seed and i (docs/protocol.md, \"Several choices\"); "
          "each is printed whole once all are done", &n_choices, 1, PROTO_N_MAX, NULL},
@@ -480,9 +500,22 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     char *constraint = NULL;
     const char *cfile = schema_file ? schema_file : grammar_file;
     if (cfile && !(constraint = llm_read_file(cfile))) return 2;
+    char *prediction = NULL;
+    if (prediction_file && !(prediction = llm_read_file(prediction_file))) {
+        free(constraint);
+        return 2;
+    }
+    if (prediction && strlen(prediction) > PROTO_PREDICTION_BYTES_MAX) {
+        fprintf(stderr, "llm generate: --prediction %s: %zu bytes, at most %d\n", prediction_file,
+                strlen(prediction), PROTO_PREDICTION_BYTES_MAX);
+        free(constraint);
+        free(prediction);
+        return 2;
+    }
     llm_client *c;
     if ((rc = llm_open(gl, &c)) != 0) {
         free(constraint);
+        free(prediction);
         return rc;
     }
     struct llm_generate_params p;
@@ -514,6 +547,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.spec = spec;
     p.spec_tokens = (uint32_t)spec_tokens;
     p.n = (uint32_t)n_choices;
+    p.prediction = prediction;
     static struct llm_gen_out outs[PROTO_N_MAX];
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
@@ -522,6 +556,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     sa.sa_handler = llm_on_sigint;
     sa.sa_flags = SA_RESETHAND;
     sigaction(SIGINT, &sa, NULL);
+    int64_t t_start_us = llm_now_us();
     rc = n_choices > 1 ? llm_client_generate(c, &p, llm_gen_chunk_choices, outs, &r)
                        : llm_client_generate(c, &p, llm_gen_chunk, &out, &r);
     if (n_choices > 1) {
@@ -580,6 +615,15 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
             cJSON_AddStringToObject(j, "request_id", r.request_id);
             cJSON_AddStringToObject(j, "finish_reason", llm_finish_reason_name(r.finish_reason));
             if (r.stop_string[0]) cJSON_AddStringToObject(j, "stop_string", r.stop_string);
+            if (out.first_us > 0) {
+                /* Decode alone: from the first chunk to the last, the
+                 * tokens after the first chunk (with --stream; without it
+                 * one chunk holds them all). */
+                cJSON *t = cJSON_AddObjectToObject(j, "timing");
+                cJSON_AddNumberToObject(t, "first_token_s", (double)(out.first_us - t_start_us) / 1e6);
+                cJSON_AddNumberToObject(t, "decode_s", (double)(out.last_us - out.first_us) / 1e6);
+                cJSON_AddNumberToObject(t, "decode_tokens", (double)(out.n - out.n_first));
+            }
             if (n_choices > 1) {
                 /* Every choice, choice 0 (the fields above) included. */
                 cJSON *a = cJSON_AddArrayToObject(j, "choices");
@@ -623,6 +667,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     }
     llm_client_close(c);
     free(constraint);
+    free(prediction);
     return exit_code;
 }
 

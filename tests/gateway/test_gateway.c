@@ -247,6 +247,50 @@ TEST(completion_equals_llm_run) {
     resp_free(&r);
 }
 
+/* A completion with a prediction (OpenAI's predicted outputs, drafted
+ * from by prompt lookup) has the text of one without: with the right
+ * prediction (as a string and as text parts, speculation otherwise off),
+ * a wrong one, and one the request turns off. */
+TEST(prediction_same_text) {
+    setup();
+    const char *preds[] = {ref_.text, "", " and the dog ran to the park. The end.", ref_.text};
+    const char *spec[] = {NULL, NULL, "ngram", "off"};
+    for (int i = 0; i < 4; i++) {
+        cJSON *b = cJSON_CreateObject();
+        cJSON_AddStringToObject(b, "prompt", PROMPT);
+        cJSON_AddNumberToObject(b, "max_tokens", MAX_TOKENS);
+        cJSON_AddNumberToObject(b, "temperature", 0);
+        if (spec[i]) cJSON_AddStringToObject(b, "speculation", spec[i]);
+        cJSON *p = cJSON_AddObjectToObject(b, "prediction");
+        cJSON_AddStringToObject(p, "type", "content");
+        if (i == 1) {
+            /* text parts: the reference cut in two */
+            size_t half = strlen(ref_.text) / 2;
+            char first[512];
+            snprintf(first, sizeof first, "%.*s", (int)half, ref_.text);
+            cJSON *a = cJSON_AddArrayToObject(p, "content");
+            cJSON *t1 = cJSON_CreateObject(), *t2 = cJSON_CreateObject();
+            cJSON_AddStringToObject(t1, "type", "text");
+            cJSON_AddStringToObject(t1, "text", first);
+            cJSON_AddStringToObject(t2, "type", "text");
+            cJSON_AddStringToObject(t2, "text", ref_.text + half);
+            cJSON_AddItemToArray(a, t1);
+            cJSON_AddItemToArray(a, t2);
+        } else {
+            cJSON_AddStringToObject(p, "content", preds[i]);
+        }
+        char *body = cJSON_PrintUnformatted(b);
+        cJSON_Delete(b);
+        struct resp r;
+        post(cl_, &gw_keyed, "/v1/completions", GW_KEY, body, &r);
+        H_ASSERT(cl_, r.status == 200, "prediction %d: status %d: %s", i, r.status, r.body);
+        H_ASSERT(cl_, strcmp(completion_text(&r), ref_.text) == 0, "prediction %d: text \"%s\", llm-run's \"%s\"",
+                 i, completion_text(&r), ref_.text);
+        resp_free(&r);
+        free(body);
+    }
+}
+
 /* SSE: "data: JSON\n\n" events, the text equal to llm-run's, a usage
  * chunk with empty choices, then "data: [DONE]\n\n" last. */
 TEST(completion_stream_sse) {
@@ -399,9 +443,27 @@ TEST(bad_requests) {
          "{\"prompt\":\"a b a b a\",\"max_tokens\":4,\"speculation\":\"ngram\",\"num_speculative_tokens\":3}", &r);
     H_ASSERT(cl_, r.status == 200, "speculation: status %d: %s", r.status, r.body);
     resp_free(&r);
-    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"speculation\":\"draft\"}", &r);
-    expect_error(cl_, &r, 400, "speculation", "one of", "speculation draft");
-    expect_code(cl_, &r, "unsupported_value", "speculation draft");
+    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"speculation\":\"bogus\"}", &r);
+    expect_error(cl_, &r, 400, "speculation", "one of", "speculation bogus");
+    expect_code(cl_, &r, "unsupported_value", "speculation bogus");
+    resp_free(&r);
+    /* Predicted outputs: only {"type": "content"} with text content. */
+    post(cl_, &gw_open, "/v1/completions", NULL,
+         "{\"prompt\":\"a\",\"prediction\":{\"type\":\"diff\",\"content\":\"x\"}}", &r);
+    expect_error(cl_, &r, 400, "prediction.type", "\"diff\" is not supported", "prediction type");
+    expect_code(cl_, &r, "unsupported_value", "prediction type");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"prediction\":\"x\"}", &r);
+    expect_error(cl_, &r, 400, "prediction", "must be an object", "prediction string");
+    expect_code(cl_, &r, "invalid_type", "prediction string");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"prediction\":{\"type\":\"content\"}}", &r);
+    expect_error(cl_, &r, 400, "prediction.content", "missing", "prediction without content");
+    expect_code(cl_, &r, "missing_required_parameter", "prediction without content");
+    resp_free(&r);
+    post(cl_, &gw_open, "/v1/completions", NULL,
+         "{\"prompt\":\"a\",\"prediction\":{\"type\":\"content\",\"content\":[{\"type\":\"image_url\"}]}}", &r);
+    expect_error(cl_, &r, 400, "prediction.content", "only text parts", "prediction image part");
     resp_free(&r);
     post(cl_, &gw_open, "/v1/completions", NULL, "{\"prompt\":\"a\",\"num_speculative_tokens\":17}", &r);
     expect_error(cl_, &r, 400, "num_speculative_tokens", NULL, "spec tokens");
@@ -1179,7 +1241,7 @@ TEST(teardown) {
     cl_ = NULL;
 }
 
-TEST_MAIN(completion_equals_llm_run, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
+TEST_MAIN(completion_equals_llm_run, prediction_same_text, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
           huge_body, invalid_utf8_refused, trailing_bytes_refused, context_length_exceeded, model_named_as_listed,
           chat_stream_role_first, slowloris, read_deadline,
           disconnect_cancels, runners_reused, router_unreachable, metrics_port, models, openai_node, teardown)

@@ -255,5 +255,23 @@ TEST(request_choice_seeds) {
     ASSERT_TRUE(proto_choice_seed(43, 1) != seen[1]);
 }
 
-TEST_MAIN(request_valid_passes, request_constraints_checked, request_empty_prompt_passes, request_invalid_fields_named,
+/* A prediction up to PROTO_PREDICTION_BYTES_MAX bytes passes; one byte
+ * more is refused naming the field and its size. */
+TEST(request_prediction_bounded) {
+    struct req r;
+    req_init(&r);
+    char *big = malloc(PROTO_PREDICTION_BYTES_MAX + 2);
+    ASSERT_TRUE(big != NULL);
+    memset(big, 'x', PROTO_PREDICTION_BYTES_MAX + 1);
+    big[PROTO_PREDICTION_BYTES_MAX] = 0;
+    r.g.prediction = big;
+    char err[256] = "";
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    big[PROTO_PREDICTION_BYTES_MAX] = 'x';
+    big[PROTO_PREDICTION_BYTES_MAX + 1] = 0;
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "request req-1: prediction has 262145 bytes, at most 262144");
+    free(big);
+}
+
+TEST_MAIN(request_valid_passes, request_prediction_bounded, request_constraints_checked, request_empty_prompt_passes, request_invalid_fields_named,
           request_sampling_converts_both_ways, request_choice_seeds)

@@ -17,6 +17,7 @@ struct sgen {
     float temperature;
     uint64_t seed;
     int max_tokens;
+    const char *prediction; /* GenerateRequest.prediction; NULL: none */
     /* out */
     int rc;
     char err[512];
@@ -54,6 +55,7 @@ static void sg_run(struct sgen *g) {
     p.sampling.seed = g->seed;
     p.sampling.ignore_eos = 1;
     p.spec = g->spec;
+    p.prediction = g->prediction;
     p.wait_ms = 180000;
     g->n = 0;
     g->len = 0;
@@ -68,7 +70,7 @@ static void *sg_thread(void *arg) {
     return NULL;
 }
 
-static void sg_run_all(struct sgen *gs, int n) {
+static H_UNUSED void sg_run_all(struct sgen *gs, int n) {
     pthread_t th[32];
     for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
     for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
