@@ -17,11 +17,18 @@
 #include "router/server.h"
 #include "router/server_metrics.h"
 
-static volatile sig_atomic_t stop_flag;
+static volatile sig_atomic_t stop_flag, reload_flag;
 
 static void on_signal(int sig) {
     (void)sig;
     stop_flag = 1;
+}
+
+/* SIGHUP: reread the key allowlists (llm-cluster scale adds and removes
+ * worker keys; docs/security.md). */
+static void on_hangup(int sig) {
+    (void)sig;
+    reload_flag = 1;
 }
 
 int main(int argc, char **argv) {
@@ -166,6 +173,9 @@ int main(int argc, char **argv) {
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sa.sa_handler = on_hangup;
+    sigaction(SIGHUP, &sa, NULL);
+    c.reload_keys = &reload_flag;
     server_metrics *sm = NULL;
     if (server_metrics_init(&sm, err, sizeof err) < 0) {
         fprintf(stderr, "llm-router: %s\n", err);

@@ -445,6 +445,10 @@ void registry_pipeline_bump(registry *r, struct pipeline *p) {
 
 void registry_mark_lost(registry *r, struct worker *w) {
     if (w->state == WORKER_LOST) return;
+    /* A worker that drained and then went (its key deleted on exit, or
+     * silent) was removed, not broken: nothing waits for it to come back,
+     * so its pipeline leaves Status as soon as its last stage goes. */
+    w->left = w->state == WORKER_DRAINING;
     w->state = WORKER_LOST;
     struct pipeline *p = registry_pipeline_find(r, w->pipeline_id);
     if (p) p->epoch = ++r->epoch;
@@ -462,7 +466,7 @@ int registry_expire(registry *r, int64_t now_ms, void (*drop)(struct pipeline *p
             registry_mark_lost(r, w);
             n++;
         }
-        if (w->state == WORKER_LOST && r->cfg.forget_ms > 0 && age > r->cfg.forget_ms) {
+        if (w->state == WORKER_LOST && (w->left || (r->cfg.forget_ms > 0 && age > r->cfg.forget_ms))) {
             registry_worker_remove(r, w); /* moves the last worker into slot i */
             continue;
         }

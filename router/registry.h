@@ -43,6 +43,7 @@ struct worker {
     uint64_t last_step_id, steps_total, tokens_total;
     uint32_t kv_used, kv_total;
     bool redis_key_seen; /* its TTL key existed once: its absence now means death */
+    bool left;           /* lost while draining: it left on purpose (scale-in), forgotten at once */
     char error[256];     /* the last failure it reported */
     /* The CURVE public key (Z85) it registered from, "" on an insecure
      * router: while it lives, its id belongs to this key. */
@@ -97,7 +98,8 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
 int registry_heartbeat(registry *r, const Llm__Heartbeat *m, int64_t now_ms, struct worker **w);
 
 /* Marks workers silent for longer than the timeout as lost, and forgets
- * those lost for longer than forget_ms (empty pipelines go too; the caller
+ * those lost for longer than forget_ms, and at once those lost while
+ * draining, which left on purpose (empty pipelines go too; the caller
  * gets each removed pipeline through drop(p, ud) first).  Returns how many
  * workers became lost. */
 int registry_expire(registry *r, int64_t now_ms, void (*drop)(struct pipeline *p, void *ud),

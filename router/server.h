@@ -56,6 +56,11 @@ struct server_config {
     const char *client_keys;
     const char *worker_keys;
     bool insecure;             /* plain sockets: anyone who reaches a port is served */
+    /* Set (to non-zero) by the caller's SIGHUP handler: the loop rereads
+     * client_keys and worker_keys within 50 ms, admits what they list from
+     * then on and sets it back to 0; a list that fails to load leaves the
+     * old one in force (logged).  NULL: the lists are read at start only. */
+    volatile sig_atomic_t *reload_keys;
     struct server_metrics *metrics; /* updated by the loop (router/server_metrics.h), the
                                        caller's; NULL: no metrics */    struct watchdog *watchdog;      /* the loop beats its loop 0 every turn (common/watchdog.h);
                                        the caller's; NULL: none */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -155,6 +156,34 @@ done:
     free(cmds);
 }
 
+/* SIGHUP (server_config.reload_keys): the allowlists again, each whole or
+ * not at all, so that a list caught half-written keeps the old keys in
+ * force until the next signal.  Connections already admitted stay. */
+static void reload_keys(server *s) {
+    *s->cfg.reload_keys = 0;
+    if (s->cfg.insecure || !s->zap) {
+        LOG(LL_INFO, "router: SIGHUP: no keys to reread (--insecure)");
+        return;
+    }
+    const char *paths[2] = {s->cfg.client_keys, s->cfg.worker_keys};
+    const char *domains[2] = {"clients", "workers"};
+    for (int i = 0; i < 2; i++) {
+        struct keys_list *l = NULL;
+        char err[512] = "";
+        int rc = keys_list_load(paths[i], &l, err, sizeof err);
+        if (rc == 0 && zio_zap_set(s->zap, domains[i], l) < 0) {
+            rc = STATUS_NO_MEMORY;
+            snprintf(err, sizeof err, "out of memory");
+        }
+        if (rc == 0)
+            LOG(LL_INFO, "router: SIGHUP: %zu %s keys from %s", l->n, domains[i], paths[i]);
+        else
+            LOG(LL_ERROR, "router: SIGHUP: %s keys %s: %s; the ones read before stay admitted", domains[i],
+                paths[i], err);
+        keys_list_free(l);
+    }
+}
+
 /* Routers sharing one Redis (docs/router.md, "Fail-over"): this router
  * shows it is alive by touching its pending stream entries, and with
  * --claim-idle-ms takes over the entries of a router silent that long (dead,
@@ -181,6 +210,9 @@ static void share_stream(server *s) {
 }
 
 void server_timers(server *s) {
+    /* Before the 50 ms gate: the signal interrupted the poll, and whoever
+     * sent it waits for the new keys. */
+    if (s->cfg.reload_keys && *s->cfg.reload_keys) reload_keys(s);
     int64_t now = server_now_ms();
     if (now - s->last_timer_ms < 50) return;
     s->last_timer_ms = now;
