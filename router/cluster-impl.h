@@ -36,6 +36,13 @@ struct cl_up {
     char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX], bin_gateway[PATH_MAX];
     char http_url[128];     /* the gateway's base URL, "" without --http-port */
     char redis_url[128];
+    /* What the routers and workers get: --redis redis_plain (the private
+     * Redis's URL without its password, or --redis as given) and, for the
+     * private one, --redis-password-file redis_pwfile ("" for none). */
+    char redis_plain[160], redis_pwfile[PATH_MAX + 32];
+    char worker_eps[640];   /* every router's worker endpoint, comma-separated (llm-worker --router) */
+    char pub_router[PATH_MAX + 64]; /* keys/router.pub */
+    char saved[4][PATH_MAX]; /* cl_conf_read's strings: model, device, log level, worker args */
     char endpoint[128];     /* the first router's client endpoint */
     char endpoints[640];    /* every router's, comma-separated (LLM_ROUTER) */
     struct cl_proc procs[CL_PROCS_MAX];
@@ -78,6 +85,18 @@ void cl_client_keys(const char *dir, struct llm_client_config *cfg, char *key, c
 int cl_write_env(struct cl_up *u);
 int cl_api_key_ensure(const char *path, char *err, size_t errlen);
 int cl_write_targets(struct cl_up *u, char *err, size_t errlen);
+/* The targets RUN_DIR/prometheus-targets.json lists, into out (at most
+ * max; metrics_port and program from the file, pid 0); -1 without the file. */
+int cl_read_targets(const char *dir, struct cl_proc *out, int max);
+/* keys/workers/NAME.key and .pub: kept when there, else made now. */
+int cl_worker_key_ensure(const char *dir, const char *name, char *err, size_t errlen);
+/* RUN_DIR/cluster.conf: how `up` started the workers (model, stages,
+ * device, threads, KV blocks, log level, extra words, keys or not, Redis,
+ * the routers' worker endpoints), so that `scale` starts more the same
+ * way.  cl_conf_read fills u (dir set) from it: its strings point into
+ * u->saved.  Errors name the file and the line. */
+int cl_conf_write(const struct cl_up *u, char *err, size_t errlen);
+int cl_conf_read(struct cl_up *u, char *err, size_t errlen);
 
 /* ---- processes (cluster_proc.c) ------------------------------------------- */
 
@@ -107,5 +126,19 @@ pid_t cl_running_pid(const char *dir, char *name, size_t size);
  * writes the run dir's files.  On failure the processes it started stay in
  * u->procs for cl_stop_all. */
 int cl_up_run(struct cl_up *u, char *err, size_t errlen);
+/* Starts the worker of pipeline p, stage s (worker-pP-sS, its log, pid
+ * file and metrics port in u->procs) with threads CPU threads, on GPU
+ * (p * stages + s) % n_gpus when n_gpus > 0, else the CPU. */
+int cl_spawn_worker(struct cl_up *u, int p, int s, int threads, int n_gpus, char *err, size_t errlen);
+/* The CPU threads each worker gets: --threads, or the cores shared out
+ * over n_workers (at least 1). */
+int cl_worker_threads(const struct cl_up *u, int n_workers);
+
+/* ---- scale (cluster_scale.c) ---------------------------------------------- */
+
+/* llm-cluster scale: brings the cluster of u->run_dir to u->pipelines
+ * pipelines (docs/deploy.md, "Scaling a running cluster"), waiting at most
+ * u->timeout_s for the router to show it; prints what it does on stdout. */
+int cl_scale_run(struct cl_up *u, char *err, size_t errlen);
 
 #endif

@@ -80,7 +80,7 @@ int cl_mkdirs(const char *path, char *err, size_t errlen) {
 static bool cl_run_file(const char *name) {
     static const char *const exact[] = {"keys", "appendonlydir", "appendonly.aof", "dump.rdb", "redis.conf",
                                         "redis.password", "env.sh", "cluster.env", "endpoint", "http-url",
-                                        "api-key", "insecure", "prometheus-targets.json",
+                                        "api-key", "insecure", "prometheus-targets.json", "cluster.conf", "scale.lock",
                                         "prometheus-targets.json.tmp"};
     for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
         if (strcmp(name, exact[i]) == 0) return true;
@@ -255,6 +255,12 @@ static int cl_key_ensure(const char *dir, const char *name, char *err, size_t er
     if (rc == 0) rc = keys_pair_write(dir, name, &kp, err, errlen);
     memset(&kp, 0, sizeof kp);
     return rc;
+}
+
+int cl_worker_key_ensure(const char *dir, const char *name, char *err, size_t errlen) {
+    char sub[PATH_MAX + 48];
+    cl_fmt(sub, sizeof sub, "%s/keys/workers", dir);
+    return cl_key_ensure(sub, name, err, errlen);
 }
 
 /* Keys for the router, one client (env.sh's) and each worker. */
@@ -443,5 +449,141 @@ int cl_write_targets(struct cl_up *u, char *err, size_t errlen) {
         unlink(tmp);
         return STATUS_IO;
     }
+    return 0;
+}
+
+int cl_read_targets(const char *dir, struct cl_proc *out, int max) {
+    char path[PATH_MAX + 48], line[512];
+    cl_fmt(path, sizeof path, "%s/prometheus-targets.json", dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    /* The file is cl_write_targets' own: one target a line. */
+    while (n < max && fgets(line, sizeof line, f)) {
+        struct cl_proc *p = &out[n];
+        memset(p, 0, sizeof *p);
+        if (sscanf(line, " {\"targets\": [\"127.0.0.1:%d\"], \"labels\": {\"job\": \"%31[^\"]\", \"process\": "
+                   "\"%63[^\"]\"}}", &p->metrics_port, p->program, p->name) == 3)
+            n++;
+    }
+    fclose(f);
+    return n;
+}
+
+/* ---- cluster.conf ----------------------------------------------------------- */
+
+/* One "key=value" line; a value never holds a newline (the options that
+ * could are refused by cl_conf_write). */
+static void cl_conf_line(FILE *f, const char *key, const char *value) {
+    fprintf(f, "%s=%s\n", key, value ? value : "");
+}
+
+int cl_conf_write(const struct cl_up *u, char *err, size_t errlen) {
+    char path[PATH_MAX + 32], model[PATH_MAX], num[32];
+    const char *strs[] = {u->worker_args, u->redis_plain, u->worker_eps, u->model};
+    for (size_t i = 0; i < sizeof strs / sizeof strs[0]; i++)
+        if (strs[i] && strpbrk(strs[i], "\r\n")) {
+            cl_fmt(err, errlen, "\"%s\": a line break in a setting", strs[i]);
+            return STATUS_BAD_INPUT;
+        }
+    /* Absolute: `scale` may run from another folder than `up` did. */
+    if (!realpath(u->model, model)) cl_fmt(model, sizeof model, "%s", u->model);
+    cl_fmt(path, sizeof path, "%s/cluster.conf", u->dir);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    FILE *f = fd >= 0 && fchmod(fd, 0600) == 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        if (fd >= 0) close(fd);
+        return STATUS_IO;
+    }
+    fputs("# llm-cluster up's settings: llm-cluster scale starts workers as up did\n", f);
+    cl_conf_line(f, "model", model);
+    cl_fmt(num, sizeof num, "%d", u->stages);
+    cl_conf_line(f, "stages", num);
+    cl_conf_line(f, "device", u->device);
+    cl_fmt(num, sizeof num, "%d", u->threads);
+    cl_conf_line(f, "threads", num);
+    cl_fmt(num, sizeof num, "%d", u->kv_blocks);
+    cl_conf_line(f, "kv_blocks", num);
+    cl_conf_line(f, "log_level", u->log_level);
+    cl_conf_line(f, "worker_args", u->worker_args);
+    cl_conf_line(f, "insecure", u->insecure ? "1" : "0");
+    cl_conf_line(f, "redis", u->redis_plain);
+    cl_conf_line(f, "redis_password_file", u->redis_pwfile);
+    cl_conf_line(f, "worker_endpoints", u->worker_eps);
+    if (fclose(f) != 0) {
+        cl_fmt(err, errlen, "%s: %s", path, strerror(errno));
+        return STATUS_IO;
+    }
+    return 0;
+}
+
+/* A whole decimal in [lo, hi] into *out. */
+static bool cl_conf_int(const char *v, int lo, int hi, int *out) {
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi) return false;
+    *out = (int)x;
+    return true;
+}
+
+int cl_conf_read(struct cl_up *u, char *err, size_t errlen) {
+    char path[PATH_MAX + 32], line[4 * PATH_MAX];
+    cl_fmt(path, sizeof path, "%s/cluster.conf", u->dir);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        cl_fmt(err, errlen, "%s: %s (a run dir that llm-cluster up started and finished writes it)", path,
+               strerror(errno));
+        return STATUS_NOT_FOUND;
+    }
+    int lineno = 0, seen = 0, insecure = 0;
+    u->stages = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        line[strcspn(line, "\r\n")] = 0;
+        if (!line[0] || line[0] == '#') continue;
+        char *eq = strchr(line, '=');
+        if (!eq) {
+            cl_fmt(err, errlen, "%s:%d: \"%.80s\" is not key=value", path, lineno, line);
+            fclose(f);
+            return STATUS_BAD_INPUT;
+        }
+        *eq = 0;
+        const char *k = line, *v = eq + 1;
+        bool ok = true;
+        char *str = NULL; /* a string setting's buffer */
+        size_t size = 0;
+        if (strcmp(k, "model") == 0) str = u->saved[0], size = sizeof u->saved[0], seen |= 1;
+        else if (strcmp(k, "device") == 0) str = u->saved[1], size = sizeof u->saved[1];
+        else if (strcmp(k, "log_level") == 0) str = u->saved[2], size = sizeof u->saved[2];
+        else if (strcmp(k, "worker_args") == 0) str = u->saved[3], size = sizeof u->saved[3];
+        else if (strcmp(k, "redis") == 0) str = u->redis_plain, size = sizeof u->redis_plain, seen |= 4;
+        else if (strcmp(k, "redis_password_file") == 0) str = u->redis_pwfile, size = sizeof u->redis_pwfile;
+        else if (strcmp(k, "worker_endpoints") == 0) str = u->worker_eps, size = sizeof u->worker_eps, seen |= 8;
+        else if (strcmp(k, "stages") == 0) ok = cl_conf_int(v, 1, 64, &u->stages), seen |= 2;
+        else if (strcmp(k, "threads") == 0) ok = cl_conf_int(v, 0, 1024, &u->threads);
+        else if (strcmp(k, "kv_blocks") == 0) ok = cl_conf_int(v, 0, 1 << 24, &u->kv_blocks);
+        else if (strcmp(k, "insecure") == 0) ok = cl_conf_int(v, 0, 1, &insecure);
+        if (str) cl_fmt(str, size, "%s", v);
+        /* Keys a later llm-cluster may add are skipped. */
+        if (!ok) {
+            cl_fmt(err, errlen, "%s:%d: %s=%s: not a number in range", path, lineno, k, v);
+            fclose(f);
+            return STATUS_BAD_INPUT;
+        }
+    }
+    fclose(f);
+    if (seen != 15) {
+        cl_fmt(err, errlen, "%s: missing %s", path,
+               !(seen & 1) ? "model" : !(seen & 2) ? "stages" : !(seen & 4) ? "redis" : "worker_endpoints");
+        return STATUS_BAD_INPUT;
+    }
+    u->model = u->saved[0];
+    u->device = u->saved[1][0] ? u->saved[1] : "auto";
+    u->log_level = u->saved[2][0] ? u->saved[2] : "info";
+    u->worker_args = u->saved[3];
+    u->insecure = insecure != 0;
+    cl_key_path(u->pub_router, sizeof u->pub_router, u->dir, "router.pub");
     return 0;
 }

@@ -15,24 +15,30 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* The --redis words for the router and the workers: for the private Redis
- * the URL without its password and the password file beside it, so that no
- * command line shows the password; a --redis URL given to llm-cluster is
- * passed as it came. */
-static int cl_redis_words(const struct cl_up *u, char **argv, int n, char *url, size_t url_size,
-                          char *pwfile, size_t pwfile_size) {
-    const char *at = strchr(u->redis_url, '@');
+/* The --redis words for the router and the workers (u->redis_plain and
+ * u->redis_pwfile, see cl_redis_prepare). */
+static int cl_redis_words(const struct cl_up *u, char **argv, int n) {
     argv[n++] = "--redis";
-    if ((u->redis && u->redis[0]) || !at) {
-        argv[n++] = (char *)u->redis_url;
-        return n;
+    argv[n++] = (char *)u->redis_plain;
+    if (u->redis_pwfile[0]) {
+        argv[n++] = "--redis-password-file";
+        argv[n++] = (char *)u->redis_pwfile;
     }
-    cl_fmt(url, url_size, "redis://%s", at + 1);
-    cl_fmt(pwfile, pwfile_size, "%s/redis.password", u->dir);
-    argv[n++] = url;
-    argv[n++] = "--redis-password-file";
-    argv[n++] = pwfile;
     return n;
+}
+
+/* For the private Redis the URL without its password and the password file
+ * beside it, so that no command line shows the password; a --redis URL
+ * given to llm-cluster is passed as it came. */
+static void cl_redis_prepare(struct cl_up *u) {
+    const char *at = strchr(u->redis_url, '@');
+    u->redis_pwfile[0] = 0;
+    if ((u->redis && u->redis[0]) || !at) {
+        cl_fmt(u->redis_plain, sizeof u->redis_plain, "%s", u->redis_url);
+        return;
+    }
+    cl_fmt(u->redis_plain, sizeof u->redis_plain, "redis://%s", at + 1);
+    cl_fmt(u->redis_pwfile, sizeof u->redis_pwfile, "%s/redis.password", u->dir);
 }
 
 static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
@@ -235,6 +241,77 @@ static int cl_start_gateway(struct cl_up *u, const char *pub_router, char *err, 
     }
 }
 
+int cl_worker_threads(const struct cl_up *u, int n_workers) {
+    if (u->threads > 0) return u->threads;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    return n_workers > 0 && cores / n_workers > 0 ? (int)(cores / n_workers) : 1;
+}
+
+int cl_spawn_worker(struct cl_up *u, int p, int s, int threads, int n_gpus, char *err, size_t errlen) {
+    char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024],
+        metrics_w[64], wkey[PATH_MAX + 96];
+    char *argv[CL_ARGS_MAX];
+    int idx = p * u->stages + s, n = 0;
+    cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
+    cl_fmt(pid_s, sizeof pid_s, "%d", p);
+    cl_fmt(sid_s, sizeof sid_s, "%d", s);
+    cl_fmt(nst_s, sizeof nst_s, "%d", u->stages);
+    cl_fmt(thr_s, sizeof thr_s, "%d", threads);
+    cl_fmt(kv_s, sizeof kv_s, "%d", u->kv_blocks);
+    if (n_gpus > 0) cl_fmt(dev, sizeof dev, "cuda:%d", idx % n_gpus);
+    else cl_fmt(dev, sizeof dev, "cpu");
+    int lport = cl_free_port(err, errlen);
+    if (lport < 0) return STATUS_IO;
+    cl_fmt(listen, sizeof listen, "tcp://127.0.0.1:%d", lport);
+    int mport = cl_free_port(err, errlen);
+    if (mport < 0) return STATUS_IO;
+    cl_fmt(metrics_w, sizeof metrics_w, "127.0.0.1:%d", mport);
+    cl_fmt(extra_w, sizeof extra_w, "%s", u->worker_args ? u->worker_args : "");
+    argv[n++] = u->bin_worker;
+    argv[n++] = "--model";
+    argv[n++] = (char *)u->model;
+    argv[n++] = "--router";
+    argv[n++] = u->worker_eps;
+    n = cl_redis_words(u, argv, n);
+    argv[n++] = "--worker-id";
+    argv[n++] = name;
+    argv[n++] = "--pipeline";
+    argv[n++] = pid_s;
+    argv[n++] = "--stage";
+    argv[n++] = sid_s;
+    argv[n++] = "--stages";
+    argv[n++] = nst_s;
+    argv[n++] = "--listen";
+    argv[n++] = listen;
+    argv[n++] = "--device";
+    argv[n++] = dev;
+    argv[n++] = "--threads";
+    argv[n++] = thr_s;
+    argv[n++] = "--metrics-listen";
+    argv[n++] = metrics_w;
+    if (u->kv_blocks > 0) {
+        argv[n++] = "--kv-blocks";
+        argv[n++] = kv_s;
+    }
+    argv[n++] = "--log-level";
+    argv[n++] = (char *)u->log_level;
+    if (u->insecure) {
+        argv[n++] = "--insecure";
+    } else {
+        cl_fmt(wkey, sizeof wkey, "%s/keys/workers/%s.key", u->dir, name);
+        argv[n++] = "--curve-key-file";
+        argv[n++] = wkey;
+        argv[n++] = "--router-key";
+        argv[n++] = u->pub_router;
+    }
+    if ((n = cl_add_words(argv, n, extra_w, err, errlen)) < 0) return STATUS_BAD_INPUT;
+    argv[n] = NULL;
+    int rc = cl_spawn(u, name, "llm-worker", argv, err, errlen);
+    if (rc < 0) return rc;
+    u->procs[u->n_procs - 1].metrics_port = mport;
+    return 0;
+}
+
 int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
     int rc = cl_check_model(u->model, err, errlen);
     if (rc < 0) return rc;
@@ -283,10 +360,10 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         return rc;
     }
     char marker[PATH_MAX + 32], key_router[PATH_MAX + 64], keys_clients[PATH_MAX + 64],
-        keys_workers[PATH_MAX + 64], pub_router[PATH_MAX + 64];
+        keys_workers[PATH_MAX + 64];
     cl_fmt(marker, sizeof marker, "%s/insecure", u->dir);
     cl_key_path(key_router, sizeof key_router, u->dir, "router.key");
-    cl_key_path(pub_router, sizeof pub_router, u->dir, "router.pub");
+    cl_key_path(u->pub_router, sizeof u->pub_router, u->dir, "router.pub");
     cl_key_path(keys_clients, sizeof keys_clients, u->dir, "clients");
     cl_key_path(keys_workers, sizeof keys_workers, u->dir, "workers");
     if (u->insecure) {
@@ -302,12 +379,13 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
      * workers and clients get every endpoint and move to the next when one
      * stops answering, and the routers take over each other's requests
      * (--claim-idle-ms, docs/router.md "Fail-over"). */
-    char worker_eps[640] = "", extra_r[1024], stages_s[16];
+    char extra_r[1024], stages_s[16];
     cl_fmt(stages_s, sizeof stages_s, "%d", u->stages);
-    char redis_plain[160], redis_pwfile[PATH_MAX + 32];
+    cl_redis_prepare(u);
     char *argv[CL_ARGS_MAX];
     int n = 0;
     u->endpoints[0] = 0;
+    u->worker_eps[0] = 0;
     for (int r = 0; r < u->routers; r++) {
         char client_ep[64], worker_ep[64], metrics_r[64], rname[32], rid[32];
         int cport = r == 0 ? port : cl_free_port(err, errlen);
@@ -318,9 +396,9 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         cl_fmt(client_ep, sizeof client_ep, "tcp://127.0.0.1:%d", cport);
         cl_fmt(worker_ep, sizeof worker_ep, "tcp://127.0.0.1:%d", wport);
         if (r == 0) cl_fmt(u->endpoint, sizeof u->endpoint, "%s", client_ep);
-        size_t el = strlen(u->endpoints), wl = strlen(worker_eps);
+        size_t el = strlen(u->endpoints), wl = strlen(u->worker_eps);
         cl_fmt(u->endpoints + el, sizeof u->endpoints - el, "%s%s", r ? "," : "", client_ep);
-        cl_fmt(worker_eps + wl, sizeof worker_eps - wl, "%s%s", r ? "," : "", worker_ep);
+        cl_fmt(u->worker_eps + wl, sizeof u->worker_eps - wl, "%s%s", r ? "," : "", worker_ep);
         if (r == 0) {
             cl_fmt(rname, sizeof rname, "router");
             cl_fmt(rid, sizeof rid, "router");
@@ -343,7 +421,7 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = "--claim-idle-ms";
             argv[n++] = "5000";
         }
-        n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
+        n = cl_redis_words(u, argv, n);
         argv[n++] = "--stages";
         argv[n++] = stages_s;
         argv[n++] = "--metrics-listen";
@@ -368,79 +446,17 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
 
     /* The workers. */
     int n_gpus = strcmp(u->device, "auto") == 0 ? cl_gpu_count() : 0;
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
     int n_workers = u->pipelines * u->stages;
-    int threads = u->threads > 0 ? u->threads : (int)(cores / n_workers > 0 ? cores / n_workers : 1);
+    int threads = cl_worker_threads(u, n_workers);
     if (n_gpus > 0 && n_gpus < n_workers)
         fprintf(stderr, "llm-cluster: %d workers share %d GPUs\n", n_workers, n_gpus);
-    for (int p = 0; p < u->pipelines; p++) {
-        for (int s = 0; s < u->stages; s++) {
-            int idx = p * u->stages + s;
-            char name[64], pid_s[16], sid_s[16], nst_s[16], thr_s[16], kv_s[16], dev[32], listen[64], extra_w[1024],
-                metrics_w[64];
-            char wkey[PATH_MAX + 96];
-            cl_fmt(name, sizeof name, "worker-p%d-s%d", p, s);
-            cl_fmt(pid_s, sizeof pid_s, "%d", p);
-            cl_fmt(sid_s, sizeof sid_s, "%d", s);
-            cl_fmt(nst_s, sizeof nst_s, "%d", u->stages);
-            cl_fmt(thr_s, sizeof thr_s, "%d", threads);
-            cl_fmt(kv_s, sizeof kv_s, "%d", u->kv_blocks);
-            if (n_gpus > 0) cl_fmt(dev, sizeof dev, "cuda:%d", idx % n_gpus);
-            else cl_fmt(dev, sizeof dev, "cpu");
-            int lport = cl_free_port(err, errlen);
-            if (lport < 0) return STATUS_IO;
-            cl_fmt(listen, sizeof listen, "tcp://127.0.0.1:%d", lport);
-            int mport = cl_free_port(err, errlen);
-            if (mport < 0) return STATUS_IO;
-            cl_fmt(metrics_w, sizeof metrics_w, "127.0.0.1:%d", mport);
-            cl_fmt(extra_w, sizeof extra_w, "%s", u->worker_args ? u->worker_args : "");
-            n = 0;
-            argv[n++] = u->bin_worker;
-            argv[n++] = "--model";
-            argv[n++] = (char *)u->model;
-            argv[n++] = "--router";
-            argv[n++] = worker_eps;
-            n = cl_redis_words(u, argv, n, redis_plain, sizeof redis_plain, redis_pwfile, sizeof redis_pwfile);
-            argv[n++] = "--worker-id";
-            argv[n++] = name;
-            argv[n++] = "--pipeline";
-            argv[n++] = pid_s;
-            argv[n++] = "--stage";
-            argv[n++] = sid_s;
-            argv[n++] = "--stages";
-            argv[n++] = nst_s;
-            argv[n++] = "--listen";
-            argv[n++] = listen;
-            argv[n++] = "--device";
-            argv[n++] = dev;
-            argv[n++] = "--threads";
-            argv[n++] = thr_s;
-            argv[n++] = "--metrics-listen";
-            argv[n++] = metrics_w;
-            if (u->kv_blocks > 0) {
-                argv[n++] = "--kv-blocks";
-                argv[n++] = kv_s;
-            }
-            argv[n++] = "--log-level";
-            argv[n++] = (char *)u->log_level;
-            if (u->insecure) {
-                argv[n++] = "--insecure";
-            } else {
-                cl_fmt(wkey, sizeof wkey, "%s/keys/workers/%s.key", u->dir, name);
-                argv[n++] = "--curve-key-file";
-                argv[n++] = wkey;
-                argv[n++] = "--router-key";
-                argv[n++] = pub_router;
-            }
-            if ((n = cl_add_words(argv, n, extra_w, err, errlen)) < 0) return STATUS_BAD_INPUT;
-            argv[n] = NULL;
-            if ((rc = cl_spawn(u, name, "llm-worker", argv, err, errlen)) < 0) return rc;
-            u->procs[u->n_procs - 1].metrics_port = mport;
-        }
-    }
+    for (int p = 0; p < u->pipelines; p++)
+        for (int s = 0; s < u->stages; s++)
+            if ((rc = cl_spawn_worker(u, p, s, threads, n_gpus, err, errlen)) < 0) return rc;
     if ((rc = cl_wait_ready(u, err, errlen)) < 0) return rc;
-    if (u->http_port > 0 && (rc = cl_start_gateway(u, pub_router, err, errlen)) < 0) return rc;
+    if (u->http_port > 0 && (rc = cl_start_gateway(u, u->pub_router, err, errlen)) < 0) return rc;
     if ((rc = cl_write_targets(u, err, errlen)) < 0) return rc;
+    if ((rc = cl_conf_write(u, err, errlen)) < 0) return rc;
 
     char path[PATH_MAX + 32], text[512];
     cl_fmt(path, sizeof path, "%s/endpoint", u->dir);

@@ -3,7 +3,8 @@
  * pipelines x stages llm-workers in the background, waits until every
  * pipeline serves, and prints the router's endpoint and the run directory
  * (pid files, logs, keys, env.sh); `status` and `down` act on what `up`
- * started.  Secure by default: `up` makes CURVE keys for the router, a
+ * started; `scale --pipelines N` adds or drains pipelines while it serves
+ * (cluster_scale.c).  Secure by default: `up` makes CURVE keys for the router, a
  * client and every worker in RUN_DIR/keys/ and starts everything with them;
  * `--insecure` runs without.  `--http-port P` adds an llm-gateway (the
  * OpenAI HTTP API) on 127.0.0.1:P with an API key in RUN_DIR/api-key.  Every
@@ -253,12 +254,53 @@ static int cl_status(int argc, char **argv) {
     return dead ? 1 : 0;
 }
 
+/* ---- scale ------------------------------------------------------------------ */
+
+static int cl_scale(int argc, char **argv) {
+    struct cl_up *u = calloc(1, sizeof *u);
+    if (!u) {
+        fprintf(stderr, "llm-cluster scale: out of memory\n");
+        return 1;
+    }
+    const struct option_def defs[] = {
+        {"pipelines", NULL, OPTION_INT, NULL, "pipelines the cluster is to have (1..64)", &u->pipelines, 1, 64,
+         NULL},
+        {"run-dir", "LLM_RUN_DIR", OPTION_STRING, "run/cluster", "the run dir llm-cluster up wrote", &u->run_dir, 0,
+         0, NULL},
+        {"timeout-s", NULL, OPTION_INT, "300",
+         "give up if the router does not show the change by then (new pipelines in service, removed ones gone)",
+         &u->timeout_s, 1, 86400, NULL},
+    };
+    struct options o = {"llm-cluster scale", "--pipelines N [--run-dir DIR]",
+                        "Adds pipelines to the running cluster of the run dir (their workers started as up "
+                        "starts them) and waits until they serve, or drains the highest-numbered ones (no new "
+                        "work goes to them, their sequences move to the others without loss) and stops their "
+                        "workers.",
+                        defs, (int)(sizeof defs / sizeof defs[0]), false};
+    char err[1024] = "";
+    int rc = options_parse(&o, &argc, argv, err, sizeof err);
+    if (rc == STATUS_CANCELLED) {
+        free(u);
+        return 0;
+    }
+    if (rc < 0 || argc > 1 || u->pipelines < 1) {
+        fprintf(stderr, "llm-cluster scale: %s\n",
+                rc < 0 ? err : argc > 1 ? "unexpected argument (see --help)" : "need --pipelines N (1..64)");
+        free(u);
+        return 2;
+    }
+    rc = cl_scale_run(u, err, sizeof err);
+    if (rc < 0) fprintf(stderr, "llm-cluster scale: %s\n", err);
+    free(u);
+    return rc < 0 ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     const char *log_level;
     const struct option_def defs[] = {
         {"log-level", NULL, OPTION_STRING, "warn", "llm-cluster's own log level", &log_level, 0, 0, NULL},
     };
-    struct options o = {"llm-cluster", "[options] (up | status | down) [subcommand options]",
+    struct options o = {"llm-cluster", "[options] (up | scale | status | down) [subcommand options]",
                         "Runs a whole cluster on this machine: Redis, a router and workers.  Each subcommand "
                         "has its own --help.",
                         defs, 1, true};
@@ -284,6 +326,7 @@ int main(int argc, char **argv) {
     if (strcmp(argv[1], "up") == 0) return cl_up(n, argv + 1);
     if (strcmp(argv[1], "down") == 0) return cl_down(n, argv + 1);
     if (strcmp(argv[1], "status") == 0) return cl_status(n, argv + 1);
-    fprintf(stderr, "llm-cluster: unknown subcommand \"%s\": expected up, status or down\n", argv[1]);
+    if (strcmp(argv[1], "scale") == 0) return cl_scale(n, argv + 1);
+    fprintf(stderr, "llm-cluster: unknown subcommand \"%s\": expected up, scale, status or down\n", argv[1]);
     return 2;
 }
