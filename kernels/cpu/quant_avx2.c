@@ -32,24 +32,24 @@ AVX2_INLINE static __m256i dot_i8x32(__m256i a, __m256i b) {
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
+/* The per-row dot products of one token and of four (dot4_*, prefill and
+ * verification steps) do the same float operations in the same order, so a
+ * token's result never depends on how many tokens share its step: greedy
+ * decoding gives the same tokens with and without speculation
+ * (docs/router.md, "Speculation"), and whatever the batch. */
 AVX2_FN static float dot_f16_avx2(const void *w, const void *x, int64_t n) {
     const uint16_t *a = w;
     const float *b = x;
+    /* dot4_f16_avx2's accumulation: two accumulators over 16, then the
+     * tail one element at a time after the horizontal sum. */
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
+    for (; i + 16 <= n; i += 16) {
         acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))), _mm256_loadu_ps(b + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i + 8))),
                                _mm256_loadu_ps(b + i + 8), acc1);
-        acc2 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i + 16))),
-                               _mm256_loadu_ps(b + i + 16), acc2);
-        acc3 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i + 24))),
-                               _mm256_loadu_ps(b + i + 24), acc3);
     }
-    for (; i + 8 <= n; i += 8)
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))), _mm256_loadu_ps(b + i), acc0);
-    float s = hsum256(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+    float s = hsum256(_mm256_add_ps(acc0, acc1));
     for (; i < n; i++) s += cpu_fp16_to_f32(a[i]) * b[i];
     return s;
 }
@@ -207,7 +207,7 @@ AVX2_FN static float dot_q4_k_avx2(const void *w, const void *x, int64_t n) {
     const block_q4_k *b = w;
     const struct cpu_q8k *y = x;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 256; k++) {
         __m256i mins2;
         __m256i sc = k4_scales(b[k].scales, &mins2);
@@ -226,16 +226,17 @@ AVX2_FN static float dot_q4_k_avx2(const void *w, const void *x, int64_t n) {
         }
         float yd = y[k].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].d)), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), accm);
+        /* the mins folded in as dot4 does (same order, same result) */
+        acc = _mm256_fnmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), acc);
     }
-    return hsum256(_mm256_sub_ps(acc, accm));
+    return hsum256(acc);
 }
 
 AVX2_FN static float dot_q5_k_avx2(const void *w, const void *x, int64_t n) {
     const block_q5_k *b = w;
     const struct cpu_q8k *y = x;
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 256; k++) {
         __m256i mins2;
         __m256i sc = k4_scales(b[k].scales, &mins2);
@@ -257,9 +258,10 @@ AVX2_FN static float dot_q5_k_avx2(const void *w, const void *x, int64_t n) {
         }
         float yd = y[k].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].d)), _mm256_cvtepi32_ps(sumi), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), accm);
+        /* the mins folded in as dot4 does (same order, same result) */
+        acc = _mm256_fnmadd_ps(_mm256_set1_ps(yd * cpu_fp16_to_f32(b[k].dmin)), _mm256_cvtepi32_ps(msum), acc);
     }
-    return hsum256(_mm256_sub_ps(acc, accm));
+    return hsum256(acc);
 }
 
 /* Q6_K: weights q - 32 with q in 0..63; sum q * a with unsigned bytes and

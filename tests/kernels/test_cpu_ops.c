@@ -873,6 +873,37 @@ TEST(cpu_ops_thread_count_invariance) {
     fx_release();
 }
 
+/* A token's matmul row is the same bits whether it is alone in a step or
+ * one of several (the four-row kernels against the one-row kernel): greedy
+ * decoding with speculation, whose steps carry 1 + k tokens, must make the
+ * tokens of plain decoding (docs/router.md, "Speculation").  Every type,
+ * 9 tokens (two groups of four and one alone) against each token alone. */
+TEST(cpu_ops_matmul_batch_invariant) {
+    fx_release();
+    backend *be = fx_backend(2);
+    int64_t rows = 37;
+    int32_t n = 9;
+    for (int k = 0; k < N_TYPES; k++) {
+        enum dtype t = all_types[k];
+        int64_t cols = test_cols(t);
+        void *w = make_weights(t, rows, cols);
+        float *x = rand_floats(n * cols, 1.0f);
+        float *all = nan_floats(n * rows), *one = nan_floats(rows);
+        struct backend_weight bw;
+        ASSERT_OK(backend_weight_load(be, &bw, t, w, rows, cols));
+        ASSERT_OK(backend_matmul(be, all, &bw, x, n));
+        for (int32_t i = 0; i < n; i++) {
+            ASSERT_OK(backend_matmul(be, one, &bw, x + (size_t)i * cols, 1));
+            for (int64_t r = 0; r < rows; r++)
+                if (memcmp(&one[r], &all[(size_t)i * rows + r], sizeof(float)) != 0)
+                    TEST_FAIL("matmul %s: token %d of %d, row %lld: %.9g in the batch, %.9g alone", dtype_name(t), i, n,
+                              (long long)r, all[(size_t)i * rows + r], one[r]);
+        }
+        backend_weight_free(be, &bw);
+    }
+    fx_release();
+}
+
 TEST(cpu_ops_mem_info_and_alloc) {
     fx_release();
     backend *be = fx_backend(0);
@@ -893,7 +924,7 @@ TEST(cpu_ops_mem_info_and_alloc) {
     fx_release();
 }
 
-TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
+TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_matmul_batch_invariant, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
           cpu_ops_embed_every_dtype, cpu_ops_embed_rejects_bad_id, cpu_ops_rmsnorm, cpu_ops_add_rmsnorm,
           cpu_ops_add_and_swiglu, cpu_ops_get_rows, cpu_ops_rope_both_orders, cpu_ops_rope_orders_differ,
           cpu_ops_kv_write_layout, cpu_ops_kv_write_q8_layout, cpu_ops_attention_f32_cache,
