@@ -10,7 +10,10 @@
  *             [--types f16,q8_0,q4_k_m] [--batches 1,8,32,64] [--ctx 512]
  *   bench_gpu --shapes llama2-7b --types q4_k_m --kv-type f16,q8_0 --batches 1,64 --ctx 2048
  *             (and the capacity line: sequences of --capacity-ctx in --capacity-budget, F16 vs Q8_0 KV)
- *   bench_gpu --device cpu --shapes tiny     (a quick run without a GPU) */
+ *   bench_gpu --device cpu --shapes tiny     (a quick run without a GPU)
+ *   bench_gpu --shapes llama2-7b --types q4_k_m --batches 1 --verify 4
+ *             (speculation's verification cost: one sequence's step of 4 + 1
+ *             tokens against a one-token step at the same context) */
 #include "common/dtype.h"
 #include "common/kvblocks.h"
 #include "common/log.h"
@@ -66,6 +69,7 @@ struct bench_opts {
     const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out, *kv_types;
     int logits; /* --out logits: each step downloads the logits instead of sampling */
     int ctx, prompt, steps, warmup, prefill_reps, threads;
+    int verify; /* --verify K: time a step of K + 1 tokens of one sequence (0: not) */
     int64_t copy_bytes;
     int gemm_size, gemm_tokens;
     /* Parsed lists. */
@@ -399,6 +403,18 @@ struct bench_cap {
 static struct bench_cap bench_caps[BENCH_LIST_MAX * BENCH_LIST_MAX];
 static int bench_n_caps;
 
+/* --verify K: speculation's verification cost (docs/router.md,
+ * "Speculation"): one sequence at context ctx, a step of its last token
+ * plus K drafts (K + 1 rows, every row's logits sampled, as the last stage
+ * verifies) against a step of one token at the same position. */
+struct bench_verify {
+    char shape[32], type[16], kv[8], setting[64];
+    int32_t ctx, k;
+    double ms_one, ms_k1; /* medians */
+};
+static struct bench_verify bench_verifies[BENCH_LIST_MAX * BENCH_LIST_MAX * 8];
+static int bench_n_verifies;
+
 /* KV bytes of one sequence of ctx positions: K and V of every layer and KV
  * head, rows of the backend's own size for the type (kernels/backend.h),
  * positions rounded up to whole blocks as the paged cache holds them. */
@@ -451,6 +467,62 @@ static double bench_prefill_flops(const struct model_hparams *hp, int32_t n) {
     return mm + att + 2.0 * d * hp->n_vocab;
 }
 
+/* One timed step (synchronized), in seconds; < 0 on failure (err says). */
+static double bench_step_time(stage *s, backend *b, const struct forward_batch *fb, struct forward_out *fo,
+                              char *err, size_t errlen) {
+    double t0 = bench_now();
+    if (forward_step(s, fb, fo, err, errlen) != STATUS_OK) return -1;
+    if (backend_sync(b) != STATUS_OK) {
+        snprintf(err, errlen, "sync: %s", backend_errstr(b));
+        return -1;
+    }
+    return bench_now() - t0;
+}
+
+/* --verify: sequence 0 (KV of o->ctx positions in tab) decodes one token
+ * at position ctx, then K + 1 tokens from there with every row sampled;
+ * the two kinds of step alternate (warm-up first) so that both see the
+ * same clocks and caches.  Appends a bench_verify. */
+static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, struct forward_out *fo,
+                            struct forward_seq *seqs, const struct kvblocks_table *tab, const int32_t *toks,
+                            double *times, const char *shape, enum synth_type type, enum dtype kv,
+                            const struct bench_opts *o, char *err, size_t errlen) {
+    int32_t k1 = o->verify + 1;
+    struct forward_seq one = {toks, 1, o->ctx, tab->ids, tab->n_ids, FORWARD_LOGITS_LAST};
+    struct forward_seq many = {toks, k1, o->ctx, tab->ids, tab->n_ids, FORWARD_LOGITS_ALL};
+    fb->n_seqs = 1;
+    double *t_many = times + o->steps; /* the caller's times hold 2 * steps */
+    for (int k = 0; k < o->warmup + o->steps && !bench_stop; k++) {
+        seqs[0] = one;
+        double a = bench_step_time(s, b, fb, fo, err, errlen);
+        seqs[0] = many;
+        double c = a < 0 ? -1 : bench_step_time(s, b, fb, fo, err, errlen);
+        if (a < 0 || c < 0) return STATUS_INTERNAL;
+        if (c >= 0 && fo->n_logits != k1) {
+            snprintf(err, errlen, "--verify: the %d-token step sampled %d rows", k1, fo->n_logits);
+            return STATUS_INTERNAL;
+        }
+        if (k >= o->warmup) {
+            times[k - o->warmup] = a;
+            t_many[k - o->warmup] = c;
+        }
+    }
+    if (bench_stop || bench_n_verifies == (int)(sizeof bench_verifies / sizeof bench_verifies[0])) return STATUS_OK;
+    struct bench_verify *v = &bench_verifies[bench_n_verifies++];
+    memset(v, 0, sizeof *v);
+    snprintf(v->shape, sizeof v->shape, "%s", shape);
+    snprintf(v->type, sizeof v->type, "%s", synth_type_names[type]);
+    snprintf(v->kv, sizeof v->kv, "%s", bench_kv_name(kv));
+    snprintf(v->setting, sizeof v->setting, "%s", bench_setting);
+    v->ctx = o->ctx;
+    v->k = o->verify;
+    v->ms_one = bench_median(times, o->steps) * 1e3;
+    v->ms_k1 = bench_median(t_many, o->steps) * 1e3;
+    fprintf(stderr, "bench_gpu: %s %s verify at context %d: 1 token %.3f ms, %d tokens %.3f ms: %.2fx\n", shape,
+            synth_type_names[type], o->ctx, v->ms_one, k1, v->ms_k1, v->ms_k1 / v->ms_one);
+    return STATUS_OK;
+}
+
 /* Prefill and decode of the model at path on b; appends rows.  Everything
  * allocated here is released before returning, on success and failure. */
 static int bench_model(backend *b, const char *path, const char *shape, enum synth_type type, enum dtype kv,
@@ -467,18 +539,20 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     int32_t *ids = NULL;
     double *times = NULL;
     int32_t B = o->batch_max;
+    /* Rows of logits a step may sample: a batch's, or the K + 1 of --verify. */
+    int32_t R = o->verify + 1 > B ? o->verify + 1 : B;
     int rc = model_file_open(&m, path, err, errlen);
     if (rc != STATUS_OK) goto done;
     const struct model_hparams *hp = model_file_hparams(m);
 
-    int32_t n_ctx = o->prompt > o->ctx + 1 ? o->prompt : o->ctx + 1;
+    int32_t n_ctx = o->prompt > o->ctx + 1 + o->verify ? o->prompt : o->ctx + 1 + o->verify;
     struct stage_config cfg;
     stage_config_default(&cfg);
     cfg.n_seqs_max = B;
     cfg.n_tokens_max = o->prompt > o->ctx ? o->prompt : o->ctx;
-    if (cfg.n_tokens_max < B) cfg.n_tokens_max = B;
+    if (cfg.n_tokens_max < R) cfg.n_tokens_max = R;
     cfg.n_ctx_max = n_ctx;
-    cfg.n_logits_max = B;
+    cfg.n_logits_max = R;
     cfg.kv_type = kv;
     double t0 = bench_now();
     rc = stage_init(&s, m, b, &cfg, err, errlen);
@@ -511,13 +585,13 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
 
     rc = kvblocks_init(&kb, sc->n_blocks, sc->block_size, err, errlen);
     if (rc != STATUS_OK) goto done;
-    int n_times = o->steps > o->prefill_reps ? o->steps : o->prefill_reps;
+    int n_times = 2 * o->steps > o->prefill_reps ? 2 * o->steps : o->prefill_reps;
     tabs = calloc((size_t)B, sizeof *tabs);
     seqs = calloc((size_t)B, sizeof *seqs);
     copies = calloc((size_t)(n_ctx / sc->block_size + 1), sizeof *copies);
-    logits = o->logits ? malloc(sizeof(float) * (size_t)B * (size_t)hp->n_vocab) : NULL;
-    srows = calloc((size_t)B, sizeof *srows);
-    ids = malloc(sizeof(int32_t) * (size_t)(cfg.n_tokens_max + B));
+    logits = o->logits ? malloc(sizeof(float) * (size_t)R * (size_t)hp->n_vocab) : NULL;
+    srows = calloc((size_t)R, sizeof *srows);
+    ids = malloc(sizeof(int32_t) * (size_t)(cfg.n_tokens_max + R));
     times = malloc(sizeof(double) * (size_t)n_times);
     if (!tabs || !seqs || !copies || (o->logits && !logits) || !srows || !ids || !times) {
         rc = STATUS_NO_MEMORY;
@@ -533,14 +607,14 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         }
     }
     uint32_t seed = 12345;
-    for (int32_t i = 0; i < cfg.n_tokens_max + B; i++) {
+    for (int32_t i = 0; i < cfg.n_tokens_max + R; i++) {
         seed = seed * 1664525u + 1013904223u;
         ids[i] = 3 + (int32_t)((seed >> 8) % (uint32_t)(hp->n_vocab - 3));
     }
 
     /* Prefill: one prompt of o->prompt tokens from position 0, into sequence
      * 0's blocks (each repetition overwrites the same KV). */
-    for (int32_t i = 0; i < B; i++) srows[i].params = &greedy;
+    for (int32_t i = 0; i < R; i++) srows[i].params = &greedy;
     struct forward_out fo = {logits, 0, NULL, o->logits ? NULL : srows};
     seqs[0] = (struct forward_seq){ids, o->prompt, 0, tabs[0].ids, tabs[0].n_ids, FORWARD_LOGITS_LAST};
     struct forward_batch fb = {seqs, 1, NULL, 0, NULL, 0};
@@ -624,6 +698,9 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
                 "bandwidth\n", shape, synth_type_names[type], nb, bench_kv_name(kv), r->ms_step, r->tok_s,
                 100.0 * r->frac);
     }
+    if (rc == STATUS_OK && o->verify > 0 && !bench_stop)
+        rc = bench_verify_run(s, b, &fb, &fo, seqs, &tabs[0], ids + cfg.n_tokens_max, times, shape, type, kv, o, err,
+                              errlen);
 done:
     if (tabs && kb)
         for (int32_t i = 0; i < B; i++) kvblocks_table_free(kb, &tabs[i]);
@@ -678,6 +755,18 @@ static void bench_print_table(FILE *f, const char *device, const struct bench_ce
                 r->phase, r->kv, r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
                 r->target < 0 ? "" : r->frac >= r->target ? "met" : "BELOW", r->setting);
     }
+    if (bench_n_verifies) {
+        fprintf(f, "\nverification (--verify): one sequence at its context, a step of its last token + K drafts "
+                "(every row sampled) against a one-token step; median of %d each, alternated; the issue's target "
+                "is <= 1.3x at K + 1 = 5 (7B Q4_K_M)\n", o->steps);
+        fprintf(f, "%-15s %-7s %-5s %5s %3s %11s %11s %7s %s\n", "shape", "type", "kv", "ctx", "K", "1-token ms",
+                "K+1 ms", "ratio", o->ab ? "setting" : "");
+        for (int i = 0; i < bench_n_verifies; i++) {
+            const struct bench_verify *v = &bench_verifies[i];
+            fprintf(f, "%-15s %-7s %-5s %5d %3d %11.3f %11.3f %6.2fx %s\n", v->shape, v->type, v->kv, v->ctx, v->k,
+                    v->ms_one, v->ms_k1, v->ms_k1 / v->ms_one, v->setting);
+        }
+    }
     if (bench_n_caps) {
         fprintf(f, "\ncapacity in a %.1f GiB budget (weights = the GGUF file, + KV of sequences at context %d; "
                 "workspace not counted):\n", (double)o->cap_budget / 1073741824.0, o->cap_ctx);
@@ -723,6 +812,14 @@ static int bench_write_json(const char *path, const char *device, const struct b
                 cp->weight_bytes, cp->kv_seq[0], cp->kv_seq[1], (long long)cp->seqs[0], (long long)cp->seqs[1],
                 i + 1 < bench_n_caps ? "," : "");
     }
+    fprintf(f, "  ],\n  \"verify\": [\n");
+    for (int i = 0; i < bench_n_verifies; i++) {
+        const struct bench_verify *v = &bench_verifies[i];
+        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"kv\": \"%s\", \"ctx\": %d, \"k\": %d, "
+                "\"ms_one\": %.6g, \"ms_k1\": %.6g, \"ratio\": %.4f, \"setting\": \"%s\"}%s\n", v->shape, v->type, v->kv,
+                v->ctx, v->k, v->ms_one, v->ms_k1, v->ms_k1 / v->ms_one, v->setting,
+                i + 1 < bench_n_verifies ? "," : "");
+    }
     fprintf(f, "  ]\n}\n");
     if (fclose(f) != 0) {
         snprintf(err, errlen, "--json %s: %s", path, strerror(errno));
@@ -751,6 +848,8 @@ int main(int argc, char **argv) {
         {"steps", NULL, OPTION_INT, "10", "timed decode steps per batch size (the median is reported)", &o.steps, 1,
          100000, NULL},
         {"warmup", NULL, OPTION_INT, "2", "untimed decode steps before each batch size", &o.warmup, 0, 1000, NULL},
+        {"verify", NULL, OPTION_INT, "0", "speculation's verification cost: also time one sequence's step of K + 1 "
+         "tokens (every row sampled) against a one-token step at --ctx (0: not; at most 16)", &o.verify, 0, 16, NULL},
         {"prefill-reps", NULL, OPTION_INT, "3", "timed prefills per model (after one warm-up)", &o.prefill_reps, 1,
          1000, NULL},
         {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU threads (0: one per core): CPU backend and model writer",

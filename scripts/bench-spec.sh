@@ -1,61 +1,168 @@
 #!/bin/bash
-# One stream's tokens/s with speculation off and by prompt lookup (ngram),
-# greedy, on a local 1x1 cluster (docs/router.md, "Speculation"): each
-# prompt is the head of a Python file, run once per mode; the router's
-# llm_spec_* counters give the acceptance.  The outputs of both modes are
-# compared (they must be equal).  The prefix cache is off, so that both
-# modes pay the same prefill.
+# One stream's speed with speculative decoding (docs/router.md,
+# "Speculation"; docs/performance.md), greedy, on a local 1x1 cluster: each
+# prompt is the head of a source file, run once per mode:
+#   off         speculation off
+#   ngram       prompt lookup in the router
+#   draft       the draft model beside the last stage (llm-worker --draft-model)
+#   prediction  the perfect-draft ceiling: off's greedy output given back as
+#               the request's prediction (docs/router.md, "Predicted outputs")
+# Each run prints its tokens, seconds and tokens/s end to end, and decode
+# tokens/s: the tokens after the first streamed chunk over the time from the
+# first chunk to the last (llm generate --json's timing), which leaves out
+# the prefill.  Speculating modes add the router's llm_spec_* deltas: drafts,
+# accepted, verifying steps and tokens per verifying step (1 + accepted /
+# steps).  Every mode's token ids must equal off's, else the run fails.  The
+# prefix cache is off, so that every mode pays the same prefill.
 #
 #   scripts/bench-spec.sh [BUILD_DIR] [MODEL] [FILES...]
-#   (defaults: build, ../shared/models/pycode/pycode-target-f16.gguf, three
-#   files of the machine's Python 3 library)
-# Env: LINES_PER_PROMPT (40), MAX_TOKENS (128), THREADS (1), SPEC_TOKENS (4).
+#   BUILD_DIR: default build.  MODEL: a GGUF file (default the pycode target,
+#   ../shared/models/pycode/pycode-target-f16.gguf) or synth:SHAPE:TYPE, a
+#   synthetic model llm-synth writes into the run folder (synth:llama2-7b:q4_k_m;
+#   worker/synth.h).  FILES: default three of the machine's Python 3 library.
+# Env: MODES (default "off ngram draft prediction", draft only where DRAFT is
+#   set; off always runs first), DRAFT (a draft GGUF; default the pycode draft
+#   when MODEL is a pycode file), DEVICE (cpu; auto: a GPU per worker where
+#   there are GPUs), THREADS (1), SPEC_TOKENS (4), MAX_TOKENS (128),
+#   LINES_PER_PROMPT (40), TIMEOUT_S (600: one request's bound), RESULTS (also
+#   write one line per run, key=value, to this file), KEEP (1: keep the run
+#   folder: outputs, logs, the synthetic model).
+# Needs bash, awk and the build's llm-cluster, llm and llm-synth (MODEL synth:);
+# no python, curl or bc (a GPU host may have none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
 MODEL=${2:-../shared/models/pycode/pycode-target-f16.gguf}
 shift $(( $# > 2 ? 2 : $# ))
-PY=$(ls -d /usr/lib/python3.* 2>/dev/null | head -1)
 FILES=("$@")
-[ ${#FILES[@]} -gt 0 ] || FILES=("$PY/textwrap.py" "$PY/shlex.py" "$PY/json/encoder.py")
+if [ ${#FILES[@]} -eq 0 ]; then
+    PY=$(ls -d /usr/lib/python3.* 2>/dev/null | head -1)
+    [ -n "$PY" ] || { echo "bench-spec: no /usr/lib/python3.*: name the prompt files" >&2; exit 2; }
+    FILES=("$PY/textwrap.py" "$PY/shlex.py" "$PY/json/encoder.py")
+fi
+for f in "${FILES[@]}"; do [ -r "$f" ] || { echo "bench-spec: $f: not readable" >&2; exit 2; }; done
 LINES=${LINES_PER_PROMPT:-40}
 MAXT=${MAX_TOKENS:-128}
+K=${SPEC_TOKENS:-4}
+DEVICE=${DEVICE:-cpu}
+TMO=${TIMEOUT_S:-600}
+if [ -z "${DRAFT+x}" ]; then
+    DRAFT=""
+    case $MODEL in *pycode-target*) DRAFT=$(dirname "$MODEL")/pycode-draft-f16.gguf ;; esac
+fi
+MODES=${MODES:-off ngram ${DRAFT:+draft} prediction}
+MODES="off $(echo "$MODES" | tr ' ' '\n' | grep -v '^off$' | tr '\n' ' ')"
+for m in $MODES; do
+    case $m in
+    off | ngram | prediction) ;;
+    draft) [ -n "$DRAFT" ] && [ -r "$DRAFT" ] || { echo "bench-spec: mode draft needs DRAFT=FILE (got \"$DRAFT\")" >&2; exit 2; } ;;
+    *) echo "bench-spec: unknown mode \"$m\" (off, ngram, draft, prediction)" >&2; exit 2 ;;
+    esac
+done
+for b in router/llm-cluster clients/c/llm; do
+    [ -x "$BUILD/$b" ] || { echo "bench-spec: $BUILD/$b is not built" >&2; exit 2; }
+done
 RUN=$(mktemp -d /tmp/bench-spec-XXXXXX)
-trap '"$BUILD/router/llm-cluster" down --run-dir "$RUN" >/dev/null 2>&1 || true; rm -rf "$RUN"' EXIT
-"$BUILD/router/llm-cluster" up --model "$MODEL" --pipelines 1 --stages 1 --device cpu \
-    --threads "${THREADS:-1}" --port 0 --run-dir "$RUN" --insecure \
-    --router-args "--spec off --spec-tokens ${SPEC_TOKENS:-4} --no-prefix-cache --metrics-listen 127.0.0.1:0" >/dev/null
+trap '"$BUILD/router/llm-cluster" down --run-dir "$RUN" >/dev/null 2>&1 || true; [ -n "${KEEP:-}" ] && echo "bench-spec: kept $RUN" || rm -rf "$RUN"' EXIT
+if [ "${MODEL#synth:}" != "$MODEL" ]; then
+    IFS=: read -r _ shape type <<<"$MODEL"
+    [ -x "$BUILD/worker/llm-synth" ] || { echo "bench-spec: $BUILD/worker/llm-synth is not built" >&2; exit 2; }
+    t0=$(date +%s)
+    "$BUILD/worker/llm-synth" --shape "$shape" --type "${type:-q4_k_m}" --out "$RUN/synth.gguf" >/dev/null
+    echo "bench-spec: wrote synthetic $shape ${type:-q4_k_m} in $(( $(date +%s) - t0 )) s"
+    MODEL=$RUN/synth.gguf
+fi
+[ -r "$MODEL" ] || { echo "bench-spec: model $MODEL: not readable" >&2; exit 2; }
+wargs=""
+case " $MODES " in *" draft "*) wargs="--draft-model $DRAFT" ;; esac
+"$BUILD/router/llm-cluster" up --model "$MODEL" --pipelines 1 --stages 1 --device "$DEVICE" \
+    --threads "${THREADS:-1}" --port 0 --run-dir "$RUN" --insecure ${wargs:+--worker-args "$wargs"} \
+    --router-args "--spec off --spec-tokens $K --no-prefix-cache --metrics-listen 127.0.0.1:0" >/dev/null
 . "$RUN/env.sh"
 port=$(grep -o 'metrics on http://[^ ]* (port [0-9]*' "$RUN"/router*.log | grep -o '[0-9]*$' | head -1)
-metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
-now() { date +%s.%N; }
-declare -A tot_t tot_n
-for mode in off ngram; do tot_t[$mode]=0; tot_n[$mode]=0; done
-d0=0; a0=0; v0=0
+[ -n "$port" ] || { echo "bench-spec: the router logged no metrics port" >&2; exit 1; }
+# A router counter, through bash's /dev/tcp (no curl needed).
+metric() {
+    local body
+    exec 3<>"/dev/tcp/127.0.0.1/$port"
+    printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    body=$(cat <&3)
+    exec 3<&-
+    echo "$body" | awk -v m="$1" '$1 == m {v = $2} END {print (v == "" ? 0 : v)}'
+}
+# A number of llm --json's last line: jnum FILE KEY.
+jnum() { tail -n 1 "$1" | grep -o "\"$2\":[-0-9.eE+]*" | head -1 | cut -d: -f2; }
+jids() { tail -n 1 "$1" | grep -o '"ids":\[[^]]*\]' | head -1; }
+echo "bench-spec: $(basename "$MODEL") on $DEVICE, 1x1, greedy, $MAXT tokens a request, k = $K, modes: $MODES"
+[ -n "$DRAFT" ] && case " $MODES " in *" draft "*) echo "bench-spec: draft $(basename "$DRAFT")" ;; esac
+printf '%-20s %-10s %6s %8s %9s %10s %7s %7s %6s %9s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps "tok/step"
+declare -A S_n S_t S_dn S_dt S_d S_a S_v
+for m in $MODES; do S_n[$m]=0; S_t[$m]=0; S_dn[$m]=0; S_dt[$m]=0; S_d[$m]=0; S_a[$m]=0; S_v[$m]=0; done
+fail=0
+i=0
 for f in "${FILES[@]}"; do
-    prompt=$(head -n "$LINES" "$f")
-    for mode in off ngram; do
-        t0=$(now)
-        out=$("$BUILD/clients/c/llm" generate --prompt "$prompt" --max-tokens "$MAXT" --no-stop-at-eos \
-              --spec "$mode" --json --no-stream | tail -1)
-        t1=$(now)
-        n=$(echo "$out" | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["ids"]))')
-        echo "$out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["ids"])' > "$RUN/ids-$mode"
-        dt=$(echo "$t1 - $t0" | bc -l)
-        tot_t[$mode]=$(echo "${tot_t[$mode]} + $dt" | bc -l)
-        tot_n[$mode]=$((${tot_n[$mode]} + n))
-        printf '%-28s %-6s %4d tokens %7.2f s %7.1f tokens/s\n' "$(basename "$f")" "$mode" "$n" "$dt" \
-            "$(echo "$n / $dt" | bc -l)"
+    i=$((i + 1))
+    head -n "$LINES" "$f" >"$RUN/prompt-$i"
+    for m in $MODES; do
+        spec=$m
+        extra=()
+        if [ "$m" = prediction ]; then
+            spec=default
+            extra=(--prediction "$RUN/pred-$i")
+        fi
+        d0=$(metric llm_spec_draft_tokens_total); a0=$(metric llm_spec_accepted_tokens_total)
+        v0=$(metric llm_spec_verifications_total)
+        t0=$(date +%s.%N)
+        if ! timeout "$TMO" "$BUILD/clients/c/llm" generate --prompt "$(cat "$RUN/prompt-$i")" --max-tokens "$MAXT" \
+            --no-stop-at-eos --spec "$spec" --json "${extra[@]}" >"$RUN/out-$i-$m" 2>"$RUN/err-$i-$m"; then
+            echo "bench-spec: $f mode $m failed:" >&2
+            cat "$RUN/err-$i-$m" >&2
+            exit 1
+        fi
+        t1=$(date +%s.%N)
+        d1=$(metric llm_spec_draft_tokens_total); a1=$(metric llm_spec_accepted_tokens_total)
+        v1=$(metric llm_spec_verifications_total)
+        ids=$(jids "$RUN/out-$i-$m")
+        n=$(echo "$ids" | awk -F, '{print ($0 == "\"ids\":[]" ? 0 : NF)}')
+        dn=$(jnum "$RUN/out-$i-$m" decode_tokens); ds=$(jnum "$RUN/out-$i-$m" decode_s)
+        [ -n "$dn" ] && [ -n "$ds" ] || { echo "bench-spec: $f mode $m: no timing in llm --json" >&2; exit 1; }
+        if [ "$m" = off ]; then
+            # The greedy text: stdout is the streamed text, a newline, then
+            # the JSON line.
+            total=$(wc -c <"$RUN/out-$i-$m"); last=$(tail -n 1 "$RUN/out-$i-$m" | wc -c)
+            head -c $((total - last - 1)) "$RUN/out-$i-$m" >"$RUN/pred-$i"
+            echo "$ids" >"$RUN/ids-$i"
+        elif [ "$ids" != "$(cat "$RUN/ids-$i")" ]; then
+            echo "  OUTPUTS DIFFER: $f mode $m against off" >&2
+            fail=1
+        fi
+        line=$(awk -v f="$(basename "$f")" -v m="$m" -v n="$n" -v t0="$t0" -v t1="$t1" -v dn="$dn" -v ds="$ds" \
+            -v d="$(awk -v a="$d1" -v b="$d0" 'BEGIN{print a-b}')" -v a="$(awk -v a="$a1" -v b="$a0" 'BEGIN{print a-b}')" \
+            -v v="$(awk -v a="$v1" -v b="$v0" 'BEGIN{print a-b}')" 'BEGIN {
+                t = t1 - t0
+                printf "%-20s %-10s %6d %8.2f %9.1f %10.1f %7d %7d %6d %9.2f|%d %.6f %d %.6f %d %d %d\n", f, m, n, t, n / t,
+                    (ds > 0 ? dn / ds : 0), d, a, v, (v > 0 ? 1 + a / v : 1), n, t, dn, ds, d, a, v }')
+        echo "${line%%|*}"
+        read -r n t dn ds d a v <<<"${line#*|}"
+        [ -n "${RESULTS:-}" ] && echo "file=$(basename "$f") mode=$m tokens=$n e2e_s=$t decode_tokens=$dn decode_s=$ds drafts=$d accepted=$a verifications=$v" >>"$RESULTS"
+        S_n[$m]=$((S_n[$m] + n)); S_dn[$m]=$((S_dn[$m] + dn)); S_d[$m]=$((S_d[$m] + d)); S_a[$m]=$((S_a[$m] + a))
+        S_v[$m]=$((S_v[$m] + v))
+        S_t[$m]=$(awk -v a="${S_t[$m]}" -v b="$t" 'BEGIN{print a+b}'); S_dt[$m]=$(awk -v a="${S_dt[$m]}" -v b="$ds" 'BEGIN{print a+b}')
     done
-    cmp -s "$RUN/ids-off" "$RUN/ids-ngram" || echo "  OUTPUTS DIFFER for $f"
-    d=$(metric llm_spec_draft_tokens_total); a=$(metric llm_spec_accepted_tokens_total)
-    v=$(metric llm_spec_verifications_total)
-    printf '  drafts %d, accepted %d (%.0f%%), in %d verifications: %.2f tokens per verifying step\n' \
-        "$(echo "$d - $d0" | bc)" "$(echo "$a - $a0" | bc)" "$(echo "100 * ($a - $a0) / ($d - $d0 + 0.0001)" | bc -l)" \
-        "$(echo "$v - $v0" | bc)" "$(echo "1 + ($a - $a0) / ($v - $v0 + 0.0001)" | bc -l)"
-    d0=$d; a0=$a; v0=$v
 done
-for mode in off ngram; do
-    printf 'all %-6s %5d tokens %7.2f s %7.1f tokens/s\n' "$mode" "${tot_n[$mode]}" "${tot_t[$mode]}" \
-        "$(echo "${tot_n[$mode]} / ${tot_t[$mode]}" | bc -l)"
+echo
+printf '%-10s %7s %9s %10s %9s %8s %9s %9s\n' mode tokens "tok/s" "decode/s" "x off" "accept%" "tok/step" "verify%"
+base=$(awk -v n="${S_dn[off]}" -v t="${S_dt[off]}" 'BEGIN{print (t > 0 ? n / t : 0)}')
+for m in $MODES; do
+    awk -v m="$m" -v n="${S_n[$m]}" -v t="${S_t[$m]}" -v dn="${S_dn[$m]}" -v dt="${S_dt[$m]}" -v d="${S_d[$m]}" \
+        -v a="${S_a[$m]}" -v v="${S_v[$m]}" -v base="$base" 'BEGIN {
+        r = dt > 0 ? dn / dt : 0
+        # verify%: the decode steps that carried drafts (steps = decode tokens - accepted)
+        st = dn - a
+        printf "%-10s %7d %9.1f %10.1f %8.2fx %7.0f%% %9.2f %8.0f%%\n", m, n, (t > 0 ? n / t : 0), r,
+            (base > 0 ? r / base : 0), (d > 0 ? 100 * a / d : 0), (v > 0 ? 1 + a / v : 1), (st > 0 ? 100 * v / st : 0) }'
 done
+[ -n "${RESULTS:-}" ] && for m in $MODES; do
+    echo "total mode=$m tokens=${S_n[$m]} e2e_s=${S_t[$m]} decode_tokens=${S_dn[$m]} decode_s=${S_dt[$m]} drafts=${S_d[$m]} accepted=${S_a[$m]} verifications=${S_v[$m]}" >>"$RESULTS"
+done
+[ $fail -eq 0 ] || { echo "bench-spec: outputs differ between modes (see above)" >&2; exit 1; }
