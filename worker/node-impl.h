@@ -41,6 +41,10 @@
  * under a supervisor keeps its workers and a dead one loses them. */
 #define NODE_ROUTER_LOST_BEATS 5
 #define NODE_DRAIN_MAX_MS 60000
+/* A draining worker keeps running the plans that come until none has come
+ * for this long (or a heartbeat interval, if longer), and only then tells
+ * its compute thread to stop (node.c). */
+#define NODE_DRAIN_QUIET_MS 500
 /* Most drafts the draft model proposes for a sequence (= PROTO_SPEC_TOKENS_MAX). */
 #define NODE_DRAFT_MAX 16
 /* A refused handshake (docs/security.md, "A worker whose key is refused"):
@@ -245,6 +249,7 @@ enum node_router_event {
     NODE_EV_ACCEPTED = 1, /* an accepted RegisterReply (forwarded) */
     NODE_EV_REFUSED = 2,  /* refused, no retry: fatal */
     NODE_EV_RETRY = 3,    /* refused, register again after retry_ms */
+    NODE_EV_PLAN = 4,     /* a plan, forwarded to the compute thread */
 };
 
 void node_router_send(node *n, uint8_t *buf, size_t len, const char *what);

@@ -58,10 +58,10 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         n->n_routers > 1 ? " (of several routers)" : "",
         n->redis ? ", registry key " : "", n->redis ? n->redis_key : "");
 
-    int registered = 0, draining = 0, compute_done = 0, result = STATUS_OK;
+    int registered = 0, draining = 0, drain_sent = 0, compute_done = 0, result = STATUS_OK;
     int retry_ms = n->cfg.register_retry_ms;
     int64_t next_register = node_now_ms(), next_hb = node_now_ms() + hb_ms;
-    int64_t drain_deadline = 0;
+    int64_t drain_deadline = 0, last_plan_ms = 0;
     struct zio_parts in = {0};
     while (!compute_done) {
         watchdog_beat(n->cfg.watchdog, 0); /* each turn waits at most 100 ms */
@@ -96,14 +96,27 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         }
         if (*stop && !draining) {
             /* Plans that reached this process before the signal are in
-             * flight: hand them over before the drain marker. */
+             * flight: hand them over. */
             while (zio_recv(n->router, &in, 0) == 0)
                 node_router_message(n, &in, 1, 0, &hb_ms, &retry_ms, err, errlen);
             draining = 1;
             drain_deadline = now + NODE_DRAIN_MAX_MS;
+            last_plan_ms = now;
             atomic_store(&n->state, LLM__HEARTBEAT__STATE__DRAINING);
             LOG(LL_INFO, "worker %s: draining (finishing the plans it holds)", n->s_worker_id);
             node_heartbeat(n, hb_ms);
+        }
+        /* The router sends plans until this DRAINING reaches it; each went
+         * to every stage of the pipeline, and a stage that dropped one
+         * would leave the next one waiting for its hidden states for the
+         * whole link timeout (the other stages drain too at a scale-in, a
+         * moment earlier or later).  So every plan that comes is run until
+         * none has come for NODE_DRAIN_QUIET_MS or a heartbeat interval,
+         * whichever is longer (the router's own pace), and only then the
+         * compute thread gets the drain marker: later plans are dropped. */
+        int64_t quiet_ms = hb_ms > NODE_DRAIN_QUIET_MS ? (int64_t)hb_ms : NODE_DRAIN_QUIET_MS;
+        if (draining && !drain_sent && now - last_plan_ms >= quiet_ms) {
+            drain_sent = 1;
             const char d = NODE_MSG_DRAIN;
             struct zio_frame f = {&d, 1, NULL, NULL};
             zio_send(n->pipe_io, &f, 1, 0);
@@ -137,8 +150,10 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         if (ready <= 0) continue;
         if (rev[0] & ZMQ_POLLIN) {
             if (zio_recv(n->router, &in, 0) == 0) {
-                int e = node_router_message(n, &in, 1, draining, &hb_ms, &retry_ms, err, errlen);
-                if (e == NODE_EV_ACCEPTED) {
+                int e = node_router_message(n, &in, 1, drain_sent, &hb_ms, &retry_ms, err, errlen);
+                if (e == NODE_EV_PLAN) {
+                    last_plan_ms = node_now_ms();
+                } else if (e == NODE_EV_ACCEPTED) {
                     if (!registered) LOG(LL_INFO, "worker %s: registered", n->s_worker_id);
                     registered = 1;
                     node_redis_register(n, hb_ms);

@@ -325,8 +325,10 @@ int node_router_message(node *n, const struct zio_parts *in, int running, int dr
         else if (draining)
             LOG(LL_INFO, "step %llu arrived while draining: dropped",
                 (unsigned long long)env->plan->step_id);
-        else
+        else {
             node_pipe_forward(n, NODE_MSG_PLAN, data, len);
+            ev = NODE_EV_PLAN;
+        }
         break;
     case LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY: {
         const Llm__RegisterReply *r = env->register_reply;

@@ -70,8 +70,9 @@ static int sc_run(const char *const *argv, char **out) {
 }
 
 /* llm-cluster scale --pipelines n: exit status 0 and "n/n pipelines ready"
- * in what it printed. */
-static void sc_scale(struct cluster *cl, int n) {
+ * in what it printed; a scale-in's drain time (its "stopped after S s")
+ * into *drain_s when not NULL. */
+static void sc_scale(struct cluster *cl, int n, double *drain_s) {
     char ns[16], *out;
     snprintf(ns, sizeof ns, "%d", n);
     const char *argv[] = {CLUSTER_BIN, "scale", "--pipelines", ns, "--run-dir", run_dir, "--timeout-s", "150", NULL};
@@ -81,6 +82,8 @@ static void sc_scale(struct cluster *cl, int n) {
     snprintf(want, sizeof want, "%d/%d pipelines ready", n, n);
     printf("  llm-cluster scale --pipelines %d (%lld ms, status %d):\n%s", n, (long long)(h_now_ms() - t0), rc, out);
     int ok = rc == 0 && strstr(out, want) != NULL;
+    const char *at = strstr(out, "stopped after ");
+    if (drain_s) *drain_s = at ? strtod(at + 14, NULL) : -1;
     free(out);
     H_ASSERT(cl, ok, "llm-cluster scale --pipelines %d: status %d, or no \"%s\"", n, rc, want);
 }
@@ -419,7 +422,7 @@ TEST(cluster_scale_1_3_1_under_load) {
 
     /* 1 -> 3: pipelines 1 and 2 join and take requests. */
     int64_t t_out = h_now_ms();
-    sc_scale(cl, 3);
+    sc_scale(cl, 3, NULL);
     int listed, ready;
     sc_status_counts(cl, &listed, &ready);
     H_ASSERT(cl, listed == 3 && ready == 3, "Status after scaling out: %d pipelines, %d ready; want 3 and 3", listed,
@@ -433,7 +436,13 @@ TEST(cluster_scale_1_3_1_under_load) {
 
     /* 3 -> 1: pipelines 2 and 1 drain while they run sequences. */
     int64_t t_in = h_now_ms();
-    sc_scale(cl, 1);
+    double drain_s;
+    sc_scale(cl, 1, &drain_s);
+    /* Every stage runs the plans the router sent before it saw DRAINING,
+     * so none waits for hidden states its predecessor dropped: the drain
+     * takes about a heartbeat interval, not the 30 s link timeout. */
+    H_ASSERT(cl, drain_s >= 0 && drain_s < 25, "the drained workers stopped after %.1f s (a stage waited out the "
+             "link timeout?)", drain_s);
     sc_status_counts(cl, &listed, &ready);
     H_ASSERT(cl, listed == 1 && ready == 1, "Status after scaling in: %d pipelines, %d ready; want 1 and 1", listed,
              ready);
@@ -451,8 +460,8 @@ TEST(cluster_scale_1_3_1_under_load) {
     for (int i = 0; i < N_CLIENTS; i++) pthread_join(th[i], NULL);
     int across_out = sc_spanning(t_out), across_in = sc_spanning(t_in);
     printf("  MEASURED %d requests (%d seeded, %d re-attached), %lld tokens, %d wrong; %d in flight across the "
-           "scale-out, %d across the scale-in\n", load.n_done, load.n_seeded, load.reattached, load.tokens_done,
-           load.n_bad, across_out, across_in);
+           "scale-out, %d across the scale-in; the drained workers stopped after %.1f s\n", load.n_done,
+           load.n_seeded, load.reattached, load.tokens_done, load.n_bad, across_out, across_in, drain_s);
     H_ASSERT(cl, load.n_bad == 0, "%d of %d requests wrong; the first: %s", load.n_bad, load.n_done, load.bad);
     H_ASSERT(cl, across_out > 0 && across_in > 0, "no request in flight across a scaling (%d out, %d in)", across_out,
              across_in);

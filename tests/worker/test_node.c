@@ -482,9 +482,10 @@ TEST(node_registers_generates_and_stops) {
     proto_worker_free(ce);
 
     /* SIGTERM: DRAINING, exit 0, registry key gone.  A plan that reaches the
-     * worker after the drain began is dropped by design, and nothing tells
-     * the test when the two later plans have been read off the socket; give
-     * the worker's io thread time to take them before the signal. */
+     * worker once its drain stopped taking plans (none came for a quiet
+     * period) is dropped by design, and nothing tells the test when the two
+     * later plans have been read off the socket; give the worker's io
+     * thread time to take them before the signal. */
     usleep(300 * 1000);
     t_states_seen = 0;
     kill(w.pid, SIGTERM);
