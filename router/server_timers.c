@@ -166,7 +166,7 @@ static void reload_keys(server *s) {
         return;
     }
     const char *paths[2] = {s->cfg.client_keys, s->cfg.worker_keys};
-    const char *domains[2] = {"clients", "workers"};
+    const char *domains[2] = {"clients", "workers"}, *what[2] = {"client", "worker"};
     for (int i = 0; i < 2; i++) {
         struct keys_list *l = NULL;
         char err[512] = "";
@@ -176,10 +176,10 @@ static void reload_keys(server *s) {
             snprintf(err, sizeof err, "out of memory");
         }
         if (rc == 0)
-            LOG(LL_INFO, "router: SIGHUP: %zu %s keys from %s", l->n, domains[i], paths[i]);
+            LOG(LL_INFO, "router: SIGHUP: %zu %s keys from %s", l->n, what[i], paths[i]);
         else
-            LOG(LL_ERROR, "router: SIGHUP: %s keys %s: %s; the ones read before stay admitted", domains[i],
-                paths[i], err);
+            LOG(LL_ERROR, "router: SIGHUP: %s keys %s: %s; the ones read before stay admitted", what[i], paths[i],
+                err);
         keys_list_free(l);
     }
 }

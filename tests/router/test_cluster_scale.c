@@ -6,10 +6,12 @@
  * seeds on the cluster before the scaling), the router's Status,
  * llm_pipelines_in_service, llm-cluster status and the Prometheus targets
  * follow each change, the removed workers' keys are gone, and the stages
- * that stay hold no KV block at the end. */
+ * that stay hold no KV block at the end.  Also: the router's SIGHUP reload
+ * of its key lists, which scale relies on, and what scale refuses. */
 #include "tests/router/cluster_harness.h"
 
 #include <dirent.h>
+#include <sys/file.h>
 
 #define MODEL "stories260K-f32.gguf"
 #define CLUSTER_BIN LLM_BINARY_DIR "/router/llm-cluster"
@@ -478,4 +480,132 @@ TEST(cluster_scale_1_3_1_under_load) {
     keep_run_dir = 0;
 }
 
-TEST_MAIN(cluster_scale_1_3_1_under_load)
+/* Health through a client with keys/clients/NAME.key: 1 answered, 0 not
+ * (a refused key gets no answer at all). */
+static int sc_health_as(struct cluster *cl, const char *name) {
+    char key[400], router[400];
+    snprintf(key, sizeof key, "%s/clients/%s.key", cl->keys, name);
+    snprintf(router, sizeof router, "%s/router.pub", cl->keys);
+    const char *eps[1] = {cl->client_ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = cl->zctx;
+    cfg.curve_key_file = key;
+    cfg.router_key_file = router;
+    cfg.reply_timeout_ms = 1500;
+    cfg.retry_ms = 1500;
+    llm_client *c = NULL;
+    char err[256];
+    if (llm_client_open(&c, &cfg, err, sizeof err) != 0) H_FAIL(cl, "llm_client_open: %s", err);
+    Llm__ClientEnvelope *env = NULL;
+    int ok = llm_client_health(c, &env) == 0;
+    if (env) proto_client_free(env);
+    llm_client_close(c);
+    return ok;
+}
+
+/* Waits (bounded) until the router's log holds `want` lines with text. */
+static void sc_wait_log(struct cluster *cl, const char *text, int want) {
+    int got = 0;
+    for (int64_t end = h_now_ms() + 10000; h_now_ms() < end; h_sleep_ms(20)) {
+        char *log = test_read_file(cl->router.log, NULL);
+        got = 0;
+        for (const char *at = log; at && (at = strstr(at, text)); at++) got++;
+        free(log);
+        if (got >= want) return;
+    }
+    H_FAIL(cl, "%d lines \"%s\" in the router's log after 10 s, want %d", got, text, want);
+}
+
+/* SIGHUP makes the router reread its allowlists: a client key added to
+ * --client-keys is admitted after it, a list that no longer loads keeps
+ * the keys read before (and says why), and a key removed is refused at the
+ * next handshake. */
+TEST(router_sighup_rereads_keys) {
+    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 1, 1, "", "");
+    char err[512], sub[400], path[460];
+    struct keys_pair kp;
+    snprintf(sub, sizeof sub, "%s/clients", cl->keys);
+    H_ASSERT(cl, keys_pair_generate(&kp, err, sizeof err) == 0 && keys_pair_write(sub, "late", &kp, err, sizeof err) == 0,
+             "late key: %s", err);
+    H_ASSERT(cl, sc_health_as(cl, "client") == 1, "the client key set at start is not admitted");
+    H_ASSERT(cl, sc_health_as(cl, "late") == 0, "a key added after the start is admitted without SIGHUP");
+    kill(cl->router.pid, SIGHUP);
+    sc_wait_log(cl, "SIGHUP: 2 client keys", 1);
+    H_ASSERT(cl, sc_health_as(cl, "late") == 1, "the added key is not admitted after SIGHUP");
+    /* A broken list: the router says which line and keeps the old keys. */
+    snprintf(path, sizeof path, "%s/broken.pub", sub);
+    FILE *f = fopen(path, "w");
+    H_ASSERT(cl, f != NULL, "%s: %s", path, strerror(errno));
+    fputs("not-a-key\n", f);
+    fclose(f);
+    kill(cl->router.pid, SIGHUP);
+    sc_wait_log(cl, "the ones read before stay admitted", 1);
+    H_ASSERT(cl, sc_health_as(cl, "late") == 1, "a list that failed to load dropped the keys read before");
+    /* Removed: refused from the next handshake on. */
+    unlink(path);
+    snprintf(path, sizeof path, "%s/late.pub", sub);
+    unlink(path);
+    kill(cl->router.pid, SIGHUP);
+    sc_wait_log(cl, "SIGHUP: 1 client keys", 1);
+    H_ASSERT(cl, sc_health_as(cl, "late") == 0, "a key removed is still admitted after SIGHUP");
+    H_ASSERT(cl, sc_health_as(cl, "client") == 1, "the client key is refused after the reload");
+    h_cluster_stop(cl);
+}
+
+/* What scale refuses, each with a message naming the value or the file. */
+TEST(cluster_scale_refuses_what_it_cannot_do) {
+    char base[] = "/tmp/llm-scale-bad-XXXXXX", conf[128], lock[128], *out;
+    if (!mkdtemp(base)) TEST_FAIL("mkdtemp: %s", strerror(errno));
+    const char *zero[] = {CLUSTER_BIN, "scale", "--pipelines", "0", "--run-dir", base, NULL};
+    ASSERT_EQ(2, sc_run(zero, &out));
+    ASSERT_TRUE(strstr(out, "--pipelines") && strstr(out, "0 is out of range"));
+    free(out);
+    const char *many[] = {CLUSTER_BIN, "scale", "--pipelines", "65", "--run-dir", base, NULL};
+    ASSERT_EQ(2, sc_run(many, &out));
+    ASSERT_TRUE(strstr(out, "65 is out of range") != NULL);
+    free(out);
+    const char *none[] = {CLUSTER_BIN, "scale", "--run-dir", base, NULL};
+    ASSERT_EQ(2, sc_run(none, &out));
+    ASSERT_TRUE(strstr(out, "need --pipelines N") != NULL);
+    free(out);
+    /* A run dir up never finished in. */
+    const char *two[] = {CLUSTER_BIN, "scale", "--pipelines", "2", "--run-dir", base, NULL};
+    ASSERT_EQ(1, sc_run(two, &out));
+    ASSERT_TRUE(strstr(out, "cluster.conf") && strstr(out, "No such file"));
+    free(out);
+    snprintf(conf, sizeof conf, "%s/cluster.conf", base);
+    FILE *f = fopen(conf, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs("model=/m.gguf\nstages=zero\n", f);
+    fclose(f);
+    ASSERT_EQ(1, sc_run(two, &out));
+    printf("  %s", out);
+    ASSERT_TRUE(strstr(out, "cluster.conf:2: stages=zero") != NULL);
+    free(out);
+    f = fopen(conf, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs("model=/m.gguf\nstages=2\nredis=redis://127.0.0.1:1\nworker_endpoints=tcp://127.0.0.1:1\n", f);
+    fclose(f);
+    /* Nothing runs from it. */
+    ASSERT_EQ(1, sc_run(two, &out));
+    printf("  %s", out);
+    ASSERT_TRUE(strstr(out, "no router runs from") != NULL);
+    free(out);
+    /* Another scale holds the run dir. */
+    snprintf(lock, sizeof lock, "%s/scale.lock", base);
+    int fd = open(lock, O_RDWR | O_CREAT, 0600);
+    ASSERT_TRUE(fd >= 0 && flock(fd, LOCK_EX) == 0);
+    ASSERT_EQ(1, sc_run(two, &out));
+    printf("  %s", out);
+    ASSERT_TRUE(strstr(out, "another llm-cluster scale is running") != NULL);
+    free(out);
+    close(fd);
+    char cmd[256];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", base);
+    ASSERT_EQ(0, system(cmd));
+}
+
+TEST_MAIN(cluster_scale_refuses_what_it_cannot_do, router_sighup_rereads_keys, cluster_scale_1_3_1_under_load)
