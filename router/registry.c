@@ -286,7 +286,8 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
     }
 
     struct worker *w = registry_worker_find(r, id);
-    if (w && w->incarnation == m->incarnation && w->state != WORKER_LOST) {
+    if (w && w->incarnation == m->incarnation && w->state != WORKER_LOST &&
+        (m->session == 0 || m->session == w->session)) {
         /* The same process again (a resend): same placement, same epoch. */
         memcpy(w->ident, ident, ident_len);
         w->ident_len = ident_len;
@@ -295,6 +296,15 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
         *pout = registry_pipeline_find(r, w->pipeline_id);
         return STATUS_OK;
     }
+
+    /* The same live process on a new connection: its old one broke, and
+     * a plan or a result on it may be lost (nothing else would tell), so
+     * it is placed again like a restarted worker: its pipeline re-forms in
+     * a new epoch and its sequences start over. */
+    if (w && w->incarnation == m->incarnation && w->state != WORKER_LOST)
+        LOG(LL_WARN, "worker %s (stage %u of pipeline %u) registers on a new connection (session %u, "
+            "was %u): what the old one carried may be lost: its pipeline re-forms", id, w->stage_index,
+            w->pipeline_id, m->session, w->session);
 
     /* Placement. */
     struct pipeline *p = NULL;
@@ -383,6 +393,7 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
     if (o && o != w) registry_worker_remove(r, o); /* a lost worker's slot */
 
     w->incarnation = m->incarnation;
+    w->session = m->session;
     memcpy(w->ident, ident, ident_len);
     w->ident_len = ident_len;
     w->pipeline_id = p->id;
@@ -452,6 +463,13 @@ void registry_mark_lost(registry *r, struct worker *w) {
     w->state = WORKER_LOST;
     struct pipeline *p = registry_pipeline_find(r, w->pipeline_id);
     if (p) p->epoch = ++r->epoch;
+}
+
+void registry_worker_unreachable(registry *r, struct worker *w, bool bump) {
+    if (w->state == WORKER_LOST) return;
+    if (w->state == WORKER_READY) w->state = WORKER_STARTING;
+    struct pipeline *p = registry_pipeline_find(r, w->pipeline_id);
+    if (p && bump) registry_pipeline_bump(r, p);
 }
 
 int registry_expire(registry *r, int64_t now_ms, void (*drop)(struct pipeline *p, void *ud),

@@ -30,6 +30,10 @@ const char *worker_state_name(enum worker_state s); /* "starting", ... */
 struct worker {
     char id[REGISTRY_ID_MAX + 1];
     uint64_t incarnation;
+    /* Register.session it registered with (0: not stated): a Register of
+     * another session is a new connection after a broken one, which may
+     * have lost plans or results, so the pipeline re-forms. */
+    uint32_t session;
     uint8_t ident[256]; /* ZeroMQ routing id of its connection */
     size_t ident_len;
     uint32_t pipeline_id, stage_index, stage_count;
@@ -109,6 +113,14 @@ int registry_expire(registry *r, int64_t now_ms, void (*drop)(struct pipeline *p
 void registry_pipeline_bump(registry *r, struct pipeline *p);
 /* A worker is gone now (its Redis key expired, or it said it stops). */
 void registry_mark_lost(registry *r, struct worker *w);
+/* A message to w could not be queued (its connection is gone, or full):
+ * it may have missed a plan or a free.  A READY worker counts as STARTING
+ * until it is heard from again (its next heartbeat, or its Register on a
+ * new connection), so its pipeline leaves service; with bump, the pipeline
+ * also takes a new epoch, so that every stage forgets the formation the
+ * worker may have missed part of (false when the message was the new
+ * epoch's announcement itself). */
+void registry_worker_unreachable(registry *r, struct worker *w, bool bump);
 
 /* Every stage registered, alive, with consistent layers and block sizes. */
 bool registry_pipeline_whole(const registry *r, struct pipeline *p);

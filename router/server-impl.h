@@ -230,8 +230,13 @@ void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len,
 void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                                      Llm__Error__Code code, const char *reason, const char *rid,
                                      const char *msg, uint32_t retry_after_ms);
-void server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
-void server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env);
+/* Queue a message to a worker's connection without waiting: 0, or a
+ * negative status when it could not be queued (no connection under that
+ * routing id, ZMQ_ROUTER_MANDATORY's EHOSTUNREACH, or its queue full): the
+ * worker then misses it, and the caller decides what that costs (logged
+ * here at debug level). */
+int server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
+int server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env);
 void server_log_stats(server *s);
 
 /* ---- server_reqs.c: requests in memory --------------------------------- */

@@ -132,22 +132,26 @@ void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ide
     server_send_client(s, ident, ident_len, &env);
 }
 
-void server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {
+int server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {
     struct zio_frame f[2] = {{ident, ident_len, NULL, NULL}, {buf, len, NULL, NULL}};
-    if (zio_send(s->ws, f, 2, ZMQ_DONTWAIT) < 0)
-        LOG(LL_WARN, "worker send of %zu bytes dropped: %s", len, zio_errstr(s->ws));
+    int rc = zio_send(s->ws, f, 2, ZMQ_DONTWAIT);
+    if (rc < 0)
+        LOG(LL_DEBUG, "worker %.*s: send of %zu bytes not queued: %s", (int)ident_len, (const char *)ident, len,
+            zio_errstr(s->ws));
+    return rc;
 }
 
-void server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env) {
+int server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env) {
     uint8_t *buf = NULL;
     size_t len = 0;
     char err[256];
     if (proto_worker_pack(env, &buf, &len, err, sizeof err) < 0) {
         LOG(LL_ERROR, "worker message: %s", err);
-        return;
+        return STATUS_INTERNAL;
     }
-    server_send_worker(s, ident, ident_len, buf, len);
+    int rc = server_send_worker(s, ident, ident_len, buf, len);
     free(buf);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -249,6 +253,12 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
      * instead of vanishing, and one to a full connection says EAGAIN: both
      * start the grace after which its requests are cancelled. */
     zio_set_int(s->cs, ZMQ_ROUTER_MANDATORY, 1);
+    /* The same on the worker socket: a plan or a free sent while a
+     * worker's connection is gone (its ZeroMQ heartbeat timed out, it is
+     * reconnecting) is an error instead of vanishing, so that its pipeline
+     * leaves service and re-forms at once (pipe_unreachable) rather than
+     * waiting on a step that can never finish. */
+    zio_set_int(s->ws, ZMQ_ROUTER_MANDATORY, 1);
     if ((rc = server_secure(s, err, errlen)) < 0) goto fail;
     if ((rc = zio_bind(s->cs, cfg->listen)) < 0) {
         snprintf(err, errlen, "router: client endpoint: %s", zio_errstr(s->cs));

@@ -166,10 +166,31 @@ static void pipe_announce(server *s, struct pipeline *p) {
         Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
         env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY;
         env.register_reply = &rr;
-        server_send_worker_env(s, w->ident, w->ident_len, &env);
+        if (server_send_worker_env(s, w->ident, w->ident_len, &env) < 0) {
+            /* It learns the epoch from its next Register, or from the
+             * plans; until it is heard from, the pipeline does not serve. */
+            LOG(LL_WARN, "pipeline %u: epoch %llu not announced to stage %u (worker %s): %s: the "
+                "pipeline serves once the worker is heard from again", p->id, (unsigned long long)p->epoch,
+                st, w->id, zio_errstr(s->ws));
+            registry_worker_unreachable(s->reg, w, false);
+        }
     }
     LOG(LL_INFO, "pipeline %u: %u stages whole, epoch %llu announced", p->id, p->stage_count,
         (unsigned long long)p->epoch);
+}
+
+/* What the stage k of pp was sent could not be queued (server_send_worker:
+ * its connection is gone, or full).  A step it misses never finishes, and
+ * a free it misses leaves it holding blocks: the pipeline leaves service
+ * and re-forms in a new epoch (every stage forgets the old formation's
+ * sequences, and they start over from their tokens), serving again once
+ * the worker is heard from (it registers again on its new connection). */
+static void pipe_unreachable(server *s, struct pipe *pp, uint32_t k, const char *what) {
+    struct pipeline *p = pp->p;
+    LOG(LL_WARN, "pipeline %u: %s not sent to stage %u (worker %s): %s: it re-forms and serves again "
+        "once the worker is heard from", p->id, what, k, p->stage[k]->id, zio_errstr(s->ws));
+    registry_worker_unreachable(s->reg, p->stage[k], true);
+    s->loop_full = true;
 }
 
 /* Moves sequences waiting on pp (never admitted there, or preempted) back
@@ -495,7 +516,12 @@ static void pipe_send_frees(server *s, struct pipe *pp) {
         return;
     }
     for (uint32_t k = 0; k < p->stage_count; k++)
-        if (p->stage[k]) server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len);
+        if (p->stage[k] && server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len) < 0) {
+            char what[64];
+            snprintf(what, sizeof what, "the frees of %d sequences", n);
+            pipe_unreachable(s, pp, k, what);
+            break;
+        }
     free(buf);
 }
 
@@ -522,6 +548,9 @@ static void pipe_set_spec_auto(server *s, struct pipe *pp) {
  * nothing more can run. */
 void pipe_pump(server *s, struct pipe *pp) {
     if (!pp->sched) return;
+    /* Re-forming (a stage lost or unreachable, a step timed out): nothing
+     * more for the old formation; pipes_sync starts the new one. */
+    if (pp->epoch != pp->p->epoch) return;
     if (pipe_batch_waits(s, pp)) return;
     struct req *stuck[16];
     int n_stuck = 0;
@@ -600,8 +629,14 @@ void pipe_pump(server *s, struct pipe *pp) {
             break;
         }
         f->sent_us = server_mono_us();
-        for (uint32_t k = 0; k < p->stage_count; k++)
-            if (p->stage[k]) server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len);
+        bool unsent = false;
+        for (uint32_t k = 0; k < p->stage_count && !unsent; k++)
+            if (p->stage[k] && server_send_worker(s, p->stage[k]->ident, p->stage[k]->ident_len, buf, len) < 0) {
+                char what[64];
+                snprintf(what, sizeof what, "step %llu", (unsigned long long)st.step_id);
+                pipe_unreachable(s, pp, k, what);
+                unsent = true; /* the later stages would wait for its input in vain */
+            }
         free(buf);
         pp->n_flights++;
         pp->prompt_tokens += (uint64_t)st.n_prefill_tokens;
@@ -615,7 +650,7 @@ void pipe_pump(server *s, struct pipe *pp) {
         s->plan_us_sum += us;
         s->plan_n++;
         if (us > s->plan_us_max) s->plan_us_max = us;
-        if (pp->n_flights >= pp->max_flights) break;
+        if (unsent || pp->n_flights >= pp->max_flights) break;
     }
     for (int k = 0; k < n_stuck; k++)
         req_end(s, stuck[k], LLM__GENERATE_DONE__FINISH_REASON__LENGTH, -1, NULL, LLM__ERROR__CODE__OK,

@@ -106,6 +106,13 @@ struct node {
     struct zio_sock *router_mon;
     int64_t router_down_since; /* 0 while connected */
     uint32_t router_seq;       /* sockets opened (names the monitor) */
+    /* This incarnation's connections to a router, counted from 1 and
+     * stated in Register (its session): a connection that broke may have
+     * lost plans, results or a placement either way, so the next one
+     * registers again under a new session, and the router re-forms the
+     * pipeline (docs/worker.md, "When the connection breaks"). */
+    uint32_t router_session;
+    int router_broke;          /* a break not yet handled by node_run */
     /* The router refused this worker's handshake (its key is not admitted,
      * or the keys do not match): ZeroMQ does not reconnect after that, so
      * the worker opens the connection again at router_retry_at, backing off
@@ -261,7 +268,9 @@ int node_router_open(node *n, char *err, size_t errlen);
 void node_router_close(node *n);
 /* Reads the monitor's events and keeps router_down_since up to date; a
  * refused handshake is logged (naming the key file, the public key and the
- * endpoint) and schedules a new connection at router_retry_at. */
+ * endpoint) and schedules a new connection at router_retry_at.  A
+ * connection that ends starts a new session (router_session) and sets
+ * router_broke. */
 void node_router_events(node *n, int64_t now);
 /* Opens the connection again once router_retry_at has come; a negative
  * status (err says why) when no socket could be opened. */

@@ -34,6 +34,24 @@ void node_config_default(struct node_config *cfg) {
     cfg->register_retry_ms = 2000;
 }
 
+/* The connection to the router broke (node_router_events): a plan, a
+ * result or a placement on it may be lost, and nothing would tell the
+ * router.  So the worker registers again at once under its new session
+ * and takes no plan until the router answers: a plan arriving meanwhile
+ * may follow one that was lost.  The router re-forms the pipeline for the
+ * new session (a new epoch): every stage forgets the old formation's
+ * sequences and the router plans them again from their tokens. */
+static void node_router_broke(node *n, int *registered, int64_t *next_register, int64_t now) {
+    if (!n->router_broke) return;
+    n->router_broke = 0;
+    if (*registered)
+        LOG(LL_WARN, "worker %s: registering again with %s (session %u): what the broken connection "
+            "carried may be lost; plans are dropped until the router answers", n->s_worker_id, n->s_router,
+            n->router_session);
+    *registered = 0;
+    *next_register = now;
+}
+
 int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
     err[0] = 0;
     uint32_t hb_ms = NODE_HEARTBEAT_DEFAULT_MS;
@@ -67,6 +85,7 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         watchdog_beat(n->cfg.watchdog, 0); /* each turn waits at most 100 ms */
         int64_t now = node_now_ms();
         node_router_events(n, now);
+        node_router_broke(n, &registered, &next_register, now);
         if ((rc = node_router_retry(n, now, err, errlen)) < 0) {
             LOG(LL_ERROR, "worker %s: %s", n->s_worker_id, err);
             result = rc;
@@ -98,7 +117,7 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
             /* Plans that reached this process before the signal are in
              * flight: hand them over. */
             while (zio_recv(n->router, &in, 0) == 0)
-                node_router_message(n, &in, 1, 0, &hb_ms, &retry_ms, err, errlen);
+                node_router_message(n, &in, registered, 0, &hb_ms, &retry_ms, err, errlen);
             draining = 1;
             drain_deadline = now + NODE_DRAIN_MAX_MS;
             last_plan_ms = now;
@@ -149,8 +168,12 @@ int node_run(node *n, volatile sig_atomic_t *stop, char *err, size_t errlen) {
         int ready = zio_poll(socks, ev, rev, 3, (int)wait);
         if (ready <= 0) continue;
         if (rev[0] & ZMQ_POLLIN) {
+            /* A break the monitor reported during the wait comes first: the
+             * message may be the new connection's, after a lost one. */
+            node_router_events(n, node_now_ms());
+            node_router_broke(n, &registered, &next_register, node_now_ms());
             if (zio_recv(n->router, &in, 0) == 0) {
-                int e = node_router_message(n, &in, 1, drain_sent, &hb_ms, &retry_ms, err, errlen);
+                int e = node_router_message(n, &in, registered, drain_sent, &hb_ms, &retry_ms, err, errlen);
                 if (e == NODE_EV_PLAN) {
                     last_plan_ms = node_now_ms();
                 } else if (e == NODE_EV_ACCEPTED) {

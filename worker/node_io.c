@@ -43,6 +43,7 @@ static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     r.target_ctx = (uint32_t)n->target_ctx;
     r.kv_seqs = (uint32_t)n->kv_seqs;
     r.sized_auto = n->sized_auto;
+    r.session = n->router_session;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
     env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
     env.register_ = &r;
@@ -141,6 +142,7 @@ int node_router_open(node *n, char *err, size_t errlen) {
     }
     n->router_down_since = node_now_ms();
     n->router_retry_at = 0;
+    n->router_session++; /* nothing of an earlier socket's session reaches this one */
     return STATUS_OK;
 }
 
@@ -191,9 +193,15 @@ void node_router_events(node *n, int64_t now) {
         } else if (e & (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                         ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL)) {
             node_router_refused(n, now, e, value);
-        } else if ((e & ZMQ_EVENT_DISCONNECTED) && n->router_down_since == 0) {
-            n->router_down_since = now;
-            LOG(LL_WARN, "worker %s: connection to the router %s lost", n->s_worker_id, n->s_router);
+        } else if (e & ZMQ_EVENT_DISCONNECTED) {
+            /* ZeroMQ connects again by itself, but what was in flight on
+             * the old connection (a plan, a result) may be gone. */
+            n->router_session++;
+            n->router_broke = 1;
+            if (n->router_down_since == 0) {
+                n->router_down_since = now;
+                LOG(LL_WARN, "worker %s: connection to the router %s lost", n->s_worker_id, n->s_router);
+            }
         }
     }
     zio_parts_free(&p);
@@ -320,8 +328,9 @@ int node_router_message(node *n, const struct zio_parts *in, int running, int dr
     switch (env->body_case) {
     case LLM__WORKER_ENVELOPE__BODY_PLAN:
         if (!running)
-            LOG(LL_WARN, "step %llu arrived before registration finished: dropped",
-                (unsigned long long)env->plan->step_id);
+            LOG(LL_INFO, "step %llu (epoch %llu) arrived while this worker is not registered "
+                "(registering, or again after a broken connection): dropped",
+                (unsigned long long)env->plan->step_id, (unsigned long long)env->plan->epoch);
         else if (draining)
             LOG(LL_INFO, "step %llu arrived while draining: dropped",
                 (unsigned long long)env->plan->step_id);
