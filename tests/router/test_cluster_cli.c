@@ -303,7 +303,9 @@ TEST(cluster_cli_up_generate_status_down) {
              "--max-tokens 40 --json", run_dir, LLM_BINARY_DIR "/clients/c/llm");
     const char *gen[] = {"/bin/sh", "-c", script, NULL};
     rc = cli_run(gen, &out, &err);
-    cJSON *j = cJSON_Parse(strrchr(out, '{') ? strrchr(out, '{') : "");
+    /* The JSON line, found by its first key: it holds objects of its own
+     * ("timing"), so the last '{' is not where it starts. */
+    cJSON *j = cJSON_Parse(strstr(out, "{\"prompt_ids\"") ? strstr(out, "{\"prompt_ids\"") : "");
     int same = j != NULL && cJSON_GetArraySize(cJSON_GetObjectItem(j, "ids")) == ref.n;
     for (int i = 0; same && i < ref.n; i++)
         same = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "ids"), i)->valueint == ref.ids[i];
