@@ -38,6 +38,7 @@ struct kvblocks {
     int32_t lru_head, lru_tail;
     int32_t n_idle, n_cached;
     uint64_t n_evicted;
+    int32_t n_shared;   /* blocks with more than one reference */
 };
 
 int kvblocks_init(kvblocks **out, int32_t n_blocks, int32_t block_size, char *err, size_t errlen) {
@@ -85,6 +86,7 @@ int32_t kvblocks_block_size(const kvblocks *a) { return a->block_size; }
 int32_t kvblocks_n_blocks(const kvblocks *a) { return a->n_blocks; }
 int32_t kvblocks_n_free(const kvblocks *a) { return a->n_free + a->n_idle; }
 int32_t kvblocks_n_used(const kvblocks *a) { return a->n_blocks - a->n_free - a->n_idle; }
+int32_t kvblocks_n_shared(const kvblocks *a) { return a->n_shared; }
 
 int32_t kvblocks_refcount(const kvblocks *a, int32_t id) {
     return id >= 0 && id < a->n_blocks ? a->refs[id] : -1;
@@ -145,7 +147,15 @@ static int32_t kvblocks_take(kvblocks *a) {
     return id;
 }
 
+/* One more reference on a block some table already holds, or on an idle
+ * published one (the caller unlinks it from the LRU list). */
+static int32_t kvblocks_ref(kvblocks *a, int32_t id) {
+    if (a->refs[id] == 1) a->n_shared++;
+    return a->refs[id]++;
+}
+
 static void kvblocks_release(kvblocks *a, int32_t id) {
+    if (a->refs[id] == 2) a->n_shared--;
     if (--a->refs[id] > 0) return;
     if (a->cached && a->cached[id]) kvblocks_lru_append(a, id);
     else a->free_ids[a->n_free++] = id;
@@ -227,7 +237,7 @@ int kvblocks_fork(kvblocks *a, struct kvblocks_table *dst, const struct kvblocks
     if (kvblocks_table_grow(dst, n) != STATUS_OK) return STATUS_NO_MEMORY;
     for (int32_t i = 0; i < n; i++) {
         dst->ids[i] = src->ids[i];
-        a->refs[src->ids[i]]++;
+        kvblocks_ref(a, src->ids[i]);
     }
     dst->n_ids = n;
     dst->n_tokens = n_tokens;
@@ -349,7 +359,7 @@ int kvblocks_cache_map(kvblocks *a, struct kvblocks_table *t, const int32_t *tok
             kvblocks_table_free(a, t);
             return STATUS_BAD_INPUT;
         }
-        if (a->refs[id]++ == 0) kvblocks_lru_unlink(a, id);
+        if (kvblocks_ref(a, id) == 0) kvblocks_lru_unlink(a, id);
         t->ids[t->n_ids++] = id;
         parent = id;
     }
@@ -382,7 +392,7 @@ int32_t kvblocks_cache_publish(kvblocks *a, struct kvblocks_table *t, const int3
                 return n_new;
             }
             if (t->pin1 == 0) {
-                if (a->refs[same]++ == 0) kvblocks_lru_unlink(a, same);
+                if (kvblocks_ref(a, same) == 0) kvblocks_lru_unlink(a, same);
                 t->pin1 = same + 1;
             }
             id = same;

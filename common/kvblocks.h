@@ -62,6 +62,9 @@ int32_t kvblocks_n_blocks(const kvblocks *a);
 int32_t kvblocks_n_free(const kvblocks *a);
 /* Blocks some table holds. */
 int32_t kvblocks_n_used(const kvblocks *a);
+/* Blocks held more than once (by forked tables, tables that mapped the same
+ * cached blocks, or a table's pin): each counts once in kvblocks_n_used. */
+int32_t kvblocks_n_shared(const kvblocks *a);
 /* References held on block id (0 when free), or -1 for an id out of range. */
 int32_t kvblocks_refcount(const kvblocks *a, int32_t id);
 

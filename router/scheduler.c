@@ -42,6 +42,12 @@ struct sched_seq {
     unsigned spec_src, draft_src;
     int32_t mdraft[SCHED_SPEC_TOKENS_MAX];
     int32_t n_mdraft, mdraft_at;
+    /* Forked choices (sched_seq_set_fork): the group (0: none), the
+     * positions its members share, and the positions of this sequence's
+     * table whose KV is written (steps done, or forked). */
+    uint64_t group;
+    int32_t n_shared;
+    int32_t n_computed;
 };
 
 struct sched {
@@ -68,6 +74,9 @@ struct sched {
     int32_t cap_cands;
     struct sched_seq **leaders; /* scratch of sched_admit: cap_leaders entries */
     int32_t cap_leaders;
+    struct sched_seq **members; /* scratch of sched_admit: running members of fork groups */
+    int32_t cap_members;
+    uint64_t forks, fork_tokens;
     uint64_t steps_total, preemptions_total;
     uint64_t hit_tokens, miss_tokens, hit_blocks, miss_blocks, deferred;
     int32_t prefill_cap; /* < 0: none */
@@ -162,6 +171,7 @@ void sched_free(sched *s) {
     free(s->freed_out);
     free(s->cands);
     free(s->leaders);
+    free(s->members);
     free(s);
 }
 
@@ -177,6 +187,8 @@ int sched_add(sched *s, uint64_t seq_id, int32_t priority, uint64_t order, const
     if (sched_grow((void **)&s->cands, &s->cap_cands, s->n_all + 1, sizeof *s->cands) < 0)
         return STATUS_NO_MEMORY;
     if (sched_grow((void **)&s->leaders, &s->cap_leaders, s->n_all + 1, sizeof *s->leaders) < 0)
+        return STATUS_NO_MEMORY;
+    if (sched_grow((void **)&s->members, &s->cap_members, s->n_all + 1, sizeof *s->members) < 0)
         return STATUS_NO_MEMORY;
     struct sched_seq *q = calloc(1, sizeof *q);
     if (!q) return STATUS_NO_MEMORY;
@@ -235,6 +247,7 @@ static void sched_preempt(sched *s, struct sched_seq *q) {
     q->running = false;
     q->inflight = 0;
     q->n_draft = 0;
+    q->n_computed = 0;
 }
 
 void sched_remove(sched *s, struct sched_seq *q) {
@@ -388,18 +401,49 @@ static bool sched_holds(const sched *s) {
     return n_dec > 0 && waiting > 0 && waiting < want;
 }
 
+/* Forked choices (sched_seq_set_fork).  A waiting member w of a group is
+ * admitted on a fork of a running member m that has written the KV of the
+ * shared positions (m->n_computed, counted only when m's steps are done, so
+ * that w never reads KV some stage has not written): w's table takes m's
+ * blocks covering them, with their references, and w computes only from
+ * there (its last prompt token first, for its own logits; the write into
+ * the shared partial block copies it first).  While a running member is
+ * still computing them, w waits (taking neither slot nor blocks); with no
+ * member running, w is admitted as usual and computes them itself, and the
+ * members behind it wait for it.  The tokens are compared, so a group id
+ * that two unrelated sequences happen to share costs a fork, never a
+ * wrong KV.  Returns the member to fork, or NULL with *wait set when w
+ * waits. */
+static struct sched_seq *sched_fork_source(const sched *s, const struct sched_seq *w,
+                                           struct sched_seq *const *members, int32_t n, bool *wait) {
+    *wait = false;
+    if (w->group == 0) return NULL;
+    size_t bytes = (size_t)w->n_shared * sizeof *w->tokens;
+    for (int32_t i = 0; i < n; i++) {
+        struct sched_seq *m = members[i];
+        if (m == w || m->group != w->group || !m->running || m->n_shared != w->n_shared ||
+            m->n_tokens < w->n_shared || memcmp(m->tokens, w->tokens, bytes) != 0)
+            continue;
+        if (m->n_computed >= w->n_shared && m->table.n_tokens >= w->n_shared) return m;
+        *wait = true;
+    }
+    (void)s;
+    return NULL;
+}
+
 static void sched_admit(sched *s) {
     if (!s->admit) return;
     if (s->hold_tokens > 0 && sched_holds(s)) {
         s->admissions_held++;
         return;
     }
-    int32_t n_wait = 0, reserved = 0, n_lead = 0;
+    int32_t n_wait = 0, reserved = 0, n_lead = 0, n_memb = 0;
     for (int32_t i = 0; i < s->n_all; i++) {
         struct sched_seq *q = s->all[i];
         if (q->running) {
             reserved += sched_outstanding(s, q);
             if (s->cache && sched_leads(s, q)) s->leaders[n_lead++] = q;
+            if (q->group) s->members[n_memb++] = q;
         } else {
             s->cands[n_wait++] = q;
         }
@@ -419,7 +463,9 @@ static void sched_admit(sched *s) {
         }
         /* A follower takes neither slot nor blocks, and those behind it
          * are still admitted by the usual rules. */
-        if (n_lead > 0 && sched_prefix_pending(s, w, s->leaders, n_lead)) {
+        bool fork_wait = false;
+        struct sched_seq *src = sched_fork_source(s, w, s->members, n_memb, &fork_wait);
+        if (fork_wait || (!src && n_lead > 0 && sched_prefix_pending(s, w, s->leaders, n_lead))) {
             if (!w->deferred) s->deferred++;
             w->deferred = true;
             continue;
@@ -431,9 +477,11 @@ static void sched_admit(sched *s) {
             reserved -= sched_outstanding(s, v);
             sched_restart(s, v);
         }
-        /* Blocks found cached are mapped first: they need no free block
-         * (an idle one leaves the free count as it is mapped). */
-        int32_t hits = s->cache ? sched_map_prefix(s, w) : 0;
+        /* A fork, or blocks found cached, are mapped first: they need no
+         * free block (an idle cached one leaves the free count as it is
+         * mapped). */
+        bool forked = src && kvblocks_fork(s->kv, &w->table, &src->table, w->n_shared) == STATUS_OK;
+        int32_t hits = !forked && s->cache ? sched_map_prefix(s, w) : 0;
         int32_t need = sched_outstanding(s, w);
         while (need > kvblocks_n_free(s->kv) - reserved) {
             struct sched_seq *v = sched_victim(s, NULL);
@@ -447,12 +495,20 @@ static void sched_admit(sched *s) {
         w->running = true;
         s->n_running++;
         reserved += need;
-        if (s->cache) {
+        if (w->group) s->members[n_memb++] = w;
+        if (forked) {
+            w->n_computed = w->n_shared;
+            s->forks++;
+            s->fork_tokens += (uint64_t)w->n_shared;
+        }
+        if (s->cache && !forked) {
             int32_t full = w->n_tokens / s->cfg.block_size;
             s->hit_blocks += (uint64_t)hits;
             s->miss_blocks += (uint64_t)(full - hits);
             s->hit_tokens += (uint64_t)w->table.n_tokens;
             s->miss_tokens += (uint64_t)(w->n_tokens - w->table.n_tokens);
+        }
+        if (s->cache) {
             /* w now leads the sequences behind it that share its blocks. */
             if (sched_leads(s, w)) s->leaders[n_lead++] = w;
         }
@@ -677,6 +733,7 @@ int sched_step_done(sched *s, uint64_t step_id) {
          * before this): full blocks become findable.  Only now, so a block
          * is never mapped before its KV exists. */
         if (s->cache) kvblocks_cache_publish(s->kv, &q->table, q->tokens, q->table.n_tokens);
+        q->n_computed = q->table.n_tokens;
     }
     return STATUS_OK;
 }
@@ -736,6 +793,9 @@ void sched_get_stats(const sched *s, struct sched_stats *st) {
     st->spec_steps = s->spec_steps;
     st->spec_proposed = s->spec_proposed;
     st->spec_accepted = s->spec_accepted;
+    st->blocks_shared = kvblocks_n_shared(s->kv);
+    st->forks = s->forks;
+    st->fork_tokens = s->fork_tokens;
 }
 
 int32_t sched_prefix_blocks(const sched *s, const int32_t *tokens, int32_t n_tokens) {
@@ -749,6 +809,12 @@ void sched_seq_set_spec(struct sched_seq *q, int32_t k, bool auto_only, int32_t 
 }
 
 void sched_set_spec_auto(sched *s, bool on) { s->spec_auto_on = on; }
+
+void sched_seq_set_fork(struct sched_seq *q, uint64_t group, int32_t n_shared) {
+    bool on = group != 0 && n_shared > 0 && n_shared < q->n_tokens;
+    q->group = on ? group : 0;
+    q->n_shared = on ? n_shared : 0;
+}
 
 void sched_seq_set_spec_source(struct sched_seq *q, unsigned sources) {
     q->spec_src = sources & (SCHED_SPEC_NGRAM | SCHED_SPEC_MODEL);

@@ -100,6 +100,12 @@ struct sched_stats {
     /* Speculation: decode steps that carried drafts, the drafts, and those
      * accepted (sched_spec_accept). */
     uint64_t spec_steps, spec_proposed, spec_accepted;
+    /* Forked choices (sched_seq_set_fork): blocks held by more than one
+     * sequence now (forks, and blocks mapped from the prefix cache), the
+     * admissions made on a fork, and the positions they took from it
+     * instead of computing. */
+    int32_t blocks_shared;
+    uint64_t forks, fork_tokens;
 };
 
 /* 0 and *out (the caller frees it with sched_free), or STATUS_BAD_INPUT
@@ -218,6 +224,17 @@ int32_t sched_seq_n_draft(const struct sched_seq *q);
 const int32_t *sched_seq_drafts(const struct sched_seq *q);
 /* Sequences running (admitted). */
 int32_t sched_n_running(const sched *s);
+
+/* Forked choices (docs/router.md, "Forked choices"): q (waiting, not yet
+ * admitted) is one of the sequences of group (a non-zero id its caller
+ * gives every choice of one request) whose first n_shared positions hold
+ * the same tokens (the prompt before its last token).  It is admitted on a
+ * fork of the table of a running member that has computed them (the
+ * blocks shared copy-on-write; it computes from n_shared on), waits while
+ * a running member is still computing them, and is admitted as usual when
+ * no member runs.  This works with the prefix cache on or off.  group 0,
+ * or n_shared outside [1, q's tokens), makes q a sequence of its own. */
+void sched_seq_set_fork(struct sched_seq *q, uint64_t group, int32_t n_shared);
 
 /* While false, waiting sequences are not admitted (a draining pipeline). */
 void sched_set_admit(sched *s, bool admit);

@@ -655,6 +655,12 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
             st.prefix_hit_blocks += q.prefix_hit_blocks;
             st.prefix_miss_blocks += q.prefix_miss_blocks;
             st.prefix_deferred += q.prefix_deferred;
+            x->kv_blocks_shared = (uint32_t)q.blocks_shared;
+            x->forks = q.forks;
+            x->fork_tokens = q.fork_tokens;
+            st.kv_blocks_shared += (uint64_t)q.blocks_shared;
+            st.forks += q.forks;
+            st.fork_tokens += q.fork_tokens;
         }
         if (pp) {
             x->tokens_per_s = pp->tok_s;

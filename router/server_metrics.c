@@ -40,6 +40,7 @@ struct server_metrics {
     metrics_series *plan, *capped, *batch_wait;
     metrics_series *spec_steps, *spec_drafts, *spec_accepted, *spec_len;
     metrics_series *spec_m_steps, *spec_m_drafts, *spec_m_accepted; /* the draft model's share */
+    metrics_series *kv_shared, *forks, *fork_tokens;
     metrics_series *finished[FINISH_N];
     metrics_series *ttft, *itl, *e2e, *queue;
     metrics_series *hs_refused[2];     /* CURVE handshakes: clients, workers */
@@ -52,6 +53,7 @@ struct server_metrics {
     uint64_t gen_mark, prompt_mark, preempt_mark;
     uint64_t hit_mark, miss_mark, deferred_mark; /* prefix-cache totals, summed like preemptions */
     uint64_t capped_mark;         /* prefill tokens the ITL target held back, likewise */
+    uint64_t forks_mark, fork_tokens_mark; /* forked choices, likewise */
     /* /ready: written by the loop when it changes, read by the port. */
     pthread_mutex_t lock;
     char why[256]; /* "" when ready */
@@ -162,6 +164,13 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
             "Of llm_spec_draft_tokens_total, the draft model's (the rest are prompt lookup's)."),
         DEF(METRICS_COUNTER, "llm_spec_model_accepted_tokens_total",
             "Of llm_spec_accepted_tokens_total, the draft model's."),
+        DEF(METRICS_GAUGE, "llm_kv_blocks_shared",
+            "KV blocks held by more than one sequence (forked choices, blocks mapped from the prefix "
+            "cache), over the pipelines in service; each counts once in llm_kv_blocks_used."),
+        DEF(METRICS_COUNTER, "llm_kv_forks_total",
+            "Sequences admitted on a fork of another's KV blocks (the choices of a request of n > 1)."),
+        DEF(METRICS_COUNTER, "llm_kv_fork_tokens_total",
+            "Prompt positions forked sequences took from another's KV blocks instead of computing."),
     };
     metrics_family *f[sizeof defs / sizeof defs[0]];
     for (size_t i = 0; i < sizeof defs / sizeof defs[0]; i++) {
@@ -198,6 +207,9 @@ int server_metrics_init(server_metrics **out, char *err, size_t errlen) {
     sm->spec_m_steps = metrics_series_get(f[25], NULL);
     sm->spec_m_drafts = metrics_series_get(f[26], NULL);
     sm->spec_m_accepted = metrics_series_get(f[27], NULL);
+    sm->kv_shared = metrics_series_get(f[28], NULL);
+    sm->forks = metrics_series_get(f[29], NULL);
+    sm->fork_tokens = metrics_series_get(f[30], NULL);
     bool ok = true;
     /* Every reason from the start, so that each reads 0 before its first. */
     for (int i = 1; i < FINISH_N; i++)
@@ -238,8 +250,8 @@ void server_metrics_tick(server *s) {
     server_metrics *sm = s->cfg.metrics;
     if (!sm) return;
     int64_t running = 0, waiting = (int64_t)s->n_queue, used = 0, total = 0, in_service = 0;
-    uint64_t preempt = 0, hits = 0, misses = 0, capped = 0, deferred = 0;
-    int64_t cached = 0;
+    uint64_t preempt = 0, hits = 0, misses = 0, capped = 0, deferred = 0, forks = 0, fork_tokens = 0;
+    int64_t cached = 0, shared = 0;
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
         struct pipeline *p = registry_pipeline_at(s->reg, i);
         struct pipe *pp = p->ud;
@@ -253,7 +265,10 @@ void server_metrics_tick(server *s) {
         misses += st.prefix_miss_tokens;
         deferred += st.prefix_deferred;
         capped += st.prefill_capped_tokens;
+        forks += st.forks;
+        fork_tokens += st.fork_tokens;
         if (registry_pipeline_ready(s->reg, p) && !registry_pipeline_draining(s->reg, p)) {
+            shared += st.blocks_shared;
             in_service++;
             used += st.blocks_used;
             total += st.blocks_total;
@@ -288,6 +303,12 @@ void server_metrics_tick(server *s) {
     }
     if (capped > sm->capped_mark) metrics_counter_add(sm->capped, (double)(capped - sm->capped_mark));
     sm->capped_mark = capped;
+    metrics_gauge_set(sm->kv_shared, (double)shared);
+    if (forks > sm->forks_mark) metrics_counter_add(sm->forks, (double)(forks - sm->forks_mark));
+    if (fork_tokens > sm->fork_tokens_mark)
+        metrics_counter_add(sm->fork_tokens, (double)(fork_tokens - sm->fork_tokens_mark));
+    sm->forks_mark = forks;
+    sm->fork_tokens_mark = fork_tokens;
 
     char why[256] = "";
     if (!s->rs) {

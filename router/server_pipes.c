@@ -288,6 +288,35 @@ static int32_t prefix_slack(const struct pipe *pp) {
     return pp->max_batch / 4 > 1 ? pp->max_batch / 4 : 1;
 }
 
+/* The pipeline a choice of a request of n > 1 joins: that of a choice
+ * of it already assigned (choice 0 first), so that the choices share the
+ * prompt's KV blocks (docs/protocol.md, "Several choices"); NULL when none
+ * is on a pipeline that takes work. */
+static struct pipe *choice_pipe(server *s, const struct req *q) {
+    for (uint32_t i = 0; q->n_choices > 1 && i < q->n_choices; i++) {
+        if (i == q->choice) continue;
+        char id[PROTO_REQUEST_KEY_MAX + 16]; /* room for any %u the compiler imagines */
+        if (i == 0) snprintf(id, sizeof id, "%s", q->cid);
+        else snprintf(id, sizeof id, "%s %u", q->cid, i);
+        struct req *o = req_find(s, q->owner, id);
+        if (o && o->state == REQ_ASSIGNED && o->pipe && o->pipe->sched &&
+            !registry_pipeline_draining(s->reg, o->pipe->p))
+            return o->pipe;
+    }
+    return NULL;
+}
+
+/* The fork group of a request's choices (sched_seq_set_fork): a hash of
+ * its owner and id, the same for every choice.  Two requests whose hashes
+ * meet cost the scheduler a token compare, never a wrong fork. */
+static uint64_t choice_group(const struct req *q) {
+    uint64_t h = UINT64_C(0xcbf29ce484222325);
+    for (const char *p = q->owner; *p; p++) h = (h ^ (uint8_t)*p) * UINT64_C(0x100000001b3);
+    h = (h ^ 0xff) * UINT64_C(0x100000001b3);
+    for (const char *p = q->cid; *p; p++) h = (h ^ (uint8_t)*p) * UINT64_C(0x100000001b3);
+    return h ? h : 1;
+}
+
 /* Moves queued requests onto pipelines that admit work, highest priority
  * first.  Each goes to the pipeline holding the longest prefix of its
  * tokens in its prefix cache, unless that one is overloaded (its load
@@ -328,13 +357,10 @@ void pipes_assign(server *s) {
         }
         if (!best) break;
         if (held && held_load - best_load <= prefix_slack(held)) best = held;
-        /* The choices of one request go where its choice 0 went, so that
-         * they share its prompt's blocks (docs/protocol.md, "Several
-         * choices"). */
-        struct req *first = q->choice > 0 ? req_find(s, q->owner, q->cid) : NULL;
-        if (first && first->state == REQ_ASSIGNED && first->pipe && first->pipe->sched &&
-            !registry_pipeline_draining(s->reg, first->pipe->p))
-            best = first->pipe;
+        /* The choices of one request go where another went, so that they
+         * share its prompt's blocks. */
+        struct pipe *with = choice_pipe(s, q);
+        if (with) best = with;
         int32_t cap = pipe_capacity_tokens(best);
         if (q->limit > cap) q->limit = cap;
         if (n >= q->limit) {
@@ -362,6 +388,10 @@ void pipes_assign(server *s) {
         req_spec(s, q, &spec_k, &spec_auto, &spec_src);
         sched_seq_set_spec(seq, spec_k, spec_auto, q->limit);
         sched_seq_set_spec_source(seq, spec_src);
+        /* The choices fork the prompt's KV from whichever of them computed
+         * it (docs/router.md, "Forked choices"): all but its last token,
+         * whose logits each samples from with its own seed. */
+        if (q->n_choices > 1) sched_seq_set_fork(seq, choice_group(q), q->n_prompt - 1);
         q->seq_id = sid;
         q->seq = seq;
         q->assigned_us = server_mono_us();

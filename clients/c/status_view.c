@@ -67,6 +67,9 @@ cJSON *status_view_json(const struct status_kv_read *kv) {
     cJSON_AddNumberToObject(j, "prefix_miss_blocks", (double)s->prefix_miss_blocks);
     cJSON_AddNumberToObject(j, "prefix_deferred", (double)s->prefix_deferred);
     cJSON_AddNumberToObject(j, "prefix_hit_rate", status_hit_rate(s->prefix_hit_tokens, s->prefix_miss_tokens));
+    cJSON_AddNumberToObject(j, "kv_blocks_shared", (double)s->kv_blocks_shared);
+    cJSON_AddNumberToObject(j, "forks", (double)s->forks);
+    cJSON_AddNumberToObject(j, "fork_tokens", (double)s->fork_tokens);
     cJSON_AddNumberToObject(j, "stages_kv_differ", status_kv_count(kv, true));
     cJSON *ps = cJSON_AddArrayToObject(j, "pipelines");
     for (size_t i = 0; i < s->n_pipelines; i++) {
@@ -92,6 +95,9 @@ cJSON *status_view_json(const struct status_kv_read *kv) {
         cJSON_AddNumberToObject(pj, "prefix_hit_blocks", (double)p->prefix_hit_blocks);
         cJSON_AddNumberToObject(pj, "prefix_miss_blocks", (double)p->prefix_miss_blocks);
         cJSON_AddNumberToObject(pj, "prefix_deferred", (double)p->prefix_deferred);
+        cJSON_AddNumberToObject(pj, "kv_blocks_shared", p->kv_blocks_shared);
+        cJSON_AddNumberToObject(pj, "forks", (double)p->forks);
+        cJSON_AddNumberToObject(pj, "fork_tokens", (double)p->fork_tokens);
         cJSON *ss = cJSON_AddArrayToObject(pj, "stages");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
@@ -132,9 +138,14 @@ void status_view_print(const char *endpoint, const struct status_kv_read *kv) {
     printf("router %s: up %llu s, %llu requests, %llu frames rejected\n", endpoint,
            (unsigned long long)s->uptime_s, (unsigned long long)s->requests_total,
            (unsigned long long)s->frames_rejected);
-    printf("queue %u, running %u, KV blocks %llu/%llu, %.1f tokens/s generated, %.1f tokens/s prefilled\n",
+    printf("queue %u, running %u, KV blocks %llu/%llu (%llu shared), %.1f tokens/s generated, %.1f tokens/s "
+           "prefilled\n",
            s->queue_depth, s->running, (unsigned long long)s->kv_blocks_used,
-           (unsigned long long)s->kv_blocks_total, s->tokens_per_s, s->prompt_tokens_per_s);
+           (unsigned long long)s->kv_blocks_total, (unsigned long long)s->kv_blocks_shared, s->tokens_per_s,
+           s->prompt_tokens_per_s);
+    if (s->forks)
+        printf("forked choices: %llu sequences started on another's KV blocks, %llu prompt positions not "
+               "computed again\n", (unsigned long long)s->forks, (unsigned long long)s->fork_tokens);
     if (s->steps_total)
         printf("%llu steps, router cost per step: plan %.0f us (max %.0f), result-to-next-plan %.0f us; "
                "%llu preemptions\n",

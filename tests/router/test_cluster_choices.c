@@ -1,9 +1,10 @@
 /* Requests of n > 1 choices end to end (docs/protocol.md, "Several
  * choices"): each choice equals a request of n = 1 with the seed
  * proto_choice_seed(seed, i); chunks and ends name their choice; the
- * choices share the prompt's KV blocks (computed once, held once); and a
- * router killed mid-stream loses and duplicates nothing of any choice
- * once the client re-attaches by id. */
+ * choices share the prompt's KV blocks by forking them (computed once,
+ * held once), with the prefix cache on or off, on 1x1 and 1x2; and a
+ * worker or the router killed mid-stream loses and duplicates nothing of
+ * any choice. */
 #include "tests/router/cluster_harness.h"
 
 #include "proto/request.h"
@@ -134,7 +135,7 @@ static Llm__ClientEnvelope *status_of(struct cluster *cl, llm_client *c) {
 struct poll {
     struct cluster *cl;
     volatile int stop;
-    uint64_t max_used;
+    uint64_t max_used, max_shared;
 };
 
 static void *poll_thread(void *arg) {
@@ -142,9 +143,11 @@ static void *poll_thread(void *arg) {
     llm_client *c = h_client(p->cl, 5000, 10000, 10000);
     while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
         Llm__ClientEnvelope *env = NULL;
-        if (llm_client_status(c, &env) == 0 && env && env->status_reply &&
-            env->status_reply->kv_blocks_used > p->max_used)
-            p->max_used = env->status_reply->kv_blocks_used;
+        if (llm_client_status(c, &env) == 0 && env && env->status_reply) {
+            if (env->status_reply->kv_blocks_used > p->max_used) p->max_used = env->status_reply->kv_blocks_used;
+            if (env->status_reply->kv_blocks_shared > p->max_shared)
+                p->max_shared = env->status_reply->kv_blocks_shared;
+        }
         proto_client_free(env);
         h_sleep_ms(2);
     }
@@ -152,12 +155,49 @@ static void *poll_thread(void *arg) {
     return NULL;
 }
 
+/* Waits until the router's pipelines and every stage's own count (its
+ * heartbeat) hold no KV block: what the choices held came back on every
+ * stage. */
+static void kv_back_to_zero(struct cluster *cl, llm_client *c) {
+    int64_t end = h_now_ms() + 20000;
+    char what[256] = "";
+    for (;;) {
+        Llm__ClientEnvelope *env = status_of(cl, c);
+        const Llm__StatusReply *r = env->status_reply;
+        int held = 0;
+        snprintf(what, sizeof what, "router: %llu blocks in use, %llu shared", (unsigned long long)r->kv_blocks_used,
+                 (unsigned long long)r->kv_blocks_shared);
+        held += r->kv_blocks_used != 0 || r->kv_blocks_shared != 0;
+        for (size_t i = 0; i < r->n_pipelines; i++)
+            for (size_t k = 0; k < r->pipelines[i]->n_stages; k++) {
+                const Llm__StageStatus *st = r->pipelines[i]->stages[k];
+                if (!st->worker_id || !st->worker_id[0] || !st->ready) continue;
+                if (st->kv_blocks_used != 0) {
+                    held++;
+                    size_t l = strlen(what);
+                    snprintf(what + l, sizeof what - l, "; pipeline %u stage %u: %u", r->pipelines[i]->pipeline_id,
+                             st->stage_index, st->kv_blocks_used);
+                }
+            }
+        proto_client_free(env);
+        if (!held) return;
+        H_ASSERT(cl, h_now_ms() < end, "KV blocks still held 20 s after the end: %s", what);
+        h_sleep_ms(100);
+    }
+}
+
 /* n = 4 on a prompt of about 85 tokens (the model's context is 128): the
- * prompt's full blocks are computed once (three choices find them) and
- * held once: the pipeline's KV blocks in use peak at the shared blocks
- * plus each choice's own, never at four private copies. */
-TEST(cluster_choices_share_prompt_blocks) {
-    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 1, 1, "", "");
+ * prompt is computed once and its blocks held once.  The first choice
+ * computes it; the other three are admitted on a fork of its blocks
+ * (copy-on-write), computing only the prompt's last token (their own
+ * logits) and their own tokens.  The pipeline's KV blocks in use peak at
+ * the shared blocks plus each choice's own, never at four private copies;
+ * Status counts the forks and the blocks shared.  This holds with the
+ * prefix cache off as well as on (it plays no part).  Each choice equals
+ * its request of n = 1, computed on its own; afterwards the KV blocks come
+ * back to 0 in the router and on every stage. */
+static void choices_fork(int stages, bool no_cache) {
+    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 1, stages, no_cache ? "--no-prefix-cache" : "", "");
     static char prompt[4096];
     prompt[0] = 0;
     for (int i = 0; i < 3; i++)
@@ -165,13 +205,15 @@ TEST(cluster_choices_share_prompt_blocks) {
                  "Lily saw a big red ball number %d in the park and she ran to it. ", i);
     llm_client *c = h_client(cl, 5000, 10000, 10000);
     Llm__ClientEnvelope *env = status_of(cl, c);
-    uint64_t hits0 = env->status_reply->prefix_hit_tokens;
+    ASSERT_EQ(!no_cache, (int)env->status_reply->prefix_cache);
+    uint64_t hits0 = env->status_reply->prefix_hit_tokens, forks0 = env->status_reply->forks;
+    uint64_t ftok0 = env->status_reply->fork_tokens;
     proto_client_free(env);
     struct poll pl = {.cl = cl};
     pthread_t pt;
     pthread_create(&pt, NULL, poll_thread, &pl);
     enum { T = 40 };
-    static struct cgen g;
+    static struct cgen g, one[4];
     cg_init(&g, cl, "choices-shared", prompt, 4, 9, T, true);
     cg_run(&g);
     __atomic_store_n(&pl.stop, 1, __ATOMIC_RELEASE);
@@ -180,19 +222,102 @@ TEST(cluster_choices_share_prompt_blocks) {
     int32_t P = (int32_t)g.res.n_prompt_ids, bs = 16;
     for (int i = 0; i < 4; i++) ASSERT_EQ(T, g.n_tok[i]);
     env = status_of(cl, c);
-    uint64_t hits = env->status_reply->prefix_hit_tokens - hits0;
+    uint64_t hits = env->status_reply->prefix_hit_tokens - hits0, forks = env->status_reply->forks - forks0;
+    uint64_t ftok = env->status_reply->fork_tokens - ftok0;
     proto_client_free(env);
     int32_t shared = (P - 1) / bs;                           /* full blocks before the last prompt token */
     int32_t priv = (P + T + bs - 1) / bs - shared;           /* a choice's own (a partial block's copy included) */
     uint64_t bound = (uint64_t)(shared + 4 * priv);
     uint64_t unshared = (uint64_t)(4 * ((P + T + bs - 1) / bs));
-    printf("  prompt %d tokens (%d shared blocks): prefix hits %llu tokens; KV blocks in use at most %llu "
-           "(bound %llu, four private copies %llu)\n", P, shared, (unsigned long long)hits,
-           (unsigned long long)pl.max_used, (unsigned long long)bound, (unsigned long long)unshared);
-    H_ASSERT(cl, hits >= (uint64_t)(3 * shared * bs), "prefix hits %llu tokens, want >= %d (three choices "
-             "mapping %d blocks)", (unsigned long long)hits, 3 * shared * bs, shared);
+    printf("  1x%d, prefix cache %s: prompt %d tokens: %llu forks of %llu positions, prefix hits %llu tokens; "
+           "KV blocks in use at most %llu (bound %llu, four private copies %llu), shared at most %llu\n",
+           stages, no_cache ? "off" : "on", P, (unsigned long long)forks, (unsigned long long)ftok,
+           (unsigned long long)hits, (unsigned long long)pl.max_used, (unsigned long long)bound,
+           (unsigned long long)unshared, (unsigned long long)pl.max_shared);
+    ASSERT_EQ((uint64_t)3, forks);
+    ASSERT_EQ((uint64_t)(3 * (P - 1)), ftok);
+    ASSERT_EQ((uint64_t)0, hits); /* the forks took the prompt, not the cache */
     H_ASSERT(cl, pl.max_used > 0 && pl.max_used <= bound, "KV blocks in use at most %llu, bound %llu",
              (unsigned long long)pl.max_used, (unsigned long long)bound);
+    H_ASSERT(cl, pl.max_shared >= (uint64_t)shared, "at most %llu blocks shared, want >= %d",
+             (unsigned long long)pl.max_shared, shared);
+    /* The same four as requests of n = 1, one after the other (nothing to
+     * share): equal, token for token. */
+    for (int i = 0; i < 4; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "shared-alone-%d", i);
+        cg_init(&one[i], cl, id, prompt, 1, proto_choice_seed(9, (uint32_t)i), T, true);
+        cg_run(&one[i]);
+        cg_ok(cl, &one[i]);
+        ASSERT_STREQ(one[i].text[0], g.text[i]);
+        ASSERT_EQ(one[i].n_tok[0], g.n_tok[i]);
+        llm_generate_result_free(&one[i].res);
+    }
+    kv_back_to_zero(cl, c);
+    llm_generate_result_free(&g.res);
+    llm_client_close(c);
+    h_cluster_stop(cl);
+}
+
+TEST(cluster_choices_share_prompt_blocks) { choices_fork(1, false); }
+TEST(cluster_choices_fork_without_prefix_cache_1x1) { choices_fork(1, true); }
+TEST(cluster_choices_fork_without_prefix_cache_1x2) { choices_fork(2, true); }
+
+/* Two pipelines, prefix cache off.  The worker of the pipeline running the
+ * three choices of a request is killed mid-stream: they move to the other
+ * pipeline, where one recomputes the prompt and its tokens and the others
+ * fork its prompt again; every choice ends with exactly the tokens of an
+ * uninterrupted run (none lost, none twice), and the KV blocks come back
+ * to 0. */
+TEST(cluster_choices_fork_worker_killed) {
+    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 2, 1, "--no-prefix-cache", "");
+    enum { T = 100 };
+    static struct cgen ref, g;
+    cg_init(&ref, cl, "fork-ref", "The little dog", 3, 31, T, true);
+    cg_run(&ref);
+    cg_ok(cl, &ref);
+    llm_client *c = h_client(cl, 5000, 10000, 10000);
+    Llm__ClientEnvelope *env;
+    cg_init(&g, cl, "fork-kill", "The little dog", 3, 31, T, true);
+    pthread_t th;
+    pthread_create(&th, NULL, cg_thread, &g);
+    int64_t end = h_now_ms() + 30000;
+    while (__atomic_load_n(&g.seen, __ATOMIC_RELAXED) < 30 && h_now_ms() < end) h_sleep_ms(1);
+    /* The pipeline the choices run on, and the other one's forks so far. */
+    env = status_of(cl, c);
+    int pid = -1;
+    uint64_t forks0 = 0;
+    for (size_t i = 0; i < env->status_reply->n_pipelines; i++)
+        if (env->status_reply->pipelines[i]->running > 0) pid = (int)env->status_reply->pipelines[i]->pipeline_id;
+    for (size_t i = 0; i < env->status_reply->n_pipelines; i++)
+        if ((int)env->status_reply->pipelines[i]->pipeline_id != pid) forks0 = env->status_reply->pipelines[i]->forks;
+    proto_client_free(env);
+    int at = __atomic_load_n(&g.seen, __ATOMIC_RELAXED);
+    H_ASSERT(cl, pid >= 0, "no pipeline runs the choices (%d tokens out)", at);
+    int slot = h_worker_slot(cl, pid, 0);
+    H_ASSERT(cl, slot >= 0, "no worker for pipeline %d", pid);
+    h_proc_kill(&cl->workers[slot], SIGKILL);
+    pthread_join(th, NULL);
+    cg_ok(cl, &g);
+    env = status_of(cl, c);
+    uint64_t forks = 0;
+    for (size_t i = 0; i < env->status_reply->n_pipelines; i++)
+        if ((int)env->status_reply->pipelines[i]->pipeline_id != pid)
+            forks = env->status_reply->pipelines[i]->forks - forks0;
+    proto_client_free(env);
+    printf("  worker of pipeline %d killed after %d of %d tokens; forks on the other pipeline since: %llu\n", pid,
+           at, 3 * T, (unsigned long long)forks);
+    H_ASSERT(cl, at < 3 * T, "all %d tokens were out before the kill", at);
+    for (int i = 0; i < 3; i++) {
+        ASSERT_EQ(T, g.n_tok[i]);
+        ASSERT_STREQ(ref.text[i], g.text[i]);
+        ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)g.res.choices[i].finish_reason);
+    }
+    /* On the other pipeline the two choices behind the first forked its
+     * prompt again. */
+    H_ASSERT(cl, forks >= 2, "%llu forks on the surviving pipeline, want 2", (unsigned long long)forks);
+    kv_back_to_zero(cl, c);
+    llm_generate_result_free(&ref.res);
     llm_generate_result_free(&g.res);
     llm_client_close(c);
     h_cluster_stop(cl);
@@ -242,4 +367,5 @@ TEST(cluster_choices_survive_router_restart) {
 }
 
 TEST_MAIN(cluster_choices_equal_separate_requests, cluster_choices_share_prompt_blocks,
-          cluster_choices_survive_router_restart)
+          cluster_choices_fork_without_prefix_cache_1x1, cluster_choices_fork_without_prefix_cache_1x2,
+          cluster_choices_fork_worker_killed, cluster_choices_survive_router_restart)

@@ -87,6 +87,8 @@ TEST(kvblocks_fork_shares_and_copies_on_write) {
         ASSERT_EQ(2, kvblocks_refcount(a, p.ids[i]));
     }
     ASSERT_EQ(13, kvblocks_n_free(a));
+    ASSERT_EQ(3, kvblocks_n_used(a)); /* shared blocks count once */
+    ASSERT_EQ(3, kvblocks_n_shared(a));
     /* The child's next write lands in shared block 2: it gets a copy. */
     int32_t shared = p.ids[2];
     ASSERT_EQ(1, kvblocks_blocks_needed(a, &c, 1));
@@ -97,6 +99,7 @@ TEST(kvblocks_fork_shares_and_copies_on_write) {
     ASSERT_NE(shared, c.ids[2]);
     ASSERT_EQ(1, kvblocks_refcount(a, shared));
     ASSERT_EQ(2, kvblocks_refcount(a, p.ids[0]));
+    ASSERT_EQ(2, kvblocks_n_shared(a));
     /* Now the parent owns block 2 alone: no copy for its write. */
     ASSERT_OK(kvblocks_reserve(a, &p, 3, &cp, &n_cp));
     ASSERT_EQ(0, n_cp);
@@ -115,6 +118,7 @@ TEST(kvblocks_fork_shares_and_copies_on_write) {
     kvblocks_table_free(a, &g);
     kvblocks_table_free(a, &p);
     ASSERT_EQ(1, kvblocks_refcount(a, c.ids[0]));
+    ASSERT_EQ(0, kvblocks_n_shared(a));
     kvblocks_table_free(a, &c);
     ASSERT_EQ(16, kvblocks_n_free(a));
     kvblocks_free(a);
