@@ -247,22 +247,16 @@ static void fw_wait_serving(struct fx *f, struct fw *w) {
     zio_sock_close(c);
 }
 
-/* Connects worker id and sends its Register for stage 0 of pipeline 0;
- * returns the router's RegisterReply. */
-static Llm__WorkerEnvelope *fw_register(struct fx *f, struct fw *w, const char *id) {
-    memset(w, 0, sizeof *w);
-    snprintf(w->id, sizeof w->id, "%s", id);
-    char err[256];
-    if (zio_sock_open(f->ctx, ZMQ_DEALER, &w->d, err, sizeof err) < 0) TEST_FAIL("%s", err);
-    zio_set_int(w->d, ZMQ_LINGER, 0);
-    zio_set_bytes(w->d, ZMQ_ROUTING_ID, id, strlen(id));
-    if (zio_connect(w->d, f->wep) < 0) TEST_FAIL("%s", zio_errstr(w->d));
+/* Sends w's Register for stage (of stages) of pipeline 0 under session
+ * on its socket; returns the router's RegisterReply. */
+static Llm__WorkerEnvelope *fw_register_as(struct fw *w, uint32_t stage, uint32_t stages, uint32_t session) {
     Llm__Register r = LLM__REGISTER__INIT;
     r.worker_id = w->id;
     r.incarnation = 7;
     r.pipeline_id = 0;
-    r.stage_index = 0;
-    r.stage_count = 1;
+    r.stage_index = stage;
+    r.stage_count = stages;
+    r.session = session;
     r.model = "stories260K-f32.gguf";
     r.backend = "fake";
     r.kv_block_count = 64;
@@ -276,8 +270,26 @@ static Llm__WorkerEnvelope *fw_register(struct fx *f, struct fw *w, const char *
     Llm__WorkerEnvelope *rep = fw_recv(w, 3000);
     w->silent = 0;
     if (!rep || rep->body_case != LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY)
-        TEST_FAIL("worker %s: no RegisterReply", id);
+        TEST_FAIL("worker %s: no RegisterReply", w->id);
     return rep;
+}
+
+/* Opens w's socket under routing id id (a new connection; w->id kept). */
+static void fw_connect(struct fx *f, struct fw *w, const char *id) {
+    snprintf(w->id, sizeof w->id, "%s", id);
+    char err[256];
+    if (zio_sock_open(f->ctx, ZMQ_DEALER, &w->d, err, sizeof err) < 0) TEST_FAIL("%s", err);
+    zio_set_int(w->d, ZMQ_LINGER, 0);
+    zio_set_bytes(w->d, ZMQ_ROUTING_ID, id, strlen(id));
+    if (zio_connect(w->d, f->wep) < 0) TEST_FAIL("%s", zio_errstr(w->d));
+}
+
+/* Connects worker id and sends its Register for stage 0 of pipeline 0;
+ * returns the router's RegisterReply. */
+static Llm__WorkerEnvelope *fw_register(struct fx *f, struct fw *w, const char *id) {
+    memset(w, 0, sizeof *w);
+    fw_connect(f, w, id);
+    return fw_register_as(w, 0, 1, 0);
 }
 
 static void fw_open(struct fx *f, struct fw *w, const char *id) {
@@ -306,9 +318,11 @@ static Llm__WorkerEnvelope *fw_plan(struct fw *w) {
     return NULL;
 }
 
-/* Answers a plan: every sequence that wants logits samples token. */
-static void fw_answer(struct fw *w, const Llm__StepPlan *p, int32_t token) {
+/* Answers a plan as stage stage (the router takes the last stage's):
+ * every sequence that wants logits samples token. */
+static void fw_answer_at(struct fw *w, const Llm__StepPlan *p, int32_t token, uint32_t stage) {
     Llm__StepResult r = LLM__STEP_RESULT__INIT;
+    r.stage_index = stage;
     r.step_id = p->step_id;
     r.pipeline_id = p->pipeline_id;
     r.epoch = p->epoch;
@@ -327,6 +341,8 @@ static void fw_answer(struct fw *w, const Llm__StepPlan *p, int32_t token) {
     env.result = &r;
     fw_send(w, &env);
 }
+
+static void fw_answer(struct fw *w, const Llm__StepPlan *p, int32_t token) { fw_answer_at(w, p, token, 0); }
 
 /* Collects chunks until done; tokens land in got[index]; returns done. */
 static Llm__ClientEnvelope *cl_collect(struct zio_sock *d, int32_t *got, int *count, int max) {
@@ -1208,6 +1224,161 @@ TEST(router_server_reattach_replay_keeps_the_text) {
     fx_stop(&f);
 }
 
+/* A worker whose connection broke registers again under a new session
+ * (Register.session): a plan or a result on the old connection may be
+ * lost, so the router re-forms the pipeline in a new epoch and the
+ * sequence starts over there at once, not after --step-timeout-ms (10 s
+ * here).  A Register of the same session is a resend: the same epoch. */
+TEST(router_server_new_session_reforms) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    memset(&w, 0, sizeof w);
+    fw_connect(&f, &w, "ws");
+    Llm__WorkerEnvelope *rep = fw_register_as(&w, 0, 1, 1);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    uint64_t e1 = rep->register_reply->epoch;
+    proto_worker_free(rep);
+    rep = fw_register_as(&w, 0, 1, 1);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    ASSERT_EQ(e1, rep->register_reply->epoch);
+    proto_worker_free(rep);
+    fw_heartbeat(&w);
+    fw_wait_serving(&f, &w);
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 1, "session-1", prompt3, 3, 4, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    ASSERT_EQ(e1, pe->plan->epoch);
+    fw_answer(&w, pe->plan, 440);
+    proto_worker_free(pe);
+    /* The second plan is lost with the connection. */
+    proto_worker_free(fw_plan(&w));
+    fw_close(&w);
+    int64_t t0 = t_ms();
+    fw_connect(&f, &w, "ws");
+    rep = fw_register_as(&w, 0, 1, 2);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    uint64_t e2 = rep->register_reply->epoch;
+    ASSERT_TRUE(e2 > e1);
+    proto_worker_free(rep);
+    pe = fw_plan(&w);
+    ASSERT_EQ(e2, pe->plan->epoch);
+    const Llm__SeqPlan *sp = pe->plan->seqs[0];
+    /* From the start: the prompt and the token streamed before. */
+    ASSERT_EQ(0u, sp->start_pos);
+    ASSERT_EQ((size_t)4, sp->n_tokens);
+    ASSERT_EQ(440, sp->tokens[3]);
+    fw_answer(&w, pe->plan, 441);
+    proto_worker_free(pe);
+    for (int k = 2; k < 4; k++) {
+        pe = fw_plan(&w);
+        fw_answer(&w, pe->plan, 440 + k);
+        proto_worker_free(pe);
+    }
+    int32_t got[8];
+    for (int i = 0; i < 8; i++) got[i] = -1;
+    int count = 0;
+    Llm__ClientEnvelope *e = cl_collect(c, got, &count, 8);
+    int64_t took = t_ms() - t0;
+    ASSERT_EQ(4, count); /* every token once */
+    for (int i = 0; i < 4; i++) ASSERT_EQ(440 + i, got[i]);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)e->done->finish_reason);
+    proto_client_free(e);
+    ASSERT_TRUE(took < 3000);
+    zio_sock_close(c);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+/* A free the router cannot hand to a stage must not vanish: the stage
+ * would keep the sequence's blocks.  Two stages; stage 0's connection
+ * closes while the last step of a request runs; stage 1's answer ends the
+ * request, and the frees-only plan that follows cannot be queued for stage
+ * 0 (ZMQ_ROUTER_MANDATORY).  The pipeline re-forms: stage 1 hears of a new
+ * epoch (in which a stage forgets every sequence of the old one), and the
+ * pipeline serves again once stage 0 registers on a new connection. */
+TEST(router_server_unsent_frees_reform) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw a, b;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    fw_connect(&f, &a, "fa");
+    Llm__WorkerEnvelope *rep = fw_register_as(&a, 0, 2, 1);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    proto_worker_free(rep);
+    fw_connect(&f, &b, "fb");
+    rep = fw_register_as(&b, 1, 2, 1);
+    ASSERT_TRUE(rep->register_reply->accepted && rep->register_reply->pipeline_whole);
+    uint64_t e1 = rep->register_reply->epoch;
+    proto_worker_free(rep);
+    fw_heartbeat(&a);
+    fw_heartbeat(&b);
+    fw_wait_serving(&f, &a);
+    struct zio_sock *c = cl_open(&f);
+    cl_generate(c, 1, "frees-1", prompt3, 3, 2, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pa = fw_plan(&a), *pb = fw_plan(&b);
+    ASSERT_EQ(pa->plan->step_id, pb->plan->step_id);
+    ASSERT_EQ(e1, pb->plan->epoch);
+    fw_answer_at(&b, pb->plan, 450, 1);
+    proto_worker_free(pa);
+    proto_worker_free(pb);
+    pa = fw_plan(&a);
+    pb = fw_plan(&b);
+    proto_worker_free(pa);
+    fw_close(&a);
+    usleep(300 * 1000); /* the router's socket forgets a's connection */
+    fw_answer_at(&b, pb->plan, 451, 1);
+    proto_worker_free(pb);
+    uint64_t e2 = 0;
+    for (int i = 0; i < 10 && !e2; i++) {
+        Llm__WorkerEnvelope *m = fw_recv(&b, 3000);
+        if (!m) break;
+        if (m->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY && m->register_reply->accepted &&
+            m->register_reply->epoch > e1)
+            e2 = m->register_reply->epoch;
+        proto_worker_free(m);
+    }
+    if (!e2) TEST_FAIL("stage 1 heard of no new epoch after the frees could not reach stage 0");
+    int32_t got[4] = {-1, -1, -1, -1};
+    int count = 0;
+    Llm__ClientEnvelope *e = cl_collect(c, got, &count, 4);
+    ASSERT_EQ(2, count);
+    ASSERT_EQ(450, got[0]);
+    ASSERT_EQ(451, got[1]);
+    proto_client_free(e);
+    /* Stage 0 on a new connection: the pipeline serves in a newer epoch. */
+    fw_connect(&f, &a, "fa");
+    rep = fw_register_as(&a, 0, 2, 2);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    uint64_t e3 = rep->register_reply->epoch;
+    ASSERT_TRUE(e3 > e2);
+    proto_worker_free(rep);
+    fw_heartbeat(&a);
+    fw_heartbeat(&b);
+    fw_wait_serving(&f, &a);
+    cl_generate(c, 2, "frees-2", prompt3, 3, 1, 0);
+    proto_client_free(cl_expect(c, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    pa = fw_plan(&a);
+    pb = fw_plan(&b);
+    ASSERT_EQ(e3, pa->plan->epoch);
+    ASSERT_EQ(e3, pb->plan->epoch);
+    fw_answer_at(&b, pb->plan, 452, 1);
+    proto_worker_free(pa);
+    proto_worker_free(pb);
+    got[0] = -1;
+    count = 0;
+    e = cl_collect(c, got, &count, 4);
+    ASSERT_EQ(1, count);
+    proto_client_free(e);
+    zio_sock_close(c);
+    fw_close(&a);
+    fw_close(&b);
+    fx_stop(&f);
+}
+
 TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_pipeline, router_server_held_stage_is_retried,
           router_server_tells_a_stalled_request,
           router_server_stop_string_and_deadline, router_server_refuses_bad_input_and_keeps_serving,
@@ -1215,4 +1386,5 @@ TEST_MAIN(router_server_generates_and_streams, router_server_refuses_without_a_p
           router_server_reattach_and_cancel, router_server_restart_resumes_requests,
           router_server_redis_restarted_empty, router_server_health_follows_redis,
           router_server_lost_state_keeps_the_seed, router_server_reattach_with_chosen_seed,
-          router_server_reattach_replay_keeps_the_text)
+          router_server_reattach_replay_keeps_the_text, router_server_new_session_reforms,
+          router_server_unsent_frees_reform)
