@@ -4,7 +4,8 @@
  * stories260K.  The package's build step generates its protobuf modules
  * from the proto files into the test's temporary folder, then
  * clients/python/tests/test_client.py checks streams against llm-run
- * (sync and asyncio), cancel, re-attach, errors, health, status and models,
+ * (sync and asyncio), cancel, re-attach, n > 1, the JSON Schema, json_object
+ * and GBNF constraints, errors, health, status and models,
  * and the CURVE keys (from the environment, files and values; a refused key).
  * Skipped without a python3 that has zmq and google.protobuf (Debian
  * python3-zmq, python3-protobuf), protoc (protobuf-compiler), redis-server

@@ -7,8 +7,9 @@ The protobuf modules come from `python3 -m llmcluster.build` (protoc over
 proto/*.proto); they are loaded on first use of the names below, so that the
 build step itself runs without them."""
 
-__all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "Chunk", "Completion", "TokenLogprob",
-           "TopLogprob", "Usage", "Accepted", "Health", "LlmError", "PROTOCOL_VERSION"]
+__all__ = ["Client", "AsyncClient", "Generation", "AsyncGeneration", "Chunk", "Completion", "Choice", "TokenLogprob",
+           "TopLogprob", "Usage", "Accepted", "Health", "LlmError", "PROTOCOL_VERSION",
+           "choice_seed"]
 
 
 def __getattr__(name):

@@ -11,8 +11,9 @@ import zmq.asyncio
 
 from ._pb import client_pb2 as pb
 from . import keys as _keys
-from .client import (PROTOCOL_VERSION, Completion, LlmError, SeedMemory, StreamState, accepted_from_pb,
-                     build_generate, discard_before_accepted, done_chunk, health_from_pb, new_request_id, open_socket)
+from .client import (PROTOCOL_VERSION, LlmError, SeedMemory, StreamState, accepted_from_pb, build_generate,
+                     completion_of, discard_before_accepted, done_chunk, health_from_pb, new_request_id,
+                     open_socket)
 
 
 class AsyncGeneration:
@@ -25,7 +26,8 @@ class AsyncGeneration:
         self._client = client
         self.request_id = request_id
         self._env = env
-        self._state = StreamState(resume_from)
+        g = env.generate
+        self._state = StreamState(resume_from, g.n, g.resume_from_choice)
         self._idle_timeout = idle_timeout
         self._queue = None
         self.accepted = None
@@ -34,6 +36,10 @@ class AsyncGeneration:
     @property
     def tokens_received(self):
         return self._state.have
+
+    @property
+    def tokens_received_by_choice(self):
+        return list(self._state.haves)
 
     @property
     def finish_reason(self):
@@ -68,19 +74,12 @@ class AsyncGeneration:
                 raise
             if chunk is None:
                 continue
-            if chunk.finish_reason:
+            if self._state.finished:
                 self.close()
             return chunk
 
     async def collect(self):
-        text, ids, lps, last = [], [], [], None
-        async for ch in self:
-            text.append(ch.text)
-            ids.extend(ch.token_ids)
-            lps.extend(ch.logprobs)
-            last = ch
-        last = last or self._state.finished
-        return Completion(self.request_id, "".join(text), ids, lps, last.finish_reason, last.usage, self.accepted, last)
+        return completion_of(self, [ch async for ch in self])
 
     async def cancel(self):
         return await self._client.cancel(self.request_id)

@@ -26,7 +26,8 @@ PROTOCOL_VERSION = 1
 # Keyword arguments of generate(): those of GenerateRequest, then those of
 # SamplingParams (proto/client.proto, proto/types.proto); zero means the
 # default, as in the protocol.
-REQUEST_FIELDS = ("model", "max_tokens", "stop", "priority", "deadline_ms", "timeout_ms", "stream", "resume_from")
+REQUEST_FIELDS = ("model", "max_tokens", "stop", "priority", "deadline_ms", "timeout_ms", "stream", "resume_from",
+                  "n", "resume_from_choice")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "penalty_last_n", "seed", "stop_token_ids", "ignore_eos", "logprobs",
                    "top_logprobs", "json_schema", "json_object", "grammar")
@@ -84,10 +85,11 @@ class Accepted:
 @dataclasses.dataclass
 class Chunk:
     """Tokens of a stream, or its end.  index is the position of
-    token_ids[0] among the completion tokens.  The last chunk of every
-    generation has no tokens and a finish_reason: "stop", "length",
-    "cancelled", "deadline" or "error" (then error says why), with usage and,
-    for "stop", stop_token (-1 if none) or stop_string."""
+    token_ids[0] among the completion tokens of its choice (0 .. n-1 of a
+    request of n > 1; 0 otherwise).  The last chunk of every choice has no
+    tokens and a finish_reason: "stop", "length", "cancelled", "deadline" or
+    "error" (then error says why), with usage and, for "stop", stop_token
+    (-1 if none) or stop_string."""
     index: int
     token_ids: List[int]
     text: str
@@ -97,6 +99,7 @@ class Chunk:
     stop_token: int = -1
     stop_string: str = ""
     error: Optional[LlmError] = None
+    choice: int = 0
 
 
 @dataclasses.dataclass
@@ -110,6 +113,21 @@ class Health:
 
 def new_request_id():
     return str(uuid.uuid4())
+
+
+def choice_seed(seed, i):
+    """The seed choice i of a request of n > 1 with seed `seed` samples with
+    (docs/protocol.md, "Several choices"; proto_choice_seed): seed itself for
+    choice 0, else the splitmix64 finalizer of seed + i * golden ratio.  A
+    request of n = 1 with this seed makes the tokens of choice i."""
+    if i == 0:
+        return seed
+    m = (1 << 64) - 1
+    x = (seed + i * 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    x ^= x >> 31
+    return x or 1
 
 
 def open_socket(ctx, endpoint, key_args):
@@ -173,12 +191,15 @@ def build_generate(env, request_id, prompt, params):
     # from GenerateAccepted has this message, so the first send must too.
     g.sampling.SetInParent()
     for f in REQUEST_FIELDS:
-        if f in ("stream", "stop") or params.get(f) is None:
+        if f in ("stream", "stop", "resume_from_choice") or params.get(f) is None:
             continue
         setattr(g, f, params[f])
     stop = params.get("stop")
     if stop is not None:
         g.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    rfc = params.get("resume_from_choice")
+    if rfc is not None:
+        g.resume_from_choice.extend(int(t) for t in rfc)
     for f in SAMPLING_FIELDS:
         v = params.get(f)
         if v is None:
@@ -204,7 +225,7 @@ def done_chunk(d, index):
     fin = pb.GenerateDone.FinishReason.Name(d.finish_reason).lower()
     err = LlmError.from_pb(d.error) if d.HasField("error") and d.error.code != 0 else None
     return Chunk(index, [], "", [], fin, Usage(d.usage.prompt_tokens, d.usage.completion_tokens), d.stop_token,
-                 d.stop_string, err)
+                 d.stop_string, err, d.choice)
 
 
 def health_from_pb(h):
@@ -228,20 +249,35 @@ def discard_before_accepted(queue):
 
 
 class StreamState:
-    """The tokens of one request seen so far, and the rule of docs/protocol.md
-    for re-attaching: a token whose position the client already has is
-    dropped.  feed() turns a pushed message into the Chunk to hand out (None
-    for one that carries nothing new) and raises LlmError for an error."""
+    """The tokens of one request seen so far, per choice (n of them, 1 but
+    for a request of n > 1), and the rule of docs/protocol.md for
+    re-attaching: a token whose position the client already has is dropped.
+    feed() turns a pushed message into the Chunk to hand out (None for one
+    that carries nothing new) and raises LlmError for an error."""
 
-    def __init__(self, resume_from):
-        self.have = resume_from
-        self.finished = None  # the last Chunk, once GenerateDone came
+    def __init__(self, resume_from, n=1, resume_from_choice=()):
+        n = max(1, n or 1)
+        self.haves = [resume_from] + [0] * (n - 1)
+        for i, v in enumerate(list(resume_from_choice)[1:n], start=1):
+            self.haves[i] = v
+        self.dones = [None] * n  # each choice's last Chunk, once its GenerateDone came
+        self.finished = None     # the last Chunk of the request, once every choice ended
+
+    @property
+    def have(self):
+        return self.haves[0]
 
     def feed(self, env):
         kind = env.WhichOneof("body")
         if kind == "done":
-            self.finished = done_chunk(env.done, self.have)
-            return self.finished
+            i = env.done.choice
+            if i >= len(self.dones):
+                raise LlmError(types_pb2.Error.Code.INTERNAL, f"GenerateDone of choice {i} of a request of "
+                               f"n = {len(self.dones)}", env.done.request_id)
+            self.dones[i] = done_chunk(env.done, self.haves[i])
+            if all(d is not None for d in self.dones):
+                self.finished = self.dones[i]
+            return self.dones[i]
         if kind == "error":
             raise LlmError.from_pb(env.error)
         c = env.chunk
@@ -249,9 +285,13 @@ class StreamState:
             # The router's check that the client is still there
             # (docs/router.md, "Clients that go away"): nothing to hand on.
             return None
+        i = c.choice
+        if i >= len(self.haves):
+            raise LlmError(types_pb2.Error.Code.INTERNAL, f"a chunk of choice {i} of a request of "
+                           f"n = {len(self.haves)}", c.request_id)
         ids = list(c.token_ids)
         lps = _logprobs(c.logprobs)
-        skip = max(0, self.have - c.index)
+        skip = max(0, self.haves[i] - c.index)
         if ids and skip >= len(ids):
             return None
         if skip:
@@ -259,13 +299,40 @@ class StreamState:
             # the client has; were one to, its ids are cut but its text (whole
             # characters of all its tokens) cannot be, and is kept.
             ids, lps = ids[skip:], lps[skip:]
-        self.have = max(self.have, c.index + len(c.token_ids))
-        return Chunk(c.index + skip, ids, c.text, lps)
+        self.haves[i] = max(self.haves[i], c.index + len(c.token_ids))
+        return Chunk(c.index + skip, ids, c.text, lps, choice=i)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One choice of a whole generation (Completion.choices)."""
+    index: int
+    text: str
+    token_ids: List[int]
+    logprobs: List[TokenLogprob]
+    finish_reason: str
+    usage: Usage
+    last: Chunk
+
+
+def collect_chunks(chunks, n):
+    """Each choice's (texts, token ids, logprobs, last chunk) from a
+    stream's chunks."""
+    parts = [([], [], [], None) for _ in range(n)]
+    for ch in chunks:
+        text, ids, lps, last = parts[ch.choice]
+        text.append(ch.text)
+        ids.extend(ch.token_ids)
+        lps.extend(ch.logprobs)
+        parts[ch.choice] = (text, ids, lps, ch if ch.finish_reason else last)
+    return parts
 
 
 @dataclasses.dataclass
 class Completion:
-    """A whole generation, as Generation.collect() returns it."""
+    """A whole generation, as Generation.collect() returns it: text,
+    token_ids, logprobs, finish_reason, usage and last are choice 0's (the
+    only one unless n > 1); choices holds every choice, in order."""
     request_id: str
     text: str
     token_ids: List[int]
@@ -274,6 +341,21 @@ class Completion:
     usage: Usage
     accepted: Accepted
     last: Chunk
+    choices: List[Choice] = dataclasses.field(default_factory=list)
+
+
+def completion_of(gen, chunks):
+    """Generation.collect()'s Completion from the chunks it read (and the
+    ends the stream saw before)."""
+    st = gen._state
+    choices = []
+    for i, (text, ids, lps, last) in enumerate(collect_chunks(chunks, len(st.dones))):
+        last = last or st.dones[i]
+        choices.append(Choice(i, "".join(text), ids, lps, last.finish_reason if last else None,
+                              last.usage if last else None, last))
+    c0 = choices[0]
+    return Completion(gen.request_id, c0.text, c0.token_ids, c0.logprobs, c0.finish_reason, c0.usage, gen.accepted,
+                      c0.last, choices)
 
 
 class Generation:
@@ -287,15 +369,23 @@ class Generation:
         self._client = client
         self.request_id = request_id
         self._env = env
-        self._state = StreamState(resume_from)
+        g = env.generate
+        self._state = StreamState(resume_from, g.n, g.resume_from_choice)
         self._idle_timeout = idle_timeout
         self.accepted = None
         self._closed = False
 
     @property
     def tokens_received(self):
-        """Completion tokens this client has: resume_from for a re-attach."""
+        """Completion tokens this client has (choice 0's): resume_from for a
+        re-attach."""
         return self._state.have
+
+    @property
+    def tokens_received_by_choice(self):
+        """Completion tokens this client has of each choice: what a re-attach
+        sends as resume_from (the first) and resume_from_choice."""
+        return list(self._state.haves)
 
     @property
     def finish_reason(self):
@@ -322,20 +412,14 @@ class Generation:
                 raise
             if chunk is None:
                 continue
-            if chunk.finish_reason:
+            if self._state.finished:
                 self.close()
             return chunk
 
     def collect(self):
-        """Reads the rest of the stream; returns a Completion."""
-        text, ids, lps, last = [], [], [], None
-        for ch in self:
-            text.append(ch.text)
-            ids.extend(ch.token_ids)
-            lps.extend(ch.logprobs)
-            last = ch
-        last = last or self._state.finished
-        return Completion(self.request_id, "".join(text), ids, lps, last.finish_reason, last.usage, self.accepted, last)
+        """Reads the rest of the stream; returns a Completion (with every
+        choice in choices)."""
+        return completion_of(self, list(self))
 
     def cancel(self):
         return self._client.cancel(self.request_id)

@@ -2,8 +2,11 @@
 stories260K (tests/clients/test_cluster_python_client.c starts one and runs this):
 greedy streams equal llm-run's output token for token, sync and asyncio;
 logprobs; non-streamed requests; cancel; re-attach by request id (with the
-seed of GenerateAccepted); errors; health, status and models; CURVE keys
-from files and the environment, refused keys and bad key files.
+seed of GenerateAccepted); n > 1 (each choice equal to the request of n = 1
+with its seed, re-attach per choice); JSON Schema, json_object and GBNF
+constraints (every output that ends with "stop" parsed and checked) and
+their errors; health, status and models; CURVE keys from files and the
+environment, refused keys and bad key files.
 
 Environment: LLM_ROUTER (the router's client endpoint), LLM_TEST_MODEL (the
 GGUF file it serves), LLM_RUN (the llm-run program), LLMCLUSTER_PROTO_DIR
@@ -241,6 +244,127 @@ class SyncTest(unittest.TestCase):
         self.assertEqual(comp.token_ids, ids)
 
 
+    # ---- n > 1 (docs/protocol.md, "Several choices") ----------------------
+
+    def test_n_choices_equal_separate_requests(self):
+        p = PROMPTS[0]
+        gen = self.c.generate(p, n=3, max_tokens=20, temperature=1.0, seed=77, ignore_eos=True)
+        chunks = list(gen)
+        self.assertEqual(gen.accepted.seed, 77)
+        self.assertEqual(gen.finish_reason, "length")
+        ends = [ch for ch in chunks if ch.finish_reason]
+        self.assertEqual(sorted(ch.choice for ch in ends), [0, 1, 2])
+        ids, text, nxt = [[], [], []], ["", "", ""], [0, 0, 0]
+        for ch in chunks:
+            if ch.finish_reason:
+                self.assertEqual(ch.usage.completion_tokens, 20)
+                continue
+            self.assertEqual(ch.index, nxt[ch.choice], "chunks of one choice in order")
+            nxt[ch.choice] += len(ch.token_ids)
+            ids[ch.choice] += ch.token_ids
+            text[ch.choice] += ch.text
+        self.assertEqual(gen.tokens_received_by_choice, [20, 20, 20])
+        # each choice is the request of n = 1 with its seed
+        for i in range(3):
+            one = self.c.generate(p, max_tokens=20, temperature=1.0, seed=llmcluster.choice_seed(77, i),
+                                  ignore_eos=True).collect()
+            self.assertEqual((one.token_ids, one.text), (ids[i], text[i]), f"choice {i}")
+        self.assertEqual(llmcluster.choice_seed(77, 0), 77)
+        self.assertTrue(text[1] != text[0] or text[2] != text[0], "three sampled choices, one text")
+        # collect(): every choice, greedy ones all equal to llm-run
+        comp = self.c.generate(p, n=2, max_tokens=20, temperature=0).collect()
+        ref_ids, ref_text = reference(p, 20)
+        self.assertEqual([c.index for c in comp.choices], [0, 1])
+        for c in comp.choices:
+            self.assertEqual((c.token_ids, c.text), (ref_ids, ref_text))
+            self.assertIn(c.finish_reason, ("length", "stop"))
+        self.assertEqual((comp.text, comp.token_ids), (ref_text, ref_ids))
+        with self.assertRaises(LlmError) as e:
+            self.c.generate(p, n=17, max_tokens=4).start()
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("n = 17", e.exception.message)
+
+    def test_n_choices_reattach(self):
+        kw = dict(n=2, max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
+        full = self.c.generate(PROMPTS[1], **kw).collect()
+        rid = "py-n-" + uuid.uuid4().hex
+        g1 = self.c.generate(PROMPTS[1], request_id=rid, **kw)
+        got = [[], []]
+        for _ in range(3):
+            ch = next(g1)
+            got[ch.choice] += ch.token_ids
+        g1.close()
+        have = g1.tokens_received_by_choice
+        self.assertEqual(have, [len(got[0]), len(got[1])])
+        with Client(ROUTER, timeout=20) as c2:
+            g2 = c2.generate(PROMPTS[1], request_id=rid, resume_from=have[0], resume_from_choice=have, **kw)
+            comp = g2.collect()
+        self.assertTrue(g2.accepted.reattached)
+        for i in range(2):
+            self.assertEqual(got[i] + comp.choices[i].token_ids, full.choices[i].token_ids, f"choice {i}")
+
+    # ---- constraints (docs/grammar.md) -------------------------------------
+
+    SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["name", "age", "ok"], "additionalProperties": False}
+
+    def check_schema_output(self, text):
+        v = json.loads(text)
+        self.assertIsInstance(v, dict, text)
+        self.assertEqual(sorted(v), ["age", "name", "ok"], text)
+        self.assertIsInstance(v["name"], str)
+        self.assertLessEqual(len(v["name"]), 8, text)
+        self.assertTrue(isinstance(v["age"], int) and not isinstance(v["age"], bool), text)
+        self.assertIsInstance(v["ok"], bool, text)
+
+    def test_json_schema_and_json_object(self):
+        stops = 0
+        outs = []
+        for i, p in enumerate(PROMPTS):
+            # the schema as a dict, and as its JSON text
+            schema = self.SCHEMA if i % 2 == 0 else json.dumps(self.SCHEMA)
+            comp = self.c.generate(p, max_tokens=200, temperature=1.0, seed=100 + i, json_schema=schema).collect()
+            outs.append(comp.choices[0])
+        # n = 2: every choice constrained
+        comp = self.c.generate(PROMPTS[0], n=2, max_tokens=200, temperature=1.0, seed=7,
+                               json_schema=self.SCHEMA).collect()
+        outs += comp.choices
+        for c in outs:
+            if c.finish_reason == "stop":
+                self.check_schema_output(c.text)
+                stops += 1
+            else:
+                self.assertEqual(c.finish_reason, "length", c)
+        self.assertGreater(stops, 0, [c.text for c in outs])
+        comp = self.c.generate(PROMPTS[2], max_tokens=200, temperature=0.7, seed=3, json_object=True).collect()
+        if comp.finish_reason == "stop":
+            self.assertIsInstance(json.loads(comp.text), dict, comp.text)
+        else:
+            self.assertEqual(comp.finish_reason, "length")
+            self.assertTrue(comp.text.lstrip().startswith("{"), comp.text)
+
+    def test_grammar(self):
+        grammar = 'root ::= greet " " name "!"\ngreet ::= "hello" | "hi"\nname ::= [A-Z] [a-z]{1,6}\n'
+        stops = 0
+        for i, p in enumerate(PROMPTS):
+            comp = self.c.generate(p, max_tokens=40, temperature=1.0, seed=11 + i, grammar=grammar).collect()
+            if comp.finish_reason == "stop":
+                self.assertRegex(comp.text, r"^(hello|hi) [A-Z][a-z]{1,6}!$")
+                stops += 1
+        self.assertGreater(stops, 0)
+        # errors name the place: the line and column of a grammar, the
+        # keyword of a schema
+        with self.assertRaises(LlmError) as e:
+            self.c.generate(PROMPTS[0], max_tokens=5, grammar='root ::= "a" missing\n').start()
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("line 1, column", e.exception.message)
+        self.assertIn("missing", e.exception.message)
+        with self.assertRaises(LlmError) as e:
+            self.c.generate(PROMPTS[0], max_tokens=5, json_schema={"type": "string", "pattern": "a+"}).start()
+        self.assertIn("pattern", e.exception.message)
+
+
 class AsyncTest(unittest.TestCase):
     def test_async(self):
         asyncio.run(self.run_async())
@@ -294,6 +418,11 @@ class AsyncTest(unittest.TestCase):
             comp = await g2.collect()
             self.assertTrue(g2.accepted.reattached)
             self.assertEqual(comp.token_ids, reference(PROMPTS[1], 30)[0])
+
+            # n = 2 greedy: both choices equal llm-run, each with its end
+            comp = await c.generate(PROMPTS[2], n=2, max_tokens=20, temperature=0).collect()
+            self.assertEqual([ch.token_ids for ch in comp.choices], [reference(PROMPTS[2], 20)[0]] * 2)
+            self.assertEqual([ch.last.choice for ch in comp.choices], [0, 1])
 
 
 class KeysTest(unittest.TestCase):
