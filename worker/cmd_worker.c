@@ -57,13 +57,16 @@ int main(int argc, char **argv) {
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
     int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_dtype = 0, link_timeout = 0,
         kv_type = 0;
-    double mem_fraction = 0;
+    double mem_fraction = 0, draft_min_prob = 0;
     bool require_gpu = false;
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or Hugging Face directory", &model, 0, 0, NULL},
         {"draft-model", "LLM_DRAFT_MODEL", OPTION_STRING, NULL,
          "draft model for speculative decoding (same tokenizer as --model; loaded when this worker is "
          "its pipeline's last stage, checked at start)", &draft_model, 0, 0, NULL},
+        {"draft-min-prob", "LLM_DRAFT_MIN_PROB", OPTION_FLOAT, "0", "the draft's guesses for a sequence stop "
+         "before the first it gives less than this probability (0: always the k asked for); the output is "
+         "the same either way", &draft_min_prob, 0, 1, NULL},
         {"pipeline", "LLM_PIPELINE", OPTION_INT, "0", "pipeline id this worker belongs to", &pipeline, 0, 1 << 30, NULL},
         {"stage", "LLM_STAGE", OPTION_INT, "0", "stage index in the pipeline (0 = embeds the tokens)", &stage, 0, 4096, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1", "stages in the pipeline; layers split by equal bytes", &stages, 1, 4096, NULL},
@@ -142,6 +145,7 @@ int main(int argc, char **argv) {
     cfg.insecure = insecure;
     cfg.model_path = model;
     cfg.draft_model = draft_model;
+    cfg.draft_min_prob = (float)draft_min_prob;
     cfg.worker_id = worker_id;
     cfg.require_gpu = require_gpu;
     cfg.router = router;

@@ -8,6 +8,7 @@
 #include "common/status.h"
 #include "common/tokenizer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,8 @@ struct draft {
     /* Pass scratch, [n_seqs_max]. */
     struct forward_seq *fseqs;
     struct backend_sample_row *rows;
+    struct sampling_params *params; /* [n_seqs_max]: a request's own, with logprobs (min_prob) */
+    float min_logprob;              /* log(cfg.min_prob); -inf: off */
     int32_t *row_req, *fseq_req, *chunk; /* request of each row / batch entry; its tokens this pass */
 };
 
@@ -61,6 +64,7 @@ void draft_free(draft *d) {
     model_file_close(d->m);
     free(d->fseqs);
     free(d->rows);
+    free(d->params);
     free(d->row_req);
     free(d->fseq_req);
     free(d->chunk);
@@ -104,10 +108,12 @@ int draft_open(draft **out, const char *path, const model_file *target, backend 
     size_t n = (size_t)cfg->n_seqs_max;
     d->fseqs = calloc(n, sizeof *d->fseqs);
     d->rows = calloc(n, sizeof *d->rows);
+    d->params = calloc(n, sizeof *d->params);
+    d->min_logprob = cfg->min_prob > 0 ? logf(cfg->min_prob) : -INFINITY;
     d->row_req = calloc(n, sizeof *d->row_req);
     d->fseq_req = calloc(n, sizeof *d->fseq_req);
     d->chunk = calloc(n, sizeof *d->chunk);
-    if (!d->fseqs || !d->rows || !d->row_req || !d->fseq_req || !d->chunk) {
+    if (!d->fseqs || !d->rows || !d->params || !d->row_req || !d->fseq_req || !d->chunk) {
         snprintf(err, errlen, "draft %s: out of memory", path);
         rc = STATUS_NO_MEMORY;
         goto fail;
@@ -202,6 +208,13 @@ int draft_propose(draft *d, struct draft_req *reqs, int32_t n_reqs, char *err, s
                 struct backend_sample_row *row = &d->rows[nr];
                 memset(row, 0, sizeof *row);
                 row->params = r->params;
+                if (d->min_logprob > -INFINITY && i < d->cfg.n_seqs_max) {
+                    /* The guess's probability, to stop at an unlikely one;
+                     * logprobs change nothing that is drawn. */
+                    d->params[i] = *r->params;
+                    d->params[i].logprobs = 1;
+                    row->params = &d->params[i];
+                }
                 row->history = ds->tok;
                 row->n_history = ds->n_tok;
                 row->pos = ds->n_tok; /* the target's draw at this position */
@@ -231,7 +244,8 @@ int draft_propose(draft *d, struct draft_req *reqs, int32_t n_reqs, char *err, s
             struct draft_req *r = &reqs[d->row_req[j]];
             struct draft_seq *ds = r->ds;
             const struct backend_sample_row *row = &d->rows[j];
-            if (row->status < 0 || row->result.token < 0 || row->result.token >= d->n_vocab) {
+            if (row->status < 0 || row->result.token < 0 || row->result.token >= d->n_vocab ||
+                (row->params != r->params && row->result.logprob < d->min_logprob)) {
                 r->k = r->n_out; /* no more guesses for it */
             } else {
                 r->out[r->n_out++] = row->result.token;

@@ -32,6 +32,12 @@ struct draft_config {
     int32_t block_size;   /* KV positions per block */
     int32_t n_blocks;     /* KV blocks of the draft's own pool */
     int32_t kv_type;      /* as stage_config.kv_type */
+    /* > 0: a sequence's guesses stop before the first the draft gives less
+     * than this probability (its softmax after penalties, before
+     * temperature): an unlikely guess is rarely accepted, and each costs a
+     * draft pass and a verified position (docs/router.md, "Speculation").
+     * 0: always k guesses. */
+    float min_prob;
 };
 
 /* The draft's state of one sequence (the caller's, one per sequence). */
@@ -75,7 +81,7 @@ struct draft_req {
 };
 /* Runs the draft passes for all reqs together: first what each sequence's
  * cache lacks (its new tokens, in chunks within n_tokens_max), then one
- * token a pass until each has its k guesses.  A sequence that cannot be
+ * token a pass until each has its k guesses (fewer under cfg.min_prob).  A sequence that cannot be
  * drafted (no KV blocks left, the context's end) gets n_out 0 and the others
  * go on.  Returns 0, or a negative status when a pass fails (err says why;
  * every n_out is then 0). */

@@ -80,6 +80,7 @@ struct node {
      * otherwise.  dreqs [n_seqs_max] and res_draft [n_seqs_max *
      * NODE_DRAFT_MAX] are its requests and the drafts answered. */
     char *s_draft;
+    float draft_min_prob;
     draft *dm;
     struct draft_req *dreqs;
     int32_t *res_draft;

@@ -303,6 +303,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
         /* Checked here whatever the stage (it loads only with the last), so
          * that a draft that does not fit the target stops the start. */
         n->s_draft = strdup(cfg->draft_model);
+        n->draft_min_prob = cfg->draft_min_prob;
         model_file *dm = NULL;
         rc = n->s_draft ? model_file_open(&dm, n->s_draft, err, errlen) : STATUS_NO_MEMORY;
         if (rc == STATUS_OK) rc = draft_vocab_check(dm, n->m, err, errlen);

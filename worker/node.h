@@ -43,6 +43,7 @@ struct node_config {
      * beside the stage when the stage is the pipeline's last, to propose
      * the drafts of speculative decoding (worker/draft.h). */
     const char *draft_model;
+    float draft_min_prob;       /* draft_config.min_prob (0: always k guesses) */
     const char *worker_id;      /* NULL or "": "<host>-<pid>" */
     struct device_spec device;  /* device_parse of --device; zeroed: auto */
     int require_gpu;            /* no GPU is fatal instead of a fallback to the CPU */

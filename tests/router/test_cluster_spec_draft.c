@@ -62,14 +62,25 @@ static const char *draft_args(void) {
     return worker_extra;
 }
 
+/* The draft's guesses stopped at its first under min_prob (llm-worker
+ * --draft-min-prob; 0: the default, always k). */
+static const char *draft_args_min_prob(float min_prob) {
+    draft_args();
+    if (min_prob > 0) {
+        size_t n = strlen(worker_extra);
+        snprintf(worker_extra + n, sizeof worker_extra - n, " --draft-min-prob %g", min_prob);
+    }
+    return worker_extra;
+}
+
 /* Greedy with the draft model's drafts equals llm-run; seeded sampled
  * requests equal themselves with speculation off. */
-static void draft_exact(int stages, int max_tokens) {
+static void draft_exact(int stages, int max_tokens, float min_prob) {
     static char model[512]; /* test_model_path's buffer is reused by draft_args */
     snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
     struct cluster *cl = h_cluster_start(model, 1, stages,
                                          "--spec draft --spec-tokens 4 --metrics-listen 127.0.0.1:0",
-                                         draft_args());
+                                         draft_args_min_prob(min_prob));
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
     enum { NP = 3, NS = 4 };
@@ -109,8 +120,8 @@ static void draft_exact(int stages, int max_tokens) {
     sg_run_all(on, NP * NS);
     for (int i = 0; i < NP * NS; i++) sg_same(cl, &off[i], &on[i]);
     struct spec_counts c = spec_metrics(cl, port);
-    printf("  pycode 1x%d greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
-           stages, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
+    printf("  pycode 1x%d, --draft-min-prob %g, greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
+           stages, min_prob, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
            NP * max_tokens);
     printf("  pycode 1x%d sampled: %g model drafts, %g accepted\n", stages,
            c.model_drafts - before_on.model_drafts, c.model_accepted - before_on.model_accepted);
@@ -127,8 +138,10 @@ static void draft_exact(int stages, int max_tokens) {
     h_cluster_stop(cl);
 }
 
-TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64); }
-TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48); }
+TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64, 0); }
+TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48, 0); }
+/* Fewer, likelier guesses: the same outputs. */
+TEST(cluster_spec_draft_min_prob_1x1) { draft_exact(1, 48, 0.5f); }
 
 /* The last stage of pipeline 0 dies while requests speculated by the draft
  * model stream: they resume on pipeline 1 and end with the text of a run
@@ -199,5 +212,5 @@ TEST(cluster_spec_draft_vocab_refused) {
     ASSERT_TRUE(strstr(out, want) != NULL);
 }
 
-TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_worker_killed,
+TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_min_prob_1x1, cluster_spec_draft_worker_killed,
           cluster_spec_draft_vocab_refused)
