@@ -7,7 +7,10 @@
  * of the evaluation text is fed whole).  Against the F32 link it reports,
  * per type: the share of positions whose top-1 token is the same, the
  * perplexity of the text and its change, and the bytes per token the link
- * put on the wire (headers included). */
+ * put on the wire (headers included).  --control adds a row: F32 links with
+ * every received element nudged by a relative 2^-20 (far below F16's
+ * rounding), which shows how much disagreement the stages' own arithmetic
+ * makes of any change of stage 1's input. */
 #include "common/device.h"
 #include "common/gguf.h"
 #include "common/kvblocks.h"
@@ -24,6 +27,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +108,7 @@ struct ld_pipe {
     float *hidden, *recv; /* [window, dim] */
     int32_t dim;
     uint64_t step;
+    int nudge; /* the control: scale every received element by 1 + 2^-20 */
 };
 
 static int ld_run(struct ld_pipe *p, const int32_t *ids, int32_t n, float *logits, char *err, size_t errlen) {
@@ -130,6 +135,8 @@ static int ld_run(struct ld_pipe *p, const int32_t *ids, int32_t n, float *logit
                  link_errstr(rc == 0 ? p->rx : p->tx));
         goto done;
     }
+    if (p->nudge)
+        for (size_t i = 0; i < (size_t)n * (size_t)p->dim; i++) p->recv[i] *= 1.0f + 0x1p-20f;
     struct forward_seq q1 = {ids, n, 0, t1.ids, t1.n_ids, FORWARD_LOGITS_ALL};
     struct forward_batch b1 = {&q1, 1, NULL, 0, p->recv, 0};
     struct forward_out o1 = {logits, 0, NULL, NULL};
@@ -157,6 +164,7 @@ static double ld_nll(const float *x, int32_t n, int32_t id) {
 int main(int argc, char **argv) {
     const char *model = NULL, *texts = "", *ref_json = "", *types = "f32,f16,bf16,int8";
     int window = 0, max_tokens = 0, threads = 0;
+    bool control = false;
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF model", &model, 0, 0, NULL},
         {"text", NULL, OPTION_STRING, "", "comma-separated text files to evaluate on (tokenized with BOS)", &texts,
@@ -170,6 +178,9 @@ int main(int argc, char **argv) {
          NULL},
         {"types", NULL, OPTION_STRING, "f32,f16,bf16,int8", "link element types, f32 first", &types, 0, 0, NULL},
         {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU threads (0: one per core)", &threads, 0, 1024, NULL},
+        {"control", NULL, OPTION_BOOL, "false",
+         "also F32 links with each received element scaled by 1 + 2^-20: the disagreement any input change makes",
+         &control, 0, 0, NULL},
     };
     struct options o = {"bench_link_dtype", "--model M (--text FILES | --ref-json FILE) [options]",
                         "Teacher-forced top-1 agreement with F32 links, perplexity and link bytes per token for "
@@ -183,7 +194,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     log_set_level(LL_WARN);
-    enum link_dtype dts[LINK_DTYPE_N];
+    enum link_dtype dts[LINK_DTYPE_N + 1];
     int n_dts = 0;
     {
         char buf[128];
@@ -323,7 +334,9 @@ int main(int argc, char **argv) {
     printf("| `--link-dtype` | top-1 equal to F32 links | perplexity | change | link bytes per token |\n");
     printf("|---|---|---|---|---|\n");
     double ppl_f32 = 0;
+    if (control) dts[n_dts++] = LINK_DTYPE_F32; /* the last row, nudged */
     for (int d = 0; d < n_dts; d++) {
+        p.nudge = control && d == n_dts - 1;
         if (link_set_dtype(p.tx, dts[d], (size_t)hp->dim) < 0) {
             fprintf(stderr, "bench_link_dtype: link_set_dtype %s: %s\n", link_dtype_names[dts[d]], link_errstr(p.tx));
             return 1;
@@ -353,7 +366,8 @@ int main(int argc, char **argv) {
         double ppl = exp(nll / (double)predicted);
         if (d == 0) ppl_f32 = ppl;
         double per_token = (double)(link_wire_bytes_sent(p.tx) - bytes0) / (double)total;
-        printf("| %s | %lld / %lld (%.2f%%) | %.4f | %+.3f%% | %.1f |\n", link_dtype_names[dts[d]], (long long)same,
+        printf("| %s%s | %lld / %lld (%.2f%%) | %.4f | %+.3f%% | %.1f |\n", link_dtype_names[dts[d]],
+               p.nudge ? " x (1 + 2^-20)" : "", (long long)same,
                (long long)positions, 100.0 * (double)same / (double)positions, ppl, 100.0 * (ppl / ppl_f32 - 1.0),
                per_token);
         fflush(stdout);
