@@ -11,6 +11,8 @@
  *   bench_gpu --shapes llama2-7b --types q4_k_m --kv-type f16,q8_0 --batches 1,64 --ctx 2048
  *             (and the capacity line: sequences of --capacity-ctx in --capacity-budget, F16 vs Q8_0 KV)
  *   bench_gpu --device cpu --shapes tiny     (a quick run without a GPU)
+ *   bench_gpu --device cpu --model pycode-target-f16.gguf --batches 1 --verify 4
+ *             (a model file instead of synthetic shapes: no targets)
  *   bench_gpu --shapes llama2-7b --types q4_k_m --batches 1 --verify 4
  *             (speculation's verification cost: one sequence's step of 4 + 1
  *             tokens against a one-token step at the same context) */
@@ -67,6 +69,7 @@ static double bench_median(double *v, int n) {
 
 struct bench_opts {
     const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out, *kv_types;
+    const char *model; /* --model: a GGUF file instead of synthetic shapes */
     int logits; /* --out logits: each step downloads the logits instead of sampling */
     int ctx, prompt, steps, warmup, prefill_reps, threads;
     int verify; /* --verify K: time a step of K + 1 tokens of one sequence (0: not) */
@@ -431,6 +434,11 @@ static const char *bench_kv_name(enum dtype kv) {
  * bandwidth (F16, Q8_0) or >= 70% (Q4_K_M); batch-64 decode >= 70% counting
  * KV bytes; prefill >= 50% of the cuBLAS F16 rate.  The batch-64 and
  * prefill targets are applied to every shape. */
+/* A synthetic mix's name, or "file" for --model (SYNTH_TYPE_COUNT). */
+static const char *bench_type_name(enum synth_type t) {
+    return (int)t >= 0 && (int)t < SYNTH_TYPE_COUNT ? synth_type_names[t] : "file";
+}
+
 static double bench_target(const char *shape, enum synth_type type, int prefill, int32_t batch) {
     if (prefill) return 0.50;
     if (batch == 64) return 0.70;
@@ -446,7 +454,7 @@ static struct bench_row *bench_row_add(const char *shape, enum synth_type type, 
     struct bench_row *r = &bench_rows[bench_n_rows++];
     memset(r, 0, sizeof *r);
     snprintf(r->shape, sizeof r->shape, "%s", shape);
-    snprintf(r->type, sizeof r->type, "%s", synth_type_names[type]);
+    snprintf(r->type, sizeof r->type, "%s", bench_type_name(type));
     snprintf(r->phase, sizeof r->phase, "%s", phase);
     snprintf(r->setting, sizeof r->setting, "%s", bench_setting);
     snprintf(r->kv, sizeof r->kv, "-");
@@ -511,7 +519,7 @@ static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, stru
     struct bench_verify *v = &bench_verifies[bench_n_verifies++];
     memset(v, 0, sizeof *v);
     snprintf(v->shape, sizeof v->shape, "%s", shape);
-    snprintf(v->type, sizeof v->type, "%s", synth_type_names[type]);
+    snprintf(v->type, sizeof v->type, "%s", bench_type_name(type));
     snprintf(v->kv, sizeof v->kv, "%s", bench_kv_name(kv));
     snprintf(v->setting, sizeof v->setting, "%s", bench_setting);
     v->ctx = o->ctx;
@@ -519,7 +527,7 @@ static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, stru
     v->ms_one = bench_median(times, o->steps) * 1e3;
     v->ms_k1 = bench_median(t_many, o->steps) * 1e3;
     fprintf(stderr, "bench_gpu: %s %s verify at context %d: 1 token %.3f ms, %d tokens %.3f ms: %.2fx\n", shape,
-            synth_type_names[type], o->ctx, v->ms_one, k1, v->ms_k1, v->ms_k1 / v->ms_one);
+            bench_type_name(type), o->ctx, v->ms_one, k1, v->ms_k1, v->ms_k1 / v->ms_one);
     return STATUS_OK;
 }
 
@@ -560,18 +568,18 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
     const struct stage_config *sc = stage_config_get(s);
     kvcache *kc = stage_kvcache(s);
     fprintf(stderr, "bench_gpu: %s %s: loaded in %.1f s: weights %.2f GB read per token, KV pool %.2f GB "
-            "(%d blocks of %d, %s)\n", shape, synth_type_names[type], bench_now() - t0,
+            "(%d blocks of %d, %s)\n", shape, bench_type_name(type), bench_now() - t0,
             (double)stage_weight_bytes(s) / 1e9, (double)kvcache_bytes(kc) / 1e9, sc->n_blocks, sc->block_size,
             bench_kv_name(kv));
     if (o->cap_budget > 0) {
         struct bench_cap *cap = NULL;
         for (int i = 0; i < bench_n_caps && !cap; i++)
-            if (strcmp(bench_caps[i].shape, shape) == 0 && strcmp(bench_caps[i].type, synth_type_names[type]) == 0)
+            if (strcmp(bench_caps[i].shape, shape) == 0 && strcmp(bench_caps[i].type, bench_type_name(type)) == 0)
                 cap = &bench_caps[i];
         if (!cap && bench_n_caps < BENCH_LIST_MAX * BENCH_LIST_MAX) {
             cap = &bench_caps[bench_n_caps++];
             snprintf(cap->shape, sizeof cap->shape, "%s", shape);
-            snprintf(cap->type, sizeof cap->type, "%s", synth_type_names[type]);
+            snprintf(cap->type, sizeof cap->type, "%s", bench_type_name(type));
             struct stat st;
             cap->weight_bytes = stat(path, &st) == 0 ? (double)st.st_size : 0;
             static const enum dtype kvs[2] = {DTYPE_F16, DTYPE_Q8_0};
@@ -695,7 +703,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         r->frac = r->achieved / c->bw;
         r->target = bench_target(shape, type, 0, nb);
         fprintf(stderr, "bench_gpu: %s %s decode batch %d, %s KV: %.2f ms/step, %.1f tokens/s, %.1f%% of "
-                "bandwidth\n", shape, synth_type_names[type], nb, bench_kv_name(kv), r->ms_step, r->tok_s,
+                "bandwidth\n", shape, bench_type_name(type), nb, bench_kv_name(kv), r->ms_step, r->tok_s,
                 100.0 * r->frac);
     }
     if (rc == STATUS_OK && o->verify > 0 && !bench_stop)
@@ -835,6 +843,8 @@ int main(int argc, char **argv) {
         {"device", "LLM_BENCH_DEVICE", OPTION_STRING, "cuda:0", "cpu, cuda or cuda:N", &o.device, 0, 0, NULL},
         {"shapes", NULL, OPTION_STRING, "tinyllama-1.1b,llama2-7b", "comma-separated synth shape presets", &o.shapes,
          0, 0, NULL},
+        {"model", NULL, OPTION_STRING, NULL, "a GGUF model file to measure instead of --shapes and --types (no "
+         "targets apply)", &o.model, 0, 0, NULL},
         {"types", NULL, OPTION_STRING, "f16,q8_0,q4_k_m", "comma-separated synth weight mixes", &o.types, 0, 0, NULL},
         {"batches", NULL, OPTION_STRING, "1,8,32,64", "comma-separated decode batch sizes", &o.batches, 0, 0, NULL},
         {"kv-type", NULL, OPTION_STRING, "f16", "comma-separated KV cache types to measure each model with (f16, "
@@ -965,6 +975,16 @@ int main(int argc, char **argv) {
         return 1;
     }
     int failed = 0;
+    if (o.model) {
+        const char *base = strrchr(o.model, '/') ? strrchr(o.model, '/') + 1 : o.model;
+        for (int ki = 0; ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
+            rc = bench_model(b, o.model, base, SYNTH_TYPE_COUNT, o.kv_v[ki], &o, &c, err, sizeof err);
+        if (rc != STATUS_OK) {
+            fprintf(stderr, "bench_gpu: --model %s: %s\n", o.model, err);
+            failed = 1;
+        }
+        o.n_shapes = 0; /* no synthetic models */
+    }
     for (int si = 0; si < o.n_shapes && !bench_stop; si++)
         for (int ti = 0; ti < o.n_types && !bench_stop; ti++) {
             struct synth_config sc;

@@ -12,8 +12,14 @@
 # first chunk to the last (llm generate --json's timing), which leaves out
 # the prefill.  Speculating modes add the router's llm_spec_* deltas: drafts,
 # accepted, verifying steps and tokens per verifying step (1 + accepted /
-# steps).  Every mode's token ids must equal off's, else the run fails.  The
-# prefix cache is off, so that every mode pays the same prefill.
+# steps), and the worker's own view (llm_step_time_seconds): the steps it
+# ran (wstep) and its mean time per step (ms/wstep: the forward pass,
+# sampling and, in draft mode, the draft's passes); decode_s - wstep *
+# ms/wstep is about what the router, Redis, the client and the links add.
+# Every mode's token ids must equal off's, else the run fails.  A one-token
+# request puts each prompt in the router's prefix cache first, so that every
+# mode starts from the same cached prompt (and the worker's steps of a run
+# are its decode, but the first, which computes the prompt's last block).
 #
 #   scripts/bench-spec.sh [BUILD_DIR] [MODEL] [FILES...]
 #   BUILD_DIR: default build.  MODEL: a GGUF file (default the pycode target,
@@ -24,7 +30,8 @@
 #   set; off always runs first), DRAFT (a draft GGUF; default the pycode draft
 #   when MODEL is a pycode file), DEVICE (cpu; auto: a GPU per worker where
 #   there are GPUs), THREADS (1), SPEC_TOKENS (4), MAX_TOKENS (128),
-#   LINES_PER_PROMPT (40), TIMEOUT_S (600: one request's bound), RESULTS (also
+#   LINES_PER_PROMPT (40), TIMEOUT_S (600: one request's bound), WORKER_ARGS
+#   (more llm-worker arguments, e.g. --draft-min-prob 0.5), RESULTS (also
 #   write one line per run, key=value, to this file), KEEP (1: keep the run
 #   folder: outputs, logs, the synthetic model).
 # Needs bash, awk and the build's llm-cluster, llm and llm-synth (MODEL synth:);
@@ -51,7 +58,7 @@ if [ -z "${DRAFT+x}" ]; then
     case $MODEL in *pycode-target*) DRAFT=$(dirname "$MODEL")/pycode-draft-f16.gguf ;; esac
 fi
 MODES=${MODES:-off ngram ${DRAFT:+draft} prediction}
-MODES="off $(echo "$MODES" | tr ' ' '\n' | grep -v '^off$' | tr '\n' ' ')"
+MODES="off $(echo "$MODES" | tr ' ' '\n' | awk '$0 != "off" && $0 != ""' | tr '\n' ' ')"
 for m in $MODES; do
     case $m in
     off | ngram | prediction) ;;
@@ -73,29 +80,32 @@ if [ "${MODEL#synth:}" != "$MODEL" ]; then
     MODEL=$RUN/synth.gguf
 fi
 [ -r "$MODEL" ] || { echo "bench-spec: model $MODEL: not readable" >&2; exit 2; }
-wargs=""
-case " $MODES " in *" draft "*) wargs="--draft-model $DRAFT" ;; esac
+wargs=${WORKER_ARGS:-}
+case " $MODES " in *" draft "*) wargs="--draft-model $DRAFT $wargs" ;; esac
 "$BUILD/router/llm-cluster" up --model "$MODEL" --pipelines 1 --stages 1 --device "$DEVICE" \
     --threads "${THREADS:-1}" --port 0 --run-dir "$RUN" --insecure ${wargs:+--worker-args "$wargs"} \
-    --router-args "--spec off --spec-tokens $K --no-prefix-cache --metrics-listen 127.0.0.1:0" >/dev/null
+    --router-args "--spec off --spec-tokens $K --metrics-listen 127.0.0.1:0" >/dev/null
 . "$RUN/env.sh"
 port=$(grep -o 'metrics on http://[^ ]* (port [0-9]*' "$RUN"/router*.log | grep -o '[0-9]*$' | head -1)
-[ -n "$port" ] || { echo "bench-spec: the router logged no metrics port" >&2; exit 1; }
-# A router counter, through bash's /dev/tcp (no curl needed).
+wport=$(grep -o 'metrics on http://[^ ]* (port [0-9]*' "$RUN"/worker*.log | grep -o '[0-9]*$' | head -1)
+[ -n "$port" ] && [ -n "$wport" ] || { echo "bench-spec: the router or the worker logged no metrics port" >&2; exit 1; }
+# A series of the router's (or, with a second argument, the worker's)
+# /metrics, summed over its labels, through bash's /dev/tcp (no curl).
 metric() {
     local body
-    exec 3<>"/dev/tcp/127.0.0.1/$port"
+    exec 3<>"/dev/tcp/127.0.0.1/${2:-$port}"
     printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
     body=$(cat <&3)
     exec 3<&-
-    echo "$body" | awk -v m="$1" '$1 == m {v = $2} END {print (v == "" ? 0 : v)}'
+    echo "$body" | awk -v m="$1" '$1 == m || index($1, m "{") == 1 {v += $2} END {print v + 0}'
 }
 # A number of llm --json's last line: jnum FILE KEY.
 jnum() { tail -n 1 "$1" | grep -o "\"$2\":[-0-9.eE+]*" | head -1 | cut -d: -f2; }
 jids() { tail -n 1 "$1" | grep -o '"ids":\[[^]]*\]' | head -1; }
 echo "bench-spec: $(basename "$MODEL") on $DEVICE, 1x1, greedy, $MAXT tokens a request, k = $K, modes: $MODES"
 [ -n "$DRAFT" ] && case " $MODES " in *" draft "*) echo "bench-spec: draft $(basename "$DRAFT")" ;; esac
-printf '%-20s %-10s %6s %8s %9s %10s %7s %7s %6s %9s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps "tok/step"
+printf '%-20s %-10s %6s %8s %9s %10s %7s %7s %6s %9s %5s %8s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps \
+    "tok/step" wstep "ms/wstep"
 declare -A S_n S_t S_dn S_dt S_d S_a S_v
 for m in $MODES; do S_n[$m]=0; S_t[$m]=0; S_dn[$m]=0; S_dt[$m]=0; S_d[$m]=0; S_a[$m]=0; S_v[$m]=0; done
 fail=0
@@ -103,6 +113,11 @@ i=0
 for f in "${FILES[@]}"; do
     i=$((i + 1))
     head -n "$LINES" "$f" >"$RUN/prompt-$i"
+    # The prompt's prefill once, into the router's prefix cache: every mode
+    # then starts from the same cached prompt (its last block and first
+    # token computed again), so the worker's steps of a run are its decode.
+    timeout "$TMO" "$BUILD/clients/c/llm" generate --prompt "$(cat "$RUN/prompt-$i")" --max-tokens 1 --spec off \
+        >/dev/null 2>"$RUN/err-$i-prefill" || { echo "bench-spec: $f: prefill failed:" >&2; cat "$RUN/err-$i-prefill" >&2; exit 1; }
     for m in $MODES; do
         spec=$m
         extra=()
@@ -112,6 +127,7 @@ for f in "${FILES[@]}"; do
         fi
         d0=$(metric llm_spec_draft_tokens_total); a0=$(metric llm_spec_accepted_tokens_total)
         v0=$(metric llm_spec_verifications_total)
+        ws0=$(metric llm_step_time_seconds_sum "$wport"); wn0=$(metric llm_step_time_seconds_count "$wport")
         t0=$(date +%s.%N)
         if ! timeout "$TMO" "$BUILD/clients/c/llm" generate --prompt "$(cat "$RUN/prompt-$i")" --max-tokens "$MAXT" \
             --no-stop-at-eos --spec "$spec" --json "${extra[@]}" >"$RUN/out-$i-$m" 2>"$RUN/err-$i-$m"; then
@@ -122,6 +138,7 @@ for f in "${FILES[@]}"; do
         t1=$(date +%s.%N)
         d1=$(metric llm_spec_draft_tokens_total); a1=$(metric llm_spec_accepted_tokens_total)
         v1=$(metric llm_spec_verifications_total)
+        ws1=$(metric llm_step_time_seconds_sum "$wport"); wn1=$(metric llm_step_time_seconds_count "$wport")
         ids=$(jids "$RUN/out-$i-$m")
         n=$(echo "$ids" | awk -F, '{print ($0 == "\"ids\":[]" ? 0 : NF)}')
         dn=$(jnum "$RUN/out-$i-$m" decode_tokens); ds=$(jnum "$RUN/out-$i-$m" decode_s)
@@ -138,13 +155,15 @@ for f in "${FILES[@]}"; do
         fi
         line=$(awk -v f="$(basename "$f")" -v m="$m" -v n="$n" -v t0="$t0" -v t1="$t1" -v dn="$dn" -v ds="$ds" \
             -v d="$(awk -v a="$d1" -v b="$d0" 'BEGIN{print a-b}')" -v a="$(awk -v a="$a1" -v b="$a0" 'BEGIN{print a-b}')" \
-            -v v="$(awk -v a="$v1" -v b="$v0" 'BEGIN{print a-b}')" 'BEGIN {
+            -v v="$(awk -v a="$v1" -v b="$v0" 'BEGIN{print a-b}')" -v ws="$(awk -v a="$ws1" -v b="$ws0" 'BEGIN{print a-b}')" \
+            -v wn="$(awk -v a="$wn1" -v b="$wn0" 'BEGIN{print a-b}')" 'BEGIN {
                 t = t1 - t0
-                printf "%-20s %-10s %6d %8.2f %9.1f %10.1f %7d %7d %6d %9.2f|%d %.6f %d %.6f %d %d %d\n", f, m, n, t, n / t,
-                    (ds > 0 ? dn / ds : 0), d, a, v, (v > 0 ? 1 + a / v : 1), n, t, dn, ds, d, a, v }')
+                printf "%-20s %-10s %6d %8.2f %9.1f %10.1f %7d %7d %6d %9.2f %5d %8.2f|%d %.6f %d %.6f %d %d %d %.6f %d\n", f, m,
+                    n, t, n / t, (ds > 0 ? dn / ds : 0), d, a, v, (v > 0 ? 1 + a / v : 1), wn, (wn > 0 ? 1000 * ws / wn : 0),
+                    n, t, dn, ds, d, a, v, ws, wn }')
         echo "${line%%|*}"
-        read -r n t dn ds d a v <<<"${line#*|}"
-        [ -n "${RESULTS:-}" ] && echo "file=$(basename "$f") mode=$m tokens=$n e2e_s=$t decode_tokens=$dn decode_s=$ds drafts=$d accepted=$a verifications=$v" >>"$RESULTS"
+        read -r n t dn ds d a v ws wn <<<"${line#*|}"
+        [ -n "${RESULTS:-}" ] && echo "file=$(basename "$f") mode=$m tokens=$n e2e_s=$t decode_tokens=$dn decode_s=$ds drafts=$d accepted=$a verifications=$v stage_steps=$wn stage_s=$ws" >>"$RESULTS"
         S_n[$m]=$((S_n[$m] + n)); S_dn[$m]=$((S_dn[$m] + dn)); S_d[$m]=$((S_d[$m] + d)); S_a[$m]=$((S_a[$m] + a))
         S_v[$m]=$((S_v[$m] + v))
         S_t[$m]=$(awk -v a="${S_t[$m]}" -v b="$t" 'BEGIN{print a+b}'); S_dt[$m]=$(awk -v a="${S_dt[$m]}" -v b="$ds" 'BEGIN{print a+b}')
