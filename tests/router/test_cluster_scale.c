@@ -23,7 +23,7 @@ static const char *const prompts[] = {
     "One day, a big bird",
 };
 #define N_PROMPTS 4
-#define N_TOKENS 40
+#define N_TOKENS 100
 #define N_SEEDS 2
 #define N_CLIENTS 4
 #define GENS_MAX 600
@@ -272,11 +272,27 @@ static void sc_wait_tokens(struct cluster *cl, int more, const char *when) {
     }
 }
 
-/* Requests whose tokens came both before and after t (in flight at t). */
-static int sc_spanning(int64_t t) {
+/* Requests that streamed tokens while [t0, t1] lasted (a scaling command
+ * ran): their first token before t1 and their last after t0. */
+static int sc_during(int64_t t0, int64_t t1) {
     int k = 0, n = load.n_done < SPANS_MAX ? load.n_done : SPANS_MAX;
-    for (int i = 0; i < n; i++) k += load.spans[i].first && load.spans[i].first < t && load.spans[i].last > t;
+    for (int i = 0; i < n; i++) k += load.spans[i].first && load.spans[i].first <= t1 && load.spans[i].last >= t0;
     return k;
+}
+
+/* Sequences the router handed from pipelines taken out of service to the
+ * others ("... out of service (...): R running and W waiting sequences
+ * re-queued" in its log). */
+static int sc_requeued(struct cluster *cl) {
+    char *log = test_read_file(cl->router.log, NULL);
+    int n = 0;
+    for (const char *at = log; at && (at = strstr(at, "out of service (")); at++) {
+        const char *colon = strstr(at, "): ");
+        int r = 0, w = 0;
+        if (colon && sscanf(colon, "): %d running and %d waiting", &r, &w) == 2) n += r + w;
+    }
+    free(log);
+    return n;
 }
 
 /* Waits (bounded) until the pipelines listed in `want` have each been seen
@@ -425,6 +441,7 @@ TEST(cluster_scale_1_3_1_under_load) {
     /* 1 -> 3: pipelines 1 and 2 join and take requests. */
     int64_t t_out = h_now_ms();
     sc_scale(cl, 3, NULL);
+    int64_t t_out_end = h_now_ms();
     int listed, ready;
     sc_status_counts(cl, &listed, &ready);
     H_ASSERT(cl, listed == 3 && ready == 3, "Status after scaling out: %d pipelines, %d ready; want 3 and 3", listed,
@@ -432,14 +449,18 @@ TEST(cluster_scale_1_3_1_under_load) {
     sc_wait_metric(cl, 3);
     sc_cluster_status(cl, 3);
     H_ASSERT(cl, sc_target_port("worker-p2-s1") > 0, "prometheus-targets.json lacks worker-p2-s1");
+    sc_wait_tokens(cl, 200, "on three pipelines");
+    /* Just before the scale-in: both pipelines that go run sequences, which
+     * must move (requests of 100 tokens last longer than the moment until
+     * the SIGTERM). */
     static const int added[] = {1, 2};
     sc_wait_work(cl, added, 2);
-    sc_wait_tokens(cl, 200, "on three pipelines");
 
     /* 3 -> 1: pipelines 2 and 1 drain while they run sequences. */
     int64_t t_in = h_now_ms();
     double drain_s;
     sc_scale(cl, 1, &drain_s);
+    int64_t t_in_end = h_now_ms();
     /* Every stage runs the plans the router sent before it saw DRAINING,
      * so none waits for hidden states its predecessor dropped: the drain
      * takes about a heartbeat interval, not the 30 s link timeout. */
@@ -460,13 +481,15 @@ TEST(cluster_scale_1_3_1_under_load) {
 
     load.stop = 1;
     for (int i = 0; i < N_CLIENTS; i++) pthread_join(th[i], NULL);
-    int across_out = sc_spanning(t_out), across_in = sc_spanning(t_in);
-    printf("  MEASURED %d requests (%d seeded, %d re-attached), %lld tokens, %d wrong; %d in flight across the "
-           "scale-out, %d across the scale-in; the drained workers stopped after %.1f s\n", load.n_done,
-           load.n_seeded, load.reattached, load.tokens_done, load.n_bad, across_out, across_in, drain_s);
+    int during_out = sc_during(t_out, t_out_end), during_in = sc_during(t_in, t_in_end), moved = sc_requeued(cl);
+    printf("  MEASURED %d requests (%d seeded, %d re-attached), %lld tokens, %d wrong; %d streamed during the "
+           "scale-out, %d during the scale-in; %d sequences handed over by the drained pipelines; the drained "
+           "workers stopped after %.1f s\n", load.n_done, load.n_seeded, load.reattached, load.tokens_done,
+           load.n_bad, during_out, during_in, moved, drain_s);
     H_ASSERT(cl, load.n_bad == 0, "%d of %d requests wrong; the first: %s", load.n_bad, load.n_done, load.bad);
-    H_ASSERT(cl, across_out > 0 && across_in > 0, "no request in flight across a scaling (%d out, %d in)", across_out,
-             across_in);
+    H_ASSERT(cl, during_out > 0 && during_in > 0, "no request streamed during a scaling (%d out, %d in)", during_out,
+             during_in);
+    H_ASSERT(cl, moved > 0, "the drained pipelines handed over no sequence: nothing was in flight on them");
     for (int k = 0; k < N_SEEDS; k++) llm_generate_result_free(&seeded_before[k].res);
     free(load.spans);
     sc_kv_back_to_zero(cl);
