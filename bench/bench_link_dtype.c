@@ -319,10 +319,9 @@ int main(int argc, char **argv) {
     size_t rows = (size_t)window * (size_t)hp->dim;
     p.hidden = malloc(rows * sizeof *p.hidden);
     p.recv = malloc(rows * sizeof *p.recv);
-    float *ref = malloc((size_t)window * (size_t)hp->n_vocab * sizeof *ref);
     float *got = malloc((size_t)window * (size_t)hp->n_vocab * sizeof *got);
     int32_t *ref_top = malloc((size_t)t.n * sizeof *ref_top);
-    if (!p.hidden || !p.recv || !ref || !got || !ref_top) {
+    if (!p.hidden || !p.recv || !got || !ref_top) {
         fprintf(stderr, "bench_link_dtype: out of memory\n");
         return 1;
     }
@@ -372,13 +371,11 @@ int main(int argc, char **argv) {
                per_token);
         fflush(stdout);
     }
-    (void)ref;
     link_free(p.tx);
     link_free(p.rx);
     zmq_ctx_term(zctx);
     free(p.hidden);
     free(p.recv);
-    free(ref);
     free(got);
     free(ref_top);
     free(t.ids);
