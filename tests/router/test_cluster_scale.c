@@ -102,6 +102,18 @@ static void sc_cluster_status(struct cluster *cl, int n) {
     H_ASSERT(cl, ok, "llm-cluster status: no \"%s\"", want);
 }
 
+/* Whether pid runs (a zombie does not: up's processes are reparented, and
+ * whoever reaps them may take its time). */
+static bool sc_alive(pid_t pid) {
+    char path[64], state = 0;
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    int r = fscanf(f, "%*d %*s %c", &state);
+    fclose(f);
+    return r == 1 && state != 'Z';
+}
+
 /* The metrics port prometheus-targets.json gives the process name, or -1. */
 static int sc_target_port(const char *name) {
     char path[400], needle[96];
@@ -494,10 +506,32 @@ TEST(cluster_scale_1_3_1_under_load) {
     free(load.spans);
     sc_kv_back_to_zero(cl);
 
+    /* down stops what up and both scales left running: the processes of
+     * the pid files, none of the drained workers among them. */
+    pid_t pids[16];
+    int n_pids = 0;
+    DIR *d = opendir(run_dir);
+    for (struct dirent *e; d && (e = readdir(d)) && n_pids < 16;) {
+        size_t l = strlen(e->d_name);
+        if (l < 5 || strcmp(e->d_name + l - 4, ".pid") != 0) continue;
+        H_ASSERT(cl, strncmp(e->d_name, "worker-p1", 9) != 0 && strncmp(e->d_name, "worker-p2", 9) != 0,
+                 "a drained worker's pid file is left: %s", e->d_name);
+        snprintf(path, sizeof path, "%s/%s", run_dir, e->d_name);
+        char *text = test_read_file(path, NULL);
+        if (text && atoi(text) > 1) pids[n_pids++] = atoi(text);
+        free(text);
+    }
+    if (d) closedir(d);
+    H_ASSERT(cl, n_pids == 4, "%d pid files after scaling in, want 4 (redis, router, 2 workers)", n_pids);
     const char *down[] = {CLUSTER_BIN, "down", "--run-dir", run_dir, NULL};
     rc = sc_run(down, &out);
     free(out);
     ASSERT_EQ(0, rc);
+    for (int i = 0; i < n_pids; i++) {
+        int64_t end = h_now_ms() + 15000;
+        while (sc_alive(pids[i]) && h_now_ms() < end) h_sleep_ms(20);
+        H_ASSERT(cl, !sc_alive(pids[i]), "pid %d still runs after llm-cluster down", (int)pids[i]);
+    }
     zmq_ctx_term(cl->zctx);
     free(cl);
     keep_run_dir = 0;
