@@ -14,6 +14,13 @@
  *   bench_cluster --model m.gguf --device auto --layouts 1x1 --shared-prefix 1024 --question-tokens 32 \
  *       --requests 64 --concurrency 16 --max-tokens 64
  *   bench_cluster --model m.gguf --device auto --layouts 1x1 --concurrency 64 --requests 256 --rate 60
+ *   bench_cluster --shape llama2-7b --type q4_k_m --device auto --layouts 1x1 --concurrency 64 \
+ *       --json-schema bench/schemas/records.json --schema-baseline
+ *
+ * --json-schema FILE constrains every request by that JSON Schema (the
+ * grammar engine's masks on the last stage, docs/grammar.md); with
+ * --schema-baseline each level runs first unconstrained, then constrained,
+ * on the same cluster, and the table gives their ratio.
  *
  * --rate R makes each level an open loop: its requests arrive as a Poisson
  * process of R per second, drawn from --seed exactly as serve-bench draws
@@ -125,7 +132,10 @@ struct cb_layout {
 
 struct cb_opts {
     const char *model, *shape, *type, *stages, *pipelines, *layouts, *concurrency, *device, *cluster, *tmpdir, *run_root,
-        *router_args, *worker_args, *log_level, *json, *no_cache_arg;
+        *router_args, *worker_args, *log_level, *json, *no_cache_arg, *json_schema_file;
+    /* --json-schema: the file's text (NULL: unconstrained); --schema-baseline. */
+    char *json_schema;
+    bool schema_baseline;
     int requests, prompt_tokens, max_tokens, threads, kv_blocks, warmup, up_timeout_s, up_tries;
     int shared_prefix, question_tokens;
     /* Open loop: Poisson arrivals of rate per second (0: the closed loop),
@@ -251,6 +261,42 @@ static int cb_parse_lists(struct cb_opts *o, char *err, size_t errlen) {
         cb_fmt(err, errlen, "--device %s: expected cpu or auto (llm-cluster's choices)", o->device);
         return STATUS_BAD_INPUT;
     }
+    return STATUS_OK;
+}
+
+/* Reads --json-schema's file into o->json_schema (freed at exit).  The
+ * router checks the schema itself: one it does not support fails the
+ * warm-up request, naming the keyword. */
+static int cb_read_schema(struct cb_opts *o, char *err, size_t errlen) {
+    FILE *f = fopen(o->json_schema_file, "rb");
+    if (!f) {
+        cb_fmt(err, errlen, "--json-schema %s: %s", o->json_schema_file, strerror(errno));
+        return STATUS_IO;
+    }
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1) break;
+        char *b = cap < (1u << 24) ? realloc(buf, cap * 2) : NULL;
+        if (!b) {
+            free(buf);
+            buf = NULL;
+            break;
+        }
+        buf = b;
+        cap *= 2;
+    }
+    bool bad = ferror(f);
+    fclose(f);
+    if (!buf || bad || n == 0) {
+        cb_fmt(err, errlen, "--json-schema %s: %s", o->json_schema_file,
+               !buf ? "larger than 16 MiB or out of memory" : bad ? "read error" : "empty file");
+        free(buf);
+        return STATUS_BAD_INPUT;
+    }
+    buf[n] = 0;
+    o->json_schema = buf;
     return STATUS_OK;
 }
 
@@ -562,6 +608,9 @@ struct cb_row {
     int seed;
     int n_capped;
     double cap_wait_ms;
+    /* -1: no --json-schema; 1: every request constrained by it; 0: the
+     * same level unconstrained (--schema-baseline). */
+    int constrained;
     int n_req, n_ok, n_err, n_short;
     double wall_s, req_s, tok_s, ttft50, ttft90, itl50, itl90;
     uint64_t steps, tokens;
@@ -578,6 +627,7 @@ struct cb_row {
 
 struct cb_level {
     const struct cb_opts *o;
+    const char *schema;   /* JSON Schema text every request carries, or NULL */
     const char *endpoint;
     void *zmq_ctx;
     int n_req;
@@ -607,6 +657,8 @@ struct cb_req {
     int idx;
     double t_send, t_last;
     bool seen;
+    char *sample; /* the output text of a constrained level's request 0, else NULL */
+    size_t sample_len, sample_cap;
 };
 
 static void cb_level_error(struct cb_level *lv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -638,6 +690,12 @@ static int cb_on_chunk(void *ud, const struct llm_chunk *ch) {
                 lv->itl[(size_t)r->idx * (size_t)max + (size_t)lv->n_itl[r->idx]++] = gap;
         }
         r->t_last = now;
+    }
+    size_t tl = ch->text ? strlen(ch->text) : 0;
+    if (r->sample && tl > 0 && r->sample_len + tl < r->sample_cap) {
+        memcpy(r->sample + r->sample_len, ch->text, tl);
+        r->sample_len += tl;
+        r->sample[r->sample_len] = 0;
     }
     return cb_stop ? 1 : 0;
 }
@@ -747,10 +805,21 @@ static void *cb_stream(void *arg) {
         p.n_prompt_tokens = (size_t)cb_prompt_len(o);
         p.max_tokens = (uint32_t)o->max_tokens;
         p.sampling.ignore_eos = 1; /* every request generates exactly max_tokens */
+        p.json_schema = lv->schema;
         p.stream = true;
-        struct cb_req r = {lv, idx, cb_now(), 0, false};
+        struct cb_req r = {lv, idx, cb_now(), 0, false, NULL, 0, 0};
+        /* The first constrained output is shown: what the masks let through. */
+        static char sample[4096];
+        if (lv->schema && idx == 0) {
+            sample[0] = 0;
+            r.sample = sample;
+            r.sample_cap = sizeof sample;
+        }
         struct llm_generate_result res;
         int rc = llm_client_generate(c, &p, cb_on_chunk, &r, &res);
+        if (r.sample)
+            fprintf(stderr, "bench_cluster: constrained output of request 0 (%zu bytes, first 240 shown): %.240s\n",
+                    r.sample_len, r.sample);
         if (rc < 0) {
             atomic_fetch_add(&lv->n_err, 1);
             cb_level_error(lv, "request %d: %s", idx, llm_client_errstr(c));
@@ -783,6 +852,7 @@ static int cb_level_run(const struct cb_opts *o, const char *endpoint, int32_t n
     struct cb_level lv;
     memset(&lv, 0, sizeof lv);
     lv.o = o;
+    lv.schema = row->constrained == 1 ? o->json_schema : NULL;
     lv.endpoint = endpoint;
     lv.n_req = row->n_req;
     /* No two requests of a run share a prompt (or a question), so that a
@@ -890,6 +960,7 @@ static struct cb_row *cb_row_add(const struct cb_layout *lay, int conc) {
     r->conc = conc;
     for (int w = 0; w < CB_WORKERS_MAX; w++) r->busy[w] = -1;
     r->rows0 = -1;
+    r->constrained = -1;
     return r;
 }
 
@@ -923,8 +994,10 @@ static int cb_warm_chunk(void *ud, const struct llm_chunk *ch) {
     return cb_stop ? 1 : 0;
 }
 
-/* One warm-up request (first-use costs: CUDA contexts, page faults). */
-static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, char *err, size_t errlen) {
+/* One warm-up request (first-use costs: CUDA contexts, page faults; with a
+ * schema, the last stage's vocabulary trie and the grammar's compilation). */
+static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, const char *schema, char *err,
+                     size_t errlen) {
     int n = cb_prompt_len(o);
     int32_t *ids = malloc((size_t)n * sizeof *ids);
     if (!ids) return STATUS_NO_MEMORY;
@@ -936,6 +1009,7 @@ static int cb_warmup(llm_client *c, const struct cb_opts *o, int32_t n_vocab, ch
     p.n_prompt_tokens = (size_t)n;
     p.max_tokens = (uint32_t)o->max_tokens;
     p.sampling.ignore_eos = 1;
+    p.json_schema = schema;
     struct llm_generate_result res;
     p.stream = true;
     int rc = llm_client_generate(c, &p, cb_warm_chunk, NULL, &res);
@@ -964,11 +1038,18 @@ static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const
                cb_prompt_len(o), o->max_tokens, n_ctx);
         rc = STATUS_BAD_INPUT;
     }
-    for (int i = 0; rc == STATUS_OK && i < o->warmup && !cb_stop; i++) rc = cb_warmup(c, o, n_vocab, err, errlen);
-    for (int ci = 0; rc == STATUS_OK && ci < o->n_conc && !cb_stop; ci++) {
-        int conc = o->conc_v[ci];
+    for (int i = 0; rc == STATUS_OK && i < o->warmup && !cb_stop; i++) {
+        if (!o->json_schema || o->schema_baseline) rc = cb_warmup(c, o, n_vocab, NULL, err, errlen);
+        if (rc == STATUS_OK && o->json_schema) rc = cb_warmup(c, o, n_vocab, o->json_schema, err, errlen);
+    }
+    /* With --schema-baseline, each level twice: unconstrained, then
+     * constrained. */
+    int passes = o->json_schema && o->schema_baseline ? 2 : 1;
+    for (int k = 0; rc == STATUS_OK && k < o->n_conc * passes && !cb_stop; k++) {
+        int ci = k / passes, conc = o->conc_v[ci];
         struct cb_row *row = cb_row_add(lay, conc);
         if (!row) break;
+        row->constrained = !o->json_schema ? -1 : passes == 2 ? k % passes : 1;
         row->n_req = cb_level_requests(o, conc);
         row->rate = o->rate;
         /* Each level its own arrivals, the same for every layout. */
@@ -983,8 +1064,9 @@ static int cb_levels(const struct cb_opts *o, const struct cb_cluster *cl, const
         char load[96] = "";
         if (row->rate > 0)
             cb_fmt(load, sizeof load, ", Poisson arrivals at %g req/s (seed %d)", row->rate, row->seed);
-        fprintf(stderr, "bench_cluster: %s%s: concurrency %d, %d requests%s\n", lay->name,
-                lay->cache < 0 ? "" : lay->cache ? " cache on" : " cache off", conc, row->n_req, load);
+        fprintf(stderr, "bench_cluster: %s%s: concurrency %d, %d requests%s%s\n", lay->name,
+                lay->cache < 0 ? "" : lay->cache ? " cache on" : " cache off", conc, row->n_req, load,
+                row->constrained < 0 ? "" : row->constrained ? ", JSON-schema constrained" : ", unconstrained");
         if ((rc = cb_level_run(o, endpoint, n_vocab, conc, row, err, errlen)) < 0) break;
         /* Between levels nothing is in flight, so the deltas belong to this level. */
         if ((rc = cb_router_status(c, &after)) < 0) {
@@ -1181,20 +1263,38 @@ static void cb_workload(char *out, size_t size, const struct cb_opts *o) {
                o->question_tokens);
     else
         cb_fmt(out, size, "distinct prompts of %d tokens", o->prompt_tokens);
+    if (o->json_schema) {
+        size_t l = strlen(out);
+        cb_fmt(out + l, size - l, ", output constrained by the JSON Schema %s%s", o->json_schema_file,
+               o->schema_baseline ? " (and unconstrained)" : "");
+    }
+}
+
+/* The unconstrained row of the same layout, cache and concurrency as a
+ * constrained one (--schema-baseline). */
+static const struct cb_row *cb_row_baseline(const struct cb_row *r) {
+    for (int i = 0; i < cb_n_rows; i++) {
+        const struct cb_row *q = &cb_rows[i];
+        if (!q->failed && q->constrained == 0 && q->conc == r->conc && q->lay.cache == r->lay.cache &&
+            strcmp(q->lay.name, r->lay.name) == 0)
+            return q;
+    }
+    return NULL;
 }
 
 /* The row with the same layout and concurrency and the cache as given. */
 static const struct cb_row *cb_row_pair(const struct cb_row *r, int cache) {
     for (int i = 0; i < cb_n_rows; i++) {
         const struct cb_row *q = &cb_rows[i];
-        if (!q->failed && q->lay.cache == cache && q->conc == r->conc && strcmp(q->lay.name, r->lay.name) == 0)
+        if (!q->failed && q->lay.cache == cache && q->conc == r->conc && q->constrained == r->constrained &&
+            strcmp(q->lay.name, r->lay.name) == 0)
             return q;
     }
     return NULL;
 }
 
 static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) {
-    char wl[160];
+    char wl[PATH_MAX + 256];
     cb_workload(wl, sizeof wl, o);
     bool prefix = o->shared_prefix > 0, open_loop = o->rate > 0;
     char load[160];
@@ -1205,15 +1305,21 @@ static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) 
         cb_fmt(load, sizeof load, "closed loop");
     fprintf(f, "\n## bench_cluster: %s, device %s, %s, %d generated (greedy, EOS ignored), %s\n\n", model, o->device,
             wl, o->max_tokens, load);
-    fprintf(f, "| layout |%s conc |%s requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
+    bool schema = o->json_schema != NULL;
+    fprintf(f, "| layout |%s%s conc |%s requests | req/s | gen tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
                "ITL p90 ms | busy by stage | stage-0 rows/req | steps | tok/step | plan us mean | plan us max | "
-               "turnaround us | errors |\n", prefix ? " prefix cache |" : "", open_loop ? " rate req/s | capped |" : "");
-    fprintf(f, "|---|%s---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", prefix ? "---|" : "",
-            open_loop ? "---|---|" : "");
+               "turnaround us | errors |\n", prefix ? " prefix cache |" : "", schema ? " schema |" : "",
+            open_loop ? " rate req/s | capped |" : "");
+    fprintf(f, "|---|%s%s---|%s---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", prefix ? "---|" : "",
+            schema ? "---|" : "", open_loop ? "---|---|" : "");
     for (int i = 0; i < cb_n_rows; i++) {
         const struct cb_row *r = &cb_rows[i];
-        char cache[16] = "";
+        char cache[32] = "";
         if (prefix) cb_fmt(cache, sizeof cache, " %s |", r->lay.cache ? "on" : "off");
+        if (schema) {
+            size_t l = strlen(cache);
+            cb_fmt(cache + l, sizeof cache - l, " %s |", r->failed ? "-" : r->constrained ? "yes" : "no");
+        }
         if (r->failed) {
             fprintf(f, "| %s |%s - |%s - | - | - | - | - | - | - | - | - | - | - | - | - | - | did not run: %s |\n",
                     r->lay.name, cache, open_loop ? " - | - |" : "", r->note);
@@ -1253,13 +1359,27 @@ static void cb_print_table(FILE *f, const struct cb_opts *o, const char *model) 
                "(prompt not found in a cache + generated).  plan us: the router's time to plan and send one step "
                "(mean over this level; max since the cluster started).\nturnaround us: from a step's result "
                "arriving to the next plans sent.  tok/step: generated tokens per router step.\n");
+    if (schema && o->schema_baseline) {
+        fprintf(f, "\n### JSON-schema constrained against unconstrained (same cluster)\n\n");
+        fprintf(f, "| layout |%s conc | gen tok/s unconstrained | gen tok/s constrained | tok/s constrained/unconstrained | "
+                   "ITL p50 ms unconstrained | ITL p50 ms constrained |\n|---|%s---|---|---|---|---|---|\n",
+                prefix ? " prefix cache |" : "", prefix ? "---|" : "");
+        for (int i = 0; i < cb_n_rows; i++) {
+            const struct cb_row *on = &cb_rows[i], *off;
+            if (on->failed || on->constrained != 1 || !(off = cb_row_baseline(on))) continue;
+            char cache[16] = "";
+            if (prefix) cb_fmt(cache, sizeof cache, " %s |", on->lay.cache ? "on" : "off");
+            fprintf(f, "| %s |%s %d | %.1f | %.1f | %.3f | %.2f | %.2f |\n", on->lay.name, cache, on->conc, off->tok_s,
+                    on->tok_s, off->tok_s > 0 ? on->tok_s / off->tok_s : 0.0, off->itl50, on->itl50);
+        }
+    }
     if (prefix) {
         fprintf(f, "\n### shared prefix: prefix cache on against off\n\n");
         fprintf(f, "| layout | conc | TTFT p50 ms off | TTFT p50 ms on | TTFT off/on | gen tok/s off | gen tok/s on | "
                    "tok/s on/off |\n|---|---|---|---|---|---|---|---|\n");
         for (int i = 0; i < cb_n_rows; i++) {
             const struct cb_row *on = &cb_rows[i], *off;
-            if (on->failed || on->lay.cache != 1 || !(off = cb_row_pair(on, 0))) continue;
+            if (on->failed || on->lay.cache != 1 || on->constrained == 0 || !(off = cb_row_pair(on, 0))) continue;
             fprintf(f, "| %s | %d | %.1f | %.1f | %.2f | %.1f | %.1f | %.2f |\n", on->lay.name, on->conc, off->ttft50,
                     on->ttft50, on->ttft50 > 0 ? off->ttft50 / on->ttft50 : 0.0, off->tok_s, on->tok_s,
                     off->tok_s > 0 ? on->tok_s / off->tok_s : 0.0);
@@ -1294,6 +1414,9 @@ static int cb_write_json(const char *path, const struct cb_opts *o, const char *
     cb_json_str(f, model);
     fputs(",\n  \"device\": ", f);
     cb_json_str(f, o->device);
+    fputs(",\n  \"json_schema\": ", f);
+    if (o->json_schema) cb_json_str(f, o->json_schema_file);
+    else fputs("null", f);
     fprintf(f, ",\n  \"workload\": \"%s\",\n  \"prompt_tokens\": %d,\n  \"shared_prefix\": %d,\n  "
                "\"question_tokens\": %d,\n  \"max_tokens\": %d,\n  \"rate\": ",
             o->shared_prefix > 0 ? "shared-prefix" : "distinct", cb_prompt_len(o), o->shared_prefix > 0 ? o->shared_prefix : 0,
@@ -1306,8 +1429,9 @@ static int cb_write_json(const char *path, const struct cb_opts *o, const char *
         fprintf(f, "%s\n    {\"layout\": ", i ? "," : "");
         cb_json_str(f, r->lay.name);
         fprintf(f, ", \"pipelines\": %d, \"stages\": %d, \"nccl_sockets\": %s, \"prefix_cache\": %s, "
-                   "\"ran\": %s", r->lay.pipelines, r->lay.stages, r->lay.sockets ? "true" : "false",
-                r->lay.cache < 0 ? "null" : r->lay.cache ? "true" : "false", r->failed ? "false" : "true");
+                   "\"constrained\": %s, \"ran\": %s", r->lay.pipelines, r->lay.stages, r->lay.sockets ? "true" : "false",
+                r->lay.cache < 0 ? "null" : r->lay.cache ? "true" : "false",
+                r->constrained < 0 ? "null" : r->constrained ? "true" : "false", r->failed ? "false" : "true");
         if (r->failed) {
             fputs(", \"error\": ", f);
             cb_json_str(f, r->note);
@@ -1347,12 +1471,28 @@ static int cb_write_json(const char *path, const struct cb_opts *o, const char *
         fputs("}", f);
     }
     fputs("\n  ]", f);
+    if (o->json_schema && o->schema_baseline) {
+        fputs(",\n  \"constrained_vs_unconstrained\": [", f);
+        int k = 0;
+        for (int i = 0; i < cb_n_rows; i++) {
+            const struct cb_row *on = &cb_rows[i], *off;
+            if (on->failed || on->constrained != 1 || !(off = cb_row_baseline(on))) continue;
+            fprintf(f, "%s\n    {\"layout\": ", k++ ? "," : "");
+            cb_json_str(f, on->lay.name);
+            fprintf(f, ", \"prefix_cache\": %s, \"concurrency\": %d, \"tok_s_unconstrained\": %.6g, "
+                       "\"tok_s_constrained\": %.6g, \"throughput_ratio\": %.6g, \"itl_p50_ms_unconstrained\": %.6g, "
+                       "\"itl_p50_ms_constrained\": %.6g}",
+                    on->lay.cache < 0 ? "null" : on->lay.cache ? "true" : "false", on->conc, off->tok_s, on->tok_s,
+                    off->tok_s > 0 ? on->tok_s / off->tok_s : 0.0, off->itl50, on->itl50);
+        }
+        fputs("\n  ]", f);
+    }
     if (o->shared_prefix > 0) {
         fputs(",\n  \"prefix_cache\": [", f);
         int k = 0;
         for (int i = 0; i < cb_n_rows; i++) {
             const struct cb_row *on = &cb_rows[i], *off;
-            if (on->failed || on->lay.cache != 1 || !(off = cb_row_pair(on, 0))) continue;
+            if (on->failed || on->lay.cache != 1 || on->constrained == 0 || !(off = cb_row_pair(on, 0))) continue;
             fprintf(f, "%s\n    {\"layout\": ", k++ ? "," : "");
             cb_json_str(f, on->lay.name);
             fprintf(f, ", \"concurrency\": %d, \"ttft_p50_ms_off\": %.6g, \"ttft_p50_ms_on\": %.6g, "
@@ -1426,6 +1566,11 @@ int main(int argc, char **argv) {
         {"insecure", NULL, OPTION_BOOL, "false", "llm-cluster up --insecure: no CURVE keys", &o.insecure, 0, 0,
          NULL},
         {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o.json, 0, 0, NULL},
+        {"json-schema", NULL, OPTION_STRING, NULL, "constrain every request's output by this JSON Schema file "
+         "(docs/grammar.md; the last stage masks each step); EOS is still ignored, so pick a schema whose "
+         "output outlasts --max-tokens (bench/schemas/records.json)", &o.json_schema_file, 0, 0, NULL},
+        {"schema-baseline", NULL, OPTION_BOOL, "false", "with --json-schema: run each level unconstrained first, "
+         "then constrained, on the same cluster, and compare them", &o.schema_baseline, 0, 0, NULL},
         {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic model and run dirs go", &o.tmpdir, 0, 0,
          NULL},
         {"run-root", NULL, OPTION_STRING, NULL, "keep each cluster's run dir (logs) under this folder",
@@ -1443,6 +1588,11 @@ int main(int argc, char **argv) {
         rc = STATUS_BAD_INPUT;
     }
     if (rc == STATUS_OK) rc = cb_parse_lists(&o, err, sizeof err);
+    if (rc == STATUS_OK && o.json_schema_file) rc = cb_read_schema(&o, err, sizeof err);
+    if (rc == STATUS_OK && o.schema_baseline && !o.json_schema_file) {
+        cb_fmt(err, sizeof err, "--schema-baseline compares with --json-schema FILE, which is not given");
+        rc = STATUS_BAD_INPUT;
+    }
     char cluster[PATH_MAX];
     if (rc == STATUS_OK) {
         if (o.cluster) {
@@ -1554,5 +1704,6 @@ int main(int argc, char **argv) {
     } else {
         cb_rmtree(tmp);
     }
+    free(o.json_schema);
     return failed;
 }

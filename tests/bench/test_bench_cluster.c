@@ -5,7 +5,9 @@
  * that the JSON parses with every row measured (busy fractions from the
  * workers' metrics ports included) and that bad command lines are refused.
  * With --rate, the arrivals: a level lasts at least until its last
- * request's scheduled time (a bound the schedule sets, not a speed).  No
+ * request's scheduled time (a bound the schedule sets, not a speed).  With
+ * --json-schema --schema-baseline, each level unconstrained and constrained
+ * on one cluster, compared.  No
  * speed is asserted: that is the benchmark's business, never a test's. */
 #include "tests/bench/bench_child.h"
 
@@ -258,6 +260,47 @@ TEST(rate_sends_requests_at_their_poisson_arrivals) {
     unlink(err_path);
 }
 
+/* --json-schema with --schema-baseline: each level unconstrained, then
+ * constrained, on one cluster; the constrained outputs are JSON (the first
+ * is shown), the table and the JSON compare the two. */
+TEST(json_schema_runs_constrained_against_unconstrained) {
+    need_programs();
+    snprintf(json_path, sizeof json_path, "%s/test_bench_cluster.%d.json", "/tmp", (int)getpid());
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1", "--concurrency", "2",
+                          "--requests", "4", "--prompt-tokens", "16", "--max-tokens", "8", "--up-tries", "2",
+                          "--json-schema", LLM_SOURCE_DIR "/bench/schemas/records.json", "--schema-baseline",
+                          "--json", json_path, NULL};
+    int rc = run_bench(args, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    char *out = bench_child_slurp(out_path), *err = bench_child_slurp(err_path);
+    ASSERT_TRUE(out && err);
+    ASSERT_TRUE(strstr(out, "| layout | schema | conc |") != NULL);
+    ASSERT_TRUE(strstr(out, "### JSON-schema constrained against unconstrained") != NULL);
+    /* The records schema's output starts with an object (the grammar
+     * allows no blank before it). */
+    const char *sample = strstr(err, "constrained output of request 0");
+    ASSERT_TRUE(sample != NULL);
+    sample = strstr(sample, "shown): ");
+    ASSERT_TRUE(sample != NULL && sample[8] == '{');
+    cJSON *j = load_json();
+    ASSERT_TRUE(cJSON_IsString(cJSON_GetObjectItem(j, "json_schema")));
+    const cJSON *rows = cJSON_GetObjectItem(j, "rows");
+    ASSERT_EQ(2, cJSON_GetArraySize(rows));
+    check_rows(rows, 4, 16, 8);
+    ASSERT_TRUE(cJSON_IsFalse(cJSON_GetObjectItem(cJSON_GetArrayItem(rows, 0), "constrained")));
+    ASSERT_TRUE(cJSON_IsTrue(cJSON_GetObjectItem(cJSON_GetArrayItem(rows, 1), "constrained")));
+    const cJSON *cmp = cJSON_GetObjectItem(j, "constrained_vs_unconstrained");
+    ASSERT_EQ(1, cJSON_GetArraySize(cmp));
+    ASSERT_TRUE(num(cJSON_GetArrayItem(cmp, 0), "throughput_ratio") > 0);
+    cJSON_Delete(j);
+    free(out);
+    free(err);
+    unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+}
+
 TEST(bad_command_lines_are_refused) {
     if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
     const char *bad[][4] = {
@@ -272,6 +315,7 @@ TEST(bad_command_lines_are_refused) {
         {"--rate", "fast", NULL},
         {"--rate", "", NULL},
         {"--seed", "-2", NULL},
+        {"--json-schema", "/nonexistent/schema.json", NULL},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = run_bench(bad[i], 10);
@@ -282,9 +326,16 @@ TEST(bad_command_lines_are_refused) {
         if (bad[i][1][0]) ASSERT_TRUE(strstr(e, bad[i][1]) != NULL); /* and the value */
         free(e);
     }
+    /* A comparison with nothing to compare. */
+    const char *baseline[] = {"--schema-baseline", NULL};
+    ASSERT_EQ(2, run_bench(baseline, 10));
+    char *e = bench_child_slurp(err_path);
+    ASSERT_TRUE(e && strstr(e, "--schema-baseline") && strstr(e, "--json-schema"));
+    free(e);
     unlink(out_path);
     unlink(err_path);
 }
 
 TEST_MAIN(sweep_prints_the_table_and_json, shared_prefix_runs_with_the_cache_on_and_off,
-          rate_sends_requests_at_their_poisson_arrivals, bad_command_lines_are_refused)
+          rate_sends_requests_at_their_poisson_arrivals, json_schema_runs_constrained_against_unconstrained,
+          bad_command_lines_are_refused)
