@@ -52,8 +52,10 @@ static int ld_push_window(struct ld_tokens *t, const int32_t *ids, int32_t n) {
     }
     if (t->n_win == t->cap_win) {
         int32_t cap = t->cap_win ? t->cap_win * 2 : 64;
-        int32_t *s = realloc(t->starts, (size_t)cap * sizeof *s), *l = s ? realloc(t->lens, (size_t)cap * sizeof *l) : NULL;
-        if (s) t->starts = s;
+        int32_t *s = realloc(t->starts, (size_t)cap * sizeof *s);
+        if (!s) return STATUS_NO_MEMORY;
+        t->starts = s;
+        int32_t *l = realloc(t->lens, (size_t)cap * sizeof *l);
         if (!l) return STATUS_NO_MEMORY;
         t->lens = l;
         t->cap_win = cap;
@@ -240,9 +242,13 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_link_dtype: --text %s: tokenizing failed (%d)\n", path, n);
             return 1;
         }
-        ld_add_source(&t, ids, n, window, tokenizer_bos(tok));
+        rc = ld_add_source(&t, ids, n, window, tokenizer_bos(tok));
         free(ids);
         free(text);
+        if (rc < 0) {
+            fprintf(stderr, "bench_link_dtype: out of memory\n");
+            return 1;
+        }
     }
     if (ref_json[0]) {
         char *text = ld_read(ref_json, NULL);
@@ -258,7 +264,10 @@ int main(int argc, char **argv) {
             int32_t ids[4096], n = 0;
             cJSON_ArrayForEach(v, p) if (n < 4096 && cJSON_IsNumber(v) && v->valueint >= 0 &&
                                          v->valueint < hp->n_vocab) ids[n++] = v->valueint;
-            ld_add_source(&t, ids, n, window, tokenizer_bos(tok));
+            if (ld_add_source(&t, ids, n, window, tokenizer_bos(tok)) < 0) {
+                fprintf(stderr, "bench_link_dtype: out of memory\n");
+                return 1;
+            }
         }
         cJSON_Delete(j);
         free(text);
@@ -275,7 +284,8 @@ int main(int argc, char **argv) {
     gguf_file *gf = NULL;
     struct layersplit_sizes sz = {0};
     int32_t first[2], end[2];
-    if (gguf_open(&gf, model, err, sizeof err) < 0 || layersplit_sizes_gguf(&sz, gf, hp->n_layers, err, sizeof err) < 0 ||
+    if (gguf_open(&gf, model, err, sizeof err) < 0 ||
+        layersplit_sizes_gguf(&sz, gf, hp->n_layers, err, sizeof err) < 0 ||
         layersplit_ranges(&sz, 2, first, end, err, sizeof err) < 0) {
         fprintf(stderr, "bench_link_dtype: %s: the split: %s\n", model, err);
         return 1;

@@ -80,8 +80,8 @@ int cl_mkdirs(const char *path, char *err, size_t errlen) {
 static bool cl_run_file(const char *name) {
     static const char *const exact[] = {"keys", "appendonlydir", "appendonly.aof", "dump.rdb", "redis.conf",
                                         "redis.password", "env.sh", "cluster.env", "endpoint", "http-url",
-                                        "api-key", "insecure", "prometheus-targets.json", "cluster.conf", "scale.lock",
-                                        "prometheus-targets.json.tmp"};
+                                        "api-key", "insecure", "prometheus-targets.json",
+                                        "prometheus-targets.json.tmp", "cluster.conf", "scale.lock"};
     for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
         if (strcmp(name, exact[i]) == 0) return true;
     size_t n = strlen(name);

@@ -585,7 +585,8 @@ TEST(router_sighup_rereads_keys) {
     char err[512], sub[400], path[460];
     struct keys_pair kp;
     snprintf(sub, sizeof sub, "%s/clients", cl->keys);
-    H_ASSERT(cl, keys_pair_generate(&kp, err, sizeof err) == 0 && keys_pair_write(sub, "late", &kp, err, sizeof err) == 0,
+    H_ASSERT(cl,
+             keys_pair_generate(&kp, err, sizeof err) == 0 && keys_pair_write(sub, "late", &kp, err, sizeof err) == 0,
              "late key: %s", err);
     H_ASSERT(cl, sc_health_as(cl, "client") == 1, "the client key set at start is not admitted");
     H_ASSERT(cl, sc_health_as(cl, "late") == 0, "a key added after the start is admitted without SIGHUP");
