@@ -144,6 +144,7 @@ static int cl_wait_router(struct cl_up *u, const bool *want, const bool *gone, c
         if (llm_client_status(c, &env) == 0) {
             const Llm__StatusReply *s = env->status_reply;
             bool seen[CL_PIPELINES_MAX] = {false}, ready[CL_PIPELINES_MAX] = {false};
+            problem[0] = 0; /* this answer's, not an earlier one's */
             int n_ready = 0;
             for (size_t i = 0; i < s->n_pipelines; i++) {
                 uint32_t id = s->pipelines[i]->pipeline_id;
