@@ -752,11 +752,26 @@ int32_t sched_take_freed(sched *s, const uint64_t **ids) {
 
 void sched_set_admit(sched *s, bool admit) { s->admit = admit; }
 
+/* Whether a member of q's fork group other than q runs here. */
+static bool sched_group_runs(const sched *s, const struct sched_seq *q) {
+    if (!q->group) return false;
+    for (int32_t i = 0; i < s->n_all; i++) {
+        const struct sched_seq *m = s->all[i];
+        if (m != q && m->running && m->group == q->group && m->n_shared == q->n_shared &&
+            memcmp(m->tokens, q->tokens, (size_t)q->n_shared * sizeof *q->tokens) == 0)
+            return true;
+    }
+    return false;
+}
+
 int32_t sched_take_waiting(sched *s, uint64_t *ids, int32_t max) {
     int32_t n = 0;
     for (int32_t i = 0; i < s->n_all && n < max;) {
         struct sched_seq *q = s->all[i];
-        if (!q->running) {
+        /* A choice of a group with a member running here stays, to fork
+         * it: elsewhere it would compute the prompt again (and be sent
+         * back here, where its request's choices go). */
+        if (!q->running && !sched_group_runs(s, q)) {
             ids[n++] = q->id;
             sched_remove(s, q); /* moves the last entry into slot i */
         } else {

@@ -239,8 +239,9 @@ void sched_seq_set_fork(struct sched_seq *q, uint64_t group, int32_t n_shared);
 /* While false, waiting sequences are not admitted (a draining pipeline). */
 void sched_set_admit(sched *s, bool admit);
 /* Moves up to max waiting (never-admitted or preempted) sequences out:
- * their ids into ids[], and removes them as sched_remove would.  Returns the
- * count. */
+ * their ids into ids[], and removes them as sched_remove would; not those
+ * of a fork group (sched_seq_set_fork) with a member running here, which
+ * wait to fork it.  Returns the count. */
 int32_t sched_take_waiting(sched *s, uint64_t *ids, int32_t max);
 
 uint64_t sched_seq_id(const struct sched_seq *q);

@@ -1248,6 +1248,31 @@ TEST(scheduler_fork_leader_cancelled_or_finished) {
     sched_free(s);
 }
 
+TEST(scheduler_fork_followers_are_not_handed_over) {
+    /* While the leader computes the prompt, its followers wait to fork it:
+     * a hand-over to another pipeline takes only the others waiting. */
+    sched *s = mk(64, 4, 8, 1, 1);
+    struct sched_seq *l = add_choice(s, 1, 9);
+    add_choice(s, 2, 9);
+    add(s, 3, 0, 10); /* waits for the batch slot */
+    struct sched_step st;
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(1ull, st.seqs[0].seq_id);
+    uint64_t ids[8];
+    ASSERT_EQ(1, sched_take_waiting(s, ids, 8));
+    ASSERT_EQ(3ull, ids[0]);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_remove(s, l);
+    /* With no member running it is an ordinary waiting sequence again. */
+    ASSERT_EQ(1, sched_plan(s, &st));
+    ASSERT_EQ(2ull, st.seqs[0].seq_id);
+    ASSERT_EQ(0, st.seqs[0].start_pos);
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    sched_remove(s, st.seqs[0].seq);
+    assert_all_returned(s);
+    sched_free(s);
+}
+
 TEST(scheduler_fork_needs_equal_tokens) {
     /* Two sequences of one group id whose tokens differ (a hash that met):
      * the second computes its own prompt, never the other's KV. */
@@ -1288,4 +1313,4 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_spec_rejected_all_and_no_verdict, scheduler_spec_within_free_blocks_and_auto,
           scheduler_spec_stops_at_the_limit, scheduler_fork_shares_the_prompt,
           scheduler_fork_with_the_prefix_cache_on, scheduler_fork_leader_cancelled_or_finished,
-          scheduler_fork_needs_equal_tokens)
+          scheduler_fork_followers_are_not_handed_over, scheduler_fork_needs_equal_tokens)
