@@ -91,15 +91,17 @@ int link_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes);
  * sender went on to a later step, or is at a later epoch and the step did
  * not come within a short grace: this one will never come),
  * STATUS_PROTOCOL (the step's own message has a size other than bytes), or
- * STATUS_CANCELLED (a signal interrupted the wait).  A malformed message
+ * STATUS_CANCELLED (a signal interrupted the wait, or on ZeroMQ
+ * link_set_abort's generation moved meanwhile: the wait goes in slices of
+ * 100 ms for it).  A malformed message
  * (anything an admitted peer may send that is not a link message) is
  * dropped and counted (link_dropped), and the wait goes on: it never fails
  * the step by itself; the timeout bounds the whole call. */
 int link_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes);
 
 /* A send of the ZeroMQ transport waiting for room (its next stage gone or
- * slow) gives up with STATUS_CANCELLED as soon as *gen differs from its
- * value when the send began.  The node bumps it when the router sends a
+ * slow), or a receive waiting for its step, gives up with STATUS_CANCELLED
+ * as soon as *gen differs from its value when the call began.  The node bumps it when the router sends a
  * new placement, so a stage whose next stage died does not wait out the
  * link timeout on a step the new placement replaces before it can apply
  * that placement.  gen (NULL: none) must outlive the link. */

@@ -268,6 +268,7 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
      * sending garbage) do not extend the wait. */
     int64_t start = lz_now_ms(), deadline = start + z->timeout_ms;
     uint64_t malformed0 = l->dropped[LINK_DROP_MALFORMED];
+    const uint64_t gen0 = l->abort_gen ? atomic_load(l->abort_gen) : 0;
     for (;;) {
         struct zio_parts *p;
         if (z->has_future && start - z->future_at < (int64_t)LZ_FUTURE_FRESH_TIMEOUTS * z->timeout_ms) {
@@ -277,8 +278,18 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
         if (z->has_held) {
             p = &z->held;
         } else {
+            /* In slices, so that a new placement (link_set_abort) ends the
+             * wait: the step it replaces will never come. */
             int64_t left = deadline - lz_now_ms();
-            int rc = zio_recv(z->sock, &z->in, left > 0 ? (int)left : 0);
+            int slice = left <= 0 ? 0 : l->abort_gen && left > LZ_SEND_SLICE_MS ? LZ_SEND_SLICE_MS : (int)left;
+            int rc = zio_recv(z->sock, &z->in, slice);
+            if (rc == STATUS_TIMEOUT && lz_now_ms() < deadline) {
+                if (l->abort_gen && atomic_load(l->abort_gen) != gen0)
+                    return link_fail(l, STATUS_CANCELLED, "zmq link %s: step %llu: a new placement arrived "
+                                     "while waiting for the previous stage", l->endpoint,
+                                     (unsigned long long)step_id);
+                continue;
+            }
             if (rc == STATUS_TIMEOUT && z->has_future && deadline < start + z->timeout_ms) {
                 const uint8_t *fh = zio_parts_data(&z->future, 0);
                 return link_fail(l, STATUS_NOT_FOUND,

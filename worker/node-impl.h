@@ -139,6 +139,7 @@ struct node {
     link_conn *rx;            /* from the previous stage */
     link_conn *tx;            /* to the next stage */
     _Atomic uint64_t placements_sent; /* placements the io thread handed on (link_set_abort) */
+    _Atomic uint64_t placement_epoch; /* the epoch of the latest one (node_step drops older plans) */
     int links_ok;             /* the links this placement needs exist */
     char links_err[512];
 

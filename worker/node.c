@@ -373,6 +373,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
         rc = link_zmq_init_curve(&n->rx, n->zctx, LINK_RECV, n->s_listen, cfg->link_timeout_ms,
                                  n->secure ? &n->kp : NULL, NULL, err, errlen);
         if (rc < 0) goto fail;
+        link_set_abort(n->rx, &n->placements_sent);
         node_advertise(n, link_endpoint(n->rx), n->stage_endpoint, sizeof n->stage_endpoint);
         LOG(LL_INFO, "stage link endpoint %s (bound %s)", n->stage_endpoint, link_endpoint(n->rx));
     }

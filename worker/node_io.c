@@ -343,8 +343,10 @@ int node_router_message(node *n, const struct zio_parts *in, int running, int dr
         const Llm__RegisterReply *r = env->register_reply;
         if (r->accepted) {
             *hb_ms = r->heartbeat_interval_ms ? r->heartbeat_interval_ms : NODE_HEARTBEAT_DEFAULT_MS;
-            /* Counted before it is handed on: a send of the compute
-             * thread waiting for a stage that is gone gives up on it. */
+            /* Counted before it is handed on: a send or a receive of the
+             * compute thread waiting for a stage that is gone gives up on
+             * it, and plans of an older epoch queued before it are dropped. */
+            atomic_store(&n->placement_epoch, r->epoch);
             atomic_fetch_add(&n->placements_sent, 1);
             node_pipe_forward(n, NODE_MSG_PLACEMENT, data, len);
             ev = NODE_EV_ACCEPTED;

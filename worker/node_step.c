@@ -586,6 +586,16 @@ static void node_step(node *n, const Llm__StepPlan *p) {
             (unsigned long long)n->epoch);
         return;
     }
+    /* The router re-formed the pipeline and its placement is queued behind
+     * this plan (the io thread has handed it on): the step will never
+     * count, and the other stages drop it too, so waiting on the links for
+     * it would only delay the new epoch. */
+    uint64_t placed = atomic_load(&n->placement_epoch);
+    if (p->epoch < placed) {
+        LOG(LL_DEBUG, "step %llu of epoch %llu dropped: a placement of epoch %llu follows it",
+            (unsigned long long)p->step_id, (unsigned long long)p->epoch, (unsigned long long)placed);
+        return;
+    }
     if (p->pipeline_id != n->pipeline_id) {
         snprintf(err, sizeof err, "step %llu is for pipeline %u; this worker serves pipeline %u",
                  (unsigned long long)p->step_id, p->pipeline_id, n->pipeline_id);

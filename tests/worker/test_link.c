@@ -339,6 +339,34 @@ TEST(link_zmq_send_gives_up_on_new_placement) {
     close(hold);
 }
 
+/* A receive waiting for a step whose sender is stopped (its connection to
+ * the router broke; the router re-formed the pipeline) gives up as soon as
+ * the new placement arrives, not at the link's timeout: the stage takes
+ * the new epoch at once (tests/router/test_cluster_pause.c). */
+TEST(link_zmq_recv_gives_up_on_new_placement) {
+    struct t_pair p = {0};
+    t_pair_open(&p, 20000);
+    float buf[64] = {0};
+    ASSERT_OK(link_send(p.tx, 1, buf, sizeof buf));
+    _Atomic uint64_t gen = 9;
+    link_set_abort(p.rx, &gen);
+    ASSERT_OK(link_recv(p.rx, 1, buf, sizeof buf));
+    /* Step 2 never comes; the generation moves after 200 ms. */
+    struct t_bump b = {&gen, 200};
+    pthread_t th;
+    ASSERT_EQ(0, pthread_create(&th, NULL, t_bump_run, &b));
+    int64_t t0 = t_now_ms();
+    ASSERT_EQ(STATUS_CANCELLED, link_recv(p.rx, 2, buf, sizeof buf));
+    int64_t waited = t_now_ms() - t0;
+    pthread_join(th, NULL);
+    ASSERT_TRUE(waited >= 150 && waited < 5000);
+    ASSERT_TRUE(strstr(link_errstr(p.rx), "new placement") != NULL);
+    /* The link still works: the next step comes through. */
+    ASSERT_OK(link_send(p.tx, 3, buf, sizeof buf));
+    ASSERT_OK(link_recv(p.rx, 3, buf, sizeof buf));
+    t_pair_close(&p);
+}
+
 TEST(link_zmq_bad_endpoint) {
     void *ctx = zmq_ctx_new();
     link_conn *l = NULL;
@@ -546,6 +574,7 @@ TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_
           link_zmq_forged_future_never_blocks, link_zmq_later_epoch_kept_for_its_turn,
           link_zmq_older_epoch_dropped, link_zmq_large_buffer, link_zmq_size_mismatch,
           link_zmq_malformed_dropped_and_counted,
-          link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_send_gives_up_on_new_placement, link_zmq_bad_endpoint,
+          link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_send_gives_up_on_new_placement,
+          link_zmq_recv_gives_up_on_new_placement, link_zmq_bad_endpoint,
           link_nccl_two_gpus, link_nccl_needs_cuda_backend,
           link_zmq_curve_admits_only_the_predecessor, link_zmq_dtype_round_trip)
