@@ -668,6 +668,41 @@ TEST(cpu_ops_attention_q8_0_cache) {
     fx_release();
 }
 
+/* A row's attention output is the same bits whether its step has it alone
+ * or with others of its sequence (a verifying step's k + 1 rows, groups of
+ * up to eight): 13 rows at positions 29..41 in one call against each row
+ * alone at its position, for every cache type. */
+TEST(cpu_ops_attention_rows_invariant) {
+    fx_release();
+    backend *be = fx_backend(2);
+    static const enum dtype kts[] = {DTYPE_F32, DTYPE_F16, DTYPE_Q8_0};
+    int32_t nh = 8, nkv = 4, hd = 64, bs = 16, nb = 4, pos = 29, R = 13;
+    int32_t kvw = nkv * hd, qw = nh * hd, bt[4] = {2, 0, 3, 1};
+    for (int k = 0; k < 3; k++) {
+        struct backend_kv kv;
+        ASSERT_OK(backend_kv_init(be, &kv, kts[k], nb, bs, nkv, hd));
+        int32_t n = pos + R, slots[64];
+        float *kk = rand_floats(n * kvw, 1.0f), *vv = rand_floats(n * kvw, 1.0f);
+        for (int32_t p = 0; p < n; p++) slots[p] = bt[p / bs] * bs + p % bs;
+        ASSERT_OK(backend_kv_write(be, &kv, kk, vv, slots, n));
+        float *q = rand_floats(R * qw, 1.0f), *all = nan_floats(R * qw), *one = nan_floats(qw);
+        int32_t tok0[2] = {0, R}, pos0 = pos;
+        struct backend_attn_batch batch = {1, R, 4, n, tok0, &pos0, bt};
+        ASSERT_OK(backend_attention(be, all, q, &kv, &batch, nh, 0.125f));
+        for (int32_t r = 0; r < R; r++) {
+            int32_t t1[2] = {0, 1}, p1 = pos + r;
+            struct backend_attn_batch b1 = {1, 1, 4, p1 + 1, t1, &p1, bt};
+            ASSERT_OK(backend_attention(be, one, q + r * qw, &kv, &b1, nh, 0.125f));
+            for (int32_t i = 0; i < qw; i++)
+                if (memcmp(&one[i], &all[r * qw + i], sizeof(float)) != 0)
+                    TEST_FAIL("attention %s: row %d of %d, element %d: %.9g in the step, %.9g alone",
+                              dtype_name(kts[k]), r, R, i, all[r * qw + i], one[i]);
+        }
+        backend_kv_free(be, &kv);
+    }
+    fx_release();
+}
+
 /* The 8-bit row layout of kernels/backend.h, read back byte by byte: a
  * 128-wide row is two groups of [F16 d][64 int8], 132 bytes, group 1's
  * scale at byte 66 and its values from byte 68.  Each group's largest
@@ -924,7 +959,7 @@ TEST(cpu_ops_mem_info_and_alloc) {
     fx_release();
 }
 
-TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_matmul_batch_invariant, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
+TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_matmul_batch_invariant, cpu_ops_attention_rows_invariant, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
           cpu_ops_embed_every_dtype, cpu_ops_embed_rejects_bad_id, cpu_ops_rmsnorm, cpu_ops_add_rmsnorm,
           cpu_ops_add_and_swiglu, cpu_ops_get_rows, cpu_ops_rope_both_orders, cpu_ops_rope_orders_differ,
           cpu_ops_kv_write_layout, cpu_ops_kv_write_q8_layout, cpu_ops_attention_f32_cache,
