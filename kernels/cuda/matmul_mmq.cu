@@ -4,24 +4,27 @@
  * The activations are quantized once per input, as the CPU backend does
  * for these types (Q8K: int8 codes with one scale per 256 columns and the
  * sums of each 32 codes), and stored so that a lane's mma B fragments for
- * a 256-column chunk are 64 contiguous bytes.  The weights are read once,
- * a chunk ahead, straight from global memory into the lanes whose A
- * fragments they are; their codes are the int8 operands as stored (Q6_K
- * less 32), so decoding is a mask and a shift per 4 weights.  Each mma
- * covers one scale's columns (k32 for Q4_K/Q5_K's 32, k16 for Q6_K's 16):
- * its int32 sum is turned into a float by adding it to 1.5 * 2^23 (the
- * mma's accumulator input) and subtracting that again, then scaled by the
- * row's d * sc; the activation scale and the K-quants' min term (dmin *
- * m_j times the activations' 32-sums, by dp2a) come once per chunk.
- * m16n8k32 / m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75:
- * the fragments' registers are the same.
+ * a 256-column chunk are 64 contiguous bytes.  The weights are read once;
+ * their codes are the int8 operands as stored (Q6_K less 32), so decoding
+ * is a mask and a shift per 4 weights.  Each mma covers one scale's
+ * columns (k32 for Q4_K/Q5_K's 32, k16 for Q6_K's 16); its int32 sum times
+ * the row's integer scale is added up in int32 over the chunk, which is
+ * then scaled by d and the activation scale, less the K-quants' min term
+ * (dmin * m_j times the activations' 32-sums, by dp2a).  m16n8k32 /
+ * m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75: the
+ * fragments' registers are the same.
  *
- * A block is MMQ_WARPS warps of 16 rows each on one K range, its tokens'
- * activations of a chunk staged in shared memory a chunk ahead; when the row
- * blocks cannot fill the GPU, K is split over gridDim.y blocks, each writes
- * partial sums and the last to finish adds them in split order (an arrival
- * counter per row block, reset by that block), so the result is the same
- * bits every run.  Several weights on one input (q, k, v) are one launch. */
+ * A block is MMQ_WARPS warps of 16 rows each on one K range.  Two kernels
+ * feed it: on sm_80 and later a ring of cp.async stages in shared memory,
+ * each a chunk of the block's weights and activations, several chunks in
+ * flight (matmul_mmq_ring_kernel); on sm_75 (no cp.async, 64 KB) each
+ * lane loads its rows' next chunk into registers and the block stages
+ * the next activations while the present chunk multiplies
+ * (matmul_mmq_kernel).  When the row blocks cannot fill the GPU, K is
+ * split over gridDim.y blocks, each writes partial sums and the last to
+ * finish adds them in split order (an arrival counter per row block, reset
+ * by that block), so the result is the same bits every run.  Several
+ * weights on one input (q, k, v) are one launch. */
 #include "common.cuh"
 #include "matmul_group.cuh"
 
@@ -33,11 +36,6 @@
 #define MMQ_NTW_MAX 4
 #define MMQ_MIN_BLOCKS 3
 #define MMQ_XS 272 /* bytes a token's staged chunk takes in shared memory */
-
-/* 1.5 * 2^23: an int32 v with |v| < 2^22 added to its bits gives the float
- * 1.5 * 2^23 + v exactly. */
-#define MMQ_MAGIC_I 0x4B400000
-#define MMQ_MAGIC_F 12582912.0f
 
 __device__ unsigned int mmq_counters[MMQ_COUNTERS];
 
@@ -133,46 +131,52 @@ __device__ __forceinline__ void mmq_mma_k16(int (&c)[4], uint32_t a0, uint32_t a
 #endif
 }
 
-__device__ __forceinline__ uint32_t mmq_ld32(const uint8_t *p) { return __ldg((const unsigned int *)p); }
-
-/* Byte k of w as a float, exactly (unsigned; signed for the _s form). */
-__device__ __forceinline__ float mmq_byte_f(uint32_t w, int k) {
-    return __uint_as_float(0x4B000000u | ((w >> (8 * k)) & 255u)) - 8388608.0f;
-}
-__device__ __forceinline__ float mmq_sbyte_f(uint32_t w, int k) {
-    const int v = (int)(w << (24 - 8 * k)) >> 24;
-    return __int_as_float(MMQ_MAGIC_I + v) - MMQ_MAGIC_F;
-}
-
 /* ---- Weights: what one lane holds of its two rows' chunk, and how a
  * pair of 32-column blocks (Q6_K: of 16-column halves, four scales)
- * becomes A fragments and scales ---- */
+ * becomes A fragments and integer scales.  G: from global memory (the
+ * register kernel), else from a stage of shared memory (the ring) ---- */
+template <bool G> __device__ __forceinline__ uint32_t mmq_w32(const uint8_t *p) {
+    if constexpr (G) return __ldg((const unsigned int *)p);
+    else return *(const uint32_t *)p;
+}
+template <bool G> __device__ __forceinline__ uint4 mmq_w128(const uint8_t *p) {
+    if constexpr (G) return __ldg((const uint4 *)p);
+    else return *(const uint4 *)p;
+}
+
 template <int T> struct mmq_w;
 
 /* Q4_K and Q5_K: the 16-byte head (d, dmin, 12 scale bytes) and, for pair
  * p (columns 64 p ..), qs bytes 32 p + 4 t .. (lo) and 32 p + 16 + 4 t ..
  * (hi): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
- * bits from qh bytes 4 t .. and 16 + 4 t ... */
+ * bits from qh bytes 4 t .. and 16 + 4 t ...  A ring stage holds a row's
+ * chunk as stored (SROW bytes). */
 template <int T> struct mmq_wk {
     static constexpr int BYTES = T == DTYPE_Q5_K ? 176 : 144;
+    static constexpr int SROW = BYTES;
     static constexpr int QS = T == DTYPE_Q5_K ? 48 : 16;
     static constexpr bool MIN = true;
     static constexpr int KPP = 2; /* mma per pair */
     uint4 h;
     uint32_t lo[4], hi[4], qa, qb;
 
-    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
-        const uint8_t *b = row + (size_t)s * BYTES;
-        h = __ldg((const uint4 *)b);
+    template <bool G> __device__ __forceinline__ void from(const uint8_t *b, int t) {
+        h = mmq_w128<G>(b);
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            lo[p] = mmq_ld32(b + QS + 32 * p + 4 * t);
-            hi[p] = mmq_ld32(b + QS + 32 * p + 16 + 4 * t);
+            lo[p] = mmq_w32<G>(b + QS + 32 * p + 4 * t);
+            hi[p] = mmq_w32<G>(b + QS + 32 * p + 16 + 4 * t);
         }
         if (T == DTYPE_Q5_K) {
-            qa = mmq_ld32(b + 16 + 4 * t);
-            qb = mmq_ld32(b + 16 + 16 + 4 * t);
+            qa = mmq_w32<G>(b + 16 + 4 * t);
+            qb = mmq_w32<G>(b + 16 + 16 + 4 * t);
         }
+    }
+    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
+        from<true>(row + (size_t)s * BYTES, t);
+    }
+    __device__ __forceinline__ void load_stage(const uint8_t *srow, const uint8_t *, int, int t) {
+        from<false>(srow, t);
     }
     /* Block 2p + k's codes: a0 columns 4 t .., a2 columns 16 + 4 t .. */
     __device__ __forceinline__ void codes(int p, int k, uint32_t &c0, uint32_t &c2) const {
@@ -189,6 +193,7 @@ template <int T> struct mmq_wk {
     __device__ __forceinline__ uint32_t sc(int half) const {
         return half == 0 ? h.y & 0x3F3F3F3Fu : (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
     }
+    __device__ __forceinline__ int sci(int j) const { return (int)((sc(j >> 2) >> (8 * (j & 3))) & 255u); }
     __device__ __forceinline__ uint32_t mins(int half) const {
         return half == 0 ? h.z & 0x3F3F3F3Fu : ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
     }
@@ -200,22 +205,33 @@ template <> struct mmq_w<DTYPE_Q5_K> : mmq_wk<DTYPE_Q5_K> {};
  * chunk, ql words 64 h + 16 k + 4 t (k < 4) and qh words 32 h + 16 k + 4 t
  * (k < 2); 16 scale bytes; d.  Pair p is h = p / 2, quarters 2 (p & 1)
  * and 2 (p & 1) + 1; quarter q's 32 columns are 128 h + 32 q .., its
- * halves' scales 8 h + 2 q and 8 h + 2 q + 1. */
+ * halves' scales 8 h + 2 q and 8 h + 2 q + 1.  A ring stage holds a row's
+ * chunk as ql, qh, scales (SROW bytes), and the pair of d of chunks
+ * s & ~1 and s | 1 apart. */
 template <> struct mmq_w<DTYPE_Q6_K> {
     static constexpr bool MIN = false;
     static constexpr int KPP = 4;
+    static constexpr int SROW = 208;
     uint32_t L[8], H[4];
     uint4 scb;
     uint32_t dh;
 
+    template <bool G> __device__ __forceinline__ void from(const uint8_t *ql, const uint8_t *qh, const uint8_t *sc,
+                                                           int t) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) L[k] = mmq_w32<G>(ql + 16 * k + 4 * t);
+#pragma unroll
+        for (int k = 0; k < 4; k++) H[k] = mmq_w32<G>(qh + 16 * k + 4 * t);
+        scb = mmq_w128<G>(sc);
+    }
     __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t cols) {
-        const uint8_t *ql = row + (size_t)s * 128, *qh = row + q6s_qh_off(cols) + (size_t)s * 64;
-#pragma unroll
-        for (int k = 0; k < 8; k++) L[k] = mmq_ld32(ql + 16 * k + 4 * t);
-#pragma unroll
-        for (int k = 0; k < 4; k++) H[k] = mmq_ld32(qh + 16 * k + 4 * t);
-        scb = __ldg((const uint4 *)(row + q6s_sc_off(cols) + (size_t)s * 16));
+        from<true>(row + (size_t)s * 128, row + q6s_qh_off(cols) + (size_t)s * 64, row + q6s_sc_off(cols) + (size_t)s * 16,
+                   t);
         dh = __ldg((const unsigned short *)(row + q6s_d_off(cols)) + s);
+    }
+    __device__ __forceinline__ void load_stage(const uint8_t *srow, const uint8_t *sd, int s, int t) {
+        from<false>(srow, srow + 128, srow + 192, t);
+        dh = ((const unsigned short *)sd)[s & 1];
     }
     /* Quarter q of half h, column half e: codes less 32, as int8. */
     __device__ __forceinline__ uint32_t codes(int h, int q, int e) const {
@@ -227,6 +243,8 @@ template <> struct mmq_w<DTYPE_Q6_K> {
     __device__ __forceinline__ uint32_t scw(int k) const {
         return k == 0 ? scb.x : k == 1 ? scb.y : k == 2 ? scb.z : scb.w;
     }
+    /* Signed scale byte k of word p. */
+    __device__ __forceinline__ int sci(int p, int k) const { return (int)(scw(p) << (24 - 8 * k)) >> 24; }
 };
 
 struct mmq_args {
@@ -239,6 +257,150 @@ struct mmq_args {
     int64_t cols;
     size_t rb;        /* bytes a weight row */
 };
+
+/* One chunk of a warp's two rows (cw) against NT tiles of 8 tokens whose
+ * activations sxq (token rows of MMQ_XS bytes), sxd (scales) and sxb
+ * (32-sums) hold.  Each mma's int32 sum is multiplied by its row's integer
+ * scale and added up in int32 over the chunk (|sum| < 2^27 for every type),
+ * which then is scaled once by d, the token's scale, and less the min
+ * term. */
+template <int T, int NT>
+__device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t *sxq, const float *sxd,
+                                          const uint4 *sxb, int g, int t, float (&acc)[NT][4]) {
+    int isum[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) isum[nt][e] = 0;
+    const int8_t *xs = sxq + t * 64;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint32_t fa[mmq_w<T>::KPP][4];
+        int sc[mmq_w<T>::KPP][2];
+        if constexpr (T == DTYPE_Q6_K) {
+            const int h = p >> 1;
+#pragma unroll
+            for (int k = 0; k < 4; k++) { /* quarter 2 (p & 1) + k / 2, column half k & 1 */
+                /* Its scale is 8 h + 2 q + e = 4 p + k, as its activation word. */
+                const int q = 2 * (p & 1) + (k >> 1), e = k & 1;
+                fa[k][0] = cw[0].codes(h, q, e);
+                fa[k][1] = cw[1].codes(h, q, e);
+                sc[k][0] = cw[0].sci(p, k);
+                sc[k][1] = cw[1].sci(p, k);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                cw[0].codes(p, k, fa[k][0], fa[k][2]);
+                cw[1].codes(p, k, fa[k][1], fa[k][3]);
+                sc[k][0] = cw[0].sci(2 * p + k);
+                sc[k][1] = cw[1].sci(2 * p + k);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint4 b = *(const uint4 *)(xs + (nt * 8 + g) * MMQ_XS + 16 * p);
+#pragma unroll
+            for (int k = 0; k < mmq_w<T>::KPP; k++) {
+                int c[4] = {0, 0, 0, 0};
+                if constexpr (T == DTYPE_Q6_K) {
+                    const uint32_t bw = k == 0 ? b.x : k == 1 ? b.y : k == 2 ? b.z : b.w;
+                    mmq_mma_k16(c, fa[k][0], fa[k][1], bw);
+                } else {
+                    mmq_mma_k32(c, fa[k], k == 0 ? b.x : b.z, k == 0 ? b.y : b.w);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) isum[nt][e] += sc[k][e >> 1] * c[e];
+            }
+        }
+    }
+    /* The chunk's row and activation scales, and the min term. */
+    const float d[2] = {cw[0].d(), cw[1].d()};
+    float dm[2] = {0.0f, 0.0f};
+    uint32_t m03[2] = {0, 0}, m47[2] = {0, 0};
+    if constexpr (mmq_w<T>::MIN) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            dm[r] = cw[r].dmin();
+            m03[r] = cw[r].mins(0);
+            m47[r] = cw[r].mins(1);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int tl = nt * 8 + 2 * t + j;
+            const float dx = sxd[tl];
+            uint4 bs = make_uint4(0, 0, 0, 0);
+            if constexpr (mmq_w<T>::MIN) bs = sxb[tl];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float v = d[r] * (float)isum[nt][2 * r + j];
+                if constexpr (mmq_w<T>::MIN) {
+                    int mi = __dp2a_lo((int)bs.x, (int)m03[r], 0);
+                    mi = __dp2a_hi((int)bs.y, (int)m03[r], mi);
+                    mi = __dp2a_lo((int)bs.z, (int)m47[r], mi);
+                    mi = __dp2a_hi((int)bs.w, (int)m47[r], mi);
+                    v = fmaf(-dm[r], (float)mi, v);
+                }
+                acc[nt][2 * r + j] = fmaf(dx, v, acc[nt][2 * r + j]);
+            }
+        }
+    }
+}
+
+/* The block's sums to out: straight, or with K split this split's partial
+ * sums, and the last block of the row block to arrive adds every split's
+ * in order.  Every thread of the block calls it. */
+template <int NT>
+__device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
+                                           const float (&acc)[NT][4]) {
+    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, n = a.n, rows = seg.rows;
+    if (gridDim.y == 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+                if (tok < n && row < rows) seg.out[(size_t)tok * rows + row] = acc[nt][e];
+            }
+        return;
+    }
+    size_t p0 = a.part0[0];
+#pragma unroll
+    for (int k = 1; k < MG_MAX; k++)
+        if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
+    float *part = a.part + p0;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
+            if (tok < n && row < rows) part[((size_t)blockIdx.y * n + tok) * rows + row] = acc[nt][e];
+        }
+    __shared__ unsigned int last;
+    __threadfence(); /* partials visible before the arrival is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int prev = atomicAdd(&mmq_counters[blockIdx.x], 1u);
+        last = prev == gridDim.y - 1;
+        if (last) mmq_counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, ntok = min(8 * NT, n - tok0);
+    for (int i = threadIdx.x; i < ntok * MMQ_ROWS; i += MMQ_WARPS * 32) {
+        const int tok = tok0 + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
+        if (row >= rows) continue;
+        float v = 0.0f;
+        for (int k = 0; k < ks; k++) v += __ldcg(part + ((size_t)k * n + tok) * rows + row);
+        seg.out[(size_t)tok * rows + row] = v;
+    }
+}
+
+/* ---- The register kernel (sm_75, and where the ring does not fit) ---- */
 
 /* This thread's part of the block's activations of chunk s, tokens tok0 ..
  * tok0 + 8 NT (clamped to n - 1): NT 16-byte pieces of the codes, and for
@@ -276,7 +438,8 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
  * above 32 tokens two blocks side by side in the grid take the two
  * halves of the tokens of one row block, so that neither holds 64 sums a
  * lane, and the second reads the weights from L2 as the first brings
- * them in. */
+ * them in.  Each lane loads its rows' next chunk into registers while the
+ * present one multiplies. */
 template <int T, int NT>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_kernel(const mmq_args a) {
     pdl_begin();
@@ -321,90 +484,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
             nw[1].load(w1, s + 1, t, a.cols);
             mmq_x_load<NT>(a.a, n, s + 1, tok0, px, pd, pb);
         }
-        float sub[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) sub[nt][e] = 0.0f;
-        const int8_t *xs = sxq[buf] + t * 64;
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            /* This pair's A fragments and each mma's row scales. */
-            uint32_t fa[mmq_w<T>::KPP][4];
-            float sc[mmq_w<T>::KPP][2];
-            if constexpr (T == DTYPE_Q6_K) {
-                const int h = p >> 1;
-#pragma unroll
-                for (int k = 0; k < 4; k++) { /* quarter 2 (p & 1) + k / 2, column half k & 1 */
-                    /* Its scale is 8 h + 2 q + e = 4 p + k, as its activation word. */
-                    const int q = 2 * (p & 1) + (k >> 1), e = k & 1;
-                    fa[k][0] = cw[0].codes(h, q, e);
-                    fa[k][1] = cw[1].codes(h, q, e);
-                    sc[k][0] = cw[0].d() * mmq_sbyte_f(cw[0].scw(p), k);
-                    sc[k][1] = cw[1].d() * mmq_sbyte_f(cw[1].scw(p), k);
-                }
-            } else {
-#pragma unroll
-                for (int k = 0; k < 2; k++) {
-                    cw[0].codes(p, k, fa[k][0], fa[k][2]);
-                    cw[1].codes(p, k, fa[k][1], fa[k][3]);
-                    const int j = 2 * p + k;
-                    sc[k][0] = cw[0].d() * mmq_byte_f(cw[0].sc(j >> 2), j & 3);
-                    sc[k][1] = cw[1].d() * mmq_byte_f(cw[1].sc(j >> 2), j & 3);
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const uint4 b = *(const uint4 *)(xs + (nt * 8 + g) * MMQ_XS + 16 * p);
-#pragma unroll
-                for (int k = 0; k < mmq_w<T>::KPP; k++) {
-                    int c[4] = {MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I, MMQ_MAGIC_I};
-                    if constexpr (T == DTYPE_Q6_K) {
-                        const uint32_t bw = k == 0 ? b.x : k == 1 ? b.y : k == 2 ? b.z : b.w;
-                        mmq_mma_k16(c, fa[k][0], fa[k][1], bw);
-                    } else {
-                        mmq_mma_k32(c, fa[k], k == 0 ? b.x : b.z, k == 0 ? b.y : b.w);
-                    }
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        sub[nt][e] = fmaf(sc[k][e >> 1], __int_as_float(c[e]) - MMQ_MAGIC_F, sub[nt][e]);
-                }
-            }
-        }
-        /* The chunk's activation scales, and the min term. */
-        float dm[2] = {0.0f, 0.0f};
-        uint32_t m03[2] = {0, 0}, m47[2] = {0, 0};
-        if constexpr (mmq_w<T>::MIN) {
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                dm[r] = cw[r].dmin();
-                m03[r] = cw[r].mins(0);
-                m47[r] = cw[r].mins(1);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int tl = nt * 8 + 2 * t + j;
-                const float dx = sxd[buf][tl];
-                if constexpr (mmq_w<T>::MIN) {
-                    const uint4 bs = sxb[buf][tl];
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        int mi = __dp2a_lo((int)bs.x, (int)m03[r], 0);
-                        mi = __dp2a_hi((int)bs.y, (int)m03[r], mi);
-                        mi = __dp2a_lo((int)bs.z, (int)m47[r], mi);
-                        mi = __dp2a_hi((int)bs.w, (int)m47[r], mi);
-                        const float mf = __int_as_float(MMQ_MAGIC_I + mi) - MMQ_MAGIC_F;
-                        acc[nt][2 * r + j] = fmaf(dx, fmaf(-dm[r], mf, sub[nt][2 * r + j]), acc[nt][2 * r + j]);
-                    }
-                } else {
-#pragma unroll
-                    for (int r = 0; r < 2; r++) acc[nt][2 * r + j] = fmaf(dx, sub[nt][2 * r + j], acc[nt][2 * r + j]);
-                }
-            }
-        }
+        mmq_chunk<T, NT>(cw, sxq[buf], sxd[buf], sxb[buf], g, t, acc);
         if (s + 1 < s1) {
             cw[0] = nw[0];
             cw[1] = nw[1];
@@ -414,61 +494,175 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
         }
         __syncthreads();
     }
+    mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
+}
 
-    const int rows = seg.rows;
-    if (gridDim.y == 1) {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
-                if (tok < n && row < rows) seg.out[(size_t)tok * rows + row] = acc[nt][e];
-            }
-        return;
+/* ---- The ring kernel (sm_80 and later): cp.async into S stages of
+ * shared memory, each one chunk of the block's 64 rows (as stored; Q6_K's
+ * d pairs after them) and of its tokens' activations, so that S - 1
+ * chunks are in flight while one multiplies.  The weights of the first
+ * stages are asked for before the wait for the kernel before (they do not
+ * depend on it). ---- */
+#define MMQ_RING_BYTES 77824 /* a block's stages: three blocks fit an H100's or H200's multiprocessor */
+#define MMQ_RING_STAGES_MAX 6
+
+template <int T, int NT> struct mmq_ring {
+    static constexpr int W = MMQ_ROWS * mmq_w<T>::SROW + (T == DTYPE_Q6_K ? MMQ_ROWS * 4 : 0);
+    static constexpr int TOK = 8 * NT;
+    static constexpr int XQ = W, XD = XQ + TOK * MMQ_XS, XB = XD + TOK * 4;
+    static constexpr int STAGE = XB + TOK * 16;
+    static constexpr int S0 = MMQ_RING_BYTES / STAGE;
+    static constexpr int S = S0 > MMQ_RING_STAGES_MAX ? MMQ_RING_STAGES_MAX : S0;
+    static constexpr int BYTES = S * STAGE;
+    static_assert(S >= 3, "a ring of fewer than three stages");
+    static_assert(W % 16 == 0 && XD % 16 == 0 && XB % 16 == 0 && STAGE % 16 == 0, "stage alignment");
+};
+
+__device__ __forceinline__ void mmq_cp16(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src));
+#endif
+}
+__device__ __forceinline__ void mmq_cp4(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src));
+#endif
+}
+__device__ __forceinline__ void mmq_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void mmq_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* The block's 64 rows of chunk s into stage st (rows past the weight's
+ * last read its last again). */
+template <int T>
+__device__ __forceinline__ void mmq_ring_w(uint8_t *st, const mg_seg &seg, int rbase, size_t rb, int64_t cols, int s) {
+    constexpr int SROW = mmq_w<T>::SROW, PR = SROW / 16;
+    for (int i = threadIdx.x; i < MMQ_ROWS * PR; i += MMQ_WARPS * 32) {
+        const int r = i / PR, q = i % PR;
+        const uint8_t *row = seg.w + (size_t)min(rbase + r, seg.rows - 1) * rb;
+        const uint8_t *src;
+        if constexpr (T == DTYPE_Q6_K)
+            src = q < 8 ? row + (size_t)s * 128 + 16 * q
+                : q < 12 ? row + q6s_qh_off(cols) + (size_t)s * 64 + 16 * (q - 8)
+                         : row + q6s_sc_off(cols) + (size_t)s * 16;
+        else
+            src = row + (size_t)s * SROW + 16 * q;
+        mmq_cp16(st + r * SROW + 16 * q, src);
     }
-    /* Split K: this split's partial sums, then the last block of the row
-     * block adds every split's in order. */
-    size_t p0 = a.part0[0];
-#pragma unroll
-    for (int k = 1; k < MG_MAX; k++)
-        if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
-    float *part = a.part + p0;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
-            if (tok < n && row < rows) part[((size_t)blockIdx.y * n + tok) * rows + row] = acc[nt][e];
+    if constexpr (T == DTYPE_Q6_K)
+        if ((int)threadIdx.x < MMQ_ROWS) {
+            const uint8_t *row = seg.w + (size_t)min(rbase + (int)threadIdx.x, seg.rows - 1) * rb;
+            mmq_cp4(st + MMQ_ROWS * SROW + 4 * threadIdx.x, row + q6s_d_off(cols) + 4 * (size_t)(s >> 1));
         }
-    __shared__ unsigned int last;
-    __threadfence(); /* partials visible before the arrival is counted */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int prev = atomicAdd(&mmq_counters[blockIdx.x], 1u);
-        last = prev == gridDim.y - 1;
-        if (last) mmq_counters[blockIdx.x] = 0;
+}
+
+/* The block's tokens' activations of chunk s into stage st. */
+template <int T, int NT>
+__device__ __forceinline__ void mmq_ring_x(uint8_t *st, const mmq_act &x, int n, int s, int tok0) {
+    using R = mmq_ring<T, NT>;
+    for (int i = threadIdx.x; i < R::TOK * 16; i += MMQ_WARPS * 32) {
+        const int tok = min(tok0 + i / 16, n - 1);
+        mmq_cp16(st + R::XQ + (i / 16) * MMQ_XS + 16 * (i % 16), x.xq + ((size_t)s * n + tok) * 256 + 16 * (i % 16));
     }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, ntok = min(8 * NT, n - tok0);
-    for (int i = threadIdx.x; i < ntok * MMQ_ROWS; i += MMQ_WARPS * 32) {
-        const int tok = tok0 + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
-        if (row >= rows) continue;
-        float v = 0.0f;
-        for (int k = 0; k < ks; k++) v += __ldcg(part + ((size_t)k * n + tok) * rows + row);
-        seg.out[(size_t)tok * rows + row] = v;
+    if ((int)threadIdx.x < R::TOK) {
+        const size_t bi = (size_t)s * n + min(tok0 + (int)threadIdx.x, n - 1);
+        mmq_cp4(st + R::XD + 4 * threadIdx.x, x.xd + bi);
+        mmq_cp16(st + R::XB + 16 * threadIdx.x, x.xb + bi * 8);
     }
 }
 
 template <int T, int NT>
-static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    static int per_sm[64];
+__global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ring_kernel(const mmq_args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using R = mmq_ring<T, NT>;
+    extern __shared__ __align__(16) uint8_t mmq_smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
+    const mg_seg seg = mg_seg_locate(a.g, bx);
+    const int rbase = (bx - seg.u0) * MMQ_ROWS, row0 = rbase + warp * 16;
+    const int n = a.n;
+    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
+    /* Groups: the first holds the weights of stages 0 .. S - 2 and the
+     * activations of stage 0, group i the activations of stage i. */
+#pragma unroll
+    for (int i = 0; i < R::S - 1; i++)
+        if (s0 + i < s1) mmq_ring_w<T>(mmq_smem + i * R::STAGE, seg, rbase, a.rb, a.cols, s0 + i);
+    pdl_begin();
+#pragma unroll
+    for (int i = 0; i < R::S - 1; i++) {
+        if (s0 + i < s1) mmq_ring_x<T, NT>(mmq_smem + i * R::STAGE, a.a, n, s0 + i, tok0);
+        mmq_commit();
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+    for (int s = s0; s < s1; s++) {
+        mmq_wait<R::S - 2>();
+        __syncthreads(); /* stage s ready for all; stage s - 1 read by all */
+        const int nx = s + R::S - 1;
+        if (nx < s1) {
+            uint8_t *st = mmq_smem + ((nx - s0) % R::S) * R::STAGE;
+            mmq_ring_w<T>(st, seg, rbase, a.rb, a.cols, nx);
+            mmq_ring_x<T, NT>(st, a.a, n, nx, tok0);
+        }
+        mmq_commit();
+        const uint8_t *st = mmq_smem + ((s - s0) % R::S) * R::STAGE;
+        constexpr int SROW = mmq_w<T>::SROW;
+        mmq_w<T> cw[2];
+        const uint8_t *sd = st + MMQ_ROWS * SROW;
+        cw[0].load_stage(st + (warp * 16 + g) * SROW, sd + 4 * (warp * 16 + g), s, t);
+        cw[1].load_stage(st + (warp * 16 + g + 8) * SROW, sd + 4 * (warp * 16 + g + 8), s, t);
+        mmq_chunk<T, NT>(cw, (const int8_t *)(st + R::XQ), (const float *)(st + R::XD), (const uint4 *)(st + R::XB),
+                         g, t, acc);
+    }
+    mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
+#else
+    __trap(); /* no cp.async: never launched here (ctx->mmq_ring needs sm_80) */
+#endif
+}
+
+/* *blocks: blocks of kernel resident on one multiprocessor with smem
+ * bytes of dynamic shared memory (which it is allowed once), kept per
+ * device in per_sm (0: not asked yet; at least 1 once asked). */
+template <typename K>
+static int mmq_per_sm(struct cuda_ctx *ctx, K kernel, int smem, int (&per_sm)[64], int *blocks) {
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     if (!per_sm[dev]) {
+        if (smem > 0)
+            CUDA_CHECK(ctx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mmq_kernel<T, NT>, MMQ_WARPS * 32, 0));
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, (size_t)smem));
         per_sm[dev] = b > 0 ? b : 1;
+    }
+    *blocks = per_sm[dev];
+    return STATUS_OK;
+}
+
+template <int T, int NT>
+static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+    static int per_sm_reg[64], per_sm_ring[64];
+    /* The ring where the card has cp.async and room for two of its blocks
+     * a multiprocessor; else the register kernel. */
+    int per_sm = 0, ring = 0, rc;
+    if (ctx->mmq_ring) {
+        rc = mmq_per_sm(ctx, matmul_mmq_ring_kernel<T, NT>, mmq_ring<T, NT>::BYTES, per_sm_ring, &per_sm);
+        if (rc != STATUS_OK) return rc;
+        ring = per_sm >= 2;
+    }
+    if (!ring) {
+        rc = mmq_per_sm(ctx, matmul_mmq_kernel<T, NT>, 0, per_sm_reg, &per_sm);
+        if (rc != STATUS_OK) return rc;
     }
     int rbs = 0;
     for (int s = 0; s < g.n; s++) {
@@ -480,7 +674,7 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
     /* Split K as far as the blocks still fit the resident slots in one
      * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
-    const int n_sb = (int)(cols / 256), slots = per_sm[dev] * ctx->n_sms;
+    const int n_sb = (int)(cols / 256), slots = per_sm * ctx->n_sms;
     int ks = rbs * th >= slots ? 1 : slots / (rbs * th);
     if (ks > MMQ_SPLIT_MAX) ks = MMQ_SPLIT_MAX;
     if (ks > n_sb) ks = n_sb;
@@ -516,8 +710,12 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
                                     (int16_t *)a.a.xb, n, (int)cols, items));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
-    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT>), dim3((unsigned)(rbs * th), (unsigned)ks),
-                                dim3(MMQ_WARPS * 32), 0, a));
+    const dim3 grid((unsigned)(rbs * th), (unsigned)ks);
+    if (ring)
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_ring_kernel<T, NT>), grid, dim3(MMQ_WARPS * 32),
+                                    (size_t)mmq_ring<T, NT>::BYTES, a));
+    else
+        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT>), grid, dim3(MMQ_WARPS * 32), 0, a));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -540,17 +738,22 @@ extern "C" int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type
            (type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K) && cols % 256 == 0 && cols <= INT32_MAX;
 }
 
-extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
-                               const float *x, int32_t n) {
-    if (!cuda_matmul_mmq_takes(ctx, type, cols, n) || g->swiglu || (uintptr_t)x % 16 != 0) return CUDA_NOT_FUSED;
+extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const struct mm_group *g, enum dtype type,
+                                           int64_t cols, const float *x, int32_t n) {
+    if (!cuda_matmul_mmq_takes(ctx, type, cols, n) || (uintptr_t)x % 16 != 0) return 0;
     int64_t rows = 0;
     for (int s = 0; s < g->n; s++) {
-        if ((uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
+        if ((uintptr_t)g->w[s] % 16 != 0) return 0;
         rows += g->rows[s];
     }
     /* Fewer rows than fill the GPU without splitting K far: the other
      * kernels measured faster there (4096 x 4096 at every batch). */
-    if (rows < ctx->mmq_rows) return CUDA_NOT_FUSED;
+    return rows >= ctx->mmq_rows;
+}
+
+extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
+                               const float *x, int32_t n) {
+    if (g->swiglu || !cuda_matmul_mmq_group_takes(ctx, g, type, cols, x, n)) return CUDA_NOT_FUSED;
     switch (type) {
     case DTYPE_Q4_K: return mmq_launch<DTYPE_Q4_K>(ctx, *g, cols, x, n);
     case DTYPE_Q5_K: return mmq_launch<DTYPE_Q5_K>(ctx, *g, cols, x, n);
