@@ -255,9 +255,10 @@ int proto_status_from_code(Llm__Error__Code code) {
     case LLM__ERROR__CODE__RESOURCE_EXHAUSTED: return STATUS_EXHAUSTED;
     case LLM__ERROR__CODE__UNIMPLEMENTED: return STATUS_UNSUPPORTED;
     case LLM__ERROR__CODE__UNAVAILABLE: return STATUS_UNAVAILABLE;
-    /* ALREADY_EXISTS, FAILED_PRECONDITION, ABORTED: the request was well
-     * formed but cannot go on; the message says why. */
+    /* ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION, ABORTED: the
+     * request was well formed but cannot go on; the message says why. */
     case LLM__ERROR__CODE__ALREADY_EXISTS:
+    case LLM__ERROR__CODE__PERMISSION_DENIED:
     case LLM__ERROR__CODE__FAILED_PRECONDITION: return STATUS_BAD_INPUT;
     case LLM__ERROR__CODE__ABORTED: return STATUS_CANCELLED;
     default: return STATUS_INTERNAL;

@@ -31,6 +31,7 @@ struct cl_up {
     const char *model, *redis, *run_dir, *device, *log_level, *router_args, *worker_args, *api_keys_file;
     const char *chat_template; /* the gateway's --chat-template, NULL for the model's own */
     int pipelines, stages, port, threads, timeout_s, kv_blocks, http_port, routers;
+    int drain_timeout_s; /* scale: how long the router lets drained pipelines finish their sequences */
     bool insecure;
     char dir[PATH_MAX];     /* run dir, absolute */
     char bin_router[PATH_MAX], bin_worker[PATH_MAX], bin_redis[PATH_MAX], bin_gateway[PATH_MAX];

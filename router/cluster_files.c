@@ -263,7 +263,8 @@ int cl_worker_key_ensure(const char *dir, const char *name, char *err, size_t er
     return cl_key_ensure(sub, name, err, errlen);
 }
 
-/* Keys for the router, one client (env.sh's) and each worker. */
+/* Keys for the router, one client (env.sh's), llm-cluster's admin key
+ * (keys/admin/cluster.key) and each worker. */
 int cl_make_keys(struct cl_up *u, char *err, size_t errlen) {
     char dir[PATH_MAX + 32], sub[PATH_MAX + 48];
     cl_fmt(dir, sizeof dir, "%s/keys", u->dir);
@@ -275,6 +276,9 @@ int cl_make_keys(struct cl_up *u, char *err, size_t errlen) {
     cl_fmt(sub, sizeof sub, "%s/clients", dir);
     if (rc == 0) rc = cl_key_ensure(sub, "client", err, errlen);
     if (rc == 0 && u->http_port > 0) rc = cl_key_ensure(sub, "gateway", err, errlen);
+    /* llm-cluster's own admin key (scale drains pipelines with it). */
+    cl_fmt(sub, sizeof sub, "%s/admin", dir);
+    if (rc == 0) rc = cl_key_ensure(sub, "cluster", err, errlen);
     cl_fmt(sub, sizeof sub, "%s/workers", dir);
     for (int p = 0; rc == 0 && p < u->pipelines; p++) {
         for (int s = 0; rc == 0 && s < u->stages; s++) {

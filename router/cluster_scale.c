@@ -3,11 +3,12 @@
  * `up` starts them (a key each, admitted by the routers on SIGHUP; the same
  * device, threads, Redis and extra words) and the command returns once the
  * router has them in service.  Fewer: the pipelines with the highest ids
- * drain, as Kubernetes removes the highest LeaderWorkerSet group: their
- * workers get SIGTERM and report DRAINING, the router places nothing more
- * on them and hands their sequences to the pipelines that stay (nothing is
- * lost, docs/router.md), they finish the plans they hold and exit, and
- * their keys leave the allowlists. */
+ * drain, as Kubernetes removes the highest LeaderWorkerSet group: first the
+ * router, asked with llm-cluster's admin key (DrainRequest), places nothing
+ * more on them and lets the sequences they run finish there, up to
+ * --drain-timeout-s; then their workers get SIGTERM, report DRAINING (the
+ * router hands what still runs there to the pipelines that stay: nothing is
+ * lost, docs/router.md) and exit, and their keys leave the allowlists. */
 #include "router/cluster-impl.h"
 
 #include "common/status.h"
@@ -243,6 +244,75 @@ static int cl_scale_out(struct cl_up *u, struct cl_pipes *ps, char *err, size_t 
     return cl_retarget(u, none, err, errlen);
 }
 
+/* Asks the router to drain the pipelines in gone (DrainRequest with
+ * llm-cluster's admin key) and waits until they run nothing, at most
+ * u->drain_timeout_s.  Whatever stops it (an older run dir without the
+ * key, a router that does not know them, the time) is said on stdout: the
+ * SIGTERM after it moves what still runs, so nothing is lost either way. */
+static void cl_drain_router(struct cl_up *u, const bool *gone) {
+    uint32_t ids[CL_PIPELINES_MAX];
+    size_t n = 0;
+    for (int p = 0; p < CL_PIPELINES_MAX; p++)
+        if (gone[p]) ids[n++] = (uint32_t)p;
+    char path[PATH_MAX + 32], key[PATH_MAX + 64], router_key[PATH_MAX + 64];
+    cl_fmt(path, sizeof path, "%s/endpoint", u->dir);
+    cl_last_line(path, u->endpoint, sizeof u->endpoint);
+    const char *eps[1] = {u->endpoint};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.reply_timeout_ms = 2000;
+    cfg.retry_ms = 5000;
+    cl_client_keys(u->dir, &cfg, key, router_key, sizeof key);
+    if (!cfg.insecure) {
+        cl_key_path(key, sizeof key, u->dir, "admin/cluster.key");
+        if (access(key, R_OK) != 0) {
+            printf("no admin key (%s: an older llm-cluster up): the SIGTERM alone drains, moving what runs\n", key);
+            return;
+        }
+    }
+    llm_client *c;
+    char err[512];
+    if (!u->endpoint[0] || llm_client_open(&c, &cfg, err, sizeof err) < 0) {
+        printf("cannot reach the router to drain (%s): the SIGTERM alone drains, moving what runs\n",
+               u->endpoint[0] ? err : "no endpoint file");
+        return;
+    }
+    int64_t t0 = cl_now_ms(), end = t0 + (int64_t)u->drain_timeout_s * 1000;
+    uint32_t running = 0, first_running = 0;
+    for (int round = 0;; round++) {
+        Llm__ClientEnvelope *env = NULL;
+        if (llm_client_drain(c, ids, n, false, &env) < 0) {
+            printf("the router refused the drain (%s): the SIGTERM alone drains, moving what runs\n",
+                   llm_client_errstr(c));
+            break;
+        }
+        const Llm__DrainReply *r = env->drain_reply;
+        bool idle = true;
+        running = 0;
+        for (size_t i = 0; i < r->n_pipelines; i++) {
+            idle = idle && r->pipelines[i]->idle;
+            running += r->pipelines[i]->running;
+        }
+        proto_client_free(env);
+        if (round == 0) first_running = running;
+        if (idle) {
+            printf("router: no new work to them since %.1f s; the %u sequences they ran finished there\n",
+                   (double)(cl_now_ms() - t0) / 1000.0, first_running);
+            break;
+        }
+        if (cl_now_ms() > end) {
+            printf("router: after --drain-timeout-s %d, %u sequences still run there: the SIGTERM moves them to the "
+                   "pipelines that stay\n", u->drain_timeout_s, running);
+            break;
+        }
+        cl_sleep_ms(100);
+    }
+    llm_client_close(c);
+    fflush(stdout);
+}
+
 static int cl_scale_in(struct cl_up *u, struct cl_pipes *ps, char *err, size_t errlen) {
     bool gone[CL_PIPELINES_MAX] = {false}, none[CL_PIPELINES_MAX] = {false};
     int removing = ps->n - u->pipelines;
@@ -251,12 +321,16 @@ static int cl_scale_in(struct cl_up *u, struct cl_pipes *ps, char *err, size_t e
         gone[p] = true;
         removing--;
     }
+    for (int p = 0; p < CL_PIPELINES_MAX; p++)
+        if (gone[p]) printf("pipeline %d: draining\n", p);
+    fflush(stdout);
+    cl_drain_router(u, gone);
     int64_t t0 = cl_now_ms();
     /* Every stage of a pipeline at once: one stage draining already
      * takes the whole pipeline out of service. */
     for (int p = 0; p < CL_PIPELINES_MAX; p++) {
         if (!gone[p]) continue;
-        printf("pipeline %d: draining (SIGTERM to its %d workers)\n", p, ps->alive[p]);
+        printf("pipeline %d: SIGTERM to its %d workers\n", p, ps->alive[p]);
         for (int i = 0; i < ps->n_pf; i++) {
             int wp, ws;
             if (cl_worker_name(ps->pf[i].name, &wp, &ws) && wp == p && cl_pid_is(ps->pf[i].pid, "llm-worker"))

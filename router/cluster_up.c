@@ -360,12 +360,13 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
         return rc;
     }
     char marker[PATH_MAX + 32], key_router[PATH_MAX + 64], keys_clients[PATH_MAX + 64],
-        keys_workers[PATH_MAX + 64];
+        keys_workers[PATH_MAX + 64], keys_admin[PATH_MAX + 64];
     cl_fmt(marker, sizeof marker, "%s/insecure", u->dir);
     cl_key_path(key_router, sizeof key_router, u->dir, "router.key");
     cl_key_path(u->pub_router, sizeof u->pub_router, u->dir, "router.pub");
     cl_key_path(keys_clients, sizeof keys_clients, u->dir, "clients");
     cl_key_path(keys_workers, sizeof keys_workers, u->dir, "workers");
+    cl_key_path(keys_admin, sizeof keys_admin, u->dir, "admin");
     if (u->insecure) {
         fprintf(stderr, "llm-cluster: --insecure: no keys; anyone who reaches the ports is served\n");
         cl_write_file(marker, "started with --insecure\n");
@@ -437,6 +438,8 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen) {
             argv[n++] = keys_clients;
             argv[n++] = "--worker-keys";
             argv[n++] = keys_workers;
+            argv[n++] = "--admin-keys";
+            argv[n++] = keys_admin;
         }
         if ((n = cl_add_words(argv, n, extra_r, err, errlen)) < 0) return STATUS_BAD_INPUT;
         argv[n] = NULL;

@@ -270,6 +270,10 @@ static int cl_scale(int argc, char **argv) {
         {"timeout-s", NULL, OPTION_INT, "300",
          "give up if the router does not show the change by then (new pipelines in service, removed ones gone)",
          &u->timeout_s, 1, 86400, NULL},
+        {"drain-timeout-s", NULL, OPTION_INT, "60",
+         "removing pipelines: how long their running sequences may finish there before the rest move to the others "
+         "(0: move them at once)",
+         &u->drain_timeout_s, 0, 86400, NULL},
     };
     struct options o = {"llm-cluster scale", "--pipelines N [--run-dir DIR]",
                         "Adds pipelines to the running cluster of the run dir (their workers started as up "

@@ -52,6 +52,10 @@ int main(int argc, char **argv) {
          "endpoint for workers (tcp://0.0.0.0:5556 for every interface)", &c.worker_listen, 0, 0, NULL},
         {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,
          "this router's CURVE key pair (NAME.key from llm keygen)", &c.curve_key_file, 0, 0, NULL},
+        {"admin-keys", "LLM_ADMIN_KEYS", OPTION_STRING, NULL,
+         "public keys that may also drain pipelines (admin messages): a list file or a directory of *.pub; "
+         "admitted as clients too. Unset: admin messages are refused",
+         &c.admin_keys, 0, 0, NULL},
         {"client-keys", "LLM_CLIENT_KEYS", OPTION_STRING, NULL,
          "public keys of the admitted clients: a list file or a directory of *.pub", &c.client_keys, 0, 0, NULL},
         {"worker-keys", "LLM_WORKER_KEYS", OPTION_STRING, NULL,

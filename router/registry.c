@@ -193,6 +193,7 @@ bool registry_pipeline_ready(const registry *r, struct pipeline *p) {
 
 bool registry_pipeline_draining(const registry *r, const struct pipeline *p) {
     (void)r;
+    if (p->drain) return true;
     for (uint32_t s = 0; s < p->stage_count; s++)
         if (p->stage[s] && p->stage[s]->state == WORKER_DRAINING) return true;
     return false;

@@ -68,6 +68,7 @@ struct pipeline {
     uint64_t epoch;    /* changes whenever its membership changes */
     bool announce;     /* whole with a new epoch: tell every stage (RegisterReply) */
     char problem[256]; /* why a whole pipeline cannot serve ("" when it can) */
+    bool drain;        /* an admin's DrainRequest: no new work placed here (registry_pipeline_draining) */
     void *ud;          /* the server's per-pipeline state */
     struct pipeline *hnext; /* the registry's index by id */
 };
@@ -127,7 +128,8 @@ bool registry_pipeline_whole(const registry *r, struct pipeline *p);
 /* Whole and every stage READY: it may run steps.  (A DRAINING worker takes
  * no new plans, so its pipeline hands its sequences over.) */
 bool registry_pipeline_ready(const registry *r, struct pipeline *p);
-/* Whole and some stage DRAINING: finish running work, take no new work. */
+/* Some stage DRAINING, or an admin's DrainRequest (p->drain): take no new
+ * work. */
 bool registry_pipeline_draining(const registry *r, const struct pipeline *p);
 /* The smallest kv_block_count of its stages, and their block size. */
 uint32_t registry_pipeline_kv_blocks(const registry *r, const struct pipeline *p);

@@ -160,6 +160,8 @@ struct pipe {
     bool touched; /* in server.pipes_touched */
 };
 
+struct keys_list;
+
 struct server {
     struct server_config cfg;
     struct modelinfo mi;
@@ -167,6 +169,7 @@ struct server {
     void *zctx;
     struct zio_sock *cs, *ws; /* clients, workers */
     zio_zap *zap;             /* admits the listed keys; NULL when insecure */
+    struct keys_list *admins; /* --admin-keys (also admitted as clients); NULL: none */
     /* The sender of the frame being handled: its CURVE key, or "" on an
      * insecure router. */
     const char *peer_key;
@@ -311,5 +314,14 @@ void server_on_client_frame(server *s, const uint8_t *ident, size_t ident_len, c
 
 void server_redis_connect(server *s);
 void server_timers(server *s);
+/* The client socket's allowlist again: --client-keys and --admin-keys (an
+ * admin is a client too) into the ZAP handler, and s->admins.  On failure,
+ * with err naming the file (and line), the lists in force stay. */
+int server_load_client_keys(server *s, char *err, size_t errlen);
+/* An admin's DrainRequest (on) or its resume (off) for p: no new work is
+ * placed there while on; its waiting sequences go back to the queue at
+ * once (but those waiting to fork a choice running there), its running
+ * ones finish there. */
+void pipes_drain(server *s, struct pipeline *p, bool on);
 
 #endif

@@ -156,6 +156,35 @@ int server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Ll
 
 /* ------------------------------------------------------------------------ */
 
+int server_load_client_keys(server *s, char *err, size_t errlen) {
+    const struct server_config *c = &s->cfg;
+    struct keys_list *clients = NULL, *admins = NULL, *both = NULL;
+    int rc = keys_list_load(c->client_keys, &clients, err, errlen);
+    if (rc == 0 && c->admin_keys && c->admin_keys[0]) rc = keys_list_load(c->admin_keys, &admins, err, errlen);
+    /* An admin is a client too: the socket admits both lists. */
+    size_t n = clients ? clients->n : 0, m = admins ? admins->n : 0;
+    if (rc == 0 && (!(both = calloc(1, sizeof *both)) || !(both->e = calloc(n + m, sizeof *both->e)))) {
+        rc = status_fail(err, errlen, STATUS_NO_MEMORY, "router: out of memory for %zu keys", n + m);
+    } else if (rc == 0) {
+        memcpy(both->e, clients->e, n * sizeof *both->e);
+        if (m) memcpy(both->e + n, admins->e, m * sizeof *both->e);
+        both->n = n + m;
+        rc = zio_zap_set(s->zap, "clients", both);
+        if (rc < 0) snprintf(err, errlen, "router: out of memory for %zu keys", n + m);
+    }
+    if (rc == 0) {
+        keys_list_free(s->admins);
+        s->admins = admins;
+        admins = NULL;
+        LOG(LL_INFO, "router: %zu client keys (%s), %zu admin keys (%s)", n, c->client_keys, m,
+            m ? c->admin_keys : "none: admin messages refused");
+    }
+    keys_list_free(both);
+    keys_list_free(admins);
+    keys_list_free(clients);
+    return rc;
+}
+
 /* CURVE on both sockets, each admitting its own list (docs/security.md), or
  * plain sockets with a warning.  Before bind: the mechanism is fixed then. */
 static int server_secure(server *s, char *err, size_t errlen) {
@@ -171,21 +200,18 @@ static int server_secure(server *s, char *err, size_t errlen) {
                            "router: no keys: give --curve-key-file, --client-keys and --worker-keys "
                            "(llm keygen writes key pairs), or --insecure for plain sockets");
     struct keys_pair kp;
-    struct keys_list *clients = NULL, *workers = NULL;
+    struct keys_list *workers = NULL;
     int rc = keys_pair_load(c->curve_key_file, &kp, err, errlen);
-    if (rc == 0) rc = keys_list_load(c->client_keys, &clients, err, errlen);
     if (rc == 0) rc = keys_list_load(c->worker_keys, &workers, err, errlen);
     if (rc == 0) rc = zio_zap_start(s->zctx, &s->zap, err, errlen);
-    if (rc == 0) rc = zio_zap_set(s->zap, "clients", clients);
+    if (rc == 0) rc = server_load_client_keys(s, err, errlen);
     if (rc == 0) rc = zio_zap_set(s->zap, "workers", workers);
     if (rc == 0) {
-        LOG(LL_INFO, "router: CURVE on, key %s; %zu client keys (%s), %zu worker keys (%s)", kp.pub,
-            clients->n, c->client_keys, workers->n, c->worker_keys);
+        LOG(LL_INFO, "router: CURVE on, key %s; %zu worker keys (%s)", kp.pub, workers->n, c->worker_keys);
         if ((rc = zio_curve_server(s->cs, &kp, "clients")) < 0 ||
             (rc = zio_curve_server(s->ws, &kp, "workers")) < 0)
             snprintf(err, errlen, "router: %s", zio_errstr(rc == 0 ? s->ws : s->cs));
     }
-    keys_list_free(clients);
     keys_list_free(workers);
     memset(&kp, 0, sizeof kp);
     return rc;
@@ -306,6 +332,7 @@ void server_free(server *s) {
             next = g->next;
             free(g);
         }
+    keys_list_free(s->admins);
     free(s->queue);
     free(s->touched);
     free(s->pipes_touched);

@@ -55,9 +55,14 @@ struct server_config {
     const char *curve_key_file;
     const char *client_keys;
     const char *worker_keys;
+    /* Keys that may also send admin messages (DrainRequest): a list file or a
+     * directory of *.pub, admitted on the client socket like client_keys;
+     * NULL or "": admin messages are refused (an insecure router takes them
+     * from anyone). */
+    const char *admin_keys;
     bool insecure;             /* plain sockets: anyone who reaches a port is served */
     /* Set (to non-zero) by the caller's SIGHUP handler: the loop rereads
-     * client_keys and worker_keys within 50 ms, admits what they list from
+     * client_keys, admin_keys and worker_keys within 50 ms, admits what they list from
      * then on and sets it back to 0; a list that fails to load leaves the
      * old one in force (logged).  NULL: the lists are read at start only. */
     volatile sig_atomic_t *reload_keys;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "common/keys.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "router/server_metrics.h"
@@ -567,8 +568,9 @@ static void on_models(server *s, const uint8_t *ident, size_t ident_len, uint64_
     mi.n_ctx = (uint32_t)s->mi.n_ctx;
     mi.n_layers = (uint32_t)s->mi.n_layers;
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {
-        struct pipe *pp = registry_pipeline_at(s->reg, i)->ud;
-        if (pp && pp->sched) mi.pipelines++;
+        struct pipeline *p = registry_pipeline_at(s->reg, i);
+        struct pipe *pp = p->ud;
+        if (pp && pp->sched && !registry_pipeline_draining(s->reg, p)) mi.pipelines++;
     }
     mi.is_default = true;
     Llm__ModelInfo *mp = &mi;
@@ -580,6 +582,74 @@ static void on_models(server *s, const uint8_t *ident, size_t ident_len, uint64_
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_MODELS_REPLY;
     env.models_reply = &m;
     server_send_client(s, ident, ident_len, &env);
+}
+
+#define SERVER_DRAIN_IDS_MAX 256
+
+/* DrainRequest (docs/router.md, "Draining a pipeline"): an admin's only.
+ * Every id is checked before any pipeline changes; the reply says, per
+ * pipeline, whether it is idle (its workers may stop). */
+static void on_drain(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag, const Llm__DrainRequest *m) {
+    char msg[512];
+    if (!s->cfg.insecure && (!s->admins || keys_list_find(s->admins, s->peer_key) < 0)) {
+        snprintf(msg, sizeof msg, "DrainRequest: the key %.40s is not an admin key (%s)", s->peer_key,
+                 s->admins ? "not in the router's --admin-keys"
+                           : "this router has no --admin-keys: admin messages are off");
+        LOG(LL_WARN, "%s", msg);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__PERMISSION_DENIED, "", msg, 0);
+        return;
+    }
+    if (m->n_pipeline_ids == 0 || m->n_pipeline_ids > SERVER_DRAIN_IDS_MAX) {
+        snprintf(msg, sizeof msg, "DrainRequest.pipeline_ids: %zu ids; name 1 to %d pipelines", m->n_pipeline_ids,
+                 SERVER_DRAIN_IDS_MAX);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__INVALID_ARGUMENT, "", msg, 0);
+        return;
+    }
+    for (size_t i = 0; i < m->n_pipeline_ids; i++) {
+        if (registry_pipeline_find(s->reg, m->pipeline_ids[i])) continue;
+        int n = snprintf(msg, sizeof msg, "DrainRequest.pipeline_ids: pipeline %u does not exist (the router has",
+                         m->pipeline_ids[i]);
+        size_t np = registry_n_pipelines(s->reg);
+        for (size_t k = 0; k < np && n > 0 && (size_t)n < sizeof msg - 16; k++)
+            n += snprintf(msg + n, sizeof msg - (size_t)n, "%s %u", k ? "," : "", registry_pipeline_at(s->reg, k)->id);
+        if (n > 0 && (size_t)n < sizeof msg - 8) snprintf(msg + n, sizeof msg - (size_t)n, "%s)", np ? "" : " none");
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__NOT_FOUND, "", msg, 0);
+        return;
+    }
+    Llm__DrainReply r = LLM__DRAIN_REPLY__INIT;
+    Llm__DrainReply__Pipeline *ps = calloc(m->n_pipeline_ids, sizeof *ps);
+    Llm__DrainReply__Pipeline **pps = calloc(m->n_pipeline_ids, sizeof *pps);
+    if (!ps || !pps) {
+        free(ps);
+        free(pps);
+        server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__RESOURCE_EXHAUSTED, "",
+                                 "router out of memory", 1000);
+        return;
+    }
+    for (size_t i = 0; i < m->n_pipeline_ids; i++) {
+        struct pipeline *p = registry_pipeline_find(s->reg, m->pipeline_ids[i]);
+        pipes_drain(s, p, !m->resume);
+        struct pipe *pp = p->ud;
+        struct sched_stats st = {0};
+        if (pp && pp->sched) sched_get_stats(pp->sched, &st);
+        Llm__DrainReply__Pipeline *x = &ps[i];
+        llm__drain_reply__pipeline__init(x);
+        x->pipeline_id = p->id;
+        x->draining = p->drain;
+        x->running = (uint32_t)(st.n_running + st.n_waiting); /* fork waiters run here too */
+        x->steps_in_flight = pp && pp->sched ? (uint32_t)pp->n_flights : 0;
+        x->idle = p->drain && x->running == 0 && x->steps_in_flight == 0;
+        pps[i] = x;
+    }
+    r.n_pipelines = m->n_pipeline_ids;
+    r.pipelines = pps;
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    env.tag = tag;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_DRAIN_REPLY;
+    env.drain_reply = &r;
+    server_send_client(s, ident, ident_len, &env);
+    free(pps);
+    free(ps);
 }
 
 static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag) {
@@ -606,7 +676,8 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
         llm__pipeline_status__init(x);
         x->pipeline_id = p->id;
         x->model = s->mi.id;
-        x->ready = pp && pp->sched;
+        x->ready = pp && pp->sched && !p->drain;
+        x->draining = registry_pipeline_draining(s->reg, p);
         x->epoch = p->epoch;
         x->problem = p->problem;
         x->stages = &ssp[si];
@@ -747,6 +818,7 @@ void server_on_client_frame(server *s, const uint8_t *ident, size_t ident_len, c
     case LLM__CLIENT_ENVELOPE__BODY_HEALTH: on_health(s, ident, ident_len, env->tag); break;
     case LLM__CLIENT_ENVELOPE__BODY_STATUS: on_status(s, ident, ident_len, env->tag); break;
     case LLM__CLIENT_ENVELOPE__BODY_MODELS: on_models(s, ident, ident_len, env->tag); break;
+    case LLM__CLIENT_ENVELOPE__BODY_DRAIN: on_drain(s, ident, ident_len, env->tag, env->drain); break;
     default:
         s->frames_bad++;
         snprintf(err, sizeof err, "client envelope body %d is a reply, not a request", (int)env->body_case);

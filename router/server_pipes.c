@@ -218,6 +218,32 @@ static void rebalance(server *s, struct pipe *pp) {
     }
 }
 
+void pipes_drain(server *s, struct pipeline *p, bool on) {
+    if (p->drain == on) return;
+    p->drain = on;
+    s->loop_full = true; /* assignments and the gauges see it at once */
+    struct pipe *pp = p->ud;
+    struct sched_stats st = {0};
+    if (pp && pp->sched) sched_get_stats(pp->sched, &st);
+    int32_t moved = 0, n;
+    uint64_t ids[64];
+    while (on && pp && pp->sched && (n = sched_take_waiting(pp->sched, ids, 64)) > 0)
+        for (int32_t k = 0; k < n; k++) {
+            struct req *q = req_by_seq(s, ids[k]);
+            if (!q) continue;
+            req_seq_del(s, q);
+            q->seq = NULL;
+            q->pipe = NULL;
+            req_queue_push(s, q);
+            moved++;
+        }
+    if (on)
+        LOG(LL_INFO, "pipeline %u: draining (an admin's Drain): no new work; %d running sequences finish here, "
+            "%d waiting ones went back to the queue", p->id, st.n_running, moved);
+    else
+        LOG(LL_INFO, "pipeline %u: takes work again (an admin's Drain with resume)", p->id);
+}
+
 /* Brings each pipeline's scheduler in line with its registry state. */
 void pipes_sync(server *s) {
     for (size_t i = 0; i < registry_n_pipelines(s->reg); i++) {

@@ -165,23 +165,22 @@ static void reload_keys(server *s) {
         LOG(LL_INFO, "router: SIGHUP: no keys to reread (--insecure)");
         return;
     }
-    const char *paths[2] = {s->cfg.client_keys, s->cfg.worker_keys};
-    const char *domains[2] = {"clients", "workers"}, *what[2] = {"client", "worker"};
-    for (int i = 0; i < 2; i++) {
-        struct keys_list *l = NULL;
-        char err[512] = "";
-        int rc = keys_list_load(paths[i], &l, err, sizeof err);
-        if (rc == 0 && zio_zap_set(s->zap, domains[i], l) < 0) {
-            rc = STATUS_NO_MEMORY;
-            snprintf(err, sizeof err, "out of memory");
-        }
-        if (rc == 0)
-            LOG(LL_INFO, "router: SIGHUP: %zu %s keys from %s", l->n, what[i], paths[i]);
-        else
-            LOG(LL_ERROR, "router: SIGHUP: %s keys %s: %s; the ones read before stay admitted", what[i], paths[i],
-                err);
-        keys_list_free(l);
+    char err[512] = "";
+    LOG(LL_INFO, "router: SIGHUP: rereading the key lists");
+    if (server_load_client_keys(s, err, sizeof err) < 0)
+        LOG(LL_ERROR, "router: SIGHUP: client or admin keys: %s; the ones read before stay admitted", err);
+    struct keys_list *l = NULL;
+    int rc = keys_list_load(s->cfg.worker_keys, &l, err, sizeof err);
+    if (rc == 0 && zio_zap_set(s->zap, "workers", l) < 0) {
+        rc = STATUS_NO_MEMORY;
+        snprintf(err, sizeof err, "out of memory");
     }
+    if (rc == 0)
+        LOG(LL_INFO, "router: SIGHUP: %zu worker keys from %s", l->n, s->cfg.worker_keys);
+    else
+        LOG(LL_ERROR, "router: SIGHUP: worker keys %s: %s; the ones read before stay admitted", s->cfg.worker_keys,
+            err);
+    keys_list_free(l);
 }
 
 /* Routers sharing one Redis (docs/router.md, "Fail-over"): this router

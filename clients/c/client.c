@@ -464,6 +464,17 @@ int llm_client_models(llm_client *c, Llm__ClientEnvelope **reply) {
                          "models", reply);
 }
 
+int llm_client_drain(llm_client *c, const uint32_t *ids, size_t n, bool resume, Llm__ClientEnvelope **reply) {
+    Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
+    Llm__DrainRequest d = LLM__DRAIN_REQUEST__INIT;
+    d.pipeline_ids = (uint32_t *)ids;
+    d.n_pipeline_ids = n;
+    d.resume = resume;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_DRAIN;
+    env.drain = &d;
+    return client_call(c, &env, LLM__CLIENT_ENVELOPE__BODY_DRAIN_REPLY, "drain", reply);
+}
+
 int llm_client_probe(llm_client *c, int timeout_ms) {
     if (timeout_ms <= 0) timeout_ms = 1;
     int reply = c->cfg.reply_timeout_ms, retry = c->cfg.retry_ms;

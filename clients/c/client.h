@@ -288,6 +288,13 @@ int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate
 int llm_client_health(llm_client *c, Llm__ClientEnvelope **reply);
 int llm_client_status(llm_client *c, Llm__ClientEnvelope **reply);
 int llm_client_models(llm_client *c, Llm__ClientEnvelope **reply);
+/* Admin: drains pipelines ids[0..n) (resume false: no new work goes to
+ * them, their running sequences finish there) or puts them back (resume
+ * true); the same way, (*reply)->drain_reply says per pipeline whether it
+ * is idle.  Send it again to follow the drain.  Needs a key in the router's
+ * --admin-keys: otherwise the router's PERMISSION_DENIED comes back as
+ * STATUS_BAD_INPUT with llm_client_errstr naming the reason. */
+int llm_client_drain(llm_client *c, const uint32_t *ids, size_t n, bool resume, Llm__ClientEnvelope **reply);
 
 /* Whether a router answers at all: asks the endpoints for Health, in turn,
  * for at most timeout_ms in all (whatever the config's timeouts).  Returns

@@ -106,6 +106,13 @@ static void client_frames(void) {
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_MODELS;
     env.models = &m;
     put_client("models", &env);
+    uint32_t drain_ids[] = {0, 3};
+    Llm__DrainRequest dr = LLM__DRAIN_REQUEST__INIT;
+    dr.pipeline_ids = drain_ids;
+    dr.n_pipeline_ids = 2;
+    env.body_case = LLM__CLIENT_ENVELOPE__BODY_DRAIN;
+    env.drain = &dr;
+    put_client("drain", &env);
 
     uint8_t *buf;
     size_t n;

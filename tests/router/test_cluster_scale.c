@@ -71,13 +71,20 @@ static int sc_run(const char *const *argv, char **out) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* llm-cluster scale --pipelines n: exit status 0 and "n/n pipelines ready"
- * in what it printed; a scale-in's drain time (its "stopped after S s")
- * into *drain_s when not NULL. */
-static void sc_scale(struct cluster *cl, int n, double *drain_s) {
+/* What a scale-in printed. */
+struct sc_in {
+    double stop_s;   /* its workers stopped this long after their SIGTERM ("stopped after S s") */
+    int finished;    /* sequences that finished on the drained pipelines ("the N sequences ... finished there") */
+};
+
+/* llm-cluster scale --pipelines n (and --drain-timeout-s drain_s when not
+ * NULL): exit status 0 and "n/n pipelines ready" in what it printed; a
+ * scale-in's figures into *in when not NULL. */
+static void sc_scale(struct cluster *cl, int n, const char *drain_s, struct sc_in *in) {
     char ns[16], *out;
     snprintf(ns, sizeof ns, "%d", n);
-    const char *argv[] = {CLUSTER_BIN, "scale", "--pipelines", ns, "--run-dir", run_dir, "--timeout-s", "150", NULL};
+    const char *argv[] = {CLUSTER_BIN, "scale", "--pipelines", ns, "--run-dir", run_dir, "--timeout-s", "150",
+                          drain_s ? "--drain-timeout-s" : NULL, drain_s, NULL};
     int64_t t0 = h_now_ms();
     int rc = sc_run(argv, &out);
     char want[64];
@@ -85,7 +92,15 @@ static void sc_scale(struct cluster *cl, int n, double *drain_s) {
     printf("  llm-cluster scale --pipelines %d (%lld ms, status %d):\n%s", n, (long long)(h_now_ms() - t0), rc, out);
     int ok = rc == 0 && strstr(out, want) != NULL;
     const char *at = strstr(out, "stopped after ");
-    if (drain_s) *drain_s = at ? strtod(at + 14, NULL) : -1;
+    const char *fin = strstr(out, "sequences they ran finished there");
+    if (in) {
+        in->stop_s = at ? strtod(at + 14, NULL) : -1;
+        in->finished = 0;
+        /* "...; the N sequences they ran finished there" */
+        while (fin && fin > out && fin[-1] == ' ') fin--;
+        while (fin && fin > out && fin[-1] >= '0' && fin[-1] <= '9') fin--;
+        if (fin) in->finished = atoi(fin);
+    }
     free(out);
     H_ASSERT(cl, ok, "llm-cluster scale --pipelines %d: status %d, or no \"%s\"", n, rc, want);
 }
@@ -452,7 +467,7 @@ TEST(cluster_scale_1_3_1_under_load) {
 
     /* 1 -> 3: pipelines 1 and 2 join and take requests. */
     int64_t t_out = h_now_ms();
-    sc_scale(cl, 3, NULL);
+    sc_scale(cl, 3, NULL, NULL);
     int64_t t_out_end = h_now_ms();
     int listed, ready;
     sc_status_counts(cl, &listed, &ready);
@@ -462,22 +477,39 @@ TEST(cluster_scale_1_3_1_under_load) {
     sc_cluster_status(cl, 3);
     H_ASSERT(cl, sc_target_port("worker-p2-s1") > 0, "prometheus-targets.json lacks worker-p2-s1");
     sc_wait_tokens(cl, 200, "on three pipelines");
-    /* Just before the scale-in: both pipelines that go run sequences, which
-     * must move (requests of 100 tokens last longer than the moment until
-     * the SIGTERM). */
+    /* Just before each scale-in: the pipelines that go run sequences
+     * (requests of 100 tokens last longer than the moment until the drain
+     * begins). */
     static const int added[] = {1, 2};
     sc_wait_work(cl, added, 2);
 
-    /* 3 -> 1: pipelines 2 and 1 drain while they run sequences. */
+    /* 3 -> 2 with --drain-timeout-s 0: pipeline 2's sequences move to the
+     * others at once (the workers' DRAINING, as a SIGTERM by hand). */
     int64_t t_in = h_now_ms();
-    double drain_s;
-    sc_scale(cl, 1, &drain_s);
-    int64_t t_in_end = h_now_ms();
+    struct sc_in in2, in1;
+    sc_scale(cl, 2, "0", &in2);
+    int moved = sc_requeued(cl);
     /* Every stage runs the plans the router sent before it saw DRAINING,
-     * so none waits for hidden states its predecessor dropped: the drain
-     * takes about a heartbeat interval, not the 30 s link timeout. */
-    H_ASSERT(cl, drain_s >= 0 && drain_s < 25, "the drained workers stopped after %.1f s (a stage waited out the "
-             "link timeout?)", drain_s);
+     * so none waits for hidden states its predecessor dropped: the workers
+     * stop after about a heartbeat interval, not the 30 s link timeout. */
+    H_ASSERT(cl, in2.stop_s >= 0 && in2.stop_s < 25, "the drained workers stopped after %.1f s (a stage waited out "
+             "the link timeout?)", in2.stop_s);
+    H_ASSERT(cl, moved > 0, "pipeline 2 handed over no sequence: nothing was in flight on it");
+    sc_status_counts(cl, &listed, &ready);
+    H_ASSERT(cl, listed == 2 && ready == 2, "Status after 3 -> 2: %d pipelines, %d ready; want 2 and 2", listed, ready);
+    sc_wait_metric(cl, 2);
+    sc_wait_tokens(cl, 100, "on two pipelines");
+    sc_wait_work(cl, added, 1);
+
+    /* 2 -> 1 with the router's drain: pipeline 1 takes no new request and
+     * its sequences finish there; then its workers stop with nothing to
+     * hand over. */
+    sc_scale(cl, 1, NULL, &in1);
+    int64_t t_in_end = h_now_ms();
+    H_ASSERT(cl, in1.finished > 0, "the router's drain reported no sequence finishing on pipeline 1");
+    H_ASSERT(cl, sc_requeued(cl) == moved, "pipeline 1 handed %d sequences over after its drain",
+             sc_requeued(cl) - moved);
+    H_ASSERT(cl, in1.stop_s >= 0 && in1.stop_s < 25, "pipeline 1's workers stopped after %.1f s", in1.stop_s);
     sc_status_counts(cl, &listed, &ready);
     H_ASSERT(cl, listed == 1 && ready == 1, "Status after scaling in: %d pipelines, %d ready; want 1 and 1", listed,
              ready);
@@ -493,15 +525,15 @@ TEST(cluster_scale_1_3_1_under_load) {
 
     load.stop = 1;
     for (int i = 0; i < N_CLIENTS; i++) pthread_join(th[i], NULL);
-    int during_out = sc_during(t_out, t_out_end), during_in = sc_during(t_in, t_in_end), moved = sc_requeued(cl);
+    int during_out = sc_during(t_out, t_out_end), during_in = sc_during(t_in, t_in_end);
     printf("  MEASURED %d requests (%d seeded, %d re-attached), %lld tokens, %d wrong; %d streamed during the "
-           "scale-out, %d during the scale-in; %d sequences handed over by the drained pipelines; the drained "
-           "workers stopped after %.1f s\n", load.n_done, load.n_seeded, load.reattached, load.tokens_done,
-           load.n_bad, during_out, during_in, moved, drain_s);
+           "scale-out, %d during the scale-ins; 3 -> 2 (no drain time): %d sequences moved, workers stopped after "
+           "%.1f s; 2 -> 1 (the router's drain): %d sequences finished in place, none moved, workers stopped after "
+           "%.1f s\n", load.n_done, load.n_seeded, load.reattached, load.tokens_done, load.n_bad, during_out,
+           during_in, moved, in2.stop_s, in1.finished, in1.stop_s);
     H_ASSERT(cl, load.n_bad == 0, "%d of %d requests wrong; the first: %s", load.n_bad, load.n_done, load.bad);
     H_ASSERT(cl, during_out > 0 && during_in > 0, "no request streamed during a scaling (%d out, %d in)", during_out,
              during_in);
-    H_ASSERT(cl, moved > 0, "the drained pipelines handed over no sequence: nothing was in flight on them");
     for (int k = 0; k < N_SEEDS; k++) llm_generate_result_free(&seeded_before[k].res);
     free(load.spans);
     sc_kv_back_to_zero(cl);
@@ -591,7 +623,7 @@ TEST(router_sighup_rereads_keys) {
     H_ASSERT(cl, sc_health_as(cl, "client") == 1, "the client key set at start is not admitted");
     H_ASSERT(cl, sc_health_as(cl, "late") == 0, "a key added after the start is admitted without SIGHUP");
     kill(cl->router.pid, SIGHUP);
-    sc_wait_log(cl, "SIGHUP: 2 client keys", 1);
+    sc_wait_log(cl, "router: 2 client keys", 1);
     H_ASSERT(cl, sc_health_as(cl, "late") == 1, "the added key is not admitted after SIGHUP");
     /* A broken list: the router says which line and keeps the old keys. */
     snprintf(path, sizeof path, "%s/broken.pub", sub);
@@ -607,10 +639,122 @@ TEST(router_sighup_rereads_keys) {
     snprintf(path, sizeof path, "%s/late.pub", sub);
     unlink(path);
     kill(cl->router.pid, SIGHUP);
-    sc_wait_log(cl, "SIGHUP: 1 client keys", 1);
+    sc_wait_log(cl, "router: 1 client keys", 2); /* the start's, then the reload's */
     H_ASSERT(cl, sc_health_as(cl, "late") == 0, "a key removed is still admitted after SIGHUP");
     H_ASSERT(cl, sc_health_as(cl, "client") == 1, "the client key is refused after the reload");
     h_cluster_stop(cl);
+}
+
+/* A client with the key pair in key_file (NULL: the environment's, the
+ * cluster's client key). */
+static llm_client *sc_client_as(struct cluster *cl, const char *key_file) {
+    char router[400];
+    snprintf(router, sizeof router, "%s/router.pub", cl->keys);
+    const char *eps[1] = {cl->client_ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 1;
+    cfg.zmq_ctx = cl->zctx;
+    if (key_file) {
+        cfg.curve_key_file = key_file;
+        cfg.router_key_file = router;
+    }
+    cfg.reply_timeout_ms = 3000;
+    cfg.retry_ms = 5000;
+    llm_client *c = NULL;
+    char err[256];
+    if (llm_client_open(&c, &cfg, err, sizeof err) != 0) H_FAIL(cl, "llm_client_open: %s", err);
+    return c;
+}
+
+/* Drain of ids[0..n) (resume as given): the call's status, its error text
+ * into err, pipeline 0's reply into *out when it succeeded. */
+static int sc_drain(llm_client *c, const uint32_t *ids, size_t n, bool resume, Llm__DrainReply__Pipeline *out,
+                    char *err, size_t size) {
+    Llm__ClientEnvelope *env = NULL;
+    int rc = llm_client_drain(c, ids, n, resume, &env);
+    snprintf(err, size, "%s", rc < 0 ? llm_client_errstr(c) : "");
+    if (rc == 0 && out && env->drain_reply->n_pipelines > 0) *out = *env->drain_reply->pipelines[0];
+    if (env) proto_client_free(env);
+    return rc;
+}
+
+/* Pipeline 0 in the router's Status: ready and draining. */
+static void sc_pipeline0(struct cluster *cl, bool *ready, bool *draining) {
+    llm_client *c = h_client(cl, 2000, 5000, 5000);
+    Llm__ClientEnvelope *env = NULL;
+    H_ASSERT(cl, llm_client_status(c, &env) == 0 && env->status_reply->n_pipelines == 1, "Status: %s",
+             llm_client_errstr(c));
+    *ready = env->status_reply->pipelines[0]->ready;
+    *draining = env->status_reply->pipelines[0]->draining;
+    proto_client_free(env);
+    llm_client_close(c);
+}
+
+/* DrainRequest, the admin message scale sends: only a key of the router's
+ * --admin-keys may send it (PERMISSION_DENIED naming the option otherwise,
+ * and on a router without the option); an empty list or an unknown
+ * pipeline is refused naming it; a drained pipeline is not ready in Status
+ * and reports idle when nothing runs; resume puts it back, serving. */
+TEST(router_drain_is_for_admins) {
+    const char *model = test_model_path(MODEL);
+    struct h_ref ref;
+    h_reference(model, prompts[0], 20, 0, &ref);
+    char admin_dir[] = "/tmp/llm-drain-admin-XXXXXX", err[512], extra[128], key[128];
+    if (!mkdtemp(admin_dir)) TEST_FAIL("mkdtemp: %s", strerror(errno));
+    struct keys_pair kp;
+    if (keys_pair_generate(&kp, err, sizeof err) < 0 || keys_pair_write(admin_dir, "ops", &kp, err, sizeof err) < 0)
+        TEST_FAIL("admin key: %s", err);
+    snprintf(key, sizeof key, "%s/ops.key", admin_dir);
+    snprintf(extra, sizeof extra, "--admin-keys %s", admin_dir);
+    struct cluster *cl = h_cluster_start(model, 1, 1, extra, "");
+    static const uint32_t zero[] = {0}, seven[] = {7};
+    Llm__DrainReply__Pipeline r;
+    llm_client *plain = sc_client_as(cl, NULL), *admin = sc_client_as(cl, key);
+    H_ASSERT(cl, sc_drain(plain, zero, 1, false, NULL, err, sizeof err) < 0 && strstr(err, "not an admin key") &&
+                     strstr(err, "--admin-keys"),
+             "a client key's Drain: %s", err);
+    printf("  a client key's Drain: %s\n", err);
+    H_ASSERT(cl, sc_drain(admin, zero, 0, false, NULL, err, sizeof err) < 0 && strstr(err, "pipeline_ids"),
+             "an empty Drain: %s", err);
+    H_ASSERT(cl, sc_drain(admin, seven, 1, false, NULL, err, sizeof err) < 0 && strstr(err, "pipeline 7 does not exist"),
+             "Drain of pipeline 7: %s", err);
+    printf("  Drain of pipeline 7: %s\n", err);
+    bool ready, draining;
+    sc_pipeline0(cl, &ready, &draining);
+    H_ASSERT(cl, ready && !draining, "pipeline 0 before the drain: ready %d, draining %d", ready, draining);
+    H_ASSERT(cl, sc_drain(admin, zero, 1, false, &r, err, sizeof err) == 0, "Drain of pipeline 0: %s", err);
+    H_ASSERT(cl, r.pipeline_id == 0 && r.draining && r.idle && r.running == 0, "Drain reply: pipeline %u draining "
+             "%d idle %d running %u", r.pipeline_id, r.draining, r.idle, r.running);
+    sc_pipeline0(cl, &ready, &draining);
+    H_ASSERT(cl, !ready && draining, "pipeline 0 drained: ready %d, draining %d", ready, draining);
+    H_ASSERT(cl, sc_drain(admin, zero, 1, true, &r, err, sizeof err) == 0 && !r.draining, "resume: %s", err);
+    sc_pipeline0(cl, &ready, &draining);
+    H_ASSERT(cl, ready && !draining, "pipeline 0 resumed: ready %d, draining %d", ready, draining);
+    llm_client_close(plain);
+    llm_client_close(admin);
+    struct h_gen g = {0};
+    g.cl = cl;
+    g.prompt = prompts[0];
+    g.max_tokens = 20;
+    g.ignore_eos = 1;
+    h_generate(&g);
+    h_check(cl, &g, &ref);
+    llm_generate_result_free(&g.res);
+    h_cluster_stop(cl);
+
+    /* A router without --admin-keys takes no admin message. */
+    cl = h_cluster_start(model, 1, 1, "", "");
+    plain = sc_client_as(cl, NULL);
+    H_ASSERT(cl, sc_drain(plain, zero, 1, false, NULL, err, sizeof err) < 0 && strstr(err, "no --admin-keys"),
+             "Drain on a router without --admin-keys: %s", err);
+    printf("  Drain on a router without --admin-keys: %s\n", err);
+    llm_client_close(plain);
+    h_cluster_stop(cl);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", admin_dir);
+    ASSERT_EQ(0, system(cmd));
 }
 
 /* What scale refuses, each with a message naming the value or the file. */
@@ -666,4 +810,5 @@ TEST(cluster_scale_refuses_what_it_cannot_do) {
     ASSERT_EQ(0, system(cmd));
 }
 
-TEST_MAIN(cluster_scale_refuses_what_it_cannot_do, router_sighup_rereads_keys, cluster_scale_1_3_1_under_load)
+TEST_MAIN(cluster_scale_refuses_what_it_cannot_do, router_sighup_rereads_keys, router_drain_is_for_admins,
+          cluster_scale_1_3_1_under_load)
