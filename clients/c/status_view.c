@@ -78,6 +78,7 @@ cJSON *status_view_json(const struct status_kv_read *kv) {
         cJSON_AddNumberToObject(pj, "pipeline_id", p->pipeline_id);
         cJSON_AddStringToObject(pj, "model", p->model);
         cJSON_AddBoolToObject(pj, "ready", p->ready);
+        cJSON_AddBoolToObject(pj, "draining", p->draining);
         cJSON_AddNumberToObject(pj, "running", p->running);
         cJSON_AddNumberToObject(pj, "kv_blocks_used", p->kv_blocks_used);
         cJSON_AddNumberToObject(pj, "kv_blocks_total", p->kv_blocks_total);
@@ -163,7 +164,8 @@ void status_view_print(const char *endpoint, const struct status_kv_read *kv) {
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
         printf("pipeline %u: %s, model %s, %zu stages, running %u, waiting %u, KV blocks %u/%u, %.1f tokens/s%s%s\n",
-               p->pipeline_id, p->ready ? "ready" : "NOT READY", p->model, p->n_stages, p->running, p->waiting,
+               p->pipeline_id, p->ready ? "ready" : p->draining ? "draining (no new work)" : "NOT READY", p->model,
+               p->n_stages, p->running, p->waiting,
                p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s, p->problem && p->problem[0] ? ": " : "",
                p->problem ? p->problem : "");
         for (size_t k = 0; k < p->n_stages; k++) {

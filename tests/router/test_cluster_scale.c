@@ -733,6 +733,14 @@ TEST(router_drain_is_for_admins) {
              "%d idle %d running %u", r.pipeline_id, r.draining, r.idle, r.running);
     sc_pipeline0(cl, &ready, &draining);
     H_ASSERT(cl, !ready && draining, "pipeline 0 drained: ready %d, draining %d", ready, draining);
+    /* llm status says so. */
+    const char *status[] = {LLM_BINARY_DIR "/clients/c/llm", "--router", cl->client_ep, "status", NULL};
+    char *out;
+    int rc = sc_run(status, &out);
+    bool shown = rc == 0 && strstr(out, "pipeline 0: draining (no new work)") != NULL;
+    if (!shown) printf("  llm status (%d):\n%s", rc, out);
+    free(out);
+    H_ASSERT(cl, shown, "llm status does not show pipeline 0 draining");
     H_ASSERT(cl, sc_drain(admin, zero, 1, true, &r, err, sizeof err) == 0 && !r.draining, "resume: %s", err);
     sc_pipeline0(cl, &ready, &draining);
     H_ASSERT(cl, ready && !draining, "pipeline 0 resumed: ready %d, draining %d", ready, draining);
