@@ -156,8 +156,8 @@ static void *poll_thread(void *arg) {
 }
 
 /* Waits until the router's pipelines and every stage's own count (its
- * heartbeat) hold no KV block: what the choices held came back on every
- * stage. */
+ * heartbeat) of the pipelines in service hold no KV block: what the
+ * choices held came back on every stage. */
 static void kv_back_to_zero(struct cluster *cl, llm_client *c) {
     int64_t end = h_now_ms() + 20000;
     char what[256] = "";
@@ -169,7 +169,7 @@ static void kv_back_to_zero(struct cluster *cl, llm_client *c) {
                  (unsigned long long)r->kv_blocks_shared);
         held += r->kv_blocks_used != 0 || r->kv_blocks_shared != 0;
         for (size_t i = 0; i < r->n_pipelines; i++)
-            for (size_t k = 0; k < r->pipelines[i]->n_stages; k++) {
+            for (size_t k = 0; r->pipelines[i]->ready && k < r->pipelines[i]->n_stages; k++) {
                 const Llm__StageStatus *st = r->pipelines[i]->stages[k];
                 if (!st->worker_id || !st->worker_id[0] || !st->ready) continue;
                 if (st->kv_blocks_used != 0) {
@@ -263,14 +263,14 @@ TEST(cluster_choices_share_prompt_blocks) { choices_fork(1, false); }
 TEST(cluster_choices_fork_without_prefix_cache_1x1) { choices_fork(1, true); }
 TEST(cluster_choices_fork_without_prefix_cache_1x2) { choices_fork(2, true); }
 
-/* Two pipelines, prefix cache off.  The worker of the pipeline running the
- * three choices of a request is killed mid-stream: they move to the other
- * pipeline, where one recomputes the prompt and its tokens and the others
- * fork its prompt again; every choice ends with exactly the tokens of an
- * uninterrupted run (none lost, none twice), and the KV blocks come back
- * to 0. */
-TEST(cluster_choices_fork_worker_killed) {
-    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 2, 1, "--no-prefix-cache", "");
+/* Two pipelines of 1 or 2 stages, prefix cache off.  The last stage of the
+ * pipeline running the three choices of a request is killed mid-stream:
+ * they move to the other pipeline, where one recomputes the prompt and its
+ * tokens and the others fork its prompt again; every choice ends with
+ * exactly the tokens of an uninterrupted run (none lost, none twice), and
+ * the KV blocks come back to 0 on every stage left. */
+static void choices_fork_worker_killed(int stages) {
+    struct cluster *cl = h_cluster_start(test_model_path(MODEL), 2, stages, "--no-prefix-cache", "");
     enum { T = 100 };
     static struct cgen ref, g;
     cg_init(&ref, cl, "fork-ref", "The little dog", 3, 31, T, true);
@@ -294,7 +294,7 @@ TEST(cluster_choices_fork_worker_killed) {
     proto_client_free(env);
     int at = __atomic_load_n(&g.seen, __ATOMIC_RELAXED);
     H_ASSERT(cl, pid >= 0, "no pipeline runs the choices (%d tokens out)", at);
-    int slot = h_worker_slot(cl, pid, 0);
+    int slot = h_worker_slot(cl, pid, stages - 1);
     H_ASSERT(cl, slot >= 0, "no worker for pipeline %d", pid);
     h_proc_kill(&cl->workers[slot], SIGKILL);
     pthread_join(th, NULL);
@@ -305,8 +305,8 @@ TEST(cluster_choices_fork_worker_killed) {
         if ((int)env->status_reply->pipelines[i]->pipeline_id != pid)
             forks = env->status_reply->pipelines[i]->forks - forks0;
     proto_client_free(env);
-    printf("  worker of pipeline %d killed after %d of %d tokens; forks on the other pipeline since: %llu\n", pid,
-           at, 3 * T, (unsigned long long)forks);
+    printf("  2x%d: stage %d of pipeline %d killed after %d of %d tokens; forks on the other pipeline since: %llu\n",
+           stages, stages - 1, pid, at, 3 * T, (unsigned long long)forks);
     H_ASSERT(cl, at < 3 * T, "all %d tokens were out before the kill", at);
     for (int i = 0; i < 3; i++) {
         ASSERT_EQ(T, g.n_tok[i]);
@@ -316,12 +316,19 @@ TEST(cluster_choices_fork_worker_killed) {
     /* On the other pipeline the two choices behind the first forked its
      * prompt again. */
     H_ASSERT(cl, forks >= 2, "%llu forks on the surviving pipeline, want 2", (unsigned long long)forks);
+    /* A replacement re-forms the broken pipeline (its other stage forgets
+     * what it held then); every stage of both comes back to 0. */
+    h_start_worker(cl, slot, pid, stages - 1);
+    h_wait_ready(cl, 2, 1, 30000);
     kv_back_to_zero(cl, c);
     llm_generate_result_free(&ref.res);
     llm_generate_result_free(&g.res);
     llm_client_close(c);
     h_cluster_stop(cl);
 }
+
+TEST(cluster_choices_fork_worker_killed_2x1) { choices_fork_worker_killed(1); }
+TEST(cluster_choices_fork_worker_killed_2x2) { choices_fork_worker_killed(2); }
 
 /* The router is killed while the three choices of a request stream and
  * started again: the client re-attaches by id with each choice's count,
@@ -368,4 +375,5 @@ TEST(cluster_choices_survive_router_restart) {
 
 TEST_MAIN(cluster_choices_equal_separate_requests, cluster_choices_share_prompt_blocks,
           cluster_choices_fork_without_prefix_cache_1x1, cluster_choices_fork_without_prefix_cache_1x2,
-          cluster_choices_fork_worker_killed, cluster_choices_survive_router_restart)
+          cluster_choices_fork_worker_killed_2x1, cluster_choices_fork_worker_killed_2x2,
+          cluster_choices_survive_router_restart)
