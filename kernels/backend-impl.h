@@ -5,6 +5,8 @@
 
 #include "backend.h"
 
+#include <stdbool.h>
+
 struct backend_i {
     const char *(*name)(const backend *b);
     void (*free)(backend *b);
@@ -53,6 +55,9 @@ struct backend_i {
                              int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale);
     int (*sample)(backend *b, const float *logits, int32_t n_vocab, struct backend_sample_row *rows,
                   int32_t n_rows);
+    /* sample applies backend_sample_row.allow itself (a grammar's mask);
+     * false: masked rows go to the host sampler. */
+    bool sample_masks;
     void *(*host_alloc)(backend *b, size_t bytes);
     void (*host_free)(backend *b, void *p);
     int (*graph_begin)(backend *b);

@@ -290,15 +290,17 @@ int backend_sample(backend *b, const float *logits, int32_t n_vocab, struct back
         return backend_fail(b, STATUS_BAD_INPUT, "sample: %d rows of %d logits", n_rows, n_vocab);
     if (n_rows == 0) return STATUS_OK;
     if (!b->i->sample) return backend_sample_host(b, logits, n_vocab, rows, n_rows);
-    /* Masked rows go to the host path; runs of unmasked rows in between to
-     * the backend's own sampler. */
+    /* Masked rows go to the host path unless the backend's sampler applies
+     * masks (the CUDA one does); runs of the others in between to the
+     * backend's own sampler. */
+    const bool masks = b->i->sample_masks;
     for (int32_t r0 = 0; r0 < n_rows;) {
-        int masked = rows[r0].allow != NULL;
+        int host = rows[r0].allow != NULL && !masks;
         int32_t r1 = r0 + 1;
-        while (r1 < n_rows && (rows[r1].allow != NULL) == masked) r1++;
+        while (r1 < n_rows && (rows[r1].allow != NULL && !masks) == host) r1++;
         const float *l = logits + (size_t)r0 * n_vocab;
         int rc = BACKEND_NOT_FUSED;
-        if (!masked) rc = b->i->sample(b, l, n_vocab, rows + r0, r1 - r0);
+        if (!host) rc = b->i->sample(b, l, n_vocab, rows + r0, r1 - r0);
         if (rc == BACKEND_NOT_FUSED) rc = backend_sample_host(b, l, n_vocab, rows + r0, r1 - r0);
         if (rc != STATUS_OK) return rc;
         r0 = r1;

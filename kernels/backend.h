@@ -210,7 +210,9 @@ struct backend_sample_row {
     /* NULL, or the tokens this row may pick: bit t of allow[t / 64] (a
      * grammar's mask, worker/constrain.h).  The others count as -inf
      * logits, before the penalties; a row whose mask allows nothing fails.
-     * Masked rows are sampled on the host (a GPU downloads just them). */
+     * The CUDA backend applies the mask on the device (the words go up with
+     * the row's parameters); a backend whose sampler does not take masks
+     * samples masked rows on the host (downloading just them). */
     const uint64_t *allow;
     struct sampling_result result;        /* out: as sampler_sample fills it */
     int status;                           /* out: 0, or why this row has no token (result.token = -1) */

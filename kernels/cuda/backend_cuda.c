@@ -289,6 +289,7 @@ static const struct backend_i cuda_iface = {
     .rope_kv_write = bc_rope_kv_write,
     .rope_kv_attention = bc_rope_kv_attention,
     .sample = bc_sample,
+    .sample_masks = true,
 };
 
 int backend_cuda_init(backend **out, int device, char *err, size_t errlen) {

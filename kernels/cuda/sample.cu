@@ -1,5 +1,7 @@
 /* Sampling on the device (backend_sample): one block per row of logits runs
- * sampler_sample's steps (common/sampling.h) — penalties, NaN/inf checks,
+ * sampler_sample's steps (common/sampling.h) — a grammar's mask (the
+ * tokens it leaves out become -inf, as the host path sets them before
+ * sampler_sample), penalties, NaN/inf checks,
  * argmax, log-softmax, top-k/top-p as radix selects in the total order
  * "larger value first, lower id on ties", min-p and the draw in ascending
  * id order — so that only a few bytes per row come back to the host.
@@ -8,10 +10,11 @@
  * to matmul (a CUDA graph replays it), so this file keeps its own buffers:
  * one grow-only set per device index (a worker has one backend per device),
  * guarded by a mutex, never freed (the process exit releases them).  They
- * are: per-row parameters and penalty pairs (pinned staging + device copy),
- * per-row results (device + pinned), penalised-logit rows for the rows that
- * have penalties (at most SAMPLE_SLOTS at a time; more such rows take more
- * launches), and a host count array of n_vocab ints.
+ * are: per-row parameters, penalty pairs and mask words (pinned staging +
+ * device copy), per-row results (device + pinned), rewritten-logit rows for
+ * the rows that have penalties or a mask (at most SAMPLE_SLOTS at a time;
+ * more such rows take more launches), and a host count array of n_vocab
+ * ints.
  *
  * top-p first finds, in the pass that sums the weights, the band of weight
  * levels where its cut lies (sampler_sample's prefilter); when that band
@@ -63,6 +66,7 @@ struct sample_dev_row {
     int32_t slot;         /* penalised-logit row, or -1: no penalties */
     int32_t pen_off;      /* first (token, count) pair of this row */
     int32_t n_pen;
+    int32_t mask_off;     /* first word of this row's mask (bit t of word t / 64: t allowed), or -1: none */
     float inv_t;          /* 1 / temperature */
     float top_p;
     float min_p_off;      /* temperature * logf(min_p): zmin = zmax + this */
@@ -379,7 +383,7 @@ __device__ void sample_select(const float *z, int32_t n, uint32_t sk, int32_t si
 
 __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_f32_kernel(const float *logits, int32_t n, const struct sample_dev_row *rows, const int2 *pairs,
-                  float *zbuf, struct sample_dev_out *outs, int32_t row0) {
+                  const unsigned long long *masks, float *zbuf, struct sample_dev_out *outs, int32_t row0) {
     __shared__ sample_smem sm;
     const int tid = threadIdx.x;
     const int32_t r = row0 + (int32_t)blockIdx.x;
@@ -387,15 +391,20 @@ sample_f32_kernel(const float *logits, int32_t n, const struct sample_dev_row *r
     const float *x = logits + (size_t)r * n;
     struct sample_dev_out *o = outs + r;
     float *zw = p.slot >= 0 ? zbuf + (size_t)p.slot * n : NULL;
+    /* A masked row always has a slot (sample_run): the tokens its mask
+     * leaves out are -inf there, before anything else looks at them. */
+    const unsigned long long *mk = p.mask_off >= 0 ? masks + p.mask_off : NULL;
 
-    /* NaN and +inf in the raw logits (the CPU checks them first), while
-     * copying the row where penalties will change it. */
+    /* NaN and +inf in the raw logits of the allowed tokens (the CPU checks
+     * them first, on the masked row), while copying the row where the mask
+     * or penalties will change it. */
     if (tid == 0) sm.bad = INT_MAX;
     __syncthreads();
     for (int32_t i = tid; i < n; i += SAMPLE_THREADS) {
         float v = x[i];
-        if (isnan(v) || v == INFINITY) atomicMin(&sm.bad, i);
-        if (zw) zw[i] = v;
+        bool ok = !mk || ((mk[i >> 6] >> (i & 63)) & 1ull);
+        if (ok && (isnan(v) || v == INFINITY)) atomicMin(&sm.bad, i);
+        if (zw) zw[i] = ok ? v : -INFINITY;
     }
     __syncthreads();
     if (sm.bad != INT_MAX || (p.flags & SAMPLE_F_CHECK_ONLY)) {
@@ -617,11 +626,11 @@ sample_f32_kernel(const float *logits, int32_t n, const struct sample_dev_row *r
 
 struct sample_state {
     std::mutex lock;
-    void *h_in, *d_in;  /* rows, then (token, count) pairs */
+    void *h_in, *d_in;  /* rows, then (token, count) pairs, then mask words */
     size_t in_bytes;
     struct sample_dev_out *h_out, *d_out;
     int32_t out_rows;
-    float *d_z;         /* SAMPLE_SLOTS rows of penalised logits */
+    float *d_z;         /* SAMPLE_SLOTS rows of masked or penalised logits */
     int32_t z_vocab;
     int32_t *count;     /* (n_vocab) history counts; all zero between calls */
     int32_t count_vocab;
@@ -693,10 +702,11 @@ static void sample_row_fail(struct backend_sample_row *sr, int status, const cha
 }
 
 static int sample_launch(struct cuda_ctx *ctx, struct sample_state *st, const float *logits, int32_t n_vocab,
-                         const struct sample_dev_row *d_rows, const int2 *d_pairs, int32_t row0, int32_t rows) {
+                         const struct sample_dev_row *d_rows, const int2 *d_pairs,
+                         const unsigned long long *d_masks, int32_t row0, int32_t rows) {
     if (rows == 0) return STATUS_OK;
-    sample_f32_kernel<<<rows, SAMPLE_THREADS, 0, CUDA_STREAM(ctx)>>>(logits, n_vocab, d_rows, d_pairs, st->d_z,
-                                                                     st->d_out, row0);
+    sample_f32_kernel<<<rows, SAMPLE_THREADS, 0, CUDA_STREAM(ctx)>>>(logits, n_vocab, d_rows, d_pairs, d_masks,
+                                                                     st->d_z, st->d_out, row0);
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -705,28 +715,41 @@ static int sample_launch(struct cuda_ctx *ctx, struct sample_state *st, const fl
 static int sample_run(struct cuda_ctx *ctx, struct sample_state *st, const float *logits, int32_t n_vocab,
                       struct backend_sample_row *rows, int32_t n_rows) {
     size_t n_pairs_max = 0;
+    int32_t n_masked = 0;
     bool any_pen = false;
     for (int32_t r = 0; r < n_rows; r++) {
         const struct sampling_params *sp = rows[r].params;
+        n_masked += rows[r].allow != NULL;
         if (!sample_penalised(sp)) continue;
         any_pen = true;
         n_pairs_max += (size_t)(rows[r].n_history - sample_window_start(sp, rows[r].n_history));
     }
+    /* Rows, then the pairs (at most n_pairs_max), then each masked row's
+     * words; every part starts on 8 bytes (the rows hold a double, a pair
+     * is 8 bytes). */
+    const size_t words = ((size_t)n_vocab + 63) / 64;
     const size_t rows_bytes = (size_t)n_rows * sizeof(struct sample_dev_row);
-    const size_t in_bytes = rows_bytes + n_pairs_max * sizeof(int2);
-    if (sample_reserve(st, in_bytes, n_rows, n_vocab, any_pen) != 0) {
+    const size_t mask_at = rows_bytes + n_pairs_max * sizeof(int2);
+    const size_t in_bytes = mask_at + (size_t)n_masked * words * sizeof(unsigned long long);
+    if (sample_reserve(st, in_bytes, n_rows, n_vocab, any_pen || n_masked > 0) != 0) {
         cudaGetLastError(); /* an allocation failure is not sticky; clear it */
         return CUDA_NOT_FUSED;
     }
     struct sample_dev_row *hr = (struct sample_dev_row *)st->h_in;
     int2 *hp = (int2 *)((char *)st->h_in + rows_bytes);
-    int32_t n_pairs = 0, slot = 0;
+    unsigned long long *hm = (unsigned long long *)((char *)st->h_in + mask_at);
+    int32_t n_pairs = 0, slot = 0, n_mask_rows = 0;
     for (int32_t r = 0; r < n_rows; r++) {
         struct backend_sample_row *sr = &rows[r];
         const struct sampling_params *sp = sr->params;
         struct sample_dev_row *d = &hr[r];
         memset(d, 0, sizeof *d);
         d->slot = -1;
+        d->mask_off = -1;
+        if (sr->allow) {
+            memcpy(hm + (size_t)n_mask_rows * words, sr->allow, words * sizeof(unsigned long long));
+            d->mask_off = (int32_t)((size_t)n_mask_rows++ * words);
+        }
         sr->status = 0;
         sr->err[0] = 0;
         if (!(sp->temperature > 0 && sp->top_k != 1 && isfinite(1.0f / sp->temperature))) {
@@ -748,7 +771,10 @@ static int sample_run(struct cuda_ctx *ctx, struct sample_state *st, const float
             d->flags |= SAMPLE_F_LOGPROBS;
             d->n_top = sp->top_logprobs < n_vocab ? sp->top_logprobs : n_vocab;
         }
-        if (!sample_penalised(sp)) continue;
+        if (!sample_penalised(sp)) {
+            if (sr->allow) d->slot = slot++ % SAMPLE_SLOTS;
+            continue;
+        }
         const int32_t start = sample_window_start(sp, sr->n_history);
         int32_t bad = -1;
         for (int32_t i = start; i < sr->n_history && bad < 0; i++)
@@ -779,23 +805,26 @@ static int sample_run(struct cuda_ctx *ctx, struct sample_state *st, const float
         d->pres = sp->presence_penalty;
         d->slot = slot++ % SAMPLE_SLOTS;
     }
-    const size_t used = rows_bytes + (size_t)n_pairs * sizeof(int2);
+    /* The pairs' unused tail is sent along when there are masks after it. */
+    const size_t used = n_mask_rows > 0 ? mask_at + (size_t)n_mask_rows * words * sizeof(unsigned long long)
+                                        : rows_bytes + (size_t)n_pairs * sizeof(int2);
     CUDA_CHECK(ctx, cudaMemcpyAsync(st->d_in, st->h_in, used, cudaMemcpyHostToDevice, CUDA_STREAM(ctx)));
     const struct sample_dev_row *d_rows = (const struct sample_dev_row *)st->d_in;
     const int2 *d_pairs = (const int2 *)((const char *)st->d_in + rows_bytes);
+    const unsigned long long *d_masks = (const unsigned long long *)((const char *)st->d_in + mask_at);
     /* A launch takes rows until a penalised row would reuse a slot. */
     int32_t row0 = 0, in_launch = 0;
     for (int32_t r = 0; r < n_rows; r++) {
         if (hr[r].slot < 0) continue;
         if (in_launch == SAMPLE_SLOTS) {
-            int rc = sample_launch(ctx, st, logits, n_vocab, d_rows, d_pairs, row0, r - row0);
+            int rc = sample_launch(ctx, st, logits, n_vocab, d_rows, d_pairs, d_masks, row0, r - row0);
             if (rc != STATUS_OK) return rc;
             row0 = r;
             in_launch = 0;
         }
         in_launch++;
     }
-    int rc = sample_launch(ctx, st, logits, n_vocab, d_rows, d_pairs, row0, n_rows - row0);
+    int rc = sample_launch(ctx, st, logits, n_vocab, d_rows, d_pairs, d_masks, row0, n_rows - row0);
     if (rc != STATUS_OK) return rc;
     CUDA_CHECK(ctx, cudaMemcpyAsync(st->h_out, st->d_out, (size_t)n_rows * sizeof(struct sample_dev_out),
                                     cudaMemcpyDeviceToHost, CUDA_STREAM(ctx)));

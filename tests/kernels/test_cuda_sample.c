@@ -26,6 +26,8 @@ static struct {
     int32_t *hist;   /* histories [n_rows, HIST_MAX] */
     struct sampling_params *params;
     struct backend_sample_row *rows, *ref;
+    uint64_t *allow; /* masks [n_rows, words] for rows that take one */
+    float *masked;   /* one row with a mask applied, for the host reference */
 } fx;
 
 #define HIST_MAX 400
@@ -39,6 +41,8 @@ static void fx_close(void) {
     free(fx.params);
     free(fx.rows);
     free(fx.ref);
+    free(fx.allow);
+    free(fx.masked);
     memset(&fx, 0, sizeof fx);
 }
 
@@ -76,7 +80,9 @@ static void fx_open(int32_t n_vocab, int32_t n_rows) {
     fx.params = calloc((size_t)n_rows, sizeof *fx.params);
     fx.rows = calloc((size_t)n_rows, sizeof *fx.rows);
     fx.ref = calloc((size_t)n_rows, sizeof *fx.ref);
-    if (!fx.d_logits || !fx.logits || !fx.hist || !fx.params || !fx.rows || !fx.ref)
+    fx.allow = calloc((size_t)n_rows * (size_t)((n_vocab + 63) / 64), sizeof *fx.allow);
+    fx.masked = malloc((size_t)n_vocab * sizeof *fx.masked);
+    if (!fx.d_logits || !fx.logits || !fx.hist || !fx.params || !fx.rows || !fx.ref || !fx.allow || !fx.masked)
         TEST_FAIL("fixture: cannot allocate %d rows of %d logits", n_rows, n_vocab);
 }
 
@@ -312,6 +318,12 @@ static void compare_rows(int32_t n, int32_t n_rows, const int *kinds, struct tal
         struct backend_sample_row *g = &fx.rows[r], *c = &fx.ref[r];
         const char *what = kinds ? kind_name[kinds[r]] : "row";
         const float *x = fx.logits + (size_t)r * n;
+        if (c->allow) {
+            /* The host path's rule: left-out tokens are -inf before
+             * anything else (backend_sample_row.allow). */
+            for (int32_t i = 0; i < n; i++) fx.masked[i] = (c->allow[i / 64] >> (i % 64)) & 1 ? x[i] : -INFINITY;
+            x = fx.masked;
+        }
         c->status = sampler_sample(fx.smp, x, c->params, c->history, c->n_history, c->pos, &c->result);
         t->rows++;
         if (c->status != 0) {
@@ -396,6 +408,131 @@ TEST(cuda_sample_matches_cpu) {
     fx_close();
 }
 
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* Row r's mask, of kind m: 0 about a tenth of the tokens, 1 one token, 2
+ * all but the strongest few, 3 a run of 200 ids, 4 none (an unmasked row
+ * between masked ones). */
+static void make_mask(int32_t r, int m, int32_t n) {
+    struct backend_sample_row *row = &fx.rows[r];
+    const float *x = fx.logits + (size_t)r * n;
+    int32_t words = (n + 63) / 64;
+    uint64_t *a = fx.allow + (size_t)r * words;
+    row->allow = m == 4 ? NULL : a;
+    memset(a, 0, (size_t)words * sizeof *a);
+    switch (m) {
+    case 0:
+        for (int32_t i = 0; i < n; i++)
+            if (rng_int(10) == 0) a[i / 64] |= 1ull << (i % 64);
+        a[0] |= 1; /* never empty */
+        break;
+    case 1: {
+        int32_t t = rng_int(n);
+        a[t / 64] |= 1ull << (t % 64);
+        break;
+    }
+    case 2: {
+        for (int32_t i = 0; i < n; i++) a[i / 64] |= 1ull << (i % 64);
+        /* The three strongest, and every NaN and +inf, are left out. */
+        for (int k = 0; k < 3; k++) {
+            int32_t best = -1;
+            for (int32_t i = 0; i < n; i++)
+                if (((a[i / 64] >> (i % 64)) & 1) && (best < 0 || x[i] > x[best])) best = i;
+            if (best >= 0) a[best / 64] &= ~(1ull << (best % 64));
+        }
+        for (int32_t i = 0; i < n; i++)
+            if (isnan(x[i]) || x[i] == INFINITY) a[i / 64] &= ~(1ull << (i % 64));
+        break;
+    }
+    case 3: {
+        int32_t lo = rng_int(n > 200 ? n - 200 : 1);
+        for (int32_t i = lo; i < lo + 200 && i < n; i++) a[i / 64] |= 1ull << (i % 64);
+        break;
+    }
+    default: break;
+    }
+}
+
+/* Rows with a grammar's mask (backend_sample_row.allow), which the CUDA
+ * backend applies on the device: every kind of row under each kind of
+ * mask, unmasked rows between them, a mask that allows nothing (fails as
+ * on the host), NaN and +inf logits left out by the mask (no failure, as
+ * on the host, which masks before it checks), more masked rows than the
+ * device's 64 slots; all as sampler_sample on the masked row.  Then the
+ * time of 64 masked greedy rows on the device against the host path's
+ * download, mask and sampler. */
+TEST(cuda_sample_masked_rows) {
+    static const int32_t vocabs[] = {1000, 32000, 128256};
+    const int32_t n_rows = K_COUNT * 5 + 2;
+    struct tally t = {0};
+    for (int v = 0; v < 3; v++) {
+        int32_t n = vocabs[v];
+        fx_open(n, n_rows);
+        int kinds[K_COUNT * 5 + 2];
+        for (int32_t r = 0; r < n_rows - 2; r++) {
+            kinds[r] = r % K_COUNT;
+            make_row(r, kinds[r], n);
+            make_mask(r, (r / K_COUNT + r) % 5, n);
+        }
+        /* Nothing allowed: every logit -inf. */
+        kinds[n_rows - 2] = K_TEMP;
+        make_row(n_rows - 2, K_TEMP, n);
+        make_mask(n_rows - 2, 1, n);
+        memset(fx.allow + (size_t)(n_rows - 2) * ((n + 63) / 64), 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
+        /* A NaN and a -NaN the mask leaves out. */
+        kinds[n_rows - 1] = K_NAN;
+        make_row(n_rows - 1, K_NAN, n);
+        make_mask(n_rows - 1, 2, n);
+        compare_rows(n, n_rows, kinds, &t);
+        ASSERT_EQ(STATUS_INTERNAL, fx.rows[n_rows - 2].status);
+        ASSERT_EQ(0, fx.rows[n_rows - 1].status);
+        for (int32_t r = 0; r < n_rows; r++)
+            if (fx.rows[r].allow && fx.rows[r].status == 0) {
+                int32_t tok = fx.rows[r].result.token;
+                if (!((fx.rows[r].allow[tok / 64] >> (tok % 64)) & 1))
+                    TEST_FAIL("n_vocab %d row %d: token %d is outside its mask", n, r, tok);
+            }
+    }
+    printf("  %d rows: %d greedy (exact), %d sampled, %d failing as the CPU does; %d sampled tokens differ at a "
+           "boundary within %g\n", t.rows, t.greedy, t.sampled, t.failed, t.ambiguous_diff, NEAR_REL);
+    ASSERT_TRUE(t.ambiguous_diff <= 2);
+    for (int v = 1; v < 3; v++) {
+        const int32_t n = vocabs[v], m = 64;
+        fx_open(n, m);
+        for (int32_t r = 0; r < m; r++) {
+            make_row(r, K_GREEDY_TIE, n);
+            make_mask(r, r % 4, n);
+        }
+        struct tally tt = {0};
+        compare_rows(n, m, NULL, &tt);
+        const int iters = 20;
+        ASSERT_OK(backend_sample(fx.gpu, fx.d_logits, n, fx.rows, m));
+        double t0 = now_ms();
+        for (int it = 0; it < iters; it++) ASSERT_OK(backend_sample(fx.gpu, fx.d_logits, n, fx.rows, m));
+        double gpu_ms = (now_ms() - t0) / iters;
+        float *buf = malloc((size_t)n * sizeof(float));
+        if (!buf) TEST_FAIL("out of memory");
+        t0 = now_ms();
+        for (int32_t r = 0; r < m; r++) {
+            ASSERT_OK(backend_download(fx.gpu, buf, fx.d_logits + (size_t)r * n, (size_t)n * sizeof(float)));
+            const uint64_t *a = fx.rows[r].allow;
+            for (int32_t i = 0; i < n; i++)
+                if (!((a[i / 64] >> (i % 64)) & 1)) buf[i] = -INFINITY;
+            struct backend_sample_row *c = &fx.ref[r];
+            ASSERT_OK(sampler_sample(fx.smp, buf, c->params, c->history, c->n_history, c->pos, &c->result));
+        }
+        double host_ms = now_ms() - t0;
+        free(buf);
+        printf("  n_vocab %d, %d masked greedy rows: gpu %.3f ms, host (download + mask + sampler) %.3f ms\n", n, m,
+               gpu_ms, host_ms);
+    }
+    fx_close();
+}
+
 /* More penalised rows than the device keeps slots for (64): several
  * launches in one call. */
 TEST(cuda_sample_many_penalised_rows) {
@@ -463,12 +600,6 @@ TEST(cuda_sample_histogram) {
     free(hg);
     free(hc);
     fx_close();
-}
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
 /* Time per call at n_vocab 128256, one row of each kind alone and 64 mixed
@@ -578,4 +709,5 @@ TEST(cuda_sample_top_p_levels) {
     fx_close();
 }
 
-TEST_MAIN(cuda_sample_matches_cpu, cuda_sample_top_p_levels, cuda_sample_many_penalised_rows, cuda_sample_histogram, cuda_sample_timing)
+TEST_MAIN(cuda_sample_matches_cpu, cuda_sample_top_p_levels, cuda_sample_many_penalised_rows, cuda_sample_masked_rows,
+          cuda_sample_histogram, cuda_sample_timing)
