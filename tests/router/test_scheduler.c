@@ -1273,6 +1273,50 @@ TEST(scheduler_fork_followers_are_not_handed_over) {
     sched_free(s);
 }
 
+TEST(scheduler_fork_preempted_forks_again) {
+    /* A pool of 16 blocks of 4: the four choices fit (5 shared blocks + 4
+     * of block 5's copies = 9), until a higher-priority sequence of 28
+     * tokens (8 blocks with its next token) arrives: forked choices are preempted, their
+     * private blocks freed while the shared ones stay with the others; once
+     * it is done they are admitted on a fork again.  Every block comes
+     * back and nothing stays shared. */
+    sched *s = mk(16, 4, 64, 8, 1);
+    struct sched_seq *l = add_choice(s, 1, 9);
+    for (int i = 0; i < 3; i++) add_choice(s, 2 + (uint64_t)i, 9);
+    struct sched_step st;
+    /* The leader's prefill, then the forks' first step. */
+    for (int k = 0; k < 2; k++) {
+        ASSERT_EQ(1, sched_plan(s, &st));
+        ASSERT_OK(sched_step_done(s, st.step_id));
+        for (int32_t j = 0; j < st.n_seqs; j++)
+            if (st.seqs[j].want_logits) ASSERT_OK(sched_append(s, st.seqs[j].seq, 7));
+    }
+    struct sched_stats ss;
+    sched_get_stats(s, &ss);
+    ASSERT_EQ(4, ss.n_running);
+    ASSERT_EQ(3, (int)ss.forks);
+    int32_t toks[28];
+    for (int32_t i = 0; i < 28; i++) toks[i] = 5000 + i;
+    struct sched_seq *h = NULL;
+    ASSERT_OK(sched_add(s, 50, 5, 50, toks, 28, &h));
+    ASSERT_EQ(1, sched_plan(s, &st));
+    sched_get_stats(s, &ss);
+    ASSERT_TRUE(ss.preemptions_total > 0);
+    ASSERT_TRUE(sched_seq_running(h));
+    ASSERT_TRUE(sched_seq_running(l)); /* the oldest choice stays: later ones go first */
+    ASSERT_OK(sched_step_done(s, st.step_id));
+    for (int32_t j = 0; j < st.n_seqs; j++)
+        if (st.seqs[j].want_logits) ASSERT_OK(sched_append(s, st.seqs[j].seq, 7));
+    sched_remove(s, h);
+    uint64_t forks_before = ss.forks;
+    drain(s, 30);
+    sched_get_stats(s, &ss);
+    ASSERT_TRUE(ss.forks > forks_before); /* the preempted choices forked again */
+    ASSERT_EQ(0, ss.blocks_shared);
+    assert_all_returned(s);
+    sched_free(s);
+}
+
 TEST(scheduler_fork_needs_equal_tokens) {
     /* Two sequences of one group id whose tokens differ (a hash that met):
      * the second computes its own prompt, never the other's KV. */
@@ -1313,4 +1357,5 @@ TEST_MAIN(scheduler_rejects_bad_config, scheduler_batches_prefill_then_decodes,
           scheduler_spec_rejected_all_and_no_verdict, scheduler_spec_within_free_blocks_and_auto,
           scheduler_spec_stops_at_the_limit, scheduler_fork_shares_the_prompt,
           scheduler_fork_with_the_prefix_cache_on, scheduler_fork_leader_cancelled_or_finished,
-          scheduler_fork_followers_are_not_handed_over, scheduler_fork_needs_equal_tokens)
+          scheduler_fork_followers_are_not_handed_over, scheduler_fork_preempted_forks_again,
+          scheduler_fork_needs_equal_tokens)
