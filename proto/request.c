@@ -130,6 +130,24 @@ int proto_generate_validate(const Llm__GenerateRequest *g, int32_t n_vocab, int6
                            "request %s: spec_tokens = %u is more than %d", g->request_id, g->spec_tokens,
                            PROTO_SPEC_TOKENS_MAX);
     }
+    if (g->prediction && g->prediction[0] && g->n_prediction_tokens > 0) {
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: prediction (%zu bytes) and prediction_tokens (%zu ids) are both set; "
+                           "send one", g->request_id, strlen(g->prediction), g->n_prediction_tokens);
+    }
+    if (g->n_prediction_tokens > PROTO_PREDICTION_TOKENS_MAX) {
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "request %s: prediction_tokens has %zu ids, at most %d are allowed", g->request_id,
+                           g->n_prediction_tokens, PROTO_PREDICTION_TOKENS_MAX);
+    }
+    for (size_t i = 0; i < g->n_prediction_tokens; i++) {
+        int32_t t = g->prediction_tokens[i];
+        if (t < 0 || (n_vocab > 0 && t >= n_vocab)) {
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "request %s: prediction_tokens[%zu] = %d is outside the vocabulary [0, %d)",
+                               g->request_id, i, t, n_vocab);
+        }
+    }
     if (g->prediction && strlen(g->prediction) > PROTO_PREDICTION_BYTES_MAX) {
         return status_fail(err, errlen, STATUS_BAD_INPUT,
                            "request %s: prediction has %zu bytes, at most %d are allowed", g->request_id,

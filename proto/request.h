@@ -17,6 +17,8 @@
 #define PROTO_SPEC_TOKENS_MAX 16
 /* Longest GenerateRequest.prediction, in bytes. */
 #define PROTO_PREDICTION_BYTES_MAX 262144
+/* Most GenerateRequest.prediction_tokens. */
+#define PROTO_PREDICTION_TOKENS_MAX 65536
 #define PROTO_STOP_STRING_BYTES_MAX 256
 #define PROTO_PRIORITY_MIN (-100)
 #define PROTO_PRIORITY_MAX 100
@@ -58,7 +60,8 @@ int proto_constraint_check(const Llm__SamplingParams *m, const char **field, cha
  * request_id (proto_request_id_check), not both a non-empty prompt and
  * prompt_tokens (neither is the empty prompt: BOS alone once the router
  * tokenizes it), prompt token ids inside [0, n_vocab) (n_vocab 0 skips it),
- * stop strings (count and length), the prediction's length, priority, deadline_ms and the sampling
+ * stop strings (count and length), the prediction's length (or its ids:
+ * not both, count, inside [0, n_vocab)), priority, deadline_ms and the sampling
  * parameters (sampling_params_validate, field names prefixed "sampling.").
  * now_ms is the current Unix time in ms (for the deadline), and the
  * constraint (proto_constraint_check).  Returns 0; STATUS_BAD_INPUT (reply

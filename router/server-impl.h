@@ -99,8 +99,9 @@ struct req {
     bool touched, finishing;
     bool stall_told;               /* its client heard that no pipeline can run it */
     int64_t client_seen_ms;        /* its client's latest Generate for it (0: not yet looked at) */
-    /* Predicted output (GenerateRequest.prediction; docs/router.md,
-     * "Predicted outputs"), tokenized without BOS; NULL when none.
+    /* Predicted output (GenerateRequest.prediction, tokenized without BOS,
+     * or prediction_tokens; docs/router.md, "Predicted outputs"); NULL
+     * when none.
      * pred_off: ngram_propose_pred's alignment.  pred_drafts: the drafts
      * kept for q's next step came from it (counted as prompt lookup's),
      * not from the draft model.  pred_only: mode ngram, so the last stage

@@ -159,7 +159,12 @@ struct req *req_new(server *s, const struct reqrec *r, char *err, size_t errlen)
         req_free(q);
         return NULL;
     }
-    if (q->gen->prediction && q->gen->prediction[0] && req_pred_tokenize(s, q, err, errlen) < 0) {
+    if (q->gen->n_prediction_tokens > 0) {
+        q->pred = malloc(q->gen->n_prediction_tokens * sizeof *q->pred);
+        if (!q->pred) goto oom;
+        memcpy(q->pred, q->gen->prediction_tokens, q->gen->n_prediction_tokens * sizeof *q->pred);
+        q->n_pred = (int32_t)q->gen->n_prediction_tokens;
+    } else if (q->gen->prediction && q->gen->prediction[0] && req_pred_tokenize(s, q, err, errlen) < 0) {
         req_free(q);
         return NULL;
     }

@@ -5,8 +5,11 @@
 #   off         speculation off
 #   ngram       prompt lookup in the router
 #   draft       the draft model beside the last stage (llm-worker --draft-model)
-#   prediction  the perfect-draft ceiling: off's greedy output given back as
-#               the request's prediction (docs/router.md, "Predicted outputs")
+#   prediction  the perfect-draft ceiling: off's greedy token ids given back
+#               as the request's prediction (llm generate --prediction-ids;
+#               docs/router.md, "Predicted outputs")
+#   prediction-text  the same as text (--prediction): what a client sends;
+#               its tokenization may differ from the ids the model made
 # Each run prints its tokens, seconds and tokens/s end to end, and decode
 # tokens/s: the tokens after the first streamed chunk over the time from the
 # first chunk to the last (llm generate --json's timing), which leaves out
@@ -61,9 +64,9 @@ MODES=${MODES:-off ngram ${DRAFT:+draft} prediction}
 MODES="off $(echo "$MODES" | tr ' ' '\n' | awk '$0 != "off" && $0 != ""' | tr '\n' ' ')"
 for m in $MODES; do
     case $m in
-    off | ngram | prediction) ;;
+    off | ngram | prediction | prediction-text) ;;
     draft) [ -n "$DRAFT" ] && [ -r "$DRAFT" ] || { echo "bench-spec: mode draft needs DRAFT=FILE (got \"$DRAFT\")" >&2; exit 2; } ;;
-    *) echo "bench-spec: unknown mode \"$m\" (off, ngram, draft, prediction)" >&2; exit 2 ;;
+    *) echo "bench-spec: unknown mode \"$m\" (off, ngram, draft, prediction, prediction-text)" >&2; exit 2 ;;
     esac
 done
 for b in router/llm-cluster clients/c/llm; do
@@ -104,7 +107,7 @@ jnum() { tail -n 1 "$1" | grep -o "\"$2\":[-0-9.eE+]*" | head -1 | cut -d: -f2; 
 jids() { tail -n 1 "$1" | grep -o '"ids":\[[^]]*\]' | head -1; }
 echo "bench-spec: $(basename "$MODEL") on $DEVICE, 1x1, greedy, $MAXT tokens a request, k = $K, modes: $MODES"
 [ -n "$DRAFT" ] && case " $MODES " in *" draft "*) echo "bench-spec: draft $(basename "$DRAFT")" ;; esac
-printf '%-20s %-10s %6s %8s %9s %10s %7s %7s %6s %9s %5s %8s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps \
+printf '%-20s %-15s %6s %8s %9s %10s %7s %7s %6s %9s %5s %8s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps \
     "tok/step" wstep "ms/wstep"
 declare -A S_n S_t S_dn S_dt S_d S_a S_v
 for m in $MODES; do S_n[$m]=0; S_t[$m]=0; S_dn[$m]=0; S_dt[$m]=0; S_d[$m]=0; S_a[$m]=0; S_v[$m]=0; done
@@ -122,6 +125,9 @@ for f in "${FILES[@]}"; do
         spec=$m
         extra=()
         if [ "$m" = prediction ]; then
+            spec=default
+            extra=(--prediction-ids "$RUN/ids-$i")
+        elif [ "$m" = prediction-text ]; then
             spec=default
             extra=(--prediction "$RUN/pred-$i")
         fi
@@ -158,7 +164,7 @@ for f in "${FILES[@]}"; do
             -v v="$(awk -v a="$v1" -v b="$v0" 'BEGIN{print a-b}')" -v ws="$(awk -v a="$ws1" -v b="$ws0" 'BEGIN{print a-b}')" \
             -v wn="$(awk -v a="$wn1" -v b="$wn0" 'BEGIN{print a-b}')" 'BEGIN {
                 t = t1 - t0
-                printf "%-20s %-10s %6d %8.2f %9.1f %10.1f %7d %7d %6d %9.2f %5d %8.2f|%d %.6f %d %.6f %d %d %d %.6f %d\n", f, m,
+                printf "%-20s %-15s %6d %8.2f %9.1f %10.1f %7d %7d %6d %9.2f %5d %8.2f|%d %.6f %d %.6f %d %d %d %.6f %d\n", f, m,
                     n, t, n / t, (ds > 0 ? dn / ds : 0), d, a, v, (v > 0 ? 1 + a / v : 1), wn, (wn > 0 ? 1000 * ws / wn : 0),
                     n, t, dn, ds, d, a, v, ws, wn }')
         echo "${line%%|*}"
@@ -170,7 +176,7 @@ for f in "${FILES[@]}"; do
     done
 done
 echo
-printf '%-10s %7s %9s %10s %9s %8s %9s %9s\n' mode tokens "tok/s" "decode/s" "x off" "accept%" "tok/step" "verify%"
+printf '%-15s %7s %9s %10s %9s %8s %9s %9s\n' mode tokens "tok/s" "decode/s" "x off" "accept%" "tok/step" "verify%"
 base=$(awk -v n="${S_dn[off]}" -v t="${S_dt[off]}" 'BEGIN{print (t > 0 ? n / t : 0)}')
 for m in $MODES; do
     awk -v m="$m" -v n="${S_n[$m]}" -v t="${S_t[$m]}" -v dn="${S_dn[$m]}" -v dt="${S_dt[$m]}" -v d="${S_d[$m]}" \
@@ -178,7 +184,7 @@ for m in $MODES; do
         r = dt > 0 ? dn / dt : 0
         # verify%: the decode steps that carried drafts (steps = decode tokens - accepted)
         st = dn - a
-        printf "%-10s %7d %9.1f %10.1f %8.2fx %7.0f%% %9.2f %8.0f%%\n", m, n, (t > 0 ? n / t : 0), r,
+        printf "%-15s %7d %9.1f %10.1f %8.2fx %7.0f%% %9.2f %8.0f%%\n", m, n, (t > 0 ? n / t : 0), r,
             (base > 0 ? r / base : 0), (d > 0 ? 100 * a / d : 0), (v > 0 ? 1 + a / v : 1), (st > 0 ? 100 * v / st : 0) }'
 done
 [ -n "${RESULTS:-}" ] && for m in $MODES; do

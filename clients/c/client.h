@@ -162,6 +162,10 @@ struct llm_generate_params {
      * drafted from by prompt lookup; NULL or "": none.  At most
      * PROTO_PREDICTION_BYTES_MAX bytes.  Borrowed for the call. */
     const char *prediction;
+    /* Or the prediction as token ids (not both): drafted from as given.
+     * At most PROTO_PREDICTION_TOKENS_MAX.  Borrowed for the call. */
+    const int32_t *prediction_tokens;
+    size_t n_prediction_tokens;
 };
 /* Greedy, streaming, nothing else set. */
 void llm_generate_params_default(struct llm_generate_params *p);

@@ -209,6 +209,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     gr.spec = (Llm__GenerateRequest__Spec)p->spec;
     gr.spec_tokens = p->spec_tokens;
     if (p->prediction) gr.prediction = (char *)p->prediction;
+    gr.prediction_tokens = (int32_t *)p->prediction_tokens;
+    gr.n_prediction_tokens = p->n_prediction_tokens;
     gr.deadline_ms = p->deadline_ms;
     gr.timeout_ms = p->timeout_ms;
     gr.stream = p->stream;
@@ -219,6 +221,16 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     if (p->prediction && strlen(p->prediction) > PROTO_PREDICTION_BYTES_MAX) {
         client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: prediction has %zu bytes, at most %d",
                       strlen(p->prediction), PROTO_PREDICTION_BYTES_MAX);
+        return STATUS_BAD_INPUT;
+    }
+    if (p->prediction && p->prediction[0] && p->n_prediction_tokens > 0) {
+        client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: prediction and prediction_tokens are both "
+                      "set; give one");
+        return STATUS_BAD_INPUT;
+    }
+    if (p->n_prediction_tokens > PROTO_PREDICTION_TOKENS_MAX) {
+        client_seterr(c, LLM__ERROR__CODE__INVALID_ARGUMENT, "generate: prediction_tokens has %zu ids, at most %d",
+                      p->n_prediction_tokens, PROTO_PREDICTION_TOKENS_MAX);
         return STATUS_BAD_INPUT;
     }
     if (p->n > PROTO_N_MAX) {

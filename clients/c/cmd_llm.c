@@ -412,12 +412,50 @@ static char *llm_read_file(const char *path) {
     return buf;
 }
 
+/* The integers of text (token ids; anything but digits and '-' separates
+ * them) into *ids (malloc'ed).  0, or 2 after saying why on stderr. */
+static int llm_parse_ids(const char *text, const char *path, int32_t **ids, size_t *n) {
+    size_t cap = 0;
+    *ids = NULL;
+    *n = 0;
+    for (const char *p = text; *p;) {
+        if (!(*p == '-' || (*p >= '0' && *p <= '9'))) {
+            p++;
+            continue;
+        }
+        char *end = NULL;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < INT32_MIN || v > INT32_MAX) {
+            fprintf(stderr, "llm generate: --prediction-ids %s: \"%.16s\" is not a token id\n", path, p);
+            free(*ids);
+            *ids = NULL;
+            return 2;
+        }
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 256;
+            int32_t *t = realloc(*ids, cap * sizeof *t);
+            if (!t) {
+                fprintf(stderr, "llm generate: --prediction-ids %s: out of memory\n", path);
+                free(*ids);
+                *ids = NULL;
+                return 2;
+            }
+            *ids = t;
+        }
+        (*ids)[(*n)++] = (int32_t)v;
+        p = end;
+    }
+    return 0;
+}
+
 static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     /* Before options_parse, which moves argv's entries. */
     const char *stops[PROTO_STOP_STRINGS_MAX + 1];
     size_t n_stops = llm_collect_stops(argc, argv, stops, PROTO_STOP_STRINGS_MAX + 1);
     const char *prompt = NULL, *request_id = NULL, *model = NULL;
     const char *stop_flag = NULL, *schema_file = NULL, *grammar_file = NULL, *prediction_file = NULL;
+    const char *prediction_ids_file = NULL;
     bool json_object = false;
     int n_choices = 1;
     int max_tokens, top_k, priority, timeout_ms, logprobs, penalty_last_n, spec = 0, spec_tokens;
@@ -466,6 +504,9 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         {"prediction", NULL, OPTION_STRING, NULL, "predicted output: a file whose text the completion is "
          "expected to repeat (an edit's original); prompt lookup drafts from it (docs/router.md, \"Predicted "
          "outputs\"); the output is the same", &prediction_file, 0, 0, NULL},
+        {"prediction-ids", NULL, OPTION_STRING, NULL, "the predicted output as token ids instead: a file of "
+         "integers (separated by commas, spaces or brackets, e.g. --json's \"ids\" array)", &prediction_ids_file, 0,
+         0, NULL},
         {"n", NULL, OPTION_INT, "1", "choices (completions) to generate, on the prompt's shared KV blocks; "
          "choice i samples with a seed derived from --seed and i (docs/protocol.md, \"Several choices\"); "
          "each is printed whole once all are done", &n_choices, 1, PROTO_N_MAX, NULL},
@@ -505,6 +546,29 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
         free(constraint);
         return 2;
     }
+    int32_t *pred_ids = NULL;
+    size_t n_pred_ids = 0;
+    if (prediction_ids_file) {
+        if (prediction_file) {
+            fprintf(stderr, "llm generate: --prediction and --prediction-ids exclude each other\n");
+            free(constraint);
+            free(prediction);
+            return 2;
+        }
+        char *text = llm_read_file(prediction_ids_file);
+        rc = text ? llm_parse_ids(text, prediction_ids_file, &pred_ids, &n_pred_ids) : 2;
+        free(text);
+        if (rc == 0 && n_pred_ids > PROTO_PREDICTION_TOKENS_MAX) {
+            fprintf(stderr, "llm generate: --prediction-ids %s: %zu ids, at most %d\n", prediction_ids_file,
+                    n_pred_ids, PROTO_PREDICTION_TOKENS_MAX);
+            rc = 2;
+        }
+        if (rc != 0) {
+            free(pred_ids);
+            free(constraint);
+            return 2;
+        }
+    }
     if (prediction && strlen(prediction) > PROTO_PREDICTION_BYTES_MAX) {
         fprintf(stderr, "llm generate: --prediction %s: %zu bytes, at most %d\n", prediction_file,
                 strlen(prediction), PROTO_PREDICTION_BYTES_MAX);
@@ -516,6 +580,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     if ((rc = llm_open(gl, &c)) != 0) {
         free(constraint);
         free(prediction);
+        free(pred_ids);
         return rc;
     }
     struct llm_generate_params p;
@@ -548,6 +613,8 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     p.spec_tokens = (uint32_t)spec_tokens;
     p.n = (uint32_t)n_choices;
     p.prediction = prediction;
+    p.prediction_tokens = pred_ids;
+    p.n_prediction_tokens = n_pred_ids;
     static struct llm_gen_out outs[PROTO_N_MAX];
     struct llm_gen_out out = {0};
     struct llm_generate_result r;
@@ -668,6 +735,7 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
     llm_client_close(c);
     free(constraint);
     free(prediction);
+    free(pred_ids);
     return exit_code;
 }
 

@@ -271,6 +271,17 @@ TEST(request_prediction_bounded) {
     big[PROTO_PREDICTION_BYTES_MAX + 1] = 0;
     EXPECT_REFUSED(r, STATUS_BAD_INPUT, "request req-1: prediction has 262145 bytes, at most 262144");
     free(big);
+    /* As ids: inside the vocabulary, and not with the text. */
+    int32_t ids[3] = {5, 999, 7};
+    r.g.prediction = "";
+    r.g.prediction_tokens = ids;
+    r.g.n_prediction_tokens = 3;
+    ASSERT_OK(proto_generate_validate(&r.g, 1000, NOW_MS, err, sizeof err));
+    ids[1] = 1000;
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "prediction_tokens[1] = 1000 is outside the vocabulary [0, 1000)");
+    ids[1] = 3;
+    r.g.prediction = "x";
+    EXPECT_REFUSED(r, STATUS_BAD_INPUT, "prediction (1 bytes) and prediction_tokens (3 ids) are both set");
 }
 
 TEST_MAIN(request_valid_passes, request_prediction_bounded, request_constraints_checked, request_empty_prompt_passes, request_invalid_fields_named,

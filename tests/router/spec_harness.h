@@ -18,6 +18,8 @@ struct sgen {
     uint64_t seed;
     int max_tokens;
     const char *prediction; /* GenerateRequest.prediction; NULL: none */
+    const int32_t *prediction_tokens; /* or as ids */
+    int n_prediction_tokens;
     /* out */
     int rc;
     char err[512];
@@ -56,6 +58,8 @@ static void sg_run(struct sgen *g) {
     p.sampling.ignore_eos = 1;
     p.spec = g->spec;
     p.prediction = g->prediction;
+    p.prediction_tokens = g->prediction_tokens;
+    p.n_prediction_tokens = (size_t)g->n_prediction_tokens;
     p.wait_ms = 180000;
     g->n = 0;
     g->len = 0;

@@ -4,7 +4,8 @@
  * right prediction (the greedy output itself) the output is the same and
  * nearly every draft is accepted (llm_spec_* metrics); a wrong prediction
  * gives the same output too; a request that says spec off gets no drafts;
- * a seeded sampled request equals itself without a prediction.  On
+ * a seeded sampled request equals itself without a prediction.  The same
+ * prediction as token ids has every draft accepted.  On
  * pycode (byte-level BPE) and stories260K (SentencePiece, whose space
  * prefix the prediction's leading space stands for).  KV blocks all come
  * back. */
@@ -47,7 +48,7 @@ static void pred_exact(const char *model_name, const char *prompt, const char *w
     struct cluster *cl = h_cluster_start(model, 1, 1, "--spec off --spec-tokens 4 --metrics-listen 127.0.0.1:0", "");
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
-    static struct sgen base, right, bad, off, s_base, s_pred;
+    static struct sgen base, right, ids, bad, off, s_base, s_pred;
     one(&base, cl, "base", prompt, max_tokens, LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT, NULL);
     sg_ok(cl, &base);
     struct counts c0 = counts_get(cl, port);
@@ -64,6 +65,25 @@ static void pred_exact(const char *model_name, const char *prompt, const char *w
     H_ASSERT(cl, a >= 0.85 * d, "%g of %g drafts of a right prediction accepted", a, d);
     H_ASSERT(cl, v <= max_tokens / 3, "%g verifying steps for %d tokens at k = 4", v, max_tokens);
     H_ASSERT(cl, c1.model_drafts == c0.model_drafts, "a prediction's drafts counted as the draft model's");
+
+    /* The right prediction as token ids: every draft accepted, none lost
+     * to a tokenization of the text that differs from the model's ids. */
+    memset(&ids, 0, sizeof ids);
+    ids.cl = cl;
+    snprintf(ids.request_id, sizeof ids.request_id, "ids");
+    ids.prompt = prompt;
+    ids.max_tokens = max_tokens;
+    ids.prediction_tokens = base.ids;
+    ids.n_prediction_tokens = base.n;
+    sg_run(&ids);
+    sg_same(cl, &base, &ids);
+    struct counts c1i = counts_get(cl, port);
+    d = c1i.drafts - c1.drafts;
+    a = c1i.accepted - c1.accepted;
+    printf("  %s right prediction as ids: %g drafts, %g accepted in %g verifications\n", model_name, d, a,
+           c1i.verifications - c1.verifications);
+    H_ASSERT(cl, d >= max_tokens / 2 && a == d, "%g of %g drafts of the right prediction's ids accepted", a, d);
+    c1 = c1i;
 
     /* A wrong prediction: the same output. */
     one(&bad, cl, "wrong", prompt, max_tokens, LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT, wrong);
@@ -104,6 +124,7 @@ static void pred_exact(const char *model_name, const char *prompt, const char *w
     H_ASSERT(cl, c.kv_used == 0, "llm_kv_blocks_used is %g with nothing running", c.kv_used);
     llm_generate_result_free(&base.res);
     llm_generate_result_free(&right.res);
+    llm_generate_result_free(&ids.res);
     llm_generate_result_free(&bad.res);
     llm_generate_result_free(&off.res);
     llm_generate_result_free(&s_base.res);
