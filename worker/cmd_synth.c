@@ -16,7 +16,7 @@
 
 int main(int argc, char **argv) {
     const char *out = NULL, *name = NULL, *log_level = NULL;
-    int shape = 0, type = 0, layers = 0, dim = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, ctx = 0, threads = 0;
+    int shape = 0, type = 0, layers = 0, dim = 0, heads = 0, kv_heads = 0, head_dim = 0, ffn = 0, vocab = 0, ctx = 0, threads = 0;
     int64_t seed = 0;
     double theta = 0;
     bool tied = false;
@@ -28,6 +28,8 @@ int main(int argc, char **argv) {
         {"dim", NULL, OPTION_INT, "0", "hidden size (0: the preset's)", &dim, 0, 1 << 20, NULL},
         {"heads", NULL, OPTION_INT, "0", "attention heads (0: the preset's)", &heads, 0, 1 << 16, NULL},
         {"kv-heads", NULL, OPTION_INT, "0", "key/value heads (0: the preset's; must divide heads)", &kv_heads, 0, 1 << 16, NULL},
+        {"head-dim", NULL, OPTION_INT, "0", "width of each attention head (0: dim / heads; another value makes the "
+         "attention n_heads x head-dim wide whatever dim is)", &head_dim, 0, 1 << 16, NULL},
         {"ffn", NULL, OPTION_INT, "0", "feed-forward size (0: the preset's)", &ffn, 0, 1 << 22, NULL},
         {"vocab", NULL, OPTION_INT, "0", "vocabulary size, at least 260 (0: the preset's)", &vocab, 0, 1 << 24, NULL},
         {"context", NULL, OPTION_INT, "0", "context length (0: the preset's)", &ctx, 0, 1 << 24, NULL},
@@ -74,6 +76,7 @@ int main(int argc, char **argv) {
     if (kv_heads) cfg.shape.n_kv_heads = kv_heads;
     else if (heads && cfg.shape.n_heads % cfg.shape.n_kv_heads != 0) cfg.shape.n_kv_heads = heads;
     if (ffn) cfg.shape.ffn_dim = ffn;
+    cfg.shape.head_dim = head_dim;
     if (vocab) cfg.shape.n_vocab = vocab;
     if (ctx) cfg.shape.ctx_len = ctx;
     if (theta > 0) cfg.shape.rope_theta = (float)theta;
@@ -85,9 +88,9 @@ int main(int argc, char **argv) {
     snprintf(default_name, sizeof default_name, "synth-%s-%s", synth_shape_names[shape], synth_type_names[type]);
     cfg.name = name ? name : default_name;
     const struct synth_shape *s = &cfg.shape;
-    LOG(LL_INFO, "writing %s: %d layers, dim %d, heads %d/%d, ffn %d, vocab %d, context %d, type %s, seed %llu", out,
-        s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->ffn_dim, s->n_vocab, s->ctx_len, synth_type_names[type],
-        (unsigned long long)cfg.seed);
+    LOG(LL_INFO, "writing %s: %d layers, dim %d, heads %d/%d of %d, ffn %d, vocab %d, context %d, type %s, seed %llu",
+        out, s->n_layers, s->dim, s->n_heads, s->n_kv_heads, s->head_dim ? s->head_dim : s->dim / s->n_heads, s->ffn_dim,
+        s->n_vocab, s->ctx_len, synth_type_names[type], (unsigned long long)cfg.seed);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     rc = synth_write(&cfg, out, err, sizeof err);

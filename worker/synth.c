@@ -20,12 +20,12 @@ const char *const synth_type_names[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q
 int synth_shape_preset(const char *name, struct synth_shape *out) {
     static const struct { const char *name; struct synth_shape s; } presets[] = {
         /* rows are multiples of 256, so every type is stored as asked */
-        {"tiny", {2, 256, 4, 2, 512, 512, 512, 10000.0f, 1e-5f}},
-        {"100m", {12, 768, 12, 4, 2048, 16384, 2048, 10000.0f, 1e-5f}},
-        {"tinyllama-1.1b", {22, 2048, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f}},
-        {"llama2-7b", {32, 4096, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f}},
-        {"llama3-8b", {32, 4096, 32, 8, 14336, 128256, 8192, 500000.0f, 1e-5f}},
-        {"llama2-13b", {40, 5120, 40, 40, 13824, 32000, 4096, 10000.0f, 1e-5f}},
+        {"tiny", {2, 256, 4, 2, 512, 512, 512, 10000.0f, 1e-5f, 0}},
+        {"100m", {12, 768, 12, 4, 2048, 16384, 2048, 10000.0f, 1e-5f, 0}},
+        {"tinyllama-1.1b", {22, 2048, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f, 0}},
+        {"llama2-7b", {32, 4096, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f, 0}},
+        {"llama3-8b", {32, 4096, 32, 8, 14336, 128256, 8192, 500000.0f, 1e-5f, 0}},
+        {"llama2-13b", {40, 5120, 40, 40, 13824, 32000, 4096, 10000.0f, 1e-5f, 0}},
     };
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
         if (strcmp(presets[i].name, name) == 0) {
@@ -228,9 +228,12 @@ static int check_shape(const struct synth_shape *s, char *err, size_t errlen) {
     for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
         if (f[i].v < f[i].min || f[i].v > f[i].max)
             return status_fail(err, errlen, STATUS_BAD_INPUT, "%s %d is outside [%d, %d]", f[i].what, f[i].v, f[i].min, f[i].max);
-    if (s->dim % s->n_heads != 0)
+    if (s->head_dim < 0 || s->head_dim > (1 << 16) || (s->head_dim > 0 && s->head_dim % 2 != 0))
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "head dim %d is not 0 (dim / heads) or an even number up to %d",
+                           s->head_dim, 1 << 16);
+    if (s->head_dim == 0 && s->dim % s->n_heads != 0)
         return status_fail(err, errlen, STATUS_BAD_INPUT, "dim %d is not a multiple of heads %d", s->dim, s->n_heads);
-    if ((s->dim / s->n_heads) % 2 != 0)
+    if (s->head_dim == 0 && (s->dim / s->n_heads) % 2 != 0)
         return status_fail(err, errlen, STATUS_BAD_INPUT, "head dim %d (dim %d / heads %d) is odd; rope needs pairs", s->dim / s->n_heads,
                            s->dim, s->n_heads);
     if (s->n_heads % s->n_kv_heads != 0)
@@ -307,8 +310,8 @@ int synth_write(const struct synth_config *cfg, const char *path, char *err, siz
     if (st) return st;
     if ((int)cfg->type < 0 || (int)cfg->type >= SYNTH_TYPE_COUNT)
         return status_fail(err, errlen, STATUS_BAD_INPUT, "type %d is not a synth type", (int)cfg->type);
-    int32_t head_dim = s->dim / s->n_heads;
-    int64_t q = s->dim, kv = (int64_t)s->n_kv_heads * head_dim;
+    int32_t head_dim = s->head_dim > 0 ? s->head_dim : s->dim / s->n_heads;
+    int64_t q = (int64_t)s->n_heads * head_dim, kv = (int64_t)s->n_kv_heads * head_dim;
     int n_specs_max = 3 + 9 * s->n_layers;
     struct tensor_spec *specs = calloc((size_t)n_specs_max, sizeof *specs);
     if (!specs) return status_fail(err, errlen, STATUS_NO_MEMORY, "no memory for %d tensor specs", n_specs_max);
@@ -357,6 +360,10 @@ int synth_write(const struct synth_config *cfg, const char *path, char *err, siz
     gguf_writer_set_u32(w, "llama.feed_forward_length", (uint32_t)s->ffn_dim);
     gguf_writer_set_u32(w, "llama.attention.head_count", (uint32_t)s->n_heads);
     gguf_writer_set_u32(w, "llama.attention.head_count_kv", (uint32_t)s->n_kv_heads);
+    if (q != s->dim) { /* the readers' default is dim / heads */
+        gguf_writer_set_u32(w, "llama.attention.key_length", (uint32_t)head_dim);
+        gguf_writer_set_u32(w, "llama.attention.value_length", (uint32_t)head_dim);
+    }
     gguf_writer_set_u32(w, "llama.rope.dimension_count", (uint32_t)head_dim);
     gguf_writer_set_f32(w, "llama.rope.freq_base", s->rope_theta);
     gguf_writer_set_f32(w, "llama.attention.layer_norm_rms_epsilon", s->rms_eps);

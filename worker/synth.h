@@ -22,6 +22,11 @@ struct synth_shape {
     int32_t ctx_len;
     float rope_theta;
     float rms_eps;
+    /* 0: dim / n_heads (Llama's rule).  Otherwise each head's width, so
+     * that the attention's width n_heads * head_dim differs from dim (as in
+     * Gemma): a wide model with light layers, whose hidden states cost a
+     * stage link more than its layers cost compute (bench/bench_net.c). */
+    int32_t head_dim;
 };
 
 /* The weight mix: like llama.cpp's file types of the same names. */

@@ -247,6 +247,40 @@ TEST(synth_deterministic) {
     unlink(b);
 }
 
+/* head_dim apart from dim / heads: the attention is heads x head_dim wide
+ * (q and output 64 wide on a 256-wide model), and readers learn the head's
+ * width from key_length. */
+TEST(synth_head_dim_apart_from_dim) {
+    struct synth_config c = tiny_config(SYNTH_F16);
+    c.shape.n_heads = 2;
+    c.shape.n_kv_heads = 1;
+    c.shape.head_dim = 32;
+    const char *path = tmp_path("hd.gguf");
+    char err[512];
+    ASSERT_OK(synth_write(&c, path, err, sizeof err));
+    model_file *m = NULL;
+    if (model_file_open(&m, path, err, sizeof err) != 0) TEST_FAIL("%s", err);
+    const struct model_hparams *hp = model_file_hparams(m);
+    ASSERT_EQ(256, hp->dim);
+    ASSERT_EQ(2, hp->n_heads);
+    ASSERT_EQ(1, hp->n_kv_heads);
+    ASSERT_EQ(32, hp->head_dim);
+    struct model_tensor t;
+    ASSERT_OK(model_file_tensor(m, "blk.1.attn_q.weight", &t));
+    ASSERT_EQ((int64_t)256, t.ne[0]);
+    ASSERT_EQ((int64_t)64, t.ne[1]);
+    ASSERT_OK(model_file_tensor(m, "blk.1.attn_k.weight", &t));
+    ASSERT_EQ((int64_t)32, t.ne[1]);
+    ASSERT_OK(model_file_tensor(m, "blk.1.attn_output.weight", &t));
+    ASSERT_EQ((int64_t)64, t.ne[0]);
+    ASSERT_EQ((int64_t)256, t.ne[1]);
+    model_file_close(m);
+    unlink(path);
+    c.shape.head_dim = 31;
+    ASSERT_EQ((int)STATUS_BAD_INPUT, synth_write(&c, path, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "head dim 31") != NULL);
+}
+
 TEST(synth_refuses_bad_shapes) {
     char err[512];
     struct synth_config c = tiny_config(SYNTH_F16);
@@ -304,4 +338,4 @@ TEST(synth_cleanup) {
 }
 
 TEST_MAIN(synth_presets, synth_every_type_loads, synth_q4_k_m_mix_and_fallbacks, synth_vocab_tokenizes_any_text,
-          synth_deterministic, synth_refuses_bad_shapes, synth_program, synth_cleanup)
+          synth_deterministic, synth_head_dim_apart_from_dim, synth_refuses_bad_shapes, synth_program, synth_cleanup)
