@@ -5,7 +5,8 @@
  * the "cli" host (before any thread or ZeroMQ context exists) and its
  * clients reach the router across the bridge.  Redis runs on "db", the
  * router on "ctl", the workers of stage k (every pipeline's) on "s<k>";
- * Redis has a host of its own so that the router can be cut from it.
+ * Redis has a host of its own so that the router can be cut from it
+ * (nb->worker_host puts every worker on one host instead).
  * Processes are started with `ip netns exec` (real redis-server, llm-router
  * and llm-worker with CURVE keys, through tests/router/cluster_harness.h).
  *
@@ -67,6 +68,10 @@ struct netbed {
     struct h_proc redis;
     char redis_url[64];
     struct cluster *cl;
+    /* "": stage k's workers on host "s<k>".  A host name: every worker
+     * there, each stage on a port of its own, so that the stage links run
+     * over that host's loopback (bench/bench_net.c's baseline). */
+    char worker_host[16];
 };
 
 static struct netbed *nb_current;
@@ -554,11 +559,13 @@ static H_UNUSED void nb_start_worker(struct netbed *nb, int idx, int pipeline, i
     snprintf(p->log, sizeof p->log, "%s/%s.log", cl->dir, name);
     char host[16], pl[16], st[16], sts[16], listen[64], extra[512], key[400], router_key[400];
     snprintf(host, sizeof host, "s%d", stage);
+    if (nb->worker_host[0]) memcpy(host, nb->worker_host, sizeof host);
     struct nb_host *h = nb_host(nb, host);
     snprintf(pl, sizeof pl, "%d", pipeline);
     snprintf(st, sizeof st, "%d", stage);
     snprintf(sts, sizeof sts, "%d", cl->stages);
-    snprintf(listen, sizeof listen, "tcp://%s:%d", advertise ? "*" : h->addr, 7000 + pipeline);
+    snprintf(listen, sizeof listen, "tcp://%s:%d", advertise ? "*" : h->addr,
+             7000 + pipeline + (nb->worker_host[0] ? 100 * stage : 0));
     snprintf(extra, sizeof extra, "%s", cl->worker_extra);
     snprintf(key, sizeof key, "%s/workers/worker-%d.key", cl->keys, idx);
     snprintf(router_key, sizeof router_key, "%s/router.pub", cl->keys);
