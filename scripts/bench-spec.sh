@@ -109,8 +109,8 @@ echo "bench-spec: $(basename "$MODEL") on $DEVICE, 1x1, greedy, $MAXT tokens a r
 [ -n "$DRAFT" ] && case " $MODES " in *" draft "*) echo "bench-spec: draft $(basename "$DRAFT")" ;; esac
 printf '%-20s %-15s %6s %8s %9s %10s %7s %7s %6s %9s %5s %8s\n' file mode tokens e2e_s "tok/s" "decode/s" drafts accept steps \
     "tok/step" wstep "ms/wstep"
-declare -A S_n S_t S_dn S_dt S_d S_a S_v
-for m in $MODES; do S_n[$m]=0; S_t[$m]=0; S_dn[$m]=0; S_dt[$m]=0; S_d[$m]=0; S_a[$m]=0; S_v[$m]=0; done
+declare -A S_n S_t S_dn S_dt S_d S_a S_v S_wn
+for m in $MODES; do S_n[$m]=0; S_t[$m]=0; S_dn[$m]=0; S_dt[$m]=0; S_d[$m]=0; S_a[$m]=0; S_v[$m]=0; S_wn[$m]=0; done
 fail=0
 i=0
 for f in "${FILES[@]}"; do
@@ -171,7 +171,7 @@ for f in "${FILES[@]}"; do
         read -r n t dn ds d a v ws wn <<<"${line#*|}"
         [ -n "${RESULTS:-}" ] && echo "file=$(basename "$f") mode=$m tokens=$n e2e_s=$t decode_tokens=$dn decode_s=$ds drafts=$d accepted=$a verifications=$v stage_steps=$wn stage_s=$ws" >>"$RESULTS"
         S_n[$m]=$((S_n[$m] + n)); S_dn[$m]=$((S_dn[$m] + dn)); S_d[$m]=$((S_d[$m] + d)); S_a[$m]=$((S_a[$m] + a))
-        S_v[$m]=$((S_v[$m] + v))
+        S_v[$m]=$((S_v[$m] + v)); S_wn[$m]=$((S_wn[$m] + wn))
         S_t[$m]=$(awk -v a="${S_t[$m]}" -v b="$t" 'BEGIN{print a+b}'); S_dt[$m]=$(awk -v a="${S_dt[$m]}" -v b="$ds" 'BEGIN{print a+b}')
     done
 done
@@ -180,10 +180,11 @@ printf '%-15s %7s %9s %10s %9s %8s %9s %9s\n' mode tokens "tok/s" "decode/s" "x 
 base=$(awk -v n="${S_dn[off]}" -v t="${S_dt[off]}" 'BEGIN{print (t > 0 ? n / t : 0)}')
 for m in $MODES; do
     awk -v m="$m" -v n="${S_n[$m]}" -v t="${S_t[$m]}" -v dn="${S_dn[$m]}" -v dt="${S_dt[$m]}" -v d="${S_d[$m]}" \
-        -v a="${S_a[$m]}" -v v="${S_v[$m]}" -v base="$base" 'BEGIN {
+        -v a="${S_a[$m]}" -v v="${S_v[$m]}" -v wn="${S_wn[$m]}" -v nf="${#FILES[@]}" -v base="$base" 'BEGIN {
         r = dt > 0 ? dn / dt : 0
-        # verify%: the decode steps that carried drafts (steps = decode tokens - accepted)
-        st = dn - a
+        # verify%: the decode steps that carried drafts, of the steps the
+        # worker ran less the first of each run (the prompt tail)
+        st = wn - nf
         printf "%-15s %7d %9.1f %10.1f %8.2fx %7.0f%% %9.2f %8.0f%%\n", m, n, (t > 0 ? n / t : 0), r,
             (base > 0 ? r / base : 0), (d > 0 ? 100 * a / d : 0), (v > 0 ? 1 + a / v : 1), (st > 0 ? 100 * v / st : 0) }'
 done
