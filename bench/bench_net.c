@@ -53,6 +53,7 @@ struct bn_opts {
 /* One measured repetition of a level. */
 struct bn_run {
     double tok_s, ttft_p50_ms, ttft_p90_ms, bytes_per_tok;
+    double hop_mbit_s; /* a link's mean rate over the level */
     long long tokens;
 };
 
@@ -283,10 +284,12 @@ static double bn_percentile(double *v, int n, double q) {
 }
 
 /* Runs one level (conc streams, n_req requests) on the running cluster;
- * the bytes are what the stage hosts but the last sent (each carries one
- * link's hidden states), read on link_dev of each. */
+ * the bytes are what link_dev of each namespace in link_ns sent: across
+ * hosts every stage host's but the last's eth0 (each carries one link's
+ * hidden states), on one host its lo (all the links). */
 static void bn_level_run(const struct bn_opts *o, struct netbed *nb, int32_t n_vocab, int conc, int n_req,
                          const char *const *link_ns, int n_links, const char *link_dev, struct bn_run *out) {
+    int hops = o->stages - 1;
     static int next_id;
     struct bn_level lv;
     memset(&lv, 0, sizeof lv);
@@ -324,7 +327,8 @@ static void bn_level_run(const struct bn_opts *o, struct netbed *nb, int32_t n_v
     /* every position of every request crosses each link once, but the
      * last generated token (it is only sampled) */
     double positions = (double)n_req * (o->prompt_tokens + o->max_tokens - 1);
-    out->bytes_per_tok = (double)sent / n_links / positions;
+    out->bytes_per_tok = (double)sent / hops / positions;
+    out->hop_mbit_s = (double)sent / hops / secs * 8e-6;
     free(lv.ttft_ms);
     pthread_mutex_destroy(&lv.mu);
 }
@@ -352,7 +356,7 @@ static struct bn_row *bn_row_get(int dtype, int rate, int conc) {
 /* One cluster of link type dtype; runs every rate in rates[] (indices into
  * o->rates) on it, levels and repeats inside. */
 static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n_vocab, int dtype, int loopback,
-                           const int *rates, int n_rates) {
+                           const int *rates, int n_rates, int rep) {
     struct netbed *nb = nb_init(bn_hosts);
     if (loopback) snprintf(nb->worker_host, sizeof nb->worker_host, "s0");
     char wx[512], rx[512];
@@ -360,7 +364,7 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
     snprintf(rx, sizeof rx, "%s", o->router_args);
     struct nb_cluster_opts co = {1, o->stages, rx, wx, 0};
     double t0 = bn_now();
-    struct cluster *cl = nb_cluster_start(nb, model, &co);
+    nb_cluster_start(nb, model, &co);
     printf("  %s: cluster %s up in %.1f s\n", o->dtypes[dtype], loopback ? "on one host" : "across hosts",
            bn_now() - t0);
     fflush(stdout);
@@ -371,9 +375,10 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
         snprintf(h, sizeof h, "s%d", k);
         link_ns[k] = nb_host(nb, h)->ns;
     }
-    /* The rates take turns within each repetition of a level (tc replaces
-     * the caps in a few ms): a change of the machine's other load then
-     * falls on every rate alike instead of on the one measured last. */
+    /* The rates take turns within each level (tc replaces the caps in a
+     * few ms), and each repetition starts the clusters of every type again
+     * (bn_main): a change of the machine's other load then falls on every
+     * rate and type alike instead of on the ones measured last. */
     const char *dev = loopback ? "lo" : "eth0";
     if (!loopback) bn_caps(nb, o->stages, o->rates[rates[0]]);
     /* A warm-up request: first touch of the weights and the KV pages, and
@@ -384,26 +389,24 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
         int conc = o->conc[ci];
         int n_req = o->requests > 0 ? o->requests : (conc < 4 ? 4 : 2 * conc);
         if (n_req < conc) n_req = conc;
-        for (int r = 0; r < o->repeat; r++)
-            for (int ri = 0; ri < n_rates; ri++) {
-                if (h_now_ms() > bn_deadline_ms) {
-                    bn_timed_out = 1;
-                    break;
-                }
-                int rate = rates[ri];
-                if (!loopback && n_rates > 1) bn_caps(nb, o->stages, o->rates[rate]);
-                struct bn_row *row = bn_row_get(dtype, rate, conc);
-                struct bn_run *run = &row->runs[row->n_runs];
-                bn_level_run(o, nb, n_vocab, conc, n_req, link_ns, n_links, dev, run);
-                row->n_runs++;
-                printf("  %-4s %-8s c=%-3d #%d: %d requests, %8.1f gen tok/s, TTFT p50 %7.1f ms p90 %7.1f ms, "
-                       "%8.1f link bytes/token\n",
-                       o->dtypes[dtype], o->rates[rate], conc, r + 1, n_req, run->tok_s, run->ttft_p50_ms,
-                       run->ttft_p90_ms, run->bytes_per_tok);
-                fflush(stdout);
+        for (int ri = 0; ri < n_rates; ri++) {
+            if (h_now_ms() > bn_deadline_ms) {
+                bn_timed_out = 1;
+                break;
             }
+            int rate = rates[ri];
+            if (!loopback && n_rates > 1) bn_caps(nb, o->stages, o->rates[rate]);
+            struct bn_row *row = bn_row_get(dtype, rate, conc);
+            struct bn_run *run = &row->runs[row->n_runs];
+            bn_level_run(o, nb, n_vocab, conc, n_req, link_ns, n_links, dev, run);
+            row->n_runs++;
+            printf("  %-4s %-8s c=%-3d #%d: %d requests, %6.1f gen tok/s, TTFT p50 %6.1f ms p90 %6.1f ms, "
+                   "%7.1f link bytes/token, a link's mean %6.1f Mbit/s\n",
+                   o->dtypes[dtype], o->rates[rate], conc, rep + 1, n_req, run->tok_s, run->ttft_p50_ms,
+                   run->ttft_p90_ms, run->bytes_per_tok, run->hop_mbit_s);
+            fflush(stdout);
+        }
     }
-    (void)cl;
     nb_free(nb);
 }
 
@@ -426,7 +429,7 @@ static void bn_stat(const struct bn_row *r, size_t off, double *med, double *lo,
 
 static void bn_report(const struct bn_opts *o) {
     printf("\n| link dtype | rate | concurrency | gen tok/s (median, min-max) | TTFT p50 ms (median, min-max) | "
-           "link bytes/token |\n|---|---|---|---|---|---|\n");
+           "link bytes/token | a link's mean Mbit/s |\n|---|---|---|---|---|---|---|\n");
     for (int d = 0; d < o->n_dtypes; d++)
         for (int ra = 0; ra < o->n_rates; ra++)
             for (int c = 0; c < o->n_conc; c++) {
@@ -435,16 +438,17 @@ static void bn_report(const struct bn_opts *o) {
                     if (bn_rows[i].dtype == d && bn_rows[i].rate == ra && bn_rows[i].conc == o->conc[c])
                         r = &bn_rows[i];
                 if (!r || r->n_runs == 0) {
-                    printf("| %s | %s | %d | not measured (time limit) | | |\n", o->dtypes[d], o->rates[ra],
+                    printf("| %s | %s | %d | not measured (time limit) | | | |\n", o->dtypes[d], o->rates[ra],
                            o->conc[c]);
                     continue;
                 }
-                double tm, tl, th, fm, fl, fh, bm, bl, bh;
+                double tm, tl, th, fm, fl, fh, bm, bl, bh, mm, ml, mh;
                 bn_stat(r, offsetof(struct bn_run, tok_s), &tm, &tl, &th);
                 bn_stat(r, offsetof(struct bn_run, ttft_p50_ms), &fm, &fl, &fh);
                 bn_stat(r, offsetof(struct bn_run, bytes_per_tok), &bm, &bl, &bh);
-                printf("| %s | %s | %d | %.1f (%.1f-%.1f) | %.0f (%.0f-%.0f) | %.0f |\n", o->dtypes[d],
-                       o->rates[ra], o->conc[c], tm, tl, th, fm, fl, fh, bm);
+                bn_stat(r, offsetof(struct bn_run, hop_mbit_s), &mm, &ml, &mh);
+                printf("| %s | %s | %d | %.1f (%.1f-%.1f) | %.0f (%.0f-%.0f) | %.0f | %.0f |\n", o->dtypes[d],
+                       o->rates[ra], o->conc[c], tm, tl, th, fm, fl, fh, bm, mm);
             }
     if (o->n_rates < 2) return;
     printf("\nEach rate against %s (median gen tok/s and TTFT p50, ratio):\n\n| link dtype | concurrency |",
@@ -583,15 +587,16 @@ static int bn_main(struct bn_opts *o) {
     }
     bn_header(bn_command, model, &hp);
     bn_deadline_ms = h_now_ms() + (int64_t)o->time_limit_s * 1000;
-    for (int d = 0; d < o->n_dtypes; d++) {
-        int bed[BN_LIST_MAX], n_bed = 0, lo = -1;
-        for (int r = 0; r < o->n_rates; r++) {
-            if (strcmp(o->rates[r], "loopback") == 0) lo = r;
-            else bed[n_bed++] = r;
-        }
-        if (lo >= 0 && h_now_ms() < bn_deadline_ms) bn_cluster_run(o, model, hp.n_vocab, d, 1, &lo, 1);
-        if (n_bed > 0 && h_now_ms() < bn_deadline_ms) bn_cluster_run(o, model, hp.n_vocab, d, 0, bed, n_bed);
+    int bed[BN_LIST_MAX], n_bed = 0, lo = -1;
+    for (int r = 0; r < o->n_rates; r++) {
+        if (strcmp(o->rates[r], "loopback") == 0) lo = r;
+        else bed[n_bed++] = r;
     }
+    for (int rep = 0; rep < o->repeat; rep++)
+        for (int d = 0; d < o->n_dtypes; d++) {
+            if (lo >= 0 && h_now_ms() < bn_deadline_ms) bn_cluster_run(o, model, hp.n_vocab, d, 1, &lo, 1, rep);
+            if (n_bed > 0 && h_now_ms() < bn_deadline_ms) bn_cluster_run(o, model, hp.n_vocab, d, 0, bed, n_bed, rep);
+        }
     bn_report(o);
     if (bn_timed_out || h_now_ms() > bn_deadline_ms)
         printf("\nbench_net: the time limit (--time-limit-s %d) ended the run before every level was measured\n",
@@ -626,7 +631,8 @@ int main(int argc, char **argv) {
          &o.requests, 0, 100000, NULL},
         {"prompt-tokens", NULL, OPTION_INT, "128", "prompt length in tokens", &o.prompt_tokens, 1, 1 << 16, NULL},
         {"max-tokens", NULL, OPTION_INT, "128", "tokens generated per request", &o.max_tokens, 1, 1 << 16, NULL},
-        {"repeat", NULL, OPTION_INT, "2", "runs of each level (the table gives median, min and max)", &o.repeat, 1,
+        {"repeat", NULL, OPTION_INT, "2", "runs of each level, each on fresh clusters of every type (the table "
+         "gives median, min and max)", &o.repeat, 1,
          BN_REPEAT_MAX, NULL},
         {"time-limit-s", NULL, OPTION_INT, "270", "start no level after this many seconds", &o.time_limit_s, 1,
          86400, NULL},
