@@ -136,7 +136,7 @@ for f in "${FILES[@]}"; do
         ws0=$(metric llm_step_time_seconds_sum "$wport"); wn0=$(metric llm_step_time_seconds_count "$wport")
         t0=$(date +%s.%N)
         if ! timeout "$TMO" "$BUILD/clients/c/llm" generate --prompt "$(cat "$RUN/prompt-$i")" --max-tokens "$MAXT" \
-            --no-stop-at-eos --spec "$spec" --json "${extra[@]}" >"$RUN/out-$i-$m" 2>"$RUN/err-$i-$m"; then
+            --no-stop-at-eos --spec "$spec" --json ${extra[@]+"${extra[@]}"} >"$RUN/out-$i-$m" 2>"$RUN/err-$i-$m"; then
             echo "bench-spec: $f mode $m failed:" >&2
             cat "$RUN/err-$i-$m" >&2
             exit 1
