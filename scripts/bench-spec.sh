@@ -13,7 +13,10 @@
 # Each run prints its tokens, seconds and tokens/s end to end, and decode
 # tokens/s: the tokens after the first streamed chunk over the time from the
 # first chunk to the last (llm generate --json's timing), which leaves out
-# the prefill.  Speculating modes add the router's llm_spec_* deltas: drafts,
+# the prefill (as the client sees the chunks: a client that is not
+# scheduled when its first chunk arrives reads several at once, which
+# shortens decode_s; with few tokens a request, e.g. 16, that can make the
+# figure absurd, so keep MAX_TOKENS at 128 or more).  Speculating modes add the router's llm_spec_* deltas: drafts,
 # accepted, verifying steps and tokens per verifying step (1 + accepted /
 # steps), and the worker's own view (llm_step_time_seconds): the steps it
 # ran (wstep) and its mean time per step (ms/wstep: the forward pass,
