@@ -13,11 +13,19 @@
 #   attn     bench_cuda attn with LLM_CUDA_ATT_GQA_MIN=0 (off) and 2 (default),
 #            and the 75-virtual pack's
 #   model    bench_gpu Q4_K_M at batch 1, 16, 64, both packs: llama2-7b at
-#            context 512, matmul_mmq.cu off (LLM_CUDA_MMQ_MIN=0) against
-#            the default; llama3-8b at context 2048, attention_gqa.cu off
-#            (LLM_CUDA_ATT_GQA_MIN=0) against the default
+#            context 512 and llama3-8b at context 2048, matmul_mmq.cu off
+#            (LLM_CUDA_MMQ_MIN=0), routed by default, and given every
+#            K-quant weight from 8 tokens (LLM_CUDA_MMQ_MIN=8)
 #   ncu      Nsight Compute on one launch each of matmul_mmq.cu's and
 #            attention_gqa.cu's kernels (bench_cuda mmq / attn), sm_90 pack
+#   prof     Nsight Compute's time of every kernel of llama2-7b Q4_K_M decode
+#            steps at context 512, batch 16 and 64, added up by kernel and
+#            grid (scripts/ncu-sum.py), routed by default and with
+#            LLM_CUDA_MMQ_MIN=8 (sm_90 pack); tables in prof.txt
+#   ab       bench_gpu decode A/Bs of routing choices, one line a setting
+#            (ab.txt): llama2-7b Q4_K_M at context 512 and llama3-8b at
+#            2048, LLM_CUDA_MMQ_MIN=0 against the default (both packs),
+#            and LLM_CUDA_ROPE_ATT (sm_90)
 #   gqa      bench_gpu, llama3-8b Q4_K_M at context 2048, batch 16 and 64,
 #            attention_gqa.cu off against on (sm_90 pack)
 #   all      every test_cuda_ops and test_forward test, both packs
@@ -97,18 +105,57 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             tag=90
             [ "$b" = "$b75" ] && { sm=75; tag=75; }
             LLM_CUDA_SM=$sm step "model7b_$tag" 280 "$b/bench/bench_gpu" --shapes llama2-7b --types q4_k_m \
-                --batches 1,16,64 --ctx 512 --ab LLM_CUDA_MMQ_MIN=0,-1 --tmpdir /tmp
+                --batches 1,16,64 --ctx 512 --ab LLM_CUDA_MMQ_MIN=0,-1,8 --tmpdir /tmp
             LLM_CUDA_SM=$sm step "model8b_$tag" 280 "$b/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
-                --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_ATT_GQA_MIN=0,2 --tmpdir /tmp
+                --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_MMQ_MIN=0,-1,8 --tmpdir /tmp
         done
         ;;
     ncu)
         sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
             --section MemoryWorkloadAnalysis --section SchedulerStats"
-        [ -n "$b90" ] && step ncu_mmq 150 ncu --clock-control none --kernel-name regex:matmul_mmq_kernel \
+        [ -n "$b90" ] && step ncu_mmq 150 ncu --clock-control none --kernel-name regex:matmul_mmq \
             --launch-skip 30 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 mmq
         [ -n "$b90" ] && step ncu_gqa 150 ncu --clock-control none --kernel-name regex:attention_gqa_kernel \
             --launch-skip 200 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 attn
+        ;;
+    prof)
+        [ -n "$b90" ] || continue
+        for mm in -1 8; do
+            for bt in 16 64; do
+                echo "== llama2-7b q4_k_m decode, batch $bt, context 512, LLM_CUDA_MMQ_MIN=$mm (per step of 4)"
+                LLM_CUDA_MMQ_MIN=$mm timeout 150 ncu --csv --metrics gpu__time_duration.sum --clock-control none \
+                    --cache-control none "$b90/bench/bench_gpu" --shapes llama2-7b --types q4_k_m --batches $bt \
+                    --ctx 512 --prompt 8 --prefill-reps 1 --warmup 1 --steps 2 --copy-size 64M --gemm-size 1024 \
+                    --gemm-tokens 256 --tmpdir /tmp 2>&1 | env -u LD_LIBRARY_PATH python3 scripts/ncu-sum.py 4 | head -n 40
+            done
+        done >"$out/prof.txt" 2>&1
+        echo "== prof: $(grep -c '^all kernels' "$out/prof.txt") tables" >>"$summary"
+        ;;
+    ab)
+        abrun() { # TAG PACK SM BENCH_GPU_ARGS...
+            local tag=$1 b=$2 sm=$3
+            shift 3
+            echo "== $tag: $*"
+            LLM_CUDA_SM=$sm timeout 200 "$b/bench/bench_gpu" --tmpdir /tmp "$@" 2>&1 |
+                awk '$3 == "decode" {printf "%-10s batch %3s ctx %5s  %7s ms  %s\n", $1, $5, $6, $8, $NF}'
+        }
+        {
+            for b in "$b90" "$b75"; do
+                [ -n "$b" ] || continue
+                sm=""
+                tag=sm90
+                [ "$b" = "$b75" ] && { sm=75; tag=t4code; }
+                abrun $tag "$b" "$sm" --shapes llama2-7b --types q4_k_m --batches 1,8,16,32,64 --ctx 512 \
+                    --ab LLM_CUDA_MMQ_MIN=0,-1
+                abrun $tag "$b" "$sm" --shapes llama3-8b --types q4_k_m --batches 1,16,64 --ctx 2048 \
+                    --ab LLM_CUDA_MMQ_MIN=0,-1
+            done
+            if [ -n "$b90" ]; then
+                abrun sm90 "$b90" "" --shapes llama2-7b --types q4_k_m --batches 8,16 --ctx 512 \
+                    --ab LLM_CUDA_ROPE_ATT=-1,4,8
+            fi
+        } >"$out/ab.txt" 2>&1
+        echo "== ab: $(grep -c ' ms ' "$out/ab.txt") rows" >>"$summary"
         ;;
     gqa)
         [ -n "$b90" ] && step model8b_gqa 280 "$b90/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \

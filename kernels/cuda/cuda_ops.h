@@ -51,7 +51,7 @@ struct cuda_ctx {
                          * 0: the two ops) */
     int att_f16;        /* from 3 rows the attention kernels also write their output's F16 form for
                          * the matmul after it (default; LLM_CUDA_ATT_F16=0: not) */
-    int rope_att_mha;   /* the same where every query head has its own KV head (16; the same
+    int rope_att_mha;   /* the same where every query head has its own KV head (8; the same
                          * variable sets it) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
                          * slices by a kernel of its own that also writes the o matmul's int8

@@ -182,9 +182,10 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     /* One launch for rope, the cache write and attention measured faster
      * up to 4 rows where query heads share a KV head (each query head
      * reads its group's K/V rows, where the tensor-core kernel reads them
-     * once), and up to 16 where each has its own (nothing to share). */
+     * once), and up to 8 where each has its own (at 16 rows and context
+     * 512 the two ops are 0.33 ms a 7B step faster on an H200). */
     ctx->rope_att = k->rope_att >= 0 ? k->rope_att : 4;
-    ctx->rope_att_mha = k->rope_att >= 0 ? k->rope_att : 16;
+    ctx->rope_att_mha = k->rope_att >= 0 ? k->rope_att : 8;
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;

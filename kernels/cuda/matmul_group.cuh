@@ -176,4 +176,9 @@ extern "C" int cuda_matmul_wide(struct cuda_ctx *ctx, struct mm_group *g, enum d
 extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                const float *x, int32_t n);
 
+/* 1 where cuda_matmul_mmq takes g's weights on x as a plain group (its
+ * swiglu flag aside), else 0. */
+extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const struct mm_group *g, enum dtype type,
+                                           int64_t cols, const float *x, int32_t n);
+
 #endif

@@ -14,17 +14,14 @@
  * m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75: the
  * fragments' registers are the same.
  *
- * A block is MMQ_WARPS warps of 16 rows each on one K range.  Two kernels
- * feed it: on sm_80 and later a ring of cp.async stages in shared memory,
- * each a chunk of the block's weights and activations, several chunks in
- * flight (matmul_mmq_ring_kernel); on sm_75 (no cp.async, 64 KB) each
- * lane loads its rows' next chunk into registers and the block stages
- * the next activations while the present chunk multiplies
- * (matmul_mmq_kernel).  When the row blocks cannot fill the GPU, K is
- * split over gridDim.y blocks, each writes partial sums and the last to
- * finish adds them in split order (an arrival counter per row block, reset
- * by that block), so the result is the same bits every run.  Several
- * weights on one input (q, k, v) are one launch. */
+ * A block is MMQ_WARPS warps of 16 rows each on one K range, its tokens'
+ * activations of a chunk staged in shared memory a chunk ahead, and each
+ * lane loads its rows' next chunk into registers while the present one
+ * multiplies; when the row blocks cannot fill the GPU, K is split over
+ * gridDim.y blocks, each writes partial sums and the last to finish adds
+ * them in split order (an arrival counter per row block, reset by that
+ * block), so the result is the same bits every run.  Several weights on
+ * one input (q, k, v; gate and up) are one launch. */
 #include "common.cuh"
 #include "matmul_group.cuh"
 
@@ -133,50 +130,35 @@ __device__ __forceinline__ void mmq_mma_k16(int (&c)[4], uint32_t a0, uint32_t a
 
 /* ---- Weights: what one lane holds of its two rows' chunk, and how a
  * pair of 32-column blocks (Q6_K: of 16-column halves, four scales)
- * becomes A fragments and integer scales.  G: from global memory (the
- * register kernel), else from a stage of shared memory (the ring) ---- */
-template <bool G> __device__ __forceinline__ uint32_t mmq_w32(const uint8_t *p) {
-    if constexpr (G) return __ldg((const unsigned int *)p);
-    else return *(const uint32_t *)p;
-}
-template <bool G> __device__ __forceinline__ uint4 mmq_w128(const uint8_t *p) {
-    if constexpr (G) return __ldg((const uint4 *)p);
-    else return *(const uint4 *)p;
-}
+ * becomes A fragments and integer scales ---- */
+__device__ __forceinline__ uint32_t mmq_ld32(const uint8_t *p) { return __ldg((const unsigned int *)p); }
 
 template <int T> struct mmq_w;
 
 /* Q4_K and Q5_K: the 16-byte head (d, dmin, 12 scale bytes) and, for pair
  * p (columns 64 p ..), qs bytes 32 p + 4 t .. (lo) and 32 p + 16 + 4 t ..
  * (hi): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
- * bits from qh bytes 4 t .. and 16 + 4 t ...  A ring stage holds a row's
- * chunk as stored (SROW bytes). */
+ * bits from qh bytes 4 t .. and 16 + 4 t ... */
 template <int T> struct mmq_wk {
     static constexpr int BYTES = T == DTYPE_Q5_K ? 176 : 144;
-    static constexpr int SROW = BYTES;
     static constexpr int QS = T == DTYPE_Q5_K ? 48 : 16;
     static constexpr bool MIN = true;
     static constexpr int KPP = 2; /* mma per pair */
     uint4 h;
     uint32_t lo[4], hi[4], qa, qb;
 
-    template <bool G> __device__ __forceinline__ void from(const uint8_t *b, int t) {
-        h = mmq_w128<G>(b);
+    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
+        const uint8_t *b = row + (size_t)s * BYTES;
+        h = __ldg((const uint4 *)b);
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            lo[p] = mmq_w32<G>(b + QS + 32 * p + 4 * t);
-            hi[p] = mmq_w32<G>(b + QS + 32 * p + 16 + 4 * t);
+            lo[p] = mmq_ld32(b + QS + 32 * p + 4 * t);
+            hi[p] = mmq_ld32(b + QS + 32 * p + 16 + 4 * t);
         }
         if (T == DTYPE_Q5_K) {
-            qa = mmq_w32<G>(b + 16 + 4 * t);
-            qb = mmq_w32<G>(b + 16 + 16 + 4 * t);
+            qa = mmq_ld32(b + 16 + 4 * t);
+            qb = mmq_ld32(b + 16 + 16 + 4 * t);
         }
-    }
-    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
-        from<true>(row + (size_t)s * BYTES, t);
-    }
-    __device__ __forceinline__ void load_stage(const uint8_t *srow, const uint8_t *, int, int t) {
-        from<false>(srow, t);
     }
     /* Block 2p + k's codes: a0 columns 4 t .., a2 columns 16 + 4 t .. */
     __device__ __forceinline__ void codes(int p, int k, uint32_t &c0, uint32_t &c2) const {
@@ -205,33 +187,22 @@ template <> struct mmq_w<DTYPE_Q5_K> : mmq_wk<DTYPE_Q5_K> {};
  * chunk, ql words 64 h + 16 k + 4 t (k < 4) and qh words 32 h + 16 k + 4 t
  * (k < 2); 16 scale bytes; d.  Pair p is h = p / 2, quarters 2 (p & 1)
  * and 2 (p & 1) + 1; quarter q's 32 columns are 128 h + 32 q .., its
- * halves' scales 8 h + 2 q and 8 h + 2 q + 1.  A ring stage holds a row's
- * chunk as ql, qh, scales (SROW bytes), and the pair of d of chunks
- * s & ~1 and s | 1 apart. */
+ * halves' scales 8 h + 2 q and 8 h + 2 q + 1. */
 template <> struct mmq_w<DTYPE_Q6_K> {
     static constexpr bool MIN = false;
     static constexpr int KPP = 4;
-    static constexpr int SROW = 208;
     uint32_t L[8], H[4];
     uint4 scb;
     uint32_t dh;
 
-    template <bool G> __device__ __forceinline__ void from(const uint8_t *ql, const uint8_t *qh, const uint8_t *sc,
-                                                           int t) {
-#pragma unroll
-        for (int k = 0; k < 8; k++) L[k] = mmq_w32<G>(ql + 16 * k + 4 * t);
-#pragma unroll
-        for (int k = 0; k < 4; k++) H[k] = mmq_w32<G>(qh + 16 * k + 4 * t);
-        scb = mmq_w128<G>(sc);
-    }
     __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t cols) {
-        from<true>(row + (size_t)s * 128, row + q6s_qh_off(cols) + (size_t)s * 64, row + q6s_sc_off(cols) + (size_t)s * 16,
-                   t);
+        const uint8_t *ql = row + (size_t)s * 128, *qh = row + q6s_qh_off(cols) + (size_t)s * 64;
+#pragma unroll
+        for (int k = 0; k < 8; k++) L[k] = mmq_ld32(ql + 16 * k + 4 * t);
+#pragma unroll
+        for (int k = 0; k < 4; k++) H[k] = mmq_ld32(qh + 16 * k + 4 * t);
+        scb = __ldg((const uint4 *)(row + q6s_sc_off(cols) + (size_t)s * 16));
         dh = __ldg((const unsigned short *)(row + q6s_d_off(cols)) + s);
-    }
-    __device__ __forceinline__ void load_stage(const uint8_t *srow, const uint8_t *sd, int s, int t) {
-        from<false>(srow, srow + 128, srow + 192, t);
-        dh = ((const unsigned short *)sd)[s & 1];
     }
     /* Quarter q of half h, column half e: codes less 32, as int8. */
     __device__ __forceinline__ uint32_t codes(int h, int q, int e) const {
@@ -400,8 +371,6 @@ __device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg,
     }
 }
 
-/* ---- The register kernel (sm_75, and where the ring does not fit) ---- */
-
 /* This thread's part of the block's activations of chunk s, tokens tok0 ..
  * tok0 + 8 NT (clamped to n - 1): NT 16-byte pieces of the codes, and for
  * threads below 8 NT one token's scale and sums.  Loaded a chunk ahead into
@@ -497,172 +466,14 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
     mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
 }
 
-/* ---- The ring kernel (sm_80 and later): cp.async into S stages of
- * shared memory, each one chunk of the block's 64 rows (as stored; Q6_K's
- * d pairs after them) and of its tokens' activations, so that S - 1
- * chunks are in flight while one multiplies.  The weights of the first
- * stages are asked for before the wait for the kernel before (they do not
- * depend on it). ---- */
-#define MMQ_RING_BYTES 77824 /* a block's stages: three blocks fit an H100's or H200's multiprocessor */
-#define MMQ_RING_STAGES_MAX 6
-
-template <int T, int NT> struct mmq_ring {
-    static constexpr int W = MMQ_ROWS * mmq_w<T>::SROW + (T == DTYPE_Q6_K ? MMQ_ROWS * 4 : 0);
-    static constexpr int TOK = 8 * NT;
-    static constexpr int XQ = W, XD = XQ + TOK * MMQ_XS, XB = XD + TOK * 4;
-    static constexpr int STAGE = XB + TOK * 16;
-    static constexpr int S0 = MMQ_RING_BYTES / STAGE;
-    static constexpr int S = S0 > MMQ_RING_STAGES_MAX ? MMQ_RING_STAGES_MAX : S0;
-    static constexpr int BYTES = S * STAGE;
-    static_assert(S >= 3, "a ring of fewer than three stages");
-    static_assert(W % 16 == 0 && XD % 16 == 0 && XB % 16 == 0 && STAGE % 16 == 0, "stage alignment");
-};
-
-__device__ __forceinline__ void mmq_cp16(void *dst, const void *src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src));
-#endif
-}
-__device__ __forceinline__ void mmq_cp4(void *dst, const void *src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src));
-#endif
-}
-__device__ __forceinline__ void mmq_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-template <int N> __device__ __forceinline__ void mmq_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-/* The block's 64 rows of chunk s into stage st (rows past the weight's
- * last read its last again). */
-template <int T>
-__device__ __forceinline__ void mmq_ring_w(uint8_t *st, const mg_seg &seg, int rbase, size_t rb, int64_t cols, int s) {
-    constexpr int SROW = mmq_w<T>::SROW, PR = SROW / 16;
-    for (int i = threadIdx.x; i < MMQ_ROWS * PR; i += MMQ_WARPS * 32) {
-        const int r = i / PR, q = i % PR;
-        const uint8_t *row = seg.w + (size_t)min(rbase + r, seg.rows - 1) * rb;
-        const uint8_t *src;
-        if constexpr (T == DTYPE_Q6_K)
-            src = q < 8 ? row + (size_t)s * 128 + 16 * q
-                : q < 12 ? row + q6s_qh_off(cols) + (size_t)s * 64 + 16 * (q - 8)
-                         : row + q6s_sc_off(cols) + (size_t)s * 16;
-        else
-            src = row + (size_t)s * SROW + 16 * q;
-        mmq_cp16(st + r * SROW + 16 * q, src);
-    }
-    if constexpr (T == DTYPE_Q6_K)
-        if ((int)threadIdx.x < MMQ_ROWS) {
-            const uint8_t *row = seg.w + (size_t)min(rbase + (int)threadIdx.x, seg.rows - 1) * rb;
-            mmq_cp4(st + MMQ_ROWS * SROW + 4 * threadIdx.x, row + q6s_d_off(cols) + 4 * (size_t)(s >> 1));
-        }
-}
-
-/* The block's tokens' activations of chunk s into stage st. */
-template <int T, int NT>
-__device__ __forceinline__ void mmq_ring_x(uint8_t *st, const mmq_act &x, int n, int s, int tok0) {
-    using R = mmq_ring<T, NT>;
-    for (int i = threadIdx.x; i < R::TOK * 16; i += MMQ_WARPS * 32) {
-        const int tok = min(tok0 + i / 16, n - 1);
-        mmq_cp16(st + R::XQ + (i / 16) * MMQ_XS + 16 * (i % 16), x.xq + ((size_t)s * n + tok) * 256 + 16 * (i % 16));
-    }
-    if ((int)threadIdx.x < R::TOK) {
-        const size_t bi = (size_t)s * n + min(tok0 + (int)threadIdx.x, n - 1);
-        mmq_cp4(st + R::XD + 4 * threadIdx.x, x.xd + bi);
-        mmq_cp16(st + R::XB + 16 * threadIdx.x, x.xb + bi * 8);
-    }
-}
-
-template <int T, int NT>
-__global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ring_kernel(const mmq_args a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    using R = mmq_ring<T, NT>;
-    extern __shared__ __align__(16) uint8_t mmq_smem[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
-    const mg_seg seg = mg_seg_locate(a.g, bx);
-    const int rbase = (bx - seg.u0) * MMQ_ROWS, row0 = rbase + warp * 16;
-    const int n = a.n;
-    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
-    /* Groups: the first holds the weights of stages 0 .. S - 2 and the
-     * activations of stage 0, group i the activations of stage i. */
-#pragma unroll
-    for (int i = 0; i < R::S - 1; i++)
-        if (s0 + i < s1) mmq_ring_w<T>(mmq_smem + i * R::STAGE, seg, rbase, a.rb, a.cols, s0 + i);
-    pdl_begin();
-#pragma unroll
-    for (int i = 0; i < R::S - 1; i++) {
-        if (s0 + i < s1) mmq_ring_x<T, NT>(mmq_smem + i * R::STAGE, a.a, n, s0 + i, tok0);
-        mmq_commit();
-    }
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-    for (int s = s0; s < s1; s++) {
-        mmq_wait<R::S - 2>();
-        __syncthreads(); /* stage s ready for all; stage s - 1 read by all */
-        const int nx = s + R::S - 1;
-        if (nx < s1) {
-            uint8_t *st = mmq_smem + ((nx - s0) % R::S) * R::STAGE;
-            mmq_ring_w<T>(st, seg, rbase, a.rb, a.cols, nx);
-            mmq_ring_x<T, NT>(st, a.a, n, nx, tok0);
-        }
-        mmq_commit();
-        const uint8_t *st = mmq_smem + ((s - s0) % R::S) * R::STAGE;
-        constexpr int SROW = mmq_w<T>::SROW;
-        mmq_w<T> cw[2];
-        const uint8_t *sd = st + MMQ_ROWS * SROW;
-        cw[0].load_stage(st + (warp * 16 + g) * SROW, sd + 4 * (warp * 16 + g), s, t);
-        cw[1].load_stage(st + (warp * 16 + g + 8) * SROW, sd + 4 * (warp * 16 + g + 8), s, t);
-        mmq_chunk<T, NT>(cw, (const int8_t *)(st + R::XQ), (const float *)(st + R::XD), (const uint4 *)(st + R::XB),
-                         g, t, acc);
-    }
-    mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
-#else
-    __trap(); /* no cp.async: never launched here (ctx->mmq_ring needs sm_80) */
-#endif
-}
-
-/* *blocks: blocks of kernel resident on one multiprocessor with smem
- * bytes of dynamic shared memory (which it is allowed once), kept per
- * device in per_sm (0: not asked yet; at least 1 once asked). */
-template <typename K>
-static int mmq_per_sm(struct cuda_ctx *ctx, K kernel, int smem, int (&per_sm)[64], int *blocks) {
-    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    if (!per_sm[dev]) {
-        if (smem > 0)
-            CUDA_CHECK(ctx, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, (size_t)smem));
-        per_sm[dev] = b > 0 ? b : 1;
-    }
-    *blocks = per_sm[dev];
-    return STATUS_OK;
-}
-
 template <int T, int NT>
 static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    static int per_sm_reg[64], per_sm_ring[64];
-    /* The ring where the card has cp.async and room for two of its blocks
-     * a multiprocessor; else the register kernel. */
-    int per_sm = 0, ring = 0, rc;
-    if (ctx->mmq_ring) {
-        rc = mmq_per_sm(ctx, matmul_mmq_ring_kernel<T, NT>, mmq_ring<T, NT>::BYTES, per_sm_ring, &per_sm);
-        if (rc != STATUS_OK) return rc;
-        ring = per_sm >= 2;
-    }
-    if (!ring) {
-        rc = mmq_per_sm(ctx, matmul_mmq_kernel<T, NT>, 0, per_sm_reg, &per_sm);
-        if (rc != STATUS_OK) return rc;
+    static int per_sm[64];
+    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    if (!per_sm[dev]) {
+        int b = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mmq_kernel<T, NT>, MMQ_WARPS * 32, 0));
+        per_sm[dev] = b > 0 ? b : 1;
     }
     int rbs = 0;
     for (int s = 0; s < g.n; s++) {
@@ -674,7 +485,7 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
     /* Split K as far as the blocks still fit the resident slots in one
      * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
-    const int n_sb = (int)(cols / 256), slots = per_sm * ctx->n_sms;
+    const int n_sb = (int)(cols / 256), slots = per_sm[dev] * ctx->n_sms;
     int ks = rbs * th >= slots ? 1 : slots / (rbs * th);
     if (ks > MMQ_SPLIT_MAX) ks = MMQ_SPLIT_MAX;
     if (ks > n_sb) ks = n_sb;
@@ -710,12 +521,8 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
                                     (int16_t *)a.a.xb, n, (int)cols, items));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
-    const dim3 grid((unsigned)(rbs * th), (unsigned)ks);
-    if (ring)
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_ring_kernel<T, NT>), grid, dim3(MMQ_WARPS * 32),
-                                    (size_t)mmq_ring<T, NT>::BYTES, a));
-    else
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT>), grid, dim3(MMQ_WARPS * 32), 0, a));
+    CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT>), dim3((unsigned)(rbs * th), (unsigned)ks),
+                                dim3(MMQ_WARPS * 32), 0, a));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }

@@ -61,7 +61,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(1, h.att_k16);
     ASSERT_EQ(2, h.att_steps);
     ASSERT_EQ(4, h.rope_att);
-    ASSERT_EQ(16, h.rope_att_mha);
+    ASSERT_EQ(8, h.rope_att_mha);
     ASSERT_EQ(4, h.att_defer);
     ASSERT_EQ(1, h.att_f16);
     ASSERT_EQ(1, h.mr);

@@ -982,7 +982,8 @@ TEST(cuda_ops_matmul_wide) {
  * tiles of 8 tokens and of the two blocks a row block above 32; one chunk
  * (no split), K split over blocks with partial rows (4200 x 4096, 517 x
  * 11008), a partial last row block; groups of weights in one launch; the
- * same bits on a second run (wide_case). */
+ * same bits on a second run (wide_case); gate and up (swiglu_case) as its
+ * plain group and the swiglu after it. */
 TEST(cuda_ops_matmul_mmq) {
     mm_set_mode(MM_DEFAULT);
     setenv("LLM_CUDA_MMQ_MIN", "1", 1);
