@@ -36,7 +36,7 @@ int main(int argc, char **argv) {
     memset(&c, 0, sizeof c);
     int log_level = LL_INFO;
     const char *metrics_listen = NULL, *redis_password_file = NULL;
-    bool prefix_cache = true;
+    bool prefix_cache = true, spec_adapt = false;
     int64_t max_msg_size = 0;
     int watchdog_ms = 0;
     static const char metrics_default[] = "127.0.0.1:9464";
@@ -119,6 +119,10 @@ int main(int argc, char **argv) {
          "--spec auto: speculate while the pipeline's running sequences per stage are at most this many "
          "(a larger batch makes a decode step compute-bound, where drafts cost more than they gain)",
          &c.spec_auto_batch, 0, 65536, NULL},
+        {"spec-adapt", "LLM_SPEC_ADAPT", OPTION_BOOL, "false",
+         "a sequence's next step drafts one more token than its last step had accepted (all accepted: one "
+         "more than it drafted), up to its k: fewer rejected drafts where verifying costs (the CPU backend); "
+         "same outputs", &spec_adapt, 0, 0, NULL},
         {"stages", "LLM_STAGES", OPTION_INT, "1",
          "stages per pipeline for workers that let the router place them", &c.stages, 1, 64, NULL},
         {"heartbeat-ms", "LLM_HEARTBEAT_MS", OPTION_INT, "1000", "heartbeat interval the workers are told",
@@ -159,6 +163,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     c.no_prefix_cache = !prefix_cache;
+    c.spec_adapt = spec_adapt;
     log_set_process("router");
     log_set_level(log_level);
     options_log(&o);

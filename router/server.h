@@ -49,6 +49,9 @@ struct server_config {
     int spec;
     int spec_tokens;
     int spec_auto_batch;
+    /* Each verdict sets a sequence's next k to its accepted drafts + 1 (all
+     * accepted: the drafts + 1), within its own k (--spec-adapt). */
+    int spec_adapt;
     /* Security (docs/security.md).  Without insecure, curve_key_file (the
      * router's key pair), client_keys and worker_keys (allowlists: a file or
      * a directory of *.pub) are required. */

@@ -258,6 +258,18 @@ static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__S
             sched_restart(pp->sched, q->seq);
         return false;
     }
+    if (s->cfg.spec_adapt) {
+        /* --spec-adapt: as many drafts as the last verdict would have
+         * kept, and one more; the request's k bounds it. */
+        int32_t k_max = 0;
+        bool auto_only = false;
+        unsigned src = 0;
+        req_spec(s, q, &k_max, &auto_only, &src);
+        int32_t k = (n_acc == n_draft ? n_draft : n_acc) + 1;
+        if (k > k_max) k = k_max;
+        if (k_max > 0 && k < 1) k = 1;
+        sched_seq_set_spec(q->seq, k, auto_only, q->limit);
+    }
     s->spec_steps++;
     s->spec_drafts += (uint64_t)n_draft;
     s->spec_accepted += (uint64_t)n_acc;

@@ -37,7 +37,8 @@
 #   when MODEL is a pycode file), DEVICE (cpu; auto: a GPU per worker where
 #   there are GPUs), THREADS (1), SPEC_TOKENS (4), MAX_TOKENS (128),
 #   LINES_PER_PROMPT (40), TIMEOUT_S (600: one request's bound), WORKER_ARGS
-#   (more llm-worker arguments, e.g. --draft-min-prob 0.5), RESULTS (also
+#   (more llm-worker arguments, e.g. --draft-min-prob 0.5), ROUTER_ARGS (more
+#   llm-router arguments, e.g. --spec-adapt), RESULTS (also
 #   write one line per run, key=value, to this file), KEEP (1: keep the run
 #   folder: outputs, logs, the synthetic model).
 # Needs bash, awk and the build's llm-cluster, llm and llm-synth (MODEL synth:);
@@ -90,7 +91,7 @@ wargs=${WORKER_ARGS:-}
 case " $MODES " in *" draft "*) wargs="--draft-model $DRAFT $wargs" ;; esac
 "$BUILD/router/llm-cluster" up --model "$MODEL" --pipelines 1 --stages 1 --device "$DEVICE" \
     --threads "${THREADS:-1}" --port 0 --run-dir "$RUN" --insecure ${wargs:+--worker-args "$wargs"} \
-    --router-args "--spec off --spec-tokens $K --metrics-listen 127.0.0.1:0" >/dev/null
+    --router-args "--spec off --spec-tokens $K --metrics-listen 127.0.0.1:0 ${ROUTER_ARGS:-}" >/dev/null
 . "$RUN/env.sh"
 port=$(grep -o 'metrics on http://[^ ]* (port [0-9]*' "$RUN"/router*.log | grep -o '[0-9]*$' | head -1)
 wport=$(grep -o 'metrics on http://[^ ]* (port [0-9]*' "$RUN"/worker*.log | grep -o '[0-9]*$' | head -1)

@@ -52,10 +52,11 @@ static void kv_back(struct cluster *cl, int port) {
 /* Greedy with drafts (the router's --spec ngram) equals llm-run, and a
  * seeded sampled request equals itself with speculation off. */
 static void spec_exact(const char *model_name, const char *const *prompts, int n_prompts, int stages,
-                       int max_tokens, bool want_accepts) {
+                       int max_tokens, bool want_accepts, const char *router_extra) {
     const char *model = test_model_path(model_name);
-    struct cluster *cl = h_cluster_start(model, 1, stages, "--spec ngram --spec-tokens 4 --metrics-listen 127.0.0.1:0",
-                                         "");
+    char rargs[256];
+    snprintf(rargs, sizeof rargs, "--spec ngram --spec-tokens 4 --metrics-listen 127.0.0.1:0 %s", router_extra);
+    struct cluster *cl = h_cluster_start(model, 1, stages, rargs, "");
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
     enum { MAXP = 4 };
@@ -91,8 +92,8 @@ static void spec_exact(const char *model_name, const char *const *prompts, int n
     sg_run_all(on, n_prompts);
     for (int i = 0; i < n_prompts; i++) sg_same(cl, &off[i], &on[i]);
     struct spec_counts c = spec_metrics(cl, port);
-    printf("  %s 1x%d: greedy %g drafts, %g accepted in %g verifications; all %g drafts, %g accepted\n",
-           model_name, stages, after_greedy.drafts, after_greedy.accepted, after_greedy.verifications,
+    printf("  %s 1x%d%s%s: greedy %g drafts, %g accepted in %g verifications; all %g drafts, %g accepted\n",
+           model_name, stages, router_extra[0] ? " " : "", router_extra, after_greedy.drafts, after_greedy.accepted, after_greedy.verifications,
            c.drafts, c.accepted);
     H_ASSERT(cl, after_greedy.drafts > 0 && after_greedy.verifications > 0, "no drafts were verified");
     if (want_accepts) H_ASSERT(cl, after_greedy.accepted > 0, "no draft was accepted");
@@ -105,9 +106,11 @@ static void spec_exact(const char *model_name, const char *const *prompts, int n
     h_cluster_stop(cl);
 }
 
-TEST(cluster_spec_stories_1x1) { spec_exact(STORIES, story_prompts, 3, 1, 48, false); }
-TEST(cluster_spec_stories_1x2) { spec_exact(STORIES, story_prompts, 3, 2, 48, false); }
-TEST(cluster_spec_pycode_1x1) { spec_exact(PYCODE, code_prompts, 2, 1, 64, true); }
+TEST(cluster_spec_stories_1x1) { spec_exact(STORIES, story_prompts, 3, 1, 48, false, ""); }
+TEST(cluster_spec_stories_1x2) { spec_exact(STORIES, story_prompts, 3, 2, 48, false, ""); }
+TEST(cluster_spec_pycode_1x1) { spec_exact(PYCODE, code_prompts, 2, 1, 64, true, ""); }
+/* k set by each verdict (--spec-adapt): the same outputs. */
+TEST(cluster_spec_pycode_adapt_1x1) { spec_exact(PYCODE, code_prompts, 2, 1, 64, true, "--spec-adapt"); }
 
 /* The last stage of pipeline 0 dies while speculated sampled requests
  * stream: they resume on pipeline 1 (prefilled again with the tokens they
@@ -152,4 +155,4 @@ TEST(cluster_spec_worker_killed) {
     h_cluster_stop(cl);
 }
 
-TEST_MAIN(cluster_spec_stories_1x1, cluster_spec_stories_1x2, cluster_spec_pycode_1x1, cluster_spec_worker_killed)
+TEST_MAIN(cluster_spec_stories_1x1, cluster_spec_stories_1x2, cluster_spec_pycode_1x1, cluster_spec_pycode_adapt_1x1, cluster_spec_worker_killed)

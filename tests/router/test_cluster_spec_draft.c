@@ -75,12 +75,12 @@ static const char *draft_args_min_prob(float min_prob) {
 
 /* Greedy with the draft model's drafts equals llm-run; seeded sampled
  * requests equal themselves with speculation off. */
-static void draft_exact(int stages, int max_tokens, float min_prob) {
+static void draft_exact(int stages, int max_tokens, float min_prob, const char *router_extra) {
     static char model[512]; /* test_model_path's buffer is reused by draft_args */
     snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
-    struct cluster *cl = h_cluster_start(model, 1, stages,
-                                         "--spec draft --spec-tokens 4 --metrics-listen 127.0.0.1:0",
-                                         draft_args_min_prob(min_prob));
+    char rargs[256];
+    snprintf(rargs, sizeof rargs, "--spec draft --spec-tokens 4 --metrics-listen 127.0.0.1:0 %s", router_extra);
+    struct cluster *cl = h_cluster_start(model, 1, stages, rargs, draft_args_min_prob(min_prob));
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
     enum { NP = 3, NS = 4 };
@@ -120,8 +120,8 @@ static void draft_exact(int stages, int max_tokens, float min_prob) {
     sg_run_all(on, NP * NS);
     for (int i = 0; i < NP * NS; i++) sg_same(cl, &off[i], &on[i]);
     struct spec_counts c = spec_metrics(cl, port);
-    printf("  pycode 1x%d, --draft-min-prob %g, greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
-           stages, min_prob, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
+    printf("  pycode 1x%d, --draft-min-prob %g%s%s, greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
+           stages, min_prob, router_extra[0] ? " " : "", router_extra, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
            NP * max_tokens);
     printf("  pycode 1x%d sampled: %g model drafts, %g accepted\n", stages,
            c.model_drafts - before_on.model_drafts, c.model_accepted - before_on.model_accepted);
@@ -138,10 +138,11 @@ static void draft_exact(int stages, int max_tokens, float min_prob) {
     h_cluster_stop(cl);
 }
 
-TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64, 0); }
-TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48, 0); }
-/* Fewer, likelier guesses: the same outputs. */
-TEST(cluster_spec_draft_min_prob_1x1) { draft_exact(1, 48, 0.5f); }
+TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64, 0, ""); }
+TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48, 0, ""); }
+/* Fewer, likelier guesses, and k set by each verdict: the same outputs. */
+TEST(cluster_spec_draft_min_prob_1x1) { draft_exact(1, 48, 0.5f, ""); }
+TEST(cluster_spec_draft_adapt_1x1) { draft_exact(1, 48, 0, "--spec-adapt"); }
 
 /* The last stage of pipeline 0 dies while requests speculated by the draft
  * model stream: they resume on pipeline 1 and end with the text of a run
@@ -212,5 +213,6 @@ TEST(cluster_spec_draft_vocab_refused) {
     ASSERT_TRUE(strstr(out, want) != NULL);
 }
 
-TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_min_prob_1x1, cluster_spec_draft_worker_killed,
+TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_min_prob_1x1,
+          cluster_spec_draft_adapt_1x1, cluster_spec_draft_worker_killed,
           cluster_spec_draft_vocab_refused)
