@@ -122,11 +122,12 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         [ -n "$b90" ] || continue
         for mm in -1 8; do
             for bt in 16 64; do
-                echo "== llama2-7b q4_k_m decode, batch $bt, context 512, LLM_CUDA_MMQ_MIN=$mm (per step of 4)"
+                echo "== llama2-7b q4_k_m, batch $bt, context 512, LLM_CUDA_MMQ_MIN=$mm: totals of 2 prefills of 8" \
+                    "tokens and 3 decode steps (a decode kernel's launches: 3 a layer and step)"
                 LLM_CUDA_MMQ_MIN=$mm timeout 150 ncu --csv --metrics gpu__time_duration.sum --clock-control none \
                     --cache-control none "$b90/bench/bench_gpu" --shapes llama2-7b --types q4_k_m --batches $bt \
                     --ctx 512 --prompt 8 --prefill-reps 1 --warmup 1 --steps 2 --copy-size 64M --gemm-size 1024 \
-                    --gemm-tokens 256 --tmpdir /tmp 2>&1 | env -u LD_LIBRARY_PATH python3 scripts/ncu-sum.py 4 | head -n 40
+                    --gemm-tokens 256 --tmpdir /tmp 2>&1 | env -u LD_LIBRARY_PATH python3 scripts/ncu-sum.py | head -n 40
             done
         done >"$out/prof.txt" 2>&1
         echo "== prof: $(grep -c '^all kernels' "$out/prof.txt") tables" >>"$summary"

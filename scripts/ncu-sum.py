@@ -28,9 +28,12 @@ def main():
         agg[key] = (n + 1, t + us)
     total = sum(t for _, t in agg.values())
     print("%-64s %-16s %7s %9s %11s %6s" % ("kernel", "grid", "launch", "mean us", "us / step", "share"))
-    for (name, grid), (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
-        print("%-64s %-16s %7d %9.2f %11.1f %5.1f%%" % (name[:64], grid, n, t / n, t / steps, 100.0 * t / total))
-    print("all kernels: %.1f us / step" % (total / steps))
+    try:
+        for (name, grid), (n, t) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+            print("%-64s %-16s %7d %9.2f %11.1f %5.1f%%" % (name[:64], grid, n, t / n, t / steps, 100.0 * t / total))
+        print("all kernels: %.1f us / step" % (total / steps))
+    except BrokenPipeError:  # a reader that took the head of the table
+        sys.stderr.close()
 
 
 if __name__ == "__main__":
