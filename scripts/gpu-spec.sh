@@ -11,7 +11,8 @@
 #            greedy output given back as the prediction), tokens/s end to end
 #            and decode only (the issue's >= 2.5x)
 #   pycode   scripts/bench-spec.sh on the pycode pair (target F16 + draft):
-#            off, ngram, draft and prediction, with acceptance
+#            off, ngram, draft and prediction, with acceptance; then off,
+#            ngram and draft again under llm-router --spec-adapt
 #   load     bench_cluster, 7B Q4_K_M synthetic, 1x1, c=64, prompt 128, 128
 #            generated: the router's --spec off, --spec auto, then off again
 #            (the issue's <= 3% cost; the second off bounds the drift)
@@ -177,6 +178,9 @@ for what in $steps; do
         MODES="off ngram draft prediction" DEVICE=$device MAX_TOKENS=$maxt LINES_PER_PROMPT=$lines SPEC_TOKENS=4 \
             RESULTS="$out/pycode.results" step pycode 120 scripts/bench-spec.sh "$b" \
             "$models/pycode/pycode-target-f16.gguf" "${files[@]}"
+        MODES="off ngram draft" ROUTER_ARGS="--spec-adapt" DEVICE=$device MAX_TOKENS=$maxt LINES_PER_PROMPT=$lines \
+            SPEC_TOKENS=4 RESULTS="$out/pycode_adapt.results" step pycode_adapt 90 scripts/bench-spec.sh "$b" \
+            "$models/pycode/pycode-target-f16.gguf" "${files[@]}"
         ;;
     load)
         synth_model || continue
@@ -206,7 +210,7 @@ done
         grep -A4 "^verification (--verify)" "$out/verify.log"
         grep -E "decode +f16 +1 " "$out/verify.log"
     fi
-    for s in ceiling pycode; do
+    for s in ceiling pycode pycode_adapt; do
         [ -f "$out/$s.log" ] || continue
         echo "== $s: scripts/bench-spec.sh"
         grep -E "^bench-spec: .* on |DIFFER" "$out/$s.log"
