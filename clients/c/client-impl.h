@@ -18,6 +18,7 @@ struct llm_client {
     struct zio_sock *sock; /* DEALER to endpoints[cur]; NULL until needed */
     struct zio_sock *mon;  /* PAIR fed by the DEALER's socket monitor */
     uint32_t n_opened;     /* sockets opened so far (names the monitor's inproc endpoint) */
+    bool connected;        /* the socket's TCP (or IPC) connection was made at least once */
     uint64_t next_tag;
     bool secure;
     struct keys_pair kp;   /* this client's CURVE key pair, when secure */
@@ -29,8 +30,10 @@ struct llm_client {
     char errstr[1024];
 };
 
-/* What client_wait found. */
-enum client_event { CLIENT_MSG = 0, CLIENT_IDLE = 1, CLIENT_LOST = 2 };
+/* What client_wait found.  CLIENT_REFUSED: the endpoint could not be
+ * connected to at all (nothing listens there: a router that is down);
+ * reported only when there is another endpoint to try. */
+enum client_event { CLIENT_MSG = 0, CLIENT_IDLE = 1, CLIENT_LOST = 2, CLIENT_REFUSED = 3 };
 
 /* Monotonic milliseconds. */
 int64_t client_now_ms(void);
@@ -39,7 +42,8 @@ void client_seterr(llm_client *c, Llm__Error__Code code, const char *fmt, ...) _
 /* Sends an envelope on the connection (opened when needed); 0 or a status. */
 int client_send(llm_client *c, Llm__ClientEnvelope *env);
 /* Waits up to timeout_ms for an envelope: CLIENT_MSG with *env (the caller
- * frees it), CLIENT_IDLE, CLIENT_LOST, or a negative status. */
+ * frees it), CLIENT_IDLE, CLIENT_LOST, CLIENT_REFUSED, or a negative
+ * status. */
 int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env);
 /* Opens the connection to the next endpoint; ensure: one if none is open. */
 int client_reconnect(llm_client *c, const char *why);
@@ -47,6 +51,13 @@ int client_sock_ensure(llm_client *c);
 /* Records the router's Error and returns the matching status. */
 int client_router_error(llm_client *c, const Llm__Error *e, const char *what);
 void client_sleep_ms(int ms);
+/* The current endpoint cannot serve now: it answered UNAVAILABLE, or it
+ * refused the connection.  Another endpoint may serve at once, so this
+ * returns true (try the next one now) until every endpoint in a row could
+ * not (*in_a_row counts them); then it sleeps pause_ms (200 when 0), sets
+ * *in_a_row back to 0 and returns false: after an UNAVAILABLE the caller
+ * asks the same router again, after a refusal it tries the next one. */
+bool client_unavailable(llm_client *c, size_t *in_a_row, int pause_ms);
 /* The request id an envelope's body names, "" for none. */
 const char *client_body_request_id(const Llm__ClientEnvelope *e);
 

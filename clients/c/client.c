@@ -2,7 +2,9 @@
  * generation loop that re-attaches by request id after a broken or silent
  * connection (docs/protocol.md, "Request ids and re-attaching").  A socket
  * monitor reports the router's disconnect at once, so a router restart
- * costs one reconnect, not an idle timeout. */
+ * costs one reconnect, not an idle timeout, and a refused connection to a
+ * router that is down sends the client to the next endpoint at once, not
+ * after a reply timeout. */
 #include "client.h"
 #include "client-impl.h"
 
@@ -93,8 +95,9 @@ static void client_sock_close(llm_client *c) {
     c->sock = NULL;
 }
 
-/* A DEALER to endpoints[cur], with a monitor that reports its disconnects.
- * The monitor is attached before connect so that no event is missed. */
+/* A DEALER to endpoints[cur], with a monitor that reports its connection,
+ * its disconnects and connection attempts that failed.  The monitor is
+ * attached before connect so that no event is missed. */
 static int client_sock_open(llm_client *c) {
     char err[256];
     const char *ep = c->endpoints[c->cur];
@@ -123,9 +126,10 @@ static int client_sock_open(llm_client *c) {
     char mon_ep[96];
     snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%d-%llu", (int)getpid(),
              (unsigned long long)atomic_fetch_add(&mon_seq, 1));
+    c->connected = false;
     if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep,
-                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0) {
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0) {
         client_seterr(c, LLM__ERROR__CODE__OK, "client socket for %s: monitor: %s", ep,
                       zmq_strerror(errno));
         client_sock_close(c);
@@ -274,9 +278,16 @@ int client_send(llm_client *c, Llm__ClientEnvelope *env) {
 
 /* Waits up to timeout_ms for a frame from the router or a disconnect.
  * CLIENT_MSG: *env is a decoded envelope (the caller frees it);
- * CLIENT_IDLE: nothing came; CLIENT_LOST: the connection broke.  Frames that
- * do not decode are logged and skipped: a router never sends them, and a
- * client must not die of one. */
+ * CLIENT_IDLE: nothing came; CLIENT_LOST: the connection broke;
+ * CLIENT_REFUSED: a connection attempt failed before any was made on this
+ * socket (ZeroMQ's CONNECT_RETRIED with no CONNECTED before it: on a
+ * connection refused, nothing listens at the address), with another
+ * endpoint to go to.  A live router never refuses (the kernel answers a
+ * full accept queue by dropping the SYN, not with a reset), so this is not
+ * a guess like a reply timeout; with one endpoint the socket keeps trying
+ * by itself (ZMQ_RECONNECT_IVL) and the refusal is not reported.  Frames
+ * that do not decode are logged and skipped: a router never sends them,
+ * and a client must not die of one. */
 int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
     *env = NULL;
     int64_t end = client_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
@@ -292,11 +303,13 @@ int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
         }
         if (rev[1] & ZMQ_POLLIN) {
             struct zio_parts p = {0};
-            bool lost = false;
+            bool lost = false, refused = false;
             while (zio_recv(c->mon, &p, 0) == 0) {
                 if (zio_parts_size(&p, 0) >= 2) {
                     uint16_t e;
                     memcpy(&e, zio_parts_data(&p, 0), 2);
+                    if (e & ZMQ_EVENT_CONNECTED) c->connected = true;
+                    if ((e & ZMQ_EVENT_CONNECT_RETRIED) && !c->connected) refused = true;
                     if (e & ZMQ_EVENT_DISCONNECTED) lost = true;
                     if (e & (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)) {
                         bool first = !c->auth_note[0];
@@ -315,9 +328,10 @@ int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
             /* A refused handshake also ends in a disconnect; the socket
              * tries again by itself (ZMQ_RECONNECT_IVL), and opening a new
              * one at once would only ask to be refused again in a loop. */
-            if (c->auth_note[0]) lost = false;
+            if (c->auth_note[0]) lost = refused = false;
             /* A frame the router sent before it went is still worth reading. */
             if (lost && !(rev[0] & ZMQ_POLLIN)) return CLIENT_LOST;
+            if (refused && c->n_endpoints > 1) return CLIENT_REFUSED;
         }
         if (rev[0] & ZMQ_POLLIN) {
             struct zio_parts p = {0};
@@ -367,6 +381,13 @@ void client_sleep_ms(int ms) {
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
 }
 
+bool client_unavailable(llm_client *c, size_t *in_a_row, int pause_ms) {
+    if (++*in_a_row < c->n_endpoints) return true;
+    *in_a_row = 0;
+    client_sleep_ms(pause_ms > 0 ? pause_ms : 200);
+    return false;
+}
+
 /* ---- request/reply ------------------------------------------------------ */
 
 /* Sends a request envelope (body set by the caller) and waits for the reply
@@ -380,12 +401,13 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
     int64_t give_up = client_now_ms() + c->cfg.retry_ms;
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
-    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE */
+    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE or refused */
+    int pause_ms = 0;       /* the latest UNAVAILABLE's retry_after_ms */
     for (;;) {
         req->tag = c->next_tag++;
         rc = client_send(c, req);
         int64_t sent = client_now_ms();
-        bool lost = rc < 0, move_on = false;
+        bool lost = rc < 0, move_on = false, refused = false;
         while (!lost && !move_on) {
             int64_t until = sent + c->cfg.reply_timeout_ms;
             if (until > give_up) until = give_up;
@@ -395,6 +417,12 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
             int ev = client_wait(c, left, &env);
             if (ev < 0) return ev;
             if (ev == CLIENT_LOST) lost = true;
+            if (ev == CLIENT_REFUSED) {
+                /* Down: the next endpoint now, or after a pause once every
+                 * one could not serve (the last UNAVAILABLE's retry_after). */
+                client_unavailable(c, &unavailable, pause_ms);
+                move_on = refused = true;
+            }
             if (ev != CLIENT_MSG) continue;
             if (env->tag == req->tag && env->body_case == want) {
                 *reply = env;
@@ -406,8 +434,9 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
                     client_now_ms() + (int64_t)e->retry_after_ms < give_up) {
                     client_router_error(c, e, what);
                     /* Another router may serve it: see client_unavailable. */
-                    if (e->code == LLM__ERROR__CODE__UNAVAILABLE && ++unavailable < c->n_endpoints) {
-                        move_on = true;
+                    if (e->code == LLM__ERROR__CODE__UNAVAILABLE) {
+                        pause_ms = (int)e->retry_after_ms;
+                        move_on = client_unavailable(c, &unavailable, pause_ms);
                     } else {
                         unavailable = 0;
                         client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
@@ -429,7 +458,10 @@ static int client_call(llm_client *c, Llm__ClientEnvelope *req, Llm__ClientEnvel
                                                        : proto_status_from_code(c->err_code);
         }
         if (lost || move_on || client_now_ms() >= sent + c->cfg.reply_timeout_ms) {
-            rc = client_reconnect(c, lost ? "connection lost" : move_on ? c->errstr : "no reply");
+            rc = client_reconnect(c, lost      ? "connection lost"
+                                     : refused ? "connection refused: no router listens there"
+                                     : move_on ? c->errstr
+                                               : "no reply");
             if (rc < 0) return rc;
         }
     }

@@ -253,7 +253,8 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     int64_t last_progress = client_now_ms(), last_heard = last_progress;
     int64_t give_up = p->wait_ms > 0 ? last_progress + p->wait_ms : INT64_MAX;
     bool any_reply = false, need_send = true, move_on = false;
-    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE */
+    size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE or refused */
+    int pause_ms = 0;       /* the latest UNAVAILABLE's retry_after_ms */
     int64_t sent = 0;
     uint64_t tag = 0;
     const char *lost_why = NULL;
@@ -293,7 +294,14 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
             int ev = client_wait(c, (int)(until - now), &in);
             if (ev < 0) return ev;
             if (ev == CLIENT_LOST) lost_why = "connection lost";
-            else if (ev == CLIENT_IDLE && client_now_ms() >= give_up) continue;
+            else if (ev == CLIENT_REFUSED) {
+                /* A router that is down: the next endpoint now, not after
+                 * reply_timeout_ms; after a pause once every one in a row
+                 * could not serve (client_unavailable). */
+                client_unavailable(c, &unavailable, pause_ms);
+                lost_why = "connection refused: no router listens there";
+                move_on = true;
+            } else if (ev == CLIENT_IDLE && client_now_ms() >= give_up) continue;
             else if (ev == CLIENT_IDLE) lost_why = g.accepted ? "no message for the idle timeout" : "no reply";
             else {
                 const char *rid = client_body_request_id(in);
@@ -355,6 +363,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     bool retry = e->code == LLM__ERROR__CODE__UNAVAILABLE || e->retry_after_ms > 0;
                     rc = client_router_error(c, e, "generate");
                     res->retry_after_ms = e->retry_after_ms;
+                    if (e->code == LLM__ERROR__CODE__UNAVAILABLE) pause_ms = (int)e->retry_after_ms;
                     if (retry && client_now_ms() + (int64_t)e->retry_after_ms < last_progress + c->cfg.retry_ms) {
                         /* A router that cannot serve now (no worker, no
                          * pipeline, no Redis, or another router holds the
@@ -427,6 +436,7 @@ int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate
     int rc = client_sock_ensure(c);
     if (rc < 0) return rc;
     int64_t give_up = client_now_ms() + c->cfg.retry_ms;
+    size_t refused = 0; /* endpoints in a row that refused the connection */
     for (;;) {
         uint64_t tag = c->next_tag;
         rc = client_send_cancel(c, request_id);
@@ -439,6 +449,10 @@ int llm_client_cancel(llm_client *c, const char *request_id, struct llm_generate
             int ev = client_wait(c, left, &in);
             if (ev < 0) return ev;
             if (ev == CLIENT_LOST) lost = true;
+            if (ev == CLIENT_REFUSED) {
+                client_unavailable(c, &refused, 0);
+                lost = true;
+            }
             if (ev != CLIENT_MSG) continue;
             if (in->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE &&
                 strcmp(in->done->request_id, request_id) == 0) {

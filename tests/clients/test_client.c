@@ -597,6 +597,77 @@ TEST(client_moves_to_the_next_endpoint) {
     llm_client_close(c);
 }
 
+/* A client of two endpoints whose first refuses the connection (no router
+ * listens there: one that is down) moves on at once, not after a reply
+ * timeout; with both refusing it pauses between rounds (no busy loop of
+ * sockets) and gives up at retry_ms. */
+TEST(client_moves_on_from_a_refused_connection) {
+    struct fake f;
+    fake_start(&f, FAKE_STREAM);
+    char err[128], dead[64], dead2[64];
+    int port, port2;
+    ASSERT_OK(zio_free_port(NULL, &port, err, sizeof err));
+    ASSERT_OK(zio_free_port(NULL, &port2, err, sizeof err));
+    snprintf(dead, sizeof dead, "tcp://127.0.0.1:%d", port);
+    snprintf(dead2, sizeof dead2, "tcp://127.0.0.1:%d", port2);
+    const char *eps[2] = {dead, f.ep};
+    struct llm_client_config cfg;
+    llm_client_config_default(&cfg);
+    cfg.insecure = true; /* the test's routers are plain sockets */
+    cfg.endpoints = eps;
+    cfg.n_endpoints = 2;
+    cfg.reply_timeout_ms = 10000;
+    cfg.retry_ms = 20000;
+    llm_client *c = NULL;
+    ASSERT_OK(llm_client_open(&c, &cfg, err, sizeof err));
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-refused";
+    struct seen s = {0};
+    struct llm_generate_result r;
+    int64_t t0 = now_ms();
+    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
+    int64_t took = now_ms() - t0;
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+    /* Status the same way, from a new client. */
+    ASSERT_OK(llm_client_open(&c, &cfg, err, sizeof err));
+    Llm__ClientEnvelope *env = NULL;
+    t0 = now_ms();
+    int rc2 = llm_client_status(c, &env);
+    int64_t took2 = now_ms() - t0;
+    fake_stop(&f);
+    printf("  first endpoint refused: generate served in %lld ms, status in %lld ms (reply timeout %d ms)\n",
+           (long long)took, (long long)took2, cfg.reply_timeout_ms);
+    ASSERT_OK(rc);
+    expect_tokens(&s, FAKE_N_TOKENS);
+    ASSERT_TRUE(took < 2000);
+    ASSERT_OK(rc2);
+    ASSERT_TRUE(took2 < 2000);
+    ASSERT_STREQ(f.ep, llm_client_endpoint(c));
+    proto_client_free(env);
+    llm_client_close(c);
+
+    /* Both refuse: rounds of two sockets with a 200 ms pause after each,
+     * until retry_ms (1500). */
+    const char *eps2[2] = {dead, dead2};
+    cfg.endpoints = eps2;
+    cfg.retry_ms = 1500;
+    ASSERT_OK(llm_client_open(&c, &cfg, err, sizeof err));
+    t0 = now_ms();
+    rc = llm_client_generate(c, &p, NULL, NULL, &r);
+    took = now_ms() - t0;
+    uint32_t reconnects = llm_client_reconnects(c);
+    printf("  both refused: generate gave up after %lld ms, %u reconnects: %s\n", (long long)took, reconnects,
+           llm_client_errstr(c));
+    ASSERT_EQ(STATUS_UNAVAILABLE, rc);
+    ASSERT_TRUE(took >= 1400 && took < 5000);
+    ASSERT_TRUE(reconnects >= 2 && reconnects <= 40);
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
 TEST(client_refuses_bad_config_and_ids) {
     llm_client *c = (llm_client *)1;
     char err[256];
@@ -623,5 +694,5 @@ TEST(client_refuses_bad_config_and_ids) {
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
           client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_retry_bounds_the_wait, client_probe_finds_a_router,
-          client_moves_to_the_next_endpoint,
+          client_moves_to_the_next_endpoint, client_moves_on_from_a_refused_connection,
           client_refuses_bad_config_and_ids)

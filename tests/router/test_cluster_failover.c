@@ -5,7 +5,8 @@
  * stream entries after --claim-idle-ms and resumes them; the clients
  * re-attach there by id.  Every request finishes exactly once with llm-run's
  * greedy output, and the fail-over time (the kill to the first token the
- * other router serves) is printed and bounded. */
+ * other router serves) and the time to the last request's end are printed
+ * and bounded. */
 #include "tests/router/cluster_harness.h"
 
 #include "common/log.h"
@@ -23,7 +24,20 @@ static const char *const prompts[] = {
 #define N_TOKENS 40
 #define N_REQ 200
 #define N_AFTER 8
-#define FAILOVER_MAX_MS 20000
+/* The clients' reply timeout: long, so that a client that waits for an
+ * answer from the dead router (it answered UNAVAILABLE on the survivor,
+ * "request runs on router test-router", and went back to the first
+ * endpoint) would break the bounds below, instead of hiding in them as the
+ * 5 s default did (issue: fail-over measured 5.1 s against 1-2 s). */
+#define CLIENT_REPLY_MS 15000
+/* What fail-over is made of here (docs/router.md, "Fail-over"): the worker
+ * move (5 heartbeats: 1 s), the claim (1.5 s idle), a client's pause
+ * between asking the survivor again (its retry_after_ms) and a pipeline
+ * forming: measured 1.1-2.2 s to the first token and about 2.5 s to the
+ * last request's end on a 2-core VM.  Generous for a busy machine, and
+ * under CLIENT_REPLY_MS. */
+#define FAILOVER_MAX_MS 6000
+#define ALL_DONE_MAX_MS 12000
 
 /* Fast detection (a worker moves after 5 heartbeats without its router:
  * 1 s; the survivor claims entries idle 1.5 s), and a batch small enough
@@ -41,6 +55,7 @@ static void make_requests(struct cluster *cl, struct h_gen *gs, int n, const cha
         gs[i].max_tokens = N_TOKENS;
         gs[i].ignore_eos = 1;
         gs[i].retry_ms = 30000;
+        gs[i].reply_ms = CLIENT_REPLY_MS;
         gs[i].wait_ms = 50000; /* a request that never ends fails the test, not ctest's timeout */
         snprintf(gs[i].request_id, sizeof gs[i].request_id, "%s-%03d", tag, i);
     }
@@ -99,13 +114,22 @@ TEST(cluster_router_failover_kill9) {
     h_proc_kill(&cl->router, SIGKILL);
     printf("  kill -9 of the router after %d of %d tokens\n", seen, N_REQ * N_TOKENS);
     h_batch_join(&b);
+    int64_t all_done = h_now_ms();
     int64_t first = __atomic_load_n(&h_first_after_mark_ms, __ATOMIC_ACQUIRE);
     __atomic_store_n(&h_mark_ms, 0, __ATOMIC_RELEASE);
     H_ASSERT(cl, first > 0, "no token after the kill");
-    printf("  fail-over: first token from the other router %lld ms after the kill\n", (long long)(first - killed));
+    int slowest = 0;
+    for (int i = 1; i < N_REQ; i++)
+        if (gs[i].last_token_ms > gs[slowest].last_token_ms) slowest = i;
+    printf("  fail-over: first token from the other router %lld ms after the kill; all %d requests done %lld ms "
+           "after it (the last token of %s %lld ms after it, %u re-attaches)\n", (long long)(first - killed), N_REQ,
+           (long long)(all_done - killed), gs[slowest].request_id, (long long)(gs[slowest].last_token_ms - killed),
+           gs[slowest].res.reattaches);
     check_all(cl, gs, N_REQ);
     H_ASSERT(cl, first - killed < FAILOVER_MAX_MS, "fail-over took %lld ms (bound %d ms)", (long long)(first - killed),
              FAILOVER_MAX_MS);
+    H_ASSERT(cl, all_done - killed < ALL_DONE_MAX_MS, "the last request ended %lld ms after the kill (bound %d ms)",
+             (long long)(all_done - killed), ALL_DONE_MAX_MS);
     check_stream_empty(cl);
     /* The survivor serves new requests with both pipelines. */
     h_wait_ready(cl, 2, 1, 10000);
@@ -154,7 +178,8 @@ static int64_t generate_on(struct cluster *cl, llm_client *c, const char *id, st
 /* Defect 1 of issue 29: a router that answers UNAVAILABLE (here the second
  * one, which no worker registered with: "no worker is registered with this
  * router") sends the client on to the next endpoint at once, instead of
- * re-sending to it until --retry-ms; a router that is down costs one
+ * re-sending to it until --retry-ms; so does a router that is down (its
+ * address refuses the connection), instead of costing a
  * --reply-timeout-ms.  A request re-sent by id still re-attaches. */
 TEST(cluster_router_unavailable_moves_on) {
     const char *model = test_model_path(MODEL);
@@ -181,13 +206,16 @@ TEST(cluster_router_unavailable_moves_on) {
     llm_generate_result_free(&res);
     llm_client_close(c);
 
-    /* Router 2 down: one reply timeout, then router 1 serves. */
+    /* Router 2 down: its address refuses the connection, and router 1
+     * serves at once (measured 12-22 ms for the 40 tokens; it was one
+     * reply timeout and more). */
     h_proc_kill(&cl->router2, SIGKILL);
     c = client_r2_first(cl, REPLY_MS, 30000);
     took = generate_on(cl, c, "after-r2-died", &res);
     printf("  router 2 down: served by %s in %lld ms\n", llm_client_endpoint(c), (long long)took);
     ASSERT_STREQ(cl->client_ep, llm_client_endpoint(c));
-    H_ASSERT(cl, took < 2 * REPLY_MS, "took %lld ms (--reply-timeout-ms %d)", (long long)took, REPLY_MS);
+    H_ASSERT(cl, took < REPLY_MS / 2, "took %lld ms (--reply-timeout-ms %d): a refused connection should move the "
+             "client on at once", (long long)took, REPLY_MS);
     llm_generate_result_free(&res);
     llm_client_close(c);
     h_cluster_stop(cl);
