@@ -17,12 +17,17 @@
  *   bench_net --dtypes f32,int8 --rates loopback,1gbit --concurrency 16
  *   bench_net --model ../shared/models/pycode/pycode-target-f16.gguf
  *
- * The default model is a synthetic one (worker/synth.h) 8192 wide -- the
- * hidden width of a 70B Llama, so a link carries a 70B's bytes per token
- * (32 KB in F32) -- with layers as light as a model can be (one 64-wide
- * attention head, a 64-wide feed-forward, 260 tokens): a CPU stage's
- * compute per token is then of the order of the link's time per token at
- * 1 Gbit/s, where a real model's of that width would dwarf it.
+ * The default model is a synthetic one (worker/synth.h) 16384 wide -- the
+ * hidden width of Llama 3.1 405B, so a link carries that model's bytes per
+ * token (64 KB in F32, 32 KB in F16) -- with layers about as light as a
+ * model can have (one 16-wide attention head, a 16-wide feed-forward, 260
+ * tokens: 1.8M weights a layer): a CPU stage computes a token's layer in
+ * less time than 1 Gbit/s takes to carry its F32 row (0.52 ms), as a GPU
+ * stage of a real model would.  A real model of that width on this CPU
+ * would compute for seconds a token, and no link would matter; with the
+ * standard attention (heads x head_dim = dim) a layer is at least
+ * 2 x dim^2 weights, which is why the head width is set apart
+ * (llm-synth --head-dim).
  *
  * Needs root for network namespaces; without them it says why and exits
  * 3 (other failures 1, bad options 2).  Speed numbers go in docs/deploy.md,
@@ -54,6 +59,7 @@ struct bn_opts {
 struct bn_run {
     double tok_s, ttft_p50_ms, ttft_p90_ms, bytes_per_tok;
     double hop_mbit_s; /* a link's mean rate over the level */
+    double cpu_ms_per_tok; /* the workers' CPU time (user + system) per generated token */
     long long tokens;
 };
 
@@ -157,6 +163,29 @@ static uint64_t bn_tx_bytes(const char *ns, const char *dev) {
     }
     pclose(f);
     return v;
+}
+
+/* CPU time (user + system, ms) the cluster's workers used so far: what the
+ * other engineers' load on a shared machine changes least. */
+static double bn_workers_cpu_ms(const struct cluster *cl) {
+    double ms = 0;
+    long hz = sysconf(_SC_CLK_TCK);
+    for (int i = 0; i < cl->n_workers; i++) {
+        char path[64], buf[1024];
+        snprintf(path, sizeof path, "/proc/%d/stat", (int)cl->workers[i].pid);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        /* fields 14 and 15 (utime, stime), counted after the ")" that ends
+         * the command name */
+        const char *p = strrchr(buf, ')');
+        unsigned long long ut = 0, st = 0;
+        if (p && sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) == 2)
+            ms += (double)(ut + st) * 1000.0 / (double)hz;
+    }
+    return ms;
 }
 
 /* ---- the load --------------------------------------------------------------- */
@@ -306,10 +335,12 @@ static void bn_level_run(const struct bn_opts *o, struct netbed *nb, int32_t n_v
     while (atomic_load(&lv.ready) < conc) h_sleep_ms(1);
     uint64_t tx0[NB_HOSTS_MAX], tx1[NB_HOSTS_MAX];
     for (int k = 0; k < n_links; k++) tx0[k] = bn_tx_bytes(link_ns[k], link_dev);
+    double cpu0 = bn_workers_cpu_ms(nb->cl);
     lv.t0 = bn_now();
     atomic_store(&lv.go, 1);
     for (int i = 0; i < conc; i++) pthread_join(th[i], NULL);
     double secs = bn_now() - lv.t0;
+    double cpu1 = bn_workers_cpu_ms(nb->cl);
     uint64_t sent = 0;
     for (int k = 0; k < n_links; k++) {
         tx1[k] = bn_tx_bytes(link_ns[k], link_dev);
@@ -329,6 +360,7 @@ static void bn_level_run(const struct bn_opts *o, struct netbed *nb, int32_t n_v
     double positions = (double)n_req * (o->prompt_tokens + o->max_tokens - 1);
     out->bytes_per_tok = (double)sent / hops / positions;
     out->hop_mbit_s = (double)sent / hops / secs * 8e-6;
+    out->cpu_ms_per_tok = out->tokens > 0 ? (cpu1 - cpu0) / (double)out->tokens : 0;
     free(lv.ttft_ms);
     pthread_mutex_destroy(&lv.mu);
 }
@@ -387,7 +419,7 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
     bn_level_run(o, nb, n_vocab, 1, 1, link_ns, n_links, dev, &warm);
     for (int ci = 0; ci < o->n_conc; ci++) {
         int conc = o->conc[ci];
-        int n_req = o->requests > 0 ? o->requests : (conc < 4 ? 4 : 2 * conc);
+        int n_req = o->requests > 0 ? o->requests : (conc < 4 ? 4 : conc);
         if (n_req < conc) n_req = conc;
         for (int ri = 0; ri < n_rates; ri++) {
             if (h_now_ms() > bn_deadline_ms) {
@@ -401,9 +433,9 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
             bn_level_run(o, nb, n_vocab, conc, n_req, link_ns, n_links, dev, run);
             row->n_runs++;
             printf("  %-4s %-8s c=%-3d #%d: %d requests, %6.1f gen tok/s, TTFT p50 %6.1f ms p90 %6.1f ms, "
-                   "%7.1f link bytes/token, a link's mean %6.1f Mbit/s\n",
+                   "%7.1f link bytes/token, a link's mean %6.1f Mbit/s, workers' CPU %.2f ms/token\n",
                    o->dtypes[dtype], o->rates[rate], conc, rep + 1, n_req, run->tok_s, run->ttft_p50_ms,
-                   run->ttft_p90_ms, run->bytes_per_tok, run->hop_mbit_s);
+                   run->ttft_p90_ms, run->bytes_per_tok, run->hop_mbit_s, run->cpu_ms_per_tok);
             fflush(stdout);
         }
     }
@@ -429,7 +461,7 @@ static void bn_stat(const struct bn_row *r, size_t off, double *med, double *lo,
 
 static void bn_report(const struct bn_opts *o) {
     printf("\n| link dtype | rate | concurrency | gen tok/s (median, min-max) | TTFT p50 ms (median, min-max) | "
-           "link bytes/token | a link's mean Mbit/s |\n|---|---|---|---|---|---|---|\n");
+           "link bytes/token | a link's mean Mbit/s | workers' CPU ms/token |\n|---|---|---|---|---|---|---|---|\n");
     for (int d = 0; d < o->n_dtypes; d++)
         for (int ra = 0; ra < o->n_rates; ra++)
             for (int c = 0; c < o->n_conc; c++) {
@@ -438,17 +470,18 @@ static void bn_report(const struct bn_opts *o) {
                     if (bn_rows[i].dtype == d && bn_rows[i].rate == ra && bn_rows[i].conc == o->conc[c])
                         r = &bn_rows[i];
                 if (!r || r->n_runs == 0) {
-                    printf("| %s | %s | %d | not measured (time limit) | | | |\n", o->dtypes[d], o->rates[ra],
+                    printf("| %s | %s | %d | not measured (time limit) | | | | |\n", o->dtypes[d], o->rates[ra],
                            o->conc[c]);
                     continue;
                 }
-                double tm, tl, th, fm, fl, fh, bm, bl, bh, mm, ml, mh;
+                double tm, tl, th, fm, fl, fh, bm, bl, bh, mm, ml, mh, cm, cl, ch;
                 bn_stat(r, offsetof(struct bn_run, tok_s), &tm, &tl, &th);
                 bn_stat(r, offsetof(struct bn_run, ttft_p50_ms), &fm, &fl, &fh);
                 bn_stat(r, offsetof(struct bn_run, bytes_per_tok), &bm, &bl, &bh);
                 bn_stat(r, offsetof(struct bn_run, hop_mbit_s), &mm, &ml, &mh);
-                printf("| %s | %s | %d | %.1f (%.1f-%.1f) | %.0f (%.0f-%.0f) | %.0f | %.0f |\n", o->dtypes[d],
-                       o->rates[ra], o->conc[c], tm, tl, th, fm, fl, fh, bm, mm);
+                bn_stat(r, offsetof(struct bn_run, cpu_ms_per_tok), &cm, &cl, &ch);
+                printf("| %s | %s | %d | %.1f (%.1f-%.1f) | %.0f (%.0f-%.0f) | %.0f | %.0f | %.2f |\n", o->dtypes[d],
+                       o->rates[ra], o->conc[c], tm, tl, th, fm, fl, fh, bm, mm, cm);
             }
     if (o->n_rates < 2) return;
     printf("\nEach rate against %s (median gen tok/s and TTFT p50, ratio):\n\n| link dtype | concurrency |",
@@ -609,13 +642,13 @@ int main(int argc, char **argv) {
     const struct option_def defs[] = {
         {"model", "LLM_MODEL", OPTION_STRING, NULL, "GGUF file or HF directory; none: the wide synthetic below",
          &o.model, 0, 0, NULL},
-        {"dim", NULL, OPTION_INT, "8192", "synthetic: hidden width (a link row is dim elements)", &o.dim, 2,
+        {"dim", NULL, OPTION_INT, "16384", "synthetic: hidden width (a link row is dim elements)", &o.dim, 2,
          1 << 20, NULL},
         {"layers", NULL, OPTION_INT, "3", "synthetic: layers (one a stage by default)", &o.layers, 1, 1000, NULL},
         {"heads", NULL, OPTION_INT, "1", "synthetic: attention heads (one key/value head)", &o.heads, 1, 1024,
          NULL},
-        {"head-dim", NULL, OPTION_INT, "64", "synthetic: width of a head", &o.head_dim, 2, 1 << 16, NULL},
-        {"ffn", NULL, OPTION_INT, "64", "synthetic: feed-forward width", &o.ffn, 1, 1 << 20, NULL},
+        {"head-dim", NULL, OPTION_INT, "16", "synthetic: width of a head", &o.head_dim, 2, 1 << 16, NULL},
+        {"ffn", NULL, OPTION_INT, "16", "synthetic: feed-forward width", &o.ffn, 1, 1 << 20, NULL},
         {"vocab", NULL, OPTION_INT, "260", "synthetic: vocabulary (260 is the least: bytes and specials)",
          &o.vocab, 260, 1 << 20, NULL},
         {"type", NULL, OPTION_STRING, "f16", "synthetic: weight types", &o.type, 0, 0, NULL},
@@ -627,7 +660,7 @@ int main(int argc, char **argv) {
          0, NULL},
         {"concurrency", NULL, OPTION_STRING, "1,4,16", "requests in flight, comma-separated", &o.conc_s, 0, 0,
          NULL},
-        {"requests", NULL, OPTION_INT, "0", "requests per level (0: twice the concurrency, at least 4)",
+        {"requests", NULL, OPTION_INT, "0", "requests per level (0: as many as the concurrency, at least 4)",
          &o.requests, 0, 100000, NULL},
         {"prompt-tokens", NULL, OPTION_INT, "128", "prompt length in tokens", &o.prompt_tokens, 1, 1 << 16, NULL},
         {"max-tokens", NULL, OPTION_INT, "128", "tokens generated per request", &o.max_tokens, 1, 1 << 16, NULL},
