@@ -21,6 +21,7 @@ struct reqstore {
     char consumer[128];
     char stream[96];
     int64_t retention_ms, claim_idle_ms;
+    int64_t claim_in_ms;  /* the last load refused for another holder: ms until its entry is claimable here */
     uint64_t groups_made; /* consumer group recreated after NOGROUP */
     uint64_t groups_told; /* of those, reported by reqstore_check */
     char errstr[512];
@@ -154,6 +155,7 @@ void reqstore_close(reqstore *rs) {
 }
 
 const char *reqstore_errstr(const reqstore *rs) { return rs->errstr; }
+int64_t reqstore_claim_in_ms(const reqstore *rs) { return rs->claim_in_ms; }
 struct rconn *reqstore_conn(reqstore *rs) { return rs->c; }
 
 /* KEYS: hash, stream, consumer name (not a key; passed here so that the
@@ -525,10 +527,14 @@ static int reqstore_entry_guard(reqstore *rs, const char *id, const char *entry)
              "request %.128s runs on router %.100s (heard from %lld ms ago); it moves to another router "
              "once that one is silent for %" PRId64 " ms: retry",
              id, holder, idle, rs->claim_idle_ms);
+    /* Asked again this much later, the entry is taken here if its holder
+     * stays silent; the margin covers Redis's millisecond idle clock. */
+    rs->claim_in_ms = rs->claim_idle_ms - idle + 10;
     return STATUS_UNAVAILABLE;
 }
 
 int reqstore_load(reqstore *rs, const char *owner, const char *id, struct reqrec *r) {
+    rs->claim_in_ms = 0;
     int rc = reqstore_load_hash(rs, owner, id, r);
     if (rc < 0 || r->state != REQREC_QUEUED) return rc;
     rc = reqstore_entry_guard(rs, id, r->entry);

@@ -80,6 +80,10 @@ void reqrec_free(struct reqrec *r);
 int reqstore_open(reqstore **out, const struct reqstore_config *cfg, char *err, size_t errlen);
 void reqstore_close(reqstore *rs); /* NULL is fine */
 const char *reqstore_errstr(const reqstore *rs);
+/* After reqstore_load refused a request another router holds: in how many
+ * ms its entry becomes claimable here if that router stays silent (a retry
+ * hint); 0 after any other outcome. */
+int64_t reqstore_claim_in_ms(const reqstore *rs);
 /* The connection, for other keys (the worker registry). */
 struct rconn *reqstore_conn(reqstore *rs);
 

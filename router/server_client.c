@@ -302,8 +302,14 @@ static void on_generate(server *s, const uint8_t *ident, size_t ident_len, uint6
         return;
     }
     if (rc != STATUS_NOT_FOUND) {
+        /* Another router holds it: retry when the entry can be claimed
+         * here (its holder silent for --claim-idle-ms), if that is sooner
+         * than the usual retry, so that a client of a dead router is
+         * served as soon as the claim allows. */
+        int64_t claim_in = reqstore_claim_in_ms(s->rs);
         server_send_client_error(s, ident, ident_len, tag, LLM__ERROR__CODE__UNAVAILABLE, rid, reqstore_errstr(s->rs),
-                                 SERVER_RETRY_AFTER_MS);
+                                 claim_in > 0 && claim_in < SERVER_RETRY_AFTER_MS ? (uint32_t)claim_in
+                                                                                   : SERVER_RETRY_AFTER_MS);
         return;
     }
     note_foreign_id(s, rid, false);

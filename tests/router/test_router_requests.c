@@ -10,6 +10,8 @@
 #include "tests/redis_fixture.h"
 #include "tests/test.h"
 
+#include <unistd.h>
+
 static reqstore *t_open(const struct redis_fixture *f, const char *consumer, int64_t claim_idle) {
     struct reqstore_config cfg = {f->url, "t:", consumer, 60000, claim_idle, 2000};
     reqstore *rs = NULL;
@@ -245,6 +247,44 @@ TEST(router_requests_recover_after_restart) {
     ASSERT_OK(fixture_redis_stop(&f));
 }
 
+/* With claim_idle set, a request whose entry another live router holds is
+ * refused naming that router, with a retry hint of the time left until the
+ * entry can be claimed; once the holder is silent that long, the load takes
+ * the entry. */
+TEST(router_requests_load_guards_another_routers_request) {
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    reqstore *a = t_open(&f, "router-a", 2000), *b = t_open(&f, "router-b", 2000);
+    int32_t prompt[3] = {1, 2, 3};
+    struct reqrec r, l;
+    t_rec(&r, "held", prompt, 3);
+    ASSERT_OK(reqstore_create(a, &r));
+    ASSERT_EQ(STATUS_UNAVAILABLE, reqstore_load(b, "", "held", &l));
+    ASSERT_TRUE(strstr(reqstore_errstr(b), "router-a") != NULL);
+    int64_t hint = reqstore_claim_in_ms(b);
+    ASSERT_TRUE(hint > 1500 && hint <= 2010);
+    usleep(250 * 1000);
+    ASSERT_EQ(STATUS_UNAVAILABLE, reqstore_load(b, "", "held", &l));
+    int64_t hint2 = reqstore_claim_in_ms(b);
+    printf("  claim hints %lld ms, then %lld ms after 250 ms (claim idle 2000 ms)\n", (long long)hint,
+           (long long)hint2);
+    ASSERT_TRUE(hint2 <= hint - 200 && hint2 > 0);
+    /* Its holder touches it: the hint starts over. */
+    ASSERT_TRUE(reqstore_touch(a) >= 0);
+    ASSERT_EQ(STATUS_UNAVAILABLE, reqstore_load(b, "", "held", &l));
+    ASSERT_TRUE(reqstore_claim_in_ms(b) > 1500);
+    /* Asked again after the hint, the silent holder's entry is taken. */
+    usleep((useconds_t)reqstore_claim_in_ms(b) * 1000);
+    ASSERT_OK(reqstore_load(b, "", "held", &l));
+    ASSERT_EQ((int64_t)0, reqstore_claim_in_ms(b));
+    reqrec_free(&l);
+    ASSERT_EQ((int64_t)1, t_pending(b, "router-b"));
+    ASSERT_EQ((int64_t)0, t_pending(b, "router-a"));
+    reqstore_close(a);
+    reqstore_close(b);
+    ASSERT_OK(fixture_redis_stop(&f));
+}
+
 TEST(router_requests_recover_drops_broken_entries) {
     struct redis_fixture f;
     fixture_redis_start(&f, 0);
@@ -372,6 +412,7 @@ TEST(router_requests_group_recreated_after_empty_restart) {
 }
 
 TEST_MAIN(router_requests_tokens_encoding, router_requests_persist_and_reattach,
+          router_requests_load_guards_another_routers_request,
           router_requests_finish_acks_and_expires, router_requests_ids_are_per_owner,
           router_requests_recover_after_restart,
           router_requests_recover_drops_broken_entries, router_requests_unavailable_redis,
