@@ -19,6 +19,7 @@ struct llm_client {
     struct zio_sock *mon;  /* PAIR fed by the DEALER's socket monitor */
     uint32_t n_opened;     /* sockets opened so far (names the monitor's inproc endpoint) */
     bool connected;        /* the socket's TCP (or IPC) connection was made at least once */
+    bool lost;             /* it broke, seen while frames were waiting: reported once they are read */
     uint64_t next_tag;
     bool secure;
     struct keys_pair kp;   /* this client's CURVE key pair, when secure */

@@ -126,7 +126,7 @@ static int client_sock_open(llm_client *c) {
     char mon_ep[96];
     snprintf(mon_ep, sizeof mon_ep, "inproc://llmclient-%d-%llu", (int)getpid(),
              (unsigned long long)atomic_fetch_add(&mon_seq, 1));
-    c->connected = false;
+    c->connected = c->lost = false;
     if (zmq_socket_monitor(zio_sock_raw(c->sock), mon_ep,
                            ZMQ_EVENT_CONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_DISCONNECTED |
                                ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0) {
@@ -293,7 +293,7 @@ int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
     int64_t end = client_now_ms() + (timeout_ms > 0 ? timeout_ms : 0);
     for (;;) {
         int left = (int)(end - client_now_ms());
-        if (left < 0) left = 0;
+        if (left < 0 || c->lost) left = 0; /* broken: only the frames already here */
         struct zio_sock *socks[2] = {c->sock, c->mon};
         short ev[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, rev[2] = {0, 0};
         int n = zio_poll(socks, ev, rev, 2, left);
@@ -303,14 +303,14 @@ int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
         }
         if (rev[1] & ZMQ_POLLIN) {
             struct zio_parts p = {0};
-            bool lost = false, refused = false;
+            bool refused = false;
             while (zio_recv(c->mon, &p, 0) == 0) {
                 if (zio_parts_size(&p, 0) >= 2) {
                     uint16_t e;
                     memcpy(&e, zio_parts_data(&p, 0), 2);
                     if (e & ZMQ_EVENT_CONNECTED) c->connected = true;
                     if ((e & ZMQ_EVENT_CONNECT_RETRIED) && !c->connected) refused = true;
-                    if (e & ZMQ_EVENT_DISCONNECTED) lost = true;
+                    if (e & ZMQ_EVENT_DISCONNECTED) c->lost = true;
                     if (e & (ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)) {
                         bool first = !c->auth_note[0];
                         snprintf(c->auth_note, sizeof c->auth_note,
@@ -328,10 +328,16 @@ int client_wait(llm_client *c, int timeout_ms, Llm__ClientEnvelope **env) {
             /* A refused handshake also ends in a disconnect; the socket
              * tries again by itself (ZMQ_RECONNECT_IVL), and opening a new
              * one at once would only ask to be refused again in a loop. */
-            if (c->auth_note[0]) lost = refused = false;
-            /* A frame the router sent before it went is still worth reading. */
-            if (lost && !(rev[0] & ZMQ_POLLIN)) return CLIENT_LOST;
+            if (c->auth_note[0]) c->lost = refused = false;
             if (refused && c->n_endpoints > 1) return CLIENT_REFUSED;
+        }
+        /* A frame the router sent before it went is still worth reading;
+         * the loss is reported once none is left, in this call or a later
+         * one (forgetting it left a client waiting out its idle timeout on
+         * a dead router when a chunk came with the disconnect). */
+        if (c->lost && !(rev[0] & ZMQ_POLLIN)) {
+            c->lost = false;
+            return CLIENT_LOST;
         }
         if (rev[0] & ZMQ_POLLIN) {
             struct zio_parts p = {0};

@@ -289,11 +289,13 @@ struct seen {
     int n;
     char text[512];
     int calls, cancel_after;
+    int first_sleep_ms; /* the callback takes this long over the first chunk */
 };
 
 static int on_chunk(void *ud, const struct llm_chunk *ch) {
     struct seen *s = ud;
     s->calls++;
+    if (s->calls == 1 && s->first_sleep_ms > 0) usleep((useconds_t)s->first_sleep_ms * 1000);
     if ((uint32_t)s->n != ch->index) return 0; /* would be a duplicate or a gap: the check below sees it */
     for (size_t i = 0; i < ch->n_tokens && s->n < 64; i++) s->ids[s->n++] = ch->token_ids[i];
     strncat(s->text, ch->text, sizeof s->text - strlen(s->text) - 1);
@@ -381,6 +383,34 @@ TEST(client_reattaches_after_router_restart) {
     ASSERT_EQ((uint32_t)2, r.duplicates_dropped);
     ASSERT_EQ(false, r.reattached); /* the first Accepted said new */
     /* The monitor saw the disconnect: no idle timeout (10 s) was waited out. */
+    ASSERT_TRUE(took < 5000);
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
+/* The same restart while the caller is busy with the first chunk: the
+ * other chunks and the disconnect are all waiting when the client looks
+ * again.  It reads the chunks, then re-attaches at once; it used to forget
+ * the disconnect behind the chunks and wait out the idle timeout (10 s). */
+TEST(client_reattaches_after_router_restart_behind_chunks) {
+    struct fake f;
+    fake_start(&f, FAKE_RESTART);
+    llm_client *c = open_client(f.ep, 2000, 10000, 20000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-restart-busy";
+    struct seen s = {.first_sleep_ms = 250};
+    struct llm_generate_result r;
+    int64_t t0 = now_ms();
+    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
+    int64_t took = now_ms() - t0;
+    fake_stop(&f);
+    printf("  restart behind 4 waiting chunks: done in %lld ms (idle timeout 10000 ms)\n", (long long)took);
+    ASSERT_OK(rc);
+    expect_tokens(&s, FAKE_N_TOKENS);
+    ASSERT_EQ(2, f.n_generates);
+    ASSERT_EQ((uint32_t)5, f.resume_from[1]);
     ASSERT_TRUE(took < 5000);
     llm_generate_result_free(&r);
     llm_client_close(c);
@@ -692,6 +722,7 @@ TEST(client_refuses_bad_config_and_ids) {
 }
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
+          client_reattaches_after_router_restart_behind_chunks,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
           client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_retry_bounds_the_wait, client_probe_finds_a_router,
           client_moves_to_the_next_endpoint, client_moves_on_from_a_refused_connection,

@@ -579,6 +579,7 @@ struct h_gen {
     int cancel_after;   /* > 0: the callback cancels after this many tokens */
     int retry_ms;       /* the client's give-up time without answers (default 60 s) */
     int reply_ms;       /* the client's reply timeout (default 5 s) */
+    int idle_ms;        /* the client's idle timeout once accepted (default 10 s) */
     int wait_ms;        /* the bound on the whole call (default 90 s) */
     /* out */
     int rc;
@@ -613,7 +614,7 @@ static int h_on_chunk(void *ud, const struct llm_chunk *ch) {
 
 /* One generation, greedy, on its own client. */
 static H_UNUSED void h_generate(struct h_gen *g) {
-    llm_client *c = h_client(g->cl, g->reply_ms > 0 ? g->reply_ms : 5000, 10000,
+    llm_client *c = h_client(g->cl, g->reply_ms > 0 ? g->reply_ms : 5000, g->idle_ms > 0 ? g->idle_ms : 10000,
                              g->retry_ms > 0 ? g->retry_ms : 60000);
     struct llm_generate_params p;
     llm_generate_params_default(&p);

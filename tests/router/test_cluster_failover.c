@@ -24,12 +24,14 @@ static const char *const prompts[] = {
 #define N_TOKENS 40
 #define N_REQ 200
 #define N_AFTER 8
-/* The clients' reply timeout: long, so that a client that waits for an
- * answer from the dead router (it answered UNAVAILABLE on the survivor,
- * "request runs on router test-router", and went back to the first
- * endpoint) would break the bounds below, instead of hiding in them as the
- * 5 s default did (issue: fail-over measured 5.1 s against 1-2 s). */
+/* The clients' reply and idle timeouts: long, so that a client that waits
+ * for an answer from the dead router (it answered UNAVAILABLE on the
+ * survivor, "request runs on router test-router", and went back to the
+ * first endpoint), or misses the disconnect, breaks the bounds below
+ * instead of hiding in them as the 5 s and 10 s did (fail-over measured
+ * 5.1 s against 1-2 s; a run of 10.6 s). */
 #define CLIENT_REPLY_MS 15000
+#define CLIENT_IDLE_MS 30000
 /* What fail-over is made of here (docs/router.md, "Fail-over"): the worker
  * move (5 heartbeats: 1 s), the claim (1.5 s idle), a client's pause
  * between asking the survivor again (its retry_after_ms) and a pipeline
@@ -56,6 +58,7 @@ static void make_requests(struct cluster *cl, struct h_gen *gs, int n, const cha
         gs[i].ignore_eos = 1;
         gs[i].retry_ms = 30000;
         gs[i].reply_ms = CLIENT_REPLY_MS;
+        gs[i].idle_ms = CLIENT_IDLE_MS;
         gs[i].wait_ms = 50000; /* a request that never ends fails the test, not ctest's timeout */
         snprintf(gs[i].request_id, sizeof gs[i].request_id, "%s-%03d", tag, i);
     }
