@@ -175,7 +175,10 @@ void gw_error_from_router(struct oai_error *e, enum oai_kind kind, Llm__Error__C
                           const char *msg, uint32_t retry_after_ms);
 cJSON *gw_job_object(const struct job *j, bool chunk);
 const char *gw_finish_name(Llm__GenerateDone__FinishReason r);
-cJSON *gw_usage_json(const struct llm_generate_result *r);
+/* OpenAI's usage object of r, every choice summed; predicted (the request
+ * had a prediction) adds completion_tokens_details with the prediction's
+ * accepted and rejected drafts. */
+cJSON *gw_usage_json(const struct llm_generate_result *r, bool predicted);
 cJSON *gw_lp_object(const struct job *j);
 void gw_lp_append(const struct job *j, cJSON *o, const struct llm_chunk *ch, size_t *chars);
 cJSON *gw_stream_choice(const struct job *j, uint32_t index, const char *text, size_t len, const char *finish, bool role,

@@ -143,7 +143,7 @@ static void sse_finish(struct job *j) {
         if (j->req.include_usage) {
             cJSON *o = gw_job_object(j, true);
             cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res));
+            cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res, j->req.prediction != NULL));
             sse_event(j, o);
         }
     }
@@ -598,7 +598,7 @@ enum MHD_Result gw_handle_generate(gateway *g, struct MHD_Connection *conn, stru
             cJSON_AddStringToObject(c, "finish_reason", job_finish_name(j, i));
             cJSON_AddItemToArray(cs, c);
         }
-        cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res));
+        cJSON_AddItemToObject(o, "usage", gw_usage_json(&j->res, j->req.prediction != NULL));
         pthread_mutex_unlock(&j->mu);
         gw_job_release(j);
         return gw_send_json(g, conn, 200, o);

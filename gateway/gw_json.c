@@ -99,17 +99,30 @@ const char *gw_finish_name(Llm__GenerateDone__FinishReason r) {
     }
 }
 
-cJSON *gw_usage_json(const struct llm_generate_result *r) {
+cJSON *gw_usage_json(const struct llm_generate_result *r, bool predicted) {
     /* n > 1: the prompt once, the completions of every choice (OpenAI's) */
     double completion = r->completion_tokens;
+    double accepted = r->accepted_prediction_tokens, rejected = r->rejected_prediction_tokens;
     if (r->choices) {
-        completion = 0;
-        for (uint32_t i = 0; i < r->n_choices; i++) completion += r->choices[i].completion_tokens;
+        completion = accepted = rejected = 0;
+        for (uint32_t i = 0; i < r->n_choices; i++) {
+            completion += r->choices[i].completion_tokens;
+            accepted += r->choices[i].accepted_prediction_tokens;
+            rejected += r->choices[i].rejected_prediction_tokens;
+        }
     }
     cJSON *u = cJSON_CreateObject();
     cJSON_AddNumberToObject(u, "prompt_tokens", r->prompt_tokens);
     cJSON_AddNumberToObject(u, "completion_tokens", completion);
     cJSON_AddNumberToObject(u, "total_tokens", (double)r->prompt_tokens + completion);
+    if (predicted) {
+        /* The prediction's drafts the router verified: accepted ones are
+         * in the completion, rejected ones were computed and dropped
+         * (docs/gateway.md). */
+        cJSON *d = cJSON_AddObjectToObject(u, "completion_tokens_details");
+        cJSON_AddNumberToObject(d, "accepted_prediction_tokens", accepted);
+        cJSON_AddNumberToObject(d, "rejected_prediction_tokens", rejected);
+    }
     return u;
 }
 

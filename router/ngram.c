@@ -46,7 +46,8 @@ static bool pred_match(const int32_t *prompt, int32_t n_prompt, const int32_t *p
 
 int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, int32_t n_pred,
                            const int32_t *out, int32_t n_out, int32_t n_max, int32_t n_min, int32_t k,
-                           int32_t *offset, int32_t *out_draft) {
+                           int32_t *offset, int32_t *out_draft, bool *from_pred) {
+    if (from_pred) *from_pred = false;
     if (k < 1 || n_min < 1 || n_max < n_min || n_out < 1 || n_prompt < 0 || n_pred < 0) return 0;
     int32_t n = n_prompt + n_out;
     int32_t want = n_out + *offset;
@@ -69,6 +70,7 @@ int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_
             int32_t m = n_pred - best < k ? n_pred - best : k;
             memcpy(out_draft, pred + best, (size_t)m * sizeof *out_draft);
             *offset = best - n_out;
+            if (from_pred) *from_pred = true;
             return m;
         }
     }

@@ -7,6 +7,7 @@
 #ifndef ROUTER_NGRAM_H
 #define ROUTER_NGRAM_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 /* Looks for the longest suffix of tokens[0..n_tokens) of n_max down to
@@ -28,11 +29,13 @@ int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, in
  * deletions in the output move it) wins, ties to the earlier.  The up to k
  * prediction tokens from j are copied to out_draft and *offset becomes
  * j - n_out.  When the prediction has no match, ngram_propose's lookup in
- * the sequence itself is tried.  Returns how many drafts (0: none).
- * Cost: O((n_prompt + n_pred + n_out) * n_max) compares.  Allocates
- * nothing. */
+ * the sequence itself is tried.  Returns how many drafts (0: none);
+ * *from_pred (when not NULL) says whether they are the prediction's
+ * tokens (true) or the sequence's own lookup's (the prediction's usage
+ * counts only the former).  Cost: O((n_prompt + n_pred + n_out) * n_max)
+ * compares.  Allocates nothing. */
 int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, int32_t n_pred,
                            const int32_t *out, int32_t n_out, int32_t n_max, int32_t n_min, int32_t k,
-                           int32_t *offset, int32_t *out_draft);
+                           int32_t *offset, int32_t *out_draft, bool *from_pred);
 
 #endif

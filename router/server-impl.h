@@ -105,10 +105,14 @@ struct req {
      * pred_off: ngram_propose_pred's alignment.  pred_drafts: the drafts
      * kept for q's next step came from it (counted as prompt lookup's),
      * not from the draft model.  pred_only: mode ngram, so the last stage
-     * is asked for no draft-model guesses. */
+     * is asked for no draft-model guesses.  pred_matched: those drafts are
+     * the prediction's tokens, not the fallback lookup in the sequence;
+     * their verdicts add up in pred_accepted and pred_rejected (Usage's
+     * accepted/rejected_prediction_tokens). */
     int32_t *pred;
     int32_t n_pred, pred_off;
-    bool pred_drafts, pred_only;
+    bool pred_drafts, pred_only, pred_matched;
+    uint32_t pred_accepted, pred_rejected;
 };
 
 /* A client connection a send failed to (gone, or not reading), since when. */

@@ -379,6 +379,8 @@ void req_send_done(server *s, struct req *q, const uint8_t *ident, size_t ident_
     d.finish_reason = (Llm__GenerateDone__FinishReason)q->finish;
     u.prompt_tokens = (uint32_t)q->n_prompt;
     u.completion_tokens = (uint32_t)q->n_out;
+    u.accepted_prediction_tokens = q->pred_accepted;
+    u.rejected_prediction_tokens = q->pred_rejected;
     d.usage = &u;
     d.stop_token = q->stop_token;
     d.stop_string = q->stop_string ? q->stop_string : "";
@@ -587,11 +589,12 @@ void req_pred_drafts(server *s, struct req *q) {
     unsigned sources = 0;
     req_spec(s, q, &k, &auto_only, &sources);
     q->pred_drafts = false;
+    q->pred_matched = false;
     if (k <= 0) return;
     int32_t d[SCHED_SPEC_TOKENS_MAX];
     if (k > SCHED_SPEC_TOKENS_MAX) k = SCHED_SPEC_TOKENS_MAX;
     int32_t n = ngram_propose_pred(q->prompt, q->n_prompt, q->pred, q->n_pred, q->out, q->n_out,
-                                   SERVER_PRED_NGRAM_MAX, 1, k, &q->pred_off, d);
+                                   SERVER_PRED_NGRAM_MAX, 1, k, &q->pred_off, d, &q->pred_matched);
     if (n <= 0) return;
     sched_seq_set_model_drafts(q->seq, d, n);
     q->pred_drafts = true;

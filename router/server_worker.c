@@ -270,6 +270,10 @@ static bool spec_verdict(server *s, struct pipe *pp, struct req *q, const Llm__S
         if (k_max > 0 && k < 1) k = 1;
         sched_seq_set_spec(q->seq, k, auto_only, q->limit);
     }
+    if (q->pred_drafts && q->pred_matched) {
+        q->pred_accepted += (uint32_t)n_acc;
+        q->pred_rejected += (uint32_t)(n_draft - n_acc);
+    }
     s->spec_steps++;
     s->spec_drafts += (uint64_t)n_draft;
     s->spec_accepted += (uint64_t)n_acc;

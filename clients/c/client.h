@@ -225,6 +225,11 @@ struct llm_generate_result {
     /* From GenerateDone: */
     Llm__GenerateDone__FinishReason finish_reason;
     uint32_t prompt_tokens, completion_tokens;
+    /* A request with a prediction: the prediction's drafts the cluster
+     * accepted and rejected (GenerateDone.Usage; OpenAI's
+     * accepted_prediction_tokens / rejected_prediction_tokens); 0 without
+     * one or from an older router. */
+    uint32_t accepted_prediction_tokens, rejected_prediction_tokens;
     int32_t stop_token;
     char stop_string[PROTO_STOP_STRING_BYTES_MAX + 1];
     Llm__Error__Code error_code;    /* when finish_reason is ERROR (or details of others) */
@@ -247,6 +252,7 @@ struct llm_generate_result {
 struct llm_choice_done {
     Llm__GenerateDone__FinishReason finish_reason;
     uint32_t completion_tokens;
+    uint32_t accepted_prediction_tokens, rejected_prediction_tokens;
     int32_t stop_token;
     char stop_string[PROTO_STOP_STRING_BYTES_MAX + 1];
     Llm__Error__Code error_code;

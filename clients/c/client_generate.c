@@ -20,6 +20,8 @@ static void client_fill_done(struct llm_generate_result *res, const Llm__Generat
         struct llm_choice_done *ch = &res->choices[d->choice];
         ch->finish_reason = d->finish_reason;
         ch->completion_tokens = d->usage ? d->usage->completion_tokens : 0;
+        ch->accepted_prediction_tokens = d->usage ? d->usage->accepted_prediction_tokens : 0;
+        ch->rejected_prediction_tokens = d->usage ? d->usage->rejected_prediction_tokens : 0;
         ch->stop_token = d->stop_token;
         snprintf(ch->stop_string, sizeof ch->stop_string, "%s", d->stop_string ? d->stop_string : "");
         if (d->error) {
@@ -32,6 +34,8 @@ static void client_fill_done(struct llm_generate_result *res, const Llm__Generat
     if (d->usage) {
         res->prompt_tokens = d->usage->prompt_tokens;
         res->completion_tokens = d->usage->completion_tokens;
+        res->accepted_prediction_tokens = d->usage->accepted_prediction_tokens;
+        res->rejected_prediction_tokens = d->usage->rejected_prediction_tokens;
     }
     res->stop_token = d->stop_token;
     snprintf(res->stop_string, sizeof res->stop_string, "%s", d->stop_string ? d->stop_string : "");

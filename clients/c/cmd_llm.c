@@ -682,6 +682,13 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
             cJSON_AddStringToObject(j, "request_id", r.request_id);
             cJSON_AddStringToObject(j, "finish_reason", llm_finish_reason_name(r.finish_reason));
             if (r.stop_string[0]) cJSON_AddStringToObject(j, "stop_string", r.stop_string);
+            bool predicted = prediction_file || prediction_ids_file;
+            if (predicted) {
+                /* The prediction's drafts the cluster accepted and
+                 * rejected (choice 0's; each choice's below). */
+                cJSON_AddNumberToObject(j, "accepted_prediction_tokens", r.accepted_prediction_tokens);
+                cJSON_AddNumberToObject(j, "rejected_prediction_tokens", r.rejected_prediction_tokens);
+            }
             if (out.first_us > 0) {
                 /* Decode alone: from the first chunk to the last, the
                  * tokens after the first chunk (with --stream; without it
@@ -704,6 +711,12 @@ static int llm_generate(struct llm_global *gl, int argc, char **argv) {
                         r.choices ? r.choices[i].finish_reason : r.finish_reason));
                     if (r.choices && r.choices[i].stop_string[0])
                         cJSON_AddStringToObject(ch, "stop_string", r.choices[i].stop_string);
+                    if (predicted && r.choices) {
+                        cJSON_AddNumberToObject(ch, "accepted_prediction_tokens",
+                                                r.choices[i].accepted_prediction_tokens);
+                        cJSON_AddNumberToObject(ch, "rejected_prediction_tokens",
+                                                r.choices[i].rejected_prediction_tokens);
+                    }
                     cJSON_AddItemToArray(a, ch);
                 }
             }

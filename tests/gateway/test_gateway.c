@@ -212,12 +212,15 @@ static const char *completion_text(const struct resp *r) {
 static struct cluster *cl_;
 static struct gw gw_open, gw_keyed;
 static struct h_ref ref_;
+static int router_metrics_port_; /* the router's /metrics (llm_spec_*) */
 
 static void setup(void) {
     if (access(model_path(), R_OK) != 0) TEST_SKIP("%s is missing", model_path());
     if (system("curl --version > /dev/null 2>&1") != 0) TEST_SKIP("curl is not installed");
     if (cl_) return;
-    cl_ = h_cluster_start(model_path(), 1, 1, "", "");
+    cl_ = h_cluster_start(model_path(), 1, 1, "--metrics-listen 127.0.0.1:0", "");
+    router_metrics_port_ = h_logged_port(&cl_->router);
+    H_ASSERT(cl_, router_metrics_port_ > 0, "the router logged no metrics port");
     char keyfile[320];
     snprintf(keyfile, sizeof keyfile, "%s/keys", cl_->dir);
     FILE *f = fopen(keyfile, "w");
@@ -289,6 +292,124 @@ TEST(prediction_same_text) {
         resp_free(&r);
         free(body);
     }
+}
+
+/* The router's llm_spec_draft_tokens_total and _accepted_tokens_total. */
+static void spec_counts(double *drafts, double *accepted) {
+    static char body[1 << 18];
+    H_ASSERT(cl_, h_http_get(router_metrics_port_, "/metrics", body, sizeof body) == 200, "router /metrics");
+    *drafts = h_sample(body, "llm_spec_draft_tokens_total");
+    *accepted = h_sample(body, "llm_spec_accepted_tokens_total");
+}
+
+/* usage.completion_tokens_details' prediction counts: -1 when absent. */
+static void usage_pred(const cJSON *usage, int *accepted, int *rejected) {
+    const cJSON *d = cJSON_GetObjectItemCaseSensitive(usage, "completion_tokens_details");
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(d, "accepted_prediction_tokens");
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(d, "rejected_prediction_tokens");
+    *accepted = cJSON_IsNumber(a) ? a->valueint : -1;
+    *rejected = cJSON_IsNumber(r) ? r->valueint : -1;
+}
+
+/* A completion of PROMPT with this prediction (NULL: none), streamed with
+ * include_usage or not: its usage object (a copy, the caller's), its
+ * text checked against llm-run's, and the router's llm_spec_* deltas over
+ * it (the tests run one request at a time). */
+static cJSON *pred_completion(const char *prediction, bool stream, double *drafts, double *accepted) {
+    cJSON *b = cJSON_CreateObject();
+    cJSON_AddStringToObject(b, "prompt", PROMPT);
+    cJSON_AddNumberToObject(b, "max_tokens", MAX_TOKENS);
+    cJSON_AddNumberToObject(b, "temperature", 0);
+    if (prediction) {
+        cJSON *p = cJSON_AddObjectToObject(b, "prediction");
+        cJSON_AddStringToObject(p, "type", "content");
+        cJSON_AddStringToObject(p, "content", prediction);
+    }
+    if (stream) {
+        cJSON_AddBoolToObject(b, "stream", 1);
+        cJSON_AddBoolToObject(cJSON_AddObjectToObject(b, "stream_options"), "include_usage", 1);
+    }
+    char *body = cJSON_PrintUnformatted(b);
+    cJSON_Delete(b);
+    double d0, a0, d1, a1;
+    spec_counts(&d0, &a0);
+    struct resp r;
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY, body, &r);
+    free(body);
+    spec_counts(&d1, &a1);
+    *drafts = d1 - d0;
+    *accepted = a1 - a0;
+    H_ASSERT(cl_, r.status == 200, "status %d: %s", r.status, r.body);
+    cJSON *usage = NULL;
+    char text[4096] = "";
+    if (!stream) {
+        usage = cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(r.json, "usage"), 1);
+        snprintf(text, sizeof text, "%s", completion_text(&r));
+    } else {
+        /* the usage chunk is the last event before [DONE] */
+        char *copy = strdup(r.body), *save = NULL;
+        for (char *ev = strtok_r(copy, "\n", &save); ev; ev = strtok_r(NULL, "\n", &save)) {
+            if (strncmp(ev, "data: {", 7) != 0) continue;
+            cJSON *j = cJSON_Parse(ev + 6);
+            const cJSON *u = cJSON_GetObjectItemCaseSensitive(j, "usage");
+            if (cJSON_IsObject(u)) {
+                cJSON_Delete(usage);
+                usage = cJSON_Duplicate(u, 1);
+            }
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0), "text");
+            if (cJSON_IsString(t)) strncat(text, t->valuestring, sizeof text - strlen(text) - 1);
+            cJSON_Delete(j);
+        }
+        free(copy);
+    }
+    H_ASSERT(cl_, usage != NULL, "no usage in %s", r.body);
+    H_ASSERT(cl_, strcmp(text, ref_.text) == 0, "prediction: text \"%s\", llm-run's \"%s\"", text, ref_.text);
+    resp_free(&r);
+    return usage;
+}
+
+/* OpenAI's usage.completion_tokens_details.accepted_prediction_tokens and
+ * rejected_prediction_tokens, as the router counted the prediction's
+ * drafts for the request: a right prediction mostly accepted, a wrong one
+ * rejected, both within the router's llm_spec_* deltas over the request;
+ * streamed (the include_usage chunk) as not; absent without a
+ * prediction. */
+TEST(prediction_usage) {
+    setup();
+    /* The reference's first words, then another story. */
+    char wrong[256];
+    const char *sp = strchr(ref_.text + 2, ' ');
+    snprintf(wrong, sizeof wrong, "%.*s was a big red car that liked to drive fast.",
+             sp ? (int)(sp - ref_.text) : 0, ref_.text);
+    const char *preds[] = {ref_.text, ref_.text, wrong, wrong};
+    int acc[4], rej[4];
+    for (int i = 0; i < 4; i++) {
+        double d, a;
+        cJSON *u = pred_completion(preds[i], i % 2 == 1, &d, &a);
+        usage_pred(u, &acc[i], &rej[i]);
+        char *us = cJSON_PrintUnformatted(u);
+        printf("  %s prediction%s: %s; router: %g drafts, %g accepted\n", i < 2 ? "right" : "wrong",
+               i % 2 ? ", streamed" : "", us, d, a);
+        H_ASSERT(cl_, acc[i] >= 0 && rej[i] >= 0, "no prediction counts in %s", us);
+        H_ASSERT(cl_, acc[i] <= a && acc[i] + rej[i] <= d && rej[i] <= d - a,
+                 "usage %s against the router's %g accepted of %g drafts", us, a, d);
+        free(us);
+        cJSON_Delete(u);
+    }
+    H_ASSERT(cl_, acc[0] >= MAX_TOKENS / 2 && rej[0] * 6 <= acc[0], "a right prediction: %d accepted, %d rejected",
+             acc[0], rej[0]);
+    H_ASSERT(cl_, rej[2] > 0, "a wrong prediction (\"%s\"): %d accepted, none rejected", wrong, acc[2]);
+    /* Streamed or not, the same greedy request drafts alike. */
+    ASSERT_EQ(acc[0], acc[1]);
+    ASSERT_EQ(rej[0], rej[1]);
+    ASSERT_EQ(acc[2], acc[3]);
+    ASSERT_EQ(rej[2], rej[3]);
+    /* Without a prediction, no details. */
+    double d, a;
+    cJSON *u = pred_completion(NULL, false, &d, &a);
+    ASSERT_TRUE(cJSON_GetObjectItemCaseSensitive(u, "completion_tokens_details") == NULL);
+    cJSON_Delete(u);
 }
 
 /* SSE: "data: JSON\n\n" events, the text equal to llm-run's, a usage
@@ -1251,7 +1372,7 @@ TEST(teardown) {
     cl_ = NULL;
 }
 
-TEST_MAIN(completion_equals_llm_run, prediction_same_text, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
+TEST_MAIN(completion_equals_llm_run, prediction_same_text, prediction_usage, completion_stream_sse, chat_without_template, api_keys, bad_requests, logprobs_with_text,
           huge_body, invalid_utf8_refused, trailing_bytes_refused, context_length_exceeded, model_named_as_listed,
           chat_stream_role_first, slowloris, read_deadline,
           disconnect_cancels, runners_reused, router_unreachable, metrics_port, models, openai_node, teardown)

@@ -48,13 +48,15 @@ TEST(ngram_pred_follows_prediction) {
     /* the output so far is the prediction's first token: the prompt's end
      * and it are found right before pred[1] */
     const int32_t o1[] = {10};
-    ASSERT_EQ(4, ngram_propose_pred(prompt, 3, pred, 6, o1, 1, 3, 1, 4, &off, d));
+    bool from_pred = false;
+    ASSERT_EQ(4, ngram_propose_pred(prompt, 3, pred, 6, o1, 1, 3, 1, 4, &off, d, &from_pred));
+    ASSERT_TRUE(from_pred);
     ASSERT_EQ(11, d[0]);
     ASSERT_EQ(14, d[3]);
     ASSERT_EQ(0, off);
     /* near the end: only what is left of the prediction */
     const int32_t o2[] = {10, 11, 12, 13, 14};
-    ASSERT_EQ(1, ngram_propose_pred(prompt, 3, pred, 6, o2, 5, 3, 1, 4, &off, d));
+    ASSERT_EQ(1, ngram_propose_pred(prompt, 3, pred, 6, o2, 5, 3, 1, 4, &off, d, NULL));
     ASSERT_EQ(15, d[0]);
 }
 
@@ -66,13 +68,13 @@ TEST(ngram_pred_nearest_occurrence_and_offset) {
      * output (next index 7 after 7 tokens) wins over the first (3) */
     const int32_t pred[] = {7, 8, 9, 20, 7, 8, 9, 30, 31};
     const int32_t o[] = {7, 8, 9, 20, 7, 8, 9};
-    ASSERT_EQ(2, ngram_propose_pred(prompt, 1, pred, 9, o, 7, 3, 1, 4, &off, d));
+    ASSERT_EQ(2, ngram_propose_pred(prompt, 1, pred, 9, o, 7, 3, 1, 4, &off, d, NULL));
     ASSERT_EQ(30, d[0]);
     ASSERT_EQ(31, d[1]);
     ASSERT_EQ(0, off);
     /* an output with two tokens inserted: the match moves the offset */
     const int32_t ins[] = {7, 99, 98, 8, 9, 20};
-    ASSERT_EQ(4, ngram_propose_pred(prompt, 1, pred, 9, ins, 6, 3, 1, 4, &off, d));
+    ASSERT_EQ(4, ngram_propose_pred(prompt, 1, pred, 9, ins, 6, 3, 1, 4, &off, d, NULL));
     ASSERT_EQ(7, d[0]);
     ASSERT_EQ(30, d[3]);
     ASSERT_EQ(-2, off);
@@ -85,13 +87,15 @@ TEST(ngram_pred_falls_back_to_sequence) {
     const int32_t pred[] = {40, 41};
     /* no match in the prediction: "4 5" of the prompt is followed by 6 9 */
     const int32_t o[] = {4, 5};
-    ASSERT_EQ(3, ngram_propose_pred(prompt, 4, pred, 2, o, 2, 3, 1, 3, &off, d));
+    bool from_pred = true;
+    ASSERT_EQ(3, ngram_propose_pred(prompt, 4, pred, 2, o, 2, 3, 1, 3, &off, d, &from_pred));
+    ASSERT_TRUE(!from_pred); /* the sequence's own tokens: not the prediction's usage */
     ASSERT_EQ(6, d[0]);
     ASSERT_EQ(9, d[1]);
     ASSERT_EQ(4, d[2]);
     /* no prediction at all works like ngram_propose */
-    ASSERT_EQ(3, ngram_propose_pred(prompt, 4, NULL, 0, o, 2, 3, 1, 3, &off, d));
-    ASSERT_EQ(0, ngram_propose_pred(prompt, 4, pred, 2, o, 0, 3, 1, 3, &off, d));
+    ASSERT_EQ(3, ngram_propose_pred(prompt, 4, NULL, 0, o, 2, 3, 1, 3, &off, d, NULL));
+    ASSERT_EQ(0, ngram_propose_pred(prompt, 4, pred, 2, o, 0, 3, 1, 3, &off, d, NULL));
 }
 
 TEST_MAIN(ngram_longest_latest_match, ngram_no_match_and_limits, ngram_pred_follows_prediction,

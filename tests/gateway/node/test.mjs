@@ -167,6 +167,37 @@ check(firsts.length >= 2 && firsts[0].role === 'assistant' && firsts[0].content 
       firsts.slice(1).every((d) => d.role === undefined),
       `streamed chat opens with the role alone: ${JSON.stringify(firsts.slice(0, 3))}`);
 
+// Predicted outputs: OpenAI's usage.completion_tokens_details fields, as
+// the SDK hands them over.  llm-run's text as the completion's prediction,
+// the non-streamed chat answer as the streamed chat's.
+{
+  const isCount = (x) => Number.isInteger(x) && x >= 0;
+  const pc = await client.completions.create({
+    model, prompt, max_tokens: maxTokens, temperature: 0, prediction: { type: 'content', content: expectText },
+  });
+  const d = pc.usage?.completion_tokens_details;
+  check(pc.choices[0].text === expectText && d && isCount(d.accepted_prediction_tokens) &&
+        isCount(d.rejected_prediction_tokens) && d.accepted_prediction_tokens > 0 &&
+        d.rejected_prediction_tokens * 6 <= d.accepted_prediction_tokens,
+        `completion with a right prediction: ${JSON.stringify(pc.usage)}`);
+  const ps = await chatClient.chat.completions.create({
+    model, messages, max_tokens: 12, temperature: 0, stream: true, stream_options: { include_usage: true },
+    prediction: { type: 'content', content: cc.choices[0].message.content },
+  });
+  let psText = '';
+  let psUsage = null;
+  for await (const chunk of ps) {
+    if (chunk.usage) psUsage = chunk.usage;
+    for (const ch of chunk.choices) if (ch.delta.content) psText += ch.delta.content;
+  }
+  const sd = psUsage?.completion_tokens_details;
+  check(psText === cc.choices[0].message.content && sd && isCount(sd.accepted_prediction_tokens) &&
+        isCount(sd.rejected_prediction_tokens) && sd.accepted_prediction_tokens + sd.rejected_prediction_tokens > 0,
+        `streamed chat with a prediction: ${JSON.stringify(psUsage)}`);
+  check(cc.usage.completion_tokens_details === undefined,
+        `no completion_tokens_details without a prediction: ${JSON.stringify(cc.usage)}`);
+}
+
 if (failures > 0) {
   console.log(`${failures} check(s) failed`);
   process.exit(1);
