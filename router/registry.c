@@ -407,6 +407,7 @@ int registry_register(registry *r, const Llm__Register *m, const void *ident, si
     registry_copy(w->device, sizeof w->device, m->device);
     registry_copy(w->host, sizeof w->host, m->host);
     registry_copy(w->stage_endpoint, sizeof w->stage_endpoint, m->stage_endpoint);
+    registry_copy(w->draft_model, sizeof w->draft_model, m->draft_model);
     w->pid = m->pid;
     w->kv_block_count = m->kv_block_count;
     w->kv_block_size = m->kv_block_size;

@@ -39,6 +39,7 @@ struct worker {
     uint32_t pipeline_id, stage_index, stage_count;
     uint32_t layer_first, layer_end;
     char model[128], backend[32], device[128], host[128], stage_endpoint[256];
+    char draft_model[128]; /* Register.draft_model: beside the last stage; "" none */
     uint32_t pid, kv_block_count, kv_block_size;
     uint32_t max_step_tokens, max_step_seqs; /* 0: not stated */
     uint64_t device_memory_bytes;

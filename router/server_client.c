@@ -686,6 +686,8 @@ static void on_status(server *s, const uint8_t *ident, size_t ident_len, uint64_
         x->draining = registry_pipeline_draining(s->reg, p);
         x->epoch = p->epoch;
         x->problem = p->problem;
+        if (p->stage_count > 0 && p->stage[p->stage_count - 1])
+            x->draft_model = p->stage[p->stage_count - 1]->draft_model;
         x->stages = &ssp[si];
         for (uint32_t k = 0; k < p->stage_count; k++) {
             Llm__StageStatus *y = &ss[si];

@@ -17,9 +17,15 @@
 /* Packs this worker's Register (placement read under the lock). */
 static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     Llm__Register r = LLM__REGISTER__INIT;
-    char model[256], device[192];
+    char model[256], device[192], draft_name[256] = "";
     const char *path = n->s_model, *slash = strrchr(path, '/');
     snprintf(model, sizeof model, "%s", slash && slash[1] ? slash + 1 : path);
+    if (n->s_draft) {
+        /* its name, as the model's: a path on this host means little to
+         * whoever reads llm status */
+        slash = strrchr(n->s_draft, '/');
+        snprintf(draft_name, sizeof draft_name, "%s", slash && slash[1] ? slash + 1 : n->s_draft);
+    }
     snprintf(device, sizeof device, "%s", backend_name(n->b));
     pthread_mutex_lock(&n->lock);
     r.worker_id = n->s_worker_id;
@@ -44,6 +50,7 @@ static int node_register_pack(node *n, uint8_t **buf, size_t *len) {
     r.kv_seqs = (uint32_t)n->kv_seqs;
     r.sized_auto = n->sized_auto;
     r.session = n->router_session;
+    r.draft_model = draft_name;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
     env.body_case = LLM__WORKER_ENVELOPE__BODY_REGISTER;
     env.register_ = &r;

@@ -89,6 +89,7 @@ cJSON *status_view_json(const struct status_kv_read *kv) {
         cJSON_AddBoolToObject(pj, "idle", status_pipeline_idle(p));
         cJSON_AddNumberToObject(pj, "epoch", (double)p->epoch);
         cJSON_AddStringToObject(pj, "problem", p->problem ? p->problem : "");
+        cJSON_AddStringToObject(pj, "draft_model", p->draft_model ? p->draft_model : "");
         cJSON_AddNumberToObject(pj, "prefix_cached_blocks", p->prefix_cached_blocks);
         cJSON_AddNumberToObject(pj, "prefix_idle_blocks", p->prefix_idle_blocks);
         cJSON_AddNumberToObject(pj, "prefix_hit_tokens", (double)p->prefix_hit_tokens);
@@ -163,11 +164,13 @@ void status_view_print(const char *endpoint, const struct status_kv_read *kv) {
         printf("prefix cache: off (--no-prefix-cache)\n");
     for (size_t i = 0; i < s->n_pipelines; i++) {
         const Llm__PipelineStatus *p = s->pipelines[i];
-        printf("pipeline %u: %s, model %s, %zu stages, running %u, waiting %u, KV blocks %u/%u, %.1f tokens/s%s%s\n",
+        bool draft = p->draft_model && p->draft_model[0];
+        printf("pipeline %u: %s, model %s, %zu stages, running %u, waiting %u, KV blocks %u/%u, %.1f tokens/s, "
+               "%s%s%s%s\n",
                p->pipeline_id, p->ready ? "ready" : p->draining ? "draining (no new work)" : "NOT READY", p->model,
-               p->n_stages, p->running, p->waiting,
-               p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s, p->problem && p->problem[0] ? ": " : "",
-               p->problem ? p->problem : "");
+               p->n_stages, p->running, p->waiting, p->kv_blocks_used, p->kv_blocks_total, p->tokens_per_s,
+               draft ? "draft model " : "no draft model", draft ? p->draft_model : "",
+               p->problem && p->problem[0] ? ": " : "", p->problem ? p->problem : "");
         for (size_t k = 0; k < p->n_stages; k++) {
             const Llm__StageStatus *st = p->stages[k];
             bool differs = status_stage_kv_differs(p, st) && status_stage_view_fresh(kv, st);

@@ -90,6 +90,38 @@ static void sg_ok(struct cluster *cl, const struct sgen *g) {
              g->res.completion_tokens, g->max_tokens);
 }
 
+/* llm status, text and --json, names want (NULL: none) as pipeline 0's
+ * draft model: what its last stage's worker registered (llm-worker
+ * --draft-model's file name). */
+static H_UNUSED void sg_status_draft(struct cluster *cl, const char *want) {
+    static char out[1 << 16];
+    char cmd[600], line[300];
+    for (int json = 0; json < 2; json++) {
+        snprintf(cmd, sizeof cmd, "'%s' --router '%s' status%s 2>&1", LLM_BINARY_DIR "/clients/c/llm", cl->client_ep,
+                 json ? " --json" : "");
+        FILE *p = popen(cmd, "r");
+        H_ASSERT(cl, p != NULL, "popen %s", cmd);
+        size_t n = fread(out, 1, sizeof out - 1, p);
+        out[n] = 0;
+        int st = pclose(p);
+        H_ASSERT(cl, st == 0, "%s: status 0x%x: %s", cmd, st, out);
+        if (json) {
+            cJSON *j = cJSON_Parse(out);
+            const cJSON *d = cJSON_GetObjectItemCaseSensitive(
+                cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "pipelines"), 0), "draft_model");
+            H_ASSERT(cl, cJSON_IsString(d) && strcmp(d->valuestring, want ? want : "") == 0,
+                     "llm status --json: pipeline 0's draft_model is %s, not \"%s\": %s",
+                     cJSON_IsString(d) ? d->valuestring : "absent", want ? want : "", out);
+            cJSON_Delete(j);
+        } else {
+            if (want) snprintf(line, sizeof line, "tokens/s, draft model %s", want);
+            else snprintf(line, sizeof line, "tokens/s, no draft model");
+            H_ASSERT(cl, strstr(out, "pipeline 0: ") && strstr(out, line), "llm status does not say \"%s\": %s",
+                     line, out);
+        }
+    }
+}
+
 /* The same ids and text. */
 static void sg_same(struct cluster *cl, const struct sgen *want, const struct sgen *got) {
     sg_ok(cl, want);

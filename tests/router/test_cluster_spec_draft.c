@@ -83,6 +83,8 @@ static void draft_exact(int stages, int max_tokens, float min_prob, const char *
     struct cluster *cl = h_cluster_start(model, 1, stages, rargs, draft_args_min_prob(min_prob));
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    /* llm status names the draft beside the last stage. */
+    sg_status_draft(cl, "pycode-draft-f16.gguf");
     enum { NP = 3, NS = 4 };
     static struct sgen greedy[NP], off[NP * NS], on[NP * NS];
     static struct h_ref ref[NP];

@@ -113,6 +113,7 @@ static void pred_exact(const char *model_name, const char *prompt, const char *w
     struct cluster *cl = h_cluster_start(model, 1, 1, "--spec off --spec-tokens 4 --metrics-listen 127.0.0.1:0", "");
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
+    sg_status_draft(cl, NULL); /* llm status: no draft model here */
     static struct sgen base, right, ids, bad, off, s_base, s_pred;
     one(&base, cl, "base", prompt, max_tokens, LLM__GENERATE_REQUEST__SPEC__SPEC_DEFAULT, NULL);
     sg_ok(cl, &base);
