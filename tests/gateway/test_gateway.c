@@ -311,13 +311,14 @@ static void usage_pred(const cJSON *usage, int *accepted, int *rejected) {
     *rejected = cJSON_IsNumber(r) ? r->valueint : -1;
 }
 
-/* A completion of PROMPT with this prediction (NULL: none), streamed with
- * include_usage or not: its usage object (a copy, the caller's), its
- * text checked against llm-run's, and the router's llm_spec_* deltas over
- * it (the tests run one request at a time). */
-static cJSON *pred_completion(const char *prediction, bool stream, double *drafts, double *accepted) {
+/* A completion of PROMPT with this prediction (NULL: none) and n choices,
+ * streamed with include_usage or not: its usage object (a copy, the
+ * caller's), choice 0's text checked against llm-run's, and the router's
+ * llm_spec_* deltas over it (the tests run one request at a time). */
+static cJSON *pred_completion(const char *prediction, bool stream, int n, double *drafts, double *accepted) {
     cJSON *b = cJSON_CreateObject();
     cJSON_AddStringToObject(b, "prompt", PROMPT);
+    if (n > 1) cJSON_AddNumberToObject(b, "n", n);
     cJSON_AddNumberToObject(b, "max_tokens", MAX_TOKENS);
     cJSON_AddNumberToObject(b, "temperature", 0);
     if (prediction) {
@@ -356,9 +357,10 @@ static cJSON *pred_completion(const char *prediction, bool stream, double *draft
                 cJSON_Delete(usage);
                 usage = cJSON_Duplicate(u, 1);
             }
-            const cJSON *t = cJSON_GetObjectItemCaseSensitive(
-                cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0), "text");
-            if (cJSON_IsString(t)) strncat(text, t->valuestring, sizeof text - strlen(text) - 1);
+            const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0);
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(c, "text");
+            if (cJSON_IsString(t) && cJSON_GetObjectItemCaseSensitive(c, "index")->valueint == 0)
+                strncat(text, t->valuestring, sizeof text - strlen(text) - 1);
             cJSON_Delete(j);
         }
         free(copy);
@@ -386,7 +388,7 @@ TEST(prediction_usage) {
     int acc[4], rej[4];
     for (int i = 0; i < 4; i++) {
         double d, a;
-        cJSON *u = pred_completion(preds[i], i % 2 == 1, &d, &a);
+        cJSON *u = pred_completion(preds[i], i % 2 == 1, 1, &d, &a);
         usage_pred(u, &acc[i], &rej[i]);
         char *us = cJSON_PrintUnformatted(u);
         printf("  %s prediction%s: %s; router: %g drafts, %g accepted\n", i < 2 ? "right" : "wrong",
@@ -405,9 +407,23 @@ TEST(prediction_usage) {
     ASSERT_EQ(rej[0], rej[1]);
     ASSERT_EQ(acc[2], acc[3]);
     ASSERT_EQ(rej[2], rej[3]);
-    /* Without a prediction, no details. */
+    /* n = 2 greedy: two choices alike, each counted, the usage their sum. */
     double d, a;
-    cJSON *u = pred_completion(NULL, false, &d, &a);
+    for (int stream = 0; stream < 2; stream++) {
+        cJSON *u = pred_completion(ref_.text, stream, 2, &d, &a);
+        int acc2, rej2;
+        usage_pred(u, &acc2, &rej2);
+        char *us = cJSON_PrintUnformatted(u);
+        printf("  right prediction, n = 2%s: %s; router: %g drafts, %g accepted\n", stream ? ", streamed" : "", us,
+               d, a);
+        H_ASSERT(cl_, acc2 == 2 * acc[0] && rej2 == 2 * rej[0] && acc2 <= a && acc2 + rej2 <= d,
+                 "n = 2: usage %s, one choice alone %d accepted, %d rejected; router %g of %g", us, acc[0], rej[0],
+                 a, d);
+        free(us);
+        cJSON_Delete(u);
+    }
+    /* Without a prediction, no details. */
+    cJSON *u = pred_completion(NULL, false, 1, &d, &a);
     ASSERT_TRUE(cJSON_GetObjectItemCaseSensitive(u, "completion_tokens_details") == NULL);
     cJSON_Delete(u);
 }
