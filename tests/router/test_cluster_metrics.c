@@ -178,7 +178,9 @@ TEST(cluster_router_bad_metrics_listen) {
         _exit(127);
     }
     close(fds[1]);
-    char err[2048] = "";
+    /* The router logs every option first: keep the whole of stderr (the
+     * error is its last line). */
+    static char err[65536];
     size_t len = 0;
     ssize_t got;
     while (len < sizeof err - 1 && (got = read(fds[0], err + len, sizeof err - 1 - len)) > 0) len += (size_t)got;
