@@ -459,16 +459,19 @@ static void bn_stat(const struct bn_row *r, size_t off, double *med, double *lo,
     *hi = r->n_runs ? v[r->n_runs - 1] : 0;
 }
 
+static const struct bn_row *bn_row_find(int dtype, int rate, int conc) {
+    for (int i = 0; i < bn_n_rows; i++)
+        if (bn_rows[i].dtype == dtype && bn_rows[i].rate == rate && bn_rows[i].conc == conc) return &bn_rows[i];
+    return NULL;
+}
+
 static void bn_report(const struct bn_opts *o) {
     printf("\n| link dtype | rate | concurrency | gen tok/s (median, min-max) | TTFT p50 ms (median, min-max) | "
            "link bytes/token | a link's mean Mbit/s | workers' CPU ms/token |\n|---|---|---|---|---|---|---|---|\n");
     for (int d = 0; d < o->n_dtypes; d++)
         for (int ra = 0; ra < o->n_rates; ra++)
             for (int c = 0; c < o->n_conc; c++) {
-                struct bn_row *r = NULL;
-                for (int i = 0; i < bn_n_rows; i++)
-                    if (bn_rows[i].dtype == d && bn_rows[i].rate == ra && bn_rows[i].conc == o->conc[c])
-                        r = &bn_rows[i];
+                const struct bn_row *r = bn_row_find(d, ra, o->conc[c]);
                 if (!r || r->n_runs == 0) {
                     printf("| %s | %s | %d | not measured (time limit) | | | | |\n", o->dtypes[d], o->rates[ra],
                            o->conc[c]);
@@ -484,8 +487,11 @@ static void bn_report(const struct bn_opts *o) {
                        o->rates[ra], o->conc[c], tm, tl, th, fm, fl, fh, bm, mm, cm);
             }
     if (o->n_rates < 2) return;
-    printf("\nEach rate against %s (median gen tok/s and TTFT p50, ratio):\n\n| link dtype | concurrency |",
-           o->rates[0]);
+    /* Repetition k of every rate ran back to back (bn_cluster_run), so the
+     * ratio of a pair cancels most of the drift of the machine's load; the
+     * median pair and the extreme pairs are shown. */
+    printf("\nEach rate against %s: gen tok/s and TTFT p50 of the runs measured back to back, as a ratio "
+           "(median pair, min-max):\n\n| link dtype | concurrency |", o->rates[0]);
     for (int ra = 1; ra < o->n_rates; ra++) printf(" %s tok/s | %s TTFT |", o->rates[ra], o->rates[ra]);
     printf("\n|---|---|");
     for (int ra = 1; ra < o->n_rates; ra++) printf("---|---|");
@@ -493,25 +499,22 @@ static void bn_report(const struct bn_opts *o) {
     for (int d = 0; d < o->n_dtypes; d++)
         for (int c = 0; c < o->n_conc; c++) {
             printf("| %s | %d |", o->dtypes[d], o->conc[c]);
-            double base_t = 0, base_f = 0, lo, hi;
-            for (int ra = 0; ra < o->n_rates; ra++) {
-                struct bn_row *r = NULL;
-                for (int i = 0; i < bn_n_rows; i++)
-                    if (bn_rows[i].dtype == d && bn_rows[i].rate == ra && bn_rows[i].conc == o->conc[c])
-                        r = &bn_rows[i];
-                double t = 0, f = 0;
-                if (r && r->n_runs) {
-                    bn_stat(r, offsetof(struct bn_run, tok_s), &t, &lo, &hi);
-                    bn_stat(r, offsetof(struct bn_run, ttft_p50_ms), &f, &lo, &hi);
+            const struct bn_row *base = bn_row_find(d, 0, o->conc[c]);
+            for (int ra = 1; ra < o->n_rates; ra++) {
+                const struct bn_row *r = bn_row_find(d, ra, o->conc[c]);
+                int n = base && r ? (base->n_runs < r->n_runs ? base->n_runs : r->n_runs) : 0;
+                double t[BN_REPEAT_MAX], f[BN_REPEAT_MAX];
+                int nt = 0, nf = 0;
+                for (int k = 0; k < n; k++) {
+                    if (base->runs[k].tok_s > 0) t[nt++] = r->runs[k].tok_s / base->runs[k].tok_s;
+                    if (base->runs[k].ttft_p50_ms > 0) f[nf++] = r->runs[k].ttft_p50_ms / base->runs[k].ttft_p50_ms;
                 }
-                if (ra == 0) {
-                    base_t = t;
-                    base_f = f;
-                } else if (t > 0 && base_t > 0) {
-                    printf(" %.2f | %.2f |", t / base_t, base_f > 0 ? f / base_f : 0);
-                } else {
+                if (nt == 0 || nf == 0) {
                     printf(" - | - |");
+                    continue;
                 }
+                double tm = bn_median(t, nt), fm = bn_median(f, nf); /* sorts */
+                printf(" %.2f (%.2f-%.2f) | %.2f (%.2f-%.2f) |", tm, t[0], t[nt - 1], fm, f[0], f[nf - 1]);
             }
             printf("\n");
         }
