@@ -173,6 +173,16 @@ struct server {
     tokenizer *tok;
     void *zctx;
     struct zio_sock *cs, *ws; /* clients, workers */
+    struct zio_sock *wmon;    /* PAIR fed by the worker socket's monitor: its closed connections */
+    /* Each worker connection's file descriptor (ZMQ_SRCFD of its latest
+     * message), so that a closed one (the monitor names its fd) is known
+     * by routing id: server.c, worker_conn_closed. */
+    struct wconn {
+        int fd;
+        uint8_t ident[256];
+        size_t ident_len;
+    } *wconns;
+    size_t n_wconns, cap_wconns;
     zio_zap *zap;             /* admits the listed keys; NULL when insecure */
     struct keys_list *admins; /* --admin-keys (also admitted as clients); NULL: none */
     /* The sender of the frame being handled: its CURVE key, or "" on an

@@ -217,6 +217,8 @@ static int server_secure(server *s, char *err, size_t errlen) {
     return rc;
 }
 
+static int worker_monitor_open(server *s, char *err, size_t errlen);
+
 int server_init(server **out, const struct server_config *cfg, char *err, size_t errlen) {
     *out = NULL;
     server *s = calloc(1, sizeof *s);
@@ -285,6 +287,7 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
      * leaves service and re-forms at once (pipe_unreachable) rather than
      * waiting on a step that can never finish. */
     zio_set_int(s->ws, ZMQ_ROUTER_MANDATORY, 1);
+    if ((rc = worker_monitor_open(s, err, errlen)) < 0) goto fail;
     if ((rc = server_secure(s, err, errlen)) < 0) goto fail;
     if ((rc = zio_bind(s->cs, cfg->listen)) < 0) {
         snprintf(err, errlen, "router: client endpoint: %s", zio_errstr(s->cs));
@@ -339,6 +342,9 @@ void server_free(server *s) {
     free(s->scratch);
     free(s->detok_buf);
     zio_sock_close(s->cs);
+    if (s->wmon) zmq_socket_monitor(zio_sock_raw(s->ws), NULL, 0);
+    zio_sock_close(s->wmon);
+    free(s->wconns);
     zio_sock_close(s->ws);
     zio_zap_stop(s->zap);
     if (s->zctx) zmq_ctx_term(s->zctx);
@@ -432,6 +438,91 @@ static void server_clients_gone(server *s) {
 }
 
 /* Reads up to max messages from a ROUTER socket without waiting. */
+/* ------------------------------------------------------------------------ */
+/* Worker connections that close */
+
+/* A monitor on the worker socket reports each closed connection at once
+ * (DISCONNECTED, with its file descriptor).  A worker killed mid-step
+ * (kill -9, out of memory) never heartbeats again, and no plan to it fails
+ * while its pipeline waits on the step it had (plans go out a step
+ * ahead): without this its pipeline would stand still until its Redis key
+ * expired (3 heartbeat intervals) or --worker-timeout-ms. */
+static int worker_monitor_open(server *s, char *err, size_t errlen) {
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://llm-router-workers-%p", (void *)s);
+    if (zmq_socket_monitor(zio_sock_raw(s->ws), ep, ZMQ_EVENT_DISCONNECTED) != 0) {
+        snprintf(err, errlen, "router: worker socket monitor: %s", zmq_strerror(errno));
+        return STATUS_IO;
+    }
+    int rc = zio_sock_open(s->zctx, ZMQ_PAIR, &s->wmon, err, errlen);
+    if (rc == 0 && (rc = zio_connect(s->wmon, ep)) < 0)
+        snprintf(err, errlen, "router: worker socket monitor: %s", zio_errstr(s->wmon));
+    return rc;
+}
+
+/* The message m came from ident's connection: remember its descriptor. */
+static void worker_conn_note(server *s, const uint8_t *ident, size_t ident_len, zmq_msg_t *m) {
+    int fd = zmq_msg_get(m, ZMQ_SRCFD);
+    if (fd < 0 || ident_len > sizeof s->wconns->ident) return;
+    for (size_t i = 0; i < s->n_wconns; i++) {
+        struct wconn *c = &s->wconns[i];
+        if (c->ident_len == ident_len && memcmp(c->ident, ident, ident_len) == 0) {
+            c->fd = fd;
+            return;
+        }
+    }
+    if (s->n_wconns == s->cap_wconns) {
+        size_t cap = s->cap_wconns ? 2 * s->cap_wconns : 16;
+        struct wconn *n = realloc(s->wconns, cap * sizeof *n);
+        if (!n) return; /* then only the heartbeats and the Redis key tell */
+        s->wconns = n;
+        s->cap_wconns = cap;
+    }
+    struct wconn *c = &s->wconns[s->n_wconns++];
+    c->fd = fd;
+    memcpy(c->ident, ident, ident_len);
+    c->ident_len = ident_len;
+}
+
+/* The connection on descriptor fd closed.  A READY worker on it leaves its
+ * pipeline's service in a new epoch at once, as when a plan cannot be sent
+ * to it (registry_worker_unreachable): its sequences move on, and a worker
+ * that lives registers again on its new connection (a new session), which
+ * re-forms the pipeline anyway.  A draining worker is leaving on purpose. */
+static void worker_conn_closed(server *s, int fd) {
+    for (size_t i = 0; i < s->n_wconns;) {
+        struct wconn *c = &s->wconns[i];
+        if (c->fd != fd) {
+            i++;
+            continue;
+        }
+        for (size_t k = 0; k < registry_n_workers(s->reg); k++) {
+            struct worker *w = registry_worker_at(s->reg, k);
+            if (w->ident_len != c->ident_len || memcmp(w->ident, c->ident, c->ident_len) != 0) continue;
+            if (w->state == WORKER_READY) {
+                LOG(LL_WARN, "worker %s (stage %u of pipeline %u): its connection closed: the pipeline leaves "
+                    "service and re-forms once the worker is heard from", w->id, w->stage_index, w->pipeline_id);
+                registry_worker_unreachable(s->reg, w, true);
+                s->loop_full = true;
+            }
+        }
+        *c = s->wconns[--s->n_wconns];
+    }
+}
+
+static void worker_disconnects(server *s) {
+    struct zio_parts p = {0};
+    while (zio_recv(s->wmon, &p, 0) == 0) {
+        if (zio_parts_size(&p, 0) < 6) continue;
+        uint16_t e;
+        uint32_t fd;
+        memcpy(&e, zio_parts_data(&p, 0), 2);
+        memcpy(&fd, (const uint8_t *)zio_parts_data(&p, 0) + 2, 4);
+        if (e & ZMQ_EVENT_DISCONNECTED) worker_conn_closed(s, (int)fd);
+    }
+    zio_parts_free(&p);
+}
+
 static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
     struct zio_parts in = {0};
     for (int i = 0; i < max; i++) {
@@ -457,7 +548,10 @@ static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
             }
             continue;
         }
-        if (workers) server_on_worker_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
+        if (workers) {
+            worker_conn_note(s, ident, ident_len, &in.msgs[1]);
+            server_on_worker_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
+        }
         else {
             gone_clear(s, ident, ident_len);
             server_on_client_frame(s, ident, ident_len, zio_parts_data(&in, 1), zio_parts_size(&in, 1));
@@ -468,8 +562,8 @@ static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
 }
 
 int server_run(server *s, volatile sig_atomic_t *stop) {
-    struct zio_sock *socks[2] = {s->ws, s->cs};
-    short events[2] = {ZMQ_POLLIN, ZMQ_POLLIN}, revents[2];
+    struct zio_sock *socks[3] = {s->ws, s->cs, s->wmon};
+    short events[3] = {ZMQ_POLLIN, ZMQ_POLLIN, ZMQ_POLLIN}, revents[3];
     while (!*stop) {
         /* A turn takes at most the 50 ms poll plus its work: /health fails
          * when one takes longer than the watchdog's bound. */
@@ -481,7 +575,7 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
             int64_t left = s->batch_wake_us - server_mono_us();
             timeout_ms = left <= 0 ? 0 : left / 1000 < 50 ? (int)(left / 1000) : 50;
         }
-        int rc = zio_poll(socks, events, revents, 2, timeout_ms);
+        int rc = zio_poll(socks, events, revents, 3, timeout_ms);
         if (rc < 0) {
             LOG(LL_ERROR, "poll: %s", zio_errstr(s->ws));
             usleep(10000);
@@ -489,6 +583,9 @@ int server_run(server *s, volatile sig_atomic_t *stop) {
         /* Workers first: results free the pipeline for the next step. */
         if (rc > 0 && (revents[0] & ZMQ_POLLIN)) drain(s, s->ws, true, 1024);
         if (rc > 0 && (revents[1] & ZMQ_POLLIN)) drain(s, s->cs, false, 256);
+        /* After the workers' messages: a result that came before the
+         * connection closed still counts. */
+        if (rc > 0 && (revents[2] & ZMQ_POLLIN)) worker_disconnects(s);
         server_timers(s);
         server_clients_gone(s);
         /* Each result has pumped its own pipeline, and new requests touch

@@ -1,4 +1,5 @@
-/* Failures while requests run: kill -9 of a worker, a router killed and
+/* Failures while requests run: kill -9 of a worker (also noticed at once
+ * with slow liveness settings: the router sees its connection close), a router killed and
  * started again, and a pipeline drained away (scale-down) and another one
  * added (scale-up).  In each, every request completes exactly once with
  * llm-run's greedy output, token for token. */
@@ -86,6 +87,48 @@ TEST(cluster_worker_kill9_mid_generation) {
     h_cluster_stop(cl);
 }
 
+/* The same kill with slow liveness: 5 s heartbeats (the worker's Redis key
+ * lives 15 s) and a 30 s worker timeout, so that only the router's monitor
+ * of the worker socket (the killed worker's connection closes) can take
+ * pipeline 0 out of service soon: measured 1-10 ms on a 2-core VM; its
+ * requests move to pipeline 1 and finish there. */
+#define SLOW_LIVENESS_ARGS "--heartbeat-ms 5000 --worker-timeout-ms 30000 --step-timeout-ms 60000 --max-batch 2"
+#define NOTICED_MAX_MS 2000
+
+TEST(cluster_worker_kill9_noticed_at_once) {
+    const char *model = test_model_path(MODEL);
+    make_refs(model);
+    struct cluster *cl = h_cluster_start(model, 2, 2, SLOW_LIVENESS_ARGS, "");
+    static struct h_gen gs[N_REQ];
+    make_requests(cl, gs, N_REQ, "kill9-slow");
+    struct h_batch b;
+    h_batch_start(&b, gs, N_REQ);
+    wait_mid_generation(cl, gs, N_REQ);
+    int slot = h_worker_slot(cl, 0, 1);
+    ASSERT_TRUE(slot >= 0);
+    llm_client *c = h_client(cl, 2000, 5000, 5000);
+    int64_t killed = h_now_ms();
+    h_proc_kill(&cl->workers[slot], SIGKILL);
+    int64_t noticed = -1;
+    while (h_now_ms() - killed < 20000) {
+        if (h_ready_pipelines(cl, c, NULL) == 1) {
+            noticed = h_now_ms() - killed;
+            break;
+        }
+        h_sleep_ms(5);
+    }
+    llm_client_close(c);
+    h_batch_join(&b);
+    int64_t done = h_now_ms() - killed;
+    printf("  pipeline 0 out of service %lld ms after the kill; all %d requests done %lld ms after it\n",
+           (long long)noticed, N_REQ, (long long)done);
+    check_all(cl, gs, N_REQ);
+    H_ASSERT(cl, noticed >= 0 && noticed < NOTICED_MAX_MS,
+             "pipeline 0 left service %lld ms after its stage 1 was killed (bound %d ms; its key lives 15 s)",
+             (long long)noticed, NOTICED_MAX_MS);
+    h_cluster_stop(cl);
+}
+
 TEST(cluster_router_restart_mid_generation) {
     const char *model = test_model_path(MODEL);
     make_refs(model);
@@ -134,5 +177,6 @@ TEST(cluster_scale_down_and_up_while_running) {
     h_cluster_stop(cl);
 }
 
-TEST_MAIN(cluster_worker_kill9_mid_generation, cluster_router_restart_mid_generation,
+TEST_MAIN(cluster_worker_kill9_mid_generation, cluster_worker_kill9_noticed_at_once,
+          cluster_router_restart_mid_generation,
           cluster_scale_down_and_up_while_running)
