@@ -259,11 +259,17 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
     bool any_reply = false, need_send = true, move_on = false;
     size_t unavailable = 0; /* endpoints in a row that answered UNAVAILABLE or refused */
     int pause_ms = 0;       /* the latest UNAVAILABLE's retry_after_ms */
+    int64_t resend_at = 0;  /* after a refusal worth retrying: send again then, reading meanwhile */
     int64_t sent = 0;
     uint64_t tag = 0;
     const char *lost_why = NULL;
     for (;;) {
+        if (resend_at && client_now_ms() >= resend_at) {
+            resend_at = 0;
+            need_send = true;
+        }
         if (need_send) {
+            resend_at = 0;
             gr.resume_from = g.haves[0];
             gr.resume_from_choice = g.haves;
             gr.n_resume_from_choice = g.n > 1 ? g.n : 0;
@@ -293,6 +299,7 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
             /* Waiting for an answer: cfg.retry_ms without progress ends the
              * call, whatever reply_timeout_ms says. */
             if (!g.accepted && until > last_progress + c->cfg.retry_ms) until = last_progress + c->cfg.retry_ms;
+            if (resend_at && until > resend_at) until = resend_at;
             if (until < now) until = now;
             Llm__ClientEnvelope *in = NULL;
             int ev = client_wait(c, (int)(until - now), &in);
@@ -306,6 +313,11 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                 lost_why = "connection refused: no router listens there";
                 move_on = true;
             } else if (ev == CLIENT_IDLE && client_now_ms() >= give_up) continue;
+            else if (ev == CLIENT_IDLE && resend_at) {
+                resend_at = 0; /* the pause is over (or the idle timeout came first): send again */
+                need_send = true;
+                continue;
+            }
             else if (ev == CLIENT_IDLE) lost_why = g.accepted ? "no message for the idle timeout" : "no reply";
             else {
                 const char *rid = client_body_request_id(in);
@@ -345,8 +357,10 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                 }
                 case LLM__CLIENT_ENVELOPE__BODY_CHUNK:
                     if (in->chunk->choice < g.n &&
-                        in->chunk->index + (uint32_t)in->chunk->n_token_ids > g.haves[in->chunk->choice])
+                        in->chunk->index + (uint32_t)in->chunk->n_token_ids > g.haves[in->chunk->choice]) {
                         last_progress = client_now_ms();
+                        resend_at = 0;
+                    }
                     if (client_gen_chunk(&g, in->chunk)) {
                         res->reattaches++;
                         need_send = true;
@@ -385,8 +399,12 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                         }
                         unavailable = 0;
                         LOG(LL_INFO, "client: request %s: %s; retrying", res->request_id, c->errstr);
-                        client_sleep_ms(e->retry_after_ms > 0 ? (int)e->retry_after_ms : 200);
-                        need_send = true;
+                        /* Wait reading, not asleep: a request the router
+                         * keeps (its pipelines went: the stall notice)
+                         * streams on by itself once one is back, and its
+                         * tokens are passed on as they come instead of
+                         * after the pause; a chunk cancels the re-send. */
+                        resend_at = client_now_ms() + (e->retry_after_ms > 0 ? (int64_t)e->retry_after_ms : 200);
                         break;
                     }
                     /* A Cancel the router no longer matches (the request ended

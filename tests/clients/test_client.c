@@ -23,6 +23,7 @@ enum fake_mode {
     FAKE_ERROR,   /* every generate: Error INVALID_ARGUMENT; later Errors UNAVAILABLE first */
     FAKE_SLOW,    /* a token every 20 ms until a Cancel, then done CANCELLED */
     FAKE_MUTE,    /* accept every generate, then say nothing */
+    FAKE_STALL,   /* accept, a token, a stall notice (UNAVAILABLE, retry after 2 s), then the rest 100 ms later */
 };
 
 #define FAKE_N_TOKENS 12
@@ -232,6 +233,18 @@ static void *fake_main(void *arg) {
             case FAKE_MUTE:
                 fake_accept(s, &in, env->tag, g->request_id, k > 0);
                 break;
+            case FAKE_STALL:
+                fake_accept(s, &in, env->tag, g->request_id, k > 0);
+                for (uint32_t i = g->resume_from; i < FAKE_N_TOKENS; i++) {
+                    fake_chunk(s, &in, g->request_id, i, 1);
+                    if (i == 0 && k == 0) {
+                        fake_error(s, &in, 0, g->request_id, LLM__ERROR__CODE__UNAVAILABLE,
+                                   "no pipeline is in service: the request is kept", 2000);
+                        usleep(100 * 1000); /* a pipeline comes back */
+                    }
+                }
+                fake_done(s, &in, g->request_id, LLM__GENERATE_DONE__FINISH_REASON__LENGTH, FAKE_N_TOKENS);
+                break;
             case FAKE_SLOW:
                 fake_accept(s, &in, env->tag, g->request_id, false);
                 snprintf(slow_id, sizeof slow_id, "%s", g->request_id);
@@ -412,6 +425,34 @@ TEST(client_reattaches_after_router_restart_behind_chunks) {
     ASSERT_EQ(2, f.n_generates);
     ASSERT_EQ((uint32_t)5, f.resume_from[1]);
     ASSERT_TRUE(took < 5000);
+    llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
+/* A stall notice (UNAVAILABLE with retry_after_ms for a request the router
+ * keeps) makes the client send again after the pause, but it reads
+ * meanwhile: the tokens the router streams once a pipeline is back are
+ * passed on as they come (here 100 ms later), not after the 2 s pause, and
+ * then nothing is sent again. */
+TEST(client_reads_through_a_stall_notice) {
+    struct fake f;
+    fake_start(&f, FAKE_STALL);
+    llm_client *c = open_client(f.ep, 2000, 10000, 20000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-stall";
+    struct seen s = {0};
+    struct llm_generate_result r;
+    int64_t t0 = now_ms();
+    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
+    int64_t took = now_ms() - t0;
+    fake_stop(&f);
+    printf("  stall notice (retry after 2000 ms), tokens again 100 ms later: done in %lld ms\n", (long long)took);
+    ASSERT_OK(rc);
+    expect_tokens(&s, FAKE_N_TOKENS);
+    ASSERT_EQ(1, f.n_generates);
+    ASSERT_TRUE(took < 1500);
     llm_generate_result_free(&r);
     llm_client_close(c);
 }
@@ -722,7 +763,7 @@ TEST(client_refuses_bad_config_and_ids) {
 }
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
-          client_reattaches_after_router_restart_behind_chunks,
+          client_reattaches_after_router_restart_behind_chunks, client_reads_through_a_stall_notice,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
           client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_retry_bounds_the_wait, client_probe_finds_a_router,
           client_moves_to_the_next_endpoint, client_moves_on_from_a_refused_connection,
