@@ -437,7 +437,6 @@ static void server_clients_gone(server *s) {
         }
 }
 
-/* Reads up to max messages from a ROUTER socket without waiting. */
 /* ------------------------------------------------------------------------ */
 /* Worker connections that close */
 
@@ -510,6 +509,7 @@ static void worker_conn_closed(server *s, int fd) {
     }
 }
 
+/* Reads the monitor's events. */
 static void worker_disconnects(server *s) {
     struct zio_parts p = {0};
     while (zio_recv(s->wmon, &p, 0) == 0) {
@@ -523,6 +523,7 @@ static void worker_disconnects(server *s) {
     zio_parts_free(&p);
 }
 
+/* Reads up to max messages from a ROUTER socket without waiting. */
 static void drain(server *s, struct zio_sock *sock, bool workers, int max) {
     struct zio_parts in = {0};
     for (int i = 0; i < max; i++) {
