@@ -6,12 +6,14 @@
  * starts the real redis-server, llm-router and llm-workers there with
  * CURVE keys, and runs a fixed load through libllmclient: greedy requests
  * of fixed prompt and output lengths (distinct prompts, EOS ignored) at a
- * few concurrency levels, each level repeated.  Per (type, rate, level) it
- * prints generated tokens/s, time to first token and the bytes the stage
- * hosts sent per token crossing a link; then what each rate costs against
- * the first one listed.  The rate "loopback" runs every stage on one host
- * (the links on its loopback, no cap): the baseline the issue compares the
- * 1 Gbit/s bed with.
+ * few concurrency levels.  Each repetition starts every type's cluster
+ * again and runs each level at every rate back to back.  Per (type, rate,
+ * level) it prints generated tokens/s, time to first token, the bytes the
+ * stage hosts sent per token crossing a link and the workers' CPU time per
+ * generated token; then what each rate costs against the first one listed,
+ * as ratios of the runs measured back to back.  The rate "loopback" runs
+ * every stage on one host (the links on its loopback, no cap): the
+ * baseline the issue compares the 1 Gbit/s bed with.
  *
  *   bench_net                                   # wide synthetic, 4 types x 10gbit,1gbit
  *   bench_net --dtypes f32,int8 --rates loopback,1gbit --concurrency 16
@@ -23,11 +25,11 @@
  * model can have (one 16-wide attention head, a 16-wide feed-forward, 260
  * tokens: 1.8M weights a layer): a CPU stage computes a token's layer in
  * less time than 1 Gbit/s takes to carry its F32 row (0.52 ms), as a GPU
- * stage of a real model would.  A real model of that width on this CPU
- * would compute for seconds a token, and no link would matter; with the
- * standard attention (heads x head_dim = dim) a layer is at least
- * 2 x dim^2 weights, which is why the head width is set apart
- * (llm-synth --head-dim).
+ * stage of a real model would.  A real layer of that width (3.2G weights
+ * in the 405B) would take this CPU most of a second a token, and no link
+ * would matter; with the standard attention (heads x head_dim = dim) a
+ * layer is at least 2 x dim^2 weights, which is why the head width is set
+ * apart (llm-synth --head-dim).
  *
  * Needs root for network namespaces; without them it says why and exits
  * 3 (other failures 1, bad options 2).  Speed numbers go in docs/deploy.md,
