@@ -71,6 +71,10 @@ struct bn_row {
 };
 
 static struct bn_row bn_rows[BN_LIST_MAX * BN_LIST_MAX * BN_LIST_MAX];
+/* Set by SIGTERM/SIGINT: the streams send no new request, the level in
+ * progress is not counted, and the run ends through nb_free (processes
+ * stopped, namespaces deleted) with the table of what was measured. */
+static volatile sig_atomic_t bn_stop;
 static int bn_n_rows;
 static int64_t bn_deadline_ms;
 static int bn_timed_out;
@@ -83,6 +87,11 @@ static void bn_fmt(char *out, size_t size, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(out, size, fmt, ap);
     va_end(ap);
+}
+
+static void bn_on_signal(int sig) {
+    (void)sig;
+    bn_stop = 1;
 }
 
 static double bn_now(void) {
@@ -266,7 +275,7 @@ static void *bn_stream(void *arg) {
     if (c && llm_client_health(c, &env) == 0) proto_client_free(env);
     atomic_fetch_add(&lv->ready, 1);
     while (!atomic_load(&lv->go)) h_sleep_ms(1);
-    while (c && ids) {
+    while (c && ids && !bn_stop) {
         int idx = atomic_fetch_add(&lv->next, 1);
         if (idx >= lv->n_req) break;
         bn_prompt(lv->first_id + idx, lv->n_vocab, ids, o->prompt_tokens);
@@ -424,6 +433,7 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
         int n_req = o->requests > 0 ? o->requests : (conc < 4 ? 4 : conc);
         if (n_req < conc) n_req = conc;
         for (int ri = 0; ri < n_rates; ri++) {
+            if (bn_stop) break;
             if (h_now_ms() > bn_deadline_ms) {
                 bn_timed_out = 1;
                 break;
@@ -433,6 +443,7 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
             struct bn_row *row = bn_row_get(dtype, rate, conc);
             struct bn_run *run = &row->runs[row->n_runs];
             bn_level_run(o, nb, n_vocab, conc, n_req, link_ns, n_links, dev, run);
+            if (bn_stop) break;
             row->n_runs++;
             printf("  %-4s %-8s c=%-3d #%d: %d requests, %6.1f gen tok/s, TTFT p50 %6.1f ms p90 %6.1f ms, "
                    "%7.1f link bytes/token, a link's mean %6.1f Mbit/s, workers' CPU %.2f ms/token\n",
@@ -475,8 +486,8 @@ static void bn_report(const struct bn_opts *o) {
             for (int c = 0; c < o->n_conc; c++) {
                 const struct bn_row *r = bn_row_find(d, ra, o->conc[c]);
                 if (!r || r->n_runs == 0) {
-                    printf("| %s | %s | %d | not measured (time limit) | | | | |\n", o->dtypes[d], o->rates[ra],
-                           o->conc[c]);
+                    printf("| %s | %s | %d | not measured (time limit or signal) | | | | |\n", o->dtypes[d],
+                           o->rates[ra], o->conc[c]);
                     continue;
                 }
                 double tm, tl, th, fm, fl, fh, bm, bl, bh, mm, ml, mh, cm, cl, ch;
@@ -637,11 +648,15 @@ static int bn_main(struct bn_opts *o) {
         for (int d = 0; d < o->n_dtypes; d++)
             for (int k = 0; k < 2; k++) {
                 int one_host = (k + rep) % 2 == 0;
-                if (h_now_ms() > bn_deadline_ms) break;
+                if (bn_stop || h_now_ms() > bn_deadline_ms) break;
                 if (one_host && lo >= 0) bn_cluster_run(o, model, hp.n_vocab, d, 1, &lo, 1, rep);
                 if (!one_host && n_bed > 0) bn_cluster_run(o, model, hp.n_vocab, d, 0, bed, n_bed, rep);
             }
     bn_report(o);
+    if (bn_stop) {
+        printf("\nbench_net: stopped by a signal; the levels measured before it are above\n");
+        return 1;
+    }
     if (bn_timed_out || h_now_ms() > bn_deadline_ms)
         printf("\nbench_net: the time limit (--time-limit-s %d) ended the run before every level was measured\n",
                o->time_limit_s);
@@ -708,6 +723,11 @@ int main(int argc, char **argv) {
     }
     log_set_level(LL_WARN);
     signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = bn_on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
     /* The bed's TEST_SKIP (no namespaces) and TEST_FAIL (a process that
      * died, a request that failed) end up here; nb_init's exit handler
      * stops what was started and keeps the logs. */
