@@ -10,13 +10,17 @@
  * Skipped without a python3 that has zmq and google.protobuf (Debian
  * python3-zmq, python3-protobuf), protoc (protobuf-compiler), redis-server
  * or the model.  Also: the package installs with pip (pyproject.toml), its
- * dependencies declared, into a fresh virtual environment. */
+ * dependencies declared, into a fresh virtual environment; and on a second
+ * cluster serving pycode, tests/test_prediction.py checks speculation's
+ * arguments and predicted outputs' usage. */
 #include "tests/router/cluster_harness.h"
 
 #define PY_PKG LLM_SOURCE_DIR "/clients/python"
 #define PY_TEST PY_PKG "/tests/test_client.py"
+#define PY_TEST_PRED PY_PKG "/tests/test_prediction.py"
 
 static const char *model_path(void) { return LLM_SOURCE_DIR "/../shared/models/stories260K-f32.gguf"; }
+static const char *pycode_path(void) { return LLM_SOURCE_DIR "/../shared/models/pycode/pycode-target-f16.gguf"; }
 
 /* Runs argv with the environment as set, output to this test's stdout;
  * returns the exit status (-1: it did not exit normally). */
@@ -86,6 +90,40 @@ TEST(python_client) {
     const char *test[] = {py, PY_TEST, NULL};
     rc = run(test, 120);
     H_ASSERT(cl, rc == 0, "%s %s: exit %d (its report is above)", py, PY_TEST, rc);
+    h_cluster_stop(cl);
+}
+
+/* Speculation through the package (clients/python/tests/test_prediction.py)
+ * on pycode, whose code a prediction can meaningfully repeat: a 1x1
+ * cluster whose router speculates only when asked (--spec off, k = 4), as
+ * test_cluster_spec_pred's.  A right prediction (text or ids) gives the
+ * output of the request without it with drafts accepted, a wrong one the
+ * same output with drafts rejected (GenerateDone.Usage), n = 2 counts per
+ * choice, sync and asyncio; bad spec, spec_tokens, prediction and
+ * prediction_tokens are refused naming the argument. */
+TEST(python_client_prediction) {
+    const char *py = find_python();
+    if (!py) TEST_SKIP("no python3 with zmq and google.protobuf (Debian: python3-zmq python3-protobuf)");
+    if (run_quiet("protoc --version") != 0) TEST_SKIP("protoc is not installed (Debian: protobuf-compiler)");
+    if (access(pycode_path(), R_OK) != 0) TEST_SKIP("%s is missing", pycode_path());
+    if (access(H_RUN, X_OK) != 0) TEST_FAIL("%s is not built", H_RUN);
+    struct cluster *cl = h_cluster_start(pycode_path(), 1, 1, "--spec off --spec-tokens 4", "");
+
+    char proto_dir[320];
+    snprintf(proto_dir, sizeof proto_dir, "%s/llmcluster-proto", cl->dir);
+    setenv("PYTHONPATH", PY_PKG, 1);
+    setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
+    const char *build[] = {py, "-m", "llmcluster.build", "--out", proto_dir, NULL};
+    int rc = run(build, 60);
+    H_ASSERT(cl, rc == 0, "%s -m llmcluster.build --out %s: exit %d", py, proto_dir, rc);
+
+    setenv("LLMCLUSTER_PROTO_DIR", proto_dir, 1);
+    setenv("LLM_ROUTER", cl->client_ep, 1);
+    setenv("LLM_TEST_MODEL", pycode_path(), 1);
+    setenv("LLM_RUN", H_RUN, 1);
+    const char *test[] = {py, PY_TEST_PRED, NULL};
+    rc = run(test, 240);
+    H_ASSERT(cl, rc == 0, "%s %s: exit %d (its report is above)", py, PY_TEST_PRED, rc);
     h_cluster_stop(cl);
 }
 
@@ -159,4 +197,4 @@ TEST(python_client_installs_with_pip) {
     ASSERT_EQ(0, rc);
 }
 
-TEST_MAIN(python_client_installs_with_pip, python_client)
+TEST_MAIN(python_client_installs_with_pip, python_client, python_client_prediction)

@@ -27,10 +27,18 @@ PROTOCOL_VERSION = 1
 # SamplingParams (proto/client.proto, proto/types.proto); zero means the
 # default, as in the protocol.
 REQUEST_FIELDS = ("model", "max_tokens", "stop", "priority", "deadline_ms", "timeout_ms", "stream", "resume_from",
-                  "n", "resume_from_choice")
+                  "n", "resume_from_choice", "spec", "spec_tokens", "prediction", "prediction_tokens")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "penalty_last_n", "seed", "stop_token_ids", "ignore_eos", "logprobs",
                    "top_logprobs", "json_schema", "json_object", "grammar")
+
+# Speculation (GenerateRequest.spec, docs/protocol.md): the names generate()
+# takes, as `llm generate --spec` spells them, and their enum values.
+SPEC_MODES = {"default": 0, "off": 1, "ngram": 2, "draft": 3, "auto": 4}
+# The protocol's bounds (proto/request.h): the router refuses past them.
+SPEC_TOKENS_MAX = 16             # PROTO_SPEC_TOKENS_MAX
+PREDICTION_BYTES_MAX = 262144    # PROTO_PREDICTION_BYTES_MAX
+PREDICTION_TOKENS_MAX = 65536    # PROTO_PREDICTION_TOKENS_MAX
 
 
 class LlmError(Exception):
@@ -67,8 +75,15 @@ class TokenLogprob:
 
 @dataclasses.dataclass
 class Usage:
+    """GenerateDone.Usage of one choice.  accepted_prediction_tokens and
+    rejected_prediction_tokens: for a request with a prediction, the drafts
+    taken from it that the cluster verified and accepted or rejected
+    (OpenAI's names); 0 without a prediction, and from a router before
+    these fields."""
     prompt_tokens: int
     completion_tokens: int
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -167,10 +182,76 @@ class SeedMemory:
             params["seed"] = self._seeds[request_id]
 
 
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def spec_value(spec):
+    """GenerateRequest.spec for generate(spec=...): a name of SPEC_MODES
+    (any case) or the enum's value (0 .. 4)."""
+    if isinstance(spec, str):
+        v = SPEC_MODES.get(spec.lower())
+        if v is not None:
+            return v
+    elif _is_int(spec):
+        if 0 <= spec <= max(SPEC_MODES.values()):
+            return spec
+    else:
+        raise TypeError(f"generate(): spec must be a str (one of {', '.join(map(repr, SPEC_MODES))}) or int, "
+                        f"not {type(spec).__name__}")
+    raise ValueError(f"generate(): spec = {spec!r} is not a speculation mode: one of "
+                     f"{', '.join(map(repr, SPEC_MODES))} (or 0 .. {max(SPEC_MODES.values())})")
+
+
+def check_speculation(params):
+    """Checks generate()'s spec_tokens, prediction and prediction_tokens
+    against the protocol's bounds, as the router would, so that a wrong one
+    is refused before it is sent: TypeError for a wrong type, ValueError
+    naming the argument and its value otherwise.  Token ids inside the
+    vocabulary are the router's check (it knows the model)."""
+    k = params.get("spec_tokens")
+    if k is not None:
+        if not _is_int(k):
+            raise TypeError(f"generate(): spec_tokens must be an int, not {type(k).__name__}")
+        if not 0 <= k <= SPEC_TOKENS_MAX:
+            raise ValueError(f"generate(): spec_tokens = {k} is outside [0, {SPEC_TOKENS_MAX}] "
+                             "(0: the router's --spec-tokens)")
+    text = params.get("prediction")
+    n_bytes = 0
+    if text is not None:
+        if not isinstance(text, str):
+            raise TypeError(f"generate(): prediction must be a str (the predicted text), not {type(text).__name__}"
+                            + ("; token ids go in prediction_tokens" if isinstance(text, (list, tuple)) else ""))
+        try:
+            n_bytes = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise ValueError(f"generate(): prediction: character {e.start} ({text[e.start]!r}) cannot be "
+                             "encoded as UTF-8") from None
+        if n_bytes > PREDICTION_BYTES_MAX:
+            raise ValueError(f"generate(): prediction has {n_bytes} bytes (UTF-8), at most {PREDICTION_BYTES_MAX}")
+    ids = params.get("prediction_tokens")
+    if ids is not None:
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise TypeError(f"generate(): prediction_tokens must be a list of token ids, not {type(ids).__name__}"
+                            + ("; a predicted text goes in prediction" if isinstance(ids, str) else ""))
+        if len(ids) > PREDICTION_TOKENS_MAX:
+            raise ValueError(f"generate(): prediction_tokens has {len(ids)} ids, at most {PREDICTION_TOKENS_MAX}")
+        for i, t in enumerate(ids):
+            if not _is_int(t):
+                raise TypeError(f"generate(): prediction_tokens[{i}] = {t!r} is not an int")
+            if not 0 <= t < 2 ** 31:
+                raise ValueError(f"generate(): prediction_tokens[{i}] = {t} is not a token id (0 .. 2147483647)")
+        if n_bytes > 0 and len(ids) > 0:
+            raise ValueError(f"generate(): prediction ({n_bytes} bytes) and prediction_tokens ({len(ids)} ids) "
+                             "are both given; give one")
+
+
 def build_generate(env, request_id, prompt, params):
     """Fills env.generate from the arguments of generate(); raises TypeError
-    or ValueError for arguments that are wrong in Python terms (the router
-    checks ranges and answers INVALID_ARGUMENT naming the field)."""
+    or ValueError for arguments that are wrong in Python terms, and for
+    speculation's (spec, spec_tokens, prediction, prediction_tokens) past
+    the protocol's bounds (the router checks the other ranges and answers
+    INVALID_ARGUMENT naming the field)."""
     unknown = sorted(set(params) - set(REQUEST_FIELDS) - set(SAMPLING_FIELDS) - {"prompt_tokens"})
     if unknown:
         raise TypeError(f"generate(): unknown argument {unknown[0]!r}")
@@ -186,12 +267,15 @@ def build_generate(env, request_id, prompt, params):
     else:
         g.prompt_tokens.extend(int(t) for t in tokens)
     g.stream = bool(params.get("stream", True))
+    check_speculation(params)
+    if params.get("spec") is not None:
+        g.spec = spec_value(params["spec"])
     # Always present, even empty: the router compares a re-send with the
     # stored request byte for byte, and a re-send that carries the seed
     # from GenerateAccepted has this message, so the first send must too.
     g.sampling.SetInParent()
     for f in REQUEST_FIELDS:
-        if f in ("stream", "stop", "resume_from_choice") or params.get(f) is None:
+        if f in ("stream", "stop", "resume_from_choice", "spec", "prediction_tokens") or params.get(f) is None:
             continue
         setattr(g, f, params[f])
     stop = params.get("stop")
@@ -200,6 +284,9 @@ def build_generate(env, request_id, prompt, params):
     rfc = params.get("resume_from_choice")
     if rfc is not None:
         g.resume_from_choice.extend(int(t) for t in rfc)
+    pids = params.get("prediction_tokens")
+    if pids is not None:
+        g.prediction_tokens.extend(pids)
     for f in SAMPLING_FIELDS:
         v = params.get(f)
         if v is None:
@@ -224,8 +311,9 @@ def accepted_from_pb(a):
 def done_chunk(d, index):
     fin = pb.GenerateDone.FinishReason.Name(d.finish_reason).lower()
     err = LlmError.from_pb(d.error) if d.HasField("error") and d.error.code != 0 else None
-    return Chunk(index, [], "", [], fin, Usage(d.usage.prompt_tokens, d.usage.completion_tokens), d.stop_token,
-                 d.stop_string, err, d.choice)
+    u = d.usage
+    usage = Usage(u.prompt_tokens, u.completion_tokens, u.accepted_prediction_tokens, u.rejected_prediction_tokens)
+    return Chunk(index, [], "", [], fin, usage, d.stop_token, d.stop_string, err, d.choice)
 
 
 def health_from_pb(h):
@@ -314,6 +402,18 @@ class Choice:
     usage: Usage
     last: Chunk
 
+    @property
+    def accepted_prediction_tokens(self):
+        """usage.accepted_prediction_tokens: this choice's drafts from the
+        prediction that the cluster accepted."""
+        return self.usage.accepted_prediction_tokens if self.usage else 0
+
+    @property
+    def rejected_prediction_tokens(self):
+        """usage.rejected_prediction_tokens: this choice's drafts from the
+        prediction that the cluster rejected."""
+        return self.usage.rejected_prediction_tokens if self.usage else 0
+
 
 def collect_chunks(chunks, n):
     """Each choice's (texts, token ids, logprobs, last chunk) from a
@@ -342,6 +442,17 @@ class Completion:
     accepted: Accepted
     last: Chunk
     choices: List[Choice] = dataclasses.field(default_factory=list)
+
+    @property
+    def accepted_prediction_tokens(self):
+        """usage.accepted_prediction_tokens (choice 0's, as the other
+        fields; each choice's is in choices[i].usage)."""
+        return self.usage.accepted_prediction_tokens if self.usage else 0
+
+    @property
+    def rejected_prediction_tokens(self):
+        """usage.rejected_prediction_tokens (choice 0's)."""
+        return self.usage.rejected_prediction_tokens if self.usage else 0
 
 
 def completion_of(gen, chunks):
@@ -525,12 +636,18 @@ class Client:
         """A streamed generation (a Generation, iterable for Chunks).
         prompt is text (or prompt_tokens=[ids]); the other keywords are the
         GenerateRequest fields (model, max_tokens, stop, priority,
-        deadline_ms, timeout_ms, stream, resume_from) and the SamplingParams
-        fields (temperature, top_k, top_p, min_p, repetition_penalty,
-        presence_penalty, frequency_penalty, penalty_last_n, seed,
-        stop_token_ids, ignore_eos, logprobs, top_logprobs, and one of the
-        constraints of docs/grammar.md: json_schema (a JSON Schema as a dict
-        or its text), json_object=True, or grammar (GBNF text)).  Sending the
+        deadline_ms, timeout_ms, stream, resume_from, n,
+        resume_from_choice) and the SamplingParams fields (temperature,
+        top_k, top_p, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, penalty_last_n, seed, stop_token_ids, ignore_eos,
+        logprobs, top_logprobs, and one of the constraints of
+        docs/grammar.md: json_schema (a JSON Schema as a dict or its text),
+        json_object=True, or grammar (GBNF text)).  Speculation: spec
+        ("default", "off", "ngram", "draft", "auto"), spec_tokens (0 .. 16),
+        and a predicted output as text (prediction, at most 262144 bytes) or
+        token ids (prediction_tokens, at most 65536; not both); the output
+        is the same with or without them, and a prediction's drafts accepted
+        and rejected come in the usage of each choice's last chunk.  Sending the
         same request with the request_id of a known request re-attaches to
         it (resume_from: the tokens already held); the re-send carries the
         seed of the request's GenerateAccepted when seed is not given and
