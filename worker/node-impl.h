@@ -135,7 +135,7 @@ struct node {
     uint64_t epoch;
     char stage_endpoint[256]; /* where our receiving ZeroMQ link is bound, as others reach it */
     char next_endpoint[256];  /* where our sending ZeroMQ link is connected */
-    uint64_t links_epoch;     /* epoch the NCCL links were made for */
+    uint64_t links_epoch;     /* epoch the links were made for (the ZeroMQ one: the sending link) */
     link_conn *rx;            /* from the previous stage */
     link_conn *tx;            /* to the next stage */
     _Atomic uint64_t placements_sent; /* placements the io thread handed on (link_set_abort) */

@@ -99,7 +99,17 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         return STATUS_UNAVAILABLE;
     }
     if (!n->secure) next_key = "";
-    if (!n->tx || strcmp(next_ep, n->next_endpoint) != 0 || strcmp(next_key, n->next_key) != 0) {
+    /* A new epoch gets a new connection even to the same endpoint.  The
+     * pipeline is re-formed after a fault, and the old connection has no
+     * ZMTP heartbeats (link_zmq.c): if the network lost what it carried,
+     * its TCP retransmissions have backed off (0.2 s doubling: the next one
+     * 3-6 s away after a 10 s outage) and the new epoch's steps would queue
+     * behind them.  A fresh connect is answered within a round trip once
+     * the network is back; a connect made during the fault is retried
+     * within ZIO_CONNECT_TIMEOUT_MS.  What the old connection still holds
+     * is of the old epoch, which the next stage drops anyway. */
+    if (!n->tx || strcmp(next_ep, n->next_endpoint) != 0 || strcmp(next_key, n->next_key) != 0 ||
+        n->links_epoch != n->epoch) {
         if (n->tx) link_free(n->tx);
         n->tx = NULL;
         int rc = link_zmq_init_curve(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms,
@@ -114,7 +124,9 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         }
         snprintf(n->next_endpoint, sizeof n->next_endpoint, "%s", next_ep);
         snprintf(n->next_key, sizeof n->next_key, "%s", next_key);
-        LOG(LL_INFO, "stage %d: sending hidden states to %s as %s", n->stage_index, next_ep, link_dtype_names[t]);
+        n->links_epoch = n->epoch;
+        LOG(LL_INFO, "stage %d: sending hidden states to %s as %s (epoch %llu)", n->stage_index, next_ep,
+            link_dtype_names[t], (unsigned long long)n->epoch);
     }
     link_set_epoch(n->tx, n->epoch);
     link_set_abort(n->tx, &n->placements_sent);
