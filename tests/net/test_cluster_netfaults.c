@@ -7,7 +7,9 @@
  * samples equal the same request on the healthy cluster), the pipeline
  * formed again and serving, and prints the time to detect (the router's
  * Status shows the pipeline not ready) and to recover (from the heal to
- * the pipeline ready and tokens flowing again) and the longest stall. */
+ * the pipeline ready and tokens flowing again) and the longest stall.
+ * Tokens must flow again within FLOW_AFTER_READY_MS of the pipeline being
+ * ready and FLOW_AFTER_HEAL_MS of the heal. */
 #include "tests/net/netbed.h"
 
 #include "common/log.h"
@@ -30,6 +32,20 @@ static const char *const prompts[] = {
  * of them are still to run. */
 #define ROUTER_ARGS "--heartbeat-ms 200 --worker-timeout-ms 2000 --step-timeout-ms 3000 --max-batch 2"
 #define WORKER_ARGS "--link-timeout-ms 3000"
+
+/* Once the router has the pipeline ready again, the first token takes a
+ * step or two (milliseconds) -- unless a stage link still waits on an old
+ * TCP connection whose retransmissions backed off during the fault: 2.6 s
+ * or more after a 10 s outage, which these bounds catch.  A link connect
+ * made during the fault is retried within 1.1 s of the heal (a SYN a
+ * second, ZIO_CONNECT_TIMEOUT_MS 2 s), which FLOW_AFTER_READY_MS allows
+ * with room for a loaded 2-core machine.  The pipeline is ready again
+ * within the worker's reconnect (up to the 2 s connect timeout and the
+ * 100 ms reconnect interval); FLOW_AFTER_HEAL_MS adds the same room.
+ * Measured on the 2-core development VM: 56-553 ms from the heal
+ * (docs/deploy.md, "Across hosts"). */
+#define FLOW_AFTER_READY_MS 1500
+#define FLOW_AFTER_HEAL_MS 4000
 
 static struct h_ref refs[N_PROMPTS];
 
@@ -278,6 +294,23 @@ static void run_fault(const char *what, fault_fn apply, int hold_ms) {
            "all done %lld ms after the heal\n",
            what, detect, ready, flow, (long long)m.longest_stall, (long long)(t_done - t1));
     fflush(stdout);
+    /* Nothing came during the fault, so something must come after the heal. */
+    H_ASSERT(cl, m.flow_again || during_fault > 0, "%s: no token after the heal, none during the fault", what);
+    if (m.flow_again) {
+        /* The monitor samples readiness every 50 ms, so tokens may be seen
+         * first (0 then); a pipeline that never left service was ready at
+         * the heal. */
+        int64_t ready_at = !m.ready_again ? t1 : m.ready_again < m.flow_again ? m.ready_again : m.flow_again;
+        printf("  heal to first token %lld ms (bound %d), pipeline ready to first token %lld ms (bound %d)\n",
+               (long long)(m.flow_again - t1), FLOW_AFTER_HEAL_MS, (long long)(m.flow_again - ready_at),
+               FLOW_AFTER_READY_MS);
+        fflush(stdout);
+        H_ASSERT(cl, m.flow_again - t1 <= FLOW_AFTER_HEAL_MS, "%s: first token %lld ms after the heal (bound %d ms)",
+                 what, (long long)(m.flow_again - t1), FLOW_AFTER_HEAL_MS);
+        H_ASSERT(cl, m.flow_again - ready_at <= FLOW_AFTER_READY_MS,
+                 "%s: first token %lld ms after the pipeline was ready again (bound %d ms)", what,
+                 (long long)(m.flow_again - ready_at), FLOW_AFTER_READY_MS);
+    }
     nb_free(nb);
 }
 
