@@ -102,9 +102,10 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
     /* A new epoch gets a new connection even to the same endpoint.  The
      * pipeline is re-formed after a fault, and the old connection has no
      * ZMTP heartbeats (link_zmq.c): if the network lost what it carried,
-     * its TCP retransmissions have backed off (0.2 s doubling: the next one
-     * 3-6 s away after a 10 s outage) and the new epoch's steps would queue
-     * behind them.  A fresh connect is answered within a round trip once
+     * its TCP retransmissions have backed off (0.2 s doubling from the
+     * fault: 2.6 s after the heal of a 10 s outage, up to about the
+     * outage's own length in general) and the new epoch's steps would
+     * queue behind them.  A fresh connect is answered within a round trip once
      * the network is back; a connect made during the fault is retried
      * within ZIO_CONNECT_TIMEOUT_MS.  What the old connection still holds
      * is of the old epoch, which the next stage drops anyway. */
