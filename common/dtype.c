@@ -135,6 +135,64 @@ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(x >> 16);
 }
 
+/* Whole rows.  With F16C (checked at run time, as kernels/cpu checks for
+ * AVX2) eight elements convert in one instruction, in the default rounding
+ * (to nearest even), and give the scalar functions' bits: vcvtps2ph turns
+ * overflow into inf and a NaN into a quiet one keeping the payload's top
+ * bits, as f32_to_fp16 does.  vcvtph2ps quiets a signalling half NaN where
+ * fp16_to_f32 keeps it signalling, so a group of eight holding a NaN is
+ * redone element by element. */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define DTYPE_F16C 1
+
+/* Asked per row, not cached: the check reads a flag word, and a cache
+ * shared by the link's threads would need an atomic for nothing. */
+static int dtype_has_f16c(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+
+__attribute__((target("avx,f16c"))) static size_t dtype_f32_to_fp16_f16c(const float *src, fp16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return i;
+}
+
+__attribute__((target("avx,f16c"))) static size_t dtype_fp16_to_f32_f16c(const fp16_t *src, float *dst, size_t n) {
+    const __m128i abs_mask = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(0x7c00);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        /* |h| > 0x7c00 as signed 16-bit: |h| <= 0x7fff, so no lane wraps */
+        if (_mm_movemask_epi8(_mm_cmpgt_epi16(_mm_and_si128(h, abs_mask), inf))) {
+            for (size_t k = i; k < i + 8; k++) dst[k] = fp16_to_f32(src[k]);
+            continue;
+        }
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+    }
+    return i;
+}
+#endif
+
+void dtype_f32_to_fp16_row(const float *src, fp16_t *dst, size_t n) {
+    size_t i = 0;
+#ifdef DTYPE_F16C
+    if (dtype_has_f16c()) i = dtype_f32_to_fp16_f16c(src, dst, n);
+#endif
+    for (; i < n; i++) dst[i] = f32_to_fp16(src[i]);
+}
+
+void dtype_fp16_to_f32_row(const fp16_t *src, float *dst, size_t n) {
+    size_t i = 0;
+#ifdef DTYPE_F16C
+    if (dtype_has_f16c()) i = dtype_fp16_to_f32_f16c(src, dst, n);
+#endif
+    for (; i < n; i++) dst[i] = fp16_to_f32(src[i]);
+}
+
 /* ---- dequantization ---- */
 
 static void dequant_q4_0(const block_q4_0 *b, float *y, int64_t nb) {

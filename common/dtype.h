@@ -63,6 +63,10 @@ float fp16_to_f32(fp16_t h);
 fp16_t f32_to_fp16(float f); /* round to nearest even */
 float bf16_to_f32(bf16_t h);
 bf16_t f32_to_bf16(float f); /* round to nearest even */
+/* n elements at once, the same bits as the functions above element by
+ * element; faster where the CPU has F16C.  The arrays need no alignment. */
+void dtype_f32_to_fp16_row(const float *src, fp16_t *dst, size_t n);
+void dtype_fp16_to_f32_row(const fp16_t *src, float *dst, size_t n);
 
 /* dst[0..n) = row src of type t, n a multiple of the block size. */
 void dtype_dequant_row(enum dtype t, const void *src, float *dst, int64_t n);

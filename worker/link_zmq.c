@@ -82,6 +82,16 @@ static uint64_t lz_get64(const uint8_t *p) {
 
 /* F32 rows to the wire's type, into dst (link_dtype_wire_bytes long). */
 static void lz_encode(enum link_dtype t, const float *src, size_t elems, size_t row, uint8_t *dst) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* The wire's little-endian halves are the host's: convert the row whole
+     * (F16C where the CPU has it) instead of element by element.  A buffer
+     * off a 2-byte boundary (a tiny ZeroMQ message held inline) cannot be
+     * read as halves and takes the byte loop below. */
+    if (t == LINK_DTYPE_F16 && ((uintptr_t)dst & 1) == 0) {
+        dtype_f32_to_fp16_row(src, (fp16_t *)(void *)dst, elems);
+        return;
+    }
+#endif
     if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
         for (size_t i = 0; i < elems; i++) {
             uint16_t h = t == LINK_DTYPE_F16 ? f32_to_fp16(src[i]) : f32_to_bf16(src[i]);
@@ -109,6 +119,12 @@ static void lz_encode(enum link_dtype t, const float *src, size_t elems, size_t 
 }
 
 static void lz_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row, float *dst) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (t == LINK_DTYPE_F16 && ((uintptr_t)src & 1) == 0) {
+        dtype_fp16_to_f32_row((const fp16_t *)(const void *)src, dst, elems);
+        return;
+    }
+#endif
     if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
         for (size_t i = 0; i < elems; i++) {
             uint16_t h = (uint16_t)(src[2 * i] | src[2 * i + 1] << 8);

@@ -187,6 +187,95 @@ TEST(dtype_fp16_edges) {
     }
 }
 
+/* The row conversions (F16C where this CPU has it) against the scalar
+ * functions, bit for bit: every half, the floats at and between every pair
+ * of neighbouring halves (the ties), NaNs with payloads, denormals,
+ * overflow, and random bit patterns; at every tail length and offset. */
+static uint32_t f32_bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static float f32_of_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void check_encode_row(const float *src, size_t n) {
+    static fp16_t got[1024 + 8];
+    for (size_t off = 0; off < 2; off++) { /* off: halves not 4-byte aligned */
+        dtype_f32_to_fp16_row(src, got + off, n);
+        for (size_t i = 0; i < n; i++)
+            if (got[off + i] != f32_to_fp16(src[i]))
+                TEST_FAIL("dtype_f32_to_fp16_row(0x%08x) at %zu of %zu: expected 0x%04x, got 0x%04x",
+                          f32_bits_of(src[i]), i, n, f32_to_fp16(src[i]), got[off + i]);
+    }
+}
+
+TEST(dtype_fp16_rows_match_scalar) {
+    enum { CHUNK = 1024 };
+    static float f[CHUNK + 1];
+    static fp16_t h[65536 + 1];
+    static float out[65536];
+    /* decode: every half, from an aligned and an unaligned start */
+    for (size_t off = 0; off < 2; off++) {
+        for (uint32_t u = 0; u < 65536; u++) h[off + u] = (fp16_t)u;
+        dtype_fp16_to_f32_row(h + off, out, 65536);
+        for (uint32_t u = 0; u < 65536; u++)
+            if (f32_bits_of(out[u]) != f32_bits_of(fp16_to_f32((fp16_t)u)))
+                TEST_FAIL("dtype_fp16_to_f32_row(0x%04x): expected 0x%08x, got 0x%08x", u,
+                          f32_bits_of(fp16_to_f32((fp16_t)u)), f32_bits_of(out[u]));
+    }
+    /* every tail length, each group holding a NaN somewhere or not */
+    for (size_t n = 0; n <= 40; n++) {
+        for (size_t i = 0; i < n; i++) h[i] = (fp16_t)(i == n / 2 && (n & 1) ? 0x7c01 : rnd_u32());
+        dtype_fp16_to_f32_row(h, out, n);
+        for (size_t i = 0; i < n; i++) ASSERT_EQ(f32_bits_of(fp16_to_f32(h[i])), f32_bits_of(out[i]));
+    }
+    /* encode: named edges */
+    static const uint32_t edges[] = {
+        0x00000000, 0x80000000, 0x00000001, 0x807fffff, 0x007fffff, /* zeros, f32 denormals */
+        0x33000000, 0x33000001, 0xb3000000, 0x33c00000, 0x337fffff, /* 2^-25 ties, around 2^-24 */
+        0x387fc000, 0x387fe000, 0x387fffff, 0x38800000,             /* top of the half denormals */
+        0x3f801000, 0x3f803000, 0x3f800fff, 0x3f801001,             /* 1 + ties */
+        0x477fe000, 0x477fefff, 0x477ff000, 0xc77ff000, 0x47800000, 0x7f7fffff, 0xff7fffff, /* overflow */
+        0x7f800000, 0xff800000,                                     /* inf */
+        0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001, 0x7fbfffff, 0x7fffffff, 0x7f802000, 0x7fc01fff, /* NaN */
+    };
+    size_t n_edges = sizeof edges / sizeof edges[0];
+    for (size_t i = 0; i < n_edges; i++) f[i] = f32_of_bits(edges[i]);
+    for (size_t n = 0; n <= n_edges; n++) check_encode_row(f, n);
+    /* every half's value and the float halfway to the next, both signs */
+    size_t k = 0;
+    for (uint32_t u = 0; u < 65536; u++) {
+        uint32_t b = f32_bits_of(fp16_to_f32((fp16_t)u));
+        f[k++] = f32_of_bits(b);
+        if ((u & 0x7fff) < 0x7c00) { /* the tie above it, and one ulp either side of the tie */
+            float lo = fp16_to_f32((fp16_t)u), hi = (u & 0x7fff) == 0x7bff ? (u & 0x8000 ? -65536.0f : 65536.0f)
+                                                                              : fp16_to_f32((fp16_t)(u + 1));
+            float mid = (float)(((double)lo + (double)hi) / 2);
+            f[k++] = mid;
+            f[k++] = f32_of_bits(f32_bits_of(mid) + 1);
+            f[k++] = f32_of_bits(f32_bits_of(mid) - 1);
+        }
+        if (k + 4 > CHUNK) {
+            check_encode_row(f, k);
+            k = 0;
+        }
+    }
+    check_encode_row(f, k);
+    /* random bit patterns (NaNs included), random lengths */
+    for (int r = 0; r < 4000; r++) {
+        size_t n = rnd_u32() % (CHUNK + 1);
+        for (size_t i = 0; i < n; i++) {
+            uint32_t bits = rnd_u32() ^ (rnd_u32() << 16);
+            f[i] = (i & 1) ? ldexpf(f32_of_bits(bits), -(int)(bits % 64)) : f32_of_bits(bits);
+        }
+        check_encode_row(f, n);
+    }
+}
+
 TEST(dtype_bf16_edges) {
     ASSERT_EQ(0x3f80u, (unsigned)f32_to_bf16(1.0f));
     ASSERT_EQ(0x8000u, (unsigned)f32_to_bf16(-0.0f));
@@ -391,5 +480,5 @@ TEST(dtype_dequant_real_files) {
     compare_to_f32("stories260K-q4_0.gguf", "stories260K-f32.gguf", "blk.1.ffn_up.weight", 2e-2, 1.3e-1, DTYPE_Q4_0);
 }
 
-TEST_MAIN(dtype_names_and_sizes, dtype_fp16_edges, dtype_bf16_edges, dtype_dequant_matches_reference,
+TEST_MAIN(dtype_names_and_sizes, dtype_fp16_edges, dtype_fp16_rows_match_scalar, dtype_bf16_edges, dtype_dequant_matches_reference,
           dtype_quant_roundtrip_bounds, dtype_quant_row_refuses, dtype_dequant_real_files)
