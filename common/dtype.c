@@ -143,14 +143,20 @@ bf16_t f32_to_bf16(float f) {
  * fp16_to_f32 keeps it signalling, so a group of eight holding a NaN is
  * redone element by element. */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define DTYPE_F16C 1
 
-/* Asked per row, not cached: the check reads a flag word, and a cache
- * shared by the link's threads would need an atomic for nothing. */
+/* Asked per row, not cached: the check reads a flag word and one cpuid
+ * leaf, and a cache shared by the link's threads would need an atomic for
+ * nothing.  AVX (which includes the OS's saving of the ymm registers)
+ * through the compiler; F16C from cpuid leaf 1, ECX bit 29, since not
+ * every compiler's __builtin_cpu_supports knows "f16c" (clang 14). */
 static int dtype_has_f16c(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    if (!__builtin_cpu_supports("avx")) return 0;
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1u);
 }
 
 __attribute__((target("avx,f16c"))) static size_t dtype_f32_to_fp16_f16c(const float *src, fp16_t *dst, size_t n) {
