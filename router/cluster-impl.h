@@ -131,6 +131,19 @@ int cl_up_run(struct cl_up *u, char *err, size_t errlen);
  * file and metrics port in u->procs) with threads CPU threads, on GPU
  * (p * stages + s) % n_gpus when n_gpus > 0, else the CPU. */
 int cl_spawn_worker(struct cl_up *u, int p, int s, int threads, int n_gpus, char *err, size_t errlen);
+/* cl_poll_status's judge of one Status reply: 1 when the wait is over,
+ * else 0 with what is still missing in problem. */
+typedef int (*cl_judge_fn)(struct cl_up *u, const Llm__StatusReply *s, void *ctx, char *problem, size_t n);
+struct cl_poll {
+    cl_judge_fn judge;
+    const char *dead_when;    /* cl_report_dead's "when" for a process that died meanwhile */
+    const char *dead_during;  /* the error's "NAME stopped ..." */
+    const char *timeout_what; /* the error's "... within --timeout-s N: problem" */
+};
+/* Asks u->endpoint's Status every 200 ms until poll->judge says done, a
+ * process of u->procs dies (STATUS_UNAVAILABLE) or u->timeout_s passes
+ * (STATUS_TIMEOUT); returns 0 when done. */
+int cl_poll_status(struct cl_up *u, const struct cl_poll *poll, void *ctx, char *err, size_t errlen);
 /* The CPU threads each worker gets: --threads, or the cores shared out
  * over n_workers (at least 1). */
 int cl_worker_threads(const struct cl_up *u, int n_workers);

@@ -106,6 +106,44 @@ static int cl_retarget(struct cl_up *u, const bool *gone, char *err, size_t errl
     return rc;
 }
 
+/* cl_wait_router's judge (ctx: its want and gone); prints the router's
+ * summary line when done. */
+struct cl_wait_sets {
+    const bool *want, *gone;
+};
+static int cl_judge_sets(struct cl_up *u, const Llm__StatusReply *s, void *ctx, char *problem, size_t n) {
+    const struct cl_wait_sets *w = ctx;
+    bool seen[CL_PIPELINES_MAX] = {false}, ready[CL_PIPELINES_MAX] = {false};
+    problem[0] = 0; /* this answer's, not an earlier one's */
+    int n_ready = 0;
+    for (size_t i = 0; i < s->n_pipelines; i++) {
+        uint32_t id = s->pipelines[i]->pipeline_id;
+        n_ready += s->pipelines[i]->ready ? 1 : 0;
+        if (id >= CL_PIPELINES_MAX) continue;
+        seen[id] = true;
+        ready[id] = s->pipelines[i]->ready;
+        if (!ready[id] && w->want[id] && s->pipelines[i]->problem && s->pipelines[i]->problem[0])
+            cl_fmt(problem, n, "%s", s->pipelines[i]->problem);
+    }
+    int missing = -1, left = -1;
+    for (int p = 0; p < CL_PIPELINES_MAX; p++) {
+        if (w->want[p] && !ready[p] && missing < 0) missing = p;
+        if (w->gone[p] && seen[p] && left < 0) left = p;
+    }
+    if (missing < 0 && left < 0) {
+        printf("router %s: %d/%zu pipelines ready, %zu workers, queue %u, running %u, KV blocks %llu/%llu\n",
+               u->endpoint, n_ready, s->n_pipelines, s->n_workers, s->queue_depth, s->running,
+               (unsigned long long)s->kv_blocks_used, (unsigned long long)s->kv_blocks_total);
+        return 1;
+    }
+    if (missing >= 0 && !(seen[missing] && problem[0]))
+        cl_fmt(problem, n, "pipeline %d is not ready yet (%s)", missing,
+               seen[missing] ? "its stages are loading or forming" : "not all its workers registered");
+    else if (left >= 0)
+        cl_fmt(problem, n, "pipeline %d is still listed (its workers not yet lost)", left);
+    return 0;
+}
+
 /* The router's Status, polled until every pipeline in want is ready and
  * none in gone is left (its workers lost or deregistered), for at most
  * u->timeout_s; a process this command started that dies ends it too.
@@ -118,77 +156,10 @@ static int cl_wait_router(struct cl_up *u, const bool *want, const bool *gone, c
         cl_fmt(err, errlen, "%s is missing: llm-cluster up did not finish in this run dir", path);
         return STATUS_NOT_FOUND;
     }
-    const char *eps[1] = {u->endpoint};
-    struct llm_client_config cfg;
-    llm_client_config_default(&cfg);
-    cfg.endpoints = eps;
-    cfg.n_endpoints = 1;
-    cfg.reply_timeout_ms = 1000;
-    cfg.retry_ms = 1000;
-    char key[PATH_MAX + 64], router_key[PATH_MAX + 64];
-    cl_client_keys(u->dir, &cfg, key, router_key, sizeof key);
-    llm_client *c;
-    int rc = llm_client_open(&c, &cfg, err, errlen);
-    if (rc < 0) return rc;
-    int64_t end = cl_now_ms() + (int64_t)u->timeout_s * 1000;
-    char problem[512] = "no answer from the router yet";
-    for (;;) {
-        int ws;
-        struct cl_proc *dead = cl_find_dead(u, &ws);
-        if (dead) {
-            cl_report_dead(u, dead, ws, "before its pipeline was in service");
-            cl_fmt(err, errlen, "%s stopped while its pipeline was forming", dead->name);
-            rc = STATUS_UNAVAILABLE;
-            break;
-        }
-        Llm__ClientEnvelope *env = NULL;
-        if (llm_client_status(c, &env) == 0) {
-            const Llm__StatusReply *s = env->status_reply;
-            bool seen[CL_PIPELINES_MAX] = {false}, ready[CL_PIPELINES_MAX] = {false};
-            problem[0] = 0; /* this answer's, not an earlier one's */
-            int n_ready = 0;
-            for (size_t i = 0; i < s->n_pipelines; i++) {
-                uint32_t id = s->pipelines[i]->pipeline_id;
-                n_ready += s->pipelines[i]->ready ? 1 : 0;
-                if (id >= CL_PIPELINES_MAX) continue;
-                seen[id] = true;
-                ready[id] = s->pipelines[i]->ready;
-                if (!ready[id] && want[id] && s->pipelines[i]->problem && s->pipelines[i]->problem[0])
-                    cl_fmt(problem, sizeof problem, "%s", s->pipelines[i]->problem);
-            }
-            int missing = -1, left = -1;
-            for (int p = 0; p < CL_PIPELINES_MAX; p++) {
-                if (want[p] && !ready[p] && missing < 0) missing = p;
-                if (gone[p] && seen[p] && left < 0) left = p;
-            }
-            if (missing < 0 && left < 0) {
-                printf("router %s: %d/%zu pipelines ready, %zu workers, queue %u, running %u, KV blocks "
-                       "%llu/%llu\n",
-                       u->endpoint, n_ready, s->n_pipelines, s->n_workers, s->queue_depth, s->running,
-                       (unsigned long long)s->kv_blocks_used, (unsigned long long)s->kv_blocks_total);
-                proto_client_free(env);
-                rc = 0;
-                break;
-            }
-            if (missing >= 0 && !(seen[missing] && problem[0]))
-                cl_fmt(problem, sizeof problem, "pipeline %d is not ready yet (%s)", missing,
-                       seen[missing] ? "its stages are loading or forming" : "not all its workers registered");
-            else if (left >= 0)
-                cl_fmt(problem, sizeof problem, "pipeline %d is still listed (its workers not yet lost)", left);
-            proto_client_free(env);
-        } else {
-            cl_fmt(problem, sizeof problem, "%s", llm_client_errstr(c));
-        }
-        if (cl_now_ms() > end) {
-            cl_fmt(err, errlen, "the router did not show the change within --timeout-s %d: %s", u->timeout_s,
-                   problem);
-            rc = STATUS_TIMEOUT;
-            break;
-        }
-        cl_sleep_ms(200);
-    }
-    llm_client_close(c);
-    return rc;
+    static const struct cl_poll poll = {cl_judge_sets, "before its pipeline was in service",
+                                        "while its pipeline was forming", "the router did not show the change"};
+    struct cl_wait_sets w = {want, gone};
+    return cl_poll_status(u, &poll, &w, err, errlen);
 }
 
 static int cl_scale_out(struct cl_up *u, struct cl_pipes *ps, char *err, size_t errlen) {

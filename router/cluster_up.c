@@ -112,10 +112,7 @@ static int cl_start_redis(struct cl_up *u, char *err, size_t errlen) {
     }
 }
 
-/* Polls the router until health says SERVING with every pipeline ready,
- * checking all along that no process died.  Prints progress once a second
- * on stderr when it changes. */
-static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
+int cl_poll_status(struct cl_up *u, const struct cl_poll *poll, void *ctx, char *err, size_t errlen) {
     const char *eps[1] = {u->endpoint};
     struct llm_client_config cfg;
     llm_client_config_default(&cfg);
@@ -129,39 +126,29 @@ static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
     int rc = llm_client_open(&c, &cfg, err, errlen);
     if (rc < 0) return rc;
     int64_t end = cl_now_ms() + (int64_t)u->timeout_s * 1000;
-    int last_ready = -1;
-    char last_problem[512] = "no answer from the router yet";
+    char problem[512] = "no answer from the router yet";
     for (;;) {
         int ws;
         struct cl_proc *dead = cl_find_dead(u, &ws);
         if (dead) {
-            cl_report_dead(u, dead, ws, "before the cluster was in service");
-            cl_fmt(err, errlen, "%s stopped while the cluster was starting", dead->name);
+            cl_report_dead(u, dead, ws, poll->dead_when);
+            cl_fmt(err, errlen, "%s stopped %s", dead->name, poll->dead_during);
             rc = STATUS_UNAVAILABLE;
             break;
         }
         Llm__ClientEnvelope *env = NULL;
         if (llm_client_status(c, &env) == 0) {
-            const Llm__StatusReply *s = env->status_reply;
-            int ready = 0;
-            for (size_t i = 0; i < s->n_pipelines; i++) ready += s->pipelines[i]->ready ? 1 : 0;
-            cl_fmt(last_problem, sizeof last_problem, "%d of %d pipelines ready, %zu workers known", ready,
-                     u->pipelines, s->n_workers);
+            int done = poll->judge(u, env->status_reply, ctx, problem, sizeof problem);
             proto_client_free(env);
-            if (ready != last_ready) {
-                fprintf(stderr, "llm-cluster: %s\n", last_problem);
-                last_ready = ready;
-            }
-            if (ready >= u->pipelines) {
+            if (done) {
                 rc = 0;
                 break;
             }
         } else {
-            cl_fmt(last_problem, sizeof last_problem, "%s", llm_client_errstr(c));
+            cl_fmt(problem, sizeof problem, "%s", llm_client_errstr(c));
         }
         if (cl_now_ms() > end) {
-            cl_fmt(err, errlen, "the cluster was not in service within --timeout-s %d: %s", u->timeout_s,
-                     last_problem);
+            cl_fmt(err, errlen, "%s within --timeout-s %d: %s", poll->timeout_what, u->timeout_s, problem);
             rc = STATUS_TIMEOUT;
             break;
         }
@@ -169,6 +156,28 @@ static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
     }
     llm_client_close(c);
     return rc;
+}
+
+/* cl_wait_ready's judge: every pipeline ready; progress on stderr when the
+ * count changes (ctx: the last count). */
+static int cl_judge_ready(struct cl_up *u, const Llm__StatusReply *s, void *ctx, char *problem, size_t n) {
+    int *last_ready = ctx, ready = 0;
+    for (size_t i = 0; i < s->n_pipelines; i++) ready += s->pipelines[i]->ready ? 1 : 0;
+    cl_fmt(problem, n, "%d of %d pipelines ready, %zu workers known", ready, u->pipelines, s->n_workers);
+    if (ready != *last_ready) {
+        fprintf(stderr, "llm-cluster: %s\n", problem);
+        *last_ready = ready;
+    }
+    return ready >= u->pipelines;
+}
+
+/* Polls the router until every pipeline is ready, checking all along that
+ * no process died; progress on stderr when it changes. */
+static int cl_wait_ready(struct cl_up *u, char *err, size_t errlen) {
+    static const struct cl_poll poll = {cl_judge_ready, "before the cluster was in service",
+                                        "while the cluster was starting", "the cluster was not in service"};
+    int last_ready = -1;
+    return cl_poll_status(u, &poll, &last_ready, err, errlen);
 }
 
 /* The gateway on 127.0.0.1:--http-port, a client of the router with its
