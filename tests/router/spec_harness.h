@@ -132,4 +132,51 @@ static void sg_same(struct cluster *cl, const struct sgen *want, const struct sg
     ASSERT_STREQ(want->text, got->text);
 }
 
+/* n requests (prompts in turn, every other one sampled at 0.8, seeds
+ * seed0 ..) run on a 2x2 cluster of model with speculation off, then again
+ * speculated by spec while the last stage of pipeline 0 is killed: each
+ * resumes on pipeline 1 and must end with the text of its run without
+ * speculation. */
+static H_UNUSED void sg_worker_killed(const char *model, const char *router_args, const char *worker_args,
+                                      const char *const *prompts, int n_prompts, int n, uint64_t seed0,
+                                      int spec) {
+    struct cluster *cl = h_cluster_start(model, 2, 2, router_args, worker_args);
+    enum { N_MAX = 8 };
+    static struct sgen ref[N_MAX], gs[N_MAX];
+    if (n > N_MAX) TEST_FAIL("sg_worker_killed: %d requests, at most %d", n, N_MAX);
+    for (int i = 0; i < n; i++) {
+        memset(&ref[i], 0, sizeof ref[i]);
+        ref[i].cl = cl;
+        snprintf(ref[i].request_id, sizeof ref[i].request_id, "ref-%d", i);
+        ref[i].prompt = prompts[i % n_prompts];
+        ref[i].max_tokens = 64;
+        ref[i].temperature = i % 2 ? 0.8f : 0.0f;
+        ref[i].seed = seed0 + (uint64_t)i;
+        ref[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
+        gs[i] = ref[i];
+        snprintf(gs[i].request_id, sizeof gs[i].request_id, "kill-%d", i);
+        gs[i].spec = spec;
+    }
+    sg_run_all(ref, n);
+    static volatile int seen;
+    seen = 0;
+    for (int i = 0; i < n; i++) gs[i].seen = &seen;
+    pthread_t th[N_MAX];
+    for (int i = 0; i < n; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
+    int64_t t0 = h_now_ms();
+    while (__atomic_load_n(&seen, __ATOMIC_RELAXED) < 3 * n && h_now_ms() - t0 < 30000) h_sleep_ms(1);
+    int at = __atomic_load_n(&seen, __ATOMIC_RELAXED);
+    int slot = h_worker_slot(cl, 0, 1);
+    ASSERT_TRUE(slot >= 0);
+    h_proc_kill(&cl->workers[slot], SIGKILL);
+    for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+    printf("  killed after %d tokens\n", at);
+    for (int i = 0; i < n; i++) {
+        sg_same(cl, &ref[i], &gs[i]);
+        llm_generate_result_free(&gs[i].res);
+        llm_generate_result_free(&ref[i].res);
+    }
+    h_cluster_stop(cl);
+}
+
 #endif

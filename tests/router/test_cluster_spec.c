@@ -116,43 +116,8 @@ TEST(cluster_spec_pycode_adapt_1x1) { spec_exact(PYCODE, code_prompts, 2, 1, 64,
  * stream: they resume on pipeline 1 (prefilled again with the tokens they
  * had) and end with the text of a run with speculation off. */
 TEST(cluster_spec_worker_killed) {
-    const char *model = test_model_path(STORIES);
-    struct cluster *cl = h_cluster_start(model, 2, 2, "--spec ngram", "");
-    enum { N = 6 };
-    static struct sgen ref[N], gs[N];
-    for (int i = 0; i < N; i++) {
-        memset(&ref[i], 0, sizeof ref[i]);
-        ref[i].cl = cl;
-        snprintf(ref[i].request_id, sizeof ref[i].request_id, "ref-%d", i);
-        ref[i].prompt = story_prompts[i % 3];
-        ref[i].max_tokens = 64;
-        ref[i].temperature = i % 2 ? 0.8f : 0.0f;
-        ref[i].seed = 77 + (uint64_t)i;
-        ref[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
-        gs[i] = ref[i];
-        snprintf(gs[i].request_id, sizeof gs[i].request_id, "kill-%d", i);
-        gs[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM;
-    }
-    sg_run_all(ref, N);
-    static volatile int seen;
-    seen = 0;
-    for (int i = 0; i < N; i++) gs[i].seen = &seen;
-    pthread_t th[N];
-    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
-    int64_t t0 = h_now_ms();
-    while (__atomic_load_n(&seen, __ATOMIC_RELAXED) < 3 * N && h_now_ms() - t0 < 30000) h_sleep_ms(1);
-    int at = __atomic_load_n(&seen, __ATOMIC_RELAXED);
-    int slot = h_worker_slot(cl, 0, 1);
-    ASSERT_TRUE(slot >= 0);
-    h_proc_kill(&cl->workers[slot], SIGKILL);
-    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
-    printf("  killed after %d tokens\n", at);
-    for (int i = 0; i < N; i++) {
-        sg_same(cl, &ref[i], &gs[i]);
-        llm_generate_result_free(&gs[i].res);
-        llm_generate_result_free(&ref[i].res);
-    }
-    h_cluster_stop(cl);
+    sg_worker_killed(test_model_path(STORIES), "--spec ngram", "", story_prompts, 3, 6, 77,
+                     LLM__GENERATE_REQUEST__SPEC__SPEC_NGRAM);
 }
 
 TEST_MAIN(cluster_spec_stories_1x1, cluster_spec_stories_1x2, cluster_spec_pycode_1x1, cluster_spec_pycode_adapt_1x1, cluster_spec_worker_killed)

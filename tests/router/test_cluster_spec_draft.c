@@ -152,42 +152,8 @@ TEST(cluster_spec_draft_adapt_1x1) { draft_exact(1, 48, 0, "--spec-adapt"); }
 TEST(cluster_spec_draft_worker_killed) {
     static char model[512];
     snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
-    struct cluster *cl = h_cluster_start(model, 2, 2, "--spec draft", draft_args());
-    enum { N = 4 };
-    static struct sgen ref[N], gs[N];
-    for (int i = 0; i < N; i++) {
-        memset(&ref[i], 0, sizeof ref[i]);
-        ref[i].cl = cl;
-        snprintf(ref[i].request_id, sizeof ref[i].request_id, "ref-%d", i);
-        ref[i].prompt = code_prompts[i % 3];
-        ref[i].max_tokens = 64;
-        ref[i].temperature = i % 2 ? 0.8f : 0.0f;
-        ref[i].seed = 91 + (uint64_t)i;
-        ref[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_OFF;
-        gs[i] = ref[i];
-        snprintf(gs[i].request_id, sizeof gs[i].request_id, "kill-%d", i);
-        gs[i].spec = LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT;
-    }
-    sg_run_all(ref, N);
-    static volatile int seen;
-    seen = 0;
-    for (int i = 0; i < N; i++) gs[i].seen = &seen;
-    pthread_t th[N];
-    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, sg_thread, &gs[i]);
-    int64_t t0 = h_now_ms();
-    while (__atomic_load_n(&seen, __ATOMIC_RELAXED) < 3 * N && h_now_ms() - t0 < 30000) h_sleep_ms(1);
-    int at = __atomic_load_n(&seen, __ATOMIC_RELAXED);
-    int slot = h_worker_slot(cl, 0, 1);
-    ASSERT_TRUE(slot >= 0);
-    h_proc_kill(&cl->workers[slot], SIGKILL);
-    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
-    printf("  killed after %d tokens\n", at);
-    for (int i = 0; i < N; i++) {
-        sg_same(cl, &ref[i], &gs[i]);
-        llm_generate_result_free(&gs[i].res);
-        llm_generate_result_free(&ref[i].res);
-    }
-    h_cluster_stop(cl);
+    sg_worker_killed(model, "--spec draft", draft_args(), code_prompts, 3, 4, 91,
+                     LLM__GENERATE_REQUEST__SPEC__SPEC_DRAFT);
 }
 
 /* stories260K as a "draft" of pycode: 512 tokens against 4096.  The
