@@ -1,16 +1,21 @@
 /* bench_link_dtype: what --link-dtype costs in accuracy and what it saves
- * on the wire, on a 1x2 pipeline of a real model on the CPU.  The model's
- * layers are split in two as the router splits them (equal bytes); stage
- * 0's hidden states go to stage 1 through a real ZeroMQ link (inproc, the
- * worker's link code, its encoding and decoding) in each element type, and
- * stage 1 gives the logits of every position (teacher forcing: each window
- * of the evaluation text is fed whole).  Against the F32 link it reports,
- * per type: the share of positions whose top-1 token is the same, the
- * perplexity of the text and its change, and the bytes per token the link
- * put on the wire (headers included).  --control adds a row: F32 links with
- * every received element nudged by a relative 2^-20 (far below F16's
- * rounding), which shows how much disagreement the stages' own arithmetic
- * makes of any change of stage 1's input. */
+ * on the wire, on a 1x2 pipeline of a real model on one device (--device:
+ * the CPU by default, or a GPU).  The model's layers are split in two as
+ * the router splits them (equal bytes); stage 0's hidden states go to
+ * stage 1 through a real ZeroMQ link (inproc, the worker's link code, its
+ * encoding and decoding) in each element type, and stage 1 gives the
+ * logits of every position (teacher forcing: each window of the evaluation
+ * text is fed whole).  On a GPU both stages share the one backend (as the
+ * draft model shares its stage's) and the rows take the path of a GPU
+ * worker's ZeroMQ link (worker/node_link.c): downloaded to the host by the
+ * step, encoded, sent, received, decoded, uploaded by the next step.
+ * Against the F32 link it reports, per type: the share of positions whose
+ * top-1 token is the same, the perplexity of the text and its change, and
+ * the bytes per token the link put on the wire (headers included).
+ * --control adds a row: F32 links with every received element nudged by a
+ * relative 2^-20 (far below F16's rounding), which shows how much
+ * disagreement the stages' own arithmetic makes of any change of stage 1's
+ * input. */
 #include "common/device.h"
 #include "common/gguf.h"
 #include "common/kvblocks.h"
@@ -102,7 +107,11 @@ static char *ld_read(const char *path, size_t *len) {
 }
 
 /* Stage 0 -> link -> stage 1 for one window; logits of every row into
- * logits ([n, n_vocab]).  Each call starts both stages' KV afresh. */
+ * logits ([n, n_vocab]).  Each call starts both stages' KV afresh.  The
+ * hidden rows go as a worker's host link sends them (node_step.c,
+ * node_link.c): forward_out.hidden a host buffer (a GPU step downloads its
+ * output there), link_send/link_recv between host buffers, and the next
+ * step's hidden_in that host buffer (hidden_in_backend 0: uploaded). */
 struct ld_pipe {
     stage *s0, *s1;
     kvblocks *kb0, *kb1;
@@ -164,7 +173,7 @@ static double ld_nll(const float *x, int32_t n, int32_t id) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *texts = "", *ref_json = "", *types = "f32,f16,bf16,int8";
+    const char *model = NULL, *texts = "", *ref_json = "", *types = "f32,f16,bf16,int8", *device = "cpu";
     int window = 0, max_tokens = 0, threads = 0;
     bool control = false;
     const struct option_def defs[] = {
@@ -176,9 +185,12 @@ int main(int argc, char **argv) {
          &ref_json, 0, 0, NULL},
         {"window", NULL, OPTION_INT, "0", "tokens per teacher-forced window (0: the model's context, at most 512)",
          &window, 0, 512, NULL},
-        {"max-tokens", NULL, OPTION_INT, "16384", "evaluate at most this many tokens", &max_tokens, 2, 1 << 24,
-         NULL},
+        {"max-tokens", NULL, OPTION_INT, "16384", "evaluate at most this many tokens (whole windows): bounds a run",
+         &max_tokens, 2, 1 << 24, NULL},
         {"types", NULL, OPTION_STRING, "f32,f16,bf16,int8", "link element types, f32 first", &types, 0, 0, NULL},
+        {"device", NULL, OPTION_STRING, "cpu",
+         "cpu, cuda, cuda:N or auto: where both stages run (a named GPU that does not open is an error)", &device,
+         0, 0, NULL},
         {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU threads (0: one per core)", &threads, 0, 1024, NULL},
         {"control", NULL, OPTION_BOOL, "false",
          "also F32 links with each received element scaled by 1 + 2^-20: the disagreement any input change makes",
@@ -186,7 +198,7 @@ int main(int argc, char **argv) {
     };
     struct options o = {"bench_link_dtype", "--model M (--text FILES | --ref-json FILE) [options]",
                         "Teacher-forced top-1 agreement with F32 links, perplexity and link bytes per token for "
-                        "each --link-dtype on a 1x2 pipeline of the model on the CPU.",
+                        "each --link-dtype on a 1x2 pipeline of the model on one device (the CPU unless --device).",
                         defs, (int)(sizeof defs / sizeof defs[0]), false};
     char err[1024];
     int rc = options_parse(&o, &argc, argv, err, sizeof err);
@@ -214,6 +226,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_link_dtype: --types %s: f32 must come first (the reference)\n", types);
             return 2;
         }
+    }
+    struct device_spec dev;
+    if (device_parse("--device", device, &dev, err, sizeof err) < 0) {
+        fprintf(stderr, "bench_link_dtype: %s\n", err);
+        return 2;
     }
 
     model_file *m = NULL;
@@ -292,12 +309,16 @@ int main(int argc, char **argv) {
     }
     layersplit_sizes_free(&sz);
     gguf_close(gf);
-    struct device_spec dev;
     backend *b = NULL;
     char chosen[600];
-    if (device_parse("--device", "cpu", &dev, err, sizeof err) < 0 ||
-        backend_open(&b, &dev, threads, 0, chosen, sizeof chosen, err, sizeof err) < 0) {
+    if (backend_open(&b, &dev, threads, 0, chosen, sizeof chosen, err, sizeof err) < 0) {
         fprintf(stderr, "bench_link_dtype: %s\n", err);
+        return 1;
+    }
+    /* cuda:N must be that GPU: a measurement quietly taken on the CPU
+     * instead would be another table's row (and a 7B one would not end). */
+    if (dev.kind == DEVICE_CUDA && !backend_is_gpu(b)) {
+        fprintf(stderr, "bench_link_dtype: --device %s did not open: %s\n", device, chosen);
         return 1;
     }
     struct ld_pipe p = {0};
@@ -337,9 +358,9 @@ int main(int argc, char **argv) {
     }
 
     printf("model %s: %d layers, dim %d, vocab %d; 1x2 split layers [%d, %d) + [%d, %d); %d windows of up to %d "
-           "tokens, %d tokens (%d predicted)\n",
+           "tokens, %d tokens (%d predicted); on %s\n",
            model, hp->n_layers, hp->dim, hp->n_vocab, first[0], end[0], first[1], end[1], n_win, window, total,
-           total - n_win);
+           total - n_win, chosen);
     printf("| `--link-dtype` | top-1 equal to F32 links | perplexity | change | link bytes per token |\n");
     printf("|---|---|---|---|---|\n");
     double ppl_f32 = 0;

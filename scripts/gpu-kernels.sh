@@ -29,6 +29,13 @@
 #   gqa      bench_gpu, llama3-8b Q4_K_M at context 2048, batch 16 and 64,
 #            attention_gqa.cu off against on (sm_90 pack)
 #   all      every test_cuda_ops and test_forward test, both packs
+#   linkdtype bench_link_dtype --device cuda:0 (sm_90 pack, else the
+#            75-virtual one) on the llama2-7b Q4_K_M synthetic, which the
+#            pack's llm-synth writes into a temp dir with room: f32, f16,
+#            bf16, int8 and the --control row on bench/data/stories-eval.txt
+#            (docs/deploy.md, "Across hosts"); the table in linkdtype.txt.
+#            Its pack needs bench/bench_link_dtype and worker/llm-synth
+#            (LLM_PACK_BINS="... bench/bench_link_dtype worker/llm-synth")
 #   OUT=/tmp/out LLM_GPU_PACK=gpu-pack/sm90.tar.xz LLM_GPU_PACK_T4=gpu-pack/sm75.tar.xz \
 #       LLM_KERNEL_STEPS="ops mmq" ./scripts/gpu-kernels.sh
 set -u
@@ -161,6 +168,50 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
     gqa)
         [ -n "$b90" ] && step model8b_gqa 280 "$b90/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
             --batches 16,64 --ctx 2048 --ab LLM_CUDA_ATT_GQA_MIN=0,2 --tmpdir /tmp
+        ;;
+    linkdtype)
+        # The 7B synthetic row of the --link-dtype table: its weights are
+        # random, so its perplexity is about the vocabulary's size and means
+        # nothing; the agreement with F32 links and the bytes are the row.
+        lb=$b90 lsm=""
+        [ -z "$lb" ] && { lb=$b75; lsm=75; }
+        t0=$(date +%s)
+        lrc=2
+        {
+            ldir=""
+            for d in "${LLM_LINKDTYPE_TMP:-}" "${TMPDIR:-/tmp}" /tmp /dev/shm "$PWD"; do
+                # the file is about 4 GB; 6 GiB free leaves the machine some
+                [ -n "$d" ] && [ -d "$d" ] && [ -w "$d" ] &&
+                    [ "$(df -Pk "$d" | awk 'NR == 2 {print $4}')" -ge $((6 * 1024 * 1024)) ] &&
+                    ldir=$(mktemp -d "$d/linkdtype.XXXXXX") && break
+            done
+            if [ -z "$lb" ]; then
+                echo "linkdtype: no GPU pack"
+            elif [ ! -x "$lb/bench/bench_link_dtype" ] || [ ! -x "$lb/worker/llm-synth" ]; then
+                echo "linkdtype: $lb lacks bench/bench_link_dtype or worker/llm-synth (LLM_PACK_BINS of gpu-pack.sh)"
+            elif [ -z "$ldir" ]; then
+                echo "linkdtype: no temp dir with 6 GiB free (LLM_LINKDTYPE_TMP)"
+            else
+                lm=$ldir/llama2-7b-q4_k_m.gguf
+                ls0=$(date +%s)
+                timeout 300 "$lb/worker/llm-synth" --out "$lm" --shape llama2-7b --type q4_k_m --log-level warn
+                lrc=$?
+                echo "linkdtype: llm-synth --shape llama2-7b --type q4_k_m: exit $lrc, $(( $(date +%s) - ls0 )) s"
+                if [ $lrc -eq 0 ]; then
+                    echo "+ bench/bench_link_dtype --device cuda:0 --model $lm --text bench/data/stories-eval.txt" \
+                        "--max-tokens 4096 --control${lsm:+ (LLM_CUDA_SM=$lsm)}"
+                    LLM_CUDA_SM=$lsm timeout --kill-after=10 170 "$lb/bench/bench_link_dtype" --device cuda:0 \
+                        --model "$lm" --text bench/data/stories-eval.txt --max-tokens 4096 --control
+                    lrc=$?
+                fi
+            fi
+            [ -n "$ldir" ] && rm -rf "$ldir"
+        } >"$out/linkdtype.txt" 2>&1
+        {
+            echo "== linkdtype: exit $lrc, $(( $(date +%s) - t0 )) s"
+            grep -E "^model |^\| [a-z0-9]+|^linkdtype:|^bench_link_dtype:" "$out/linkdtype.txt" | head -n 8
+        } >>"$summary"
+        [ $lrc -eq 0 ] || status=1
         ;;
     all)
         [ -n "$b90" ] && step all_ops 400 "$b90/tests/test_cuda_ops"
