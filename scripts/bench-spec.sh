@@ -195,7 +195,8 @@ for f in "${FILES[@]}"; do
                     echo "  outputs differ: $f mode $m against off, from token $at (EXACT=0)" >&2
                 fi
             fi
-            [ "$m" = prediction-fixed ] && echo "  $f mode $m: run $round's output equals its prediction" >&2
+            [ "$m" = prediction-fixed ] && [ "$ids" = "$(cat "$RUN/fix-$i")" ] &&
+                echo "  $f mode $m: run $round's output equals its prediction" >&2
             line=$(awk -v f="$(basename "$f")" -v m="$m" -v n="$n" -v t0="$t0" -v t1="$t1" -v dn="$dn" -v ds="$ds" \
                 -v d="$(awk -v a="$d1" -v b="$d0" 'BEGIN{print a-b}')" -v a="$(awk -v a="$a1" -v b="$a0" 'BEGIN{print a-b}')" \
                 -v v="$(awk -v a="$v1" -v b="$v0" 'BEGIN{print a-b}')" -v ws="$(awk -v a="$ws1" -v b="$ws0" 'BEGIN{print a-b}')" \

@@ -26,7 +26,9 @@
 # A check on the CPU (no pack: a build folder; small shapes):
 #   LLM_SPEC_BUILD=$PWD/build LLM_SPEC_DEVICE=cpu LLM_SPEC_SHAPE=tiny ./scripts/gpu-spec.sh
 # Env: LLM_SPEC_S (530: the deadline, seconds), LLM_SPEC_SHAPE (llama2-7b),
-# LLM_SPEC_FILES (prompt files; default three of /usr/lib/python3.*, else
+# LLM_SPEC_PYCODE (the pycode target's file in the models' pycode/:
+# pycode-target-f16.gguf; pycode-target-q4_k_m.gguf fits a pack with the
+# draft), LLM_SPEC_FILES (prompt files; default three of /usr/lib/python3.*, else
 # the repository's own Python scripts), LLM_SPEC_LINES (40: lines of each
 # file a prompt holds), LLM_SPEC_MAX_TOKENS (128),
 # LLM_MODELS_DIR (default the pack's models).  Needs bash, awk, tar, xz,
@@ -185,13 +187,13 @@ for what in $steps; do
         done
         ;;
     pycode)
-        [ -r "$models/pycode/pycode-target-f16.gguf" ] || { fail "pycode: no $models/pycode/pycode-target-f16.gguf"; continue; }
+        pt=$models/pycode/${LLM_SPEC_PYCODE:-pycode-target-f16.gguf}
+        [ -r "$pt" ] || { fail "pycode: no $pt"; continue; }
         MODES="off ngram draft prediction-fixed" DEVICE=$device MAX_TOKENS=$maxt LINES_PER_PROMPT=$lines SPEC_TOKENS=4 \
-            EXACT=$exact RESULTS="$out/pycode.results" step pycode 120 scripts/bench-spec.sh "$b" \
-            "$models/pycode/pycode-target-f16.gguf" "${files[@]}"
+            EXACT=$exact RESULTS="$out/pycode.results" step pycode 120 scripts/bench-spec.sh "$b" "$pt" "${files[@]}"
         MODES="off ngram draft" ROUTER_ARGS="--spec-adapt" DEVICE=$device MAX_TOKENS=$maxt LINES_PER_PROMPT=$lines \
             SPEC_TOKENS=4 EXACT=$exact RESULTS="$out/pycode_adapt.results" step pycode_adapt 90 scripts/bench-spec.sh "$b" \
-            "$models/pycode/pycode-target-f16.gguf" "${files[@]}"
+            "$pt" "${files[@]}"
         ;;
     load)
         synth_model || continue

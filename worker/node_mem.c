@@ -97,11 +97,8 @@ static double node_mib(size_t bytes) { return bytes / (1024.0 * 1024.0); }
 
 void node_buffers_free(node *n) {
     if (n->b) {
-        if (n->dev_in_f16) backend_dealloc(n->b, n->dev_in_f16);
-        if (n->dev_out_f16) backend_dealloc(n->b, n->dev_out_f16);
         if (n->dev_in_f32) backend_dealloc(n->b, n->dev_in_f32);
     }
-    n->dev_in_f16 = n->dev_out_f16 = NULL;
     n->dev_in_f32 = NULL;
     free(n->hidden_in_host);
     free(n->hidden_out_host);
@@ -189,15 +186,43 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
         return STATUS_NO_MEMORY;
     }
     if (backend_is_gpu(n->b)) {
-        n->dev_in_f16 = backend_alloc(n->b, rows * 2);
-        n->dev_out_f16 = backend_alloc(n->b, rows * 2);
         n->dev_in_f32 = backend_alloc(n->b, rows * sizeof(float));
-        if (!n->dev_in_f16 || !n->dev_out_f16 || !n->dev_in_f32) {
+        if (!n->dev_in_f32) {
             snprintf(err, errlen, "%s: no device memory for the link buffers: %s",
                      backend_name(n->b), backend_errstr(n->b));
             return STATUS_NO_MEMORY;
         }
     }
+    return STATUS_OK;
+}
+
+/* What the draft model (--draft-model, opened beside the last stage by
+ * node_stage_load) takes of the stage's memory: fixed, its weights (on a
+ * GPU), its workspace for the largest step sizing may choose and the
+ * blocks its guesses add (NODE_DRAFT_MAX positions a sequence); per_block,
+ * one block of all its layers, as its pool has a block for every block of
+ * the stage's.  Zeros without a draft. */
+struct node_draft_budget {
+    size_t fixed, per_block;
+};
+
+static int node_draft_budget(node *n, int gpu, enum dtype kv_type, struct node_draft_budget *db, char *err,
+                             size_t errlen) {
+    db->fixed = db->per_block = 0;
+    if (!n->s_draft) return STATUS_OK;
+    model_file *dm = NULL;
+    int rc = model_file_open(&dm, n->s_draft, err, errlen);
+    if (rc != STATUS_OK) return rc;
+    const struct model_hparams *dh = model_file_hparams(dm);
+    const struct node_config *cfg = &n->cfg;
+    const int32_t bs = cfg->kv_block_size;
+    const int32_t seqs = cfg->max_seqs > 0 ? cfg->max_seqs : SIZING_SEQS_MAX;
+    const int32_t toks = cfg->max_batch_tokens > 0 ? cfg->max_batch_tokens : seqs + SIZING_PREFILL_CHUNK + 64;
+    db->per_block = (size_t)dh->n_layers * kvcache_block_bytes(kv_type, bs, dh->n_kv_heads, dh->head_dim);
+    db->fixed = (gpu ? node_range_bytes(dm, 0, dh->n_layers) : 0) +
+                sizing_workspace_bytes(gpu, toks, seqs, dh->dim, dh->ffn_dim, dh->n_vocab) +
+                db->per_block * (size_t)seqs * (size_t)(NODE_DRAFT_MAX / bs + 2);
+    model_file_close(dm);
     return STATUS_OK;
 }
 
@@ -231,16 +256,22 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
                        kvcache_block_bytes((enum dtype)sc.kv_type, cfg->kv_block_size, hp->n_kv_heads, hp->head_dim);
     size_t mem_free = 0, mem_total = 0;
     backend_mem_info(n->b, &mem_free, &mem_total);
+    /* The draft beside the last stage shares the budget: its weights,
+     * workspace and extra blocks first, and a block of its own for every
+     * block of the stage's (draft_budget). */
+    struct node_draft_budget db = {0, 0};
+    int rc = end == hp->n_layers ? node_draft_budget(n, gpu, (enum dtype)sc.kv_type, &db, err, errlen) : STATUS_OK;
+    if (rc != STATUS_OK) return rc;
     /* Steps and KV from the memory budget, unless the flags give them
      * (worker/sizing.h); a stage holds the KV of every micro-batch in
      * flight, one per stage of its pipeline. */
-    struct sizing_input si = {gpu, mem_free, cfg->mem_fraction, weights, per_block,
+    struct sizing_input si = {gpu, mem_free, cfg->mem_fraction, weights + db.fixed, per_block + db.per_block,
                               cfg->kv_block_size, hp->dim, hp->ffn_dim, hp->n_vocab, ctx,
                               cfg->target_ctx, n->stage_count, cfg->kv_blocks, cfg->max_seqs,
                               cfg->max_batch_tokens};
     struct sizing sz;
     char why[400];
-    int rc = sizing_choose(&sz, &si, why, sizeof why);
+    rc = sizing_choose(&sz, &si, why, sizeof why);
     if (rc != STATUS_OK) {
         snprintf(err, errlen, "%s: layers %d:%d do not fit: %s", backend_name(n->b), first, end, why);
         return rc;
@@ -255,14 +286,16 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     size_t kv = per_block * (size_t)blocks;
     /* On the CPU the weights are read in place from the file mapping (page
      * cache), so only KV and workspace need free RAM. */
-    size_t need = kv + work + (gpu ? weights : 0);
+    size_t draft_bytes = db.fixed + db.per_block * (size_t)blocks;
+    size_t need = kv + work + (gpu ? weights : 0) + draft_bytes;
     if (mem_free > 0 && need > mem_free) {
         snprintf(err, errlen,
                  "%s: layers %d:%d do not fit: %sKV %.1f MiB (%d blocks of %d) + workspace "
-                 "~%.1f MiB = %.1f MiB, %.1f MiB free: lower --kv-blocks or --max-batch-tokens, "
+                 "~%.1f MiB%s%.1f MiB = %.1f MiB, %.1f MiB free: lower --kv-blocks or --max-batch-tokens, "
                  "or use more stages",
                  backend_name(n->b), first, end, gpu ? "weights + " : "", node_mib(kv), blocks,
-                 cfg->kv_block_size, node_mib(work), node_mib(need), node_mib(mem_free));
+                 cfg->kv_block_size, node_mib(work), draft_bytes ? " + the draft model " : "",
+                 draft_bytes ? node_mib(draft_bytes) : 0.0, node_mib(need), node_mib(mem_free));
         return STATUS_NO_MEMORY;
     }
     rc = stage_init(&n->s, n->m, n->b, &sc, err, errlen);
