@@ -16,7 +16,11 @@
 #               output can leave off's): the prediction is replaced by the
 #               output of the run it fed until a run's output equals its
 #               prediction (every drafted token accepted), at most
-#               FIX_ROUNDS runs; that run is reported
+#               FIX_ROUNDS runs; that run is reported.  It converges: a
+#               step's rows are computed independently of each other, so
+#               the step that rejected a position gives the same row there
+#               when the next run drafts its output, and each run accepts
+#               at least one position further than the one before
 # Each run prints its tokens, seconds and tokens/s end to end, and decode
 # tokens/s: the tokens after the first streamed chunk over the time from the
 # first chunk to the last (llm generate --json's timing), which leaves out
@@ -49,7 +53,7 @@
 #   (more llm-worker arguments, e.g. --draft-min-prob 0.5), ROUTER_ARGS (more
 #   llm-router arguments, e.g. --spec-adapt), RESULTS (also
 #   write one line per run, key=value, to this file), KEEP (1: keep the run
-#   folder: outputs, logs, the synthetic model), EXACT (1), FIX_ROUNDS (4).
+#   folder: outputs, logs, the synthetic model), EXACT (1), FIX_ROUNDS (64).
 # Needs bash, awk and the build's llm-cluster, llm and llm-synth (MODEL synth:);
 # no python, curl or bc (a GPU host may have none).
 set -euo pipefail
@@ -169,7 +173,7 @@ for f in "${FILES[@]}"; do
             dn=$(jnum "$RUN/out-$i-$m" decode_tokens); ds=$(jnum "$RUN/out-$i-$m" decode_s)
             [ -n "$dn" ] && [ -n "$ds" ] || { echo "bench-spec: $f mode $m: no timing in llm --json" >&2; exit 1; }
             if [ "$m" = prediction-fixed ] && [ "$ids" != "$(cat "$RUN/fix-$i")" ]; then
-                if [ "$round" -ge "${FIX_ROUNDS:-4}" ]; then
+                if [ "$round" -ge "${FIX_ROUNDS:-64}" ]; then
                     echo "  NOT FIXED: $f mode $m: run $round's output still differs from its prediction" >&2
                     fail=1
                 else
