@@ -93,7 +93,8 @@ int main(int argc, char **argv) {
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
         {"link-dtype", "LLM_LINK_DTYPE", OPTION_CHOICE, "auto",
          "hidden states this stage sends to the next: auto (f32 on ZeroMQ, f16 on NCCL), f32, f16, bf16 or "
-         "int8 (a scale per row); ZeroMQ takes all, NCCL only f16", &link_dtype, 0, 0, worker_link_dtypes},
+         "int8 (a scale per row), on either transport; NCCL links need the same type on every stage of a "
+         "pipeline (a mismatch fails the link, naming both)", &link_dtype, 0, 0, worker_link_dtypes},
         {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
         {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},
         {"curve-key-file", "LLM_CURVE_KEY_FILE", OPTION_STRING, NULL,

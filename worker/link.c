@@ -1,12 +1,17 @@
 /* The transport-independent half of a stage-to-stage link: dispatch to the
- * transport's table, argument checks shared by both, error text. */
+ * transport's table, argument checks shared by both, error text, and the
+ * wire's element encoding (kernels/cuda/link_codec.cu does the same on the
+ * GPU, bit for bit). */
 #include "link.h"
 #include "link-impl.h"
 
+#include "common/dtype.h"
 #include "common/status.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 int link_fail(link_conn *l, int code, const char *fmt, ...) {
     va_list ap;
@@ -55,6 +60,76 @@ size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems) 
     case LINK_DTYPE_BF16: return elems * 2;
     case LINK_DTYPE_INT8: return elems + (row_elems ? elems / row_elems : 0) * sizeof(float);
     default: return bytes;
+    }
+}
+
+void link_encode(enum link_dtype t, const float *src, size_t elems, size_t row, uint8_t *dst) {
+    if (t == LINK_DTYPE_F32) {
+        memcpy(dst, src, elems * sizeof(float)); /* as the host holds it, as ZeroMQ always sent it */
+        return;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* The wire's little-endian halves are the host's: convert the row whole
+     * (F16C where the CPU has it) instead of element by element.  A buffer
+     * off a 2-byte boundary (a tiny ZeroMQ message held inline) cannot be
+     * read as halves and takes the byte loop below. */
+    if (t == LINK_DTYPE_F16 && ((uintptr_t)dst & 1) == 0) {
+        dtype_f32_to_fp16_row(src, (fp16_t *)(void *)dst, elems);
+        return;
+    }
+#endif
+    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
+        for (size_t i = 0; i < elems; i++) {
+            uint16_t h = t == LINK_DTYPE_F16 ? f32_to_fp16(src[i]) : f32_to_bf16(src[i]);
+            dst[2 * i] = (uint8_t)h;
+            dst[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        return;
+    }
+    /* INT8: per row, the scale (F32, little-endian) then the values.  The
+     * GPU encoder (link_codec.cu) does these float operations in this order,
+     * so that both give the same bytes. */
+    for (size_t r = 0; r < elems / row; r++) {
+        const float *x = src + r * row;
+        uint8_t *o = dst + r * (row + sizeof(float));
+        float amax = 0;
+        for (size_t i = 0; i < row; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0;
+        uint32_t bits;
+        memcpy(&bits, &scale, 4);
+        for (int b = 0; b < 4; b++) o[b] = (uint8_t)(bits >> (8 * b));
+        for (size_t i = 0; i < row; i++) {
+            float q = roundf(x[i] * inv);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            o[4 + i] = (uint8_t)(int8_t)q;
+        }
+    }
+}
+
+void link_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row, float *dst) {
+    if (t == LINK_DTYPE_F32) {
+        memcpy(dst, src, elems * sizeof(float));
+        return;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (t == LINK_DTYPE_F16 && ((uintptr_t)src & 1) == 0) {
+        dtype_fp16_to_f32_row((const fp16_t *)(const void *)src, dst, elems);
+        return;
+    }
+#endif
+    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
+        for (size_t i = 0; i < elems; i++) {
+            uint16_t h = (uint16_t)(src[2 * i] | src[2 * i + 1] << 8);
+            dst[i] = t == LINK_DTYPE_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
+        }
+        return;
+    }
+    for (size_t r = 0; r < elems / row; r++) {
+        const uint8_t *in = src + r * (row + sizeof(float));
+        uint32_t bits = (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
+        float scale;
+        memcpy(&scale, &bits, 4);
+        for (size_t i = 0; i < row; i++) dst[r * row + i] = (float)(int8_t)in[4 + i] * scale;
     }
 }
 

@@ -32,6 +32,36 @@ enum link_dir {
  * (link_send with buf NULL): the receiver skips the step too. */
 #define LINK_SKIPPED 1
 
+/* The element type of the hidden states on the wire (--link-dtype).  The
+ * stages compute F32 rows; a link converts them to its type on the way out
+ * and back to F32 on the way in, on either transport (link_encode and
+ * link_decode below, and their GPU twins in kernels/cuda/link_codec.h).
+ * INT8 carries each row as one F32 scale (max |x| / 127) and the row's
+ * values rounded to int8: (row_elems + 4) bytes a row, a quarter of F32's
+ * plus 4.  On ZeroMQ each message names its type, so a receiver reads
+ * whatever its sender chose; NCCL carries no header, so both ends of an
+ * NCCL link are given the type and check in Redis that they agree
+ * (link_nccl_init). */
+enum link_dtype {
+    LINK_DTYPE_F32 = 0,
+    LINK_DTYPE_F16 = 1,
+    LINK_DTYPE_BF16 = 2,
+    LINK_DTYPE_INT8 = 3,
+    LINK_DTYPE_N = 4,
+};
+/* "f32", "f16", "bf16", "int8", NULL: indexed by enum link_dtype. */
+extern const char *const link_dtype_names[];
+/* Bytes on the wire for `bytes` of F32 rows of row_elems elements. */
+size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems);
+
+/* The wire's encoding, shared by both transports (host memory): elems F32
+ * values (whole rows of row_elems for INT8) into the
+ * link_dtype_wire_bytes(t, elems * 4, row_elems) bytes at dst, little-endian;
+ * and back.  F16 and BF16 round to nearest even; INT8 rounds x * (127 /
+ * amax) half away from zero.  dst may have any alignment. */
+void link_encode(enum link_dtype t, const float *src, size_t elems, size_t row_elems, uint8_t *dst);
+void link_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row_elems, float *dst);
+
 /* ZeroMQ.  LINK_RECV binds a PULL socket at endpoint ("tcp://host:port",
  * "tcp://127.0.0.1:*" picks a port; link_endpoint says which); LINK_SEND
  * connects a PUSH socket to it.  timeout_ms (> 0) bounds every send and
@@ -58,14 +88,36 @@ int link_zmq_init_curve(link_conn **out, void *ctx, enum link_dir dir, const cha
 /* NCCL: the link between stage k (LINK_SEND, rank 0) and k+1 (LINK_RECV,
  * rank 1) over a 2-rank communicator of its own.  The sender creates the
  * ncclUniqueId and publishes it in Redis under nccl_key (see
- * link_nccl_key); the receiver waits for it.  b must be a CUDA backend: the
- * link works on its device and queues ncclSend/ncclRecv on its stream, so
- * buffers are device memory and nothing synchronizes.  redis is a struct
- * rconn (common/rconn.h), used only during the call.  timeout_ms bounds the
- * wait for the id and for the peer to join.  STATUS_UNSUPPORTED when built
- * without NCCL or b is not a CUDA backend. */
+ * link_nccl_key) with its element type; the receiver waits for it and
+ * answers with its own (link_nccl_exchange).  b must be a CUDA backend:
+ * the link works on its device and queues the encoding, ncclSend/ncclRecv
+ * and the decoding on its stream, so buffers are device memory (F32 rows,
+ * as on ZeroMQ) and nothing synchronizes.  redis is a struct rconn
+ * (common/rconn.h), used only during the call.  timeout_ms bounds the
+ * exchange and the wait for the peer to join.  STATUS_UNSUPPORTED when
+ * built without NCCL or b is not a CUDA backend; STATUS_BAD_INPUT (err
+ * naming both types) when the two ends were given different types or row
+ * widths. */
+struct link_nccl_opts {
+    enum link_dtype dtype; /* on the wire; both ends must be given the same */
+    size_t row_elems;      /* floats per row (the model's width); 1 to 2^20 - 1 */
+    size_t bytes_max;      /* the largest send or receive (F32 bytes): sizes the staging buffer */
+    int timeout_ms;
+};
 int link_nccl_init(link_conn **out, backend *b, enum link_dir dir, void *redis,
-                   const char *nccl_key, int timeout_ms, char *err, size_t errlen);
+                   const char *nccl_key, const struct link_nccl_opts *opts, char *err, size_t errlen);
+/* The Redis half of link_nccl_init, which needs no GPU.  The sender
+ * publishes id (LINK_NCCL_ID_BYTES) with t and row_elems under nccl_key,
+ * then waits for the receiver's answer under "<nccl_key>:rx"; the receiver
+ * waits for the id (copied into id), then publishes its own t and
+ * row_elems.  Each end then compares: STATUS_BAD_INPUT, err naming both
+ * types and widths, when they differ, so both stages fail with the reason
+ * instead of one timing out or reading garbage.  STATUS_TIMEOUT when the
+ * peer does not come within timeout_ms, STATUS_PROTOCOL for a value that
+ * is not an id with a type. */
+#define LINK_NCCL_ID_BYTES 128
+int link_nccl_exchange(void *redis, const char *nccl_key, enum link_dir dir, uint8_t *id,
+                       enum link_dtype t, size_t row_elems, int timeout_ms, char *err, size_t errlen);
 /* The Redis key of link k of a pipeline in an epoch:
  * "llm:nccl:<pipeline>:<link>:<epoch>". */
 void link_nccl_key(char *buf, size_t size, uint32_t pipeline_id, uint32_t link_index,
@@ -112,30 +164,14 @@ void link_set_abort(link_conn *l, const _Atomic uint64_t *gen);
  * theirs with it.  Starts at 0. */
 void link_set_epoch(link_conn *l, uint64_t epoch);
 
-/* The element type of the hidden states on the wire (--link-dtype).  The
- * ZeroMQ link converts from and to the F32 rows the stages compute; each
- * message names its type, so a receiver reads whatever its sender chose.
- * INT8 carries each row as one F32 scale (max |x| / 127) and the row's
- * values rounded to int8: (row_elems + 4) bytes a row, a quarter of F32's
- * plus 4.  The NCCL link carries F16 (LINK_DTYPE_F16) only. */
-enum link_dtype {
-    LINK_DTYPE_F32 = 0,
-    LINK_DTYPE_F16 = 1,
-    LINK_DTYPE_BF16 = 2,
-    LINK_DTYPE_INT8 = 3,
-    LINK_DTYPE_N = 4,
-};
-/* "f32", "f16", "bf16", "int8", NULL: indexed by enum link_dtype. */
-extern const char *const link_dtype_names[];
-/* Bytes on the wire for `bytes` of F32 rows of row_elems elements. */
-size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems);
-
-/* Sets what a sender puts on the wire; rows are row_elems floats (the
- * model's width; every send is then whole rows).  STATUS_UNSUPPORTED on a
- * transport that cannot (NCCL, for anything but F16), STATUS_BAD_INPUT for
- * row_elems 0 or past 2^20.  A link starts at LINK_DTYPE_F32. */
+/* Sets what a ZeroMQ sender puts on the wire; rows are row_elems floats
+ * (the model's width; every send is then whole rows).  A ZeroMQ link
+ * starts at LINK_DTYPE_F32.  An NCCL link's type is fixed at
+ * link_nccl_init: STATUS_UNSUPPORTED for any other type or width there.
+ * STATUS_BAD_INPUT for row_elems 0 or past 2^20. */
 int link_set_dtype(link_conn *l, enum link_dtype t, size_t row_elems);
-/* Bytes this end has put on the wire (ZeroMQ payloads, headers included). */
+/* Bytes this end has put on the wire (ZeroMQ payloads with their headers,
+ * NCCL payloads). */
 uint64_t link_wire_bytes_sent(const link_conn *l);
 
 /* Why a receiver dropped a message instead of returning it (ZeroMQ; NCCL

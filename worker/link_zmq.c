@@ -9,12 +9,10 @@
 #include "link.h"
 #include "link-impl.h"
 
-#include "common/dtype.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/zio.h"
 
-#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,67 +78,6 @@ static uint64_t lz_get64(const uint8_t *p) {
     return v;
 }
 
-/* F32 rows to the wire's type, into dst (link_dtype_wire_bytes long). */
-static void lz_encode(enum link_dtype t, const float *src, size_t elems, size_t row, uint8_t *dst) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    /* The wire's little-endian halves are the host's: convert the row whole
-     * (F16C where the CPU has it) instead of element by element.  A buffer
-     * off a 2-byte boundary (a tiny ZeroMQ message held inline) cannot be
-     * read as halves and takes the byte loop below. */
-    if (t == LINK_DTYPE_F16 && ((uintptr_t)dst & 1) == 0) {
-        dtype_f32_to_fp16_row(src, (fp16_t *)(void *)dst, elems);
-        return;
-    }
-#endif
-    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
-        for (size_t i = 0; i < elems; i++) {
-            uint16_t h = t == LINK_DTYPE_F16 ? f32_to_fp16(src[i]) : f32_to_bf16(src[i]);
-            dst[2 * i] = (uint8_t)h;
-            dst[2 * i + 1] = (uint8_t)(h >> 8);
-        }
-        return;
-    }
-    /* INT8: per row, the scale (F32, little-endian) then the values. */
-    for (size_t r = 0; r < elems / row; r++) {
-        const float *x = src + r * row;
-        uint8_t *o = dst + r * (row + sizeof(float));
-        float amax = 0;
-        for (size_t i = 0; i < row; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0;
-        uint32_t bits;
-        memcpy(&bits, &scale, 4);
-        for (int b = 0; b < 4; b++) o[b] = (uint8_t)(bits >> (8 * b));
-        for (size_t i = 0; i < row; i++) {
-            float q = roundf(x[i] * inv);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            o[4 + i] = (uint8_t)(int8_t)q;
-        }
-    }
-}
-
-static void lz_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row, float *dst) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    if (t == LINK_DTYPE_F16 && ((uintptr_t)src & 1) == 0) {
-        dtype_fp16_to_f32_row((const fp16_t *)(const void *)src, dst, elems);
-        return;
-    }
-#endif
-    if (t == LINK_DTYPE_F16 || t == LINK_DTYPE_BF16) {
-        for (size_t i = 0; i < elems; i++) {
-            uint16_t h = (uint16_t)(src[2 * i] | src[2 * i + 1] << 8);
-            dst[i] = t == LINK_DTYPE_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
-        }
-        return;
-    }
-    for (size_t r = 0; r < elems / row; r++) {
-        const uint8_t *in = src + r * (row + sizeof(float));
-        uint32_t bits = (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
-        float scale;
-        memcpy(&scale, &bits, 4);
-        for (size_t i = 0; i < row; i++) dst[r * row + i] = (float)(int8_t)in[4 + i] * scale;
-    }
-}
-
 static int64_t lz_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -164,7 +101,7 @@ static int lz_send(link_conn *l, uint64_t step_id, const void *buf, size_t bytes
             z->enc = p;
             z->enc_cap = wire;
         }
-        lz_encode(t, buf, bytes / sizeof(float), z->row, z->enc);
+        link_encode(t, buf, bytes / sizeof(float), z->row, z->enc);
         body = z->enc;
     }
     uint8_t hdr[LINK_ZMQ_HEADER];
@@ -398,7 +335,7 @@ static int lz_recv(link_conn *l, uint64_t step_id, void *buf, size_t bytes) {
                              (unsigned long long)step_id, (unsigned long long)size, bytes);
         unsigned t = (flags >> LZ_DTYPE_SHIFT) & 15u;
         if (bytes && t == LINK_DTYPE_F32) memcpy(buf, zio_parts_data(p, 1), bytes);
-        else if (bytes) lz_decode((enum link_dtype)t, zio_parts_data(p, 1), bytes / sizeof(float), flags >> LZ_ROW_SHIFT, buf);
+        else if (bytes) link_decode((enum link_dtype)t, zio_parts_data(p, 1), bytes / sizeof(float), flags >> LZ_ROW_SHIFT, buf);
         return STATUS_OK;
     }
 }

@@ -85,7 +85,7 @@ struct node {
     struct draft_req *dreqs;
     int32_t *res_draft;
     int32_t n_vocab, dim;
-    int device_links; /* links carry F16 device buffers (NCCL) */
+    int device_links; /* links carry device buffers (NCCL) */
 
     void *zctx;
     /* CURVE, unless cfg.insecure: this worker's keys, the router's public
@@ -149,7 +149,6 @@ struct node {
     int32_t target_ctx, kv_seqs; /* typical positions per sequence; sequences of it the KV holds */
     unsigned sized_auto;         /* enum sizing_auto: the limits chosen rather than given */
     float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
-    void *dev_in_f16, *dev_out_f16;          /* [n_tokens_max, dim] F16, device links */
     float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */
     /* The last stage's sampling, one row per logits row: [max(n_tokens_max,
      * n_seqs_max)] (a speculative sequence has k + 1). */

@@ -32,11 +32,6 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
                             size_t errlen) {
     int first = stage_is_first(n->s), last = stage_is_last(n->s);
     if (n->device_links) {
-        if (n->cfg.link_dtype >= 0 && n->cfg.link_dtype != LINK_DTYPE_F16) {
-            snprintf(err, errlen, "--link-dtype %s: the NCCL link carries f16 only (use auto or f16, or "
-                     "--transport zmq)", link_dtype_names[n->cfg.link_dtype]);
-            return STATUS_UNSUPPORTED;
-        }
         if (n->links_ok && n->links_epoch == n->epoch) return STATUS_OK;
         node_links_close(n, 0);
         if (first && last) {
@@ -60,16 +55,22 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         struct rconn *redis = NULL;
         int rc = rconn_open_url(n->s_redis, 2000, &redis, err, errlen);
         if (rc < 0) return rc;
+        /* NCCL has no header to name the type: both ends are given it (auto
+         * is F16 here) and check in Redis that they were given the same. */
+        struct link_nccl_opts o = {
+            .dtype = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F16,
+            .row_elems = (size_t)n->dim,
+            .bytes_max = (size_t)n->n_tokens_max * (size_t)n->dim * sizeof(float),
+            .timeout_ms = n->cfg.link_timeout_ms,
+        };
         char key[128];
         if (!first) {
             link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)(n->stage_index - 1), n->epoch);
-            rc = link_nccl_init(&n->rx, n->b, LINK_RECV, redis, key, n->cfg.link_timeout_ms, err,
-                                errlen);
+            rc = link_nccl_init(&n->rx, n->b, LINK_RECV, redis, key, &o, err, errlen);
         }
         if (rc == STATUS_OK && !last) {
             link_nccl_key(key, sizeof key, n->pipeline_id, (uint32_t)n->stage_index, n->epoch);
-            rc = link_nccl_init(&n->tx, n->b, LINK_SEND, redis, key, n->cfg.link_timeout_ms, err,
-                                errlen);
+            rc = link_nccl_init(&n->tx, n->b, LINK_SEND, redis, key, &o, err, errlen);
         }
         rconn_close(redis);
         if (rc < 0) return rc;
@@ -202,10 +203,7 @@ int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *bat
     size_t rows = (size_t)T * n->dim;
     int rc;
     if (link_on_device(n->rx)) {
-        rc = link_recv(n->rx, step, n->dev_in_f16, rows * 2);
-        if (rc == STATUS_OK)
-            rc = backend_convert(n->b, n->dev_in_f32, DTYPE_F32, n->dev_in_f16, DTYPE_F16,
-                                 (int64_t)rows);
+        rc = link_recv(n->rx, step, n->dev_in_f32, rows * sizeof(float));
         batch->hidden_in = n->dev_in_f32;
         batch->hidden_in_backend = 1;
     } else {
@@ -223,24 +221,19 @@ int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *bat
         n->rx_dropped_mark[r] = d;
     }
     if (rc < 0)
-        snprintf(err, errlen, "%s", link_errstr(n->rx)[0] ? link_errstr(n->rx) : backend_errstr(n->b));
+        snprintf(err, errlen, "%s", link_errstr(n->rx));
     return rc;
 }
 
 /* Sends this step's output rows to the next stage (out->hidden already
- * holds them for a host link). */
+ * holds them for a host link; an NCCL link encodes them from the stage's
+ * device buffer). */
 int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen) {
     size_t rows = (size_t)T * n->dim;
     int64_t t0 = node_now_us();
     int rc;
     if (link_on_device(n->tx)) {
-        rc = backend_convert(n->b, n->dev_out_f16, DTYPE_F16, forward_hidden(n->s), DTYPE_F32,
-                             (int64_t)rows);
-        if (rc < 0) {
-            snprintf(err, errlen, "hidden states to F16: %s", backend_errstr(n->b));
-            return rc;
-        }
-        rc = link_send(n->tx, step, n->dev_out_f16, rows * 2);
+        rc = link_send(n->tx, step, forward_hidden(n->s), rows * sizeof(float));
     } else {
         rc = link_send(n->tx, step, n->hidden_out_host, rows * sizeof(float));
     }
@@ -251,8 +244,9 @@ int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen
 
 /* Tells the next stage not to wait for a step that failed here.  ZeroMQ
  * carries a skip marker.  NCCL has no way to say it: when the step's size
- * is known (T > 0) the staging buffer goes out anyway, so that the next
- * stage's receive, already queued on its stream, completes; its result is
+ * is known (T > 0) the stage's output buffer goes out anyway, encoded as
+ * the link's type (so its size is what the next stage's receive, already
+ * queued on its stream, waits for) and the receive completes; its result is
  * meaningless and this stage's StepResult tells the router the step failed.
  * With T = 0 the plan was refused before its size was known, and the next
  * stage, checking the same plan, refuses it too. */
@@ -260,7 +254,7 @@ void node_skip_send(node *n, uint64_t step, int32_t T) {
     if (!n->tx || !n->links_ok) return;
     int rc;
     if (!link_on_device(n->tx)) rc = link_send(n->tx, step, NULL, 0);
-    else if (T > 0) rc = link_send(n->tx, step, n->dev_out_f16, (size_t)T * n->dim * 2);
+    else if (T > 0) rc = link_send(n->tx, step, forward_hidden(n->s), (size_t)T * n->dim * sizeof(float));
     else return;
     if (rc < 0)
         LOG(LL_WARN, "step %llu: telling the next stage it failed here: %s",

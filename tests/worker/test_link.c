@@ -2,8 +2,10 @@
  * delivery matched by step id, stale and early messages, skip markers,
  * epochs, large buffers, size mismatches, malformed messages dropped and
  * counted without failing the step, a vanished peer giving a bounded
- * error, CURVE admitting only the predecessor's key) and the NCCL link
- * between two GPUs (skipped without them). */
+ * error, CURVE admitting only the predecessor's key), the wire's element
+ * encoding (link_encode / link_decode), the Redis exchange that makes the
+ * two ends of an NCCL link agree on it, and the NCCL link between two GPUs
+ * with every element type (skipped without them). */
 #include "tests/test.h"
 
 #include "common/rconn.h"
@@ -449,44 +451,79 @@ TEST(link_zmq_curve_admits_only_the_predecessor) {
 
 /* ---- NCCL: two GPUs of this machine, one thread per stage ---- */
 
+/* Rows a stage might send: one of zeros, the others of different
+ * magnitudes (as hidden states have), the same on both sides for a type
+ * and step. */
+enum { T_NCCL_ROW = 256, T_NCCL_N = 1024 };
+static void t_nccl_rows(float *x, int type, uint64_t step) {
+    uint64_t rng = 0x9e3779b97f4a7c15ULL * (step + 1) + (uint64_t)type;
+    for (int i = 0; i < T_NCCL_N; i++) {
+        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        float u = (float)(rng >> 40) / (float)(1 << 24) - 0.5f;
+        x[i] = i / T_NCCL_ROW == 1 ? 0.0f : u * (i / T_NCCL_ROW == 2 ? 3e4f : 1.5f);
+    }
+}
+
 struct t_nccl_side {
     int device;
     enum link_dir dir;
     const char *redis_url;
     int rc;
     char err[512];
-    float result[1024];
+    float result[T_NCCL_N];
 };
 
+/* For each element type, a link of its own (link index = type) carrying
+ * three steps; the receiver checks each step's rows against the host
+ * codec's round trip of the same rows, bit for bit (the GPU codec writes
+ * the host's bytes: tests/kernels/test_cuda_link_codec.c). */
 static void *t_nccl_main(void *arg) {
     struct t_nccl_side *s = arg;
     backend *b = NULL;
     struct rconn *r = NULL;
-    link_conn *l = NULL;
     s->rc = backend_cuda_init(&b, s->device, s->err, sizeof s->err);
     if (s->rc == 0) s->rc = rconn_open_url(s->redis_url, 2000, &r, s->err, sizeof s->err);
-    char key[96];
-    link_nccl_key(key, sizeof key, 7, 0, 3);
-    if (s->rc == 0) s->rc = link_nccl_init(&l, b, s->dir, r, key, 20000, s->err, sizeof s->err);
     size_t bytes = sizeof s->result;
     float *dev = s->rc == 0 ? backend_alloc(b, bytes) : NULL;
     if (s->rc == 0 && !dev) s->rc = STATUS_NO_MEMORY;
-    for (uint64_t step = 1; s->rc == 0 && step <= 3; step++) {
-        if (s->dir == LINK_SEND) {
-            float host[1024];
-            for (int i = 0; i < 1024; i++) host[i] = (float)step * 1000 + i;
-            s->rc = backend_upload(b, dev, host, bytes);
-            if (s->rc == 0) s->rc = link_send(l, step, dev, bytes);
-            if (s->rc == 0) s->rc = backend_sync(b);
-        } else {
-            s->rc = link_recv(l, step, dev, bytes);
-            if (s->rc == 0) s->rc = backend_download(b, s->result, dev, bytes);
-            if (s->rc == 0 && s->result[5] != (float)step * 1000 + 5) s->rc = STATUS_INTERNAL;
+    for (int t = 0; s->rc == 0 && t < LINK_DTYPE_N; t++) {
+        link_conn *l = NULL;
+        char key[96];
+        link_nccl_key(key, sizeof key, 7, (uint32_t)t, 3);
+        struct link_nccl_opts o = {(enum link_dtype)t, T_NCCL_ROW, bytes, 20000};
+        s->rc = link_nccl_init(&l, b, s->dir, r, key, &o, s->err, sizeof s->err);
+        for (uint64_t step = 1; s->rc == 0 && step <= 3; step++) {
+            float host[T_NCCL_N];
+            t_nccl_rows(host, t, step);
+            if (s->dir == LINK_SEND) {
+                s->rc = backend_upload(b, dev, host, bytes);
+                if (s->rc == 0) s->rc = link_send(l, step, dev, bytes);
+                if (s->rc == 0) s->rc = backend_sync(b);
+                if (s->rc == 0 && link_wire_bytes_sent(l) != step * link_dtype_wire_bytes(t, bytes, T_NCCL_ROW)) {
+                    snprintf(s->err, sizeof s->err, "%s: %llu bytes on the wire after step %llu", link_dtype_names[t],
+                             (unsigned long long)link_wire_bytes_sent(l), (unsigned long long)step);
+                    s->rc = STATUS_INTERNAL;
+                }
+            } else {
+                s->rc = link_recv(l, step, dev, bytes);
+                if (s->rc == 0) s->rc = backend_download(b, s->result, dev, bytes);
+                uint8_t wire[T_NCCL_N * 4];
+                float want[T_NCCL_N];
+                link_encode((enum link_dtype)t, host, T_NCCL_N, T_NCCL_ROW, wire);
+                link_decode((enum link_dtype)t, wire, T_NCCL_N, T_NCCL_ROW, want);
+                for (int i = 0; s->rc == 0 && i < T_NCCL_N; i++)
+                    if (memcmp(&want[i], &s->result[i], sizeof want[i]) != 0) {
+                        snprintf(s->err, sizeof s->err, "%s step %llu: element %d is %.9g, the host codec's "
+                                 "round trip %.9g", link_dtype_names[t], (unsigned long long)step, i,
+                                 s->result[i], want[i]);
+                        s->rc = STATUS_INTERNAL;
+                    }
+            }
+            if (s->rc < 0 && !s->err[0] && l) snprintf(s->err, sizeof s->err, "%s", link_errstr(l));
         }
-        if (s->rc < 0 && !s->err[0] && l) snprintf(s->err, sizeof s->err, "%s", link_errstr(l));
+        link_free(l);
     }
     if (dev) backend_dealloc(b, dev);
-    link_free(l);
     rconn_close(r);
     backend_free(b);
     return NULL;
@@ -509,7 +546,154 @@ TEST(link_nccl_two_gpus) {
     ASSERT_OK(fixture_redis_stop(&f));
     if (tx.rc < 0) TEST_FAIL("sender: %d %s", tx.rc, tx.err);
     if (rx.rc < 0) TEST_FAIL("receiver: %d %s", rx.rc, rx.err);
-    ASSERT_EQ(3000.0f + 1023, rx.result[1023]);
+}
+
+/* ---- the wire's element encoding (link_encode / link_decode) ---- */
+
+/* Every type round-trips within its precision for rows of several widths,
+ * writes exactly link_dtype_wire_bytes (a guard after it stays), gives the
+ * same bytes at an odd address (the byte loop) as at an even one (whole
+ * rows through F16C where the CPU has it), and INT8 carries each row's
+ * scale, amax / 127, with rows of zeros as zeros. */
+TEST(link_codec_round_trip) {
+    static const size_t widths[] = {1, 3, 64, 1000};
+    enum { ROWS = 5, WMAX = 1000 };
+    float *x = malloc(sizeof(float) * ROWS * WMAX), *y = malloc(sizeof(float) * ROWS * WMAX);
+    float *y2 = malloc(sizeof(float) * ROWS * WMAX);
+    uint8_t *w = malloc(ROWS * WMAX * 4 + 16), *w2 = malloc(ROWS * WMAX * 4 + 16);
+    ASSERT_TRUE(x && y && y2 && w && w2);
+    uint64_t rng = 777;
+    for (size_t wi = 0; wi < sizeof widths / sizeof *widths; wi++) {
+        size_t row = widths[wi], n = ROWS * row;
+        /* row 0 small, 1 zeros, 2 large for F16 (the largest finite F16 is
+         * 65504), 3 tiny (1e-3 of F16's smallest normal, 6.1e-5), 4 mixed */
+        static const float mag[ROWS] = {1.0f, 0.0f, 6e4f, 6e-8f, 100.0f};
+        for (size_t i = 0; i < n; i++) {
+            rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+            float u = (float)(rng >> 40) / (float)(1 << 24) - 0.5f;
+            x[i] = u * 2 * mag[i / row] * (i / row == 4 && i % 2 ? 1e-3f : 1.0f);
+        }
+        for (int t = 0; t < LINK_DTYPE_N; t++) {
+            size_t wire = link_dtype_wire_bytes((enum link_dtype)t, n * sizeof(float), row);
+            memset(w, 0xa5, wire + 16);
+            link_encode((enum link_dtype)t, x, n, row, w);
+            for (size_t i = wire; i < wire + 16; i++)
+                if (w[i] != 0xa5) TEST_FAIL("%s, rows of %zu: byte %zu past the %zu on the wire written",
+                                            link_dtype_names[t], row, i, wire);
+            link_encode((enum link_dtype)t, x, n, row, w2 + 1);
+            if (memcmp(w, w2 + 1, wire) != 0)
+                TEST_FAIL("%s, rows of %zu: other bytes at an odd address", link_dtype_names[t], row);
+            link_decode((enum link_dtype)t, w, n, row, y);
+            link_decode((enum link_dtype)t, w2 + 1, n, row, y2);
+            if (memcmp(y, y2, n * sizeof(float)) != 0)
+                TEST_FAIL("%s, rows of %zu: other floats from an odd address", link_dtype_names[t], row);
+            for (size_t r = 0; r < ROWS; r++) {
+                float amax = 0;
+                for (size_t i = 0; i < row; i++) amax = fmaxf(amax, fabsf(x[r * row + i]));
+                if (t == LINK_DTYPE_INT8) {
+                    float scale;
+                    memcpy(&scale, w + r * (row + 4), 4);
+                    ASSERT_EQ(amax / 127.0f, scale);
+                }
+                for (size_t i = 0; i < row; i++) {
+                    float v = x[r * row + i], d = y[r * row + i];
+                    /* F16: half an ulp (2^-11 relative) for normals, 2^-25 below;
+                     * BF16: 2^-8 relative; INT8: half a step of amax / 127. */
+                    double bound = t == LINK_DTYPE_F32    ? 0
+                                   : t == LINK_DTYPE_F16  ? fmax(fabs(v) / 2048, 1.0 / (1 << 25))
+                                   : t == LINK_DTYPE_BF16 ? fabs(v) / 256
+                                                          : amax / 127.0 * 0.5000001;
+                    if (!(fabs((double)d - v) <= bound))
+                        TEST_FAIL("%s, rows of %zu, row %zu: %.9g came back %.9g (bound %.3g)",
+                                  link_dtype_names[t], row, r, v, d, bound);
+                    if (r == 1 && d != 0) TEST_FAIL("%s: a row of zeros came back with %.9g", link_dtype_names[t], d);
+                }
+            }
+        }
+    }
+    free(x);
+    free(y);
+    free(y2);
+    free(w);
+    free(w2);
+}
+
+/* ---- the NCCL link's Redis exchange (no GPU needed) ---- */
+
+struct t_exchange {
+    const char *url, *key;
+    enum link_dir dir;
+    enum link_dtype t;
+    size_t row;
+    uint8_t id[LINK_NCCL_ID_BYTES];
+    int rc;
+    char err[512];
+};
+
+static void *t_exchange_run(void *arg) {
+    struct t_exchange *e = arg;
+    struct rconn *r = NULL;
+    e->rc = rconn_open_url(e->url, 2000, &r, e->err, sizeof e->err);
+    if (e->rc == 0)
+        e->rc = link_nccl_exchange(r, e->key, e->dir, e->id, e->t, e->row, 3000, e->err, sizeof e->err);
+    rconn_close(r);
+    return NULL;
+}
+
+static void t_exchange_pair(struct t_exchange *tx, struct t_exchange *rx) {
+    pthread_t a, b;
+    ASSERT_EQ(0, pthread_create(&a, NULL, t_exchange_run, tx));
+    ASSERT_EQ(0, pthread_create(&b, NULL, t_exchange_run, rx));
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+}
+
+/* The same type: the receiver gets the sender's id, both go on. */
+TEST(link_nccl_exchange_agrees) {
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    struct t_exchange tx = {f.url, "llm:nccl:3:1:9", LINK_SEND, LINK_DTYPE_INT8, 4096, {0}, 0, ""};
+    struct t_exchange rx = {f.url, "llm:nccl:3:1:9", LINK_RECV, LINK_DTYPE_INT8, 4096, {0}, 0, ""};
+    for (int i = 0; i < LINK_NCCL_ID_BYTES; i++) tx.id[i] = (uint8_t)(i * 7 + 1);
+    t_exchange_pair(&tx, &rx);
+    ASSERT_OK(fixture_redis_stop(&f));
+    if (tx.rc < 0) TEST_FAIL("sender: %d %s", tx.rc, tx.err);
+    if (rx.rc < 0) TEST_FAIL("receiver: %d %s", rx.rc, rx.err);
+    ASSERT_TRUE(memcmp(tx.id, rx.id, LINK_NCCL_ID_BYTES) == 0);
+}
+
+/* Stages given different --link-dtype (or widths): both ends fail at
+ * once, each naming both types, instead of one reading the other's bytes
+ * as its own type or waiting out its timeout. */
+TEST(link_nccl_exchange_type_mismatch) {
+    struct redis_fixture f;
+    fixture_redis_start(&f, 0);
+    struct t_exchange tx = {f.url, "llm:nccl:3:1:9", LINK_SEND, LINK_DTYPE_BF16, 4096, {0}, 0, ""};
+    struct t_exchange rx = {f.url, "llm:nccl:3:1:9", LINK_RECV, LINK_DTYPE_INT8, 4096, {0}, 0, ""};
+    int64_t t0 = t_now_ms();
+    t_exchange_pair(&tx, &rx);
+    ASSERT_TRUE(t_now_ms() - t0 < 2500);
+    ASSERT_EQ(STATUS_BAD_INPUT, tx.rc);
+    ASSERT_EQ(STATUS_BAD_INPUT, rx.rc);
+    ASSERT_TRUE(strstr(tx.err, "this stage sends bf16 rows of 4096, the next stage expects int8") != NULL);
+    ASSERT_TRUE(strstr(rx.err, "the previous stage sends bf16 rows of 4096, this stage expects int8") != NULL);
+    ASSERT_TRUE(strstr(rx.err, "llm:nccl:3:1:9") != NULL);
+    /* The same type, other widths (another model): refused too. */
+    tx.key = rx.key = "llm:nccl:3:1:10";
+    tx.t = rx.t = LINK_DTYPE_F16;
+    rx.row = 2048;
+    t_exchange_pair(&tx, &rx);
+    ASSERT_EQ(STATUS_BAD_INPUT, tx.rc);
+    ASSERT_EQ(STATUS_BAD_INPUT, rx.rc);
+    ASSERT_TRUE(strstr(rx.err, "sends f16 rows of 4096, this stage expects f16 rows of 2048") != NULL);
+    /* No receiver: the sender's wait ends at its timeout, saying so. */
+    tx.key = "llm:nccl:3:1:11";
+    t0 = t_now_ms();
+    t_exchange_run(&tx);
+    ASSERT_EQ(STATUS_TIMEOUT, tx.rc);
+    ASSERT_TRUE(t_now_ms() - t0 >= 2900);
+    ASSERT_TRUE(strstr(tx.err, "the next stage published nothing") != NULL);
+    ASSERT_OK(fixture_redis_stop(&f));
 }
 
 TEST(link_nccl_needs_cuda_backend) {
@@ -517,7 +701,8 @@ TEST(link_nccl_needs_cuda_backend) {
     char err[512];
     ASSERT_OK(backend_cpu_init(&b, 1, err, sizeof err));
     link_conn *l = NULL;
-    int rc = link_nccl_init(&l, b, LINK_SEND, NULL, "llm:nccl:0:0:0", 100, err, sizeof err);
+    struct link_nccl_opts o = {LINK_DTYPE_F16, 64, 64 * 4, 100};
+    int rc = link_nccl_init(&l, b, LINK_SEND, NULL, "llm:nccl:0:0:0", &o, err, sizeof err);
     ASSERT_TRUE(rc < 0);
     ASSERT_TRUE(l == NULL);
     ASSERT_TRUE(strstr(err, "llm:nccl:0:0:0") != NULL);
@@ -576,5 +761,6 @@ TEST_MAIN(link_zmq_ordered_by_step, link_zmq_stale_dropped_early_kept, link_zmq_
           link_zmq_malformed_dropped_and_counted,
           link_zmq_wrong_direction, link_zmq_peer_gone_times_out, link_zmq_send_gives_up_on_new_placement,
           link_zmq_recv_gives_up_on_new_placement, link_zmq_bad_endpoint,
-          link_nccl_two_gpus, link_nccl_needs_cuda_backend,
+          link_nccl_two_gpus, link_nccl_needs_cuda_backend, link_codec_round_trip,
+          link_nccl_exchange_agrees, link_nccl_exchange_type_mismatch,
           link_zmq_curve_admits_only_the_predecessor, link_zmq_dtype_round_trip)
