@@ -86,13 +86,15 @@ static void fill_row(float *x, size_t w, int kind) {
 /* Encodes rows of width w on both sides and compares the bytes; decodes the
  * host's bytes on both sides and compares the floats. */
 static void check_width(size_t w, size_t rows) {
-    size_t n = w * rows;
+    /* The widest wire: F32's 4 bytes a value, or INT8's 1 and a 4-byte
+     * scale a row (rows of 1 and 2: 5 and 3 bytes a value). */
+    size_t n = w * rows, wmax = n * 4 + rows * 4;
     float *x = malloc(n * sizeof *x), *want = malloc(n * sizeof *want), *got = malloc(n * sizeof *got);
-    uint8_t *hw = malloc(n * 4), *gw = malloc(n * 4);
+    uint8_t *hw = malloc(wmax), *gw = malloc(wmax);
     ASSERT_TRUE(x && want && got && hw && gw);
     for (size_t r = 0; r < rows; r++) fill_row(x + r * w, w, (int)(r % ROW_KINDS));
     float *dx = fx_dev(n * 4), *dy = fx_dev(n * 4);
-    void *dw = fx_dev(n * 4);
+    void *dw = fx_dev(wmax);
     void *stream = backend_cuda_stream(fx.gpu);
     char err[256];
     ASSERT_OK(backend_upload(fx.gpu, dx, x, n * 4));
