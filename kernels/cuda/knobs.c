@@ -115,6 +115,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "the tensor-core flash attention for batches with prefill rows (false: the general kernel, "
          "to compare; read on every attention)",
          &k->prefill_tc, 0, 0, NULL},
+        {"cuda-mmq-stage", "LLM_CUDA_MMQ_STAGE", OPTION_INT, "2",
+         "most tiles of 8 tokens a warp of matmul_mmq.cu whose weights come through shared memory in "
+         "16-byte loads, which measured faster up to 16 tokens (0: every weight straight to the "
+         "fragments, to compare; read on every launch)",
+         &k->mmq_stage, 0, 4, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;

@@ -46,10 +46,11 @@ struct cuda_knobs {
     int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
     int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
     bool prefill_tc;     /* LLM_CUDA_PREFILL_TC (read again on every attention) */
+    int mmq_stage;       /* LLM_CUDA_MMQ_STAGE (read again on every matmul_mmq.cu launch) */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 22
+#define CUDA_KNOBS_N 23
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
