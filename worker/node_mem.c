@@ -256,19 +256,18 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
                        kvcache_block_bytes((enum dtype)sc.kv_type, cfg->kv_block_size, hp->n_kv_heads, hp->head_dim);
     size_t mem_free = 0, mem_total = 0;
     backend_mem_info(n->b, &mem_free, &mem_total);
-    /* The draft beside the last stage shares the budget: its weights,
-     * workspace and extra blocks first, and a block of its own for every
-     * block of the stage's (draft_budget). */
+    /* The draft beside the last stage shares the budget (sizing.h:
+     * node_draft_budget's bytes). */
     struct node_draft_budget db = {0, 0};
     int rc = end == hp->n_layers ? node_draft_budget(n, gpu, (enum dtype)sc.kv_type, &db, err, errlen) : STATUS_OK;
     if (rc != STATUS_OK) return rc;
     /* Steps and KV from the memory budget, unless the flags give them
      * (worker/sizing.h); a stage holds the KV of every micro-batch in
      * flight, one per stage of its pipeline. */
-    struct sizing_input si = {gpu, mem_free, cfg->mem_fraction, weights + db.fixed, per_block + db.per_block,
+    struct sizing_input si = {gpu, mem_free, cfg->mem_fraction, weights, per_block,
                               cfg->kv_block_size, hp->dim, hp->ffn_dim, hp->n_vocab, ctx,
                               cfg->target_ctx, n->stage_count, cfg->kv_blocks, cfg->max_seqs,
-                              cfg->max_batch_tokens};
+                              cfg->max_batch_tokens, db.fixed, db.per_block};
     struct sizing sz;
     char why[400];
     rc = sizing_choose(&sz, &si, why, sizeof why);

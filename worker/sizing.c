@@ -38,9 +38,10 @@ static int32_t sizing_seqs_for(int32_t kv_seqs, int32_t stages) {
 /* KV blocks the budget leaves after weights and a workspace, or -1 when
  * not one fits. */
 static int64_t sizing_blocks_for(const struct sizing_input *in, double budget, size_t work) {
-    double left = budget - (double)in->weight_bytes - (double)work;
-    if (left < (double)in->kv_block_bytes) return -1;
-    double nb = left / (double)in->kv_block_bytes;
+    double left = budget - (double)in->weight_bytes - (double)work - (double)in->draft_bytes;
+    double per = (double)in->kv_block_bytes + (double)in->draft_block_bytes;
+    if (left < per) return -1;
+    double nb = left / per;
     return nb > (double)(1 << 24) ? (1 << 24) : (int64_t)nb;
 }
 
@@ -84,11 +85,13 @@ int sizing_choose(struct sizing *out, const struct sizing_input *in, char *err, 
         if (blocks < 1)
             return status_fail(err, errlen, STATUS_NO_MEMORY,
                                "weights %.2f GiB + workspace ~%.2f GiB (%d tokens, %d sequences "
-                               "per step) leave no room for a KV block (%.2f MiB) in %.2f of "
+                               "per step)%s%.2f GiB leave no room for a KV block (%.2f MiB) in %.2f of "
                                "%.2f GiB free (--mem-fraction %.2f): use more stages or a "
                                "smaller model",
                                sizing_gib((double)in->weight_bytes), sizing_gib((double)work),
-                               tokens_hi, seqs_hi, in->kv_block_bytes / 1048576.0, in->mem_fraction,
+                               tokens_hi, seqs_hi, in->draft_bytes ? " + the draft model " : "",
+                               in->draft_bytes ? sizing_gib((double)in->draft_bytes) : 0.0,
+                               (in->kv_block_bytes + in->draft_block_bytes) / 1048576.0, in->mem_fraction,
                                sizing_gib((double)in->mem_free), in->mem_fraction);
         if (!given_seqs) {
             seqs = sizing_seqs_for((int32_t)(blocks / per_seq), stages);
@@ -100,6 +103,17 @@ int sizing_choose(struct sizing *out, const struct sizing_input *in, char *err, 
         if (given_blocks)
             snprintf(kv_part, sizeof kv_part, "KV: %d blocks (--kv-blocks) x %d = %lld positions",
                      out->kv_blocks, bs, (long long)blocks * bs);
+        else if (in->draft_bytes || in->draft_block_bytes)
+            snprintf(kv_part, sizeof kv_part,
+                     "KV: %.2f x %.2f GiB free = %.2f GiB - weights %.2f GiB - workspace %.2f GiB "
+                     "- draft %.2f GiB = %.2f GiB / (%.3f + the draft's %.3f) MiB a block = %d blocks x %d = "
+                     "%lld positions",
+                     in->mem_fraction, sizing_gib((double)in->mem_free), sizing_gib(budget),
+                     sizing_gib((double)in->weight_bytes), sizing_gib((double)work),
+                     sizing_gib((double)in->draft_bytes),
+                     sizing_gib(budget - (double)in->weight_bytes - (double)work - (double)in->draft_bytes),
+                     in->kv_block_bytes / 1048576.0, in->draft_block_bytes / 1048576.0, out->kv_blocks, bs,
+                     (long long)blocks * bs);
         else
             snprintf(kv_part, sizeof kv_part,
                      "KV: %.2f x %.2f GiB free = %.2f GiB - weights %.2f GiB - workspace %.2f GiB "

@@ -48,6 +48,11 @@ struct sizing_input {
                                micro-batch in flight, one per stage */
     /* Given values; 0 (or less): choose. */
     int32_t kv_blocks, max_seqs, max_tokens;
+    /* A draft model beside the stage (--draft-model; 0s without): what it
+     * takes whatever the KV (its weights on a GPU, workspace, the blocks
+     * of its guesses), and its bytes for each block of the stage's, since
+     * its pool mirrors the stage's blocks. */
+    size_t draft_bytes, draft_block_bytes;
 };
 
 struct sizing {
@@ -67,7 +72,8 @@ size_t sizing_workspace_bytes(int gpu, int32_t max_tokens, int32_t max_seqs, int
                               int32_t ffn_dim, int32_t n_vocab);
 
 /* Fills *out.  On a GPU the KV blocks are what mem_free x mem_fraction
- * leaves after the weights and the workspace; sequences per step are the
+ * leaves after the weights, the workspace and a draft's fixed bytes, each
+ * block with the draft's block beside it; sequences per step are the
  * sequences of target_ctx that those blocks hold, divided by stage_count,
  * at most SIZING_SEQS_MAX, rounded down to a multiple of 8 from 16 up;
  * tokens per step are one per sequence plus SIZING_PREFILL_CHUNK, rounded up

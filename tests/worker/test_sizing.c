@@ -1,6 +1,6 @@
 /* Tests of the worker's sizing from its memory budget (worker/sizing.h) on
  * made-up cards: a 16 GB T4 with a 7B Q4_K_M shape in one and in two
- * stages, with F16 and 8-bit KV, an 80 GB H100, flags that override, the
+ * stages, with F16 and 8-bit KV, with a draft model, an 80 GB H100, flags that override, the
  * CPU's small defaults, and a model that does not fit.  The expected
  * numbers are worked out by hand in the comments. */
 #include "../test.h"
@@ -58,6 +58,32 @@ TEST(sizing_t4_7b_q4km_one_stage) {
     ASSERT_TRUE(strstr(sz.why, "1131 blocks x 16 = 18096 positions = 8 sequences of 2048") != NULL);
     ASSERT_TRUE(strstr(sz.why, "max-seqs 8 (8 / 1 stage,") != NULL);
     ASSERT_TRUE(strstr(sz.why, "max-batch-tokens 576 (8 + 512") != NULL);
+}
+
+/* A draft model beside the stage (--draft-model) shares the budget: its
+ * fixed bytes come off first and every block of the stage's has the
+ * draft's beside it.  A made-up draft of 1024 MiB fixed and 1 MiB a block:
+ * 13437 - 3891 - 576 - 1024 = 7946 MiB / 9 MiB = 882 blocks, 6 sequences
+ * of 2048, 576 tokens; their workspace, 576 x 263168 + 6 x 128000 + 352
+ * MiB = 521451520 bytes, leaves 8414513152 bytes = 891 blocks of 9 MiB. */
+TEST(sizing_t4_7b_q4km_with_draft) {
+    struct sizing_input in = shape_7b(14930 * MIB, 3891 * MIB, 32, DTYPE_F16);
+    in.draft_bytes = 1024 * MIB;
+    in.draft_block_bytes = MIB;
+    struct sizing sz;
+    char err[512];
+    ASSERT_OK(sizing_choose(&sz, &in, err, sizeof err));
+    ASSERT_EQ(891, sz.kv_blocks);
+    ASSERT_EQ(6, sz.kv_seqs);
+    ASSERT_EQ(6, sz.max_seqs);
+    ASSERT_EQ(576, sz.max_tokens);
+    ASSERT_EQ((size_t)891 * 8 * MIB, sz.kv_bytes);
+    ASSERT_TRUE(strstr(sz.why, "- draft 1.00 GiB") != NULL);
+    ASSERT_TRUE(strstr(sz.why, "(8.000 + the draft's 1.000) MiB a block = 891 blocks") != NULL);
+    /* A draft that leaves no room for a block is refused, naming it. */
+    in.draft_bytes = 9000 * MIB;
+    ASSERT_EQ(STATUS_NO_MEMORY, sizing_choose(&sz, &in, err, sizeof err));
+    ASSERT_TRUE(strstr(err, "the draft model 8.79 GiB") != NULL);
 }
 
 TEST(sizing_t4_7b_q4km_two_stages) {
@@ -189,6 +215,6 @@ TEST(sizing_refuses_what_does_not_fit) {
     ASSERT_TRUE(strstr(err, "block size 0") != NULL);
 }
 
-TEST_MAIN(sizing_t4_7b_q4km_one_stage, sizing_t4_7b_q4km_two_stages, sizing_t4_7b_q4km_q8_kv,
+TEST_MAIN(sizing_t4_7b_q4km_one_stage, sizing_t4_7b_q4km_with_draft, sizing_t4_7b_q4km_two_stages, sizing_t4_7b_q4km_q8_kv,
           sizing_h100_7b_q4km, sizing_flags_override, sizing_cpu_keeps_small_defaults,
           sizing_refuses_what_does_not_fit)
