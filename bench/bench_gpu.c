@@ -4,7 +4,10 @@
  * context) and prefill tokens/s of one prompt, each set against a ceiling
  * measured by the same program in the same run through the backend's own
  * ops: decode against the copy bandwidth (bytes a step must read: weights
- * plus the KV cache), prefill against the F16 GEMM rate.
+ * plus the KV cache), prefill against the F16 GEMM rate.  This file measures
+ * (the ceilings, each model's prefill, decode and --verify steps) and runs
+ * the models; the options are gpu_options.c's, the rows and the table and
+ * JSON written from them gpu_report.c's.
  *
  *   bench_gpu --device cuda:0 [--shapes tinyllama-1.1b,llama2-7b]
  *             [--types f16,q8_0,q4_k_m] [--batches 1,8,32,64] [--ctx 512]
@@ -16,11 +19,13 @@
  *   bench_gpu --shapes llama2-7b --types q4_k_m --batches 1 --verify 4
  *             (speculation's verification cost: one sequence's step of 4 + 1
  *             tokens against a one-token step at the same context) */
+#include "bench/gpu_options.h"
+#include "bench/gpu_report.h"
+
 #include "common/dtype.h"
 #include "common/kvblocks.h"
 #include "common/log.h"
 #include "common/model.h"
-#include "common/options.h"
 #include "common/status.h"
 #include "kernels/backend.h"
 #include "worker/forward.h"
@@ -36,9 +41,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-
-#define BENCH_LIST_MAX 16
-#define BENCH_ROWS_MAX 1024
 
 /* Set by SIGTERM/SIGINT (a time limit): the run stops after the current
  * step and still prints the rows it has. */
@@ -65,149 +67,7 @@ static double bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* ---- Options ---- */
-
-struct bench_opts {
-    const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out, *kv_types;
-    const char *model; /* --model: a GGUF file instead of synthetic shapes */
-    int logits; /* --out logits: each step downloads the logits instead of sampling */
-    int ctx, prompt, steps, warmup, prefill_reps, threads;
-    int verify; /* --verify K: time a step of K + 1 tokens of one sequence (0: not) */
-    int64_t copy_bytes;
-    int gemm_size, gemm_tokens;
-    /* Parsed lists. */
-    const char *shape_v[BENCH_LIST_MAX];
-    int n_shapes;
-    enum synth_type type_v[BENCH_LIST_MAX];
-    int n_types;
-    int32_t batch_v[BENCH_LIST_MAX];
-    int n_batches;
-    int32_t batch_max;
-    enum dtype kv_v[BENCH_LIST_MAX];
-    int n_kv;
-    int64_t cap_budget;  /* the capacity line's memory budget (weights + KV), bytes; 0: none */
-    int cap_ctx;         /* and the context each sequence holds */
-};
-
-/* Splits a comma-separated list into items (written into buf, a copy of s)
- * and checks each against its kind.  Returns the count or a negative status
- * with err naming the flag and the item. */
-static int bench_split(const char *flag, const char *s, char *buf, size_t buflen, char **items, char *err,
-                       size_t errlen) {
-    if (strlen(s) + 1 > buflen) {
-        snprintf(err, errlen, "--%s: list of %zu characters is too long", flag, strlen(s));
-        return STATUS_BAD_INPUT;
-    }
-    memcpy(buf, s, strlen(s) + 1);
-    int n = 0;
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (n == BENCH_LIST_MAX) {
-            snprintf(err, errlen, "--%s: more than %d items in \"%s\"", flag, BENCH_LIST_MAX, s);
-            return STATUS_BAD_INPUT;
-        }
-        items[n++] = tok;
-    }
-    if (n == 0) {
-        snprintf(err, errlen, "--%s: empty list \"%s\"", flag, s);
-        return STATUS_BAD_INPUT;
-    }
-    return n;
-}
-
-static char bench_shape_buf[512];
-
-static int bench_parse_lists(struct bench_opts *o, char *err, size_t errlen) {
-    char *items[BENCH_LIST_MAX];
-    int n = bench_split("shapes", o->shapes, bench_shape_buf, sizeof bench_shape_buf, items, err, errlen);
-    if (n < 0) return n;
-    for (int i = 0; i < n; i++) {
-        struct synth_shape sh;
-        if (synth_shape_preset(items[i], &sh) != STATUS_OK) {
-            snprintf(err, errlen, "--shapes: unknown shape \"%s\" (worker/synth.h presets: tiny, 100m, "
-                     "tinyllama-1.1b, llama2-7b, llama3-8b, llama2-13b)", items[i]);
-            return STATUS_BAD_INPUT;
-        }
-        o->shape_v[i] = items[i];
-    }
-    o->n_shapes = n;
-
-    char buf[512];
-    n = bench_split("types", o->types, buf, sizeof buf, items, err, errlen);
-    if (n < 0) return n;
-    for (int i = 0; i < n; i++) {
-        int k = 0;
-        while (synth_type_names[k] && strcmp(synth_type_names[k], items[i]) != 0) k++;
-        if (!synth_type_names[k]) {
-            snprintf(err, errlen, "--types: unknown type \"%s\" (f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k)",
-                     items[i]);
-            return STATUS_BAD_INPUT;
-        }
-        o->type_v[i] = (enum synth_type)k;
-    }
-    o->n_types = n;
-
-    n = bench_split("batches", o->batches, buf, sizeof buf, items, err, errlen);
-    if (n < 0) return n;
-    o->batch_max = 0;
-    for (int i = 0; i < n; i++) {
-        char *end = NULL;
-        errno = 0;
-        long v = strtol(items[i], &end, 10);
-        if (errno || !end || *end || v < 1 || v > 1024) {
-            snprintf(err, errlen, "--batches: \"%s\" is not a batch size from 1 to 1024", items[i]);
-            return STATUS_BAD_INPUT;
-        }
-        o->batch_v[i] = (int32_t)v;
-        if (v > o->batch_max) o->batch_max = (int32_t)v;
-    }
-    o->n_batches = n;
-
-    n = bench_split("kv-type", o->kv_types, buf, sizeof buf, items, err, errlen);
-    if (n < 0) return n;
-    for (int i = 0; i < n; i++) {
-        if (strcmp(items[i], "f16") == 0) o->kv_v[i] = DTYPE_F16;
-        else if (strcmp(items[i], "q8_0") == 0) o->kv_v[i] = DTYPE_Q8_0;
-        else if (strcmp(items[i], "f32") == 0) o->kv_v[i] = DTYPE_F32;
-        else {
-            snprintf(err, errlen, "--kv-type: unknown KV cache type \"%s\" (f16, q8_0, f32)", items[i]);
-            return STATUS_BAD_INPUT;
-        }
-    }
-    o->n_kv = n;
-    return STATUS_OK;
-}
-
-/* "cpu" -> -1; "cuda" / "cuda:N" -> N (>= 0). */
-static int bench_parse_device(const char *s, int *device, char *err, size_t errlen) {
-    if (strcmp(s, "cpu") == 0) {
-        *device = -1;
-        return STATUS_OK;
-    }
-    if (strcmp(s, "cuda") == 0) {
-        *device = 0;
-        return STATUS_OK;
-    }
-    if (strncmp(s, "cuda:", 5) == 0) {
-        char *end = NULL;
-        errno = 0;
-        long v = strtol(s + 5, &end, 10);
-        if (!errno && end && end != s + 5 && !*end && v >= 0 && v < 1024) {
-            *device = (int)v;
-            return STATUS_OK;
-        }
-    }
-    snprintf(err, errlen, "--device: \"%s\" is not cpu, cuda or cuda:N", s);
-    return STATUS_BAD_INPUT;
-}
-
 /* ---- Ceilings, measured through the backend's ops ---- */
-
-struct bench_ceilings {
-    double bw;         /* bytes/s, copy: read + written */
-    double gemm;       /* FLOP/s, F16 matmul without the activation conversion (GPU) */
-    double gemm_conv;  /* FLOP/s, the same matmul with the conversion */
-    char bw_how[256], gemm_how[320];
-};
 
 /* Runs fn repeatedly: a warm-up, then rounds of enough calls to last about
  * 50 ms each, synchronized; returns the median per-call time, or < 0 on a
@@ -288,7 +148,7 @@ static int bench_fill(backend *b, void *dst, size_t bytes, enum dtype t, uint32_
     return rc;
 }
 
-static int bench_ceilings_measure(backend *b, const struct bench_opts *o, struct bench_ceilings *c, char *err,
+static int bench_ceilings_measure(backend *b, const struct gpu_options *o, struct gpu_report_ceilings *c, char *err,
                                   size_t errlen) {
     int gpu = backend_is_gpu(b);
     memset(c, 0, sizeof *c);
@@ -377,47 +237,7 @@ static int bench_ceilings_measure(backend *b, const struct bench_opts *o, struct
     return STATUS_OK;
 }
 
-/* ---- Results ---- */
-
-struct bench_row {
-    char shape[32], type[16], phase[8], kv[8];
-    char setting[64];   /* --ab: the environment this row ran under */
-    int32_t batch, ctx;
-    double tok_s, ms_step;
-    double bytes_step;  /* decode: weights + KV read per step */
-    double flops_step;  /* prefill: model FLOPs of the prompt */
-    double achieved;    /* decode: bytes/s; prefill: FLOP/s */
-    double frac;        /* of the matching ceiling */
-    double target;      /* the issue's target fraction, or < 0 for none */
-};
-
-static struct bench_row bench_rows[BENCH_ROWS_MAX];
-static int bench_n_rows;
-static char bench_setting[64]; /* copied into the rows added */
-
-/* How many sequences of cap_ctx positions fit a memory budget next to the
- * weights, for each KV cache type: one line per model. */
-struct bench_cap {
-    char shape[32], type[16];
-    double weight_bytes;     /* the GGUF file: every tensor, embeddings included */
-    double kv_seq[2];        /* KV bytes of one sequence: F16, Q8_0 */
-    int64_t seqs[2];         /* sequences that fit (0 when the weights alone do not) */
-};
-static struct bench_cap bench_caps[BENCH_LIST_MAX * BENCH_LIST_MAX];
-static int bench_n_caps;
-
-/* --verify K: speculation's verification cost (docs/router.md,
- * "Speculation"): one sequence at context ctx, a step of its last token
- * plus K drafts (K + 1 rows, every row's logits sampled, as the last stage
- * verifies) against a step of one token at the same position. */
-struct bench_verify {
-    char shape[32], type[16], kv[8], setting[64];
-    int32_t ctx, k;
-    double ms_one, ms_k1; /* medians */
-};
-static struct bench_verify bench_verifies[BENCH_LIST_MAX * BENCH_LIST_MAX * 8];
-static int bench_n_verifies;
-
+/* ---- One model ---- */
 /* KV bytes of one sequence of ctx positions: K and V of every layer and KV
  * head, rows of the backend's own size for the type (kernels/backend.h),
  * positions rounded up to whole blocks as the paged cache holds them. */
@@ -430,15 +250,15 @@ static const char *bench_kv_name(enum dtype kv) {
     return kv == DTYPE_Q8_0 ? "q8_0" : kv == DTYPE_F32 ? "f32" : "f16";
 }
 
-/* The issue's H100 targets: batch-1 decode of the 7B shape >= 80% of the
- * bandwidth (F16, Q8_0) or >= 70% (Q4_K_M); batch-64 decode >= 70% counting
- * KV bytes; prefill >= 50% of the cuBLAS F16 rate.  The batch-64 and
- * prefill targets are applied to every shape. */
 /* A synthetic mix's name, or "file" for --model (SYNTH_TYPE_COUNT). */
 static const char *bench_type_name(enum synth_type t) {
     return (int)t >= 0 && (int)t < SYNTH_TYPE_COUNT ? synth_type_names[t] : "file";
 }
 
+/* The issue's H100 targets: batch-1 decode of the 7B shape >= 80% of the
+ * bandwidth (F16, Q8_0) or >= 70% (Q4_K_M); batch-64 decode >= 70% counting
+ * KV bytes; prefill >= 50% of the cuBLAS F16 rate.  The batch-64 and
+ * prefill targets are applied to every shape. */
 static double bench_target(const char *shape, enum synth_type type, int prefill, int32_t batch) {
     if (prefill) return 0.50;
     if (batch == 64) return 0.70;
@@ -448,21 +268,6 @@ static double bench_target(const char *shape, enum synth_type type, int prefill,
     }
     return -1;
 }
-
-static struct bench_row *bench_row_add(const char *shape, enum synth_type type, const char *phase) {
-    if (bench_n_rows == BENCH_ROWS_MAX) return NULL;
-    struct bench_row *r = &bench_rows[bench_n_rows++];
-    memset(r, 0, sizeof *r);
-    snprintf(r->shape, sizeof r->shape, "%s", shape);
-    snprintf(r->type, sizeof r->type, "%s", bench_type_name(type));
-    snprintf(r->phase, sizeof r->phase, "%s", phase);
-    snprintf(r->setting, sizeof r->setting, "%s", bench_setting);
-    snprintf(r->kv, sizeof r->kv, "-");
-    r->target = -1;
-    return r;
-}
-
-/* ---- One model ---- */
 
 /* Model FLOPs of a causal prefill of n tokens from position 0: 2 per
  * multiply-add of every layer matmul, attention's QK^T and PV over the
@@ -490,11 +295,11 @@ static double bench_step_time(stage *s, backend *b, const struct forward_batch *
 /* --verify: sequence 0 (KV of o->ctx positions in tab) decodes one token
  * at position ctx, then K + 1 tokens from there with every row sampled;
  * the two kinds of step alternate (warm-up first) so that both see the
- * same clocks and caches.  Appends a bench_verify. */
+ * same clocks and caches.  Adds a gpu_report_verify. */
 static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, struct forward_out *fo,
                             struct forward_seq *seqs, const struct kvblocks_table *tab, const int32_t *toks,
                             double *times, const char *shape, enum synth_type type, enum dtype kv,
-                            const struct bench_opts *o, char *err, size_t errlen) {
+                            const struct gpu_options *o, char *err, size_t errlen) {
     int32_t k1 = o->verify + 1;
     struct forward_seq one = {toks, 1, o->ctx, tab->ids, tab->n_ids, FORWARD_LOGITS_LAST};
     struct forward_seq many = {toks, k1, o->ctx, tab->ids, tab->n_ids, FORWARD_LOGITS_ALL};
@@ -515,13 +320,9 @@ static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, stru
             t_many[k - o->warmup] = c;
         }
     }
-    if (bench_stop || bench_n_verifies == (int)(sizeof bench_verifies / sizeof bench_verifies[0])) return STATUS_OK;
-    struct bench_verify *v = &bench_verifies[bench_n_verifies++];
-    memset(v, 0, sizeof *v);
-    snprintf(v->shape, sizeof v->shape, "%s", shape);
-    snprintf(v->type, sizeof v->type, "%s", bench_type_name(type));
-    snprintf(v->kv, sizeof v->kv, "%s", bench_kv_name(kv));
-    snprintf(v->setting, sizeof v->setting, "%s", bench_setting);
+    if (bench_stop) return STATUS_OK;
+    struct gpu_report_verify *v = gpu_report_verify_add(shape, bench_type_name(type), bench_kv_name(kv));
+    if (!v) return STATUS_OK;
     v->ctx = o->ctx;
     v->k = o->verify;
     v->ms_one = bench_median(times, o->steps) * 1e3;
@@ -531,10 +332,11 @@ static int bench_verify_run(stage *s, backend *b, struct forward_batch *fb, stru
     return STATUS_OK;
 }
 
-/* Prefill and decode of the model at path on b; appends rows.  Everything
- * allocated here is released before returning, on success and failure. */
+/* Prefill and decode of the model at path on b; adds rows (and a capacity
+ * line, and --verify's) to the report.  Everything allocated here is
+ * released before returning, on success and failure. */
 static int bench_model(backend *b, const char *path, const char *shape, enum synth_type type, enum dtype kv,
-                       const struct bench_opts *o, const struct bench_ceilings *c, char *err, size_t errlen) {
+                       const struct gpu_options *o, const struct gpu_report_ceilings *c, char *err, size_t errlen) {
     model_file *m = NULL;
     stage *s = NULL;
     kvblocks *kb = NULL;
@@ -572,14 +374,8 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
             (double)stage_weight_bytes(s) / 1e9, (double)kvcache_bytes(kc) / 1e9, sc->n_blocks, sc->block_size,
             bench_kv_name(kv));
     if (o->cap_budget > 0) {
-        struct bench_cap *cap = NULL;
-        for (int i = 0; i < bench_n_caps && !cap; i++)
-            if (strcmp(bench_caps[i].shape, shape) == 0 && strcmp(bench_caps[i].type, bench_type_name(type)) == 0)
-                cap = &bench_caps[i];
-        if (!cap && bench_n_caps < BENCH_LIST_MAX * BENCH_LIST_MAX) {
-            cap = &bench_caps[bench_n_caps++];
-            snprintf(cap->shape, sizeof cap->shape, "%s", shape);
-            snprintf(cap->type, sizeof cap->type, "%s", bench_type_name(type));
+        struct gpu_report_cap *cap = gpu_report_cap_add(shape, bench_type_name(type));
+        if (cap) {
             struct stat st;
             cap->weight_bytes = stat(path, &st) == 0 ? (double)st.st_size : 0;
             static const enum dtype kvs[2] = {DTYPE_F16, DTYPE_Q8_0};
@@ -633,7 +429,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
         times[k] = bench_now() - t0;
     }
     if (rc != STATUS_OK) goto done;
-    struct bench_row *r = bench_row_add(shape, type, "prefill");
+    struct gpu_report_row *r = gpu_report_row_add(shape, bench_type_name(type), "prefill");
     if (r) {
         snprintf(r->kv, sizeof r->kv, "%s", bench_kv_name(kv));
         double t = bench_median(times, o->prefill_reps);
@@ -690,7 +486,7 @@ static int bench_model(backend *b, const char *path, const char *shape, enum syn
             times[k] = bench_now() - t0;
         }
         if (rc != STATUS_OK) break;
-        r = bench_row_add(shape, type, "decode");
+        r = gpu_report_row_add(shape, bench_type_name(type), "decode");
         if (!r) continue;
         snprintf(r->kv, sizeof r->kv, "%s", bench_kv_name(kv));
         double t = bench_median(times, o->steps);
@@ -725,211 +521,11 @@ done:
     return rc;
 }
 
-/* ---- Output ---- */
-
-static void bench_print_table(FILE *f, const char *device, const struct bench_ceilings *c,
-                              const struct bench_opts *o) {
-    fprintf(f, "\n== bench_gpu: %s ==\n", device);
-    fprintf(f, "bandwidth ceiling: %.1f GB/s  (%s)\n", c->bw / 1e9, c->bw_how);
-    fprintf(f, "GEMM ceiling:      %.2f TFLOP/s  (%s)\n", c->gemm / 1e12, c->gemm_how);
-    fprintf(f, "decode: every sequence at context %d (KV of %d positions read per layer), median of %d steps "
-            "after %d warm-up, %s; moved = weight bytes read per step + KV bytes read\n",
-            o->ctx, o->ctx + 1, o->steps, o->warmup,
-            o->logits ? "logits downloaded each step" : "each row's token picked on the device (greedy) and downloaded");
-    fprintf(f, "prefill: one %d-token prompt, median of %d; FLOPs = layer matmuls + causal attention + lm_head row\n",
-            o->prompt, o->prefill_reps);
-    fprintf(f, "targets are the issue's H100 figures (fraction of the ceiling); a model whose weights fit in the "
-            "caches (tiny shapes on a CPU) can read faster than the ceiling\n\n");
-    fprintf(f, "%-15s %-7s %-7s %-5s %5s %5s %11s %9s %11s %14s %8s %7s %-5s %s\n", "shape", "type", "phase", "kv",
-            "batch", "ctx", "tokens/s", "ms/step", "moved", "achieved", "of ceil", "target", "",
-            o->ab ? "setting" : "");
-    for (int i = 0; i < bench_n_rows; i++) {
-        const struct bench_row *r = &bench_rows[i];
-        int prefill = strcmp(r->phase, "prefill") == 0;
-        char moved[32], ach[32], tgt[16];
-        if (prefill) {
-            if (r->flops_step >= 1e12) snprintf(moved, sizeof moved, "%.2f TFLOP", r->flops_step / 1e12);
-            else snprintf(moved, sizeof moved, "%.2f GFLOP", r->flops_step / 1e9);
-            if (r->achieved >= 1e12) snprintf(ach, sizeof ach, "%.1f TFLOP/s", r->achieved / 1e12);
-            else snprintf(ach, sizeof ach, "%.1f GFLOP/s", r->achieved / 1e9);
-        } else {
-            if (r->bytes_step >= 1e9) snprintf(moved, sizeof moved, "%.3f GB", r->bytes_step / 1e9);
-            else snprintf(moved, sizeof moved, "%.2f MB", r->bytes_step / 1e6);
-            snprintf(ach, sizeof ach, "%.1f GB/s", r->achieved / 1e9);
-        }
-        if (r->target >= 0) snprintf(tgt, sizeof tgt, ">=%.0f%%", 100.0 * r->target);
-        else snprintf(tgt, sizeof tgt, "-");
-        fprintf(f, "%-15s %-7s %-7s %-5s %5d %5d %11.1f %9.3f %11s %14s %7.1f%% %7s %-5s %s\n", r->shape, r->type,
-                r->phase, r->kv, r->batch, r->ctx, r->tok_s, r->ms_step, moved, ach, 100.0 * r->frac, tgt,
-                r->target < 0 ? "" : r->frac >= r->target ? "met" : "BELOW", r->setting);
-    }
-    if (bench_n_verifies) {
-        fprintf(f, "\nverification (--verify): one sequence at its context, a step of its last token + K drafts "
-                "(every row sampled) against a one-token step; median of %d each, alternated; the issue's target "
-                "is <= 1.3x at K + 1 = 5 (7B Q4_K_M)\n", o->steps);
-        fprintf(f, "%-15s %-7s %-5s %5s %3s %11s %11s %7s %s\n", "shape", "type", "kv", "ctx", "K", "1-token ms",
-                "K+1 ms", "ratio", o->ab ? "setting" : "");
-        for (int i = 0; i < bench_n_verifies; i++) {
-            const struct bench_verify *v = &bench_verifies[i];
-            fprintf(f, "%-15s %-7s %-5s %5d %3d %11.3f %11.3f %6.2fx %s\n", v->shape, v->type, v->kv, v->ctx, v->k,
-                    v->ms_one, v->ms_k1, v->ms_k1 / v->ms_one, v->setting);
-        }
-    }
-    if (bench_n_caps) {
-        fprintf(f, "\ncapacity in a %.1f GiB budget (weights = the GGUF file, + KV of sequences at context %d; "
-                "workspace not counted):\n", (double)o->cap_budget / 1073741824.0, o->cap_ctx);
-        for (int i = 0; i < bench_n_caps; i++) {
-            const struct bench_cap *cp = &bench_caps[i];
-            fprintf(f, "capacity: %s %s: weights %.2f GiB; F16 KV %.1f MiB/seq -> %lld seqs; Q8_0 KV %.1f MiB/seq "
-                    "-> %lld seqs; Q8_0/F16 %.2fx\n", cp->shape, cp->type, cp->weight_bytes / 1073741824.0,
-                    cp->kv_seq[0] / 1048576.0, (long long)cp->seqs[0], cp->kv_seq[1] / 1048576.0,
-                    (long long)cp->seqs[1], cp->seqs[0] > 0 ? (double)cp->seqs[1] / (double)cp->seqs[0] : 0.0);
-        }
-    }
-    fflush(f);
-}
-
-static int bench_write_json(const char *path, const char *device, const struct bench_ceilings *c,
-                            const struct bench_opts *o, char *err, size_t errlen) {
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        snprintf(err, errlen, "--json %s: %s", path, strerror(errno));
-        return STATUS_IO;
-    }
-    fprintf(f, "{\n  \"device\": \"");
-    for (const char *p = device; *p; p++)
-        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
-        else if ((unsigned char)*p >= 0x20) fputc(*p, f);
-    fprintf(f, "\",\n  \"bandwidth_bytes_s\": %.6g,\n  \"gemm_flops_s\": %.6g,\n  \"gemm_with_conversion_flops_s\": "
-            "%.6g,\n  \"ctx\": %d,\n  \"prompt\": %d,\n  \"steps\": %d,\n  \"rows\": [\n",
-            c->bw, c->gemm, c->gemm_conv, o->ctx, o->prompt, o->steps);
-    for (int i = 0; i < bench_n_rows; i++) {
-        const struct bench_row *r = &bench_rows[i];
-        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"phase\": \"%s\", \"kv\": \"%s\", \"batch\": %d, \"ctx\": %d, "
-                "\"tokens_s\": %.6g, \"ms_step\": %.6g, \"bytes_step\": %.6g, \"flops_step\": %.6g, "
-                "\"achieved\": %.6g, \"fraction\": %.4f, \"target\": %.2f, \"setting\": \"%s\"}%s\n",
-                r->shape, r->type, r->phase, r->kv, r->batch, r->ctx, r->tok_s, r->ms_step, r->bytes_step, r->flops_step,
-                r->achieved, r->frac, r->target, r->setting, i + 1 < bench_n_rows ? "," : "");
-    }
-    fprintf(f, "  ],\n  \"capacity\": [\n");
-    for (int i = 0; i < bench_n_caps; i++) {
-        const struct bench_cap *cp = &bench_caps[i];
-        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"budget_bytes\": %lld, \"ctx\": %d, "
-                "\"weight_bytes\": %.0f, \"kv_seq_bytes_f16\": %.0f, \"kv_seq_bytes_q8_0\": %.0f, \"seqs_f16\": %lld, "
-                "\"seqs_q8_0\": %lld}%s\n", cp->shape, cp->type, (long long)o->cap_budget, o->cap_ctx,
-                cp->weight_bytes, cp->kv_seq[0], cp->kv_seq[1], (long long)cp->seqs[0], (long long)cp->seqs[1],
-                i + 1 < bench_n_caps ? "," : "");
-    }
-    fprintf(f, "  ],\n  \"verify\": [\n");
-    for (int i = 0; i < bench_n_verifies; i++) {
-        const struct bench_verify *v = &bench_verifies[i];
-        fprintf(f, "    {\"shape\": \"%s\", \"type\": \"%s\", \"kv\": \"%s\", \"ctx\": %d, \"k\": %d, "
-                "\"ms_one\": %.6g, \"ms_k1\": %.6g, \"ratio\": %.4f, \"setting\": \"%s\"}%s\n", v->shape, v->type, v->kv,
-                v->ctx, v->k, v->ms_one, v->ms_k1, v->ms_k1 / v->ms_one, v->setting,
-                i + 1 < bench_n_verifies ? "," : "");
-    }
-    fprintf(f, "  ]\n}\n");
-    if (fclose(f) != 0) {
-        snprintf(err, errlen, "--json %s: %s", path, strerror(errno));
-        return STATUS_IO;
-    }
-    return STATUS_OK;
-}
-
 int main(int argc, char **argv) {
-    struct bench_opts o;
-    memset(&o, 0, sizeof o);
-    struct option_def defs[] = {
-        {"device", "LLM_BENCH_DEVICE", OPTION_STRING, "cuda:0", "cpu, cuda or cuda:N", &o.device, 0, 0, NULL},
-        {"shapes", NULL, OPTION_STRING, "tinyllama-1.1b,llama2-7b", "comma-separated synth shape presets", &o.shapes,
-         0, 0, NULL},
-        {"model", NULL, OPTION_STRING, NULL, "a GGUF model file to measure instead of --shapes and --types (no "
-         "targets apply)", &o.model, 0, 0, NULL},
-        {"types", NULL, OPTION_STRING, "f16,q8_0,q4_k_m", "comma-separated synth weight mixes", &o.types, 0, 0, NULL},
-        {"batches", NULL, OPTION_STRING, "1,8,32,64", "comma-separated decode batch sizes", &o.batches, 0, 0, NULL},
-        {"kv-type", NULL, OPTION_STRING, "f16", "comma-separated KV cache types to measure each model with (f16, "
-         "q8_0, f32)", &o.kv_types, 0, 0, NULL},
-        {"capacity-budget", NULL, OPTION_SIZE, "16G", "capacity line: sequences of --capacity-ctx that fit this "
-         "budget next to the weights, F16 against Q8_0 KV (0: no line)", &o.cap_budget, 0, 0, NULL},
-        {"capacity-ctx", NULL, OPTION_INT, "2048", "capacity line: positions of each sequence", &o.cap_ctx, 1,
-         1 << 24, NULL},
-        {"ctx", NULL, OPTION_INT, "512", "context of every decoding sequence", &o.ctx, 1, 1 << 20, NULL},
-        {"prompt", NULL, OPTION_INT, "512", "prefill prompt tokens", &o.prompt, 1, 1 << 20, NULL},
-        {"steps", NULL, OPTION_INT, "10", "timed decode steps per batch size (the median is reported)", &o.steps, 1,
-         100000, NULL},
-        {"warmup", NULL, OPTION_INT, "2", "untimed decode steps before each batch size", &o.warmup, 0, 1000, NULL},
-        {"verify", NULL, OPTION_INT, "0", "speculation's verification cost: also time one sequence's step of K + 1 "
-         "tokens (every row sampled) against a one-token step at --ctx (0: not; at most 16)", &o.verify, 0, 16, NULL},
-        {"prefill-reps", NULL, OPTION_INT, "3", "timed prefills per model (after one warm-up)", &o.prefill_reps, 1,
-         1000, NULL},
-        {"threads", "LLM_THREADS", OPTION_INT, "0", "CPU threads (0: one per core): CPU backend and model writer",
-         &o.threads, 0, 1024, NULL},
-        {"copy-size", NULL, OPTION_SIZE, "0", "bytes per bandwidth copy (0: 2G on a GPU, 256M on the CPU)",
-         &o.copy_bytes, 0, 0, NULL},
-        {"gemm-size", NULL, OPTION_INT, "0", "rows = cols of the GEMM-ceiling weight (0: 8192 GPU, 1024 CPU)",
-         &o.gemm_size, 0, 65536, NULL},
-        {"gemm-tokens", NULL, OPTION_INT, "0", "tokens of the GEMM-ceiling matmul (0: 4096 GPU, 128 CPU)",
-         &o.gemm_tokens, 0, 65536, NULL},
-        {"tmpdir", "TMPDIR", OPTION_STRING, "/tmp", "where the synthetic models are written (one at a time)",
-         &o.tmpdir, 0, 0, NULL},
-        {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o.json, 0, 0, NULL},
-        {"out", NULL, OPTION_STRING, "sample",
-         "what a step hands back: sample (each row's token, picked on the device as a worker does) or logits "
-         "(every row's logits downloaded to the host)",
-         &o.out, 0, 0, NULL},
-        {"ab", NULL, OPTION_STRING, NULL,
-         "VAR=V1[,V2...]: run each model on a fresh backend with VAR as given, =V1 .. =Vk, =Vk .. =V1, as "
-         "given (an A/B of a backend switch on one card, up to 8 values; rows name their setting)",
-         &o.ab, 0, 0, NULL},
-    };
-    struct options opt = {"bench_gpu", "[options]",
-                          "Decode and prefill speed of synthetic models against the bandwidth and GEMM ceilings "
-                          "measured in the same run.",
-                          defs, (int)(sizeof defs / sizeof defs[0]), false};
+    struct gpu_options o;
     char err[1024];
-    int rc = options_parse(&opt, &argc, argv, err, sizeof err);
+    int rc = gpu_options_parse(&o, argc, argv, err, sizeof err);
     if (rc == STATUS_CANCELLED) return 0;
-    int device = 0;
-    if (rc == STATUS_OK && argc > 1) {
-        snprintf(err, sizeof err, "unexpected argument \"%s\"", argv[1]);
-        rc = STATUS_BAD_INPUT;
-    }
-    if (rc == STATUS_OK) rc = bench_parse_lists(&o, err, sizeof err);
-    if (rc == STATUS_OK) rc = bench_parse_device(o.device, &device, err, sizeof err);
-    if (rc == STATUS_OK && strcmp(o.out, "sample") != 0 && strcmp(o.out, "logits") != 0) {
-        snprintf(err, sizeof err, "--out \"%s\": expected sample or logits", o.out);
-        rc = STATUS_BAD_INPUT;
-    }
-    o.logits = rc == STATUS_OK && strcmp(o.out, "logits") == 0;
-    char ab_var[64] = "", ab_val[64] = "", ab_old[64] = "";
-    const char *ab_vals[8];
-    int ab_had = 0, ab_n = 0;
-    if (rc == STATUS_OK && o.ab) {
-        const char *eq = strchr(o.ab, '=');
-        if (eq && eq != o.ab && (size_t)(eq - o.ab) < sizeof ab_var && strlen(eq + 1) < sizeof ab_val) {
-            snprintf(ab_val, sizeof ab_val, "%s", eq + 1);
-            for (char *v = ab_val; v;) {
-                char *next = strchr(v, ',');
-                if (next) *next++ = '\0';
-                if (!*v || ab_n == 8) { /* an empty value, or a ninth */
-                    ab_n = 0;
-                    break;
-                }
-                ab_vals[ab_n++] = v;
-                v = next;
-            }
-        }
-        if (ab_n == 0) {
-            snprintf(err, sizeof err, "--ab \"%s\": expected VAR=V1[,V2...] (1 to 8 values, names and values under "
-                     "64 bytes)", o.ab);
-            rc = STATUS_BAD_INPUT;
-        } else {
-            snprintf(ab_var, sizeof ab_var, "%.*s", (int)(eq - o.ab), o.ab);
-            const char *old = getenv(ab_var);
-            ab_had = old != NULL;
-            snprintf(ab_old, sizeof ab_old, "%.63s", old ? old : "");
-        }
-    }
     if (rc != STATUS_OK) {
         fprintf(stderr, "bench_gpu: %s\n", err);
         return 2;
@@ -942,7 +538,8 @@ int main(int argc, char **argv) {
     sigaction(SIGINT, &sa, NULL);
 
     backend *b = NULL;
-    rc = device < 0 ? backend_cpu_init(&b, o.threads, err, sizeof err) : backend_cuda_init(&b, device, err, sizeof err);
+    rc = o.device_id < 0 ? backend_cpu_init(&b, o.threads, err, sizeof err)
+                         : backend_cuda_init(&b, o.device_id, err, sizeof err);
     if (rc != STATUS_OK) {
         fprintf(stderr, "bench_gpu: --device %s: %s (%s)%s\n", o.device, err, status_str(rc),
                 rc == STATUS_UNSUPPORTED ? "; this build has no CUDA backend: rebuild where nvcc is found, or use "
@@ -957,7 +554,7 @@ int main(int argc, char **argv) {
              mtot / 1073741824.0);
     fprintf(stderr, "bench_gpu: backend %s\n", devname);
 
-    struct bench_ceilings c;
+    struct gpu_report_ceilings c;
     rc = bench_ceilings_measure(b, &o, &c, err, sizeof err);
     if (rc != STATUS_OK) {
         fprintf(stderr, "bench_gpu: ceilings: %s\n", err);
@@ -1004,16 +601,16 @@ int main(int argc, char **argv) {
                 for (int ki = 0; !o.ab && ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
                     rc = bench_model(b, path, o.shape_v[si], sc.type, o.kv_v[ki], &o, &c, err, sizeof err);
                 /* Runs: as given, V1 .. Vk, Vk .. V1, as given. */
-                for (int k = 0; o.ab && k < 2 * ab_n + 2 && rc == STATUS_OK && !bench_stop; k++) {
-                    const char *val = k == 0 || k == 2 * ab_n + 1 ? NULL : ab_vals[k <= ab_n ? k - 1 : 2 * ab_n - k];
-                    if (val) setenv(ab_var, val, 1);
-                    else if (ab_had) setenv(ab_var, ab_old, 1);
-                    else unsetenv(ab_var);
-                    snprintf(bench_setting, sizeof bench_setting, "%s=%s", ab_var,
-                             val ? val : ab_had ? ab_old : "(unset)");
+                for (int k = 0; o.ab && k < 2 * o.ab_n + 2 && rc == STATUS_OK && !bench_stop; k++) {
+                    const char *val =
+                        k == 0 || k == 2 * o.ab_n + 1 ? NULL : o.ab_vals[k <= o.ab_n ? k - 1 : 2 * o.ab_n - k];
+                    if (val) setenv(o.ab_var, val, 1);
+                    else if (o.ab_had) setenv(o.ab_var, o.ab_old, 1);
+                    else unsetenv(o.ab_var);
+                    gpu_report_set_setting(o.ab_var, val ? val : o.ab_had ? o.ab_old : "(unset)");
                     backend *bk = NULL;
-                    rc = device < 0 ? backend_cpu_init(&bk, o.threads, err, sizeof err)
-                                    : backend_cuda_init(&bk, device, err, sizeof err);
+                    rc = o.device_id < 0 ? backend_cpu_init(&bk, o.threads, err, sizeof err)
+                                         : backend_cuda_init(&bk, o.device_id, err, sizeof err);
                     for (int ki = 0; ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
                         rc = bench_model(bk, path, o.shape_v[si], sc.type, o.kv_v[ki], &o, &c, err, sizeof err);
                     backend_free(bk);
@@ -1030,8 +627,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_gpu: stopped by a signal; the table has the rows measured so far\n");
         failed = 1;
     }
-    bench_print_table(stdout, devname, &c, &o);
-    if (o.json && bench_write_json(o.json, devname, &c, &o, err, sizeof err) != STATUS_OK) {
+    gpu_report_print_table(stdout, devname, &c, &o);
+    if (o.json && gpu_report_write_json(o.json, devname, &c, &o, err, sizeof err) != STATUS_OK) {
         fprintf(stderr, "bench_gpu: %s\n", err);
         failed = 1;
     }
