@@ -52,19 +52,24 @@ int32_t ngram_propose_pred(const int32_t *prompt, int32_t n_prompt, const int32_
     int32_t n = n_prompt + n_out;
     int32_t want = n_out + *offset;
     for (int32_t g = n_max < n ? n_max : n; g >= n_min; g--) {
-        /* e: where the next token would be in the lookup text; a
-         * prediction token must be there. */
-        int32_t best = -1, best_d = 0;
-        int32_t e0 = n_prompt > g ? n_prompt : g;
-        for (int32_t e = e0; e < n_prompt + n_pred; e++) {
-            if (!pred_match(prompt, n_prompt, pred, out, n, e, g)) continue;
-            int32_t j = e - n_prompt;
-            int32_t d = j > want ? j - want : want - j;
-            if (best < 0 || d < best_d) {
-                best = j;
-                best_d = d;
+        /* j: where the next token would be in the prediction (position
+         * n_prompt + j of the lookup text), from jlo (g tokens before it)
+         * to n_pred - 1.  The match nearest to want wins, the earlier of
+         * two as near: searched outward from want, so that a prediction
+         * the output follows is found at once, whatever its length. */
+        int32_t best = -1;
+        const int32_t jlo = (n_prompt > g ? n_prompt : g) - n_prompt, jhi = n_pred - 1;
+        int32_t dist = want > jhi ? want - jhi : want < jlo ? jlo - want : 0;
+        for (; jlo <= jhi && (want - dist >= jlo || want + dist <= jhi); dist++) {
+            const int32_t a = want - dist, b = want + dist;
+            if (a >= jlo && a <= jhi && pred_match(prompt, n_prompt, pred, out, n, n_prompt + a, g)) {
+                best = a;
+                break;
             }
-            if (j > want) break; /* later ones are farther */
+            if (dist > 0 && b >= jlo && b <= jhi && pred_match(prompt, n_prompt, pred, out, n, n_prompt + b, g)) {
+                best = b;
+                break;
+            }
         }
         if (best >= 0) {
             int32_t m = n_pred - best < k ? n_pred - best : k;

@@ -98,5 +98,62 @@ TEST(ngram_pred_falls_back_to_sequence) {
     ASSERT_EQ(0, ngram_propose_pred(prompt, 4, pred, 2, o, 0, 3, 1, 3, &off, d, NULL));
 }
 
+/* The prediction match nearest to where the output stands (n_out +
+ * offset), the earlier of two as near, for the longest suffix that has
+ * one: the definition, as a scan over every position, against
+ * ngram_propose_pred on random texts over a 3-token alphabet (many
+ * matches, ties on both sides), random offsets included. */
+static int32_t pred_ref(const int32_t *prompt, int32_t n_prompt, const int32_t *pred, int32_t n_pred,
+                        const int32_t *out, int32_t n_out, int32_t n_max, int32_t offset) {
+    const int32_t n = n_prompt + n_out, want = n_out + offset;
+    for (int32_t g = n_max < n ? n_max : n; g >= 1; g--) {
+        int32_t best = -1, best_d = 0;
+        for (int32_t j = 0; j < n_pred; j++) {
+            if (n_prompt + j < g) continue;
+            bool ok = true;
+            for (int32_t t = 1; t <= g && ok; t++) {
+                int32_t i = n_prompt + j - t, s = n - t;
+                int32_t have = i < n_prompt ? prompt[i] : pred[i - n_prompt];
+                ok = have == (s < n_prompt ? prompt[s] : out[s - n_prompt]);
+            }
+            int32_t d = j > want ? j - want : want - j;
+            if (ok && (best < 0 || d < best_d)) {
+                best = j;
+                best_d = d;
+            }
+        }
+        if (best >= 0) return best;
+    }
+    return -1;
+}
+
+TEST(ngram_pred_nearest_matches_definition) {
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+    for (int iter = 0; iter < 20000; iter++) {
+        int32_t prompt[8], pred[40], out[20], d[4];
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        const int32_t n_prompt = (int32_t)(r >> 60) % 8, n_pred = (int32_t)(r >> 50) % 41,
+                      n_out = 1 + (int32_t)(r >> 40) % 20, offset = (int32_t)((r >> 30) % 21) - 10;
+        for (int32_t i = 0; i < 8; i++) prompt[i] = (int32_t)((r >> (2 * i)) % 3);
+        for (int32_t i = 0; i < 40; i++) pred[i] = (int32_t)(((r >> 7) + 7 * (uint64_t)i * i + (uint64_t)iter) % 3);
+        for (int32_t i = 0; i < 20; i++) out[i] = (int32_t)(((r >> 13) + 5 * (uint64_t)i + (uint64_t)i * i * i) % 3);
+        int32_t off = offset;
+        bool from_pred = false;
+        int32_t m = ngram_propose_pred(prompt, n_prompt, pred, n_pred, out, n_out, 3, 1, 4, &off, d, &from_pred);
+        int32_t want = pred_ref(prompt, n_prompt, pred, n_pred, out, n_out, 3, offset);
+        if (want < 0) {
+            ASSERT_TRUE(!from_pred);
+            continue;
+        }
+        ASSERT_TRUE(from_pred);
+        if (off != want - n_out)
+            TEST_FAIL("case %d (prompt %d, prediction %d, output %d, offset %d): found at %d, want %d", iter,
+                      n_prompt, n_pred, n_out, offset, off + n_out, want);
+        ASSERT_EQ(n_pred - want < 4 ? n_pred - want : 4, m);
+        ASSERT_EQ(pred[want], d[0]);
+    }
+}
+
 TEST_MAIN(ngram_longest_latest_match, ngram_no_match_and_limits, ngram_pred_follows_prediction,
-          ngram_pred_nearest_occurrence_and_offset, ngram_pred_falls_back_to_sequence)
+          ngram_pred_nearest_occurrence_and_offset, ngram_pred_falls_back_to_sequence,
+          ngram_pred_nearest_matches_definition)
