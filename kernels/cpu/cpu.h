@@ -92,6 +92,10 @@ typedef float (*cpu_dot_fn)(const void *w, const void *x, int64_t n);
  * four activation rows, decoding each weight block once (prefill). */
 typedef void (*cpu_dot4_fn)(const void *w, const void *x, size_t x_stride, int64_t n, float *out);
 
+/* out[j] = dot(w, x + j * x_stride bytes) for j < nt, nt 3 or 5: token
+ * counts dot4 leaves, in one pass over the weight row. */
+typedef void (*cpu_dotn_fn)(const void *w, const void *x, size_t x_stride, int64_t n, int nt, float *out);
+
 /* y[0..n) += a * x[0..n), x of an F32 or F16 row (attention's V sums). */
 typedef void (*cpu_axpy_fn)(float *y, float a, const void *x, int64_t n);
 
@@ -101,6 +105,7 @@ struct cpu_type_traits {
     enum cpu_act act;
     cpu_dot_fn dot;   /* the fastest variant this CPU supports */
     cpu_dot4_fn dot4; /* NULL: matmul calls dot four times */
+    cpu_dotn_fn dotn; /* NULL: matmul calls dot4 and dot */
     cpu_axpy_fn axpy; /* F32 and F16 only, else NULL */
 };
 
@@ -128,6 +133,7 @@ cpu_axpy_fn cpu_axpy_scalar(enum dtype t);
  * that is not x86-64). */
 cpu_dot_fn cpu_dot_avx2(enum dtype t);
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t);
+cpu_dotn_fn cpu_dotn_avx2(enum dtype t);
 cpu_axpy_fn cpu_axpy_avx2(enum dtype t);
 int cpu_has_avx2(void);
 

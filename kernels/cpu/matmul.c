@@ -36,6 +36,7 @@ struct mm_task {
     enum cpu_act act;
     cpu_dot_fn dot;
     cpu_dot4_fn dot4;           /* or NULL */
+    cpu_dotn_fn dotn;           /* or NULL */
     int64_t rows, cols;
     int32_t n;
     int64_t rows_per_chunk, n_row_chunks, n_tok_chunks, n_chunks;
@@ -63,12 +64,20 @@ static void mm_chunk(const struct mm_task *t, long c, const uint8_t *xs, size_t 
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
         int32_t i = t0;
+        /* Fours while 4 are left (with dotn, but for the last 5), then 3
+         * or 5 in one pass where dotn takes them, the rest one by one. */
         if (t->dot4)
-            for (; i + 4 <= t1; i += 4) {
+            for (; i + 4 <= t1 && (!t->dotn || t1 - i != 5); i += 4) {
                 float o[4];
                 t->dot4(wr, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, o);
                 for (int j = 0; j < 4; j++) t->out[(size_t)(i + j) * t->rows + r] = o[j];
             }
+        if (t->dotn && (t1 - i == 3 || t1 - i == 5)) {
+            float o[5];
+            t->dotn(wr, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, t1 - i, o);
+            for (int j = 0; j < t1 - i; j++) t->out[(size_t)(i + j) * t->rows + r] = o[j];
+            i = t1;
+        }
         for (; i < t1; i++) t->out[(size_t)i * t->rows + r] = t->dot(wr, xs + (size_t)i * x_row_bytes, t->cols);
     }
 }
@@ -114,6 +123,7 @@ int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const fl
         .act = tr->act,
         .dot = tr->dot,
         .dot4 = tr->dot4,
+        .dotn = tr->dotn,
         .rows = w->rows,
         .cols = w->cols,
         .n = n,

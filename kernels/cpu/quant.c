@@ -473,8 +473,9 @@ static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 static void set_traits(enum dtype t, int64_t elems, size_t bytes, enum cpu_act act) {
     cpu_dot_fn fast = cpu_has_avx2() ? cpu_dot_avx2(t) : NULL;
     cpu_dot4_fn fast4 = cpu_has_avx2() ? cpu_dot4_avx2(t) : NULL;
+    cpu_dotn_fn fastn = cpu_has_avx2() ? cpu_dotn_avx2(t) : NULL;
     cpu_axpy_fn axpy = cpu_has_avx2() ? cpu_axpy_avx2(t) : NULL;
-    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4,
+    traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4, fastn,
                                          axpy ? axpy : cpu_axpy_scalar(t)};
 }
 

@@ -917,25 +917,29 @@ TEST(cpu_ops_matmul_batch_invariant) {
     fx_release();
     backend *be = fx_backend(2);
     int64_t rows = 37;
-    int32_t n = 9;
-    for (int k = 0; k < N_TYPES; k++) {
-        enum dtype t = all_types[k];
-        int64_t cols = test_cols(t);
-        void *w = make_weights(t, rows, cols);
-        float *x = rand_floats(n * cols, 1.0f);
-        float *all = nan_floats(n * rows), *one = nan_floats(rows);
-        struct backend_weight bw;
-        ASSERT_OK(backend_weight_load(be, &bw, t, w, rows, cols));
-        ASSERT_OK(backend_matmul(be, all, &bw, x, n));
-        for (int32_t i = 0; i < n; i++) {
-            ASSERT_OK(backend_matmul(be, one, &bw, x + (size_t)i * cols, 1));
-            for (int64_t r = 0; r < rows; r++)
-                if (memcmp(&one[r], &all[(size_t)i * rows + r], sizeof(float)) != 0)
-                    TEST_FAIL("matmul %s: token %d of %d, row %lld: %.9g in the batch, %.9g alone", dtype_name(t), i, n,
-                              (long long)r, all[(size_t)i * rows + r], one[r]);
+    /* 3, 5: one pass of the several-row kernels (dotn, where a type has
+     * one); 7 and 9: fours and then those */
+    static const int32_t ns[] = {3, 5, 7, 9};
+    for (int k = 0; k < N_TYPES; k++)
+        for (int c = 0; c < (int)(sizeof ns / sizeof ns[0]); c++) {
+            enum dtype t = all_types[k];
+            int32_t n = ns[c];
+            int64_t cols = test_cols(t);
+            void *w = make_weights(t, rows, cols);
+            float *x = rand_floats(n * cols, 1.0f);
+            float *all = nan_floats(n * rows), *one = nan_floats(rows);
+            struct backend_weight bw;
+            ASSERT_OK(backend_weight_load(be, &bw, t, w, rows, cols));
+            ASSERT_OK(backend_matmul(be, all, &bw, x, n));
+            for (int32_t i = 0; i < n; i++) {
+                ASSERT_OK(backend_matmul(be, one, &bw, x + (size_t)i * cols, 1));
+                for (int64_t r = 0; r < rows; r++)
+                    if (memcmp(&one[r], &all[(size_t)i * rows + r], sizeof(float)) != 0)
+                        TEST_FAIL("matmul %s: token %d of %d, row %lld: %.9g in the batch, %.9g alone", dtype_name(t),
+                                  i, n, (long long)r, all[(size_t)i * rows + r], one[r]);
+            }
+            backend_weight_free(be, &bw);
         }
-        backend_weight_free(be, &bw);
-    }
     fx_release();
 }
 
