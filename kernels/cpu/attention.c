@@ -2,7 +2,8 @@
  * grouped-query attention on the CPU backend.  Attention threads take (sequence, head) pairs from a shared
  * counter; each computes, for every query row of its sequence, the scores
  * against positions 0..p, a max-subtracted softmax, and the weighted sum of
- * V, with per-thread score buffers from the backend's scratch. */
+ * V, with per-thread score buffers from the backend's scratch (F32 and F16
+ * caches through the AVX2 row kernels, cpu_attn_qk_fn / cpu_attn_v_fn). */
 #include "cpu.h"
 
 #include <math.h>
@@ -104,12 +105,14 @@ struct attn_task {
     const struct backend_attn_batch *batch;
     int32_t n_heads;
     float scale;
-    float *scratch;         /* per thread: scores[max_ctx] then acc[head_dim] */
+    float *scratch;         /* per thread: scores[max_ctx], acc[head_dim], K and V row pointers[max_ctx] */
     size_t scratch_floats;  /* per thread */
+    size_t ptr_off;         /* floats from a thread's scratch to its pointers */
     atomic_long next;
 };
 
-static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *scores, float *acc) {
+static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *scores, float *acc,
+                     const void **krows, const void **vrows) {
     const struct backend_kv *kv = t->kv;
     const struct backend_attn_batch *ba = t->batch;
     int64_t hd = kv->head_dim, bs = kv->block_size;
@@ -122,31 +125,50 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
     const struct cpu_type_traits *tr = cpu_type_traits(kv->type);
     int q8 = kv->type == DTYPE_Q8_0, g = backend_kv_q8_group(kv->head_dim);
 
+    /* Where each position's K and V rows are, for the rows' kernels. */
+    const int fused = !q8 && tr->attn_qk && tr->attn_v;
+    if (fused)
+        for (int32_t j = 0; j < pos0 + (tok1 - tok0); j++) {
+            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+            krows[j] = (const uint8_t *)kv->k + e * rb;
+            vrows[j] = (const uint8_t *)kv->v + e * rb;
+        }
+
     for (int32_t r = tok0; r < tok1; r++) {
         const float *q = t->q + r * width + h * hd;
         int32_t n_ctx = pos0 + (r - tok0) + 1;
         float mx = -INFINITY;
-        for (int32_t j = 0; j < n_ctx; j++) {
-            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
-            const void *kr = (const uint8_t *)kv->k + e * rb;
-            float sc = (q8 ? dot_q8_row(kr, q, hd, g) : tr->dot(kr, q, hd)) * t->scale;
-            scores[j] = sc;
-            if (sc > mx) mx = sc;
-        }
+        if (fused) {
+            tr->attn_qk(scores, krows, n_ctx, q, hd);
+            for (int32_t j = 0; j < n_ctx; j++) {
+                scores[j] *= t->scale;
+                if (scores[j] > mx) mx = scores[j];
+            }
+        } else
+            for (int32_t j = 0; j < n_ctx; j++) {
+                int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+                const void *kr = (const uint8_t *)kv->k + e * rb;
+                float sc = (q8 ? dot_q8_row(kr, q, hd, g) : tr->dot(kr, q, hd)) * t->scale;
+                scores[j] = sc;
+                if (sc > mx) mx = sc;
+            }
         float sum = 0;
         for (int32_t j = 0; j < n_ctx; j++) {
             scores[j] = expf(scores[j] - mx);
             sum += scores[j];
         }
         memset(acc, 0, (size_t)hd * sizeof(float));
-        for (int32_t j = 0; j < n_ctx; j++) {
-            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
-            const void *vr = (const uint8_t *)kv->v + e * rb;
-            if (q8)
-                axpy_q8_row(acc, scores[j], vr, hd, g);
-            else
-                tr->axpy(acc, scores[j], vr, hd);
-        }
+        if (fused)
+            tr->attn_v(acc, scores, vrows, n_ctx, hd);
+        else
+            for (int32_t j = 0; j < n_ctx; j++) {
+                int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+                const void *vr = (const uint8_t *)kv->v + e * rb;
+                if (q8)
+                    axpy_q8_row(acc, scores[j], vr, hd, g);
+                else
+                    tr->axpy(acc, scores[j], vr, hd);
+            }
         float inv = 1.0f / sum;
         float *o = t->out + r * width + h * hd;
         for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
@@ -158,11 +180,13 @@ static void attn_run(void *arg, int ith, int nth) {
     (void)nth;
     float *scores = t->scratch + (size_t)ith * t->scratch_floats;
     float *acc = scores + t->batch->max_ctx;
+    /* The rows' pointers after acc, 8-byte aligned (per is a multiple of 16 floats). */
+    const void **krows = (const void **)(scores + t->ptr_off), **vrows = krows + t->batch->max_ctx;
     long n_pairs = (long)t->batch->n_seqs * t->n_heads;
     for (;;) {
         long i = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
         if (i >= n_pairs) break;
-        attn_one(t, (int32_t)(i / t->n_heads), (int32_t)(i % t->n_heads), scores, acc);
+        attn_one(t, (int32_t)(i / t->n_heads), (int32_t)(i % t->n_heads), scores, acc, krows, vrows);
     }
 }
 
@@ -202,9 +226,10 @@ int cpu_attention(backend *b_, float *out, const float *q, const struct backend_
     int st = attn_check(b_, kv, batch);
     if (st != STATUS_OK) return st;
     /* Per-thread buffers rounded to 64 bytes so threads never share a line. */
-    size_t per = ((size_t)batch->max_ctx + (size_t)kv->head_dim + 15) & ~(size_t)15;
+    size_t ptr_off = ((size_t)batch->max_ctx + (size_t)kv->head_dim + 15) & ~(size_t)15;
+    size_t per = ptr_off + (2 * (size_t)batch->max_ctx * sizeof(void *) / sizeof(float) + 15) / 16 * 16;
     struct attn_task t = {.out = out, .q = q, .kv = kv, .batch = batch, .n_heads = n_heads, .scale = scale,
-                          .scratch_floats = per};
+                          .scratch_floats = per, .ptr_off = ptr_off};
     t.scratch = cpu_scratch(b, per * sizeof(float) * (size_t)b->n_threads);
     if (!t.scratch) return STATUS_NO_MEMORY;
     atomic_init(&t.next, 0);

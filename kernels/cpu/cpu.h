@@ -99,6 +99,13 @@ typedef void (*cpu_dotn_fn)(const void *w, const void *x, size_t x_stride, int64
 /* y[0..n) += a * x[0..n), x of an F32 or F16 row (attention's V sums). */
 typedef void (*cpu_axpy_fn)(float *y, float a, const void *x, int64_t n);
 
+/* Attention over one query row's n positions of an F32 or F16 cache:
+ * out[j] = dot(krows[j], q) over hd elements, each as cpu_dot_fn gives it;
+ * acc[0..hd) += s[j] * vrows[j] for j in order, each element as n calls of
+ * cpu_axpy_fn give it. */
+typedef void (*cpu_attn_qk_fn)(float *out, const void *const *krows, int32_t n, const float *q, int64_t hd);
+typedef void (*cpu_attn_v_fn)(float *acc, const float *s, const void *const *vrows, int32_t n, int64_t hd);
+
 struct cpu_type_traits {
     int64_t block_elems;
     size_t block_bytes;
@@ -107,6 +114,8 @@ struct cpu_type_traits {
     cpu_dot4_fn dot4; /* NULL: matmul calls dot four times */
     cpu_dotn_fn dotn; /* NULL: matmul calls dot4 and dot */
     cpu_axpy_fn axpy; /* F32 and F16 only, else NULL */
+    cpu_attn_qk_fn attn_qk; /* F32 and F16 with AVX2, else NULL: dot and axpy per position */
+    cpu_attn_v_fn attn_v;
 };
 
 /* Fills the fp16 table and picks the kernel variants; idempotent and
@@ -134,6 +143,8 @@ cpu_axpy_fn cpu_axpy_scalar(enum dtype t);
 cpu_dot_fn cpu_dot_avx2(enum dtype t);
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t);
 cpu_dotn_fn cpu_dotn_avx2(enum dtype t);
+cpu_attn_qk_fn cpu_attn_qk_avx2(enum dtype t);
+cpu_attn_v_fn cpu_attn_v_avx2(enum dtype t);
 cpu_axpy_fn cpu_axpy_avx2(enum dtype t);
 int cpu_has_avx2(void);
 

@@ -625,6 +625,61 @@ AVX2_FN static void axpy_f16_avx2(float *y, float a, const void *x_, int64_t n) 
     for (; i < n; i++) y[i] += a * cpu_fp16_to_f32(x[i]);
 }
 
+/* ---- Attention over a row's positions (F32 and F16 caches) ----
+ * The scores of one query against its positions' K rows, each the one-row
+ * dot's operations (so a score is what dot_*_avx2 gives, whatever the
+ * count), and the sum of the scores times the V rows in position order,
+ * each element's multiply-adds those of axpy_*_avx2 one position after
+ * another, held in registers a block of 64 elements at a time instead of
+ * going through memory at every position. */
+AVX2_FN static void attn_qk_f32_avx2(float *out, const void *const *krows, int32_t n, const float *q, int64_t hd) {
+    for (int32_t j = 0; j < n; j++) out[j] = dot_f32_avx2(krows[j], q, hd);
+}
+
+AVX2_FN static void attn_qk_f16_avx2(float *out, const void *const *krows, int32_t n, const float *q, int64_t hd) {
+    for (int32_t j = 0; j < n; j++) out[j] = dot_f16_avx2(krows[j], q, hd);
+}
+
+/* acc[0 .. 8 nb) += sum over j of s[j] * row j (from element c0), nb <= 8. */
+AVX2_INLINE static void attn_v_block(float *acc, const float *s, const void *const *vrows, int32_t n, int64_t c0,
+                                     const int nb, const bool f16) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int b = 0; b < nb; b++) a[b] = _mm256_loadu_ps(acc + c0 + 8 * b);
+    for (int32_t j = 0; j < n; j++) {
+        const __m256 va = _mm256_set1_ps(s[j]);
+#pragma GCC unroll 8
+        for (int b = 0; b < nb; b++) {
+            const int64_t c = c0 + 8 * b;
+            const __m256 x = f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)vrows[j] + c)))
+                                 : _mm256_loadu_ps((const float *)vrows[j] + c);
+            a[b] = _mm256_fmadd_ps(va, x, a[b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < nb; b++) _mm256_storeu_ps(acc + c0 + 8 * b, a[b]);
+}
+
+AVX2_INLINE static void attn_v_rows(float *acc, const float *s, const void *const *vrows, int32_t n, int64_t hd,
+                                    const bool f16) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= hd; c0 += 64) attn_v_block(acc, s, vrows, n, c0, 8, f16);
+    for (; c0 + 8 <= hd; c0 += 8) attn_v_block(acc, s, vrows, n, c0, 1, f16);
+    if (c0 < hd) /* the tail as axpy does it, position by position */
+        for (int32_t j = 0; j < n; j++) {
+            if (f16) axpy_f16_avx2(acc + c0, s[j], (const uint16_t *)vrows[j] + c0, hd - c0);
+            else axpy_f32_avx2(acc + c0, s[j], (const float *)vrows[j] + c0, hd - c0);
+        }
+}
+
+AVX2_FN static void attn_v_f32_avx2(float *acc, const float *s, const void *const *vrows, int32_t n, int64_t hd) {
+    attn_v_rows(acc, s, vrows, n, hd, false);
+}
+
+AVX2_FN static void attn_v_f16_avx2(float *acc, const float *s, const void *const *vrows, int32_t n, int64_t hd) {
+    attn_v_rows(acc, s, vrows, n, hd, true);
+}
+
 /* ---- Activation quantization ---- */
 
 /* Largest |x| over 8k floats. */
@@ -700,6 +755,14 @@ cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
 
 cpu_dotn_fn cpu_dotn_avx2(enum dtype t) { return t == DTYPE_F16 ? dotn_f16_avx2 : NULL; }
 
+cpu_attn_qk_fn cpu_attn_qk_avx2(enum dtype t) {
+    return t == DTYPE_F32 ? attn_qk_f32_avx2 : t == DTYPE_F16 ? attn_qk_f16_avx2 : NULL;
+}
+
+cpu_attn_v_fn cpu_attn_v_avx2(enum dtype t) {
+    return t == DTYPE_F32 ? attn_v_f32_avx2 : t == DTYPE_F16 ? attn_v_f16_avx2 : NULL;
+}
+
 cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
     switch (t) {
     case DTYPE_F32: return dot4_f32_avx2;
@@ -746,6 +809,14 @@ cpu_dot4_fn cpu_dot4_avx2(enum dtype t) {
     return NULL;
 }
 cpu_dotn_fn cpu_dotn_avx2(enum dtype t) {
+    (void)t;
+    return NULL;
+}
+cpu_attn_qk_fn cpu_attn_qk_avx2(enum dtype t) {
+    (void)t;
+    return NULL;
+}
+cpu_attn_v_fn cpu_attn_v_avx2(enum dtype t) {
     (void)t;
     return NULL;
 }

@@ -963,10 +963,58 @@ TEST(cpu_ops_mem_info_and_alloc) {
     fx_release();
 }
 
+/* Attention's row kernels (cpu_attn_qk_fn, cpu_attn_v_fn) against their
+ * contract: each score bit-equal to the type's dot, the V sum bit-equal to
+ * an axpy per position in order; F32 and F16 rows, heads of 40 (a tail
+ * past the 8-wide blocks: 5 blocks, no 64), 64, 72 and 128 (two blocks of
+ * 64), 1 to 70 positions at scattered addresses. */
+TEST(cpu_ops_attention_row_kernels_match_dot_axpy) {
+    fx_release();
+    cpu_kernels_init();
+    const enum dtype types[2] = {DTYPE_F32, DTYPE_F16};
+    static const int64_t hds[] = {40, 64, 72, 128};
+    static const int32_t ns[] = {1, 7, 70};
+    for (int ti = 0; ti < 2; ti++) {
+        const struct cpu_type_traits *tr = cpu_type_traits(types[ti]);
+        ASSERT_TRUE(tr != NULL);
+        if (!tr->attn_qk || !tr->attn_v) {
+            printf("  note: %s has no row kernels here (no AVX2)\n", dtype_name(types[ti]));
+            continue;
+        }
+        for (size_t hi = 0; hi < sizeof hds / sizeof hds[0]; hi++)
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                const int64_t hd = hds[hi];
+                const int32_t n = ns[ni];
+                const size_t rb = (size_t)hd * (types[ti] == DTYPE_F32 ? 4 : 2);
+                /* 2n rows in one buffer, the kernels given every other one in reverse */
+                uint8_t *rows = make_weights(types[ti], 2 * n, hd);
+                const void **p = fx_alloc((size_t)n * sizeof *p);
+                for (int32_t j = 0; j < n; j++) p[j] = rows + (size_t)(2 * (n - 1 - j) + 1) * rb;
+                float *q = rand_floats(hd, 1.0f), *s = rand_floats(n, 1.0f);
+                float *got = nan_floats(n), *acc = rand_floats(hd, 1.0f), *want = fx_alloc((size_t)hd * 4);
+                memcpy(want, acc, (size_t)hd * 4);
+                tr->attn_qk(got, p, n, q, hd);
+                for (int32_t j = 0; j < n; j++) {
+                    float d = tr->dot(p[j], q, hd);
+                    if (memcmp(&d, &got[j], 4) != 0)
+                        TEST_FAIL("attn_qk %s, head %lld, %d positions: score %d is %.9g, dot gives %.9g",
+                                  dtype_name(types[ti]), (long long)hd, n, j, got[j], d);
+                }
+                tr->attn_v(acc, s, p, n, hd);
+                for (int32_t j = 0; j < n; j++) tr->axpy(want, s[j], p[j], hd);
+                for (int64_t c = 0; c < hd; c++)
+                    if (memcmp(&acc[c], &want[c], 4) != 0)
+                        TEST_FAIL("attn_v %s, head %lld, %d positions: element %lld is %.9g, axpy gives %.9g",
+                                  dtype_name(types[ti]), (long long)hd, n, (long long)c, acc[c], want[c]);
+            }
+    }
+    fx_release();
+}
+
 TEST_MAIN(cpu_ops_matmul_every_dtype, cpu_ops_matmul_batch_invariant, cpu_ops_attention_rows_invariant, cpu_ops_vector_kernels_match_scalar, cpu_ops_matmul_wide_and_narrow, cpu_ops_weight_load_keeps_host_memory,
           cpu_ops_embed_every_dtype, cpu_ops_embed_rejects_bad_id, cpu_ops_rmsnorm, cpu_ops_add_rmsnorm,
           cpu_ops_add_and_swiglu, cpu_ops_get_rows, cpu_ops_rope_both_orders, cpu_ops_rope_orders_differ,
           cpu_ops_kv_write_layout, cpu_ops_kv_write_q8_layout, cpu_ops_attention_f32_cache,
           cpu_ops_attention_f16_cache, cpu_ops_attention_q8_0_cache,
           cpu_ops_attention_rejects_bad_block, cpu_ops_convert, cpu_ops_thread_count_invariance,
-          cpu_ops_mem_info_and_alloc)
+          cpu_ops_mem_info_and_alloc, cpu_ops_attention_row_kernels_match_dot_axpy)
