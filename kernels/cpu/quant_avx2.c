@@ -314,9 +314,8 @@ AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
 
 /* Weights (F16 elements) the several-row kernels ask for ahead of their
  * loads: with 4-10 FMAs an iteration their loop covers fewer cache lines
- * than the one-row kernel's, and the hardware prefetcher alone left them at
- * about half its read rate (bench_cpu_ops F16 on this project's EPYC VM:
- * 4 rows 19.6 -> 16.1 ms, 5 rows 21.3 -> 19.4). */
+ * than the one-row kernel's, too few for the hardware prefetcher alone to
+ * keep the weights coming (docs/cpu-backend.md). */
 #define F16_PREFETCH 1024
 
 #define ROW(x, j, stride) ((const void *)((const uint8_t *)(x) + (size_t)(j) * (stride)))

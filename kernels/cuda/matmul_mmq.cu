@@ -253,11 +253,11 @@ template <> struct mmq_w<DTYPE_Q6_K> {
  * with 16-byte loads, which read whole sectors in few requests, where the
  * fragments' own 4-byte loads (8 rows a load, half of each sector) kept
  * the L1 pipe 88% busy at a third of the copy rate (7B gate/up, 8
- * tokens, Nsight Compute).  It made 7B decode steps of 8 and 16 tokens 3
- * and 5% faster (sm_90 and the T4's code on an H200), and gains nothing
- * from 32 tokens, where Q6_K's registers spill.  Row stride WB: the
- * fragment loads of 8 rows fall on distinct banks (WB / 4 mod 32 is 4, 12
- * or 20). */
+ * tokens, Nsight Compute).  Up to 16 tokens it measures faster on sm_90
+ * and on the T4's code, from 32 no faster (Q6_K's registers spill there):
+ * hence LLM_CUDA_MMQ_STAGE's default (docs/cuda-backend.md).  Row stride
+ * WB: the fragment loads of 8 rows fall on distinct banks (WB / 4 mod 32
+ * is 4, 12 or 20). */
 template <int T> struct mmq_stage {
     static constexpr int WB = T == DTYPE_Q6_K ? 208 : T == DTYPE_Q5_K ? 176 : 144;
     static constexpr int P = WB / 16;                 /* 16-byte parts of a row's chunk */
