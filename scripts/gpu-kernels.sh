@@ -30,7 +30,8 @@
 #            attention_gqa.cu off against on (sm_90 pack)
 #   all      every test_cuda_ops and test_forward test, both packs
 #   linkdtype bench_link_dtype --device cuda:0 (sm_90 pack, else the
-#            75-virtual one) on the llama2-7b Q4_K_M synthetic, which the
+#            75-virtual one) on the llama2-7b synthetic of each type in
+#            LLM_LINKDTYPE_TYPES (q4_k_m; "q4_k_m f16" for both), which the
 #            pack's llm-synth writes into a temp dir with room: f32, f16,
 #            bf16, int8 and the --control row on bench/data/stories-eval.txt
 #            (docs/deploy.md, "Across hosts"); the table in linkdtype.txt.
@@ -180,9 +181,10 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         {
             ldir=""
             for d in "${LLM_LINKDTYPE_TMP:-}" "${TMPDIR:-/tmp}" /tmp /dev/shm "$PWD"; do
-                # the file is about 4 GB; 6 GiB free leaves the machine some
+                # a file is about 4 GB (q4_k_m) or 13.5 GB (f16), one at a
+                # time; 16 GiB free leaves the machine some
                 [ -n "$d" ] && [ -d "$d" ] && [ -w "$d" ] &&
-                    [ "$(df -Pk "$d" | awk 'NR == 2 {print $4}')" -ge $((6 * 1024 * 1024)) ] &&
+                    [ "$(df -Pk "$d" | awk 'NR == 2 {print $4}')" -ge $((16 * 1024 * 1024)) ] &&
                     ldir=$(mktemp -d "$d/linkdtype.XXXXXX") && break
             done
             if [ -z "$lb" ]; then
@@ -190,26 +192,29 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             elif [ ! -x "$lb/bench/bench_link_dtype" ] || [ ! -x "$lb/worker/llm-synth" ]; then
                 echo "linkdtype: $lb lacks bench/bench_link_dtype or worker/llm-synth (LLM_PACK_BINS of gpu-pack.sh)"
             elif [ -z "$ldir" ]; then
-                echo "linkdtype: no temp dir with 6 GiB free (LLM_LINKDTYPE_TMP)"
+                echo "linkdtype: no temp dir with 16 GiB free (LLM_LINKDTYPE_TMP)"
             else
-                lm=$ldir/llama2-7b-q4_k_m.gguf
-                ls0=$(date +%s)
-                timeout 300 "$lb/worker/llm-synth" --out "$lm" --shape llama2-7b --type q4_k_m --log-level warn
-                lrc=$?
-                echo "linkdtype: llm-synth --shape llama2-7b --type q4_k_m: exit $lrc, $(( $(date +%s) - ls0 )) s"
-                if [ $lrc -eq 0 ]; then
+                for lt in ${LLM_LINKDTYPE_TYPES:-q4_k_m}; do
+                    lm=$ldir/llama2-7b-$lt.gguf
+                    ls0=$(date +%s)
+                    timeout 300 "$lb/worker/llm-synth" --out "$lm" --shape llama2-7b --type "$lt" --log-level warn
+                    lrc=$?
+                    echo "linkdtype: llm-synth --shape llama2-7b --type $lt: exit $lrc, $(( $(date +%s) - ls0 )) s"
+                    [ $lrc -eq 0 ] || break
                     echo "+ bench/bench_link_dtype --device cuda:0 --model $lm --text bench/data/stories-eval.txt" \
                         "--max-tokens 4096 --control${lsm:+ (LLM_CUDA_SM=$lsm)}"
                     LLM_CUDA_SM=$lsm timeout --kill-after=10 170 "$lb/bench/bench_link_dtype" --device cuda:0 \
                         --model "$lm" --text bench/data/stories-eval.txt --max-tokens 4096 --control
                     lrc=$?
-                fi
+                    rm -f "$lm"
+                    [ $lrc -eq 0 ] || break
+                done
             fi
             [ -n "$ldir" ] && rm -rf "$ldir"
         } >"$out/linkdtype.txt" 2>&1
         {
             echo "== linkdtype: exit $lrc, $(( $(date +%s) - t0 )) s"
-            grep -E "^model |^\| [a-z0-9]+|^linkdtype:|^bench_link_dtype:" "$out/linkdtype.txt" | head -n 8
+            grep -E "^model |^\| [a-z0-9]+|^linkdtype:|^bench_link_dtype:" "$out/linkdtype.txt" | head -n 20
         } >>"$summary"
         [ $lrc -eq 0 ] || status=1
         ;;

@@ -58,7 +58,7 @@ size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems) 
     switch (t) {
     case LINK_DTYPE_F16:
     case LINK_DTYPE_BF16: return elems * 2;
-    case LINK_DTYPE_INT8: return elems + (row_elems ? elems / row_elems : 0) * sizeof(float);
+    case LINK_DTYPE_INT8: return row_elems ? elems / row_elems * link_int8_row_bytes(row_elems) : 0;
     default: return bytes;
     }
 }
@@ -86,22 +86,28 @@ void link_encode(enum link_dtype t, const float *src, size_t elems, size_t row, 
         }
         return;
     }
-    /* INT8: per row, the scale (F32, little-endian) then the values.  The
-     * GPU encoder (link_codec.cu) does these float operations in this order,
-     * so that both give the same bytes. */
+    /* INT8: each block of LINK_INT8_BLOCK values of a row (the last may be
+     * shorter), the block's scale (BF16, little-endian) then its values.
+     * The GPU encoder (link_codec.cu) does these float operations in this
+     * order, so that both give the same bytes. */
+    const size_t rb = link_int8_row_bytes(row);
     for (size_t r = 0; r < elems / row; r++) {
-        const float *x = src + r * row;
-        uint8_t *o = dst + r * (row + sizeof(float));
-        float amax = 0;
-        for (size_t i = 0; i < row; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0;
-        uint32_t bits;
-        memcpy(&bits, &scale, 4);
-        for (int b = 0; b < 4; b++) o[b] = (uint8_t)(bits >> (8 * b));
-        for (size_t i = 0; i < row; i++) {
-            float q = roundf(x[i] * inv);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            o[4 + i] = (uint8_t)(int8_t)q;
+        uint8_t *o = dst + r * rb;
+        for (size_t b0 = 0; b0 < row; b0 += LINK_INT8_BLOCK) {
+            const float *x = src + r * row + b0;
+            const size_t nb = row - b0 < LINK_INT8_BLOCK ? row - b0 : LINK_INT8_BLOCK;
+            float amax = 0;
+            for (size_t i = 0; i < nb; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const uint16_t sb = f32_to_bf16(amax / 127.0f);
+            const float scale = bf16_to_f32(sb), inv = scale > 0 ? 1.0f / scale : 0;
+            o[0] = (uint8_t)sb;
+            o[1] = (uint8_t)(sb >> 8);
+            for (size_t i = 0; i < nb; i++) {
+                float q = roundf(x[i] * inv);
+                q = q > 127 ? 127 : q < -127 ? -127 : q == q ? q : 0; /* NaN: 0 */
+                o[2 + i] = (uint8_t)(int8_t)q;
+            }
+            o += 2 + nb;
         }
     }
 }
@@ -124,12 +130,15 @@ void link_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row
         }
         return;
     }
+    const size_t rb = link_int8_row_bytes(row);
     for (size_t r = 0; r < elems / row; r++) {
-        const uint8_t *in = src + r * (row + sizeof(float));
-        uint32_t bits = (uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 | (uint32_t)in[3] << 24;
-        float scale;
-        memcpy(&scale, &bits, 4);
-        for (size_t i = 0; i < row; i++) dst[r * row + i] = (float)(int8_t)in[4 + i] * scale;
+        const uint8_t *in = src + r * rb;
+        for (size_t b0 = 0; b0 < row; b0 += LINK_INT8_BLOCK) {
+            const size_t nb = row - b0 < LINK_INT8_BLOCK ? row - b0 : LINK_INT8_BLOCK;
+            const float scale = bf16_to_f32((uint16_t)(in[0] | in[1] << 8));
+            for (size_t i = 0; i < nb; i++) dst[r * row + b0 + i] = (float)(int8_t)in[2 + i] * scale;
+            in += 2 + nb;
+        }
     }
 }
 

@@ -36,9 +36,12 @@ enum link_dir {
  * stages compute F32 rows; a link converts them to its type on the way out
  * and back to F32 on the way in, on either transport (link_encode and
  * link_decode below, and their GPU twins in kernels/cuda/link_codec.h).
- * INT8 carries each row as one F32 scale (max |x| / 127) and the row's
- * values rounded to int8: (row_elems + 4) bytes a row, a quarter of F32's
- * plus 4.  On ZeroMQ each message names its type, so a receiver reads
+ * INT8 carries each block of LINK_INT8_BLOCK values of a row (the last
+ * may be shorter) as one scale (the block's max |x| / 127 rounded to BF16)
+ * and its values rounded to int8: 34 bytes for 32 values, 17/32 of F16's.  A scale a
+ * block instead of a row keeps one large value (a transformer's hidden
+ * states have a few channels far above the rest) from coarsening the
+ * whole row's steps.  On ZeroMQ each message names its type, so a receiver reads
  * whatever its sender chose; NCCL carries no header, so both ends of an
  * NCCL link are given the type and check in Redis that they agree
  * (link_nccl_init). */
@@ -49,6 +52,11 @@ enum link_dtype {
     LINK_DTYPE_INT8 = 3,
     LINK_DTYPE_N = 4,
 };
+#define LINK_INT8_BLOCK 32
+/* Wire bytes of one INT8 row of row_elems values. */
+static inline size_t link_int8_row_bytes(size_t row_elems) {
+    return row_elems + 2 * ((row_elems + LINK_INT8_BLOCK - 1) / LINK_INT8_BLOCK);
+}
 /* "f32", "f16", "bf16", "int8", NULL: indexed by enum link_dtype. */
 extern const char *const link_dtype_names[];
 /* Bytes on the wire for `bytes` of F32 rows of row_elems elements. */
@@ -57,8 +65,9 @@ size_t link_dtype_wire_bytes(enum link_dtype t, size_t bytes, size_t row_elems);
 /* The wire's encoding, shared by both transports (host memory): elems F32
  * values (whole rows of row_elems for INT8) into the
  * link_dtype_wire_bytes(t, elems * 4, row_elems) bytes at dst, little-endian;
- * and back.  F16 and BF16 round to nearest even; INT8 rounds x * (127 /
- * amax) half away from zero.  dst may have any alignment. */
+ * and back.  F16 and BF16 round to nearest even; INT8 rounds x / scale
+ * half away from zero (x times the scale's F32 reciprocal) and clamps to
+ * +-127.  dst may have any alignment. */
 void link_encode(enum link_dtype t, const float *src, size_t elems, size_t row_elems, uint8_t *dst);
 void link_decode(enum link_dtype t, const uint8_t *src, size_t elems, size_t row_elems, float *dst);
 

@@ -128,6 +128,7 @@ _Static_assert(LINK_NCCL_ID_BYTES == NCCL_LINK_ID_BYTES, "link.h's id size is NC
 _Static_assert(LINK_CODEC_F32 == (int)LINK_DTYPE_F32 && LINK_CODEC_F16 == (int)LINK_DTYPE_F16 &&
                    LINK_CODEC_BF16 == (int)LINK_DTYPE_BF16 && LINK_CODEC_INT8 == (int)LINK_DTYPE_INT8,
                "link_codec.h numbers its types as enum link_dtype");
+_Static_assert(LINK_CODEC_INT8_BLOCK == LINK_INT8_BLOCK, "link_codec.h's INT8 blocks are link.h's");
 
 struct link_nccl {
     struct link_conn base;

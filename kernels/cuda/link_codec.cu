@@ -2,7 +2,7 @@
  * worker/link.c's link_encode and the floats of its link_decode, bit for
  * bit.  That holds because every step is exact or correctly rounded in
  * both: F16 and BF16 round to nearest even (__float2half_rn; f2bf is
- * f32_to_bf16's integer rounding), the INT8 row maximum is a max (any
+ * f32_to_bf16's integer rounding), the INT8 block maximum is a max (any
  * order gives the same value; a NaN never wins a > comparison, on either
  * side), and the scale, its inverse, the product and the decode are single
  * IEEE operations written as __fdiv_rn / __fmul_rn so that no compiler
@@ -38,43 +38,58 @@ template <bool BF> __global__ void link_decode_half_kernel(const uint16_t *src, 
         dst[i] = BF ? bf2f(src[i]) : h2f(src[i]);
 }
 
-/* One block per row: the row's largest magnitude, then the scale's four
- * bytes and the row's int8 values (rows are row + 4 bytes apart, so the
- * scale is written bytewise). */
-__global__ void link_encode_int8_kernel(const float *src, uint8_t *dst, int64_t n_rows, int32_t row) {
-    __shared__ float part[LC_THREADS];
-    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
-        const float *x = src + r * row;
-        uint8_t *o = dst + r * ((int64_t)row + 4);
-        float amax = 0.0f;
-        for (int32_t i = threadIdx.x; i < row; i += blockDim.x) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        part[threadIdx.x] = amax;
-        __syncthreads();
-        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-            if ((int)threadIdx.x < s)
-                part[threadIdx.x] = part[threadIdx.x + s] > part[threadIdx.x] ? part[threadIdx.x + s] : part[threadIdx.x];
-            __syncthreads();
+/* A warp per block of LINK_CODEC_INT8_BLOCK values (lane i its value i):
+ * the block's largest magnitude, its BF16 scale's two bytes, then its int8
+ * values.  Rows are row_bytes apart; a row's last block may be shorter. */
+__global__ void link_encode_int8_kernel(const float *src, uint8_t *dst, int64_t n_blocks, int32_t row,
+                                        int32_t row_blocks, int32_t row_bytes) {
+    const int lane = threadIdx.x % 32;
+    for (int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32; b < n_blocks;
+         b += (int64_t)gridDim.x * (blockDim.x / 32)) {
+        const int64_t r = b / row_blocks;
+        const int32_t j = (int32_t)(b % row_blocks), b0 = j * LINK_CODEC_INT8_BLOCK;
+        const int32_t nb = row - b0 < LINK_CODEC_INT8_BLOCK ? row - b0 : LINK_CODEC_INT8_BLOCK;
+        const float x = lane < nb ? src[r * row + b0 + lane] : 0.0f;
+        float amax = fabsf(x);
+        for (int o = 16; o > 0; o >>= 1) {
+            const float v = __shfl_xor_sync(0xffffffffu, amax, o);
+            amax = v > amax ? v : amax;
         }
-        amax = part[0];
-        __syncthreads(); /* part is the next row's */
-        const float scale = __fdiv_rn(amax, 127.0f), inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-        if (threadIdx.x < 4) o[threadIdx.x] = (uint8_t)(__float_as_uint(scale) >> (8 * threadIdx.x));
-        for (int32_t i = threadIdx.x; i < row; i += blockDim.x) {
-            float q = roundf(__fmul_rn(x[i], inv));
-            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-            o[4 + i] = (uint8_t)(int8_t)q;
+        const uint16_t sb = f2bf(__fdiv_rn(amax, 127.0f));
+        const float scale = bf2f(sb), inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
+        uint8_t *o = dst + r * row_bytes + (int64_t)j * (LINK_CODEC_INT8_BLOCK + 2);
+        if (lane < 2) o[lane] = (uint8_t)(sb >> (8 * lane));
+        if (lane < nb) {
+            float q = roundf(__fmul_rn(x, inv));
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q == q ? q : 0.0f;
+            o[2 + lane] = (uint8_t)(int8_t)q;
         }
     }
 }
 
-__global__ void link_decode_int8_kernel(const uint8_t *src, float *dst, int64_t n_rows, int32_t row) {
-    for (int64_t r = blockIdx.x; r < n_rows; r += gridDim.x) {
-        const uint8_t *in = src + r * ((int64_t)row + 4);
-        const float scale = __uint_as_float((uint32_t)in[0] | (uint32_t)in[1] << 8 | (uint32_t)in[2] << 16 |
-                                            (uint32_t)in[3] << 24);
-        for (int32_t i = threadIdx.x; i < row; i += blockDim.x)
-            dst[r * row + i] = __fmul_rn((float)(int8_t)in[4 + i], scale);
+__global__ void link_decode_int8_kernel(const uint8_t *src, float *dst, int64_t n_blocks, int32_t row,
+                                        int32_t row_blocks, int32_t row_bytes) {
+    const int lane = threadIdx.x % 32;
+    for (int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32; b < n_blocks;
+         b += (int64_t)gridDim.x * (blockDim.x / 32)) {
+        const int64_t r = b / row_blocks;
+        const int32_t j = (int32_t)(b % row_blocks), b0 = j * LINK_CODEC_INT8_BLOCK;
+        const int32_t nb = row - b0 < LINK_CODEC_INT8_BLOCK ? row - b0 : LINK_CODEC_INT8_BLOCK;
+        const uint8_t *in = src + r * row_bytes + (int64_t)j * (LINK_CODEC_INT8_BLOCK + 2);
+        if (lane < nb)
+            dst[r * row + b0 + lane] = __fmul_rn((float)(int8_t)in[2 + lane], bf2f((uint16_t)(in[0] | in[1] << 8)));
     }
+}
+
+/* Launches an INT8 kernel over every block of n / row rows. */
+template <typename S, typename D>
+static void lc_int8(void (*kernel)(S, D, int64_t, int32_t, int32_t, int32_t), S src, D dst, int64_t n, size_t row,
+                    cudaStream_t s) {
+    const int32_t rb = (int32_t)((row + LINK_CODEC_INT8_BLOCK - 1) / LINK_CODEC_INT8_BLOCK);
+    const int64_t blocks = n / (int64_t)row * rb;
+    const int64_t grid = (blocks + LC_THREADS / 32 - 1) / (LC_THREADS / 32);
+    kernel<<<(unsigned)(grid < 65535 ? grid : 65535), LC_THREADS, 0, s>>>(src, dst, blocks, (int32_t)row, rb,
+                                                                         (int32_t)row + 2 * rb);
 }
 
 /* The checks both directions share: a known type, whole rows for INT8, a
@@ -96,8 +111,6 @@ static int lc_check(enum link_codec_type t, size_t elems, size_t row, const void
     return STATUS_OK;
 }
 
-static unsigned lc_row_blocks(int64_t n_rows) { return (unsigned)(n_rows < 65535 ? n_rows : 65535); }
-
 extern "C" int link_codec_encode(void *stream, enum link_codec_type t, const float *src, size_t elems,
                                  size_t row, void *dst, char *err, size_t errlen) {
     int rc = lc_check(t, elems, row, dst, "encode", err, errlen);
@@ -108,10 +121,7 @@ extern "C" int link_codec_encode(void *stream, enum link_codec_type t, const flo
     case LINK_CODEC_F32: LC_CHECK(cudaMemcpyAsync(dst, src, elems * sizeof(float), cudaMemcpyDeviceToDevice, s)); break;
     case LINK_CODEC_F16: link_encode_half_kernel<false><<<cuda_blocks(n, LC_THREADS), LC_THREADS, 0, s>>>(src, (uint16_t *)dst, n); break;
     case LINK_CODEC_BF16: link_encode_half_kernel<true><<<cuda_blocks(n, LC_THREADS), LC_THREADS, 0, s>>>(src, (uint16_t *)dst, n); break;
-    case LINK_CODEC_INT8:
-        link_encode_int8_kernel<<<lc_row_blocks(n / (int64_t)row), LC_THREADS, 0, s>>>(src, (uint8_t *)dst, n / (int64_t)row,
-                                                                                        (int32_t)row);
-        break;
+    case LINK_CODEC_INT8: lc_int8(link_encode_int8_kernel, src, (uint8_t *)dst, n, row, s); break;
     }
     LC_CHECK(cudaGetLastError());
     return STATUS_OK;
@@ -127,10 +137,7 @@ extern "C" int link_codec_decode(void *stream, enum link_codec_type t, const voi
     case LINK_CODEC_F32: LC_CHECK(cudaMemcpyAsync(dst, src, elems * sizeof(float), cudaMemcpyDeviceToDevice, s)); break;
     case LINK_CODEC_F16: link_decode_half_kernel<false><<<cuda_blocks(n, LC_THREADS), LC_THREADS, 0, s>>>((const uint16_t *)src, dst, n); break;
     case LINK_CODEC_BF16: link_decode_half_kernel<true><<<cuda_blocks(n, LC_THREADS), LC_THREADS, 0, s>>>((const uint16_t *)src, dst, n); break;
-    case LINK_CODEC_INT8:
-        link_decode_int8_kernel<<<lc_row_blocks(n / (int64_t)row), LC_THREADS, 0, s>>>((const uint8_t *)src, dst, n / (int64_t)row,
-                                                                                        (int32_t)row);
-        break;
+    case LINK_CODEC_INT8: lc_int8(link_decode_int8_kernel, (const uint8_t *)src, dst, n, row, s); break;
     }
     LC_CHECK(cudaGetLastError());
     return STATUS_OK;

@@ -21,12 +21,14 @@ enum link_codec_type {
     LINK_CODEC_F32 = 0,
     LINK_CODEC_F16 = 1,
     LINK_CODEC_BF16 = 2,
-    LINK_CODEC_INT8 = 3, /* per row: an F32 scale (amax / 127), then row_elems int8 */
+    LINK_CODEC_INT8 = 3, /* per block of a row: a BF16 scale (amax / 127), then the block's int8 */
 };
+#define LINK_CODEC_INT8_BLOCK 32 /* worker/link.h's LINK_INT8_BLOCK */
 
 /* elems F32 values at src (whole rows of row_elems for INT8; rows below
  * 2^20 elements) into the wire's bytes at dst: elems * 4 (F32), elems * 2
- * (F16, BF16; dst 2-byte aligned) or elems + 4 * elems / row_elems (INT8). */
+ * (F16, BF16; dst 2-byte aligned) or elems + 2 bytes a block of 32 values
+ * or fewer for INT8 (worker/link.h's link_int8_row_bytes a row). */
 int link_codec_encode(void *stream, enum link_codec_type t, const float *src, size_t elems,
                       size_t row_elems, void *dst, char *err, size_t errlen);
 /* The wire's bytes at src (F16 and BF16: 2-byte aligned) back to elems F32

@@ -106,7 +106,7 @@ static void check_width(size_t w, size_t rows) {
         ASSERT_OK(backend_download(fx.gpu, gw, dw, wire));
         for (size_t i = 0; i < wire; i++)
             if (hw[i] != gw[i]) {
-                size_t rb = t == LINK_DTYPE_INT8 ? w + 4 : t == LINK_DTYPE_F32 ? w * 4 : w * 2;
+                size_t rb = t == LINK_DTYPE_INT8 ? link_int8_row_bytes(w) : t == LINK_DTYPE_F32 ? w * 4 : w * 2;
                 TEST_FAIL("%s encode, rows of %zu: byte %zu (row %zu, kind %zu) is 0x%02x on the GPU, 0x%02x "
                           "on the host", link_dtype_names[t], w, i, i / rb, i / rb % ROW_KINDS, gw[i], hw[i]);
             }

@@ -553,10 +553,10 @@ TEST(link_nccl_two_gpus) {
 /* Every type round-trips within its precision for rows of several widths,
  * writes exactly link_dtype_wire_bytes (a guard after it stays), gives the
  * same bytes at an odd address (the byte loop) as at an even one (whole
- * rows through F16C where the CPU has it), and INT8 carries each row's
- * scale, amax / 127, with rows of zeros as zeros. */
+ * rows through F16C where the CPU has it), and INT8 carries each block's
+ * scale, its amax / 127 in BF16, with rows of zeros as zeros. */
 TEST(link_codec_round_trip) {
-    static const size_t widths[] = {1, 3, 64, 1000};
+    static const size_t widths[] = {1, 3, 33, 64, 1000};
     enum { ROWS = 5, WMAX = 1000 };
     float *x = malloc(sizeof(float) * ROWS * WMAX), *y = malloc(sizeof(float) * ROWS * WMAX);
     float *y2 = malloc(sizeof(float) * ROWS * WMAX);
@@ -588,21 +588,28 @@ TEST(link_codec_round_trip) {
             if (memcmp(y, y2, n * sizeof(float)) != 0)
                 TEST_FAIL("%s, rows of %zu: other floats from an odd address", link_dtype_names[t], row);
             for (size_t r = 0; r < ROWS; r++) {
-                float amax = 0;
-                for (size_t i = 0; i < row; i++) amax = fmaxf(amax, fabsf(x[r * row + i]));
-                if (t == LINK_DTYPE_INT8) {
-                    float scale;
-                    memcpy(&scale, w + r * (row + 4), 4);
-                    ASSERT_EQ(amax / 127.0f, scale);
-                }
+                const uint8_t *blk = w + r * link_int8_row_bytes(row);
+                float amax = 0, scale = 0;
                 for (size_t i = 0; i < row; i++) {
+                    if (i % LINK_INT8_BLOCK == 0) { /* the block's max, its scale as sent */
+                        amax = 0;
+                        for (size_t k = i; k < row && k < i + LINK_INT8_BLOCK; k++)
+                            amax = fmaxf(amax, fabsf(x[r * row + k]));
+                        if (t == LINK_DTYPE_INT8) {
+                            uint16_t sb = (uint16_t)(blk[0] | blk[1] << 8);
+                            ASSERT_EQ(f32_to_bf16(amax / 127.0f), sb);
+                            scale = bf16_to_f32(sb);
+                            blk += 2 + (row - i < LINK_INT8_BLOCK ? row - i : LINK_INT8_BLOCK);
+                        }
+                    }
                     float v = x[r * row + i], d = y[r * row + i];
                     /* F16: half an ulp (2^-11 relative) for normals, 2^-25 below;
-                     * BF16: 2^-8 relative; INT8: half a step of amax / 127. */
+                     * BF16: 2^-8 relative; INT8: half a step of the block's
+                     * scale. */
                     double bound = t == LINK_DTYPE_F32    ? 0
                                    : t == LINK_DTYPE_F16  ? fmax(fabs(v) / 2048, 1.0 / (1 << 25))
                                    : t == LINK_DTYPE_BF16 ? fabs(v) / 256
-                                                          : amax / 127.0 * 0.5000001;
+                                                          : scale * 0.5000001;
                     if (!(fabs((double)d - v) <= bound))
                         TEST_FAIL("%s, rows of %zu, row %zu: %.9g came back %.9g (bound %.3g)",
                                   link_dtype_names[t], row, r, v, d, bound);
