@@ -96,6 +96,12 @@ typedef void (*cpu_dot4_fn)(const void *w, const void *x, size_t x_stride, int64
  * counts dot4 leaves, in one pass over the weight row. */
 typedef void (*cpu_dotn_fn)(const void *w, const void *x, size_t x_stride, int64_t n, int nt, float *out);
 
+/* o0[j] = dot(w0, x + j * x_stride bytes) and o1[j] = dot(w1, ...) for
+ * j < nt, nt 1 to 5: two weight rows in one pass, each activation load
+ * shared by both. */
+typedef void (*cpu_dot2n_fn)(const void *w0, const void *w1, const void *x, size_t x_stride, int64_t n, int nt,
+                             float *o0, float *o1);
+
 /* y[0..n) += a * x[0..n), x of an F32 or F16 row (attention's V sums). */
 typedef void (*cpu_axpy_fn)(float *y, float a, const void *x, int64_t n);
 
@@ -113,6 +119,7 @@ struct cpu_type_traits {
     cpu_dot_fn dot;   /* the fastest variant this CPU supports */
     cpu_dot4_fn dot4; /* NULL: matmul calls dot four times */
     cpu_dotn_fn dotn; /* NULL: matmul calls dot4 and dot */
+    cpu_dot2n_fn dot2n; /* NULL: matmul takes its rows one at a time */
     cpu_axpy_fn axpy; /* F32 and F16 only, else NULL */
     cpu_attn_qk_fn attn_qk; /* F32 and F16 with AVX2, else NULL: dot and axpy per position */
     cpu_attn_v_fn attn_v;
@@ -147,6 +154,9 @@ cpu_attn_qk_fn cpu_attn_qk_avx2(enum dtype t);
 cpu_attn_v_fn cpu_attn_v_avx2(enum dtype t);
 cpu_axpy_fn cpu_axpy_avx2(enum dtype t);
 int cpu_has_avx2(void);
+/* The two-row kernel of a type on AVX-512VL (quant_avx512.c), or NULL. */
+cpu_dot2n_fn cpu_dot2n_avx512vl(enum dtype t);
+int cpu_has_avx512vl(void);
 
 
 /* ---- Ops (the table entries) ---- */

@@ -37,6 +37,7 @@ struct mm_task {
     cpu_dot_fn dot;
     cpu_dot4_fn dot4;           /* or NULL */
     cpu_dotn_fn dotn;           /* or NULL */
+    cpu_dot2n_fn dot2n;         /* or NULL */
     int64_t rows, cols;
     int32_t n;
     int64_t rows_per_chunk, n_row_chunks, n_tok_chunks, n_chunks;
@@ -55,12 +56,38 @@ static void mm_quantize(struct mm_task *t) {
     }
 }
 
+/* Rows ra and rb against tokens t0..t1 through dot2n: fours, or a last
+ * five in one pass, then what is left (1-3) in one. */
+static void mm_rows2(const struct mm_task *t, int64_t ra, int64_t rb, int32_t t0, int32_t t1, const uint8_t *xs,
+                     size_t x_row_bytes) {
+    const uint8_t *wa = t->w + (size_t)ra * t->w_row_bytes, *wb = t->w + (size_t)rb * t->w_row_bytes;
+    for (int32_t i = t0; i < t1;) {
+        int nt = t1 - i == 5 ? 5 : t1 - i >= 4 ? 4 : t1 - i;
+        float oa[5], ob[5];
+        t->dot2n(wa, wb, xs + (size_t)i * x_row_bytes, x_row_bytes, t->cols, nt, oa, ob);
+        for (int j = 0; j < nt; j++) {
+            t->out[(size_t)(i + j) * t->rows + ra] = oa[j];
+            t->out[(size_t)(i + j) * t->rows + rb] = ob[j];
+        }
+        i += nt;
+    }
+}
+
 /* Chunk c: rows_per_chunk output rows x MM_TOKENS_PER_CHUNK tokens. */
 static void mm_chunk(const struct mm_task *t, long c, const uint8_t *xs, size_t x_row_bytes) {
     int64_t r0 = (c / t->n_tok_chunks) * t->rows_per_chunk;
     int64_t r1 = r0 + t->rows_per_chunk < t->rows ? r0 + t->rows_per_chunk : t->rows;
     int32_t t0 = (int32_t)(c % t->n_tok_chunks) * MM_TOKENS_PER_CHUNK;
     int32_t t1 = t0 + MM_TOKENS_PER_CHUNK < t->n ? t0 + MM_TOKENS_PER_CHUNK : t->n;
+    /* Pairs of rows where a two-row kernel exists, from 2 tokens (one
+     * token's dot is bound by the weights' stream alone): row j of the
+     * chunk's first half with row j of its second, so that each half is
+     * read in order, two streams the prefetchers follow. */
+    if (t->dot2n && t1 - t0 >= 2) {
+        int64_t h = (r1 - r0) / 2;
+        for (int64_t j = 0; j < h; j++) mm_rows2(t, r0 + j, r0 + h + j, t0, t1, xs, x_row_bytes);
+        r0 += 2 * h;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = t->w + (size_t)r * t->w_row_bytes;
         int32_t i = t0;
@@ -124,6 +151,7 @@ int cpu_matmul(backend *b_, float *out, const struct backend_weight *w, const fl
         .dot = tr->dot,
         .dot4 = tr->dot4,
         .dotn = tr->dotn,
+        .dot2n = tr->dot2n,
         .rows = w->rows,
         .cols = w->cols,
         .n = n,

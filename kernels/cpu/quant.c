@@ -476,6 +476,7 @@ static void set_traits(enum dtype t, int64_t elems, size_t bytes, enum cpu_act a
     cpu_dotn_fn fastn = cpu_has_avx2() ? cpu_dotn_avx2(t) : NULL;
     cpu_axpy_fn axpy = cpu_has_avx2() ? cpu_axpy_avx2(t) : NULL;
     traits[t] = (struct cpu_type_traits){elems, bytes, act, fast ? fast : cpu_dot_scalar(t), fast4, fastn,
+                                         cpu_has_avx512vl() ? cpu_dot2n_avx512vl(t) : NULL,
                                          axpy ? axpy : cpu_axpy_scalar(t),
                                          cpu_has_avx2() ? cpu_attn_qk_avx2(t) : NULL,
                                          cpu_has_avx2() ? cpu_attn_v_avx2(t) : NULL};

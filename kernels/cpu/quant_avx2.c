@@ -8,24 +8,11 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-
-
-
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
-/* Helpers: inlined so that their vectors stay in registers. */
-#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#include "avx2.h"
 
 int cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-AVX2_INLINE static float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* Sum of signed products of 32 int8 pairs, as 8 int32 lanes. */
@@ -311,12 +298,6 @@ AVX2_FN static float dot_q6_k_avx2(const void *w, const void *x, int64_t n) {
 }
 
 /* ---- Four activation rows per weight row (prefill) ---- */
-
-/* Weights (F16 elements) the several-row kernels ask for ahead of their
- * loads: with 4-10 FMAs an iteration their loop covers fewer cache lines
- * than the one-row kernel's, too few for the hardware prefetcher alone to
- * keep the weights coming (docs/cpu-backend.md). */
-#define F16_PREFETCH 1024
 
 #define ROW(x, j, stride) ((const void *)((const uint8_t *)(x) + (size_t)(j) * (stride)))
 
