@@ -23,7 +23,7 @@
 #define LINK_ZMQ_HEADER 32
 #define LINK_ZMQ_SKIPPED 1u
 /* The header's flags word: bit 0 skipped, bits 8..11 the element type
- * (enum link_dtype), bits 12..31 the row width (for INT8's per-row scale).
+ * (enum link_dtype), bits 12..31 the row width (INT8's scales are per block of a row).
  * The size word is the F32 bytes the rows decode to; the body frame holds
  * link_dtype_wire_bytes of them. */
 #define LZ_DTYPE_SHIFT 8
