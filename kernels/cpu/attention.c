@@ -98,6 +98,15 @@ int cpu_kv_write(backend *b_, struct backend_kv *kv, const float *k, const float
 
 /* ---- attention ---- */
 
+/* Query rows of one sequence whose attention goes through the row kernels
+ * together, and the positions of a tile: each tile's K rows (then V rows)
+ * are read into L1 once for all of those rows (a verifying step's k + 1, a
+ * prefill chunk's rows) instead of once a row from L2 or memory.  Every
+ * row's arithmetic is what it is alone: a score is one dot, and the V sum
+ * of each element goes through the positions in order, tile after tile. */
+#define ATTN_ROWS 8
+#define ATTN_TILE 32
+
 struct attn_task {
     float *out;
     const float *q;
@@ -105,11 +114,55 @@ struct attn_task {
     const struct backend_attn_batch *batch;
     int32_t n_heads;
     float scale;
-    float *scratch;         /* per thread: scores[max_ctx], acc[head_dim], K and V row pointers[max_ctx] */
+    float *scratch;         /* per thread: scores[ATTN_ROWS][max_ctx], acc[ATTN_ROWS][head_dim], K and V row
+                             * pointers[max_ctx] */
     size_t scratch_floats;  /* per thread */
     size_t ptr_off;         /* floats from a thread's scratch to its pointers */
     atomic_long next;
 };
+
+/* The softmax of one row's n scores in place (scaled, less their max,
+ * exponentiated); returns their sum. */
+static float attn_softmax(float *scores, int32_t n, float scale) {
+    float mx = -INFINITY;
+    for (int32_t j = 0; j < n; j++) {
+        scores[j] *= scale;
+        if (scores[j] > mx) mx = scores[j];
+    }
+    float sum = 0;
+    for (int32_t j = 0; j < n; j++) {
+        scores[j] = expf(scores[j] - mx);
+        sum += scores[j];
+    }
+    return sum;
+}
+
+/* Rows r0 .. r0 + nr - 1 (nr <= ATTN_ROWS) of sequence s, head h, through
+ * the row kernels of an F32 or F16 cache, the positions tile by tile. */
+static void attn_rows(const struct attn_task *t, const struct cpu_type_traits *tr, int32_t s, int32_t h, int32_t r0,
+                      int32_t nr, float *scores, float *acc, const void **krows, const void **vrows) {
+    const struct backend_attn_batch *ba = t->batch;
+    const int64_t hd = t->kv->head_dim, width = (int64_t)t->n_heads * hd, mc = ba->max_ctx;
+    const int32_t n0 = ba->seq_pos0[s] + (r0 - ba->seq_tok0[s]) + 1; /* row r0's positions; row i has i more */
+    const int32_t n_last = n0 + nr - 1;
+    for (int32_t j0 = 0; j0 < n_last; j0 += ATTN_TILE)
+        for (int32_t i = j0 < n0 ? 0 : j0 - n0 + 1; i < nr; i++) { /* the rows that reach j0 */
+            int32_t n = n0 + i - j0 < ATTN_TILE ? n0 + i - j0 : ATTN_TILE;
+            tr->attn_qk(scores + i * mc + j0, krows + j0, n, t->q + (r0 + i) * width + h * hd, hd);
+        }
+    float sum[ATTN_ROWS];
+    for (int32_t i = 0; i < nr; i++) sum[i] = attn_softmax(scores + i * mc, n0 + i, t->scale);
+    memset(acc, 0, (size_t)nr * (size_t)hd * sizeof(float));
+    for (int32_t j0 = 0; j0 < n_last; j0 += ATTN_TILE)
+        for (int32_t i = j0 < n0 ? 0 : j0 - n0 + 1; i < nr; i++) { /* the rows that reach j0 */
+            int32_t n = n0 + i - j0 < ATTN_TILE ? n0 + i - j0 : ATTN_TILE;
+            tr->attn_v(acc + i * hd, scores + i * mc + j0, vrows + j0, n, hd);
+        }
+    for (int32_t i = 0; i < nr; i++) {
+        float inv = 1.0f / sum[i], *o = t->out + (r0 + i) * width + h * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = acc[i * hd + d] * inv;
+    }
+}
 
 static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *scores, float *acc,
                      const void **krows, const void **vrows) {
@@ -125,50 +178,35 @@ static void attn_one(const struct attn_task *t, int32_t s, int32_t h, float *sco
     const struct cpu_type_traits *tr = cpu_type_traits(kv->type);
     int q8 = kv->type == DTYPE_Q8_0, g = backend_kv_q8_group(kv->head_dim);
 
-    /* Where each position's K and V rows are, for the rows' kernels. */
-    const int fused = !q8 && tr->attn_qk && tr->attn_v;
-    if (fused)
+    if (!q8 && tr->attn_qk && tr->attn_v) {
+        /* Where each position's K and V rows are, for the rows' kernels. */
         for (int32_t j = 0; j < pos0 + (tok1 - tok0); j++) {
             int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
             krows[j] = (const uint8_t *)kv->k + e * rb;
             vrows[j] = (const uint8_t *)kv->v + e * rb;
         }
-
+        for (int32_t r = tok0; r < tok1; r += ATTN_ROWS)
+            attn_rows(t, tr, s, h, r, tok1 - r < ATTN_ROWS ? tok1 - r : ATTN_ROWS, scores, acc, krows, vrows);
+        return;
+    }
     for (int32_t r = tok0; r < tok1; r++) {
         const float *q = t->q + r * width + h * hd;
         int32_t n_ctx = pos0 + (r - tok0) + 1;
-        float mx = -INFINITY;
-        if (fused) {
-            tr->attn_qk(scores, krows, n_ctx, q, hd);
-            for (int32_t j = 0; j < n_ctx; j++) {
-                scores[j] *= t->scale;
-                if (scores[j] > mx) mx = scores[j];
-            }
-        } else
-            for (int32_t j = 0; j < n_ctx; j++) {
-                int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
-                const void *kr = (const uint8_t *)kv->k + e * rb;
-                float sc = (q8 ? dot_q8_row(kr, q, hd, g) : tr->dot(kr, q, hd)) * t->scale;
-                scores[j] = sc;
-                if (sc > mx) mx = sc;
-            }
-        float sum = 0;
         for (int32_t j = 0; j < n_ctx; j++) {
-            scores[j] = expf(scores[j] - mx);
-            sum += scores[j];
+            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+            const void *kr = (const uint8_t *)kv->k + e * rb;
+            scores[j] = q8 ? dot_q8_row(kr, q, hd, g) : tr->dot(kr, q, hd);
         }
+        float sum = attn_softmax(scores, n_ctx, t->scale);
         memset(acc, 0, (size_t)hd * sizeof(float));
-        if (fused)
-            tr->attn_v(acc, scores, vrows, n_ctx, hd);
-        else
-            for (int32_t j = 0; j < n_ctx; j++) {
-                int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
-                const void *vr = (const uint8_t *)kv->v + e * rb;
-                if (q8)
-                    axpy_q8_row(acc, scores[j], vr, hd, g);
-                else
-                    tr->axpy(acc, scores[j], vr, hd);
-            }
+        for (int32_t j = 0; j < n_ctx; j++) {
+            int64_t e = ((int64_t)bt[j / bs] * kv->n_kv_heads + kvh) * bs + j % bs;
+            const void *vr = (const uint8_t *)kv->v + e * rb;
+            if (q8)
+                axpy_q8_row(acc, scores[j], vr, hd, g);
+            else
+                tr->axpy(acc, scores[j], vr, hd);
+        }
         float inv = 1.0f / sum;
         float *o = t->out + r * width + h * hd;
         for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
@@ -179,7 +217,7 @@ static void attn_run(void *arg, int ith, int nth) {
     struct attn_task *t = arg;
     (void)nth;
     float *scores = t->scratch + (size_t)ith * t->scratch_floats;
-    float *acc = scores + t->batch->max_ctx;
+    float *acc = scores + (size_t)ATTN_ROWS * t->batch->max_ctx;
     /* The rows' pointers after acc, 8-byte aligned (per is a multiple of 16 floats). */
     const void **krows = (const void **)(scores + t->ptr_off), **vrows = krows + t->batch->max_ctx;
     long n_pairs = (long)t->batch->n_seqs * t->n_heads;
@@ -226,7 +264,7 @@ int cpu_attention(backend *b_, float *out, const float *q, const struct backend_
     int st = attn_check(b_, kv, batch);
     if (st != STATUS_OK) return st;
     /* Per-thread buffers rounded to 64 bytes so threads never share a line. */
-    size_t ptr_off = ((size_t)batch->max_ctx + (size_t)kv->head_dim + 15) & ~(size_t)15;
+    size_t ptr_off = ((size_t)ATTN_ROWS * ((size_t)batch->max_ctx + (size_t)kv->head_dim) + 15) & ~(size_t)15;
     size_t per = ptr_off + (2 * (size_t)batch->max_ctx * sizeof(void *) / sizeof(float) + 15) / 16 * 16;
     struct attn_task t = {.out = out, .q = q, .kv = kv, .batch = batch, .n_heads = n_heads, .scale = scale,
                           .scratch_floats = per, .ptr_off = ptr_off};

@@ -670,8 +670,9 @@ TEST(cpu_ops_attention_q8_0_cache) {
 
 /* A row's attention output is the same bits whether its step has it alone
  * or with others of its sequence (a verifying step's k + 1 rows, groups of
- * up to eight): 13 rows at positions 29..41 in one call against each row
- * alone at its position, for every cache type. */
+ * up to eight, their positions in tiles of 32): 13 rows at positions
+ * 29..41 in one call against each row alone at its position, for every
+ * cache type. */
 TEST(cpu_ops_attention_rows_invariant) {
     fx_release();
     backend *be = fx_backend(2);
