@@ -32,6 +32,7 @@
 struct agq_params {
     struct cuda_attn_args a;
     struct cuda_att_split sp;
+    int ahead; /* ctx->l2_ahead: steps past the next one asked of L2 */
 };
 
 __device__ __forceinline__ uint32_t agq_pack(float lo, float hi) {
@@ -94,6 +95,26 @@ __device__ __forceinline__ void agq_load(const struct cuda_attn_args &a, const i
     }
 }
 
+/* Asks L2 for the K and V rows of the step at j0 (agq_load's positions):
+ * lane (g, t) one of the HD / 64 lines of a K or V row of positions
+ * j0 + g and j0 + 8 + g, none past the slice or for a bad block id. */
+template <int HD>
+__device__ __forceinline__ void agq_prefetch(const struct cuda_attn_args &a, const int32_t *btab, const fp16_t *kc,
+                                             const fp16_t *vc, int32_t kvh, int32_t j0, int32_t j_end, int g,
+                                             int t) {
+    constexpr int LINES = HD / 64; /* 128-byte lines a row */
+    if (t >= 2 * LINES) return;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int32_t j = j0 + 8 * e + g;
+        if (j >= j_end) return;
+        const int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+        if (blk < 0 || blk >= a.n_blocks) return;
+        const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD;
+        l2_prefetch((t < LINES ? kc : vc) + at + 64 * (t % LINES));
+    }
+}
+
 /* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8). */
 template <int HD, bool G2>
 __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const struct agq_params p) {
@@ -147,13 +168,18 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
     /* Each step's K and V rows are loaded a step ahead, so that their
-     * latency hides behind the present step's products. */
+     * latency hides behind the present step's products, and the steps
+     * p.ahead past that are asked of L2 (registers hold one step: the
+     * load then waits for L2, not DRAM). */
+    constexpr int32_t WS = AGQ_WARPS * AGQ_STEP;
     uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC];
     int32_t j0 = j_begin + warp * AGQ_STEP;
     agq_load<HD>(a, btab, kc, vc, kvh, j0, j_end, g, t, kr, vr);
-    for (; j0 < j_end; j0 += AGQ_WARPS * AGQ_STEP) {
-        const int32_t jn = j0 + AGQ_WARPS * AGQ_STEP;
+    for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, j_end, g, t);
+    for (; j0 < j_end; j0 += WS) {
+        const int32_t jn = j0 + WS;
         if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, j_end, g, t, kn, vn);
+        if (p.ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jn + p.ahead * WS, j_end, g, t);
         /* S = Q.K^T for the two n-tiles of 8 positions. */
         float sc[2][4];
 #pragma unroll
@@ -325,6 +351,7 @@ extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_a
     struct agq_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;
+    p.ahead = ctx->l2_ahead;
     const bool g2 = a->n_heads / a->n_kv_heads > 8;
     if (a->head_dim == 64) return g2 ? agq_launch<64, true>(ctx, &p) : agq_launch<64, false>(ctx, &p);
     return g2 ? agq_launch<128, true>(ctx, &p) : agq_launch<128, false>(ctx, &p);

@@ -50,6 +50,14 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+/* Asks L2 for the line holding p, without waiting and without a register:
+ * a kernel that loads one step ahead into registers asks for later steps
+ * this way, so that the load finds them in L2.  Only addresses of the
+ * buffer being read are passed. */
+__device__ __forceinline__ void l2_prefetch(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 template <typename... P, typename... A>
 static inline cudaError_t cuda_launch(const struct cuda_ctx *ctx, void (*kernel)(P...), dim3 grid, dim3 block,
                                       size_t smem, A... args) {

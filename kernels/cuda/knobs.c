@@ -120,6 +120,12 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "16-byte loads, which measured faster up to 16 tokens (0: every weight straight to the "
          "fragments, to compare; read on every launch)",
          &k->mmq_stage, 0, 4, NULL},
+        {"cuda-l2-ahead", "LLM_CUDA_L2_AHEAD", OPTION_INT, "1",
+         "how far ahead of its own loads a looping decode kernel (attention_gqa.cu's steps, "
+         "matmul_mmq.cu's chunks) asks L2 for its next bytes, so that a load one step ahead finds "
+         "them there instead of in DRAM; from 1, matmul_mr.cu's blocks also ask for the tile of the "
+         "block that takes their slot next (0: never, to compare)",
+         &k->l2_ahead, 0, 8, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;
@@ -197,6 +203,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
     ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : ctx->cc >= 80 ? 16 : 64;
     ctx->mmq_rows = k->mmq_min >= 0 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->l2_ahead = k->l2_ahead;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

@@ -47,10 +47,11 @@ struct cuda_knobs {
     int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
     bool prefill_tc;     /* LLM_CUDA_PREFILL_TC (read again on every attention) */
     int mmq_stage;       /* LLM_CUDA_MMQ_STAGE (read again on every matmul_mmq.cu launch) */
+    int l2_ahead;        /* LLM_CUDA_L2_AHEAD: steps or chunks asked of L2 ahead of their loads */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 23
+#define CUDA_KNOBS_N 24
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

@@ -322,7 +322,21 @@ struct mmq_args {
     int th;           /* blocks side by side on one row block, each 8 NT tokens */
     int64_t cols;
     size_t rb;        /* bytes a weight row */
+    int ahead;        /* ctx->l2_ahead: chunks past the next one asked of L2 */
 };
+
+/* Asks L2 for chunk s of the warp's 16 rows from row0 (rows past the
+ * weight: its last): lanes 0-15 a row's first 128 bytes, 16-31 the next
+ * 128 (Q6_K's regrouped rows: its ql, then its qh). */
+template <int T>
+__device__ __forceinline__ void mmq_prefetch(const uint8_t *w, size_t rb, int row0, int rows, int64_t cols, int s,
+                                             int lane) {
+    const uint8_t *row = w + (size_t)min(row0 + (lane & 15), rows - 1) * rb;
+    if constexpr (T == DTYPE_Q6_K)
+        l2_prefetch(lane < 16 ? row + 128 * (size_t)s : row + q6s_qh_off(cols) + 64 * (size_t)s);
+    else
+        l2_prefetch(row + (size_t)s * mmq_wk<T>::BYTES + (lane < 16 ? 0 : 128));
+}
 
 /* One chunk of a warp's two rows (cw) against NT tiles of 8 tokens whose
  * activations sxq (token rows of MMQ_XS bytes), sxd (scales) and sxb
@@ -562,10 +576,19 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
         }
         mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
         mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], px, pd, pb);
+        if constexpr (NT <= 2)
+            for (int k = 2; k <= a.ahead && s0 + k < s1; k++)
+                mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s0 + k, lane);
     }
     __syncthreads();
     for (int s = s0; s < s1; s++) {
         const int buf = (s - s0) & 1;
+        /* The weights' chunk a.ahead past the next one asked of L2, up to
+         * 16 tokens: above, the code it adds measured slower (sm_75's
+         * 64-token steps) than the latency it hides. */
+        if constexpr (NT <= 2)
+            if (a.ahead > 0 && s + 1 + a.ahead < s1)
+                mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s + 1 + a.ahead, lane);
         if (s + 1 < s1) {
             if constexpr (ST) {
                 stg.load(s + 1);
@@ -658,6 +681,7 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     a.th = th;
     a.cols = cols;
     a.rb = cuda_row_bytes((enum dtype)T, cols);
+    a.ahead = ctx->l2_ahead;
     size_t part_floats = 0;
     if (ks > 1)
         for (int s = 0; s < g.n; s++) {
