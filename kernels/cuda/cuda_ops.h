@@ -75,8 +75,7 @@ struct cuda_ctx {
     int mmq_max;
     int mmq_rows;
     int l2_ahead;       /* attention_gqa.cu's steps and matmul_mmq.cu's chunks asked of L2 this far
-                         * ahead of their loads; from 1 matmul_mr.cu's blocks ask for the next
-                         * wave's tiles (0: never; LLM_CUDA_L2_AHEAD) */
+                         * ahead of their loads (0: never; LLM_CUDA_L2_AHEAD) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream

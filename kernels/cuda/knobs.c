@@ -123,8 +123,7 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
         {"cuda-l2-ahead", "LLM_CUDA_L2_AHEAD", OPTION_INT, "1",
          "how far ahead of its own loads a looping decode kernel (attention_gqa.cu's steps, "
          "matmul_mmq.cu's chunks) asks L2 for its next bytes, so that a load one step ahead finds "
-         "them there instead of in DRAM; from 1, matmul_mr.cu's blocks also ask for the tile of the "
-         "block that takes their slot next (0: never, to compare)",
+         "them there instead of in DRAM (0: never, to compare)",
          &k->l2_ahead, 0, 8, NULL},
     };
     memcpy(defs, t, sizeof t);

@@ -70,18 +70,6 @@ __device__ __forceinline__ void mr_load(mr_raw<T> &r, const uint8_t *row, int co
     }
 }
 
-/* Asks L2 for chunk ch of a row: lanes 0-15 its first 128 code bytes,
- * 16-31 the next 128 (Q6_K: its qh).  The scales past them (Q8_0's d,
- * Q6_K's sc and d) are a few bytes a chunk, left to the loads. */
-template <int T> __device__ __forceinline__ void mr_prefetch(const uint8_t *row, int cols, int ch, int lane) {
-    if constexpr (T == DTYPE_Q6_K)
-        l2_prefetch(lane < 16 ? row + 128 * (size_t)ch : row + q6s_qh_off(cols) + 64 * (size_t)ch);
-    else if constexpr (T == DTYPE_Q8_0)
-        l2_prefetch(row + 256 * (size_t)ch + (lane < 16 ? 0 : 128));
-    else
-        l2_prefetch(row + (size_t)ch * mq_fmt<T>::bb + (lane < 16 ? 0 : 128));
-}
-
 /* Fragment a[0..3] of 32-column block b (a constant after unrolling) for
  * lane t, as mq_decode<T> makes it from shared memory. */
 template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, int b, int t, uint32_t (&a)[4]) {
@@ -114,13 +102,9 @@ template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, i
     }
 }
 
-/* pf > 0: each warp also asks L2 for its slice of tile blockIdx.x + pf,
- * the tile of the block that takes this block's slot when it ends (pf is
- * the resident blocks), so that blocks after the first wave find their
- * bytes in L2 instead of waiting a DRAM latency at their start. */
 template <int T, int NT>
 __global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
-matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__restrict__ x, int n, int pf) {
+matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__restrict__ x, int n) {
     pdl_begin();
     constexpr int NTL = NT / 8;
     __shared__ float4 red[MR_WARPS][NTL][32];
@@ -142,13 +126,6 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__re
     if (c0 < c1) {
         mr_load<T>(lo, rlo, cols, c0, t);
         mr_load<T>(hi, rhi, cols, c0, t);
-        if (pf > 0 && (int)blockIdx.x + pf < (int)gridDim.x) {
-            const int b2 = (int)blockIdx.x + pf;
-            const mg_seg s2 = mg_seg_locate(g, b2);
-            const uint8_t *w2 = g.swiglu && warp >= ks ? g.w[1] : s2.w;
-            const int r2 = min((b2 - s2.u0) * 16 + (lane & 15), s2.rows - 1);
-            for (int ch = c0; ch < c1; ch++) mr_prefetch<T>(w2 + (size_t)r2 * row_bytes, cols, ch, lane);
-        }
     }
     for (int ch = c0; ch < c1; ch++) {
         if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
@@ -203,21 +180,6 @@ extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype ty
            (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);
 }
 
-/* The resident blocks of matmul_mr_kernel<T, NT> on the card (asked once
- * per device), as the prefetch distance; 0 where ctx->l2_ahead is 0. */
-template <int T, int NT> static int mr_pf(struct cuda_ctx *ctx) {
-    static int per_sm[64];
-    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    if (!per_sm[dev]) {
-        int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mr_kernel<T, NT>, MR_WARPS * 32, 0) !=
-            cudaSuccess)
-            b = 2;
-        per_sm[dev] = b > 0 ? b : 1;
-    }
-    return ctx->l2_ahead > 0 ? per_sm[dev] * ctx->n_sms : 0;
-}
-
 template <int T>
 static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     int tiles = 0;
@@ -229,13 +191,13 @@ static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const floa
     if constexpr (T != DTYPE_Q8_0) { /* Q8_0 stops at 8 tokens */
         if (n > 8) {
             CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 16>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
-                                        g, cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n, mr_pf<T, 16>(ctx)));
+                                        g, cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
             CUDA_CHECK(ctx, cudaGetLastError());
             return STATUS_OK;
         }
     }
     CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 8>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0, g,
-                                cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n, mr_pf<T, 8>(ctx)));
+                                cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
