@@ -38,18 +38,30 @@ template <bool BF> __global__ void link_decode_half_kernel(const uint16_t *src, 
         dst[i] = BF ? bf2f(src[i]) : h2f(src[i]);
 }
 
+/* INT8 block b of the wire: its first value x in the F32 rows, its count
+ * nb (a row's last block may be shorter) and where its bytes start (the
+ * blocks of a row LINK_CODEC_INT8_BLOCK + 2 bytes apart, rows row_bytes). */
+struct lc_block {
+    int64_t x, at;
+    int32_t nb;
+};
+__device__ __forceinline__ lc_block lc_locate(int64_t b, int32_t row, int32_t row_blocks, int32_t row_bytes) {
+    const int64_t r = b / row_blocks;
+    const int32_t j = (int32_t)(b % row_blocks), b0 = j * LINK_CODEC_INT8_BLOCK;
+    return {r * row + b0, r * row_bytes + (int64_t)j * (LINK_CODEC_INT8_BLOCK + 2),
+            row - b0 < LINK_CODEC_INT8_BLOCK ? row - b0 : LINK_CODEC_INT8_BLOCK};
+}
+
 /* A warp per block of LINK_CODEC_INT8_BLOCK values (lane i its value i):
  * the block's largest magnitude, its BF16 scale's two bytes, then its int8
  * values.  Rows are row_bytes apart; a row's last block may be shorter. */
 __global__ void link_encode_int8_kernel(const float *src, uint8_t *dst, int64_t n_blocks, int32_t row,
                                         int32_t row_blocks, int32_t row_bytes) {
-    const int lane = threadIdx.x % 32;
-    for (int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32; b < n_blocks;
-         b += (int64_t)gridDim.x * (blockDim.x / 32)) {
-        const int64_t r = b / row_blocks;
-        const int32_t j = (int32_t)(b % row_blocks), b0 = j * LINK_CODEC_INT8_BLOCK;
-        const int32_t nb = row - b0 < LINK_CODEC_INT8_BLOCK ? row - b0 : LINK_CODEC_INT8_BLOCK;
-        const float x = lane < nb ? src[r * row + b0 + lane] : 0.0f;
+    const int lane = threadIdx.x % 32, wpb = blockDim.x / 32;
+    for (int64_t b = blockIdx.x * (int64_t)wpb + threadIdx.x / 32; b < n_blocks; b += (int64_t)gridDim.x * wpb) {
+        const lc_block k = lc_locate(b, row, row_blocks, row_bytes);
+        const int32_t nb = k.nb;
+        const float x = lane < nb ? src[k.x + lane] : 0.0f;
         float amax = fabsf(x);
         for (int o = 16; o > 0; o >>= 1) {
             const float v = __shfl_xor_sync(0xffffffffu, amax, o);
@@ -57,7 +69,7 @@ __global__ void link_encode_int8_kernel(const float *src, uint8_t *dst, int64_t 
         }
         const uint16_t sb = f2bf(__fdiv_rn(amax, 127.0f));
         const float scale = bf2f(sb), inv = scale > 0.0f ? __fdiv_rn(1.0f, scale) : 0.0f;
-        uint8_t *o = dst + r * row_bytes + (int64_t)j * (LINK_CODEC_INT8_BLOCK + 2);
+        uint8_t *o = dst + k.at;
         if (lane < 2) o[lane] = (uint8_t)(sb >> (8 * lane));
         if (lane < nb) {
             float q = roundf(__fmul_rn(x, inv));
@@ -69,15 +81,11 @@ __global__ void link_encode_int8_kernel(const float *src, uint8_t *dst, int64_t 
 
 __global__ void link_decode_int8_kernel(const uint8_t *src, float *dst, int64_t n_blocks, int32_t row,
                                         int32_t row_blocks, int32_t row_bytes) {
-    const int lane = threadIdx.x % 32;
-    for (int64_t b = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32; b < n_blocks;
-         b += (int64_t)gridDim.x * (blockDim.x / 32)) {
-        const int64_t r = b / row_blocks;
-        const int32_t j = (int32_t)(b % row_blocks), b0 = j * LINK_CODEC_INT8_BLOCK;
-        const int32_t nb = row - b0 < LINK_CODEC_INT8_BLOCK ? row - b0 : LINK_CODEC_INT8_BLOCK;
-        const uint8_t *in = src + r * row_bytes + (int64_t)j * (LINK_CODEC_INT8_BLOCK + 2);
-        if (lane < nb)
-            dst[r * row + b0 + lane] = __fmul_rn((float)(int8_t)in[2 + lane], bf2f((uint16_t)(in[0] | in[1] << 8)));
+    const int lane = threadIdx.x % 32, wpb = blockDim.x / 32;
+    for (int64_t b = blockIdx.x * (int64_t)wpb + threadIdx.x / 32; b < n_blocks; b += (int64_t)gridDim.x * wpb) {
+        const lc_block k = lc_locate(b, row, row_blocks, row_bytes);
+        const uint8_t *in = src + k.at;
+        if (lane < k.nb) dst[k.x + lane] = __fmul_rn((float)(int8_t)in[2 + lane], bf2f((uint16_t)(in[0] | in[1] << 8)));
     }
 }
 
