@@ -14,7 +14,7 @@
 #include <string.h>
 
 struct draft {
-    model_file *m;
+    model_file *m; /* the caller's (draft_open) */
     stage *s;
     kvblocks *kv;
     struct draft_config cfg;
@@ -61,7 +61,6 @@ void draft_free(draft *d) {
     if (!d) return;
     stage_free(d->s);
     kvblocks_free(d->kv);
-    model_file_close(d->m);
     free(d->fseqs);
     free(d->rows);
     free(d->params);
@@ -71,17 +70,18 @@ void draft_free(draft *d) {
     free(d);
 }
 
-int draft_open(draft **out, const char *path, const model_file *target, backend *b,
-               const struct draft_config *cfg, char *err, size_t errlen) {
+int draft_open(draft **out, model_file *m, const model_file *target, backend *b, const struct draft_config *cfg,
+               char *err, size_t errlen) {
     *out = NULL;
+    const char *path = model_file_path(m);
     draft *d = calloc(1, sizeof *d);
     if (!d) {
         snprintf(err, errlen, "draft %s: out of memory", path);
         return STATUS_NO_MEMORY;
     }
     d->cfg = *cfg;
-    int rc = model_file_open(&d->m, path, err, errlen);
-    if (rc == STATUS_OK) rc = draft_vocab_check(d->m, target, err, errlen);
+    d->m = m;
+    int rc = draft_vocab_check(d->m, target, err, errlen);
     if (rc != STATUS_OK) goto fail;
     d->n_vocab = model_file_hparams(d->m)->n_vocab;
     struct stage_config sc;

@@ -7,8 +7,8 @@
  * sampling rule and the (seed, position) draw the target uses at that
  * position, so that a guess is accepted whenever the two models agree there.
  *
- *   draft *d;
- *   if (draft_open(&d, "draft.gguf", target_model, backend, &cfg, err, sizeof err) < 0) ...
+ *   draft *d;   (draft_file: model_file_open of "draft.gguf", open while d is)
+ *   if (draft_open(&d, draft_file, target_model, backend, &cfg, err, sizeof err) < 0) ...
  *   struct draft_seq ds;  draft_seq_init(&ds);
  *   ... after each step of the sequence:
  *   struct draft_req r = {&ds, hist, n_hist, params, k, out};
@@ -52,12 +52,13 @@ struct draft_seq {
  * every token's bytes).  STATUS_BAD_INPUT with err naming both files, both
  * sizes or the first differing token id. */
 int draft_vocab_check(const model_file *draft_m, const model_file *target, char *err, size_t errlen);
-/* Opens path, checks its vocabulary against target (draft_vocab_check) and
- * loads the whole model on b with its KV pool.  Returns 0 and *out (freed by
- * draft_free; b must outlive it), or a negative status with err naming the
+/* Checks the vocabulary of the open model file m against target
+ * (draft_vocab_check) and loads the whole model on b with its KV pool.
+ * Returns 0 and *out (freed by draft_free; b and m must outlive it, and m
+ * stays the caller's to close), or a negative status with err naming the
  * file (then nothing is left allocated). */
-int draft_open(draft **out, const char *path, const model_file *target, backend *b,
-               const struct draft_config *cfg, char *err, size_t errlen);
+int draft_open(draft **out, model_file *m, const model_file *target, backend *b, const struct draft_config *cfg,
+               char *err, size_t errlen);
 void draft_free(draft *d);
 const char *draft_path(const draft *d);
 

@@ -76,10 +76,13 @@ struct node {
     model_file *m;
     const struct model_hparams *hp;
     stage *s;
-    /* The draft model (cfg.draft_model), loaded with a last stage; NULL
-     * otherwise.  dreqs [n_seqs_max] and res_draft [n_seqs_max *
-     * NODE_DRAFT_MAX] are its requests and the drafts answered. */
+    /* The draft model (cfg.draft_model): its file, open from the start
+     * (its vocabulary checked then, its sizes read by the stage's sizing),
+     * and the model, loaded with a last stage; NULL otherwise.  dreqs
+     * [n_seqs_max] and res_draft [n_seqs_max * NODE_DRAFT_MAX] are its
+     * requests and the drafts answered. */
     char *s_draft;
+    model_file *draft_m;
     float draft_min_prob;
     draft *dm;
     struct draft_req *dreqs;

@@ -304,10 +304,8 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
          * that a draft that does not fit the target stops the start. */
         n->s_draft = strdup(cfg->draft_model);
         n->draft_min_prob = cfg->draft_min_prob;
-        model_file *dm = NULL;
-        rc = n->s_draft ? model_file_open(&dm, n->s_draft, err, errlen) : STATUS_NO_MEMORY;
-        if (rc == STATUS_OK) rc = draft_vocab_check(dm, n->m, err, errlen);
-        model_file_close(dm);
+        rc = n->s_draft ? model_file_open(&n->draft_m, n->s_draft, err, errlen) : STATUS_NO_MEMORY;
+        if (rc == STATUS_OK) rc = draft_vocab_check(n->draft_m, n->m, err, errlen);
         if (rc < 0) goto fail;
     }
     n->dim = n->hp->dim;
@@ -412,6 +410,7 @@ void node_free(node *n) {
     node_buffers_free(n);
     node_seqs_free(n);
     draft_free(n->dm);
+    model_file_close(n->draft_m);
     free(n->s_draft);
     constrain_free(n->cons);
     stage_free(n->s);

@@ -206,13 +206,10 @@ struct node_draft_budget {
     size_t fixed, per_block;
 };
 
-static int node_draft_budget(node *n, int gpu, enum dtype kv_type, struct node_draft_budget *db, char *err,
-                             size_t errlen) {
+static void node_draft_budget(const node *n, int gpu, enum dtype kv_type, struct node_draft_budget *db) {
     db->fixed = db->per_block = 0;
-    if (!n->s_draft) return STATUS_OK;
-    model_file *dm = NULL;
-    int rc = model_file_open(&dm, n->s_draft, err, errlen);
-    if (rc != STATUS_OK) return rc;
+    const model_file *dm = n->draft_m;
+    if (!dm) return;
     const struct model_hparams *dh = model_file_hparams(dm);
     const struct node_config *cfg = &n->cfg;
     const int32_t bs = cfg->kv_block_size;
@@ -222,8 +219,6 @@ static int node_draft_budget(node *n, int gpu, enum dtype kv_type, struct node_d
     db->fixed = (gpu ? node_range_bytes(dm, 0, dh->n_layers) : 0) +
                 sizing_workspace_bytes(gpu, toks, seqs, dh->dim, dh->ffn_dim, dh->n_vocab) +
                 db->per_block * (size_t)seqs * (size_t)(NODE_DRAFT_MAX / bs + 2);
-    model_file_close(dm);
-    return STATUS_OK;
 }
 
 /* Loads layers [first, end): checks that weights, KV cache and workspace
@@ -259,8 +254,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
     /* The draft beside the last stage shares the budget (sizing.h:
      * node_draft_budget's bytes). */
     struct node_draft_budget db = {0, 0};
-    int rc = end == hp->n_layers ? node_draft_budget(n, gpu, (enum dtype)sc.kv_type, &db, err, errlen) : STATUS_OK;
-    if (rc != STATUS_OK) return rc;
+    if (end == hp->n_layers) node_draft_budget(n, gpu, (enum dtype)sc.kv_type, &db);
     /* Steps and KV from the memory budget, unless the flags give them
      * (worker/sizing.h); a stage holds the KV of every micro-batch in
      * flight, one per stage of its pipeline. */
@@ -270,7 +264,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
                               cfg->max_batch_tokens, db.fixed, db.per_block};
     struct sizing sz;
     char why[400];
-    rc = sizing_choose(&sz, &si, why, sizeof why);
+    int rc = sizing_choose(&sz, &si, why, sizeof why);
     if (rc != STATUS_OK) {
         snprintf(err, errlen, "%s: layers %d:%d do not fit: %s", backend_name(n->b), first, end, why);
         return rc;
@@ -327,7 +321,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
         struct draft_config dc = {c->n_tokens_max, c->n_seqs_max, c->n_ctx_max, c->block_size,
                                   c->n_blocks + c->n_seqs_max * (NODE_DRAFT_MAX / c->block_size + 2),
                                   c->kv_type, n->draft_min_prob};
-        rc = draft_open(&n->dm, n->s_draft, n->m, n->b, &dc, err, errlen);
+        rc = draft_open(&n->dm, n->draft_m, n->m, n->b, &dc, err, errlen);
         if (rc != STATUS_OK) return rc;
         LOG(LL_INFO, "stage %d/%d: draft model %s beside the last stage (%d KV blocks of its own)",
             n->stage_index, n->stage_count, n->s_draft, dc.n_blocks);
