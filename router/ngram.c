@@ -16,8 +16,12 @@ int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, in
         for (int32_t i = n_tokens - g - 1; i >= 0; i--) {
             if (tokens[i + g - 1] != suf[g - 1] || memcmp(tokens + i, suf, (size_t)g * sizeof *suf) != 0)
                 continue;
+            /* At most g + 1 tokens after a match of g: a short match is a
+             * weak guess, and each drafted token past what is accepted
+             * costs a row of the verifying step. */
             int32_t from = i + g, n = n_tokens - from;
             if (n > k) n = k;
+            if (n > g + 1) n = g + 1;
             memcpy(out, tokens + from, (size_t)n * sizeof *out);
             return n;
         }

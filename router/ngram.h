@@ -12,8 +12,10 @@
 
 /* Looks for the longest suffix of tokens[0..n_tokens) of n_max down to
  * n_min tokens that also occurs earlier in tokens (its latest earlier
- * occurrence), and copies the up to k tokens that followed that occurrence
- * into out[0..k).  Returns how many (0: no match, or k < 1, or bad sizes).
+ * occurrence), and copies the tokens that followed that occurrence into
+ * out: at most k, and at most g + 1 after a match of g tokens (a one-token
+ * match drafts two).  Returns how many (0: no match, or k < 1, or bad
+ * sizes).
  * Cost: O(n_tokens * n_max) compares.  Allocates nothing. */
 int32_t ngram_propose(const int32_t *tokens, int32_t n_tokens, int32_t n_max, int32_t n_min,
                       int32_t k, int32_t *out);

@@ -15,10 +15,16 @@ TEST(ngram_longest_latest_match) {
     ASSERT_EQ(3, out[1]);
     ASSERT_EQ(4, out[2]);
     const int32_t u[] = {0, 7, 8, 9, 5, 6, 1, 7, 8, 9, 2, 0, 7, 8, 9};
-    /* the 3-gram 7 8 9 last occurred at 7: 2 0 7 8 9 follows */
-    ASSERT_EQ(5, ngram_propose(u, 15, 3, 1, 8, out));
+    /* the 3-gram 7 8 9 last occurred at 7: 2 0 7 8 9 follows, of which a
+     * match of 3 drafts 4 */
+    ASSERT_EQ(4, ngram_propose(u, 15, 3, 1, 8, out));
     ASSERT_EQ(2, out[0]);
-    ASSERT_EQ(9, out[4]);
+    ASSERT_EQ(8, out[3]);
+    /* a match of 1 ("3" at 0) drafts 2 of the 5 tokens after it, whatever k */
+    const int32_t v[] = {3, 4, 5, 6, 7, 8, 3};
+    ASSERT_EQ(2, ngram_propose(v, 7, 3, 1, 8, out));
+    ASSERT_EQ(4, out[0]);
+    ASSERT_EQ(5, out[1]);
 }
 
 TEST(ngram_no_match_and_limits) {
