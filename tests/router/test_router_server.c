@@ -1263,7 +1263,10 @@ TEST(router_server_new_session_reforms) {
     ASSERT_TRUE(e2 > e1);
     proto_worker_free(rep);
     pe = fw_plan(&w);
-    ASSERT_EQ(e2, pe->plan->epoch);
+    /* e2, or a later epoch: the socket monitor reports the old
+     * connection's close on its own schedule, and when that comes after
+     * the Register the pipeline re-forms once more (seen in CI: e2 + 2). */
+    ASSERT_TRUE(pe->plan->epoch >= e2);
     const Llm__SeqPlan *sp = pe->plan->seqs[0];
     /* From the start: the prompt and the token streamed before. */
     ASSERT_EQ(0u, sp->start_pos);
