@@ -1265,7 +1265,7 @@ TEST(router_server_new_session_reforms) {
     pe = fw_plan(&w);
     /* e2, or a later epoch: the socket monitor reports the old
      * connection's close on its own schedule, and when that comes after
-     * the Register the pipeline re-forms once more (seen in CI: e2 + 2). */
+     * the Register the pipeline re-forms once more. */
     ASSERT_TRUE(pe->plan->epoch >= e2);
     const Llm__SeqPlan *sp = pe->plan->seqs[0];
     /* From the start: the prompt and the token streamed before. */
