@@ -94,8 +94,16 @@ struct cuda_ctx {
 };
 
 /* Q8S: the int8 form with matmul_gemv.cu's per-half sums (xs) too; Q8K:
- * matmul_mmq.cu's int8 form, a scale per 256 columns. */
-enum { MATMUL_ACT_NONE = 0, MATMUL_ACT_F16 = 1, MATMUL_ACT_Q8 = 2, MATMUL_ACT_Q8S = 3, MATMUL_ACT_Q8K = 4 };
+ * matmul_mmq.cu's int8 form, a scale per 256 columns, in Q6_K's fragment
+ * order; Q8K8: the same in Q4_K's and Q5_K's. */
+enum {
+    MATMUL_ACT_NONE = 0,
+    MATMUL_ACT_F16 = 1,
+    MATMUL_ACT_Q8 = 2,
+    MATMUL_ACT_Q8S = 3,
+    MATMUL_ACT_Q8K = 4,
+    MATMUL_ACT_Q8K8 = 5
+};
 
 /* 1 if the scratch at `scratch` still holds x (n x cols) as kind, else 0;
  * then records that it will (the caller fills it). */

@@ -116,9 +116,9 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "to compare; read on every attention)",
          &k->prefill_tc, 0, 0, NULL},
         {"cuda-mmq-stage", "LLM_CUDA_MMQ_STAGE", OPTION_INT, "2",
-         "most tiles of 8 tokens a warp of matmul_mmq.cu whose weights come through shared memory in "
-         "16-byte loads, which measured faster up to 16 tokens (0: every weight straight to the "
-         "fragments, to compare; read on every launch)",
+         "most tiles of 8 tokens a warp of matmul_mmq.cu whose Q6_K weights come through shared memory "
+         "in 16-byte loads, which measured faster up to 16 tokens (0: every weight straight to the "
+         "fragments, as Q4_K and Q5_K always are, to compare; read on every launch)",
          &k->mmq_stage, 0, 4, NULL},
         {"cuda-l2-ahead", "LLM_CUDA_L2_AHEAD", OPTION_INT, "1",
          "how far ahead of its own loads a looping decode kernel (attention_gqa.cu's steps, "

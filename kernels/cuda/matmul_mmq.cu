@@ -4,7 +4,12 @@
  * The activations are quantized once per input, as the CPU backend does
  * for these types (Q8K: int8 codes with one scale per 256 columns and the
  * sums of each 32 codes), and stored so that a lane's mma B fragments for
- * a 256-column chunk are 64 contiguous bytes.  The weights are read once;
+ * a 256-column chunk are 64 contiguous bytes.  For Q4_K and Q5_K the k
+ * order of every mma is permuted (the same for A and B) so that lane t's
+ * A fragments of a row are the 8 contiguous code bytes 8t .. 8t + 7 of
+ * each 32 (an 8-byte load, and the 4 lanes of a row read one whole
+ * sector); Q6_K's 16-column scales keep the order of the PTX ISA, its
+ * rows regrouped for it at load.  The weights are read once;
  * their codes are the int8 operands as stored (Q6_K less 32), so decoding
  * is a mask and a shift per 4 weights.  Each mma covers one scale's
  * columns (k32 for Q4_K/Q5_K's 32, k16 for Q6_K's 16); its int32 sum times
@@ -17,10 +22,10 @@
  * A block is MMQ_WARPS warps of 16 rows each on one K range, its tokens'
  * activations of a chunk staged in shared memory a chunk ahead, and the
  * next chunk's weights are loaded into registers while the present one
- * multiplies: up to LLM_CUDA_MMQ_STAGE tiles of 8 tokens (16 tokens by
- * default) the warp's 16 rows in 16-byte loads, which go through shared
- * memory to the fragments (mmq_stage), above it each lane its fragments
- * straight from memory; when the row blocks cannot fill the GPU, K is split over
+ * multiplies: each lane its fragments straight from memory, except Q6_K's
+ * up to LLM_CUDA_MMQ_STAGE tiles of 8 tokens (16 tokens by default),
+ * whose 16 rows the warp loads in 16-byte pieces that go through shared
+ * memory to the fragments (mmq_stage); when the row blocks cannot fill the GPU, K is split over
  * gridDim.y blocks, each writes partial sums and the last to finish adds
  * them in split order (an arrival counter per row block, reset by that
  * block), so the result is the same bits every run.  Several weights on
@@ -39,15 +44,25 @@
 #define MMQ_SPLIT_MAX 8
 #define MMQ_NTW_MAX 4
 #define MMQ_MIN_BLOCKS 3
-#define MMQ_XS 272 /* bytes a token's staged chunk takes in shared memory */
+/* A token's staged chunk in shared memory: lane t's 64 bytes at t * MMQ_XL,
+ * tokens MMQ_XS apart.  A 16-byte fragment load is served 8 lanes (tokens
+ * g, g + 1 of one parity, t = 0 .. 3) at a time, and these strides (20 t
+ * + 16 g words, mod 32) put the 8 on distinct banks; lanes 64 bytes apart
+ * (t = 0 and 2) shared banks, which Nsight Compute counted as 38% of the
+ * kernel's shared-memory wavefronts (7B gate/up, 16 tokens). */
+#define MMQ_XL 80
+#define MMQ_XS 320
 
 __device__ unsigned int mmq_counters[MMQ_COUNTERS];
 
 /* ---- Activations: Q8K, a lane's fragments contiguous ----
- * For chunk s (256 columns) and token c: xq[(s * n + c) * 256 + t * 64 +
- * m * 4 + i] = code of column 256 s + 16 m + 4 t + i (t < 4, m < 16,
- * i < 4), so lane t's B fragment words of 32-column block j are words 2j
- * (columns 32 j + 4 t ..) and 2j + 1 (32 j + 16 + 4 t ..) of its 64 bytes;
+ * For chunk s (256 columns) and token c, lane t's 64 bytes are
+ * xq[(s * n + c) * 256 + t * 64 ..]; its B fragment words of 32-column
+ * block j are words 2j and 2j + 1 of them, which hold
+ *   Q6_K's order (MATMUL_ACT_Q8K): columns 32 j + 4 t .. and 32 j + 16 +
+ *     4 t .. (byte t * 64 + m * 4 + i is column 16 m + 4 t + i);
+ *   Q4_K's and Q5_K's (MATMUL_ACT_Q8K8): columns 32 j + 8 t .. 8 t + 7
+ *     (byte t * 64 + 8 j + i is column 32 j + 8 t + i);
  * xd[s * n + c] the scale, xb[(s * n + c) * 8 + j] the sum of block j's
  * codes. */
 struct mmq_act {
@@ -65,6 +80,7 @@ static size_t mmq_act_bytes(int32_t n, int64_t cols) {
 
 /* A warp per (chunk, token); lane L holds columns 8L .. 8L + 7 of it.  The
  * rounding is the CPU's (kernels/cpu/quant.c, q8_round of x * 127 / amax). */
+template <bool K8>
 __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict__ xq, float *__restrict__ xd,
                                  int16_t *__restrict__ xb, int n, int cols, int items) {
     pdl_begin();
@@ -90,12 +106,19 @@ __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const size_t b = (size_t)s * n + c;
-    /* Columns 8L + u: m = L / 2, t = 2 (L & 1) + u / 4. */
-    uint32_t *dst = (uint32_t *)(xq + b * 256 + (lane & 1) * 128 + (lane >> 1) * 4);
-    dst[0] = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
-             (uint32_t)(q[3] & 255) << 24;
-    dst[16] = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
-              (uint32_t)(q[7] & 255) << 24;
+    const uint32_t lo = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
+                        (uint32_t)(q[3] & 255) << 24,
+                   hi = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
+                        (uint32_t)(q[7] & 255) << 24;
+    if (K8) {
+        /* Columns 8L + u: block j = L / 4, t = L & 3. */
+        *(uint2 *)(xq + b * 256 + (lane & 3) * 64 + (lane >> 2) * 8) = make_uint2(lo, hi);
+    } else {
+        /* Columns 8L + u: m = L / 2, t = 2 (L & 1) + u / 4. */
+        uint32_t *dst = (uint32_t *)(xq + b * 256 + (lane & 1) * 128 + (lane >> 1) * 4);
+        dst[0] = lo;
+        dst[16] = hi;
+    }
     if ((lane & 3) == 0) xb[b * 8 + lane / 4] = (int16_t)sum;
     if (lane == 0) xd[b] = amax / 127.0f;
 }
@@ -143,9 +166,10 @@ __device__ __forceinline__ uint32_t mmq_ld32(const uint8_t *p) { return __ldg((c
 template <int T> struct mmq_w;
 
 /* Q4_K and Q5_K: the 16-byte head (d, dmin, 12 scale bytes) and, for pair
- * p (columns 64 p ..), qs bytes 32 p + 4 t .. (lo) and 32 p + 16 + 4 t ..
- * (hi): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
- * bits from qh bytes 4 t .. and 16 + 4 t ... */
+ * p (columns 64 p ..), qs bytes 32 p + 8 t .. 8 t + 7 (lo: the first 4,
+ * hi: the next; in the permuted k order the fragments a0 and a2 of the
+ * row): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
+ * bits from qh bytes 8 t .. 8 t + 7. */
 template <int T> struct mmq_wk {
     static constexpr int BYTES = T == DTYPE_Q5_K ? 176 : 144;
     static constexpr int QS = T == DTYPE_Q5_K ? 48 : 16;
@@ -159,29 +183,17 @@ template <int T> struct mmq_wk {
         h = __ldg((const uint4 *)b);
 #pragma unroll
         for (int p = 0; p < 4; p++) {
-            lo[p] = mmq_ld32(b + QS + 32 * p + 4 * t);
-            hi[p] = mmq_ld32(b + QS + 32 * p + 16 + 4 * t);
+            const uint2 v = __ldg((const uint2 *)(b + QS + 32 * p + 8 * t));
+            lo[p] = v.x;
+            hi[p] = v.y;
         }
         if (T == DTYPE_Q5_K) {
-            qa = mmq_ld32(b + 16 + 4 * t);
-            qb = mmq_ld32(b + 16 + 16 + 4 * t);
+            const uint2 v = __ldg((const uint2 *)(b + 16 + 8 * t));
+            qa = v.x;
+            qb = v.y;
         }
     }
-    /* The same from the warp's staged copy of the row's chunk (b: its
-     * BYTES bytes in shared memory, mmq_stage). */
-    __device__ __forceinline__ void load_s(const uint8_t *b, int t) {
-        h = *(const uint4 *)b;
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            lo[p] = *(const uint32_t *)(b + QS + 32 * p + 4 * t);
-            hi[p] = *(const uint32_t *)(b + QS + 32 * p + 16 + 4 * t);
-        }
-        if (T == DTYPE_Q5_K) {
-            qa = *(const uint32_t *)(b + 16 + 4 * t);
-            qb = *(const uint32_t *)(b + 16 + 16 + 4 * t);
-        }
-    }
-    /* Block 2p + k's codes: a0 columns 4 t .., a2 columns 16 + 4 t .. */
+    /* Block 2p + k's codes: a0 columns 8 t .., a2 columns 8 t + 4 ... */
     __device__ __forceinline__ void codes(int p, int k, uint32_t &c0, uint32_t &c2) const {
         c0 = (lo[p] >> (4 * k)) & 0x0F0F0F0Fu;
         c2 = (hi[p] >> (4 * k)) & 0x0F0F0F0Fu;
@@ -248,26 +260,25 @@ template <> struct mmq_w<DTYPE_Q6_K> {
     __device__ __forceinline__ int sci(int p, int k) const { return (int)(scw(p) << (24 - 8 * k)) >> 24; }
 };
 
-/* A warp's weights of a chunk staged in shared memory: its 16 rows' bytes
- * of the chunk (Q6_K: ql, qh and the scales; d stays in the row), copied
- * with 16-byte loads, which read whole sectors in few requests, where the
- * fragments' own 4-byte loads (8 rows a load, half of each sector) kept
- * the L1 pipe 88% busy at a third of the copy rate (7B gate/up, 8
- * tokens, Nsight Compute).  Up to 16 tokens it measures faster on sm_90
- * and on the T4's code, from 32 no faster (Q6_K's registers spill there):
- * hence LLM_CUDA_MMQ_STAGE's default (docs/cuda-backend.md).  Row stride
- * WB: the fragment loads of 8 rows fall on distinct banks (WB / 4 mod 32
- * is 4, 12 or 20). */
+/* A warp's Q6_K weights of a chunk staged in shared memory: its 16 rows'
+ * ql, qh and scales of the chunk (d stays in the row), copied with 16-byte
+ * loads, which read whole sectors in few requests, where the fragments'
+ * own 4-byte loads (8 rows a load, half of each sector) kept the L1 pipe
+ * 88% busy at a third of the copy rate (7B gate/up, 8 tokens, Nsight
+ * Compute).  Up to 16 tokens it measures faster on sm_90 and on the T4's
+ * code, from 32 no faster (registers spill there): hence
+ * LLM_CUDA_MMQ_STAGE's default (docs/cuda-backend.md).  Row stride WB:
+ * the fragment loads of 8 rows fall on distinct banks (WB / 4 mod 32 is
+ * 20).  Q4_K and Q5_K need no copy: their permuted order gives each lane
+ * whole 8-byte pieces, and the 4 lanes of a row whole sectors. */
 template <int T> struct mmq_stage {
-    static constexpr int WB = T == DTYPE_Q6_K ? 208 : T == DTYPE_Q5_K ? 176 : 144;
+    static_assert(T == DTYPE_Q6_K, "only Q6_K's fragments are staged");
+    static constexpr int WB = 208;
     static constexpr int P = WB / 16;                 /* 16-byte parts of a row's chunk */
     static constexpr int PER_LANE = (16 * P + 31) / 32;
     /* Part q of a row's chunk 0 (offset in the row) and the step to chunk 1. */
     __device__ static inline void part(int q, int64_t cols, size_t &o0, uint32_t &step) {
-        if (T != DTYPE_Q6_K) {
-            o0 = (size_t)16 * q;
-            step = WB;
-        } else if (q < 8) {
+        if (q < 8) {
             o0 = (size_t)16 * q;
             step = 128;
         } else if (q < 12) {
@@ -352,7 +363,7 @@ __device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t 
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++) isum[nt][e] = 0;
-    const int8_t *xs = sxq + t * 64;
+    const int8_t *xs = sxq + t * MMQ_XL;
 #pragma unroll
     for (int p = 0; p < 4; p++) {
         uint32_t fa[mmq_w<T>::KPP][4];
@@ -504,7 +515,7 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
 #pragma unroll
     for (int k = 0; k < NT; k++) {
         const int q = threadIdx.x + MMQ_WARPS * 32 * k;
-        *(uint4 *)(sxq + (q / 16) * MMQ_XS + (q % 16) * 16) = px[k];
+        *(uint4 *)(sxq + (q / 16) * MMQ_XS + (q % 16 / 4) * MMQ_XL + (q % 4) * 16) = px[k];
     }
     if ((int)threadIdx.x < 8 * NT) {
         sxd[threadIdx.x] = pd;
@@ -517,11 +528,12 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
  * halves of the tokens of one row block, so that neither holds 64 sums a
  * lane, and the second reads the weights from L2 as the first brings
  * them in.  The rows' next chunk is loaded into registers while the
- * present one multiplies: with ST the warp's 16 rows in 16-byte pieces,
- * stored to its shared-memory copy after the chunk (mmq_stage), else each
- * lane's own fragments. */
+ * present one multiplies: with ST (Q6_K only) the warp's 16 rows in
+ * 16-byte pieces, stored to its shared-memory copy after the chunk
+ * (mmq_stage), else each lane's own fragments. */
 template <int T, int NT, bool ST>
-__global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_kernel(const mmq_args a) {
+__global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : MMQ_MIN_BLOCKS)
+    matmul_mmq_kernel(const mmq_args a) {
     pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
@@ -540,17 +552,16 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_ker
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 
     /* The block's activations of a chunk, staged in shared memory (two
-     * buffers): token rows of MMQ_XS bytes (256 and 16 of padding, so that
-     * the 8 tokens of a fragment load fall on different banks), scales,
-     * 32-sums. */
+     * buffers): token rows of MMQ_XS bytes (MMQ_XL), scales, 32-sums. */
     constexpr int TOK = 8 * NT;
     __shared__ __align__(16) int8_t sxq[2][TOK * MMQ_XS];
     __shared__ float sxd[2][TOK];
     __shared__ __align__(16) uint4 sxb[2][TOK];
     /* ST: each warp's weights of a chunk (mmq_stage). */
-    __shared__ __align__(16) uint8_t sw[ST ? MMQ_WARPS : 1][ST ? 16 * mmq_stage<T>::WB : 16];
+    static_assert(!ST || T == DTYPE_Q6_K, "only Q6_K's fragments are staged");
+    __shared__ __align__(16) uint8_t sw[ST ? MMQ_WARPS : 1][ST ? 16 * mmq_stage<DTYPE_Q6_K>::WB : 16];
     uint8_t *const mw = sw[ST ? warp : 0];
-    mmq_stager<T> stg;
+    mmq_stager<DTYPE_Q6_K> stg;
     uint4 px[NT], pb = make_uint4(0, 0, 0, 0);
     float pd = 0.0f;
     mmq_w<T> cw[2], nw[2];
@@ -641,19 +652,21 @@ static bool mmq_staged(int nt) {
     return nt <= k.mmq_stage;
 }
 
+template <int T, int NT> static void (*mmq_kernel(bool st))(const mmq_args) {
+    if constexpr (T == DTYPE_Q6_K)
+        if (st) return matmul_mmq_kernel<T, NT, true>;
+    return matmul_mmq_kernel<T, NT, false>;
+}
+
 template <int T, int NT>
 static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     static int per_sm[64][2];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    const bool st = mmq_staged(NT);
+    const bool st = T == DTYPE_Q6_K && mmq_staged(NT);
+    void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(st);
     if (!per_sm[dev][st]) {
         int b = 0;
-        if (st)
-            CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mmq_kernel<T, NT, true>,
-                                                                          MMQ_WARPS * 32, 0));
-        else
-            CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mmq_kernel<T, NT, false>,
-                                                                          MMQ_WARPS * 32, 0));
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, 0));
         per_sm[dev][st] = b > 0 ? b : 1;
     }
     int rbs = 0;
@@ -696,19 +709,15 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     a.a.xd = (const float *)(scr + mmq_align(blocks * 256));
     a.a.xb = (const int16_t *)(scr + mmq_align(blocks * 256) + mmq_align(blocks * 4));
     a.part = ks > 1 ? (float *)(scr + act_bytes) : NULL;
-    if (!cuda_act_reuse(ctx, MATMUL_ACT_Q8K, x, n, cols, scr)) {
+    constexpr bool k8 = T != DTYPE_Q6_K;
+    if (!cuda_act_reuse(ctx, k8 ? MATMUL_ACT_Q8K8 : MATMUL_ACT_Q8K, x, n, cols, scr)) {
         const int items = (int)blocks, per_block = 8;
-        CUDA_CHECK(ctx, cuda_launch(ctx, mmq_quant_kernel, dim3((unsigned)((items + per_block - 1) / per_block)),
+        CUDA_CHECK(ctx, cuda_launch(ctx, mmq_quant_kernel<k8>, dim3((unsigned)((items + per_block - 1) / per_block)),
                                     dim3(per_block * 32), 0, x, (int8_t *)a.a.xq, (float *)a.a.xd,
                                     (int16_t *)a.a.xb, n, (int)cols, items));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
-    if (st)
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT, true>), dim3((unsigned)(rbs * th), (unsigned)ks),
-                                    dim3(MMQ_WARPS * 32), 0, a));
-    else
-        CUDA_CHECK(ctx, cuda_launch(ctx, (matmul_mmq_kernel<T, NT, false>), dim3((unsigned)(rbs * th), (unsigned)ks),
-                                    dim3(MMQ_WARPS * 32), 0, a));
+    CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3((unsigned)(rbs * th), (unsigned)ks), dim3(MMQ_WARPS * 32), 0, a));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
