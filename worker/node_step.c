@@ -671,7 +671,6 @@ static void node_step(node *n, const Llm__StepPlan *p) {
     node_kv_used_update(n);
     atomic_fetch_add(&n->steps_total, 1);
     atomic_store(&n->last_step_id, p->step_id);
-    node_metrics_step(n->metrics, n->stage_index, (double)(node_now_us() - t0) / 1e6);
 
     if (upstream_failed) {
         if (last) {
@@ -680,13 +679,15 @@ static void node_step(node *n, const Llm__StepPlan *p) {
                              "the step failed at an earlier stage of the pipeline", 0);
             node_result_send(n, p, NULL, 0, &e, t0);
         }
-        return;
-    }
-    if (rc != STATUS_OK) {
+    } else if (rc != STATUS_OK) {
         node_step_fail(n, p, rc, err, t0);
-        return;
+    } else if (last) {
+        node_step_sample(n, p, t0);
     }
-    if (last) node_step_sample(n, p, t0);
+    /* The last stage's step ends with its result sent: after the draft
+     * model's passes, which the next plan waits for as it waits for the
+     * sampled tokens. */
+    node_metrics_step(n->metrics, n->stage_index, (double)(node_now_us() - t0) / 1e6);
 }
 
 /* ---- the compute thread ---------------------------------------------------- */
