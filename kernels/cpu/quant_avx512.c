@@ -8,7 +8,7 @@
  * both rows, which halves the loads a multiply-add, and the several-token
  * F16 kernels are bound by those loads (docs/cpu-backend.md).  Every
  * output is bit for bit what dot_f16_avx2 gives its row and token
- * (test_cpu_ops), so a token's result still does not depend on how many
+ * (test_cpu_ops_matmul), so a token's result still does not depend on how many
  * tokens or rows share its pass. */
 #include "cpu.h"
 
