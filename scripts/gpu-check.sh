@@ -44,6 +44,8 @@ for what in "$@"; do
         LLM_TEST_DEVICE=cuda:0 step forward_gpu 120 "$build/tests/test_forward"
         step link 120 "$build/tests/test_link"
         step node 240 "$build/tests/test_node"
+        step node_stages 240 "$build/tests/test_node_stages"
+        step node_plans 240 "$build/tests/test_node_plans"
         ;;
     t4)
         LLM_CUDA_SM=75 step cuda_ops_sm75 300 "$build/tests/test_cuda_ops"
