@@ -136,6 +136,7 @@ struct node {
     uint32_t pipeline_id;
     int32_t stage_index, stage_count, layer_first, layer_end;
     uint64_t epoch;
+    uint32_t epoch_session;   /* the router session (router_session) whose RegisterReply set epoch */
     char stage_endpoint[256]; /* where our receiving ZeroMQ link is bound, as others reach it */
     char next_endpoint[256];  /* where our sending ZeroMQ link is connected */
     uint64_t links_epoch;     /* epoch the links were made for (the ZeroMQ one: the sending link) */
@@ -236,8 +237,9 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
 /* ---- node_link.c: links to the neighbouring stages ---- */
 
 void node_links_close(node *n, int keep_rx_zmq);
-/* Applies a RegisterReply (compute thread, or before it starts). */
-void node_placement_apply(node *n, const Llm__RegisterReply *r);
+/* Applies a RegisterReply that answered the Register of router session
+ * `session` (compute thread, or before it starts). */
+void node_placement_apply(node *n, const Llm__RegisterReply *r, uint32_t session);
 int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *batch, char *err,
                     size_t errlen);
 int node_output_send(node *n, uint64_t step, int32_t T, char *err, size_t errlen);

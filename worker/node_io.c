@@ -307,6 +307,17 @@ static void node_pipe_forward(node *n, char type, const void *data, size_t len) 
         LOG(LL_ERROR, "handing a message to the compute thread: %s", zio_errstr(n->pipe_io));
 }
 
+/* A RegisterReply, with the router session it came in (a third frame):
+ * node_placement_apply starts the stage's view afresh on a reply of a new
+ * session even when its epoch is the one it has. */
+static void node_pipe_forward_placement(node *n, const void *data, size_t len) {
+    const char type = NODE_MSG_PLACEMENT;
+    const uint32_t session = n->router_session;
+    struct zio_frame f[3] = {{&type, 1, NULL, NULL}, {data, len, NULL, NULL}, {&session, sizeof session, NULL, NULL}};
+    if (zio_send(n->pipe_io, f, 3, 0) < 0)
+        LOG(LL_ERROR, "handing a placement to the compute thread: %s", zio_errstr(n->pipe_io));
+}
+
 
 /* One message from the router: checks it, answers bad frames, forwards
  * plans (when running) and placements.  *hb_ms and *retry_ms are updated
@@ -355,7 +366,7 @@ int node_router_message(node *n, const struct zio_parts *in, int running, int dr
              * it, and plans of an older epoch queued before it are dropped. */
             atomic_store(&n->placement_epoch, r->epoch);
             atomic_fetch_add(&n->placements_sent, 1);
-            node_pipe_forward(n, NODE_MSG_PLACEMENT, data, len);
+            node_pipe_forward_placement(n, data, len);
             ev = NODE_EV_ACCEPTED;
         } else {
             const char *msg = r->error && r->error->message[0] ? r->error->message : "no reason given";

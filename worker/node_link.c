@@ -136,7 +136,7 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
 }
 
 /* Applies a RegisterReply (compute thread, or before it starts). */
-void node_placement_apply(node *n, const Llm__RegisterReply *r) {
+void node_placement_apply(node *n, const Llm__RegisterReply *r, uint32_t session) {
     char err[512] = "";
     int rc = STATUS_OK;
     if (!r->accepted) return;
@@ -146,6 +146,16 @@ void node_placement_apply(node *n, const Llm__RegisterReply *r) {
     if (moved)
         LOG(LL_INFO, "pipeline %u: epoch %llu -> %llu", r->pipeline_id,
             (unsigned long long)n->epoch, (unsigned long long)r->epoch);
+    else if (session != n->epoch_session)
+        LOG(LL_INFO, "pipeline %u: epoch %llu again, from router session %u (was %u): a new placement",
+            r->pipeline_id, (unsigned long long)r->epoch, session, n->epoch_session);
+    /* Epochs are unique within one router only: two routers started in the
+     * same millisecond count from the same base, so a worker moving to
+     * the other can be given the epoch it has.  A router re-forms the
+     * pipeline for every new session's Register anyway, so a reply of a new
+     * session is a new placement whatever its epoch. */
+    moved = moved || session != n->epoch_session;
+    n->epoch_session = session;
     n->pipeline_id = r->pipeline_id;
     if (r->stage_count > 0) {
         n->stage_index = (int32_t)r->stage_index;
@@ -156,8 +166,8 @@ void node_placement_apply(node *n, const Llm__RegisterReply *r) {
     /* A new epoch is a new scheduler at the router (the pipeline was
      * re-formed, or another router placed us): it re-plans every sequence
      * it resumes from position 0 and will never free the old ones, so the
-     * stage's view of its KV starts empty.  The same epoch again (a resent
-     * reply) keeps it. */
+     * stage's view of its KV starts empty.  The same epoch again in the
+     * same session (a resent reply) keeps it. */
     if (moved) node_seqs_reset(n, "a new placement epoch");
     if (end > 0 && (first != n->layer_first || end != n->layer_end)) {
         LOG(LL_WARN, "router placed this worker on layers %d:%d (it loaded %d:%d): reloading",

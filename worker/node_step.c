@@ -715,7 +715,8 @@ void *node_compute_main(void *arg) {
         if (in.n < 1 || zio_parts_size(&in, 0) != 1) continue;
         char type = *(const char *)zio_parts_data(&in, 0);
         if (type == NODE_MSG_DRAIN) break;
-        if (in.n != 2) continue;
+        if (in.n != 2 && !(type == NODE_MSG_PLACEMENT && in.n == 3 && zio_parts_size(&in, 2) == sizeof(uint32_t)))
+            continue;
         Llm__WorkerEnvelope *env = NULL;
         char err[256];
         /* The io thread checked the frame already; this cannot fail unless memory runs out. */
@@ -726,9 +727,12 @@ void *node_compute_main(void *arg) {
         }
         if (type == NODE_MSG_PLAN && env->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN)
             node_step(n, env->plan);
-        else if (type == NODE_MSG_PLACEMENT &&
-                 env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY)
-            node_placement_apply(n, env->register_reply);
+        else if (type == NODE_MSG_PLACEMENT && in.n == 3 &&
+                 env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY) {
+            uint32_t session;
+            memcpy(&session, zio_parts_data(&in, 2), sizeof session);
+            node_placement_apply(n, env->register_reply, session);
+        }
         proto_worker_free(env);
     }
     zio_parts_free(&in);

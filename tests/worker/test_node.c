@@ -188,6 +188,66 @@ TEST(node_router_placement_reloads) {
     unlink(w.log);
 }
 
+/* The kv_blocks_used of r's next heartbeats until one satisfies want
+ * (0: none used, 1: some), within ms; returns the last seen (-1: none). */
+static int t_kv_used_until(struct t_router *r, int want, int ms) {
+    int64_t end = t_now_ms() + ms;
+    int used = -1;
+    while (t_now_ms() < end) {
+        Llm__WorkerEnvelope *hb = t_recv(r, LLM__WORKER_ENVELOPE__BODY_HEARTBEAT, 500, NULL);
+        if (!hb) continue;
+        used = (int)hb->heartbeat->kv_blocks_used;
+        proto_worker_free(hb);
+        if ((used > 0) == want) break;
+    }
+    return used;
+}
+
+/* Two routers can give the same epoch: each counts from its start time in
+ * milliseconds, so two started together count alike.  A worker that moves
+ * to the second router when the first is gone, and gets the epoch it has,
+ * must still forget the first router's sequences (the second plans its own
+ * from their start and never frees the others' blocks), as it does for any
+ * placement of a new session: the heartbeats' KV count falls to 0. */
+TEST(node_same_epoch_from_another_router_is_a_new_placement) {
+    struct t_golden g;
+    t_golden_load(&g);
+    struct t_router a = {0}, b = {0};
+    t_router_open(&a);
+    t_router_open(&b);
+    char routers[300];
+    snprintf(routers, sizeof routers, "%s,%s", a.endpoint, b.endpoint);
+    struct t_worker w = {0};
+    t_worker_start(&w, routers, NULL, "w-two", NULL);
+    char ep[256];
+    t_expect_register(&a, "w-two", ep, sizeof ep);
+    t_reply(&a, "w-two", 7, NULL, NULL);
+    struct t_seq s = {1, g.prompt, (size_t)g.n_prompt, 0, 0, 1, 0, 0, 0, 0};
+    t_send_plan(&a, "w-two", 1, 7, &s, 1, NULL, 0);
+    Llm__WorkerEnvelope *e = t_result(&a, 1, NULL);
+    if (!e) TEST_FAIL("no result from the first router's plan");
+    ASSERT_TRUE(e->result->error == NULL);
+    proto_worker_free(e);
+    int used = t_kv_used_until(&a, 1, T_WAIT_MS);
+    if (used <= 0) TEST_FAIL("the prompt's KV blocks never showed in a heartbeat (last: %d)", used);
+    t_router_close(&a);
+    t_expect_register(&b, "w-two", ep, sizeof ep);
+    t_reply(&b, "w-two", 7, NULL, NULL);
+    used = t_kv_used_until(&b, 0, T_WAIT_MS);
+    if (used != 0) {
+        t_worker_log_tail(&w);
+        TEST_FAIL("after the second router's placement at the same epoch the worker still holds %d KV blocks",
+                  used);
+    }
+    kill(w.pid, SIGTERM);
+    int code = t_worker_wait(&w, 10000);
+    if (code != 0) t_worker_log_tail(&w);
+    t_worker_kill(&w);
+    ASSERT_EQ(0, code);
+    t_router_close(&b);
+    unlink(w.log);
+}
+
 /* Reads a worker's log into buf (NUL-terminated). */
 static void t_worker_log_read(const struct t_worker *w, char *buf, size_t size) {
     FILE *f = fopen(w->log, "r");
@@ -241,4 +301,5 @@ TEST(node_refuses_bad_device_and_stage_count) {
 }
 
 TEST_MAIN(node_registers_generates_and_stops, node_router_placement_reloads,
+          node_same_epoch_from_another_router_is_a_new_placement,
           node_refuses_what_does_not_fit, node_refuses_bad_device_and_stage_count)
