@@ -81,7 +81,7 @@ struct registry_config {
     uint32_t auto_stages;          /* stages per pipeline for self-placing workers */
     int64_t worker_timeout_ms;
     int64_t forget_ms;             /* a lost worker is forgotten after this */
-    uint64_t epoch_base;           /* epochs start above this (the start time) */
+    uint64_t epoch_base;           /* epochs start above this (from the start time, server.c) */
 };
 
 int registry_init(registry **out, const struct registry_config *cfg);
