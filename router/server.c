@@ -250,15 +250,16 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
         snprintf(err, errlen, "router: out of memory");
         goto fail;
     }
-    /* Epochs count up from the start time in microseconds times 1024: a
-     * restarted router's are above its predecessor's, and routers started
-     * together (a fail-over pair) count from bases at least 1024
-     * re-formations apart unless they started in the same microsecond, so
-     * a worker moving between them is not given an epoch it has had, which
-     * its links would take for the old router's (docs/worker.md). */
+    /* Epochs count up from the start time in microseconds: a restarted
+     * router's are above its predecessor's, and routers started together (a
+     * fail-over pair) count from different bases, so that a worker moving
+     * between them is not given an epoch it has had, which its links would
+     * take for the old router's (docs/worker.md).  Microseconds stay below
+     * 2^53 (for two centuries yet), so an epoch is exact as a JSON number
+     * (llm status --json) and as a metric's float. */
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
-    const uint64_t epoch_base = ((uint64_t)now.tv_sec * 1000000 + (uint64_t)now.tv_nsec / 1000) * 1024;
+    const uint64_t epoch_base = (uint64_t)now.tv_sec * 1000000 + (uint64_t)now.tv_nsec / 1000;
     struct registry_config rc_cfg = {&s->mi, (uint32_t)(cfg->stages > 0 ? cfg->stages : 1),
                                      cfg->worker_timeout_ms, (int64_t)cfg->worker_timeout_ms * 10, epoch_base};
     if ((rc = registry_init(&s->reg, &rc_cfg)) < 0) {
