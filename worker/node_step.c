@@ -715,8 +715,9 @@ void *node_compute_main(void *arg) {
         if (in.n < 1 || zio_parts_size(&in, 0) != 1) continue;
         char type = *(const char *)zio_parts_data(&in, 0);
         if (type == NODE_MSG_DRAIN) break;
-        if (in.n != 2 && !(type == NODE_MSG_PLACEMENT && in.n == 3 && zio_parts_size(&in, 2) == sizeof(uint32_t)))
-            continue;
+        /* A placement carries its router session as a third frame. */
+        const size_t frames = type == NODE_MSG_PLACEMENT ? 3 : 2;
+        if (in.n != frames || (frames == 3 && zio_parts_size(&in, 2) != sizeof(uint32_t))) continue;
         Llm__WorkerEnvelope *env = NULL;
         char err[256];
         /* The io thread checked the frame already; this cannot fail unless memory runs out. */
@@ -727,8 +728,7 @@ void *node_compute_main(void *arg) {
         }
         if (type == NODE_MSG_PLAN && env->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN)
             node_step(n, env->plan);
-        else if (type == NODE_MSG_PLACEMENT && in.n == 3 &&
-                 env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY) {
+        else if (type == NODE_MSG_PLACEMENT && env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY) {
             uint32_t session;
             memcpy(&session, zio_parts_data(&in, 2), sizeof session);
             node_placement_apply(n, env->register_reply, session);

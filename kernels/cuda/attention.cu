@@ -463,10 +463,8 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
     int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     /* Split the context until about 4 blocks per SM are in flight, each
-     * split at least ctx->att_steps steps of all its sub-warps: llama2-7b
-     * at 16 and 32 rows, context 512, measured 2-3% faster steps than with
-     * 8 (two splits against three, one against two), and no different at 8
-     * rows (docs/cuda-backend.md). */
+     * split at least ctx->att_steps steps of all its sub-warps: fewer,
+     * longer blocks than 8 per SM, as measured faster (docs/cuda-backend.md). */
     const int64_t step = (int64_t)NS * U;
     struct cuda_att_split sp;
     if (cuda_att_split(ctx, a, n_idx, (4LL * ctx->n_sms + blocks - 1) / blocks, step, step * ctx->att_steps,

@@ -47,9 +47,8 @@
 /* A token's staged chunk in shared memory: lane t's 64 bytes at t * MMQ_XL,
  * tokens MMQ_XS apart.  A 16-byte fragment load is served 8 lanes (tokens
  * g, g + 1 of one parity, t = 0 .. 3) at a time, and these strides (20 t
- * + 16 g words, mod 32) put the 8 on distinct banks; lanes 64 bytes apart
- * (t = 0 and 2) shared banks, which Nsight Compute counted as 38% of the
- * kernel's shared-memory wavefronts (7B gate/up, 16 tokens). */
+ * + 16 g words, mod 32) put the 8 on distinct banks, where lanes 64 bytes
+ * apart (t = 0 and 2) would share them. */
 #define MMQ_XL 80
 #define MMQ_XS 320
 
