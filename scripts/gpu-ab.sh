@@ -17,8 +17,9 @@
 #   scripts/gpu-ab.sh run [ROUNDS] -- BENCH_GPU_ARGS...
 #       unpacks gpu-pack/ab.tar.xz when build-ab/ is not there, then ROUNDS
 #       (2) rounds of every saved build; prints one line a decode row
-#       (build, round, shape, batch, context, ms) and then, per build, shape
-#       and batch, the range over the rounds.
+#       (build, round, shape, batch, context, ms; with --verify K also the
+#       K + 1-token step as batch "kK+1") and then, per build, shape and
+#       batch, the range over the rounds.
 # Example (the sequence of a kernel change):
 #   scripts/gpu-ab.sh save old; <edit, rebuild>; scripts/gpu-ab.sh save new
 #   scripts/gpu-ab.sh pack
@@ -64,7 +65,8 @@ run)
             d=${d%/}
             LD_LIBRARY_PATH="$d/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LLM_CUDA_SM=$(cat "$d/sm") \
                 timeout 300 "$d/bench/bench_gpu" --tmpdir "${TMPDIR:-/tmp}" "$@" 2>&1 |
-                awk -v b="$(basename "$d")" -v r="$r" '$3 == "decode" {print b, r, $1, $5, $6, $8}' | tee -a "$rows"
+                awk -v b="$(basename "$d")" -v r="$r" '$3 == "decode" {print b, r, $1, $5, $6, $8}
+                    $8 ~ /^[0-9.]+x$/ {print b, r, $1, "k" $5 "+1", $4, $7}' | tee -a "$rows"
         done
     done
     echo "== build, shape, batch, context: ms over $rounds rounds (min-max)"

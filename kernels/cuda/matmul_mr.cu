@@ -11,8 +11,9 @@
  * fragments straight from global memory -- lane (g, t) holds columns
  * 8t .. 8t + 7 of each 32-column block of rows g and g + 8 (mq_frag.cuh's
  * order), a few contiguous bytes in every layout -- and its activations
- * (8 floats of token g a block, converted to F16 in registers), so a warp
- * runs from its first load to its last mma with no barrier.
+ * (8 of token g a block: 16 bytes of the kept F16 form, else 32 of F32
+ * converted in registers), so a warp runs from its first load to its last
+ * mma with no barrier.
  *
  * A block is MR_WARPS warps on the same 16 rows, each warp one slice of
  * the chunks (256 columns) of the row: parallelism for short matrices
@@ -102,9 +103,23 @@ template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, i
     }
 }
 
-template <int T, int NT>
+/* Token tok's 8 activations at column col as F16 pairs: from the kept F16
+ * form (H), else converted from F32 in registers. */
+template <bool H>
+__device__ __forceinline__ uint4 mr_act(const void *__restrict__ x, int cols, int tok, int col) {
+    if constexpr (H) {
+        return __ldg((const uint4 *)((const __half *)x + (size_t)tok * cols + col));
+    } else {
+        const float *xf = (const float *)x + (size_t)tok * cols + col;
+        const float4 f0 = __ldg((const float4 *)xf), f1 = __ldg((const float4 *)(xf + 4));
+        return make_uint4(mq_u32(__floats2half2_rn(f0.x, f0.y)), mq_u32(__floats2half2_rn(f0.z, f0.w)),
+                          mq_u32(__floats2half2_rn(f1.x, f1.y)), mq_u32(__floats2half2_rn(f1.z, f1.w)));
+    }
+}
+
+template <int T, int NT, bool H>
 __global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
-matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__restrict__ x, int n) {
+matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n) {
     pdl_begin();
     constexpr int NTL = NT / 8;
     __shared__ float4 red[MR_WARPS][NTL][32];
@@ -141,13 +156,7 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const float *__re
 #pragma unroll
             for (int nt = 0; nt < NTL; nt++) {
                 const int tok = nt * 8 + g8;
-                uint4 bx = make_uint4(0, 0, 0, 0);
-                if (tok < n) {
-                    const float4 f0 = __ldg((const float4 *)(x + (size_t)tok * cols + col));
-                    const float4 f1 = __ldg((const float4 *)(x + (size_t)tok * cols + col + 4));
-                    bx = make_uint4(mq_u32(__floats2half2_rn(f0.x, f0.y)), mq_u32(__floats2half2_rn(f0.z, f0.w)),
-                                    mq_u32(__floats2half2_rn(f1.x, f1.y)), mq_u32(__floats2half2_rn(f1.z, f1.w)));
-                }
+                const uint4 bx = tok < n ? mr_act<H>(x, cols, tok, col) : make_uint4(0, 0, 0, 0);
                 mq_mma32(acc[nt], alo, ahi, bx);
             }
         }
@@ -180,6 +189,21 @@ extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype ty
            (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);
 }
 
+template <int T, int NT>
+static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int64_t cols, const float *x, int n) {
+    const size_t rb = cuda_row_bytes((enum dtype)T, cols);
+    if (cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols))
+        CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, true>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
+                                    g, rb, (int)cols, (const void *)ctx->scratch, n));
+    else
+        CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, false>, dim3((unsigned)tiles), dim3(MR_WARPS * 32),
+                                    0, g, rb, (int)cols, (const void *)x, n));
+    CUDA_CHECK(ctx, cudaGetLastError());
+    return STATUS_OK;
+}
+
+/* The activations are read in the F16 form the norms, swiglu and the
+ * attention leave for 3 rows and more (cuda_act_kept), else as F32. */
 template <int T>
 static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     int tiles = 0;
@@ -188,18 +212,8 @@ static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const floa
         tiles += g.swiglu && s == 1 ? 0 : (g.rows[s] + 15) / 16;
     }
     g.blk0[g.n] = tiles; /* with swiglu the up weight has no tiles of its own */
-    if constexpr (T != DTYPE_Q8_0) { /* Q8_0 stops at 8 tokens */
-        if (n > 8) {
-            CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 16>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
-                                        g, cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
-            CUDA_CHECK(ctx, cudaGetLastError());
-            return STATUS_OK;
-        }
-    }
-    CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, 8>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0, g,
-                                cuda_row_bytes((enum dtype)T, cols), (int)cols, x, n));
-    CUDA_CHECK(ctx, cudaGetLastError());
-    return STATUS_OK;
+    if (T != DTYPE_Q8_0 && n > 8) return mr_launch_nt<T, 16>(ctx, g, tiles, cols, x, n); /* Q8_0 stops at 8 */
+    return mr_launch_nt<T, 8>(ctx, g, tiles, cols, x, n);
 }
 
 extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,

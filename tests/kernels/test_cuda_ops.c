@@ -738,21 +738,22 @@ TEST(cuda_ops_matmul_gemv_q6_k) { gemv_type(DTYPE_Q6_K); }
 
 /* A norm followed by a matmul: at 1-2 rows the gemv kernels (which keep
  * the int8 form of their input for the next matmul on it), from 3 rows the
- * norm also writes the F16 form the cuBLAS path and, from 32 tokens, the
- * tensor-core kernel read (rmsnorm.cu, cuda_gemm_act).  The matmul results must match the CPU through
+ * norm also writes the F16 form that matmul_mr.cu (3-16 tokens), the
+ * cuBLAS path and, from 32 tokens, the tensor-core kernel read (rmsnorm.cu,
+ * cuda_gemm_act).  The matmul results must match the CPU through
  * add_rmsnorm and rmsnorm, and again after the input changed under the
  * same pointer (a second norm with other weights must not leave the first
  * one's form in use). */
 TEST(cuda_ops_rmsnorm_feeds_matmul) {
     mm_set_mode(MM_DEFAULT);
-    const enum dtype types[3] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_F16};
-    const int32_t ns[5] = {1, 2, 5, 40, 80};
-    for (int ti = 0; ti < 3; ti++) {
+    const enum dtype types[4] = {DTYPE_Q8_0, DTYPE_Q4_K, DTYPE_Q6_K, DTYPE_F16};
+    const int32_t ns[6] = {1, 2, 5, 12, 40, 80};
+    for (int ti = 0; ti < 4; ti++) {
         fx_open();
         enum dtype t = types[ti];
         int64_t rows = 300, dim = 1024;
         int wi = load_weight(t, rand_weight(t, rows, dim), rows, dim);
-        for (int ni = 0; ni < 5; ni++) {
+        for (int ni = 0; ni < 6; ni++) {
             const int32_t n = ns[ni];
             struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
             struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
