@@ -14,9 +14,11 @@
 #include <string.h>
 
 /* Where matmul_mmq.cu measured faster than the kernels it replaces (one
- * H200, both builds; docs/cuda-backend.md): weights of 11008 rows and more
- * from 8 tokens, to 16 on sm_80 and later, to 64 on sm_75; the 4096-row
- * ones stayed faster on the others. */
+ * H200, both builds; docs/cuda-backend.md): weights of 8192 rows and more
+ * from 8 tokens, to 16 on sm_80 and later, to 64 on sm_75; there the
+ * 4096-row ones too from 33 tokens, where the others (mq) run F16
+ * products at half the int8 rate; below, they stayed faster on mq and
+ * matmul_mr. */
 #define CUDA_MMQ_MIN_DEFAULT 8
 #define CUDA_MMQ_ROWS_DEFAULT 8192
 
@@ -202,6 +204,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
     ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : ctx->cc >= 80 ? 16 : 64;
     ctx->mmq_rows = k->mmq_min >= 0 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->mmq_rows_wide = k->mmq_min >= 0 || ctx->cc < 80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
     ctx->l2_ahead = k->l2_ahead;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
