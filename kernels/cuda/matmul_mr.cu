@@ -231,7 +231,8 @@ static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const floa
         tiles += g.swiglu && s == 1 ? 0 : (g.rows[s] + 15) / 16;
     }
     g.blk0[g.n] = tiles; /* with swiglu the up weight has no tiles of its own */
-    if (T != DTYPE_Q8_0 && n > 8) return mr_launch_nt<T, 16>(ctx, g, tiles, cols, x, n); /* Q8_0 stops at 8 */
+    if constexpr (T != DTYPE_Q8_0) /* Q8_0 stops at 8 tokens */
+        if (n > 8) return mr_launch_nt<T, 16>(ctx, g, tiles, cols, x, n);
     return mr_launch_nt<T, 8>(ctx, g, tiles, cols, x, n);
 }
 
