@@ -92,8 +92,8 @@ int main(int argc, char **argv) {
         {"advertise-host", "LLM_ADVERTISE_HOST", OPTION_STRING, "", "host name others use for --listen's wildcard (default: hostname)", &advertise, 0, 0, NULL},
         {"transport", "LLM_TRANSPORT", OPTION_CHOICE, "auto", "stage links: auto (NCCL between GPUs), zmq or nccl", &transport, 0, 0, worker_transports},
         {"link-dtype", "LLM_LINK_DTYPE", OPTION_CHOICE, "auto",
-         "hidden states this stage sends to the next: auto (f32 on ZeroMQ, f16 on NCCL), f32, f16, bf16 or "
-         "int8 (a scale per row), on either transport; NCCL links need the same type on every stage of a "
+         "hidden states this stage sends to the next: auto (f16), f32, f16, bf16 or int8 (a BF16 scale a "
+         "block of 32 values), on either transport; NCCL links need the same type on every stage of a "
          "pipeline (a mismatch fails the link, naming both)", &link_dtype, 0, 0, worker_link_dtypes},
         {"link-timeout-ms", "LLM_LINK_TIMEOUT_MS", OPTION_INT, "30000", "longest wait for a neighbouring stage", &link_timeout, 100, 3600000, NULL},
         {"worker-id", "LLM_WORKER_ID", OPTION_STRING, "", "worker id (default: host-pid)", &worker_id, 0, 0, NULL},

@@ -67,8 +67,8 @@ struct node_config {
     int32_t target_ctx;         /* positions a typical sequence reaches, for the sizing; 0: 2048 */
     enum node_transport transport;
     int link_timeout_ms;        /* bound on one link send/receive (a peer that is gone) */
-    /* Hidden states on the wire (enum link_dtype, worker/link.h); < 0: the
-     * transport's default (F32 on ZeroMQ, F16 on NCCL, which carries no other). */
+    /* Hidden states on the wire (enum link_dtype, worker/link.h); < 0: F16
+     * on both transports (docs/deploy.md, "Across hosts"). */
     int32_t link_dtype;
     int register_retry_ms;      /* Register is sent again this often until answered */
     /* CURVE (docs/security.md): this worker's key pair file, used towards

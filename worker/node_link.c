@@ -117,7 +117,7 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         int rc = link_zmq_init_curve(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms,
                                      n->secure ? &n->kp : NULL, next_key, err, errlen);
         if (rc < 0) return rc;
-        enum link_dtype t = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F32;
+        enum link_dtype t = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F16;
         if ((rc = link_set_dtype(n->tx, t, (size_t)n->dim)) < 0) {
             snprintf(err, errlen, "%s", link_errstr(n->tx));
             link_free(n->tx);

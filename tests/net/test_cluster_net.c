@@ -2,6 +2,8 @@
  * each stage on hosts of their own, joined by a bridge with capped links
  * and a relay that adds latency.  Greedy outputs equal llm-run's; the
  * throughput and the bytes each stage host moved are printed. */
+#include <string.h>
+
 #include "tests/net/netbed.h"
 
 #define MODEL "stories260K-f32.gguf"
@@ -99,20 +101,21 @@ TEST(net_bed_port_down_and_up) {
 
 /* --link-dtype on the ZeroMQ links of a 1x3 pipeline across hosts: the
  * greedy tokens stay close to llm-run's (F32 exactly) and the bytes the
- * stage hosts send shrink with the type. */
+ * stage hosts send shrink with the type; without the flag a link sends
+ * F16 (auto): the bytes of f16. */
 TEST(net_link_dtype_outputs_and_bytes) {
     const char *model = test_model_path(MODEL);
     for (int p = 0; p < N_PROMPTS; p++) h_reference(model, prompts[p], N_TOKENS, 0, &refs[p]);
-    static const char *const types[] = {"f32", "f16", "bf16", "int8"};
+    static const char *const types[] = {"f32", "f16", "bf16", "int8", "auto"};
     /* positions equal to llm-run's greedy token, at least (a first
      * difference changes the rest of the text: greedy agreement is a
      * strict measure; teacher-forced agreement is higher) */
-    static const double agree_min[] = {1.0, 0.95, 0.9, 0.75};
-    uint64_t sent[4];
-    for (int t = 0; t < 4; t++) {
+    static const double agree_min[] = {1.0, 0.95, 0.9, 0.75, 0.95};
+    uint64_t sent[5];
+    for (int t = 0; t < 5; t++) {
         struct netbed *nb = nb_init(hosts_1x3);
-        char wx[64];
-        snprintf(wx, sizeof wx, "--link-dtype %s", types[t]);
+        char wx[64] = "";
+        if (strcmp(types[t], "auto") != 0) snprintf(wx, sizeof wx, "--link-dtype %s", types[t]);
         struct nb_cluster_opts o = {1, 3, "", wx, 0};
         struct cluster *cl = nb_cluster_start(nb, model, &o);
         uint64_t tx0[2], rx;
@@ -147,6 +150,10 @@ TEST(net_link_dtype_outputs_and_bytes) {
     ASSERT_TRUE(sent[1] < sent[0] * 8 / 10);
     ASSERT_TRUE(sent[2] < sent[0] * 8 / 10);
     ASSERT_TRUE(sent[3] < sent[1]);
+    /* auto: f16's bytes (the same rows; headers and heartbeats vary a
+     * little with timing). */
+    ASSERT_TRUE(sent[4] < sent[0] * 8 / 10);
+    ASSERT_TRUE(sent[4] * 10 < sent[1] * 11 && sent[1] * 10 < sent[4] * 11);
 }
 
 /* Scaling a running cluster across hosts, by hand: a second pipeline's
