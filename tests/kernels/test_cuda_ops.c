@@ -903,6 +903,31 @@ static void swiglu_case(enum dtype t, int64_t rows, int64_t cols) {
         snprintf(what, sizeof what, "down after matmul_swiglu %s n=%d", dtype_name(t), ns[i]);
         check_f32(down, (size_t)ns[i] * cols, 3 * matmul_bound(t), what);
     }
+    /* The same behind a norm, which keeps x's F16 form at the scratch's
+     * start: matmul_mr.cu's fused swiglu (3-16 rows) then reads it
+     * there. */
+    if (wd >= 0) {
+        struct dbuf nw = dbuf_from(rand_f32(cols, 0.5f, 1.5f), (size_t)cols * 4), xn = dbuf_new(nm * cols * 4);
+        static const int32_t nn[3] = {3, 5, 12};
+        for (int i = 0; i < 3; i++) {
+            const int32_t n = nn[i];
+            dbuf_poison(out);
+            dbuf_poison(down);
+            ASSERT_OK(backend_rmsnorm(fx.cpu, xn.c, x.c, nw.c, n, (int32_t)cols, 1e-6f));
+            ASSERT_OK(backend_rmsnorm(fx.gpu, xn.g, x.g, nw.g, n, (int32_t)cols, 1e-6f));
+            ASSERT_OK(backend_matmul_swiglu(fx.cpu, out.c, &fx.cw[wg], &fx.cw[wu], xn.c, n, gt.c, ut.c));
+            int rc = backend_matmul_swiglu(fx.gpu, out.g, &fx.gw[wg], &fx.gw[wu], xn.g, n, gt.g, ut.g);
+            if (rc != STATUS_OK) TEST_FAIL("gpu matmul_swiglu after rmsnorm n=%d: %s", n, backend_errstr(fx.gpu));
+            char what[128];
+            snprintf(what, sizeof what, "matmul_swiglu after rmsnorm %s n=%d", dtype_name(t), n);
+            check_f32(out, (size_t)n * rows, 2 * matmul_bound(t), what);
+            ASSERT_OK(backend_matmul(fx.cpu, down.c, &fx.cw[wd], out.c, n));
+            rc = backend_matmul(fx.gpu, down.g, &fx.gw[wd], out.g, n);
+            if (rc != STATUS_OK) TEST_FAIL("gpu matmul down after rmsnorm n=%d: %s", n, backend_errstr(fx.gpu));
+            snprintf(what, sizeof what, "down after rmsnorm and matmul_swiglu %s n=%d", dtype_name(t), n);
+            check_f32(down, (size_t)n * cols, 3 * matmul_bound(t), what);
+        }
+    }
     fx_close();
 }
 
