@@ -11,6 +11,12 @@
 #include <stdio.h>
 #include <string.h>
 
+/* The type this stage sends hidden states in: --link-dtype, or F16 for
+ * auto on either transport (docs/deploy.md, "Across hosts"). */
+static enum link_dtype node_link_dtype(const node *n) {
+    return n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F16;
+}
+
 void node_links_close(node *n, int keep_rx_zmq) {
     if (n->tx) link_free(n->tx);
     n->tx = NULL;
@@ -55,10 +61,10 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         struct rconn *redis = NULL;
         int rc = rconn_open_url(n->s_redis, 2000, &redis, err, errlen);
         if (rc < 0) return rc;
-        /* NCCL has no header to name the type: both ends are given it (auto
-         * is F16 here) and check in Redis that they were given the same. */
+        /* NCCL has no header to name the type: both ends are given it and
+         * check in Redis that they were given the same. */
         struct link_nccl_opts o = {
-            .dtype = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F16,
+            .dtype = node_link_dtype(n),
             .row_elems = (size_t)n->dim,
             .bytes_max = (size_t)n->n_tokens_max * (size_t)n->dim * sizeof(float),
             .timeout_ms = n->cfg.link_timeout_ms,
@@ -117,7 +123,7 @@ static int node_links_setup(node *n, const char *next_ep, const char *next_key, 
         int rc = link_zmq_init_curve(&n->tx, n->zctx, LINK_SEND, next_ep, n->cfg.link_timeout_ms,
                                      n->secure ? &n->kp : NULL, next_key, err, errlen);
         if (rc < 0) return rc;
-        enum link_dtype t = n->cfg.link_dtype >= 0 ? (enum link_dtype)n->cfg.link_dtype : LINK_DTYPE_F16;
+        enum link_dtype t = node_link_dtype(n);
         if ((rc = link_set_dtype(n->tx, t, (size_t)n->dim)) < 0) {
             snprintf(err, errlen, "%s", link_errstr(n->tx));
             link_free(n->tx);
