@@ -121,10 +121,12 @@ static inline int cuda_act_reuse(struct cuda_ctx *ctx, int kind, const float *x,
     return 0;
 }
 static inline void cuda_act_forget(struct cuda_ctx *ctx) { ctx->act_kind = MATMUL_ACT_NONE; }
-/* 1 if the scratch's start holds x (n x cols) as kind; nothing recorded. */
-static inline int cuda_act_kept(const struct cuda_ctx *ctx, int kind, const float *x, int32_t n, int64_t cols) {
-    return ctx->act_kind == kind && ctx->act_x == x && ctx->act_n == n && ctx->act_cols == cols &&
-           ctx->act_scratch == ctx->scratch && ctx->scratch;
+/* Where in the scratch x (n x cols) is kept as kind (its start, or where
+ * the op that made the form put it), else NULL; nothing recorded. */
+static inline const void *cuda_act_kept(const struct cuda_ctx *ctx, int kind, const float *x, int32_t n,
+                                        int64_t cols) {
+    return ctx->act_kind == kind && ctx->act_x == x && ctx->act_n == n && ctx->act_cols == cols ? ctx->act_scratch
+                                                                                                 : NULL;
 }
 
 /* Record a failure in ctx->err and return code. */

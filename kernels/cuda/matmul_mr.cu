@@ -119,7 +119,8 @@ __device__ __forceinline__ uint4 mr_act(const void *__restrict__ x, int cols, in
 
 template <int T, int NT, bool H>
 __global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
-matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n) {
+matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n,
+                 fp16_t *__restrict__ out16) {
     pdl_begin();
     constexpr int NTL = NT / 8;
     __shared__ float4 red[MR_WARPS][NTL][32];
@@ -176,7 +177,11 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
             for (int k = ks; k < 2 * ks; k++) u += ((const float *)&red[k][nt][l])[e];
         /* acc[nt][e]: row g (e < 2) or g + 8, token 8 nt + 2 t + (e & 1). */
         const int tok = nt * 8 + 2 * (l & 3) + (e & 1), row = row0 + (l >> 2) + 8 * (e >> 1);
-        if (tok < n && row < rows) sg.out[(size_t)tok * rows + row] = g.swiglu ? s / (1.0f + expf(-s)) * u : s;
+        if (tok < n && row < rows) {
+            const float o = g.swiglu ? s / (1.0f + expf(-s)) * u : s;
+            sg.out[(size_t)tok * rows + row] = o;
+            if (out16) out16[(size_t)tok * rows + row] = f2h(o);
+        }
     }
 }
 
@@ -192,18 +197,32 @@ extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype ty
 template <int T, int NT>
 static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int64_t cols, const float *x, int n) {
     const size_t rb = cuda_row_bytes((enum dtype)T, cols);
-    if (cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols))
+    /* With swiglu from 3 rows the output's F16 form too, for down to read
+     * (as the swiglu kernel leaves it): in the scratch after x's F16 form,
+     * which this launch reads from the scratch's start. */
+    fp16_t *o16 = NULL;
+    if (g.swiglu && n >= 3) {
+        const size_t xb = ((size_t)n * cols * 2 + 255) & ~(size_t)255;
+        uint8_t *scr = (uint8_t *)cuda_scratch(ctx, xb + (size_t)n * g.rows[0] * 2); /* a larger one forgets x's */
+        if (!scr) return STATUS_NO_MEMORY;
+        const void *k = cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols);
+        if (!k || k == scr) o16 = (fp16_t *)(scr + xb);
+    }
+    const void *x16 = cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols);
+    if (x16)
         CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, true>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
-                                    g, rb, (int)cols, (const void *)ctx->scratch, n));
+                                    g, rb, (int)cols, x16, n, o16));
     else
         CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, false>, dim3((unsigned)tiles), dim3(MR_WARPS * 32),
-                                    0, g, rb, (int)cols, (const void *)x, n));
+                                    0, g, rb, (int)cols, (const void *)x, n, o16));
     CUDA_CHECK(ctx, cudaGetLastError());
+    if (o16) cuda_act_reuse(ctx, MATMUL_ACT_F16, g.out[0], n, g.rows[0], o16); /* records it */
     return STATUS_OK;
 }
 
-/* The activations are read in the F16 form the norms, swiglu and the
- * attention leave for 3 rows and more (cuda_act_kept), else as F32. */
+/* The activations are read in the F16 form the norms, swiglu (this
+ * kernel's too) and the attention leave for 3 rows and more
+ * (cuda_act_kept), else as F32. */
 template <int T>
 static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     int tiles = 0;
