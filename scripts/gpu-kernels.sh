@@ -18,10 +18,11 @@
 #            K-quant weight from 8 tokens (LLM_CUDA_MMQ_MIN=8)
 #   ncu      Nsight Compute on one launch each of matmul_mmq.cu's and
 #            attention_gqa.cu's kernels (bench_cuda mmq / attn), sm_90 pack
-#   prof     Nsight Compute's time of every kernel of llama2-7b Q4_K_M decode
-#            steps at context 512, batch 16 and 64, added up by kernel and
-#            grid (scripts/ncu-sum.py), routed by default and with
-#            LLM_CUDA_MMQ_MIN=8 (sm_90 pack); tables in prof.txt
+#   prof     Nsight Compute's time of every kernel of Q4_K_M decode steps at
+#            batch 16 and 64, added up by kernel and grid
+#            (scripts/ncu-sum.py), sm_90 pack, for each SHAPE:CTX:MMQ_MIN of
+#            LLM_PROF_CASES (default llama2-7b at context 512 routed by
+#            default, -1, and with LLM_CUDA_MMQ_MIN=8); tables in prof.txt
 #   ab       bench_gpu decode A/Bs of routing choices, one line a setting
 #            (ab.txt): llama2-7b Q4_K_M at context 512 and llama3-8b at
 #            2048, LLM_CUDA_MMQ_MIN=0 against the default (both packs),
@@ -128,13 +129,14 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         ;;
     prof)
         [ -n "$b90" ] || continue
-        for mm in -1 8; do
+        for pc in ${LLM_PROF_CASES:-llama2-7b:512:-1 llama2-7b:512:8}; do
+            IFS=: read -r shape ctx mm <<<"$pc"
             for bt in 16 64; do
-                echo "== llama2-7b q4_k_m, batch $bt, context 512, LLM_CUDA_MMQ_MIN=$mm: totals of 2 prefills of 8" \
+                echo "== $shape q4_k_m, batch $bt, context $ctx, LLM_CUDA_MMQ_MIN=$mm: totals of 2 prefills of 8" \
                     "tokens and 3 decode steps (a decode kernel's launches: 3 a layer and step)"
                 LLM_CUDA_MMQ_MIN=$mm timeout 150 ncu --csv --metrics gpu__time_duration.sum --clock-control none \
-                    --cache-control none "$b90/bench/bench_gpu" --shapes llama2-7b --types q4_k_m --batches $bt \
-                    --ctx 512 --prompt 8 --prefill-reps 1 --warmup 1 --steps 2 --copy-size 64M --gemm-size 1024 \
+                    --cache-control none "$b90/bench/bench_gpu" --shapes "$shape" --types q4_k_m --batches $bt \
+                    --ctx "$ctx" --prompt 8 --prefill-reps 1 --warmup 1 --steps 2 --copy-size 64M --gemm-size 1024 \
                     --gemm-tokens 256 --tmpdir /tmp 2>&1 | env -u LD_LIBRARY_PATH python3 scripts/ncu-sum.py | head -n 40
             done
         done >"$out/prof.txt" 2>&1
