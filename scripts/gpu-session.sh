@@ -8,9 +8,13 @@
 #            (LLM_CUDA_SM=75) from the 75-virtual pack: the T4's own code
 #   kv       bench_gpu, 7B Q4_K_M, decode at batch 1 and 64 with context 2048,
 #            F16 against Q8_0 KV, and the capacity line (16 GiB, context 2048)
+#   link     test_link (its two-GPU cases need two GPUs)
 #   cluster  bench_cluster, 7B Q4_K_M, layouts 1x1,1x2,1x2s,2x1 at
-#            concurrency 64 and 128 (prompt 128, 64 generated), workers at
-#            their own sizing
+#            concurrency 64 and 128 (prompt 128, LLM_SESSION_GEN or 64
+#            generated), workers at their own sizing
+#   c1       bench_cluster, 7B Q4_K_M, concurrency 1, 32 requests, prompt
+#            128, 128 generated: 1x1, 1x2, 1x1, 1x2 (two GPUs; the cost of
+#            a second stage to one stream)
 #   prefix   bench_cluster, 7B Q4_K_M, 1x1: 1,024-token shared prefix + 64
 #            distinct 32-token questions, 64 generated, concurrency 16, the
 #            router's prefix cache on and off
@@ -18,7 +22,7 @@
 #            (LLM_SESSION_WAIT_US, 1000) on both sides, then c=1 (prompt
 #            128, 64 generated) without and with it: what the wait costs
 #            a request that finds the pipeline idle
-#   itl      bench_cluster, 7B Q4_K_M, 1x1, c=64, prompt 128, 128 generated,
+#   itl      bench_cluster, 7B Q4_K_M, 1x1 (LLM_SESSION_ITL_LAYOUT), c=64, prompt 128, 128 generated,
 #            256 requests: the router's defaults, workers' steps of 1,024
 #            tokens (--max-batch-tokens 1024), then hand-tuned (--max-seqs
 #            64, --itl-target-ms 0): ITL p50/p90 and throughput
@@ -114,11 +118,16 @@ for d in "${TMPDIR:-/tmp}" /tmp /dev/shm "$PWD"; do
 done
 model=""
 shape=${LLM_SESSION_SHAPE:-llama2-7b}
-# The 7B Q4_K_M model both cluster steps share, written once.
+# The 7B Q4_K_M model the cluster steps share, written once (and kept for
+# the next call on the same machine with LLM_SESSION_KEEP_MODEL=1).
 cluster_model() {
     [ -n "$model" ] && return 0
     [ -n "$tmp" ] || { note "gpu-session: no folder with 12 GB free for the 7B model"; return 1; }
     model=$tmp/gpu-session-$shape-q4_k_m.gguf
+    if [ -n "${LLM_SESSION_KEEP_MODEL:-}" ] && [ -s "$model" ]; then
+        note "     $shape q4_k_m kept from an earlier call"
+        return 0
+    fi
     local t0
     t0=$(date +%s)
     if ! timeout 120 "$b90/worker/llm-synth" --out "$model" --shape "$shape" --type q4_k_m >"$out/synth.log" 2>&1; then
@@ -171,7 +180,19 @@ for what in $steps; do
         [ -n "$b90" ] && cluster_model || continue
         layouts=1x1,1x2,1x2s,2x1
         [ "$gpus" -ge 2 ] || layouts=1x1
-        cluster cluster_bench 210 "$layouts" --concurrency 64,128 --prompt-tokens 128 --max-tokens 64
+        cluster cluster_bench 300 "$layouts" --concurrency 64,128 --prompt-tokens 128 \
+            --max-tokens "${LLM_SESSION_GEN:-64}"
+        ;;
+    link)
+        [ -n "$b90" ] || continue
+        step link 90 "$b90/tests/test_link"
+        ;;
+    c1)
+        # What a second stage costs one stream: 1x1 and 1x2 in turn, twice,
+        # so that the host's drift falls on both alike.
+        [ -n "$b90" ] && cluster_model || continue
+        [ "$gpus" -ge 2 ] || { note "SKIP c1: one GPU"; continue; }
+        cluster c1_bench 240 1x1,1x2,1x1,1x2 --concurrency 1 --requests 32 --prompt-tokens 128 --max-tokens 128
         ;;
     prefix)
         [ -n "$b90" ] && cluster_model || continue
@@ -189,10 +210,12 @@ for what in $steps; do
         ;;
     itl)
         [ -n "$b90" ] && cluster_model || continue
-        cluster itl_default_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128
-        cluster itl_steps1024_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
+        il=${LLM_SESSION_ITL_LAYOUT:-1x1}
+        [ "$gpus" -ge 2 ] || il=1x1
+        cluster itl_default_bench 90 "$il" --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128
+        cluster itl_steps1024_bench 90 "$il" --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
             --worker-args "--max-batch-tokens 1024"
-        cluster itl_tuned_bench 90 1x1 --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
+        cluster itl_tuned_bench 90 "$il" --concurrency 64 --requests 256 --prompt-tokens 128 --max-tokens 128 \
             --worker-args "--max-seqs 64" --router-args "--itl-target-ms 0"
         ;;
     gateway)
@@ -200,14 +223,14 @@ for what in $steps; do
         OUT="$out/gateway" LLM_BENCH_BUILD="$b90" LLM_GW_BENCH_MODEL="$model" TMPDIR="$tmp" \
             step gateway_bench 300 ./scripts/gateway-bench.sh
         ;;
-    *) note "gpu-session: unknown step '$what' (tests, t4, kv, cluster, prefix, wait, itl, gateway)"; status=2 ;;
+    *) note "gpu-session: unknown step '$what' (tests, t4, link, kv, cluster, c1, prefix, wait, itl, gateway)"; status=2 ;;
     esac
 done
-[ -n "$model" ] && rm -f "$model"
+[ -n "$model" ] && [ -z "${LLM_SESSION_KEEP_MODEL:-}" ] && rm -f "$model"
 rm -rf "$tmp"/bench_cluster_* 2>/dev/null
 
 # The tables, then the summary.
-for f in kv_bench cluster_bench prefix_bench wait_prefix_bench wait_c1_off_bench wait_c1_on_bench itl_default_bench \
+for f in kv_bench cluster_bench c1_bench prefix_bench wait_prefix_bench wait_c1_off_bench wait_c1_on_bench itl_default_bench \
     itl_steps1024_bench itl_tuned_bench; do
     [ -f "$out/$f.log" ] || continue
     echo "=== $f"
