@@ -47,12 +47,16 @@ static double nl_now_ms(void) {
 /* A non-blocking communicator may answer ncclInProgress: wait until the
  * call has really been taken (or failed), at most timeout_ms.  A send or
  * receive of a step is taken within microseconds and sits on every
- * token's path between two stages, so the wait starts with short sleeps
- * (10 us, doubling) and reaches 1 ms naps only for what takes long, such
- * as a communicator's set-up. */
+ * token's path between two stages, so the wait polls without sleeping for
+ * its first NL_SPIN_US: a sleep, however short it is asked to be, lasts
+ * the thread's timer slack (50 us by default on Linux) or more, twice a
+ * step (a send on one stage, a receive on the next).  Past that it naps,
+ * from 20 us doubling to 1 ms, for what takes long, such as a
+ * communicator's set-up. */
+#define NL_SPIN_US 200
 static int nl_wait(ncclComm_t comm, int timeout_ms, const char *what, char *err, size_t errlen) {
-    double deadline = nl_now_ms() + timeout_ms;
-    long nap_ns = 10000;
+    const double start = nl_now_ms(), deadline = start + timeout_ms;
+    long nap_ns = 20000;
     for (;;) {
         ncclResult_t st = ncclSuccess;
         ncclResult_t r = ncclCommGetAsyncError(comm, &st);
@@ -62,10 +66,12 @@ static int nl_wait(ncclComm_t comm, int timeout_ms, const char *what, char *err,
             snprintf(err, errlen, "%s: %s", what, ncclGetErrorString(st));
             return STATUS_INTERNAL;
         }
-        if (nl_now_ms() > deadline) {
+        const double now = nl_now_ms();
+        if (now > deadline) {
             snprintf(err, errlen, "%s: the peer did not join within %d ms", what, timeout_ms);
             return STATUS_TIMEOUT;
         }
+        if (now - start < NL_SPIN_US * 1e-3) continue;
         struct timespec ts = {0, nap_ns};
         nanosleep(&ts, NULL);
         if (nap_ns < 1000000) nap_ns = nap_ns * 2 < 1000000 ? nap_ns * 2 : 1000000;
