@@ -749,8 +749,8 @@ extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const str
     }
     /* Fewer rows than fill the GPU without splitting K far: the other
      * kernels measured faster there (4096 x 4096 at every batch but
-     * sm_75's 33-64 tokens; knobs.c). */
-    return rows >= (n > 32 ? ctx->mmq_rows_wide : ctx->mmq_rows);
+     * sm_75's 33-64 tokens and sm_80's 17-24; knobs.c). */
+    return rows >= (n > 32 ? ctx->mmq_rows_wide : n > 16 ? ctx->mmq_rows_mid : ctx->mmq_rows);
 }
 
 extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,

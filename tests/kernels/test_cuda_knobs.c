@@ -69,6 +69,12 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
     ASSERT_EQ(64, h.mq_nt_max);
     ASSERT_EQ(1, h.mq_x_parts);
+    /* matmul_mmq.cu: weights of 8192 rows and more at 8-16 tokens, every
+     * K-quant weight at 17-24, none above. */
+    ASSERT_EQ(8, h.mmq_min);
+    ASSERT_EQ(24, h.mmq_max);
+    ASSERT_EQ(8192, h.mmq_rows);
+    ASSERT_EQ(0, h.mmq_rows_mid);
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
     ASSERT_EQ(75, t.cc);
@@ -78,6 +84,13 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(5, t.ahead_sms);
     ASSERT_EQ(64, t.mq_nt_max); /* up to 64 tokens in two column parts */
     ASSERT_EQ(2, t.mq_x_parts);
+    /* sm_75: weights of 8192 rows and more at 8-32 tokens, every K-quant
+     * weight above. */
+    ASSERT_EQ(8, t.mmq_min);
+    ASSERT_EQ(64, t.mmq_max);
+    ASSERT_EQ(8192, t.mmq_rows);
+    ASSERT_EQ(8192, t.mmq_rows_mid);
+    ASSERT_EQ(0, t.mmq_rows_wide);
     struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
     ASSERT_EQ(0, a.pdl);
     ASSERT_EQ(1, a.wide);
@@ -104,6 +117,12 @@ TEST(cuda_knobs_spellings) {
     ASSERT_EQ(32, k_ctx(75, 40).mq_nt_max);
     ASSERT_EQ(64, k_ctx(90, 132).mq_nt_max);
     unsetenv("LLM_CUDA_MQ64");
+    /* LLM_CUDA_MMQ_MIN=k: every K-quant weight from k tokens to 64. */
+    setenv("LLM_CUDA_MMQ_MIN", "17", 1);
+    c = k_ctx(90, 132);
+    ASSERT_EQ(17, c.mmq_min);
+    ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max);
+    ASSERT_TRUE(c.mmq_rows == 0 && c.mmq_rows_mid == 0 && c.mmq_rows_wide == 0);
     k_clear_env();
 
     setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
