@@ -92,6 +92,7 @@ int draft_open(draft **out, model_file *m, const model_file *target, backend *b,
     sc.block_size = cfg->block_size;
     sc.n_blocks = cfg->n_blocks;
     sc.kv_type = cfg->kv_type;
+    sc.weight_type = cfg->weight_type;
     char why[400];
     rc = stage_init(&d->s, d->m, b, &sc, why, sizeof why);
     if (rc != STATUS_OK) {

@@ -38,6 +38,7 @@ struct draft_config {
      * draft pass and a verified position (docs/router.md, "Speculation").
      * 0: always k guesses. */
     float min_prob;
+    int32_t weight_type; /* as stage_config.weight_type: < 0 as stored, else its float matrices converted */
 };
 
 /* The draft's state of one sequence (the caller's, one per sequence). */

@@ -84,6 +84,7 @@ struct node {
     char *s_draft;
     model_file *draft_m;
     float draft_min_prob;
+    int32_t draft_type;
     draft *dm;
     struct draft_req *dreqs;
     int32_t *res_draft;

@@ -31,6 +31,7 @@ void node_config_default(struct node_config *cfg) {
     cfg->max_seqs = 16;
     cfg->link_timeout_ms = 30000;
     cfg->link_dtype = -1;
+    cfg->draft_type = -1;
     cfg->register_retry_ms = 2000;
 }
 
@@ -304,6 +305,7 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
          * that a draft that does not fit the target stops the start. */
         n->s_draft = strdup(cfg->draft_model);
         n->draft_min_prob = cfg->draft_min_prob;
+        n->draft_type = cfg->draft_type;
         rc = n->s_draft ? model_file_open(&n->draft_m, n->s_draft, err, errlen) : STATUS_NO_MEMORY;
         if (rc == STATUS_OK) rc = draft_vocab_check(n->draft_m, n->m, err, errlen);
         if (rc < 0) goto fail;

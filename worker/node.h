@@ -44,6 +44,7 @@ struct node_config {
      * the drafts of speculative decoding (worker/draft.h). */
     const char *draft_model;
     float draft_min_prob;       /* draft_config.min_prob (0: always k guesses) */
+    int32_t draft_type;         /* draft_config.weight_type: < 0 as stored (node_config_default) */
     const char *worker_id;      /* NULL or "": "<host>-<pid>" */
     struct device_spec device;  /* device_parse of --device; zeroed: auto */
     int require_gpu;            /* no GPU is fatal instead of a fallback to the CPU */

@@ -320,7 +320,7 @@ int node_stage_load(node *n, int32_t first, int32_t end, char *err, size_t errle
          * its pool holds the router's positions and k guesses a sequence. */
         struct draft_config dc = {c->n_tokens_max, c->n_seqs_max, c->n_ctx_max, c->block_size,
                                   c->n_blocks + c->n_seqs_max * (NODE_DRAFT_MAX / c->block_size + 2),
-                                  c->kv_type, n->draft_min_prob};
+                                  c->kv_type, n->draft_min_prob, n->draft_type};
         rc = draft_open(&n->dm, n->draft_m, n->m, n->b, &dc, err, errlen);
         if (rc != STATUS_OK) return rc;
         LOG(LL_INFO, "stage %d/%d: draft model %s beside the last stage (%d KV blocks of its own)",

@@ -34,6 +34,8 @@ struct stage {
     kvcache *kv;
     float *inv_freq;                /* (head_dim/2) rope inverse frequencies */
     size_t weight_bytes;
+    void **conv;                    /* (n_conv) host rows of the matrices converted to cfg.weight_type */
+    int32_t n_conv;
 
     /* Scratch, backend memory, T = n_tokens_max rows, L = n_logits_max. */
     float *x;          /* (T, dim) residual stream */

@@ -16,6 +16,39 @@
 void stage_config_default(struct stage_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
     cfg->kv_type = -1;
+    cfg->weight_type = -1;
+}
+
+/* *out = the rows of tensor t converted to type wt on the host, a row at a
+ * time through F32; kept in s->conv for the stage's life (the CPU backend
+ * reads a weight in place). */
+static int stage_convert_matrix(stage *s, const char *name, const struct model_tensor *t, enum dtype wt,
+                                int64_t rows, int64_t cols, const void **out, char *err, size_t errlen) {
+    const size_t src_row = dtype_row_bytes(t->type, cols), dst_row = dtype_row_bytes(wt, cols);
+    void **conv = realloc(s->conv, (size_t)(s->n_conv + 1) * sizeof *conv);
+    float *tmp = malloc((size_t)cols * sizeof(float));
+    uint8_t *dst = malloc((size_t)rows * dst_row);
+    if (conv) s->conv = conv;
+    if (!conv || !tmp || !dst) {
+        free(tmp);
+        free(dst);
+        return status_fail(err, errlen, STATUS_NO_MEMORY, "%s: tensor %s: no host memory to convert it to %s",
+                           model_file_path(s->m), name, dtype_name(wt));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        dtype_dequant_row(t->type, (const uint8_t *)t->data + (size_t)r * src_row, tmp, cols);
+        int rc = dtype_quant_row(wt, tmp, dst + (size_t)r * dst_row, cols);
+        if (rc != STATUS_OK) {
+            free(tmp);
+            free(dst);
+            return status_fail(err, errlen, rc, "%s: tensor %s: converting it to %s: %s", model_file_path(s->m),
+                               name, dtype_name(wt), status_str(rc));
+        }
+    }
+    free(tmp);
+    s->conv[s->n_conv++] = dst;
+    *out = dst;
+    return STATUS_OK;
 }
 
 /* A matrix by GGUF name, with its expected shape (rows = ne[1], cols = ne[0]). */
@@ -29,11 +62,28 @@ static int stage_load_matrix(stage *s, const char *name, int64_t rows, int64_t c
         return status_fail(err, errlen, STATUS_BAD_INPUT, "%s: tensor %s is [%lld, %lld], want [%lld, %lld]",
                            model_file_path(s->m), name, (long long)t.ne[0], (long long)t.ne[1],
                            (long long)cols, (long long)rows);
-    int rc = backend_weight_load(s->b, w, t.type, t.data, rows, cols);
+    enum dtype type = t.type;
+    const void *data = t.data;
+    size_t bytes = t.nbytes;
+    const int is_float = type == DTYPE_F32 || type == DTYPE_F16 || type == DTYPE_BF16;
+    const enum dtype wt = (enum dtype)s->cfg.weight_type;
+    if (s->cfg.weight_type >= 0 && is_float && type != wt && strcmp(name, "token_embd.weight") != 0 &&
+        cols % dtype_block_elems(wt) != 0) {
+        /* As llama.cpp's quantizer does with such rows, it stays as stored. */
+        LOG(LL_INFO, "%s: tensor %s stays %s: its %lld columns are not a multiple of %s's blocks of %lld",
+            model_file_path(s->m), name, dtype_name(type), (long long)cols, dtype_name(wt),
+            (long long)dtype_block_elems(wt));
+    } else if (s->cfg.weight_type >= 0 && is_float && type != wt && strcmp(name, "token_embd.weight") != 0) {
+        type = wt;
+        int rc = stage_convert_matrix(s, name, &t, type, rows, cols, &data, err, errlen);
+        if (rc != STATUS_OK) return rc;
+        bytes = (size_t)rows * dtype_row_bytes(type, cols);
+    }
+    int rc = backend_weight_load(s->b, w, type, data, rows, cols);
     if (rc != STATUS_OK)
         return status_fail(err, errlen, rc, "%s: tensor %s (%s): %s", model_file_path(s->m), name,
-                           dtype_name(t.type), backend_errstr(s->b));
-    s->weight_bytes += t.nbytes;
+                           dtype_name(type), backend_errstr(s->b));
+    s->weight_bytes += bytes;
     return STATUS_OK;
 }
 
@@ -290,6 +340,8 @@ void stage_free(stage *s) {
     free(s->graph_dead);
     backend_dealloc(b, s->meta);
     backend_host_free(b, s->meta_host);
+    for (int32_t i = 0; i < s->n_conv; i++) free(s->conv[i]);
+    free(s->conv);
     free(s);
 }
 

@@ -27,6 +27,12 @@ struct stage_config {
     int32_t block_size;   /* KV positions per block; default KVBLOCKS_BLOCK_SIZE_DEFAULT */
     int32_t n_blocks;     /* KV blocks in the pool; default n_seqs_max * blocks of n_ctx_max */
     int32_t kv_type;      /* DTYPE_F32, DTYPE_F16 or DTYPE_Q8_0; < 0: F32 on CPU, F16 on GPU (the default) */
+    /* < 0 (the default): every matrix as stored.  Else a dtype that
+     * dtype_quant_row makes: the layers' matrices and an untied lm_head
+     * stored as F32, F16 or BF16 are converted to it as they are loaded
+     * (the token embedding table stays as stored, as does a matrix whose
+     * columns are not a multiple of the type's block); quantized ones stay. */
+    int32_t weight_type;
 };
 
 /* All fields 0 / -1: "use the default". */

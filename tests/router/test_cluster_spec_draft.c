@@ -63,24 +63,26 @@ static const char *draft_args(void) {
 }
 
 /* The draft's guesses stopped at its first under min_prob (llm-worker
- * --draft-min-prob; 0: the default, always k). */
-static const char *draft_args_min_prob(float min_prob) {
+ * --draft-min-prob; 0: the default, always k), its matrices converted to
+ * draft_type as it loads (--draft-type; NULL: as stored). */
+static const char *draft_args_min_prob(float min_prob, const char *draft_type) {
     draft_args();
-    if (min_prob > 0) {
-        size_t n = strlen(worker_extra);
-        snprintf(worker_extra + n, sizeof worker_extra - n, " --draft-min-prob %g", min_prob);
-    }
+    size_t n = strlen(worker_extra);
+    if (min_prob > 0) snprintf(worker_extra + n, sizeof worker_extra - n, " --draft-min-prob %g", min_prob);
+    n = strlen(worker_extra);
+    if (draft_type) snprintf(worker_extra + n, sizeof worker_extra - n, " --draft-type %s", draft_type);
     return worker_extra;
 }
 
 /* Greedy with the draft model's drafts equals llm-run; seeded sampled
  * requests equal themselves with speculation off. */
-static void draft_exact(int stages, int max_tokens, float min_prob, const char *router_extra) {
+static void draft_exact_typed(int stages, int max_tokens, float min_prob, const char *router_extra,
+                              const char *draft_type) {
     static char model[512]; /* test_model_path's buffer is reused by draft_args */
     snprintf(model, sizeof model, "%s", test_model_path(PYCODE));
     char rargs[256];
     snprintf(rargs, sizeof rargs, "--spec draft --spec-tokens 4 --metrics-listen 127.0.0.1:0 %s", router_extra);
-    struct cluster *cl = h_cluster_start(model, 1, stages, rargs, draft_args_min_prob(min_prob));
+    struct cluster *cl = h_cluster_start(model, 1, stages, rargs, draft_args_min_prob(min_prob, draft_type));
     int port = h_logged_port(&cl->router);
     H_ASSERT(cl, port > 0, "the router logged no metrics port");
     /* llm status names the draft beside the last stage. */
@@ -122,9 +124,10 @@ static void draft_exact(int stages, int max_tokens, float min_prob, const char *
     sg_run_all(on, NP * NS);
     for (int i = 0; i < NP * NS; i++) sg_same(cl, &off[i], &on[i]);
     struct spec_counts c = spec_metrics(cl, port);
-    printf("  pycode 1x%d, --draft-min-prob %g%s%s, greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
-           stages, min_prob, router_extra[0] ? " " : "", router_extra, after_greedy.model_drafts, after_greedy.model_accepted, after_greedy.verifications,
-           NP * max_tokens);
+    printf("  pycode 1x%d, --draft-min-prob %g%s%s%s%s, greedy: %g model drafts, %g accepted in %g verifications (%d tokens)\n",
+           stages, min_prob, router_extra[0] ? " " : "", router_extra, draft_type ? " --draft-type " : "",
+           draft_type ? draft_type : "", after_greedy.model_drafts, after_greedy.model_accepted,
+           after_greedy.verifications, NP * max_tokens);
     printf("  pycode 1x%d sampled: %g model drafts, %g accepted\n", stages,
            c.model_drafts - before_on.model_drafts, c.model_accepted - before_on.model_accepted);
     H_ASSERT(cl, after_greedy.model_drafts > 0 && after_greedy.model_drafts == after_greedy.drafts,
@@ -140,11 +143,18 @@ static void draft_exact(int stages, int max_tokens, float min_prob, const char *
     h_cluster_stop(cl);
 }
 
+static void draft_exact(int stages, int max_tokens, float min_prob, const char *router_extra) {
+    draft_exact_typed(stages, max_tokens, min_prob, router_extra, NULL);
+}
+
 TEST(cluster_spec_draft_pycode_1x1) { draft_exact(1, 64, 0, ""); }
 TEST(cluster_spec_draft_pycode_1x2) { draft_exact(2, 48, 0, ""); }
 /* Fewer, likelier guesses, and k set by each verdict: the same outputs. */
 TEST(cluster_spec_draft_min_prob_1x1) { draft_exact(1, 48, 0.5f, ""); }
 TEST(cluster_spec_draft_adapt_1x1) { draft_exact(1, 48, 0, "--spec-adapt"); }
+/* The draft's F16 matrices made Q8_0 as it loads: other guesses, the same
+ * outputs. */
+TEST(cluster_spec_draft_q8_0_1x1) { draft_exact_typed(1, 48, 0, "", "q8_0"); }
 
 /* The last stage of pipeline 0 dies while requests speculated by the draft
  * model stream: they resume on pipeline 1 and end with the text of a run
@@ -182,5 +192,5 @@ TEST(cluster_spec_draft_vocab_refused) {
 }
 
 TEST_MAIN(cluster_spec_draft_pycode_1x1, cluster_spec_draft_pycode_1x2, cluster_spec_draft_min_prob_1x1,
-          cluster_spec_draft_adapt_1x1, cluster_spec_draft_worker_killed,
+          cluster_spec_draft_adapt_1x1, cluster_spec_draft_q8_0_1x1, cluster_spec_draft_worker_killed,
           cluster_spec_draft_vocab_refused)
