@@ -453,10 +453,13 @@ void pipe_step_observed(server *s, struct pipe *pp, const struct flight *f, int6
     int64_t from = f->sent_us > pp->last_result_us ? f->sent_us : pp->last_result_us;
     pp->last_result_us = now_us;
     /* One line a step at debug level: what the cap is judged by (which
-     * steps make the long inter-token gaps, and what the fit makes of them). */
-    LOG(LL_DEBUG, "pipeline %u step %llu: %d decode + %d prefill tokens, %.2f ms (fit: %.2f ms + %.2f us/token)",
+     * steps make the long inter-token gaps, and what the fit makes of them),
+     * and when the plan left and the result came (the monotonic clock the
+     * workers' timeline lines use: scripts/step-timeline.py). */
+    LOG(LL_DEBUG, "pipeline %u step %llu: %d decode + %d prefill tokens, %.2f ms (fit: %.2f ms + %.2f us/token); "
+        "sent %lld us, result %lld us",
         pp->p->id, (unsigned long long)f->step_id, f->n_decode, f->n_prefill, (double)(now_us - from) / 1e3,
-        pp->base_us / 1e3, pp->us_per_token);
+        pp->base_us / 1e3, pp->us_per_token, (long long)f->sent_us, (long long)now_us);
     if (s->cfg.itl_target_ms <= 0 || f->n_decode == 0 || now_us <= from) return;
     double t = (double)(now_us - from), p = (double)f->n_prefill;
     pp->fit_w = PIPE_FIT_DECAY * pp->fit_w + 1.0;

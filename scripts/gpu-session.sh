@@ -15,6 +15,10 @@
 #   c1       bench_cluster, 7B Q4_K_M, concurrency 1, 32 requests, prompt
 #            128, 128 generated: 1x1, 1x2, 1x1, 1x2 (two GPUs; the cost of
 #            a second stage to one stream)
+#   timeline 1x1 and 1x2 at concurrency 1 with the router and workers at
+#            debug level: scripts/step-timeline.py's segments of a decode
+#            step (plan to each stage, each stage's phases, result back) in
+#            timeline.txt (two GPUs)
 #   prefix   bench_cluster, 7B Q4_K_M, 1x1: 1,024-token shared prefix + 64
 #            distinct 32-token questions, 64 generated, concurrency 16, the
 #            router's prefix cache on and off
@@ -194,6 +198,22 @@ for what in $steps; do
         [ "$gpus" -ge 2 ] || { note "SKIP c1: one GPU"; continue; }
         cluster c1_bench 240 1x1,1x2,1x1,1x2 --concurrency 1 --requests 32 --prompt-tokens 128 --max-tokens 128
         ;;
+    timeline)
+        # The same at debug level, its run dirs kept: where a step's time
+        # goes between the router and each stage (scripts/step-timeline.py).
+        [ -n "$b90" ] && cluster_model || continue
+        [ "$gpus" -ge 2 ] || { note "SKIP timeline: one GPU"; continue; }
+        mkdir -p "$out/timeline-runs"
+        step timeline_bench 150 "$b90/bench/bench_cluster" --model "$model" --device auto --layouts 1x1,1x2 \
+            --concurrency 1 --requests 16 --prompt-tokens 128 --max-tokens 128 --log-level debug --up-timeout-s 120 \
+            --up-tries 1 --tmpdir "$tmp" --run-root "$out/timeline-runs"
+        for d in "$out/timeline-runs"/*/; do
+            [ -d "$d" ] && "$b90/router/llm-cluster" down --run-dir "$d" >/dev/null 2>&1
+        done
+        env -u LD_LIBRARY_PATH python3 scripts/step-timeline.py --tokens 1 "$out/timeline-runs"/1x1 \
+            "$out/timeline-runs"/1x2 >"$out/timeline.txt" 2>&1
+        tar -czf "$out/timeline-runs.tar.gz" -C "$out" timeline-runs 2>/dev/null && rm -rf "${out:?}/timeline-runs"
+        ;;
     prefix)
         [ -n "$b90" ] && cluster_model || continue
         cluster prefix_bench 110 1x1 --shared-prefix "${LLM_SESSION_PREFIX:-1024}" --question-tokens 32 --requests 64 --concurrency 16 \
@@ -223,7 +243,7 @@ for what in $steps; do
         OUT="$out/gateway" LLM_BENCH_BUILD="$b90" LLM_GW_BENCH_MODEL="$model" TMPDIR="$tmp" \
             step gateway_bench 300 ./scripts/gateway-bench.sh
         ;;
-    *) note "gpu-session: unknown step '$what' (tests, t4, link, kv, cluster, c1, prefix, wait, itl, gateway)"; status=2 ;;
+    *) note "gpu-session: unknown step '$what' (tests, t4, link, kv, cluster, c1, timeline, prefix, wait, itl, gateway)"; status=2 ;;
     esac
 done
 [ -n "$model" ] && [ -z "${LLM_SESSION_KEEP_MODEL:-}" ] && rm -f "$model"
@@ -240,6 +260,10 @@ for f in kv_bench cluster_bench c1_bench prefix_bench wait_prefix_bench wait_c1_
         grep -E "^\||^##" "$out/$f.log"
     fi
 done
+if [ -f "$out/timeline.txt" ]; then
+    echo "=== timeline"
+    cat "$out/timeline.txt"
+fi
 if [ -f "$out/gateway/summary.txt" ]; then
     echo "=== gateway_bench"
     cat "$out/gateway/summary.txt"

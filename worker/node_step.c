@@ -641,6 +641,8 @@ static void node_step(node *n, const Llm__StepPlan *p) {
         rc = node_input_recv(n, p->step_id, T, &batch, err, sizeof err);
         if (rc == LINK_SKIPPED) upstream_failed = 1;
     }
+    const int64_t t_input = node_now_us();
+    int64_t t_queued = t_input;
     if (rc == STATUS_OK) {
         batch.seqs = n->fseqs;
         batch.n_seqs = (int32_t)p->n_seqs;
@@ -651,6 +653,7 @@ static void node_step(node *n, const Llm__StepPlan *p) {
         forward_set_before_sample(n->s, last && n->n_masks > 0 ? node_masks_compute : NULL, &ma);
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
         forward_set_before_sample(n->s, NULL, NULL);
+        t_queued = node_now_us();
         if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
         else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
     } else if (!last) {
@@ -687,7 +690,17 @@ static void node_step(node *n, const Llm__StepPlan *p) {
     /* The last stage's step ends with its result sent: after the draft
      * model's passes, which the next plan waits for as it waits for the
      * sampled tokens. */
-    node_metrics_step(n->metrics, n->stage_index, (double)(node_now_us() - t0) / 1e6);
+    const int64_t t_done = node_now_us();
+    node_metrics_step(n->metrics, n->stage_index, (double)(t_done - t0) / 1e6);
+    /* One line a step at debug level, in the monotonic clock that every
+     * process of a host shares and the router's step line uses too, so
+     * that scripts/step-timeline.py can lay the stages' steps beside the
+     * router's: the plan taken, the previous stage's input asked for (its
+     * receive queued on a GPU link), the forward pass queued, and the
+     * output sent on or the result sent back. */
+    LOG(LL_DEBUG, "step %llu timeline: stage %d, %d tokens, start %lld us, input +%lld, queued +%lld, done +%lld",
+        (unsigned long long)p->step_id, n->stage_index, (int)T, (long long)t0, (long long)(t_input - t0),
+        (long long)(t_queued - t0), (long long)(t_done - t0));
 }
 
 /* ---- the compute thread ---------------------------------------------------- */

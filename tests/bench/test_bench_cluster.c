@@ -7,7 +7,8 @@
  * With --rate, the arrivals: a level lasts at least until its last
  * request's scheduled time (a bound the schedule sets, not a speed).  With
  * --json-schema --schema-baseline, each level unconstrained and constrained
- * on one cluster, compared.  No
+ * on one cluster, compared.  At debug level, scripts/step-timeline.py over
+ * a 1x2 cluster's logs.  No
  * speed is asserted: that is the benchmark's business, never a test's. */
 #include "tests/bench/bench_child.h"
 
@@ -143,6 +144,45 @@ TEST(sweep_prints_the_table_and_json) {
     ASSERT_EQ(2, (int)num(r1, "stages"));
     cJSON_Delete(j);
     unlink(json_path);
+    unlink(out_path);
+    unlink(err_path);
+}
+
+/* At debug level the router and every stage log a line a step in the
+ * host's monotonic clock, and scripts/step-timeline.py joins them by step
+ * id: a 1x2 cluster's decode steps, each stage's phases and the trip each
+ * way (the tool behind the two-GPU second-stage cost, docs/cluster-bench.md). */
+TEST(timeline_joins_the_router_and_the_stages) {
+    need_programs();
+    if (system("python3 -c 'import statistics' >/dev/null 2>&1") != 0) TEST_SKIP("no python3");
+    char root[256], cmd[1024];
+    snprintf(root, sizeof root, "%s/test_bench_cluster.%d.runs", "/tmp", (int)getpid());
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x2", "--concurrency", "1",
+                          "--requests", "3", "--prompt-tokens", "16", "--max-tokens", "12", "--up-tries", "2",
+                          "--log-level", "debug", "--run-root", root, NULL};
+    int rc = run_bench(args, 60);
+    if (rc != 0) show_err();
+    ASSERT_EQ(0, rc);
+    snprintf(cmd, sizeof cmd, "python3 '%s/scripts/step-timeline.py' --tokens 1 '%s/1x2' 2>&1", LLM_SOURCE_DIR, root);
+    FILE *f = popen(cmd, "r");
+    ASSERT_TRUE(f != NULL);
+    static char out[8192];
+    size_t len = fread(out, 1, sizeof out - 1, f);
+    out[len] = '\0';
+    int st = pclose(f);
+    printf("%s", out);
+    ASSERT_EQ(0, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    int joined = 0;
+    const char *p = strstr(out, "2 stage(s), ");
+    ASSERT_TRUE(p != NULL && sscanf(p, "2 stage(s), %d steps", &joined) == 1);
+    /* 3 requests of 12 tokens: 11 one-token decode steps each. */
+    ASSERT_TRUE(joined >= 3 * 11);
+    const char *rows[] = {"plan->s0", "s0 done", "plan->s1", "s1 input", "s1 queued", "s1 done", "result->router",
+                          "round trip"};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        if (!strstr(out, rows[i])) TEST_FAIL("step-timeline.py printed no \"%s\" row", rows[i]);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    ASSERT_EQ(0, system(cmd));
     unlink(out_path);
     unlink(err_path);
 }
@@ -338,4 +378,4 @@ TEST(bad_command_lines_are_refused) {
 
 TEST_MAIN(sweep_prints_the_table_and_json, shared_prefix_runs_with_the_cache_on_and_off,
           rate_sends_requests_at_their_poisson_arrivals, json_schema_runs_constrained_against_unconstrained,
-          bad_command_lines_are_refused)
+          timeline_joins_the_router_and_the_stages, bad_command_lines_are_refused)
