@@ -5,11 +5,13 @@ Reads the run dirs of clusters whose router and workers logged at debug
 level (llm-cluster up --log-level debug; bench_cluster --run-root DIR
 --log-level debug keeps one dir a layout) and joins, by step id, the
 router's line for the step ("pipeline P step S: ... sent A us, result B us")
-with each stage's ("step S timeline: stage K, N tokens, start T us, input
-+a, queued +b, done +c").  Every process of a host reads the same monotonic
+with each stage's ("step S timeline: stage K, N tokens, received R us,
+start T us, input +a, queued +b, done +c").  Every process of a host reads the same monotonic
 clock, so the differences are real intervals:
 
-  plan->s<K>       the plan's trip to stage K: router send to the stage's start
+  plan->s<K>       the plan's trip to stage K: the router's send to the
+                   worker's io thread taking it (R)
+  s<K> handoff     ... to the compute thread taking it (T)
   s<K> input       the stage's start to its input asked for (a GPU link's
                    receive queued; a ZeroMQ link's received)
   s<K> queued      ... to its forward pass queued (on a GPU: launched)
@@ -31,7 +33,7 @@ import statistics
 import sys
 
 ROUTER = re.compile(r"pipeline (\d+) step (\d+): .* sent (-?\d+) us, result (-?\d+) us")
-STAGE = re.compile(r"step (\d+) timeline: stage (\d+), (\d+) tokens, start (-?\d+) us, "
+STAGE = re.compile(r"step (\d+) timeline: stage (\d+), (\d+) tokens, received (-?\d+) us, start (-?\d+) us, "
                    r"input \+(-?\d+), queued \+(-?\d+), done \+(-?\d+)")
 
 
@@ -60,10 +62,10 @@ def summarize(run_dir, tokens):
     for path in routers:
         for _pipe, step, s, r in read(path, ROUTER):
             sent[step] = (s, r)
-    stages = {}  # step -> {stage: (tokens, start, input, queued, done)}
+    stages = {}  # step -> {stage: (tokens, received, start, input, queued, done)}
     for path in workers:
-        for step, k, n, t0, a, b, c in read(path, STAGE):
-            stages.setdefault(step, {})[k] = (n, t0, a, b, c)
+        for step, k, n, rcv, t0, a, b, c in read(path, STAGE):
+            stages.setdefault(step, {})[k] = (n, rcv, t0, a, b, c)
     n_stages = max((max(v) for v in stages.values()), default=-1) + 1
     rows = {}
     joined = 0
@@ -75,12 +77,13 @@ def summarize(run_dir, tokens):
         s, r = sent[step]
         joined += 1
         for k in range(n_stages):
-            _n, t0, a, b, c = by_stage[k]
-            rows.setdefault(f"plan->s{k}", []).append(t0 - s)
+            _n, rcv, t0, a, b, c = by_stage[k]
+            rows.setdefault(f"plan->s{k}", []).append(rcv - s)
+            rows.setdefault(f"s{k} handoff", []).append(t0 - rcv)
             rows.setdefault(f"s{k} input", []).append(a)
             rows.setdefault(f"s{k} queued", []).append(b)
             rows.setdefault(f"s{k} done", []).append(c)
-        _n, t0, _a, _b, c = by_stage[n_stages - 1]
+        _n, _rcv, t0, _a, _b, c = by_stage[n_stages - 1]
         rows.setdefault("result->router", []).append(r - (t0 + c))
         rows.setdefault("round trip", []).append(r - s)
     what = f"steps of {tokens} tokens" if tokens is not None else "steps"

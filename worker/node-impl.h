@@ -26,8 +26,9 @@
 #include <sys/time.h>
 #include <time.h>
 
-/* Messages on the inproc pipe: one type byte, then the payload frame. */
-#define NODE_MSG_PLAN 'P'      /* io -> compute: a packed WorkerEnvelope with a plan */
+/* Messages on the inproc pipe: one type byte, then the payload frame (a
+ * plan and a placement carry a third: NODE_MSG_PLAN, node_pipe_forward_placement). */
+#define NODE_MSG_PLAN 'P'      /* io -> compute: a packed WorkerEnvelope with a plan, the time it came */
 #define NODE_MSG_PLACEMENT 'R' /* io -> compute: a packed WorkerEnvelope with a RegisterReply */
 #define NODE_MSG_DRAIN 'D'     /* io -> compute: finish what came before, then stop */
 #define NODE_MSG_RESULT 'S'    /* compute -> io: a packed WorkerEnvelope with a StepResult */

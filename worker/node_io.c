@@ -301,9 +301,13 @@ static void node_reply_error(node *n, Llm__Error__Code code, const char *msg) {
         node_router_send(n, buf, len, "Error reply");
 }
 
-static void node_pipe_forward(node *n, char type, const void *data, size_t len) {
-    struct zio_frame f[2] = {{&type, 1, NULL, NULL}, {data, len, NULL, NULL}};
-    if (zio_send(n->pipe_io, f, 2, 0) < 0)
+/* A plan, with the time this thread took it from the router (a third
+ * frame, the monotonic clock in us) for the compute thread's timeline line. */
+static void node_pipe_forward_plan(node *n, const void *data, size_t len, int64_t received_us) {
+    const char type = NODE_MSG_PLAN;
+    struct zio_frame f[3] = {{&type, 1, NULL, NULL}, {data, len, NULL, NULL},
+                             {&received_us, sizeof received_us, NULL, NULL}};
+    if (zio_send(n->pipe_io, f, 3, 0) < 0)
         LOG(LL_ERROR, "handing a message to the compute thread: %s", zio_errstr(n->pipe_io));
 }
 
@@ -324,6 +328,7 @@ static void node_pipe_forward_placement(node *n, const void *data, size_t len) {
  * from a RegisterReply. */
 int node_router_message(node *n, const struct zio_parts *in, int running, int draining,
                                uint32_t *hb_ms, int *retry_ms, char *err, size_t errlen) {
+    const int64_t received_us = node_now_us();
     if (in->n != 1) {
         char msg[128];
         snprintf(msg, sizeof msg, "a message to a worker is one frame, this one has %zu", in->n);
@@ -353,7 +358,7 @@ int node_router_message(node *n, const struct zio_parts *in, int running, int dr
             LOG(LL_INFO, "step %llu arrived while draining: dropped",
                 (unsigned long long)env->plan->step_id);
         else {
-            node_pipe_forward(n, NODE_MSG_PLAN, data, len);
+            node_pipe_forward_plan(n, data, len, received_us);
             ev = NODE_EV_PLAN;
         }
         break;

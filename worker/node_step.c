@@ -577,7 +577,8 @@ static void node_step_sample(node *n, const Llm__StepPlan *p, int64_t t0) {
 }
 
 /* Executes one plan: frees, copies, input, forward, output. */
-static void node_step(node *n, const Llm__StepPlan *p) {
+/* received_us: when the io thread took the plan from the router. */
+static void node_step(node *n, const Llm__StepPlan *p, int64_t received_us) {
     int64_t t0 = node_now_us();
     char err[640] = "";
     if (p->epoch < n->epoch) {
@@ -695,12 +696,13 @@ static void node_step(node *n, const Llm__StepPlan *p) {
     /* One line a step at debug level, in the monotonic clock that every
      * process of a host shares and the router's step line uses too, so
      * that scripts/step-timeline.py can lay the stages' steps beside the
-     * router's: the plan taken, the previous stage's input asked for (its
+     * router's: the plan taken from the router (io thread), then by this
+     * thread, the previous stage's input asked for (its
      * receive queued on a GPU link), the forward pass queued, and the
      * output sent on or the result sent back. */
-    LOG(LL_DEBUG, "step %llu timeline: stage %d, %d tokens, start %lld us, input +%lld, queued +%lld, done +%lld",
-        (unsigned long long)p->step_id, n->stage_index, (int)T, (long long)t0, (long long)(t_input - t0),
-        (long long)(t_queued - t0), (long long)(t_done - t0));
+    LOG(LL_DEBUG, "step %llu timeline: stage %d, %d tokens, received %lld us, start %lld us, input +%lld, "
+        "queued +%lld, done +%lld", (unsigned long long)p->step_id, n->stage_index, (int)T, (long long)received_us,
+        (long long)t0, (long long)(t_input - t0), (long long)(t_queued - t0), (long long)(t_done - t0));
 }
 
 /* ---- the compute thread ---------------------------------------------------- */
@@ -728,9 +730,11 @@ void *node_compute_main(void *arg) {
         if (in.n < 1 || zio_parts_size(&in, 0) != 1) continue;
         char type = *(const char *)zio_parts_data(&in, 0);
         if (type == NODE_MSG_DRAIN) break;
-        /* A placement carries its router session as a third frame. */
-        const size_t frames = type == NODE_MSG_PLACEMENT ? 3 : 2;
-        if (in.n != frames || (frames == 3 && zio_parts_size(&in, 2) != sizeof(uint32_t))) continue;
+        /* A placement carries its router session as a third frame, a plan
+         * the time the io thread took it. */
+        const size_t third =
+            type == NODE_MSG_PLACEMENT ? sizeof(uint32_t) : type == NODE_MSG_PLAN ? sizeof(int64_t) : 0;
+        if (in.n != (third ? 3u : 2u) || (third && zio_parts_size(&in, 2) != third)) continue;
         Llm__WorkerEnvelope *env = NULL;
         char err[256];
         /* The io thread checked the frame already; this cannot fail unless memory runs out. */
@@ -739,8 +743,11 @@ void *node_compute_main(void *arg) {
             LOG(LL_ERROR, "compute: %s", err);
             continue;
         }
-        if (type == NODE_MSG_PLAN && env->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN)
-            node_step(n, env->plan);
+        if (type == NODE_MSG_PLAN && env->body_case == LLM__WORKER_ENVELOPE__BODY_PLAN) {
+            int64_t received_us;
+            memcpy(&received_us, zio_parts_data(&in, 2), sizeof received_us);
+            node_step(n, env->plan, received_us);
+        }
         else if (type == NODE_MSG_PLACEMENT && env->body_case == LLM__WORKER_ENVELOPE__BODY_REGISTER_REPLY) {
             uint32_t session;
             memcpy(&session, zio_parts_data(&in, 2), sizeof session);

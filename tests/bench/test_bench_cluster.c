@@ -177,8 +177,8 @@ TEST(timeline_joins_the_router_and_the_stages) {
     ASSERT_TRUE(p != NULL && sscanf(p, "2 stage(s), %d steps", &joined) == 1);
     /* 3 requests of 12 tokens: 11 one-token decode steps each. */
     ASSERT_TRUE(joined >= 3 * 11);
-    const char *rows[] = {"plan->s0", "s0 done", "plan->s1", "s1 input", "s1 queued", "s1 done", "result->router",
-                          "round trip"};
+    const char *rows[] = {"plan->s0", "s0 handoff", "s0 done", "plan->s1", "s1 input", "s1 queued", "s1 done",
+                          "result->router", "round trip"};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         if (!strstr(out, rows[i])) TEST_FAIL("step-timeline.py printed no \"%s\" row", rows[i]);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
