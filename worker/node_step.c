@@ -693,13 +693,12 @@ static void node_step(node *n, const Llm__StepPlan *p, int64_t received_us) {
      * sampled tokens. */
     const int64_t t_done = node_now_us();
     node_metrics_step(n->metrics, n->stage_index, (double)(t_done - t0) / 1e6);
-    /* One line a step at debug level, in the monotonic clock that every
-     * process of a host shares and the router's step line uses too, so
-     * that scripts/step-timeline.py can lay the stages' steps beside the
-     * router's: the plan taken from the router (io thread), then by this
-     * thread, the previous stage's input asked for (its
-     * receive queued on a GPU link), the forward pass queued, and the
-     * output sent on or the result sent back. */
+    /* One line a step at debug level, in the host's monotonic clock (the
+     * router's step line uses it too; scripts/step-timeline.py joins them):
+     * when the io thread and this thread took the plan, and, from this
+     * thread's start, when the input was asked for (on a GPU link, the
+     * receive launched), the forward pass launched and the output or
+     * result sent. */
     LOG(LL_DEBUG, "step %llu timeline: stage %d, %d tokens, received %lld us, start %lld us, input +%lld, "
         "queued +%lld, done +%lld", (unsigned long long)p->step_id, n->stage_index, (int)T, (long long)received_us,
         (long long)t0, (long long)(t_input - t0), (long long)(t_queued - t0), (long long)(t_done - t0));

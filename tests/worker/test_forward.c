@@ -78,6 +78,14 @@ static void fx_run(struct fx *f, struct kvblocks_table *t, const int32_t *ids, i
     if (rc != 0) TEST_FAIL("forward_step: %s", err);
 }
 
+/* ids[0..n) as a new sequence's first chunk, its blocks freed after. */
+static void fx_run_alone(struct fx *f, const int32_t *ids, int32_t n, enum forward_logits mode, float *logits) {
+    struct kvblocks_table t;
+    kvblocks_table_init(&t);
+    fx_run(f, &t, ids, n, mode, logits);
+    kvblocks_table_free(f->kb, &t);
+}
+
 static int32_t argmax(const float *x, int32_t n) {
     int32_t best = 0;
     for (int32_t i = 1; i < n; i++)
@@ -614,16 +622,11 @@ TEST(forward_f16_kv_cache_close_to_f32) {
     int32_t ids[LEN];
     make_ids(ids, LEN, 21, f.n_vocab);
     float *ref = malloc(sizeof(float) * V * LEN), *got = malloc(sizeof(float) * V * LEN);
-    struct kvblocks_table t;
-    kvblocks_table_init(&t);
-    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, ref);
-    kvblocks_table_free(f.kb, &t);
+    fx_run_alone(&f, ids, LEN, FORWARD_LOGITS_ALL, ref);
     fx_close(&f);
     fx_open(&f, "stories260K-f32.gguf", &c);
     ASSERT_EQ((int)DTYPE_F16, (int)kvcache_type(stage_kvcache(f.s)));
-    kvblocks_table_init(&t);
-    fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, got);
-    kvblocks_table_free(f.kb, &t);
+    fx_run_alone(&f, ids, LEN, FORWARD_LOGITS_ALL, got);
     double d = max_abs_diff(ref, got, V * LEN);
     printf("  F16 KV vs F32 KV: max abs diff %.3g\n", d);
     ASSERT_TRUE(d > 0 && d < 0.05);
@@ -634,11 +637,10 @@ TEST(forward_f16_kv_cache_close_to_f32) {
 
 /* stage_config.weight_type: the F32 model's matrices converted to Q8_0 as
  * they load move its logits about as far as the Q8_0 file llama.cpp made
- * from the same weights does (0.293 against 0.304 on the CPU; the
- * 172-column ffn_down, which Q8_0's blocks of 32 do not divide, stays
- * F32), in under half the bytes; with
- * Q4_K, whose blocks of 256 divide none of this 64-wide model's matrices,
- * every one stays as stored and the logits are the F32 model's. */
+ * from the same weights does (the 172-column ffn_down, which Q8_0's blocks
+ * of 32 do not divide, stays F32), in under half the bytes; with Q4_K,
+ * whose blocks of 256 divide none of this 64-wide model's matrices, every
+ * one stays as stored and the logits are the F32 model's. */
 TEST(forward_weights_converted_at_load) {
     enum { LEN = 24 };
     struct stage_config c;
@@ -646,7 +648,6 @@ TEST(forward_weights_converted_at_load) {
     c.kv_type = DTYPE_F32;
     struct fx f;
     int32_t ids[LEN];
-    struct kvblocks_table t;
     size_t bytes[4], V = 0;
     float *logits[4];
     static const char *const files[4] = {"stories260K-q8_0.gguf", "stories260K-f32.gguf", "stories260K-f32.gguf",
@@ -661,9 +662,7 @@ TEST(forward_weights_converted_at_load) {
         }
         bytes[i] = stage_weight_bytes(f.s);
         logits[i] = malloc(sizeof(float) * (size_t)f.n_vocab * LEN);
-        kvblocks_table_init(&t);
-        fx_run(&f, &t, ids, LEN, FORWARD_LOGITS_ALL, logits[i]);
-        kvblocks_table_free(f.kb, &t);
+        fx_run_alone(&f, ids, LEN, FORWARD_LOGITS_ALL, logits[i]);
         fx_close(&f);
     }
     const double d_file = max_abs_diff(logits[1], logits[0], V), d_q8 = max_abs_diff(logits[1], logits[2], V);
