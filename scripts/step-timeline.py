@@ -19,6 +19,10 @@ clock, so the differences are real intervals:
                    (after its GPU finished: sampling waits for it)
   result->router   the last stage's result sent to the router's receipt
   round trip       the router's send to its receipt
+  router turn      a result's receipt to the router's next send on the same
+                   pipeline, where that send came after it (at concurrency 1:
+                   what the router does between two tokens of a stream)
+  step interval    one send to the next on the same pipeline
 
 Prints the median and the 90th percentile of each over the steps of a run
 dir that carry exactly TOKENS tokens (default: all) and that every stage
@@ -59,9 +63,11 @@ def summarize(run_dir, tokens):
         print(f"{run_dir}: no router*.log or worker-*.log")
         return 1
     sent = {}
+    by_pipe = {}
     for path in routers:
-        for _pipe, step, s, r in read(path, ROUTER):
+        for pipe, step, s, r in read(path, ROUTER):
             sent[step] = (s, r)
+            by_pipe.setdefault((path, pipe), []).append((s, r, step))
     stages = {}  # step -> {stage: (tokens, received, start, input, queued, done)}
     for path in workers:
         for step, k, n, rcv, t0, a, b, c in read(path, STAGE):
@@ -86,6 +92,16 @@ def summarize(run_dir, tokens):
         _n, _rcv, t0, _a, _b, c = by_stage[n_stages - 1]
         rows.setdefault("result->router", []).append(r - (t0 + c))
         rows.setdefault("round trip", []).append(r - s)
+    joined_steps = {step for step, v in stages.items() if step in sent and len(v) == n_stages and
+                    (tokens is None or all(x[0] == tokens for x in v.values()))}
+    for sends in by_pipe.values():
+        sends.sort()
+        for (s0, r0, st0), (s1, _r1, st1) in zip(sends, sends[1:]):
+            if st0 not in joined_steps or st1 not in joined_steps:
+                continue
+            if s1 >= r0:
+                rows.setdefault("router turn", []).append(s1 - r0)
+            rows.setdefault("step interval", []).append(s1 - s0)
     what = f"steps of {tokens} tokens" if tokens is not None else "steps"
     print(f"{run_dir}: {n_stages} stage(s), {joined} {what} joined (router {len(sent)}, "
           f"stage 0 {sum(1 for v in stages.values() if 0 in v)})")
