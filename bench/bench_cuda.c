@@ -433,15 +433,17 @@ static void prefill_bench(double gemm_rate) {
 }
 
 /* ---- Decode attention, F16 against the 8-bit (Q8_0) cache ----
- * Batch 64 at context 2048 on 7B heads (32 of 128 over 32 or 8 KV heads),
+ * Batch 64 at context 512 and 2048 on 7B heads (32 of 128 over 32 or 8 KV heads),
  * blocks of 16 in order: the same step on an F16 cache (the decode kernel,
- * or the tensor-core one where LLM_CUDA_DECODE_TC_G sends the group there)
- * and on a Q8_0 cache (attention_q8.cu).  One cache is 1.1-2.1 GB for 32
- * KV heads, far past L2, so no rotation is needed.  Bytes = the K and V
+ * or the tensor-core one where LLM_CUDA_DECODE_TC_G sends the group there;
+ * attention_gqa.cu for the groups) and on a Q8_0 cache (attention_gqa.cu for
+ * the groups, attention_q8.cu without).  K and V together are 69 MB (Q8_0,
+ * 8 KV heads, context 512) to 2.1 GB, past an H200's 60 MB of L2 (the
+ * smallest barely), so no rotation is needed.  Bytes = the K and V
  * rows read (256 a position and KV head in F16, 132 in Q8_0); the rest
  * (q, out, tables) is 1 MB. */
-static void attn_kv_compare(double bw) {
-    const int32_t B = 64, ctx = 2048, n_heads = 32, hd = 128, bs = 16, per_seq = ctx / bs;
+static void attn_kv_compare(double bw, int32_t ctx) {
+    const int32_t B = 64, n_heads = 32, hd = 128, bs = 16, per_seq = ctx / bs;
     const int32_t n_blocks = B * per_seq;
     static const int32_t kv_heads[2] = {32, 8};
     static const enum dtype kv_types[2] = {DTYPE_F16, DTYPE_Q8_0};
@@ -651,7 +653,8 @@ int main(int argc, char **argv) {
         backend_dealloc(be, dtab);
         backend_kv_free(be, &kv);
     }
-    attn_kv_compare(bw);
+    attn_kv_compare(bw, 512);
+    attn_kv_compare(bw, 2048);
     if (!attn_only) crossover(device, bw);
     backend_free(be);
     return 0;

@@ -18,7 +18,20 @@
  * permutation of the dims (the same for Q's A fragments), and P.V's B
  * fragments are the V words transposed in registers (movmatrix), whose
  * output columns then land on dims 32 c + 8 t + 2 u .. of lane t's
- * accumulators: 8 contiguous dims a group. */
+ * accumulators: 8 contiguous dims a group.
+ *
+ * An 8-bit (Q8_0) cache takes the same path.  Its rows (backend_kv_q8_group:
+ * two groups of an F16 scale and 64 or 32 int8 values, 132 or 68 bytes)
+ * sit at 2-byte offsets that no 16-byte load can follow, but a step's 16
+ * positions (blocks of a multiple of 16 positions) are 16 consecutive
+ * rows: each warp copies them into a shared buffer of its own with 16-byte
+ * loads a step ahead, and its lanes read their 8 values a group from there
+ * as int8, which become F16 exactly (a byte permute into 1024 + 128 + q
+ * and one subtraction).  The scales stay out of the products: S is summed
+ * per group and each group's sum scaled by its K row's scale in F32, and
+ * each V group's P.V takes P times the V row's scale, so that the int8
+ * values need no rounding and the output carries the F16 rounding of P
+ * and Q alone, as with an F16 cache. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -115,8 +128,89 @@ __device__ __forceinline__ void agq_prefetch(const struct cuda_attn_args &a, con
     }
 }
 
-/* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8). */
-template <int HD, bool G2>
+/* The Q8_0 rows of a step: QG values a scale, RB bytes a row, 16 rows
+ * (RB 16-byte pieces) from a position that is a multiple of 16 in a block
+ * of a multiple of 16, so contiguous and 16-byte aligned; PPL pieces a
+ * lane. */
+template <int HD> struct agq_q8 {
+    static constexpr int QG = backend_kv_q8_group(HD), RB = HD / QG * (QG + 2), PPL = (RB + 31) / 32;
+    static_assert(HD / QG == 2 && RB % 4 == 0, "two groups a row, rows 4-byte aligned");
+};
+
+/* Lane's pieces of the step at j0 (j0 < j_end): K into kr, V into vr; all
+ * ones (an F16 scale of NaN) for a block id outside the cache.  Rows past
+ * the slice are loaded (their block is the slice's) and masked later. */
+template <int HD>
+__device__ __forceinline__ void agq_q8_fetch(const struct cuda_attn_args &a, const int32_t *btab, const uint8_t *kc,
+                                             const uint8_t *vc, int32_t kvh, int32_t j0, int lane,
+                                             uint4 (&kr)[agq_q8<HD>::PPL], uint4 (&vr)[agq_q8<HD>::PPL]) {
+    using Q = agq_q8<HD>;
+    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    const bool bad = blk < 0 || blk >= a.n_blocks;
+    const size_t at = (((size_t)(bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+#pragma unroll
+    for (int k = 0; k < Q::PPL; k++) {
+        const int i = lane + 32 * k;
+        if (Q::RB % 32 != 0 && i >= Q::RB) break;
+        if (bad) {
+            kr[k] = vr[k] = make_uint4(~0u, ~0u, ~0u, ~0u);
+        } else {
+            kr[k] = __ldg((const uint4 *)(kc + at) + i);
+            vr[k] = __ldg((const uint4 *)(vc + at) + i);
+        }
+    }
+}
+
+/* Asks L2 for the Q8_0 rows of the step at j0: a 128-byte line each lane. */
+template <int HD>
+__device__ __forceinline__ void agq_q8_prefetch(const struct cuda_attn_args &a, const int32_t *btab,
+                                                const uint8_t *kc, const uint8_t *vc, int32_t kvh, int32_t j0,
+                                                int32_t j_end, int lane) {
+    using Q = agq_q8<HD>;
+    constexpr int LINES = (16 * Q::RB + 127) / 128;
+    if (j0 >= j_end || lane >= 2 * LINES) return;
+    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    if (blk < 0 || blk >= a.n_blocks) return;
+    const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+    l2_prefetch((lane < LINES ? kc : vc) + at + 128 * (lane % LINES));
+}
+
+/* Two int8 of x (biased by 128: bytes b0 and b1 of x ^ 0x80808080) as a
+ * half2 of the values, exactly. */
+__device__ __forceinline__ uint32_t agq_i8x2(uint32_t x, uint32_t sel) {
+    const uint32_t b = __byte_perm(x, 0x64646464u, sel);
+    const __half2 h = __hsub2(*(const __half2 *)&b, __float2half2_rn(1152.0f));
+    return *(const uint32_t *)&h;
+}
+
+/* The 8 values of 32-dim group c of the row at r (a warp buffer), lane t's
+ * dims 32 c + 8 t .., as 4 words of F16 pairs (the F16 cache's uint4). */
+template <int HD> __device__ __forceinline__ uint4 agq_q8_vals(const uint8_t *r, int c, int t) {
+    using Q = agq_q8<HD>;
+    const int gi = 32 * c / Q::QG, vo = (Q::QG + 2) * gi + 2 + (32 * c) % Q::QG + 8 * t;
+    const uint32_t *w = (const uint32_t *)(r + (vo & ~3));
+    uint32_t lo, hi;
+    if (gi % 2 == 0) { /* 2 bytes into a word (QG + 2 is 2 mod 4, rows 4-byte aligned) */
+        const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+        lo = __funnelshift_r(w0, w1, 16);
+        hi = __funnelshift_r(w1, w2, 16);
+    } else {
+        lo = w[0];
+        hi = w[1];
+    }
+    lo ^= 0x80808080u;
+    hi ^= 0x80808080u;
+    return make_uint4(agq_i8x2(lo, 0x4140u), agq_i8x2(lo, 0x4342u), agq_i8x2(hi, 0x4140u), agq_i8x2(hi, 0x4342u));
+}
+
+/* The scale of group gi of the row at r. */
+template <int HD> __device__ __forceinline__ float agq_q8_scale(const uint8_t *r, int gi) {
+    return h2f(*(const fp16_t *)(r + (agq_q8<HD>::QG + 2) * gi));
+}
+
+/* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8), Q8: a Q8_0
+ * cache (else F16). */
+template <int HD, bool G2, bool Q8>
 __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const struct agq_params p) {
     pdl_begin();
     constexpr int NC = HD / 32; /* 32-dim groups */
@@ -134,7 +228,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
     const int32_t width = a.n_heads * HD;
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
-    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+    extern __shared__ __align__(16) uint8_t agq_smem[];
 
     /* Q as A fragments, scaled: k-step (c, h) takes dims 32c + 8t + 4h +
      * {0, 1} (slots 2t, 2t + 1) and + {2, 3} (slots 2t + 8, 2t + 9). */
@@ -170,37 +264,83 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     /* Each step's K and V rows are loaded a step ahead, so that their
      * latency hides behind the present step's products, and the steps
      * p.ahead past that are asked of L2 (registers hold one step: the
-     * load then waits for L2, not DRAM). */
+     * load then waits for L2, not DRAM).  An F16 cache's go to registers
+     * as the products' operands; a Q8_0 cache's to the warp's buffer
+     * (kb, vb: the step's 16 rows each) before the step. */
     constexpr int32_t WS = AGQ_WARPS * AGQ_STEP;
-    uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC];
+    constexpr int PPL = Q8 ? agq_q8<HD>::PPL : 1, RB = Q8 ? agq_q8<HD>::RB : 0;
+    const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
+    const uint8_t *kq = (const uint8_t *)a.k, *vq = (const uint8_t *)a.v;
+    uint8_t *kb = agq_smem + (size_t)warp * 2 * 16 * RB, *vb = kb + 16 * RB;
+    uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC], kp[PPL], vp[PPL];
     int32_t j0 = j_begin + warp * AGQ_STEP;
-    agq_load<HD>(a, btab, kc, vc, kvh, j0, j_end, g, t, kr, vr);
-    for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, j_end, g, t);
+    if constexpr (Q8) {
+        if (j0 < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, j0, lane, kp, vp);
+        for (int k = 2; k <= p.ahead; k++) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, j0 + k * WS, j_end, lane);
+    } else {
+        agq_load<HD>(a, btab, kc, vc, kvh, j0, j_end, g, t, kr, vr);
+        for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, j_end, g, t);
+    }
     for (; j0 < j_end; j0 += WS) {
         const int32_t jn = j0 + WS;
-        if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, j_end, g, t, kn, vn);
-        if (p.ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jn + p.ahead * WS, j_end, g, t);
-        /* S = Q.K^T for the two n-tiles of 8 positions. */
+        if constexpr (Q8) {
+            __syncwarp(); /* every lane is done with the last step's rows */
+#pragma unroll
+            for (int k = 0; k < PPL; k++) {
+                const int i = lane + 32 * k;
+                if (RB % 32 != 0 && i >= RB) break;
+                ((uint4 *)kb)[i] = kp[k];
+                ((uint4 *)vb)[i] = vp[k];
+            }
+            __syncwarp();
+            if (jn < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, jn, lane, kp, vp);
+            if (p.ahead > 0) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, jn + p.ahead * WS, j_end, lane);
+        } else {
+            if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, j_end, g, t, kn, vn);
+            if (p.ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jn + p.ahead * WS, j_end, g, t);
+        }
+        /* S = Q.K^T for the two n-tiles of 8 positions; over a Q8_0 cache
+         * each of the row's two groups summed apart (sg[1]), then scaled. */
         float sc[2][4];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            sc[e][0] = sc[e][1] = sc[e][2] = sc[e][3] = 0.0f;
+            float sg[2][4] = {};
 #pragma unroll
             for (int c = 0; c < NC; c++) {
-                agq_mma(sc[e], qa[c][0][0], qb[c][0][0], qa[c][0][1], qb[c][0][1], kr[e][c].x, kr[e][c].y);
-                agq_mma(sc[e], qa[c][1][0], qb[c][1][0], qa[c][1][1], qb[c][1][1], kr[e][c].z, kr[e][c].w);
+                const uint4 kw = Q8 ? agq_q8_vals<HD>(kb + (8 * e + g) * RB, c, t) : kr[e][c];
+                float(&d)[4] = sg[Q8 && c >= NC / 2];
+                agq_mma(d, qa[c][0][0], qb[c][0][0], qa[c][0][1], qb[c][0][1], kw.x, kw.y);
+                agq_mma(d, qa[c][1][0], qb[c][1][0], qa[c][1][1], qb[c][1][1], kw.z, kw.w);
             }
             /* Lane (g, t) holds positions j0 + 8e + 2t, + 1. */
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 4; i++) {
+                sc[e][i] = sg[0][i];
+                if constexpr (Q8) {
+                    const uint8_t *r = kb + (8 * e + 2 * t + (i & 1)) * RB;
+                    sc[e][i] = sg[0][i] * agq_q8_scale<HD>(r, 0) + sg[1][i] * agq_q8_scale<HD>(r, 1);
+                }
                 if (j0 + 8 * e + 2 * t + (i & 1) >= j_end) sc[e][i] = -INFINITY;
+            }
+        }
+        /* V's scales at P's positions (slots 2t, 2t + 1 of each n-tile),
+         * zero past the slice, where a row is not the slice's. */
+        float dv[2][4];
+        if constexpr (Q8) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int32_t jp = 8 * (i >> 1) + 2 * t + (i & 1);
+                const bool in = j0 + jp < j_end;
+                dv[0][i] = in ? agq_q8_scale<HD>(vb + jp * RB, 0) : 0.0f;
+                dv[1][i] = in ? agq_q8_scale<HD>(vb + jp * RB, 1) : 0.0f;
+            }
         }
         /* Online softmax of rows g (r = 0) and g + 8 (r = 1). */
-        uint32_t pa[2][2];
+        uint32_t pa[2][2][2]; /* [V group (Q8_0; else 0)][r][k half] */
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             if (r == 1 && !G2) {
-                pa[1][0] = pa[1][1] = 0;
+                pa[0][1][0] = pa[0][1][1] = pa[1][1][0] = pa[1][1][1] = 0;
                 continue;
             }
             float mx = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
@@ -224,33 +364,45 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
                     acc[c][u][2 * r + 1] *= alpha;
                 }
             /* P as A: slots 2t, 2t + 1 are the first n-tile's positions,
-             * 2t + 8, 2t + 9 the second's. */
-            pa[r][0] = agq_pack(pr[0], pr[1]);
-            pa[r][1] = agq_pack(pr[2], pr[3]);
+             * 2t + 8, 2t + 9 the second's (times each V group's scale). */
+#pragma unroll
+            for (int v = 0; v < (Q8 ? 2 : 1); v++) {
+                const float *d = dv[v];
+                pa[v][r][0] = Q8 ? agq_pack(pr[0] * d[0], pr[1] * d[1]) : agq_pack(pr[0], pr[1]);
+                pa[v][r][1] = Q8 ? agq_pack(pr[2] * d[2], pr[3] * d[3]) : agq_pack(pr[2], pr[3]);
+            }
         }
         /* O += P.V: V word u of group c is an 8 x 8 tile (positions x
          * dims 32c + 8t + 2u + {0, 1}); transposed, it is the B fragment. */
 #pragma unroll
-        for (int c = 0; c < NC; c++)
+        for (int c = 0; c < NC; c++) {
+            const uint4 v0 = Q8 ? agq_q8_vals<HD>(vb + g * RB, c, t) : vr[0][c];
+            const uint4 v1 = Q8 ? agq_q8_vals<HD>(vb + (8 + g) * RB, c, t) : vr[1][c];
+            const uint32_t(&pv)[2][2] = pa[Q8 && c >= NC / 2];
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                const uint32_t w0 = u == 0 ? vr[0][c].x : u == 1 ? vr[0][c].y : u == 2 ? vr[0][c].z : vr[0][c].w;
-                const uint32_t w1 = u == 0 ? vr[1][c].x : u == 1 ? vr[1][c].y : u == 2 ? vr[1][c].z : vr[1][c].w;
-                agq_mma(acc[c][u], pa[0][0], pa[1][0], pa[0][1], pa[1][1], agq_trans(w0), agq_trans(w1));
+                const uint32_t w0 = u == 0 ? v0.x : u == 1 ? v0.y : u == 2 ? v0.z : v0.w;
+                const uint32_t w1 = u == 0 ? v1.x : u == 1 ? v1.y : u == 2 ? v1.z : v1.w;
+                agq_mma(acc[c][u], pv[0][0], pv[1][0], pv[0][1], pv[1][1], agq_trans(w0), agq_trans(w1));
             }
+        }
+        if constexpr (!Q8) {
 #pragma unroll
-        for (int e = 0; e < 2; e++)
+            for (int e = 0; e < 2; e++)
 #pragma unroll
-            for (int c = 0; c < NC; c++) {
-                kr[e][c] = kn[e][c];
-                vr[e][c] = vn[e][c];
-            }
+                for (int c = 0; c < NC; c++) {
+                    kr[e][c] = kn[e][c];
+                    vr[e][c] = vn[e][c];
+                }
+        }
     }
 
-    /* Merge the warps: sml[warp][row] = (m, l), sacc[warp][row][HD]. */
+    /* Merge the warps: sml[warp][row] = (m, l), sacc[warp][row][HD], in
+     * the dynamic shared memory (after the Q8_0 buffers' last use). */
     constexpr int R = G2 ? 16 : 8;
-    __shared__ float sml[AGQ_WARPS][R][2];
-    __shared__ __align__(16) float sacc[AGQ_WARPS][R][HD];
+    if (Q8) __syncthreads();
+    float(*sacc)[R][HD] = (float(*)[R][HD])agq_smem;
+    float(*sml)[R][2] = (float(*)[R][2])(agq_smem + sizeof(float) * AGQ_WARPS * R * HD);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (r == 1 && !G2) break;
@@ -305,26 +457,36 @@ extern "C" int cuda_attention_gqa_takes(const struct cuda_ctx *ctx, const struct
     const int32_t G = a->n_kv_heads > 0 ? a->n_heads / a->n_kv_heads : 0;
     return ctx->att_gqa_min > 0 && G >= ctx->att_gqa_min && G >= 2 && G <= 16 &&
            a->n_heads == G * a->n_kv_heads && (a->n_tokens == a->n_seqs || a->rows == CUDA_ATT_ONE_ROW) &&
-           a->kv_type == DTYPE_F16 && (a->head_dim == 64 || a->head_dim == 128) && (uintptr_t)a->q % 16 == 0 &&
+           (a->kv_type == DTYPE_F16 || (a->kv_type == DTYPE_Q8_0 && a->block_size % AGQ_STEP == 0)) &&
+           (a->head_dim == 64 || a->head_dim == 128) && (uintptr_t)a->q % 16 == 0 &&
            (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
 
-template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
+/* Dynamic shared memory: a Q8_0 cache's warp buffers, then (reused) the
+ * merge's sacc and sml. */
+template <int HD, bool G2, bool Q8> static constexpr size_t agq_smem_bytes() {
+    constexpr size_t R = G2 ? 16 : 8, merge = sizeof(float) * AGQ_WARPS * R * (HD + 2);
+    constexpr size_t bufs = Q8 ? (size_t)AGQ_WARPS * 2 * 16 * agq_q8<HD>::RB : 0;
+    return bufs > merge ? bufs : merge;
+}
+
+template <int HD, bool G2, bool Q8> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     const struct cuda_attn_args *a = &p->a;
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
     const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
+    constexpr size_t smem = agq_smem_bytes<HD, G2, Q8>();
     /* Split the context until the blocks make about one wave of the
      * resident slots, each split at least two steps of every warp: long
      * blocks keep their loads a step ahead, short ones pay the start (the
      * row, Q, the first loads) more often. */
-    static int per_sm[64][2][2];
+    static int per_sm[64][2][2][2];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    int &bps = per_sm[dev][HD == 128][G2];
+    int &bps = per_sm[dev][HD == 128][G2][Q8];
     if (!bps) {
         int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2>,
-                                                                      AGQ_WARPS * 32, 0));
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2, Q8>,
+                                                                      AGQ_WARPS * 32, smem));
         bps = b > 0 ? b : 1;
     }
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
@@ -333,7 +495,7 @@ template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct ag
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;
     const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
-    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_gqa_kernel<HD, G2>), grid, dim3(AGQ_WARPS * 32), 0, *p));
+    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_gqa_kernel<HD, G2, Q8>), grid, dim3(AGQ_WARPS * 32), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (sp.n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0, a->out,
@@ -344,15 +506,20 @@ template <int HD, bool G2> static int agq_launch(struct cuda_ctx *ctx, struct ag
     return STATUS_OK;
 }
 
+template <int HD, bool Q8> static int agq_launch_g(struct cuda_ctx *ctx, struct agq_params *p) {
+    const bool g2 = p->a.n_heads / p->a.n_kv_heads > 8;
+    return g2 ? agq_launch<HD, true, Q8>(ctx, p) : agq_launch<HD, false, Q8>(ctx, p);
+}
+
 extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
     if (!cuda_attention_gqa_takes(ctx, a))
-        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention_gqa: %d heads over %d KV heads of %d, %s cache",
-                         a->n_heads, a->n_kv_heads, a->head_dim, dtype_name(a->kv_type));
+        return cuda_fail(ctx, STATUS_UNSUPPORTED, "attention_gqa: %d heads over %d KV heads of %d, %s cache, block %d",
+                         a->n_heads, a->n_kv_heads, a->head_dim, dtype_name(a->kv_type), a->block_size);
     struct agq_params p;
     memset(&p, 0, sizeof p);
     p.a = *a;
     p.ahead = ctx->l2_ahead;
-    const bool g2 = a->n_heads / a->n_kv_heads > 8;
-    if (a->head_dim == 64) return g2 ? agq_launch<64, true>(ctx, &p) : agq_launch<64, false>(ctx, &p);
-    return g2 ? agq_launch<128, true>(ctx, &p) : agq_launch<128, false>(ctx, &p);
+    const bool q8 = a->kv_type == DTYPE_Q8_0;
+    if (a->head_dim == 64) return q8 ? agq_launch_g<64, true>(ctx, &p) : agq_launch_g<64, false>(ctx, &p);
+    return q8 ? agq_launch_g<128, true>(ctx, &p) : agq_launch_g<128, false>(ctx, &p);
 }

@@ -1227,18 +1227,20 @@ TEST(cuda_ops_rope_kv_write) {
  * attention_prefill.cu (its rule, cuda_attention_prefill_takes): some
  * sequence with more than one row, F16 cache, heads of 64 or 128, groups a
  * power of two up to 64, and LLM_CUDA_PREFILL_TC not "0". */
-static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t n_tokens,
-                                int n_seqs) {
+static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t hd, int32_t bs,
+                                int32_t n_tokens, int n_seqs) {
     const char *env = getenv("LLM_CUDA_PREFILL_TC"), *dg = getenv("LLM_CUDA_DECODE_TC_G");
     int32_t G = n_heads / n_kv;
     int fits = (t == DTYPE_F16 || t == DTYPE_Q8_0) && (hd == 64 || hd == 128) && G <= 64 && (G & (G - 1)) == 0;
     const int min_g = dg ? atoi(dg) : 8; /* the backend's default: groups of 8 and more */
-    /* Decode rows of 2-16 query heads a KV head on an F16 cache:
-     * attention_gqa.cu (LLM_CUDA_ATT_GQA_MIN, 2 by default). */
+    /* Decode rows of 2-16 query heads a KV head on an F16 cache, or on
+     * an 8-bit one in blocks of a multiple of 16 positions: attention_gqa.cu
+     * (LLM_CUDA_ATT_GQA_MIN, 2 by default). */
     const char *gq = getenv("LLM_CUDA_ATT_GQA_MIN");
     const int gqa_min = gq ? atoi(gq) : 2;
-    const int gqa = t == DTYPE_F16 && (hd == 64 || hd == 128) && G >= 2 && G <= 16 && gqa_min > 0 && G >= gqa_min;
-    /* Decode-only batches over an 8-bit cache stay on attention_q8.cu. */
+    const int gqa = (t == DTYPE_F16 || (t == DTYPE_Q8_0 && bs % 16 == 0)) && (hd == 64 || hd == 128) && G >= 2 &&
+                    G <= 16 && gqa_min > 0 && G >= gqa_min;
+    /* Other decode-only batches over an 8-bit cache stay on attention_q8.cu. */
     if (n_tokens == n_seqs) return gqa || (t == DTYPE_F16 && fits && min_g > 0 && G >= min_g);
     return gqa || (fits && !(env && strcmp(env, "0") == 0));
 }
@@ -1329,7 +1331,7 @@ static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t 
     snprintf(what, sizeof what, "attention %s cache, %d heads / %d KV heads x %d, %d seqs, %d rows, ctx %d",
              dtype_name(t), n_heads, n_kv, hd, n_seqs, n_tokens, max_ctx);
     if (mm.n) att_mm_check(&mm, out, n_tokens, what);
-    if (!attn_on_tensor_cores(t, n_heads, n_kv, hd, n_tokens, n_seqs)) {
+    if (!attn_on_tensor_cores(t, n_heads, n_kv, hd, bs, n_tokens, n_seqs)) {
         /* F32 arithmetic on the same cache values; softmax exp differs by ulps. */
         check_f32(out, elems, 1e-9, what);
         return;
@@ -1502,6 +1504,39 @@ TEST(cuda_ops_attention_gqa) {
     fx_close();
 }
 
+/* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
+ * heads of 128 (two groups of 64 a row) and 64 (two of 32), blocks of 16
+ * and 32, rows at block edges, one long row split, many rows, a prefill
+ * row among decodes; blocks of 8 positions stay on attention_q8.cu (the
+ * F32 bound: its arithmetic is the CPU's). */
+TEST(cuda_ops_attention_gqa_q8_0) {
+    unsetenv("LLM_CUDA_ATT_GQA_MIN");
+    static const int32_t ones[48] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    static const int32_t p1[] = {0, 5, 100, 300, 1023};
+    fx_open();
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 5, ones, p1);  /* groups of 4 (Llama 3) */
+    attention_case(DTYPE_Q8_0, 32, 16, 128, 32, 5, ones, p1); /* groups of 2, blocks of 32 */
+    attention_case(DTYPE_Q8_0, 32, 4, 64, 16, 5, ones, p1);   /* groups of 8, heads of 64 */
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 8, 5, ones, p1);   /* blocks of 8: attention_q8.cu */
+    fx_close();
+    fx_open();
+    attention_case(DTYPE_Q8_0, 48, 4, 128, 16, 5, ones, p1); /* groups of 12 */
+    static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
+    attention_case(DTYPE_Q8_0, 32, 2, 64, 16, 6, ones, p2); /* groups of 16 */
+    static const int32_t p3[] = {4000};
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 1, ones, p3); /* one long row: many splits */
+    fx_close();
+    fx_open();
+    int32_t p4[48];
+    for (int i = 0; i < 48; i++) p4[i] = rng_int(700);
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 48, ones, p4); /* many rows */
+    static const int32_t lens[] = {1, 9, 1, 1};
+    static const int32_t p5[] = {40, 0, 300, 7};
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 4, lens, p5); /* a prefill row among decodes */
+    fx_close();
+}
+
 /* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
  * 64 and 128) and, with LLM_CUDA_PREFILL_TC=0, the general kernel on the
  * same shapes.  Chunks whose lengths are not multiples of 16 start at
@@ -1660,7 +1695,7 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     /* Q8_0: a new k a last bit apart after rope may round to the next
      * int8 (kernels: rope_kv_case), which moves a score by ~1e-3 of the
      * value: 1e-6. */
-    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, n, S) ? 1e-4
+    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, bs, n, S) ? 1e-4
                          : c->kv == DTYPE_Q8_0                                               ? 1e-6
                                                                                              : 1e-8;
     double e = check_f32(out, (size_t)n * qw, bound, what);
@@ -1819,9 +1854,11 @@ static void q8d_cases(void) {
 }
 
 TEST(cuda_ops_attention_q8_0_decode) {
+    q8d_cases(); /* the groups on attention_gqa.cu's tensor cores */
+    /* Every group on attention_q8.cu, and splits of one chunk a warp
+     * (LLM_CUDA_ATT_STEPS=1): twice as many, up to the 64 the merge takes. */
+    setenv("LLM_CUDA_ATT_GQA_MIN", "0", 1);
     q8d_cases();
-    /* Splits of one chunk a warp (LLM_CUDA_ATT_STEPS=1): twice as many,
-     * up to the 64 the merge takes. */
     setenv("LLM_CUDA_ATT_STEPS", "1", 1);
     fx_open();
     static const int32_t p4000[1] = {3999};
@@ -1829,6 +1866,7 @@ TEST(cuda_ops_attention_q8_0_decode) {
     attention_case(DTYPE_Q8_0, 32, 32, 128, 16, 5, q8d_ones, q8d_pos);
     fx_close();
     unsetenv("LLM_CUDA_ATT_STEPS");
+    unsetenv("LLM_CUDA_ATT_GQA_MIN");
 }
 
 /* Batches with prefill rows over the 8-bit cache: the tensor-core kernel
@@ -1889,6 +1927,7 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_matmul_wide, cuda_ops_matmul_mmq,
           cuda_ops_kv_write_f32, cuda_ops_kv_write_f16, cuda_ops_kv_write_q8_0, cuda_ops_rope_kv_write,
           cuda_ops_attention_gqa_f32, cuda_ops_attention_gqa_f16, cuda_ops_attention_q8_0, cuda_ops_attention_shapes,
-          cuda_ops_attention_decode, cuda_ops_attention_gqa, cuda_ops_attention_prefill, cuda_ops_attention_mixed,
+          cuda_ops_attention_decode, cuda_ops_attention_gqa, cuda_ops_attention_gqa_q8_0, cuda_ops_attention_prefill,
+          cuda_ops_attention_mixed,
           cuda_ops_rope_kv_attention,
           cuda_ops_matmul_mq64_sm75, cuda_ops_attention_q8_0_decode, cuda_ops_attention_q8_0_prefill)

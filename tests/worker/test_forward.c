@@ -210,16 +210,18 @@ static void check_teacher_forced(const char *file, const char *golden_model, dou
 
 /* pycode's target in Q4_K_M (real weights, K-quants), teacher-forced on
  * llama.cpp's greedy ids: the prompt as one chunk, then the 64 generated
- * ids in chunks of 16, 24 and 24 (the decode-batch matmul kernels, not
- * only prefill's), and the top-1 at each generated position compared with
- * the next golden id.  On the CPU the engine agreed on 98-99% of them (the
- * rest are near-ties under other activation rounding,
- * ../shared/models/README.md); a GPU must agree as often. */
-TEST(forward_pycode_q4_k_m_teacher_forced) {
+ * ids in chunks (n_chunks of chunk ids each, the last cut at 64), and the
+ * top-1 at each generated position compared with the next golden id.  On
+ * the CPU the engine agreed on 98-99% of them (the rest are near-ties
+ * under other activation rounding, ../shared/models/README.md); a GPU must
+ * agree as often. */
+static void pycode_teacher_forced(int32_t kv_type, const int32_t *chunks, int n_chunks, const char *what) {
     cJSON *root = load_json("pycode/golden-target-q4_k_m.json");
     struct fx f;
-    fx_open(&f, "pycode/pycode-target-q4_k_m.gguf", NULL);
-    static const int32_t chunks[] = {16, 24, 24};
+    struct stage_config cfg;
+    stage_config_default(&cfg);
+    cfg.kv_type = kv_type;
+    fx_open(&f, "pycode/pycode-target-q4_k_m.gguf", &cfg);
     int32_t agree = 0, total = 0;
     const cJSON *p;
     cJSON_ArrayForEach(p, root) {
@@ -235,22 +237,38 @@ TEST(forward_pycode_q4_k_m_teacher_forced) {
         if (argmax(logits, f.n_vocab) == ids[np]) agree++;
         total++;
         int32_t at = np;
-        for (int c = 0; c < 3; c++) {
-            fx_run(&f, &t, ids + at, chunks[c], FORWARD_LOGITS_ALL, logits);
-            for (int32_t k = 0; k < chunks[c] && at + k + 1 < np + ng; k++) {
+        for (int c = 0; c < n_chunks && at < np + ng; c++) {
+            int32_t n = chunks[c] < np + ng - at ? chunks[c] : np + ng - at;
+            fx_run(&f, &t, ids + at, n, FORWARD_LOGITS_ALL, logits);
+            for (int32_t k = 0; k < n && at + k + 1 < np + ng; k++) {
                 agree += argmax(logits + (size_t)k * f.n_vocab, f.n_vocab) == ids[at + k + 1];
                 total++;
             }
-            at += chunks[c];
+            at += n;
         }
         kvblocks_table_free(f.kb, &t);
         free(logits);
     }
-    printf("  pycode Q4_K_M teacher-forced: top-1 equals llama.cpp's next greedy id at %d of %d positions (%.1f%%)\n",
-           agree, total, 100.0 * agree / total);
+    printf("  pycode Q4_K_M teacher-forced, %s: top-1 equals llama.cpp's next greedy id at %d of %d positions "
+           "(%.1f%%)\n", what, agree, total, 100.0 * agree / total);
     ASSERT_TRUE(agree * 100 >= total * 98);
     fx_close(&f);
     cJSON_Delete(root);
+}
+
+/* Chunks of 16, 24 and 24: the decode-batch matmul kernels, not only
+ * prefill's; an F32 cache. */
+TEST(forward_pycode_q4_k_m_teacher_forced) {
+    static const int32_t chunks[] = {16, 24, 24};
+    pycode_teacher_forced(DTYPE_F32, chunks, 3, "F32 KV, chunks of 16-24");
+}
+
+/* One id a step over the 8-bit cache: decode rows of 2 query heads a KV
+ * head (on a GPU, attention_gqa.cu over the Q8_0 cache). */
+TEST(forward_pycode_q4_k_m_q8_kv_decode) {
+    int32_t ones[64];
+    for (int i = 0; i < 64; i++) ones[i] = 1;
+    pycode_teacher_forced(DTYPE_Q8_0, ones, 64, "Q8_0 KV, one id a step");
 }
 
 /* The golden of the file itself when the golden set has one, else the F32
@@ -1018,4 +1036,5 @@ TEST_MAIN(forward_stories_f32_greedy_matches_golden, forward_stories_f16_teacher
           forward_shared_prefix_copy_on_write, forward_two_stages_equal_one,
           forward_synth256_quants_close_to_f32, forward_f16_kv_cache_close_to_f32,
           forward_weights_converted_at_load, forward_rejects_bad_input, forward_gpu_matches_cpu, forward_graphs_equal_ops,
-          forward_samples_like_host_sampler, forward_pycode_q4_k_m_teacher_forced)
+          forward_samples_like_host_sampler, forward_pycode_q4_k_m_teacher_forced,
+          forward_pycode_q4_k_m_q8_kv_decode)
