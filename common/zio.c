@@ -22,6 +22,7 @@ struct zio_sock {
     char errstr[320];
     char endpoint[256]; /* last bound endpoint, as ZeroMQ reports it */
     char peer[256];     /* last endpoint bound or connected: names the socket in messages */
+    int spin_us;        /* zio_set_spin */
 };
 
 static void zio_seterr(struct zio_sock *s, int code, const char *fmt, ...)
@@ -257,6 +258,29 @@ static int64_t zio_now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+static int64_t zio_now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+void zio_set_spin(struct zio_sock *s, int us) { s->spin_us = us > 0 ? us : 0; }
+
+/* zmq_poll, first without blocking for up to spin_us (within the
+ * timeout), then blocking for the rest of the timeout. */
+static int zio_poll_items(zmq_pollitem_t *items, int n, int timeout_ms, int64_t spin_us) {
+    if (timeout_ms >= 0 && spin_us > (int64_t)timeout_ms * 1000) spin_us = (int64_t)timeout_ms * 1000;
+    if (spin_us <= 0) return zmq_poll(items, n, timeout_ms);
+    const int64_t t0 = zio_now_us();
+    int rc;
+    while ((rc = zmq_poll(items, n, 0)) == 0 && zio_now_us() - t0 < spin_us) {
+    }
+    if (rc != 0 || timeout_ms == 0) return rc;
+    if (timeout_ms < 0) return zmq_poll(items, n, -1);
+    const int64_t left = (int64_t)timeout_ms - (zio_now_us() - t0) / 1000;
+    return left > 0 ? zmq_poll(items, n, (long)left) : 0;
+}
+
 int zio_recv(struct zio_sock *s, struct zio_parts *p, int timeout_ms) {
     zio_parts_clear(p);
     int64_t deadline = timeout_ms >= 0 ? zio_now_ms() + timeout_ms : 0;
@@ -285,7 +309,7 @@ int zio_recv(struct zio_sock *s, struct zio_parts *p, int timeout_ms) {
                 int64_t left = deadline - zio_now_ms();
                 if (left <= 0) break;
                 zmq_pollitem_t it = {s->sock, 0, ZMQ_POLLIN, 0};
-                int pr = zmq_poll(&it, 1, (long)left);
+                int pr = zio_poll_items(&it, 1, (int)left, s->spin_us);
                 if (pr < 0) break; /* errno tells why */
                 rc = zmq_msg_recv(m, s->sock, ZMQ_DONTWAIT);
             }
@@ -324,7 +348,10 @@ int zio_poll(struct zio_sock *const *socks, const short *events, short *revents,
         items[i].events = events[i];
         items[i].revents = 0;
     }
-    int rc = zmq_poll(items, (int)n, timeout_ms);
+    int spin = 0;
+    for (size_t i = 0; i < n; i++)
+        if (socks[i]->spin_us > spin) spin = socks[i]->spin_us;
+    int rc = zio_poll_items(items, (int)n, timeout_ms, spin);
     int e = errno;
     for (size_t i = 0; i < n; i++) revents[i] = rc > 0 ? items[i].revents : 0;
     if (items != items_small) free(items);

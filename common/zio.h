@@ -102,6 +102,14 @@ void zio_parts_free(struct zio_parts *p);
 int zio_poll(struct zio_sock *const *socks, const short *events, short *revents, size_t n,
              int timeout_ms);
 
+/* Waits on s (zio_recv, and zio_poll of a set holding it: the largest of
+ * the set's) first poll without blocking for up to us microseconds of
+ * their timeout, then block: a message that comes within that time is
+ * taken without the wake-up of a blocked thread (tens of microseconds on
+ * some hosts), at the cost of a busy core while it lasts.  0 (the
+ * default): block at once. */
+void zio_set_spin(struct zio_sock *s, int us);
+
 int zio_err(const struct zio_sock *s);
 const char *zio_errstr(const struct zio_sock *s);
 /* The underlying ZeroMQ socket, for options and calls not wrapped here. */

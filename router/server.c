@@ -278,6 +278,7 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
     zio_set_int(s->cs, ZMQ_RCVHWM, 100000);
     zio_set_int(s->ws, ZMQ_SNDHWM, 100000);
     zio_set_int(s->ws, ZMQ_RCVHWM, 100000);
+    zio_set_spin(s->ws, s->cfg.spin_us);
     /* A worker that restarts reconnects with the same routing id (its
      * worker_id): hand the id over to the new connection.  Not with keys:
      * any admitted peer could then take a live worker's connection by

@@ -353,6 +353,8 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
     zio_set_int(n->pipe_io, ZMQ_RCVHWM, 0);
     zio_set_int(n->pipe_compute, ZMQ_SNDHWM, 0);
     zio_set_int(n->pipe_compute, ZMQ_RCVHWM, 0);
+    zio_set_spin(n->pipe_io, n->cfg.spin_us);
+    zio_set_spin(n->pipe_compute, n->cfg.spin_us);
     char pipe_name[64];
     snprintf(pipe_name, sizeof pipe_name, "%s-%p", NODE_PIPE, (void *)n);
     rc = zio_bind(n->pipe_io, pipe_name);

@@ -72,6 +72,7 @@ struct node_config {
      * on both transports (docs/deploy.md, "Across hosts"). */
     int32_t link_dtype;
     int register_retry_ms;      /* Register is sent again this often until answered */
+    int spin_us;                /* the io and compute threads' waits poll this long before blocking (zio_set_spin) */
     /* CURVE (docs/security.md): this worker's key pair file, used towards
      * the router and on the stage links, and the router's public key file.
      * Both required unless insecure (plain sockets). */

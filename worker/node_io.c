@@ -107,6 +107,7 @@ int node_router_open(node *n, char *err, size_t errlen) {
     n->s_router = n->routers[n->router_cur];
     int rc = zio_sock_open(n->zctx, ZMQ_DEALER, &n->router, err, errlen);
     if (rc < 0) return rc;
+    zio_set_spin(n->router, n->cfg.spin_us);
     /* The routing id names this process's connection: the worker id on a
      * plain router (which hands an id over to a restarted worker), the id
      * and this start's incarnation with keys, where the router refuses a

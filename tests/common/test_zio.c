@@ -5,7 +5,10 @@
 #include "common/zio.h"
 #include "tests/test.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
 
 /* A pair of sockets connected over loopback TCP: DEALER -> ROUTER. */
 struct zpair {
@@ -145,6 +148,62 @@ TEST(zio_poll_ready) {
     ASSERT_EQ(1, zio_poll(socks, ev, rev, 2, 5000));
     ASSERT_EQ(ZMQ_POLLIN, (int)rev[0]);
     ASSERT_EQ(0, (int)rev[1]);
+    zpair_close(&p);
+}
+
+/* zio_set_spin: a wait polls first, then blocks; either way the message
+ * comes and the timeout holds.  A thread sends on the dealer after a
+ * delay; the main thread waits on the router. */
+struct zdelayed {
+    struct zio_sock *s;
+    int delay_ms;
+};
+static void *zdelayed_send(void *arg) {
+    const struct zdelayed *d = arg;
+    usleep((useconds_t)d->delay_ms * 1000);
+    struct zio_frame f = {"late", 4, NULL, NULL};
+    zio_send(d->s, &f, 1, 0);
+    return NULL;
+}
+static int64_t zmono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+TEST(zio_spin_then_block) {
+    struct zpair p;
+    zpair_open(&p);
+    struct zio_parts in = {0};
+    struct zio_sock *socks[1] = {p.router};
+    short ev[1] = {ZMQ_POLLIN}, rev[1];
+    /* Spinning longer than the timeout: the timeout still ends the wait
+     * (well before the spin would), and a zero timeout does not spin. */
+    zio_set_spin(p.router, 2000000);
+    int64_t t0 = zmono_ms();
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 30));
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 30));
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 0));
+    int64_t took = zmono_ms() - t0;
+    if (took < 60 || took > 1500) TEST_FAIL("two 30 ms waits and a zero one took %lld ms", (long long)took);
+    /* A message within the spin (delay 5 ms, spin 2 s) and one after it
+     * (delay 80 ms, spin 20 ms), on zio_recv and on zio_poll. */
+    static const int delays[2] = {5, 80}, spins[2] = {2000000, 20000};
+    for (int i = 0; i < 2; i++) {
+        zio_set_spin(p.router, spins[i]);
+        for (int use_poll = 0; use_poll < 2; use_poll++) {
+            struct zdelayed d = {p.dealer, delays[i]};
+            pthread_t th;
+            ASSERT_EQ(0, pthread_create(&th, NULL, zdelayed_send, &d));
+            if (use_poll) ASSERT_EQ(1, zio_poll(socks, ev, rev, 1, 10000));
+            ASSERT_OK(zio_recv(p.router, &in, 10000));
+            pthread_join(th, NULL);
+            ASSERT_EQ((size_t)2, in.n); /* routing id, payload */
+            ASSERT_EQ((size_t)4, zio_parts_size(&in, 1));
+            ASSERT_TRUE(memcmp(zio_parts_data(&in, 1), "late", 4) == 0);
+        }
+    }
+    zio_parts_free(&in);
     zpair_close(&p);
 }
 
@@ -301,5 +360,5 @@ TEST(zio_max_msg_size_drops_oversized_frames) {
 }
 
 TEST_MAIN(zio_multipart_roundtrip, zio_zero_copy_frames, zio_zero_copy_freed_on_failure,
-          zio_recv_timeout, zio_poll_ready, zio_bad_endpoint_named, zio_free_port_bindable,
+          zio_recv_timeout, zio_poll_ready, zio_spin_then_block, zio_bad_endpoint_named, zio_free_port_bindable,
           zio_curve_admits_listed_keys_only, zio_max_msg_size_drops_oversized_frames)

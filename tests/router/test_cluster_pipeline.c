@@ -1,5 +1,6 @@
 /* End to end through real processes: greedy output of 2- and 3-stage
- * pipelines equals llm-run's token for token; the llm command prints the
+ * pipelines equals llm-run's token for token (the 3-stage one with the
+ * router and workers polling before they block, --spin-us); the llm command prints the
  * same tokens and text as llm-run; cancel frees the request's KV blocks;
  * bad requests and unreadable frames get clear error replies and the router
  * keeps serving. */
@@ -17,12 +18,13 @@ static const char *const prompts[] = {
 };
 #define N_PROMPTS ((int)(sizeof prompts / sizeof prompts[0]))
 
-/* Each prompt in turn through the cluster against llm-run. */
-static void pipeline_matches(int stages) {
+/* Each prompt in turn through the cluster against llm-run; extra: words
+ * for the router and the workers alike. */
+static void pipeline_matches(int stages, const char *extra) {
     const char *model = test_model_path(MODEL);
     struct h_ref refs[N_PROMPTS];
     for (int i = 0; i < N_PROMPTS; i++) h_reference(model, prompts[i], 60, 1, &refs[i]);
-    struct cluster *cl = h_cluster_start(model, 1, stages, "", "");
+    struct cluster *cl = h_cluster_start(model, 1, stages, extra, extra);
     for (int i = 0; i < N_PROMPTS; i++) {
         struct h_gen g = {0};
         g.cl = cl;
@@ -54,8 +56,8 @@ static void pipeline_matches(int stages) {
     h_cluster_stop(cl);
 }
 
-TEST(cluster_pipeline2_matches_llm_run) { pipeline_matches(2); }
-TEST(cluster_pipeline3_matches_llm_run) { pipeline_matches(3); }
+TEST(cluster_pipeline2_matches_llm_run) { pipeline_matches(2, ""); }
+TEST(cluster_pipeline3_matches_llm_run) { pipeline_matches(3, "--spin-us 200"); }
 
 /* Runs argv and returns its stdout (malloc'ed) and exit status; the start
  * of its stderr goes to run_stderr. */
