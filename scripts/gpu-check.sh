@@ -40,6 +40,7 @@ for what in "$@"; do
     case $what in
     tests)
         step cuda_ops 180 "$build/tests/test_cuda_ops"
+        step cuda_attention 180 "$build/tests/test_cuda_attention"
         [ -x "$build/tests/test_cuda_sample" ] && step cuda_sample 120 "$build/tests/test_cuda_sample"
         LLM_TEST_DEVICE=cuda:0 step forward_gpu 120 "$build/tests/test_forward"
         step link 120 "$build/tests/test_link"
@@ -49,6 +50,7 @@ for what in "$@"; do
         ;;
     t4)
         LLM_CUDA_SM=75 step cuda_ops_sm75 300 "$build/tests/test_cuda_ops"
+        LLM_CUDA_SM=75 step cuda_attention_sm75 300 "$build/tests/test_cuda_attention"
         LLM_CUDA_SM=75 step cuda_sample_sm75 120 "$build/tests/test_cuda_sample"
         LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step forward_gpu_sm75 120 "$build/tests/test_forward"
         ;;

@@ -4,7 +4,7 @@
 # (scripts/gpu-pack.sh), then runs the steps named in LLM_KERNEL_STEPS,
 # each bounded, logs under $OUT and a summary last:
 #   ops      test_cuda_ops's matmul tests (every type; matmul_mmq.cu at every
-#            token count), sm_90 pack
+#            token count) and test_cuda_attention's, sm_90 pack
 #   ops75    the same routed as sm_75 (LLM_CUDA_SM=75) from the 75-virtual pack
 #   forward  test_forward on the GPU (goldens; pycode Q4_K_M teacher-forced),
 #            default routing and with LLM_CUDA_MMQ_MIN=1, both packs
@@ -29,7 +29,8 @@
 #            and LLM_CUDA_ROPE_ATT (sm_90)
 #   gqa      bench_gpu, llama3-8b Q4_K_M at context 2048, batch 16 and 64,
 #            attention_gqa.cu off against on (sm_90 pack)
-#   all      every test_cuda_ops and test_forward test, both packs
+#   all      every test_cuda_ops, test_cuda_attention and test_forward test,
+#            both packs
 #   linkdtype bench_link_dtype --device cuda:0 (sm_90 pack, else the
 #            75-virtual one) on the llama2-7b synthetic of each type in
 #            LLM_LINKDTYPE_TYPES (q4_k_m; "q4_k_m f16" for both), which the
@@ -83,15 +84,21 @@ step() {
     } >>"$summary"
     [ $rc -eq 0 ] || status=1
 }
-attn_tests="cuda_ops_attention_gqa cuda_ops_attention_decode cuda_ops_attention_mixed cuda_ops_rope_kv_attention
-    cuda_ops_attention_gqa_f16 cuda_ops_attention_shapes"
+attn_tests="cuda_ops_attention_gqa cuda_ops_attention_gqa_q8_0 cuda_ops_attention_decode cuda_ops_attention_mixed
+    cuda_ops_rope_kv_attention cuda_ops_attention_gqa_f16 cuda_ops_attention_shapes"
 matmul_tests="cuda_ops_matmul_mmq cuda_ops_matmul_q4_k cuda_ops_matmul_q5_k cuda_ops_matmul_q6_k
     cuda_ops_matmul_multi cuda_ops_matmul_swiglu cuda_ops_matmul_reuses_input_safely
     cuda_ops_matmul_odd_width_and_tiles cuda_ops_matmul_wide cuda_ops_rmsnorm_feeds_matmul"
 for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
     case $what in
-    ops) [ -n "$b90" ] && step ops 300 "$b90/tests/test_cuda_ops" $matmul_tests $attn_tests ;;
-    ops75) [ -n "$b75" ] && LLM_CUDA_SM=75 step ops75 300 "$b75/tests/test_cuda_ops" $matmul_tests $attn_tests ;;
+    ops)
+        [ -n "$b90" ] && step ops 200 "$b90/tests/test_cuda_ops" $matmul_tests
+        [ -n "$b90" ] && step attention 200 "$b90/tests/test_cuda_attention" $attn_tests
+        ;;
+    ops75)
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step ops75 200 "$b75/tests/test_cuda_ops" $matmul_tests
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step attention75 200 "$b75/tests/test_cuda_attention" $attn_tests
+        ;;
     forward)
         [ -n "$b90" ] && LLM_TEST_DEVICE=cuda:0 step forward 200 "$b90/tests/test_forward"
         [ -n "$b90" ] && LLM_CUDA_MMQ_MIN=1 LLM_TEST_DEVICE=cuda:0 step forward_mmq1 200 "$b90/tests/test_forward"
@@ -221,9 +228,11 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         [ $lrc -eq 0 ] || status=1
         ;;
     all)
-        [ -n "$b90" ] && step all_ops 400 "$b90/tests/test_cuda_ops"
+        [ -n "$b90" ] && step all_ops 300 "$b90/tests/test_cuda_ops"
+        [ -n "$b90" ] && step all_attention 300 "$b90/tests/test_cuda_attention"
         [ -n "$b90" ] && LLM_TEST_DEVICE=cuda:0 step all_forward 200 "$b90/tests/test_forward"
-        [ -n "$b75" ] && LLM_CUDA_SM=75 step all_ops75 500 "$b75/tests/test_cuda_ops"
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step all_ops75 300 "$b75/tests/test_cuda_ops"
+        [ -n "$b75" ] && LLM_CUDA_SM=75 step all_attention75 300 "$b75/tests/test_cuda_attention"
         ;;
     esac
 done

@@ -8,7 +8,7 @@
 # Packs of different build folders unpack side by side (each under its own
 # path), so an sm_90 pack and a 75-virtual pack can travel together:
 #   scripts/gpu-pack.sh $PWD/build-gpu90 ../shared/models gpu-pack/sm90.tar.xz
-#   LLM_PACK_BINS="tests/test_cuda_ops tests/test_cuda_sample tests/test_forward" \
+#   LLM_PACK_BINS="tests/test_cuda_ops tests/test_cuda_attention tests/test_cuda_sample tests/test_forward" \
 #       scripts/gpu-pack.sh $PWD/build-gpu75 - gpu-pack/sm75.tar.xz
 # A models argument of "-" packs no models (the other pack's serve both:
 # LLM_MODELS_DIR).  LLM_PACK_BINS replaces the list of binaries.
@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$pack")"
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage$build"
-bins=${LLM_PACK_BINS:-tests/test_cuda_ops tests/test_cuda_sample tests/test_forward tests/test_link tests/test_node \
+bins=${LLM_PACK_BINS:-tests/test_cuda_ops tests/test_cuda_attention tests/test_cuda_sample tests/test_forward tests/test_link tests/test_node \
     tests/test_node_stages tests/test_node_plans tests/test_kv_q8 worker/llm-run worker/llm-worker worker/llm-synth \
     router/llm-router router/llm-cluster clients/c/llm gateway/llm-gateway bench/bench_gpu bench/bench_cluster}
 for b in $bins; do

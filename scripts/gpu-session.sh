@@ -160,7 +160,8 @@ for what in $steps; do
     case $what in
     tests)
         [ -n "$b90" ] || continue
-        step cuda_ops 90 "$b90/tests/test_cuda_ops"
+        step cuda_ops 60 "$b90/tests/test_cuda_ops"
+        step cuda_attention 60 "$b90/tests/test_cuda_attention"
         step cuda_sample 40 "$b90/tests/test_cuda_sample"
         LLM_TEST_DEVICE=cuda:0 step forward_gpu 40 "$b90/tests/test_forward"
         step link 60 "$b90/tests/test_link"
@@ -168,7 +169,8 @@ for what in $steps; do
         ;;
     t4)
         [ -n "$b75" ] || continue
-        LLM_CUDA_SM=75 step cuda_ops_sm75 120 "$b75/tests/test_cuda_ops"
+        LLM_CUDA_SM=75 step cuda_ops_sm75 90 "$b75/tests/test_cuda_ops"
+        LLM_CUDA_SM=75 step cuda_attention_sm75 90 "$b75/tests/test_cuda_attention"
         LLM_CUDA_SM=75 step cuda_sample_sm75 40 "$b75/tests/test_cuda_sample"
         LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step forward_gpu_sm75 40 "$b75/tests/test_forward"
         [ -x "$b75/tests/test_kv_q8" ] && LLM_CUDA_SM=75 LLM_TEST_DEVICE=cuda:0 step kv_q8_gpu_sm75 60 "$b75/tests/test_kv_q8"
