@@ -150,8 +150,9 @@ TEST(sweep_prints_the_table_and_json) {
 
 /* At debug level the router and every stage log a line a step in the
  * host's monotonic clock, and scripts/step-timeline.py joins them by step
- * id: a 1x2 cluster's decode steps, each stage's phases and the trip each
- * way (the tool behind the two-GPU second-stage cost, docs/cluster-bench.md). */
+ * id: a 1x2 cluster's decode steps, each stage's phases, the trip each
+ * way and the router's turn between a result and its next plan (the tool
+ * behind the two-GPU second-stage cost, docs/cluster-bench.md). */
 TEST(timeline_joins_the_router_and_the_stages) {
     need_programs();
     if (system("python3 -c 'import statistics' >/dev/null 2>&1") != 0) TEST_SKIP("no python3");
@@ -178,7 +179,7 @@ TEST(timeline_joins_the_router_and_the_stages) {
     /* 3 requests of 12 tokens: 11 one-token decode steps each. */
     ASSERT_TRUE(joined >= 3 * 11);
     const char *rows[] = {"plan->s0", "s0 handoff", "s0 done", "plan->s1", "s1 input", "s1 queued", "s1 done",
-                          "result->router", "round trip"};
+                          "result->router", "round trip", "router turn", "step interval"};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         if (!strstr(out, rows[i])) TEST_FAIL("step-timeline.py printed no \"%s\" row", rows[i]);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
