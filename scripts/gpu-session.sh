@@ -15,6 +15,8 @@
 #   c1       bench_cluster, 7B Q4_K_M, concurrency 1, 32 requests, prompt
 #            128, 128 generated: 1x1, 1x2, 1x1, 1x2 (two GPUs; the cost of
 #            a second stage to one stream)
+#   c1spin   c1's 1x1 and 1x2 with --spin-us LLM_SESSION_SPIN_US (3000) on
+#            the router and workers against 0, in turn twice (two GPUs)
 #   timeline 1x1 and 1x2 at concurrency 1 with the router and workers at
 #            debug level: scripts/step-timeline.py's segments of a decode
 #            step (plan to each stage, each stage's phases, result back) in
@@ -200,6 +202,19 @@ for what in $steps; do
         [ "$gpus" -ge 2 ] || { note "SKIP c1: one GPU"; continue; }
         cluster c1_bench 240 1x1,1x2,1x1,1x2 --concurrency 1 --requests 32 --prompt-tokens 128 --max-tokens 128
         ;;
+    c1spin)
+        # The same with the router and the workers polling before they
+        # block (--spin-us LLM_SESSION_SPIN_US, 3000) against blocking at
+        # once, in turn twice (docs/worker.md, "Polling before blocking").
+        [ -n "$b90" ] && cluster_model || continue
+        [ "$gpus" -ge 2 ] || { note "SKIP c1spin: one GPU"; continue; }
+        for r in 1 2; do
+            for s in 0 "${LLM_SESSION_SPIN_US:-3000}"; do
+                cluster "c1spin_${s}_$r" 120 1x1,1x2 --concurrency 1 --requests 32 --prompt-tokens 128 \
+                    --max-tokens 128 --router-args "--spin-us $s" --worker-args "--spin-us $s"
+            done
+        done
+        ;;
     timeline)
         # The same at debug level, its run dirs kept: where a step's time
         # goes between the router and each stage (scripts/step-timeline.py).
@@ -246,7 +261,7 @@ for what in $steps; do
         OUT="$out/gateway" LLM_BENCH_BUILD="$b90" LLM_GW_BENCH_MODEL="$model" TMPDIR="$tmp" \
             step gateway_bench 300 ./scripts/gateway-bench.sh
         ;;
-    *) note "gpu-session: unknown step '$what' (tests, t4, link, kv, cluster, c1, timeline, prefix, wait, itl, gateway)"; status=2 ;;
+    *) note "gpu-session: unknown step '$what' (tests, t4, link, kv, cluster, c1, c1spin, timeline, prefix, wait, itl, gateway)"; status=2 ;;
     esac
 done
 [ -n "$model" ] && [ -z "${LLM_SESSION_KEEP_MODEL:-}" ] && rm -f "$model"
@@ -254,7 +269,7 @@ rm -rf "$tmp"/bench_cluster_* 2>/dev/null
 
 # The tables, then the summary.
 for f in kv_bench cluster_bench c1_bench prefix_bench wait_prefix_bench wait_c1_off_bench wait_c1_on_bench itl_default_bench \
-    itl_steps1024_bench itl_tuned_bench; do
+    itl_steps1024_bench itl_tuned_bench $(cd "$out" && ls c1spin_*.log 2>/dev/null | sed 's/\.log$//'); do
     [ -f "$out/$f.log" ] || continue
     echo "=== $f"
     if [ "$f" = kv_bench ]; then
