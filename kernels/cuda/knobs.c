@@ -27,6 +27,7 @@
 #define CUDA_MMQ_MAX_SM80 24
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
+static const char *const knobs_mm_route_choices[] = {"auto", "sm75", "sm80", NULL};
 static const int knobs_mv_split_warps[] = {1, 2, 4};
 
 int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
@@ -105,6 +106,13 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "which then takes every batch up to 64 and every weight (0: never; -1: where it measured faster), "
          "to compare and to test",
          &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
+        {"cuda-mm-route", "LLM_CUDA_MM_ROUTE", OPTION_CHOICE, "auto",
+         "quantized matmuls at 8-64 tokens routed as the card's compute capability sets them (auto), "
+         "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 8-32 tokens and every "
+         "K-quant weight at 33-64, no matmul_wide.cu) or as on sm_80 and later (sm80: matmul_mmq.cu for "
+         "8192 rows at 8-16 and every K-quant weight at 17-24, matmul_wide.cu above where the card has "
+         "cp.async); the rest of the routing stays the card's; to compare",
+         &k->mm_route, 0, 0, knobs_mm_route_choices},
         {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
          "dequantize a prefill weight's F16 tiles on a side stream while the matmul before runs "
          "(false: one after the other, to compare)",
@@ -182,7 +190,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     /* Programmatic dependent launch needs sm_90, cp.async (matmul_wide.cu)
      * and the m16n8k16 mma sm_80. */
     ctx->pdl = ctx->cc >= 90 && k->pdl;
-    ctx->wide = ctx->cc >= 80 && k->wide;
+    ctx->wide = ctx->cc >= 80 && k->wide && k->mm_route != 1;
     ctx->wide_items = k->wide_items;
     /* mq at 64 tokens stages a chunk's activations whole, 36 KB, which
      * with the weights' bytes needs up to 70 KB of shared memory a block;
@@ -205,11 +213,13 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;
+    /* matmul_mmq.cu's batches as sm_75 or sm_80+ set them (LLM_CUDA_MM_ROUTE). */
+    const int mmq80 = k->mm_route == 0 ? ctx->cc >= 80 : k->mm_route == 2;
     ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
-    ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : ctx->cc >= 80 ? CUDA_MMQ_MAX_SM80 : 64;
+    ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : mmq80 ? CUDA_MMQ_MAX_SM80 : 64;
     ctx->mmq_rows = k->mmq_min >= 0 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
-    ctx->mmq_rows_mid = k->mmq_min >= 0 || ctx->cc >= 80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
-    ctx->mmq_rows_wide = k->mmq_min >= 0 || ctx->cc < 80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->mmq_rows_mid = k->mmq_min >= 0 || mmq80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->mmq_rows_wide = k->mmq_min >= 0 || !mmq80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
     ctx->l2_ahead = k->l2_ahead;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;

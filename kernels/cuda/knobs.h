@@ -42,6 +42,7 @@ struct cuda_knobs {
     bool att_f16;        /* LLM_CUDA_ATT_F16 */
     bool mr;             /* LLM_CUDA_MR */
     int mmq_min;         /* LLM_CUDA_MMQ_MIN: -1, or fewest tokens on matmul_mmq.cu (0: never) */
+    int mm_route;        /* LLM_CUDA_MM_ROUTE: 0 auto, 1 sm75, 2 sm80 (quantized matmuls at 8-64 tokens) */
     bool dequant_ahead;  /* LLM_CUDA_DEQUANT_AHEAD */
     int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
     int dequant_tile_mb; /* LLM_CUDA_DEQUANT_TILE_MB (read again on every prefill matmul) */
@@ -51,7 +52,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 24
+#define CUDA_KNOBS_N 25
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

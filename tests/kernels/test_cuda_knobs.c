@@ -95,6 +95,21 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(0, a.pdl);
     ASSERT_EQ(1, a.wide);
     ASSERT_EQ(1, a.att_k16);
+
+    /* LLM_CUDA_MM_ROUTE: the quantized matmuls at 8-64 tokens as the
+     * other kind of card routes them (matmul_wide.cu only where the card
+     * has cp.async); the rest stays the card's. */
+    setenv("LLM_CUDA_MM_ROUTE", "sm75", 1);
+    h = k_ctx(90, 132);
+    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_rows == 8192 && h.mmq_rows_mid == 8192 && h.mmq_rows_wide == 0);
+    ASSERT_TRUE(h.wide == 0 && h.pdl == 1 && h.att_k16 == 1 && h.mq_x_parts == 1);
+    setenv("LLM_CUDA_MM_ROUTE", "sm80", 1);
+    t = k_ctx(75, 40);
+    ASSERT_TRUE(t.mmq_max == 24 && t.mmq_rows == 8192 && t.mmq_rows_mid == 0 && t.mmq_rows_wide == 8192);
+    ASSERT_TRUE(t.wide == 0 && t.pdl == 0 && t.att_k16 == 0 && t.mq_x_parts == 2);
+    a = k_ctx(80, 108);
+    ASSERT_TRUE(a.mmq_max == 24 && a.wide == 1);
+    unsetenv("LLM_CUDA_MM_ROUTE");
 }
 
 /* The values scripts/gpu-check.sh, bench/ and the GPU tests set keep their
