@@ -433,6 +433,23 @@ TEST(cuda_ops_attention_decode) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
 }
 
+/* Decode rows, one a sequence, for the grouped-head tests. */
+static const int32_t gqa_ones[48] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* Groups of 4 on a t cache in a fixture of their own: 48 rows of their
+ * own lengths, then a prefill row among decodes. */
+static void gqa_many_rows(enum dtype t) {
+    fx_open();
+    int32_t p4[48];
+    for (int i = 0; i < 48; i++) p4[i] = rng_int(700);
+    attention_case(t, 32, 8, 128, 16, 48, gqa_ones, p4); /* many rows */
+    static const int32_t lens[] = {1, 9, 1, 1};
+    static const int32_t p5[] = {40, 0, 300, 7};
+    attention_case(t, 32, 8, 128, 16, 4, lens, p5); /* a prefill row among decodes */
+    fx_close();
+}
+
 /* attention_gqa.cu (decode rows of 2-16 query heads a KV head, tensor
  * cores): groups of 2, 4, 8, 12 and 16 with heads of 64 and 128, rows at
  * position 0 and at block edges, splits of one long row merged, many rows,
@@ -443,29 +460,20 @@ TEST(cuda_ops_attention_decode) {
 TEST(cuda_ops_attention_gqa) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
     fx_open(); /* at most 4 KV caches a fixture */
-    static const int32_t ones[48] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     static const int32_t p1[] = {0, 5, 100, 300, 1023};
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, ones, p1);  /* groups of 4 (Llama 3) */
-    attention_case(DTYPE_F16, 32, 16, 128, 16, 5, ones, p1); /* groups of 2 */
-    attention_case(DTYPE_F16, 32, 4, 128, 16, 5, ones, p1);  /* groups of 8 */
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, gqa_ones, p1);  /* groups of 4 (Llama 3) */
+    attention_case(DTYPE_F16, 32, 16, 128, 16, 5, gqa_ones, p1); /* groups of 2 */
+    attention_case(DTYPE_F16, 32, 4, 128, 16, 5, gqa_ones, p1);  /* groups of 8 */
     fx_close();
     fx_open();
-    attention_case(DTYPE_F16, 48, 4, 64, 16, 5, ones, p1);   /* groups of 12 */
-    attention_case(DTYPE_F16, 32, 2, 64, 32, 5, ones, p1);   /* groups of 16, blocks of 32 */
+    attention_case(DTYPE_F16, 48, 4, 64, 16, 5, gqa_ones, p1);   /* groups of 12 */
+    attention_case(DTYPE_F16, 32, 2, 64, 32, 5, gqa_ones, p1);   /* groups of 16, blocks of 32 */
     static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
-    attention_case(DTYPE_F16, 28, 4, 128, 16, 6, ones, p2); /* groups of 7 */
+    attention_case(DTYPE_F16, 28, 4, 128, 16, 6, gqa_ones, p2); /* groups of 7 */
     static const int32_t p3[] = {4000};
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 1, ones, p3); /* one long row: many splits */
+    attention_case(DTYPE_F16, 32, 8, 128, 16, 1, gqa_ones, p3); /* one long row: many splits */
     fx_close();
-    fx_open();
-    int32_t p4[48];
-    for (int i = 0; i < 48; i++) p4[i] = rng_int(700);
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 48, ones, p4); /* many rows */
-    static const int32_t lens[] = {1, 9, 1, 1};
-    static const int32_t p5[] = {40, 0, 300, 7};
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 4, lens, p5); /* a prefill row among decodes */
-    fx_close();
+    gqa_many_rows(DTYPE_F16);
 }
 
 /* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
@@ -475,30 +483,21 @@ TEST(cuda_ops_attention_gqa) {
  * F32 bound: its arithmetic is the CPU's). */
 TEST(cuda_ops_attention_gqa_q8_0) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
-    static const int32_t ones[48] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                     1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
     static const int32_t p1[] = {0, 5, 100, 300, 1023};
     fx_open();
-    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 5, ones, p1);  /* groups of 4 (Llama 3) */
-    attention_case(DTYPE_Q8_0, 32, 16, 128, 32, 5, ones, p1); /* groups of 2, blocks of 32 */
-    attention_case(DTYPE_Q8_0, 32, 4, 64, 16, 5, ones, p1);   /* groups of 8, heads of 64 */
-    attention_case(DTYPE_Q8_0, 32, 8, 128, 8, 5, ones, p1);   /* blocks of 8: attention_q8.cu */
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 5, gqa_ones, p1);  /* groups of 4 (Llama 3) */
+    attention_case(DTYPE_Q8_0, 32, 16, 128, 32, 5, gqa_ones, p1); /* groups of 2, blocks of 32 */
+    attention_case(DTYPE_Q8_0, 32, 4, 64, 16, 5, gqa_ones, p1);   /* groups of 8, heads of 64 */
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 8, 5, gqa_ones, p1);   /* blocks of 8: attention_q8.cu */
     fx_close();
     fx_open();
-    attention_case(DTYPE_Q8_0, 48, 4, 128, 16, 5, ones, p1); /* groups of 12 */
+    attention_case(DTYPE_Q8_0, 48, 4, 128, 16, 5, gqa_ones, p1); /* groups of 12 */
     static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
-    attention_case(DTYPE_Q8_0, 32, 2, 64, 16, 6, ones, p2); /* groups of 16 */
+    attention_case(DTYPE_Q8_0, 32, 2, 64, 16, 6, gqa_ones, p2); /* groups of 16 */
     static const int32_t p3[] = {4000};
-    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 1, ones, p3); /* one long row: many splits */
+    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 1, gqa_ones, p3); /* one long row: many splits */
     fx_close();
-    fx_open();
-    int32_t p4[48];
-    for (int i = 0; i < 48; i++) p4[i] = rng_int(700);
-    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 48, ones, p4); /* many rows */
-    static const int32_t lens[] = {1, 9, 1, 1};
-    static const int32_t p5[] = {40, 0, 300, 7};
-    attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 4, lens, p5); /* a prefill row among decodes */
-    fx_close();
+    gqa_many_rows(DTYPE_Q8_0);
 }
 
 /* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
