@@ -5,13 +5,15 @@
  * 1..64, printing achieved bytes/s as a fraction of the measured bandwidth,
  * and the weight-reading kernels against dequantize + cuBLAS at batch 1..64.
  *
- *   bench_cuda [device] [gemv | wide | mmq | prefill | attn]
+ *   bench_cuda [device] [gemv | wide | mmq | route | prefill | attn]
  *
- * With "gemv", "wide" or "mmq", only the bandwidth and a comparison of two
- * kernels on the 7B shapes (kernel_compare): the batch-1..4 kernel of
- * matmul_gemv.cu against the tensor-core kernel, the batch-8..64 kernel
- * of matmul_wide.cu against matmul_vec.cu's mq, or matmul_mmq.cu at
- * batch 8-64 against the path the backend takes without it.
+ * With "gemv", "wide", "mmq" or "route", only the bandwidth and a
+ * comparison of kernels on the same matmuls (kernel_compare): the
+ * batch-1..4 kernel of matmul_gemv.cu against the tensor-core kernel, the
+ * batch-17..64 kernel of matmul_wide.cu against matmul_vec.cu's mq,
+ * matmul_mmq.cu at batch 8-64 against the path the backend takes without
+ * it (7B shapes), or mq, matmul_wide.cu and matmul_mmq.cu at 17-64 on the
+ * llama2-7b and llama3-8b shapes.
  *
  * With "prefill", only the ceilings and a 7B-shaped prefill of 512 tokens
  * op by op: the q/k/v/o, gate/up and down matmuls at n = 512 (F16, Q8_0,
@@ -192,24 +194,38 @@ static void crossover(int device, double bw) {
         }
 }
 
-/* Two kernels for the same matmuls on the 7B shapes, each on a backend of
- * its own made with one variable set at init (name=value; the first
- * column is the old kernel):
+/* Two or three kernels for the same matmuls, each on a backend of its own
+ * made with up to two variables set at init (name=value; the first column
+ * is the old kernel):
  *   - "gemv": batch 1, 2 and 4, the tensor-core kernel (LLM_CUDA_GEMV_MAX=0)
  *     against matmul_gemv.cu (LLM_CUDA_GEMV_MAX=4);
  *   - "wide": batch 17-64, matmul_vec.cu's mq (LLM_CUDA_WIDE=0) against
- *     matmul_wide.cu on every shape (LLM_CUDA_WIDE_ITEMS=0). */
+ *     matmul_wide.cu on every shape (LLM_CUDA_WIDE_ITEMS=0);
+ *   - "mmq": batch 8-64, the path without matmul_mmq.cu against it;
+ *   - "route": batch 17-64, mq, matmul_wide.cu and matmul_mmq.cu each on
+ *     every shape, on the Q4_K_M matmuls of llama2-7b and llama3-8b (a
+ *     group of weights on one input as one weight of all their rows), in
+ *     Q4_K, Q5_K and Q6_K: the table LLM_CUDA_MM_ROUTE's choices come from. */
 struct cmp_spec {
-    const char *title, *env[2][4], *name[2]; /* per backend up to two NAME, VALUE pairs */
-    int32_t batches[4];
+    const char *title, *env[3][4], *name[3]; /* per backend up to two NAME, VALUE pairs */
+    int n_k;
+    int32_t batches[8];
     int n_b;
+    const int64_t (*shapes)[2]; /* rows, cols; NULL: the 7B layer shapes */
+    int n_s;
+    const enum dtype *types; /* NULL: Q8_0, Q4_0 and the K-quants */
+    int n_t;
 };
 static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
-    static const int64_t shapes[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
-    static const enum dtype types[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    static const int64_t shapes7b[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
+    static const enum dtype types_all[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    const int64_t(*shapes)[2] = c->shapes ? c->shapes : shapes7b;
+    const int n_s = c->shapes ? c->n_s : 4;
+    const enum dtype *types = c->types ? c->types : types_all;
+    const int n_t = c->types ? c->n_t : 5;
     const int32_t nmax = c->batches[c->n_b - 1];
-    backend *bes[2];
-    for (int m = 0; m < 2; m++) {
+    backend *bes[3];
+    for (int m = 0; m < c->n_k; m++) {
         for (int v = 0; v < 4 && c->env[m][v]; v += 2) setenv(c->env[m][v], c->env[m][v + 1], 1);
         char err[256];
         if (backend_cuda_init(&bes[m], device, err, sizeof err)) {
@@ -220,17 +236,18 @@ static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
     }
     backend *keep = be;
     printf("\n%s, us (%% of bw: weight + activation + output bytes)\n", c->title);
-    printf("%-6s %-13s %5s %10s %7s %10s %7s\n", "type", "rows x cols", "batch", c->name[0], "of bw", c->name[1],
-           "of bw");
-    for (int s = 0; s < 4; s++)
-        for (int k = 0; k < 5; k++) {
+    printf("%-6s %-13s %5s", "type", "rows x cols", "batch");
+    for (int m = 0; m < c->n_k; m++) printf(" %10s %7s", c->name[m], "of bw");
+    printf("%s\n", c->n_k > 2 ? "  fastest" : "");
+    for (int s = 0; s < n_s; s++)
+        for (int k = 0; k < n_t; k++) {
             int64_t R = shapes[s][0], C = shapes[s][1];
             size_t wbytes = dtype_row_bytes(types[k], C) * R;
             int n_w = (int)((512u << 20) / wbytes) + 1;
             if (n_w > 16) n_w = 16;
             void *hw = host_weight(types[k], R, C);
-            double t[2][4];
-            for (int m = 0; m < 2; m++) {
+            double t[3][8];
+            for (int m = 0; m < c->n_k; m++) {
                 be = bes[m];
                 struct backend_weight ws[16];
                 for (int i = 0; i < n_w; i++)
@@ -247,14 +264,19 @@ static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
             free(hw);
             for (int b = 0; b < c->n_b; b++) {
                 double bytes = (double)wbytes + 4.0 * c->batches[b] * (C + R);
-                printf("%-6s %5lldx%-7lld %5d %10.1f %6.1f%% %10.1f %6.1f%%\n", dtype_name(types[k]), (long long)R,
-                       (long long)C, c->batches[b], t[0][b] * 1e6, 100.0 * bytes / t[0][b] / bw, t[1][b] * 1e6,
-                       100.0 * bytes / t[1][b] / bw);
+                int best = 0;
+                printf("%-6s %5lldx%-7lld %5d", dtype_name(types[k]), (long long)R, (long long)C, c->batches[b]);
+                for (int m = 0; m < c->n_k; m++) {
+                    printf(" %10.1f %6.1f%%", t[m][b] * 1e6, 100.0 * bytes / t[m][b] / bw);
+                    if (t[m][b] < t[best][b]) best = m;
+                }
+                if (c->n_k > 2) printf("  %s", c->name[best]);
+                printf("\n");
             }
             fflush(stdout);
         }
     be = keep;
-    for (int m = 0; m < 2; m++) backend_free(bes[m]);
+    for (int m = 0; m < c->n_k; m++) backend_free(bes[m]);
 }
 
 /* F16 GEMM rate: 8192 x 8192 weight, 4096 tokens, through backend_matmul;
@@ -528,17 +550,33 @@ int main(int argc, char **argv) {
     backend_dealloc(be, ca.b);
     static const struct cmp_spec gemv = {"matmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv",
                                          {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
-                                         {"mq", "gemv"}, {1, 2, 4}, 3};
+                                         {"mq", "gemv"}, 2, {1, 2, 4}, 3, NULL, 0, NULL, 0};
     static const struct cmp_spec wide = {"matmul batch 17-64, mq vs matmul_wide (pipelined, stream-K)",
                                          {{"LLM_CUDA_WIDE", "0"},
                                           {"LLM_CUDA_WIDE_ITEMS", "0"}},
-                                         {"mq", "wide"}, {17, 32, 48, 64}, 4};
+                                         {"mq", "wide"}, 2, {17, 32, 48, 64}, 4, NULL, 0, NULL, 0};
     static const struct cmp_spec mmq = {"matmul batch 8-64, the other kernels vs matmul_mmq (int8 tensor cores)",
                                         {{"LLM_CUDA_MMQ_MIN", "0"}, {"LLM_CUDA_MMQ_MIN", "1"}},
-                                        {"before", "mmq"}, {8, 16, 32, 64}, 4};
+                                        {"before", "mmq"}, 2, {8, 16, 32, 64}, 4, NULL, 0, NULL, 0};
+    /* llama2-7b: q/k/v, o, gate/up, down; llama3-8b the same. */
+    static const int64_t route_shapes[8][2] = {{12288, 4096}, {4096, 4096}, {22016, 4096}, {4096, 11008},
+                                               {6144, 4096},  {28672, 4096}, {4096, 14336}, {128256, 4096}};
+    static const enum dtype route_types[3] = {DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    static const struct cmp_spec route = {"matmul batch 17-64, mq vs matmul_wide vs matmul_mmq, llama2-7b and "
+                                          "llama3-8b shapes",
+                                          {{"LLM_CUDA_WIDE", "0", "LLM_CUDA_MMQ_MIN", "0"},
+                                           {"LLM_CUDA_WIDE_ITEMS", "0", "LLM_CUDA_MMQ_MIN", "0"},
+                                           {"LLM_CUDA_MMQ_MIN", "1"}},
+                                          {"mq", "wide", "mmq"}, 3, {17, 24, 32, 40, 48, 56, 64}, 7,
+                                          route_shapes, 8, route_types, 3};
     const char *mode = argc > 2 ? argv[2] : "";
-    if (strcmp(mode, "gemv") == 0 || strcmp(mode, "wide") == 0 || strcmp(mode, "mmq") == 0) {
-        kernel_compare(device, bw, strcmp(mode, "gemv") == 0 ? &gemv : strcmp(mode, "wide") == 0 ? &wide : &mmq);
+    const struct cmp_spec *cmp = strcmp(mode, "gemv") == 0   ? &gemv
+                                 : strcmp(mode, "wide") == 0 ? &wide
+                                 : strcmp(mode, "mmq") == 0  ? &mmq
+                                 : strcmp(mode, "route") == 0 ? &route
+                                                              : NULL;
+    if (cmp) {
+        kernel_compare(device, bw, cmp);
         backend_free(be);
         return 0;
     }

@@ -27,8 +27,10 @@
 #            (ab.txt): llama2-7b Q4_K_M at context 512 and llama3-8b at
 #            2048, LLM_CUDA_MMQ_MIN=0 against the default (both packs),
 #            and LLM_CUDA_ROPE_ATT (sm_90)
-#   route    bench_gpu decode at 17-64 tokens, llama2-7b Q4_K_M at context 512
-#            and llama3-8b at 2048, the quantized matmuls routed as on sm_75
+#   route    bench_cuda route (mq, matmul_wide.cu and matmul_mmq.cu on each
+#            llama2-7b and llama3-8b matmul at 17-64 tokens), then bench_gpu
+#            decode at 17-64 tokens, llama2-7b Q4_K_M at context 512 and
+#            llama3-8b at 2048, the quantized matmuls routed as on sm_75
 #            against the card's own routing (LLM_CUDA_MM_ROUTE=auto,sm75),
 #            sm_90 pack
 #   gqa      bench_gpu, llama3-8b Q4_K_M at context 2048, batch 16 and 64,
@@ -180,6 +182,7 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
         echo "== ab: $(grep -c ' ms ' "$out/ab.txt") rows" >>"$summary"
         ;;
     route)
+        [ -n "$b90" ] && step route_kernels 300 "$b90/bench/bench_cuda" 0 route
         [ -n "$b90" ] && step route7b 280 "$b90/bench/bench_gpu" --shapes llama2-7b --types q4_k_m \
             --batches 17,24,32,48,64 --ctx 512 --ab LLM_CUDA_MM_ROUTE=auto,sm75 --tmpdir /tmp
         [ -n "$b90" ] && step route8b 280 "$b90/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \

@@ -70,11 +70,13 @@ struct cuda_ctx {
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
     int mmq_min;        /* matmul_mmq.cu, the int8 tensor-core kernel for K-quant weights, takes
-                         * mmq_min .. mmq_max tokens on weights (a group: together) of at least
-                         * mmq_rows rows, at 17-32 tokens mmq_rows_mid, above 32 mmq_rows_wide (0:
-                         * never; LLM_CUDA_MMQ_MIN forces min, 64 and any rows) */
-    int mmq_max;
-    int mmq_rows, mmq_rows_mid, mmq_rows_wide;
+                         * mmq_min .. mmq_max tokens (Q6_K to mmq_max_q6) on weights (a
+                         * group: together) of at least mmq_rows[r] rows and mmq_elems[r] elements
+                         * (rows x cols), r = 0 to 16 tokens, 1 at 17-32, 2 above (0: never;
+                         * LLM_CUDA_MMQ_MIN forces min, 64 and any weight) */
+    int mmq_max, mmq_max_q6;
+    int mmq_rows[3];
+    int64_t mmq_elems[3];
     int l2_ahead;       /* attention_gqa.cu's steps and matmul_mmq.cu's chunks asked of L2 this far
                          * ahead of their loads (0: never; LLM_CUDA_L2_AHEAD) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the

@@ -14,17 +14,17 @@
 #include <string.h>
 
 /* Where matmul_mmq.cu measured faster than the kernels it replaces (one
- * H200, both builds; docs/cuda-backend.md): weights of 8192 rows and more
- * from 8 tokens, to 16 on sm_80 and later, to 64 on sm_75; there the
- * 4096-row ones too from 33 tokens, where the others (mq) run F16
- * products at half the int8 rate; below, they stayed faster on mq and
- * matmul_mr.  On sm_80 and later every K-quant weight at 17-24 tokens,
- * three tiles of 8 where matmul_wide.cu computes 32 (llama2-7b and
- * llama3-8b steps of 24 tokens 5% faster); at 25-32 tokens, where
- * matmul_wide.cu wastes none, it is 4-5% slower. */
+ * H200, both builds; docs/cuda-backend.md, "Routing at 17-64 tokens"):
+ * weights of 8192 rows and more from 8 tokens to 16; from 17, every
+ * weight of 20M elements and more (not 4096 x 4096, where mq is faster
+ * at 17-32 tokens on every card and to 64 on sm_80 and later); on sm_75
+ * every K-quant weight from 33, where mq runs F16 products at half the
+ * int8 rate; on sm_80 and later Q6_K only to 24 tokens, where
+ * matmul_wide.cu takes over. */
 #define CUDA_MMQ_MIN_DEFAULT 8
 #define CUDA_MMQ_ROWS_DEFAULT 8192
-#define CUDA_MMQ_MAX_SM80 24
+#define CUDA_MMQ_ELEMS ((int64_t)20 << 20)
+#define CUDA_MMQ_MAX_Q6_SM80 24
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const char *const knobs_mm_route_choices[] = {"auto", "sm75", "sm80", NULL};
@@ -108,10 +108,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
         {"cuda-mm-route", "LLM_CUDA_MM_ROUTE", OPTION_CHOICE, "auto",
          "quantized matmuls at 8-64 tokens routed as the card's compute capability sets them (auto), "
-         "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 8-32 tokens and every "
-         "K-quant weight at 33-64, no matmul_wide.cu) or as on sm_80 and later (sm80: matmul_mmq.cu for "
-         "8192 rows at 8-16 and every K-quant weight at 17-24, matmul_wide.cu above where the card has "
-         "cp.async); the rest of the routing stays the card's; to compare",
+         "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 8-16 tokens, of 20M "
+         "elements at 17-32 and every K-quant weight at 33-64, no matmul_wide.cu) or as on sm_80 and "
+         "later (sm80: matmul_mmq.cu for 8192 rows at 8-16 tokens and weights of 20M elements from 17, "
+         "Q6_K only to 24 tokens, matmul_wide.cu for the rest where the card has cp.async); the rest of "
+         "the routing stays the card's; to compare",
          &k->mm_route, 0, 0, knobs_mm_route_choices},
         {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
          "dequantize a prefill weight's F16 tiles on a side stream while the matmul before runs "
@@ -215,11 +216,15 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mr = k->mr;
     /* matmul_mmq.cu's batches as sm_75 or sm_80+ set them (LLM_CUDA_MM_ROUTE). */
     const int mmq80 = k->mm_route == 0 ? ctx->cc >= 80 : k->mm_route == 2;
-    ctx->mmq_min = k->mmq_min >= 0 ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
-    ctx->mmq_max = k->mmq_min >= 0 ? CUDA_MATMUL_VEC_MAX : mmq80 ? CUDA_MMQ_MAX_SM80 : 64;
-    ctx->mmq_rows = k->mmq_min >= 0 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
-    ctx->mmq_rows_mid = k->mmq_min >= 0 || mmq80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
-    ctx->mmq_rows_wide = k->mmq_min >= 0 || !mmq80 ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    const int forced = k->mmq_min >= 0;
+    ctx->mmq_min = forced ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
+    ctx->mmq_max = forced ? CUDA_MATMUL_VEC_MAX : 64;
+    ctx->mmq_max_q6 = forced || !mmq80 ? ctx->mmq_max : CUDA_MMQ_MAX_Q6_SM80;
+    ctx->mmq_rows[0] = forced ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->mmq_rows[1] = ctx->mmq_rows[2] = 0;
+    ctx->mmq_elems[0] = 0;
+    ctx->mmq_elems[1] = forced ? 0 : CUDA_MMQ_ELEMS;
+    ctx->mmq_elems[2] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;
     ctx->l2_ahead = k->l2_ahead;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;

@@ -735,7 +735,8 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
 }
 
 extern "C" int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= ctx->mmq_max && n <= MMQ_NT_MAX &&
+    const int max = type == DTYPE_Q6_K ? ctx->mmq_max_q6 : ctx->mmq_max;
+    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= max && n <= MMQ_NT_MAX &&
            (type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K) && cols % 256 == 0 && cols <= INT32_MAX;
 }
 
@@ -747,10 +748,11 @@ extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const str
         if ((uintptr_t)g->w[s] % 16 != 0) return 0;
         rows += g->rows[s];
     }
-    /* Fewer rows than fill the GPU without splitting K far: the other
-     * kernels measured faster there (4096 x 4096 at every batch but
-     * sm_75's 33-64 tokens and sm_80's 17-24; knobs.c). */
-    return rows >= (n > 32 ? ctx->mmq_rows_wide : n > 16 ? ctx->mmq_rows_mid : ctx->mmq_rows);
+    /* Smaller weights than fill the GPU without splitting K far: the
+     * other kernels measured faster there (4096 x 4096 at every batch but
+     * sm_75's 33-64 tokens; knobs.c). */
+    const int r = n > 32 ? 2 : n > 16 ? 1 : 0;
+    return rows >= ctx->mmq_rows[r] && rows * cols >= ctx->mmq_elems[r];
 }
 
 extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,

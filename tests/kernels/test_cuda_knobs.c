@@ -34,6 +34,14 @@ static struct cuda_ctx k_ctx(int cc, int n_sms) {
     return ctx;
 }
 
+/* matmul_mmq.cu's least rows and elements (rows x cols) at up to 16, 17-32
+ * and 33-64 tokens. */
+#define MMQ_ELEMS ((int64_t)20 << 20)
+static int k_mmq_sizes(const struct cuda_ctx *c, int r0, int r1, int r2, int64_t e0, int64_t e1, int64_t e2) {
+    return c->mmq_rows[0] == r0 && c->mmq_rows[1] == r1 && c->mmq_rows[2] == r2 && c->mmq_elems[0] == e0 &&
+           c->mmq_elems[1] == e1 && c->mmq_elems[2] == e2;
+}
+
 /* Nothing set: the measured defaults, as cuda_ctx_init has always set them. */
 TEST(cuda_knobs_defaults) {
     k_clear_env();
@@ -69,12 +77,13 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
     ASSERT_EQ(64, h.mq_nt_max);
     ASSERT_EQ(1, h.mq_x_parts);
-    /* matmul_mmq.cu: weights of 8192 rows and more at 8-16 tokens, every
-     * K-quant weight at 17-24, none above. */
+    /* matmul_mmq.cu: weights of 8192 rows and more at 8-16 tokens, from
+     * 17 weights of 20M elements and more, Q4_K and Q5_K to 64 tokens,
+     * Q6_K to 24. */
     ASSERT_EQ(8, h.mmq_min);
-    ASSERT_EQ(24, h.mmq_max);
-    ASSERT_EQ(8192, h.mmq_rows);
-    ASSERT_EQ(0, h.mmq_rows_mid);
+    ASSERT_EQ(64, h.mmq_max);
+    ASSERT_EQ(24, h.mmq_max_q6);
+    ASSERT_TRUE(k_mmq_sizes(&h, 8192, 0, 0, 0, MMQ_ELEMS, MMQ_ELEMS));
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
     ASSERT_EQ(75, t.cc);
@@ -84,13 +93,12 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(5, t.ahead_sms);
     ASSERT_EQ(64, t.mq_nt_max); /* up to 64 tokens in two column parts */
     ASSERT_EQ(2, t.mq_x_parts);
-    /* sm_75: weights of 8192 rows and more at 8-32 tokens, every K-quant
-     * weight above. */
+    /* sm_75: weights of 8192 rows and more at 8-16 tokens, of 20M elements
+     * at 17-32, every K-quant weight above. */
     ASSERT_EQ(8, t.mmq_min);
     ASSERT_EQ(64, t.mmq_max);
-    ASSERT_EQ(8192, t.mmq_rows);
-    ASSERT_EQ(8192, t.mmq_rows_mid);
-    ASSERT_EQ(0, t.mmq_rows_wide);
+    ASSERT_EQ(64, t.mmq_max_q6);
+    ASSERT_TRUE(k_mmq_sizes(&t, 8192, 0, 0, 0, MMQ_ELEMS, 0));
     struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
     ASSERT_EQ(0, a.pdl);
     ASSERT_EQ(1, a.wide);
@@ -101,14 +109,14 @@ TEST(cuda_knobs_defaults) {
      * has cp.async); the rest stays the card's. */
     setenv("LLM_CUDA_MM_ROUTE", "sm75", 1);
     h = k_ctx(90, 132);
-    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_rows == 8192 && h.mmq_rows_mid == 8192 && h.mmq_rows_wide == 0);
+    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_max_q6 == 64 && k_mmq_sizes(&h, 8192, 0, 0, 0, MMQ_ELEMS, 0));
     ASSERT_TRUE(h.wide == 0 && h.pdl == 1 && h.att_k16 == 1 && h.mq_x_parts == 1);
     setenv("LLM_CUDA_MM_ROUTE", "sm80", 1);
     t = k_ctx(75, 40);
-    ASSERT_TRUE(t.mmq_max == 24 && t.mmq_rows == 8192 && t.mmq_rows_mid == 0 && t.mmq_rows_wide == 8192);
+    ASSERT_TRUE(t.mmq_max == 64 && t.mmq_max_q6 == 24 && k_mmq_sizes(&t, 8192, 0, 0, 0, MMQ_ELEMS, MMQ_ELEMS));
     ASSERT_TRUE(t.wide == 0 && t.pdl == 0 && t.att_k16 == 0 && t.mq_x_parts == 2);
     a = k_ctx(80, 108);
-    ASSERT_TRUE(a.mmq_max == 24 && a.wide == 1);
+    ASSERT_TRUE(a.mmq_max_q6 == 24 && a.wide == 1);
     unsetenv("LLM_CUDA_MM_ROUTE");
 }
 
@@ -137,7 +145,8 @@ TEST(cuda_knobs_spellings) {
     c = k_ctx(90, 132);
     ASSERT_EQ(17, c.mmq_min);
     ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max);
-    ASSERT_TRUE(c.mmq_rows == 0 && c.mmq_rows_mid == 0 && c.mmq_rows_wide == 0);
+    ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max_q6);
+    ASSERT_TRUE(k_mmq_sizes(&c, 0, 0, 0, 0, 0, 0));
     k_clear_env();
 
     setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
