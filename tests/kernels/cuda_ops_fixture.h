@@ -15,14 +15,9 @@
 #ifndef TESTS_KERNELS_CUDA_OPS_FIXTURE_H
 #define TESTS_KERNELS_CUDA_OPS_FIXTURE_H
 
-#include "../test.h"
-
-#include <stdint.h>
-#include <time.h>
+#include "cuda_test.h"
 
 #include "common/dtype.h"
-#include "common/status.h"
-#include "kernels/backend.h"
 
 /* ---- Fixture: both backends and everything one test allocates ----
  * fx_open releases what a failed previous test left, fx_close releases all
@@ -60,22 +55,12 @@ static inline void fx_close(void) {
     memset(&fx, 0, sizeof fx);
 }
 
-static uint64_t rng_state;
-
 static inline void fx_open(void) {
-    static int seeded;
-    if (!seeded) {
-        const char *env = getenv("LLM_TEST_SEED");
-        rng_state = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + 1;
-        printf("  random seed %llu (LLM_TEST_SEED repeats it)\n", (unsigned long long)rng_state);
-        seeded = 1;
-    }
+    rng_seed();
     fx_close();
+    cuda_test_open(&fx.gpu);
     char err[256];
-    int rc = backend_cuda_init(&fx.gpu, 0, err, sizeof err);
-    if (rc == STATUS_UNAVAILABLE || rc == STATUS_UNSUPPORTED) TEST_SKIP("CUDA backend unavailable: %s", err);
-    if (rc != STATUS_OK) TEST_FAIL("backend_cuda_init(0): %s", err);
-    rc = backend_cpu_init(&fx.cpu, 0, err, sizeof err);
+    int rc = backend_cpu_init(&fx.cpu, 0, err, sizeof err);
     if (rc != STATUS_OK) TEST_FAIL("backend_cpu_init: %s", err);
 }
 
@@ -87,16 +72,6 @@ static inline void *fx_host(size_t bytes) {
     return p;
 }
 
-/* ---- Random inputs (xorshift64*) ---- */
-
-static inline uint32_t rng_u32(void) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 2685821657736338717ull) >> 32);
-}
-static inline float rng_f(float lo, float hi) { return lo + (hi - lo) * (float)(rng_u32() >> 8) / 16777216.0f; }
-static inline int32_t rng_int(int32_t n) { return (int32_t)(rng_u32() % (uint32_t)n); }
 
 /* slots[0 .. n) = n distinct random cache slots below n_slots. */
 static inline void distinct_slots(int32_t *slots, int n, int32_t n_slots) {

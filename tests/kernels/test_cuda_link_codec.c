@@ -7,13 +7,8 @@
  * as the ZeroMQ link does.  Apart from test_cuda_ops.c, whose ops compare
  * two backends; this compares the GPU with worker/ code.  Without a GPU
  * (CI) every test skips and ctest reports the program skipped. */
-#include "../test.h"
+#include "cuda_test.h"
 
-#include <stdint.h>
-#include <time.h>
-
-#include "common/status.h"
-#include "kernels/backend.h"
 #include "worker/link.h"
 
 #if defined(LLM_HAVE_CUDA)
@@ -36,10 +31,7 @@ static void fx_close(void) {
 
 static void fx_open(void) {
     fx_close();
-    char err[256];
-    int rc = backend_cuda_init(&fx.gpu, 0, err, sizeof err);
-    if (rc == STATUS_UNAVAILABLE || rc == STATUS_UNSUPPORTED) TEST_SKIP("CUDA backend unavailable: %s", err);
-    if (rc != STATUS_OK) TEST_FAIL("backend_cuda_init(0): %s", err);
+    cuda_test_open(&fx.gpu);
 }
 
 static void *fx_dev(size_t bytes) {
@@ -47,16 +39,6 @@ static void *fx_dev(size_t bytes) {
     void *p = backend_alloc(fx.gpu, bytes);
     if (!p) TEST_FAIL("fixture: %zu device bytes: %s", bytes, backend_errstr(fx.gpu));
     return fx.dev[fx.n_dev++] = p;
-}
-
-static uint64_t rng_state;
-
-static float rng_f(float lo, float hi) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    uint32_t u = (uint32_t)((rng_state * 2685821657736338717ull) >> 32);
-    return lo + (hi - lo) * (float)(u >> 8) / 16777216.0f;
 }
 
 /* Row r of width w, by kind: random of one magnitude, zeros, ties, large,
@@ -131,9 +113,7 @@ static void check_width(size_t w, size_t rows) {
 
 TEST(cuda_link_codec_equals_host) {
     fx_open();
-    const char *env = getenv("LLM_TEST_SEED");
-    rng_state = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + 1;
-    printf("  random seed %llu (LLM_TEST_SEED repeats it)\n", (unsigned long long)rng_state);
+    rng_seed();
     /* odd widths (INT8 rows then start off any alignment), a block's
      * width, a model's, wider than a block's threads many times over */
     static const size_t widths[] = {1, 7, 64, 255, 333, 4096, 8195};

@@ -6,15 +6,11 @@
  * a relative 1e-5 of a boundary, where expf's last bit decides; logprobs
  * within 1e-4.  Without a GPU (CI) every test skips and ctest reports the
  * program skipped. */
-#include "../test.h"
+#include "cuda_test.h"
 
 #include <float.h>
-#include <stdint.h>
-#include <time.h>
 
 #include "common/sampling.h"
-#include "common/status.h"
-#include "kernels/backend.h"
 
 /* ---- Fixture ---- */
 
@@ -46,32 +42,13 @@ static void fx_close(void) {
     memset(&fx, 0, sizeof fx);
 }
 
-static uint64_t rng_state;
-
-static uint32_t rng_u32(void) {
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 2685821657736338717ull) >> 32);
-}
-static float rng_f(float lo, float hi) { return lo + (hi - lo) * (float)(rng_u32() >> 8) / 16777216.0f; }
-static int32_t rng_int(int32_t n) { return (int32_t)(rng_u32() % (uint32_t)n); }
-
 /* The GPU backend and buffers for n_rows rows of n_vocab logits. */
 static void fx_open(int32_t n_vocab, int32_t n_rows) {
-    static int seeded;
-    if (!seeded) {
-        const char *env = getenv("LLM_TEST_SEED");
-        rng_state = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + 1;
-        printf("  random seed %llu (LLM_TEST_SEED repeats it)\n", (unsigned long long)rng_state);
-        seeded = 1;
-    }
+    rng_seed();
     fx_close();
+    cuda_test_open(&fx.gpu);
     char err[256];
-    int rc = backend_cuda_init(&fx.gpu, 0, err, sizeof err);
-    if (rc == STATUS_UNAVAILABLE || rc == STATUS_UNSUPPORTED) TEST_SKIP("CUDA backend unavailable: %s", err);
-    if (rc != STATUS_OK) TEST_FAIL("backend_cuda_init(0): %s", err);
-    rc = sampler_init(&fx.smp, n_vocab, err, sizeof err);
+    int rc = sampler_init(&fx.smp, n_vocab, err, sizeof err);
     if (rc != STATUS_OK) TEST_FAIL("sampler_init(%d): %s", n_vocab, err);
     size_t n = (size_t)n_rows * n_vocab;
     fx.d_logits = backend_alloc(fx.gpu, n * sizeof(float));
