@@ -211,18 +211,14 @@ struct cmp_spec {
     int n_k;
     int32_t batches[8];
     int n_b;
-    const int64_t (*shapes)[2]; /* rows, cols; NULL: the 7B layer shapes */
+    const int64_t (*shapes)[2]; /* rows, cols */
     int n_s;
-    const enum dtype *types; /* NULL: Q8_0, Q4_0 and the K-quants */
+    const enum dtype *types;
     int n_t;
 };
 static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
-    static const int64_t shapes7b[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
-    static const enum dtype types_all[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
-    const int64_t(*shapes)[2] = c->shapes ? c->shapes : shapes7b;
-    const int n_s = c->shapes ? c->n_s : 4;
-    const enum dtype *types = c->types ? c->types : types_all;
-    const int n_t = c->types ? c->n_t : 5;
+    const int64_t(*shapes)[2] = c->shapes;
+    const enum dtype *types = c->types;
     const int32_t nmax = c->batches[c->n_b - 1];
     backend *bes[3];
     for (int m = 0; m < c->n_k; m++) {
@@ -239,8 +235,8 @@ static void kernel_compare(int device, double bw, const struct cmp_spec *c) {
     printf("%-6s %-13s %5s", "type", "rows x cols", "batch");
     for (int m = 0; m < c->n_k; m++) printf(" %10s %7s", c->name[m], "of bw");
     printf("%s\n", c->n_k > 2 ? "  fastest" : "");
-    for (int s = 0; s < n_s; s++)
-        for (int k = 0; k < n_t; k++) {
+    for (int s = 0; s < c->n_s; s++)
+        for (int k = 0; k < c->n_t; k++) {
             int64_t R = shapes[s][0], C = shapes[s][1];
             size_t wbytes = dtype_row_bytes(types[k], C) * R;
             int n_w = (int)((512u << 20) / wbytes) + 1;
@@ -548,20 +544,24 @@ int main(int argc, char **argv) {
     printf("copy bandwidth: %.1f GB/s (device-to-device, %zu MiB, read + write)\n", bw / 1e9, ca.bytes >> 20);
     backend_dealloc(be, ca.a);
     backend_dealloc(be, ca.b);
-    static const struct cmp_spec gemv = {"matmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv",
-                                         {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
-                                         {"mq", "gemv"}, 2, {1, 2, 4}, 3, NULL, 0, NULL, 0};
-    static const struct cmp_spec wide = {"matmul batch 17-64, mq vs matmul_wide (pipelined, stream-K)",
-                                         {{"LLM_CUDA_WIDE", "0"},
-                                          {"LLM_CUDA_WIDE_ITEMS", "0"}},
-                                         {"mq", "wide"}, 2, {17, 32, 48, 64}, 4, NULL, 0, NULL, 0};
-    static const struct cmp_spec mmq = {"matmul batch 8-64, the other kernels vs matmul_mmq (int8 tensor cores)",
-                                        {{"LLM_CUDA_MMQ_MIN", "0"}, {"LLM_CUDA_MMQ_MIN", "1"}},
-                                        {"before", "mmq"}, 2, {8, 16, 32, 64}, 4, NULL, 0, NULL, 0};
-    /* llama2-7b: q/k/v, o, gate/up, down; llama3-8b the same. */
+    /* The 7B layer shapes in every weight-reading type; llama2-7b's and
+     * llama3-8b's q/k/v, o, gate/up, down (and the 8B's output) in the
+     * K-quants of Q4_K_M and Q5_K_M. */
+    static const int64_t shapes7b[4][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}, {32000, 4096}};
+    static const enum dtype types_all[5] = {DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
     static const int64_t route_shapes[8][2] = {{12288, 4096}, {4096, 4096}, {22016, 4096}, {4096, 11008},
                                                {6144, 4096},  {28672, 4096}, {4096, 14336}, {128256, 4096}};
     static const enum dtype route_types[3] = {DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
+    static const struct cmp_spec gemv = {"matmul batch 1-4, tensor-core kernel (mq) vs matmul_gemv",
+                                         {{"LLM_CUDA_GEMV_MAX", "0"}, {"LLM_CUDA_GEMV_MAX", "4"}},
+                                         {"mq", "gemv"}, 2, {1, 2, 4}, 3, shapes7b, 4, types_all, 5};
+    static const struct cmp_spec wide = {"matmul batch 17-64, mq vs matmul_wide (pipelined, stream-K)",
+                                         {{"LLM_CUDA_WIDE", "0"},
+                                          {"LLM_CUDA_WIDE_ITEMS", "0"}},
+                                         {"mq", "wide"}, 2, {17, 32, 48, 64}, 4, shapes7b, 4, types_all, 5};
+    static const struct cmp_spec mmq = {"matmul batch 8-64, the other kernels vs matmul_mmq (int8 tensor cores)",
+                                        {{"LLM_CUDA_MMQ_MIN", "0"}, {"LLM_CUDA_MMQ_MIN", "1"}},
+                                        {"before", "mmq"}, 2, {8, 16, 32, 64}, 4, shapes7b, 4, types_all, 5};
     static const struct cmp_spec route = {"matmul batch 17-64, mq vs matmul_wide vs matmul_mmq, llama2-7b and "
                                           "llama3-8b shapes",
                                           {{"LLM_CUDA_WIDE", "0", "LLM_CUDA_MMQ_MIN", "0"},

@@ -71,12 +71,12 @@ struct cuda_ctx {
      * changed the input or the scratch. */
     int mmq_min;        /* matmul_mmq.cu, the int8 tensor-core kernel for K-quant weights, takes
                          * mmq_min .. mmq_max tokens (Q6_K to mmq_max_q6) on weights (a
-                         * group: together) of at least mmq_rows[r] rows and mmq_elems[r] elements
-                         * (rows x cols), r = 0 to 16 tokens, 1 at 17-32, 2 above (0: never;
-                         * LLM_CUDA_MMQ_MIN forces min, 64 and any weight) */
+                         * group: together) of at least mmq_rows rows up to 16 tokens, of at least
+                         * mmq_elems[0] elements (rows x cols) at 17-32 and mmq_elems[1] above (0:
+                         * never; LLM_CUDA_MMQ_MIN forces min, 64 and any weight) */
     int mmq_max, mmq_max_q6;
-    int mmq_rows[3];
-    int64_t mmq_elems[3];
+    int mmq_rows;
+    int64_t mmq_elems[2];
     int l2_ahead;       /* attention_gqa.cu's steps and matmul_mmq.cu's chunks asked of L2 this far
                          * ahead of their loads (0: never; LLM_CUDA_L2_AHEAD) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the

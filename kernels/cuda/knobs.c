@@ -220,11 +220,9 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_min = forced ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
     ctx->mmq_max = forced ? CUDA_MATMUL_VEC_MAX : 64;
     ctx->mmq_max_q6 = forced || !mmq80 ? ctx->mmq_max : CUDA_MMQ_MAX_Q6_SM80;
-    ctx->mmq_rows[0] = forced ? 0 : CUDA_MMQ_ROWS_DEFAULT;
-    ctx->mmq_rows[1] = ctx->mmq_rows[2] = 0;
-    ctx->mmq_elems[0] = 0;
-    ctx->mmq_elems[1] = forced ? 0 : CUDA_MMQ_ELEMS;
-    ctx->mmq_elems[2] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;
+    ctx->mmq_rows = forced ? 0 : CUDA_MMQ_ROWS_DEFAULT;
+    ctx->mmq_elems[0] = forced ? 0 : CUDA_MMQ_ELEMS;
+    ctx->mmq_elems[1] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;
     ctx->l2_ahead = k->l2_ahead;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;

@@ -751,8 +751,8 @@ extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const str
     /* Smaller weights than fill the GPU without splitting K far: the
      * other kernels measured faster there (4096 x 4096 at every batch but
      * sm_75's 33-64 tokens; knobs.c). */
-    const int r = n > 32 ? 2 : n > 16 ? 1 : 0;
-    return rows >= ctx->mmq_rows[r] && rows * cols >= ctx->mmq_elems[r];
+    if (n <= 16) return rows >= ctx->mmq_rows;
+    return rows * cols >= ctx->mmq_elems[n > 32];
 }
 
 extern "C" int cuda_matmul_mmq(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,

@@ -34,12 +34,11 @@ static struct cuda_ctx k_ctx(int cc, int n_sms) {
     return ctx;
 }
 
-/* matmul_mmq.cu's least rows and elements (rows x cols) at up to 16, 17-32
- * and 33-64 tokens. */
+/* matmul_mmq.cu's least rows up to 16 tokens and elements (rows x cols)
+ * at 17-32 and 33-64. */
 #define MMQ_ELEMS ((int64_t)20 << 20)
-static int k_mmq_sizes(const struct cuda_ctx *c, int r0, int r1, int r2, int64_t e0, int64_t e1, int64_t e2) {
-    return c->mmq_rows[0] == r0 && c->mmq_rows[1] == r1 && c->mmq_rows[2] == r2 && c->mmq_elems[0] == e0 &&
-           c->mmq_elems[1] == e1 && c->mmq_elems[2] == e2;
+static int k_mmq_sizes(const struct cuda_ctx *c, int rows, int64_t e_mid, int64_t e_wide) {
+    return c->mmq_rows == rows && c->mmq_elems[0] == e_mid && c->mmq_elems[1] == e_wide;
 }
 
 /* Nothing set: the measured defaults, as cuda_ctx_init has always set them. */
@@ -83,7 +82,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(8, h.mmq_min);
     ASSERT_EQ(64, h.mmq_max);
     ASSERT_EQ(24, h.mmq_max_q6);
-    ASSERT_TRUE(k_mmq_sizes(&h, 8192, 0, 0, 0, MMQ_ELEMS, MMQ_ELEMS));
+    ASSERT_TRUE(k_mmq_sizes(&h, 8192, MMQ_ELEMS, MMQ_ELEMS));
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
     ASSERT_EQ(75, t.cc);
@@ -98,7 +97,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(8, t.mmq_min);
     ASSERT_EQ(64, t.mmq_max);
     ASSERT_EQ(64, t.mmq_max_q6);
-    ASSERT_TRUE(k_mmq_sizes(&t, 8192, 0, 0, 0, MMQ_ELEMS, 0));
+    ASSERT_TRUE(k_mmq_sizes(&t, 8192, MMQ_ELEMS, 0));
     struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
     ASSERT_EQ(0, a.pdl);
     ASSERT_EQ(1, a.wide);
@@ -109,11 +108,11 @@ TEST(cuda_knobs_defaults) {
      * has cp.async); the rest stays the card's. */
     setenv("LLM_CUDA_MM_ROUTE", "sm75", 1);
     h = k_ctx(90, 132);
-    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_max_q6 == 64 && k_mmq_sizes(&h, 8192, 0, 0, 0, MMQ_ELEMS, 0));
+    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_max_q6 == 64 && k_mmq_sizes(&h, 8192, MMQ_ELEMS, 0));
     ASSERT_TRUE(h.wide == 0 && h.pdl == 1 && h.att_k16 == 1 && h.mq_x_parts == 1);
     setenv("LLM_CUDA_MM_ROUTE", "sm80", 1);
     t = k_ctx(75, 40);
-    ASSERT_TRUE(t.mmq_max == 64 && t.mmq_max_q6 == 24 && k_mmq_sizes(&t, 8192, 0, 0, 0, MMQ_ELEMS, MMQ_ELEMS));
+    ASSERT_TRUE(t.mmq_max == 64 && t.mmq_max_q6 == 24 && k_mmq_sizes(&t, 8192, MMQ_ELEMS, MMQ_ELEMS));
     ASSERT_TRUE(t.wide == 0 && t.pdl == 0 && t.att_k16 == 0 && t.mq_x_parts == 2);
     a = k_ctx(80, 108);
     ASSERT_TRUE(a.mmq_max_q6 == 24 && a.wide == 1);
@@ -146,7 +145,7 @@ TEST(cuda_knobs_spellings) {
     ASSERT_EQ(17, c.mmq_min);
     ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max);
     ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max_q6);
-    ASSERT_TRUE(k_mmq_sizes(&c, 0, 0, 0, 0, 0, 0));
+    ASSERT_TRUE(k_mmq_sizes(&c, 0, 0, 0));
     k_clear_env();
 
     setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
