@@ -110,6 +110,20 @@ int zio_poll(struct zio_sock *const *socks, const short *events, short *revents,
  * default): block at once. */
 void zio_set_spin(struct zio_sock *s, int us);
 
+/* While a wait on s spins (zio_set_spin), keep the I/O thread of s's
+ * context zctx awake: every 50 us the waiting thread sends an empty
+ * message to itself through a pair of that context's sockets (an abstract
+ * Unix socket of a random name).  ZeroMQ's I/O thread takes every message
+ * off the network and is idle between a step's messages; on a virtual
+ * machine a vCPU idle past its halt polling sleeps, and waking it costs
+ * tens to hundreds of microseconds (docs/worker.md, "Polling before
+ * blocking").  The pair is used by the thread that waits on s, so only
+ * one thread may wait on s.  Returns 0 or a status (the reason in
+ * zio_errstr); the sockets close with s. */
+int zio_set_warm(struct zio_sock *s, void *zctx);
+/* The ticks of s's waits that came back through the I/O thread so far. */
+long zio_warm_ticks(const struct zio_sock *s);
+
 int zio_err(const struct zio_sock *s);
 const char *zio_errstr(const struct zio_sock *s);
 /* The underlying ZeroMQ socket, for options and calls not wrapped here. */

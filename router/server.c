@@ -279,6 +279,10 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
     zio_set_int(s->ws, ZMQ_SNDHWM, 100000);
     zio_set_int(s->ws, ZMQ_RCVHWM, 100000);
     zio_set_spin(s->ws, s->cfg.spin_us);
+    /* The results come through this context's I/O thread, idle while a
+     * pipeline's step runs: keep it awake while the loop spins. */
+    if (s->cfg.spin_us > 0 && zio_set_warm(s->ws, s->zctx) < 0)
+        LOG(LL_WARN, "--spin-us %d without warm ticks: %s", s->cfg.spin_us, zio_errstr(s->ws));
     /* A worker that restarts reconnects with the same routing id (its
      * worker_id): hand the id over to the new connection.  Not with keys:
      * any admitted peer could then take a live worker's connection by

@@ -108,6 +108,10 @@ int node_router_open(node *n, char *err, size_t errlen) {
     int rc = zio_sock_open(n->zctx, ZMQ_DEALER, &n->router, err, errlen);
     if (rc < 0) return rc;
     zio_set_spin(n->router, n->cfg.spin_us);
+    /* The plans come through this context's I/O thread: keep it awake
+     * while the io thread spins (a first stage idles most of a step). */
+    if (n->cfg.spin_us > 0 && zio_set_warm(n->router, n->zctx) < 0)
+        LOG(LL_WARN, "--spin-us %d without warm ticks: %s", n->cfg.spin_us, zio_errstr(n->router));
     /* The routing id names this process's connection: the worker id on a
      * plain router (which hands an id over to a restarted worker), the id
      * and this start's incarnation with keys, where the router refuses a

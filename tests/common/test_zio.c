@@ -207,6 +207,35 @@ TEST(zio_spin_then_block) {
     zpair_close(&p);
 }
 
+/* zio_set_warm: a spinning wait's ticks go round through the context's
+ * I/O thread and come back, and the wait still ends by its message or its
+ * timeout. */
+TEST(zio_spin_warm_ticks) {
+    struct zpair p;
+    zpair_open(&p);
+    struct zio_parts in = {0};
+    struct zio_sock *socks[1] = {p.router};
+    short ev[1] = {ZMQ_POLLIN}, rev[1];
+    zio_set_spin(p.router, 2000000);
+    ASSERT_OK(zio_set_warm(p.router, p.ctx));
+    ASSERT_OK(zio_set_warm(p.router, p.ctx)); /* a second call keeps the first pair */
+    ASSERT_EQ(0L, zio_warm_ticks(p.router));
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 300));
+    long after_poll = zio_warm_ticks(p.router);
+    if (after_poll < 1) TEST_FAIL("no tick came back in a 300 ms spin");
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 300));
+    if (zio_warm_ticks(p.router) <= after_poll) TEST_FAIL("no tick came back in the recv's 300 ms spin");
+    struct zdelayed d = {p.dealer, 5};
+    pthread_t th;
+    ASSERT_EQ(0, pthread_create(&th, NULL, zdelayed_send, &d));
+    ASSERT_OK(zio_recv(p.router, &in, 10000));
+    pthread_join(th, NULL);
+    ASSERT_EQ((size_t)2, in.n);
+    ASSERT_TRUE(memcmp(zio_parts_data(&in, 1), "late", 4) == 0);
+    zio_parts_free(&in);
+    zpair_close(&p);
+}
+
 TEST(zio_bad_endpoint_named) {
     char err[256];
     void *ctx = zmq_ctx_new();
@@ -360,5 +389,5 @@ TEST(zio_max_msg_size_drops_oversized_frames) {
 }
 
 TEST_MAIN(zio_multipart_roundtrip, zio_zero_copy_frames, zio_zero_copy_freed_on_failure,
-          zio_recv_timeout, zio_poll_ready, zio_spin_then_block, zio_bad_endpoint_named, zio_free_port_bindable,
+          zio_recv_timeout, zio_poll_ready, zio_spin_then_block, zio_spin_warm_ticks, zio_bad_endpoint_named, zio_free_port_bindable,
           zio_curve_admits_listed_keys_only, zio_max_msg_size_drops_oversized_frames)
