@@ -21,7 +21,7 @@
 #   timeline 1x1 and 1x2 at concurrency 1 with the router and workers at
 #            debug level: scripts/step-timeline.py's segments of a decode
 #            step (plan to each stage, each stage's phases, result back) in
-#            timeline.txt (1x1 alone on one GPU), once for each --spin-us
+#            timeline.txt (1x1 alone on one GPU), once for each entry (--spin-us)
 #            of LLM_SESSION_TIMELINE_SPINS (default "0")
 #   prefix   bench_cluster, 7B Q4_K_M, 1x1: 1,024-token shared prefix + 64
 #            distinct 32-token questions, 64 generated, concurrency 16, the
@@ -225,16 +225,18 @@ for what in $steps; do
         tl=1x1,1x2
         [ "$gpus" -ge 2 ] || { tl=1x1; note "timeline: one GPU, 1x1 only"; }
         : >"$out/timeline.txt"
+        i=0
         for s in ${LLM_SESSION_TIMELINE_SPINS:-0}; do
-            runs=$out/timeline-runs/spin$s
+            i=$((i + 1))
+            runs=$out/timeline-runs/$i-spin$s
             mkdir -p "$runs"
-            step "timeline_spin${s}_bench" 150 "$b90/bench/bench_cluster" --model "$model" --device auto --layouts $tl \
+            step "timeline_${i}_spin${s}_bench" 150 "$b90/bench/bench_cluster" --model "$model" --device auto --layouts $tl \
                 --concurrency 1 --requests 16 --prompt-tokens 128 --max-tokens 128 --log-level debug --up-timeout-s 120 \
                 --up-tries 1 --tmpdir "$tmp" --run-root "$runs" --router-args "--spin-us $s" --worker-args "--spin-us $s"
             for d in "$runs"/*/; do
                 [ -d "$d" ] && "$b90/router/llm-cluster" down --run-dir "$d" >/dev/null 2>&1
             done
-            echo "--spin-us $s" >>"$out/timeline.txt"
+            echo "run $i: --spin-us $s" >>"$out/timeline.txt"
             env -u LD_LIBRARY_PATH python3 scripts/step-timeline.py --tokens 1 "$runs"/1x* >>"$out/timeline.txt" 2>&1
         done
         tar -czf "$out/timeline-runs.tar.gz" -C "$out" timeline-runs 2>/dev/null && rm -rf "${out:?}/timeline-runs"
