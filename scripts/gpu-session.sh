@@ -8,7 +8,8 @@
 #            (LLM_CUDA_SM=75) from the 75-virtual pack: the T4's own code
 #   kv       bench_gpu, 7B Q4_K_M, decode at batch 1 and 64 with context 2048,
 #            F16 against Q8_0 KV, and the capacity line (16 GiB, context 2048)
-#   link     test_link (its two-GPU cases need two GPUs)
+#   link     test_link (its two-GPU cases need two GPUs) and test_node_stages
+#            (two workers chained over NCCL against the goldens: two GPUs)
 #   cluster  bench_cluster, 7B Q4_K_M, layouts 1x1,1x2,1x2s,2x1 at
 #            concurrency 64 and 128 (prompt 128, LLM_SESSION_GEN or 64
 #            generated), workers at their own sizing
@@ -196,6 +197,7 @@ for what in $steps; do
     link)
         [ -n "$b90" ] || continue
         step link 90 "$b90/tests/test_link"
+        [ -x "$b90/tests/test_node_stages" ] && step node_stages 120 "$b90/tests/test_node_stages"
         ;;
     c1)
         # What a second stage costs one stream: 1x1 and 1x2 in turn, twice,

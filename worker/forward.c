@@ -35,13 +35,13 @@ float *forward_input_buffer(stage *s) { return s->x; }
 
 /* Everything that could make a kernel read or write out of bounds is
  * refused here, before the step touches the cache. */
-static int forward_check(const stage *s, const struct forward_batch *batch, int32_t *n_tokens_out,
+static int forward_check(const stage *s, const struct forward_batch *batch, int need_input, int32_t *n_tokens_out,
                          char *err, size_t errlen) {
     const struct stage_config *c = &s->cfg;
     if (batch->n_seqs < 1 || batch->n_seqs > c->n_seqs_max)
         return status_fail(err, errlen, STATUS_BAD_INPUT, "step: %d sequences (this stage takes 1 to %d)",
                            batch->n_seqs, c->n_seqs_max);
-    if (!s->first && !batch->hidden_in)
+    if (need_input && !s->first && !batch->hidden_in)
         return status_fail(err, errlen, STATUS_BAD_INPUT,
                            "step: stage [%d, %d) needs the previous stage's hidden states",
                            c->layer_first, c->layer_last);
@@ -95,12 +95,6 @@ static int forward_check(const stage *s, const struct forward_batch *batch, int3
     *n_tokens_out = (int32_t)total;
     return STATUS_OK;
 }
-
-/* Offsets (in int32 entries) of the metadata sections of one step. */
-struct forward_meta {
-    int32_t ids, pos, slots, seq_tok0, seq_pos0, tables, rows, used;
-    int32_t max_blocks, max_ctx, n_rows;
-};
 
 /* fixed = 1 (a step replayed from a graph): block tables padded to the
  * stage's capacity and the context bound at n_ctx_max, so that the layout
@@ -308,13 +302,13 @@ static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, 
     return STATUS_OK;
 }
 
-int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
-                 size_t errlen) {
+/* The part of a step before its input rows (forward_begin), into s->pend. */
+static int forward_begin_part(stage *s, const struct forward_batch *batch, const struct forward_out *out,
+                              int need_input, char *err, size_t errlen) {
     backend *b = s->b;
-    const struct model_hparams *hp = &s->hp;
     int32_t T = 0, layer = -1;
-    if (out) out->n_logits = 0;
-    int rc = forward_check(s, batch, &T, err, errlen);
+    s->pend.on = 0;
+    int rc = forward_check(s, batch, need_input, &T, err, errlen);
     if (rc != STATUS_OK) return rc;
     /* The previous step's metadata upload may still read meta_host (an
      * asynchronous copy on a GPU) if that step ended without a download. */
@@ -323,14 +317,47 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
         s->unsynced = 0;
     }
     const int key = forward_graph_key(s, batch, out);
-    struct forward_meta mt;
-    forward_layout(s, batch, T, key >= 0, &mt);
-    int32_t *md = s->meta;
-    FORWARD_TRY(backend_upload(b, md, s->meta_host, (size_t)mt.used * sizeof(int32_t)), "metadata upload");
+    forward_layout(s, batch, T, key >= 0, &s->pend.mt);
+    FORWARD_TRY(backend_upload(b, s->meta, s->meta_host, (size_t)s->pend.mt.used * sizeof(int32_t)),
+                "metadata upload");
     if (batch->n_copies > 0) {
         rc = kvcache_copy_blocks(s->kv, batch->copies, batch->n_copies, err, errlen);
         if (rc != STATUS_OK) return rc;
     }
+    s->pend.on = 1;
+    s->pend.key = key;
+    s->pend.T = T;
+    s->pend.n_seqs = batch->n_seqs;
+    return STATUS_OK;
+}
+
+int forward_begin(stage *s, const struct forward_batch *batch, const struct forward_out *out, char *err,
+                  size_t errlen) {
+    return forward_begin_part(s, batch, out, 0, err, errlen);
+}
+
+void forward_cancel(stage *s) { s->pend.on = 0; }
+
+int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
+                 size_t errlen) {
+    backend *b = s->b;
+    const struct model_hparams *hp = &s->hp;
+    int32_t layer = -1;
+    if (out) out->n_logits = 0;
+    int rc;
+    if (s->pend.on && s->pend.n_seqs == batch->n_seqs) {
+        if (!s->first && !batch->hidden_in)
+            return status_fail(err, errlen, STATUS_BAD_INPUT,
+                               "step: stage [%d, %d) needs the previous stage's hidden states",
+                               s->cfg.layer_first, s->cfg.layer_last);
+    } else {
+        rc = forward_begin_part(s, batch, out, 1, err, errlen);
+        if (rc != STATUS_OK) return rc;
+    }
+    s->pend.on = 0;
+    const int key = s->pend.key;
+    const int32_t T = s->pend.T;
+    const struct forward_meta mt = s->pend.mt;
 
     const size_t dim = (size_t)hp->dim;
     if (!s->first && batch->hidden_in_backend) {

@@ -76,6 +76,20 @@ int32_t forward_logits_rows(const struct forward_batch *batch);
 int forward_step(stage *s, const struct forward_batch *batch, struct forward_out *out, char *err,
                  size_t errlen);
 
+/* The part of a step that needs no input rows: checks the batch (but for
+ * hidden_in), waits for the stage's previous step where that still reads
+ * the metadata buffer, and queues the step's metadata upload and block
+ * copies.  A stage after the first calls it before it asks its link for
+ * the input, so that none of this comes after the input's arrival on a
+ * GPU's stream; forward_step with the same batch (hidden_in set) and out
+ * then does the rest.  Without it forward_step does both parts.  Returns
+ * as forward_step does; on failure forward_step starts afresh. */
+int forward_begin(stage *s, const struct forward_batch *batch, const struct forward_out *out, char *err,
+                  size_t errlen);
+/* A step begun and then given up before forward_step (its input never
+ * came): the next forward_step starts afresh. */
+void forward_cancel(stage *s);
+
 /* The stage's output hidden states of the last step, [n_tokens, dim] F32 in
  * backend memory (valid until the next step): what a stage sends on.  When
  * forward_out.hidden was NULL the step was only queued: ops on the stage's

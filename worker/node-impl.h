@@ -155,7 +155,6 @@ struct node {
     int32_t target_ctx, kv_seqs; /* typical positions per sequence; sequences of it the KV holds */
     unsigned sized_auto;         /* enum sizing_auto: the limits chosen rather than given */
     float *hidden_in_host, *hidden_out_host; /* [n_tokens_max, dim] */
-    float *dev_in_f32;                       /* [n_tokens_max, dim] F32 backend memory */
     /* The last stage's sampling, one row per logits row: [max(n_tokens_max,
      * n_seqs_max)] (a speculative sequence has k + 1). */
     struct backend_sample_row *srows;

@@ -219,8 +219,11 @@ int node_input_recv(node *n, uint64_t step, int32_t T, struct forward_batch *bat
     size_t rows = (size_t)T * n->dim;
     int rc;
     if (link_on_device(n->rx)) {
-        rc = link_recv(n->rx, step, n->dev_in_f32, rows * sizeof(float));
-        batch->hidden_in = n->dev_in_f32;
+        /* Straight into the rows the step reads (the previous step's output,
+         * sent on before this receive on the same stream). */
+        float *in = forward_input_buffer(n->s);
+        rc = link_recv(n->rx, step, in, rows * sizeof(float));
+        batch->hidden_in = in;
         batch->hidden_in_backend = 1;
     } else {
         rc = link_recv(n->rx, step, n->hidden_in_host, rows * sizeof(float));

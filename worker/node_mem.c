@@ -96,10 +96,6 @@ static double node_mib(size_t bytes) { return bytes / (1024.0 * 1024.0); }
 /* ---- the stage and its buffers ------------------------------------------ */
 
 void node_buffers_free(node *n) {
-    if (n->b) {
-        if (n->dev_in_f32) backend_dealloc(n->b, n->dev_in_f32);
-    }
-    n->dev_in_f32 = NULL;
     free(n->hidden_in_host);
     free(n->hidden_out_host);
     free(n->srows);
@@ -184,14 +180,6 @@ static int node_buffers_init(node *n, char *err, size_t errlen) {
         snprintf(err, errlen, "out of host memory for the step buffers (%d rows of %d)",
                  n->n_tokens_max, n->dim);
         return STATUS_NO_MEMORY;
-    }
-    if (backend_is_gpu(n->b)) {
-        n->dev_in_f32 = backend_alloc(n->b, rows * sizeof(float));
-        if (!n->dev_in_f32) {
-            snprintf(err, errlen, "%s: no device memory for the link buffers: %s",
-                     backend_name(n->b), backend_errstr(n->b));
-            return STATUS_NO_MEMORY;
-        }
     }
     return STATUS_OK;
 }

@@ -638,19 +638,30 @@ static void node_step(node *n, const Llm__StepPlan *p, int64_t received_us) {
     }
     if (rc == STATUS_OK) rc = node_batch_build(n, p, &T, err, sizeof err);
     if (rc == STATUS_OK) rc = node_copies_run(n, p, err, sizeof err);
+    batch.seqs = n->fseqs;
+    batch.n_seqs = (int32_t)p->n_seqs;
+    struct forward_out out = {NULL, 0, !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL,
+                              last ? n->srows : NULL};
     if (rc == STATUS_OK && !first) {
+        /* What the step needs before its input, queued ahead of the
+         * receive: on a GPU nothing of it then waits behind the input on
+         * the stream.  The input is taken even when that failed, so that
+         * the link stays in step with the previous stage. */
+        char berr[256];
+        const int brc = forward_begin(n->s, &batch, &out, berr, sizeof berr);
         rc = node_input_recv(n, p->step_id, T, &batch, err, sizeof err);
         if (rc == LINK_SKIPPED) upstream_failed = 1;
+        if (rc == STATUS_OK && brc != STATUS_OK) {
+            rc = brc;
+            snprintf(err, sizeof err, "%s", berr);
+        }
+        if (rc != STATUS_OK) forward_cancel(n->s);
     }
     const int64_t t_input = node_now_us();
     int64_t t_queued = t_input;
     if (rc == STATUS_OK) {
-        batch.seqs = n->fseqs;
-        batch.n_seqs = (int32_t)p->n_seqs;
         if (last) node_sample_prepare(n, p);
         struct node_masks_arg ma = {n, p};
-        struct forward_out out = {NULL, 0, !last && !link_on_device(n->tx) ? n->hidden_out_host : NULL,
-                                  last ? n->srows : NULL};
         forward_set_before_sample(n->s, last && n->n_masks > 0 ? node_masks_compute : NULL, &ma);
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
         forward_set_before_sample(n->s, NULL, NULL);

@@ -16,6 +16,13 @@ struct stage_layer {
     float *bq, *bk, *bv; /* qwen2 biases (q_dim) / (kv_dim), F32 backend; NULL if none */
 };
 
+/* Offsets (in int32 entries) of the metadata sections of one step
+ * (forward.c). */
+struct forward_meta {
+    int32_t ids, pos, slots, seq_tok0, seq_pos0, tables, rows, used;
+    int32_t max_blocks, max_ctx, n_rows;
+};
+
 struct stage {
     backend *b;
     const model_file *m;
@@ -52,6 +59,13 @@ struct stage {
     int32_t *meta_host;/* host mirror (backend_host_alloc: page-locked on a GPU), uploaded once per step */
     size_t meta_cap;   /* int32 entries of meta and meta_host */
     int unsynced;      /* the last step ended without waiting for the backend */
+    /* forward_begin's part of the step forward_step finishes: its graph
+     * key (-1: op by op), rows, sequences and metadata layout. */
+    struct {
+        int on, key;
+        int32_t T, n_seqs;
+        struct forward_meta mt;
+    } pend;
     /* forward_set_before_sample: host work before the rows are sampled */
     void (*before_sample)(void *arg);
     void *before_sample_arg;
