@@ -345,7 +345,9 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     int32_t layer = -1;
     if (out) out->n_logits = 0;
     int rc;
-    if (s->pend.on && s->pend.n_seqs == batch->n_seqs) {
+    const int begun = s->pend.on && s->pend.n_seqs == batch->n_seqs;
+    s->pend.on = 0;
+    if (begun) {
         if (!s->first && !batch->hidden_in)
             return status_fail(err, errlen, STATUS_BAD_INPUT,
                                "step: stage [%d, %d) needs the previous stage's hidden states",
@@ -353,8 +355,8 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     } else {
         rc = forward_begin_part(s, batch, out, 1, err, errlen);
         if (rc != STATUS_OK) return rc;
+        s->pend.on = 0;
     }
-    s->pend.on = 0;
     const int key = s->pend.key;
     const int32_t T = s->pend.T;
     const struct forward_meta mt = s->pend.mt;

@@ -506,7 +506,9 @@ TEST(forward_shared_prefix_copy_on_write) {
 }
 
 /* Layers [0, k) and [k, n) as two stages chained through hidden states
- * (host copies and backend pointers) give the logits of one stage. */
+ * (host copies and backend pointers) give the logits of one stage, with
+ * the later stage's steps begun before their input (forward_begin) or
+ * not, and after a begun step given up (forward_cancel). */
 TEST(forward_two_stages_equal_one) {
     enum { LEN = 23 };
     struct fx f;
@@ -552,12 +554,25 @@ TEST(forward_two_stages_equal_one) {
             if (forward_step(sa, &ba, &oa, err, sizeof err) != 0) TEST_FAIL("stage a: %s", err);
             ASSERT_EQ(0, oa.n_logits);
             struct forward_batch bb = {&q, 1, NULL, 0, done == 0 ? hidden : forward_hidden(sa), done != 0};
+            struct forward_out ob = {got + (size_t)done * V, 0, NULL, NULL};
+            if (done > 0 && done % 3 == 0) {
+                /* As a worker does: the part before the input first. */
+                struct forward_batch early = {&q, 1, NULL, 0, NULL, 0};
+                if (forward_begin(sb, &early, &ob, err, sizeof err) != 0) TEST_FAIL("stage b, begin: %s", err);
+            } else if (done > 0 && done % 3 == 1) {
+                /* A step begun and given up (its input never came) leaves
+                 * nothing that the next step uses: this one's layout is
+                 * for position 0. */
+                struct forward_seq wrong = {ids, 1, 0, t.ids, t.n_ids, FORWARD_LOGITS_ALL};
+                struct forward_batch wb = {&wrong, 1, NULL, 0, NULL, 0};
+                if (forward_begin(sb, &wb, &ob, err, sizeof err) != 0) TEST_FAIL("stage b, begin: %s", err);
+                forward_cancel(sb);
+            }
             if (done > 0 && done % 2 == 0) {
                 /* As a transport would: rows written straight into b's input buffer. */
                 ASSERT_OK(backend_copy(f.b, forward_input_buffer(sb), forward_hidden(sa), sizeof(float) * (size_t)dim * n));
                 bb.hidden_in = forward_input_buffer(sb);
             }
-            struct forward_out ob = {got + (size_t)done * V, 0, NULL, NULL};
             if (forward_step(sb, &bb, &ob, err, sizeof err) != 0) TEST_FAIL("stage b: %s", err);
             ASSERT_EQ(n, ob.n_logits);
             done += n;
