@@ -289,6 +289,10 @@ for f in kv_bench cluster_bench c1_bench prefix_bench wait_prefix_bench wait_c1_
         grep -E "^\||^##" "$out/$f.log"
     fi
 done
+if ls "$out"/c1spin_*_*.json >/dev/null 2>&1; then
+    echo "=== c1spin: the second stage's cost (scripts/c1-cost.py)"
+    env -u LD_LIBRARY_PATH python3 scripts/c1-cost.py "$out"
+fi
 if [ -f "$out/timeline.txt" ]; then
     echo "=== timeline"
     cat "$out/timeline.txt"

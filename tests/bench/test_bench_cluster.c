@@ -151,17 +151,20 @@ TEST(sweep_prints_the_table_and_json) {
 /* At debug level the router and every stage log a line a step in the
  * host's monotonic clock, and scripts/step-timeline.py joins them by step
  * id: a 1x2 cluster's decode steps, each stage's phases, the trip each
- * way and the router's turn between a result and its next plan (the tool
- * behind the two-GPU second-stage cost, docs/cluster-bench.md). */
+ * way and the router's turn between a result and its next plan; and
+ * scripts/c1-cost.py reads the run's 1x1 and 1x2 rows as c1spin rounds
+ * (the tools behind the two-GPU second-stage cost, docs/cluster-bench.md). */
 TEST(timeline_joins_the_router_and_the_stages) {
     need_programs();
     if (system("python3 -c 'import statistics' >/dev/null 2>&1") != 0) TEST_SKIP("no python3");
     char root[256], cmd[1024];
     snprintf(root, sizeof root, "%s/test_bench_cluster.%d.runs", "/tmp", (int)getpid());
-    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x2", "--concurrency", "1",
+    char json[300];
+    snprintf(json, sizeof json, "%s/c1spin_0_1.json", root);
+    const char *args[] = {"--shape", "tiny", "--threads", "1", "--layouts", "1x1,1x2", "--concurrency", "1",
                           "--requests", "3", "--prompt-tokens", "16", "--max-tokens", "12", "--up-tries", "2",
-                          "--log-level", "debug", "--run-root", root, NULL};
-    int rc = run_bench(args, 60);
+                          "--log-level", "debug", "--run-root", root, "--json", json, NULL};
+    int rc = run_bench(args, 90);
     if (rc != 0) show_err();
     ASSERT_EQ(0, rc);
     snprintf(cmd, sizeof cmd, "python3 '%s/scripts/step-timeline.py' --tokens 1 '%s/1x2' 2>&1", LLM_SOURCE_DIR, root);
@@ -182,6 +185,22 @@ TEST(timeline_joins_the_router_and_the_stages) {
                           "result->router", "round trip", "router turn", "step interval"};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         if (!strstr(out, rows[i])) TEST_FAIL("step-timeline.py printed no \"%s\" row", rows[i]);
+    /* The same run as two rounds of gpu-session.sh's c1spin: c1-cost.py
+     * reads the 1x1 and 1x2 rows of each and prints the median cost. */
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s/c1spin_0_2.json' && python3 '%s/scripts/c1-cost.py' '%s' 2>&1", json, root,
+             LLM_SOURCE_DIR, root);
+    f = popen(cmd, "r");
+    ASSERT_TRUE(f != NULL);
+    len = fread(out, 1, sizeof out - 1, f);
+    out[len] = '\0';
+    st = pclose(f);
+    printf("%s", out);
+    ASSERT_EQ(0, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    double by_tok = 0.0, by_itl = 0.0;
+    p = strstr(out, "--spin-us 0     median of 2 rounds: ");
+    ASSERT_TRUE(p != NULL && sscanf(p, "--spin-us 0     median of 2 rounds: %lf%% by tok/s, %lf%% by ITL p50", &by_tok,
+                                    &by_itl) == 2);
+    ASSERT_TRUE(by_tok > -100.0 && by_tok < 100.0 && by_itl > -100.0);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     ASSERT_EQ(0, system(cmd));
     unlink(out_path);
