@@ -33,6 +33,15 @@ void forward_set_before_sample(stage *s, void (*fn)(void *arg), void *arg) {
 const float *forward_hidden(const stage *s) { return s->x; }
 float *forward_input_buffer(stage *s) { return s->x; }
 
+/* A stage after the first runs on the previous stage's rows. */
+static int forward_check_input(const stage *s, const struct forward_batch *batch, char *err, size_t errlen) {
+    if (!s->first && !batch->hidden_in)
+        return status_fail(err, errlen, STATUS_BAD_INPUT,
+                           "step: stage [%d, %d) needs the previous stage's hidden states", s->cfg.layer_first,
+                           s->cfg.layer_last);
+    return STATUS_OK;
+}
+
 /* Everything that could make a kernel read or write out of bounds is
  * refused here, before the step touches the cache. */
 static int forward_check(const stage *s, const struct forward_batch *batch, int need_input, int32_t *n_tokens_out,
@@ -41,10 +50,10 @@ static int forward_check(const stage *s, const struct forward_batch *batch, int 
     if (batch->n_seqs < 1 || batch->n_seqs > c->n_seqs_max)
         return status_fail(err, errlen, STATUS_BAD_INPUT, "step: %d sequences (this stage takes 1 to %d)",
                            batch->n_seqs, c->n_seqs_max);
-    if (need_input && !s->first && !batch->hidden_in)
-        return status_fail(err, errlen, STATUS_BAD_INPUT,
-                           "step: stage [%d, %d) needs the previous stage's hidden states",
-                           c->layer_first, c->layer_last);
+    if (need_input) {
+        int rc = forward_check_input(s, batch, err, errlen);
+        if (rc != STATUS_OK) return rc;
+    }
     int64_t total = 0;
     for (int32_t i = 0; i < batch->n_seqs; i++) {
         const struct forward_seq *q = &batch->seqs[i];
@@ -347,16 +356,9 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     int rc;
     const int begun = s->pend.on && s->pend.n_seqs == batch->n_seqs;
     s->pend.on = 0;
-    if (begun) {
-        if (!s->first && !batch->hidden_in)
-            return status_fail(err, errlen, STATUS_BAD_INPUT,
-                               "step: stage [%d, %d) needs the previous stage's hidden states",
-                               s->cfg.layer_first, s->cfg.layer_last);
-    } else {
-        rc = forward_begin_part(s, batch, out, 1, err, errlen);
-        if (rc != STATUS_OK) return rc;
-        s->pend.on = 0;
-    }
+    rc = begun ? forward_check_input(s, batch, err, errlen) : forward_begin_part(s, batch, out, 1, err, errlen);
+    s->pend.on = 0;
+    if (rc != STATUS_OK) return rc;
     const int key = s->pend.key;
     const int32_t T = s->pend.T;
     const struct forward_meta mt = s->pend.mt;
