@@ -353,11 +353,9 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     const struct model_hparams *hp = &s->hp;
     int32_t layer = -1;
     if (out) out->n_logits = 0;
-    int rc;
     const int begun = s->pend.on && s->pend.n_seqs == batch->n_seqs;
-    s->pend.on = 0;
-    rc = begun ? forward_check_input(s, batch, err, errlen) : forward_begin_part(s, batch, out, 1, err, errlen);
-    s->pend.on = 0;
+    int rc = begun ? forward_check_input(s, batch, err, errlen) : forward_begin_part(s, batch, out, 1, err, errlen);
+    s->pend.on = 0; /* used once, failed or not */
     if (rc != STATUS_OK) return rc;
     const int key = s->pend.key;
     const int32_t T = s->pend.T;
