@@ -446,6 +446,38 @@ static H_UNUSED void h_keys_make(struct cluster *cl) {
     unsetenv("LLM_INSECURE");
 }
 
+/* Two loopback endpoints on ports free now. */
+static H_UNUSED void h_pick_ports(char *client_ep, char *worker_ep, size_t size) {
+    int p1, p2;
+    char err[256];
+    if (zio_free_port(NULL, &p1, err, sizeof err) != 0 || zio_free_port(NULL, &p2, err, sizeof err) != 0)
+        TEST_FAIL("free port: %s", err);
+    snprintf(client_ep, size, "tcp://127.0.0.1:%d", p1);
+    snprintf(worker_ep, size, "tcp://127.0.0.1:%d", p2);
+}
+
+/* 1 once router p has bound its sockets (its "clients on ..." line); 0
+ * when it exited because a port was taken meanwhile (bind: Address already
+ * in use), for the caller to try other ports; any other exit, or no line
+ * within 30 s, fails the test with the logs. */
+static H_UNUSED int h_router_bound(struct cluster *cl, struct h_proc *p) {
+    int64_t end = h_now_ms() + 30000;
+    for (;;) {
+        char *log = test_read_file(p->log, NULL);
+        int bound = log && strstr(log, "clients on ") != NULL;
+        int taken = log && strstr(log, "Address already in use") != NULL;
+        free(log);
+        if (bound) return 1;
+        int st;
+        if (h_proc_exited(p, &st)) {
+            if (taken) return 0;
+            H_FAIL(cl, "%s exited (status 0x%x) before it bound its ports", p->name, st);
+        }
+        if (h_now_ms() > end) H_FAIL(cl, "%s did not bind its ports within 30 s", p->name);
+        h_sleep_ms(10);
+    }
+}
+
 /* Starts Redis, the router and pipelines x stages workers and waits (60 s at
  * most) until every pipeline is ready.  Extra words go on the router's and
  * every worker's command line. */
@@ -472,25 +504,31 @@ static H_UNUSED struct cluster *h_cluster_start_routers(const char *model, int p
     snprintf(cl->worker_extra, sizeof cl->worker_extra, "%s", worker_extra ? worker_extra : "");
     cl->insecure = strstr(cl->router_extra, "--insecure") != NULL;
     h_keys_make(cl);
-    int p1, p2;
-    char err[256];
-    if (zio_free_port(NULL, &p1, err, sizeof err) != 0 || zio_free_port(NULL, &p2, err, sizeof err) != 0)
-        TEST_FAIL("free port: %s", err);
-    snprintf(cl->client_ep, sizeof cl->client_ep, "tcp://127.0.0.1:%d", p1);
-    snprintf(cl->worker_ep, sizeof cl->worker_ep, "tcp://127.0.0.1:%d", p2);
     cl->n_routers = n_routers > 1 ? 2 : 1;
-    if (cl->n_routers > 1) {
-        if (zio_free_port(NULL, &p1, err, sizeof err) != 0 || zio_free_port(NULL, &p2, err, sizeof err) != 0)
-            TEST_FAIL("free port: %s", err);
-        snprintf(cl->client_ep2, sizeof cl->client_ep2, "tcp://127.0.0.1:%d", p1);
-        snprintf(cl->worker_ep2, sizeof cl->worker_ep2, "tcp://127.0.0.1:%d", p2);
-    }
     cl->zctx = zmq_ctx_new();
     /* Each client holds a socket and its monitor's pair (and closed ones
      * linger briefly): hundreds of clients pass ZeroMQ's default 1023. */
     zmq_ctx_set(cl->zctx, ZMQ_MAX_SOCKETS, 8192);
-    h_start_router(cl);
-    if (cl->n_routers > 1) h_start_router2(cl);
+    /* A port found free can be taken by another test's process before the
+     * router binds it (ctest runs tests side by side): new ports then. */
+    for (int tries = 1;; tries++) {
+        char log[400];
+        snprintf(log, sizeof log, "%s/router.log", cl->dir);
+        unlink(log); /* a retry's log starts afresh (they append) */
+        snprintf(log, sizeof log, "%s/router2.log", cl->dir);
+        unlink(log);
+        h_pick_ports(cl->client_ep, cl->worker_ep, sizeof cl->client_ep);
+        if (cl->n_routers > 1) h_pick_ports(cl->client_ep2, cl->worker_ep2, sizeof cl->client_ep2);
+        h_start_router(cl);
+        int up = h_router_bound(cl, &cl->router);
+        if (up && cl->n_routers > 1) {
+            h_start_router2(cl);
+            up = h_router_bound(cl, &cl->router2);
+            if (!up) h_proc_kill(&cl->router, SIGTERM);
+        }
+        if (up) break;
+        if (tries == 3) H_FAIL(cl, "the router could not bind its ports in %d tries", tries);
+    }
     for (int p = 0; p < pipelines; p++)
         for (int s = 0; s < stages; s++) h_start_worker(cl, cl->n_workers, p, s);
     h_wait_ready(cl, pipelines, 0, 60000);
