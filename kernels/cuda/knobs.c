@@ -14,14 +14,15 @@
 #include <string.h>
 
 /* Where matmul_mmq.cu measured faster than the kernels it replaces (one
- * H200, both builds; docs/cuda-backend.md, "Routing at 17-64 tokens"):
- * weights of 8192 rows and more from 8 tokens to 16; from 17, every
+ * H200, both builds; docs/cuda-backend.md, "Routing at 17-64 tokens" and
+ * "3-16 tokens"): weights of 8192 rows and more from 3 tokens to 16 (at
+ * 1-2 the dp4a kernel of matmul_gemv.cu comes first); from 17, every
  * weight of 20M elements and more (not 4096 x 4096, where mq is faster
  * at 17-32 tokens on every card and to 64 on sm_80 and later); on sm_75
  * every K-quant weight from 33, where mq runs F16 products at half the
  * int8 rate; on sm_80 and later Q6_K only to 24 tokens, where
  * matmul_wide.cu takes over. */
-#define CUDA_MMQ_MIN_DEFAULT 8
+#define CUDA_MMQ_MIN_DEFAULT 3
 #define CUDA_MMQ_ROWS_DEFAULT 8192
 #define CUDA_MMQ_ELEMS ((int64_t)20 << 20)
 #define CUDA_MMQ_MAX_Q6_SM80 24
@@ -108,9 +109,9 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
         {"cuda-mm-route", "LLM_CUDA_MM_ROUTE", OPTION_CHOICE, "auto",
          "quantized matmuls at 8-64 tokens routed as the card's compute capability sets them (auto), "
-         "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 8-16 tokens, of 20M "
+         "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 3-16 tokens, of 20M "
          "elements at 17-32 and every K-quant weight at 33-64, no matmul_wide.cu) or as on sm_80 and "
-         "later (sm80: matmul_mmq.cu for 8192 rows at 8-16 tokens and weights of 20M elements from 17, "
+         "later (sm80: matmul_mmq.cu for 8192 rows at 3-16 tokens and weights of 20M elements from 17, "
          "Q6_K only to 24 tokens, matmul_wide.cu for the rest where the card has cp.async); the rest of "
          "the routing stays the card's; to compare",
          &k->mm_route, 0, 0, knobs_mm_route_choices},

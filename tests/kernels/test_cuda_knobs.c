@@ -76,10 +76,10 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
     ASSERT_EQ(64, h.mq_nt_max);
     ASSERT_EQ(1, h.mq_x_parts);
-    /* matmul_mmq.cu: weights of 8192 rows and more at 8-16 tokens, from
+    /* matmul_mmq.cu: weights of 8192 rows and more at 3-16 tokens, from
      * 17 weights of 20M elements and more, Q4_K and Q5_K to 64 tokens,
      * Q6_K to 24. */
-    ASSERT_EQ(8, h.mmq_min);
+    ASSERT_EQ(3, h.mmq_min);
     ASSERT_EQ(64, h.mmq_max);
     ASSERT_EQ(24, h.mmq_max_q6);
     ASSERT_TRUE(k_mmq_sizes(&h, 8192, MMQ_ELEMS, MMQ_ELEMS));
@@ -92,9 +92,9 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(5, t.ahead_sms);
     ASSERT_EQ(64, t.mq_nt_max); /* up to 64 tokens in two column parts */
     ASSERT_EQ(2, t.mq_x_parts);
-    /* sm_75: weights of 8192 rows and more at 8-16 tokens, of 20M elements
+    /* sm_75: weights of 8192 rows and more at 3-16 tokens, of 20M elements
      * at 17-32, every K-quant weight above. */
-    ASSERT_EQ(8, t.mmq_min);
+    ASSERT_EQ(3, t.mmq_min);
     ASSERT_EQ(64, t.mmq_max);
     ASSERT_EQ(64, t.mmq_max_q6);
     ASSERT_TRUE(k_mmq_sizes(&t, 8192, MMQ_ELEMS, 0));
