@@ -123,7 +123,7 @@ static int bc_attention(backend *b, float *out, const float *q, const struct bac
     struct cuda_attn_args a = bc_attn_args(out, q, kv, batch, n_heads, scale);
     return cuda_attention(ctx_fresh(b), &a);
 }
-/* Decode batches of 1-4 rows (1-16 without groups): rope, the cache write
+/* Decode batches of 1-4 rows (1-8 without groups): rope, the cache write
  * and attention in one launch (rope_attention.cu); the rest run the two
  * ops. */
 static int bc_rope_kv_attention(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,

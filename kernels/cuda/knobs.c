@@ -88,7 +88,7 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->att_steps, 1, 2, NULL},
         {"cuda-rope-att", "LLM_CUDA_ROPE_ATT", OPTION_INT, "-1",
          "most decode rows whose rope, cache write and attention run as one launch, grouped heads or "
-         "not (0: never; -1: 4 with groups, 16 without, where it measured faster), to compare",
+         "not (0: never; -1: 4 with groups, 8 without, where it measured faster), to compare",
          &k->rope_att, -1, 64, NULL},
         {"cuda-att-defer", "LLM_CUDA_ATT_DEFER", OPTION_INT, "4",
          "most decode rows whose attention slices a kernel of its own merges, leaving the o "
