@@ -94,7 +94,8 @@ attn_tests="cuda_ops_attention_gqa cuda_ops_attention_gqa_q8_0 cuda_ops_attentio
     cuda_ops_rope_kv_attention cuda_ops_attention_gqa_f16 cuda_ops_attention_shapes"
 matmul_tests="cuda_ops_matmul_mmq cuda_ops_matmul_q4_k cuda_ops_matmul_q5_k cuda_ops_matmul_q6_k
     cuda_ops_matmul_multi cuda_ops_matmul_swiglu cuda_ops_matmul_reuses_input_safely
-    cuda_ops_matmul_odd_width_and_tiles cuda_ops_matmul_wide cuda_ops_rmsnorm_feeds_matmul"
+    cuda_ops_matmul_odd_width_and_tiles cuda_ops_matmul_wide cuda_ops_rmsnorm_feeds_matmul
+    cuda_ops_rmsnorm_feeds_matmul_mmq"
 for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
     case $what in
     ops)

@@ -33,4 +33,49 @@ __device__ __forceinline__ void act_q8_block(float v, int lane, int64_t b, int8_
     }
 }
 
+/* matmul_mmq.cu's Q8K form (cuda_q8k_parts) of one 256-column chunk of
+ * one token, block b of the form (chunk s, token c of n: s * n + c), from
+ * src (the chunk's first column): a warp, lane L holding columns 8L .. 8L
+ * + 7.  The rounding is the CPU's (kernels/cpu/quant.c, q8_round of x *
+ * 127 / amax).  K8: Q4_K's and Q5_K's k order, else Q6_K's (the layouts:
+ * matmul_mmq.cu).  Shared by matmul_mmq.cu's own quantizing kernel and the
+ * norms that leave the form (rmsnorm.cu), so that both give the same bits. */
+template <bool K8>
+__device__ __forceinline__ void act_q8k_chunk(const float *__restrict__ src, int lane, size_t b,
+                                              int8_t *__restrict__ xq, float *__restrict__ xd,
+                                              int16_t *__restrict__ xb) {
+    const float4 v0 = ((const float4 *)(src + lane * 8))[0], v1 = ((const float4 *)(src + lane * 8))[1];
+    float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    float amax = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 8; u++) amax = fmaxf(amax, fabsf(v[u]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int q[8], sum = 0;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const float f = __fmul_rn(v[u], id);
+        q[u] = f >= 0.0f ? (int)(f + 0.5f) : -(int)(0.5f - f);
+        sum += q[u];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const uint32_t lo = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
+                        (uint32_t)(q[3] & 255) << 24,
+                   hi = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
+                        (uint32_t)(q[7] & 255) << 24;
+    if (K8) {
+        /* Columns 8L + u: block j = L / 4, t = L & 3. */
+        *(uint2 *)(xq + b * 256 + (lane & 3) * 64 + (lane >> 2) * 8) = make_uint2(lo, hi);
+    } else {
+        /* Columns 8L + u: m = L / 2, t = 2 (L & 1) + u / 4. */
+        uint32_t *dst = (uint32_t *)(xq + b * 256 + (lane & 1) * 128 + (lane >> 1) * 4);
+        dst[0] = lo;
+        dst[16] = hi;
+    }
+    if ((lane & 3) == 0) xb[b * 8 + lane / 4] = (int16_t)sum;
+    if (lane == 0) xd[b] = amax / 127.0f;
+}
+
 #endif

@@ -91,6 +91,19 @@ struct cuda_ctx {
     int64_t act_cols;
     int act_kind;
     void *act_scratch;
+    /* A second kept form: a norm's output as matmul_mmq.cu's Q8K8
+     * (rmsnorm.cu), at the top of the scratch from actq_lo, beside its F16
+     * form at the start, so that a matmul_mmq.cu group (q and k; gate and
+     * up) and a weight on another kernel (v) on the same input each find
+     * theirs.  Forgotten with the other, and when a scratch user asks for
+     * bytes past actq_lo.  mmq_seen: matmul_mmq.cu has run, so the norms
+     * make it. */
+    const float *actq_x;
+    int32_t actq_n;
+    int64_t actq_cols;
+    int actq_kind;
+    size_t actq_lo;
+    int mmq_seen;
     char *err;          /* where failures are described (the backend's errstr) */
     size_t errlen;
     char device_name[96];
@@ -122,13 +135,40 @@ static inline int cuda_act_reuse(struct cuda_ctx *ctx, int kind, const float *x,
     ctx->act_scratch = scratch;
     return 0;
 }
-static inline void cuda_act_forget(struct cuda_ctx *ctx) { ctx->act_kind = MATMUL_ACT_NONE; }
+static inline void cuda_act_forget(struct cuda_ctx *ctx) {
+    ctx->act_kind = MATMUL_ACT_NONE;
+    ctx->actq_kind = MATMUL_ACT_NONE;
+}
 /* Where in the scratch x (n x cols) is kept as kind (its start, or where
  * the op that made the form put it), else NULL; nothing recorded. */
 static inline const void *cuda_act_kept(const struct cuda_ctx *ctx, int kind, const float *x, int32_t n,
                                         int64_t cols) {
     return ctx->act_kind == kind && ctx->act_x == x && ctx->act_n == n && ctx->act_cols == cols ? ctx->act_scratch
                                                                                                  : NULL;
+}
+
+/* The second kept form (actq_*): where x (n x cols) is kept as kind, else
+ * NULL. */
+static inline void *cuda_actq_kept(const struct cuda_ctx *ctx, int kind, const float *x, int32_t n, int64_t cols) {
+    return ctx->actq_kind == kind && ctx->actq_x == x && ctx->actq_n == n && ctx->actq_cols == cols
+               ? (uint8_t *)ctx->scratch + ctx->actq_lo
+               : NULL;
+}
+
+/* matmul_mmq.cu's Q8K form of n tokens of cols (a multiple of 256): the
+ * codes xq, a scale per 256 columns xd and a 16-bit sum per 32 codes xb,
+ * each part 256-byte aligned from base; the bytes of all three. */
+static inline size_t cuda_q8k_align(size_t b) { return (b + 255) & ~(size_t)255; }
+static inline size_t cuda_q8k_bytes(int32_t n, int64_t cols) {
+    const size_t blocks = (size_t)n * (size_t)(cols / 256);
+    return cuda_q8k_align(blocks * 256) + cuda_q8k_align(blocks * 4) + cuda_q8k_align(blocks * 16);
+}
+static inline void cuda_q8k_parts(void *base, int32_t n, int64_t cols, int8_t **xq, float **xd, int16_t **xb) {
+    const size_t blocks = (size_t)n * (size_t)(cols / 256);
+    uint8_t *p = (uint8_t *)base;
+    *xq = (int8_t *)p;
+    *xd = (float *)(p + cuda_q8k_align(blocks * 256));
+    *xb = (int16_t *)(p + cuda_q8k_align(blocks * 256) + cuda_q8k_align(blocks * 4));
 }
 
 /* Record a failure in ctx->err and return code. */

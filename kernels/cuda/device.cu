@@ -166,6 +166,7 @@ extern "C" int cuda_sync(struct cuda_ctx *ctx) {
 }
 
 extern "C" void *cuda_scratch(struct cuda_ctx *ctx, size_t bytes) {
+    if (bytes > ctx->actq_lo) ctx->actq_kind = MATMUL_ACT_NONE; /* the caller writes over it */
     if (bytes <= ctx->scratch_bytes) return ctx->scratch;
     cuda_act_forget(ctx); /* a new buffer may come back at the same address */
     /* Queued ops may still read the old buffer. */

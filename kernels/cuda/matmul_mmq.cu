@@ -30,6 +30,7 @@
  * them in split order (an arrival counter per row block, reset by that
  * block), so the result is the same bits every run.  Several weights on
  * one input (q, k, v; gate and up) are one launch. */
+#include "act_q8.cuh"
 #include "common.cuh"
 #include "knobs.h"
 #include "matmul_group.cuh"
@@ -70,15 +71,7 @@ struct mmq_act {
     const int16_t *xb;
 };
 
-static size_t mmq_align(size_t b) { return (b + 255) & ~(size_t)255; }
-
-static size_t mmq_act_bytes(int32_t n, int64_t cols) {
-    const size_t blocks = (size_t)n * (size_t)(cols / 256);
-    return mmq_align(blocks * 256) + mmq_align(blocks * 4) + mmq_align(blocks * 16);
-}
-
-/* A warp per (chunk, token); lane L holds columns 8L .. 8L + 7 of it.  The
- * rounding is the CPU's (kernels/cpu/quant.c, q8_round of x * 127 / amax). */
+/* A warp per (chunk, token). */
 template <bool K8>
 __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict__ xq, float *__restrict__ xd,
                                  int16_t *__restrict__ xb, int n, int cols, int items) {
@@ -86,40 +79,7 @@ __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict
     const int item = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (item >= items) return;
     const int s = item / n, c = item % n;
-    const float4 *src = (const float4 *)(x + (size_t)c * cols + (size_t)s * 256 + lane * 8);
-    const float4 v0 = src[0], v1 = src[1];
-    float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-    float amax = 0.0f;
-#pragma unroll
-    for (int u = 0; u < 8; u++) amax = fmaxf(amax, fabsf(v[u]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int q[8], sum = 0;
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-        const float f = __fmul_rn(v[u], id);
-        q[u] = f >= 0.0f ? (int)(f + 0.5f) : -(int)(0.5f - f);
-        sum += q[u];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const size_t b = (size_t)s * n + c;
-    const uint32_t lo = (uint32_t)(q[0] & 255) | (uint32_t)(q[1] & 255) << 8 | (uint32_t)(q[2] & 255) << 16 |
-                        (uint32_t)(q[3] & 255) << 24,
-                   hi = (uint32_t)(q[4] & 255) | (uint32_t)(q[5] & 255) << 8 | (uint32_t)(q[6] & 255) << 16 |
-                        (uint32_t)(q[7] & 255) << 24;
-    if (K8) {
-        /* Columns 8L + u: block j = L / 4, t = L & 3. */
-        *(uint2 *)(xq + b * 256 + (lane & 3) * 64 + (lane >> 2) * 8) = make_uint2(lo, hi);
-    } else {
-        /* Columns 8L + u: m = L / 2, t = 2 (L & 1) + u / 4. */
-        uint32_t *dst = (uint32_t *)(xq + b * 256 + (lane & 1) * 128 + (lane >> 1) * 4);
-        dst[0] = lo;
-        dst[16] = hi;
-    }
-    if ((lane & 3) == 0) xb[b * 8 + lane / 4] = (int16_t)sum;
-    if (lane == 0) xd[b] = amax / 127.0f;
+    act_q8k_chunk<K8>(x + (size_t)c * cols + (size_t)s * 256, lane, (size_t)s * n + c, xq, xd, xb);
 }
 
 /* ---- Tensor-core products: the m16n8 tiles of the PTX ISA, a0/a2 row g,
@@ -700,22 +660,42 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
             a.part0[s] = part_floats;
             part_floats += (size_t)ks * n * g.rows[s];
         }
-    const size_t act_bytes = mmq_act_bytes(n, cols);
-    uint8_t *scr = (uint8_t *)cuda_scratch(ctx, act_bytes + part_floats * sizeof(float));
-    if (!scr) return STATUS_NO_MEMORY;
-    const size_t blocks = (size_t)n * n_sb;
-    a.a.xq = (const int8_t *)scr;
-    a.a.xd = (const float *)(scr + mmq_align(blocks * 256));
-    a.a.xb = (const int16_t *)(scr + mmq_align(blocks * 256) + mmq_align(blocks * 4));
-    a.part = ks > 1 ? (float *)(scr + act_bytes) : NULL;
+    const size_t act_bytes = cuda_q8k_bytes(n, cols), part_bytes = part_floats * sizeof(float);
     constexpr bool k8 = T != DTYPE_Q6_K;
-    if (!cuda_act_reuse(ctx, k8 ? MATMUL_ACT_Q8K8 : MATMUL_ACT_Q8K, x, n, cols, scr)) {
-        const int items = (int)blocks, per_block = 8;
-        CUDA_CHECK(ctx, cuda_launch(ctx, mmq_quant_kernel<k8>, dim3((unsigned)((items + per_block - 1) / per_block)),
-                                    dim3(per_block * 32), 0, x, (int8_t *)a.a.xq, (float *)a.a.xd,
-                                    (int16_t *)a.a.xb, n, (int)cols, items));
-        CUDA_CHECK(ctx, cudaGetLastError());
+    ctx->mmq_seen = 1;
+    /* A norm's Q8K8 form of x at the top of the scratch (rmsnorm.cu): the
+     * partial sums then go after x's F16 form, which a weight on another
+     * kernel (v beside q and k) may still read.  Partial sums that would
+     * reach the form forget it (cuda_scratch), and x is quantized here. */
+    const size_t f16_bytes = cuda_q8k_align((size_t)n * cols * 2);
+    uint8_t *scr = NULL, *kept = k8 ? (uint8_t *)cuda_actq_kept(ctx, MATMUL_ACT_Q8K8, x, n, cols) : NULL;
+    if (kept) {
+        scr = (uint8_t *)cuda_scratch(ctx, f16_bytes + part_bytes);
+        if (!scr) return STATUS_NO_MEMORY;
+        kept = (uint8_t *)cuda_actq_kept(ctx, MATMUL_ACT_Q8K8, x, n, cols);
     }
+    int8_t *xq;
+    float *xd;
+    int16_t *xb;
+    if (kept) {
+        cuda_q8k_parts(kept, n, cols, &xq, &xd, &xb);
+        a.part = ks > 1 ? (float *)(scr + f16_bytes) : NULL;
+    } else {
+        scr = (uint8_t *)cuda_scratch(ctx, act_bytes + part_bytes);
+        if (!scr) return STATUS_NO_MEMORY;
+        cuda_q8k_parts(scr, n, cols, &xq, &xd, &xb);
+        a.part = ks > 1 ? (float *)(scr + act_bytes) : NULL;
+        if (!cuda_act_reuse(ctx, k8 ? MATMUL_ACT_Q8K8 : MATMUL_ACT_Q8K, x, n, cols, scr)) {
+            const int items = n * n_sb, per_block = 8;
+            CUDA_CHECK(ctx, cuda_launch(ctx, mmq_quant_kernel<k8>,
+                                        dim3((unsigned)((items + per_block - 1) / per_block)), dim3(per_block * 32),
+                                        0, x, xq, xd, xb, n, (int)cols, items));
+            CUDA_CHECK(ctx, cudaGetLastError());
+        }
+    }
+    a.a.xq = xq;
+    a.a.xd = xd;
+    a.a.xb = xb;
     CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3((unsigned)(rbs * th), (unsigned)ks), dim3(MMQ_WARPS * 32), 0, a));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;

@@ -2,6 +2,7 @@
  * it in every layer (x += delta; out = rmsnorm(x) * w), one block per row:
  * a register-held vector kernel for rows a multiple of 4 wide, a plain
  * loop for the rest. */
+#include "act_q8.cuh"
 #include "common.cuh"
 
 #define RMSNORM_THREADS 256
@@ -87,7 +88,8 @@ __device__ __forceinline__ void rmsnorm_q8s(float4 v, float inv, float4 wv, int3
 template <int K>
 __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ x, const float *__restrict__ delta,
                                    const float *__restrict__ w, int32_t dim, float eps, fp16_t *__restrict__ out16,
-                                   int8_t *__restrict__ xq, float *__restrict__ xd, float *__restrict__ xs) {
+                                   int8_t *__restrict__ xq, float *__restrict__ xd, float *__restrict__ xs,
+                                   int8_t *__restrict__ kq, float *__restrict__ kd, int16_t *__restrict__ kb) {
     const int64_t row = blockIdx.x;
     const int32_t n4 = dim / 4;
     float4 *xr = (float4 *)(x + row * dim);
@@ -136,6 +138,15 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
         }
         if (xq) rmsnorm_q8s(v[k], inv, wv[k], i, n4, row, dim, xq, xd, xs);
     }
+    if (kq) {
+        /* matmul_mmq.cu's form of the row, a warp a chunk, from the output
+         * just written (the barrier makes the block's stores visible to it):
+         * the same input to the same arithmetic as its own kernel. */
+        __syncthreads();
+        for (int s = threadIdx.x / 32; s < dim / 256; s += blockDim.x / 32)
+            act_q8k_chunk<true>(out + row * dim + (size_t)s * 256, threadIdx.x % 32, (size_t)s * gridDim.x + row, kq,
+                                kd, kb);
+    }
 }
 
 static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const float *delta, const float *w,
@@ -149,14 +160,32 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
          * decode rows (1-2) as int8 blocks for the gemv kernels, which
          * then need no quantizing launch. */
         fp16_t *o16 = NULL;
-        int8_t *xq = NULL;
-        float *xd = NULL, *xs = NULL;
+        int8_t *xq = NULL, *kq = NULL;
+        float *xd = NULL, *xs = NULL, *kd = NULL;
+        int16_t *kb = NULL;
         if (n > 2) {
+            /* And up to 16 rows, once matmul_mmq.cu has run (which
+             * quantizes its input itself otherwise, a launch of its own),
+             * its Q8K8 form at the top of the scratch (cuda_actq_kept).  At
+             * 64 rows the quantizing in the norm's one block a row measured
+             * slower than the launch it saves (docs/cuda-backend.md). */
+            const bool q8k = ctx->mmq_seen && n <= 16 && dim % 256 == 0;
+            const size_t qb = q8k ? cuda_q8k_bytes(n, dim) : 0;
+            if (q8k && !cuda_scratch(ctx, cuda_q8k_align((size_t)n * dim * 2) + qb)) return STATUS_NO_MEMORY;
             uint16_t *x16 = NULL;
             int fresh = 0;
             int rc = cuda_gemm_act(ctx, out, n, dim, &x16, &fresh);
             if (rc != STATUS_OK) return rc;
             o16 = (fp16_t *)x16;
+            if (q8k) {
+                const size_t lo = (ctx->scratch_bytes - qb) & ~(size_t)255;
+                cuda_q8k_parts((uint8_t *)ctx->scratch + lo, n, dim, &kq, &kd, &kb);
+                ctx->actq_kind = MATMUL_ACT_Q8K8;
+                ctx->actq_x = out;
+                ctx->actq_n = n;
+                ctx->actq_cols = dim;
+                ctx->actq_lo = lo;
+            }
         } else if (dim % 64 == 0 && cuda_gemv_act_q8s(ctx, out, n, dim, &xq, &xd, &xs) != STATUS_OK) {
             /* No scratch for it: the norm goes on without; the matmul
              * quantizes its input itself (or reports the shortage). */
@@ -168,11 +197,11 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
         int threads = (n4 + k - 1) / k;
         threads = (threads + 31) / 32 * 32;
         void (*kernel)(float *, float *, const float *, const float *, int32_t, float, fp16_t *, int8_t *, float *,
-                       float *) =
+                       float *, int8_t *, float *, int16_t *) =
             k == 1 ? rmsnorm_vec_kernel<1> : k == 2 ? rmsnorm_vec_kernel<2> : k == 4 ? rmsnorm_vec_kernel<4>
                                                                                      : rmsnorm_vec_kernel<8>;
         const cudaError_t launch = cuda_launch(ctx, kernel, dim3(n), dim3(threads), 0, out, x, delta, w, dim, eps, o16,
-                                               xq, xd, xs);
+                                               xq, xd, xs, kq, kd, kb);
         if (launch != cudaSuccess) cuda_act_forget(ctx); /* the forms recorded above were not written */
         CUDA_CHECK(ctx, launch);
     } else {

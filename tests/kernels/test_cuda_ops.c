@@ -555,6 +555,75 @@ TEST(cuda_ops_rmsnorm_feeds_matmul) {
     }
 }
 
+/* Once matmul_mmq.cu has run, a norm of 3-16 rows also leaves its Q8K8
+ * form at the top of the scratch (rmsnorm.cu) beside the F16 form: q and k
+ * (4096 rows each of 2560, Q4_K: one matmul_mmq.cu group by the default
+ * routing at every token count here)
+ * then read the first and v (1024 rows, Q6_K: matmul_mr.cu to 16 rows,
+ * matmul_wide.cu or mq above) the second, the group's partial sums placed
+ * between them (40 rows: the group quantizes its input itself).  Against
+ * the CPU through add_rmsnorm and rmsnorm (the input changed under the same
+ * pointer), and the same bits as matmul_mmq.cu quantizing a copy of the
+ * norm's output itself. */
+TEST(cuda_ops_rmsnorm_feeds_matmul_mmq) {
+    mm_set_mode(MM_DEFAULT);
+    fx_open();
+    const int64_t dim = 2560, rows[3] = {4096, 4096, 1024};
+    const enum dtype types[3] = {DTYPE_Q4_K, DTYPE_Q4_K, DTYPE_Q6_K};
+    int wi[3];
+    for (int j = 0; j < 3; j++) wi[j] = load_weight(types[j], rand_weight(types[j], rows[j], dim), rows[j], dim);
+    const int32_t ns[5] = {3, 5, 12, 16, 40};
+    for (int ni = 0; ni < 5; ni++) {
+        const int32_t n = ns[ni];
+        struct dbuf x = dbuf_from(rand_f32((size_t)n * dim, -2, 2), (size_t)n * dim * 4);
+        struct dbuf dl = dbuf_from(rand_f32((size_t)n * dim, -1, 1), (size_t)n * dim * 4);
+        struct dbuf w1 = dbuf_from(rand_f32(dim, 0.5f, 1.5f), (size_t)dim * 4);
+        struct dbuf w2 = dbuf_from(rand_f32(dim, 0.1f, 3.0f), (size_t)dim * 4);
+        struct dbuf xn = dbuf_new((size_t)n * dim * 4), xc = dbuf_new((size_t)n * dim * 4);
+        struct dbuf out[3];
+        float *co[3], *go[3];
+        const struct backend_weight *cw[3], *gw[3];
+        for (int j = 0; j < 3; j++) {
+            out[j] = dbuf_new((size_t)n * rows[j] * 4);
+            co[j] = out[j].c;
+            go[j] = out[j].g;
+            cw[j] = &fx.cw[wi[j]];
+            gw[j] = &fx.gw[wi[j]];
+        }
+        float *first = fx_host((size_t)n * rows[0] * 4), *again = fx_host((size_t)n * rows[0] * 4);
+        for (int round = 0; round < 3; round++) {
+            for (int j = 0; j < 3; j++) dbuf_poison(out[j]);
+            if (round == 1) {
+                ASSERT_OK(backend_rmsnorm(fx.cpu, xn.c, x.c, w2.c, n, (int32_t)dim, 1e-6f));
+                ASSERT_OK(backend_rmsnorm(fx.gpu, xn.g, x.g, w2.g, n, (int32_t)dim, 1e-6f));
+            } else { /* round 0 runs matmul_mmq.cu for the first time in this backend (n = 3) */
+                ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, xn.c, w1.c, n, (int32_t)dim, 1e-6f));
+                ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, xn.g, w1.g, n, (int32_t)dim, 1e-6f));
+            }
+            ASSERT_OK(backend_matmul_multi(fx.cpu, 3, co, cw, xn.c, n));
+            int rc = backend_matmul_multi(fx.gpu, 3, go, gw, xn.g, n);
+            if (rc != STATUS_OK) TEST_FAIL("gpu matmul_multi n=%d: %s", n, backend_errstr(fx.gpu));
+            for (int j = 0; j < 3; j++) {
+                char what[128];
+                snprintf(what, sizeof what, "%s [%lld x %lld] after %s, n=%d, round %d", dtype_name(types[j]),
+                         (long long)rows[j], (long long)dim, round == 1 ? "rmsnorm" : "add_rmsnorm", n, round);
+                check_f32(out[j], (size_t)n * rows[j], matmul_bound(types[j]), what);
+            }
+            /* q alone on a copy of the norm's output: quantized by matmul_mmq.cu itself. */
+            ASSERT_OK(backend_download(fx.gpu, first, out[0].g, (size_t)n * rows[0] * 4));
+            ASSERT_OK(backend_copy(fx.gpu, xc.g, xn.g, (size_t)n * dim * 4));
+            const struct backend_weight *qk[2] = {gw[0], gw[1]};
+            float *qo[2] = {out[0].g, out[1].g};
+            ASSERT_OK(backend_matmul_multi(fx.gpu, 2, qo, qk, xc.g, n));
+            ASSERT_OK(backend_download(fx.gpu, again, out[0].g, (size_t)n * rows[0] * 4));
+            if (memcmp(first, again, (size_t)n * rows[0] * 4) != 0)
+                TEST_FAIL("n=%d round %d: q from the norm's int8 form differs from q quantized by the matmul", n,
+                          round);
+        }
+    }
+    fx_close();
+}
+
 /* ---- Fused matmuls: against the CPU's plain ops ---- */
 
 /* q, k and v of one input in one launch at 1-4 tokens on quantized
@@ -872,5 +941,6 @@ TEST_MAIN(cuda_ops_identity_and_memory, cuda_ops_upload_copy_download, cuda_ops_
           cuda_ops_out_of_memory_fails_the_op_not_the_backend, cuda_ops_matmul_reuses_input_safely,
           cuda_ops_matmul_gemv_q8_0, cuda_ops_matmul_gemv_q4_0, cuda_ops_matmul_gemv_q4_k,
           cuda_ops_matmul_gemv_q5_k, cuda_ops_matmul_gemv_q6_k, cuda_ops_rmsnorm_feeds_matmul,
-          cuda_ops_matmul_multi, cuda_ops_matmul_swiglu, cuda_ops_matmul_wide, cuda_ops_matmul_mmq,
+          cuda_ops_rmsnorm_feeds_matmul_mmq, cuda_ops_matmul_multi, cuda_ops_matmul_swiglu, cuda_ops_matmul_wide,
+          cuda_ops_matmul_mmq,
           cuda_ops_matmul_mq64_sm75)
