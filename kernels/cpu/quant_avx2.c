@@ -465,25 +465,27 @@ AVX2_FN static void dot4_q4_0_avx2(const void *w, const void *x, size_t stride, 
     out[3] = hsum256(c3);
 }
 
-AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+/* nt (at most 5) rows of activations against one Q4_K row: the weights
+ * decoded once for all of them. */
+AVX2_INLINE static void q4_k_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
     const block_q4_k *b = w;
-    const struct cpu_q8k *y[4];
-    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const struct cpu_q8k *y[5];
+    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[5];
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 256; k++) {
         __m256i mins2;
         __m256i sc = k4_scales(b[k].scales, &mins2);
-        __m256i sumi[4];
-        for (int j = 0; j < 4; j++) sumi[j] = _mm256_setzero_si256();
+        __m256i sumi[5];
+        for (int j = 0; j < nt; j++) sumi[j] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
             __m256i lo = _mm256_and_si256(q4, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), low4);
             __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 5
+            for (int j = 0; j < nt; j++) {
                 __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i));
                 __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i + 32));
                 sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0));
@@ -491,28 +493,36 @@ AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, 
             }
         }
         float d = cpu_fp16_to_f32(b[k].d), dmin = cpu_fp16_to_f32(b[k].dmin);
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < nt; j++) {
             __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[j][k].bsums), mins2);
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
             acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(y[j][k].d * dmin), _mm256_cvtepi32_ps(msum), acc[j]);
         }
     }
-    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+    for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
+}
+AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    q4_k_rows(w, x, stride, n, out, 4);
+}
+AVX2_FN static void dotn_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
+    if (nt == 3) q4_k_rows(w, x, stride, n, out, 3);
+    else q4_k_rows(w, x, stride, n, out, 5);
 }
 
-AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+/* nt (at most 5) rows of activations against one Q5_K row. */
+AVX2_INLINE static void q5_k_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
     const block_q5_k *b = w;
-    const struct cpu_q8k *y[4];
-    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const struct cpu_q8k *y[5];
+    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[5];
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 256; k++) {
         __m256i mins2;
         __m256i sc = k4_scales(b[k].scales, &mins2);
         __m256i qh = _mm256_loadu_si256((const __m256i *)b[k].qh);
-        __m256i sumi[4];
-        for (int j = 0; j < 4; j++) sumi[j] = _mm256_setzero_si256();
+        __m256i sumi[5];
+        for (int j = 0; j < nt; j++) sumi[j] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             __m256i q4 = _mm256_loadu_si256((const __m256i *)(b[k].qs + 32 * i));
@@ -521,8 +531,8 @@ AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, 
             __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, low4), h0);
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), low4), h1);
             __m256i s0 = K_SCALE(sc, 2 * i), s1 = K_SCALE(sc, 2 * i + 1);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 5
+            for (int j = 0; j < nt; j++) {
                 __m256i a0 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i));
                 __m256i a1 = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 64 * i + 32));
                 sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0));
@@ -530,26 +540,34 @@ AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, 
             }
         }
         float d = cpu_fp16_to_f32(b[k].d), dmin = cpu_fp16_to_f32(b[k].dmin);
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < nt; j++) {
             __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y[j][k].bsums), mins2);
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
             acc[j] = _mm256_fnmadd_ps(_mm256_set1_ps(y[j][k].d * dmin), _mm256_cvtepi32_ps(msum), acc[j]);
         }
     }
-    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+    for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
+}
+AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    q5_k_rows(w, x, stride, n, out, 4);
+}
+AVX2_FN static void dotn_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
+    if (nt == 3) q5_k_rows(w, x, stride, n, out, 3);
+    else q5_k_rows(w, x, stride, n, out, 5);
 }
 
-AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+/* nt (at most 5) rows of activations against one Q6_K row. */
+AVX2_INLINE static void q6_k_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
     const block_q6_k *b = w;
-    const struct cpu_q8k *y[4];
-    for (int j = 0; j < 4; j++) y[j] = ROW(x, j, stride);
+    const struct cpu_q8k *y[5];
+    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[5];
+    for (int j = 0; j < nt; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 256; k++) {
         const int8_t *sc = b[k].scales;
-        __m256i sumi[4];
-        for (int j = 0; j < 4; j++) {
+        __m256i sumi[5];
+        for (int j = 0; j < nt; j++) {
             int offs = 0;
             for (int g = 0; g < 16; g++) offs += sc[g] * y[j][k].bsums[g];
             sumi[j] = _mm256_setr_epi32(-32 * offs, 0, 0, 0, 0, 0, 0, 0);
@@ -572,18 +590,25 @@ AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, 
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 __m256i scale = _mm256_set_m128i(_mm_set1_epi16(s[2 * i + 1]), _mm_set1_epi16(s[2 * i]));
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
+#pragma GCC unroll 5
+                for (int j = 0; j < nt; j++) {
                     __m256i a = _mm256_loadu_si256((const __m256i *)(y[j][k].qs + 128 * h + 32 * i));
                     sumi[j] = _mm256_add_epi32(sumi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(q[i], a), scale));
                 }
             }
         }
         float d = cpu_fp16_to_f32(b[k].d);
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < nt; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(y[j][k].d * d), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
     }
-    for (int j = 0; j < 4; j++) out[j] = hsum256(acc[j]);
+    for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
+}
+AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    q6_k_rows(w, x, stride, n, out, 4);
+}
+AVX2_FN static void dotn_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
+    if (nt == 3) q6_k_rows(w, x, stride, n, out, 3);
+    else q6_k_rows(w, x, stride, n, out, 5);
 }
 
 AVX2_FN static void axpy_f32_avx2(float *y, float a, const void *x_, int64_t n) {
@@ -733,7 +758,15 @@ cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
     return t == DTYPE_F32 ? axpy_f32_avx2 : t == DTYPE_F16 ? axpy_f16_avx2 : NULL;
 }
 
-cpu_dotn_fn cpu_dotn_avx2(enum dtype t) { return t == DTYPE_F16 ? dotn_f16_avx2 : NULL; }
+cpu_dotn_fn cpu_dotn_avx2(enum dtype t) {
+    switch (t) {
+    case DTYPE_F16: return dotn_f16_avx2;
+    case DTYPE_Q4_K: return dotn_q4_k_avx2;
+    case DTYPE_Q5_K: return dotn_q5_k_avx2;
+    case DTYPE_Q6_K: return dotn_q6_k_avx2;
+    default: return NULL;
+    }
+}
 
 cpu_attn_qk_fn cpu_attn_qk_avx2(enum dtype t) {
     return t == DTYPE_F32 ? attn_qk_f32_avx2 : t == DTYPE_F16 ? attn_qk_f16_avx2 : NULL;
