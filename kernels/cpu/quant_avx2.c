@@ -380,25 +380,29 @@ AVX2_FN static void dotn_f16_avx2(const void *w, const void *x, size_t stride, i
                         ones)),                                                                        \
                     (acc))
 
-AVX2_FN static void dot4_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+/* nt (at most 5) rows of activations against one Q8_0 row. */
+AVX2_INLINE static void q8_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
     const block_q8_0 *b = w;
-    const struct cpu_q8 *y0 = ROW(x, 0, stride), *y1 = ROW(x, 1, stride), *y2 = ROW(x, 2, stride),
-                        *y3 = ROW(x, 3, stride);
+    const struct cpu_q8 *y[5];
+    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    __m256 c[5];
+    for (int j = 0; j < nt; j++) c[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 32; k++) {
         __m256i qw = _mm256_loadu_si256((const __m256i *)b[k].qs);
         __m256i aw = _mm256_sign_epi8(qw, qw);
         float dw = cpu_fp16_to_f32(b[k].d);
-        c0 = Q8_TERM(aw, qw, y0[k].qs, dw * y0[k].d, c0);
-        c1 = Q8_TERM(aw, qw, y1[k].qs, dw * y1[k].d, c1);
-        c2 = Q8_TERM(aw, qw, y2[k].qs, dw * y2[k].d, c2);
-        c3 = Q8_TERM(aw, qw, y3[k].qs, dw * y3[k].d, c3);
+#pragma GCC unroll 5
+        for (int j = 0; j < nt; j++) c[j] = Q8_TERM(aw, qw, y[j][k].qs, dw * y[j][k].d, c[j]);
     }
-    out[0] = hsum256(c0);
-    out[1] = hsum256(c1);
-    out[2] = hsum256(c2);
-    out[3] = hsum256(c3);
+    for (int j = 0; j < nt; j++) out[j] = hsum256(c[j]);
+}
+AVX2_FN static void dot4_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    q8_0_rows(w, x, stride, n, out, 4);
+}
+AVX2_FN static void dotn_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
+    if (nt == 3) q8_0_rows(w, x, stride, n, out, 3);
+    else q8_0_rows(w, x, stride, n, out, 5);
 }
 
 /* Eight weights of a float-like row as floats. */
@@ -444,25 +448,29 @@ AVX2_INLINE static __m256 load8_bf16(const void *w, int64_t i) {
 DOT4_FLOAT(dot4_f32_avx2, load8_f32, ((const float *)w)[i])
 DOT4_FLOAT(dot4_bf16_avx2, load8_bf16, cpu_bf16_to_f32(((const uint16_t *)w)[i]))
 
-AVX2_FN static void dot4_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+/* nt (at most 5) rows of activations against one Q4_0 row. */
+AVX2_INLINE static void q4_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
     const block_q4_0 *b = w;
-    const struct cpu_q8 *y0 = ROW(x, 0, stride), *y1 = ROW(x, 1, stride), *y2 = ROW(x, 2, stride),
-                        *y3 = ROW(x, 3, stride);
+    const struct cpu_q8 *y[5];
+    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    __m256 c[5];
+    for (int j = 0; j < nt; j++) c[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 32; k++) {
         __m256i qw = _mm256_sub_epi8(unpack_nibbles(b[k].qs), _mm256_set1_epi8(8));
         __m256i aw = _mm256_sign_epi8(qw, qw);
         float dw = cpu_fp16_to_f32(b[k].d);
-        c0 = Q8_TERM(aw, qw, y0[k].qs, dw * y0[k].d, c0);
-        c1 = Q8_TERM(aw, qw, y1[k].qs, dw * y1[k].d, c1);
-        c2 = Q8_TERM(aw, qw, y2[k].qs, dw * y2[k].d, c2);
-        c3 = Q8_TERM(aw, qw, y3[k].qs, dw * y3[k].d, c3);
+#pragma GCC unroll 5
+        for (int j = 0; j < nt; j++) c[j] = Q8_TERM(aw, qw, y[j][k].qs, dw * y[j][k].d, c[j]);
     }
-    out[0] = hsum256(c0);
-    out[1] = hsum256(c1);
-    out[2] = hsum256(c2);
-    out[3] = hsum256(c3);
+    for (int j = 0; j < nt; j++) out[j] = hsum256(c[j]);
+}
+AVX2_FN static void dot4_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
+    q4_0_rows(w, x, stride, n, out, 4);
+}
+AVX2_FN static void dotn_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
+    if (nt == 3) q4_0_rows(w, x, stride, n, out, 3);
+    else q4_0_rows(w, x, stride, n, out, 5);
 }
 
 /* nt (at most 5) rows of activations against one Q4_K row: the weights
@@ -761,6 +769,8 @@ cpu_axpy_fn cpu_axpy_avx2(enum dtype t) {
 cpu_dotn_fn cpu_dotn_avx2(enum dtype t) {
     switch (t) {
     case DTYPE_F16: return dotn_f16_avx2;
+    case DTYPE_Q4_0: return dotn_q4_0_avx2;
+    case DTYPE_Q8_0: return dotn_q8_0_avx2;
     case DTYPE_Q4_K: return dotn_q4_k_avx2;
     case DTYPE_Q5_K: return dotn_q5_k_avx2;
     case DTYPE_Q6_K: return dotn_q6_k_avx2;
