@@ -380,30 +380,46 @@ AVX2_FN static void dotn_f16_avx2(const void *w, const void *x, size_t stride, i
                         ones)),                                                                        \
                     (acc))
 
-/* nt (at most 5) rows of activations against one Q8_0 row. */
-AVX2_INLINE static void q8_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
-    const block_q8_0 *b = w;
+/* dot4 and dotn (3 or 5 tokens) of a type from its rows function: one
+ * straight-line instance per token count. */
+#define ROWS_KERNELS(name)                                                                                      \
+    AVX2_FN static void dot4_##name##_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) { \
+        name##_rows(w, x, stride, n, out, 4);                                                                   \
+    }                                                                                                           \
+    AVX2_FN static void dotn_##name##_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt,       \
+                                           float *out) {                                                        \
+        if (nt == 3) name##_rows(w, x, stride, n, out, 3);                                                      \
+        else name##_rows(w, x, stride, n, out, 5);                                                              \
+    }
+
+/* nt (at most 5) rows of activations against one Q8_0 row, or Q4_0 row
+ * (q4): the weights decoded once for all of them. */
+AVX2_INLINE static void q8_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt,
+                                const int q4) {
+    const block_q8_0 *b8 = w;
+    const block_q4_0 *b4 = w;
     const struct cpu_q8 *y[5];
     for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 c[5];
     for (int j = 0; j < nt; j++) c[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n / 32; k++) {
-        __m256i qw = _mm256_loadu_si256((const __m256i *)b[k].qs);
+        __m256i qw = q4 ? _mm256_sub_epi8(unpack_nibbles(b4[k].qs), _mm256_set1_epi8(8))
+                        : _mm256_loadu_si256((const __m256i *)b8[k].qs);
         __m256i aw = _mm256_sign_epi8(qw, qw);
-        float dw = cpu_fp16_to_f32(b[k].d);
+        float dw = cpu_fp16_to_f32(q4 ? b4[k].d : b8[k].d);
 #pragma GCC unroll 5
         for (int j = 0; j < nt; j++) c[j] = Q8_TERM(aw, qw, y[j][k].qs, dw * y[j][k].d, c[j]);
     }
     for (int j = 0; j < nt; j++) out[j] = hsum256(c[j]);
 }
-AVX2_FN static void dot4_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
-    q8_0_rows(w, x, stride, n, out, 4);
+AVX2_INLINE static void q8_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
+    q8_rows(w, x, stride, n, out, nt, 0);
 }
-AVX2_FN static void dotn_q8_0_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
-    if (nt == 3) q8_0_rows(w, x, stride, n, out, 3);
-    else q8_0_rows(w, x, stride, n, out, 5);
+AVX2_INLINE static void q4_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
+    q8_rows(w, x, stride, n, out, nt, 1);
 }
+ROWS_KERNELS(q8_0)
 
 /* Eight weights of a float-like row as floats. */
 AVX2_INLINE static __m256 load8_f32(const void *w, int64_t i) { return _mm256_loadu_ps((const float *)w + i); }
@@ -448,30 +464,7 @@ AVX2_INLINE static __m256 load8_bf16(const void *w, int64_t i) {
 DOT4_FLOAT(dot4_f32_avx2, load8_f32, ((const float *)w)[i])
 DOT4_FLOAT(dot4_bf16_avx2, load8_bf16, cpu_bf16_to_f32(((const uint16_t *)w)[i]))
 
-/* nt (at most 5) rows of activations against one Q4_0 row. */
-AVX2_INLINE static void q4_0_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
-    const block_q4_0 *b = w;
-    const struct cpu_q8 *y[5];
-    for (int j = 0; j < nt; j++) y[j] = ROW(x, j, stride);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 c[5];
-    for (int j = 0; j < nt; j++) c[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < n / 32; k++) {
-        __m256i qw = _mm256_sub_epi8(unpack_nibbles(b[k].qs), _mm256_set1_epi8(8));
-        __m256i aw = _mm256_sign_epi8(qw, qw);
-        float dw = cpu_fp16_to_f32(b[k].d);
-#pragma GCC unroll 5
-        for (int j = 0; j < nt; j++) c[j] = Q8_TERM(aw, qw, y[j][k].qs, dw * y[j][k].d, c[j]);
-    }
-    for (int j = 0; j < nt; j++) out[j] = hsum256(c[j]);
-}
-AVX2_FN static void dot4_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
-    q4_0_rows(w, x, stride, n, out, 4);
-}
-AVX2_FN static void dotn_q4_0_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
-    if (nt == 3) q4_0_rows(w, x, stride, n, out, 3);
-    else q4_0_rows(w, x, stride, n, out, 5);
-}
+ROWS_KERNELS(q4_0)
 
 /* nt (at most 5) rows of activations against one Q4_K row: the weights
  * decoded once for all of them. */
@@ -509,13 +502,7 @@ AVX2_INLINE static void q4_k_rows(const void *w, const void *x, size_t stride, i
     }
     for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
 }
-AVX2_FN static void dot4_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
-    q4_k_rows(w, x, stride, n, out, 4);
-}
-AVX2_FN static void dotn_q4_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
-    if (nt == 3) q4_k_rows(w, x, stride, n, out, 3);
-    else q4_k_rows(w, x, stride, n, out, 5);
-}
+ROWS_KERNELS(q4_k)
 
 /* nt (at most 5) rows of activations against one Q5_K row. */
 AVX2_INLINE static void q5_k_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
@@ -556,13 +543,7 @@ AVX2_INLINE static void q5_k_rows(const void *w, const void *x, size_t stride, i
     }
     for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
 }
-AVX2_FN static void dot4_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
-    q5_k_rows(w, x, stride, n, out, 4);
-}
-AVX2_FN static void dotn_q5_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
-    if (nt == 3) q5_k_rows(w, x, stride, n, out, 3);
-    else q5_k_rows(w, x, stride, n, out, 5);
-}
+ROWS_KERNELS(q5_k)
 
 /* nt (at most 5) rows of activations against one Q6_K row. */
 AVX2_INLINE static void q6_k_rows(const void *w, const void *x, size_t stride, int64_t n, float *out, const int nt) {
@@ -611,13 +592,7 @@ AVX2_INLINE static void q6_k_rows(const void *w, const void *x, size_t stride, i
     }
     for (int j = 0; j < nt; j++) out[j] = hsum256(acc[j]);
 }
-AVX2_FN static void dot4_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, float *out) {
-    q6_k_rows(w, x, stride, n, out, 4);
-}
-AVX2_FN static void dotn_q6_k_avx2(const void *w, const void *x, size_t stride, int64_t n, int nt, float *out) {
-    if (nt == 3) q6_k_rows(w, x, stride, n, out, 3);
-    else q6_k_rows(w, x, stride, n, out, 5);
-}
+ROWS_KERNELS(q6_k)
 
 AVX2_FN static void axpy_f32_avx2(float *y, float a, const void *x_, int64_t n) {
     const float *x = x_;
