@@ -121,7 +121,16 @@ static void reattach_replay(server *s, struct req *q, int32_t from, const uint8_
         req_send_done(s, q, ident, ident_len);
         return;
     }
-    if (q->finishing) return; /* its end goes out with this loop's flush */
+    if (q->finishing) {
+        /* Its end (the tokens not streamed yet and the GenerateDone) goes
+         * out with this turn's flush, from what was streamed on: that much
+         * went to the earlier connection, so it is replayed now. */
+        if (q->stream && from < q->n_sent) {
+            const size_t t0 = req_text_offset(s, q, from);
+            req_send_chunk(s, q, from, q->n_sent, t0, q->text_sent < t0 ? t0 : q->text_sent);
+        }
+        return;
+    }
     if (q->stream) {
         size_t sendable = q->text_len - req_stop_hold(q);
         size_t t0 = req_text_offset(s, q, from);

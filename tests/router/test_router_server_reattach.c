@@ -2,7 +2,8 @@
  * (router/server*.c in-process, tests/router/router_server_fixture.h): the
  * stream moves to the new connection, a different body under the same id is
  * refused, a cancel ends both streams and frees the sequence on the worker,
- * and a replay after a stale re-attach keeps every token's text. */
+ * a replay after a stale re-attach keeps every token's text, and a
+ * re-attach in the turn its request ends still replays every token. */
 #include "tests/router/router_server_fixture.h"
 
 #include "common/tokenizer.h"
@@ -186,4 +187,60 @@ TEST(router_server_reattach_replay_keeps_the_text) {
     fx_stop(&f);
 }
 
-TEST_MAIN(router_server_reattach_and_cancel, router_server_reattach_replay_keeps_the_text)
+/* A client that re-attaches from another connection in the turn its
+ * request ends (the last token's result and the re-attach handled in one
+ * turn, the result first: Redis stopped holds the router in its token
+ * store meanwhile, as in the test above) gets every token: those streamed
+ * to the earlier connection are replayed before the last chunk and the
+ * GenerateDone go out. */
+TEST(router_server_reattach_as_it_ends) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    struct fw w;
+    fw_open(&f, &w, "w1");
+    struct zio_sock *c1 = cl_open(&f), *c2 = cl_open(&f);
+    cl_generate(c1, 1, "re-1", prompt3, 3, 3, 0);
+    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_ACCEPTED));
+    Llm__WorkerEnvelope *pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, 300);
+    proto_worker_free(pe);
+    proto_client_free(cl_expect(c1, LLM__CLIENT_ENVELOPE__BODY_CHUNK));
+    ASSERT_EQ(0, kill(f.r.pid, SIGSTOP));
+    pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, 301); /* streamed to c1 once Redis is back */
+    proto_worker_free(pe);
+    pe = fw_plan(&w);
+    fw_answer(&w, pe->plan, 302); /* the last token: handled with the re-attach */
+    proto_worker_free(pe);
+    cl_generate(c2, 2, "re-1", prompt3, 3, 3, 0);
+    usleep(100 * 1000);
+    ASSERT_EQ(0, kill(f.r.pid, SIGCONT));
+    struct tc_client t = {0};
+    int32_t ids[3] = {0};
+    for (;;) {
+        Llm__ClientEnvelope *e = cl_recv(c2, 3000);
+        if (!e) TEST_FAIL("no chunk or done on the re-attached connection (it has %u tokens)", t.have);
+        if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_DONE) {
+            ASSERT_EQ(3u, e->done->usage->completion_tokens);
+            proto_client_free(e);
+            break;
+        }
+        if (e->body_case == LLM__CLIENT_ENVELOPE__BODY_CHUNK) {
+            for (size_t i = 0; i < e->chunk->n_token_ids; i++)
+                if (e->chunk->index + i < 3) ids[e->chunk->index + i] = e->chunk->token_ids[i];
+            tc_take(&t, e->chunk);
+        } else if (e->body_case != LLM__CLIENT_ENVELOPE__BODY_ACCEPTED) {
+            TEST_FAIL("unexpected body %d", (int)e->body_case);
+        }
+        proto_client_free(e);
+    }
+    ASSERT_EQ(3u, t.have);
+    for (int i = 0; i < 3; i++) ASSERT_EQ(300 + i, ids[i]);
+    zio_sock_close(c1);
+    zio_sock_close(c2);
+    fw_close(&w);
+    fx_stop(&f);
+}
+
+TEST_MAIN(router_server_reattach_and_cancel, router_server_reattach_replay_keeps_the_text,
+          router_server_reattach_as_it_ends)
