@@ -141,6 +141,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "matmul_mmq.cu's chunks) asks L2 for its next bytes, so that a load one step ahead finds "
          "them there instead of in DRAM (0: never, to compare)",
          &k->l2_ahead, 0, 8, NULL},
+        {"cuda-mmq-depth", "LLM_CUDA_MMQ_DEPTH", OPTION_INT, "2",
+         "chunks ahead of its work that matmul_mmq.cu loads Q4_K and Q5_K weights and activations "
+         "into registers at 3-8 tokens where the row blocks fit one wave (1: one, as elsewhere, to compare)",
+         &k->mmq_depth, 1, 2, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;
@@ -225,6 +229,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_elems[0] = forced ? 0 : CUDA_MMQ_ELEMS;
     ctx->mmq_elems[1] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;
     ctx->l2_ahead = k->l2_ahead;
+    ctx->mmq_depth = k->mmq_depth;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

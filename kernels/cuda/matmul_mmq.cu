@@ -595,6 +595,79 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
     mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
 }
 
+/* The same for Q4_K and Q5_K up to 8 tokens with each chunk's weights
+ * and activations loaded two chunks ahead, into three register sets that
+ * take turns (the loop unrolled by three, so that no set is copied while
+ * its loads are in flight): a load then has two chunks' work to arrive in,
+ * where the kernel above waits for it at the end of the next chunk.  It
+ * takes 162-166 registers, three blocks a multiprocessor where the plain
+ * kernel has four: mmq_launch_nt gives it the launches whose row blocks
+ * fit one wave of those (LLM_CUDA_MMQ_DEPTH). */
+template <int T, int NT>
+__global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_deep_kernel(const mmq_args a) {
+    static_assert(T != DTYPE_Q6_K && NT == 1, "Q4_K and Q5_K up to 8 tokens");
+    pdl_begin();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
+    const mg_seg seg = mg_seg_locate(a.g, bx);
+    const int row0 = (bx - seg.u0) * MMQ_ROWS + warp * 16;
+    const size_t rb = a.rb;
+    const int r0 = min(row0 + g, seg.rows - 1), r1 = min(row0 + g + 8, seg.rows - 1);
+    const uint8_t *w0 = seg.w + (size_t)r0 * rb, *w1 = seg.w + (size_t)r1 * rb;
+    const int n = a.n;
+    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
+
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
+    constexpr int TOK = 8 * NT;
+    __shared__ __align__(16) int8_t sxq[2][TOK * MMQ_XS];
+    __shared__ float sxd[2][TOK];
+    __shared__ __align__(16) uint4 sxb[2][TOK];
+    /* Register sets A, B, C: chunk s0 + 3i + k in set k. */
+    mmq_w<T> wa[2], wb[2], wc[2];
+    uint4 xa[NT], xb[NT], xc[NT], ba = make_uint4(0, 0, 0, 0), bb = ba, bc = ba;
+    float da = 0.0f, db = 0.0f, dc = 0.0f;
+    const auto load = [&](int s, mmq_w<T>(&w)[2], uint4(&px)[NT], float &pd, uint4 &pb) {
+        w[0].load(w0, s, t, a.cols);
+        w[1].load(w1, s, t, a.cols);
+        mmq_x_load<NT>(a.a, n, s, tok0, px, pd, pb);
+    };
+    if (s0 < s1) {
+        load(s0, wa, xa, da, ba);
+        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], xa, da, ba);
+        if (s0 + 1 < s1) load(s0 + 1, wb, xb, db, bb);
+        for (int k = 3; k <= a.ahead + 1 && s0 + k < s1; k++)
+            mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s0 + k, lane);
+    }
+    __syncthreads();
+    /* Chunk s from set cur into buffer (s - s0) & 1; the loads of s + 2
+     * into set fill (free since chunk s - 1); the activations of s + 1
+     * (set next, loaded a chunk ago) to the other buffer. */
+    const auto step = [&](int s, const mmq_w<T>(&cur)[2], mmq_w<T>(&fill)[2], uint4(&xf)[NT], float &df,
+                          uint4 &bf, const uint4(&xn)[NT], float dn, uint4 bn) {
+        const int buf = (s - s0) & 1;
+        if (a.ahead > 0 && s + 2 + a.ahead < s1)
+            mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s + 2 + a.ahead, lane);
+        if (s + 2 < s1) load(s + 2, fill, xf, df, bf);
+        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxb[buf], g, t, acc);
+        /* The other buffer was last read a chunk ago, before the barrier
+         * that ended it. */
+        if (s + 1 < s1) mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], xn, dn, bn);
+        __syncthreads();
+    };
+    for (int s = s0; s < s1; s += 3) {
+        step(s, wa, wc, xc, dc, bc, xb, db, bb);
+        if (s + 1 >= s1) break;
+        step(s + 1, wb, wa, xa, da, ba, xc, dc, bc);
+        if (s + 2 >= s1) break;
+        step(s + 2, wc, wb, xb, db, bb, xa, da, ba);
+    }
+    mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
+}
+
 /* Whether a launch of nt tiles a warp stages its weights (mmq_stage):
  * LLM_CUDA_MMQ_STAGE (knobs.c), read on every launch so that a benchmark
  * or a test can compare the two on one backend.  cuda_ctx_init has checked
@@ -611,23 +684,31 @@ static bool mmq_staged(int nt) {
     return nt <= k.mmq_stage;
 }
 
-template <int T, int NT> static void (*mmq_kernel(bool st))(const mmq_args) {
-    if constexpr (T == DTYPE_Q6_K)
-        if (st) return matmul_mmq_kernel<T, NT, true>;
+/* The kernel of variant v: 0 the plain one, 1 Q6_K's staged weights, 2
+ * Q4_K's and Q5_K's loads two chunks ahead (matmul_mmq_deep_kernel). */
+template <int T, int NT> static void (*mmq_kernel(int v))(const mmq_args) {
+    if constexpr (T == DTYPE_Q6_K) {
+        if (v == 1) return matmul_mmq_kernel<T, NT, true>;
+    } else if constexpr (NT == 1) {
+        if (v == 2) return matmul_mmq_deep_kernel<T, NT>;
+    }
     return matmul_mmq_kernel<T, NT, false>;
+}
+
+/* *per_sm: the blocks of kernel resident on a multiprocessor, asked once
+ * (a device's entry). */
+static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm) {
+    if (*per_sm) return cudaSuccess;
+    int b = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, 0);
+    *per_sm = b > 0 ? b : 1;
+    return e;
 }
 
 template <int T, int NT>
 static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    static int per_sm[64][2];
+    static int per_sm[64][3];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    const bool st = T == DTYPE_Q6_K && mmq_staged(NT);
-    void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(st);
-    if (!per_sm[dev][st]) {
-        int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, 0));
-        per_sm[dev][st] = b > 0 ? b : 1;
-    }
     int rbs = 0;
     for (int s = 0; s < g.n; s++) {
         g.blk0[s] = rbs;
@@ -636,9 +717,22 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     g.blk0[g.n] = rbs;
     const int th = (n + 8 * NT - 1) / (8 * NT);
     if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
+    /* Q4_K and Q5_K at 3-8 tokens load two chunks ahead where the row
+     * blocks fit one wave of its fewer resident blocks: where they did
+     * not (llama3-8b's gate/up, 896 row blocks) its extra wave measured
+     * slower, as did 9-16 tokens, whose registers spill. */
+    int v = 0;
+    if constexpr (T == DTYPE_Q6_K) {
+        v = mmq_staged(NT) ? 1 : 0;
+    } else if (NT == 1 && ctx->mmq_depth == 2) {
+        CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, NT>(2), &per_sm[dev][2]));
+        if (rbs * th <= per_sm[dev][2] * ctx->n_sms) v = 2;
+    }
+    void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(v);
+    CUDA_CHECK(ctx, mmq_occupancy(kernel, &per_sm[dev][v]));
     /* Split K as far as the blocks still fit the resident slots in one
      * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
-    const int n_sb = (int)(cols / 256), slots = per_sm[dev][st] * ctx->n_sms;
+    const int n_sb = (int)(cols / 256), slots = per_sm[dev][v] * ctx->n_sms;
     int ks = rbs * th >= slots ? 1 : slots / (rbs * th);
     if (ks > MMQ_SPLIT_MAX) ks = MMQ_SPLIT_MAX;
     if (ks > n_sb) ks = n_sb;

@@ -18,13 +18,16 @@
  * one KV head read its rows separately: at batch 1 they come from L2 after
  * the first.
  *
- * Up to ctx->att_defer rows (by default every row count it takes) the
+ * Up to ctx->att_defer rows (4 by default) the
  * blocks' sums are merged by a second kernel instead (ra_merge_kernel),
  * which also leaves the output in the int8 form of the gemv matmul that
  * may read it next (o): the fence, counter and last block's round trips
  * leave the attention's critical path, and a gemv o matmul needs no
- * quantizing launch of its own. */
+ * quantizing launch of its own.  Above that (5-8 rows by default) the
+ * blocks that write the output write its F16 form too, for the o matmul
+ * (matmul_mr, cuBLAS), as the other attention kernels do from 3 rows. */
 #include "act_q8.cuh"
+#include "attention_prefill.h"
 
 #include <math.h>
 
@@ -40,6 +43,7 @@
 struct ra_args {
     const float *q, *k, *v; /* q [rows, n_heads * hd], k and v [rows, n_kv_heads * hd], unrotated */
     float *att, *part_acc, *part_ml;
+    fp16_t *att16; /* att's F16 form too (for the o matmul), unless NULL; not with defer */
     unsigned *sync;
     fp16_t *kc, *vc;
     const int32_t *pos, *slots, *btab;
@@ -120,6 +124,22 @@ __device__ __forceinline__ void ra_kv_load(const ra_args &a, int kvh, int li, in
             }
         }
     }
+}
+
+/* N output values of the row at column c: F32, and F16 where asked. */
+template <int N> __device__ __forceinline__ void ra_out(const ra_args &a, size_t c, const float (&v)[N]) {
+    static_assert(N % 2 == 0, "pairs of values");
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 4) *(float4 *)(a.att + c + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) *(float2 *)(a.att + c + i) = make_float2(v[i], v[i + 1]);
+    }
+    if (a.att16)
+#pragma unroll
+        for (int i = 0; i < N; i += 2)
+            *(uint32_t *)(a.att16 + c + i) = (uint32_t)f2h(v[i]) | ((uint32_t)f2h(v[i + 1]) << 16);
 }
 
 /* ---- A warp's slice z (of S, chunk positions each) of query head h.  Sub-warps of LP lanes (8 dims a lane) own positions, each with
@@ -203,10 +223,10 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
     }
     if (S == 1 && !a.defer) {
         if (sw == 0) {
-            float *o = a.att + (size_t)h * HD + 8 * li;
             const float r = l > 0.0f ? 1.0f / l : 0.0f;
-            *(float4 *)o = make_float4(acc[0] * r, acc[1] * r, acc[2] * r, acc[3] * r);
-            *(float4 *)(o + 4) = make_float4(acc[4] * r, acc[5] * r, acc[6] * r, acc[7] * r);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[e] *= r;
+            ra_out<8>(a, (size_t)h * HD + 8 * li, acc);
         }
         return;
     }
@@ -238,9 +258,9 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
         for (int i = 0; i < DPL; i++) bo[i] += wk * sm[k * HD + DPL * lane + i];
     }
     if (nb == 1 && !a.defer) { /* one block held every slice */
-        float *out = a.att + (size_t)h * HD + DPL * lane;
 #pragma unroll
-        for (int i = 0; i < DPL; i++) out[i] = bl > 0.0f ? bo[i] / bl : 0.0f;
+        for (int i = 0; i < DPL; i++) bo[i] = bl > 0.0f ? bo[i] / bl : 0.0f;
+        ra_out<DPL>(a, (size_t)h * HD + DPL * lane, bo);
         return;
     }
     const size_t slot = (size_t)h * RA_SPLITS_MAX + blockIdx.x;
@@ -302,9 +322,9 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
                 for (int i = 0; i < DPL; i++) o[i] += wz * v[j][i];
         }
     }
-    float *out = a.att + (size_t)h * HD + DPL * lane;
 #pragma unroll
-    for (int i = 0; i < DPL; i++) out[i] = L > 0.0f ? o[i] / L : 0.0f;
+    for (int i = 0; i < DPL; i++) o[i] = L > 0.0f ? o[i] / L : 0.0f;
+    ra_out<DPL>(a, (size_t)h * HD + DPL * lane, o);
 }
 
 /* Grid (RA_SPLITS_MAX / 4, n_heads, rows) of 4 warps: row blockIdx.z (its
@@ -328,6 +348,7 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     r.k += t * kw;
     r.v += t * kw;
     r.att += t * qw;
+    if (r.att16) r.att16 += t * qw;
     r.part_acc += t * units * HD;
     r.part_ml += t * units * 2;
     r.sync += (size_t)t * a.n_heads;
@@ -412,15 +433,24 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     const int64_t cols = (int64_t)at->n_heads * hd;
     const bool defer = ctx->att_defer && rows <= ctx->att_defer && cols % 64 == 0;
     const size_t q8_bytes = defer ? (cuda_gemv_act_bytes(rows, cols) + 255) & ~(size_t)255 : 0;
-    const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX;
-    uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + slots_n * ((size_t)hd + 2) * sizeof(float));
-    if (!base) return STATUS_NO_MEMORY;
-    float *part = (float *)(base + q8_bytes);
+    const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX, part_bytes = slots_n * ((size_t)hd + 2) * sizeof(float);
+    /* Else, from 3 rows, the output's F16 form for the o matmul at the
+     * start (cuda_att_scratch, as the other attention kernels). */
+    float *part = NULL;
+    uint16_t *att16 = NULL;
+    if (defer) {
+        uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + part_bytes);
+        if (!base) return STATUS_NO_MEMORY;
+        part = (float *)(base + q8_bytes);
+    } else if (cuda_att_scratch(ctx, at, part_bytes, &att16, &part) != STATUS_OK) {
+        return STATUS_NO_MEMORY;
+    }
     ra_args a = {};
     a.q = at->q;
     a.k = k;
     a.v = v;
     a.att = at->out;
+    a.att16 = (fp16_t *)att16;
     a.part_acc = part;
     a.part_ml = part + slots_n * hd;
     a.sync = ctx->att_sync;

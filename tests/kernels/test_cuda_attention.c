@@ -212,7 +212,8 @@ static int attn_on_tensor_cores(enum dtype t, int32_t n_heads, int32_t n_kv, int
 /* The matmul after an attention (o) reads the form of its input that the
  * attention kernels left: the int8 form of the gemv matmul at 1-4 decode
  * rows (rope_attention.cu's merge kernel), the F16 form from 3 rows
- * (attention.cu and attention_prefill.cu, for cuBLAS, matmul_wide and
+ * (attention.cu, attention_prefill.cu and, from 5 rows, rope_attention.cu,
+ * for cuBLAS, matmul_wide and
  * mq).  A Q8_0, a Q4_K and an F16 weight (ATT_MM_ROWS rows) on the
  * attention's output must match the CPU's matmuls.  The weights and
  * outputs are made before the attention (an upload forgets a kept form)
@@ -595,7 +596,7 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     const int32_t qw = c->n_heads * hd, kw = c->n_kv * hd;
     const int fused = R == 1 && S <= 16 && c->kv == DTYPE_F16;
     struct att_mm mm = {0};
-    if (fused && n <= 4) att_mm_prepare(&mm, n, qw);
+    if (fused) att_mm_prepare(&mm, n, qw); /* the int8 (up to 4 rows) or F16 form it leaves */
     /* Sequence s: rows at positions pos + 37 s .. + R - 1, its own blocks
      * taken in a random order from one cache. */
     const int32_t max_ctx = c->pos + 37 * (S - 1) + R, max_blocks = (max_ctx + bs - 1) / bs;

@@ -70,6 +70,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(4, h.rope_att);
     ASSERT_EQ(8, h.rope_att_mha);
     ASSERT_EQ(4, h.att_defer);
+    ASSERT_EQ(2, h.mmq_depth);
     ASSERT_EQ(1, h.att_f16);
     ASSERT_EQ(1, h.mr);
     ASSERT_EQ(1, h.dequant_ahead);
@@ -255,6 +256,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_ATT_K8", "yes please", "not a boolean");
     k_bad("LLM_CUDA_ATT_STEPS", "3", "out of range [1, 2]");
     k_bad("LLM_CUDA_ROPE_ATT", "65", "out of range [-1, 64]");
+    k_bad("LLM_CUDA_MMQ_DEPTH", "3", "out of range [1, 2]");
     k_bad("LLM_CUDA_ATT_DEFER", "5", "out of range [0, 4]");
     k_bad("LLM_CUDA_ATT_F16", "f16", "not a boolean");
     k_bad("LLM_CUDA_MR", "disabled", "not a boolean");

@@ -801,13 +801,12 @@ TEST(cuda_ops_matmul_swiglu) {
  * (4200 x 4096), a partial last chunk of 32-element blocks (1184 = 4 x 256
  * + 160), lm_head-like rows; and the same call twice gives the same bits
  * (partial sums added in block order, not arrival order). */
-static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
-    static const int32_t ns[] = {16, 17, 32, 33, 48, 64};
+static void big_case(enum dtype t, int64_t rows, int64_t cols, const int32_t *ns, int n_ns) {
     fx_open(); /* a fixture per case: the host buffers of a case add up */
     int wi = load_weight(t, rand_weight(t, rows, cols), rows, cols);
     struct dbuf x = dbuf_from(rand_f32((size_t)64 * cols, -1, 1), (size_t)64 * cols * 4);
     struct dbuf out = dbuf_new((size_t)64 * rows * 4);
-    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+    for (int i = 0; i < n_ns; i++) {
         const int32_t n = ns[i];
         const size_t elems = (size_t)n * rows;
         dbuf_poison(out);
@@ -815,9 +814,11 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
         int rc = backend_matmul(fx.gpu, out.g, &fx.gw[wi], x.g, n);
         if (rc != STATUS_OK) TEST_FAIL("gpu matmul %s n=%d: %s", dtype_name(t), n, backend_errstr(fx.gpu));
         char what[160];
-        snprintf(what, sizeof what, "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s",
+        snprintf(what, sizeof what,
+                 "matmul %s [%lld x %lld] n=%d, LLM_CUDA_WIDE=%s LLM_CUDA_WIDE_ITEMS=%s LLM_CUDA_MMQ_DEPTH=%s",
                  dtype_name(t), (long long)rows, (long long)cols, n, getenv("LLM_CUDA_WIDE") ? "0" : "(unset)",
-                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)");
+                 getenv("LLM_CUDA_WIDE_ITEMS") ? "0" : "(unset)",
+                 getenv("LLM_CUDA_MMQ_DEPTH") ? getenv("LLM_CUDA_MMQ_DEPTH") : "(unset)");
         check_f32(out, elems, matmul_bound(t), what);
         float *first = fx_host(elems * 4), *again = fx_host(elems * 4);
         ASSERT_OK(backend_download(fx.gpu, first, out.g, elems * 4));
@@ -826,6 +827,12 @@ static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
         if (memcmp(first, again, elems * 4) != 0) TEST_FAIL("%s: a second run gave other bits", what);
     }
     fx_close();
+}
+
+/* 16-64 tokens, where matmul_wide.cu and matmul_mmq.cu split the work. */
+static void wide_case(enum dtype t, int64_t rows, int64_t cols) {
+    static const int32_t ns[] = {16, 17, 32, 33, 48, 64};
+    big_case(t, rows, cols, ns, (int)(sizeof ns / sizeof ns[0]));
 }
 
 TEST(cuda_ops_matmul_wide) {
@@ -879,6 +886,18 @@ TEST(cuda_ops_matmul_mmq) {
     multi_case(mixed, qkv, 3, 1024);
     swiglu_case(DTYPE_Q4_K, 299, 768);
     swiglu_case(DTYPE_Q6_K, 256, 512);
+    /* Q4_K and Q5_K at 3-8 tokens load two chunks ahead in three register
+     * sets taking turns (LLM_CUDA_MMQ_DEPTH=2, default; 9 and 16 tokens
+     * the plain kernel), against one (1): splits of 4, 4 and 2 chunks
+     * (8192 x 2560) and of 4 (4096 x 5120), so the loop unrolled by three
+     * ends after each of its steps. */
+    static const int32_t small[] = {3, 5, 8, 9, 16};
+    for (int d = 0; d < 2; d++) {
+        if (d) setenv("LLM_CUDA_MMQ_DEPTH", "1", 1);
+        big_case(DTYPE_Q4_K, 8192, 2560, small, 5);
+        big_case(DTYPE_Q5_K, 4096, 5120, small, 5);
+    }
+    unsetenv("LLM_CUDA_MMQ_DEPTH");
     unsetenv("LLM_CUDA_MMQ_MIN");
 }
 
