@@ -18,6 +18,7 @@
  * this kernel takes the shapes neither takes (its tiles dequantized into
  * shared memory as they are loaded, att_load_tile_q8). */
 #include "attention_prefill.h"
+#include "attn_decode.cuh"
 #include "attn_merge.cuh"
 #include "common.cuh"
 
@@ -305,7 +306,7 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
 #define ATD_THREADS 128
 
 template <int G, int LP, int U>
-__global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct att_params p) {
+__global__ void __launch_bounds__(ATD_THREADS, G == 1 ? 8 : 1) attention_decode_kernel(struct att_params p) {
     pdl_begin();
     const struct cuda_attn_args &a = p.a;
     constexpr int HD = LP * 8, SW = 32 / LP, NS = (ATD_THREADS / 32) * SW;
@@ -357,21 +358,8 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
     for (int32_t jw = j_begin + warp * SW * U; jw < j_end; jw += NS * U) {
         const int32_t j0 = jw + (lane / LP) * U;
         uint4 kr[U], vr[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int32_t j = j0 + u;
-            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-            if (j < j_end) {
-                int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-                if (blk < 0 || blk >= a.n_blocks) {
-                    kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
-                } else {
-                    size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * li;
-                    kr[u] = __ldg((const uint4 *)(kc + at));
-                    vr[u] = __ldg((const uint4 *)(vc + at));
-                }
-            }
-        }
+        att_kv_rows<HD, U>(kc, vc, btab, a.max_blocks, a.n_blocks, a.block_size, a.n_kv_heads, kvh, li, j0, j_end,
+                           kr, vr);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const bool ok = j0 + u < j_end;
@@ -393,16 +381,7 @@ __global__ void __launch_bounds__(ATD_THREADS) attention_decode_kernel(struct at
                 for (int e = 0; e < 8; e++) d += q[g][e] * kf[e];
 #pragma unroll
                 for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                if (ok) {
-                    /* fmaxf drops a NaN score, so a NaN row still reaches acc
-                     * through pr. */
-                    float mn = fmaxf(m[g], d);
-                    float alpha = __expf(m[g] - mn), pr = __expf(d - mn);
-                    l[g] = l[g] * alpha + pr;
-#pragma unroll
-                    for (int e = 0; e < 8; e++) acc[g][e] = acc[g][e] * alpha + pr * vf[e];
-                    m[g] = mn;
-                }
+                if (ok) att_online_add(m[g], l[g], acc[g], d, vf);
             }
         }
     }

@@ -28,6 +28,7 @@
  * (matmul_mr, cuBLAS), as the other attention kernels do from 3 rows. */
 #include "act_q8.cuh"
 #include "attention_prefill.h"
+#include "attn_decode.cuh"
 
 #include <math.h>
 
@@ -103,27 +104,15 @@ __device__ __forceinline__ uint4 ra_pack8(const float (&v)[8]) {
 
 /* Loads of positions j0 .. j0 + U - 1 of a slice that ends at j_end, from
  * the cache (zeros past j_end and at the new position len - 1, which the
- * slice takes from registers; NaN where the block table is bad).  The
- * cache rows and the tables are no output of this step's kernels, so the
- * first round is issued before the programmatic wait. */
+ * slice takes from registers; NaN where the block table is bad;
+ * attn_decode.cuh).  The cache rows and the tables are no output of this
+ * step's kernels, so the first round is issued before the programmatic
+ * wait. */
 template <int HD, int U>
 __device__ __forceinline__ void ra_kv_load(const ra_args &a, int kvh, int li, int j0, int j_end, int len,
                                            uint4 (&kr)[U], uint4 (&vr)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        const int j = j0 + u;
-        kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
-        if (j < j_end && j != len - 1) {
-            const int32_t bi = j / a.block_size, blk = bi < a.max_blocks ? a.btab[bi] : -1;
-            if (blk < 0 || blk >= a.n_blocks) {
-                kr[u] = vr[u] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u); /* NaN */
-            } else {
-                const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * li;
-                kr[u] = __ldg((const uint4 *)(a.kc + at));
-                vr[u] = __ldg((const uint4 *)(a.vc + at));
-            }
-        }
-    }
+    att_kv_rows<HD, U>(a.kc, a.vc, a.btab, a.max_blocks, a.n_blocks, a.block_size, a.n_kv_heads, kvh, li, j0,
+                       min(j_end, len - 1), kr, vr);
 }
 
 /* N output values of the row at column c: F32, and F16 where asked. */
@@ -201,13 +190,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
             }
 #pragma unroll
             for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-            if (j0 + u < j_end) {
-                const float mn = fmaxf(m, d), alpha = __expf(m - mn), pr = __expf(d - mn);
-                l = l * alpha + pr;
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[e] = acc[e] * alpha + pr * vf[e];
-                m = mn;
-            }
+            if (j0 + u < j_end) att_online_add(m, l, acc, d, vf);
         }
     }
     /* The sub-warps' states merged into sub-warp 0. */
