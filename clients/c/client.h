@@ -236,7 +236,8 @@ struct llm_generate_result {
     char error_message[512];
     /* Bookkeeping of this call: */
     uint32_t tokens_received;       /* tokens passed to the callback */
-    uint32_t reattaches;            /* requests re-sent after a broken or silent connection */
+    uint32_t reattaches;            /* requests re-sent after a broken or silent connection, a gap in
+                                     * the stream or an end that came before all its tokens */
     uint32_t duplicates_dropped;    /* replayed tokens the callback did not see again */
     /* When the call failed on the router's refusal: the wait it asked for
      * before a retry (Error.retry_after_ms; 0: retrying will not help, or

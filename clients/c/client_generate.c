@@ -84,7 +84,14 @@ struct client_gen {
     bool cancel;         /* the callback asked to stop */
     bool cancel_sent;    /* on this connection */
     bool ever_accepted;  /* on any connection: the first Accepted says reattached */
+    uint32_t short_dones; /* GenerateDones that came before all their tokens */
 };
+
+/* GenerateDones a call takes that count more tokens than arrived before
+ * each: every one re-attaches for the rest (the router replays them and
+ * ends again); past this many the call fails instead of returning a short
+ * result. */
+#define CLIENT_SHORT_DONES_MAX 3
 
 /* Passes on the tokens of a chunk the caller does not have yet.  Returns
  * 1 when the chunk leaves a gap (tokens missing before it): the caller
@@ -367,6 +374,26 @@ int llm_client_generate(llm_client *c, const struct llm_generate_params *p,
                     }
                     break;
                 case LLM__CLIENT_ENVELOPE__BODY_DONE:
+                    if (in->done->choice < g.n && !g.done[in->done->choice] && in->done->usage &&
+                        in->done->usage->completion_tokens > g.haves[in->done->choice]) {
+                        /* The end of a stream that lost tokens on the way
+                         * (a re-attach in the turn the request ended): what
+                         * is missing is asked for again, never dropped. */
+                        const uint32_t ch = in->done->choice, want = in->done->usage->completion_tokens;
+                        if (++g.short_dones > CLIENT_SHORT_DONES_MAX) {
+                            client_seterr(c, LLM__ERROR__CODE__OK,
+                                          "generate: request %s: choice %u ended at %u tokens but %u arrived, "
+                                          "%u times; the router does not replay the rest",
+                                          res->request_id, ch, want, g.haves[ch], g.short_dones);
+                            proto_client_free(in);
+                            return STATUS_PROTOCOL;
+                        }
+                        LOG(LL_WARN, "client: request %s: choice %u ended at %u tokens but %u arrived; re-attaching",
+                            res->request_id, ch, want, g.haves[ch]);
+                        res->reattaches++;
+                        need_send = true;
+                        break;
+                    }
                     if (in->done->choice < g.n && !g.done[in->done->choice]) {
                         client_fill_done(res, in->done);
                         g.done[in->done->choice] = true;

@@ -2,7 +2,8 @@
  * re-attach with resume_from after the router's socket goes away (a router
  * restart) or goes quiet, replayed tokens dropped, errors with their codes,
  * cancel from the callback, status, an unreachable router timing out within
- * retry_ms, and the quick probe. */
+ * retry_ms, an end that counts tokens that never came (re-attached for, or
+ * failed on), and the quick probe. */
 #include "tests/test.h"
 
 #include "clients/c/client.h"
@@ -24,6 +25,8 @@ enum fake_mode {
     FAKE_SLOW,    /* a token every 20 ms until a Cancel, then done CANCELLED */
     FAKE_MUTE,    /* accept every generate, then say nothing */
     FAKE_STALL,   /* accept, a token, a stall notice (UNAVAILABLE, retry after 2 s), then the rest 100 ms later */
+    FAKE_SHORT,   /* first generate: tokens 0-4 and a done counting 12; re-attaches: the rest and the done */
+    FAKE_SHORT_ALWAYS, /* every generate: tokens up to 4 and a done counting 12 */
 };
 
 #define FAKE_N_TOKENS 12
@@ -245,6 +248,16 @@ static void *fake_main(void *arg) {
                 }
                 fake_done(s, &in, g->request_id, LLM__GENERATE_DONE__FINISH_REASON__LENGTH, FAKE_N_TOKENS);
                 break;
+            case FAKE_SHORT:
+            case FAKE_SHORT_ALWAYS: {
+                /* A stream that loses its last tokens (the router's replay
+                 * skipped them), then ends counting all of them. */
+                const uint32_t end = f->mode == FAKE_SHORT && k > 0 ? FAKE_N_TOKENS : 5;
+                fake_accept(s, &in, env->tag, g->request_id, k > 0);
+                for (uint32_t i = g->resume_from; i < end; i++) fake_chunk(s, &in, g->request_id, i, 1);
+                fake_done(s, &in, g->request_id, LLM__GENERATE_DONE__FINISH_REASON__LENGTH, FAKE_N_TOKENS);
+                break;
+            }
             case FAKE_SLOW:
                 fake_accept(s, &in, env->tag, g->request_id, false);
                 snprintf(slow_id, sizeof slow_id, "%s", g->request_id);
@@ -474,6 +487,46 @@ TEST(client_reattaches_after_silence) {
     ASSERT_EQ(2, f.n_generates);
     ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__STOP, (int)r.finish_reason);
     llm_generate_result_free(&r);
+    llm_client_close(c);
+}
+
+/* A GenerateDone that counts more tokens than arrived: the client asks for
+ * the rest (resume_from = what it has) instead of ending short, and fails,
+ * naming both counts, when the router never sends them. */
+TEST(client_reattaches_after_a_short_end) {
+    struct fake f;
+    fake_start(&f, FAKE_SHORT);
+    llm_client *c = open_client(f.ep, 2000, 5000, 5000);
+    struct llm_generate_params p;
+    llm_generate_params_default(&p);
+    p.prompt = "hello";
+    p.request_id = "req-short-1";
+    struct seen s = {0};
+    struct llm_generate_result r;
+    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
+    fake_stop(&f);
+    ASSERT_OK(rc);
+    expect_tokens(&s, FAKE_N_TOKENS);
+    ASSERT_EQ(2, f.n_generates);
+    ASSERT_EQ((uint32_t)5, f.resume_from[1]);
+    ASSERT_EQ((uint32_t)1, r.reattaches);
+    ASSERT_EQ((uint32_t)FAKE_N_TOKENS, r.completion_tokens);
+    llm_generate_result_free(&r);
+
+    fake_start(&f, FAKE_SHORT_ALWAYS);
+    llm_client *c2 = open_client(f.ep, 2000, 5000, 5000);
+    p.request_id = "req-short-2";
+    struct seen s2 = {0};
+    rc = llm_client_generate(c2, &p, on_chunk, &s2, &r);
+    fake_stop(&f);
+    ASSERT_EQ(STATUS_PROTOCOL, rc);
+    ASSERT_EQ(4, f.n_generates); /* the first and three re-attaches */
+    ASSERT_EQ(5, s2.n);
+    const char *e = llm_client_errstr(c2);
+    if (!strstr(e, "req-short-2") || !strstr(e, "ended at 12 tokens but 5 arrived"))
+        TEST_FAIL("error does not name the request and the counts: %s", e);
+    llm_generate_result_free(&r);
+    llm_client_close(c2);
     llm_client_close(c);
 }
 
@@ -763,6 +816,7 @@ TEST(client_refuses_bad_config_and_ids) {
 }
 
 TEST_MAIN(client_generate_streams_tokens, client_generate_makes_an_id, client_reattaches_after_router_restart,
+          client_reattaches_after_a_short_end,
           client_reattaches_after_router_restart_behind_chunks, client_reads_through_a_stall_notice,
           client_reattaches_after_silence, client_error_reply_has_its_code, client_callback_cancels,
           client_wait_bounds_the_call, client_status_and_unknown_cancel, client_unreachable_router_times_out, client_retry_bounds_the_wait, client_probe_finds_a_router,
