@@ -308,6 +308,30 @@ __device__ __forceinline__ void mmq_prefetch(const uint8_t *w, size_t rb, int ro
         l2_prefetch(row + (size_t)s * mmq_wk<T>::BYTES + (lane < 16 ? 0 : 128));
 }
 
+/* What a block's warp works on: the block's row block (bx) and the
+ * weight it is in, its tokens from tok0 (tok tokens a block, blocks side by
+ * side taking the halves above 32 tokens), the warp's 16 rows from row0 and
+ * its two rows' weights (rows g and g + 8 of them, clamped to the
+ * weight's last), and its split's chunks s0 .. s1. */
+struct mmq_place {
+    mg_seg seg;
+    const uint8_t *w0, *w1;
+    int bx, tok0, row0, s0, s1;
+};
+__device__ __forceinline__ mmq_place mmq_place_of(const mmq_args &a, int tok) {
+    mmq_place p;
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2;
+    p.bx = (int)blockIdx.x / a.th;
+    p.tok0 = tok * ((int)blockIdx.x % a.th);
+    p.seg = mg_seg_locate(a.g, p.bx);
+    p.row0 = (p.bx - p.seg.u0) * MMQ_ROWS + warp * 16;
+    p.w0 = p.seg.w + (size_t)min(p.row0 + g, p.seg.rows - 1) * a.rb;
+    p.w1 = p.seg.w + (size_t)min(p.row0 + g + 8, p.seg.rows - 1) * a.rb;
+    p.s0 = blockIdx.y * a.sps;
+    p.s1 = min(a.n_sb, p.s0 + a.sps);
+    return p;
+}
+
 /* One chunk of a warp's two rows (cw) against NT tiles of 8 tokens whose
  * activations sxq (token rows of MMQ_XS bytes), sxd (scales) and sxb
  * (32-sums) hold.  Each mma's int32 sum is multiplied by its row's integer
@@ -494,15 +518,12 @@ template <int T, int NT, bool ST>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : MMQ_MIN_BLOCKS)
     matmul_mmq_kernel(const mmq_args a) {
     pdl_begin();
+    const mmq_place pl = mmq_place_of(a, 8 * NT);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
-    const mg_seg seg = mg_seg_locate(a.g, bx);
-    const int row0 = (bx - seg.u0) * MMQ_ROWS + warp * 16;
+    const int bx = pl.bx, tok0 = pl.tok0, row0 = pl.row0, n = a.n, s0 = pl.s0, s1 = pl.s1;
+    const mg_seg seg = pl.seg;
     const size_t rb = a.rb;
-    const int r0 = min(row0 + g, seg.rows - 1), r1 = min(row0 + g + 8, seg.rows - 1);
-    const uint8_t *w0 = seg.w + (size_t)r0 * rb, *w1 = seg.w + (size_t)r1 * rb;
-    const int n = a.n;
-    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
+    const uint8_t *w0 = pl.w0, *w1 = pl.w1;
 
     float acc[NT][4];
 #pragma unroll
@@ -602,45 +623,33 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
  * where the kernel above waits for it at the end of the next chunk.  It
  * takes 162-166 registers, three blocks a multiprocessor where the plain
  * kernel has four: mmq_launch_nt gives it the launches whose row blocks
- * fit one wave of those (LLM_CUDA_MMQ_DEPTH). */
+ * fit one wave of those (LLM_CUDA_MMQ_DEPTH).  It asks L2 for nothing
+ * ahead (LLM_CUDA_L2_AHEAD): with two chunks in flight that measured
+ * slower. */
 template <int T, int NT>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_deep_kernel(const mmq_args a) {
     static_assert(T != DTYPE_Q6_K && NT == 1, "Q4_K and Q5_K up to 8 tokens");
     pdl_begin();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int bx = (int)blockIdx.x / a.th, tok0 = 8 * NT * ((int)blockIdx.x % a.th);
-    const mg_seg seg = mg_seg_locate(a.g, bx);
-    const int row0 = (bx - seg.u0) * MMQ_ROWS + warp * 16;
-    const size_t rb = a.rb;
-    const int r0 = min(row0 + g, seg.rows - 1), r1 = min(row0 + g + 8, seg.rows - 1);
-    const uint8_t *w0 = seg.w + (size_t)r0 * rb, *w1 = seg.w + (size_t)r1 * rb;
-    const int n = a.n;
-    const int s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
-
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
-    constexpr int TOK = 8 * NT;
-    __shared__ __align__(16) int8_t sxq[2][TOK * MMQ_XS];
-    __shared__ float sxd[2][TOK];
-    __shared__ __align__(16) uint4 sxb[2][TOK];
+    const mmq_place pl = mmq_place_of(a, 8 * NT);
+    const int lane = threadIdx.x % 32, t = lane & 3;
+    float acc[NT][4] = {};
+    /* The activations of two chunks, as the kernel above stages them. */
+    __shared__ __align__(16) int8_t sxq[2][8 * NT * MMQ_XS];
+    __shared__ float sxd[2][8 * NT];
+    __shared__ __align__(16) uint4 sxb[2][8 * NT];
     /* Register sets A, B, C: chunk s0 + 3i + k in set k. */
     mmq_w<T> wa[2], wb[2], wc[2];
     uint4 xa[NT], xb[NT], xc[NT], ba = make_uint4(0, 0, 0, 0), bb = ba, bc = ba;
     float da = 0.0f, db = 0.0f, dc = 0.0f;
     const auto load = [&](int s, mmq_w<T>(&w)[2], uint4(&px)[NT], float &pd, uint4 &pb) {
-        w[0].load(w0, s, t, a.cols);
-        w[1].load(w1, s, t, a.cols);
-        mmq_x_load<NT>(a.a, n, s, tok0, px, pd, pb);
+        w[0].load(pl.w0, s, t, a.cols);
+        w[1].load(pl.w1, s, t, a.cols);
+        mmq_x_load<NT>(a.a, a.n, s, pl.tok0, px, pd, pb);
     };
-    if (s0 < s1) {
-        load(s0, wa, xa, da, ba);
+    if (pl.s0 < pl.s1) {
+        load(pl.s0, wa, xa, da, ba);
         mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], xa, da, ba);
-        if (s0 + 1 < s1) load(s0 + 1, wb, xb, db, bb);
-        for (int k = 3; k <= a.ahead + 1 && s0 + k < s1; k++)
-            mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s0 + k, lane);
+        if (pl.s0 + 1 < pl.s1) load(pl.s0 + 1, wb, xb, db, bb);
     }
     __syncthreads();
     /* Chunk s from set cur into buffer (s - s0) & 1; the loads of s + 2
@@ -648,24 +657,22 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
      * (set next, loaded a chunk ago) to the other buffer. */
     const auto step = [&](int s, const mmq_w<T>(&cur)[2], mmq_w<T>(&fill)[2], uint4(&xf)[NT], float &df,
                           uint4 &bf, const uint4(&xn)[NT], float dn, uint4 bn) {
-        const int buf = (s - s0) & 1;
-        if (a.ahead > 0 && s + 2 + a.ahead < s1)
-            mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s + 2 + a.ahead, lane);
-        if (s + 2 < s1) load(s + 2, fill, xf, df, bf);
-        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxb[buf], g, t, acc);
+        const int buf = (s - pl.s0) & 1;
+        if (s + 2 < pl.s1) load(s + 2, fill, xf, df, bf);
+        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxb[buf], lane >> 2, t, acc);
         /* The other buffer was last read a chunk ago, before the barrier
          * that ended it. */
-        if (s + 1 < s1) mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], xn, dn, bn);
+        if (s + 1 < pl.s1) mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], xn, dn, bn);
         __syncthreads();
     };
-    for (int s = s0; s < s1; s += 3) {
+    for (int s = pl.s0; s < pl.s1; s += 3) {
         step(s, wa, wc, xc, dc, bc, xb, db, bb);
-        if (s + 1 >= s1) break;
+        if (s + 1 >= pl.s1) break;
         step(s + 1, wb, wa, xa, da, ba, xc, dc, bc);
-        if (s + 2 >= s1) break;
+        if (s + 2 >= pl.s1) break;
         step(s + 2, wc, wb, xb, db, bb, xa, da, ba);
     }
-    mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
+    mmq_finish<NT>(a, pl.seg, pl.bx, pl.row0, pl.tok0, acc);
 }
 
 /* Whether a launch of nt tiles a warp stages its weights (mmq_stage):
