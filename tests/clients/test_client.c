@@ -339,30 +339,51 @@ static void expect_tokens(const struct seen *s, int n) {
     ASSERT_STREQ(want, s->text);
 }
 
-TEST(client_generate_streams_tokens) {
+/* One generation of "hello" as request id against a scripted router in
+ * mode, by a client of the given timeouts: the router stopped before it
+ * returns, the client left open for the checks (gen_end closes it). */
+struct gen_run {
     struct fake f;
-    fake_start(&f, FAKE_STREAM);
-    llm_client *c = open_client(f.ep, 2000, 5000, 5000);
+    llm_client *c;
+    int rc;
+    int64_t took_ms;
+    struct llm_generate_result r;
+};
+
+static void gen_with_fake(struct gen_run *g, enum fake_mode mode, const char *id, int reply_ms, int idle_ms,
+                          int retry_ms, struct seen *s) {
+    fake_start(&g->f, mode);
+    g->c = open_client(g->f.ep, reply_ms, idle_ms, retry_ms);
     struct llm_generate_params p;
     llm_generate_params_default(&p);
     p.prompt = "hello";
-    p.request_id = "req-stream-1";
+    p.request_id = id;
+    int64_t t0 = now_ms();
+    g->rc = llm_client_generate(g->c, &p, on_chunk, s, &g->r);
+    g->took_ms = now_ms() - t0;
+    fake_stop(&g->f);
+}
+
+static void gen_end(struct gen_run *g) {
+    llm_generate_result_free(&g->r);
+    llm_client_close(g->c);
+}
+
+TEST(client_generate_streams_tokens) {
     struct seen s = {0};
-    struct llm_generate_result r;
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    fake_stop(&f);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_STREAM, "req-stream-1", 2000, 5000, 5000, &s);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
     ASSERT_EQ(FAKE_N_TOKENS, s.calls);
-    ASSERT_STREQ("req-stream-1", r.request_id);
-    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)r.finish_reason);
-    ASSERT_EQ((uint64_t)77, r.seed);
-    ASSERT_EQ((size_t)3, r.n_prompt_ids);
-    ASSERT_EQ(400, r.prompt_ids[1]);
-    ASSERT_EQ((uint32_t)FAKE_N_TOKENS, r.completion_tokens);
-    ASSERT_EQ((uint32_t)0, r.reattaches);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    ASSERT_STREQ("req-stream-1", g.r.request_id);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__LENGTH, (int)g.r.finish_reason);
+    ASSERT_EQ((uint64_t)77, g.r.seed);
+    ASSERT_EQ((size_t)3, g.r.n_prompt_ids);
+    ASSERT_EQ(400, g.r.prompt_ids[1]);
+    ASSERT_EQ((uint32_t)FAKE_N_TOKENS, g.r.completion_tokens);
+    ASSERT_EQ((uint32_t)0, g.r.reattaches);
+    gen_end(&g);
 }
 
 TEST(client_generate_makes_an_id) {
@@ -387,31 +408,20 @@ TEST(client_generate_makes_an_id) {
 }
 
 TEST(client_reattaches_after_router_restart) {
-    struct fake f;
-    fake_start(&f, FAKE_RESTART);
-    llm_client *c = open_client(f.ep, 2000, 10000, 10000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-restart";
     struct seen s = {0};
-    struct llm_generate_result r;
-    int64_t t0 = now_ms();
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    int64_t took = now_ms() - t0;
-    fake_stop(&f);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_RESTART, "req-restart", 2000, 10000, 10000, &s);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
-    ASSERT_EQ(2, f.n_generates);
-    ASSERT_EQ((uint32_t)0, f.resume_from[0]);
-    ASSERT_EQ((uint32_t)5, f.resume_from[1]);
-    ASSERT_TRUE(r.reattaches >= 1);
-    ASSERT_EQ((uint32_t)2, r.duplicates_dropped);
-    ASSERT_EQ(false, r.reattached); /* the first Accepted said new */
+    ASSERT_EQ(2, g.f.n_generates);
+    ASSERT_EQ((uint32_t)0, g.f.resume_from[0]);
+    ASSERT_EQ((uint32_t)5, g.f.resume_from[1]);
+    ASSERT_TRUE(g.r.reattaches >= 1);
+    ASSERT_EQ((uint32_t)2, g.r.duplicates_dropped);
+    ASSERT_EQ(false, g.r.reattached); /* the first Accepted said new */
     /* The monitor saw the disconnect: no idle timeout (10 s) was waited out. */
-    ASSERT_TRUE(took < 5000);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    ASSERT_TRUE(g.took_ms < 5000);
+    gen_end(&g);
 }
 
 /* The same restart while the caller is busy with the first chunk: the
@@ -419,27 +429,16 @@ TEST(client_reattaches_after_router_restart) {
  * again.  It reads the chunks, then re-attaches at once; it used to forget
  * the disconnect behind the chunks and wait out the idle timeout (10 s). */
 TEST(client_reattaches_after_router_restart_behind_chunks) {
-    struct fake f;
-    fake_start(&f, FAKE_RESTART);
-    llm_client *c = open_client(f.ep, 2000, 10000, 20000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-restart-busy";
     struct seen s = {.first_sleep_ms = 250};
-    struct llm_generate_result r;
-    int64_t t0 = now_ms();
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    int64_t took = now_ms() - t0;
-    fake_stop(&f);
-    printf("  restart behind 4 waiting chunks: done in %lld ms (idle timeout 10000 ms)\n", (long long)took);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_RESTART, "req-restart-busy", 2000, 10000, 20000, &s);
+    printf("  restart behind 4 waiting chunks: done in %lld ms (idle timeout 10000 ms)\n", (long long)g.took_ms);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
-    ASSERT_EQ(2, f.n_generates);
-    ASSERT_EQ((uint32_t)5, f.resume_from[1]);
-    ASSERT_TRUE(took < 5000);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    ASSERT_EQ(2, g.f.n_generates);
+    ASSERT_EQ((uint32_t)5, g.f.resume_from[1]);
+    ASSERT_TRUE(g.took_ms < 5000);
+    gen_end(&g);
 }
 
 /* A stall notice (UNAVAILABLE with retry_after_ms for a request the router
@@ -448,110 +447,68 @@ TEST(client_reattaches_after_router_restart_behind_chunks) {
  * passed on as they come (here 100 ms later), not after the 2 s pause, and
  * then nothing is sent again. */
 TEST(client_reads_through_a_stall_notice) {
-    struct fake f;
-    fake_start(&f, FAKE_STALL);
-    llm_client *c = open_client(f.ep, 2000, 10000, 20000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-stall";
     struct seen s = {0};
-    struct llm_generate_result r;
-    int64_t t0 = now_ms();
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    int64_t took = now_ms() - t0;
-    fake_stop(&f);
-    printf("  stall notice (retry after 2000 ms), tokens again 100 ms later: done in %lld ms\n", (long long)took);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_STALL, "req-stall", 2000, 10000, 20000, &s);
+    printf("  stall notice (retry after 2000 ms), tokens again 100 ms later: done in %lld ms\n",
+           (long long)g.took_ms);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
-    ASSERT_EQ(1, f.n_generates);
-    ASSERT_TRUE(took < 1500);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    ASSERT_EQ(1, g.f.n_generates);
+    ASSERT_TRUE(g.took_ms < 1500);
+    gen_end(&g);
 }
 
 TEST(client_reattaches_after_silence) {
-    struct fake f;
-    fake_start(&f, FAKE_SILENT);
-    llm_client *c = open_client(f.ep, 2000, 300, 5000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-silent";
     struct seen s = {0};
-    struct llm_generate_result r;
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    fake_stop(&f);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_SILENT, "req-silent", 2000, 300, 5000, &s);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
-    ASSERT_EQ(2, f.n_generates);
-    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__STOP, (int)r.finish_reason);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    ASSERT_EQ(2, g.f.n_generates);
+    ASSERT_EQ((int)LLM__GENERATE_DONE__FINISH_REASON__STOP, (int)g.r.finish_reason);
+    gen_end(&g);
 }
 
 /* A GenerateDone that counts more tokens than arrived: the client asks for
  * the rest (resume_from = what it has) instead of ending short, and fails,
  * naming both counts, when the router never sends them. */
 TEST(client_reattaches_after_a_short_end) {
-    struct fake f;
-    fake_start(&f, FAKE_SHORT);
-    llm_client *c = open_client(f.ep, 2000, 5000, 5000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-short-1";
     struct seen s = {0};
-    struct llm_generate_result r;
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    fake_stop(&f);
-    ASSERT_OK(rc);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_SHORT, "req-short-1", 2000, 5000, 5000, &s);
+    ASSERT_OK(g.rc);
     expect_tokens(&s, FAKE_N_TOKENS);
-    ASSERT_EQ(2, f.n_generates);
-    ASSERT_EQ((uint32_t)5, f.resume_from[1]);
-    ASSERT_EQ((uint32_t)1, r.reattaches);
-    ASSERT_EQ((uint32_t)FAKE_N_TOKENS, r.completion_tokens);
-    llm_generate_result_free(&r);
+    ASSERT_EQ(2, g.f.n_generates);
+    ASSERT_EQ((uint32_t)5, g.f.resume_from[1]);
+    ASSERT_EQ((uint32_t)1, g.r.reattaches);
+    ASSERT_EQ((uint32_t)FAKE_N_TOKENS, g.r.completion_tokens);
+    gen_end(&g);
 
-    fake_start(&f, FAKE_SHORT_ALWAYS);
-    llm_client *c2 = open_client(f.ep, 2000, 5000, 5000);
-    p.request_id = "req-short-2";
     struct seen s2 = {0};
-    rc = llm_client_generate(c2, &p, on_chunk, &s2, &r);
-    fake_stop(&f);
-    ASSERT_EQ(STATUS_PROTOCOL, rc);
-    ASSERT_EQ(4, f.n_generates); /* the first and three re-attaches */
+    gen_with_fake(&g, FAKE_SHORT_ALWAYS, "req-short-2", 2000, 5000, 5000, &s2);
+    ASSERT_EQ(STATUS_PROTOCOL, g.rc);
+    ASSERT_EQ(4, g.f.n_generates); /* the first and three re-attaches */
     ASSERT_EQ(5, s2.n);
-    const char *e = llm_client_errstr(c2);
+    const char *e = llm_client_errstr(g.c);
     if (!strstr(e, "req-short-2") || !strstr(e, "ended at 12 tokens but 5 arrived"))
         TEST_FAIL("error does not name the request and the counts: %s", e);
-    llm_generate_result_free(&r);
-    llm_client_close(c2);
-    llm_client_close(c);
+    gen_end(&g);
 }
 
 TEST(client_error_reply_has_its_code) {
-    struct fake f;
-    fake_start(&f, FAKE_ERROR);
-    llm_client *c = open_client(f.ep, 2000, 5000, 5000);
-    struct llm_generate_params p;
-    llm_generate_params_default(&p);
-    p.prompt = "hello";
-    p.request_id = "req-bad";
     struct seen s = {0};
-    struct llm_generate_result r;
-    int rc = llm_client_generate(c, &p, on_chunk, &s, &r);
-    fake_stop(&f);
+    struct gen_run g;
+    gen_with_fake(&g, FAKE_ERROR, "req-bad", 2000, 5000, 5000, &s);
     /* UNAVAILABLE with retry_after was retried; INVALID_ARGUMENT was not. */
-    ASSERT_EQ(2, f.n_generates);
-    ASSERT_EQ(STATUS_BAD_INPUT, rc);
-    ASSERT_EQ((int)LLM__ERROR__CODE__INVALID_ARGUMENT, (int)llm_client_error_code(c));
-    ASSERT_TRUE(strstr(llm_client_errstr(c), "INVALID_ARGUMENT") != NULL);
-    ASSERT_TRUE(strstr(llm_client_errstr(c), "top_p = 1.5") != NULL);
-    ASSERT_TRUE(strstr(llm_client_errstr(c), "req-bad") != NULL);
+    ASSERT_EQ(2, g.f.n_generates);
+    ASSERT_EQ(STATUS_BAD_INPUT, g.rc);
+    ASSERT_EQ((int)LLM__ERROR__CODE__INVALID_ARGUMENT, (int)llm_client_error_code(g.c));
+    ASSERT_TRUE(strstr(llm_client_errstr(g.c), "INVALID_ARGUMENT") != NULL);
+    ASSERT_TRUE(strstr(llm_client_errstr(g.c), "top_p = 1.5") != NULL);
+    ASSERT_TRUE(strstr(llm_client_errstr(g.c), "req-bad") != NULL);
     ASSERT_EQ(0, s.calls);
-    llm_generate_result_free(&r);
-    llm_client_close(c);
+    gen_end(&g);
 }
 
 TEST(client_callback_cancels) {
