@@ -23,6 +23,11 @@
 #            (scripts/ncu-sum.py), sm_90 pack, for each SHAPE:CTX:MMQ_MIN of
 #            LLM_PROF_CASES (default llama2-7b at context 512 routed by
 #            default, -1, and with LLM_CUDA_MMQ_MIN=8); tables in prof.txt
+#   verifyprof Nsight Compute's time of every kernel of speculation's
+#            verification step (one sequence's 5 rows, bench_gpu --verify
+#            4) against its one-row step, side by side (scripts/ncu-sum.py
+#            --last-two), llama2-7b Q4_K_M at context 512 and llama3-8b at
+#            2048, sm_90 pack; tables in verifyprof.txt
 #   ab       bench_gpu decode A/Bs of routing choices, one line a setting
 #            (ab.txt): llama2-7b Q4_K_M at context 512 and llama3-8b at
 #            2048, LLM_CUDA_MMQ_MIN=0 against the default (both packs),
@@ -155,6 +160,18 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             done
         done >"$out/prof.txt" 2>&1
         echo "== prof: $(grep -c '^all kernels' "$out/prof.txt") tables" >>"$summary"
+        ;;
+    verifyprof)
+        [ -n "$b90" ] || continue
+        for sc in llama2-7b:512 llama3-8b:2048; do
+            IFS=: read -r shape ctx <<<"$sc"
+            echo "== $shape q4_k_m, context $ctx: the 5-row step (last) against the 1-row step (next to last)"
+            timeout 200 ncu --csv --metrics gpu__time_duration.sum --clock-control none --cache-control none \
+                "$b90/bench/bench_gpu" --shapes "$shape" --types q4_k_m --batches 1 --ctx "$ctx" --verify 4 \
+                --steps 1 --warmup 0 --prompt 8 --prefill-reps 1 --copy-size 64M --gemm-size 1024 --gemm-tokens 256 \
+                --tmpdir /tmp 2>&1 | env -u LD_LIBRARY_PATH python3 scripts/ncu-sum.py --last-two
+        done >"$out/verifyprof.txt" 2>&1
+        echo "== verifyprof: $(grep -c '^== last step' "$out/verifyprof.txt") tables" >>"$summary"
         ;;
     ab)
         abrun() { # TAG PACK SM BENCH_GPU_ARGS...
