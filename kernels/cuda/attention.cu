@@ -305,6 +305,9 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
  * merged through shared memory at the end. */
 #define ATD_THREADS 128
 
+/* Groups of 1 (llama2-7b's heads) held to 64 registers, eight blocks a
+ * multiprocessor: its batch-16 grid (1024 blocks) is then one wave on an
+ * H200, where 72 registers would make two. */
 template <int G, int LP, int U>
 __global__ void __launch_bounds__(ATD_THREADS, G == 1 ? 8 : 1) attention_decode_kernel(struct att_params p) {
     pdl_begin();

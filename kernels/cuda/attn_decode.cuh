@@ -6,7 +6,6 @@
 #define KERNELS_CUDA_ATTN_DECODE_CUH
 
 #include "common.cuh"
-#include "cuda_ops.h"
 
 /* K and V rows (dims 8 li ..) of positions j0 .. j0 + U - 1 of KV head
  * kvh of a sequence's block table: zeros from j_end on, NaN where a block
