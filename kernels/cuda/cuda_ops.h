@@ -81,6 +81,7 @@ struct cuda_ctx {
                          * ahead of their loads (0: never; LLM_CUDA_L2_AHEAD) */
     int mmq_depth;      /* matmul_mmq.cu: Q4_K/Q5_K chunks at 3-8 tokens loaded this many ahead
                          * (2, default; LLM_CUDA_MMQ_DEPTH=1: one, to compare) */
+    int mmq_tiles;      /* matmul_mmq.cu: most tiles of 8 tokens a warp (4; LLM_CUDA_MMQ_TILES) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream

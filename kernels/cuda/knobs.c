@@ -145,6 +145,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "chunks ahead of its work that matmul_mmq.cu loads Q4_K and Q5_K weights and activations "
          "into registers at 3-8 tokens where the row blocks fit one wave (1: one, as elsewhere, to compare)",
          &k->mmq_depth, 1, 2, NULL},
+        {"cuda-mmq-tiles", "LLM_CUDA_MMQ_TILES", OPTION_INT, "4",
+         "most tiles of 8 tokens a warp of matmul_mmq.cu takes; more tokens go to blocks side by side "
+         "on the same rows, each reading the weights again (fewer: more, smaller blocks, to compare)",
+         &k->mmq_tiles, 1, 8, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;
@@ -230,6 +234,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_elems[1] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;
     ctx->l2_ahead = k->l2_ahead;
     ctx->mmq_depth = k->mmq_depth;
+    ctx->mmq_tiles = k->mmq_tiles;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

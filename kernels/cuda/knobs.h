@@ -50,10 +50,11 @@ struct cuda_knobs {
     int mmq_stage;       /* LLM_CUDA_MMQ_STAGE (read again on every matmul_mmq.cu launch) */
     int l2_ahead;        /* LLM_CUDA_L2_AHEAD: steps or chunks asked of L2 ahead of their loads */
     int mmq_depth;       /* LLM_CUDA_MMQ_DEPTH: 1 or 2 */
+    int mmq_tiles;       /* LLM_CUDA_MMQ_TILES: 1-4 */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 26
+#define CUDA_KNOBS_N 27
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

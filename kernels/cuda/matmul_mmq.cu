@@ -43,8 +43,8 @@
 #define MMQ_COUNTERS 16384
 #define MMQ_NT_MAX 64
 #define MMQ_SPLIT_MAX 8
-#define MMQ_NTW_MAX 4
 #define MMQ_MIN_BLOCKS 3
+#define MMQ_STAGE_MAX 4 /* tiles a warp with Q6_K's staged copy at most (LLM_CUDA_MMQ_STAGE) */
 /* A token's staged chunk in shared memory: lane t's 64 bytes at t * MMQ_XL,
  * tokens MMQ_XS apart.  A 16-byte fragment load is served 8 lanes (tokens
  * g, g + 1 of one parity, t = 0 .. 3) at a time, and these strides (20 t
@@ -515,7 +515,7 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
  * 16-byte pieces, stored to its shared-memory copy after the chunk
  * (mmq_stage), else each lane's own fragments. */
 template <int T, int NT, bool ST>
-__global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : MMQ_MIN_BLOCKS)
+__global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : NT <= 4 ? MMQ_MIN_BLOCKS : 2)
     matmul_mmq_kernel(const mmq_args a) {
     pdl_begin();
     const mmq_place pl = mmq_place_of(a, 8 * NT);
@@ -694,7 +694,7 @@ static bool mmq_staged(int nt) {
 /* The kernel of variant v: 0 the plain one, 1 Q6_K's staged weights, 2
  * Q4_K's and Q5_K's loads two chunks ahead (matmul_mmq_deep_kernel). */
 template <int T, int NT> static void (*mmq_kernel(int v))(const mmq_args) {
-    if constexpr (T == DTYPE_Q6_K) {
+    if constexpr (T == DTYPE_Q6_K && NT <= MMQ_STAGE_MAX) {
         if (v == 1) return matmul_mmq_kernel<T, NT, true>;
     } else if constexpr (NT == 1) {
         if (v == 2) return matmul_mmq_deep_kernel<T, NT>;
@@ -804,14 +804,20 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
 
 template <int T>
 static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    /* Tiles a warp: all of them up to 32 tokens, else half. */
+    /* Tiles a warp: all of them up to ctx->mmq_tiles (4: 32 tokens),
+     * else as few blocks side by side as hold them at that. */
     int nt = (n + 7) / 8;
-    if (nt > MMQ_NTW_MAX) nt = (nt + 1) / 2;
+    if (nt > ctx->mmq_tiles) {
+        const int th = (nt + ctx->mmq_tiles - 1) / ctx->mmq_tiles;
+        nt = (nt + th - 1) / th;
+    }
     switch (nt) {
     case 1: return mmq_launch_nt<T, 1>(ctx, g, cols, x, n);
     case 2: return mmq_launch_nt<T, 2>(ctx, g, cols, x, n);
     case 3: return mmq_launch_nt<T, 3>(ctx, g, cols, x, n);
-    default: return mmq_launch_nt<T, 4>(ctx, g, cols, x, n);
+    case 4: return mmq_launch_nt<T, 4>(ctx, g, cols, x, n);
+    case 5: case 6: return mmq_launch_nt<T, 6>(ctx, g, cols, x, n);
+    default: return mmq_launch_nt<T, 8>(ctx, g, cols, x, n);
     }
 }
 

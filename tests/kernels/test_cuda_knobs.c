@@ -71,6 +71,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(8, h.rope_att_mha);
     ASSERT_EQ(4, h.att_defer);
     ASSERT_EQ(2, h.mmq_depth);
+    ASSERT_EQ(4, h.mmq_tiles);
     ASSERT_EQ(1, h.att_f16);
     ASSERT_EQ(1, h.mr);
     ASSERT_EQ(1, h.dequant_ahead);

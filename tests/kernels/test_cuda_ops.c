@@ -898,6 +898,17 @@ TEST(cuda_ops_matmul_mmq) {
         big_case(DTYPE_Q5_K, 4096, 5120, small, 5);
     }
     unsetenv("LLM_CUDA_MMQ_DEPTH");
+    /* Other tiles a warp (LLM_CUDA_MMQ_TILES): up to 8 blocks side by
+     * side on one row block, or 6 and 8 tiles a warp (33-64 tokens in one
+     * block), with and without a K split. */
+    static const char *const tiles[] = {"1", "2", "3", "8"};
+    for (int k = 0; k < 4; k++) {
+        setenv("LLM_CUDA_MMQ_TILES", tiles[k], 1);
+        wide_case(DTYPE_Q4_K, 4200, 4096);
+        wide_case(DTYPE_Q6_K, 517, 11008);
+        big_case(DTYPE_Q5_K, 4096, 5120, small, 5);
+    }
+    unsetenv("LLM_CUDA_MMQ_TILES");
     unsetenv("LLM_CUDA_MMQ_MIN");
 }
 
