@@ -33,6 +33,51 @@ __device__ __forceinline__ void act_q8_block(float v, int lane, int64_t b, int8_
     }
 }
 
+/* The same form of N consecutive values a lane holds, from element e0 of
+ * the matrix (a multiple of N; rows a multiple of 64 wide), the 32 / N
+ * lanes of each block of 32 being consecutive lanes of the warp; mask:
+ * the lanes that call it (whole blocks); a lane with `in` false (past the
+ * row, holding zeros) stores nothing.  The same arithmetic as
+ * act_q8_block, so the same bits. */
+template <int N>
+__device__ __forceinline__ void act_q8_lanes(const float (&v)[N], int64_t e0, unsigned mask, int8_t *__restrict__ xq,
+                                             float *__restrict__ xd, float *__restrict__ xs, bool in = true) {
+    static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 values a lane");
+    constexpr int L = 32 / N; /* lanes a block */
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; i++) a = fmaxf(a, fabsf(v[i]));
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(mask, a, o));
+    const float d = a / 127.0f;
+    int s = 0;
+    uint32_t w[(N + 3) / 4] = {};
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const int q = d > 0.0f ? __float2int_rn(v[i] / d) : 0;
+        s += q;
+        w[i / 4] |= (uint32_t)(q & 255) << (8 * (i % 4));
+    }
+    /* The half's sum: its 16 / N lanes. */
+    if (xs)
+#pragma unroll
+        for (int o = 8 / N; o > 0; o >>= 1) s += __shfl_xor_sync(mask, s, o);
+    if (!in) return;
+    if constexpr (N == 8) *(uint2 *)(xq + e0) = make_uint2(w[0], w[1]);
+    else if constexpr (N == 4) *(uint32_t *)(xq + e0) = w[0];
+    else *(uint16_t *)(xq + e0) = (uint16_t)w[0];
+    const int64_t b = e0 / 32;
+    const int at = (int)(e0 % 32);
+    if (at == 0) xd[b] = d;
+    if (xs) {
+        if (at % 16 == 0) {
+            float *e = xs + ((b >> 1) * 2 + (at >> 4)) * 4 + (b & 1);
+            e[0] = d;
+            e[2] = d * (float)s;
+        }
+    }
+}
+
 /* matmul_mmq.cu's Q8K form (cuda_q8k_parts) of one 256-column chunk of
  * one token, block b of the form (chunk s, token c of n: s * n + c), from
  * src (the chunk's first column): a warp, lane L holding columns 8L .. 8L

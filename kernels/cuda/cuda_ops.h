@@ -55,7 +55,8 @@ struct cuda_ctx {
                          * variable sets it) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
                          * slices by a kernel of its own that also writes the o matmul's int8
-                         * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks) */
+                         * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks,
+                         * which then write that form at 1-2 rows) */
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
     int att_gqa_min;    /* attention: decode rows of at least this many query heads per KV head
                          * on attention_gqa.cu (2, default; 0: never; LLM_CUDA_ATT_GQA_MIN) */

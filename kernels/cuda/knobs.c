@@ -92,7 +92,8 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->rope_att, -1, 64, NULL},
         {"cuda-att-defer", "LLM_CUDA_ATT_DEFER", OPTION_INT, "4",
          "most decode rows whose attention slices a kernel of its own merges, leaving the o "
-         "matmul's int8 form as well (0: merged by the attention's last blocks, to compare)",
+         "matmul's int8 form as well (0: merged by the attention's last blocks, which then leave "
+         "that form at 1-2 rows, to compare)",
          &k->att_defer, 0, 4, NULL},
         {"cuda-att-f16", "LLM_CUDA_ATT_F16", OPTION_BOOL, "true",
          "from 3 rows the attention kernels also write their output's F16 form, so the o matmul "

@@ -54,28 +54,7 @@ __device__ __forceinline__ void rmsnorm_q8s(float4 v, float inv, float4 wv, int3
     const bool in = i < n4;
     const float o[4] = {in ? v.x * inv * wv.x : 0.0f, in ? v.y * inv * wv.y : 0.0f, in ? v.z * inv * wv.z : 0.0f,
                         in ? v.w * inv * wv.w : 0.0f};
-    float a = fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])));
-#pragma unroll
-    for (int s = 4; s > 0; s >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
-    const float d = a / 127.0f;
-    int q[4], sum = 0;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        q[e] = d > 0.0f ? __float2int_rn(o[e] / d) : 0;
-        sum += q[e];
-    }
-#pragma unroll
-    for (int s = 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (!in) return;
-    ((uint32_t *)(xq + row * dim))[i] =
-        (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 | (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)q[3] << 24;
-    const int64_t b = row * (dim / 32) + i / 8; /* block of 32 */
-    if ((i & 7) == 0) xd[b] = d;
-    if ((i & 3) == 0) {
-        float *e = xs + ((b >> 1) * 2 + ((i >> 2) & 1)) * 4 + (b & 1);
-        e[0] = d;
-        e[2] = d * (float)sum;
-    }
+    act_q8_lanes<4>(o, row * dim + 4 * (int64_t)i, 0xffffffffu, xq, xd, xs, in);
 }
 
 /* The same op with every load of a row issued before any is used: each

@@ -25,7 +25,8 @@
  * leave the attention's critical path, and a gemv o matmul needs no
  * quantizing launch of its own.  Above that (5-8 rows by default) the
  * blocks that write the output write its F16 form too, for the o matmul
- * (matmul_mr, cuBLAS), as the other attention kernels do from 3 rows. */
+ * (matmul_mr, cuBLAS), as the other attention kernels do from 3 rows, and
+ * with att_defer 0 its int8 form at 1-2 rows. */
 #include "act_q8.cuh"
 #include "attention_prefill.h"
 #include "attn_decode.cuh"
@@ -45,6 +46,8 @@ struct ra_args {
     const float *q, *k, *v; /* q [rows, n_heads * hd], k and v [rows, n_kv_heads * hd], unrotated */
     float *att, *part_acc, *part_ml;
     fp16_t *att16; /* att's F16 form too (for the o matmul), unless NULL; not with defer */
+    int8_t *xq;    /* or its int8 form (act_q8.cuh; 1-2 rows), unless NULL; not with defer */
+    float *xd, *xs;
     unsigned *sync;
     fp16_t *kc, *vc;
     const int32_t *pos, *slots, *btab;
@@ -115,8 +118,10 @@ __device__ __forceinline__ void ra_kv_load(const ra_args &a, int kvh, int li, in
                        min(j_end, len - 1), kr, vr);
 }
 
-/* N output values of the row at column c: F32, and F16 where asked. */
-template <int N> __device__ __forceinline__ void ra_out(const ra_args &a, size_t c, const float (&v)[N]) {
+/* N output values of the row at column c: F32, and F16 or int8 where
+ * asked (mask: the lanes writing, whole blocks of 32 columns). */
+template <int N>
+__device__ __forceinline__ void ra_out(const ra_args &a, size_t c, const float (&v)[N], unsigned mask = 0xffffffffu) {
     static_assert(N % 2 == 0, "pairs of values");
     if constexpr (N % 4 == 0) {
 #pragma unroll
@@ -129,6 +134,7 @@ template <int N> __device__ __forceinline__ void ra_out(const ra_args &a, size_t
 #pragma unroll
         for (int i = 0; i < N; i += 2)
             *(uint32_t *)(a.att16 + c + i) = (uint32_t)f2h(v[i]) | ((uint32_t)f2h(v[i + 1]) << 16);
+    if (a.xq) act_q8_lanes<N>(v, (int64_t)c, mask, a.xq, a.xd, a.xs);
 }
 
 /* ---- A warp's slice z (of S, chunk positions each) of query head h.  Sub-warps of LP lanes (8 dims a lane) own positions, each with
@@ -209,7 +215,7 @@ __device__ __forceinline__ void ra_attn_slice(const ra_args &a, int h, int z, in
             const float r = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
             for (int e = 0; e < 8; e++) acc[e] *= r;
-            ra_out<8>(a, (size_t)h * HD + 8 * li, acc);
+            ra_out<8>(a, (size_t)h * HD + 8 * li, acc, LP == 32 ? 0xffffffffu : (1u << LP) - 1u);
         }
         return;
     }
@@ -332,6 +338,11 @@ __global__ void __launch_bounds__(128) rope_attention_kernel(const ra_args a) {
     r.v += t * kw;
     r.att += t * qw;
     if (r.att16) r.att16 += t * qw;
+    if (r.xq) {
+        r.xq += t * qw;
+        r.xd += t * qw / 32;
+        r.xs += t * qw / 32 * 4;
+    }
     r.part_acc += t * units * HD;
     r.part_ml += t * units * 2;
     r.sync += (size_t)t * a.n_heads;
@@ -415,16 +426,27 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
      * scratch (the block sums go past it). */
     const int64_t cols = (int64_t)at->n_heads * hd;
     const bool defer = ctx->att_defer && rows <= ctx->att_defer && cols % 64 == 0;
-    const size_t q8_bytes = defer ? (cuda_gemv_act_bytes(rows, cols) + 255) & ~(size_t)255 : 0;
+    /* Without the merge kernel, its blocks leave the form at 1-2 rows
+     * (the gemv's o matmul). */
+    const bool q8 = defer || (rows <= 2 && cols % 64 == 0);
+    const size_t q8_bytes = q8 ? (cuda_gemv_act_bytes(rows, cols) + 255) & ~(size_t)255 : 0;
     const size_t slots_n = (size_t)rows * at->n_heads * RA_SPLITS_MAX, part_bytes = slots_n * ((size_t)hd + 2) * sizeof(float);
     /* Else, from 3 rows, the output's F16 form for the o matmul at the
      * start (cuda_att_scratch, as the other attention kernels). */
     float *part = NULL;
     uint16_t *att16 = NULL;
-    if (defer) {
+    int8_t *xq = NULL;
+    float *xd = NULL, *xs = NULL;
+    if (q8) {
         uint8_t *base = (uint8_t *)cuda_scratch(ctx, q8_bytes + part_bytes);
         if (!base) return STATUS_NO_MEMORY;
         part = (float *)(base + q8_bytes);
+        /* Recorded as the output's kept form before the launch when the
+         * attention's blocks write it (forgotten if the launch fails). */
+        if (!defer && cuda_gemv_act_q8s(ctx, at->out, rows, cols, &xq, &xd, &xs) != STATUS_OK) {
+            xq = NULL; /* the o matmul quantizes for itself */
+            xd = xs = NULL;
+        }
     } else if (cuda_att_scratch(ctx, at, part_bytes, &att16, &part) != STATUS_OK) {
         return STATUS_NO_MEMORY;
     }
@@ -434,6 +456,9 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     a.v = v;
     a.att = at->out;
     a.att16 = (fp16_t *)att16;
+    a.xq = xq;
+    a.xd = xd;
+    a.xs = xs;
     a.part_acc = part;
     a.part_ml = part + slots_n * hd;
     a.sync = ctx->att_sync;
@@ -453,19 +478,19 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
     a.defer = defer;
     a.scale = at->scale;
     const dim3 grid(RA_SPLITS_MAX / 4, (unsigned)at->n_heads, (unsigned)rows);
-    if (rows == 1) {
-        if (hd == 64) CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<8, 8, 1>, grid, dim3(128), 0, a));
-        else CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<16, 8, 1>, grid, dim3(128), 0, a));
-    } else {
-        if (hd == 64) CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<8, 4, 2>, grid, dim3(128), 0, a));
-        else CUDA_CHECK(ctx, cuda_launch(ctx, rope_attention_kernel<16, 4, 2>, grid, dim3(128), 0, a));
-    }
+    cudaError_t e;
+    if (rows == 1)
+        e = hd == 64 ? cuda_launch(ctx, rope_attention_kernel<8, 8, 1>, grid, dim3(128), 0, a)
+                     : cuda_launch(ctx, rope_attention_kernel<16, 8, 1>, grid, dim3(128), 0, a);
+    else
+        e = hd == 64 ? cuda_launch(ctx, rope_attention_kernel<8, 4, 2>, grid, dim3(128), 0, a)
+                     : cuda_launch(ctx, rope_attention_kernel<16, 4, 2>, grid, dim3(128), 0, a);
+    if (e != cudaSuccess && xq) cuda_act_forget(ctx); /* the form recorded above was not written */
+    CUDA_CHECK(ctx, e);
     CUDA_CHECK(ctx, cudaGetLastError());
     if (defer) {
         /* Recorded as the kept form of the output only now that the
          * attention is queued (the scratch already holds it). */
-        int8_t *xq = NULL;
-        float *xd = NULL, *xs = NULL;
         if (cuda_gemv_act_q8s(ctx, at->out, rows, cols, &xq, &xd, &xs) != STATUS_OK) {
             xq = NULL; /* the o matmul quantizes for itself */
             xd = xs = NULL;
@@ -473,8 +498,8 @@ extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_
         /* The slicing of the launch above: (32 / LP) * U positions a round. */
         const int step = 32 / (hd / 8) * (rows == 1 ? 8 : 4), steps = rows == 1 ? 1 : 2;
         const dim3 mgrid((unsigned)((cols + 127) / 128), (unsigned)rows);
-        cudaError_t e = hd == 64 ? cuda_launch(ctx, ra_merge_kernel<64>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs)
-                                 : cuda_launch(ctx, ra_merge_kernel<128>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs);
+        e = hd == 64 ? cuda_launch(ctx, ra_merge_kernel<64>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs)
+                     : cuda_launch(ctx, ra_merge_kernel<128>, mgrid, dim3(128), 0, a, step, steps, xq, xd, xs);
         if (e != cudaSuccess) cuda_act_forget(ctx); /* the form recorded above was not written */
         CUDA_CHECK(ctx, e);
         CUDA_CHECK(ctx, cudaGetLastError());

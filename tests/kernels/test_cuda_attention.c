@@ -643,9 +643,12 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     int rc = backend_rope_kv_attention(fx.gpu, out.g, q.g, k.g, v.g, &fx.gkv[i], dp.g, ds.g, di.g, c->n_freq,
                                        c->neox, &gb, c->n_heads, scale);
     if (rc != STATUS_OK) TEST_FAIL("gpu rope_kv_attention: %s", backend_errstr(fx.gpu));
-    char what[160];
-    snprintf(what, sizeof what, "rope_kv_attention %s cache, %d/%d heads x %d, %d seqs x %d rows from %d, neox %d, %d freqs",
-             dtype_name(c->kv), c->n_heads, c->n_kv, hd, S, R, c->pos, c->neox, c->n_freq);
+    char what[200];
+    snprintf(what, sizeof what,
+             "rope_kv_attention %s cache, %d/%d heads x %d, %d seqs x %d rows from %d, neox %d, %d freqs, "
+             "LLM_CUDA_ATT_DEFER=%s",
+             dtype_name(c->kv), c->n_heads, c->n_kv, hd, S, R, c->pos, c->neox, c->n_freq,
+             getenv("LLM_CUDA_ATT_DEFER") ? getenv("LLM_CUDA_ATT_DEFER") : "(unset)");
     if (mm.n) att_mm_check(&mm, out, n, what);
     float *qg = fx_host((size_t)n * qw * 4);
     ASSERT_OK(backend_download(fx.gpu, qg, q.g, (size_t)n * qw * 4));
@@ -699,8 +702,16 @@ TEST(cuda_ops_rope_kv_attention) {
         {DTYPE_Q8_0, 8, 2, 64, 300, 32, 1, 1, 1},
         {DTYPE_Q8_0, 4, 4, 128, 130, 64, 0, 4, 1},
     };
+    /* The slices merged by a kernel of their own up to 4 rows (the
+     * default), and by the attention's last blocks, which then leave the
+     * o matmul's int8 form at 1-2 rows. */
     setenv("LLM_CUDA_ROPE_ATT", "16", 1);
-    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) rope_attention_case(&cases[c]);
+    static const char *const defer[] = {"4", "0"};
+    for (int d = 0; d < 2; d++) {
+        setenv("LLM_CUDA_ATT_DEFER", defer[d], 1);
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) rope_attention_case(&cases[c]);
+    }
+    unsetenv("LLM_CUDA_ATT_DEFER");
     unsetenv("LLM_CUDA_ROPE_ATT");
 }
 
