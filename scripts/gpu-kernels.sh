@@ -16,6 +16,9 @@
 #            context 512 and llama3-8b at context 2048, matmul_mmq.cu off
 #            (LLM_CUDA_MMQ_MIN=0), routed by default, and given every
 #            K-quant weight from 8 tokens (LLM_CUDA_MMQ_MIN=8)
+#   mma      bench_mma: the tensor cores' mma.sync rate for each shape the
+#            kernels use, both packs (docs/performance.md, "Tensor-core
+#            ceilings"); the table in mma.log
 #   ncu      Nsight Compute on one launch each of matmul_mmq.cu's and
 #            attention_gqa.cu's kernels (bench_cuda mmq / attn), sm_90 pack
 #   prof     Nsight Compute's time of every kernel of Q4_K_M decode steps at
@@ -137,6 +140,10 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             LLM_CUDA_SM=$sm step "model8b_$tag" 280 "$b/bench/bench_gpu" --shapes llama3-8b --types q4_k_m \
                 --batches 1,16,64 --ctx 2048 --ab LLM_CUDA_MMQ_MIN=0,-1,8 --tmpdir /tmp
         done
+        ;;
+    mma)
+        [ -n "$b90" ] && step mma 60 "$b90/bench/bench_mma" 0
+        [ -n "$b75" ] && step mma75 60 "$b75/bench/bench_mma" 0
         ;;
     ncu)
         sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats

@@ -25,7 +25,7 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage$build"
 bins=${LLM_PACK_BINS:-tests/test_cuda_ops tests/test_cuda_attention tests/test_cuda_sample tests/test_forward tests/test_link tests/test_node \
     tests/test_node_stages tests/test_node_plans tests/test_kv_q8 worker/llm-run worker/llm-worker worker/llm-synth \
-    router/llm-router router/llm-cluster clients/c/llm gateway/llm-gateway bench/bench_gpu bench/bench_cluster}
+    router/llm-router router/llm-cluster clients/c/llm gateway/llm-gateway bench/bench_gpu bench/bench_cluster bench/bench_mma}
 for b in $bins; do
     [ -e "$build/$b" ] || { echo "gpu-pack: $build/$b is not built; left out" >&2; continue; }
     mkdir -p "$stage$build/$(dirname "$b")"
