@@ -50,7 +50,7 @@ struct cuda_knobs {
     int mmq_stage;       /* LLM_CUDA_MMQ_STAGE (read again on every matmul_mmq.cu launch) */
     int l2_ahead;        /* LLM_CUDA_L2_AHEAD: steps or chunks asked of L2 ahead of their loads */
     int mmq_depth;       /* LLM_CUDA_MMQ_DEPTH: 1 or 2 */
-    int mmq_tiles;       /* LLM_CUDA_MMQ_TILES: 1-4 */
+    int mmq_tiles;       /* LLM_CUDA_MMQ_TILES: 1-8 */
 };
 
 /* Number of entries of the table. */
