@@ -226,6 +226,37 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     }
     const int64_t width = (int64_t)a.n_heads * HD;
 
+    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
+    /* K and V tiles: one 16-byte load per 8 dims of a position; zeros past
+     * the slice, NaN for a block id outside the cache.  The next tile's
+     * loads are issued into registers before the current tile is used, so
+     * their latency overlaps the tensor-core work (at 2 blocks per SM
+     * there are too few warps to hide it otherwise).  A warp reads
+     * consecutive bytes and stores whole rows, V as K (position-major):
+     * P.V's B fragments come out of ldmatrix's transposing loads. */
+    constexpr int LD = APF_BK * (HD / 8) / APF_GT;
+    /* A thread's dims are the same in every piece (APF_GT is a multiple of
+     * HD / 8): in an 8-bit cache their bytes sit 2 bytes into a word in
+     * even groups. */
+    const int q8_sh = ((tid % (HD / 8)) * 8 / backend_kv_q8_group(HD)) % 2 ? 0 : 16;
+    uint4 kr[LD], vr[LD];
+    const auto load_first = [&]() {
+#pragma unroll
+        for (int it = 0; it < LD; it++) {
+            int i = tid + it * APF_GT;
+            kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+            vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+        }
+    };
+    /* A first tile of positions before this step's rows is no kernel's
+     * output (the rope kernel before writes the rows from pos0 on; the
+     * tables and the batch's layout are the step's upload): it is loaded
+     * before the programmatic wait, q and everything else after it. */
+    const bool early = j_begin + APF_BK <= pos0;
+    if (early) load_first();
+    pdl_begin();
+    if (!early) load_first();
+
     /* This lane's two query vectors (rows gq and gq + 8 of its warp's 16):
      * qi = r * G + g is row r0 + r, head kvh * G + g; position -1 marks
      * padding past the sequence's rows. */
@@ -257,26 +288,6 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 #pragma unroll
     for (int n = 0; n < NK; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
-    /* K and V tiles: one 16-byte load per 8 dims of a position; zeros past
-     * the slice, NaN for a block id outside the cache.  The next tile's
-     * loads are issued into registers before the current tile is used, so
-     * their latency overlaps the tensor-core work (at 2 blocks per SM
-     * there are too few warps to hide it otherwise).  A warp reads
-     * consecutive bytes and stores whole rows, V as K (position-major):
-     * P.V's B fragments come out of ldmatrix's transposing loads. */
-    constexpr int LD = APF_BK * (HD / 8) / APF_GT;
-    /* A thread's dims are the same in every piece (APF_GT is a multiple of
-     * HD / 8): in an 8-bit cache their bytes sit 2 bytes into a word in
-     * even groups. */
-    const int q8_sh = ((tid % (HD / 8)) * 8 / backend_kv_q8_group(HD)) % 2 ? 0 : 16;
-    uint4 kr[LD], vr[LD];
-#pragma unroll
-    for (int it = 0; it < LD; it++) {
-        int i = tid + it * APF_GT;
-        kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-        vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-    }
     for (int32_t j0 = j_begin; j0 < j_end; j0 += APF_BK) {
 #pragma unroll
         for (int it = 0; it < LD; it++) {
@@ -459,6 +470,7 @@ __global__ void attention_prefill_combine_kernel(float *__restrict__ out, fp16_t
                                                  const float *__restrict__ part_ml, int32_t n_splits,
                                                  int32_t n_tokens, int32_t n_heads, int32_t hd,
                                                  const int32_t *__restrict__ multi_tok0, int32_t n_seqs) {
+    pdl_begin();
     const int32_t row = blockIdx.x, head = blockIdx.y;
     if (multi_tok0) { /* CUDA_ATT_MULTI_ROW: the rows of one-row sequences are not this launch's */
         int32_t lo = 0, hi = n_seqs - 1;
@@ -524,14 +536,14 @@ template <bool Q8> static int64_t apf_per_sm_of(const struct cuda_ctx *ctx, int 
     return k16 ? apf_per_sm<128, true, Q8>(ctx) : apf_per_sm<128, false, Q8>(ctx);
 }
 
-template <bool Q8> static void apf_launch(const struct cuda_ctx *ctx, const struct apf_params &p, dim3 grid, bool k16) {
-    if (p.a.head_dim == 64) {
-        if (k16) attention_prefill_kernel<64, true, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-        else attention_prefill_kernel<64, false, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-    } else {
-        if (k16) attention_prefill_kernel<128, true, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-        else attention_prefill_kernel<128, false, Q8><<<grid, APF_THREADS, 0, CUDA_STREAM(ctx)>>>(p);
-    }
+template <bool Q8>
+static cudaError_t apf_launch(const struct cuda_ctx *ctx, const struct apf_params &p, dim3 grid, bool k16) {
+    void (*kernel)(struct apf_params) = p.a.head_dim == 64
+                                            ? (k16 ? attention_prefill_kernel<64, true, Q8>
+                                                   : attention_prefill_kernel<64, false, Q8>)
+                                            : (k16 ? attention_prefill_kernel<128, true, Q8>
+                                                   : attention_prefill_kernel<128, false, Q8>);
+    return cuda_launch(ctx, kernel, grid, dim3(APF_THREADS), 0, p);
 }
 
 extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
@@ -603,15 +615,14 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     dim3 grid((unsigned)a->n_kv_heads, (unsigned)tiles, (unsigned)p.n_splits);
     /* m16n8k16 where the card has it (sm_80 and later), unless
      * LLM_CUDA_ATT_K8=1 asks for the sm_75 instruction, to compare. */
-    if (q8) apf_launch<true>(ctx, p, grid, k16);
-    else apf_launch<false>(ctx, p, grid, k16);
+    CUDA_CHECK(ctx, q8 ? apf_launch<true>(ctx, p, grid, k16) : apf_launch<false>(ctx, p, grid, k16));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p.n_splits > 1) {
-        attention_prefill_combine_kernel<<<dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), 128, 0,
-                                           CUDA_STREAM(ctx)>>>(a->out, p.out16, p.part_acc, p.part_ml, p.n_splits,
-                                                               a->n_tokens, a->n_heads, a->head_dim,
-                                                               a->rows == CUDA_ATT_MULTI_ROW ? a->seq_tok0 : NULL,
-                                                               a->n_seqs);
+        CUDA_CHECK(ctx, cuda_launch(ctx, attention_prefill_combine_kernel,
+                                    dim3((unsigned)a->n_tokens, (unsigned)a->n_heads), dim3(128), 0, a->out, p.out16,
+                                    (const float *)p.part_acc, (const float *)p.part_ml, p.n_splits, a->n_tokens,
+                                    a->n_heads, a->head_dim,
+                                    a->rows == CUDA_ATT_MULTI_ROW ? (const int32_t *)a->seq_tok0 : NULL, a->n_seqs));
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;

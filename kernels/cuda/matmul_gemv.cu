@@ -282,7 +282,9 @@ template <> struct gv_chunk<DTYPE_Q6_K> {
 /* acc[t] += x[t] . one row (wr) for t < n <= NT, this lane's share: each
  * lane loads GV_UNROLL chunks before using any (the loads are
  * independent: several DRAM requests in flight per lane), then dots
- * them. */
+ * them.  The weights are no kernel's output, so the first chunks are
+ * loaded before the programmatic wait (pdl_begin, called here): their
+ * trip to DRAM overlaps the end of the kernel before. */
 template <int T, int NT>
 __device__ __forceinline__ void gv_row(const uint8_t *wr, int cols, const int8_t *__restrict__ xq,
                                        const float *__restrict__ xd, const float4 *__restrict__ xs, int n, int lane,
@@ -290,14 +292,21 @@ __device__ __forceinline__ void gv_row(const uint8_t *wr, int cols, const int8_t
     using C = gv_chunk<T>;
     constexpr int U = GV_UNROLL;
     const int nch = cols / C::cw, j = lane & 7; /* c % 8 of every chunk of the lane */
-    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-        C ch[U];
+    C ch[U];
+    int c0 = lane;
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, j, cols);
+    for (int u = 0; u < U; u++)
+        if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, j, cols);
+    pdl_begin();
+    for (;;) {
 #pragma unroll
         for (int u = 0; u < U; u++)
             if (c0 + 32 * u < nch) ch[u].template dot<NT>(c0 + 32 * u, j, xq, xd, xs, cols, n, acc);
+        c0 += 32 * U;
+        if (c0 >= nch) break;
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (c0 + 32 * u < nch) ch[u].load(wr, c0 + 32 * u, j, cols);
     }
 }
 
@@ -311,17 +320,17 @@ template <int T, int NT, int T1>
 __global__ void __launch_bounds__(GV_WARPS * 32, 8)
 matmul_gemv_kernel(const mm_group g, size_t row_bytes, size_t row_bytes1, int b1, int cols,
                    const int8_t *__restrict__ xq, const float *__restrict__ xd, const float4 *__restrict__ xs, int n) {
-    pdl_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row < r.rows) {
-        if (T1 != T && (int)blockIdx.x >= b1)
-            gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, xs, n, lane, acc);
-        else
-            gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, xs, n, lane, acc);
-    }
+    /* Each branch waits for the kernel before once (gv_row's pdl_begin). */
+    if (const mm_row r = mg_locate<GV_WARPS>(g, warp); r.row >= r.rows)
+        pdl_begin();
+    else if (T1 != T && (int)blockIdx.x >= b1)
+        gv_row<T1, NT>(r.w + (size_t)r.row * row_bytes1, cols, xq, xd, xs, n, lane, acc);
+    else
+        gv_row<T, NT>(r.w + (size_t)r.row * row_bytes, cols, xq, xd, xs, n, lane, acc);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll

@@ -517,7 +517,6 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
 template <int T, int NT, bool ST>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : NT <= 4 ? MMQ_MIN_BLOCKS : 2)
     matmul_mmq_kernel(const mmq_args a) {
-    pdl_begin();
     const mmq_place pl = mmq_place_of(a, 8 * NT);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
     const int bx = pl.bx, tok0 = pl.tok0, row0 = pl.row0, n = a.n, s0 = pl.s0, s1 = pl.s1;
@@ -565,11 +564,17 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
             cw[0].load(w0, s0, t, a.cols);
             cw[1].load(w1, s0, t, a.cols);
         }
-        mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
-        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], px, pd, pb);
         if constexpr (NT <= 2)
             for (int k = 2; k <= a.ahead && s0 + k < s1; k++)
                 mmq_prefetch<T>(seg.w, rb, row0, seg.rows, a.cols, s0 + k, lane);
+    }
+    /* The weights are no kernel's output: their first chunk was asked for
+     * before the wait, so that its trip overlaps the end of the kernel
+     * before; the activations are. */
+    pdl_begin();
+    if (s0 < s1) {
+        mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
+        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], px, pd, pb);
     }
     __syncthreads();
     for (int s = s0; s < s1; s++) {
@@ -629,7 +634,6 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
 template <int T, int NT>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_deep_kernel(const mmq_args a) {
     static_assert(T != DTYPE_Q6_K && NT == 1, "Q4_K and Q5_K up to 8 tokens");
-    pdl_begin();
     const mmq_place pl = mmq_place_of(a, 8 * NT);
     const int lane = threadIdx.x % 32, t = lane & 3;
     float acc[NT][4] = {};
@@ -641,15 +645,22 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
     mmq_w<T> wa[2], wb[2], wc[2];
     uint4 xa[NT], xb[NT], xc[NT], ba = make_uint4(0, 0, 0, 0), bb = ba, bc = ba;
     float da = 0.0f, db = 0.0f, dc = 0.0f;
-    const auto load = [&](int s, mmq_w<T>(&w)[2], uint4(&px)[NT], float &pd, uint4 &pb) {
+    const auto wload = [&](int s, mmq_w<T>(&w)[2]) {
         w[0].load(pl.w0, s, t, a.cols);
         w[1].load(pl.w1, s, t, a.cols);
+    };
+    const auto load = [&](int s, mmq_w<T>(&w)[2], uint4(&px)[NT], float &pd, uint4 &pb) {
+        wload(s, w);
         mmq_x_load<NT>(a.a, a.n, s, pl.tok0, px, pd, pb);
     };
+    /* The first two chunks' weights before the wait (the kernel above). */
+    if (pl.s0 < pl.s1) wload(pl.s0, wa);
+    if (pl.s0 + 1 < pl.s1) wload(pl.s0 + 1, wb);
+    pdl_begin();
     if (pl.s0 < pl.s1) {
-        load(pl.s0, wa, xa, da, ba);
+        mmq_x_load<NT>(a.a, a.n, pl.s0, pl.tok0, xa, da, ba);
         mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], xa, da, ba);
-        if (pl.s0 + 1 < pl.s1) load(pl.s0 + 1, wb, xb, db, bb);
+        if (pl.s0 + 1 < pl.s1) mmq_x_load<NT>(a.a, a.n, pl.s0 + 1, pl.tok0, xb, db, bb);
     }
     __syncthreads();
     /* Chunk s from set cur into buffer (s - s0) & 1; the loads of s + 2

@@ -121,7 +121,6 @@ template <int T, int NT, bool H>
 __global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
 matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n,
                  fp16_t *__restrict__ out16) {
-    pdl_begin();
     constexpr int NTL = NT / 8;
     __shared__ float4 red[MR_WARPS][NTL][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane >> 2, t = lane & 3;
@@ -143,6 +142,9 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
         mr_load<T>(lo, rlo, cols, c0, t);
         mr_load<T>(hi, rhi, cols, c0, t);
     }
+    /* The weights are no kernel's output: their first chunk is in flight
+     * before the wait; x is. */
+    pdl_begin();
     for (int ch = c0; ch < c1; ch++) {
         if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
             mr_load<T>(nlo, rlo, cols, ch + 1, t);

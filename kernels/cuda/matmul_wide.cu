@@ -86,7 +86,7 @@ template <int T, int NT> struct mw_geom {
  * the weight's rows).  Four threads share a row (and a token), each with
  * its pointer worked out once: the copies are the kernel's only address
  * arithmetic, and per 16 bytes it must stay a few instructions. */
-template <int T, int NT>
+template <int T, int NT, bool W = true, bool X = true>
 __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t row_bytes, int cols,
                                         const __half *x16, int n, int nc, int item) {
     using G = mq_geom<T>;
@@ -98,7 +98,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
     const size_t choff = (size_t)(col0 / mq_fmt<T>::eb) * mq_fmt<T>::bb;
     const int cbytes = nb * 32 / mq_fmt<T>::eb * mq_fmt<T>::bb;
 #pragma unroll
-    for (int p = 0; p < MW_ROWS / RPP; p++) {
+    for (int p = 0; p < (W ? MW_ROWS / RPP : 0); p++) {
         const int r = p * RPP + threadIdx.x / TPR;
         const bool live = row0 + r < sg.rows;
         const uint8_t *rp = sg.w + (size_t)(row0 + r) * row_bytes, *gp = rp + choff;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
         }
     }
     const int tok = threadIdx.x / TPR;
-    if (tok < NT) {
+    if (X && tok < NT) {
         const bool live = tok < n;
         const __half *xp = x16 + (size_t)(live ? tok : 0) * cols + col0;
         __half *xd = (__half *)(st + mw_geom<T, NT>::wbytes) + tok * G::xs;
@@ -171,7 +171,6 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap(); /* no cp.async: never launched here (ctx->wide needs sm_80) */
 #else
-    pdl_begin();
     using G = mq_geom<T>;
     constexpr int NB = G::ck / 32, NTL = NT / 8, STAGE = mw_geom<T, NT>::stage;
     extern __shared__ uint4 mw_smem[];
@@ -183,8 +182,14 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
 
     float acc[MW_MT][NTL][4] = {};
 
+    /* The first stages' weights are no kernel's output: copied before the
+     * programmatic wait (in the first commit group, with the first
+     * activations), the activations after it. */
+    for (int k = 0; k < stages - 1; k++)
+        if (i0 + k < i1) mw_load<T, NT, true, false>(smem + k * STAGE, g, row_bytes, cols, x16, n, nc, i0 + k);
+    pdl_begin();
     for (int k = 0; k < stages - 1; k++) {
-        if (i0 + k < i1) mw_load<T, NT>(smem + k * STAGE, g, row_bytes, cols, x16, n, nc, i0 + k);
+        if (i0 + k < i1) mw_load<T, NT, false, true>(smem + k * STAGE, g, row_bytes, cols, x16, n, nc, i0 + k);
         mw_commit();
     }
     for (int i = i0; i < i1; i++) {
