@@ -511,13 +511,14 @@ __device__ __forceinline__ void mv_dot(float (&acc)[NT], const float *w, const f
 template <int T, int NT, int KS>
 __global__ void __launch_bounds__(MV_WARPS * 32)
 matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float *x, int n) {
-    pdl_begin();
     constexpr int RUNS = qu_shape<T>::runs, RLEN = qu_shape<T>::rlen;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, part = warp % KS;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-    if (const mm_row r = mg_locate<MV_WARPS / KS>(g, warp / KS); r.row < r.rows) {
+    if (const mm_row r = mg_locate<MV_WARPS / KS>(g, warp / KS); r.row >= r.rows) {
+        pdl_begin();
+    } else {
         const uint8_t *wr = r.w + (size_t)r.row * row_bytes;
         const int64_t units = qu_units<T>(cols);
         /* At 1-4 tokens a lane loads MU units before using any: with one
@@ -526,15 +527,24 @@ matmul_vec_kernel(const mm_group g, size_t row_bytes, int64_t cols, const float 
         constexpr int MU = NT == 1 ? 4 : NT <= 4 ? 2 : 1;
         constexpr int ST = 32 * KS; /* units between a lane's consecutive ones */
         int64_t u = part * 32 + lane;
-        for (; u + ST * (MU - 1) < units; u += ST * MU) {
-            float wv[MU][RUNS * RLEN];
+        /* The weights are no kernel's output: the first MU units are loaded
+         * before the programmatic wait, x after it. */
+        float wv[MU][RUNS * RLEN];
+        const bool whole = u + ST * (MU - 1) < units;
+        if (whole)
 #pragma unroll
             for (int m = 0; m < MU; m++) qu_load<T>(wr, u + ST * m, wv[m], cols);
+        pdl_begin();
+        while (whole) {
 #pragma unroll
             for (int m = 0; m < MU; m++)
 #pragma unroll
                 for (int k = 0; k < RUNS; k++)
                     mv_dot<NT, RLEN>(acc, wv[m] + k * RLEN, x, cols, qu_off<T>(u + ST * m, k), n);
+            u += ST * MU;
+            if (u + ST * (MU - 1) >= units) break;
+#pragma unroll
+            for (int m = 0; m < MU; m++) qu_load<T>(wr, u + ST * m, wv[m], cols);
         }
         for (; u < units; u += ST) {
             float wv[RUNS * RLEN];
