@@ -39,9 +39,11 @@ static inline const char *cuda_text_(cublasStatus_t s) { return cublasGetStatusS
  * still running, so that its launch and block scheduling overlap that
  * kernel's last wave instead of following it (a decode step is hundreds of
  * short kernels).  Such a kernel must call pdl_begin before it touches
- * global memory: griddepcontrol.wait returns once the kernel before has
- * finished and its writes are visible; launch_dependents then lets the
- * next kernel launch, no earlier, so at most one grid waits at a time.
+ * memory that a kernel writes (loads of what none does, the weights and
+ * the step's uploaded metadata, may come first): griddepcontrol.wait
+ * returns once the kernel before has finished and its writes are
+ * visible; launch_dependents then lets the next kernel launch, no
+ * earlier, so at most one grid waits at a time.
  * On older GPUs both are no-ops and cuda_launch is a plain launch. */
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

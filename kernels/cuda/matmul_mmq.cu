@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
     }
     /* The weights are no kernel's output: their first chunk was asked for
      * before the wait, so that its trip overlaps the end of the kernel
-     * before; the activations are. */
+     * before.  The activations are one's, so they are loaded after it. */
     pdl_begin();
     if (s0 < s1) {
         mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);

@@ -143,7 +143,7 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
         mr_load<T>(hi, rhi, cols, c0, t);
     }
     /* The weights are no kernel's output: their first chunk is in flight
-     * before the wait; x is. */
+     * before the wait.  x is one's, so it is loaded after it. */
     pdl_begin();
     for (int ch = c0; ch < c1; ch++) {
         if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
