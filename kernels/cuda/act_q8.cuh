@@ -4,45 +4,23 @@
  * and half h: {xd[2g], xd[2g + 1], xd[2g] * sum of block 2g's codes in
  * half h, the same for 2g + 1}).  Shared by the gemv's own quantizing
  * kernel and the kernels that leave their output in this form for it
- * (rope_attention.cu's merge), so that both give the same bits. */
+ * (rmsnorm.cu's norms, rope_attention.cu's attention and merge), so that all
+ * give the same bits. */
 #ifndef KERNELS_CUDA_ACT_Q8_CUH
 #define KERNELS_CUDA_ACT_Q8_CUH
 
 #include "common.cuh"
 
-/* Block b of a row: a warp whose lane holds element `lane` (v); every lane
- * of the warp calls it. */
-__device__ __forceinline__ void act_q8_block(float v, int lane, int64_t b, int8_t *__restrict__ xq,
-                                             float *__restrict__ xd, float *__restrict__ xs) {
-    float a = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    const float d = a / 127.0f;
-    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    xq[b * 32 + lane] = (int8_t)q;
-    if (lane == 0) xd[b] = d;
-    if (xs) {
-        int s = q;
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if ((lane & 15) == 0) {
-            float *e = xs + ((b >> 1) * 2 + (lane >> 4)) * 4 + (b & 1);
-            e[0] = d;
-            e[2] = d * (float)s;
-        }
-    }
-}
-
-/* The same form of N consecutive values a lane holds, from element e0 of
- * the matrix (a multiple of N; rows a multiple of 64 wide), the 32 / N
- * lanes of each block of 32 being consecutive lanes of the warp; mask:
- * the lanes that call it (whole blocks); a lane with `in` false (past the
- * row, holding zeros) stores nothing.  The same arithmetic as
- * act_q8_block, so the same bits. */
+/* N consecutive values a lane holds, from element e0 of the matrix (a
+ * multiple of N; rows a multiple of 64 wide), the 32 / N lanes of each
+ * block of 32 being consecutive lanes of the warp; mask: the lanes that
+ * call it (whole blocks); a lane with `in` false (past the row, holding
+ * zeros) stores nothing.  Every writer of the form calls it, whatever its
+ * N, so all give the same bits. */
 template <int N>
 __device__ __forceinline__ void act_q8_lanes(const float (&v)[N], int64_t e0, unsigned mask, int8_t *__restrict__ xq,
                                              float *__restrict__ xd, float *__restrict__ xs, bool in = true) {
-    static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 values a lane");
+    static_assert(N == 1 || N == 2 || N == 4 || N == 8, "1, 2, 4 or 8 values a lane");
     constexpr int L = 32 / N; /* lanes a block */
     float a = 0.0f;
 #pragma unroll
@@ -65,7 +43,8 @@ __device__ __forceinline__ void act_q8_lanes(const float (&v)[N], int64_t e0, un
     if (!in) return;
     if constexpr (N == 8) *(uint2 *)(xq + e0) = make_uint2(w[0], w[1]);
     else if constexpr (N == 4) *(uint32_t *)(xq + e0) = w[0];
-    else *(uint16_t *)(xq + e0) = (uint16_t)w[0];
+    else if constexpr (N == 2) *(uint16_t *)(xq + e0) = (uint16_t)w[0];
+    else xq[e0] = (int8_t)w[0];
     const int64_t b = e0 / 32;
     const int at = (int)(e0 % 32);
     if (at == 0) xd[b] = d;

@@ -32,7 +32,8 @@ __global__ void gemv_quant_x_kernel(int8_t *__restrict__ xq, float *__restrict__
     int64_t b = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int lane = threadIdx.x & 31;
     if (b >= nblk) return;
-    act_q8_block(__ldg(x + b * 32 + lane), lane, b, xq, xd, xs);
+    const float v[1] = {__ldg(x + b * 32 + lane)};
+    act_q8_lanes<1>(v, b * 32 + lane, 0xffffffffu, xq, xd, xs);
 }
 
 /* ---- An unaligned (2-byte aligned) 16-byte load as aligned 4-byte

@@ -405,7 +405,8 @@ __global__ void __launch_bounds__(128) ra_merge_kernel(const ra_args a, int step
     }
     const float y = L > 0.0f ? acc / L : 0.0f;
     a.att[(size_t)t * cols + d0 + lane] = y;
-    if (xq) act_q8_block(y, lane, ((int64_t)t * cols + d0) / 32, xq, xd, xs);
+    const float yv[1] = {y};
+    if (xq) act_q8_lanes<1>(yv, (int64_t)t * cols + d0 + lane, 0xffffffffu, xq, xd, xs);
 }
 
 extern "C" int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *at, const float *k,
