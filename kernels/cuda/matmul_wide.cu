@@ -85,7 +85,9 @@ template <int T, int NT> struct mw_geom {
  * out) and the chunk's activations for NT tokens (zeros past n, cols and
  * the weight's rows).  Four threads share a row (and a token), each with
  * its pointer worked out once: the copies are the kernel's only address
- * arithmetic, and per 16 bytes it must stay a few instructions. */
+ * arithmetic, and per 16 bytes it must stay a few instructions.  W, X:
+ * queue the weights' copies, the activations' (the first stages queue
+ * them apart, on either side of the programmatic wait). */
 template <int T, int NT, bool W = true, bool X = true>
 __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t row_bytes, int cols,
                                         const __half *x16, int n, int nc, int item) {
