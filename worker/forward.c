@@ -3,8 +3,9 @@
  * tables, rows needing logits) in one int32 array and uploads it at once;
  * then the layers run as backend ops on the preallocated scratch, with no
  * allocation and no synchronisation until the logits (or hidden states)
- * are downloaded at the end.  Decode-only steps on a backend with graphs
- * are recorded once per sequence count and replayed with one launch. */
+ * are downloaded at the end.  Decode steps and speculation's verifying
+ * steps on a backend with graphs are recorded once per shape (sequences
+ * and rows a sequence) and replayed with one launch. */
 #include "forward.h"
 #include "stage-impl.h"
 
@@ -107,7 +108,7 @@ static int forward_check(const stage *s, const struct forward_batch *batch, int 
 
 /* fixed = 1 (a step replayed from a graph): block tables padded to the
  * stage's capacity and the context bound at n_ctx_max, so that the layout
- * and every size an op is launched with depend on the sequence count only. */
+ * and every size an op is launched with depend on the step's shape only. */
 static void forward_layout(stage *s, const struct forward_batch *batch, int32_t T, int fixed,
                            struct forward_meta *mt) {
     int32_t S = batch->n_seqs, bs = s->cfg.block_size;
@@ -231,48 +232,55 @@ static int forward_lm_head(stage *s, const struct forward_meta *mt, int32_t r0, 
     return STATUS_OK;
 }
 
-/* The graph key of a batch, or -1 when it runs op by op: graphs take
- * decode-only batches (one row per sequence) that want logits for every
- * row or for none (on the last stage), at most n_logits_max of them. */
+/* The graph key of a batch (stage-impl.h, stage_graph_keys), or -1 when
+ * it runs op by op.  Graphs take steps whose every sequence has the same
+ * row count R: decode steps (R = 1) whose rows all want logits or none
+ * (on the last stage), and verifying steps (R = 2 .. STAGE_GRAPH_ROWS, at
+ * most STAGE_GRAPH_SEQS sequences, every row wanting logits), at most
+ * n_logits_max rows of logits. */
 static int forward_graph_key(const stage *s, const struct forward_batch *batch, const struct forward_out *out) {
     if (!s->graphs_on) return -1;
-    int32_t S = batch->n_seqs, n_want = 0;
+    int32_t S = batch->n_seqs, R = batch->seqs[0].n_tokens, n_want = 0;
+    if (R > STAGE_GRAPH_ROWS || (R > 1 && S > STAGE_GRAPH_SEQS)) return -1;
     for (int32_t i = 0; i < S; i++) {
-        if (batch->seqs[i].n_tokens != 1) return -1;
-        n_want += batch->seqs[i].logits != FORWARD_LOGITS_NONE;
+        const struct forward_seq *q = &batch->seqs[i];
+        if (q->n_tokens != R || (R > 1 && q->logits != FORWARD_LOGITS_ALL)) return -1;
+        n_want += q->logits == FORWARD_LOGITS_NONE ? 0 : q->logits == FORWARD_LOGITS_ALL ? R : 1;
     }
     int logits = 0;
     if (s->last && out && (out->logits || out->sample) && n_want > 0) {
-        if (n_want != S || S > s->cfg.n_logits_max) return -1;
+        if (n_want != S * R || S * R > s->cfg.n_logits_max) return -1;
         logits = 1;
     }
-    int key = (S - 1) * 2 + logits;
+    int key = R == 1 ? (S - 1) * 2 + logits
+                     : 2 * s->cfg.n_seqs_max + ((R - 2) * STAGE_GRAPH_SEQS + S - 1) * 2 + logits;
     return s->graph_dead[key] ? -1 : key;
 }
 
-static int forward_graph_ops(stage *s, const struct forward_meta *mt, int32_t S, int logits, char *err,
+static int forward_graph_ops(stage *s, const struct forward_meta *mt, int32_t S, int32_t T, int logits, char *err,
                              size_t errlen) {
-    int rc = forward_layers(s, mt, S, S, err, errlen);
-    if (rc == STATUS_OK && logits) rc = forward_lm_head(s, mt, 0, S, err, errlen);
+    int rc = forward_layers(s, mt, S, T, err, errlen);
+    if (rc == STATUS_OK && logits) rc = forward_lm_head(s, mt, 0, T, err, errlen);
     return rc;
 }
 
 /* Records the ops of key's steps into s->graphs[key] (not running them).
  * A failure is not the step's: the key is marked to run op by op. */
-static void forward_graph_record(stage *s, int key, const struct forward_meta *mt, int32_t S, int logits) {
+static void forward_graph_record(stage *s, int key, const struct forward_meta *mt, int32_t S, int32_t T,
+                                 int logits) {
     backend *b = s->b;
     char why[512] = "";
     int rc = backend_graph_begin(b);
     if (rc == STATUS_OK) {
-        int rc_ops = forward_graph_ops(s, mt, S, logits, why, sizeof why);
+        int rc_ops = forward_graph_ops(s, mt, S, T, logits, why, sizeof why);
         backend_graph *g = NULL;
         rc = backend_graph_end(b, &g);
         if (rc != STATUS_OK) snprintf(why, sizeof why, "%s", backend_errstr(b));
         else if (rc_ops != STATUS_OK) rc = rc_ops;
         if (rc == STATUS_OK) {
             s->graphs[key] = g;
-            LOG(LL_DEBUG, "stage [%d, %d): decode graph of %d sequences%s recorded", s->cfg.layer_first,
-                s->cfg.layer_last, S, logits ? " with logits" : "");
+            LOG(LL_DEBUG, "stage [%d, %d): graph of %d sequences of %d rows%s recorded", s->cfg.layer_first,
+                s->cfg.layer_last, S, T / S, logits ? " with logits" : "");
             return;
         }
         backend_graph_free(b, g);
@@ -280,19 +288,19 @@ static void forward_graph_record(stage *s, int key, const struct forward_meta *m
         snprintf(why, sizeof why, "%s", backend_errstr(b));
     }
     s->graph_dead[key] = 1;
-    LOG(LL_WARN, "stage [%d, %d): decode steps of %d sequences run without a graph: %s (%s)",
-        s->cfg.layer_first, s->cfg.layer_last, S, why, status_str(rc));
+    LOG(LL_WARN, "stage [%d, %d): steps of %d sequences of %d rows run without a graph: %s (%s)",
+        s->cfg.layer_first, s->cfg.layer_last, S, T / S, why, status_str(rc));
 }
 
-/* A decode step of key's shape: replays its graph; the first step of the
+/* A step of key's shape: replays its graph; the first step of the
  * shape runs op by op (so every scratch buffer gets its size before a
  * recording, which must not allocate) and records the graph for the next. */
-static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, int32_t S, int logits,
+static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, int32_t S, int32_t T, int logits,
                               char *err, size_t errlen) {
     backend *b = s->b;
     if (!s->graphs[key]) {
-        int rc = forward_graph_ops(s, mt, S, logits, err, errlen);
-        if (rc == STATUS_OK) forward_graph_record(s, key, mt, S, logits);
+        int rc = forward_graph_ops(s, mt, S, T, logits, err, errlen);
+        if (rc == STATUS_OK) forward_graph_record(s, key, mt, S, T, logits);
         return rc;
     }
     int rc = backend_graph_launch(b, s->graphs[key]);
@@ -301,12 +309,12 @@ static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, 
          * fit in the new buffer, so record again and replay. */
         backend_graph_free(b, s->graphs[key]);
         s->graphs[key] = NULL;
-        forward_graph_record(s, key, mt, S, logits);
-        if (!s->graphs[key]) return forward_graph_ops(s, mt, S, logits, err, errlen);
+        forward_graph_record(s, key, mt, S, T, logits);
+        if (!s->graphs[key]) return forward_graph_ops(s, mt, S, T, logits, err, errlen);
         rc = backend_graph_launch(b, s->graphs[key]);
     }
     if (rc != STATUS_OK)
-        return status_fail(err, errlen, rc, "step: graph of %d sequences on %s: %s", S, backend_name(b),
+        return status_fail(err, errlen, rc, "step: graph of %d sequences of %d rows on %s: %s", S, T / S, backend_name(b),
                            backend_errstr(b));
     return STATUS_OK;
 }
@@ -372,7 +380,7 @@ int forward_step(stage *s, const struct forward_batch *batch, struct forward_out
     /* A graph step leaves the logits of all its rows (at most
      * n_logits_max) in s->logits; otherwise the lm_head runs below. */
     int graph_logits = key >= 0 && (key & 1);
-    rc = key >= 0 ? forward_graph_step(s, key, &mt, T, graph_logits, err, errlen)
+    rc = key >= 0 ? forward_graph_step(s, key, &mt, batch->n_seqs, T, graph_logits, err, errlen)
                   : forward_layers(s, &mt, batch->n_seqs, T, err, errlen);
     if (rc != STATUS_OK) return rc;
 

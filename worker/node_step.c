@@ -209,7 +209,10 @@ static int node_batch_build(node *n, const Llm__StepPlan *p, int32_t *n_tokens, 
         f->block_table = table;
         f->n_blocks = (int32_t)sp->n_block_table;
         f->logits = last && sp->want_logits ? FORWARD_LOGITS_LAST : FORWARD_LOGITS_NONE;
-        if (last && sp->want_logits && sp->n_draft > 0) f->logits = FORWARD_LOGITS_ALL;
+        /* Verified rows want every row's logits; the stages before the
+         * last mark them so too, which gives their forward.c the shape of
+         * a verifying step (its graphs). */
+        if (sp->want_logits && sp->n_draft > 0) f->logits = FORWARD_LOGITS_ALL;
         total += f->n_tokens;
         n->seq_err[i][0] = 0;
         n->seq_status[i] = 0;

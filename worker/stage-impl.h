@@ -70,12 +70,21 @@ struct stage {
     void (*before_sample)(void *arg);
     void *before_sample_arg;
 
-    /* Decode steps replayed as backend graphs (forward.c): one per
-     * sequence count and logits wanted or not, index
-     * (n_seqs - 1) * 2 + logits.  NULL until recorded. */
+    /* Steps replayed as backend graphs (forward.c), one per key
+     * (stage_graph_keys of them; NULL until recorded). */
     int graphs_on;             /* the backend has graphs and LLM_CUDA_GRAPHS is not 0 */
-    backend_graph **graphs;    /* (2 * n_seqs_max) */
-    unsigned char *graph_dead; /* (2 * n_seqs_max) 1: recording failed, that key runs ops */
+    backend_graph **graphs;    /* (stage_graph_keys) */
+    unsigned char *graph_dead; /* (stage_graph_keys) 1: recording failed, that key runs ops */
 };
+
+/* Graph keys: decode steps (one row a sequence) of 1 .. n_seqs_max
+ * sequences, key (n_seqs - 1) * 2 + logits wanted or not; then verifying
+ * steps (speculation: every sequence R rows, 2 <= R <= STAGE_GRAPH_ROWS,
+ * each row's logits wanted) of 1 .. STAGE_GRAPH_SEQS sequences. */
+#define STAGE_GRAPH_ROWS 17 /* one accepted token and up to 16 drafts */
+#define STAGE_GRAPH_SEQS 8
+static inline int32_t stage_graph_keys(const stage *s) {
+    return 2 * s->cfg.n_seqs_max + 2 * (STAGE_GRAPH_ROWS - 1) * STAGE_GRAPH_SEQS;
+}
 
 #endif

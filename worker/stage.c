@@ -232,13 +232,13 @@ static int stage_alloc_scratch(stage *s, char *err, size_t errlen) {
     if (!s->meta || !s->meta_host)
         return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: step metadata (%zu ints): %s", s->meta_cap,
                            backend_errstr(s->b));
-    /* Decode graphs: LLM_CUDA_GRAPHS=0 keeps every step on separate
+    /* Step graphs: LLM_CUDA_GRAPHS=0 keeps every step on separate
      * launches, to compare. */
     const char *env = getenv("LLM_CUDA_GRAPHS");
     s->graphs_on = backend_has_graphs(s->b) && !(env && strcmp(env, "0") == 0);
     if (s->graphs_on) {
-        s->graphs = calloc(2 * S, sizeof *s->graphs);
-        s->graph_dead = calloc(2 * S, 1);
+        s->graphs = calloc((size_t)stage_graph_keys(s), sizeof *s->graphs);
+        s->graph_dead = calloc((size_t)stage_graph_keys(s), 1);
         if (!s->graphs || !s->graph_dead)
             return status_fail(err, errlen, STATUS_NO_MEMORY, "stage: out of host memory");
     }
@@ -308,7 +308,7 @@ int stage_init(stage **out, const model_file *m, backend *b, const struct stage_
     rc = stage_alloc_scratch(s, err, errlen);
     if (rc != STATUS_OK) goto fail;
     LOG(LL_INFO, "stage: layers [%d, %d) of %s on %s: %.1f MiB weights, KV %d blocks x %d (%s, %.1f MiB), "
-        "step max %d tokens / %d seqs / %d ctx, decode graphs %s",
+        "step max %d tokens / %d seqs / %d ctx, step graphs %s",
         s->cfg.layer_first, s->cfg.layer_last, model_file_path(m), backend_name(b),
         s->weight_bytes / 1048576.0, s->cfg.n_blocks, s->cfg.block_size, dtype_name(s->cfg.kv_type),
         kvcache_bytes(s->kv) / 1048576.0, s->cfg.n_tokens_max, s->cfg.n_seqs_max, s->cfg.n_ctx_max,
@@ -335,7 +335,7 @@ void stage_free(stage *s) {
                      s->xl, s->xln, s->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) backend_dealloc(b, bufs[i]);
     if (s->graphs)
-        for (int32_t i = 0; i < 2 * s->cfg.n_seqs_max; i++) backend_graph_free(b, s->graphs[i]);
+        for (int32_t i = 0; i < stage_graph_keys(s); i++) backend_graph_free(b, s->graphs[i]);
     free(s->graphs);
     free(s->graph_dead);
     backend_dealloc(b, s->meta);
@@ -355,6 +355,6 @@ size_t stage_weight_bytes(const stage *s) { return s->weight_bytes; }
 int32_t stage_graphs_recorded(const stage *s) {
     int32_t n = 0;
     if (s->graphs)
-        for (int32_t i = 0; i < 2 * s->cfg.n_seqs_max; i++) n += s->graphs[i] != NULL;
+        for (int32_t i = 0; i < stage_graph_keys(s); i++) n += s->graphs[i] != NULL;
     return n;
 }

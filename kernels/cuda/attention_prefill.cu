@@ -44,10 +44,8 @@ struct apf_params {
     struct cuda_attn_args a;
     int32_t G;        /* query heads per KV head */
     int32_t tq;       /* rows per block: APF_BQ / G */
-    int32_t chunk;    /* context positions per split (a multiple of APF_BK) */
-    int32_t n_splits;
-    int32_t row_want; /* decode-only batches: splits a row wants (each row's split from its own
-                       * length, as attention.cu's decode kernel does); 0 otherwise */
+    int32_t n_splits; /* the grid's splits: the most a tile of rows takes */
+    int32_t want;     /* splits a tile wants: each tile's split of the context from its own length */
     float *part_acc;  /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;   /* (n_splits, n_tokens, n_heads, 2) running max and sum */
     fp16_t *out16;    /* out's F16 form too, unless NULL (cuda_att_scratch) */
@@ -203,20 +201,16 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     const int32_t r0 = tok0 + tile * p.tq, kvh = blockIdx.x, G = p.G;
     const int32_t last_row = min(r0 + p.tq, tok_end) - 1;
     const int32_t ctx_tile = pos0 + (last_row - tok0) + 1;
+    /* The split of this tile's context from its own length alone (at
+     * least 4 tiles of positions a split), so that a row's result does not
+     * depend on the longest context of the launch: a replayed graph is
+     * sized for the longest allowed.  Splits past the tile's last write
+     * empty slots. */
     const int32_t z = blockIdx.z;
-    int32_t j_begin = z * p.chunk;
-    /* The last split runs to the end whatever max_ctx said. */
-    int32_t j_end = z == p.n_splits - 1 ? ctx_tile : min(j_begin + p.chunk, ctx_tile);
-    if (p.row_want) {
-        /* Decode rows: the split of this row's context from its length
-         * alone, so that a row's result does not depend on the longest
-         * context of the launch (a replayed graph is sized for the longest
-         * allowed); splits past the row's last write empty slots. */
-        const int32_t sp = max(1, min(p.row_want, (ctx_tile + 4 * APF_BK - 1) / (4 * APF_BK)));
-        const int32_t ck = ((ctx_tile + sp - 1) / sp + APF_BK - 1) / APF_BK * APF_BK;
-        j_begin = z < sp ? z * ck : ctx_tile;
-        j_end = z < sp - 1 ? min(j_begin + ck, ctx_tile) : ctx_tile;
-    }
+    const int32_t sp = max(1, min(p.want, (ctx_tile + 4 * APF_BK - 1) / (4 * APF_BK)));
+    const int32_t ck = ((ctx_tile + sp - 1) / sp + APF_BK - 1) / APF_BK * APF_BK;
+    int32_t j_begin = z < sp ? z * ck : ctx_tile;
+    int32_t j_end = z < sp - 1 ? min(j_begin + ck, ctx_tile) : ctx_tile;
     /* This group's half of the slice (group 0 the first tiles). */
     {
         const int32_t span = j_end > j_begin ? j_end - j_begin : 0;
@@ -585,19 +579,11 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     int64_t want = slots / blocks;
     if (want < 1) want = 1;
     if (want > 32) want = 32;
+    /* Each tile splits its own context, in at most `splits`. */
     int64_t by_ctx = ((int64_t)a->max_ctx + 4 * APF_BK - 1) / (4 * APF_BK);
     int64_t splits = want < by_ctx ? want : by_ctx;
     if (splits < 1) splits = 1;
-    int64_t chunk = ((int64_t)a->max_ctx + splits - 1) / splits;
-    chunk = (chunk + APF_BK - 1) / APF_BK * APF_BK;
-    if (chunk < APF_BK) chunk = APF_BK;
-    if (a->n_tokens == a->n_seqs) {
-        p.row_want = (int32_t)want; /* each row splits itself, in at most `splits` */
-    } else {
-        splits = ((int64_t)a->max_ctx + chunk - 1) / chunk;
-        if (splits < 1) splits = 1;
-    }
-    p.chunk = (int32_t)chunk;
+    p.want = (int32_t)want;
     p.n_splits = (int32_t)splits;
     const size_t n_slots = p.n_splits > 1 ? (size_t)p.n_splits * a->n_tokens * a->n_heads : 0;
     uint16_t *out16 = NULL;

@@ -930,6 +930,59 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
     fx_close(&f);
 }
 
+/* Speculation's verifying steps: n_seqs sequences of R rows a step, every
+ * row's logits, at contexts of 130 to 340 positions (so the tensor-core
+ * attention splits a tile's context, by that tile's own length, where a
+ * graph is sized for n_ctx_max), advancing 1 .. R positions a step as
+ * accepted drafts do (the next step writes over the rejected rows' cache
+ * entries).  Like graph_scenario: every step's logits in out, the graphs
+ * recorded in *recorded. */
+static void verify_scenario(const char *file, int graphs, int32_t n_seqs, int32_t R, int32_t steps, float *out,
+                            int32_t *recorded) {
+    char err[512];
+    setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    struct stage_config cfg;
+    stage_config_default(&cfg);
+    cfg.n_seqs_max = 4;
+    cfg.n_ctx_max = 512;
+    cfg.n_logits_max = 16;
+    cfg.kv_type = DTYPE_F16;
+    struct fx f;
+    fx_open(&f, file, &cfg);
+    unsetenv("LLM_CUDA_GRAPHS");
+    const struct stage_config *c = stage_config_get(f.s);
+    const int32_t per_seq = c->n_ctx_max / c->block_size, V = f.n_vocab;
+    ASSERT_EQ(512, V);
+    ASSERT_TRUE(n_seqs <= 4 && n_seqs * R <= 16);
+    static int32_t tables[4][64], ids[4][512];
+    ASSERT_TRUE(per_seq <= 64 && c->n_blocks >= 4 * per_seq);
+    int32_t len[4];
+    struct forward_seq q[4];
+    struct forward_out o = {NULL, 0, NULL, NULL};
+    for (int32_t i = 0; i < n_seqs; i++) {
+        for (int32_t j = 0; j < per_seq; j++) tables[i][j] = c->n_blocks - 1 - (j * 4 + i);
+        make_ids(ids[i], 512, 200 + (uint32_t)i, V);
+        len[i] = 130 + 70 * i;
+        for (int32_t p0 = 0; p0 < len[i]; p0 += 100) {
+            int32_t n = len[i] - p0 < 100 ? len[i] - p0 : 100;
+            q[0] = (struct forward_seq){ids[i] + p0, n, p0, tables[i], per_seq, FORWARD_LOGITS_NONE};
+            struct forward_batch bt = {q, 1, NULL, 0, NULL, 0};
+            if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("prefill %d: %s", i, err);
+        }
+    }
+    for (int32_t k = 0; k < steps; k++) {
+        for (int32_t i = 0; i < n_seqs; i++)
+            q[i] = (struct forward_seq){&ids[i][len[i]], R, len[i], tables[i], per_seq, FORWARD_LOGITS_ALL};
+        struct forward_batch bt = {q, n_seqs, NULL, 0, NULL, 0};
+        o.logits = out + (size_t)k * n_seqs * R * V;
+        if (forward_step(f.s, &bt, &o, err, sizeof err) != 0) TEST_FAIL("verifying step %d: %s", k, err);
+        ASSERT_EQ(n_seqs * R, o.n_logits);
+        for (int32_t i = 0; i < n_seqs; i++) len[i] += 1 + (k + i) % R;
+    }
+    *recorded = stage_graphs_recorded(f.s);
+    fx_close(&f);
+}
+
 /* The same decode steps with graphs and without give the same logits, bit
  * for bit, at batch 1, 3, 8 and 20, and at 3 and 20 with the decode
  * attention on tensor cores (on a GPU; the CPU backend has no
@@ -937,7 +990,8 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
  * kernel, whose split of a row's context depends on that row's length
  * only.  At 20 every matmul takes matmul_wide.cu (LLM_CUDA_WIDE_ITEMS=0:
  * this model's matmuls are too small for it by default), whose arrival
- * counters and partial sums must be right on every replay. */
+ * counters and partial sums must be right on every replay.  Then
+ * verifying steps (verify_scenario) of 1 x 5, 3 x 4 and 2 x 2 rows. */
 TEST(forward_graphs_equal_ops) {
     const char *dev = getenv("LLM_TEST_DEVICE");
     const int gpu = dev && strncmp(dev, "cuda:", 5) == 0;
@@ -966,6 +1020,23 @@ TEST(forward_graphs_equal_ops) {
     }
     unsetenv("LLM_CUDA_WIDE_ITEMS");
     unsetenv("LLM_CUDA_DECODE_TC_G");
+    static const int32_t shapes[][2] = {{1, 5}, {3, 4}, {2, 2}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t S = shapes[si][0], R = shapes[si][1];
+        int32_t rec_on = 0, rec_off = 0;
+        size_t n = (size_t)steps * S * R * 512;
+        float *on = malloc(sizeof(float) * n), *off = malloc(sizeof(float) * n);
+        verify_scenario(file, 1, S, R, steps, on, &rec_on);
+        verify_scenario(file, 0, S, R, steps, off, &rec_off);
+        double d = max_abs_diff(on, off, n);
+        printf("  %d sequences of %d verified rows: %d graphs recorded, max abs diff with and without %.3g\n", S, R,
+               rec_on, d);
+        ASSERT_EQ(0, rec_off);
+        ASSERT_EQ(gpu ? 1 : 0, rec_on);
+        ASSERT_TRUE(d == 0.0);
+        free(on);
+        free(off);
+    }
 }
 
 /* Sampling on the stage's backend (forward_out.sample; on a GPU on the
