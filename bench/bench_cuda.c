@@ -337,7 +337,7 @@ static double prefill_attention(int32_t n_kv, int32_t n, int32_t pos0, int tc) {
         backend_upload(be, dt, tab, (size_t)nb * 4) || backend_sync(be))
         die("upload");
     free(tab);
-    struct attn_arg a = {&kv, {1, n, nb, ctx, d0, dp, dt}, dev_random_f32((size_t)n * n_heads * hd),
+    struct attn_arg a = {&kv, {1, n, nb, ctx, d0, dp, dt, n, n}, dev_random_f32((size_t)n * n_heads * hd),
                          dev_alloc((size_t)n * n_heads * hd * 4), n_heads};
     if (tc) unsetenv("LLM_CUDA_PREFILL_TC");
     else setenv("LLM_CUDA_PREFILL_TC", "0", 1);
@@ -505,7 +505,7 @@ static void attn_kv_compare(double bw, int32_t ctx) {
                     backend_sync(be))
                     die("upload kv");
             }
-            struct attn_arg a = {&kv, {B, B, per_seq, ctx, d0, dp, dt}, q, out, n_heads};
+            struct attn_arg a = {&kv, {B, B, per_seq, ctx, d0, dp, dt, 1, 1}, q, out, n_heads};
             const double tm = time_median(attn_fn, &a);
             const double bytes = (double)B * ctx * n_kv * rb * 2;
             if (t == DTYPE_F16) t_f16 = tm;
@@ -666,7 +666,8 @@ int main(int argc, char **argv) {
                 if (backend_sync(be)) die("sync");
                 double t0 = now_s();
                 for (int i = 0; i < iters; i++) {
-                    struct backend_attn_batch ab = {B, B, per_seq, ctx, d0, dp, dtab + (size_t)(i % sets) * B * per_seq};
+                    struct backend_attn_batch ab = {B, B, per_seq, ctx, d0, dp,
+                                                    dtab + (size_t)(i % sets) * B * per_seq, 1, 1};
                     if (backend_attention(be, out, q, &kv, &ab, n_heads, 1.0f / sqrtf((float)hd))) die("attention");
                 }
                 if (backend_sync(be)) die("sync");

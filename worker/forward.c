@@ -115,8 +115,11 @@ static void forward_layout(stage *s, const struct forward_batch *batch, int32_t 
     int32_t *h = s->meta_host;
     mt->max_blocks = 1;
     mt->max_ctx = 0;
+    mt->rows_min = mt->rows_max = batch->seqs[0].n_tokens;
     for (int32_t i = 0; i < S; i++) {
         if (batch->seqs[i].n_blocks > mt->max_blocks) mt->max_blocks = batch->seqs[i].n_blocks;
+        if (batch->seqs[i].n_tokens < mt->rows_min) mt->rows_min = batch->seqs[i].n_tokens;
+        if (batch->seqs[i].n_tokens > mt->rows_max) mt->rows_max = batch->seqs[i].n_tokens;
         int32_t end = batch->seqs[i].pos0 + batch->seqs[i].n_tokens;
         if (end > mt->max_ctx) mt->max_ctx = end;
     }
@@ -180,6 +183,8 @@ static int forward_layers(stage *s, const struct forward_meta *mt, int32_t S, in
         .seq_tok0 = md + mt->seq_tok0,
         .seq_pos0 = md + mt->seq_pos0,
         .block_tables = md + mt->tables,
+        .rows_min = mt->rows_min,
+        .rows_max = mt->rows_max,
     };
     const float scale = 1.0f / sqrtf((float)hp->head_dim);
     const int32_t n_freq = hp->head_dim / 2;

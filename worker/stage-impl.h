@@ -21,6 +21,7 @@ struct stage_layer {
 struct forward_meta {
     int32_t ids, pos, slots, seq_tok0, seq_pos0, tables, rows, used;
     int32_t max_blocks, max_ctx, n_rows;
+    int32_t rows_min, rows_max; /* the fewest and the most rows a sequence has */
 };
 
 struct stage {

@@ -23,7 +23,17 @@
  * bytes and the scale of its 8 dims of a position instead of 16 bytes of
  * F16, and turns them into the same F16 values as it stores the tile
  * (apf_load_kv_q8, apf_q8_to_f16), so everything after the tile's store is
- * the F16 kernel. */
+ * the F16 kernel.
+ *
+ * With ROPE (cuda_attention_prefill_rope: backend_rope_kv_attention of
+ * sequences of 2 .. APF_ROPE_ROWS rows, speculation's verifying steps) the
+ * kernel also does the rope and the cache write that rope.cu's launch
+ * before it would: q comes unrotated from the matmul and is rotated as its
+ * A fragments are formed; a K/V tile's positions from the sequence's first
+ * new row on come from the matmul's k (rotated) and v rows, rounded to F16
+ * as the cache keeps them, and the sequence's last tile of rows writes
+ * them to the cache.  Each row's cosines and sines are formed once a
+ * block, in double as rope.cu does. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -39,6 +49,7 @@
 #define APF_THREADS (2 * APF_GT)
 #define APF_BQ 64 /* query vectors per block */
 #define APF_BK 32 /* context positions per K/V tile */
+#define APF_ROPE_ROWS 16 /* most rows of a sequence the ROPE kernel takes */
 
 struct apf_params {
     struct cuda_attn_args a;
@@ -49,6 +60,13 @@ struct apf_params {
     float *part_acc;  /* (n_splits, n_tokens, n_heads, head_dim) unnormalized sums */
     float *part_ml;   /* (n_splits, n_tokens, n_heads, 2) running max and sum */
     fp16_t *out16;    /* out's F16 form too, unless NULL (cuda_att_scratch) */
+    /* ROPE: the rows' k and v as the matmuls left them (n_tokens, n_kv_heads
+     * * head_dim; q is a.q, unrotated too), each row's cache slot, and the
+     * head_dim / 2 frequencies. */
+    const float *k_new, *v_new;
+    const int32_t *slots;
+    const float *inv_freq;
+    int32_t neox;
 };
 
 __device__ __forceinline__ uint32_t apf_pack(float lo, float hi) {
@@ -164,7 +182,44 @@ __device__ __forceinline__ uint4 apf_load(const void *cache, const struct cuda_a
     else return apf_load_kv((const fp16_t *)cache, a, btab, kvh, j, j_end, d, hd);
 }
 
-template <int HD, bool K16, bool Q8>
+/* ROPE: dims d .. d + 7 of KV head kvh of row t (cs: its position's
+ * (cos, sin) for each of the head_dim / 2 frequencies), k rotated as rope.cu
+ * rotates it, both rounded to F16. */
+template <int HD>
+__device__ __forceinline__ void apf_new_kv(const struct apf_params &p, int64_t t, int32_t kvh, int d,
+                                           const float2 *cs, uint4 &ko, uint4 &vo) {
+    const int64_t at = t * p.a.n_kv_heads * HD + (int64_t)kvh * HD;
+    const float *kr = p.k_new + at, *vr = p.v_new + at;
+    float x[8], y[8], w[8];
+    *(float4 *)x = *(const float4 *)(kr + d);
+    *(float4 *)(x + 4) = *(const float4 *)(kr + d + 4);
+    *(float4 *)w = *(const float4 *)(vr + d);
+    *(float4 *)(w + 4) = *(const float4 *)(vr + d + 4);
+    if (p.neox) {
+        /* Pairs (i, i + HD / 2): the partners' 8 dims from the other half. */
+        const int dp = d < HD / 2 ? d + HD / 2 : d - HD / 2;
+        *(float4 *)y = *(const float4 *)(kr + dp);
+        *(float4 *)(y + 4) = *(const float4 *)(kr + dp + 4);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float2 c = cs[(d % (HD / 2)) + e];
+            x[e] = d < HD / 2 ? x[e] * c.x - y[e] * c.y : y[e] * c.y + x[e] * c.x;
+        }
+    } else {
+        /* Pairs (2i, 2i + 1), four of them in the 8 dims. */
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const float2 c = cs[(d + e) / 2];
+            const float x0 = x[e], x1 = x[e + 1];
+            x[e] = x0 * c.x - x1 * c.y;
+            x[e + 1] = x0 * c.y + x1 * c.x;
+        }
+    }
+    ko = make_uint4(apf_pack(x[0], x[1]), apf_pack(x[2], x[3]), apf_pack(x[4], x[5]), apf_pack(x[6], x[7]));
+    vo = make_uint4(apf_pack(w[0], w[1]), apf_pack(w[2], w[3]), apf_pack(w[4], w[5]), apf_pack(w[6], w[7]));
+}
+
+template <int HD, bool K16, bool Q8, bool ROPE>
 __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct apf_params p) {
     const struct cuda_attn_args &a = p.a;
     constexpr int KS = HD + 8;     /* K and V tile row stride in halves: the 8 rows of a fragment or
@@ -177,6 +232,9 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
      * (NK x 4 + 4 floats a thread: exactly this size). */
     __shared__ __align__(16) fp16_t skv[2 * 2 * APF_BK * KS];
     static_assert((NK * 4 + 4) * APF_GT * sizeof(float) <= sizeof(skv), "the merge fits the tiles' memory");
+    /* ROPE: (cos, sin) of each new row's position and frequency. */
+    __shared__ float2 rope_cs[ROPE ? APF_ROPE_ROWS * (HD / 2) : 1];
+    static_assert(!(ROPE && Q8), "the ROPE kernel writes an F16 cache");
     const int tid = threadIdx.x % APF_GT, wg = threadIdx.x / APF_GT, lane = tid % 32, warp = tid / 32,
               gq = lane / 4, t4 = lane % 4;
     fp16_t *sk = skv + wg * 2 * APF_BK * KS, *sv = sk + APF_BK * KS;
@@ -234,22 +292,41 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
      * even groups. */
     const int q8_sh = ((tid % (HD / 8)) * 8 / backend_kv_q8_group(HD)) % 2 ? 0 : 16;
     uint4 kr[LD], vr[LD];
-    const auto load_first = [&]() {
+    /* ROPE: positions from the sequence's first new row on are not read
+     * from the cache (their pieces load as zeros): they are taken from the
+     * matmul's rows as the tile is stored, below. */
+    const int32_t j_cache = ROPE ? min(j_end, pos0) : j_end;
+    const auto load_tile = [&](int32_t j0) {
 #pragma unroll
         for (int it = 0; it < LD; it++) {
-            int i = tid + it * APF_GT;
-            kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-            vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j_begin + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+            const int i = tid + it * APF_GT;
+            kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j0 + i / (HD / 8), j_cache, (i % (HD / 8)) * 8, HD);
+            vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j0 + i / (HD / 8), j_cache, (i % (HD / 8)) * 8, HD);
         }
     };
     /* A first tile of positions before this step's rows is no kernel's
      * output (the rope kernel before writes the rows from pos0 on; the
      * tables and the batch's layout are the step's upload): it is loaded
-     * before the programmatic wait, q and everything else after it. */
+     * before the programmatic wait, q and everything else after it.  So
+     * are ROPE's cosines and sines (positions and frequencies are no
+     * kernel's output either). */
     const bool early = j_begin + APF_BK <= pos0;
-    if (early) load_first();
+    if (early) load_tile(j_begin);
+    if constexpr (ROPE) {
+        /* The angle in double (at positions of 1e5 and more a float
+         * product loses the phase's low digits), reduced to [-pi, pi] in
+         * double, its sine and cosine in float. */
+        for (int e = threadIdx.x; e < min(tok_end - tok0, APF_ROPE_ROWS) * (HD / 2); e += APF_THREADS) {
+            const double ang = (double)(pos0 + e / (HD / 2)) * (double)p.inv_freq[e % (HD / 2)];
+            const float r = (float)fma(-rint(ang * 0.15915494309189535), 6.283185307179586, ang);
+            float sn, cn;
+            sincosf(r, &sn, &cn);
+            rope_cs[e] = make_float2(cn, sn);
+        }
+        __syncthreads();
+    }
     pdl_begin();
-    if (!early) load_first();
+    if (!early) load_tile(j_begin);
 
     /* This lane's two query vectors (rows gq and gq + 8 of its warp's 16):
      * qi = r * G + g is row r0 + r, head kvh * G + g; position -1 marks
@@ -267,10 +344,39 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const float *qp = a.q + (qpos[h] >= 0 ? (int64_t)qrow[h] * width + (int64_t)qhead[h] * HD : 0);
+        if constexpr (ROPE) {
+            /* Rotated as rope.cu rotates q, then scaled.  A lane's dims
+             * 8kk + 2t, +1 are a pair (2i, 2i + 1); in the neox pairing
+             * their partners are the same lane's dims of k-step
+             * kk + NK / 2. */
+            const float2 *cs = rope_cs + (qpos[h] >= 0 ? qpos[h] - pos0 : 0) * (HD / 2);
+            if (p.neox) {
 #pragma unroll
-        for (int kk = 0; kk < NK; kk++) {
-            float2 v = qpos[h] >= 0 ? *(const float2 *)(qp + 8 * kk + 2 * t4) : make_float2(0.0f, 0.0f);
-            qf[kk][h] = apf_pack(v.x * a.scale, v.y * a.scale);
+                for (int kk = 0; kk < NK / 2; kk++) {
+                    float2 lo = make_float2(0.0f, 0.0f), hi = lo;
+                    if (qpos[h] >= 0) {
+                        lo = *(const float2 *)(qp + 8 * kk + 2 * t4);
+                        hi = *(const float2 *)(qp + HD / 2 + 8 * kk + 2 * t4);
+                    }
+                    const float2 c0 = cs[8 * kk + 2 * t4], c1 = cs[8 * kk + 2 * t4 + 1];
+                    qf[kk][h] = apf_pack((lo.x * c0.x - hi.x * c0.y) * a.scale, (lo.y * c1.x - hi.y * c1.y) * a.scale);
+                    qf[kk + NK / 2][h] =
+                        apf_pack((lo.x * c0.y + hi.x * c0.x) * a.scale, (lo.y * c1.y + hi.y * c1.x) * a.scale);
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < NK; kk++) {
+                    float2 v = qpos[h] >= 0 ? *(const float2 *)(qp + 8 * kk + 2 * t4) : make_float2(0.0f, 0.0f);
+                    const float2 c = cs[4 * kk + t4];
+                    qf[kk][h] = apf_pack((v.x * c.x - v.y * c.y) * a.scale, (v.x * c.y + v.y * c.x) * a.scale);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < NK; kk++) {
+                float2 v = qpos[h] >= 0 ? *(const float2 *)(qp + 8 * kk + 2 * t4) : make_float2(0.0f, 0.0f);
+                qf[kk][h] = apf_pack(v.x * a.scale, v.y * a.scale);
+            }
         }
     }
     /* The warp's latest position: tiles wholly after it are skipped. */
@@ -289,15 +395,35 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
             *(uint4 *)(sk + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = Q8 ? apf_q8_to_f16(kr[it], q8_sh) : kr[it];
             *(uint4 *)(sv + (i / (HD / 8)) * KS + (i % (HD / 8)) * 8) = Q8 ? apf_q8_to_f16(vr[it], q8_sh) : vr[it];
         }
-        apf_group_sync(wg);
-        if (j0 + APF_BK < j_end) {
-#pragma unroll
-            for (int it = 0; it < LD; it++) {
-                int i = tid + it * APF_GT;
-                kr[it] = apf_load<Q8>(a.k, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
-                vr[it] = apf_load<Q8>(a.v, a, btab, kvh, j0 + APF_BK + i / (HD / 8), j_end, (i % (HD / 8)) * 8, HD);
+        if constexpr (ROPE) {
+            /* The tile's pieces of new rows: rotated k and v from the
+             * matmul, written to the cache by the sequence's last tile of
+             * rows (every new position lies in its context, in one split
+             * and one group's half of it).  Not unrolled: few tiles have
+             * such rows. */
+            if (j0 + APF_BK > pos0) {
+                const bool writer = last_row == tok_end - 1;
+#pragma unroll 1
+                for (int it = 0; it < LD; it++) {
+                    const int i = tid + it * APF_GT, d = (i % (HD / 8)) * 8;
+                    const int32_t j = j0 + i / (HD / 8), r = j - pos0;
+                    if (j < pos0 || j >= j_end || r >= APF_ROPE_ROWS) continue;
+                    uint4 kn, vn;
+                    apf_new_kv<HD>(p, tok0 + r, kvh, d, rope_cs + r * (HD / 2), kn, vn);
+                    *(uint4 *)(sk + (i / (HD / 8)) * KS + d) = kn;
+                    *(uint4 *)(sv + (i / (HD / 8)) * KS + d) = vn;
+                    const int32_t slot = writer ? p.slots[tok0 + r] : -1;
+                    if (slot >= 0 && slot < a.n_blocks * a.block_size) {
+                        const size_t at = (((size_t)(slot / a.block_size) * a.n_kv_heads + kvh) * a.block_size +
+                                           slot % a.block_size) * HD + d;
+                        *(uint4 *)((fp16_t *)a.k + at) = kn;
+                        *(uint4 *)((fp16_t *)a.v + at) = vn;
+                    }
+                }
             }
         }
+        apf_group_sync(wg);
+        if (j0 + APF_BK < j_end) load_tile(j0 + APF_BK);
         if (wmax >= j0) {
             /* S = Q . K^T for 16 queries x 32 positions. */
             float sc[NT][4];
@@ -510,43 +636,46 @@ extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
     return k.prefill_tc && a->n_tokens > a->n_seqs && cuda_attention_tc_fits(a);
 }
 
-/* Blocks of attention_prefill_kernel<HD, K16, Q8> resident on one
+/* Blocks of attention_prefill_kernel<HD, K16, Q8, ROPE> resident on one
  * multiprocessor, asked once per device (1 if the runtime cannot say). */
-template <int HD, bool K16, bool Q8> static int64_t apf_per_sm(const struct cuda_ctx *ctx) {
+template <int HD, bool K16, bool Q8, bool ROPE> static int64_t apf_per_sm(const struct cuda_ctx *ctx) {
     static int per_sm[64];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     if (!per_sm[dev]) {
         int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_prefill_kernel<HD, K16, Q8>, APF_THREADS, 0) !=
-            cudaSuccess)
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_prefill_kernel<HD, K16, Q8, ROPE>, APF_THREADS,
+                                                          0) != cudaSuccess)
             cudaGetLastError();
         per_sm[dev] = b > 0 ? b : 1;
     }
     return per_sm[dev];
 }
 
-template <bool Q8> static int64_t apf_per_sm_of(const struct cuda_ctx *ctx, int hd, bool k16) {
-    if (hd == 64) return k16 ? apf_per_sm<64, true, Q8>(ctx) : apf_per_sm<64, false, Q8>(ctx);
-    return k16 ? apf_per_sm<128, true, Q8>(ctx) : apf_per_sm<128, false, Q8>(ctx);
+template <bool Q8, bool ROPE> static int64_t apf_per_sm_of(const struct cuda_ctx *ctx, int hd, bool k16) {
+    if (hd == 64) return k16 ? apf_per_sm<64, true, Q8, ROPE>(ctx) : apf_per_sm<64, false, Q8, ROPE>(ctx);
+    return k16 ? apf_per_sm<128, true, Q8, ROPE>(ctx) : apf_per_sm<128, false, Q8, ROPE>(ctx);
 }
 
-template <bool Q8>
+template <bool Q8, bool ROPE>
 static cudaError_t apf_launch(const struct cuda_ctx *ctx, const struct apf_params &p, dim3 grid, bool k16) {
     void (*kernel)(struct apf_params) = p.a.head_dim == 64
-                                            ? (k16 ? attention_prefill_kernel<64, true, Q8>
-                                                   : attention_prefill_kernel<64, false, Q8>)
-                                            : (k16 ? attention_prefill_kernel<128, true, Q8>
-                                                   : attention_prefill_kernel<128, false, Q8>);
+                                            ? (k16 ? attention_prefill_kernel<64, true, Q8, ROPE>
+                                                   : attention_prefill_kernel<64, false, Q8, ROPE>)
+                                            : (k16 ? attention_prefill_kernel<128, true, Q8, ROPE>
+                                                   : attention_prefill_kernel<128, false, Q8, ROPE>);
     return cuda_launch(ctx, kernel, grid, dim3(APF_THREADS), 0, p);
 }
 
-extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+/* cuda_attention_prefill's launches; with rope (its k_new .. neox set) the
+ * ROPE kernel's. */
+static int apf_run(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const struct apf_params *rope) {
     if (!cuda_attention_tc_fits(a))
         return cuda_fail(ctx, STATUS_UNSUPPORTED,
                          "attention_prefill: %s cache, head_dim %d, %d heads over %d KV heads, %d rows of %d sequences",
                          dtype_name(a->kv_type), a->head_dim, a->n_heads, a->n_kv_heads, a->n_tokens, a->n_seqs);
     struct apf_params p;
-    memset(&p, 0, sizeof p);
+    if (rope) p = *rope;
+    else memset(&p, 0, sizeof p);
     p.a = *a;
     p.G = a->n_heads / a->n_kv_heads;
     p.tq = APF_BQ / p.G;
@@ -574,8 +703,10 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
      * 64 blocks of heads of 128, one a multiprocessor, 2 splits; 3 splits,
      * a wave and a half, took 163 µs against 127). */
     const bool k16 = ctx->att_k16, q8 = a->kv_type == DTYPE_Q8_0;
-    const int64_t slots = ctx->n_sms * (q8 ? apf_per_sm_of<true>(ctx, a->head_dim, k16)
-                                           : apf_per_sm_of<false>(ctx, a->head_dim, k16));
+    const int64_t per_sm = q8     ? apf_per_sm_of<true, false>(ctx, a->head_dim, k16)
+                           : rope ? apf_per_sm_of<false, true>(ctx, a->head_dim, k16)
+                                  : apf_per_sm_of<false, false>(ctx, a->head_dim, k16);
+    const int64_t slots = ctx->n_sms * per_sm;
     int64_t want = slots / blocks;
     if (want < 1) want = 1;
     if (want > 32) want = 32;
@@ -601,7 +732,10 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
     dim3 grid((unsigned)a->n_kv_heads, (unsigned)tiles, (unsigned)p.n_splits);
     /* m16n8k16 where the card has it (sm_80 and later), unless
      * LLM_CUDA_ATT_K8=1 asks for the sm_75 instruction, to compare. */
-    CUDA_CHECK(ctx, q8 ? apf_launch<true>(ctx, p, grid, k16) : apf_launch<false>(ctx, p, grid, k16));
+    const cudaError_t launched = q8     ? apf_launch<true, false>(ctx, p, grid, k16)
+                                 : rope ? apf_launch<false, true>(ctx, p, grid, k16)
+                                        : apf_launch<false, false>(ctx, p, grid, k16);
+    CUDA_CHECK(ctx, launched);
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p.n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_prefill_combine_kernel,
@@ -612,4 +746,25 @@ extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_at
         CUDA_CHECK(ctx, cudaGetLastError());
     }
     return STATUS_OK;
+}
+
+extern "C" int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
+    return apf_run(ctx, a, NULL);
+}
+
+extern "C" int cuda_attention_prefill_rope(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k,
+                                           const float *v, const int32_t *slots, const float *inv_freq,
+                                           int32_t n_freq, int neox, int32_t rows_min, int32_t rows_max) {
+    if (rows_min < 2 || rows_max > ctx->rope_tc || rows_max > APF_ROPE_ROWS || a->kv_type != DTYPE_F16 ||
+        2 * n_freq != a->head_dim || (uintptr_t)k % 16 != 0 || (uintptr_t)v % 16 != 0 ||
+        !cuda_attention_prefill_takes(a))
+        return CUDA_NOT_FUSED;
+    struct apf_params r;
+    memset(&r, 0, sizeof r);
+    r.k_new = k;
+    r.v_new = v;
+    r.slots = slots;
+    r.inv_freq = inv_freq;
+    r.neox = neox;
+    return apf_run(ctx, a, &r);
 }

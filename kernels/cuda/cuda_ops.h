@@ -53,6 +53,9 @@ struct cuda_ctx {
                          * the matmul after it (default; LLM_CUDA_ATT_F16=0: not) */
     int rope_att_mha;   /* the same where every query head has its own KV head (8; the same
                          * variable sets it) */
+    int rope_tc;        /* the tensor-core attention does the rope and cache write of steps whose
+                         * every sequence has 2 to this many rows (16, default; 0: never;
+                         * LLM_CUDA_ROPE_TC) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
                          * slices by a kernel of its own that also writes the o matmul's int8
                          * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks,
@@ -408,6 +411,18 @@ int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a);
  * heads of 64 or 128 and 16-byte aligned buffers. */
 int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
                         const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox);
+
+/* attention_prefill.cu: backend_rope_kv_attention on the tensor-core
+ * attention for steps whose every sequence has rows_min .. rows_max rows,
+ * 2 <= rows_min, rows_max <= ctx->rope_tc (speculation's verifying steps):
+ * rotates q (left unrotated) and each sequence's new k in registers,
+ * writes k and v to the F16 cache at slots, and a->out = attention of the
+ * rows.  CUDA_NOT_FUSED unless the tensor-core kernel takes the batch
+ * (cuda_attention_prefill_takes) on an F16 cache, every dim is rotated
+ * (2 * n_freq == head_dim) and k and v are 16-byte aligned. */
+int cuda_attention_prefill_rope(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
+                                const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox,
+                                int32_t rows_min, int32_t rows_max);
 
 /* ---- graph.cu: CUDA graphs of the stream, page-locked host memory ---- */
 struct cuda_graph; /* an instantiated graph and the scratch it was recorded with */

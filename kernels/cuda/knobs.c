@@ -90,6 +90,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "most decode rows whose rope, cache write and attention run as one launch, grouped heads or "
          "not (0: never; -1: 4 with groups, 8 without, where it measured faster), to compare",
          &k->rope_att, -1, 64, NULL},
+        {"cuda-rope-tc", "LLM_CUDA_ROPE_TC", OPTION_INT, "16",
+         "most rows a sequence may have (each sequence of the step 2 or more: speculation's "
+         "verifying steps) for the tensor-core attention to do the rope and cache write itself, "
+         "saving their launch (0: never, to compare)",
+         &k->rope_tc, 0, 16, NULL},
         {"cuda-att-defer", "LLM_CUDA_ATT_DEFER", OPTION_INT, "4",
          "most decode rows whose attention slices a kernel of its own merges, leaving the o "
          "matmul's int8 form as well (0: merged by the attention's last blocks, which then leave "
@@ -221,6 +226,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
      * 512 the two ops are 0.33 ms a 7B step faster on an H200). */
     ctx->rope_att = k->rope_att >= 0 ? k->rope_att : 4;
     ctx->rope_att_mha = k->rope_att >= 0 ? k->rope_att : 8;
+    ctx->rope_tc = k->rope_tc;
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;

@@ -114,7 +114,7 @@ static void check_attention(backend *be, enum dtype kv_type, const struct attn_c
 
     float *q = rand_floats(n_tokens * qw, 1.0f), *out = nan_floats(n_tokens * qw);
     float scale = 1.0f / sqrtf((float)hd);
-    struct backend_attn_batch batch = {S, n_tokens, max_blocks, max_ctx, tok0, pos0, bt};
+    struct backend_attn_batch batch = {S, n_tokens, max_blocks, max_ctx, tok0, pos0, bt, 0, 0};
     ASSERT_OK(backend_attention(be, out, q, &kv, &batch, nh, scale));
 
     double *ref = fx_alloc((size_t)n_tokens * qw * sizeof(double));
@@ -215,11 +215,11 @@ TEST(cpu_ops_attention_rows_invariant) {
         ASSERT_OK(backend_kv_write(be, &kv, kk, vv, slots, n));
         float *q = rand_floats(R * qw, 1.0f), *all = nan_floats(R * qw), *one = nan_floats(qw);
         int32_t tok0[2] = {0, R}, pos0 = pos;
-        struct backend_attn_batch batch = {1, R, 4, n, tok0, &pos0, bt};
+        struct backend_attn_batch batch = {1, R, 4, n, tok0, &pos0, bt, R, R};
         ASSERT_OK(backend_attention(be, all, q, &kv, &batch, nh, 0.125f));
         for (int32_t r = 0; r < R; r++) {
             int32_t t1[2] = {0, 1}, p1 = pos + r;
-            struct backend_attn_batch b1 = {1, 1, 4, p1 + 1, t1, &p1, bt};
+            struct backend_attn_batch b1 = {1, 1, 4, p1 + 1, t1, &p1, bt, 1, 1};
             ASSERT_OK(backend_attention(be, one, q + r * qw, &kv, &b1, nh, 0.125f));
             for (int32_t i = 0; i < qw; i++)
                 if (memcmp(&one[i], &all[r * qw + i], sizeof(float)) != 0)
@@ -311,7 +311,7 @@ TEST(cpu_ops_attention_rejects_bad_block) {
     struct backend_kv kv;
     ASSERT_OK(backend_kv_init(be, &kv, DTYPE_F32, 4, 4, 1, 8));
     int32_t tok0[2] = {0, 1}, pos0[1] = {5}, bt[2] = {1, 4}; /* block 4 of 4 */
-    struct backend_attn_batch batch = {1, 1, 2, 6, tok0, pos0, bt};
+    struct backend_attn_batch batch = {1, 1, 2, 6, tok0, pos0, bt, 1, 1};
     float *q = rand_floats(8, 1.0f), *out = nan_floats(8);
     ASSERT_EQ((int)STATUS_BAD_INPUT, backend_attention(be, out, q, &kv, &batch, 1, 1.0f));
     ASSERT_TRUE(strstr(backend_errstr(be), "block") != NULL);

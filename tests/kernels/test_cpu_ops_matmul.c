@@ -205,7 +205,7 @@ TEST(cpu_ops_thread_count_invariance) {
         ASSERT_OK(backend_kv_write(be, &kv, hist, hist, hslots, 70));
         float *q = rand_floats(ntok * 256, 1.0f);
         outs[nt - 1] = nan_floats(ntok * 256);
-        struct backend_attn_batch batch = {2, ntok, 5, 71, tok0, pos0, bt};
+        struct backend_attn_batch batch = {2, ntok, 5, 71, tok0, pos0, bt, 0, 0};
         ASSERT_OK(backend_attention(be, outs[nt - 1], q, &kv, &batch, 8, 0.17f));
         backend_kv_free(be, &kv);
     }

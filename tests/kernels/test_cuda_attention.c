@@ -286,8 +286,8 @@ static void attention_case(enum dtype t, int32_t n_heads, int32_t n_kv, int32_t 
     dbuf_poison(out);
     struct att_mm mm = {0};
     if (n_tokens > 2) att_mm_prepare(&mm, n_tokens, n_heads * hd);
-    struct backend_attn_batch cb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.c, dp.c, dt.c};
-    struct backend_attn_batch gb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.g, dp.g, dt.g};
+    struct backend_attn_batch cb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.c, dp.c, dt.c, 0, 0};
+    struct backend_attn_batch gb = {n_seqs, n_tokens, max_blocks, max_ctx, d0.g, dp.g, dt.g, 0, 0};
     float scale = 1.0f / sqrtf((float)hd);
     ASSERT_OK(backend_attention(fx.cpu, out.c, q.c, &fx.ckv[fx.n_kv - 1], &cb, n_heads, scale));
     int rc = backend_attention(fx.gpu, out.g, q.g, &fx.gkv[fx.n_kv - 1], &gb, n_heads, scale);
@@ -577,13 +577,15 @@ TEST(cuda_ops_attention_prefill) {
     unsetenv("LLM_CUDA_PREFILL_TC");
 }
 
-/* ---- Rope, cache write and attention of decode rows in one op ----
+/* ---- Rope, cache write and attention in one op ----
  * The CPU runs rope_kv_write and attention; the GPU, for decode rows (one
  * a sequence) and an F16 cache with heads of 64 or 128, one launch
- * (rope_attention.cu, up to LLM_CUDA_ROPE_ATT rows: 16 here) that rotates
- * q and k in registers and leaves the buffers as given: so its q must come
- * back unchanged where it takes the case (a silent fallback would rotate
- * it), and rotated like the CPU's where it does not. */
+ * (rope_attention.cu, up to LLM_CUDA_ROPE_ATT rows: 16 here), and for
+ * sequences of 2-16 rows the tensor-core attention with the rope in it
+ * (attention_prefill.cu), both of which rotate q and k in registers and
+ * leave the buffers as given: so its q must come back unchanged where one
+ * of them takes the case (a silent fallback would rotate it), and rotated
+ * like the CPU's where neither does. */
 struct ropeatt_case {
     enum dtype kv;
     int32_t n_heads, n_kv, hd, pos, n_freq;
@@ -595,8 +597,11 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     const int32_t bs = 16, hd = c->hd, S = c->n_seqs, R = c->rows_per_seq, n = S * R;
     const int32_t qw = c->n_heads * hd, kw = c->n_kv * hd;
     const int fused = R == 1 && S <= 16 && c->kv == DTYPE_F16;
+    /* Sequences of 2-16 rows: the tensor-core attention with the rope and
+     * the cache write in it (LLM_CUDA_ROPE_TC), where every dim rotates. */
+    const int fused_tc = R >= 2 && R <= 16 && c->kv == DTYPE_F16 && 2 * c->n_freq == hd;
     struct att_mm mm = {0};
-    if (fused) att_mm_prepare(&mm, n, qw); /* the int8 (up to 4 rows) or F16 form it leaves */
+    if (fused || fused_tc) att_mm_prepare(&mm, n, qw); /* the int8 (up to 4 rows) or F16 form it leaves */
     /* Sequence s: rows at positions pos + 37 s .. + R - 1, its own blocks
      * taken in a random order from one cache. */
     const int32_t max_ctx = c->pos + 37 * (S - 1) + R, max_blocks = (max_ctx + bs - 1) / bs;
@@ -634,8 +639,8 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     struct dbuf v = dbuf_from(rand_f32((size_t)n * kw, -2, 2), (size_t)n * kw * 4);
     struct dbuf out = dbuf_new((size_t)n * qw * 4);
     dbuf_poison(out);
-    struct backend_attn_batch cb = {S, n, max_blocks, max_ctx, d0.c, dp0.c, dt.c};
-    struct backend_attn_batch gb = {S, n, max_blocks, max_ctx, d0.g, dp0.g, dt.g};
+    struct backend_attn_batch cb = {S, n, max_blocks, max_ctx, d0.c, dp0.c, dt.c, R, R};
+    struct backend_attn_batch gb = {S, n, max_blocks, max_ctx, d0.g, dp0.g, dt.g, R, R};
     const float scale = 1.0f / sqrtf((float)hd);
     const int i = fx.n_kv - 1;
     ASSERT_OK(backend_rope_kv_attention(fx.cpu, out.c, q.c, k.c, v.c, &fx.ckv[i], dp.c, ds.c, di.c, c->n_freq,
@@ -652,8 +657,9 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     if (mm.n) att_mm_check(&mm, out, n, what);
     float *qg = fx_host((size_t)n * qw * 4);
     ASSERT_OK(backend_download(fx.gpu, qg, q.g, (size_t)n * qw * 4));
-    if (fused && memcmp(qg, qh, (size_t)n * qw * 4) != 0) TEST_FAIL("%s: q was rotated in place: not one launch", what);
-    if (!fused) check_f32(q, (size_t)n * qw, 1e-12, what);
+    if ((fused || fused_tc) && memcmp(qg, qh, (size_t)n * qw * 4) != 0)
+        TEST_FAIL("%s: q was rotated in place: not one launch", what);
+    if (!fused && !fused_tc) check_f32(q, (size_t)n * qw, 1e-12, what);
     /* One launch: F32 arithmetic on the same cache values as the CPU, the
      * slices merged in another order, exp off by ulps (~1e-12).  One
      * position too many or too few moves a row by ~1/context of its size:
@@ -662,7 +668,7 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     /* Q8_0: a new k a last bit apart after rope may round to the next
      * int8 (kernels: rope_kv_case), which moves a score by ~1e-3 of the
      * value: 1e-6. */
-    const double bound = !fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, bs, n, S) ? 1e-4
+    const double bound = fused_tc || (!fused && attn_on_tensor_cores(c->kv, c->n_heads, c->n_kv, hd, bs, n, S)) ? 1e-4
                          : c->kv == DTYPE_Q8_0                                               ? 1e-6
                                                                                              : 1e-8;
     double e = check_f32(out, (size_t)n * qw, bound, what);
@@ -672,7 +678,7 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     const double cache_bound = c->kv == DTYPE_F32 ? 1e-12 : c->kv == DTYPE_Q8_0 ? 1e-6 : 1e-7;
     check_cache(c->kv, fx.ckv[i].k, fx.gkv[i].k, elems, cache_bound, what);
     check_cache(c->kv, fx.ckv[i].v, fx.gkv[i].v, elems, cache_bound, what);
-    printf("    %s%s: NMSE %.3g\n", what, fused ? " (one launch)" : "", e);
+    printf("    %s%s: NMSE %.3g\n", what, fused ? " (one launch)" : fused_tc ? " (tensor cores with the rope)" : "", e);
     fx_close();
 }
 
@@ -693,11 +699,26 @@ TEST(cuda_ops_rope_kv_attention) {
         {DTYPE_F16, 4, 4, 128, 130, 64, 1, 4, 1},
         {DTYPE_F16, 8, 2, 64, 3, 32, 1, 5, 1},
         {DTYPE_F16, 4, 4, 128, 200, 64, 0, 16, 1},
-        /* Cases the one launch leaves to the two ops: an F32 cache, a
-         * sequence of two rows, more rows than it takes. */
+        /* Cases the one launch leaves to the two ops: an F32 cache, more
+         * rows than it takes. */
         {DTYPE_F32, 8, 2, 64, 300, 32, 1, 1, 1},
-        {DTYPE_F16, 8, 2, 64, 300, 32, 0, 1, 2},
         {DTYPE_F16, 4, 2, 64, 10, 32, 0, 17, 1},
+        /* Sequences of several rows (verifying steps), on the tensor-core
+         * kernel with the rope: 2 rows; MHA 5 rows (pairs (2i, 2i + 1));
+         * 5 rows at 600 positions (split), neox; 3 sequences of 4 rows,
+         * groups of 4; groups of 8 (a tile is 8 rows: the sequence's
+         * first tile reads its new rows, its last writes them); the first
+         * positions. */
+        {DTYPE_F16, 8, 2, 64, 300, 32, 0, 1, 2},
+        {DTYPE_F16, 4, 4, 128, 37, 64, 0, 1, 5},
+        {DTYPE_F16, 8, 8, 128, 600, 64, 1, 1, 5},
+        {DTYPE_F16, 8, 2, 128, 513, 64, 1, 3, 4},
+        {DTYPE_F16, 16, 2, 64, 200, 32, 0, 2, 16},
+        {DTYPE_F16, 4, 4, 64, 0, 32, 1, 1, 3},
+        /* ... and those it leaves to the two ops: 17 rows, a partial
+         * rotation. */
+        {DTYPE_F16, 4, 4, 128, 95, 64, 0, 1, 17},
+        {DTYPE_F16, 8, 2, 64, 300, 24, 1, 1, 4},
         /* An 8-bit cache: always the two ops (rope_kv_write, attention). */
         {DTYPE_Q8_0, 8, 2, 64, 300, 32, 1, 1, 1},
         {DTYPE_Q8_0, 4, 4, 128, 130, 64, 0, 4, 1},
