@@ -870,6 +870,21 @@ TEST(forward_gpu_matches_cpu) {
 
 /* ---- Decode steps replayed from graphs ---- */
 
+/* A stage of file with an F16 cache, made with LLM_CUDA_GRAPHS=graphs
+ * (n_logits_max 0: the stage's default). */
+static void graph_fx_open(struct fx *f, const char *file, int graphs, int32_t n_seqs_max, int32_t n_ctx_max,
+                          int32_t n_logits_max) {
+    setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    struct stage_config cfg;
+    stage_config_default(&cfg);
+    cfg.n_seqs_max = n_seqs_max;
+    cfg.n_ctx_max = n_ctx_max;
+    cfg.n_logits_max = n_logits_max;
+    cfg.kv_type = DTYPE_F16;
+    fx_open(f, file, &cfg);
+    unsetenv("LLM_CUDA_GRAPHS");
+}
+
 /* Decodes `steps` steps of n_seqs sequences (prompts of different lengths,
  * so each decodes at its own position; block ids descending with a stride
  * of 9, never in order) on a stage made with LLM_CUDA_GRAPHS=graphs, and
@@ -881,15 +896,8 @@ TEST(forward_gpu_matches_cpu) {
 static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t steps, float *out,
                            int32_t *recorded) {
     char err[512];
-    setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
-    struct stage_config cfg;
-    stage_config_default(&cfg);
-    cfg.n_seqs_max = GS_SEQS;
-    cfg.n_ctx_max = 128;
-    cfg.kv_type = DTYPE_F16;
     struct fx f;
-    fx_open(&f, file, &cfg);
-    unsetenv("LLM_CUDA_GRAPHS");
+    graph_fx_open(&f, file, graphs, GS_SEQS, 128, 0);
     const struct stage_config *c = stage_config_get(f.s);
     const int32_t per_seq = c->n_ctx_max / c->block_size, V = f.n_vocab;
     ASSERT_EQ(512, V); /* the caller's buffer */
@@ -940,16 +948,8 @@ static void graph_scenario(const char *file, int graphs, int32_t n_seqs, int32_t
 static void verify_scenario(const char *file, int graphs, int32_t n_seqs, int32_t R, int32_t steps, float *out,
                             int32_t *recorded) {
     char err[512];
-    setenv("LLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
-    struct stage_config cfg;
-    stage_config_default(&cfg);
-    cfg.n_seqs_max = 4;
-    cfg.n_ctx_max = 512;
-    cfg.n_logits_max = 16;
-    cfg.kv_type = DTYPE_F16;
     struct fx f;
-    fx_open(&f, file, &cfg);
-    unsetenv("LLM_CUDA_GRAPHS");
+    graph_fx_open(&f, file, graphs, 4, 512, 16);
     const struct stage_config *c = stage_config_get(f.s);
     const int32_t per_seq = c->n_ctx_max / c->block_size, V = f.n_vocab;
     ASSERT_EQ(512, V);
