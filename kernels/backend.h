@@ -95,7 +95,8 @@ struct backend_attn_batch {
     const int32_t *seq_tok0;     /* (n_seqs + 1) first row of each sequence; [n_seqs] = n_tokens */
     const int32_t *seq_pos0;     /* (n_seqs) position of each sequence's first row */
     const int32_t *block_tables; /* (n_seqs, max_blocks) block ids */
-    int32_t rows_min, rows_max;  /* the fewest and the most rows a sequence has (0: not given) */
+    int32_t rows_min, rows_max;  /* the fewest and the most rows a sequence has, exactly (0: not given;
+                                  * the GPU's verifying-step attention relies on them) */
 };
 
 /* Creation.  Both return 0 and set *out, or a negative status with a message

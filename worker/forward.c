@@ -319,8 +319,8 @@ static int forward_graph_step(stage *s, int key, const struct forward_meta *mt, 
         rc = backend_graph_launch(b, s->graphs[key]);
     }
     if (rc != STATUS_OK)
-        return status_fail(err, errlen, rc, "step: graph of %d sequences of %d rows on %s: %s", S, T / S, backend_name(b),
-                           backend_errstr(b));
+        return status_fail(err, errlen, rc, "step: graph of %d sequences of %d rows on %s: %s", S, T / S,
+                           backend_name(b), backend_errstr(b));
     return STATUS_OK;
 }
 

@@ -33,7 +33,9 @@
  * new row on come from the matmul's k (rotated) and v rows, rounded to F16
  * as the cache keeps them, and the sequence's last tile of rows writes
  * them to the cache.  Each row's cosines and sines are formed once a
- * block, in double as rope.cu does. */
+ * block: the angle in double, as rope.cu forms it, reduced to [-pi, pi]
+ * in double, its sine and cosine in float (rope.cu's are the double
+ * sincos rounded, which may differ in the last bit). */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
