@@ -25,6 +25,7 @@ struct zio_sock {
     char endpoint[256]; /* last bound endpoint, as ZeroMQ reports it */
     char peer[256];     /* last endpoint bound or connected: names the socket in messages */
     int spin_us;        /* zio_set_spin */
+    int64_t recv_last_us; /* monotonic time of the last message received; 0: none yet */
     void *warm_tx, *warm_rx; /* zio_set_warm: a PAIR of the socket's context each way */
     int64_t warm_last_us;
     long warm_back;          /* zio_warm_ticks */
@@ -273,6 +274,12 @@ static int64_t zio_now_us(void) {
 
 void zio_set_spin(struct zio_sock *s, int us) { s->spin_us = us > 0 ? us : 0; }
 
+/* Whether a wait on s may spin now: it has a spin and took a message
+ * within ZIO_SPIN_RECENT_US. */
+static int zio_spin_busy(const struct zio_sock *s, int64_t now_us) {
+    return s->spin_us > 0 && s->recv_last_us > 0 && now_us - s->recv_last_us < ZIO_SPIN_RECENT_US;
+}
+
 /* A tick every 50 us: well inside the 200 us a KVM guest's idle vCPU polls
  * before it halts (halt_poll_ns).  Each tick is an empty message through
  * the I/O thread and back, a few microseconds of its time (not measured
@@ -369,7 +376,8 @@ int zio_recv(struct zio_sock *s, struct zio_parts *p, int timeout_ms) {
                 int64_t left = deadline - zio_now_ms();
                 if (left <= 0) break;
                 zmq_pollitem_t it = {s->sock, 0, ZMQ_POLLIN, 0};
-                int pr = zio_poll_items(&it, 1, (int)left, s->spin_us, s->warm_tx ? s : NULL);
+                int spin = zio_spin_busy(s, zio_now_us()) ? s->spin_us : 0;
+                int pr = zio_poll_items(&it, 1, (int)left, spin, s->warm_tx ? s : NULL);
                 if (pr < 0) break; /* errno tells why */
                 rc = zmq_msg_recv(m, s->sock, ZMQ_DONTWAIT);
             }
@@ -390,6 +398,7 @@ int zio_recv(struct zio_sock *s, struct zio_parts *p, int timeout_ms) {
         p->n++;
         if (!zmq_msg_more(m)) break;
     }
+    s->recv_last_us = zio_now_us();
     zio_ok(s);
     return 0;
 }
@@ -408,15 +417,24 @@ int zio_poll(struct zio_sock *const *socks, const short *events, short *revents,
         items[i].events = events[i];
         items[i].revents = 0;
     }
-    int spin = 0;
+    /* The set spins as long as its largest spin if one of its spinning
+     * sockets is busy (zio_spin_busy), else blocks at once. */
+    int spin = 0, busy = 0;
     struct zio_sock *w = NULL;
+    const int64_t now = zio_now_us();
     for (size_t i = 0; i < n; i++) {
         if (socks[i]->spin_us > spin) spin = socks[i]->spin_us;
+        if (zio_spin_busy(socks[i], now)) busy = 1;
         if (!w && socks[i]->warm_tx) w = socks[i];
     }
-    int rc = zio_poll_items(items, (int)n, timeout_ms, spin, w);
+    int rc = zio_poll_items(items, (int)n, timeout_ms, busy ? spin : 0, w);
     int e = errno;
     for (size_t i = 0; i < n; i++) revents[i] = rc > 0 ? items[i].revents : 0;
+    if (rc > 0) {
+        const int64_t got = zio_now_us();
+        for (size_t i = 0; i < n; i++)
+            if (revents[i] & ZMQ_POLLIN) socks[i]->recv_last_us = got;
+    }
     if (items != items_small) free(items);
     if (rc < 0) {
         if (e == EINTR) return 0;

@@ -107,8 +107,23 @@ int zio_poll(struct zio_sock *const *socks, const short *events, short *revents,
  * their timeout, then block: a message that comes within that time is
  * taken without the wake-up of a blocked thread (tens of microseconds on
  * some hosts), at the cost of a busy core while it lasts.  0 (the
- * default): block at once. */
+ * default): block at once.
+ *
+ * A wait spins only while s is busy: when s took a message (a zio_recv
+ * that returned one, a zio_poll that found ZMQ_POLLIN on it) within the
+ * last ZIO_SPIN_RECENT_US; otherwise it blocks at once, so that an idle
+ * process does not keep a core busy.  A socket that has never received
+ * does not spin until its first message. */
 void zio_set_spin(struct zio_sock *s, int us);
+/* How recent a message must be for a wait to spin: long enough to cover
+ * the gap between a pipeline's steps under load (milliseconds), short
+ * enough that an idle process stops polling within a fraction of a
+ * second. */
+#define ZIO_SPIN_RECENT_US 200000
+/* The spin that --spin-us auto gives a GPU worker's waits, and the
+ * router's while GPU workers serve: a GPU step at batch 1 takes about
+ * 2 ms on an H200, and 3000 us cover it. */
+#define ZIO_SPIN_US_GPU 3000
 
 /* While a wait on s spins (zio_set_spin), keep the I/O thread of s's
  * context zctx awake: every 50 us the waiting thread sends an empty

@@ -97,11 +97,12 @@ int main(int argc, char **argv) {
          "8 times this long) before planning, so that prompts arriving together start in one step (0: plan "
          "at once)",
          &c.batch_wait_us, 0, 1000000, NULL},
-        {"spin-us", "LLM_SPIN_US", OPTION_INT, "0",
-         "the loop polls this long before it blocks waiting for workers and clients: a result that comes "
-         "within it is taken without a blocked thread's wake-up, at the cost of a busy core while it polls "
-         "(docs/router.md); 0: block at once",
-         &c.spin_us, 0, 1000000, NULL},
+        {"spin-us", "LLM_SPIN_US", OPTION_INT, "-1",
+         "the loop polls this long before it blocks waiting for workers and clients, while workers' "
+         "messages keep coming (one within the last 200 ms): a result that comes within it is taken "
+         "without a blocked thread's wake-up, at the cost of a busy core while it polls (docs/router.md); "
+         "-1: auto, 3000 while a GPU worker is in a pipeline, else 0; 0: block at once",
+         &c.spin_us, -1, 1000000, NULL},
         {"prefill-hold-tokens", "LLM_PREFILL_HOLD_TOKENS", OPTION_INT, "0",
          "while sequences decode, new prompts wait until they bring this many tokens together (at most "
          "what a step takes beside the decodes), so that their prefill goes in one step rather than a "

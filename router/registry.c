@@ -152,6 +152,18 @@ static void registry_copy(char *dst, size_t size, const char *src) {
     snprintf(dst, size, "%s", src ? src : "");
 }
 
+size_t registry_n_gpu_stages(const registry *r) {
+    size_t n = 0;
+    for (size_t i = 0; i < r->n_pipes; i++) {
+        const struct pipeline *p = r->pipes[i];
+        for (uint32_t s = 0; s < p->stage_count; s++) {
+            const struct worker *w = p->stage[s];
+            if (w && w->state != WORKER_LOST && w->state != WORKER_FAILED && strcmp(w->backend, "cuda") == 0) n++;
+        }
+    }
+    return n;
+}
+
 bool registry_pipeline_whole(const registry *r, struct pipeline *p) {
     p->problem[0] = '\0';
     uint32_t bs = 0, next = 0;

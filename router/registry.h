@@ -139,6 +139,11 @@ uint32_t registry_pipeline_block_size(const registry *r, const struct pipeline *
 uint32_t registry_pipeline_step_tokens(const registry *r, const struct pipeline *p);
 uint32_t registry_pipeline_step_seqs(const registry *r, const struct pipeline *p);
 
+/* The live workers (neither lost nor failed) that hold a stage of a
+ * pipeline and run on a GPU (Register.backend "cuda"): the router's
+ * --spin-us auto polls while there is one.  O(stages). */
+size_t registry_n_gpu_stages(const registry *r);
+
 size_t registry_n_workers(const registry *r);
 struct worker *registry_worker_at(registry *r, size_t i);
 /* By id, in O(1): every step result names its worker and pipeline. */

@@ -222,6 +222,7 @@ struct server {
     size_t n_pipes_touched, cap_pipes_touched;
     bool loop_full;
     int64_t last_full_ms;
+    int spin_us; /* the worker socket's spin now: cfg.spin_us, or what auto chose (server_spin_auto) */
     int64_t batch_wake_us; /* the earliest end of a --batch-wait-us or --prefill-hold-ms; 0: none */
     /* Clients gone (docs/router.md, "Clients that go away"). */
     struct gone *gone[SERVER_GONE_BUCKETS];
@@ -256,6 +257,10 @@ void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ide
 int server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len);
 int server_send_worker_env(server *s, const uint8_t *ident, size_t ident_len, Llm__WorkerEnvelope *env);
 void server_log_stats(server *s);
+/* --spin-us auto (cfg.spin_us < 0): the worker socket spins
+ * ZIO_SPIN_US_GPU while GPU workers serve (registry_n_gpu_stages), else
+ * blocks at once; logs each change.  Explicit values are left alone. */
+void server_spin_auto(server *s);
 
 /* ---- server_reqs.c: requests in memory --------------------------------- */
 

@@ -278,11 +278,13 @@ int server_init(server **out, const struct server_config *cfg, char *err, size_t
     zio_set_int(s->cs, ZMQ_RCVHWM, 100000);
     zio_set_int(s->ws, ZMQ_SNDHWM, 100000);
     zio_set_int(s->ws, ZMQ_RCVHWM, 100000);
-    zio_set_spin(s->ws, s->cfg.spin_us);
+    /* Auto starts blocking: no worker has registered yet. */
+    s->spin_us = s->cfg.spin_us > 0 ? s->cfg.spin_us : 0;
+    zio_set_spin(s->ws, s->spin_us);
     /* The results come through this context's I/O thread, idle while a
      * pipeline's step runs: keep it awake while the loop spins. */
-    if (s->cfg.spin_us > 0 && zio_set_warm(s->ws, s->zctx) < 0)
-        LOG(LL_WARN, "--spin-us %d without warm ticks: %s", s->cfg.spin_us, zio_errstr(s->ws));
+    if (s->spin_us > 0 && zio_set_warm(s->ws, s->zctx) < 0)
+        LOG(LL_WARN, "--spin-us %d without warm ticks: %s", s->spin_us, zio_errstr(s->ws));
     /* A worker that restarts reconnects with the same routing id (its
      * worker_id): hand the id over to the new connection.  Not with keys:
      * any admitted peer could then take a live worker's connection by
@@ -366,6 +368,24 @@ void server_free(server *s) {
     tokenizer_free(s->tok);
     modelinfo_free(&s->mi);
     free(s);
+}
+
+void server_spin_auto(server *s) {
+    if (s->cfg.spin_us >= 0) return;
+    size_t gpus = registry_n_gpu_stages(s->reg);
+    int want = gpus > 0 ? ZIO_SPIN_US_GPU : 0;
+    if (want == s->spin_us) return;
+    s->spin_us = want;
+    zio_set_spin(s->ws, want);
+    if (want > 0) {
+        /* As with an explicit --spin-us; a second call keeps the first pair. */
+        if (zio_set_warm(s->ws, s->zctx) < 0)
+            LOG(LL_WARN, "--spin-us auto without warm ticks: %s", zio_errstr(s->ws));
+        LOG(LL_INFO, "router: spinning up to %d us in waits for workers (--spin-us auto: %zu GPU workers "
+            "in pipelines)", want, gpus);
+    } else {
+        LOG(LL_INFO, "router: waits for workers block at once (--spin-us auto: no GPU worker in a pipeline)");
+    }
 }
 
 const char *server_client_endpoint(const server *s) { return zio_endpoint(s->cs); }

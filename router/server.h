@@ -40,7 +40,10 @@ struct server_config {
     int no_prefix_cache;       /* every prompt computed whole (--no-prefix-cache; docs/router.md) */
     int itl_target_ms;         /* inter-token latency the prefill cap keeps (0: no cap; docs/router.md) */
     int batch_wait_us;         /* an idle pipeline's first step waits this long for more prompts (0: none) */
-    int spin_us;               /* the loop's poll spins this long before blocking (zio_set_spin; 0: none) */
+    /* The loop's poll spins this long before blocking (zio_set_spin; 0:
+     * none); < 0: auto, ZIO_SPIN_US_GPU while a GPU worker holds a stage
+     * of a pipeline (registry_n_gpu_stages), else 0. */
+    int spin_us;
     int prefill_hold_tokens;   /* while sequences decode, prompts wait to bring this many tokens (0: none) */
     int prefill_hold_ms;       /* ... but none waits longer than this */
     int client_gone_ms;        /* a request whose client is unreachable this long is cancelled (0: never) */

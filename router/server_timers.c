@@ -220,6 +220,7 @@ void server_timers(server *s) {
         server_redis_connect(s);
     }
     registry_expire(s->reg, now, pipe_on_drop, s);
+    server_spin_auto(s);
     if (now - s->last_keys_ms >= s->cfg.heartbeat_ms) {
         s->last_keys_ms = now;
         check_redis(s);

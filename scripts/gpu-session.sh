@@ -17,7 +17,7 @@
 #            128, 128 generated: 1x1, 1x2, 1x1, 1x2 (two GPUs; the cost of
 #            a second stage to one stream)
 #   c1spin   c1's 1x1 and 1x2 with each --spin-us of LLM_SESSION_C1_SPINS
-#            ("0 3000") on the router and workers, in turn, for
+#            ("-1 0": auto, then blocking) on the router and workers, in turn, for
 #            LLM_SESSION_C1_ROUNDS (2) rounds (two GPUs)
 #   timeline 1x1 and 1x2 at concurrency 1 with the router and workers at
 #            debug level: scripts/step-timeline.py's segments of a decode
@@ -208,12 +208,13 @@ for what in $steps; do
         ;;
     c1spin)
         # The same with the router and the workers polling before they
-        # block (each --spin-us of LLM_SESSION_C1_SPINS, "0 3000"; 0 blocks at
-        # once), in turn, LLM_SESSION_C1_ROUNDS times (docs/worker.md, "Polling before blocking").
+        # block (each --spin-us of LLM_SESSION_C1_SPINS, "-1 0"; -1 is auto,
+        # the default, 0 blocks at once), in turn, LLM_SESSION_C1_ROUNDS times
+        # (docs/worker.md, "Polling before blocking").
         [ -n "$b90" ] && cluster_model || continue
         [ "$gpus" -ge 2 ] || { note "SKIP c1spin: one GPU"; continue; }
         for r in $(seq "${LLM_SESSION_C1_ROUNDS:-2}"); do
-            for s in ${LLM_SESSION_C1_SPINS:-0 3000}; do
+            for s in ${LLM_SESSION_C1_SPINS:--1 0}; do
                 cluster "c1spin_${s}_$r" 120 1x1,1x2 --concurrency 1 --requests 32 --prompt-tokens 128 \
                     --max-tokens 128 --router-args "--spin-us $s" --worker-args "--spin-us $s"
             done

@@ -61,7 +61,7 @@ int main(int argc, char **argv) {
     static const char metrics_default[] = "127.0.0.1:9465";
     int pipeline = 0, stage = 0, stages = 1, kv_blocks = 0, block_size = 0, threads = 0;
     int max_tokens = 0, max_seqs = 0, ctx = 0, target_ctx = 0, transport = 0, link_dtype = 0, link_timeout = 0,
-        kv_type = 0, draft_type = 0, spin_us = 0;
+        kv_type = 0, draft_type = 0, spin_us = -1;
     double mem_fraction = 0, draft_min_prob = 0;
     bool require_gpu = false;
     const struct option_def defs[] = {
@@ -118,12 +118,13 @@ int main(int argc, char **argv) {
         {"metrics-listen", "LLM_METRICS_LISTEN", OPTION_STRING, metrics_default,
          "HOST:PORT of the metrics port: /metrics (Prometheus), /health, /ready; \"\" for none",
          &metrics_listen, 0, 0, NULL},
-        {"spin-us", "LLM_SPIN_US", OPTION_INT, "0",
+        {"spin-us", "LLM_SPIN_US", OPTION_INT, "-1",
          "the io and compute threads poll this long before they block in a wait for the router's plans, "
-         "the step's result or the next plan: a message that comes within it skips a blocked thread's "
-         "wake-up, at the cost of a busy core while they poll (one H200 host, 7B at one stream: 8% more "
-         "tokens/s with 3000 here and on the router; docs/worker.md); 0: block at once",
-         &spin_us, 0, 1000000, NULL},
+         "the step's result or the next plan, while messages keep coming (one within the last 200 ms): a "
+         "message that comes within it skips a blocked thread's wake-up, at the cost of a busy core while "
+         "they poll (one H200 host, 7B at one stream: 8% more tokens/s with 3000 here and on the router; "
+         "docs/worker.md); -1: auto, 3000 on a GPU and 0 on the CPU; 0: block at once",
+         &spin_us, -1, 1000000, NULL},
         {"watchdog-ms", "LLM_WATCHDOG_MS", OPTION_INT, "60000",
          "/health answers 503 while the model loads, and once the io loop or the compute thread has not "
          "turned for this long (a step or a link that hangs); keep it above --link-timeout-ms "

@@ -33,6 +33,12 @@ void node_config_default(struct node_config *cfg) {
     cfg->link_dtype = -1;
     cfg->draft_type = -1;
     cfg->register_retry_ms = 2000;
+    cfg->spin_us = -1;
+}
+
+int node_spin_us(int spin_us, int gpu) {
+    if (spin_us >= 0) return spin_us;
+    return gpu ? ZIO_SPIN_US_GPU : 0;
 }
 
 /* The connection to the router broke (node_router_events): a plan, a
@@ -338,6 +344,14 @@ int node_init(node **out, const struct node_config *cfg, char *err, size_t errle
         goto fail;
     }
     n->device_links = gpu && have_nccl && t != NODE_TRANSPORT_ZMQ;
+    /* Before the pipes and the router socket take it. */
+    n->cfg.spin_us = node_spin_us(cfg->spin_us, gpu);
+    char spin_why[48];
+    if (cfg->spin_us < 0) snprintf(spin_why, sizeof spin_why, "--spin-us auto on a %s backend", gpu ? "GPU" : "CPU");
+    else snprintf(spin_why, sizeof spin_why, "--spin-us %d", cfg->spin_us);
+    LOG(LL_INFO, "worker %s: spin %d us (%s): %s", n->s_worker_id, n->cfg.spin_us, spin_why,
+        n->cfg.spin_us > 0 ? "waits poll that long before they block while messages keep coming"
+                           : "waits block at once");
 
     n->zctx = zmq_ctx_new();
     if (!n->zctx) {

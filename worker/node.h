@@ -72,7 +72,9 @@ struct node_config {
      * on both transports (docs/deploy.md, "Across hosts"). */
     int32_t link_dtype;
     int register_retry_ms;      /* Register is sent again this often until answered */
-    int spin_us;                /* the io and compute threads' waits poll this long before blocking (zio_set_spin) */
+    /* The io and compute threads' waits poll this long before blocking
+     * (zio_set_spin); < 0 (node_config_default): auto, node_spin_us. */
+    int spin_us;
     /* CURVE (docs/security.md): this worker's key pair file, used towards
      * the router and on the stage links, and the router's public key file.
      * Both required unless insecure (plain sockets). */
@@ -86,6 +88,12 @@ struct node_config {
 };
 
 void node_config_default(struct node_config *cfg);
+
+/* The spin of a worker's waits for node_config.spin_us on a GPU backend
+ * (gpu non-zero) or the CPU: auto (spin_us < 0) is ZIO_SPIN_US_GPU on a
+ * GPU and 0 (block at once) on the CPU, whose step needs every core
+ * (CI runs CPU workers on two); 0 and above are kept. */
+int node_spin_us(int spin_us, int gpu);
 
 /* Opens the backend and the model, loads the stage's layers (logging what
  * weights, KV cache and workspace take; refusing with a message naming the

@@ -171,15 +171,29 @@ static int64_t zmono_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* p.router takes one message from p.dealer: its waits may spin for
+ * ZIO_SPIN_RECENT_US from now (zio_set_spin). */
+static void zio_spin_wake(struct zpair *p) {
+    struct zio_parts in = {0};
+    struct zio_frame f = {"wake", 4, NULL, NULL};
+    ASSERT_OK(zio_send(p->dealer, &f, 1, 0));
+    ASSERT_OK(zio_recv(p->router, &in, 10000));
+    ASSERT_EQ((size_t)2, in.n);
+    zio_parts_free(&in);
+}
+
 /* The waits of p.router as it spins: the timeout still ends a wait longer
  * than the spin (well before the spin would), a zero timeout does not
  * spin, and a message within the spin or after it is taken, on zio_recv
- * and on zio_poll. */
+ * and on zio_poll.  A message first, so that the waits spin (on a host
+ * slow enough to pass ZIO_SPIN_RECENT_US meanwhile they block instead,
+ * and the checks hold all the same). */
 static void zio_spin_cases(struct zpair *p) {
     struct zio_parts in = {0};
     struct zio_sock *socks[1] = {p->router};
     short ev[1] = {ZMQ_POLLIN}, rev[1];
     zio_set_spin(p->router, 2000000);
+    zio_spin_wake(p);
     int64_t t0 = zmono_ms();
     ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p->router, &in, 30));
     ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 30));
@@ -213,7 +227,9 @@ TEST(zio_spin_then_block) {
 }
 
 /* zio_set_warm: a spinning wait's ticks go round through the context's
- * I/O thread and come back, and the waits behave as without them. */
+ * I/O thread and come back, and the waits behave as without them.  Each
+ * wait follows a message, so that it spins: a spin decides at its start,
+ * and lasts its whole 300 ms. */
 TEST(zio_spin_warm_ticks) {
     struct zpair p;
     zpair_open(&p);
@@ -224,13 +240,46 @@ TEST(zio_spin_warm_ticks) {
     ASSERT_OK(zio_set_warm(p.router, p.ctx));
     ASSERT_OK(zio_set_warm(p.router, p.ctx)); /* a second call keeps the first pair */
     ASSERT_EQ(0L, zio_warm_ticks(p.router));
+    zio_spin_wake(&p);
     ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 300));
     long after_poll = zio_warm_ticks(p.router);
     if (after_poll < 1) TEST_FAIL("no tick came back in a 300 ms spin");
+    zio_spin_wake(&p);
     ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 300));
     if (zio_warm_ticks(p.router) <= after_poll) TEST_FAIL("no tick came back in the recv's 300 ms spin");
     zio_parts_free(&in);
     zio_spin_cases(&p);
+    zpair_close(&p);
+}
+
+/* A wait spins only while its socket is busy (zio_set_spin): never before
+ * the socket's first message, right after a message, and no longer once
+ * ZIO_SPIN_RECENT_US have passed without one.  The warm ticks tell
+ * whether a wait spun: they are sent only while it does. */
+TEST(zio_spin_only_while_busy) {
+    struct zpair p;
+    zpair_open(&p);
+    struct zio_parts in = {0};
+    struct zio_sock *socks[1] = {p.router};
+    short ev[1] = {ZMQ_POLLIN}, rev[1];
+    zio_set_spin(p.router, 2000000);
+    ASSERT_OK(zio_set_warm(p.router, p.ctx));
+    /* Never received: the waits block at once. */
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 30));
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 30));
+    ASSERT_EQ(0L, zio_warm_ticks(p.router));
+    /* A message: the next wait spins (its ticks come back while it lasts). */
+    zio_spin_wake(&p);
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 300));
+    long ticks = zio_warm_ticks(p.router);
+    if (ticks < 1) TEST_FAIL("no tick came back in the 300 ms spin after a message");
+    /* Quiet past ZIO_SPIN_RECENT_US: the waits block again.  Ticks are
+     * sent and counted only inside a spin, so the count stays. */
+    usleep((useconds_t)ZIO_SPIN_RECENT_US + 50000);
+    ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 30));
+    ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 30));
+    ASSERT_EQ(ticks, zio_warm_ticks(p.router));
+    zio_parts_free(&in);
     zpair_close(&p);
 }
 
@@ -387,5 +436,6 @@ TEST(zio_max_msg_size_drops_oversized_frames) {
 }
 
 TEST_MAIN(zio_multipart_roundtrip, zio_zero_copy_frames, zio_zero_copy_freed_on_failure,
-          zio_recv_timeout, zio_poll_ready, zio_spin_then_block, zio_spin_warm_ticks, zio_bad_endpoint_named, zio_free_port_bindable,
+          zio_recv_timeout, zio_poll_ready, zio_spin_then_block, zio_spin_warm_ticks, zio_spin_only_while_busy,
+          zio_bad_endpoint_named, zio_free_port_bindable,
           zio_curve_admits_listed_keys_only, zio_max_msg_size_drops_oversized_frames)

@@ -32,6 +32,7 @@ struct fx {
     void *ctx;
     char cep[128], wep[128];
     int running;
+    int spin_us; /* server_config.spin_us of fx_server_start (0 unless a test sets it) */
 };
 
 static inline void *fx_thread(void *arg) {
@@ -57,6 +58,7 @@ static inline void fx_server_start(struct fx *f, int worker_timeout_ms, int max_
     c.stages = 1;
     c.retention_s = 60;
     c.insecure = true; /* the test's workers and clients are plain sockets */
+    c.spin_us = f->spin_us;
     char err[512];
     if (server_init(&f->s, &c, err, sizeof err) < 0) TEST_FAIL("server_init: %s", err);
     snprintf(f->cep, sizeof f->cep, "%s", server_client_endpoint(f->s));
@@ -183,6 +185,7 @@ struct fw {
     char id[32];
     int64_t last_hb;
     int silent;
+    const char *backend; /* Register.backend; NULL: "fake" */
 };
 
 static inline void fw_send(struct fw *w, Llm__WorkerEnvelope *env) {
@@ -261,7 +264,7 @@ static inline Llm__WorkerEnvelope *fw_register_as(struct fw *w, uint32_t stage, 
     r.stage_count = stages;
     r.session = session;
     r.model = "stories260K-f32.gguf";
-    r.backend = "fake";
+    r.backend = (char *)(w->backend ? w->backend : "fake");
     r.kv_block_count = 64;
     r.kv_block_size = 16;
     r.max_step_seqs = 4;

@@ -1,8 +1,9 @@
 /* Tests of the router (router/server*.c in-process,
  * tests/router/router_server_fixture.h) when its workers are lost or
  * register again: a held stage is retried, a client hears that its request
- * stalled, a request resumes exactly once on a new worker, and a new session
- * or a closed stage connection re-forms the pipeline at once. */
+ * stalled, a request resumes exactly once on a new worker, a new session
+ * or a closed stage connection re-forms the pipeline at once, and
+ * --spin-us auto spins while a GPU worker is there. */
 #include "tests/router/router_server_fixture.h"
 
 /* A worker placed in a stage another live worker holds (a replacement
@@ -305,6 +306,60 @@ TEST(router_server_unsent_frees_reform) {
     fx_stop(&f);
 }
 
+/* The router's lines about --spin-us auto, counted from its log. */
+static pthread_mutex_t spin_lock = PTHREAD_MUTEX_INITIALIZER;
+static int spin_on, spin_off;
+static void spin_log(int level, const char *line, void *ud) {
+    (void)level;
+    (void)ud;
+    pthread_mutex_lock(&spin_lock);
+    if (strstr(line, "spinning up to 3000 us in waits for workers")) spin_on++;
+    if (strstr(line, "waits for workers block at once")) spin_off++;
+    pthread_mutex_unlock(&spin_lock);
+}
+static int spin_count(const int *n) {
+    pthread_mutex_lock(&spin_lock);
+    int v = *n;
+    pthread_mutex_unlock(&spin_lock);
+    return v;
+}
+
+/* --spin-us auto: the router's waits for workers spin once a GPU worker
+ * holds a stage, and block again once it is lost. */
+TEST(router_server_spin_auto_follows_gpu_workers) {
+    struct fx f;
+    fx_start(&f, 2000, 100);
+    /* Again with auto, its lines counted (the loop is stopped meanwhile). */
+    fx_server_stop(&f);
+    spin_on = spin_off = 0;
+    log_set_callback(spin_log, NULL);
+    log_set_level(LL_INFO);
+    f.spin_us = -1;
+    fx_server_start(&f, 2000, 100);
+    struct fw w;
+    memset(&w, 0, sizeof w);
+    fw_connect(&f, &w, "gpu-w");
+    w.backend = "cuda";
+    Llm__WorkerEnvelope *rep = fw_register_as(&w, 0, 1, 0);
+    ASSERT_TRUE(rep->register_reply->accepted);
+    proto_worker_free(rep);
+    int64_t end = t_ms() + 10000;
+    while (spin_count(&spin_on) == 0 && t_ms() < end) {
+        fw_heartbeat(&w);
+        usleep(20 * 1000);
+    }
+    ASSERT_EQ(1, spin_count(&spin_on));
+    /* Silent past --worker-timeout-ms: lost, and the waits block again. */
+    end = t_ms() + 20000;
+    while (spin_count(&spin_off) == 0 && t_ms() < end) usleep(20 * 1000);
+    ASSERT_EQ(1, spin_count(&spin_off));
+    fw_close(&w);
+    fx_server_stop(&f);
+    log_set_callback(NULL, NULL);
+    log_set_level(LL_WARN);
+    fx_stop(&f);
+}
+
 TEST_MAIN(router_server_held_stage_is_retried, router_server_tells_a_stalled_request,
           router_server_worker_loss_resumes_exactly_once, router_server_new_session_reforms,
-          router_server_unsent_frees_reform)
+          router_server_unsent_frees_reform, router_server_spin_auto_follows_gpu_workers)

@@ -3,13 +3,14 @@
  * worker: registration (envelope and registry key), heartbeats, greedy
  * generation against the llama.cpp goldens, copy-on-write block copies, and
  * a SIGTERM that finishes the plans in flight and exits clean; a placement
- * from the router that reloads the stage; and refusals to start (memory that
- * does not fit, an unknown device, more stages than layers).  Every wait is
- * bounded. */
+ * from the router that reloads the stage; refusals to start (memory that
+ * does not fit, an unknown device, more stages than layers); and what
+ * --spin-us auto chooses.  Every wait is bounded. */
 #include "tests/worker/node_fixture.h"
 
 #include "common/rconn.h"
 #include "tests/redis_fixture.h"
+#include "worker/node.h"
 
 /* Waits for a heartbeat in `state`, or one t_recv has seen since the
  * router socket opened (t_states_seen). */
@@ -300,6 +301,41 @@ TEST(node_refuses_bad_device_and_stage_count) {
     unlink(w.log);
 }
 
+/* --spin-us: auto (the default) blocks at once on the CPU backend, whose
+ * step needs every core, and polls ZIO_SPIN_US_GPU on a GPU; an explicit
+ * value is kept.  The worker logs what it chose before it registers. */
+TEST(node_spin_auto_blocks_on_the_cpu) {
+    ASSERT_EQ(0, node_spin_us(-1, 0));
+    ASSERT_EQ(ZIO_SPIN_US_GPU, node_spin_us(-1, 1));
+    ASSERT_EQ(0, node_spin_us(0, 1));
+    ASSERT_EQ(250, node_spin_us(250, 0));
+    struct node_config cfg;
+    node_config_default(&cfg);
+    ASSERT_EQ(-1, cfg.spin_us);
+
+    int cpu = strcmp(t_device(), "cpu") == 0;
+    char want_auto[96];
+    snprintf(want_auto, sizeof want_auto, "spin %d us (--spin-us auto on a %s backend)",
+             cpu ? 0 : ZIO_SPIN_US_GPU, cpu ? "CPU" : "GPU");
+    static const char *const extra[2][3] = {{NULL}, {"--spin-us", "250", NULL}};
+    const char *const want[2] = {want_auto, "spin 250 us (--spin-us 250)"};
+    static char buf[1 << 16];
+    for (int i = 0; i < 2; i++) {
+        struct t_router r = {0};
+        t_router_open(&r);
+        struct t_worker w = {0};
+        t_worker_start(&w, r.endpoint, NULL, "w-spin", extra[i]);
+        char ep[256];
+        t_expect_register(&r, "w-spin", ep, sizeof ep);
+        t_worker_kill(&w);
+        t_worker_log_read(&w, buf, sizeof buf);
+        if (!strstr(buf, want[i])) TEST_FAIL("no \"%s\" in the log: %s", want[i], buf);
+        t_router_close(&r);
+        unlink(w.log);
+    }
+}
+
 TEST_MAIN(node_registers_generates_and_stops, node_router_placement_reloads,
           node_same_epoch_from_another_router_is_a_new_placement,
-          node_refuses_what_does_not_fit, node_refuses_bad_device_and_stage_count)
+          node_refuses_what_does_not_fit, node_refuses_bad_device_and_stage_count,
+          node_spin_auto_blocks_on_the_cpu)
