@@ -128,11 +128,34 @@ __global__ void rmsnorm_vec_kernel(float *__restrict__ out, float *__restrict__ 
     }
 }
 
+/* The most threads a block of rmsnorm_vec_kernel<K> takes on ctx's device
+ * (its registers bound it: about 105 a thread at K = 8, so rows wider than
+ * about 18,000 go to the plain loop), asked once per device and K. */
+template <int K> static int rmsnorm_vec_threads(const struct cuda_ctx *ctx) {
+    static int most[64];
+    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    if (!most[dev]) {
+        cudaFuncAttributes at;
+        if (cudaFuncGetAttributes(&at, rmsnorm_vec_kernel<K>) == cudaSuccess) {
+            most[dev] = at.maxThreadsPerBlock;
+        } else {
+            cudaGetLastError(); /* not sticky: the plain loop takes every row */
+            most[dev] = -1;
+        }
+    }
+    return most[dev];
+}
+
 static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const float *delta, const float *w,
                           int32_t n, int32_t dim, float eps) {
     const int32_t n4 = dim / 4;
+    /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
+    const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
+    const int threads = ((n4 + k - 1) / k + 31) / 32 * 32;
+    const int most = k == 1 ? rmsnorm_vec_threads<1>(ctx) : k == 2 ? rmsnorm_vec_threads<2>(ctx)
+                     : k == 4 ? rmsnorm_vec_threads<4>(ctx) : rmsnorm_vec_threads<8>(ctx);
     const bool vec = dim % 4 == 0 && (uintptr_t)out % 16 == 0 && (uintptr_t)x % 16 == 0 &&
-                     (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && n4 <= 8 * 1024;
+                     (uintptr_t)w % 16 == 0 && (uintptr_t)delta % 16 == 0 && threads <= most;
     if (vec) {
         /* Prefill rows also come out as F16 for the cuBLAS matmuls that
          * read them next (cuda_gemm_act): no conversion pass over them;
@@ -171,10 +194,6 @@ static int rmsnorm_launch(struct cuda_ctx *ctx, float *out, float *x, const floa
             xq = NULL;
             xd = xs = NULL;
         }
-        /* Up to 1024 threads of one float4 each; wider rows take 2, 4 or 8. */
-        const int k = n4 <= 1024 ? 1 : n4 <= 2048 ? 2 : n4 <= 4096 ? 4 : 8;
-        int threads = (n4 + k - 1) / k;
-        threads = (threads + 31) / 32 * 32;
         void (*kernel)(float *, float *, const float *, const float *, int32_t, float, fp16_t *, int8_t *, float *,
                        float *, int8_t *, float *, int16_t *) =
             k == 1 ? rmsnorm_vec_kernel<1> : k == 2 ? rmsnorm_vec_kernel<2> : k == 4 ? rmsnorm_vec_kernel<4>

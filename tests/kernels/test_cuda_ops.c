@@ -56,7 +56,8 @@ TEST(cuda_ops_rmsnorm) {
         struct dbuf out = dbuf_new((size_t)n * dim * 4);
         dbuf_poison(out);
         ASSERT_OK(backend_rmsnorm(fx.cpu, out.c, x.c, w.c, n, dim, 1e-5f));
-        ASSERT_OK(backend_rmsnorm(fx.gpu, out.g, x.g, w.g, n, dim, 1e-5f));
+        int rc = backend_rmsnorm(fx.gpu, out.g, x.g, w.g, n, dim, 1e-5f);
+        if (rc != STATUS_OK) TEST_FAIL("gpu rmsnorm dim %d: %s", dim, backend_errstr(fx.gpu));
         char what[64];
         snprintf(what, sizeof what, "rmsnorm dim %d", dim);
         /* F32 throughout; only the order of the sum of squares differs. */
@@ -75,7 +76,8 @@ TEST(cuda_ops_add_rmsnorm) {
         struct dbuf out = dbuf_new((size_t)n * dim * 4);
         dbuf_poison(out);
         ASSERT_OK(backend_add_rmsnorm(fx.cpu, x.c, dl.c, out.c, w.c, n, dim, 1e-6f));
-        ASSERT_OK(backend_add_rmsnorm(fx.gpu, x.g, dl.g, out.g, w.g, n, dim, 1e-6f));
+        int rc = backend_add_rmsnorm(fx.gpu, x.g, dl.g, out.g, w.g, n, dim, 1e-6f);
+        if (rc != STATUS_OK) TEST_FAIL("gpu add_rmsnorm dim %d: %s", dim, backend_errstr(fx.gpu));
         char what[64];
         snprintf(what, sizeof what, "add_rmsnorm dim %d residual", dim);
         check_f32(x, (size_t)n * dim, 0.0, what); /* one F32 add: exact */
