@@ -182,6 +182,14 @@ static void zio_spin_wake(struct zpair *p) {
     zio_parts_free(&in);
 }
 
+/* A pair whose router spins 2 s (zio_set_spin) with warm ticks on, which
+ * tell whether a wait spun: they are sent only while it does. */
+static void zpair_open_spinning(struct zpair *p) {
+    zpair_open(p);
+    zio_set_spin(p->router, 2000000);
+    ASSERT_OK(zio_set_warm(p->router, p->ctx));
+}
+
 /* The waits of p.router as it spins: the timeout still ends a wait longer
  * than the spin (well before the spin would), a zero timeout does not
  * spin, and a message within the spin or after it is taken, on zio_recv
@@ -232,12 +240,10 @@ TEST(zio_spin_then_block) {
  * and lasts its whole 300 ms. */
 TEST(zio_spin_warm_ticks) {
     struct zpair p;
-    zpair_open(&p);
+    zpair_open_spinning(&p);
     struct zio_parts in = {0};
     struct zio_sock *socks[1] = {p.router};
     short ev[1] = {ZMQ_POLLIN}, rev[1];
-    zio_set_spin(p.router, 2000000);
-    ASSERT_OK(zio_set_warm(p.router, p.ctx));
     ASSERT_OK(zio_set_warm(p.router, p.ctx)); /* a second call keeps the first pair */
     ASSERT_EQ(0L, zio_warm_ticks(p.router));
     zio_spin_wake(&p);
@@ -254,16 +260,13 @@ TEST(zio_spin_warm_ticks) {
 
 /* A wait spins only while its socket is busy (zio_set_spin): never before
  * the socket's first message, right after a message, and no longer once
- * ZIO_SPIN_RECENT_US have passed without one.  The warm ticks tell
- * whether a wait spun: they are sent only while it does. */
+ * ZIO_SPIN_RECENT_US have passed without one (the warm ticks tell). */
 TEST(zio_spin_only_while_busy) {
     struct zpair p;
-    zpair_open(&p);
+    zpair_open_spinning(&p);
     struct zio_parts in = {0};
     struct zio_sock *socks[1] = {p.router};
     short ev[1] = {ZMQ_POLLIN}, rev[1];
-    zio_set_spin(p.router, 2000000);
-    ASSERT_OK(zio_set_warm(p.router, p.ctx));
     /* Never received: the waits block at once. */
     ASSERT_EQ(STATUS_TIMEOUT, zio_recv(p.router, &in, 30));
     ASSERT_EQ(0, zio_poll(socks, ev, rev, 1, 30));
