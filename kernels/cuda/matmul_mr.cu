@@ -117,15 +117,15 @@ __device__ __forceinline__ uint4 mr_act(const void *__restrict__ x, int cols, in
     }
 }
 
-template <int T, int NT, bool H>
-__global__ void __launch_bounds__(MR_WARPS * 32, 2) /* two blocks an SM: at most 128 registers */
+template <int T, int NT, bool H, int W = MR_WARPS>
+__global__ void __launch_bounds__(W * 32, 2) /* two blocks an SM: at most 128 registers (64 at W = 16) */
 matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n,
                  fp16_t *__restrict__ out16) {
     constexpr int NTL = NT / 8;
-    __shared__ float4 red[MR_WARPS][NTL][32];
+    __shared__ float4 red[W][NTL][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane >> 2, t = lane & 3;
     /* With swiglu, warps of the second half multiply the up weight. */
-    const int ks = g.swiglu ? MR_WARPS / 2 : MR_WARPS, z = warp % ks;
+    const int ks = g.swiglu ? W / 2 : W, z = warp % ks;
     const mg_seg sg = mg_seg_locate(g, blockIdx.x);
     const uint8_t *w = g.swiglu && warp >= ks ? g.w[1] : sg.w;
     const int rows = sg.rows, row0 = ((int)blockIdx.x - sg.u0) * 16, nc = cols / 256;
@@ -137,7 +137,7 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
     float acc[NTL][4];
 #pragma unroll
     for (int nt = 0; nt < NTL; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    mr_raw<T> lo, hi, nlo, nhi;
+    mr_raw<T> lo, hi;
     if (c0 < c1) {
         mr_load<T>(lo, rlo, cols, c0, t);
         mr_load<T>(hi, rhi, cols, c0, t);
@@ -145,16 +145,12 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
     /* The weights are no kernel's output: their first chunk is in flight
      * before the wait.  x is one's, so it is loaded after it. */
     pdl_begin();
-    for (int ch = c0; ch < c1; ch++) {
-        if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
-            mr_load<T>(nlo, rlo, cols, ch + 1, t);
-            mr_load<T>(nhi, rhi, cols, ch + 1, t);
-        }
+    const auto mul = [&](const mr_raw<T> &l, const mr_raw<T> &h, int ch) {
 #pragma unroll
         for (int b = 0; b < 8; b++) {
             uint32_t alo[4], ahi[4];
-            mr_decode<T>(lo, b, t, alo);
-            mr_decode<T>(hi, b, t, ahi);
+            mr_decode<T>(l, b, t, alo);
+            mr_decode<T>(h, b, t, ahi);
             const int col = 256 * ch + 32 * b + 8 * t;
 #pragma unroll
             for (int nt = 0; nt < NTL; nt++) {
@@ -163,15 +159,27 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
                 mq_mma32(acc[nt], alo, ahi, bx);
             }
         }
-        lo = nlo;
-        hi = nhi;
+    };
+    if constexpr (W == 16) { /* one chunk a warp: nothing to load ahead */
+        if (c0 < c1) mul(lo, hi, c0);
+    } else {
+        mr_raw<T> nlo, nhi;
+        for (int ch = c0; ch < c1; ch++) {
+            if (ch + 1 < c1) { /* the next chunk's bytes in flight while this one is used */
+                mr_load<T>(nlo, rlo, cols, ch + 1, t);
+                mr_load<T>(nhi, rhi, cols, ch + 1, t);
+            }
+            mul(lo, hi, ch);
+            lo = nlo;
+            hi = nhi;
+        }
     }
 #pragma unroll
     for (int nt = 0; nt < NTL; nt++) red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
     __syncthreads();
     /* Thread i adds element i % 4 of float4 (nt, lane) over the ks warps
      * of its weight, in warp order; with swiglu both halves. */
-    for (int i = threadIdx.x; i < NTL * 128; i += MR_WARPS * 32) {
+    for (int i = threadIdx.x; i < NTL * 128; i += W * 32) {
         const int e = i & 3, l = (i >> 2) & 31, nt = i >> 7;
         float s = 0.0f, u = 0.0f;
         for (int k = 0; k < ks; k++) s += ((const float *)&red[k][nt][l])[e];
@@ -211,12 +219,20 @@ static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int6
         if (!k || k == scr) o16 = (fp16_t *)(scr + xb);
     }
     const void *x16 = cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols);
-    if (x16)
-        CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, true>, dim3((unsigned)tiles), dim3(MR_WARPS * 32), 0,
-                                    g, rb, (int)cols, x16, n, o16));
-    else
-        CUDA_CHECK(ctx, cuda_launch(ctx, matmul_mr_kernel<T, NT, false>, dim3((unsigned)tiles), dim3(MR_WARPS * 32),
-                                    0, g, rb, (int)cols, (const void *)x, n, o16));
+    void (*kernel)(const mm_group, size_t, int, const void *, int, fp16_t *) =
+        x16 ? matmul_mr_kernel<T, NT, true> : matmul_mr_kernel<T, NT, false>;
+    int warps = MR_WARPS;
+    /* Up to 8 tokens on weights of at most 16 chunks a row (4096 columns:
+     * a 7B's o and v, an 8B's q/k/v and o), 16 warps a tile of one chunk
+     * each: twice the warps a multiprocessor that 8 give such a grid (256
+     * tiles for 4096 rows, two blocks an SM). */
+    if constexpr (NT == 8)
+        if (!g.swiglu && cols / 256 <= 16) {
+            kernel = x16 ? matmul_mr_kernel<T, NT, true, 16> : matmul_mr_kernel<T, NT, false, 16>;
+            warps = 16;
+        }
+    CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3((unsigned)tiles), dim3(warps * 32), 0, g, rb, (int)cols,
+                                x16 ? x16 : (const void *)x, n, o16));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (o16) cuda_act_reuse(ctx, MATMUL_ACT_F16, g.out[0], n, g.rows[0], o16); /* records it */
     return STATUS_OK;
