@@ -31,7 +31,22 @@
  * per group and each group's sum scaled by its K row's scale in F32, and
  * each V group's P.V takes P times the V row's scale, so that the int8
  * values need no rounding and the output carries the F16 rounding of P
- * and Q alone, as with an F16 cache. */
+ * and Q alone, as with an F16 cache.
+ *
+ * ROPE (cuda_attention_gqa_rope: speculation's verifying steps, sequences
+ * of 2-16 rows on an F16 cache, rows x G at most 16) puts all the rows of
+ * one sequence times the G heads in the mma's rows (row r, head h:
+ * r G + h), each masked at its own position, so that the K/V rows are
+ * read once for all of them, as a group's heads are.  It also does the
+ * rope and the cache write that rope.cu's launch before it would: q comes
+ * unrotated from the matmul and is rotated as its fragments are formed;
+ * positions from the sequence's first new row on come from the matmul's k
+ * (rotated) and v rows, rounded to F16 as the cache keeps them, and
+ * written to the cache by the block whose slice holds them.  A lane's 8 dims of each
+ * 32-dim group hold both dims of every pair it rotates: (2i, 2i + 1), or
+ * in the neox pairing (i, i + HD / 2), the same dims of group c + HD / 64.
+ * Each row's cosines and sines are formed once a block, as
+ * attention_prefill.cu's ROPE kernel forms them. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -41,11 +56,19 @@
 #define AGQ_WARPS 4
 #define AGQ_STEP 16 /* positions a warp takes at a time */
 #define AGQ_SPLITS_MAX 64
+#define AGQ_ROPE_ROWS 16 /* most rows x G of a sequence the ROPE kernel takes: the mma's rows */
 
 struct agq_params {
     struct cuda_attn_args a;
     struct cuda_att_split sp;
     int ahead; /* ctx->l2_ahead: steps past the next one asked of L2 */
+    /* ROPE: the rows' k and v as the matmuls left them (n_tokens,
+     * n_kv_heads * head_dim; q is a.q, unrotated too), each row's cache
+     * slot, and the head_dim / 2 frequencies. */
+    const float *k_new, *v_new;
+    const int32_t *slots;
+    const float *inv_freq;
+    int32_t neox;
 };
 
 __device__ __forceinline__ uint32_t agq_pack(float lo, float hi) {
@@ -105,6 +128,86 @@ __device__ __forceinline__ void agq_load(const struct cuda_attn_args &a, const i
                 kr[e][c] = vr[e][c] = make_uint4(f, f, f, f);
             }
         }
+    }
+}
+
+/* ROPE: lane t's 8 dims of 32-dim groups c and c + HD / 64 of one row
+ * (x0, x1), rotated as rope.cu rotates them (cs: the row's (cos, sin) of
+ * each of the HD / 2 frequencies). */
+template <int HD>
+__device__ __forceinline__ void agq_rotate2(float (&x0)[8], float (&x1)[8], int c, const float2 *cs, int t,
+                                            int neox) {
+    constexpr int NC = HD / 32;
+    if (neox) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float2 r = cs[32 * c + 8 * t + e];
+            const float lo = x0[e], hi = x1[e];
+            x0[e] = lo * r.x - hi * r.y;
+            x1[e] = lo * r.y + hi * r.x;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const float2 r0 = cs[16 * c + 4 * t + e / 2], r1 = cs[16 * (c + NC / 2) + 4 * t + e / 2];
+            const float a0 = x0[e], a1 = x0[e + 1], b0 = x1[e], b1 = x1[e + 1];
+            x0[e] = a0 * r0.x - a1 * r0.y;
+            x0[e + 1] = a0 * r0.y + a1 * r0.x;
+            x1[e] = b0 * r1.x - b1 * r1.y;
+            x1[e + 1] = b0 * r1.y + b1 * r1.x;
+        }
+    }
+}
+
+/* Lane t's 8 dims of group c of the F32 row at r (16-byte aligned). */
+__device__ __forceinline__ void agq_row8(const float *r, int c, int t, float (&x)[8]) {
+    *(float4 *)x = __ldg((const float4 *)(r + 32 * c + 8 * t));
+    *(float4 *)(x + 4) = __ldg((const float4 *)(r + 32 * c + 8 * t + 4));
+}
+
+__device__ __forceinline__ uint4 agq_pack8(const float (&x)[8]) {
+    return make_uint4(agq_pack(x[0], x[1]), agq_pack(x[2], x[3]), agq_pack(x[4], x[5]), agq_pack(x[6], x[7]));
+}
+
+/* ROPE: lane (g, t)'s K and V words of the step at j0 (agq_load's) at the
+ * positions from pos0 (the sequence's new rows) to j_end, from the
+ * matmul's rows: k rotated, both rounded to F16, and stored at their cache
+ * slots (each position is in one block's slice, one warp's step).  Two
+ * groups at a time, the fewest registers the neox pairs allow. */
+template <int HD>
+__device__ __forceinline__ void agq_new_kv(const struct agq_params &p, const float2 *rope_cs, int32_t tok0,
+                                           int32_t pos0, int32_t kvh, int32_t j0, int32_t j_end, int g, int t,
+                                           uint4 (&kr)[2][HD / 32], uint4 (&vr)[2][HD / 32]) {
+    constexpr int NC = HD / 32;
+    const struct cuda_attn_args &a = p.a;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int32_t j = j0 + 8 * e + g, r = j - pos0;
+        if (j < pos0 || j >= j_end) continue;
+        const int64_t at = ((int64_t)(tok0 + r) * a.n_kv_heads + kvh) * HD;
+        const int32_t slot = p.slots[tok0 + r];
+        const bool put = slot >= 0 && slot < a.n_blocks * a.block_size;
+        const size_t to = (((size_t)(put ? slot / a.block_size : 0) * a.n_kv_heads + kvh) * a.block_size +
+                           (put ? slot % a.block_size : 0)) * HD + 8 * t;
+#pragma unroll
+        for (int c = 0; c < NC / 2; c++) {
+            float x0[8], x1[8], w0[8], w1[8];
+            agq_row8(p.k_new + at, c, t, x0);
+            agq_row8(p.k_new + at, c + NC / 2, t, x1);
+            agq_row8(p.v_new + at, c, t, w0);
+            agq_row8(p.v_new + at, c + NC / 2, t, w1);
+            agq_rotate2<HD>(x0, x1, c, rope_cs + r * (HD / 2), t, p.neox);
+            kr[e][c] = agq_pack8(x0);
+            kr[e][c + NC / 2] = agq_pack8(x1);
+            vr[e][c] = agq_pack8(w0);
+            vr[e][c + NC / 2] = agq_pack8(w1);
+        }
+        if (put)
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                *(uint4 *)((fp16_t *)a.k + to + 32 * c) = kr[e][c];
+                *(uint4 *)((fp16_t *)a.v + to + 32 * c) = vr[e][c];
+            }
     }
 }
 
@@ -208,10 +311,12 @@ template <int HD> __device__ __forceinline__ float agq_q8_scale(const uint8_t *r
     return h2f(*(const fp16_t *)(r + (agq_q8<HD>::QG + 2) * gi));
 }
 
-/* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8), Q8: a Q8_0
- * cache (else F16). */
-template <int HD, bool G2, bool Q8>
+/* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8, or ROPE's
+ * rows x G), Q8: a Q8_0 cache (else F16), ROPE: all the rows of a
+ * sequence with the rope and cache write (an F16 cache). */
+template <int HD, bool G2, bool Q8, bool ROPE>
 __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const struct agq_params p) {
+    static_assert(!(ROPE && Q8), "the ROPE kernel writes an F16 cache");
     pdl_begin();
     constexpr int NC = HD / 32; /* 32-dim groups */
     const struct cuda_attn_args &a = p.a;
@@ -219,10 +324,16 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     const int32_t kvh = blockIdx.y, z = blockIdx.z;
     const int G = a.n_heads / a.n_kv_heads;
     const bool one = a.rows == CUDA_ATT_ONE_ROW;
-    int32_t row = blockIdx.x, s = blockIdx.x;
-    /* Every sequence one row: block x is row and sequence (no search). */
-    if (!(a.n_tokens == a.n_seqs && !one) && !att_decode_row(a, &row, &s)) return;
-    const int32_t len = a.seq_pos0[s] + (row - a.seq_tok0[s]) + 1, step = p.sp.step;
+    int32_t row = blockIdx.x, s = blockIdx.x, nr = 1;
+    if constexpr (ROPE) { /* block x: sequence x, all its rows */
+        row = a.seq_tok0[s];
+        nr = a.seq_tok0[s + 1] - row;
+    } else if (!(a.n_tokens == a.n_seqs && !one) && !att_decode_row(a, &row, &s)) {
+        return; /* (every sequence one row: block x is row and sequence, no search) */
+    }
+    /* The slice follows from the block's last row's context. */
+    const int32_t tok0 = a.seq_tok0[s], pos0 = a.seq_pos0[s];
+    const int32_t len = pos0 + (row + nr - 1 - tok0) + 1, step = p.sp.step;
     const int32_t nsp = max(min(p.sp.want, (len + p.sp.least - 1) / p.sp.least), 1);
     const int32_t chunk = ((len + nsp - 1) / nsp + step - 1) / step * step;
     const int32_t j_begin = z * chunk, j_end = min(j_begin + chunk, len);
@@ -230,27 +341,51 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     extern __shared__ __align__(16) uint8_t agq_smem[];
 
-    /* Q as A fragments, scaled: k-step (c, h) takes dims 32c + 8t + 4h +
-     * {0, 1} (slots 2t, 2t + 1) and + {2, 3} (slots 2t + 8, 2t + 9). */
-    uint32_t qa[NC][2][2], qb[NC][2][2];
-#pragma unroll
-    for (int c = 0; c < NC; c++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            qa[c][h][0] = qa[c][h][1] = qb[c][h][0] = qb[c][h][1] = 0;
-            if (g < G) {
-                const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width + (int64_t)(kvh * G + g) * HD +
-                                                        32 * c + 8 * t + 4 * h));
-                qa[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
-                qa[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
-            }
-            if (G2 && g + 8 < G) {
-                const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width +
-                                                        (int64_t)(kvh * G + g + 8) * HD + 32 * c + 8 * t + 4 * h));
-                qb[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
-                qb[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
-            }
+    /* ROPE: each new row's (cos, sin) of every frequency: the angle in
+     * double, reduced to [-pi, pi] in double, its sine and cosine in float
+     * (attention_prefill.cu's ROPE kernel). */
+    __shared__ float2 rope_cs[ROPE ? AGQ_ROPE_ROWS * (HD / 2) : 1];
+    if constexpr (ROPE) {
+        for (int e = threadIdx.x; e < min(nr, AGQ_ROPE_ROWS) * (HD / 2); e += AGQ_WARPS * 32) {
+            const double ang = (double)(pos0 + e / (HD / 2)) * (double)p.inv_freq[e % (HD / 2)];
+            const float r = (float)fma(-rint(ang * 0.15915494309189535), 6.283185307179586, ang);
+            float sn, cn;
+            sincosf(r, &sn, &cn);
+            rope_cs[e] = make_float2(cn, sn);
         }
+        __syncthreads();
+    }
+    /* mma row i (g, g + 8) is head kvh G + i % G of row row + i / G (ROPE;
+     * else head kvh G + i of row): its Q as A fragments, scaled (k-step
+     * (c, h) takes dims 32c + 8t + 4h + {0, 1}, slots 2t, 2t + 1, and
+     * + {2, 3}, slots 2t + 8, 2t + 9), and the end of its context in the
+     * slice (ROPE's rows end at their own positions). */
+    uint32_t qa[NC][2][2], qb[NC][2][2];
+    int32_t je[2] = {j_end, j_end};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        uint32_t(&f)[NC][2][2] = r ? qb : qa;
+        const int i = g + 8 * r, rr = ROPE ? i / G : 0, hg = ROPE ? i % G : i;
+        const bool in = (r == 0 || G2) && (ROPE ? rr < nr : i < G);
+        float x[NC][8];
+        if (in)
+#pragma unroll
+            for (int c = 0; c < NC; c++) agq_row8(a.q + (int64_t)(row + rr) * width + (int64_t)(kvh * G + hg) * HD, c, t, x[c]);
+        if constexpr (ROPE) {
+            je[r] = min(j_end, pos0 + (row + rr - tok0) + 1);
+            if (in)
+#pragma unroll
+                for (int c = 0; c < NC / 2; c++)
+                    agq_rotate2<HD>(x[c], x[c + NC / 2], c, rope_cs + (row + rr - tok0) * (HD / 2), t, p.neox);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                f[c][h][0] = in ? agq_pack(x[c][4 * h] * a.scale, x[c][4 * h + 1] * a.scale) : 0u;
+                f[c][h][1] = in ? agq_pack(x[c][4 * h + 2] * a.scale, x[c][4 * h + 3] * a.scale) : 0u;
+            }
+    }
 
     /* acc[c][u]: head g (and g + 8), dims 32c + 8t + 2u + {0, 1}; m, l: this
      * lane's rows' running max and its own part of the sum. */
@@ -273,13 +408,17 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     const uint8_t *kq = (const uint8_t *)a.k, *vq = (const uint8_t *)a.v;
     uint8_t *kb = agq_smem + (size_t)warp * 2 * 16 * RB, *vb = kb + 16 * RB;
     uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC], kp[PPL], vp[PPL];
+    /* ROPE: positions from pos0 on come from the matmul's rows, not the
+     * cache, which this launch writes. */
+    const int32_t jc = ROPE ? min(j_end, pos0) : j_end;
     int32_t j0 = j_begin + warp * AGQ_STEP;
     if constexpr (Q8) {
         if (j0 < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, j0, lane, kp, vp);
         for (int k = 2; k <= p.ahead; k++) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, j0 + k * WS, j_end, lane);
     } else {
-        agq_load<HD>(a, btab, kc, vc, kvh, j0, j_end, g, t, kr, vr);
-        for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, j_end, g, t);
+        agq_load<HD>(a, btab, kc, vc, kvh, j0, jc, g, t, kr, vr);
+        if (ROPE && j0 + AGQ_STEP > pos0) agq_new_kv<HD>(p, rope_cs, tok0, pos0, kvh, j0, j_end, g, t, kr, vr);
+        for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, jc, g, t);
     }
     for (; j0 < j_end; j0 += WS) {
         const int32_t jn = j0 + WS;
@@ -296,8 +435,10 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
             if (jn < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, jn, lane, kp, vp);
             if (p.ahead > 0) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, jn + p.ahead * WS, j_end, lane);
         } else {
-            if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, j_end, g, t, kn, vn);
-            if (p.ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jn + p.ahead * WS, j_end, g, t);
+            if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, jc, g, t, kn, vn);
+            if (ROPE && jn < j_end && jn + AGQ_STEP > pos0)
+                agq_new_kv<HD>(p, rope_cs, tok0, pos0, kvh, jn, j_end, g, t, kn, vn);
+            if (p.ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jn + p.ahead * WS, jc, g, t);
         }
         /* S = Q.K^T for the two n-tiles of 8 positions; over a Q8_0 cache
          * each of the row's two groups summed apart (sg[1]), then scaled. */
@@ -320,7 +461,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
                     const uint8_t *r = kb + (8 * e + 2 * t + (i & 1)) * RB;
                     sc[e][i] = sg[0][i] * agq_q8_scale<HD>(r, 0) + sg[1][i] * agq_q8_scale<HD>(r, 1);
                 }
-                if (j0 + 8 * e + 2 * t + (i & 1) >= j_end) sc[e][i] = -INFINITY;
+                if (j0 + 8 * e + 2 * t + (i & 1) >= je[i >> 1]) sc[e][i] = -INFINITY;
             }
         }
         /* V's scales at P's positions (slots 2t, 2t + 1 of each n-tile),
@@ -422,7 +563,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += AGQ_WARPS * 32) {
+    for (int i = threadIdx.x; i < nr * G * HD; i += AGQ_WARPS * 32) {
         const int hg = i / HD, d = i % HD;
         float mx = -INFINITY;
 #pragma unroll
@@ -436,14 +577,14 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
             ls += lw * wt;
             as += sacc[w][hg][d] * wt;
         }
-        const int head = kvh * G + hg;
+        const int head = kvh * G + hg % G, orow = row + hg / G; /* (nr is 1 but with ROPE) */
         if (p.sp.n_splits == 1) {
             const float o = ls == 0.0f ? 0.0f : as / ls;
-            a.out[(int64_t)row * width + (int64_t)head * HD + d] = o;
-            if (p.sp.out16) p.sp.out16[(int64_t)row * width + (int64_t)head * HD + d] = f2h(o);
+            a.out[(int64_t)orow * width + (int64_t)head * HD + d] = o;
+            if (p.sp.out16) p.sp.out16[(int64_t)orow * width + (int64_t)head * HD + d] = f2h(o);
         } else {
             const int64_t slot = one ? ((int64_t)z * a.n_seqs + s) * a.n_heads + head
-                                     : ((int64_t)z * a.n_tokens + row) * a.n_heads + head;
+                                     : ((int64_t)z * a.n_tokens + orow) * a.n_heads + head;
             p.sp.part_acc[slot * HD + d] = as;
             if (d == 0) {
                 p.sp.part_ml[slot * 2] = ls != ls ? ls : mx;
@@ -470,22 +611,22 @@ template <int HD, bool G2, bool Q8> static constexpr size_t agq_smem_bytes() {
     return bufs > merge ? bufs : merge;
 }
 
-template <int HD, bool G2, bool Q8> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
+template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     const struct cuda_attn_args *a = &p->a;
-    const bool one = a->rows == CUDA_ATT_ONE_ROW;
-    const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
-    const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
+    const bool one = !ROPE && a->rows == CUDA_ATT_ONE_ROW;
+    const int32_t n_idx = one ? a->n_seqs : a->n_tokens, n_blk = ROPE ? a->n_seqs : n_idx; /* ROPE: a sequence */
+    const int64_t blocks = (int64_t)n_blk * a->n_kv_heads;
     constexpr size_t smem = agq_smem_bytes<HD, G2, Q8>();
     /* Split the context until the blocks make about one wave of the
      * resident slots, each split at least two steps of every warp: long
      * blocks keep their loads a step ahead, short ones pay the start (the
      * row, Q, the first loads) more often. */
-    static int per_sm[64][2][2][2];
+    static int per_sm[64][2][2][2][2];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    int &bps = per_sm[dev][HD == 128][G2][Q8];
+    int &bps = per_sm[dev][HD == 128][G2][Q8][ROPE];
     if (!bps) {
         int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2, Q8>,
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2, Q8, ROPE>,
                                                                       AGQ_WARPS * 32, smem));
         bps = b > 0 ? b : 1;
     }
@@ -494,8 +635,9 @@ template <int HD, bool G2, bool Q8> static int agq_launch(struct cuda_ctx *ctx, 
                        AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;
-    const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
-    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_gqa_kernel<HD, G2, Q8>), grid, dim3(AGQ_WARPS * 32), smem, *p));
+    const dim3 grid((unsigned)n_blk, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
+    CUDA_CHECK(ctx,
+               cuda_launch(ctx, (attention_gqa_kernel<HD, G2, Q8, ROPE>), grid, dim3(AGQ_WARPS * 32), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (sp.n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0, a->out,
@@ -508,7 +650,7 @@ template <int HD, bool G2, bool Q8> static int agq_launch(struct cuda_ctx *ctx, 
 
 template <int HD, bool Q8> static int agq_launch_g(struct cuda_ctx *ctx, struct agq_params *p) {
     const bool g2 = p->a.n_heads / p->a.n_kv_heads > 8;
-    return g2 ? agq_launch<HD, true, Q8>(ctx, p) : agq_launch<HD, false, Q8>(ctx, p);
+    return g2 ? agq_launch<HD, true, Q8, false>(ctx, p) : agq_launch<HD, false, Q8, false>(ctx, p);
 }
 
 extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {
@@ -522,4 +664,32 @@ extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_a
     const bool q8 = a->kv_type == DTYPE_Q8_0;
     if (a->head_dim == 64) return q8 ? agq_launch_g<64, true>(ctx, &p) : agq_launch_g<64, false>(ctx, &p);
     return q8 ? agq_launch_g<128, true>(ctx, &p) : agq_launch_g<128, false>(ctx, &p);
+}
+
+extern "C" int cuda_attention_gqa_rope(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k,
+                                       const float *v, const int32_t *slots, const float *inv_freq, int32_t n_freq,
+                                       int neox, int32_t rows_min, int32_t rows_max) {
+    const int32_t G = a->n_kv_heads > 0 ? a->n_heads / a->n_kv_heads : 0;
+    /* A sequence's rows x G fit the mma's 16 rows: with more, the blocks of
+     * its tiles of rows each read the context (llama3-8b's 5 rows, G = 4,
+     * in tiles of 4 and 1: 3.29 ms a step against 3.05 on
+     * attention_prefill.cu, one H200). */
+    if (!ctx->rope_gqa || rows_min < 2 || rows_max > ctx->rope_tc || G < 1 || rows_max * G > AGQ_ROPE_ROWS ||
+        a->n_heads != G * a->n_kv_heads || a->kv_type != DTYPE_F16 || (a->head_dim != 64 && a->head_dim != 128) ||
+        2 * n_freq != a->head_dim || (uintptr_t)a->q % 16 != 0 || (uintptr_t)a->k % 16 != 0 ||
+        (uintptr_t)a->v % 16 != 0 || (uintptr_t)k % 16 != 0 || (uintptr_t)v % 16 != 0)
+        return CUDA_NOT_FUSED;
+    struct agq_params p;
+    memset(&p, 0, sizeof p);
+    p.a = *a;
+    p.ahead = ctx->l2_ahead;
+    p.k_new = k;
+    p.v_new = v;
+    p.slots = slots;
+    p.inv_freq = inv_freq;
+    p.neox = neox;
+    const bool g2 = rows_max * G > 8;
+    if (a->head_dim == 64)
+        return g2 ? agq_launch<64, true, false, true>(ctx, &p) : agq_launch<64, false, false, true>(ctx, &p);
+    return g2 ? agq_launch<128, true, false, true>(ctx, &p) : agq_launch<128, false, false, true>(ctx, &p);
 }

@@ -125,14 +125,17 @@ static int bc_attention(backend *b, float *out, const float *q, const struct bac
 }
 /* Decode batches of 1-4 rows (1-8 without groups): rope, the cache write
  * and attention in one launch (rope_attention.cu); batches of sequences of
- * 2-16 rows (verifying steps) on the tensor-core attention, which does the
- * rope and cache write itself; the rest run the two ops. */
+ * 2-16 rows (verifying steps) on the grouped-heads kernel, else the
+ * tensor-core attention, both of which do the rope and cache write
+ * themselves; the rest run the two ops. */
 static int bc_rope_kv_attention(backend *b, float *out, float *q, float *k, const float *v, struct backend_kv *kv,
                                 const int32_t *pos, const int32_t *slots, const float *inv_freq, int32_t n_freq,
                                 int neox, const struct backend_attn_batch *batch, int32_t n_heads, float scale) {
     struct cuda_attn_args a = bc_attn_args(out, q, kv, batch, n_heads, scale);
     struct cuda_ctx *ctx = ctx_fresh(b);
     int rc = cuda_rope_attention(ctx, &a, k, v, pos, slots, inv_freq, n_freq, neox);
+    if (rc == CUDA_NOT_FUSED)
+        rc = cuda_attention_gqa_rope(ctx, &a, k, v, slots, inv_freq, n_freq, neox, batch->rows_min, batch->rows_max);
     if (rc == CUDA_NOT_FUSED)
         rc = cuda_attention_prefill_rope(ctx, &a, k, v, slots, inv_freq, n_freq, neox, batch->rows_min,
                                          batch->rows_max);

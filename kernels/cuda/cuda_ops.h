@@ -56,6 +56,8 @@ struct cuda_ctx {
     int rope_tc;        /* the tensor-core attention does the rope and cache write of steps whose
                          * every sequence has 2 to this many rows (16, default; 0: never;
                          * LLM_CUDA_ROPE_TC) */
+    int rope_gqa;       /* those steps on attention_gqa.cu, a sequence's rows and a group's heads
+                         * the mma's rows (default; LLM_CUDA_ROPE_GQA=0: attention_prefill.cu) */
     int att_defer;      /* up to this many rows (4, default; at most 4) rope_attention.cu merges its
                          * slices by a kernel of its own that also writes the o matmul's int8
                          * form (LLM_CUDA_ATT_DEFER=k; 0: merged by the attention's last blocks,
@@ -423,6 +425,14 @@ int cuda_rope_attention(struct cuda_ctx *ctx, const struct cuda_attn_args *a, co
 int cuda_attention_prefill_rope(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
                                 const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox,
                                 int32_t rows_min, int32_t rows_max);
+/* attention_gqa.cu: the same on the grouped-heads decode kernel, a
+ * sequence's rows times the G heads of a KV head as the mma's rows (any
+ * G), tried first.  CUDA_NOT_FUSED unless ctx->rope_gqa, 2 <= rows_min,
+ * rows_max <= ctx->rope_tc, rows_max x G <= 16, an F16 cache, heads of 64
+ * or 128, every dim rotated and 16-byte aligned q, k, v and cache. */
+int cuda_attention_gqa_rope(struct cuda_ctx *ctx, const struct cuda_attn_args *a, const float *k, const float *v,
+                            const int32_t *slots, const float *inv_freq, int32_t n_freq, int neox, int32_t rows_min,
+                            int32_t rows_max);
 
 /* ---- graph.cu: CUDA graphs of the stream, page-locked host memory ---- */
 struct cuda_graph; /* an instantiated graph and the scratch it was recorded with */

@@ -95,6 +95,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "verifying steps) for the tensor-core attention to do the rope and cache write itself, "
          "saving their launch (0: never, to compare)",
          &k->rope_tc, 0, 16, NULL},
+        {"cuda-rope-gqa", "LLM_CUDA_ROPE_GQA", OPTION_BOOL, "true",
+         "those steps on attention_gqa.cu, a sequence's rows and a group's query heads the mma's rows, "
+         "each K/V row read once for all of them (false: attention_prefill.cu's kernel, to compare)",
+         &k->rope_gqa, 0, 0, NULL},
         {"cuda-att-defer", "LLM_CUDA_ATT_DEFER", OPTION_INT, "4",
          "most decode rows whose attention slices a kernel of its own merges, leaving the o "
          "matmul's int8 form as well (0: merged by the attention's last blocks, which then leave "
@@ -227,6 +231,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->rope_att = k->rope_att >= 0 ? k->rope_att : 4;
     ctx->rope_att_mha = k->rope_att >= 0 ? k->rope_att : 8;
     ctx->rope_tc = k->rope_tc;
+    ctx->rope_gqa = k->rope_gqa;
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;

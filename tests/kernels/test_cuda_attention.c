@@ -597,9 +597,14 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     const int32_t bs = 16, hd = c->hd, S = c->n_seqs, R = c->rows_per_seq, n = S * R;
     const int32_t qw = c->n_heads * hd, kw = c->n_kv * hd;
     const int fused = R == 1 && S <= 16 && c->kv == DTYPE_F16;
-    /* Sequences of 2-16 rows: the tensor-core attention with the rope and
-     * the cache write in it (LLM_CUDA_ROPE_TC), where every dim rotates. */
-    const int fused_tc = R >= 2 && R <= 16 && c->kv == DTYPE_F16 && 2 * c->n_freq == hd;
+    /* Sequences of 2-16 rows: the grouped-heads kernel (rows x group at
+     * most 16) or the tensor-core attention (groups of a power of two;
+     * every group with LLM_CUDA_ROPE_GQA=0) with the rope and the cache
+     * write in it (LLM_CUDA_ROPE_TC), where every dim rotates. */
+    const char *gqa_env = getenv("LLM_CUDA_ROPE_GQA");
+    const int G = c->n_heads / c->n_kv, gqa = (!gqa_env || strcmp(gqa_env, "0") != 0) && R * G <= 16;
+    const int fused_tc =
+        R >= 2 && R <= 16 && c->kv == DTYPE_F16 && 2 * c->n_freq == hd && (gqa || (G & (G - 1)) == 0);
     struct att_mm mm = {0};
     if (fused || fused_tc) att_mm_prepare(&mm, n, qw); /* the int8 (up to 4 rows) or F16 form it leaves */
     /* Sequence s: rows at positions pos + 37 s .. + R - 1, its own blocks
@@ -651,9 +656,9 @@ static void rope_attention_case(const struct ropeatt_case *c) {
     char what[200];
     snprintf(what, sizeof what,
              "rope_kv_attention %s cache, %d/%d heads x %d, %d seqs x %d rows from %d, neox %d, %d freqs, "
-             "LLM_CUDA_ATT_DEFER=%s",
+             "LLM_CUDA_ATT_DEFER=%s LLM_CUDA_ROPE_GQA=%s",
              dtype_name(c->kv), c->n_heads, c->n_kv, hd, S, R, c->pos, c->neox, c->n_freq,
-             getenv("LLM_CUDA_ATT_DEFER") ? getenv("LLM_CUDA_ATT_DEFER") : "(unset)");
+             getenv("LLM_CUDA_ATT_DEFER") ? getenv("LLM_CUDA_ATT_DEFER") : "(unset)", gqa_env ? gqa_env : "(unset)");
     if (mm.n) att_mm_check(&mm, out, n, what);
     float *qg = fx_host((size_t)n * qw * 4);
     ASSERT_OK(backend_download(fx.gpu, qg, q.g, (size_t)n * qw * 4));
@@ -715,6 +720,19 @@ TEST(cuda_ops_rope_kv_attention) {
         {DTYPE_F16, 8, 2, 128, 513, 64, 1, 3, 4},
         {DTYPE_F16, 16, 2, 64, 200, 32, 0, 2, 16},
         {DTYPE_F16, 4, 4, 64, 0, 32, 1, 1, 3},
+        /* ... on the grouped-heads kernel, rows x group at most 16: a 7B's
+         * 5 rows (split); groups of 3, 5 rows (mma rows 8-14, neox); 16
+         * rows of MHA at 3000 positions; 2 sequences of 8 rows, groups of
+         * 2.  Left to the tensor-core kernel: an 8B's 5 rows (groups of
+         * 4) at 2040 positions; groups of 16, 3 rows; and groups of 3, 7
+         * rows, to the two ops. */
+        {DTYPE_F16, 32, 32, 128, 511, 64, 0, 1, 5},
+        {DTYPE_F16, 12, 4, 64, 250, 32, 1, 2, 5},
+        {DTYPE_F16, 4, 4, 128, 3000, 64, 1, 1, 16},
+        {DTYPE_F16, 8, 4, 128, 77, 64, 0, 2, 8},
+        {DTYPE_F16, 32, 8, 128, 2040, 64, 0, 1, 5},
+        {DTYPE_F16, 16, 1, 64, 40, 32, 0, 2, 3},
+        {DTYPE_F16, 12, 4, 64, 250, 32, 1, 1, 7},
         /* ... and those it leaves to the two ops: 17 rows, a partial
          * rotation. */
         {DTYPE_F16, 4, 4, 128, 95, 64, 0, 1, 17},
@@ -733,6 +751,11 @@ TEST(cuda_ops_rope_kv_attention) {
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) rope_attention_case(&cases[c]);
     }
     unsetenv("LLM_CUDA_ATT_DEFER");
+    /* Sequences of several rows on attention_prefill.cu's kernel. */
+    setenv("LLM_CUDA_ROPE_GQA", "0", 1);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        if (cases[c].rows_per_seq > 1) rope_attention_case(&cases[c]);
+    unsetenv("LLM_CUDA_ROPE_GQA");
     unsetenv("LLM_CUDA_ROPE_ATT");
 }
 
