@@ -45,8 +45,8 @@
  * written to the cache by the block whose slice holds them.  A lane's 8 dims of each
  * 32-dim group hold both dims of every pair it rotates: (2i, 2i + 1), or
  * in the neox pairing (i, i + HD / 2), the same dims of group c + HD / 64.
- * Each row's cosines and sines are formed once a block, as
- * attention_prefill.cu's ROPE kernel forms them. */
+ * Each row's cosines and sines are formed once a block (att_rope_cs),
+ * as attention_prefill.cu's ROPE kernel forms them. */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -341,18 +341,10 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     const int32_t *btab = a.block_tables + (int64_t)s * a.max_blocks;
     extern __shared__ __align__(16) uint8_t agq_smem[];
 
-    /* ROPE: each new row's (cos, sin) of every frequency: the angle in
-     * double, reduced to [-pi, pi] in double, its sine and cosine in float
-     * (attention_prefill.cu's ROPE kernel). */
+    /* ROPE: each new row's (cos, sin) of every frequency. */
     __shared__ float2 rope_cs[ROPE ? AGQ_ROPE_ROWS * (HD / 2) : 1];
     if constexpr (ROPE) {
-        for (int e = threadIdx.x; e < min(nr, AGQ_ROPE_ROWS) * (HD / 2); e += AGQ_WARPS * 32) {
-            const double ang = (double)(pos0 + e / (HD / 2)) * (double)p.inv_freq[e % (HD / 2)];
-            const float r = (float)fma(-rint(ang * 0.15915494309189535), 6.283185307179586, ang);
-            float sn, cn;
-            sincosf(r, &sn, &cn);
-            rope_cs[e] = make_float2(cn, sn);
-        }
+        att_rope_cs(rope_cs, min(nr, AGQ_ROPE_ROWS), pos0, p.inv_freq, HD, AGQ_WARPS * 32);
         __syncthreads();
     }
     /* mma row i (g, g + 8) is head kvh G + i % G of row row + i / G (ROPE;
@@ -368,9 +360,10 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
         const int i = g + 8 * r, rr = ROPE ? i / G : 0, hg = ROPE ? i % G : i;
         const bool in = (r == 0 || G2) && (ROPE ? rr < nr : i < G);
         float x[NC][8];
+        const float *qr = a.q + (int64_t)(row + rr) * width + (int64_t)(kvh * G + hg) * HD;
         if (in)
 #pragma unroll
-            for (int c = 0; c < NC; c++) agq_row8(a.q + (int64_t)(row + rr) * width + (int64_t)(kvh * G + hg) * HD, c, t, x[c]);
+            for (int c = 0; c < NC; c++) agq_row8(qr, c, t, x[c]);
         if constexpr (ROPE) {
             je[r] = min(j_end, pos0 + (row + rr - tok0) + 1);
             if (in)

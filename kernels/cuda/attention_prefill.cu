@@ -33,9 +33,8 @@
  * new row on come from the matmul's k (rotated) and v rows, rounded to F16
  * as the cache keeps them, and the sequence's last tile of rows writes
  * them to the cache.  Each row's cosines and sines are formed once a
- * block: the angle in double, as rope.cu forms it, reduced to [-pi, pi]
- * in double, its sine and cosine in float (rope.cu's are the double
- * sincos rounded, which may differ in the last bit). */
+ * block (att_rope_cs: the angle in double, as rope.cu forms it, reduced to
+ * [-pi, pi] in double, its sine and cosine in float). */
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -315,16 +314,7 @@ __global__ void __launch_bounds__(APF_THREADS) attention_prefill_kernel(struct a
     const bool early = j_begin + APF_BK <= pos0;
     if (early) load_tile(j_begin);
     if constexpr (ROPE) {
-        /* The angle in double (at positions of 1e5 and more a float
-         * product loses the phase's low digits), reduced to [-pi, pi] in
-         * double, its sine and cosine in float. */
-        for (int e = threadIdx.x; e < min(tok_end - tok0, APF_ROPE_ROWS) * (HD / 2); e += APF_THREADS) {
-            const double ang = (double)(pos0 + e / (HD / 2)) * (double)p.inv_freq[e % (HD / 2)];
-            const float r = (float)fma(-rint(ang * 0.15915494309189535), 6.283185307179586, ang);
-            float sn, cn;
-            sincosf(r, &sn, &cn);
-            rope_cs[e] = make_float2(cn, sn);
-        }
+        att_rope_cs(rope_cs, min(tok_end - tok0, APF_ROPE_ROWS), pos0, p.inv_freq, HD, APF_THREADS);
         __syncthreads();
     }
     pdl_begin();

@@ -18,6 +18,25 @@
 #include "common.cuh"
 #include "cuda_ops.h"
 
+/* The (cos, sin) of rows 0 .. n - 1 of a sequence (positions pos0 ..) and
+ * each of the hd / 2 frequencies into cs, row-major, by the block's first
+ * nt threads, for the attention kernels that do the rope themselves
+ * (attention_prefill.cu, attention_gqa.cu): the angle in double (at
+ * positions of 1e5 and more a float product loses the phase's low
+ * digits), reduced to [-pi, pi] in double, its sine and cosine in float
+ * (rope.cu's are the double sincos rounded, which may differ in the last
+ * bit). */
+__device__ __forceinline__ void att_rope_cs(float2 *cs, int32_t n, int32_t pos0, const float *inv_freq, int hd,
+                                            int nt) {
+    for (int e = threadIdx.x; e < n * (hd / 2); e += nt) {
+        const double ang = (double)(pos0 + e / (hd / 2)) * (double)inv_freq[e % (hd / 2)];
+        const float r = (float)fma(-rint(ang * 0.15915494309189535), 6.283185307179586, ang);
+        float sn, cn;
+        sincosf(r, &sn, &cn);
+        cs[e] = make_float2(cn, sn);
+    }
+}
+
 #define ATT_MERGE_GROUP 32
 
 template <bool SKIP_ZERO>
