@@ -354,29 +354,48 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
      * slice (ROPE's rows end at their own positions). */
     uint32_t qa[NC][2][2], qb[NC][2][2];
     int32_t je[2] = {j_end, j_end};
+    if constexpr (ROPE) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        uint32_t(&f)[NC][2][2] = r ? qb : qa;
-        const int i = g + 8 * r, rr = ROPE ? i / G : 0, hg = ROPE ? i % G : i;
-        const bool in = (r == 0 || G2) && (ROPE ? rr < nr : i < G);
-        float x[NC][8];
-        const float *qr = a.q + (int64_t)(row + rr) * width + (int64_t)(kvh * G + hg) * HD;
-        if (in)
-#pragma unroll
-            for (int c = 0; c < NC; c++) agq_row8(qr, c, t, x[c]);
-        if constexpr (ROPE) {
+        for (int r = 0; r < 2; r++) {
+            uint32_t(&f)[NC][2][2] = r ? qb : qa;
+            const int i = g + 8 * r, rr = i / G;
+            const bool in = (r == 0 || G2) && rr < nr;
+            float x[NC][8];
+            const float *qr = a.q + (int64_t)(row + rr) * width + (int64_t)(kvh * G + i % G) * HD;
             je[r] = min(j_end, pos0 + (row + rr - tok0) + 1);
-            if (in)
+            if (in) {
+#pragma unroll
+                for (int c = 0; c < NC; c++) agq_row8(qr, c, t, x[c]);
 #pragma unroll
                 for (int c = 0; c < NC / 2; c++)
                     agq_rotate2<HD>(x[c], x[c + NC / 2], c, rope_cs + (row + rr - tok0) * (HD / 2), t, p.neox);
+            }
+#pragma unroll
+            for (int c = 0; c < NC; c++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    f[c][h][0] = in ? agq_pack(x[c][4 * h] * a.scale, x[c][4 * h + 1] * a.scale) : 0u;
+                    f[c][h][1] = in ? agq_pack(x[c][4 * h + 2] * a.scale, x[c][4 * h + 3] * a.scale) : 0u;
+                }
         }
+    } else {
 #pragma unroll
         for (int c = 0; c < NC; c++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                f[c][h][0] = in ? agq_pack(x[c][4 * h] * a.scale, x[c][4 * h + 1] * a.scale) : 0u;
-                f[c][h][1] = in ? agq_pack(x[c][4 * h + 2] * a.scale, x[c][4 * h + 3] * a.scale) : 0u;
+                qa[c][h][0] = qa[c][h][1] = qb[c][h][0] = qb[c][h][1] = 0;
+                if (g < G) {
+                    const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width + (int64_t)(kvh * G + g) * HD +
+                                                            32 * c + 8 * t + 4 * h));
+                    qa[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
+                    qa[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
+                }
+                if (G2 && g + 8 < G) {
+                    const float4 v = __ldg((const float4 *)(a.q + (int64_t)row * width +
+                                                            (int64_t)(kvh * G + g + 8) * HD + 32 * c + 8 * t + 4 * h));
+                    qb[c][h][0] = agq_pack(v.x * a.scale, v.y * a.scale);
+                    qb[c][h][1] = agq_pack(v.z * a.scale, v.w * a.scale);
+                }
             }
     }
 
@@ -570,7 +589,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
             ls += lw * wt;
             as += sacc[w][hg][d] * wt;
         }
-        const int head = kvh * G + hg % G, orow = row + hg / G; /* (nr is 1 but with ROPE) */
+        const int head = kvh * G + (ROPE ? hg % G : hg), orow = row + (ROPE ? hg / G : 0);
         if (p.sp.n_splits == 1) {
             const float o = ls == 0.0f ? 0.0f : as / ls;
             a.out[(int64_t)orow * width + (int64_t)head * HD + d] = o;
