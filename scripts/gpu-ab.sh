@@ -11,7 +11,8 @@
 #       noting whether it is a 75-virtual build (then run as LLM_CUDA_SM=75)
 #   scripts/gpu-ab.sh pack
 #       packs build-ab/ into gpu-pack/ab.tar.xz (XZ_OPT="-9 -T2": the
-#       kernels the builds share compress away)
+#       kernels the builds share compress away); with test binaries too,
+#       gpu-pack.sh's LLM_PACK_AB packs both in one stream (/build-ab)
 #   scripts/gpu-ab.sh clear
 # On the GPU host (the repository root of the call, .deps/env.sh sourced):
 #   scripts/gpu-ab.sh run [ROUNDS] -- BENCH_GPU_ARGS...
@@ -57,7 +58,9 @@ run)
     rounds=2
     [ $# -gt 0 ] && [ "$1" != "--" ] && { rounds=$1; shift; }
     [ "${1:-}" = "--" ] && shift
-    [ -d $ab ] || tar -xJf gpu-pack/ab.tar.xz || exit 1
+    if [ ! -d $ab ]; then # unpacked from gpu-pack.sh's LLM_PACK_AB, or ours
+        if [ -d /build-ab ]; then ab=/build-ab; else tar -xJf gpu-pack/ab.tar.xz || exit 1; fi
+    fi
     rows=$(mktemp)
     trap 'rm -f "$rows"' EXIT
     for r in $(seq "$rounds"); do
