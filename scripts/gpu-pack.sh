@@ -42,7 +42,7 @@ echo build.path >"$list"
 if [ -n "$models" ]; then
     mkdir -p "$stage$build"
     cp -r "$models" "$stage$build/models"
-    (cd "$stage" && find "${build#/}/models" -type f) >>"$list"
+    (cd "$stage" && find "${build#/}/models" ! -type d) >>"$list"
 fi
 for bd in $build $also; do
     mkdir -p "$stage$bd"
@@ -53,14 +53,14 @@ for bd in $build $also; do
         echo "${bd#/}/$b" >>"$list"
     done
     # libcjson, which the runtime bundle (.deps) lacks, when the build has it.
-    [ -d "$bd/rt" ] && cp -r "$bd/rt" "$stage$bd/rt" && (cd "$stage" && find "${bd#/}/rt" -type f) >>"$list"
+    [ -d "$bd/rt" ] && cp -r "$bd/rt" "$stage$bd/rt" && (cd "$stage" && find "${bd#/}/rt" ! -type d) >>"$list"
     if [ -n "${LLM_PACK_AB:-}" ]; then
         [ -d build-ab ] || { echo "gpu-pack: LLM_PACK_AB: nothing saved (scripts/gpu-ab.sh save)" >&2; exit 1; }
         for d in build-ab/*-"$(basename "$bd")"; do
             [ -d "$d" ] || continue
             mkdir -p "$stage/build-ab"
             cp -r "$d" "$stage/build-ab/"
-            (cd "$stage" && find "$d" -type f) >>"$list"
+            (cd "$stage" && find "$d" ! -type d) >>"$list"
         done
     fi
 done
