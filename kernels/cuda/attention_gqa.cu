@@ -42,9 +42,10 @@
  * unrotated from the matmul and is rotated as its fragments are formed;
  * positions from the sequence's first new row on come from the matmul's k
  * (rotated) and v rows, rounded to F16 as the cache keeps them, and
- * written to the cache by the block whose slice holds them.  A lane's 8 dims of each
- * 32-dim group hold both dims of every pair it rotates: (2i, 2i + 1), or
- * in the neox pairing (i, i + HD / 2), the same dims of group c + HD / 64.
+ * written to the cache by the block whose slice holds them.  A lane's 8
+ * dims of each 32-dim group hold both dims of every pair it rotates:
+ * (2i, 2i + 1), or in the neox pairing (i, i + HD / 2), the same dims of
+ * group c + HD / 64.
  * Each row's cosines and sines are formed once a block (att_rope_cs),
  * as attention_prefill.cu's ROPE kernel forms them. */
 #include "attention_prefill.h"
@@ -682,10 +683,9 @@ extern "C" int cuda_attention_gqa_rope(struct cuda_ctx *ctx, const struct cuda_a
                                        const float *v, const int32_t *slots, const float *inv_freq, int32_t n_freq,
                                        int neox, int32_t rows_min, int32_t rows_max) {
     const int32_t G = a->n_kv_heads > 0 ? a->n_heads / a->n_kv_heads : 0;
-    /* A sequence's rows x G fit the mma's 16 rows: with more, the blocks of
-     * its tiles of rows each read the context (llama3-8b's 5 rows, G = 4,
-     * in tiles of 4 and 1: 3.29 ms a step against 3.05 on
-     * attention_prefill.cu, one H200). */
+    /* A sequence's rows x G fit the mma's 16 rows: with more, tiles of
+     * rows would each read the context, where attention_prefill.cu's one
+     * tile reads it once (docs/cuda-backend.md). */
     if (!ctx->rope_gqa || rows_min < 2 || rows_max > ctx->rope_tc || G < 1 || rows_max * G > AGQ_ROPE_ROWS ||
         a->n_heads != G * a->n_kv_heads || a->kv_type != DTYPE_F16 || (a->head_dim != 64 && a->head_dim != 128) ||
         2 * n_freq != a->head_dim || (uintptr_t)a->q % 16 != 0 || (uintptr_t)a->k % 16 != 0 ||
