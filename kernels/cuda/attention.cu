@@ -18,6 +18,7 @@
  * this kernel takes the shapes neither takes (its tiles dequantized into
  * shared memory as they are loaded, att_load_tile_q8). */
 #include "attention_prefill.h"
+#include "knobs.h"
 #include "attn_decode.cuh"
 #include "attn_merge.cuh"
 #include "common.cuh"
@@ -444,12 +445,13 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
      * several rows exit), their count at most n_seqs. */
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
     int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
-    /* Split the context until about 4 blocks per SM are in flight, each
-     * split at least ctx->att_steps steps of all its sub-warps: fewer,
-     * longer blocks than 8 per SM, as measured faster (docs/cuda-backend.md). */
+    /* Split the context over 4 blocks per SM (cuda_att_split weighs the
+     * waves), each split at least ctx->att_steps steps of all its
+     * sub-warps: fewer, longer blocks than 8 per SM, as measured faster
+     * (docs/cuda-backend.md). */
     const int64_t step = (int64_t)NS * U;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, (4LL * ctx->n_sms + blocks - 1) / blocks, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, 4LL * ctx->n_sms, blocks, step, step * ctx->att_steps,
                        ATT_COMBINE_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;
@@ -530,24 +532,27 @@ extern "C" int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_arg
     return STATUS_OK;
 }
 
-extern "C" int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t want,
-                              int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s) {
+/* The splits a row wants are weighed by cuda_att_split_want (knobs.h). */
+extern "C" int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots,
+                              int64_t blocks, int64_t step, int64_t least, int64_t max_splits,
+                              struct cuda_att_split *s) {
     memset(s, 0, sizeof *s);
-    if (want > max_splits) want = max_splits;
     const int64_t by_ctx = (a->max_ctx + least - 1) / least;
+    int64_t want = cuda_att_split_want(ctx->att_splits, a->max_ctx, slots, blocks, step, by_ctx);
+    if (want > max_splits) want = max_splits;
     int64_t splits = want < by_ctx ? want : by_ctx;
     if (splits < 1) splits = 1;
     s->want = (int32_t)want;
     s->step = (int32_t)step;
     s->least = (int32_t)least;
     s->n_splits = (int32_t)splits;
-    const size_t slots = splits > 1 ? (size_t)splits * n_idx * a->n_heads : 0;
+    const size_t parts = splits > 1 ? (size_t)splits * n_idx * a->n_heads : 0;
     float *scr = NULL;
-    if (cuda_att_scratch(ctx, a, slots * ((size_t)a->head_dim + 2) * sizeof(float), &s->out16, &scr) != STATUS_OK)
+    if (cuda_att_scratch(ctx, a, parts * ((size_t)a->head_dim + 2) * sizeof(float), &s->out16, &scr) != STATUS_OK)
         return STATUS_NO_MEMORY;
     if (splits > 1) {
         s->part_acc = scr;
-        s->part_ml = scr + slots * a->head_dim;
+        s->part_ml = scr + parts * a->head_dim;
     }
     return STATUS_OK;
 }

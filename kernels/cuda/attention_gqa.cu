@@ -630,10 +630,10 @@ template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens, n_blk = ROPE ? a->n_seqs : n_idx; /* ROPE: a sequence */
     const int64_t blocks = (int64_t)n_blk * a->n_kv_heads;
     constexpr size_t smem = agq_smem_bytes<HD, G2, Q8>();
-    /* Split the context until the blocks make about one wave of the
-     * resident slots, each split at least two steps of every warp: long
-     * blocks keep their loads a step ahead, short ones pay the start (the
-     * row, Q, the first loads) more often. */
+    /* Split the context over the resident slots as cuda_att_split weighs
+     * waves against block lengths, each split at least two steps of every
+     * warp: long blocks keep their loads a step ahead, short ones pay the
+     * start (the row, Q, the first loads) more often. */
     static int per_sm[64][2][2][2][2];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     int &bps = per_sm[dev][HD == 128][G2][Q8][ROPE];
@@ -644,7 +644,7 @@ template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda
         bps = b > 0 ? b : 1;
     }
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
-    if (cuda_att_split(ctx, a, n_idx, ((int64_t)bps * ctx->n_sms + blocks - 1) / blocks, step, 2 * step,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, step, 2 * step,
                        AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;

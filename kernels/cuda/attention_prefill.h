@@ -33,8 +33,9 @@ int cuda_attention_prefill(struct cuda_ctx *ctx, const struct cuda_attn_args *a)
  * (*part, NULL when part_bytes is 0).  STATUS_NO_MEMORY without scratch. */
 int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_args *a, size_t part_bytes, uint16_t **out16,
                      float **part);
-/* The context split of a decode launch of n_idx rows (or sequences) x
- * n_kv_heads blocks that wants at most `want` splits a row (capped at
+/* The context split of a decode launch of `blocks` (n_idx rows or
+ * sequences x n_kv_heads) for `slots` resident blocks: the splits a row
+ * wants (attention.cu: the fewest waves of the shortest blocks, capped at
  * max_splits), each at least `least` positions and a multiple of `step`:
  * the grid's splits (enough for the longest context, a->max_ctx; each row
  * cuts its own from its length on the device), and the scratch
@@ -45,8 +46,8 @@ struct cuda_att_split {
     float *part_ml;  /* (n_splits, n_idx, n_heads, 2) */
     uint16_t *out16; /* out's F16 form, or NULL */
 };
-int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t want, int64_t step,
-                   int64_t least, int64_t max_splits, struct cuda_att_split *s);
+int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots, int64_t blocks,
+                   int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s);
 
 #ifdef __cplusplus
 }

@@ -90,6 +90,8 @@ struct cuda_ctx {
     int mmq_tiles;      /* matmul_mmq.cu: most tiles of 8 tokens a warp (4; LLM_CUDA_MMQ_TILES) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
+    int att_splits;     /* decode attention: the splits a row wants; 0: the waves weighed (default),
+                         * -1: the fewest that fill one wave (LLM_CUDA_ATT_SPLITS) */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream
                          * (dequant_ahead.cu; default; LLM_CUDA_DEQUANT_AHEAD=0: off) */
     int ahead_sms;      /* multiprocessors a GEMM leaves to the tile made ahead of the next

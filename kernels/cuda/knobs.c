@@ -159,6 +159,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "most tiles of 8 tokens a warp of matmul_mmq.cu takes; more tokens go to blocks side by side "
          "on the same rows, each reading the weights again (fewer: more, smaller blocks, to compare)",
          &k->mmq_tiles, 1, 8, NULL},
+        {"cuda-att-splits", "LLM_CUDA_ATT_SPLITS", OPTION_INT, "0",
+         "context splits a decode row of the attention kernels wants (0: the count whose waves of "
+         "blocks take the least time, each block its steps and one more; -1: the fewest that fill one "
+         "wave), to compare",
+         &k->att_splits, -1, 64, NULL},
     };
     memcpy(defs, t, sizeof t);
     return CUDA_KNOBS_N;
@@ -235,6 +240,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;
+    ctx->att_splits = k->att_splits;
     /* matmul_mmq.cu's batches as sm_75 or sm_80+ set them (LLM_CUDA_MM_ROUTE). */
     const int mmq80 = k->mm_route == 0 ? ctx->cc >= 80 : k->mm_route == 2;
     const int forced = k->mmq_min >= 0;
@@ -264,6 +270,26 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0) {
         if (c < best_cost && c * 16 < c0 * 15) {
             best = ks;
             best_cost = c;
+        }
+    }
+    return best;
+}
+
+int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
+                            int64_t by_ctx) {
+    if (forced > 0) return forced;
+    if (blocks < 1) blocks = 1;
+    if (slots < 1) slots = 1;
+    if (step < 1) step = 1;
+    const int64_t fill = (slots + blocks - 1) / blocks; /* the fewest that fill one wave */
+    if (forced < 0) return fill;
+    int64_t best = 1, best_cost = INT64_MAX;
+    for (int64_t s = 1; s <= fill && s <= by_ctx; s++) {
+        const int64_t waves = (blocks * s + slots - 1) / slots, len = (max_ctx + s - 1) / s;
+        const int64_t cost = waves * ((len + step - 1) / step + 1);
+        if (cost < best_cost) {
+            best = s;
+            best_cost = cost;
         }
     }
     return best;

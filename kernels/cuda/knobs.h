@@ -53,10 +53,11 @@ struct cuda_knobs {
     int l2_ahead;        /* LLM_CUDA_L2_AHEAD: steps or chunks asked of L2 ahead of their loads */
     int mmq_depth;       /* LLM_CUDA_MMQ_DEPTH: 1 or 2 */
     int mmq_tiles;       /* LLM_CUDA_MMQ_TILES: 1-8 */
+    int att_splits;      /* LLM_CUDA_ATT_SPLITS: 0 weighed, -1 one wave, or the splits a row wants */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 29
+#define CUDA_KNOBS_N 30
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -97,6 +98,19 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
  * waves of a third of the chunks each.  Rows that fill the slots, or a
  * split into one full wave, keep ks0. */
 int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
+
+/* The splits a row wants: of those up to the fewest that fill one wave of
+ * `slots` and at most by_ctx, the count whose waves of `blocks` blocks,
+ * each as long as its steps of `step` positions over max_ctx and one more
+ * (its start: the row, Q, the first loads that nothing covers), take the
+ * least time; the fewer on a tie (fewer partial sums to merge).  forced
+ * (LLM_CUDA_ATT_SPLITS) > 0 is taken as it is, < 0 gives the fewest that
+ * fill one wave.  A grid of 1.45 waves runs its last blocks on half the
+ * multiprocessors: llama3-8b's 16 rows over 8 KV heads at context 2048
+ * are 128 blocks for 264 slots, where 2 splits measured 5% faster a step
+ * than the 3 that fill one wave (docs/cuda-backend.md). */
+int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
+                            int64_t by_ctx);
 
 #ifdef __cplusplus
 }

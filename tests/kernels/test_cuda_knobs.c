@@ -349,5 +349,34 @@ TEST(cuda_knobs_mq_split) {
     ASSERT_EQ(5, cuda_mq_split(0, 16, 132, 5));
 }
 
+/* Decode attention's splits: waves of blocks against their length. */
+TEST(cuda_knobs_att_split) {
+    /* llama3-8b, 16 rows over 8 KV heads at context 2048 on an H200 (two
+     * blocks of 4 warps of 16 positions a multiprocessor): 2 splits are one
+     * wave of 17 steps (18), where 3 would be 1.45 waves (24) and 4 two
+     * waves of 9 (20). */
+    ASSERT_EQ(2, cuda_att_split_want(0, 2049, 264, 128, 64, 17));
+    /* llama2-7b's 16 rows of 32 heads, 4 blocks of 64 positions a
+     * multiprocessor: 512 blocks are one wave unsplit. */
+    ASSERT_EQ(1, cuda_att_split_want(0, 513, 528, 512, 64, 5));
+    /* More blocks than slots: never split. */
+    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 264, 512, 64, 17));
+    /* One sequence: as many as the context allows within one wave. */
+    ASSERT_EQ(5, cuda_att_split_want(0, 513, 528, 32, 64, 5));
+    ASSERT_EQ(8, cuda_att_split_want(0, 4096, 264, 32, 64, 32));
+    /* A T4's 40 multiprocessors: 16 rows over 8 KV heads stay whole. */
+    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 80, 128, 64, 17));
+    /* LLM_CUDA_ATT_SPLITS: a count as given, -1 the fewest that fill a wave. */
+    ASSERT_EQ(7, cuda_att_split_want(7, 2049, 264, 128, 64, 17));
+    ASSERT_EQ(3, cuda_att_split_want(-1, 2049, 264, 128, 64, 17));
+    for (int b = 1; b <= 600; b += 13)
+        for (int ctx = 1; ctx <= 5000; ctx += 499) {
+            const int64_t by_ctx = (ctx + 127) / 128, s = cuda_att_split_want(0, ctx, 264, b, 64, by_ctx);
+            if (s < 1 || (s > 1 && (s > by_ctx || s > (264 + b - 1) / b)))
+                TEST_FAIL("%d blocks, context %d: %lld splits", b, ctx, (long long)s);
+        }
+    ASSERT_EQ(1, cuda_att_split_want(0, 100, 0, 0, 0, 1));
+}
+
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
-          cuda_knobs_table_is_documented, cuda_knobs_mq_split)
+          cuda_knobs_table_is_documented, cuda_knobs_mq_split, cuda_knobs_att_split)
