@@ -644,7 +644,7 @@ template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda
         bps = b > 0 ? b : 1;
     }
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
-    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, step, 2 * step,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, 2 * step,
                        AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;

@@ -35,7 +35,8 @@ int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_args *a, size_
                      float **part);
 /* The context split of a decode launch of `blocks` (n_idx rows or
  * sequences x n_kv_heads) for `slots` resident blocks: the splits a row
- * wants (attention.cu: the fewest waves of the shortest blocks, capped at
+ * wants (cuda_att_split_want: with `weigh`, the waves weighed against the
+ * blocks' lengths, else the fewest that fill one wave; capped at
  * max_splits), each at least `least` positions and a multiple of `step`:
  * the grid's splits (enough for the longest context, a->max_ctx; each row
  * cuts its own from its length on the device), and the scratch
@@ -47,7 +48,7 @@ struct cuda_att_split {
     uint16_t *out16; /* out's F16 form, or NULL */
 };
 int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots, int64_t blocks,
-                   int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s);
+                   int weigh, int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s);
 
 #ifdef __cplusplus
 }

@@ -270,11 +270,13 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens; /* blocks (and sums) by sequence or by row */
     const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
-    /* Split the context over 8 blocks per SM (cuda_att_split weighs the
-     * waves), each split at least ctx->att_steps chunks of every warp. */
+    /* Split the context until about 8 blocks per SM are in flight, each
+     * split at least ctx->att_steps chunks of every warp: the fewest
+     * splits that fill that wave, which measured faster here than the
+     * waves weighed (docs/cuda-backend.md). */
     const int64_t step = (int64_t)ATQ_WARPS * T;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, 8LL * ctx->n_sms, blocks, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, 8LL * ctx->n_sms, blocks, 0, step, step * ctx->att_steps,
                        ATQ_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;

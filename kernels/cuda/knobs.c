@@ -161,8 +161,8 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->mmq_tiles, 1, 8, NULL},
         {"cuda-att-splits", "LLM_CUDA_ATT_SPLITS", OPTION_INT, "0",
          "context splits a decode row of the attention kernels wants (0: the count whose waves of "
-         "blocks take the least time, each block its steps and one more; -1: the fewest that fill one "
-         "wave), to compare",
+         "blocks take the least time, each block its steps and one more, where that measured faster, "
+         "else the fewest that fill one wave; -1: the fewest that fill one wave everywhere), to compare",
          &k->att_splits, -1, 64, NULL},
     };
     memcpy(defs, t, sizeof t);
