@@ -258,15 +258,20 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     return STATUS_OK;
 }
 
+/* The time of `units` split k ways on `slots` resident blocks, each
+ * block `steps` long: waves x (steps + 1, its start, whose first loads
+ * nothing covers).  The measure both splits below weigh. */
+static int64_t knobs_wave_time(int64_t units, int64_t k, int64_t slots, int64_t steps) {
+    return (units * k + slots - 1) / slots * (steps + 1);
+}
+
 int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0) {
     if (n_rb < 1 || n_chunks < 1 || slots < 1) return ks0;
-    /* Time as waves x (chunks a block + 1, the first chunk's load that
-     * nothing covers). */
-    const int64_t c0 = ((int64_t)n_rb * ks0 + slots - 1) / slots * ((n_chunks + ks0 - 1) / ks0 + 1);
+    const int64_t c0 = knobs_wave_time(n_rb, ks0, slots, (n_chunks + ks0 - 1) / ks0);
     int best = ks0;
     int64_t best_cost = c0;
     for (int ks = 1; ks <= n_chunks && ks <= CUDA_MQ_SPLIT_MAX; ks++) {
-        const int64_t c = ((int64_t)n_rb * ks + slots - 1) / slots * ((n_chunks + ks - 1) / ks + 1);
+        const int64_t c = knobs_wave_time(n_rb, ks, slots, (n_chunks + ks - 1) / ks);
         if (c < best_cost && c * 16 < c0 * 15) {
             best = ks;
             best_cost = c;
@@ -285,8 +290,7 @@ int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t 
     if (forced < 0) return fill;
     int64_t best = 1, best_cost = INT64_MAX;
     for (int64_t s = 1; s <= fill && s <= by_ctx; s++) {
-        const int64_t waves = (blocks * s + slots - 1) / slots, len = (max_ctx + s - 1) / s;
-        const int64_t cost = waves * ((len + step - 1) / step + 1);
+        const int64_t len = (max_ctx + s - 1) / s, cost = knobs_wave_time(blocks, s, slots, (len + step - 1) / step);
         if (cost < best_cost) {
             best = s;
             best_cost = cost;

@@ -259,6 +259,8 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_ROPE_ATT", "65", "out of range [-1, 64]");
     k_bad("LLM_CUDA_MMQ_DEPTH", "3", "out of range [1, 2]");
     k_bad("LLM_CUDA_MMQ_TILES", "9", "out of range [1, 8]");
+    k_bad("LLM_CUDA_ATT_SPLITS", "-2", "out of range [-1, 64]");
+    k_bad("LLM_CUDA_ATT_SPLITS", "two", "not an integer");
     k_bad("LLM_CUDA_ATT_DEFER", "5", "out of range [0, 4]");
     k_bad("LLM_CUDA_ATT_F16", "f16", "not a boolean");
     k_bad("LLM_CUDA_MR", "disabled", "not a boolean");
