@@ -103,15 +103,13 @@ template <int T> __device__ __forceinline__ void mr_decode(const mr_raw<T> &r, i
     }
 }
 
-/* Token tok's 8 activations at column col as F16 pairs: from the kept F16
- * form (H), else converted from F32 in registers. */
-template <bool H>
-__device__ __forceinline__ uint4 mr_act(const void *__restrict__ x, int cols, int tok, int col) {
+/* The 8 activations at p as F16 pairs: the kept F16 form (H), else F32
+ * converted in registers. */
+template <bool H> __device__ __forceinline__ uint4 mr_act(const char *__restrict__ p) {
     if constexpr (H) {
-        return __ldg((const uint4 *)((const __half *)x + (size_t)tok * cols + col));
+        return __ldg((const uint4 *)p);
     } else {
-        const float *xf = (const float *)x + (size_t)tok * cols + col;
-        const float4 f0 = __ldg((const float4 *)xf), f1 = __ldg((const float4 *)(xf + 4));
+        const float4 f0 = __ldg((const float4 *)p), f1 = __ldg((const float4 *)p + 1);
         return make_uint4(mq_u32(__floats2half2_rn(f0.x, f0.y)), mq_u32(__floats2half2_rn(f0.z, f0.w)),
                           mq_u32(__floats2half2_rn(f1.x, f1.y)), mq_u32(__floats2half2_rn(f1.z, f1.w)));
     }
@@ -145,19 +143,26 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
     /* The weights are no kernel's output: their first chunk is in flight
      * before the wait.  x is one's, so it is loaded after it. */
     pdl_begin();
+    /* Each tile's activations from column 8 t of its token g8 (the last
+     * token for tiles past n, whose sums are never written): a pointer a
+     * chunk and constant offsets, so that no load computes its address or
+     * waits on a bound check. */
+    constexpr int XB = H ? 2 : 4; /* bytes an activation */
+    const char *xa[NTL];
+#pragma unroll
+    for (int nt = 0; nt < NTL; nt++)
+        xa[nt] = (const char *)x + ((size_t)min(nt * 8 + g8, n - 1) * cols + 8 * t) * XB;
     const auto mul = [&](const mr_raw<T> &l, const mr_raw<T> &h, int ch) {
+        const char *xc[NTL];
+#pragma unroll
+        for (int nt = 0; nt < NTL; nt++) xc[nt] = xa[nt] + (size_t)256 * XB * ch;
 #pragma unroll
         for (int b = 0; b < 8; b++) {
             uint32_t alo[4], ahi[4];
             mr_decode<T>(l, b, t, alo);
             mr_decode<T>(h, b, t, ahi);
-            const int col = 256 * ch + 32 * b + 8 * t;
 #pragma unroll
-            for (int nt = 0; nt < NTL; nt++) {
-                const int tok = nt * 8 + g8;
-                const uint4 bx = tok < n ? mr_act<H>(x, cols, tok, col) : make_uint4(0, 0, 0, 0);
-                mq_mma32(acc[nt], alo, ahi, bx);
-            }
+            for (int nt = 0; nt < NTL; nt++) mq_mma32(acc[nt], alo, ahi, mr_act<H>(xc[nt] + 32 * XB * b));
         }
     };
     if constexpr (W == 16) { /* one chunk a warp: nothing to load ahead */
