@@ -521,6 +521,32 @@ done:
     return rc;
 }
 
+/* The synthetic model of sc at path: a file already there (--model-cache,
+ * written by an earlier run, whole since it was renamed into place), else
+ * written now, through a name of its own when it is to be kept so that a
+ * run cut short leaves no partial file under the kept name. */
+static int bench_synth(const struct synth_config *sc, const char *path, int keep, char *err, size_t errlen) {
+    struct stat st;
+    if (keep && stat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+        fprintf(stderr, "bench_gpu: reused %s (%.2f GB), kept by an earlier run\n", path, (double)st.st_size / 1e9);
+        return STATUS_OK;
+    }
+    char part[4300];
+    snprintf(part, sizeof part, "%s.%d.part", path, (int)getpid());
+    const double t0 = bench_now();
+    int rc = synth_write(sc, keep ? part : path, err, errlen);
+    if (rc == STATUS_OK && keep && rename(part, path) != 0)
+        rc = status_fail(err, errlen, STATUS_IO, "--model-cache: cannot rename %s to %s: %s", part, path,
+                         strerror(errno));
+    if (rc != STATUS_OK) {
+        if (keep) unlink(part);
+        return rc;
+    }
+    fprintf(stderr, "bench_gpu: wrote %s (%.2f GB) in %.1f s\n", path,
+            stat(path, &st) == 0 ? (double)st.st_size / 1e9 : 0.0, bench_now() - t0);
+    return STATUS_OK;
+}
+
 int main(int argc, char **argv) {
     struct gpu_options o;
     char err[1024];
@@ -528,6 +554,16 @@ int main(int argc, char **argv) {
     if (rc == STATUS_CANCELLED) return 0;
     if (rc != STATUS_OK) {
         fprintf(stderr, "bench_gpu: %s\n", err);
+        return 2;
+    }
+    if (o.model_cache && mkdir(o.model_cache, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "bench_gpu: --model-cache %s: cannot create the folder: %s\n", o.model_cache,
+                strerror(errno));
+        return 2;
+    }
+    struct stat cst;
+    if (o.model_cache && (stat(o.model_cache, &cst) != 0 || !S_ISDIR(cst.st_mode))) {
+        fprintf(stderr, "bench_gpu: --model-cache %s: not a folder\n", o.model_cache);
         return 2;
     }
     log_set_level(LL_WARN);
@@ -591,13 +627,10 @@ int main(int argc, char **argv) {
             sc.seed = 1;
             sc.n_threads = o.threads;
             char path[4200];
-            snprintf(path, sizeof path, "%s/%s-%s.gguf", dir, o.shape_v[si], synth_type_names[sc.type]);
-            double t0 = bench_now();
-            rc = synth_write(&sc, path, err, sizeof err);
+            snprintf(path, sizeof path, "%s/%s-%s.gguf", o.model_cache ? o.model_cache : dir, o.shape_v[si],
+                     synth_type_names[sc.type]);
+            rc = bench_synth(&sc, path, o.model_cache != NULL, err, sizeof err);
             if (rc == STATUS_OK) {
-                struct stat st;
-                fprintf(stderr, "bench_gpu: wrote %s (%.2f GB) in %.1f s\n", path,
-                        stat(path, &st) == 0 ? (double)st.st_size / 1e9 : 0.0, bench_now() - t0);
                 for (int ki = 0; !o.ab && ki < o.n_kv && rc == STATUS_OK && !bench_stop; ki++)
                     rc = bench_model(b, path, o.shape_v[si], sc.type, o.kv_v[ki], &o, &c, err, sizeof err);
                 /* Runs: as given, V1 .. Vk, Vk .. V1, as given. */
@@ -620,7 +653,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "bench_gpu: %s %s: %s\n", o.shape_v[si], synth_type_names[sc.type], err);
                 failed = 1;
             }
-            unlink(path);
+            if (!o.model_cache) unlink(path);
         }
     rmdir(dir);
     if (bench_stop) {

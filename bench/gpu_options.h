@@ -17,6 +17,7 @@
 struct gpu_options {
     const char *device, *shapes, *types, *batches, *json, *tmpdir, *ab, *out, *kv_types;
     const char *model; /* --model: a GGUF file instead of synthetic shapes */
+    const char *model_cache; /* --model-cache: a folder keeping the synthetic models between runs */
     int logits; /* --out logits: each step downloads the logits instead of sampling */
     int ctx, prompt, steps, warmup, prefill_reps, threads;
     int verify; /* --verify K: time a step of K + 1 tokens of one sequence (0: not) */

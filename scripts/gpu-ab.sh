@@ -17,7 +17,9 @@
 # On the GPU host (the repository root of the call, .deps/env.sh sourced):
 #   scripts/gpu-ab.sh run [ROUNDS] -- BENCH_GPU_ARGS...
 #       unpacks gpu-pack/ab.tar.xz when build-ab/ is not there, then ROUNDS
-#       (2) rounds of every saved build; prints one line a decode row
+#       (2) rounds of every saved build (each synthetic model written once
+#       into $TMPDIR/gpu-ab-models and reused by every run of a build whose
+#       bench_gpu has --model-cache); prints one line a decode row
 #       (build, round, shape, batch, context, ms; with --verify K also the
 #       K + 1-token step as batch "kK+1") and then, per build, shape and
 #       batch, the range over the rounds.
@@ -63,11 +65,14 @@ run)
     fi
     rows=$(mktemp)
     trap 'rm -f "$rows"' EXIT
+    cache=${TMPDIR:-/tmp}/gpu-ab-models
     for r in $(seq "$rounds"); do
         for d in $ab/*/; do
             d=${d%/}
+            keep=()
+            "$d/bench/bench_gpu" --help 2>&1 | grep -q -- '--model-cache' && keep=(--model-cache "$cache")
             LD_LIBRARY_PATH="$d/rt${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LLM_CUDA_SM=$(cat "$d/sm") \
-                timeout 300 "$d/bench/bench_gpu" --tmpdir "${TMPDIR:-/tmp}" "$@" 2>&1 |
+                timeout 300 "$d/bench/bench_gpu" --tmpdir "${TMPDIR:-/tmp}" "${keep[@]}" "$@" 2>&1 |
                 awk -v b="$(basename "$d")" -v r="$r" '$3 == "decode" {print b, r, $1, $5, $6, $8}
                     $8 ~ /^[0-9.]+x$/ {print b, r, $1, "k" $5 "+1", $4, $7}' | tee -a "$rows"
         done
@@ -77,7 +82,7 @@ run)
          END {for (k in lo) print k, lo[k] "-" hi[k]}' "$rows" | sort -k2,2 -k3,3n -k1,1
     ;;
 *)
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
