@@ -669,6 +669,9 @@ static void node_step(node *n, const Llm__StepPlan *p, int64_t received_us) {
         rc = forward_step(n->s, &batch, &out, err, sizeof err);
         forward_set_before_sample(n->s, NULL, NULL);
         t_queued = node_now_us();
+        /* Counted before the rows leave: a client holding the step's
+         * result (it went on through the next stages) reads them counted. */
+        if (rc == STATUS_OK) atomic_fetch_add(&n->tokens_total, (uint64_t)T);
         if (rc == STATUS_OK && !last) rc = node_output_send(n, p->step_id, T, err, sizeof err);
         else if (rc != STATUS_OK && !last) node_skip_send(n, p->step_id, T);
     } else if (!last) {
@@ -684,7 +687,6 @@ static void node_step(node *n, const Llm__StepPlan *p, int64_t received_us) {
                     "KV view misses it", (unsigned long long)p->step_id,
                     (unsigned long long)sp->seq_id);
         }
-        atomic_fetch_add(&n->tokens_total, (uint64_t)T);
     }
     node_kv_used_update(n);
     atomic_fetch_add(&n->steps_total, 1);
