@@ -115,7 +115,8 @@ static void check_rows(const cJSON *rows, int requests, int prompt, int max_toke
          * generated token but the last (a prefix cache saves rows). */
         double rows0 = num(r, "stage0_rows"), most = (double)requests * (prompt + max_tokens - 1);
         ASSERT_TRUE(rows0 > 0);
-        if (rows0 > most) TEST_FAIL("layout %s: the first stages computed %.0f rows, more than %.0f", layout, rows0, most);
+        if (rows0 > most)
+            TEST_FAIL("layout %s: the first stages computed %.0f rows, more than %.0f", layout, rows0, most);
     }
 }
 
