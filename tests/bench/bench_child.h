@@ -61,4 +61,25 @@ static char *bench_child_slurp(const char *path) {
     return copy;
 }
 
+/* A test's start: the benchmark bin must be built, and its child's stdout
+ * and stderr go to /tmp/NAME.PID.out and .err (out and err of 256 bytes
+ * each), which bench_child_end removes. */
+static inline void bench_child_begin(const char *bin, const char *name, char *out, char *err) {
+    if (access(bin, X_OK) != 0) TEST_FAIL("%s is not built", bin);
+    snprintf(out, 256, "/tmp/%s.%d.out", name, (int)getpid());
+    snprintf(err, 256, "/tmp/%s.%d.err", name, (int)getpid());
+}
+static inline void bench_child_end(const char *out, const char *err) {
+    unlink(out);
+    unlink(err);
+}
+
+/* Prints what the child prog wrote to out and err. */
+static inline void bench_child_show(const char *prog, const char *out, const char *err) {
+    char *o = bench_child_slurp(out), *e = bench_child_slurp(err);
+    printf("  ---- %s stdout:\n%s\n  ---- stderr:\n%s\n", prog, o ? o : "", e ? e : "");
+    free(o);
+    free(e);
+}
+
 #endif

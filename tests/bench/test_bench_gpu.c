@@ -12,18 +12,6 @@
 
 static char out_path[256], err_path[256];
 
-static void paths(void) {
-    snprintf(out_path, sizeof out_path, "/tmp/test_bench_gpu.%d.out", (int)getpid());
-    snprintf(err_path, sizeof err_path, "/tmp/test_bench_gpu.%d.err", (int)getpid());
-}
-
-static void show_output(void) {
-    char *o = bench_child_slurp(out_path), *e = bench_child_slurp(err_path);
-    printf("  ---- bench_gpu stdout:\n%s\n  ---- stderr:\n%s\n", o ? o : "", e ? e : "");
-    free(o);
-    free(e);
-}
-
 /* One short CPU run of the tiny Q8_0 model with --model-cache cache;
  * returns its exit status, its stderr in *err_out (to free). */
 static int run_tiny(const char *cache, char **err_out) {
@@ -50,9 +38,24 @@ static int count_suffix(const char *dir, const char *suffix) {
     return n;
 }
 
+/* A run with --model-cache cache that exits 0 with `want` in its stderr
+ * and not `unwanted`, and prints a decode row. */
+static void run_expect(const char *cache, const char *want, const char *unwanted) {
+    char *e = NULL;
+    int rc = run_tiny(cache, &e);
+    if (rc != 0 || !e) bench_child_show("bench_gpu", out_path, err_path);
+    ASSERT_EQ(0, rc);
+    ASSERT_TRUE(e != NULL);
+    if (!strstr(e, want)) TEST_FAIL("no \"%s\" in:\n%s", want, e);
+    if (strstr(e, unwanted)) TEST_FAIL("\"%s\" in:\n%s", unwanted, e);
+    char *o = bench_child_slurp(out_path);
+    ASSERT_TRUE(o != NULL && strstr(o, "decode") != NULL);
+    free(e);
+    free(o);
+}
+
 TEST(bench_gpu_model_cache_writes_once) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_gpu", out_path, err_path);
     char base[] = "/tmp/test_bench_gpu.XXXXXX";
     ASSERT_TRUE(mkdtemp(base) != NULL);
     char cache[300], model[400], wrote[500], reused[500];
@@ -61,48 +64,25 @@ TEST(bench_gpu_model_cache_writes_once) {
     snprintf(wrote, sizeof wrote, "bench_gpu: wrote %s", model);
     snprintf(reused, sizeof reused, "bench_gpu: reused %s", model);
 
-    char *e1 = NULL;
-    int rc = run_tiny(cache, &e1);
-    if (rc != 0 || !e1) show_output();
-    ASSERT_EQ(0, rc);
-    ASSERT_TRUE(e1 != NULL);
-    if (!strstr(e1, wrote)) TEST_FAIL("first run: no \"%s\" in:\n%s", wrote, e1);
-    ASSERT_TRUE(strstr(e1, "bench_gpu: reused") == NULL);
-    char *o1 = bench_child_slurp(out_path);
-    ASSERT_TRUE(o1 != NULL && strstr(o1, "decode") != NULL);
     struct stat st1, st2;
+    run_expect(cache, wrote, "bench_gpu: reused");
     ASSERT_EQ(0, stat(model, &st1));
     ASSERT_TRUE(st1.st_size > 0);
-
-    char *e2 = NULL;
-    rc = run_tiny(cache, &e2);
-    if (rc != 0 || !e2) show_output();
-    ASSERT_EQ(0, rc);
-    ASSERT_TRUE(e2 != NULL);
-    if (!strstr(e2, reused)) TEST_FAIL("second run: no \"%s\" in:\n%s", reused, e2);
-    ASSERT_TRUE(strstr(e2, "bench_gpu: wrote") == NULL);
-    char *o2 = bench_child_slurp(out_path);
-    ASSERT_TRUE(o2 != NULL && strstr(o2, "decode") != NULL);
+    run_expect(cache, reused, "bench_gpu: wrote");
     ASSERT_EQ(0, stat(model, &st2));
     ASSERT_EQ(st1.st_size, st2.st_size);
     ASSERT_EQ(st1.st_mtime, st2.st_mtime); /* not written again */
     ASSERT_EQ(0, count_suffix(cache, ".part"));
     ASSERT_EQ(1, count_suffix(cache, ".gguf"));
 
-    free(e1);
-    free(e2);
-    free(o1);
-    free(o2);
     unlink(model);
     rmdir(cache);
     rmdir(base);
-    unlink(out_path);
-    unlink(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST(bench_gpu_model_cache_not_a_folder) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_gpu", out_path, err_path);
     char file[] = "/tmp/test_bench_gpu_file.XXXXXX";
     int fd = mkstemp(file);
     ASSERT_TRUE(fd >= 0);
@@ -113,7 +93,7 @@ TEST(bench_gpu_model_cache_not_a_folder) {
     for (int i = 0; i < 2; i++) {
         char *e = NULL;
         int rc = run_tiny(cases[i], &e);
-        if (rc != 2 || !e) show_output();
+        if (rc != 2 || !e) bench_child_show("bench_gpu", out_path, err_path);
         ASSERT_EQ(2, rc);
         ASSERT_TRUE(e != NULL);
         char want[400];
@@ -122,8 +102,7 @@ TEST(bench_gpu_model_cache_not_a_folder) {
         free(e);
     }
     unlink(file);
-    unlink(out_path);
-    unlink(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST_MAIN(bench_gpu_model_cache_writes_once, bench_gpu_model_cache_not_a_folder)

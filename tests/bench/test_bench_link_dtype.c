@@ -10,18 +10,6 @@
 
 static char out_path[256], err_path[256];
 
-static void paths(void) {
-    snprintf(out_path, sizeof out_path, "/tmp/test_bench_link_dtype.%d.out", (int)getpid());
-    snprintf(err_path, sizeof err_path, "/tmp/test_bench_link_dtype.%d.err", (int)getpid());
-}
-
-static void show_output(void) {
-    char *o = bench_child_slurp(out_path), *e = bench_child_slurp(err_path);
-    printf("  ---- bench_link_dtype stdout:\n%s\n  ---- stderr:\n%s\n", o ? o : "", e ? e : "");
-    free(o);
-    free(e);
-}
-
 /* The row of dtype: "| f32 | 256 / 256 (100.00%) | 3.8378 | +0.000% | 256.2 |".
  * Fills the agreeing and total positions and the bytes per token; 0 when
  * the row is there and reads whole. */
@@ -42,15 +30,14 @@ static int row_read(const char *out, const char *dtype, long *same, long *positi
 }
 
 TEST(bench_link_dtype_f32_agrees_and_f16_halves_the_bytes) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
+    bench_child_begin(BENCH_BIN, "test_bench_link_dtype", out_path, err_path);
     const char *model = test_model_path("stories260K-f32.gguf");
     if (access(model, R_OK) != 0) TEST_SKIP("%s is missing", model);
-    paths();
     const char *argv[] = {BENCH_BIN, "--model", model, "--text", EVAL_TEXT, "--max-tokens", "256", "--types",
                           "f32,f16", "--threads", "2", "--device", "cpu", NULL};
     int rc = bench_child_run(argv, out_path, err_path, 60);
     char *out = bench_child_slurp(out_path);
-    if (rc != 0 || !out) show_output();
+    if (rc != 0 || !out) bench_child_show("bench_link_dtype", out_path, err_path);
     ASSERT_EQ(0, rc);
     ASSERT_TRUE(out != NULL);
     ASSERT_TRUE(strstr(out, "256 tokens") != NULL); /* --max-tokens: two whole windows of 128 */
@@ -59,7 +46,7 @@ TEST(bench_link_dtype_f32_agrees_and_f16_halves_the_bytes) {
     double bytes32 = 0, bytes16 = 0;
     if (row_read(out, "f32", &same, &positions, &bytes32) != 0 ||
         row_read(out, "f16", &same16, &positions16, &bytes16) != 0)
-        show_output();
+        bench_child_show("bench_link_dtype", out_path, err_path);
     ASSERT_EQ(0, row_read(out, "f32", &same, &positions, &bytes32));
     ASSERT_EQ(0, row_read(out, "f16", &same16, &positions16, &bytes16));
     ASSERT_EQ(256L, positions);
@@ -70,13 +57,11 @@ TEST(bench_link_dtype_f32_agrees_and_f16_halves_the_bytes) {
     ASSERT_TRUE(bytes16 > 0.45 * bytes32 && bytes16 < 0.55 * bytes32);
     ASSERT_TRUE(strstr(out, "\n| bf16 |") == NULL); /* only the types asked for */
     free(out);
-    remove(out_path);
-    remove(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST(bench_link_dtype_refuses_bad_command_lines) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_link_dtype", out_path, err_path);
     const char *model = "/nonexistent.gguf";
     const char *bad[][12] = {
         {BENCH_BIN, "--text", EVAL_TEXT, NULL},                                     /* no model */
@@ -88,13 +73,12 @@ TEST(bench_link_dtype_refuses_bad_command_lines) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = bench_child_run(bad[i], out_path, err_path, 20);
         char *err = bench_child_slurp(err_path);
-        if (rc != 2) show_output();
+        if (rc != 2) bench_child_show("bench_link_dtype", out_path, err_path);
         ASSERT_EQ(2, rc);
         ASSERT_TRUE(err != NULL && strstr(err, "bench_link_dtype: ") != NULL);
         free(err);
     }
-    remove(out_path);
-    remove(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST_MAIN(bench_link_dtype_f32_agrees_and_f16_halves_the_bytes, bench_link_dtype_refuses_bad_command_lines)

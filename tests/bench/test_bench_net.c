@@ -12,18 +12,6 @@
 
 static char out_path[256], err_path[256];
 
-static void paths(void) {
-    snprintf(out_path, sizeof out_path, "/tmp/test_bench_net.%d.out", (int)getpid());
-    snprintf(err_path, sizeof err_path, "/tmp/test_bench_net.%d.err", (int)getpid());
-}
-
-static void show_output(void) {
-    char *o = bench_child_slurp(out_path), *e = bench_child_slurp(err_path);
-    printf("  ---- bench_net stdout:\n%s\n  ---- stderr:\n%s\n", o ? o : "", e ? e : "");
-    free(o);
-    free(e);
-}
-
 /* The link bytes per token of the table row of (dtype, rate), or -1. */
 static double row_bytes(const char *out, const char *dtype, const char *rate) {
     char head[64];
@@ -38,8 +26,7 @@ static double row_bytes(const char *out, const char *dtype, const char *rate) {
 
 TEST(bench_net_measures_types_and_rates) {
     if (geteuid() != 0) TEST_SKIP("bench_net needs root for network namespaces");
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_net", out_path, err_path);
     const char *model = test_model_path("stories260K-f32.gguf");
     const char *argv[] = {BENCH_BIN, "--model", model, "--dtypes", "f32,int8", "--rates", "loopback,1gbit",
                           "--concurrency", "2", "--repeat", "1", "--prompt-tokens", "16", "--max-tokens", "16",
@@ -50,7 +37,7 @@ TEST(bench_net_measures_types_and_rates) {
         free(out);
         TEST_SKIP("network namespaces cannot be made here");
     }
-    if (rc != 0 || !out) show_output();
+    if (rc != 0 || !out) bench_child_show("bench_net", out_path, err_path);
     ASSERT_EQ(0, rc);
     ASSERT_TRUE(out != NULL);
     ASSERT_TRUE(strstr(out, "bench_net 20") != NULL); /* the header: date, machine, commit */
@@ -59,7 +46,7 @@ TEST(bench_net_measures_types_and_rates) {
     double i8_lo = row_bytes(out, "int8", "loopback"), i8_bed = row_bytes(out, "int8", "1gbit");
     printf("  link bytes/token: f32 %.0f (one host) %.0f (1 Gbit/s), int8 %.0f %.0f\n", f32_lo, f32_bed, i8_lo,
            i8_bed);
-    if (f32_lo <= 0 || f32_bed <= 0 || i8_lo <= 0 || i8_bed <= 0) show_output();
+    if (f32_lo <= 0 || f32_bed <= 0 || i8_lo <= 0 || i8_bed <= 0) bench_child_show("bench_net", out_path, err_path);
     /* a row of 64 elements is 256 bytes in f32 and 68 in int8, plus the
      * step's header and the transport's share */
     ASSERT_TRUE(f32_bed > 256 && f32_lo > 256);
@@ -69,15 +56,13 @@ TEST(bench_net_measures_types_and_rates) {
     ASSERT_TRUE(strstr(out, "| f32 | 2 |") != NULL && strstr(out, "| int8 | 2 |") != NULL);
     ASSERT_TRUE(strstr(out, "not measured") == NULL);
     free(out);
-    unlink(out_path);
-    unlink(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 /* As another user (or when the test itself is not root): no namespaces,
  * the reason, exit 3, nothing measured. */
 TEST(bench_net_without_namespaces_says_so) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_net", out_path, err_path);
     const char *model = test_model_path("stories260K-f32.gguf");
     fflush(stdout);
     pid_t pid = fork();
@@ -97,7 +82,7 @@ TEST(bench_net_without_namespaces_says_so) {
     int st;
     waitpid(pid, &st, 0);
     int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    if (rc != 3) show_output();
+    if (rc != 3) bench_child_show("bench_net", out_path, err_path);
     ASSERT_EQ(3, rc);
     char *out = bench_child_slurp(out_path), *err = bench_child_slurp(err_path);
     ASSERT_TRUE(out && strstr(out, "netbed: needs root") != NULL);
@@ -105,13 +90,11 @@ TEST(bench_net_without_namespaces_says_so) {
     ASSERT_TRUE(strstr(out, "gen tok/s") == NULL);
     free(out);
     free(err);
-    unlink(out_path);
-    unlink(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST(bench_net_bad_command_lines_are_refused) {
-    if (access(BENCH_BIN, X_OK) != 0) TEST_FAIL("%s is not built", BENCH_BIN);
-    paths();
+    bench_child_begin(BENCH_BIN, "test_bench_net", out_path, err_path);
     const char *bad[][3] = {
         {"--dtypes", "f64"},   {"--dtypes", ""},          {"--rates", "3parsec"},
         {"--rates", "0gbit"},  {"--concurrency", "0"},    {"--concurrency", "4,x"},
@@ -120,14 +103,13 @@ TEST(bench_net_bad_command_lines_are_refused) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         const char *argv[] = {BENCH_BIN, bad[i][0], bad[i][1], NULL};
         int rc = bench_child_run(argv, out_path, err_path, 20);
-        if (rc != 2) show_output();
+        if (rc != 2) bench_child_show("bench_net", out_path, err_path);
         ASSERT_EQ(2, rc);
         char *e = bench_child_slurp(err_path);
         ASSERT_TRUE(e && strstr(e, bad[i][0]) != NULL); /* the message names the flag */
         free(e);
     }
-    unlink(out_path);
-    unlink(err_path);
+    bench_child_end(out_path, err_path);
 }
 
 TEST_MAIN(bench_net_bad_command_lines_are_refused, bench_net_without_namespaces_says_so,
