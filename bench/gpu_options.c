@@ -156,7 +156,7 @@ int gpu_options_parse(struct gpu_options *o, int argc, char **argv, char *err, s
          &o->tmpdir, 0, 0, NULL},
         {"model-cache", NULL, OPTION_STRING, NULL,
          "a folder that keeps each synthetic model (SHAPE-TYPE.gguf) after the run and reuses one already there, "
-         "so that runs in turn (builds against each other) write it once; made if missing",
+         "so that runs in turn (builds against each other) write it once; made if missing (its parent must exist)",
          &o->model_cache, 0, 0, NULL},
         {"json", NULL, OPTION_STRING, NULL, "also write the results as JSON to this file", &o->json, 0, 0, NULL},
         {"out", NULL, OPTION_STRING, "sample",
