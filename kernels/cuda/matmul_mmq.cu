@@ -14,8 +14,9 @@
  * is a mask and a shift per 4 weights.  Each mma covers one scale's
  * columns (k32 for Q4_K/Q5_K's 32, k16 for Q6_K's 16); its int32 sum times
  * the row's integer scale is added up in int32 over the chunk, which is
- * then scaled by d and the activation scale, less the K-quants' min term
- * (dmin * m_j times the activations' 32-sums, by dp2a).  m16n8k32 /
+ * then scaled by d and the activation scale; the K-quants' min term
+ * (dmin * m_j times the activations' 32-sums) is one F16 mma m16n8k8 a
+ * tile and chunk, over the chunk's 8 blocks.  m16n8k32 /
  * m16n8k16 on sm_80 and later, four / two m8n8k16 on sm_75: the
  * fragments' registers are the same.
  *
@@ -34,6 +35,7 @@
 #include "common.cuh"
 #include "knobs.h"
 #include "matmul_group.cuh"
+#include "mq_frag.cuh"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -170,6 +172,15 @@ template <int T> struct mmq_wk {
     __device__ __forceinline__ int sci(int j) const { return (int)((sc(j >> 2) >> (8 * (j & 3))) & 255u); }
     __device__ __forceinline__ uint32_t mins(int half) const {
         return half == 0 ? h.z & 0x3F3F3F3Fu : ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+    }
+    /* Lane t's A fragment of the min term (mmq_chunk): -32 dmin m_j of
+     * blocks j = 2 t, 2 t + 1 as F16, the 6-bit m_j exact through the
+     * 1024 + m mantissa (mq_cvt) and one rounding of the product. */
+    __device__ __forceinline__ uint32_t min_frag(int t) const {
+        const uint32_t m = __byte_perm(mins(t >> 1), 0x64646464u, t & 1 ? 0x4342u : 0x4140u);
+        const __half2 v = __hsub2(mq_h2(m), mq_hh(1024.0f));
+        const __half nd = __hmul(__ushort_as_half((unsigned short)(h.x >> 16)), __float2half(-32.0f));
+        return mq_u32(__hmul2(v, __half2half2(nd)));
     }
 };
 template <> struct mmq_w<DTYPE_Q4_K> : mmq_wk<DTYPE_Q4_K> {};
@@ -333,14 +344,14 @@ __device__ __forceinline__ mmq_place mmq_place_of(const mmq_args &a, int tok) {
 }
 
 /* One chunk of a warp's two rows (cw) against NT tiles of 8 tokens whose
- * activations sxq (token rows of MMQ_XS bytes), sxd (scales) and sxb
- * (32-sums) hold.  Each mma's int32 sum is multiplied by its row's integer
- * scale and added up in int32 over the chunk (|sum| < 2^27 for every type),
- * which then is scaled once by d, the token's scale, and less the min
- * term. */
+ * activations sxq (token rows of MMQ_XS bytes), sxd (scales) and sxm (the
+ * min term's B words, mmq_x_store) hold.  Each mma's int32 sum is
+ * multiplied by its row's integer scale and added up in int32 over the
+ * chunk (|sum| < 2^27 for every type), which then is scaled once by d and
+ * the token's scale; the min term goes on tensor cores too. */
 template <int T, int NT>
 __device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t *sxq, const float *sxd,
-                                          const uint4 *sxb, int g, int t, float (&acc)[NT][4]) {
+                                          const uint4 *sxm, int g, int t, float (&acc)[NT][4]) {
     int isum[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -388,39 +399,23 @@ __device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t 
             }
         }
     }
-    /* The chunk's row and activation scales, and the min term. */
+    /* The chunk's row and activation scales; then the min term, all 8
+     * blocks of every row and token at once: one F16 mma m16n8k8 a tile of
+     * (-32 dmin m_j) against the tokens' (dx x sum_j / 32) (mmq_x_store). */
     const float d[2] = {cw[0].d(), cw[1].d()};
-    float dm[2] = {0.0f, 0.0f};
-    uint32_t m03[2] = {0, 0}, m47[2] = {0, 0};
-    if constexpr (mmq_w<T>::MIN) {
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            dm[r] = cw[r].dmin();
-            m03[r] = cw[r].mins(0);
-            m47[r] = cw[r].mins(1);
-        }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const int tl = nt * 8 + 2 * t + j;
-            const float dx = sxd[tl];
-            uint4 bs = make_uint4(0, 0, 0, 0);
-            if constexpr (mmq_w<T>::MIN) bs = sxb[tl];
+            const float dx = sxd[nt * 8 + 2 * t + j];
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float v = d[r] * (float)isum[nt][2 * r + j];
-                if constexpr (mmq_w<T>::MIN) {
-                    int mi = __dp2a_lo((int)bs.x, (int)m03[r], 0);
-                    mi = __dp2a_hi((int)bs.y, (int)m03[r], mi);
-                    mi = __dp2a_lo((int)bs.z, (int)m47[r], mi);
-                    mi = __dp2a_hi((int)bs.w, (int)m47[r], mi);
-                    v = fmaf(-dm[r], (float)mi, v);
-                }
-                acc[nt][2 * r + j] = fmaf(dx, v, acc[nt][2 * r + j]);
-            }
+            for (int r = 0; r < 2; r++)
+                acc[nt][2 * r + j] = fmaf(dx * d[r], (float)isum[nt][2 * r + j], acc[nt][2 * r + j]);
         }
+    if constexpr (mmq_w<T>::MIN) {
+        const uint32_t a0 = cw[0].min_frag(t), a1 = cw[1].min_frag(t);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mq_mma(acc[nt], a0, a1, ((const uint32_t *)(sxm + nt * 8 + g))[t]);
     }
 }
 
@@ -492,8 +487,15 @@ __device__ __forceinline__ void mmq_x_load(const mmq_act &x, int n, int s, int t
         pb = __ldg((const uint4 *)(x.xb + bi * 8));
     }
 }
-template <int NT>
-__device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb, const uint4 (&px)[NT], float pd,
+/* The min term's B words of a token (mmq_chunk): word t the F16 pair
+ * dx x sum_j / 32 of blocks j = 2 t, 2 t + 1 (the mean, which F16 holds
+ * wherever the activations themselves fit it). */
+__device__ __forceinline__ uint32_t mmq_min_b(float dx, uint32_t sums) {
+    const float s = dx * (1.0f / 32.0f);
+    return mq_u32(__floats2half2_rn(s * (float)(int16_t)(sums & 0xFFFFu), s * (float)((int)sums >> 16)));
+}
+template <int NT, bool MIN>
+__device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxm, const uint4 (&px)[NT], float pd,
                                             uint4 pb) {
 #pragma unroll
     for (int k = 0; k < NT; k++) {
@@ -502,7 +504,9 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxb,
     }
     if ((int)threadIdx.x < 8 * NT) {
         sxd[threadIdx.x] = pd;
-        sxb[threadIdx.x] = pb;
+        if constexpr (MIN)
+            sxm[threadIdx.x] = make_uint4(mmq_min_b(pd, pb.x), mmq_min_b(pd, pb.y), mmq_min_b(pd, pb.z),
+                                          mmq_min_b(pd, pb.w));
     }
 }
 
@@ -531,11 +535,12 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
         for (int e = 0; e < 4; e++) acc[nt][e] = 0.0f;
 
     /* The block's activations of a chunk, staged in shared memory (two
-     * buffers): token rows of MMQ_XS bytes (MMQ_XL), scales, 32-sums. */
+     * buffers): token rows of MMQ_XS bytes (MMQ_XL), scales, the min
+     * term's words (mmq_x_store). */
     constexpr int TOK = 8 * NT;
     __shared__ __align__(16) int8_t sxq[2][TOK * MMQ_XS];
     __shared__ float sxd[2][TOK];
-    __shared__ __align__(16) uint4 sxb[2][TOK];
+    __shared__ __align__(16) uint4 sxm[2][TOK];
     /* ST: each warp's weights of a chunk (mmq_stage). */
     static_assert(!ST || T == DTYPE_Q6_K, "only Q6_K's fragments are staged");
     __shared__ __align__(16) uint8_t sw[ST ? MMQ_WARPS : 1][ST ? 16 * mmq_stage<DTYPE_Q6_K>::WB : 16];
@@ -574,7 +579,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
     pdl_begin();
     if (s0 < s1) {
         mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
-        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], px, pd, pb);
+        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], px, pd, pb);
     }
     __syncthreads();
     for (int s = s0; s < s1; s++) {
@@ -595,7 +600,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
             }
             mmq_x_load<NT>(a.a, n, s + 1, tok0, px, pd, pb);
         }
-        mmq_chunk<T, NT>(cw, sxq[buf], sxd[buf], sxb[buf], g, t, acc);
+        mmq_chunk<T, NT>(cw, sxq[buf], sxd[buf], sxm[buf], g, t, acc);
         if (s + 1 < s1) {
             if constexpr (ST) {
                 /* Every lane has its fragments of this chunk in registers. */
@@ -614,7 +619,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
             }
             /* The other buffer was last read a chunk ago, before the
              * barrier that ended it. */
-            mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], px, pd, pb);
+            mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], px, pd, pb);
         }
         __syncthreads();
     }
@@ -640,7 +645,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
     /* The activations of two chunks, as the kernel above stages them. */
     __shared__ __align__(16) int8_t sxq[2][8 * NT * MMQ_XS];
     __shared__ float sxd[2][8 * NT];
-    __shared__ __align__(16) uint4 sxb[2][8 * NT];
+    __shared__ __align__(16) uint4 sxm[2][8 * NT];
     /* Register sets A, B, C: chunk s0 + 3i + k in set k. */
     mmq_w<T> wa[2], wb[2], wc[2];
     uint4 xa[NT], xb[NT], xc[NT], ba = make_uint4(0, 0, 0, 0), bb = ba, bc = ba;
@@ -659,7 +664,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
     pdl_begin();
     if (pl.s0 < pl.s1) {
         mmq_x_load<NT>(a.a, a.n, pl.s0, pl.tok0, xa, da, ba);
-        mmq_x_store<NT>(sxq[0], sxd[0], sxb[0], xa, da, ba);
+        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], xa, da, ba);
         if (pl.s0 + 1 < pl.s1) mmq_x_load<NT>(a.a, a.n, pl.s0 + 1, pl.tok0, xb, db, bb);
     }
     __syncthreads();
@@ -670,10 +675,10 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
                           uint4 &bf, const uint4(&xn)[NT], float dn, uint4 bn) {
         const int buf = (s - pl.s0) & 1;
         if (s + 2 < pl.s1) load(s + 2, fill, xf, df, bf);
-        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxb[buf], lane >> 2, t, acc);
+        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxm[buf], lane >> 2, t, acc);
         /* The other buffer was last read a chunk ago, before the barrier
          * that ended it. */
-        if (s + 1 < pl.s1) mmq_x_store<NT>(sxq[buf ^ 1], sxd[buf ^ 1], sxb[buf ^ 1], xn, dn, bn);
+        if (s + 1 < pl.s1) mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], xn, dn, bn);
         __syncthreads();
     };
     for (int s = pl.s0; s < pl.s1; s += 3) {
