@@ -140,7 +140,10 @@ template <int T> struct mmq_wk {
     uint32_t lo[4], hi[4], qa, qb;
 
     __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
-        const uint8_t *b = row + (size_t)s * BYTES;
+        load_at(row + (size_t)s * BYTES, t);
+    }
+    /* The same from the chunk's first byte b. */
+    __device__ __forceinline__ void load_at(const uint8_t *b, int t) {
         h = __ldg((const uint4 *)b);
 #pragma unroll
         for (int p = 0; p < 4; p++) {
@@ -169,7 +172,8 @@ template <int T> struct mmq_wk {
     __device__ __forceinline__ uint32_t sc(int half) const {
         return half == 0 ? h.y & 0x3F3F3F3Fu : (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
     }
-    __device__ __forceinline__ int sci(int j) const { return (int)((sc(j >> 2) >> (8 * (j & 3))) & 255u); }
+    /* Scale j (one byte permute). */
+    __device__ __forceinline__ int sci(int j) const { return (int)__byte_perm(sc(j >> 2), 0, 0x4440u | (j & 3)); }
     __device__ __forceinline__ uint32_t mins(int half) const {
         return half == 0 ? h.z & 0x3F3F3F3Fu : ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
     }
@@ -226,8 +230,13 @@ template <> struct mmq_w<DTYPE_Q6_K> {
     __device__ __forceinline__ uint32_t scw(int k) const {
         return k == 0 ? scb.x : k == 1 ? scb.y : k == 2 ? scb.z : scb.w;
     }
-    /* Signed scale byte k of word p. */
-    __device__ __forceinline__ int sci(int p, int k) const { return (int)(scw(p) << (24 - 8 * k)) >> 24; }
+    /* Signed scale byte k of word p: one prmt, whose selector's sign bit
+     * (which __byte_perm masks off) repeats the byte's sign. */
+    __device__ __forceinline__ int sci(int p, int k) const {
+        int r;
+        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(scw(p)), "r"(k | (8 | k) << 4 | (8 | k) << 8 | (8 | k) << 12));
+        return r;
+    }
 };
 
 /* A warp's Q6_K weights of a chunk staged in shared memory: its 16 rows'
@@ -469,23 +478,47 @@ __device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg,
     }
 }
 
-/* This thread's part of the block's activations of chunk s, tokens tok0 ..
+/* This thread's part of the block's activations of a chunk, tokens tok0 ..
  * tok0 + 8 NT (clamped to n - 1): NT 16-byte pieces of the codes, and for
  * threads below 8 NT one token's scale and sums.  Loaded a chunk ahead into
- * registers, stored to shared memory after the present chunk. */
+ * registers, stored to shared memory after the present chunk.  Piece k of
+ * thread i is 16-byte piece mmq_x_piece(i) of token mmq_x_tok(i) + 8 k:
+ * a warp reads two whole token rows, and each 8 threads in a row store
+ * the same 4 pieces of two tokens, 320 bytes apart, on distinct banks.
+ * Where they lie in a chunk's n x 256 codes (off), and in the block's
+ * staged copy (st: piece k at st + 8 k MMQ_XS), is worked out once. */
+__device__ __forceinline__ int mmq_x_tok(int i) { return 2 * (i / 32) + i / 4 % 2; }
+__device__ __forceinline__ int mmq_x_piece(int i) { return i / 8 % 4 * 4 + i % 4; }
+__device__ __forceinline__ int mmq_x_st(int i) {
+    return mmq_x_tok(i) * MMQ_XS + mmq_x_piece(i) / 4 * MMQ_XL + mmq_x_piece(i) % 4 * 16;
+}
+template <int NT> struct mmq_xsrc {
+    int off[NT], st, bd;
+    __device__ __forceinline__ void init(int n, int tok0) {
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int k = 0; k < NT; k++) off[k] = min(tok0 + mmq_x_tok(tid) + 8 * k, n - 1) * 256 + mmq_x_piece(tid) * 16;
+        st = mmq_x_st(tid);
+        bd = min(tok0 + tid, n - 1);
+    }
+    __device__ __forceinline__ void load(const mmq_act &x, int n, int s, uint4 (&px)[NT], float &pd,
+                                         uint4 &pb) const {
+        const int8_t *xs = x.xq + (size_t)s * n * 256;
+#pragma unroll
+        for (int k = 0; k < NT; k++) px[k] = __ldg((const uint4 *)(xs + off[k]));
+        if ((int)threadIdx.x < 8 * NT) {
+            const size_t bi = (size_t)s * n + bd;
+            pd = __ldg(x.xd + bi);
+            pb = __ldg((const uint4 *)(x.xb + bi * 8));
+        }
+    }
+};
 template <int NT>
 __device__ __forceinline__ void mmq_x_load(const mmq_act &x, int n, int s, int tok0, uint4 (&px)[NT], float &pd,
                                            uint4 &pb) {
-#pragma unroll
-    for (int k = 0; k < NT; k++) {
-        const int q = threadIdx.x + MMQ_WARPS * 32 * k, tok = min(tok0 + q / 16, n - 1);
-        px[k] = __ldg((const uint4 *)(x.xq + ((size_t)s * n + tok) * 256) + q % 16);
-    }
-    if ((int)threadIdx.x < 8 * NT) {
-        const size_t bi = (size_t)s * n + min(tok0 + (int)threadIdx.x, n - 1);
-        pd = __ldg(x.xd + bi);
-        pb = __ldg((const uint4 *)(x.xb + bi * 8));
-    }
+    mmq_xsrc<NT> src;
+    src.init(n, tok0);
+    src.load(x, n, s, px, pd, pb);
 }
 /* The min term's B words of a token (mmq_chunk): word t the F16 pair
  * dx x sum_j / 32 of blocks j = 2 t, 2 t + 1 (the mean, which F16 holds
@@ -496,12 +529,10 @@ __device__ __forceinline__ uint32_t mmq_min_b(float dx, uint32_t sums) {
 }
 template <int NT, bool MIN>
 __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxm, const uint4 (&px)[NT], float pd,
-                                            uint4 pb) {
+                                            uint4 pb, int st = -1) {
+    if (st < 0) st = mmq_x_st(threadIdx.x);
 #pragma unroll
-    for (int k = 0; k < NT; k++) {
-        const int q = threadIdx.x + MMQ_WARPS * 32 * k;
-        *(uint4 *)(sxq + (q / 16) * MMQ_XS + (q % 16 / 4) * MMQ_XL + (q % 4) * 16) = px[k];
-    }
+    for (int k = 0; k < NT; k++) *(uint4 *)(sxq + st + 8 * k * MMQ_XS) = px[k];
     if ((int)threadIdx.x < 8 * NT) {
         sxd[threadIdx.x] = pd;
         if constexpr (MIN)
@@ -517,7 +548,10 @@ __device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxm,
  * them in.  The rows' next chunk is loaded into registers while the
  * present one multiplies: with ST (Q6_K only) the warp's 16 rows in
  * 16-byte pieces, stored to its shared-memory copy after the chunk
- * (mmq_stage), else each lane's own fragments. */
+ * (mmq_stage), else each lane's own fragments, Q4_K's and Q5_K's into two
+ * register sets that take turns (Q6_K's, copied, spill less).  Each
+ * lane's weight and activation addresses are worked out once and
+ * advanced a chunk at a time. */
 template <int T, int NT, bool ST>
 __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4 : NT <= 4 ? MMQ_MIN_BLOCKS : 2)
     matmul_mmq_kernel(const mmq_args a) {
@@ -548,7 +582,18 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
     mmq_stager<DTYPE_Q6_K> stg;
     uint4 px[NT], pb = make_uint4(0, 0, 0, 0);
     float pd = 0.0f;
-    mmq_w<T> cw[2], nw[2];
+    /* Two register sets of the rows' weights taking turns (the loop
+     * unrolled by two): chunk s multiplies from one while chunk s + 1
+     * loads into the other. */
+    mmq_w<T> wa[2], wb[2];
+    /* Q4_K and Q5_K: the next chunk's first bytes, a pointer a row. */
+    const uint8_t *nx0 = w0, *nx1 = w1;
+    if constexpr (T != DTYPE_Q6_K) {
+        nx0 += (size_t)(s0 + 1) * mmq_wk<T>::BYTES;
+        nx1 += (size_t)(s0 + 1) * mmq_wk<T>::BYTES;
+    }
+    mmq_xsrc<NT> xsrc;
+    xsrc.init(n, tok0);
     /* Q6_K's d of the two rows, which the staged copy leaves out. */
     const auto load_d = [&](int s, mmq_w<T>(&w)[2]) {
         if constexpr (T == DTYPE_Q6_K) {
@@ -562,12 +607,12 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
             stg.load(s0);
             stg.store(mw, lane);
             __syncwarp();
-            cw[0].load_s(mw + g * mmq_stage<T>::WB, t);
-            cw[1].load_s(mw + (g + 8) * mmq_stage<T>::WB, t);
-            load_d(s0, cw);
+            wa[0].load_s(mw + g * mmq_stage<T>::WB, t);
+            wa[1].load_s(mw + (g + 8) * mmq_stage<T>::WB, t);
+            load_d(s0, wa);
         } else {
-            cw[0].load(w0, s0, t, a.cols);
-            cw[1].load(w1, s0, t, a.cols);
+            wa[0].load(w0, s0, t, a.cols);
+            wa[1].load(w1, s0, t, a.cols);
         }
         if constexpr (NT <= 2)
             for (int k = 2; k <= a.ahead && s0 + k < s1; k++)
@@ -578,11 +623,14 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
      * before.  The activations are one's, so they are loaded after it. */
     pdl_begin();
     if (s0 < s1) {
-        mmq_x_load<NT>(a.a, n, s0, tok0, px, pd, pb);
-        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], px, pd, pb);
+        xsrc.load(a.a, n, s0, px, pd, pb);
+        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], px, pd, pb, xsrc.st);
     }
     __syncthreads();
-    for (int s = s0; s < s1; s++) {
+    /* Chunk s from cur; the next chunk's weights into fill (with ST: its
+     * staged copy, into fill after the chunk) and activations into px,
+     * stored to the other buffer after the chunk. */
+    const auto step = [&](int s, const mmq_w<T>(&cur)[2], mmq_w<T>(&fill)[2]) {
         const int buf = (s - s0) & 1;
         /* The weights' chunk a.ahead past the next one asked of L2, up to
          * 16 tokens: above, the code it adds measured slower (sm_75's
@@ -593,35 +641,46 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, T != DTYPE_Q6_K && NT <= 2 ? 4
         if (s + 1 < s1) {
             if constexpr (ST) {
                 stg.load(s + 1);
-                load_d(s + 1, nw);
+                load_d(s + 1, fill);
+            } else if constexpr (T == DTYPE_Q6_K) {
+                fill[0].load(w0, s + 1, t, a.cols);
+                fill[1].load(w1, s + 1, t, a.cols);
             } else {
-                nw[0].load(w0, s + 1, t, a.cols);
-                nw[1].load(w1, s + 1, t, a.cols);
+                fill[0].load_at(nx0, t);
+                fill[1].load_at(nx1, t);
+                nx0 += mmq_wk<T>::BYTES;
+                nx1 += mmq_wk<T>::BYTES;
             }
-            mmq_x_load<NT>(a.a, n, s + 1, tok0, px, pd, pb);
+            xsrc.load(a.a, n, s + 1, px, pd, pb);
         }
-        mmq_chunk<T, NT>(cw, sxq[buf], sxd[buf], sxm[buf], g, t, acc);
+        mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxm[buf], g, t, acc);
         if (s + 1 < s1) {
             if constexpr (ST) {
                 /* Every lane has its fragments of this chunk in registers. */
                 __syncwarp();
                 stg.store(mw, lane);
                 __syncwarp();
-                cw[0].load_s(mw + g * mmq_stage<T>::WB, t);
-                cw[1].load_s(mw + (g + 8) * mmq_stage<T>::WB, t);
-                if constexpr (T == DTYPE_Q6_K) {
-                    cw[0].dh = nw[0].dh;
-                    cw[1].dh = nw[1].dh;
-                }
-            } else {
-                cw[0] = nw[0];
-                cw[1] = nw[1];
+                fill[0].load_s(mw + g * mmq_stage<T>::WB, t);
+                fill[1].load_s(mw + (g + 8) * mmq_stage<T>::WB, t);
             }
             /* The other buffer was last read a chunk ago, before the
              * barrier that ended it. */
-            mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], px, pd, pb);
+            mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], px, pd, pb, xsrc.st);
         }
         __syncthreads();
+    };
+    if constexpr (T == DTYPE_Q6_K) { /* (its two sets in turn spill) */
+        for (int s = s0; s < s1; s++) {
+            step(s, wa, wb);
+            wa[0] = wb[0];
+            wa[1] = wb[1];
+        }
+    } else {
+        for (int s = s0; s < s1; s += 2) {
+            step(s, wa, wb);
+            if (s + 1 >= s1) break;
+            step(s + 1, wb, wa);
+        }
     }
     mmq_finish<NT>(a, seg, bx, row0, tok0, acc);
 }
