@@ -52,6 +52,29 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+/* 16 bytes from global src to shared dst, of which only the first `bytes`
+ * are read (the rest zero); a thread's copies since the last commit are
+ * one group, and cp_async_wait<N> waits until at most N of its groups are
+ * in flight.  These exist on sm_80 and later only: a kernel that uses
+ * them is never launched below, and there they do nothing. */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, int bytes = 16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 /* Asks L2 for the line holding p, without waiting and without a register:
  * a kernel that loads one step ahead into registers asks for later steps
  * this way, so that the load finds them in L2.  Only addresses of the

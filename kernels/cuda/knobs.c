@@ -26,6 +26,7 @@
 #define CUDA_MMQ_ROWS_DEFAULT 8192
 #define CUDA_MMQ_ELEMS ((int64_t)20 << 20)
 #define CUDA_MMQ_MAX_Q6_SM80 24
+#define CUDA_MMQ_TILE_ROWS 16384
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const char *const knobs_mm_route_choices[] = {"auto", "sm75", "sm80", NULL};
@@ -159,6 +160,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "most tiles of 8 tokens a warp of matmul_mmq.cu takes; more tokens go to blocks side by side "
          "on the same rows, each reading the weights again (fewer: more, smaller blocks, to compare)",
          &k->mmq_tiles, 1, 8, NULL},
+        {"cuda-mmq-tile", "LLM_CUDA_MMQ_TILE", OPTION_INT, "49",
+         "fewest tokens at which matmul_mmq.cu multiplies Q4_K weights of 16384 rows and more (all the "
+         "weights of one launch) in 32 x 32 warp tiles, on sm_80 and newer; it measured faster from 49 "
+         "(0: never, to compare)",
+         &k->mmq_tile, 0, 64, NULL},
         {"cuda-att-splits", "LLM_CUDA_ATT_SPLITS", OPTION_INT, "0",
          "context splits a decode row of the attention kernels wants (0: the count whose waves of "
          "blocks take the least time, each block its steps and one more, where that measured faster, "
@@ -253,6 +259,8 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->l2_ahead = k->l2_ahead;
     ctx->mmq_depth = k->mmq_depth;
     ctx->mmq_tiles = k->mmq_tiles;
+    ctx->mmq_tile = ctx->cc >= 80 ? k->mmq_tile : 0; /* (cp.async) */
+    ctx->mmq_tile_rows = forced ? 0 : CUDA_MMQ_TILE_ROWS;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;

@@ -53,11 +53,12 @@ struct cuda_knobs {
     int l2_ahead;        /* LLM_CUDA_L2_AHEAD: steps or chunks asked of L2 ahead of their loads */
     int mmq_depth;       /* LLM_CUDA_MMQ_DEPTH: 1 or 2 */
     int mmq_tiles;       /* LLM_CUDA_MMQ_TILES: 1-8 */
+    int mmq_tile;        /* LLM_CUDA_MMQ_TILE: fewest tokens for Q4_K's 32 x 32 warp tiles (0: never) */
     int att_splits;      /* LLM_CUDA_ATT_SPLITS: 0 weighed, -1 one wave, or the splits a row wants */
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 30
+#define CUDA_KNOBS_N 31
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

@@ -430,33 +430,33 @@ __device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t 
 
 /* The block's sums to out: straight, or with K split this split's partial
  * sums, and the last block of the row block to arrive adds every split's
- * in order.  Every thread of the block calls it. */
-template <int NT>
-__device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
-                                           const float (&acc)[NT][4]) {
+ * in order.  A warp's RF fragments of 16 rows from row0 and NT tiles of 8
+ * tokens from tok0; the block's tokens are btok .. btok + ntb.  Every
+ * thread of the block calls it. */
+template <int NT, int RF>
+__device__ __forceinline__ void mmq_finish_rf(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
+                                              int btok, int ntb, const float (&acc)[RF][NT][4]) {
     const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, n = a.n, rows = seg.rows;
-    if (gridDim.y == 1) {
+    float *part = NULL;
+    if (gridDim.y > 1) {
+        size_t p0 = a.part0[0];
+#pragma unroll
+        for (int k = 1; k < MG_MAX; k++)
+            if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
+        part = a.part + p0 + (size_t)blockIdx.y * n * rows;
+    }
+    float *const dst = gridDim.y > 1 ? part : seg.out;
+#pragma unroll
+    for (int f = 0; f < RF; f++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
-                if (tok < n && row < rows) seg.out[(size_t)tok * rows + row] = acc[nt][e];
+                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + 16 * f + g + 8 * (e >> 1);
+                if (tok < n && row < rows) dst[(size_t)tok * rows + row] = acc[f][nt][e];
             }
-        return;
-    }
-    size_t p0 = a.part0[0];
-#pragma unroll
-    for (int k = 1; k < MG_MAX; k++)
-        if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
-    float *part = a.part + p0;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + g + 8 * (e >> 1);
-            if (tok < n && row < rows) part[((size_t)blockIdx.y * n + tok) * rows + row] = acc[nt][e];
-        }
+    if (gridDim.y == 1) return;
+    part -= (size_t)blockIdx.y * n * rows;
     __shared__ unsigned int last;
     __threadfence(); /* partials visible before the arrival is counted */
     __syncthreads();
@@ -468,14 +468,38 @@ __device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg,
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, ntok = min(8 * NT, n - tok0);
-    for (int i = threadIdx.x; i < ntok * MMQ_ROWS; i += MMQ_WARPS * 32) {
-        const int tok = tok0 + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
-        if (row >= rows) continue;
-        float v = 0.0f;
-        for (int k = 0; k < ks; k++) v += __ldcg(part + ((size_t)k * n + tok) * rows + row);
-        seg.out[(size_t)tok * rows + row] = v;
+    /* Four sums a thread at a time, all their loads issued before the
+     * first add: the L2 trips overlap instead of following each other. */
+    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, total = min(ntb, n - btok) * MMQ_ROWS;
+    const size_t kstep = (size_t)n * rows;
+    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
+        size_t at[4];
+        bool in[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + u * blockDim.x, tok = btok + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
+            in[u] = i < total && row < rows;
+            at[u] = (size_t)tok * rows + row;
+        }
+        float l[MMQ_SPLIT_MAX][4];
+#pragma unroll
+        for (int k = 0; k < MMQ_SPLIT_MAX; k++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) l[k][u] = k < ks && in[u] ? __ldcg(part + k * kstep + at[u]) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < MMQ_SPLIT_MAX; k++)
+                if (k < ks) v += l[k][u];
+            if (in[u]) seg.out[at[u]] = v;
+        }
     }
+}
+template <int NT>
+__device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
+                                           const float (&acc)[NT][4]) {
+    mmq_finish_rf<NT, 1>(a, seg, bx, row0, tok0, tok0, 8 * NT, reinterpret_cast<const float(&)[1][NT][4]>(acc));
 }
 
 /* This thread's part of the block's activations of a chunk, tokens tok0 ..
@@ -750,6 +774,169 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
     mmq_finish<NT>(a, pl.seg, pl.bx, pl.row0, pl.tok0, acc);
 }
 
+/* ---- Q4_K at 33-64 tokens: 32 x 32 warp tiles (matmul_mmq_tile_kernel) ----
+ * A block of 4 warps takes 64 rows and 64 tokens, each warp 32 rows (two
+ * fragments of 16) by 32 tokens (4 tiles), so that every activation
+ * fragment it reads serves two weight fragments and every weight fragment
+ * four token tiles.  The block copies its 64 rows' chunks into a ring of
+ * S stages in shared memory with cp.async (sm_80+), 16 bytes a copy and
+ * each row's 144 bytes as they lie, S - 1 chunks ahead of its work; the
+ * activations go through registers a chunk ahead, as in the kernel above.
+ * Row stride SB puts the fragment loads of a half-warp (rows g = 0 .. 3,
+ * 8-byte pieces 8 t) on distinct banks (SB / 4 mod 32 is 8). */
+template <int T> struct mmq_tile {
+    static_assert(T == DTYPE_Q4_K, "Q4_K only");
+    static constexpr int BY = mmq_wk<T>::BYTES, PC = BY / 16, SB = 160, TOK = 64, S = 4;
+    static constexpr int NP = (MMQ_ROWS * PC + MMQ_WARPS * 32 - 1) / (MMQ_WARPS * 32); /* pieces a thread */
+    static constexpr size_t W = (size_t)MMQ_ROWS * SB, X = (size_t)TOK * MMQ_XS;
+    static constexpr size_t SMEM = S * W + 2 * (X + TOK * sizeof(float) + TOK * sizeof(uint4));
+};
+
+/* One chunk of a warp's 32 rows (sw: its first row's copy) against its 4
+ * tiles of 8 tokens (sxq, sxd, sxm from its first token), as mmq_chunk. */
+template <int T>
+__device__ __forceinline__ void mmq_tile_chunk(const uint8_t *sw, const int8_t *sxq, const float *sxd,
+                                               const uint4 *sxm, int g, int t, float (&acc)[2][4][4]) {
+    constexpr int NT = 4, SB = mmq_tile<T>::SB;
+    mmq_w<T> w[2][2]; /* [fragment][row g, g + 8] */
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) w[f][h].h = *(const uint4 *)(sw + (16 * f + 8 * h + g) * SB);
+    int isum[2][NT][4];
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) isum[f][nt][e] = 0;
+    const int8_t *xs = sxq + t * MMQ_XL;
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint32_t fa[2][2][4];
+        int sc[2][2][2];
+#pragma unroll
+        for (int f = 0; f < 2; f++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint2 v = *(const uint2 *)(sw + (16 * f + 8 * h + g) * SB + mmq_wk<T>::QS + 32 * p + 8 * t);
+                w[f][h].lo[p] = v.x;
+                w[f][h].hi[p] = v.y;
+            }
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                w[f][0].codes(p, k, fa[f][k][0], fa[f][k][2]);
+                w[f][1].codes(p, k, fa[f][k][1], fa[f][k][3]);
+                sc[f][k][0] = w[f][0].sci(2 * p + k);
+                sc[f][k][1] = w[f][1].sci(2 * p + k);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint4 b = *(const uint4 *)(xs + (nt * 8 + g) * MMQ_XS + 16 * p);
+#pragma unroll
+            for (int k = 0; k < 2; k++)
+#pragma unroll
+                for (int f = 0; f < 2; f++) {
+                    int c[4] = {0, 0, 0, 0};
+                    mmq_mma_k32(c, fa[f][k], k == 0 ? b.x : b.z, k == 0 ? b.y : b.w);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) isum[f][nt][e] += sc[f][k][e >> 1] * c[e];
+                }
+        }
+    }
+#pragma unroll
+    for (int f = 0; f < 2; f++) {
+        const float d[2] = {w[f][0].d(), w[f][1].d()};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const float dx = sxd[nt * 8 + 2 * t + j];
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+                    acc[f][nt][2 * r + j] = fmaf(dx * d[r], (float)isum[f][nt][2 * r + j], acc[f][nt][2 * r + j]);
+            }
+        const uint32_t a0 = w[f][0].min_frag(t), a1 = w[f][1].min_frag(t);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) mq_mma(acc[f][nt], a0, a1, ((const uint32_t *)(sxm + nt * 8 + g))[t]);
+    }
+}
+
+/* The block's 64 rows by (up to) 64 tokens; warp w takes rows 32 (w & 1)
+ * and tokens 32 (w >> 1).  One barrier a chunk: after it, chunk s's
+ * weights and activations are in shared memory and every warp is done
+ * with chunk s - 1, whose weight stage then takes chunk s + S - 1 and
+ * whose activation buffer chunk s + 1's, stored after chunk s. */
+template <int T>
+__global__ void __launch_bounds__(MMQ_WARPS * 32, 2) matmul_mmq_tile_kernel(const mmq_args a) {
+    using TL = mmq_tile<T>;
+    extern __shared__ __align__(16) uint8_t mmq_smem[];
+    uint8_t *const sw0 = mmq_smem;
+    int8_t *const sx0 = (int8_t *)(mmq_smem + TL::S * TL::W);
+    float *const sd0 = (float *)(sx0 + 2 * TL::X);
+    uint4 *const sm0 = (uint4 *)(sd0 + 2 * TL::TOK);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+    const int wr = warp & 1, wc = warp >> 1, bx = blockIdx.x, n = a.n;
+    const mg_seg seg = mg_seg_locate(a.g, bx);
+    const int rbase = (bx - seg.u0) * MMQ_ROWS, s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
+    /* This thread's 16-byte pieces of the block's rows (rows past the
+     * weight: its last) in chunk 0, and where they go in a stage. */
+    const uint8_t *src[TL::NP];
+    int dst[TL::NP];
+    const bool tail = threadIdx.x + (TL::NP - 1) * MMQ_WARPS * 32 < MMQ_ROWS * TL::PC;
+#pragma unroll
+    for (int k = 0; k < TL::NP; k++) {
+        const int i = min((int)threadIdx.x + k * MMQ_WARPS * 32, MMQ_ROWS * TL::PC - 1), r = i / TL::PC,
+                  q = i % TL::PC;
+        src[k] = seg.w + (size_t)min(rbase + r, seg.rows - 1) * a.rb + 16 * q;
+        dst[k] = r * TL::SB + 16 * q;
+    }
+    /* Chunk s's copies into its stage, if there is such a chunk; a group
+     * either way, so that the groups count chunks. */
+    const auto wcopy = [&](int s) {
+        if (s < s1) {
+            uint8_t *st = sw0 + (s - s0) % TL::S * TL::W;
+#pragma unroll
+            for (int k = 0; k < TL::NP; k++)
+                if (k < TL::NP - 1 || tail) cp_async16(st + dst[k], src[k] + (size_t)s * TL::BY);
+        }
+        cp_async_commit();
+    };
+    float acc[2][4][4];
+#pragma unroll
+    for (int f = 0; f < 2; f++)
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[f][nt][e] = 0.0f;
+    mmq_xsrc<8> xsrc;
+    xsrc.init(n, 0);
+    uint4 px[8], pb = make_uint4(0, 0, 0, 0);
+    float pd = 0.0f;
+    /* The weights before the wait, the activations after (the kernel above). */
+#pragma unroll
+    for (int k = 0; k < TL::S - 1; k++) wcopy(s0 + k);
+    pdl_begin();
+    if (s0 < s1) {
+        xsrc.load(a.a, n, s0, px, pd, pb);
+        mmq_x_store<8, true>(sx0, sd0, sm0, px, pd, pb, xsrc.st);
+    }
+    for (int s = s0; s < s1; s++) {
+        const int buf = (s - s0) & 1;
+        cp_async_wait<TL::S - 2>(); /* chunk s's copies (this thread's) have landed */
+        __syncthreads();
+        wcopy(s + TL::S - 1);
+        if (s + 1 < s1) xsrc.load(a.a, n, s + 1, px, pd, pb);
+        mmq_tile_chunk<T>(sw0 + (s - s0) % TL::S * TL::W + 32 * wr * TL::SB, sx0 + buf * TL::X + 32 * wc * MMQ_XS,
+                          sd0 + buf * TL::TOK + 32 * wc, sm0 + buf * TL::TOK + 32 * wc, g, t, acc);
+        if (s + 1 < s1)
+            mmq_x_store<8, true>(sx0 + (buf ^ 1) * TL::X, sd0 + (buf ^ 1) * TL::TOK, sm0 + (buf ^ 1) * TL::TOK, px,
+                                 pd, pb, xsrc.st);
+    }
+    mmq_finish_rf<4, 2>(a, seg, bx, rbase + 32 * wr, 32 * wc, 0, TL::TOK, acc);
+}
+
 /* Whether a launch of nt tiles a warp stages its weights (mmq_stage):
  * LLM_CUDA_MMQ_STAGE (knobs.c), read on every launch so that a benchmark
  * or a test can compare the two on one backend.  cuda_ctx_init has checked
@@ -767,8 +954,12 @@ static bool mmq_staged(int nt) {
 }
 
 /* The kernel of variant v: 0 the plain one, 1 Q6_K's staged weights, 2
- * Q4_K's and Q5_K's loads two chunks ahead (matmul_mmq_deep_kernel). */
+ * Q4_K's and Q5_K's loads two chunks ahead (matmul_mmq_deep_kernel), 3
+ * Q4_K's 32 x 32 warp tiles (matmul_mmq_tile_kernel). */
 template <int T, int NT> static void (*mmq_kernel(int v))(const mmq_args) {
+    if constexpr (T == DTYPE_Q4_K && NT == 4) {
+        if (v == 3) return matmul_mmq_tile_kernel<T>;
+    }
     if constexpr (T == DTYPE_Q6_K && NT <= MMQ_STAGE_MAX) {
         if (v == 1) return matmul_mmq_kernel<T, NT, true>;
     } else if constexpr (NT == 1) {
@@ -779,17 +970,21 @@ template <int T, int NT> static void (*mmq_kernel(int v))(const mmq_args) {
 
 /* *per_sm: the blocks of kernel resident on a multiprocessor, asked once
  * (a device's entry). */
-static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm) {
+static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm, size_t smem = 0) {
     if (*per_sm) return cudaSuccess;
+    if (smem > 48 * 1024) {
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
     int b = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, 0);
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, smem);
     *per_sm = b > 0 ? b : 1;
     return e;
 }
 
 template <int T, int NT>
-static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
-    static int per_sm[64][3];
+static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n, bool tile = false) {
+    static int per_sm[64][4];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     int rbs = 0;
     for (int s = 0; s < g.n; s++) {
@@ -797,13 +992,20 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
         rbs += (g.rows[s] + MMQ_ROWS - 1) / MMQ_ROWS;
     }
     g.blk0[g.n] = rbs;
-    const int th = (n + 8 * NT - 1) / (8 * NT);
+    const int th = tile ? 1 : (n + 8 * NT - 1) / (8 * NT);
     if (rbs * th > MMQ_COUNTERS) return CUDA_NOT_FUSED;
     /* Q4_K and Q5_K at 3-8 tokens load two chunks ahead where the row
      * blocks fit one wave of its fewer resident blocks: where they did
      * not (llama3-8b's gate/up, 896 row blocks) its extra wave measured
      * slower, as did 9-16 tokens, whose registers spill. */
     int v = 0;
+    size_t smem = 0;
+    if constexpr (T == DTYPE_Q4_K && NT == 4) {
+        if (tile) {
+            v = 3;
+            smem = mmq_tile<T>::SMEM;
+        }
+    }
     if constexpr (T == DTYPE_Q6_K) {
         v = mmq_staged(NT) ? 1 : 0;
     } else if (NT == 1 && ctx->mmq_depth == 2) {
@@ -811,7 +1013,7 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
         if (rbs * th <= per_sm[dev][2] * ctx->n_sms) v = 2;
     }
     void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(v);
-    CUDA_CHECK(ctx, mmq_occupancy(kernel, &per_sm[dev][v]));
+    CUDA_CHECK(ctx, mmq_occupancy(kernel, &per_sm[dev][v], smem));
     /* Split K as far as the blocks still fit the resident slots in one
      * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
     const int n_sb = (int)(cols / 256), slots = per_sm[dev][v] * ctx->n_sms;
@@ -872,7 +1074,8 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
     a.a.xq = xq;
     a.a.xd = xd;
     a.a.xb = xb;
-    CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3((unsigned)(rbs * th), (unsigned)ks), dim3(MMQ_WARPS * 32), 0, a));
+    CUDA_CHECK(ctx,
+               cuda_launch(ctx, kernel, dim3((unsigned)(rbs * th), (unsigned)ks), dim3(MMQ_WARPS * 32), smem, a));
     CUDA_CHECK(ctx, cudaGetLastError());
     return STATUS_OK;
 }
@@ -881,6 +1084,12 @@ template <int T>
 static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
     /* Tiles a warp: all of them up to ctx->mmq_tiles (4: 32 tokens),
      * else as few blocks side by side as hold them at that. */
+    if constexpr (T == DTYPE_Q4_K) {
+        int64_t rows = 0;
+        for (int s = 0; s < g.n; s++) rows += g.rows[s];
+        if (ctx->mmq_tile > 0 && n >= ctx->mmq_tile && rows >= ctx->mmq_tile_rows)
+            return mmq_launch_nt<T, 4>(ctx, g, cols, x, n, true);
+    }
     int nt = (n + 7) / 8;
     if (nt > ctx->mmq_tiles) {
         const int th = (nt + ctx->mmq_tiles - 1) / ctx->mmq_tiles;

@@ -50,30 +50,6 @@ __device__ inline int mw_owner(int i, int nb, int n) {
     return b;
 }
 
-/* 16 bytes from global src to shared dst, of which only the first `bytes`
- * are read (the rest zero).  These three exist on sm_80 and later only;
- * the kernel is never launched below (ctx->wide), and its body there is a
- * trap. */
-__device__ __forceinline__ void mw_cp16(void *dst, const void *src, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void mw_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-/* Until at most `pending` (0 or 1) of this thread's copy groups are in flight. */
-__device__ __forceinline__ void mw_wait(int pending) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (pending) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
-}
-
 template <int T, int NT> struct mw_geom {
     using G = mq_geom<T>;
     static constexpr int wbytes = MW_ROWS * G::ws;            /* the weight tile of a stage */
@@ -131,7 +107,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
                     }
                 }
             }
-            mw_cp16(dst + 16 * c, src, bytes);
+            cp_async16(dst + 16 * c, src, bytes);
         }
     }
     const int tok = threadIdx.x / TPR;
@@ -143,7 +119,7 @@ __device__ __forceinline__ void mw_load(uint8_t *st, const mm_group &g, size_t r
         for (int j = 0; j < JX; j++) {
             const int c = (sub + TPR * j) * 8;
             const bool in = live && col0 + c < cols;
-            mw_cp16(xd + c, in ? xp + c : x16, in ? 16 : 0);
+            cp_async16(xd + c, in ? xp + c : x16, in ? 16 : 0);
         }
     }
 }
@@ -192,15 +168,15 @@ matmul_wide_kernel(const mm_group g, float *__restrict__ part, size_t row_bytes,
     pdl_begin();
     for (int k = 0; k < stages - 1; k++) {
         if (i0 + k < i1) mw_load<T, NT, false, true>(smem + k * STAGE, g, row_bytes, cols, x16, n, nc, i0 + k);
-        mw_commit();
+        cp_async_commit();
     }
     for (int i = i0; i < i1; i++) {
         const int k = i - i0;
-        mw_wait(stages - 2); /* item i's copies (this thread's) have landed */
+        stages == 3 ? cp_async_wait<1>() : cp_async_wait<0>(); /* item i's copies (this thread's) have landed */
         __syncthreads();     /* everyone's have; the stage read last round is free */
         if (i + stages - 1 < i1)
             mw_load<T, NT>(smem + (k + stages - 1) % stages * STAGE, g, row_bytes, cols, x16, n, nc, i + stages - 1);
-        mw_commit();
+        cp_async_commit();
 
         const int rb = i / nc, ch = i % nc, col0 = ch * G::ck;
         const mg_seg sg = mg_seg_locate(g, rb);

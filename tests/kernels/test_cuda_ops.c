@@ -867,6 +867,7 @@ TEST(cuda_ops_matmul_wide) {
 TEST(cuda_ops_matmul_mmq) {
     mm_set_mode(MM_DEFAULT);
     setenv("LLM_CUDA_MMQ_MIN", "1", 1);
+    setenv("LLM_CUDA_MMQ_TILE", "0", 1); /* Q4_K at 49-64 too on the kernels below, until its own cases */
     static const int32_t ns[] = {1, 2, 3, 7, 8, 9, 15, 24, 31, 33, 40, 47, 57, 63, 64};
     const int n_ns = (int)(sizeof ns / sizeof ns[0]);
     const enum dtype kq[3] = {DTYPE_Q4_K, DTYPE_Q5_K, DTYPE_Q6_K};
@@ -911,6 +912,21 @@ TEST(cuda_ops_matmul_mmq) {
         big_case(DTYPE_Q5_K, 4096, 5120, small, 5);
     }
     unsetenv("LLM_CUDA_MMQ_TILES");
+    /* Q4_K's 32 x 32 warp tiles (LLM_CUDA_MMQ_TILE=1: from one token; on
+     * sm_75 the knob is ignored and these run the kernels above): partial
+     * last row blocks, one chunk and K split over blocks, groups, gate and
+     * up. */
+    setenv("LLM_CUDA_MMQ_TILE", "1", 1);
+    static const int32_t tile_ns[] = {1, 9, 17, 33, 40, 47, 57, 63, 64};
+    fx_open();
+    matmul_case(DTYPE_Q4_K, 100, 512, tile_ns, 9);
+    matmul_case(DTYPE_Q4_K, 300, 256, tile_ns, 9);
+    fx_close();
+    wide_case(DTYPE_Q4_K, 4200, 4096);
+    multi_case(q4k, qkv, 3, 768);
+    multi_case(mixed, qkv, 3, 1024);
+    swiglu_case(DTYPE_Q4_K, 299, 768);
+    unsetenv("LLM_CUDA_MMQ_TILE");
     unsetenv("LLM_CUDA_MMQ_MIN");
 }
 
