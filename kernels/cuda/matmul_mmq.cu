@@ -30,48 +30,21 @@
  * gridDim.y blocks, each writes partial sums and the last to finish adds
  * them in split order (an arrival counter per row block, reset by that
  * block), so the result is the same bits every run.  Several weights on
- * one input (q, k, v; gate and up) are one launch. */
+ * one input (q, k, v; gate and up) are one launch.  Q4_K from 49 tokens
+ * goes to matmul_mmq_tile.cu's 32 x 32 warp tiles on sm_80+; what the two
+ * share is in mmq.cuh. */
 #include "act_q8.cuh"
-#include "common.cuh"
 #include "knobs.h"
-#include "matmul_group.cuh"
-#include "mq_frag.cuh"
+#include "mmq.cuh"
 
 #include <stdio.h>
 #include <stdlib.h>
 
-#define MMQ_WARPS 4
-#define MMQ_ROWS (MMQ_WARPS * 16)
-#define MMQ_COUNTERS 16384
 #define MMQ_NT_MAX 64
-#define MMQ_SPLIT_MAX 8
 #define MMQ_MIN_BLOCKS 3
 #define MMQ_STAGE_MAX 4 /* tiles a warp with Q6_K's staged copy at most (LLM_CUDA_MMQ_STAGE) */
-/* A token's staged chunk in shared memory: lane t's 64 bytes at t * MMQ_XL,
- * tokens MMQ_XS apart.  A 16-byte fragment load is served 8 lanes (tokens
- * g, g + 1 of one parity, t = 0 .. 3) at a time, and these strides (20 t
- * + 16 g words, mod 32) put the 8 on distinct banks, where lanes 64 bytes
- * apart (t = 0 and 2) would share them. */
-#define MMQ_XL 80
-#define MMQ_XS 320
 
-__device__ unsigned int mmq_counters[MMQ_COUNTERS];
-
-/* ---- Activations: Q8K, a lane's fragments contiguous ----
- * For chunk s (256 columns) and token c, lane t's 64 bytes are
- * xq[(s * n + c) * 256 + t * 64 ..]; its B fragment words of 32-column
- * block j are words 2j and 2j + 1 of them, which hold
- *   Q6_K's order (MATMUL_ACT_Q8K): columns 32 j + 4 t .. and 32 j + 16 +
- *     4 t .. (byte t * 64 + m * 4 + i is column 16 m + 4 t + i);
- *   Q4_K's and Q5_K's (MATMUL_ACT_Q8K8): columns 32 j + 8 t .. 8 t + 7
- *     (byte t * 64 + 8 j + i is column 32 j + 8 t + i);
- * xd[s * n + c] the scale, xb[(s * n + c) * 8 + j] the sum of block j's
- * codes. */
-struct mmq_act {
-    const int8_t *xq;
-    const float *xd;
-    const int16_t *xb;
-};
+static __device__ unsigned int mmq_counters[MMQ_COUNTERS];
 
 /* A warp per (chunk, token). */
 template <bool K8>
@@ -83,112 +56,6 @@ __global__ void mmq_quant_kernel(const float *__restrict__ x, int8_t *__restrict
     const int s = item / n, c = item % n;
     act_q8k_chunk<K8>(x + (size_t)c * cols + (size_t)s * 256, lane, (size_t)s * n + c, xq, xd, xb);
 }
-
-/* ---- Tensor-core products: the m16n8 tiles of the PTX ISA, a0/a2 row g,
- * a1/a3 row g + 8, k = 4 t .. (a0, a1, b0) and 16 + 4 t .. (a2, a3, b1) ---- */
-/* sm_75's 8 x 8 x 16 tile: c0 c1 row g, columns 2t, 2t + 1. */
-__device__ __forceinline__ void mmq_mma_m8(int &c0, int &c1, uint32_t a, uint32_t b) {
-    asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.s8.s8.s32 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
-                 : "+r"(c0), "+r"(c1)
-                 : "r"(a), "r"(b));
-}
-
-__device__ __forceinline__ void mmq_mma_k32(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    mmq_mma_m8(c[0], c[1], a[0], b0);
-    mmq_mma_m8(c[0], c[1], a[2], b1);
-    mmq_mma_m8(c[2], c[3], a[1], b0);
-    mmq_mma_m8(c[2], c[3], a[3], b1);
-#endif
-}
-
-/* a0 row g, a1 row g + 8, k = 4 t ... */
-__device__ __forceinline__ void mmq_mma_k16(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a0), "r"(a1), "r"(b));
-#else
-    mmq_mma_m8(c[0], c[1], a0, b);
-    mmq_mma_m8(c[2], c[3], a1, b);
-#endif
-}
-
-/* ---- Weights: what one lane holds of its two rows' chunk, and how a
- * pair of 32-column blocks (Q6_K: of 16-column halves, four scales)
- * becomes A fragments and integer scales ---- */
-__device__ __forceinline__ uint32_t mmq_ld32(const uint8_t *p) { return __ldg((const unsigned int *)p); }
-
-template <int T> struct mmq_w;
-
-/* Q4_K and Q5_K: the 16-byte head (d, dmin, 12 scale bytes) and, for pair
- * p (columns 64 p ..), qs bytes 32 p + 8 t .. 8 t + 7 (lo: the first 4,
- * hi: the next; in the permuted k order the fragments a0 and a2 of the
- * row): low nibbles are block 2p, high nibbles block 2p + 1; Q5_K's fifth
- * bits from qh bytes 8 t .. 8 t + 7. */
-template <int T> struct mmq_wk {
-    static constexpr int BYTES = T == DTYPE_Q5_K ? 176 : 144;
-    static constexpr int QS = T == DTYPE_Q5_K ? 48 : 16;
-    static constexpr bool MIN = true;
-    static constexpr int KPP = 2; /* mma per pair */
-    uint4 h;
-    uint32_t lo[4], hi[4], qa, qb;
-
-    __device__ __forceinline__ void load(const uint8_t *row, int s, int t, int64_t) {
-        load_at(row + (size_t)s * BYTES, t);
-    }
-    /* The same from the chunk's first byte b. */
-    __device__ __forceinline__ void load_at(const uint8_t *b, int t) {
-        h = __ldg((const uint4 *)b);
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const uint2 v = __ldg((const uint2 *)(b + QS + 32 * p + 8 * t));
-            lo[p] = v.x;
-            hi[p] = v.y;
-        }
-        if (T == DTYPE_Q5_K) {
-            const uint2 v = __ldg((const uint2 *)(b + 16 + 8 * t));
-            qa = v.x;
-            qb = v.y;
-        }
-    }
-    /* Block 2p + k's codes: a0 columns 8 t .., a2 columns 8 t + 4 ... */
-    __device__ __forceinline__ void codes(int p, int k, uint32_t &c0, uint32_t &c2) const {
-        c0 = (lo[p] >> (4 * k)) & 0x0F0F0F0Fu;
-        c2 = (hi[p] >> (4 * k)) & 0x0F0F0F0Fu;
-        if (T == DTYPE_Q5_K) {
-            c0 |= ((qa >> (2 * p + k)) & 0x01010101u) << 4;
-            c2 |= ((qb >> (2 * p + k)) & 0x01010101u) << 4;
-        }
-    }
-    __device__ __forceinline__ float d() const { return __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF))); }
-    __device__ __forceinline__ float dmin() const { return __half2float(__ushort_as_half((unsigned short)(h.x >> 16))); }
-    /* Scales 0-3 / 4-7 packed a byte each. */
-    __device__ __forceinline__ uint32_t sc(int half) const {
-        return half == 0 ? h.y & 0x3F3F3F3Fu : (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
-    }
-    /* Scale j (one byte permute). */
-    __device__ __forceinline__ int sci(int j) const { return (int)__byte_perm(sc(j >> 2), 0, 0x4440u | (j & 3)); }
-    __device__ __forceinline__ uint32_t mins(int half) const {
-        return half == 0 ? h.z & 0x3F3F3F3Fu : ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
-    }
-    /* Lane t's A fragment of the min term (mmq_chunk): -32 dmin m_j of
-     * blocks j = 2 t, 2 t + 1 as F16, the 6-bit m_j exact through the
-     * 1024 + m mantissa (mq_cvt) and one rounding of the product. */
-    __device__ __forceinline__ uint32_t min_frag(int t) const {
-        const uint32_t m = __byte_perm(mins(t >> 1), 0x64646464u, t & 1 ? 0x4342u : 0x4140u);
-        const __half2 v = __hsub2(mq_h2(m), mq_hh(1024.0f));
-        const __half nd = __hmul(__ushort_as_half((unsigned short)(h.x >> 16)), __float2half(-32.0f));
-        return mq_u32(__hmul2(v, __half2half2(nd)));
-    }
-};
-template <> struct mmq_w<DTYPE_Q4_K> : mmq_wk<DTYPE_Q4_K> {};
-template <> struct mmq_w<DTYPE_Q5_K> : mmq_wk<DTYPE_Q5_K> {};
 
 /* Q6_K in the backend's regrouped rows (common.cuh): for half h of the
  * chunk, ql words 64 h + 16 k + 4 t (k < 4) and qh words 32 h + 16 k + 4 t
@@ -303,18 +170,6 @@ template <int T> struct mmq_stager {
     }
 };
 
-struct mmq_args {
-    mm_group g;   /* blk0: first row block of each weight */
-    mmq_act a;
-    float *part;  /* partial sums when gridDim.y > 1 */
-    size_t part0[MG_MAX]; /* each weight's first partial sum */
-    int n, n_sb, sps; /* tokens, chunks, chunks a split */
-    int th;           /* blocks side by side on one row block, each 8 NT tokens */
-    int64_t cols;
-    size_t rb;        /* bytes a weight row */
-    int ahead;        /* ctx->l2_ahead: chunks past the next one asked of L2 */
-};
-
 /* Asks L2 for chunk s of the warp's 16 rows from row0 (rows past the
  * weight: its last): lanes 0-15 a row's first 128 bytes, 16-31 the next
  * 128 (Q6_K's regrouped rows: its ql, then its qh). */
@@ -408,135 +263,18 @@ __device__ __forceinline__ void mmq_chunk(const mmq_w<T> (&cw)[2], const int8_t 
             }
         }
     }
-    /* The chunk's row and activation scales; then the min term, all 8
-     * blocks of every row and token at once: one F16 mma m16n8k8 a tile of
-     * (-32 dmin m_j) against the tokens' (dx x sum_j / 32) (mmq_x_store). */
-    const float d[2] = {cw[0].d(), cw[1].d()};
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const float dx = sxd[nt * 8 + 2 * t + j];
-#pragma unroll
-            for (int r = 0; r < 2; r++)
-                acc[nt][2 * r + j] = fmaf(dx * d[r], (float)isum[nt][2 * r + j], acc[nt][2 * r + j]);
-        }
-    if constexpr (mmq_w<T>::MIN) {
-        const uint32_t a0 = cw[0].min_frag(t), a1 = cw[1].min_frag(t);
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) mq_mma(acc[nt], a0, a1, ((const uint32_t *)(sxm + nt * 8 + g))[t]);
-    }
+    mmq_scale_add<T, NT>(cw, isum, sxd, sxm, g, t, acc);
 }
 
-/* The block's sums to out: straight, or with K split this split's partial
- * sums, and the last block of the row block to arrive adds every split's
- * in order.  A warp's RF fragments of 16 rows from row0 and NT tiles of 8
- * tokens from tok0; the block's tokens are btok .. btok + ntb.  Every
- * thread of the block calls it. */
-template <int NT, int RF>
-__device__ __forceinline__ void mmq_finish_rf(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
-                                              int btok, int ntb, const float (&acc)[RF][NT][4]) {
-    const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3, n = a.n, rows = seg.rows;
-    float *part = NULL;
-    if (gridDim.y > 1) {
-        size_t p0 = a.part0[0];
-#pragma unroll
-        for (int k = 1; k < MG_MAX; k++)
-            if (k < a.g.n && bx >= a.g.blk0[k]) p0 = a.part0[k];
-        part = a.part + p0 + (size_t)blockIdx.y * n * rows;
-    }
-    float *const dst = gridDim.y > 1 ? part : seg.out;
-#pragma unroll
-    for (int f = 0; f < RF; f++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int tok = tok0 + nt * 8 + 2 * t + (e & 1), row = row0 + 16 * f + g + 8 * (e >> 1);
-                if (tok < n && row < rows) dst[(size_t)tok * rows + row] = acc[f][nt][e];
-            }
-    if (gridDim.y == 1) return;
-    part -= (size_t)blockIdx.y * n * rows;
-    __shared__ unsigned int last;
-    __threadfence(); /* partials visible before the arrival is counted */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned int prev = atomicAdd(&mmq_counters[blockIdx.x], 1u);
-        last = prev == gridDim.y - 1;
-        if (last) mmq_counters[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    /* Four sums a thread at a time, all their loads issued before the
-     * first add: the L2 trips overlap instead of following each other. */
-    const int rbase = (bx - seg.u0) * MMQ_ROWS, ks = (int)gridDim.y, total = min(ntb, n - btok) * MMQ_ROWS;
-    const size_t kstep = (size_t)n * rows;
-    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * blockDim.x) {
-        size_t at[4];
-        bool in[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int i = i0 + u * blockDim.x, tok = btok + i / MMQ_ROWS, row = rbase + i % MMQ_ROWS;
-            in[u] = i < total && row < rows;
-            at[u] = (size_t)tok * rows + row;
-        }
-        float l[MMQ_SPLIT_MAX][4];
-#pragma unroll
-        for (int k = 0; k < MMQ_SPLIT_MAX; k++)
-#pragma unroll
-            for (int u = 0; u < 4; u++) l[k][u] = k < ks && in[u] ? __ldcg(part + k * kstep + at[u]) : 0.0f;
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            float v = 0.0f;
-#pragma unroll
-            for (int k = 0; k < MMQ_SPLIT_MAX; k++)
-                if (k < ks) v += l[k][u];
-            if (in[u]) seg.out[at[u]] = v;
-        }
-    }
-}
+/* The block's sums to out (mmq_finish_rf): a warp's 16 rows from row0, NT
+ * tiles from tok0. */
 template <int NT>
 __device__ __forceinline__ void mmq_finish(const mmq_args &a, const mg_seg &seg, int bx, int row0, int tok0,
                                            const float (&acc)[NT][4]) {
-    mmq_finish_rf<NT, 1>(a, seg, bx, row0, tok0, tok0, 8 * NT, reinterpret_cast<const float(&)[1][NT][4]>(acc));
+    mmq_finish_rf<NT, 1>(a, mmq_counters, seg, bx, row0, tok0, tok0, 8 * NT,
+                         reinterpret_cast<const float(&)[1][NT][4]>(acc));
 }
 
-/* This thread's part of the block's activations of a chunk, tokens tok0 ..
- * tok0 + 8 NT (clamped to n - 1): NT 16-byte pieces of the codes, and for
- * threads below 8 NT one token's scale and sums.  Loaded a chunk ahead into
- * registers, stored to shared memory after the present chunk.  Piece k of
- * thread i is 16-byte piece mmq_x_piece(i) of token mmq_x_tok(i) + 8 k:
- * a warp reads two whole token rows, and each 8 threads in a row store
- * the same 4 pieces of two tokens, 320 bytes apart, on distinct banks.
- * Where they lie in a chunk's n x 256 codes (off), and in the block's
- * staged copy (st: piece k at st + 8 k MMQ_XS), is worked out once. */
-__device__ __forceinline__ int mmq_x_tok(int i) { return 2 * (i / 32) + i / 4 % 2; }
-__device__ __forceinline__ int mmq_x_piece(int i) { return i / 8 % 4 * 4 + i % 4; }
-__device__ __forceinline__ int mmq_x_st(int i) {
-    return mmq_x_tok(i) * MMQ_XS + mmq_x_piece(i) / 4 * MMQ_XL + mmq_x_piece(i) % 4 * 16;
-}
-template <int NT> struct mmq_xsrc {
-    int off[NT], st, bd;
-    __device__ __forceinline__ void init(int n, int tok0) {
-        const int tid = threadIdx.x;
-#pragma unroll
-        for (int k = 0; k < NT; k++) off[k] = min(tok0 + mmq_x_tok(tid) + 8 * k, n - 1) * 256 + mmq_x_piece(tid) * 16;
-        st = mmq_x_st(tid);
-        bd = min(tok0 + tid, n - 1);
-    }
-    __device__ __forceinline__ void load(const mmq_act &x, int n, int s, uint4 (&px)[NT], float &pd,
-                                         uint4 &pb) const {
-        const int8_t *xs = x.xq + (size_t)s * n * 256;
-#pragma unroll
-        for (int k = 0; k < NT; k++) px[k] = __ldg((const uint4 *)(xs + off[k]));
-        if ((int)threadIdx.x < 8 * NT) {
-            const size_t bi = (size_t)s * n + bd;
-            pd = __ldg(x.xd + bi);
-            pb = __ldg((const uint4 *)(x.xb + bi * 8));
-        }
-    }
-};
 template <int NT>
 __device__ __forceinline__ void mmq_x_load(const mmq_act &x, int n, int s, int tok0, uint4 (&px)[NT], float &pd,
                                            uint4 &pb) {
@@ -544,27 +282,6 @@ __device__ __forceinline__ void mmq_x_load(const mmq_act &x, int n, int s, int t
     src.init(n, tok0);
     src.load(x, n, s, px, pd, pb);
 }
-/* The min term's B words of a token (mmq_chunk): word t the F16 pair
- * dx x sum_j / 32 of blocks j = 2 t, 2 t + 1 (the mean, which F16 holds
- * wherever the activations themselves fit it). */
-__device__ __forceinline__ uint32_t mmq_min_b(float dx, uint32_t sums) {
-    const float s = dx * (1.0f / 32.0f);
-    return mq_u32(__floats2half2_rn(s * (float)(int16_t)(sums & 0xFFFFu), s * (float)((int)sums >> 16)));
-}
-template <int NT, bool MIN>
-__device__ __forceinline__ void mmq_x_store(int8_t *sxq, float *sxd, uint4 *sxm, const uint4 (&px)[NT], float pd,
-                                            uint4 pb, int st = -1) {
-    if (st < 0) st = mmq_x_st(threadIdx.x);
-#pragma unroll
-    for (int k = 0; k < NT; k++) *(uint4 *)(sxq + st + 8 * k * MMQ_XS) = px[k];
-    if ((int)threadIdx.x < 8 * NT) {
-        sxd[threadIdx.x] = pd;
-        if constexpr (MIN)
-            sxm[threadIdx.x] = make_uint4(mmq_min_b(pd, pb.x), mmq_min_b(pd, pb.y), mmq_min_b(pd, pb.z),
-                                          mmq_min_b(pd, pb.w));
-    }
-}
-
 /* NT tiles of 8 tokens a warp, from token tok0 = 8 NT (blockIdx.x % th):
  * above 32 tokens two blocks side by side in the grid take the two
  * halves of the tokens of one row block, so that neither holds 64 sums a
@@ -747,7 +464,7 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
     pdl_begin();
     if (pl.s0 < pl.s1) {
         mmq_x_load<NT>(a.a, a.n, pl.s0, pl.tok0, xa, da, ba);
-        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], xa, da, ba);
+        mmq_x_store<NT, mmq_w<T>::MIN>(sxq[0], sxd[0], sxm[0], xa, da, ba, mmq_x_st(threadIdx.x));
         if (pl.s0 + 1 < pl.s1) mmq_x_load<NT>(a.a, a.n, pl.s0 + 1, pl.tok0, xb, db, bb);
     }
     __syncthreads();
@@ -761,7 +478,8 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
         mmq_chunk<T, NT>(cur, sxq[buf], sxd[buf], sxm[buf], lane >> 2, t, acc);
         /* The other buffer was last read a chunk ago, before the barrier
          * that ended it. */
-        if (s + 1 < pl.s1) mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], xn, dn, bn);
+        if (s + 1 < pl.s1)
+            mmq_x_store<NT, mmq_w<T>::MIN>(sxq[buf ^ 1], sxd[buf ^ 1], sxm[buf ^ 1], xn, dn, bn, mmq_x_st(threadIdx.x));
         __syncthreads();
     };
     for (int s = pl.s0; s < pl.s1; s += 3) {
@@ -772,169 +490,6 @@ __global__ void __launch_bounds__(MMQ_WARPS * 32, MMQ_MIN_BLOCKS) matmul_mmq_dee
         step(s + 2, wc, wb, xb, db, bb, xa, da, ba);
     }
     mmq_finish<NT>(a, pl.seg, pl.bx, pl.row0, pl.tok0, acc);
-}
-
-/* ---- Q4_K at 33-64 tokens: 32 x 32 warp tiles (matmul_mmq_tile_kernel) ----
- * A block of 4 warps takes 64 rows and 64 tokens, each warp 32 rows (two
- * fragments of 16) by 32 tokens (4 tiles), so that every activation
- * fragment it reads serves two weight fragments and every weight fragment
- * four token tiles.  The block copies its 64 rows' chunks into a ring of
- * S stages in shared memory with cp.async (sm_80+), 16 bytes a copy and
- * each row's 144 bytes as they lie, S - 1 chunks ahead of its work; the
- * activations go through registers a chunk ahead, as in the kernel above.
- * Row stride SB puts the fragment loads of a half-warp (rows g = 0 .. 3,
- * 8-byte pieces 8 t) on distinct banks (SB / 4 mod 32 is 8). */
-template <int T> struct mmq_tile {
-    static_assert(T == DTYPE_Q4_K, "Q4_K only");
-    static constexpr int BY = mmq_wk<T>::BYTES, PC = BY / 16, SB = 160, TOK = 64, S = 4;
-    static constexpr int NP = (MMQ_ROWS * PC + MMQ_WARPS * 32 - 1) / (MMQ_WARPS * 32); /* pieces a thread */
-    static constexpr size_t W = (size_t)MMQ_ROWS * SB, X = (size_t)TOK * MMQ_XS;
-    static constexpr size_t SMEM = S * W + 2 * (X + TOK * sizeof(float) + TOK * sizeof(uint4));
-};
-
-/* One chunk of a warp's 32 rows (sw: its first row's copy) against its 4
- * tiles of 8 tokens (sxq, sxd, sxm from its first token), as mmq_chunk. */
-template <int T>
-__device__ __forceinline__ void mmq_tile_chunk(const uint8_t *sw, const int8_t *sxq, const float *sxd,
-                                               const uint4 *sxm, int g, int t, float (&acc)[2][4][4]) {
-    constexpr int NT = 4, SB = mmq_tile<T>::SB;
-    mmq_w<T> w[2][2]; /* [fragment][row g, g + 8] */
-#pragma unroll
-    for (int f = 0; f < 2; f++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) w[f][h].h = *(const uint4 *)(sw + (16 * f + 8 * h + g) * SB);
-    int isum[2][NT][4];
-#pragma unroll
-    for (int f = 0; f < 2; f++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) isum[f][nt][e] = 0;
-    const int8_t *xs = sxq + t * MMQ_XL;
-#pragma unroll
-    for (int p = 0; p < 4; p++) {
-        uint32_t fa[2][2][4];
-        int sc[2][2][2];
-#pragma unroll
-        for (int f = 0; f < 2; f++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint2 v = *(const uint2 *)(sw + (16 * f + 8 * h + g) * SB + mmq_wk<T>::QS + 32 * p + 8 * t);
-                w[f][h].lo[p] = v.x;
-                w[f][h].hi[p] = v.y;
-            }
-#pragma unroll
-            for (int k = 0; k < 2; k++) {
-                w[f][0].codes(p, k, fa[f][k][0], fa[f][k][2]);
-                w[f][1].codes(p, k, fa[f][k][1], fa[f][k][3]);
-                sc[f][k][0] = w[f][0].sci(2 * p + k);
-                sc[f][k][1] = w[f][1].sci(2 * p + k);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const uint4 b = *(const uint4 *)(xs + (nt * 8 + g) * MMQ_XS + 16 * p);
-#pragma unroll
-            for (int k = 0; k < 2; k++)
-#pragma unroll
-                for (int f = 0; f < 2; f++) {
-                    int c[4] = {0, 0, 0, 0};
-                    mmq_mma_k32(c, fa[f][k], k == 0 ? b.x : b.z, k == 0 ? b.y : b.w);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) isum[f][nt][e] += sc[f][k][e >> 1] * c[e];
-                }
-        }
-    }
-#pragma unroll
-    for (int f = 0; f < 2; f++) {
-        const float d[2] = {w[f][0].d(), w[f][1].d()};
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const float dx = sxd[nt * 8 + 2 * t + j];
-#pragma unroll
-                for (int r = 0; r < 2; r++)
-                    acc[f][nt][2 * r + j] = fmaf(dx * d[r], (float)isum[f][nt][2 * r + j], acc[f][nt][2 * r + j]);
-            }
-        const uint32_t a0 = w[f][0].min_frag(t), a1 = w[f][1].min_frag(t);
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) mq_mma(acc[f][nt], a0, a1, ((const uint32_t *)(sxm + nt * 8 + g))[t]);
-    }
-}
-
-/* The block's 64 rows by (up to) 64 tokens; warp w takes rows 32 (w & 1)
- * and tokens 32 (w >> 1).  One barrier a chunk: after it, chunk s's
- * weights and activations are in shared memory and every warp is done
- * with chunk s - 1, whose weight stage then takes chunk s + S - 1 and
- * whose activation buffer chunk s + 1's, stored after chunk s. */
-template <int T>
-__global__ void __launch_bounds__(MMQ_WARPS * 32, 2) matmul_mmq_tile_kernel(const mmq_args a) {
-    using TL = mmq_tile<T>;
-    extern __shared__ __align__(16) uint8_t mmq_smem[];
-    uint8_t *const sw0 = mmq_smem;
-    int8_t *const sx0 = (int8_t *)(mmq_smem + TL::S * TL::W);
-    float *const sd0 = (float *)(sx0 + 2 * TL::X);
-    uint4 *const sm0 = (uint4 *)(sd0 + 2 * TL::TOK);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-    const int wr = warp & 1, wc = warp >> 1, bx = blockIdx.x, n = a.n;
-    const mg_seg seg = mg_seg_locate(a.g, bx);
-    const int rbase = (bx - seg.u0) * MMQ_ROWS, s0 = blockIdx.y * a.sps, s1 = min(a.n_sb, s0 + a.sps);
-    /* This thread's 16-byte pieces of the block's rows (rows past the
-     * weight: its last) in chunk 0, and where they go in a stage. */
-    const uint8_t *src[TL::NP];
-    int dst[TL::NP];
-    const bool tail = threadIdx.x + (TL::NP - 1) * MMQ_WARPS * 32 < MMQ_ROWS * TL::PC;
-#pragma unroll
-    for (int k = 0; k < TL::NP; k++) {
-        const int i = min((int)threadIdx.x + k * MMQ_WARPS * 32, MMQ_ROWS * TL::PC - 1), r = i / TL::PC,
-                  q = i % TL::PC;
-        src[k] = seg.w + (size_t)min(rbase + r, seg.rows - 1) * a.rb + 16 * q;
-        dst[k] = r * TL::SB + 16 * q;
-    }
-    /* Chunk s's copies into its stage, if there is such a chunk; a group
-     * either way, so that the groups count chunks. */
-    const auto wcopy = [&](int s) {
-        if (s < s1) {
-            uint8_t *st = sw0 + (s - s0) % TL::S * TL::W;
-#pragma unroll
-            for (int k = 0; k < TL::NP; k++)
-                if (k < TL::NP - 1 || tail) cp_async16(st + dst[k], src[k] + (size_t)s * TL::BY);
-        }
-        cp_async_commit();
-    };
-    float acc[2][4][4];
-#pragma unroll
-    for (int f = 0; f < 2; f++)
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[f][nt][e] = 0.0f;
-    mmq_xsrc<8> xsrc;
-    xsrc.init(n, 0);
-    uint4 px[8], pb = make_uint4(0, 0, 0, 0);
-    float pd = 0.0f;
-    /* The weights before the wait, the activations after (the kernel above). */
-#pragma unroll
-    for (int k = 0; k < TL::S - 1; k++) wcopy(s0 + k);
-    pdl_begin();
-    if (s0 < s1) {
-        xsrc.load(a.a, n, s0, px, pd, pb);
-        mmq_x_store<8, true>(sx0, sd0, sm0, px, pd, pb, xsrc.st);
-    }
-    for (int s = s0; s < s1; s++) {
-        const int buf = (s - s0) & 1;
-        cp_async_wait<TL::S - 2>(); /* chunk s's copies (this thread's) have landed */
-        __syncthreads();
-        wcopy(s + TL::S - 1);
-        if (s + 1 < s1) xsrc.load(a.a, n, s + 1, px, pd, pb);
-        mmq_tile_chunk<T>(sw0 + (s - s0) % TL::S * TL::W + 32 * wr * TL::SB, sx0 + buf * TL::X + 32 * wc * MMQ_XS,
-                          sd0 + buf * TL::TOK + 32 * wc, sm0 + buf * TL::TOK + 32 * wc, g, t, acc);
-        if (s + 1 < s1)
-            mmq_x_store<8, true>(sx0 + (buf ^ 1) * TL::X, sd0 + (buf ^ 1) * TL::TOK, sm0 + (buf ^ 1) * TL::TOK, px,
-                                 pd, pb, xsrc.st);
-    }
-    mmq_finish_rf<4, 2>(a, seg, bx, rbase + 32 * wr, 32 * wc, 0, TL::TOK, acc);
 }
 
 /* Whether a launch of nt tiles a warp stages its weights (mmq_stage):
@@ -955,11 +510,10 @@ static bool mmq_staged(int nt) {
 
 /* The kernel of variant v: 0 the plain one, 1 Q6_K's staged weights, 2
  * Q4_K's and Q5_K's loads two chunks ahead (matmul_mmq_deep_kernel), 3
- * Q4_K's 32 x 32 warp tiles (matmul_mmq_tile_kernel). */
-template <int T, int NT> static void (*mmq_kernel(int v))(const mmq_args) {
-    if constexpr (T == DTYPE_Q4_K && NT == 4) {
-        if (v == 3) return matmul_mmq_tile_kernel<T>;
-    }
+ * Q4_K's 32 x 32 warp tiles (matmul_mmq_tile.cu, with its shared memory in
+ * *smem). */
+template <int T, int NT> static void (*mmq_kernel(int v, size_t *smem))(const mmq_args) {
+    if (v == 3) return mmq_tile_kernel_q4k(smem);
     if constexpr (T == DTYPE_Q6_K && NT <= MMQ_STAGE_MAX) {
         if (v == 1) return matmul_mmq_kernel<T, NT, true>;
     } else if constexpr (NT == 1) {
@@ -1000,19 +554,14 @@ static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const 
      * slower, as did 9-16 tokens, whose registers spill. */
     int v = 0;
     size_t smem = 0;
-    if constexpr (T == DTYPE_Q4_K && NT == 4) {
-        if (tile) {
-            v = 3;
-            smem = mmq_tile<T>::SMEM;
-        }
-    }
+    if (T == DTYPE_Q4_K && NT == 4 && tile) v = 3;
     if constexpr (T == DTYPE_Q6_K) {
         v = mmq_staged(NT) ? 1 : 0;
     } else if (NT == 1 && ctx->mmq_depth == 2) {
-        CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, NT>(2), &per_sm[dev][2]));
+        CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, NT>(2, &smem), &per_sm[dev][2]));
         if (rbs * th <= per_sm[dev][2] * ctx->n_sms) v = 2;
     }
-    void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(v);
+    void (*kernel)(const mmq_args) = mmq_kernel<T, NT>(v, &smem);
     CUDA_CHECK(ctx, mmq_occupancy(kernel, &per_sm[dev][v], smem));
     /* Split K as far as the blocks still fit the resident slots in one
      * wave, at most MMQ_SPLIT_MAX ways and a chunk a split. */
