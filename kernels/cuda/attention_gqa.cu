@@ -18,7 +18,12 @@
  * permutation of the dims (the same for Q's A fragments), and P.V's B
  * fragments are the V words transposed in registers (movmatrix), whose
  * output columns then land on dims 32 c + 8 t + 2 u .. of lane t's
- * accumulators: 8 contiguous dims a group.
+ * accumulators: 8 contiguous dims a group.  On sm_80 and later those
+ * words travel through shared memory (LLM_CUDA_ATT_RING): each lane copies
+ * its own with cp.async two steps ahead into a ring of three stages a warp
+ * and reads them back before the step, which keeps twice the bytes in
+ * flight that registers can hold (255 of them, a step ahead) and leaves
+ * the kernel 150-160 registers.
  *
  * An 8-bit (Q8_0) cache takes the same path.  Its rows (backend_kv_q8_group:
  * two groups of an F16 scale and 64 or 32 int8 values, 132 or 68 bytes)
@@ -58,6 +63,7 @@
 #define AGQ_STEP 16 /* positions a warp takes at a time */
 #define AGQ_SPLITS_MAX 64
 #define AGQ_ROPE_ROWS 16 /* most rows x G of a sequence the ROPE kernel takes: the mma's rows */
+#define AGQ_RING_AHEAD_MIN 16 /* fewest steps a warp in a slice for a ring to ask L2 ahead */
 
 struct agq_params {
     struct cuda_attn_args a;
@@ -130,6 +136,47 @@ __device__ __forceinline__ void agq_load(const struct cuda_attn_args &a, const i
             }
         }
     }
+}
+
+/* sm_80+ (RING): agq_load's words copied with cp.async into the lane's
+ * own slots of a ring stage (piece (c, e, K/V) at st[(4 c + 2 e + kv) 32
+ * + lane], so that a warp's 16-byte reads of one piece are 512 contiguous
+ * bytes), zeros past the slice; bit e of the result set where position
+ * j0 + 8 e + g has a block id outside the cache (agq_read then gives NaN). */
+template <int HD>
+__device__ __forceinline__ uint32_t agq_copy(const struct cuda_attn_args &a, const int32_t *btab, const fp16_t *kc,
+                                             const fp16_t *vc, int32_t kvh, int32_t j0, int32_t j_end, int g, int t,
+                                             int lane, uint4 *st) {
+    uint32_t bad_bits = 0;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int32_t j = j0 + 8 * e + g;
+        const int32_t bi = j / a.block_size, blk = j >= j_end ? 0 : bi < a.max_blocks ? btab[bi] : -1;
+        const bool bad = j < j_end && (blk < 0 || blk >= a.n_blocks), in = j < j_end && !bad;
+        const size_t at =
+            (((size_t)(in ? blk : 0) * a.n_kv_heads + kvh) * a.block_size + j % a.block_size) * HD + 8 * t;
+#pragma unroll
+        for (int c = 0; c < HD / 32; c++) {
+            cp_async16(st + (4 * c + 2 * e) * 32 + lane, kc + at + 32 * c, in ? 16 : 0);
+            cp_async16(st + (4 * c + 2 * e + 1) * 32 + lane, vc + at + 32 * c, in ? 16 : 0);
+        }
+        bad_bits |= (uint32_t)bad << e;
+    }
+    return bad_bits;
+}
+
+/* The lane's words of a ring stage (agq_copy's), as agq_load leaves them. */
+template <int HD>
+__device__ __forceinline__ void agq_read(const uint4 *st, int lane, uint32_t bad_bits, uint4 (&kr)[2][HD / 32],
+                                         uint4 (&vr)[2][HD / 32]) {
+#pragma unroll
+    for (int e = 0; e < 2; e++)
+#pragma unroll
+        for (int c = 0; c < HD / 32; c++) {
+            kr[e][c] = st[(4 * c + 2 * e) * 32 + lane];
+            vr[e][c] = st[(4 * c + 2 * e + 1) * 32 + lane];
+            if (bad_bits >> e & 1) kr[e][c] = vr[e][c] = make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
+        }
 }
 
 /* ROPE: lane t's 8 dims of 32-dim groups c and c + HD / 64 of one row
@@ -314,10 +361,14 @@ template <int HD> __device__ __forceinline__ float agq_q8_scale(const uint8_t *r
 
 /* HD dims a head (64 or 128), G2: rows g + 8 in use (G > 8, or ROPE's
  * rows x G), Q8: a Q8_0 cache (else F16), ROPE: all the rows of a
- * sequence with the rope and cache write (an F16 cache). */
-template <int HD, bool G2, bool Q8, bool ROPE>
-__global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const struct agq_params p) {
+ * sequence with the rope and cache write (an F16 cache), RING: an F16
+ * cache's steps copied RING - 1 ahead into a ring of RING stages a warp in
+ * shared memory (cp.async, sm_80+; 0: a step ahead in registers). */
+template <int HD, bool G2, bool Q8, bool ROPE, int RING>
+__global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 : 1)
+    attention_gqa_kernel(const struct agq_params p) {
     static_assert(!(ROPE && Q8), "the ROPE kernel writes an F16 cache");
+    static_assert(RING == 0 || (!Q8 && !ROPE), "the ring takes an F16 cache's decode rows");
     pdl_begin();
     constexpr int NC = HD / 32; /* 32-dim groups */
     const struct cuda_attn_args &a = p.a;
@@ -413,14 +464,24 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
      * latency hides behind the present step's products, and the steps
      * p.ahead past that are asked of L2 (registers hold one step: the
      * load then waits for L2, not DRAM).  An F16 cache's go to registers
-     * as the products' operands; a Q8_0 cache's to the warp's buffer
-     * (kb, vb: the step's 16 rows each) before the step. */
+     * as the products' operands, or with RING through the warp's ring
+     * (RING - 1 steps ahead, copied and read back by the same lane, so no
+     * barrier orders them); a Q8_0 cache's to the warp's buffer (kb, vb:
+     * the step's 16 rows each) before the step. */
     constexpr int32_t WS = AGQ_WARPS * AGQ_STEP;
     constexpr int PPL = Q8 ? agq_q8<HD>::PPL : 1, RB = Q8 ? agq_q8<HD>::RB : 0;
     const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
     const uint8_t *kq = (const uint8_t *)a.k, *vq = (const uint8_t *)a.v;
     uint8_t *kb = agq_smem + (size_t)warp * 2 * 16 * RB, *vb = kb + 16 * RB;
     uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC], kp[PPL], vp[PPL];
+    constexpr int PS = 4 * NC * 32; /* uint4 a warp's ring stage */
+    uint4 *const ring = (uint4 *)agq_smem + (size_t)warp * RING * PS;
+    uint32_t bad_q = 0; /* RING: bits 2 i, 2 i + 1 stage i's agq_copy result */
+    /* A ring asks L2 ahead only in slices of AGQ_RING_AHEAD_MIN steps a
+     * warp or more: in shorter ones the requests compete with the ring's
+     * first copies and measured slower (docs/cuda-backend.md). */
+    const int ahead = RING > 0 && j_end - j_begin < AGQ_RING_AHEAD_MIN * WS ? 0 : p.ahead;
+    int it = 0;
     /* ROPE: positions from pos0 on come from the matmul's rows, not the
      * cache, which this launch writes. */
     const int32_t jc = ROPE ? min(j_end, pos0) : j_end;
@@ -428,12 +489,20 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     if constexpr (Q8) {
         if (j0 < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, j0, lane, kp, vp);
         for (int k = 2; k <= p.ahead; k++) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, j0 + k * WS, j_end, lane);
+    } else if constexpr (RING > 0) {
+#pragma unroll
+        for (int k = 0; k < RING - 1; k++) {
+            if (j0 + k * WS < j_end)
+                bad_q |= agq_copy<HD>(a, btab, kc, vc, kvh, j0 + k * WS, jc, g, t, lane, ring + k * PS) << (2 * k);
+            cp_async_commit();
+        }
+        for (int k = 2; k <= ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + (RING - 2 + k) * WS, jc, g, t);
     } else {
         agq_load<HD>(a, btab, kc, vc, kvh, j0, jc, g, t, kr, vr);
         if (ROPE && j0 + AGQ_STEP > pos0) agq_new_kv<HD>(p, rope_cs, tok0, pos0, kvh, j0, j_end, g, t, kr, vr);
         for (int k = 2; k <= p.ahead; k++) agq_prefetch<HD>(a, btab, kc, vc, kvh, j0 + k * WS, jc, g, t);
     }
-    for (; j0 < j_end; j0 += WS) {
+    for (; j0 < j_end; j0 += WS, it++) {
         const int32_t jn = j0 + WS;
         if constexpr (Q8) {
             __syncwarp(); /* every lane is done with the last step's rows */
@@ -447,6 +516,17 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
             __syncwarp();
             if (jn < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, jn, lane, kp, vp);
             if (p.ahead > 0) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, jn + p.ahead * WS, j_end, lane);
+        } else if constexpr (RING > 0) {
+            /* The stage the step before read (into registers) takes the
+             * step RING - 1 ahead; then this step's copies have landed. */
+            const int sf = (it + RING - 1) % RING, sr = it % RING;
+            const int32_t jf = j0 + (RING - 1) * WS;
+            bad_q &= ~(3u << (2 * sf));
+            if (jf < j_end) bad_q |= agq_copy<HD>(a, btab, kc, vc, kvh, jf, jc, g, t, lane, ring + sf * PS) << (2 * sf);
+            cp_async_commit();
+            if (ahead > 0) agq_prefetch<HD>(a, btab, kc, vc, kvh, jf + ahead * WS, jc, g, t);
+            cp_async_wait<RING - 1>();
+            agq_read<HD>(ring + sr * PS, lane, bad_q >> (2 * sr) & 3u, kr, vr);
         } else {
             if (jn < j_end) agq_load<HD>(a, btab, kc, vc, kvh, jn, jc, g, t, kn, vn);
             if (ROPE && jn < j_end && jn + AGQ_STEP > pos0)
@@ -540,7 +620,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
                 agq_mma(acc[c][u], pv[0][0], pv[1][0], pv[0][1], pv[1][1], agq_trans(w0), agq_trans(w1));
             }
         }
-        if constexpr (!Q8) {
+        if constexpr (!Q8 && RING == 0) {
 #pragma unroll
             for (int e = 0; e < 2; e++)
 #pragma unroll
@@ -554,7 +634,8 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32) attention_gqa_kernel(const str
     /* Merge the warps: sml[warp][row] = (m, l), sacc[warp][row][HD], in
      * the dynamic shared memory (after the Q8_0 buffers' last use). */
     constexpr int R = G2 ? 16 : 8;
-    if (Q8) __syncthreads();
+    cp_async_wait<0>();
+    if (Q8 || RING > 0) __syncthreads();
     float(*sacc)[R][HD] = (float(*)[R][HD])agq_smem;
     float(*sml)[R][2] = (float(*)[R][2])(agq_smem + sizeof(float) * AGQ_WARPS * R * HD);
 #pragma unroll
@@ -616,31 +697,37 @@ extern "C" int cuda_attention_gqa_takes(const struct cuda_ctx *ctx, const struct
            (uintptr_t)a->k % 16 == 0 && (uintptr_t)a->v % 16 == 0;
 }
 
-/* Dynamic shared memory: a Q8_0 cache's warp buffers, then (reused) the
- * merge's sacc and sml. */
-template <int HD, bool G2, bool Q8> static constexpr size_t agq_smem_bytes() {
+/* Dynamic shared memory: a Q8_0 cache's warp buffers or the warps' rings,
+ * then (reused) the merge's sacc and sml. */
+template <int HD, bool G2, bool Q8, int RING> static constexpr size_t agq_smem_bytes() {
     constexpr size_t R = G2 ? 16 : 8, merge = sizeof(float) * AGQ_WARPS * R * (HD + 2);
-    constexpr size_t bufs = Q8 ? (size_t)AGQ_WARPS * 2 * 16 * agq_q8<HD>::RB : 0;
+    constexpr size_t bufs = Q8     ? (size_t)AGQ_WARPS * 2 * 16 * agq_q8<HD>::RB
+                            : RING ? (size_t)AGQ_WARPS * RING * 4 * (HD / 32) * 32 * 16
+                                   : 0;
     return bufs > merge ? bufs : merge;
 }
 
-template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
+template <int HD, bool G2, bool Q8, bool ROPE, int RING = 0>
+static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     const struct cuda_attn_args *a = &p->a;
     const bool one = !ROPE && a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens, n_blk = ROPE ? a->n_seqs : n_idx; /* ROPE: a sequence */
     const int64_t blocks = (int64_t)n_blk * a->n_kv_heads;
-    constexpr size_t smem = agq_smem_bytes<HD, G2, Q8>();
+    constexpr size_t smem = agq_smem_bytes<HD, G2, Q8, RING>();
     /* Split the context over the resident slots as cuda_att_split weighs
      * waves against block lengths, each split at least two steps of every
      * warp: long blocks keep their loads a step ahead, short ones pay the
      * start (the row, Q, the first loads) more often. */
-    static int per_sm[64][2][2][2][2];
+    static int per_sm[64][2][2][2][2][4];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    int &bps = per_sm[dev][HD == 128][G2][Q8][ROPE];
+    int &bps = per_sm[dev][HD == 128][G2][Q8][ROPE][RING];
     if (!bps) {
+        if (smem > 48 * 1024)
+            CUDA_CHECK(ctx, cudaFuncSetAttribute(attention_gqa_kernel<HD, G2, Q8, ROPE, RING>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_gqa_kernel<HD, G2, Q8, ROPE>,
-                                                                      AGQ_WARPS * 32, smem));
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                            &b, attention_gqa_kernel<HD, G2, Q8, ROPE, RING>, AGQ_WARPS * 32, smem));
         bps = b > 0 ? b : 1;
     }
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
@@ -650,7 +737,7 @@ template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda
     const struct cuda_att_split &sp = p->sp;
     const dim3 grid((unsigned)n_blk, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
     CUDA_CHECK(ctx,
-               cuda_launch(ctx, (attention_gqa_kernel<HD, G2, Q8, ROPE>), grid, dim3(AGQ_WARPS * 32), smem, *p));
+               cuda_launch(ctx, (attention_gqa_kernel<HD, G2, Q8, ROPE, RING>), grid, dim3(AGQ_WARPS * 32), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (sp.n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0, a->out,
@@ -661,9 +748,18 @@ template <int HD, bool G2, bool Q8, bool ROPE> static int agq_launch(struct cuda
     return STATUS_OK;
 }
 
+template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
+    const int ring = Q8 || ctx->cc < 80 ? 0 : ctx->att_ring;
+    if constexpr (!Q8) {
+        if (ring == 2) return agq_launch<HD, G2, false, false, 2>(ctx, p);
+        if (ring == 3) return agq_launch<HD, G2, false, false, 3>(ctx, p);
+    }
+    return agq_launch<HD, G2, Q8, false>(ctx, p);
+}
+
 template <int HD, bool Q8> static int agq_launch_g(struct cuda_ctx *ctx, struct agq_params *p) {
     const bool g2 = p->a.n_heads / p->a.n_kv_heads > 8;
-    return g2 ? agq_launch<HD, true, Q8, false>(ctx, p) : agq_launch<HD, false, Q8, false>(ctx, p);
+    return g2 ? agq_launch_r<HD, true, Q8>(ctx, p) : agq_launch_r<HD, false, Q8>(ctx, p);
 }
 
 extern "C" int cuda_attention_gqa(struct cuda_ctx *ctx, const struct cuda_attn_args *a) {

@@ -31,6 +31,8 @@
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const char *const knobs_mm_route_choices[] = {"auto", "sm75", "sm80", NULL};
 static const int knobs_mv_split_warps[] = {1, 2, 4};
+static const char *const knobs_att_ring_choices[] = {"0", "2", "3", NULL};
+static const int knobs_att_ring_stages[] = {0, 2, 3};
 
 int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
     const struct option_def t[CUDA_KNOBS_N] = {
@@ -79,6 +81,11 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "decode attention of groups of at least this many query heads per KV head (up to 16) on "
          "attention_gqa.cu, tensor cores with the group's heads as the mma rows (0: never, to compare)",
          &k->att_gqa_min, 0, 16, NULL},
+        {"cuda-att-ring", "LLM_CUDA_ATT_RING", OPTION_CHOICE, "3",
+         "attention_gqa.cu over an F16 cache on sm_80 and later: each warp's steps copied into "
+         "a ring of this many stages in shared memory with cp.async, this many less one ahead "
+         "(0: a step ahead in registers, as on sm_75, to compare)",
+         &k->att_ring, 0, 0, knobs_att_ring_choices},
         {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
@@ -175,15 +182,18 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
     return CUDA_KNOBS_N;
 }
 
-/* options_parse_env over defs, then the choice index of LLM_CUDA_MV_SPLIT
- * turned into its count of warps where defs holds that knob. */
+/* options_parse_env over defs, then the choice indexes of LLM_CUDA_MV_SPLIT
+ * and LLM_CUDA_ATT_RING turned into their counts of warps and stages where
+ * defs holds those knobs. */
 static int knobs_parse(struct cuda_knobs *k, const struct option_def *defs, int n, char *err,
                        size_t err_size) {
     const struct options o = {"llm-cuda", NULL, NULL, defs, n, false};
     int rc = options_parse_env(&o, err, err_size);
     if (rc < 0) return rc;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         if (defs[i].target == &k->mv_split) k->mv_split = knobs_mv_split_warps[k->mv_split];
+        if (defs[i].target == &k->att_ring) k->att_ring = knobs_att_ring_stages[k->att_ring];
+    }
     return STATUS_OK;
 }
 
@@ -233,6 +243,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_k16 = ctx->cc >= 80 && !k->att_k8;
     ctx->decode_tc_g = k->decode_tc_g;
     ctx->att_gqa_min = k->att_gqa_min;
+    ctx->att_ring = k->att_ring;
     ctx->att_steps = k->att_steps;
     /* One launch for rope, the cache write and attention measured faster
      * up to 4 rows where query heads share a KV head (each query head

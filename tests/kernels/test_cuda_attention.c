@@ -457,24 +457,31 @@ static void gqa_many_rows(enum dtype t) {
  * blocks of 16 and 32; a prefill row beside them (a mixed batch: its
  * one-row sequences here, the other on the prefill kernel); and the T4's
  * mma (two m16n8k8) through LLM_CUDA_ATT_K8's routing is the sm_75 build's
- * own (scripts/gpu-check.sh t4). */
+ * own (scripts/gpu-check.sh t4).  Each with the steps in registers and
+ * through cp.async rings of 2 and 3 stages (LLM_CUDA_ATT_RING; sm_80+,
+ * elsewhere the registers again). */
 TEST(cuda_ops_attention_gqa) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
-    fx_open(); /* at most 4 KV caches a fixture */
-    static const int32_t p1[] = {0, 5, 100, 300, 1023};
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 5, gqa_ones, p1);  /* groups of 4 (Llama 3) */
-    attention_case(DTYPE_F16, 32, 16, 128, 16, 5, gqa_ones, p1); /* groups of 2 */
-    attention_case(DTYPE_F16, 32, 4, 128, 16, 5, gqa_ones, p1);  /* groups of 8 */
-    fx_close();
-    fx_open();
-    attention_case(DTYPE_F16, 48, 4, 64, 16, 5, gqa_ones, p1);   /* groups of 12 */
-    attention_case(DTYPE_F16, 32, 2, 64, 32, 5, gqa_ones, p1);   /* groups of 16, blocks of 32 */
-    static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
-    attention_case(DTYPE_F16, 28, 4, 128, 16, 6, gqa_ones, p2); /* groups of 7 */
-    static const int32_t p3[] = {4000};
-    attention_case(DTYPE_F16, 32, 8, 128, 16, 1, gqa_ones, p3); /* one long row: many splits */
-    fx_close();
-    gqa_many_rows(DTYPE_F16);
+    static const char *const rings[] = {"0", "2", "3"};
+    for (int r = 0; r < 3; r++) {
+        setenv("LLM_CUDA_ATT_RING", rings[r], 1);
+        fx_open(); /* at most 4 KV caches a fixture */
+        static const int32_t p1[] = {0, 5, 100, 300, 1023};
+        attention_case(DTYPE_F16, 32, 8, 128, 16, 5, gqa_ones, p1);  /* groups of 4 (Llama 3) */
+        attention_case(DTYPE_F16, 32, 16, 128, 16, 5, gqa_ones, p1); /* groups of 2 */
+        attention_case(DTYPE_F16, 32, 4, 128, 16, 5, gqa_ones, p1);  /* groups of 8 */
+        fx_close();
+        fx_open();
+        attention_case(DTYPE_F16, 48, 4, 64, 16, 5, gqa_ones, p1); /* groups of 12 */
+        attention_case(DTYPE_F16, 32, 2, 64, 32, 5, gqa_ones, p1); /* groups of 16, blocks of 32 */
+        static const int32_t p2[] = {15, 16, 17, 63, 64, 65};
+        attention_case(DTYPE_F16, 28, 4, 128, 16, 6, gqa_ones, p2); /* groups of 7 */
+        static const int32_t p3[] = {4000};
+        attention_case(DTYPE_F16, 32, 8, 128, 16, 1, gqa_ones, p3); /* one long row: many splits */
+        fx_close();
+        gqa_many_rows(DTYPE_F16);
+    }
+    unsetenv("LLM_CUDA_ATT_RING");
 }
 
 /* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
