@@ -63,7 +63,7 @@
 #define AGQ_STEP 16 /* positions a warp takes at a time */
 #define AGQ_SPLITS_MAX 64
 #define AGQ_ROPE_ROWS 16 /* most rows x G of a sequence the ROPE kernel takes: the mma's rows */
-#define AGQ_RING_AHEAD_MIN 16 /* fewest steps a warp in a slice for a ring to ask L2 ahead */
+#define AGQ_RING_AHEAD_MIN 32 /* fewest steps a warp in a slice for a ring to ask L2 ahead */
 
 struct agq_params {
     struct cuda_attn_args a;
@@ -748,8 +748,11 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     return STATUS_OK;
 }
 
+/* The ring from ctx->att_ring_rows decode rows (32: below, whole steps
+ * measured as fast or faster in registers; docs/cuda-backend.md). */
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
-    const int ring = Q8 || ctx->cc < 80 ? 0 : ctx->att_ring;
+    const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
+    const int ring = Q8 || ctx->cc < 80 || rows < ctx->att_ring_rows ? 0 : ctx->att_ring;
     if constexpr (!Q8) {
         if (ring == 2) return agq_launch<HD, G2, false, false, 2>(ctx, p);
         if (ring == 3) return agq_launch<HD, G2, false, false, 3>(ctx, p);

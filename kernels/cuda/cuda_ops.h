@@ -65,9 +65,10 @@ struct cuda_ctx {
     unsigned *att_sync; /* CUDA_ATT_SYNC_WORDS counters for it, zeroed at init */
     int att_gqa_min;    /* attention: decode rows of at least this many query heads per KV head
                          * on attention_gqa.cu (2, default; 0: never; LLM_CUDA_ATT_GQA_MIN) */
-    int att_ring;       /* attention_gqa.cu over an F16 cache, sm_80+: the warps' steps through a
+    int att_ring, att_ring_rows; /* attention_gqa.cu over an F16 cache, sm_80+: the warps' steps through a
                          * cp.async ring of this many stages (2 or 3; 0: in registers;
-                         * LLM_CUDA_ATT_RING) */
+                         * LLM_CUDA_ATT_RING), from att_ring_rows decode rows (32;
+                         * LLM_CUDA_ATT_RING_ROWS) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
                          * LLM_CUDA_DECODE_TC_G) */

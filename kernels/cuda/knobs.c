@@ -86,6 +86,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "a ring of this many stages in shared memory with cp.async, this many less one ahead "
          "(0: a step ahead in registers, as on sm_75, to compare)",
          &k->att_ring, 0, 0, knobs_att_ring_choices},
+        {"cuda-att-ring-rows", "LLM_CUDA_ATT_RING_ROWS", OPTION_INT, "32",
+         "fewest decode rows of a launch that take LLM_CUDA_ATT_RING's ring, which measured "
+         "slower at 8 rows and no faster at 16-32",
+         &k->att_ring_rows, 1, INT_MAX, NULL},
         {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
@@ -244,6 +248,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->decode_tc_g = k->decode_tc_g;
     ctx->att_gqa_min = k->att_gqa_min;
     ctx->att_ring = k->att_ring;
+    ctx->att_ring_rows = k->att_ring_rows;
     ctx->att_steps = k->att_steps;
     /* One launch for rope, the cache write and attention measured faster
      * up to 4 rows where query heads share a KV head (each query head

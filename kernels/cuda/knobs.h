@@ -36,6 +36,7 @@ struct cuda_knobs {
     int decode_tc_g;     /* LLM_CUDA_DECODE_TC_G */
     int att_gqa_min;     /* LLM_CUDA_ATT_GQA_MIN */
     int att_ring;        /* LLM_CUDA_ATT_RING: 0, 2 or 3 */
+    int att_ring_rows;   /* LLM_CUDA_ATT_RING_ROWS */
     bool att_k8;         /* LLM_CUDA_ATT_K8 */
     int att_steps;       /* LLM_CUDA_ATT_STEPS: 1 or 2 */
     int rope_att;        /* LLM_CUDA_ROPE_ATT: -1, or most rows for both limits */
@@ -59,7 +60,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 32
+#define CUDA_KNOBS_N 33
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -78,7 +79,7 @@ int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size);
 int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size);
 
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
- * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, mmq_min, att_gqa_min, att_ring, decode_tc_g, att_k16,
+ * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, mmq_min, att_gqa_min, att_ring, att_ring_rows, decode_tc_g, att_k16,
  * att_steps, rope_att, rope_att_mha, rope_tc, rope_gqa, att_defer, att_f16, mr,
  * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
  * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is

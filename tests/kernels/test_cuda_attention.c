@@ -458,11 +458,13 @@ static void gqa_many_rows(enum dtype t) {
  * one-row sequences here, the other on the prefill kernel); and the T4's
  * mma (two m16n8k8) through LLM_CUDA_ATT_K8's routing is the sm_75 build's
  * own (scripts/gpu-check.sh t4).  Each with the steps in registers and
- * through cp.async rings of 2 and 3 stages (LLM_CUDA_ATT_RING; sm_80+,
- * elsewhere the registers again). */
+ * through cp.async rings of 2 and 3 stages from one row
+ * (LLM_CUDA_ATT_RING, LLM_CUDA_ATT_RING_ROWS=1; sm_80+, elsewhere the
+ * registers again). */
 TEST(cuda_ops_attention_gqa) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
     static const char *const rings[] = {"0", "2", "3"};
+    setenv("LLM_CUDA_ATT_RING_ROWS", "1", 1);
     for (int r = 0; r < 3; r++) {
         setenv("LLM_CUDA_ATT_RING", rings[r], 1);
         fx_open(); /* at most 4 KV caches a fixture */
@@ -482,6 +484,7 @@ TEST(cuda_ops_attention_gqa) {
         gqa_many_rows(DTYPE_F16);
     }
     unsetenv("LLM_CUDA_ATT_RING");
+    unsetenv("LLM_CUDA_ATT_RING_ROWS");
 }
 
 /* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
