@@ -309,11 +309,11 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
 /* Groups of 1 (llama2-7b's heads) held to 64 registers, eight blocks a
  * multiprocessor: its batch-16 grid (1024 blocks) is then one wave on an
  * H200, where 72 registers would make two. */
-template <int G, int LP, int U>
-__global__ void __launch_bounds__(ATD_THREADS, G == 1 ? 8 : 1) attention_decode_kernel(struct att_params p) {
+template <int G, int LP, int U, int TH>
+__global__ void __launch_bounds__(TH, G == 1 ? 8 * ATD_THREADS / TH : 1) attention_decode_kernel(struct att_params p) {
     pdl_begin();
     const struct cuda_attn_args &a = p.a;
-    constexpr int HD = LP * 8, SW = 32 / LP, NS = (ATD_THREADS / 32) * SW;
+    constexpr int HD = LP * 8, SW = 32 / LP, NS = (TH / 32) * SW;
     const int lane = threadIdx.x % 32, li = lane % LP, warp = threadIdx.x / 32, sw = warp * SW + lane / LP;
     const float ninf = -INFINITY;
     const int32_t kvh = blockIdx.y, z = blockIdx.z;
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(ATD_THREADS, G == 1 ? 8 : 1) attention_decode_
 #pragma unroll
         for (int e = 0; e < 8; e++) sacc[(sw * G + g) * HD + 8 * li + e] = acc[g][e];
     __syncthreads();
-    for (int i = threadIdx.x; i < G * HD; i += ATD_THREADS) {
+    for (int i = threadIdx.x; i < G * HD; i += TH) {
         int g = i / HD, d = i % HD;
         float mx = ninf;
         for (int k = 0; k < NS; k++) mx = fmaxf(mx, sml[(k * G + g) * 2]);
@@ -436,15 +436,21 @@ __global__ void __launch_bounds__(ATD_THREADS, G == 1 ? 8 : 1) attention_decode_
     }
 }
 
-template <int G, int LP>
+/* TH threads a block: ungrouped heads take blocks of 8 warps where the
+ * row x head blocks of 4 fill at most 4 a multiprocessor (ctx->att_wide):
+ * twice the warps each multiprocessor holds there (llama2-7b's 16 rows:
+ * 512 blocks for 132 multiprocessors). */
+template <int G, int LP, int TH = ATD_THREADS>
 static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
-    constexpr int U = G <= 2 ? 4 : 2, NS = (ATD_THREADS / 32) * (32 / LP);
+    constexpr int U = G <= 2 ? 4 : 2, NS = (TH / 32) * (32 / LP);
     const struct cuda_attn_args *a = &p->a;
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     /* One-row sequences of a mixed batch: a block a sequence (those with
      * several rows exit), their count at most n_seqs. */
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens;
     int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
+    if constexpr (G == 1 && TH == ATD_THREADS)
+        if (ctx->att_wide && blocks <= 4LL * ctx->n_sms) return att_decode_launch<G, LP, 2 * ATD_THREADS>(ctx, p);
     /* Split the context over 4 blocks per SM (cuda_att_split weighs the
      * waves), each split at least ctx->att_steps steps of all its
      * sub-warps: fewer, longer blocks than 8 per SM, as measured faster
@@ -464,7 +470,7 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     p->part_ml = sp.part_ml;
     size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
     dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
-    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U>), dim3(grid), dim3(ATD_THREADS), smem, *p));
+    CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U, TH>), dim3(grid), dim3(TH), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (p->n_splits > 1) {
         CUDA_CHECK(ctx, cuda_launch(ctx, attention_combine_kernel, dim3(n_idx, a->n_heads), dim3(128), 0,

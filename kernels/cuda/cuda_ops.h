@@ -44,6 +44,8 @@ struct cuda_ctx {
                          * column parts: 2 on sm_75 (64 KB of shared memory a block), else 1 */
     int att_steps;      /* attention decode kernel: each context split at least this many
                          * steps of its sub-warps (2, default; LLM_CUDA_ATT_STEPS=1) */
+    int att_wide;       /* attention decode kernel: ungrouped heads in blocks of 8 warps where
+                         * blocks of 4 would fill at most 4 a multiprocessor (1; LLM_CUDA_ATT_WIDE) */
     int att_k16;        /* attention_prefill.cu: mma m16n8k16 (sm_80 and later, default;
                          * LLM_CUDA_ATT_K8=1: m16n8k8, sm_75's, to compare) */
     int rope_att;       /* rope, cache write and attention of decode batches of up to this

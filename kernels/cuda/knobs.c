@@ -94,6 +94,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
          &k->att_k8, 0, 0, NULL},
+        {"cuda-att-wide", "LLM_CUDA_ATT_WIDE", OPTION_BOOL, "true",
+         "the decode attention kernel's ungrouped heads in blocks of 8 warps where blocks of 4, "
+         "one a row and head, would fill at most 4 a multiprocessor (false: always 4, to compare)",
+         &k->att_wide, 0, 0, NULL},
         {"cuda-att-steps", "LLM_CUDA_ATT_STEPS", OPTION_INT, "2",
          "least steps of its sub-warps in each context split of the decode attention kernel "
          "(1: twice the splits, to compare)",
@@ -250,6 +254,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_ring = k->att_ring;
     ctx->att_ring_rows = k->att_ring_rows;
     ctx->att_steps = k->att_steps;
+    ctx->att_wide = k->att_wide;
     /* One launch for rope, the cache write and attention measured faster
      * up to 4 rows where query heads share a KV head (each query head
      * reads its group's K/V rows, where the tensor-core kernel reads them

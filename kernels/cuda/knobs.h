@@ -39,6 +39,7 @@ struct cuda_knobs {
     int att_ring_rows;   /* LLM_CUDA_ATT_RING_ROWS */
     bool att_k8;         /* LLM_CUDA_ATT_K8 */
     int att_steps;       /* LLM_CUDA_ATT_STEPS: 1 or 2 */
+    bool att_wide;       /* LLM_CUDA_ATT_WIDE */
     int rope_att;        /* LLM_CUDA_ROPE_ATT: -1, or most rows for both limits */
     int rope_tc;         /* LLM_CUDA_ROPE_TC */
     bool rope_gqa;       /* LLM_CUDA_ROPE_GQA */
@@ -60,7 +61,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 33
+#define CUDA_KNOBS_N 34
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -80,7 +81,7 @@ int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t
 
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
  * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, mmq_min, att_gqa_min, att_ring, att_ring_rows, decode_tc_g, att_k16,
- * att_steps, rope_att, rope_att_mha, rope_tc, rope_gqa, att_defer, att_f16, mr,
+ * att_steps, att_wide, rope_att, rope_att_mha, rope_tc, rope_gqa, att_defer, att_f16, mr,
  * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
  * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is
  * below the card's own.  Returns 0, or STATUS_BAD_INPUT where a knob does

@@ -411,6 +411,15 @@ TEST(cuda_ops_attention_decode) {
     attention_case(DTYPE_F16, 8, 2, 64, 16, 1, ones, p7);
     fx_close();
     unsetenv("LLM_CUDA_ATT_STEPS");
+    /* Ungrouped heads in blocks of 4 warps where they would take 8
+     * (LLM_CUDA_ATT_WIDE=0; above, 4 rows of 32 heads took 8 and 40 rows
+     * 4). */
+    setenv("LLM_CUDA_ATT_WIDE", "0", 1);
+    fx_open();
+    attention_case(DTYPE_F16, 32, 32, 128, 16, 4, ones, p1);
+    attention_case(DTYPE_F16, 8, 8, 64, 16, 3, ones, p3);
+    fx_close();
+    unsetenv("LLM_CUDA_ATT_WIDE");
     /* The same decode batches on the tensor-core kernel (every group size:
      * LLM_CUDA_DECODE_TC_G=1), and groups of 8 with heads of 64 as
      * TinyLlama has them. */

@@ -253,6 +253,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_SM", "7.5", "not an integer");
     k_bad("LLM_CUDA_SM", "-75", "out of range [0, 1000]");
     k_bad("LLM_CUDA_PDL", "nope", "not a boolean");
+    k_bad("LLM_CUDA_ATT_WIDE", "2", "not a boolean");
     k_bad("LLM_CUDA_MMQ_TILE", "65", "out of range [0, 64]");
     k_bad("LLM_CUDA_WIDE", "00", "not a boolean");
     k_bad("LLM_CUDA_WIDE_ITEMS", "1025", "out of range [0, 1024]");
