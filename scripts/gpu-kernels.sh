@@ -35,6 +35,11 @@
 #            (ab.txt): llama2-7b Q4_K_M at context 512 and llama3-8b at
 #            2048, LLM_CUDA_MMQ_MIN=0 against the default (both packs),
 #            and LLM_CUDA_ROPE_ATT (sm_90)
+#   attab    bench_gpu decode A/Bs of the attention's routing (attab.txt):
+#            llama2-7b Q4_K_M at context 512, batch 12-24, the ungrouped
+#            heads' 8-warp blocks off and on (LLM_CUDA_ATT_WIDE, both packs),
+#            and llama3-8b at 2048, batch 8-64, attention_gqa.cu's ring off
+#            and on (LLM_CUDA_ATT_RING=0,3, sm_90)
 #   route    bench_cuda route (mq, matmul_wide.cu and matmul_mmq.cu on each
 #            llama2-7b and llama3-8b matmul at 17-64 tokens), then bench_gpu
 #            decode at 17-64 tokens, llama2-7b Q4_K_M at context 512 and
@@ -205,6 +210,26 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             fi
         } >"$out/ab.txt" 2>&1
         echo "== ab: $(grep -c ' ms ' "$out/ab.txt") rows" >>"$summary"
+        ;;
+    attab)
+        {
+            for b in "$b90" "$b75"; do
+                [ -n "$b" ] || continue
+                sm=""
+                [ "$b" = "$b75" ] && sm=75
+                echo "== ${sm:+LLM_CUDA_SM=$sm }llama2-7b, --ab LLM_CUDA_ATT_WIDE=false,true"
+                LLM_CUDA_SM=$sm timeout 200 "$b/bench/bench_gpu" --tmpdir /tmp --shapes llama2-7b --types q4_k_m \
+                    --batches 12,16,24 --ctx 512 --ab LLM_CUDA_ATT_WIDE=false,true 2>&1 |
+                    awk '$3 == "decode" {printf "batch %3s  %7s ms  %s\n", $5, $8, $NF}'
+            done
+            if [ -n "$b90" ]; then
+                echo "== llama3-8b, --ab LLM_CUDA_ATT_RING=0,3"
+                timeout 240 "$b90/bench/bench_gpu" --tmpdir /tmp --shapes llama3-8b --types q4_k_m \
+                    --batches 8,16,32,64 --ctx 2048 --ab LLM_CUDA_ATT_RING=0,3 2>&1 |
+                    awk '$3 == "decode" {printf "batch %3s  %7s ms  %s\n", $5, $8, $NF}'
+            fi
+        } >"$out/attab.txt" 2>&1
+        echo "== attab: $(grep -c ' ms ' "$out/attab.txt") rows" >>"$summary"
         ;;
     route)
         [ -n "$b90" ] && step route_kernels 300 "$b90/bench/bench_cuda" 0 route
