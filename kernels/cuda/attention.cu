@@ -298,7 +298,8 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
  * Flash-decoding with the K/V rows in registers.  A block owns one row
  * (its sequence found by binary search), one KV head with all G query
  * heads that share it (GQA: each K/V row is read once for the group) and
- * one slice of the context.  Its 4 warps are cut into sub-warps of LP
+ * one slice of the context.  Its 4 warps (8 where att_decode_launch
+ * widens the blocks of ungrouped heads) are cut into sub-warps of LP
  * lanes; a sub-warp owns whole positions, LP lanes x 8 dims = one 16-byte
  * load per lane per K or V row, and keeps its own online softmax (max, sum,
  * P.V in registers), so the loop has no barrier; each sub-warp issues the
@@ -306,9 +307,10 @@ __global__ void attention_combine_kernel(float *__restrict__ out, fp16_t *__rest
  * merged through shared memory at the end. */
 #define ATD_THREADS 128
 
-/* Groups of 1 (llama2-7b's heads) held to 64 registers, eight blocks a
- * multiprocessor: its batch-16 grid (1024 blocks) is then one wave on an
- * H200, where 72 registers would make two. */
+/* TH threads a block (ATD_THREADS, or twice that: att_decode_launch).
+ * Groups of 1 (llama2-7b's heads) held to 64 registers, 32 warps a
+ * multiprocessor (eight blocks of 4 warps or four of 8), where 72
+ * registers would hold fewer. */
 template <int G, int LP, int U, int TH>
 __global__ void __launch_bounds__(TH, G == 1 ? 8 * ATD_THREADS / TH : 1) attention_decode_kernel(struct att_params p) {
     pdl_begin();
