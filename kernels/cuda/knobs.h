@@ -80,12 +80,14 @@ int cuda_knobs_read(struct cuda_knobs *k, char *err, size_t err_size);
 int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t err_size);
 
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
- * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts, mmq_min, att_gqa_min, att_ring, att_ring_rows, decode_tc_g, att_k16,
- * att_steps, att_wide, rope_att, rope_att_mha, rope_tc, rope_gqa, att_defer, att_f16, mr,
- * dequant_ahead, ahead_sms) from k, for the card that ctx->device, ctx->cc
- * and ctx->n_sms describe.  ctx->cc becomes LLM_CUDA_SM where that is
- * below the card's own.  Returns 0, or STATUS_BAD_INPUT where a knob does
- * not fit the card (LLM_CUDA_AHEAD_SMS of n_sms or more), naming it. */
+ * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts,
+ * mmq_min, att_gqa_min, att_ring, att_ring_rows, decode_tc_g, att_k16,
+ * att_steps, att_wide, rope_att, rope_att_mha, rope_tc, rope_gqa,
+ * att_defer, att_f16, mr, dequant_ahead, ahead_sms) from k, for the card
+ * that ctx->device, ctx->cc and ctx->n_sms describe.  ctx->cc becomes
+ * LLM_CUDA_SM where that is below the card's own.  Returns 0, or
+ * STATUS_BAD_INPUT where a knob does not fit the card (LLM_CUDA_AHEAD_SMS
+ * of n_sms or more), naming it. */
 int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err, size_t err_size);
 
 /* Most K splits cuda_mq_split weighs. */
