@@ -51,10 +51,7 @@ static void httpd_log(void *cls, const char *fmt, va_list ap) {
     bool keep = h->starting && !h->start_err[0];
     if (keep) snprintf(h->start_err, sizeof h->start_err, "%s", line);
     pthread_mutex_unlock(&h->log_lock);
-    /* A client that hangs up mid-request, or one the guard closed, is
-     * reported by libmicrohttpd on every occurrence: at debug level, so
-     * that a slowloris cannot flood the log. */
-    if (!keep) LOG(strstr(line, "socket is closed") ? LL_DEBUG : LL_WARN, "metrics port %s: %s", h->listen, line);
+    if (!keep) LOG(httpd_guard_log_level(line), "metrics port %s: %s", h->listen, line);
 }
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const char *type,
@@ -261,6 +258,7 @@ int httpd_start(httpd **out, const struct httpd_config *c, char *err, size_t err
         free(h);
         return bind_failed ? STATUS_IO : STATUS_INTERNAL;
     }
+    httpd_guard_listening(h->guard, h->d);
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
     h->port = info ? (int)info->port : 0;
     h->c.listen = h->listen;

@@ -7,6 +7,8 @@
 #include "status.h"
 
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -168,6 +170,19 @@ static bool guard_head_waiting(int fd) {
     return strstr(buf, "\r\n\r\n") != NULL;
 }
 
+void httpd_guard_listening(httpd_guard *gd, struct MHD_Daemon *d) {
+#ifdef TCP_DEFER_ACCEPT
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_LISTEN_FD);
+    int secs = (int)((gd->read_timeout_ms + 999) / 1000);
+    if (!di || setsockopt(di->listen_fd, IPPROTO_TCP, TCP_DEFER_ACCEPT, &secs, sizeof secs) != 0)
+        LOG(LL_WARN, "%s: cannot defer connections until their first bytes (TCP_DEFER_ACCEPT %d s): %s", gd->name,
+            secs, di ? strerror(errno) : "libmicrohttpd does not say its listening socket");
+#else
+    (void)gd;
+    (void)d;
+#endif
+}
+
 unsigned httpd_guard_mhd_limit(const httpd_guard *gd) { return gd->max_connections * 2 + 16; }
 
 void httpd_guard_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
@@ -248,6 +263,11 @@ void httpd_guard_idle(struct MHD_Connection *conn) {
     c->busy = false;
     c->since_ms = guard_now_ms();
     pthread_mutex_unlock(&c->gd->mu);
+}
+
+int httpd_guard_log_level(const char *mhd_message) {
+    return strstr(mhd_message, "socket is closed") || strstr(mhd_message, "closed by remote side") ? LL_DEBUG
+                                                                                                  : LL_WARN;
 }
 
 void httpd_guard_closed(httpd_guard *gd, uint64_t *late, uint64_t *evicted) {

@@ -2,7 +2,7 @@
  * without finishing a request (slowloris).  libmicrohttpd's own connection
  * timeout restarts with every byte, so one byte every few seconds keeps a
  * connection forever, and its connection limit then shuts everyone out.
- * The guard adds two rules:
+ * The guard adds three rules:
  *
  *   - a deadline: a connection must deliver its whole request (headers and
  *     body) within read_timeout_ms of opening, or of its previous response
@@ -14,6 +14,12 @@
  *     connection whose request has been read (httpd_guard_busy: a response
  *     is being made or sent) is never closed by the guard; when every open
  *     connection is busy, the new one is closed instead.
+ *   - no connection before its first bytes (httpd_guard_listening): the
+ *     kernel hands the daemon a connection once data has arrived on it, so
+ *     a client that has connected but not yet written its request (its
+ *     process descheduled on a busy node) is not the oldest idle connection
+ *     when a flood of newer ones arrives, and connections that never send
+ *     a byte wait outside the daemon for up to read_timeout_ms.
  *
  * Closing is shutdown(2) on the socket: libmicrohttpd's thread sees the end
  * of the stream and closes and frees the connection itself, so the
@@ -24,6 +30,7 @@
  *   if (httpd_guard_init(&gd, &gc, err, sizeof err) < 0) ...;
  *   d = MHD_start_daemon(..., MHD_OPTION_NOTIFY_CONNECTION, httpd_guard_notify, gd,
  *                        MHD_OPTION_CONNECTION_LIMIT, httpd_guard_mhd_limit(gd), ...);
+ *   httpd_guard_listening(gd, d);
  *   // the access handler, once the request is read:  httpd_guard_busy(conn);
  *   // the request-completed callback:                httpd_guard_idle(conn);
  *   MHD_stop_daemon(d);
@@ -57,6 +64,11 @@ void httpd_guard_free(httpd_guard *gd);
  * the guard close an older one. */
 unsigned httpd_guard_mhd_limit(const httpd_guard *gd);
 
+/* Sets TCP_DEFER_ACCEPT on d's listening socket (Linux), for at most
+ * read_timeout_ms.  Where the system refuses it, a warning is logged and d
+ * serves without it: the other two rules still hold. */
+void httpd_guard_listening(httpd_guard *gd, struct MHD_Daemon *d);
+
 /* The MHD_OPTION_NOTIFY_CONNECTION callback; its cls is the guard. */
 void httpd_guard_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
                         enum MHD_ConnectionNotificationCode code);
@@ -66,6 +78,11 @@ void httpd_guard_notify(void *cls, struct MHD_Connection *conn, void **socket_co
 void httpd_guard_busy(struct MHD_Connection *conn);
 /* conn's response has ended: its deadline for the next request starts now. */
 void httpd_guard_idle(struct MHD_Connection *conn);
+
+/* The log level (log.h) for a libmicrohttpd message: LL_DEBUG for a client that
+ * hung up mid-request or one the guard closed (reported on every
+ * occurrence, so that a slowloris cannot flood the log), else LL_WARN. */
+int httpd_guard_log_level(const char *mhd_message);
 
 /* Connections the guard has closed so far: past the deadline, and to make
  * room for a newer one.  Either pointer may be NULL. */

@@ -400,10 +400,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     vsnprintf(msg, sizeof msg, fmt, ap);
     size_t n = strlen(msg);
     while (n > 0 && msg[n - 1] == '\n') msg[--n] = 0;
-    /* A client that hangs up mid-request, or one the guard closed, is
-     * reported on every occurrence: at debug level, so that a slowloris
-     * cannot flood the log. */
-    LOG(strstr(msg, "socket is closed") ? LL_DEBUG : LL_WARN, "gateway: libmicrohttpd: %s", msg);
+    LOG(httpd_guard_log_level(msg), "gateway: libmicrohttpd: %s", msg);
 }
 
 /* ---- start and stop ----------------------------------------------------------- */
@@ -691,6 +688,7 @@ int gateway_start(gateway **out, const struct gateway_config *cfg, char *err, si
         rc = STATUS_IO;
         goto fail;
     }
+    httpd_guard_listening(g->guard, g->mhd);
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(g->mhd, MHD_DAEMON_INFO_BIND_PORT);
     g->port = di ? di->port : 0;
     *out = g;
