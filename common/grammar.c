@@ -414,7 +414,7 @@ static int repeat(struct parser *ps, struct gvec *out, int32_t start, int lo, in
     int32_t n = out->n - start;
     struct gel *sym = malloc(sizeof *sym * (size_t)(n ? n : 1));
     if (!sym) return nomem(ps);
-    memcpy(sym, out->v + start, sizeof *sym * (size_t)n);
+    if (n) memcpy(sym, out->v + start, sizeof *sym * (size_t)n);
     out->n = start;
     int rc = 0;
     for (int i = 0; i < lo && !rc; i++)
@@ -821,7 +821,7 @@ int grammar_parse(grammar **out, const char *text, size_t len, char *err, size_t
             g->n_els = e;
             g->n_rules = ps.n_rules;
             g->root = root;
-            memcpy(g->sets, ps.sets, 32 * (size_t)ps.n_sets);
+            if (ps.n_sets) memcpy(g->sets, ps.sets, 32 * (size_t)ps.n_sets);
             g->n_sets = ps.n_sets;
             g->start = -2;
             g->lim = (struct grammar_limits){1 << 22, 1 << 20, (size_t)64 << 20};

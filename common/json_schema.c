@@ -4,12 +4,14 @@
 #include "json_schema.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "status.h"
+#include "unicode.h"
 
 /* Longest string and array bounds we expand into rules. */
 #define JS_BOUND_MAX 10000
@@ -145,7 +147,7 @@ static int get_bound(struct ctx *c, const cJSON *s, const char *key, const char 
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, key);
     *out = dflt;
     if (!v) return 0;
-    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble != (double)(int64_t)v->valuedouble)
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || floor(v->valuedouble) != v->valuedouble)
         return js_fail(c, STATUS_BAD_INPUT, path, "'%s' must be a non-negative integer", key);
     if (v->valuedouble > JS_BOUND_MAX)
         return js_fail(c, STATUS_UNSUPPORTED, path, "'%s' = %.0f is above the supported %d", key,
@@ -514,11 +516,17 @@ out:
     if (!rc && c->out.oom)
         rc = status_fail(c->err, c->errlen, STATUS_NO_MEMORY, "json schema: out of memory");
     if (rc && !c->status) c->status = rc;
-    return rc ? -1 : rule;
+    /* A failure inside a branch (anyOf, a list of types) fails the whole. */
+    return c->status ? -1 : rule;
 }
 
 int json_schema_to_gbnf(const char *schema, size_t len, char **gbnf, char *err, size_t errlen) {
     *gbnf = NULL;
+    /* JSON text is UTF-8; a string's bytes become the grammar's literals. */
+    size_t bad = unicode_utf8_valid_prefix(schema, len);
+    if (bad < len)
+        return status_fail(err, errlen, STATUS_BAD_INPUT, "json schema: not valid UTF-8 (byte %zu is not part of a "
+                           "character)", bad);
     const char *end = NULL;
     cJSON *doc = cJSON_ParseWithLengthOpts(schema, len, &end, 0);
     if (!doc) {

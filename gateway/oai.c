@@ -13,6 +13,25 @@
 #include "common/status.h"
 #include "common/unicode.h"
 
+/* Drops from s the bytes that are not part of a whole UTF-8 character: what
+ * a message quoting a client's (valid) text keeps of a character that a
+ * length limit ("%.64s", a full buffer) cut in two. */
+static void utf8_mend(char *s) {
+    size_t n = strlen(s), w = 0;
+    for (size_t r = 0; r < n;) {
+        uint32_t cp;
+        int k = unicode_utf8_decode(s + r, n - r, &cp);
+        if (k < 0) {
+            r++;
+            continue;
+        }
+        memmove(s + w, s + r, (size_t)k);
+        w += (size_t)k;
+        r += (size_t)k;
+    }
+    s[w] = 0;
+}
+
 void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
                    const char *fmt, ...) {
     e->status = status;
@@ -24,6 +43,8 @@ void oai_error_set(struct oai_error *e, int status, const char *type, const char
     va_start(ap, fmt);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
+    utf8_mend(e->param);
+    utf8_mend(e->message);
 }
 
 char *oai_error_json(const struct oai_error *e) {
@@ -565,6 +586,15 @@ int oai_parse(enum oai_kind kind, const char *body, size_t len, struct oai_reque
             oai_request_free(r);
             return -1;
         }
+        /* A field given twice is refused: which one counts differs between
+         * JSON parsers, and a client's must not disagree with ours.  Every
+         * field before v is a known one, so this scan stays short. */
+        for (const cJSON *p = r->root->child; p != v; p = p->next)
+            if (strcmp(p->string, v->string) == 0) {
+                (void)BAD(e, v->string, "%s appears twice in the request body: give each field once", v->string);
+                oai_request_free(r);
+                return -1;
+            }
         /* null means "the default" for every optional field. */
         if (cJSON_IsNull(v)) continue;
         if (apply_field(r, fd->f, v, e) < 0) {

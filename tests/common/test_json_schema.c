@@ -167,6 +167,17 @@ TEST(json_schema_refuses_by_name) {
     ASSERT_STREQ("json schema /: '$ref' = \"http://x/y\": only local references (#, "
                  "#/$defs/NAME, #/definitions/NAME) are supported",
                  refusal("{\"$ref\":\"http://x/y\"}", STATUS_UNSUPPORTED));
+    /* A refusal inside a branch refuses the whole schema, by name (it was
+     * GBNF naming an undefined rule). */
+    ASSERT_STREQ("json schema /anyOf/1: keyword 'minimum' is not supported",
+                 refusal("{\"anyOf\":[{\"type\":\"string\"},{\"type\":\"integer\",\"minimum\":0}]}",
+                         STATUS_UNSUPPORTED));
+    ASSERT_STREQ("json schema /: 'type' = \"text\" is not a JSON Schema type",
+                 refusal("{\"type\":[\"string\",\"text\"]}", STATUS_BAD_INPUT));
+    ASSERT_STREQ("json schema: not valid UTF-8 (byte 13 is not part of a character)",
+                 refusal("{\"const\":\"caf\xe9\"}", STATUS_BAD_INPUT));
+    ASSERT_TRUE(strstr(refusal("{\"type\":\"string\",\"maxLength\":1e60}", STATUS_UNSUPPORTED),
+                       "is above the supported 10000") != NULL);
     const char *e = refusal("{\"type\":", STATUS_BAD_INPUT);
     ASSERT_TRUE(strncmp(e, "json schema: not valid JSON", 27) == 0);
     /* annotations are not constraints: accepted */

@@ -1,5 +1,8 @@
 #include "fuzz_util.h"
 
+#include "common/grammar.h"
+#include "common/status.h"
+
 #include <dirent.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -129,4 +132,76 @@ size_t fuzz_tiny_safetensors(uint8_t **out) {
     for (size_t i = 8 + h; i + 4 <= total; i += 4) memcpy(buf + i, &v, 4);
     *out = buf;
     return total;
+}
+
+/* The walk's vocabulary: bytes 0..255 as tokens 0..255, then these, then
+ * the end token. */
+static const char *const walk_multi[] = {"{\"", "\":", "\",\"", "true", "false", "null", "  ", "\n", "\\u00",
+                                         "\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80", "ab", "[1,"};
+#define WALK_N_MULTI (int32_t)(sizeof walk_multi / sizeof walk_multi[0])
+#define WALK_EOG (256 + WALK_N_MULTI)
+#define WALK_VOCAB (WALK_EOG + 1)
+
+static char walk_bytes[256];
+
+static grammar_vocab *walk_vocab(void) {
+    static grammar_vocab *v;
+    if (v) return v;
+    const char *tok[WALK_VOCAB];
+    int32_t len[WALK_VOCAB];
+    for (int i = 0; i < 256; i++) {
+        walk_bytes[i] = (char)i;
+        tok[i] = &walk_bytes[i];
+        len[i] = 1;
+    }
+    for (int i = 0; i < WALK_N_MULTI; i++) {
+        tok[256 + i] = walk_multi[i];
+        len[256 + i] = (int32_t)strlen(walk_multi[i]);
+    }
+    tok[WALK_EOG] = "";
+    len[WALK_EOG] = 0;
+    int32_t eog = WALK_EOG;
+    char err[256];
+    if (grammar_vocab_from_bytes(&v, WALK_VOCAB, tok, len, &eog, 1, err, sizeof err) < 0)
+        fuzz_fail("the walk's vocabulary: %s", err);
+    return v;
+}
+
+int fuzz_grammar_walk(grammar *g, const uint8_t *choice, size_t n, char *out, size_t cap, size_t *out_len) {
+    grammar_vocab *v = walk_vocab();
+    uint64_t mask[(WALK_VOCAB + 63) / 64];
+    int32_t allowed[WALK_VOCAB];
+    size_t len = 0;
+    out[0] = 0;
+    *out_len = 0;
+    int32_t st;
+    if (grammar_state_start(g, &st) < 0) return 0;
+    for (size_t k = 0; k < n; k++) {
+        if (grammar_mask(g, v, st, mask) < 0) return 0;
+        int complete = grammar_state_is_complete(g, st), n_allowed = 0;
+        for (int32_t t = 0; t < WALK_VOCAB; t++) {
+            int in = (int)(mask[t / 64] >> (t % 64) & 1);
+            int32_t next;
+            if (grammar_state_accept_token(g, v, st, t, &next) < 0) return 0;
+            if (in != (next != GRAMMAR_STATE_DEAD))
+                fuzz_fail("after \"%s\": token %d is %s by the mask but the matcher %s it", out, t,
+                          in ? "allowed" : "refused", next != GRAMMAR_STATE_DEAD ? "accepts" : "refuses");
+            if (t == WALK_EOG && in != complete)
+                fuzz_fail("after \"%s\": the end token is %s, yet the state is %scomplete", out,
+                          in ? "allowed" : "refused", complete ? "" : "not ");
+            if (in) allowed[n_allowed++] = t;
+        }
+        if (n_allowed == 0) fuzz_fail("after \"%s\": a live state that allows no token", out);
+        int32_t t = allowed[choice[k] % n_allowed];
+        if (t == WALK_EOG) return 1;
+        const char *b = t < 256 ? &walk_bytes[t] : walk_multi[t - 256];
+        size_t bl = t < 256 ? 1 : strlen(walk_multi[t - 256]);
+        if (len + bl >= cap) return 0;
+        memcpy(out + len, b, bl);
+        len += bl;
+        out[len] = 0;
+        *out_len = len;
+        if (grammar_state_accept_token(g, v, st, t, &st) < 0) return 0;
+    }
+    return 0;
 }

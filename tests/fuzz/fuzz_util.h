@@ -35,6 +35,19 @@ size_t fuzz_tiny_safetensors(uint8_t **out);
 /* A byte-level BPE tokenizer.json of 8 tokens (<s> and </s> added). */
 extern const char fuzz_tiny_tokenizer_json[];
 
+/* A random walk through a compiled grammar, steered by choice[0..n): from
+ * the start state, each step takes the mask over a small vocabulary (every
+ * byte as a token of its own, some multi-byte tokens, an end token) and
+ * checks it against grammar_state_accept_token for every token (the mask
+ * holds exactly the tokens the matcher accepts; an incomplete live state
+ * allows some token), then takes the allowed token the next choice byte
+ * picks; the end token stops the walk.  Up to cap - 1 bytes of the output
+ * go to out (NUL-terminated; *out_len bytes, which may hold NULs).  Returns 1 when the walk ended on the end
+ * token (out is then a whole sentence of the grammar), 0 when the choices
+ * or the room ran out first or the grammar's tables filled. */
+struct grammar;
+int fuzz_grammar_walk(struct grammar *g, const uint8_t *choice, size_t n, char *out, size_t cap, size_t *out_len);
+
 /* Aborts with a message: an invariant of the code under test broke, which
  * libFuzzer reports as a crash and saves the input for. */
 _Noreturn void fuzz_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -1,11 +1,14 @@
 /* Tests of the requests llm-gateway refuses, with OpenAI's error object
  * (status, param, message, code), in front of a real cluster
  * (tests/gateway/gw_fixture.h): bad JSON, wrong types, values out of
- * range, unknown and unsupported fields (and the extensions it accepts),
- * wrong routes and methods, an unknown model; invalid UTF-8 in any field,
- * bytes after the JSON value, a prompt longer than the context as text,
- * token ids and chat. */
+ * range, unknown and unsupported fields (and the extensions it accepts), a
+ * field given twice, wrong routes and methods, an unknown model; invalid
+ * UTF-8 in any field, a message quoting a long field name in whole
+ * characters, bytes after the JSON value, a prompt longer than the context
+ * as text, token ids and chat. */
 #include "tests/gateway/gw_fixture.h"
+
+#include "common/unicode.h"
 
 TEST(bad_requests) {
     setup();
@@ -33,6 +36,7 @@ TEST(bad_requests) {
          "invalid_value"},
         {"{\"prompt\":\"a\",\"seed\":-1}", "seed", "outside", "integer_below_min_value"},
         {"{\"prompt\":\"a\",\"echo\":true}", "echo", "not supported", "unsupported_value"},
+        {"{\"prompt\":\"a\",\"max_tokens\":2,\"max_tokens\":3}", "max_tokens", "appears twice", "invalid_value"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         post(cl_, &gw_keyed, "/v1/completions", GW_KEY, cases[i].body, &r);
@@ -152,6 +156,15 @@ TEST(invalid_utf8_refused) {
         H_ASSERT(cl_, took < 1000, "%s: the refusal took %lld ms", cases[i].param, (long long)took);
         resp_free(&r);
     }
+    /* A message that quotes a field name cut at its length limit keeps
+     * whole characters: the 64th byte starts an é. */
+    post(cl_, &gw_keyed, "/v1/completions", GW_KEY,
+         "{\"prompt\":\"a\",\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\xc3\xa9\":1}", &r);
+    expect_error(cl_, &r, 400, "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "Unrecognized",
+                 "a long field name");
+    H_ASSERT(cl_, unicode_utf8_valid_prefix(r.body, strlen(r.body)) == strlen(r.body),
+             "the error body is not UTF-8: %s", r.body);
+    resp_free(&r);
     /* Whole characters pass: é as UTF-8. */
     post(cl_, &gw_keyed, "/v1/completions", GW_KEY, "{\"prompt\":\"caf\xc3\xa9\",\"max_tokens\":2}", &r);
     H_ASSERT(cl_, r.status == 200, "a valid UTF-8 prompt: status %d: %s", r.status, r.body);
