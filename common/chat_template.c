@@ -163,6 +163,8 @@ struct sbuf {
     char *p;
     size_t len, cap;
     int oom;
+    size_t *spans; /* [start, end) of each message's text in p */
+    size_t n_spans, cap_spans;
 };
 
 static void sb_addn(struct sbuf *b, const char *s, size_t n) {
@@ -185,12 +187,35 @@ static void sb_addn(struct sbuf *b, const char *s, size_t n) {
 
 static void sb_add(struct sbuf *b, const char *s) { sb_addn(b, s, strlen(s)); }
 
+/* A message's text (a client's), its span recorded so that the tokenizer
+ * never reads a template marker inside it. */
+static void sb_text(struct sbuf *b, const char *s, size_t n) {
+    size_t start = b->len;
+    sb_addn(b, s, n);
+    if (b->oom || n == 0) return;
+    if (b->n_spans == b->cap_spans) {
+        size_t cap = b->cap_spans ? 2 * b->cap_spans : 16;
+        size_t *v = realloc(b->spans, 2 * cap * sizeof *v);
+        if (!v) {
+            b->oom = 1;
+            return;
+        }
+        b->spans = v;
+        b->cap_spans = cap;
+    }
+    b->spans[2 * b->n_spans] = start;
+    b->spans[2 * b->n_spans + 1] = b->len;
+    b->n_spans++;
+}
+
+static void sb_content(struct sbuf *b, const char *s) { sb_text(b, s, strlen(s)); }
+
 /* Jinja's |trim: the text without leading and trailing whitespace. */
-static void sb_add_trimmed(struct sbuf *b, const char *s) {
+static void sb_content_trimmed(struct sbuf *b, const char *s) {
     while (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r') s++;
     size_t n = strlen(s);
     while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r')) n--;
-    sb_addn(b, s, n);
+    sb_text(b, s, n);
 }
 
 enum role { ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT };
@@ -265,14 +290,14 @@ static void render_llama2(struct sbuf *b, const struct chat_message *m, size_t n
             sb_add(b, "[INST] ");
             if (i == t->first && t->system) {
                 sb_add(b, "<<SYS>>\n");
-                sb_add(b, t->system);
+                sb_content(b, t->system);
                 sb_add(b, "\n<</SYS>>\n\n");
             }
-            sb_add_trimmed(b, m[i].content);
+            sb_content_trimmed(b, m[i].content);
             sb_add(b, " [/INST]");
         } else {
             sb_add(b, " ");
-            sb_add_trimmed(b, m[i].content);
+            sb_content_trimmed(b, m[i].content);
             sb_add(b, " </s>");
         }
     }
@@ -285,13 +310,13 @@ static void render_mistral(struct sbuf *b, const struct chat_message *m, size_t 
         if (roles[i] == ROLE_USER) {
             sb_add(b, "[INST] ");
             if (i == t->first && t->system) {
-                sb_add(b, t->system);
+                sb_content(b, t->system);
                 sb_add(b, "\n\n");
             }
-            sb_add(b, m[i].content);
+            sb_content(b, m[i].content);
             sb_add(b, " [/INST]");
         } else {
-            sb_add(b, m[i].content);
+            sb_content(b, m[i].content);
             sb_add(b, "</s>");
         }
     }
@@ -304,7 +329,7 @@ static void render_llama3(struct sbuf *b, const struct chat_message *m, size_t n
         sb_add(b, "<|start_header_id|>");
         sb_add(b, role_word(roles[i]));
         sb_add(b, "<|end_header_id|>\n\n");
-        sb_add_trimmed(b, m[i].content);
+        sb_content_trimmed(b, m[i].content);
         sb_add(b, "<|eot_id|>");
     }
     if (gen) sb_add(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
@@ -317,7 +342,7 @@ static void render_chatml(struct sbuf *b, const struct chat_message *m, size_t n
         sb_add(b, "<|im_start|>");
         sb_add(b, role_word(roles[i]));
         sb_add(b, "\n");
-        sb_add(b, m[i].content);
+        sb_content(b, m[i].content);
         sb_add(b, "<|im_end|>\n");
     }
     if (gen) sb_add(b, "<|im_start|>assistant\n");
@@ -330,7 +355,7 @@ static void render_tagged(struct sbuf *b, const struct chat_message *m, size_t n
         sb_add(b, "<|");
         sb_add(b, role_word(roles[i]));
         sb_add(b, "|>\n");
-        sb_add(b, m[i].content);
+        sb_content(b, m[i].content);
         sb_add(b, end);
         sb_add(b, "\n");
     }
@@ -343,10 +368,10 @@ static void render_gemma(struct sbuf *b, const struct chat_message *m, size_t n,
     for (size_t i = t->first; i < n; i++) {
         sb_add(b, roles[i] == ROLE_USER ? "<start_of_turn>user\n" : "<start_of_turn>model\n");
         if (i == t->first && t->system) {
-            sb_add(b, t->system);
+            sb_content(b, t->system);
             sb_add(b, "\n\n");
         }
-        sb_add_trimmed(b, m[i].content);
+        sb_content_trimmed(b, m[i].content);
         sb_add(b, "<end_of_turn>\n");
     }
     if (gen) sb_add(b, "<start_of_turn>model\n");
@@ -355,14 +380,14 @@ static void render_gemma(struct sbuf *b, const struct chat_message *m, size_t n,
 /* S<｜User｜>U<｜Assistant｜>A<｜end▁of▁sentence｜> */
 static void render_deepseek(struct sbuf *b, const struct chat_message *m, size_t n, const enum role *roles,
                             const struct turns *t, int gen) {
-    if (t->system) sb_add(b, t->system);
+    if (t->system) sb_content(b, t->system);
     for (size_t i = t->first; i < n; i++) {
         if (roles[i] == ROLE_USER) {
             sb_add(b, "<\xef\xbd\x9cUser\xef\xbd\x9c>");
-            sb_add(b, m[i].content);
+            sb_content(b, m[i].content);
         } else {
             sb_add(b, "<\xef\xbd\x9c" "Assistant\xef\xbd\x9c>");
-            sb_add(b, m[i].content);
+            sb_content(b, m[i].content);
             sb_add(b, chat_template_end_of_turn(CHAT_FAMILY_DEEPSEEK));
         }
     }
@@ -370,8 +395,11 @@ static void render_deepseek(struct sbuf *b, const struct chat_message *m, size_t
 }
 
 int chat_template_render(enum chat_family f, const struct chat_message *msgs, size_t n,
-                         int add_generation_prompt, char **out, char *err, size_t errlen) {
+                         int add_generation_prompt, char **out, size_t **spans, size_t *n_spans, char *err,
+                         size_t errlen) {
     *out = NULL;
+    if (spans) *spans = NULL;
+    if (n_spans) *n_spans = 0;
     if (f <= CHAT_FAMILY_NONE || f >= CHAT_FAMILY_COUNT) {
         snprintf(err, errlen, "no chat template (family %d)", (int)f);
         return STATUS_BAD_INPUT;
@@ -403,9 +431,16 @@ int chat_template_render(enum chat_family f, const struct chat_message *msgs, si
     free(roles);
     if (b.oom) {
         free(b.p);
+        free(b.spans);
         snprintf(err, errlen, "out of memory");
         return STATUS_NO_MEMORY;
     }
     *out = b.p;
+    if (spans && n_spans) {
+        *spans = b.spans;
+        *n_spans = b.n_spans;
+    } else {
+        free(b.spans);
+    }
     return 0;
 }

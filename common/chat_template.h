@@ -8,15 +8,18 @@
  *
  *   enum chat_family f = chat_template_detect(tmpl);   // CHAT_FAMILY_NONE: unknown
  *   struct chat_message m[] = {{"system", "Be brief."}, {"user", "Hi"}};
- *   char *text;
- *   if (chat_template_render(f, m, 2, 1, &text, err, sizeof err) < 0) ...;
- *   // encode text with the tokenizer (add_bos as the model says,
- *   // parse_special 1), stop at chat_template_end_of_turn(f)
- *   free(text);
+ *   char *text;  size_t *spans, n_spans;
+ *   if (chat_template_render(f, m, 2, 1, &text, &spans, &n_spans, err, sizeof err) < 0) ...;
+ *   // encode text with tokenizer_encode_plain(tok, text, strlen(text), -1,
+ *   // spans, n_spans, ...): the template's markers become their special
+ *   // tokens, the messages' texts stay text; stop at
+ *   // chat_template_end_of_turn(f)
+ *   free(text), free(spans);
  *
  * The rendered text never starts with the BOS token: the tokenizer adds it
- * as the model's metadata says.  Markers inside the text ("<|im_start|>",
- * later "<s>" of Llama-2) are special tokens: encode with parse_special. */
+ * as the model's metadata says.  The template's markers ("<|im_start|>",
+ * later "<s>" of Llama-2) are special tokens; the same text inside a
+ * message is not. */
 #ifndef COMMON_CHAT_TEMPLATE_H
 #define COMMON_CHAT_TEMPLATE_H
 
@@ -70,9 +73,14 @@ struct chat_message {
  * line.  On success *out is malloc'ed (the caller frees it).  Bad messages
  * (an unknown role, a system message not first, turns that do not
  * alternate where the family needs it, no messages): STATUS_BAD_INPUT, err
- * names the message index and why, *out NULL. */
+ * names the message index and why, *out NULL.  With spans and n_spans,
+ * *spans (malloc'ed, *n_spans pairs [start, end) in order) says where the
+ * messages' texts lie in *out: the caller encodes *out with
+ * tokenizer_encode_plain on them, so that a message's text never becomes a
+ * marker of the template. */
 int chat_template_render(enum chat_family f, const struct chat_message *msgs, size_t n,
-                         int add_generation_prompt, char **out, char *err, size_t errlen);
+                         int add_generation_prompt, char **out, size_t **spans, size_t *n_spans, char *err,
+                         size_t errlen);
 
 /* The text of the token that ends an assistant turn in family f
  * ("<|eot_id|>", "<|im_end|>", "</s>", ...); static; "" for NONE. */

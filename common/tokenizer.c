@@ -633,11 +633,23 @@ static int tok_frags_push(struct tok_frags *f, struct tok_frag x) {
     return 0;
 }
 
+/* Whether [at, at + n) overlaps one of the n_plain sorted spans of plain. */
+static int tok_in_plain(const size_t *plain, size_t n_plain, size_t at, size_t n) {
+    size_t lo = 0, hi = n_plain;
+    while (lo < hi) { /* the first span that ends after at */
+        size_t mid = lo + (hi - lo) / 2;
+        if (plain[2 * mid + 1] <= at) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n_plain && plain[2 * lo] < at + n;
+}
+
 /* Splits the raw fragments around every occurrence of each special token,
  * the longest tokens first (llama.cpp's partition).  User-defined tokens are
- * always matched; control and unknown ones only with parse_special. */
+ * always matched; control and unknown ones only with parse_special, and
+ * not where they overlap a span of plain. */
 static int tok_partition(const struct tokenizer *t, const char *text, size_t len, int parse_special,
-                         struct tok_frags *frags) {
+                         const size_t *plain, size_t n_plain, struct tok_frags *frags) {
     struct tok_frags next = {0};
     int rc = tok_frags_push(frags, (struct tok_frag){0, len, -1});
     if (rc < 0) return rc;
@@ -658,14 +670,19 @@ static int tok_partition(const struct tokenizer *t, const char *text, size_t len
                 if ((rc = tok_frags_push(&next, f)) < 0) goto done;
                 continue;
             }
-            size_t pos = f.start, end = f.start + f.len;
+            size_t pos = f.start, from = pos, end = f.start + f.len;
+            int guarded = n_plain > 0 && t->types[id] != TOK_TYPE_USER;
             for (;;) {
-                const char *m = end - pos >= tl ? memmem(text + pos, end - pos, tt, tl) : NULL;
+                const char *m = end - from >= tl ? memmem(text + from, end - from, tt, tl) : NULL;
                 if (!m) break;
                 size_t at = (size_t)(m - text);
+                if (guarded && tok_in_plain(plain, n_plain, at, tl)) {
+                    from = at + 1;
+                    continue;
+                }
                 if (at > pos && (rc = tok_frags_push(&next, (struct tok_frag){pos, at - pos, -1})) < 0) goto done;
                 if ((rc = tok_frags_push(&next, (struct tok_frag){at, tl, id})) < 0) goto done;
-                pos = at + tl;
+                pos = from = at + tl;
             }
             if (end > pos && (rc = tok_frags_push(&next, (struct tok_frag){pos, end - pos, -1})) < 0) goto done;
         }
@@ -746,8 +763,8 @@ static int tok_encode_raw(const struct tokenizer *t, struct tok_work *w, const c
     return rc;
 }
 
-int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int add_bos, int parse_special,
-                         int32_t *ids, int32_t n_max) {
+static int32_t tok_encode(const tokenizer *t, const char *text, size_t len, int add_bos, int parse_special,
+                          const size_t *plain, size_t n_plain, int32_t *ids, int32_t n_max) {
     if (!text && len > 0) return STATUS_BAD_INPUT;
     if (len > UINT32_MAX / 4) return STATUS_BAD_INPUT; /* offsets are 32-bit */
     if (unicode_utf8_valid_prefix(text, len) != len) return STATUS_BAD_INPUT;
@@ -758,7 +775,7 @@ int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int a
     struct tok_work w = {0};
     int rc = 0;
     if (bos && (rc = tok_out_push(&o, t->bos)) < 0) goto done;
-    if (len > 0 && (rc = tok_partition(t, text, len, parse_special, &frags)) < 0) goto done;
+    if (len > 0 && (rc = tok_partition(t, text, len, parse_special, plain, n_plain, &frags)) < 0) goto done;
     int prev_special = 1;
     for (size_t k = 0; k < frags.n; k++) {
         const struct tok_frag *f = &frags.v[k];
@@ -783,4 +800,17 @@ done:
     free(frags.v);
     tok_work_free(&w);
     return rc < 0 ? rc : (int32_t)o.n;
+}
+
+int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int add_bos, int parse_special,
+                         int32_t *ids, int32_t n_max) {
+    return tok_encode(t, text, len, add_bos, parse_special, NULL, 0, ids, n_max);
+}
+
+int32_t tokenizer_encode_plain(const tokenizer *t, const char *text, size_t len, int add_bos, const size_t *plain,
+                               size_t n_plain, int32_t *ids, int32_t n_max) {
+    for (size_t i = 0; i < n_plain; i++)
+        if (plain[2 * i] > plain[2 * i + 1] || plain[2 * i + 1] > len || (i > 0 && plain[2 * i] < plain[2 * i - 1]))
+            return STATUS_BAD_INPUT;
+    return tok_encode(t, text, len, add_bos, 1, plain, n_plain, ids, n_max);
 }

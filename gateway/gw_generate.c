@@ -418,17 +418,23 @@ static int chat_prompt(gateway *g, struct job *j, struct oai_error *e) {
         return -1;
     }
     char err[512], *text = NULL;
-    if (chat_template_render(g->family, j->req.messages, j->req.n_messages, 1, &text, err, sizeof err) < 0) {
+    size_t *spans = NULL, n_spans = 0;
+    if (chat_template_render(g->family, j->req.messages, j->req.n_messages, 1, &text, &spans, &n_spans, err,
+                             sizeof err) < 0) {
         oai_error_set(e, 400, "invalid_request_error", "messages", "invalid_value", "%s", err);
         return -1;
     }
+    /* The template's markers are special tokens; a message's text that
+     * looks like one ("<|im_end|><|im_start|>system") stays text. */
     size_t len = strlen(text);
-    int32_t n = tokenizer_encode(g->tok, text, len, -1, 1, NULL, 0);
+    int32_t n = tokenizer_encode_plain(g->tok, text, len, -1, spans, n_spans, NULL, 0);
     if (n >= 0) {
         j->prompt_ids = malloc(((size_t)n + 1) * sizeof *j->prompt_ids);
-        n = j->prompt_ids ? tokenizer_encode(g->tok, text, len, -1, 1, j->prompt_ids, n + 1) : STATUS_NO_MEMORY;
+        n = j->prompt_ids ? tokenizer_encode_plain(g->tok, text, len, -1, spans, n_spans, j->prompt_ids, n + 1)
+                          : STATUS_NO_MEMORY;
     }
     free(text);
+    free(spans);
     if (n < 0) {
         char model[256];
         gw_model_info(g, model, sizeof model, NULL);

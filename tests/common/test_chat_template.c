@@ -20,12 +20,30 @@ static const struct chat_message conv[] = {
 };
 #define N_CONV (sizeof conv / sizeof conv[0])
 
+/* Renders m and checks the text, and that the spans are the messages'
+ * texts in order (each as given, or trimmed where the family trims). */
 static void check_render(enum chat_family f, const struct chat_message *m, size_t n, int gen,
                          const char *want) {
     char err[256], *out = NULL;
-    int rc = chat_template_render(f, m, n, gen, &out, err, sizeof err);
+    size_t *spans = NULL, n_spans = 0;
+    int rc = chat_template_render(f, m, n, gen, &out, &spans, &n_spans, err, sizeof err);
     if (rc < 0) TEST_FAIL("%s: %s", chat_family_name(f), err);
     ASSERT_STREQ(want, out);
+    ASSERT_EQ(n, n_spans);
+    for (size_t i = 0; i < n_spans; i++) {
+        size_t a = spans[2 * i], b = spans[2 * i + 1];
+        const char *c = m[i].content;
+        size_t cn = strlen(c);
+        if (b - a != cn) { /* trimmed */
+            while (cn > 0 && strchr(" \t\n\r", *c)) c++, cn--;
+            while (cn > 0 && strchr(" \t\n\r", c[cn - 1])) cn--;
+        }
+        if (b - a != cn || memcmp(out + a, c, cn) != 0)
+            TEST_FAIL("%s: span %zu is \"%.*s\", not message %zu's text \"%s\"", chat_family_name(f), i,
+                      (int)(b - a), out + a, i, m[i].content);
+        if (i > 0) ASSERT_TRUE(a >= spans[2 * i - 1]);
+    }
+    free(spans);
     free(out);
 }
 
@@ -118,7 +136,7 @@ TEST(names) {
 
 static void check_refused(enum chat_family f, const struct chat_message *m, size_t n, const char *needle) {
     char err[256], *out = (char *)1;
-    ASSERT_EQ((int)STATUS_BAD_INPUT, chat_template_render(f, m, n, 1, &out, err, sizeof err));
+    ASSERT_EQ((int)STATUS_BAD_INPUT, chat_template_render(f, m, n, 1, &out, NULL, NULL, err, sizeof err));
     ASSERT_TRUE(out == NULL);
     if (!strstr(err, needle)) TEST_FAIL("error \"%s\" does not name \"%s\"", err, needle);
 }
