@@ -3,6 +3,8 @@
  * Latin-1 gets a direct table because almost all text is there. */
 #include "unicode.h"
 
+#include <string.h>
+
 struct unicode_range {
     uint32_t first, last;
     uint8_t flags;
@@ -91,6 +93,22 @@ int unicode_utf8_encode(uint32_t cp, char *out) {
     o[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
     o[3] = (unsigned char)(0x80 | (cp & 0x3F));
     return 4;
+}
+
+void unicode_utf8_mend(char *s) {
+    size_t n = strlen(s), w = 0;
+    uint32_t cp;
+    for (size_t r = 0; r < n;) {
+        int k = (unsigned char)s[r] < 0x80 ? 1 : unicode_utf8_decode(s + r, n - r, &cp);
+        if (k < 0) {
+            r++;
+            continue;
+        }
+        memmove(s + w, s + r, (size_t)k);
+        w += (size_t)k;
+        r += (size_t)k;
+    }
+    s[w] = 0;
 }
 
 size_t unicode_utf8_valid_prefix(const char *s, size_t n) {

@@ -29,5 +29,9 @@ int unicode_utf8_len(unsigned char b);
 int unicode_utf8_encode(uint32_t cp, char *out);
 /* Offset of the first invalid byte of s, or n if all of s is valid UTF-8. */
 size_t unicode_utf8_valid_prefix(const char *s, size_t n);
+/* Drops from the NUL-terminated s, in place, every byte that is not part of
+ * a whole valid character: what a message that quotes a client's text keeps
+ * of a character a length limit ("%.64s", a full buffer) cut in two. */
+void unicode_utf8_mend(char *s);
 
 #endif

@@ -13,25 +13,6 @@
 #include "common/status.h"
 #include "common/unicode.h"
 
-/* Drops from s the bytes that are not part of a whole UTF-8 character: what
- * a message quoting a client's (valid) text keeps of a character that a
- * length limit ("%.64s", a full buffer) cut in two. */
-static void utf8_mend(char *s) {
-    size_t n = strlen(s), w = 0;
-    for (size_t r = 0; r < n;) {
-        uint32_t cp;
-        int k = unicode_utf8_decode(s + r, n - r, &cp);
-        if (k < 0) {
-            r++;
-            continue;
-        }
-        memmove(s + w, s + r, (size_t)k);
-        w += (size_t)k;
-        r += (size_t)k;
-    }
-    s[w] = 0;
-}
-
 void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
                    const char *fmt, ...) {
     e->status = status;
@@ -43,8 +24,8 @@ void oai_error_set(struct oai_error *e, int status, const char *type, const char
     va_start(ap, fmt);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
-    utf8_mend(e->param);
-    utf8_mend(e->message);
+    unicode_utf8_mend(e->param);
+    unicode_utf8_mend(e->message);
 }
 
 char *oai_error_json(const struct oai_error *e) {

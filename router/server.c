@@ -21,6 +21,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "common/unicode.h"
 
 int64_t server_now_ms(void) {
     struct timespec ts;
@@ -121,15 +122,21 @@ void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len,
 void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                                      Llm__Error__Code code, const char *reason, const char *rid,
                                      const char *msg, uint32_t retry_after_ms) {
+    /* A message that quotes a client's text cut at a length limit may end
+     * inside a character: whole characters only, or the client's library
+     * refuses the reply as not UTF-8. */
+    char *whole = strdup(msg ? msg : "");
+    if (whole) unicode_utf8_mend(whole);
     Llm__Error e;
-    proto_error_init(&e, code, rid, msg, retry_after_ms);
+    proto_error_init(&e, code, rid, whole ? whole : "", retry_after_ms);
     if (reason) e.reason = (char *)reason;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
     env.tag = tag;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_ERROR;
     env.error = &e;
-    LOG(LL_DEBUG, "request %s: %s: %s", rid && rid[0] ? rid : "-", proto_code_name(code), msg);
+    LOG(LL_DEBUG, "request %s: %s: %s", rid && rid[0] ? rid : "-", proto_code_name(code), e.message);
     server_send_client(s, ident, ident_len, &env);
+    free(whole);
 }
 
 int server_send_worker(server *s, const uint8_t *ident, size_t ident_len, const uint8_t *buf, size_t len) {

@@ -144,6 +144,15 @@ TEST(router_server_refuses_bad_input_and_keeps_serving) {
     g.model = "other.gguf";
     cl_send(c, &ge);
     cl_expect_error(c, LLM__ERROR__CODE__NOT_FOUND, "other.gguf");
+    /* The refusal quotes 128 bytes of the model's name, which cut its é
+     * in two: the reply keeps whole characters (the client's library
+     * refuses a reply that is not UTF-8). */
+    static char longm[160];
+    memset(longm, 'm', 127);
+    memcpy(longm + 127, "\xc3\xa9tail", 6);
+    g.model = longm;
+    cl_send(c, &ge);
+    cl_expect_error(c, LLM__ERROR__CODE__NOT_FOUND, "mmmm\" is not served here");
     g.model = "";
     g.request_id = "bad id";
     cl_send(c, &ge);
