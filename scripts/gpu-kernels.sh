@@ -21,6 +21,12 @@
 #            ceilings"); the table in mma.log
 #   ncu      Nsight Compute on one launch each of matmul_mmq.cu's and
 #            attention_gqa.cu's kernels (bench_cuda mmq / attn), sm_90 pack
+#   mrncu    Nsight Compute's memory and stall sections on four launches of
+#            matmul_mr.cu (one layer's q/k/v, v, o and down) and one of
+#            matmul_mmq.cu (gate/up) in llama3-8b Q4_K_M decode steps at
+#            batch 16, context 2048, sm_90 pack: where the batch-16
+#            matmuls' time goes against their bytes (L1 hits, L2 and DRAM
+#            traffic, stall reasons)
 #   prof     Nsight Compute's time of every kernel of Q4_K_M decode steps at
 #            batch 16 and 64, added up by kernel and grid
 #            (scripts/ncu-sum.py), sm_90 pack, for each SHAPE:CTX:MMQ_MIN of
@@ -157,6 +163,19 @@ for what in ${LLM_KERNEL_STEPS:-ops ops75 forward mmq attn}; do
             --launch-skip 30 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 mmq
         [ -n "$b90" ] && step ncu_gqa 150 ncu --clock-control none --kernel-name regex:attention_gqa_kernel \
             --launch-skip 200 --launch-count 1 $sections "$b90/bench/bench_cuda" 0 attn
+        ;;
+    mrncu)
+        [ -n "$b90" ] || continue
+        sections="--section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats
+            --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section SchedulerStats"
+        mrargs="--shapes llama3-8b --types q4_k_m --batches 16 --ctx 2048 --prompt 8 --prefill-reps 1 --warmup 1
+            --steps 6 --copy-size 64M --gemm-size 1024 --gemm-tokens 256 --tmpdir /tmp"
+        # Past the prefills' launches (at most 5 a layer), inside the decode
+        # steps (4 a layer on matmul_mr.cu, 1 on matmul_mmq.cu).
+        step ncu_mr 200 ncu --clock-control none --kernel-name regex:matmul_mr_kernel --launch-skip 600 \
+            --launch-count 4 $sections "$b90/bench/bench_gpu" $mrargs
+        step ncu_mr_mmq 200 ncu --clock-control none --kernel-name regex:matmul_mmq --launch-skip 150 \
+            --launch-count 1 $sections "$b90/bench/bench_gpu" $mrargs
         ;;
     prof)
         [ -n "$b90" ] || continue
