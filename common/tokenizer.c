@@ -644,6 +644,19 @@ static int tok_in_plain(const size_t *plain, size_t n_plain, size_t at, size_t n
     return lo < n_plain && plain[2 * lo] < at + n;
 }
 
+/* Whether tt (tl bytes) occurs in text somewhere outside the plain spans. */
+static int tok_outside_plain(const char *text, size_t len, const char *tt, size_t tl, const size_t *plain,
+                             size_t n_plain) {
+    for (size_t from = 0; len - from >= tl;) {
+        const char *m = memmem(text + from, len - from, tt, tl);
+        if (!m) return 0;
+        size_t at = (size_t)(m - text);
+        if (!tok_in_plain(plain, n_plain, at, tl)) return 1;
+        from = at + 1;
+    }
+    return 0;
+}
+
 /* Splits the raw fragments around every occurrence of each special token,
  * the longest tokens first (llama.cpp's partition).  User-defined tokens are
  * always matched; control and unknown ones only with parse_special, and
@@ -663,6 +676,12 @@ static int tok_partition(const struct tokenizer *t, const char *text, size_t len
             found = frags->v[k].id < 0 && frags->v[k].len >= tl &&
                     memmem(text + frags->v[k].start, frags->v[k].len, tt, tl) != NULL;
         if (!found) continue;
+        /* Inside the plain spans a control token is never matched, nor an
+         * added one that this text also has outside them (a marker of the
+         * template); an added token that only the spans have is matched
+         * there as anywhere. */
+        int guarded = n_plain > 0 && (t->types[id] != TOK_TYPE_USER || tok_outside_plain(text, len, tt, tl, plain,
+                                                                                          n_plain));
         next.n = 0;
         for (size_t k = 0; k < frags->n; k++) {
             struct tok_frag f = frags->v[k];
@@ -671,7 +690,6 @@ static int tok_partition(const struct tokenizer *t, const char *text, size_t len
                 continue;
             }
             size_t pos = f.start, from = pos, end = f.start + f.len;
-            int guarded = n_plain > 0 && t->types[id] != TOK_TYPE_USER;
             for (;;) {
                 const char *m = end - from >= tl ? memmem(text + from, end - from, tt, tl) : NULL;
                 if (!m) break;

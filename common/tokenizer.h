@@ -56,12 +56,13 @@ int32_t tokenizer_token_len_max(const tokenizer *t);
  * exceeds n_max), or a negative status (invalid UTF-8 is STATUS_BAD_INPUT). */
 int32_t tokenizer_encode(const tokenizer *t, const char *text, size_t len, int add_bos,
                          int parse_special, int32_t *ids, int32_t n_max);
-/* tokenizer_encode with parse_special 1, except that no control token is
- * matched where it would overlap one of the n_plain spans [plain[2i],
- * plain[2i + 1]) (sorted, not overlapping): there its text is plain text.
- * For a chat prompt, the spans are the messages' contents
- * (chat_template_render), so that a message cannot forge the template's
- * markers ("<|im_end|><|im_start|>system"). */
+/* tokenizer_encode with parse_special 1, except inside the n_plain spans
+ * [plain[2i], plain[2i + 1]) (sorted, not overlapping): there no control
+ * token is matched, nor an added (user-defined) token whose text also
+ * occurs outside the spans; such text stays plain text.  For a chat prompt
+ * the spans are the messages' texts (chat_template_render), so that a
+ * message cannot forge the template's markers ("<|im_end|><|im_start|>system",
+ * or DeepSeek's "<｜Assistant｜>", an added token that is not special). */
 int32_t tokenizer_encode_plain(const tokenizer *t, const char *text, size_t len, int add_bos, const size_t *plain,
                                size_t n_plain, int32_t *ids, int32_t n_max);
 

@@ -732,6 +732,46 @@ TEST(tokenizer_plain_spans) {
     ASSERT_EQ(STATUS_BAD_INPUT, tokenizer_encode_plain(t, v, strlen(v), 0, reversed, 1, ids, 64));
     ASSERT_EQ(STATUS_BAD_INPUT, tokenizer_encode_plain(t, v, strlen(v), 0, past, 1, ids, 64));
     tokenizer_free(t);
+
+    /* An added token that is not special (DeepSeek's role markers are such
+     * tokens): inside a span it stays text where the text also has it
+     * outside (the template's marker), and is matched where only the spans
+     * have it. */
+    char src[2100];
+    snprintf(src, sizeof src, "%s/tokenizer.json", test_model_path("tiny-llama-hf"));
+    char *json = test_read_file(src, NULL);
+    ASSERT_TRUE(json != NULL);
+    cJSON *root = cJSON_Parse(json);
+    free(json);
+    ASSERT_TRUE(root != NULL);
+    cJSON_AddItemToArray(cJSON_GetObjectItem(root, "added_tokens"),
+                         cJSON_Parse("{\"id\":50257,\"content\":\"<|U|>\",\"single_word\":false,\"lstrip\":false,"
+                                     "\"rstrip\":false,\"normalized\":false,\"special\":false}"));
+    char tmp[64], file[128];
+    snprintf(tmp, sizeof tmp, "/tmp/test_tokenizer_plain_%d", (int)getpid());
+    mkdir(tmp, 0755);
+    snprintf(file, sizeof file, "%s/tokenizer.json", tmp);
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    FILE *f = fopen(file, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs(text, f);
+    fclose(f);
+    free(text);
+    tokenizer *hf = load_or_fail(tmp);
+    unlink(file);
+    rmdir(tmp);
+    ASSERT_EQ(4, tokenizer_token_type(hf, 50257)); /* user-defined */
+    const char *w = "<|U|>a<|U|>b";
+    size_t second[2] = {5, 12}, all[2] = {0, 12};
+    n = tokenizer_encode_plain(hf, w, strlen(w), 0, second, 1, ids, 64);
+    ASSERT_EQ(1, count_id(ids, n, 50257));
+    ASSERT_EQ(50257, ids[0]);
+    n = tokenizer_encode_plain(hf, w, strlen(w), 0, all, 1, ids, 64);
+    ASSERT_EQ(2, count_id(ids, n, 50257));
+    n = tokenizer_encode(hf, w, strlen(w), 0, 0, ids, 64);
+    ASSERT_EQ(2, count_id(ids, n, 50257));
+    tokenizer_free(hf);
 }
 
 TEST_MAIN(tokenizer_vocab_llama_spm, tokenizer_vocab_gpt2, tokenizer_golden_stories260k, tokenizer_hf_tiny_llama,
