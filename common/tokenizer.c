@@ -659,8 +659,9 @@ static int tok_outside_plain(const char *text, size_t len, const char *tt, size_
 
 /* Splits the raw fragments around every occurrence of each special token,
  * the longest tokens first (llama.cpp's partition).  User-defined tokens are
- * always matched; control and unknown ones only with parse_special, and
- * not where they overlap a span of plain. */
+ * always matched (inside the spans of plain only where the text has them
+ * nowhere else); control and unknown ones only with parse_special, and
+ * never where they overlap a span of plain. */
 static int tok_partition(const struct tokenizer *t, const char *text, size_t len, int parse_special,
                          const size_t *plain, size_t n_plain, struct tok_frags *frags) {
     struct tok_frags next = {0};
