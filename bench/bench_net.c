@@ -414,7 +414,7 @@ static void bn_cluster_run(const struct bn_opts *o, const char *model, int32_t n
     const char *link_ns[NB_HOSTS_MAX];
     int n_links = loopback ? 1 : o->stages - 1;
     for (int k = 0; k < n_links; k++) {
-        char h[8];
+        char h[16];
         snprintf(h, sizeof h, "s%d", k);
         link_ns[k] = nb_host(nb, h)->ns;
     }

@@ -223,6 +223,7 @@ static int check_outputs(struct cluster *cl, struct cgen *gs, int n) {
 static void make(struct cgen *gs, int n, struct cluster *cl, const char *tag, float temperature) {
     for (int i = 0; i < n; i++) {
         struct cgen *g = &gs[i];
+        llm_generate_result_free(&g->res); /* a previous run's */
         memset(g, 0, sizeof *g);
         g->cl = cl;
         snprintf(g->request_id, sizeof g->request_id, "%s-%d", tag, i);
@@ -268,6 +269,7 @@ static void constrained_serves(int stages) {
     g->grammar = "root ::= \"a\" b\n";
     cg_run(g);
     H_ASSERT(cl, g->rc != 0 && strstr(g->err, "line 1, column 14: undefined rule 'b'"), "rc %d: %s", g->rc, g->err);
+    for (int i = 0; i < 2; i++) llm_generate_result_free(&gs[i].res);
     h_cluster_stop(cl);
 }
 

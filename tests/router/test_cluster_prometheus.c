@@ -97,6 +97,10 @@ static int http_request(int port, const char *method, const char *path, const ch
     }
     size_t jl = json ? strlen(json) : 0;
     char *req = malloc(strlen(path) + jl + 256);
+    if (!req) {
+        close(fd);
+        return -1;
+    }
     int n = sprintf(req, "%s %s HTTP/1.0\r\nHost: 127.0.0.1:%d\r\n", method, path, port);
     if (json) n += sprintf(req + n, "Content-Type: application/json\r\nContent-Length: %zu\r\n", jl);
     n += sprintf(req + n, "\r\n%s", json ? json : "");
