@@ -824,7 +824,7 @@ int grammar_parse(grammar **out, const char *text, size_t len, char *err, size_t
             if (ps.n_sets) memcpy(g->sets, ps.sets, 32 * (size_t)ps.n_sets);
             g->n_sets = ps.n_sets;
             g->start = -2;
-            g->lim = (struct grammar_limits){1 << 22, 1 << 20, (size_t)64 << 20};
+            g->lim = (struct grammar_limits){1 << 22, 1 << 20, (size_t)64 << 20, 256};
             pthread_mutex_init(&g->mu, NULL);
         }
     }
@@ -845,5 +845,6 @@ void grammar_set_limits(grammar *g, const struct grammar_limits *lim) {
     if (lim->n_nodes_max > 0) g->lim.n_nodes_max = lim->n_nodes_max;
     if (lim->n_states_max > 0) g->lim.n_states_max = lim->n_states_max;
     if (lim->mask_cache_bytes > 0) g->lim.mask_cache_bytes = lim->mask_cache_bytes;
+    if (lim->n_stacks_max > 0) g->lim.n_stacks_max = lim->n_stacks_max;
     pthread_mutex_unlock(&g->mu);
 }

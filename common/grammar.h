@@ -47,6 +47,11 @@ struct grammar_limits {
     int32_t n_nodes_max;       /* stack frames; default 1 << 22 */
     int32_t n_states_max;      /* default 1 << 20 */
     size_t mask_cache_bytes;   /* cached masks; default 64 MiB, then the cache restarts */
+    int32_t n_stacks_max;      /* parse stacks in one state; default 256.  A mask costs about
+                                * this times the trie: an ambiguous grammar ("item ::= [a-z]+
+                                * item+") adds stacks with every byte, which would make each
+                                * step of a batch slower without end.  JSON schemas' grammars
+                                * keep about a dozen. */
 };
 void grammar_set_limits(grammar *g, const struct grammar_limits *lim);
 

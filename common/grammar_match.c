@@ -354,6 +354,7 @@ static int32_t state_intern(grammar *g) {
     uint32_t n = 0;
     for (int32_t i = 0; i < g->n_scratch; i++)
         if (n == 0 || g->scratch[n - 1] != g->scratch[i]) g->scratch[n++] = g->scratch[i];
+    if (n > (uint32_t)g->lim.n_stacks_max) return STATUS_EXHAUSTED;
     int grown = ht_grow(&g->state_ht, &g->state_ht_mask, g->n_states);
     if (grown < 0) return STATUS_EXHAUSTED;
     if (grown) {

@@ -155,7 +155,7 @@ static int constrain_compile(struct constrain_grammar *e, char *err, size_t errl
     if (rc != STATUS_OK)
         return status_fail(err, errlen, rc == STATUS_NO_MEMORY ? rc : STATUS_BAD_INPUT, "sampling.%s: %s",
                            constrain_kind_name(e->kind), why);
-    struct grammar_limits lim = {0, 0, CONSTRAIN_MASK_CACHE_BYTES};
+    struct grammar_limits lim = {.mask_cache_bytes = CONSTRAIN_MASK_CACHE_BYTES};
     grammar_set_limits(e->g, &lim);
     return STATUS_OK;
 }

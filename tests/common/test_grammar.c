@@ -326,6 +326,29 @@ TEST(grammar_limits_end_in_exhausted) {
     ASSERT_EQ(STATUS_EXHAUSTED, rc);
     ASSERT_EQ(GRAMMAR_STATE_DEAD, st);
     grammar_free(g);
+
+    /* An ambiguous grammar adds parse stacks with every byte (each byte may
+     * start a deeper item: two stacks a byte here), and a mask costs about
+     * its stacks times the trie: by default a state of more than 256
+     * stacks ends it, within 200 bytes, where a state of JSON keeps about a
+     * dozen.  With a higher limit the same bytes go on. */
+    static const char amb[] = "root ::= item+\nitem ::= [a-z]+ item+\n";
+    for (int raised = 0; raised < 2; raised++) {
+        g = compile(amb);
+        if (raised) grammar_set_limits(g, &(struct grammar_limits){.n_stacks_max = 100000});
+        ASSERT_OK(grammar_state_start(g, &st));
+        rc = 0;
+        int i = 0;
+        for (; i < 200 && !rc; i++) rc = grammar_state_accept_bytes(g, st, "a", 1, &st);
+        if (raised) {
+            ASSERT_OK(rc);
+            ASSERT_TRUE(st >= 0);
+        } else {
+            ASSERT_EQ(STATUS_EXHAUSTED, rc);
+            ASSERT_EQ(GRAMMAR_STATE_DEAD, st);
+        }
+        grammar_free(g);
+    }
 }
 
 TEST(grammar_vocab_from_stories260k) {
