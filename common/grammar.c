@@ -824,7 +824,7 @@ int grammar_parse(grammar **out, const char *text, size_t len, char *err, size_t
             if (ps.n_sets) memcpy(g->sets, ps.sets, 32 * (size_t)ps.n_sets);
             g->n_sets = ps.n_sets;
             g->start = -2;
-            g->lim = (struct grammar_limits){1 << 22, 1 << 20, (size_t)64 << 20, 256};
+            g->lim = (struct grammar_limits){1 << 22, 1 << 20, (size_t)64 << 20, GRAMMAR_STACKS_MAX};
             pthread_mutex_init(&g->mu, NULL);
         }
     }

@@ -43,11 +43,12 @@ void grammar_free(grammar *g); /* NULL is fine */
 /* Bounds on a grammar's tables (parse stacks, states, cached masks).  A
  * grammar that would pass them makes later calls fail with
  * STATUS_EXHAUSTED instead of growing without end; 0 keeps a default. */
+#define GRAMMAR_STACKS_MAX 256
 struct grammar_limits {
     int32_t n_nodes_max;       /* stack frames; default 1 << 22 */
     int32_t n_states_max;      /* default 1 << 20 */
     size_t mask_cache_bytes;   /* cached masks; default 64 MiB, then the cache restarts */
-    int32_t n_stacks_max;      /* parse stacks in one state; default 256.  A mask costs about
+    int32_t n_stacks_max;      /* parse stacks in one state; default GRAMMAR_STACKS_MAX.  A mask costs about
                                 * this times the trie: an ambiguous grammar ("item ::= [a-z]+
                                 * item+") adds stacks with every byte, which would make each
                                 * step of a batch slower without end.  JSON schemas' grammars

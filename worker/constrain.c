@@ -224,13 +224,17 @@ int constrain_seq_set(constrain *c, struct constrain_seq *q, const Llm__Sampling
     return STATUS_OK;
 }
 
+/* What a sequence whose grammar filled its tables is told. */
+static const char constrain_full[] =
+    "grammar tables are full: the grammar is too deep or too ambiguous (at most %d parse stacks a state)";
+
 int constrain_seq_advance(constrain *c, struct constrain_seq *q, const int32_t *out, int32_t n_out,
                           char *err, size_t errlen) {
     if (!q->g) return STATUS_OK;
     grammar *g = q->g->g;
     if (q->n_done < 0 || q->n_done > n_out) {
         int rc = grammar_state_start(g, &q->state);
-        if (rc != STATUS_OK) return status_fail(err, errlen, rc, "grammar tables are full");
+        if (rc != STATUS_OK) return status_fail(err, errlen, rc, constrain_full, GRAMMAR_STACKS_MAX);
         c->st.n_replayed += n_out;
         q->n_done = 0;
     }
@@ -239,7 +243,7 @@ int constrain_seq_advance(constrain *c, struct constrain_seq *q, const int32_t *
         int rc = grammar_state_accept_token(g, c->v, q->state, t, &q->state);
         if (rc != STATUS_OK) {
             q->n_done = -1;
-            return status_fail(err, errlen, rc, "grammar tables are full");
+            return status_fail(err, errlen, rc, constrain_full, GRAMMAR_STACKS_MAX);
         }
         if (q->state == GRAMMAR_STATE_DEAD) {
             int32_t at = q->n_done;

@@ -22,6 +22,26 @@ static tokenizer *load_or_fail(const char *path) {
     return t;
 }
 
+/* Loads root (freed here) as the tokenizer.json of a temporary folder
+ * named after tag. */
+static tokenizer *load_json_or_fail(cJSON *root, const char *tag) {
+    char tmp[64], file[128];
+    snprintf(tmp, sizeof tmp, "/tmp/test_tokenizer_%s_%d", tag, (int)getpid());
+    mkdir(tmp, 0755);
+    snprintf(file, sizeof file, "%s/tokenizer.json", tmp);
+    char *text = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    FILE *f = fopen(file, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs(text, f);
+    fclose(f);
+    free(text);
+    tokenizer *t = load_or_fail(tmp);
+    unlink(file);
+    rmdir(tmp);
+    return t;
+}
+
 /* Encodes into a malloc'd array (grown to what the text needs). */
 static int32_t *encode(const tokenizer *t, const char *text, size_t len, int add_bos, int parse_special, int32_t *n) {
     int32_t cap = 8;
@@ -513,20 +533,7 @@ TEST(tokenizer_llama3_style) {
         "\"single\":[{\"SpecialToken\":{\"id\":\"<|endoftext|>\",\"type_id\":0}},{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],"
         "\"special_tokens\":{\"<|endoftext|>\":{\"id\":\"<|endoftext|>\",\"ids\":[50256],\"tokens\":[\"<|endoftext|>\"]}}}]}"));
     cJSON_ReplaceItemInObject(cJSON_GetObjectItem(root, "model"), "ignore_merges", cJSON_CreateTrue());
-    char tmp[64], file[128];
-    snprintf(tmp, sizeof tmp, "/tmp/test_tokenizer_l3_%d", (int)getpid());
-    mkdir(tmp, 0755);
-    snprintf(file, sizeof file, "%s/tokenizer.json", tmp);
-    char *text = cJSON_PrintUnformatted(root);
-    cJSON_Delete(root);
-    FILE *f = fopen(file, "w");
-    ASSERT_TRUE(f != NULL);
-    fputs(text, f);
-    fclose(f);
-    free(text);
-    tokenizer *hf = load_or_fail(tmp);
-    unlink(file);
-    rmdir(tmp);
+    tokenizer *hf = load_json_or_fail(root, "l3");
     ASSERT_EQ(1, tokenizer_adds_bos(hf));
     ASSERT_EQ(50256, tokenizer_bos(hf));
     /* Digits go in threes; the letters keep their leading space. */
@@ -747,20 +754,7 @@ TEST(tokenizer_plain_spans) {
     cJSON_AddItemToArray(cJSON_GetObjectItem(root, "added_tokens"),
                          cJSON_Parse("{\"id\":50257,\"content\":\"<|U|>\",\"single_word\":false,\"lstrip\":false,"
                                      "\"rstrip\":false,\"normalized\":false,\"special\":false}"));
-    char tmp[64], file[128];
-    snprintf(tmp, sizeof tmp, "/tmp/test_tokenizer_plain_%d", (int)getpid());
-    mkdir(tmp, 0755);
-    snprintf(file, sizeof file, "%s/tokenizer.json", tmp);
-    char *text = cJSON_PrintUnformatted(root);
-    cJSON_Delete(root);
-    FILE *f = fopen(file, "w");
-    ASSERT_TRUE(f != NULL);
-    fputs(text, f);
-    fclose(f);
-    free(text);
-    tokenizer *hf = load_or_fail(tmp);
-    unlink(file);
-    rmdir(tmp);
+    tokenizer *hf = load_json_or_fail(root, "plain");
     ASSERT_EQ(4, tokenizer_token_type(hf, 50257)); /* user-defined */
     const char *w = "<|U|>a<|U|>b";
     size_t second[2] = {5, 12}, all[2] = {0, 12};

@@ -1,6 +1,6 @@
 /* GBNF text from a client (a request's grammar constraint), optionally
- * followed by a NUL and choice bytes: grammar_parse, then, with small
- * tables, a walk the choices steer (fuzz_grammar_walk: each step's mask
+ * followed by a NUL and choice bytes: grammar_parse, then a walk the
+ * choices steer (fuzz_grammar_walk: each step's mask
  * against the matcher, token by token).  A refusal must say where ("line
  * L, column C: ..."); the output of a walk that ended must replay through
  * grammar_state_accept_bytes to a complete state. */
@@ -22,8 +22,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             fuzz_fail("refused grammar: rc %d, g %p, message \"%s\"", rc, (void *)g, err);
         return 0;
     }
-    struct grammar_limits lim = {.n_nodes_max = 1 << 16, .n_states_max = 1 << 12, .mask_cache_bytes = 1 << 20};
-    grammar_set_limits(g, &lim);
     static char out[4096];
     size_t out_len;
     if (fuzz_grammar_walk(g, n > 1 ? part[1] : NULL, n > 1 ? len[1] : 0, out, sizeof out, &out_len)) {

@@ -51,8 +51,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     grammar *g = NULL;
     if (grammar_parse(&g, gbnf, strlen(gbnf), err, sizeof err) < 0)
         fuzz_fail("the GBNF of an accepted schema does not compile: %s\n%s", err, gbnf);
-    struct grammar_limits lim = {.n_nodes_max = 1 << 16, .n_states_max = 1 << 12, .mask_cache_bytes = 1 << 20};
-    grammar_set_limits(g, &lim);
     static char out[4096];
     size_t out_len;
     if (fuzz_grammar_walk(g, n > 1 ? part[1] : NULL, n > 1 ? len[1] : 0, out, sizeof out, &out_len)) {

@@ -174,6 +174,8 @@ int fuzz_grammar_walk(grammar *g, const uint8_t *choice, size_t n, char *out, si
     size_t len = 0;
     out[0] = 0;
     *out_len = 0;
+    grammar_set_limits(g, &(struct grammar_limits){.n_nodes_max = 1 << 16, .n_states_max = 1 << 12,
+                                                   .mask_cache_bytes = 1 << 20});
     int32_t st;
     if (grammar_state_start(g, &st) < 0) return 0;
     for (size_t k = 0; k < n; k++) {

@@ -35,7 +35,8 @@ size_t fuzz_tiny_safetensors(uint8_t **out);
 /* A byte-level BPE tokenizer.json of 8 tokens (<s> and </s> added). */
 extern const char fuzz_tiny_tokenizer_json[];
 
-/* A random walk through a compiled grammar, steered by choice[0..n): from
+/* A random walk through a compiled grammar, steered by choice[0..n), with
+ * small tables (grammar_set_limits: 65536 frames, 4096 states): from
  * the start state, each step takes the mask over a small vocabulary (every
  * byte as a token of its own, some multi-byte tokens, an end token) and
  * checks it against grammar_state_accept_token for every token (the mask
