@@ -82,11 +82,13 @@ struct cuda_ctx {
      * (backend_cuda.c), as does a scratch reallocation: either may have
      * changed the input or the scratch. */
     int mmq_min;        /* matmul_mmq.cu, the int8 tensor-core kernel for K-quant weights, takes
-                         * mmq_min .. mmq_max tokens (Q6_K to mmq_max_q6) on weights (a
-                         * group: together) of at least mmq_rows rows up to 16 tokens, of at least
-                         * mmq_elems[0] elements (rows x cols) at 17-32 and mmq_elems[1] above (0:
-                         * never; LLM_CUDA_MMQ_MIN forces min, 64 and any weight) */
+                         * mmq_min .. mmq_max tokens (Q6_K weights of more than mmq_q6_rows rows
+                         * to mmq_max_q6) on weights (a group: together) of at least mmq_rows rows
+                         * up to 16 tokens, of at least mmq_elems[0] elements (rows x cols) at
+                         * 17-32 and mmq_elems[1] above (0: never; LLM_CUDA_MMQ_MIN forces min, 64
+                         * and any weight) */
     int mmq_max, mmq_max_q6;
+    int64_t mmq_q6_rows;
     int mmq_rows;
     int64_t mmq_elems[2];
     int l2_ahead;       /* attention_gqa.cu's steps and matmul_mmq.cu's chunks asked of L2 this far

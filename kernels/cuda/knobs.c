@@ -20,12 +20,14 @@
  * weight of 20M elements and more (not 4096 x 4096, where mq is faster
  * at 17-32 tokens on every card and to 64 on sm_80 and later); on sm_75
  * every K-quant weight from 33, where mq runs F16 products at half the
- * int8 rate; on sm_80 and later Q6_K only to 24 tokens, where
- * matmul_wide.cu takes over. */
+ * int8 rate; on sm_80 and later Q6_K weights of more than 8192 rows
+ * (gate and up, an output head) only to 24 tokens, where matmul_wide.cu
+ * takes over; the 4096-row Q6_K down to 64. */
 #define CUDA_MMQ_MIN_DEFAULT 3
 #define CUDA_MMQ_ROWS_DEFAULT 8192
 #define CUDA_MMQ_ELEMS ((int64_t)20 << 20)
 #define CUDA_MMQ_MAX_Q6_SM80 24
+#define CUDA_MMQ_Q6_ROWS_SM80 8192
 #define CUDA_MMQ_TILE_ROWS 16384
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
@@ -133,12 +135,17 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "which then takes every batch up to 64 and every weight (0: never; -1: where it measured faster), "
          "to compare and to test",
          &k->mmq_min, -1, CUDA_MATMUL_VEC_MAX, NULL},
+        {"cuda-mmq-q6-max", "LLM_CUDA_MMQ_Q6_MAX", OPTION_INT, "-1",
+         "most tokens of every Q6_K weight on matmul_mmq.cu (-1: on sm_80 and later 24 for weights of "
+         "more than 8192 rows, where matmul_wide.cu takes over, 64 for the rest; elsewhere 64), "
+         "to compare",
+         &k->mmq_q6_max, -1, 64, NULL},
         {"cuda-mm-route", "LLM_CUDA_MM_ROUTE", OPTION_CHOICE, "auto",
          "quantized matmuls at 8-64 tokens routed as the card's compute capability sets them (auto), "
          "as on sm_75 (sm75: matmul_mmq.cu for weights or groups of 8192 rows at 3-16 tokens, of 20M "
          "elements at 17-32 and every K-quant weight at 33-64, no matmul_wide.cu) or as on sm_80 and "
          "later (sm80: matmul_mmq.cu for 8192 rows at 3-16 tokens and weights of 20M elements from 17, "
-         "Q6_K only to 24 tokens, matmul_wide.cu for the rest where the card has cp.async); the rest of "
+         "Q6_K of more than 8192 rows only to 24 tokens, matmul_wide.cu for the rest where the card has cp.async); the rest of "
          "the routing stays the card's; to compare",
          &k->mm_route, 0, 0, knobs_mm_route_choices},
         {"cuda-dequant-ahead", "LLM_CUDA_DEQUANT_AHEAD", OPTION_BOOL, "true",
@@ -274,6 +281,11 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_min = forced ? k->mmq_min : CUDA_MMQ_MIN_DEFAULT;
     ctx->mmq_max = forced ? CUDA_MATMUL_VEC_MAX : 64;
     ctx->mmq_max_q6 = forced || !mmq80 ? ctx->mmq_max : CUDA_MMQ_MAX_Q6_SM80;
+    ctx->mmq_q6_rows = forced || !mmq80 ? 0 : CUDA_MMQ_Q6_ROWS_SM80;
+    if (!forced && k->mmq_q6_max >= 0) {
+        ctx->mmq_max_q6 = k->mmq_q6_max;
+        ctx->mmq_q6_rows = 0;
+    }
     ctx->mmq_rows = forced ? 0 : CUDA_MMQ_ROWS_DEFAULT;
     ctx->mmq_elems[0] = forced ? 0 : CUDA_MMQ_ELEMS;
     ctx->mmq_elems[1] = forced || !mmq80 ? 0 : CUDA_MMQ_ELEMS;

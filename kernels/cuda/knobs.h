@@ -47,6 +47,7 @@ struct cuda_knobs {
     bool att_f16;        /* LLM_CUDA_ATT_F16 */
     bool mr;             /* LLM_CUDA_MR */
     int mmq_min;         /* LLM_CUDA_MMQ_MIN: -1, or fewest tokens on matmul_mmq.cu (0: never) */
+    int mmq_q6_max;      /* LLM_CUDA_MMQ_Q6_MAX: -1, or most tokens of a Q6_K weight there */
     int mm_route;        /* LLM_CUDA_MM_ROUTE: 0 auto, 1 sm75, 2 sm80 (quantized matmuls at 8-64 tokens) */
     bool dequant_ahead;  /* LLM_CUDA_DEQUANT_AHEAD */
     int ahead_sms;       /* LLM_CUDA_AHEAD_SMS: -1, or multiprocessors left to the side stream */
@@ -61,7 +62,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 34
+#define CUDA_KNOBS_N 35
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

@@ -655,8 +655,7 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
 }
 
 extern "C" int cuda_matmul_mmq_takes(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
-    const int max = type == DTYPE_Q6_K ? ctx->mmq_max_q6 : ctx->mmq_max;
-    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= max && n <= MMQ_NT_MAX &&
+    return ctx->mmq_min > 0 && n >= ctx->mmq_min && n <= ctx->mmq_max && n <= MMQ_NT_MAX &&
            (type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K) && cols % 256 == 0 && cols <= INT32_MAX;
 }
 
@@ -668,6 +667,9 @@ extern "C" int cuda_matmul_mmq_group_takes(const struct cuda_ctx *ctx, const str
         if ((uintptr_t)g->w[s] % 16 != 0) return 0;
         rows += g->rows[s];
     }
+    /* Q6_K weights of many rows (gate/up, an output head) go to
+     * matmul_wide.cu past mmq_max_q6 tokens on sm_80 and later (knobs.c). */
+    if (type == DTYPE_Q6_K && n > ctx->mmq_max_q6 && rows > ctx->mmq_q6_rows) return 0;
     /* Smaller weights than fill the GPU without splitting K far: the
      * other kernels measured faster there (4096 x 4096 at every batch but
      * sm_75's 33-64 tokens; knobs.c). */

@@ -84,6 +84,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(3, h.mmq_min);
     ASSERT_EQ(64, h.mmq_max);
     ASSERT_EQ(24, h.mmq_max_q6);
+    ASSERT_EQ(8192, h.mmq_q6_rows); /* Q6_K to 24 tokens only above 8192 rows */
     ASSERT_TRUE(k_mmq_sizes(&h, 8192, MMQ_ELEMS, MMQ_ELEMS));
 
     struct cuda_ctx t = k_ctx(75, 40); /* a T4: no PDL, cp.async or m16n8k16 */
@@ -99,6 +100,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(3, t.mmq_min);
     ASSERT_EQ(64, t.mmq_max);
     ASSERT_EQ(64, t.mmq_max_q6);
+    ASSERT_EQ(0, t.mmq_q6_rows);
     ASSERT_TRUE(k_mmq_sizes(&t, 8192, MMQ_ELEMS, 0));
     struct cuda_ctx a = k_ctx(80, 108); /* an A100: no PDL */
     ASSERT_EQ(0, a.pdl);
@@ -110,11 +112,12 @@ TEST(cuda_knobs_defaults) {
      * has cp.async); the rest stays the card's. */
     setenv("LLM_CUDA_MM_ROUTE", "sm75", 1);
     h = k_ctx(90, 132);
-    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_max_q6 == 64 && k_mmq_sizes(&h, 8192, MMQ_ELEMS, 0));
+    ASSERT_TRUE(h.mmq_max == 64 && h.mmq_max_q6 == 64 && h.mmq_q6_rows == 0 && k_mmq_sizes(&h, 8192, MMQ_ELEMS, 0));
     ASSERT_TRUE(h.wide == 0 && h.pdl == 1 && h.att_k16 == 1 && h.mq_x_parts == 1);
     setenv("LLM_CUDA_MM_ROUTE", "sm80", 1);
     t = k_ctx(75, 40);
-    ASSERT_TRUE(t.mmq_max == 64 && t.mmq_max_q6 == 24 && k_mmq_sizes(&t, 8192, MMQ_ELEMS, MMQ_ELEMS));
+    ASSERT_TRUE(t.mmq_max == 64 && t.mmq_max_q6 == 24 && t.mmq_q6_rows == 8192 &&
+                k_mmq_sizes(&t, 8192, MMQ_ELEMS, MMQ_ELEMS));
     ASSERT_TRUE(t.wide == 0 && t.pdl == 0 && t.att_k16 == 0 && t.mq_x_parts == 2);
     a = k_ctx(80, 108);
     ASSERT_TRUE(a.mmq_max_q6 == 24 && a.wide == 1);
@@ -148,6 +151,15 @@ TEST(cuda_knobs_spellings) {
     ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max);
     ASSERT_EQ(CUDA_MATMUL_VEC_MAX, c.mmq_max_q6);
     ASSERT_TRUE(k_mmq_sizes(&c, 0, 0, 0));
+    k_clear_env();
+    /* LLM_CUDA_MMQ_Q6_MAX=k: every Q6_K weight to k tokens, whatever its
+     * rows; the rest of the routing stays. */
+    setenv("LLM_CUDA_MMQ_Q6_MAX", "64", 1);
+    c = k_ctx(90, 132);
+    ASSERT_TRUE(c.mmq_max_q6 == 64 && c.mmq_q6_rows == 0 && c.mmq_max == 64 && c.mmq_min == 3);
+    setenv("LLM_CUDA_MMQ_Q6_MAX", "24", 1);
+    c = k_ctx(90, 132);
+    ASSERT_TRUE(c.mmq_max_q6 == 24 && c.mmq_q6_rows == 0 && k_mmq_sizes(&c, 8192, MMQ_ELEMS, MMQ_ELEMS));
     k_clear_env();
 
     setenv("LLM_CUDA_SKINNY_MAX", "0", 1);
@@ -254,6 +266,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_SM", "-75", "out of range [0, 1000]");
     k_bad("LLM_CUDA_PDL", "nope", "not a boolean");
     k_bad("LLM_CUDA_ATT_WIDE", "2", "not a boolean");
+    k_bad("LLM_CUDA_MMQ_Q6_MAX", "65", "out of range [-1, 64]");
     k_bad("LLM_CUDA_MMQ_TILE", "65", "out of range [0, 64]");
     k_bad("LLM_CUDA_WIDE", "00", "not a boolean");
     k_bad("LLM_CUDA_WIDE_ITEMS", "1025", "out of range [0, 1024]");
