@@ -101,6 +101,7 @@ struct cuda_ctx {
     int64_t mmq_tile_rows; /* and the fewest rows of a launch there (16384; 0 where LLM_CUDA_MMQ_MIN forces) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
+    int mr_mixed;       /* and a Q4_K/Q5_K q and k with a Q6_K v in one launch (1; LLM_CUDA_MR_MIXED) */
     int att_splits;     /* decode attention: the splits a row wants; 0: the waves weighed (default),
                          * -1: the fewest that fill one wave (LLM_CUDA_ATT_SPLITS) */
     int dequant_ahead;  /* prefill: quantized weights' F16 tiles made ahead on a side stream

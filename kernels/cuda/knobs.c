@@ -130,6 +130,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "matmul_mr.cu, without shared-memory staging, for K-quant weights at 3-16 tokens and Q8_0 "
          "at 4-8 (false: the dp4a kernel and mq, to compare)",
          &k->mr, 0, 0, NULL},
+        {"cuda-mr-mixed", "LLM_CUDA_MR_MIXED", OPTION_BOOL, "true",
+         "matmul_mr.cu: a Q4_K or Q5_K q and k with a Q6_K v (the \"_M\" files) in one launch "
+         "(false: a launch per type, to compare)",
+         &k->mr_mixed, 0, 0, NULL},
         {"cuda-mmq-min", "LLM_CUDA_MMQ_MIN", OPTION_INT, "-1",
          "fewest tokens on matmul_mmq.cu, the int8 tensor-core kernel for Q4_K, Q5_K and Q6_K weights, "
          "which then takes every batch up to 64 and every weight (0: never; -1: where it measured faster), "
@@ -274,6 +278,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_defer = k->att_defer;
     ctx->att_f16 = k->att_f16;
     ctx->mr = k->mr;
+    ctx->mr_mixed = k->mr_mixed;
     ctx->att_splits = k->att_splits;
     /* matmul_mmq.cu's batches as sm_75 or sm_80+ set them (LLM_CUDA_MM_ROUTE). */
     const int mmq80 = k->mm_route == 0 ? ctx->cc >= 80 : k->mm_route == 2;

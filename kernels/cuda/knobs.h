@@ -46,6 +46,7 @@ struct cuda_knobs {
     int att_defer;       /* LLM_CUDA_ATT_DEFER */
     bool att_f16;        /* LLM_CUDA_ATT_F16 */
     bool mr;             /* LLM_CUDA_MR */
+    bool mr_mixed;       /* LLM_CUDA_MR_MIXED */
     int mmq_min;         /* LLM_CUDA_MMQ_MIN: -1, or fewest tokens on matmul_mmq.cu (0: never) */
     int mmq_q6_max;      /* LLM_CUDA_MMQ_Q6_MAX: -1, or most tokens of a Q6_K weight there */
     int mm_route;        /* LLM_CUDA_MM_ROUTE: 0 auto, 1 sm75, 2 sm80 (quantized matmuls at 8-64 tokens) */
@@ -62,7 +63,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 35
+#define CUDA_KNOBS_N 36
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */

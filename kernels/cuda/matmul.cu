@@ -323,22 +323,34 @@ extern "C" int cuda_matmul_group_mixed(struct cuda_ctx *ctx, int n_w, float *con
     if (n_w < 2 || n_w > MG_MAX || n < 1 || cols <= 0 || cols > INT32_MAX) return CUDA_NOT_FUSED;
     int seg1 = 0;
     while (seg1 < n_w && types[seg1] == types[0]) seg1++;
-    if (seg1 == n_w || !matmul_gemv_takes(ctx, types[0], cols, n) || !matmul_gemv_takes(ctx, types[seg1], cols, n))
-        return CUDA_NOT_FUSED;
-    if (!cuda_matmul_gemv_pair(types[0], types[seg1])) return CUDA_NOT_FUSED;
-    struct mm_group g = {};
+    if (seg1 == n_w) return CUDA_NOT_FUSED;
+    const enum dtype t0 = types[0], t1 = types[seg1];
+    const int gemv = matmul_gemv_takes(ctx, t0, cols, n);
+    if (gemv != matmul_gemv_takes(ctx, t1, cols, n) || (gemv && !cuda_matmul_gemv_pair(t0, t1))) return CUDA_NOT_FUSED;
+    struct mm_group g = {}, g0 = {}, g1 = {};
     for (int j = 0; j < n_w; j++) {
-        const enum dtype t = j < seg1 ? types[0] : types[seg1];
+        const enum dtype t = j < seg1 ? t0 : t1;
         if (types[j] != t || rows[j] <= 0 || rows[j] > INT32_MAX || (uintptr_t)ws[j] % 16 != 0 ||
-            !cuda_matmul_gemv_supports(t, cols, n) || n > matmul_vec_max(ctx, t))
+            (gemv && (!cuda_matmul_gemv_supports(t, cols, n) || n > matmul_vec_max(ctx, t))))
             return CUDA_NOT_FUSED;
         g.w[j] = (const uint8_t *)ws[j];
         g.out[j] = outs[j];
         g.rows[j] = (int)rows[j];
+        struct mm_group *h = j < seg1 ? &g0 : &g1;
+        h->w[h->n] = g.w[j];
+        h->out[h->n] = outs[j];
+        h->rows[h->n++] = (int)rows[j];
     }
     g.n = n_w;
+    /* Past the dp4a kernel's tokens, matmul_mr.cu's mixed launch where
+     * matmul_mmq.cu takes neither type's weights (an 8B's q and k, 5120
+     * rows, with its Q6_K v of 1024: that v alone filled 64 blocks). */
+    if (!gemv && (cuda_matmul_mmq_group_takes(ctx, &g0, t0, cols, x, n) ||
+                  cuda_matmul_mmq_group_takes(ctx, &g1, t1, cols, x, n)))
+        return CUDA_NOT_FUSED;
     for (int j = 0; j < n_w; j++) matmul_act_check(ctx, outs[j], rows[j], n);
-    int rc = cuda_matmul_gemv_group2(ctx, &g, types[0], types[seg1], seg1, cols, x, n);
+    int rc = gemv ? cuda_matmul_gemv_group2(ctx, &g, t0, t1, seg1, cols, x, n)
+                  : cuda_matmul_mr_group2(ctx, &g, t0, t1, seg1, cols, x, n);
     if (rc != STATUS_OK) cuda_act_forget(ctx);
     return rc;
 }

@@ -163,6 +163,10 @@ extern "C" int cuda_matmul_vec_group(struct cuda_ctx *ctx, struct mm_group *g, e
  * type, width or token count. */
 extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                     const float *x, int32_t n);
+/* The same with segments seg1 .. of g Q6_K where the rest are Q4_K or
+ * Q5_K, in one launch. */
+extern "C" int cuda_matmul_mr_group2(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, enum dtype type1,
+                                     int seg1, int64_t cols, const float *x, int32_t n);
 
 /* matmul_wide.cu: outs[s][n, rows[s]] = x . ws[s]^T for every weight of g
  * (no swiglu) on the pipelined tensor-core kernel, or CUDA_NOT_FUSED where

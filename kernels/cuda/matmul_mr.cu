@@ -19,7 +19,8 @@
  * the chunks (256 columns) of the row: parallelism for short matrices
  * without partial sums in global memory.  The warps' sums are added in
  * shared memory in warp order (the same bits every run).  Several weights
- * on one input (q, k, v) are one launch, a block per tile of any of them;
+ * on one input (q, k, v) are one launch, a block per tile of any of them,
+ * a Q6_K v after a Q4_K or Q5_K q and k too (the "_M" files' mix);
  * gate and up with swiglu share each block, half the warps on each tile,
  * and the block writes silu(gate) * up. */
 #include "matmul_group.cuh"
@@ -115,12 +116,11 @@ template <bool H> __device__ __forceinline__ uint4 mr_act(const char *__restrict
     }
 }
 
-template <int T, int NT, bool H, int W = MR_WARPS>
-__global__ void __launch_bounds__(W * 32, 2) /* two blocks an SM: at most 128 registers (64 at W = 16) */
-matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n,
-                 fp16_t *__restrict__ out16) {
+/* One block's 16-row tile of T rows. */
+template <int T, int NT, bool H, int W>
+__device__ __forceinline__ void mr_tile(const mm_group &g, size_t row_bytes, int cols, const void *__restrict__ x,
+                                        int n, fp16_t *__restrict__ out16, float4 (&red)[W][NT / 8][32]) {
     constexpr int NTL = NT / 8;
-    __shared__ float4 red[W][NTL][32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g8 = lane >> 2, t = lane & 3;
     /* With swiglu, warps of the second half multiply the up weight. */
     const int ks = g.swiglu ? W / 2 : W, z = warp % ks;
@@ -200,6 +200,21 @@ matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__res
     }
 }
 
+/* The blocks from b1 on multiply T1 rows (of row_bytes1 bytes): a Q4_K or
+ * Q5_K q and k with the "_M" files' Q6_K v in one launch. */
+template <int T, int NT, bool H, int W = MR_WARPS, int T1 = T>
+__global__ void __launch_bounds__(W * 32, 2) /* two blocks an SM: at most 128 registers (64 at W = 16) */
+matmul_mr_kernel(const mm_group g, size_t row_bytes, int cols, const void *__restrict__ x, int n,
+                 fp16_t *__restrict__ out16, int b1, size_t row_bytes1) {
+    __shared__ float4 red[W][NT / 8][32];
+    if constexpr (T1 != T)
+        if ((int)blockIdx.x >= b1) {
+            mr_tile<T1, NT, H, W>(g, row_bytes1, cols, x, n, out16, red);
+            return;
+        }
+    mr_tile<T, NT, H, W>(g, row_bytes, cols, x, n, out16, red);
+}
+
 extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype type, int64_t cols, int32_t n) {
     /* Most tokens: 16 on the K-quants, 8 on Q8_0.  At 16 tokens mq is the
      * faster for Q8_0 (a 7B step 7.25 ms on mq, 7.78 here), this kernel
@@ -209,9 +224,10 @@ extern "C" int cuda_matmul_mr_supports(const struct cuda_ctx *ctx, enum dtype ty
            (type == DTYPE_Q8_0 || type == DTYPE_Q4_K || type == DTYPE_Q5_K || type == DTYPE_Q6_K);
 }
 
-template <int T, int NT>
-static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int64_t cols, const float *x, int n) {
-    const size_t rb = cuda_row_bytes((enum dtype)T, cols);
+template <int T, int NT, int T1>
+static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int b1, int64_t cols, const float *x,
+                        int n) {
+    const size_t rb = cuda_row_bytes((enum dtype)T, cols), rb1 = cuda_row_bytes((enum dtype)T1, cols);
     /* With swiglu from 3 rows the output's F16 form too, for down to read
      * (as the swiglu kernel leaves it): in the scratch after x's F16 form,
      * which this launch reads from the scratch's start. */
@@ -224,8 +240,8 @@ static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int6
         if (!k || k == scr) o16 = (fp16_t *)(scr + xb);
     }
     const void *x16 = cuda_act_kept(ctx, MATMUL_ACT_F16, x, n, cols);
-    void (*kernel)(const mm_group, size_t, int, const void *, int, fp16_t *) =
-        x16 ? matmul_mr_kernel<T, NT, true> : matmul_mr_kernel<T, NT, false>;
+    void (*kernel)(const mm_group, size_t, int, const void *, int, fp16_t *, int, size_t) =
+        x16 ? matmul_mr_kernel<T, NT, true, MR_WARPS, T1> : matmul_mr_kernel<T, NT, false, MR_WARPS, T1>;
     int warps = MR_WARPS;
     /* Up to 8 tokens on weights of at most 16 chunks a row (4096 columns:
      * a 7B's o and v, an 8B's q/k/v and o), 16 warps a tile of one chunk
@@ -233,11 +249,11 @@ static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int6
      * tiles for 4096 rows, two blocks an SM). */
     if constexpr (NT == 8)
         if (!g.swiglu && cols / 256 <= 16) {
-            kernel = x16 ? matmul_mr_kernel<T, NT, true, 16> : matmul_mr_kernel<T, NT, false, 16>;
+            kernel = x16 ? matmul_mr_kernel<T, NT, true, 16, T1> : matmul_mr_kernel<T, NT, false, 16, T1>;
             warps = 16;
         }
     CUDA_CHECK(ctx, cuda_launch(ctx, kernel, dim3((unsigned)tiles), dim3(warps * 32), 0, g, rb, (int)cols,
-                                x16 ? x16 : (const void *)x, n, o16));
+                                x16 ? x16 : (const void *)x, n, o16, b1, rb1));
     CUDA_CHECK(ctx, cudaGetLastError());
     if (o16) cuda_act_reuse(ctx, MATMUL_ACT_F16, g.out[0], n, g.rows[0], o16); /* records it */
     return STATUS_OK;
@@ -246,26 +262,33 @@ static int mr_launch_nt(struct cuda_ctx *ctx, const mm_group &g, int tiles, int6
 /* The activations are read in the F16 form the norms, swiglu (this
  * kernel's too) and the attention leave for 3 rows and more
  * (cuda_act_kept), else as F32. */
-template <int T>
-static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n) {
+template <int T, int T1 = T>
+static int mr_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n, int seg1 = 0) {
     int tiles = 0;
     for (int s = 0; s < g.n; s++) {
         g.blk0[s] = tiles;
         tiles += g.swiglu && s == 1 ? 0 : (g.rows[s] + 15) / 16;
     }
     g.blk0[g.n] = tiles; /* with swiglu the up weight has no tiles of its own */
+    const int b1 = T1 != T ? g.blk0[seg1] : tiles;
     if constexpr (T != DTYPE_Q8_0) /* Q8_0 stops at 8 tokens */
-        if (n > 8) return mr_launch_nt<T, 16>(ctx, g, tiles, cols, x, n);
-    return mr_launch_nt<T, 8>(ctx, g, tiles, cols, x, n);
+        if (n > 8) return mr_launch_nt<T, 16, T1>(ctx, g, tiles, b1, cols, x, n);
+    return mr_launch_nt<T, 8, T1>(ctx, g, tiles, b1, cols, x, n);
+}
+
+/* The weights' rows and alignment as every launch here needs them. */
+static bool mr_group_ok(const struct mm_group *g, const float *x) {
+    if (g->n < 1 || g->n > MG_MAX || (uintptr_t)x % 16 != 0) return false;
+    for (int s = 0; s < g->n; s++)
+        if (g->rows[s] <= 0 || (uintptr_t)g->w[s] % 16 != 0) return false;
+    return true;
 }
 
 extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, int64_t cols,
                                     const float *x, int32_t n) {
-    if (!cuda_matmul_mr_supports(ctx, type, cols, n) || g->n < 1 || g->n > MG_MAX || (uintptr_t)x % 16 != 0 ||
+    if (!cuda_matmul_mr_supports(ctx, type, cols, n) || !mr_group_ok(g, x) ||
         (g->swiglu && (g->n != 2 || g->rows[0] != g->rows[1])))
         return CUDA_NOT_FUSED;
-    for (int s = 0; s < g->n; s++)
-        if (g->rows[s] <= 0 || (uintptr_t)g->w[s] % 16 != 0) return CUDA_NOT_FUSED;
     switch (type) {
     case DTYPE_Q8_0: return mr_launch<DTYPE_Q8_0>(ctx, *g, cols, x, n);
     case DTYPE_Q4_K: return mr_launch<DTYPE_Q4_K>(ctx, *g, cols, x, n);
@@ -273,6 +296,16 @@ extern "C" int cuda_matmul_mr_group(struct cuda_ctx *ctx, struct mm_group *g, en
     case DTYPE_Q6_K: return mr_launch<DTYPE_Q6_K>(ctx, *g, cols, x, n);
     default: return CUDA_NOT_FUSED;
     }
+}
+
+extern "C" int cuda_matmul_mr_group2(struct cuda_ctx *ctx, struct mm_group *g, enum dtype type, enum dtype type1,
+                                     int seg1, int64_t cols, const float *x, int32_t n) {
+    if (!ctx->mr_mixed || type1 != DTYPE_Q6_K || (type != DTYPE_Q4_K && type != DTYPE_Q5_K) || g->swiglu || seg1 < 1 ||
+        seg1 >= g->n || !cuda_matmul_mr_supports(ctx, type, cols, n) || !cuda_matmul_mr_supports(ctx, type1, cols, n) ||
+        !mr_group_ok(g, x))
+        return CUDA_NOT_FUSED;
+    return type == DTYPE_Q4_K ? mr_launch<DTYPE_Q4_K, DTYPE_Q6_K>(ctx, *g, cols, x, n, seg1)
+                              : mr_launch<DTYPE_Q5_K, DTYPE_Q6_K>(ctx, *g, cols, x, n, seg1);
 }
 
 extern "C" int cuda_matmul_mr(struct cuda_ctx *ctx, float *out, const void *w, enum dtype type, int64_t rows,

@@ -74,6 +74,7 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(4, h.mmq_tiles);
     ASSERT_EQ(1, h.att_f16);
     ASSERT_EQ(1, h.mr);
+    ASSERT_EQ(1, h.mr_mixed);
     ASSERT_EQ(1, h.dequant_ahead);
     ASSERT_EQ(16, h.ahead_sms); /* 132 / 8 */
     ASSERT_EQ(64, h.mq_nt_max);
@@ -266,6 +267,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_SM", "-75", "out of range [0, 1000]");
     k_bad("LLM_CUDA_PDL", "nope", "not a boolean");
     k_bad("LLM_CUDA_ATT_WIDE", "2", "not a boolean");
+    k_bad("LLM_CUDA_MR_MIXED", "both", "not a boolean");
     k_bad("LLM_CUDA_MMQ_Q6_MAX", "65", "out of range [-1, 64]");
     k_bad("LLM_CUDA_MMQ_TILE", "65", "out of range [0, 64]");
     k_bad("LLM_CUDA_WIDE", "00", "not a boolean");

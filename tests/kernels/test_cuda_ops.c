@@ -679,8 +679,11 @@ TEST(cuda_ops_matmul_multi) {
     multi_case(f16, qkv, 3, 512);
     multi_case(q8, qkv, 3, 4096);
     multi_case(q4k, qkv, 3, 768);
-    multi_case(mixed, qkv, 3, 1024); /* 1-2 tokens: one launch of two types */
+    multi_case(mixed, qkv, 3, 1024); /* one launch of two types: 1-2 tokens gemv, 3-16 matmul_mr */
     multi_case(mixed5, qkv, 3, 512);
+    setenv("LLM_CUDA_MR_MIXED", "false", 1); /* 3-16 tokens: a matmul_mr launch per type */
+    multi_case(mixed, qkv, 3, 1024);
+    unsetenv("LLM_CUDA_MR_MIXED");
     multi_case(mixed_apart, qkv, 3, 512); /* the second type between: a launch per type */
     multi_case(q5k, qkv, 3, 512);
     multi_case(q6k_q8, qkv, 3, 512);
