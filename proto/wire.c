@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "common/unicode.h"
 
 static _Atomic uint64_t wire_rejected;
 
@@ -281,26 +282,43 @@ void proto_error_init(Llm__Error *e, Llm__Error__Code code, const char *request_
     e->retry_after_ms = retry_after_ms;
 }
 
+/* A copy of message in whole UTF-8 characters: messages quote a peer's
+ * text cut at a length limit ("%.128s"), and a reply that is not UTF-8 is
+ * refused by its reader (proto_*_unpack) instead of read. */
+static char *error_text(const char *message) {
+    char *whole = strdup(message ? message : "");
+    if (whole) unicode_utf8_mend(whole);
+    return whole;
+}
+
 int proto_client_error_pack(uint64_t tag, Llm__Error__Code code, const char *request_id,
                             const char *message, uint32_t retry_after_ms, uint8_t **buf,
                             size_t *len) {
+    char *whole = error_text(message);
+    if (!whole) return STATUS_NO_MEMORY;
     Llm__Error e;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
-    proto_error_init(&e, code, request_id, message, retry_after_ms);
+    proto_error_init(&e, code, request_id, whole, retry_after_ms);
     env.tag = tag;
     env.body_case = LLM__CLIENT_ENVELOPE__BODY_ERROR;
     env.error = &e;
-    return proto_client_pack(&env, buf, len, NULL, 0);
+    int rc = proto_client_pack(&env, buf, len, NULL, 0);
+    free(whole);
+    return rc;
 }
 
 int proto_worker_error_pack(Llm__Error__Code code, const char *request_id, const char *message,
                             uint32_t retry_after_ms, uint8_t **buf, size_t *len) {
+    char *whole = error_text(message);
+    if (!whole) return STATUS_NO_MEMORY;
     Llm__Error e;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;
-    proto_error_init(&e, code, request_id, message, retry_after_ms);
+    proto_error_init(&e, code, request_id, whole, retry_after_ms);
     env.body_case = LLM__WORKER_ENVELOPE__BODY_ERROR;
     env.error = &e;
-    return proto_worker_pack(&env, buf, len, NULL, 0);
+    int rc = proto_worker_pack(&env, buf, len, NULL, 0);
+    free(whole);
+    return rc;
 }
 
 int proto_request_id_check(const char *id, char *err, size_t errlen) {

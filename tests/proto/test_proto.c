@@ -759,6 +759,20 @@ TEST(proto_error_reply) {
     ASSERT_STREQ("", wenv->error->request_id);
     proto_worker_free(wenv);
 
+    /* A message cut inside a character by a length limit ("%.128s" of a
+     * peer's text) keeps whole characters: its reader refuses text that is
+     * not UTF-8, so the reply would be lost. */
+    ASSERT_OK(proto_worker_error_pack(LLM__ERROR__CODE__ALREADY_EXISTS, "", "worker w\xc3\xa9\xc3", 0, &buf, &len));
+    ASSERT_OK(proto_worker_unpack(buf, len, &wenv, err, sizeof err));
+    free(buf);
+    ASSERT_STREQ("worker w\xc3\xa9", wenv->error->message);
+    proto_worker_free(wenv);
+    ASSERT_OK(proto_client_error_pack(5, LLM__ERROR__CODE__NOT_FOUND, "r", "model \xe2\x82", 0, &buf, &len));
+    ASSERT_OK(proto_client_unpack(buf, len, &env, err, sizeof err));
+    free(buf);
+    ASSERT_STREQ("model ", env->error->message);
+    proto_client_free(env);
+
     /* The reply to a frame that failed to unpack. */
     const uint8_t junk[] = {0xff, 0xff, 0xff};
     int rc = proto_client_unpack(junk, sizeof junk, &env, err, sizeof err);
