@@ -282,10 +282,7 @@ void proto_error_init(Llm__Error *e, Llm__Error__Code code, const char *request_
     e->retry_after_ms = retry_after_ms;
 }
 
-/* A copy of message in whole UTF-8 characters: messages quote a peer's
- * text cut at a length limit ("%.128s"), and a reply that is not UTF-8 is
- * refused by its reader (proto_*_unpack) instead of read. */
-static char *error_text(const char *message) {
+char *proto_error_text(const char *message) {
     char *whole = strdup(message ? message : "");
     if (whole) unicode_utf8_mend(whole);
     return whole;
@@ -294,7 +291,7 @@ static char *error_text(const char *message) {
 int proto_client_error_pack(uint64_t tag, Llm__Error__Code code, const char *request_id,
                             const char *message, uint32_t retry_after_ms, uint8_t **buf,
                             size_t *len) {
-    char *whole = error_text(message);
+    char *whole = proto_error_text(message);
     if (!whole) return STATUS_NO_MEMORY;
     Llm__Error e;
     Llm__ClientEnvelope env = LLM__CLIENT_ENVELOPE__INIT;
@@ -309,7 +306,7 @@ int proto_client_error_pack(uint64_t tag, Llm__Error__Code code, const char *req
 
 int proto_worker_error_pack(Llm__Error__Code code, const char *request_id, const char *message,
                             uint32_t retry_after_ms, uint8_t **buf, size_t *len) {
-    char *whole = error_text(message);
+    char *whole = proto_error_text(message);
     if (!whole) return STATUS_NO_MEMORY;
     Llm__Error e;
     Llm__WorkerEnvelope env = LLM__WORKER_ENVELOPE__INIT;

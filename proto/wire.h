@@ -85,7 +85,14 @@ const char *proto_code_name(Llm__Error__Code code);
  * every use of *e. */
 void proto_error_init(Llm__Error *e, Llm__Error__Code code, const char *request_id,
                       const char *message, uint32_t retry_after_ms);
-/* Packs an envelope whose body is that Error, as proto_client_pack does
+/* A malloc'd copy of message (NULL = "") in whole UTF-8 characters, or
+ * NULL out of memory: messages quote a peer's text cut at a length limit
+ * ("%.128s"), and a reply that is not UTF-8 is refused by its reader
+ * (proto_*_unpack) instead of read.  The packers below use it; so does a
+ * caller that fills an Error itself. */
+char *proto_error_text(const char *message);
+/* Packs an envelope whose body is that Error (its message as
+ * proto_error_text makes it), as proto_client_pack does
  * (the client one echoes tag).  The usual reply to a frame that failed to
  * unpack: proto_client_error_pack(0, proto_code_from_status(rc), "", err, 0, &buf, &len). */
 int proto_client_error_pack(uint64_t tag, Llm__Error__Code code, const char *request_id,

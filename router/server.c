@@ -21,7 +21,6 @@
 
 #include "common/log.h"
 #include "common/status.h"
-#include "common/unicode.h"
 
 int64_t server_now_ms(void) {
     struct timespec ts;
@@ -122,11 +121,7 @@ void server_send_client_error(server *s, const uint8_t *ident, size_t ident_len,
 void server_send_client_error_reason(server *s, const uint8_t *ident, size_t ident_len, uint64_t tag,
                                      Llm__Error__Code code, const char *reason, const char *rid,
                                      const char *msg, uint32_t retry_after_ms) {
-    /* A message that quotes a client's text cut at a length limit may end
-     * inside a character: whole characters only, or the client's library
-     * refuses the reply as not UTF-8. */
-    char *whole = strdup(msg ? msg : "");
-    if (whole) unicode_utf8_mend(whole);
+    char *whole = proto_error_text(msg);
     Llm__Error e;
     proto_error_init(&e, code, rid, whole ? whole : "", retry_after_ms);
     if (reason) e.reason = (char *)reason;
