@@ -287,19 +287,22 @@ TEST(cuda_ops_matmul_reuses_input_safely) {
 }
 
 /* Every token count the weight-reading kernels pick a different tile for
- * (8, 16, 32, 64 tokens) and one past each edge; widths of one chunk, of
- * several (split K over blocks, partial sums added by the last block) and,
- * for the 32-element types, a partial last chunk (352 = 256 + 3 x 32). */
+ * (8, 16, 32, 64 tokens) and one past each edge, then the prefill path's
+ * (dequantized tiles and cuBLAS) at 65, 129 and 256; widths of one chunk,
+ * of several (split K over blocks, partial sums added by the last block)
+ * and, for the 32-element types, a partial last chunk (352 = 256 + 3 x
+ * 32). */
 static void matmul_type(enum dtype t) {
-    static const int32_t ns[] = {1, 5, 8, 9, 16, 17, 32, 33, 64};
+    static const int32_t ns[] = {1, 5, 8, 9, 16, 17, 32, 33, 64, 65, 129, 256};
+    const int n_ns = (int)(sizeof ns / sizeof ns[0]);
     int k_quant = t == DTYPE_Q4_K || t == DTYPE_Q5_K || t == DTYPE_Q6_K;
     for (int m = MM_DEFAULT; m <= MM_SKINNY; m++) {
         mm_set_mode((enum mm_mode)m);
         fx_open();
-        matmul_case(t, 100, 512, ns, 9);
+        matmul_case(t, 100, 512, ns, n_ns);
         matmul_case(t, 35, 768, ns, 4); /* rows not a multiple of the rows per block */
-        if (!k_quant) matmul_case(t, 130, 352, ns, 9);
-        matmul_case(t, 300, 256, ns, 9); /* one chunk: no split */
+        if (!k_quant) matmul_case(t, 130, 352, ns, n_ns);
+        matmul_case(t, 300, 256, ns, n_ns); /* one chunk: no split */
         fx_close();
     }
     mm_set_mode(MM_DEFAULT);
