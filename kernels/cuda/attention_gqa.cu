@@ -30,8 +30,10 @@
  * sit at 2-byte offsets that no 16-byte load can follow, but a step's 16
  * positions (blocks of a multiple of 16 positions) are 16 consecutive
  * rows: each warp copies them into a shared buffer of its own with 16-byte
- * loads a step ahead, and its lanes read their 8 values a group from there
- * as int8, which become F16 exactly (a byte permute into 1024 + 128 + q
+ * loads a step ahead (on sm_80 and later, where the rows' blocks fit one
+ * wave, by cp.async into a ring of such buffers two steps ahead: 143
+ * registers, three blocks a multiprocessor), and its lanes read their 8
+ * values a group from there as int8, which become F16 exactly (a byte permute into 1024 + 128 + q
  * and one subtraction).  The scales stay out of the products: S is summed
  * per group and each group's sum scaled by its K row's scale in F32, and
  * each V group's P.V takes P times the V row's scale, so that the int8
@@ -326,6 +328,31 @@ __device__ __forceinline__ void agq_q8_prefetch(const struct cuda_attn_args &a, 
     l2_prefetch((lane < LINES ? kc : vc) + at + 128 * (lane % LINES));
 }
 
+/* sm_80+ (RING): the pieces agq_q8_fetch would load, copied with cp.async
+ * into a ring stage (kb, vb: 16 rows each, contiguous as in the cache);
+ * all ones for a block id outside the cache, stored by the lane itself.
+ * The warp's other lanes read them after cp_async_wait and __syncwarp. */
+template <int HD>
+__device__ __forceinline__ void agq_q8_copy(const struct cuda_attn_args &a, const int32_t *btab, const uint8_t *kc,
+                                            const uint8_t *vc, int32_t kvh, int32_t j0, int lane, uint8_t *kb,
+                                            uint8_t *vb) {
+    using Q = agq_q8<HD>;
+    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    const bool bad = blk < 0 || blk >= a.n_blocks;
+    const size_t at = (((size_t)(bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+#pragma unroll
+    for (int k = 0; k < Q::PPL; k++) {
+        const int i = lane + 32 * k;
+        if (Q::RB % 32 != 0 && i >= Q::RB) break;
+        if (bad) {
+            ((uint4 *)kb)[i] = ((uint4 *)vb)[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+        } else {
+            cp_async16((uint4 *)kb + i, (const uint4 *)(kc + at) + i);
+            cp_async16((uint4 *)vb + i, (const uint4 *)(vc + at) + i);
+        }
+    }
+}
+
 /* Two int8 of x (biased by 128: bytes b0 and b1 of x ^ 0x80808080) as a
  * half2 of the values, exactly. */
 __device__ __forceinline__ uint32_t agq_i8x2(uint32_t x, uint32_t sel) {
@@ -368,7 +395,7 @@ template <int HD, bool G2, bool Q8, bool ROPE, int RING>
 __global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 : 1)
     attention_gqa_kernel(const struct agq_params p) {
     static_assert(!(ROPE && Q8), "the ROPE kernel writes an F16 cache");
-    static_assert(RING == 0 || (!Q8 && !ROPE), "the ring takes an F16 cache's decode rows");
+    static_assert(RING == 0 || !ROPE, "the ring takes decode rows");
     pdl_begin();
     constexpr int NC = HD / 32; /* 32-dim groups */
     const struct cuda_attn_args &a = p.a;
@@ -467,12 +494,15 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 
      * as the products' operands, or with RING through the warp's ring
      * (RING - 1 steps ahead, copied and read back by the same lane, so no
      * barrier orders them); a Q8_0 cache's to the warp's buffer (kb, vb:
-     * the step's 16 rows each) before the step. */
+     * the step's 16 rows each) before the step, or with RING by cp.async
+     * into a ring of RING such buffers a warp, read after __syncwarp. */
     constexpr int32_t WS = AGQ_WARPS * AGQ_STEP;
     constexpr int PPL = Q8 ? agq_q8<HD>::PPL : 1, RB = Q8 ? agq_q8<HD>::RB : 0;
     const fp16_t *kc = (const fp16_t *)a.k, *vc = (const fp16_t *)a.v;
     const uint8_t *kq = (const uint8_t *)a.k, *vq = (const uint8_t *)a.v;
-    uint8_t *kb = agq_smem + (size_t)warp * 2 * 16 * RB, *vb = kb + 16 * RB;
+    constexpr int QS = 2 * 16 * RB; /* bytes of a Q8_0 buffer (a ring stage) */
+    uint8_t *const qbuf = agq_smem + (size_t)warp * (RING > 0 ? RING : 1) * QS;
+    uint8_t *kb = qbuf, *vb = qbuf + 16 * RB;
     uint4 kr[2][NC], vr[2][NC], kn[2][NC], vn[2][NC], kp[PPL], vp[PPL];
     constexpr int PS = 4 * NC * 32; /* uint4 a warp's ring stage */
     uint4 *const ring = (uint4 *)agq_smem + (size_t)warp * RING * PS;
@@ -486,7 +516,16 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 
      * cache, which this launch writes. */
     const int32_t jc = ROPE ? min(j_end, pos0) : j_end;
     int32_t j0 = j_begin + warp * AGQ_STEP;
-    if constexpr (Q8) {
+    if constexpr (Q8 && RING > 0) {
+#pragma unroll
+        for (int k = 0; k < RING - 1; k++) {
+            if (j0 + k * WS < j_end)
+                agq_q8_copy<HD>(a, btab, kq, vq, kvh, j0 + k * WS, lane, qbuf + k * QS, qbuf + k * QS + 16 * RB);
+            cp_async_commit();
+        }
+        for (int k = 2; k <= ahead; k++)
+            agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, j0 + (RING - 2 + k) * WS, j_end, lane);
+    } else if constexpr (Q8) {
         if (j0 < j_end) agq_q8_fetch<HD>(a, btab, kq, vq, kvh, j0, lane, kp, vp);
         for (int k = 2; k <= p.ahead; k++) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, j0 + k * WS, j_end, lane);
     } else if constexpr (RING > 0) {
@@ -504,7 +543,21 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 
     }
     for (; j0 < j_end; j0 += WS, it++) {
         const int32_t jn = j0 + WS;
-        if constexpr (Q8) {
+        if constexpr (Q8 && RING > 0) {
+            /* The stage the step before read takes the step RING - 1
+             * ahead, once every lane is done with it. */
+            const int sf = (it + RING - 1) % RING, sr = it % RING;
+            const int32_t jf = j0 + (RING - 1) * WS;
+            __syncwarp();
+            if (jf < j_end)
+                agq_q8_copy<HD>(a, btab, kq, vq, kvh, jf, lane, qbuf + sf * QS, qbuf + sf * QS + 16 * RB);
+            cp_async_commit();
+            if (ahead > 0) agq_q8_prefetch<HD>(a, btab, kq, vq, kvh, jf + ahead * WS, j_end, lane);
+            cp_async_wait<RING - 1>();
+            __syncwarp(); /* every lane's copies of this step have landed */
+            kb = qbuf + sr * QS;
+            vb = kb + 16 * RB;
+        } else if constexpr (Q8) {
             __syncwarp(); /* every lane is done with the last step's rows */
 #pragma unroll
             for (int k = 0; k < PPL; k++) {
@@ -701,10 +754,29 @@ extern "C" int cuda_attention_gqa_takes(const struct cuda_ctx *ctx, const struct
  * then (reused) the merge's sacc and sml. */
 template <int HD, bool G2, bool Q8, int RING> static constexpr size_t agq_smem_bytes() {
     constexpr size_t R = G2 ? 16 : 8, merge = sizeof(float) * AGQ_WARPS * R * (HD + 2);
-    constexpr size_t bufs = Q8     ? (size_t)AGQ_WARPS * 2 * 16 * agq_q8<HD>::RB
+    constexpr size_t bufs = Q8     ? (size_t)AGQ_WARPS * (RING > 0 ? RING : 1) * 2 * 16 * agq_q8<HD>::RB
                             : RING ? (size_t)AGQ_WARPS * RING * 4 * (HD / 32) * 32 * 16
                                    : 0;
     return bufs > merge ? bufs : merge;
+}
+
+/* Blocks of a variant resident a multiprocessor of ctx's card (asked once
+ * a device), into *bps. */
+template <int HD, bool G2, bool Q8, bool ROPE, int RING> static int agq_occupancy(struct cuda_ctx *ctx, int *bps) {
+    constexpr size_t smem = agq_smem_bytes<HD, G2, Q8, RING>();
+    static int per_sm[64];
+    int &b = per_sm[ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0];
+    if (!b) {
+        if (smem > 48 * 1024)
+            CUDA_CHECK(ctx, cudaFuncSetAttribute(attention_gqa_kernel<HD, G2, Q8, ROPE, RING>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        int n = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                            &n, attention_gqa_kernel<HD, G2, Q8, ROPE, RING>, AGQ_WARPS * 32, smem));
+        b = n > 0 ? n : 1;
+    }
+    *bps = b;
+    return STATUS_OK;
 }
 
 template <int HD, bool G2, bool Q8, bool ROPE, int RING = 0>
@@ -718,18 +790,9 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
      * waves against block lengths, each split at least two steps of every
      * warp: long blocks keep their loads a step ahead, short ones pay the
      * start (the row, Q, the first loads) more often. */
-    static int per_sm[64][2][2][2][2][4];
-    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    int &bps = per_sm[dev][HD == 128][G2][Q8][ROPE][RING];
-    if (!bps) {
-        if (smem > 48 * 1024)
-            CUDA_CHECK(ctx, cudaFuncSetAttribute(attention_gqa_kernel<HD, G2, Q8, ROPE, RING>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                            &b, attention_gqa_kernel<HD, G2, Q8, ROPE, RING>, AGQ_WARPS * 32, smem));
-        bps = b > 0 ? b : 1;
-    }
+    int bps = 0;
+    const int rc = agq_occupancy<HD, G2, Q8, ROPE, RING>(ctx, &bps);
+    if (rc != STATUS_OK) return rc;
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
     if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, 2 * step,
                        AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
@@ -748,15 +811,25 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     return STATUS_OK;
 }
 
-/* The ring from ctx->att_ring_rows decode rows (32: below, whole steps
- * measured as fast or faster in registers; docs/cuda-backend.md). */
+/* The ring over an F16 cache from ctx->att_ring_rows decode rows (32:
+ * below, whole steps measured as fast or faster in registers); over a
+ * Q8_0 cache up to ctx->att_q8_ring_max rows, or by default where the
+ * rows' blocks, unsplit, fit one wave of the ring's (3 a multiprocessor,
+ * where the registers' 2 left a second wave; docs/cuda-backend.md). */
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
     const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
-    const int ring = Q8 || ctx->cc < 80 || rows < ctx->att_ring_rows ? 0 : ctx->att_ring;
-    if constexpr (!Q8) {
-        if (ring == 2) return agq_launch<HD, G2, false, false, 2>(ctx, p);
-        if (ring == 3) return agq_launch<HD, G2, false, false, 3>(ctx, p);
+    int ring = ctx->cc >= 80 ? ctx->att_ring : 0;
+    if (!Q8 && rows < ctx->att_ring_rows) ring = 0;
+    if (Q8 && ring && ctx->att_q8_ring_max >= 0 && rows > ctx->att_q8_ring_max) ring = 0;
+    if (Q8 && ring && ctx->att_q8_ring_max < 0) {
+        int bps = 0;
+        const int rc = ring == 2 ? agq_occupancy<HD, G2, Q8, false, 2>(ctx, &bps)
+                                 : agq_occupancy<HD, G2, Q8, false, 3>(ctx, &bps);
+        if (rc != STATUS_OK) return rc;
+        if ((int64_t)rows * p->a.n_kv_heads > (int64_t)bps * ctx->n_sms) ring = 0;
     }
+    if (ring == 2) return agq_launch<HD, G2, Q8, false, 2>(ctx, p);
+    if (ring == 3) return agq_launch<HD, G2, Q8, false, 3>(ctx, p);
     return agq_launch<HD, G2, Q8, false>(ctx, p);
 }
 

@@ -71,6 +71,9 @@ struct cuda_ctx {
                          * cp.async ring of this many stages (2 or 3; 0: in registers;
                          * LLM_CUDA_ATT_RING), from att_ring_rows decode rows (32;
                          * LLM_CUDA_ATT_RING_ROWS) */
+    int att_q8_ring_max; /* over a Q8_0 cache: the ring up to this many decode rows
+                         * (LLM_CUDA_ATT_Q8_RING_MAX; -1: as many as fill one wave
+                         * unsplit; 0: never) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query
                          * heads per KV head on tensor cores (8, default; 0: never;
                          * LLM_CUDA_DECODE_TC_G) */

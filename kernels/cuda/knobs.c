@@ -84,7 +84,7 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "attention_gqa.cu, tensor cores with the group's heads as the mma rows (0: never, to compare)",
          &k->att_gqa_min, 0, 16, NULL},
         {"cuda-att-ring", "LLM_CUDA_ATT_RING", OPTION_CHOICE, "3",
-         "attention_gqa.cu over an F16 cache on sm_80 and later: each warp's steps copied into "
+         "attention_gqa.cu on sm_80 and later: each warp's steps copied into "
          "a ring of this many stages in shared memory with cp.async, this many less one ahead "
          "(0: a step ahead in registers, as on sm_75, to compare)",
          &k->att_ring, 0, 0, knobs_att_ring_choices},
@@ -92,6 +92,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "fewest decode rows of a launch that take LLM_CUDA_ATT_RING's ring, which measured "
          "slower at 8 rows and no faster at 16-32",
          &k->att_ring_rows, 1, INT_MAX, NULL},
+        {"cuda-att-q8-ring-max", "LLM_CUDA_ATT_Q8_RING_MAX", OPTION_INT, "-1",
+         "most decode rows of a launch over a Q8_0 cache that take LLM_CUDA_ATT_RING's ring (-1: "
+         "as many as fill one wave of the ring's blocks unsplit; 0: never, to compare)",
+         &k->att_q8_ring_max, -1, INT_MAX, NULL},
         {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
@@ -264,6 +268,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_gqa_min = k->att_gqa_min;
     ctx->att_ring = k->att_ring;
     ctx->att_ring_rows = k->att_ring_rows;
+    ctx->att_q8_ring_max = k->att_q8_ring_max;
     ctx->att_steps = k->att_steps;
     ctx->att_wide = k->att_wide;
     /* One launch for rope, the cache write and attention measured faster

@@ -496,13 +496,8 @@ TEST(cuda_ops_attention_gqa) {
     unsetenv("LLM_CUDA_ATT_RING_ROWS");
 }
 
-/* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
- * heads of 128 (two groups of 64 a row) and 64 (two of 32), blocks of 16
- * and 32, rows at block edges, one long row split, many rows, a prefill
- * row among decodes; blocks of 8 positions stay on attention_q8.cu (the
- * F32 bound: its arithmetic is the CPU's). */
-TEST(cuda_ops_attention_gqa_q8_0) {
-    unsetenv("LLM_CUDA_ATT_GQA_MIN");
+/* The 8-bit cache's grouped-head cases (cuda_ops_attention_gqa_q8_0). */
+static void gqa_q8_cases(void) {
     static const int32_t p1[] = {0, 5, 100, 300, 1023};
     fx_open();
     attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 5, gqa_ones, p1);  /* groups of 4 (Llama 3) */
@@ -518,6 +513,27 @@ TEST(cuda_ops_attention_gqa_q8_0) {
     attention_case(DTYPE_Q8_0, 32, 8, 128, 16, 1, gqa_ones, p3); /* one long row: many splits */
     fx_close();
     gqa_many_rows(DTYPE_Q8_0);
+}
+
+/* attention_gqa.cu over an 8-bit cache: groups of 2, 4, 8, 12 and 16,
+ * heads of 128 (two groups of 64 a row) and 64 (two of 32), blocks of 16
+ * and 32, rows at block edges, one long row split, many rows, a prefill
+ * row among decodes; blocks of 8 positions stay on attention_q8.cu (the
+ * F32 bound: its arithmetic is the CPU's).  Each with the steps through
+ * registers and through cp.async rings of 2 and 3 stages at every row
+ * count (LLM_CUDA_ATT_Q8_RING_MAX; sm_80+, elsewhere the registers again),
+ * then routed by default. */
+TEST(cuda_ops_attention_gqa_q8_0) {
+    unsetenv("LLM_CUDA_ATT_GQA_MIN");
+    static const char *const rings[] = {"0", "2", "3"};
+    setenv("LLM_CUDA_ATT_Q8_RING_MAX", "100000", 1);
+    for (int r = 0; r < 3; r++) {
+        setenv("LLM_CUDA_ATT_RING", rings[r], 1);
+        gqa_q8_cases();
+    }
+    unsetenv("LLM_CUDA_ATT_RING");
+    unsetenv("LLM_CUDA_ATT_Q8_RING_MAX");
+    gqa_q8_cases(); /* the default routing: the ring where the rows fit one wave */
 }
 
 /* Batches with prefill rows: the tensor-core kernel (F16 cache, heads of
