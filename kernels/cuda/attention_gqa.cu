@@ -811,23 +811,41 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     return STATUS_OK;
 }
 
+/* Whether blocks, unsplit, fit one wave of a variant's resident blocks
+ * (into *fits). */
+template <int HD, bool G2, bool Q8, int RING>
+static int agq_one_wave(struct cuda_ctx *ctx, int64_t blocks, bool *fits) {
+    int bps = 0;
+    const int rc = agq_occupancy<HD, G2, Q8, false, RING>(ctx, &bps);
+    *fits = blocks <= (int64_t)bps * ctx->n_sms;
+    return rc;
+}
+
 /* The ring over an F16 cache from ctx->att_ring_rows decode rows (32:
- * below, whole steps measured as fast or faster in registers); over a
- * Q8_0 cache up to ctx->att_q8_ring_max rows, or by default where the
- * rows' blocks, unsplit, fit one wave of the ring's (3 a multiprocessor,
- * where the registers' 2 left a second wave; docs/cuda-backend.md). */
+ * below, whole steps measured as fast or faster in registers), with 2
+ * stages in place of 3 where only theirs (3 blocks a multiprocessor
+ * against 2) hold the rows' blocks in one wave; over a Q8_0 cache up to
+ * ctx->att_q8_ring_max rows, or by default where the rows' blocks fit one
+ * wave of the ring's (3 a multiprocessor, where the registers' 2 left a
+ * second wave).  Unsplit blocks: docs/cuda-backend.md. */
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
     const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
+    const int64_t blocks = (int64_t)rows * p->a.n_kv_heads;
     int ring = ctx->cc >= 80 ? ctx->att_ring : 0;
+    bool fits = true, fits2 = false;
+    int rc = STATUS_OK;
     if (!Q8 && rows < ctx->att_ring_rows) ring = 0;
+    if (!Q8 && ring == 3 && ctx->att_ring_shallow) {
+        rc = agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
+        if (rc == STATUS_OK && !fits) rc = agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits2);
+        if (fits2) ring = 2;
+    }
     if (Q8 && ring && ctx->att_q8_ring_max >= 0 && rows > ctx->att_q8_ring_max) ring = 0;
     if (Q8 && ring && ctx->att_q8_ring_max < 0) {
-        int bps = 0;
-        const int rc = ring == 2 ? agq_occupancy<HD, G2, Q8, false, 2>(ctx, &bps)
-                                 : agq_occupancy<HD, G2, Q8, false, 3>(ctx, &bps);
-        if (rc != STATUS_OK) return rc;
-        if ((int64_t)rows * p->a.n_kv_heads > (int64_t)bps * ctx->n_sms) ring = 0;
+        rc = ring == 2 ? agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits) : agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
+        if (!fits) ring = 0;
     }
+    if (rc != STATUS_OK) return rc;
     if (ring == 2) return agq_launch<HD, G2, Q8, false, 2>(ctx, p);
     if (ring == 3) return agq_launch<HD, G2, Q8, false, 3>(ctx, p);
     return agq_launch<HD, G2, Q8, false>(ctx, p);

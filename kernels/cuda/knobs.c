@@ -96,6 +96,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "most decode rows of a launch over a Q8_0 cache that take LLM_CUDA_ATT_RING's ring (-1: "
          "as many as fill one wave of the ring's blocks unsplit; 0: never, to compare)",
          &k->att_q8_ring_max, -1, INT_MAX, NULL},
+        {"cuda-att-ring-shallow", "LLM_CUDA_ATT_RING_SHALLOW", OPTION_BOOL, "true",
+         "over an F16 cache at LLM_CUDA_ATT_RING=3, launches whose rows' blocks fit one wave of the "
+         "two-stage ring's blocks but not of the three-stage ring's take the two-stage ring",
+         &k->att_ring_shallow, 0, 0, NULL},
         {"cuda-att-k8", "LLM_CUDA_ATT_K8", OPTION_BOOL, "false",
          "sm_75's m16n8k8 mma in the tensor-core attention on sm_80 and later too, whose m16n8k16 "
          "needs half the instructions (true: to compare and to test the T4's kernel)",
@@ -269,6 +273,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->att_ring = k->att_ring;
     ctx->att_ring_rows = k->att_ring_rows;
     ctx->att_q8_ring_max = k->att_q8_ring_max;
+    ctx->att_ring_shallow = k->att_ring_shallow;
     ctx->att_steps = k->att_steps;
     ctx->att_wide = k->att_wide;
     /* One launch for rope, the cache write and attention measured faster

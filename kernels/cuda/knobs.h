@@ -38,6 +38,7 @@ struct cuda_knobs {
     int att_ring;        /* LLM_CUDA_ATT_RING: 0, 2 or 3 */
     int att_ring_rows;   /* LLM_CUDA_ATT_RING_ROWS */
     int att_q8_ring_max; /* LLM_CUDA_ATT_Q8_RING_MAX */
+    bool att_ring_shallow; /* LLM_CUDA_ATT_RING_SHALLOW */
     bool att_k8;         /* LLM_CUDA_ATT_K8 */
     int att_steps;       /* LLM_CUDA_ATT_STEPS: 1 or 2 */
     bool att_wide;       /* LLM_CUDA_ATT_WIDE */
@@ -64,7 +65,7 @@ struct cuda_knobs {
 };
 
 /* Number of entries of the table. */
-#define CUDA_KNOBS_N 37
+#define CUDA_KNOBS_N 38
 
 /* Fills defs[0 .. CUDA_KNOBS_N) with the table, its targets the fields of
  * k, and returns CUDA_KNOBS_N; for the tests and for reading one knob. */
@@ -85,7 +86,7 @@ int cuda_knobs_read_one(struct cuda_knobs *k, const char *env, char *err, size_t
 /* Sets ctx's routing fields (cc, vec_max_quant, vec_max_float, gemv_max,
  * gemm_group, mv_split, pdl, wide, wide_items, mq_nt_max, mq_x_parts,
  * mmq_min, att_gqa_min, att_ring, att_ring_rows, att_q8_ring_max,
- * decode_tc_g, att_k16,
+ * att_ring_shallow, decode_tc_g, att_k16,
  * att_steps, att_wide, rope_att, rope_att_mha, rope_tc, rope_gqa,
  * att_defer, att_f16, mr, dequant_ahead, ahead_sms) from k, for the card
  * that ctx->device, ctx->cc and ctx->n_sms describe.  ctx->cc becomes

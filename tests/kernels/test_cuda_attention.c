@@ -469,11 +469,13 @@ static void gqa_many_rows(enum dtype t) {
  * own (scripts/gpu-check.sh t4).  Each with the steps in registers and
  * through cp.async rings of 2 and 3 stages from one row
  * (LLM_CUDA_ATT_RING, LLM_CUDA_ATT_RING_ROWS=1; sm_80+, elsewhere the
- * registers again). */
+ * registers again), then the many rows routed by default (on an H200 the
+ * two-stage ring for their 384 blocks: LLM_CUDA_ATT_RING_SHALLOW). */
 TEST(cuda_ops_attention_gqa) {
     unsetenv("LLM_CUDA_ATT_GQA_MIN");
     static const char *const rings[] = {"0", "2", "3"};
     setenv("LLM_CUDA_ATT_RING_ROWS", "1", 1);
+    setenv("LLM_CUDA_ATT_RING_SHALLOW", "false", 1);
     for (int r = 0; r < 3; r++) {
         setenv("LLM_CUDA_ATT_RING", rings[r], 1);
         fx_open(); /* at most 4 KV caches a fixture */
@@ -494,6 +496,8 @@ TEST(cuda_ops_attention_gqa) {
     }
     unsetenv("LLM_CUDA_ATT_RING");
     unsetenv("LLM_CUDA_ATT_RING_ROWS");
+    unsetenv("LLM_CUDA_ATT_RING_SHALLOW");
+    gqa_many_rows(DTYPE_F16);
 }
 
 /* The 8-bit cache's grouped-head cases (cuda_ops_attention_gqa_q8_0). */

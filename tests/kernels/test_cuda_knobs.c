@@ -263,6 +263,7 @@ TEST(cuda_knobs_bad_values_name_the_variable) {
     k_bad("LLM_CUDA_ATT_RING", "1", "not one of 0, 2, 3");
     k_bad("LLM_CUDA_ATT_RING_ROWS", "0", "out of range [1, 2147483647]");
     k_bad("LLM_CUDA_ATT_Q8_RING_MAX", "-2", "out of range [-1, 2147483647]");
+    k_bad("LLM_CUDA_ATT_RING_SHALLOW", "maybe", "not a boolean");
     k_bad("LLM_CUDA_MV_SPLIT", "0", "not one of 1, 2, 4");
     k_bad("LLM_CUDA_SM", "7.5", "not an integer");
     k_bad("LLM_CUDA_SM", "-75", "out of range [0, 1000]");
