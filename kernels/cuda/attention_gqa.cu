@@ -290,6 +290,16 @@ template <int HD> struct agq_q8 {
     static_assert(HD / QG == 2 && RB % 4 == 0, "two groups a row, rows 4-byte aligned");
 };
 
+/* Byte offset of the step at j0 in K or V, and *bad where its block id
+ * is outside the cache (then the offset of block 0). */
+template <int HD>
+__device__ __forceinline__ size_t agq_q8_at(const struct cuda_attn_args &a, const int32_t *btab, int32_t kvh,
+                                            int32_t j0, bool *bad) {
+    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
+    *bad = blk < 0 || blk >= a.n_blocks;
+    return (((size_t)(*bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * agq_q8<HD>::RB;
+}
+
 /* Lane's pieces of the step at j0 (j0 < j_end): K into kr, V into vr; all
  * ones (an F16 scale of NaN) for a block id outside the cache.  Rows past
  * the slice are loaded (their block is the slice's) and masked later. */
@@ -298,9 +308,8 @@ __device__ __forceinline__ void agq_q8_fetch(const struct cuda_attn_args &a, con
                                              const uint8_t *vc, int32_t kvh, int32_t j0, int lane,
                                              uint4 (&kr)[agq_q8<HD>::PPL], uint4 (&vr)[agq_q8<HD>::PPL]) {
     using Q = agq_q8<HD>;
-    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-    const bool bad = blk < 0 || blk >= a.n_blocks;
-    const size_t at = (((size_t)(bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+    bool bad;
+    const size_t at = agq_q8_at<HD>(a, btab, kvh, j0, &bad);
 #pragma unroll
     for (int k = 0; k < Q::PPL; k++) {
         const int i = lane + 32 * k;
@@ -322,9 +331,9 @@ __device__ __forceinline__ void agq_q8_prefetch(const struct cuda_attn_args &a, 
     using Q = agq_q8<HD>;
     constexpr int LINES = (16 * Q::RB + 127) / 128;
     if (j0 >= j_end || lane >= 2 * LINES) return;
-    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-    if (blk < 0 || blk >= a.n_blocks) return;
-    const size_t at = (((size_t)blk * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+    bool bad;
+    const size_t at = agq_q8_at<HD>(a, btab, kvh, j0, &bad);
+    if (bad) return;
     l2_prefetch((lane < LINES ? kc : vc) + at + 128 * (lane % LINES));
 }
 
@@ -337,9 +346,8 @@ __device__ __forceinline__ void agq_q8_copy(const struct cuda_attn_args &a, cons
                                             const uint8_t *vc, int32_t kvh, int32_t j0, int lane, uint8_t *kb,
                                             uint8_t *vb) {
     using Q = agq_q8<HD>;
-    const int32_t bi = j0 / a.block_size, blk = bi < a.max_blocks ? btab[bi] : -1;
-    const bool bad = blk < 0 || blk >= a.n_blocks;
-    const size_t at = (((size_t)(bad ? 0 : blk) * a.n_kv_heads + kvh) * a.block_size + j0 % a.block_size) * Q::RB;
+    bool bad;
+    const size_t at = agq_q8_at<HD>(a, btab, kvh, j0, &bad);
 #pragma unroll
     for (int k = 0; k < Q::PPL; k++) {
         const int i = lane + 32 * k;
