@@ -456,7 +456,7 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     /* Split the context over 4 blocks per SM (cuda_att_split weighs the
      * waves), each split at least ctx->att_steps steps of all its
      * sub-warps: fewer, longer blocks than 8 per SM, as measured faster
-     * (docs/cuda-backend.md). */
+     * (docs/cuda-attention.md). */
     const int64_t step = (int64_t)NS * U;
     struct cuda_att_split sp;
     if (cuda_att_split(ctx, a, n_idx, 4LL * ctx->n_sms, blocks, 1, step, step * ctx->att_steps,

@@ -517,7 +517,7 @@ __global__ void __launch_bounds__(AGQ_WARPS * 32, RING == 2 ? 3 : RING == 3 ? 2 
     uint32_t bad_q = 0; /* RING: bits 2 i, 2 i + 1 stage i's agq_copy result */
     /* A ring asks L2 ahead only in slices of AGQ_RING_AHEAD_MIN steps a
      * warp or more: in shorter ones the requests compete with the ring's
-     * first copies and measured slower (docs/cuda-backend.md). */
+     * first copies and measured slower (docs/cuda-attention.md). */
     const int ahead = RING > 0 && j_end - j_begin < AGQ_RING_AHEAD_MIN * WS ? 0 : p.ahead;
     int it = 0;
     /* ROPE: positions from pos0 on come from the matmul's rows, not the
@@ -835,7 +835,7 @@ static int agq_one_wave(struct cuda_ctx *ctx, int64_t blocks, bool *fits) {
  * against 2) hold the rows' blocks in one wave; over a Q8_0 cache up to
  * ctx->att_q8_ring_max rows, or by default where the rows' blocks fit one
  * wave of the ring's (3 a multiprocessor, where the registers' 2 left a
- * second wave).  Unsplit blocks: docs/cuda-backend.md. */
+ * second wave).  Unsplit blocks: docs/cuda-attention.md. */
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
     const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
     const int64_t blocks = (int64_t)rows * p->a.n_kv_heads;
@@ -883,7 +883,7 @@ extern "C" int cuda_attention_gqa_rope(struct cuda_ctx *ctx, const struct cuda_a
     const int32_t G = a->n_kv_heads > 0 ? a->n_heads / a->n_kv_heads : 0;
     /* A sequence's rows x G fit the mma's 16 rows: with more, tiles of
      * rows would each read the context, where attention_prefill.cu's one
-     * tile reads it once (docs/cuda-backend.md). */
+     * tile reads it once (docs/cuda-attention.md). */
     if (!ctx->rope_gqa || rows_min < 2 || rows_max > ctx->rope_tc || G < 1 || rows_max * G > AGQ_ROPE_ROWS ||
         a->n_heads != G * a->n_kv_heads || a->kv_type != DTYPE_F16 || (a->head_dim != 64 && a->head_dim != 128) ||
         2 * n_freq != a->head_dim || (uintptr_t)a->q % 16 != 0 || (uintptr_t)a->k % 16 != 0 ||

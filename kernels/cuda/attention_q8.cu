@@ -273,7 +273,7 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     /* Split the context until about 8 blocks per SM are in flight, each
      * split at least ctx->att_steps chunks of every warp: the fewest
      * splits that fill that wave, which measured faster here than the
-     * waves weighed (docs/cuda-backend.md). */
+     * waves weighed (docs/cuda-attention.md). */
     const int64_t step = (int64_t)ATQ_WARPS * T;
     struct cuda_att_split sp;
     if (cuda_att_split(ctx, a, n_idx, 8LL * ctx->n_sms, blocks, 0, step, step * ctx->att_steps,

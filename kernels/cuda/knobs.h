@@ -119,7 +119,7 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
  * fill one wave.  A grid of 1.45 waves runs its last blocks on half the
  * multiprocessors: llama3-8b's 16 rows over 8 KV heads at context 2048
  * are 128 blocks for 264 slots, where 2 splits measured 5% faster a step
- * than the 3 that fill one wave (docs/cuda-backend.md). */
+ * than the 3 that fill one wave (docs/cuda-attention.md). */
 int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
                             int64_t by_ctx);
 
