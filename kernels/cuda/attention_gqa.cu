@@ -31,10 +31,10 @@
  * positions (blocks of a multiple of 16 positions) are 16 consecutive
  * rows: each warp copies them into a shared buffer of its own with 16-byte
  * loads a step ahead (on sm_80 and later, where the rows' blocks fit one
- * wave, by cp.async into a ring of such buffers two steps ahead: 143
+ * wave, by cp.async into a ring of such buffers two steps ahead: 145
  * registers, three blocks a multiprocessor), and its lanes read their 8
- * values a group from there as int8, which become F16 exactly (a byte permute into 1024 + 128 + q
- * and one subtraction).  The scales stay out of the products: S is summed
+ * values a group from there as int8, which become F16 exactly (a byte
+ * permute into 1024 + 128 + q and one subtraction).  The scales stay out of the products: S is summed
  * per group and each group's sum scaled by its K row's scale in F32, and
  * each V group's P.V takes P times the V row's scale, so that the int8
  * values need no rounding and the output carries the F16 rounding of P
