@@ -34,11 +34,11 @@
  * wave, by cp.async into a ring of such buffers two steps ahead: 145
  * registers, three blocks a multiprocessor), and its lanes read their 8
  * values a group from there as int8, which become F16 exactly (a byte
- * permute into 1024 + 128 + q and one subtraction).  The scales stay out of the products: S is summed
- * per group and each group's sum scaled by its K row's scale in F32, and
- * each V group's P.V takes P times the V row's scale, so that the int8
- * values need no rounding and the output carries the F16 rounding of P
- * and Q alone, as with an F16 cache.
+ * permute into 1024 + 128 + q and one subtraction).  The scales stay out
+ * of the products: S is summed per group and each group's sum scaled by
+ * its K row's scale in F32, and each V group's P.V takes P times the V
+ * row's scale, so that the int8 values need no rounding and the output
+ * carries the F16 rounding of P and Q alone, as with an F16 cache.
  *
  * ROPE (cuda_attention_gqa_rope: speculation's verifying steps, sequences
  * of 2-16 rows on an F16 cache, rows x G at most 16) puts all the rows of
@@ -850,7 +850,8 @@ template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx
     }
     if (Q8 && ring && ctx->att_q8_ring_max >= 0 && rows > ctx->att_q8_ring_max) ring = 0;
     if (Q8 && ring && ctx->att_q8_ring_max < 0) {
-        rc = ring == 2 ? agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits) : agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
+        rc = ring == 2 ? agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits)
+                       : agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
         if (!fits) ring = 0;
     }
     if (rc != STATUS_OK) return rc;
