@@ -819,13 +819,14 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     return STATUS_OK;
 }
 
-/* Whether blocks, unsplit, fit one wave of a variant's resident blocks
- * (into *fits). */
-template <int HD, bool G2, bool Q8, int RING>
-static int agq_one_wave(struct cuda_ctx *ctx, int64_t blocks, bool *fits) {
+/* Resident blocks on ctx's card of the variant with `ring` stages (0:
+ * the steps in registers), into *slots. */
+template <int HD, bool G2, bool Q8> static int agq_slots(struct cuda_ctx *ctx, int ring, int64_t *slots) {
     int bps = 0;
-    const int rc = agq_occupancy<HD, G2, Q8, false, RING>(ctx, &bps);
-    *fits = blocks <= (int64_t)bps * ctx->n_sms;
+    const int rc = ring == 2   ? agq_occupancy<HD, G2, Q8, false, 2>(ctx, &bps)
+                   : ring == 3 ? agq_occupancy<HD, G2, Q8, false, 3>(ctx, &bps)
+                               : agq_occupancy<HD, G2, Q8, false, 0>(ctx, &bps);
+    *slots = (int64_t)bps * ctx->n_sms;
     return rc;
 }
 
@@ -839,22 +840,21 @@ static int agq_one_wave(struct cuda_ctx *ctx, int64_t blocks, bool *fits) {
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
     const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
     const int64_t blocks = (int64_t)rows * p->a.n_kv_heads;
-    int ring = ctx->cc >= 80 ? ctx->att_ring : 0;
-    bool fits = true, fits2 = false;
-    int rc = STATUS_OK;
+    int ring = ctx->cc >= 80 ? ctx->att_ring : 0, rc;
     if (!Q8 && rows < ctx->att_ring_rows) ring = 0;
+    if (Q8 && ctx->att_q8_ring_max >= 0 && rows > ctx->att_q8_ring_max) ring = 0;
     if (!Q8 && ring == 3 && ctx->att_ring_shallow) {
-        rc = agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
-        if (rc == STATUS_OK && !fits) rc = agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits2);
-        if (fits2) ring = 2;
+        int64_t s3 = 0, s2 = 0;
+        if ((rc = agq_slots<HD, G2, Q8>(ctx, 3, &s3)) != STATUS_OK ||
+            (rc = agq_slots<HD, G2, Q8>(ctx, 2, &s2)) != STATUS_OK)
+            return rc;
+        if (blocks > s3 && blocks <= s2) ring = 2;
     }
-    if (Q8 && ring && ctx->att_q8_ring_max >= 0 && rows > ctx->att_q8_ring_max) ring = 0;
     if (Q8 && ring && ctx->att_q8_ring_max < 0) {
-        rc = ring == 2 ? agq_one_wave<HD, G2, Q8, 2>(ctx, blocks, &fits)
-                       : agq_one_wave<HD, G2, Q8, 3>(ctx, blocks, &fits);
-        if (!fits) ring = 0;
+        int64_t s = 0;
+        if ((rc = agq_slots<HD, G2, Q8>(ctx, ring, &s)) != STATUS_OK) return rc;
+        if (blocks > s) ring = 0;
     }
-    if (rc != STATUS_OK) return rc;
     if (ring == 2) return agq_launch<HD, G2, Q8, false, 2>(ctx, p);
     if (ring == 3) return agq_launch<HD, G2, Q8, false, 3>(ctx, p);
     return agq_launch<HD, G2, Q8, false>(ctx, p);
