@@ -459,7 +459,7 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
      * (docs/cuda-attention.md). */
     const int64_t step = (int64_t)NS * U;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, 4LL * ctx->n_sms, blocks, 1, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, 4LL * ctx->n_sms, blocks, 0, step, step * ctx->att_steps,
                        ATT_COMBINE_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;
@@ -542,12 +542,11 @@ extern "C" int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_arg
 
 /* The splits a row wants are weighed by cuda_att_split_want (knobs.h). */
 extern "C" int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots,
-                              int64_t blocks, int weigh, int64_t step, int64_t least, int64_t max_splits,
+                              int64_t blocks, int past_fill, int64_t step, int64_t least, int64_t max_splits,
                               struct cuda_att_split *s) {
     memset(s, 0, sizeof *s);
     const int64_t by_ctx = (a->max_ctx + least - 1) / least;
-    const int rule = ctx->att_splits ? ctx->att_splits : weigh ? 0 : -1;
-    int64_t want = cuda_att_split_want(rule, a->max_ctx, slots, blocks, step, by_ctx);
+    int64_t want = cuda_att_split_want(ctx->att_splits, a->max_ctx, slots, blocks, step, by_ctx, past_fill);
     if (want > max_splits) want = max_splits;
     int64_t splits = want < by_ctx ? want : by_ctx;
     if (splits < 1) splits = 1;

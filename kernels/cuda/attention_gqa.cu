@@ -802,7 +802,7 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     const int rc = agq_occupancy<HD, G2, Q8, ROPE, RING>(ctx, &bps);
     if (rc != STATUS_OK) return rc;
     const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
-    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, 2 * step,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 0, step, 2 * step,
                        AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;

@@ -270,13 +270,25 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     const bool one = a->rows == CUDA_ATT_ONE_ROW;
     const int32_t n_idx = one ? a->n_seqs : a->n_tokens; /* blocks (and sums) by sequence or by row */
     const int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
-    /* Split the context until about 8 blocks per SM are in flight, each
-     * split at least ctx->att_steps chunks of every warp: the fewest
-     * splits that fill that wave, which measured faster here than the
-     * waves weighed (docs/cuda-attention.md). */
+    const size_t stage = (size_t)ATQ_WARPS * 2 * (T * RB + 16), merge = (size_t)NS * G * (2 + HD) * sizeof(float);
+    const size_t smem = stage > merge ? stage : merge;
+    /* Split the context as cuda_att_split weighs the waves of the
+     * blocks this variant holds a multiprocessor (asked of CUDA once a
+     * device: 5 for heads of 128 ungrouped), past the fewest that fill
+     * one wave too, each split at least ctx->att_steps chunks of every
+     * warp: blocks of thousands of positions leave a long last wave
+     * (docs/cuda-attention.md, "The 8-bit decode kernel"). */
+    static int per_sm[64];
+    int &bps = per_sm[ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0];
+    if (!bps) {
+        int b = 0;
+        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_q8_decode_kernel<G, LP, T>,
+                                                                      ATQ_THREADS, smem));
+        bps = b > 0 ? b : 1;
+    }
     const int64_t step = (int64_t)ATQ_WARPS * T;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, 8LL * ctx->n_sms, blocks, 0, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, step * ctx->att_steps,
                        ATQ_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;
@@ -286,8 +298,6 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     p->out16 = (fp16_t *)sp.out16;
     p->part_acc = sp.part_acc;
     p->part_ml = sp.part_ml;
-    const size_t stage = (size_t)ATQ_WARPS * 2 * (T * RB + 16), merge = (size_t)NS * G * (2 + HD) * sizeof(float);
-    const size_t smem = stage > merge ? stage : merge;
     const dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_q8_decode_kernel<G, LP, T>), grid, dim3(ATQ_THREADS), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());

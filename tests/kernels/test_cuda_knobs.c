@@ -378,27 +378,46 @@ TEST(cuda_knobs_att_split) {
      * blocks of 4 warps of 16 positions a multiprocessor): 2 splits are one
      * wave of 17 steps (18), where 3 would be 1.45 waves (24) and 4 two
      * waves of 9 (20). */
-    ASSERT_EQ(2, cuda_att_split_want(0, 2049, 264, 128, 64, 17));
+    ASSERT_EQ(2, cuda_att_split_want(0, 2049, 264, 128, 64, 17, 0));
     /* llama2-7b's 16 rows of 32 heads, 4 blocks of 64 positions a
      * multiprocessor: 512 blocks are one wave unsplit. */
-    ASSERT_EQ(1, cuda_att_split_want(0, 513, 528, 512, 64, 5));
+    ASSERT_EQ(1, cuda_att_split_want(0, 513, 528, 512, 64, 5, 0));
     /* More blocks than slots: never split. */
-    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 264, 512, 64, 17));
+    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 264, 512, 64, 17, 0));
     /* One sequence: as many as the context allows within one wave. */
-    ASSERT_EQ(5, cuda_att_split_want(0, 513, 528, 32, 64, 5));
-    ASSERT_EQ(8, cuda_att_split_want(0, 4096, 264, 32, 64, 32));
+    ASSERT_EQ(5, cuda_att_split_want(0, 513, 528, 32, 64, 5, 0));
+    ASSERT_EQ(8, cuda_att_split_want(0, 4096, 264, 32, 64, 32, 0));
     /* A T4's 40 multiprocessors: 16 rows over 8 KV heads stay whole. */
-    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 80, 128, 64, 17));
+    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 80, 128, 64, 17, 0));
     /* LLM_CUDA_ATT_SPLITS: a count as given, -1 the fewest that fill a wave. */
-    ASSERT_EQ(7, cuda_att_split_want(7, 2049, 264, 128, 64, 17));
-    ASSERT_EQ(3, cuda_att_split_want(-1, 2049, 264, 128, 64, 17));
+    ASSERT_EQ(7, cuda_att_split_want(7, 2049, 264, 128, 64, 17, 0));
+    ASSERT_EQ(3, cuda_att_split_want(-1, 2049, 264, 128, 64, 17, 0));
     for (int b = 1; b <= 600; b += 13)
         for (int ctx = 1; ctx <= 5000; ctx += 499) {
-            const int64_t by_ctx = (ctx + 127) / 128, s = cuda_att_split_want(0, ctx, 264, b, 64, by_ctx);
+            const int64_t by_ctx = (ctx + 127) / 128, s = cuda_att_split_want(0, ctx, 264, b, 64, by_ctx, 0);
             if (s < 1 || (s > 1 && (s > by_ctx || s > (264 + b - 1) / b)))
                 TEST_FAIL("%d blocks, context %d: %lld splits", b, ctx, (long long)s);
         }
-    ASSERT_EQ(1, cuda_att_split_want(0, 100, 0, 0, 0, 1));
+    ASSERT_EQ(1, cuda_att_split_want(0, 100, 0, 0, 0, 1, 0));
+    /* Past the fill (attention_q8.cu: llama2-7b's 32 ungrouped heads, 5
+     * blocks of 64 positions a multiprocessor of an H200, 660 slots), the
+     * splits measured fastest: at context 2048 8 rows 5, 16 rows 1 (5
+     * splits' 32 are not a tenth under 34), 24-64 rows 3; at context 512
+     * 8 rows 2, 24 rows 3, 16, 32 and 48 rows 1 (3 splits' 28 against 30
+     * measured slower). */
+    static const int64_t past[][3] = {{2049, 256, 5}, {2049, 512, 1}, {2049, 768, 3}, {2049, 1024, 3},
+                                      {2049, 1536, 3}, {2049, 2048, 3}, {513, 256, 2}, {513, 512, 1},
+                                      {513, 768, 3}, {513, 1024, 1}, {513, 1536, 1}, {513, 2048, 1}};
+    for (int i = 0; i < (int)(sizeof past / sizeof past[0]); i++) {
+        const int64_t by_ctx = (past[i][0] + 127) / 128;
+        const int64_t s = cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 1);
+        if (s != past[i][2])
+            TEST_FAIL("context %lld, %lld blocks past the fill: %lld splits, want %lld", (long long)past[i][0] - 1,
+                      (long long)past[i][1], (long long)s, (long long)past[i][2]);
+        if (cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 0) > (660 + past[i][1] - 1) / past[i][1])
+            TEST_FAIL("context %lld, %lld blocks: past the fill without past_fill", (long long)past[i][0] - 1,
+                      (long long)past[i][1]);
+    }
 }
 
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
