@@ -280,12 +280,7 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
      * (docs/cuda-attention.md, "The 8-bit decode kernel"). */
     static int per_sm[64];
     int &bps = per_sm[ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0];
-    if (!bps) {
-        int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_q8_decode_kernel<G, LP, T>,
-                                                                      ATQ_THREADS, smem));
-        bps = b > 0 ? b : 1;
-    }
+    CUDA_CHECK(ctx, cuda_blocks_per_sm(attention_q8_decode_kernel<G, LP, T>, ATQ_THREADS, smem, &bps));
     const int64_t step = (int64_t)ATQ_WARPS * T;
     struct cuda_att_split sp;
     if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, step * ctx->att_steps,

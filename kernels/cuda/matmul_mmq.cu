@@ -525,15 +525,7 @@ template <int T, int NT> static void (*mmq_kernel(int v, size_t *smem))(const mm
 /* *per_sm: the blocks of kernel resident on a multiprocessor, asked once
  * (a device's entry). */
 static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm, size_t smem = 0) {
-    if (*per_sm) return cudaSuccess;
-    if (smem > 48 * 1024) {
-        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) return e;
-    }
-    int b = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, MMQ_WARPS * 32, smem);
-    *per_sm = b > 0 ? b : 1;
-    return e;
+    return cuda_blocks_per_sm(kernel, MMQ_WARPS * 32, smem, per_sm);
 }
 
 template <int T, int NT>
