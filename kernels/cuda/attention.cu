@@ -453,13 +453,20 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     int64_t blocks = (int64_t)n_idx * a->n_kv_heads;
     if constexpr (G == 1 && TH == ATD_THREADS)
         if (ctx->att_wide && blocks <= 4LL * ctx->n_sms) return att_decode_launch<G, LP, 2 * ATD_THREADS>(ctx, p);
-    /* Split the context over 4 blocks per SM (cuda_att_split weighs the
-     * waves), each split at least ctx->att_steps steps of all its
-     * sub-warps: fewer, longer blocks than 8 per SM, as measured faster
-     * (docs/cuda-attention.md). */
+    /* Split the context over the blocks the kernel holds a multiprocessor
+     * (asked once a device), past the fewest that fill one wave too where
+     * that takes under 8/10 of the time (cuda_att_split weighs the waves),
+     * each split at least ctx->att_steps steps of all its sub-warps:
+     * llama2-7b's 40 rows at context 2048 are 1.2 waves of 1056 slots
+     * unsplit, 4 splits measured 13% faster a step (docs/cuda-attention.md,
+     * "Splitting the context"). */
+    const size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
+    static int per_sm[64];
+    int &bps = per_sm[ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0];
+    CUDA_CHECK(ctx, cuda_blocks_per_sm(attention_decode_kernel<G, LP, U, TH>, TH, smem, &bps));
     const int64_t step = (int64_t)NS * U;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, 4LL * ctx->n_sms, blocks, 0, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 8, step, step * ctx->att_steps,
                        ATT_COMBINE_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;
@@ -470,7 +477,6 @@ static int att_decode_launch(struct cuda_ctx *ctx, struct att_params *p) {
     p->out16 = (fp16_t *)sp.out16;
     p->part_acc = sp.part_acc;
     p->part_ml = sp.part_ml;
-    size_t smem = (size_t)NS * G * (2 + LP * 8) * sizeof(float);
     dim3 grid((unsigned)n_idx, (unsigned)a->n_kv_heads, (unsigned)p->n_splits);
     CUDA_CHECK(ctx, cuda_launch(ctx, (attention_decode_kernel<G, LP, U, TH>), dim3(grid), dim3(TH), smem, *p));
     CUDA_CHECK(ctx, cudaGetLastError());
@@ -542,11 +548,11 @@ extern "C" int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_arg
 
 /* The splits a row wants are weighed by cuda_att_split_want (knobs.h). */
 extern "C" int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots,
-                              int64_t blocks, int past_fill, int64_t step, int64_t least, int64_t max_splits,
+                              int64_t blocks, int past_tenths, int64_t step, int64_t least, int64_t max_splits,
                               struct cuda_att_split *s) {
     memset(s, 0, sizeof *s);
     const int64_t by_ctx = (a->max_ctx + least - 1) / least;
-    int64_t want = cuda_att_split_want(ctx->att_splits, a->max_ctx, slots, blocks, step, by_ctx, past_fill);
+    int64_t want = cuda_att_split_want(ctx->att_splits, a->max_ctx, slots, blocks, step, by_ctx, past_tenths);
     if (want > max_splits) want = max_splits;
     int64_t splits = want < by_ctx ? want : by_ctx;
     if (splits < 1) splits = 1;

@@ -58,6 +58,7 @@
 #include "attention_prefill.h"
 #include "attn_merge.cuh"
 #include "common.cuh"
+#include "knobs.h"
 
 #include "../backend.h"
 
@@ -774,15 +775,7 @@ template <int HD, bool G2, bool Q8, bool ROPE, int RING> static int agq_occupanc
     constexpr size_t smem = agq_smem_bytes<HD, G2, Q8, RING>();
     static int per_sm[64];
     int &b = per_sm[ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0];
-    if (!b) {
-        if (smem > 48 * 1024)
-            CUDA_CHECK(ctx, cudaFuncSetAttribute(attention_gqa_kernel<HD, G2, Q8, ROPE, RING>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        int n = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                            &n, attention_gqa_kernel<HD, G2, Q8, ROPE, RING>, AGQ_WARPS * 32, smem));
-        b = n > 0 ? n : 1;
-    }
+    CUDA_CHECK(ctx, cuda_blocks_per_sm(attention_gqa_kernel<HD, G2, Q8, ROPE, RING>, AGQ_WARPS * 32, smem, &b));
     *bps = b;
     return STATUS_OK;
 }
@@ -797,13 +790,17 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     /* Split the context over the resident slots as cuda_att_split weighs
      * waves against block lengths, each split at least two steps of every
      * warp: long blocks keep their loads a step ahead, short ones pay the
-     * start (the row, Q, the first loads) more often. */
+     * start (the row, Q, the first loads) more often.  The 8-bit ring's
+     * grids of more than one wave unsplit look past the fewest splits
+     * that fill one, for 8/10 of the time: llama3-8b's 64 rows at context
+     * 2048 are 512 blocks for 396 slots, 3 splits measured 3.6% faster a
+     * step than 1 (at context 512, 3.7% slower: the margin keeps 1). */
     int bps = 0;
     const int rc = agq_occupancy<HD, G2, Q8, ROPE, RING>(ctx, &bps);
     if (rc != STATUS_OK) return rc;
-    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP;
-    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 0, step, 2 * step,
-                       AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
+    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, slots = (int64_t)bps * ctx->n_sms;
+    const int past_tenths = Q8 && RING && blocks > slots ? 8 : 0;
+    if (cuda_att_split(ctx, a, n_idx, slots, blocks, past_tenths, step, 2 * step, AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;
     const dim3 grid((unsigned)n_blk, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
@@ -836,7 +833,9 @@ template <int HD, bool G2, bool Q8> static int agq_slots(struct cuda_ctx *ctx, i
  * against 2) hold the rows' blocks in one wave; over a Q8_0 cache up to
  * ctx->att_q8_ring_max rows, or by default where the rows' blocks fit one
  * wave of the ring's (3 a multiprocessor, where the registers' 2 left a
- * second wave).  Unsplit blocks: docs/cuda-attention.md. */
+ * second wave) and past that where the split weighs more splits than
+ * fill one wave (agq_launch): unsplit, a partial second wave of the ring
+ * measured no faster than the registers' (docs/cuda-attention.md). */
 template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx, struct agq_params *p) {
     const int32_t rows = p->a.rows == CUDA_ATT_ONE_ROW ? p->a.n_seqs : p->a.n_tokens;
     const int64_t blocks = (int64_t)rows * p->a.n_kv_heads;
@@ -853,7 +852,8 @@ template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx
     if (Q8 && ring && ctx->att_q8_ring_max < 0) {
         int64_t s = 0;
         if ((rc = agq_slots<HD, G2, Q8>(ctx, ring, &s)) != STATUS_OK) return rc;
-        if (blocks > s) ring = 0;
+        const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, by_ctx = (p->a.max_ctx + 2 * step - 1) / (2 * step);
+        if (blocks > s && cuda_att_split_want(ctx->att_splits, p->a.max_ctx, s, blocks, step, by_ctx, 8) <= 1) ring = 0;
     }
     if (ring == 2) return agq_launch<HD, G2, Q8, false, 2>(ctx, p);
     if (ring == 3) return agq_launch<HD, G2, Q8, false, 3>(ctx, p);

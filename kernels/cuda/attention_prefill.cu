@@ -633,13 +633,8 @@ extern "C" int cuda_attention_prefill_takes(const struct cuda_attn_args *a) {
 template <int HD, bool K16, bool Q8, bool ROPE> static int64_t apf_per_sm(const struct cuda_ctx *ctx) {
     static int per_sm[64];
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    if (!per_sm[dev]) {
-        int b = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attention_prefill_kernel<HD, K16, Q8, ROPE>, APF_THREADS,
-                                                          0) != cudaSuccess)
-            cudaGetLastError();
-        per_sm[dev] = b > 0 ? b : 1;
-    }
+    if (cuda_blocks_per_sm(attention_prefill_kernel<HD, K16, Q8, ROPE>, APF_THREADS, 0, &per_sm[dev]) != cudaSuccess)
+        cudaGetLastError();
     return per_sm[dev];
 }
 

@@ -37,7 +37,7 @@ int cuda_att_scratch(struct cuda_ctx *ctx, const struct cuda_attn_args *a, size_
  * sequences x n_kv_heads) for `slots` resident blocks: the splits a row
  * wants (cuda_att_split_want, LLM_CUDA_ATT_SPLITS: the waves weighed
  * against the blocks' lengths, up to the fewest that fill one wave or,
- * with past_fill, past them; capped at max_splits), each at least `least` positions and a multiple of `step`:
+ * past_tenths > 0, past them by that margin; capped at max_splits), each at least `least` positions and a multiple of `step`:
  * the grid's splits (enough for the longest context, a->max_ctx; each row
  * cuts its own from its length on the device), and the scratch
  * (cuda_att_scratch) with the partial sums when there are several. */
@@ -48,7 +48,7 @@ struct cuda_att_split {
     uint16_t *out16; /* out's F16 form, or NULL */
 };
 int cuda_att_split(struct cuda_ctx *ctx, const struct cuda_attn_args *a, int32_t n_idx, int64_t slots, int64_t blocks,
-                   int past_fill, int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s);
+                   int past_tenths, int64_t step, int64_t least, int64_t max_splits, struct cuda_att_split *s);
 
 #ifdef __cplusplus
 }

@@ -283,7 +283,7 @@ static int atq_launch(struct cuda_ctx *ctx, struct atq_params *p) {
     CUDA_CHECK(ctx, cuda_blocks_per_sm(attention_q8_decode_kernel<G, LP, T>, ATQ_THREADS, smem, &bps));
     const int64_t step = (int64_t)ATQ_WARPS * T;
     struct cuda_att_split sp;
-    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 1, step, step * ctx->att_steps,
+    if (cuda_att_split(ctx, a, n_idx, (int64_t)bps * ctx->n_sms, blocks, 9, step, step * ctx->att_steps,
                        ATQ_MAX_SPLITS, &sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     p->split_want = sp.want;

@@ -85,17 +85,20 @@ __device__ __forceinline__ void l2_prefetch(const void *p) {
 
 /* *per_sm: the blocks of kernel resident on a multiprocessor at `threads`
  * threads and `smem` bytes of dynamic shared memory (allowed first where
- * past 48 KB), asked of CUDA once: the caller keeps one entry a variant
- * and device, 0 until asked. */
+ * that and the kernel's static shared memory pass 48 KB), asked of CUDA
+ * once: the caller keeps one entry a variant and device, 0 until asked. */
 template <typename... P>
 static inline cudaError_t cuda_blocks_per_sm(void (*kernel)(P...), int threads, size_t smem, int *per_sm) {
     if (*per_sm) return cudaSuccess;
-    if (smem > 48 * 1024) {
-        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
+    if (e != cudaSuccess) return e;
+    if (fa.sharedSizeBytes + smem > 48 * 1024) {
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
     int b = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem);
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem);
     *per_sm = b > 0 ? b : 1;
     return e;
 }

@@ -73,7 +73,8 @@ struct cuda_ctx {
                          * LLM_CUDA_ATT_RING_ROWS) */
     int att_q8_ring_max; /* over a Q8_0 cache: the ring up to this many decode rows
                          * (LLM_CUDA_ATT_Q8_RING_MAX; -1: as many as fill one wave
-                         * unsplit; 0: never) */
+                         * unsplit, and past it where the split passes the fill;
+                         * 0: never) */
     int att_ring_shallow; /* over an F16 cache with 3 stages: 2 where only their blocks fit one
                          * wave (LLM_CUDA_ATT_RING_SHALLOW) */
     int decode_tc_g;    /* attention: decode-only batches with at least this many query

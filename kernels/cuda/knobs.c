@@ -94,7 +94,8 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          &k->att_ring_rows, 1, INT_MAX, NULL},
         {"cuda-att-q8-ring-max", "LLM_CUDA_ATT_Q8_RING_MAX", OPTION_INT, "-1",
          "most decode rows of a launch over a Q8_0 cache that take LLM_CUDA_ATT_RING's ring (-1: "
-         "as many as fill one wave of the ring's blocks unsplit; 0: never, to compare)",
+         "as many as fill one wave of the ring's blocks unsplit, and past that where the context "
+         "split weighs more splits than fill one wave; 0: never, to compare)",
          &k->att_q8_ring_max, -1, INT_MAX, NULL},
         {"cuda-att-ring-shallow", "LLM_CUDA_ATT_RING_SHALLOW", OPTION_BOOL, "true",
          "over an F16 cache at LLM_CUDA_ATT_RING=3, launches whose rows' blocks fit one wave of the "
@@ -337,7 +338,7 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0) {
 }
 
 int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
-                            int64_t by_ctx, int past_fill) {
+                            int64_t by_ctx, int past_tenths) {
     if (forced > 0) return forced;
     if (blocks < 1) blocks = 1;
     if (slots < 1) slots = 1;
@@ -345,14 +346,16 @@ int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t 
     const int64_t fill = (slots + blocks - 1) / blocks; /* the fewest that fill one wave */
     if (forced < 0) return fill;
     int64_t best = 1, best_cost = INT64_MAX, in_fill = INT64_MAX;
-    for (int64_t s = 1; (past_fill || s <= fill) && s <= by_ctx; s++) {
+    for (int64_t s = 1; (past_tenths > 0 || s <= fill) && s <= by_ctx; s++) {
         const int64_t len = (max_ctx + s - 1) / s, cost = knobs_wave_time(blocks, s, slots, (len + step - 1) / step);
         if (s > fill && in_fill == INT64_MAX) in_fill = best_cost;
-        /* Past the fill only for a tenth off the best within it: more,
-         * shorter blocks and their merge cost what the waves leave out
-         * (llama2-7b's 48 rows at context 512 on attention_q8.cu: 3
-         * splits of 28 against 30 unsplit measured 4% slower). */
-        if (cost < best_cost && (s <= fill || cost * 10 < in_fill * 9)) {
+        /* Past the fill only for past_tenths / 10 of the best within it:
+         * more, shorter blocks and their merge cost what the waves leave
+         * out (llama2-7b's 48 rows at context 512 on attention_q8.cu: 3
+         * splits of 28 against 30 unsplit measured 4% slower; llama3-8b's
+         * 64 rows at context 512 on the 8-bit ring: 3 splits of 16
+         * against 20 measured 3.7% slower). */
+        if (cost < best_cost && (s <= fill || cost * 10 < in_fill * past_tenths)) {
             best = s;
             best_cost = cost;
         }

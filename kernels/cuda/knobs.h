@@ -115,17 +115,20 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
  * each as long as its steps of `step` positions over max_ctx and one more
  * (its start: the row, Q, the first loads that nothing covers), take the
  * least time; the fewer on a tie (fewer partial sums to merge).  With
- * past_fill, more splits than fill one wave too, where they take under
- * 9/10 of that time (attention_q8.cu, whose blocks of 2048 positions
- * leave a long last wave: llama2-7b's 64 rows at context 2048 gained 1.7%
- * with 3 splits in 10 waves of 660 slots against 4 unsplit).  forced
+ * past_tenths > 0, more splits than fill one wave too, where they take
+ * under past_tenths / 10 of that time: more, shorter blocks and their
+ * merge cost what the weighing leaves out, so each kernel's margin is
+ * the one its steps measured (attention_q8.cu 9: its blocks of 2048
+ * positions leave a long last wave, and llama2-7b's 64 rows at context
+ * 2048 gained 1.7% with 3 splits in 10 waves of 660 slots against 4
+ * unsplit; attention.cu and attention_gqa.cu's 8-bit ring 8).  forced
  * (LLM_CUDA_ATT_SPLITS) > 0 is taken as it is, < 0 gives the fewest that
  * fill one wave.  A grid of 1.45 waves runs its last blocks on half the
  * multiprocessors: llama3-8b's 16 rows over 8 KV heads at context 2048
  * are 128 blocks for 264 slots, where 2 splits measured 5% faster a step
  * than the 3 that fill one wave (docs/cuda-attention.md). */
 int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
-                            int64_t by_ctx, int past_fill);
+                            int64_t by_ctx, int past_tenths);
 
 #ifdef __cplusplus
 }

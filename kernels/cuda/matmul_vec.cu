@@ -400,14 +400,7 @@ static int mq_launch_nt(struct cuda_ctx *ctx, float *out, const void *w, int64_t
      * part, 55 KB in halves). */
     static int per_sm[64];
     int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
-    if (!per_sm[dev]) {
-        CUDA_CHECK(ctx, cudaFuncSetAttribute(matmul_mq_kernel<T, NT, XP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)smem));
-        int b = 0;
-        CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_mq_kernel<T, NT, XP>, MQ_WARPS * 32,
-                                                                      smem));
-        per_sm[dev] = b > 0 ? b : 1;
-    }
+    CUDA_CHECK(ctx, cuda_blocks_per_sm(matmul_mq_kernel<T, NT, XP>, MQ_WARPS * 32, smem, &per_sm[dev]));
     int n_rb = (int)((rows + MQ_ROWS - 1) / MQ_ROWS);
     int n_chunks = (int)((cols + mq_fmt<T>::ck - 1) / mq_fmt<T>::ck);
     /* Split K until the blocks fill every resident slot once (one wave:

@@ -274,14 +274,7 @@ static int mw_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const f
         int smem_max = 0;
         CUDA_CHECK(ctx, cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx->device));
         int s = 3 * stage <= (size_t)smem_max - 1024 ? 3 : 2 * stage <= (size_t)smem_max - 1024 ? 2 : -1;
-        if (s > 0) {
-            CUDA_CHECK(ctx, cudaFuncSetAttribute(matmul_wide_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)(s * stage)));
-            int b = 0;
-            CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, matmul_wide_kernel<T, NT>, MW_THREADS,
-                                                                          s * stage));
-            per_sm[dev] = b > 0 ? b : 1;
-        }
+        if (s > 0) CUDA_CHECK(ctx, cuda_blocks_per_sm(matmul_wide_kernel<T, NT>, MW_THREADS, s * stage, &per_sm[dev]));
         stages[dev] = s;
     }
     if (stages[dev] < 0) return CUDA_NOT_FUSED;

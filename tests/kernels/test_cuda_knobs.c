@@ -410,14 +410,38 @@ TEST(cuda_knobs_att_split) {
                                       {513, 768, 3}, {513, 1024, 1}, {513, 1536, 1}, {513, 2048, 1}};
     for (int i = 0; i < (int)(sizeof past / sizeof past[0]); i++) {
         const int64_t by_ctx = (past[i][0] + 127) / 128;
-        const int64_t s = cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 1);
+        const int64_t s = cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 9);
         if (s != past[i][2])
             TEST_FAIL("context %lld, %lld blocks past the fill: %lld splits, want %lld", (long long)past[i][0] - 1,
                       (long long)past[i][1], (long long)s, (long long)past[i][2]);
         if (cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 0) > (660 + past[i][1] - 1) / past[i][1])
-            TEST_FAIL("context %lld, %lld blocks: past the fill without past_fill", (long long)past[i][0] - 1,
+            TEST_FAIL("context %lld, %lld blocks: past the fill without past_tenths", (long long)past[i][0] - 1,
                       (long long)past[i][1]);
     }
+    /* attention.cu's decode kernel, llama2-7b's 32 heads in blocks of 4
+     * warps (8 a multiprocessor of an H200: 1056 slots, steps of 32
+     * positions, splits of at least 64, 8/10 past the fill): context 2048
+     * 40 rows 4 (13% off the step against 1), 48 rows 2 (3%), 24, 32, 56
+     * and 64 rows 1; context 512 40 rows 3 (4%), 24, 48 and 64 rows 1. */
+    static const int64_t dec[][3] = {{2049, 768, 1}, {2049, 1024, 1}, {2049, 1280, 4}, {2049, 1536, 2},
+                                     {2049, 1792, 1}, {2049, 2048, 1}, {513, 768, 1}, {513, 1280, 3},
+                                     {513, 1536, 1}, {513, 2048, 1}};
+    for (int i = 0; i < (int)(sizeof dec / sizeof dec[0]); i++) {
+        const int64_t s = cuda_att_split_want(0, dec[i][0], 1056, dec[i][1], 32, (dec[i][0] + 63) / 64, 8);
+        if (s != dec[i][2])
+            TEST_FAIL("decode kernel, context %lld, %lld blocks: %lld splits, want %lld", (long long)dec[i][0] - 1,
+                      (long long)dec[i][1], (long long)s, (long long)dec[i][2]);
+    }
+    /* attention_gqa.cu's 8-bit ring, llama3-8b's 8 KV heads (3 blocks a
+     * multiprocessor: 396 slots, steps of 64 positions): 56 and 64 rows,
+     * past one wave unsplit, take 3 splits at context 2048 and stay whole
+     * at 512 (3 splits' 16 against 20 is not under 8/10, and measured
+     * 3.7% slower); 48 rows, one wave, stay whole (no margin there). */
+    ASSERT_EQ(3, cuda_att_split_want(0, 2049, 396, 448, 64, 17, 8));
+    ASSERT_EQ(3, cuda_att_split_want(0, 2049, 396, 512, 64, 17, 8));
+    ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 448, 64, 5, 8));
+    ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 512, 64, 5, 8));
+    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 396, 384, 64, 17, 0));
 }
 
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
