@@ -346,7 +346,11 @@ int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t 
     const int64_t fill = (slots + blocks - 1) / blocks; /* the fewest that fill one wave */
     if (forced < 0) return fill;
     int64_t best = 1, best_cost = INT64_MAX, in_fill = INT64_MAX;
-    for (int64_t s = 1; (past_tenths > 0 || s <= fill) && s <= by_ctx; s++) {
+    /* Past the fill at most 8 splits: the counts measured there are 2-5,
+     * and a grid just past one wave over a long context would weigh up to
+     * sqrt(steps) splits, each a partial sum in the scratch and the merge. */
+    const int64_t last = past_tenths > 0 && fill < 8 ? 8 : fill;
+    for (int64_t s = 1; s <= last && s <= by_ctx; s++) {
         const int64_t len = (max_ctx + s - 1) / s, cost = knobs_wave_time(blocks, s, slots, (len + step - 1) / step);
         if (s > fill && in_fill == INT64_MAX) in_fill = best_cost;
         /* Past the fill only for past_tenths / 10 of the best within it:

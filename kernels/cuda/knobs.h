@@ -115,10 +115,10 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
  * each as long as its steps of `step` positions over max_ctx and one more
  * (its start: the row, Q, the first loads that nothing covers), take the
  * least time; the fewer on a tie (fewer partial sums to merge).  With
- * past_tenths > 0, more splits than fill one wave too, where they take
- * under past_tenths / 10 of that time: more, shorter blocks and their
- * merge cost what the weighing leaves out, so each kernel's margin is
- * the one its steps measured (attention_q8.cu 9: its blocks of 2048
+ * past_tenths > 0, more splits than fill one wave too (up to 8), where
+ * they take under past_tenths / 10 of that time: more, shorter blocks
+ * and their merge cost what the weighing leaves out, so each kernel's
+ * margin is the one its steps measured (attention_q8.cu 9: its blocks of 2048
  * positions leave a long last wave, and llama2-7b's 64 rows at context
  * 2048 gained 1.7% with 3 splits in 10 waves of 660 slots against 4
  * unsplit; attention.cu and attention_gqa.cu's 8-bit ring 8).  forced

@@ -442,6 +442,9 @@ TEST(cuda_knobs_att_split) {
     ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 448, 64, 5, 8));
     ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 512, 64, 5, 8));
     ASSERT_EQ(1, cuda_att_split_want(0, 2049, 396, 384, 64, 17, 0));
+    /* A grid one block past a wave over 128k positions would weigh 50
+     * splits; past the fill at most 8. */
+    ASSERT_EQ(8, cuda_att_split_want(0, 131073, 1056, 1057, 32, 2048, 8));
 }
 
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
