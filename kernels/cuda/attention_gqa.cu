@@ -65,6 +65,13 @@
 #define AGQ_WARPS 4
 #define AGQ_STEP 16 /* positions a warp takes at a time */
 #define AGQ_SPLITS_MAX 64
+/* Positions a block's warps take a step, and the least a context split
+ * holds: two steps of every warp. */
+#define AGQ_SPLIT_STEP (AGQ_WARPS * AGQ_STEP)
+#define AGQ_SPLIT_LEAST (2 * AGQ_SPLIT_STEP)
+/* The 8-bit ring's margin past the fill, in tenths (cuda_att_split_want):
+ * its routing and its launch weigh with the same one. */
+#define AGQ_Q8_RING_TENTHS 8
 #define AGQ_ROPE_ROWS 16 /* most rows x G of a sequence the ROPE kernel takes: the mma's rows */
 #define AGQ_RING_AHEAD_MIN 32 /* fewest steps a warp in a slice for a ring to ask L2 ahead */
 
@@ -798,9 +805,10 @@ static int agq_launch(struct cuda_ctx *ctx, struct agq_params *p) {
     int bps = 0;
     const int rc = agq_occupancy<HD, G2, Q8, ROPE, RING>(ctx, &bps);
     if (rc != STATUS_OK) return rc;
-    const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, slots = (int64_t)bps * ctx->n_sms;
-    const int past_tenths = Q8 && RING && blocks > slots ? 8 : 0;
-    if (cuda_att_split(ctx, a, n_idx, slots, blocks, past_tenths, step, 2 * step, AGQ_SPLITS_MAX, &p->sp) != STATUS_OK)
+    const int64_t slots = (int64_t)bps * ctx->n_sms;
+    const int past_tenths = Q8 && RING && blocks > slots ? AGQ_Q8_RING_TENTHS : 0;
+    if (cuda_att_split(ctx, a, n_idx, slots, blocks, past_tenths, AGQ_SPLIT_STEP, AGQ_SPLIT_LEAST, AGQ_SPLITS_MAX,
+                       &p->sp) != STATUS_OK)
         return STATUS_NO_MEMORY;
     const struct cuda_att_split &sp = p->sp;
     const dim3 grid((unsigned)n_blk, (unsigned)a->n_kv_heads, (unsigned)sp.n_splits);
@@ -852,8 +860,10 @@ template <int HD, bool G2, bool Q8> static int agq_launch_r(struct cuda_ctx *ctx
     if (Q8 && ring && ctx->att_q8_ring_max < 0) {
         int64_t s = 0;
         if ((rc = agq_slots<HD, G2, Q8>(ctx, ring, &s)) != STATUS_OK) return rc;
-        const int64_t step = (int64_t)AGQ_WARPS * AGQ_STEP, by_ctx = (p->a.max_ctx + 2 * step - 1) / (2 * step);
-        if (blocks > s && cuda_att_split_want(ctx->att_splits, p->a.max_ctx, s, blocks, step, by_ctx, 8) <= 1) ring = 0;
+        const int64_t by_ctx = (p->a.max_ctx + AGQ_SPLIT_LEAST - 1) / AGQ_SPLIT_LEAST;
+        if (blocks > s &&
+            cuda_att_split_want(ctx->att_splits, p->a.max_ctx, s, blocks, AGQ_SPLIT_STEP, by_ctx, AGQ_Q8_RING_TENTHS) <= 1)
+            ring = 0;
     }
     if (ring == 2) return agq_launch<HD, G2, Q8, false, 2>(ctx, p);
     if (ring == 3) return agq_launch<HD, G2, Q8, false, 3>(ctx, p);

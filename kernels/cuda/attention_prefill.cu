@@ -635,7 +635,7 @@ template <int HD, bool K16, bool Q8, bool ROPE> static int64_t apf_per_sm(const 
     const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
     if (cuda_blocks_per_sm(attention_prefill_kernel<HD, K16, Q8, ROPE>, APF_THREADS, 0, &per_sm[dev]) != cudaSuccess)
         cudaGetLastError();
-    return per_sm[dev];
+    return per_sm[dev] > 0 ? per_sm[dev] : 1;
 }
 
 template <bool Q8, bool ROPE> static int64_t apf_per_sm_of(const struct cuda_ctx *ctx, int hd, bool k16) {

@@ -399,52 +399,52 @@ TEST(cuda_knobs_att_split) {
                 TEST_FAIL("%d blocks, context %d: %lld splits", b, ctx, (long long)s);
         }
     ASSERT_EQ(1, cuda_att_split_want(0, 100, 0, 0, 0, 1, 0));
-    /* Past the fill (attention_q8.cu: llama2-7b's 32 ungrouped heads, 5
-     * blocks of 64 positions a multiprocessor of an H200, 660 slots), the
-     * splits measured fastest: at context 2048 8 rows 5, 16 rows 1 (5
-     * splits' 32 are not a tenth under 34), 24-64 rows 3; at context 512
-     * 8 rows 2, 24 rows 3, 16, 32 and 48 rows 1 (3 splits' 28 against 30
-     * measured slower). */
-    static const int64_t past[][3] = {{2049, 256, 5}, {2049, 512, 1}, {2049, 768, 3}, {2049, 1024, 3},
-                                      {2049, 1536, 3}, {2049, 2048, 3}, {513, 256, 2}, {513, 512, 1},
-                                      {513, 768, 3}, {513, 1024, 1}, {513, 1536, 1}, {513, 2048, 1}};
-    for (int i = 0; i < (int)(sizeof past / sizeof past[0]); i++) {
-        const int64_t by_ctx = (past[i][0] + 127) / 128;
-        const int64_t s = cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 9);
-        if (s != past[i][2])
-            TEST_FAIL("context %lld, %lld blocks past the fill: %lld splits, want %lld", (long long)past[i][0] - 1,
-                      (long long)past[i][1], (long long)s, (long long)past[i][2]);
-        if (cuda_att_split_want(0, past[i][0], 660, past[i][1], 64, by_ctx, 0) > (660 + past[i][1] - 1) / past[i][1])
-            TEST_FAIL("context %lld, %lld blocks: past the fill without past_tenths", (long long)past[i][0] - 1,
-                      (long long)past[i][1]);
+    /* The splits measured fastest past the fill, each kernel at its own
+     * occupancy and margin on an H200: {context + 1, slots, blocks, step,
+     * least positions a split, margin in tenths, splits}.
+     *
+     * attention_q8.cu, llama2-7b's 32 ungrouped heads (5 blocks of 64
+     * positions a multiprocessor, 660 slots, 9/10): at context 2048 8 rows
+     * 5, 16 rows 1 (5 splits' 32 are not a tenth under 34), 24-64 rows 3;
+     * at context 512 8 rows 2, 24 rows 3, 16, 32 and 48 rows 1 (3 splits'
+     * 28 against 30 measured slower).
+     *
+     * attention.cu's decode kernel, the same heads in blocks of 4 warps (8
+     * a multiprocessor: 1056 slots, steps of 32, 8/10): context 2048 40
+     * rows 4 (13% off the step against 1), 48 rows 2 (3%), 24, 32, 56 and
+     * 64 rows 1; context 512 40 rows 3 (4%), 24, 48 and 64 rows 1.
+     *
+     * attention_gqa.cu's 8-bit ring, llama3-8b's 8 KV heads (3 blocks a
+     * multiprocessor: 396 slots, steps of 64, 8/10 where the blocks pass
+     * one wave): 56 and 64 rows take 3 splits at context 2048 and stay
+     * whole at 512 (16 against 20 is not under 8/10, and measured 3.7%
+     * slower); 48 rows, one wave, stay whole with no margin.
+     *
+     * Last, a grid one block past a wave over 128k positions, which would
+     * weigh 50 splits: past the fill at most 8. */
+    static const int64_t rows[][7] = {
+        {2049, 660, 256, 64, 128, 9, 5},     {2049, 660, 512, 64, 128, 9, 1},    {2049, 660, 768, 64, 128, 9, 3},
+        {2049, 660, 1024, 64, 128, 9, 3},    {2049, 660, 1536, 64, 128, 9, 3},   {2049, 660, 2048, 64, 128, 9, 3},
+        {513, 660, 256, 64, 128, 9, 2},      {513, 660, 512, 64, 128, 9, 1},     {513, 660, 768, 64, 128, 9, 3},
+        {513, 660, 1024, 64, 128, 9, 1},     {513, 660, 1536, 64, 128, 9, 1},    {513, 660, 2048, 64, 128, 9, 1},
+        {2049, 1056, 768, 32, 64, 8, 1},     {2049, 1056, 1024, 32, 64, 8, 1},   {2049, 1056, 1280, 32, 64, 8, 4},
+        {2049, 1056, 1536, 32, 64, 8, 2},    {2049, 1056, 1792, 32, 64, 8, 1},   {2049, 1056, 2048, 32, 64, 8, 1},
+        {513, 1056, 768, 32, 64, 8, 1},      {513, 1056, 1280, 32, 64, 8, 3},    {513, 1056, 1536, 32, 64, 8, 1},
+        {513, 1056, 2048, 32, 64, 8, 1},     {2049, 396, 448, 64, 128, 8, 3},    {2049, 396, 512, 64, 128, 8, 3},
+        {513, 396, 448, 64, 128, 8, 1},      {513, 396, 512, 64, 128, 8, 1},     {2049, 396, 384, 64, 128, 0, 1},
+        {131073, 1056, 1057, 32, 64, 8, 8},
+    };
+    for (int i = 0; i < (int)(sizeof rows / sizeof rows[0]); i++) {
+        const int64_t *r = rows[i], by_ctx = (r[0] + r[4] - 1) / r[4];
+        const int64_t s = cuda_att_split_want(0, r[0], r[1], r[2], r[3], by_ctx, (int)r[5]);
+        if (s != r[6])
+            TEST_FAIL("context %lld, %lld blocks for %lld slots, margin %lld: %lld splits, want %lld",
+                      (long long)r[0] - 1, (long long)r[2], (long long)r[1], (long long)r[5], (long long)s,
+                      (long long)r[6]);
+        if (cuda_att_split_want(0, r[0], r[1], r[2], r[3], by_ctx, 0) > (r[1] + r[2] - 1) / r[2])
+            TEST_FAIL("context %lld, %lld blocks for %lld slots: past the fill without a margin", (long long)r[0] - 1,
+                      (long long)r[2], (long long)r[1]);
     }
-    /* attention.cu's decode kernel, llama2-7b's 32 heads in blocks of 4
-     * warps (8 a multiprocessor of an H200: 1056 slots, steps of 32
-     * positions, splits of at least 64, 8/10 past the fill): context 2048
-     * 40 rows 4 (13% off the step against 1), 48 rows 2 (3%), 24, 32, 56
-     * and 64 rows 1; context 512 40 rows 3 (4%), 24, 48 and 64 rows 1. */
-    static const int64_t dec[][3] = {{2049, 768, 1}, {2049, 1024, 1}, {2049, 1280, 4}, {2049, 1536, 2},
-                                     {2049, 1792, 1}, {2049, 2048, 1}, {513, 768, 1}, {513, 1280, 3},
-                                     {513, 1536, 1}, {513, 2048, 1}};
-    for (int i = 0; i < (int)(sizeof dec / sizeof dec[0]); i++) {
-        const int64_t s = cuda_att_split_want(0, dec[i][0], 1056, dec[i][1], 32, (dec[i][0] + 63) / 64, 8);
-        if (s != dec[i][2])
-            TEST_FAIL("decode kernel, context %lld, %lld blocks: %lld splits, want %lld", (long long)dec[i][0] - 1,
-                      (long long)dec[i][1], (long long)s, (long long)dec[i][2]);
-    }
-    /* attention_gqa.cu's 8-bit ring, llama3-8b's 8 KV heads (3 blocks a
-     * multiprocessor: 396 slots, steps of 64 positions): 56 and 64 rows,
-     * past one wave unsplit, take 3 splits at context 2048 and stay whole
-     * at 512 (3 splits' 16 against 20 is not under 8/10, and measured
-     * 3.7% slower); 48 rows, one wave, stay whole (no margin there). */
-    ASSERT_EQ(3, cuda_att_split_want(0, 2049, 396, 448, 64, 17, 8));
-    ASSERT_EQ(3, cuda_att_split_want(0, 2049, 396, 512, 64, 17, 8));
-    ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 448, 64, 5, 8));
-    ASSERT_EQ(1, cuda_att_split_want(0, 513, 396, 512, 64, 5, 8));
-    ASSERT_EQ(1, cuda_att_split_want(0, 2049, 396, 384, 64, 17, 0));
-    /* A grid one block past a wave over 128k positions would weigh 50
-     * splits; past the fill at most 8. */
-    ASSERT_EQ(8, cuda_att_split_want(0, 131073, 1056, 1057, 32, 2048, 8));
 }
 
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
