@@ -102,9 +102,11 @@ struct cuda_ctx {
     int mmq_depth;      /* matmul_mmq.cu: Q4_K/Q5_K chunks at 3-8 tokens loaded this many ahead
                          * (2, default; LLM_CUDA_MMQ_DEPTH=1: one, to compare) */
     int mmq_tiles;      /* matmul_mmq.cu: most tiles of 8 tokens a warp (4; LLM_CUDA_MMQ_TILES) */
-    int mmq_tile;       /* matmul_mmq.cu: fewest tokens of Q4_K on its 32 x 32 warp tiles, sm_80+ (49; 0:
+    int mmq_tile;       /* matmul_mmq.cu: fewest tokens of Q4_K on its 32 x 32 warp tiles, sm_80+ (33; 0:
                          * never; LLM_CUDA_MMQ_TILE) */
     int64_t mmq_tile_rows; /* and the fewest rows of a launch there (16384; 0 where LLM_CUDA_MMQ_MIN forces) */
+    int mmq_tile_sparse;   /* and the fewest tokens where its last wave of blocks is under half full (49; 0
+                            * where LLM_CUDA_MMQ_MIN forces: cuda_mmq_tile_takes) */
     int mr;             /* matmul_mr.cu for K-quant weights at 3-16 tokens, Q8_0 at 4-8 (matmul.cu has the
                          * crossover), default; LLM_CUDA_MR=0: the dp4a kernel and mq */
     int mr_mixed;       /* and a Q4_K/Q5_K q and k with a Q6_K v in one launch (1; LLM_CUDA_MR_MIXED) */

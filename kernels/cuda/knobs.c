@@ -29,6 +29,7 @@
 #define CUDA_MMQ_MAX_Q6_SM80 24
 #define CUDA_MMQ_Q6_ROWS_SM80 8192
 #define CUDA_MMQ_TILE_ROWS 16384
+#define CUDA_MMQ_TILE_SPARSE 49
 
 static const char *const knobs_mv_split_choices[] = {"1", "2", "4", NULL};
 static const char *const knobs_mm_route_choices[] = {"auto", "sm75", "sm80", NULL};
@@ -195,10 +196,10 @@ int cuda_knobs_table(struct cuda_knobs *k, struct option_def *defs) {
          "most tiles of 8 tokens a warp of matmul_mmq.cu takes; more tokens go to blocks side by side "
          "on the same rows, each reading the weights again (fewer: more, smaller blocks, to compare)",
          &k->mmq_tiles, 1, 8, NULL},
-        {"cuda-mmq-tile", "LLM_CUDA_MMQ_TILE", OPTION_INT, "49",
+        {"cuda-mmq-tile", "LLM_CUDA_MMQ_TILE", OPTION_INT, "33",
          "fewest tokens at which matmul_mmq.cu multiplies Q4_K weights of 16384 rows and more (all the "
-         "weights of one launch) in 32 x 32 warp tiles, on sm_80 and newer; it measured faster from 49 "
-         "(0: never, to compare)",
+         "weights of one launch) in 32 x 32 warp tiles, on sm_80 and newer, where their last wave of "
+         "blocks is at least half full; the others from 49 at the earliest (0: never, to compare)",
          &k->mmq_tile, 0, 64, NULL},
         {"cuda-att-splits", "LLM_CUDA_ATT_SPLITS", OPTION_INT, "0",
          "context splits a decode row of the attention kernels wants (0: the count whose waves of "
@@ -310,6 +311,7 @@ int cuda_knobs_apply(const struct cuda_knobs *k, struct cuda_ctx *ctx, char *err
     ctx->mmq_tiles = k->mmq_tiles;
     ctx->mmq_tile = ctx->cc >= 80 ? k->mmq_tile : 0; /* (cp.async) */
     ctx->mmq_tile_rows = forced ? 0 : CUDA_MMQ_TILE_ROWS;
+    ctx->mmq_tile_sparse = forced ? 0 : CUDA_MMQ_TILE_SPARSE;
     ctx->dequant_ahead = k->dequant_ahead;
     ctx->ahead_sms = k->ahead_sms >= 0 ? k->ahead_sms : ctx->n_sms / 8;
     return STATUS_OK;
@@ -365,4 +367,11 @@ int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t 
         }
     }
     return best;
+}
+
+int cuda_mmq_tile_takes(int from, int sparse_from, int n, int64_t blocks, int64_t slots) {
+    if (from <= 0 || n < from) return 0;
+    if (n >= sparse_from || slots < 1) return 1;
+    const int64_t last = blocks % slots;
+    return last == 0 || 2 * last >= slots;
 }

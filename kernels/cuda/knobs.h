@@ -130,6 +130,15 @@ int cuda_mq_split(int n_rb, int n_chunks, int slots, int ks0);
 int64_t cuda_att_split_want(int forced, int64_t max_ctx, int64_t slots, int64_t blocks, int64_t step,
                             int64_t by_ctx, int past_tenths);
 
+/* Whether matmul_mmq.cu multiplies a launch of n tokens whose rows it
+ * takes there (16384 and more) on its 32 x 32 warp tiles, `blocks` row
+ * blocks over `slots` resident blocks of that kernel: from `from` tokens
+ * (LLM_CUDA_MMQ_TILE; 0: never) where its last wave of blocks is at
+ * least half full, else from `sparse_from` (0: the same).  On an H200
+ * llama3-8b's gate and up (448 blocks, 1.7 waves of 264) measured faster
+ * on them from 33 tokens, llama2-7b's (344, 1.3 waves) only from 49. */
+int cuda_mmq_tile_takes(int from, int sparse_from, int n, int64_t blocks, int64_t slots);
+
 #ifdef __cplusplus
 }
 #endif

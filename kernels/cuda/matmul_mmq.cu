@@ -30,9 +30,9 @@
  * gridDim.y blocks, each writes partial sums and the last to finish adds
  * them in split order (an arrival counter per row block, reset by that
  * block), so the result is the same bits every run.  Several weights on
- * one input (q, k, v; gate and up) are one launch.  Q4_K from 49 tokens
- * goes to matmul_mmq_tile.cu's 32 x 32 warp tiles on sm_80+; what the two
- * share is in mmq.cuh. */
+ * one input (q, k, v; gate and up) are one launch.  Q4_K from 33 or 49
+ * tokens (cuda_mmq_tile_takes) goes to matmul_mmq_tile.cu's 32 x 32 warp
+ * tiles on sm_80+; what the two share is in mmq.cuh. */
 #include "act_q8.cuh"
 #include "knobs.h"
 #include "mmq.cuh"
@@ -626,10 +626,20 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
     /* Tiles a warp: all of them up to ctx->mmq_tiles (4: 32 tokens),
      * else as few blocks side by side as hold them at that. */
     if constexpr (T == DTYPE_Q4_K) {
-        int64_t rows = 0;
-        for (int s = 0; s < g.n; s++) rows += g.rows[s];
-        if (ctx->mmq_tile > 0 && n >= ctx->mmq_tile && rows >= ctx->mmq_tile_rows)
-            return mmq_launch_nt<T, 4>(ctx, g, cols, x, n, true);
+        int64_t rows = 0, blocks = 0;
+        for (int s = 0; s < g.n; s++) {
+            rows += g.rows[s];
+            blocks += (g.rows[s] + MMQ_ROWS - 1) / MMQ_ROWS;
+        }
+        if (ctx->mmq_tile > 0 && n >= ctx->mmq_tile && rows >= ctx->mmq_tile_rows) {
+            /* The tile kernel's resident blocks, asked once a device. */
+            static int per_sm[64];
+            const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+            size_t smem = 0;
+            if (!per_sm[dev]) CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, 4>(3, &smem), &per_sm[dev], smem));
+            if (cuda_mmq_tile_takes(ctx->mmq_tile, ctx->mmq_tile_sparse, n, blocks, (int64_t)per_sm[dev] * ctx->n_sms))
+                return mmq_launch_nt<T, 4>(ctx, g, cols, x, n, true);
+        }
     }
     int nt = (n + 7) / 8;
     if (nt > ctx->mmq_tiles) {

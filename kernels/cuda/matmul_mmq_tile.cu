@@ -1,4 +1,4 @@
-/* Q4_K at 49-64 tokens on int8 tensor cores in 32 x 32 warp tiles, sm_80
+/* Q4_K at 33-64 tokens on int8 tensor cores in 32 x 32 warp tiles, sm_80
  * and later (cp.async); matmul_mmq.cu routes and launches it
  * (LLM_CUDA_MMQ_TILE) and holds the rest of the method: the activations'
  * Q8K form, the permuted k order, the int32 sums a scale and the min term

@@ -72,6 +72,8 @@ TEST(cuda_knobs_defaults) {
     ASSERT_EQ(4, h.att_defer);
     ASSERT_EQ(2, h.mmq_depth);
     ASSERT_EQ(4, h.mmq_tiles);
+    ASSERT_EQ(33, h.mmq_tile);
+    ASSERT_EQ(49, h.mmq_tile_sparse);
     ASSERT_EQ(1, h.att_f16);
     ASSERT_EQ(1, h.mr);
     ASSERT_EQ(1, h.mr_mixed);
@@ -372,6 +374,23 @@ TEST(cuda_knobs_mq_split) {
     ASSERT_EQ(5, cuda_mq_split(0, 16, 132, 5));
 }
 
+/* Q4_K's 32 x 32 warp tiles: from 33 tokens where the last wave of their
+ * blocks is at least half full, else from 49 (two blocks a multiprocessor
+ * of an H200: 264 slots). */
+TEST(cuda_knobs_mmq_tile) {
+    ASSERT_EQ(1, cuda_mmq_tile_takes(33, 49, 33, 448, 264)); /* llama3-8b's gate/up: 1.7 waves */
+    ASSERT_EQ(1, cuda_mmq_tile_takes(33, 49, 48, 448, 264));
+    ASSERT_EQ(0, cuda_mmq_tile_takes(33, 49, 48, 344, 264)); /* llama2-7b's: 1.3 waves */
+    ASSERT_EQ(1, cuda_mmq_tile_takes(33, 49, 49, 344, 264));
+    ASSERT_EQ(1, cuda_mmq_tile_takes(33, 49, 40, 528, 264)); /* whole waves */
+    ASSERT_EQ(1, cuda_mmq_tile_takes(33, 49, 40, 132, 264)); /* half of one */
+    ASSERT_EQ(0, cuda_mmq_tile_takes(33, 49, 40, 131, 264));
+    ASSERT_EQ(0, cuda_mmq_tile_takes(33, 49, 32, 448, 264)); /* below the knob */
+    ASSERT_EQ(0, cuda_mmq_tile_takes(0, 49, 64, 448, 264));  /* LLM_CUDA_MMQ_TILE=0: never */
+    ASSERT_EQ(1, cuda_mmq_tile_takes(1, 0, 9, 2, 264));      /* LLM_CUDA_MMQ_MIN forcing: any */
+    ASSERT_EQ(0, cuda_mmq_tile_takes(60, 49, 55, 448, 264)); /* a later knob holds for every launch */
+}
+
 /* Decode attention's splits: waves of blocks against their length. */
 TEST(cuda_knobs_att_split) {
     /* llama3-8b, 16 rows over 8 KV heads at context 2048 on an H200 (two
@@ -448,4 +467,4 @@ TEST(cuda_knobs_att_split) {
 }
 
 TEST_MAIN(cuda_knobs_defaults, cuda_knobs_spellings, cuda_knobs_bad_values_name_the_variable,
-          cuda_knobs_table_is_documented, cuda_knobs_mq_split, cuda_knobs_att_split)
+          cuda_knobs_table_is_documented, cuda_knobs_mq_split, cuda_knobs_mmq_tile, cuda_knobs_att_split)
