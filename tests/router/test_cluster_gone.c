@@ -237,8 +237,10 @@ TEST(cluster_gone_reattach_within_grace) {
     }
     printf("  %d requests re-attached %d ms after their client died: whole and equal to llm-run (%lld ms more)\n",
            N, REATTACH_GRACE_MS / 3, (long long)took);
-    H_ASSERT(cl, took > REATTACH_GRACE_MS, "the requests ended %lld ms after the re-attach: too soon to show that "
-             "the re-attach ended the grace", (long long)took);
+    /* The grace would have run out 2/3 of it after the re-attach. */
+    H_ASSERT(cl, took > REATTACH_GRACE_MS - REATTACH_GRACE_MS / 3,
+             "the requests ended %lld ms after the re-attach: too soon to show that the re-attach ended the grace",
+             (long long)took);
     h_cluster_stop(cl);
 }
 
