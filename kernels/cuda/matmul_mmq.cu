@@ -522,6 +522,11 @@ template <int T, int NT> static void (*mmq_kernel(int v, size_t *smem))(const mm
     return matmul_mmq_kernel<T, NT, false>;
 }
 
+/* The blocks of each variant v of mmq_kernel<T, NT> resident on a
+ * multiprocessor, a device's row, asked once (mmq_occupancy). */
+template <int T, int NT> static int mmq_per_sm[64][4];
+static int mmq_dev(const struct cuda_ctx *ctx) { return ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0; }
+
 /* *per_sm: the blocks of kernel resident on a multiprocessor, asked once
  * (a device's entry). */
 static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm, size_t smem = 0) {
@@ -530,8 +535,8 @@ static cudaError_t mmq_occupancy(void (*kernel)(const mmq_args), int *per_sm, si
 
 template <int T, int NT>
 static int mmq_launch_nt(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const float *x, int n, bool tile = false) {
-    static int per_sm[64][4];
-    const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+    int(&per_sm)[64][4] = mmq_per_sm<T, NT>;
+    const int dev = mmq_dev(ctx);
     int rbs = 0;
     for (int s = 0; s < g.n; s++) {
         g.blk0[s] = rbs;
@@ -632,12 +637,10 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
             blocks += (g.rows[s] + MMQ_ROWS - 1) / MMQ_ROWS;
         }
         if (ctx->mmq_tile > 0 && n >= ctx->mmq_tile && rows >= ctx->mmq_tile_rows) {
-            /* The tile kernel's resident blocks, asked once a device. */
-            static int per_sm[64];
-            const int dev = ctx->device >= 0 && ctx->device < 64 ? ctx->device : 0;
+            int *const per_sm = &mmq_per_sm<T, 4>[mmq_dev(ctx)][3];
             size_t smem = 0;
-            if (!per_sm[dev]) CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, 4>(3, &smem), &per_sm[dev], smem));
-            if (cuda_mmq_tile_takes(ctx->mmq_tile, ctx->mmq_tile_sparse, n, blocks, (int64_t)per_sm[dev] * ctx->n_sms))
+            CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, 4>(3, &smem), per_sm, smem));
+            if (cuda_mmq_tile_takes(ctx->mmq_tile, ctx->mmq_tile_sparse, n, blocks, (int64_t)*per_sm * ctx->n_sms))
                 return mmq_launch_nt<T, 4>(ctx, g, cols, x, n, true);
         }
     }
