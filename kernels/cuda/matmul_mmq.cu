@@ -639,7 +639,8 @@ static int mmq_launch(struct cuda_ctx *ctx, mm_group &g, int64_t cols, const flo
         if (ctx->mmq_tile > 0 && n >= ctx->mmq_tile && rows >= ctx->mmq_tile_rows) {
             int *const per_sm = &mmq_per_sm<T, 4>[mmq_dev(ctx)][3];
             size_t smem = 0;
-            CUDA_CHECK(ctx, mmq_occupancy(mmq_kernel<T, 4>(3, &smem), per_sm, smem));
+            void (*const tk)(const mmq_args) = mmq_kernel<T, 4>(3, &smem); /* (sets smem first) */
+            CUDA_CHECK(ctx, mmq_occupancy(tk, per_sm, smem));
             if (cuda_mmq_tile_takes(ctx->mmq_tile, ctx->mmq_tile_sparse, n, blocks, (int64_t)*per_sm * ctx->n_sms))
                 return mmq_launch_nt<T, 4>(ctx, g, cols, x, n, true);
         }
